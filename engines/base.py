@@ -1,0 +1,111 @@
+"""The engine adapter seam: the verbs the daemon may ask of an inference engine, nothing else.
+
+An adapter speaks one engine's HTTP protocol. It knows nothing of phases, policies, ordering,
+retries or deadlines: the daemon owns those and wraps each call in its own timeout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "ALL_TAGS",
+    "EngineAdapter",
+    "EngineInfo",
+    "MemoryTag",
+    "PauseMode",
+    "ReleaseReport",
+    "RankPayload",
+    "WeightsLoad",
+]
+
+
+class MemoryTag(StrEnum):
+    """A region of engine GPU memory that can be released and resumed on its own (SGLang's tags)."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    CUDA_GRAPH = "cuda_graph"
+
+
+ALL_TAGS: tuple[MemoryTag, ...] = (MemoryTag.WEIGHTS, MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH)
+
+
+class PauseMode(StrEnum):
+    """How in-flight requests are treated when generation pauses (SGLang 0.5.23 names)."""
+
+    ABORT = "abort"
+    RETRACT = "retract"
+    IN_PLACE = "in_place"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine told us at attach: its protocol and the state we can read from it."""
+
+    name: str
+    engine_kind: str
+    version: str
+    protocol: str
+    weight_version: str | None
+    tp_size: int = 1
+    owned_tags: tuple[MemoryTag, ...] = ALL_TAGS
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseReport:
+    """What an engine reported about one release or resume; bytes are the engine's own claim."""
+
+    tags: tuple[MemoryTag, ...]
+    nbytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RankPayload:
+    """One trainer rank's piece of a chunk, as the trainer described it (transport-specific handle).
+
+    ``handle`` is opaque to the daemon: a shared-memory name and layout, a base64 CUDA-IPC
+    payload produced by the trainer, a ring slot, a file path. Adapters translate it into
+    their engine's wire format; none of them unpickles it.
+    """
+
+    rank: int
+    transport: str
+    nbytes: int
+    handle: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLoad:
+    """One gathered chunk for one engine: a payload per engine TP rank, in TP-rank order."""
+
+    seq: int
+    payloads: tuple[RankPayload, ...]
+    nbytes: int
+    flush_cache: bool = False
+    weight_version: str | None = None
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """Verbs over one engine's HTTP API. All async; none takes a timeout (the daemon sets deadlines)."""
+
+    name: str
+
+    async def attach(self) -> EngineInfo: ...
+    async def health(self) -> bool: ...
+    async def weight_version(self) -> str | None: ...
+    async def pause_generation(self, mode: PauseMode) -> None: ...
+    async def continue_generation(self) -> None: ...
+    async def flush_cache(self) -> bool: ...
+    async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
+    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
+    async def begin_weight_update(self) -> None: ...
+    async def load_weights(self, load: WeightsLoad) -> None: ...
+    async def end_weight_update(self) -> None: ...
+    async def set_weight_version(self, version: str) -> None: ...
+    async def weights_checksum(self) -> str | None: ...
+    async def aclose(self) -> None: ...

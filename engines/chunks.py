@@ -1,0 +1,247 @@
+"""Flattened weight chunks: the byte layout shared by trainer, daemon and engines.
+
+A chunk is one contiguous byte buffer holding several tensors back to back, plus a layout
+saying where each tensor lives. The layout is plain JSON (never a pickle), so any process can
+describe a chunk to any other without trusting it with code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import secrets
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "ChunkLayout",
+    "SharedSegment",
+    "TensorSpec",
+    "dtype_from_name",
+    "dtype_name",
+    "flatten_into",
+    "plan_buckets",
+    "tensor_checksum",
+    "unflatten",
+]
+
+# Names are torch's own short names (``str(torch.bfloat16)`` minus the prefix): the same strings
+# vLLM's ``dtype_names`` uses, so layouts can be translated to either engine without a table.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
+    DTYPES["float8_e5m2"] = torch.float8_e5m2
+
+_ALIGN = 256  # byte alignment of each tensor: keeps every offset a multiple of any itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Where one tensor lives inside a chunk: name, dtype, shape and byte offset."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_from_name(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TensorSpec:
+        spec = cls(
+            name=str(data["name"]),
+            dtype=str(data["dtype"]),
+            shape=tuple(int(d) for d in data["shape"]),
+            offset=int(data["offset"]),
+        )
+        dtype_from_name(spec.dtype)  # validate early, with a message naming the dtype
+        if spec.offset < 0 or any(d < 0 for d in spec.shape):
+            raise ValueError(f"tensor {spec.name!r}: negative offset or dimension")
+        if spec.offset % dtype_from_name(spec.dtype).itemsize:
+            raise ValueError(f"tensor {spec.name!r}: offset {spec.offset} not aligned to its dtype")
+        return spec
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLayout:
+    """The tensors of one chunk and the chunk's total size in bytes."""
+
+    tensors: tuple[TensorSpec, ...]
+    nbytes: int
+
+    @classmethod
+    def for_tensors(cls, named: Sequence[tuple[str, torch.Tensor]]) -> ChunkLayout:
+        specs: list[TensorSpec] = []
+        offset = 0
+        for name, t in named:
+            specs.append(TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), offset))
+            offset += _aligned(t.numel() * t.element_size())
+        return cls(tuple(specs), offset)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [s.to_json() for s in self.tensors]
+
+    @classmethod
+    def from_json(cls, items: Iterable[dict[str, Any]], nbytes: int) -> ChunkLayout:
+        specs = tuple(TensorSpec.from_json(i) for i in items)
+        for s in specs:
+            if s.offset + s.nbytes > nbytes:
+                raise ValueError(f"tensor {s.name!r} ends at {s.offset + s.nbytes}, past the chunk's {nbytes} bytes")
+        return cls(specs, nbytes)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def plan_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors in order into buckets of at most ``bucket_bytes``; a larger tensor travels alone."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        n = _aligned(t.numel() * t.element_size())
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def flatten_into(buffer: torch.Tensor, layout: ChunkLayout, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Copy tensors into a uint8 buffer at the layout's offsets (one copy per tensor)."""
+    for spec, (_, t) in zip(layout.tensors, named, strict=True):
+        dst = buffer[spec.offset : spec.offset + spec.nbytes]
+        dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+
+
+def unflatten(buffer: torch.Tensor, layout: ChunkLayout) -> list[tuple[str, torch.Tensor]]:
+    """Views of each tensor inside a uint8 buffer; no copy."""
+    out = []
+    for spec in layout.tensors:
+        raw = buffer[spec.offset : spec.offset + spec.nbytes]
+        out.append((spec.name, raw.view(dtype_from_name(spec.dtype)).reshape(spec.shape)))
+    return out
+
+
+def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over names and raw bytes in name order: equal iff every tensor is byte-identical."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda p: p[0]):
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+_SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class SharedSegment:
+    """A POSIX shared-memory segment opened by name (a file under /dev/shm), mapped into this process.
+
+    We use the file directly rather than ``multiprocessing.shared_memory`` because the latter's
+    resource tracker (Python < 3.13) unlinks segments it merely opened when the opener exits.
+    """
+
+    name: str
+    nbytes: int
+    owner: bool
+    _mmap: mmap.mmap | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, nbytes: int, prefix: str = "colocd") -> SharedSegment:
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.open(os.path.join(_SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            mm = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        return cls(name, nbytes, True, mm)
+
+    @classmethod
+    def open(cls, name: str, nbytes: int) -> SharedSegment:
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"shared-memory name {name!r} must be a plain name")
+        path = os.path.join(_SHM_DIR, name)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise ValueError(f"shared-memory segment {name!r} holds {size} bytes, descriptor says {nbytes}")
+            mm = mmap.mmap(fd, max(nbytes, 1), prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return cls(name, nbytes, False, mm)
+
+    def tensor(self) -> torch.Tensor:
+        """A uint8 tensor over the mapping (no copy). Read-only mappings give a read-only view."""
+        assert self._mmap is not None, "segment closed"
+        if self.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        import warnings
+
+        with warnings.catch_warnings():
+            # torch warns that read-only buffers give non-writable tensors; we only read them.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
+
+    def close(self) -> None:
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                # A tensor view still exports the buffer; the mapping goes when that view dies.
+                pass
+            self._mmap = None
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(os.path.join(_SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,81 @@
+"""Per-engine configuration: which engine, where it listens, what it owns. One model per kind.
+
+Engine URLs come from here (the operator's file), never from request bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .base import ALL_TAGS, MemoryTag
+
+__all__ = ["EngineConfig", "LaunchConfig", "ReferenceEngineConfig", "SGLangEngineConfig", "VLLMEngineConfig"]
+
+
+class LaunchConfig(BaseModel):
+    """How colocd starts the engine itself; absent means attach to one already running at ``url``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    args: list[str] = Field(default_factory=list, description="extra command-line flags for the engine")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
+    ready_timeout_s: float = Field(120.0, gt=0, description="deadline for the engine to answer /health")
+    log_file: str | None = Field(None, description="where the engine's stdout/stderr go; default: a temp file")
+
+
+class _EngineBase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="unique name on this node")
+    url: str | None = Field(None, description="base URL of the engine's HTTP server, e.g. http://127.0.0.1:30000")
+    gpus: list[int] = Field(default_factory=list, description="physical GPU indices the engine occupies")
+    gpu_uuids: list[str] = Field(default_factory=list, description="GPU UUIDs (preferred over indices)")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks; one chunk payload per rank")
+    api_key: str | None = Field(None, description="bearer token the engine expects on control routes")
+    launch: LaunchConfig | None = None
+    owned_tags: list[MemoryTag] = Field(
+        default_factory=lambda: list(ALL_TAGS),
+        description="memory tags this engine really owns and may release",
+    )
+
+    @model_validator(mode="after")
+    def _needs_url_or_launch(self) -> _EngineBase:
+        if self.url is None and self.launch is None:
+            raise ValueError(f"engine {self.name!r}: set 'url' (attach) or 'launch' (colocd starts it)")
+        return self
+
+
+class ReferenceEngineConfig(_EngineBase):
+    """The embedded reference engine: SGLang's HTTP protocol over a tiny torch causal LM."""
+
+    kind: Literal["reference"] = "reference"
+    device: str = Field("cpu", description="cpu or cuda[:N]")
+    seed: int = Field(0, description="seed of the deterministic initial weights")
+    protocol: Literal["0.5.23", "legacy"] = Field("0.5.23", description="which SGLang protocol to emulate")
+    model: dict[str, int | float | bool] = Field(default_factory=dict, description="model config overrides")
+
+
+class SGLangEngineConfig(_EngineBase):
+    """A real SGLang server (launched with --enable-memory-saver)."""
+
+    kind: Literal["sglang"] = "sglang"
+    model_path: str | None = Field(None, description="model to serve when colocd launches the server")
+    memory_saver_cuda_graph: bool = Field(
+        False,
+        description="the server runs with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, so the cuda_graph tag owns memory",
+    )
+
+
+class VLLMEngineConfig(_EngineBase):
+    """A real vLLM server in dev mode (VLLM_SERVER_DEV_MODE=1)."""
+
+    kind: Literal["vllm"] = "vllm"
+    model_path: str | None = Field(None, description="model to serve when colocd launches the server")
+    sleep_level: int = Field(2, ge=0, le=2, description="level for /sleep; 2 discards weights")
+
+
+EngineConfig = Annotated[
+    ReferenceEngineConfig | SGLangEngineConfig | VLLMEngineConfig, Field(discriminator="kind")
+]

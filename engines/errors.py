@@ -1,0 +1,48 @@
+"""Errors an engine adapter raises; the daemon and api see these, never an httpx type.
+
+    EngineError                 .engine names the engine
+    ├── EngineUnreachable       connection refused / reset / DNS: the engine is not there
+    ├── EngineTimeout           the engine did not answer within the caller's deadline
+    ├── EngineRejected          the engine answered 4xx/5xx or success=false; .status, .body
+    └── EngineProtocolError     the engine answered something we cannot parse
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineError",
+    "EngineProtocolError",
+    "EngineRejected",
+    "EngineTimeout",
+    "EngineUnreachable",
+]
+
+
+class EngineError(Exception):
+    """Base class: something went wrong talking to one engine."""
+
+    def __init__(self, engine: str, message: str) -> None:
+        super().__init__(f"engine {engine!r}: {message}")
+        self.engine = engine
+        self.detail = message
+
+
+class EngineUnreachable(EngineError):
+    """The engine's HTTP endpoint could not be reached at all."""
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer in time."""
+
+
+class EngineRejected(EngineError):
+    """The engine answered with an error status or ``success: false``."""
+
+    def __init__(self, engine: str, message: str, *, status: int, body: str = "") -> None:
+        super().__init__(engine, message)
+        self.status = status
+        self.body = body
+
+
+class EngineProtocolError(EngineError):
+    """The engine's answer did not match the protocol we expected."""

@@ -1,0 +1,1 @@
+"""colocd.policies"""
