@@ -1,0 +1,244 @@
+"""The trainer's client: typed calls for every route, and a weight pusher that streams buckets.
+
+    async with AsyncColocdClient("http://127.0.0.1:7000") as c:
+        await c.phase("train", step=1)
+        ...
+        await c.phase("sync", step=1)
+        await WeightPusher(c).push(model.named_parameters(), version="1")
+        await c.phase("rollout", step=1)
+
+``ColocdClient`` offers the same calls synchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from ..engines.chunks import plan_buckets
+from ..engines.trainer.producer import ExportedChunk, Producer, producer_for
+
+__all__ = ["AsyncColocdClient", "ColocdClient", "ColocdHTTPError", "PushReport", "WeightPusher"]
+
+
+class ColocdHTTPError(Exception):
+    """The daemon answered with an error; ``status`` and the daemon's ``message`` are kept."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        self.status = status
+        self.body = body
+        self.error = str(body.get("error", "Error"))
+        super().__init__(f"HTTP {status} {self.error}: {body.get('message', body)}")
+
+
+def _transport(url: str) -> tuple[str, httpx.AsyncHTTPTransport | None]:
+    if url.startswith("unix:"):
+        return "http://colocd", httpx.AsyncHTTPTransport(uds=url.removeprefix("unix:"))
+    return url.rstrip("/"), None
+
+
+class AsyncColocdClient:
+    """One method per route. ``url`` is ``http://host:port`` or ``unix:/path/to.sock``."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
+        base, transport = _transport(url)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(base_url=base, transport=transport, headers=headers,
+                                       timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False)
+
+    async def __aenter__(self) -> AsyncColocdClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, json: Any = None, **kw: Any) -> Any:
+        response = await self._http.request(method, path, json=json, **kw)
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+            except ValueError:
+                body = {"message": response.text}
+            raise ColocdHTTPError(response.status_code, body if isinstance(body, dict) else {"message": body})
+        return response.json()
+
+    async def phase(self, phase: str, step: int) -> dict[str, Any]:
+        return await self._request("POST", "/v1/phase", {"phase": phase, "step": step})  # type: ignore[no-any-return]
+
+    async def sleep(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
+        return await self._request("POST", "/v1/sleep", {"tags": tags, "engines": engines})  # type: ignore[no-any-return]
+
+    async def resume(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
+        return await self._request("POST", "/v1/resume", {"tags": tags, "engines": engines})  # type: ignore[no-any-return]
+
+    async def status(self) -> dict[str, Any]:
+        return await self._request("GET", "/v1/status")  # type: ignore[no-any-return]
+
+    async def ready(self) -> bool:
+        response = await self._http.get("/readyz")
+        return response.status_code == 200
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Poll /readyz until it answers 200, within a deadline."""
+        async with asyncio.timeout(timeout_s):
+            delay = 0.02
+            while True:
+                try:
+                    if await self.ready():
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(delay)  # polling cadence while the daemon starts
+                delay = min(delay * 2, 0.5)
+
+    async def metrics(self) -> str:
+        response = await self._http.get("/metrics")
+        response.raise_for_status()
+        return response.text
+
+    async def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
+                           depth: int | None = None) -> dict[str, Any]:
+        return await self._request("POST", "/v1/weights/sessions",  # type: ignore[no-any-return]
+                                   {"version": version, "step": step, "ranks": ranks, "depth": depth})
+
+    async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ExportedChunk) -> dict[str, Any]:
+        body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
+                "handle": chunk.handle}
+        return await self._request("POST", f"/v1/weights/sessions/{session_id}/chunks", body)  # type: ignore[no-any-return]
+
+    async def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:
+        return await self._request("POST", f"/v1/weights/sessions/{session_id}/commit",  # type: ignore[no-any-return]
+                                   {"num_chunks": num_chunks})
+
+    async def abort(self, session_id: str) -> dict[str, Any]:
+        return await self._request("POST", f"/v1/weights/sessions/{session_id}/abort")  # type: ignore[no-any-return]
+
+    async def trace(self, step: int, fmt: str = "json") -> dict[str, Any]:
+        return await self._request("GET", f"/v1/traces/{step}", params={"format": fmt})  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True)
+class PushReport:
+    session_id: str
+    version: str
+    chunks: int
+    nbytes: int
+    seconds: float
+    commit: dict[str, Any]
+
+
+class WeightPusher:
+    """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon.
+
+    At most ``depth`` chunks are exported and in flight at once; each buffer is released only
+    after the daemon's ack. On any failure the session is aborted and every buffer released.
+    """
+
+    def __init__(self, client: AsyncColocdClient, *, transport: str = "shm", bucket_mb: float = 64,
+                 depth: int = 2, rank: int = 0) -> None:
+        self._client = client
+        self._transport = transport
+        self._bucket_bytes = max(int(bucket_mb * 1024 * 1024), 1)
+        self._depth = depth
+        self._rank = rank
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
+                   step: int | None = None) -> PushReport:
+        """Open a session (this process is the only rank), stream every chunk, commit."""
+        t0 = time.perf_counter()
+        session = await self._client.open_session(version, step=step, ranks=1, depth=self._depth)
+        sid = session["session_id"]
+        try:
+            chunks, nbytes = await self.stream(sid, named)
+            commit = await self._client.commit(sid, chunks)
+        except BaseException:
+            try:
+                await self._client.abort(sid)
+            except (ColocdHTTPError, httpx.TransportError):
+                pass  # the session may already be failed; the original error matters
+            raise
+        return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
+
+    async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """Send this rank's part of every chunk of an open session; returns (chunks, bytes)."""
+        producer: Producer = producer_for(self._transport)
+        window = asyncio.Semaphore(self._depth)
+        tasks: list[asyncio.Task[None]] = []
+        nbytes = 0
+        seq = -1
+
+        async def send(seq: int, chunk: ExportedChunk) -> None:
+            try:
+                await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
+            finally:
+                chunk.release()  # after the ack (or the failure): the engines are done with it
+                window.release()
+
+        try:
+            for seq, bucket in enumerate(plan_buckets(named, self._bucket_bytes)):
+                await window.acquire()
+                chunk = producer.export(bucket)
+                nbytes += chunk.nbytes
+                tasks.append(asyncio.create_task(send(seq, chunk)))
+                if any(t.done() and t.exception() for t in tasks):
+                    break
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            producer.close()
+        return seq + 1, nbytes
+
+
+class ColocdClient:
+    """The synchronous face of ``AsyncColocdClient``: same methods, run on a private event loop."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._async = AsyncColocdClient(url, token=token, timeout_s=timeout_s)
+
+    def __enter__(self) -> ColocdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._async.aclose())
+            self._loop.close()
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run_until_complete(coro)
+
+    def phase(self, phase: str, step: int) -> dict[str, Any]:
+        return self._run(self._async.phase(phase, step))  # type: ignore[no-any-return]
+
+    def sleep(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
+        return self._run(self._async.sleep(tags, engines))  # type: ignore[no-any-return]
+
+    def resume(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
+        return self._run(self._async.resume(tags, engines))  # type: ignore[no-any-return]
+
+    def status(self) -> dict[str, Any]:
+        return self._run(self._async.status())  # type: ignore[no-any-return]
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        self._run(self._async.wait_ready(timeout_s))
+
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
+                     transport: str = "shm", bucket_mb: float = 64, depth: int = 2) -> PushReport:
+        pusher = WeightPusher(self._async, transport=transport, bucket_mb=bucket_mb, depth=depth)
+        return self._run(pusher.push(named, version=version, step=step))  # type: ignore[no-any-return]

@@ -1,0 +1,106 @@
+"""Request and response bodies of colocd's HTTP API (pydantic); the daemon keeps its own dataclasses."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engines.base import MemoryTag
+
+__all__ = [
+    "ChunkAckReply",
+    "ChunkDescriptor",
+    "CommitRequest",
+    "ErrorReply",
+    "OpenSessionReply",
+    "OpenSessionRequest",
+    "PhaseRequest",
+    "SleepRequest",
+    "TransitionReply",
+    "UpdateWeightsRequest",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PhaseRequest(_Strict):
+    """The trainer's phase transition: rollout → train → sync → rollout, one step at a time."""
+
+    step: int = Field(..., ge=0, description="training step; train needs a step beyond the current one")
+    phase: Literal["train", "sync", "rollout"]
+
+
+class SleepRequest(_Strict):
+    tags: list[MemoryTag] | None = Field(None, description="tags to release/resume; default all owned")
+    engines: list[str] | None = Field(None, description="engine names; default all")
+
+
+class TransitionReply(BaseModel):
+    step: int
+    phase: str
+    replayed: bool
+    duration_s: float
+    engines: dict[str, dict[str, Any]]
+    freed_bytes: dict[str, dict[str, int]]
+    directives: dict[str, Any]
+    trace: dict[str, Any] | None
+
+
+class OpenSessionRequest(_Strict):
+    version: str = Field(..., min_length=1, max_length=256, description="weight version the engines will report")
+    step: int | None = Field(None, ge=0)
+    ranks: int | None = Field(None, ge=1, le=4096, description="trainer ranks that send parts of each chunk")
+    depth: int | None = Field(None, ge=1, le=64, description="chunks in flight per engine; default from policy")
+
+
+class OpenSessionReply(BaseModel):
+    session_id: str
+    ranks: int
+    depth: int
+    step: int
+    version: str
+
+
+class TensorEntry(_Strict):
+    name: str = Field(..., min_length=1)
+    dtype: str
+    shape: list[int]
+    offset: int = Field(..., ge=0)
+
+
+class ChunkDescriptor(_Strict):
+    """One rank's part of one chunk. ``handle`` is transport-specific and opaque to the daemon."""
+
+    seq: int = Field(..., ge=0)
+    rank: int = Field(0, ge=0)
+    transport: Literal["shm", "disk", "cuda_ipc", "ipc_ring"]
+    nbytes: int = Field(..., ge=0)
+    handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
+
+
+class ChunkAckReply(BaseModel):
+    seq: int
+    rank: int
+    engines: list[str]
+    load_s: float
+
+
+class CommitRequest(_Strict):
+    num_chunks: int | None = Field(None, ge=0, description="chunks the trainer sent; checked against the engines'")
+
+
+class UpdateWeightsRequest(_Strict):
+    """One-shot update: open, send every chunk, commit."""
+
+    version: str = Field(..., min_length=1, max_length=256)
+    step: int | None = Field(None, ge=0)
+    chunks: list[ChunkDescriptor] = Field(..., min_length=1)
+
+
+class ErrorReply(BaseModel):
+    error: str
+    message: str
+    state: dict[str, Any] | None = None

@@ -1,0 +1,63 @@
+"""Run the app under uvicorn on a socket we bind ourselves (TCP loopback or a 0600 Unix socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from ..daemon.config import ListenConfig, NodeConfig
+from .app import create_app
+
+__all__ = ["bind", "serve"]
+
+
+def bind(listen: ListenConfig) -> tuple[socket.socket, str]:
+    """Bind the listening socket before uvicorn starts, so port 0 (OS-chosen) is race-free."""
+    if listen.uds:
+        path = Path(listen.uds)
+        if path.exists():
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket file is created 0600: only this user may drive the node
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        return sock, f"unix:{path}"
+    sock = socket.socket(socket.AF_INET6 if ":" in listen.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((listen.host, listen.port))
+    host, port = sock.getsockname()[:2]
+    return sock, f"http://{host}:{port}"
+
+
+def _write_ready(path: str, url: str) -> None:
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+async def serve(config: NodeConfig, *, policy_store: Any = None, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM; SIGHUP reloads the policy file if one is configured."""
+    sock, url = bind(config.listen)
+    app = create_app(config, policy_store=policy_store)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False))
+    loop = asyncio.get_running_loop()
+    if policy_store is not None and config.policy_file and hasattr(policy_store, "reload_file"):
+        loop.add_signal_handler(signal.SIGHUP, policy_store.reload_file)
+
+    serve_task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serve_task.done():
+        await asyncio.sleep(0.01)  # uvicorn exposes no started-event; it flips this flag after binding
+    if server.started:
+        print(f"colocd listening on {url}", flush=True)
+        if config.listen.ready_file:
+            _write_ready(config.listen.ready_file, url)
+    await serve_task

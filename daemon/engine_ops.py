@@ -1,0 +1,148 @@
+"""The per-engine steps of a handoff, each one engine call under its own deadline, recorded as a span.
+
+Each step updates the engine's recorded state only after the engine confirmed it, so a failure
+anywhere leaves the record equal to what the engine really did. Order rules (engine-apis.md §6.3):
+idle before release, stay paused until fully resumed, weights before KV, flush after an update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode
+from .config import Timeouts
+from .errors import EngineError, TransitionFailed
+from .memory import NvmlProbe
+from .metrics import Metrics
+from .states import EngineState, Generation, TagState
+from .trace import Trace
+
+__all__ = ["EngineHandle", "continue_generation", "flush", "pause", "release", "resume"]
+
+
+@dataclass
+class EngineHandle:
+    """One engine as the daemon holds it: adapter, config slice, attach info and the recorded state."""
+
+    adapter: EngineAdapter
+    config: Any
+    state: EngineState
+    info: EngineInfo | None = None
+    # Bytes each tag freed the last time it was released: the next release's NVML expectation.
+    learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.state.name
+
+    @property
+    def gpus(self) -> list[int | str]:
+        return list(self.config.gpu_uuids or self.config.gpus)
+
+
+async def _timed(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str, budget_s: float,
+                 coro: Any, **attrs: Any) -> Any:
+    """Run one engine call under its deadline, as a span; a timeout names the step and budget."""
+    with trace.span(name, engine.name, **attrs):
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(budget_s):
+                result = await coro
+        except TimeoutError as exc:
+            raise TransitionFailed(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
+                                   engine=engine.name, step=name) from exc
+        except EngineError as exc:
+            engine.state = engine.state.with_(last_error=str(exc))
+            raise
+        finally:
+            metrics.step_duration.labels(name, engine.name).observe(time.perf_counter() - t0)
+    return result
+
+
+async def pause(engine: EngineHandle, mode: PauseMode, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
+    if engine.state.generation is Generation.PAUSED:
+        return
+    await _timed(engine, trace, metrics, "pause_generation", t.for_step("pause"),
+                 engine.adapter.pause_generation(mode), mode=mode.value)
+    engine.state = engine.state.with_(generation=Generation.PAUSED)
+
+
+async def flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
+    """Flush the prefix cache, retrying SGLang's normal 400 ("not idle yet") with backoff."""
+    budget = t.for_step("flush")
+
+    async def _retrying() -> int:
+        delay, attempts = 0.01, 0
+        while True:
+            attempts += 1
+            if await engine.adapter.flush_cache():
+                return attempts
+            await asyncio.sleep(delay)  # backoff between retries of a refused flush
+            delay = min(delay * 2, 1.0)
+
+    await _timed(engine, trace, metrics, "flush_cache", budget, _retrying())
+
+
+async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
+                  t: Timeouts, probe: NvmlProbe | None) -> dict[str, int]:
+    """Release ``tags`` and wait until the memory is measurably free. Returns freed bytes per source."""
+    if not tags:
+        return {}
+    before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
+    before_own = await _memory_report(engine)
+    await _timed(engine, trace, metrics, "release_memory", t.for_step("release"),
+                 engine.adapter.release_memory(tags), tags=[x.value for x in tags])
+    engine.state = engine.state.with_tags(tags, TagState.RELEASED)
+    freed: dict[str, int] = {}
+    if probe and before_gpu is not None:
+        expected = sum(engine.learned_tag_bytes.get(x, 0) for x in tags) or None
+        with trace.span("confirm_memory_freed", engine.name, source="nvml") as span:
+            confirmation = await probe.confirm_release(
+                engine.gpus, before_gpu, expected_bytes=expected, timeout_s=t.for_step("memory_confirm"))
+            span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 4))
+        freed = {f"gpu:{g}": b for g, b in confirmation.freed_bytes.items()}
+    elif before_own is not None:
+        # No NVML (CPU engines): the reference engine's own per-tag accounting is the evidence.
+        after_own = await _memory_report(engine)
+        freed = {"engine": _resident_bytes(before_own) - _resident_bytes(after_own or {})}
+        for x in tags:
+            engine.learned_tag_bytes[x] = int(before_own.get("tags", {}).get(x.value, {}).get("nbytes", 0))
+    for source, nbytes in freed.items():
+        metrics.freed_bytes.labels(engine.name, source).inc(max(nbytes, 0))
+    return freed
+
+
+async def resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
+                 t: Timeouts) -> None:
+    if not tags:
+        return
+    await _timed(engine, trace, metrics, "resume_memory", t.for_step("resume"),
+                 engine.adapter.resume_memory(tags), tags=[x.value for x in tags])
+    engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
+
+
+async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
+    engine.state.check_can_serve()  # never serve released memory or a partial update
+    if engine.state.generation is Generation.SERVING:
+        return
+    await _timed(engine, trace, metrics, "continue_generation", t.for_step("pause"),
+                 engine.adapter.continue_generation())
+    engine.state = engine.state.with_(generation=Generation.SERVING)
+
+
+async def _memory_report(engine: EngineHandle) -> dict[str, Any] | None:
+    report = getattr(engine.adapter, "memory_report", None)
+    if report is None:
+        return None
+    try:
+        result: dict[str, Any] | None = await report()
+        return result
+    except EngineError:
+        return None
+
+
+def _resident_bytes(report: dict[str, Any]) -> int:
+    return sum(int(v.get("nbytes", 0)) for v in report.get("tags", {}).values() if v.get("resident"))

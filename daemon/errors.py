@@ -1,0 +1,71 @@
+"""Every error the daemon raises, in one tree; the api maps each class to one HTTP status.
+
+    ColocdError
+    ├── TransitionRejected      illegal from the current state; nothing changed        → 409
+    ├── NotFound                unknown engine / session / step                          → 404
+    ├── TransitionFailed        an engine call failed mid-transition; .engine, .step    → 502
+    ├── MemoryNotConfirmed      NVML never showed the released bytes back               → 504
+    ├── WeightSyncError         a weight session failed or was aborted                  → 502
+    │   └── ChunkTimeout        a rank never sent its part of a chunk; names the rank   → 504
+    └── EngineError (engines.errors)                                                    → 502/503/504
+        ├── EngineUnreachable                                                           → 503
+        ├── EngineTimeout                                                               → 504
+        ├── EngineRejected                                                              → 502
+        └── EngineProtocolError                                                         → 502
+"""
+
+from __future__ import annotations
+
+from ..engines.errors import EngineError, EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable
+
+__all__ = [
+    "ChunkTimeout",
+    "ColocdError",
+    "EngineError",
+    "EngineProtocolError",
+    "EngineRejected",
+    "EngineTimeout",
+    "EngineUnreachable",
+    "MemoryNotConfirmed",
+    "NotFound",
+    "TransitionFailed",
+    "TransitionRejected",
+    "WeightSyncError",
+]
+
+
+class ColocdError(Exception):
+    """Base class of the daemon's own errors."""
+
+
+class TransitionRejected(ColocdError):
+    """The request is illegal in the current state; the state is unchanged."""
+
+    def __init__(self, message: str, *, state: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.state = state or {}
+
+
+class NotFound(ColocdError):
+    """An engine, session or step that does not exist."""
+
+
+class TransitionFailed(ColocdError):
+    """An engine call failed during a transition; the engine was left in a safe (paused) state."""
+
+    def __init__(self, message: str, *, engine: str | None = None, step: str | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.step = step
+
+
+class MemoryNotConfirmed(ColocdError):
+    """The released memory never showed up as free within the deadline."""
+
+
+class WeightSyncError(ColocdError):
+    """A weight session failed or was aborted; engines stay paused at the old version."""
+
+
+class ChunkTimeout(WeightSyncError):
+    """A chunk never became complete because a rank did not send its part in time."""

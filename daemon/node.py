@@ -1,0 +1,537 @@
+"""The node daemon: owns every engine's recorded state and runs phase transitions and weight sessions.
+
+One transition at a time: a second request while one runs is rejected with 409 naming the one
+in progress (the trainer drives phases sequentially; queueing would hide a trainer bug).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import httpx
+
+from ..engines.base import EngineAdapter, MemoryTag, PauseMode, RankPayload
+from ..engines.registry import build_adapter
+from . import engine_ops as ops
+from .config import NodeConfig
+from .engine_ops import EngineHandle
+from .errors import (
+    ColocdError,
+    EngineError,
+    EngineUnreachable,
+    NotFound,
+    TransitionFailed,
+    TransitionRejected,
+    WeightSyncError,
+)
+from .journal import Journal
+from .memory import NvmlProbe, open_probe
+from .metrics import Metrics
+from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
+from .trace import Trace, TraceStore
+from .weights import ChunkAck, SessionState, WeightSession
+
+__all__ = ["Daemon", "DaemonState", "TransitionResult"]
+
+log = logging.getLogger("colocd.daemon")
+
+
+class DaemonState(StrEnum):
+    UNOPENED = "unopened"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+@dataclass
+class TransitionResult:
+    """What one transition did: per-engine state after it, bytes freed, timings, the trace."""
+
+    step: int
+    phase: str
+    duration_s: float
+    engines: dict[str, dict[str, Any]]
+    freed_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    directives: dict[str, Any] = field(default_factory=dict)
+    trace: Trace | None = None
+    replayed: bool = False
+
+
+class Daemon:
+    """Async context manager; ``async with Daemon(config) as d: await d.transition(...)``."""
+
+    def __init__(self, config: NodeConfig, *, adapters: dict[str, EngineAdapter] | None = None,
+                 probe: NvmlProbe | None = None, policy_store: Any = None) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.traces = TraceStore()
+        self.node = NodeState()
+        self.lifecycle = DaemonState.UNOPENED
+        self.policy_store = policy_store
+        self._given_adapters = adapters or {}
+        self._probe = probe
+        self._client: httpx.AsyncClient | None = None
+        self.engines: dict[str, EngineHandle] = {}
+        self._lock = asyncio.Lock()
+        self._busy_with: str | None = None
+        self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
+        self.session: WeightSession | None = None
+        self._journal = Journal(config.journal) if config.journal else None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def __aenter__(self) -> Daemon:
+        if self.lifecycle is not DaemonState.UNOPENED:
+            raise RuntimeError(f"cannot open a daemon that is {self.lifecycle.value}")
+        # Long read timeouts: weight, release and resume calls hold engine locks and barriers;
+        # the daemon's own per-step deadlines (asyncio.timeout) bound them.
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False)
+        for cfg in self.config.engines:
+            adapter = self._given_adapters.get(cfg.name) or build_adapter(cfg, self._client)
+            state = EngineState(name=cfg.name, owned_tags=tuple(MemoryTag(t) for t in cfg.owned_tags))
+            self.engines[cfg.name] = EngineHandle(adapter=adapter, config=cfg, state=state)
+        if self._probe is None and any(e.gpus for e in self.engines.values()):
+            self._probe = open_probe()
+        self._restore_journal()
+        await asyncio.gather(*(self._attach(e) for e in self.engines.values()))
+        self.lifecycle = DaemonState.RUNNING
+        self._start(self._health_loop())
+        self._refresh_gauges()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self.lifecycle is DaemonState.CLOSED:
+            return
+        self.lifecycle = DaemonState.CLOSED
+        self._stopping.set()
+        if self.session is not None and self.session.state is SessionState.OPEN:
+            await self.session.abort("daemon shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        errors = []
+        for engine in reversed(list(self.engines.values())):
+            try:
+                await engine.adapter.aclose()
+            except Exception as exc:  # collect, keep closing the rest
+                errors.append(exc)
+        if self._client is not None:
+            await self._client.aclose()
+        if self._probe is not None:
+            self._probe.close()
+        if errors:
+            log.warning("errors while closing engines: %s", errors)
+
+    def _start(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _attach(self, engine: EngineHandle) -> bool:
+        try:
+            async with asyncio.timeout(self.config.timeouts.for_step("health")):
+                info = await engine.adapter.attach()
+        except (EngineError, TimeoutError) as exc:
+            message = str(exc) if isinstance(exc, EngineError) else f"engine {engine.name!r}: attach timed out"
+            engine.state = engine.state.with_(healthy=False, last_error=message)
+            log.warning("attach failed: %s", message)
+            return False
+        engine.info = info
+        recorded = engine.state.weight_version
+        engine.state = engine.state.with_(healthy=True, last_error=None,
+                                          weight_version=recorded if recorded is not None else info.weight_version)
+        if recorded is not None and info.weight_version != recorded:
+            # The journal and the engine disagree (restarted engine?): its weights are not what we recorded.
+            engine.state = engine.state.with_(weights=WeightsState.STALE,
+                                              last_error=f"engine reports weight version {info.weight_version!r}, "
+                                                         f"journal says {recorded!r}")
+        return True
+
+    async def _health_loop(self) -> None:
+        interval = self.config.timeouts.for_step("health")
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._stopping.wait()
+            if self._stopping.is_set():
+                return
+            if self._lock.locked():
+                continue  # never probe mid-transition
+            for engine in self.engines.values():
+                if engine.info is None:
+                    await self._attach(engine)
+                    continue
+                try:
+                    async with asyncio.timeout(interval):
+                        await engine.adapter.health()
+                    engine.state = engine.state.with_(healthy=True)
+                except (EngineError, TimeoutError) as exc:
+                    engine.state = engine.state.with_(healthy=False, last_error=str(exc) or "health timed out")
+            self._refresh_gauges()
+
+    def _restore_journal(self) -> None:
+        if self._journal is None or (record := self._journal.last()) is None:
+            return
+        self.node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
+        for name, snap in record.get("engines", {}).items():
+            if (engine := self.engines.get(name)) is None:
+                continue
+            tags = {MemoryTag(t): ops.TagState(s) for t, s in snap["tags"].items()}
+            engine.state = engine.state.with_(
+                tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
+                weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"])
+        log.info("restored node state from journal: %s", self.node.snapshot())
+
+    # -- queries -----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        policy = None
+        if self.policy_store is not None:
+            policy = self.policy_store.describe()
+        return {
+            "lifecycle": self.lifecycle.value,
+            "node": self.node.snapshot(),
+            "busy_with": self._busy_with,
+            "engines": {n: {**e.state.snapshot(), "protocol": e.info.protocol if e.info else None,
+                            "engine_version": e.info.version if e.info else None}
+                        for n, e in self.engines.items()},
+            "weight_session": self.session.stats() if self.session else None,
+            "policy": policy,
+            "nvml": self._probe is not None,
+        }
+
+    def ready(self) -> tuple[bool, list[str]]:
+        problems = [e.state.last_error or f"engine {n!r} unhealthy"
+                    for n, e in self.engines.items() if not e.state.healthy or e.info is None]
+        return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
+
+    # -- transitions -------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, what: str) -> Any:
+        if self.lifecycle is not DaemonState.RUNNING:
+            raise TransitionRejected(f"daemon is {self.lifecycle.value}")
+        if self._lock.locked():
+            raise TransitionRejected(f"cannot start {what}: {self._busy_with} is in progress",
+                                     state=self.node.snapshot())
+        async with self._lock:
+            self._busy_with = what
+            try:
+                yield
+            finally:
+                self._busy_with = None
+                self._refresh_gauges()
+
+    async def transition(self, phase: NodePhase, step: int) -> TransitionResult:
+        """Move the node to ``phase`` at ``step``. A repeat of a finished (step, phase) replays its result."""
+        key = (step, phase.value)
+        if (done := self._completed.get(key)) is not None:
+            self.metrics.transitions.labels(phase.value, "replayed").inc()
+            return TransitionResult(**{**done.__dict__, "replayed": True})
+        try:
+            async with self._exclusive(f"{phase.value}@{step}"):
+                check_phase_request(self.node, phase, step)
+                self._at_boundary()
+                await self._require_attached()
+                trace = Trace(step, phase.value)
+                t0 = time.perf_counter()
+                runner = {NodePhase.TRAIN: self._enter_train, NodePhase.SYNC: self._enter_sync,
+                          NodePhase.ROLLOUT: self._enter_rollout}[phase]
+                try:
+                    freed = await runner(trace)
+                finally:
+                    self.traces.put(trace)
+                self.node = NodeState(phase, step)
+                result = TransitionResult(step, phase.value, time.perf_counter() - t0,
+                                          {n: e.state.snapshot() for n, e in self.engines.items()},
+                                          freed, self._directives(phase), trace)
+                self.metrics.phase_duration.labels(phase.value, "all").observe(result.duration_s)
+                self._completed[key] = result
+                while len(self._completed) > 256:
+                    self._completed.popitem(last=False)
+                self._journal_append(phase.value, step)
+        except TransitionRejected:
+            self.metrics.transitions.labels(phase.value, "rejected").inc()
+            raise
+        except BaseException:
+            self.metrics.transitions.labels(phase.value, "failed").inc()
+            raise
+        self.metrics.transitions.labels(phase.value, "ok").inc()
+        return result
+
+    async def _require_attached(self) -> None:
+        for engine in self.engines.values():
+            if engine.info is None and not await self._attach(engine):
+                raise EngineUnreachable(engine.name, engine.state.last_error or "not attached")
+
+    async def _each(self, trace: Trace, phase: str, fn: Any) -> dict[str, Any]:
+        """Run ``fn(engine)`` on every engine concurrently; the first failure is raised after all settle."""
+        async def one(engine: EngineHandle) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await fn(engine)
+            finally:
+                self.metrics.phase_duration.labels(phase, engine.name).observe(time.perf_counter() - t0)
+
+        names = list(self.engines)
+        results = await asyncio.gather(*(one(self.engines[n]) for n in names), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for r in failures:
+            if not isinstance(r, Exception):
+                raise r
+        if failures:
+            first = failures[0]
+            if isinstance(first, ColocdError | EngineError):
+                raise first
+            raise TransitionFailed(f"{phase}: {type(first).__name__}: {first}") from first
+        return dict(zip(names, results, strict=True))
+
+    def _pause_mode(self) -> PauseMode:
+        policy = self._policy()
+        mode = getattr(getattr(policy, "engines", None), "pause_mode", None) if policy else None
+        return PauseMode(str(getattr(mode, "value", mode) or self.config.pause_mode))
+
+    async def _quiesce_and_release(self, engine: EngineHandle, tags: tuple[MemoryTag, ...] | None,
+                                   trace: Trace, *, strict: bool) -> dict[str, int]:
+        to_release = engine.state.tags_to_release(tags, strict=strict)
+        t = self.config.timeouts
+        await ops.pause(engine, self._pause_mode(), trace, self.metrics, t)
+        if to_release:
+            await ops.flush(engine, trace, self.metrics, t)  # idle + empty radix cache before release
+        return await ops.release(engine, to_release, trace, self.metrics, t, self._probe)
+
+    async def _enter_train(self, trace: Trace) -> dict[str, dict[str, int]]:
+        if self.session is not None and self.session.state is SessionState.OPEN:
+            raise TransitionRejected(f"weight session {self.session.id} is still open")
+        return await self._each(trace, "train", lambda e: self._quiesce_and_release(e, None, trace, strict=False))
+
+    async def _enter_sync(self, trace: Trace) -> dict[str, dict[str, int]]:
+        async def one(engine: EngineHandle) -> dict[str, int]:
+            tags = engine.state.tags_to_resume((MemoryTag.WEIGHTS,), strict=False)
+            await ops.resume(engine, tags, trace, self.metrics, self.config.timeouts)
+            return {}
+        return await self._each(trace, "sync", one)
+
+    async def _enter_rollout(self, trace: Trace) -> dict[str, dict[str, int]]:
+        if self.session is not None and self.session.state is SessionState.OPEN:
+            raise TransitionRejected(f"weight session {self.session.id} is still open: commit or abort it first")
+        # Check every engine before touching any: a stale engine must not leave others half-resumed.
+        stale = [e.state.describe() for e in self.engines.values() if e.state.weights is not WeightsState.CLEAN]
+        if stale:
+            raise TransitionRejected("cannot enter 'rollout': weights not updated since release: " + "; ".join(stale),
+                                     state=self.node.snapshot())
+
+        async def one(engine: EngineHandle) -> dict[str, int]:
+            t = self.config.timeouts
+            await ops.resume(engine, engine.state.tags_to_resume(None, strict=False), trace, self.metrics, t)
+            await ops.flush(engine, trace, self.metrics, t)  # no stale prefix KV across a weight change
+            await ops.continue_generation(engine, trace, self.metrics, t)
+            return {}
+        return await self._each(trace, "rollout", one)
+
+    # -- manual sleep / resume -----------------------------------------------------------------
+    def _select(self, names: list[str] | None) -> list[EngineHandle]:
+        if names is None:
+            return list(self.engines.values())
+        unknown = [n for n in names if n not in self.engines]
+        if unknown:
+            raise NotFound(f"unknown engines {unknown}; configured: {sorted(self.engines)}")
+        return [self.engines[n] for n in names]
+
+    async def sleep(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
+        """Pause and release ``tags`` (default: all owned) on the named engines; the phase is unchanged."""
+        engines = self._select(names)
+        async with self._exclusive("sleep"):
+            for engine in engines:  # validate all first: an illegal request changes nothing
+                engine.state.tags_to_release(tags, strict=True)
+            await self._require_attached()
+            trace = Trace(self.node.step, "sleep")
+            t0 = time.perf_counter()
+            freed = dict(zip([e.name for e in engines], await asyncio.gather(
+                *(self._quiesce_and_release(e, tags, trace, strict=True) for e in engines)), strict=True))
+            self.traces.put(trace)
+            self._journal_append("sleep", self.node.step)
+            return TransitionResult(self.node.step, "sleep", time.perf_counter() - t0,
+                                    {e.name: e.state.snapshot() for e in engines}, freed, trace=trace)
+
+    async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
+        """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""
+        engines = self._select(names)
+        async with self._exclusive("resume"):
+            plans = {e.name: e.state.tags_to_resume(tags, strict=True) for e in engines}
+            await self._require_attached()
+            trace = Trace(self.node.step, "resume")
+            t0 = time.perf_counter()
+
+            async def one(engine: EngineHandle) -> None:
+                t = self.config.timeouts
+                await ops.resume(engine, plans[engine.name], trace, self.metrics, t)
+                if self.node.phase is NodePhase.ROLLOUT:
+                    try:
+                        engine.state.check_can_serve()
+                    except TransitionRejected:
+                        return  # stays paused: memory still released or weights stale (said in its state)
+                    await ops.flush(engine, trace, self.metrics, t)
+                    await ops.continue_generation(engine, trace, self.metrics, t)
+
+            await asyncio.gather(*(one(e) for e in engines))
+            self.traces.put(trace)
+            self._journal_append("resume", self.node.step)
+            return TransitionResult(self.node.step, "resume", time.perf_counter() - t0,
+                                    {e.name: e.state.snapshot() for e in engines}, trace=trace)
+
+    # -- weights -------------------------------------------------------------------------------
+    async def open_weights(self, *, step: int | None, version: str, ranks: int | None,
+                           depth: int | None = None) -> WeightSession:
+        """Begin a weight update on every engine. Each must be paused with its weights memory resident."""
+        async with self._exclusive("open_weights"):
+            if self.session is not None and self.session.state is SessionState.OPEN:
+                raise TransitionRejected(f"weight session {self.session.id} is already open")
+            step = self.node.step if step is None else step
+            bad = [e.state.describe() for e in self.engines.values()
+                   if e.state.generation is not Generation.PAUSED or not e.state.resident(MemoryTag.WEIGHTS)]
+            if bad:
+                raise TransitionRejected(
+                    "cannot open a weight session: every engine must be paused with weights resident "
+                    "(enter 'sync' first): " + "; ".join(bad), state=self.node.snapshot())
+            await self._require_attached()
+            need = max((e.config.tp_size for e in self.engines.values()), default=1)
+            ranks = need if ranks is None else ranks
+            if ranks < need:
+                raise TransitionRejected(f"ranks={ranks} but engines need {need} (their largest tp_size)")
+            trace = Trace(step, "weights")
+            t = self.config.timeouts
+
+            async def begin(engine: EngineHandle) -> None:
+                await ops._timed(engine, trace, self.metrics, "begin_weight_update", t.default_s,
+                                 engine.adapter.begin_weight_update())
+                engine.state = engine.state.with_(weights=WeightsState.UPDATING)
+
+            try:
+                await self._each(trace, "weights", begin)
+            except BaseException:
+                await self._close_engines_update(trace, committed=False)
+                raise
+            self.session = WeightSession(
+                step=step, version=version, ranks=ranks, engines=list(self.engines.values()),
+                depth=depth or self._pipeline_depth(), chunk_timeout_s=t.for_step("chunk"),
+                trace=trace, metrics=self.metrics)
+            return self.session
+
+    def _session(self, session_id: str) -> WeightSession:
+        if self.session is None or self.session.id != session_id:
+            raise NotFound(f"no weight session {session_id!r}"
+                           + (f" (current: {self.session.id}, {self.session.state.value})" if self.session else ""))
+        return self.session
+
+    async def submit_chunk(self, session_id: str, seq: int, part: RankPayload) -> ChunkAck:
+        session = self._session(session_id)
+        try:
+            return await session.submit(seq, part)
+        except WeightSyncError:
+            await self._finish_failed(session)
+            raise
+
+    async def commit_weights(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
+        session = self._session(session_id)
+        async with self._exclusive("commit_weights"):
+            try:
+                await session.drain(num_chunks)
+            except BaseException:
+                await session.fail(WeightSyncError("commit failed"))
+                await self._close_engines_update(session.trace, committed=False)
+                raise
+            await self._close_engines_update(session.trace, committed=True, version=session.version)
+            session.state = SessionState.COMMITTED
+            self.metrics.weight_sessions.labels("committed").inc()
+            self.traces.put(session.trace)
+            self._journal_append("weights", session.step)
+            return {**session.stats(), "engines": {n: e.state.snapshot() for n, e in self.engines.items()},
+                    "trace": session.trace.to_json()}
+
+    async def abort_weights(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
+        session = self._session(session_id)
+        await session.abort(reason)
+        await self._finish_failed(session)
+        return session.stats()
+
+    async def _finish_failed(self, session: WeightSession) -> None:
+        if session.closed:
+            return
+        session.closed = True
+        async with self._lock:
+            await self._close_engines_update(session.trace, committed=False)
+        self.metrics.weight_sessions.labels(session.state.value).inc()
+        self.traces.put(session.trace)
+        self._refresh_gauges()
+
+    async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None) -> None:
+        """End the engines' update sessions. Uncommitted: engines stay paused, weights marked stale."""
+        t = self.config.timeouts
+
+        async def one(engine: EngineHandle) -> None:
+            if engine.state.weights is not WeightsState.UPDATING:
+                return
+            if not committed:
+                engine.state = engine.state.with_(weights=WeightsState.STALE)
+            await ops._timed(engine, trace, self.metrics, "end_weight_update", t.default_s,
+                             engine.adapter.end_weight_update())
+            if committed and version is not None:
+                await ops._timed(engine, trace, self.metrics, "set_weight_version", t.default_s,
+                                 engine.adapter.set_weight_version(version))
+                engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
+
+        if committed:
+            await self._each(trace, "weights", one)
+        else:
+            # Best effort: an engine that cannot even end its session is already marked stale.
+            await asyncio.gather(*(one(e) for e in self.engines.values()), return_exceptions=True)
+
+    # -- policy hooks --------------------------------------------------------------------------
+    def _policy(self) -> Any:
+        return self.policy_store.active if self.policy_store is not None else None
+
+    def _at_boundary(self) -> None:
+        if self.policy_store is not None:
+            self.policy_store.at_boundary()
+
+    def _pipeline_depth(self) -> int:
+        policy = self._policy()
+        pipeline = getattr(policy, "pipeline", None)
+        return int(getattr(pipeline, "depth", 2) or 1) if pipeline is not None else 2
+
+    def _directives(self, phase: NodePhase) -> dict[str, Any]:
+        policy = self._policy()
+        if policy is None or not hasattr(policy, "directives_for"):
+            return {}
+        return dict(policy.directives_for(phase.value))
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _journal_append(self, what: str, step: int) -> None:
+        if self._journal is not None:
+            self._journal.append({"event": what, "node": self.node.snapshot(),
+                                  "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
+
+    def _refresh_gauges(self) -> None:
+        m = self.metrics
+        m.node_step.set(self.node.step)
+        m.weight_version.clear()
+        for name, engine in self.engines.items():
+            m.engine_healthy.labels(name).set(1 if engine.state.healthy else 0)
+            for tag in engine.state.owned_tags:
+                m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
+            m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
+        if self._probe is not None:
+            for engine in self.engines.values():
+                for gpu, reading in self._probe.read_all(engine.gpus).items():
+                    m.gpu_memory.labels(gpu, "used").set(reading.used_bytes)
+                    m.gpu_memory.labels(gpu, "free").set(reading.free_bytes)
+                    m.gpu_memory.labels(gpu, "total").set(reading.total_bytes)
