@@ -1,0 +1,213 @@
+"""Which SGLang HTTP protocol a server version speaks, as data; knows nothing of HTTP clients or state.
+
+Three variants, found by reading released wheels' ``http_server.py`` and ``io_struct.py``
+(``pip download --no-deps sglang==X``; fixtures in ``tests/contract/fixtures/``):
+
+    LEGACY       0.5.4 .. 0.5.5    no pause body (abort only), /get_model_info, /get_weight_version,
+                                   /get_server_info, no /ready, no session
+    PRE_SESSION  0.5.6 .. 0.5.20   pause/continue bodies with modes, /model_info carries the weight
+                                   version (/get_weight_version answers 404 by 0.5.9), no session
+    V0_5_23      0.5.21 ..         /begin_weight_update … /end_weight_update required around tensor
+                                   and distributed updates (sgl-project/sglang#28001), /ready,
+                                   /flush_cache?timeout=
+
+Cut-overs as read: 0.5.5 has no ``PauseGenerationReqInput`` and 0.5.6 has it
+(``http_server.py:1103``); 0.5.20 has no ``/begin_weight_update`` and 0.5.21 has it
+(``http_server.py:1400``). Versions newer than the newest known are assumed to speak V0_5_23.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..base import PauseMode
+
+__all__ = [
+    "LEGACY",
+    "PRE_SESSION",
+    "PROTOCOLS",
+    "SESSION_MIN_VERSION",
+    "V0_5_23",
+    "SGLangProtocol",
+    "parse_version",
+    "protocol_for_version",
+]
+
+# First release with /begin_weight_update (0.5.21 http_server.py:1400; absent from 0.5.20).
+SESSION_MIN_VERSION = "0.5.21"
+# First release whose /pause_generation parses PauseGenerationReqInput (0.5.6 http_server.py:1103).
+PAUSE_BODY_MIN_VERSION = "0.5.6"
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangProtocol:
+    """What one band of SGLang versions expects on the wire: routes, bodies and rules."""
+
+    name: str
+    min_version: str
+    # /pause_generation parses a PauseGenerationReqInput body (0.5.23 http_server.py:1831-1835).
+    # When False the handler reads no body at all (0.5.4 http_server.py:1061-1063): any body sent
+    # is ignored, so sending ``{}`` is harmless, but modes other than abort do not exist.
+    pause_body: bool
+    # /continue_generation parses a ContinueGenerationReqInput body (0.5.23 http_server.py:1844).
+    continue_body: bool
+    pause_modes: tuple[PauseMode, ...]
+    # update_weights_from_{tensor,distributed} answer success=false unless a session is open
+    # (0.5.23 scheduler_components/weight_updater.py:190-199,233-240).
+    weight_update_session: bool
+    # Where the current weight version is read, and the JSON key holding it.
+    weight_version_route: str
+    model_info_route: str
+    server_info_route: str
+    # GET /ready: 503 while paused (0.5.23 http_server.py:714); None where the route does not exist.
+    ready_route: str | None
+    weights_checker_route: str | None
+    # /flush_cache accepts ?timeout= to defer the flush until idle (0.5.23 http_server.py:1027).
+    flush_timeout_query: bool
+    # The consumer unpickles update payloads through SafeUnpickler's allow-list
+    # (0.5.23 utils/common.py:3144); older ones use a plain pickle load.
+    safe_unpickler: bool
+    # Request fields this band's SGLang does not have, per io_struct class name. wire.body() drops
+    # them when they hold SGLang's default and refuses a non-default value, because SGLang ignores
+    # unknown keys (msgspec_utils.py extra_behavior="ignore") and the request would silently
+    # mean something else.
+    absent_fields: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # io_struct request classes this band does not have at all (its route reads no body or is absent).
+    absent_structs: tuple[str, ...] = ()
+
+    def fields_absent(self, struct: str) -> frozenset[str]:
+        """The fields of ``struct`` this protocol's SGLang lacks."""
+        for name, fields in self.absent_fields:
+            if name == struct:
+                return frozenset(fields)
+        return frozenset()
+
+    def has_struct(self, struct: str) -> bool:
+        return struct not in self.absent_structs
+
+    def supports_pause_mode(self, mode: PauseMode) -> bool:
+        return mode in self.pause_modes
+
+
+_ALL_MODES = (PauseMode.ABORT, PauseMode.RETRACT, PauseMode.IN_PLACE)
+
+V0_5_23 = SGLangProtocol(
+    name="0.5.23",
+    min_version=SESSION_MIN_VERSION,
+    pause_body=True,
+    continue_body=True,
+    pause_modes=_ALL_MODES,
+    weight_update_session=True,
+    weight_version_route="/model_info",  # http_server.py:812; /get_weight_version is gone
+    model_info_route="/model_info",  # http_server.py:812 (/get_model_info:802 is a deprecated alias)
+    server_info_route="/server_info",  # http_server.py:863 (/get_server_info:853 deprecated)
+    ready_route="/ready",  # http_server.py:714
+    weights_checker_route="/weights_checker",  # http_server.py:1599
+    flush_timeout_query=True,
+    safe_unpickler=True,
+)
+
+# Read from the 0.5.9 wheel (the base slime builds on); 0.5.6 and 0.5.14-0.5.20 were checked for
+# the routes only. Absent fields are 0.5.9's.
+PRE_SESSION = SGLangProtocol(
+    name="pre-session",
+    min_version=PAUSE_BODY_MIN_VERSION,
+    pause_body=True,  # 0.5.9 http_server.py:1318-1320
+    continue_body=True,  # 0.5.9 http_server.py:1329-1331 (an empty struct)
+    pause_modes=_ALL_MODES,  # 0.5.9 io_struct.py:1275
+    weight_update_session=False,
+    weight_version_route="/model_info",  # 0.5.9 http_server.py:553; /get_weight_version:573 raises 404
+    model_info_route="/model_info",
+    server_info_route="/server_info",  # 0.5.9 http_server.py:593
+    ready_route=None,  # first seen in 0.5.20
+    weights_checker_route="/weights_checker",  # 0.5.9 http_server.py:1156 (POST only)
+    flush_timeout_query=False,  # 0.5.9 http_server.py:712 takes no query; 0.5.14 does
+    safe_unpickler=False,
+    absent_fields=(
+        ("ContinueGenerationReqInput", ("torch_empty_cache",)),
+        ("UpdateWeightsFromTensorReqInput", ("selector", "torch_empty_cache")),
+        ("UpdateWeightsFromDistributedReqInput", ("selector", "torch_empty_cache")),
+        ("CheckWeightsReqInput", ("allow_quant_error", "skip_tensor_list", "selector")),
+    ),
+    absent_structs=("BeginWeightUpdateReqInput", "EndWeightUpdateReqInput"),
+)
+
+# Read from the 0.5.4 wheel (research/engine-apis.md §1.9 read GitHub 0025436e, the same surface).
+LEGACY = SGLangProtocol(
+    name="legacy",
+    min_version="0.5.4",
+    pause_body=False,  # 0.5.4 http_server.py:1061-1063: pause_generation(request) reads no body
+    continue_body=False,  # 0.5.4 http_server.py:1071
+    pause_modes=(PauseMode.ABORT,),
+    weight_update_session=False,
+    weight_version_route="/get_weight_version",  # 0.5.4 http_server.py:488
+    model_info_route="/get_model_info",  # 0.5.4 http_server.py:475 (no /model_info)
+    server_info_route="/get_server_info",  # 0.5.4 http_server.py:496 (no /server_info)
+    ready_route=None,
+    weights_checker_route=None,
+    flush_timeout_query=False,  # 0.5.4 http_server.py:609
+    safe_unpickler=False,
+    absent_fields=(
+        ("UpdateWeightsFromTensorReqInput", ("selector", "torch_empty_cache")),
+        ("UpdateWeightsFromDistributedReqInput", ("load_format", "selector", "torch_empty_cache")),
+        ("UpdateWeightFromDiskReqInput", ("recapture_cuda_graph", "flush_cache", "manifest")),
+    ),
+    absent_structs=(
+        "PauseGenerationReqInput",
+        "ContinueGenerationReqInput",
+        "BeginWeightUpdateReqInput",
+        "EndWeightUpdateReqInput",
+        "CheckWeightsReqInput",
+    ),
+)
+
+PROTOCOLS: dict[str, SGLangProtocol] = {p.name: p for p in (V0_5_23, PRE_SESSION, LEGACY)}
+
+# PEP 440 order of pre/post-release segments: dev < a < b < rc < (final) < post.
+_STAGES = {"dev": -4, "a": -3, "alpha": -3, "b": -2, "beta": -2, "rc": -1, "c": -1, "": 0, "post": 1}
+_VERSION = re.compile(
+    r"""^\s*v?(?P<major>\d+)\.(?P<minor>\d+)(?:\.(?P<micro>\d+))?(?:\.(?P<extra>\d+))?
+        [-_.]?(?P<stage>dev|alpha|beta|post|rc|a|b|c)?[-_.]?(?P<num>\d+)?
+        (?:[-_.]?dev\d*)?
+        (?:\+[\w.]+)?\s*$""",
+    re.VERBOSE | re.IGNORECASE,
+)
+
+
+def parse_version(version: str) -> tuple[int, int, int, int, int]:
+    """``"0.5.4.post1"`` → ``(0, 5, 4, 1, 1)``: (major, minor, micro, stage, n), ordered as PEP 440.
+
+    Accepts a leading ``v``, a local label (``+cu129``), ``rcN``/``aN``/``bN``/``.postN``/``.devN``.
+    Raises ``ValueError`` naming the string for anything else.
+    """
+    match = _VERSION.match(version)
+    if match is None:
+        raise ValueError(f"unrecognised SGLang version {version!r}")
+    stage = (match["stage"] or "").lower()
+    num = int(match["num"] or 0)
+    return (int(match["major"]), int(match["minor"]), int(match["micro"] or 0), _STAGES[stage], num)
+
+
+def protocol_for_version(version: str) -> SGLangProtocol:
+    """The protocol a server reporting ``version`` (``/server_info`` → ``version``) speaks.
+
+    Pre-releases order before their release (``0.5.21rc0`` → PRE_SESSION), as PEP 440 says; a
+    server that turns out to need the session then fails its first update loudly
+    (``success: false``), never silently. ``0.0.0.dev0`` is what a source checkout without
+    version metadata reports (``sglang/version.py`` fallback), which says nothing about its
+    protocol, so it is refused along with versions older than the LEGACY band.
+    """
+    parsed = parse_version(version)
+    if parsed[:2] == (0, 0):
+        raise ValueError(
+            f"SGLang reports version {version!r}, a source build without version metadata; "
+            "its protocol cannot be told from it"
+        )
+    if parsed >= parse_version(SESSION_MIN_VERSION):
+        return V0_5_23
+    if parsed >= parse_version(PAUSE_BODY_MIN_VERSION):
+        return PRE_SESSION
+    if parsed[:3] >= parse_version(LEGACY.min_version)[:3]:
+        return LEGACY
+    raise ValueError(f"SGLang {version!r} is older than {LEGACY.min_version}, the oldest protocol colocd speaks")

@@ -1,0 +1,411 @@
+"""SGLang's HTTP request and response bodies as pydantic models, with SGLang's own names, types and defaults.
+
+Request models mirror ``sglang/srt/managers/io_struct.py`` of the 0.5.23 wheel field for field (the
+line of each class is cited; ``tests/contract/`` checks every field against the recorded structs of
+0.5.4, 0.5.9 and 0.5.23). Two inherited fields, ``rid`` and ``http_worker_ipc`` (io_struct.py:89-90),
+are internal routing and never sent. Response models are lenient about extra keys, because SGLang
+adds keys between releases, and strict about the ones colocd reads.
+
+This module knows nothing of HTTP clients, engine state or ordering: ``adapter.py`` does the I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..base import PauseMode
+from .protocol import SGLangProtocol
+
+__all__ = [
+    "BeginWeightUpdateReqInput",
+    "CheckWeightsReqInput",
+    "CheckWeightsResult",
+    "ContinueGenerationReqInput",
+    "ControlResult",
+    "DestroyWeightsUpdateGroupReqInput",
+    "EndWeightUpdateReqInput",
+    "ErrorDetail",
+    "ErrorResponse",
+    "GenerationControlResult",
+    "InitWeightsUpdateGroupReqInput",
+    "ModelInfo",
+    "PauseGenerationReqInput",
+    "ReleaseMemoryOccupationReqInput",
+    "ResumeMemoryOccupationReqInput",
+    "SGLangRequest",
+    "Selector",
+    "ServerInfo",
+    "UpdateWeightFromDiskReqInput",
+    "UpdateWeightFromDiskResult",
+    "UpdateWeightVersionReqInput",
+    "UpdateWeightVersionResult",
+    "UpdateWeightsFromDistributedReqInput",
+    "UpdateWeightsFromTensorReqInput",
+    "WeightVersionInfo",
+    "body",
+    "continue_generation_request",
+    "pause_generation_request",
+]
+
+# io_struct.py:2017,2045,2200,2223: which model runners an operation applies to.
+Selector = Literal["target", "draft", "all"]
+
+
+class SGLangRequest(BaseModel):
+    """Base of every request body: frozen, unknown keys refused, and the route it is POSTed to.
+
+    SGLang itself ignores unknown keys (``msgspec_utils.py`` builds its schema with
+    ``extra_behavior="ignore"``), so a misspelt field would silently do nothing there; refusing
+    it here turns that into an error at construction.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ROUTE: ClassVar[str]
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+class ReleaseMemoryOccupationReqInput(SGLangRequest):
+    """io_struct.py:2177; POST /release_memory_occupation (http_server.py:1575).
+
+    200 with a JSON ``null`` body on success; 400 ``{"error": {"message"}}`` only for exceptions
+    in the tokenizer process (http_server.py:2246). A scheduler-side failure kills the server.
+    """
+
+    ROUTE: ClassVar[str] = "/release_memory_occupation"
+    # io_struct.py:2180. None or [] means every tag (kv_cache, weights, cuda_graph). colocd always
+    # names the tags: the daemon tracks each one, and "all" would release a tag twice (fatal, §1.3).
+    tags: list[str] | None = None
+
+
+class ResumeMemoryOccupationReqInput(SGLangRequest):
+    """io_struct.py:2187; POST /resume_memory_occupation (http_server.py:1587). Same replies as release.
+
+    Resuming a tag that is not released raises KeyError in the scheduler (``set.remove``) and
+    kills it (research §1.3), so the daemon only ever names tags it released.
+    """
+
+    ROUTE: ClassVar[str] = "/resume_memory_occupation"
+    tags: list[str] | None = None  # io_struct.py:2190
+
+
+# --- generation control ----------------------------------------------------------------------
+
+
+class PauseGenerationReqInput(SGLangRequest):
+    """io_struct.py:1927; POST /pause_generation (http_server.py:1831) → ``{message, status}``.
+
+    Absent before 0.5.6: the 0.5.4 route reads no body and always behaves like ``abort``.
+    """
+
+    ROUTE: ClassVar[str] = "/pause_generation"
+    mode: Literal["abort", "retract", "in_place"] = "abort"  # io_struct.py:1946
+
+
+class ContinueGenerationReqInput(SGLangRequest):
+    """io_struct.py:1949; POST /continue_generation (http_server.py:1844) → ``{message, status}``."""
+
+    ROUTE: ClassVar[str] = "/continue_generation"
+    # io_struct.py:1955: empty_cache before un-pausing; absent in 0.5.9, whose struct is empty.
+    torch_empty_cache: bool = True
+
+
+# --- weight-update session (0.5.21+) --------------------------------------------------------------
+
+
+class BeginWeightUpdateReqInput(SGLangRequest):
+    """io_struct.py:2197; POST /begin_weight_update (http_server.py:1458) → ``{success, message}``.
+
+    400 if a session is already open. Tensor and distributed updates answer ``success: false``
+    outside a session (scheduler_components/weight_updater.py:190-199,233-240).
+    """
+
+    ROUTE: ClassVar[str] = "/begin_weight_update"
+    selector: Selector = "all"  # io_struct.py:2200
+
+
+class EndWeightUpdateReqInput(SGLangRequest):
+    """io_struct.py:2208 (no fields: send ``{}``); POST /end_weight_update (http_server.py:1473).
+
+    400 if no session is open.
+    """
+
+    ROUTE: ClassVar[str] = "/end_weight_update"
+
+
+# --- weight transfer -------------------------------------------------------------------------
+
+
+class UpdateWeightsFromTensorReqInput(SGLangRequest):
+    """io_struct.py:2027; POST /update_weights_from_tensor (http_server.py:1436) → ``{success, message}``.
+
+    The reply comes once the scheduler has *enqueued* the copies, before the device syncs, so the
+    producer must not reuse the exported buffer right after it (slime update_weight_from_tensor.py:39-47,
+    THUDM/slime#929); see ``payload.BucketLease``.
+    """
+
+    ROUTE: ClassVar[str] = "/update_weights_from_tensor"
+    # io_struct.py:2035 ``Annotated[List[bytes], Base64Bytes()]``: over HTTP, one base64 string per
+    # TP rank, each its own serialisation; rank r decodes only entry r (tp_worker.py:194-201).
+    # SGLang decodes with ``b64decode(validate=True)`` (msgspec_utils.py:24), so the standard
+    # alphabet with padding is required and checked here.
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    # io_struct.py:2037: None (named-tensor list), "direct", "flattened_bucket" or a registered
+    # --custom-weight-loader path.
+    load_format: str | None = None
+    # io_struct.py:2039: defaults True; a refused flush (requests still queued) makes the whole
+    # update report failure even though the weights changed (research §1.6), so colocd flushes once,
+    # after the last chunk, with the engine paused.
+    flush_cache: bool = True
+    abort_all_requests: bool = False  # io_struct.py:2041
+    weight_version: str | None = None  # io_struct.py:2043
+    selector: Selector = "all"  # io_struct.py:2045 (absent before 0.5.21 in the bands checked)
+    torch_empty_cache: bool = False  # io_struct.py:2047
+
+    @field_validator("serialized_named_tensors")
+    @classmethod
+    def _standard_base64(cls, entries: list[str]) -> list[str]:
+        for rank, entry in enumerate(entries):
+            try:
+                base64.b64decode(entry, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError(f"serialized_named_tensors[{rank}] is not standard base64: {exc}") from None
+        return entries
+
+
+class UpdateWeightsFromDistributedReqInput(SGLangRequest):
+    """io_struct.py:2002; POST /update_weights_from_distributed (http_server.py:1488).
+
+    The reply comes only after the NCCL receive, so the trainer must broadcast while this request
+    is in flight (research §1.6, §6.3).
+    """
+
+    ROUTE: ClassVar[str] = "/update_weights_from_distributed"
+    names: list[str]  # io_struct.py:2003
+    dtypes: list[str]  # io_struct.py:2004, torch short names, e.g. "bfloat16"
+    shapes: list[list[int]]  # io_struct.py:2005
+    group_name: str = "weight_update_group"  # io_struct.py:2007
+    flush_cache: bool = True  # io_struct.py:2009
+    abort_all_requests: bool = False  # io_struct.py:2011
+    weight_version: str | None = None  # io_struct.py:2013
+    # io_struct.py:2015: "flattened_bucket" receives one uint8 broadcast laid out with no padding;
+    # every byte offset must be a multiple of its dtype's itemsize (tensor_bucket.py FlattenedTensorBucket.empty).
+    load_format: str | None = None
+    selector: Selector = "all"  # io_struct.py:2017
+    torch_empty_cache: bool = False  # io_struct.py:2019
+
+    @model_validator(mode="after")
+    def _parallel_lists(self) -> UpdateWeightsFromDistributedReqInput:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"names, dtypes and shapes must have one entry per tensor; got "
+                f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}"
+            )
+        return self
+
+
+class UpdateWeightFromDiskReqInput(SGLangRequest):
+    """io_struct.py:1970; POST /update_weights_from_disk (http_server.py:1300).
+
+    Reply ``{success, message, num_paused_requests}``. No session needed; on a failed load the
+    engine reloads its original checkpoint (model_runner_components/weight_updater.py:225-238).
+    """
+
+    ROUTE: ClassVar[str] = "/update_weights_from_disk"
+    model_path: str  # io_struct.py:1972
+    load_format: str | None = None  # io_struct.py:1974: None means the server's own load format
+    abort_all_requests: bool = False  # io_struct.py:1976
+    weight_version: str | None = None  # io_struct.py:1978
+    is_async: bool = False  # io_struct.py:1980
+    torch_empty_cache: bool = False  # io_struct.py:1982
+    keep_pause: bool = False  # io_struct.py:1984
+    recapture_cuda_graph: bool = False  # io_struct.py:1986
+    token_step: int = 0  # io_struct.py:1988
+    flush_cache: bool = True  # io_struct.py:1990
+    manifest: dict[str, Any] | None = None  # io_struct.py:1992
+
+
+class InitWeightsUpdateGroupReqInput(SGLangRequest):
+    """io_struct.py:2126; POST /init_weights_update_group (http_server.py:1404) → ``{success, message}``.
+
+    Blocks until the NCCL rendezvous completes: issue it concurrently with the trainer's own
+    group init (engine rank = rank_offset + tp_rank; the trainer is rank 0).
+    """
+
+    ROUTE: ClassVar[str] = "/init_weights_update_group"
+    master_address: str  # io_struct.py:2128
+    master_port: int = Field(ge=1, le=65535)  # io_struct.py:2130
+    rank_offset: int = Field(ge=0)  # io_struct.py:2132
+    world_size: int = Field(ge=1)  # io_struct.py:2134
+    group_name: str = "weight_update_group"  # io_struct.py:2136
+    backend: str = "nccl"  # io_struct.py:2138
+
+
+class DestroyWeightsUpdateGroupReqInput(SGLangRequest):
+    """io_struct.py:2146; POST /destroy_weights_update_group (http_server.py:1420) → ``{success, message}``."""
+
+    ROUTE: ClassVar[str] = "/destroy_weights_update_group"
+    group_name: str = "weight_update_group"  # io_struct.py:2147
+
+
+class UpdateWeightVersionReqInput(SGLangRequest):
+    """io_struct.py:2155; POST /update_weight_version (http_server.py:1527) → ``{success, message, new_version}``."""
+
+    ROUTE: ClassVar[str] = "/update_weight_version"
+    new_version: str  # io_struct.py:2157
+    # io_struct.py:2159: SGLang's default is True, which aborts every running request
+    # (radixark/miles#2372 lost whole steps of rollouts to it). Kept as SGLang's default here so
+    # the model stays exact; callers pass False explicitly.
+    abort_all_requests: bool = True
+
+
+class CheckWeightsReqInput(SGLangRequest):
+    """io_struct.py:2217; GET or POST /weights_checker (http_server.py:1599) → ``CheckWeightsResult``."""
+
+    ROUTE: ClassVar[str] = "/weights_checker"
+    action: str = "checksum"  # io_struct.py:2218: "checksum" | "snapshot" | "reset_tensors" | "compare"
+    allow_quant_error: bool = False  # io_struct.py:2219
+    skip_tensor_list: list[str] | None = None  # io_struct.py:2221
+    selector: Selector = "all"  # io_struct.py:2223
+
+
+# --- responses -------------------------------------------------------------------------------
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class ControlResult(_Reply):
+    """``{success, message}``: begin/end session, tensor/distributed updates, group init/destroy.
+
+    Sent with HTTP 200 on success and 400 on failure (e.g. http_server.py:1452-1455).
+    """
+
+    success: bool
+    message: str = ""
+
+
+class UpdateWeightFromDiskResult(ControlResult):
+    """http_server.py:1312-1327."""
+
+    num_paused_requests: int = 0
+
+
+class UpdateWeightVersionResult(ControlResult):
+    """http_server.py:1540-1556; ``new_version`` only on success."""
+
+    new_version: str | None = None
+
+
+class CheckWeightsResult(ControlResult):
+    """http_server.py:1614-1619: ``ranks`` (one entry per TP rank and role) and a combined checksum."""
+
+    ranks: list[dict[str, Any]] | None = None
+    per_engine_checksum: str | None = None
+
+
+class GenerationControlResult(_Reply):
+    """Pause and continue reply ``{"message": ..., "status": "ok"}`` (http_server.py:1838-1841, 1851-1854)."""
+
+    message: str
+    status: str
+
+
+class ErrorDetail(_Reply):
+    message: str
+
+
+class ErrorResponse(_Reply):
+    """``{"error": {"message"}}``: release/resume and other routes that catch (http_server.py:2246-2250)."""
+
+    error: ErrorDetail
+
+
+class ModelInfo(_Reply):
+    """GET /model_info (http_server.py:812-850; 0.5.4: /get_model_info, http_server.py:475).
+
+    ``weight_version`` is where 0.5.6+ publishes the current weight version.
+    """
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    is_generation: bool | None = None
+    weight_version: str | None = None
+    load_format: str | None = None
+    served_model_name: str | None = None
+
+
+class WeightVersionInfo(_Reply):
+    """GET /get_weight_version before 0.5.9 (0.5.4 http_server.py:488-493)."""
+
+    weight_version: str | None = None
+
+
+class ServerInfo(_Reply):
+    """The subset of GET /server_info colocd reads (http_server.py:863-894; 0.5.4 /get_server_info:496).
+
+    The body is the resolved server arguments plus scheduler info; ``version`` is what
+    ``protocol.protocol_for_version`` takes. ``weight_cache_mode`` does not exist before it was added.
+    """
+
+    version: str
+    model_path: str | None = None
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
+    weight_cache_mode: str | None = None
+    weight_version: str | None = None
+
+
+# --- builders --------------------------------------------------------------------------------
+
+
+def body(model: SGLangRequest, protocol: SGLangProtocol | None = None) -> dict[str, Any]:
+    """The JSON body for ``model``: every field, defaults included, so nothing rests on SGLang's defaults.
+
+    With ``protocol``, fields that protocol's SGLang lacks are dropped while they hold SGLang's
+    default (which is what that SGLang does anyway) and refused otherwise, naming the field:
+    an older SGLang would ignore the key and silently do something else.
+    """
+    data = model.model_dump(mode="json")
+    if protocol is None:
+        return data
+    struct = type(model).__name__
+    if not protocol.has_struct(struct):
+        raise ValueError(f"SGLang protocol {protocol.name!r} has no {struct}; {model.ROUTE} takes no such body")
+    for name in protocol.fields_absent(struct):
+        if name not in data:
+            continue
+        default = type(model).model_fields[name].get_default(call_default_factory=True)
+        if getattr(model, name) != default:
+            raise ValueError(
+                f"SGLang protocol {protocol.name!r} has no {struct}.{name}; "
+                f"it would ignore {name}={getattr(model, name)!r}"
+            )
+        del data[name]
+    return data
+
+
+def pause_generation_request(protocol: SGLangProtocol, mode: PauseMode | str) -> dict[str, Any] | None:
+    """The /pause_generation body for ``mode``, or None where the route reads no body (LEGACY)."""
+    if mode not in protocol.pause_modes:
+        allowed = ", ".join(m.value for m in protocol.pause_modes)
+        raise ValueError(f"SGLang protocol {protocol.name!r} cannot pause with mode {mode!r}; it has: {allowed}")
+    if not protocol.pause_body:
+        return None
+    return body(PauseGenerationReqInput.model_validate({"mode": PauseMode(mode).value}), protocol)
+
+
+def continue_generation_request(protocol: SGLangProtocol, *, torch_empty_cache: bool = True) -> dict[str, Any] | None:
+    """The /continue_generation body, or None where the route reads no body (LEGACY)."""
+    if not protocol.continue_body:
+        return None
+    return body(ContinueGenerationReqInput(torch_empty_cache=torch_empty_cache), protocol)
