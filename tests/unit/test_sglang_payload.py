@@ -1,0 +1,208 @@
+"""Trainer-side SGLang payloads: what an allow-list unpickler rebuilds, per-rank entries, bucket layout."""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from colocd.engines.sglang import payload
+from colocd.engines.sglang.payload import (
+    BucketLease,
+    LeaseState,
+    export_flattened_bucket,
+    flatten_bucket,
+    named_tensors_payload,
+    serialize,
+    serialize_per_rank,
+    serialize_replicated,
+    with_device_uuid,
+)
+
+# The globals a CPU payload may name: a subset of SGLang's SafeUnpickler.ALLOWED_GLOBALS
+# (0.5.23 utils/common.py:3148-3359). Anything else must be refused, as SGLang refuses it.
+_ALLOWED = {
+    ("builtins", "list"),
+    ("builtins", "dict"),
+    ("builtins", "tuple"),
+    ("types", "SimpleNamespace"),
+    ("torch", "Size"),
+    ("torch", "Tensor"),
+    ("torch", "UntypedStorage"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+} | {("torch", name) for name in ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")}
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Blocked unsafe global ({module}.{name})")
+
+
+def _load(entry: str) -> Any:
+    # SGLang decodes with b64decode(validate=True) (msgspec_utils.py:24, common.py:3112).
+    return _AllowListUnpickler(io.BytesIO(base64.b64decode(entry, validate=True))).load()
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    return [
+        ("model.embed.weight", torch.randn(5, 3, dtype=torch.bfloat16)),
+        ("model.mask", torch.tensor([True, False, True])),  # 3 bytes: the next offset must still align
+        ("model.layers.0.w", torch.randn(7, dtype=torch.float32)),
+        ("model.count", torch.arange(3, dtype=torch.int64)),
+    ]
+
+
+def test_flattened_bucket_entry_round_trips_through_an_allow_list_unpickler() -> None:
+    named = _named()
+    entry, lease = export_flattened_bucket(named)
+    data = _load(entry)
+
+    assert set(data) == {"flattened_tensor", "metadata"}
+    assert data["flattened_tensor"].dtype == torch.uint8
+    for meta, (name, tensor) in zip(data["metadata"], named, strict=True):
+        assert type(meta) is SimpleNamespace
+        assert vars(meta).keys() == {"name", "shape", "dtype", "start_idx", "end_idx", "numel"}
+        assert meta.name == name and meta.shape == tensor.shape and meta.dtype == tensor.dtype
+        # What SGLang's FlattenedTensorBucket.reconstruct_tensors does (tensor_bucket.py:130-140).
+        rebuilt = data["flattened_tensor"][meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)
+        assert torch.equal(rebuilt, tensor)
+    lease.release()
+
+
+def test_metadata_offsets_are_multiples_of_each_dtype_itemsize() -> None:
+    bucket = flatten_bucket(_named())
+    for meta in bucket.metadata:
+        assert meta.start_idx % meta.dtype.itemsize == 0
+        assert meta.numel == meta.end_idx - meta.start_idx == meta.shape.numel() * meta.dtype.itemsize
+    ends = [m.end_idx for m in bucket.metadata]
+    starts = [m.start_idx for m in bucket.metadata]
+    assert all(s >= e for s, e in zip(starts[1:], ends, strict=False)), "tensors must not overlap"
+    assert ends[-1] <= bucket.flattened_tensor.numel()
+
+
+def test_plain_named_tensor_entry_round_trips() -> None:
+    named = _named()
+    (entry,) = serialize_per_rank([named_tensors_payload(named)])
+    loaded = _load(entry)
+    assert [n for n, _ in loaded] == [n for n, _ in named]
+    for (_, got), (_, want) in zip(loaded, named, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_each_tp_rank_gets_its_own_serialisation(monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = flatten_bucket(_named())
+    reduced: list[torch.Tensor] = []
+    real = payload._reduce_tensor
+
+    def counting(tensor: torch.Tensor) -> Any:
+        reduced.append(tensor)
+        return real(tensor)
+
+    monkeypatch.setattr(payload, "_reduce_tensor", counting)
+    entries = serialize_replicated(bucket.payload(), tp_size=3)
+    # One reduce (one IPC refcount slot on CUDA) per rank, never one shared entry.
+    assert len(entries) == 3 and len(reduced) == 3
+    for entry in entries:
+        assert torch.equal(_load(entry)["flattened_tensor"], bucket.flattened_tensor)
+
+
+def test_per_rank_entries_carry_each_ranks_own_tensors() -> None:
+    rank0 = [("w", torch.zeros(4))]
+    rank1 = [("w", torch.ones(4))]
+    entries = serialize_per_rank([rank0, rank1])
+    assert entries[0] != entries[1]
+    assert torch.equal(_load(entries[1])[0][1], torch.ones(4))
+
+
+def test_a_foreign_class_in_the_payload_is_refused_like_sglang_would() -> None:
+    entry = serialize({"metadata": [_NotAllowListed()]})
+    with pytest.raises(pickle.UnpicklingError, match="Blocked unsafe global"):
+        _load(entry)
+
+
+class _NotAllowListed:
+    pass
+
+
+def test_entries_are_standard_base64_text() -> None:
+    entry = serialize([("w", torch.zeros(2))])
+    assert isinstance(entry, str)
+    base64.b64decode(entry, validate=True)
+
+
+def test_device_uuid_replaces_argument_six_only() -> None:
+    args = tuple(range(15))
+    out = with_device_uuid(args, lambda index: f"GPU-uuid-{index}")
+    assert out[6] == "GPU-uuid-6"
+    assert out[:6] == args[:6] and out[7:] == args[7:]
+
+
+def test_device_uuid_refuses_an_unexpected_reduction_shape() -> None:
+    with pytest.raises(ValueError, match="changed shape"):
+        with_device_uuid(tuple(range(14)), str)
+    with pytest.raises(ValueError, match="changed shape"):
+        with_device_uuid((*range(6), "already-a-uuid", *range(8)), str)
+
+
+def test_serialize_patches_no_process_wide_reducer() -> None:
+    from multiprocessing.reduction import ForkingPickler
+
+    before = dict(ForkingPickler._extra_reducers)
+    serialize([("w", torch.zeros(2))])
+    assert ForkingPickler._extra_reducers == before
+
+
+def test_bucket_lease_keeps_the_buffer_until_released_and_never_hands_it_out_again() -> None:
+    bucket = flatten_bucket(_named())
+    lease = BucketLease(bucket.flattened_tensor)
+    assert lease.tensor is bucket.flattened_tensor and lease.state is LeaseState.HELD
+    lease.release()
+    lease.release()  # idempotent: safe in finally blocks
+    assert lease.state is LeaseState.RELEASED
+    with pytest.raises(RuntimeError, match="must not be reused"):
+        _ = lease.tensor
+
+
+def test_bucket_lease_context_manager_releases_on_error() -> None:
+    with pytest.raises(KeyError), BucketLease(torch.zeros(4, dtype=torch.uint8)) as lease:
+        raise KeyError("engine rejected the chunk")
+    assert lease.state is LeaseState.RELEASED
+
+
+def test_empty_and_mixed_device_buckets_are_refused() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        flatten_bucket([])
+    with pytest.raises(ValueError, match="at least 1"):
+        serialize_replicated([], tp_size=0)
+    with pytest.raises(ValueError, match="one device"):
+        flatten_bucket([("a", torch.zeros(1)), ("b", torch.zeros(1, device="meta"))])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_entry_names_the_gpu_by_uuid() -> None:
+    tensor = torch.arange(8, dtype=torch.float32, device="cuda")
+    entry = serialize([("w", tensor)])
+    raw = base64.b64decode(entry)
+    uuid = str(torch.cuda.get_device_properties(tensor.device.index).uuid)
+    assert uuid.encode() in raw
+
+
+def test_module_exports_are_sorted_and_complete() -> None:
+    assert payload.__all__ == sorted(payload.__all__)
+    assert all(hasattr(payload, name) for name in payload.__all__)
