@@ -1,0 +1,27 @@
+"""colocd's vLLM engine: the HTTP adapter, the server launcher, and the in-worker extension.
+
+Names load lazily so that vLLM's worker can import ``colocd.engines.vllm.extension`` without
+pulling in httpx or pydantic.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .adapter import VLLMAdapter
+    from .launcher import VLLMServer
+
+__all__ = ["VLLMAdapter", "VLLMServer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "VLLMAdapter":
+        from .adapter import VLLMAdapter
+
+        return VLLMAdapter
+    if name == "VLLMServer":
+        from .launcher import VLLMServer
+
+        return VLLMServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,318 @@
+"""Speaks vLLM's dev-mode HTTP API (0.32/0.33) as colocd's engine verbs; knows nothing of phases or policies.
+
+vLLM owns little state a daemon can trust: /is_sleeping is also true while merely paused, waking a
+tag that is awake is a silent no-op, sleep pauses by itself and the last wake resumes by itself.
+So this adapter issues calls and reports what vLLM did; the daemon keeps tag and pause state.
+
+Verb → route (research/engine-apis.md §2, §6.2):
+
+    attach               GET /version, /is_paused (dev mode?), /weight_info, /get_world_size, RPC colocd_info
+    pause_generation     POST /pause?mode=abort|wait|keep          (wire.PAUSE_MODES)
+    continue_generation  POST /resume
+    flush_cache          POST /reset_prefix_cache
+    release_memory       POST /sleep?level=L&mode=M, or /release_kv_cache_memory for kv_cache alone
+    resume_memory        POST /wake_up?tags=weights&tags=kv_cache
+    begin_weight_update  POST /init_weight_transfer_engine (once), /start_weight_update
+    load_weights         POST /update_weights, or /collective_rpc colocd_load_chunk without a backend
+    end_weight_update    POST /finish_weight_update {"weight_version"}
+    set_weight_version   POST /update_weight_version
+    weights_checksum     /collective_rpc colocd_received_digest (extension.named_digest of what arrived)
+    reload_weights       /collective_rpc reload_weights {"weights_path"}: vLLM's own disk loader
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from ..base import EngineInfo, MemoryTag, PauseMode, ReleaseReport, WeightsLoad
+from ..config import VLLMEngineConfig
+from ..errors import EngineProtocolError, EngineRejected
+from . import wire
+from .errors import map_transport_errors, raise_for_status
+
+__all__ = ["VLLMAdapter"]
+
+_M = TypeVar("_M", bound=BaseModel)
+
+# init_info per backend for /init_weight_transfer_engine: ours needs nothing; vLLM's ipc backend must
+# agree with the trainer on packing, and colocd's cuda_ipc chunks are packed (ipc_engine.py:36-44).
+_INIT_INFO: dict[str, dict[str, Any]] = {wire.BACKEND_COLOCD: {}, "ipc": {"packed": True}}
+
+
+class VLLMAdapter:
+    """One vLLM server in dev mode (``VLLM_SERVER_DEV_MODE=1``), driven over HTTP.
+
+    ``VLLMAdapter(config, client)``; ``config.url`` must be set (the launcher fills it in). The
+    client is the caller's: it sets timeouts (use none; the daemon's deadlines apply) and closes it.
+    """
+
+    def __init__(self, config: VLLMEngineConfig, client: httpx.AsyncClient) -> None:
+        if config.url is None:
+            raise ValueError(f"engine {config.name!r}: VLLMAdapter needs 'url' (VLLMServer.start() provides it)")
+        self.name = config.name
+        self._config = config
+        self._client = client
+        self._base = config.url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._backend = config.weight_transfer_backend
+        self._transfer_initialised = False
+        self._extension: dict[str, Any] | None = None
+        # Wire-level memory, not engine state: /sleep re-pauses with its own ``mode`` (core.py:959-975),
+        # and "abort" would abort requests an earlier /pause?mode=keep froze. So a sleep reuses the
+        # mode of the pause this adapter issued last.
+        self._pause_mode: str | None = None
+        self._pending_version: str | None = None
+        self._flush_after_update = False
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: list[tuple[str, str]] | dict[str, str] | None = None,
+        json: Any = None,
+    ) -> httpx.Response:
+        with map_transport_errors(self.name, method, path):
+            response = await self._client.request(
+                method, self._base + path, params=params, json=json, headers=self._headers
+            )
+        raise_for_status(self.name, method, path, response)
+        return response
+
+    def _parse(self, model: type[_M], response: httpx.Response, path: str) -> _M:
+        try:
+            return model.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise EngineProtocolError(
+                self.name, f"{path} answered {response.text[:300]!r}, not {model.__name__}: {exc.errors()[:2]}"
+            ) from exc
+
+    async def _rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        response = await self._call("POST", "/collective_rpc", json=wire.rpc_body(method, args=list(args), kwargs=kwargs))
+        if not response.content:
+            return []  # every worker returned None (rpc/api_router.py:50-51)
+        return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results
+
+    # -- attach and queries -----------------------------------------------------------------
+
+    async def attach(self) -> EngineInfo:
+        """Probe the version and the dev routes; read weight version, TP size and the extension."""
+        version = self._parse(wire.VersionReply, await self._call("GET", "/version"), "/version").version
+        try:
+            parsed = wire.parse_version(version)
+        except ValueError as exc:
+            raise EngineProtocolError(self.name, str(exc)) from None
+        if parsed < wire.MIN_VERSION:
+            raise EngineProtocolError(
+                self.name, f"vLLM {version} is older than 0.32: /sleep has no mode and weight transfer is two-phase"
+            )
+        try:
+            await self._call("GET", "/is_paused")
+        except EngineRejected as exc:
+            if exc.status == 404:
+                raise EngineProtocolError(
+                    self.name, "vLLM's dev routes are missing: start the server with VLLM_SERVER_DEV_MODE=1"
+                ) from exc
+            raise
+        world = self._parse(
+            wire.WorldSizeReply, await self._call("GET", "/get_world_size", params={"include_dp": "false"}), "/get_world_size"
+        ).world_size
+        if world != self._config.tp_size:
+            raise EngineProtocolError(
+                self.name, f"vLLM runs {world} workers (TP*PP) but the config says tp_size={self._config.tp_size}"
+            )
+        extension_error = None
+        try:
+            results = await self._rpc("colocd_info")
+            self._extension = results[0] if results and isinstance(results[0], dict) else None
+        except EngineRejected as exc:  # 500 "'CPUWorker' object has no attribute 'colocd_info'"
+            self._extension, extension_error = None, exc.detail
+        owned = tuple(t for t in self._config.owned_tags if t in wire.SLEEP_TAGS)
+        return EngineInfo(
+            name=self.name,
+            engine_kind="vllm",
+            version=version,
+            protocol="vllm-dev",
+            weight_version=await self.weight_version(),
+            tp_size=world,
+            owned_tags=owned,
+            extra={
+                "extension": self._extension,
+                "extension_error": extension_error,
+                "weight_transfer_backend": self._backend,
+                "sleep_level": self._config.sleep_level,
+                # What the daemon's state machine must know about vLLM (core.py:959-1018):
+                "sleep_pauses_generation": True,
+                "full_wake_resumes_generation": True,
+            },
+        )
+
+    async def health(self) -> bool:
+        """GET /health: 200 → True, 503 (engine core dead) or any other status → False.
+
+        Never runs a generation, so it is safe while asleep. Raises EngineUnreachable when nothing
+        answers at all.
+        """
+        with map_transport_errors(self.name, "GET", "/health"):
+            response = await self._client.get(self._base + "/health", headers=self._headers)
+        return response.status_code == 200
+
+    async def weight_version(self) -> str | None:
+        response = await self._call("GET", "/weight_info")
+        return self._parse(wire.WeightInfoReply, response, "/weight_info").weight_version
+
+    async def is_sleeping(self) -> bool:
+        """vLLM's own flag: true while any tag is asleep *or* the scheduler is merely paused."""
+        return self._parse(wire.IsSleepingReply, await self._call("GET", "/is_sleeping"), "/is_sleeping").is_sleeping
+
+    async def is_paused(self) -> bool:
+        return self._parse(wire.IsPausedReply, await self._call("GET", "/is_paused"), "/is_paused").is_paused
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def pause_generation(self, mode: PauseMode) -> None:
+        """POST /pause?mode=…; abort→abort, retract→wait (drain), in_place→keep (see wire.PAUSE_MODES)."""
+        vllm_mode = wire.PAUSE_MODES[PauseMode(mode)]
+        await self._call("POST", "/pause", params={"mode": vllm_mode})
+        self._pause_mode = vllm_mode
+
+    async def continue_generation(self) -> None:
+        await self._call("POST", "/resume")
+        self._pause_mode = None
+
+    async def flush_cache(self) -> bool:
+        """POST /reset_prefix_cache; False while running requests hold blocks (retryable)."""
+        response = await self._call("POST", "/reset_prefix_cache")
+        return self._parse(wire.ResetPrefixCacheReply, response, "/reset_prefix_cache").success
+
+    # -- memory -----------------------------------------------------------------------------
+
+    async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
+        """Sleep, reporting the tags vLLM actually released (a sleep releases weights and KV together).
+
+        kv_cache alone uses /release_kv_cache_memory, which needs a completed pause first and no
+        kept requests (core.py:1021-1039); vLLM's 500 says so. ``sleep_level`` 0 only pauses the
+        scheduler, so nothing is reported released. On CPU vLLM's worker ignores sleep entirely
+        (cpu_worker.py:179-185): the report is what vLLM *says*, and only NVML can confirm memory.
+        """
+        wanted = wire.vllm_tags(tags)
+        if not wanted:
+            return ReleaseReport(tags=())
+        if wanted == ["kv_cache"]:
+            await self._call("POST", "/release_kv_cache_memory")
+            return ReleaseReport(tags=(MemoryTag.KV_CACHE,))
+        level = self._config.sleep_level
+        params = {"level": str(level), "mode": self._pause_mode or "abort"}
+        self._parse(wire.SleepReply, await self._call("POST", "/sleep", params=params), "/sleep")
+        if level == 0:
+            return ReleaseReport(tags=())
+        return ReleaseReport(tags=(MemoryTag.WEIGHTS, MemoryTag.KV_CACHE))
+
+    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
+        """POST /wake_up with exactly the vLLM tags asked for; cuda_graph has no vLLM tag.
+
+        Ask only for tags that are asleep: one awake tag makes vLLM skip the whole call silently
+        (executor/abstract.py:394-404). When the last tag wakes vLLM resumes generation itself.
+        """
+        wanted = wire.vllm_tags(tags)
+        if not wanted or self._config.sleep_level == 0:
+            return ReleaseReport(tags=())
+        response = await self._call("POST", "/wake_up", params=wire.wake_query(wanted))
+        reply = self._parse(wire.WakeUpReply, response, "/wake_up")
+        if reply.status == "awake":
+            self._pause_mode = None  # the full wake resumed the scheduler (core.py:1013-1018)
+        return ReleaseReport(tags=tuple(t for t in wire.SLEEP_TAGS if wire.SLEEP_TAGS[t] in wanted))
+
+    # -- weights ----------------------------------------------------------------------------
+
+    @property
+    def _session_kind(self) -> Literal["native", "rpc"]:
+        return "native" if self._backend else "rpc"
+
+    async def begin_weight_update(self) -> None:
+        """Open an update: native /start_weight_update (initialising transfer once), or the extension's."""
+        self._pending_version, self._flush_after_update = None, False
+        if self._session_kind == "rpc":
+            await self._rpc("colocd_begin_update")
+            return
+        if not self._transfer_initialised:
+            init_info = _INIT_INFO.get(self._backend or "", {})
+            await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+            self._transfer_initialised = True
+        await self._call("POST", "/start_weight_update")
+
+    async def load_weights(self, load: WeightsLoad) -> None:
+        """Send one chunk. vLLM replies after the copy is done (base.py update_weights synchronises)."""
+        if self._backend == "ipc":
+            try:
+                info: Any = wire.ipc_update_info(load.payloads)
+            except ValueError as exc:
+                raise EngineProtocolError(self.name, f"chunk {load.seq}: {exc}") from None
+        else:
+            info = wire.colocd_update_info(load.seq, load.payloads)
+        if self._session_kind == "native":
+            await self._call("POST", "/update_weights", json={"update_info": info})
+        else:
+            await self._rpc("colocd_load_chunk", info)
+        if load.weight_version is not None:
+            self._pending_version = load.weight_version
+        self._flush_after_update |= load.flush_cache
+
+    async def end_weight_update(self) -> None:
+        """Close the update; the version carried by the chunks lands with it (finish_weight_update)."""
+        version, self._pending_version = self._pending_version, None
+        if self._session_kind == "native":
+            await self._call("POST", "/finish_weight_update", json={"weight_version": version})
+        else:
+            await self._rpc("colocd_finish_update")
+            if version is not None:
+                await self.set_weight_version(version)
+        if self._flush_after_update:
+            self._flush_after_update = False
+            await self.flush_cache()
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._call("POST", "/update_weight_version", json={"new_version": version})
+
+    async def reload_weights(self, weights_path: str, weight_version: str | None = None) -> None:
+        """The disk fallback: vLLM's own loader reads an HF checkpoint directory in place.
+
+        ``reload_weights`` (gpu_worker.py:629, reload/inplace.py:32) also repoints the model config
+        at ``weights_path``, so a later argument-less reload reads that directory.
+        """
+        await self._rpc("reload_weights", weights_path=weights_path)
+        if weight_version is not None:
+            await self.set_weight_version(weight_version)
+
+    async def weights_checksum(self) -> str | None:
+        """Digest of the tensors the last update delivered, comparable with extension.named_digest.
+
+        None without our extension, or when it records no digests (GPU default; set
+        COLOCD_VLLM_DIGESTS=1 in the server's environment to turn them on).
+        """
+        if self._extension is None:
+            return None
+        results = await self._rpc("colocd_received_digest")
+        digests = {r.get("digest") for r in results if isinstance(r, dict)}
+        if len(digests) > 1:
+            raise EngineProtocolError(self.name, f"vLLM workers received different weights: {sorted(map(str, digests))}")
+        return digests.pop() if digests else None
+
+    async def engine_checksums(self) -> dict[str, str]:
+        """POST /weight_checker checksum: vLLM's per-parameter digests of the served model."""
+        response = await self._call("POST", "/weight_checker", json={"action": "checksum"})
+        return self._parse(wire.WeightCheckerChecksumReply, response, "/weight_checker").checksums
+
+    async def aclose(self) -> None:
+        """Nothing to release: the HTTP client belongs to the caller."""
+
+    async def __aenter__(self) -> VLLMAdapter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,71 @@
+"""Translation of httpx failures and vLLM error replies into colocd's engine errors, in one place.
+
+vLLM's error bodies come in three shapes (0.32.0): the app-wide handlers' OpenAI ``ErrorResponse``
+``{"error": {"message", "type", "code"}}`` (serve/exception_handling/register.py:26-42, used for
+HTTPException, validation errors and anything a worker raised through collective_rpc), /pause's own
+``{"error": "<text>"}`` (rl/online/api_router.py:58-67), and FastAPI's ``{"detail": ...}`` should a
+handler be missing. The engine's message is kept verbatim in the error we raise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from ..errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable
+
+__all__ = ["engine_message", "map_transport_errors", "raise_for_status"]
+
+_MAX_BODY = 2000
+
+
+def engine_message(response: httpx.Response) -> str:
+    """The human message inside a vLLM error reply, or the raw body when it has none."""
+    text = response.text
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text[:_MAX_BODY] or response.reason_phrase
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        detail = data.get("detail")
+        if isinstance(detail, str):
+            return detail
+        if detail is not None:
+            return json.dumps(detail)[:_MAX_BODY]
+        if isinstance(data.get("message"), str):
+            return data["message"]
+    return text[:_MAX_BODY]
+
+
+def raise_for_status(engine: str, method: str, path: str, response: httpx.Response) -> None:
+    """Raise EngineRejected naming the route, the status and vLLM's own message on any non-2xx."""
+    if response.is_success:
+        return
+    message = engine_message(response)
+    raise EngineRejected(
+        engine,
+        f"vLLM rejected {method} {path} with {response.status_code}: {message}",
+        status=response.status_code,
+        body=response.text[:_MAX_BODY],
+    )
+
+
+@contextmanager
+def map_transport_errors(engine: str, method: str, path: str) -> Iterator[None]:
+    """Turn httpx exceptions raised inside the block into EngineError subclasses (``from exc``)."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise EngineTimeout(engine, f"{method} {path} timed out: {exc!r}") from exc
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+        raise EngineUnreachable(engine, f"{method} {path}: {exc!r}") from exc
+    except httpx.HTTPError as exc:
+        raise EngineProtocolError(engine, f"{method} {path}: {exc!r}") from exc

