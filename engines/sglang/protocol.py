@@ -25,11 +25,12 @@ from ..base import PauseMode
 
 __all__ = [
     "LEGACY",
+    "PAUSE_BODY_MIN_VERSION",
     "PRE_SESSION",
     "PROTOCOLS",
     "SESSION_MIN_VERSION",
-    "V0_5_23",
     "SGLangProtocol",
+    "V0_5_23",
     "parse_version",
     "protocol_for_version",
 ]
