@@ -1,0 +1,402 @@
+"""Starts an SGLang server subprocess with the flags colocation needs, or attaches to a running one; no engine verbs.
+
+``sglang_command`` is pure (config in, argv and environment out) so the flag rules are tested
+without SGLang; ``SGLangServer`` owns the process: start, readiness by polling ``/health`` under a
+deadline, logs to a file, stop with SIGTERM then SIGKILL to the whole process group (SGLang's
+scheduler and detokenizer are children of the launcher process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from ..config import SGLangEngineConfig
+from .protocol import parse_version
+
+__all__ = [
+    "LaunchError",
+    "SGLangServer",
+    "ServerState",
+    "free_port",
+    "sglang_command",
+    "strip_expandable_segments",
+]
+
+logger = logging.getLogger(__name__)
+
+# Flags colocd sets from the engine config; launch.args may not set them again.
+_OWNED_FLAGS = {
+    "--host": "host (colocd binds 127.0.0.1)",
+    "--port": "port (from 'url' or picked free)",
+    "--model-path": "model_path",
+    "--model": "model_path",
+    "--tp-size": "tp_size",
+    "--tensor-parallel-size": "tp_size",
+    "--tp": "tp_size",
+    "--api-key": "api_key",
+}
+# PyTorch reads either name (PYTORCH_ALLOC_CONF is the newer spelling of the same setting).
+_ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# First release verified to have --weight-cache-mode (arg_groups/fields/model.py:377); 0.5.9 lacks it.
+_WEIGHT_CACHE_FLAG_MIN = (0, 5, 23)
+
+
+class LaunchError(RuntimeError):
+    """The SGLang server could not be started, or did not become ready, or was misconfigured."""
+
+
+def strip_expandable_segments(value: str) -> tuple[str, bool]:
+    """``value`` of PYTORCH_CUDA_ALLOC_CONF without ``expandable_segments:True``; and whether it had it.
+
+    torch_memory_saver refuses expandable segments, CUDA IPC of VMM memory needs ``pidfd_getfd``
+    (denied in most containers), and vLLM's sleep frees nothing with them
+    (research/engine-apis.md §3, §6.4 #12). ``expandable_segments:False`` entries are kept.
+    """
+    kept, removed = [], False
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        key, _, setting = item.partition(":")
+        if key.strip() == "expandable_segments" and setting.strip().lower() in ("true", "1"):
+            removed = True
+            continue
+        kept.append(item)
+    return ",".join(kept), removed
+
+
+def _flag_values(args: Sequence[str]) -> dict[str, str | None]:
+    """``--flag value`` and ``--flag=value`` pairs of an argv tail (a bare flag maps to None)."""
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            if eq:
+                out[name] = value
+            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+                out[name] = args[i + 1]
+                i += 1
+            else:
+                out[name] = None
+        i += 1
+    return out
+
+
+def _visible_devices(config: SGLangEngineConfig) -> str | None:
+    devices = config.gpu_uuids or [str(g) for g in config.gpus]
+    if not devices:
+        return None
+    if len(devices) != config.tp_size:
+        raise LaunchError(
+            f"engine {config.name!r}: {len(devices)} GPUs configured ({'gpu_uuids' if config.gpu_uuids else 'gpus'}) "
+            f"but tp_size={config.tp_size}; one GPU per TP rank"
+        )
+    return ",".join(devices)
+
+
+def sglang_command(
+    config: SGLangEngineConfig,
+    port: int,
+    *,
+    python: str = sys.executable,
+    environ: Mapping[str, str] | None = None,
+    sglang_version: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and full environment that start ``config``'s server on 127.0.0.1:``port``.
+
+    ``environ`` is the environment to start from (default: this process's). ``sglang_version``,
+    when known, drops flags that version does not have; unknown means the newest verified (0.5.23).
+    Raises ``LaunchError`` naming the setting for anything that would break colocation.
+    """
+    if config.launch is None:
+        raise LaunchError(f"engine {config.name!r} has no 'launch' section: colocd attaches to {config.url}")
+    if not config.model_path:
+        raise LaunchError(f"engine {config.name!r}: set 'model_path' to launch SGLang")
+    extra = list(config.launch.args)
+    given = _flag_values(extra)
+    for flag, setting in _OWNED_FLAGS.items():
+        if flag in given:
+            raise LaunchError(f"engine {config.name!r}: launch.args sets {flag}; colocd sets it from {setting}")
+    cache_mode = given.get("--weight-cache-mode")
+    if "--weight-cache-mode" in given and cache_mode != "off":
+        # Not off: release/resume of weights and every update_weights_from_* raise
+        # (weight_updater.py _assert_weight_cache_inactive; research §1.1).
+        raise LaunchError(f"engine {config.name!r}: --weight-cache-mode {cache_mode} disables weight updates; use off")
+    for flag in ("--dp-size", "--data-parallel-size"):
+        if given.get(flag) not in (None, "1"):
+            # update_weights_from_tensor/distributed assert dp_size == 1 (research §1.6): one server per replica.
+            raise LaunchError(f"engine {config.name!r}: {flag} {given[flag]}; run one SGLang server per DP replica")
+
+    argv = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", config.model_path,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--tp-size", str(config.tp_size),
+        # Without it release/resume only log a warning and free nothing (sgl-project/sglang#4566).
+        "--enable-memory-saver",
+    ]  # fmt: skip
+    if "--weight-cache-mode" not in given and (
+        sglang_version is None or parse_version(sglang_version)[:3] >= _WEIGHT_CACHE_FLAG_MIN
+    ):
+        argv += ["--weight-cache-mode", "off"]
+    if config.api_key:
+        # Visible in the process table to local users; control routes then need the bearer key.
+        argv += ["--api-key", config.api_key]
+    argv += extra
+
+    env = dict(os.environ if environ is None else environ)
+    for key, value in config.launch.env.items():
+        env[key] = value
+    for key in _ALLOC_CONF_VARS:
+        if key in env:
+            cleaned, removed = strip_expandable_segments(env[key])
+            if removed:
+                logger.warning(
+                    "engine %r: removed expandable_segments:True from %s (%r): it breaks torch_memory_saver "
+                    "and CUDA IPC (research/engine-apis.md §6.4 #12)", config.name, key, env[key],
+                )
+            if cleaned:
+                env[key] = cleaned
+            else:
+                del env[key]
+
+    graph_var = config.launch.env.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH")
+    if config.memory_saver_cuda_graph:
+        if graph_var not in (None, "1", "true", "True"):
+            raise LaunchError(
+                f"engine {config.name!r}: launch.env SGLANG_MEMORY_SAVER_CUDA_GRAPH={graph_var} "
+                "contradicts memory_saver_cuda_graph: true"
+            )
+        # Graph memory goes into the cuda_graph tag only with this set (environ.py:1645); NCCL's
+        # graph buffer registration must be off or replays hang after a resume
+        # (fzyzcjy/torch_memory_saver#88, sgl-project/sglang#40648).
+        env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+        env["NCCL_GRAPH_REGISTER"] = "0"
+    else:
+        if graph_var is not None:
+            raise LaunchError(
+                f"engine {config.name!r}: launch.env sets SGLANG_MEMORY_SAVER_CUDA_GRAPH; "
+                "set memory_saver_cuda_graph in the engine config instead, so colocd knows the tag owns memory"
+            )
+        # An inherited setting would make the cuda_graph tag own memory the daemon does not expect.
+        env.pop("SGLANG_MEMORY_SAVER_CUDA_GRAPH", None)
+
+    visible = _visible_devices(config)
+    if visible is not None:
+        if "CUDA_VISIBLE_DEVICES" in config.launch.env and config.launch.env["CUDA_VISIBLE_DEVICES"] != visible:
+            raise LaunchError(
+                f"engine {config.name!r}: launch.env CUDA_VISIBLE_DEVICES={config.launch.env['CUDA_VISIBLE_DEVICES']} "
+                f"differs from the configured GPUs ({visible})"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return argv, env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (racy by nature; ``SGLangServer.launch`` retries once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerState(Enum):
+    """Lifecycle of one ``SGLangServer``."""
+
+    STARTING = "starting"  # process started, /health not yet 200
+    READY = "ready"
+    STOPPED = "stopped"  # stopped by us, or exited
+
+
+class SGLangServer:
+    """One SGLang server colocd started (it owns the process group) or attached to (it owns nothing)."""
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        process: asyncio.subprocess.Process | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        self.process = process
+        self.log_path = log_path
+        self.state = ServerState.STARTING
+
+    @classmethod
+    def attach(cls, name: str, url: str) -> SGLangServer:
+        """A server someone else runs; ``stop`` leaves it alone."""
+        return cls(name, url)
+
+    @classmethod
+    async def start(
+        cls,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        url: str,
+        *,
+        log_file: str | os.PathLike[str] | None = None,
+    ) -> SGLangServer:
+        """Start ``argv`` in its own process group with stdout and stderr appended to a log file."""
+        if log_file is None:
+            fd, path = tempfile.mkstemp(prefix=f"colocd-sglang-{name}-", suffix=".log")
+            os.close(fd)
+            log_path = Path(path)
+        else:
+            log_path = Path(log_file)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            log.write(f"\n# colocd: {shlex.join(argv)}\n".encode())
+            log.flush()
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                env=dict(env),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so stop() reaches SGLang's children
+            )
+        logger.info("engine %r: started SGLang pid %d, logs in %s", name, process.pid, log_path)
+        return cls(name, url, process, log_path)
+
+    @classmethod
+    async def launch(
+        cls,
+        config: SGLangEngineConfig,
+        client: httpx.AsyncClient,
+        *,
+        python: str | None = None,
+        sglang_version: str | None = None,
+    ) -> SGLangServer:
+        """Start ``config``'s server and wait for ``/health`` within ``launch.ready_timeout_s``.
+
+        The port comes from ``config.url`` if set, else a free one; if that one is taken by the
+        time SGLang binds it, a second free port is tried once.
+        """
+        if config.launch is None:
+            raise LaunchError(f"engine {config.name!r} has no 'launch' section")
+        python = python or os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable
+        fixed_port = _port_of(config.url) if config.url else None
+        for attempt in (1, 2):
+            port = fixed_port or free_port()
+            argv, env = sglang_command(config, port, python=python, sglang_version=sglang_version)
+            server = await cls.start(config.name, argv, env, f"http://127.0.0.1:{port}", log_file=config.launch.log_file)
+            try:
+                await server.wait_ready(client, config.launch.ready_timeout_s)
+                return server
+            except LaunchError:
+                await server.stop()
+                if attempt == 1 and fixed_port is None and server._log_mentions("Address already in use"):
+                    logger.warning("engine %r: port %d was taken; retrying on another", config.name, port)
+                    continue
+                raise
+            except BaseException:
+                await server.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    async def wait_ready(self, client: httpx.AsyncClient, deadline_s: float) -> None:
+        """Poll ``GET /health`` until 200, the process exits, or ``deadline_s`` passes (``LaunchError``)."""
+        delay = 0.1
+        try:
+            async with asyncio.timeout(deadline_s):
+                while True:
+                    if self.process is not None and self.process.returncode is not None:
+                        self.state = ServerState.STOPPED
+                        raise LaunchError(
+                            f"engine {self.name!r}: SGLang exited with code {self.process.returncode} before "
+                            f"it was ready; log tail:\n{self.log_tail()}"
+                        )
+                    with contextlib.suppress(httpx.TransportError):
+                        response = await client.get(f"{self.url}/health", timeout=max(deadline_s, 1.0))
+                        if response.status_code == 200:
+                            self.state = ServerState.READY
+                            return
+                    # 503 while SGLang starts, refused before it binds: both mean "not yet".
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+        except TimeoutError:
+            raise LaunchError(
+                f"engine {self.name!r}: {self.url}/health not ready within {deadline_s:g}s "
+                f"(launch.ready_timeout_s); log tail:\n{self.log_tail()}"
+            ) from None
+
+    async def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; the exit code (None if attached).
+
+        If this coroutine is cancelled while waiting, the group is killed before the cancel goes on,
+        so no SGLang process outlives its owner.
+        """
+        process = self.process
+        if process is None:
+            self.state = ServerState.STOPPED
+            return None
+        try:
+            if process.returncode is None:
+                _signal_group(process.pid, signal.SIGTERM)
+                try:
+                    async with asyncio.timeout(grace_s):
+                        await process.wait()
+                except TimeoutError:
+                    logger.warning("engine %r: SGLang ignored SIGTERM for %gs; killing it", self.name, grace_s)
+            # The leader may be gone while its children (scheduler, detokenizer) linger.
+            _signal_group(process.pid, signal.SIGKILL)
+            await process.wait()
+        except BaseException:
+            _signal_group(process.pid, signal.SIGKILL)
+            raise
+        finally:
+            self.state = ServerState.STOPPED
+        return process.returncode
+
+    def log_tail(self, nbytes: int = 4000) -> str:
+        if self.log_path is None:
+            return "(attached: no log)"
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(0, os.SEEK_END)
+                log.seek(max(0, log.tell() - nbytes))
+                return log.read().decode(errors="replace")
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+
+    def _log_mentions(self, text: str) -> bool:
+        return text in self.log_tail(64_000)
+
+    async def __aenter__(self) -> SGLangServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    # start_new_session=True made the server its group's leader: pgid == pid. Only that group.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _port_of(url: str) -> int:
+    parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost"):
+        raise LaunchError(f"a launched SGLang listens on 127.0.0.1; url {url!r} names another host")
+    if parts.port is None:
+        raise LaunchError(f"url {url!r} has no port")
+    return parts.port
