@@ -1,0 +1,130 @@
+"""Command line of the reference engine server: bind, announce in a ready file, serve until SIGTERM.
+
+    python -m colocd.engines.reference --host 127.0.0.1 --port 0 --device cpu --seed 0 \\
+        --protocol 0.5.23 --ready-file /tmp/x/ready.json [--api-key K] [--model-json '{...}']
+
+The socket is bound here (port 0 = the OS picks), so the URL in the ready file is the real one and
+no port is ever guessed. The ready file (``{"url", "pid"}``) is written atomically once the socket
+listens; ``/health`` answers 503 until the model is built, then 200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import uvicorn
+
+from .model import QwenLikeConfig
+from .server import create_app
+from .settings import PROTOCOL_VERSIONS, ReferenceServerSettings
+
+__all__ = ["main"]
+
+logger = logging.getLogger("colocd.engines.reference")
+
+_GRACEFUL_SHUTDOWN_S = 5  # in-flight requests get this long after SIGTERM before being cancelled
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceServerSettings]:
+    parser = argparse.ArgumentParser(prog="python -m colocd.engines.reference", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 lets the OS choose")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    parser.add_argument("--protocol", choices=sorted(PROTOCOL_VERSIONS), default="0.5.23")
+    parser.add_argument("--ready-file", required=True, help="where to write {url, pid} once listening")
+    parser.add_argument("--api-key", default=None, help="bearer token required on all but health routes")
+    parser.add_argument("--model-json", default="{}", help="JSON object of QwenLikeConfig overrides")
+    parser.add_argument("--max-batch", type=int, default=8, help="KV pool slots (concurrent requests)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    try:
+        overrides = json.loads(args.model_json)
+        if not isinstance(overrides, dict):
+            raise ValueError("--model-json must be a JSON object")
+        settings = ReferenceServerSettings(
+            device=args.device,
+            seed=args.seed,
+            protocol=args.protocol,
+            api_key=args.api_key or os.environ.get("COLOCD_REFERENCE_API_KEY") or None,
+            model=QwenLikeConfig.from_overrides(overrides),
+            max_batch=args.max_batch,
+            host=args.host,
+        )
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    return args, settings
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _write_ready_file(path: str, payload: dict[str, object]) -> None:
+    """Write then rename, so a reader never sees a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ready-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) -> int:
+    sock = _bind(args.host, args.port)
+    url = _url(sock)
+    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    failed = asyncio.create_task(app.state.engine.wait_failed())
+    _write_ready_file(args.ready_file, {"url": url, "pid": os.getpid()})
+    logger.info("listening on %s (pid %d)", url, os.getpid())
+    done, _ = await asyncio.wait({serving, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if failed in done:
+        logger.error("engine failed to start; shutting down")
+        server.should_exit = True
+        await serving
+        return 1
+    failed.cancel()
+    await serving
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, settings = _parse(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(args, settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,597 @@
+"""The reference engine's behaviour behind SGLang's routes: generation, pause, memory tags, weight updates.
+
+One ``ReferenceEngine`` per server. It owns the model, its memory regions, the scheduler and the
+single model thread every tensor operation runs on (so control routes stay responsive while a
+step runs, and no two model operations ever overlap). Route handlers in ``server.py`` call one
+method each and shape the answer; this module knows SGLang's semantics but not its JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, TypeVar
+
+import torch
+
+from ..base import MemoryTag, PauseMode
+from ..chunks import tensor_checksum
+from .locks import ReaderWriterLock
+from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
+from .model import QwenLikeForCausalLM, build_model
+from .payloads import PayloadError, open_payload
+from .runner import ModelRunner
+from .sampling import SamplingConfig
+from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
+from .settings import ReferenceServerSettings
+from .tokenizer import CharTokenizer
+from .wire import GenerateBody, SamplingParamsBody, UpdateWeightsFromTensorBody
+
+__all__ = ["EngineRefusal", "EngineState", "ReferenceEngine", "WeightsCheck"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+TP_SIZE = 1  # the reference engine is one process on one device
+
+
+class EngineState(StrEnum):
+    """Lifecycle of the server process (not of generation or memory, which have their own state)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    FAILED = "failed"
+    STOPPING = "stopping"
+
+
+class EngineRefusal(Exception):
+    """A request the engine answers with an HTTP error status and a message (never a traceback)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsCheck:
+    """The answer to ``/weights_checker``: SGLang's fields plus colocd's whole-model sha256."""
+
+    success: bool
+    message: str
+    ranks: list[dict[str, Any]] | None = None
+    per_engine_checksum: str | None = None
+    colocd_checksum: str | None = None
+
+
+class ReferenceEngine:
+    """A tiny causal LM served with SGLang's semantics; ``start()`` then ``aclose()``."""
+
+    def __init__(self, settings: ReferenceServerSettings) -> None:
+        self.settings = settings
+        self.tokenizer = CharTokenizer()
+        self.state = EngineState.STARTING
+        self.weight_version = settings.weight_version
+        self.startup_time = time.time()
+        self.device = torch.device(settings.device)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
+        self._model: QwenLikeForCausalLM | None = None
+        self._memory: MemoryRegions | None = None
+        self._runner: ModelRunner | None = None
+        self._scheduler: Scheduler | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._failed = asyncio.Event()
+        # Generation gate: while a pause is in force new requests wait here (SGLang's is_pause_cond).
+        self._pause_mode: PauseMode | None = None
+        self._pause_cond = asyncio.Condition()
+        self._blocked = 0
+        self._update_lock = ReaderWriterLock()
+        # Memory, weight and flush operations run one at a time, as SGLang's scheduler runs them.
+        self._control_lock = asyncio.Lock()
+        self._session_selector: str | None = None
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._last_release: dict[str, Any] | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Build the model on the model thread and start scheduling; failures mark the engine FAILED."""
+        try:
+            await self._on_model_thread(self._build)
+        except Exception:
+            logger.exception("reference engine failed to start")
+            self.state = EngineState.FAILED
+            self._failed.set()
+            return
+        assert self._runner is not None and self._memory is not None
+        runner, memory = self._runner, self._memory
+        self._scheduler = Scheduler(
+            functools.partial(self._on_model_thread, runner.step),
+            max_batch=self.settings.max_batch,
+            max_seq=self.settings.max_seq,
+            tokenizer=self.tokenizer,
+            memory_ready=lambda: memory.all_resident,
+        )
+        self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
+        self.state = EngineState.RUNNING
+        logger.info("reference engine ready: %s on %s, protocol %s", self.settings.model_path,
+                    self.device, self.settings.protocol)
+
+    async def wait_failed(self) -> None:
+        """Returns once the engine has failed to start (for the CLI to exit non-zero)."""
+        await self._failed.wait()
+
+    async def aclose(self) -> None:
+        self.state = EngineState.STOPPING
+        if self._scheduler is not None:
+            await self._scheduler.abort_all("server is shutting down")
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _build(self) -> None:
+        model = build_model(self.settings.model, self.settings.seed, self.device).eval()
+        model.requires_grad_(False)
+        memory = MemoryRegions(model, max_batch=self.settings.max_batch, max_seq=self.settings.max_seq,
+                               device=self.device)
+        self._model, self._memory, self._runner = model, memory, ModelRunner(model, memory)
+
+    async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _running(self) -> tuple[Scheduler, MemoryRegions, QwenLikeForCausalLM]:
+        if self.state is EngineState.STARTING:
+            raise EngineRefusal(503, "the server is still starting")
+        if self.state is not EngineState.RUNNING:
+            raise EngineRefusal(503, f"the server is {self.state.value}")
+        assert self._scheduler is not None and self._memory is not None and self._model is not None
+        return self._scheduler, self._memory, self._model
+
+    # --- state for the info routes ---------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self._pause_mode is not None
+
+    @property
+    def pause_mode(self) -> PauseMode | None:
+        return self._pause_mode
+
+    @property
+    def session_open(self) -> bool:
+        return self._session_selector is not None
+
+    def internal_state(self) -> dict[str, Any]:
+        s = self._scheduler
+        return {
+            "num_running_reqs": s.num_running if s else 0,
+            "num_waiting_reqs": s.num_waiting if s else 0,
+            "num_blocked_reqs": self._blocked,  # waiting at the pause gate (colocd extension)
+            "paused": self._pause_mode.value if self._pause_mode else None,
+            "weight_update_session": self._session_selector,
+            "engine_state": self.state.value,
+        }
+
+    def memory_report(self) -> dict[str, Any]:
+        """The ``/colocd/memory`` answer: per-tag residency and bytes, process RSS, CUDA counters."""
+        tags: dict[str, Any] = {}
+        cuda = None
+        if self._memory is not None:
+            for tag in MemoryTag:
+                tags[tag.value] = {
+                    "resident": self._memory.state(tag) is TagState.RESIDENT,
+                    "nbytes": self._memory.nbytes(tag),
+                    "resident_nbytes": self._memory.resident_nbytes(tag),
+                }
+            cuda = self._memory.cuda_memory()
+        return {
+            "device": str(self.device),
+            "tags": tags,
+            "process": {"rss_bytes": process_rss_bytes()},
+            "cuda": cuda,
+            "last_release": self._last_release,
+        }
+
+    # --- generation ------------------------------------------------------------------------------
+
+    async def generate(self, body: GenerateBody) -> dict[str, Any] | list[dict[str, Any]]:
+        """Run one request or a batch; a cancelled caller (client gone) aborts its requests."""
+        scheduler, _, _ = self._running()
+        if body.stream:
+            raise EngineRefusal(400, "stream=true is not supported by the colocd reference engine")
+        prompts, is_batch = self._prompts(body)
+        reqs = [self._make_req(body, i, len(prompts), ids) for i, ids in enumerate(prompts)]
+        outputs = await self._run(scheduler, reqs)
+        responses = [self._response(o) for o in outputs]
+        return responses if is_batch else responses[0]
+
+    async def health_generate(self) -> bool:
+        """SGLang's probe: a 1-token greedy request; never run while paused or while memory is released."""
+        if self.state is not EngineState.RUNNING or self._scheduler is None or self._memory is None:
+            return False
+        if self._pause_mode is not None or not self._memory.all_resident:
+            return False
+        req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
+                            StopRule(max_new_tokens=1), None, False)
+        await self._scheduler.submit(req)
+        try:
+            await asyncio.wait_for(asyncio.shield(req.future), self.settings.health_timeout_s)
+        except TimeoutError:
+            await self._scheduler.abort(req, "health check timed out")
+            return False
+        return True
+
+    async def _run(self, scheduler: Scheduler, reqs: list[Req]) -> list[ReqOutput]:
+        try:
+            async with self._update_lock.reader():
+                async with self._pause_cond:
+                    self._blocked += len(reqs)
+                    try:
+                        await self._pause_cond.wait_for(lambda: self._pause_mode is None)
+                    finally:
+                        self._blocked -= len(reqs)
+                    # Submitted while still holding the gate, so no pause can slip in between.
+                    for r in reqs:
+                        await scheduler.submit(r)
+                return list(await asyncio.gather(*(r.future for r in reqs)))
+        except asyncio.CancelledError:
+            for r in reqs:
+                if r.finish is None:
+                    await scheduler.abort(r, "client disconnected")
+            raise
+
+    def _prompts(self, body: GenerateBody) -> tuple[list[list[int]], bool]:
+        if body.text is not None and body.input_ids is not None:
+            raise EngineRefusal(400, "Either text or input_ids should be provided, not both.")
+        if body.text is not None:
+            texts = body.text if isinstance(body.text, list) else [body.text]
+            try:
+                prompts = [self.tokenizer.encode(t) for t in texts]
+            except ValueError as exc:
+                raise EngineRefusal(400, str(exc)) from None
+            is_batch = isinstance(body.text, list)
+        elif body.input_ids is not None:
+            ids = body.input_ids
+            is_batch = bool(ids) and isinstance(ids[0], list)
+            prompts = [list(p) for p in ids] if is_batch else [list(ids)]  # type: ignore[arg-type]
+        else:
+            raise EngineRefusal(400, "Either text or input_ids should be provided.")
+        if not prompts:
+            raise EngineRefusal(400, "empty batch")
+        vocab = self.settings.model.vocab_size
+        for i, p in enumerate(prompts):
+            if not p:
+                raise EngineRefusal(400, f"request {i}: the input is empty")
+            if len(p) >= self.settings.max_seq:
+                raise EngineRefusal(
+                    400,
+                    f"request {i}: the input ({len(p)} tokens) is longer than the model's context length "
+                    f"({self.settings.max_seq} tokens).",
+                )
+            bad = next((t for t in p if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise EngineRefusal(400, f"request {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return prompts, is_batch
+
+    def _make_req(self, body: GenerateBody, i: int, n: int, prompt: list[int]) -> Req:
+        def pick(value: Any, field: str) -> Any:
+            if not isinstance(value, list):
+                return value
+            if len(value) != n:
+                raise EngineRefusal(400, f"{field} has {len(value)} items for a batch of {n}")
+            return value[i]
+
+        try:
+            params = SamplingParamsBody.model_validate(pick(body.sampling_params, "sampling_params") or {})
+            params.verify()
+        except ValueError as exc:
+            raise EngineRefusal(400, str(exc)) from None
+        rid = pick(body.rid, "rid")
+        if rid is None or (n > 1 and not isinstance(body.rid, list)):
+            rid = uuid.uuid4().hex
+        lp = pick(body.return_logprob, "return_logprob")
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        stop_strs = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
+        sampling = SamplingConfig(
+            temperature=1.0 if params.temperature is None else params.temperature,
+            top_k=-1 if params.top_k is None else params.top_k,
+            top_p=1.0 if params.top_p is None else params.top_p,
+            min_p=params.min_p or 0.0,
+        )
+        # Seeded requests draw from their own generator so that batch neighbours cannot change
+        # them; unseeded ones from a fresh random seed.
+        seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
+        generator = None if sampling.greedy else torch.Generator(device="cpu").manual_seed(seed)
+        stop = StopRule(
+            max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
+            stop_token_ids=frozenset(stop_ids),
+            stop_strs=stop_strs,
+            no_stop_trim=bool(params.no_stop_trim),
+            skip_special_tokens=params.skip_special_tokens is not False,
+        )
+        return self._new_req(rid, prompt, sampling, stop, generator, bool(lp))
+
+    def _new_req(self, rid: str, prompt: list[int], sampling: SamplingConfig, stop: StopRule,
+                 generator: torch.Generator | None, return_logprob: bool) -> Req:
+        future: asyncio.Future[ReqOutput] = asyncio.get_running_loop().create_future()
+        return Req(rid=rid, prompt_ids=prompt, stop=stop, sampling=sampling, generator=generator,
+                   return_logprob=return_logprob, future=future)
+
+    def _response(self, out: ReqOutput) -> dict[str, Any]:
+        """SGLang's non-streaming answer (tokenizer_manager.py:2506-2669)."""
+        meta: dict[str, Any] = {
+            "id": out.rid,
+            "finish_reason": out.finish_reason.to_json(),
+            "prompt_tokens": len(out.prompt_ids),
+            "weight_version": self.weight_version,
+            "num_retractions": out.num_retractions,
+            "reasoning_tokens": 0,
+            "completion_tokens": len(out.output_ids),
+            "cached_tokens": 0,
+        }
+        if out.output_logprobs is not None:
+            # SGLang's (logprob, token_id, text) triples; text is null unless return_text_in_logprobs.
+            meta["input_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(out.input_logprobs or [], out.prompt_ids, strict=False)
+            ]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs,
+                                                                           out.output_ids, strict=True)]
+        meta["response_sent_to_client_ts"] = time.time()
+        return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
+
+    # --- generation control ----------------------------------------------------------------------
+
+    async def pause_generation(self, mode: PauseMode) -> None:
+        """SGLang's pause: new requests wait at the gate; in-flight ones abort, retract or freeze."""
+        scheduler, _, _ = self._running()
+        async with self._pause_cond:
+            self._pause_mode = mode
+        if mode is PauseMode.ABORT:
+            await scheduler.abort_all("Aborted by pause_generation")
+            await scheduler.set_mode(SchedulerMode.RUNNING)
+            await scheduler.wait_idle()
+        else:
+            await scheduler.set_mode(SchedulerMode(mode.value))
+
+    async def continue_generation(self, *, torch_empty_cache: bool) -> None:
+        scheduler, memory, _ = self._running()
+        if torch_empty_cache:
+            await self._on_model_thread(memory.empty_cache)
+        await scheduler.set_mode(SchedulerMode.RUNNING)
+        async with self._pause_cond:
+            self._pause_mode = None
+            self._pause_cond.notify_all()
+
+    async def abort_all(self) -> int:
+        scheduler, _, _ = self._running()
+        return await scheduler.abort_all()
+
+    async def flush_cache(self, timeout_s: float = 0.0, *, empty_cache: bool = False) -> tuple[bool, str | None]:
+        """Forget cached KV; refused unless idle (the queue is ignored while paused in retract/in_place)."""
+        scheduler, memory, _ = self._running()
+        async with self._control_lock:
+            return await self._flush_locked(scheduler, memory, timeout_s, empty_cache)
+
+    async def _flush_locked(self, scheduler: Scheduler, memory: MemoryRegions, timeout_s: float,
+                            empty_cache: bool) -> tuple[bool, str | None]:
+        ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
+        if timeout_s > 0:
+            try:
+                await asyncio.wait_for(scheduler.wait_idle(ignore_waiting=ignore_waiting), timeout_s)
+            except TimeoutError:
+                return False, "Timed out waiting for idle state."
+        async with scheduler.hold():
+            if not scheduler.is_fully_idle(ignore_waiting=ignore_waiting):
+                return False, None
+            scheduler.flush()
+            if empty_cache:
+                await self._on_model_thread(memory.empty_cache)
+        return True, None
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    async def release_memory(self, tags: Sequence[str] | None) -> None:
+        await self._move_memory(tags, resume=False)
+
+    async def resume_memory(self, tags: Sequence[str] | None) -> None:
+        await self._move_memory(tags, resume=True)
+
+    async def _move_memory(self, raw_tags: Sequence[str] | None, *, resume: bool) -> None:
+        scheduler, memory, _ = self._running()
+        try:
+            tags = normalize_tags(raw_tags)
+        except ValueError as exc:
+            raise EngineRefusal(400, str(exc)) from None
+        action = "resume_memory_occupation" if resume else "release_memory_occupation"
+        async with self._control_lock:
+            try:
+                memory.check(tags, resume=resume)
+            except MemoryTagError as exc:
+                raise EngineRefusal(400, str(exc)) from None
+            async with scheduler.hold():
+                ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
+                if not scheduler.is_fully_idle(ignore_waiting=ignore_waiting):
+                    # SGLang asserts here and its scheduler dies; we refuse and stay up.
+                    raise EngineRefusal(
+                        400,
+                        f"{action} needs an idle engine: {scheduler.num_running} running and "
+                        f"{scheduler.num_waiting} queued requests; pause generation first",
+                    )
+                if not resume and MemoryTag.KV_CACHE in tags:
+                    scheduler.flush()  # SGLang flushes before releasing the KV cache
+                report = await self._on_model_thread(memory.resume if resume else memory.release, tags)
+            self._last_release = {
+                "action": "resume" if resume else "release",
+                "tags": [t.value for t in report.tags],
+                "nbytes": report.nbytes,
+                "cuda_reserved_delta_bytes": report.cuda_reserved_delta_bytes,
+                "at": time.time(),
+            }
+        await scheduler.notify()
+
+    # --- weights ---------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _model_update(self) -> AsyncIterator[None]:
+        """SGLang's rule: a paused engine updates at once; otherwise wait for in-flight requests."""
+        if self._pause_mode is not None:
+            yield
+        else:
+            async with self._update_lock.writer():
+                yield
+
+    async def begin_weight_update(self, selector: str) -> tuple[bool, str]:
+        self._running()
+        async with self._model_update():
+            if self._session_selector is not None:
+                return False, "a weight-update session is already open; call end_weight_update() first"
+            self._session_selector = selector
+            return True, "Success"
+
+    async def end_weight_update(self) -> tuple[bool, str]:
+        self._running()
+        async with self._model_update():
+            if self._session_selector is None:
+                return False, "no weight-update session is open; call begin_weight_update() first"
+            self._session_selector = None
+            return True, "Success"
+
+    async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorBody) -> tuple[bool, str]:
+        """Load one chunk (entry 0: TP size 1); a bad chunk applies nothing and says why."""
+        scheduler, memory, model = self._running()
+        if self.settings.protocol != "legacy" and self._session_selector is None:
+            return False, (
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
+        entries = body.serialized_named_tensors
+        if len(entries) != TP_SIZE:
+            return False, (
+                f"serialized_named_tensors has {len(entries)} entries but this engine has tp_size {TP_SIZE} "
+                "(one entry per TP rank)"
+            )
+        if body.abort_all_requests:
+            await scheduler.abort_all()
+        async with self._model_update(), self._control_lock:
+            if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
+                return False, (
+                    "memory tag 'weights' is released; resume it (/resume_memory_occupation "
+                    "{\"tags\": [\"weights\"]}) before loading weights"
+                )
+            async with scheduler.hold():
+                try:
+                    names = await self._on_model_thread(self._load_entry, model, entries[0], body.load_format)
+                except ValueError as exc:  # PayloadError, UnsafePickleError, load_weights' checks
+                    return False, f"Failed to update weights, nothing applied: {exc}"
+                except Exception as exc:
+                    logger.exception("update_weights_from_tensor failed")
+                    return False, f"Failed to update weights: internal error {type(exc).__name__}: {exc}"
+            logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
+            if body.weight_version is not None:
+                self.weight_version = body.weight_version
+            message = "Success"
+            if body.flush_cache:
+                flushed, _ = await self._flush_locked(scheduler, memory, 0.0, body.torch_empty_cache)
+                if not flushed:
+                    return False, (
+                        "Weights were updated, but the cache was not flushed because requests are still "
+                        "running or queued. Retract or finish them, then call /flush_cache."
+                    )
+        if self.settings.protocol == "legacy" and body.weight_version is not None:
+            message += f" Weight version updated to {body.weight_version}."
+        return True, message
+
+    def _load_entry(self, model: QwenLikeForCausalLM, entry: str, load_format: str | None) -> list[str]:
+        with open_payload(entry, load_format) as named:
+            applied = model.load_weights(named)
+        if self.device.type == "cuda":
+            # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
+            torch.cuda.synchronize(self.device)
+        return applied
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
+        scheduler, _, _ = self._running()
+        if abort_all_requests:
+            await scheduler.abort_all()
+        self.weight_version = new_version
+
+    async def check_weights(self, action: str, skip: Sequence[str] | None) -> WeightsCheck:
+        """``/weights_checker``: checksum, snapshot, compare or reset_tensors, as SGLang's WeightChecker."""
+        _, memory, model = self._running()
+        async with self._control_lock:
+            if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
+                return WeightsCheck(False, "memory tag 'weights' is released; resume it and push weights first")
+            if action == "checksum":
+                return await self._on_model_thread(self._checksum, model, tuple(skip or ()))
+            if action == "snapshot":
+                self._snapshot = await self._on_model_thread(_clone_params, model)
+                return WeightsCheck(True, "Success.")
+            if action == "compare":
+                if self._snapshot is None:
+                    return WeightsCheck(False, "no snapshot to compare with; call action 'snapshot' first")
+                diffs = await self._on_model_thread(_compare_params, model, self._snapshot, tuple(skip or ()))
+                self._snapshot = None
+                if diffs:
+                    return WeightsCheck(False, "check tensor equality failed:\n" + "\n".join(diffs))
+                return WeightsCheck(True, "Success.")
+            if action == "reset_tensors":
+                await self._on_model_thread(_randomize_params, model, tuple(skip or ()))
+                return WeightsCheck(True, "Success.")
+            return WeightsCheck(False, f"Unsupported action={action!r}")
+
+    def _checksum(self, model: QwenLikeForCausalLM, skip: tuple[str, ...]) -> WeightsCheck:
+        named = [(n, p.detach()) for n, p in model.named_parameters() if not any(s in n for s in skip)]
+        # Per-tensor: first 16 hex digits of the sha256 of its bytes (SGLang prints a 64-bit hash).
+        per_tensor = {n: hashlib.sha256(_tensor_bytes(t)).hexdigest()[:16] for n, t in named}
+        overall = hashlib.sha256()
+        for name in sorted(per_tensor):  # SGLang's overall_checksum (utils/weight_checker.py)
+            overall.update(name.encode())
+            overall.update(per_tensor[name].encode())
+        per_gpu = overall.hexdigest()
+        rank = {
+            "checksums": per_tensor,
+            "per_gpu_checksum": per_gpu,
+            "parallelism_info": [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
+                                  "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}],
+        }
+        engine = hashlib.sha256(per_gpu.encode()).hexdigest()
+        return WeightsCheck(True, "Success.", [rank], engine, tensor_checksum(named))
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+
+
+def _compare_params(model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...]) -> list[str]:
+    diffs = []
+    for name, p in model.named_parameters():
+        if any(s in name for s in skip):
+            continue
+        if not torch.equal(p.detach().cpu(), snapshot[name]):
+            diffs.append(f"name={name} differs from the snapshot")
+    return diffs
+
+
+def _randomize_params(model: QwenLikeForCausalLM, skip: tuple[str, ...]) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not any(s in name for s in skip):
+                p.copy_(torch.randn_like(p))

@@ -1,0 +1,184 @@
+"""Turning one ``serialized_named_tensors`` entry into (name, tensor) pairs, per ``load_format``.
+
+Formats:
+- ``colocd_shm``: base64 of JSON ``{"transport": "shm", "shm_name", "nbytes", "layout": [...]}``;
+  tensors are views into the producer's POSIX shared memory, mapped read-only and closed (never
+  unlinked: the producer owns the segment) when the caller is done with them.
+- ``colocd_disk``: base64 of JSON ``{"transport": "disk", "path"}`` naming a safetensors file.
+- ``null``/``"direct"``: SGLang's pickled ``list[(name, tensor)]`` (tensors may be SGLang
+  ``LocalSerializedTensor`` wrappers); ``"flattened_bucket"``: SGLang's pickled
+  ``{"flattened_tensor", "metadata"}`` (research/engine-apis.md §1.7). Pickles go through the
+  allow-list unpickler only; colocd's own formats are JSON and never unpickled.
+
+Every problem raises ``PayloadError`` naming the segment, file, tensor or global at fault.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..chunks import ChunkLayout, SharedSegment, unflatten
+from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
+
+__all__ = ["LOAD_FORMATS", "DiskDescriptor", "PayloadError", "ShmDescriptor", "open_payload"]
+
+LOAD_FORMATS = ("colocd_shm", "colocd_disk", "flattened_bucket", "direct", None)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class PayloadError(ValueError):
+    """An entry that cannot be turned into tensors; the message says which part is wrong."""
+
+
+class ShmDescriptor(BaseModel):
+    """A colocd_shm entry: which segment, how many bytes of it, and where each tensor lies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    transport: Literal["shm"]
+    shm_name: str = Field(min_length=1)
+    nbytes: int = Field(ge=0)
+    layout: list[dict[str, Any]]
+
+
+class DiskDescriptor(BaseModel):
+    """A colocd_disk entry: a safetensors file readable by the engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    transport: Literal["disk"]
+    path: str = Field(min_length=1)
+
+
+@contextlib.contextmanager
+def open_payload(entry: str, load_format: str | None, *, tp_rank: int = 0) -> Iterator[NamedTensors]:
+    """Yield the entry's tensors; views into shared memory are valid only inside the ``with``."""
+    raw = _b64decode(entry)
+    if load_format == "colocd_shm":
+        with _open_shm(_parse_json(raw, ShmDescriptor)) as named:
+            yield named
+    elif load_format == "colocd_disk":
+        yield _load_disk(_parse_json(raw, DiskDescriptor))
+    elif load_format in (None, "direct"):
+        yield _named_list(safe_loads(raw), tp_rank)
+    elif load_format == "flattened_bucket":
+        yield _flattened_bucket(safe_loads(raw))
+    else:
+        raise PayloadError(f"unknown load_format {load_format!r}; supported: {list(LOAD_FORMATS)}")
+
+
+def _b64decode(entry: str) -> bytes:
+    try:
+        return base64.b64decode(entry, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise PayloadError(f"serialized_named_tensors entry is not valid base64: {exc}") from None
+
+
+def _parse_json(raw: bytes, model: type[_M]) -> _M:
+    try:
+        return model.model_validate(json.loads(raw))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PayloadError(f"{model.__name__}: entry is not JSON: {exc}") from None
+    except ValidationError as exc:
+        raise PayloadError(f"{model.__name__}: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    return f"field {'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
+
+
+@contextlib.contextmanager
+def _open_shm(desc: ShmDescriptor) -> Iterator[NamedTensors]:
+    try:
+        layout = ChunkLayout.from_json(desc.layout, desc.nbytes)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PayloadError(f"shared-memory segment {desc.shm_name!r}: bad layout: {exc}") from None
+    try:
+        segment = SharedSegment.open(desc.shm_name, desc.nbytes)
+    except FileNotFoundError:
+        raise PayloadError(f"shared-memory segment {desc.shm_name!r} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise PayloadError(f"shared-memory segment {desc.shm_name!r}: {exc}") from None
+    named: NamedTensors = []
+    try:
+        named.extend(unflatten(segment.tensor(), layout))
+        yield named
+    finally:
+        # Drop the views first (clearing the list the caller holds too): the mapping can only
+        # close once nothing exports its buffer.
+        named.clear()
+        segment.close()
+
+
+def _load_disk(desc: DiskDescriptor) -> NamedTensors:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return list(load_file(desc.path, device="cpu").items())
+    except FileNotFoundError:
+        raise PayloadError(f"safetensors file {desc.path!r} does not exist") from None
+    except (OSError, SafetensorError) as exc:
+        raise PayloadError(f"safetensors file {desc.path!r}: {exc}") from None
+
+
+def _named_list(obj: Any, tp_rank: int) -> NamedTensors:
+    if not isinstance(obj, list | tuple):
+        raise PayloadError(f"load_format null expects a list of (name, tensor), got {type(obj).__name__}")
+    out: NamedTensors = []
+    for i, item in enumerate(obj):
+        if not (isinstance(item, list | tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise PayloadError(f"item {i} is not a (name, tensor) pair")
+        name, value = item
+        if isinstance(value, LocalSerializedTensor):
+            values = getattr(value, "values", None)
+            if not isinstance(values, list) or not 0 <= tp_rank < len(values):
+                raise PayloadError(f"tensor {name!r}: LocalSerializedTensor has no entry for TP rank {tp_rank}")
+            value = safe_loads(values[tp_rank])
+        if not isinstance(value, torch.Tensor):
+            raise PayloadError(f"tensor {name!r}: expected a tensor, got {type(value).__name__}")
+        out.append((name, value))
+    return out
+
+
+def _flattened_bucket(obj: Any) -> NamedTensors:
+    if isinstance(obj, FlattenedTensorBucketData):
+        flat, metadata = getattr(obj, "flattened_tensor", None), getattr(obj, "metadata", None)
+    elif isinstance(obj, dict):
+        flat, metadata = obj.get("flattened_tensor"), obj.get("metadata")
+    else:
+        raise PayloadError(f"flattened_bucket expects a dict with flattened_tensor and metadata, got {type(obj).__name__}")
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise PayloadError("flattened_bucket: flattened_tensor must be a 1-D uint8 tensor")
+    if not isinstance(metadata, list | tuple):
+        raise PayloadError("flattened_bucket: metadata must be a list")
+    out: NamedTensors = []
+    for i, meta in enumerate(metadata):
+        try:
+            name, shape, dtype = str(meta.name), torch.Size(meta.shape), meta.dtype
+            start, end = int(meta.start_idx), int(meta.end_idx)
+        except (AttributeError, TypeError, ValueError):
+            raise PayloadError(f"flattened_bucket: metadata item {i} lacks name/shape/dtype/start_idx/end_idx") from None
+        if not isinstance(dtype, torch.dtype):
+            raise PayloadError(f"flattened_bucket: tensor {name!r} has dtype {dtype!r}, not a torch.dtype")
+        nbytes = shape.numel() * dtype.itemsize
+        if start < 0 or end != start + nbytes or end > flat.numel():
+            raise PayloadError(
+                f"flattened_bucket: tensor {name!r} spans bytes [{start}, {end}) which does not fit its "
+                f"shape {list(shape)} x {dtype} or the bucket's {flat.numel()} bytes"
+            )
+        if start % dtype.itemsize:
+            raise PayloadError(f"flattened_bucket: tensor {name!r} starts at byte {start}, not aligned to {dtype}")
+        out.append((name, flat[start:end].view(dtype).reshape(shape)))
+    return out

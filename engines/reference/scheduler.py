@@ -1,0 +1,355 @@
+"""Continuous batching over the KV pool: admit requests into free slots, step them together, finish them.
+
+The scheduler owns the request queues and slots, and nothing else: the model step is a callable
+it awaits (run on the model thread by the engine), and whether it may step at all is decided by
+its mode, by ``hold()`` (control operations that must not overlap a forward pass) and by a
+``memory_ready`` callable. Pause gating of *new* requests and HTTP live in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from .runner import StepInput, StepOutput
+from .sampling import SamplingConfig
+from .tokenizer import CharTokenizer
+
+__all__ = ["FinishReason", "Req", "ReqOutput", "Scheduler", "SchedulerMode", "StopRule"]
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerMode(StrEnum):
+    """Whether the loop steps: SGLang's retract and in_place pauses stop it; abort pauses do not."""
+
+    RUNNING = "running"
+    RETRACT = "retract"  # running requests go back to the queue and lose their KV
+    IN_PLACE = "in_place"  # running requests keep their slots; no forward passes
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    """SGLang's finish reasons (schedule_batch.py FINISH_*.to_json) as data."""
+
+    type: str
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.type == "stop":
+            return {"type": "stop", "matched": self.matched}
+        if self.type == "length":
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": None}
+
+
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    """When a request ends besides its length: stop tokens and strings, as SGLang applies them."""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strs: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ReqOutput:
+    """A finished request: everything the server needs to build SGLang's response."""
+
+    rid: str
+    output_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_ids: list[int]
+    num_retractions: int
+    input_logprobs: list[float | None] | None
+    output_logprobs: list[float] | None
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request while the scheduler holds it."""
+
+    rid: str
+    prompt_ids: list[int]
+    stop: StopRule
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    return_logprob: bool
+    future: asyncio.Future[ReqOutput]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    slot: int | None = None
+    cached_len: int = 0  # tokens of prompt+output already written to the pool
+    num_retractions: int = 0
+    finish: FinishReason | None = None
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+StepFn = Callable[[Sequence[StepInput]], Awaitable[list[StepOutput]]]
+
+
+class Scheduler:
+    """Queues, slots and the step loop of one engine; run ``run()`` as a task."""
+
+    def __init__(
+        self,
+        step: StepFn,
+        *,
+        max_batch: int,
+        max_seq: int,
+        tokenizer: CharTokenizer,
+        memory_ready: Callable[[], bool],
+    ) -> None:
+        self._step = step
+        self._max_batch = max_batch
+        self._max_seq = max_seq
+        self._tokenizer = tokenizer
+        self._memory_ready = memory_ready
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._waiting: deque[Req] = deque()
+        self._running: list[Req] = []
+        self._mode = SchedulerMode.RUNNING
+        self._holds = 0
+        self._stepping = False
+        self._changed = asyncio.Condition()
+
+    # --- observation -----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def mode(self) -> SchedulerMode:
+        return self._mode
+
+    def is_fully_idle(self, *, ignore_waiting: bool = False) -> bool:
+        """SGLang's ``is_fully_idle``: nothing running (or mid-step) and, unless ignored, nothing queued."""
+        return not self._stepping and not self._running and (ignore_waiting or not self._waiting)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    async def submit(self, req: Req) -> None:
+        async with self._changed:
+            self._waiting.append(req)
+            self._changed.notify_all()
+
+    async def abort(self, req: Req, message: str = "Aborted") -> None:
+        async with self._changed:
+            if req.finish is None:
+                self._finish(req, FinishReason("abort", message=message))
+            self._reap()
+            self._changed.notify_all()
+
+    async def abort_all(self, message: str = "Aborted") -> int:
+        """Finish every queued and running request with an abort reason; returns how many."""
+        async with self._changed:
+            victims = [r for r in (*self._waiting, *self._running) if r.finish is None]
+            for r in victims:
+                self._finish(r, FinishReason("abort", message=message))
+            self._reap()
+            self._changed.notify_all()
+            return len(victims)
+
+    # --- control ---------------------------------------------------------------------------------
+
+    async def set_mode(self, mode: SchedulerMode) -> None:
+        """Change the mode and wait for any step in flight; a retract applies once it has ended."""
+        async with self._changed:
+            self._mode = mode
+            await self._changed.wait_for(lambda: not self._stepping)
+            if mode is SchedulerMode.RETRACT:
+                self._retract_running()
+            self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        """No step starts while held, and entering waits for the step in flight to end."""
+        async with self._changed:
+            self._holds += 1
+            await self._changed.wait_for(lambda: not self._stepping)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._holds -= 1
+                self._changed.notify_all()
+
+    async def wait_idle(self, *, ignore_waiting: bool = False) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.is_fully_idle(ignore_waiting=ignore_waiting))
+
+    async def notify(self) -> None:
+        """Re-check the loop's run conditions (memory came back, say)."""
+        async with self._changed:
+            self._changed.notify_all()
+
+    def flush(self) -> None:
+        """Return every slot to the free list; only valid when nothing is running (the caller checks)."""
+        if self._running:
+            raise RuntimeError("flush with requests running")
+        self._free_slots = list(range(self._max_batch - 1, -1, -1))
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(self._can_step)
+                batch = self._admit()
+                rows = [self._row(r) for r in batch]
+                self._stepping = True
+            results: list[StepOutput] | None = None
+            error: Exception | None = None
+            try:
+                results = await self._step(rows)
+            except asyncio.CancelledError:
+                self._stepping = False
+                raise
+            except Exception as exc:  # a failed step fails its requests, never the loop
+                logger.exception("model step failed")
+                error = exc
+            # One critical section from "step over" to "results applied": nobody waiting on the
+            # step (hold, set_mode, wait_idle) may observe the batch half-updated.
+            async with self._changed:
+                self._stepping = False
+                self._apply(batch, results, error)
+                if self._mode is SchedulerMode.RETRACT:
+                    self._retract_running()
+                self._changed.notify_all()
+
+    def _can_step(self) -> bool:
+        return (
+            self._holds == 0
+            and self._mode is SchedulerMode.RUNNING
+            and (bool(self._waiting) or bool(self._running))
+            and self._memory_ready()
+        )
+
+    def _admit(self) -> list[Req]:
+        while self._waiting and self._free_slots:
+            req = self._waiting.popleft()
+            req.slot = self._free_slots.pop()
+            req.cached_len = 0
+            self._running.append(req)
+        return list(self._running)
+
+    def _row(self, req: Req) -> StepInput:
+        tokens = req.tokens
+        return StepInput(
+            slot=req.slot if req.slot is not None else -1,
+            tokens=tokens[req.cached_len :],
+            start=req.cached_len,
+            sampling=req.sampling,
+            generator=req.generator,
+            prompt_logprobs=req.return_logprob and req.input_logprobs is None,
+        )
+
+    def _apply(self, batch: list[Req], results: list[StepOutput] | None, error: BaseException | None) -> None:
+        for i, req in enumerate(batch):
+            if req.finish is not None:
+                continue  # aborted while the step ran; its result is dropped
+            if results is None:
+                self._finish(req, FinishReason("abort", message=f"model step failed: {error}", status_code=500))
+                continue
+            res = results[i]
+            req.cached_len = len(req.prompt_ids) + len(req.output_ids)
+            if req.return_logprob and req.input_logprobs is None:
+                req.input_logprobs = [None, *(res.prompt_logprobs or [])]
+            if req.stop.max_new_tokens == 0:
+                self._finish(req, FinishReason("length", length=0))
+                continue
+            req.output_ids.append(res.token)
+            req.output_logprobs.append(res.logprob)
+            self._check_stop(req)
+        self._reap()
+
+    def _check_stop(self, req: Req) -> None:
+        token = req.output_ids[-1]
+        if token in req.stop.stop_token_ids:
+            self._finish(req, FinishReason("stop", matched=token))
+        elif req.stop.stop_strs and (matched := self._matched_stop_str(req)) is not None:
+            self._finish(req, FinishReason("stop", matched=matched))
+        elif len(req.output_ids) >= req.stop.max_new_tokens:
+            self._finish(req, FinishReason("length", length=req.stop.max_new_tokens))
+        elif len(req.prompt_ids) + len(req.output_ids) >= self._max_seq:
+            # The pool slot is full: SGLang ends such a request with a length reason too.
+            self._finish(req, FinishReason("length", length=len(req.output_ids)))
+
+    def _matched_stop_str(self, req: Req) -> str | None:
+        text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
+        for s in req.stop.stop_strs:
+            if s and text.endswith(s):
+                return s
+        return None
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish = reason
+        if req.future.done():
+            return
+        text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
+        if reason.type == "stop" and isinstance(reason.matched, str) and not req.stop.no_stop_trim:
+            text = text[: len(text) - len(reason.matched)]
+        req.future.set_result(
+            ReqOutput(
+                rid=req.rid,
+                output_ids=list(req.output_ids),
+                text=text,
+                finish_reason=reason,
+                prompt_ids=list(req.prompt_ids),
+                num_retractions=req.num_retractions,
+                input_logprobs=req.input_logprobs if req.return_logprob else None,
+                output_logprobs=list(req.output_logprobs) if req.return_logprob else None,
+            )
+        )
+
+    def _reap(self) -> None:
+        """Drop finished requests and return their slots, except while a step may still write them."""
+        self._waiting = deque(r for r in self._waiting if r.finish is None)
+        if self._stepping:
+            return
+        keep = []
+        for r in self._running:
+            if r.finish is None:
+                keep.append(r)
+            elif r.slot is not None:
+                self._free_slots.append(r.slot)
+                r.slot = None
+        self._running = keep
+
+    def _retract_running(self) -> None:
+        for r in reversed(self._running):
+            if r.finish is None:
+                if r.slot is not None:
+                    self._free_slots.append(r.slot)
+                r.slot, r.cached_len = None, 0
+                r.num_retractions += 1
+                self._waiting.appendleft(r)
+            elif r.slot is not None:
+                self._free_slots.append(r.slot)
+                r.slot = None
+        self._running = []

@@ -1,0 +1,344 @@
+"""The reference engine's HTTP surface: SGLang 0.5.23's routes (or ≈0.5.4's, ``protocol="legacy"``).
+
+``create_app(settings)`` builds a FastAPI app around one ``ReferenceEngine``; no module state.
+Paths, bodies, status codes and response shapes follow SGLang's ``entrypoints/http_server.py``
+(line numbers below are 0.5.23's). Handlers are thin: parse, call one engine method, shape JSON.
+One extension, ``GET /colocd/memory``, reports per-tag residency for hosts without NVML.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from ..base import PauseMode
+from .engine import EngineRefusal, EngineState, ReferenceEngine
+from .settings import ReferenceServerSettings
+from .wire import (
+    BeginWeightUpdateBody,
+    CheckWeightsBody,
+    ContinueGenerationBody,
+    EndWeightUpdateBody,
+    GenerateBody,
+    MemoryTagsBody,
+    PauseGenerationBody,
+    UpdateWeightsFromTensorBody,
+    UpdateWeightVersionBody,
+)
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+_FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+class _Unauthorized(Exception):
+    """Missing or wrong bearer token on a protected route."""
+
+
+def create_app(settings: ReferenceServerSettings) -> FastAPI:
+    """The app for one engine; the engine starts building its model when the app's lifespan starts."""
+    engine = ReferenceEngine(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The model is built in the background so the socket answers at once: /health says 503
+        # until it is ready, as SGLang's does while starting.
+        start = asyncio.create_task(engine.start(), name="colocd-ref-start")
+        try:
+            yield
+        finally:
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await start
+            await engine.aclose()
+
+    app = FastAPI(lifespan=lifespan, title="colocd reference engine", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    _install_error_handlers(app)
+    app.include_router(_health_routes(engine, settings))
+    app.include_router(_info_routes(engine, settings), dependencies=[Depends(_auth(settings.api_key))])
+    app.include_router(_control_routes(engine, settings), dependencies=[Depends(_auth(settings.api_key))])
+    return app
+
+
+def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """SGLang's rule (utils/auth.py): with a key set, every route but health/ready needs the bearer."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+            raise _Unauthorized()
+
+    return check
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # SGLang turns FastAPI's 422 into a 400 ErrorResponse (http_server.py:635).
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
+        )
+        return JSONResponse(
+            {"object": "error", "message": message, "type": HTTPStatus.BAD_REQUEST.phrase, "param": None,
+             "code": 400},
+            status_code=400,
+        )
+
+    @app.exception_handler(EngineRefusal)
+    async def refused(request: Request, exc: EngineRefusal) -> JSONResponse:
+        return _error(exc.message, exc.status)
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(f"internal server error ({type(exc).__name__})", 500)
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    """SGLang's ``_create_error_response`` shape (http_server.py:2246)."""
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def _success(ok: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
+
+
+# --- health ------------------------------------------------------------------------------------
+
+
+def _health_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    @router.get("/health_generate")
+    async def health() -> Response:
+        """200 once a 1-token generation succeeds; 503 while starting, paused or released (no forward)."""
+        return Response(status_code=200 if await engine.health_generate() else 503)
+
+    if settings.protocol != "legacy":
+
+        @router.get("/ready")
+        async def ready() -> Response:
+            """tokenizer_manager.py:732: ready = not paused and healthy."""
+            ok = engine.state is EngineState.RUNNING and not engine.paused
+            return Response(status_code=200 if ok else 503)
+
+    return router
+
+
+# --- info --------------------------------------------------------------------------------------
+
+
+def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
+    router = APIRouter()
+    legacy = settings.protocol == "legacy"
+
+    def model_info() -> dict[str, Any]:
+        if legacy:  # ≈0.5.4 get_model_info
+            return {
+                "model_path": settings.model_path,
+                "tokenizer_path": settings.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": engine.weight_version,
+            }
+        return {  # http_server.py:812
+            "model_path": settings.model_path,
+            "served_model_name": settings.model_path,
+            "tokenizer_path": settings.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+            "load_format": "dummy",  # SGLang's name for randomly initialised weights
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "qwen_like",
+            "architectures": ["QwenLikeForCausalLM"],
+        }
+
+    def server_info() -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "model_path": settings.model_path,
+            "tokenizer_path": settings.model_path,
+            "served_model_name": settings.model_path,
+            "host": settings.host,
+            "port": settings.port,
+            "device": settings.device,
+            "tp_size": 1,
+            "dp_size": 1,
+            "random_seed": settings.seed,
+            "load_format": "dummy",
+            "enable_memory_saver": True,
+            "enable_weights_cpu_backup": False,
+            "weight_version": settings.weight_version,
+            "max_running_requests": settings.max_batch,
+            "context_length": settings.max_seq,
+            "max_total_num_tokens": settings.max_batch * settings.max_seq,
+            "max_req_input_len": settings.max_seq - 1,
+            "internal_states": [engine.internal_state()],
+            "version": settings.version,
+            "colocd_reference": True,
+            "colocd_protocol": settings.protocol,
+            "colocd_model_config": settings.model.to_json(),
+        }
+        if not legacy:
+            info["startup_time"] = engine.startup_time
+            info["frontend"] = "python"
+        return info
+
+    router.add_api_route("/get_model_info", model_info, methods=["GET"])
+    router.add_api_route("/get_server_info", server_info, methods=["GET"])
+    if legacy:
+
+        @router.get("/get_weight_version")
+        async def get_weight_version() -> dict[str, Any]:
+            return {"weight_version": engine.weight_version}
+
+    else:
+        router.add_api_route("/model_info", model_info, methods=["GET"])
+        router.add_api_route("/server_info", server_info, methods=["GET"])
+
+    @router.get("/colocd/memory")
+    async def colocd_memory() -> dict[str, Any]:
+        """colocd extension: per-tag {resident, nbytes, resident_nbytes}, RSS, CUDA counters."""
+        return engine.memory_report()
+
+    return router
+
+
+# --- generation and control --------------------------------------------------------------------
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the client going away.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
+    """Await ``work``; if the client disconnects first, cancel it (aborting its requests) and return None."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
+    router = APIRouter()
+    legacy = settings.protocol == "legacy"
+
+    @router.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(body: GenerateBody, request: Request) -> Response:
+        result = await _unless_disconnected(request, engine.generate(body))
+        if result is None:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(result)
+
+    if legacy:
+
+        @router.post("/pause_generation")
+        async def pause_legacy() -> JSONResponse:
+            await engine.pause_generation(PauseMode.ABORT)  # ≈0.5.4: no body, abort-like
+            return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+        @router.post("/continue_generation")
+        async def continue_legacy() -> JSONResponse:
+            await engine.continue_generation(torch_empty_cache=False)
+            return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    else:
+
+        @router.post("/pause_generation")
+        async def pause(body: PauseGenerationBody) -> JSONResponse:
+            await engine.pause_generation(body.mode)  # http_server.py:1831
+            return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+        @router.post("/continue_generation")
+        async def continue_(body: ContinueGenerationBody) -> JSONResponse:
+            await engine.continue_generation(torch_empty_cache=body.torch_empty_cache)
+            return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+        @router.post("/begin_weight_update")
+        async def begin(body: BeginWeightUpdateBody) -> JSONResponse:
+            return _success(*await engine.begin_weight_update(body.selector))  # http_server.py:1458
+
+        @router.post("/end_weight_update")
+        async def end(body: EndWeightUpdateBody) -> JSONResponse:
+            return _success(*await engine.end_weight_update())
+
+        @router.api_route("/weights_checker", methods=["GET", "POST"])
+        async def weights_checker(body: Annotated[CheckWeightsBody | None, Body()] = None) -> JSONResponse:
+            body = body or CheckWeightsBody()
+            check = await engine.check_weights(body.action, body.skip_tensor_list)  # http_server.py:1599
+            extra: dict[str, Any] = {}
+            if check.ranks is not None:
+                extra["ranks"] = check.ranks
+            if check.per_engine_checksum is not None:
+                extra["per_engine_checksum"] = check.per_engine_checksum
+            if check.colocd_checksum is not None:
+                extra["colocd_checksum"] = check.colocd_checksum
+            return _success(check.success, check.message, **extra)
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
+        ok, message = await engine.flush_cache(timeout)  # http_server.py:1025
+        content = _FLUSHED if ok else (message or "Flush cache failed.\n")
+        return Response(content=content, status_code=200 if ok else 400, media_type="text/plain")
+
+    @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release(body: MemoryTagsBody) -> JSONResponse:
+        await engine.release_memory(body.tags)  # http_server.py:1575: JSON null on success
+        return JSONResponse(None)
+
+    @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume(body: MemoryTagsBody) -> JSONResponse:
+        await engine.resume_memory(body.tags)
+        return JSONResponse(None)
+
+    @router.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> JSONResponse:
+        return _success(*await engine.update_weights_from_tensor(body))  # http_server.py:1436
+
+    @router.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionBody) -> JSONResponse:
+        await engine.update_weight_version(body.new_version, abort_all_requests=body.abort_all_requests)
+        return _success(True, f"Weight version updated to {body.new_version}", new_version=body.new_version)
+
+    return router
