@@ -188,7 +188,9 @@ class BucketLease:
     (slime update_weight_from_tensor.py:39-47, THUDM/slime#929), so a buffer is never refilled
     after a reply: ``release()`` drops the only reference and the next bucket gets a fresh one.
     PyTorch then frees the memory once the engine has dropped its IPC mapping, which
-    ``torch.cuda.ipc_collect()`` notices (THUDM/slime#1731).
+    ``torch.cuda.ipc_collect()`` notices (THUDM/slime#1731). Measured on an H200: a 256 MiB bucket
+    is back after ``release()`` once the consumer dropped its view; a bucket exported but never
+    consumed stays in PyTorch's IPC sent-data list until this process exits.
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:

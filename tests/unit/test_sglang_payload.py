@@ -193,14 +193,57 @@ def test_empty_and_mixed_device_buckets_are_refused() -> None:
         flatten_bucket([("a", torch.zeros(1)), ("b", torch.zeros(1, device="meta"))])
 
 
+# SGLang's consumer side, without SGLang: its UUID-aware rebuild (patch_torch.py:76-99) installed
+# under torch's name, then the allow-list load and the flattened-bucket slicing
+# (tensor_bucket.py:130-140). Runs in a second process, as the scheduler does.
+_CONSUMER = """
+import base64, io, json, pickle, sys, torch
+from torch.multiprocessing import reductions
+original = reductions.rebuild_cuda_tensor
+def by_uuid(*args):
+    device = args[6]
+    if isinstance(device, str):
+        device = next(i for i in range(torch.cuda.device_count())
+                      if str(torch.cuda.get_device_properties(i).uuid) == device)
+    return original(*args[:6], device, *args[7:])
+reductions.rebuild_cuda_tensor = by_uuid
+allowed = {("builtins", "list"), ("builtins", "dict"), ("types", "SimpleNamespace"), ("torch", "Size"),
+           ("torch", "Tensor"), ("torch.storage", "TypedStorage"), ("torch.storage", "UntypedStorage"),
+           ("torch", "UntypedStorage"), ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")}
+allowed |= {("torch", n) for n in ("bfloat16", "float32", "bool", "int64", "uint8")}
+class Safe(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) not in allowed:
+            raise pickle.UnpicklingError(f"Blocked unsafe global ({module}.{name})")
+        return super().find_class(module, name)
+data = Safe(io.BytesIO(base64.b64decode(sys.stdin.read(), validate=True))).load()
+flat = data["flattened_tensor"]
+out = {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).double().sum().item()
+       for m in data["metadata"]}
+torch.cuda.synchronize()
+del data, flat  # the scheduler drops its view after load_weights; that releases the producer's slot
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_entry_names_the_gpu_by_uuid() -> None:
-    tensor = torch.arange(8, dtype=torch.float32, device="cuda")
-    entry = serialize([("w", tensor)])
-    raw = base64.b64decode(entry)
-    uuid = str(torch.cuda.get_device_properties(tensor.device.index).uuid)
-    assert uuid.encode() in raw
+def test_cuda_entry_names_the_gpu_by_uuid_and_rebuilds_in_another_process() -> None:
+    import json
+    import subprocess
+    import sys
+
+    named = [(n, t.cuda()) for n, t in _named()]
+    entry, lease = export_flattened_bucket(named)
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    assert uuid.encode() in base64.b64decode(entry)
+    done = subprocess.run([sys.executable, "-c", _CONSUMER], input=entry, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    sums = json.loads(done.stdout)
+    for name, tensor in named:
+        assert sums[name] == pytest.approx(tensor.double().sum().item())
+    lease.release()
+    assert lease.state is LeaseState.RELEASED
 
 
 def test_module_exports_are_sorted_and_complete() -> None:
