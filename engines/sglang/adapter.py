@@ -174,7 +174,7 @@ class SGLangAdapter:
                           self.name, "weights_checker")
         if not isinstance(data, dict):
             return None
-        checksum = data.get("checksum") or data.get("per_engine_checksum")
+        checksum = data.get("colocd_checksum") or data.get("per_engine_checksum")
         if isinstance(checksum, list):
             checksum = checksum[0] if checksum else None
         return None if checksum is None else str(checksum)
