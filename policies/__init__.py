@@ -1,1 +1,78 @@
-"""colocd.policies"""
+"""Policies decide, nothing else: typed snapshots in, typed decisions out, loaded from one YAML document.
+
+No I/O and no imports from the rest of colocd. The daemon holds a ``PolicyStore``; the trainer agent
+enacts ``GroupDirective`` and ``CleanupPlan``; the weight-stream pipeline follows ``PipelinePlan``.
+"""
+
+from .base import Decision, Family, Policy, PolicyConfig
+from .cleanup import (
+    AggressiveCleanupPolicy,
+    CleanupPlan,
+    CleanupPolicy,
+    CleanupStep,
+    EmptyCachePolicy,
+    NoCleanupPolicy,
+)
+from .document import default_policies, policy_json_schema
+from .errors import PluginImportError, PluginNotFoundError, PolicyError
+from .loader import load_policy_yaml
+from .pipeline import OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy, Transport
+from .policy_set import API_VERSION, PolicySet
+from .process_groups import (
+    AutoPolicy,
+    DeferredCooldownPolicy,
+    DestroyPolicy,
+    GroupAction,
+    GroupDirective,
+    GroupSnapshot,
+    KeepAlivePolicy,
+    ProcessGroupPolicy,
+    SuspendPolicy,
+    WaitPoint,
+)
+from .registry import BUILTINS, ENTRY_POINT_GROUP, resolve_policy
+from .settings import EngineSettings, Timeouts
+from .store import PolicyStore
+
+__all__ = [
+    "API_VERSION",
+    "BUILTINS",
+    "ENTRY_POINT_GROUP",
+    "AggressiveCleanupPolicy",
+    "AutoPolicy",
+    "CleanupPlan",
+    "CleanupPolicy",
+    "CleanupStep",
+    "Decision",
+    "DeferredCooldownPolicy",
+    "DestroyPolicy",
+    "EmptyCachePolicy",
+    "EngineSettings",
+    "Family",
+    "GroupAction",
+    "GroupDirective",
+    "GroupSnapshot",
+    "KeepAlivePolicy",
+    "NoCleanupPolicy",
+    "OverlapPolicy",
+    "PipelinePlan",
+    "PipelinePolicy",
+    "PipelineSnapshot",
+    "PluginImportError",
+    "PluginNotFoundError",
+    "Policy",
+    "PolicyConfig",
+    "PolicyError",
+    "PolicySet",
+    "PolicyStore",
+    "ProcessGroupPolicy",
+    "SerialPolicy",
+    "SuspendPolicy",
+    "Timeouts",
+    "Transport",
+    "WaitPoint",
+    "default_policies",
+    "load_policy_yaml",
+    "policy_json_schema",
+    "resolve_policy",
+]

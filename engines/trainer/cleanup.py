@@ -1,0 +1,110 @@
+"""Enacts a ``CleanupPlan`` in the trainer's process before an engine resumes, timing each sub-step.
+
+Each sub-step becomes a trace span with the bytes it gave back to the driver (the phase-trace method
+of verl #7864), so the step's trace shows what cleanup cost and what it bought.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ...policies import CleanupPlan, CleanupStep
+
+__all__ = ["CleanupReport", "run_cleanup"]
+
+_CPU_NOTE = "no CUDA device: bytes freed are not measurable, reported as None"
+_CUDA_NOTE = "freed = drop in torch.cuda.memory_reserved across the step"
+
+
+@dataclass(slots=True)
+class CleanupReport:
+    """What cleanup did; spans are ``{name, round, start_s, duration_s, freed_bytes}`` dicts.
+
+    ``start_s`` counts from ``started_at``; bytes are None where not measurable (``memory_note``).
+    """
+
+    policy: str
+    started_at: float  # wall clock (time.time()) when cleanup began, to place the spans in a step trace
+    seconds: float
+    rounds: int
+    freed_bytes: int | None
+    memory_note: str
+    spans: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_cleanup(
+    plan: CleanupPlan,
+    *,
+    device: torch.device | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    collect: Callable[[], object] = gc.collect,
+    meter: Callable[[], int] | None = None,
+) -> CleanupReport:
+    """Run ``plan``: its steps once, then again while a round freed >= ``min_freed_bytes`` (bounded by
+    ``max_retries``). On CPU every step still runs (gc is real work) but bytes are None.
+
+    ``meter`` returns the bytes currently held (default: ``torch.cuda.memory_reserved`` on CUDA).
+    """
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    cuda = device.type == "cuda"
+    if meter is None and cuda:
+        meter = lambda: int(torch.cuda.memory_reserved(device))  # noqa: E731
+    actions: dict[CleanupStep, Callable[[], object]] = {
+        CleanupStep.GC_COLLECT: collect,
+        CleanupStep.SYNCHRONIZE: (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None),
+        CleanupStep.EMPTY_CACHE: torch.cuda.empty_cache if cuda else (lambda: None),
+    }
+    started_at = time.time()
+    origin = clock()
+    spans: list[dict[str, Any]] = []
+    total: int | None = 0 if meter else None
+    rounds = 0
+    while plan.steps and rounds <= plan.max_retries:
+        rounds += 1
+        round_freed = 0
+        for step in plan.steps:
+            before = meter() if meter else None
+            begin = clock()
+            actions[step]()
+            duration = clock() - begin
+            freed = None if before is None or meter is None else before - meter()
+            spans.append(
+                {
+                    "name": f"cleanup.{step}",
+                    "round": rounds,
+                    "start_s": begin - origin,
+                    "duration_s": duration,
+                    "freed_bytes": freed,
+                }
+            )
+            round_freed += freed or 0
+        if total is not None:
+            total += round_freed
+        # Retry only while it pays: on CPU nothing is measurable, so one round is all that runs.
+        if meter is None or round_freed < plan.min_freed_bytes:
+            break
+    return CleanupReport(
+        policy=plan.policy,
+        started_at=started_at,
+        seconds=clock() - origin,
+        rounds=rounds,
+        freed_bytes=total,
+        memory_note=_CUDA_NOTE
+        if cuda
+        else (_CPU_NOTE if meter is None else "freed = drop in the given meter"),
+        spans=spans,
+    )

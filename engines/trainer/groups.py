@@ -1,0 +1,596 @@
+"""Enacts a ``GroupDirective`` in the trainer's process: create, destroy, keep, suspend, rebuild named groups.
+
+The policy decided in the daemon; this module only does the torch.distributed work, bounds every
+wait, and reports the seconds it spent and the GPU memory the groups kept through the pause.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...policies import GroupAction, GroupDirective, GroupSnapshot, WaitPoint
+
+__all__ = [
+    "Canary",
+    "GroupLifecycle",
+    "GroupReport",
+    "GroupSpec",
+    "KeepAliveState",
+    "LifecycleState",
+    "SuspendCapability",
+    "all_reduce_canary",
+    "detect_suspend_capability",
+]
+
+log = logging.getLogger(__name__)
+
+Canary = Callable[[str, dist.ProcessGroup, float], bool]
+"""``canary(name, group, timeout_s) -> ok``: one bounded collective proving a kept group still works."""
+
+_CPU_NOTE = "no CUDA device: GPU memory is not measurable, reported as None"
+_CUDA_NOTE = (
+    "device free-memory deltas (mem_get_info minus torch's own reserved delta); other processes add noise"
+)
+_MIN_NCCL_SUSPEND = (2, 29, 7)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One process group: a name, its ranks (None: the whole world) and its backend (None: the default)."""
+
+    name: str
+    ranks: tuple[int, ...] | None = None
+    backend: str | None = None
+
+
+class LifecycleState(StrEnum):
+    """Where the groups are; each method is legal only from some of these."""
+
+    UNBUILT = "unbuilt"
+    LIVE = "live"  # usable
+    KEPT = "kept"  # alive through a pause; not trusted until the canary vote passes
+    SUSPENDED = "suspended"  # alive, communicator memory given back
+    DESTROYED = "destroyed"  # rebuilt on resume
+    CLOSED = "closed"
+
+
+class KeepAliveState(StrEnum):
+    """Two-phase enable of keep-alive, plus the one-way switch a failure throws."""
+
+    OFF = "off"  # groups are not being kept
+    ELIGIBLE = "eligible"  # kept through a pause; the first canary vote has not passed yet
+    READY = "ready"  # at least one canary vote passed on every rank
+    DISABLED = "disabled"  # a keep-alive failed: destroy with no wait for the rest of the process
+
+
+@dataclass(frozen=True, slots=True)
+class SuspendCapability:
+    """Whether ProcessGroupNCCL suspend/resume can be used here, and why not."""
+
+    supported: bool
+    reason: str
+
+
+@dataclass(slots=True)
+class GroupReport:
+    """What one lifecycle call did and cost; bytes are None where unmeasurable (``memory_note`` says why)."""
+
+    phase: str  # build | pause | resume | abandon | close
+    action: str  # what was really done (a fallback may differ from the directive)
+    policy: str | None
+    seconds: float
+    waited_s: float
+    kept_bytes: int | None
+    freed_bytes: int | None
+    per_group_bytes: dict[str, int | None]
+    memory_note: str
+    keep_alive: KeepAliveState
+    actions: list[str] = field(default_factory=list)
+    fallback_reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; this is what the trainer agent sends back to the daemon."""
+        return asdict(self)
+
+
+def all_reduce_canary(name: str, group: dist.ProcessGroup, timeout_s: float, *, device: torch.device) -> bool:
+    """All-reduce a one on ``group`` and check the sum equals its size; raises on timeout."""
+    probe = torch.ones(1, device=device)
+    work = dist.all_reduce(probe, group=group, async_op=True)
+    if work is None:  # only for a rank outside the group, which never gets here
+        return False
+    work.wait(timeout=timedelta(seconds=timeout_s))
+    return int(probe.item()) == dist.get_world_size(group)
+
+
+def detect_suspend_capability(device: torch.device, backends: Sequence[str]) -> SuspendCapability:
+    """Check torch >= 2.12, NCCL >= 2.29.7, CUDA, NCCL-only groups and cuMem on (nccl-keepalive.md §1.1)."""
+    if device.type != "cuda":
+        return SuspendCapability(False, "suspend needs CUDA and NCCL; this process runs on CPU")
+    if torch.__version__ < "2.12":
+        return SuspendCapability(
+            False, f"torch {torch.__version__} has no ProcessGroupNCCL suspend (needs 2.12)"
+        )
+    if any(b != "nccl" for b in backends):
+        return SuspendCapability(
+            False, f"suspend applies to NCCL groups only; backends here: {sorted(set(backends))}"
+        )
+    try:
+        nccl = tuple(torch.cuda.nccl.version())
+    except Exception as exc:
+        return SuspendCapability(False, f"NCCL version unknown ({exc!r})")
+    if nccl < _MIN_NCCL_SUSPEND:
+        return SuspendCapability(False, f"NCCL {'.'.join(map(str, nccl))} < 2.29.7 has no ncclCommSuspend")
+    if os.environ.get("NCCL_CUMEM_ENABLE") == "0":
+        # Suspend only releases cuMem allocations; with cuMem off it would succeed and free nothing.
+        return SuspendCapability(False, "NCCL_CUMEM_ENABLE=0: suspend would succeed but free nothing")
+    return SuspendCapability(True, f"torch {torch.__version__}, NCCL {'.'.join(map(str, nccl))}")
+
+
+class GroupLifecycle:
+    """A named set of process groups taken through pauses as the daemon's directives say.
+
+    Every rank constructs it at the same point and makes the same calls in the same order (they are
+    collective)::
+
+        life = GroupLifecycle([GroupSpec("tp", (0, 1)), GroupSpec("tp", (2, 3)), GroupSpec("dp", (0, 2))])
+        life.build()
+        report = life.pause(directive)   # before the trainer's memory is paused
+        report = life.resume()           # before the trainer needs its groups again
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[GroupSpec],
+        *,
+        device: torch.device | None = None,
+        group_timeout_s: float = 600.0,
+        agree_timeout_s: float = 120.0,
+        max_wait_s: float = 60.0,
+        canary: Canary | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("GroupLifecycle needs torch.distributed initialised (init_process_group)")
+        self._specs = tuple(specs)
+        self._device = device or (
+            torch.device("cuda", torch.cuda.current_device()) if _cuda() else torch.device("cpu")
+        )
+        self._group_timeout = timedelta(seconds=group_timeout_s)
+        self._max_wait_s = max_wait_s
+        self._clock = clock
+        self._sleep = sleep
+        self._canary: Canary = canary or self._default_canary
+        self._cuda = self._device.type == "cuda"
+        backends = [spec.backend or dist.get_backend() for spec in self._specs]
+        self._suspend = detect_suspend_capability(self._device, backends)
+        # The vote runs on its own gloo group, never destroyed: it must work when the kept groups do not.
+        self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=agree_timeout_s))
+        self._groups: list[dist.ProcessGroup | None] = []  # one slot per spec; None where not a member
+        self._resident: dict[str, int | None] = {}
+        self._state = LifecycleState.UNBUILT
+        self._keep_alive = KeepAliveState.OFF
+        self._cooldown_until: float | None = None
+        self._canary_timeout_s = 30.0
+        self._directive: GroupDirective | None = None
+
+    # --- what the daemon and the trainer read ------------------------------------------------
+
+    @property
+    def state(self) -> LifecycleState:
+        return self._state
+
+    @property
+    def keep_alive(self) -> KeepAliveState:
+        return self._keep_alive
+
+    @property
+    def suspend_capability(self) -> SuspendCapability:
+        return self._suspend
+
+    def groups(self) -> Iterator[tuple[GroupSpec, dist.ProcessGroup]]:
+        """The live groups this rank is a member of, in creation order."""
+        if self._state != LifecycleState.LIVE:
+            raise RuntimeError(f"groups are not usable in state {self._state}; call resume() first")
+        for spec, group in zip(self._specs, self._groups, strict=True):
+            if group is not None:
+                yield spec, group
+
+    def snapshot(self) -> GroupSnapshot:
+        """What the daemon's process-group policy needs to decide the next pause."""
+        return GroupSnapshot(
+            group_count=len(self._resident),
+            resident_bytes=self._resident_total(),
+            keep_alive_disabled=self._keep_alive == KeepAliveState.DISABLED,
+            suspend_supported=self._suspend.supported,
+        )
+
+    # --- the lifecycle ---------------------------------------------------------------------------
+
+    def build(self) -> GroupReport:
+        """Create every group (collective) and warm it with one canary so lazy communicators exist."""
+        self._require(LifecycleState.UNBUILT, "build")
+        start = self._clock()
+        actions = self._create_all()
+        return self._report("build", "create", None, start, 0.0, actions, kept=None, freed=None)
+
+    def pause(self, directive: GroupDirective) -> GroupReport:
+        """Enact ``directive`` before the trainer's memory is paused."""
+        self._require(LifecycleState.LIVE, "pause")
+        start = self._clock()
+        effective, why = self._effective(directive)
+        self._directive = effective
+        actions: list[str] = [f"directive {directive.action} from {directive.policy}: {directive.reason}"]
+        if why:
+            actions.append(why)
+        if effective.action == GroupAction.KEEP:
+            return self._keep(effective, start, actions, why)
+        if effective.action == GroupAction.SUSPEND:
+            return self._suspend_all(effective, start, actions)
+        return self._destroy(effective, start, actions, why)
+
+    def resume(self) -> GroupReport:
+        """Make the groups usable again: rebuild (after any cooldown remainder) or canary-check kept ones."""
+        start = self._clock()
+        policy = self._directive.policy if self._directive else None
+        if self._state == LifecycleState.LIVE:
+            return self._report("resume", "none", policy, start, 0.0, ["groups already live"], None, None)
+        if self._state == LifecycleState.DESTROYED:
+            waited = self._cooldown_remainder()
+            actions = [f"slept {waited:.3f} s: remainder of the deferred post-destroy wait"] if waited else []
+            actions += self._create_all()
+            return self._report("resume", "rebuild", policy, start, waited, actions, None, None)
+        if self._state == LifecycleState.SUSPENDED:
+            return self._verify_kept(start, policy, resume_first=True)
+        self._require(LifecycleState.KEPT, "resume")
+        return self._verify_kept(start, policy, resume_first=False)
+
+    def abandon(self, reason: str) -> GroupReport:
+        """Kept groups failed in use (the weight sync raised): abort them, rebuild, disable keep-alive."""
+        start = self._clock()
+        self._disable(reason)
+        self._abort_all()
+        actions = [f"keep-alive disabled: {reason}", "aborted all groups, no wait"]
+        actions += self._create_all()
+        return self._report(
+            "abandon", "rebuild", None, start, 0.0, actions, None, None, fallback_reason=reason
+        )
+
+    def close(self) -> None:
+        """Destroy every group, the control group included. Idempotent."""
+        if self._state == LifecycleState.CLOSED:
+            return
+        for group in self._groups:
+            if group is not None:
+                _destroy(group)
+        self._groups = []
+        _destroy(self._control)
+        self._state = LifecycleState.CLOSED
+
+    def __enter__(self) -> GroupLifecycle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- directive handling ----------------------------------------------------------------------
+
+    def _effective(self, directive: GroupDirective) -> tuple[GroupDirective, str | None]:
+        """The directive to enact here, after the local facts the daemon may not have had."""
+        if directive.action == GroupAction.SUSPEND and not self._suspend.supported:
+            log.warning("process-group suspend unavailable (%s); using the fallback", self._suspend.reason)
+            fallback = directive.fallback or GroupDirective.destroy(directive.policy, "no fallback given")
+            return self._effective(fallback)[0], f"suspend unavailable ({self._suspend.reason}); fallback"
+        keeps = directive.action in (GroupAction.KEEP, GroupAction.SUSPEND)
+        if keeps and self._keep_alive == KeepAliveState.DISABLED:
+            return (
+                GroupDirective.destroy(directive.policy, "keep-alive disabled for this process"),
+                "keep-alive disabled by an earlier failure: destroy, no wait",
+            )
+        return directive, None
+
+    def _keep(
+        self, directive: GroupDirective, start: float, actions: list[str], why: str | None
+    ) -> GroupReport:
+        self._canary_timeout_s = directive.canary_timeout_s
+        if self._keep_alive == KeepAliveState.OFF:
+            self._keep_alive = KeepAliveState.ELIGIBLE
+        self._state = LifecycleState.KEPT
+        kept = self._resident_total()
+        actions.append(f"kept {len(self._resident)} groups through the pause ({self._keep_alive})")
+        return self._report(
+            "pause", "keep", directive.policy, start, 0.0, actions, kept, 0, fallback_reason=why
+        )
+
+    def _destroy(
+        self, directive: GroupDirective, start: float, actions: list[str], why: str | None
+    ) -> GroupReport:
+        if self._keep_alive in (KeepAliveState.ELIGIBLE, KeepAliveState.READY):
+            self._keep_alive = KeepAliveState.OFF  # the policy moved away from keeping
+        before = self._free_bytes()
+        count = self._destroy_all()
+        freed = _delta(self._free_bytes(), before)
+        destroyed_at = self._clock()
+        actions.append(f"destroyed {count} groups")
+        waited = 0.0
+        wait_s = min(directive.wait_s, self._max_wait_s)
+        if wait_s < directive.wait_s:
+            actions.append(f"wait capped at max_wait_s={self._max_wait_s:g} s")
+        if directive.wait_point == WaitPoint.AFTER_DESTROY:
+            self._cooldown_until = None
+            if wait_s > 0:
+                waited = self._timed_sleep(wait_s)
+                actions.append(f"slept {waited:.3f} s post-destroy wait")
+        else:
+            # Deferred: the pause (rollout) usually outlasts the wait, so resume() sleeps only what is left.
+            self._cooldown_until = destroyed_at + wait_s
+            actions.append(f"deferred post-destroy wait of {wait_s:g} s to the next rebuild")
+        resident = self._resident_total()
+        kept = None if resident is None or freed is None else max(0, resident - freed)
+        return self._report(
+            "pause", "destroy", directive.policy, start, waited, actions, kept, freed, fallback_reason=why
+        )
+
+    def _suspend_all(self, directive: GroupDirective, start: float, actions: list[str]) -> GroupReport:
+        self._canary_timeout_s = directive.canary_timeout_s
+        before = self._free_bytes()
+        ok = True
+        try:
+            for _spec, group in self._members():
+                group._get_backend(self._device).suspend()
+        except Exception as exc:
+            log.warning("communicator suspend failed: %r", exc)
+            actions.append(f"suspend failed locally: {exc!r}")
+            ok = False
+        if not self._vote(ok, actions):
+            reason = "suspend failed on at least one rank"
+            self._disable(reason)
+            self._abort_all()
+            self._state = LifecycleState.DESTROYED
+            self._cooldown_until = None
+            actions.append("aborted all groups, no wait; rebuilt on resume")
+            return self._report("pause", "destroy", directive.policy, start, 0.0, actions, None, None, reason)
+        freed = _delta(self._free_bytes(), before)
+        per_group = self._persist_bytes()
+        kept = None if any(v is None for v in per_group.values()) else sum(v or 0 for v in per_group.values())
+        self._state = LifecycleState.SUSPENDED
+        if self._keep_alive == KeepAliveState.OFF:
+            self._keep_alive = KeepAliveState.ELIGIBLE
+        actions.append(f"suspended {len(per_group)} communicators")
+        return self._report(
+            "pause", "suspend", directive.policy, start, 0.0, actions, kept, freed, per_group=per_group
+        )
+
+    def _verify_kept(self, start: float, policy: str | None, *, resume_first: bool) -> GroupReport:
+        actions: list[str] = []
+        ok = True
+        if resume_first:
+            try:
+                for _spec, group in self._members():
+                    group._get_backend(self._device).resume()
+                actions.append("resumed communicators")
+            except Exception as exc:
+                actions.append(f"resume failed locally: {exc!r}")
+                ok = False
+        if ok:
+            ok = self._run_canaries(actions)
+        if self._vote(ok, actions):
+            self._state = LifecycleState.LIVE
+            self._keep_alive = KeepAliveState.READY
+            return self._report("resume", "canary", policy, start, 0.0, actions, None, None)
+        # Any failure anywhere: every rank drops every group, waits nothing, and never keeps again.
+        reason = "canary vote failed: at least one rank could not use its kept groups"
+        self._disable(reason)
+        self._abort_all()
+        actions.append("aborted all groups, no wait")
+        actions += self._create_all()
+        return self._report(
+            "resume", "rebuild", policy, start, 0.0, actions, None, None, fallback_reason=reason
+        )
+
+    # --- collective building blocks ----------------------------------------------------------------
+
+    def _create_all(self) -> list[str]:
+        """new_group for every spec in order (every rank, member or not), then warm and measure each."""
+        self._groups = []
+        self._resident = {}
+        probe_ready = torch.ones(1, device=self._device)  # allocate before measuring, so it is not counted
+        del probe_ready
+        for spec in self._specs:
+            before = self._free_bytes()
+            reserved = _reserved(self._device)
+            group = dist.new_group(
+                list(spec.ranks) if spec.ranks else None, self._group_timeout, spec.backend
+            )
+            if group is dist.GroupMember.NON_GROUP_MEMBER or group is None:
+                self._groups.append(None)
+                continue
+            # The first collective creates NCCL's communicator; doing it here keeps its cost in the
+            # rebuild (where it belongs) and lets us measure what the group holds.
+            warm = all_reduce_canary(
+                spec.name, group, self._group_timeout.total_seconds(), device=self._device
+            )
+            if not warm:
+                raise RuntimeError(f"group {spec.name!r} failed its warm-up all-reduce right after creation")
+            self._groups.append(group)
+            used = _delta(before, self._free_bytes())
+            grown = _reserved(self._device) - reserved if self._cuda else 0
+            self._resident[spec.name] = None if used is None else max(0, used - grown)
+        self._state = LifecycleState.LIVE
+        self._cooldown_until = None
+        return [f"created {len(self._specs)} groups ({len(self._resident)} with this rank)"]
+
+    def _run_canaries(self, actions: list[str]) -> bool:
+        failed: list[str] = []
+        for spec, group in self._members():
+            try:
+                ok = self._canary(spec.name, group, self._canary_timeout_s)
+            except Exception as exc:
+                # The collective's state is unknown: stop here. Peers time out on this group (bounded
+                # by canary_timeout_s) and everyone meets at the vote.
+                log.warning("canary on group %r raised: %r", spec.name, exc)
+                actions.append(f"canary raised on group {spec.name!r}: {exc!r}")
+                return False
+            if not ok:
+                # The collective itself completed: keep going so peers are not left waiting on us.
+                failed.append(spec.name)
+        if failed:
+            actions.append(f"canary wrong on groups {failed}")
+            return False
+        actions.append(f"canary ok on {len(self._resident)} groups")
+        return True
+
+    def _vote(self, ok: bool, actions: list[str]) -> bool:
+        """All ranks agree through gloo all_reduce(MIN): one failure anywhere is a failure everywhere."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._control)
+        except Exception as exc:  # a peer died or hung past agree_timeout_s
+            actions.append(f"vote failed: {exc!r}")
+            return False
+        agreed = bool(flag.item())
+        actions.append("all ranks agreed" if agreed else "vote: at least one rank failed")
+        return agreed
+
+    def _destroy_all(self) -> int:
+        count = 0
+        for group in self._groups:
+            if group is not None:
+                _destroy(group)
+                count += 1
+        self._groups = [None] * len(self._specs)
+        self._state = LifecycleState.DESTROYED
+        return count
+
+    def _abort_all(self) -> None:
+        # Abort, not destroy: destroy flushes, and a communicator that just failed may never flush.
+        for group in self._groups:
+            if group is not None:
+                _abort(group)
+        self._groups = [None] * len(self._specs)
+        self._state = LifecycleState.DESTROYED
+
+    # --- small helpers ---------------------------------------------------------------------------
+
+    def _default_canary(self, name: str, group: dist.ProcessGroup, timeout_s: float) -> bool:
+        return all_reduce_canary(name, group, timeout_s, device=self._device)
+
+    def _members(self) -> Iterator[tuple[GroupSpec, dist.ProcessGroup]]:
+        for spec, group in zip(self._specs, self._groups, strict=True):
+            if group is not None:
+                yield spec, group
+
+    def _disable(self, reason: str) -> None:
+        if self._keep_alive != KeepAliveState.DISABLED:
+            log.warning("keep-alive disabled for the rest of this process: %s", reason)
+        self._keep_alive = KeepAliveState.DISABLED
+
+    def _cooldown_remainder(self) -> float:
+        if self._cooldown_until is None:
+            return 0.0
+        remaining = min(self._cooldown_until - self._clock(), self._max_wait_s)
+        self._cooldown_until = None
+        return self._timed_sleep(remaining) if remaining > 0 else 0.0
+
+    def _timed_sleep(self, seconds: float) -> float:
+        begin = self._clock()
+        self._sleep(seconds)
+        return self._clock() - begin
+
+    def _free_bytes(self) -> int | None:
+        if not self._cuda:
+            return None
+        torch.cuda.synchronize(self._device)
+        return int(torch.cuda.mem_get_info(self._device)[0])
+
+    def _resident_total(self) -> int | None:
+        values = list(self._resident.values())
+        if not self._cuda or any(v is None for v in values):
+            return None
+        return sum(v or 0 for v in values)
+
+    def _persist_bytes(self) -> dict[str, int | None]:
+        """Per group, what a suspended communicator still holds (NCCL's ``persist`` statistic)."""
+        out: dict[str, int | None] = {}
+        for spec, group in self._members():
+            try:
+                out[spec.name] = int(group._get_backend(self._device).memory_stats()["persist"])
+            except Exception:
+                out[spec.name] = None
+        return out
+
+    def _require(self, state: LifecycleState, verb: str) -> None:
+        if self._state != state:
+            raise RuntimeError(f"cannot {verb} process groups in state {self._state} (needs {state})")
+
+    def _report(
+        self,
+        phase: str,
+        action: str,
+        policy: str | None,
+        start: float,
+        waited: float,
+        actions: list[str],
+        kept: int | None,
+        freed: int | None,
+        fallback_reason: str | None = None,
+        *,
+        per_group: Mapping[str, int | None] | None = None,
+    ) -> GroupReport:
+        if per_group is None:
+            per_group = self._resident if action == "keep" else {}
+        return GroupReport(
+            phase=phase,
+            action=action,
+            policy=policy,
+            seconds=self._clock() - start,
+            waited_s=waited,
+            kept_bytes=kept if self._cuda else None,
+            freed_bytes=freed if self._cuda else None,
+            per_group_bytes=dict(per_group) if self._cuda else {name: None for name in per_group},
+            memory_note=_CUDA_NOTE if self._cuda else _CPU_NOTE,
+            keep_alive=self._keep_alive,
+            actions=actions,
+            fallback_reason=fallback_reason,
+        )
+
+
+def _destroy(group: dist.ProcessGroup) -> None:
+    try:
+        dist.destroy_process_group(group)
+    except Exception as exc:  # destroying is best effort: the group is dropped either way
+        log.warning("destroy_process_group failed: %r", exc)
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    try:
+        if abort is not None:
+            abort(group)
+        else:
+            dist.destroy_process_group(group)
+    except Exception as exc:
+        log.warning("aborting a process group failed: %r", exc)
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def _reserved(device: torch.device) -> int:
+    return int(torch.cuda.memory_reserved(device)) if device.type == "cuda" else 0
+
+
+def _delta(larger: int | None, smaller: int | None) -> int | None:
+    return None if larger is None or smaller is None else larger - smaller

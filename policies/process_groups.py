@@ -1,0 +1,258 @@
+"""Process-group policies: whether the trainer's NCCL groups survive the pause, and what waits it takes.
+
+The trainer agent reports a ``GroupSnapshot``; the daemon asks the active policy for a ``GroupDirective``
+and returns it in the phase-transition reply; ``engines/trainer/groups.py`` enacts it.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from enum import StrEnum
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from .base import Decision, Family, Policy, PolicyConfig
+
+__all__ = [
+    "AutoPolicy",
+    "DeferredCooldownPolicy",
+    "DestroyPolicy",
+    "GroupAction",
+    "GroupDirective",
+    "GroupSnapshot",
+    "KeepAlivePolicy",
+    "ProcessGroupPolicy",
+    "SuspendPolicy",
+    "WaitPoint",
+]
+
+_GIB = 1 << 30
+
+# The seed's post-destroy wait. nccl-keepalive.md §2 argues subgroups never bind a fixed port, so
+# the wait is probably unnecessary; it stays the default until a run on real hardware proves it.
+_DEFAULT_WAIT_S = 2.0
+_DEFAULT_CANARY_S = 30.0
+
+
+class GroupAction(StrEnum):
+    """What happens to the groups before the pause."""
+
+    KEEP = "keep"  # leave them alive; canary + cross-rank agreement after the pause
+    DESTROY = "destroy"  # destroy them; rebuild when the trainer resumes
+    SUSPEND = "suspend"  # keep them but give communicator memory back (NCCL >= 2.29.7)
+
+
+class WaitPoint(StrEnum):
+    """Where the post-destroy wait is spent."""
+
+    AFTER_DESTROY = "after_destroy"  # right after destroying, on the switch's critical path
+    BEFORE_REBUILD = "before_rebuild"  # only the remainder, just before the next rebuild
+
+
+class GroupSnapshot(Decision):
+    """What the trainer agent knows about its groups when the daemon asks (``GroupLifecycle.snapshot()``)."""
+
+    group_count: int = Field(0, ge=0, description="process groups this rank is a member of")
+    resident_bytes: int | None = Field(
+        None, ge=0, description="measured GPU memory the groups hold while alive; None: not measurable"
+    )
+    keep_alive_disabled: bool = Field(False, description="a keep-alive failure disabled it for the process")
+    suspend_supported: bool | None = Field(None, description="ProcessGroupNCCL suspend/resume; None: unknown")
+
+
+class GroupDirective(Decision):
+    """The decision for one pause: keep, destroy (with a wait and where it is spent) or suspend."""
+
+    policy: str = Field(..., description="the policy that decided, as named in the YAML")
+    action: GroupAction
+    wait_s: float = Field(0.0, ge=0, description="post-destroy wait; 0 for keep and suspend")
+    wait_point: WaitPoint = WaitPoint.AFTER_DESTROY
+    canary_timeout_s: float = Field(_DEFAULT_CANARY_S, gt=0, description="bound on each canary all-reduce")
+    fallback: GroupDirective | None = Field(None, description="what to do when suspend is not available")
+    reason: str = ""
+
+    @classmethod
+    def keep(cls, policy: str, reason: str, *, canary_timeout_s: float = _DEFAULT_CANARY_S) -> GroupDirective:
+        return cls(policy=policy, action=GroupAction.KEEP, canary_timeout_s=canary_timeout_s, reason=reason)
+
+    @classmethod
+    def destroy(
+        cls, policy: str, reason: str, *, wait_s: float = 0.0, wait_point: WaitPoint = WaitPoint.AFTER_DESTROY
+    ) -> GroupDirective:
+        return cls(
+            policy=policy, action=GroupAction.DESTROY, wait_s=wait_s, wait_point=wait_point, reason=reason
+        )
+
+    @classmethod
+    def suspend(
+        cls,
+        policy: str,
+        reason: str,
+        *,
+        fallback: GroupDirective,
+        canary_timeout_s: float = _DEFAULT_CANARY_S,
+    ) -> GroupDirective:
+        return cls(
+            policy=policy,
+            action=GroupAction.SUSPEND,
+            fallback=fallback,
+            canary_timeout_s=canary_timeout_s,
+            reason=reason,
+        )
+
+
+class ProcessGroupPolicy(Policy):
+    """Decides, before each pause, what happens to the trainer's process groups."""
+
+    family: ClassVar[Family] = Family.PROCESS_GROUPS
+
+    @abstractmethod
+    def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
+        """Return the directive for this pause. Pure: same snapshot, same directive."""
+
+
+class WaitConfig(PolicyConfig):
+    post_destroy_wait_s: float = Field(
+        _DEFAULT_WAIT_S, ge=0, le=600, description="fixed wait after destroying groups (the seed's 2 s)"
+    )
+
+
+class CanaryConfig(PolicyConfig):
+    canary_timeout_s: float = Field(
+        _DEFAULT_CANARY_S, gt=0, le=3600, description="bound on each canary all-reduce after the pause"
+    )
+
+
+class DestroyPolicy(ProcessGroupPolicy):
+    """Destroy every group before the pause, then wait ``post_destroy_wait_s`` (the seed's baseline)."""
+
+    name: ClassVar[str] = "destroy"
+
+    class Config(WaitConfig):
+        pass
+
+    config: Config
+
+    def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
+        return GroupDirective.destroy(
+            self.spec,
+            f"destroy {snapshot.group_count} groups, then wait {self.config.post_destroy_wait_s:g} s",
+            wait_s=self.config.post_destroy_wait_s,
+        )
+
+
+class DeferredCooldownPolicy(ProcessGroupPolicy):
+    """Destroy before the pause; spend only what is left of the wait just before the next rebuild."""
+
+    name: ClassVar[str] = "deferred_cooldown"
+
+    class Config(WaitConfig):
+        pass
+
+    config: Config
+
+    def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
+        return _deferred(self.spec, self.config.post_destroy_wait_s, f"destroy {snapshot.group_count} groups")
+
+
+class KeepAlivePolicy(ProcessGroupPolicy):
+    """Keep groups through the pause; a canary all-reduce and a cross-rank vote decide whether they stay."""
+
+    name: ClassVar[str] = "keep_alive"
+
+    class Config(CanaryConfig):
+        pass
+
+    config: Config
+
+    def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
+        if snapshot.keep_alive_disabled:
+            # The seed's rule: after one failure, plain destroy with no wait for the rest of the process.
+            return GroupDirective.destroy(
+                self.spec, "keep-alive disabled by an earlier failure; destroy, no wait"
+            )
+        return GroupDirective.keep(
+            self.spec,
+            f"keep {snapshot.group_count} groups ({_gib(snapshot.resident_bytes)} resident)",
+            canary_timeout_s=self.config.canary_timeout_s,
+        )
+
+
+class SuspendPolicy(ProcessGroupPolicy):
+    """Keep groups but suspend their communicators (memory back, topology kept); else use ``fallback``."""
+
+    name: ClassVar[str] = "suspend"
+
+    class Config(WaitConfig, CanaryConfig):
+        fallback: Literal["destroy", "deferred_cooldown", "keep_alive"] = Field(
+            "deferred_cooldown", description="what to do where suspend/resume is not available"
+        )
+
+    config: Config
+
+    def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
+        fallback = self._fallback(snapshot)
+        if snapshot.suspend_supported is False:
+            return fallback.model_copy(
+                update={"reason": f"suspend unavailable, fallback {self.config.fallback}: {fallback.reason}"}
+            )
+        if snapshot.keep_alive_disabled:
+            return fallback.model_copy(update={"reason": f"keep-alive disabled, fallback: {fallback.reason}"})
+        return GroupDirective.suspend(
+            self.spec,
+            f"suspend {snapshot.group_count} communicators",
+            fallback=fallback,
+            canary_timeout_s=self.config.canary_timeout_s,
+        )
+
+    def _fallback(self, snapshot: GroupSnapshot) -> GroupDirective:
+        wait = self.config.post_destroy_wait_s
+        if self.config.fallback == "destroy":
+            return GroupDirective.destroy(self.spec, f"destroy, then wait {wait:g} s", wait_s=wait)
+        if self.config.fallback == "keep_alive" and not snapshot.keep_alive_disabled:
+            return GroupDirective.keep(self.spec, "keep alive", canary_timeout_s=self.config.canary_timeout_s)
+        return _deferred(self.spec, wait, "destroy")
+
+
+class AutoPolicy(ProcessGroupPolicy):
+    """Keep alive while the groups' measured memory fits ``max_resident_gib``; else deferred_cooldown."""
+
+    name: ClassVar[str] = "auto"
+
+    class Config(WaitConfig, CanaryConfig):
+        max_resident_gib: float = Field(
+            ..., gt=0, description="GPU memory the kept groups may hold through the pause, GiB"
+        )
+
+    config: Config
+
+    def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
+        budget = self.config.max_resident_gib
+        wait = self.config.post_destroy_wait_s
+        if snapshot.keep_alive_disabled:
+            return _deferred(self.spec, wait, "keep-alive disabled by an earlier failure")
+        if snapshot.resident_bytes is None:
+            # Unmeasured memory could be anything; keeping it could break the budget we promise.
+            return _deferred(self.spec, wait, "resident memory of the groups is not measured")
+        held = snapshot.resident_bytes / _GIB
+        if held > budget:
+            return _deferred(self.spec, wait, f"groups hold {held:.2f} GiB > budget {budget:g} GiB")
+        return GroupDirective.keep(
+            self.spec,
+            f"groups hold {held:.2f} GiB <= budget {budget:g} GiB: keep alive",
+            canary_timeout_s=self.config.canary_timeout_s,
+        )
+
+
+def _deferred(policy: str, wait_s: float, why: str) -> GroupDirective:
+    return GroupDirective.destroy(
+        policy,
+        f"{why}; wait up to {wait_s:g} s before the next rebuild",
+        wait_s=wait_s,
+        wait_point=WaitPoint.BEFORE_REBUILD,
+    )
+
+
+def _gib(nbytes: int | None) -> str:
+    return "unmeasured" if nbytes is None else f"{nbytes / _GIB:.2f} GiB"

@@ -1,0 +1,172 @@
+"""Built-in policies as pure functions: snapshot in, decision out."""
+
+from __future__ import annotations
+
+import pytest
+from colocd.policies import (
+    AggressiveCleanupPolicy,
+    AutoPolicy,
+    CleanupStep,
+    DeferredCooldownPolicy,
+    DestroyPolicy,
+    EmptyCachePolicy,
+    GroupAction,
+    GroupDirective,
+    GroupSnapshot,
+    KeepAlivePolicy,
+    NoCleanupPolicy,
+    OverlapPolicy,
+    PipelineSnapshot,
+    SerialPolicy,
+    SuspendPolicy,
+    Timeouts,
+    Transport,
+    WaitPoint,
+)
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def snap(**kw: object) -> GroupSnapshot:
+    return GroupSnapshot(group_count=14, **kw)  # type: ignore[arg-type]
+
+
+def test_destroy_waits_the_full_time_right_after_destroying() -> None:
+    d = DestroyPolicy().before_pause(snap())
+    assert (d.action, d.wait_s, d.wait_point) == (GroupAction.DESTROY, 2.0, WaitPoint.AFTER_DESTROY)
+    assert "14 groups" in d.reason
+
+
+def test_deferred_cooldown_moves_the_wait_to_the_next_rebuild() -> None:
+    d = DeferredCooldownPolicy(DeferredCooldownPolicy.Config(post_destroy_wait_s=0.5)).before_pause(snap())
+    assert (d.action, d.wait_s, d.wait_point) == (GroupAction.DESTROY, 0.5, WaitPoint.BEFORE_REBUILD)
+
+
+def test_keep_alive_keeps_and_carries_its_canary_timeout() -> None:
+    d = KeepAlivePolicy(KeepAlivePolicy.Config(canary_timeout_s=7)).before_pause(snap(resident_bytes=GIB))
+    assert (d.action, d.canary_timeout_s) == (GroupAction.KEEP, 7)
+    assert "1.00 GiB" in d.reason
+
+
+def test_keep_alive_after_a_failure_destroys_with_no_wait() -> None:
+    d = KeepAlivePolicy().before_pause(snap(keep_alive_disabled=True))
+    assert (d.action, d.wait_s) == (GroupAction.DESTROY, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("resident", "action"),
+    [
+        (3 * GIB, GroupAction.KEEP),
+        (4 * GIB, GroupAction.KEEP),
+        (4 * GIB + 1, GroupAction.DESTROY),
+        (None, GroupAction.DESTROY),
+    ],
+)
+def test_auto_keeps_only_within_its_measured_budget(resident: int | None, action: GroupAction) -> None:
+    policy = AutoPolicy(AutoPolicy.Config(max_resident_gib=4, post_destroy_wait_s=1.5))
+    d = policy.before_pause(snap(resident_bytes=resident))
+    assert d.action == action
+    if action == GroupAction.DESTROY:
+        # auto's other branch is deferred_cooldown, never the expensive on-the-spot wait.
+        assert (d.wait_s, d.wait_point) == (1.5, WaitPoint.BEFORE_REBUILD)
+
+
+def test_auto_never_keeps_once_keep_alive_was_disabled() -> None:
+    d = AutoPolicy(AutoPolicy.Config(max_resident_gib=100)).before_pause(
+        snap(resident_bytes=0, keep_alive_disabled=True)
+    )
+    assert d.action == GroupAction.DESTROY
+
+
+def test_suspend_asks_for_suspend_and_carries_the_fallback() -> None:
+    d = SuspendPolicy(SuspendPolicy.Config(fallback="destroy", post_destroy_wait_s=1)).before_pause(snap())
+    assert d.action == GroupAction.SUSPEND
+    assert d.fallback is not None
+    assert (d.fallback.action, d.fallback.wait_s, d.fallback.wait_point) == (
+        GroupAction.DESTROY,
+        1,
+        WaitPoint.AFTER_DESTROY,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fallback", "action"),
+    [
+        ("destroy", GroupAction.DESTROY),
+        ("deferred_cooldown", GroupAction.DESTROY),
+        ("keep_alive", GroupAction.KEEP),
+    ],
+)
+def test_suspend_unsupported_uses_the_configured_fallback_and_says_so(
+    fallback: str, action: GroupAction
+) -> None:
+    d = SuspendPolicy(SuspendPolicy.Config(fallback=fallback)).before_pause(snap(suspend_supported=False))  # type: ignore[arg-type]
+    assert d.action == action
+    assert "suspend unavailable" in d.reason
+
+
+def test_directives_round_trip_through_json() -> None:
+    d = SuspendPolicy().before_pause(snap())
+    assert GroupDirective.model_validate_json(d.model_dump_json()) == d
+
+
+def test_policies_are_pure_same_snapshot_same_decision() -> None:
+    s = snap(resident_bytes=2 * GIB)
+    for policy in (
+        DestroyPolicy(),
+        DeferredCooldownPolicy(),
+        KeepAlivePolicy(),
+        SuspendPolicy(),
+        AutoPolicy(AutoPolicy.Config(max_resident_gib=3)),
+    ):
+        assert policy.before_pause(s) == policy.before_pause(s)
+
+
+def test_overlap_plans_depth_and_bucket_and_prefers_the_ring() -> None:
+    plan = OverlapPolicy().plan(
+        PipelineSnapshot(available_transports=(Transport.SHM, Transport.CUDA_IPC, Transport.IPC_RING))
+    )
+    assert (plan.depth, plan.bucket_bytes, plan.transport) == (2, 512 * MIB, Transport.IPC_RING)
+
+
+def test_serial_is_depth_one() -> None:
+    assert SerialPolicy().plan(PipelineSnapshot()).depth == 1
+
+
+def test_an_unavailable_transport_falls_back_with_a_reason() -> None:
+    policy = OverlapPolicy(OverlapPolicy.Config(transport=Transport.CUDA_IPC))
+    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.SHM,)))
+    assert plan.transport == Transport.SHM
+    assert "cuda_ipc not available" in plan.reason
+
+
+def test_pipeline_never_stages_more_gpu_memory_than_is_free() -> None:
+    policy = OverlapPolicy(OverlapPolicy.Config(depth=4, bucket_mb=1024))
+    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.IPC_RING,), free_bytes=1 * GIB))
+    assert plan.depth * plan.bucket_bytes <= GIB
+
+
+def test_small_syncs_get_small_buckets_and_no_useless_depth() -> None:
+    plan = OverlapPolicy(OverlapPolicy.Config(depth=8)).plan(PipelineSnapshot(total_bytes=100 * MIB))
+    assert (plan.bucket_bytes, plan.depth) == (100 * MIB, 1)
+
+
+def test_cleanup_plans() -> None:
+    assert EmptyCachePolicy().plan().steps == (CleanupStep.EMPTY_CACHE,)
+    aggressive = AggressiveCleanupPolicy().plan()
+    assert aggressive.steps == (CleanupStep.GC_COLLECT, CleanupStep.SYNCHRONIZE, CleanupStep.EMPTY_CACHE)
+    assert (aggressive.max_retries, aggressive.min_freed_bytes) == (3, GIB)
+    assert NoCleanupPolicy().plan().steps == ()
+
+
+def test_timeouts_fall_back_to_the_default_and_reject_unknown_steps() -> None:
+    t = Timeouts(default_s=10, release_s=None, sync_s=99)
+    assert (t.for_step("release"), t.for_step("sync")) == (10, 99)
+    with pytest.raises(ValueError, match="unknown timeout step"):
+        t.for_step("bogus")  # type: ignore[arg-type]
+
+
+def test_a_policy_refuses_a_config_of_another_policy() -> None:
+    with pytest.raises(TypeError, match="needs a Config"):
+        DestroyPolicy(KeepAlivePolicy.Config())
