@@ -1,4 +1,4 @@
-"""Record SGLang's HTTP request structs and control routes from a wheel, by parsing (never importing) its source.
+"""Record SGLang's HTTP request structs and control routes from a wheel by parsing, never importing, it.
 
 Importing ``sglang.srt.managers.io_struct`` pulls in most of SGLang's runtime (torch, zmq, msgspec,
 transformers, triton, ...; research/engine-apis.md §7), so this reads the wheel's
@@ -158,8 +158,10 @@ def _struct_record(source: str, classes: dict[str, ast.ClassDef], name: str) -> 
             by_name[f["name"]] = f  # a subclass re-declaration wins, as in both frameworks
     bases = _base_names(cls)
     root_bases = [b for k in chain for b in _base_names(k)]
-    kind = "msgspec" if any("msgspec.Struct" in b for b in root_bases) else (
-        "dataclass" if any(_is_dataclass_decorated(k) for k in chain) else "class"
+    kind = (
+        "msgspec"
+        if any("msgspec.Struct" in b for b in root_bases)
+        else ("dataclass" if any(_is_dataclass_decorated(k) for k in chain) else "class")
     )
     return {"line": cls.lineno, "bases": bases, "kind": kind, "fields": list(by_name.values())}
 
@@ -175,14 +177,20 @@ def _route_paths(deco: ast.expr) -> tuple[str, list[str]] | None:
     path = deco.args[0].value
     if method == "api_route":
         methods_kw = next((k.value for k in deco.keywords if k.arg == "methods"), None)
-        methods = [e.value for e in getattr(methods_kw, "elts", []) if isinstance(e, ast.Constant)]
+        methods = [
+            e.value
+            for e in getattr(methods_kw, "elts", [])
+            if isinstance(e, ast.Constant) and isinstance(e.value, str)
+        ]
         return path, methods or ["GET"]
     if method in _ROUTE_DECORATORS:
         return path, _ROUTE_DECORATORS[method]
     return None
 
 
-def _body_of(func: ast.FunctionDef | ast.AsyncFunctionDef, struct_names: Iterable[str]) -> tuple[str | None, bool]:
+def _body_of(
+    func: ast.FunctionDef | ast.AsyncFunctionDef, struct_names: Iterable[str]
+) -> tuple[str | None, bool]:
     """The request struct a handler parses from the body, and whether the body is required."""
     names = set(struct_names)
     args = func.args.args
@@ -219,7 +227,9 @@ def _always_404(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return isinstance(status, ast.Constant) and status.value == 404
 
 
-def _routes(source: str, tree: ast.Module, wanted: Sequence[str], struct_names: Iterable[str]) -> dict[str, Any]:
+def _routes(
+    source: str, tree: ast.Module, wanted: Sequence[str], struct_names: Iterable[str]
+) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for node in tree.body:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -259,7 +269,9 @@ def extract_from_sources(
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     server_tree = ast.parse(http_server)
     return {
-        "structs": {name: (_struct_record(io_struct, classes, name) if name in classes else None) for name in structs},
+        "structs": {
+            name: (_struct_record(io_struct, classes, name) if name in classes else None) for name in structs
+        },
         "routes": _routes(http_server, server_tree, routes, classes),
     }
 

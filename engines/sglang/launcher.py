@@ -1,4 +1,4 @@
-"""Starts an SGLang server subprocess with the flags colocation needs, or attaches to a running one; no engine verbs.
+"""Starts an SGLang server with the flags colocation needs, or attaches to a running one; no engine verbs.
 
 ``sglang_command`` is pure (config in, argv and environment out) so the flag rules are tested
 without SGLang; ``SGLangServer`` owns the process: start, readiness by polling ``/health`` under a
@@ -103,7 +103,8 @@ def _visible_devices(config: SGLangEngineConfig) -> str | None:
         return None
     if len(devices) != config.tp_size:
         raise LaunchError(
-            f"engine {config.name!r}: {len(devices)} GPUs configured ({'gpu_uuids' if config.gpu_uuids else 'gpus'}) "
+            f"engine {config.name!r}: {len(devices)} GPUs configured "
+            f"({'gpu_uuids' if config.gpu_uuids else 'gpus'}) "
             f"but tp_size={config.tp_size}; one GPU per TP rank"
         )
     return ",".join(devices)
@@ -131,16 +132,22 @@ def sglang_command(
     given = _flag_values(extra)
     for flag, setting in _OWNED_FLAGS.items():
         if flag in given:
-            raise LaunchError(f"engine {config.name!r}: launch.args sets {flag}; colocd sets it from {setting}")
+            raise LaunchError(
+                f"engine {config.name!r}: launch.args sets {flag}; colocd sets it from {setting}"
+            )
     cache_mode = given.get("--weight-cache-mode")
     if "--weight-cache-mode" in given and cache_mode != "off":
         # Not off: release/resume of weights and every update_weights_from_* raise
         # (weight_updater.py _assert_weight_cache_inactive; research §1.1).
-        raise LaunchError(f"engine {config.name!r}: --weight-cache-mode {cache_mode} disables weight updates; use off")
+        raise LaunchError(
+            f"engine {config.name!r}: --weight-cache-mode {cache_mode} disables weight updates; use off"
+        )
     for flag in ("--dp-size", "--data-parallel-size"):
         if given.get(flag) not in (None, "1"):
-            # update_weights_from_tensor/distributed assert dp_size == 1 (research §1.6): one server per replica.
-            raise LaunchError(f"engine {config.name!r}: {flag} {given[flag]}; run one SGLang server per DP replica")
+            # Tensor and distributed updates assert dp_size == 1 (research §1.6): one server per replica.
+            raise LaunchError(
+                f"engine {config.name!r}: {flag} {given[flag]}; run one SGLang server per DP replica"
+            )
 
     argv = [
         python, "-m", "sglang.launch_server",
@@ -169,7 +176,10 @@ def sglang_command(
             if removed:
                 logger.warning(
                     "engine %r: removed expandable_segments:True from %s (%r): it breaks torch_memory_saver "
-                    "and CUDA IPC (research/engine-apis.md §6.4 #12)", config.name, key, env[key],
+                    "and CUDA IPC (research/engine-apis.md §6.4 #12)",
+                    config.name,
+                    key,
+                    env[key],
                 )
             if cleaned:
                 env[key] = cleaned
@@ -192,16 +202,21 @@ def sglang_command(
         if graph_var is not None:
             raise LaunchError(
                 f"engine {config.name!r}: launch.env sets SGLANG_MEMORY_SAVER_CUDA_GRAPH; "
-                "set memory_saver_cuda_graph in the engine config instead, so colocd knows the tag owns memory"
+                "set memory_saver_cuda_graph in the engine config instead, so colocd knows the tag owns "
+                "memory"
             )
         # An inherited setting would make the cuda_graph tag own memory the daemon does not expect.
         env.pop("SGLANG_MEMORY_SAVER_CUDA_GRAPH", None)
 
     visible = _visible_devices(config)
     if visible is not None:
-        if "CUDA_VISIBLE_DEVICES" in config.launch.env and config.launch.env["CUDA_VISIBLE_DEVICES"] != visible:
+        if (
+            "CUDA_VISIBLE_DEVICES" in config.launch.env
+            and config.launch.env["CUDA_VISIBLE_DEVICES"] != visible
+        ):
             raise LaunchError(
-                f"engine {config.name!r}: launch.env CUDA_VISIBLE_DEVICES={config.launch.env['CUDA_VISIBLE_DEVICES']} "
+                f"engine {config.name!r}: launch.env CUDA_VISIBLE_DEVICES="
+                f"{config.launch.env['CUDA_VISIBLE_DEVICES']} "
                 f"differs from the configured GPUs ({visible})"
             )
         env["CUDA_VISIBLE_DEVICES"] = visible
@@ -261,18 +276,18 @@ class SGLangServer:
             log_path = Path(path)
         else:
             log_path = Path(log_file)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
-            log.write(f"\n# colocd: {shlex.join(argv)}\n".encode())
-            log.flush()
+        log_fd = _open_log(log_path, argv)
+        try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
                 env=dict(env),
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
+                stdout=log_fd,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # its own process group, so stop() reaches SGLang's children
             )
+        finally:
+            os.close(log_fd)  # the child holds its own copy
         logger.info("engine %r: started SGLang pid %d, logs in %s", name, process.pid, log_path)
         return cls(name, url, process, log_path)
 
@@ -297,7 +312,9 @@ class SGLangServer:
         for attempt in (1, 2):
             port = fixed_port or free_port()
             argv, env = sglang_command(config, port, python=python, sglang_version=sglang_version)
-            server = await cls.start(config.name, argv, env, f"http://127.0.0.1:{port}", log_file=config.launch.log_file)
+            server = await cls.start(
+                config.name, argv, env, f"http://127.0.0.1:{port}", log_file=config.launch.log_file
+            )
             try:
                 await server.wait_ready(client, config.launch.ready_timeout_s)
                 return server
@@ -355,7 +372,9 @@ class SGLangServer:
                     async with asyncio.timeout(grace_s):
                         await process.wait()
                 except TimeoutError:
-                    logger.warning("engine %r: SGLang ignored SIGTERM for %gs; killing it", self.name, grace_s)
+                    logger.warning(
+                        "engine %r: SGLang ignored SIGTERM for %gs; killing it", self.name, grace_s
+                    )
             # The leader may be gone while its children (scheduler, detokenizer) linger.
             _signal_group(process.pid, signal.SIGKILL)
             await process.wait()
@@ -385,6 +404,18 @@ class SGLangServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _open_log(path: Path, argv: Sequence[str]) -> int:
+    """Append-only log file (0600: the command line may carry an API key, logged redacted anyway)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    shown = list(argv)
+    for i, arg in enumerate(shown[:-1]):
+        if arg == "--api-key":
+            shown[i + 1] = "***"
+    os.write(fd, f"\n# colocd: {shlex.join(shown)}\n".encode())
+    return fd
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -1,4 +1,4 @@
-"""Trainer-side ``update_weights_from_tensor`` payloads in SGLang's own pickle format; no HTTP, no sglang import.
+"""Trainer-side ``update_weights_from_tensor`` payloads in SGLang's pickle format; no HTTP, no sglang import.
 
 Runs in the trainer process. A payload is one base64 string per engine TP rank, each its own
 ``ForkingPickler`` serialisation (SGLang ``utils/common.py:3060-3082``), so every rank's CUDA-IPC
@@ -21,14 +21,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.multiprocessing  # noqa: F401  (registers torch's tensor/storage reducers on ForkingPickler)
+import torch.multiprocessing
 from torch.multiprocessing import reductions
 
 from ..chunks import ChunkLayout, dtype_from_name, flatten_into
 
 __all__ = [
-    "BucketLease",
     "FLATTENED_BUCKET",
+    "BucketLease",
     "FlattenedBucket",
     "LeaseState",
     "export_flattened_bucket",
@@ -41,7 +41,9 @@ __all__ = [
     "with_device_uuid",
 ]
 
-FLATTENED_BUCKET = "flattened_bucket"  # load_format SGLang dispatches on (model_runner_components/weight_updater.py:354)
+FLATTENED_BUCKET = (
+    "flattened_bucket"  # load_format SGLang dispatches on (model_runner_components/weight_updater.py:354)
+)
 
 # reduce_tensor's CUDA tuple: index 6 is storage_device (torch/multiprocessing/reductions.py;
 # SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX, patch_torch.py:66). 15 positional arguments in all.
@@ -58,7 +60,8 @@ def with_device_uuid(args: tuple[Any, ...], uuid_of: Callable[[int], str]) -> tu
     """
     if len(args) != _CUDA_ARGS or not isinstance(args[_DEVICE_ARG], int):
         raise ValueError(
-            f"unexpected rebuild_cuda_tensor arguments ({len(args)} items, device {args[_DEVICE_ARG:_DEVICE_ARG + 1]!r}); "
+            f"unexpected rebuild_cuda_tensor arguments ({len(args)} items, "
+            f"device {args[_DEVICE_ARG : _DEVICE_ARG + 1]!r}); "
             "torch's CUDA IPC reduction changed shape"
         )
     return (*args[:_DEVICE_ARG], uuid_of(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1 :])
@@ -70,7 +73,7 @@ def _cuda_uuid(index: int) -> str:
 
 
 def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
-    rebuild, args = reductions.reduce_tensor(tensor)
+    rebuild, args = reductions.reduce_tensor(tensor)  # type: ignore[no-untyped-call]
     if rebuild is reductions.rebuild_cuda_tensor:
         args = with_device_uuid(args, _cuda_uuid)
     return rebuild, args
@@ -211,7 +214,7 @@ class BucketLease:
         self._tensor = None
         self.state = LeaseState.RELEASED
         if self._cuda and torch.cuda.is_available():
-            torch.cuda.ipc_collect()
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> BucketLease:
         return self

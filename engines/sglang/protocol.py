@@ -29,8 +29,8 @@ __all__ = [
     "PRE_SESSION",
     "PROTOCOLS",
     "SESSION_MIN_VERSION",
-    "SGLangProtocol",
     "V0_5_23",
+    "SGLangProtocol",
     "parse_version",
     "protocol_for_version",
 ]
@@ -211,4 +211,6 @@ def protocol_for_version(version: str) -> SGLangProtocol:
         return PRE_SESSION
     if parsed[:3] >= parse_version(LEGACY.min_version)[:3]:
         return LEGACY
-    raise ValueError(f"SGLang {version!r} is older than {LEGACY.min_version}, the oldest protocol colocd speaks")
+    raise ValueError(
+        f"SGLang {version!r} is older than {LEGACY.min_version}, the oldest protocol colocd speaks"
+    )

@@ -195,7 +195,8 @@ class UpdateWeightsFromDistributedReqInput(SGLangRequest):
     abort_all_requests: bool = False  # io_struct.py:2011
     weight_version: str | None = None  # io_struct.py:2013
     # io_struct.py:2015: "flattened_bucket" receives one uint8 broadcast laid out with no padding;
-    # every byte offset must be a multiple of its dtype's itemsize (tensor_bucket.py FlattenedTensorBucket.empty).
+    # every byte offset must be a multiple of its dtype's itemsize
+    # (tensor_bucket.py FlattenedTensorBucket.empty).
     load_format: str | None = None
     selector: Selector = "all"  # io_struct.py:2017
     torch_empty_cache: bool = False  # io_struct.py:2019
@@ -248,14 +249,17 @@ class InitWeightsUpdateGroupReqInput(SGLangRequest):
 
 
 class DestroyWeightsUpdateGroupReqInput(SGLangRequest):
-    """io_struct.py:2146; POST /destroy_weights_update_group (http_server.py:1420) → ``{success, message}``."""
+    """io_struct.py:2146; POST /destroy_weights_update_group (http_server.py:1420) → success, message."""
 
     ROUTE: ClassVar[str] = "/destroy_weights_update_group"
     group_name: str = "weight_update_group"  # io_struct.py:2147
 
 
 class UpdateWeightVersionReqInput(SGLangRequest):
-    """io_struct.py:2155; POST /update_weight_version (http_server.py:1527) → ``{success, message, new_version}``."""
+    """io_struct.py:2155; POST /update_weight_version (http_server.py:1527).
+
+    Reply ``{success, message, new_version}``.
+    """
 
     ROUTE: ClassVar[str] = "/update_weight_version"
     new_version: str  # io_struct.py:2157
@@ -380,7 +384,9 @@ def body(model: SGLangRequest, protocol: SGLangProtocol | None = None) -> dict[s
         return data
     struct = type(model).__name__
     if not protocol.has_struct(struct):
-        raise ValueError(f"SGLang protocol {protocol.name!r} has no {struct}; {model.ROUTE} takes no such body")
+        raise ValueError(
+            f"SGLang protocol {protocol.name!r} has no {struct}; {model.ROUTE} takes no such body"
+        )
     for name in protocol.fields_absent(struct):
         if name not in data:
             continue
@@ -398,13 +404,17 @@ def pause_generation_request(protocol: SGLangProtocol, mode: PauseMode | str) ->
     """The /pause_generation body for ``mode``, or None where the route reads no body (LEGACY)."""
     if mode not in protocol.pause_modes:
         allowed = ", ".join(m.value for m in protocol.pause_modes)
-        raise ValueError(f"SGLang protocol {protocol.name!r} cannot pause with mode {mode!r}; it has: {allowed}")
+        raise ValueError(
+            f"SGLang protocol {protocol.name!r} cannot pause with mode {mode!r}; it has: {allowed}"
+        )
     if not protocol.pause_body:
         return None
     return body(PauseGenerationReqInput.model_validate({"mode": PauseMode(mode).value}), protocol)
 
 
-def continue_generation_request(protocol: SGLangProtocol, *, torch_empty_cache: bool = True) -> dict[str, Any] | None:
+def continue_generation_request(
+    protocol: SGLangProtocol, *, torch_empty_cache: bool = True
+) -> dict[str, Any] | None:
     """The /continue_generation body, or None where the route reads no body (LEGACY)."""
     if not protocol.continue_body:
         return None

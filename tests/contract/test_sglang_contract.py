@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
-
 from colocd.engines.base import PauseMode
 from colocd.engines.sglang import wire
 from colocd.engines.sglang.protocol import LEGACY, PRE_SESSION, PROTOCOLS, V0_5_23, SGLangProtocol
+from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -53,19 +52,39 @@ def samples(cls: type[wire.SGLangRequest]) -> Iterator[wire.SGLangRequest]:
     """A minimal body (required fields only) and one with every field set away from its default."""
     required: dict[type[wire.SGLangRequest], dict[str, Any]] = {
         wire.UpdateWeightsFromTensorReqInput: {"serialized_named_tensors": [B64, B64]},
-        wire.UpdateWeightsFromDistributedReqInput: {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]]},
+        wire.UpdateWeightsFromDistributedReqInput: {
+            "names": ["w"],
+            "dtypes": ["bfloat16"],
+            "shapes": [[2, 3]],
+        },
         wire.UpdateWeightFromDiskReqInput: {"model_path": "/ckpt/step-7"},
         wire.InitWeightsUpdateGroupReqInput: {
-            "master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3,
+            "master_address": "127.0.0.1",
+            "master_port": 29500,
+            "rank_offset": 1,
+            "world_size": 3,
         },
         wire.UpdateWeightVersionReqInput: {"new_version": "7"},
     }
     everything: dict[str, Any] = {
-        "tags": ["weights", "kv_cache"], "mode": "retract", "torch_empty_cache": False, "selector": "target",
-        "load_format": "flattened_bucket", "flush_cache": False, "abort_all_requests": True,
-        "weight_version": "7", "is_async": True, "keep_pause": True, "recapture_cuda_graph": True,
-        "token_step": 7, "manifest": {"w": {"dtype": "bfloat16"}}, "group_name": "colocd", "backend": "gloo",
-        "action": "compare", "allow_quant_error": True, "skip_tensor_list": ["rotary"],
+        "tags": ["weights", "kv_cache"],
+        "mode": "retract",
+        "torch_empty_cache": False,
+        "selector": "target",
+        "load_format": "flattened_bucket",
+        "flush_cache": False,
+        "abort_all_requests": True,
+        "weight_version": "7",
+        "is_async": True,
+        "keep_pause": True,
+        "recapture_cuda_graph": True,
+        "token_step": 7,
+        "manifest": {"w": {"dtype": "bfloat16"}},
+        "group_name": "colocd",
+        "backend": "gloo",
+        "action": "compare",
+        "allow_quant_error": True,
+        "skip_tensor_list": ["rotary"],
     }
     base = required.get(cls, {})
     yield cls.model_validate(base)
@@ -157,7 +176,9 @@ def check_against_struct(struct_name: str, struct: dict[str, Any], body: dict[st
         )
     for name, f in fields.items():
         if f["required"] and name not in INTERNAL_FIELDS:
-            assert name in body, f"{struct_name}.{name} has no default in SGLang (io_struct.py:{f['line']}) but is not sent"
+            assert name in body, (
+                f"{struct_name}.{name} has no default in SGLang (io_struct.py:{f['line']}) but is not sent"
+            )
 
 
 # --- tests -------------------------------------------------------------------------------------
@@ -165,7 +186,9 @@ def check_against_struct(struct_name: str, struct: dict[str, Any], body: dict[st
 
 @pytest.mark.parametrize("protocol", PROTOCOL_LIST, ids=lambda p: p.name)
 @pytest.mark.parametrize("cls", request_classes(), ids=lambda c: c.__name__)
-def test_every_request_body_fits_that_versions_struct(protocol: SGLangProtocol, cls: type[wire.SGLangRequest]) -> None:
+def test_every_request_body_fits_that_versions_struct(
+    protocol: SGLangProtocol, cls: type[wire.SGLangRequest]
+) -> None:
     struct = fixture(protocol.name)["structs"][cls.__name__]
     if not protocol.has_struct(cls.__name__):
         assert struct is None, f"{protocol.name} lists {cls.__name__} as absent but SGLang has it"
@@ -201,13 +224,18 @@ def test_absent_fields_are_exactly_what_that_version_lacks(protocol: SGLangProto
 def test_models_mirror_sglang_0_5_23_names_requiredness_and_defaults(cls: type[wire.SGLangRequest]) -> None:
     struct = fixture(V0_5_23.name)["structs"][cls.__name__]
     theirs = {f["name"]: f for f in struct["fields"] if f["name"] not in INTERNAL_FIELDS}
-    assert set(cls.model_fields) == set(theirs), f"{cls.__name__}: fields differ from io_struct.py:{struct['line']}"
+    assert set(cls.model_fields) == set(theirs), (
+        f"{cls.__name__}: fields differ from io_struct.py:{struct['line']}"
+    )
     for name, ours in cls.model_fields.items():
         f = theirs[name]
-        assert ours.is_required() == f["required"], f"{cls.__name__}.{name}: required differs (io_struct.py:{f['line']})"
+        assert ours.is_required() == f["required"], (
+            f"{cls.__name__}.{name}: required differs (io_struct.py:{f['line']})"
+        )
         if not f["required"]:
             assert ours.default == ast.literal_eval(f["default"]), (
-                f"{cls.__name__}.{name}: default {ours.default!r} vs SGLang {f['default']} (io_struct.py:{f['line']})"
+                f"{cls.__name__}.{name}: default {ours.default!r} vs SGLang {f['default']} "
+                f"(io_struct.py:{f['line']})"
             )
 
 
@@ -239,7 +267,11 @@ def test_pause_and_continue_bodies_follow_the_protocol(protocol: SGLangProtocol)
             request = wire.pause_generation_request(protocol, mode)
             assert (request is not None) == protocol.pause_body
             if request is not None:
-                check_against_struct("PauseGenerationReqInput", fixture(protocol.name)["structs"]["PauseGenerationReqInput"], request)
+                check_against_struct(
+                    "PauseGenerationReqInput",
+                    fixture(protocol.name)["structs"]["PauseGenerationReqInput"],
+                    request,
+                )
         else:
             with pytest.raises(ValueError, match="cannot pause"):
                 wire.pause_generation_request(protocol, mode)
@@ -251,7 +283,7 @@ def test_a_non_default_value_an_old_sglang_would_ignore_is_refused() -> None:
     model = wire.UpdateWeightsFromDistributedReqInput(
         names=["w"], dtypes=["bfloat16"], shapes=[[2]], load_format="flattened_bucket"
     )
-    with pytest.raises(ValueError, match="UpdateWeightsFromDistributedReqInput.load_format"):
+    with pytest.raises(ValueError, match=r"UpdateWeightsFromDistributedReqInput\.load_format"):
         wire.body(model, LEGACY)
     assert wire.body(model, PRE_SESSION)["load_format"] == "flattened_bucket"
 
@@ -277,12 +309,18 @@ def test_replies_parse_as_sglang_sends_them() -> None:
     # Shapes from 0.5.23 http_server.py: tensor update 1452-1455, version 1540-1549, pause 1838-1841,
     # weights_checker 1614-1619, error 2246-2250, /model_info 812-850, /server_info 863-894.
     assert wire.ControlResult.model_validate({"success": False, "message": "no session"}).success is False
-    assert wire.UpdateWeightVersionResult.model_validate(
-        {"success": True, "message": "Weight version updated to 7", "new_version": "7"}
-    ).new_version == "7"
-    assert wire.GenerationControlResult.model_validate(
-        {"message": "Generation paused successfully.", "status": "ok"}
-    ).status == "ok"
+    assert (
+        wire.UpdateWeightVersionResult.model_validate(
+            {"success": True, "message": "Weight version updated to 7", "new_version": "7"}
+        ).new_version
+        == "7"
+    )
+    assert (
+        wire.GenerationControlResult.model_validate(
+            {"message": "Generation paused successfully.", "status": "ok"}
+        ).status
+        == "ok"
+    )
     checker = wire.CheckWeightsResult.model_validate(
         {"success": True, "message": "ok", "ranks": [{"per_gpu_checksum": "ab"}], "per_engine_checksum": "cd"}
     )
@@ -300,7 +338,8 @@ def test_every_protocol_is_registered_by_name() -> None:
 
 
 def test_wire_exports_are_sorted_and_complete() -> None:
-    assert wire.__all__ == sorted(wire.__all__)
+    # ruff RUF022 order: CONSTANTS, then Classes, then functions, each alphabetical.
+    assert wire.__all__ == sorted(wire.__all__, key=lambda n: (not n.isupper(), not n[0].isupper(), n))
     assert all(hasattr(wire, n) for n in wire.__all__)
 
 
@@ -320,7 +359,9 @@ def _candidate_wheels() -> list[Path]:
 
 
 def _extractor() -> Any:
-    spec = importlib.util.spec_from_file_location("extract_sglang_structs", ROOT / "tools" / "extract_sglang_structs.py")
+    spec = importlib.util.spec_from_file_location(
+        "extract_sglang_structs", ROOT / "tools" / "extract_sglang_structs.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -339,4 +380,6 @@ def test_fixture_matches_a_fresh_extraction_from_its_wheel(fixture_file: str) ->
         )
     fresh = _extractor().extract_from_wheel(wheel)
     assert fresh["wheel_sha256"] == recorded["wheel_sha256"], "a different build of the same wheel name"
-    assert fresh == recorded, f"re-run tools/extract_sglang_structs.py {wheel} -o tests/contract/fixtures/{fixture_file}"
+    assert fresh == recorded, (
+        f"re-run tools/extract_sglang_structs.py {wheel} -o tests/contract/fixtures/{fixture_file}"
+    )

@@ -16,13 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
-
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
 from colocd.engines.sglang import launcher
 from colocd.engines.sglang.launcher import (
     LaunchError,
-    SGLangServer,
     ServerState,
+    SGLangServer,
     free_port,
     sglang_command,
     strip_expandable_segments,
@@ -31,7 +30,12 @@ from colocd.engines.sglang.launcher import (
 
 def engine(**overrides: Any) -> SGLangEngineConfig:
     launch = overrides.pop("launch", {})
-    data: dict[str, Any] = {"name": "sgl0", "model_path": "/models/qwen", "launch": LaunchConfig(**launch), **overrides}
+    data: dict[str, Any] = {
+        "name": "sgl0",
+        "model_path": "/models/qwen",
+        "launch": LaunchConfig(**launch),
+        **overrides,
+    }
     return SGLangEngineConfig(**data)
 
 
@@ -70,7 +74,11 @@ def test_an_inherited_cuda_graph_setting_is_dropped_when_the_config_says_no() ->
     [
         ("expandable_segments:True", "", True),
         ("max_split_size_mb:128,expandable_segments:True", "max_split_size_mb:128", True),
-        ("expandable_segments:true, garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6", True),
+        (
+            "expandable_segments:true, garbage_collection_threshold:0.6",
+            "garbage_collection_threshold:0.6",
+            True,
+        ),
         ("expandable_segments:False", "expandable_segments:False", False),
         ("max_split_size_mb:64", "max_split_size_mb:64", False),
     ],
@@ -99,7 +107,9 @@ def test_gpus_become_cuda_visible_devices_uuids_first() -> None:
 
 
 def test_extra_args_and_env_are_passed_through() -> None:
-    config = engine(launch={"args": ["--enable-weights-cpu-backup", "--mem-fraction-static=0.7"], "env": {"X": "1"}})
+    config = engine(
+        launch={"args": ["--enable-weights-cpu-backup", "--mem-fraction-static=0.7"], "env": {"X": "1"}}
+    )
     argv, env = sglang_command(config, 1, environ={})
     assert argv[-2:] == ["--enable-weights-cpu-backup", "--mem-fraction-static=0.7"]
     assert env["X"] == "1"
@@ -126,7 +136,10 @@ def test_weight_cache_flag_is_left_out_for_versions_without_it() -> None:
         ({"launch": {"args": ["--weight-cache-mode", "daemon"]}}, "disables weight updates"),
         ({"launch": {"args": ["--dp-size", "2"]}}, "one SGLang server per DP replica"),
         ({"launch": {"env": {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}}}, "set memory_saver_cuda_graph"),
-        ({"memory_saver_cuda_graph": True, "launch": {"env": {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "0"}}}, "contradicts"),
+        (
+            {"memory_saver_cuda_graph": True, "launch": {"env": {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "0"}}},
+            "contradicts",
+        ),
         ({"tp_size": 2, "gpus": [0]}, "one GPU per TP rank"),
         ({"gpus": [1], "launch": {"env": {"CUDA_VISIBLE_DEVICES": "2"}}}, "differs from the configured GPUs"),
         ({"model_path": None}, "model_path"),
@@ -174,7 +187,9 @@ def stand_in(tmp_path: Path, port: int, *, not_ready: int = 2, ignore_term: bool
 async def test_server_is_ready_once_health_answers_200_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "logs" / "sgl0.log"
-    server = await SGLangServer.start("sgl0", stand_in(tmp_path, port), dict(os.environ), f"http://127.0.0.1:{port}", log_file=log)
+    server = await SGLangServer.start(
+        "sgl0", stand_in(tmp_path, port), dict(os.environ), f"http://127.0.0.1:{port}", log_file=log
+    )
     async with httpx.AsyncClient() as client:
         await server.wait_ready(client, 20)
     assert server.state is ServerState.READY
@@ -187,7 +202,10 @@ async def test_server_is_ready_once_health_answers_200_and_stops_cleanly(tmp_pat
 async def test_a_server_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
     port = free_port()
     server = await SGLangServer.start(
-        "sgl0", stand_in(tmp_path, port, not_ready=0, ignore_term=True), dict(os.environ), f"http://127.0.0.1:{port}"
+        "sgl0",
+        stand_in(tmp_path, port, not_ready=0, ignore_term=True),
+        dict(os.environ),
+        f"http://127.0.0.1:{port}",
     )
     async with httpx.AsyncClient() as client:
         await server.wait_ready(client, 20)
@@ -198,8 +216,9 @@ async def test_a_server_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Pat
 
 async def test_an_early_exit_is_reported_with_the_log_tail(tmp_path: Path) -> None:
     argv = [sys.executable, "-c", "import sys; print('CUDA out of memory', flush=True); sys.exit(3)"]
-    server = await SGLangServer.start("sgl0", argv, dict(os.environ), f"http://127.0.0.1:{free_port()}",
-                                      log_file=tmp_path / "x.log")
+    server = await SGLangServer.start(
+        "sgl0", argv, dict(os.environ), f"http://127.0.0.1:{free_port()}", log_file=tmp_path / "x.log"
+    )
     async with httpx.AsyncClient() as client:
         with pytest.raises(LaunchError, match="exited with code 3") as info:
             await server.wait_ready(client, 20)
@@ -209,8 +228,13 @@ async def test_an_early_exit_is_reported_with_the_log_tail(tmp_path: Path) -> No
 
 async def test_readiness_has_a_deadline_that_names_the_setting(tmp_path: Path) -> None:
     port = free_port()
-    server = await SGLangServer.start("sgl0", stand_in(tmp_path, port, not_ready=10**6), dict(os.environ),
-                                      f"http://127.0.0.1:{port}", log_file=tmp_path / "x.log")
+    server = await SGLangServer.start(
+        "sgl0",
+        stand_in(tmp_path, port, not_ready=10**6),
+        dict(os.environ),
+        f"http://127.0.0.1:{port}",
+        log_file=tmp_path / "x.log",
+    )
     try:
         async with httpx.AsyncClient() as client:
             with pytest.raises(LaunchError, match="ready_timeout_s"):
@@ -219,7 +243,9 @@ async def test_readiness_has_a_deadline_that_names_the_setting(tmp_path: Path) -
         await server.stop(grace_s=5)
 
 
-async def test_launch_runs_the_command_on_the_configured_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_launch_runs_the_command_on_the_configured_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     port = free_port()
     script = tmp_path / "stand_in.py"
     script.write_text(_STAND_IN)
@@ -232,12 +258,23 @@ async def test_launch_runs_the_command_on_the_configured_port(tmp_path: Path, mo
         return stand_in(tmp_path, port_, not_ready=1), env
 
     monkeypatch.setattr(launcher, "sglang_command", command)
-    config = engine(url=f"http://127.0.0.1:{port}", launch={"ready_timeout_s": 20, "log_file": str(tmp_path / "l.log")})
+    config = engine(
+        url=f"http://127.0.0.1:{port}", launch={"ready_timeout_s": 20, "log_file": str(tmp_path / "l.log")}
+    )
     async with httpx.AsyncClient() as client:
         server = await SGLangServer.launch(config, client)
         async with server:
             assert server.url == f"http://127.0.0.1:{port}" and server.state is ServerState.READY
     assert server.state is ServerState.STOPPED
+
+
+async def test_the_logged_command_hides_the_api_key(tmp_path: Path) -> None:
+    log = tmp_path / "k.log"
+    argv = [sys.executable, "-c", "pass", "--api-key", "s3cret"]
+    server = await SGLangServer.start("sgl0", argv, dict(os.environ), "http://127.0.0.1:1", log_file=log)
+    await server.stop(grace_s=5)
+    assert "s3cret" not in log.read_text() and "--api-key '***'" in log.read_text()
+    assert log.stat().st_mode & 0o777 == 0o600
 
 
 async def test_attach_owns_no_process() -> None:
@@ -249,10 +286,13 @@ async def test_attach_owns_no_process() -> None:
 
 def test_a_launched_server_only_listens_on_loopback() -> None:
     config = engine(url="http://10.0.0.5:30000")
-    with pytest.raises(LaunchError, match="127.0.0.1"):
+    with pytest.raises(LaunchError, match=r"127\.0\.0\.1"):
         launcher._port_of(str(config.url))
 
 
 def test_launcher_exports_are_sorted_and_complete() -> None:
-    assert launcher.__all__ == sorted(launcher.__all__)
+    # ruff RUF022 order: CONSTANTS, then Classes, then functions, each alphabetical.
+    assert launcher.__all__ == sorted(
+        launcher.__all__, key=lambda n: (not n.isupper(), not n[0].isupper(), n)
+    )
     assert all(hasattr(launcher, n) for n in launcher.__all__)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from colocd.engines.base import PauseMode
 from colocd.engines.sglang import protocol as protocol_module
 from colocd.engines.sglang.protocol import (
@@ -89,5 +88,8 @@ def test_protocols_are_immutable_data() -> None:
 
 
 def test_protocol_exports_are_sorted_and_complete() -> None:
-    assert protocol_module.__all__ == sorted(protocol_module.__all__)
+    # ruff RUF022 order: CONSTANTS, then Classes, then functions, each alphabetical.
+    assert protocol_module.__all__ == sorted(
+        protocol_module.__all__, key=lambda n: (not n.isupper(), not n[0].isupper(), n)
+    )
     assert all(hasattr(protocol_module, n) for n in protocol_module.__all__)

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from colocd.engines.sglang import payload
 from colocd.engines.sglang.payload import (
     BucketLease,
@@ -42,7 +41,9 @@ _ALLOWED = {
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-} | {("torch", name) for name in ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")}
+} | {
+    ("torch", name) for name in ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
+}
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -162,9 +163,9 @@ def test_device_uuid_refuses_an_unexpected_reduction_shape() -> None:
 def test_serialize_patches_no_process_wide_reducer() -> None:
     from multiprocessing.reduction import ForkingPickler
 
-    before = dict(ForkingPickler._extra_reducers)
+    before = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
     serialize([("w", torch.zeros(2))])
-    assert ForkingPickler._extra_reducers == before
+    assert ForkingPickler._extra_reducers == before  # type: ignore[attr-defined]
 
 
 def test_bucket_lease_keeps_the_buffer_until_released_and_never_hands_it_out_again() -> None:
@@ -237,7 +238,9 @@ def test_cuda_entry_names_the_gpu_by_uuid_and_rebuilds_in_another_process() -> N
     entry, lease = export_flattened_bucket(named)
     uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
     assert uuid.encode() in base64.b64decode(entry)
-    done = subprocess.run([sys.executable, "-c", _CONSUMER], input=entry, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _CONSUMER], input=entry, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     sums = json.loads(done.stdout)
     for name, tensor in named:
@@ -247,5 +250,6 @@ def test_cuda_entry_names_the_gpu_by_uuid_and_rebuilds_in_another_process() -> N
 
 
 def test_module_exports_are_sorted_and_complete() -> None:
-    assert payload.__all__ == sorted(payload.__all__)
+    # ruff RUF022 order: CONSTANTS, then Classes, then functions, each alphabetical.
+    assert payload.__all__ == sorted(payload.__all__, key=lambda n: (not n.isupper(), not n[0].isupper(), n))
     assert all(hasattr(payload, name) for name in payload.__all__)
