@@ -22,6 +22,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+import torch
 import uvicorn
 
 from .model import QwenLikeConfig
@@ -46,6 +47,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
     parser.add_argument("--api-key", default=None, help="bearer token required on all but health routes")
     parser.add_argument("--model-json", default="{}", help="JSON object of QwenLikeConfig overrides")
     parser.add_argument("--max-batch", type=int, default=8, help="KV pool slots (concurrent requests)")
+    parser.add_argument(
+        "--torch-threads", type=int, default=1,
+        help="intra-op CPU threads; the model is tiny, so more threads only contend (default 1)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
@@ -121,6 +126,7 @@ async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, settings = _parse(argv)
+    torch.set_num_threads(max(1, args.torch_threads))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(_serve(args, settings))

@@ -425,7 +425,8 @@ class ReferenceEngine:
                 raise EngineRefusal(400, str(exc)) from None
             async with scheduler.hold():
                 ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
-                if not scheduler.is_fully_idle(ignore_waiting=ignore_waiting):
+                # Only a release needs idleness; a resume is what lets queued requests run again.
+                if not resume and not scheduler.is_fully_idle(ignore_waiting=ignore_waiting):
                     # SGLang asserts here and its scheduler dies; we refuse and stay up.
                     raise EngineRefusal(
                         400,
