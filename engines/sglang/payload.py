@@ -86,6 +86,10 @@ def serialize(obj: Any) -> str:
     nothing process-wide is patched, unlike SGLang's ``monkey_patch_torch_reductions``. The
     pickle names ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, which SGLang allow-lists
     and, having patched that name in its own process, resolves to its UUID-aware rebuild.
+
+    Payloads are meant for CUDA tensors. A CPU tensor pickles by file-descriptor sharing
+    (``rebuild_storage_fd`` + ``DupFd``), which only this process's own family can open; the
+    reference engine refuses it, and CPU weights travel by the ``shm`` transport instead.
     """
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
