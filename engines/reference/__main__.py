@@ -17,10 +17,12 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 import uvicorn
@@ -37,7 +39,9 @@ _GRACEFUL_SHUTDOWN_S = 5  # in-flight requests get this long after SIGTERM befor
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceServerSettings]:
-    parser = argparse.ArgumentParser(prog="python -m colocd.engines.reference", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m colocd.engines.reference", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 lets the OS choose")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -48,7 +52,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
     parser.add_argument("--model-json", default="{}", help="JSON object of QwenLikeConfig overrides")
     parser.add_argument("--max-batch", type=int, default=8, help="KV pool slots (concurrent requests)")
     parser.add_argument(
-        "--torch-threads", type=int, default=1,
+        "--torch-threads",
+        type=int,
+        default=1,
         help="intra-op CPU threads; the model is tiny, so more threads only contend (default 1)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -69,6 +75,26 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     return args, settings
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM/SIGINT end ``serve()`` and the process then exits 0.
+
+    uvicorn re-raises the captured signal after its graceful shutdown (so the process dies of it);
+    for us SIGTERM is the documented way to stop, and a clean stop should read as success.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -108,7 +134,7 @@ async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) ->
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     failed = asyncio.create_task(app.state.engine.wait_failed())
     _write_ready_file(args.ready_file, {"url": url, "pid": os.getpid()})
@@ -127,8 +153,11 @@ async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) ->
 def main(argv: Sequence[str] | None = None) -> int:
     args, settings = _parse(argv)
     torch.set_num_threads(max(1, args.torch_threads))
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     return asyncio.run(_serve(args, settings))
 
 

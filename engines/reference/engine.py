@@ -29,7 +29,7 @@ from ..chunks import tensor_checksum
 from .locks import ReaderWriterLock
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .model import QwenLikeForCausalLM, build_model
-from .payloads import PayloadError, open_payload
+from .payloads import open_payload
 from .runner import ModelRunner
 from .sampling import SamplingConfig
 from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
@@ -125,8 +125,12 @@ class ReferenceEngine:
         )
         self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
         self.state = EngineState.RUNNING
-        logger.info("reference engine ready: %s on %s, protocol %s", self.settings.model_path,
-                    self.device, self.settings.protocol)
+        logger.info(
+            "reference engine ready: %s on %s, protocol %s",
+            self.settings.model_path,
+            self.device,
+            self.settings.protocol,
+        )
 
     async def wait_failed(self) -> None:
         """Returns once the engine has failed to start (for the CLI to exit non-zero)."""
@@ -145,8 +149,9 @@ class ReferenceEngine:
     def _build(self) -> None:
         model = build_model(self.settings.model, self.settings.seed, self.device).eval()
         model.requires_grad_(False)
-        memory = MemoryRegions(model, max_batch=self.settings.max_batch, max_seq=self.settings.max_seq,
-                               device=self.device)
+        memory = MemoryRegions(
+            model, max_batch=self.settings.max_batch, max_seq=self.settings.max_seq, device=self.device
+        )
         self._model, self._memory, self._runner = model, memory, ModelRunner(model, memory)
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -224,8 +229,14 @@ class ReferenceEngine:
             return False
         if self._pause_mode is not None or not self._memory.all_resident:
             return False
-        req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
-                            StopRule(max_new_tokens=1), None, False)
+        req = self._new_req(
+            f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            [0],
+            SamplingConfig(temperature=0.0),
+            StopRule(max_new_tokens=1),
+            None,
+            False,
+        )
         await self._scheduler.submit(req)
         try:
             await asyncio.wait_for(asyncio.shield(req.future), self.settings.health_timeout_s)
@@ -283,7 +294,9 @@ class ReferenceEngine:
                 )
             bad = next((t for t in p if not 0 <= t < vocab), None)
             if bad is not None:
-                raise EngineRefusal(400, f"request {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+                raise EngineRefusal(
+                    400, f"request {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+                )
         return prompts, is_batch
 
     def _make_req(self, body: GenerateBody, i: int, n: int, prompt: list[int]) -> Req:
@@ -326,11 +339,25 @@ class ReferenceEngine:
         )
         return self._new_req(rid, prompt, sampling, stop, generator, bool(lp))
 
-    def _new_req(self, rid: str, prompt: list[int], sampling: SamplingConfig, stop: StopRule,
-                 generator: torch.Generator | None, return_logprob: bool) -> Req:
+    def _new_req(
+        self,
+        rid: str,
+        prompt: list[int],
+        sampling: SamplingConfig,
+        stop: StopRule,
+        generator: torch.Generator | None,
+        return_logprob: bool,
+    ) -> Req:
         future: asyncio.Future[ReqOutput] = asyncio.get_running_loop().create_future()
-        return Req(rid=rid, prompt_ids=prompt, stop=stop, sampling=sampling, generator=generator,
-                   return_logprob=return_logprob, future=future)
+        return Req(
+            rid=rid,
+            prompt_ids=prompt,
+            stop=stop,
+            sampling=sampling,
+            generator=generator,
+            return_logprob=return_logprob,
+            future=future,
+        )
 
     def _response(self, out: ReqOutput) -> dict[str, Any]:
         """SGLang's non-streaming answer (tokenizer_manager.py:2506-2669)."""
@@ -349,8 +376,9 @@ class ReferenceEngine:
             meta["input_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(out.input_logprobs or [], out.prompt_ids, strict=False)
             ]
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(out.output_logprobs,
-                                                                           out.output_ids, strict=True)]
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids, strict=True)
+            ]
         meta["response_sent_to_client_ts"] = time.time()
         return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
 
@@ -381,14 +409,17 @@ class ReferenceEngine:
         scheduler, _, _ = self._running()
         return await scheduler.abort_all()
 
-    async def flush_cache(self, timeout_s: float = 0.0, *, empty_cache: bool = False) -> tuple[bool, str | None]:
+    async def flush_cache(
+        self, timeout_s: float = 0.0, *, empty_cache: bool = False
+    ) -> tuple[bool, str | None]:
         """Forget cached KV; refused unless idle (the queue is ignored while paused in retract/in_place)."""
         scheduler, memory, _ = self._running()
         async with self._control_lock:
             return await self._flush_locked(scheduler, memory, timeout_s, empty_cache)
 
-    async def _flush_locked(self, scheduler: Scheduler, memory: MemoryRegions, timeout_s: float,
-                            empty_cache: bool) -> tuple[bool, str | None]:
+    async def _flush_locked(
+        self, scheduler: Scheduler, memory: MemoryRegions, timeout_s: float, empty_cache: bool
+    ) -> tuple[bool, str | None]:
         ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
         if timeout_s > 0:
             try:
@@ -491,7 +522,7 @@ class ReferenceEngine:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
                 return False, (
                     "memory tag 'weights' is released; resume it (/resume_memory_occupation "
-                    "{\"tags\": [\"weights\"]}) before loading weights"
+                    '{"tags": ["weights"]}) before loading weights'
                 )
             async with scheduler.hold():
                 try:
@@ -535,7 +566,9 @@ class ReferenceEngine:
         _, memory, model = self._running()
         async with self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
-                return WeightsCheck(False, "memory tag 'weights' is released; resume it and push weights first")
+                return WeightsCheck(
+                    False, "memory tag 'weights' is released; resume it and push weights first"
+                )
             if action == "checksum":
                 return await self._on_model_thread(self._checksum, model, tuple(skip or ()))
             if action == "snapshot":
@@ -566,8 +599,19 @@ class ReferenceEngine:
         rank = {
             "checksums": per_tensor,
             "per_gpu_checksum": per_gpu,
-            "parallelism_info": [{"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1,
-                                  "pp_rank": 0, "pp_size": 1, "rank": 0, "size": 1}],
+            "parallelism_info": [
+                {
+                    "role": "target",
+                    "tp_rank": 0,
+                    "tp_size": 1,
+                    "dp_rank": 0,
+                    "dp_size": 1,
+                    "pp_rank": 0,
+                    "pp_size": 1,
+                    "rank": 0,
+                    "size": 1,
+                }
+            ],
         }
         engine = hashlib.sha256(per_gpu.encode()).hexdigest()
         return WeightsCheck(True, "Success.", [rank], engine, tensor_checksum(named))
@@ -581,7 +625,9 @@ def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
-def _compare_params(model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...]) -> list[str]:
+def _compare_params(
+    model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...]
+) -> list[str]:
     diffs = []
     for name, p in model.named_parameters():
         if any(s in name for s in skip):

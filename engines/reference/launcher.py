@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import httpx
@@ -46,10 +46,16 @@ class ReferenceEngineProcess:
     """One reference engine server process, started from a ``ReferenceEngineConfig``."""
 
     def __init__(
-        self, config: ReferenceEngineConfig, *, log_path: str | os.PathLike[str] | None = None, grace_s: float = 5.0
+        self,
+        config: ReferenceEngineConfig,
+        *,
+        log_path: str | os.PathLike[str] | None = None,
+        grace_s: float = 10.0,
     ) -> None:
         if config.tp_size != 1:
-            raise ValueError(f"engine {config.name!r}: the reference engine has tp_size 1, got {config.tp_size}")
+            raise ValueError(
+                f"engine {config.name!r}: the reference engine has tp_size 1, got {config.tp_size}"
+            )
         self.config = config
         self.grace_s = grace_s
         launch_log = config.launch.log_file if config.launch else None
@@ -88,20 +94,32 @@ class ReferenceEngineProcess:
         self.start()
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def command(self, ready_file: str) -> list[str]:
         """The child's command line (the API key travels in the environment, not in argv)."""
         host, port = self._host_port()
         cmd = [
-            sys.executable, "-m", "colocd.engines.reference",
-            "--host", host, "--port", str(port),
-            "--device", self.config.device,
-            "--seed", str(self.config.seed),
-            "--protocol", self.config.protocol,
-            "--ready-file", ready_file,
-            "--model-json", json.dumps(self.config.model),
+            sys.executable,
+            "-m",
+            "colocd.engines.reference",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--device",
+            self.config.device,
+            "--seed",
+            str(self.config.seed),
+            "--protocol",
+            self.config.protocol,
+            "--ready-file",
+            ready_file,
+            "--model-json",
+            json.dumps(self.config.model),
         ]
         if self.config.launch:
             cmd += self.config.launch.args
@@ -112,10 +130,14 @@ class ReferenceEngineProcess:
     async def astart(self) -> None:
         """Start the child and return once ``/health`` is 200; raises ``EngineLaunchError`` otherwise."""
         ready_file = self._prepare()
-        with open(self._log_path_or_default(), "ab") as log:
+        with self._open_log() as log:
             self._aproc = await asyncio.create_subprocess_exec(
-                *self.command(ready_file), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self._environment(), start_new_session=True,
+                *self.command(ready_file),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._environment(),
+                start_new_session=True,
             )
         self.pid = self._aproc.pid
         exited = asyncio.ensure_future(self._aproc.wait())
@@ -173,10 +195,14 @@ class ReferenceEngineProcess:
     def start(self) -> None:
         """Blocking twin of ``astart`` for synchronous callers (tests, scripts)."""
         ready_file = self._prepare()
-        with open(self._log_path_or_default(), "ab") as log:
+        with self._open_log() as log:
             self._proc = subprocess.Popen(
-                self.command(ready_file), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self._environment(), start_new_session=True,
+                self.command(ready_file),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._environment(),
+                start_new_session=True,
             )
         self.pid = self._proc.pid
         deadline = time.monotonic() + self.ready_timeout_s
@@ -223,12 +249,13 @@ class ReferenceEngineProcess:
         self._workdir = tempfile.mkdtemp(prefix=f"colocd-ref-{self.config.name}-")
         return os.path.join(self._workdir, "ready.json")
 
-    def _log_path_or_default(self) -> Path:
+    def _open_log(self) -> BinaryIO:
+        """The child's stdout/stderr; a private temp file unless a path was given. Kept after stop."""
         if self._log_path is None:
             fd, path = tempfile.mkstemp(prefix=f"colocd-ref-{self.config.name}-", suffix=".log")
-            os.close(fd)
             self._log_path = Path(path)
-        return self._log_path
+            return os.fdopen(fd, "ab")
+        return open(self._log_path, "ab")
 
     def _host_port(self) -> tuple[str, int]:
         if not self.config.url:
@@ -240,7 +267,9 @@ class ReferenceEngineProcess:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         devices = self.config.gpu_uuids or [str(g) for g in self.config.gpus]
-        if devices and self.config.device.startswith("cuda"):
+        # Only a bare "cuda" is pinned through the environment: an explicit "cuda:N" already names a
+        # host device, and renumbering the visible set under it would point it elsewhere.
+        if devices and self.config.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         if self.config.api_key:
             env["COLOCD_REFERENCE_API_KEY"] = self.config.api_key
@@ -261,8 +290,10 @@ class ReferenceEngineProcess:
         return str(data["url"])
 
     def _failure(self, what: str) -> EngineLaunchError:
-        return EngineLaunchError(self.config.name, f"reference engine (pid {self.pid}) {what}; log "
-                                 f"{self._log_path}:\n{self._log_tail()}")
+        return EngineLaunchError(
+            self.config.name,
+            f"reference engine (pid {self.pid}) {what}; log {self._log_path}:\n{self._log_tail()}",
+        )
 
     def _log_tail(self) -> str:
         if self._log_path is None:

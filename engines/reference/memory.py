@@ -26,7 +26,14 @@ from torch import nn
 from ..base import ALL_TAGS, MemoryTag
 from .model import QwenLikeForCausalLM, kv_pool_shape
 
-__all__ = ["MemoryRegions", "MemoryTagError", "ReleaseReport", "TagState", "normalize_tags", "process_rss_bytes"]
+__all__ = [
+    "MemoryRegions",
+    "MemoryTagError",
+    "ReleaseReport",
+    "TagState",
+    "normalize_tags",
+    "process_rss_bytes",
+]
 
 # SGLang's order (scheduler_components/weight_updater.py:337-426): release kv → weights → graph,
 # resume graph → weights → kv, so the biggest allocations come back last.

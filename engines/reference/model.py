@@ -42,8 +42,16 @@ class QwenLikeConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -52,7 +60,9 @@ class QwenLikeConfig:
                 f"num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
-            raise ValueError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(
+                f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}"
+            )
 
     @classmethod
     def from_overrides(cls, overrides: Mapping[str, Any]) -> QwenLikeConfig:
@@ -97,6 +107,8 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables computed from positions on the fly (no max-length cache to keep in sync)."""
+
+    inv_freq: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -159,7 +171,8 @@ class Attention(nn.Module):
             key_pos = torch.arange(span, device=x.device)[None, None, :]
         # Causality by position, not index: the same rule holds for full sequences and for decoding.
         mask = key_pos <= positions[:, :, None]
-        return self.o_proj(self._attend(q, keys, values, mask).reshape(b, t, -1))
+        out: torch.Tensor = self.o_proj(self._attend(q, keys, values, mask).reshape(b, t, -1))
+        return out
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         groups = self.num_heads // self.num_kv_heads
@@ -179,7 +192,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -199,7 +213,8 @@ class DecoderLayer(nn.Module):
         kv: KVCacheView | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class QwenLikeModel(nn.Module):
@@ -218,8 +233,10 @@ class QwenLikeForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = QwenLikeModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def forward(
@@ -237,15 +254,18 @@ class QwenLikeForCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if int(positions.max()) >= self.config.max_position:
-            raise ValueError(f"position {int(positions.max())} exceeds max_position {self.config.max_position}")
-        x = self.model.embed_tokens(input_ids)
+            raise ValueError(
+                f"position {int(positions.max())} exceeds max_position {self.config.max_position}"
+            )
+        x: torch.Tensor = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions)
         for layer in self.model.layers:
             x = layer(x, cos, sin, positions, kv_cache_view)
         x = self.model.norm(x)
         if self.lm_head is None:
             return x @ self.model.embed_tokens.weight.T
-        return self.lm_head(x)
+        logits: torch.Tensor = self.lm_head(x)
+        return logits
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy tensors into the live parameters by HF name; returns the names applied.
@@ -264,10 +284,13 @@ class QwenLikeForCausalLM(nn.Module):
                 raise ValueError(f"unknown parameter {name!r}")
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
-                    f"parameter {name!r}: shape {list(tensor.shape)} does not match the model's {list(param.shape)}"
+                    f"parameter {name!r}: shape {list(tensor.shape)} does not match "
+                    f"the model's {list(param.shape)}"
                 )
             if tensor.dtype != param.dtype:
-                raise ValueError(f"parameter {name!r}: dtype {tensor.dtype} does not match the model's {param.dtype}")
+                raise ValueError(
+                    f"parameter {name!r}: dtype {tensor.dtype} does not match the model's {param.dtype}"
+                )
             staged.append((param, tensor, name))
         with torch.no_grad():
             for param, tensor, _ in staged:

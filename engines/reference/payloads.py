@@ -144,7 +144,9 @@ def _named_list(obj: Any, tp_rank: int) -> NamedTensors:
         if isinstance(value, LocalSerializedTensor):
             values = getattr(value, "values", None)
             if not isinstance(values, list) or not 0 <= tp_rank < len(values):
-                raise PayloadError(f"tensor {name!r}: LocalSerializedTensor has no entry for TP rank {tp_rank}")
+                raise PayloadError(
+                    f"tensor {name!r}: LocalSerializedTensor has no entry for TP rank {tp_rank}"
+                )
             value = safe_loads(values[tp_rank])
         if not isinstance(value, torch.Tensor):
             raise PayloadError(f"tensor {name!r}: expected a tensor, got {type(value).__name__}")
@@ -158,7 +160,9 @@ def _flattened_bucket(obj: Any) -> NamedTensors:
     elif isinstance(obj, dict):
         flat, metadata = obj.get("flattened_tensor"), obj.get("metadata")
     else:
-        raise PayloadError(f"flattened_bucket expects a dict with flattened_tensor and metadata, got {type(obj).__name__}")
+        raise PayloadError(
+            f"flattened_bucket expects a dict with flattened_tensor and metadata, got {type(obj).__name__}"
+        )
     if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
         raise PayloadError("flattened_bucket: flattened_tensor must be a 1-D uint8 tensor")
     if not isinstance(metadata, list | tuple):
@@ -169,7 +173,9 @@ def _flattened_bucket(obj: Any) -> NamedTensors:
             name, shape, dtype = str(meta.name), torch.Size(meta.shape), meta.dtype
             start, end = int(meta.start_idx), int(meta.end_idx)
         except (AttributeError, TypeError, ValueError):
-            raise PayloadError(f"flattened_bucket: metadata item {i} lacks name/shape/dtype/start_idx/end_idx") from None
+            raise PayloadError(
+                f"flattened_bucket: metadata item {i} lacks name/shape/dtype/start_idx/end_idx"
+            ) from None
         if not isinstance(dtype, torch.dtype):
             raise PayloadError(f"flattened_bucket: tensor {name!r} has dtype {dtype!r}, not a torch.dtype")
         nbytes = shape.numel() * dtype.itemsize
@@ -179,6 +185,8 @@ def _flattened_bucket(obj: Any) -> NamedTensors:
                 f"shape {list(shape)} x {dtype} or the bucket's {flat.numel()} bytes"
             )
         if start % dtype.itemsize:
-            raise PayloadError(f"flattened_bucket: tensor {name!r} starts at byte {start}, not aligned to {dtype}")
+            raise PayloadError(
+                f"flattened_bucket: tensor {name!r} starts at byte {start}, not aligned to {dtype}"
+            )
         out.append((name, flat[start:end].view(dtype).reshape(shape)))
     return out

@@ -108,7 +108,12 @@ class ModelRunner:
 
 
 def generate_greedy(
-    runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int, *, eos_id: int | None = None, slot: int = 0
+    runner: ModelRunner,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_id: int | None = None,
+    slot: int = 0,
 ) -> list[int]:
     """Greedy decoding of one prompt through ``runner``: the engine's code path, without its server."""
     out: list[int] = []

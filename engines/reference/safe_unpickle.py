@@ -74,17 +74,33 @@ def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     fixed = (*args[:6], _device_index_from_uuid(args[6]), *args[7:])
-    return rebuild_cuda_tensor(*fixed)  # type: ignore[no-any-return]
+    tensor: torch.Tensor = rebuild_cuda_tensor(*fixed)  # type: ignore[no-untyped-call]
+    return tensor
 
 
 _TORCH_DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
 
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {
-        *(("builtins", n) for n in (
-            "bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list",
-            "range", "set", "slice", "str", "tuple",
-        )),
+        *(
+            ("builtins", n)
+            for n in (
+                "bool",
+                "bytearray",
+                "bytes",
+                "complex",
+                "dict",
+                "float",
+                "frozenset",
+                "int",
+                "list",
+                "range",
+                "set",
+                "slice",
+                "str",
+                "tuple",
+            )
+        ),
         ("collections", "OrderedDict"),
         ("collections", "defaultdict"),
         ("collections", "deque"),

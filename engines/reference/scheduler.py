@@ -274,7 +274,9 @@ class Scheduler:
             if req.finish is not None:
                 continue  # aborted while the step ran; its result is dropped
             if results is None:
-                self._finish(req, FinishReason("abort", message=f"model step failed: {error}", status_code=500))
+                self._finish(
+                    req, FinishReason("abort", message=f"model step failed: {error}", status_code=500)
+                )
                 continue
             res = results[i]
             req.cached_len = len(req.prompt_ids) + len(req.output_ids)

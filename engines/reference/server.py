@@ -98,8 +98,13 @@ def _install_error_handlers(app: FastAPI) -> None:
             f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
         )
         return JSONResponse(
-            {"object": "error", "message": message, "type": HTTPStatus.BAD_REQUEST.phrase, "param": None,
-             "code": 400},
+            {
+                "object": "error",
+                "message": message,
+                "type": HTTPStatus.BAD_REQUEST.phrase,
+                "param": None,
+                "code": 400,
+            },
             status_code=400,
         )
 
@@ -317,8 +322,8 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
             return _success(check.success, check.message, **extra)
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(timeout: Annotated[float, Query(ge=0.0)] = 0.0) -> Response:
-        ok, message = await engine.flush_cache(timeout)  # http_server.py:1025
+    async def flush_cache(timeout_s: Annotated[float, Query(ge=0.0, alias="timeout")] = 0.0) -> Response:
+        ok, message = await engine.flush_cache(timeout_s)  # http_server.py:1025
         content = _FLUSHED if ok else (message or "Flush cache failed.\n")
         return Response(content=content, status_code=200 if ok else 400, media_type="text/plain")
 

@@ -15,7 +15,6 @@ from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
-
 from colocd.engines.base import MemoryTag
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
 from colocd.engines.reference.memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
@@ -37,9 +36,15 @@ HF_NAMES = {
         f"model.layers.{i}.{suffix}"
         for i in range(CFG.num_layers)
         for suffix in (
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-            "input_layernorm.weight", "post_attention_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
         )
     ),
 }
@@ -56,7 +61,10 @@ def test_parameters_carry_hugging_face_names_and_shapes() -> None:
     model = build_model(CFG, seed=0)
     named = dict(model.named_parameters())
     assert set(named) == HF_NAMES
-    assert named["model.layers.0.self_attn.k_proj.weight"].shape == (CFG.num_kv_heads * CFG.head_dim, CFG.hidden_size)
+    assert named["model.layers.0.self_attn.k_proj.weight"].shape == (
+        CFG.num_kv_heads * CFG.head_dim,
+        CFG.hidden_size,
+    )
     assert named["lm_head.weight"].shape == (CFG.vocab_size, CFG.hidden_size)
 
 
@@ -89,7 +97,11 @@ def test_incremental_decoding_through_the_pool_matches_the_full_forward() -> Non
         view = KVCacheView(pool, torch.tensor([1]), torch.ones((1, 5), dtype=torch.bool))
         pre = model(seq[:, :5], torch.arange(5)[None], view)
         steps = [
-            model(seq[:, t : t + 1], torch.tensor([[t]]), KVCacheView(pool, torch.tensor([1]), torch.ones((1, 1), dtype=torch.bool)))
+            model(
+                seq[:, t : t + 1],
+                torch.tensor([[t]]),
+                KVCacheView(pool, torch.tensor([1]), torch.ones((1, 1), dtype=torch.bool)),
+            )
             for t in range(5, 8)
         ]
     torch.testing.assert_close(pre, full[:, :5], rtol=1e-5, atol=1e-5)
@@ -132,9 +144,15 @@ def test_load_weights_applies_by_name_and_returns_the_names() -> None:
 @pytest.mark.parametrize(
     ("bad", "match"),
     [
-        (("model.layers.9.mlp.up_proj.weight", torch.zeros(CFG.intermediate_size, CFG.hidden_size)), "model.layers.9"),
+        (
+            ("model.layers.9.mlp.up_proj.weight", torch.zeros(CFG.intermediate_size, CFG.hidden_size)),
+            "model.layers.9",
+        ),
         (("model.norm.weight", torch.zeros(CFG.hidden_size + 1)), "model.norm.weight.*shape"),
-        (("model.norm.weight", torch.zeros(CFG.hidden_size, dtype=torch.float64)), "model.norm.weight.*dtype"),
+        (
+            ("model.norm.weight", torch.zeros(CFG.hidden_size, dtype=torch.float64)),
+            "model.norm.weight.*dtype",
+        ),
     ],
 )
 def test_load_weights_with_one_bad_tensor_applies_nothing(bad: tuple[str, torch.Tensor], match: str) -> None:
@@ -191,10 +209,10 @@ def test_release_frees_storage_and_resume_reallocates_with_the_same_shapes() -> 
 def test_double_release_and_resume_of_a_resident_tag_name_the_tag_and_change_nothing() -> None:
     mem = MemoryRegions(build_model(CFG, 0), max_batch=1, max_seq=8, device=torch.device("cpu"))
     mem.release([MemoryTag.KV_CACHE])
-    with pytest.raises(MemoryTagError, match="'kv_cache'.*already released"):
+    with pytest.raises(MemoryTagError, match=r"'kv_cache'.*already released"):
         mem.release([MemoryTag.WEIGHTS, MemoryTag.KV_CACHE])
     assert mem.state(MemoryTag.WEIGHTS) is TagState.RESIDENT  # checked before anything moved
-    with pytest.raises(MemoryTagError, match="'weights'.*already resident"):
+    with pytest.raises(MemoryTagError, match=r"'weights'.*already resident"):
         mem.resume([MemoryTag.KV_CACHE, MemoryTag.WEIGHTS])
     assert mem.state(MemoryTag.KV_CACHE) is TagState.RELEASED
     with pytest.raises(ValueError, match="'bogus'"):
@@ -222,8 +240,15 @@ class GatedStep:
 
 
 def make_req(prompt: list[int], max_new: int) -> Req:
-    return Req(rid="r", prompt_ids=prompt, stop=StopRule(max_new_tokens=max_new), sampling=SamplingConfig(0.0),
-               generator=None, return_logprob=False, future=asyncio.get_running_loop().create_future())
+    return Req(
+        rid="r",
+        prompt_ids=prompt,
+        stop=StopRule(max_new_tokens=max_new),
+        sampling=SamplingConfig(0.0),
+        generator=None,
+        return_logprob=False,
+        future=asyncio.get_running_loop().create_future(),
+    )
 
 
 async def run_steps(step: GatedStep, n: int) -> None:
@@ -272,8 +297,12 @@ async def test_scheduler_in_place_pause_keeps_slots_and_abort_all_finishes_with_
         assert sched.num_running == 1 and not sched.is_fully_idle(ignore_waiting=True)
         assert await sched.abort_all("stop") == 1
         out = await req.future
-        assert out.finish_reason.to_json() == {"type": "abort", "message": "stop", "status_code": None,
-                                               "err_type": None}
+        assert out.finish_reason.to_json() == {
+            "type": "abort",
+            "message": "stop",
+            "status_code": None,
+            "err_type": None,
+        }
         assert out.output_ids == [6, 7] and sched.is_fully_idle()
     finally:
         loop.cancel()
@@ -329,8 +358,10 @@ def test_colocd_shm_entry_yields_the_tensors_and_closes_the_mapping() -> None:
 
 def test_colocd_shm_entry_naming_a_missing_segment_is_a_payload_error() -> None:
     desc = {"transport": "shm", "shm_name": "colocd-missing-xyz", "nbytes": 4, "layout": []}
-    with pytest.raises(PayloadError, match="colocd-missing-xyz"), open_payload(b64(json.dumps(desc).encode()),
-                                                                              "colocd_shm"):
+    with (
+        pytest.raises(PayloadError, match="colocd-missing-xyz"),
+        open_payload(b64(json.dumps(desc).encode()), "colocd_shm"),
+    ):
         pass
 
 
@@ -345,8 +376,16 @@ def test_flattened_bucket_with_simple_namespace_metadata_loads() -> None:
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
     meta, start = [], 0
     for name, t in named:
-        meta.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=start,
-                                          end_idx=start + t.nbytes, numel=t.nbytes))
+        meta.append(
+            types.SimpleNamespace(
+                name=name,
+                shape=t.shape,
+                dtype=t.dtype,
+                start_idx=start,
+                end_idx=start + t.nbytes,
+                numel=t.nbytes,
+            )
+        )
         start += t.nbytes
     entry = b64(pickle.dumps({"flattened_tensor": flat, "metadata": meta}))
     with open_payload(entry, "flattened_bucket") as got:
@@ -368,8 +407,14 @@ def test_sglang_metadata_class_is_mapped_without_importing_sglang() -> None:
     sys.modules.update(fakes)
     try:
         meta = FlattenedTensorMetadata()
-        meta.__dict__.update(name="model.norm.weight", shape=torch.Size([2]), dtype=torch.float32,
-                             start_idx=0, end_idx=8, numel=8)
+        meta.__dict__.update(
+            name="model.norm.weight",
+            shape=torch.Size([2]),
+            dtype=torch.float32,
+            start_idx=0,
+            end_idx=8,
+            numel=8,
+        )
         data = pickle.dumps({"flattened_tensor": torch.ones(2).view(torch.uint8), "metadata": [meta]})
     finally:
         for n in names:
@@ -389,7 +434,7 @@ def test_unpickler_refuses_a_code_execution_global_and_names_it() -> None:
 
 
 def test_forking_pickler_cpu_tensors_are_refused_with_an_explanation() -> None:
-    import torch.multiprocessing  # noqa: F401  (registers the tensor reducers)
+    import torch.multiprocessing
 
     buf = io.BytesIO()
     ForkingPickler(buf).dump([("w", torch.ones(2))])
