@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 from typing import Any
 
 import httpx
@@ -16,17 +15,10 @@ import httpx
 from ..base import EngineInfo, MemoryTag, PauseMode, ReleaseReport, WeightsLoad
 from ..errors import EngineProtocolError, EngineRejected
 from ..httpmap import check_reply, map_http_errors
+from . import wire
+from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
 __all__ = ["SGLangAdapter"]
-
-# SGLang 0.5.23 added the begin/end weight-update session (sgl-project/sglang#28001) and JSON
-# bodies on pause/continue; earlier servers (what slime and verl pin) have neither.
-_SESSION_MIN_VERSION = (0, 5, 13)
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-    return tuple(int(g or 0) for g in match.groups()) if match else (0,)
 
 
 class SGLangAdapter:
@@ -38,7 +30,8 @@ class SGLangAdapter:
         self._client = client
         self._base = str(config.url).rstrip("/")
         self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._session_protocol = True
+        # Until attach probes the version, assume the current protocol.
+        self.protocol: SGLangProtocol = V0_5_23
         self._info: EngineInfo | None = None
 
     # -- transport ---------------------------------------------------------------------------
@@ -74,16 +67,20 @@ class SGLangAdapter:
         except EngineRejected as exc:
             if exc.status != 404:
                 raise
+            # SGLang ≤ 0.5.5 has only the get_-prefixed names.
             server = self._json(await self._call("GET", "/get_server_info", "get_server_info"),
                                 self.name, "get_server_info")
-        version = str(server.get("version", "0"))
-        self._session_protocol = _version_tuple(version) >= _SESSION_MIN_VERSION
+        version = str(server.get("version", ""))
+        try:
+            self.protocol = protocol_for_version(version)
+        except ValueError as exc:
+            raise EngineProtocolError(self.name, f"cannot drive SGLang version {version!r}: {exc}") from exc
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._info = EngineInfo(
             name=self.name,
             engine_kind=getattr(self._config, "kind", "sglang"),
             version=version,
-            protocol="0.5.23" if self._session_protocol else "legacy",
+            protocol=self.protocol.name,
             weight_version=await self.weight_version(),
             tp_size=self._config.tp_size,
             owned_tags=owned,
@@ -93,30 +90,27 @@ class SGLangAdapter:
 
     async def health(self) -> bool:
         # /health runs a 1-token generation in SGLang; while paused or released that would block
-        # or touch unmapped memory, so liveness uses /model_info (tokenizer-side, no forward pass).
-        await self._call("GET", "/model_info" if self._session_protocol else "/get_model_info", "model_info")
+        # or touch unmapped memory, so liveness uses model info (tokenizer-side, no forward pass).
+        await self._call("GET", self.protocol.model_info_route, "model_info")
         return True
 
     async def weight_version(self) -> str | None:
-        if self._session_protocol:
-            data = self._json(await self._call("GET", "/model_info", "model_info"), self.name, "model_info")
-        else:
-            data = self._json(await self._call("GET", "/get_weight_version", "get_weight_version"),
-                              self.name, "get_weight_version")
+        route = self.protocol.weight_version_route
+        data = self._json(await self._call("GET", route, route.lstrip("/")), self.name, route.lstrip("/"))
         version = data.get("weight_version") if isinstance(data, dict) else data
         return None if version is None else str(version)
 
     async def pause_generation(self, mode: PauseMode) -> None:
-        if self._session_protocol:
-            await self._call("POST", "/pause_generation", "pause_generation", {"mode": mode.value})
-        else:
-            await self._call("POST", "/pause_generation", "pause_generation", send_body=False)
+        try:
+            request = wire.pause_generation_request(self.protocol, mode)
+        except ValueError as exc:
+            raise EngineProtocolError(self.name, str(exc)) from exc
+        await self._call("POST", "/pause_generation", "pause_generation", request, send_body=request is not None)
 
     async def continue_generation(self) -> None:
-        if self._session_protocol:
-            await self._call("POST", "/continue_generation", "continue_generation", {"torch_empty_cache": True})
-        else:
-            await self._call("POST", "/continue_generation", "continue_generation", send_body=False)
+        request = wire.continue_generation_request(self.protocol, torch_empty_cache=True)
+        await self._call("POST", "/continue_generation", "continue_generation", request,
+                         send_body=request is not None)
 
     async def flush_cache(self) -> bool:
         """True if flushed; False on SGLang's normal 400 "not idle yet" (the daemon retries)."""
@@ -129,48 +123,55 @@ class SGLangAdapter:
         return True
 
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        await self._call("POST", "/release_memory_occupation", "release_memory_occupation",
-                         {"tags": [t.value for t in tags]})
+        request = wire.ReleaseMemoryOccupationReqInput(tags=[t.value for t in tags])
+        await self._call("POST", request.ROUTE, "release_memory_occupation", wire.body(request, self.protocol))
         return ReleaseReport(tags)
 
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        await self._call("POST", "/resume_memory_occupation", "resume_memory_occupation",
-                         {"tags": [t.value for t in tags]})
+        request = wire.ResumeMemoryOccupationReqInput(tags=[t.value for t in tags])
+        await self._call("POST", request.ROUTE, "resume_memory_occupation", wire.body(request, self.protocol))
         return ReleaseReport(tags)
 
     async def begin_weight_update(self) -> None:
-        if self._session_protocol:
+        if self.protocol.weight_update_session:
+            request = wire.BeginWeightUpdateReqInput(selector="all")
             self._check_success(
-                await self._call("POST", "/begin_weight_update", "begin_weight_update", {"selector": "all"}),
+                await self._call("POST", request.ROUTE, "begin_weight_update", wire.body(request, self.protocol)),
                 "begin_weight_update")
 
     async def load_weights(self, load: WeightsLoad) -> None:
-        body = {
-            "serialized_named_tensors": [_entry(p.transport, p.handle) for p in load.payloads],
-            "load_format": _load_format(load),
-            "flush_cache": load.flush_cache,
-            "abort_all_requests": False,
-            "weight_version": load.weight_version,
-        }
-        response = await self._call("POST", "/update_weights_from_tensor", f"update_weights_from_tensor#{load.seq}",
-                                    body)
+        request = wire.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[_entry(p.transport, p.handle) for p in load.payloads],
+            load_format=_load_format(load),
+            flush_cache=load.flush_cache,
+            abort_all_requests=False,
+            weight_version=load.weight_version,
+        )
+        response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}",
+                                    wire.body(request, self.protocol))
         self._check_success(response, f"update_weights_from_tensor#{load.seq}")
 
     async def end_weight_update(self) -> None:
-        if self._session_protocol:
-            self._check_success(await self._call("POST", "/end_weight_update", "end_weight_update", {}),
-                                "end_weight_update")
+        if self.protocol.weight_update_session:
+            request = wire.EndWeightUpdateReqInput()
+            self._check_success(
+                await self._call("POST", request.ROUTE, "end_weight_update", wire.body(request, self.protocol)),
+                "end_weight_update")
 
     async def set_weight_version(self, version: str) -> None:
         # abort_all_requests defaults to true in SGLang; the engine is paused here anyway and we
         # never want a version bump to kill requests on its own.
+        request = wire.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
         self._check_success(
-            await self._call("POST", "/update_weight_version", "update_weight_version",
-                             {"new_version": version, "abort_all_requests": False}),
+            await self._call("POST", request.ROUTE, "update_weight_version", wire.body(request, self.protocol)),
             "update_weight_version")
 
     async def weights_checksum(self) -> str | None:
-        data = self._json(await self._call("POST", "/weights_checker", "weights_checker", {"action": "checksum"}),
+        route = self.protocol.weights_checker_route
+        if route is None:
+            return None
+        request = wire.CheckWeightsReqInput(action="checksum")
+        data = self._json(await self._call("POST", route, "weights_checker", wire.body(request, self.protocol)),
                           self.name, "weights_checker")
         if not isinstance(data, dict):
             return None

@@ -278,3 +278,19 @@ async def test_openapi_document_lists_the_phase_route(daemon: AsyncColocdClient)
 
 def test_no_shared_memory_segments_left_behind() -> None:
     assert not shm_segments(), os.listdir("/dev/shm")
+
+
+async def test_full_step_through_the_legacy_sglang_protocol() -> None:
+    """SGLang ≤ 0.5.5 (what slime/verl pin): no bodies on pause, no update session, /get_weight_version."""
+    cfg = ReferenceEngineConfig(name="old", url="http://127.0.0.1:0", seed=0, protocol="legacy")
+    async with ReferenceEngineProcess(cfg) as engine, \
+            running_daemon([{"kind": "reference", "name": "old", "url": engine.url}]) as url, \
+            AsyncColocdClient(url) as client:
+        await client.wait_ready(30)
+        status = (await client.status())["engines"]["old"]
+        assert (status["protocol"], status["engine_version"]) == ("legacy", "0.5.4")
+        trained = build_model(QwenLikeConfig(), seed=7)
+        await _full_step(client, 1, trained, bucket_mb=0.1)
+        assert await _greedy(engine.url) == _local_greedy(trained)
+        async with httpx.AsyncClient(trust_env=False) as http:
+            assert (await http.get(f"{engine.url}/get_weight_version")).json()["weight_version"] == "v1"
