@@ -141,7 +141,7 @@ async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) ->
     logger.info("listening on %s (pid %d)", url, os.getpid())
     done, _ = await asyncio.wait({serving, failed}, return_when=asyncio.FIRST_COMPLETED)
     if failed in done:
-        logger.error("engine failed to start; shutting down")
+        logger.error("engine failed; shutting down")
         server.should_exit = True
         await serving
         return 1

@@ -101,7 +101,7 @@ class ReferenceEngine:
         self._control_lock = asyncio.Lock()
         self._session_selector: str | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._last_release: dict[str, Any] | None = None
+        self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -124,6 +124,7 @@ class ReferenceEngine:
             memory_ready=lambda: memory.all_resident,
         )
         self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
+        self._loop_task.add_done_callback(self._on_loop_exit)
         self.state = EngineState.RUNNING
         logger.info(
             "reference engine ready: %s on %s, protocol %s",
@@ -132,8 +133,16 @@ class ReferenceEngine:
             self.settings.protocol,
         )
 
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        # The loop only ends by cancellation at shutdown; anything else is a bug that would leave
+        # requests hanging, so fail loudly and let the process exit (its supervisor sees it die).
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("scheduler loop died", exc_info=task.exception())
+            self.state = EngineState.FAILED
+            self._failed.set()
+
     async def wait_failed(self) -> None:
-        """Returns once the engine has failed to start (for the CLI to exit non-zero)."""
+        """Returns once the engine has failed (startup or scheduler loop), for the CLI to exit non-zero."""
         await self._failed.wait()
 
     async def aclose(self) -> None:
@@ -142,8 +151,7 @@ class ReferenceEngine:
             await self._scheduler.abort_all("server is shutting down")
         if self._loop_task is not None:
             self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+            await asyncio.gather(self._loop_task, return_exceptions=True)  # a death was logged already
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _build(self) -> None:
@@ -170,14 +178,6 @@ class ReferenceEngine:
     @property
     def paused(self) -> bool:
         return self._pause_mode is not None
-
-    @property
-    def pause_mode(self) -> PauseMode | None:
-        return self._pause_mode
-
-    @property
-    def session_open(self) -> bool:
-        return self._session_selector is not None
 
     def internal_state(self) -> dict[str, Any]:
         s = self._scheduler
@@ -207,7 +207,8 @@ class ReferenceEngine:
             "tags": tags,
             "process": {"rss_bytes": process_rss_bytes()},
             "cuda": cuda,
-            "last_release": self._last_release,
+            "last_release": self._last_moves.get("release"),
+            "last_resume": self._last_moves.get("resume"),
         }
 
     # --- generation ------------------------------------------------------------------------------
@@ -405,9 +406,10 @@ class ReferenceEngine:
             self._pause_mode = None
             self._pause_cond.notify_all()
 
-    async def abort_all(self) -> int:
+    async def abort_request(self, rid: str, *, abort_all: bool) -> int:
+        """SGLang's ``/abort_request``: the request(s) finish with an abort reason; returns how many."""
         scheduler, _, _ = self._running()
-        return await scheduler.abort_all()
+        return await scheduler.abort_all(rid=None if abort_all else rid)
 
     async def flush_cache(
         self, timeout_s: float = 0.0, *, empty_cache: bool = False
@@ -467,8 +469,7 @@ class ReferenceEngine:
                 if not resume and MemoryTag.KV_CACHE in tags:
                     scheduler.flush()  # SGLang flushes before releasing the KV cache
                 report = await self._on_model_thread(memory.resume if resume else memory.release, tags)
-            self._last_release = {
-                "action": "resume" if resume else "release",
+            self._last_moves["resume" if resume else "release"] = {
                 "tags": [t.value for t in report.tags],
                 "nbytes": report.nbytes,
                 "cuda_reserved_delta_bytes": report.cuda_reserved_delta_bytes,

@@ -165,10 +165,14 @@ class Scheduler:
             self._reap()
             self._changed.notify_all()
 
-    async def abort_all(self, message: str = "Aborted") -> int:
-        """Finish every queued and running request with an abort reason; returns how many."""
+    async def abort_all(self, message: str = "Aborted", *, rid: str | None = None) -> int:
+        """Finish every queued and running request (or those with ``rid``) as aborted; returns how many."""
         async with self._changed:
-            victims = [r for r in (*self._waiting, *self._running) if r.finish is None]
+            victims = [
+                r
+                for r in (*self._waiting, *self._running)
+                if r.finish is None and (rid is None or r.rid == rid)
+            ]
             for r in victims:
                 self._finish(r, FinishReason("abort", message=message))
             self._reap()

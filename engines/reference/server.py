@@ -24,6 +24,7 @@ from ..base import PauseMode
 from .engine import EngineRefusal, EngineState, ReferenceEngine
 from .settings import ReferenceServerSettings
 from .wire import (
+    AbortRequestBody,
     BeginWeightUpdateBody,
     CheckWeightsBody,
     ContinueGenerationBody,
@@ -275,6 +276,11 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
         return JSONResponse(result)
+
+    @router.post("/abort_request")
+    async def abort_request(body: AbortRequestBody) -> Response:
+        await engine.abort_request(body.rid or "", abort_all=body.abort_all)  # http_server.py:1721
+        return Response(status_code=200)
 
     if legacy:
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 from ..base import PauseMode
 
 __all__ = [
+    "AbortRequestBody",
     "BeginWeightUpdateBody",
     "CheckWeightsBody",
     "ContinueGenerationBody",
@@ -78,6 +79,13 @@ class UpdateWeightVersionBody(_Body):
 
     new_version: str
     abort_all_requests: bool = True
+
+
+class AbortRequestBody(_Body):
+    """io_struct.py:2285 AbortReq."""
+
+    rid: str | None = ""
+    abort_all: bool = False
 
 
 class CheckWeightsBody(_Body):

@@ -258,6 +258,19 @@ async def test_pause_abort_ends_in_flight_requests_and_blocks_new_ones_until_con
     assert done["output_ids"] == in_process_greedy(build_model(CFG, 0), "abc", 12)
 
 
+async def test_abort_request_by_rid_ends_only_that_request(client: httpx.AsyncClient) -> None:
+    await client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})  # hold both in the queue
+    keep = asyncio.create_task(generate(client, text="abc", sampling_params=GREEDY, rid="keep"))
+    drop = asyncio.create_task(generate(client, text="abc", sampling_params=GREEDY, rid="drop"))
+    await eventually(lambda: _has(client, num_waiting_reqs=2), "both requests queued")
+    r = await client.post("/abort_request", json={"rid": "drop"})
+    assert r.status_code == 200 and r.content == b""
+    assert (await drop)["meta_info"]["finish_reason"]["type"] == "abort"
+    assert not keep.done()
+    await client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
+    assert (await keep)["meta_info"]["finish_reason"]["type"] != "abort"
+
+
 async def test_a_client_that_gives_up_while_blocked_is_dropped_from_the_queue(
     client: httpx.AsyncClient, engine: ReferenceEngineProcess
 ) -> None:
