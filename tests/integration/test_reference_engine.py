@@ -275,9 +275,12 @@ async def test_a_client_that_gives_up_while_blocked_is_dropped_from_the_queue(
     client: httpx.AsyncClient, engine: ReferenceEngineProcess
 ) -> None:
     await client.post("/pause_generation", json={"mode": "in_place"})
-    async with httpx.AsyncClient(base_url=engine.url or "", timeout=0.5) as impatient:
-        with pytest.raises(httpx.ReadTimeout):
-            await impatient.post("/generate", json={"text": "abc"})
+    async with httpx.AsyncClient(base_url=engine.url or "", timeout=DEADLINE_S) as impatient:
+        waiting = asyncio.create_task(impatient.post("/generate", json={"text": "abc"}))
+        await eventually(lambda: _has(client, num_blocked_reqs=1), "request blocked at the pause gate")
+        waiting.cancel()  # httpx closes the connection: the server sees the client go away
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
     await eventually(lambda: _has(client, num_blocked_reqs=0), "disconnected request dropped")
 
 
