@@ -230,6 +230,17 @@ class ReferenceEngine:
             return False
         if self._pause_mode is not None or not self._memory.all_resident:
             return False
+        scheduler = self._scheduler
+        if scheduler.num_running:
+            # SGLang's rule: any output from a busy engine proves it healthy; a probe of our own
+            # could wait behind a full batch.
+            try:
+                await asyncio.wait_for(
+                    scheduler.wait_step(scheduler.steps_done), self.settings.health_timeout_s
+                )
+            except TimeoutError:
+                return False
+            return True
         req = self._new_req(
             f"HEALTH_CHECK_{uuid.uuid4().hex}",
             [0],

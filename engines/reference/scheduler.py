@@ -131,6 +131,7 @@ class Scheduler:
         self._mode = SchedulerMode.RUNNING
         self._holds = 0
         self._stepping = False
+        self._steps_done = 0  # successful steps, for health probes on a busy engine
         self._changed = asyncio.Condition()
 
     # --- observation -----------------------------------------------------------------------------
@@ -146,6 +147,15 @@ class Scheduler:
     @property
     def mode(self) -> SchedulerMode:
         return self._mode
+
+    @property
+    def steps_done(self) -> int:
+        return self._steps_done
+
+    async def wait_step(self, after: int) -> None:
+        """Return once a step has succeeded since ``steps_done`` read ``after``."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._steps_done > after)
 
     def is_fully_idle(self, *, ignore_waiting: bool = False) -> bool:
         """SGLang's ``is_fully_idle``: nothing running (or mid-step) and, unless ignored, nothing queued."""
@@ -241,6 +251,8 @@ class Scheduler:
             # step (hold, set_mode, wait_idle) may observe the batch half-updated.
             async with self._changed:
                 self._stepping = False
+                if results is not None:
+                    self._steps_done += 1
                 self._apply(batch, results, error)
                 if self._mode is SchedulerMode.RETRACT:
                     self._retract_running()

@@ -308,6 +308,23 @@ async def test_scheduler_in_place_pause_keeps_slots_and_abort_all_finishes_with_
         loop.cancel()
 
 
+async def test_scheduler_reports_each_finished_step_to_waiters() -> None:
+    step = GatedStep()
+    sched = Scheduler(step, max_batch=1, max_seq=64, tokenizer=CharTokenizer(), memory_ready=lambda: True)
+    loop = asyncio.create_task(sched.run())
+    try:
+        await sched.submit(make_req([1], max_new=3))
+        await step.entered.wait()
+        waiter = asyncio.create_task(sched.wait_step(sched.steps_done))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        step.gate.set()
+        await waiter
+        assert sched.steps_done == 1
+    finally:
+        loop.cancel()
+
+
 async def test_scheduler_does_not_step_while_memory_is_not_ready() -> None:
     ready = False
     step = GatedStep()
