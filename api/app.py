@@ -15,6 +15,8 @@ from .. import __version__
 from ..daemon.config import NodeConfig
 from ..daemon.errors import NotFound, WeightSyncError
 from ..daemon.node import Daemon, TransitionResult
+from ..daemon.policy_runtime import PolicyRuntime
+from ..policies import PolicyError
 from ..daemon.states import NodePhase
 from ..engines.base import RankPayload
 from .errors import install_error_handlers
@@ -51,12 +53,12 @@ def _get_daemon(request: Request) -> Daemon:
 D = Annotated[Daemon, Depends(_get_daemon)]
 
 
-def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policy_store: Any = None) -> FastAPI:
+def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: PolicyRuntime | None = None) -> FastAPI:
     """An app for one node. Pass ``daemon`` to serve an already-built (not yet entered) Daemon."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        async with (daemon or Daemon(config, policy_store=policy_store)) as d:
+        async with (daemon or Daemon(config, policies=policies)) as d:
             yield {"daemon": d}
 
     app = FastAPI(title="colocd", version=__version__, lifespan=lifespan,
@@ -96,7 +98,7 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policy_store
     @app.post("/v1/phase", dependencies=mutating)
     async def phase(body: PhaseRequest, d: D) -> TransitionReply:
         """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
-        return _reply(await d.transition(NodePhase(body.phase), body.step))
+        return _reply(await d.transition(NodePhase(body.phase), body.step, body.trainer))
 
     @app.post("/v1/sleep", dependencies=mutating)
     async def sleep(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
@@ -148,6 +150,31 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policy_store
             if isinstance(exc, WeightSyncError) and session.error:
                 raise WeightSyncError(session.error) from exc
             raise
+
+    @app.get("/v1/policies")
+    async def get_policies(d: D) -> dict[str, Any]:
+        """The active policy document (defaults filled in), its version and any staged swap."""
+        active, pending = d.policies.active, d.policies.store.pending
+        return {**active.info(), "source": active.source, "document": active.as_document(),
+                "pending": pending.info() if pending is not None else None}
+
+    @app.put("/v1/policies", dependencies=mutating,
+             openapi_extra={"requestBody": {"content": {"application/yaml": {"schema": {"type": "string"}}},
+                                            "required": True}})
+    async def put_policies(request: Request, d: D) -> JSONResponse:
+        """Stage a policy YAML; it takes effect at the next transition boundary, never mid-transition.
+        An invalid document is a 400 naming the field with its line and column; the old policy stays."""
+        text = await request.body()
+        try:
+            staged = d.policies.apply_yaml(text, source="PUT /v1/policies")
+        except PolicyError as exc:
+            return JSONResponse({"error": "PolicyError", "message": str(exc),
+                                 "line": getattr(exc, "line", None), "column": getattr(exc, "column", None)},
+                                status_code=400)
+        active = d.policies.active
+        return JSONResponse({"staged": staged.info(), "active": active.info(),
+                             "applies": "now" if staged.fingerprint == active.fingerprint
+                             else "at the next transition"})
 
     @app.get("/v1/traces/{step}")
     async def trace(step: int, d: D, format: str = "json") -> Any:

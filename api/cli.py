@@ -14,6 +14,7 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     from ..daemon.config import ConfigError, load_node_config
+    from ..policies import PolicyError
     from .server import serve
 
     try:
@@ -22,20 +23,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"colocd: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    policy_store = None
     try:
-        from ..policies.runtime import policy_store_for  # type: ignore[import-not-found]
-
-        policy_store = policy_store_for(config.policy_file)
-    except ImportError:
-        policy_store = None
-    except Exception as exc:  # an invalid policy file at start is a config error, not a crash
-        print(f"colocd: policy file {config.policy_file}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(serve(config, policy_store=policy_store, log_level=args.log_level))
+        asyncio.run(serve(config, log_level=args.log_level))
     except KeyboardInterrupt:
         pass
+    except PolicyError as exc:
+        print(f"colocd: policy file {config.policy_file}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -51,6 +45,31 @@ def _status(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"colocd: cannot reach the daemon at {args.url}: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _policy_apply(args: argparse.Namespace) -> int:
+    import httpx
+
+    try:
+        text = open(args.file, "rb").read()
+    except OSError as exc:
+        print(f"colocd: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
+        return 2
+    base, transport = (("http://colocd", httpx.HTTPTransport(uds=args.url[5:])) if args.url.startswith("unix:")
+                       else (args.url.rstrip("/"), None))
+    headers = {"Content-Type": "application/yaml", **({"Authorization": f"Bearer {args.token}"} if args.token else {})}
+    with httpx.Client(base_url=base, transport=transport, trust_env=False, timeout=30) as http:
+        try:
+            response = http.put("/v1/policies", content=text, headers=headers)
+        except httpx.TransportError as exc:
+            print(f"colocd: cannot reach the daemon at {args.url}: {exc}", file=sys.stderr)
+            return 1
+    body = response.json()
+    if response.status_code >= 400:
+        print(f"colocd: {args.file}: {body.get('message', body)}", file=sys.stderr)
+        return 1
+    print(json.dumps(body, indent=2))
     return 0
 
 
@@ -75,6 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:7000", help="http://host:port or unix:/path")
     p.add_argument("--token", default=None)
     p.set_defaults(func=_status)
+
+    p = sub.add_parser("policy", help="policy operations")
+    psub = p.add_subparsers(dest="policy_command", required=True)
+    pa = psub.add_parser("apply", help="stage a policy YAML on a running daemon (applies at the next transition)")
+    pa.add_argument("file")
+    pa.add_argument("--url", default="http://127.0.0.1:7000", help="http://host:port or unix:/path")
+    pa.add_argument("--token", default=None)
+    pa.set_defaults(func=_policy_apply)
 
     p = sub.add_parser("demo", help="a tiny real RL loop through the full handoff on the reference engine")
     p.add_argument("--steps", type=int, default=30)

@@ -31,6 +31,8 @@ class PhaseRequest(_Strict):
 
     step: int = Field(..., ge=0, description="training step; train needs a step beyond the current one")
     phase: Literal["train", "sync", "rollout"]
+    trainer: dict[str, Any] | None = Field(
+        None, description="what the trainer agent knows/did: {groups: GroupSnapshot, groups_report, spans}")
 
 
 class SleepRequest(_Strict):

@@ -8,11 +8,10 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any
-
 import uvicorn
 
 from ..daemon.config import ListenConfig, NodeConfig
+from ..daemon.policy_runtime import PolicyRuntime
 from .app import create_app
 
 __all__ = ["bind", "serve"]
@@ -44,14 +43,15 @@ def _write_ready(path: str, url: str) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-async def serve(config: NodeConfig, *, policy_store: Any = None, log_level: str = "info") -> None:
+async def serve(config: NodeConfig, *, log_level: str = "info") -> None:
     """Serve until SIGINT/SIGTERM; SIGHUP reloads the policy file if one is configured."""
+    policies = PolicyRuntime(config)  # an invalid policy file fails here, before we listen
     sock, url = bind(config.listen)
-    app = create_app(config, policy_store=policy_store)
+    app = create_app(config, policies=policies)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False))
     loop = asyncio.get_running_loop()
-    if policy_store is not None and config.policy_file and hasattr(policy_store, "reload_file"):
-        loop.add_signal_handler(signal.SIGHUP, policy_store.reload_file)
+    if config.policy_file:
+        loop.add_signal_handler(signal.SIGHUP, policies.reload_file)
 
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not serve_task.done():

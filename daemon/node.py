@@ -33,9 +33,10 @@ from .errors import (
 )
 from .journal import Journal
 from .memory import NvmlProbe, open_probe
+from .policy_runtime import EffectiveTimeouts, PolicyRuntime
 from .metrics import Metrics
 from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
-from .trace import Trace, TraceStore
+from .trace import Span, Trace, TraceStore
 from .weights import ChunkAck, SessionState, WeightSession
 
 __all__ = ["Daemon", "DaemonState", "TransitionResult"]
@@ -67,13 +68,14 @@ class Daemon:
     """Async context manager; ``async with Daemon(config) as d: await d.transition(...)``."""
 
     def __init__(self, config: NodeConfig, *, adapters: dict[str, EngineAdapter] | None = None,
-                 probe: NvmlProbe | None = None, policy_store: Any = None) -> None:
+                 probe: NvmlProbe | None = None, policies: PolicyRuntime | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
         self.traces = TraceStore()
         self.node = NodeState()
         self.lifecycle = DaemonState.UNOPENED
-        self.policy_store = policy_store
+        self.policies = policies or PolicyRuntime(config)
+        self._pinned: Any = None  # the PolicySet of the transition in progress
         self._given_adapters = adapters or {}
         self._probe = probe
         self._client: httpx.AsyncClient | None = None
@@ -165,6 +167,7 @@ class Daemon:
                     await self._stopping.wait()
             if self._stopping.is_set():
                 return
+            self.policies.reload_if_changed()
             if self._lock.locked():
                 continue  # never probe mid-transition
             for engine in self.engines.values():
@@ -194,9 +197,9 @@ class Daemon:
 
     # -- queries -----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        policy = None
-        if self.policy_store is not None:
-            policy = self.policy_store.describe()
+        active, pending = self.policies.active, self.policies.store.pending
+        policy = {**active.info(), "source": active.source, "document": active.as_document(),
+                  "pending": pending.info() if pending is not None else None}
         return {
             "lifecycle": self.lifecycle.value,
             "node": self.node.snapshot(),
@@ -230,7 +233,8 @@ class Daemon:
                 self._busy_with = None
                 self._refresh_gauges()
 
-    async def transition(self, phase: NodePhase, step: int) -> TransitionResult:
+    async def transition(self, phase: NodePhase, step: int,
+                         trainer: dict[str, Any] | None = None) -> TransitionResult:
         """Move the node to ``phase`` at ``step``. A repeat of a finished (step, phase) replays its result."""
         key = (step, phase.value)
         if (done := self._completed.get(key)) is not None:
@@ -239,20 +243,25 @@ class Daemon:
         try:
             async with self._exclusive(f"{phase.value}@{step}"):
                 check_phase_request(self.node, phase, step)
-                self._at_boundary()
                 await self._require_attached()
                 trace = Trace(step, phase.value)
+                _record_trainer_report(trace, trainer)
                 t0 = time.perf_counter()
                 runner = {NodePhase.TRAIN: self._enter_train, NodePhase.SYNC: self._enter_sync,
                           NodePhase.ROLLOUT: self._enter_rollout}[phase]
-                try:
-                    freed = await runner(trace)
-                finally:
-                    self.traces.put(trace)
+                # A staged policy swap lands here, between transitions; this one runs on a pinned set.
+                with self.policies.store.transition() as pinned:
+                    self._pinned = pinned
+                    try:
+                        freed = await runner(trace)
+                        directives = self.policies.directives(pinned, phase.value, trainer, self._transports())
+                    finally:
+                        self._pinned = None
+                        self.traces.put(trace)
                 self.node = NodeState(phase, step)
                 result = TransitionResult(step, phase.value, time.perf_counter() - t0,
                                           {n: e.state.snapshot() for n, e in self.engines.items()},
-                                          freed, self._directives(phase), trace)
+                                          freed, directives, trace)
                 self.metrics.phase_duration.labels(phase.value, "all").observe(result.duration_s)
                 self._completed[key] = result
                 while len(self._completed) > 256:
@@ -294,15 +303,24 @@ class Daemon:
             raise TransitionFailed(f"{phase}: {type(first).__name__}: {first}") from first
         return dict(zip(names, results, strict=True))
 
+    def _policy_set(self) -> Any:
+        return self._pinned if self._pinned is not None else self.policies.active
+
+    def _timeouts(self) -> EffectiveTimeouts:
+        return self.policies.timeouts(self._policy_set())
+
     def _pause_mode(self) -> PauseMode:
-        policy = self._policy()
-        mode = getattr(getattr(policy, "engines", None), "pause_mode", None) if policy else None
-        return PauseMode(str(getattr(mode, "value", mode) or self.config.pause_mode))
+        return PauseMode(self.policies.pause_mode(self._policy_set()))
+
+    def _transports(self) -> tuple[str, ...]:
+        on_gpu = any(e.gpus or str(getattr(e.config, "device", "cpu")).startswith("cuda")
+                     for e in self.engines.values())
+        return ("ipc_ring", "cuda_ipc", "shm", "disk") if on_gpu else ("shm", "disk")
 
     async def _quiesce_and_release(self, engine: EngineHandle, tags: tuple[MemoryTag, ...] | None,
                                    trace: Trace, *, strict: bool) -> dict[str, int]:
         to_release = engine.state.tags_to_release(tags, strict=strict)
-        t = self.config.timeouts
+        t = self._timeouts()
         await ops.pause(engine, self._pause_mode(), trace, self.metrics, t)
         if to_release:
             await ops.flush(engine, trace, self.metrics, t)  # idle + empty radix cache before release
@@ -311,12 +329,18 @@ class Daemon:
     async def _enter_train(self, trace: Trace) -> dict[str, dict[str, int]]:
         if self.session is not None and self.session.state is SessionState.OPEN:
             raise TransitionRejected(f"weight session {self.session.id} is still open")
-        return await self._each(trace, "train", lambda e: self._quiesce_and_release(e, None, trace, strict=False))
+        names = self.policies.release_tags(self._policy_set())
+
+        async def one(engine: EngineHandle) -> dict[str, int]:
+            tags = None if names is None else tuple(MemoryTag(n) for n in names if MemoryTag(n) in engine.state.owned_tags)
+            return await self._quiesce_and_release(engine, tags, trace, strict=False)
+
+        return await self._each(trace, "train", one)
 
     async def _enter_sync(self, trace: Trace) -> dict[str, dict[str, int]]:
         async def one(engine: EngineHandle) -> dict[str, int]:
             tags = engine.state.tags_to_resume((MemoryTag.WEIGHTS,), strict=False)
-            await ops.resume(engine, tags, trace, self.metrics, self.config.timeouts)
+            await ops.resume(engine, tags, trace, self.metrics, self._timeouts())
             return {}
         return await self._each(trace, "sync", one)
 
@@ -330,7 +354,7 @@ class Daemon:
                                      state=self.node.snapshot())
 
         async def one(engine: EngineHandle) -> dict[str, int]:
-            t = self.config.timeouts
+            t = self._timeouts()
             await ops.resume(engine, engine.state.tags_to_resume(None, strict=False), trace, self.metrics, t)
             await ops.flush(engine, trace, self.metrics, t)  # no stale prefix KV across a weight change
             await ops.continue_generation(engine, trace, self.metrics, t)
@@ -372,7 +396,7 @@ class Daemon:
             t0 = time.perf_counter()
 
             async def one(engine: EngineHandle) -> None:
-                t = self.config.timeouts
+                t = self._timeouts()
                 await ops.resume(engine, plans[engine.name], trace, self.metrics, t)
                 if self.node.phase is NodePhase.ROLLOUT:
                     try:
@@ -408,7 +432,7 @@ class Daemon:
             if ranks < need:
                 raise TransitionRejected(f"ranks={ranks} but engines need {need} (their largest tp_size)")
             trace = Trace(step, "weights")
-            t = self.config.timeouts
+            t = self._timeouts()
 
             async def begin(engine: EngineHandle) -> None:
                 await ops._timed(engine, trace, self.metrics, "begin_weight_update", t.default_s,
@@ -475,7 +499,7 @@ class Daemon:
 
     async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None) -> None:
         """End the engines' update sessions. Uncommitted: engines stay paused, weights marked stale."""
-        t = self.config.timeouts
+        t = self._timeouts()
 
         async def one(engine: EngineHandle) -> None:
             if engine.state.weights is not WeightsState.UPDATING:
@@ -496,23 +520,8 @@ class Daemon:
             await asyncio.gather(*(one(e) for e in self.engines.values()), return_exceptions=True)
 
     # -- policy hooks --------------------------------------------------------------------------
-    def _policy(self) -> Any:
-        return self.policy_store.active if self.policy_store is not None else None
-
-    def _at_boundary(self) -> None:
-        if self.policy_store is not None:
-            self.policy_store.at_boundary()
-
     def _pipeline_depth(self) -> int:
-        policy = self._policy()
-        pipeline = getattr(policy, "pipeline", None)
-        return int(getattr(pipeline, "depth", 2) or 1) if pipeline is not None else 2
-
-    def _directives(self, phase: NodePhase) -> dict[str, Any]:
-        policy = self._policy()
-        if policy is None or not hasattr(policy, "directives_for"):
-            return {}
-        return dict(policy.directives_for(phase.value))
+        return int(self.policies.pipeline_plan(self.policies.active, self._transports()).depth)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _journal_append(self, what: str, step: int) -> None:
@@ -524,6 +533,8 @@ class Daemon:
         m = self.metrics
         m.node_step.set(self.node.step)
         m.weight_version.clear()
+        m.policy_info.clear()
+        m.policy_info.labels(**self.policies.active.info()).set(1)
         for name, engine in self.engines.items():
             m.engine_healthy.labels(name).set(1 if engine.state.healthy else 0)
             for tag in engine.state.owned_tags:
@@ -535,3 +546,16 @@ class Daemon:
                     m.gpu_memory.labels(gpu, "used").set(reading.used_bytes)
                     m.gpu_memory.labels(gpu, "free").set(reading.free_bytes)
                     m.gpu_memory.labels(gpu, "total").set(reading.total_bytes)
+
+
+def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None) -> None:
+    """Put what the trainer agent reported (group lifecycle, cleanup sub-steps) into the step's trace."""
+    if not trainer:
+        return
+    for span in trainer.get("spans") or []:
+        trace.add(Span(name=f"trainer.{span.get('name', 'step')}", engine="trainer",
+                       start_s=-float(span.get("duration_s", 0.0)), duration_s=float(span.get("duration_s", 0.0)),
+                       attrs={k: v for k, v in span.items() if k not in ("name", "duration_s", "start_s")}))
+    if (groups := trainer.get("groups_report")) is not None:
+        trace.add(Span(name="trainer.process_groups", engine="trainer", start_s=0.0,
+                       duration_s=float(groups.get("seconds", 0.0)), attrs=dict(groups)))
