@@ -24,7 +24,7 @@ _CUDA_NOTE = "freed = drop in torch.cuda.memory_reserved across the step"
 
 @dataclass(slots=True)
 class CleanupReport:
-    """What cleanup did; spans are ``{name, round, start_s, duration_s, freed_bytes}`` dicts.
+    """What cleanup did; spans are ``{name, round, start_s, duration_s, freed_bytes, ...}`` dicts.
 
     ``start_s`` counts from ``started_at``; bytes are None where not measurable (``memory_note``).
     """
@@ -78,10 +78,14 @@ def run_cleanup(
         round_freed = 0
         for step in plan.steps:
             before = meter() if meter else None
+            allocated = _allocated(device) if cuda else None
             begin = clock()
             actions[step]()
             duration = clock() - begin
             freed = None if before is None or meter is None else before - meter()
+            # gc.collect frees tensors into torch's cache, not to the driver: shown apart, so a gc
+            # step that "freed 0" is not mistaken for one that found nothing.
+            uncached = None if allocated is None else allocated - _allocated(device)
             spans.append(
                 {
                     "name": f"cleanup.{step}",
@@ -89,6 +93,7 @@ def run_cleanup(
                     "start_s": begin - origin,
                     "duration_s": duration,
                     "freed_bytes": freed,
+                    "released_to_cache_bytes": uncached,
                 }
             )
             round_freed += freed or 0
@@ -108,3 +113,7 @@ def run_cleanup(
         else (_CPU_NOTE if meter is None else "freed = drop in the given meter"),
         spans=spans,
     )
+
+
+def _allocated(device: torch.device) -> int:
+    return int(torch.cuda.memory_allocated(device))
