@@ -65,13 +65,17 @@ if ! "${PY}" -c "import colocd, os, sys; sys.exit(os.path.realpath(os.path.dirna
 fi
 "${PY}" -c 'import colocd.engines.vllm.extension' >&2 || die "colocd.engines.vllm.extension does not import in the venv"
 
-if [[ -f "${MODEL}/model.safetensors" && -f "${MODEL}/tokenizer.json" ]]; then
+# Bump when the model recipe below changes, so cached models are rebuilt.
+MODEL_RECIPE="2: qwen2 h128 l2 a2/1 d64 vocab-bpe512 pos4096 seed0"
+if [[ "$(cat "${MODEL}/colocd-recipe" 2>/dev/null)" == "${MODEL_RECIPE}" ]]; then
     log "tiny model already at ${MODEL}"
 else
     log "building the tiny Qwen2 model and tokenizer in ${MODEL}"
     rm -rf "${MODEL}"
     # A random Qwen2 (hidden 128, 2 layers, 2 heads / 1 kv head, head_dim 64, BPE vocab ~384)
     # with a tokenizer trained here, so nothing is downloaded. CPU attention needs head_dim >= 32.
+    # 4096 positions (the feasibility recipe had 512) let a test request decode for seconds, long
+    # enough to pause it mid-flight; at ~2 ms per token the tiny model finishes 250 tokens too soon.
     "${PY}" - "${MODEL}" 0 >&2 <<'EOF' || die "building the tiny model failed"
 import os, sys, torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -95,11 +99,12 @@ hf_tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ 
 hf_tok.save_pretrained(out)
 eos = hf_tok.convert_tokens_to_ids("<|endoftext|>")
 cfg = Qwen2Config(vocab_size=len(hf_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
                   tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, torch_dtype="bfloat16")
 torch.manual_seed(seed)
 Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
 EOF
+    echo "${MODEL_RECIPE}" > "${MODEL}/colocd-recipe"
 fi
 
 log "ready in $(( $(date +%s) - start )) s: python ${PY}, model ${MODEL}"

@@ -56,7 +56,13 @@ class VLLMAdapter:
         self._config = config
         self._client = client
         self._base = config.url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        # One connection per call. Most dev/RL routes let worker exceptions escape the handler; uvicorn
+        # then answers 500 *without* "Connection: close" and drops the socket, so the next request on
+        # that pooled keep-alive connection fails with ReadError (seen on 0.32 after a refused
+        # /start_weight_update). Loopback connects cost far less than the calls themselves.
+        self._headers = {"Connection": "close"}
+        if config.api_key:
+            self._headers["Authorization"] = f"Bearer {config.api_key}"
         self._backend = config.weight_transfer_backend
         self._transfer_initialised = False
         self._extension: dict[str, Any] | None = None
@@ -95,7 +101,7 @@ class VLLMAdapter:
     async def _rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         response = await self._call("POST", "/collective_rpc", json=wire.rpc_body(method, args=list(args), kwargs=kwargs))
         if not response.content:
-            return []  # every worker returned None (rpc/api_router.py:50-51)
+            return []  # every worker returned None (rpc/api_router.py:51-52)
         return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results
 
     # -- attach and queries -----------------------------------------------------------------
@@ -307,6 +313,11 @@ class VLLMAdapter:
         """POST /weight_checker checksum: vLLM's per-parameter digests of the served model."""
         response = await self._call("POST", "/weight_checker", json={"action": "checksum"})
         return self._parse(wire.WeightCheckerChecksumReply, response, "/weight_checker").checksums
+
+    async def compare_checksums(self, baseline: dict[str, str]) -> list[str]:
+        """POST /weight_checker compare: the parameter names whose digest differs from ``baseline``."""
+        response = await self._call("POST", "/weight_checker", json={"action": "compare", "baseline": baseline})
+        return self._parse(wire.WeightCheckerCompareReply, response, "/weight_checker").mismatches
 
     async def aclose(self) -> None:
         """Nothing to release: the HTTP client belongs to the caller."""

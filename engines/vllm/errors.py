@@ -3,7 +3,7 @@
 vLLM's error bodies come in three shapes (0.32.0): the app-wide handlers' OpenAI ``ErrorResponse``
 ``{"error": {"message", "type", "code"}}`` (serve/exception_handling/register.py:26-42, used for
 HTTPException, validation errors and anything a worker raised through collective_rpc), /pause's own
-``{"error": "<text>"}`` (rl/online/api_router.py:58-67), and FastAPI's ``{"detail": ...}`` should a
+``{"error": "<text>"}`` (rl/online/api_router.py:62-66), and FastAPI's ``{"detail": ...}`` should a
 handler be missing. The engine's message is kept verbatim in the error we raise.
 """
 

@@ -243,18 +243,36 @@ def begin(model: torch.nn.Module, *, strict: bool = True) -> None:
     _STATE.active, _STATE.chunks, _STATE.log = True, 0, DigestLog()
 
 
-def load(model: torch.nn.Module, receiver: ChunkReceiver, payloads: Sequence[dict[str, Any]]) -> int:
-    """Load one chunk into ``model`` inside an active session; returns the tensors loaded."""
+def load(
+    model: torch.nn.Module, model_config: Any, receiver: ChunkReceiver, payloads: Sequence[dict[str, Any]]
+) -> int:
+    """Load one chunk into ``model`` inside an active session; returns the tensors loaded.
+
+    On failure the session is finalised and closed before the error propagates. vLLM's worker drops
+    a session whose update raised (gpu_worker.py:1581-1585) but leaves the layer-wise reload open,
+    with the model's layers on the meta device; finalising puts every layer that received nothing
+    back to its previous weights, so a chunk that could not even be read (the usual failure: a
+    missing shm segment) changes nothing. Layers that earlier chunks completed keep their new
+    weights: the caller must run a whole new update before serving.
+    """
     if not _STATE.active:
         raise RuntimeError("no colocd weight update is active on this worker: begin before loading chunks")
-    named = receiver.tensors(receiver.select(payloads, _tp_rank()))
     try:
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-    except ImportError:  # older vLLM: no MTP completeness check to silence
-        from contextlib import nullcontext as disable_mtp_completeness_check  # type: ignore[assignment]
-    with disable_mtp_completeness_check():
-        # A chunk holds only part of the model; the check would reject it (ipc_engine.py:245-250).
-        model.load_weights(iter(named))
+        named = receiver.tensors(receiver.select(payloads, _tp_rank()))
+        try:
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+        except ImportError:  # older vLLM: no MTP completeness check to silence
+            from contextlib import nullcontext as disable_mtp_completeness_check  # type: ignore[assignment]
+        with disable_mtp_completeness_check():
+            # A chunk holds only part of the model; the check would reject it (ipc_engine.py:240-245).
+            model.load_weights(iter(named))
+    except BaseException:
+        try:
+            finish(model, model_config, receiver)
+        except Exception:  # the original error is the one worth reporting
+            _STATE.active = False
+        _STATE.last = {"digest": None, "n_tensors": 0, "chunks": _STATE.chunks, "failed": True}
+        raise
     if _digests_enabled(receiver.device):
         _STATE.log.add(named)
     _STATE.chunks += 1
@@ -308,7 +326,12 @@ class ColocdWorkerExtension:
 
     def colocd_load_chunk(self, update_info: dict[str, Any]) -> dict[str, Any]:
         """Load one chunk: ``update_info`` is wire.colocd_update_info (``{"seq", "payloads"}``)."""
-        n = load(self.model_runner.get_model(), self._colocd_receiver(), update_info["payloads"])  # type: ignore[attr-defined]
+        n = load(
+            self.model_runner.get_model(),  # type: ignore[attr-defined]
+            self.model_config,  # type: ignore[attr-defined]
+            self._colocd_receiver(),
+            update_info["payloads"],
+        )
         if torch.cuda.is_available() and self._colocd_receiver().device.type == "cuda":
             torch.cuda.synchronize()  # like vLLM's update_weights: a reply means the copy is done
         return {"seq": update_info.get("seq"), "n_tensors": n}
@@ -322,7 +345,7 @@ class ColocdWorkerExtension:
         )
         reset_lora = getattr(self.model_runner, "reset_lora_state", None)  # type: ignore[attr-defined]
         if callable(reset_lora):
-            reset_lora()  # vLLM's finish_weight_update does the same (gpu_worker.py:1601-1603)
+            reset_lora()  # vLLM's finish_weight_update does the same (gpu_worker.py:1602-1604)
         return summary
 
     def colocd_received_digest(self) -> dict[str, Any]:

@@ -179,7 +179,7 @@ class VLLMServer:
     async def _wait_ready(self, url: str, timeout_s: float) -> None:
         assert self._proc is not None
         delay = 0.1
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
             try:
                 async with asyncio.timeout(timeout_s):
                     while True:
@@ -220,8 +220,12 @@ class VLLMServer:
                 except subprocess.TimeoutExpired:
                     _signal_group(proc, signal.SIGKILL)
                     await asyncio.to_thread(proc.wait, 10.0)
-            # vLLM's engine-core and worker children share the group; make sure none outlives us.
+            # vLLM's engine-core and worker children share the group; make sure none outlives us,
+            # and report only once they are gone (reaped), so a new server never overlaps this one.
             _signal_group(proc, signal.SIGKILL)
+            async with asyncio.timeout(10.0):
+                while _group_alive(proc.pid):
+                    await asyncio.sleep(0.05)  # SIGKILL is sent; waiting for the kernel to reap
             return proc.returncode
         finally:
             if self._log is not None:
@@ -245,3 +249,12 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
 
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

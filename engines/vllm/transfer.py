@@ -57,7 +57,7 @@ class ColocdWeightTransferEngine(WeightTransferEngine[ColocdInitInfo, ColocdUpda
         extension.begin(self.model, strict=False)
 
     def receive_weights(self, update_info: ColocdUpdateInfo) -> None:
-        extension.load(self.model, self._receiver, update_info.payloads)
+        extension.load(self.model, self.model_config, self._receiver, update_info.payloads)
 
     def finish_weight_update(self) -> None:
         extension.finish(self.model, self.model_config, self._receiver)

@@ -26,6 +26,7 @@ __all__ = [
     "VersionReply",
     "WakeUpReply",
     "WeightCheckerChecksumReply",
+    "WeightCheckerCompareReply",
     "WeightInfoReply",
     "WorldSizeReply",
     "colocd_update_info",
@@ -111,7 +112,7 @@ def ipc_update_info(payloads: tuple[RankPayload, ...]) -> dict[str, Any] | list[
 
     The trainer's cuda_ipc handle already carries vLLM's packed fields; the daemon never unpickles
     ``ipc_handles_pickled``. With several TP ranks, each rank's handle dict holds only its own GPU,
-    so we send a list indexed by worker rank (gpu_worker.py:1570-1578) instead of merging pickles.
+    so we send a list indexed by worker rank (gpu_worker.py:1573-1578) instead of merging pickles.
     """
     infos: list[dict[str, Any]] = []
     for p in sorted(payloads, key=lambda p: p.rank):
@@ -203,10 +204,17 @@ class WeightCheckerChecksumReply(_Reply):
     checksums: dict[str, str]
 
 
+class WeightCheckerCompareReply(_Reply):
+    """POST /weight_checker {"action":"compare","baseline":{...}}; without a baseline it is a 400."""
+
+    match: bool
+    mismatches: list[str]
+
+
 class CollectiveRpcReply(_Reply):
     """POST /collective_rpc: one result per worker; non-dict/list results are str()'d.
 
-    When the whole result is None the reply is an empty 200 body (rpc/api_router.py:50-51).
+    When the whole result is None the reply is an empty 200 body (rpc/api_router.py:51-52).
     """
 
     results: list[Any] = Field(default_factory=list)

@@ -1,0 +1,67 @@
+"""vLLM's refusals reach the daemon as EngineRejected naming the route, the status and vLLM's message."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from colocd.engines.errors import EngineProtocolError, EngineRejected, EngineUnreachable
+from colocd.engines.vllm import VLLMAdapter, VLLMServer
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "params", "body", "message"),
+    [
+        # FastAPI validation (Query(ge=0, le=2)) through vLLM's validation handler: 400.
+        ("POST", "/sleep", {"level": "5"}, None, "level"),
+        # /pause's own ValueError branch (rl/online/api_router.py:62-66): {"error": "<text>"}.
+        ("POST", "/pause", {"mode": "retract"}, None, "mode"),
+        ("POST", "/collective_rpc", None, {"args": []}, "Missing 'method' in request body"),
+        ("POST", "/weight_checker", None, {"action": "compare"}, "requires a 'baseline' object"),
+        ("POST", "/update_weight_version", None, {}, "new_version"),
+    ],
+)
+async def test_vllm_400s_become_engine_rejected_with_vllms_message(
+    adapter: VLLMAdapter, method: str, path: str, params: dict[str, str] | None, body: object, message: str
+) -> None:
+    with pytest.raises(EngineRejected) as exc:
+        await adapter._call(method, path, params=params, json=body)
+    assert exc.value.status == 400
+    assert exc.value.engine == "tiny"
+    assert f"vLLM rejected {method} {path} with 400" in str(exc.value)
+    assert message in str(exc.value)
+
+
+async def test_second_begin_is_rejected_naming_the_active_update(adapter: VLLMAdapter) -> None:
+    await adapter.begin_weight_update()
+    try:
+        with pytest.raises(EngineRejected, match="already active") as exc:
+            await adapter.begin_weight_update()
+        assert exc.value.status == 500
+        assert "/start_weight_update" in str(exc.value)
+    finally:
+        await adapter.end_weight_update()
+
+
+async def test_end_without_begin_is_rejected(adapter: VLLMAdapter) -> None:
+    with pytest.raises(EngineRejected, match="without a matching start_weight_update"):
+        await adapter.end_weight_update()
+
+
+async def test_unknown_worker_method_is_rejected_with_the_workers_error(adapter: VLLMAdapter) -> None:
+    with pytest.raises(EngineRejected, match="no attribute 'colocd_no_such_method'"):
+        await adapter._rpc("colocd_no_such_method")
+
+
+async def test_dead_port_is_engine_unreachable(vllm_server: VLLMServer, client: httpx.AsyncClient) -> None:
+    dead = vllm_server.config.model_copy(update={"url": "http://127.0.0.1:9"})
+    with pytest.raises(EngineUnreachable, match="GET /version"):
+        await VLLMAdapter(dead, client).attach()
+
+
+async def test_tp_size_mismatch_is_refused_at_attach(vllm_server: VLLMServer, client: httpx.AsyncClient) -> None:
+    wrong = vllm_server.config.model_copy(update={"tp_size": 2})
+    with pytest.raises(EngineProtocolError, match="tp_size=2"):
+        await VLLMAdapter(wrong, client).attach()

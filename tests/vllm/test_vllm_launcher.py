@@ -1,0 +1,59 @@
+"""The launcher's command line and failure messages, and the extension's import weight (no server needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from colocd.engines.config import LaunchConfig, VLLMEngineConfig
+from colocd.engines.vllm.launcher import EXTENSION_CLS, VLLMLaunchError, VLLMServer, build_command
+
+pytestmark = pytest.mark.vllm
+
+ENTRY = "vllm.entrypoints.launchers.api_server.entry"
+
+
+def _config(**kw: object) -> VLLMEngineConfig:
+    return VLLMEngineConfig(name="e", model_path="/m", launch=LaunchConfig(args=["--enforce-eager"]), **kw)
+
+
+def test_gpu_command_has_the_colocation_flags() -> None:
+    cmd = build_command(_config(tp_size=2), "/venv/bin/python", ENTRY, 8123, cpu=False)
+    assert cmd[:3] == ["/venv/bin/python", "-m", ENTRY]
+    flags = " ".join(cmd)
+    assert "--host 127.0.0.1 --port 8123" in flags
+    assert f"--worker-extension-cls {EXTENSION_CLS}" in flags
+    assert "--enable-sleep-mode" in cmd
+    assert "--tensor-parallel-size 2" in flags
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "colocd"}
+    assert cmd[-1] == "--enforce-eager"  # operator flags come last and win
+
+
+def test_cpu_command_leaves_out_sleep_mode_which_vllm_rejects_there() -> None:
+    cmd = build_command(_config(weight_transfer_backend=None), "py", ENTRY, 1, cpu=True)
+    assert "--enable-sleep-mode" not in cmd
+    assert "--weight-transfer-config" not in cmd
+
+
+def test_launch_without_a_model_path_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="model_path"):
+        build_command(VLLMEngineConfig(name="e", launch=LaunchConfig()), "py", ENTRY, 1, cpu=True)
+
+
+async def test_an_interpreter_without_vllm_fails_with_a_clear_message() -> None:
+    server = VLLMServer(_config(), python=sys.executable)  # colocd's own env: no vLLM here
+    with pytest.raises(VLLMLaunchError, match="cannot import vLLM"):
+        await server.start()
+    assert server.pid is None
+
+
+def test_the_extension_module_imports_neither_fastapi_nor_httpx_nor_pydantic() -> None:
+    code = (
+        "import sys, colocd.engines.vllm.extension\n"
+        "print([m for m in ('fastapi', 'httpx', 'pydantic', 'uvicorn') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

