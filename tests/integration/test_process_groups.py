@@ -162,6 +162,11 @@ def test_policy_decisions_drive_the_lifecycle_end_to_end(world: list[dict[str, A
         assert r["suspend_pause"]["action"] == "keep"
         assert "suspend unavailable" in r["suspend_pause"]["fallback_reason"]
         assert r["suspend_resume"]["action"] == "canary"
+        # Abandoning kept groups rebuilds them at once and turns keep-alive off for good.
+        assert (r["abandon"]["action"], r["abandon"]["waited_s"]) == ("rebuild", 0.0)
+        assert r["abandon"]["keep_alive"] == "disabled"
+        assert r["works_after_abandon"] is True
+        assert r["directive_after_abandon"] == "destroy"
 
 
 # --- the worker (subprocess side) ------------------------------------------------------------------
@@ -361,12 +366,19 @@ def _policies(rank: int) -> dict[str, Any]:
     snap = life.snapshot().model_copy(update={"suspend_supported": None})
     sp = life.pause(suspend.process_groups.before_pause(snap))
     sr = life.resume()
+    # The kept groups then fail in real use (say the weight sync raised): the trainer abandons them.
+    ab = life.abandon("weight sync raised")
+    works = _sums_ok(life)
+    after = suspend.process_groups.before_pause(life.snapshot())
     life.close()
     return {
         "auto_action": directive.action,
         "auto_wait_point": directive.wait_point,
         "suspend_pause": sp.to_dict(),
         "suspend_resume": sr.to_dict(),
+        "abandon": ab.to_dict(),
+        "works_after_abandon": works,
+        "directive_after_abandon": after.action,
     }
 
 
