@@ -61,7 +61,7 @@ class Policy(ABC):
         return {"policy": self.spec, **self.config.model_dump(mode="json")}
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.settings() == self.settings()  # type: ignore[attr-defined]
+        return isinstance(other, Policy) and type(other) is type(self) and other.settings() == self.settings()
 
     def __hash__(self) -> int:
         return hash((type(self), self.spec, self.config))

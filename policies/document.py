@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from .base import Family, Policy
+from .cleanup import CleanupPolicy
 from .errors import PolicyError
+from .pipeline import PipelinePolicy
 from .policy_set import API_VERSION, PolicySet
+from .process_groups import ProcessGroupPolicy
 from .registry import BUILTINS, DEFAULT_NAMES, resolve_policy
 from .settings import EngineSettings, Timeouts
 
@@ -24,7 +27,8 @@ Path = tuple[str | int, ...]
 Locator = Callable[[Path, bool], tuple[int | None, int | None]]
 
 _SECTIONS: tuple[str, ...] = ("apiVersion", *(str(f) for f in Family), "engines", "timeouts")
-_SETTINGS: Mapping[str, type[BaseModel]] = {"engines": EngineSettings, "timeouts": Timeouts}
+P = TypeVar("P", bound=Policy)
+M = TypeVar("M", bound=BaseModel)
 
 
 def _nowhere(path: Path, at_key: bool) -> tuple[int | None, int | None]:
@@ -50,14 +54,13 @@ def build_policy_set(data: Any, *, source: str | None = None, locate: Locator = 
             *locate(("apiVersion",), False),
             field="apiVersion",
         )
-    policies = {family: _build_policy(family, data.get(str(family)), locate) for family in Family}
-    settings = {name: _validate(model, data.get(name), (name,), locate) for name, model in _SETTINGS.items()}
+    # mypy's type-abstract: the bases are abstract on purpose; they are only used for isinstance.
     return PolicySet(
-        process_groups=policies[Family.PROCESS_GROUPS],  # type: ignore[arg-type]
-        pipeline=policies[Family.PIPELINE],  # type: ignore[arg-type]
-        cleanup=policies[Family.CLEANUP],  # type: ignore[arg-type]
-        engines=settings["engines"],  # type: ignore[arg-type]
-        timeouts=settings["timeouts"],  # type: ignore[arg-type]
+        process_groups=_build_policy(Family.PROCESS_GROUPS, ProcessGroupPolicy, data, locate),  # type: ignore[type-abstract]
+        pipeline=_build_policy(Family.PIPELINE, PipelinePolicy, data, locate),  # type: ignore[type-abstract]
+        cleanup=_build_policy(Family.CLEANUP, CleanupPolicy, data, locate),  # type: ignore[type-abstract]
+        engines=_validate(EngineSettings, data.get("engines"), ("engines",), locate),
+        timeouts=_validate(Timeouts, data.get("timeouts"), ("timeouts",), locate),
         source=source,
     )
 
@@ -67,9 +70,9 @@ def default_policies() -> PolicySet:
     return build_policy_set({"apiVersion": API_VERSION}, source="defaults")
 
 
-def _build_policy(family: Family, section: Any, locate: Locator) -> Policy:
+def _build_policy(family: Family, base: type[P], data: Mapping[str, Any], locate: Locator) -> P:
     path: Path = (str(family),)
-    section = _mapping(section, path, locate)
+    section = _mapping(data.get(str(family)), path, locate)
     name = section.get("policy", DEFAULT_NAMES[family])
     if not isinstance(name, str) or not name:
         raise PolicyError(
@@ -84,23 +87,26 @@ def _build_policy(family: Family, section: Any, locate: Locator) -> Policy:
     rest = {k: v for k, v in section.items() if k != "policy"}
     config = _validate(cls.Config, rest, path, locate, extra_allowed=("policy",), family=family)
     try:
-        return cls(config, spec=name)
+        policy = cls(config, spec=name)
     except Exception as exc:  # a plugin's constructor is foreign code; report it where it was named
         raise PolicyError(
             f"{name!r} could not be constructed: {exc!r}",
             *locate((*path, "policy"), False),
             field=f"{family}.policy",
         ) from exc
+    if not isinstance(policy, base):  # resolve_policy checked the class; this narrows the type
+        raise PolicyError(f"{name!r} did not build a {base.__name__}", *locate((*path, "policy"), False))
+    return policy
 
 
 def _validate(
-    model: type[BaseModel],
+    model: type[M],
     section: Any,
     path: Path,
     locate: Locator,
     extra_allowed: tuple[str, ...] = (),
     family: Family | None = None,
-) -> Any:
+) -> M:
     values = _mapping(section, path, locate)
     try:
         return model.model_validate(values)
@@ -196,10 +202,8 @@ def _section_models(family: Family) -> list[type[BaseModel]]:
         # Only the family's default may leave out ``policy``; every other variant needs its name.
         policy_field = (literal, name) if name == DEFAULT_NAMES[family] else (literal, ...)
         title = "".join(part.title() for part in (str(family), name, "section") for part in part.split("_"))
-        models.append(
-            create_model(title, __base__=cls.Config, __doc__=cls.__doc__, policy=policy_field)  # type: ignore[call-overload]
-        )
-    builtin_names = list(BUILTINS[family])
+        models.append(create_model(title, __base__=cls.Config, __doc__=cls.__doc__, policy=policy_field))
+    builtin_names: list[Any] = list(BUILTINS[family])
     plugin = create_model(
         f"{''.join(p.title() for p in str(family).split('_'))}PluginSection",
         __base__=_PluginSection,
@@ -218,7 +222,7 @@ def policy_json_schema() -> dict[str, Any]:
         fields[str(family)] = (_union((*union, type(None))), None)
     fields["engines"] = (EngineSettings | None, None)
     fields["timeouts"] = (Timeouts | None, None)
-    document = create_model(  # type: ignore[call-overload]
+    document = create_model(
         "ColocdPolicyDocument",
         __config__=ConfigDict(extra="forbid"),
         __doc__="A colocd policy document (apiVersion colocd/v1).",

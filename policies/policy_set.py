@@ -30,8 +30,8 @@ class PolicySet:
     process_groups: ProcessGroupPolicy
     pipeline: PipelinePolicy
     cleanup: CleanupPolicy
-    engines: EngineSettings = field(default_factory=EngineSettings)
-    timeouts: Timeouts = field(default_factory=Timeouts)
+    engines: EngineSettings = field(default_factory=lambda: EngineSettings())
+    timeouts: Timeouts = field(default_factory=lambda: Timeouts())
     version: int = 0
     source: str | None = None  # where it came from, for logs: a path, "PUT /v1/policies", "defaults"
     fingerprint: str = field(init=False)

@@ -126,7 +126,7 @@ def detect_suspend_capability(device: torch.device, backends: Sequence[str]) -> 
             False, f"suspend applies to NCCL groups only; backends here: {sorted(set(backends))}"
         )
     try:
-        nccl = tuple(torch.cuda.nccl.version())
+        nccl = tuple(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
     except Exception as exc:
         return SuspendCapability(False, f"NCCL version unknown ({exc!r})")
     if nccl < _MIN_NCCL_SUSPEND:
@@ -348,7 +348,7 @@ class GroupLifecycle:
         ok = True
         try:
             for _spec, group in self._members():
-                group._get_backend(self._device).suspend()
+                _backend(group, self._device).suspend()
         except Exception as exc:
             log.warning("communicator suspend failed: %r", exc)
             actions.append(f"suspend failed locally: {exc!r}")
@@ -378,7 +378,7 @@ class GroupLifecycle:
         if resume_first:
             try:
                 for _spec, group in self._members():
-                    group._get_backend(self._device).resume()
+                    _backend(group, self._device).resume()
                 actions.append("resumed communicators")
             except Exception as exc:
                 actions.append(f"resume failed locally: {exc!r}")
@@ -525,7 +525,7 @@ class GroupLifecycle:
         out: dict[str, int | None] = {}
         for spec, group in self._members():
             try:
-                out[spec.name] = int(group._get_backend(self._device).memory_stats()["persist"])
+                out[spec.name] = int(_backend(group, self._device).memory_stats()["persist"])
             except Exception:
                 out[spec.name] = None
         return out
@@ -582,6 +582,12 @@ def _abort(group: dist.ProcessGroup) -> None:
             dist.destroy_process_group(group)
     except Exception as exc:
         log.warning("aborting a process group failed: %r", exc)
+
+
+def _backend(group: dist.ProcessGroup, device: torch.device) -> Any:
+    # suspend/resume/memory_stats exist from torch 2.12 (nccl-keepalive.md §2); typed Any because
+    # older stubs lack them and detect_suspend_capability has already checked they are there.
+    return group._get_backend(device)
 
 
 def _cuda() -> bool:
