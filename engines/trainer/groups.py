@@ -147,6 +147,9 @@ class GroupLifecycle:
         life.build()
         report = life.pause(directive)   # before the trainer's memory is paused
         report = life.resume()           # before the trainer needs its groups again
+
+    ``agree_timeout_s`` bounds the cross-rank vote; keep it above groups x ``canary_timeout_s`` so a
+    rank that sat out canary timeouts still reaches the vote before its peers give up on it.
     """
 
     def __init__(
