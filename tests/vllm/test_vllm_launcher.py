@@ -57,3 +57,22 @@ def test_the_extension_module_imports_neither_fastapi_nor_httpx_nor_pydantic() -
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_launch_args_may_not_override_flags_colocd_owns() -> None:
+    config = VLLMEngineConfig(name="e", model_path="/m", launch=LaunchConfig(args=["--port=9000"]))
+    with pytest.raises(ValueError, match="--port"):
+        build_command(config, "py", ENTRY, 1, cpu=True)
+
+
+def test_gpu_environment_pins_devices_and_drops_expandable_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    from colocd.engines.vllm.launcher import _environment
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    env = _environment(_config(tp_size=2, gpu_uuids=["GPU-a", "GPU-b"]), cpu=False)
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"  # CUDA IPC handles arrive pickled
+    with pytest.raises(ValueError, match="tp_size=2"):
+        _environment(_config(tp_size=2, gpus=[0]), cpu=False)
