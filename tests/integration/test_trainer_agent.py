@@ -1,0 +1,59 @@
+"""The trainer agent enacts the daemon's directives for real (a gloo world of one) and reports the costs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch.distributed as dist
+
+from colocd.api.agent import TrainerAgent
+from colocd.api.app import create_app
+from colocd.api.client import AsyncColocdClient, WeightPusher
+from colocd.daemon.config import NodeConfig
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.engines.trainer.groups import GroupLifecycle, GroupSpec
+from support import serve_app
+
+
+@pytest.fixture
+def gloo_world(tmp_path: object) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+async def client(tmp_path: object) -> AsyncIterator[AsyncColocdClient]:
+    policy = tmp_path / "policies.yaml"  # type: ignore[operator]
+    policy.write_text("apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\ncleanup:\n  policy: aggressive\n")
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as engine:
+        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+                                            "policy_file": str(policy)})
+        async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as c:
+            await c.wait_ready(30)
+            yield c
+
+
+async def test_agent_keeps_groups_alive_and_reports_groups_and_cleanup_in_the_step_trace(
+        gloo_world: None, client: AsyncColocdClient) -> None:
+    lifecycle = GroupLifecycle([GroupSpec("tp"), GroupSpec("dp")], agree_timeout_s=10, group_timeout_s=10)
+    lifecycle.build()
+    agent = TrainerAgent(client, groups=lifecycle)
+    model = build_model(QwenLikeConfig(), seed=3)
+    for step in (1, 2):
+        train = await agent.train(step)
+        assert train["directives"]["process_groups"]["action"] == "keep"
+        sync = await agent.sync(step)
+        await WeightPusher(client).push(model.named_parameters(), version=str(step), step=step)
+        await agent.rollout(step)
+        report = agent.last_reports["groups_report"]
+        assert report["action"] == "keep" and report["policy"] == "keep_alive"
+        names = {s["name"] for s in sync["trace"]["spans"]}
+        assert "trainer.process_groups" in names
+        assert {"trainer.cleanup.gc_collect", "trainer.cleanup.empty_cache"} <= names
+    lifecycle.close()
