@@ -51,7 +51,9 @@ class VLLMAdapter:
 
     def __init__(self, config: VLLMEngineConfig, client: httpx.AsyncClient) -> None:
         if config.url is None:
-            raise ValueError(f"engine {config.name!r}: VLLMAdapter needs 'url' (VLLMServer.start() provides it)")
+            raise ValueError(
+                f"engine {config.name!r}: VLLMAdapter needs 'url' (VLLMServer.start() provides it)"
+            )
         self.name = config.name
         self._config = config
         self._client = client
@@ -80,7 +82,7 @@ class VLLMAdapter:
         method: str,
         path: str,
         *,
-        params: list[tuple[str, str]] | dict[str, str] | None = None,
+        params: Any = None,  # httpx QueryParamTypes: a dict, or (key, value) pairs for repeats
         json: Any = None,
     ) -> httpx.Response:
         with map_transport_errors(self.name, method, path):
@@ -95,11 +97,14 @@ class VLLMAdapter:
             return model.model_validate_json(response.content)
         except ValidationError as exc:
             raise EngineProtocolError(
-                self.name, f"{path} answered {response.text[:300]!r}, not {model.__name__}: {exc.errors()[:2]}"
+                self.name,
+                f"{path} answered {response.text[:300]!r}, not {model.__name__}: {exc.errors()[:2]}",
             ) from exc
 
     async def _rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        response = await self._call("POST", "/collective_rpc", json=wire.rpc_body(method, args=list(args), kwargs=kwargs))
+        response = await self._call(
+            "POST", "/collective_rpc", json=wire.rpc_body(method, args=list(args), kwargs=kwargs)
+        )
         if not response.content:
             return []  # every worker returned None (rpc/api_router.py:51-52)
         return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results
@@ -115,7 +120,8 @@ class VLLMAdapter:
             raise EngineProtocolError(self.name, str(exc)) from None
         if parsed < wire.MIN_VERSION:
             raise EngineProtocolError(
-                self.name, f"vLLM {version} is older than 0.32: /sleep has no mode and weight transfer is two-phase"
+                self.name,
+                f"vLLM {version} is older than 0.32: /sleep has no mode and weight transfer is two-phase",
             )
         try:
             await self._call("GET", "/is_paused")
@@ -126,11 +132,14 @@ class VLLMAdapter:
                 ) from exc
             raise
         world = self._parse(
-            wire.WorldSizeReply, await self._call("GET", "/get_world_size", params={"include_dp": "false"}), "/get_world_size"
+            wire.WorldSizeReply,
+            await self._call("GET", "/get_world_size", params={"include_dp": "false"}),
+            "/get_world_size",
         ).world_size
         if world != self._config.tp_size:
             raise EngineProtocolError(
-                self.name, f"vLLM runs {world} workers (TP*PP) but the config says tp_size={self._config.tp_size}"
+                self.name,
+                f"vLLM runs {world} workers (TP*PP) but the config says tp_size={self._config.tp_size}",
             )
         extension_error = None
         try:
@@ -174,7 +183,9 @@ class VLLMAdapter:
 
     async def is_sleeping(self) -> bool:
         """vLLM's own flag: true while any tag is asleep *or* the scheduler is merely paused."""
-        return self._parse(wire.IsSleepingReply, await self._call("GET", "/is_sleeping"), "/is_sleeping").is_sleeping
+        return self._parse(
+            wire.IsSleepingReply, await self._call("GET", "/is_sleeping"), "/is_sleeping"
+        ).is_sleeping
 
     async def is_paused(self) -> bool:
         return self._parse(wire.IsPausedReply, await self._call("GET", "/is_paused"), "/is_paused").is_paused
@@ -306,7 +317,9 @@ class VLLMAdapter:
         results = await self._rpc("colocd_received_digest")
         digests = {r.get("digest") for r in results if isinstance(r, dict)}
         if len(digests) > 1:
-            raise EngineProtocolError(self.name, f"vLLM workers received different weights: {sorted(map(str, digests))}")
+            raise EngineProtocolError(
+                self.name, f"vLLM workers received different weights: {sorted(map(str, digests))}"
+            )
         return digests.pop() if digests else None
 
     async def engine_checksums(self) -> dict[str, str]:
@@ -316,7 +329,9 @@ class VLLMAdapter:
 
     async def compare_checksums(self, baseline: dict[str, str]) -> list[str]:
         """POST /weight_checker compare: the parameter names whose digest differs from ``baseline``."""
-        response = await self._call("POST", "/weight_checker", json={"action": "compare", "baseline": baseline})
+        response = await self._call(
+            "POST", "/weight_checker", json={"action": "compare", "baseline": baseline}
+        )
         return self._parse(wire.WeightCheckerCompareReply, response, "/weight_checker").mismatches
 
     async def aclose(self) -> None:

