@@ -32,6 +32,9 @@ def bind(listen: ListenConfig) -> tuple[socket.socket, str]:
         return sock, f"unix:{path}"
     sock = socket.socket(socket.AF_INET6 if ":" in listen.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this. asyncio sets it only on sockets it creates itself, so
+    # without it every keep-alive reply waits ~40 ms for the client's delayed ACK (Nagle).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((listen.host, listen.port))
     host, port = sock.getsockname()[:2]
     return sock, f"http://{host}:{port}"

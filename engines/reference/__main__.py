@@ -99,7 +99,11 @@ class _Server(uvicorn.Server):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=128)
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    # Inherited by accepted connections; asyncio would not set it on a socket it did not create,
+    # and every keep-alive reply would then wait ~40 ms for the client's delayed ACK (Nagle).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def _url(sock: socket.socket) -> str:
