@@ -259,7 +259,17 @@ class VLLMAdapter:
             return
         if not self._transfer_initialised:
             init_info = _INIT_INFO.get(self._backend or "", {})
-            await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+            try:
+                await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+            except EngineRejected as exc:
+                if "Weight transfer not configured" in exc.detail:  # gpu_worker.py:1477-1482
+                    raise EngineProtocolError(
+                        self.name,
+                        f"the server runs without --weight-transfer-config but the config says "
+                        f"weight_transfer_backend={self._backend!r}; relaunch with it, or set it to null "
+                        "to load chunks through the colocd worker extension",
+                    ) from exc
+                raise
             self._transfer_initialised = True
         await self._call("POST", "/start_weight_update")
 

