@@ -1,0 +1,70 @@
+"""The real vLLM server driven through the daemon's HTTP API: a whole colocated step, trainer to engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from colocd.api.app import create_app
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from colocd.daemon.config import NodeConfig
+from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.extension import named_digest
+from support import serve_app
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+async def daemon(vllm_server: Any) -> Any:
+    engine = vllm_server.config.model_dump(mode="json", exclude={"launch"})
+    engine["owned_tags"] = ["weights", "kv_cache"]  # vLLM has no separate cuda_graph tag
+    config = NodeConfig.model_validate({"engines": [engine]})
+    async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
+        await client.wait_ready(60)
+        yield client
+
+
+@pytest.fixture
+async def restore(adapter: VLLMAdapter, model_dir: Path) -> Any:
+    yield
+    await adapter.reload_weights(str(model_dir), weight_version="default")
+
+
+async def test_a_full_step_through_the_daemon_serves_exactly_the_pushed_weights(
+        daemon: AsyncColocdClient, adapter: VLLMAdapter, complete: Any, new_weights: list[Any],
+        new_weights_dir: Path, restore: None) -> None:
+    before = await complete()
+    train = await daemon.phase("train", 1)
+    assert set(train["engines"]["tiny"]["tags"].values()) == {"released"}
+    await daemon.phase("sync", 1)
+    report = await WeightPusher(daemon, bucket_mb=0.0625).push(new_weights, version="step-1", step=1)
+    assert report.chunks > 4
+    rollout = await daemon.phase("rollout", 1)
+    assert rollout["engines"]["tiny"]["generation"] == "serving"
+
+    assert await adapter.weights_checksum() == named_digest(new_weights)  # every byte arrived
+    assert await adapter.weight_version() == "step-1"
+    pushed = await complete()
+    assert pushed != before
+    checksums = await adapter.engine_checksums()
+    await adapter.reload_weights(str(new_weights_dir))  # vLLM loading the same tensors itself
+    assert await adapter.compare_checksums(checksums) == []
+    assert await complete() == pushed
+
+
+async def test_rollout_before_a_push_is_refused_and_vllm_stays_asleep(
+        daemon: AsyncColocdClient, adapter: VLLMAdapter, complete: Any, new_weights: list[Any],
+        restore: None) -> None:
+    await daemon.phase("train", 1)
+    await daemon.phase("sync", 1)
+    with pytest.raises(ColocdHTTPError) as err:
+        await daemon.phase("rollout", 1)
+    assert err.value.status == 409 and "tiny" in err.value.body["message"]
+    assert await adapter.is_sleeping() is True
+    await WeightPusher(daemon, bucket_mb=1).push(new_weights, version="step-1", step=1)
+    await daemon.phase("rollout", 1)
+    assert await adapter.is_sleeping() is False
+    assert await complete()
