@@ -83,6 +83,11 @@ class VLLMEngineConfig(_EngineBase):
     python: str | None = Field(
         None, description="interpreter of the venv that holds vLLM, used to launch it; default $COLOCD_VLLM_PYTHON"
     )
+    # vLLM's sleep tags are weights and kv_cache; CUDA-graph memory comes back with the first wake.
+    owned_tags: list[MemoryTag] = Field(
+        default_factory=lambda: [MemoryTag.WEIGHTS, MemoryTag.KV_CACHE],
+        description="memory tags this engine really owns and may release",
+    )
 
 
 EngineConfig = Annotated[

@@ -20,7 +20,6 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture
 async def daemon(vllm_server: Any) -> Any:
     engine = vllm_server.config.model_dump(mode="json", exclude={"launch"})
-    engine["owned_tags"] = ["weights", "kv_cache"]  # vLLM has no separate cuda_graph tag
     config = NodeConfig.model_validate({"engines": [engine]})
     async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
         await client.wait_ready(60)
