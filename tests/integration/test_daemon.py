@@ -294,3 +294,20 @@ async def test_full_step_through_the_legacy_sglang_protocol() -> None:
         assert await _greedy(engine.url) == _local_greedy(trained)
         async with httpx.AsyncClient(trust_env=False) as http:
             assert (await http.get(f"{engine.url}/get_weight_version")).json()["weight_version"] == "v1"
+
+
+async def test_a_restarted_daemon_resumes_from_its_journal(engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    engines = [{"kind": "reference", "name": "ref0", "url": engine.url}]
+    journal = str(tmp_path / "journal.jsonl")
+    async with running_daemon(engines, journal=journal) as url, AsyncColocdClient(url) as client:
+        await client.wait_ready(30)
+        await client.phase("train", 1)
+    # A new daemon process on the same node: it must not release the engine's memory twice.
+    async with running_daemon(engines, journal=journal) as url, AsyncColocdClient(url) as client:
+        await client.wait_ready(30)
+        status = await client.status()
+        assert status["node"] == {"phase": "train", "step": 1}
+        assert status["engines"]["ref0"]["tags"]["kv_cache"] == "released"
+        await client.phase("sync", 1)
+        await WeightPusher(client).push(build_model(QwenLikeConfig(), seed=2).named_parameters(), version="v1")
+        assert (await client.phase("rollout", 1))["engines"]["ref0"]["generation"] == "serving"
