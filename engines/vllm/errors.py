@@ -15,7 +15,8 @@ from contextlib import contextmanager
 
 import httpx
 
-from ..errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable
+from ..errors import EngineRejected
+from ..httpmap import map_http_errors
 
 __all__ = ["engine_message", "map_transport_errors", "raise_for_status"]
 
@@ -61,11 +62,5 @@ def raise_for_status(engine: str, method: str, path: str, response: httpx.Respon
 @contextmanager
 def map_transport_errors(engine: str, method: str, path: str) -> Iterator[None]:
     """Turn httpx exceptions raised inside the block into EngineError subclasses (``from exc``)."""
-    try:
+    with map_http_errors(engine, f"{method} {path}"):
         yield
-    except httpx.TimeoutException as exc:
-        raise EngineTimeout(engine, f"{method} {path} timed out: {exc!r}") from exc
-    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-        raise EngineUnreachable(engine, f"{method} {path}: {exc!r}") from exc
-    except httpx.HTTPError as exc:
-        raise EngineProtocolError(engine, f"{method} {path}: {exc!r}") from exc
