@@ -16,9 +16,9 @@ from ..daemon.config import NodeConfig
 from ..daemon.errors import NotFound, WeightSyncError
 from ..daemon.node import Daemon, TransitionResult
 from ..daemon.policy_runtime import PolicyRuntime
-from ..policies import PolicyError
 from ..daemon.states import NodePhase
 from ..engines.base import RankPayload
+from ..policies import PolicyError
 from .errors import install_error_handlers
 from .schemas import (
     ChunkAckReply,

@@ -81,6 +81,16 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(settings))
 
 
+def _bench_weights(args: argparse.Namespace) -> int:
+    from .bench import BenchSettings, run_weights_bench
+
+    settings = BenchSettings(model=args.model, device=args.device, variants=tuple(args.variants.split(",")),
+                             bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
+                             seed=args.seed, out=args.out)
+    record = asyncio.run(run_weights_bench(settings))
+    return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="colocd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +120,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the per-step records here")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    pb = bsub.add_parser("weights", help="trainer → daemon → engine weight transfer against the copy floor")
+    pb.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
+    pb.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
+    pb.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3,ipc_ring,zero_copy",
+                    help="comma-separated; name@MB sets one variant's chunk size")
+    pb.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")
+    pb.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (best is reported)")
+    pb.add_argument("--warmup", type=int, default=1, help="untimed pushes per variant first")
+    pb.add_argument("--seed", type=int, default=0)
+    pb.add_argument("--out", default=None, help="write the JSON record here")
+    pb.set_defaults(func=_bench_weights)
 
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -13,6 +13,7 @@ import json
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -141,9 +142,8 @@ async def run_demo(settings: DemoSettings) -> int:
     print(f"reward {first:.3f} → {last:.3f} (mean of first/last 3 steps); every sync verified by checksum; "
           f"{elapsed:.1f}s", flush=True)
     if settings.json_out:
-        with open(settings.json_out, "w") as f:
-            json.dump({"records": records, "first_reward": first, "last_reward": last, "seconds": elapsed}, f,
-                      indent=2)
+        await asyncio.to_thread(Path(settings.json_out).write_text, json.dumps(
+            {"records": records, "first_reward": first, "last_reward": last, "seconds": elapsed}, indent=2))
     if last <= first:
         print("reward did not improve", flush=True)
         return 1

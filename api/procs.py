@@ -35,7 +35,7 @@ class DaemonProcess:
         listen = {"host": "127.0.0.1", "port": 0, **self._config.get("listen", {}), "ready_file": str(ready)}
         config_path = self._dir / "colocd.yaml"
         config_path.write_text(yaml.safe_dump({**self._config, "listen": listen}))
-        log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed on exit
+        log = open(self.log_path, "wb")  # noqa: ASYNC230 - a local file handed to the child; closed in stop()
         self._log = log
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(config_path),

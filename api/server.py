@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 from pathlib import Path
+
 import uvicorn
 
 from ..daemon.config import ListenConfig, NodeConfig
@@ -57,8 +58,9 @@ async def serve(config: NodeConfig, *, log_level: str = "info") -> None:
         loop.add_signal_handler(signal.SIGHUP, policies.reload_file)
 
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not serve_task.done():
-        await asyncio.sleep(0.01)  # uvicorn exposes no started-event; it flips this flag after binding
+    # uvicorn exposes no started-event, only this flag; poll it briefly.
+    while not server.started and not serve_task.done():  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
     if server.started:
         print(f"colocd listening on {url}", flush=True)
         if config.listen.ready_file:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from colocd.engines.trainer.groups import GroupLifecycle, GroupSpec
 from colocd.policies import load_policy_yaml
 

@@ -16,7 +16,13 @@
 
 from __future__ import annotations
 
-from ..engines.errors import EngineError, EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable
+from ..engines.errors import (
+    EngineError,
+    EngineProtocolError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+)
 
 __all__ = [
     "ChunkTimeout",

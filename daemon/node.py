@@ -33,8 +33,8 @@ from .errors import (
 )
 from .journal import Journal
 from .memory import NvmlProbe, open_probe
-from .policy_runtime import EffectiveTimeouts, PolicyRuntime
 from .metrics import Metrics
+from .policy_runtime import EffectiveTimeouts, PolicyRuntime
 from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
 from .trace import Span, Trace, TraceStore
 from .weights import ChunkAck, SessionState, WeightSession
@@ -332,7 +332,8 @@ class Daemon:
         names = self.policies.release_tags(self._policy_set())
 
         async def one(engine: EngineHandle) -> dict[str, int]:
-            tags = None if names is None else tuple(MemoryTag(n) for n in names if MemoryTag(n) in engine.state.owned_tags)
+            owned = engine.state.owned_tags
+            tags = None if names is None else tuple(MemoryTag(n) for n in names if MemoryTag(n) in owned)
             return await self._quiesce_and_release(engine, tags, trace, strict=False)
 
         return await self._each(trace, "train", one)

@@ -16,8 +16,8 @@ __all__ = [
     "EngineInfo",
     "MemoryTag",
     "PauseMode",
-    "ReleaseReport",
     "RankPayload",
+    "ReleaseReport",
     "WeightsLoad",
 ]
 

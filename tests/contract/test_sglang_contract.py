@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
+
 from colocd.engines.base import PauseMode
 from colocd.engines.sglang import wire
 from colocd.engines.sglang.protocol import LEGACY, PRE_SESSION, PROTOCOLS, V0_5_23, SGLangProtocol
-from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
 from colocd.engines.sglang import launcher
 from colocd.engines.sglang.launcher import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from colocd.engines.base import PauseMode
 from colocd.engines.sglang import protocol as protocol_module
 from colocd.engines.sglang.protocol import (

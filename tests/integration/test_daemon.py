@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from support import serve_app, shm_segments
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
@@ -23,8 +24,6 @@ from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from support import serve_app, shm_segments
-
 
 
 @pytest.fixture

@@ -8,13 +8,13 @@ from typing import Any
 
 import httpx
 import pytest
+from support import serve_app
 
 from colocd.api.app import create_app
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import EngineInfo, MemoryTag, PauseMode, ReleaseReport, WeightsLoad
-from support import serve_app
 
 KEEP_ALIVE = "apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\npipeline:\n  policy: serial\n"
 BAD_FIELD = "apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depht: 3\n"

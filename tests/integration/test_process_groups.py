@@ -316,6 +316,7 @@ def _keep_fail_raise(rank: int) -> dict[str, Any]:
 
 def _waits(rank: int) -> dict[str, Any]:
     import torch.distributed as dist
+
     from colocd.policies import GroupDirective, WaitPoint
 
     life = _lifecycle()

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import EngineLaunchError, ReferenceEngineProcess

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch.distributed as dist
+from support import serve_app
 
 from colocd.api.agent import TrainerAgent
 from colocd.api.app import create_app
@@ -15,7 +16,6 @@ from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.trainer.groups import GroupLifecycle, GroupSpec
-from support import serve_app
 
 
 @pytest.fixture

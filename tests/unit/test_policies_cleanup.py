@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
 from colocd.engines.trainer.cleanup import run_cleanup
 from colocd.policies import (
     AggressiveCleanupPolicy,

@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from colocd.policies import (
     AutoPolicy,
     PolicyError,

@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import colocd.policies
 import pytest
 import yaml
+
+import colocd.policies
 from colocd.policies import policy_json_schema
 from colocd.policies.write_schema import SCHEMA_PATH, render_schema
 

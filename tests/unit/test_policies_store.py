@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from colocd.policies import PolicyStore, default_policies, load_policy_yaml
 
 KEEP = "apiVersion: colocd/v1\nprocess_groups: {policy: keep_alive}\n"

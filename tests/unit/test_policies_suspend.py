@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from colocd.engines.trainer.groups import detect_suspend_capability
 
 CUDA = torch.device("cuda", 0)  # constructing a device needs no GPU

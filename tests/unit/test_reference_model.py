@@ -15,6 +15,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
+
 from colocd.engines.base import MemoryTag
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
 from colocd.engines.reference.memory import MemoryRegions, MemoryTagError, TagState, normalize_tags

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from colocd.engines.sglang import payload
 from colocd.engines.sglang.payload import (
     BucketLease,

@@ -6,13 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import serve_app
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
 from colocd.daemon.config import NodeConfig
 from colocd.engines.vllm import VLLMAdapter
 from colocd.engines.vllm.extension import named_digest
-from support import serve_app
 
 pytestmark = pytest.mark.vllm
 
