@@ -67,6 +67,26 @@ class SGLangEngineConfig(_EngineBase):
         description="the server runs with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, so the cuda_graph tag owns memory",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _cuda_graph_tag_needs_the_saver(cls, data: object) -> object:
+        # Without SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 the cuda_graph tag owns no memory (environ.py:1645):
+        # releasing it frees nothing, so by default the engine owns it only when launched that way.
+        if isinstance(data, dict) and "owned_tags" not in data:
+            tags = [MemoryTag.WEIGHTS, MemoryTag.KV_CACHE]
+            if data.get("memory_saver_cuda_graph"):
+                tags.append(MemoryTag.CUDA_GRAPH)
+            return {**data, "owned_tags": tags}
+        return data
+
+    @model_validator(mode="after")
+    def _cuda_graph_tag_consistent(self) -> SGLangEngineConfig:
+        if MemoryTag.CUDA_GRAPH in self.owned_tags and not self.memory_saver_cuda_graph:
+            raise ValueError(
+                f"engine {self.name!r}: owned_tags lists cuda_graph but memory_saver_cuda_graph is false; "
+                "SGLang frees CUDA-graph memory only when launched with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1")
+        return self
+
 
 class VLLMEngineConfig(_EngineBase):
     """A real vLLM server in dev mode (VLLM_SERVER_DEV_MODE=1)."""

@@ -85,3 +85,14 @@ def test_importing_policies_loads_neither_torch_nor_engines() -> None:
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('colocd.engines')]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_sglang_engines_own_cuda_graph_memory_only_when_launched_to() -> None:
+    from pydantic import ValidationError
+
+    from colocd.engines.config import SGLangEngineConfig
+
+    assert CG not in SGLangEngineConfig(name="s", url="http://x").owned_tags
+    assert CG in SGLangEngineConfig(name="s", url="http://x", memory_saver_cuda_graph=True).owned_tags
+    with pytest.raises(ValidationError, match="SGLANG_MEMORY_SAVER_CUDA_GRAPH"):
+        SGLangEngineConfig(name="s", url="http://x", owned_tags=["weights", "cuda_graph"])
