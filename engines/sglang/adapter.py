@@ -191,18 +191,24 @@ class SGLangAdapter:
         return None
 
 
+# colocd's own transports travel as base64 JSON descriptors, one load_format each; CUDA-IPC
+# chunks are the trainer's own SGLang pickle, flattened_bucket unless the trainer says otherwise.
+_COLOCD_FORMATS = {"shm": "colocd_shm", "disk": "colocd_disk", "ipc_ring": "colocd_ring"}
+
+
 def _load_format(load: WeightsLoad) -> str | None:
-    transports = {p.transport for p in load.payloads}
-    if len(transports) != 1:
-        raise ValueError(f"chunk {load.seq}: ranks used different transports {sorted(transports)}")
-    transport = transports.pop()
-    return {"shm": "colocd_shm", "disk": "colocd_disk"}.get(transport, "flattened_bucket")
+    formats = {_COLOCD_FORMATS.get(p.transport) or str(p.handle.get("load_format", "flattened_bucket"))
+               for p in load.payloads}
+    if len(formats) != 1:
+        raise ValueError(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}")
+    load_format = formats.pop()
+    return None if load_format == "direct" else load_format  # SGLang's default: a list of (name, tensor)
 
 
 def _entry(transport: str, handle: dict[str, Any]) -> str:
     """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA paths,
-    or base64 JSON for colocd's shm/disk paths (which SGLang would reach through a custom loader)."""
-    if transport in ("shm", "disk"):
+    or base64 JSON for colocd's shm/disk/ipc_ring paths (which SGLang would reach through a custom loader)."""
+    if transport in _COLOCD_FORMATS:
         return base64.b64encode(json.dumps({"transport": transport, **handle}).encode()).decode()
     payload = handle.get("payload_b64")
     if not isinstance(payload, str):

@@ -1,7 +1,14 @@
 """Trainer-side chunk export: copy a bucket of tensors into a transport buffer and describe it.
 
 A producer hands out ``ExportedChunk`` objects; the trainer must call ``release()`` only after the
-daemon acked the chunk (every engine consumed it). Until then the buffer stays alive and untouched.
+daemon acked the chunk (every engine consumed it). Until then the buffer stays alive and untouched:
+SGLang replies before its copy has finished (research/engine-apis.md §6.4 #6), so the ack, not the
+engine's HTTP reply seen by anyone else, is what licenses reuse.
+
+Producers by name (``producer_for``): ``shm`` and ``disk`` (CPU paths), ``cuda_ipc`` (a fresh
+IPC-exported bucket per chunk, SGLang's ``flattened_bucket``), ``per_tensor`` (one IPC handle per
+tensor, SGLang's default format), ``ipc_ring`` and ``zero_copy`` (persistent exported buffers,
+``ring.py``).
 """
 
 from __future__ import annotations
@@ -10,13 +17,26 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..chunks import ChunkLayout, SharedSegment, flatten_into
 
-__all__ = ["DiskProducer", "ExportedChunk", "Producer", "ShmProducer", "producer_for"]
+if TYPE_CHECKING:
+    from ..sglang.payload import BucketLease
+
+__all__ = [
+    "PRODUCERS",
+    "CudaIpcProducer",
+    "DiskProducer",
+    "ExportedChunk",
+    "Producer",
+    "ShmProducer",
+    "producer_for",
+]
+
+PRODUCERS = ("shm", "disk", "cuda_ipc", "per_tensor", "ipc_ring", "zero_copy")
 
 
 @dataclass
@@ -36,8 +56,11 @@ class ExportedChunk:
 
 
 class Producer(Protocol):
+    """Exports chunks for one transport; may be reused across streams (sessions)."""
+
     transport: str
 
+    def begin_stream(self) -> None: ...
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk: ...
     def close(self) -> None: ...
 
@@ -49,6 +72,9 @@ class ShmProducer:
 
     def __init__(self) -> None:
         self._live: dict[str, SharedSegment] = {}
+
+    def begin_stream(self) -> None:
+        return None
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
         layout = ChunkLayout.for_tensors(named)
@@ -84,6 +110,9 @@ class DiskProducer:
         self._dir = directory or tempfile.mkdtemp(prefix="colocd-disk-")
         self._live: set[str] = set()
 
+    def begin_stream(self) -> None:
+        return None
+
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
         from safetensors.torch import save_file
 
@@ -106,9 +135,77 @@ class DiskProducer:
             self._drop(path)
 
 
-def producer_for(transport: str) -> Producer:
+class CudaIpcProducer:
+    """A fresh IPC-exported GPU bucket per chunk (what SGLang's ``flattened_bucket`` expects).
+
+    With ``per_tensor=True`` nothing is flattened: the chunk is SGLang's default list of
+    ``(name, tensor)``, one IPC handle per tensor (the slow baseline the buckets replace).
+    """
+
+    transport = "cuda_ipc"
+
+    def __init__(self, *, per_tensor: bool = False) -> None:
+        self.per_tensor = per_tensor
+        self._live: dict[int, BucketLease | None] = {}
+
+    def begin_stream(self) -> None:
+        return None
+
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
+        from ..sglang.payload import (
+            FLATTENED_BUCKET,
+            export_flattened_bucket,
+            named_tensors_payload,
+            serialize,
+        )
+        from .ring import device_uuid
+
+        devices = {t.device for _, t in named}
+        if len(devices) != 1 or (device := devices.pop()).type != "cuda":
+            raise ValueError(
+                f"cuda_ipc needs a chunk's tensors on one CUDA device; got {sorted(map(str, devices))}"
+            )
+        layout = ChunkLayout.for_tensors(named)
+        lease: BucketLease | None = None
+        if self.per_tensor:
+            payload, load_format = serialize(named_tensors_payload(named)), "direct"
+        else:
+            # The flatten is queued on this stream; torch's IPC export records an event on it that
+            # the engine waits for before reading, so no host sync is needed here.
+            payload, lease = export_flattened_bucket(named)
+            load_format = FLATTENED_BUCKET
+        key = id(lease) if lease is not None else id(payload)
+        self._live[key] = lease
+        handle = {
+            "payload_b64": payload,
+            "load_format": load_format,
+            "device_uuid": device_uuid(device.index or 0),
+        }
+        return ExportedChunk(self.transport, layout.nbytes, handle, layout, lambda: self._drop(key))
+
+    def _drop(self, key: int) -> None:
+        lease = self._live.pop(key, None)
+        if lease is not None:
+            lease.release()  # drops the bucket and runs torch.cuda.ipc_collect() (THUDM/slime#1731)
+        else:
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        """Release every bucket still held (abort and error paths)."""
+        for key in list(self._live):
+            self._drop(key)
+
+
+def producer_for(transport: str, *, bucket_bytes: int = 64 << 20, slots: int = 2) -> Producer:
+    """A producer by name (see ``PRODUCERS``); ring slots are ``bucket_bytes`` each."""
     if transport == "shm":
         return ShmProducer()
     if transport == "disk":
         return DiskProducer()
-    raise ValueError(f"transport {transport!r} has no producer here (CUDA transports come with a GPU)")
+    if transport in ("cuda_ipc", "per_tensor"):
+        return CudaIpcProducer(per_tensor=transport == "per_tensor")
+    if transport in ("ipc_ring", "zero_copy"):
+        from .ring import IpcRingProducer
+
+        return IpcRingProducer(slot_bytes=bucket_bytes, slots=slots, zero_copy=transport == "zero_copy")
+    raise ValueError(f"unknown transport {transport!r}; known: {list(PRODUCERS)}")
