@@ -57,6 +57,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
         default=1,
         help="intra-op CPU threads; the model is tiny, so more threads only contend (default 1)",
     )
+    parser.add_argument(
+        "--sink-shapes",
+        default=None,
+        help="benchmark mode: hold this checkpoint's tensors in bf16 (e.g. qwen3-8b); loads copy into them",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
@@ -71,6 +76,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
             model=QwenLikeConfig.from_overrides(overrides),
             max_batch=args.max_batch,
             host=args.host,
+            sink=args.sink_shapes,
         )
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))

@@ -26,6 +26,7 @@ import torch
 
 from ..base import MemoryTag, PauseMode
 from ..chunks import tensor_checksum
+from ..trainer.ring import RingTable
 from .locks import ReaderWriterLock
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .model import QwenLikeForCausalLM, build_model
@@ -34,6 +35,7 @@ from .runner import ModelRunner
 from .sampling import SamplingConfig
 from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
 from .settings import ReferenceServerSettings
+from .sink import WeightSink
 from .tokenizer import CharTokenizer
 from .wire import GenerateBody, SamplingParamsBody, UpdateWeightsFromTensorBody
 
@@ -102,6 +104,8 @@ class ReferenceEngine:
         self._session_selector: str | None = None
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
+        self._rings = RingTable()  # ipc_ring slots opened once, kept for the engine's lifetime
+        self._sink: WeightSink | None = None  # benchmark mode: loads land here instead of the model
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -161,6 +165,8 @@ class ReferenceEngine:
             model, max_batch=self.settings.max_batch, max_seq=self.settings.max_seq, device=self.device
         )
         self._model, self._memory, self._runner = model, memory, ModelRunner(model, memory)
+        if self.settings.sink is not None:
+            self._sink = WeightSink(self.settings.sink, self.device)
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
@@ -560,12 +566,27 @@ class ReferenceEngine:
         return True, message
 
     def _load_entry(self, model: QwenLikeForCausalLM, entry: str, load_format: str | None) -> list[str]:
-        with open_payload(entry, load_format) as named:
-            applied = model.load_weights(named)
+        with open_payload(entry, load_format, rings=self._rings, device=self.device) as named:
+            applied = (self._sink or model).load_weights(named)
         if self.device.type == "cuda":
             # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
             torch.cuda.synchronize(self.device)
         return applied
+
+    async def sink_checksums(self) -> dict[str, Any]:
+        """``/colocd/sink``: device checksums of the benchmark sink's tensors (404 without a sink)."""
+        self._running()
+        if self._sink is None:
+            raise EngineRefusal(404, "this engine has no weight sink (start it with --sink-shapes)")
+        sink = self._sink
+        async with self._control_lock:
+            checksums = await self._on_model_thread(sink.checksums)
+        return {
+            "model": sink.model,
+            "nbytes": sink.nbytes,
+            "checksums": checksums,
+            "rings_opened": self._rings.opened,
+        }
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
         scheduler, _, _ = self._running()

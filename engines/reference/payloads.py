@@ -5,6 +5,9 @@ Formats:
   tensors are views into the producer's POSIX shared memory, mapped read-only and closed (never
   unlinked: the producer owns the segment) when the caller is done with them.
 - ``colocd_disk``: base64 of JSON ``{"transport": "disk", "path"}`` naming a safetensors file.
+- ``colocd_ring``: base64 of JSON ``{"transport": "ipc_ring", "ring", "slot", "layout", "open"?}``:
+  tensors are views into GPU buffers the trainer exported once; the engine's ``RingTable`` opens
+  each slot's handle on first use and keeps it (``engines/trainer/ring.py`` holds the format).
 - ``null``/``"direct"``: SGLang's pickled ``list[(name, tensor)]`` (tensors may be SGLang
   ``LocalSerializedTensor`` wrappers); ``"flattened_bucket"``: SGLang's pickled
   ``{"flattened_tensor", "metadata"}`` (research/engine-apis.md §1.7). Pickles go through the
@@ -26,11 +29,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..chunks import ChunkLayout, SharedSegment, unflatten
+from ..trainer.ring import RingTable
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
 __all__ = ["LOAD_FORMATS", "DiskDescriptor", "PayloadError", "ShmDescriptor", "open_payload"]
 
-LOAD_FORMATS = ("colocd_shm", "colocd_disk", "flattened_bucket", "direct", None)
+LOAD_FORMATS = ("colocd_shm", "colocd_disk", "colocd_ring", "flattened_bucket", "direct", None)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 _M = TypeVar("_M", bound=BaseModel)
@@ -61,20 +65,58 @@ class DiskDescriptor(BaseModel):
 
 
 @contextlib.contextmanager
-def open_payload(entry: str, load_format: str | None, *, tp_rank: int = 0) -> Iterator[NamedTensors]:
-    """Yield the entry's tensors; views into shared memory are valid only inside the ``with``."""
+def open_payload(
+    entry: str,
+    load_format: str | None,
+    *,
+    tp_rank: int = 0,
+    rings: RingTable | None = None,
+    device: torch.device | None = None,
+) -> Iterator[NamedTensors]:
+    """Yield the entry's tensors; views into shared memory are valid only inside the ``with``.
+
+    ``rings`` is the engine's table of opened ``colocd_ring`` slots. With ``device`` given, CUDA
+    tensors must already be on it: a handle from another GPU is an error, not a silent P2P copy.
+    """
     raw = _b64decode(entry)
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if load_format == "colocd_shm":
         with _open_shm(_parse_json(raw, ShmDescriptor)) as named:
             yield named
     elif load_format == "colocd_disk":
         yield _load_disk(_parse_json(raw, DiskDescriptor))
+    elif load_format == "colocd_ring":
+        yield _on_device(_ring_tensors(raw, rings, device), device)
     elif load_format in (None, "direct"):
-        yield _named_list(safe_loads(raw), tp_rank)
+        yield _on_device(_named_list(safe_loads(raw), tp_rank), device)
     elif load_format == "flattened_bucket":
-        yield _flattened_bucket(safe_loads(raw))
+        yield _on_device(_flattened_bucket(safe_loads(raw)), device)
     else:
         raise PayloadError(f"unknown load_format {load_format!r}; supported: {list(LOAD_FORMATS)}")
+
+
+def _ring_tensors(raw: bytes, rings: RingTable | None, device: torch.device | None) -> NamedTensors:
+    if rings is None or device is None:
+        raise PayloadError("load_format colocd_ring needs the engine's ring table and device")
+    try:
+        descriptor = json.loads(raw)
+        if not isinstance(descriptor, dict) or descriptor.get("transport") != "ipc_ring":
+            raise ValueError("expected a JSON object with transport 'ipc_ring'")
+        return rings.named_tensors(descriptor, device)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as exc:
+        raise PayloadError(f"colocd_ring: {exc}") from None
+
+
+def _on_device(named: NamedTensors, device: torch.device | None) -> NamedTensors:
+    if device is not None and device.type == "cuda":
+        for name, tensor in named:
+            if tensor.is_cuda and tensor.device != device:
+                raise PayloadError(
+                    f"tensor {name!r} arrived on {tensor.device} but this engine runs on {device}: "
+                    "trainer rank and engine TP rank must share a GPU"
+                )
+    return named
 
 
 def _b64decode(entry: str) -> bytes:

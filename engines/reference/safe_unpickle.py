@@ -125,7 +125,6 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
         ("torch.storage", "TypedStorage"),
         ("torch", "UntypedStorage"),
         ("torch.multiprocessing.reductions", "rebuild_tensor"),
-        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
         ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
     }
@@ -135,6 +134,9 @@ _ALLOWED: frozenset[tuple[str, str]] = frozenset(
 _REDIRECTS: dict[tuple[str, str], Any] = {
     ("torch.storage", "_load_from_bytes"): _load_storage_from_bytes,
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor_by_uuid,
+    # SGLang's consumer has patched torch's own name to its UUID-aware rebuild (patch_torch.py:41),
+    # and producers that rewrite the device to a UUID (ours, SGLang's) name torch's function.
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor_by_uuid,
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"): FlattenedTensorBucketData,
     ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,

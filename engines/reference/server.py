@@ -235,6 +235,11 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
         """colocd extension: per-tag {resident, nbytes, resident_nbytes}, RSS, CUDA counters."""
         return engine.memory_report()
 
+    @router.get("/colocd/sink")
+    async def colocd_sink() -> dict[str, Any]:
+        """colocd extension (benchmark mode): per-tensor device checksums of the weight sink."""
+        return await engine.sink_checksums()
+
     return router
 
 

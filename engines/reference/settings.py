@@ -34,6 +34,7 @@ class ReferenceServerSettings:
     weight_version: str = "default"  # SGLang's --weight-version default
     host: str = "127.0.0.1"  # reported in /server_info only; __main__ binds the socket
     port: int = 0
+    sink: str | None = None  # benchmark mode: a sink.MODEL_SHAPES name whose tensors loads copy into
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOL_VERSIONS:

@@ -1,0 +1,125 @@
+"""Benchmark sink: engine-owned bf16 tensors shaped like a real checkpoint, which weight loads copy into.
+
+The reference engine's own model is tiny; with ``--sink-shapes qwen3-8b`` it also holds the 399
+tensors of Qwen3-8B (HF names and shapes) and ``load_weights`` copies every received byte into
+them, so a benchmark moves exactly what a real engine would. ``device_checksum`` verifies the
+result on the device (two integer reductions per tensor) instead of hashing host copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MODEL_SHAPES", "ModelShape", "WeightSink", "device_checksum", "hf_shapes"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The sizes that fix every tensor of a Qwen3 dense checkpoint (config.json's fields)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tie_word_embeddings: bool
+
+
+# Qwen/Qwen3-*/config.json. "tiny" keeps the structure at a few MB, for CPU smoke runs.
+MODEL_SHAPES: dict[str, ModelShape] = {
+    "tiny": ModelShape(256, 768, 4, 4, 2, 64, 8192, True),
+    "qwen3-0.6b": ModelShape(1024, 3072, 28, 16, 8, 128, 151936, True),
+    "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, 151936, False),
+    "qwen3-14b": ModelShape(5120, 17408, 40, 40, 8, 128, 151936, False),
+}
+
+
+def hf_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of the checkpoint, in HF order: (name, shape)."""
+    try:
+        m = MODEL_SHAPES[model]
+    except KeyError:
+        raise ValueError(f"unknown model shape {model!r}; known: {sorted(MODEL_SHAPES)}") from None
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (m.vocab, m.hidden))]
+    for i in range(m.layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (m.hidden,)),
+            (p + "self_attn.q_proj.weight", (q, m.hidden)),
+            (p + "self_attn.k_proj.weight", (kv, m.hidden)),
+            (p + "self_attn.v_proj.weight", (kv, m.hidden)),
+            (p + "self_attn.o_proj.weight", (m.hidden, q)),
+            (p + "self_attn.q_norm.weight", (m.head_dim,)),
+            (p + "self_attn.k_norm.weight", (m.head_dim,)),
+            (p + "post_attention_layernorm.weight", (m.hidden,)),
+            (p + "mlp.gate_proj.weight", (m.intermediate, m.hidden)),
+            (p + "mlp.up_proj.weight", (m.intermediate, m.hidden)),
+            (p + "mlp.down_proj.weight", (m.hidden, m.intermediate)),
+        ]
+    out.append(("model.norm.weight", (m.hidden,)))
+    if not m.tie_word_embeddings:
+        out.append(("lm_head.weight", (m.vocab, m.hidden)))
+    return out
+
+
+_PRIME = 251  # position weights repeat every 251 bytes: catches shifts and transposes a plain sum misses
+
+
+def device_checksum(tensors: Iterable[torch.Tensor]) -> list[list[int]]:
+    """Per tensor ``[sum of its bytes, position-weighted sum]``, computed where the tensor lives.
+
+    Integer sums are exact and independent of reduction order, so trainer and engine agree
+    bit for bit; one host sync for the whole list.
+    """
+    sums = []
+    for t in tensors:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        whole = flat.numel() // _PRIME * _PRIME
+        weights = torch.arange(1, _PRIME + 1, device=flat.device, dtype=torch.int64)
+        columns = flat[:whole].view(-1, _PRIME).sum(0, dtype=torch.int64)
+        tail = flat[whole:].to(torch.int64)
+        weighted = (columns * weights).sum() + (tail * weights[: tail.numel()]).sum()
+        sums.append(torch.stack([flat.sum(dtype=torch.int64), weighted]))
+    if not sums:
+        return []
+    result: list[list[int]] = torch.stack(sums).tolist()
+    return result
+
+
+class WeightSink:
+    """Destination tensors of one model shape on one device; ``load_weights`` copies into them by name."""
+
+    def __init__(self, model: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.model = model
+        # Uninitialised on purpose: every byte is overwritten by a load, and checksums prove it.
+        self.tensors = {
+            name: torch.empty(shape, dtype=dtype, device=device) for name, shape in hf_shapes(model)
+        }
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy each tensor into its destination; every name, shape and dtype is checked before any copy."""
+        staged = []
+        for name, src in named:
+            dst = self.tensors.get(name)
+            if dst is None:
+                raise ValueError(f"sink {self.model}: unknown tensor {name!r}")
+            if src.shape != dst.shape or src.dtype != dst.dtype:
+                raise ValueError(
+                    f"sink {self.model}: tensor {name!r} is {list(src.shape)} {src.dtype}, "
+                    f"expected {list(dst.shape)} {dst.dtype}"
+                )
+            staged.append((name, dst, src))
+        for _, dst, src in staged:
+            dst.copy_(src)  # device to device: queued, the engine syncs before it replies
+        return [name for name, _, _ in staged]
+
+    def checksums(self) -> dict[str, list[int]]:
+        """``device_checksum`` of every destination tensor, by name."""
+        return dict(zip(self.tensors, device_checksum(self.tensors.values()), strict=True))
