@@ -24,7 +24,14 @@ import torch
 from ..engines.chunks import plan_buckets
 from ..engines.trainer.producer import ExportedChunk, Producer, producer_for
 
-__all__ = ["AsyncColocdClient", "ColocdClient", "ColocdHTTPError", "PushReport", "WeightPusher"]
+__all__ = [
+    "AsyncColocdClient",
+    "ChunkRecord",
+    "ColocdClient",
+    "ColocdHTTPError",
+    "PushReport",
+    "WeightPusher",
+]
 
 
 class ColocdHTTPError(Exception):
@@ -71,8 +78,12 @@ class AsyncColocdClient:
             raise ColocdHTTPError(response.status_code, body if isinstance(body, dict) else {"message": body})
         return response.json()
 
-    async def phase(self, phase: str, step: int) -> dict[str, Any]:
-        return await self._request("POST", "/v1/phase", {"phase": phase, "step": step})  # type: ignore[no-any-return]
+    async def phase(self, phase: str, step: int, *, trainer: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``trainer``: what the trainer agent knows or did (see ``api.agent.TrainerAgent``)."""
+        body: dict[str, Any] = {"phase": phase, "step": step}
+        if trainer is not None:
+            body["trainer"] = trainer
+        return await self._request("POST", "/v1/phase", body)  # type: ignore[no-any-return]
 
     async def sleep(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
         return await self._request("POST", "/v1/sleep", {"tags": tags, "engines": engines})  # type: ignore[no-any-return]
@@ -136,20 +147,55 @@ class PushReport:
     commit: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One chunk of a stream: bytes, export (flatten) time, round trip to its ack, the engines' load time."""
+
+    seq: int
+    nbytes: int
+    export_s: float
+    round_trip_s: float
+    load_s: float
+
+
 class WeightPusher:
     """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon.
 
     At most ``depth`` chunks are exported and in flight at once; each buffer is released only
     after the daemon's ack. On any failure the session is aborted and every buffer released.
+    ``transport`` names a producer (``engines.trainer.producer.PRODUCERS``); persistent ones
+    (``ipc_ring``, ``zero_copy``) keep their exported buffers across pushes until ``aclose()``.
+
+    Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a
+    ``torch.distributed`` broadcast); every rank calls ``stream(session_id, its_tensors)`` with its own
+    ``rank``; rank 0 commits once all have returned.
     """
 
     def __init__(self, client: AsyncColocdClient, *, transport: str = "shm", bucket_mb: float = 64,
-                 depth: int = 2, rank: int = 0) -> None:
+                 depth: int = 2, rank: int = 0, slots: int | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         self._client = client
         self._transport = transport
         self._bucket_bytes = max(int(bucket_mb * 1024 * 1024), 1)
         self._depth = depth
         self._rank = rank
+        # A ring needs a free slot for every chunk in flight.
+        self._slots = max(slots or depth, depth)
+        self._producer: Producer | None = None
+        self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
+
+    async def __aenter__(self) -> WeightPusher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Drop the producer and whatever buffers it keeps exported."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                    step: int | None = None) -> PushReport:
@@ -170,27 +216,36 @@ class WeightPusher:
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """Send this rank's part of every chunk of an open session; returns (chunks, bytes)."""
-        producer: Producer = producer_for(self._transport)
+        if self._producer is None:
+            self._producer = producer_for(self._transport, bucket_bytes=self._bucket_bytes, slots=self._slots)
+        producer = self._producer
+        producer.begin_stream()
         window = asyncio.Semaphore(self._depth)
         tasks: list[asyncio.Task[None]] = []
+        records: dict[int, ChunkRecord] = {}
         nbytes = 0
         seq = -1
 
-        async def send(seq: int, chunk: ExportedChunk) -> None:
+        async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
+            t0 = time.perf_counter()
             try:
-                await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
+                ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
             finally:
                 chunk.release()  # after the ack (or the failure): the engines are done with it
                 window.release()
+            round_trip_s = time.perf_counter() - t0
+            records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, round_trip_s, float(ack["load_s"]))
 
         try:
             for seq, bucket in enumerate(plan_buckets(named, self._bucket_bytes)):
                 await window.acquire()
+                if any(t.done() and t.exception() for t in tasks):
+                    window.release()
+                    break  # a chunk failed: the session is over, export nothing more
+                t0 = time.perf_counter()
                 chunk = producer.export(bucket)
                 nbytes += chunk.nbytes
-                tasks.append(asyncio.create_task(send(seq, chunk)))
-                if any(t.done() and t.exception() for t in tasks):
-                    break
+                tasks.append(asyncio.create_task(send(seq, chunk, time.perf_counter() - t0)))
             await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
@@ -199,6 +254,7 @@ class WeightPusher:
             raise
         finally:
             producer.close()
+            self.chunk_log = [records[k] for k in sorted(records)]
         return seq + 1, nbytes
 
 

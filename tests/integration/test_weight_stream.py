@@ -1,0 +1,322 @@
+"""The weight stream: multi-rank gather, the in-flight window, abort, timeouts, transports, the benchmark.
+
+The gather and window rules are exercised on ``WeightSession`` with in-memory engines (exact
+control over when each load finishes); the transports and the HTTP path against real reference
+engine processes and an in-process daemon on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from support import serve_app, shm_segments
+
+from colocd.api.app import create_app
+from colocd.api.bench import BenchSettings, run_weights_bench
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from colocd.daemon.config import NodeConfig
+from colocd.daemon.engine_ops import EngineHandle
+from colocd.daemon.errors import ChunkTimeout, WeightSyncError
+from colocd.daemon.metrics import Metrics
+from colocd.daemon.states import EngineState
+from colocd.daemon.trace import Trace
+from colocd.daemon.weights import SessionState, WeightSession
+from colocd.engines.base import RankPayload, WeightsLoad
+from colocd.engines.chunks import tensor_checksum
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.errors import EngineRejected
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.engines.sglang.adapter import _load_format
+from colocd.engines.trainer.ring import RingTable
+
+# --- WeightSession against in-memory engines -----------------------------------------------------
+
+
+class FakeEngine:
+    """An in-memory engine adapter: records every load; with ``gated`` each load waits for its release."""
+
+    def __init__(self, name: str, *, tp: int = 1, gated: bool = False, fail_at: int | None = None,
+                 gpu_uuids: list[str] | None = None) -> None:
+        self.name, self.tp, self.gated, self.fail_at = name, tp, gated, fail_at
+        self.gpu_uuids = gpu_uuids or []
+        self.loads: list[tuple[int, tuple[int, ...], tuple[str, ...]]] = []
+        self.started: defaultdict[int, asyncio.Event] = defaultdict(asyncio.Event)
+        self.release: defaultdict[int, asyncio.Event] = defaultdict(asyncio.Event)
+        self.cancelled: list[int] = []
+        self.active = self.max_active = 0
+
+    async def load_weights(self, load: WeightsLoad) -> None:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.started[load.seq].set()
+        try:
+            if self.gated:
+                await self.release[load.seq].wait()
+            if load.seq == self.fail_at:
+                raise EngineRejected(self.name, f"update_weights_from_tensor#{load.seq}: boom", status=400)
+            self.loads.append((load.seq, tuple(p.rank for p in load.payloads),
+                               tuple(str(p.handle["data"]) for p in load.payloads)))
+        except asyncio.CancelledError:
+            self.cancelled.append(load.seq)
+            raise
+        finally:
+            self.active -= 1
+
+
+def _session(engines: list[FakeEngine], *, ranks: int, depth: int = 2, timeout_s: float = 10.0,
+             sources: dict[str, tuple[int, ...]] | None = None) -> WeightSession:
+    handles = [EngineHandle(adapter=e, state=EngineState(e.name),  # type: ignore[arg-type]
+                            config=ReferenceEngineConfig(name=e.name, url="http://127.0.0.1:9", tp_size=e.tp,
+                                                         gpu_uuids=e.gpu_uuids))
+               for e in engines]
+    return WeightSession(step=1, version="v1", ranks=ranks, engines=handles, depth=depth,
+                         chunk_timeout_s=timeout_s, trace=Trace(1, "weights"), metrics=Metrics(), sources=sources)
+
+
+def _part(rank: int, seq: int, **handle: Any) -> RankPayload:
+    return RankPayload(rank=rank, transport="shm", nbytes=100, handle={"data": f"r{rank}c{seq}", **handle})
+
+
+async def _settle() -> None:
+    """Let every runnable task run until none can make progress (no timers involved)."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+
+
+async def test_each_engine_gets_every_chunk_once_in_order_from_the_ranks_it_needs() -> None:
+    tp2, a, b = FakeEngine("tp2", tp=2), FakeEngine("a"), FakeEngine("b")
+    session = _session([tp2, a, b], ranks=2, sources={"b": (1,)})
+
+    acks = await asyncio.gather(*(session.submit(seq, _part(rank, seq)) for seq in range(6) for rank in (1, 0)))
+    await session.drain(6)
+
+    for engine in (tp2, a, b):
+        assert [seq for seq, _, _ in engine.loads] == list(range(6)), engine.name
+    assert tp2.loads[3] == (3, (0, 1), ("r0c3", "r1c3"))  # TP rank r gets trainer rank r's part
+    assert a.loads[3] == (3, (0,), ("r0c3",))
+    assert b.loads[3] == (3, (1,), ("r1c3",))
+    assert {ack.engines for ack in acks if ack.rank == 0} == {("tp2", "a")}
+    assert {ack.engines for ack in acks if ack.rank == 1} == {("tp2", "b")}
+    stats = session.stats()
+    assert stats["chunks_consumed"] == 6 and stats["open_chunks"] == []
+    assert all(1 <= n <= 2 for n in stats["max_in_flight"].values())
+
+
+async def test_window_is_respected_and_a_slow_engine_holds_back_every_rank() -> None:
+    fast, slow = FakeEngine("fast"), FakeEngine("slow", gated=True)
+    session = _session([fast, slow], ranks=1, depth=2)
+    # A trainer that runs ahead: all six chunks submitted at once.
+    tasks = [asyncio.create_task(session.submit(seq, _part(0, seq))) for seq in range(6)]
+    await _settle()
+
+    assert sorted(slow.started) == [0, 1] and slow.max_active == 2
+    assert [seq for seq, _, _ in fast.loads] == [0, 1]  # the fast engine is held to the window too
+    assert session.stats()["open_chunks"] == [0, 1]  # chunks 2.. are not even accepted yet
+    assert not any(t.done() for t in tasks)  # no ack before the slow engine consumed the chunk
+
+    slow.release[0].set()
+    await _settle()
+    assert tasks[0].done() and not tasks[1].done()
+    assert sorted(slow.started) == [0, 1, 2] and session.stats()["open_chunks"] == [1, 2]
+
+    for seq in range(1, 6):
+        slow.release[seq].set()
+    await asyncio.gather(*tasks)
+    await session.drain(6)
+    in_flight = session.stats()["max_in_flight"]
+    assert in_flight["slow"] == 2 and in_flight["fast"] <= 2
+    assert slow.max_active == 2 and [seq for seq, _, _ in slow.loads] == list(range(6))
+
+
+async def test_a_rank_that_never_sends_its_part_times_out_naming_it() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.2)
+    with pytest.raises(ChunkTimeout, match=r"waiting for chunk 0 from rank 1, which never sent it"):
+        await session.submit(0, _part(0, 0))
+    assert session.state is SessionState.FAILED
+    with pytest.raises(WeightSyncError, match="failed"):
+        await session.submit(1, _part(1, 1))
+
+
+async def test_a_missing_part_of_an_earlier_chunk_is_named_by_the_later_chunks_timeout() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.2)
+    results = await asyncio.gather(session.submit(1, _part(1, 1)), session.submit(0, _part(0, 0)),
+                                   session.submit(1, _part(0, 1)), return_exceptions=True)
+    assert all(isinstance(r, WeightSyncError) for r in results)
+    assert any(isinstance(r, ChunkTimeout) and "chunk 0 from rank 1" in str(r) for r in results), results
+
+
+async def test_a_rank_cannot_run_ahead_of_a_lagging_rank_and_the_wait_names_the_laggard() -> None:
+    engine = FakeEngine("a")  # needs rank 0 only, yet rank 0 may not outrun rank 1 by more than depth
+    session = _session([engine], ranks=2, depth=2, timeout_s=0.2)
+    await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(1, _part(0, 1)))
+    with pytest.raises(ChunkTimeout, match=r"chunk 2: the window is 2 chunks past chunk 0, which rank 1 never sent"):
+        await session.submit(2, _part(0, 2))
+    assert [seq for seq, _, _ in engine.loads] == [0, 1]
+
+
+async def test_commit_names_a_rank_that_sent_nothing_even_when_no_engine_needs_it() -> None:
+    engine = FakeEngine("a")  # tp 1: needs rank 0 only, so rank 0 is acked without rank 1
+    session = _session([engine], ranks=2, timeout_s=0.2)
+    await session.submit(0, _part(0, 0))
+    with pytest.raises(ChunkTimeout, match=r"chunks missing ranks \{0: \[1\]\}"):
+        await session.drain(1)
+
+
+async def test_abort_cancels_in_flight_loads_and_fails_every_waiting_rank() -> None:
+    engine = FakeEngine("slow", gated=True)
+    session = _session([engine], ranks=1, depth=2)
+    tasks = [asyncio.create_task(session.submit(seq, _part(0, seq))) for seq in range(3)]
+    await _settle()
+    await session.abort("trainer gave up")
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, WeightSyncError) and "trainer gave up" in str(r) for r in results), results
+    await _settle()
+    assert sorted(engine.cancelled) == [0, 1] and engine.loads == []
+    assert session.state is SessionState.ABORTED
+
+
+async def test_an_engine_failure_fails_the_session_for_every_rank() -> None:
+    session = _session([FakeEngine("bad", fail_at=1)], ranks=1)
+    results = await asyncio.gather(*(session.submit(s, _part(0, s)) for s in range(3)), return_exceptions=True)
+    assert not isinstance(results[0], BaseException)
+    assert isinstance(results[1], WeightSyncError) and "boom" in str(results[1])
+    assert session.state is SessionState.FAILED and "boom" in str(session.error)
+
+
+async def test_a_handle_from_another_gpu_is_refused_naming_both() -> None:
+    session = _session([FakeEngine("a", gpu_uuids=["GPU-aaaa"])], ranks=1)
+    with pytest.raises(WeightSyncError, match=r"GPU GPU-bbbb, but engine 'a' TP rank 0 runs on GPU GPU-aaaa"):
+        await session.submit(0, _part(0, 0, device_uuid="GPU-bbbb"))
+    assert session.state is SessionState.FAILED
+
+
+def test_each_transport_reaches_the_engine_in_its_load_format() -> None:
+    def fmt(transport: str, **handle: Any) -> str | None:
+        return _load_format(WeightsLoad(0, (RankPayload(0, transport, 1, handle),), 1))
+
+    assert fmt("shm") == "colocd_shm" and fmt("disk") == "colocd_disk" and fmt("ipc_ring") == "colocd_ring"
+    assert fmt("cuda_ipc", load_format="flattened_bucket") == "flattened_bucket"
+    assert fmt("cuda_ipc", load_format="direct") is None  # SGLang's default: a list of (name, tensor)
+
+
+def test_a_cpu_engine_refuses_ring_chunks_clearly() -> None:
+    with pytest.raises(ValueError, match="ipc_ring chunks are CUDA memory; this engine runs on cpu"):
+        RingTable().named_tensors({"ring": "r", "slot": 0, "layout": []}, torch.device("cpu"))
+
+
+# --- over HTTP, real reference engines ---------------------------------------------------------------
+
+
+@asynccontextmanager
+async def _node(count: int, **config: Any) -> AsyncIterator[tuple[AsyncColocdClient, list[ReferenceEngineProcess]]]:
+    """``count`` reference engines (started concurrently), an in-process daemon over them, a client."""
+    async with AsyncExitStack() as stack:
+        procs = [ReferenceEngineProcess(ReferenceEngineConfig(name=f"ref{i}", url="http://127.0.0.1:0"))
+                 for i in range(count)]
+        await asyncio.gather(*(stack.enter_async_context(p) for p in procs))
+        engines = [{"kind": "reference", "name": f"ref{i}", "url": p.url} for i, p in enumerate(procs)]
+        url = await stack.enter_async_context(serve_app(create_app(NodeConfig.model_validate(
+            {"engines": engines, **config}))))
+        client = await stack.enter_async_context(AsyncColocdClient(url))
+        await client.wait_ready(30)
+        await client.phase("train", 1)
+        await client.phase("sync", 1)
+        yield client, procs
+
+
+async def _colocd_checksum(http: httpx.AsyncClient, url: str) -> str:
+    return str((await http.post(f"{url}/weights_checker", json={"action": "checksum"})).json()["colocd_checksum"])
+
+
+async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical() -> None:
+    model = build_model(QwenLikeConfig(), seed=7)
+    named = list(model.named_parameters())
+    async with _node(2) as (client, procs), httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        for transport, depth in (("shm", 2), ("disk", 1)):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)  # new values for each push: each must deliver its own bytes
+            sid = (await client.open_session(f"v-{transport}", ranks=2, depth=depth))["session_id"]
+            pushers = [WeightPusher(client, transport=transport, bucket_mb=0.02, depth=depth, rank=r) for r in (0, 1)]
+            # Each trainer rank holds the full (replicated) tensors, as SGLang requires per GPU.
+            (chunks, _), _ = await asyncio.gather(*(p.stream(sid, named) for p in pushers))
+            commit = await client.commit(sid, chunks)
+
+            for proc in procs:
+                assert await _colocd_checksum(http, str(proc.url)) == tensor_checksum(named), (transport, proc.url)
+            loads = defaultdict(list)
+            for span in commit["trace"]["spans"]:
+                if span["name"] == "load_chunk":
+                    loads[span["engine"]].append(span["attrs"]["seq"])
+            every_chunk_once = list(range(chunks))
+            assert {e: sorted(s) for e, s in loads.items()} == {"ref0": every_chunk_once, "ref1": every_chunk_once}
+            assert all(1 <= n <= depth for n in commit["max_in_flight"].values()), commit["max_in_flight"]
+            assert commit["engines"]["ref1"]["weight_version"] == f"v-{transport}"
+            assert len(pushers[1].chunk_log) == chunks  # rank 1 was acked for every chunk it sent
+    assert not shm_segments()
+
+
+def _abort_after(named: list[tuple[str, torch.Tensor]], n: int, reached: asyncio.Event) -> Iterator[
+        tuple[str, torch.Tensor]]:
+    for i, item in enumerate(named):
+        if i == n:
+            reached.set()
+        yield item
+
+
+async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared_memory() -> None:
+    model = build_model(QwenLikeConfig(), seed=3)
+    async with _node(1) as (client, _):
+        sid = (await client.open_session("v1", ranks=1, depth=2))["session_id"]
+        reached = asyncio.Event()
+        pusher = WeightPusher(client, transport="shm", bucket_mb=0.005, depth=2)
+        stream = asyncio.create_task(pusher.stream(sid, _abort_after(list(model.named_parameters()), 12, reached)))
+        await reached.wait()  # chunks are in flight when the trainer gives up
+        aborted = await client.abort(sid)
+        with pytest.raises(ColocdHTTPError) as err:
+            await stream
+        assert err.value.status == 502 and "aborted" in err.value.body["message"]
+        assert aborted["state"] == "aborted"
+
+        engine = (await client.status())["engines"]["ref0"]
+        assert engine["weight_version"] == "default"
+        assert engine["weights"] == "stale" and engine["generation"] == "paused"
+        with pytest.raises(ColocdHTTPError) as err:
+            await client.phase("rollout", 1)
+        assert err.value.status == 409
+    assert not shm_segments()
+
+
+async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it() -> None:
+    model = build_model(QwenLikeConfig(), seed=4)
+    async with _node(1, timeouts={"chunk_s": 0.5}) as (client, _):
+        sid = (await client.open_session("v1", ranks=2, depth=2))["session_id"]
+        # Two chunks: within rank 0's window, so only the commit notices that rank 1 sent nothing.
+        chunks, _ = await WeightPusher(client, bucket_mb=0.2, rank=0).stream(sid, list(model.named_parameters()))
+        assert chunks == 2
+        with pytest.raises(ColocdHTTPError) as err:
+            await client.commit(sid, chunks)
+        assert err.value.status == 504 and "missing ranks" in err.value.body["message"]
+        assert ": [1]" in err.value.body["message"]
+        assert (await client.status())["engines"]["ref0"]["weights"] == "stale"
+    assert not shm_segments()
+
+
+async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any) -> None:
+    out = tmp_path / "bench.json"
+    record = await run_weights_bench(BenchSettings(model="tiny", device="cpu", variants=("serial", "overlap2",
+                                                                                         "ipc_ring"),
+                                                   bucket_mb=1, repeats=1, warmup=0, out=str(out)))
+    ran = {v["name"]: v for v in record["variants"]}
+    assert ran["serial"]["verified"] and ran["overlap2"]["verified"]
+    assert ran["ipc_ring"]["skipped"] == "needs CUDA"
+    assert ran["serial"]["chunks"] >= 5 and record["floor_s"] > 0
+    assert out.exists() and "overlap_speedup_vs_serial" in record["targets"]
