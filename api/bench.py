@@ -1,0 +1,365 @@
+"""``colocd bench weights``: trainer → daemon → engine weight transfer over HTTP, against the copy floor.
+
+    colocd bench weights --model qwen3-8b --device cuda --out bench/results/weights-qwen3-8b-h200.json
+    colocd bench weights --model tiny --device cpu       # CI smoke run: shm transport, a few MB
+
+Three processes: this one is the trainer; it makes the checkpoint's tensors (HF names and shapes,
+random bf16) on the device, starts a reference engine that holds destination tensors of the same
+shapes (``--sink-shapes``) and a real ``colocd serve`` daemon, then pushes the weights through
+the daemon's HTTP API once per variant and repetition. Every variant is verified: the engine's
+device checksums of what it received equal the trainer's, on fresh random data per variant. The
+floor is measured in the same run: one device-to-device copy of the same bytes, in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from ..engines.config import ReferenceEngineConfig
+from ..engines.reference.launcher import ReferenceEngineProcess
+from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
+from .client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from .procs import DaemonProcess
+
+__all__ = ["VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One way of pushing: which producer, how many chunks in flight, how big a chunk."""
+
+    name: str
+    transport: str
+    depth: int
+    bucket_mb: float  # math.inf: the whole checkpoint in one message
+    slots: int | None = None
+    cuda_only: bool = False
+
+
+# name -> (producer on CUDA, producer on CPU or None, depth, ring slots, one message for everything)
+VARIANTS: dict[str, tuple[str, str | None, int, int | None, bool]] = {
+    "per_tensor": ("per_tensor", None, 1, None, True),  # one IPC handle per tensor, one message
+    "serial": ("cuda_ipc", "shm", 1, None, False),  # fresh bucket per chunk, wait for each ack
+    "overlap2": ("cuda_ipc", "shm", 2, None, False),
+    "overlap3": ("cuda_ipc", "shm", 3, None, False),
+    "ipc_ring": ("ipc_ring", None, 2, 2, False),  # two persistent slots, per chunk only (slot, layout)
+    "ipc_ring3": ("ipc_ring", None, 3, 3, False),
+    "zero_copy": ("zero_copy", None, 2, None, False),  # engine reads the trainer's own storages
+}
+DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3", "ipc_ring", "zero_copy")
+
+
+def parse_variant(spec: str, device: str, bucket_mb: float) -> Variant:
+    """``name`` or ``name@MB`` (a chunk size for this variant only), for the given device."""
+    name, _, size = spec.partition("@")
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
+    on_cuda, on_cpu, depth, slots, whole = VARIANTS[name]
+    cuda = torch.device(device).type == "cuda"
+    transport = on_cuda if cuda else on_cpu
+    mb = math.inf if whole else float(size or bucket_mb)
+    return Variant(spec, transport or on_cuda, depth, mb, slots, cuda_only=transport is None)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    """What to run: checkpoint shape, device, variants, chunk size, repetitions, where to write JSON."""
+
+    model: str = "tiny"
+    device: str = "cpu"
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+    bucket_mb: float = 512.0
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+    out: str | None = None
+
+
+@dataclass
+class VariantResult:
+    """One variant's measurements; times in seconds, best of the repetitions unless named otherwise."""
+
+    name: str
+    transport: str
+    depth: int
+    bucket_mb: float | None
+    chunks: int = 0
+    stream_s: list[float] = field(default_factory=list)  # first export → last ack
+    wall_s: list[float] = field(default_factory=list)  # open session → commit reply
+    open_s: float = 0.0
+    commit_s: float = 0.0
+    control_ms_per_chunk: float = 0.0  # median (round trip - engines' load) of the best run's chunks
+    engine_ms_per_chunk: float = 0.0  # median time the daemon waited on the engine per chunk
+    export_ms_per_chunk: float = 0.0  # median flatten / export time in the trainer
+    verified: bool | None = None
+    skipped: str | None = None
+    rings_opened: int | None = None  # handles the engine had opened after this variant
+
+    def summary(self, nbytes: int, floor_s: float) -> dict[str, Any]:
+        best, wall = min(self.stream_s, default=math.nan), min(self.wall_s, default=math.nan)
+        return {
+            **asdict(self),
+            "best_stream_s": best,
+            "best_wall_s": wall,
+            "gb_per_s": nbytes / best / 1e9 if self.stream_s else None,
+            "x_floor": best / floor_s if self.stream_s else None,
+            "wall_x_floor": wall / floor_s if self.wall_s else None,
+        }
+
+
+def _make_tensors(model: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    # Separate allocations, as a plain torch model has them (one caching-allocator block each).
+    return [
+        (name, torch.empty(shape, dtype=torch.bfloat16, device=device)) for name, shape in hf_shapes(model)
+    ]
+
+
+def _refill(named: Sequence[tuple[str, torch.Tensor]], seed: int) -> list[list[int]]:
+    """Fresh random values (so a variant can only pass by delivering them); their device checksums."""
+    gen = torch.Generator(device=named[0][1].device).manual_seed(seed)
+    for _, t in named:
+        t.normal_(generator=gen)
+    return device_checksum(t for _, t in named)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_floor(named: Sequence[tuple[str, torch.Tensor]], device: torch.device, repeats: int) -> float:
+    """Best time of one copy of every tensor into a separate destination, in this process."""
+    dst = [torch.empty_like(t) for _, t in named]
+    times = []
+    for i in range(repeats + 1):  # the first is a warm-up
+        _sync(device)
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            for d, (_, s) in zip(dst, named, strict=True):
+                d.copy_(s)
+            end.record()
+            end.synchronize()
+            elapsed = float(start.elapsed_time(end)) / 1e3
+        else:
+            t0 = time.perf_counter()
+            for d, (_, s) in zip(dst, named, strict=True):
+                d.copy_(s)
+            elapsed = time.perf_counter() - t0
+        if i:
+            times.append(elapsed)
+    if device_checksum(dst) != device_checksum(s for _, s in named):
+        raise RuntimeError("floor copy produced different bytes")
+    del dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return min(times)
+
+
+async def _push_once(
+    client: AsyncColocdClient,
+    pusher: WeightPusher,
+    named: Sequence[tuple[str, torch.Tensor]],
+    version: str,
+    depth: int,
+) -> tuple[float, float, float, float, int]:
+    """(open, stream, commit, wall) seconds and the chunk count of one full session."""
+    t0 = time.perf_counter()
+    sid = (await client.open_session(version, ranks=1, depth=depth))["session_id"]
+    t1 = time.perf_counter()
+    try:
+        chunks, _ = await pusher.stream(sid, named)
+        t2 = time.perf_counter()
+        await client.commit(sid, chunks)
+    except BaseException:
+        try:
+            await client.abort(sid)
+        except (ColocdHTTPError, httpx.TransportError):
+            pass  # already failed; the original error matters
+        raise
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t3 - t0, chunks
+
+
+async def _run_variant(
+    variant: Variant,
+    settings: BenchSettings,
+    client: AsyncColocdClient,
+    http: httpx.AsyncClient,
+    engine_url: str,
+    named: Sequence[tuple[str, torch.Tensor]],
+    seed: int,
+) -> VariantResult:
+    result = VariantResult(
+        variant.name,
+        variant.transport,
+        variant.depth,
+        None if math.isinf(variant.bucket_mb) else variant.bucket_mb,
+    )
+    if variant.cuda_only and torch.device(settings.device).type != "cuda":
+        result.skipped = "needs CUDA"
+        return result
+    best_log: list[Any] = []
+    verified = True
+    async with WeightPusher(
+        client,
+        transport=variant.transport,
+        bucket_mb=min(variant.bucket_mb, 1 << 30),
+        depth=variant.depth,
+        slots=variant.slots,
+    ) as pusher:
+        for i in range(settings.warmup + settings.repeats):
+            # Fresh values before every push, checked after it: no repetition can pass on the bytes
+            # an earlier one delivered.
+            expected = _refill(named, seed * 1000 + i)
+            open_s, stream_s, commit_s, wall_s, chunks = await _push_once(
+                client, pusher, named, f"{variant.name}-{i}", variant.depth
+            )
+            sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
+            verified &= [sink["checksums"][name] for name, _ in named] == expected
+            result.rings_opened = int(sink["rings_opened"])
+            if i < settings.warmup:
+                continue
+            if not result.stream_s or stream_s < min(result.stream_s):
+                best_log, result.open_s, result.commit_s = list(pusher.chunk_log), open_s, commit_s
+            result.stream_s.append(stream_s)
+            result.wall_s.append(wall_s)
+            result.chunks = chunks
+    result.verified = verified
+    if best_log:
+        result.control_ms_per_chunk = 1e3 * statistics.median(c.round_trip_s - c.load_s for c in best_log)
+        result.engine_ms_per_chunk = 1e3 * statistics.median(c.load_s for c in best_log)
+        result.export_ms_per_chunk = 1e3 * statistics.median(c.export_s for c in best_log)
+    return result
+
+
+def _table(results: list[dict[str, Any]], floor_s: float, nbytes: int) -> str:
+    head = (
+        f"{'variant':<14}{'transport':<11}{'depth':>5}{'chunk MiB':>10}{'chunks':>7}{'stream ms':>10}"
+        f"{'GB/s':>8}{'x floor':>8}{'wall ms':>9}{'wall x':>7}{'ctl ms/chunk':>13}{'engine ms':>10}  ok"
+    )
+    floor = f"{floor_s * 1e3:.2f} ms ({nbytes / floor_s / 1e9:.0f} GB/s)"
+    lines = [f"floor: one device-to-device copy of {nbytes / 1e9:.2f} GB in one process: {floor}", head]
+    for r in results:
+        if r["skipped"]:
+            lines.append(f"{r['name']:<14}{r['transport']:<11}  skipped: {r['skipped']}")
+            continue
+        bucket = "all" if r["bucket_mb"] is None else f"{r['bucket_mb']:g}"
+        lines.append(
+            f"{r['name']:<14}{r['transport']:<11}{r['depth']:>5}{bucket:>10}{r['chunks']:>7}"
+            f"{r['best_stream_s'] * 1e3:>10.2f}{r['gb_per_s']:>8.1f}{r['x_floor']:>8.2f}"
+            f"{r['best_wall_s'] * 1e3:>9.2f}{r['wall_x_floor']:>7.2f}{r['control_ms_per_chunk']:>13.2f}"
+            f"{r['engine_ms_per_chunk']:>10.2f}  {'yes' if r['verified'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def _targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    ran = {r["name"]: r for r in results if not r["skipped"] and r["verified"]}
+    out: dict[str, Any] = {}
+    if ran:
+        best = min(ran.values(), key=lambda r: r["best_stream_s"])
+        out["best_variant"] = best["name"]
+        out["best_x_floor"] = best["x_floor"]
+        out["best_wall_x_floor"] = min(r["wall_x_floor"] for r in ran.values())
+    overlaps = [ran[n]["best_stream_s"] for n in ("overlap2", "overlap3") if n in ran]
+    if "serial" in ran and overlaps:
+        out["overlap_speedup_vs_serial"] = ran["serial"]["best_stream_s"] / min(overlaps)
+    return out
+
+
+async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
+    """Run every variant; print the table; return (and write to ``settings.out``) the JSON record."""
+    if settings.model not in MODEL_SHAPES:
+        raise ValueError(f"unknown model {settings.model!r}; known: {sorted(MODEL_SHAPES)}")
+    device = torch.device(settings.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    variants = [parse_variant(v, settings.device, settings.bucket_mb) for v in settings.variants]
+    named = _make_tensors(settings.model, device)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    _refill(named, settings.seed)
+    floor_s = measure_floor(named, device, max(settings.repeats, 5))
+    print(
+        f"colocd bench weights: {settings.model} ({len(named)} tensors, {nbytes / 1e9:.2f} GB) "
+        f"on {device}; floor {floor_s * 1e3:.2f} ms",
+        flush=True,
+    )
+
+    workdir = tempfile.mkdtemp(prefix="colocd-bench-")
+    engine_cfg = ReferenceEngineConfig.model_validate(
+        {
+            "name": "ref0",
+            "url": "http://127.0.0.1:0",
+            "device": settings.device,
+            "launch": {
+                "args": ["--sink-shapes", settings.model],
+                "ready_timeout_s": 600,
+                "log_file": f"{workdir}/engine.log",
+            },
+        }
+    )
+    results: list[VariantResult] = []
+    async with ReferenceEngineProcess(engine_cfg) as engine:
+        assert engine.url is not None
+        daemon_cfg = {
+            "engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+            "timeouts": {"default_s": 600, "chunk_s": 600},
+        }
+        async with (
+            DaemonProcess(daemon_cfg, workdir=workdir) as daemon,
+            AsyncColocdClient(daemon.url) as client,
+            httpx.AsyncClient(timeout=600, trust_env=False) as http,
+        ):
+            await client.wait_ready(120)
+            await client.phase("train", 1)
+            await client.phase("sync", 1)  # engine paused, weights resident: sessions may open
+            for i, variant in enumerate(variants):
+                result = await _run_variant(
+                    variant, settings, client, http, engine.url, named, settings.seed + 1 + i
+                )
+                results.append(result)
+                status = "skipped" if result.skipped else f"best {min(result.stream_s) * 1e3:.2f} ms"
+                print(f"  {variant.name}: {status}", flush=True)
+    summaries = [r.summary(nbytes, floor_s) for r in results]
+    record = {
+        "command": "colocd bench weights " + " ".join(sys.argv[3:])
+        if sys.argv[1:3] == ["bench", "weights"]
+        else " ".join(sys.argv),
+        "model": settings.model,
+        "tensors": len(named),
+        "bytes": nbytes,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "settings": asdict(settings),
+        "floor_s": floor_s,
+        "floor_gb_per_s": nbytes / floor_s / 1e9,
+        "variants": summaries,
+        "targets": _targets(summaries),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(_table(summaries, floor_s, nbytes), flush=True)
+    print("targets: " + json.dumps(record["targets"]), flush=True)
+    if settings.out:
+        _write_json(Path(settings.out), record)
+    return record
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
