@@ -21,11 +21,13 @@ from ..engines.base import RankPayload
 from ..policies import PolicyError
 from .errors import install_error_handlers
 from .schemas import (
+    BroadcastRequest,
     ChunkAckReply,
     ChunkDescriptor,
     CommitRequest,
     OpenSessionReply,
     OpenSessionRequest,
+    OpenWeightGroupRequest,
     PhaseRequest,
     SleepRequest,
     TransitionReply,
@@ -134,6 +136,25 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         if d.session is None or d.session.id != session_id:
             raise NotFound(f"no weight session {session_id!r}")
         return d.session.stats()
+
+    @app.get("/v1/weights/groups")
+    async def weight_groups(d: D) -> dict[str, Any]:
+        """The rank layout a trainer needs before building its side (world size, rank offsets); open groups."""
+        return d.weight_group_info()
+
+    @app.post("/v1/weights/groups", dependencies=mutating)
+    async def open_weight_group(body: OpenWeightGroupRequest, d: D) -> dict[str, Any]:
+        """Every engine joins; returns once all joined, so the trainer must join concurrently (never after)."""
+        return await d.open_weight_group(**body.model_dump())
+
+    @app.delete("/v1/weights/groups/{group_name}", dependencies=mutating)
+    async def close_weight_group(group_name: str, d: D) -> dict[str, Any]:
+        return await d.close_weight_group(group_name)
+
+    @app.post("/v1/weights/sessions/{session_id}/broadcasts", dependencies=mutating)
+    async def post_broadcast(session_id: str, body: BroadcastRequest, d: D) -> dict[str, Any]:
+        """Forwarded to every engine at once; returns when all loaded it. Broadcast while it is in flight."""
+        return await d.broadcast_weights(session_id, body.descriptor())
 
     @app.post("/v1/update_weights", dependencies=mutating)
     async def update_weights(body: UpdateWeightsRequest, d: D) -> dict[str, Any]:

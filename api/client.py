@@ -133,6 +133,22 @@ class AsyncColocdClient:
     async def abort(self, session_id: str) -> dict[str, Any]:
         return await self._request("POST", f"/v1/weights/sessions/{session_id}/abort")  # type: ignore[no-any-return]
 
+    async def weight_groups(self) -> dict[str, Any]:
+        """The rank layout (world size, each engine's rank_offset) and the open weight-update groups."""
+        return await self._request("GET", "/v1/weights/groups")  # type: ignore[no-any-return]
+
+    async def open_weight_group(self, **spec: Any) -> dict[str, Any]:
+        """Returns once every engine joined: join your side concurrently (see ``api.distributed``)."""
+        return await self._request("POST", "/v1/weights/groups", spec)  # type: ignore[no-any-return]
+
+    async def close_weight_group(self, group_name: str) -> dict[str, Any]:
+        return await self._request("DELETE", f"/v1/weights/groups/{group_name}")  # type: ignore[no-any-return]
+
+    async def send_broadcast(self, session_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
+        """Returns once every engine received and loaded it: broadcast while it is in flight."""
+        return await self._request("POST", f"/v1/weights/sessions/{session_id}/broadcasts",  # type: ignore[no-any-return]
+                                   descriptor)
+
     async def trace(self, step: int, fmt: str = "json") -> dict[str, Any]:
         return await self._request("GET", f"/v1/traces/{step}", params={"format": fmt})  # type: ignore[no-any-return]
 

@@ -18,6 +18,7 @@ from ..daemon.errors import (
     EngineUnreachable,
     MemoryNotConfirmed,
     NotFound,
+    StepTimeout,
     TransitionFailed,
     TransitionRejected,
     WeightSyncError,
@@ -33,6 +34,7 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (NotFound, 404),
     (ConfigError, 400),
     (ChunkTimeout, 504),
+    (StepTimeout, 504),
     (MemoryNotConfirmed, 504),
     (EngineTimeout, 504),
     (EngineUnreachable, 503),
@@ -57,6 +59,10 @@ def _body(exc: Exception, status: int) -> dict[str, object]:
         body["state"] = exc.state
     if isinstance(exc, EngineError):
         body["engine"] = exc.engine
+    if isinstance(exc, TransitionFailed):
+        body.update(engine=exc.engine, step=exc.step)
+        if isinstance(exc, StepTimeout):
+            body["budget_s"] = exc.budget_s
     return body
 
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..daemon.distributed import BroadcastDescriptor
 from ..engines.base import MemoryTag
 
 __all__ = [
+    "BroadcastRequest",
     "ChunkAckReply",
     "ChunkDescriptor",
     "CommitRequest",
     "ErrorReply",
     "OpenSessionReply",
     "OpenSessionRequest",
+    "OpenWeightGroupRequest",
     "PhaseRequest",
     "SleepRequest",
     "TransitionReply",
@@ -100,6 +103,39 @@ class UpdateWeightsRequest(_Strict):
     version: str = Field(..., min_length=1, max_length=256)
     step: int | None = Field(None, ge=0)
     chunks: list[ChunkDescriptor] = Field(..., min_length=1)
+
+
+class OpenWeightGroupRequest(_Strict):
+    """Have every engine join the trainer's weight-update group; the trainer joins as rank 0 meanwhile."""
+
+    group_name: str = Field("weight_update_group", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    master_address: str = Field(..., min_length=1, max_length=255, description="host of the trainer's TCPStore")
+    master_port: int = Field(..., ge=1, le=65535, description="port of the trainer's TCPStore")
+    backend: Literal["nccl", "gloo"] = Field("nccl", description="nccl between GPUs; gloo on CPU engines")
+    world_size: int | None = Field(None, ge=2, description="ranks in the group; default 1 + this node's engine ranks")
+    first_rank: int = Field(1, ge=1, description="group rank of this node's first engine rank (several nodes)")
+
+
+class BroadcastRequest(_Strict):
+    """One broadcast: the daemon forwards it to every engine at once; send it, then broadcast, then await it."""
+
+    seq: int = Field(..., ge=0, description="0, 1, 2, ... within the session, per group")
+    group_name: str = "weight_update_group"
+    names: list[str] = Field(..., min_length=1, description="tensors in broadcast order (HF names)")
+    dtypes: list[str] = Field(..., description="torch short names, e.g. bfloat16")
+    shapes: list[list[int]]
+    load_format: Literal["flattened_bucket"] | None = Field(
+        None, description="null: one broadcast per tensor; flattened_bucket: one uint8 broadcast, no padding")
+
+    @model_validator(mode="after")
+    def _valid_layout(self) -> BroadcastRequest:
+        self.descriptor()  # ValueError (lengths, dtypes, flattened alignment) becomes a 422
+        return self
+
+    def descriptor(self) -> BroadcastDescriptor:
+        return BroadcastDescriptor(seq=self.seq, group_name=self.group_name, names=tuple(self.names),
+                                   dtypes=tuple(self.dtypes), shapes=tuple(tuple(s) for s in self.shapes),
+                                   load_format=self.load_format)
 
 
 class ErrorReply(BaseModel):

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode
 from .config import Timeouts
-from .errors import EngineError, TransitionFailed
+from .errors import EngineError, StepTimeout
 from .memory import NvmlProbe
 from .metrics import Metrics
 from .states import EngineState, Generation, TagState
@@ -52,8 +52,8 @@ async def _timed(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str
             async with asyncio.timeout(budget_s):
                 result = await coro
         except TimeoutError as exc:
-            raise TransitionFailed(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
-                                   engine=engine.name, step=name) from exc
+            raise StepTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
+                              engine=engine.name, step=name, budget_s=budget_s) from exc
         except EngineError as exc:
             engine.state = engine.state.with_(last_error=str(exc))
             raise

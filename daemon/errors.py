@@ -4,6 +4,7 @@
     ├── TransitionRejected      illegal from the current state; nothing changed        → 409
     ├── NotFound                unknown engine / session / step                          → 404
     ├── TransitionFailed        an engine call failed mid-transition; .engine, .step    → 502
+    │   └── StepTimeout         an engine call exceeded its budget; .budget_s            → 504
     ├── MemoryNotConfirmed      NVML never showed the released bytes back               → 504
     ├── WeightSyncError         a weight session failed or was aborted                  → 502
     │   └── ChunkTimeout        a rank never sent its part of a chunk; names the rank   → 504
@@ -34,6 +35,7 @@ __all__ = [
     "EngineUnreachable",
     "MemoryNotConfirmed",
     "NotFound",
+    "StepTimeout",
     "TransitionFailed",
     "TransitionRejected",
     "WeightSyncError",
@@ -63,6 +65,14 @@ class TransitionFailed(ColocdError):
         super().__init__(message)
         self.engine = engine
         self.step = step
+
+
+class StepTimeout(TransitionFailed):
+    """An engine call did not finish within its step's budget; the message names the step and budget."""
+
+    def __init__(self, message: str, *, engine: str, step: str, budget_s: float) -> None:
+        super().__init__(message, engine=engine, step=step)
+        self.budget_s = budget_s
 
 
 class MemoryNotConfirmed(ColocdError):

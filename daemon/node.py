@@ -21,6 +21,7 @@ from ..engines.base import EngineAdapter, MemoryTag, PauseMode, RankPayload
 from ..engines.registry import build_adapter
 from . import engine_ops as ops
 from .config import NodeConfig
+from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
 from .errors import (
     ColocdError,
@@ -84,6 +85,7 @@ class Daemon:
         self._busy_with: str | None = None
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
         self.session: WeightSession | None = None
+        self.weight_groups = WeightGroups(self.metrics)  # separated GPUs: daemon/distributed.py
         self._journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
@@ -468,6 +470,7 @@ class Daemon:
     async def commit_weights(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
         session = self._session(session_id)
         async with self._exclusive("commit_weights"):
+            self.weight_groups.check_settled(session)
             try:
                 await session.drain(num_chunks)
             except BaseException:
@@ -479,7 +482,8 @@ class Daemon:
             self.metrics.weight_sessions.labels("committed").inc()
             self.traces.put(session.trace)
             self._journal_append("weights", session.step)
-            return {**session.stats(), "engines": {n: e.state.snapshot() for n, e in self.engines.items()},
+            return {**session.stats(), "broadcasts": self.weight_groups.session_stats(session.id),
+                    "engines": {n: e.state.snapshot() for n, e in self.engines.items()},
                     "trace": session.trace.to_json()}
 
     async def abort_weights(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
@@ -519,6 +523,41 @@ class Daemon:
         else:
             # Best effort: an engine that cannot even end its session is already marked stale.
             await asyncio.gather(*(one(e) for e in self.engines.values()), return_exceptions=True)
+
+    # -- separated GPUs: weight-update groups and broadcasts (daemon/distributed.py) -----------------
+    def weight_group_info(self) -> dict[str, Any]:
+        return self.weight_groups.snapshot(list(self.engines.values()))
+
+    async def open_weight_group(self, *, group_name: str, master_address: str, master_port: int, backend: str,
+                                world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
+        """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
+        async with self._exclusive("open_weight_group"):
+            await self._require_attached()
+            trace = Trace(self.node.step, "weight_group")
+            try:
+                record = await self.weight_groups.open(
+                    list(self.engines.values()), group_name=group_name, master_address=master_address,
+                    master_port=master_port, backend=backend, world_size=world_size, first_rank=first_rank,
+                    t=self._timeouts(), trace=trace)
+            finally:
+                self.traces.put(trace)
+            return {**record.snapshot(), "trace": trace.to_json()}
+
+    async def close_weight_group(self, group_name: str) -> dict[str, Any]:
+        """Destroy the group on every engine and forget it."""
+        async with self._exclusive("close_weight_group"):
+            trace = Trace(self.node.step, "weight_group")
+            return await self.weight_groups.close(list(self.engines.values()), group_name, self._timeouts(), trace)
+
+    async def broadcast_weights(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
+        """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
+        session = self._session(session_id)
+        try:
+            return await self.weight_groups.broadcast(session, list(self.engines.values()), descriptor,
+                                                      self._timeouts())
+        finally:
+            if session.state is not SessionState.OPEN:
+                await self._finish_failed(session)  # engines end their update, stay paused, weights stale
 
     # -- policy hooks --------------------------------------------------------------------------
     def _pipeline_depth(self) -> int:

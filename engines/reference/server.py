@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from ..base import PauseMode
+from .distributed import DistributedUpdates, distributed_routes
 from .engine import EngineRefusal, EngineState, ReferenceEngine
 from .settings import ReferenceServerSettings
 from .wire import (
@@ -55,6 +56,7 @@ class _Unauthorized(Exception):
 def create_app(settings: ReferenceServerSettings) -> FastAPI:
     """The app for one engine; the engine starts building its model when the app's lifespan starts."""
     engine = ReferenceEngine(settings)
+    distributed = DistributedUpdates(engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,6 +69,7 @@ def create_app(settings: ReferenceServerSettings) -> FastAPI:
             start.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await start
+            distributed.close()
             await engine.aclose()
 
     app = FastAPI(lifespan=lifespan, title="colocd reference engine", docs_url=None, redoc_url=None)
@@ -75,6 +78,7 @@ def create_app(settings: ReferenceServerSettings) -> FastAPI:
     app.include_router(_health_routes(engine, settings))
     app.include_router(_info_routes(engine, settings), dependencies=[Depends(_auth(settings.api_key))])
     app.include_router(_control_routes(engine, settings), dependencies=[Depends(_auth(settings.api_key))])
+    app.include_router(distributed_routes(distributed), dependencies=[Depends(_auth(settings.api_key))])
     return app
 
 

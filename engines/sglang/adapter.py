@@ -158,6 +158,35 @@ class SGLangAdapter:
                 await self._call("POST", request.ROUTE, "end_weight_update", wire.body(request, self.protocol)),
                 "end_weight_update")
 
+    # -- separated GPUs (research §1.6): each call blocks on a collective the trainer runs meanwhile --
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Join the trainer's weight-update group; SGLang answers only once every rank joined."""
+        request = wire.InitWeightsUpdateGroupReqInput(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend)
+        await self._control(request, "init_weights_update_group")
+
+    async def update_weights_from_distributed(self, *, seq: int, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str, load_format: str | None,
+                                              flush_cache: bool = False, weight_version: str | None = None) -> None:
+        """Receive one broadcast (per tensor, or one ``flattened_bucket``) from rank 0 and load it."""
+        request = wire.UpdateWeightsFromDistributedReqInput(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
+            abort_all_requests=False, weight_version=weight_version, load_format=load_format)
+        await self._control(request, f"update_weights_from_distributed#{seq}")
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._control(wire.DestroyWeightsUpdateGroupReqInput(group_name=group_name),
+                            "destroy_weights_update_group")
+
+    async def _control(self, request: wire.SGLangRequest, what: str) -> None:
+        try:
+            body = wire.body(request, self.protocol)
+        except ValueError as exc:  # a field this SGLang lacks, e.g. load_format before 0.5.5
+            raise EngineProtocolError(self.name, f"{what}: {exc}") from exc
+        self._check_success(await self._call("POST", request.ROUTE, what, body), what)
+
     async def set_weight_version(self, version: str) -> None:
         # abort_all_requests defaults to true in SGLang; the engine is paused here anyway and we
         # never want a version bump to kill requests on its own.

@@ -1,0 +1,199 @@
+"""The trainer's side of separated-GPU weight updates: rank 0 of a weight-update group, broadcasting while
+the daemon's request is in flight.
+
+    async with DistributedWeightSender(client, backend="nccl", master_address="10.0.0.5") as sender:
+        await sender.open_group()                      # once; every engine joins meanwhile
+        for step in steps:
+            ...                                        # train, then client.phase("sync", step)
+            await sender.push(model.named_parameters(), version=str(step), step=step)
+            await client.phase("rollout", step)
+
+Every collective overlaps its HTTP call (research/engine-apis.md §6.3): the request goes out first,
+the collective runs on its own thread, and the two are awaited together. The daemon answers only
+once the engines have received, so awaiting its answer before broadcasting would deadlock until a
+timeout. After a failure on either side the group's collective sequence is unknown: the sender
+leaves the group (the engines' pending receives then fail at once), has the daemon destroy it, and
+raises; ``open_group()`` builds a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+import httpx
+import torch
+
+from ..engines.chunks import plan_buckets
+from ..engines.weight_group import WeightGroup, bucket_order, dtype_name, master_store, off_loop
+from .client import AsyncColocdClient, ColocdHTTPError, PushReport
+
+__all__ = ["DistributedWeightSender"]
+
+_T = TypeVar("_T")
+FLATTENED = "flattened_bucket"
+
+
+class DistributedWeightSender:
+    """Rank 0 of one weight-update group: opens it with the node's engines, broadcasts buckets, closes it.
+
+    ``flattened``: one uint8 broadcast per bucket (SGLang's ``flattened_bucket``, tensors ordered by
+    decreasing itemsize so every offset is aligned), else one broadcast per tensor. ``backend`` is
+    ``nccl`` between GPUs and ``gloo`` on CPU. ``timeout_s`` bounds the rendezvous and each collective.
+    """
+
+    def __init__(self, client: AsyncColocdClient, *, group_name: str = "weight_update_group",
+                 backend: str = "nccl", master_address: str = "127.0.0.1", bucket_mb: float = 64.0,
+                 flattened: bool = True, timeout_s: float = 600.0) -> None:
+        self._client = client
+        self.group_name = group_name
+        self.backend = backend
+        self.master_address = master_address
+        self._bucket_bytes = max(int(bucket_mb * 1024 * 1024), 1)
+        self._flattened = flattened
+        self._timeout_s = timeout_s
+        self._group: WeightGroup | None = None
+
+    async def __aenter__(self) -> DistributedWeightSender:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def group_open(self) -> bool:
+        return self._group is not None
+
+    async def open_group(self) -> dict[str, Any]:
+        """Serve the group's store, then join as rank 0 while the daemon has every engine join."""
+        if self._group is not None:
+            raise RuntimeError(f"weight-update group {self.group_name!r} is already open")
+        world_size = int((await self._client.weight_groups())["layout"]["world_size"])
+        store = await off_loop(lambda: master_store(self.master_address, world_size, self._timeout_s),
+                               name="colocd-trainer-store")
+        http = asyncio.ensure_future(self._client.open_weight_group(
+            group_name=self.group_name, master_address=self.master_address, master_port=store.port,
+            backend=self.backend, world_size=world_size))
+        joining = off_loop(lambda: WeightGroup.join(
+            master_address=self.master_address, master_port=store.port, rank=0, world_size=world_size,
+            group_name=self.group_name, backend=self.backend, timeout_s=self._timeout_s, store=store),
+            name="colocd-trainer-join")
+        try:
+            group, reply = await self._together(joining, http)
+        except BaseException:
+            joining.add_done_callback(_leave_when_joined)
+            with contextlib.suppress(ColocdHTTPError, httpx.TransportError):
+                await self._client.close_weight_group(self.group_name)  # the daemon may have kept nothing
+            raise
+        self._group = group
+        return reply
+
+    async def broadcast(self, session_id: str, seq: int, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Send one bucket: the descriptor first, then the broadcast(s), then await the daemon's answer."""
+        group = self._require_group()
+        ordered = bucket_order(named) if self._flattened else list(named)
+        descriptor = {"seq": seq, "group_name": self.group_name, "names": [n for n, _ in ordered],
+                      "dtypes": [dtype_name(t.dtype) for _, t in ordered],
+                      "shapes": [list(t.shape) for _, t in ordered],
+                      "load_format": FLATTENED if self._flattened else None}
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        flattened = self._flattened
+
+        def send() -> None:
+            # Staging copies run here, off the event loop, after the descriptor went out.
+            tensors = [t.detach().to(device).contiguous() for _, t in ordered]
+            if flattened:
+                tensors = [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])]
+            for tensor in tensors:
+                group.broadcast(tensor, src=0)
+
+        http = asyncio.ensure_future(self._client.send_broadcast(session_id, descriptor))
+        try:
+            _, reply = await self._together(off_loop(send, name=f"colocd-trainer-bcast-{seq}"), http)
+        except BaseException:
+            await self._abandon()
+            raise
+        return reply
+
+    async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """Broadcast every bucket of an open session, one at a time (a group carries one collective
+        sequence); returns (broadcasts, bytes)."""
+        count = nbytes = 0
+        for seq, bucket in enumerate(plan_buckets(named, self._bucket_bytes)):
+            reply = await self.broadcast(session_id, seq, bucket)
+            count, nbytes = seq + 1, nbytes + int(reply["nbytes"])
+        return count, nbytes
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
+                   step: int | None = None) -> PushReport:
+        """Open a weight session, broadcast every bucket, commit; on failure abort the session and raise."""
+        t0 = time.perf_counter()
+        session = await self._client.open_session(version, step=step, ranks=1)
+        sid = session["session_id"]
+        try:
+            count, nbytes = await self.stream(sid, named)
+            commit = await self._client.commit(sid)
+        except BaseException:
+            with contextlib.suppress(ColocdHTTPError, httpx.TransportError):
+                await self._client.abort(sid)  # the session may already have failed; the first error matters
+            raise
+        return PushReport(sid, version, count, nbytes, time.perf_counter() - t0, commit)
+
+    async def close_group(self) -> dict[str, Any] | None:
+        """Have the daemon destroy the group on every engine, then leave it.
+
+        Returns the daemon's answer, or None if the daemon no longer had the group (it destroys a
+        group after a failed broadcast; leaving it here is what lets the engines' receives end).
+        """
+        group, self._group = self._group, None
+        if group is None:
+            return None
+        try:
+            return await self._client.close_weight_group(self.group_name)
+        except ColocdHTTPError as exc:
+            if exc.status != 404:
+                raise
+            return None
+        finally:
+            await off_loop(group.close, name="colocd-trainer-leave")
+
+    async def aclose(self) -> None:
+        await self.close_group()
+
+    def _require_group(self) -> WeightGroup:
+        if self._group is None:
+            raise RuntimeError(f"weight-update group {self.group_name!r} is not open; call open_group() first")
+        return self._group
+
+    async def _together(self, collective: asyncio.Future[_T], http: asyncio.Future[dict[str, Any]],
+                        ) -> tuple[_T, dict[str, Any]]:
+        """Await a collective and its HTTP call together; whichever fails first is raised at once."""
+        pending: set[asyncio.Future[Any]] = {collective, http}
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for future in done:
+                        if (error := future.exception()) is not None:
+                            raise error
+        except BaseException:
+            http.cancel()  # the daemon's own budget ends its side
+            raise
+        return collective.result(), http.result()
+
+    async def _abandon(self) -> None:
+        """After a failure: have the daemon destroy the group, and leave it without waiting (a broadcast
+        of ours may still be pending on it; it fails once the engines are gone)."""
+        group, self._group = self._group, None
+        with contextlib.suppress(ColocdHTTPError, httpx.TransportError):
+            await self._client.close_weight_group(self.group_name)  # 404 if the daemon destroyed it already
+        if group is not None:
+            off_loop(group.close, name="colocd-trainer-leave")
+
+
+def _leave_when_joined(joining: asyncio.Future[WeightGroup]) -> None:
+    if not joining.cancelled() and joining.exception() is None:
+        off_loop(joining.result().close, name="colocd-trainer-leave")

@@ -1,0 +1,341 @@
+"""Separated-GPU weight updates: persistent weight-update groups, and broadcasts inside a weight session.
+
+Data path: the trainer (rank 0 of the group) POSTs a broadcast descriptor → the daemon forwards
+``/update_weights_from_distributed`` to every engine at once → each engine blocks in its receive
+while the trainer broadcasts → the daemon answers once every engine has loaded it. The HTTP request
+and the collective overlap (research/engine-apis.md §6.3): nothing here waits on the trainer before
+forwarding, and the trainer broadcasts before it awaits the answer. Opening a group works the same
+way: every engine's ``/init_weights_update_group`` is in flight while the trainer joins (§1.6).
+
+A group whose collective sequence may be out of step (a failed or timed-out broadcast, a failed
+join) is destroyed on every engine and forgotten, so the trainer can open it again under its name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+from ..engines.weight_group import BACKEND_DEVICES, flattened_layout, parse_dtype
+from . import engine_ops as ops
+from .engine_ops import EngineHandle
+from .errors import EngineError, NotFound, StepTimeout, TransitionRejected, WeightSyncError
+from .metrics import Metrics
+from .policy_runtime import EffectiveTimeouts
+from .trace import Trace
+from .weights import SessionState, WeightSession
+
+__all__ = [
+    "BroadcastDescriptor",
+    "GroupState",
+    "SupportsWeightGroups",
+    "WeightGroupRecord",
+    "WeightGroups",
+    "rank_layout",
+]
+
+FLATTENED = "flattened_bucket"
+
+
+@runtime_checkable
+class SupportsWeightGroups(Protocol):
+    """The adapter verbs of the distributed path (SGLang's; ``engines/sglang/adapter.py``)."""
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None: ...
+
+    async def update_weights_from_distributed(self, *, seq: int, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str, load_format: str | None,
+                                              flush_cache: bool = False, weight_version: str | None = None,
+                                              ) -> None: ...
+
+    async def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+
+class GroupState(StrEnum):
+    JOINING = "joining"  # engines' /init_weights_update_group in flight
+    READY = "ready"
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastDescriptor:
+    """One broadcast as the trainer runs it: tensors in broadcast order, one broadcast each or one flattened bucket.
+
+    Construction validates it (``ValueError`` naming the field), so an engine never receives a layout
+    the trainer cannot have sent.
+    """
+
+    seq: int
+    group_name: str
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    load_format: str | None = None  # None: one broadcast per tensor; "flattened_bucket": one uint8 broadcast
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("names: a broadcast carries at least one tensor")
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes need one entry per tensor; got "
+                             f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}")
+        if self.load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format: {self.load_format!r} is not null or {FLATTENED!r}")
+        for i, dtype in enumerate(self.dtypes):
+            parse_dtype(dtype)  # ValueError names the dtype
+            if any(d < 0 for d in self.shapes[i]):
+                raise ValueError(f"shapes.{i}: negative dimension in {list(self.shapes[i])}")
+        if self.load_format == FLATTENED:
+            flattened_layout(self.names, self.dtypes, self.shapes)  # offsets aligned to each itemsize
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for dtype, shape in zip(self.dtypes, self.shapes, strict=True):
+            n = parse_dtype(dtype).itemsize
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+@dataclass
+class WeightGroupRecord:
+    """One group as the daemon holds it: where its store is, each engine's first rank, what went through it."""
+
+    name: str
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offsets: dict[str, int]
+    state: GroupState = GroupState.JOINING
+    opened_at: float = field(default_factory=time.time)
+    broadcasts: int = 0
+    nbytes: int = 0
+    in_flight: int | None = None  # seq of the broadcast the engines are receiving
+    session_id: str | None = None  # the session the next sequence number belongs to
+    next_seq: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"group_name": self.name, "backend": self.backend, "state": self.state.value,
+                "master_address": self.master_address, "master_port": self.master_port,
+                "world_size": self.world_size, "rank_offsets": dict(self.rank_offsets),
+                "opened_at": self.opened_at, "broadcasts": self.broadcasts, "nbytes": self.nbytes,
+                "in_flight": self.in_flight}
+
+
+def rank_layout(engines: list[EngineHandle], first_rank: int = 1) -> dict[str, int]:
+    """Each engine's ``rank_offset``: the trainer is rank 0, engines follow in config order, one rank per TP rank."""
+    offsets, rank = {}, first_rank
+    for engine in engines:
+        offsets[engine.name] = rank
+        rank += int(engine.config.tp_size)
+    return offsets
+
+
+class WeightGroups:
+    """The node's weight-update groups and the broadcasts that go through them (one ``Daemon`` owns one)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._groups: dict[str, WeightGroupRecord] = {}
+        self._metrics = metrics
+        self._per_session: OrderedDict[str, dict[str, int]] = OrderedDict()
+
+    # -- queries -------------------------------------------------------------------------------
+    def snapshot(self, engines: list[EngineHandle]) -> dict[str, Any]:
+        """The rank layout a trainer needs before it builds its side, and every open group."""
+        offsets = rank_layout(engines)
+        ranks = sum(int(e.config.tp_size) for e in engines)
+        return {"layout": {"world_size": 1 + ranks, "engine_ranks": ranks,
+                           "engines": {e.name: {"rank_offset": offsets[e.name], "tp_size": int(e.config.tp_size)}
+                                       for e in engines}},
+                "groups": {name: g.snapshot() for name, g in self._groups.items()}}
+
+    def session_stats(self, session_id: str) -> dict[str, int] | None:
+        return self._per_session.get(session_id)
+
+    def check_settled(self, session: WeightSession) -> None:
+        """Refuse to end ``session`` while one of its broadcasts is still being received."""
+        busy = [g for g in self._groups.values() if g.session_id == session.id and g.in_flight is not None]
+        if busy:
+            raise TransitionRejected(f"session {session.id}: broadcast {busy[0].in_flight} on group "
+                                     f"{busy[0].name!r} is still in flight; wait for its answer")
+
+    # -- open / close --------------------------------------------------------------------------
+    async def open(self, engines: list[EngineHandle], *, group_name: str, master_address: str, master_port: int,
+                   backend: str, world_size: int | None, first_rank: int, t: EffectiveTimeouts,
+                   trace: Trace) -> WeightGroupRecord:
+        """Have every engine join the group; returns once all joined (the trainer joins meanwhile)."""
+        if (existing := self._groups.get(group_name)) is not None:
+            raise TransitionRejected(f"weight-update group {group_name!r} is already {existing.state.value}; "
+                                     f"DELETE /v1/weights/groups/{group_name} first")
+        if backend not in BACKEND_DEVICES:
+            raise TransitionRejected(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}")
+        for engine in engines:
+            _verbs(engine)  # every engine must speak the routes before any joins
+        offsets = rank_layout(engines, first_rank)
+        needed = first_rank + sum(int(e.config.tp_size) for e in engines)
+        world = needed if world_size is None else world_size
+        if world < needed:
+            raise TransitionRejected(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
+                                     f"this node's {needed - first_rank} engine ranks need {needed}")
+        record = self._groups[group_name] = WeightGroupRecord(
+            group_name, backend, master_address, master_port, world, offsets)
+        budget = t.for_step("group")
+
+        def join(engine: EngineHandle) -> Awaitable[None]:
+            adapter = _verbs(engine)
+            return ops._timed(engine, trace, self._metrics, "init_weights_update_group", budget,
+                              adapter.init_weights_update_group(
+                                  master_address=master_address, master_port=master_port,
+                                  rank_offset=offsets[engine.name], world_size=world, group_name=group_name,
+                                  backend=backend),
+                              group=group_name, rank_offset=offsets[engine.name])
+
+        try:
+            await _all_or_first_error(engines, join)
+        except BaseException:
+            # Engines that joined would wait on the others forever: leave nothing half-built.
+            del self._groups[group_name]
+            await self._destroy_everywhere(engines, group_name, t, trace)
+            raise
+        record.state = GroupState.READY
+        return record
+
+    async def close(self, engines: list[EngineHandle], group_name: str, t: EffectiveTimeouts,
+                    trace: Trace) -> dict[str, Any]:
+        """Destroy the group on every engine and forget it; per-engine failures are reported, not raised."""
+        record = self._groups.get(group_name)
+        if record is None:
+            raise NotFound(f"no weight-update group {group_name!r}; open ones: {sorted(self._groups)}")
+        if record.in_flight is not None:
+            raise TransitionRejected(f"broadcast {record.in_flight} is in flight on group {group_name!r}")
+        del self._groups[group_name]
+        errors = await self._destroy_everywhere(engines, group_name, t, trace)
+        return {**record.snapshot(), "state": "destroyed", "errors": errors}
+
+    async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, t: EffectiveTimeouts,
+                                  trace: Trace) -> dict[str, str]:
+        """Best effort on every engine: a failure here must not hide the error that led here."""
+        budget = t.for_step("group")
+
+        async def one(engine: EngineHandle) -> None:
+            adapter = _verbs(engine)
+            await ops._timed(engine, trace, self._metrics, "destroy_weights_update_group", budget,
+                             adapter.destroy_weights_update_group(group_name), group=group_name)
+
+        results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+        return {e.name: str(r) for e, r in zip(engines, results, strict=True) if isinstance(r, Exception)}
+
+    # -- broadcasts ----------------------------------------------------------------------------
+    async def broadcast(self, session: WeightSession, engines: list[EngineHandle], desc: BroadcastDescriptor,
+                        t: EffectiveTimeouts) -> dict[str, Any]:
+        """Forward one broadcast to every engine at once; returns when all of them loaded it.
+
+        Any engine failing or running past the ``chunk`` budget fails the session (engines stay paused,
+        weights stale) and destroys the group, whose collective sequence may now be out of step.
+        """
+        record = self._groups.get(desc.group_name)
+        if record is None:
+            raise NotFound(f"no weight-update group {desc.group_name!r}; open it with POST /v1/weights/groups")
+        if session.state is not SessionState.OPEN:
+            raise WeightSyncError(f"session {session.id} is {session.state.value}"
+                                  + (f": {session.error}" if session.error else ""))
+        if record.state is not GroupState.READY:
+            raise TransitionRejected(f"weight-update group {record.name!r} is {record.state.value}")
+        if record.in_flight is not None:
+            # One collective sequence per group: a second receive would interleave with the first.
+            raise TransitionRejected(f"broadcast {record.in_flight} is still in flight on group {record.name!r}; "
+                                     "a group carries one broadcast at a time")
+        expected = record.next_seq if record.session_id == session.id else 0
+        if desc.seq != expected:
+            raise TransitionRejected(f"broadcast {desc.seq} is out of order on group {record.name!r} in session "
+                                     f"{session.id}: expected {expected}")
+        if record.session_id != session.id:
+            record.session_id, record.next_seq = session.id, 0  # numbering restarts with each session
+        record.in_flight = desc.seq
+        budget, nbytes, step = t.for_step("chunk"), desc.nbytes, f"update_weights_from_distributed#{desc.seq}"
+
+        def load(engine: EngineHandle) -> Awaitable[None]:
+            adapter = _verbs(engine)
+            return ops._timed(engine, session.trace, self._metrics, step, budget,
+                              adapter.update_weights_from_distributed(
+                                  seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
+                                  shapes=[list(s) for s in desc.shapes], group_name=record.name,
+                                  load_format=desc.load_format),
+                              group=record.name, nbytes=nbytes, tensors=len(desc.names))
+
+        t0 = time.perf_counter()
+        try:
+            await _all_or_first_error(engines, load)
+        except Exception as exc:
+            error = _explain(exc, record.name, desc.seq)
+            await session.fail(error)
+            del self._groups[record.name]
+            await self._destroy_everywhere(engines, record.name, t, session.trace)
+            raise error from exc
+        finally:
+            record.in_flight = None
+        if session.state is not SessionState.OPEN:
+            raise WeightSyncError(f"session {session.id} was {session.state.value} while broadcast {desc.seq} "
+                                  "was received; nothing of it counts")
+        record.next_seq += 1
+        record.broadcasts += 1
+        record.nbytes += nbytes
+        for engine in engines:
+            self._metrics.weight_bytes.labels(engine.name, record.backend).inc(nbytes)
+            self._metrics.weight_chunks.labels(engine.name).inc()
+        stats = self._per_session.setdefault(session.id, {"broadcasts": 0, "nbytes": 0})
+        stats["broadcasts"] += 1
+        stats["nbytes"] += nbytes
+        while len(self._per_session) > 64:
+            self._per_session.popitem(last=False)
+        return {"seq": desc.seq, "group_name": record.name, "engines": [e.name for e in engines],
+                "nbytes": nbytes, "load_s": time.perf_counter() - t0}
+
+
+def _verbs(engine: EngineHandle) -> SupportsWeightGroups:
+    if not isinstance(engine.adapter, SupportsWeightGroups):
+        raise TransitionRejected(f"engine {engine.name!r} has no weight-update group routes (SGLang's §1.6 path)")
+    return engine.adapter
+
+
+def _explain(exc: Exception, group_name: str, seq: int) -> Exception:
+    """The error for the trainer: what failed where, and that the group is gone and must be reopened."""
+    tail = f"; group {group_name!r} was destroyed on every engine: open it again to continue"
+    if isinstance(exc, StepTimeout):
+        return StepTimeout(f"{exc} (the trainer's broadcast never arrived, or the engine is stuck){tail}",
+                           engine=exc.engine or "", step=exc.step or "", budget_s=exc.budget_s)
+    if isinstance(exc, EngineError | WeightSyncError):
+        return WeightSyncError(f"broadcast {seq}: {exc}{tail}")
+    return WeightSyncError(f"broadcast {seq}: {type(exc).__name__}: {exc}{tail}")
+
+
+async def _all_or_first_error(engines: list[EngineHandle],
+                              call: Callable[[EngineHandle], Awaitable[None]]) -> None:
+    """Run ``call`` on every engine; on the first failure cancel the rest and raise it.
+
+    The rest would only run out their budgets: they wait on a collective that the failed engine
+    (or the trainer, seeing the failure) will never complete.
+    """
+    tasks = [asyncio.ensure_future(call(e)) for e in engines]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:
+        pending = set(tasks)
+        raise
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for task in tasks:
+        if task in done and (error := task.exception()) is not None:
+            raise error

@@ -1,0 +1,307 @@
+"""SGLang's separated-GPU weight routes on the reference engine: join a group, receive broadcasts, destroy it.
+
+Routes and bodies follow SGLang 0.5.23 (http_server.py:1404, 1420, 1488; io_struct.py:2002, 2126,
+2146; research/engine-apis.md §1.6). ``/init_weights_update_group`` blocks until every rank joined;
+``/update_weights_from_distributed`` blocks in its receive until the trainer (rank 0) broadcasts, so
+both run on their own daemon threads (``weight_group.off_loop``): never on the event loop, and never
+on the model thread, which must keep generating and answering control routes meanwhile. Received
+tensors land in temporary buffers and reach the model through its validated ``load_weights`` on the
+model thread, all or nothing per request.
+
+This module is the reference engine's sibling: it drives ``ReferenceEngine``'s session, locks and
+model thread the way ``update_weights_from_tensor`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from torch.distributed import default_pg_timeout
+
+from ..base import MemoryTag
+from ..weight_group import WeightGroup, flattened_layout, off_loop, parse_dtype
+from .memory import TagState
+
+if TYPE_CHECKING:
+    from .engine import ReferenceEngine
+
+__all__ = [
+    "DestroyWeightsUpdateGroupBody",
+    "DistributedUpdates",
+    "InitWeightsUpdateGroupBody",
+    "UpdateWeightsFromDistributedBody",
+    "distributed_routes",
+]
+
+logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+
+TP_RANK = 0  # the reference engine is one TP rank: its group rank is rank_offset + 0
+
+# SGLang builds the group with init_custom_process_group(timeout=None), i.e. torch's default
+# process-group timeout; a receive whose trainer never broadcasts fails after it.
+GROUP_TIMEOUT_S = default_pg_timeout.total_seconds()
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class InitWeightsUpdateGroupBody(_Body):
+    """io_struct.py:2126 InitWeightsUpdateGroupReqInput."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedBody(_Body):
+    """io_struct.py:2002 UpdateWeightsFromDistributedReqInput."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class DestroyWeightsUpdateGroupBody(_Body):
+    """io_struct.py:2146 DestroyWeightsUpdateGroupReqInput."""
+
+    group_name: str = "weight_update_group"
+
+
+@dataclass(eq=False)
+class _Member:
+    """One group as this engine holds it; ``gone`` is set once it is destroyed or replaced."""
+
+    name: str
+    group: WeightGroup | None = None
+    receiving: asyncio.Lock = field(default_factory=asyncio.Lock)  # a group's collectives run in order
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _Gone(Exception):
+    """The group was destroyed (or replaced) while this request waited on it."""
+
+
+class DistributedUpdates:
+    """The three routes' behaviour for one ``ReferenceEngine``; ``close()`` at shutdown."""
+
+    def __init__(self, engine: ReferenceEngine) -> None:
+        self._engine = engine
+        self._members: dict[str, _Member] = {}
+
+    async def init_group(self, body: InitWeightsUpdateGroupBody) -> tuple[bool, str]:
+        """Join ``body.group_name`` as rank ``rank_offset``; returns once every rank joined."""
+        self._engine._running()
+        rank = body.rank_offset + TP_RANK
+        if not 1 <= rank < body.world_size:
+            return False, (
+                f"Failed to initialize custom process group: rank {rank} (rank_offset {body.rank_offset}) must lie "
+                f"in 1..{body.world_size - 1}; rank 0 is the trainer"
+            )
+        device = self._engine.device
+        if body.backend == "nccl" and device.type != "cuda":
+            return False, (
+                f"Failed to initialize custom process group: backend 'nccl' needs CUDA; this engine runs on {device}"
+            )
+        # SGLang replaces a group of the same name (model_runner keeps a dict by name).
+        self._forget(body.group_name)
+        member = self._members[body.group_name] = _Member(body.group_name)
+
+        def join() -> WeightGroup:
+            return WeightGroup.join(
+                master_address=body.master_address, master_port=body.master_port, rank=rank,
+                world_size=body.world_size, group_name=body.group_name, backend=body.backend,
+                timeout_s=GROUP_TIMEOUT_S)
+
+        joining = off_loop(join, name=f"colocd-ref-join-{body.group_name}")
+        try:
+            member.group = await _unless_gone(member, joining)
+        except _Gone:
+            # Destroyed while the rendezvous ran: leave the group as soon as it completes.
+            joining.add_done_callback(_close_when_joined)
+            return False, f"Failed to initialize custom process group: group {body.group_name!r} was destroyed"
+        except Exception as exc:  # RuntimeError/DistStoreError from torch, ValueError from our checks
+            self._members.pop(body.group_name, None)
+            return False, f"Failed to initialize custom process group: {type(exc).__name__}: {exc}."
+        logger.info("joined weight-update group %r as rank %d of %d (%s)", body.group_name, rank,
+                    body.world_size, body.backend)
+        return True, "Succeeded to initialize custom process group."
+
+    async def update(self, body: UpdateWeightsFromDistributedBody) -> tuple[bool, str]:
+        """Receive every tensor of ``body`` from rank 0 and load them all, or none."""
+        engine = self._engine
+        scheduler, memory, _ = engine._running()
+        if engine.settings.protocol != "legacy" and engine._session_selector is None:
+            # weight_updater.py:233-240 in 0.5.23.
+            return False, (
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
+        member = self._members.get(body.group_name)
+        if member is None or member.group is None:
+            return False, f"Group {body.group_name!r} not in model update groups; call /init_weights_update_group"
+        try:
+            buffers = self._buffers(body, member.group)
+        except ValueError as exc:
+            return False, f"Failed to update weights, nothing applied: {exc}"
+        if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
+            return False, "memory tag 'weights' is released; resume it before loading weights"
+        if body.abort_all_requests:
+            await scheduler.abort_all()
+        group = member.group
+
+        def receive() -> None:
+            for buffer in buffers:  # one broadcast per buffer, in ``names`` order
+                group.broadcast(buffer, src=0)
+
+        async with member.receiving:
+            try:
+                await _unless_gone(member, off_loop(receive, name=f"colocd-ref-recv-{body.group_name}"))
+            except _Gone:
+                return False, f"Failed to update weights: group {body.group_name!r} was destroyed while receiving"
+            except RuntimeError as exc:  # gloo/NCCL: timeout, peer closed
+                return False, f"Failed to update weights: receiving from group {body.group_name!r}: {exc}"
+        try:
+            named = self._named(body, buffers)
+        except ValueError as exc:
+            return False, f"Failed to update weights, nothing applied: {exc}"
+        return await self._load(named, body)
+
+    def _buffers(self, body: UpdateWeightsFromDistributedBody, group: WeightGroup) -> list[torch.Tensor]:
+        """Temporary receive buffers: one per tensor, or one uint8 buffer for a flattened bucket."""
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            raise ValueError(
+                f"names, dtypes and shapes differ in length: {len(body.names)}, {len(body.dtypes)}, {len(body.shapes)}"
+            )
+        # gloo receives into host memory; NCCL into the engine's device.
+        device = self._engine.device if group.backend == "nccl" else torch.device("cpu")
+        if body.load_format == "flattened_bucket":
+            nbytes = sum(parse_dtype(d).itemsize * _numel(s) for d, s in zip(body.dtypes, body.shapes, strict=True))
+            return [torch.empty(nbytes, dtype=torch.uint8, device=device)]
+        if body.load_format is not None:
+            raise ValueError(f"load_format {body.load_format!r} is not supported; use null or 'flattened_bucket'")
+        pairs = zip(body.dtypes, body.shapes, strict=True)
+        return [torch.empty(s, dtype=parse_dtype(d), device=device) for d, s in pairs]
+
+    @staticmethod
+    def _named(body: UpdateWeightsFromDistributedBody, buffers: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        if body.load_format != "flattened_bucket":
+            return list(zip(body.names, buffers, strict=True))
+        # Checked after the receive, not before: refusing first would leave the trainer's broadcast
+        # without a receiver and the group out of step; this way only the request fails.
+        flat = buffers[0]
+        return [(e.name, flat[e.start:e.end].view(e.dtype).reshape(e.shape))
+                for e in flattened_layout(body.names, body.dtypes, body.shapes)]
+
+    async def _load(self, named: list[tuple[str, torch.Tensor]], body: UpdateWeightsFromDistributedBody,
+                    ) -> tuple[bool, str]:
+        engine = self._engine
+        scheduler, memory, model = engine._running()
+        async with engine._model_update(), engine._control_lock:
+            if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
+                return False, "memory tag 'weights' was released while receiving; nothing applied"
+            async with scheduler.hold():
+                try:
+                    applied = await engine._on_model_thread(model.load_weights, named)
+                except ValueError as exc:  # load_weights checks every name, shape and dtype first
+                    return False, f"Failed to update weights, nothing applied: {exc}"
+            logger.info("loaded %d tensors from group %r (load_format=%s)", len(applied), body.group_name,
+                        body.load_format)
+            if body.weight_version is not None:
+                engine.weight_version = body.weight_version
+            if body.flush_cache:
+                flushed, _ = await engine._flush_locked(scheduler, memory, 0.0, body.torch_empty_cache)
+                if not flushed:
+                    return False, (
+                        "Weights were updated, but the cache was not flushed because requests are still running "
+                        "or queued. Retract or finish them, then call /flush_cache."
+                    )
+        return True, "Succeeded to update parameter online from distributed."
+
+    async def destroy(self, group_name: str) -> tuple[bool, str]:
+        """Leave the group; a receive still waiting on it answers failure at once."""
+        self._engine._running()
+        if not self._forget(group_name):
+            return False, f"The group to be destroyed does not exist: {group_name!r}"
+        return True, "Succeeded to destroy custom process group."
+
+    def _forget(self, group_name: str) -> bool:
+        member = self._members.pop(group_name, None)
+        if member is None:
+            return False
+        member.gone.set()
+        if member.group is not None:
+            # Off the loop: leaving blocks while a receive of ours is still pending on the group.
+            off_loop(member.group.close, name=f"colocd-ref-leave-{group_name}")
+        return True
+
+    def close(self) -> None:
+        """Leave every group (shutdown)."""
+        for name in list(self._members):
+            self._forget(name)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+async def _unless_gone(member: _Member, work: asyncio.Future[_R]) -> _R:
+    """Await ``work`` unless the group goes first (then ``_Gone``; the thread finishes on its own)."""
+    gone: asyncio.Future[Any] = asyncio.ensure_future(member.gone.wait())
+    try:
+        await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        raise _Gone()
+    return work.result()
+
+
+def _close_when_joined(joining: asyncio.Future[WeightGroup]) -> None:
+    if not joining.cancelled() and joining.exception() is None:
+        off_loop(joining.result().close, name="colocd-ref-leave")
+
+
+def _reply(ok: bool, message: str) -> JSONResponse:
+    """SGLang's ``{success, message}``: 200 on success, 400 otherwise (http_server.py:1404-1432, 1488-1505)."""
+    return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+
+def distributed_routes(updates: DistributedUpdates) -> APIRouter:
+    """The three routes, present in every protocol band (0.5.4 had them too)."""
+    router = APIRouter()
+
+    @router.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> JSONResponse:
+        return _reply(*await updates.init_group(body))
+
+    @router.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> JSONResponse:
+        return _reply(*await updates.update(body))
+
+    @router.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> JSONResponse:
+        return _reply(*await updates.destroy(body.group_name))
+
+    return router
