@@ -1,0 +1,217 @@
+"""Engine faults leave the daemon's record right and the error clear (issue 5, item 6).
+
+A real reference engine process runs behind ``FaultProxy``, a small ASGI app on loopback that
+forwards every request and, for one route, answers with a fault a given number of times: an HTTP
+500, SGLang's 400 "not idle" flush refusal, or no answer at all. The daemon is configured with the
+proxy's URL and small per-step budgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from support import serve_app
+
+from colocd.api.app import create_app
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.daemon.config import NodeConfig
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+DEADLINE_S = 60
+# SGLang's answers, as its http_server.py shapes them: a tokenizer-side exception is an
+# ``{"error": {"message"}}`` body (http_server.py:2246); a refused flush is 400 text (http_server.py:1025).
+ENGINE_500 = b'{"error": {"message": "RuntimeError: CUDA error: an illegal memory access was encountered"}}'
+FLUSH_400 = b"Cache not flushed: requests are running or waiting.\n"
+
+
+@dataclass
+class Fault:
+    """What the proxy answers instead of forwarding: a status and body, or (``hang``) nothing until released."""
+
+    remaining: int
+    status: int = 500
+    body: bytes = b""
+    content_type: bytes = b"application/json"
+    hang: bool = False
+
+
+class FaultProxy:
+    """An ASGI app forwarding everything to ``upstream``, except the faults injected per path."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.calls: Counter[str] = Counter()  # requests seen per path, faulted or forwarded
+        self.hanging = asyncio.Event()  # set once a request is being held
+        self._released = asyncio.Event()
+        self._faults: dict[str, Fault] = {}
+        self._http = httpx.AsyncClient(trust_env=False, timeout=30)
+
+    def inject(self, path: str, fault: Fault) -> None:
+        self._faults[path] = fault
+
+    def heal(self) -> None:
+        """The engine recovers: forward everything from now on."""
+        self._faults.clear()
+
+    def release(self) -> None:
+        """Let held requests finish (a 503), so that the server can shut down."""
+        self._released.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await self._http.aclose()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path = scope["path"]
+        self.calls[path] += 1
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        fault = self._faults.get(path)
+        if fault is not None and fault.remaining > 0:
+            fault.remaining -= 1
+            if fault.hang:
+                self.hanging.set()
+                await self._released.wait()
+                status, content_type, content = 503, b"text/plain", b"released at teardown"
+            else:
+                status, content_type, content = fault.status, fault.content_type, fault.body
+        else:
+            status, content_type, content = await self._forward(scope, body)
+        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+        await send({"type": "http.response.body", "body": content})
+
+    async def _forward(self, scope: Scope, body: bytes) -> tuple[int, bytes, bytes]:
+        query = scope["query_string"].decode()
+        headers = {k.decode(): v.decode() for k, v in scope["headers"] if k in (b"content-type", b"authorization")}
+        url = self.upstream + scope["path"] + (f"?{query}" if query else "")
+        response = await self._http.request(scope["method"], url, content=body, headers=headers)
+        return response.status_code, response.headers.get("content-type", "").encode(), response.content
+
+
+@dataclass
+class Node:
+    engine: ReferenceEngineProcess
+    proxy: FaultProxy
+    client: AsyncColocdClient
+    url: str  # the daemon's
+
+    async def engine_memory(self) -> dict[str, bool]:
+        """The engine's own per-tag residency, asked directly (not through the proxy)."""
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+            tags = (await http.get(f"{self.engine.url}/colocd/memory")).json()["tags"]
+        return {tag: info["resident"] for tag, info in tags.items()}
+
+
+@asynccontextmanager
+async def node(**timeouts: float) -> AsyncIterator[Node]:
+    """Engine process ← fault proxy ← in-process daemon, all on loopback; everything bounded by DEADLINE_S."""
+    async with asyncio.timeout(DEADLINE_S), \
+            ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as engine:
+        proxy = FaultProxy(str(engine.url))
+        async with serve_app(proxy, ready_path="/health") as proxy_url:
+            try:
+                config = NodeConfig.model_validate({
+                    "engines": [{"kind": "reference", "name": "ref0", "url": proxy_url}], "timeouts": timeouts})
+                async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
+                    await client.wait_ready(30)
+                    yield Node(engine, proxy, client, url)
+            finally:
+                proxy.release()  # held requests must end before the proxy's server can stop
+
+
+def record(status: dict[str, Any]) -> tuple[Any, ...]:
+    """The daemon's record of ref0 in one comparable tuple: node phase/step, generation, weights, tags."""
+    engine = status["engines"]["ref0"]
+    return (status["node"]["phase"], status["node"]["step"], engine["generation"], engine["weights"],
+            tuple(sorted(engine["tags"].items())))
+
+
+RESIDENT = (("cuda_graph", "resident"), ("kv_cache", "resident"), ("weights", "resident"))
+
+
+async def test_release_answered_500_is_502_naming_engine_and_route_and_a_retry_succeeds_once_it_recovers() -> None:
+    async with node() as n:
+        n.proxy.inject("/release_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500))
+        with pytest.raises(ColocdHTTPError) as err:
+            await n.client.phase("train", 1)
+        body = err.value.body
+        assert err.value.status == 502 and body["engine"] == "ref0", body
+        assert "'ref0'" in body["message"] and "release_memory_occupation" in body["message"]
+        assert "HTTP 500" in body["message"] and "illegal memory access" in body["message"]
+        # Paused (that step succeeded), nothing released: the record matches the engine's own account.
+        assert record(await n.client.status()) == ("rollout", 0, "paused", "clean", RESIDENT)
+        assert set((await n.engine_memory()).values()) == {True}
+
+        n.proxy.heal()
+        reply = await n.client.phase("train", 1)
+        assert set(reply["engines"]["ref0"]["tags"].values()) == {"released"}
+        assert set((await n.engine_memory()).values()) == {False}
+        assert n.proxy.calls["/release_memory_occupation"] == 2
+        assert n.proxy.calls["/pause_generation"] == 1  # the retry did not pause twice
+
+
+async def test_flush_refused_a_few_times_is_retried_with_backoff_and_the_transition_succeeds() -> None:
+    async with node(flush_s=10) as n:
+        n.proxy.inject("/flush_cache", Fault(remaining=3, status=400, body=FLUSH_400, content_type=b"text/plain"))
+        reply = await n.client.phase("train", 1)
+        assert set(reply["engines"]["ref0"]["tags"].values()) == {"released"}
+        assert n.proxy.calls["/flush_cache"] == 4
+        flush = next(s for s in reply["trace"]["spans"] if s["name"] == "flush_cache")
+        assert flush["ok"] and flush["duration_s"] >= 0.01 + 0.02 + 0.04  # three growing waits, not a hot loop
+
+
+async def test_flush_that_never_succeeds_is_504_naming_flush_cache_and_its_budget_and_only_the_pause_happened(
+        ) -> None:
+    async with node(flush_s=0.5) as n:
+        n.proxy.inject("/flush_cache", Fault(remaining=10**6, status=400, body=FLUSH_400, content_type=b"text/plain"))
+        with pytest.raises(ColocdHTTPError) as err:
+            await n.client.phase("train", 1)
+        body = err.value.body
+        assert err.value.status == 504, body
+        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "flush_cache", 0.5)
+        assert "'ref0'" in body["message"] and "flush_cache exceeded its 0.5s budget" in body["message"]
+        assert record(await n.client.status()) == ("rollout", 0, "paused", "clean", RESIDENT)
+        assert n.proxy.calls["/release_memory_occupation"] == 0
+        assert n.proxy.calls["/flush_cache"] > 3  # retried, with waits in between
+
+        n.proxy.heal()
+        assert (await n.client.phase("train", 1))["phase"] == "train"
+
+
+async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_the_daemon_keeps_serving() -> None:
+    async with node(pause_s=0.5) as n:
+        n.proxy.inject("/pause_generation", Fault(remaining=1, hang=True))
+        train = asyncio.ensure_future(n.client.phase("train", 1))
+        await n.proxy.hanging.wait()
+        status = await n.client.status()  # answered while the engine call hangs
+        assert status["busy_with"] == "train@1"
+        with pytest.raises(ColocdHTTPError) as err:
+            await train
+        body = err.value.body
+        assert err.value.status == 504, body
+        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "pause_generation", 0.5)
+        assert "pause_generation exceeded its 0.5s budget" in body["message"]
+        after = await n.client.status()
+        assert after["busy_with"] is None
+        assert record(after) == ("rollout", 0, "serving", "clean", RESIDENT)  # the pause was never confirmed
+        async with httpx.AsyncClient(trust_env=False) as http:
+            assert (await http.get(f"{n.url}/healthz")).status_code == 200
+        assert (await n.client.phase("train", 1))["phase"] == "train"  # the engine answers again
