@@ -63,14 +63,14 @@ DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3", "ipc_ring", 
 
 
 def parse_variant(spec: str, device: str, bucket_mb: float) -> Variant:
-    """``name`` or ``name@MB`` (a chunk size for this variant only), for the given device."""
+    """``name``, ``name@MB`` (a chunk size for this variant only) or ``name@all`` (one chunk)."""
     name, _, size = spec.partition("@")
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
     on_cuda, on_cpu, depth, slots, whole = VARIANTS[name]
     cuda = torch.device(device).type == "cuda"
     transport = on_cuda if cuda else on_cpu
-    mb = math.inf if whole else float(size or bucket_mb)
+    mb = math.inf if whole or size == "all" else float(size or bucket_mb)
     return Variant(spec, transport or on_cuda, depth, mb, slots, cuda_only=transport is None)
 
 

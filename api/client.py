@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -230,6 +231,17 @@ class WeightPusher:
             raise
         return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
+    @staticmethod
+    async def _export(producer: Producer, bucket: list[tuple[str, torch.Tensor]]) -> ExportedChunk:
+        export = asyncio.ensure_future(asyncio.to_thread(producer.export, bucket))
+        try:
+            return await asyncio.shield(export)
+        except asyncio.CancelledError:
+            # The thread runs on regardless: release what it made, or its buffer would outlive us.
+            with contextlib.suppress(Exception):
+                (await export).release()
+            raise
+
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """Send this rank's part of every chunk of an open session; returns (chunks, bytes)."""
         if self._producer is None:
@@ -259,7 +271,9 @@ class WeightPusher:
                     window.release()
                     break  # a chunk failed: the session is over, export nothing more
                 t0 = time.perf_counter()
-                chunk = producer.export(bucket)
+                # Off the event loop: an export may wait on the GPU (the ring syncs its flatten), and
+                # acks of earlier chunks must keep flowing meanwhile. One export at a time.
+                chunk = await self._export(producer, bucket)
                 nbytes += chunk.nbytes
                 tasks.append(asyncio.create_task(send(seq, chunk, time.perf_counter() - t0)))
             await asyncio.gather(*tasks)

@@ -105,7 +105,7 @@ class WeightSink:
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy each tensor into its destination; every name, shape and dtype is checked before any copy."""
-        staged = []
+        names, dsts, srcs = [], [], []
         for name, src in named:
             dst = self.tensors.get(name)
             if dst is None:
@@ -115,10 +115,13 @@ class WeightSink:
                     f"sink {self.model}: tensor {name!r} is {list(src.shape)} {src.dtype}, "
                     f"expected {list(dst.shape)} {dst.dtype}"
                 )
-            staged.append((name, dst, src))
-        for _, dst, src in staged:
-            dst.copy_(src)  # device to device: queued, the engine syncs before it replies
-        return [name for name, _, _ in staged]
+            names.append(name)
+            dsts.append(dst)
+            srcs.append(src)
+        # One call for the whole chunk: per-tensor copy_ costs ~10 us of dispatch each, which at
+        # 400 tensors is more than the copies themselves. Queued; the engine syncs before replying.
+        torch._foreach_copy_(dsts, srcs)
+        return names
 
     def checksums(self) -> dict[str, list[int]]:
         """``device_checksum`` of every destination tensor, by name."""

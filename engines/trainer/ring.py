@@ -21,17 +21,19 @@ number GPUs differently and a handle opened on the wrong GPU is an error, not a 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import secrets
 import socket
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.multiprocessing import reductions
 
-from ..chunks import ChunkLayout, TensorSpec, dtype_from_name, dtype_name, flatten_into
+from ..chunks import ChunkLayout, TensorSpec, dtype_from_name, dtype_name
 from .producer import ExportedChunk
 
 __all__ = [
@@ -60,9 +62,7 @@ def device_index(uuid: str) -> int:
     """This process's index of the GPU with ``uuid``; a clear error if it cannot see that GPU."""
     visible = [device_uuid(i) for i in range(torch.cuda.device_count())]
     if uuid not in visible:
-        raise ValueError(
-            f"CUDA IPC handle names GPU {uuid}, which this process cannot see (it sees {visible})"
-        )
+        raise ValueError(f"CUDA IPC handle names GPU {uuid}, which this process cannot see (it sees {visible})")
     return visible.index(uuid)
 
 
@@ -122,12 +122,23 @@ def open_cuda_handle(data: dict[str, Any]) -> torch.Tensor:
     return tensor
 
 
+_MAX_PLANS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a repeated chunk needs, computed once: its layout as JSON, and the slot views or regions."""
+
+    layout: ChunkLayout
+    layout_json: list[dict[str, Any]]
+    views: list[torch.Tensor]  # typed views of each tensor inside its ring slot
+    regions: dict[int, torch.Tensor]  # zero copy: the registered storages the layout refers to
+
+
 def _device_of(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     devices = {t.device for _, t in named}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(
-            f"an ipc_ring chunk needs its tensors on one CUDA device; got {sorted(map(str, devices))}"
-        )
+        raise ValueError(f"an ipc_ring chunk needs its tensors on one CUDA device; got {sorted(map(str, devices))}")
     return devices.pop()
 
 
@@ -150,6 +161,7 @@ class IpcRingProducer:
         self._regions: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         self._handles: dict[int, dict[str, Any]] = {}  # slot -> its handle, exported once
         self._announced: set[int] = set()  # slots whose handle went out in this stream
+        self._plans: dict[Any, _Plan] = {}
 
     def begin_stream(self) -> None:
         """Announce every slot again on its first use: an engine restarted since the last stream has none."""
@@ -178,9 +190,7 @@ class IpcRingProducer:
         self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device, layout: ChunkLayout
     ) -> ExportedChunk:
         if not self._buffers:
-            self._buffers = [
-                torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.slots)
-            ]
+            self._buffers = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.slots)]
         if not self._free:
             raise RuntimeError(
                 f"ring {self.ring_id}: all {self.slots} slots await their ack; keep at most "
@@ -188,17 +198,46 @@ class IpcRingProducer:
             )
         slot = self._free.popleft()
         try:
-            flatten_into(self._buffers[slot], layout, named)
+            plan = self._slot_plan(slot, layout)
+            with torch.no_grad():
+                # One call per chunk: per-tensor copy_ dispatch would cost more than the copies.
+                torch._foreach_copy_(plan.views, [t for _, t in named])
         except BaseException:
             self._free.append(slot)
             raise
         handle = self._describe({slot: self._buffers[slot]}, device)
-        handle.update(slot=slot, layout=layout.to_json())
+        handle.update(slot=slot, layout=plan.layout_json)
         return ExportedChunk(self.transport, layout.nbytes, handle, layout, lambda: self._free.append(slot))
+
+    def _slot_plan(self, slot: int, layout: ChunkLayout) -> _Plan:
+        """Typed views of ``layout``'s tensors in ``slot``, built once per (slot, layout): a trainer
+        pushes the same buckets every step."""
+        key = (slot, layout)
+        plan = self._plans.get(key)
+        if plan is None:
+            views = [
+                self._buffers[slot][s.offset : s.offset + s.nbytes].view(dtype_from_name(s.dtype)).view(s.shape)
+                for s in layout.tensors
+            ]
+            plan = self._plans[key] = _Plan(layout, layout.to_json(), views, {})
+            self._trim()
+        return plan
 
     def _export_in_place(
         self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device, nbytes: int
     ) -> ExportedChunk:
+        key = tuple((name, t.data_ptr(), t.dtype, t.shape) for name, t in named)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._in_place_plan(named, nbytes)
+            self._trim()
+        handle = self._describe(plan.regions, device)
+        handle["layout"] = plan.layout_json
+        # Nothing to give back: the engine reads the trainer's own tensors, which must simply stay
+        # unchanged until the ack (the trainer is waiting for the sync anyway).
+        return ExportedChunk(self.transport, nbytes, handle, plan.layout)
+
+    def _in_place_plan(self, named: Sequence[tuple[str, torch.Tensor]], nbytes: int) -> _Plan:
         entries: list[dict[str, Any]] = []
         specs: list[TensorSpec] = []
         regions: dict[int, torch.Tensor] = {}
@@ -210,16 +249,14 @@ class IpcRingProducer:
                 )
             slot, base = self._region(t)
             regions[slot] = base
-            spec = TensorSpec(
-                name, dtype_name(t.dtype), tuple(t.shape), int(t.storage_offset()) * t.element_size()
-            )
+            spec = TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), int(t.storage_offset()) * t.element_size())
             specs.append(spec)
             entries.append({**spec.to_json(), "slot": slot})
-        handle = self._describe(regions, device)
-        handle["layout"] = entries
-        # Nothing to give back: the engine reads the trainer's own tensors, which must simply stay
-        # unchanged until the ack (the trainer is waiting for the sync anyway).
-        return ExportedChunk(self.transport, nbytes, handle, ChunkLayout(tuple(specs), nbytes))
+        return _Plan(ChunkLayout(tuple(specs), nbytes), entries, [], regions)
+
+    def _trim(self) -> None:
+        if len(self._plans) > _MAX_PLANS:  # a trainer whose buckets keep changing: start over
+            self._plans.clear()
 
     def _region(self, t: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The slot id of ``t``'s storage and a uint8 view of that whole storage (registered once)."""
@@ -249,74 +286,90 @@ class IpcRingProducer:
         self._free = deque(range(self.slots))
 
 
+@dataclass
+class _OpenRing:
+    """One ring as an engine holds it: opened slots (by handle key) and views built for seen layouts."""
+
+    slots: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    views: OrderedDict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=OrderedDict)
+
+
 class RingTable:
     """Engine side of ``ipc_ring``: opened slots per ring, kept while the ring is among the newest."""
 
-    def __init__(self, max_rings: int = 4) -> None:
+    def __init__(self, max_rings: int = 4, max_layouts: int = 1024) -> None:
         self.max_rings = max_rings
-        self._rings: OrderedDict[str, dict[int, tuple[str, torch.Tensor]]] = OrderedDict()
+        self.max_layouts = max_layouts
+        self._rings: OrderedDict[str, _OpenRing] = OrderedDict()
         self.opened = 0  # handles opened so far (each costs a cudaIpcOpenMemHandle)
 
-    def named_tensors(
-        self, descriptor: dict[str, Any], device: torch.device
-    ) -> list[tuple[str, torch.Tensor]]:
-        """Views of a chunk's tensors in the ring's slots, opening the handles it announces; no copy."""
+    def named_tensors(self, descriptor: dict[str, Any], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """Views of a chunk's tensors in the ring's slots, opening the handles it announces; no copy.
+
+        Views are cached per layout: a trainer sends the same buckets every step, and building
+        hundreds of views per chunk would cost more than the copy.
+        """
         if device.type != "cuda":
             raise ValueError(f"ipc_ring chunks are CUDA memory; this engine runs on {device}")
-        ring = descriptor.get("ring")
-        if not isinstance(ring, str) or not ring:
+        ring_id = descriptor.get("ring")
+        if not isinstance(ring_id, str) or not ring_id:
             raise ValueError("ipc_ring descriptor needs a 'ring' id")
-        slots = self._slots(ring)
+        ring = self._ring(ring_id)
         for key, handle in dict(descriptor.get("open") or {}).items():
-            self._open(ring, slots, int(key), handle, device)
+            self._open(ring_id, ring, int(key), handle, device)
         layout = descriptor.get("layout")
         if not isinstance(layout, list):
             raise ValueError("ipc_ring descriptor needs a 'layout' list")
+        key = json.dumps([descriptor.get("slot"), layout], separators=(",", ":"))
+        named = ring.views.get(key)
+        if named is None:
+            named = ring.views[key] = self._views(ring_id, ring, descriptor.get("slot"), layout)
+            while len(ring.views) > self.max_layouts:
+                ring.views.popitem(last=False)
+        return list(named)
+
+    def _views(
+        self, ring_id: str, ring: _OpenRing, default_slot: Any, layout: list[Any]
+    ) -> list[tuple[str, torch.Tensor]]:
         out = []
         for entry in layout:
-            slot = entry.get("slot", descriptor.get("slot"))
-            if slot not in slots:
+            slot = entry.get("slot", default_slot)
+            if slot not in ring.slots:
                 raise ValueError(
-                    f"ring {ring} slot {slot} was never opened here: the first chunk on a slot in a "
+                    f"ring {ring_id} slot {slot} was never opened here: the first chunk on a slot in a "
                     "stream carries its handle (did the engine restart mid-stream?)"
                 )
             spec = TensorSpec.from_json(entry)
-            base = slots[slot][1]
+            base = ring.slots[slot][1]
             if spec.offset + spec.nbytes > base.numel():
                 raise ValueError(
-                    f"tensor {spec.name!r} ends at byte {spec.offset + spec.nbytes}, past ring {ring} "
+                    f"tensor {spec.name!r} ends at byte {spec.offset + spec.nbytes}, past ring {ring_id} "
                     f"slot {slot}'s {base.numel()} bytes"
                 )
             raw = base[spec.offset : spec.offset + spec.nbytes]
             out.append((spec.name, raw.view(dtype_from_name(spec.dtype)).reshape(spec.shape)))
         return out
 
-    def _slots(self, ring: str) -> dict[int, tuple[str, torch.Tensor]]:
-        if ring in self._rings:
-            self._rings.move_to_end(ring)
+    def _ring(self, ring_id: str) -> _OpenRing:
+        if ring_id in self._rings:
+            self._rings.move_to_end(ring_id)
         else:
-            self._rings[ring] = {}
+            self._rings[ring_id] = _OpenRing()
             while len(self._rings) > self.max_rings:
                 self._rings.popitem(last=False)  # its mappings close once the last view is gone
-        return self._rings[ring]
+        return self._rings[ring_id]
 
-    def _open(
-        self,
-        ring: str,
-        slots: dict[int, tuple[str, torch.Tensor]],
-        slot: int,
-        handle: dict[str, Any],
-        device: torch.device,
-    ) -> None:
+    def _open(self, ring_id: str, ring: _OpenRing, slot: int, handle: dict[str, Any], device: torch.device) -> None:
         key = str(handle.get("handle")) + f"@{handle.get('storage_offset')}"
-        if slot in slots and slots[slot][0] == key:
+        if slot in ring.slots and ring.slots[slot][0] == key:
             return  # announced again in a new stream; already open
         tensor = open_cuda_handle(handle)
         if tensor.device != device:
             raise ValueError(
-                f"ring {ring} slot {slot} lives on GPU {handle.get('device_uuid')} ({tensor.device} "
+                f"ring {ring_id} slot {slot} lives on GPU {handle.get('device_uuid')} ({tensor.device} "
                 f"here) but this engine runs on {device}: trainer rank and engine TP rank must "
                 "share a GPU"
             )
-        slots[slot] = (key, tensor)
+        ring.slots[slot] = (key, tensor)
+        ring.views.clear()  # views into the slot's old mapping are stale
         self.opened += 1
