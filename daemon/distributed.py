@@ -174,6 +174,8 @@ class WeightGroups:
         if (existing := self._groups.get(group_name)) is not None:
             raise TransitionRejected(f"weight-update group {group_name!r} is already {existing.state.value}; "
                                      f"DELETE /v1/weights/groups/{group_name} first")
+        if not engines:
+            raise TransitionRejected("this node has no engines to join a weight-update group")
         if backend not in BACKEND_DEVICES:
             raise TransitionRejected(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}")
         for engine in engines:

@@ -204,3 +204,16 @@ async def test_the_trainers_group_joins_one_built_the_way_sglang_builds_it() -> 
                 await peer.wait()
         assert out.decode().strip() == "[1.0, 2.0, 3.0, 4.0]"
         await off_loop(group.close, name="test-leave")
+
+
+async def test_a_trainer_that_never_joins_gets_504_naming_the_engine_and_nothing_half_built_stays() -> None:
+    async with asyncio.timeout(DEADLINE_S), node(timeouts={"default_s": 1.0}) as (_, client):
+        store = master_store("127.0.0.1", 2, 20)  # served, but this trainer never joins the group
+        with pytest.raises(ColocdHTTPError) as err:
+            await client.open_weight_group(master_address="127.0.0.1", master_port=store.port, backend="gloo")
+        body = err.value.body
+        assert err.value.status == 504, body
+        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "init_weights_update_group", 1.0)
+        assert (await client.weight_groups())["groups"] == {}
+        async with sender(client) as trainer:  # the same name opens cleanly afterwards
+            assert (await trainer.open_group())["state"] == "ready"
