@@ -122,9 +122,7 @@ class VariantResult:
 
 def _make_tensors(model: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     # Separate allocations, as a plain torch model has them (one caching-allocator block each).
-    return [
-        (name, torch.empty(shape, dtype=torch.bfloat16, device=device)) for name, shape in hf_shapes(model)
-    ]
+    return [(name, torch.empty(shape, dtype=torch.bfloat16, device=device)) for name, shape in hf_shapes(model)]
 
 
 def _refill(named: Sequence[tuple[str, torch.Tensor]], seed: int) -> list[list[int]]:
@@ -329,9 +327,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
             await client.phase("train", 1)
             await client.phase("sync", 1)  # engine paused, weights resident: sessions may open
             for i, variant in enumerate(variants):
-                result = await _run_variant(
-                    variant, settings, client, http, engine.url, named, settings.seed + 1 + i
-                )
+                result = await _run_variant(variant, settings, client, http, engine.url, named, settings.seed + 1 + i)
                 results.append(result)
                 status = "skipped" if result.skipped else f"best {min(result.stream_s) * 1e3:.2f} ms"
                 print(f"  {variant.name}: {status}", flush=True)

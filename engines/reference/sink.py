@@ -98,9 +98,7 @@ class WeightSink:
     def __init__(self, model: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
         self.model = model
         # Uninitialised on purpose: every byte is overwritten by a load, and checksums prove it.
-        self.tensors = {
-            name: torch.empty(shape, dtype=dtype, device=device) for name, shape in hf_shapes(model)
-        }
+        self.tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in hf_shapes(model)}
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:

@@ -162,9 +162,7 @@ class CudaIpcProducer:
 
         devices = {t.device for _, t in named}
         if len(devices) != 1 or (device := devices.pop()).type != "cuda":
-            raise ValueError(
-                f"cuda_ipc needs a chunk's tensors on one CUDA device; got {sorted(map(str, devices))}"
-            )
+            raise ValueError(f"cuda_ipc needs a chunk's tensors on one CUDA device; got {sorted(map(str, devices))}")
         layout = ChunkLayout.for_tensors(named)
         lease: BucketLease | None = None
         if self.per_tensor:

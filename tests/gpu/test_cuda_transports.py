@@ -49,14 +49,23 @@ class Node:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def node() -> AsyncIterator[Node]:
-    config = ReferenceEngineConfig.model_validate({
-        "name": "ref0", "url": "http://127.0.0.1:0", "device": "cuda",
-        "launch": {"args": ["--sink-shapes", "tiny"], "ready_timeout_s": 300}})
+    config = ReferenceEngineConfig.model_validate(
+        {
+            "name": "ref0",
+            "url": "http://127.0.0.1:0",
+            "device": "cuda",
+            "launch": {"args": ["--sink-shapes", "tiny"], "ready_timeout_s": 300},
+        }
+    )
     async with ReferenceEngineProcess(config) as engine:
-        node_config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
-                                                 "timeouts": {"chunk_s": 60}})
-        async with serve_app(create_app(node_config)) as url, AsyncColocdClient(url) as client, \
-                httpx.AsyncClient(trust_env=False, timeout=120) as http:
+        node_config = NodeConfig.model_validate(
+            {"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}], "timeouts": {"chunk_s": 60}}
+        )
+        async with (
+            serve_app(create_app(node_config)) as url,
+            AsyncColocdClient(url) as client,
+            httpx.AsyncClient(trust_env=False, timeout=120) as http,
+        ):
             await client.wait_ready(60)
             await client.phase("train", 1)
             await client.phase("sync", 1)
@@ -77,7 +86,8 @@ def _received(sink: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> li
 
 @pytest.mark.parametrize("transport", ["cuda_ipc", "per_tensor", "ipc_ring", "zero_copy", "shm"])
 async def test_every_transport_delivers_byte_identical_weights_twice(
-        node: Node, named: list[tuple[str, torch.Tensor]], transport: str) -> None:
+    node: Node, named: list[tuple[str, torch.Tensor]], transport: str
+) -> None:
     async with WeightPusher(node.client, transport=transport, bucket_mb=1, depth=2) as pusher:
         expected = await node.push(pusher, named)
         first = await node.sink()
@@ -92,7 +102,8 @@ async def test_every_transport_delivers_byte_identical_weights_twice(
 
 
 async def test_a_ring_chunk_larger_than_a_slot_travels_from_its_own_storage(
-        node: Node, named: list[tuple[str, torch.Tensor]]) -> None:
+    node: Node, named: list[tuple[str, torch.Tensor]]
+) -> None:
     embed = named[0][1]
     slot_mb = embed.numel() * embed.element_size() / 2**20 / 2  # the embedding is twice a slot
     async with WeightPusher(node.client, transport="ipc_ring", bucket_mb=slot_mb, depth=2) as pusher:
@@ -101,7 +112,8 @@ async def test_a_ring_chunk_larger_than_a_slot_travels_from_its_own_storage(
 
 
 async def test_fresh_cuda_ipc_buckets_are_given_back_after_each_ack(
-        node: Node, named: list[tuple[str, torch.Tensor]]) -> None:
+    node: Node, named: list[tuple[str, torch.Tensor]]
+) -> None:
     async with WeightPusher(node.client, transport="cuda_ipc", bucket_mb=1, depth=3) as pusher:
         await node.push(pusher, named)
         after_first = torch.cuda.memory_allocated(_DEVICE)
@@ -111,7 +123,8 @@ async def test_fresh_cuda_ipc_buckets_are_given_back_after_each_ack(
 
 
 async def test_an_aborted_ring_stream_frees_its_slots_for_the_next_push(
-        node: Node, named: list[tuple[str, torch.Tensor]]) -> None:
+    node: Node, named: list[tuple[str, torch.Tensor]]
+) -> None:
     async with WeightPusher(node.client, transport="ipc_ring", bucket_mb=1, depth=2) as pusher:
         sid = (await node.client.open_session("aborted", ranks=1, depth=2))["session_id"]
         chunks, _ = await pusher.stream(sid, named[:3])
@@ -122,7 +135,8 @@ async def test_an_aborted_ring_stream_frees_its_slots_for_the_next_push(
 
 
 async def test_a_handle_from_a_gpu_the_engine_cannot_see_is_a_clear_error(
-        node: Node, named: list[tuple[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:
+    node: Node, named: list[tuple[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
     bogus = "GPU-00000000-0000-0000-0000-000000000000"
     monkeypatch.setattr(ring, "device_uuid", lambda index: bogus)
     async with WeightPusher(node.client, transport="ipc_ring", bucket_mb=1, depth=1) as pusher:

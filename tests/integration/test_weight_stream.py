@@ -43,8 +43,15 @@ from colocd.engines.trainer.ring import RingTable
 class FakeEngine:
     """An in-memory engine adapter: records every load; with ``gated`` each load waits for its release."""
 
-    def __init__(self, name: str, *, tp: int = 1, gated: bool = False, fail_at: int | None = None,
-                 gpu_uuids: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        tp: int = 1,
+        gated: bool = False,
+        fail_at: int | None = None,
+        gpu_uuids: list[str] | None = None,
+    ) -> None:
         self.name, self.tp, self.gated, self.fail_at = name, tp, gated, fail_at
         self.gpu_uuids = gpu_uuids or []
         self.loads: list[tuple[int, tuple[int, ...], tuple[str, ...]]] = []
@@ -62,8 +69,9 @@ class FakeEngine:
                 await self.release[load.seq].wait()
             if load.seq == self.fail_at:
                 raise EngineRejected(self.name, f"update_weights_from_tensor#{load.seq}: boom", status=400)
-            self.loads.append((load.seq, tuple(p.rank for p in load.payloads),
-                               tuple(str(p.handle["data"]) for p in load.payloads)))
+            self.loads.append(
+                (load.seq, tuple(p.rank for p in load.payloads), tuple(str(p.handle["data"]) for p in load.payloads))
+            )
         except asyncio.CancelledError:
             self.cancelled.append(load.seq)
             raise
@@ -71,14 +79,33 @@ class FakeEngine:
             self.active -= 1
 
 
-def _session(engines: list[FakeEngine], *, ranks: int, depth: int = 2, timeout_s: float = 10.0,
-             sources: dict[str, tuple[int, ...]] | None = None) -> WeightSession:
-    handles = [EngineHandle(adapter=e, state=EngineState(e.name),  # type: ignore[arg-type]
-                            config=ReferenceEngineConfig(name=e.name, url="http://127.0.0.1:9", tp_size=e.tp,
-                                                         gpu_uuids=e.gpu_uuids))
-               for e in engines]
-    return WeightSession(step=1, version="v1", ranks=ranks, engines=handles, depth=depth,
-                         chunk_timeout_s=timeout_s, trace=Trace(1, "weights"), metrics=Metrics(), sources=sources)
+def _session(
+    engines: list[FakeEngine],
+    *,
+    ranks: int,
+    depth: int = 2,
+    timeout_s: float = 10.0,
+    sources: dict[str, tuple[int, ...]] | None = None,
+) -> WeightSession:
+    handles = [
+        EngineHandle(
+            adapter=e,  # type: ignore[arg-type]
+            state=EngineState(e.name),
+            config=ReferenceEngineConfig(name=e.name, url="http://127.0.0.1:9", tp_size=e.tp, gpu_uuids=e.gpu_uuids),
+        )
+        for e in engines
+    ]
+    return WeightSession(
+        step=1,
+        version="v1",
+        ranks=ranks,
+        engines=handles,
+        depth=depth,
+        chunk_timeout_s=timeout_s,
+        trace=Trace(1, "weights"),
+        metrics=Metrics(),
+        sources=sources,
+    )
 
 
 def _part(rank: int, seq: int, **handle: Any) -> RankPayload:
@@ -147,8 +174,12 @@ async def test_a_rank_that_never_sends_its_part_times_out_naming_it() -> None:
 
 async def test_a_missing_part_of_an_earlier_chunk_is_named_by_the_later_chunks_timeout() -> None:
     session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.2)
-    results = await asyncio.gather(session.submit(1, _part(1, 1)), session.submit(0, _part(0, 0)),
-                                   session.submit(1, _part(0, 1)), return_exceptions=True)
+    results = await asyncio.gather(
+        session.submit(1, _part(1, 1)),
+        session.submit(0, _part(0, 0)),
+        session.submit(1, _part(0, 1)),
+        return_exceptions=True,
+    )
     assert all(isinstance(r, WeightSyncError) for r in results)
     assert any(isinstance(r, ChunkTimeout) and "chunk 0 from rank 1" in str(r) for r in results), results
 
@@ -219,12 +250,15 @@ def test_a_cpu_engine_refuses_ring_chunks_clearly() -> None:
 async def _node(count: int, **config: Any) -> AsyncIterator[tuple[AsyncColocdClient, list[ReferenceEngineProcess]]]:
     """``count`` reference engines (started concurrently), an in-process daemon over them, a client."""
     async with AsyncExitStack() as stack:
-        procs = [ReferenceEngineProcess(ReferenceEngineConfig(name=f"ref{i}", url="http://127.0.0.1:0"))
-                 for i in range(count)]
+        procs = [
+            ReferenceEngineProcess(ReferenceEngineConfig(name=f"ref{i}", url="http://127.0.0.1:0"))
+            for i in range(count)
+        ]
         await asyncio.gather(*(stack.enter_async_context(p) for p in procs))
         engines = [{"kind": "reference", "name": f"ref{i}", "url": p.url} for i, p in enumerate(procs)]
-        url = await stack.enter_async_context(serve_app(create_app(NodeConfig.model_validate(
-            {"engines": engines, **config}))))
+        url = await stack.enter_async_context(
+            serve_app(create_app(NodeConfig.model_validate({"engines": engines, **config})))
+        )
         client = await stack.enter_async_context(AsyncColocdClient(url))
         await client.wait_ready(30)
         await client.phase("train", 1)
@@ -264,8 +298,9 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
     assert not shm_segments()
 
 
-def _abort_after(named: list[tuple[str, torch.Tensor]], n: int, reached: asyncio.Event) -> Iterator[
-        tuple[str, torch.Tensor]]:
+def _abort_after(
+    named: list[tuple[str, torch.Tensor]], n: int, reached: asyncio.Event
+) -> Iterator[tuple[str, torch.Tensor]]:
     for i, item in enumerate(named):
         if i == n:
             reached.set()
@@ -312,9 +347,17 @@ async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it() -
 
 async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any) -> None:
     out = tmp_path / "bench.json"
-    record = await run_weights_bench(BenchSettings(model="tiny", device="cpu", variants=("serial", "overlap2",
-                                                                                         "ipc_ring"),
-                                                   bucket_mb=1, repeats=1, warmup=0, out=str(out)))
+    record = await run_weights_bench(
+        BenchSettings(
+            model="tiny",
+            device="cpu",
+            variants=("serial", "overlap2", "ipc_ring"),
+            bucket_mb=1,
+            repeats=1,
+            warmup=0,
+            out=str(out),
+        )
+    )
     ran = {v["name"]: v for v in record["variants"]}
     assert ran["serial"]["verified"] and ran["overlap2"]["verified"]
     assert ran["ipc_ring"]["skipped"] == "needs CUDA"
