@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pa.set_defaults(func=_policy_apply)
 
     p = sub.add_parser("demo", help="a tiny real RL loop through the full handoff on the reference engine")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=32, help="rollouts per step")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)

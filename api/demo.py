@@ -36,7 +36,7 @@ TARGET = [3, 4, 5, 6, 3, 4, 5, 6]
 
 @dataclass(frozen=True, slots=True)
 class DemoSettings:
-    steps: int = 30
+    steps: int = 60
     batch: int = 32
     device: str = "cpu"
     seed: int = 0
