@@ -202,6 +202,12 @@ class WeightPusher:
         self._producer: Producer | None = None
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
 
+    @classmethod
+    def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0) -> WeightPusher:
+        """A pusher shaped by the pipeline policy: the ``directives["pipeline"]`` of a ``sync`` reply."""
+        return cls(client, transport=str(plan["transport"]), bucket_mb=int(plan["bucket_bytes"]) / 2**20,
+                   depth=int(plan["depth"]), rank=rank)
+
     async def __aenter__(self) -> WeightPusher:
         return self
 

@@ -149,3 +149,18 @@ async def test_train_directive_reflects_the_trainers_group_snapshot() -> None:
     directive = result.directives["process_groups"]
     assert directive["action"] == "destroy"  # 7 GiB kept would exceed the 1 GiB budget
     assert result.directives["cleanup"]["policy"] == "empty_cache"
+
+
+async def test_the_sync_reply_shapes_the_weight_pusher(served: tuple[str, GatedEngine]) -> None:
+    from colocd.api.client import AsyncColocdClient, WeightPusher
+
+    url, _ = served
+    async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
+        await http.put("/v1/policies", content="apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depth: 3\n"
+                                               "  bucket_mb: 8\n  transport: shm\n")
+    async with AsyncColocdClient(url) as client:
+        await client.phase("train", 1)
+        plan = (await client.phase("sync", 1))["directives"]["pipeline"]
+        assert (plan["depth"], plan["bucket_bytes"], plan["transport"]) == (3, 8 << 20, "shm")
+        pusher = WeightPusher.from_plan(client, plan)
+        assert (pusher._depth, pusher._bucket_bytes, pusher._transport) == (3, 8 << 20, "shm")
