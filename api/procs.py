@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from ..engines.logtail import read_tail
+
 __all__ = ["DaemonProcess"]
 
 
@@ -56,10 +58,7 @@ class DaemonProcess:
         await self.stop()
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return read_tail(self.log_path, n)
 
     async def stop(self, grace_s: float = 10.0) -> None:
         proc = self._proc

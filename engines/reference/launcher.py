@@ -30,6 +30,7 @@ import httpx
 
 from ..config import ReferenceEngineConfig
 from ..errors import EngineError
+from ..logtail import read_tail
 
 __all__ = ["EngineLaunchError", "ReferenceEngineProcess"]
 
@@ -298,13 +299,7 @@ class ReferenceEngineProcess:
     def _log_tail(self) -> str:
         if self._log_path is None:
             return ""
-        try:
-            with open(self._log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - _LOG_TAIL_BYTES))
-                return f.read().decode(errors="replace")
-        except OSError as exc:
-            return f"(log unreadable: {exc})"
+        return read_tail(self._log_path, _LOG_TAIL_BYTES)
 
     def _cleanup(self) -> None:
         if self._workdir is not None:

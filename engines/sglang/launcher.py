@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..config import SGLangEngineConfig
+from ..logtail import read_tail
 from .protocol import parse_version
 
 __all__ = [
@@ -388,13 +389,7 @@ class SGLangServer:
     def log_tail(self, nbytes: int = 4000) -> str:
         if self.log_path is None:
             return "(attached: no log)"
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(0, os.SEEK_END)
-                log.seek(max(0, log.tell() - nbytes))
-                return log.read().decode(errors="replace")
-        except OSError as exc:
-            return f"(log unreadable: {exc})"
+        return read_tail(self.log_path, nbytes)
 
     def _log_mentions(self, text: str) -> bool:
         return text in self.log_tail(64_000)
