@@ -192,7 +192,7 @@ class WeightGroups:
 
         def join(engine: EngineHandle) -> Awaitable[None]:
             adapter = _verbs(engine)
-            return ops._timed(engine, trace, self._metrics, "init_weights_update_group", budget,
+            return ops.timed_call(engine, trace, self._metrics, "init_weights_update_group", budget,
                               adapter.init_weights_update_group(
                                   master_address=master_address, master_port=master_port,
                                   rank_offset=offsets[engine.name], world_size=world, group_name=group_name,
@@ -228,7 +228,7 @@ class WeightGroups:
 
         async def one(engine: EngineHandle) -> None:
             adapter = _verbs(engine)
-            await ops._timed(engine, trace, self._metrics, "destroy_weights_update_group", budget,
+            await ops.timed_call(engine, trace, self._metrics, "destroy_weights_update_group", budget,
                              adapter.destroy_weights_update_group(group_name), group=group_name)
 
         results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
@@ -268,7 +268,7 @@ class WeightGroups:
 
         def load(engine: EngineHandle) -> Awaitable[None]:
             adapter = _verbs(engine)
-            return ops._timed(engine, session.trace, self._metrics, step, budget,
+            return ops.timed_call(engine, session.trace, self._metrics, step, budget,
                               adapter.update_weights_from_distributed(
                                   seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
                                   shapes=[list(s) for s in desc.shapes], group_name=record.name,

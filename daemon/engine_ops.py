@@ -20,7 +20,7 @@ from .metrics import Metrics
 from .states import EngineState, Generation, TagState
 from .trace import Trace
 
-__all__ = ["EngineHandle", "continue_generation", "flush", "pause", "release", "resume"]
+__all__ = ["EngineHandle", "continue_generation", "flush", "pause", "release", "resume", "timed_call"]
 
 
 @dataclass
@@ -43,7 +43,7 @@ class EngineHandle:
         return list(self.config.gpu_uuids or self.config.gpus)
 
 
-async def _timed(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str, budget_s: float,
+async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str, budget_s: float,
                  coro: Any, **attrs: Any) -> Any:
     """Run one engine call under its deadline, as a span; a timeout names the step and budget."""
     with trace.span(name, engine.name, **attrs):
@@ -65,7 +65,7 @@ async def _timed(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str
 async def pause(engine: EngineHandle, mode: PauseMode, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
     if engine.state.generation is Generation.PAUSED:
         return
-    await _timed(engine, trace, metrics, "pause_generation", t.for_step("pause"),
+    await timed_call(engine, trace, metrics, "pause_generation", t.for_step("pause"),
                  engine.adapter.pause_generation(mode), mode=mode.value)
     engine.state = engine.state.with_(generation=Generation.PAUSED)
 
@@ -83,7 +83,7 @@ async def flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeout
             await asyncio.sleep(delay)  # backoff between retries of a refused flush
             delay = min(delay * 2, 1.0)
 
-    await _timed(engine, trace, metrics, "flush_cache", budget, _retrying())
+    await timed_call(engine, trace, metrics, "flush_cache", budget, _retrying())
 
 
 async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
@@ -93,7 +93,7 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
         return {}
     before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
     before_own = await _memory_report(engine)
-    await _timed(engine, trace, metrics, "release_memory", t.for_step("release"),
+    await timed_call(engine, trace, metrics, "release_memory", t.for_step("release"),
                  engine.adapter.release_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RELEASED)
     freed: dict[str, int] = {}
@@ -119,7 +119,7 @@ async def resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace
                  t: Timeouts) -> None:
     if not tags:
         return
-    await _timed(engine, trace, metrics, "resume_memory", t.for_step("resume"),
+    await timed_call(engine, trace, metrics, "resume_memory", t.for_step("resume"),
                  engine.adapter.resume_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
 
@@ -128,7 +128,7 @@ async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metri
     engine.state.check_can_serve()  # never serve released memory or a partial update
     if engine.state.generation is Generation.SERVING:
         return
-    await _timed(engine, trace, metrics, "continue_generation", t.for_step("pause"),
+    await timed_call(engine, trace, metrics, "continue_generation", t.for_step("pause"),
                  engine.adapter.continue_generation())
     engine.state = engine.state.with_(generation=Generation.SERVING)
 

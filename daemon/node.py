@@ -283,8 +283,10 @@ class Daemon:
             if engine.info is None and not await self._attach(engine):
                 raise EngineUnreachable(engine.name, engine.state.last_error or "not attached")
 
-    async def _each(self, trace: Trace, phase: str, fn: Any) -> dict[str, Any]:
-        """Run ``fn(engine)`` on every engine concurrently; the first failure is raised after all settle."""
+    async def _each(self, trace: Trace, phase: str, fn: Any,
+                    engines: list[EngineHandle] | None = None) -> dict[str, Any]:
+        """Run ``fn(engine)`` on ``engines`` (default: all) concurrently; the first failure is raised
+        only after every engine's call settled, so none is left running outside the lock."""
         async def one(engine: EngineHandle) -> Any:
             t0 = time.perf_counter()
             try:
@@ -292,8 +294,9 @@ class Daemon:
             finally:
                 self.metrics.phase_duration.labels(phase, engine.name).observe(time.perf_counter() - t0)
 
-        names = list(self.engines)
-        results = await asyncio.gather(*(one(self.engines[n]) for n in names), return_exceptions=True)
+        targets = list(self.engines.values()) if engines is None else engines
+        names = [e.name for e in targets]
+        results = await asyncio.gather(*(one(e) for e in targets), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         for r in failures:
             if not isinstance(r, Exception):
@@ -382,9 +385,11 @@ class Daemon:
             await self._require_attached()
             trace = Trace(self.node.step, "sleep")
             t0 = time.perf_counter()
-            freed = dict(zip([e.name for e in engines], await asyncio.gather(
-                *(self._quiesce_and_release(e, tags, trace, strict=True) for e in engines)), strict=True))
-            self.traces.put(trace)
+            try:
+                freed = await self._each(
+                    trace, "sleep", lambda e: self._quiesce_and_release(e, tags, trace, strict=True), engines)
+            finally:
+                self.traces.put(trace)
             self._journal_append("sleep", self.node.step)
             return TransitionResult(self.node.step, "sleep", time.perf_counter() - t0,
                                     {e.name: e.state.snapshot() for e in engines}, freed, trace=trace)
@@ -409,8 +414,10 @@ class Daemon:
                     await ops.flush(engine, trace, self.metrics, t)
                     await ops.continue_generation(engine, trace, self.metrics, t)
 
-            await asyncio.gather(*(one(e) for e in engines))
-            self.traces.put(trace)
+            try:
+                await self._each(trace, "resume", one, engines)
+            finally:
+                self.traces.put(trace)
             self._journal_append("resume", self.node.step)
             return TransitionResult(self.node.step, "resume", time.perf_counter() - t0,
                                     {e.name: e.state.snapshot() for e in engines}, trace=trace)
@@ -438,7 +445,7 @@ class Daemon:
             t = self._timeouts()
 
             async def begin(engine: EngineHandle) -> None:
-                await ops._timed(engine, trace, self.metrics, "begin_weight_update", t.default_s,
+                await ops.timed_call(engine, trace, self.metrics, "begin_weight_update", t.default_s,
                                  engine.adapter.begin_weight_update())
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
 
@@ -511,10 +518,10 @@ class Daemon:
                 return
             if not committed:
                 engine.state = engine.state.with_(weights=WeightsState.STALE)
-            await ops._timed(engine, trace, self.metrics, "end_weight_update", t.default_s,
+            await ops.timed_call(engine, trace, self.metrics, "end_weight_update", t.default_s,
                              engine.adapter.end_weight_update())
             if committed and version is not None:
-                await ops._timed(engine, trace, self.metrics, "set_weight_version", t.default_s,
+                await ops.timed_call(engine, trace, self.metrics, "set_weight_version", t.default_s,
                                  engine.adapter.set_weight_version(version))
                 engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
 
