@@ -17,6 +17,7 @@ from ..daemon.errors import NotFound, WeightSyncError
 from ..daemon.node import Daemon, TransitionResult
 from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
+from ..daemon.weights import SessionState
 from ..engines.base import RankPayload
 from ..policies import PolicyError
 from .errors import install_error_handlers
@@ -166,7 +167,7 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
             seqs = {c.seq for c in body.chunks}
             return await d.commit_weights(session.id, len(seqs))
         except BaseException as exc:
-            if session.state.value == "open":
+            if session.state is SessionState.OPEN:
                 await d.abort_weights(session.id, f"one-shot update failed: {exc}")
             if isinstance(exc, WeightSyncError) and session.error:
                 raise WeightSyncError(session.error) from exc
