@@ -18,6 +18,9 @@ from ..daemon.errors import (
     EngineUnreachable,
     MemoryNotConfirmed,
     NotFound,
+    PayloadRejected,
+    RequestInvalid,
+    SessionGone,
     StepTimeout,
     TransitionFailed,
     TransitionRejected,
@@ -30,7 +33,9 @@ log = logging.getLogger("colocd.api")
 
 # Most specific first.
 _STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (RequestInvalid, 422),
     (TransitionRejected, 409),
+    (SessionGone, 410),
     (NotFound, 404),
     (ConfigError, 400),
     (ChunkTimeout, 504),
@@ -57,8 +62,12 @@ def _body(exc: Exception, status: int) -> dict[str, object]:
     body: dict[str, object] = {"error": type(exc).__name__, "message": str(exc)}
     if isinstance(exc, TransitionRejected) and exc.state:
         body["state"] = exc.state
-    if isinstance(exc, EngineError):
+    if isinstance(exc, RequestInvalid) and exc.field:
+        body["field"] = exc.field
+    if isinstance(exc, PayloadRejected | EngineError):
         body["engine"] = exc.engine
+    if isinstance(exc, SessionGone):
+        body.update(session_id=exc.session_id, session_state=exc.state)
     if isinstance(exc, TransitionFailed):
         body.update(engine=exc.engine, step=exc.step)
         if isinstance(exc, StepTimeout):

@@ -1,7 +1,10 @@
 """Every error the daemon raises, in one tree; the api maps each class to one HTTP status.
 
     ColocdError
+    ├── RequestInvalid          the caller's request is wrong (names the field); nothing changed → 422
+    │   └── PayloadRejected     an engine refused the caller's payload (engine's words)          → 422
     ├── TransitionRejected      illegal from the current state; nothing changed        → 409
+    ├── SessionGone             a weight session that expired, was aborted or committed → 410
     ├── NotFound                unknown engine / session / step                          → 404
     ├── TransitionFailed        an engine call failed mid-transition; .engine, .step    → 502
     │   └── StepTimeout         an engine call exceeded its budget; .budget_s            → 504
@@ -35,6 +38,9 @@ __all__ = [
     "EngineUnreachable",
     "MemoryNotConfirmed",
     "NotFound",
+    "PayloadRejected",
+    "RequestInvalid",
+    "SessionGone",
     "StepTimeout",
     "TransitionFailed",
     "TransitionRejected",
@@ -52,6 +58,35 @@ class TransitionRejected(ColocdError):
     def __init__(self, message: str, *, state: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.state = state or {}
+
+
+class RequestInvalid(ColocdError):
+    """The caller's request is wrong (a field out of range, a handle that cannot be read); nothing changed.
+
+    Raised before the first engine call wherever the daemon can tell; ``field`` names the offending field.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class PayloadRejected(RequestInvalid):
+    """An engine answered 400 to data the caller supplied (a handle, a layout): the caller's mistake,
+    carrying the engine's own words. The engine is left as the daemon's state says."""
+
+    def __init__(self, message: str, *, engine: str, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.engine = engine
+
+
+class SessionGone(ColocdError):
+    """A weight session that no longer accepts work: expired, aborted, failed or committed."""
+
+    def __init__(self, message: str, *, session_id: str, state: str) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+        self.state = state
 
 
 class NotFound(ColocdError):
