@@ -106,6 +106,15 @@ def _bench_weights(args: argparse.Namespace) -> int:
     return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
 
 
+def _bench_control(args: argparse.Namespace) -> int:
+    from .bench_control import ControlBenchSettings, run_control_bench
+
+    settings = ControlBenchSettings(samples=args.samples, warmup_cycles=args.warmup_cycles, cycles=args.cycles,
+                                    readers=args.readers, out=args.out)
+    asyncio.run(run_control_bench(settings))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="colocd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     pb.add_argument("--seed", type=int, default=0)
     pb.add_argument("--out", default=None, help="write the JSON record here")
     pb.set_defaults(func=_bench_weights)
+    pc = bsub.add_parser("control", help="cost of /v1/status and /metrics against /healthz; transitions under readers")
+    pc.add_argument("--samples", type=int, default=500, help="sequential requests per read path")
+    pc.add_argument("--warmup-cycles", type=int, default=5, help="untimed train/sync/rollout cycles first")
+    pc.add_argument("--cycles", type=int, default=40, help="timed cycles per condition (3 transitions each)")
+    pc.add_argument("--readers", type=int, default=100, help="concurrent readers in the loaded condition")
+    pc.add_argument("--out", default=None, help="write the JSON record here")
+    pc.set_defaults(func=_bench_control)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,244 @@
+"""``colocd bench control``: what reads cost the daemon, and what readers cost the trainer's transitions.
+
+    colocd bench control --out bench/results/control-cpu.json           # the recorded run
+    colocd bench control --cycles 2 --samples 20 --readers 4            # a smoke run (seconds)
+
+Three processes on one machine, all real: a reference engine, a ``colocd serve`` daemon, and this
+one (the trainer), plus a fourth for the readers so their client-side work never delays this
+process's clock. Measured in one run:
+
+1. **Read cost**: ``/healthz``, ``/v1/status`` and ``/metrics`` requested one after another,
+   interleaved (so machine noise falls on all three alike), on an idle daemon that has already run
+   ``--warmup-cycles`` train → sync → rollout cycles (so ``/metrics`` carries its histograms).
+   Targets: ``/v1/status`` at most 1.5x and ``/metrics`` at most 3x the median of ``/healthz``.
+2. **Transitions under readers**: ``--cycles`` cycles timed with no readers, then the same with
+   ``--readers`` concurrent clients reading ``/v1/status`` and ``/metrics`` back to back. Target:
+   transition p99 with readers at most 2x without.
+
+The policy releases only ``kv_cache`` on train, so rollout needs no weight push and a cycle times
+the control path alone (pause, flush, release, resume, continue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ..engines.config import ReferenceEngineConfig
+from ..engines.reference.launcher import ReferenceEngineProcess
+from .procs import DaemonProcess
+
+__all__ = ["ControlBenchSettings", "run_control_bench"]
+
+READ_PATHS = ("/healthz", "/v1/status", "/metrics")
+TARGETS = {"status_x_healthz": 1.5, "metrics_x_healthz": 3.0, "transition_p99_x_idle": 2.0}
+_POLICY = "apiVersion: colocd/v1\nengines:\n  release_tags: [kv_cache]\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ControlBenchSettings:
+    """How much to measure; the defaults are the recorded run, a smoke run shrinks every count."""
+
+    samples: int = 500  # sequential requests per read path
+    warmup_cycles: int = 5  # train → sync → rollout cycles before anything is timed
+    cycles: int = 40  # timed cycles per condition (3 transitions each)
+    readers: int = 100  # concurrent reading clients in the second condition
+    out: str | None = None
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by nearest rank; values in seconds, returned in milliseconds."""
+    ordered = sorted(values)
+    return 1e3 * ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _summary(values: list[float]) -> dict[str, float | int]:
+    return {"n": len(values), "p50_ms": _pct(values, 0.5), "p90_ms": _pct(values, 0.9),
+            "p99_ms": _pct(values, 0.99), "mean_ms": 1e3 * statistics.fmean(values)}
+
+
+async def _read_costs(http: httpx.AsyncClient, samples: int) -> dict[str, Any]:
+    times: dict[str, list[float]] = {p: [] for p in READ_PATHS}
+    sizes: dict[str, int] = {}
+    for i in range(samples + 20):  # the first 20 rounds warm connections and caches
+        for path in READ_PATHS:
+            t0 = time.perf_counter()
+            response = await http.get(path)
+            elapsed = time.perf_counter() - t0
+            response.raise_for_status()
+            sizes[path] = len(response.content)
+            if i >= 20:
+                times[path].append(elapsed)
+    return {p: {**_summary(times[p]), "bytes": sizes[p]} for p in READ_PATHS}
+
+
+async def _cycles(http: httpx.AsyncClient, first_step: int, cycles: int) -> tuple[list[float], list[float]]:
+    """Client-observed and daemon-reported seconds of each transition."""
+    observed, reported = [], []
+    for step in range(first_step, first_step + cycles):
+        for phase in ("train", "sync", "rollout"):
+            t0 = time.perf_counter()
+            response = await http.post("/v1/phase", json={"phase": phase, "step": step})
+            observed.append(time.perf_counter() - t0)
+            if response.status_code != 200:
+                raise RuntimeError(f"{phase}@{step}: HTTP {response.status_code}: {response.text[:300]}")
+            reported.append(float(response.json()["duration_s"]))
+    return observed, reported
+
+
+class _Readers:
+    """A child process running ``count`` concurrent readers until its stdin closes; then its JSON report."""
+
+    def __init__(self, url: str, count: int) -> None:
+        self.url, self.count = url, count
+        self._proc: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> _Readers:
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "colocd.api.bench_control", "--readers-child", self.url, str(self.count),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        assert self._proc.stdout is not None
+        line = await asyncio.wait_for(self._proc.stdout.readline(), 120)  # "reading" once all are connected
+        if line.strip() != b"reading":
+            raise RuntimeError(f"reader process failed to start: {line!r}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.kill()
+            await self._proc.wait()
+
+    async def stop(self) -> dict[str, Any]:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.close()
+        out, _ = await asyncio.wait_for(self._proc.communicate(), 120)
+        return json.loads(out.decode().strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+async def _reader_child(url: str, count: int) -> None:
+    """Runs in the reader process: ``count`` clients, half on /v1/status, half on /metrics, back to back."""
+    stop = asyncio.Event()
+    times: dict[str, list[float]] = {"/v1/status": [], "/metrics": []}
+    errors = 0
+    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+    async with httpx.AsyncClient(base_url=url, trust_env=False, limits=limits, timeout=120) as http:
+
+        async def reader(path: str) -> None:
+            nonlocal errors
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    (await http.get(path)).raise_for_status()
+                except httpx.HTTPError:
+                    errors += 1
+                    continue
+                times[path].append(time.perf_counter() - t0)
+
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(reader("/v1/status" if i % 2 == 0 else "/metrics")) for i in range(count)]
+        while sum(len(t) for t in times.values()) < count:  # noqa: ASYNC110 - until every reader got one answer
+            await asyncio.sleep(0.01)
+        print("reading", flush=True)
+        t0 = time.perf_counter()
+        await loop.run_in_executor(None, sys.stdin.read)  # the parent closes stdin to stop us
+        wall = time.perf_counter() - t0
+        stop.set()
+        await asyncio.gather(*tasks)
+    report = {p: _summary(v) for p, v in times.items() if v}
+    print(json.dumps({"readers": count, "wall_s": wall, "reads_per_s": sum(len(v) for v in times.values()) / wall,
+                      "errors": errors, "paths": report}), flush=True)
+
+
+def _table(record: dict[str, Any]) -> str:
+    reads, trans, ratios = record["reads"], record["transitions"], record["ratios"]
+    lines = [f"{'read (sequential, interleaved)':<34}{'p50 ms':>9}{'p90 ms':>9}{'bytes':>8}{'x healthz':>11}"
+             f"{'target':>8}"]
+    for path, key in (("/healthz", None), ("/v1/status", "status_x_healthz"), ("/metrics", "metrics_x_healthz")):
+        r = reads[path]
+        ratio = f"{ratios[key]:.2f}" if key else "1.00"
+        target = f"<= {TARGETS[key]:g}" if key else ""
+        lines.append(f"{path:<34}{r['p50_ms']:>9.2f}{r['p90_ms']:>9.2f}{r['bytes']:>8}{ratio:>11}{target:>8}")
+    lines.append(f"{'transitions (train/sync/rollout)':<34}{'p50 ms':>9}{'p99 ms':>9}{'n':>8}{'x idle':>11}"
+                 f"{'target':>8}")
+    idle, loaded = trans["idle"], trans["with_readers"]
+    lines.append(f"{'no readers':<34}{idle['p50_ms']:>9.1f}{idle['p99_ms']:>9.1f}{idle['n']:>8}{'1.00':>11}")
+    label = f"{record['settings']['readers']} concurrent readers"
+    lines.append(f"{label:<34}{loaded['p50_ms']:>9.1f}{loaded['p99_ms']:>9.1f}{loaded['n']:>8}"
+                 f"{ratios['transition_p99_x_idle']:>11.2f}{'<= 2':>8}")
+    rd = record["readers"]
+    per_path = ", ".join(f"{p} p50 {s['p50_ms']:.1f} / p99 {s['p99_ms']:.1f} ms" for p, s in rd["paths"].items())
+    lines.append(f"readers meanwhile: {rd['reads_per_s']:.0f} reads/s, {per_path}, {rd['errors']} errors")
+    return "\n".join(lines)
+
+
+async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
+    """Run both measurements; print the table; return (and write to ``settings.out``) the JSON record."""
+    workdir = tempfile.mkdtemp(prefix="colocd-bench-control-")
+    policy = Path(workdir) / "policies.yaml"
+    policy.write_text(_POLICY)
+    engine_cfg = ReferenceEngineConfig.model_validate({
+        "name": "ref0", "url": "http://127.0.0.1:0",
+        "launch": {"ready_timeout_s": 300, "log_file": f"{workdir}/engine.log"}})
+    print(f"colocd bench control: reference engine + daemon on {platform.node()} ({os.cpu_count()} CPUs)", flush=True)
+    async with ReferenceEngineProcess(engine_cfg) as engine:
+        assert engine.url is not None
+        daemon_cfg = {"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+                      "policy_file": str(policy), "timeouts": {"default_s": 120}}
+        async with (DaemonProcess(daemon_cfg, workdir=workdir) as daemon,
+                    httpx.AsyncClient(base_url=daemon.url, trust_env=False, timeout=120) as http):
+            async with asyncio.timeout(120):
+                while (await http.get("/readyz")).status_code != 200:  # noqa: ASYNC110 - readiness poll
+                    await asyncio.sleep(0.05)
+            await _cycles(http, 1, settings.warmup_cycles)
+            step = 1 + settings.warmup_cycles
+            reads = await _read_costs(http, settings.samples)
+            print("  read costs measured", flush=True)
+            idle_obs, idle_rep = await _cycles(http, step, settings.cycles)
+            step += settings.cycles
+            print("  transitions without readers measured", flush=True)
+            async with _Readers(daemon.url, settings.readers) as readers:
+                loaded_obs, loaded_rep = await _cycles(http, step, settings.cycles)
+                reader_report = await readers.stop()
+            print("  transitions with readers measured", flush=True)
+    idle, loaded = _summary(idle_obs), _summary(loaded_obs)
+    record: dict[str, Any] = {
+        "command": "colocd " + " ".join(sys.argv[1:]) if sys.argv[1:3] == ["bench", "control"] else " ".join(sys.argv),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "settings": asdict(settings),
+        "reads": reads,
+        "transitions": {"idle": idle, "with_readers": loaded,
+                        "daemon_reported": {"idle": _summary(idle_rep), "with_readers": _summary(loaded_rep)}},
+        "readers": reader_report,
+        "ratios": {
+            "status_x_healthz": reads["/v1/status"]["p50_ms"] / reads["/healthz"]["p50_ms"],
+            "metrics_x_healthz": reads["/metrics"]["p50_ms"] / reads["/healthz"]["p50_ms"],
+            "transition_p99_x_idle": loaded["p99_ms"] / idle["p99_ms"],
+        },
+        "targets": TARGETS,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    record["met"] = {k: record["ratios"][k] <= v for k, v in TARGETS.items()}
+    print(_table(record), flush=True)
+    if settings.out:
+        _write_json(Path(settings.out), record)
+    return record
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--readers-child"]:
+    asyncio.run(_reader_child(sys.argv[2], int(sys.argv[3])))
