@@ -90,13 +90,15 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         ok, problems = d.ready()
         return JSONResponse({"ready": ok, "problems": problems}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", tags=["probes"])
+    @app.get("/metrics", tags=["probes"], response_class=Response)
     async def metrics(d: D) -> Response:
-        return Response(d.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""
+        return Response(await d.metrics.current(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/status")
-    async def status(d: D) -> dict[str, Any]:
-        return d.status()
+    # response_model keeps the schema in OpenAPI; the snapshot is returned as bytes, serialised once per change.
+    @app.get("/v1/status", response_model=dict[str, Any])
+    async def status(d: D) -> Response:
+        return Response(d.status_json(), media_type="application/json")
 
     @app.post("/v1/phase", dependencies=mutating)
     async def phase(body: PhaseRequest, d: D) -> TransitionReply:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -89,6 +90,9 @@ class Daemon:
         self._journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
+        # Reads are served from snapshots: _changed() marks what status() and /metrics show as stale.
+        self._state_version = 0
+        self._status_cache: tuple[tuple[Any, ...], bytes] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
@@ -198,6 +202,29 @@ class Daemon:
         log.info("restored node state from journal: %s", self.node.snapshot())
 
     # -- queries -----------------------------------------------------------------------------
+    def _changed(self) -> None:
+        """State or metrics changed in a way the status key below cannot see (counters, chunk stats)."""
+        self._state_version += 1
+        self.metrics.changed()
+
+    def _status_key(self) -> tuple[Any, ...]:
+        """Everything status() reads: recorded states are immutable and replaced on change, so identity
+        (or equality) of these says whether the last snapshot still holds. Add new status fields here."""
+        session = self.session
+        return (self._state_version, self.lifecycle, self.node, self._busy_with,
+                *(part for e in self.engines.values() for part in (e.state, e.info)),
+                session, session.stats() if session is not None else None,
+                self.policies.active, self.policies.store.pending, self._probe is not None)
+
+    def status_json(self) -> bytes:
+        """``status()`` as JSON bytes, rebuilt only when something in it changed (GET /v1/status)."""
+        key = self._status_key()
+        cached = self._status_cache
+        if cached is None or len(cached[0]) != len(key) or any(
+                a is not b and a != b for a, b in zip(cached[0], key, strict=True)):
+            cached = self._status_cache = (key, json.dumps(self.status()).encode())
+        return cached[1]
+
     def status(self) -> dict[str, Any]:
         active, pending = self.policies.active, self.policies.store.pending
         policy = {**active.info(), "source": active.source, "document": active.as_document(),
@@ -241,6 +268,7 @@ class Daemon:
         key = (step, phase.value)
         if (done := self._completed.get(key)) is not None:
             self.metrics.transitions.labels(phase.value, "replayed").inc()
+            self._changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
         try:
             async with self._exclusive(f"{phase.value}@{step}"):
@@ -271,11 +299,14 @@ class Daemon:
                 self._journal_append(phase.value, step)
         except TransitionRejected:
             self.metrics.transitions.labels(phase.value, "rejected").inc()
+            self._changed()
             raise
         except BaseException:
             self.metrics.transitions.labels(phase.value, "failed").inc()
+            self._changed()
             raise
         self.metrics.transitions.labels(phase.value, "ok").inc()
+        self._changed()
         return result
 
     async def _require_attached(self) -> None:
@@ -473,6 +504,8 @@ class Daemon:
         except WeightSyncError:
             await self._finish_failed(session)
             raise
+        finally:
+            self._changed()  # chunk counters and the session's stats moved
 
     async def commit_weights(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
         session = self._session(session_id)
@@ -565,6 +598,7 @@ class Daemon:
         finally:
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
+            self._changed()
 
     # -- policy hooks --------------------------------------------------------------------------
     def _pipeline_depth(self) -> int:
@@ -593,6 +627,7 @@ class Daemon:
                     m.gpu_memory.labels(gpu, "used").set(reading.used_bytes)
                     m.gpu_memory.labels(gpu, "free").set(reading.free_bytes)
                     m.gpu_memory.labels(gpu, "total").set(reading.total_bytes)
+        self._changed()
 
 
 def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None) -> None:
