@@ -11,8 +11,9 @@ process's clock. Measured in one run:
    interleaved (so machine noise falls on all three alike), on an idle daemon that has already run
    ``--warmup-cycles`` train → sync → rollout cycles (so ``/metrics`` carries its histograms).
    Targets: ``/v1/status`` at most 1.5x and ``/metrics`` at most 3x the median of ``/healthz``.
-2. **Transitions under readers**: ``--cycles`` cycles timed with no readers, then the same with
-   ``--readers`` concurrent clients reading ``/v1/status`` and ``/metrics`` back to back. Target:
+2. **Transitions under readers**: ``--cycles`` cycles timed with no readers and as many with
+   ``--readers`` concurrent clients reading ``/v1/status`` and ``/metrics`` back to back, in
+   ``--blocks`` alternating blocks (the readers are held idle, not disconnected, between). Target:
    transition p99 with readers at most 2x without.
 
 The policy releases only ``kv_cache`` on train, so rollout needs no weight push and a cycle times
@@ -54,6 +55,7 @@ class ControlBenchSettings:
     warmup_cycles: int = 5  # train → sync → rollout cycles before anything is timed
     cycles: int = 40  # timed cycles per condition (3 transitions each)
     readers: int = 100  # concurrent reading clients in the second condition
+    blocks: int = 4  # the cycles of each condition are run in this many alternating blocks
     out: str | None = None
 
 
@@ -98,7 +100,7 @@ async def _cycles(http: httpx.AsyncClient, first_step: int, cycles: int) -> tupl
 
 
 class _Readers:
-    """A child process running ``count`` concurrent readers until its stdin closes; then its JSON report."""
+    """A child process with ``count`` concurrent readers, switched on and off between blocks (stdin lines)."""
 
     def __init__(self, url: str, count: int) -> None:
         self.url, self.count = url, count
@@ -108,16 +110,32 @@ class _Readers:
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "colocd.api.bench_control", "--readers-child", self.url, str(self.count),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        assert self._proc.stdout is not None
-        line = await asyncio.wait_for(self._proc.stdout.readline(), 120)  # "reading" once all are connected
-        if line.strip() != b"reading":
-            raise RuntimeError(f"reader process failed to start: {line!r}")
+        await self._expect("held")  # every reader connected and answered once, now idle
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if self._proc is not None and self._proc.returncode is None:
             self._proc.kill()
             await self._proc.wait()
+
+    async def _expect(self, word: str) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        line = await asyncio.wait_for(self._proc.stdout.readline(), 300)
+        if line.strip() != word.encode():
+            raise RuntimeError(f"reader process: expected {word!r}, got {line!r}")
+
+    async def _say(self, word: str, ack: str) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.write(f"{word}\n".encode())
+        await self._proc.stdin.drain()
+        await self._expect(ack)
+
+    async def go(self) -> None:
+        await self._say("go", "going")
+
+    async def hold(self) -> None:
+        """Returns once no read is in flight: the next block runs on an idle daemon."""
+        await self._say("hold", "held")
 
     async def stop(self) -> dict[str, Any]:
         assert self._proc is not None and self._proc.stdin is not None
@@ -127,36 +145,64 @@ class _Readers:
 
 
 async def _reader_child(url: str, count: int) -> None:
-    """Runs in the reader process: ``count`` clients, half on /v1/status, half on /metrics, back to back."""
-    stop = asyncio.Event()
+    """Runs in the reader process: ``count`` clients, half on /v1/status, half on /metrics, back to back
+    while switched on ("go"), idle after "hold" (acknowledged once no read is in flight), done at EOF."""
+    going, stopped, idle = asyncio.Event(), False, asyncio.Event()
     times: dict[str, list[float]] = {"/v1/status": [], "/metrics": []}
-    errors = 0
+    errors, in_flight, answered = 0, 0, 0
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
-    async with httpx.AsyncClient(base_url=url, trust_env=False, limits=limits, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=url, trust_env=False, limits=limits, timeout=300) as http:
 
         async def reader(path: str) -> None:
-            nonlocal errors
-            while not stop.is_set():
+            nonlocal errors, in_flight, answered
+            first = True
+            while True:
+                await going.wait()
+                if stopped:
+                    return
+                in_flight += 1
+                idle.clear()
                 t0 = time.perf_counter()
                 try:
                     (await http.get(path)).raise_for_status()
+                    if not first:  # the first read of each connection includes connecting
+                        times[path].append(time.perf_counter() - t0)
+                    answered += first
+                    first = False
                 except httpx.HTTPError:
                     errors += 1
-                    continue
-                times[path].append(time.perf_counter() - t0)
+                finally:
+                    in_flight -= 1
+                    if in_flight == 0:
+                        idle.set()
+
+        async def hold() -> None:
+            going.clear()
+            if in_flight:
+                await idle.wait()
+            print("held", flush=True)
 
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(reader("/v1/status" if i % 2 == 0 else "/metrics")) for i in range(count)]
-        while sum(len(t) for t in times.values()) < count:  # noqa: ASYNC110 - until every reader got one answer
+        going.set()
+        while answered < count:  # noqa: ASYNC110 - until every reader got its first answer
             await asyncio.sleep(0.01)
-        print("reading", flush=True)
-        t0 = time.perf_counter()
-        await loop.run_in_executor(None, sys.stdin.read)  # the parent closes stdin to stop us
-        wall = time.perf_counter() - t0
-        stop.set()
+        await hold()
+        on_s, since = 0.0, 0.0
+        while line := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+            if line == "go":
+                since = time.perf_counter()
+                going.set()
+                print("going", flush=True)
+            elif line == "hold":
+                await hold()
+                on_s += time.perf_counter() - since
+        stopped = True
+        going.set()
         await asyncio.gather(*tasks)
     report = {p: _summary(v) for p, v in times.items() if v}
-    print(json.dumps({"readers": count, "wall_s": wall, "reads_per_s": sum(len(v) for v in times.values()) / wall,
+    reads = sum(len(v) for v in times.values())
+    print(json.dumps({"readers": count, "reading_s": on_s, "reads_per_s": reads / on_s if on_s else None,
                       "errors": errors, "paths": report}), flush=True)
 
 
@@ -178,7 +224,7 @@ def _table(record: dict[str, Any]) -> str:
                  f"{ratios['transition_p99_x_idle']:>11.2f}{'<= 2':>8}")
     rd = record["readers"]
     per_path = ", ".join(f"{p} p50 {s['p50_ms']:.1f} / p99 {s['p99_ms']:.1f} ms" for p, s in rd["paths"].items())
-    lines.append(f"readers meanwhile: {rd['reads_per_s']:.0f} reads/s, {per_path}, {rd['errors']} errors")
+    lines.append(f"readers meanwhile: {rd['reads_per_s'] or 0:.0f} reads/s, {per_path}, {rd['errors']} errors")
     return "\n".join(lines)
 
 
@@ -204,13 +250,26 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
             step = 1 + settings.warmup_cycles
             reads = await _read_costs(http, settings.samples)
             print("  read costs measured", flush=True)
-            idle_obs, idle_rep = await _cycles(http, step, settings.cycles)
-            step += settings.cycles
-            print("  transitions without readers measured", flush=True)
+            # Blocks without and with readers alternate, so load from the rest of the machine that
+            # drifts over the run falls on both conditions alike.
+            idle_obs: list[float] = []
+            idle_rep: list[float] = []
+            loaded_obs: list[float] = []
+            loaded_rep: list[float] = []
+            per_block = max(1, settings.cycles // settings.blocks)
             async with _Readers(daemon.url, settings.readers) as readers:
-                loaded_obs, loaded_rep = await _cycles(http, step, settings.cycles)
+                for _ in range(settings.blocks):
+                    obs, rep = await _cycles(http, step, per_block)
+                    idle_obs += obs
+                    idle_rep += rep
+                    await readers.go()
+                    obs, rep = await _cycles(http, step + per_block, per_block)
+                    await readers.hold()
+                    loaded_obs += obs
+                    loaded_rep += rep
+                    step += 2 * per_block
                 reader_report = await readers.stop()
-            print("  transitions with readers measured", flush=True)
+            print("  transitions without and with readers measured", flush=True)
     idle, loaded = _summary(idle_obs), _summary(loaded_obs)
     record: dict[str, Any] = {
         "command": "colocd " + " ".join(sys.argv[1:]) if sys.argv[1:3] == ["bench", "control"] else " ".join(sys.argv),

@@ -110,7 +110,7 @@ def _bench_control(args: argparse.Namespace) -> int:
     from .bench_control import ControlBenchSettings, run_control_bench
 
     settings = ControlBenchSettings(samples=args.samples, warmup_cycles=args.warmup_cycles, cycles=args.cycles,
-                                    readers=args.readers, out=args.out)
+                                    readers=args.readers, blocks=args.blocks, out=args.out)
     asyncio.run(run_control_bench(settings))
     return 0
 
@@ -163,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pc.add_argument("--warmup-cycles", type=int, default=5, help="untimed train/sync/rollout cycles first")
     pc.add_argument("--cycles", type=int, default=40, help="timed cycles per condition (3 transitions each)")
     pc.add_argument("--readers", type=int, default=100, help="concurrent readers in the loaded condition")
+    pc.add_argument("--blocks", type=int, default=4, help="alternating blocks without / with readers")
     pc.add_argument("--out", default=None, help="write the JSON record here")
     pc.set_defaults(func=_bench_control)
 
