@@ -165,6 +165,10 @@ class _Readers:
         """Returns once no read is in flight: the next block runs on an idle daemon."""
         await self._say("hold", "held")
 
+    def cpu_s(self) -> float:
+        assert self._proc is not None
+        return _cpu_s(self._proc.pid)
+
     async def stop(self) -> dict[str, Any]:
         assert self._proc is not None and self._proc.stdin is not None
         self._proc.stdin.close()
@@ -258,6 +262,9 @@ def _table(record: dict[str, Any]) -> str:
     rd = record["readers"]
     per_path = ", ".join(f"{p} p50 {s['p50_ms']:.1f} / p99 {s['p99_ms']:.1f} ms" for p, s in rd["paths"].items())
     lines.append(f"readers meanwhile: {rd['reads_per_s'] or 0:.0f} reads/s, {per_path}, {rd['errors']} errors")
+    cores = trans["cores_used_with_readers"]
+    lines.append(f"cores busy while readers ran: daemon {cores['daemon']:.2f}, "
+                 f"reader process {cores['reader_process']:.2f} (of {record['machine']['cpus']})")
     lines.append("CPU us / CPU ms: the daemon process's own CPU per request / per transition (all threads); "
                  "'x healthz' compares CPU, 'p50 x' round trips")
     return "\n".join(lines)
@@ -294,6 +301,7 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
             loaded_rep: list[float] = []
             per_block = max(1, settings.cycles // settings.blocks)
             daemon_cpu = {"idle": 0.0, "with_readers": 0.0}
+            reader_cpu_s = loaded_wall_s = 0.0
             async with _Readers(daemon.url, settings.readers) as readers:
                 for _ in range(settings.blocks):
                     c0 = _cpu_s(daemon.pid)
@@ -302,10 +310,12 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
                     idle_obs += obs
                     idle_rep += rep
                     await readers.go()
-                    c2 = _cpu_s(daemon.pid)
+                    c2, r2, w2 = _cpu_s(daemon.pid), readers.cpu_s(), time.perf_counter()
                     obs, rep = await _cycles(http, step + per_block, per_block)
-                    c3 = _cpu_s(daemon.pid)
+                    c3, r3, w3 = _cpu_s(daemon.pid), readers.cpu_s(), time.perf_counter()
                     await readers.hold()
+                    reader_cpu_s += r3 - r2
+                    loaded_wall_s += w3 - w2
                     daemon_cpu["idle"] += c1 - c0
                     daemon_cpu["with_readers"] += c3 - c2
                     loaded_obs += obs
@@ -322,7 +332,10 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
         "transitions": {"idle": idle, "with_readers": loaded,
                         "daemon_reported": {"idle": _summary(idle_rep), "with_readers": _summary(loaded_rep)},
                         # daemon CPU per transition, readers' requests included in the second
-                        "daemon_cpu_ms_per_transition": {k: 1e3 * v / len(idle_obs) for k, v in daemon_cpu.items()}},
+                        "daemon_cpu_ms_per_transition": {k: 1e3 * v / len(idle_obs) for k, v in daemon_cpu.items()},
+                        # cores busy while readers ran: the daemon's share and the reader process's own
+                        "cores_used_with_readers": {"daemon": daemon_cpu["with_readers"] / loaded_wall_s,
+                                                    "reader_process": reader_cpu_s / loaded_wall_s}},
         "readers": reader_report,
         "ratios": {
             "status_x_healthz": reads["/v1/status"]["daemon_cpu_us"] / reads["/healthz"]["daemon_cpu_us"],
