@@ -52,8 +52,13 @@ def _get_daemon(request: Request) -> Daemon:
     return request.state.daemon  # type: ignore[no-any-return]
 
 
+async def _daemon_dependency(request: Request) -> Daemon:
+    # async on purpose: FastAPI runs a plain-def dependency in its thread pool, a thread hop per request.
+    return _get_daemon(request)
+
+
 # Module level: with postponed annotations FastAPI resolves these names in the module's globals.
-D = Annotated[Daemon, Depends(_get_daemon)]
+D = Annotated[Daemon, Depends(_daemon_dependency)]
 
 
 def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: PolicyRuntime | None = None) -> FastAPI:
@@ -90,15 +95,18 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         ok, problems = d.ready()
         return JSONResponse({"ready": ok, "problems": problems}, status_code=200 if ok else 503)
 
+    # The two read routes take the daemon from the request rather than through the D dependency:
+    # FastAPI's dependency resolution costs more than the rest of such a read (bench control).
     @app.get("/metrics", tags=["probes"], response_class=Response)
-    async def metrics(d: D) -> Response:
+    async def metrics(request: Request) -> Response:
         """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""
-        return Response(await d.metrics.current(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        body = await _get_daemon(request).metrics.current()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # response_model keeps the schema in OpenAPI; the snapshot is returned as bytes, serialised once per change.
     @app.get("/v1/status", response_model=dict[str, Any])
-    async def status(d: D) -> Response:
-        return Response(d.status_json(), media_type="application/json")
+    async def status(request: Request) -> Response:
+        return Response(_get_daemon(request).status_json(), media_type="application/json")
 
     @app.post("/v1/phase", dependencies=mutating)
     async def phase(body: PhaseRequest, d: D) -> TransitionReply:

@@ -220,8 +220,7 @@ class Daemon:
         """``status()`` as JSON bytes, rebuilt only when something in it changed (GET /v1/status)."""
         key = self._status_key()
         cached = self._status_cache
-        if cached is None or len(cached[0]) != len(key) or any(
-                a is not b and a != b for a, b in zip(cached[0], key, strict=True)):
+        if cached is None or cached[0] != key:  # tuple equality tries identity first, element by element
             cached = self._status_cache = (key, json.dumps(self.status()).encode())
         return cached[1]
 
