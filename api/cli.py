@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +14,7 @@ __all__ = ["main"]
 def _serve(args: argparse.Namespace) -> int:
     from ..daemon.config import ConfigError, load_node_config
     from ..policies import PolicyError
+    from .logs import configure_logging
     from .server import serve
 
     try:
@@ -22,9 +22,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"colocd: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = args.log_format or config.log_format
+    configure_logging(args.log_level, log_format)
     try:
-        asyncio.run(serve(config, log_level=args.log_level))
+        asyncio.run(serve(config, log_level=args.log_level, log_json=log_format == "json"))
     except KeyboardInterrupt:
         pass
     except PolicyError as exc:
@@ -98,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("serve", help="run the daemon for this node")
     p.add_argument("--config", required=True, help="node config YAML (listen address, engines, timeouts)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default=None, choices=["text", "json"],
+                   help="text (default, or the config's log_format) or json: one object per line")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("status", help="print the daemon's /v1/status")
