@@ -1,4 +1,4 @@
-"""The ``colocd`` command: serve, status, demo, bench, policy."""
+"""The ``colocd`` command: serve, status, top, trace, demo, bench, policy."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+
+from .timeline import add_trace_command
+from .top import add_top_command
 
 __all__ = ["main"]
 
@@ -137,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pb.add_argument("--seed", type=int, default=0)
     pb.add_argument("--out", default=None, help="write the JSON record here")
     pb.set_defaults(func=_bench_weights)
+
+    add_trace_command(sub)  # colocd trace STEP -o step.png (api/timeline.py)
+    add_top_command(sub)  # colocd top [--once] (api/top.py)
 
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -186,7 +186,7 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
         if seconds <= 0:
             continue
         ax_break.barh(0, seconds, left=left, color=_PART_COLOR[part], edgecolor="white")
-        if total and seconds / total > 0.07:
+        if total and seconds / total > 0.12:
             ax_break.text(left + seconds / 2, 0, f"{part}\n{_fmt_s(seconds)} ({100 * seconds / total:.0f}%)",
                           ha="center", va="center", fontsize=8, color="white", fontweight="bold")
         left += seconds
@@ -236,6 +236,13 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
         ax.axvspan(g0, g1, color="#F4F4F4", zorder=0)
         ax.text((g0 + g1) / 2, len(lanes) - 0.45, f"⋯ {_fmt_s(real)} ⋯", ha="center", va="bottom", fontsize=7,
                 color="#666666")
+    seen = dict.fromkeys(name for _lane, _a, _b, name, _c, _ok in bars)
+    handles = [Patch(color=_SPAN_COLOR.get(n, _SPAN_COLOR.get(f"trainer.{n}", "#C44E52" if n.startswith("cleanup")
+                                                                 else "#B0B0B0")), label=n) for n in seen]
+    if chunk_lanes:
+        handles.append(Patch(color="#DD8452", label="load_chunk (alternating shades)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
+              title="sub-steps", title_fontsize=7)
     ax.set_yticks(list(y_of.values()), list(y_of.keys()), fontsize=8)
     ax.set_ylim(-0.6, len(lanes) - 0.1)
     ax.set_xlim(0, squeeze.end)
@@ -269,15 +276,23 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
 
 
 def _ticks(squeeze: _Squeeze) -> tuple[list[float], list[str]]:
+    """Round-number ticks of real time inside each busy stretch (none inside a squeezed band)."""
+    import math
+
+    active = sum(b - a for a, b, _x in squeeze.busy_pieces()) or 1e-3
+    raw = active / 7
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
     ticks: list[float] = []
     labels: list[str] = []
-    for a, b, x in squeeze.busy_pieces():
-        if b - a <= 0:
-            continue
-        if ticks and x - ticks[-1] < squeeze.end * 0.08:
-            continue
-        ticks.append(x)
-        labels.append(f"{a:.3f}" if b - a < 1 else f"{a:.1f}")
+    for a, b, _x in squeeze.busy_pieces():
+        v = math.ceil(a / step) * step
+        while v <= b + 1e-12:
+            x = squeeze(v)
+            if not ticks or x - ticks[-1] > squeeze.end * 0.045:
+                ticks.append(x)
+                labels.append(f"{v:.3f}".rstrip("0").rstrip(".") if step < 1 else f"{v:.0f}")
+            v += step
     return ticks, labels
 
 

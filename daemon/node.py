@@ -262,7 +262,8 @@ class Daemon:
                         with trace.timed():
                             freed = await runner(trace)
                             directives = self.policies.directives(pinned, phase.value, trainer, self._transports())
-                            trace.attrs["freed_bytes"] = sum(b for per in freed.values() for b in per.values())
+                            if freed_total := sum(b for per in freed.values() for b in per.values()):
+                                trace.attrs["freed_bytes"] = freed_total
                     finally:
                         self._pinned = None
                         self.traces.put(trace)
