@@ -81,7 +81,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoSettings, run_demo
 
     settings = DemoSettings(steps=args.steps, device=args.device, batch=args.batch, seed=args.seed,
-                            json_out=args.json)
+                            json_out=args.json, timeline_out=args.timeline, metrics_out=args.metrics_out)
     return asyncio.run(run_demo(settings))
 
 
@@ -125,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the per-step records here")
+    p.add_argument("--timeline", default=None, help="draw the last step's timeline here (png; colocd[viz])")
+    p.add_argument("--metrics-out", default=None, help="append /metrics after each step here (JSON lines)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="benchmarks")

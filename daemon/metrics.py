@@ -68,7 +68,8 @@ class Metrics:
             buckets=_DURATION_BUCKETS, registry=r)
         self.trainer_groups_kept_bytes = Gauge(
             "colocd_trainer_groups_kept_bytes", "GPU memory the trainer's process groups kept through the last "
-            "pause, as the trainer measured it (absent if unmeasurable)", registry=r)
+            "pause, as the trainer measured it, by the action taken (absent until a trainer reports it)",
+            ["action"], registry=r)
         self.fallbacks = Counter(
             "colocd_fallbacks_total", "A policy decision replaced by its fallback (kind=process_groups, ...)",
             ["kind"], registry=r)

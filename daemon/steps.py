@@ -161,7 +161,8 @@ class StepBook:
                     if span.attrs.get("fallback_reason"):
                         m.fallbacks.labels("process_groups").inc()
                     if isinstance(kept := span.attrs.get("kept_bytes"), int):
-                        m.trainer_groups_kept_bytes.set(kept)
+                        m.trainer_groups_kept_bytes.clear()  # only the last pause's action is current
+                        m.trainer_groups_kept_bytes.labels(str(span.attrs.get("action", "unknown"))).set(kept)
         if trace.phase == "rollout" and trace.outcome == "ok" and self._store is not None:
             summary = step_summary(trace.step, self._store.get(trace.step) or {})
             m.step_switch.observe(summary["switch_s"])

@@ -88,7 +88,7 @@ PANELS: list[Panel] = [
      [_q("sum by (engine, source) (rate(colocd_memory_freed_bytes_total{{SEL}}[{W}]))", "{{engine}} {{source}}")],
      ""),
     ("Memory the trainer's process groups kept", "timeseries", "bytes",
-     [_q("colocd_trainer_groups_kept_bytes{{SEL}}", "{{instance}}")], ""),
+     [_q("colocd_trainer_groups_kept_bytes{{SEL}}", "{{instance}} {{action}}")], ""),
     ("Engines and failures", "row", "", [], ""),
     ("Engine healthy", "state", "none", [_q("colocd_engine_healthy{{SEL}}", "{{engine}}")], ""),
     ("Memory tag resident", "state", "none", [_q("colocd_engine_tag_resident{{SEL}}", "{{engine}} {{tag}}")], ""),

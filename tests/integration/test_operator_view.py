@@ -33,7 +33,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINER_REPORT = {
-    "spans": [{"name": "cleanup.gc_collect", "duration_s": 0.004}, {"name": "cleanup.empty_cache", "duration_s": 0.001}],
+    "spans": [{"name": "cleanup.gc_collect", "duration_s": 0.004},
+              {"name": "cleanup.empty_cache", "duration_s": 0.001}],
     "groups_report": {"seconds": 0.012, "action": "destroy", "kept_bytes": 0, "fallback_reason": "canary failed"},
 }
 
