@@ -61,3 +61,66 @@ def test_each_stored_trace_logs_one_line_whose_json_form_carries_the_fields(
         "event": "weight_session", "step": 2, "phase": "weights", "result": "committed", "duration_s": 0.25,
         "bytes": 1024, "chunks": 3}
     assert caplog.records[0].getMessage().startswith("event=weight_session step=2 phase=weights result=committed")
+
+
+class _FakeNvml:
+    """Stands in for pynvml where the machine has no GPU: two GPUs, one hides its processes."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self._mem = {0: SimpleNamespace(used=30 << 30, free=110 << 30, total=140 << 30),
+                     1: SimpleNamespace(used=1 << 30, free=139 << 30, total=140 << 30)}
+        self._procs = {0: [SimpleNamespace(pid=101, usedGpuMemory=20 << 30),
+                           SimpleNamespace(pid=102, usedGpuMemory=None)]}
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> object:
+        return self._mem[h]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[object]:
+        if h not in self._procs:
+            raise self.NVMLError("Not Supported")
+        return self._procs[h]
+
+
+def _engine(name: str, gpus: list[int]) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, gpus=gpus)
+
+
+def _samples(metrics: Metrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(s.labels.items())): s.value for f in metrics.registry.collect() for s in f.samples
+            if s.name == name}
+
+
+def test_nvml_gauges_give_each_gpu_and_each_process_nvml_attributes_memory_to() -> None:
+    from colocd.daemon.gpu_metrics import refresh_gpu_metrics
+    from colocd.daemon.memory import NvmlProbe
+
+    metrics = Metrics()
+    refresh_gpu_metrics(metrics, NvmlProbe(_FakeNvml()), [_engine("a", [0]), _engine("b", [0, 1])])
+    assert _samples(metrics, "colocd_nvml_available") == {(): 1.0}
+    gpu = _samples(metrics, "colocd_gpu_memory_bytes")
+    assert gpu[(("gpu", "0"), ("kind", "used"))] == 30 << 30
+    assert gpu[(("gpu", "1"), ("kind", "total"))] == 140 << 30
+    # pid 102's usage is hidden (None) and GPU 1 refuses the query: neither becomes a made-up number.
+    assert _samples(metrics, "colocd_gpu_process_memory_bytes") == {(("gpu", "0"), ("pid", "101")): 20 << 30}
+    assert set(_samples(metrics, "colocd_engine_gpu_info")) == {
+        (("engine", "a"), ("gpu", "0")), (("engine", "b"), ("gpu", "0")), (("engine", "b"), ("gpu", "1"))}
+
+
+def test_without_nvml_no_gpu_series_exist() -> None:
+    from colocd.daemon.gpu_metrics import refresh_gpu_metrics
+
+    metrics = Metrics()
+    refresh_gpu_metrics(metrics, None, [_engine("a", [])])
+    assert _samples(metrics, "colocd_nvml_available") == {(): 0.0}
+    assert _samples(metrics, "colocd_gpu_memory_bytes") == {}
+    assert _samples(metrics, "colocd_gpu_process_memory_bytes") == {}
