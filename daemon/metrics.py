@@ -84,6 +84,12 @@ class Metrics:
             "reference engine only)", ["engine", "tag"], registry=r)
         self.engine_gpu = Gauge("colocd_engine_gpu_info", "Which GPUs an engine runs on (value 1)", ["engine", "gpu"],
                                 registry=r)
+        self.engine_generation_state = Gauge(
+            "colocd_engine_generation_state", "1 for the engine's current generation state (serving, paused), "
+            "0 for the other", ["engine", "state"], registry=r)
+        self.engine_weights_state = Gauge(
+            "colocd_engine_weights_state", "1 for the engine's current weights state (clean, updating, stale), "
+            "0 for the others", ["engine", "state"], registry=r)
         self.engine_restarts = Counter(
             "colocd_engine_restarts", "Engine restarts the daemon observed (a new incarnation)", ["engine"], registry=r)
         self.reconcile_actions = Counter(

@@ -600,6 +600,10 @@ class Daemon:
         m.policy_info.labels(**self.policies.active.info()).set(1)
         for name, engine in self.engines.items():
             m.engine_healthy.labels(name).set(1 if engine.state.healthy else 0)
+            for gen in Generation:
+                m.engine_generation_state.labels(name, gen.value).set(1 if engine.state.generation is gen else 0)
+            for ws in WeightsState:
+                m.engine_weights_state.labels(name, ws.value).set(1 if engine.state.weights is ws else 0)
             for tag in engine.state.owned_tags:
                 m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
             m.weight_version.labels(name, str(engine.state.weight_version)).set(1)

@@ -91,6 +91,12 @@ PANELS: list[Panel] = [
      [_q("colocd_trainer_groups_kept_bytes{{SEL}}", "{{instance}} {{action}}")], ""),
     ("Engines and failures", "row", "", [], ""),
     ("Engine healthy", "state", "none", [_q("colocd_engine_healthy{{SEL}}", "{{engine}}")], ""),
+    ("Engine serving (1) or paused (0)", "state", "none",
+     [_q('colocd_engine_generation_state{{SEL},state="serving"}', "{{engine}}")], ""),
+    ("Engine weights state", "state", "none",
+     [_q("colocd_engine_weights_state{{SEL}} == 1", "{{engine}} {{state}}")],
+     "clean = the committed version; updating = a session is open; stale = released or abandoned without a "
+     "full update (the engine stays paused)."),
     ("Memory tag resident", "state", "none", [_q("colocd_engine_tag_resident{{SEL}}", "{{engine}} {{tag}}")], ""),
     ("Engine restarts", "timeseries", "none",
      [_q("sum by (engine) (increase(colocd_engine_restarts_total{{SEL}}[{W}]))", "{{engine}}")], ""),

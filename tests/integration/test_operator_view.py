@@ -191,3 +191,11 @@ async def test_json_logs_have_one_parsable_line_per_transition() -> None:
     assert train[0]["step"] == 1 and train[0]["result"] == "ok" and train[0]["duration_s"] > 0
     assert train[0]["bytes"] > 0 and train[0]["level"] == "info"
     assert any(r.get("event") == "transition" and r.get("result") == "rejected" for r in records)
+
+
+async def test_engine_state_gauges_are_one_hot_after_a_full_step(node: dict[str, Any]) -> None:
+    text = node["metrics"]
+    assert re.search(r'^colocd_engine_generation_state\{engine="ref0",state="serving"\} 1\.0$', text, re.M)
+    assert re.search(r'^colocd_engine_generation_state\{engine="ref0",state="paused"\} 0\.0$', text, re.M)
+    weights = dict(re.findall(r'^colocd_engine_weights_state\{engine="ref0",state="(\w+)"\} ([0-9.]+)$', text, re.M))
+    assert weights == {"clean": "1.0", "updating": "0.0", "stale": "0.0"}
