@@ -200,8 +200,7 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
     nbytes = int(weights.get("attrs", {}).get("bytes", 0))
     headline = title or (f"step {step if step is not None else ordered[0][1]['step']}: "
                          f"switch {_fmt_s(total)}" + (f", {_fmt_bytes(nbytes)} of weights" if nbytes else "")
-                         + ("" if all(t.get("outcome") in ("ok", "committed") for _, t in ordered)
-                            else "  [FAILED]"))
+                         + _status_suffix([t.get("outcome") for _, t in ordered]))
     ax_break.set_title(headline, fontsize=12, fontweight="bold", loc="left")
 
     # 2. The lanes.
@@ -273,6 +272,12 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
     fig.savefig(out, bbox_inches="tight")
     plt.close(fig)
     return out
+
+
+def _status_suffix(outcomes: list[str | None]) -> str:
+    if any(o in ("failed", "aborted") for o in outcomes):
+        return "  [FAILED]"
+    return "  [in progress]" if any(o is None for o in outcomes) else ""
 
 
 def _ticks(squeeze: _Squeeze) -> tuple[list[float], list[str]]:
