@@ -1,13 +1,15 @@
-"""The ``colocd`` command: serve, status, demo, bench, policy."""
+"""The ``colocd`` command: serve, status, top, trace, demo, bench, policy."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import logging
 import sys
 from collections.abc import Sequence
+
+from .timeline import add_trace_command
+from .top import add_top_command
 
 __all__ = ["main"]
 
@@ -15,6 +17,7 @@ __all__ = ["main"]
 def _serve(args: argparse.Namespace) -> int:
     from ..daemon.config import ConfigError, load_node_config
     from ..policies import PolicyError
+    from .logs import configure_logging
     from .server import serve
 
     try:
@@ -22,9 +25,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"colocd: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_format = args.log_format or config.log_format
+    configure_logging(args.log_level, log_format)
     try:
-        asyncio.run(serve(config, log_level=args.log_level))
+        asyncio.run(serve(config, log_level=args.log_level, log_json=log_format == "json"))
     except KeyboardInterrupt:
         pass
     except PolicyError as exc:
@@ -77,7 +81,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoSettings, run_demo
 
     settings = DemoSettings(steps=args.steps, device=args.device, batch=args.batch, seed=args.seed,
-                            json_out=args.json)
+                            json_out=args.json, timeline_out=args.timeline, metrics_out=args.metrics_out)
     return asyncio.run(run_demo(settings))
 
 
@@ -98,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("serve", help="run the daemon for this node")
     p.add_argument("--config", required=True, help="node config YAML (listen address, engines, timeouts)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default=None, choices=["text", "json"],
+                   help="text (default, or the config's log_format) or json: one object per line")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("status", help="print the daemon's /v1/status")
@@ -119,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the per-step records here")
+    p.add_argument("--timeline", default=None, help="draw the last step's timeline here (png; colocd[viz])")
+    p.add_argument("--metrics-out", default=None, help="append /metrics after each step here (JSON lines)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="benchmarks")
@@ -134,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pb.add_argument("--seed", type=int, default=0)
     pb.add_argument("--out", default=None, help="write the JSON record here")
     pb.set_defaults(func=_bench_weights)
+
+    add_trace_command(sub)  # colocd trace STEP -o step.png (api/timeline.py)
+    add_top_command(sub)  # colocd top [--once] (api/top.py)
 
     args = parser.parse_args(argv)
     return int(args.func(args))
