@@ -37,6 +37,12 @@ class TrainerAgent:
         self._directives: dict[str, Any] = {}
         self.last_reports: dict[str, Any] = {}
 
+    @property
+    def directives(self) -> dict[str, Any]:
+        """The decisions of the last train reply (process groups, cleanup), for trainer-side work
+        the agent does not enact itself (e.g. a second cleanup after offloading the weights)."""
+        return self._directives
+
     async def train(self, step: int) -> dict[str, Any]:
         trainer = {"groups": self._groups.snapshot().model_dump(mode="json")} if self._groups else None
         reply = await self._client.phase("train", step, trainer=trainer)
