@@ -137,6 +137,7 @@ class SwitchSettings:
     train_tokens: int = 512
     gen_requests: int = 8
     gen_tokens: int = 32
+    rollout_s: float = 0.0  # the rollout window lasts at least this long (generation repeats): deferred waits hide
     mem_fraction: float = 0.80  # engine static memory (weights + KV) as a share of the GPU, as SGLang's
     kv_gib: float | None = None  # overrides the KV size mem_fraction gives
     post_destroy_wait_s: float | None = None  # overrides the presets' 2 s (the smoke test keeps it)
@@ -185,7 +186,10 @@ class _Nvml:
 
             pynvml.nvmlInit()
             uuid = str(torch.cuda.get_device_properties(device).uuid)
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            try:
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            except Exception:  # UUID spelling differs: CUDA_VISIBLE_DEVICES is unset here, the index matches
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
             self._nvml = pynvml
         except Exception:  # no NVML here: memory readings are reported as None
             self._handle = None
@@ -382,7 +386,10 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         rec.memory = {**nvml.read(pids), "trainer_torch_reserved_bytes":
                       int(torch.cuda.memory_reserved(device)) if device.type == "cuda" else None,
                       "groups_kept_reported_bytes": (agent.last_reports.get("groups_report") or {}).get("kept_bytes")}
+        window_start = time.perf_counter()
         rec.generated_tokens = await _generate(http, engine_url, s, step)
+        while time.perf_counter() - window_start < s.rollout_s:
+            rec.generated_tokens += await _generate(http, engine_url, s, step)
         records.append(rec)
         print(f"  {preset.name} step {step}{' (warm-up)' if rec.warmup else ''}: switch {rec.switch_s:.3f} s "
               f"(resume {rec.resume_s:.3f}, sleep {rec.sleep_s:.3f}, update {rec.update_s:.3f}, "

@@ -97,6 +97,7 @@ def _bench_switch(args: argparse.Namespace) -> int:
     settings = SwitchSettings(model=args.model, device=args.device, presets=tuple(args.presets.split(",")),
                               steps=args.steps, warmup=args.warmup, optimizer_shards=args.optimizer_shards,
                               groups=args.groups, train_tokens=args.train_tokens, gen_tokens=args.gen_tokens,
+                              rollout_s=args.rollout_s,
                               mem_fraction=args.mem_fraction, kv_gib=args.kv_gib,
                               post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out)
     record = asyncio.run(run_switch_bench(settings))
@@ -158,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps.add_argument("--groups", type=int, default=14, help="process groups the rank holds (Megatron: 14)")
     ps.add_argument("--train-tokens", type=int, default=512)
     ps.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per request in each rollout")
+    ps.add_argument("--rollout-s", type=float, default=0.0,
+                    help="each rollout window lasts at least this long (generation repeats), as a real one would")
     ps.add_argument("--mem-fraction", type=float, default=0.80,
                     help="engine weights + KV as a share of the GPU (SGLang's mem_fraction_static)")
     ps.add_argument("--kv-gib", type=float, default=None, help="KV cache size; overrides --mem-fraction")
