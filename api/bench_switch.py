@@ -83,6 +83,7 @@ class Preset:
     cleanup: str
     export: str | None  # WeightPusher transport overriding the plan's (None: the plan's)
     about: str
+    overlap_groups: bool = False  # TrainerAgent(overlap_groups=...): group pause/resume off the critical path
 
     def policy_yaml(self, transport: str) -> str:
         return (
@@ -93,10 +94,14 @@ class Preset:
         )
 
 
+_SEED_GROUPS = "{policy: destroy, post_destroy_wait_s: 2.0}"
+_AUTO_GROUPS = "{policy: auto, max_resident_gib: 0.25, post_destroy_wait_s: 2.0}"
+_FAST_PIPELINE = "{policy: overlap, depth: 3, bucket_mb: 2048, transport: {transport}}"
+
 PRESETS: dict[str, Preset] = {
     "seed-baseline": Preset(
         "seed-baseline",
-        "{policy: destroy, post_destroy_wait_s: 2.0}",
+        _SEED_GROUPS,
         "{policy: serial, bucket_mb: 512, transport: {transport}}",
         "{policy: aggressive, max_retries: 3, min_freed_gib: 1.0}",
         "per_tensor",
@@ -105,24 +110,34 @@ PRESETS: dict[str, Preset] = {
     ),
     "tuned": Preset(
         "tuned",
-        "{policy: keep_alive}",
-        "{policy: overlap, depth: 3, bucket_mb: 2048, transport: {transport}}",
+        _AUTO_GROUPS,
+        _FAST_PIPELINE,
         "{policy: empty_cache}",
         None,
-        "groups kept alive, 3 fresh 2 GiB buckets in flight (overlap3@2048, the fastest transport "
-        "that keeps no trainer memory through the rollout), empty_cache only",
+        "groups kept only while they hold <= 0.25 GiB, else destroyed with the 2 s wait deferred to the "
+        "next rebuild, and both the destroy and the rebuild run off the critical path (overlapped with "
+        "the weight push and the state onload); 3 fresh 2 GiB buckets in flight (overlap3@2048, the "
+        "fastest transport that keeps no trainer memory through the rollout); empty_cache only",
+        overlap_groups=True,
     ),
-    "tuned-auto": Preset(
-        "tuned-auto",
-        "{policy: auto, max_resident_gib: 0.25, post_destroy_wait_s: 2.0}",
-        "{policy: overlap, depth: 3, bucket_mb: 2048, transport: {transport}}",
+    "tuned-serial-groups": Preset(
+        "tuned-serial-groups",
+        _AUTO_GROUPS,
+        _FAST_PIPELINE,
         "{policy: empty_cache}",
         None,
-        "as tuned, but groups kept only while they hold <= 0.25 GiB, else destroyed with the 2 s wait "
-        "deferred to the next rebuild",
+        "as tuned, but the group destroy and rebuild run in line (before sync, after train)",
+    ),
+    "tuned-keep": Preset(
+        "tuned-keep",
+        "{policy: keep_alive}",
+        _FAST_PIPELINE,
+        "{policy: empty_cache}",
+        None,
+        "as tuned, but the groups are kept alive through the rollout (no rebuild; their memory stays)",
     ),
 }
-DEFAULT_PRESETS = ("seed-baseline", "tuned")
+DEFAULT_PRESETS = ("seed-baseline", "tuned", "tuned-serial-groups", "tuned-keep")
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +296,6 @@ class _Rank:
         self.client = client
         self.life = life
         self.state = state
-        self.agent = TrainerAgent(client, groups=life, device=device)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         group = next((g for spec, g in self.life.groups() if spec.name.startswith("dp#")), None)
@@ -291,7 +305,8 @@ class _Rank:
 
 async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engine_url: str, first_step: int,
                       nvml: _Nvml, pids: dict[str, int | None], daemon_url: str) -> list[StepRecord]:
-    s, state, agent, device = rank.settings, rank.state, rank.agent, rank.device
+    s, state, device = rank.settings, rank.state, rank.device
+    agent = TrainerAgent(rank.client, groups=rank.life, device=device, overlap_groups=preset.overlap_groups)
     transport = "cuda_ipc" if device.type == "cuda" else "shm"
     export = preset.export if device.type == "cuda" else None
     document = preset.policy_yaml(transport)
@@ -311,11 +326,18 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         train = await agent.train(step)
         t1 = time.perf_counter()
         onload = await asyncio.to_thread(state.onload, ("weights", "grads", "optimizer"))
+        waited = await agent.groups_ready()  # overlapped rebuild: what the onload did not hide
         t2 = time.perf_counter()
+        groups_resume = _groups_s(agent, "groups_resume")
         parts["resume.train_phase"] = train["duration_s"]
-        parts["resume.http_and_client"] = (t1 - t0) - train["duration_s"] - _groups_s(agent, "groups_resume")
-        parts["resume.groups"] = _groups_s(agent, "groups_resume")
         parts["resume.onload"] = onload.seconds
+        if preset.overlap_groups:
+            parts["resume.groups_overlapped"] = groups_resume
+            parts["resume.groups_wait"] = waited
+            parts["resume.http_and_client"] = (t1 - t0) - train["duration_s"]
+        else:
+            parts["resume.groups"] = groups_resume
+            parts["resume.http_and_client"] = (t1 - t0) - train["duration_s"] - groups_resume
         rec.onloaded_bytes = onload.copied_bytes
         rec.resume_s = t2 - t0
         rec.group_actions.append(f"resume:{agent.last_reports.get('groups_resume', {}).get('action')}")
@@ -333,7 +355,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         t4 = time.perf_counter()
         sync = await agent.sync(step)
         t5 = time.perf_counter()
-        groups_pause = (agent.last_reports.get("groups_report") or {}).get("seconds", 0.0)
+        groups_pause = 0.0 if preset.overlap_groups else _groups_s(agent, "groups_report")
         cleanup_s = (agent.last_reports.get("cleanup") or {}).get("seconds", 0.0)
         parts["sleep.offload_optimizer"] = off.seconds
         parts["sleep.groups"] = groups_pause
@@ -342,7 +364,6 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         parts["sleep.http_and_client"] = (t5 - t4) - groups_pause - cleanup_s - sync["duration_s"]
         rec.sleep_s = t5 - t3
         rec.offloaded_bytes = off.copied_bytes
-        rec.group_actions.append(f"pause:{(agent.last_reports.get('groups_report') or {}).get('action')}")
 
         # update_weights: shaped by the pipeline plan in the sync reply.
         plan = dict(sync["directives"]["pipeline"])
@@ -369,12 +390,18 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             report = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan_doc), device=device)
             cleanup2 = report.seconds
         t9 = time.perf_counter()
+        agent.last_reports.pop("groups_pause_wait_s", None)
         rollout = await agent.rollout(step)
         t10 = time.perf_counter()
+        pause_wait = float(agent.last_reports.get("groups_pause_wait_s", 0.0))
+        rec.group_actions.append(f"pause:{(agent.last_reports.get('groups_report') or {}).get('action')}")
         parts["wake.offload_weights"] = offw.seconds
         parts["wake.cleanup"] = cleanup2
         parts["wake.rollout_phase"] = rollout["duration_s"]
-        parts["wake.http_and_client"] = (t10 - t9) - rollout["duration_s"]
+        if preset.overlap_groups:
+            parts["sleep.groups_overlapped"] = _groups_s(agent, "groups_report")
+            parts["wake.groups_wait"] = pause_wait
+        parts["wake.http_and_client"] = (t10 - t9) - rollout["duration_s"] - pause_wait
         rec.wake_s = t10 - t7
         rec.offloaded_bytes += offw.copied_bytes
         rec.switch_s = rec.resume_s + rec.sleep_s + rec.update_s + rec.wake_s
@@ -426,12 +453,23 @@ async def _generate(http: httpx.AsyncClient, url: str, s: SwitchSettings, step: 
 _FIELDS = ("switch_s", "resume_s", "sleep_s", "update_s", "wake_s", "train_s")
 
 
-def _summary(name: str, records: Sequence[StepRecord], floor_s: float) -> dict[str, Any]:
+_ENGINE_MEMORY_SPANS = ("daemon.train.release_memory", "daemon.sync.resume_memory", "daemon.rollout.resume_memory")
+
+
+def _engine_alloc_seen(results: dict[str, list[StepRecord]]) -> float:
+    """Fastest preset's median of the engine's release + resume calls per switch (inf if none ran)."""
+    medians = [statistics.median(sum(r.parts.get(k, 0.0) for k in _ENGINE_MEMORY_SPANS) for r in recs)
+               for recs in results.values() if recs]
+    return min(medians, default=math.inf)
+
+
+def _summary(name: str, records: Sequence[StepRecord], floor_s: float, strict_s: float) -> dict[str, Any]:
     timed = [r for r in records if not r.warmup] or list(records)
     out: dict[str, Any] = {"preset": name, "steps": len(timed)}
     for f in _FIELDS:
         out[f] = statistics.median(getattr(r, f) for r in timed)
     out["x_floor"] = out["switch_s"] / floor_s if floor_s > 0 else None
+    out["x_floor_strict"] = out["switch_s"] / strict_s if strict_s > 0 else None
     keys = sorted({k for r in timed for k in r.parts})
     out["parts"] = {k: statistics.median(r.parts.get(k, 0.0) for r in timed) for k in keys}
     out["verified_all"] = all(r.verified for r in records)
@@ -448,14 +486,15 @@ def _summary(name: str, records: Sequence[StepRecord], floor_s: float) -> dict[s
 
 
 def _table(summaries: list[dict[str, Any]], floor: dict[str, Any]) -> str:
-    head = (f"{'preset':<15}{'switch s':>9}{'x floor':>8}{'resume':>8}{'sleep':>8}{'update':>8}{'wake':>8}"
-            f"{'trainer GiB':>12}{'engine GiB':>11}  ok")
-    lines = [f"floor: {floor['total_s']:.3f} s per switch "
+    head = (f"{'preset':<20}{'switch s':>9}{'x floor':>8}{'x strict':>9}{'resume':>8}{'sleep':>8}{'update':>8}"
+            f"{'wake':>8}{'trainer GiB':>12}{'engine GiB':>11}  ok")
+    lines = [f"floor: {floor['total_s']:.3f} s per switch (strict: {floor['strict_total_s']:.3f} s) "
              f"(copies {floor['offload_s'] + floor['onload_s']:.3f} s over PCIe, {floor['device_copy_s'] * 1e3:.1f} ms "
              f"on the device, allocations {floor['alloc_s']:.3f} s)", head]
     for s in summaries:
         lines.append(
-            f"{s['preset']:<15}{s['switch_s']:>9.3f}{_f(s['x_floor'], 2):>8}{s['resume_s']:>8.3f}{s['sleep_s']:>8.3f}"
+            f"{s['preset']:<20}{s['switch_s']:>9.3f}{_f(s['x_floor'], 2):>8}{_f(s['x_floor_strict'], 2):>9}"
+            f"{s['resume_s']:>8.3f}{s['sleep_s']:>8.3f}"
             f"{s['update_s']:>8.3f}{s['wake_s']:>8.3f}{_f(_trainer_gib(s), 2):>12}"
             f"{_f(s['engine_nvml_gib_max'], 2):>11}  {'yes' if s['verified_all'] else 'NO'}")
     return "\n".join(lines)
@@ -475,7 +514,9 @@ def _targets(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     tuned, seed = by.get("tuned"), by.get("seed-baseline")
     if tuned:
         out["tuned_x_floor"] = tuned["x_floor"]
+        out["tuned_x_floor_strict"] = tuned["x_floor_strict"]
         out["tuned_within_1_3x_floor"] = tuned["x_floor"] is not None and tuned["x_floor"] <= 1.3
+        out["tuned_within_1_3x_strict_floor"] = tuned["x_floor_strict"] is not None and tuned["x_floor_strict"] <= 1.3
     if tuned and seed:
         out["speedup_vs_seed_baseline"] = seed["switch_s"] / tuned["switch_s"]
         out["speedup_at_least_3x"] = out["speedup_vs_seed_baseline"] >= 3.0
@@ -603,7 +644,13 @@ async def run_switch_bench(settings: SwitchSettings) -> dict[str, Any]:
                 results[name] = await _run_preset(PRESETS[name], rank, http, engine.url, step, nvml, pids, daemon.url)
                 step += len(results[name])
     life.close()
-    summaries = [_summary(name, recs, floor["total_s"]) for name, recs in results.items()]
+    # The allocation term measured in this process came out larger than what the engine's own release
+    # and resume calls take (HTTP hop included); the strict floor uses the smaller of the two.
+    engine_measured = sum(alloc_engine.values())
+    seen = _engine_alloc_seen(results)
+    floor["engine_alloc_seen_in_engine_s"] = seen
+    floor["strict_total_s"] = floor["total_s"] - engine_measured + min(engine_measured, seen)
+    summaries = [_summary(name, recs, floor["total_s"], floor["strict_total_s"]) for name, recs in results.items()]
     record = {
         "command": "colocd bench switch " + " ".join(sys.argv[3:])
         if sys.argv[1:3] == ["bench", "switch"] else " ".join(sys.argv),

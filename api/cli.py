@@ -150,8 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps = bsub.add_parser("switch", help="the full colocated handoff per preset, against the floor measured in the run")
     ps.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
     ps.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
-    ps.add_argument("--presets", default="seed-baseline,tuned",
-                    help="comma-separated: seed-baseline, tuned, tuned-auto")
+    ps.add_argument("--presets", default="seed-baseline,tuned,tuned-serial-groups,tuned-keep",
+                    help="comma-separated: seed-baseline, tuned, tuned-serial-groups, tuned-keep")
     ps.add_argument("--steps", type=int, default=3, help="timed handoffs per preset (median is reported)")
     ps.add_argument("--warmup", type=int, default=1, help="untimed handoffs per preset first")
     ps.add_argument("--optimizer-shards", type=int, default=8,
