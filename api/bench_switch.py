@@ -563,7 +563,17 @@ async def run_switch_bench(settings: SwitchSettings) -> dict[str, Any]:
         torch.cuda.set_device(device)
         torch.ones(1, device=device)
     shapes = hf_shapes(settings.model)
+    owns_world = not dist.is_initialized()
     _init_dist(device)
+    try:
+        return await _run(settings, device, shapes)
+    finally:
+        if owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+async def _run(settings: SwitchSettings, device: torch.device,
+               shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
     t_start = time.perf_counter()
 
     # The rank's state, built on the device, then measured and offloaded before the engine starts.
