@@ -474,7 +474,7 @@ def _summary(name: str, records: Sequence[StepRecord], floor_s: float, strict_s:
     out["parts"] = {k: statistics.median(r.parts.get(k, 0.0) for r in timed) for k in keys}
     out["verified_all"] = all(r.verified for r in records)
     for key in ("trainer_nvml_bytes", "engine_nvml_bytes", "device_used_bytes", "trainer_torch_reserved_bytes"):
-        values = [r.memory.get(key) for r in timed if r.memory.get(key) is not None]
+        values = [v for r in timed if (v := r.memory.get(key)) is not None]
         out[key.replace("_bytes", "_gib_max")] = max(values) / GIB if values else None
     out["offloaded_bytes"] = timed[0].offloaded_bytes
     out["onloaded_bytes"] = timed[0].onloaded_bytes
@@ -606,7 +606,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
     alloc_trainer = measure_alloc(device, trainer_state)
     alloc_engine = measure_alloc(device, engine_memory)
     offload_bytes = sizes["weights"] + sizes["optimizer"]
-    floor = {
+    floor: dict[str, Any] = {
         "offload_s": offload_bytes / rates["d2h_bytes_per_s"],
         "onload_s": offload_bytes / rates["h2d_bytes_per_s"],
         "device_copy_s": device_copy_s,
