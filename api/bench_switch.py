@@ -1,7 +1,7 @@
 """``colocd bench switch``: the full colocated handoff, step after step, per preset, against the floor.
 
-    colocd bench switch --model qwen3-8b --device cuda --out bench/results/switch-qwen3-8b-h200.json
-    colocd bench switch --model tiny --device cpu --steps 1 --warmup 0 --groups 2   # CI smoke run
+    colocd bench switch --model qwen3-8b --device cuda --rollout-s 2 --out bench/results/switch-qwen3-8b-h200.json
+    colocd bench switch --model tiny --device cpu --steps 1 --warmup 0 --groups 2   # CPU smoke run
 
 Three processes, as in ``colocd bench weights``: this one is a training rank, a reference engine
 holds the checkpoint's shapes (``--sink-shapes``) plus a KV cache (``--sink-kv-gib``), and a real
