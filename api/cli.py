@@ -95,6 +95,19 @@ def _bench_weights(args: argparse.Namespace) -> int:
     return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
 
 
+def _bench_switch(args: argparse.Namespace) -> int:
+    from .bench_switch import SwitchSettings, run_switch_bench
+
+    settings = SwitchSettings(model=args.model, device=args.device, presets=tuple(args.presets.split(",")),
+                              steps=args.steps, warmup=args.warmup, optimizer_shards=args.optimizer_shards,
+                              groups=args.groups, train_tokens=args.train_tokens, gen_tokens=args.gen_tokens,
+                              rollout_s=args.rollout_s,
+                              mem_fraction=args.mem_fraction, kv_gib=args.kv_gib,
+                              post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out)
+    record = asyncio.run(run_switch_bench(settings))
+    return 0 if all(s["verified_all"] for s in record["summary"]) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="colocd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,6 +155,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     pb.add_argument("--seed", type=int, default=0)
     pb.add_argument("--out", default=None, help="write the JSON record here")
     pb.set_defaults(func=_bench_weights)
+    ps = bsub.add_parser("switch", help="the full colocated handoff per preset, against the floor measured in the run")
+    ps.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
+    ps.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
+    ps.add_argument("--presets", default="seed-baseline,tuned,tuned-serial-groups,tuned-keep",
+                    help="comma-separated: seed-baseline, tuned, tuned-serial-groups, tuned-keep")
+    ps.add_argument("--steps", type=int, default=3, help="timed handoffs per preset (median is reported)")
+    ps.add_argument("--warmup", type=int, default=1, help="untimed handoffs per preset first")
+    ps.add_argument("--optimizer-shards", type=int, default=8,
+                    help="distributed-optimizer ranks: this rank holds 1/N of the fp32 master + Adam state")
+    ps.add_argument("--groups", type=int, default=14, help="process groups the rank holds (Megatron: 14)")
+    ps.add_argument("--train-tokens", type=int, default=512)
+    ps.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per request in each rollout")
+    ps.add_argument("--rollout-s", type=float, default=0.0,
+                    help="each rollout window lasts at least this long (generation repeats), as a real one would")
+    ps.add_argument("--mem-fraction", type=float, default=0.80,
+                    help="engine weights + KV as a share of the GPU (SGLang's mem_fraction_static)")
+    ps.add_argument("--kv-gib", type=float, default=None, help="KV cache size; overrides --mem-fraction")
+    ps.add_argument("--post-destroy-wait-s", type=float, default=None, help="override the presets' 2 s wait")
+    ps.add_argument("--seed", type=int, default=0)
+    ps.add_argument("--out", default=None, help="write the JSON record here")
+    ps.set_defaults(func=_bench_switch)
 
     add_trace_command(sub)  # colocd trace STEP -o step.png (api/timeline.py)
     add_top_command(sub)  # colocd top [--once] (api/top.py)
