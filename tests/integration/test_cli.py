@@ -75,6 +75,15 @@ def test_policy_apply_without_a_daemon_fails_in_one_line(dead_url: str) -> None:
     assert "no daemon answers" in line
 
 
+@pytest.mark.parametrize("command", [["top", "--once"], ["trace", "1", "-o", "step1.png"]], ids=["top", "trace"])
+def test_every_daemon_reading_command_without_a_daemon_fails_in_one_line(
+        dead_url: str, command: list[str], tmp_path: Path) -> None:
+    if command[0] == "trace":
+        command = [*command[:-1], str(tmp_path / command[-1])]
+    line = _one_line_failure(_colocd(*command, "--url", dead_url), 1)
+    assert dead_url in line
+
+
 def test_policy_apply_of_a_missing_file_names_it(tmp_path: Path) -> None:
     line = _one_line_failure(_colocd("policy", "apply", str(tmp_path / "nope.yaml")), 2)
     assert "nope.yaml" in line and "No such file" in line
