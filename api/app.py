@@ -115,7 +115,7 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
     @app.post("/v1/phase", responses=_errors(*_MUTATING, 409, *_ENGINES))
     async def phase(body: PhaseRequest, d: D) -> TransitionReply:
         """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
-        trainer = body.trainer.model_dump(mode="json", exclude_none=True) if body.trainer else None
+        trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None
         return _reply(await d.transition(NodePhase(body.phase), body.step, trainer))
 
     @app.post("/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))

@@ -117,17 +117,10 @@ def allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
     """Every method some route serves at this path (Starlette's 405 names only the first route's)."""
     methods: set[str] = set()
     for route in app.router.routes:
-        match, _ = route.matches({**scope, "method": "GET"})
         route_methods = getattr(route, "methods", None)
-        if match is not Match.NONE and route_methods:
+        # FULL or PARTIAL (path matches, method does not): either way the path is this route's.
+        if route_methods and route.matches(scope)[0] is not Match.NONE:
             methods.update(route_methods)
-            continue
-        # A route serving only other methods partially matches under any method but its own.
-        match, _ = route.matches({**scope, "method": "\x00"})
-        if match is Match.PARTIAL and route_methods:
-            methods.update(route_methods)
-    if "GET" in methods:
-        methods.add("HEAD")
     return sorted(methods | {"OPTIONS"}) if methods else []
 
 
