@@ -182,7 +182,8 @@ class OpenWeightGroupRequest(_Strict):
     """Have every engine join the trainer's weight-update group; the trainer joins as rank 0 meanwhile."""
 
     group_name: str = Field("weight_update_group", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
-    master_address: str = Field(..., min_length=1, max_length=255, description="host of the trainer's TCPStore")
+    master_address: str = Field(..., pattern=r"^[A-Za-z0-9._:%\[\]-]{1,255}$",
+                                description="host name or IP of the trainer's TCPStore")
     master_port: int = Field(..., strict=True, ge=1, le=65535, description="port of the trainer's TCPStore")
     backend: Literal["nccl", "gloo"] = Field("nccl", description="nccl between GPUs; gloo on CPU engines")
     world_size: int | None = Field(None, strict=True, ge=2, le=65536,

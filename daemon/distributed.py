@@ -336,8 +336,9 @@ async def _check_reachable(host: str, port: int, within_s: float) -> None:
     try:
         async with asyncio.timeout(within_s):
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, TimeoutError) as exc:
-        reason = "lookup timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc) or "not found")
+    except (OSError, TimeoutError, UnicodeError) as exc:  # UnicodeError: not a valid IDNA host name
+        reason = ("lookup timed out" if isinstance(exc, TimeoutError)
+                  else getattr(exc, "strerror", None) or str(exc) or "not found")
         raise RequestInvalid(f"master_address {host!r} does not resolve from this node: {reason}",
                              field="master_address") from None
     deadline = loop.time() + within_s

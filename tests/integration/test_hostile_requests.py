@@ -229,6 +229,9 @@ async def test_a_weight_group_with_an_unreachable_master_is_422_within_seconds(
         r = await c.post("/v1/weights/groups", json={"master_address": "no-such-host.invalid", "master_port": 29500,
                                                      "backend": "gloo"})
         _is_error(r, 422, field="master_address")
+        r = await c.post("/v1/weights/groups", json={"master_address": "\x80", "master_port": 29500,
+                                                     "backend": "gloo"})
+        _is_error(r, 422, field="master_address")  # once a 500 (found by the fuzz test): not an IDNA host name
         assert (await c.get("/v1/weights/groups")).json()["groups"] == {}
 
 
