@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
-from fastapi import Body, Depends, FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 
@@ -220,6 +220,11 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         return JSONResponse({"staged": staged.info(), "active": active.info(),
                              "applies": "now" if staged.fingerprint == active.fingerprint
                              else "at the next transition"})
+
+    @app.get("/v1/steps", responses=_errors(422))
+    async def steps(d: D, limit: Annotated[int, Query(ge=1, le=64)] = 20) -> dict[str, Any]:
+        """The last ``limit`` steps, newest first: phases with durations, the switch breakdown, bytes, result."""
+        return {"steps": d.steps.summaries(limit)}
 
     @app.get("/v1/traces/{step}", responses=_errors(404, 422))
     async def trace(step: StepPath, d: D, format: Literal["json", "chrome"] = "json") -> Any:
