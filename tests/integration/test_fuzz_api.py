@@ -38,8 +38,10 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(420)]
 
 TOKEN = "fuzz-token"
 _READY_S = 90.0
-# Where the status legitimately moves with no request at all (health probes, reconciliation clocks).
-_TICKING = ("healthy", "last_error", "last_seen", "checked_at", "observed_at", "uptime_s", "incarnation")
+# Where the status legitimately moves with no request at all: health probes, the reconciliation reports of
+# the health loop ("last", "at"), a session's idle clock.
+_TICKING = frozenset({"healthy", "last_error", "last_seen", "checked_at", "observed_at", "uptime_s", "at", "last",
+                      "idle_for_s"})
 
 # Per operation: valid requests reach deeper (state rules, engines), so they get more of the time box.
 _EXAMPLES = {GenerationMode.POSITIVE: 8, GenerationMode.NEGATIVE: 5}
