@@ -269,3 +269,23 @@ async def test_openapi_declares_the_error_statuses_with_the_error_model(client: 
     assert phase["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert phase["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert "404" in spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["responses"]
+
+
+async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open() -> None:
+    # Its own engine: this test moves the node to sync and opens a session.
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
+            daemon(own) as c:
+        assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200
+        assert (await c.post("/v1/phase", json={"step": 1, "phase": "sync"})).status_code == 200
+        opened = await c.post("/v1/weights/sessions", json={"version": "v1", "ranks": 1})
+        session_id = opened.json()["session_id"]
+        before = (await c.get("/v1/status")).json()
+        r = await c.post(f"/v1/weights/sessions/{session_id}/chunks",
+                         json={"seq": 0, "rank": 1, "transport": "shm", "nbytes": 8,
+                               "handle": {"shm_name": "x", "layout": []}})
+        _is_error(r, 422, field="rank")
+        after = (await c.get("/v1/status")).json()
+        after["weight_session"].pop("idle_for_s", None)
+        before["weight_session"].pop("idle_for_s", None)
+        assert after == before and after["weight_session"]["state"] == "open"
+        assert (await c.post(f"/v1/weights/sessions/{session_id}/abort")).status_code == 200
