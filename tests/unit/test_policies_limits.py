@@ -23,7 +23,9 @@ def test_an_alias_bomb_is_refused_in_milliseconds(levels: int) -> None:
     t0 = time.perf_counter()
     with pytest.raises(PolicyError, match=r"nodes with aliases expanded|aliases"):
         load_policy_yaml(_bomb(levels))
-    assert time.perf_counter() - t0 < 0.5
+    # Unbounded, six levels took 4.4 s and each level multiplies by ten; bounded it is milliseconds. The
+    # margin is for a loaded CI machine.
+    assert time.perf_counter() - t0 < 2.0
 
 
 def test_too_many_aliases_are_refused_at_the_first_one_over() -> None:
