@@ -165,7 +165,7 @@ async def test_a_yaml_alias_bomb_is_refused_without_stalling_the_daemon(client: 
     body = _is_error(await put, 400)
     assert "alias" in body["message"] or "nodes" in body["message"], body
     assert time.perf_counter() - t0 < 2.0
-    assert max(probes, default=0.0) < 1.0, probes
+    assert max(probes, default=0.0) < 1.5, probes  # unbounded, the loop was blocked 4.4 s
 
 
 async def test_a_plugin_outside_the_allow_list_is_refused_before_its_module_is_imported(
