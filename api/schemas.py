@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..daemon.distributed import BroadcastDescriptor
 from ..engines.base import MemoryTag
+from ..engines.chunks import DTYPES
+
+MAX_CHUNK_BYTES = 1 << 38  # 256 GiB: larger than any GPU's memory, so a larger nbytes is a mistake
 
 __all__ = [
     "BroadcastRequest",
@@ -15,6 +18,7 @@ __all__ = [
     "ChunkDescriptor",
     "CommitRequest",
     "ErrorReply",
+    "ManifestEntry",
     "OpenSessionReply",
     "OpenSessionRequest",
     "OpenWeightGroupRequest",
@@ -54,11 +58,32 @@ class TransitionReply(BaseModel):
     trace: dict[str, Any] | None
 
 
+class ManifestEntry(_Strict):
+    """One tensor the session will carry (HF name, torch short dtype name, full shape)."""
+
+    name: str = Field(..., min_length=1, max_length=1024)
+    dtype: str = Field(..., min_length=1, max_length=32)
+    shape: list[int] = Field(..., max_length=16)
+
+    @model_validator(mode="after")
+    def _valid(self) -> ManifestEntry:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPES)}")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: negative dimension in {self.shape}")
+        return self
+
+
 class OpenSessionRequest(_Strict):
     version: str = Field(..., min_length=1, max_length=256, description="weight version the engines will report")
     step: int | None = Field(None, ge=0)
     ranks: int | None = Field(None, ge=1, le=4096, description="trainer ranks that send parts of each chunk")
     depth: int | None = Field(None, ge=1, le=64, description="chunks in flight per engine; default from policy")
+    manifest: list[ManifestEntry] | None = Field(
+        None, max_length=1_000_000,
+        description="every tensor the session will send; each chunk's layout is checked against it. Unless "
+                    "partial, it must cover the engines' full parameter set (422 naming what is missing)")
+    partial: bool = Field(False, description="update only some tensors; allowed only on intact (clean) weights")
 
 
 class OpenSessionReply(BaseModel):
@@ -67,6 +92,9 @@ class OpenSessionReply(BaseModel):
     depth: int
     step: int
     version: str
+    partial: bool = False
+    idle_s: float | None = Field(None, description="the session expires after this long without a chunk")
+    manifest_tensors: int | None = Field(None, description="tensors declared in the manifest (null: none)")
 
 
 class TensorEntry(_Strict):
@@ -82,7 +110,7 @@ class ChunkDescriptor(_Strict):
     seq: int = Field(..., ge=0)
     rank: int = Field(0, ge=0)
     transport: Literal["shm", "disk", "cuda_ipc", "ipc_ring"]
-    nbytes: int = Field(..., ge=0)
+    nbytes: int = Field(..., ge=0, le=MAX_CHUNK_BYTES, description="bytes of this rank's part (at most 256 GiB)")
     handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
 
 

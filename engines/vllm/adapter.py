@@ -251,7 +251,7 @@ class VLLMAdapter:
     def _session_kind(self) -> Literal["native", "rpc"]:
         return "native" if self._backend else "rpc"
 
-    async def begin_weight_update(self) -> None:
+    async def begin_weight_update(self, session_id: str | None = None) -> None:
         """Open an update: native /start_weight_update (initialising transfer once), or the extension's."""
         self._pending_version, self._flush_after_update = None, False
         if self._session_kind == "rpc":
