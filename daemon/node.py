@@ -676,8 +676,8 @@ class Daemon:
 
     async def _close_session(self, session: WeightSession) -> None:
         """End an uncommitted session (caller holds the lock): wait for its engine calls, end the engines'
-        updates (engines stay paused, weights stale where any chunk may have landed), unlink what an
-        expired trainer left behind."""
+        updates (engines stay paused, weights stale where any chunk may have landed), unlink the shared-memory
+        segments its chunks named."""
         if session.closed:
             return
         session.closed = True
@@ -687,8 +687,9 @@ class Daemon:
             log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
                         session.id, session.tainted, t.for_step("quiesce"))
         await self._close_engines_update(session.trace, committed=False, session=session)
-        if session.state is SessionState.EXPIRED:
-            _unlink_segments(session.shm_names)
+        # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
+        # keeps its mappings valid and finds them already gone when it releases them.
+        _unlink_segments(session.shm_names)
         self.metrics.weight_sessions.labels(session.state.value).inc()
         self.traces.put(session.trace)
 
@@ -824,7 +825,7 @@ class Daemon:
 
 
 def _unlink_segments(names: set[str]) -> None:
-    """Remove the /dev/shm segments an expired session's trainer left (names were checked when the chunks
+    """Remove the /dev/shm segments an uncommitted session's chunks named (names were checked when the chunks
     arrived; a segment the trainer already removed is simply gone)."""
     for name in sorted(names):
         with contextlib.suppress(FileNotFoundError):
