@@ -557,7 +557,7 @@ class ReferenceEngine:
                 )
             # Checked under the lock, just before applying: a chunk that waited here while its session
             # ended (or another began) must not land in the next one.
-            if body.colocd_session is not None and (
+            if body.colocd_session is not None and self.settings.protocol != "legacy" and (
                 self._session_selector is None or body.colocd_session != self._session_id
             ):
                 return False, (

@@ -139,7 +139,7 @@ class SGLangAdapter:
     def _with_session(self, body: dict[str, Any], session_id: str | None) -> dict[str, Any]:
         """The reference engine carries the daemon's session id on begin and on every chunk, and refuses a
         chunk of any other session (a late chunk of a closed one). SGLang has no such field: not sent."""
-        if session_id is not None and self._is_reference:
+        if session_id is not None and self._is_reference and self.protocol.weight_update_session:
             return {**body, "colocd_session": session_id}
         return body
 
