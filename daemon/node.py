@@ -714,14 +714,17 @@ class Daemon:
                 continue
             if session.state is SessionState.OPEN and not session.expired():
                 continue
-            async with self._lock:
-                self._busy_with = f"close_weights:{session.id}"
-                try:
-                    await self._lapse_if_idle()
-                    if session.state is not SessionState.OPEN:
-                        await self._close_session(session)
-                finally:
-                    self._busy_with = None
+            try:
+                async with self._lock:
+                    self._busy_with = f"close_weights:{session.id}"
+                    try:
+                        await self._lapse_if_idle()
+                        if session.state is not SessionState.OPEN:
+                            await self._close_session(session)
+                    finally:
+                        self._busy_with = None
+            except Exception:  # keep the loop alive: the next round (or the next open) retries
+                log.exception("closing weight session %s failed", session.id)
             self._refresh_gauges()
 
     async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None,
