@@ -26,6 +26,11 @@ from support import serve_app, shm_segments
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher, manifest_of
 from colocd.api.procs import DaemonProcess
+from colocd.daemon.config import NodeConfig
+from colocd.daemon.errors import RequestInvalid
+from colocd.daemon.node import Daemon
+from colocd.daemon.states import NodePhase
+from colocd.engines.base import EngineInfo, MemoryTag, PauseMode, RankPayload, ReleaseReport, WeightsLoad
 from colocd.engines.chunks import plan_buckets, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -214,7 +219,7 @@ async def test_a_partial_commit_after_a_release_is_refused_naming_the_missing_te
             chunk.release()
         assert refused["field"] == "manifest" and "weights were discarded" in refused["message"]
         missing = [n for n, _ in named[10:]]
-        assert f"{missing[0]!r}" in refused["message"] and f"({len(missing)} in all)" in refused["message"]
+        assert f"{min(missing)!r}" in refused["message"] and f"({len(missing)} in all)" in refused["message"]
         assert (await node.client.status())["weight_session"]["state"] == "open"  # nothing committed
         assert (await _engine_state(node.client))["weights"] == "updating"
         await _refused(node.client.phase("rollout", 1), 409)
@@ -230,7 +235,7 @@ async def test_a_declared_partial_manifest_after_a_release_is_refused_at_open_ch
         probe = await _blocked_generation(node.engine_url)
         before = await node.client.status()
         refused = await _refused(node.client.open_session("ten", ranks=1, manifest=manifest_of(named[:10])), 422)
-        assert refused["field"] == "manifest" and f"{named[10][0]!r}" in refused["message"]
+        assert refused["field"] == "manifest" and f"{min(n for n, _ in named[10:])!r}" in refused["message"]
         refused = await _refused(
             node.client.open_session("ten", ranks=1, manifest=manifest_of(named[:10]), partial=True), 409)
         assert "partial update needs intact weights" in refused["message"]
@@ -458,3 +463,74 @@ def _no_leaked_segments() -> Any:
     mine = f"colocd-{os.getpid()}-"
     yield
     assert not shm_segments(mine), "this test left shared-memory segments behind"
+
+
+# --- engines that cannot list their parameters (SGLang): the last complete push is the reference ---------
+
+
+class UnlistedEngine:
+    """An engine adapter that, like SGLang, cannot say what its parameters are; loads always succeed."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def attach(self) -> EngineInfo:
+        return EngineInfo(self.name, "fake", "0", "fake", "v0")
+
+    async def health(self) -> bool:
+        return True
+
+    async def weight_version(self) -> str | None:
+        return "v0"
+
+    async def pause_generation(self, mode: PauseMode) -> None: ...
+    async def continue_generation(self) -> None: ...
+
+    async def flush_cache(self) -> bool:
+        return True
+
+    async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
+        return ReleaseReport(tags)
+
+    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
+        return ReleaseReport(tags)
+
+    async def begin_weight_update(self, session_id: str | None = None) -> None: ...
+    async def load_weights(self, load: WeightsLoad) -> None: ...
+    async def end_weight_update(self) -> None: ...
+    async def set_weight_version(self, version: str) -> None: ...
+
+    async def weights_checksum(self) -> str | None:
+        return None
+
+    async def aclose(self) -> None: ...
+
+
+async def test_without_a_parameter_list_the_first_push_after_a_discard_must_match_the_last_complete_one(
+        tmp_path: Any) -> None:
+    config = NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}],
+                                        "journal": str(tmp_path / "journal.jsonl")})
+    _, named = _model(seed=5)
+    full = manifest_of(named)
+    handle = {"payload_b64": ""}  # a CUDA-IPC pickle the daemon cannot look into: only the manifest says
+
+    async def step(daemon: Daemon, s: int) -> None:
+        await daemon.transition(NodePhase.TRAIN, s)
+        await daemon.transition(NodePhase.SYNC, s)
+
+    async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as daemon:  # type: ignore[dict-item]
+        await step(daemon, 1)
+        first = await daemon.open_weights(step=1, version="v1", ranks=1, manifest=full)
+        await daemon.submit_chunk(first.id, 0, RankPayload(0, "cuda_ipc", 8, handle))
+        await daemon.commit_weights(first.id, 1)  # nothing to compare with yet: recorded as complete
+        await daemon.transition(NodePhase.ROLLOUT, 1)
+        await step(daemon, 2)
+        first_missing = min(n for n, _ in named[10:])  # messages list names in sorted order
+        with pytest.raises(RequestInvalid, match=rf"missing {first_missing!r}") as err:
+            await daemon.open_weights(step=2, version="v2", ranks=1, manifest=full[:10])
+        assert err.value.field == "manifest"
+
+    async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as restarted:  # type: ignore[dict-item]
+        with pytest.raises(RequestInvalid, match=rf"\({len(named) - 10} in all\)"):
+            await restarted.open_weights(step=2, version="v2", ranks=1, manifest=full[:10])
+        assert (await restarted.open_weights(step=2, version="v2", ranks=1, manifest=full)).manifest is not None
