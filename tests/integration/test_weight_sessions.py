@@ -277,12 +277,13 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 @dataclass
 class SlowLoadProxy:
-    """Forwards everything to the engine; the ``nth`` chunk (update_weights_from_tensor) is held ``delay_s``
-    first and then forwarded anyway, whether or not the daemon still waits: an engine whose load is slow."""
+    """Forwards everything to the engine; the ``nth`` chunk (update_weights_from_tensor) is held until
+    ``release`` is set and then forwarded anyway, whether or not the daemon still waits: an engine whose load
+    is slow, finishing at a moment the test chooses."""
 
     upstream: str
     nth: int
-    delay_s: float
+    release: asyncio.Event = field(default_factory=asyncio.Event)
     chunks_seen: int = 0
     late_replies: list[tuple[int, str]] = field(default_factory=list)
     late_answered: asyncio.Event = field(default_factory=asyncio.Event)
@@ -304,7 +305,7 @@ class SlowLoadProxy:
             self.chunks_seen += 1
             if self.chunks_seen == self.nth:
                 late = True
-                await asyncio.sleep(self.delay_s)  # the engine "loads slowly": the daemon gives up meanwhile
+                await self.release.wait()  # the engine "loads slowly": the daemon gives up meanwhile
         headers = {k.decode(): v.decode() for k, v in scope["headers"] if k.lower() not in (b"host", b"content-length")}
         async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
             reply = await http.request(scope["method"], self.upstream + scope["path"], content=body, headers=headers,
@@ -321,17 +322,17 @@ async def test_a_late_chunk_never_lands_in_the_next_session(tmp_path: Any) -> No
     proxies: list[SlowLoadProxy] = []
 
     def via(url: str) -> SlowLoadProxy:
-        proxies.append(SlowLoadProxy(url, nth=2, delay_s=4.0))
+        proxies.append(SlowLoadProxy(url, nth=2))
         return proxies[0]
 
     async with _node(tmp_path, via=via, chunk_s=1.0, quiesce_s=0.3) as node:
         _, stale_named = _model(seed=99)
         chunks = _export(stale_named, transport="disk")  # files outlive the session: only the engine can refuse
         try:
-            sid = (await node.client.open_session("late", step=1, ranks=1, depth=1,
-                                                  manifest=manifest_of(stale_named)))["session_id"]
-            await node.client.send_chunk(sid, seq=0, rank=0, chunk=chunks[0])
-            timeout = await _refused(node.client.send_chunk(sid, seq=1, rank=0, chunk=chunks[1]), 504)
+            sid_a = (await node.client.open_session("late", step=1, ranks=1, depth=1,
+                                                    manifest=manifest_of(stale_named)))["session_id"]
+            await node.client.send_chunk(sid_a, seq=0, rank=0, chunk=chunks[0])
+            timeout = await _refused(node.client.send_chunk(sid_a, seq=1, rank=0, chunk=chunks[1]), 504)
             assert timeout["error"] == "ChunkTimeout"
             assert (timeout["engine"], timeout["step"], timeout["budget_s"]) == ("ref0", "load_chunk", 1.0)
             assert "'ref0'" in timeout["message"] and "did not consume" in timeout["message"]
@@ -340,13 +341,20 @@ async def test_a_late_chunk_never_lands_in_the_next_session(tmp_path: Any) -> No
             probe = await _blocked_generation(node.engine_url)
 
             model, named = _model(seed=5)
-            await _finish_with(node, model, named, probe)
+            sid = (await node.client.open_session("good", step=1, ranks=1, manifest=manifest_of(named)))["session_id"]
+            sent, _ = await WeightPusher(node.client, bucket_mb=0.05).stream(sid, named)
+            proxies[0].release.set()  # the old session's chunk reaches the engine inside the new session
             async with asyncio.timeout(DEADLINE_S):
-                await proxies[0].late_answered.wait()  # until the slow chunk has reached the engine
+                await proxies[0].late_answered.wait()
             status, text = proxies[0].late_replies[0]
-            assert status == 400 and "nothing applied" in text, text
+            assert status == 400 and f"chunk of weight-update session '{sid_a}'" in text, text
+            assert "nothing applied" in text
+            await node.client.commit(sid, sent)
+            await node.client.phase("rollout", 1)
             assert await _checksum(node.engine_url) == tensor_checksum(named)
+            assert await asyncio.wait_for(probe, DEADLINE_S) == _local_greedy(model)
         finally:
+            proxies[0].release.set()
             for chunk in chunks:
                 chunk.release()
 
