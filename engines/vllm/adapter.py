@@ -252,7 +252,12 @@ class VLLMAdapter:
         return "native" if self._backend else "rpc"
 
     async def begin_weight_update(self, session_id: str | None = None) -> None:
-        """Open an update: native /start_weight_update (initialising transfer once), or the extension's."""
+        """Open an update: native /start_weight_update (initialising transfer once), or the extension's.
+
+        ``session_id`` is not carried: vLLM's update routes have no field for it (the daemon's quiesce
+        before closing a session is the guarantee). vLLM cannot list its parameters over HTTP either
+        (``/weight_info`` holds only the version), so no ``parameter_manifest``: the daemon compares a
+        push after a discard with the last complete one."""
         self._pending_version, self._flush_after_update = None, False
         if self._session_kind == "rpc":
             await self._rpc("colocd_begin_update")
