@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from ..engines.base import EngineAdapter, MemoryTag, PauseMode, RankPayload
 from ..engines.registry import build_adapter
@@ -193,7 +194,7 @@ class Daemon:
                     await self._stopping.wait()
             if self._stopping.is_set():
                 return
-            self.policies.reload_if_changed()
+            await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
             if self._lock.locked():
                 continue  # never probe mid-transition
             for engine in self.engines.values():
@@ -280,9 +281,11 @@ class Daemon:
                 with self.policies.store.transition() as pinned:
                     self._pinned = pinned
                     try:
+                        # Decided before any engine call: a trainer report the policy cannot read is the
+                        # caller's mistake (RequestInvalid), and must leave every engine as it was.
+                        directives = self._directives(pinned, phase.value, trainer)
                         with trace.timed():
                             freed = await runner(trace)
-                            directives = self.policies.directives(pinned, phase.value, trainer, self._transports())
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
                     finally:
@@ -306,6 +309,15 @@ class Daemon:
             raise
         self.metrics.transitions.labels(phase.value, "ok").inc()
         return result
+
+    def _directives(self, pinned: Any, phase: str, trainer: dict[str, Any] | None) -> dict[str, Any]:
+        try:
+            return self.policies.directives(pinned, phase, trainer, self._transports())
+        except ValidationError as exc:
+            first = exc.errors()[0] if exc.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise RequestInvalid(f"trainer.groups.{where}: {first.get('msg', exc)}",
+                                 field=f"trainer.groups.{where}".rstrip(".")) from None
 
     async def _require_attached(self) -> None:
         for engine in self.engines.values():

@@ -26,6 +26,7 @@ from typing import Any
 from ..engines.base import RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.errors import EngineRejected
+from ..engines.httpmap import is_payload_refusal
 from .engine_ops import EngineHandle
 from .errors import (
     ChunkTimeout,
@@ -590,7 +591,7 @@ class WeightSession:
 
 def _load_error(engine: str, seq: int, exc: BaseException) -> WeightSyncError | PayloadRejected:
     """An engine's 4xx to a chunk is the caller's payload at fault (422 with the engine's words)."""
-    if isinstance(exc, EngineRejected) and 400 <= exc.status < 500:
+    if isinstance(exc, EngineRejected) and is_payload_refusal(exc):
         return PayloadRejected(f"chunk {seq}: engine {engine!r} refused it: {exc.detail}", engine=engine,
                                field="handle")
     return WeightSyncError(f"chunk {seq} on engine {engine!r}: {exc or type(exc).__name__}")
