@@ -44,13 +44,16 @@ async def serve_app(app: Any, *, ready_path: str = "/healthz", timeout_s: float 
         sock.close()
 
 
-def shm_segments(pid: int | None = None) -> set[str]:
-    """colocd segments created by ``pid`` (default: this process, the trainer side of every test).
+def shm_segments(owner: int | str | None = None) -> set[str]:
+    """colocd segments created by one process: ``owner`` is its pid (default: this process, the trainer
+    side of most tests) or a name prefix such as ``f"colocd-{pid}-"``.
 
     Segment names carry their creator's pid (``colocd-<pid>-<hex>``, engines/chunks.py), so other
     processes on the machine (another test run, another user's trainer) are never counted.
     """
-    prefix = f"colocd-{os.getpid() if pid is None else pid}-"
+    prefix = owner if isinstance(owner, str) else f"colocd-{os.getpid() if owner is None else owner}-"
+    if not prefix.startswith("colocd-"):
+        raise ValueError(f"{prefix!r} would match other processes' segments; pass a pid or 'colocd-<pid>-'")
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
 
