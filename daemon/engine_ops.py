@@ -33,6 +33,10 @@ class EngineHandle:
     info: EngineInfo | None = None
     # Bytes each tag freed the last time it was released: the next release's NVML expectation.
     learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
+    # Reconciliation (daemon/reconcile.py): observed at least once by this daemon; and whether it
+    # lost sight of the engine since (a failed probe, or its record came from the journal).
+    observed_once: bool = False
+    lost_sight: bool = False
 
     @property
     def name(self) -> str:

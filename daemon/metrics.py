@@ -44,6 +44,13 @@ class Metrics:
                                     ["engine", "version"], registry=r)
         self.policy_info = Gauge("colocd_policy_info", "Active policy (value 1)",
                                  ["version", "fingerprint", "process_groups", "pipeline", "cleanup"], registry=r)
+        self.engine_restarts = Counter(
+            "colocd_engine_restarts_total", "Engine restarts the daemon detected (incarnation changed, or unprovable)",
+            ["engine"], registry=r)
+        self.reconcile_actions = Counter(
+            "colocd_reconcile_actions_total",
+            "Reconciliation steps by engine and action (adopt, pause, release, end_engine_session, fail_session)",
+            ["engine", "action"], registry=r)
         self.node_step = Gauge("colocd_node_step", "Current step of the node", registry=r)
 
     def exposition(self) -> bytes:
