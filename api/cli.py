@@ -23,6 +23,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"colocd: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: the health loop's observations would drown the daemon's own lines.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         asyncio.run(serve(config, log_level=args.log_level))
     except KeyboardInterrupt:

@@ -248,7 +248,8 @@ class Daemon:
         t = self._timeouts()
         if action is Action.FAIL_SESSION and self.session is not None:
             session = self.session
-            await session.fail(WeightSyncError(f"engine {engine.name!r} lost the weight session: {plan.reason}"))
+            why = plan.reason or "it reports no open weight-update session"
+            await session.fail(WeightSyncError(f"engine {engine.name!r} lost the weight session: {why}"))
             await self._finish_failed_locked(session)
         elif action is Action.END_ENGINE_SESSION:
             try:
@@ -498,8 +499,8 @@ class Daemon:
             trace = Trace(self.node.step, "sleep")
             t0 = time.perf_counter()
             try:
-                freed = await self._each(
-                    trace, "sleep", lambda e: self._quiesce_and_release(e, tags, trace, strict=True), engines)
+                freed = await self._refreshed_on_failure(self._each(
+                    trace, "sleep", lambda e: self._quiesce_and_release(e, tags, trace, strict=True), engines), "sleep")
             finally:
                 self.traces.put(trace)
             self._journal_append("sleep", self.node.step)
@@ -527,7 +528,7 @@ class Daemon:
                     await ops.continue_generation(engine, trace, self.metrics, t)
 
             try:
-                await self._each(trace, "resume", one, engines)
+                await self._refreshed_on_failure(self._each(trace, "resume", one, engines), "resume")
             finally:
                 self.traces.put(trace)
             self._journal_append("resume", self.node.step)

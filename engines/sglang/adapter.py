@@ -113,7 +113,9 @@ class SGLangAdapter:
         states = server.get("internal_states") or [{}]
         first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
         paused = (first["paused"] is not None) if "paused" in first else None
-        session = (first["weight_update_session"] is not None) if "weight_update_session" in first else None
+        session = None  # older SGLang has no update session at all, so none can be open or lost
+        if self.protocol.weight_update_session and "weight_update_session" in first:
+            session = first["weight_update_session"] is not None
         resident = None
         if (report := await self.memory_report()) is not None:
             resident = {MemoryTag(t): bool(v.get("resident")) for t, v in report.get("tags", {}).items()

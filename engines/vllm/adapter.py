@@ -113,6 +113,8 @@ class VLLMAdapter:
 
     async def attach(self) -> EngineInfo:
         """Probe the version and the dev routes; read weight version, TP size and the extension."""
+        self._transfer_initialised = False  # a (re)attached server may be a new process: initialise again
+        self._pause_mode = None
         version = self._parse(wire.VersionReply, await self._call("GET", "/version"), "/version").version
         try:
             parsed = wire.parse_version(version)
