@@ -38,7 +38,8 @@ class Timeouts(BaseModel):
     resume_s: float | None = Field(None, gt=0)
     chunk_s: float | None = Field(None, gt=0, description="one chunk: gather from all ranks + engine load")
     memory_confirm_s: float | None = Field(None, gt=0, description="NVML wait for released bytes")
-    health_s: float | None = Field(5.0, gt=0)
+    health_s: float | None = Field(5.0, gt=0, description="interval of the health loop's observations")
+    observe_s: float | None = Field(None, gt=0, description="one observation of one engine (default: default_s)")
 
     def for_step(self, step: str) -> float:
         value = getattr(self, f"{step}_s", None)

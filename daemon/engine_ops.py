@@ -37,6 +37,7 @@ class EngineHandle:
     # lost sight of the engine since (a failed probe, or its record came from the journal).
     observed_once: bool = False
     lost_sight: bool = False
+    restart_counted: str | None = None  # the incarnation last counted in colocd_engine_restarts_total
 
     @property
     def name(self) -> str:

@@ -187,7 +187,7 @@ class Daemon:
         return self.session is not None and self.session.state is SessionState.OPEN
 
     async def _observe(self, engine: EngineHandle) -> Observation:
-        budget = self.config.timeouts.for_step("health")
+        budget = self.config.timeouts.for_step("observe")
         try:
             async with asyncio.timeout(budget):
                 if engine.info is None:
@@ -216,8 +216,10 @@ class Daemon:
         trace = Trace(self.node.step, f"reconcile:{engine.name}")
         try:
             if plan.restarted:
-                self.metrics.engine_restarts.labels(engine.name).inc()
-                async with asyncio.timeout(self.config.timeouts.for_step("health")):
+                if observed.incarnation is None or observed.incarnation != engine.restart_counted:
+                    self.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
+                    engine.restart_counted = observed.incarnation
+                async with asyncio.timeout(self.config.timeouts.for_step("observe")):
                     engine.info = await engine.adapter.attach()  # a new process may speak a new version
             for action in plan.actions:
                 await self._apply(engine, plan, action, trace)
@@ -394,7 +396,8 @@ class Daemon:
         """Every engine answered the observation that just ran (``_exclusive``); else 502 naming it."""
         for engine in self.engines.values():
             if engine.info is None or not engine.state.healthy:
-                raise EngineUnreachable(engine.name, engine.state.last_error or "not attached")
+                message = (engine.state.last_error or "not attached").removeprefix(f"engine {engine.name!r}: ")
+                raise EngineUnreachable(engine.name, message)
 
     async def _each(self, trace: Trace, phase: str, fn: Any,
                     engines: list[EngineHandle] | None = None) -> dict[str, Any]:

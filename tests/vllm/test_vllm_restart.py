@@ -10,32 +10,22 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from conftest import SERVER_ARGS, _install
 from support import serve_app
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
 from colocd.daemon.config import NodeConfig
-from colocd.engines.config import LaunchConfig, VLLMEngineConfig
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
 from colocd.engines.vllm.extension import named_digest
 
 pytestmark = pytest.mark.vllm
 
 HEALTH_S = 0.5
-
-
-def _server(tmp_path: Path, port: int | None = None) -> VLLMServer:
-    python, model = _install()
-    config = VLLMEngineConfig(
-        name="tiny", model_path=model,
-        launch=LaunchConfig(args=list(SERVER_ARGS), ready_timeout_s=240, log_file=str(tmp_path / "vllm.log")))
-    return VLLMServer(config, python=python, port=port)
 
 
 async def _complete(url: str) -> str:
@@ -47,8 +37,8 @@ async def _complete(url: str) -> str:
 
 
 async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_the_next_push(
-        tmp_path: Path, new_weights: list[Any]) -> None:
-    server = _server(tmp_path)
+        new_vllm_server: Callable[[int | None], VLLMServer], new_weights: list[Any]) -> None:
+    server = new_vllm_server(None)
     url = await server.start()
     try:
         original = await _complete(url)
@@ -70,7 +60,7 @@ async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_
             os.killpg(server.pid, signal.SIGKILL)
             await server.stop()
             port = int(url.rsplit(":", 1)[1])
-            server = _server(tmp_path, port)
+            server = new_vllm_server(port)
             assert await server.start() == url
 
             t0 = time.monotonic()
