@@ -88,7 +88,14 @@ async def flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeout
             await asyncio.sleep(delay)  # backoff between retries of a refused flush
             delay = min(delay * 2, 1.0)
 
-    await timed_call(engine, trace, metrics, "flush_cache", budget, _retrying())
+    try:
+        await timed_call(engine, trace, metrics, "flush_cache", budget, _retrying())
+    except StepTimeout as exc:
+        # The policy for a flush the engine keeps refusing is "wait, within a budget that says so".
+        raise StepTimeout(f"{exc}: the engine kept requests running (e.g. ones queued while it slept, which "
+                          "start when it wakes); raise timeouts.flush_s or abort them, then retry the step",
+                          engine=exc.engine or engine.name, step=exc.step or "flush_cache",
+                          budget_s=exc.budget_s) from exc.__cause__
 
 
 async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
