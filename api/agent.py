@@ -9,17 +9,24 @@
 
 The train reply carries the decisions for the end of training (process groups, cleanup); the agent
 enacts them just before it posts ``sync``, because that is when the trainer gives the GPU back.
+
+With ``overlap_groups=True`` the group work leaves the critical path: the pause (e.g. a destroy)
+runs in the background from ``sync`` until ``rollout``, which waits for it before the engines take
+their KV cache back (the memory must be free by then, not earlier), and its report travels with the
+``rollout`` call; the resume (e.g. a rebuild) starts right after the ``train`` reply and runs while
+the trainer brings its state back. Call ``groups_ready()`` before the first collective of the step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import torch
 
 from ..engines.trainer.cleanup import run_cleanup
-from ..engines.trainer.groups import GroupLifecycle
+from ..engines.trainer.groups import GroupLifecycle, GroupReport
 from ..policies import CleanupPlan, GroupDirective
 from .client import AsyncColocdClient
 
@@ -30,27 +37,57 @@ class TrainerAgent:
     """Phase calls plus the trainer-side half of each policy; every cost is reported to the daemon."""
 
     def __init__(self, client: AsyncColocdClient, *, groups: GroupLifecycle | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, overlap_groups: bool = False) -> None:
         self._client = client
         self._groups = groups
         self._device = device
+        self._overlap = overlap_groups
         self._directives: dict[str, Any] = {}
+        # Group work running in the background (overlap_groups): the report key and its task.
+        self._pending: tuple[str, asyncio.Future[GroupReport]] | None = None
         self.last_reports: dict[str, Any] = {}
 
+    async def groups_ready(self) -> float:
+        """Wait for group work started in the background (if any); returns the seconds waited."""
+        if self._pending is None:
+            return 0.0
+        key, task = self._pending
+        t0 = time.perf_counter()
+        try:
+            report = await task
+        finally:
+            self._pending = None
+        self.last_reports[key] = report.to_dict()
+        return time.perf_counter() - t0
+
+    @property
+    def directives(self) -> dict[str, Any]:
+        """The decisions of the last train reply (process groups, cleanup), for trainer-side work
+        the agent does not enact itself (e.g. a second cleanup after offloading the weights)."""
+        return self._directives
+
     async def train(self, step: int) -> dict[str, Any]:
+        await self.groups_ready()  # a pause still running: the snapshot must see where it ended
         trainer = {"groups": self._groups.snapshot().model_dump(mode="json")} if self._groups else None
         reply = await self._client.phase("train", step, trainer=trainer)
         self._directives = reply.get("directives") or {}
         if self._groups is not None:
             # Rebuild (or verify kept groups) now that the engines gave the memory back.
-            self.last_reports["groups_resume"] = (await asyncio.to_thread(self._groups.resume)).to_dict()
+            resume = asyncio.ensure_future(asyncio.to_thread(self._groups.resume))
+            self._pending = ("groups_resume", resume)
+            if not self._overlap:
+                await self.groups_ready()
         return reply
 
     async def sync(self, step: int) -> dict[str, Any]:
+        await self.groups_ready()  # the resume, if the caller did not wait for it
         report: dict[str, Any] = {}
         if self._groups is not None and (d := self._directives.get("process_groups")):
-            groups = await asyncio.to_thread(self._groups.pause, GroupDirective.model_validate(d))
-            report["groups_report"] = groups.to_dict()
+            pause = asyncio.ensure_future(asyncio.to_thread(self._groups.pause, GroupDirective.model_validate(d)))
+            self._pending = ("groups_report", pause)
+            if not self._overlap:
+                await self.groups_ready()
+                report["groups_report"] = self.last_reports["groups_report"]
         if plan := self._directives.get("cleanup"):
             cleanup = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan), device=self._device)
             report["spans"] = cleanup.spans
@@ -59,4 +96,9 @@ class TrainerAgent:
         return await self._client.phase("sync", step, trainer=report or None)
 
     async def rollout(self, step: int) -> dict[str, Any]:
-        return await self._client.phase("rollout", step)
+        trainer = None
+        if self._pending is not None and self._pending[0] == "groups_report":
+            # The background pause must have freed the groups' memory before the engines resume.
+            self.last_reports["groups_pause_wait_s"] = await self.groups_ready()
+            trainer = {"groups_report": self.last_reports["groups_report"]}
+        return await self._client.phase("rollout", step, trainer=trainer)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
@@ -197,6 +197,11 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         return JSONResponse({"staged": staged.info(), "active": active.info(),
                              "applies": "now" if staged.fingerprint == active.fingerprint
                              else "at the next transition"})
+
+    @app.get("/v1/steps")
+    async def steps(d: D, limit: Annotated[int, Query(ge=1, le=64)] = 20) -> dict[str, Any]:
+        """The last ``limit`` steps, newest first: phases with durations, the switch breakdown, bytes, result."""
+        return {"steps": d.steps.summaries(limit)}
 
     @app.get("/v1/traces/{step}")
     async def trace(step: int, d: D, format: str = "json") -> Any:

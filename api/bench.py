@@ -229,6 +229,11 @@ async def _run_variant(
             )
             sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
             verified &= [sink["checksums"][name] for name, _ in named] == expected
+            total = settings.warmup + settings.repeats
+            kind = "warmup" if i < settings.warmup else "timed"
+            # A line per push: on 14B-sized pushes a variant runs for minutes, silence looks like a hang.
+            print(f"    {variant.name} push {i + 1}/{total} ({kind}): stream {stream_s * 1e3:.1f} ms, "
+                  f"{chunks} chunks, {'verified' if verified else 'CHECKSUM MISMATCH'}", flush=True)
             result.rings_opened = int(sink["rings_opened"])
             if i < settings.warmup:
                 continue
@@ -312,6 +317,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         }
     )
     results: list[VariantResult] = []
+    print(f"  starting the reference engine ({settings.model} sink shapes) and the daemon ...", flush=True)
     async with ReferenceEngineProcess(engine_cfg) as engine:
         assert engine.url is not None
         daemon_cfg = {

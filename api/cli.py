@@ -1,13 +1,15 @@
-"""The ``colocd`` command: serve, status, demo, bench, policy."""
+"""The ``colocd`` command: serve, status, top, trace, demo, bench, policy."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import logging
 import sys
 from collections.abc import Sequence
+
+from .timeline import add_trace_command
+from .top import add_top_command
 
 __all__ = ["main"]
 
@@ -15,6 +17,7 @@ __all__ = ["main"]
 def _serve(args: argparse.Namespace) -> int:
     from ..daemon.config import ConfigError, load_node_config
     from ..policies import PolicyError
+    from .logs import configure_logging
     from .server import serve
 
     try:
@@ -22,11 +25,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"colocd: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every request at INFO: the health loop's observations would drown the daemon's own lines.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    log_format = args.log_format or config.log_format
+    configure_logging(args.log_level, log_format)
     try:
-        asyncio.run(serve(config, log_level=args.log_level))
+        asyncio.run(serve(config, log_level=args.log_level, log_json=log_format == "json"))
     except KeyboardInterrupt:
         pass
     except PolicyError as exc:
@@ -79,7 +81,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoSettings, run_demo
 
     settings = DemoSettings(steps=args.steps, device=args.device, batch=args.batch, seed=args.seed,
-                            json_out=args.json)
+                            json_out=args.json, timeline_out=args.timeline, metrics_out=args.metrics_out)
     return asyncio.run(run_demo(settings))
 
 
@@ -93,6 +95,19 @@ def _bench_weights(args: argparse.Namespace) -> int:
     return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
 
 
+def _bench_switch(args: argparse.Namespace) -> int:
+    from .bench_switch import SwitchSettings, run_switch_bench
+
+    settings = SwitchSettings(model=args.model, device=args.device, presets=tuple(args.presets.split(",")),
+                              steps=args.steps, warmup=args.warmup, optimizer_shards=args.optimizer_shards,
+                              groups=args.groups, train_tokens=args.train_tokens, gen_tokens=args.gen_tokens,
+                              rollout_s=args.rollout_s,
+                              mem_fraction=args.mem_fraction, kv_gib=args.kv_gib,
+                              post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out)
+    record = asyncio.run(run_switch_bench(settings))
+    return 0 if all(s["verified_all"] for s in record["summary"]) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="colocd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("serve", help="run the daemon for this node")
     p.add_argument("--config", required=True, help="node config YAML (listen address, engines, timeouts)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default=None, choices=["text", "json"],
+                   help="text (default, or the config's log_format) or json: one object per line")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("status", help="print the daemon's /v1/status")
@@ -121,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the per-step records here")
+    p.add_argument("--timeline", default=None, help="draw the last step's timeline here (png; colocd[viz])")
+    p.add_argument("--metrics-out", default=None, help="append /metrics after each step here (JSON lines)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="benchmarks")
@@ -136,6 +155,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     pb.add_argument("--seed", type=int, default=0)
     pb.add_argument("--out", default=None, help="write the JSON record here")
     pb.set_defaults(func=_bench_weights)
+    ps = bsub.add_parser("switch", help="the full colocated handoff per preset, against the floor measured in the run")
+    ps.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
+    ps.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
+    ps.add_argument("--presets", default="seed-baseline,tuned,tuned-serial-groups,tuned-keep",
+                    help="comma-separated: seed-baseline, tuned, tuned-serial-groups, tuned-keep")
+    ps.add_argument("--steps", type=int, default=3, help="timed handoffs per preset (median is reported)")
+    ps.add_argument("--warmup", type=int, default=1, help="untimed handoffs per preset first")
+    ps.add_argument("--optimizer-shards", type=int, default=8,
+                    help="distributed-optimizer ranks: this rank holds 1/N of the fp32 master + Adam state")
+    ps.add_argument("--groups", type=int, default=14, help="process groups the rank holds (Megatron: 14)")
+    ps.add_argument("--train-tokens", type=int, default=512)
+    ps.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per request in each rollout")
+    ps.add_argument("--rollout-s", type=float, default=0.0,
+                    help="each rollout window lasts at least this long (generation repeats), as a real one would")
+    ps.add_argument("--mem-fraction", type=float, default=0.80,
+                    help="engine weights + KV as a share of the GPU (SGLang's mem_fraction_static)")
+    ps.add_argument("--kv-gib", type=float, default=None, help="KV cache size; overrides --mem-fraction")
+    ps.add_argument("--post-destroy-wait-s", type=float, default=None, help="override the presets' 2 s wait")
+    ps.add_argument("--seed", type=int, default=0)
+    ps.add_argument("--out", default=None, help="write the JSON record here")
+    ps.set_defaults(func=_bench_switch)
+
+    add_trace_command(sub)  # colocd trace STEP -o step.png (api/timeline.py)
+    add_top_command(sub)  # colocd top [--once] (api/top.py)
 
     args = parser.parse_args(argv)
     return int(args.func(args))

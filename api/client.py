@@ -153,6 +153,10 @@ class AsyncColocdClient:
     async def trace(self, step: int, fmt: str = "json") -> dict[str, Any]:
         return await self._request("GET", f"/v1/traces/{step}", params={"format": fmt})  # type: ignore[no-any-return]
 
+    async def steps(self, limit: int = 20) -> list[dict[str, Any]]:
+        """The last ``limit`` steps summarised, newest first (``GET /v1/steps``)."""
+        return (await self._request("GET", "/v1/steps", params={"limit": limit}))["steps"]  # type: ignore[no-any-return]
+
 
 @dataclass(frozen=True, slots=True)
 class PushReport:
@@ -329,6 +333,15 @@ class ColocdClient:
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         self._run(self._async.wait_ready(timeout_s))
+
+    def trace(self, step: int, fmt: str = "json") -> dict[str, Any]:
+        return self._run(self._async.trace(step, fmt))  # type: ignore[no-any-return]
+
+    def steps(self, limit: int = 20) -> list[dict[str, Any]]:
+        return self._run(self._async.steps(limit))  # type: ignore[no-any-return]
+
+    def metrics(self) -> str:
+        return self._run(self._async.metrics())  # type: ignore[no-any-return]
 
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
                      transport: str = "shm", bucket_mb: float = 64, depth: int = 2) -> PushReport:

@@ -24,6 +24,7 @@ from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.model import QwenLikeConfig, build_model
 from ..engines.reference.tokenizer import BOS_ID
+from .agent import TrainerAgent
 from .client import AsyncColocdClient, WeightPusher
 from .procs import DaemonProcess
 
@@ -42,6 +43,8 @@ class DemoSettings:
     seed: int = 0
     lr: float = 0.002
     json_out: str | None = None
+    timeline_out: str | None = None  # draw the last step's timeline here (needs matplotlib)
+    metrics_out: str | None = None  # append the daemon's /metrics after each step, as JSON lines
 
 
 def _reward(output_ids: list[int]) -> float:
@@ -86,6 +89,28 @@ async def _engine_checksum(http: httpx.AsyncClient, url: str) -> str:
     return str(data.get("colocd_checksum"))
 
 
+async def _append_scrape(path: str, step: int, exposition: str) -> None:
+    line = json.dumps({"step": step, "time": time.time(), "metrics": exposition}) + "\n"
+
+    def write() -> None:
+        with open(path, "a") as f:
+            f.write(line)
+
+    await asyncio.to_thread(write)
+
+
+async def _draw_last_step(client: AsyncColocdClient, step: int, out: str) -> None:
+    from .timeline import MatplotlibMissing, render_timeline
+
+    traces = await client.trace(step)
+    try:
+        await asyncio.to_thread(render_timeline, traces, out, step=step)
+    except MatplotlibMissing as exc:
+        print(f"timeline not drawn: {exc}", flush=True)
+        return
+    print(f"timeline of step {step}: {out}", flush=True)
+
+
 async def run_demo(settings: DemoSettings) -> int:
     torch.manual_seed(settings.seed)
     workdir = tempfile.mkdtemp(prefix="colocd-demo-")
@@ -108,6 +133,7 @@ async def run_demo(settings: DemoSettings) -> int:
                 print("engine and trainer start from different weights", flush=True)
                 return 1
             pusher = WeightPusher(client, transport="shm", bucket_mb=0.1, depth=2)
+            agent = TrainerAgent(client)
             print(f"{'step':>4} {'reward':>7} {'sleep_s':>8} {'update_s':>9} {'wake_s':>7} {'bytes':>9} "
                   f"{'version':>7}  weights", flush=True)
             for step in range(1, settings.steps + 1):
@@ -115,11 +141,11 @@ async def run_demo(settings: DemoSettings) -> int:
                 rewards = [_reward(s) for s in samples]
                 mean_reward = sum(rewards) / len(rewards)
 
-                train = await client.phase("train", step)
+                train = await agent.train(step)
                 _reinforce_step(model, optimizer, samples)
-                await client.phase("sync", step)
+                await agent.sync(step)  # runs the policy's trainer-side cleanup and reports it
                 push = await pusher.push(model.named_parameters(), version=str(step), step=step)
-                rollout = await client.phase("rollout", step)
+                rollout = await agent.rollout(step)
 
                 trainer_sum = tensor_checksum(model.named_parameters())
                 engine_sum = await _engine_checksum(http, engine.url)
@@ -136,6 +162,10 @@ async def run_demo(settings: DemoSettings) -> int:
                 if not ok:
                     print(f"engine weights differ from the trainer's after step {step}", flush=True)
                     return 1
+                if settings.metrics_out:
+                    await _append_scrape(settings.metrics_out, step, await client.metrics())
+            if settings.timeline_out and records:
+                await _draw_last_step(client, records[-1]["step"], settings.timeline_out)
     first = sum(r["reward"] for r in records[:3]) / max(len(records[:3]), 1)
     last = sum(r["reward"] for r in records[-3:]) / max(len(records[-3:]), 1)
     elapsed = time.perf_counter() - t_start

@@ -47,12 +47,14 @@ def _write_ready(path: str, url: str) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-async def serve(config: NodeConfig, *, log_level: str = "info") -> None:
+async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool = False) -> None:
     """Serve until SIGINT/SIGTERM; SIGHUP reloads the policy file if one is configured."""
     policies = PolicyRuntime(config)  # an invalid policy file fails here, before we listen
     sock, url = bind(config.listen)
     app = create_app(config, policies=policies)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False))
+    # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too.
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
+                                           **({"log_config": None} if log_json else {})))
     loop = asyncio.get_running_loop()
     if config.policy_file:
         loop.add_signal_handler(signal.SIGHUP, policies.reload_file)

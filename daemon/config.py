@@ -58,6 +58,8 @@ class NodeConfig(BaseModel):
     policy_file: str | None = Field(None, description="policy YAML; reloaded on SIGHUP or change")
     journal: str | None = Field(None, description="append-only JSON-lines journal of committed state")
     pause_mode: str = Field("abort", pattern="^(abort|retract|in_place)$")
+    log_format: str = Field("text", pattern="^(text|json)$",
+                            description="serve's log lines: text (human) or json (one object per line)")
 
     @model_validator(mode="after")
     def _unique_engine_names(self) -> NodeConfig:

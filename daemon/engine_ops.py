@@ -105,6 +105,7 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
         return {}
     before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
     before_own = await _memory_report(engine)
+    _sample_memory(engine, trace, metrics, before_own, before_gpu)
     await timed_call(engine, trace, metrics, "release_memory", t.for_step("release"),
                  engine.adapter.release_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RELEASED)
@@ -116,9 +117,12 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
                 engine.gpus, before_gpu, expected_bytes=expected, timeout_s=t.for_step("memory_confirm"))
             span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 4))
         freed = {f"gpu:{g}": b for g, b in confirmation.freed_bytes.items()}
+        for g, reading in before_gpu.items():
+            trace.sample_memory(f"gpu:{g}", reading.used_bytes - confirmation.freed_bytes.get(g, 0))
     elif before_own is not None:
         # No NVML (CPU engines): the reference engine's own per-tag accounting is the evidence.
         after_own = await _memory_report(engine)
+        _sample_memory(engine, trace, metrics, after_own, None)
         freed = {"engine": _resident_bytes(before_own) - _resident_bytes(after_own or {})}
         for x in tags:
             engine.learned_tag_bytes[x] = int(before_own.get("tags", {}).get(x.value, {}).get("nbytes", 0))
@@ -128,12 +132,16 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
 
 
 async def resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
-                 t: Timeouts) -> None:
+                 t: Timeouts, probe: NvmlProbe | None = None) -> None:
     if not tags:
         return
     await timed_call(engine, trace, metrics, "resume_memory", t.for_step("resume"),
                  engine.adapter.resume_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
+    if probe is not None and engine.gpus:
+        _sample_memory(engine, trace, metrics, None, probe.read_all(engine.gpus))
+    elif _reports_memory(engine):
+        _sample_memory(engine, trace, metrics, await _memory_report(engine), None)
 
 
 async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
@@ -154,6 +162,25 @@ async def _memory_report(engine: EngineHandle) -> dict[str, Any] | None:
         return result
     except EngineError:
         return None
+
+
+def _reports_memory(engine: EngineHandle) -> bool:
+    """Only the reference engine answers a memory report; asking others would cost a call for nothing."""
+    info = engine.info
+    has_report = getattr(engine.adapter, "memory_report", None) is not None
+    return has_report and bool(info and info.extra.get("colocd_reference"))
+
+
+def _sample_memory(engine: EngineHandle, trace: Trace, metrics: Metrics, own: dict[str, Any] | None,
+                   gpu: dict[str, Any] | None) -> None:
+    """Put a memory reading into the trace (the timeline's memory line) and the engine's gauges:
+    NVML per GPU where there is one, else the engine's own per-tag accounting."""
+    for g, reading in (gpu or {}).items():
+        trace.sample_memory(f"gpu:{g}", reading.used_bytes)
+    if own is not None:
+        trace.sample_memory(f"engine:{engine.name}", _resident_bytes(own))
+        for tag, entry in own.get("tags", {}).items():
+            metrics.engine_memory.labels(engine.name, tag).set(int(entry.get("resident_nbytes", 0)))
 
 
 def _resident_bytes(report: dict[str, Any]) -> int:

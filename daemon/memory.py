@@ -49,6 +49,23 @@ class NvmlProbe:
     def read_all(self, gpus: list[int | str]) -> dict[str, GpuReading]:
         return {str(g): self.read(g) for g in gpus}
 
+    def processes(self, gpu: int | str) -> dict[int, int]:
+        """Bytes NVML attributes to each compute process (pid) on ``gpu``; empty where NVML cannot tell
+        (no permission, or a MIG/vGPU setup that hides it: ``usedGpuMemory`` is then None)."""
+        n = self._nvml
+        try:
+            handle = (n.nvmlDeviceGetHandleByUUID(gpu) if isinstance(gpu, str)
+                      else n.nvmlDeviceGetHandleByIndex(gpu))
+            procs = n.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:  # NVMLError_NoPermission / NotSupported: nothing to attribute
+            return {}
+        out: dict[int, int] = {}
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            if used is not None:
+                out[int(p.pid)] = out.get(int(p.pid), 0) + int(used)
+        return out
+
     async def confirm_release(self, gpus: list[int | str], before: dict[str, GpuReading], *,
                               expected_bytes: int | None, timeout_s: float,
                               poll_s: float = 0.02, settle_polls: int = 3) -> ReleaseConfirmation:

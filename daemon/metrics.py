@@ -52,6 +52,56 @@ class Metrics:
             "Reconciliation steps by engine and action (adopt, pause, release, end_engine_session, fail_session)",
             ["engine", "action"], registry=r)
         self.node_step = Gauge("colocd_node_step", "Current step of the node", registry=r)
+        # -- the operator's view (issue 14): step breakdown, GPU memory detail, engine lifecycle ------------
+        self.step_switch = Histogram(
+            "colocd_step_switch_seconds", "Daemon-side switch time of one step: train + sync + weight update + "
+            "rollout, not counting the trainer's own training", buckets=_DURATION_BUCKETS, registry=r)
+        self.step_part_duration = Histogram(
+            "colocd_step_part_duration_seconds", "Where one step's switch time went, by part (sleep, "
+            "load_weights_memory, update, wake, cleanup, groups)", ["part"], buckets=_DURATION_BUCKETS, registry=r)
+        self.last_step_part = Gauge(
+            "colocd_last_step_part_seconds", "The last finished step's switch time by part (part=total is the sum)",
+            ["part"], registry=r)
+        self.last_step = Gauge("colocd_last_step", "Number of the last step whose rollout finished", registry=r)
+        self.weight_session_duration = Histogram(
+            "colocd_weight_session_duration_seconds", "Wall time of a weight session, open to commit or failure",
+            ["outcome"], buckets=_DURATION_BUCKETS, registry=r)
+        self.chunk_load_duration = Histogram(
+            "colocd_weight_chunk_load_seconds", "Time one engine took to load one weight chunk", ["engine"],
+            buckets=_DURATION_BUCKETS, registry=r)
+        self.trainer_substep_duration = Histogram(
+            "colocd_trainer_substep_duration_seconds", "Trainer-side work reported with a transition "
+            "(cleanup.gc_collect, cleanup.empty_cache, process_groups, ...)", ["substep"],
+            buckets=_DURATION_BUCKETS, registry=r)
+        self.trainer_groups_kept_bytes = Gauge(
+            "colocd_trainer_groups_kept_bytes", "GPU memory the trainer's process groups kept through the last "
+            "pause, as the trainer measured it, by the action taken (absent until a trainer reports it)",
+            ["action"], registry=r)
+        self.fallbacks = Counter(
+            "colocd_fallbacks_total", "A policy decision replaced by its fallback (kind=process_groups, ...)",
+            ["kind"], registry=r)
+        self.nvml_available = Gauge(
+            "colocd_nvml_available", "1 if NVML reads the engines' GPUs; 0 means no GPU memory series exist",
+            registry=r)
+        self.gpu_process_memory = Gauge(
+            "colocd_gpu_process_memory_bytes", "GPU memory NVML attributes to each compute process on a GPU "
+            "(series of exited processes are dropped)", ["gpu", "pid"], registry=r)
+        self.engine_memory = Gauge(
+            "colocd_engine_memory_bytes", "Memory an engine reports for each tag (its own accounting; "
+            "reference engine only)", ["engine", "tag"], registry=r)
+        self.engine_gpu = Gauge("colocd_engine_gpu_info", "Which GPUs an engine runs on (value 1)", ["engine", "gpu"],
+                                registry=r)
+        self.engine_generation_state = Gauge(
+            "colocd_engine_generation_state", "1 for the engine's current generation state (serving, paused), "
+            "0 for the other", ["engine", "state"], registry=r)
+        self.engine_weights_state = Gauge(
+            "colocd_engine_weights_state", "1 for the engine's current weights state (clean, updating, stale), "
+            "0 for the others", ["engine", "state"], registry=r)
+        self.engine_restarts = Counter(
+            "colocd_engine_restarts", "Engine restarts the daemon observed (a new incarnation)", ["engine"], registry=r)
+        self.reconcile_actions = Counter(
+            "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state",
+            ["engine", "action"], registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

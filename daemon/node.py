@@ -33,12 +33,14 @@ from .errors import (
     TransitionRejected,
     WeightSyncError,
 )
+from .gpu_metrics import refresh_gpu_metrics
 from .journal import Journal
 from .memory import NvmlProbe, open_probe
 from .metrics import Metrics
 from .policy_runtime import EffectiveTimeouts, PolicyRuntime
 from .reconcile import Action, Plan, plan_reconcile
 from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
+from .steps import StepBook
 from .trace import Span, Trace, TraceStore
 from .weights import ChunkAck, SessionState, WeightSession
 
@@ -74,7 +76,9 @@ class Daemon:
                  probe: NvmlProbe | None = None, policies: PolicyRuntime | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.traces = TraceStore()
+        self.steps = StepBook(self.metrics)  # logs each finished trace, records step metrics
+        self.traces = TraceStore(on_put=self.steps.observe)
+        self.steps.attach(self.traces)
         self.node = NodeState()
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
@@ -231,9 +235,11 @@ class Daemon:
             engine.state = base.with_(weights=engine.state.weights if not plan.restarted else WeightsState.STALE,
                                       healthy=True, last_error=error)
             self._report(engine, trigger, plan, error)
+            trace.finish("reconcile_failed", error=error)  # not "failed": the trainer's step did not fail
             return False
         finally:
             if plan.actions:
+                trace.finish("reconciled", restarted=plan.restarted)
                 self.traces.put(trace)
         if plan.findings:
             self.metrics.reconcile_actions.labels(engine.name, "adopt").inc()
@@ -360,8 +366,11 @@ class Daemon:
                 with self.policies.store.transition() as pinned:
                     self._pinned = pinned
                     try:
-                        freed = await self._refreshed_on_failure(runner(trace), f"{phase.value}@{step}")
-                        directives = self.policies.directives(pinned, phase.value, trainer, self._transports())
+                        with trace.timed():
+                            freed = await self._refreshed_on_failure(runner(trace), f"{phase.value}@{step}")
+                            directives = self.policies.directives(pinned, phase.value, trainer, self._transports())
+                            if freed_total := sum(b for per in freed.values() for b in per.values()):
+                                trace.attrs["freed_bytes"] = freed_total
                     finally:
                         self._pinned = None
                         self.traces.put(trace)
@@ -374,8 +383,9 @@ class Daemon:
                 while len(self._completed) > 256:
                     self._completed.popitem(last=False)
                 self._journal_append(phase.value, step)
-        except TransitionRejected:
+        except TransitionRejected as exc:
             self.metrics.transitions.labels(phase.value, "rejected").inc()
+            self.steps.rejected(phase.value, step, str(exc))
             raise
         except BaseException:
             self.metrics.transitions.labels(phase.value, "failed").inc()
@@ -462,7 +472,7 @@ class Daemon:
     async def _enter_sync(self, trace: Trace) -> dict[str, dict[str, int]]:
         async def one(engine: EngineHandle) -> dict[str, int]:
             tags = engine.state.tags_to_resume((MemoryTag.WEIGHTS,), strict=False)
-            await ops.resume(engine, tags, trace, self.metrics, self._timeouts())
+            await ops.resume(engine, tags, trace, self.metrics, self._timeouts(), self._probe)
             return {}
         return await self._each(trace, "sync", one)
 
@@ -477,7 +487,8 @@ class Daemon:
 
         async def one(engine: EngineHandle) -> dict[str, int]:
             t = self._timeouts()
-            await ops.resume(engine, engine.state.tags_to_resume(None, strict=False), trace, self.metrics, t)
+            await ops.resume(engine, engine.state.tags_to_resume(None, strict=False), trace, self.metrics, t,
+                             self._probe)
             await ops.flush(engine, trace, self.metrics, t)  # no stale prefix KV across a weight change
             await ops.continue_generation(engine, trace, self.metrics, t)
             return {}
@@ -502,8 +513,10 @@ class Daemon:
             trace = Trace(self.node.step, "sleep")
             t0 = time.perf_counter()
             try:
-                freed = await self._refreshed_on_failure(self._each(
-                    trace, "sleep", lambda e: self._quiesce_and_release(e, tags, trace, strict=True), engines), "sleep")
+                with trace.timed():
+                    freed = await self._refreshed_on_failure(self._each(
+                        trace, "sleep", lambda e: self._quiesce_and_release(e, tags, trace, strict=True), engines),
+                        "sleep")
             finally:
                 self.traces.put(trace)
             self._journal_append("sleep", self.node.step)
@@ -521,7 +534,7 @@ class Daemon:
 
             async def one(engine: EngineHandle) -> None:
                 t = self._timeouts()
-                await ops.resume(engine, plans[engine.name], trace, self.metrics, t)
+                await ops.resume(engine, plans[engine.name], trace, self.metrics, t, self._probe)
                 if self.node.phase is NodePhase.ROLLOUT:
                     try:
                         engine.state.check_can_serve()
@@ -531,7 +544,8 @@ class Daemon:
                     await ops.continue_generation(engine, trace, self.metrics, t)
 
             try:
-                await self._refreshed_on_failure(self._each(trace, "resume", one, engines), "resume")
+                with trace.timed():
+                    await self._refreshed_on_failure(self._each(trace, "resume", one, engines), "resume")
             finally:
                 self.traces.put(trace)
             self._journal_append("resume", self.node.step)
@@ -603,6 +617,8 @@ class Daemon:
             await self._close_engines_update(session.trace, committed=True, version=session.version)
             session.state = SessionState.COMMITTED
             self.metrics.weight_sessions.labels("committed").inc()
+            session.trace.finish("committed", bytes=session.bytes_loaded, chunks=session.chunks_loaded,
+                                 version=session.version)
             self.traces.put(session.trace)
             self._journal_append("weights", session.step)
             return {**session.stats(), "broadcasts": self.weight_groups.session_stats(session.id),
@@ -627,6 +643,8 @@ class Daemon:
         session.closed = True
         await self._close_engines_update(session.trace, committed=False)
         self.metrics.weight_sessions.labels(session.state.value).inc()
+        session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
+                             version=session.version)
         self.traces.put(session.trace)
         self._refresh_gauges()
 
@@ -663,10 +681,11 @@ class Daemon:
             await self._require_attached()
             trace = Trace(self.node.step, "weight_group")
             try:
-                record = await self.weight_groups.open(
-                    list(self.engines.values()), group_name=group_name, master_address=master_address,
-                    master_port=master_port, backend=backend, world_size=world_size, first_rank=first_rank,
-                    t=self._timeouts(), trace=trace)
+                with trace.timed():
+                    record = await self.weight_groups.open(
+                        list(self.engines.values()), group_name=group_name, master_address=master_address,
+                        master_port=master_port, backend=backend, world_size=world_size, first_rank=first_rank,
+                        t=self._timeouts(), trace=trace)
             finally:
                 self.traces.put(trace)
             return {**record.snapshot(), "trace": trace.to_json()}
@@ -705,15 +724,14 @@ class Daemon:
         m.policy_info.labels(**self.policies.active.info()).set(1)
         for name, engine in self.engines.items():
             m.engine_healthy.labels(name).set(1 if engine.state.healthy else 0)
+            for gen in Generation:
+                m.engine_generation_state.labels(name, gen.value).set(1 if engine.state.generation is gen else 0)
+            for ws in WeightsState:
+                m.engine_weights_state.labels(name, ws.value).set(1 if engine.state.weights is ws else 0)
             for tag in engine.state.owned_tags:
                 m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
             m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
-        if self._probe is not None:
-            for engine in self.engines.values():
-                for gpu, reading in self._probe.read_all(engine.gpus).items():
-                    m.gpu_memory.labels(gpu, "used").set(reading.used_bytes)
-                    m.gpu_memory.labels(gpu, "free").set(reading.free_bytes)
-                    m.gpu_memory.labels(gpu, "total").set(reading.total_bytes)
+        refresh_gpu_metrics(m, self._probe, self.engines.values())
 
 
 def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,12 @@ class Trace:
     started_at: float = field(default_factory=time.time)
     _t0: float = field(default_factory=time.perf_counter)
     spans: list[Span] = field(default_factory=list)
+    # Set once it ended (``finish``): its wall time and outcome (ok, failed, committed, aborted, ...).
+    duration_s: float | None = None
+    outcome: str | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)  # whole-trace facts: bytes, chunks, version
+    # GPU (or engine-reported) memory readings taken while it ran: {t_s, source, value_bytes}.
+    memory: list[dict[str, Any]] = field(default_factory=list)
 
     @contextmanager
     def span(self, name: str, engine: str | None = None, **attrs: Any) -> Iterator[Span]:
@@ -54,11 +60,35 @@ class Trace:
     def add(self, span: Span) -> None:
         self.spans.append(span)
 
+    def finish(self, outcome: str, **attrs: Any) -> None:
+        """Record that it ended; the first call wins (a failure path may run after a recorded end)."""
+        if self.outcome is None:
+            self.duration_s = self.elapsed_s()
+            self.outcome = outcome
+        self.attrs.update(attrs)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """``with trace.timed(): ...`` finishes it as ``ok``, or ``failed`` if the block raised."""
+        try:
+            yield
+        except BaseException:
+            self.finish("failed")
+            raise
+        self.finish("ok")
+
+    def sample_memory(self, source: str, value_bytes: int) -> None:
+        """One memory reading (``source`` is ``gpu:N`` from NVML or ``engine:NAME`` from its own report)."""
+        self.memory.append({"t_s": round(self.elapsed_s(), 6), "source": source, "value_bytes": int(value_bytes)})
+
     def elapsed_s(self) -> float:
         return time.perf_counter() - self._t0
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "phase": self.phase, "started_at": self.started_at,
+                "duration_s": None if self.duration_s is None else round(self.duration_s, 6),
+                "outcome": self.outcome, **({"attrs": self.attrs} if self.attrs else {}),
+                **({"memory": self.memory} if self.memory else {}),
                 "spans": [s.to_json() for s in sorted(self.spans, key=lambda s: s.start_s)]}
 
     def to_chrome(self) -> list[dict[str, Any]]:
@@ -69,21 +99,30 @@ class Trace:
              "pid": f"step {self.step}", "tid": s.engine or "node", "cat": self.phase,
              "args": {"ok": s.ok, **s.attrs}}
             for s in self.spans
+        ] + [
+            # Counter events: Perfetto draws each source as a memory track.
+            {"name": f"memory {m['source']}", "ph": "C", "ts": base_us + m["t_s"] * 1e6, "pid": f"step {self.step}",
+             "args": {"bytes": m["value_bytes"]}}
+            for m in self.memory
         ]
 
 
 class TraceStore:
-    """The last ``capacity`` steps' traces, keyed by step then phase."""
+    """The last ``capacity`` steps' traces, keyed by step then phase. ``on_put`` sees each stored trace
+    (the daemon's step book: logs and step metrics)."""
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, *, on_put: Callable[[Trace], None] | None = None) -> None:
         self._capacity = capacity
         self._steps: OrderedDict[int, dict[str, Trace]] = OrderedDict()
+        self._on_put = on_put
 
     def put(self, trace: Trace) -> None:
         self._steps.setdefault(trace.step, {})[trace.phase] = trace
         self._steps.move_to_end(trace.step)
         while len(self._steps) > self._capacity:
             self._steps.popitem(last=False)
+        if self._on_put is not None:
+            self._on_put(trace)
 
     def get(self, step: int) -> dict[str, Trace] | None:
         return self._steps.get(step)

@@ -62,6 +62,12 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
         default=None,
         help="benchmark mode: hold this checkpoint's tensors in bf16 (e.g. qwen3-8b); loads copy into them",
     )
+    parser.add_argument(
+        "--sink-kv-gib",
+        type=float,
+        default=0.0,
+        help="benchmark mode: also hold a KV-cache block of this many GiB, released and resumed with kv_cache",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
@@ -77,6 +83,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
             max_batch=args.max_batch,
             host=args.host,
             sink=args.sink_shapes,
+            sink_kv_bytes=int(args.sink_kv_gib * (1 << 30)),
         )
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))

@@ -161,12 +161,16 @@ class ReferenceEngine:
     def _build(self) -> None:
         model = build_model(self.settings.model, self.settings.seed, self.device).eval()
         model.requires_grad_(False)
+        if self.settings.sink is not None:
+            self._sink = WeightSink(self.settings.sink, self.device, kv_bytes=self.settings.sink_kv_bytes)
         memory = MemoryRegions(
-            model, max_batch=self.settings.max_batch, max_seq=self.settings.max_seq, device=self.device
+            model,
+            max_batch=self.settings.max_batch,
+            max_seq=self.settings.max_seq,
+            device=self.device,
+            sink=self._sink,
         )
         self._model, self._memory, self._runner = model, memory, ModelRunner(model, memory)
-        if self.settings.sink is not None:
-            self._sink = WeightSink(self.settings.sink, self.device)
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))

@@ -35,12 +35,15 @@ class ReferenceServerSettings:
     host: str = "127.0.0.1"  # reported in /server_info only; __main__ binds the socket
     port: int = 0
     sink: str | None = None  # benchmark mode: a sink.MODEL_SHAPES name whose tensors loads copy into
+    sink_kv_bytes: int = 0  # benchmark mode: a KV-cache block of this size in the kv_cache tag
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOL_VERSIONS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOL_VERSIONS)}, got {self.protocol!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.sink_kv_bytes < 0 or (self.sink_kv_bytes and self.sink is None):
+            raise ValueError("sink_kv_bytes must be >= 0 and needs a sink (--sink-shapes)")
         if self.health_timeout_s <= 0:
             raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s}")
 

@@ -4,6 +4,11 @@ The reference engine's own model is tiny; with ``--sink-shapes qwen3-8b`` it als
 tensors of Qwen3-8B (HF names and shapes) and ``load_weights`` copies every received byte into
 them, so a benchmark moves exactly what a real engine would. ``device_checksum`` verifies the
 result on the device (two integer reductions per tensor) instead of hashing host copies.
+
+With ``--sink-kv-gib`` the sink also holds a KV-cache block of that size. Both belong to the
+engine's memory tags (``weights``, ``kv_cache``): a release frees them, a resume allocates them
+again (``torch.empty``: like SGLang's memory saver, a resume maps memory without restoring it), so a
+switch benchmark moves and confirms the memory a real engine of that shape would.
 """
 
 from __future__ import annotations
@@ -95,14 +100,42 @@ def device_checksum(tensors: Iterable[torch.Tensor]) -> list[list[int]]:
 class WeightSink:
     """Destination tensors of one model shape on one device; ``load_weights`` copies into them by name."""
 
-    def __init__(self, model: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, model: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                 kv_bytes: int = 0) -> None:
+        if kv_bytes < 0:
+            raise ValueError(f"kv_bytes must be >= 0, got {kv_bytes}")
         self.model = model
+        self._device = device
+        self._dtype = dtype
+        self._shapes = hf_shapes(model)
         # Uninitialised on purpose: every byte is overwritten by a load, and checksums prove it.
-        self.tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in hf_shapes(model)}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.resume_weights()
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        self.kv_bytes = kv_bytes
+        self._kv: torch.Tensor | None = None
+        self.resume_kv()
+
+    # Release/resume are called by the engine's MemoryRegions with its tags, on the model thread.
+    def release_weights(self) -> None:
+        self.tensors = {}
+
+    def resume_weights(self) -> None:
+        self.tensors = {
+            name: torch.empty(shape, dtype=self._dtype, device=self._device) for name, shape in self._shapes
+        }
+
+    def release_kv(self) -> None:
+        self._kv = None
+
+    def resume_kv(self) -> None:
+        if self.kv_bytes:
+            self._kv = torch.empty(self.kv_bytes, dtype=torch.uint8, device=self._device)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy each tensor into its destination; every name, shape and dtype is checked before any copy."""
+        if not self.tensors:
+            raise ValueError(f"sink {self.model}: its weights are released; resume them first")
         names, dsts, srcs = [], [], []
         for name, src in named:
             dst = self.tensors.get(name)
@@ -122,5 +155,5 @@ class WeightSink:
         return names
 
     def checksums(self) -> dict[str, list[int]]:
-        """``device_checksum`` of every destination tensor, by name."""
+        """``device_checksum`` of every destination tensor, by name (empty while released)."""
         return dict(zip(self.tensors, device_checksum(self.tensors.values()), strict=True))

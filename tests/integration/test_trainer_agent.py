@@ -57,3 +57,26 @@ async def test_agent_keeps_groups_alive_and_reports_groups_and_cleanup_in_the_st
         assert "trainer.process_groups" in names
         assert {"trainer.cleanup.gc_collect", "trainer.cleanup.empty_cache"} <= names
     lifecycle.close()
+
+
+async def test_overlapped_agent_destroys_groups_off_the_sync_path_and_reports_it_with_rollout(
+        gloo_world: None, client: AsyncColocdClient) -> None:
+    document = b"apiVersion: colocd/v1\nprocess_groups: {policy: destroy, post_destroy_wait_s: 0}\n"
+    await client._http.put("/v1/policies", headers={"Content-Type": "application/yaml"}, content=document)
+    lifecycle = GroupLifecycle([GroupSpec("tp"), GroupSpec("dp")], agree_timeout_s=10, group_timeout_s=10)
+    lifecycle.build()
+    agent = TrainerAgent(client, groups=lifecycle, overlap_groups=True)
+    model = build_model(QwenLikeConfig(), seed=3)
+    for step in (1, 2):
+        await agent.train(step)
+        await agent.groups_ready()
+        assert lifecycle.state == "live"  # usable for the step's collectives
+        sync = await agent.sync(step)
+        await WeightPusher(client).push(model.named_parameters(), version=str(step), step=step)
+        rollout = await agent.rollout(step)
+        # The destroy ran between sync and rollout; its report came with the rollout call.
+        assert lifecycle.state == "destroyed"
+        assert "trainer.process_groups" not in {s["name"] for s in sync["trace"]["spans"]}
+        spans = {s["name"]: s for s in rollout["trace"]["spans"]}
+        assert spans["trainer.process_groups"]["attrs"]["action"] == "destroy"
+    lifecycle.close()

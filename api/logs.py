@@ -1,0 +1,52 @@
+"""Log output for ``colocd serve``: human-readable lines by default, JSON lines on request.
+
+Transitions and weight sessions log one line each through the ``colocd.events`` logger with their
+fields (step, phase, duration_s, result, bytes, ...) in ``record.colocd``; the JSON formatter puts
+those fields at the top level, so ``jq 'select(.event=="transition")'`` works on the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+__all__ = ["LOG_FORMATS", "JsonFormatter", "configure_logging"]
+
+LOG_FORMATS = ("text", "json")
+_TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, logger, message, the event's fields, and any exception."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "colocd", None)
+        if isinstance(fields, dict):
+            out.update({k: v for k, v in fields.items() if k not in out})
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """Root handler on stderr in ``fmt`` (text or json); replaces handlers a previous call installed."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    # httpx logs every request at INFO: the health loop's observations would drown the daemon's own lines.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))

@@ -1,0 +1,35 @@
+"""``colocd bench switch`` on the CPU: the whole handoff per preset, every sync verified, the JSON's shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from colocd.api.bench_switch import SwitchSettings, run_switch_bench
+
+PHASES = ("resume_s", "sleep_s", "update_s", "wake_s", "switch_s")
+
+
+async def test_bench_switch_cpu_smoke_run_verifies_every_sync_and_writes_the_record(tmp_path: Path) -> None:
+    out = tmp_path / "switch.json"
+    record = await run_switch_bench(SwitchSettings(
+        model="tiny", device="cpu", presets=("seed-baseline", "tuned"), steps=1, warmup=1, groups=2,
+        train_tokens=8, gen_requests=2, gen_tokens=4, post_destroy_wait_s=0.0, out=str(out)))
+
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert [p["name"] for p in record["presets"]] == ["seed-baseline", "tuned"]
+    assert {"offload_s", "onload_s", "device_copy_s", "alloc_s", "total_s", "strict_total_s"} <= set(record["floor"])
+    weights = record["state_bytes"]["weights"]
+    for name, steps in record["steps"].items():
+        assert [s["warmup"] for s in steps] == [True, False], name
+        for s in steps:
+            assert s["verified"] is True, (name, s["step"])  # the engine's checksums equal the trainer's
+            assert s["pushed_bytes"] >= weights and s["chunks"] >= 1  # flattened: aligned offsets
+            assert s["offloaded_bytes"] == weights + record["state_bytes"]["optimizer"]
+            assert s["switch_s"] == sum(s[k] for k in PHASES[:-1]) and s["switch_s"] > 0
+            assert s["generated_tokens"] > 0
+    by = {s["preset"]: s for s in record["summary"]}
+    assert by["seed-baseline"]["transport"] == "shm"  # per-tensor IPC needs CUDA; the CPU path is shm
+    assert "pause:destroy" in by["seed-baseline"]["group_actions"]
+    assert all(by[p]["verified_all"] and by[p]["x_floor"] > 0 for p in by)
+    assert {"speedup_vs_seed_baseline", "tuned_x_floor", "paused_memory_within_0_25_gib"} <= set(record["targets"])

@@ -1,0 +1,126 @@
+"""Step summaries, the log line per transition, and docs/metrics.md covering every registered metric."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from colocd.api.logs import JsonFormatter
+from colocd.daemon.metrics import Metrics
+from colocd.daemon.steps import StepBook, step_summary
+from colocd.daemon.trace import Span, Trace, TraceStore
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+
+
+def test_every_registered_metric_is_documented_in_metrics_md() -> None:
+    text = DOC.read_text()
+    documented = set(re.findall(r"`(colocd_[a-z0-9_]+)`", text))
+    registered = {f.name + ("_total" if f.type == "counter" else "") for f in Metrics().registry.collect()}
+    assert registered, "no metrics registered?"
+    assert not registered - documented, sorted(registered - documented)
+
+
+def _trace(phase: str, step: int, seconds: float, outcome: str, *spans: Span) -> Trace:
+    trace = Trace(step, phase)
+    trace.spans.extend(spans)
+    trace.duration_s, trace.outcome = seconds, outcome
+    return trace
+
+
+def test_a_step_with_a_failed_phase_is_failed_and_names_the_error() -> None:
+    failed = Span("release_memory", "ref0", 0.0, 0.2, ok=False, attrs={"error": "EngineTimeout: release"})
+    summary = step_summary(4, {"train": _trace("train", 4, 0.3, "failed", failed)})
+    assert summary["result"] == "failed"
+    assert summary["phases"][0]["error"] == "EngineTimeout: release"
+    assert summary["breakdown"]["sleep"] == pytest.approx(0.3)
+
+
+def test_a_step_without_rollout_yet_is_in_progress() -> None:
+    summary = step_summary(5, {"train": _trace("train", 5, 0.1, "ok"), "sync": _trace("sync", 5, 0.1, "ok")})
+    assert summary["result"] == "in_progress"
+    assert [p["phase"] for p in summary["phases"]] == ["train", "sync"]
+
+
+def test_each_stored_trace_logs_one_line_whose_json_form_carries_the_fields(
+        caplog: pytest.LogCaptureFixture) -> None:
+    book = StepBook(Metrics())
+    store = TraceStore(on_put=book.observe)
+    book.attach(store)
+    session = _trace("weights", 2, 0.25, "committed")
+    session.attrs.update(bytes=1024, chunks=3, version="v2")
+    with caplog.at_level(logging.INFO, logger="colocd.events"):
+        store.put(session)
+    assert len(caplog.records) == 1
+    line = json.loads(JsonFormatter().format(caplog.records[0]))
+    assert {k: line[k] for k in ("event", "step", "phase", "result", "duration_s", "bytes", "chunks")} == {
+        "event": "weight_session", "step": 2, "phase": "weights", "result": "committed", "duration_s": 0.25,
+        "bytes": 1024, "chunks": 3}
+    assert caplog.records[0].getMessage().startswith("event=weight_session step=2 phase=weights result=committed")
+
+
+class _FakeNvml:
+    """Stands in for pynvml where the machine has no GPU: two GPUs, one hides its processes."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self._mem = {0: SimpleNamespace(used=30 << 30, free=110 << 30, total=140 << 30),
+                     1: SimpleNamespace(used=1 << 30, free=139 << 30, total=140 << 30)}
+        self._procs = {0: [SimpleNamespace(pid=101, usedGpuMemory=20 << 30),
+                           SimpleNamespace(pid=102, usedGpuMemory=None)]}
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> object:
+        return self._mem[h]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[object]:
+        if h not in self._procs:
+            raise self.NVMLError("Not Supported")
+        return self._procs[h]
+
+
+def _engine(name: str, gpus: list[int]) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, gpus=gpus)
+
+
+def _samples(metrics: Metrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(s.labels.items())): s.value for f in metrics.registry.collect() for s in f.samples
+            if s.name == name}
+
+
+def test_nvml_gauges_give_each_gpu_and_each_process_nvml_attributes_memory_to() -> None:
+    from colocd.daemon.gpu_metrics import refresh_gpu_metrics
+    from colocd.daemon.memory import NvmlProbe
+
+    metrics = Metrics()
+    refresh_gpu_metrics(metrics, NvmlProbe(_FakeNvml()), [_engine("a", [0]), _engine("b", [0, 1])])
+    assert _samples(metrics, "colocd_nvml_available") == {(): 1.0}
+    gpu = _samples(metrics, "colocd_gpu_memory_bytes")
+    assert gpu[(("gpu", "0"), ("kind", "used"))] == 30 << 30
+    assert gpu[(("gpu", "1"), ("kind", "total"))] == 140 << 30
+    # pid 102's usage is hidden (None) and GPU 1 refuses the query: neither becomes a made-up number.
+    assert _samples(metrics, "colocd_gpu_process_memory_bytes") == {(("gpu", "0"), ("pid", "101")): 20 << 30}
+    assert set(_samples(metrics, "colocd_engine_gpu_info")) == {
+        (("engine", "a"), ("gpu", "0")), (("engine", "b"), ("gpu", "0")), (("engine", "b"), ("gpu", "1"))}
+
+
+def test_without_nvml_no_gpu_series_exist() -> None:
+    from colocd.daemon.gpu_metrics import refresh_gpu_metrics
+
+    metrics = Metrics()
+    refresh_gpu_metrics(metrics, None, [_engine("a", [])])
+    assert _samples(metrics, "colocd_nvml_available") == {(): 0.0}
+    assert _samples(metrics, "colocd_gpu_memory_bytes") == {}
+    assert _samples(metrics, "colocd_gpu_process_memory_bytes") == {}
