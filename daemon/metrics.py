@@ -44,13 +44,6 @@ class Metrics:
                                     ["engine", "version"], registry=r)
         self.policy_info = Gauge("colocd_policy_info", "Active policy (value 1)",
                                  ["version", "fingerprint", "process_groups", "pipeline", "cleanup"], registry=r)
-        self.engine_restarts = Counter(
-            "colocd_engine_restarts_total", "Engine restarts the daemon detected (incarnation changed, or unprovable)",
-            ["engine"], registry=r)
-        self.reconcile_actions = Counter(
-            "colocd_reconcile_actions_total",
-            "Reconciliation steps by engine and action (adopt, pause, release, end_engine_session, fail_session)",
-            ["engine", "action"], registry=r)
         self.node_step = Gauge("colocd_node_step", "Current step of the node", registry=r)
         # -- the operator's view (issue 14): step breakdown, GPU memory detail, engine lifecycle ------------
         self.step_switch = Histogram(
@@ -98,9 +91,12 @@ class Metrics:
             "colocd_engine_weights_state", "1 for the engine's current weights state (clean, updating, stale), "
             "0 for the others", ["engine", "state"], registry=r)
         self.engine_restarts = Counter(
-            "colocd_engine_restarts", "Engine restarts the daemon observed (a new incarnation)", ["engine"], registry=r)
+            "colocd_engine_restarts",
+            "Engine restarts the daemon observed (a new incarnation, or one it could not rule out)",
+            ["engine"], registry=r)
         self.reconcile_actions = Counter(
-            "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state",
+            "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state "
+            "(adopt, pause, release, end_engine_session, fail_session)",
             ["engine", "action"], registry=r)
 
     def exposition(self) -> bytes:

@@ -271,6 +271,7 @@ async def test_engine_restarted_during_train_is_released_again_and_the_next_step
             await n.until("an answer on v2", lambda: _answered(prober, "v2"))
         prober.check({"default": 0, "v2": 2}, stale_after=seen_at, fresh="v2")
         assert took < HEALTH_S + 5  # one interval, plus the engine's own start on two shared cores
+        print(f"engine restart during train: reconciled {took:.2f}s after the new engine answered")
         assert await n.checksum() == tensor_checksum(model_for(2).named_parameters())
         await full_step(n.client, 3)
         assert await n.checksum() == tensor_checksum(model_for(3).named_parameters())
