@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
 from ..daemon.config import NodeConfig
-from ..daemon.errors import NotFound, WeightSyncError
+from ..daemon.errors import NotFound, RequestInvalid, WeightSyncError
 from ..daemon.node import Daemon, TransitionResult
 from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
 from ..daemon.weights import SessionState
 from ..engines.base import RankPayload
 from ..policies import PolicyError
-from .errors import install_error_handlers
+from .errors import ERROR_RESPONSES, error_response, install_error_handlers
+from .guard import RequestGuard
 from .schemas import (
+    MAX_STEP,
     BroadcastRequest,
     ChunkAckReply,
     ChunkDescriptor,
@@ -54,6 +56,24 @@ def _get_daemon(request: Request) -> Daemon:
 
 # Module level: with postponed annotations FastAPI resolves these names in the module's globals.
 D = Annotated[Daemon, Depends(_get_daemon)]
+StepPath = Annotated[int, PathParam(ge=0, le=MAX_STEP)]
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The error statuses a route can answer, each with the ErrorBody model, for OpenAPI."""
+    return {s: ERROR_RESPONSES[s] for s in statuses}
+
+
+# What every mutating route can answer before it runs (guard, body parsing, validation), and what an
+# engine failing under it gives.
+_MUTATING = (400, 401, 413, 422)
+_ENGINES = (502, 503, 504)
+_SESSION = (404, 409, 410)
+
+
+def _trainer_ranks(d: Daemon) -> int:
+    """Trainer ranks a one-shot update can carry: one per TP rank of the widest engine (what engines need)."""
+    return max((int(e.config.tp_size) for e in d.engines.values()), default=1)
 
 
 def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: PolicyRuntime | None = None) -> FastAPI:
@@ -65,26 +85,20 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
             yield {"daemon": d}
 
     app = FastAPI(title="colocd", version=__version__, lifespan=lifespan,
-                  description="Per-node daemon for colocated RL: phase transitions, memory handoff, weight sync.")
+                  description="Per-node daemon for colocated RL: phase transitions, memory handoff, weight sync. "
+                              "Every error has one body shape (ErrorBody); mutating routes need the bearer "
+                              "token when the node config sets one.")
     install_error_handlers(app)
-
-    def authorized(request: Request) -> None:
-        if config.token is None:
-            return
-        supplied = request.headers.get("authorization", "")
-        if not hmac.compare_digest(supplied.encode(), f"Bearer {config.token}".encode()):
-            from fastapi import HTTPException
-
-            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
-
-    mutating = [Depends(authorized)]
+    # The token and the body size are checked before any body byte is read; reads stay open.
+    app.add_middleware(RequestGuard, token=config.token, max_body_bytes=config.limits.max_body_bytes)
 
     @app.get("/healthz", tags=["probes"])
     async def healthz() -> dict[str, str]:
         """Liveness: the daemon's event loop answers."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["probes"])
+    @app.get("/readyz", tags=["probes"],
+             responses={503: {"description": "not ready: an engine is detached or unhealthy (problems says which)"}})
     async def readyz(d: D) -> JSONResponse:
         """Readiness: every engine attached and healthy."""
         ok, problems = d.ready()
@@ -98,41 +112,46 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
     async def status(d: D) -> dict[str, Any]:
         return d.status()
 
-    @app.post("/v1/phase", dependencies=mutating)
+    @app.post("/v1/phase", responses=_errors(*_MUTATING, 409, *_ENGINES))
     async def phase(body: PhaseRequest, d: D) -> TransitionReply:
         """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
-        return _reply(await d.transition(NodePhase(body.phase), body.step, body.trainer))
+        trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None
+        return _reply(await d.transition(NodePhase(body.phase), body.step, trainer))
 
-    @app.post("/v1/sleep", dependencies=mutating)
+    @app.post("/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
     async def sleep(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
         body = body or SleepRequest()
         return _reply(await d.sleep(tuple(body.tags) if body.tags else None, body.engines))
 
-    @app.post("/v1/resume", dependencies=mutating)
+    @app.post("/v1/resume", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
     async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
         body = body or SleepRequest()
         return _reply(await d.resume(tuple(body.tags) if body.tags else None, body.engines))
 
-    @app.post("/v1/weights/sessions", dependencies=mutating)
+    @app.post("/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES))
     async def open_session(body: OpenSessionRequest, d: D) -> OpenSessionReply:
         s = await d.open_weights(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth)
         return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version)
 
-    @app.post("/v1/weights/sessions/{session_id}/chunks", dependencies=mutating)
+    @app.post("/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
     async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckReply:
         """Returns once every engine consumed the chunk: the rank may then free or refill its buffer."""
+        session = d.session
+        if session is not None and session.id == session_id and body.rank >= session.ranks:
+            raise RequestInvalid(f"rank {body.rank} is outside session {session_id}'s ranks 0..{session.ranks - 1}",
+                                 field="rank")
         ack = await d.submit_chunk(session_id, body.seq, _part(body))
         return ChunkAckReply(seq=ack.seq, rank=ack.rank, engines=list(ack.engines), load_s=ack.load_s)
 
-    @app.post("/v1/weights/sessions/{session_id}/commit", dependencies=mutating)
+    @app.post("/v1/weights/sessions/{session_id}/commit", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
     async def commit(session_id: str, d: D, body: Annotated[CommitRequest | None, Body()] = None) -> dict[str, Any]:
         return await d.commit_weights(session_id, (body or CommitRequest()).num_chunks)
 
-    @app.post("/v1/weights/sessions/{session_id}/abort", dependencies=mutating)
+    @app.post("/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
     async def abort(session_id: str, d: D) -> dict[str, Any]:
         return await d.abort_weights(session_id)
 
-    @app.get("/v1/weights/sessions/{session_id}")
+    @app.get("/v1/weights/sessions/{session_id}", responses=_errors(404))
     async def session_status(session_id: str, d: D) -> dict[str, Any]:
         if d.session is None or d.session.id != session_id:
             raise NotFound(f"no weight session {session_id!r}")
@@ -143,23 +162,28 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         """The rank layout a trainer needs before building its side (world size, rank offsets); open groups."""
         return d.weight_group_info()
 
-    @app.post("/v1/weights/groups", dependencies=mutating)
+    @app.post("/v1/weights/groups", responses=_errors(*_MUTATING, 409, *_ENGINES))
     async def open_weight_group(body: OpenWeightGroupRequest, d: D) -> dict[str, Any]:
         """Every engine joins; returns once all joined, so the trainer must join concurrently (never after)."""
         return await d.open_weight_group(**body.model_dump())
 
-    @app.delete("/v1/weights/groups/{group_name}", dependencies=mutating)
+    @app.delete("/v1/weights/groups/{group_name}", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
     async def close_weight_group(group_name: str, d: D) -> dict[str, Any]:
         return await d.close_weight_group(group_name)
 
-    @app.post("/v1/weights/sessions/{session_id}/broadcasts", dependencies=mutating)
+    @app.post("/v1/weights/sessions/{session_id}/broadcasts", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
     async def post_broadcast(session_id: str, body: BroadcastRequest, d: D) -> dict[str, Any]:
         """Forwarded to every engine at once; returns when all loaded it. Broadcast while it is in flight."""
         return await d.broadcast_weights(session_id, body.descriptor())
 
-    @app.post("/v1/update_weights", dependencies=mutating)
+    @app.post("/v1/update_weights", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
     async def update_weights(body: UpdateWeightsRequest, d: D) -> dict[str, Any]:
         """One-shot form: open a session, send every chunk, commit (abort on any failure)."""
+        known = _trainer_ranks(d)
+        for i, c in enumerate(body.chunks):
+            if c.rank >= known:
+                raise RequestInvalid(f"chunks.{i}.rank {c.rank} is outside 0..{known - 1}: this node's engines "
+                                     f"take {known} trainer rank(s) (their largest tp_size)", field=f"chunks.{i}.rank")
         ranks = max(c.rank for c in body.chunks) + 1
         session = await d.open_weights(step=body.step, version=body.version, ranks=ranks)
         try:
@@ -180,31 +204,30 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         return {**active.info(), "source": active.source, "document": active.as_document(),
                 "pending": pending.info() if pending is not None else None}
 
-    @app.put("/v1/policies", dependencies=mutating,
+    @app.put("/v1/policies", responses=_errors(*_MUTATING),
              openapi_extra={"requestBody": {"content": {"application/yaml": {"schema": {"type": "string"}}},
                                             "required": True}})
     async def put_policies(request: Request, d: D) -> JSONResponse:
         """Stage a policy YAML; it takes effect at the next transition boundary, never mid-transition.
         An invalid document is a 400 naming the field with its line and column; the old policy stays."""
-        text = await request.body()
+        text = await request.body()  # bounded by limits.max_body_bytes, then by limits.max_policy_bytes
         try:
-            staged = d.policies.apply_yaml(text, source="PUT /v1/policies")
+            # Off the event loop: parsing and validating is CPU work that must not stall /healthz or a step.
+            staged = await asyncio.to_thread(d.policies.apply_yaml, text, "PUT /v1/policies")
         except PolicyError as exc:
-            return JSONResponse({"error": "PolicyError", "message": str(exc),
-                                 "line": getattr(exc, "line", None), "column": getattr(exc, "column", None)},
-                                status_code=400)
+            return error_response(400, "PolicyError", str(exc), field=exc.field, line=exc.line, column=exc.column)
         active = d.policies.active
         return JSONResponse({"staged": staged.info(), "active": active.info(),
                              "applies": "now" if staged.fingerprint == active.fingerprint
                              else "at the next transition"})
 
-    @app.get("/v1/steps")
+    @app.get("/v1/steps", responses=_errors(422))
     async def steps(d: D, limit: Annotated[int, Query(ge=1, le=64)] = 20) -> dict[str, Any]:
         """The last ``limit`` steps, newest first: phases with durations, the switch breakdown, bytes, result."""
         return {"steps": d.steps.summaries(limit)}
 
-    @app.get("/v1/traces/{step}")
-    async def trace(step: int, d: D, format: str = "json") -> Any:
+    @app.get("/v1/traces/{step}", responses=_errors(404, 422))
+    async def trace(step: StepPath, d: D, format: Literal["json", "chrome"] = "json") -> Any:
         """The step's traces; ``format=chrome`` gives trace events for Perfetto / chrome://tracing."""
         traces = d.traces.get(step)
         if traces is None:

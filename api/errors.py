@@ -1,12 +1,19 @@
-"""Map the daemon's error tree onto HTTP statuses in one table; clients never see a traceback."""
+"""Map every error onto HTTP in one table, in one body shape (``ErrorBody``); clients never see a traceback.
+
+The daemon's own tree (``daemon/errors.py``) maps by class; the framework's errors (routing 404/405,
+a body that is not JSON or not UTF-8, request validation) are rewritten into the same shape.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from ..daemon.config import ConfigError
 from ..daemon.errors import (
@@ -26,8 +33,9 @@ from ..daemon.errors import (
     TransitionRejected,
     WeightSyncError,
 )
+from .schemas import ErrorBody
 
-__all__ = ["install_error_handlers", "status_for"]
+__all__ = ["ERROR_RESPONSES", "allowed_methods", "error_response", "install_error_handlers", "status_for"]
 
 log = logging.getLogger("colocd.api")
 
@@ -50,6 +58,28 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (ColocdError, 500),
 )
 
+# The framework's statuses, named the way the daemon names its own errors.
+_HTTP_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
+               405: "MethodNotAllowed", 411: "LengthRequired", 413: "PayloadTooLarge",
+               415: "UnsupportedMediaType", 422: "ValidationError"}
+
+_DESCRIPTIONS = {
+    400: "malformed request (body not UTF-8 or not JSON, policy document invalid)",
+    401: "missing or wrong bearer token",
+    404: "unknown route, session, engine, group or step",
+    405: "method not allowed on this path (see the Allow header)",
+    409: "illegal in the node's current state; nothing changed",
+    410: "the weight session expired, was aborted or committed",
+    413: "request body larger than limits.max_body_bytes",
+    422: "a field is wrong (named in 'field'/'fields'), or an engine refused the caller's payload",
+    500: "a colocd bug; please report it with the daemon's log",
+    502: "an engine failed or refused a call that was not the caller's mistake",
+    503: "an engine is unreachable",
+    504: "an engine or a trainer rank did not answer within its budget",
+}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text} for status, text in _DESCRIPTIONS.items()}
+
 
 def status_for(exc: Exception) -> int:
     for cls, status in _STATUS:
@@ -58,8 +88,16 @@ def status_for(exc: Exception) -> int:
     return 500
 
 
-def _body(exc: Exception, status: int) -> dict[str, object]:
-    body: dict[str, object] = {"error": type(exc).__name__, "message": str(exc)}
+def error_response(status: int, error: str, message: str, *, headers: dict[str, str] | None = None,
+                   **extra: Any) -> JSONResponse:
+    """One error body: ``{"error", "message", ...}``; the message is never empty, absent extras are left out."""
+    body = {"error": error, "message": message or f"{error} (HTTP {status})",
+            **{k: v for k, v in extra.items() if v is not None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _body(exc: Exception) -> dict[str, object]:
+    body: dict[str, object] = {"error": type(exc).__name__, "message": str(exc) or type(exc).__name__}
     if isinstance(exc, TransitionRejected) and exc.state:
         body["state"] = exc.state
     if isinstance(exc, RequestInvalid) and exc.field:
@@ -75,28 +113,55 @@ def _body(exc: Exception, status: int) -> dict[str, object]:
     return body
 
 
+def allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
+    """Every method some route serves at this path (Starlette's 405 names only the first route's)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        # FULL or PARTIAL (path matches, method does not): either way the path is this route's.
+        if route_methods and route.matches(scope)[0] is not Match.NONE:
+            methods.update(route_methods)
+    return sorted(methods | {"OPTIONS"}) if methods else []
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def colocd_error(request: Request, exc: Exception) -> JSONResponse:
-        status = status_for(exc)
-        return JSONResponse(_body(exc, status), status_code=status)
+        return JSONResponse(_body(exc), status_code=status_for(exc))
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        problems = []
+        fields = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            problems.append(f"{loc or 'body'}: {err.get('msg')}")
-        return JSONResponse({"error": "ValidationError", "message": "; ".join(problems),
-                             "fields": [{"field": ".".join(str(p) for p in e.get("loc", ()) if p != "body"),
-                                         "message": e.get("msg")} for e in exc.errors()]},
-                            status_code=422)
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+            fields.append({"field": loc, "message": str(err.get("msg") or err.get("type") or "invalid")})
+        for err in exc.errors():
+            if err.get("type") == "json_invalid":
+                where = err.get("loc", ("body", "?"))[-1]
+                return error_response(400, "BadRequest", f"request body is not valid JSON (at character {where}: "
+                                      f"{err.get('ctx', {}).get('error') or err.get('msg')})")
+        return error_response(422, "ValidationError", "; ".join(f"{f['field']}: {f['message']}" for f in fields),
+                              field=fields[0]["field"] if fields else None, fields=fields)
 
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return JSONResponse({"error": "InternalError", "message": f"{type(exc).__name__}: {exc}"}, status_code=500)
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        status = exc.status_code
+        headers = dict(exc.headers or {})
+        if status == 405:
+            allow = allowed_methods(request.app, request.scope)
+            if request.method == "OPTIONS" and allow:
+                return Response(status_code=204, headers={"Allow": ", ".join(allow)})
+            headers["Allow"] = ", ".join(allow)
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allow)}"
+        elif status == 404:
+            message = f"no route {request.url.path}"
+        elif status == 400 and "parsing the body" in str(exc.detail):
+            message = "request body could not be read as JSON (is it UTF-8?)"
+        else:
+            message = str(exc.detail or "")
+        return error_response(status, _HTTP_NAMES.get(status, f"HTTP{status}"), message, headers=headers or None)
 
     app.add_exception_handler(ColocdError, colocd_error)
     app.add_exception_handler(EngineError, colocd_error)
     app.add_exception_handler(ConfigError, colocd_error)
     app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_exception_handler(StarletteHTTPException, http_error)

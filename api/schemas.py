@@ -2,40 +2,109 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from ..daemon.distributed import BroadcastDescriptor
 from ..engines.base import MemoryTag
+from ..policies import GroupSnapshot
 
 __all__ = [
+    "MAX_RANKS",
+    "MAX_STEP",
     "BroadcastRequest",
     "ChunkAckReply",
     "ChunkDescriptor",
     "CommitRequest",
+    "ErrorBody",
     "ErrorReply",
+    "FieldProblem",
     "OpenSessionReply",
     "OpenSessionRequest",
     "OpenWeightGroupRequest",
     "PhaseRequest",
     "SleepRequest",
+    "TrainerReport",
+    "TrainerSpan",
     "TransitionReply",
     "UpdateWeightsRequest",
 ]
+
+# Steps are exact in every consumer: JSON numbers read as doubles (Prometheus, JavaScript) stay exact below 2**53.
+MAX_STEP = 2**53 - 1
+# Trainer ranks per node and group sizes: far above any real node, small enough that a per-rank table stays cheap.
+MAX_RANKS = 4096
+_MAX_DURATION_S = 7 * 86400.0
+
+# Strict: a JSON bool or a float is not an int ("step": true is not step 1; 1e30 is not a step).
+Step = Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
+Count = Annotated[int, Field(strict=True, ge=0)]
+Seconds = Annotated[float, Field(ge=0, le=_MAX_DURATION_S, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TrainerSpan(BaseModel):
+    """One timed sub-step the trainer ran (a cleanup step, a group rebuild); extra keys become span attributes."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field("step", min_length=1, max_length=128)
+    duration_s: Seconds = 0.0
+    start_s: float | None = Field(None, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _attrs_are_json(self) -> TrainerSpan:
+        _check_json_attrs(self.model_extra or {})
+        return self
+
+
+class GroupsReport(BaseModel):
+    """What the trainer's process-group lifecycle did (``GroupReport.to_dict()``); ``seconds`` is its cost."""
+
+    model_config = ConfigDict(extra="allow")
+
+    seconds: Seconds = 0.0
+
+    @model_validator(mode="after")
+    def _attrs_are_json(self) -> GroupsReport:
+        _check_json_attrs(self.model_extra or {})
+        return self
+
+
+def _check_json_attrs(extra: dict[str, Any]) -> None:
+    if len(extra) > 64:
+        raise ValueError(f"at most 64 extra attributes, got {len(extra)}")
+    for key, value in extra.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key}: {value} is not a finite number")
+
+
+class TrainerGroups(GroupSnapshot):
+    """The policy's ``GroupSnapshot``, read strictly from the wire: ``true`` is not a count, ``"5"`` is not 5."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class TrainerReport(_Strict):
+    """What the trainer agent knows or did (``api.agent.TrainerAgent``), validated before any engine is touched."""
+
+    groups: TrainerGroups | None = Field(None, description="train: the trainer's process groups, for the policy")
+    groups_report: GroupsReport | None = Field(None, description="sync: what the group lifecycle did")
+    spans: list[TrainerSpan] | None = Field(None, max_length=1024, description="sync: timed trainer sub-steps")
+    cleanup: dict[str, JsonValue] | None = Field(None, description="sync: the cleanup report, minus its spans")
+
+
 class PhaseRequest(_Strict):
     """The trainer's phase transition: rollout → train → sync → rollout, one step at a time."""
 
-    step: int = Field(..., ge=0, description="training step; train needs a step beyond the current one")
+    step: Step = Field(..., description="training step; train needs a step beyond the current one")
     phase: Literal["train", "sync", "rollout"]
-    trainer: dict[str, Any] | None = Field(
-        None, description="what the trainer agent knows/did: {groups: GroupSnapshot, groups_report, spans}")
+    trainer: TrainerReport | None = Field(None, description="what the trainer agent knows or did")
 
 
 class SleepRequest(_Strict):
@@ -56,9 +125,11 @@ class TransitionReply(BaseModel):
 
 class OpenSessionRequest(_Strict):
     version: str = Field(..., min_length=1, max_length=256, description="weight version the engines will report")
-    step: int | None = Field(None, ge=0)
-    ranks: int | None = Field(None, ge=1, le=4096, description="trainer ranks that send parts of each chunk")
-    depth: int | None = Field(None, ge=1, le=64, description="chunks in flight per engine; default from policy")
+    step: Step | None = None
+    ranks: Annotated[int, Field(strict=True, ge=1, le=MAX_RANKS)] | None = Field(
+        None, description="trainer ranks that send parts of each chunk")
+    depth: Annotated[int, Field(strict=True, ge=1, le=64)] | None = Field(
+        None, description="chunks in flight per engine; default from policy")
 
 
 class OpenSessionReply(BaseModel):
@@ -72,17 +143,18 @@ class OpenSessionReply(BaseModel):
 class TensorEntry(_Strict):
     name: str = Field(..., min_length=1)
     dtype: str
-    shape: list[int]
-    offset: int = Field(..., ge=0)
+    shape: list[Count]
+    offset: Count
 
 
 class ChunkDescriptor(_Strict):
     """One rank's part of one chunk. ``handle`` is transport-specific and opaque to the daemon."""
 
-    seq: int = Field(..., ge=0)
-    rank: int = Field(0, ge=0)
+    seq: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
+    rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = Field(
+        0, description="trainer rank; below the session's ranks (one-shot: below the engines' largest tp_size)")
     transport: Literal["shm", "disk", "cuda_ipc", "ipc_ring"]
-    nbytes: int = Field(..., ge=0)
+    nbytes: Annotated[int, Field(strict=True, ge=0, le=2**48)]
     handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
 
 
@@ -94,36 +166,40 @@ class ChunkAckReply(BaseModel):
 
 
 class CommitRequest(_Strict):
-    num_chunks: int | None = Field(None, ge=0, description="chunks the trainer sent; checked against the engines'")
+    num_chunks: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)] | None = Field(
+        None, description="chunks the trainer sent; checked against the engines'")
 
 
 class UpdateWeightsRequest(_Strict):
     """One-shot update: open, send every chunk, commit."""
 
     version: str = Field(..., min_length=1, max_length=256)
-    step: int | None = Field(None, ge=0)
-    chunks: list[ChunkDescriptor] = Field(..., min_length=1)
+    step: Step | None = None
+    chunks: list[ChunkDescriptor] = Field(..., min_length=1, max_length=65536)
 
 
 class OpenWeightGroupRequest(_Strict):
     """Have every engine join the trainer's weight-update group; the trainer joins as rank 0 meanwhile."""
 
     group_name: str = Field("weight_update_group", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
-    master_address: str = Field(..., min_length=1, max_length=255, description="host of the trainer's TCPStore")
-    master_port: int = Field(..., ge=1, le=65535, description="port of the trainer's TCPStore")
+    master_address: str = Field(..., pattern=r"^[A-Za-z0-9._:%\[\]-]{1,255}$",
+                                description="host name or IP of the trainer's TCPStore")
+    master_port: int = Field(..., strict=True, ge=1, le=65535, description="port of the trainer's TCPStore")
     backend: Literal["nccl", "gloo"] = Field("nccl", description="nccl between GPUs; gloo on CPU engines")
-    world_size: int | None = Field(None, ge=2, description="ranks in the group; default 1 + this node's engine ranks")
-    first_rank: int = Field(1, ge=1, description="group rank of this node's first engine rank (several nodes)")
+    world_size: int | None = Field(None, strict=True, ge=2, le=65536,
+                                   description="ranks in the group; default 1 + this node's engine ranks")
+    first_rank: int = Field(1, strict=True, ge=1, lt=65536,
+                            description="group rank of this node's first engine rank (several nodes)")
 
 
 class BroadcastRequest(_Strict):
     """One broadcast: the daemon forwards it to every engine at once; send it, then broadcast, then await it."""
 
-    seq: int = Field(..., ge=0, description="0, 1, 2, ... within the session, per group")
-    group_name: str = "weight_update_group"
+    seq: int = Field(..., strict=True, ge=0, le=MAX_STEP, description="0, 1, 2, ... within the session, per group")
+    group_name: str = Field("weight_update_group", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     names: list[str] = Field(..., min_length=1, description="tensors in broadcast order (HF names)")
     dtypes: list[str] = Field(..., description="torch short names, e.g. bfloat16")
-    shapes: list[list[int]]
+    shapes: list[list[Count]]
     load_format: Literal["flattened_bucket"] | None = Field(
         None, description="null: one broadcast per tensor; flattened_bucket: one uint8 broadcast, no padding")
 
@@ -138,7 +214,22 @@ class BroadcastRequest(_Strict):
                                    load_format=self.load_format)
 
 
-class ErrorReply(BaseModel):
-    error: str
+class FieldProblem(BaseModel):
+    field: str = Field(..., description="dotted path of the offending field, e.g. trainer.spans.0.duration_s")
     message: str
-    state: dict[str, Any] | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx colocd answers, framework errors included, has this shape."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: str = Field(..., min_length=1, description="error class, e.g. RequestInvalid, TransitionRejected")
+    message: str = Field(..., min_length=1, description="what went wrong and, where it can, what to do")
+    field: str | None = Field(None, description="the request field at fault (4xx)")
+    fields: list[FieldProblem] | None = Field(None, description="every field at fault (422 validation)")
+    engine: str | None = Field(None, description="the engine involved")
+    state: dict[str, Any] | None = Field(None, description="the node's state when a request was rejected (409)")
+
+
+ErrorReply = ErrorBody  # the earlier name

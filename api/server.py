@@ -57,7 +57,15 @@ async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool =
                                            **({"log_config": None} if log_json else {})))
     loop = asyncio.get_running_loop()
     if config.policy_file:
-        loop.add_signal_handler(signal.SIGHUP, policies.reload_file)
+        # Parsing is CPU work: a signal only schedules it on a worker thread, never on the event loop.
+        reloads: set[asyncio.Future[object]] = set()
+
+        def reload_on_sighup() -> None:
+            future = asyncio.ensure_future(asyncio.to_thread(policies.reload_file))
+            reloads.add(future)
+            future.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, reload_on_sighup)
 
     serve_task = asyncio.create_task(server.serve(sockets=[sock]))
     # uvicorn exposes no started-event, only this flag; poll it briefly.

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..engines.config import EngineConfig
 from .errors import ColocdError
 
-__all__ = ["ConfigError", "ListenConfig", "NodeConfig", "Timeouts", "load_node_config"]
+__all__ = ["ConfigError", "Limits", "ListenConfig", "NodeConfig", "Timeouts", "load_node_config"]
 
 
 class ConfigError(ColocdError):
@@ -40,10 +40,28 @@ class Timeouts(BaseModel):
     memory_confirm_s: float | None = Field(None, gt=0, description="NVML wait for released bytes")
     health_s: float | None = Field(5.0, gt=0, description="interval of the health loop's observations")
     observe_s: float | None = Field(None, gt=0, description="one observation of one engine (default: default_s)")
+    master_reach_s: float | None = Field(
+        3.0, gt=0, description="how long POST /v1/weights/groups waits for the trainer's TCPStore to accept a "
+        "connection before answering 422 (it may be a moment from listening)")
 
     def for_step(self, step: str) -> float:
         value = getattr(self, f"{step}_s", None)
         return float(value if value is not None else self.default_s)
+
+
+class Limits(BaseModel):
+    """Bounds on what a caller may send; each refusal is a 4xx naming the limit's key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024,
+        description="largest request body; checked (after the token) before the body is read. The default is "
+        "far above a one-shot /v1/update_weights chunk list (a few MiB for a 10k-tensor model)")
+    max_policy_bytes: int = Field(256 * 1024, ge=1024, description="largest policy YAML document")
+    max_yaml_aliases: int = Field(64, ge=0, description="YAML aliases (*name) allowed in one policy document")
+    max_yaml_nodes: int = Field(5_000, ge=100,
+                                description="YAML nodes in one policy document, counted with aliases expanded")
 
 
 class NodeConfig(BaseModel):
@@ -60,6 +78,19 @@ class NodeConfig(BaseModel):
     pause_mode: str = Field("abort", pattern="^(abort|retract|in_place)$")
     log_format: str = Field("text", pattern="^(text|json)$",
                             description="serve's log lines: text (human) or json (one object per line)")
+    limits: Limits = Field(default_factory=Limits)
+    policy_plugins: list[str] = Field(
+        default_factory=list,
+        description="'module:Class' policy plugins a policy document may name, exactly, or 'module:*' for any "
+        "class of that module. Entry points in group colocd.policies need no listing: installing them is the "
+        "operator's consent. Anything else is refused before it is imported")
+
+    @model_validator(mode="after")
+    def _plugin_specs(self) -> NodeConfig:
+        bad = [p for p in self.policy_plugins if p.count(":") != 1 or not all(p.split(":"))]
+        if bad:
+            raise ValueError(f"policy_plugins: {bad} must be written as 'module:Class' or 'module:*'")
+        return self
 
     @model_validator(mode="after")
     def _unique_engine_names(self) -> NodeConfig:

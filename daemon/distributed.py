@@ -14,6 +14,8 @@ join) is destroyed on every engine and forgotten, so the trainer can open it aga
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -24,7 +26,15 @@ from typing import Any, Protocol, runtime_checkable
 from ..engines.weight_group import BACKEND_DEVICES, flattened_layout, parse_dtype
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
-from .errors import EngineError, NotFound, StepTimeout, TransitionRejected, WeightSyncError
+from .errors import (
+    EngineError,
+    NotFound,
+    RequestInvalid,
+    StepTimeout,
+    TransitionRejected,
+    WeightSyncError,
+    caller_payload,
+)
 from .metrics import Metrics
 from .policy_runtime import EffectiveTimeouts
 from .trace import Trace
@@ -176,28 +186,38 @@ class WeightGroups:
                                      f"DELETE /v1/weights/groups/{group_name} first")
         if not engines:
             raise TransitionRejected("this node has no engines to join a weight-update group")
+        # Everything the caller wrote is checked before any engine is asked to join: an engine that joins
+        # a group that cannot form waits out its whole budget.
         if backend not in BACKEND_DEVICES:
-            raise TransitionRejected(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}")
+            raise RequestInvalid(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}", field="backend")
         for engine in engines:
             _verbs(engine)  # every engine must speak the routes before any joins
+            device = _device_type(engine)
+            if BACKEND_DEVICES[backend] == "cuda" and device != "cuda":
+                raise RequestInvalid(f"backend {backend!r} needs CUDA, but engine {engine.name!r} runs on {device}; "
+                                     "use 'gloo' with CPU engines", field="backend")
         offsets = rank_layout(engines, first_rank)
         needed = first_rank + sum(int(e.config.tp_size) for e in engines)
         world = needed if world_size is None else world_size
         if world < needed:
-            raise TransitionRejected(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
-                                     f"this node's {needed - first_rank} engine ranks need {needed}")
+            raise RequestInvalid(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
+                                 f"this node's {needed - first_rank} engine ranks need {needed}", field="world_size")
+        # Frameworks that start the store while the POST is in flight need a moment (timeouts.master_reach_s).
+        await _check_reachable(master_address, master_port, t.for_step("master_reach"))
         record = self._groups[group_name] = WeightGroupRecord(
             group_name, backend, master_address, master_port, world, offsets)
         budget = t.for_step("group")
 
-        def join(engine: EngineHandle) -> Awaitable[None]:
+        async def join(engine: EngineHandle) -> None:
             adapter = _verbs(engine)
-            return ops.timed_call(engine, trace, self._metrics, "init_weights_update_group", budget,
-                              adapter.init_weights_update_group(
-                                  master_address=master_address, master_port=master_port,
-                                  rank_offset=offsets[engine.name], world_size=world, group_name=group_name,
-                                  backend=backend),
-                              group=group_name, rank_offset=offsets[engine.name])
+            # The group spec is the caller's: an engine refusing it (SGLang: 400) is the caller's 422.
+            with caller_payload("group"):
+                await ops.timed_call(engine, trace, self._metrics, "init_weights_update_group", budget,
+                                     adapter.init_weights_update_group(
+                                         master_address=master_address, master_port=master_port,
+                                         rank_offset=offsets[engine.name], world_size=world, group_name=group_name,
+                                         backend=backend),
+                                     group=group_name, rank_offset=offsets[engine.name])
 
         try:
             await _all_or_first_error(engines, join)
@@ -302,6 +322,46 @@ class WeightGroups:
             self._per_session.popitem(last=False)
         return {"seq": desc.seq, "group_name": record.name, "engines": [e.name for e in engines],
                 "nbytes": nbytes, "load_s": time.perf_counter() - t0}
+
+
+def _device_type(engine: EngineHandle) -> str:
+    """Where the engine's tensors live: the reference engine says (``device``); SGLang and vLLM run on CUDA."""
+    return str(getattr(engine.config, "device", "cuda")).split(":")[0]
+
+
+async def _check_reachable(host: str, port: int, within_s: float) -> None:
+    """Fail fast, naming the field, when the trainer's TCPStore cannot be reached from this node (where the
+    engines run): an unresolvable host, or nothing accepting connections at host:port within ``within_s``."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(within_s):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, TimeoutError, UnicodeError) as exc:  # UnicodeError: not a valid IDNA host name
+        reason = ("lookup timed out" if isinstance(exc, TimeoutError)
+                  else getattr(exc, "strerror", None) or str(exc) or "not found")
+        raise RequestInvalid(f"master_address {host!r} does not resolve from this node: {reason}",
+                             field="master_address") from None
+    deadline = loop.time() + within_s
+    last = "no address"
+    while True:
+        for family, _, proto, _, address in infos:
+            try:
+                async with asyncio.timeout(max(deadline - loop.time(), 0.05)):
+                    _, writer = await asyncio.open_connection(host=address[0], port=address[1], family=family,
+                                                              proto=proto)
+            except (OSError, TimeoutError) as exc:
+                last = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+        if loop.time() >= deadline:
+            raise RequestInvalid(
+                f"nothing accepts connections at master_address:master_port {host}:{port} from this node "
+                f"within {within_s:.1f}s ({last}); start the trainer's TCPStore (group rank 0) before POSTing",
+                field="master_port")
+        await asyncio.sleep(0.05)  # the store may be a moment from listening; retry until the deadline
 
 
 def _verbs(engine: EngineHandle) -> SupportsWeightGroups:

@@ -20,6 +20,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from ..engines.errors import (
     EngineError,
     EngineProtocolError,
@@ -27,6 +30,7 @@ from ..engines.errors import (
     EngineTimeout,
     EngineUnreachable,
 )
+from ..engines.httpmap import is_payload_refusal
 
 __all__ = [
     "ChunkTimeout",
@@ -45,6 +49,7 @@ __all__ = [
     "TransitionFailed",
     "TransitionRejected",
     "WeightSyncError",
+    "caller_payload",
 ]
 
 
@@ -120,3 +125,22 @@ class WeightSyncError(ColocdError):
 
 class ChunkTimeout(WeightSyncError):
     """A chunk never became complete because a rank did not send its part in time."""
+
+
+@contextmanager
+def caller_payload(field: str | None = None) -> Iterator[None]:
+    """Engine calls in this block carry data the caller wrote: an engine's refusal of it is the caller's 422.
+
+        with caller_payload("handle"):
+            await engine.adapter.load_weights(load)
+
+    Only a refusal (``engines.httpmap.is_payload_refusal``: 400/413/422) is converted, keeping the engine's
+    words; an engine that fails (5xx, unreachable, timeout) stays an engine error (502/503/504).
+    """
+    try:
+        yield
+    except EngineRejected as exc:
+        if not is_payload_refusal(exc):
+            raise
+        raise PayloadRejected(f"{exc} (the request's {field or 'payload'} was refused)", engine=exc.engine,
+                              field=field) from exc

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from ..engines.base import EngineAdapter, MemoryTag, Observation, PauseMode, RankPayload
 from ..engines.errors import EngineRejected
@@ -29,6 +30,7 @@ from .errors import (
     EngineError,
     EngineUnreachable,
     NotFound,
+    RequestInvalid,
     TransitionFailed,
     TransitionRejected,
     WeightSyncError,
@@ -165,7 +167,7 @@ class Daemon:
                     await self._stopping.wait()
             if self._stopping.is_set():
                 return
-            self.policies.reload_if_changed()
+            await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
             if self._lock.locked():
                 continue  # a transition in progress reconciles before it acts
             async with self._reconcile_lock("health"):
@@ -366,9 +368,11 @@ class Daemon:
                 with self.policies.store.transition() as pinned:
                     self._pinned = pinned
                     try:
+                        # Decided before any engine call: a trainer report the policy cannot read is the
+                        # caller's mistake (RequestInvalid), and must leave every engine as it was.
+                        directives = self._directives(pinned, phase.value, trainer)
                         with trace.timed():
                             freed = await self._refreshed_on_failure(runner(trace), f"{phase.value}@{step}")
-                            directives = self.policies.directives(pinned, phase.value, trainer, self._transports())
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
                     finally:
@@ -401,6 +405,15 @@ class Daemon:
         except Exception:
             await self._reconcile_all(f"after failed {what}", keep_error=True)
             raise
+
+    def _directives(self, pinned: Any, phase: str, trainer: dict[str, Any] | None) -> dict[str, Any]:
+        try:
+            return self.policies.directives(pinned, phase, trainer, self._transports())
+        except ValidationError as exc:
+            first = exc.errors()[0] if exc.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise RequestInvalid(f"trainer.groups.{where}: {first.get('msg', exc)}",
+                                 field=f"trainer.groups.{where}".rstrip(".")) from None
 
     async def _require_attached(self) -> None:
         """Every engine answered the observation that just ran (``_exclusive``); else 502 naming it."""

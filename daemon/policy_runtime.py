@@ -19,6 +19,7 @@ from ..policies import (
     PolicySet,
     PolicyStore,
     Transport,
+    YamlLimits,
     load_policy_yaml,
 )
 from .config import NodeConfig
@@ -66,15 +67,24 @@ class PolicyRuntime:
         return self.store.active.source not in (None, "defaults")
 
     def apply_yaml(self, text: str | bytes, source: str) -> PolicySet:
-        """Validate and stage; raises PolicyError (line/column) and leaves the running policy in force."""
-        return self.store.stage(load_policy_yaml(text, source=source))
+        """Validate and stage; raises PolicyError (line/column) and leaves the running policy in force.
+
+        Bounded by the node config's ``limits``, plugins only from ``policy_plugins`` (or entry points).
+        CPU-bound: from the event loop, call it through ``asyncio.to_thread``.
+        """
+        limits = self.config.limits
+        parsed = load_policy_yaml(text, source=source, plugins=frozenset(self.config.policy_plugins),
+                                  limits=YamlLimits(max_bytes=limits.max_policy_bytes,
+                                                    max_aliases=limits.max_yaml_aliases,
+                                                    max_nodes=limits.max_yaml_nodes))
+        return self.store.stage(parsed)
 
     def reload_file(self, raise_errors: bool = False) -> PolicySet | None:
         path = self.config.policy_file
         if not path:
             return None
         try:
-            staged = self.apply_yaml(Path(path).read_text(), source=path)
+            staged = self.apply_yaml(Path(path).read_bytes(), source=path)
             self._file_mtime = os.stat(path).st_mtime
         except (OSError, PolicyError) as exc:
             if raise_errors:

@@ -9,7 +9,11 @@ import httpx
 
 from .errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable
 
-__all__ = ["check_reply", "map_http_errors"]
+__all__ = ["PAYLOAD_REFUSAL_STATUSES", "check_reply", "is_payload_refusal", "map_http_errors"]
+
+# An engine's answer that means "the data you sent me is wrong" (SGLang answers 400 with success=false;
+# FastAPI-based engines 422; a body over the engine's limit 413), as opposed to "I failed" (5xx).
+PAYLOAD_REFUSAL_STATUSES = frozenset({400, 413, 422})
 
 
 @contextmanager
@@ -20,9 +24,36 @@ def map_http_errors(engine: str, what: str) -> Iterator[None]:
     except httpx.TimeoutException as exc:
         raise EngineTimeout(engine, f"{what}: no answer ({type(exc).__name__})") from exc
     except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-        raise EngineUnreachable(engine, f"{what}: {type(exc).__name__}: {exc or 'connection failed'}") from exc
+        raise EngineUnreachable(engine, f"{what}: {_describe(exc)}") from exc
     except httpx.HTTPError as exc:
-        raise EngineProtocolError(engine, f"{what}: {type(exc).__name__}: {exc}") from exc
+        raise EngineProtocolError(engine, f"{what}: {_describe(exc)}") from exc
+
+
+def is_payload_refusal(exc: BaseException) -> bool:
+    """True when an engine refused the request's data (4xx or ``success: false`` on a 4xx), not itself failing.
+
+    Generic on purpose: whoever knows the data came from the caller (a chunk handle, a group spec) turns
+    this into the caller's 4xx (``daemon.errors.caller_payload``); the adapter cannot know who wrote it.
+    """
+    return isinstance(exc, EngineRejected) and exc.status in PAYLOAD_REFUSAL_STATUSES
+
+
+_EMPTY_REASONS = {
+    httpx.ReadError: "connection closed while reading the reply (engine crashed or restarted?)",
+    httpx.WriteError: "connection closed while sending the request",
+    httpx.RemoteProtocolError: "engine closed the connection without a reply",
+    httpx.ConnectError: "connection refused or host unreachable",
+}
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    """``ReadError: <text>``; httpx often has no text (a reset), so say what the class means instead."""
+    text = str(exc).strip()
+    if not text:
+        text = next((why for cls, why in _EMPTY_REASONS.items() if isinstance(exc, cls)), "no detail from httpx")
+        if exc.__cause__ is not None and str(exc.__cause__).strip():
+            text = f"{text}: {exc.__cause__}"
+    return f"{type(exc).__name__}: {text}"
 
 
 def check_reply(engine: str, what: str, response: httpx.Response) -> httpx.Response:

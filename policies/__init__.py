@@ -15,7 +15,7 @@ from .cleanup import (
 )
 from .document import default_policies, policy_json_schema
 from .errors import PluginImportError, PluginNotFoundError, PolicyError
-from .loader import load_policy_yaml
+from .loader import YamlLimits, load_policy_yaml
 from .pipeline import OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy, Transport
 from .policy_set import API_VERSION, PolicySet
 from .process_groups import (
@@ -71,6 +71,7 @@ __all__ = [
     "Timeouts",
     "Transport",
     "WaitPoint",
+    "YamlLimits",
     "default_policies",
     "load_policy_yaml",
     "policy_json_schema",

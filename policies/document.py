@@ -17,7 +17,7 @@ from .errors import PolicyError
 from .pipeline import PipelinePolicy
 from .policy_set import API_VERSION, PolicySet
 from .process_groups import ProcessGroupPolicy
-from .registry import BUILTINS, DEFAULT_NAMES, resolve_policy
+from .registry import ANY_PLUGIN, BUILTINS, DEFAULT_NAMES, resolve_policy
 from .settings import EngineSettings, Timeouts
 
 __all__ = ["Locator", "Path", "build_policy_set", "default_policies", "policy_json_schema"]
@@ -35,8 +35,12 @@ def _nowhere(path: Path, at_key: bool) -> tuple[int | None, int | None]:
     return None, None
 
 
-def build_policy_set(data: Any, *, source: str | None = None, locate: Locator = _nowhere) -> PolicySet:
-    """Validate a parsed document and build its PolicySet; raise PolicyError at the first problem."""
+def build_policy_set(data: Any, *, source: str | None = None, locate: Locator = _nowhere,
+                     plugins: frozenset[str] = ANY_PLUGIN) -> PolicySet:
+    """Validate a parsed document and build its PolicySet; raise PolicyError at the first problem.
+
+    ``plugins``: the ``module:Class`` specs the document may import (``registry.resolve_policy``).
+    """
     if not isinstance(data, Mapping):
         raise PolicyError(f"a policy document is a mapping, got {_kind(data)}", *locate((), False))
     for key in data:
@@ -56,9 +60,12 @@ def build_policy_set(data: Any, *, source: str | None = None, locate: Locator = 
         )
     # mypy's type-abstract: the bases are abstract on purpose; they are only used for isinstance.
     return PolicySet(
-        process_groups=_build_policy(Family.PROCESS_GROUPS, ProcessGroupPolicy, data, locate),  # type: ignore[type-abstract]
-        pipeline=_build_policy(Family.PIPELINE, PipelinePolicy, data, locate),  # type: ignore[type-abstract]
-        cleanup=_build_policy(Family.CLEANUP, CleanupPolicy, data, locate),  # type: ignore[type-abstract]
+        process_groups=_build_policy(
+            Family.PROCESS_GROUPS, ProcessGroupPolicy, data, locate, plugins),  # type: ignore[type-abstract]
+        pipeline=_build_policy(
+            Family.PIPELINE, PipelinePolicy, data, locate, plugins),  # type: ignore[type-abstract]
+        cleanup=_build_policy(
+            Family.CLEANUP, CleanupPolicy, data, locate, plugins),  # type: ignore[type-abstract]
         engines=_validate(EngineSettings, data.get("engines"), ("engines",), locate),
         timeouts=_validate(Timeouts, data.get("timeouts"), ("timeouts",), locate),
         source=source,
@@ -70,7 +77,8 @@ def default_policies() -> PolicySet:
     return build_policy_set({"apiVersion": API_VERSION}, source="defaults")
 
 
-def _build_policy(family: Family, base: type[P], data: Mapping[str, Any], locate: Locator) -> P:
+def _build_policy(family: Family, base: type[P], data: Mapping[str, Any], locate: Locator,
+                  plugins: frozenset[str]) -> P:
     path: Path = (str(family),)
     section = _mapping(data.get(str(family)), path, locate)
     name = section.get("policy", DEFAULT_NAMES[family])
@@ -81,7 +89,7 @@ def _build_policy(family: Family, base: type[P], data: Mapping[str, Any], locate
             field=f"{family}.policy",
         )
     try:
-        cls = resolve_policy(family, name)
+        cls = resolve_policy(family, name, plugins=plugins)
     except PolicyError as exc:
         raise exc.at(*locate((*path, "policy"), False), field=f"{family}.policy") from exc.__cause__
     rest = {k: v for k, v in section.items() if k != "policy"}

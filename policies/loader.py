@@ -1,10 +1,13 @@
 """Parses a YAML policy document into a ``PolicySet``; errors carry the offending node's line and column.
 
 Positions come from PyYAML's composer (node marks), so a typo deep in a section points at its own line.
+Parsing is bounded (``YamlLimits``): size, aliases, nesting depth and nodes counted with aliases expanded,
+so a small alias bomb ("billion laughs") is refused in microseconds instead of expanding exponentially.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -12,18 +15,69 @@ import yaml
 from .document import Path, build_policy_set
 from .errors import PolicyError
 from .policy_set import PolicySet
+from .registry import ANY_PLUGIN
 
-__all__ = ["load_policy_yaml"]
+__all__ = ["YamlLimits", "load_policy_yaml"]
 
 _Mark = tuple[int, int]  # 1-based line, column
 
 
-def load_policy_yaml(text: str | bytes, *, source: str | None = None) -> PolicySet:
+@dataclass(frozen=True, slots=True)
+class YamlLimits:
+    """Bounds on one policy document; the daemon passes its node config's ``limits``."""
+
+    max_bytes: int = 256 * 1024
+    max_aliases: int = 64
+    max_nodes: int = 5_000  # counted with aliases expanded: what validation would walk
+    max_depth: int = 64
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that counts aliases and nesting while composing (PyYAML's composer recurses per level)."""
+
+    def __init__(self, stream: str, limits: YamlLimits) -> None:
+        super().__init__(stream)
+        self._limits = limits
+        self._aliases = 0
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > self._limits.max_aliases:
+                raise PolicyError(f"more than {self._limits.max_aliases} YAML aliases (limits.max_yaml_aliases)",
+                                  *_position(self.peek_event().start_mark))
+        self._depth += 1
+        try:
+            if self._depth > self._limits.max_depth:
+                raise PolicyError(f"nested deeper than {self._limits.max_depth} levels",
+                                  *_position(self.peek_event().start_mark))
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def load_policy_yaml(text: str | bytes, *, source: str | None = None, limits: YamlLimits | None = None,
+                     plugins: frozenset[str] = ANY_PLUGIN) -> PolicySet:
     """Parse and validate one YAML document; raise PolicyError(message, line, column) on any problem.
 
     ``load_policy_yaml(open("policies.yaml").read(), source="policies.yaml")``
+
+    ``plugins``: the ``module:Class`` specs it may import (the daemon passes its node config's
+    ``policy_plugins``; the default, any, is for an operator's own offline check). CPU-bound: the daemon
+    calls it off the event loop.
     """
-    loader = yaml.SafeLoader(text)
+    limits = limits or YamlLimits()
+    size = len(text.encode() if isinstance(text, str) else text)
+    if size > limits.max_bytes:
+        raise PolicyError(f"document is {size} bytes, over the limit of {limits.max_bytes} (limits.max_policy_bytes)")
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PolicyError(f"document is not UTF-8: byte {exc.object[exc.start]:#04x} at offset {exc.start} "
+                              f"({exc.reason})") from None
+    loader = _BoundedLoader(text, limits)
     try:
         try:
             node = loader.get_single_node()
@@ -36,7 +90,7 @@ def load_policy_yaml(text: str | bytes, *, source: str | None = None) -> PolicyS
         if node is None:
             raise PolicyError("empty document; it needs at least 'apiVersion: colocd/v1'", 1, 1)
         marks: dict[tuple[Path, bool], _Mark] = {}
-        _walk(node, (), marks)
+        _walk(node, (), marks, _Budget(limits.max_nodes))
         try:
             data = loader.construct_document(node)
         except yaml.MarkedYAMLError as exc:  # e.g. an unknown !tag
@@ -52,10 +106,24 @@ def load_policy_yaml(text: str | bytes, *, source: str | None = None) -> PolicyS
                 return mark
         return None, None
 
-    return build_policy_set(data, source=source, locate=locate)
+    return build_policy_set(data, source=source, locate=locate, plugins=plugins)
 
 
-def _walk(node: yaml.Node, path: Path, marks: dict[tuple[Path, bool], _Mark]) -> None:
+class _Budget:
+    """Nodes left to visit; aliases are visited once per reference, as validation would walk them."""
+
+    def __init__(self, nodes: int) -> None:
+        self.limit = self.left = nodes
+
+    def spend(self, node: yaml.Node) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise PolicyError(f"more than {self.limit} YAML nodes with aliases expanded (limits.max_yaml_nodes)",
+                              *_position(node.start_mark))
+
+
+def _walk(node: yaml.Node, path: Path, marks: dict[tuple[Path, bool], _Mark], budget: _Budget) -> None:
+    budget.spend(node)
     marks[(path, False)] = _position(node.start_mark)
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
@@ -74,10 +142,10 @@ def _walk(node: yaml.Node, path: Path, marks: dict[tuple[Path, bool], _Mark]) ->
                 )
             seen[key] = _position(key_node.start_mark)[0]
             marks[((*path, key), True)] = _position(key_node.start_mark)
-            _walk(value_node, (*path, key), marks)
+            _walk(value_node, (*path, key), marks, budget)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, (*path, index), marks)
+            _walk(item, (*path, index), marks, budget)
 
 
 def _position(mark: Any) -> _Mark:

@@ -1,5 +1,9 @@
 """Finds a policy class by name: a built-in, an entry point in group ``colocd.policies``, or ``module:Class``.
 
+A ``module:Class`` is imported only when the caller's allow-list names it (``plugins``): a policy document
+can arrive over HTTP, and importing a module runs its code. Entry points are installed by the operator and
+need no listing.
+
 Import errors are split the way uvicorn's ``importer.py`` splits them: "module not found" is the
 operator's typo; "the module's own import failed" is the plugin's bug, reported with its cause.
 """
@@ -26,11 +30,13 @@ from .process_groups import (
 )
 
 __all__ = [
+    "ANY_PLUGIN",
     "BUILTINS",
     "DEFAULT_NAMES",
     "ENTRY_POINT_GROUP",
     "FAMILY_BASES",
     "import_from_string",
+    "plugin_allowed",
     "resolve_policy",
 ]
 
@@ -89,12 +95,30 @@ def import_from_string(spec: str) -> Any:
     return obj
 
 
-def resolve_policy(family: Family, name: str) -> type[Policy]:
-    """Return the policy class ``name`` designates in ``family``, or raise a PolicyError saying why not."""
+# ``plugins=ANY_PLUGIN``: no allow-list (an operator's own offline check of a file, tests); never over HTTP.
+ANY_PLUGIN: frozenset[str] = frozenset({"*:*"})
+
+
+def plugin_allowed(spec: str, plugins: frozenset[str]) -> bool:
+    """``spec`` (``module:Class``) is listed exactly, or its module is listed as ``module:*``."""
+    module = spec.partition(":")[0]
+    return plugins == ANY_PLUGIN or spec in plugins or f"{module}:*" in plugins
+
+
+def resolve_policy(family: Family, name: str, *, plugins: frozenset[str] = ANY_PLUGIN) -> type[Policy]:
+    """Return the policy class ``name`` designates in ``family``, or raise a PolicyError saying why not.
+
+    ``plugins``: the ``module:Class`` specs that may be imported (``module:*`` for a whole module).
+    """
     builtin = BUILTINS[family].get(name)
     if builtin is not None:
         return builtin
     if ":" in name:
+        if not plugin_allowed(name, plugins):
+            listed = ", ".join(sorted(plugins)) or "none"
+            raise PolicyError(
+                f"plugin {name!r} is not in this node's allow-list (policy_plugins in the node config; "
+                f"listed: {listed}); install it as an entry point in group {ENTRY_POINT_GROUP!r} or list it there")
         found = import_from_string(name)
         origin = repr(name)
     else:

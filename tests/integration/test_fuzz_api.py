@@ -1,0 +1,197 @@
+"""Schemathesis over ``/openapi.json`` against a real ``colocd serve`` process and a real reference engine.
+
+Two properties, for every generated request, stateless and stateful (schemathesis chains operations
+through the links it infers, e.g. a session id from ``POST /v1/weights/sessions``):
+  * never a 500: a caller's mistake is a 4xx, an engine's failure a 502/503/504;
+  * a rejected request (4xx) leaves ``/v1/status`` exactly as it was.
+Each answer is also checked against the OpenAPI document (declared status, error body shape).
+
+Bounded (the ``fuzz`` marker): few examples per operation, short engine budgets in the node config, and
+no example database, so it runs in the default suite in about two minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.specs.openapi.checks import status_code_conformance
+
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(420)]
+
+TOKEN = "fuzz-token"
+_READY_S = 90.0
+# Where the status legitimately moves with no request at all: health probes, the reconciliation reports of
+# the health loop ("last", "at"), a session's idle clock.
+_TICKING = frozenset({"healthy", "last_error", "last_seen", "checked_at", "observed_at", "uptime_s", "at", "last",
+                      "idle_for_s"})
+
+# Per operation: valid requests reach deeper (state rules, engines), so they get more of the time box.
+_EXAMPLES = {GenerationMode.POSITIVE: 8, GenerationMode.NEGATIVE: 5}
+_SETTINGS = settings(max_examples=6, deadline=None, database=None, derandomize=False, print_blob=True,
+                     suppress_health_check=list(HealthCheck))
+
+
+@dataclass
+class Node:
+    url: str
+    log: Path
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {TOKEN}"}
+
+    def status(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/v1/status", timeout=30, trust_env=False)
+        response.raise_for_status()
+        return _comparable(response.json())
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def _comparable(value: Any) -> Any:
+    """The status minus fields that tick on their own."""
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items() if k not in _TICKING}
+    if isinstance(value, list):
+        return [_comparable(v) for v in value]
+    return value
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    work = tmp_path_factory.mktemp("fuzz")
+    with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0"),
+                                log_path=work / "engine.log") as engine:
+        ready_file = work / "ready.json"
+        config = {
+            "listen": {"host": "127.0.0.1", "port": 0, "ready_file": str(ready_file)},
+            "token": TOKEN,
+            "engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+            # Short budgets: a generated request that waits on a rank or a group must not eat the time box.
+            "timeouts": {"default_s": 10, "chunk_s": 2, "health_s": 5, "master_reach_s": 0.3},
+            "limits": {"max_body_bytes": 1024 * 1024},
+        }
+        (work / "node.yaml").write_text(yaml.safe_dump(config))
+        log = work / "colocd.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from colocd.api.cli import main; sys.exit(main())",
+                 "serve", "--config", str(work / "node.yaml"), "--log-level", "warning"],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            url = _wait_ready(proc, ready_file, log)
+            yield Node(url, log)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, log: Path) -> str:
+    deadline = time.monotonic() + _READY_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"colocd serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        if ready_file.exists():
+            url = json.loads(ready_file.read_text())["url"]
+            try:
+                if httpx.get(f"{url}/readyz", timeout=5, trust_env=False).status_code == 200:
+                    return str(url)
+            except httpx.TransportError:
+                pass
+        time.sleep(0.1)  # readiness poll cadence, bounded by the deadline
+    raise RuntimeError(f"colocd serve not ready within {_READY_S}s: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def api_schema(node: Node) -> Any:
+    return schemathesis.openapi.from_url(f"{node.url}/openapi.json")
+
+
+def _check(node: Node, case: Any, response: Any, before: dict[str, Any]) -> None:
+    """The properties every answer must have; a failure names the request so it can be replayed."""
+    request = f"{case.method} {case.formatted_path} body={str(getattr(case, 'body', None))[:300]!r}"
+    status = response.status_code
+    assert status != 500, f"{request} -> 500 {response.text[:500]}\n{node.log_tail()}"
+    assert status < 500 or status in (502, 503, 504), f"{request} -> {status} {response.text[:300]}"
+    if status >= 400:
+        body = response.json()
+        assert isinstance(body, dict) and body.get("error") and body.get("message"), \
+            f"{request} -> {status} without the error shape: {response.text[:300]}"
+    if 400 <= status < 500:
+        after = node.status()
+        assert after == before, f"{request} -> {status} changed /v1/status:\nbefore {before}\nafter  {after}"
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_no_generated_request_gets_a_500_and_rejected_ones_change_nothing(
+        api_schema: Any, node: Node, mode: GenerationMode) -> None:
+    # Operations one by one in this test (schemathesis' own pytest parametrisation needs a newer pytest API).
+    for result in api_schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(_SETTINGS, max_examples=_EXAMPLES[mode])
+        def one(case: Any) -> None:
+            before = node.status()
+            response = case.call(headers=node.auth, timeout=60)
+            _check(node, case, response, before)
+            case.validate_response(response, checks=[status_code_conformance])
+
+        try:
+            one()
+        except Unsatisfiable:
+            assert mode is GenerationMode.NEGATIVE, f"{operation.label}: no valid request can be generated"
+            # Nothing invalid can be written for it (e.g. GET /healthz takes no input).
+
+
+def _enter_sync(node: Node) -> None:
+    """Put the node where weight sessions may open, so generated sequences reach chunks, commits and aborts."""
+    with httpx.Client(base_url=node.url, headers=node.auth, timeout=60, trust_env=False) as http:
+        current = http.get("/v1/status").json()["node"]
+        step, phase = int(current["step"]), current["phase"]
+        if phase == "rollout":
+            step += 1
+            http.post("/v1/phase", json={"step": step, "phase": "train"}).raise_for_status()
+            phase = "train"
+        if phase == "train":
+            http.post("/v1/phase", json={"step": step, "phase": "sync"}).raise_for_status()
+
+
+def test_no_generated_sequence_gets_a_500_and_rejected_steps_change_nothing(api_schema: Any, node: Node) -> None:
+    _enter_sync(node)
+
+    class Workflow(api_schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: Any) -> dict[str, Any]:
+            return {"headers": node.auth, "timeout": 60}
+
+        def before_call(self, case: Any) -> None:
+            self.before = node.status()
+
+        def validate_response(self, response: Any, case: Any, additional_checks: Any = None, **kw: Any) -> None:
+            _check(node, case, response, self.before)
+            case.validate_response(response, checks=[status_code_conformance])
+
+    Workflow.run(settings=settings(_SETTINGS, max_examples=8, stateful_step_count=8))

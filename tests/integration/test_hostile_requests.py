@@ -1,0 +1,291 @@
+"""A stranger's requests (issue 10): every caller mistake is a 4xx in the one error shape, answered before any
+engine is touched, and leaves the node as it was; nothing is a 500; input is bounded before it is read.
+
+One reference engine process serves the module; each test starts its own daemon in-process on an
+OS-chosen loopback port (cheap), so a test's config (token, limits, plugins) is its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from support import serve_app
+
+from colocd.api.app import create_app
+from colocd.daemon.config import NodeConfig
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# 238 bytes, five levels of nine: 9**5 strings once expanded (the issue's alias bomb).
+ALIAS_BOMB = (b'a: &a ["x","x","x","x","x","x","x","x","x"]\n'
+              b"b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n"
+              b"c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+              b"d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n"
+              b"e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n"
+              b"f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\n")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[ReferenceEngineProcess]:
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as proc:
+        yield proc
+
+
+@asynccontextmanager
+async def daemon(engine: ReferenceEngineProcess, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
+    node = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+                                     "token": TOKEN, **config})
+    async with serve_app(create_app(node)) as url, \
+            httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60, trust_env=False) as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncClient]:
+    async with daemon(engine) as c:
+        yield c
+
+
+async def _engine_memory(engine: ReferenceEngineProcess) -> dict[str, Any]:
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+        r = await http.get(f"{engine.url}/colocd/memory")
+        r.raise_for_status()
+        return dict(r.json())
+
+
+def _is_error(response: httpx.Response, status: int, *, field: str | None = None) -> dict[str, Any]:
+    """The one error shape, with a non-empty message; ``field`` when the caller's field is named."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"] and body["message"], body
+    if field is not None:
+        assert body.get("field") == field, body
+    return dict(body)
+
+
+async def _raw(url: str, head: str, body: bytes) -> tuple[str, float]:
+    """Send a request by hand (the body may never be finished); return the reply and its latency."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+
+    async def push() -> None:
+        try:
+            writer.write(head.encode() + body)
+            await writer.drain()
+        except OSError:
+            pass  # the server answered and closed without reading the rest: the point of the test
+
+    t0 = time.perf_counter()
+    pushing = asyncio.ensure_future(push())
+    reply = await asyncio.wait_for(reader.read(65536), 30)
+    elapsed = time.perf_counter() - t0
+    await pushing
+    writer.close()
+    return reply.decode(errors="replace"), elapsed
+
+
+# -- the trainer report on /v1/phase ----------------------------------------------------------------
+
+@pytest.mark.parametrize(("trainer", "field"), [
+    ({"spans": [1]}, "trainer.spans.0"),
+    ({"spans": [{"duration_s": "abc"}]}, "trainer.spans.0.duration_s"),
+    ({"groups_report": 5}, "trainer.groups_report"),
+    ({"groups": {"group_count": True}}, "trainer.groups.group_count"),
+])
+async def test_a_malformed_trainer_report_is_422_naming_the_field(
+        client: httpx.AsyncClient, trainer: dict[str, Any], field: str) -> None:
+    before = (await client.get("/v1/status")).json()
+    _is_error(await client.post("/v1/phase", json={"step": 1, "phase": "train", "trainer": trainer}), 422,
+              field=field)
+    assert (await client.get("/v1/status")).json() == before
+
+
+async def test_train_with_a_negative_group_count_is_422_before_any_engine_is_paused(
+        client: httpx.AsyncClient, engine: ReferenceEngineProcess) -> None:
+    memory = await _engine_memory(engine)
+    before = (await client.get("/v1/status")).json()
+    r = await client.post("/v1/phase", json={"step": 1, "phase": "train", "trainer": {"groups": {"group_count": -1}}})
+    _is_error(r, 422, field="trainer.groups.group_count")
+    assert (await client.get("/v1/status")).json() == before
+    assert await _engine_memory(engine) == memory  # nothing released
+
+
+# -- strict, bounded numbers ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step", [True, 1e30, 2**63, 2**53, -1, "1", 1.0])
+async def test_a_step_that_is_not_an_int_below_2_53_is_422(client: httpx.AsyncClient, step: Any) -> None:
+    before = (await client.get("/v1/status")).json()
+    _is_error(await client.post("/v1/phase", json={"step": step, "phase": "train"}), 422, field="step")
+    assert (await client.get("/v1/status")).json() == before
+
+
+async def test_a_one_shot_update_for_a_rank_the_engines_do_not_have_is_422_at_once(
+        client: httpx.AsyncClient) -> None:
+    chunk = {"seq": 0, "transport": "shm", "nbytes": 8, "handle": {"shm_name": "x", "layout": []}}
+    for rank, field in ((1, "chunks.0.rank"), (200_000, "chunks.0.rank")):
+        t0 = time.perf_counter()
+        r = await client.post("/v1/update_weights", json={"version": "v1", "chunks": [{**chunk, "rank": rank}]})
+        body = _is_error(r, 422, field=field)
+        assert time.perf_counter() - t0 < 5 and len(r.content) < 2000, body
+    assert (await client.get("/healthz")).status_code == 200
+
+
+# -- policy documents --------------------------------------------------------------------------------
+
+async def test_a_policy_document_that_is_not_utf8_is_400_and_the_connection_stays_usable(
+        client: httpx.AsyncClient) -> None:
+    before = (await client.get("/v1/policies")).json()
+    body = _is_error(await client.put("/v1/policies", content=b"\xff\xfeapiVersion: colocd/v1\n"), 400)
+    assert "UTF-8" in body["message"]
+    # Same keep-alive connection: the next request is answered, not reset.
+    assert (await client.get("/v1/policies")).json() == before
+
+
+async def test_a_yaml_alias_bomb_is_refused_without_stalling_the_daemon(client: httpx.AsyncClient) -> None:
+    assert len(ALIAS_BOMB) < 300
+    put = asyncio.ensure_future(client.put("/v1/policies", content=ALIAS_BOMB))
+    t0 = time.perf_counter()
+    probes = []
+    while not put.done():
+        p0 = time.perf_counter()
+        assert (await client.get("/healthz")).status_code == 200
+        probes.append(time.perf_counter() - p0)
+    body = _is_error(await put, 400)
+    assert "alias" in body["message"] or "nodes" in body["message"], body
+    assert time.perf_counter() - t0 < 2.0
+    assert max(probes, default=0.0) < 1.5, probes  # unbounded, the loop was blocked 4.4 s
+
+
+async def test_a_plugin_outside_the_allow_list_is_refused_before_its_module_is_imported(
+        engine: ReferenceEngineProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "imported"
+    (tmp_path / "hostile_plugin.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass P: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    document = b"apiVersion: colocd/v1\nprocess_groups:\n  policy: hostile_plugin:P\n"
+    async with daemon(engine) as c:
+        body = _is_error(await c.put("/v1/policies", content=document), 400)
+        assert body["field"] == "process_groups.policy" and "allow-list" in body["message"], body
+    assert not marker.exists()
+
+
+async def test_a_plugin_on_the_allow_list_is_imported(
+        engine: ReferenceEngineProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "imported"
+    (tmp_path / "listed_plugin.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass P: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    document = b"apiVersion: colocd/v1\nprocess_groups:\n  policy: listed_plugin:P\n"
+    async with daemon(engine, policy_plugins=["listed_plugin:*"]) as c:
+        body = _is_error(await c.put("/v1/policies", content=document), 400)  # P is not a policy class
+        assert "ProcessGroupPolicy" in body["message"], body
+    assert marker.exists()
+
+
+# -- bodies: the token first, then the size, before the body is read ----------------------------------
+
+async def test_an_unauthenticated_100_mb_body_is_401_before_it_is_read(engine: ReferenceEngineProcess) -> None:
+    async with daemon(engine) as c:
+        head = ("POST /v1/phase HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {100 * 1024 * 1024}\r\n\r\n")
+        reply, elapsed = await _raw(str(c.base_url), head, b"{" * 1024)  # 1 KiB of the promised 100 MB
+    assert reply.startswith("HTTP/1.1 401"), reply
+    assert '"error": "Unauthorized"' in reply and elapsed < 5
+
+
+async def test_a_body_over_the_limit_is_413_whether_declared_or_streamed(engine: ReferenceEngineProcess) -> None:
+    async with daemon(engine, limits={"max_body_bytes": 4096}) as c:
+        declared = await c.post("/v1/phase", content=b" " * 5000, headers={"content-type": "application/json"})
+        assert "max_body_bytes" in _is_error(declared, 413)["message"]
+        head = ("POST /v1/phase HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {TOKEN}\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunks = b"".join(b"400\r\n" + b" " * 1024 + b"\r\n" for _ in range(8)) + b"0\r\n\r\n"
+        reply, _ = await _raw(str(c.base_url), head, chunks)
+        assert reply.startswith("HTTP/1.1 413"), reply
+        ok = await c.post("/v1/phase", json={"step": 0, "phase": "sync"})  # a small body still goes through
+        assert ok.status_code == 409, ok.text
+
+
+# -- weight-update groups: checked before any engine joins --------------------------------------------
+
+async def test_a_weight_group_with_an_unreachable_master_is_422_within_seconds(
+        engine: ReferenceEngineProcess) -> None:
+    async with daemon(engine, timeouts={"master_reach_s": 1.0}) as c:
+        t0 = time.perf_counter()
+        r = await c.post("/v1/weights/groups", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                     "backend": "gloo"})
+        _is_error(r, 422, field="master_port")
+        assert time.perf_counter() - t0 < 5
+        r = await c.post("/v1/weights/groups", json={"master_address": "no-such-host.invalid", "master_port": 29500,
+                                                     "backend": "gloo"})
+        _is_error(r, 422, field="master_address")
+        r = await c.post("/v1/weights/groups", json={"master_address": "\x80", "master_port": 29500,
+                                                     "backend": "gloo"})
+        _is_error(r, 422, field="master_address")  # once a 500 (found by the fuzz test): not an IDNA host name
+        assert (await c.get("/v1/weights/groups")).json()["groups"] == {}
+
+
+async def test_the_nccl_backend_on_a_cpu_engine_is_422_before_it_joins(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/weights/groups", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                      "backend": "nccl"})
+    assert "cpu" in _is_error(r, 422, field="backend")["message"]
+    assert (await client.get("/v1/weights/groups")).json()["groups"] == {}
+
+
+# -- one error shape, honest routing --------------------------------------------------------------------
+
+async def test_framework_errors_use_the_error_shape(client: httpx.AsyncClient) -> None:
+    _is_error(await client.get("/no/such/route"), 404)
+    _is_error(await client.post("/v1/phase", content=b'{"step":', headers={"content-type": "application/json"}), 400)
+    _is_error(await client.post("/v1/phase", content=b'\xff{"step": 1}',
+                                headers={"content-type": "application/json"}), 400)
+    _is_error(await client.post("/v1/phase", json={"step": 1}), 422, field="phase")
+    _is_error(await client.post("/v1/phase", json={"step": 1, "phase": "train"}, headers={"Authorization": "x"}), 401)
+
+
+async def test_allow_lists_every_method_of_a_path(client: httpx.AsyncClient) -> None:
+    options = await client.options("/v1/weights/groups")
+    assert options.status_code == 204
+    assert {"GET", "POST"} <= set(options.headers["allow"].split(", "))
+    patched = await client.patch("/v1/weights/groups")
+    _is_error(patched, 405)
+    assert {"GET", "POST"} <= set(patched.headers["allow"].split(", "))
+
+
+async def test_openapi_declares_the_error_statuses_with_the_error_model(client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    phase = spec["paths"]["/v1/phase"]["post"]["responses"]
+    assert {"400", "401", "409", "413", "422", "502", "503", "504"} <= set(phase)
+    assert phase["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    assert phase["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
+    assert "404" in spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["responses"]
+
+
+async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open() -> None:
+    # Its own engine: this test moves the node to sync and opens a session.
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
+            daemon(own) as c:
+        assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200
+        assert (await c.post("/v1/phase", json={"step": 1, "phase": "sync"})).status_code == 200
+        opened = await c.post("/v1/weights/sessions", json={"version": "v1", "ranks": 1})
+        session_id = opened.json()["session_id"]
+        before = (await c.get("/v1/status")).json()
+        r = await c.post(f"/v1/weights/sessions/{session_id}/chunks",
+                         json={"seq": 0, "rank": 1, "transport": "shm", "nbytes": 8,
+                               "handle": {"shm_name": "x", "layout": []}})
+        _is_error(r, 422, field="rank")
+        after = (await c.get("/v1/status")).json()
+        after["weight_session"].pop("idle_for_s", None)
+        before["weight_session"].pop("idle_for_s", None)
+        assert after == before and after["weight_session"]["state"] == "open"
+        assert (await c.post(f"/v1/weights/sessions/{session_id}/abort")).status_code == 200
