@@ -130,8 +130,12 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
 
     @app.post("/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES))
     async def open_session(body: OpenSessionRequest, d: D) -> OpenSessionReply:
-        s = await d.open_weights(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth)
-        return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version)
+        manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
+        s = await d.open_weights(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
+                                 manifest=manifest, partial=body.partial)
+        return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version,
+                                partial=s.partial, idle_s=s.idle_s,
+                                manifest_tensors=None if s.manifest is None else len(s.manifest))
 
     @app.post("/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
     async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckReply:
@@ -153,9 +157,7 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
 
     @app.get("/v1/weights/sessions/{session_id}", responses=_errors(404))
     async def session_status(session_id: str, d: D) -> dict[str, Any]:
-        if d.session is None or d.session.id != session_id:
-            raise NotFound(f"no weight session {session_id!r}")
-        return d.session.stats()
+        return d.session_stats(session_id)
 
     @app.get("/v1/weights/groups")
     async def weight_groups(d: D) -> dict[str, Any]:
@@ -186,8 +188,28 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
                                      f"take {known} trainer rank(s) (their largest tp_size)", field=f"chunks.{i}.rank")
         ranks = max(c.rank for c in body.chunks) + 1
         session = await d.open_weights(step=body.step, version=body.version, ranks=ranks)
+        by_rank: dict[int, list[ChunkDescriptor]] = {}
+        for c in sorted(body.chunks, key=lambda c: c.seq):
+            by_rank.setdefault(c.rank, []).append(c)
+
+        async def send_rank(chunks: list[ChunkDescriptor]) -> None:
+            # In sequence order, at most `depth` outstanding per rank: what the session accepts from a rank.
+            window = asyncio.Semaphore(session.depth)
+
+            async def one(c: ChunkDescriptor) -> None:
+                try:
+                    await d.submit_chunk(session.id, c.seq, _part(c))
+                finally:
+                    window.release()
+
+            sends = []
+            for c in chunks:
+                await window.acquire()
+                sends.append(asyncio.create_task(one(c)))
+            await asyncio.gather(*sends)
+
         try:
-            await asyncio.gather(*(d.submit_chunk(session.id, c.seq, _part(c)) for c in body.chunks))
+            await asyncio.gather(*(send_rank(chunks) for chunks in by_rank.values()))
             seqs = {c.seq for c in body.chunks}
             return await d.commit_weights(session.id, len(seqs))
         except BaseException as exc:

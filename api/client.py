@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import torch
 
-from ..engines.chunks import plan_buckets
+from ..engines.chunks import dtype_name, plan_buckets
 from ..engines.trainer.producer import ExportedChunk, Producer, producer_for
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "ColocdHTTPError",
     "PushReport",
     "WeightPusher",
+    "manifest_of",
 ]
 
 
@@ -118,9 +119,16 @@ class AsyncColocdClient:
         return response.text
 
     async def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
-                           depth: int | None = None) -> dict[str, Any]:
-        return await self._request("POST", "/v1/weights/sessions",  # type: ignore[no-any-return]
-                                   {"version": version, "step": step, "ranks": ranks, "depth": depth})
+                           depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
+                           partial: bool = False) -> dict[str, Any]:
+        """``manifest``: every tensor the session will send, ``[{name, dtype, shape}]`` (see ``manifest_of``);
+        ``partial``: update only some tensors (allowed on intact weights only)."""
+        body: dict[str, Any] = {"version": version, "step": step, "ranks": ranks, "depth": depth}
+        if manifest is not None:
+            body["manifest"] = manifest
+        if partial:
+            body["partial"] = True
+        return await self._request("POST", "/v1/weights/sessions", body)  # type: ignore[no-any-return]
 
     async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ExportedChunk) -> dict[str, Any]:
         body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
@@ -156,6 +164,11 @@ class AsyncColocdClient:
     async def steps(self, limit: int = 20) -> list[dict[str, Any]]:
         """The last ``limit`` steps summarised, newest first (``GET /v1/steps``)."""
         return (await self._request("GET", "/v1/steps", params={"limit": limit}))["steps"]  # type: ignore[no-any-return]
+
+
+def manifest_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """The manifest a session declares at open: each tensor's name, dtype (torch short name) and shape."""
+    return [{"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)} for name, t in named]
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,10 +238,14 @@ class WeightPusher:
             self._producer = None
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
-                   step: int | None = None) -> PushReport:
-        """Open a session (this process is the only rank), stream every chunk, commit."""
+                   step: int | None = None, partial: bool = False) -> PushReport:
+        """Open a session (this process is the only rank) declaring every tensor it will send, stream every
+        chunk, commit. ``partial``: these tensors are only some of the model's (the engines' weights must be
+        intact); otherwise the daemon refuses a push that does not cover every parameter."""
         t0 = time.perf_counter()
-        session = await self._client.open_session(version, step=step, ranks=1, depth=self._depth)
+        named = list(named)  # references only: the manifest is declared before the first chunk
+        session = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
+                                                  manifest=manifest_of(named), partial=partial)
         sid = session["session_id"]
         try:
             chunks, nbytes = await self.stream(sid, named)
@@ -344,6 +361,7 @@ class ColocdClient:
         return self._run(self._async.metrics())  # type: ignore[no-any-return]
 
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
-                     transport: str = "shm", bucket_mb: float = 64, depth: int = 2) -> PushReport:
+                     transport: str = "shm", bucket_mb: float = 64, depth: int = 2,
+                     partial: bool = False) -> PushReport:
         pusher = WeightPusher(self._async, transport=transport, bucket_mb=bucket_mb, depth=depth)
-        return self._run(pusher.push(named, version=version, step=step))  # type: ignore[no-any-return]
+        return self._run(pusher.push(named, version=version, step=step, partial=partial))  # type: ignore[no-any-return]

@@ -106,6 +106,8 @@ def _body(exc: Exception) -> dict[str, object]:
         body["engine"] = exc.engine
     if isinstance(exc, SessionGone):
         body.update(session_id=exc.session_id, session_state=exc.state)
+    if isinstance(exc, ChunkTimeout):
+        body.update(engine=exc.engine, step=exc.step, budget_s=exc.budget_s, rank=exc.rank)
     if isinstance(exc, TransitionFailed):
         body.update(engine=exc.engine, step=exc.step)
         if isinstance(exc, StepTimeout):

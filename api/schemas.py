@@ -9,7 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from ..daemon.distributed import BroadcastDescriptor
 from ..engines.base import MemoryTag
+from ..engines.chunks import DTYPES
 from ..policies import GroupSnapshot
+
+MAX_CHUNK_BYTES = 1 << 38  # 256 GiB: larger than any GPU's memory, so a larger nbytes is a mistake
 
 __all__ = [
     "MAX_RANKS",
@@ -21,6 +24,7 @@ __all__ = [
     "ErrorBody",
     "ErrorReply",
     "FieldProblem",
+    "ManifestEntry",
     "OpenSessionReply",
     "OpenSessionRequest",
     "OpenWeightGroupRequest",
@@ -123,6 +127,22 @@ class TransitionReply(BaseModel):
     trace: dict[str, Any] | None
 
 
+class ManifestEntry(_Strict):
+    """One tensor the session will carry (HF name, torch short dtype name, full shape)."""
+
+    name: str = Field(..., min_length=1, max_length=1024)
+    dtype: str = Field(..., min_length=1, max_length=32)
+    shape: list[Count] = Field(..., max_length=16)
+
+    @model_validator(mode="after")
+    def _valid(self) -> ManifestEntry:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPES)}")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: negative dimension in {self.shape}")
+        return self
+
+
 class OpenSessionRequest(_Strict):
     version: str = Field(..., min_length=1, max_length=256, description="weight version the engines will report")
     step: Step | None = None
@@ -130,6 +150,12 @@ class OpenSessionRequest(_Strict):
         None, description="trainer ranks that send parts of each chunk")
     depth: Annotated[int, Field(strict=True, ge=1, le=64)] | None = Field(
         None, description="chunks in flight per engine; default from policy")
+    manifest: list[ManifestEntry] | None = Field(
+        None, max_length=1_000_000,
+        description="every tensor the session will send; each chunk's layout is checked against it. Unless "
+                    "partial, it must cover the engines' full parameter set (422 naming what is missing)")
+    partial: Annotated[bool, Field(strict=True)] = Field(
+        False, description="update only some tensors; allowed only on intact (clean) weights")
 
 
 class OpenSessionReply(BaseModel):
@@ -138,6 +164,9 @@ class OpenSessionReply(BaseModel):
     depth: int
     step: int
     version: str
+    partial: bool = False
+    idle_s: float | None = Field(None, description="the session expires after this long without a chunk")
+    manifest_tensors: int | None = Field(None, description="tensors declared in the manifest (null: none)")
 
 
 class TensorEntry(_Strict):
@@ -154,7 +183,8 @@ class ChunkDescriptor(_Strict):
     rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = Field(
         0, description="trainer rank; below the session's ranks (one-shot: below the engines' largest tp_size)")
     transport: Literal["shm", "disk", "cuda_ipc", "ipc_ring"]
-    nbytes: Annotated[int, Field(strict=True, ge=0, le=2**48)]
+    nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
+        ..., description="bytes of this rank's part (at most 256 GiB)")
     handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
 
 
@@ -230,6 +260,11 @@ class ErrorBody(BaseModel):
     fields: list[FieldProblem] | None = Field(None, description="every field at fault (422 validation)")
     engine: str | None = Field(None, description="the engine involved")
     state: dict[str, Any] | None = Field(None, description="the node's state when a request was rejected (409)")
+    step: str | None = Field(None, description="the step that failed or timed out (502/504), e.g. load_chunk")
+    budget_s: float | None = Field(None, description="the budget a timed-out step had (504)")
+    rank: int | None = Field(None, description="the trainer rank that never sent its part (ChunkTimeout)")
+    session_id: str | None = Field(None, description="the weight session that is gone (410)")
+    session_state: str | None = Field(None, description="why it is gone: expired, aborted, failed, committed")
 
 
 ErrorReply = ErrorBody  # the earlier name

@@ -40,6 +40,12 @@ class Timeouts(BaseModel):
     memory_confirm_s: float | None = Field(None, gt=0, description="NVML wait for released bytes")
     health_s: float | None = Field(5.0, gt=0, description="interval of the health loop's observations")
     observe_s: float | None = Field(None, gt=0, description="one observation of one engine (default: default_s)")
+    session_idle_s: float | None = Field(
+        60.0, gt=0, description="a weight session with no chunk, commit or engine load for this long expires "
+                                "(the trainer is presumed gone): aborted, its shm segments unlinked")
+    quiesce_s: float | None = Field(
+        None, gt=0, description="closing a failed/aborted/expired session waits this long for the engine calls "
+                                "it issued; engines whose calls are still running are then marked stale")
     master_reach_s: float | None = Field(
         3.0, gt=0, description="how long POST /v1/weights/groups waits for the trainer's TCPStore to accept a "
         "connection before answering 422 (it may be a moment from listening)")

@@ -10,7 +10,7 @@
     │   └── StepTimeout         an engine call exceeded its budget; .budget_s            → 504
     ├── MemoryNotConfirmed      NVML never showed the released bytes back               → 504
     ├── WeightSyncError         a weight session failed or was aborted                  → 502
-    │   └── ChunkTimeout        a rank never sent its part of a chunk; names the rank   → 504
+    │   └── ChunkTimeout        a chunk not complete in time; .engine/.rank, .step, .budget_s → 504
     └── EngineError (engines.errors)                                                    → 502/503/504
         ├── EngineUnreachable                                                           → 503
         ├── EngineTimeout                                                               → 504
@@ -124,7 +124,17 @@ class WeightSyncError(ColocdError):
 
 
 class ChunkTimeout(WeightSyncError):
-    """A chunk never became complete because a rank did not send its part in time."""
+    """A chunk did not complete in time: a rank never sent its part (``engine`` None, ``rank`` set) or an
+    engine never consumed it (``engine`` set). ``step`` is ``gather`` or ``load_chunk``; ``budget_s`` the
+    chunk budget."""
+
+    def __init__(self, message: str, *, step: str, budget_s: float, engine: str | None = None,
+                 rank: int | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.step = step
+        self.budget_s = budget_s
+        self.rank = rank
 
 
 @contextmanager

@@ -29,7 +29,7 @@ class Metrics:
         self.weight_chunks = Counter(
             "colocd_weight_chunks_total", "Weight chunks delivered to engines", ["engine"], registry=r)
         self.weight_sessions = Counter(
-            "colocd_weight_sessions_total", "Weight sessions by outcome (committed, aborted, failed)",
+            "colocd_weight_sessions_total", "Weight sessions by outcome (committed, aborted, failed, expired)",
             ["outcome"], registry=r)
         self.freed_bytes = Counter(
             "colocd_memory_freed_bytes_total", "Bytes confirmed freed by releases", ["engine", "source"], registry=r)

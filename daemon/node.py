@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,6 +34,7 @@ from .errors import (
     EngineUnreachable,
     NotFound,
     RequestInvalid,
+    SessionGone,
     TransitionFailed,
     TransitionRejected,
     WeightSyncError,
@@ -44,7 +48,16 @@ from .reconcile import Action, Plan, plan_reconcile
 from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
 from .steps import StepBook
 from .trace import Span, Trace, TraceStore
-from .weights import ChunkAck, SessionState, WeightSession
+from .weights import (
+    ChunkAck,
+    Manifest,
+    SessionState,
+    TensorMeta,
+    WeightSession,
+    manifest_from_json,
+    manifest_to_json,
+    name_some,
+)
 
 __all__ = ["Daemon", "DaemonState", "TransitionResult"]
 
@@ -93,6 +106,11 @@ class Daemon:
         self._busy_with: str | None = None
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
         self.session: WeightSession | None = None
+        self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
+        # The tensors of the last complete push: what a complete update must cover where the engine
+        # cannot list its parameters (kept beside the journal, so it survives a daemon restart).
+        self._manifest_file = Path(config.journal + ".manifest.json") if config.journal else None
+        self.complete_manifest: Manifest | None = None
         self.weight_groups = WeightGroups(self.metrics)  # separated GPUs: daemon/distributed.py
         self._journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -124,6 +142,7 @@ class Daemon:
         log.info("startup reconciliation (journal restored: %s): %s", restored, self._startup_report["engines"])
         self.lifecycle = DaemonState.RUNNING
         self._start(self._health_loop())
+        self._start(self._lease_loop())
         self._refresh_gauges()
         return self
 
@@ -260,7 +279,7 @@ class Daemon:
             session = self.session
             why = plan.reason or "it reports no open weight-update session"
             await session.fail(WeightSyncError(f"engine {engine.name!r} lost the weight session: {why}"))
-            await self._finish_failed_locked(session)
+            await self._close_session(session)
         elif action is Action.END_ENGINE_SESSION:
             try:
                 await ops.timed_call(engine, trace, self.metrics, "end_weight_update", t.default_s,
@@ -284,6 +303,7 @@ class Daemon:
             f" FAILED: {error}" if error else "")
 
     def _restore_journal(self) -> bool:
+        self.complete_manifest = self._read_manifest_file()
         if self._journal is None or (record := self._journal.last()) is None:
             return False
         self.node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
@@ -471,6 +491,7 @@ class Daemon:
         return await ops.release(engine, to_release, trace, self.metrics, t, self._probe)
 
     async def _enter_train(self, trace: Trace) -> dict[str, dict[str, int]]:
+        await self._lapse_if_idle()
         if self.session is not None and self.session.state is SessionState.OPEN:
             raise TransitionRejected(f"weight session {self.session.id} is still open")
         names = self.policies.release_tags(self._policy_set())
@@ -490,6 +511,7 @@ class Daemon:
         return await self._each(trace, "sync", one)
 
     async def _enter_rollout(self, trace: Trace) -> dict[str, dict[str, int]]:
+        await self._lapse_if_idle()
         if self.session is not None and self.session.state is SessionState.OPEN:
             raise TransitionRejected(f"weight session {self.session.id} is still open: commit or abort it first")
         # Check every engine before touching any: a stale engine must not leave others half-resumed.
@@ -567,11 +589,21 @@ class Daemon:
 
     # -- weights -------------------------------------------------------------------------------
     async def open_weights(self, *, step: int | None, version: str, ranks: int | None,
-                           depth: int | None = None) -> WeightSession:
-        """Begin a weight update on every engine. Each must be paused with its weights memory resident."""
+                           depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
+                           partial: bool = False) -> WeightSession:
+        """Begin a weight update on every engine. Each must be paused with its weights memory resident.
+
+        ``manifest`` ([{name, dtype, shape}]) is what the trainer will send; every chunk's layout is checked
+        against it. Unless ``partial``, it must cover each engine's full parameter set where that is known;
+        a partial update needs intact (clean) weights on every engine. Refusals change nothing.
+        """
         async with self._exclusive("open_weights"):
+            await self._lapse_if_idle()
             if self.session is not None and self.session.state is SessionState.OPEN:
-                raise TransitionRejected(f"weight session {self.session.id} is already open")
+                idle = self.session.idle_for()
+                raise TransitionRejected(
+                    f"weight session {self.session.id} is already open (idle {idle:.1f}s; it expires after "
+                    f"{self.session.idle_s}s without a chunk, or abort it)", state=self.node.snapshot())
             step = self.node.step if step is None else step
             bad = [e.state.describe() for e in self.engines.values()
                    if e.state.generation is not Generation.PAUSED or not e.state.resident(MemoryTag.WEIGHTS)]
@@ -579,56 +611,133 @@ class Daemon:
                 raise TransitionRejected(
                     "cannot open a weight session: every engine must be paused with weights resident "
                     "(enter 'sync' first): " + "; ".join(bad), state=self.node.snapshot())
+            try:
+                declared = manifest_from_json(manifest) if manifest is not None else None
+            except (KeyError, TypeError, ValueError) as exc:
+                raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
+            if partial:
+                discarded = [e.state.describe() for e in self.engines.values()
+                             if e.state.weights is not WeightsState.CLEAN]
+                if discarded:
+                    raise TransitionRejected(
+                        "a partial update needs intact weights, but weights were discarded (released, or an "
+                        "update was abandoned): push every tensor (partial: false): " + "; ".join(discarded),
+                        state=self.node.snapshot())
             await self._require_attached()
             need = max((e.config.tp_size for e in self.engines.values()), default=1)
             ranks = need if ranks is None else ranks
             if ranks < need:
-                raise TransitionRejected(f"ranks={ranks} but engines need {need} (their largest tp_size)")
+                raise RequestInvalid(f"ranks={ranks} but engines need {need} (their largest tp_size)", field="ranks")
             trace = Trace(step, "weights")
             t = self._timeouts()
+            required = await self._parameter_sets(trace, t.default_s)
+            if declared is not None:
+                self._check_declared(declared, required, partial)
+            session = WeightSession(
+                step=step, version=version, ranks=ranks, engines=list(self.engines.values()),
+                depth=depth or self._pipeline_depth(), chunk_timeout_s=t.for_step("chunk"),
+                trace=trace, metrics=self.metrics, manifest=declared, partial=partial,
+                idle_s=t.for_step("session_idle"))
+            session.required = required
+            session.prior = {n: e.state.weights for n, e in self.engines.items()}
 
             async def begin(engine: EngineHandle) -> None:
                 await ops.timed_call(engine, trace, self.metrics, "begin_weight_update", t.default_s,
-                                 engine.adapter.begin_weight_update())
+                                     engine.adapter.begin_weight_update(session_id=session.id))
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
 
             try:
                 await self._each(trace, "weights", begin)
             except BaseException:
-                await self._close_engines_update(trace, committed=False)
+                await self._close_engines_update(trace, committed=False, session=session)
                 raise
-            self.session = WeightSession(
-                step=step, version=version, ranks=ranks, engines=list(self.engines.values()),
-                depth=depth or self._pipeline_depth(), chunk_timeout_s=t.for_step("chunk"),
-                trace=trace, metrics=self.metrics)
-            return self.session
+            if self.session is not None:
+                self._gone[self.session.id] = self.session
+                while len(self._gone) > 64:
+                    self._gone.popitem(last=False)
+            self.session = session
+            session.touch()
+            return session
+
+    async def _parameter_sets(self, trace: Trace, budget_s: float) -> dict[str, Manifest | None]:
+        """Each engine's full parameter set: from the engine where it can list them, else the last complete
+        push (None when neither is known: the daemon cannot tell what complete means)."""
+        sets: dict[str, Manifest | None] = {}
+        for name, engine in self.engines.items():
+            query = getattr(engine.adapter, "parameter_manifest", None)
+            items = None
+            if query is not None:
+                items = await ops.timed_call(engine, trace, self.metrics, "parameter_manifest", budget_s, query())
+            sets[name] = manifest_from_json(items) if items is not None else self.complete_manifest
+        return sets
+
+    def _check_declared(self, declared: Manifest, required: dict[str, Manifest | None], partial: bool) -> None:
+        """Refuse a manifest that cannot make a complete (or, partial, a consistent) update: 422 before acting."""
+        for name, params in required.items():
+            if params is None:
+                continue
+            unknown = [n for n in declared if n not in params]
+            wrong = [f"{n!r} is {m.describe()}, the engine has {params[n].describe()}"
+                     for n, m in declared.items() if n in params and m != params[n]]
+            missing = [] if partial else [n for n in params if n not in declared]
+            if unknown or wrong or missing:
+                why = []
+                if missing:
+                    clean = all(e.state.weights is WeightsState.CLEAN for e in self.engines.values())
+                    why.append(f"missing {name_some(missing)}: " + (
+                        "a session that updates only some tensors must say partial: true" if clean else
+                        "weights were discarded (released, or an update was abandoned), so every tensor must be "
+                        "pushed"))
+                if unknown:
+                    why.append(f"not parameters of engine {name!r}: {name_some(unknown)}")
+                if wrong:
+                    why.append("; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+                raise RequestInvalid(
+                    f"manifest does not fit engine {name!r} ({len(params)} parameters, {len(declared)} declared): "
+                    + "; ".join(why), field="manifest")
 
     def _session(self, session_id: str) -> WeightSession:
-        if self.session is None or self.session.id != session_id:
-            raise NotFound(f"no weight session {session_id!r}"
-                           + (f" (current: {self.session.id}, {self.session.state.value})" if self.session else ""))
-        return self.session
+        if self.session is not None and self.session.id == session_id:
+            return self.session
+        if (gone := self._gone.get(session_id)) is not None:
+            return gone
+        raise NotFound(f"no weight session {session_id!r}"
+                       + (f" (current: {self.session.id}, {self.session.state.value})" if self.session else ""))
+
+    def session_stats(self, session_id: str) -> dict[str, Any]:
+        return self._session(session_id).stats()
 
     async def submit_chunk(self, session_id: str, seq: int, part: RankPayload) -> ChunkAck:
         session = self._session(session_id)
         try:
             return await session.submit(seq, part)
-        except WeightSyncError:
-            await self._finish_failed(session)
-            raise
+        finally:
+            if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
+                await self._finish_failed(session)
 
     async def commit_weights(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
         session = self._session(session_id)
+        if session.state is not SessionState.OPEN:
+            raise SessionGone(f"weight session {session.id} is {session.state.value}"
+                              + (f": {session.error}" if session.error else ""),
+                              session_id=session.id, state=session.state.value)
         async with self._exclusive("commit_weights"):
+            session.touch()
             self.weight_groups.check_settled(session)
             try:
                 await session.drain(num_chunks)
+            except RequestInvalid:
+                raise  # the trainer's gap: the session stays open (send the chunk, or abort)
             except BaseException:
                 await session.fail(WeightSyncError("commit failed"))
-                await self._close_engines_update(session.trace, committed=False)
+                await self._close_session(session)
                 raise
+            self._check_complete(session)
             await self._close_engines_update(session.trace, committed=True, version=session.version)
             session.state = SessionState.COMMITTED
+            session.closed = True
+            if not session.partial:
+                self._record_complete(session)
             self.metrics.weight_sessions.labels("committed").inc()
             session.trace.finish("committed", bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                                  version=session.version)
@@ -638,9 +747,63 @@ class Daemon:
                     "engines": {n: e.state.snapshot() for n, e in self.engines.items()},
                     "trace": session.trace.to_json()}
 
+    def _check_complete(self, session: WeightSession) -> None:
+        """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
+        required, prior = session.required, session.prior
+        for name in self.engines:
+            sent = session.sent_names(name)
+            if session.manifest is not None and sent is not None:
+                unsent = [n for n in session.manifest if n not in sent]
+                if unsent:
+                    raise RequestInvalid(
+                        f"cannot commit session {session.id}: engine {name!r} never received "
+                        f"{name_some(unsent)}, declared in the manifest; send them or abort", field="manifest")
+            params = required.get(name)
+            discarded = prior.get(name) is not WeightsState.CLEAN
+            if sent is None:
+                if discarded and params is not None:
+                    raise RequestInvalid(
+                        f"cannot commit session {session.id}: engine {name!r} lost its weights and the chunks "
+                        "carried no layout the daemon can read; open the session with a manifest", field="manifest")
+                continue
+            if params is None or session.partial:
+                continue
+            missing = [n for n in params if n not in sent]
+            if missing:
+                raise RequestInvalid(
+                    f"cannot commit session {session.id}: engine {name!r} has {len(params)} parameters and "
+                    f"{'its weights were discarded, so ' if discarded else ''}a complete update must cover "
+                    f"them all; missing {name_some(missing)}. Send them, or abort "
+                    + ("(a partial update needs intact weights)" if discarded
+                       else "(open with partial: true to update only some tensors)"), field="manifest")
+
+    def _record_complete(self, session: WeightSession) -> None:
+        """Remember what a complete push carried: the reference for the next one after a discard."""
+        manifest = session.manifest if session.manifest is not None else (session.delivered or None)
+        if manifest is None:
+            return
+        self.complete_manifest = dict(manifest)
+        if self._manifest_file is not None:
+            tmp = self._manifest_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"version": session.version, "step": session.step,
+                                       "tensors": manifest_to_json(manifest)}))
+            os.replace(tmp, self._manifest_file)
+
+    def _read_manifest_file(self) -> Manifest | None:
+        if self._manifest_file is None or not self._manifest_file.exists():
+            return None
+        try:
+            return manifest_from_json(json.loads(self._manifest_file.read_text())["tensors"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable %s: %s", self._manifest_file, exc)
+            return None
+
     async def abort_weights(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
         session = self._session(session_id)
-        await session.abort(reason)
+        if session.state is SessionState.COMMITTED:
+            raise TransitionRejected(f"weight session {session.id} is committed (version {session.version!r}); "
+                                     "it cannot be aborted", state=self.node.snapshot())
+        await session.abort(reason)  # no-op if it already ended (aborted, failed, expired)
         await self._finish_failed(session)
         return session.stats()
 
@@ -648,33 +811,88 @@ class Daemon:
         if session.closed:
             return
         async with self._lock:
-            await self._finish_failed_locked(session)
+            self._busy_with = f"close_weights:{session.id}"
+            try:
+                await self._close_session(session)
+            finally:
+                self._busy_with = None
+        self._refresh_gauges()
 
-    async def _finish_failed_locked(self, session: WeightSession) -> None:
+    async def _close_session(self, session: WeightSession) -> None:
+        """End an uncommitted session (caller holds the lock): wait for its engine calls, end the engines'
+        updates (engines stay paused, weights stale where any chunk may have landed), unlink the shared-memory
+        segments its chunks named."""
         if session.closed:
             return
         session.closed = True
-        await self._close_engines_update(session.trace, committed=False)
+        t = self._timeouts()
+        session.tainted = await session.quiesce(t.for_step("quiesce"))
+        if session.tainted:
+            log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
+                        session.id, session.tainted, t.for_step("quiesce"))
+        await self._close_engines_update(session.trace, committed=False, session=session)
+        # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
+        # keeps its mappings valid and finds them already gone when it releases them.
+        _unlink_segments(session.shm_names)
         self.metrics.weight_sessions.labels(session.state.value).inc()
         session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                              version=session.version)
         self.traces.put(session.trace)
-        self._refresh_gauges()
 
-    async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None) -> None:
-        """End the engines' update sessions. Uncommitted: engines stay paused, weights marked stale."""
+    async def _lapse_if_idle(self) -> None:
+        """Expire the open session if its lease ran out (caller holds the lock)."""
+        session = self.session
+        if session is not None and session.expired():
+            log.warning("weight session %s expired after %.1fs without a chunk", session.id, session.idle_for())
+            await session.expire()
+            await self._close_session(session)
+
+    async def _lease_loop(self) -> None:
+        """Expire idle sessions and close failed ones nobody is waiting on, without any caller's help."""
+        while not self._stopping.is_set():
+            session = self.session
+            idle_s = session.idle_s if session is not None and session.idle_s else 1.0
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(max(idle_s / 4, 0.05), 1.0)):
+                    await self._stopping.wait()
+            session = self.session
+            if self._stopping.is_set() or session is None or session.closed or self._lock.locked():
+                continue
+            if session.state is SessionState.OPEN and not session.expired():
+                continue
+            try:
+                async with self._lock:
+                    self._busy_with = f"close_weights:{session.id}"
+                    try:
+                        await self._lapse_if_idle()
+                        if session.state is not SessionState.OPEN:
+                            await self._close_session(session)
+                    finally:
+                        self._busy_with = None
+            except Exception:  # keep the loop alive: the next round (or the next open) retries
+                log.exception("closing weight session %s failed", session.id)
+            self._refresh_gauges()
+
+    async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None,
+                                    session: WeightSession | None = None) -> None:
+        """End the engines' update sessions. Uncommitted: engines stay paused; weights are stale unless the
+        session never touched them (no chunk started there, none abandoned)."""
         t = self._timeouts()
+        prior = session.prior if session is not None else {}
 
         async def one(engine: EngineHandle) -> None:
             if engine.state.weights is not WeightsState.UPDATING:
                 return
             if not committed:
-                engine.state = engine.state.with_(weights=WeightsState.STALE)
+                untouched = (session is not None and not session.touched(engine.name)
+                             and engine.name not in session.tainted)
+                engine.state = engine.state.with_(
+                    weights=prior.get(engine.name, WeightsState.STALE) if untouched else WeightsState.STALE)
             await ops.timed_call(engine, trace, self.metrics, "end_weight_update", t.default_s,
-                             engine.adapter.end_weight_update())
+                                 engine.adapter.end_weight_update())
             if committed and version is not None:
                 await ops.timed_call(engine, trace, self.metrics, "set_weight_version", t.default_s,
-                                 engine.adapter.set_weight_version(version))
+                                     engine.adapter.set_weight_version(version))
                 engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
 
         if committed:
@@ -712,10 +930,18 @@ class Daemon:
     async def broadcast_weights(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
         """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
         session = self._session(session_id)
+        if session.state is not SessionState.OPEN:
+            raise SessionGone(f"weight session {session.id} is {session.state.value}",
+                              session_id=session.id, state=session.state.value)
+        session.touch()
         try:
-            return await self.weight_groups.broadcast(session, list(self.engines.values()), descriptor,
-                                                      self._timeouts())
+            reply = await self.weight_groups.broadcast(session, list(self.engines.values()), descriptor,
+                                                       self._timeouts())
+            session.note_delivered(descriptor.names, (TensorMeta(d, tuple(s)) for d, s in
+                                                      zip(descriptor.dtypes, descriptor.shapes, strict=True)))
+            return reply
         finally:
+            session.touch()
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
 
@@ -745,6 +971,15 @@ class Daemon:
                 m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
             m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
         refresh_gpu_metrics(m, self._probe, self.engines.values())
+
+
+def _unlink_segments(names: set[str]) -> None:
+    """Remove the /dev/shm segments an uncommitted session's chunks named (names were checked when the chunks
+    arrived; a segment the trainer already removed is simply gone)."""
+    for name in sorted(names):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join("/dev/shm", name))
+            log.info("unlinked shared-memory segment %s of an expired weight session", name)
 
 
 def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None) -> None:

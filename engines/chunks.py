@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import secrets
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +21,16 @@ import torch
 
 __all__ = [
     "DTYPES",
+    "MAX_LAYOUT_ENTRIES",
+    "SHM_NAME_PATTERN",
     "ChunkLayout",
+    "HandleError",
     "SharedSegment",
     "TensorSpec",
     "dtype_from_name",
     "dtype_name",
     "flatten_into",
+    "inspect_handle",
     "plan_buckets",
     "tensor_checksum",
     "unflatten",
@@ -245,3 +251,73 @@ class SharedSegment:
             os.unlink(os.path.join(_SHM_DIR, self.name))
         except FileNotFoundError:
             pass
+
+
+# What a trainer-supplied handle may name: a plain /dev/shm file name (no path, no leading dot).
+SHM_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+MAX_LAYOUT_ENTRIES = 65536  # more tensors than any model has in one chunk; bounds the daemon's parsing
+
+
+class HandleError(ValueError):
+    """A chunk handle that no engine could read; ``field`` names the part at fault."""
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> ChunkLayout | None:
+    """Check what can be checked of a chunk handle on this node, before any engine sees it.
+
+    shm: the name is a plain segment name, the segment exists and holds ``nbytes``, the layout fits in
+    it; ipc_ring: the layout fits in ``nbytes``; disk: an absolute path to a regular file; cuda_ipc: a
+    base64 string. Returns the layout where the handle carries one (shm, ipc_ring), else None.
+    """
+    if transport == "shm":
+        name = handle.get("shm_name")
+        if not isinstance(name, str) or not SHM_NAME_PATTERN.match(name):
+            raise HandleError(f"shm_name {name!r} is not a plain shared-memory segment name "
+                              f"(pattern {SHM_NAME_PATTERN.pattern})", field="handle.shm_name")
+        try:
+            size = os.stat(os.path.join(_SHM_DIR, name)).st_size
+        except FileNotFoundError:
+            raise HandleError(f"no shared-memory segment {name!r} on this node", field="handle.shm_name") from None
+        if size < nbytes:
+            raise HandleError(f"segment {name!r} holds {size} bytes but the chunk says nbytes={nbytes}",
+                              field="nbytes")
+        return _layout(handle, nbytes)
+    if transport == "ipc_ring":
+        # Zero-copy ring entries point into registered storages of their own size, not into nbytes.
+        return _layout(handle, None)
+    if transport == "disk":
+        path = handle.get("path")
+        if not isinstance(path, str) or not os.path.isabs(path) or not os.path.isfile(path):
+            raise HandleError(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
+        return None
+    if transport == "cuda_ipc":
+        if not isinstance(handle.get("payload_b64"), str):
+            raise HandleError("a cuda_ipc handle carries its payload as a 'payload_b64' string",
+                              field="handle.payload_b64")
+        return None
+    raise HandleError(f"unknown transport {transport!r}", field="transport")
+
+
+def _layout(handle: dict[str, Any], nbytes: int | None) -> ChunkLayout:
+    items = handle.get("layout")
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise HandleError("layout must be a list of {name, dtype, shape, offset} objects", field="handle.layout")
+    if len(items) > MAX_LAYOUT_ENTRIES:
+        raise HandleError(f"layout has {len(items)} entries; at most {MAX_LAYOUT_ENTRIES} per chunk",
+                          field="handle.layout")
+    try:
+        if nbytes is None:
+            layout = ChunkLayout(tuple(TensorSpec.from_json(i) for i in items), 0)
+        else:
+            layout = ChunkLayout.from_json(items, nbytes)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HandleError(f"layout: {type(exc).__name__}: {exc}", field="handle.layout") from None
+    names = [t.name for t in layout.tensors]
+    if len(set(names)) != len(names):
+        dup = sorted(n for n, k in Counter(names).items() if k > 1)[:3]
+        raise HandleError(f"layout names tensors more than once: {dup}", field="handle.layout")
+    return layout

@@ -102,6 +102,7 @@ class ReferenceEngine:
         # Memory, weight and flush operations run one at a time, as SGLang's scheduler runs them.
         self._control_lock = asyncio.Lock()
         self._session_selector: str | None = None
+        self._session_id: str | None = None  # colocd extension: the daemon's session, checked per chunk
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
         self._rings = RingTable()  # ipc_ring slots opened once, kept for the engine's lifetime
@@ -509,21 +510,33 @@ class ReferenceEngine:
             async with self._update_lock.writer():
                 yield
 
-    async def begin_weight_update(self, selector: str) -> tuple[bool, str]:
+    async def begin_weight_update(self, selector: str, session: str | None = None) -> tuple[bool, str]:
         self._running()
-        async with self._model_update():
+        # The control lock: a load still running (of a session whose caller gave up) finishes first.
+        async with self._model_update(), self._control_lock:
             if self._session_selector is not None:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             self._session_selector = selector
+            self._session_id = session
             return True, "Success"
 
     async def end_weight_update(self) -> tuple[bool, str]:
         self._running()
-        async with self._model_update():
+        # Under the control lock: once this returns, no load of the ended session runs or can start.
+        async with self._model_update(), self._control_lock:
             if self._session_selector is None:
                 return False, "no weight-update session is open; call begin_weight_update() first"
             self._session_selector = None
+            self._session_id = None
             return True, "Success"
+
+    def parameter_manifest(self) -> list[dict[str, Any]] | None:
+        """What a complete update must carry; None in benchmark mode (chunks land in the sink, not the model)."""
+        _, _, model = self._running()
+        if self._sink is not None:
+            return None
+        return [{"name": n, "dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)}
+                for n, p in model.named_parameters()]
 
     async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorBody) -> tuple[bool, str]:
         """Load one chunk (entry 0: TP size 1); a bad chunk applies nothing and says why."""
@@ -545,6 +558,15 @@ class ReferenceEngine:
                 return False, (
                     "memory tag 'weights' is released; resume it (/resume_memory_occupation "
                     '{"tags": ["weights"]}) before loading weights'
+                )
+            # Checked under the lock, just before applying: a chunk that waited here while its session
+            # ended (or another began) must not land in the next one.
+            if body.colocd_session is not None and self.settings.protocol != "legacy" and (
+                self._session_selector is None or body.colocd_session != self._session_id
+            ):
+                return False, (
+                    f"chunk of weight-update session {body.colocd_session!r}, but the open session is "
+                    f"{self._session_id!r}; nothing applied"
                 )
             async with scheduler.hold():
                 try:

@@ -239,6 +239,12 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
         """colocd extension: per-tag {resident, nbytes, resident_nbytes}, RSS, CUDA counters."""
         return engine.memory_report()
 
+    @router.get("/colocd/parameters")
+    async def colocd_parameters() -> dict[str, Any]:
+        """colocd extension: the full parameter set [{name, dtype, shape}], what a complete update must cover
+        (null in benchmark mode, where chunks land in a sink)."""
+        return {"parameters": engine.parameter_manifest()}
+
     @router.get("/colocd/sink")
     async def colocd_sink() -> dict[str, Any]:
         """colocd extension (benchmark mode): per-tensor device checksums of the weight sink."""
@@ -317,7 +323,7 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
 
         @router.post("/begin_weight_update")
         async def begin(body: BeginWeightUpdateBody) -> JSONResponse:
-            return _success(*await engine.begin_weight_update(body.selector))  # http_server.py:1458
+            return _success(*await engine.begin_weight_update(body.selector, body.colocd_session))  # :1458
 
         @router.post("/end_weight_update")
         async def end(body: EndWeightUpdateBody) -> JSONResponse:

@@ -53,9 +53,10 @@ class MemoryTagsBody(_Body):
 
 
 class BeginWeightUpdateBody(_Body):
-    """io_struct.py:2197 BeginWeightUpdateReqInput."""
+    """io_struct.py:2197 BeginWeightUpdateReqInput; ``colocd_session`` is colocd's extension."""
 
     selector: Selector = "all"
+    colocd_session: str | None = None  # the daemon's session id: chunks of any other one are refused
 
 
 class EndWeightUpdateBody(_Body):
@@ -72,6 +73,7 @@ class UpdateWeightsFromTensorBody(_Body):
     weight_version: str | None = None
     selector: Selector = "all"
     torch_empty_cache: bool = False
+    colocd_session: str | None = None  # colocd extension: refused unless it is the open session's id
 
 
 class UpdateWeightVersionBody(_Body):

@@ -162,12 +162,23 @@ class SGLangAdapter:
         await self._call("POST", request.ROUTE, "resume_memory_occupation", wire.body(request, self.protocol))
         return ReleaseReport(tags)
 
-    async def begin_weight_update(self) -> None:
+    @property
+    def _is_reference(self) -> bool:
+        return bool(self._info is not None and self._info.extra.get("colocd_reference"))
+
+    def _with_session(self, body: dict[str, Any], session_id: str | None) -> dict[str, Any]:
+        """The reference engine carries the daemon's session id on begin and on every chunk, and refuses a
+        chunk of any other session (a late chunk of a closed one). SGLang has no such field: not sent."""
+        if session_id is not None and self._is_reference and self.protocol.weight_update_session:
+            return {**body, "colocd_session": session_id}
+        return body
+
+    async def begin_weight_update(self, session_id: str | None = None) -> None:
         if self.protocol.weight_update_session:
             request = wire.BeginWeightUpdateReqInput(selector="all")
-            self._check_success(
-                await self._call("POST", request.ROUTE, "begin_weight_update", wire.body(request, self.protocol)),
-                "begin_weight_update")
+            body = self._with_session(wire.body(request, self.protocol), session_id)
+            self._check_success(await self._call("POST", request.ROUTE, "begin_weight_update", body),
+                                "begin_weight_update")
 
     async def load_weights(self, load: WeightsLoad) -> None:
         request = wire.UpdateWeightsFromTensorReqInput(
@@ -177,9 +188,24 @@ class SGLangAdapter:
             abort_all_requests=False,
             weight_version=load.weight_version,
         )
-        response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}",
-                                    wire.body(request, self.protocol))
+        body = self._with_session(wire.body(request, self.protocol), load.session_id)
+        response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}", body)
         self._check_success(response, f"update_weights_from_tensor#{load.seq}")
+
+    async def parameter_manifest(self) -> list[dict[str, Any]] | None:
+        """The reference engine lists its parameters (colocd extension); SGLang cannot tell: None."""
+        if not self._is_reference:
+            return None
+        data = self._json(await self._call("GET", "/colocd/parameters", "colocd/parameters"),
+                          self.name, "colocd/parameters")
+        if not isinstance(data, dict) or "parameters" not in data:
+            raise EngineProtocolError(self.name, f"colocd/parameters: expected {{parameters: [...]}}, "
+                                                 f"got {data!r:.200}")
+        params = data["parameters"]
+        if params is not None and not isinstance(params, list):
+            raise EngineProtocolError(self.name, f"colocd/parameters: expected {{parameters: [...]}}, "
+                                                 f"got {data!r:.200}")
+        return params
 
     async def end_weight_update(self) -> None:
         if self.protocol.weight_update_session:

@@ -123,7 +123,7 @@ async def test_abort_between_broadcasts_keeps_the_old_version_paused_and_the_gro
         # Refused before anything reaches an engine, so no collective is left waiting.
         with pytest.raises(ColocdHTTPError) as err:
             await client.send_broadcast(session, descriptor(2, named[5:6]))
-        assert err.value.status == 502 and "aborted" in err.value.body["message"]
+        assert err.value.status == 410 and "aborted" in err.value.body["message"]
         with pytest.raises(ColocdHTTPError) as err:
             await client.send_broadcast(session, descriptor(0, [("a", torch.zeros(3, dtype=torch.int8)),
                                                                 ("b", torch.zeros(2))], load_format="flattened_bucket"))

@@ -59,10 +59,11 @@ async def client(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncCli
 
 
 async def _engine_memory(engine: ReferenceEngineProcess) -> dict[str, Any]:
+    """Which tags the engine holds and their bytes (not the process RSS, which moves on its own)."""
     async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
         r = await http.get(f"{engine.url}/colocd/memory")
         r.raise_for_status()
-        return dict(r.json())
+        return dict(r.json()["tags"])
 
 
 def _is_error(response: httpx.Response, status: int, *, field: str | None = None) -> dict[str, Any]:

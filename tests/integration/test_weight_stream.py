@@ -23,7 +23,7 @@ from colocd.api.bench import BenchSettings, run_weights_bench
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.engine_ops import EngineHandle
-from colocd.daemon.errors import ChunkTimeout, WeightSyncError
+from colocd.daemon.errors import ChunkTimeout, PayloadRejected, SessionGone, WeightSyncError
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineState
 from colocd.daemon.trace import Trace
@@ -109,7 +109,9 @@ def _session(
 
 
 def _part(rank: int, seq: int, **handle: Any) -> RankPayload:
-    return RankPayload(rank=rank, transport="shm", nbytes=100, handle={"data": f"r{rank}c{seq}", **handle})
+    # cuda_ipc: a handle the daemon cannot look into (no layout, no segment), so any payload passes its checks.
+    return RankPayload(rank=rank, transport="cuda_ipc", nbytes=100,
+                       handle={"payload_b64": "", "data": f"r{rank}c{seq}", **handle})
 
 
 async def _settle() -> None:
@@ -168,7 +170,7 @@ async def test_a_rank_that_never_sends_its_part_times_out_naming_it() -> None:
     with pytest.raises(ChunkTimeout, match=r"waiting for chunk 0 from rank 1, which never sent it"):
         await session.submit(0, _part(0, 0))
     assert session.state is SessionState.FAILED
-    with pytest.raises(WeightSyncError, match="failed"):
+    with pytest.raises(SessionGone, match="is failed"):  # a chunk for a failed session: 410
         await session.submit(1, _part(1, 1))
 
 
@@ -180,7 +182,7 @@ async def test_a_missing_part_of_an_earlier_chunk_is_named_by_the_later_chunks_t
         session.submit(1, _part(0, 1)),
         return_exceptions=True,
     )
-    assert all(isinstance(r, WeightSyncError) for r in results)
+    assert all(isinstance(r, WeightSyncError | SessionGone) for r in results)
     assert any(isinstance(r, ChunkTimeout) and "chunk 0 from rank 1" in str(r) for r in results), results
 
 
@@ -201,24 +203,39 @@ async def test_commit_names_a_rank_that_sent_nothing_even_when_no_engine_needs_i
         await session.drain(1)
 
 
-async def test_abort_cancels_in_flight_loads_and_fails_every_waiting_rank() -> None:
+async def test_abort_fails_every_waiting_rank_and_quiesce_names_the_engine_whose_loads_it_abandoned() -> None:
     engine = FakeEngine("slow", gated=True)
     session = _session([engine], ranks=1, depth=2)
     tasks = [asyncio.create_task(session.submit(seq, _part(0, seq))) for seq in range(3)]
     await _settle()
     await session.abort("trainer gave up")
     results = await asyncio.gather(*tasks, return_exceptions=True)
-    assert all(isinstance(r, WeightSyncError) and "trainer gave up" in str(r) for r in results), results
-    await _settle()
-    assert sorted(engine.cancelled) == [0, 1] and engine.loads == []
+    assert all(isinstance(r, WeightSyncError | SessionGone) and "trainer gave up" in str(r) for r in results)
     assert session.state is SessionState.ABORTED
+    await _settle()
+    assert engine.cancelled == []  # the engine's calls are not abandoned by the abort itself
+    assert await session.quiesce(0.05) == ["slow"]  # they never returned: the engine is tainted
+    assert sorted(engine.cancelled) == [0, 1] and engine.loads == []
+
+
+async def test_quiesce_waits_for_a_load_that_returns_late() -> None:
+    engine = FakeEngine("slow", gated=True)
+    session = _session([engine], ranks=1, depth=1)
+    task = asyncio.create_task(session.submit(0, _part(0, 0)))
+    await _settle()
+    await session.abort("trainer gave up")
+    asyncio.get_running_loop().call_later(0.05, engine.release[0].set)
+    assert await session.quiesce(5.0) == []  # returned within the budget: nothing tainted
+    assert [seq for seq, _, _ in engine.loads] == [0] and engine.cancelled == []
+    assert isinstance(await asyncio.gather(task, return_exceptions=True), list)
 
 
 async def test_an_engine_failure_fails_the_session_for_every_rank() -> None:
     session = _session([FakeEngine("bad", fail_at=1)], ranks=1)
     results = await asyncio.gather(*(session.submit(s, _part(0, s)) for s in range(3)), return_exceptions=True)
     assert not isinstance(results[0], BaseException)
-    assert isinstance(results[1], WeightSyncError) and "boom" in str(results[1])
+    # The engine answered 400 to the chunk: the caller's payload, 422 with the engine's words.
+    assert isinstance(results[1], PayloadRejected) and "boom" in str(results[1]) and results[1].engine == "bad"
     assert session.state is SessionState.FAILED and "boom" in str(session.error)
 
 
@@ -318,7 +335,7 @@ async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared
         aborted = await client.abort(sid)
         with pytest.raises(ColocdHTTPError) as err:
             await stream
-        assert err.value.status == 502 and "aborted" in err.value.body["message"]
+        assert err.value.status == 410 and "aborted" in err.value.body["message"]
         assert aborted["state"] == "aborted"
 
         engine = (await client.status())["engines"]["ref0"]
