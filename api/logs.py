@@ -48,3 +48,5 @@ def configure_logging(level: str, fmt: str) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # httpx logs every request at INFO: the health loop's observations would drown the daemon's own lines.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))

@@ -38,7 +38,8 @@ class Timeouts(BaseModel):
     resume_s: float | None = Field(None, gt=0)
     chunk_s: float | None = Field(None, gt=0, description="one chunk: gather from all ranks + engine load")
     memory_confirm_s: float | None = Field(None, gt=0, description="NVML wait for released bytes")
-    health_s: float | None = Field(5.0, gt=0)
+    health_s: float | None = Field(5.0, gt=0, description="interval of the health loop's observations")
+    observe_s: float | None = Field(None, gt=0, description="one observation of one engine (default: default_s)")
     session_idle_s: float | None = Field(
         60.0, gt=0, description="a weight session with no chunk, commit or engine load for this long expires "
                                 "(the trainer is presumed gone): aborted, its shm segments unlinked")

@@ -33,6 +33,11 @@ class EngineHandle:
     info: EngineInfo | None = None
     # Bytes each tag freed the last time it was released: the next release's NVML expectation.
     learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
+    # Reconciliation (daemon/reconcile.py): observed at least once by this daemon; and whether it
+    # lost sight of the engine since (a failed probe, or its record came from the journal).
+    observed_once: bool = False
+    lost_sight: bool = False
+    restart_counted: str | None = None  # the incarnation last counted in colocd_engine_restarts_total
 
     @property
     def name(self) -> str:
@@ -83,7 +88,14 @@ async def flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeout
             await asyncio.sleep(delay)  # backoff between retries of a refused flush
             delay = min(delay * 2, 1.0)
 
-    await timed_call(engine, trace, metrics, "flush_cache", budget, _retrying())
+    try:
+        await timed_call(engine, trace, metrics, "flush_cache", budget, _retrying())
+    except StepTimeout as exc:
+        # The policy for a flush the engine keeps refusing is "wait, within a budget that says so".
+        raise StepTimeout(f"{exc}: the engine kept requests running (e.g. ones queued while it slept, which "
+                          "start when it wakes); raise timeouts.flush_s or abort them, then retry the step",
+                          engine=exc.engine or engine.name, step=exc.step or "flush_cache",
+                          budget_s=exc.budget_s) from exc.__cause__
 
 
 async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,

@@ -98,9 +98,12 @@ class Metrics:
             "colocd_engine_weights_state", "1 for the engine's current weights state (clean, updating, stale), "
             "0 for the others", ["engine", "state"], registry=r)
         self.engine_restarts = Counter(
-            "colocd_engine_restarts", "Engine restarts the daemon observed (a new incarnation)", ["engine"], registry=r)
+            "colocd_engine_restarts",
+            "Engine restarts the daemon observed (a new incarnation, or one it could not rule out)",
+            ["engine"], registry=r)
         self.reconcile_actions = Counter(
-            "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state",
+            "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state "
+            "(adopt, pause, release, end_engine_session, fail_session)",
             ["engine", "action"], registry=r)
         self._version = 1  # bumped by changed(); the rendering below is of _rendered_version
         self._rendered = b""

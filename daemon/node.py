@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from ..engines.base import EngineAdapter, MemoryTag, PauseMode, RankPayload
+from ..engines.base import EngineAdapter, MemoryTag, Observation, PauseMode, RankPayload
+from ..engines.errors import EngineRejected
 from ..engines.registry import build_adapter
 from . import engine_ops as ops
 from .config import NodeConfig
@@ -43,6 +44,7 @@ from .journal import Journal
 from .memory import NvmlProbe, open_probe
 from .metrics import Metrics
 from .policy_runtime import EffectiveTimeouts, PolicyRuntime
+from .reconcile import Action, Plan, plan_reconcile
 from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
 from .steps import StepBook
 from .trace import Span, Trace, TraceStore
@@ -116,6 +118,12 @@ class Daemon:
         # Reads are served from snapshots: _changed() marks what status() and /metrics show as stale.
         self._state_version = 0
         self._status_cache: tuple[tuple[Any, ...], bytes] | None = None
+        # Reconciliation (daemon/reconcile.py): engines whose journal record is not yet checked
+        # against the engine (mutating calls are refused meanwhile), and what was found and done.
+        self._unreconciled: set[str] = set()
+        self._reconciling = False
+        self._reconcile_reports: dict[str, dict[str, Any]] = {}
+        self._startup_report: dict[str, Any] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
@@ -130,8 +138,11 @@ class Daemon:
             self.engines[cfg.name] = EngineHandle(adapter=adapter, config=cfg, state=state)
         if self._probe is None and any(e.gpus for e in self.engines.values()):
             self._probe = open_probe()
-        self._restore_journal()
-        await asyncio.gather(*(self._attach(e) for e in self.engines.values()))
+        restored = self._restore_journal()
+        await asyncio.gather(*(self._reconcile_engine(e, "startup") for e in self.engines.values()))
+        self._startup_report = {"journal_restored": restored, "unreconciled": sorted(self._unreconciled),
+                                "engines": {n: self._reconcile_reports.get(n) for n in self.engines}}
+        log.info("startup reconciliation (journal restored: %s): %s", restored, self._startup_report["engines"])
         self.lifecycle = DaemonState.RUNNING
         self._start(self._health_loop())
         self._start(self._lease_loop())
@@ -169,27 +180,8 @@ class Daemon:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _attach(self, engine: EngineHandle) -> bool:
-        try:
-            async with asyncio.timeout(self.config.timeouts.for_step("health")):
-                info = await engine.adapter.attach()
-        except (EngineError, TimeoutError) as exc:
-            message = str(exc) if isinstance(exc, EngineError) else f"engine {engine.name!r}: attach timed out"
-            engine.state = engine.state.with_(healthy=False, last_error=message)
-            log.warning("attach failed: %s", message)
-            return False
-        engine.info = info
-        recorded = engine.state.weight_version
-        engine.state = engine.state.with_(healthy=True, last_error=None,
-                                          weight_version=recorded if recorded is not None else info.weight_version)
-        if recorded is not None and info.weight_version != recorded:
-            # The journal and the engine disagree (restarted engine?): its weights are not what we recorded.
-            engine.state = engine.state.with_(weights=WeightsState.STALE,
-                                              last_error=f"engine reports weight version {info.weight_version!r}, "
-                                                         f"journal says {recorded!r}")
-        return True
-
     async def _health_loop(self) -> None:
+        """Every health interval, observe each engine and drive it toward the desired state."""
         interval = self.config.timeouts.for_step("health")
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
@@ -199,23 +191,124 @@ class Daemon:
                 return
             await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
             if self._lock.locked():
-                continue  # never probe mid-transition
-            for engine in self.engines.values():
-                if engine.info is None:
-                    await self._attach(engine)
-                    continue
-                try:
-                    async with asyncio.timeout(interval):
-                        await engine.adapter.health()
-                    engine.state = engine.state.with_(healthy=True)
-                except (EngineError, TimeoutError) as exc:
-                    engine.state = engine.state.with_(healthy=False, last_error=str(exc) or "health timed out")
+                continue  # a transition in progress reconciles before it acts
+            async with self._reconcile_lock("health"):
+                await self._reconcile_all("health")
             self._refresh_gauges()
 
-    def _restore_journal(self) -> None:
+    # -- reconciliation (daemon/reconcile.py decides; this section observes and acts) --------------
+    @contextlib.asynccontextmanager
+    async def _reconcile_lock(self, trigger: str) -> Any:
+        """The transition lock, held by a background reconcile; transitions wait for it (no 409)."""
+        async with self._lock:
+            self._busy_with, self._reconciling = f"reconcile:{trigger}", True
+            try:
+                yield
+            finally:
+                self._busy_with, self._reconciling = None, False
+
+    async def _reconcile_all(self, trigger: str, *, keep_error: bool = False) -> None:
+        await asyncio.gather(*(self._reconcile_engine(e, trigger, keep_error=keep_error)
+                               for e in self.engines.values()))
+
+    def _owns_session(self) -> bool:
+        return self.session is not None and self.session.state is SessionState.OPEN
+
+    async def _observe(self, engine: EngineHandle) -> Observation:
+        budget = self.config.timeouts.for_step("observe")
+        try:
+            async with asyncio.timeout(budget):
+                if engine.info is None:
+                    engine.info = await engine.adapter.attach()
+                return await engine.adapter.observe()
+        except TimeoutError:
+            raise EngineUnreachable(engine.name, f"no answer to observe within {budget:g}s") from None
+
+    async def _reconcile_engine(self, engine: EngineHandle, trigger: str, *, keep_error: bool = False) -> bool:
+        """Observe one engine and drive it toward the desired state; False if it cannot be done now.
+
+        The caller holds the transition lock (or the daemon is starting). ``keep_error``: the
+        record's last_error stays (a refresh right after a failed step keeps that step's error).
+        """
+        try:
+            observed = await self._observe(engine)
+        except EngineError as exc:
+            engine.state = engine.state.with_(healthy=False, last_error=str(exc))
+            engine.lost_sight = engine.lost_sight or engine.observed_once
+            return False
+        recorded = engine.state
+        plan = plan_reconcile(recorded, observed, phase=self.node.phase, owns_session=self._owns_session(),
+                              first_sight=not engine.observed_once and not engine.lost_sight,
+                              lost_sight=engine.lost_sight)
+        engine.state = plan.state
+        trace = Trace(self.node.step, f"reconcile:{engine.name}")
+        try:
+            if plan.restarted:
+                if observed.incarnation is None or observed.incarnation != engine.restart_counted:
+                    self.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
+                    engine.restart_counted = observed.incarnation
+                async with asyncio.timeout(self.config.timeouts.for_step("observe")):
+                    engine.info = await engine.adapter.attach()  # a new process may speak a new version
+            for action in plan.actions:
+                await self._apply(engine, plan, action, trace)
+                self.metrics.reconcile_actions.labels(engine.name, action.value).inc()
+        except (ColocdError, EngineError, TimeoutError) as exc:
+            error = f"reconcile ({trigger}) of engine {engine.name!r} failed: {exc or type(exc).__name__}"
+            # Keep what the engine was recorded as (and its old incarnation), so the next tick plans again.
+            base = recorded if plan.restarted else engine.state
+            engine.state = base.with_(weights=engine.state.weights if not plan.restarted else WeightsState.STALE,
+                                      healthy=True, last_error=error)
+            self._report(engine, trigger, plan, error)
+            trace.finish("reconcile_failed", error=error)  # not "failed": the trainer's step did not fail
+            return False
+        finally:
+            if plan.actions:
+                trace.finish("reconciled", restarted=plan.restarted)
+                self.traces.put(trace)
+        if plan.findings:
+            self.metrics.reconcile_actions.labels(engine.name, "adopt").inc()
+        engine.observed_once, engine.lost_sight = True, False
+        engine.state = engine.state.with_(healthy=True,
+                                          last_error=engine.state.last_error if keep_error else None)
+        self._unreconciled.discard(engine.name)
+        if plan.changes_anything:
+            self._report(engine, trigger, plan, None)
+            self._journal_append(f"reconcile:{engine.name}", self.node.step)
+        return True
+
+    async def _apply(self, engine: EngineHandle, plan: Plan, action: Action, trace: Trace) -> None:
+        t = self._timeouts()
+        if action is Action.FAIL_SESSION and self.session is not None:
+            session = self.session
+            why = plan.reason or "it reports no open weight-update session"
+            await session.fail(WeightSyncError(f"engine {engine.name!r} lost the weight session: {why}"))
+            await self._close_session(session)
+        elif action is Action.END_ENGINE_SESSION:
+            try:
+                await ops.timed_call(engine, trace, self.metrics, "end_weight_update", t.default_s,
+                                     engine.adapter.end_weight_update())
+            except EngineRejected:
+                if not plan.end_session_tolerant:
+                    raise  # the engine said a session was open, yet refuses to end it
+        elif action is Action.PAUSE:
+            # Abort, whatever the policy: anything running now runs on weights that are not committed.
+            await ops.pause(engine, PauseMode.ABORT, trace, self.metrics, t)
+        elif action is Action.RELEASE:
+            await ops.flush(engine, trace, self.metrics, t)
+            await ops.release(engine, plan.release, trace, self.metrics, t, self._probe)
+
+    def _report(self, engine: EngineHandle, trigger: str, plan: Plan, error: str | None) -> None:
+        report = {"trigger": trigger, "at": time.time(), "ok": error is None, "error": error, **plan.snapshot()}
+        self._reconcile_reports[engine.name] = report
+        (log.warning if plan.restarted or error else log.info)(
+            "reconcile %s engine %r: restarted=%s (%s) findings=%s actions=%s%s", trigger, engine.name,
+            plan.restarted, plan.reason, list(plan.findings), [a.value for a in plan.actions],
+            f" FAILED: {error}" if error else "")
+
+    def _restore_journal(self) -> bool:
         self.complete_manifest = self._read_manifest_file()
         if self._journal is None or (record := self._journal.last()) is None:
-            return
+            return False
         self.node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
         for name, snap in record.get("engines", {}).items():
             if (engine := self.engines.get(name)) is None:
@@ -223,8 +316,13 @@ class Daemon:
             tags = {MemoryTag(t): ops.TagState(s) for t, s in snap["tags"].items()}
             engine.state = engine.state.with_(
                 tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
-                weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"])
+                weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],
+                incarnation=snap.get("incarnation"))
+            # Not observed since the journal was written: re-verified before any mutating call.
+            engine.lost_sight = True
+            self._unreconciled.add(name)
         log.info("restored node state from journal: %s", self.node.snapshot())
+        return True
 
     # -- queries -----------------------------------------------------------------------------
     def _changed(self) -> None:
@@ -239,6 +337,8 @@ class Daemon:
         return (self._state_version, self.lifecycle, self.node, self._busy_with,
                 *(part for e in self.engines.values() for part in (e.state, e.info)),
                 session, session.stats() if session is not None else None,
+                # reconciliation: the set changes in place (copied); reports are replaced, never edited
+                tuple(sorted(self._unreconciled)), self._startup_report, tuple(self._reconcile_reports.items()),
                 self.policies.active, self.policies.store.pending, self._probe is not None)
 
     def status_json(self) -> bytes:
@@ -261,6 +361,8 @@ class Daemon:
                             "engine_version": e.info.version if e.info else None}
                         for n, e in self.engines.items()},
             "weight_session": self.session.stats() if self.session else None,
+            "reconcile": {"unreconciled": sorted(self._unreconciled), "startup": self._startup_report,
+                          "last": dict(self._reconcile_reports)},
             "policy": policy,
             "nvml": self._probe is not None,
         }
@@ -275,12 +377,19 @@ class Daemon:
     async def _exclusive(self, what: str) -> Any:
         if self.lifecycle is not DaemonState.RUNNING:
             raise TransitionRejected(f"daemon is {self.lifecycle.value}")
-        if self._lock.locked():
+        if self._lock.locked() and not self._reconciling:
             raise TransitionRejected(f"cannot start {what}: {self._busy_with} is in progress",
                                      state=self.node.snapshot())
-        async with self._lock:
+        async with self._lock:  # a background reconcile holding it finishes first
             self._busy_with = what
             try:
+                await self._reconcile_all(f"before {what}")
+                if self._unreconciled:
+                    raise TransitionRejected(
+                        f"cannot start {what}: the daemon restarted and has not yet reconciled engines "
+                        f"{sorted(self._unreconciled)} with its journal: "
+                        + "; ".join(self.engines[n].state.last_error or "not observed" for n in
+                                    sorted(self._unreconciled)), state=self.node.snapshot())
                 yield
             finally:
                 self._busy_with = None
@@ -311,7 +420,7 @@ class Daemon:
                         # caller's mistake (RequestInvalid), and must leave every engine as it was.
                         directives = self._directives(pinned, phase.value, trainer)
                         with trace.timed():
-                            freed = await runner(trace)
+                            freed = await self._refreshed_on_failure(runner(trace), f"{phase.value}@{step}")
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
                     finally:
@@ -339,6 +448,15 @@ class Daemon:
         self._changed()
         return result
 
+    async def _refreshed_on_failure(self, work: Any, what: str) -> Any:
+        """Await ``work``; if it fails, re-observe every engine before the error reaches the caller,
+        so /v1/status says what the engines really are (a timed-out step may have half happened)."""
+        try:
+            return await work
+        except Exception:
+            await self._reconcile_all(f"after failed {what}", keep_error=True)
+            raise
+
     def _directives(self, pinned: Any, phase: str, trainer: dict[str, Any] | None) -> dict[str, Any]:
         try:
             return self.policies.directives(pinned, phase, trainer, self._transports())
@@ -349,9 +467,11 @@ class Daemon:
                                  field=f"trainer.groups.{where}".rstrip(".")) from None
 
     async def _require_attached(self) -> None:
+        """Every engine answered the observation that just ran (``_exclusive``); else 502 naming it."""
         for engine in self.engines.values():
-            if engine.info is None and not await self._attach(engine):
-                raise EngineUnreachable(engine.name, engine.state.last_error or "not attached")
+            if engine.info is None or not engine.state.healthy:
+                message = (engine.state.last_error or "not attached").removeprefix(f"engine {engine.name!r}: ")
+                raise EngineUnreachable(engine.name, message)
 
     async def _each(self, trace: Trace, phase: str, fn: Any,
                     engines: list[EngineHandle] | None = None) -> dict[str, Any]:
@@ -460,8 +580,9 @@ class Daemon:
             t0 = time.perf_counter()
             try:
                 with trace.timed():
-                    freed = await self._each(
-                        trace, "sleep", lambda e: self._quiesce_and_release(e, tags, trace, strict=True), engines)
+                    freed = await self._refreshed_on_failure(self._each(
+                        trace, "sleep", lambda e: self._quiesce_and_release(e, tags, trace, strict=True), engines),
+                        "sleep")
             finally:
                 self.traces.put(trace)
             self._journal_append("sleep", self.node.step)
@@ -490,7 +611,7 @@ class Daemon:
 
             try:
                 with trace.timed():
-                    await self._each(trace, "resume", one, engines)
+                    await self._refreshed_on_failure(self._each(trace, "resume", one, engines), "resume")
             finally:
                 self.traces.put(trace)
             self._journal_append("resume", self.node.step)

@@ -56,7 +56,7 @@ class WeightsState(StrEnum):
 
     CLEAN = "clean"  # the committed version, byte for byte
     UPDATING = "updating"  # a weight session is open; contents are mixed
-    STALE = "stale"  # released and resumed without a full update, or an update was abandoned
+    STALE = "stale"  # released and resumed without a full update, an update was abandoned, or the engine restarted
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +71,20 @@ class EngineState:
     weight_version: str | None = None
     healthy: bool = True
     last_error: str | None = None
+    # The engine process's identity as last observed (Observation.incarnation); None: never seen or
+    # the engine cannot tell. Journaled, so a restarted daemon can tell a restarted engine.
+    incarnation: str | None = None
 
     def describe(self) -> str:
         released = [t.value for t in self.owned_tags if self.tags[t] is TagState.RELEASED]
         return (f"engine {self.name!r} is {self.generation.value}, weights {self.weights.value} "
                 f"at version {self.weight_version!r}, released tags {released or 'none'}")
+
+    @property
+    def needs_complete_push(self) -> bool:
+        """Weights are not the committed version (released, abandoned update, restarted engine):
+        only an update that covers every parameter may make them clean again."""
+        return self.weights is WeightsState.STALE
 
     def resident(self, tag: MemoryTag) -> bool:
         return self.tags[tag] is TagState.RESIDENT
@@ -144,6 +153,7 @@ class EngineState:
             "tags": {t.value: self.tags[t].value for t in self.owned_tags},
             "healthy": self.healthy,
             "last_error": self.last_error,
+            "incarnation": self.incarnation,
         }
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "EngineAdapter",
     "EngineInfo",
     "MemoryTag",
+    "Observation",
     "PauseMode",
     "RankPayload",
     "ReleaseReport",
@@ -90,6 +91,22 @@ class WeightsLoad:
     session_id: str | None = None  # the daemon's session: engines that can tell refuse a chunk of another
 
 
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What an engine can tell about itself right now; ``None`` in a field means it cannot tell.
+
+    ``incarnation`` changes exactly when the engine process restarted (a server start time, a
+    worker boot id). The daemon compares each field with its record and drives the engine back to
+    the desired state (daemon/reconcile.py); a field an engine cannot report is never guessed.
+    """
+
+    incarnation: str | None = None
+    weight_version: str | None = None
+    resident: dict[MemoryTag, bool] | None = None  # per tag, where the engine reports residency
+    paused: bool | None = None  # generation paused at the engine's gate
+    update_session_open: bool | None = None  # an engine-side weight-update session is open
+
+
 @runtime_checkable
 class EngineAdapter(Protocol):
     """Verbs over one engine's HTTP API. All async; none takes a timeout (the daemon sets deadlines)."""
@@ -98,6 +115,7 @@ class EngineAdapter(Protocol):
 
     async def attach(self) -> EngineInfo: ...
     async def health(self) -> bool: ...
+    async def observe(self) -> Observation: ...
     async def weight_version(self) -> str | None: ...
     async def pause_generation(self, mode: PauseMode) -> None: ...
     async def continue_generation(self) -> None: ...

@@ -52,6 +52,7 @@ class ReferenceEngineProcess:
         *,
         log_path: str | os.PathLike[str] | None = None,
         grace_s: float = 10.0,
+        ready_path: str = "/health",
     ) -> None:
         if config.tp_size != 1:
             raise ValueError(
@@ -59,6 +60,9 @@ class ReferenceEngineProcess:
             )
         self.config = config
         self.grace_s = grace_s
+        # "/health" (a generation answers) by default; "/model_info" when something else (a colocd
+        # daemon that sees a restarted engine) may pause it before its first generation.
+        self.ready_path = ready_path
         launch_log = config.launch.log_file if config.launch else None
         chosen = log_path if log_path is not None else launch_log
         self._log_path: Path | None = Path(chosen) if chosen is not None else None
@@ -182,7 +186,7 @@ class ReferenceEngineProcess:
         async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
             while True:
                 with contextlib.suppress(httpx.TransportError):
-                    if (await client.get(f"{self.url}/health")).status_code == 200:
+                    if (await client.get(f"{self.url}{self.ready_path}")).status_code == 200:
                         return
                 await self._pause_or_die(exited)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from ..base import EngineInfo, MemoryTag, PauseMode, ReleaseReport, WeightsLoad
+from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 from ..errors import EngineProtocolError, EngineRejected
 from ..httpmap import check_reply, map_http_errors
 from . import wire
@@ -33,6 +33,7 @@ class SGLangAdapter:
         # Until attach probes the version, assume the current protocol.
         self.protocol: SGLangProtocol = V0_5_23
         self._info: EngineInfo | None = None
+        self._server_info_route = "/server_info"
 
     # -- transport ---------------------------------------------------------------------------
     async def _call(self, method: str, path: str, what: str, json_body: Any = None,
@@ -61,15 +62,23 @@ class SGLangAdapter:
         return data
 
     # -- verbs -------------------------------------------------------------------------------
-    async def attach(self) -> EngineInfo:
+    async def _server_info(self) -> dict[str, Any]:
         try:
-            server = self._json(await self._call("GET", "/server_info", "server_info"), self.name, "server_info")
+            server = self._json(await self._call("GET", self._server_info_route, "server_info"),
+                                self.name, "server_info")
         except EngineRejected as exc:
-            if exc.status != 404:
+            if exc.status != 404 or self._server_info_route != "/server_info":
                 raise
             # SGLang ≤ 0.5.5 has only the get_-prefixed names.
+            self._server_info_route = "/get_server_info"
             server = self._json(await self._call("GET", "/get_server_info", "get_server_info"),
                                 self.name, "get_server_info")
+        if not isinstance(server, dict):
+            raise EngineProtocolError(self.name, f"server_info: expected an object, got {server!r:.200}")
+        return server
+
+    async def attach(self) -> EngineInfo:
+        server = await self._server_info()
         version = str(server.get("version", ""))
         try:
             self.protocol = protocol_for_version(version)
@@ -93,6 +102,27 @@ class SGLangAdapter:
         # or touch unmapped memory, so liveness uses model info (tokenizer-side, no forward pass).
         await self._call("GET", self.protocol.model_info_route, "model_info")
         return True
+
+    async def observe(self) -> Observation:
+        """server_info's ``startup_time`` is the incarnation (SGLang sets it once per process,
+        http_server.py:853-894); the reference engine also reports its pause gate, its open
+        weight-update session (``internal_states``) and per-tag residency (``/colocd/memory``).
+        Real SGLang reports neither, so those fields stay None there."""
+        server = await self._server_info()
+        startup = server.get("startup_time")
+        states = server.get("internal_states") or [{}]
+        first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+        paused = (first["paused"] is not None) if "paused" in first else None
+        session = None  # older SGLang has no update session at all, so none can be open or lost
+        if self.protocol.weight_update_session and "weight_update_session" in first:
+            session = first["weight_update_session"] is not None
+        resident = None
+        if (report := await self.memory_report()) is not None:
+            resident = {MemoryTag(t): bool(v.get("resident")) for t, v in report.get("tags", {}).items()
+                        if t in MemoryTag.__members__.values()}
+        return Observation(incarnation=None if startup is None else repr(float(startup)),
+                           weight_version=await self.weight_version(), resident=resident or None,
+                           paused=paused, update_session_open=session)
 
     async def weight_version(self) -> str | None:
         route = self.protocol.weight_version_route

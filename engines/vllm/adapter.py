@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from ..base import EngineInfo, MemoryTag, PauseMode, ReleaseReport, WeightsLoad
+from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 from ..config import VLLMEngineConfig
 from ..errors import EngineProtocolError, EngineRejected
 from . import wire
@@ -113,6 +113,8 @@ class VLLMAdapter:
 
     async def attach(self) -> EngineInfo:
         """Probe the version and the dev routes; read weight version, TP size and the extension."""
+        self._transfer_initialised = False  # a (re)attached server may be a new process: initialise again
+        self._pause_mode = None
         version = self._parse(wire.VersionReply, await self._call("GET", "/version"), "/version").version
         try:
             parsed = wire.parse_version(version)
@@ -176,6 +178,24 @@ class VLLMAdapter:
         with map_transport_errors(self.name, "GET", "/health"):
             response = await self._client.get(self._base + "/health", headers=self._headers)
         return response.status_code == 200
+
+    async def observe(self) -> Observation:
+        """The worker extension's boot id is the incarnation (vLLM's HTTP API has none: without the
+        extension the daemon treats an engine that was unreachable as restarted). ``/is_sleeping``
+        false means awake and unpaused, so every sleep tag is resident; true means paused or
+        asleep, which HTTP cannot tell apart, so residency stays unknown then."""
+        incarnation = session = None
+        if self._extension is not None:
+            results = await self._rpc("colocd_info")
+            info = results[0] if results and isinstance(results[0], dict) else {}
+            incarnation = info.get("boot_id")
+            if self._session_kind == "rpc" and "update_active" in info:
+                session = bool(info["update_active"])
+        sleeping = await self.is_sleeping()
+        resident = None if sleeping else {t: True for t in self._config.owned_tags if t in wire.SLEEP_TAGS}
+        return Observation(incarnation=None if incarnation is None else str(incarnation),
+                           weight_version=await self.weight_version(), resident=resident or None,
+                           paused=sleeping, update_session_open=session)
 
     async def weight_version(self) -> str | None:
         response = await self._call("GET", "/weight_info")

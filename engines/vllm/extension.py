@@ -44,6 +44,9 @@ __all__ = [
 
 BACKEND_NAME = "colocd"
 EXTENSION_VERSION = 1
+# Set once per worker process: a restarted vLLM server has new workers, so a new boot id. The daemon
+# compares it across observations to prove (or rule out) a restart; vLLM's own API has no such marker.
+_BOOT_ID = f"{os.getpid()}-{int.from_bytes(os.urandom(8), 'big'):016x}"
 _DIGESTS_ENV = "COLOCD_VLLM_DIGESTS"
 _INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
@@ -324,6 +327,7 @@ class ColocdWorkerExtension:
             "backend_registered": _BACKEND_REGISTERED,
             "digests": _digests_enabled(device),
             "update_active": _STATE.active,
+            "boot_id": _BOOT_ID,
         }
 
     def colocd_begin_update(self) -> None:

@@ -45,6 +45,7 @@ class Fault:
     body: bytes = b""
     content_type: bytes = b"application/json"
     hang: bool = False
+    forward_first: bool = False  # the engine does the work, then the reply is lost to the fault
 
 
 class FaultProxy:
@@ -92,6 +93,8 @@ class FaultProxy:
                 await self._released.wait()
                 status, content_type, content = 503, b"text/plain", b"released at teardown"
             else:
+                if fault.forward_first:
+                    await self._forward(scope, body)
                 status, content_type, content = fault.status, fault.content_type, fault.body
         else:
             status, content_type, content = await self._forward(scope, body)
@@ -215,3 +218,22 @@ async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_
         async with httpx.AsyncClient(trust_env=False) as http:
             assert (await http.get(f"{n.url}/healthz")).status_code == 200
         assert (await n.client.phase("train", 1))["phase"] == "train"  # the engine answers again
+
+
+async def test_a_step_that_happened_on_the_engine_but_failed_on_the_wire_is_reported_as_the_engine_is() -> None:
+    async with node() as n:
+        await n.client.phase("train", 1)
+        n.proxy.inject("/resume_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500,
+                                                          forward_first=True))
+        with pytest.raises(ColocdHTTPError) as err:
+            await n.client.phase("sync", 1)
+        assert err.value.status == 502, err.value.body
+        # The engine resumed its weights; the daemon looked again before answering and says so.
+        assert (await n.engine_memory())["weights"] is True
+        status = await n.client.status()
+        assert status["engines"]["ref0"]["tags"]["weights"] == "resident"
+        assert "illegal memory access" in status["engines"]["ref0"]["last_error"]
+
+        n.proxy.heal()
+        await n.client.phase("sync", 1)  # the retry does not resume twice (the engine would refuse)
+        assert n.proxy.calls["/resume_memory_occupation"] == 1

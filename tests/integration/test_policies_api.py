@@ -14,7 +14,7 @@ from colocd.api.app import create_app
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import EngineInfo, MemoryTag, PauseMode, ReleaseReport, WeightsLoad
+from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 
 KEEP_ALIVE = "apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\npipeline:\n  policy: serial\n"
 BAD_FIELD = "apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depht: 3\n"
@@ -30,15 +30,19 @@ class GatedEngine:
         self.gate.set()
         self.entered = asyncio.Event()
         self.pause_modes: list[str] = []
+        self.version = "v0"
 
     async def attach(self) -> EngineInfo:
-        return EngineInfo(self.name, "fake", "0", "fake", "v0")
+        return EngineInfo(self.name, "fake", "0", "fake", self.version)
 
     async def health(self) -> bool:
         return True
 
+    async def observe(self) -> Observation:
+        return Observation(incarnation="gated", weight_version=self.version)
+
     async def weight_version(self) -> str | None:
-        return "v0"
+        return self.version
 
     async def pause_generation(self, mode: PauseMode) -> None:
         self.pause_modes.append(mode.value)
@@ -59,7 +63,8 @@ class GatedEngine:
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
     async def load_weights(self, load: WeightsLoad) -> None: ...
     async def end_weight_update(self) -> None: ...
-    async def set_weight_version(self, version: str) -> None: ...
+    async def set_weight_version(self, version: str) -> None:
+        self.version = version
 
     async def weights_checksum(self) -> str | None:
         return None

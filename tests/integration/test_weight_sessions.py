@@ -30,7 +30,15 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import EngineInfo, MemoryTag, PauseMode, RankPayload, ReleaseReport, WeightsLoad
+from colocd.engines.base import (
+    EngineInfo,
+    MemoryTag,
+    Observation,
+    PauseMode,
+    RankPayload,
+    ReleaseReport,
+    WeightsLoad,
+)
 from colocd.engines.chunks import plan_buckets, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -481,15 +489,19 @@ class UnlistedEngine:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.version = "v0"
 
     async def attach(self) -> EngineInfo:
-        return EngineInfo(self.name, "fake", "0", "fake", "v0")
+        return EngineInfo(self.name, "fake", "0", "fake", self.version)
 
     async def health(self) -> bool:
         return True
 
+    async def observe(self) -> Observation:
+        return Observation(incarnation="unlisted-0", weight_version=self.version)  # the same process throughout
+
     async def weight_version(self) -> str | None:
-        return "v0"
+        return self.version
 
     async def pause_generation(self, mode: PauseMode) -> None: ...
     async def continue_generation(self) -> None: ...
@@ -506,7 +518,8 @@ class UnlistedEngine:
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
     async def load_weights(self, load: WeightsLoad) -> None: ...
     async def end_weight_update(self) -> None: ...
-    async def set_weight_version(self, version: str) -> None: ...
+    async def set_weight_version(self, version: str) -> None:
+        self.version = version
 
     async def weights_checksum(self) -> str | None:
         return None

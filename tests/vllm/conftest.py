@@ -78,6 +78,21 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
 
 
 @pytest.fixture
+def new_vllm_server(tmp_path: Path) -> Callable[[int | None], VLLMServer]:
+    """A factory of unstarted servers of this test's own (not the session's), on ``port`` if given:
+    for tests that kill and restart the engine."""
+    python, model = _install()
+
+    def make(port: int | None = None) -> VLLMServer:
+        config = VLLMEngineConfig(
+            name="tiny", model_path=model,
+            launch=LaunchConfig(args=list(SERVER_ARGS), ready_timeout_s=240, log_file=str(tmp_path / "vllm.log")))
+        return VLLMServer(config, python=python, port=port)
+
+    return make
+
+
+@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=120, trust_env=False) as c:
         yield c

@@ -1,0 +1,93 @@
+"""A real vLLM server SIGKILLed and started again between steps, with the daemon watching (issue 9).
+
+The daemon sees the new process (the colocd worker extension's boot id), puts it back to sleep as
+``train`` wants, marks its weights stale, and the next step re-syncs it with no call made by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from support import serve_app
+
+from colocd.api.app import create_app
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from colocd.daemon.config import NodeConfig
+from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.engines.vllm.extension import named_digest
+
+pytestmark = pytest.mark.vllm
+
+HEALTH_S = 0.5
+
+
+async def _complete(url: str) -> str:
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        r = await http.post(f"{url}/v1/completions", json={
+            "model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        r.raise_for_status()
+        return str(r.json()["choices"][0]["text"])
+
+
+async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_the_next_push(
+        new_vllm_server: Callable[[int | None], VLLMServer], new_weights: list[Any]) -> None:
+    server = new_vllm_server(None)
+    url = await server.start()
+    try:
+        original = await _complete(url)
+        config = NodeConfig.model_validate({
+            "engines": [server.config.model_dump(mode="json", exclude={"launch"})],
+            "timeouts": {"health_s": HEALTH_S}})
+        async with serve_app(create_app(config)) as daemon_url, AsyncColocdClient(daemon_url) as daemon, \
+                httpx.AsyncClient(trust_env=False, timeout=60) as http:
+            await daemon.wait_ready(60)
+            await daemon.phase("train", 1)
+            await daemon.phase("sync", 1)
+            await WeightPusher(daemon, bucket_mb=1).push(new_weights, version="step-1", step=1)
+            await daemon.phase("rollout", 1)
+            trained = await _complete(url)
+            assert trained != original
+            await daemon.phase("train", 2)
+
+            assert server.pid is not None
+            os.killpg(server.pid, signal.SIGKILL)
+            await server.stop()
+            port = int(url.rsplit(":", 1)[1])
+            server = new_vllm_server(port)
+            assert await server.start() == url
+
+            t0 = time.monotonic()
+            async with asyncio.timeout(30):
+                while True:
+                    last = (await daemon.status())["reconcile"]["last"].get("tiny") or {}
+                    if last.get("restarted") and last.get("ok"):
+                        break
+                    await asyncio.sleep(0.1)  # status poll cadence, bounded by the timeout
+            detected_s = time.monotonic() - t0
+            assert last["actions"] == ["pause", "release"] and last["release"] == ["weights", "kv_cache"]
+            assert (await http.get(f"{url}/is_sleeping")).json()["is_sleeping"] is True
+            tiny = (await daemon.status())["engines"]["tiny"]
+            assert (tiny["weights"], tiny["generation"], tiny["weight_version"], tiny["last_error"]) == \
+                ("stale", "paused", "default", None)
+            with pytest.raises(ColocdHTTPError):
+                await daemon.phase("rollout", 2)  # not the legal next move, and the weights are stale
+
+            await daemon.phase("sync", 2)
+            await WeightPusher(daemon, bucket_mb=1).push(new_weights, version="step-2", step=2)
+            await daemon.phase("rollout", 2)
+            adapter = VLLMAdapter(server.config, http)
+            await adapter.attach()
+            assert await adapter.weights_checksum() == named_digest(new_weights)
+            assert await adapter.weight_version() == "step-2"
+            assert await _complete(url) == trained
+            assert 'colocd_engine_restarts_total{engine="tiny"} 1.0' in await daemon.metrics()
+            print(f"vLLM restart detected {detected_s:.2f}s after the new server answered /health")
+    finally:
+        await server.stop()
