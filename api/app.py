@@ -54,8 +54,13 @@ def _get_daemon(request: Request) -> Daemon:
     return request.state.daemon  # type: ignore[no-any-return]
 
 
+async def _daemon_dependency(request: Request) -> Daemon:
+    # async on purpose: FastAPI runs a plain-def dependency in its thread pool, a thread hop per request.
+    return _get_daemon(request)
+
+
 # Module level: with postponed annotations FastAPI resolves these names in the module's globals.
-D = Annotated[Daemon, Depends(_get_daemon)]
+D = Annotated[Daemon, Depends(_daemon_dependency)]
 StepPath = Annotated[int, PathParam(ge=0, le=MAX_STEP)]
 
 
@@ -104,13 +109,18 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         ok, problems = d.ready()
         return JSONResponse({"ready": ok, "problems": problems}, status_code=200 if ok else 503)
 
+    # The two read routes take the daemon from the request rather than through the D dependency:
+    # FastAPI's dependency resolution costs more than the rest of such a read (bench control).
     @app.get("/metrics", tags=["probes"])
-    async def metrics(d: D) -> Response:
-        return Response(d.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""
+        body = await _get_daemon(request).metrics.current()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/status")
-    async def status(d: D) -> dict[str, Any]:
-        return d.status()
+    # response_model keeps the schema in OpenAPI; the snapshot is returned as bytes, serialised once per change.
+    @app.get("/v1/status", response_model=dict[str, Any])
+    async def status(request: Request) -> Response:
+        return Response(_get_daemon(request).status_json(), media_type="application/json")
 
     @app.post("/v1/phase", responses=_errors(*_MUTATING, 409, *_ENGINES))
     async def phase(body: PhaseRequest, d: D) -> TransitionReply:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+from .cli_http import CliFailure, DaemonCall
 from .timeline import add_trace_command
 from .top import add_top_command
 
@@ -25,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"colocd: {exc}", file=sys.stderr)
         return 2
+    _check_writable_journal(config.journal, args.config)
     log_format = args.log_format or config.log_format
     configure_logging(args.log_level, log_format)
     try:
@@ -34,45 +39,54 @@ def _serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(f"colocd: policy file {config.policy_file}: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        raise CliFailure(_serve_os_error(exc, config, args.config), 2) from None
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    from .client import ColocdClient, ColocdHTTPError
-
+def _check_writable_journal(journal: str | None, config_path: str) -> None:
+    if journal is None:
+        return
+    parent = os.path.dirname(os.path.abspath(journal))
     try:
-        with ColocdClient(args.url, token=args.token) as client:
-            print(json.dumps(client.status(), indent=2))
-    except ColocdHTTPError as exc:
-        print(f"colocd: {exc}", file=sys.stderr)
-        return 1
+        os.makedirs(parent, exist_ok=True)
     except OSError as exc:
-        print(f"colocd: cannot reach the daemon at {args.url}: {exc}", file=sys.stderr)
-        return 1
+        raise CliFailure(f"colocd: journal {journal} (key 'journal' in {config_path}): cannot create {parent}: "
+                         f"{exc.strerror}; point it at a writable path or remove the key", 2) from None
+    if not os.access(parent, os.W_OK):
+        raise CliFailure(f"colocd: journal {journal} (key 'journal' in {config_path}): {parent} is not "
+                         "writable by this user; point it at a writable path or remove the key", 2)
+
+
+def _serve_os_error(exc: OSError, config: Any, config_path: str) -> str:
+    """What an OSError at start-up means for the operator, in one line."""
+    if config.policy_file and exc.filename == config.policy_file:
+        return (f"colocd: policy file {config.policy_file} (key 'policy_file' in {config_path}): {exc.strerror}; "
+                "point it at a policy YAML (deploy/policies/default.yaml is one) or remove the key")
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES) and exc.filename is None:
+        where = config.listen.uds or f"{config.listen.host}:{config.listen.port}"
+        return (f"colocd: cannot listen on {where}: {exc.strerror}; stop whatever holds it or change "
+                f"'listen' in {config_path} (port 0 lets the OS choose)")
+    return f"colocd: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+
+
+def _status(args: argparse.Namespace) -> int:
+    with DaemonCall(args.url, token=args.token) as call:
+        print(json.dumps(call.json("GET", "/v1/status"), indent=2))
     return 0
 
 
 def _policy_apply(args: argparse.Namespace) -> int:
-    import httpx
-
     try:
-        text = open(args.file, "rb").read()
+        with open(args.file, "rb") as f:
+            text = f.read()
     except OSError as exc:
-        print(f"colocd: cannot read {args.file}: {exc.strerror}", file=sys.stderr)
-        return 2
-    base, transport = (("http://colocd", httpx.HTTPTransport(uds=args.url[5:])) if args.url.startswith("unix:")
-                       else (args.url.rstrip("/"), None))
-    headers = {"Content-Type": "application/yaml", **({"Authorization": f"Bearer {args.token}"} if args.token else {})}
-    with httpx.Client(base_url=base, transport=transport, trust_env=False, timeout=30) as http:
+        raise CliFailure(f"colocd: cannot read {args.file}: {exc.strerror}", 2) from None
+    with DaemonCall(args.url, token=args.token) as call:
         try:
-            response = http.put("/v1/policies", content=text, headers=headers)
-        except httpx.TransportError as exc:
-            print(f"colocd: cannot reach the daemon at {args.url}: {exc}", file=sys.stderr)
-            return 1
-    body = response.json()
-    if response.status_code >= 400:
-        print(f"colocd: {args.file}: {body.get('message', body)}", file=sys.stderr)
-        return 1
+            body = call.json("PUT", "/v1/policies", content=text, headers={"Content-Type": "application/yaml"})
+        except CliFailure as exc:
+            raise CliFailure(f"{exc} ({args.file})") from None
     print(json.dumps(body, indent=2))
     return 0
 
@@ -93,6 +107,15 @@ def _bench_weights(args: argparse.Namespace) -> int:
                              seed=args.seed, out=args.out)
     record = asyncio.run(run_weights_bench(settings))
     return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
+
+
+def _bench_control(args: argparse.Namespace) -> int:
+    from .bench_control import ControlBenchSettings, run_control_bench
+
+    settings = ControlBenchSettings(samples=args.samples, warmup_cycles=args.warmup_cycles, cycles=args.cycles,
+                                    readers=args.readers, blocks=args.blocks, out=args.out)
+    asyncio.run(run_control_bench(settings))
+    return 0
 
 
 def _bench_switch(args: argparse.Namespace) -> int:
@@ -155,6 +178,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     pb.add_argument("--seed", type=int, default=0)
     pb.add_argument("--out", default=None, help="write the JSON record here")
     pb.set_defaults(func=_bench_weights)
+    pc = bsub.add_parser("control", help="cost of /v1/status and /metrics against /healthz; transitions under readers")
+    pc.add_argument("--samples", type=int, default=500, help="sequential requests per read path")
+    pc.add_argument("--warmup-cycles", type=int, default=5, help="untimed train/sync/rollout cycles first")
+    pc.add_argument("--cycles", type=int, default=40, help="timed cycles per condition (3 transitions each)")
+    pc.add_argument("--readers", type=int, default=100, help="concurrent readers in the loaded condition")
+    pc.add_argument("--blocks", type=int, default=4, help="alternating blocks without / with readers")
+    pc.add_argument("--out", default=None, help="write the JSON record here")
+    pc.set_defaults(func=_bench_control)
     ps = bsub.add_parser("switch", help="the full colocated handoff per preset, against the floor measured in the run")
     ps.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
     ps.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
@@ -181,7 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_top_command(sub)  # colocd top [--once] (api/top.py)
 
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except CliFailure as exc:  # an expected failure: one line saying what and how to fix it, no traceback
+        print(exc, file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ class DaemonProcess:
         self._ready_timeout_s = ready_timeout_s
         self._log_level = log_level
         self.url: str = ""
+        self.pid: int | None = None  # the daemon's process id, once ready
         self.log_path = self._dir / "daemon.log"
         self._proc: asyncio.subprocess.Process | None = None
 
@@ -51,7 +52,8 @@ class DaemonProcess:
         except TimeoutError:
             await self.stop()
             raise RuntimeError(f"colocd daemon not ready within {self._ready_timeout_s}s: {self.log_tail()}") from None
-        self.url = json.loads(ready.read_text())["url"]
+        announced = json.loads(ready.read_text())
+        self.url, self.pid = announced["url"], int(announced["pid"])
         return self
 
     async def __aexit__(self, *exc: object) -> None:

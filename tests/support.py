@@ -1,18 +1,18 @@
-"""Test helpers: serve an ASGI app on an OS-chosen loopback port; list colocd shared-memory segments."""
+"""Test helpers: serve an ASGI app on an OS-chosen loopback port; this process's colocd shared-memory segments."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
 import uvicorn
 
-__all__ = ["serve_app", "shm_segments"]
+__all__ = ["leaves_no_shm_segments", "serve_app", "shm_segments"]
 
 
 @asynccontextmanager
@@ -44,5 +44,23 @@ async def serve_app(app: Any, *, ready_path: str = "/healthz", timeout_s: float 
         sock.close()
 
 
-def shm_segments(prefix: str = "colocd") -> set[str]:
+def shm_segments(owner: int | str | None = None) -> set[str]:
+    """colocd segments created by one process: ``owner`` is its pid (default: this process, the trainer
+    side of most tests) or a name prefix such as ``f"colocd-{pid}-"``.
+
+    Segment names carry their creator's pid (``colocd-<pid>-<hex>``, engines/chunks.py), so other
+    processes on the machine (another test run, another user's trainer) are never counted.
+    """
+    prefix = owner if isinstance(owner, str) else f"colocd-{os.getpid() if owner is None else owner}-"
+    if not prefix.startswith("colocd-"):
+        raise ValueError(f"{prefix!r} would match other processes' segments; pass a pid or 'colocd-<pid>-'")
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+@contextmanager
+def leaves_no_shm_segments() -> Iterator[None]:
+    """Fails if the block created segments (in this process) that it did not unlink."""
+    before = shm_segments()
+    yield
+    leaked = shm_segments() - before
+    assert not leaked, f"shared-memory segments created here and left behind: {sorted(leaked)}"

@@ -290,6 +290,7 @@ async def _colocd_checksum(http: httpx.AsyncClient, url: str) -> str:
 async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical() -> None:
     model = build_model(QwenLikeConfig(), seed=7)
     named = list(model.named_parameters())
+    segments_before = shm_segments()  # this process's own; a leak is what this test adds
     async with _node(2) as (client, procs), httpx.AsyncClient(trust_env=False, timeout=60) as http:
         for transport, depth in (("shm", 2), ("disk", 1)):
             with torch.no_grad():
@@ -312,7 +313,7 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
             assert all(1 <= n <= depth for n in commit["max_in_flight"].values()), commit["max_in_flight"]
             assert commit["engines"]["ref1"]["weight_version"] == f"v-{transport}"
             assert len(pushers[1].chunk_log) == chunks  # rank 1 was acked for every chunk it sent
-    assert not shm_segments()
+    assert shm_segments() <= segments_before
 
 
 def _abort_after(
@@ -326,6 +327,7 @@ def _abort_after(
 
 async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared_memory() -> None:
     model = build_model(QwenLikeConfig(), seed=3)
+    segments_before = shm_segments()  # this process's own; a leak is what this test adds
     async with _node(1) as (client, _):
         sid = (await client.open_session("v1", ranks=1, depth=2))["session_id"]
         reached = asyncio.Event()
@@ -344,11 +346,12 @@ async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared
         with pytest.raises(ColocdHTTPError) as err:
             await client.phase("rollout", 1)
         assert err.value.status == 409
-    assert not shm_segments()
+    assert shm_segments() <= segments_before
 
 
 async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it() -> None:
     model = build_model(QwenLikeConfig(), seed=4)
+    segments_before = shm_segments()  # this process's own; a leak is what this test adds
     async with _node(1, timeouts={"chunk_s": 0.5}) as (client, _):
         sid = (await client.open_session("v1", ranks=2, depth=2))["session_id"]
         # Two chunks: within rank 0's window, so only the commit notices that rank 1 sent nothing.
@@ -359,7 +362,7 @@ async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it() -
         assert err.value.status == 504 and "missing ranks" in err.value.body["message"]
         assert ": [1]" in err.value.body["message"]
         assert (await client.status())["engines"]["ref0"]["weights"] == "stale"
-    assert not shm_segments()
+    assert shm_segments() <= segments_before
 
 
 async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any) -> None:

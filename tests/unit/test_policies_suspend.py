@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
 from colocd.engines.trainer.groups import detect_suspend_capability
 
 CUDA = torch.device("cuda", 0)  # constructing a device needs no GPU
+
+
+@pytest.fixture
+def suspend_capable_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules after the torch-version one are checked as on a torch that has suspend, whatever
+    torch this machine runs (the GPU machine has 2.11, which stops at the first rule)."""
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.13.0"))
 
 
 def test_cpu_has_no_suspend() -> None:
@@ -15,9 +23,17 @@ def test_cpu_has_no_suspend() -> None:
     assert not cap.supported and "CPU" in cap.reason
 
 
+@pytest.mark.usefixtures("suspend_capable_torch")
 def test_gloo_groups_cannot_be_suspended() -> None:
     cap = detect_suspend_capability(CUDA, ["nccl", "gloo"])
-    assert not cap.supported and "NCCL groups only" in cap.reason
+    assert not cap.supported and "gloo" in cap.reason
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.9.1"])
+def test_torch_before_2_12_cannot_suspend(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    monkeypatch.setattr(torch, "__version__", TorchVersion(version))
+    cap = detect_suspend_capability(CUDA, ["nccl"])
+    assert not cap.supported and version in cap.reason
 
 
 @pytest.mark.parametrize(
@@ -29,6 +45,7 @@ def test_gloo_groups_cannot_be_suspended() -> None:
         ((2, 30, 3), "1", True, "NCCL 2.30.3"),
     ],
 )
+@pytest.mark.usefixtures("suspend_capable_torch")
 def test_nccl_version_and_cumem_decide(
     monkeypatch: pytest.MonkeyPatch,
     nccl: tuple[int, int, int],

@@ -1,0 +1,50 @@
+"""Import every module of the installed ``colocd`` package; exit non-zero naming each one that fails.
+
+    python scripts/import_all.py        # what scripts/test.sh runs before pytest
+
+A missing runtime dependency (one pyproject.toml does not declare) fails here, loudly, instead of
+somewhere deep in a test. Modules that run only inside an engine's own environment are allowed to
+miss exactly that engine's package, and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+import traceback
+
+# module -> the one top-level package it may lack here (it is imported only inside that engine's process)
+ENGINE_ONLY = {"colocd.engines.vllm.transfer": "vllm"}
+
+
+def import_all() -> list[str]:
+    """Import every colocd module; return one line per failure."""
+    import colocd
+
+    failures = []
+    names = ["colocd"] + [m.name for m in pkgutil.walk_packages(colocd.__path__, "colocd.")]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            top = (exc.name or "").split(".")[0]
+            if ENGINE_ONLY.get(name) == top:
+                continue
+            failures.append(f"{name}: missing module {exc.name!r} (is it declared in pyproject.toml?)")
+        except Exception as exc:
+            failures.append(f"{name}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+    return failures
+
+
+def main() -> int:
+    failures = import_all()
+    for line in failures:
+        print(f"import_all: {line}", file=sys.stderr)
+    if not failures:
+        print("import_all: every colocd module imports", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
