@@ -39,9 +39,10 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(420)]
 TOKEN = "fuzz-token"
 _READY_S = 90.0
 # Where the status legitimately moves with no request at all: health probes, the reconciliation reports of
-# the health loop ("last", "at"), a session's idle clock.
+# the health loop ("last", "at"), a session's idle clock, and "busy_with" while the health loop's own
+# reconcile holds the transition lock for a moment ("reconcile:health").
 _TICKING = frozenset({"healthy", "last_error", "last_seen", "checked_at", "observed_at", "uptime_s", "at", "last",
-                      "idle_for_s"})
+                      "idle_for_s", "busy_with"})
 
 # Per operation: valid requests reach deeper (state rules, engines), so they get more of the time box.
 _EXAMPLES = {GenerationMode.POSITIVE: 8, GenerationMode.NEGATIVE: 5}
