@@ -142,5 +142,6 @@ async def test_a_handle_from_a_gpu_the_engine_cannot_see_is_a_clear_error(
     async with WeightPusher(node.client, transport="ipc_ring", bucket_mb=1, depth=1) as pusher:
         with pytest.raises(ColocdHTTPError) as err:
             await node.push(pusher, named)
-    assert err.value.status == 502
+    # The caller's handle is wrong, not the engine: a 422 carrying the engine's own words.
+    assert err.value.status == 422 and err.value.body["error"] == "PayloadRejected"
     assert bogus in err.value.body["message"] and "cannot see" in err.value.body["message"]
