@@ -92,7 +92,7 @@ def _policy_apply(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import DemoSettings, run_demo
+    from ..demo.loop import DemoSettings, run_demo
 
     settings = DemoSettings(steps=args.steps, device=args.device, batch=args.batch, seed=args.seed,
                             json_out=args.json, timeline_out=args.timeline, metrics_out=args.metrics_out)
@@ -100,7 +100,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_weights(args: argparse.Namespace) -> int:
-    from .bench import BenchSettings, run_weights_bench
+    from ..bench.weights import BenchSettings, run_weights_bench
 
     settings = BenchSettings(model=args.model, device=args.device, variants=tuple(args.variants.split(",")),
                              bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
@@ -110,7 +110,7 @@ def _bench_weights(args: argparse.Namespace) -> int:
 
 
 def _bench_control(args: argparse.Namespace) -> int:
-    from .bench_control import ControlBenchSettings, run_control_bench
+    from ..bench.control import ControlBenchSettings, run_control_bench
 
     settings = ControlBenchSettings(samples=args.samples, warmup_cycles=args.warmup_cycles, cycles=args.cycles,
                                     readers=args.readers, blocks=args.blocks, out=args.out)
@@ -119,7 +119,7 @@ def _bench_control(args: argparse.Namespace) -> int:
 
 
 def _bench_switch(args: argparse.Namespace) -> int:
-    from .bench_switch import SwitchSettings, run_switch_bench
+    from ..bench.switch import SwitchSettings, run_switch_bench
 
     settings = SwitchSettings(model=args.model, device=args.device, presets=tuple(args.presets.split(",")),
                               steps=args.steps, warmup=args.warmup, optimizer_shards=args.optimizer_shards,

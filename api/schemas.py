@@ -95,7 +95,7 @@ class TrainerGroups(GroupSnapshot):
 
 
 class TrainerReport(_Strict):
-    """What the trainer agent knows or did (``api.agent.TrainerAgent``), validated before any engine is touched."""
+    """What the trainer agent knows or did (``colocd.trainer.TrainerAgent``), validated before any engine is touched."""
 
     groups: TrainerGroups | None = Field(None, description="train: the trainer's process groups, for the policy")
     groups_report: GroupsReport | None = Field(None, description="sync: what the group lifecycle did")

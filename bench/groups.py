@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colocd.engines.trainer.groups import GroupLifecycle, GroupSpec
 from colocd.policies import load_policy_yaml
+from colocd.trainer.groups import GroupLifecycle, GroupSpec
 
 GIB = 1 << 30
 

@@ -1,6 +1,6 @@
 """Cleanup policies: what the trainer frees before an engine resumes (the method of verl #7864).
 
-The plan is enacted by ``engines/trainer/cleanup.py``, which times every step and records the bytes it freed.
+The plan is enacted by ``trainer/cleanup.py``, which times every step and records the bytes it freed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Process-group policies: whether the trainer's NCCL groups survive the pause, and what waits it takes.
 
 The trainer agent reports a ``GroupSnapshot``; the daemon asks the active policy for a ``GroupDirective``
-and returns it in the phase-transition reply; ``engines/trainer/groups.py`` enacts it.
+and returns it in the phase-transition reply; ``trainer/groups.py`` enacts it.
 """
 
 from __future__ import annotations

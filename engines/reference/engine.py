@@ -26,7 +26,7 @@ import torch
 
 from ..base import MemoryTag, PauseMode
 from ..chunks import tensor_checksum
-from ..trainer.ring import RingTable
+from ..cuda_handles import RingTable
 from .locks import ReaderWriterLock
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .model import QwenLikeForCausalLM, build_model

@@ -7,7 +7,7 @@ Formats:
 - ``colocd_disk``: base64 of JSON ``{"transport": "disk", "path"}`` naming a safetensors file.
 - ``colocd_ring``: base64 of JSON ``{"transport": "ipc_ring", "ring", "slot", "layout", "open"?}``:
   tensors are views into GPU buffers the trainer exported once; the engine's ``RingTable`` opens
-  each slot's handle on first use and keeps it (``engines/trainer/ring.py`` holds the format).
+  each slot's handle on first use and keeps it (``engines/cuda_handles.py`` holds the format).
 - ``null``/``"direct"``: SGLang's pickled ``list[(name, tensor)]`` (tensors may be SGLang
   ``LocalSerializedTensor`` wrappers); ``"flattened_bucket"``: SGLang's pickled
   ``{"flattened_tensor", "metadata"}`` (research/engine-apis.md §1.7). Pickles go through the
@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..chunks import ChunkLayout, SharedSegment, unflatten
-from ..trainer.ring import RingTable
+from ..cuda_handles import RingTable
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
 __all__ = ["LOAD_FORMATS", "DiskDescriptor", "PayloadError", "ShmDescriptor", "open_payload"]

@@ -16,12 +16,13 @@ import torch
 from support import serve_app, shm_segments
 
 from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.sink import device_checksum, hf_shapes
-from colocd.engines.trainer import ring
+from colocd.trainer import ring
+from colocd.trainer.push import WeightPusher
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
 

@@ -13,13 +13,13 @@ from support import serve_app
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient
-from colocd.api.distributed import DistributedWeightSender
 from colocd.daemon.config import NodeConfig
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.weight_group import WeightGroup, master_store
+from colocd.trainer.broadcast import DistributedWeightSender
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,12 +11,13 @@ import torch
 from support import serve_app
 
 from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient, WeightPusher
+from colocd.api.client import AsyncColocdClient
 from colocd.daemon.config import NodeConfig
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from colocd.api.bench_switch import SwitchSettings, run_switch_bench
+from colocd.bench.switch import SwitchSettings, run_switch_bench
 
 PHASES = ("resume_s", "sleep_s", "update_s", "wake_s", "switch_s")
 

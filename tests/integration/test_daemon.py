@@ -17,12 +17,13 @@ import torch
 from support import leaves_no_shm_segments, serve_app, shm_segments
 
 from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.push import WeightPusher
 
 
 @pytest.fixture

@@ -22,12 +22,13 @@ from support import serve_app
 
 from colocd.api.app import create_app
 from colocd.api.cli import main as cli_main
-from colocd.api.client import AsyncColocdClient, WeightPusher
+from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
 from colocd.daemon.config import NodeConfig
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

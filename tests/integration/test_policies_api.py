@@ -157,7 +157,8 @@ async def test_train_directive_reflects_the_trainers_group_snapshot() -> None:
 
 
 async def test_the_sync_reply_shapes_the_weight_pusher(served: tuple[str, GatedEngine]) -> None:
-    from colocd.api.client import AsyncColocdClient, WeightPusher
+    from colocd.api.client import AsyncColocdClient
+    from colocd.trainer.push import WeightPusher
 
     url, _ = served
     async with httpx.AsyncClient(base_url=url, trust_env=False) as http:

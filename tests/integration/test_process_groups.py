@@ -205,7 +205,7 @@ def _worker(scenario: str, rank: int, port: int, out: Path) -> int:
 
 
 def _lifecycle(**kwargs: Any) -> Any:
-    from colocd.engines.trainer.groups import GroupLifecycle, GroupSpec
+    from colocd.trainer.groups import GroupLifecycle, GroupSpec
 
     specs = [GroupSpec(name=f"{name}{ranks or ''}", ranks=ranks) for name, ranks in SPECS]
     return GroupLifecycle(specs, group_timeout_s=20, agree_timeout_s=30, **kwargs)
@@ -255,8 +255,8 @@ def _churn(rank: int) -> dict[str, Any]:
 
 
 def _keep_fail_report(rank: int) -> dict[str, Any]:
-    from colocd.engines.trainer.groups import all_reduce_canary
     from colocd.policies import GroupDirective
+    from colocd.trainer.groups import all_reduce_canary
 
     armed = {"fail": False}
 
@@ -295,8 +295,8 @@ def _keep_fail_report(rank: int) -> dict[str, Any]:
 
 
 def _keep_fail_raise(rank: int) -> dict[str, Any]:
-    from colocd.engines.trainer.groups import all_reduce_canary
     from colocd.policies import GroupDirective
+    from colocd.trainer.groups import all_reduce_canary
 
     def canary(name: str, group: Any, timeout_s: float) -> bool:
         import torch

@@ -29,11 +29,12 @@ import pytest
 import torch
 from support import shm_segments
 
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.push import WeightPusher
 
 HEALTH_S = 0.5  # the daemon's health interval in these tests
 DEADLINE_S = 90

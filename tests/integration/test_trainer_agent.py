@@ -8,14 +8,15 @@ import pytest
 import torch.distributed as dist
 from support import serve_app
 
-from colocd.api.agent import TrainerAgent
 from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient, WeightPusher
+from colocd.api.client import AsyncColocdClient
 from colocd.daemon.config import NodeConfig
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.engines.trainer.groups import GroupLifecycle, GroupSpec
+from colocd.trainer.agent import TrainerAgent
+from colocd.trainer.groups import GroupLifecycle, GroupSpec
+from colocd.trainer.push import WeightPusher
 
 
 @pytest.fixture

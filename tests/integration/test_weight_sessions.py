@@ -24,7 +24,7 @@ import pytest
 import torch
 from support import serve_app, shm_segments
 
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher, manifest_of
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.api.procs import DaemonProcess
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.errors import RequestInvalid
@@ -43,7 +43,8 @@ from colocd.engines.chunks import plan_buckets, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.engines.trainer.producer import ExportedChunk, producer_for
+from colocd.trainer.producer import ExportedChunk, producer_for
+from colocd.trainer.push import WeightPusher, manifest_of
 
 Named = list[tuple[str, torch.Tensor]]
 DEADLINE_S = 60
@@ -157,10 +158,11 @@ def _export(named: Named, *, transport: str = "shm", bucket_bytes: int = 20_000)
 
 _DOOMED_TRAINER = """
 import asyncio, json, sys
-from colocd.api.client import AsyncColocdClient, manifest_of
+from colocd.api.client import AsyncColocdClient
+from colocd.trainer.push import manifest_of
 from colocd.engines.chunks import plan_buckets
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.engines.trainer.producer import producer_for
+from colocd.trainer.producer import producer_for
 
 async def main(url):
     named = list(build_model(QwenLikeConfig(), seed=11).named_parameters())

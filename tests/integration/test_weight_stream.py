@@ -19,8 +19,8 @@ import torch
 from support import serve_app, shm_segments
 
 from colocd.api.app import create_app
-from colocd.api.bench import BenchSettings, run_weights_bench
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.bench.weights import BenchSettings, run_weights_bench
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.errors import ChunkTimeout, PayloadRejected, SessionGone, WeightSyncError
@@ -31,11 +31,12 @@ from colocd.daemon.weights import SessionState, WeightSession
 from colocd.engines.base import RankPayload, WeightsLoad
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.cuda_handles import RingTable
 from colocd.engines.errors import EngineRejected
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.sglang.adapter import _load_format
-from colocd.engines.trainer.ring import RingTable
+from colocd.trainer.push import WeightPusher
 
 # --- WeightSession against in-memory engines -----------------------------------------------------
 

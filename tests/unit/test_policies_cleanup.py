@@ -6,7 +6,6 @@ from collections.abc import Iterator
 
 import torch
 
-from colocd.engines.trainer.cleanup import run_cleanup
 from colocd.policies import (
     AggressiveCleanupPolicy,
     CleanupPlan,
@@ -14,6 +13,7 @@ from colocd.policies import (
     EmptyCachePolicy,
     NoCleanupPolicy,
 )
+from colocd.trainer.cleanup import run_cleanup
 
 GIB = 1 << 30
 CPU = torch.device("cpu")

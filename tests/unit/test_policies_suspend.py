@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.torch_version import TorchVersion
 
-from colocd.engines.trainer.groups import detect_suspend_capability
+from colocd.trainer.groups import detect_suspend_capability
 
 CUDA = torch.device("cuda", 0)  # constructing a device needs no GPU
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from colocd.engines.reference.sink import hf_shapes
-from colocd.engines.trainer.offload import RankState
+from colocd.trainer.offload import RankState
 
 
 def _snapshot(state: RankState) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -18,10 +18,11 @@ import pytest
 from support import serve_app
 
 from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError, WeightPusher
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
 from colocd.engines.vllm.extension import named_digest
+from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,7 @@
 Three processes, as in ``colocd bench weights``: this one is a training rank, a reference engine
 holds the checkpoint's shapes (``--sink-shapes``) plus a KV cache (``--sink-kv-gib``), and a real
 ``colocd serve`` sits between them. The rank holds what a Megatron rank with a distributed optimizer
-holds (``engines.trainer.offload.RankState``: bf16 weights, a bf16 grad buffer, an fp32 master + Adam
+holds (``trainer.offload.RankState``: bf16 weights, a bf16 grad buffer, an fp32 master + Adam
 shard) and the Megatron set of process groups (world size 1 on one GPU: every group is a one-rank
 communicator). Every step runs the whole handoff through the ``TrainerAgent``:
 
@@ -44,17 +44,19 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from ..api.client import AsyncColocdClient
+from ..api.procs import DaemonProcess
 from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
-from ..engines.trainer.cleanup import run_cleanup
-from ..engines.trainer.groups import GroupLifecycle, GroupSpec
-from ..engines.trainer.offload import RankState
 from ..policies import CleanupPlan
-from .agent import TrainerAgent
-from .bench import _write_json, measure_floor
-from .client import AsyncColocdClient, WeightPusher
-from .procs import DaemonProcess
+from ..trainer.agent import TrainerAgent
+from ..trainer.cleanup import run_cleanup
+from ..trainer.groups import GroupLifecycle, GroupSpec
+from ..trainer.offload import RankState
+from ..trainer.push import WeightPusher
+from .records import write_record
+from .weights import measure_floor
 
 __all__ = ["PRESETS", "Preset", "SwitchSettings", "run_switch_bench"]
 
@@ -692,5 +694,5 @@ async def _run(settings: SwitchSettings, device: torch.device,
     print(_table(summaries, floor), flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
     if settings.out:
-        _write_json(Path(settings.out), record)
+        write_record(Path(settings.out), record)
     return record

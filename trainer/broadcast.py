@@ -27,9 +27,10 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import plan_buckets
 from ..engines.weight_group import WeightGroup, bucket_order, dtype_name, master_store, off_loop
-from .client import AsyncColocdClient, ColocdHTTPError, PushReport
+from .push import PushReport
 
 __all__ = ["DistributedWeightSender"]
 

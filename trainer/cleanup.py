@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...policies import CleanupPlan, CleanupStep
+from ..policies import CleanupPlan, CleanupStep
 
 __all__ = ["CleanupReport", "run_cleanup"]
 

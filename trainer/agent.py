@@ -1,6 +1,6 @@
 """The trainer agent: drives the phases and enacts the daemon's directives inside the trainer process.
 
-    agent = TrainerAgent(client, groups=lifecycle)      # lifecycle: engines.trainer.groups.GroupLifecycle
+    agent = TrainerAgent(client, groups=lifecycle)      # lifecycle: trainer.groups.GroupLifecycle
     await agent.train(step)      # engines release; groups are rebuilt/resumed for training
     ... train ...
     await agent.sync(step)       # groups paused per policy, cleanup runs, both reported; weights memory back
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from ..engines.trainer.cleanup import run_cleanup
-from ..engines.trainer.groups import GroupLifecycle, GroupReport
+from ..api.client import AsyncColocdClient
 from ..policies import CleanupPlan, GroupDirective
-from .client import AsyncColocdClient
+from .cleanup import run_cleanup
+from .groups import GroupLifecycle, GroupReport
 
 __all__ = ["TrainerAgent"]
 

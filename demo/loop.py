@@ -19,14 +19,15 @@ from typing import Any
 import httpx
 import torch
 
+from ..api.client import AsyncColocdClient
+from ..api.procs import DaemonProcess
 from ..engines.chunks import tensor_checksum
 from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.model import QwenLikeConfig, build_model
 from ..engines.reference.tokenizer import BOS_ID
-from .agent import TrainerAgent
-from .client import AsyncColocdClient, WeightPusher
-from .procs import DaemonProcess
+from ..trainer.agent import TrainerAgent
+from ..trainer.push import WeightPusher
 
 __all__ = ["DemoSettings", "run_demo"]
 
@@ -180,5 +181,5 @@ async def run_demo(settings: DemoSettings) -> int:
     return 0
 
 
-def main() -> None:  # pragma: no cover - convenience for `python -m colocd.api.demo`
+def main() -> None:  # pragma: no cover - convenience for `python -m colocd.demo.loop`
     raise SystemExit(asyncio.run(run_demo(DemoSettings())))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...policies import GroupAction, GroupDirective, GroupSnapshot, WaitPoint
+from ..policies import GroupAction, GroupDirective, GroupSnapshot, WaitPoint
 
 __all__ = [
     "Canary",

@@ -16,15 +16,15 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..chunks import ChunkLayout, SharedSegment, flatten_into
+from ..engines.chunks import ChunkLayout, SharedSegment, flatten_into
+from .exported import ExportedChunk, Producer
 
 if TYPE_CHECKING:
-    from ..sglang.payload import BucketLease
+    from ..engines.sglang.payload import BucketLease
 
 __all__ = [
     "PRODUCERS",
@@ -37,32 +37,6 @@ __all__ = [
 ]
 
 PRODUCERS = ("shm", "disk", "cuda_ipc", "per_tensor", "ipc_ring", "zero_copy")
-
-
-@dataclass
-class ExportedChunk:
-    """A chunk ready to describe to the daemon; ``release`` frees its buffer (after the ack)."""
-
-    transport: str
-    nbytes: int
-    handle: dict[str, Any]
-    layout: ChunkLayout
-    _release: Any = field(default=None, repr=False)
-
-    def release(self) -> None:
-        if self._release is not None:
-            release, self._release = self._release, None
-            release()
-
-
-class Producer(Protocol):
-    """Exports chunks for one transport; may be reused across streams (sessions)."""
-
-    transport: str
-
-    def begin_stream(self) -> None: ...
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk: ...
-    def close(self) -> None: ...
 
 
 class ShmProducer:
@@ -152,13 +126,13 @@ class CudaIpcProducer:
         return None
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
-        from ..sglang.payload import (
+        from ..engines.cuda_handles import device_uuid
+        from ..engines.sglang.payload import (
             FLATTENED_BUCKET,
             export_flattened_bucket,
             named_tensors_payload,
             serialize,
         )
-        from .ring import device_uuid
 
         devices = {t.device for _, t in named}
         if len(devices) != 1 or (device := devices.pop()).type != "cuda":

@@ -36,9 +36,10 @@ from typing import Any
 
 import httpx
 
+from ..api.procs import DaemonProcess
 from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
-from .procs import DaemonProcess
+from .records import write_record
 
 __all__ = ["ControlBenchSettings", "run_control_bench"]
 
@@ -136,7 +137,7 @@ class _Readers:
 
     async def __aenter__(self) -> _Readers:
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "colocd.api.bench_control", "--readers-child", self.url, str(self.count),
+            sys.executable, "-m", "colocd.bench.control", "--readers-child", self.url, str(self.count),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         await self._expect("held")  # every reader connected and answered once, now idle
         return self
@@ -353,13 +354,9 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
     }
     print(_table(record), flush=True)
     if settings.out:
-        _write_json(Path(settings.out), record)
+        write_record(Path(settings.out), record)
     return record
 
-
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--readers-child"]:

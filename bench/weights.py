@@ -28,11 +28,13 @@ from typing import Any
 import httpx
 import torch
 
+from ..api.client import AsyncColocdClient, ColocdHTTPError
+from ..api.procs import DaemonProcess
 from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
-from .client import AsyncColocdClient, ColocdHTTPError, WeightPusher
-from .procs import DaemonProcess
+from ..trainer.push import WeightPusher
+from .records import write_record
 
 __all__ = ["VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
 
@@ -358,10 +360,6 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
     print(_table(summaries, floor_s, nbytes), flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
     if settings.out:
-        _write_json(Path(settings.out), record)
+        write_record(Path(settings.out), record)
     return record
 
-
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")

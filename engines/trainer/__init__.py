@@ -1,1 +1,0 @@
-"""colocd.engines.trainer"""

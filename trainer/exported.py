@@ -1,0 +1,43 @@
+"""What a trainer-side producer hands out: an exported chunk and the ``Producer`` interface.
+
+Its own module so the producers (``producer.py``) and the ring (``ring.py``) both use it without
+importing each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..engines.chunks import ChunkLayout
+
+__all__ = ["ExportedChunk", "Producer"]
+
+
+@dataclass
+class ExportedChunk:
+    """A chunk ready to describe to the daemon; ``release`` frees its buffer (after the ack)."""
+
+    transport: str
+    nbytes: int
+    handle: dict[str, Any]
+    layout: ChunkLayout
+    _release: Any = field(default=None, repr=False)
+
+    def release(self) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+
+class Producer(Protocol):
+    """Exports chunks for one transport; may be reused across streams (sessions)."""
+
+    transport: str
+
+    def begin_stream(self) -> None: ...
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk: ...
+    def close(self) -> None: ...

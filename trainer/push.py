@@ -1,0 +1,175 @@
+"""Streaming weights from the trainer through the daemon: bucket, export, send within a window, commit.
+
+    async with AsyncColocdClient("http://127.0.0.1:7000") as c, WeightPusher(c) as pusher:
+        await c.phase("sync", step=1)
+        await pusher.push(model.named_parameters(), version="1", step=1)
+        await c.phase("rollout", step=1)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from ..api.client import AsyncColocdClient, ColocdHTTPError
+from ..engines.chunks import dtype_name, plan_buckets
+from .exported import ExportedChunk, Producer
+from .producer import producer_for
+
+__all__ = ["ChunkRecord", "PushReport", "WeightPusher", "manifest_of"]
+
+
+def manifest_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """The manifest a session declares at open: each tensor's name, dtype (torch short name) and shape."""
+    return [{"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)} for name, t in named]
+
+
+@dataclass(frozen=True, slots=True)
+class PushReport:
+    session_id: str
+    version: str
+    chunks: int
+    nbytes: int
+    seconds: float
+    commit: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One chunk of a stream: bytes, export (flatten) time, round trip to its ack, the engines' load time."""
+
+    seq: int
+    nbytes: int
+    export_s: float
+    round_trip_s: float
+    load_s: float
+
+
+class WeightPusher:
+    """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon.
+
+    At most ``depth`` chunks are exported and in flight at once; each buffer is released only
+    after the daemon's ack. On any failure the session is aborted and every buffer released.
+    ``transport`` names a producer (``colocd.trainer.producer.PRODUCERS``); persistent ones
+    (``ipc_ring``, ``zero_copy``) keep their exported buffers across pushes until ``aclose()``.
+
+    Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a
+    ``torch.distributed`` broadcast); every rank calls ``stream(session_id, its_tensors)`` with its own
+    ``rank``; rank 0 commits once all have returned.
+    """
+
+    def __init__(self, client: AsyncColocdClient, *, transport: str = "shm", bucket_mb: float = 64,
+                 depth: int = 2, rank: int = 0, slots: int | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._client = client
+        self._transport = transport
+        self._bucket_bytes = max(int(bucket_mb * 1024 * 1024), 1)
+        self._depth = depth
+        self._rank = rank
+        # A ring needs a free slot for every chunk in flight.
+        self._slots = max(slots or depth, depth)
+        self._producer: Producer | None = None
+        self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
+
+    @classmethod
+    def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0) -> WeightPusher:
+        """A pusher shaped by the pipeline policy: the ``directives["pipeline"]`` of a ``sync`` reply."""
+        return cls(client, transport=str(plan["transport"]), bucket_mb=int(plan["bucket_bytes"]) / 2**20,
+                   depth=int(plan["depth"]), rank=rank)
+
+    async def __aenter__(self) -> WeightPusher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Drop the producer and whatever buffers it keeps exported."""
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
+                   step: int | None = None, partial: bool = False) -> PushReport:
+        """Open a session (this process is the only rank) declaring every tensor it will send, stream every
+        chunk, commit. ``partial``: these tensors are only some of the model's (the engines' weights must be
+        intact); otherwise the daemon refuses a push that does not cover every parameter."""
+        t0 = time.perf_counter()
+        named = list(named)  # references only: the manifest is declared before the first chunk
+        session = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
+                                                  manifest=manifest_of(named), partial=partial)
+        sid = session["session_id"]
+        try:
+            chunks, nbytes = await self.stream(sid, named)
+            commit = await self._client.commit(sid, chunks)
+        except BaseException:
+            try:
+                await self._client.abort(sid)
+            except (ColocdHTTPError, httpx.TransportError):
+                pass  # the session may already be failed; the original error matters
+            raise
+        return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
+
+    @staticmethod
+    async def _export(producer: Producer, bucket: list[tuple[str, torch.Tensor]]) -> ExportedChunk:
+        export = asyncio.ensure_future(asyncio.to_thread(producer.export, bucket))
+        try:
+            return await asyncio.shield(export)
+        except asyncio.CancelledError:
+            # The thread runs on regardless: release what it made, or its buffer would outlive us.
+            with contextlib.suppress(Exception):
+                (await export).release()
+            raise
+
+    async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+        """Send this rank's part of every chunk of an open session; returns (chunks, bytes)."""
+        if self._producer is None:
+            self._producer = producer_for(self._transport, bucket_bytes=self._bucket_bytes, slots=self._slots)
+        producer = self._producer
+        producer.begin_stream()
+        window = asyncio.Semaphore(self._depth)
+        tasks: list[asyncio.Task[None]] = []
+        records: dict[int, ChunkRecord] = {}
+        nbytes = 0
+        seq = -1
+
+        async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
+            t0 = time.perf_counter()
+            try:
+                ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
+            finally:
+                chunk.release()  # after the ack (or the failure): the engines are done with it
+                window.release()
+            round_trip_s = time.perf_counter() - t0
+            records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, round_trip_s, float(ack["load_s"]))
+
+        try:
+            for seq, bucket in enumerate(plan_buckets(named, self._bucket_bytes)):
+                await window.acquire()
+                if any(t.done() and t.exception() for t in tasks):
+                    window.release()
+                    break  # a chunk failed: the session is over, export nothing more
+                t0 = time.perf_counter()
+                # Off the event loop: an export may wait on the GPU (the ring syncs its flatten), and
+                # acks of earlier chunks must keep flowing meanwhile. One export at a time.
+                chunk = await self._export(producer, bucket)
+                nbytes += chunk.nbytes
+                tasks.append(asyncio.create_task(send(seq, chunk, time.perf_counter() - t0)))
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            producer.close()
+            self.chunk_log = [records[k] for k in sorted(records)]
+        return seq + 1, nbytes
