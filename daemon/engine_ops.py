@@ -20,7 +20,7 @@ from .metrics import Metrics
 from .states import EngineState, Generation, TagState
 from .trace import Trace
 
-__all__ = ["EngineHandle", "continue_generation", "flush", "pause", "release", "resume", "timed_call"]
+__all__ = ["EngineHandle", "continue_generation", "expected_release_bytes", "flush", "pause", "release", "resume", "timed_call"]
 
 
 @dataclass
@@ -31,8 +31,10 @@ class EngineHandle:
     config: Any
     state: EngineState
     info: EngineInfo | None = None
-    # Bytes each tag freed the last time it was released: the next release's NVML expectation.
+    # Bytes each tag held by the engine's own report the last time it was released, and bytes NVML
+    # showed freed the last time a set of tags was released together: the next release's expectation.
     learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
+    learned_release_bytes: dict[frozenset[MemoryTag], int] = field(default_factory=dict)
     # Reconciliation (daemon/reconcile.py): observed at least once by this daemon; and whether it
     # lost sight of the engine since (a failed probe, or its record came from the journal).
     observed_once: bool = False
@@ -110,12 +112,19 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
                  engine.adapter.release_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RELEASED)
     freed: dict[str, int] = {}
+    if before_own is not None:
+        for x in tags:
+            engine.learned_tag_bytes[x] = int(before_own.get("tags", {}).get(x.value, {}).get("nbytes", 0))
     if probe and before_gpu is not None:
-        expected = sum(engine.learned_tag_bytes.get(x, 0) for x in tags) or None
+        expected, expected_from = expected_release_bytes(engine, tags, before_own)
         with trace.span("confirm_memory_freed", engine.name, source="nvml") as span:
             confirmation = await probe.confirm_release(
                 engine.gpus, before_gpu, expected_bytes=expected, timeout_s=t.for_step("memory_confirm"))
-            span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 4))
+            span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 6),
+                              criterion=confirmation.criterion.value, polls=confirmation.polls,
+                              expected_bytes=expected, expected_from=expected_from)
+        metrics.memory_confirm.labels(engine.name, confirmation.criterion.value).observe(confirmation.waited_s)
+        engine.learned_release_bytes[frozenset(tags)] = sum(confirmation.freed_bytes.values())
         freed = {f"gpu:{g}": b for g, b in confirmation.freed_bytes.items()}
         for g, reading in before_gpu.items():
             trace.sample_memory(f"gpu:{g}", reading.used_bytes - confirmation.freed_bytes.get(g, 0))
@@ -124,11 +133,32 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
         after_own = await _memory_report(engine)
         _sample_memory(engine, trace, metrics, after_own, None)
         freed = {"engine": _resident_bytes(before_own) - _resident_bytes(after_own or {})}
-        for x in tags:
-            engine.learned_tag_bytes[x] = int(before_own.get("tags", {}).get(x.value, {}).get("nbytes", 0))
     for source, nbytes in freed.items():
         metrics.freed_bytes.labels(engine.name, source).inc(max(nbytes, 0))
     return freed
+
+
+def expected_release_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...],
+                           report: dict[str, Any] | None) -> tuple[int | None, str | None]:
+    """What NVML should show freed once ``tags`` are released, and where that figure comes from.
+
+    The smaller of what the engine reports holding under those tags now and what NVML showed the last
+    time the same tags were released: either is evidence the bytes are back, and the smaller one is
+    the one NVML can reach (an allocator may keep a few pages; an engine may hold less than last time).
+    None when neither is known: the confirmation then waits for a drop that stays put.
+    """
+    known: dict[str, int] = {}
+    if report is not None:
+        entries = report.get("tags", {})
+        reported = sum(int(entries.get(x.value, {}).get("nbytes", 0)) for x in tags)
+        if reported > 0:
+            known["engine_report"] = reported
+    if (learned := engine.learned_release_bytes.get(frozenset(tags))) is not None and learned > 0:
+        known["last_release"] = learned
+    if not known:
+        return None, None
+    source = min(known, key=known.__getitem__)
+    return known[source], source
 
 
 async def resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from .errors import MemoryNotConfirmed
 
-__all__ = ["GpuReading", "NvmlProbe", "ReleaseConfirmation", "open_probe"]
+__all__ = ["GpuReading", "NvmlProbe", "ReleaseConfirmation", "Settled", "open_probe"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,20 +26,29 @@ class GpuReading:
     total_bytes: int
 
 
+class Settled(StrEnum):
+    """Which criterion let a release confirmation end."""
+
+    EXPECTED = "expected"  # the GPUs freed at least the bytes the release was expected to free
+    STABLE = "stable"  # the drop stopped moving for the settle window (expectation unknown or not reached)
+
+
 @dataclass(frozen=True, slots=True)
 class ReleaseConfirmation:
-    """Freed bytes per GPU as NVML saw them, and how long it took for them to show."""
+    """Freed bytes per GPU as NVML saw them, how long it took for them to show, and why it ended."""
 
     freed_bytes: dict[str, int]
     waited_s: float
-    settled: bool
+    criterion: Settled
+    polls: int
 
 
 class NvmlProbe:
     """Reads used/free memory of GPUs through NVML (nvidia-ml-py). One per daemon; closed with it."""
 
-    def __init__(self, nvml: Any) -> None:
+    def __init__(self, nvml: Any, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self._nvml = nvml
+        self._clock = clock  # injectable so a test can script how long a drop stays put
 
     def read(self, gpu: int | str) -> GpuReading:
         n = self._nvml
@@ -67,26 +78,40 @@ class NvmlProbe:
         return out
 
     async def confirm_release(self, gpus: list[int | str], before: dict[str, GpuReading], *,
-                              expected_bytes: int | None, timeout_s: float,
-                              poll_s: float = 0.02, settle_polls: int = 3) -> ReleaseConfirmation:
-        """Poll until the GPUs' used memory dropped by ``expected_bytes`` in total, or, when that is
-        unknown, until it dropped and stayed put for ``settle_polls`` readings. Timeout → error."""
-        t0 = time.perf_counter()
+                              expected_bytes: int | None, timeout_s: float, poll_s: float = 0.001,
+                              settle_s: float = 0.05) -> ReleaseConfirmation:
+        """Poll NVML until the release has landed; the freed bytes returned are what NVML showed then.
+
+        Two criteria, whichever holds first:
+
+        * ``expected``: the GPUs' used memory dropped by at least ``expected_bytes`` in total. The
+          caller's expectation (the engine's own report, or what NVML showed the last time the same
+          tags were released) is what makes a confirmation cost one or two readings, not a window.
+        * ``stable``: a positive drop has not changed for ``settle_s`` (time, not a poll count, so the
+          cadence does not change what "settled" means). It covers an unknown expectation and one the
+          engine no longer meets (it holds less than last time); its window is what the old 3 polls
+          at 20 ms gave, so the fallback is as conservative as before.
+
+        No positive drop within ``timeout_s`` → ``MemoryNotConfirmed``.
+        """
+        t0 = self._clock()
         deadline = t0 + timeout_s
         last: dict[str, int] | None = None
-        stable = 0
+        since = t0  # when the drop last changed
+        polls = 0
         while True:
             now = self.read_all(gpus)
+            polls += 1
+            read_at = self._clock()
             freed = {g: before[g].used_bytes - now[g].used_bytes for g in now}
             total = sum(freed.values())
             if expected_bytes is not None and total >= expected_bytes:
-                return ReleaseConfirmation(freed, time.perf_counter() - t0, True)
-            if expected_bytes is None:
-                stable = stable + 1 if last == freed and total > 0 else 0
-                if stable >= settle_polls:
-                    return ReleaseConfirmation(freed, time.perf_counter() - t0, True)
-            last = freed
-            if time.perf_counter() >= deadline:
+                return ReleaseConfirmation(freed, read_at - t0, Settled.EXPECTED, polls)
+            if freed != last or total <= 0:
+                last, since = freed, read_at
+            elif read_at - since >= settle_s:
+                return ReleaseConfirmation(freed, read_at - t0, Settled.STABLE, polls)
+            if read_at >= deadline:
                 raise MemoryNotConfirmed(
                     f"GPUs {list(map(str, gpus))} freed {total} bytes within {timeout_s:.1f}s, "
                     f"expected {expected_bytes if expected_bytes is not None else 'a settled drop'}")

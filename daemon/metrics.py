@@ -15,6 +15,9 @@ __all__ = ["Metrics"]
 
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
+# NVML confirmation is meant to cost a few milliseconds (issue 12: <= 5 ms median per transition).
+_CONFIRM_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5, 30)
+
 
 class Metrics:
     """Every series colocd exports; names carry their units."""
@@ -40,6 +43,10 @@ class Metrics:
             ["outcome"], registry=r)
         self.freed_bytes = Counter(
             "colocd_memory_freed_bytes_total", "Bytes confirmed freed by releases", ["engine", "source"], registry=r)
+        self.memory_confirm = Histogram(
+            "colocd_memory_confirm_seconds", "Time from a release's reply until NVML showed the memory free, "
+            "by the criterion that ended the wait (expected bytes back, or a drop that stayed put)",
+            ["engine", "criterion"], buckets=_CONFIRM_BUCKETS, registry=r)
         self.gpu_memory = Gauge(
             "colocd_gpu_memory_bytes", "GPU memory by NVML (kind=used|free|total)", ["gpu", "kind"], registry=r)
         self.engine_healthy = Gauge("colocd_engine_healthy", "1 if the engine answered its last probe",

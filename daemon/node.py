@@ -45,6 +45,7 @@ from .memory import NvmlProbe, open_probe
 from .metrics import Metrics
 from .policy_runtime import EffectiveTimeouts, PolicyRuntime
 from .reconcile import Action, Plan, plan_reconcile
+from .staging import StagingMemory, staging_memory
 from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
 from .steps import StepBook
 from .trace import Span, Trace, TraceStore
@@ -423,6 +424,8 @@ class Daemon:
                             freed = await self._refreshed_on_failure(runner(trace), f"{phase.value}@{step}")
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
+                        if phase is NodePhase.SYNC:  # planned on the memory left once the weights are back
+                            directives = self._directives(pinned, phase.value, trainer, self._staging())
                     finally:
                         self._pinned = None
                         self.traces.put(trace)
@@ -457,9 +460,10 @@ class Daemon:
             await self._reconcile_all(f"after failed {what}", keep_error=True)
             raise
 
-    def _directives(self, pinned: Any, phase: str, trainer: dict[str, Any] | None) -> dict[str, Any]:
+    def _directives(self, pinned: Any, phase: str, trainer: dict[str, Any] | None,
+                    staging: StagingMemory | None = None) -> dict[str, Any]:
         try:
-            return self.policies.directives(pinned, phase, trainer, self._transports())
+            return self.policies.directives(pinned, phase, trainer, self._transports(), staging)
         except ValidationError as exc:
             first = exc.errors()[0] if exc.errors() else {}
             where = ".".join(str(p) for p in first.get("loc", ()))
@@ -980,7 +984,10 @@ class Daemon:
 
     # -- policy hooks --------------------------------------------------------------------------
     def _pipeline_depth(self) -> int:
-        return int(self.policies.pipeline_plan(self.policies.active, self._transports()).depth)
+        return int(self.policies.pipeline_plan(self.policies.active, self._transports(), self._staging()).depth)
+
+    def _staging(self) -> StagingMemory:
+        return staging_memory(self.engines.values(), self._probe, self.complete_manifest)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _journal_append(self, what: str, step: int) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..policies import (
     GroupSnapshot,
+    PipelinePlan,
     PipelineSnapshot,
     PolicyError,
     PolicySet,
@@ -23,6 +24,7 @@ from ..policies import (
     load_policy_yaml,
 )
 from .config import NodeConfig
+from .staging import StagingMemory
 
 __all__ = ["EffectiveTimeouts", "PolicyRuntime"]
 
@@ -116,7 +118,7 @@ class PolicyRuntime:
         return tuple(policies.engines.release_tags) if self.from_document() else None
 
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
-                   transports: tuple[str, ...]) -> dict[str, Any]:
+                   transports: tuple[str, ...], staging: StagingMemory | None = None) -> dict[str, Any]:
         """What the trainer agent must enact for this phase (pure decisions, serialised)."""
         out: dict[str, Any] = {"policy": policies.info()}
         if phase == "train":
@@ -124,10 +126,18 @@ class PolicyRuntime:
             out["process_groups"] = policies.process_groups.before_pause(snapshot).model_dump(mode="json")
             out["cleanup"] = policies.cleanup.plan().model_dump(mode="json")
         elif phase == "sync":
-            out["pipeline"] = self.pipeline_plan(policies, transports).model_dump(mode="json")
+            out["pipeline"] = self.pipeline_plan(policies, transports, staging).model_dump(mode="json")
         return out
 
-    def pipeline_plan(self, policies: PolicySet, transports: tuple[str, ...]) -> Any:
+    def pipeline_plan(self, policies: PolicySet, transports: tuple[str, ...],
+                      staging: StagingMemory | None = None) -> PipelinePlan:
+        """The pipeline policy's plan, fed the memory the daemon measured (``staging``: None = not read),
+        so its out-of-memory guard bounds depth x bucket by the GPU memory free now."""
         known = {t.value for t in Transport}
         available = tuple(Transport(t) for t in transports if t in known)
-        return policies.pipeline.plan(PipelineSnapshot(available_transports=available or (Transport.SHM,)))
+        plan = policies.pipeline.plan(PipelineSnapshot(
+            available_transports=available or (Transport.SHM,),
+            total_bytes=staging.total_bytes if staging else None,
+            free_bytes=staging.free_bytes if staging else None))
+        memory = staging.describe() if staging else "memory not read"
+        return plan.model_copy(update={"reason": f"{plan.reason}; {memory}" if plan.reason else memory})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,9 +22,45 @@ import torch
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import dtype_name, plan_buckets
 from .exported import ExportedChunk, Producer
-from .producer import producer_for
+from .producer import PRODUCERS, producer_for
 
-__all__ = ["ChunkRecord", "PushReport", "WeightPusher", "manifest_of"]
+__all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_DEPTH", "ChunkRecord", "PushReport", "WeightPusher", "auto_bucket_bytes",
+           "auto_transport", "manifest_of"]
+
+# The `tuned` preset of `colocd bench switch` (docs/benchmarks.md), as the daemon's default policy has it:
+# 3 chunks in flight of up to 2 GiB, fresh CUDA-IPC buckets on GPU (the fastest measured that keeps no
+# trainer memory through the rollout: a ring's slots and zero-copy's registered storages stay exported
+# until ``aclose()``, so they are opt-in), shared memory on CPU.
+DEFAULT_DEPTH = 3
+DEFAULT_BUCKET_MB = 2048
+_MIB = 1 << 20
+
+
+def auto_transport(device: torch.device) -> str:
+    """``transport="auto"``: fresh CUDA-IPC buckets for CUDA tensors, POSIX shared memory for CPU ones."""
+    return "cuda_ipc" if device.type == "cuda" else "shm"
+
+
+def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
+    """``bucket_mb=None``: DEFAULT_BUCKET_MB, unless ``depth`` such buckets would not fit in what is free
+    where they are staged (GPU memory for CUDA transports, /dev/shm for shm): then what fits, >= 1 MiB."""
+    bucket = DEFAULT_BUCKET_MB * _MIB
+    free = _staging_free_bytes(transport, device)
+    if free is not None and depth * bucket > free:
+        bucket = max(_MIB, free // depth)
+    return bucket
+
+
+def _staging_free_bytes(transport: str, device: torch.device) -> int | None:
+    try:
+        if device.type == "cuda" and transport in ("cuda_ipc", "per_tensor", "ipc_ring"):
+            return int(torch.cuda.mem_get_info(device)[0])
+        if transport == "shm":
+            st = os.statvfs("/dev/shm")
+            return int(st.f_bavail * st.f_frsize)
+    except (OSError, RuntimeError):  # no /dev/shm, or the CUDA query failed: nothing to bound by
+        return None
+    return None  # zero_copy stages nothing; disk is bounded by the filesystem, not checked here
 
 
 def manifest_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
@@ -59,24 +96,32 @@ class WeightPusher:
     after the daemon's ack. On any failure the session is aborted and every buffer released.
     ``transport`` names a producer (``colocd.trainer.producer.PRODUCERS``); persistent ones
     (``ipc_ring``, ``zero_copy``) keep their exported buffers across pushes until ``aclose()``.
+    The defaults are the ``tuned`` preset: ``transport="auto"`` (``auto_transport``: by the tensors'
+    device), ``bucket_mb=None`` (``auto_bucket_bytes``: 2 GiB unless free memory says less), depth 3.
+    ``from_plan`` follows the daemon's pipeline plan instead.
 
     Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a
     ``torch.distributed`` broadcast); every rank calls ``stream(session_id, its_tensors)`` with its own
     ``rank``; rank 0 commits once all have returned.
     """
 
-    def __init__(self, client: AsyncColocdClient, *, transport: str = "shm", bucket_mb: float = 64,
-                 depth: int = 2, rank: int = 0, slots: int | None = None) -> None:
+    def __init__(self, client: AsyncColocdClient, *, transport: str = "auto", bucket_mb: float | None = None,
+                 depth: int = DEFAULT_DEPTH, rank: int = 0, slots: int | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if transport != "auto" and transport not in PRODUCERS:
+            raise ValueError(f"unknown transport {transport!r}; known: auto, {', '.join(PRODUCERS)}")
         self._client = client
         self._transport = transport
-        self._bucket_bytes = max(int(bucket_mb * 1024 * 1024), 1)
+        # None: DEFAULT_BUCKET_MB, shrunk to what is free where the buckets are staged when the first
+        # stream starts (auto_bucket_bytes).
+        self._bucket_bytes: int | None = None if bucket_mb is None else max(int(bucket_mb * 1024 * 1024), 1)
         self._depth = depth
         self._rank = rank
         # A ring needs a free slot for every chunk in flight.
         self._slots = max(slots or depth, depth)
         self._producer: Producer | None = None
+        self._shape: tuple[str, int] = (transport, self._bucket_bytes or 0)  # (transport, bucket) in use
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
 
     @classmethod
@@ -95,7 +140,7 @@ class WeightPusher:
         """Drop the producer and whatever buffers it keeps exported."""
         if self._producer is not None:
             self._producer.close()
-            self._producer = None
+            self._producer = None  # the next stream chooses its shape again
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                    step: int | None = None, partial: bool = False) -> PushReport:
@@ -118,6 +163,14 @@ class WeightPusher:
             raise
         return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
+    def _shape_for(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
+        """This stream's transport and bucket size: the ones given, else chosen from the tensors."""
+        device = next((t.device for _, t in named), torch.device("cpu"))
+        transport = self._transport if self._transport != "auto" else auto_transport(device)
+        if self._bucket_bytes is not None:
+            return transport, self._bucket_bytes
+        return transport, auto_bucket_bytes(transport, device, self._depth)
+
     @staticmethod
     async def _export(producer: Producer, bucket: list[tuple[str, torch.Tensor]]) -> ExportedChunk:
         export = asyncio.ensure_future(asyncio.to_thread(producer.export, bucket))
@@ -131,9 +184,12 @@ class WeightPusher:
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """Send this rank's part of every chunk of an open session; returns (chunks, bytes)."""
+        named = list(named)
         if self._producer is None:
-            self._producer = producer_for(self._transport, bucket_bytes=self._bucket_bytes, slots=self._slots)
-        producer = self._producer
+            # Chosen with the producer and kept with it: a ring's slots are sized by the first stream.
+            self._shape = self._shape_for(named)
+            self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots)
+        producer, bucket_bytes = self._producer, self._shape[1]
         producer.begin_stream()
         window = asyncio.Semaphore(self._depth)
         tasks: list[asyncio.Task[None]] = []
@@ -152,7 +208,7 @@ class WeightPusher:
             records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, round_trip_s, float(ack["load_s"]))
 
         try:
-            for seq, bucket in enumerate(plan_buckets(named, self._bucket_bytes)):
+            for seq, bucket in enumerate(plan_buckets(named, bucket_bytes)):
                 await window.acquire()
                 if any(t.done() and t.exception() for t in tasks):
                     window.release()

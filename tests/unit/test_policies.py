@@ -128,7 +128,8 @@ def test_overlap_plans_depth_and_bucket_and_prefers_the_ring() -> None:
     plan = OverlapPolicy().plan(
         PipelineSnapshot(available_transports=(Transport.SHM, Transport.CUDA_IPC, Transport.IPC_RING))
     )
-    assert (plan.depth, plan.bucket_bytes, plan.transport) == (2, 512 * MIB, Transport.IPC_RING)
+    # The defaults are the tuned preset of `colocd bench switch` (overlap3@2048; before: 2 x 512 MiB).
+    assert (plan.depth, plan.bucket_bytes, plan.transport) == (3, 2048 * MIB, Transport.IPC_RING)
 
 
 def test_serial_is_depth_one() -> None:
@@ -146,6 +147,38 @@ def test_pipeline_never_stages_more_gpu_memory_than_is_free() -> None:
     policy = OverlapPolicy(OverlapPolicy.Config(depth=4, bucket_mb=1024))
     plan = policy.plan(PipelineSnapshot(available_transports=(Transport.IPC_RING,), free_bytes=1 * GIB))
     assert plan.depth * plan.bucket_bytes <= GIB
+
+
+def test_the_memory_guard_keeps_the_overlap_and_shrinks_buckets_to_what_is_free() -> None:
+    policy = OverlapPolicy(OverlapPolicy.Config(depth=3, bucket_mb=2048))
+    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.IPC_RING,), total_bytes=16 * GIB,
+                                        free_bytes=3 * GIB))
+    assert (plan.depth, plan.bucket_bytes) == (3, GIB)
+    assert "bucket shrunk to fit 3 in 3072 MiB free GPU memory" in plan.reason
+
+
+def test_the_memory_guard_gives_up_depth_before_going_below_1_mib_per_chunk() -> None:
+    policy = OverlapPolicy(OverlapPolicy.Config(depth=4, bucket_mb=512))
+    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.CUDA_IPC,), free_bytes=2 * MIB))
+    assert (plan.depth, plan.bucket_bytes) == (2, MIB)
+
+
+def test_a_bucket_shrunk_by_the_guard_can_still_keep_several_chunks_in_flight() -> None:
+    # A 24 MiB sync would be one 24 MiB chunk; with 6 MiB free it becomes 8 chunks, 2 in flight.
+    plan = OverlapPolicy(OverlapPolicy.Config(depth=2)).plan(PipelineSnapshot(
+        available_transports=(Transport.IPC_RING,), total_bytes=24 * MIB, free_bytes=6 * MIB))
+    assert (plan.depth, plan.bucket_bytes) == (2, 3 * MIB)
+
+
+def test_host_memory_transports_are_not_bounded_by_free_gpu_memory() -> None:
+    policy = OverlapPolicy(OverlapPolicy.Config(depth=2, bucket_mb=512))
+    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.SHM,), free_bytes=MIB))
+    assert (plan.depth, plan.bucket_bytes) == (2, 512 * MIB)
+
+
+def test_a_gpu_staged_plan_without_a_free_memory_reading_says_it_is_unbounded() -> None:
+    plan = OverlapPolicy().plan(PipelineSnapshot(available_transports=(Transport.IPC_RING,)))
+    assert "free GPU memory unknown" in plan.reason
 
 
 def test_small_syncs_get_small_buckets_and_no_useless_depth() -> None:

@@ -1,0 +1,108 @@
+"""The pipeline plan a ``sync`` reply carries is bounded by the GPU memory free when it is made.
+
+A real daemon and a real reference engine (on CPU), with a stand-in NVML for the one GPU they are
+configured on: the GPU's used memory is the engine's own resident bytes (its ``/colocd/memory``) plus
+a fixed base, as if the engine were the GPU's only tenant, and the test sets how big the GPU is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+from support import serve_app
+
+from colocd.api.app import create_app
+from colocd.api.client import AsyncColocdClient
+from colocd.daemon.config import NodeConfig
+from colocd.daemon.memory import NvmlProbe
+from colocd.daemon.node import Daemon
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MIB = 1 << 20
+BASE = 512 * MIB  # what the GPU holds besides the engine (a CUDA context, the trainer)
+# ~16 MB of fp32 weights: several MiB-sized chunks once the guard shrinks the buckets.
+MODEL: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 1024, "num_layers": 4, "num_heads": 4,
+                         "num_kv_heads": 2, "head_dim": 64}
+
+
+class EngineMirrorNvml:
+    """Stands in for pynvml on a machine without a GPU: GPU 0's used bytes are BASE plus what the
+    reference engine reports resident; ``total`` is set by the test."""
+
+    def __init__(self, engine_url: str) -> None:
+        self._http = httpx.Client(base_url=engine_url, trust_env=False, timeout=10)
+        self.total = 1 << 40
+        self.reads = 0
+
+    def tag_size(self, tag: str) -> int:
+        """Bytes ``tag`` holds when resident, whatever its state now (the engine's report)."""
+        return int(self._http.get("/colocd/memory").json()["tags"][tag]["resident_nbytes"])
+
+    def resident(self) -> int:
+        tags = self._http.get("/colocd/memory").json()["tags"]
+        return sum(int(t["nbytes"]) for t in tags.values())
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        self.reads += 1
+        used = BASE + self.resident()
+        return SimpleNamespace(used=used, free=max(self.total - used, 0), total=self.total)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return []
+
+    def nvmlShutdown(self) -> None:
+        self._http.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def node() -> AsyncIterator[dict[str, Any]]:
+    engine_cfg = ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0, model=MODEL)
+    async with ReferenceEngineProcess(engine_cfg) as engine:
+        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url,
+                                                         "gpus": [0]}]})
+        nvml = EngineMirrorNvml(engine.url)
+        daemon = Daemon(config, probe=NvmlProbe(nvml))
+        async with serve_app(create_app(config, daemon=daemon)) as url, AsyncColocdClient(url) as client:
+            await client.wait_ready(30)
+            yield {"client": client, "nvml": nvml, "url": url}
+
+
+async def _put_policy(url: str, text: str) -> None:
+    async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
+        r = await http.put("/v1/policies", content=text)
+        assert r.status_code < 300, r.text
+
+
+async def test_release_confirmation_settles_on_the_bytes_the_engine_reported(node: dict[str, Any]) -> None:
+    client = node["client"]
+    train = await client.phase("train", 1)
+    span = next(s for s in train["trace"]["spans"] if s["name"] == "confirm_memory_freed")
+    assert span["attrs"]["criterion"] == "expected" and span["attrs"]["expected_from"] == "engine_report"
+    assert train["freed_bytes"]["ref0"]["gpu:0"] == span["attrs"]["expected_bytes"] > 16 * MIB
+    # The wait is timed in the metrics too, by the criterion that ended it.
+    assert 'colocd_memory_confirm_seconds_count{criterion="expected",engine="ref0"} 1.0' in await client.metrics()
+
+
+async def test_with_little_free_gpu_memory_the_sync_plan_stages_only_what_fits(node: dict[str, Any]) -> None:
+    client, nvml = node["client"], node["nvml"]
+    await _put_policy(node["url"], "apiVersion: colocd/v1\npipeline: {policy: overlap, depth: 2, bucket_mb: 512}\n")
+    # The GPU is made just big enough for the engine's weights plus 6 MiB: once `sync` has brought the
+    # weights back, 6 MiB are left for the trainer's staging buckets.
+    nvml.total = BASE + nvml.tag_size("weights") + 6 * MIB
+    plan = (await client.phase("sync", 1))["directives"]["pipeline"]
+    assert plan["transport"] == "ipc_ring"  # a GPU-staged transport: the guard applies
+    assert (plan["depth"], plan["bucket_bytes"]) == (2, 3 * MIB)  # 512 MiB buckets would not fit
+    assert "bucket shrunk to fit 2 in 6 MiB free GPU memory" in plan["reason"]
+    assert "6.0 MiB free (nvml:0)" in plan["reason"]
+    assert "(engine_report)" in plan["reason"]  # the sync's size came from the engine's own report
