@@ -20,7 +20,16 @@ from .metrics import Metrics
 from .states import EngineState, Generation, TagState
 from .trace import Trace
 
-__all__ = ["EngineHandle", "continue_generation", "expected_release_bytes", "flush", "pause", "release", "resume", "timed_call"]
+__all__ = [
+    "EngineHandle",
+    "continue_generation",
+    "expected_release_bytes",
+    "flush",
+    "pause",
+    "release",
+    "resume",
+    "timed_call",
+]
 
 
 @dataclass

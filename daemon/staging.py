@@ -46,7 +46,8 @@ def staging_memory(engines: Iterable[EngineHandle], probe: NvmlProbe | None,
         total = sum(_numel(meta.shape) * dtype_from_name(meta.dtype).itemsize for meta in last_push.values())
         total_from = "last_push"
     else:
-        reported = [e.learned_tag_bytes[MemoryTag.WEIGHTS] for e in engines if e.learned_tag_bytes.get(MemoryTag.WEIGHTS)]
+        reported = [e.learned_tag_bytes[MemoryTag.WEIGHTS] for e in engines
+                    if e.learned_tag_bytes.get(MemoryTag.WEIGHTS)]
         if reported:
             total, total_from = max(reported), "engine_report"
     free, free_from = None, None
