@@ -7,6 +7,7 @@ describe a chunk to any other without trusting it with code.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
@@ -22,6 +23,8 @@ import torch
 __all__ = [
     "DTYPES",
     "MAX_LAYOUT_ENTRIES",
+    "SEGMENT_PREFIX",
+    "SHM_DIR",
     "SHM_NAME_PATTERN",
     "ChunkLayout",
     "HandleError",
@@ -183,7 +186,8 @@ def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-_SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "colocd"  # a segment is named <prefix>-<creator pid>-<12 hex>; engines/segments.py reads it
 
 
 @dataclass
@@ -192,6 +196,11 @@ class SharedSegment:
 
     We use the file directly rather than ``multiprocessing.shared_memory`` because the latter's
     resource tracker (Python < 3.13) unlinks segments it merely opened when the opener exits.
+
+    The creator's pid is in the name and the creator holds a shared ``flock`` on the file for as long
+    as its mapping lives (the mapping keeps a duplicate of the descriptor, and the kernel drops the
+    lock when the process dies), so ``engines/segments.py`` can tell a dead creator's segment from a
+    live one even across pid namespaces.
     """
 
     name: str
@@ -200,10 +209,11 @@ class SharedSegment:
     _mmap: mmap.mmap | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, nbytes: int, prefix: str = "colocd") -> SharedSegment:
+    def create(cls, nbytes: int, prefix: str = SEGMENT_PREFIX) -> SharedSegment:
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(os.path.join(_SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held by the mapping's duplicate descriptor until it closes
             os.ftruncate(fd, max(nbytes, 1))
             mm = mmap.mmap(fd, max(nbytes, 1))
         finally:
@@ -214,7 +224,7 @@ class SharedSegment:
     def open(cls, name: str, nbytes: int) -> SharedSegment:
         if "/" in name or name.startswith("."):
             raise ValueError(f"shared-memory name {name!r} must be a plain name")
-        path = os.path.join(_SHM_DIR, name)
+        path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -248,7 +258,7 @@ class SharedSegment:
 
     def unlink(self) -> None:
         try:
-            os.unlink(os.path.join(_SHM_DIR, self.name))
+            os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
             pass
 
@@ -279,7 +289,7 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
             raise HandleError(f"shm_name {name!r} is not a plain shared-memory segment name "
                               f"(pattern {SHM_NAME_PATTERN.pattern})", field="handle.shm_name")
         try:
-            size = os.stat(os.path.join(_SHM_DIR, name)).st_size
+            size = os.stat(os.path.join(SHM_DIR, name)).st_size
         except FileNotFoundError:
             raise HandleError(f"no shared-memory segment {name!r} on this node", field="handle.shm_name") from None
         if size < nbytes:

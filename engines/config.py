@@ -55,6 +55,24 @@ class ReferenceEngineConfig(_EngineBase):
     seed: int = Field(0, description="seed of the deterministic initial weights")
     protocol: Literal["0.5.23", "legacy"] = Field("0.5.23", description="which SGLang protocol to emulate")
     model: dict[str, int | float | bool] = Field(default_factory=dict, description="model config overrides")
+    device_ids: list[str] = Field(
+        default_factory=list,
+        description="CPU only: the identity each TP rank declares (default cpu:0..tp_size-1); on CUDA a TP "
+        "rank's identity is its GPU's UUID",
+    )
+
+    @model_validator(mode="after")
+    def _one_device_per_tp_rank(self) -> ReferenceEngineConfig:
+        if self.device_ids and self.device.startswith("cuda"):
+            raise ValueError(f"engine {self.name!r}: device_ids are for CPU engines; on CUDA list gpu_uuids")
+        if self.device_ids and len(self.device_ids) != self.tp_size:
+            raise ValueError(f"engine {self.name!r}: device_ids has {len(self.device_ids)} entries for "
+                             f"tp_size {self.tp_size} (one per TP rank)")
+        if len(set(self.device_ids)) != len(self.device_ids) or not all(i.strip() for i in self.device_ids):
+            raise ValueError(f"engine {self.name!r}: device_ids must be distinct and non-empty")
+        if any("," in i for i in self.device_ids):
+            raise ValueError(f"engine {self.name!r}: a device id may not contain ','")
+        return self
 
 
 class SGLangEngineConfig(_EngineBase):

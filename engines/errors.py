@@ -5,12 +5,14 @@
     ├── EngineTimeout           the engine did not answer within the caller's deadline
     ├── EngineRejected          the engine answered 4xx/5xx or success=false; .status, .body
     └── EngineProtocolError     the engine answered something we cannot parse
+        └── EngineMismatch      the engine is not what its config declares (e.g. another tp_size)
 """
 
 from __future__ import annotations
 
 __all__ = [
     "EngineError",
+    "EngineMismatch",
     "EngineProtocolError",
     "EngineRejected",
     "EngineTimeout",
@@ -46,3 +48,8 @@ class EngineRejected(EngineError):
 
 class EngineProtocolError(EngineError):
     """The engine's answer did not match the protocol we expected."""
+
+
+class EngineMismatch(EngineProtocolError):
+    """The engine runs with another layout than its config declares (e.g. tp_size); nothing is sent to it,
+    since every chunk would carry the wrong number of payloads."""

@@ -13,6 +13,7 @@ tensor, SGLang's default format), ``ipc_ring`` and ``zero_copy`` (persistent exp
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..engines.chunks import ChunkLayout, SharedSegment, flatten_into
+from ..engines.segments import reclaim_dead_segments
 from .exported import ExportedChunk, Producer
 
 if TYPE_CHECKING:
@@ -38,14 +40,29 @@ __all__ = [
 
 PRODUCERS = ("shm", "disk", "cuda_ipc", "per_tensor", "ipc_ring", "zero_copy")
 
+logger = logging.getLogger(__name__)
+
 
 class ShmProducer:
-    """POSIX shared memory by name: the CPU path. One fresh segment per chunk, unlinked on release."""
+    """POSIX shared memory by name: the CPU path. One fresh segment per chunk, unlinked on release.
+
+    Starting one first reclaims the segments of trainers that died on this node without unlinking
+    theirs (``engines/segments.py``); ``reclaim=False`` skips that.
+    """
 
     transport = "shm"
 
-    def __init__(self) -> None:
+    def __init__(self, *, reclaim: bool = True) -> None:
         self._live: dict[str, SharedSegment] = {}
+        if reclaim:
+            reclaimed = reclaim_dead_segments()
+            if reclaimed:
+                logger.info(
+                    "unlinked %d shared-memory segment(s) of dead processes (%d bytes): %s",
+                    len(reclaimed),
+                    sum(r.nbytes for r in reclaimed),
+                    ", ".join(r.name for r in reclaimed),
+                )
 
     def begin_stream(self) -> None:
         return None

@@ -1,7 +1,8 @@
 """Command line of the reference engine server: bind, announce in a ready file, serve until SIGTERM.
 
     python -m colocd.engines.reference --host 127.0.0.1 --port 0 --device cpu --seed 0 \\
-        --protocol 0.5.23 --ready-file /tmp/x/ready.json [--api-key K] [--model-json '{...}']
+        --protocol 0.5.23 --ready-file /tmp/x/ready.json [--api-key K] [--model-json '{...}'] \\
+        [--tp-size 2 [--device-ids cpu:0,cpu:1]]
 
 The socket is bound here (port 0 = the OS picks), so the URL in the ready file is the real one and
 no port is ever guessed. The ready file (``{"url", "pid"}``) is written atomically once the socket
@@ -44,7 +45,16 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 lets the OS choose")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (with --tp-size > 1: cpu or cuda)")
+    parser.add_argument(
+        "--tp-size", type=int, default=1,
+        help="TP ranks, each a full copy of the weights on its own device (CUDA: visible GPU r), fed by "
+        "its own serialized_named_tensors entry",
+    )
+    parser.add_argument(
+        "--device-ids", default=None,
+        help="CPU only: comma-separated identity of each TP rank (default cpu:0,cpu:1,...)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     parser.add_argument("--protocol", choices=sorted(PROTOCOL_VERSIONS), default="0.5.23")
     parser.add_argument("--ready-file", required=True, help="where to write {url, pid} once listening")
@@ -84,6 +94,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
             host=args.host,
             sink=args.sink_shapes,
             sink_kv_bytes=int(args.sink_kv_gib * (1 << 30)),
+            tp_size=args.tp_size,
+            device_ids=tuple(i.strip() for i in args.device_ids.split(",")) if args.device_ids else (),
         )
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))

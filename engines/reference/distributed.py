@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 
-TP_RANK = 0  # the reference engine is one TP rank: its group rank is rank_offset + 0
+TP_RANK = 0  # groups are joined only with tp_size 1: the group rank is rank_offset + 0
 
 # SGLang builds the group with init_custom_process_group(timeout=None), i.e. torch's default
 # process-group timeout; a receive whose trainer never broadcasts fails after it.
@@ -111,6 +111,13 @@ class DistributedUpdates:
     async def init_group(self, body: InitWeightsUpdateGroupBody) -> tuple[bool, str]:
         """Join ``body.group_name`` as rank ``rank_offset``; returns once every rank joined."""
         self._engine._running()
+        if self._engine.tp_size != 1:
+            # SGLang joins one group rank per TP rank (rank_offset + tp_rank); this engine's ranks share one
+            # process and would need one group member each, which it does not implement.
+            return False, (
+                f"Failed to initialize custom process group: the reference engine joins weight-update groups "
+                f"only with tp_size 1 (this one has tp_size {self._engine.tp_size}); use update_weights_from_tensor"
+            )
         rank = body.rank_offset + TP_RANK
         if not 1 <= rank < body.world_size:
             return False, (

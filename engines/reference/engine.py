@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 import torch
 
 from ..base import MemoryTag, PauseMode
-from ..chunks import tensor_checksum
 from ..cuda_handles import RingTable
 from .locks import ReaderWriterLock
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
+from .memory import ReleaseReport as MemoryReleaseReport
 from .model import QwenLikeForCausalLM, build_model
 from .payloads import open_payload
 from .runner import ModelRunner
@@ -37,6 +37,7 @@ from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
 from .settings import ReferenceServerSettings
 from .sink import WeightSink
 from .tokenizer import CharTokenizer
+from .tp import TPRank, disagreement, rank_checksum, rank_devices
 from .wire import GenerateBody, SamplingParamsBody, UpdateWeightsFromTensorBody
 
 __all__ = ["EngineRefusal", "EngineState", "ReferenceEngine", "WeightsCheck"]
@@ -44,8 +45,6 @@ __all__ = ["EngineRefusal", "EngineState", "ReferenceEngine", "WeightsCheck"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-TP_SIZE = 1  # the reference engine is one process on one device
 
 
 class EngineState(StrEnum):
@@ -68,13 +67,18 @@ class EngineRefusal(Exception):
 
 @dataclass(frozen=True, slots=True)
 class WeightsCheck:
-    """The answer to ``/weights_checker``: SGLang's fields plus colocd's whole-model sha256."""
+    """The answer to ``/weights_checker``: SGLang's fields plus colocd's whole-model sha256s.
+
+    ``colocd_rank_checksums`` has one entry per TP rank; ``colocd_checksum`` is their common value,
+    and None when the ranks hold different weights (then no single checksum describes the engine).
+    """
 
     success: bool
     message: str
     ranks: list[dict[str, Any]] | None = None
     per_engine_checksum: str | None = None
     colocd_checksum: str | None = None
+    colocd_rank_checksums: list[str] | None = None
 
 
 class ReferenceEngine:
@@ -86,7 +90,11 @@ class ReferenceEngine:
         self.state = EngineState.STARTING
         self.weight_version = settings.weight_version
         self.startup_time = time.time()
-        self.device = torch.device(settings.device)
+        self.tp_size = settings.tp_size
+        # Rank 0's device (generation runs there); every rank's is known once the model is built.
+        self.device = torch.device(settings.device if settings.tp_size == 1 else "cuda:0"
+                                   if settings.device.startswith("cuda") else settings.device)
+        self._ranks: list[TPRank] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
         self._model: QwenLikeForCausalLM | None = None
         self._memory: MemoryRegions | None = None
@@ -103,10 +111,9 @@ class ReferenceEngine:
         self._control_lock = asyncio.Lock()
         self._session_selector: str | None = None
         self._session_id: str | None = None  # colocd extension: the daemon's session, checked per chunk
-        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._snapshot: list[dict[str, torch.Tensor]] | None = None  # one per TP rank
         self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
-        self._rings = RingTable()  # ipc_ring slots opened once, kept for the engine's lifetime
-        self._sink: WeightSink | None = None  # benchmark mode: loads land here instead of the model
+        self._sink: WeightSink | None = None  # benchmark mode (rank 0's): loads land here instead of the model
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -132,9 +139,10 @@ class ReferenceEngine:
         self._loop_task.add_done_callback(self._on_loop_exit)
         self.state = EngineState.RUNNING
         logger.info(
-            "reference engine ready: %s on %s, protocol %s",
+            "reference engine ready: %s, tp_size %d on %s, protocol %s",
             self.settings.model_path,
-            self.device,
+            self.tp_size,
+            ", ".join(f"{r.device} ({r.device_id})" for r in self._ranks),
             self.settings.protocol,
         )
 
@@ -160,18 +168,23 @@ class ReferenceEngine:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _build(self) -> None:
-        model = build_model(self.settings.model, self.settings.seed, self.device).eval()
-        model.requires_grad_(False)
-        if self.settings.sink is not None:
-            self._sink = WeightSink(self.settings.sink, self.device, kv_bytes=self.settings.sink_kv_bytes)
-        memory = MemoryRegions(
-            model,
-            max_batch=self.settings.max_batch,
-            max_seq=self.settings.max_seq,
-            device=self.device,
-            sink=self._sink,
-        )
-        self._model, self._memory, self._runner = model, memory, ModelRunner(model, memory)
+        settings = self.settings
+        placements = rank_devices(settings.device, settings.tp_size, settings.device_ids)
+        for index, (device, device_id) in enumerate(placements):
+            # Same seed on every rank: all start with the same weights, as SGLang's ranks load one checkpoint.
+            model = build_model(settings.model, settings.seed, device).eval()
+            model.requires_grad_(False)
+            sink = None
+            if settings.sink is not None:
+                sink = WeightSink(settings.sink, device, kv_bytes=settings.sink_kv_bytes)
+            memory = MemoryRegions(
+                model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device, sink=sink
+            )
+            self._ranks.append(TPRank(index, device, device_id, model, memory, sink, RingTable()))
+        first = self._ranks[0]
+        self.device = first.device
+        self._model, self._memory, self._sink = first.model, first.memory, first.sink
+        self._runner = ModelRunner(first.model, first.memory)
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
@@ -190,6 +203,9 @@ class ReferenceEngine:
     def paused(self) -> bool:
         return self._pause_mode is not None
 
+    def tp_ranks(self) -> list[dict[str, Any]]:
+        return [r.describe() for r in self._ranks]
+
     def internal_state(self) -> dict[str, Any]:
         s = self._scheduler
         return {
@@ -202,19 +218,36 @@ class ReferenceEngine:
         }
 
     def memory_report(self) -> dict[str, Any]:
-        """The ``/colocd/memory`` answer: per-tag residency and bytes, process RSS, CUDA counters."""
+        """The ``/colocd/memory`` answer: per-tag residency and bytes (summed over TP ranks, which move
+        together; each rank's under ``ranks``), process RSS, CUDA counters (per device)."""
         tags: dict[str, Any] = {}
-        cuda = None
-        if self._memory is not None:
-            for tag in MemoryTag:
-                tags[tag.value] = {
-                    "resident": self._memory.state(tag) is TagState.RESIDENT,
-                    "nbytes": self._memory.nbytes(tag),
-                    "resident_nbytes": self._memory.resident_nbytes(tag),
+        ranks: list[dict[str, Any]] = []
+        cuda: dict[str, int] | None = None
+        for rank in self._ranks:
+            mine = {
+                tag.value: {
+                    "resident": rank.memory.state(tag) is TagState.RESIDENT,
+                    "nbytes": rank.memory.nbytes(tag),
+                    "resident_nbytes": rank.memory.resident_nbytes(tag),
                 }
-            cuda = self._memory.cuda_memory()
+                for tag in MemoryTag
+            }
+            ranks.append({**rank.describe(), "tags": mine, "cuda": rank.memory.cuda_memory()})
+            for tag, entry in mine.items():
+                total = tags.setdefault(tag, {"resident": entry["resident"], "nbytes": 0, "resident_nbytes": 0})
+                total["resident"] = total["resident"] and entry["resident"]
+                total["nbytes"] += entry["nbytes"]
+                total["resident_nbytes"] += entry["resident_nbytes"]
+        devices = {r.device: r.memory.cuda_memory() for r in self._ranks}
+        if any(c is not None for c in devices.values()):
+            cuda = {"allocated_bytes": 0, "reserved_bytes": 0}
+            for counters in devices.values():
+                for key, value in (counters or {}).items():
+                    cuda[key] += value
         return {
             "device": str(self.device),
+            "tp_size": self.tp_size,
+            "ranks": ranks,
             "tags": tags,
             "process": {"rss_bytes": process_rss_bytes()},
             "cuda": cuda,
@@ -422,7 +455,7 @@ class ReferenceEngine:
     async def continue_generation(self, *, torch_empty_cache: bool) -> None:
         scheduler, memory, _ = self._running()
         if torch_empty_cache:
-            await self._on_model_thread(memory.empty_cache)
+            await self._on_model_thread(self._empty_caches)
         await scheduler.set_mode(SchedulerMode.RUNNING)
         async with self._pause_cond:
             self._pause_mode = None
@@ -455,7 +488,7 @@ class ReferenceEngine:
                 return False, None
             scheduler.flush()
             if empty_cache:
-                await self._on_model_thread(memory.empty_cache)
+                await self._on_model_thread(self._empty_caches)
         return True, None
 
     # --- memory ----------------------------------------------------------------------------------
@@ -475,7 +508,8 @@ class ReferenceEngine:
         action = "resume_memory_occupation" if resume else "release_memory_occupation"
         async with self._control_lock:
             try:
-                memory.check(tags, resume=resume)
+                for rank in self._ranks:  # every rank first: a refused call changes nothing anywhere
+                    rank.memory.check(tags, resume=resume)
             except MemoryTagError as exc:
                 raise EngineRefusal(400, str(exc)) from None
             async with scheduler.hold():
@@ -490,14 +524,22 @@ class ReferenceEngine:
                     )
                 if not resume and MemoryTag.KV_CACHE in tags:
                     scheduler.flush()  # SGLang flushes before releasing the KV cache
-                report = await self._on_model_thread(memory.resume if resume else memory.release, tags)
+                reports = await self._on_model_thread(self._move_every_rank, tags, resume)
+            deltas = [r.cuda_reserved_delta_bytes for r in reports]
             self._last_moves["resume" if resume else "release"] = {
-                "tags": [t.value for t in report.tags],
-                "nbytes": report.nbytes,
-                "cuda_reserved_delta_bytes": report.cuda_reserved_delta_bytes,
+                "tags": [t.value for t in reports[0].tags],
+                "nbytes": sum(r.nbytes for r in reports),
+                "cuda_reserved_delta_bytes": None if None in deltas else sum(d or 0 for d in deltas),
                 "at": time.time(),
             }
         await scheduler.notify()
+
+    def _empty_caches(self) -> None:
+        for rank in self._ranks:
+            rank.memory.empty_cache()
+
+    def _move_every_rank(self, tags: tuple[MemoryTag, ...], resume: bool) -> list[MemoryReleaseReport]:
+        return [(r.memory.resume if resume else r.memory.release)(tags) for r in self._ranks]
 
     # --- weights ---------------------------------------------------------------------------------
 
@@ -539,16 +581,16 @@ class ReferenceEngine:
                 for n, p in model.named_parameters()]
 
     async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorBody) -> tuple[bool, str]:
-        """Load one chunk (entry 0: TP size 1); a bad chunk applies nothing and says why."""
-        scheduler, memory, model = self._running()
+        """Load one chunk, TP rank r from entry r; a bad chunk applies nothing on any rank and says why."""
+        scheduler, memory, _ = self._running()
         if self.settings.protocol != "legacy" and self._session_selector is None:
             return False, (
                 "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
             )
         entries = body.serialized_named_tensors
-        if len(entries) != TP_SIZE:
+        if len(entries) != self.tp_size:
             return False, (
-                f"serialized_named_tensors has {len(entries)} entries but this engine has tp_size {TP_SIZE} "
+                f"serialized_named_tensors has {len(entries)} entries but this engine has tp_size {self.tp_size} "
                 "(one entry per TP rank)"
             )
         if body.abort_all_requests:
@@ -570,7 +612,7 @@ class ReferenceEngine:
                 )
             async with scheduler.hold():
                 try:
-                    names = await self._on_model_thread(self._load_entry, model, entries[0], body.load_format)
+                    names = await self._on_model_thread(self._load_entries, entries, body.load_format)
                 except ValueError as exc:  # PayloadError, UnsafePickleError, load_weights' checks
                     return False, f"Failed to update weights, nothing applied: {exc}"
                 except Exception as exc:
@@ -591,27 +633,39 @@ class ReferenceEngine:
             message += f" Weight version updated to {body.weight_version}."
         return True, message
 
-    def _load_entry(self, model: QwenLikeForCausalLM, entry: str, load_format: str | None) -> list[str]:
-        with open_payload(entry, load_format, rings=self._rings, device=self.device) as named:
-            applied = (self._sink or model).load_weights(named)
-        if self.device.type == "cuda":
-            # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
-            torch.cuda.synchronize(self.device)
-        return applied
+    def _load_entries(self, entries: Sequence[str], load_format: str | None) -> list[str]:
+        with contextlib.ExitStack() as stack:
+            opened = [
+                stack.enter_context(
+                    open_payload(entry, load_format, tp_rank=rank.index, rings=rank.rings, device=rank.device)
+                )
+                for rank, entry in zip(self._ranks, entries, strict=True)
+            ]
+            if len(opened) > 1 and (why := disagreement(opened)) is not None:
+                raise ValueError(why)  # before any rank applies anything: the ranks stay identical
+            applied = [(rank.sink or rank.model).load_weights(named) for rank, named in zip(self._ranks, opened)]
+        for rank in self._ranks:
+            if rank.device.type == "cuda":
+                # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
+                torch.cuda.synchronize(rank.device)
+        return applied[0]
 
     async def sink_checksums(self) -> dict[str, Any]:
-        """``/colocd/sink``: device checksums of the benchmark sink's tensors (404 without a sink)."""
+        """``/colocd/sink``: device checksums of the benchmark sink's tensors (404 without a sink); rank 0's
+        at the top level, every TP rank's under ``ranks``."""
         self._running()
         if self._sink is None:
             raise EngineRefusal(404, "this engine has no weight sink (start it with --sink-shapes)")
         sink = self._sink
         async with self._control_lock:
-            checksums = await self._on_model_thread(sink.checksums)
+            per_rank = await self._on_model_thread(lambda: [r.sink.checksums() for r in self._ranks if r.sink])
         return {
             "model": sink.model,
             "nbytes": sink.nbytes,
-            "checksums": checksums,
-            "rings_opened": self._rings.opened,
+            "checksums": per_rank[0],
+            "rings_opened": self._ranks[0].rings.opened,
+            "ranks": [{**r.describe(), "checksums": c, "rings_opened": r.rings.opened}
+                      for r, c in zip(self._ranks, per_rank, strict=True)],
         }
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
@@ -622,62 +676,43 @@ class ReferenceEngine:
 
     async def check_weights(self, action: str, skip: Sequence[str] | None) -> WeightsCheck:
         """``/weights_checker``: checksum, snapshot, compare or reset_tensors, as SGLang's WeightChecker."""
-        _, memory, model = self._running()
+        _, memory, _ = self._running()
+        models = [r.model for r in self._ranks]
         async with self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
                 return WeightsCheck(
                     False, "memory tag 'weights' is released; resume it and push weights first"
                 )
             if action == "checksum":
-                return await self._on_model_thread(self._checksum, model, tuple(skip or ()))
+                return await self._on_model_thread(self._checksum, tuple(skip or ()))
             if action == "snapshot":
-                self._snapshot = await self._on_model_thread(_clone_params, model)
+                self._snapshot = await self._on_model_thread(lambda: [_clone_params(m) for m in models])
                 return WeightsCheck(True, "Success.")
             if action == "compare":
                 if self._snapshot is None:
                     return WeightsCheck(False, "no snapshot to compare with; call action 'snapshot' first")
-                diffs = await self._on_model_thread(_compare_params, model, self._snapshot, tuple(skip or ()))
-                self._snapshot = None
+                snapshot, self._snapshot = self._snapshot, None
+                diffs = await self._on_model_thread(
+                    lambda: [d for r, m, snap in zip(self._ranks, models, snapshot, strict=True)
+                             for d in _compare_params(m, snap, tuple(skip or ()), r.index)])
                 if diffs:
                     return WeightsCheck(False, "check tensor equality failed:\n" + "\n".join(diffs))
                 return WeightsCheck(True, "Success.")
             if action == "reset_tensors":
-                await self._on_model_thread(_randomize_params, model, tuple(skip or ()))
+                await self._on_model_thread(_randomize_params, models, tuple(skip or ()))
                 return WeightsCheck(True, "Success.")
             return WeightsCheck(False, f"Unsupported action={action!r}")
 
-    def _checksum(self, model: QwenLikeForCausalLM, skip: tuple[str, ...]) -> WeightsCheck:
-        named = [(n, p.detach()) for n, p in model.named_parameters() if not any(s in n for s in skip)]
-        # Per-tensor: first 16 hex digits of the sha256 of its bytes (SGLang prints a 64-bit hash).
-        per_tensor = {n: hashlib.sha256(_tensor_bytes(t)).hexdigest()[:16] for n, t in named}
-        overall = hashlib.sha256()
-        for name in sorted(per_tensor):  # SGLang's overall_checksum (utils/weight_checker.py)
-            overall.update(name.encode())
-            overall.update(per_tensor[name].encode())
-        per_gpu = overall.hexdigest()
-        rank = {
-            "checksums": per_tensor,
-            "per_gpu_checksum": per_gpu,
-            "parallelism_info": [
-                {
-                    "role": "target",
-                    "tp_rank": 0,
-                    "tp_size": 1,
-                    "dp_rank": 0,
-                    "dp_size": 1,
-                    "pp_rank": 0,
-                    "pp_size": 1,
-                    "rank": 0,
-                    "size": 1,
-                }
-            ],
-        }
-        engine = hashlib.sha256(per_gpu.encode()).hexdigest()
-        return WeightsCheck(True, "Success.", [rank], engine, tensor_checksum(named))
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    def _checksum(self, skip: tuple[str, ...]) -> WeightsCheck:
+        records, sums = zip(*(rank_checksum(r, self.tp_size, skip) for r in self._ranks), strict=True)
+        # SGLang's per-engine checksum digests every rank's per-GPU one, in rank order.
+        engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in records).encode()).hexdigest()
+        differ = [r for r, value in enumerate(sums) if value != sums[0]]
+        if differ:
+            # No single checksum describes an engine whose ranks hold different weights.
+            message = f"TP ranks {differ} hold other weights than TP rank 0"
+            return WeightsCheck(True, message, list(records), engine, None, list(sums))
+        return WeightsCheck(True, "Success.", list(records), engine, sums[0], list(sums))
 
 
 def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:
@@ -685,19 +720,24 @@ def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def _compare_params(
-    model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...]
+    model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...], tp_rank: int
 ) -> list[str]:
     diffs = []
     for name, p in model.named_parameters():
         if any(s in name for s in skip):
             continue
         if not torch.equal(p.detach().cpu(), snapshot[name]):
-            diffs.append(f"name={name} differs from the snapshot")
+            diffs.append(f"name={name} differs from the snapshot" + (f" on TP rank {tp_rank}" if tp_rank else ""))
     return diffs
 
 
-def _randomize_params(model: QwenLikeForCausalLM, skip: tuple[str, ...]) -> None:
+def _randomize_params(models: Sequence[QwenLikeForCausalLM], skip: tuple[str, ...]) -> None:
+    """The same random values on every TP rank, so the ranks keep agreeing."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not any(s in name for s in skip):
-                p.copy_(torch.randn_like(p))
+        for named in zip(*(m.named_parameters() for m in models), strict=True):
+            name, first = named[0]
+            if any(s in name for s in skip):
+                continue
+            first.copy_(torch.randn_like(first))
+            for _, p in named[1:]:
+                p.copy_(first)

@@ -54,9 +54,10 @@ class ReferenceEngineProcess:
         grace_s: float = 10.0,
         ready_path: str = "/health",
     ) -> None:
-        if config.tp_size != 1:
+        if config.device.startswith("cuda:") and config.tp_size > 1:
             raise ValueError(
-                f"engine {config.name!r}: the reference engine has tp_size 1, got {config.tp_size}"
+                f"engine {config.name!r}: device {config.device!r} names one GPU but tp_size is "
+                f"{config.tp_size}; use device 'cuda' with one GPU per TP rank in gpus or gpu_uuids"
             )
         self.config = config
         self.grace_s = grace_s
@@ -125,7 +126,11 @@ class ReferenceEngineProcess:
             ready_file,
             "--model-json",
             json.dumps(self.config.model),
+            "--tp-size",
+            str(self.config.tp_size),
         ]
+        if self.config.device_ids:
+            cmd += ["--device-ids", ",".join(self.config.device_ids)]
         if self.config.launch:
             cmd += self.config.launch.args
         return cmd

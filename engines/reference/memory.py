@@ -221,7 +221,8 @@ class MemoryRegions:
 
     def empty_cache(self) -> None:
         if self._device.type == "cuda":
-            torch.cuda.empty_cache()
+            with torch.cuda.device(self._device):  # the cache of this region's GPU, not the current one
+                torch.cuda.empty_cache()
 
     def cuda_memory(self) -> dict[str, int] | None:
         if self._device.type != "cuda":
@@ -277,7 +278,8 @@ class MemoryRegions:
         if self._device.type != "cuda" or reserved_before is None:
             return None
         torch.cuda.synchronize(self._device)
-        torch.cuda.empty_cache()
+        with torch.cuda.device(self._device):
+            torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self._device) - reserved_before
 
 

@@ -200,7 +200,7 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "host": settings.host,
             "port": settings.port,
             "device": settings.device,
-            "tp_size": 1,
+            "tp_size": settings.tp_size,  # SGLang's resolved server args carry it at the top level too
             "dp_size": 1,
             "random_seed": settings.seed,
             "load_format": "dummy",
@@ -216,6 +216,8 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "colocd_reference": True,
             "colocd_protocol": settings.protocol,
             "colocd_model_config": settings.model.to_json(),
+            # Each TP rank's device and declared identity (GPU UUID on CUDA); empty while starting.
+            "colocd_tp_ranks": engine.tp_ranks(),
         }
         if not legacy:
             info["startup_time"] = engine.startup_time
@@ -338,8 +340,10 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
                 extra["ranks"] = check.ranks
             if check.per_engine_checksum is not None:
                 extra["per_engine_checksum"] = check.per_engine_checksum
-            if check.colocd_checksum is not None:
+            if check.colocd_rank_checksums is not None:
+                # null when the TP ranks disagree: no single checksum describes the engine then.
                 extra["colocd_checksum"] = check.colocd_checksum
+                extra["colocd_rank_checksums"] = check.colocd_rank_checksums
             return _success(check.success, check.message, **extra)
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])

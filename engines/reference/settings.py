@@ -36,6 +36,12 @@ class ReferenceServerSettings:
     port: int = 0
     sink: str | None = None  # benchmark mode: a sink.MODEL_SHAPES name whose tensors loads copy into
     sink_kv_bytes: int = 0  # benchmark mode: a KV-cache block of this size in the kv_cache tag
+    # Tensor-parallel ranks, each with its own full copy of the weights on its own device, fed by its own
+    # serialized_named_tensors entry (as SGLang's TP schedulers each read theirs).
+    tp_size: int = 1
+    # The identity each TP rank declares, what a trainer rank names to be paired with it: on CPU any label
+    # (default "cpu:<rank>"); on CUDA it is the GPU's UUID, read from the device, so none may be given.
+    device_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOL_VERSIONS:
@@ -46,6 +52,20 @@ class ReferenceServerSettings:
             raise ValueError("sink_kv_bytes must be >= 0 and needs a sink (--sink-shapes)")
         if self.health_timeout_s <= 0:
             raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        cuda = self.device.startswith("cuda")
+        if cuda and self.tp_size > 1 and self.device != "cuda":
+            raise ValueError(
+                f"device {self.device!r} names one GPU but tp_size is {self.tp_size}: use device 'cuda' "
+                "(TP rank r runs on visible GPU r; pin GPUs with CUDA_VISIBLE_DEVICES)"
+            )
+        if self.device_ids and cuda:
+            raise ValueError("device_ids are for CPU engines; on CUDA a TP rank's identity is its GPU's UUID")
+        if self.device_ids and len(self.device_ids) != self.tp_size:
+            raise ValueError(f"device_ids has {len(self.device_ids)} entries for tp_size {self.tp_size}")
+        if len(set(self.device_ids)) != len(self.device_ids) or not all(self.device_ids):
+            raise ValueError(f"device_ids must be distinct and non-empty, got {list(self.device_ids)}")
 
     @property
     def version(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
-from ..errors import EngineProtocolError, EngineRejected
+from ..errors import EngineMismatch, EngineProtocolError, EngineRejected
 from ..httpmap import check_reply, map_http_errors
 from . import wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
@@ -84,6 +84,7 @@ class SGLangAdapter:
             self.protocol = protocol_for_version(version)
         except ValueError as exc:
             raise EngineProtocolError(self.name, f"cannot drive SGLang version {version!r}: {exc}") from exc
+        self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._info = EngineInfo(
             name=self.name,
@@ -96,6 +97,24 @@ class SGLangAdapter:
             extra={"colocd_reference": bool(server.get("colocd_reference", False))},
         )
         return self._info
+
+    def _check_tp_size(self, server: dict[str, Any]) -> None:
+        """The engine's TP size must be the declared one: the daemon gathers one payload per declared TP rank
+        for every chunk. SGLang's server_info carries its resolved server args, ``tp_size`` among them
+        (http_server.py:863-894; 0.5.4 /get_server_info too); an answer without it cannot be checked."""
+        reported = server.get("tp_size")
+        if reported is None:
+            return
+        declared = int(self._config.tp_size)
+        if not isinstance(reported, int) or isinstance(reported, bool):
+            raise EngineProtocolError(self.name, f"server_info: tp_size {reported!r} is not an integer")
+        if reported != declared:
+            raise EngineMismatch(
+                self.name,
+                f"the engine reports tp_size {reported} but the node config declares tp_size {declared}; "
+                "not attached (every chunk would carry the wrong number of payloads): fix tp_size in the "
+                f"config of engine {self.name!r} or restart the engine with tp_size {declared}",
+            )
 
     async def health(self) -> bool:
         # /health runs a 1-token generation in SGLang; while paused or released that would block

@@ -1,0 +1,137 @@
+"""The reference engine's tensor-parallel ranks: each one a full copy of the model on its own device.
+
+SGLang runs one scheduler process per TP rank, and each reads only its own entry of
+``serialized_named_tensors``: the full HF tensors, which its ``load_weights`` then shards
+(research/engine-apis.md §1.7). The reference engine keeps its ranks in one process and does not
+shard: every rank holds the full tensors its own entry carries. A chunk whose entries disagree is
+refused before any rank applies it, so the ranks always hold the same weights and generation may
+run on rank 0's alone, while a rank that was never fed still shows in its own checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..chunks import tensor_checksum
+from ..cuda_handles import RingTable, device_uuid
+from .memory import MemoryRegions
+from .model import QwenLikeForCausalLM
+from .sink import WeightSink, device_checksum
+
+__all__ = ["TPRank", "disagreement", "rank_devices", "rank_checksum"]
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class TPRank:
+    """One TP rank: its device and declared identity, its weights and memory tags, its opened ring slots."""
+
+    index: int
+    device: torch.device
+    device_id: str  # CPU: the declared label; CUDA: the GPU's UUID
+    model: QwenLikeForCausalLM
+    memory: MemoryRegions
+    sink: WeightSink | None
+    rings: RingTable  # per rank: each is fed by its own trainer rank, whose ring ids are its own
+
+    def describe(self) -> dict[str, Any]:
+        return {"tp_rank": self.index, "device": str(self.device), "device_id": self.device_id}
+
+
+def rank_devices(device: str, tp_size: int, device_ids: Sequence[str]) -> list[tuple[torch.device, str]]:
+    """Where each TP rank runs and the identity it declares. Runs on the model thread (touches CUDA).
+
+    ``cpu``: every rank on the CPU, identified by ``device_ids`` (default ``cpu:<rank>``).
+    ``cuda``: rank r on visible GPU r; ``cuda:N`` (one rank only): that GPU. A CUDA rank's identity
+    is its GPU's UUID in SGLang's spelling, which does not depend on ``CUDA_VISIBLE_DEVICES``.
+    """
+    if not device.startswith("cuda"):
+        ids = list(device_ids) or [f"cpu:{r}" for r in range(tp_size)]
+        return [(torch.device(device), ids[r]) for r in range(tp_size)]
+    visible = torch.cuda.device_count()
+    if tp_size == 1:
+        dev = torch.device(device)
+        return [(dev, device_uuid(dev.index if dev.index is not None else torch.cuda.current_device()))]
+    if visible < tp_size:
+        raise ValueError(f"tp_size {tp_size} needs one GPU per TP rank, but this process sees {visible}")
+    return [(torch.device("cuda", r), device_uuid(r)) for r in range(tp_size)]
+
+
+def disagreement(entries: Sequence[NamedTensors]) -> str | None:
+    """Why the TP ranks' entries of one chunk do not carry the same full tensors; None when they do.
+
+    Values are compared by ``device_checksum`` where each tensor lives (no cross-device copy).
+    """
+    first = dict(entries[0])
+    names = sorted(first)
+    for r, named in enumerate(entries[1:], start=1):
+        other = dict(named)
+        if other.keys() != first.keys():
+            missing = sorted(first.keys() - other.keys())
+            extra = sorted(other.keys() - first.keys())
+            return (
+                f"TP rank {r}'s entry carries other tensors than rank 0's (missing {_some(missing)}, "
+                f"extra {_some(extra)}); every TP rank's entry must carry the same full tensors"
+            )
+        for name in names:
+            a, b = first[name], other[name]
+            if a.dtype != b.dtype or a.shape != b.shape:
+                return (
+                    f"tensor {name!r} is {b.dtype}{list(b.shape)} in TP rank {r}'s entry but "
+                    f"{a.dtype}{list(a.shape)} in rank 0's"
+                )
+        ours = device_checksum(first[n] for n in names)
+        theirs = device_checksum(other[n] for n in names)
+        differing = [n for n, x, y in zip(names, ours, theirs, strict=True) if x != y]
+        if differing:
+            return (
+                f"tensor{'s' if len(differing) > 1 else ''} {_some(differing)} differ between TP rank {r}'s "
+                "entry and rank 0's; every TP rank's entry must carry the same full tensors"
+            )
+    return None
+
+
+def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> tuple[dict[str, Any], str]:
+    """One rank's SGLang-shaped checksum record and colocd's whole-model sha256 of its weights."""
+    named = [(n, p.detach()) for n, p in rank.model.named_parameters() if not any(s in n for s in skip)]
+    # Per tensor: the first 16 hex digits of the sha256 of its bytes (SGLang prints a 64-bit hash).
+    per_tensor = {n: hashlib.sha256(_tensor_bytes(t)).hexdigest()[:16] for n, t in named}
+    overall = hashlib.sha256()
+    for name in sorted(per_tensor):  # SGLang's overall_checksum (utils/weight_checker.py)
+        overall.update(name.encode())
+        overall.update(per_tensor[name].encode())
+    record = {
+        "checksums": per_tensor,
+        "per_gpu_checksum": overall.hexdigest(),
+        "parallelism_info": [
+            {
+                "role": "target",
+                "tp_rank": rank.index,
+                "tp_size": tp_size,
+                "dp_rank": 0,
+                "dp_size": 1,
+                "pp_rank": 0,
+                "pp_size": 1,
+                "rank": rank.index,
+                "size": tp_size,
+            }
+        ],
+        "colocd_device_id": rank.device_id,
+    }
+    return record, tensor_checksum(named)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _some(names: Sequence[str], n: int = 3) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return f"[{shown}{more}]" if names else "none"
