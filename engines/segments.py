@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .chunks import SEGMENT_PREFIX, SHM_DIR
 
-__all__ = ["ReclaimedSegment", "reclaim_dead_segments", "segment_creator", "pid_alive"]
+__all__ = ["ReclaimedSegment", "pid_alive", "reclaim_dead_segments", "segment_creator"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -453,7 +453,7 @@ class ReferenceEngine:
             await scheduler.set_mode(SchedulerMode(mode.value))
 
     async def continue_generation(self, *, torch_empty_cache: bool) -> None:
-        scheduler, memory, _ = self._running()
+        scheduler, _, _ = self._running()
         if torch_empty_cache:
             await self._on_model_thread(self._empty_caches)
         await scheduler.set_mode(SchedulerMode.RUNNING)
@@ -500,7 +500,7 @@ class ReferenceEngine:
         await self._move_memory(tags, resume=True)
 
     async def _move_memory(self, raw_tags: Sequence[str] | None, *, resume: bool) -> None:
-        scheduler, memory, _ = self._running()
+        scheduler, _, _ = self._running()
         try:
             tags = normalize_tags(raw_tags)
         except ValueError as exc:
@@ -643,7 +643,8 @@ class ReferenceEngine:
             ]
             if len(opened) > 1 and (why := disagreement(opened)) is not None:
                 raise ValueError(why)  # before any rank applies anything: the ranks stay identical
-            applied = [(rank.sink or rank.model).load_weights(named) for rank, named in zip(self._ranks, opened)]
+            applied = [(rank.sink or rank.model).load_weights(named)
+                       for rank, named in zip(self._ranks, opened, strict=True)]
         for rank in self._ranks:
             if rank.device.type == "cuda":
                 # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).

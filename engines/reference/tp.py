@@ -23,7 +23,7 @@ from .memory import MemoryRegions
 from .model import QwenLikeForCausalLM
 from .sink import WeightSink, device_checksum
 
-__all__ = ["TPRank", "disagreement", "rank_devices", "rank_checksum"]
+__all__ = ["TPRank", "disagreement", "rank_checksum", "rank_devices"]
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 

@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from support import shm_segments
 
@@ -102,11 +103,11 @@ async def test_a_segment_whose_creator_still_holds_it_is_kept_though_its_pid_is_
         assert segment_creator(alias) == gone.pid
 
         assert alias not in {r.name for r in reclaim_dead_segments()}
-        assert os.path.exists(f"/dev/shm/{alias}")
+        assert Path(f"/dev/shm/{alias}").exists()  # noqa: ASYNC240 (a stat of tmpfs, not I/O that blocks)
 
         await elsewhere.kill()  # now its creator is gone for real: the lock went with it
         assert alias in {r.name for r in reclaim_dead_segments()}
-        assert not os.path.exists(f"/dev/shm/{alias}") and not shm_segments(elsewhere.pid)
+        assert not Path(f"/dev/shm/{alias}").exists() and not shm_segments(elsewhere.pid)  # noqa: ASYNC240
 
 
 def test_only_colocd_segment_names_carry_a_creator() -> None:
