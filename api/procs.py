@@ -46,7 +46,9 @@ class DaemonProcess:
             "colocd", [sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(config_path),
                        "--log-level", self._log_level],
             {**os.environ, "PYTHONUNBUFFERED": "1"}, label="colocd daemon", log_file=self.log_path,
+            header=False,  # the daemon's log is its own format (JSON lines with log_format: json)
             failure=lambda proc, what: RuntimeError(f"colocd daemon {what}: {self.log_tail()}"))
+        self.log_path.write_bytes(b"")  # this run's log only, as the ready file is this run's
         self.process.spawn()
 
         async def announced() -> dict[str, Any] | None:

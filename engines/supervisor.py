@@ -122,7 +122,8 @@ class ManagedProcess:
 
     ``label`` names what it is in messages ("reference engine", "SGLang", "colocd daemon");
     ``failure`` turns a one-line reason into the exception to raise (default ``EngineLaunchError``
-    with the log tail), so a non-engine child can raise its own kind.
+    with the log tail), so a non-engine child can raise its own kind. ``header`` writes the
+    (redacted) command line into the log before the child's output.
     """
 
     def __init__(
@@ -134,6 +135,7 @@ class ManagedProcess:
         label: str = "engine",
         log_file: str | os.PathLike[str] | None = None,
         failure: Callable[[ManagedProcess, str], BaseException] | None = None,
+        header: bool = True,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -141,6 +143,7 @@ class ManagedProcess:
         self.label = label
         self.log_path: Path | None = Path(log_file) if log_file is not None else None
         self._failure = failure or _engine_failure
+        self._header = header  # the "# colocd: <command>" line; off where the log must stay one format
         self._popen: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None  # time.monotonic() of spawn
 
@@ -185,7 +188,8 @@ class ManagedProcess:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, f"\n# colocd: {_shown(self.argv)}\n".encode())
+            if self._header:
+                os.write(fd, f"\n# colocd: {_shown(self.argv)}\n".encode())
             try:
                 self._popen = subprocess.Popen(
                     self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
