@@ -20,6 +20,7 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     from ..daemon.config import ConfigError, load_node_config
+    from ..engines.supervisor import EngineLaunchError
     from ..policies import PolicyError
     from .logs import configure_logging
     from .server import serve
@@ -39,6 +40,9 @@ def _serve(args: argparse.Namespace) -> int:
     except PolicyError as exc:
         print(f"colocd: policy file {config.policy_file}: {exc}", file=sys.stderr)
         return 2
+    except EngineLaunchError as exc:  # a launched engine was not ready: one line, its log named in it
+        print(f"colocd: {exc.summary}", file=sys.stderr)
+        return 1
     except OSError as exc:
         raise CliFailure(_serve_os_error(exc, config, args.config), 2) from None
     return 0

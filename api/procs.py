@@ -1,11 +1,14 @@
-"""Start colocd's own daemon as a child process and wait for it: used by the demo, benchmarks and tests."""
+"""Start colocd's own daemon as a child process and wait for it: used by the demo, benchmarks and tests.
+
+The process (own process group, log file, readiness under a deadline, SIGTERM then SIGKILL) is
+``engines/supervisor.py``'s, as for every engine; this module writes the config and says what
+"ready" is: the ready file the daemon writes once it listens.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +17,7 @@ from typing import Any
 import yaml
 
 from ..engines.logtail import read_tail
+from ..engines.supervisor import ManagedProcess
 
 __all__ = ["DaemonProcess"]
 
@@ -30,7 +34,7 @@ class DaemonProcess:
         self.url: str = ""
         self.pid: int | None = None  # the daemon's process id, once ready
         self.log_path = self._dir / "daemon.log"
-        self._proc: asyncio.subprocess.Process | None = None
+        self.process: ManagedProcess | None = None
 
     async def __aenter__(self) -> DaemonProcess:
         ready = self._dir / "daemon.ready.json"
@@ -38,22 +42,24 @@ class DaemonProcess:
         listen = {"host": "127.0.0.1", "port": 0, **self._config.get("listen", {}), "ready_file": str(ready)}
         config_path = self._dir / "colocd.yaml"
         config_path.write_text(yaml.safe_dump({**self._config, "listen": listen}))
-        log = open(self.log_path, "wb")  # noqa: ASYNC230 - a local file handed to the child; closed in stop()
-        self._log = log
-        self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(config_path),
-            "--log-level", self._log_level, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = ManagedProcess(
+            "colocd", [sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(config_path),
+                       "--log-level", self._log_level],
+            {**os.environ, "PYTHONUNBUFFERED": "1"}, label="colocd daemon", log_file=self.log_path,
+            header=False,  # the daemon's log is its own format (JSON lines with log_format: json)
+            failure=lambda proc, what: RuntimeError(f"colocd daemon {what}: {self.log_tail()}"))
+        self.log_path.write_bytes(b"")  # this run's log only, as the ready file is this run's
+        self.process.spawn()
+
+        async def announced() -> dict[str, Any] | None:
+            return json.loads(ready.read_text()) if ready.exists() else None  # written atomically
+
         try:
-            async with asyncio.timeout(self._ready_timeout_s):
-                while not ready.exists():
-                    if self._proc.returncode is not None:
-                        raise RuntimeError(f"colocd daemon exited with {self._proc.returncode}: {self.log_tail()}")
-                    await asyncio.sleep(0.02)  # polling for the ready file the child writes once listening
-        except TimeoutError:
+            found = await self.process.wait_ready(announced, self._ready_timeout_s, setting="ready_timeout_s")
+        except BaseException:
             await self.stop()
-            raise RuntimeError(f"colocd daemon not ready within {self._ready_timeout_s}s: {self.log_tail()}") from None
-        announced = json.loads(ready.read_text())
-        self.url, self.pid = announced["url"], int(announced["pid"])
+            raise
+        self.url, self.pid = found["url"], int(found["pid"])
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -63,14 +69,5 @@ class DaemonProcess:
         return read_tail(self.log_path, n)
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(grace_s):
-                await proc.wait()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-        self._log.close()
+        if self.process is not None:
+            await self.process.stop(grace_s)

@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from ..daemon.config import ListenConfig, NodeConfig
+from ..daemon.node import Daemon
 from ..daemon.policy_runtime import PolicyRuntime
 from .app import create_app
 
@@ -47,11 +48,54 @@ def _write_ready(path: str, url: str) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
+async def _launch_engines(daemon: Daemon) -> bool:
+    """Start the engines colocd launches (``launch:``) before serving; False if a signal stopped it.
+
+    Here rather than in the app's lifespan so that a launch failure is one line from the CLI
+    (``EngineLaunchError.summary``), not a startup traceback; SIGINT/SIGTERM meanwhile cancel the
+    launch (its processes are stopped), where the default handler would orphan them.
+    """
+    loop = asyncio.get_running_loop()
+    launching = asyncio.ensure_future(daemon.launches.start())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, launching.cancel)
+    try:
+        await launching
+    except asyncio.CancelledError:
+        if launching.cancelled() and not _cancelling():
+            return False
+        raise
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return True
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool = False) -> None:
-    """Serve until SIGINT/SIGTERM; SIGHUP reloads the policy file if one is configured."""
+    """Serve until SIGINT/SIGTERM; SIGHUP reloads the policy file if one is configured.
+
+    Engines with a ``launch:`` section are started (and ready) before the daemon listens, and
+    stopped when it exits, whatever the way out. ``EngineLaunchError`` if one is not ready in time.
+    """
     policies = PolicyRuntime(config)  # an invalid policy file fails here, before we listen
     sock, url = bind(config.listen)
-    app = create_app(config, policies=policies)
+    daemon = Daemon(config, policies=policies)
+    try:
+        if await _launch_engines(daemon):
+            await _serve_app(config, daemon, policies, sock, url, log_level=log_level, log_json=log_json)
+    finally:
+        await daemon.launches.aclose()  # also when the app's startup failed before the daemon closed them
+        sock.close()
+
+
+async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime, sock: socket.socket, url: str,
+                     *, log_level: str, log_json: bool) -> None:
+    app = create_app(config, daemon=daemon, policies=policies)
     # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too.
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
                                            **({"log_config": None} if log_json else {})))

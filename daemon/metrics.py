@@ -108,6 +108,12 @@ class Metrics:
             "colocd_engine_restarts",
             "Engine restarts the daemon observed (a new incarnation, or one it could not rule out)",
             ["engine"], registry=r)
+        self.engine_launches = Counter(
+            "colocd_engine_launches", "Engine processes the daemon launched and saw ready (the first start and "
+            "every relaunch; engines with a 'launch' section only)", ["engine"], registry=r)
+        self.engine_launch_failures = Counter(
+            "colocd_engine_launch_failures", "Engine launches that exited or missed launch.ready_timeout_s before "
+            "they were ready", ["engine"], registry=r)
         self.reconcile_actions = Counter(
             "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state "
             "(adopt, pause, release, end_engine_session, fail_session)",

@@ -48,6 +48,7 @@ from .reconcile import Action, Plan, plan_reconcile
 from .staging import StagingMemory, staging_memory
 from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
 from .steps import StepBook
+from .supervision import EngineSupervision
 from .trace import Span, Trace, TraceStore
 from .weights import (
     ChunkAck,
@@ -125,6 +126,8 @@ class Daemon:
         self._reconciling = False
         self._reconcile_reports: dict[str, dict[str, Any]] = {}
         self._startup_report: dict[str, Any] | None = None
+        # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
+        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self._changed)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
@@ -133,7 +136,8 @@ class Daemon:
         # Long read timeouts: weight, release and resume calls hold engine locks and barriers;
         # the daemon's own per-step deadlines (asyncio.timeout) bound them.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False)
-        for cfg in self.config.engines:
+        await self.launches.start()  # a no-op if `colocd serve` already did it
+        for cfg in self.launches.configs():  # launched engines now carry their URL
             adapter = self._given_adapters.get(cfg.name) or build_adapter(cfg, self._client)
             state = EngineState(name=cfg.name, owned_tags=tuple(MemoryTag(t) for t in cfg.owned_tags))
             self.engines[cfg.name] = EngineHandle(adapter=adapter, config=cfg, state=state)
@@ -147,6 +151,7 @@ class Daemon:
         self.lifecycle = DaemonState.RUNNING
         self._start(self._health_loop())
         self._start(self._lease_loop())
+        self.launches.supervise(self._reconcile_relaunched)
         self._refresh_gauges()
         return self
 
@@ -169,6 +174,7 @@ class Daemon:
                 await engine.adapter.aclose()
             except Exception as exc:  # collect, keep closing the rest
                 errors.append(exc)
+        await self.launches.aclose()
         if self._client is not None:
             await self._client.aclose()
         if self._probe is not None:
@@ -195,6 +201,13 @@ class Daemon:
                 continue  # a transition in progress reconciles before it acts
             async with self._reconcile_lock("health"):
                 await self._reconcile_all("health")
+            self._refresh_gauges()
+
+    async def _reconcile_relaunched(self, name: str) -> None:
+        """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
+        if self.lifecycle is DaemonState.RUNNING:
+            async with self._reconcile_lock("relaunch"):
+                await self._reconcile_engine(self.engines[name], "relaunch")
             self._refresh_gauges()
 
     # -- reconciliation (daemon/reconcile.py decides; this section observes and acts) --------------
@@ -340,7 +353,7 @@ class Daemon:
                 session, session.stats() if session is not None else None,
                 # reconciliation: the set changes in place (copied); reports are replaced, never edited
                 tuple(sorted(self._unreconciled)), self._startup_report, tuple(self._reconcile_reports.items()),
-                self.policies.active, self.policies.store.pending, self._probe is not None)
+                self.launches.version, self.policies.active, self.policies.store.pending, self._probe is not None)
 
     def status_json(self) -> bytes:
         """``status()`` as JSON bytes, rebuilt only when something in it changed (GET /v1/status)."""
@@ -359,7 +372,8 @@ class Daemon:
             "node": self.node.snapshot(),
             "busy_with": self._busy_with,
             "engines": {n: {**e.state.snapshot(), "protocol": e.info.protocol if e.info else None,
-                            "engine_version": e.info.version if e.info else None}
+                            "engine_version": e.info.version if e.info else None,
+                            "launched": self.launches.snapshot(n)}
                         for n, e in self.engines.items()},
             "weight_session": self.session.stats() if self.session else None,
             "reconcile": {"unreconciled": sorted(self._unreconciled), "startup": self._startup_report,

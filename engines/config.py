@@ -15,7 +15,13 @@ __all__ = ["EngineConfig", "LaunchConfig", "ReferenceEngineConfig", "SGLangEngin
 
 
 class LaunchConfig(BaseModel):
-    """How colocd starts the engine itself; absent means attach to one already running at ``url``."""
+    """How colocd starts the engine itself; absent means attach to one already running at ``url``.
+
+    With ``launch`` the daemon starts the engine before it attaches, relaunches it when it exits
+    (after ``backoff_initial_s``, doubling per consecutive failure up to ``backoff_max_s``; a run
+    that stayed up ``backoff_reset_s`` starts the count again) and stops it on shutdown. Its URL
+    is ``url`` if set (a loopback port), else ``http://127.0.0.1:<a free port>``, kept across relaunches.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -23,6 +29,19 @@ class LaunchConfig(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
     ready_timeout_s: float = Field(120.0, gt=0, description="deadline for the engine to answer /health")
     log_file: str | None = Field(None, description="where the engine's stdout/stderr go; default: a temp file")
+    restart: bool = Field(True, description="relaunch the engine when it exits (false: leave it down, unhealthy)")
+    backoff_initial_s: float = Field(1.0, gt=0, description="wait before the first relaunch after an exit")
+    backoff_max_s: float = Field(30.0, gt=0, description="longest wait between relaunches (the doubling stops here)")
+    backoff_reset_s: float = Field(
+        60.0, gt=0, description="a run that stayed up this long resets the backoff to backoff_initial_s")
+    stop_grace_s: float = Field(10.0, gt=0, description="on shutdown: SIGTERM, then SIGKILL after this long")
+
+    @model_validator(mode="after")
+    def _backoff_bounds(self) -> LaunchConfig:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s:g}) is below backoff_initial_s "
+                             f"({self.backoff_initial_s:g})")
+        return self
 
 
 class _EngineBase(BaseModel):

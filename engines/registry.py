@@ -1,4 +1,4 @@
-"""Build the adapter for an engine config by its ``kind``; engine modules are imported lazily."""
+"""Build the adapter, or launch the server, for an engine config by its ``kind``; imported lazily."""
 
 from __future__ import annotations
 
@@ -7,12 +7,17 @@ from typing import Any
 import httpx
 
 from .base import EngineAdapter
+from .supervisor import Launched
 
-__all__ = ["build_adapter"]
+__all__ = ["build_adapter", "launch_engine"]
 
 
 def build_adapter(config: Any, client: httpx.AsyncClient) -> EngineAdapter:
     """The reference engine speaks SGLang's protocol, so both use the SGLang adapter."""
+    if config.url is None:
+        # Never the string "None": a launched engine gets its URL from the port colocd chose.
+        raise ValueError(f"engine {config.name!r}: no 'url' to attach to (a launched engine gets one when "
+                         "colocd starts it)")
     if config.kind in ("reference", "sglang"):
         from .sglang.adapter import SGLangAdapter
 
@@ -21,4 +26,24 @@ def build_adapter(config: Any, client: httpx.AsyncClient) -> EngineAdapter:
         from .vllm import VLLMAdapter  # type: ignore[import-not-found]
 
         return VLLMAdapter(config, client)  # type: ignore[no-any-return]
+    raise ValueError(f"engine {config.name!r}: unknown kind {config.kind!r}")
+
+
+async def launch_engine(config: Any) -> Launched:
+    """Start ``config``'s server on ``config.url``'s port and return once it is ready.
+
+    Raises ``EngineLaunchError`` naming the engine (it exited, or missed ``launch.ready_timeout_s``).
+    """
+    if config.kind == "reference":
+        from .reference.launcher import launch_reference
+
+        return await launch_reference(config)
+    if config.kind == "sglang":
+        from .sglang.launcher import launch_sglang
+
+        return await launch_sglang(config)
+    if config.kind == "vllm":
+        from .vllm.launcher import launch_vllm
+
+        return await launch_vllm(config)
     raise ValueError(f"engine {config.name!r}: unknown kind {config.kind!r}")

@@ -3,44 +3,36 @@
     async with ReferenceEngineProcess(config) as proc:   # or: with ...: / proc.start() ... proc.stop()
         httpx.get(f"{proc.url}/model_info")
 
-Readiness is the child's ready file (it binds its own port, so nothing is guessed) and then
-``/health`` 200, polled inside ``launch.ready_timeout_s``; a child that exits meanwhile fails the
-start at once with the tail of its log. Stopping sends SIGTERM, then SIGKILL after a grace period.
-This module imports neither torch nor the server, so the daemon can use it cheaply.
+This module builds the command line and says what "ready" means; the process itself (own process
+group, log file, exit detection, SIGTERM then SIGKILL) is ``engines/supervisor.py``'s. Readiness
+is the child's ready file (it binds its own port when ``url`` has port 0, so nothing is guessed)
+and then ``ready_path`` answering 200, inside ``launch.ready_timeout_s``; a child that exits
+meanwhile fails the start at once with the tail of its log. This module imports neither torch nor
+the server, so the daemon can use it cheaply.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import httpx
 
 from ..config import ReferenceEngineConfig
-from ..errors import EngineError
-from ..logtail import read_tail
+from ..supervisor import EngineLaunchError, Launched, ManagedProcess, read_ready_file
 
-__all__ = ["EngineLaunchError", "ReferenceEngineProcess"]
+__all__ = ["EngineLaunchError", "ReferenceEngineProcess", "launch_reference"]
 
-_POLL_S = 0.05  # readiness poll interval; every wait also wakes the moment the child exits
-_LOG_TAIL_BYTES = 4000
 _DEFAULT_READY_TIMEOUT_S = 120.0
-
-
-class EngineLaunchError(EngineError):
-    """The engine process died or did not become healthy in time; the message carries its log tail."""
 
 
 class ReferenceEngineProcess:
@@ -65,19 +57,22 @@ class ReferenceEngineProcess:
         # daemon that sees a restarted engine) may pause it before its first generation.
         self.ready_path = ready_path
         launch_log = config.launch.log_file if config.launch else None
-        chosen = log_path if log_path is not None else launch_log
-        self._log_path: Path | None = Path(chosen) if chosen is not None else None
+        self._log_file = log_path if log_path is not None else launch_log
         self._workdir: str | None = None
-        self._aproc: asyncio.subprocess.Process | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self.process: ManagedProcess | None = None
         self.url: str | None = None
-        self.pid: int | None = None
 
     # --- public surface --------------------------------------------------------------------------
 
     @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
     def log_path(self) -> Path | None:
-        return self._log_path
+        if self.process is not None:
+            return self.process.log_path
+        return Path(self._log_file) if self._log_file is not None else None
 
     @property
     def ready_timeout_s(self) -> float:
@@ -85,9 +80,7 @@ class ReferenceEngineProcess:
 
     @property
     def returncode(self) -> int | None:
-        if self._aproc is not None:
-            return self._aproc.returncode
-        return self._proc.poll() if self._proc is not None else None
+        return self.process.returncode if self.process is not None else None
 
     async def __aenter__(self) -> ReferenceEngineProcess:
         await self.astart()
@@ -109,26 +102,16 @@ class ReferenceEngineProcess:
         """The child's command line (the API key travels in the environment, not in argv)."""
         host, port = self._host_port()
         cmd = [
-            sys.executable,
-            "-m",
-            "colocd.engines.reference",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--device",
-            self.config.device,
-            "--seed",
-            str(self.config.seed),
-            "--protocol",
-            self.config.protocol,
-            "--ready-file",
-            ready_file,
-            "--model-json",
-            json.dumps(self.config.model),
-            "--tp-size",
-            str(self.config.tp_size),
-        ]
+            sys.executable, "-m", "colocd.engines.reference",
+            "--host", host,
+            "--port", str(port),
+            "--device", self.config.device,
+            "--seed", str(self.config.seed),
+            "--protocol", self.config.protocol,
+            "--ready-file", ready_file,
+            "--model-json", json.dumps(self.config.model),
+            "--tp-size", str(self.config.tp_size),
+        ]  # fmt: skip
         if self.config.device_ids:
             cmd += ["--device-ids", ",".join(self.config.device_ids)]
         if self.config.launch:
@@ -138,134 +121,78 @@ class ReferenceEngineProcess:
     # --- async -----------------------------------------------------------------------------------
 
     async def astart(self) -> None:
-        """Start the child and return once ``/health`` is 200; raises ``EngineLaunchError`` otherwise."""
-        ready_file = self._prepare()
-        with self._open_log() as log:
-            self._aproc = await asyncio.create_subprocess_exec(
-                *self.command(ready_file),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._environment(),
-                start_new_session=True,
-            )
-        self.pid = self._aproc.pid
-        exited = asyncio.ensure_future(self._aproc.wait())
+        """Start the child and return once it is ready; raises ``EngineLaunchError`` otherwise."""
+        proc, ready_file = self._spawn()
         try:
-            async with asyncio.timeout(self.ready_timeout_s):
-                self.url = await self._await_ready_file(ready_file, exited)
-                await self._await_health(exited)
-        except TimeoutError:
-            await self.aclose()
-            raise self._failure(f"did not become healthy within {self.ready_timeout_s:g}s") from None
+            self.url = await proc.wait_ready(_ready_file_probe(ready_file), self.ready_timeout_s)
+            self._cleanup()  # the ready file has been read
+            async with httpx.AsyncClient(timeout=5.0, headers=self._headers(), trust_env=False) as client:
+
+                async def answers() -> bool | None:
+                    with contextlib.suppress(httpx.TransportError):
+                        if (await client.get(f"{self.url}{self.ready_path}")).status_code == 200:
+                            return True
+                    return None
+
+                await proc.wait_ready(answers, self._remaining(proc))
         except BaseException:
             await self.aclose()
             raise
-        finally:
-            if not exited.done():
-                exited.cancel()
 
     async def aclose(self) -> None:
         """SIGTERM, wait ``grace_s``, then SIGKILL; idempotent."""
-        proc = self._aproc
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), self.grace_s)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        if self.process is not None:
+            await self.process.stop(self.grace_s)
         self._cleanup()
-
-    async def _await_ready_file(self, path: str, exited: asyncio.Future[int]) -> str:
-        while True:
-            url = self._read_ready_file(path)
-            if url is not None:
-                return url
-            await self._pause_or_die(exited)
-
-    async def _await_health(self, exited: asyncio.Future[int]) -> None:
-        headers = self._headers()
-        async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    if (await client.get(f"{self.url}{self.ready_path}")).status_code == 200:
-                        return
-                await self._pause_or_die(exited)
-
-    async def _pause_or_die(self, exited: asyncio.Future[int]) -> None:
-        await asyncio.wait({exited}, timeout=_POLL_S)
-        if exited.done():
-            raise self._failure(f"exited with code {exited.result()} before becoming ready")
 
     # --- sync ------------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Blocking twin of ``astart`` for synchronous callers (tests, scripts)."""
-        ready_file = self._prepare()
-        with self._open_log() as log:
-            self._proc = subprocess.Popen(
-                self.command(ready_file),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._environment(),
-                start_new_session=True,
-            )
-        self.pid = self._proc.pid
-        deadline = time.monotonic() + self.ready_timeout_s
+        proc, ready_file = self._spawn()
         try:
-            while (url := self._read_ready_file(ready_file)) is None:
-                self._wait_or_die(deadline)
-            self.url = url
-            with httpx.Client(timeout=5.0, headers=self._headers()) as client:
-                while True:
+            self.url = proc.wait_ready_sync(lambda: read_ready_file(ready_file), self.ready_timeout_s)
+            self._cleanup()
+            with httpx.Client(timeout=5.0, headers=self._headers(), trust_env=False) as client:
+
+                def answers() -> bool | None:
                     with contextlib.suppress(httpx.TransportError):
-                        if client.get(f"{self.url}/health").status_code == 200:
-                            return
-                    self._wait_or_die(deadline)
+                        if client.get(f"{self.url}{self.ready_path}").status_code == 200:
+                            return True
+                    return None
+
+                proc.wait_ready_sync(answers, self._remaining(proc))
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if self.process is not None:
+            self.process.stop_sync(self.grace_s)
         self._cleanup()
-
-    def _wait_or_die(self, deadline: float) -> None:
-        assert self._proc is not None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise self._failure(f"did not become healthy within {self.ready_timeout_s:g}s")
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            code = self._proc.wait(min(_POLL_S, remaining))
-            raise self._failure(f"exited with code {code} before becoming ready")
 
     # --- helpers ---------------------------------------------------------------------------------
 
-    def _prepare(self) -> str:
-        if self._aproc is not None or self._proc is not None:
+    def _spawn(self) -> tuple[ManagedProcess, str]:
+        if self.process is not None:
             raise RuntimeError(f"engine {self.config.name!r}: this launcher has already been started")
         self._workdir = tempfile.mkdtemp(prefix=f"colocd-ref-{self.config.name}-")
-        return os.path.join(self._workdir, "ready.json")
+        ready_file = os.path.join(self._workdir, "ready.json")
+        self.process = ManagedProcess(
+            self.config.name, self.command(ready_file), self._environment(),
+            label="reference engine", log_file=self._log_file,
+        )  # fmt: skip
+        try:
+            self.process.spawn()
+        except BaseException:
+            self._cleanup()
+            raise
+        return self.process, ready_file
 
-    def _open_log(self) -> BinaryIO:
-        """The child's stdout/stderr; a private temp file unless a path was given. Kept after stop."""
-        if self._log_path is None:
-            fd, path = tempfile.mkstemp(prefix=f"colocd-ref-{self.config.name}-", suffix=".log")
-            self._log_path = Path(path)
-            return os.fdopen(fd, "ab")
-        return open(self._log_path, "ab")
+    def _remaining(self, proc: ManagedProcess) -> float:
+        """What is left of the one readiness deadline (ready file and health share it)."""
+        assert proc.started_at is not None
+        return max(0.001, self.ready_timeout_s - (time.monotonic() - proc.started_at))
 
     def _host_port(self) -> tuple[str, int]:
         if not self.config.url:
@@ -290,27 +217,26 @@ class ReferenceEngineProcess:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
 
-    @staticmethod
-    def _read_ready_file(path: str) -> str | None:
-        try:
-            with open(path) as f:
-                data: dict[str, Any] = json.load(f)
-        except FileNotFoundError:
-            return None
-        return str(data["url"])
-
-    def _failure(self, what: str) -> EngineLaunchError:
-        return EngineLaunchError(
-            self.config.name,
-            f"reference engine (pid {self.pid}) {what}; log {self._log_path}:\n{self._log_tail()}",
-        )
-
-    def _log_tail(self) -> str:
-        if self._log_path is None:
-            return ""
-        return read_tail(self._log_path, _LOG_TAIL_BYTES)
-
     def _cleanup(self) -> None:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+
+
+def _ready_file_probe(path: str) -> Callable[[], Awaitable[str | None]]:
+    async def probe() -> str | None:
+        return read_ready_file(path)
+
+    return probe
+
+
+async def launch_reference(config: ReferenceEngineConfig) -> Launched:
+    """Start ``config``'s engine for the daemon: ready once it answers ``/model_info``.
+
+    Not ``/health``: that runs a generation on weights the daemon is about to replace (a relaunched
+    engine is reconciled, paused and marked stale, right after). The process belongs to the caller.
+    """
+    engine = ReferenceEngineProcess(config, ready_path="/model_info")
+    await engine.astart()
+    assert engine.process is not None and engine.url is not None
+    return Launched(engine.url, engine.process)

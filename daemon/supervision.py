@@ -1,0 +1,261 @@
+"""The engines this daemon launches itself (a ``launch:`` section): start, watch, relaunch, stop.
+
+    supervision = EngineSupervision(config.engines, metrics, on_change=...)
+    await supervision.start()            # every launched engine ready (or EngineLaunchError naming it)
+    configs = supervision.configs()      # each launched engine's config now carries its URL
+    supervision.supervise(on_relaunch)   # one watcher task per launched engine
+    await supervision.aclose()           # watchers cancelled, then every process group stopped
+
+Start-up is all-or-nothing: if one engine is not ready by its ``launch.ready_timeout_s``, the
+ones already started are stopped and the error (naming the engine, with its log) propagates, so
+``colocd serve`` exits non-zero with one line instead of serving a node it cannot drive.
+
+After start-up a launched engine that exits is relaunched on the same port, after a backoff that
+doubles per consecutive failure (a launch that died or missed its deadline, or a run shorter
+than ``backoff_reset_s``) up to ``backoff_max_s``. Nothing here touches the engine's recorded
+state: once the new process is ready, ``on_relaunch`` has the daemon reconcile it at once, and
+the reconciliation sees a new incarnation exactly as for an engine someone else restarted
+(released, paused, marked stale until a complete push commits; daemon/reconcile.py). While the
+engine is down the health loop finds it unreachable and ``/readyz`` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..engines.registry import launch_engine
+from ..engines.supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
+from .metrics import Metrics
+
+__all__ = ["Backoff", "EngineSupervision", "LaunchState", "LaunchedEngine"]
+
+log = logging.getLogger("colocd.supervision")
+
+Launcher = Callable[[Any], Awaitable[Launched]]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Waits between relaunches: ``initial_s`` doubling per consecutive failure, at most ``max_s``."""
+
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    reset_after_s: float = 60.0  # a run that stayed up this long was a success: the count restarts
+
+    def delay(self, failures: int) -> float:
+        """The wait before relaunch number ``failures`` (1 = first failure in a row)."""
+        return float(min(self.max_s, self.initial_s * 2 ** max(0, failures - 1)))
+
+    def counts_as_failure(self, uptime_s: float | None) -> bool:
+        """Whether a run that ended after ``uptime_s`` (None: it never became ready) continues the streak."""
+        return uptime_s is None or uptime_s < self.reset_after_s
+
+
+class LaunchState(StrEnum):
+    STARTING = "starting"  # process started, not yet ready
+    RUNNING = "running"  # ready; the daemon attached to it
+    BACKOFF = "backoff"  # exited; waiting before the next launch
+    EXITED = "exited"  # exited and launch.restart is false: left down
+    STOPPED = "stopped"  # stopped by the daemon (shutdown)
+
+
+@dataclass
+class LaunchedEngine:
+    """What the daemon knows about one engine it launches (status shows ``snapshot()``)."""
+
+    config: Any  # the engine's config, url filled in
+    backoff: Backoff
+    restart: bool
+    grace_s: float
+    state: LaunchState = LaunchState.STARTING
+    process: ManagedProcess | None = None
+    up_since: float | None = None  # monotonic time it became ready; None while not running
+    launches: int = 0  # processes that became ready
+    restarts: int = 0  # of those, the relaunches after an exit
+    failures: int = 0  # consecutive failures (drives the backoff)
+    last_exit: int | None = None
+    last_error: str | None = None
+    next_launch_at: float | None = None  # wall-clock time of the pending relaunch, in BACKOFF
+
+    @property
+    def name(self) -> str:
+        return str(self.config.name)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": self.state.value, "pid": self.process.pid if self.process else None,
+                "url": self.config.url, "launches": self.launches, "restarts": self.restarts,
+                "consecutive_failures": self.failures, "last_exit_code": self.last_exit,
+                "last_error": self.last_error, "next_launch_at": self.next_launch_at,
+                "log": str(self.process.log_path) if self.process and self.process.log_path else None}
+
+
+def _for_launch(config: Any) -> Any:
+    """``config`` as launched: with the URL it will listen on, and one log file for all its runs.
+
+    Port 0 (or none) is replaced by a concrete free port now, so a relaunch comes back where the
+    adapter already points; every relaunch appends to the same log (each run starts with a
+    ``# colocd: <command>`` line), so the operator reads one file per engine.
+    """
+    update: dict[str, Any] = {}
+    if not (urlsplit(config.url).port if config.url else None):
+        update["url"] = f"http://127.0.0.1:{free_port()}"
+    if config.launch.log_file is None:
+        fd, path = tempfile.mkstemp(prefix=f"colocd-{config.name}-", suffix=".log")
+        os.close(fd)
+        update["launch"] = config.launch.model_copy(update={"log_file": path})
+    return config.model_copy(update=update)
+
+
+class EngineSupervision:
+    """Launches and supervises the engines of one daemon that have a ``launch:`` section."""
+
+    def __init__(self, engines: Sequence[Any], metrics: Metrics, *, on_change: Callable[[], None] = lambda: None,
+                 launcher: Launcher = launch_engine) -> None:
+        self._engines = list(engines)
+        self._metrics = metrics
+        self._on_change = on_change
+        self._launcher = launcher
+        self.launched: dict[str, LaunchedEngine] = {}
+        self._started = False
+        self._closed = False
+        self._watchers: set[asyncio.Task[None]] = set()
+        self.version = 0  # bumped on every change status shows
+
+    # --- queries ---------------------------------------------------------------------------------
+
+    def configs(self) -> list[Any]:
+        """Every engine's config, launched ones with their URL (call after ``start``)."""
+        return [self.launched[c.name].config if c.name in self.launched else c for c in self._engines]
+
+    def snapshot(self, name: str) -> dict[str, Any] | None:
+        """The launch record of ``name``; None for an engine colocd only attaches to."""
+        engine = self.launched.get(name)
+        return engine.snapshot() if engine is not None else None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Launch every engine with ``launch:`` concurrently; idempotent. All ready, or none left running."""
+        if self._started:
+            return
+        self._started = True
+        for cfg in self._engines:
+            if cfg.launch is not None:
+                launch = cfg.launch
+                self.launched[cfg.name] = LaunchedEngine(
+                    config=_for_launch(cfg), restart=launch.restart, grace_s=launch.stop_grace_s,
+                    backoff=Backoff(launch.backoff_initial_s, launch.backoff_max_s, launch.backoff_reset_s))
+        try:
+            async with asyncio.TaskGroup() as group:  # the first failure cancels the other launches
+                for engine in self.launched.values():
+                    group.create_task(self._launch(engine))
+        except BaseExceptionGroup as failed:
+            await self._stop_all()
+            raise failed.exceptions[0] from None
+        except BaseException:
+            await self._stop_all()
+            raise
+
+    def supervise(self, on_relaunch: Callable[[str], Awaitable[None]]) -> None:
+        """Watch every launched engine; after a relaunch, ``on_relaunch(name)`` reconciles it."""
+        loop = asyncio.get_running_loop()
+        for engine in self.launched.values():
+            task = loop.create_task(self._watch(engine, on_relaunch), name=f"colocd-supervise-{engine.name}")
+            self._watchers.add(task)
+            task.add_done_callback(self._watchers.discard)
+
+    async def aclose(self) -> None:
+        """Stop watching (no relaunch from here on), then stop every launched process group; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._watchers):
+            task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        await self._stop_all()
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._on_change()
+
+    async def _launch(self, engine: LaunchedEngine) -> None:
+        """One launch: ready, or the failure recorded and raised."""
+        engine.state, engine.next_launch_at = LaunchState.STARTING, None
+        self._changed()
+        try:
+            try:
+                launched = await self._launcher(engine.config)
+            except (EngineLaunchError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # a misconfiguration the launcher found (vLLM without model_path, ...)
+                raise EngineLaunchError(engine.name, f"could not be launched: {exc}") from exc
+        except EngineLaunchError as exc:
+            engine.last_error = exc.summary
+            self._metrics.engine_launch_failures.labels(engine.name).inc()
+            self._changed()
+            raise
+        engine.process, engine.up_since = launched.process, time.monotonic()
+        engine.launches += 1
+        engine.state, engine.last_error = LaunchState.RUNNING, None
+        self._metrics.engine_launches.labels(engine.name).inc()
+        self._changed()
+        log.info("engine %r: launched pid %s at %s", engine.name, launched.process.pid, launched.url)
+
+    async def _watch(self, engine: LaunchedEngine, on_relaunch: Callable[[str], Awaitable[None]]) -> None:
+        while True:
+            assert engine.process is not None
+            engine.last_exit = await engine.process.wait_exit()
+            uptime = time.monotonic() - engine.up_since if engine.up_since is not None else None
+            engine.up_since = None
+            log.warning("engine %r (pid %s) exited with code %s after %.1fs%s", engine.name, engine.process.pid,
+                        engine.last_exit, uptime or 0.0, "; relaunching" if engine.restart else "; left down")
+            if not engine.restart:
+                engine.state = LaunchState.EXITED
+                self._changed()
+                return
+            await self._relaunch(engine, uptime)
+            try:
+                await on_relaunch(engine.name)
+            except Exception:  # the health loop reconciles it again; the watcher must keep watching
+                log.exception("engine %r: reconcile after relaunch failed", engine.name)
+
+    async def _relaunch(self, engine: LaunchedEngine, uptime: float | None) -> None:
+        """Relaunch until one is ready, backing off between attempts."""
+        while True:
+            engine.failures = engine.failures + 1 if engine.backoff.counts_as_failure(uptime) else 1
+            delay = engine.backoff.delay(engine.failures)
+            engine.state, engine.next_launch_at = LaunchState.BACKOFF, time.time() + delay
+            self._changed()
+            await asyncio.sleep(delay)  # the backoff itself, not a wait for something to happen
+            try:
+                await self._launch(engine)
+            except EngineLaunchError as exc:
+                log.warning("engine %r: relaunch failed: %s", engine.name, exc.summary)
+                uptime = None
+                continue
+            engine.restarts += 1
+            self._changed()
+            return
+
+    async def _stop_all(self) -> None:
+        async def stop(engine: LaunchedEngine) -> None:
+            if engine.process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    await engine.process.stop(engine.grace_s)
+            engine.state = LaunchState.STOPPED
+            log.info("engine %r: stopped (pid %s)", engine.name, engine.process.pid if engine.process else None)
+
+        await asyncio.gather(*(stop(e) for e in self.launched.values()))
+        self._changed()
