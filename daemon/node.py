@@ -252,7 +252,7 @@ class Daemon:
             for action in plan.actions:
                 await self._apply(engine, plan, action, trace)
                 self.metrics.reconcile_actions.labels(engine.name, action.value).inc()
-        except (ColocdError, EngineError, TimeoutError) as exc:
+        except (ColocdError, TimeoutError) as exc:
             error = f"reconcile ({trigger}) of engine {engine.name!r} failed: {exc or type(exc).__name__}"
             # Keep what the engine was recorded as (and its old incarnation), so the next tick plans again.
             base = recorded if plan.restarted else engine.state
@@ -493,7 +493,7 @@ class Daemon:
                 raise r
         if failures:
             first = failures[0]
-            if isinstance(first, ColocdError | EngineError):
+            if isinstance(first, ColocdError):
                 raise first
             raise TransitionFailed(f"{phase}: {type(first).__name__}: {first}") from first
         return dict(zip(names, results, strict=True))

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from ...errors import RequestInvalid
 from ..errors import EngineProtocolError, EngineRejected
 from ..httpmap import check_reply, map_http_errors
 from . import wire
@@ -285,7 +286,8 @@ def _load_format(load: WeightsLoad) -> str | None:
     formats = {_COLOCD_FORMATS.get(p.transport) or str(p.handle.get("load_format", "flattened_bucket"))
                for p in load.payloads}
     if len(formats) != 1:
-        raise ValueError(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}")
+        raise RequestInvalid(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}; one chunk "
+                             "travels in one format", field="handle.load_format")
     load_format = formats.pop()
     return None if load_format == "direct" else load_format  # SGLang's default: a list of (name, tensor)
 
@@ -297,5 +299,5 @@ def _entry(transport: str, handle: dict[str, Any]) -> str:
         return base64.b64encode(json.dumps({"transport": transport, **handle}).encode()).decode()
     payload = handle.get("payload_b64")
     if not isinstance(payload, str):
-        raise ValueError(f"{transport} chunk handle carries no 'payload_b64' string")
+        raise RequestInvalid(f"{transport} chunk handle carries no 'payload_b64' string", field="handle.payload_b64")
     return payload

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 from ..config import VLLMEngineConfig
-from ..errors import EngineProtocolError, EngineRejected
+from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from . import wire
 from .errors import map_transport_errors, raise_for_status
 
@@ -51,9 +51,7 @@ class VLLMAdapter:
 
     def __init__(self, config: VLLMEngineConfig, client: httpx.AsyncClient) -> None:
         if config.url is None:
-            raise ValueError(
-                f"engine {config.name!r}: VLLMAdapter needs 'url' (VLLMServer.start() provides it)"
-            )
+            raise EngineUnreachable(config.name, "VLLMAdapter needs 'url' (VLLMServer.start() provides it)")
         self.name = config.name
         self._config = config
         self._client = client
