@@ -1,14 +1,14 @@
 """The daemon's view of the active policies: which values apply now, and reloading the policy file.
 
-Rule: values from a policy document (policy file, SIGHUP, ``PUT /v1/policies``) win over the node
-config's; with no document in force (the built-in defaults), the node config's values apply.
+Rule: values a policy document (policy file, SIGHUP, ``PUT /v1/policies``) sets win over the node
+config's; whatever it leaves out is the node config's. The two are merged once, when a document is
+staged (and for the built-in defaults at start), so a transition reads one ``Timeouts`` and one pause mode.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,42 +18,24 @@ from ..policies import (
     PolicyError,
     PolicySet,
     PolicyStore,
+    Timeouts,
     Transport,
     YamlLimits,
+    default_policies,
     load_policy_yaml,
 )
 from .config import NodeConfig
 
-__all__ = ["EffectiveTimeouts", "PolicyRuntime"]
+__all__ = ["PolicyRuntime"]
 
 log = logging.getLogger("colocd.policy")
-
-_POLICY_STEPS = frozenset({"release", "resume", "chunk", "health", "memory_confirm", "sync"})
-
-
-@dataclass(frozen=True, slots=True)
-class EffectiveTimeouts:
-    """Per-step budgets: the policy document's where it sets one, else the node config's."""
-
-    node: Any
-    policy: Any | None
-
-    def for_step(self, step: str) -> float:
-        if self.policy is not None and step in _POLICY_STEPS and getattr(self.policy, f"{step}_s", None) is not None:
-            return float(self.policy.for_step(step))
-        return float(self.node.for_step(step))
-
-    @property
-    def default_s(self) -> float:
-        return float(self.policy.default_s if self.policy is not None else self.node.default_s)
-
 
 class PolicyRuntime:
     """Owns the PolicyStore; knows the node config and the policy file."""
 
     def __init__(self, config: NodeConfig, store: PolicyStore | None = None) -> None:
         self.config = config
-        self.store = store or PolicyStore()
+        self.store = store or PolicyStore(self._over_node(default_policies()))
         self._file_mtime: float | None = None
         if config.policy_file:
             self.reload_file(raise_errors=True)
@@ -77,7 +59,10 @@ class PolicyRuntime:
                                   limits=YamlLimits(max_bytes=limits.max_policy_bytes,
                                                     max_aliases=limits.max_yaml_aliases,
                                                     max_nodes=limits.max_yaml_nodes))
-        return self.store.stage(parsed)
+        return self.store.stage(self._over_node(parsed))
+
+    def _over_node(self, document: PolicySet) -> PolicySet:
+        return document.over_node(self.config.timeouts, self.config.pause_mode)
 
     def reload_file(self, raise_errors: bool = False) -> PolicySet | None:
         path = self.config.policy_file
@@ -106,11 +91,11 @@ class PolicyRuntime:
             self.reload_file()
 
     # -- what one transition uses (read from a pinned PolicySet) ---------------------------------
-    def timeouts(self, policies: PolicySet) -> EffectiveTimeouts:
-        return EffectiveTimeouts(self.config.timeouts, policies.timeouts if self.from_document() else None)
+    def timeouts(self, policies: PolicySet) -> Timeouts:
+        return policies.timeouts  # already merged with the node config's (_over_node)
 
     def pause_mode(self, policies: PolicySet) -> str:
-        return policies.engines.pause_mode if self.from_document() else self.config.pause_mode
+        return policies.engines.pause_mode  # already merged with the node config's (_over_node)
 
     def release_tags(self, policies: PolicySet) -> tuple[str, ...] | None:
         return tuple(policies.engines.release_tags) if self.from_document() else None

@@ -31,12 +31,14 @@ from .process_groups import (
     WaitPoint,
 )
 from .registry import BUILTINS, ENTRY_POINT_GROUP, resolve_policy
-from .settings import EngineSettings, Timeouts
+from .settings import DEFAULT_PAUSE_MODE, EngineSettings, PauseModeName
 from .store import PolicyStore
+from .timeouts import TimeoutStep, Timeouts
 
 __all__ = [
     "API_VERSION",
     "BUILTINS",
+    "DEFAULT_PAUSE_MODE",
     "ENTRY_POINT_GROUP",
     "AggressiveCleanupPolicy",
     "AutoPolicy",
@@ -55,6 +57,7 @@ __all__ = [
     "KeepAlivePolicy",
     "NoCleanupPolicy",
     "OverlapPolicy",
+    "PauseModeName",
     "PipelinePlan",
     "PipelinePolicy",
     "PipelineSnapshot",
@@ -68,6 +71,7 @@ __all__ = [
     "ProcessGroupPolicy",
     "SerialPolicy",
     "SuspendPolicy",
+    "TimeoutStep",
     "Timeouts",
     "Transport",
     "WaitPoint",
