@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from ..engines.base import EngineAdapter, MemoryTag, Observation, PauseMode, RankPayload
 from ..engines.errors import EngineRejected
 from ..engines.registry import build_adapter
-from ..policies import TimeoutStep, Timeouts
+from ..policies import TimeoutStep, Timeouts, Transport
 from . import engine_ops as ops
 from .config import NodeConfig
 from .distributed import BroadcastDescriptor, WeightGroups
@@ -508,10 +508,10 @@ class Daemon:
     def _pause_mode(self) -> PauseMode:
         return PauseMode(self.policies.pause_mode(self._policy_set()))
 
-    def _transports(self) -> tuple[str, ...]:
-        on_gpu = any(e.gpus or str(getattr(e.config, "device", "cpu")).startswith("cuda")
-                     for e in self.engines.values())
-        return ("ipc_ring", "cuda_ipc", "shm", "disk") if on_gpu else ("shm", "disk")
+    def _transports(self) -> frozenset[Transport] | None:
+        """What every engine of the node accepts (each adapter says; None: no engines to ask)."""
+        accepted = [e.adapter.transports for e in self.engines.values()]
+        return frozenset.intersection(*accepted) if accepted else None
 
     async def _quiesce_and_release(self, engine: EngineHandle, tags: tuple[MemoryTag, ...] | None,
                                    trace: Trace, *, strict: bool) -> dict[str, int]:

@@ -101,7 +101,7 @@ class PolicyRuntime:
         return tuple(policies.engines.release_tags) if self.from_document() else None
 
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
-                   transports: tuple[str, ...]) -> dict[str, Any]:
+                   transports: frozenset[Transport] | None) -> dict[str, Any]:
         """What the trainer agent must enact for this phase (pure decisions, serialised)."""
         out: dict[str, Any] = {"policy": policies.info()}
         if phase == "train":
@@ -112,7 +112,9 @@ class PolicyRuntime:
             out["pipeline"] = self.pipeline_plan(policies, transports).model_dump(mode="json")
         return out
 
-    def pipeline_plan(self, policies: PolicySet, transports: tuple[str, ...]) -> Any:
-        known = {t.value for t in Transport}
-        available = tuple(Transport(t) for t in transports if t in known)
-        return policies.pipeline.plan(PipelineSnapshot(available_transports=available or (Transport.SHM,)))
+    def pipeline_plan(self, policies: PolicySet, transports: frozenset[Transport] | None) -> Any:
+        """The plan over the transports every engine accepts (``None``: no engines, the snapshot's default)."""
+        if transports is None:
+            return policies.pipeline.plan(PipelineSnapshot())
+        available = tuple(t for t in Transport if t in transports)  # the enum's order: deterministic
+        return policies.pipeline.plan(PipelineSnapshot(available_transports=available))

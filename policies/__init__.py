@@ -16,7 +16,7 @@ from .cleanup import (
 from .document import default_policies, policy_json_schema
 from .errors import PluginImportError, PluginNotFoundError, PolicyError
 from .loader import YamlLimits, load_policy_yaml
-from .pipeline import OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy, Transport
+from .pipeline import OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy
 from .policy_set import API_VERSION, PolicySet
 from .process_groups import (
     AutoPolicy,
@@ -34,6 +34,7 @@ from .registry import BUILTINS, ENTRY_POINT_GROUP, resolve_policy
 from .settings import DEFAULT_PAUSE_MODE, EngineSettings, PauseModeName
 from .store import PolicyStore
 from .timeouts import TimeoutStep, Timeouts
+from .transport import Transport
 
 __all__ = [
     "API_VERSION",

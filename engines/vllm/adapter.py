@@ -27,6 +27,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from ...policies import Transport
 from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 from ..config import VLLMEngineConfig
 from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
@@ -106,6 +107,16 @@ class VLLMAdapter:
         if not response.content:
             return []  # every worker returned None (rpc/api_router.py:51-52)
         return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results
+
+    @property
+    def transports(self) -> frozenset[Transport]:
+        """vLLM's own ipc backend takes packed CUDA-IPC chunks only (ipc_engine.py:36-44); the colocd worker
+        extension (no backend, or ``colocd``) reads shm, disk and cuda_ipc (``extension.py``)."""
+        if self._backend == "ipc":
+            return frozenset({Transport.CUDA_IPC})
+        device = str((self._extension or {}).get("device", "cuda"))  # the extension says after attach
+        cuda = {Transport.CUDA_IPC} if device.startswith("cuda") else set()
+        return frozenset({Transport.SHM, Transport.DISK, *cuda})
 
     # -- attach and queries -----------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
-from colocd.policies import TimeoutStep
+from colocd.policies import TimeoutStep, Transport
 
 KEEP_ALIVE = "apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\npipeline:\n  policy: serial\n"
 BAD_FIELD = "apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depht: 3\n"
@@ -24,6 +24,8 @@ BAD_FIELD = "apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depht: 3\n"
 class GatedEngine:
     """An in-memory engine whose release waits on a gate: lets a test act while a transition is mid-way.
     (A real engine cannot be held mid-call on demand; the daemon under test is the real one.)"""
+
+    transports = frozenset({Transport.SHM, Transport.DISK})
 
     def __init__(self, name: str) -> None:
         self.name = name
