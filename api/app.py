@@ -19,8 +19,7 @@ from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
 from ..daemon.weights import SessionState
 from ..engines.base import RankPayload
-from ..policies import PolicyError
-from .errors import ERROR_RESPONSES, error_response, install_error_handlers
+from .errors import ERROR_RESPONSES, install_error_handlers
 from .guard import RequestGuard
 from .schemas import (
     MAX_STEP,
@@ -243,11 +242,9 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         """Stage a policy YAML; it takes effect at the next transition boundary, never mid-transition.
         An invalid document is a 400 naming the field with its line and column; the old policy stays."""
         text = await request.body()  # bounded by limits.max_body_bytes, then by limits.max_policy_bytes
-        try:
-            # Off the event loop: parsing and validating is CPU work that must not stall /healthz or a step.
-            staged = await asyncio.to_thread(d.policies.apply_yaml, text, "PUT /v1/policies")
-        except PolicyError as exc:
-            return error_response(400, "PolicyError", str(exc), field=exc.field, line=exc.line, column=exc.column)
+        # Off the event loop: parsing and validating is CPU work that must not stall /healthz or a step.
+        # A PolicyError is the 400 of api/errors.py.
+        staged = await asyncio.to_thread(d.policies.apply_yaml, text, "PUT /v1/policies")
         active = d.policies.active
         return JSONResponse({"staged": staged.info(), "active": active.info(),
                              "applies": "now" if staged.fingerprint == active.fingerprint

@@ -16,6 +16,8 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from ..policies import Transport
+
 __all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError"]
 
 _T = TypeVar("_T")
@@ -25,7 +27,7 @@ class ChunkDescriptor(Protocol):
     """What one chunk tells the daemon: its transport, size and the handle engines open (an exported chunk)."""
 
     @property
-    def transport(self) -> str: ...
+    def transport(self) -> Transport: ...
     @property
     def nbytes(self) -> int: ...
     @property

@@ -1,7 +1,9 @@
 """Map every error onto HTTP in one table, in one body shape (``ErrorBody``); clients never see a traceback.
 
-The daemon's own tree (``daemon/errors.py``) maps by class; the framework's errors (routing 404/405,
-a body that is not JSON or not UTF-8, request validation) are rewritten into the same shape.
+The daemon's own tree (``daemon/errors.py``, rooted at ``colocd.errors.ColocdError``, engine errors
+included) maps by class; ``PolicyError`` (policies import nothing of ours, so it is outside the tree) is
+mapped here too; the framework's errors (routing 404/405, a body that is not JSON or not UTF-8, request
+validation) are rewritten into the same shape. Routes raise; they never build an error reply themselves.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..daemon.errors import (
     TransitionRejected,
     WeightSyncError,
 )
+from ..policies import PolicyError
 from .schemas import ErrorBody
 
 __all__ = ["ERROR_RESPONSES", "allowed_methods", "error_response", "install_error_handlers", "status_for"]
@@ -130,6 +133,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def colocd_error(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(_body(exc), status_code=status_for(exc))
 
+    async def policy_error(request: Request, exc: Exception) -> JSONResponse:
+        # A document that does not validate: 400 with its field and YAML position; the old policy stays.
+        assert isinstance(exc, PolicyError)
+        return error_response(400, "PolicyError", str(exc), field=exc.field, line=exc.line, column=exc.column)
+
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         fields = []
@@ -162,8 +170,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail or "")
         return error_response(status, _HTTP_NAMES.get(status, f"HTTP{status}"), message, headers=headers or None)
 
-    app.add_exception_handler(ColocdError, colocd_error)
-    app.add_exception_handler(EngineError, colocd_error)
-    app.add_exception_handler(ConfigError, colocd_error)
+    app.add_exception_handler(ColocdError, colocd_error)  # engine errors and ConfigError included
+    app.add_exception_handler(PolicyError, policy_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

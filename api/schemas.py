@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from ..daemon.distributed import BroadcastDescriptor
 from ..engines.base import MemoryTag
 from ..engines.chunks import DTYPES
-from ..policies import GroupSnapshot
+from ..policies import GroupSnapshot, Transport
 
 MAX_CHUNK_BYTES = 1 << 38  # 256 GiB: larger than any GPU's memory, so a larger nbytes is a mistake
 
@@ -182,10 +182,18 @@ class ChunkDescriptor(_Strict):
     seq: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
     rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = Field(
         0, description="trainer rank; below the session's ranks (one-shot: below the engines' largest tp_size)")
-    transport: Literal["shm", "disk", "cuda_ipc", "ipc_ring"]
+    transport: Transport = Field(
+        ..., description="as the chunk travels: per_tensor chunks say cuda_ipc, zero_copy chunks ipc_ring")
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
     handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
+
+    @model_validator(mode="after")
+    def _as_on_the_wire(self) -> ChunkDescriptor:
+        if self.transport.wire != self.transport:
+            raise ValueError(f"transport {self.transport.value!r} travels as {self.transport.wire.value!r}: "
+                             "send that (the handle says the rest)")
+        return self
 
 
 class ChunkAckReply(BaseModel):

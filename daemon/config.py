@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..engines.config import EngineConfig
+from ..policies import DEFAULT_PAUSE_MODE, PauseModeName, Timeouts
+from ..policies.timeouts import LEGACY_TIMEOUT_KEYS
 from .errors import ColocdError
 
 __all__ = ["ConfigError", "Limits", "ListenConfig", "NodeConfig", "Timeouts", "load_node_config"]
+
+log = logging.getLogger("colocd.config")
 
 
 class ConfigError(ColocdError):
@@ -24,35 +29,6 @@ class ListenConfig(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 lets the OS choose")
     uds: str | None = Field(None, description="listen on this Unix socket (mode 0600) instead of TCP")
     ready_file: str | None = Field(None, description="write {url, pid} here once listening")
-
-
-class Timeouts(BaseModel):
-    """One default plus per-step overrides, in seconds (the daemon wraps each engine call in one)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    default_s: float = Field(30.0, gt=0)
-    pause_s: float | None = Field(None, gt=0)
-    flush_s: float | None = Field(None, gt=0, description="total budget for flush retries")
-    release_s: float | None = Field(None, gt=0)
-    resume_s: float | None = Field(None, gt=0)
-    chunk_s: float | None = Field(None, gt=0, description="one chunk: gather from all ranks + engine load")
-    memory_confirm_s: float | None = Field(None, gt=0, description="NVML wait for released bytes")
-    health_s: float | None = Field(5.0, gt=0, description="interval of the health loop's observations")
-    observe_s: float | None = Field(None, gt=0, description="one observation of one engine (default: default_s)")
-    session_idle_s: float | None = Field(
-        60.0, gt=0, description="a weight session with no chunk, commit or engine load for this long expires "
-                                "(the trainer is presumed gone): aborted, its shm segments unlinked")
-    quiesce_s: float | None = Field(
-        None, gt=0, description="closing a failed/aborted/expired session waits this long for the engine calls "
-                                "it issued; engines whose calls are still running are then marked stale")
-    master_reach_s: float | None = Field(
-        3.0, gt=0, description="how long POST /v1/weights/groups waits for the trainer's TCPStore to accept a "
-        "connection before answering 422 (it may be a moment from listening)")
-
-    def for_step(self, step: str) -> float:
-        value = getattr(self, f"{step}_s", None)
-        return float(value if value is not None else self.default_s)
 
 
 class Limits(BaseModel):
@@ -78,10 +54,13 @@ class NodeConfig(BaseModel):
     listen: ListenConfig = Field(default_factory=ListenConfig)
     token: str | None = Field(None, description="bearer token required on mutating routes")
     engines: list[EngineConfig] = Field(default_factory=list)
-    timeouts: Timeouts = Field(default_factory=Timeouts)
+    timeouts: Timeouts = Field(
+        default_factory=Timeouts, description="the node's step budgets; a policy document overrides the fields it sets")
     policy_file: str | None = Field(None, description="policy YAML; reloaded on SIGHUP or change")
     journal: str | None = Field(None, description="append-only JSON-lines journal of committed state")
-    pause_mode: str = Field("abort", pattern="^(abort|retract|in_place)$")
+    pause_mode: PauseModeName = Field(
+        DEFAULT_PAUSE_MODE, description="how in-flight requests are treated when the node leaves rollout, unless "
+        "the policy document sets engines.pause_mode")
     log_format: str = Field("text", pattern="^(text|json)$",
                             description="serve's log lines: text (human) or json (one object per line)")
     limits: Limits = Field(default_factory=Limits)
@@ -120,6 +99,11 @@ def load_node_config(path: str | Path) -> NodeConfig:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"config {path}: invalid YAML{where}: {problem}") from exc
+    timeouts = data.get("timeouts") if isinstance(data, dict) else None
+    for old in sorted(set(timeouts or {}) & set(LEGACY_TIMEOUT_KEYS)) if isinstance(timeouts, dict) else ():
+        new = LEGACY_TIMEOUT_KEYS[old]
+        log.warning("config %s: timeouts.%s is deprecated: %s", path, old,
+                    f"use timeouts.{new}" if new else "it was never read; remove it")
     try:
         return NodeConfig.model_validate(data)
     except ValidationError as exc:

@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from ..engines.weight_group import BACKEND_DEVICES, flattened_layout, parse_dtype
+from ..policies import Timeouts, TimeoutStep
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import (
@@ -36,7 +37,6 @@ from .errors import (
     caller_payload,
 )
 from .metrics import Metrics
-from .policy_runtime import EffectiveTimeouts
 from .trace import Trace
 from .weights import SessionState, WeightSession
 
@@ -178,7 +178,7 @@ class WeightGroups:
 
     # -- open / close --------------------------------------------------------------------------
     async def open(self, engines: list[EngineHandle], *, group_name: str, master_address: str, master_port: int,
-                   backend: str, world_size: int | None, first_rank: int, t: EffectiveTimeouts,
+                   backend: str, world_size: int | None, first_rank: int, t: Timeouts,
                    trace: Trace) -> WeightGroupRecord:
         """Have every engine join the group; returns once all joined (the trainer joins meanwhile)."""
         if (existing := self._groups.get(group_name)) is not None:
@@ -203,10 +203,10 @@ class WeightGroups:
             raise RequestInvalid(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
                                  f"this node's {needed - first_rank} engine ranks need {needed}", field="world_size")
         # Frameworks that start the store while the POST is in flight need a moment (timeouts.master_reach_s).
-        await _check_reachable(master_address, master_port, t.for_step("master_reach"))
+        await _check_reachable(master_address, master_port, t.for_step(TimeoutStep.MASTER_REACH))
         record = self._groups[group_name] = WeightGroupRecord(
             group_name, backend, master_address, master_port, world, offsets)
-        budget = t.for_step("group")
+        budget = t.for_step(TimeoutStep.GROUP)
 
         async def join(engine: EngineHandle) -> None:
             adapter = _verbs(engine)
@@ -229,7 +229,7 @@ class WeightGroups:
         record.state = GroupState.READY
         return record
 
-    async def close(self, engines: list[EngineHandle], group_name: str, t: EffectiveTimeouts,
+    async def close(self, engines: list[EngineHandle], group_name: str, t: Timeouts,
                     trace: Trace) -> dict[str, Any]:
         """Destroy the group on every engine and forget it; per-engine failures are reported, not raised."""
         record = self._groups.get(group_name)
@@ -241,10 +241,10 @@ class WeightGroups:
         errors = await self._destroy_everywhere(engines, group_name, t, trace)
         return {**record.snapshot(), "state": "destroyed", "errors": errors}
 
-    async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, t: EffectiveTimeouts,
+    async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, t: Timeouts,
                                   trace: Trace) -> dict[str, str]:
         """Best effort on every engine: a failure here must not hide the error that led here."""
-        budget = t.for_step("group")
+        budget = t.for_step(TimeoutStep.GROUP)
 
         async def one(engine: EngineHandle) -> None:
             adapter = _verbs(engine)
@@ -259,7 +259,7 @@ class WeightGroups:
 
     # -- broadcasts ----------------------------------------------------------------------------
     async def broadcast(self, session: WeightSession, engines: list[EngineHandle], desc: BroadcastDescriptor,
-                        t: EffectiveTimeouts) -> dict[str, Any]:
+                        t: Timeouts) -> dict[str, Any]:
         """Forward one broadcast to every engine at once; returns when all of them loaded it.
 
         Any engine failing or running past the ``chunk`` budget fails the session (engines stay paused,
@@ -284,7 +284,7 @@ class WeightGroups:
         if record.session_id != session.id:
             record.session_id, record.next_seq = session.id, 0  # numbering restarts with each session
         record.in_flight = desc.seq
-        budget, nbytes, step = t.for_step("chunk"), desc.nbytes, f"update_weights_from_distributed#{desc.seq}"
+        budget, nbytes, step = t.for_step(TimeoutStep.CHUNK), desc.nbytes, f"update_weights_from_distributed#{desc.seq}"
 
         def load(engine: EngineHandle) -> Awaitable[None]:
             adapter = _verbs(engine)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode
-from .config import Timeouts
+from ..policies import Timeouts, TimeoutStep
 from .errors import EngineError, StepTimeout
 from .memory import NvmlProbe
 from .metrics import Metrics
@@ -81,14 +81,14 @@ async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name:
 async def pause(engine: EngineHandle, mode: PauseMode, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
     if engine.state.generation is Generation.PAUSED:
         return
-    await timed_call(engine, trace, metrics, "pause_generation", t.for_step("pause"),
+    await timed_call(engine, trace, metrics, "pause_generation", t.for_step(TimeoutStep.PAUSE),
                  engine.adapter.pause_generation(mode), mode=mode.value)
     engine.state = engine.state.with_(generation=Generation.PAUSED)
 
 
 async def flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
     """Flush the prefix cache, retrying SGLang's normal 400 ("not idle yet") with backoff."""
-    budget = t.for_step("flush")
+    budget = t.for_step(TimeoutStep.FLUSH)
 
     async def _retrying() -> int:
         delay, attempts = 0.01, 0
@@ -117,7 +117,7 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
     before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
     before_own = await _memory_report(engine)
     _sample_memory(engine, trace, metrics, before_own, before_gpu)
-    await timed_call(engine, trace, metrics, "release_memory", t.for_step("release"),
+    await timed_call(engine, trace, metrics, "release_memory", t.for_step(TimeoutStep.RELEASE),
                  engine.adapter.release_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RELEASED)
     freed: dict[str, int] = {}
@@ -128,7 +128,8 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
         expected, expected_from = expected_release_bytes(engine, tags, before_own)
         with trace.span("confirm_memory_freed", engine.name, source="nvml") as span:
             confirmation = await probe.confirm_release(
-                engine.gpus, before_gpu, expected_bytes=expected, timeout_s=t.for_step("memory_confirm"))
+                engine.gpus, before_gpu, expected_bytes=expected,
+                timeout_s=t.for_step(TimeoutStep.MEMORY_CONFIRM))
             span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 6),
                               criterion=confirmation.criterion.value, polls=confirmation.polls,
                               expected_bytes=expected, expected_from=expected_from)
@@ -174,7 +175,7 @@ async def resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace
                  t: Timeouts, probe: NvmlProbe | None = None) -> None:
     if not tags:
         return
-    await timed_call(engine, trace, metrics, "resume_memory", t.for_step("resume"),
+    await timed_call(engine, trace, metrics, "resume_memory", t.for_step(TimeoutStep.RESUME),
                  engine.adapter.resume_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
     if probe is not None and engine.gpus:
@@ -187,7 +188,7 @@ async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metri
     engine.state.check_can_serve()  # never serve released memory or a partial update
     if engine.state.generation is Generation.SERVING:
         return
-    await timed_call(engine, trace, metrics, "continue_generation", t.for_step("pause"),
+    await timed_call(engine, trace, metrics, "continue_generation", t.for_step(TimeoutStep.PAUSE),
                  engine.adapter.continue_generation())
     engine.state = engine.state.with_(generation=Generation.SERVING)
 

@@ -1,8 +1,12 @@
-"""Every error the daemon raises, in one tree; the api maps each class to one HTTP status.
+"""Every error the daemon raises, in one tree; the api maps each class to one HTTP status (api/errors.py).
 
-    ColocdError
-    ├── RequestInvalid          the caller's request is wrong (names the field); nothing changed → 422
+The root and ``RequestInvalid`` live in ``colocd.errors`` and the engine errors in ``engines/errors.py``,
+so adapters raise members of this same tree without importing the daemon.
+
+    ColocdError (colocd.errors)                                                            → 500
+    ├── RequestInvalid (colocd.errors) the caller's request is wrong (names the field); nothing changed → 422
     │   └── PayloadRejected     an engine refused the caller's payload (engine's words)          → 422
+    ├── ConfigError (daemon/config.py) the node config file is missing or invalid          → 400
     ├── TransitionRejected      illegal from the current state; nothing changed        → 409
     ├── SessionGone             a weight session that expired, was aborted or committed → 410
     ├── NotFound                unknown engine / session / step                          → 404
@@ -11,11 +15,13 @@
     ├── MemoryNotConfirmed      NVML never showed the released bytes back               → 504
     ├── WeightSyncError         a weight session failed or was aborted                  → 502
     │   └── ChunkTimeout        a chunk not complete in time; .engine/.rank, .step, .budget_s → 504
-    └── EngineError (engines.errors)                                                    → 502/503/504
+    └── EngineError (engines/errors.py) .engine                                         → 502
         ├── EngineUnreachable                                                           → 503
         ├── EngineTimeout                                                               → 504
         ├── EngineRejected                                                              → 502
         └── EngineProtocolError                                                         → 502
+
+    PolicyError (policies/errors.py; policies import nothing of ours, so outside the tree) → 400
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from ..engines.errors import (
     EngineUnreachable,
 )
 from ..engines.httpmap import is_payload_refusal
+from ..errors import ColocdError, RequestInvalid
 
 __all__ = [
     "ChunkTimeout",
@@ -53,27 +60,12 @@ __all__ = [
 ]
 
 
-class ColocdError(Exception):
-    """Base class of the daemon's own errors."""
-
-
 class TransitionRejected(ColocdError):
     """The request is illegal in the current state; the state is unchanged."""
 
     def __init__(self, message: str, *, state: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.state = state or {}
-
-
-class RequestInvalid(ColocdError):
-    """The caller's request is wrong (a field out of range, a handle that cannot be read); nothing changed.
-
-    Raised before the first engine call wherever the daemon can tell; ``field`` names the offending field.
-    """
-
-    def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 class PayloadRejected(RequestInvalid):

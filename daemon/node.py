@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from ..engines.base import EngineAdapter, MemoryTag, Observation, PauseMode, RankPayload
 from ..engines.errors import EngineRejected
 from ..engines.registry import build_adapter
+from ..policies import Timeouts, TimeoutStep, Transport
 from . import engine_ops as ops
 from .config import NodeConfig
 from .distributed import BroadcastDescriptor, WeightGroups
@@ -43,7 +44,7 @@ from .gpu_metrics import refresh_gpu_metrics
 from .journal import Journal
 from .memory import NvmlProbe, open_probe
 from .metrics import Metrics
-from .policy_runtime import EffectiveTimeouts, PolicyRuntime
+from .policy_runtime import PolicyRuntime
 from .reconcile import Action, Plan, plan_reconcile
 from .staging import StagingMemory, staging_memory
 from .states import EngineState, Generation, NodePhase, NodeState, WeightsState, check_phase_request
@@ -189,8 +190,8 @@ class Daemon:
 
     async def _health_loop(self) -> None:
         """Every health interval, observe each engine and drive it toward the desired state."""
-        interval = self.config.timeouts.for_step("health")
         while not self._stopping.is_set():
+            interval = self._timeouts().for_step(TimeoutStep.HEALTH_INTERVAL)  # a new policy may change it
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self._stopping.wait()
@@ -229,7 +230,7 @@ class Daemon:
         return self.session is not None and self.session.state is SessionState.OPEN
 
     async def _observe(self, engine: EngineHandle) -> Observation:
-        budget = self.config.timeouts.for_step("observe")
+        budget = self._timeouts().for_step(TimeoutStep.OBSERVE)
         try:
             async with asyncio.timeout(budget):
                 if engine.info is None:
@@ -261,12 +262,12 @@ class Daemon:
                 if observed.incarnation is None or observed.incarnation != engine.restart_counted:
                     self.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
                     engine.restart_counted = observed.incarnation
-                async with asyncio.timeout(self.config.timeouts.for_step("observe")):
+                async with asyncio.timeout(self._timeouts().for_step(TimeoutStep.OBSERVE)):
                     engine.info = await engine.adapter.attach()  # a new process may speak a new version
             for action in plan.actions:
                 await self._apply(engine, plan, action, trace)
                 self.metrics.reconcile_actions.labels(engine.name, action.value).inc()
-        except (ColocdError, EngineError, TimeoutError) as exc:
+        except (ColocdError, TimeoutError) as exc:
             error = f"reconcile ({trigger}) of engine {engine.name!r} failed: {exc or type(exc).__name__}"
             # Keep what the engine was recorded as (and its old incarnation), so the next tick plans again.
             base = recorded if plan.restarted else engine.state
@@ -299,7 +300,8 @@ class Daemon:
             await self._close_session(session)
         elif action is Action.END_ENGINE_SESSION:
             try:
-                await ops.timed_call(engine, trace, self.metrics, "end_weight_update", t.default_s,
+                await ops.timed_call(engine, trace, self.metrics, "end_weight_update",
+                                     t.for_step(TimeoutStep.WEIGHT_UPDATE),
                                      engine.adapter.end_weight_update())
             except EngineRejected:
                 if not plan.end_session_tolerant:
@@ -511,7 +513,7 @@ class Daemon:
                 raise r
         if failures:
             first = failures[0]
-            if isinstance(first, ColocdError | EngineError):
+            if isinstance(first, ColocdError):
                 raise first
             raise TransitionFailed(f"{phase}: {type(first).__name__}: {first}") from first
         return dict(zip(names, results, strict=True))
@@ -519,16 +521,16 @@ class Daemon:
     def _policy_set(self) -> Any:
         return self._pinned if self._pinned is not None else self.policies.active
 
-    def _timeouts(self) -> EffectiveTimeouts:
+    def _timeouts(self) -> Timeouts:
         return self.policies.timeouts(self._policy_set())
 
     def _pause_mode(self) -> PauseMode:
         return PauseMode(self.policies.pause_mode(self._policy_set()))
 
-    def _transports(self) -> tuple[str, ...]:
-        on_gpu = any(e.gpus or str(getattr(e.config, "device", "cpu")).startswith("cuda")
-                     for e in self.engines.values())
-        return ("ipc_ring", "cuda_ipc", "shm", "disk") if on_gpu else ("shm", "disk")
+    def _transports(self) -> frozenset[Transport] | None:
+        """What every engine of the node accepts (each adapter says; None: no engines to ask)."""
+        accepted = [e.adapter.transports for e in self.engines.values()]
+        return frozenset.intersection(*accepted) if accepted else None
 
     async def _quiesce_and_release(self, engine: EngineHandle, tags: tuple[MemoryTag, ...] | None,
                                    trace: Trace, *, strict: bool) -> dict[str, int]:
@@ -679,19 +681,20 @@ class Daemon:
                 raise RequestInvalid(f"ranks={ranks} but engines need {need} (their largest tp_size)", field="ranks")
             trace = Trace(step, "weights")
             t = self._timeouts()
-            required = await self._parameter_sets(trace, t.default_s)
+            required = await self._parameter_sets(trace, t.for_step(TimeoutStep.WEIGHT_UPDATE))
             if declared is not None:
                 self._check_declared(declared, required, partial)
             session = WeightSession(
                 step=step, version=version, ranks=ranks, engines=list(self.engines.values()),
-                depth=depth or self._pipeline_depth(), chunk_timeout_s=t.for_step("chunk"),
+                depth=depth or self._pipeline_depth(), chunk_timeout_s=t.for_step(TimeoutStep.CHUNK),
                 trace=trace, metrics=self.metrics, manifest=declared, partial=partial,
-                idle_s=t.for_step("session_idle"))
+                idle_s=t.for_step(TimeoutStep.SESSION_IDLE))
             session.required = required
             session.prior = {n: e.state.weights for n, e in self.engines.items()}
 
             async def begin(engine: EngineHandle) -> None:
-                await ops.timed_call(engine, trace, self.metrics, "begin_weight_update", t.default_s,
+                await ops.timed_call(engine, trace, self.metrics, "begin_weight_update",
+                                     t.for_step(TimeoutStep.WEIGHT_UPDATE),
                                      engine.adapter.begin_weight_update(session_id=session.id))
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
 
@@ -876,10 +879,10 @@ class Daemon:
             return
         session.closed = True
         t = self._timeouts()
-        session.tainted = await session.quiesce(t.for_step("quiesce"))
+        session.tainted = await session.quiesce(t.for_step(TimeoutStep.QUIESCE))
         if session.tainted:
             log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
-                        session.id, session.tainted, t.for_step("quiesce"))
+                        session.id, session.tainted, t.for_step(TimeoutStep.QUIESCE))
         await self._close_engines_update(session.trace, committed=False, session=session)
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
         # keeps its mappings valid and finds them already gone when it releases them.
@@ -938,10 +941,12 @@ class Daemon:
                              and engine.name not in session.tainted)
                 engine.state = engine.state.with_(
                     weights=prior.get(engine.name, WeightsState.STALE) if untouched else WeightsState.STALE)
-            await ops.timed_call(engine, trace, self.metrics, "end_weight_update", t.default_s,
+            await ops.timed_call(engine, trace, self.metrics, "end_weight_update",
+                                 t.for_step(TimeoutStep.WEIGHT_UPDATE),
                                  engine.adapter.end_weight_update())
             if committed and version is not None:
-                await ops.timed_call(engine, trace, self.metrics, "set_weight_version", t.default_s,
+                await ops.timed_call(engine, trace, self.metrics, "set_weight_version",
+                                     t.for_step(TimeoutStep.WEIGHT_UPDATE),
                                      engine.adapter.set_weight_version(version))
                 engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
 

@@ -1,14 +1,14 @@
 """The daemon's view of the active policies: which values apply now, and reloading the policy file.
 
-Rule: values from a policy document (policy file, SIGHUP, ``PUT /v1/policies``) win over the node
-config's; with no document in force (the built-in defaults), the node config's values apply.
+Rule: values a policy document (policy file, SIGHUP, ``PUT /v1/policies``) sets win over the node
+config's; whatever it leaves out is the node config's. The two are merged once, when a document is
+staged (and for the built-in defaults at start), so a transition reads one ``Timeouts`` and one pause mode.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,43 +19,25 @@ from ..policies import (
     PolicyError,
     PolicySet,
     PolicyStore,
+    Timeouts,
     Transport,
     YamlLimits,
+    default_policies,
     load_policy_yaml,
 )
 from .config import NodeConfig
 from .staging import StagingMemory
 
-__all__ = ["EffectiveTimeouts", "PolicyRuntime"]
+__all__ = ["PolicyRuntime"]
 
 log = logging.getLogger("colocd.policy")
-
-_POLICY_STEPS = frozenset({"release", "resume", "chunk", "health", "memory_confirm", "sync"})
-
-
-@dataclass(frozen=True, slots=True)
-class EffectiveTimeouts:
-    """Per-step budgets: the policy document's where it sets one, else the node config's."""
-
-    node: Any
-    policy: Any | None
-
-    def for_step(self, step: str) -> float:
-        if self.policy is not None and step in _POLICY_STEPS and getattr(self.policy, f"{step}_s", None) is not None:
-            return float(self.policy.for_step(step))
-        return float(self.node.for_step(step))
-
-    @property
-    def default_s(self) -> float:
-        return float(self.policy.default_s if self.policy is not None else self.node.default_s)
-
 
 class PolicyRuntime:
     """Owns the PolicyStore; knows the node config and the policy file."""
 
     def __init__(self, config: NodeConfig, store: PolicyStore | None = None) -> None:
         self.config = config
-        self.store = store or PolicyStore()
+        self.store = store or PolicyStore(self._over_node(default_policies()))
         self._file_mtime: float | None = None
         if config.policy_file:
             self.reload_file(raise_errors=True)
@@ -79,7 +61,10 @@ class PolicyRuntime:
                                   limits=YamlLimits(max_bytes=limits.max_policy_bytes,
                                                     max_aliases=limits.max_yaml_aliases,
                                                     max_nodes=limits.max_yaml_nodes))
-        return self.store.stage(parsed)
+        return self.store.stage(self._over_node(parsed))
+
+    def _over_node(self, document: PolicySet) -> PolicySet:
+        return document.over_node(self.config.timeouts, self.config.pause_mode)
 
     def reload_file(self, raise_errors: bool = False) -> PolicySet | None:
         path = self.config.policy_file
@@ -108,17 +93,17 @@ class PolicyRuntime:
             self.reload_file()
 
     # -- what one transition uses (read from a pinned PolicySet) ---------------------------------
-    def timeouts(self, policies: PolicySet) -> EffectiveTimeouts:
-        return EffectiveTimeouts(self.config.timeouts, policies.timeouts if self.from_document() else None)
+    def timeouts(self, policies: PolicySet) -> Timeouts:
+        return policies.timeouts  # already merged with the node config's (_over_node)
 
     def pause_mode(self, policies: PolicySet) -> str:
-        return policies.engines.pause_mode if self.from_document() else self.config.pause_mode
+        return policies.engines.pause_mode  # already merged with the node config's (_over_node)
 
     def release_tags(self, policies: PolicySet) -> tuple[str, ...] | None:
         return tuple(policies.engines.release_tags) if self.from_document() else None
 
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
-                   transports: tuple[str, ...], staging: StagingMemory | None = None) -> dict[str, Any]:
+                   transports: frozenset[Transport] | None, staging: StagingMemory | None = None) -> dict[str, Any]:
         """What the trainer agent must enact for this phase (pure decisions, serialised)."""
         out: dict[str, Any] = {"policy": policies.info()}
         if phase == "train":
@@ -129,15 +114,18 @@ class PolicyRuntime:
             out["pipeline"] = self.pipeline_plan(policies, transports, staging).model_dump(mode="json")
         return out
 
-    def pipeline_plan(self, policies: PolicySet, transports: tuple[str, ...],
+    def pipeline_plan(self, policies: PolicySet, transports: frozenset[Transport] | None,
                       staging: StagingMemory | None = None) -> PipelinePlan:
-        """The pipeline policy's plan, fed the memory the daemon measured (``staging``: None = not read),
-        so its out-of-memory guard bounds depth x bucket by the GPU memory free now."""
-        known = {t.value for t in Transport}
-        available = tuple(Transport(t) for t in transports if t in known)
-        plan = policies.pipeline.plan(PipelineSnapshot(
-            available_transports=available or (Transport.SHM,),
-            total_bytes=staging.total_bytes if staging else None,
-            free_bytes=staging.free_bytes if staging else None))
+        """The plan over the transports every engine accepts (``None``: no engines, the snapshot's default),
+        fed the memory the daemon measured (``staging``: None = not read), so its out-of-memory guard bounds
+        depth x bucket by the GPU memory free now."""
+        memory_fields = {"total_bytes": staging.total_bytes if staging else None,
+                         "free_bytes": staging.free_bytes if staging else None}
+        if transports is None:
+            snapshot = PipelineSnapshot(**memory_fields)
+        else:
+            available = tuple(t for t in Transport if t in transports)  # the enum's order: deterministic
+            snapshot = PipelineSnapshot(available_transports=available, **memory_fields)
+        plan = policies.pipeline.plan(snapshot)
         memory = staging.describe() if staging else "memory not read"
         return plan.model_copy(update={"reason": f"{plan.reason}; {memory}" if plan.reason else memory})

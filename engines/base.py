@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from ..policies import Transport
+
 __all__ = [
     "ALL_TAGS",
     "EngineAdapter",
@@ -74,7 +76,7 @@ class RankPayload:
     """
 
     rank: int
-    transport: str
+    transport: Transport
     nbytes: int
     handle: dict[str, Any]
 
@@ -112,6 +114,12 @@ class EngineAdapter(Protocol):
     """Verbs over one engine's HTTP API. All async; none takes a timeout (the daemon sets deadlines)."""
 
     name: str
+
+    @property
+    def transports(self) -> frozenset[Transport]:
+        """The transports this engine accepts chunks by, from what it really supports; exact after ``attach``
+        (before, a guess from its config). The daemon plans a sync from the intersection over the node."""
+        ...
 
     async def attach(self) -> EngineInfo: ...
     async def health(self) -> bool: ...

@@ -1,6 +1,9 @@
 """Errors an engine adapter raises; the daemon and api see these, never an httpx type.
 
-    EngineError                 .engine names the engine
+Adapters raise only these, or ``RequestInvalid`` (``colocd.errors``) for a caller's chunk they cannot
+turn into their engine's wire format; both sit under ``ColocdError`` (the tree: ``daemon/errors.py``).
+
+    EngineError(ColocdError)    .engine names the engine
     ├── EngineUnreachable       connection refused / reset / DNS: the engine is not there
     ├── EngineTimeout           the engine did not answer within the caller's deadline
     ├── EngineRejected          the engine answered 4xx/5xx or success=false; .status, .body
@@ -9,6 +12,8 @@
 """
 
 from __future__ import annotations
+
+from ..errors import ColocdError
 
 __all__ = [
     "EngineError",
@@ -20,7 +25,7 @@ __all__ = [
 ]
 
 
-class EngineError(Exception):
+class EngineError(ColocdError):
     """Base class: something went wrong talking to one engine."""
 
     def __init__(self, engine: str, message: str) -> None:

@@ -16,7 +16,7 @@ from .cleanup import (
 from .document import default_policies, policy_json_schema
 from .errors import PluginImportError, PluginNotFoundError, PolicyError
 from .loader import YamlLimits, load_policy_yaml
-from .pipeline import OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy, Transport
+from .pipeline import OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy
 from .policy_set import API_VERSION, PolicySet
 from .process_groups import (
     AutoPolicy,
@@ -31,12 +31,15 @@ from .process_groups import (
     WaitPoint,
 )
 from .registry import BUILTINS, ENTRY_POINT_GROUP, resolve_policy
-from .settings import EngineSettings, Timeouts
+from .settings import DEFAULT_PAUSE_MODE, EngineSettings, PauseModeName
 from .store import PolicyStore
+from .timeouts import Timeouts, TimeoutStep
+from .transport import Transport
 
 __all__ = [
     "API_VERSION",
     "BUILTINS",
+    "DEFAULT_PAUSE_MODE",
     "ENTRY_POINT_GROUP",
     "AggressiveCleanupPolicy",
     "AutoPolicy",
@@ -55,6 +58,7 @@ __all__ = [
     "KeepAlivePolicy",
     "NoCleanupPolicy",
     "OverlapPolicy",
+    "PauseModeName",
     "PipelinePlan",
     "PipelinePolicy",
     "PipelineSnapshot",
@@ -68,6 +72,7 @@ __all__ = [
     "ProcessGroupPolicy",
     "SerialPolicy",
     "SuspendPolicy",
+    "TimeoutStep",
     "Timeouts",
     "Transport",
     "WaitPoint",

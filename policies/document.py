@@ -18,7 +18,8 @@ from .pipeline import PipelinePolicy
 from .policy_set import API_VERSION, PolicySet
 from .process_groups import ProcessGroupPolicy
 from .registry import ANY_PLUGIN, BUILTINS, DEFAULT_NAMES, resolve_policy
-from .settings import EngineSettings, Timeouts
+from .settings import EngineSettings
+from .timeouts import Timeouts
 
 __all__ = ["Locator", "Path", "build_policy_set", "default_policies", "policy_json_schema"]
 

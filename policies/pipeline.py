@@ -6,12 +6,12 @@ Consumed by the daemon's weight-stream pipeline (``asyncio.Queue(maxsize=plan.de
 from __future__ import annotations
 
 from abc import abstractmethod
-from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from .base import Decision, Family, Policy, PolicyConfig
+from .transport import Transport
 
 __all__ = [
     "OverlapPolicy",
@@ -20,19 +20,13 @@ __all__ = [
     "PipelineSnapshot",
     "SerialPolicy",
     "Transport",
+    "TransportChoice",
 ]
 
 _MIB = 1 << 20
 
-
-class Transport(StrEnum):
-    """How chunk bytes travel trainer → engine (DESIGN.md §4). ``auto`` picks the best available."""
-
-    AUTO = "auto"
-    CUDA_IPC = "cuda_ipc"
-    IPC_RING = "ipc_ring"
-    SHM = "shm"
-    DISK = "disk"
+# A pipeline policy may name a transport or leave the choice to the plan; "auto" is no transport.
+TransportChoice = Transport | Literal["auto"]
 
 
 # Fastest first: the ring measured 1.2x faster than a fresh IPC bucket per chunk on one H200
@@ -74,7 +68,8 @@ class PipelinePolicy(Policy):
 
 class _BucketConfig(PolicyConfig):
     bucket_mb: int = Field(512, gt=0, le=65536, description="target chunk size, MiB")
-    transport: Transport = Field(Transport.AUTO, description="auto | cuda_ipc | ipc_ring | shm | disk")
+    transport: TransportChoice = Field(
+        "auto", description="auto (the fastest both sides support) or a transport: " + " | ".join(Transport))
 
 
 class SerialPolicy(PipelinePolicy):
@@ -139,8 +134,8 @@ def _plan(policy: str, depth: int, config: _BucketConfig, snapshot: PipelineSnap
     return PipelinePlan(policy=policy, depth=depth, bucket_bytes=bucket, transport=transport, reason=reason)
 
 
-def _choose_transport(wanted: Transport, available: tuple[Transport, ...], notes: list[str]) -> Transport:
-    if wanted != Transport.AUTO:
+def _choose_transport(wanted: TransportChoice, available: tuple[Transport, ...], notes: list[str]) -> Transport:
+    if isinstance(wanted, Transport):  # not "auto"
         if wanted in available:
             return wanted
         notes.append(f"{wanted} not available")

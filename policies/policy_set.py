@@ -11,7 +11,8 @@ from typing import Any
 from .cleanup import CleanupPolicy
 from .pipeline import PipelinePolicy
 from .process_groups import ProcessGroupPolicy
-from .settings import EngineSettings, Timeouts
+from .settings import EngineSettings, PauseModeName
+from .timeouts import Timeouts
 
 __all__ = ["API_VERSION", "PolicySet"]
 
@@ -60,6 +61,15 @@ class PolicySet:
             "pipeline": self.pipeline.spec,
             "cleanup": self.cleanup.spec,
         }
+
+    def over_node(self, timeouts: Timeouts, pause_mode: PauseModeName) -> PolicySet:
+        """This document over the node config's own values: each timeout and the pause mode the document
+        sets wins, the rest are the node's. Computed once per document (when staged), never per call."""
+        engines = self.engines
+        if "pause_mode" not in engines.model_fields_set:
+            engines = EngineSettings.model_validate({**engines.model_dump(include=engines.model_fields_set),
+                                                     "pause_mode": pause_mode})
+        return dataclasses.replace(self, engines=engines, timeouts=self.timeouts.over(timeouts))
 
     def with_version(self, version: int, source: str | None = None) -> PolicySet:
         """A copy carrying ``version`` (and ``source`` if given); the fingerprint is unchanged."""

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from ..api.client import ColocdClient
+from ..policies import Transport
 from .push import PushReport, WeightPusher
 
 __all__ = ["TrainerClient"]
@@ -24,7 +25,7 @@ class TrainerClient(ColocdClient):
     """``ColocdClient`` with the weight push; each push opens, streams and commits one session."""
 
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
-                     transport: str = "shm", bucket_mb: float = 64, depth: int = 2,
+                     transport: Transport | str = Transport.SHM, bucket_mb: float = 64, depth: int = 2,
                      partial: bool = False) -> PushReport:
         async def push() -> PushReport:
             async with WeightPusher(self.async_client, transport=transport, bucket_mb=bucket_mb,

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from ..engines.chunks import ChunkLayout
+from ..policies import Transport
 
 __all__ = ["ExportedChunk", "Producer"]
 
@@ -21,7 +22,7 @@ __all__ = ["ExportedChunk", "Producer"]
 class ExportedChunk:
     """A chunk ready to describe to the daemon; ``release`` frees its buffer (after the ack)."""
 
-    transport: str
+    transport: Transport  # as on the wire (Transport.wire)
     nbytes: int
     handle: dict[str, Any]
     layout: ChunkLayout
@@ -36,7 +37,7 @@ class ExportedChunk:
 class Producer(Protocol):
     """Exports chunks for one transport; may be reused across streams (sessions)."""
 
-    transport: str
+    transport: Transport
 
     def begin_stream(self) -> None: ...
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk: ...

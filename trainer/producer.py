@@ -23,6 +23,7 @@ import torch
 
 from ..engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from ..engines.segments import reclaim_dead_segments
+from ..policies import Transport
 from .exported import ExportedChunk, Producer
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ __all__ = [
     "producer_for",
 ]
 
-PRODUCERS = ("shm", "disk", "cuda_ipc", "per_tensor", "ipc_ring", "zero_copy")
+PRODUCERS: tuple[Transport, ...] = tuple(Transport)  # one producer (or variant) for every transport
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class ShmProducer:
     theirs (``engines/segments.py``); ``reclaim=False`` skips that.
     """
 
-    transport = "shm"
+    transport = Transport.SHM
 
     def __init__(self, *, reclaim: bool = True) -> None:
         self._live: dict[str, SharedSegment] = {}
@@ -78,7 +79,7 @@ class ShmProducer:
             self._drop(segment.name)
             raise
         handle = {"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-        return ExportedChunk("shm", layout.nbytes, handle, layout, lambda: self._drop(segment.name))
+        return ExportedChunk(Transport.SHM, layout.nbytes, handle, layout, lambda: self._drop(segment.name))
 
     def _drop(self, name: str) -> None:
         segment = self._live.pop(name, None)
@@ -95,7 +96,7 @@ class ShmProducer:
 class DiskProducer:
     """A safetensors file per chunk: the fallback when no shared memory or IPC path is available."""
 
-    transport = "disk"
+    transport = Transport.DISK
 
     def __init__(self, directory: str | None = None) -> None:
         self._dir = directory or tempfile.mkdtemp(prefix="colocd-disk-")
@@ -112,7 +113,7 @@ class DiskProducer:
         os.close(fd)
         self._live.add(path)
         save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, path)
-        return ExportedChunk("disk", layout.nbytes, {"path": path}, layout, lambda: self._drop(path))
+        return ExportedChunk(Transport.DISK, layout.nbytes, {"path": path}, layout, lambda: self._drop(path))
 
     def _drop(self, path: str) -> None:
         self._live.discard(path)
@@ -133,7 +134,7 @@ class CudaIpcProducer:
     ``(name, tensor)``, one IPC handle per tensor (the slow baseline the buckets replace).
     """
 
-    transport = "cuda_ipc"
+    transport = Transport.CUDA_IPC  # per_tensor too: on the wire it is cuda_ipc, load_format "direct"
 
     def __init__(self, *, per_tensor: bool = False) -> None:
         self.per_tensor = per_tensor
@@ -185,16 +186,19 @@ class CudaIpcProducer:
             self._drop(key)
 
 
-def producer_for(transport: str, *, bucket_bytes: int = 64 << 20, slots: int = 2) -> Producer:
-    """A producer by name (see ``PRODUCERS``); ring slots are ``bucket_bytes`` each."""
-    if transport == "shm":
+def producer_for(transport: Transport | str, *, bucket_bytes: int = 64 << 20, slots: int = 2) -> Producer:
+    """The producer of ``transport`` (a name is accepted; an unknown one is a ValueError naming the known);
+    ring slots are ``bucket_bytes`` each."""
+    try:
+        transport = Transport(transport)
+    except ValueError:
+        raise ValueError(f"unknown transport {transport!r}; known: {[t.value for t in PRODUCERS]}") from None
+    if transport is Transport.SHM:
         return ShmProducer()
-    if transport == "disk":
+    if transport is Transport.DISK:
         return DiskProducer()
-    if transport in ("cuda_ipc", "per_tensor"):
-        return CudaIpcProducer(per_tensor=transport == "per_tensor")
-    if transport in ("ipc_ring", "zero_copy"):
-        from .ring import IpcRingProducer
+    if transport in (Transport.CUDA_IPC, Transport.PER_TENSOR):
+        return CudaIpcProducer(per_tensor=transport is Transport.PER_TENSOR)
+    from .ring import IpcRingProducer  # IPC_RING or ZERO_COPY
 
-        return IpcRingProducer(slot_bytes=bucket_bytes, slots=slots, zero_copy=transport == "zero_copy")
-    raise ValueError(f"unknown transport {transport!r}; known: {list(PRODUCERS)}")
+    return IpcRingProducer(slot_bytes=bucket_bytes, slots=slots, zero_copy=transport is Transport.ZERO_COPY)

@@ -21,6 +21,7 @@ import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import dtype_name, plan_buckets
+from ..policies import Transport
 from .exported import ExportedChunk, Producer
 from .producer import PRODUCERS, producer_for
 
@@ -105,8 +106,9 @@ class WeightPusher:
     ``rank``; rank 0 commits once all have returned.
     """
 
-    def __init__(self, client: AsyncColocdClient, *, transport: str = "auto", bucket_mb: float | None = None,
-                 depth: int = DEFAULT_DEPTH, rank: int = 0, slots: int | None = None) -> None:
+    def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
+                 bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
+                 slots: int | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         if transport != "auto" and transport not in PRODUCERS:
@@ -127,7 +129,7 @@ class WeightPusher:
     @classmethod
     def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0) -> WeightPusher:
         """A pusher shaped by the pipeline policy: the ``directives["pipeline"]`` of a ``sync`` reply."""
-        return cls(client, transport=str(plan["transport"]), bucket_mb=int(plan["bucket_bytes"]) / 2**20,
+        return cls(client, transport=Transport(plan["transport"]), bucket_mb=int(plan["bucket_bytes"]) / 2**20,
                    depth=int(plan["depth"]), rank=rank)
 
     async def __aenter__(self) -> WeightPusher:

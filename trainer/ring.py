@@ -27,6 +27,7 @@ import torch
 
 from ..engines.chunks import ChunkLayout, TensorSpec, dtype_from_name, dtype_name
 from ..engines.cuda_handles import device_uuid, export_cuda_handle
+from ..policies import Transport
 from .exported import ExportedChunk
 
 __all__ = ["IpcRingProducer"]
@@ -54,7 +55,7 @@ def _device_of(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
 class IpcRingProducer:
     """Trainer side of ``ipc_ring``: persistent slot buffers, or the trainer's own storages (zero copy)."""
 
-    transport = "ipc_ring"
+    transport = Transport.IPC_RING  # zero_copy too: on the wire it is ipc_ring
 
     def __init__(self, *, slot_bytes: int, slots: int = 2, zero_copy: bool = False) -> None:
         if slots < 1 or slot_bytes < 1:

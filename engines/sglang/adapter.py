@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from ...errors import RequestInvalid
+from ...policies import Transport
 from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected
 from ..httpmap import check_reply, map_http_errors
@@ -34,6 +36,7 @@ class SGLangAdapter:
         self.protocol: SGLangProtocol = V0_5_23
         self._info: EngineInfo | None = None
         self._server_info_route = "/server_info"
+        self._device: str | None = None  # where the reference engine says its weights live (server_info)
 
     # -- transport ---------------------------------------------------------------------------
     async def _call(self, method: str, path: str, what: str, json_body: Any = None,
@@ -61,6 +64,15 @@ class SGLangAdapter:
                                  status=response.status_code, body=json.dumps(data)[:2000])
         return data
 
+    @property
+    def transports(self) -> frozenset[Transport]:
+        """SGLang loads CUDA-IPC chunks only (flattened_bucket, or its default per-tensor list); colocd's
+        own formats (shm, disk, the ring) need the reference engine's loader, and those on CPU only shm/disk."""
+        if not self._is_reference and (self._info is not None or self._config.kind != "reference"):
+            return _SGLANG_TRANSPORTS
+        device = self._device or str(getattr(self._config, "device", "cpu"))
+        return _REFERENCE_GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
+
     # -- verbs -------------------------------------------------------------------------------
     async def _server_info(self) -> dict[str, Any]:
         try:
@@ -86,6 +98,7 @@ class SGLangAdapter:
             raise EngineProtocolError(self.name, f"cannot drive SGLang version {version!r}: {exc}") from exc
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
+        self._device = str(server["device"]) if isinstance(server.get("device"), str) else None
         self._info = EngineInfo(
             name=self.name,
             engine_kind=getattr(self._config, "kind", "sglang"),
@@ -295,26 +308,31 @@ class SGLangAdapter:
         return None
 
 
+_SGLANG_TRANSPORTS = frozenset({Transport.CUDA_IPC, Transport.PER_TENSOR})
+_CPU_TRANSPORTS = frozenset({Transport.SHM, Transport.DISK})
+_REFERENCE_GPU_TRANSPORTS = frozenset(Transport)
+
 # colocd's own transports travel as base64 JSON descriptors, one load_format each; CUDA-IPC
 # chunks are the trainer's own SGLang pickle, flattened_bucket unless the trainer says otherwise.
-_COLOCD_FORMATS = {"shm": "colocd_shm", "disk": "colocd_disk", "ipc_ring": "colocd_ring"}
+_COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk", Transport.IPC_RING: "colocd_ring"}
 
 
 def _load_format(load: WeightsLoad) -> str | None:
     formats = {_COLOCD_FORMATS.get(p.transport) or str(p.handle.get("load_format", "flattened_bucket"))
                for p in load.payloads}
     if len(formats) != 1:
-        raise ValueError(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}")
+        raise RequestInvalid(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}; one chunk "
+                             "travels in one format", field="handle.load_format")
     load_format = formats.pop()
     return None if load_format == "direct" else load_format  # SGLang's default: a list of (name, tensor)
 
 
-def _entry(transport: str, handle: dict[str, Any]) -> str:
+def _entry(transport: Transport, handle: dict[str, Any]) -> str:
     """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA paths,
     or base64 JSON for colocd's shm/disk/ipc_ring paths (which SGLang would reach through a custom loader)."""
     if transport in _COLOCD_FORMATS:
         return base64.b64encode(json.dumps({"transport": transport, **handle}).encode()).decode()
     payload = handle.get("payload_b64")
     if not isinstance(payload, str):
-        raise ValueError(f"{transport} chunk handle carries no 'payload_b64' string")
+        raise RequestInvalid(f"{transport} chunk handle carries no 'payload_b64' string", field="handle.payload_b64")
     return payload

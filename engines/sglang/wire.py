@@ -405,7 +405,8 @@ def pause_generation_request(protocol: SGLangProtocol, mode: PauseMode | str) ->
     if mode not in protocol.pause_modes:
         allowed = ", ".join(m.value for m in protocol.pause_modes)
         raise ValueError(
-            f"SGLang protocol {protocol.name!r} cannot pause with mode {mode!r}; it has: {allowed}"
+            f"SGLang protocol {protocol.name!r} cannot pause with mode {PauseMode(mode).value!r}; it has: {allowed} "
+            "(set pause_mode in the node config, or engines.pause_mode in the policy document)"
         )
     if not protocol.pause_body:
         return None

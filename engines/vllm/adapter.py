@@ -27,9 +27,10 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from ...policies import Transport
 from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 from ..config import VLLMEngineConfig
-from ..errors import EngineProtocolError, EngineRejected
+from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from . import wire
 from .errors import map_transport_errors, raise_for_status
 
@@ -51,9 +52,7 @@ class VLLMAdapter:
 
     def __init__(self, config: VLLMEngineConfig, client: httpx.AsyncClient) -> None:
         if config.url is None:
-            raise ValueError(
-                f"engine {config.name!r}: VLLMAdapter needs 'url' (VLLMServer.start() provides it)"
-            )
+            raise EngineUnreachable(config.name, "VLLMAdapter needs 'url' (VLLMServer.start() provides it)")
         self.name = config.name
         self._config = config
         self._client = client
@@ -108,6 +107,16 @@ class VLLMAdapter:
         if not response.content:
             return []  # every worker returned None (rpc/api_router.py:51-52)
         return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results
+
+    @property
+    def transports(self) -> frozenset[Transport]:
+        """vLLM's own ipc backend takes packed CUDA-IPC chunks only (ipc_engine.py:36-44); the colocd worker
+        extension (no backend, or ``colocd``) reads shm, disk and cuda_ipc (``extension.py``)."""
+        if self._backend == "ipc":
+            return frozenset({Transport.CUDA_IPC})
+        device = str((self._extension or {}).get("device", "cuda"))  # the extension says after attach
+        cuda = {Transport.CUDA_IPC} if device.startswith("cuda") else set()
+        return frozenset({Transport.SHM, Transport.DISK, *cuda})
 
     # -- attach and queries -----------------------------------------------------------------
 

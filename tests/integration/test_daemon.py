@@ -283,10 +283,14 @@ def test_no_shared_memory_segments_left_behind() -> None:
 
 
 async def test_full_step_through_the_legacy_sglang_protocol() -> None:
-    """SGLang ≤ 0.5.5 (what slime/verl pin): no bodies on pause, no update session, /get_weight_version."""
+    """SGLang ≤ 0.5.5 (what slime/verl pin): no bodies on pause, no update session, /get_weight_version.
+
+    Its pause route reads no body and always aborts, so a node driving it says ``pause_mode: abort``
+    (the default, retract, is refused by that protocol with a 502 naming the key)."""
     cfg = ReferenceEngineConfig(name="old", url="http://127.0.0.1:0", seed=0, protocol="legacy")
     async with ReferenceEngineProcess(cfg) as engine, \
-            running_daemon([{"kind": "reference", "name": "old", "url": engine.url}]) as url, \
+            running_daemon([{"kind": "reference", "name": "old", "url": engine.url}],
+                           pause_mode="abort") as url, \
             AsyncColocdClient(url) as client:
         await client.wait_ready(30)
         status = (await client.status())["engines"]["old"]

@@ -88,7 +88,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
             "token": TOKEN,
             "engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
             # Short budgets: a generated request that waits on a rank or a group must not eat the time box.
-            "timeouts": {"default_s": 10, "chunk_s": 2, "health_s": 5, "master_reach_s": 0.3},
+            "timeouts": {"default_s": 10, "chunk_s": 2, "health_interval_s": 5, "master_reach_s": 0.3},
             "limits": {"max_body_bytes": 1024 * 1024},
         }
         (work / "node.yaml").write_text(yaml.safe_dump(config))

@@ -24,10 +24,11 @@ import torch
 import yaml
 from support import shm_segments
 
-from colocd.api.client import AsyncColocdClient, WeightPusher
+from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.push import WeightPusher
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "reference-launch.yaml"
 HEALTH_S = 0.5
@@ -122,7 +123,7 @@ async def test_colocd_serve_alone_brings_up_a_cpu_node_and_sigterm_stops_its_eng
 
 async def test_a_launched_engine_that_dies_is_relaunched_reconciled_and_the_next_step_needs_no_manual_call(
         tmp_path: Path) -> None:
-    config = example_config(timeouts={"health_s": HEALTH_S, "default_s": 20})
+    config = example_config(timeouts={"health_interval_s": HEALTH_S, "default_s": 20})
     config["engines"][0]["launch"].update(backoff_initial_s=0.2, backoff_max_s=1)
     async with serve(tmp_path, config) as (_daemon, client):
         await full_step(client, 1)

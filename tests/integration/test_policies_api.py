@@ -15,6 +15,7 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from colocd.policies import TimeoutStep, Transport
 
 KEEP_ALIVE = "apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\npipeline:\n  policy: serial\n"
 BAD_FIELD = "apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depht: 3\n"
@@ -23,6 +24,8 @@ BAD_FIELD = "apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depht: 3\n"
 class GatedEngine:
     """An in-memory engine whose release waits on a gate: lets a test act while a transition is mid-way.
     (A real engine cannot be held mid-call on demand; the daemon under test is the real one.)"""
+
+    transports = frozenset({Transport.SHM, Transport.DISK})
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -129,6 +132,17 @@ async def test_policy_document_sets_the_pause_mode() -> None:
         daemon.policies.apply_yaml("apiVersion: colocd/v1\nengines:\n  pause_mode: in_place\n", source="test")
         await daemon.transition(NodePhase.TRAIN, 1)
     assert engine.pause_modes == ["in_place"]
+
+
+async def test_a_document_that_leaves_out_the_pause_mode_and_timeouts_keeps_the_node_configs() -> None:
+    engine = GatedEngine("e0")
+    config = _config(pause_mode="abort", timeouts={"chunk_s": 7, "health_interval_s": 2})
+    async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+        daemon.policies.apply_yaml("apiVersion: colocd/v1\ntimeouts:\n  chunk_s: 3\n", source="test")
+        await daemon.transition(NodePhase.TRAIN, 1)
+        timeouts = daemon.policies.active.timeouts
+        assert (timeouts.for_step(TimeoutStep.CHUNK), timeouts.for_step(TimeoutStep.HEALTH_INTERVAL)) == (3, 2)
+    assert engine.pause_modes == ["abort"]
 
 
 async def test_policy_file_is_loaded_at_start_and_reloaded_on_request(tmp_path: Any) -> None:

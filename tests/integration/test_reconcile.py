@@ -80,7 +80,7 @@ class DaemonProcess:
             "listen": {"host": "127.0.0.1", "port": 0, "ready_file": str(self.ready_file)},
             "engines": [{"kind": "reference", "name": "ref0", "url": engine_url}],
             "journal": str(workdir / "journal.jsonl"),
-            "timeouts": {"health_s": HEALTH_S, "default_s": 20},
+            "timeouts": {"health_interval_s": HEALTH_S, "default_s": 20},
         }))
         self.log = workdir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None

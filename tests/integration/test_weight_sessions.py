@@ -43,6 +43,7 @@ from colocd.engines.chunks import plan_buckets, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.policies import Transport
 from colocd.trainer.producer import ExportedChunk, producer_for
 from colocd.trainer.push import WeightPusher, manifest_of
 
@@ -488,6 +489,8 @@ def _no_leaked_segments() -> Any:
 
 class UnlistedEngine:
     """An engine adapter that, like SGLang, cannot say what its parameters are; loads always succeed."""
+
+    transports = frozenset({Transport.SHM, Transport.DISK})
 
     def __init__(self, name: str) -> None:
         self.name = name

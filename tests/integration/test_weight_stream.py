@@ -36,6 +36,7 @@ from colocd.engines.errors import EngineRejected
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.sglang.adapter import _load_format
+from colocd.policies import Transport
 from colocd.trainer.push import WeightPusher
 
 # --- WeightSession against in-memory engines -----------------------------------------------------
@@ -43,6 +44,8 @@ from colocd.trainer.push import WeightPusher
 
 class FakeEngine:
     """An in-memory engine adapter: records every load; with ``gated`` each load waits for its release."""
+
+    transports = frozenset(Transport)  # it reads no payload, so any transport will do
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from colocd.policies import (
     SerialPolicy,
     SuspendPolicy,
     Timeouts,
+    TimeoutStep,
     Transport,
     WaitPoint,
 )
@@ -195,10 +196,32 @@ def test_cleanup_plans() -> None:
 
 
 def test_timeouts_fall_back_to_the_default_and_reject_unknown_steps() -> None:
-    t = Timeouts(default_s=10, release_s=None, sync_s=99)
-    assert (t.for_step("release"), t.for_step("sync")) == (10, 99)
-    with pytest.raises(ValueError, match="unknown timeout step"):
+    t = Timeouts(default_s=10, release_s=None, chunk_s=99)
+    assert (t.for_step(TimeoutStep.RELEASE), t.for_step(TimeoutStep.CHUNK)) == (10, 99)
+    with pytest.raises(ValueError, match="unknown timeout step 'bogus'"):
         t.for_step("bogus")  # type: ignore[arg-type]
+
+
+def test_every_timeout_step_has_its_field_and_every_field_a_step() -> None:
+    steps = {f"{s.value}_s" for s in TimeoutStep}
+    assert set(Timeouts.model_fields) - {"default_s"} == steps
+
+
+def test_a_document_overrides_only_the_timeouts_it_sets() -> None:
+    node = Timeouts(default_s=20, chunk_s=7, health_interval_s=2)
+    document = Timeouts(chunk_s=3, resume_s=None)
+    merged = document.over(node)
+    assert merged.for_step(TimeoutStep.CHUNK) == 3  # the document's
+    assert merged.for_step(TimeoutStep.HEALTH_INTERVAL) == 2  # left out: the node's
+    assert merged.for_step(TimeoutStep.RELEASE) == 20  # unset in both: the node's default_s
+    assert Timeouts().over(node) == node
+
+
+def test_old_timeout_keys_still_load() -> None:
+    # health_s was the node's health-loop interval; sync_s was never read, so it is dropped.
+    t = Timeouts.model_validate({"health_s": 9, "sync_s": 600})
+    assert t.for_step(TimeoutStep.HEALTH_INTERVAL) == 9
+    assert "sync_s" not in t.model_dump()
 
 
 def test_a_policy_refuses_a_config_of_another_policy() -> None:

@@ -11,6 +11,7 @@ from colocd.policies import (
     AutoPolicy,
     PolicyError,
     PolicySet,
+    TimeoutStep,
     default_policies,
     load_policy_yaml,
 )
@@ -36,14 +37,14 @@ def test_a_full_document_loads_into_typed_policies() -> None:
         pipeline: {policy: overlap, depth: 3, bucket_mb: 256, transport: ipc_ring}
         cleanup: {policy: aggressive, max_retries: 2}
         engines: {release_tags: [kv_cache], pause_mode: abort}
-        timeouts: {default_s: 20, sync_s: 120}
+        timeouts: {default_s: 20, chunk_s: 120}
         """
     )
     assert isinstance(p.process_groups, AutoPolicy)
     assert p.process_groups.config.max_resident_gib == 6
     assert (p.pipeline.spec, p.cleanup.spec) == ("overlap", "aggressive")
     assert p.engines.release_tags == ("kv_cache",)
-    assert p.timeouts.for_step("resume") == 20
+    assert p.timeouts.for_step(TimeoutStep.RESUME) == 20
 
 
 def test_only_api_version_gives_the_defaults() -> None:
@@ -95,11 +96,11 @@ def test_a_typo_suggests_the_field() -> None:
         """\
         apiVersion: colocd/v1
         timeouts:
-          sync_secs: 5
+          chunk_secs: 5
         """
     )
-    assert err.field == "timeouts.sync_secs"
-    assert "did you mean 'sync_s'" in err.message
+    assert err.field == "timeouts.chunk_secs"
+    assert "did you mean 'chunk_s'" in err.message
 
 
 def test_a_bad_value_names_the_field_and_its_line() -> None:

@@ -45,7 +45,7 @@ async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_
         original = await _complete(url)
         config = NodeConfig.model_validate({
             "engines": [server.config.model_dump(mode="json", exclude={"launch"})],
-            "timeouts": {"health_s": HEALTH_S}})
+            "timeouts": {"health_interval_s": HEALTH_S}})
         async with serve_app(create_app(config)) as daemon_url, AsyncColocdClient(daemon_url) as daemon, \
                 httpx.AsyncClient(trust_env=False, timeout=60) as http:
             await daemon.wait_ready(60)

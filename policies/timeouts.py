@@ -1,0 +1,99 @@
+"""Every step the daemon times, and one ``Timeouts`` model for the node config and the policy document.
+
+The node config's ``timeouts`` are the node's defaults; a policy document's ``timeouts`` override
+exactly the fields it sets (``Timeouts.over``). The daemon merges the two once, when a policy set is
+staged or the node starts, and reads budgets only through ``for_step(TimeoutStep.X)``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["LEGACY_TIMEOUT_KEYS", "TimeoutStep", "Timeouts"]
+
+
+class TimeoutStep(StrEnum):
+    """A step the daemon bounds in time; ``Timeouts`` has a ``<value>_s`` field for each."""
+
+    PAUSE = "pause"  # pause_generation and continue_generation
+    FLUSH = "flush"  # every retry of a refused flush, together
+    RELEASE = "release"  # release_memory_occupation
+    MEMORY_CONFIRM = "memory_confirm"  # NVML shows the released bytes free
+    RESUME = "resume"  # resume_memory_occupation
+    WEIGHT_UPDATE = "weight_update"  # an engine's begin/end of an update, its version bump, its parameter list
+    CHUNK = "chunk"  # one chunk: gather from every rank plus every engine's load (or one broadcast)
+    GROUP = "group"  # an engine joins or leaves a weight-update group
+    MASTER_REACH = "master_reach"  # the trainer's TCPStore accepts a connection
+    OBSERVE = "observe"  # one observation of one engine
+    HEALTH_INTERVAL = "health_interval"  # the pause between two passes of the health loop
+    SESSION_IDLE = "session_idle"  # a weight session with no activity this long expires
+    QUIESCE = "quiesce"  # closing a failed session waits this long for the engine calls it issued
+
+
+# Keys older configs and documents used: health_s was the health loop's interval (node config; in a
+# policy document it was never read); sync_s was never read anywhere (chunk_s and session_idle_s bound
+# a sync's progress; a whole-sync deadline would fail a slow but healthy push of a large model).
+LEGACY_TIMEOUT_KEYS: dict[str, str | None] = {"health_s": "health_interval_s", "sync_s": None}
+
+
+class Timeouts(BaseModel):
+    """One default budget plus per-step values in seconds (httpx's ``Timeout`` shape); ``None`` uses ``default_s``.
+
+    In a policy document, a field left out keeps the node config's value (these defaults are the node's).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    default_s: float = Field(30.0, gt=0, description="budget of any step without its own value")
+    pause_s: float | None = Field(None, gt=0, description="pause_generation, and continue_generation")
+    flush_s: float | None = Field(None, gt=0, description="total budget for flush retries")
+    release_s: float | None = Field(None, gt=0, description="engines release memory")
+    memory_confirm_s: float | None = Field(None, gt=0, description="NVML wait for the released bytes")
+    resume_s: float | None = Field(None, gt=0, description="engines take memory back")
+    weight_update_s: float | None = Field(
+        None, gt=0, description="an engine begins or ends a weight update, bumps its version, lists its parameters")
+    chunk_s: float | None = Field(
+        None, gt=0, description="one chunk: gather from all ranks + engine load (or one broadcast)")
+    group_s: float | None = Field(None, gt=0, description="an engine joins or destroys a weight-update group")
+    master_reach_s: float | None = Field(
+        3.0, gt=0, description="how long POST /v1/weights/groups waits for the trainer's TCPStore to accept a "
+        "connection before answering 422 (it may be a moment from listening)")
+    observe_s: float | None = Field(None, gt=0, description="one observation of one engine")
+    health_interval_s: float | None = Field(
+        5.0, gt=0, description="interval of the health loop's observations and reconciliation")
+    session_idle_s: float | None = Field(
+        60.0, gt=0, description="a weight session with no chunk, commit or engine load for this long expires "
+                                "(the trainer is presumed gone): aborted, its shm segments unlinked")
+    quiesce_s: float | None = Field(
+        None, gt=0, description="closing a failed/aborted/expired session waits this long for the engine calls "
+                                "it issued; engines whose calls are still running are then marked stale")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        """Accept the keys of older files (``LEGACY_TIMEOUT_KEYS``): renamed, or dropped where never read."""
+        if not isinstance(data, dict) or not any(k in data for k in LEGACY_TIMEOUT_KEYS):
+            return data
+        out = {k: v for k, v in data.items() if k not in LEGACY_TIMEOUT_KEYS}
+        for old, new in LEGACY_TIMEOUT_KEYS.items():
+            if old in data and new is not None:
+                out.setdefault(new, data[old])
+        return out
+
+    def for_step(self, step: TimeoutStep) -> float:
+        """Seconds allowed for ``step``; a string that names no step is a ValueError."""
+        if not isinstance(step, TimeoutStep):
+            try:
+                step = TimeoutStep(step)
+            except ValueError:
+                known = ", ".join(s.value for s in TimeoutStep)
+                raise ValueError(f"unknown timeout step {step!r}; known: {known}") from None
+        value: float | None = getattr(self, f"{step.value}_s")
+        return self.default_s if value is None else value
+
+    def over(self, base: Timeouts) -> Timeouts:
+        """``base`` with every field this object was given explicitly (the fields a document sets)."""
+        return Timeouts.model_validate({**base.model_dump(), **self.model_dump(include=self.model_fields_set)})

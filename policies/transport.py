@@ -1,0 +1,32 @@
+"""``Transport``: how chunk bytes travel trainer → engine. The one vocabulary of every layer.
+
+Policies choose one (``PipelinePlan.transport``), engines advertise the ones they accept
+(``EngineAdapter.transports``), the trainer's producers are keyed by it, and the API's chunk
+descriptor carries it. Separated GPUs do not use it: their broadcast is its own API (weight groups).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["Transport"]
+
+
+class Transport(StrEnum):
+    """A way to move one chunk (DESIGN.md §4). Two are variants of another on the wire (``wire``)."""
+
+    SHM = "shm"  # POSIX shared memory by name: the CPU path
+    DISK = "disk"  # a safetensors file: the fallback
+    CUDA_IPC = "cuda_ipc"  # a fresh IPC-exported GPU bucket per chunk (SGLang's flattened_bucket)
+    PER_TENSOR = "per_tensor"  # cuda_ipc with one IPC handle per tensor (SGLang's default list format)
+    IPC_RING = "ipc_ring"  # persistent GPU buffers exported once; a chunk names (slot, layout)
+    ZERO_COPY = "zero_copy"  # ipc_ring over the trainer's own parameter storages (no flatten)
+
+    @property
+    def wire(self) -> Transport:
+        """What a chunk of this transport says it is on the wire: a variant travels as its base transport,
+        with the difference carried in its handle (``load_format: direct``; ring regions)."""
+        return _WIRE.get(self, self)
+
+
+_WIRE = {Transport.PER_TENSOR: Transport.CUDA_IPC, Transport.ZERO_COPY: Transport.IPC_RING}
