@@ -19,6 +19,7 @@ __all__ = [
     "MAX_STEP",
     "BroadcastRequest",
     "ChunkAckReply",
+    "ChunkChannelHello",
     "ChunkDescriptor",
     "CommitRequest",
     "ErrorBody",
@@ -167,6 +168,9 @@ class OpenSessionReply(BaseModel):
     partial: bool = False
     idle_s: float | None = Field(None, description="the session expires after this long without a chunk")
     manifest_tensors: int | None = Field(None, description="tensors declared in the manifest (null: none)")
+    chunk_channel: str | None = Field(
+        None, description="unix:/path of the framed chunk channel (api/chunk_channel.py): the same chunk calls "
+                          "at a tenth of HTTP's cost; null when the node has it off")
 
 
 class TensorEntry(_Strict):
@@ -186,6 +190,14 @@ class ChunkDescriptor(_Strict):
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
     handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
+
+
+class ChunkChannelHello(_Strict):
+    """The first frame on a chunk-channel connection: which session and trainer rank it carries chunks for."""
+
+    session_id: str = Field(..., min_length=1, max_length=256)
+    rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = 0
+    token: str | None = Field(None, max_length=4096, description="the node's bearer token, when it sets one")
 
 
 class ChunkAckReply(BaseModel):

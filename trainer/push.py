@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 import httpx
@@ -20,10 +22,17 @@ import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import dtype_name, plan_buckets
+from .channel import ChannelClosed, ChunkChannel
 from .exported import ExportedChunk, Producer
 from .producer import producer_for
 
-__all__ = ["ChunkRecord", "PushReport", "WeightPusher", "manifest_of"]
+__all__ = ["CHANNEL_CHOICES", "ChunkRecord", "PushReport", "WeightPusher", "manifest_of"]
+
+log = logging.getLogger("colocd.trainer")
+
+# auto: the chunk channel when the daemon advertises one and this process can reach it, else HTTP;
+# channel: the chunk channel or an error; http: always POST /v1/weights/sessions/{id}/chunks.
+CHANNEL_CHOICES = ("auto", "channel", "http")
 
 
 def manifest_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
@@ -63,12 +72,20 @@ class WeightPusher:
     Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a
     ``torch.distributed`` broadcast); every rank calls ``stream(session_id, its_tensors)`` with its own
     ``rank``; rank 0 commits once all have returned.
+
+    ``channel`` picks how chunk descriptors travel (``CHANNEL_CHOICES``): by default over the daemon's
+    chunk channel (one Unix-socket connection per stream, ``colocd.trainer.channel``) when the session
+    advertises one, else over HTTP. Both are the same calls with the same acks and errors.
     """
 
     def __init__(self, client: AsyncColocdClient, *, transport: str = "shm", bucket_mb: float = 64,
-                 depth: int = 2, rank: int = 0, slots: int | None = None) -> None:
+                 depth: int = 2, rank: int = 0, slots: int | None = None, channel: str = "auto") -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if channel not in CHANNEL_CHOICES:
+            raise ValueError(f"channel must be one of {CHANNEL_CHOICES}, got {channel!r}")
+        self._channel = channel
+        self.last_path: str | None = None  # how the last stream's chunks travelled: "channel" or "http"
         self._client = client
         self._transport = transport
         self._bucket_bytes = max(int(bucket_mb * 1024 * 1024), 1)
@@ -108,7 +125,7 @@ class WeightPusher:
                                                   manifest=manifest_of(named), partial=partial)
         sid = session["session_id"]
         try:
-            chunks, nbytes = await self.stream(sid, named)
+            chunks, nbytes = await self.stream(sid, named, chunk_channel=session.get("chunk_channel"))
             commit = await self._client.commit(sid, chunks)
         except BaseException:
             try:
@@ -129,8 +146,43 @@ class WeightPusher:
                 (await export).release()
             raise
 
-    async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-        """Send this rank's part of every chunk of an open session; returns (chunks, bytes)."""
+    async def _open_channel(self, session_id: str, address: str | EllipsisType | None) -> ChunkChannel | None:
+        """The chunk channel for this stream, or None for HTTP (``channel``'s rule)."""
+        if self._channel == "http":
+            return None
+        if address is ...:
+            # A rank that did not open the session asks where the daemon's channel is (one read).
+            address = (await self._client.session(session_id)).get("chunk_channel")
+        if address is None:
+            if self._channel == "channel":
+                raise ChannelClosed("the daemon advertises no chunk channel (listen.chunk_channel is off)")
+            return None
+        try:
+            return await ChunkChannel.connect(address, session_id=session_id, rank=self._rank,
+                                              token=self._client.token)
+        except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
+            if self._channel == "channel":
+                raise
+            # e.g. the daemon is reached over TCP from another mount namespace: same calls over HTTP.
+            log.warning("chunk channel %s unreachable (%s); sending chunks over HTTP", address, exc)
+            return None
+
+    async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
+                     chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
+        """Send this rank's part of every chunk of an open session; returns (chunks, bytes).
+
+        ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
+        the daemon is asked."""
+        channel = await self._open_channel(session_id, chunk_channel)
+        self.last_path = "http" if channel is None else "channel"
+        try:
+            return await self._stream(session_id, named, channel or self._client)
+        finally:
+            if channel is not None:
+                await channel.aclose()
+
+    async def _stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]],
+                      sender: AsyncColocdClient | ChunkChannel) -> tuple[int, int]:
         if self._producer is None:
             self._producer = producer_for(self._transport, bucket_bytes=self._bucket_bytes, slots=self._slots)
         producer = self._producer
@@ -144,7 +196,7 @@ class WeightPusher:
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
             try:
-                ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
+                ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
             finally:
                 chunk.release()  # after the ack (or the failure): the engines are done with it
                 window.release()
