@@ -107,6 +107,9 @@ class ReferenceEngine:
         self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
         self._rings = RingTable()  # ipc_ring slots opened once, kept for the engine's lifetime
         self._sink: WeightSink | None = None  # benchmark mode: loads land here instead of the model
+        # Benchmark mode: per-stage seconds of every load since the last begin_weight_update (/colocd/sink).
+        self._sink_loads: list[dict[str, float]] = []
+        self._last_stages: dict[str, float] = {}  # the last load's, written on the model thread
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -518,6 +521,7 @@ class ReferenceEngine:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             self._session_selector = selector
             self._session_id = session
+            self._sink_loads = []
             return True, "Success"
 
     async def end_weight_update(self) -> tuple[bool, str]:
@@ -540,6 +544,7 @@ class ReferenceEngine:
 
     async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorBody) -> tuple[bool, str]:
         """Load one chunk (entry 0: TP size 1); a bad chunk applies nothing and says why."""
+        entered = time.perf_counter()
         scheduler, memory, model = self._running()
         if self.settings.protocol != "legacy" and self._session_selector is None:
             return False, (
@@ -568,6 +573,7 @@ class ReferenceEngine:
                     f"chunk of weight-update session {body.colocd_session!r}, but the open session is "
                     f"{self._session_id!r}; nothing applied"
                 )
+            locked = time.perf_counter()
             async with scheduler.hold():
                 try:
                     names = await self._on_model_thread(self._load_entry, model, entries[0], body.load_format)
@@ -576,6 +582,9 @@ class ReferenceEngine:
                 except Exception as exc:
                     logger.exception("update_weights_from_tensor failed")
                     return False, f"Failed to update weights: internal error {type(exc).__name__}: {exc}"
+            if self._sink is not None and len(self._sink_loads) < 1 << 16:
+                self._sink_loads.append({"queue_s": locked - entered, **self._last_stages,
+                                         "handler_s": time.perf_counter() - entered})
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
                 self.weight_version = body.weight_version
@@ -592,11 +601,21 @@ class ReferenceEngine:
         return True, message
 
     def _load_entry(self, model: QwenLikeForCausalLM, entry: str, load_format: str | None) -> list[str]:
+        t0 = time.perf_counter()
+        self._rings.last_stages = {}
         with open_payload(entry, load_format, rings=self._rings, device=self.device) as named:
+            t1 = time.perf_counter()
             applied = (self._sink or model).load_weights(named)
+            t2 = time.perf_counter()
         if self.device.type == "cuda":
             # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
             torch.cuda.synchronize(self.device)
+        if self._sink is not None:
+            # Where a load's time goes: decode (base64 + JSON), open (IPC handles), views, checks, copy_launch
+            # (queueing the copies), sync (waiting for them to land, and closing the payload).
+            ring = self._rings.last_stages
+            self._last_stages = {"decode_s": t1 - t0 - sum(ring.values()), "open_s": 0.0, "views_s": 0.0, **ring,
+                                 **self._sink.last_load, "sync_s": time.perf_counter() - t2}
         return applied
 
     async def sink_checksums(self) -> dict[str, Any]:
@@ -606,12 +625,16 @@ class ReferenceEngine:
             raise EngineRefusal(404, "this engine has no weight sink (start it with --sink-shapes)")
         sink = self._sink
         async with self._control_lock:
+            t0 = time.perf_counter()
             checksums = await self._on_model_thread(sink.checksums)
+            checksum_s = time.perf_counter() - t0
         return {
             "model": sink.model,
             "nbytes": sink.nbytes,
             "checksums": checksums,
             "rings_opened": self._rings.opened,
+            "loads": self._sink_loads,  # per-stage seconds of each load of the last session, in load order
+            "checksum_s": checksum_s,  # verifying is this call, outside every load's timed window
         }
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
