@@ -219,6 +219,10 @@ class ChunkChannelServer:
             # Let submitted chunks finish, as an HTTP request whose client hung up does: the session
             # accounts for them. Cancelled only when the daemon stops (stop() cancels this task).
             if chunks:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    for task in chunks:  # the daemon is stopping: do not wait out engine loads
+                        task.cancel()
                 try:
                     await asyncio.gather(*chunks, return_exceptions=True)
                 except asyncio.CancelledError:
