@@ -124,7 +124,7 @@ class ChunkChannel:
                         waiter.set_result(body)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - every waiter learns why the channel ended
+        except Exception as exc:  # every waiter learns why the channel ended
             self._fail_waiting(exc)
 
     def _fail_waiting(self, exc: BaseException) -> None:

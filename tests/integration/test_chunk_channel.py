@@ -209,7 +209,7 @@ async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(t
         assert (await node.client.session(sid))["state"] == "open"  # a dropped connection alone changes nothing
 
         async with asyncio.timeout(DEADLINE_S):
-            while (await node.client.session(sid))["state"] == "open":
+            while (await node.client.session(sid))["state"] == "open":  # noqa: ASYNC110
                 await asyncio.sleep(0.1)  # polling cadence until the lease lapses
         session = await node.client.session(sid)
         assert session["state"] == "expired" and "idle limit" in session["error"]
