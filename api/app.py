@@ -19,6 +19,7 @@ from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
 from ..daemon.weights import SessionState
 from ..engines.base import RankPayload
+from .chunk_channel import ChunkChannelServer
 from .errors import ERROR_RESPONSES, install_error_handlers
 from .guard import RequestGuard
 from .schemas import (
@@ -85,8 +86,9 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        async with (daemon or Daemon(config, policies=policies)) as d:
-            yield {"daemon": d}
+        async with (daemon or Daemon(config, policies=policies)) as d, ChunkChannelServer(d, config) as channel:
+            # Stopped before the daemon (exit order): no chunk frame reaches a daemon that is closing.
+            yield {"daemon": d, "chunk_channel": channel.address}
 
     app = FastAPI(title="colocd", version=__version__, lifespan=lifespan,
                   description="Per-node daemon for colocated RL: phase transitions, memory handoff, weight sync. "
@@ -138,13 +140,14 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         return _reply(await d.resume(tuple(body.tags) if body.tags else None, body.engines))
 
     @app.post("/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES))
-    async def open_session(body: OpenSessionRequest, d: D) -> OpenSessionReply:
+    async def open_session(body: OpenSessionRequest, d: D, request: Request) -> OpenSessionReply:
         manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
         s = await d.open_weights(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
                                  manifest=manifest, partial=body.partial)
         return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version,
                                 partial=s.partial, idle_s=s.idle_s,
-                                manifest_tensors=None if s.manifest is None else len(s.manifest))
+                                manifest_tensors=None if s.manifest is None else len(s.manifest),
+                                chunk_channel=request.state.chunk_channel)
 
     @app.post("/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
     async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckReply:
@@ -165,8 +168,9 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
         return await d.abort_weights(session_id)
 
     @app.get("/v1/weights/sessions/{session_id}", responses=_errors(404))
-    async def session_status(session_id: str, d: D) -> dict[str, Any]:
-        return d.session_stats(session_id)
+    async def session_status(session_id: str, d: D, request: Request) -> dict[str, Any]:
+        """The session's progress; ``chunk_channel`` tells a rank that did not open it where to stream."""
+        return {**d.session_stats(session_id), "chunk_channel": request.state.chunk_channel}
 
     @app.get("/v1/weights/groups")
     async def weight_groups(d: D) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class AsyncColocdClient:
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
         base, transport = _transport(url)
+        self.token = token  # also the chunk channel's (colocd.trainer.channel)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=base, transport=transport, headers=headers,
                                        timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False)
@@ -139,6 +140,10 @@ class AsyncColocdClient:
         body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
                 "handle": chunk.handle}
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/chunks", body)
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        """A session's progress and state, and the node's ``chunk_channel`` address."""
+        return await self._call("GET", f"/v1/weights/sessions/{session_id}")
 
     async def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/commit", {"num_chunks": num_chunks})
@@ -226,6 +231,9 @@ class ColocdClient:
 
     def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
         return self.run(self._async.send_chunk(session_id, seq=seq, rank=rank, chunk=chunk))
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        return self.run(self._async.session(session_id))
 
     def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:
         return self.run(self._async.commit(session_id, num_chunks))

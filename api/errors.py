@@ -38,7 +38,8 @@ from ..daemon.errors import (
 from ..policies import PolicyError
 from .schemas import ErrorBody
 
-__all__ = ["ERROR_RESPONSES", "allowed_methods", "error_response", "install_error_handlers", "status_for"]
+__all__ = ["ERROR_RESPONSES", "allowed_methods", "error_body", "error_response", "install_error_handlers",
+           "status_for", "validation_body"]
 
 log = logging.getLogger("colocd.api")
 
@@ -118,6 +119,32 @@ def _body(exc: Exception) -> dict[str, object]:
     return body
 
 
+def error_body(exc: Exception) -> tuple[int, dict[str, object]]:
+    """The status and ``ErrorBody`` the HTTP API answers for one of the daemon's errors (the chunk channel too)."""
+    return status_for(exc), _body(exc)
+
+
+def validation_body(errors: list[Any]) -> tuple[int, dict[str, object]]:
+    """A pydantic error list as the API answers it: 400 for JSON that does not parse, else 422 naming each field."""
+    for err in errors:
+        if err.get("type") == "json_invalid":
+            # FastAPI puts the character's position last in loc; pydantic's own JSON parsing leaves loc empty
+            # and says where in ctx.error.
+            loc = tuple(err.get("loc") or ())
+            where = f"at character {loc[-1]}: " if len(loc) > 1 else ""
+            return 400, {"error": "BadRequest", "message": f"request body is not valid JSON ({where}"
+                         f"{(err.get('ctx') or {}).get('error') or err.get('msg')})"}
+    fields = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        fields.append({"field": loc, "message": str(err.get("msg") or err.get("type") or "invalid")})
+    message = "; ".join(f"{f['field']}: {f['message']}" for f in fields) or "ValidationError (HTTP 422)"
+    body: dict[str, object] = {"error": "ValidationError", "message": message, "fields": fields}
+    if fields:
+        body["field"] = fields[0]["field"]
+    return 422, body
+
+
 def allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
     """Every method some route serves at this path (Starlette's 405 names only the first route's)."""
     methods: set[str] = set()
@@ -140,17 +167,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        fields = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-            fields.append({"field": loc, "message": str(err.get("msg") or err.get("type") or "invalid")})
-        for err in exc.errors():
-            if err.get("type") == "json_invalid":
-                where = err.get("loc", ("body", "?"))[-1]
-                return error_response(400, "BadRequest", f"request body is not valid JSON (at character {where}: "
-                                      f"{err.get('ctx', {}).get('error') or err.get('msg')})")
-        return error_response(422, "ValidationError", "; ".join(f"{f['field']}: {f['message']}" for f in fields),
-                              field=fields[0]["field"] if fields else None, fields=fields)
+        status, body = validation_body(list(exc.errors()))
+        return JSONResponse(body, status_code=status)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)

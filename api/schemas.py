@@ -19,6 +19,7 @@ __all__ = [
     "MAX_STEP",
     "BroadcastRequest",
     "ChunkAckReply",
+    "ChunkChannelHello",
     "ChunkDescriptor",
     "CommitRequest",
     "ErrorBody",
@@ -167,6 +168,9 @@ class OpenSessionReply(BaseModel):
     partial: bool = False
     idle_s: float | None = Field(None, description="the session expires after this long without a chunk")
     manifest_tensors: int | None = Field(None, description="tensors declared in the manifest (null: none)")
+    chunk_channel: str | None = Field(
+        None, description="unix:/path of the framed chunk channel (api/chunk_channel.py): the same chunk calls "
+                          "at a tenth of HTTP's cost; null when the node has it off")
 
 
 class TensorEntry(_Strict):
@@ -194,6 +198,14 @@ class ChunkDescriptor(_Strict):
             raise ValueError(f"transport {self.transport.value!r} travels as {self.transport.wire.value!r}: "
                              "send that (the handle says the rest)")
         return self
+
+
+class ChunkChannelHello(_Strict):
+    """The first frame on a chunk-channel connection: which session and trainer rank it carries chunks for."""
+
+    session_id: str = Field(..., min_length=1, max_length=256)
+    rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = 0
+    token: str | None = Field(None, max_length=4096, description="the node's bearer token, when it sets one")
 
 
 class ChunkAckReply(BaseModel):

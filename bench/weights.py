@@ -6,9 +6,17 @@
 Three processes: this one is the trainer; it makes the checkpoint's tensors (HF names and shapes,
 random bf16) on the device, starts a reference engine that holds destination tensors of the same
 shapes (``--sink-shapes``) and a real ``colocd serve`` daemon, then pushes the weights through
-the daemon's HTTP API once per variant and repetition. Every variant is verified: the engine's
-device checksums of what it received equal the trainer's, on fresh random data per variant. The
-floor is measured in the same run: one device-to-device copy of the same bytes, in this process.
+the daemon once per variant and repetition: chunk descriptors over HTTP, or over the daemon's chunk
+channel (``name+chan``: one Unix-socket connection per stream, ``api/chunk_channel.py``). Every variant
+is verified: the engine's device checksums of what it received equal the trainer's, on fresh random
+data per variant. The floor is measured in the same run: one device-to-device copy of the same bytes,
+in this process; so are the copy kernels the engine may use (``copy_`` per tensor, one
+``_foreach_copy_``, and ``copy_tensors``, the mix both ends use).
+
+Per chunk, in the same run: the trainer ↔ daemon control cost (round trip - the daemon's wait on
+the engine), the daemon → engine hop (the daemon's wait - the engine's time inside its handler: the
+engine's own HTTP call, which colocd does not own for SGLang), and the engine's load split into
+stages (queue, decode, open, views, checks, copy_launch, sync; from the sink's ``/colocd/sink``).
 """
 
 from __future__ import annotations
@@ -30,13 +38,18 @@ import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..api.procs import DaemonProcess
+from ..engines.chunks import copy_tensors
 from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
 from ..trainer.push import WeightPusher
 from .records import write_record
 
-__all__ = ["VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
+__all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
+
+# The engine's load stages, in order (engines/reference/engine.py _load_entry; seconds per load).
+STAGES = ("queue_s", "decode_s", "open_s", "views_s", "checks_s", "copy_launch_s", "sync_s")
+CHANNEL_SUFFIX = "+chan"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +62,7 @@ class Variant:
     bucket_mb: float  # math.inf: the whole checkpoint in one message
     slots: int | None = None
     cuda_only: bool = False
+    channel: str = "http"  # how chunk descriptors reach the daemon: "http" or "channel" (name+chan)
 
 
 # name -> (producer on CUDA, producer on CPU or None, depth, ring slots, one message for everything)
@@ -65,15 +79,18 @@ DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3", "ipc_ring", 
 
 
 def parse_variant(spec: str, device: str, bucket_mb: float) -> Variant:
-    """``name``, ``name@MB`` (a chunk size for this variant only) or ``name@all`` (one chunk)."""
-    name, _, size = spec.partition("@")
+    """``name``, ``name@MB`` (a chunk size for this variant only) or ``name@all`` (one chunk), each optionally
+    with ``+chan`` (chunk descriptors over the daemon's chunk channel instead of HTTP)."""
+    base = spec.removesuffix(CHANNEL_SUFFIX)
+    channel = "channel" if base != spec else "http"
+    name, _, size = base.partition("@")
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
     on_cuda, on_cpu, depth, slots, whole = VARIANTS[name]
     cuda = torch.device(device).type == "cuda"
     transport = on_cuda if cuda else on_cpu
     mb = math.inf if whole or size == "all" else float(size or bucket_mb)
-    return Variant(spec, transport or on_cuda, depth, mb, slots, cuda_only=transport is None)
+    return Variant(spec, transport or on_cuda, depth, mb, slots, cuda_only=transport is None, channel=channel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +115,7 @@ class VariantResult:
     transport: str
     depth: int
     bucket_mb: float | None
+    channel: str = "http"
     chunks: int = 0
     stream_s: list[float] = field(default_factory=list)  # first export → last ack
     wall_s: list[float] = field(default_factory=list)  # open session → commit reply
@@ -106,6 +124,11 @@ class VariantResult:
     control_ms_per_chunk: float = 0.0  # median (round trip - engines' load) of the best run's chunks
     engine_ms_per_chunk: float = 0.0  # median time the daemon waited on the engine per chunk
     export_ms_per_chunk: float = 0.0  # median flatten / export time in the trainer
+    # Mean per chunk of the best push: the daemon's wait on the engine minus the engine's time in its handler.
+    hop_ms_per_chunk: float = 0.0
+    handler_ms_per_chunk: float = 0.0  # mean time inside the engine's update_weights_from_tensor
+    stages_ms: dict[str, float] = field(default_factory=dict)  # the best push's engine stages, summed, ms
+    checksum_ms: float = 0.0  # the engine's verification of the best push (outside every timed window)
     verified: bool | None = None
     skipped: str | None = None
     rings_opened: int | None = None  # handles the engine had opened after this variant
@@ -140,9 +163,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_floor(named: Sequence[tuple[str, torch.Tensor]], device: torch.device, repeats: int) -> float:
-    """Best time of one copy of every tensor into a separate destination, in this process."""
-    dst = [torch.empty_like(t) for _, t in named]
+def _per_tensor_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s)
+
+
+# The copy kernels an engine may use for one chunk; "copy_" per tensor is the floor's.
+COPY_KERNELS = {
+    "copy_": _per_tensor_copy,
+    "_foreach_copy_": lambda dsts, srcs: torch._foreach_copy_(list(dsts), list(srcs)),
+    "copy_tensors": copy_tensors,
+}
+
+
+def _time_copies(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], device: torch.device, repeats: int,
+                 kernel: Any) -> float:
     times = []
     for i in range(repeats + 1):  # the first is a warm-up
         _sync(device)
@@ -150,24 +185,41 @@ def measure_floor(named: Sequence[tuple[str, torch.Tensor]], device: torch.devic
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
-            for d, (_, s) in zip(dst, named, strict=True):
-                d.copy_(s)
+            kernel(dst, src)
             end.record()
             end.synchronize()
             elapsed = float(start.elapsed_time(end)) / 1e3
         else:
             t0 = time.perf_counter()
-            for d, (_, s) in zip(dst, named, strict=True):
-                d.copy_(s)
+            kernel(dst, src)
             elapsed = time.perf_counter() - t0
         if i:
             times.append(elapsed)
-    if device_checksum(dst) != device_checksum(s for _, s in named):
-        raise RuntimeError("floor copy produced different bytes")
+    return min(times)
+
+
+def measure_floor(named: Sequence[tuple[str, torch.Tensor]], device: torch.device, repeats: int) -> float:
+    """Best time of one copy of every tensor into a separate destination, in this process (one ``copy_`` each)."""
+    return measure_copy_kernels(named, device, repeats, only=("copy_",))["copy_"]
+
+
+def measure_copy_kernels(named: Sequence[tuple[str, torch.Tensor]], device: torch.device, repeats: int,
+                         only: Sequence[str] = tuple(COPY_KERNELS)) -> dict[str, float]:
+    """Best time of each of ``COPY_KERNELS`` moving every tensor into a separate destination, each verified."""
+    src = [t for _, t in named]
+    dst = [torch.empty_like(t) for t in src]
+    expected = device_checksum(src)
+    kernels: dict[str, float] = {}
+    for name in only:
+        for d in dst:
+            d.zero_()
+        kernels[name] = _time_copies(dst, src, device, repeats, COPY_KERNELS[name])
+        if device_checksum(dst) != expected:
+            raise RuntimeError(f"copy kernel {name} produced different bytes")
     del dst
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return min(times)
+    return kernels
 
 
 async def _push_once(
@@ -179,10 +231,11 @@ async def _push_once(
 ) -> tuple[float, float, float, float, int]:
     """(open, stream, commit, wall) seconds and the chunk count of one full session."""
     t0 = time.perf_counter()
-    sid = (await client.open_session(version, ranks=1, depth=depth))["session_id"]
+    reply = await client.open_session(version, ranks=1, depth=depth)
+    sid = reply["session_id"]
     t1 = time.perf_counter()
     try:
-        chunks, _ = await pusher.stream(sid, named)
+        chunks, _ = await pusher.stream(sid, named, chunk_channel=reply.get("chunk_channel"))
         t2 = time.perf_counter()
         await client.commit(sid, chunks)
     except BaseException:
@@ -209,11 +262,13 @@ async def _run_variant(
         variant.transport,
         variant.depth,
         None if math.isinf(variant.bucket_mb) else variant.bucket_mb,
+        variant.channel,
     )
     if variant.cuda_only and torch.device(settings.device).type != "cuda":
         result.skipped = "needs CUDA"
         return result
     best_log: list[Any] = []
+    best_loads: list[dict[str, float]] = []
     verified = True
     async with WeightPusher(
         client,
@@ -221,6 +276,7 @@ async def _run_variant(
         bucket_mb=min(variant.bucket_mb, 1 << 30),
         depth=variant.depth,
         slots=variant.slots,
+        channel=variant.channel,
     ) as pusher:
         for i in range(settings.warmup + settings.repeats):
             # Fresh values before every push, checked after it: no repetition can pass on the bytes
@@ -229,6 +285,8 @@ async def _run_variant(
             open_s, stream_s, commit_s, wall_s, chunks = await _push_once(
                 client, pusher, named, f"{variant.name}-{i}", variant.depth
             )
+            if pusher.last_path != variant.channel:
+                raise RuntimeError(f"{variant.name}: chunks went over {pusher.last_path}, not {variant.channel}")
             sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
             verified &= [sink["checksums"][name] for name, _ in named] == expected
             total = settings.warmup + settings.repeats
@@ -241,6 +299,7 @@ async def _run_variant(
                 continue
             if not result.stream_s or stream_s < min(result.stream_s):
                 best_log, result.open_s, result.commit_s = list(pusher.chunk_log), open_s, commit_s
+                best_loads, result.checksum_ms = list(sink["loads"]), 1e3 * float(sink["checksum_s"])
             result.stream_s.append(stream_s)
             result.wall_s.append(wall_s)
             result.chunks = chunks
@@ -249,27 +308,54 @@ async def _run_variant(
         result.control_ms_per_chunk = 1e3 * statistics.median(c.round_trip_s - c.load_s for c in best_log)
         result.engine_ms_per_chunk = 1e3 * statistics.median(c.load_s for c in best_log)
         result.export_ms_per_chunk = 1e3 * statistics.median(c.export_s for c in best_log)
+    if best_loads:
+        result.handler_ms_per_chunk = 1e3 * statistics.fmean(x["handler_s"] for x in best_loads)
+        if len(best_loads) == len(best_log):  # one engine, one load per chunk
+            result.hop_ms_per_chunk = 1e3 * statistics.fmean(c.load_s for c in best_log) - result.handler_ms_per_chunk
+        result.stages_ms = {k.removesuffix("_s"): 1e3 * sum(x.get(k, 0.0) for x in best_loads) for k in STAGES}
+        result.stages_ms["handler"] = 1e3 * sum(x["handler_s"] for x in best_loads)
+        # The rest of the handler: hopping onto the engine's model thread and back, its scheduler hold.
+        result.stages_ms["other"] = result.stages_ms["handler"] - sum(
+            v for k, v in result.stages_ms.items() if k != "handler")
     return result
 
 
 def _table(results: list[dict[str, Any]], floor_s: float, nbytes: int) -> str:
     head = (
-        f"{'variant':<14}{'transport':<11}{'depth':>5}{'chunk MiB':>10}{'chunks':>7}{'stream ms':>10}"
-        f"{'GB/s':>8}{'x floor':>8}{'wall ms':>9}{'wall x':>7}{'ctl ms/chunk':>13}{'engine ms':>10}  ok"
+        f"{'variant':<20}{'transport':<11}{'depth':>5}{'chunk MiB':>10}{'chunks':>7}{'stream ms':>10}"
+        f"{'GB/s':>8}{'x floor':>8}{'wall ms':>9}{'wall x':>7}{'ctl ms/chunk':>13}{'engine ms':>10}"
+        f"{'hop ms':>8}  ok"
     )
     floor = f"{floor_s * 1e3:.2f} ms ({nbytes / floor_s / 1e9:.0f} GB/s)"
     lines = [f"floor: one device-to-device copy of {nbytes / 1e9:.2f} GB in one process: {floor}", head]
     for r in results:
         if r["skipped"]:
-            lines.append(f"{r['name']:<14}{r['transport']:<11}  skipped: {r['skipped']}")
+            lines.append(f"{r['name']:<20}{r['transport']:<11}  skipped: {r['skipped']}")
             continue
         bucket = "all" if r["bucket_mb"] is None else f"{r['bucket_mb']:g}"
         lines.append(
-            f"{r['name']:<14}{r['transport']:<11}{r['depth']:>5}{bucket:>10}{r['chunks']:>7}"
+            f"{r['name']:<20}{r['transport']:<11}{r['depth']:>5}{bucket:>10}{r['chunks']:>7}"
             f"{r['best_stream_s'] * 1e3:>10.2f}{r['gb_per_s']:>8.1f}{r['x_floor']:>8.2f}"
-            f"{r['best_wall_s'] * 1e3:>9.2f}{r['wall_x_floor']:>7.2f}{r['control_ms_per_chunk']:>13.2f}"
-            f"{r['engine_ms_per_chunk']:>10.2f}  {'yes' if r['verified'] else 'NO'}"
+            f"{r['best_wall_s'] * 1e3:>9.2f}{r['wall_x_floor']:>7.2f}{r['control_ms_per_chunk']:>13.3f}"
+            f"{r['engine_ms_per_chunk']:>10.2f}{r['hop_ms_per_chunk']:>8.2f}  {'yes' if r['verified'] else 'NO'}"
         )
+    lines.append("ctl: median per chunk of (trainer round trip - daemon's wait on the engine), trainer <-> daemon; "
+                 "engine: median daemon wait; hop: mean (daemon wait - engine handler), the engine's HTTP call")
+    return "\n".join(lines)
+
+
+def _stage_table(results: list[dict[str, Any]], kernels: dict[str, float], nbytes: int) -> str:
+    """Where the engine's time goes in the best push of each variant (ms, summed over its chunks)."""
+    names = [k.removesuffix("_s") for k in STAGES] + ["other", "handler"]
+    lines = ["engine load stages, best push, ms summed over its chunks (checksum: verification, after the push):",
+             f"{'variant':<20}{'chunks':>7}" + "".join(f"{n:>12}" for n in names) + f"{'checksum':>10}"]
+    for r in results:
+        if r["skipped"] or not r["stages_ms"]:
+            continue
+        lines.append(f"{r['name']:<20}{r['chunks']:>7}" + "".join(f"{r['stages_ms'].get(n, 0.0):>12.2f}" for n in names)
+                     + f"{r['checksum_ms']:>10.1f}")
+    lines.append("copy kernels in one process, same bytes: " + ", ".join(
+        f"{k} {v * 1e3:.2f} ms ({nbytes / v / 1e9:.0f} GB/s)" for k, v in kernels.items()))
     return "\n".join(lines)
 
 
@@ -281,6 +367,15 @@ def _targets(results: list[dict[str, Any]]) -> dict[str, Any]:
         out["best_variant"] = best["name"]
         out["best_x_floor"] = best["x_floor"]
         out["best_wall_x_floor"] = min(r["wall_x_floor"] for r in ran.values())
+        at_default = [r for r in ran.values() if r["bucket_mb"] == 512]
+        if at_default:  # issue 12 item 6: at 512 MiB chunks the best variant <= 4x the floor
+            best512 = min(at_default, key=lambda r: r["best_stream_s"])
+            out["best_at_512_mib"] = best512["name"]
+            out["best_at_512_mib_x_floor"] = best512["x_floor"]
+        for path in ("http", "channel"):  # item 6: trainer <-> daemon control per chunk <= 0.5 ms median
+            ctl = [r["control_ms_per_chunk"] for r in ran.values() if r["channel"] == path]
+            if ctl:
+                out[f"control_ms_per_chunk_{path}"] = statistics.median(ctl)
     overlaps = [ran[n]["best_stream_s"] for n in ("overlap2", "overlap3") if n in ran]
     if "serial" in ran and overlaps:
         out["overlap_speedup_vs_serial"] = ran["serial"]["best_stream_s"] / min(overlaps)
@@ -298,7 +393,8 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
     named = _make_tensors(settings.model, device)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     _refill(named, settings.seed)
-    floor_s = measure_floor(named, device, max(settings.repeats, 5))
+    kernels = measure_copy_kernels(named, device, max(settings.repeats, 5))
+    floor_s = kernels["copy_"]
     print(
         f"colocd bench weights: {settings.model} ({len(named)} tensors, {nbytes / 1e9:.2f} GB) "
         f"on {device}; floor {floor_s * 1e3:.2f} ms",
@@ -353,11 +449,13 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         "settings": asdict(settings),
         "floor_s": floor_s,
         "floor_gb_per_s": nbytes / floor_s / 1e9,
+        "copy_kernels_s": kernels,
         "variants": summaries,
         "targets": _targets(summaries),
         "date": time.strftime("%Y-%m-%d"),
     }
     print(_table(summaries, floor_s, nbytes), flush=True)
+    print(_stage_table(summaries, kernels, nbytes), flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
     if settings.out:
         write_record(Path(settings.out), record)

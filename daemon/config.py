@@ -29,6 +29,10 @@ class ListenConfig(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 lets the OS choose")
     uds: str | None = Field(None, description="listen on this Unix socket (mode 0600) instead of TCP")
     ready_file: str | None = Field(None, description="write {url, pid} here once listening")
+    chunk_channel: str | None = Field(
+        None, description="Unix socket (mode 0600) of the framed chunk channel beside the HTTP API: a cheaper "
+                          "transport of weight-chunk descriptors. Default: '<uds>.chunks' beside the HTTP socket, "
+                          "else a private temporary directory; 'off' disables it")
 
 
 class Limits(BaseModel):

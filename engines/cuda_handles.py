@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,9 @@ class RingTable:
         self.max_layouts = max_layouts
         self._rings: OrderedDict[str, _OpenRing] = OrderedDict()
         self.opened = 0  # handles opened so far (each costs a cudaIpcOpenMemHandle)
+        # The last named_tensors call: seconds opening (or re-checking) announced handles, and building or
+        # looking up the views (the engine's per-stage breakdown of a load).
+        self.last_stages: dict[str, float] = {}
 
     def named_tensors(self, descriptor: dict[str, Any], device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """Views of a chunk's tensors in the ring's slots, opening the handles it announces; no copy.
@@ -140,8 +144,10 @@ class RingTable:
         if not isinstance(ring_id, str) or not ring_id:
             raise ValueError("ipc_ring descriptor needs a 'ring' id")
         ring = self._ring(ring_id)
+        t0 = time.perf_counter()
         for key, handle in dict(descriptor.get("open") or {}).items():
             self._open(ring_id, ring, int(key), handle, device)
+        t1 = time.perf_counter()
         layout = descriptor.get("layout")
         if not isinstance(layout, list):
             raise ValueError("ipc_ring descriptor needs a 'layout' list")
@@ -151,6 +157,7 @@ class RingTable:
             named = ring.views[key] = self._views(ring_id, ring, descriptor.get("slot"), layout)
             while len(ring.views) > self.max_layouts:
                 ring.views.popitem(last=False)
+        self.last_stages = {"open_s": t1 - t0, "views_s": time.perf_counter() - t1}
         return list(named)
 
     def _views(

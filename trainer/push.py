@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 import httpx
@@ -22,11 +24,21 @@ import torch
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import dtype_name, plan_buckets
 from ..policies import Transport
+from .channel import ChannelClosed, ChunkChannel
 from .exported import ExportedChunk, Producer
 from .producer import PRODUCERS, producer_for
 
-__all__ = ["DEFAULT_BUCKET_MB", "DEFAULT_DEPTH", "ChunkRecord", "PushReport", "WeightPusher", "auto_bucket_bytes",
-           "auto_transport", "manifest_of"]
+__all__ = [
+    "CHANNEL_CHOICES",
+    "DEFAULT_BUCKET_MB",
+    "DEFAULT_DEPTH",
+    "ChunkRecord",
+    "PushReport",
+    "WeightPusher",
+    "auto_bucket_bytes",
+    "auto_transport",
+    "manifest_of",
+]
 
 # The `tuned` preset of `colocd bench switch` (docs/benchmarks.md), as the daemon's default policy has it:
 # 3 chunks in flight of up to 2 GiB, fresh CUDA-IPC buckets on GPU (the fastest measured that keeps no
@@ -62,6 +74,12 @@ def _staging_free_bytes(transport: str, device: torch.device) -> int | None:
     except (OSError, RuntimeError):  # no /dev/shm, or the CUDA query failed: nothing to bound by
         return None
     return None  # zero_copy stages nothing; disk is bounded by the filesystem, not checked here
+
+log = logging.getLogger("colocd.trainer")
+
+# auto: the chunk channel when the daemon advertises one and this process can reach it, else HTTP;
+# channel: the chunk channel or an error; http: always POST /v1/weights/sessions/{id}/chunks.
+CHANNEL_CHOICES = ("auto", "channel", "http")
 
 
 def manifest_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
@@ -104,15 +122,23 @@ class WeightPusher:
     Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a
     ``torch.distributed`` broadcast); every rank calls ``stream(session_id, its_tensors)`` with its own
     ``rank``; rank 0 commits once all have returned.
+
+    ``channel`` picks how chunk descriptors travel (``CHANNEL_CHOICES``): by default over the daemon's
+    chunk channel (one Unix-socket connection per stream, ``colocd.trainer.channel``) when the session
+    advertises one, else over HTTP. Both are the same calls with the same acks and errors.
     """
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
                  bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
-                 slots: int | None = None) -> None:
+                 slots: int | None = None, channel: str = "auto") -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         if transport != "auto" and transport not in PRODUCERS:
             raise ValueError(f"unknown transport {transport!r}; known: auto, {', '.join(PRODUCERS)}")
+        if channel not in CHANNEL_CHOICES:
+            raise ValueError(f"channel must be one of {CHANNEL_CHOICES}, got {channel!r}")
+        self._channel = channel
+        self.last_path: str | None = None  # how the last stream's chunks travelled: "channel" or "http"
         self._client = client
         self._transport = transport
         # None: DEFAULT_BUCKET_MB, shrunk to what is free where the buckets are staged when the first
@@ -155,7 +181,7 @@ class WeightPusher:
                                                   manifest=manifest_of(named), partial=partial)
         sid = session["session_id"]
         try:
-            chunks, nbytes = await self.stream(sid, named)
+            chunks, nbytes = await self.stream(sid, named, chunk_channel=session.get("chunk_channel"))
             commit = await self._client.commit(sid, chunks)
         except BaseException:
             try:
@@ -184,9 +210,44 @@ class WeightPusher:
                 (await export).release()
             raise
 
-    async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-        """Send this rank's part of every chunk of an open session; returns (chunks, bytes)."""
-        named = list(named)
+    async def _open_channel(self, session_id: str, address: str | EllipsisType | None) -> ChunkChannel | None:
+        """The chunk channel for this stream, or None for HTTP (``channel``'s rule)."""
+        if self._channel == "http":
+            return None
+        if address is ...:
+            # A rank that did not open the session asks where the daemon's channel is (one read).
+            address = (await self._client.session(session_id)).get("chunk_channel")
+        if address is None:
+            if self._channel == "channel":
+                raise ChannelClosed("the daemon advertises no chunk channel (listen.chunk_channel is off)")
+            return None
+        try:
+            return await ChunkChannel.connect(address, session_id=session_id, rank=self._rank,
+                                              token=self._client.token)
+        except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
+            if self._channel == "channel":
+                raise
+            # e.g. the daemon is reached over TCP from another mount namespace: same calls over HTTP.
+            log.warning("chunk channel %s unreachable (%s); sending chunks over HTTP", address, exc)
+            return None
+
+    async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
+                     chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
+        """Send this rank's part of every chunk of an open session; returns (chunks, bytes).
+
+        ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
+        the daemon is asked."""
+        channel = await self._open_channel(session_id, chunk_channel)
+        self.last_path = "http" if channel is None else "channel"
+        try:
+            return await self._stream(session_id, named, channel or self._client)
+        finally:
+            if channel is not None:
+                await channel.aclose()
+
+    async def _stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]],
+                      sender: AsyncColocdClient | ChunkChannel) -> tuple[int, int]:
+        named = list(named)  # read twice: the producer's shape, then the buckets
         if self._producer is None:
             # Chosen with the producer and kept with it: a ring's slots are sized by the first stream.
             self._shape = self._shape_for(named)
@@ -202,7 +263,7 @@ class WeightPusher:
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
             try:
-                ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
+                ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
             finally:
                 chunk.release()  # after the ack (or the failure): the engines are done with it
                 window.release()

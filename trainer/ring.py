@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..engines.chunks import ChunkLayout, TensorSpec, dtype_from_name, dtype_name
+from ..engines.chunks import ChunkLayout, TensorSpec, copy_tensors, dtype_from_name, dtype_name
 from ..engines.cuda_handles import device_uuid, export_cuda_handle
 from ..policies import Transport
 from .exported import ExportedChunk
@@ -110,8 +110,8 @@ class IpcRingProducer:
         try:
             plan = self._slot_plan(slot, layout)
             with torch.no_grad():
-                # One call per chunk: per-tensor copy_ dispatch would cost more than the copies.
-                torch._foreach_copy_(plan.views, [t for _, t in named])
+                # Small tensors in one launch, large ones at memcpy bandwidth (engines.chunks.copy_tensors).
+                copy_tensors(plan.views, [t for _, t in named])
         except BaseException:
             self._free.append(slot)
             raise

@@ -114,6 +114,9 @@ class ReferenceEngine:
         self._snapshot: list[dict[str, torch.Tensor]] | None = None  # one per TP rank
         self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
         self._sink: WeightSink | None = None  # benchmark mode (rank 0's): loads land here instead of the model
+        # Benchmark mode: per-stage seconds of every load since the last begin_weight_update (/colocd/sink).
+        self._sink_loads: list[dict[str, float]] = []
+        self._last_stages: dict[str, float] = {}  # the last load's, written on the model thread
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -560,6 +563,7 @@ class ReferenceEngine:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             self._session_selector = selector
             self._session_id = session
+            self._sink_loads = []
             return True, "Success"
 
     async def end_weight_update(self) -> tuple[bool, str]:
@@ -582,6 +586,7 @@ class ReferenceEngine:
 
     async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorBody) -> tuple[bool, str]:
         """Load one chunk, TP rank r from entry r; a bad chunk applies nothing on any rank and says why."""
+        entered = time.perf_counter()
         scheduler, memory, _ = self._running()
         if self.settings.protocol != "legacy" and self._session_selector is None:
             return False, (
@@ -610,6 +615,7 @@ class ReferenceEngine:
                     f"chunk of weight-update session {body.colocd_session!r}, but the open session is "
                     f"{self._session_id!r}; nothing applied"
                 )
+            locked = time.perf_counter()
             async with scheduler.hold():
                 try:
                     names = await self._on_model_thread(self._load_entries, entries, body.load_format)
@@ -618,6 +624,9 @@ class ReferenceEngine:
                 except Exception as exc:
                     logger.exception("update_weights_from_tensor failed")
                     return False, f"Failed to update weights: internal error {type(exc).__name__}: {exc}"
+            if self._sink is not None and len(self._sink_loads) < 1 << 16:
+                self._sink_loads.append({"queue_s": locked - entered, **self._last_stages,
+                                         "handler_s": time.perf_counter() - entered})
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
                 self.weight_version = body.weight_version
@@ -634,6 +643,9 @@ class ReferenceEngine:
         return True, message
 
     def _load_entries(self, entries: Sequence[str], load_format: str | None) -> list[str]:
+        t0 = time.perf_counter()
+        for rank in self._ranks:
+            rank.rings.last_stages = {}
         with contextlib.ExitStack() as stack:
             opened = [
                 stack.enter_context(
@@ -641,14 +653,22 @@ class ReferenceEngine:
                 )
                 for rank, entry in zip(self._ranks, entries, strict=True)
             ]
+            t1 = time.perf_counter()
             if len(opened) > 1 and (why := disagreement(opened)) is not None:
                 raise ValueError(why)  # before any rank applies anything: the ranks stay identical
             applied = [(rank.sink or rank.model).load_weights(named)
                        for rank, named in zip(self._ranks, opened, strict=True)]
+            t2 = time.perf_counter()
         for rank in self._ranks:
             if rank.device.type == "cuda":
                 # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
                 torch.cuda.synchronize(rank.device)
+        if self._sink is not None:
+            # Where a load's time goes (rank 0's ring and sink): decode (base64 + JSON), open (IPC handles),
+            # views, checks, copy_launch (queueing the copies), sync (waiting for them, closing the payload).
+            ring = self._ranks[0].rings.last_stages
+            self._last_stages = {"decode_s": t1 - t0 - sum(ring.values()), "open_s": 0.0, "views_s": 0.0, **ring,
+                                 **self._sink.last_load, "sync_s": time.perf_counter() - t2}
         return applied[0]
 
     async def sink_checksums(self) -> dict[str, Any]:
@@ -659,7 +679,9 @@ class ReferenceEngine:
             raise EngineRefusal(404, "this engine has no weight sink (start it with --sink-shapes)")
         sink = self._sink
         async with self._control_lock:
+            t0 = time.perf_counter()
             per_rank = await self._on_model_thread(lambda: [r.sink.checksums() for r in self._ranks if r.sink])
+            checksum_s = time.perf_counter() - t0
         return {
             "model": sink.model,
             "nbytes": sink.nbytes,
@@ -667,6 +689,8 @@ class ReferenceEngine:
             "rings_opened": self._ranks[0].rings.opened,
             "ranks": [{**r.describe(), "checksums": c, "rings_opened": r.rings.opened}
                       for r, c in zip(self._ranks, per_rank, strict=True)],
+            "loads": self._sink_loads,  # per-stage seconds of each load of the last session, in load order
+            "checksum_s": checksum_s,  # verifying is this call, outside every load's timed window
         }
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:

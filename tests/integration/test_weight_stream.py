@@ -375,7 +375,7 @@ async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any)
         BenchSettings(
             model="tiny",
             device="cpu",
-            variants=("serial", "overlap2", "ipc_ring"),
+            variants=("serial", "overlap2", "overlap2+chan", "ipc_ring"),
             bucket_mb=1,
             repeats=1,
             warmup=0,
@@ -383,7 +383,14 @@ async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any)
         )
     )
     ran = {v["name"]: v for v in record["variants"]}
-    assert ran["serial"]["verified"] and ran["overlap2"]["verified"]
+    assert ran["serial"]["verified"] and ran["overlap2"]["verified"] and ran["overlap2+chan"]["verified"]
+    assert (ran["overlap2"]["channel"], ran["overlap2+chan"]["channel"]) == ("http", "channel")
     assert ran["ipc_ring"]["skipped"] == "needs CUDA"
+    # Measured in the same run: control per chunk on both paths, the engine hop, the engine's load stages.
+    assert {"control_ms_per_chunk_http", "control_ms_per_chunk_channel"} <= set(record["targets"])
+    stages = ran["overlap2+chan"]["stages_ms"]
+    assert {"queue", "decode", "checks", "copy_launch", "sync", "handler"} <= set(stages) and stages["handler"] > 0
+    assert ran["overlap2+chan"]["handler_ms_per_chunk"] > 0 and ran["overlap2+chan"]["checksum_ms"] > 0
+    assert set(record["copy_kernels_s"]) == {"copy_", "_foreach_copy_", "copy_tensors"}
     assert ran["serial"]["chunks"] >= 5 and record["floor_s"] > 0
     assert out.exists() and "overlap_speedup_vs_serial" in record["targets"]

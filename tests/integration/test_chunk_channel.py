@@ -1,0 +1,240 @@
+"""The framed chunk channel (issue 12 item 6): the chunk calls of the HTTP API on one Unix-socket connection.
+
+A reference engine process and a ``colocd serve`` process per test. The channel must carry exactly the
+HTTP route's semantics: every chunk verified by the engine's checksum, caller mistakes answered with the
+same error bodies (plus ``status``) while the connection and the daemon keep serving, a wrong token
+refused, and a trainer that drops its connection mid-stream treated as one that went quiet (the
+session's lease expires it and unlinks its segments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from support import shm_segments
+
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.procs import DaemonProcess
+from colocd.engines.chunks import plan_buckets, tensor_checksum
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.channel import ChunkChannel
+from colocd.trainer.producer import producer_for
+from colocd.trainer.push import WeightPusher, manifest_of
+
+Named = list[tuple[str, torch.Tensor]]
+DEADLINE_S = 60
+TOKEN = "channel-secret"
+
+
+@dataclass
+class Node:
+    client: AsyncColocdClient
+    daemon: DaemonProcess
+    engine_url: str
+
+
+@asynccontextmanager
+async def _node(tmp_path: Any, *, token: str | None = TOKEN, listen: dict[str, Any] | None = None,
+                **config: Any) -> AsyncIterator[Node]:
+    """A reference engine and ``colocd serve`` over it, left in ``sync`` at step 1 (weights stale)."""
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as proc:
+        daemon_config = {"engines": [{"kind": "reference", "name": "ref0", "url": str(proc.url)}],
+                         "token": token, "listen": listen or {}, **config}
+        async with DaemonProcess(daemon_config, workdir=str(tmp_path)) as daemon, \
+                AsyncColocdClient(daemon.url, token=token) as client:
+            await client.wait_ready(DEADLINE_S)
+            await client.phase("train", 1)
+            await client.phase("sync", 1)
+            yield Node(client, daemon, str(proc.url))
+
+
+def _model(seed: int) -> Named:
+    return list(build_model(QwenLikeConfig(), seed=seed).named_parameters())
+
+
+async def _checksum(engine_url: str) -> str:
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        r = await http.post(f"{engine_url}/weights_checker", json={"action": "checksum"})
+        r.raise_for_status()
+        return str(r.json()["colocd_checksum"])
+
+
+class RawConnection:
+    """The channel as bytes on a socket: what a buggy or hostile trainer could send."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, address: str) -> RawConnection:
+        return cls(*await asyncio.open_unix_connection(address.removeprefix("unix:")))
+
+    async def send(self, frame: bytes | dict[str, Any]) -> dict[str, Any]:
+        """One frame out, one reply in."""
+        self.writer.write(frame if isinstance(frame, bytes) else json.dumps(frame).encode() + b"\n")
+        async with asyncio.timeout(DEADLINE_S):
+            line = await self.reader.readline()
+        assert line, "the daemon closed the connection instead of answering"
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    async def closed_by_daemon(self) -> bool:
+        async with asyncio.timeout(DEADLINE_S):
+            return await self.reader.read() == b""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def _open(node: Node, version: str, named: Named) -> dict[str, Any]:
+    return await node.client.open_session(version, step=1, ranks=1, depth=2, manifest=manifest_of(named))
+
+
+async def test_a_push_over_the_channel_lands_byte_identical_and_the_socket_is_private(tmp_path: Any) -> None:
+    async with _node(tmp_path) as node:
+        named = _model(seed=5)
+        pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
+        report = await pusher.push(named, version="over-channel", step=1)
+        assert pusher.last_path == "channel"
+        assert report.chunks >= 5 and len(pusher.chunk_log) == report.chunks
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+        assert 1 <= report.commit["max_in_flight"]["ref0"] <= 2
+
+        probe = await _open(node, "probe", named)
+        address = probe["chunk_channel"]
+        assert address.startswith("unix:")
+        assert stat.S_IMODE(os.stat(address.removeprefix("unix:")).st_mode) == 0o600
+        await node.client.abort(probe["session_id"])
+    assert not os.path.exists(address.removeprefix("unix:"))  # noqa: ASYNC240 (the daemon removed its socket)
+
+
+async def test_caller_mistakes_get_error_frames_naming_the_field_and_the_connection_keeps_serving(
+        tmp_path: Any) -> None:
+    async with _node(tmp_path, limits={"max_body_bytes": 64 * 1024}) as node:
+        named = _model(seed=6)
+        sid = (await _open(node, "mistakes", named))["session_id"]
+        address = (await node.client.session(sid))["chunk_channel"]
+        conn = await RawConnection.open(address)
+        greeting = await conn.send({"session_id": sid, "rank": 0, "token": TOKEN})
+        assert greeting["channel"] == "colocd-chunks/1" and greeting["max_frame_bytes"] == 64 * 1024
+
+        not_json = await conn.send(b"{this is not json\n")
+        assert (not_json["status"], not_json["error"]) == (400, "BadRequest")
+        wrong_type = await conn.send({"seq": "zero", "transport": "shm", "nbytes": 1, "handle": {}})
+        assert (wrong_type["status"], wrong_type["field"]) == (422, "seq") and "seq" not in wrong_type
+        unknown_key = await conn.send({"seq": 0, "transport": "shm", "nbytes": 1, "handle": {}, "extra": 1})
+        assert (unknown_key["status"], unknown_key["field"], unknown_key["seq"]) == (422, "extra", 0)
+        other_rank = await conn.send({"seq": 0, "rank": 1, "transport": "shm", "nbytes": 1, "handle": {}})
+        assert (other_rank["status"], other_rank["field"]) == (422, "rank")
+        # The same refusal HTTP gives for a handle that names no segment: 422 before any engine call.
+        missing = await conn.send({"seq": 0, "transport": "shm", "nbytes": 8,
+                                   "handle": {"shm_name": "colocd-0-missing", "nbytes": 8, "layout": []}})
+        with pytest.raises(ColocdHTTPError) as over_http:
+            await node.client._call("POST", f"/v1/weights/sessions/{sid}/chunks", {
+                "seq": 0, "transport": "shm", "nbytes": 8,
+                "handle": {"shm_name": "colocd-0-missing", "nbytes": 8, "layout": []}})
+        assert missing["status"] == over_http.value.status == 422
+        assert {k: v for k, v in missing.items() if k not in ("status", "seq")} == over_http.value.body
+
+        # After every mistake the same connection carries the real chunks, and the session commits.
+        producer = producer_for("shm")
+        buckets = list(plan_buckets(named, 20_000))
+        for seq, bucket in enumerate(buckets):
+            chunk = producer.export(bucket)
+            ack = await conn.send({"seq": seq, "transport": "shm", "nbytes": chunk.nbytes, "handle": chunk.handle})
+            assert (ack["seq"], ack["rank"], ack["engines"]) == (seq, 0, ["ref0"]) and ack["load_s"] > 0
+            chunk.release()
+        await node.client.commit(sid, len(buckets))
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+
+        # A frame over the limit cannot be framed any more: refused, then the connection closes.
+        too_big = await conn.send(b'{"seq": 99, "pad": "' + b"x" * 100_000 + b'"}\n')
+        assert (too_big["status"], too_big["error"]) == (413, "PayloadTooLarge")
+        assert await conn.closed_by_daemon()
+        conn.close()
+        assert (await node.client.status())["weight_session"]["state"] == "committed"  # still serving
+
+
+async def test_a_wrong_token_or_an_unknown_session_is_refused_at_hello(tmp_path: Any) -> None:
+    async with _node(tmp_path) as node:
+        named = _model(seed=7)
+        sid = (await _open(node, "hello", named))["session_id"]
+        address = (await node.client.session(sid))["chunk_channel"]
+        for hello, status, field in (
+            ({"session_id": sid, "rank": 0, "token": "wrong"}, 401, "token"),
+            ({"session_id": sid, "rank": 0}, 401, "token"),
+            ({"session_id": "no-such-session", "rank": 0, "token": TOKEN}, 404, None),
+            ({"session_id": sid, "rank": 3, "token": TOKEN}, 422, "rank"),
+            ({"session": sid, "token": TOKEN}, 422, "session_id"),
+        ):
+            conn = await RawConnection.open(address)
+            refused = await conn.send(hello)
+            assert (refused["status"], refused.get("field")) == (status, field), refused
+            assert await conn.closed_by_daemon()
+            conn.close()
+        with pytest.raises(ColocdHTTPError) as err:
+            await ChunkChannel.connect(address, session_id=sid, rank=0, token="wrong")
+        assert err.value.status == 401
+        # The session is untouched: the right token streams it.
+        await WeightPusher(node.client, bucket_mb=0.05, channel="channel").stream(sid, named)
+        await node.client.commit(sid)
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+
+
+async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(tmp_path: Any) -> None:
+    async with _node(tmp_path, timeouts={"session_idle_s": 1.5}) as node:
+        named = _model(seed=8)
+        sid = (await _open(node, "dropped", named))["session_id"]
+        address = (await node.client.session(sid))["chunk_channel"]
+        channel = await ChunkChannel.connect(address, session_id=sid, rank=0, token=TOKEN)
+        producer = producer_for("shm")
+        sent = [producer.export(bucket) for bucket in list(plan_buckets(named, 20_000))[:2]]
+        for seq, chunk in enumerate(sent):
+            await channel.send_chunk(sid, seq=seq, rank=0, chunk=chunk)
+        await channel.aclose()  # gone mid-stream, its segments left behind (never released)
+        segments = {c.handle["shm_name"] for c in sent}
+        assert segments <= shm_segments()
+        assert (await node.client.session(sid))["state"] == "open"  # a dropped connection alone changes nothing
+
+        async with asyncio.timeout(DEADLINE_S):
+            while (await node.client.session(sid))["state"] == "open":  # noqa: ASYNC110
+                await asyncio.sleep(0.1)  # polling cadence until the lease lapses
+        session = await node.client.session(sid)
+        assert session["state"] == "expired" and "idle limit" in session["error"]
+        assert not segments & shm_segments()  # the daemon unlinked the trainer's segments
+        with pytest.raises(ColocdHTTPError) as err:
+            await ChunkChannel.connect(address, session_id=sid, rank=0, token=TOKEN)
+        assert (err.value.status, err.value.body["session_state"]) == (410, "expired")
+
+        # The next push needs no manual call, over the channel again.
+        fresh = _model(seed=9)
+        pusher = WeightPusher(node.client, bucket_mb=0.05)
+        await pusher.push(fresh, version="after-drop", step=1)
+        assert pusher.last_path == "channel"
+        assert await _checksum(node.engine_url) == tensor_checksum(fresh)
+
+
+async def test_with_the_channel_off_the_pusher_uses_http_and_says_so(tmp_path: Any) -> None:
+    async with _node(tmp_path, token=None, listen={"chunk_channel": "off"}) as node:
+        named = _model(seed=10)
+        reply = await _open(node, "no-channel", named)
+        assert reply["chunk_channel"] is None
+        await node.client.abort(reply["session_id"])
+        pusher = WeightPusher(node.client, bucket_mb=0.05)
+        await pusher.push(named, version="over-http", step=1)
+        assert pusher.last_path == "http"
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+        with pytest.raises(ConnectionError):
+            await WeightPusher(node.client, bucket_mb=0.05, channel="channel").push(named, version="x", step=1)
