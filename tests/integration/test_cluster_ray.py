@@ -13,10 +13,12 @@ A node added between steps gets a daemon and is covered by the next step.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,6 +37,8 @@ from colocd.engines.chunks import tensor_checksum  # noqa: E402
 from colocd.engines.reference.model import QwenLikeConfig, build_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+REPO = Path(__file__).resolve().parents[2]
 
 SPEC = NodeSpec(
     engines=[{"kind": "reference", "name": "ref0", "launch": {"ready_timeout_s": 120}}],
@@ -203,3 +207,19 @@ async def test_a_node_added_between_steps_gets_a_daemon_and_the_next_step_covers
         want = tensor_checksum(model_for(world.step).named_parameters())
         sums = await checksums_by_node()
         assert set(sums) == before | set(joined) and set(sums.values()) == {want}
+
+
+async def test_the_deploy_ray_example_runs_its_rl_loop_on_the_cluster(world: World) -> None:
+    """deploy/ray/rl_loop.py's loop, two steps on this cluster (``python deploy/ray/rl_loop.py`` starts its own)."""
+    spec = importlib.util.spec_from_file_location("rl_loop", REPO / "deploy/ray/rl_loop.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = await example.run(steps=2)
+    assert [r["step"] for r in rows] == [world.step + 1, world.step + 2]
+    world.step += 2
+    assert all(r["nodes"] == len(world.trainers) for r in rows)
+    # The second step's batch was generated on the weights the first step synced, on every node.
+    assert rows[1]["versions_seen"] == [f"v{rows[0]['step']}"]
+    sums = await checksums_by_node()
+    assert len(set(sums.values())) == 1 and len(sums) == len(world.trainers)
