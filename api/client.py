@@ -43,6 +43,11 @@ class ColocdHTTPError(Exception):
         self.error = str(body.get("error", "Error"))
         super().__init__(f"HTTP {status} {self.error}: {body.get('message', body)}")
 
+    def __reduce__(self) -> tuple[type[ColocdHTTPError], tuple[int, dict[str, Any]]]:
+        # Pickled with its constructor's arguments, so it crosses processes intact (a Ray trainer actor
+        # raising it to the driver's cluster client keeps the daemon's error body).
+        return (type(self), (self.status, self.body))
+
 
 def _transport(url: str) -> tuple[str, httpx.AsyncHTTPTransport | None]:
     if url.startswith("unix:"):

@@ -14,8 +14,10 @@ import pkgutil
 import sys
 import traceback
 
-# module -> the one top-level package it may lack here (it is imported only inside that engine's process)
-ENGINE_ONLY = {"colocd.engines.vllm.transfer": "vllm"}
+# module -> the one top-level package it may lack here (it is imported only inside that engine's process,
+# or it belongs to an optional extra: colocd.cluster's Ray side is the ``colocd[ray]`` extra)
+ENGINE_ONLY = {"colocd.engines.vllm.transfer": "vllm",
+               **{f"colocd.cluster.{m}": "ray" for m in ("daemon_actor", "local", "registry", "trainer")}}
 
 
 def import_all() -> list[str]:

@@ -1,0 +1,139 @@
+"""Finding each node's daemon by Ray node id: a named actor per node, ``colocd-<node_id>`` in namespace ``colocd``.
+
+    daemons = NodeDaemons(spec)     # the driver holds them; they go with the job (detached=True: they stay)
+    daemons.ensure()                # start one on every alive node that has none (again after nodes join)
+    daemon_urls()                   # {node_id: url} for the cluster client
+    daemon_for_this_node()          # inside a trainer actor: this node's daemon (its url, engines)
+
+No registry actor of our own: Ray's named-actor table (in the GCS) is the registry, so it lives as
+long as the cluster and has no single actor to lose. Lookups by name cost one GCS round trip each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+__all__ = [
+    "NAMESPACE",
+    "actor_name",
+    "adaemon_for_this_node",
+    "alive_nodes",
+    "daemon_for_this_node",
+    "daemon_urls",
+    "NodeDaemons",
+    "ensure_daemons",
+    "find_daemon",
+    "list_daemons",
+    "stop_daemons",
+]
+
+NAMESPACE = "colocd"
+
+
+def actor_name(node_id: str) -> str:
+    return f"colocd-{node_id}"
+
+
+def alive_nodes() -> list[str]:
+    """Node ids of the cluster's alive nodes."""
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+def find_daemon(node_id: str) -> Any | None:
+    """The node's daemon actor handle, or None if it has none."""
+    try:
+        return ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
+    except ValueError:  # Ray's answer for "no actor of that name"
+        return None
+
+
+class NodeDaemons:
+    """The driver's hold on the node daemons it started: ``ensure()`` on every alive node, ``stop()`` at the end.
+
+    A job-scoped named actor is garbage-collected with its last handle, so whoever starts the daemons
+    keeps their handles: this object (a detached daemon outlives it and is found again by name).
+    """
+
+    def __init__(self, spec: Any, *, detached: bool = False) -> None:
+        self.spec = spec
+        self.detached = detached
+        self.handles: dict[str, Any] = {}
+
+    def ensure(self, nodes: list[str] | None = None, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
+        """Start a daemon on every alive node (or ``nodes``) that has none; returns their ``info()``.
+
+        Safe to call again after nodes joined: existing daemons are found, not restarted.
+        """
+        from .daemon_actor import create_node_daemon  # the actor module imports this one
+
+        targets = nodes if nodes is not None else alive_nodes()
+        for node in targets:  # get-or-create by name: a daemon started elsewhere is adopted
+            self.handles.setdefault(node, create_node_daemon(node, self.spec, detached=self.detached))
+        chosen = {n: self.handles[n] for n in targets}
+        # start() is idempotent: a running daemon answers at once with its info.
+        infos = ray.get([h.start.remote() for h in chosen.values()], timeout=timeout_s)
+        return dict(zip(chosen, infos, strict=True))
+
+    def urls(self) -> dict[str, str]:
+        return daemon_urls()
+
+    def stop(self, timeout_s: float = 60.0) -> list[str]:
+        """Stop every daemon held here and its engines, and remove the actors (detached ones too)."""
+        stopped = sorted(self.handles)
+        ray.get([h.cleanup.remote() for h in self.handles.values()], timeout=timeout_s)
+        for handle in self.handles.values():
+            ray.kill(handle)
+        self.handles.clear()
+        return stopped
+
+
+def ensure_daemons(spec: Any, *, detached: bool = True, nodes: list[str] | None = None,
+                   timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
+    """``NodeDaemons(spec, detached=True).ensure()``: daemons that stay up after this call (and the job).
+
+    For daemons that go with the job, keep a ``NodeDaemons(spec)`` instead (it holds their handles).
+    """
+    return NodeDaemons(spec, detached=detached).ensure(nodes, timeout_s)
+
+
+def list_daemons(timeout_s: float = 60.0) -> dict[str, dict[str, Any]]:
+    """``info()`` of the daemon on each alive node that has one."""
+    handles = {n: h for n in alive_nodes() if (h := find_daemon(n)) is not None}
+    infos = ray.get([h.info.remote() for h in handles.values()], timeout=timeout_s)
+    return dict(zip(handles, infos, strict=True))
+
+
+def daemon_urls(timeout_s: float = 60.0) -> dict[str, str]:
+    """``{node_id: daemon url}``: what ``ClusterClient`` takes."""
+    return {n: str(i["url"]) for n, i in list_daemons(timeout_s).items()}
+
+
+def daemon_for_this_node(timeout_s: float = 60.0) -> dict[str, Any]:
+    """This node's daemon ``info()`` (url, pid, engines), from inside any task or actor on the node."""
+    node_id = ray.get_runtime_context().get_node_id()
+    handle = find_daemon(node_id)
+    if handle is None:
+        raise LookupError(f"no colocd daemon on node {node_id}: start one with colocd.cluster.registry.NodeDaemons(spec).ensure()")
+    info: dict[str, Any] = ray.get(handle.info.remote(), timeout=timeout_s)
+    return info
+
+
+async def adaemon_for_this_node() -> dict[str, Any]:
+    """``daemon_for_this_node`` for async actors (awaits instead of blocking their event loop)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    handle = find_daemon(node_id)
+    if handle is None:
+        raise LookupError(f"no colocd daemon on node {node_id}: start one with colocd.cluster.registry.NodeDaemons(spec).ensure()")
+    info: dict[str, Any] = await handle.info.remote()
+    return info
+
+
+def stop_daemons(timeout_s: float = 60.0) -> list[str]:
+    """Stop every node's daemon and engines and remove the actors, found by name (detached ones too)."""
+    handles = {n: h for n in alive_nodes() if (h := find_daemon(n)) is not None}
+    ray.get([h.cleanup.remote() for h in handles.values()], timeout=timeout_s)
+    for handle in handles.values():
+        ray.kill(handle)
+    return sorted(handles)
