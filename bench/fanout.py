@@ -60,7 +60,8 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
-    return {"n": len(xs), "p50_ms": round(1e3 * statistics.median(xs), 3), "p99_ms": round(1e3 * _percentile(xs, 99), 3),
+    return {"n": len(xs), "p50_ms": round(1e3 * statistics.median(xs), 3),
+            "p99_ms": round(1e3 * _percentile(xs, 99), 3),
             "max_ms": round(1e3 * max(xs), 3), "mean_ms": round(1e3 * statistics.fmean(xs), 3)}
 
 
@@ -153,13 +154,14 @@ async def measure(node_counts: list[int], rounds: int) -> dict[str, Any]:
                 for _ in range(rounds):
                     step += 1
                     t0 = time.perf_counter()
-                    train = await _timed_cpu("train", lambda: cluster.phase("train", step), cpu)
-                    sync = await _timed_cpu("sync", lambda: cluster.phase("sync", step), cpu)
+                    train = await _timed_cpu("train", lambda step=step: cluster.phase("train", step), cpu)
+                    sync = await _timed_cpu("sync", lambda step=step: cluster.phase("sync", step), cpu)
                     pushes = await asyncio.gather(*(_push(u, step, model) for u in urls.values()))
                     check = await _timed_cpu("status", cluster.status, cpu)
                     t_roll = time.perf_counter()
                     # rollout(): a status fan-out (its cluster-wide check), then the phase: two requests per node
-                    rollout = await _timed_cpu("rollout", lambda: cluster.rollout(step, version=f"v{step}"), cpu)
+                    rollout = await _timed_cpu(
+                        "rollout", lambda step=step: cluster.rollout(step, version=f"v{step}"), cpu)
                     walls["train"].append(train.seconds)
                     walls["sync"].append(sync.seconds + max(p[0] for p in pushes))
                     walls["rollout"].append(time.perf_counter() - t_roll)

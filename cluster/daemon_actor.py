@@ -199,7 +199,7 @@ class NodeDaemon:
                   "listen": listen, "engines": engines}
         config_path = self.workdir / "colocd.yaml"
         config_path.write_text(yaml.safe_dump(config))
-        with open(self._daemon_log, "ab") as log_file:
+        with open(self._daemon_log, "ab") as log_file:  # noqa: ASYNC230 (opening a log for the child)
             self._daemon = await asyncio.create_subprocess_exec(
                 *tether_prefix(), sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(config_path),
                 "--log-level", "warning", stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,

@@ -19,8 +19,8 @@ from typing import Any
 # Read by ray at import (ray._private.ray_constants): with it off, ray resolves "this node" to loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-import ray  # noqa: E402 - after the variable above
-from ray.cluster_utils import Cluster  # noqa: E402
+import ray
+from ray.cluster_utils import Cluster
 
 __all__ = ["NODE_ARGS", "local_cluster"]
 

@@ -17,12 +17,12 @@ import ray
 
 __all__ = [
     "NAMESPACE",
+    "NodeDaemons",
     "actor_name",
     "adaemon_for_this_node",
     "alive_nodes",
     "daemon_for_this_node",
     "daemon_urls",
-    "NodeDaemons",
     "ensure_daemons",
     "find_daemon",
     "list_daemons",
@@ -115,7 +115,8 @@ def daemon_for_this_node(timeout_s: float = 60.0) -> dict[str, Any]:
     node_id = ray.get_runtime_context().get_node_id()
     handle = find_daemon(node_id)
     if handle is None:
-        raise LookupError(f"no colocd daemon on node {node_id}: start one with colocd.cluster.registry.NodeDaemons(spec).ensure()")
+        raise LookupError(f"no colocd daemon on node {node_id}: start one with "
+                          "colocd.cluster.registry.NodeDaemons(spec).ensure()")
     info: dict[str, Any] = ray.get(handle.info.remote(), timeout=timeout_s)
     return info
 
@@ -125,7 +126,8 @@ async def adaemon_for_this_node() -> dict[str, Any]:
     node_id = ray.get_runtime_context().get_node_id()
     handle = find_daemon(node_id)
     if handle is None:
-        raise LookupError(f"no colocd daemon on node {node_id}: start one with colocd.cluster.registry.NodeDaemons(spec).ensure()")
+        raise LookupError(f"no colocd daemon on node {node_id}: start one with "
+                          "colocd.cluster.registry.NodeDaemons(spec).ensure()")
     info: dict[str, Any] = await handle.info.remote()
     return info
 

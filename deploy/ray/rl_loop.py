@@ -25,13 +25,13 @@ from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local cluster stays on loopback
 
-import httpx  # noqa: E402
-import ray  # noqa: E402
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+import httpx
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from colocd.cluster import ClusterClient  # noqa: E402
-from colocd.cluster.daemon_actor import NodeSpec  # noqa: E402
-from colocd.cluster.registry import NodeDaemons, list_daemons  # noqa: E402
+from colocd.cluster import ClusterClient
+from colocd.cluster.daemon_actor import NodeSpec
+from colocd.cluster.registry import NodeDaemons, list_daemons
 
 PROMPTS = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
 NEW_TOKENS = 6
@@ -118,7 +118,7 @@ async def run(steps: int) -> list[dict[str, Any]]:
             reward = sum(s["reward"] for s in samples) / len(samples)
             train = await cluster.phase("train", step)
             losses = await asyncio.gather(*(t.train.remote(samples) for t in trainers.values()))
-            sync = await cluster.sync(step, f"v{step}", lambda node: trainers[node].push.remote(step))
+            sync = await cluster.sync(step, f"v{step}", lambda node, step=step: trainers[node].push.remote(step))
             resumed = await cluster.rollout(step)
             row = {"step": step, "nodes": len(trainers), "reward": round(reward, 4), "loss": round(losses[0], 4),
                    "versions_seen": sorted({s["version"] for s in samples}),
