@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
@@ -13,11 +12,9 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
 from ..daemon.config import NodeConfig
-from ..daemon.errors import NotFound, RequestInvalid, WeightSyncError
 from ..daemon.node import Daemon, TransitionResult
 from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
-from ..daemon.weights import SessionState
 from ..engines.base import RankPayload
 from .chunk_channel import ChunkChannelServer
 from .errors import ERROR_RESPONSES, install_error_handlers
@@ -38,6 +35,8 @@ from .schemas import (
 )
 
 __all__ = ["create_app"]
+
+_Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
 
 
 def _reply(result: TransitionResult) -> TransitionReply:
@@ -76,11 +75,6 @@ _ENGINES = (502, 503, 504)
 _SESSION = (404, 409, 410)
 
 
-def _trainer_ranks(d: Daemon) -> int:
-    """Trainer ranks a one-shot update can carry: one per TP rank of the widest engine (what engines need)."""
-    return max((int(e.config.tp_size) for e in d.engines.values()), default=1)
-
-
 def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: PolicyRuntime | None = None) -> FastAPI:
     """An app for one node. Pass ``daemon`` to serve an already-built (not yet entered) Daemon."""
 
@@ -97,176 +91,161 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
     install_error_handlers(app)
     # The token and the body size are checked before any body byte is read; reads stay open.
     app.add_middleware(RequestGuard, token=config.token, max_body_bytes=config.limits.max_body_bytes)
-
-    @app.get("/healthz", tags=["probes"])
-    async def healthz() -> dict[str, str]:
-        """Liveness: the daemon's event loop answers."""
-        return {"status": "ok"}
-
-    @app.get("/readyz", tags=["probes"],
-             responses={503: {"description": "not ready: an engine is detached or unhealthy (problems says which)"}})
-    async def readyz(d: D) -> JSONResponse:
-        """Readiness: every engine attached and healthy."""
-        ok, problems = d.ready()
-        return JSONResponse({"ready": ok, "problems": problems}, status_code=200 if ok else 503)
-
-    # The two read routes take the daemon from the request rather than through the D dependency:
-    # FastAPI's dependency resolution costs more than the rest of such a read (bench control).
-    @app.get("/metrics", tags=["probes"])
-    async def metrics(request: Request) -> Response:
-        """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""
-        body = await _get_daemon(request).metrics.current()
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    # response_model keeps the schema in OpenAPI; the snapshot is returned as bytes, serialised once per change.
-    @app.get("/v1/status", response_model=dict[str, Any])
-    async def status(request: Request) -> Response:
-        return Response(_get_daemon(request).status_json(), media_type="application/json")
-
-    @app.post("/v1/phase", responses=_errors(*_MUTATING, 409, *_ENGINES))
-    async def phase(body: PhaseRequest, d: D) -> TransitionReply:
-        """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
-        trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None
-        return _reply(await d.transition(NodePhase(body.phase), body.step, trainer))
-
-    @app.post("/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
-    async def sleep(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
-        body = body or SleepRequest()
-        return _reply(await d.sleep(tuple(body.tags) if body.tags else None, body.engines))
-
-    @app.post("/v1/resume", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
-    async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
-        body = body or SleepRequest()
-        return _reply(await d.resume(tuple(body.tags) if body.tags else None, body.engines))
-
-    @app.post("/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES))
-    async def open_session(body: OpenSessionRequest, d: D, request: Request) -> OpenSessionReply:
-        manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
-        s = await d.open_weights(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
-                                 manifest=manifest, partial=body.partial)
-        return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version,
-                                partial=s.partial, idle_s=s.idle_s,
-                                manifest_tensors=None if s.manifest is None else len(s.manifest),
-                                chunk_channel=request.state.chunk_channel)
-
-    @app.post("/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
-    async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckReply:
-        """Returns once every engine consumed the chunk: the rank may then free or refill its buffer."""
-        session = d.session
-        if session is not None and session.id == session_id and body.rank >= session.ranks:
-            raise RequestInvalid(f"rank {body.rank} is outside session {session_id}'s ranks 0..{session.ranks - 1}",
-                                 field="rank")
-        ack = await d.submit_chunk(session_id, body.seq, _part(body))
-        return ChunkAckReply(seq=ack.seq, rank=ack.rank, engines=list(ack.engines), load_s=ack.load_s)
-
-    @app.post("/v1/weights/sessions/{session_id}/commit", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
-    async def commit(session_id: str, d: D, body: Annotated[CommitRequest | None, Body()] = None) -> dict[str, Any]:
-        return await d.commit_weights(session_id, (body or CommitRequest()).num_chunks)
-
-    @app.post("/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
-    async def abort(session_id: str, d: D) -> dict[str, Any]:
-        return await d.abort_weights(session_id)
-
-    @app.get("/v1/weights/sessions/{session_id}", responses=_errors(404))
-    async def session_status(session_id: str, d: D, request: Request) -> dict[str, Any]:
-        """The session's progress; ``chunk_channel`` tells a rank that did not open it where to stream."""
-        return {**d.session_stats(session_id), "chunk_channel": request.state.chunk_channel}
-
-    @app.get("/v1/weights/groups")
-    async def weight_groups(d: D) -> dict[str, Any]:
-        """The rank layout a trainer needs before building its side (world size, rank offsets); open groups."""
-        return d.weight_group_info()
-
-    @app.post("/v1/weights/groups", responses=_errors(*_MUTATING, 409, *_ENGINES))
-    async def open_weight_group(body: OpenWeightGroupRequest, d: D) -> dict[str, Any]:
-        """Every engine joins; returns once all joined, so the trainer must join concurrently (never after)."""
-        return await d.open_weight_group(**body.model_dump())
-
-    @app.delete("/v1/weights/groups/{group_name}", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
-    async def close_weight_group(group_name: str, d: D) -> dict[str, Any]:
-        return await d.close_weight_group(group_name)
-
-    @app.post("/v1/weights/sessions/{session_id}/broadcasts", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
-    async def post_broadcast(session_id: str, body: BroadcastRequest, d: D) -> dict[str, Any]:
-        """Forwarded to every engine at once; returns when all loaded it. Broadcast while it is in flight."""
-        return await d.broadcast_weights(session_id, body.descriptor())
-
-    @app.post("/v1/update_weights", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
-    async def update_weights(body: UpdateWeightsRequest, d: D) -> dict[str, Any]:
-        """One-shot form: open a session, send every chunk, commit (abort on any failure)."""
-        known = _trainer_ranks(d)
-        for i, c in enumerate(body.chunks):
-            if c.rank >= known:
-                raise RequestInvalid(f"chunks.{i}.rank {c.rank} is outside 0..{known - 1}: this node's engines "
-                                     f"take {known} trainer rank(s) (their largest tp_size)", field=f"chunks.{i}.rank")
-        ranks = max(c.rank for c in body.chunks) + 1
-        session = await d.open_weights(step=body.step, version=body.version, ranks=ranks)
-        by_rank: dict[int, list[ChunkDescriptor]] = {}
-        for c in sorted(body.chunks, key=lambda c: c.seq):
-            by_rank.setdefault(c.rank, []).append(c)
-
-        async def send_rank(chunks: list[ChunkDescriptor]) -> None:
-            # In sequence order, at most `depth` outstanding per rank: what the session accepts from a rank.
-            window = asyncio.Semaphore(session.depth)
-
-            async def one(c: ChunkDescriptor) -> None:
-                try:
-                    await d.submit_chunk(session.id, c.seq, _part(c))
-                finally:
-                    window.release()
-
-            sends = []
-            for c in chunks:
-                await window.acquire()
-                sends.append(asyncio.create_task(one(c)))
-            await asyncio.gather(*sends)
-
-        try:
-            await asyncio.gather(*(send_rank(chunks) for chunks in by_rank.values()))
-            seqs = {c.seq for c in body.chunks}
-            return await d.commit_weights(session.id, len(seqs))
-        except BaseException as exc:
-            if session.state is SessionState.OPEN:
-                await d.abort_weights(session.id, f"one-shot update failed: {exc}")
-            if isinstance(exc, WeightSyncError) and session.error:
-                raise WeightSyncError(session.error) from exc
-            raise
-
-    @app.get("/v1/policies")
-    async def get_policies(d: D) -> dict[str, Any]:
-        """The active policy document (defaults filled in), its version and any staged swap."""
-        active, pending = d.policies.active, d.policies.store.pending
-        return {**active.info(), "source": active.source, "document": active.as_document(),
-                "pending": pending.info() if pending is not None else None}
-
-    @app.put("/v1/policies", responses=_errors(*_MUTATING),
-             openapi_extra={"requestBody": {"content": {"application/yaml": {"schema": {"type": "string"}}},
-                                            "required": True}})
-    async def put_policies(request: Request, d: D) -> JSONResponse:
-        """Stage a policy YAML; it takes effect at the next transition boundary, never mid-transition.
-        An invalid document is a 400 naming the field with its line and column; the old policy stays."""
-        text = await request.body()  # bounded by limits.max_body_bytes, then by limits.max_policy_bytes
-        # Off the event loop: parsing and validating is CPU work that must not stall /healthz or a step.
-        # A PolicyError is the 400 of api/errors.py.
-        staged = await asyncio.to_thread(d.policies.apply_yaml, text, "PUT /v1/policies")
-        active = d.policies.active
-        return JSONResponse({"staged": staged.info(), "active": active.info(),
-                             "applies": "now" if staged.fingerprint == active.fingerprint
-                             else "at the next transition"})
-
-    @app.get("/v1/steps", responses=_errors(422))
-    async def steps(d: D, limit: Annotated[int, Query(ge=1, le=64)] = 20) -> dict[str, Any]:
-        """The last ``limit`` steps, newest first: phases with durations, the switch breakdown, bytes, result."""
-        return {"steps": d.steps.summaries(limit)}
-
-    @app.get("/v1/traces/{step}", responses=_errors(404, 422))
-    async def trace(step: StepPath, d: D, format: Literal["json", "chrome"] = "json") -> Any:
-        """The step's traces; ``format=chrome`` gives trace events for Perfetto / chrome://tracing."""
-        traces = d.traces.get(step)
-        if traces is None:
-            raise NotFound(f"no trace for step {step}; known steps: {d.traces.steps()}")
-        if format == "chrome":
-            return {"traceEvents": [ev for t in traces.values() for ev in t.to_chrome()]}
-        return {phase: t.to_json() for phase, t in traces.items()}
-
+    for path, method, endpoint, options in _ROUTES:
+        app.add_api_route(path, endpoint, methods=[method], **options)
     return app
+
+
+# Every route only translates: it parses the request, calls one Daemon method, and maps the answer. Routes are
+# declared once here and added to each app (``create_app``) as its own routes, so the app's router lists them.
+_ROUTES: list[tuple[str, str, Callable[..., Any], dict[str, Any]]] = []
+
+
+def _route(method: str, path: str, **options: Any) -> Callable[[_Endpoint], _Endpoint]:
+    def register(endpoint: _Endpoint) -> _Endpoint:
+        _ROUTES.append((path, method, endpoint, options))
+        return endpoint
+    return register
+
+
+@_route("GET", "/healthz", tags=["probes"])
+async def healthz() -> dict[str, str]:
+    """Liveness: the daemon's event loop answers."""
+    return {"status": "ok"}
+
+
+@_route("GET", "/readyz", tags=["probes"],
+            responses={503: {"description": "not ready: an engine is detached or unhealthy (problems says which)"}})
+async def readyz(d: D) -> JSONResponse:
+    """Readiness: every engine attached and healthy."""
+    ok, problems = d.ready()
+    return JSONResponse({"ready": ok, "problems": problems}, status_code=200 if ok else 503)
+
+
+# The two read routes take the daemon from the request rather than through the D dependency:
+# FastAPI's dependency resolution costs more than the rest of such a read (bench control).
+@_route("GET", "/metrics", tags=["probes"])
+async def metrics(request: Request) -> Response:
+    """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""
+    body = await _get_daemon(request).metrics.current()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# response_model keeps the schema in OpenAPI; the snapshot is returned as bytes, serialised once per change.
+@_route("GET", "/v1/status", response_model=dict[str, Any])
+async def status(request: Request) -> Response:
+    return Response(_get_daemon(request).status_json(), media_type="application/json")
+
+
+@_route("POST", "/v1/phase", responses=_errors(*_MUTATING, 409, *_ENGINES))
+async def phase(body: PhaseRequest, d: D) -> TransitionReply:
+    """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
+    trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None
+    return _reply(await d.transition(NodePhase(body.phase), body.step, trainer))
+
+
+@_route("POST", "/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
+async def sleep(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
+    body = body or SleepRequest()
+    return _reply(await d.sleep(tuple(body.tags) if body.tags else None, body.engines))
+
+
+@_route("POST", "/v1/resume", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
+async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
+    body = body or SleepRequest()
+    return _reply(await d.resume(tuple(body.tags) if body.tags else None, body.engines))
+
+
+@_route("POST", "/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES))
+async def open_session(body: OpenSessionRequest, d: D, request: Request) -> OpenSessionReply:
+    manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
+    s = await d.open_weights(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
+                             manifest=manifest, partial=body.partial)
+    return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version,
+                            partial=s.partial, idle_s=s.idle_s,
+                            manifest_tensors=None if s.manifest is None else len(s.manifest),
+                            chunk_channel=request.state.chunk_channel)
+
+
+@_route("POST", "/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckReply:
+    """Returns once every engine consumed the chunk: the rank may then free or refill its buffer."""
+    ack = await d.submit_chunk(session_id, body.seq, _part(body))
+    return ChunkAckReply(seq=ack.seq, rank=ack.rank, engines=list(ack.engines), load_s=ack.load_s)
+
+
+@_route("POST", "/v1/weights/sessions/{session_id}/commit", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+async def commit(session_id: str, d: D, body: Annotated[CommitRequest | None, Body()] = None) -> dict[str, Any]:
+    return await d.commit_weights(session_id, (body or CommitRequest()).num_chunks)
+
+
+@_route("POST", "/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+async def abort(session_id: str, d: D) -> dict[str, Any]:
+    return await d.abort_weights(session_id)
+
+
+@_route("GET", "/v1/weights/sessions/{session_id}", responses=_errors(404))
+async def session_status(session_id: str, d: D, request: Request) -> dict[str, Any]:
+    """The session's progress; ``chunk_channel`` tells a rank that did not open it where to stream."""
+    return {**d.session_stats(session_id), "chunk_channel": request.state.chunk_channel}
+
+
+@_route("GET", "/v1/weights/groups")
+async def weight_groups(d: D) -> dict[str, Any]:
+    """The rank layout a trainer needs before building its side (world size, rank offsets); open groups."""
+    return d.weight_group_info()
+
+
+@_route("POST", "/v1/weights/groups", responses=_errors(*_MUTATING, 409, *_ENGINES))
+async def open_weight_group(body: OpenWeightGroupRequest, d: D) -> dict[str, Any]:
+    """Every engine joins; returns once all joined, so the trainer must join concurrently (never after)."""
+    return await d.open_weight_group(**body.model_dump())
+
+
+@_route("DELETE", "/v1/weights/groups/{group_name}", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
+async def close_weight_group(group_name: str, d: D) -> dict[str, Any]:
+    return await d.close_weight_group(group_name)
+
+
+@_route("POST", "/v1/weights/sessions/{session_id}/broadcasts", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+async def post_broadcast(session_id: str, body: BroadcastRequest, d: D) -> dict[str, Any]:
+    """Forwarded to every engine at once; returns when all loaded it. Broadcast while it is in flight."""
+    return await d.broadcast_weights(session_id, body.descriptor())
+
+
+@_route("POST", "/v1/update_weights", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+async def update_weights(body: UpdateWeightsRequest, d: D) -> dict[str, Any]:
+    """One-shot form: open a session, send every chunk, commit (abort on any failure)."""
+    return await d.update_weights(step=body.step, version=body.version,
+                                  chunks=[(c.seq, _part(c)) for c in body.chunks])
+
+
+@_route("GET", "/v1/policies")
+async def get_policies(d: D) -> dict[str, Any]:
+    """The active policy document (defaults filled in), its version and any staged swap."""
+    return d.policy_view()
+
+
+@_route("PUT", "/v1/policies", responses=_errors(*_MUTATING),
+            openapi_extra={"requestBody": {"content": {"application/yaml": {"schema": {"type": "string"}}},
+                                           "required": True}})
+async def put_policies(request: Request, d: D) -> JSONResponse:
+    """Stage a policy YAML; it takes effect at the next transition boundary, never mid-transition.
+    An invalid document is a 400 naming the field with its line and column; the old policy stays."""
+    text = await request.body()  # bounded by limits.max_body_bytes, then by limits.max_policy_bytes
+    return JSONResponse(await d.stage_policies(text, "PUT /v1/policies"))  # a PolicyError: api/errors.py's 400
+
+
+@_route("GET", "/v1/steps", responses=_errors(422))
+async def steps(d: D, limit: Annotated[int, Query(ge=1, le=64)] = 20) -> dict[str, Any]:
+    """The last ``limit`` steps, newest first: phases with durations, the switch breakdown, bytes, result."""
+    return {"steps": d.steps.summaries(limit)}
+
+
+@_route("GET", "/v1/traces/{step}", responses=_errors(404, 422))
+async def trace(step: StepPath, d: D, format: Literal["json", "chrome"] = "json") -> Any:
+    """The step's traces; ``format=chrome`` gives trace events for Perfetto / chrome://tracing."""
+    traces = d.step_traces(step)
+    if format == "chrome":
+        return {"traceEvents": [ev for t in traces.values() for ev in t.to_chrome()]}
+    return {phase: t.to_json() for phase, t in traces.items()}

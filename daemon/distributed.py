@@ -18,7 +18,7 @@ import contextlib
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
@@ -36,6 +36,7 @@ from .errors import (
     WeightSyncError,
     caller_payload,
 )
+from .fanout import OnFailure, fan_out
 from .metrics import Metrics
 from .trace import Trace
 from .weights import SessionState, WeightSession
@@ -220,7 +221,7 @@ class WeightGroups:
                                      group=group_name, rank_offset=offsets[engine.name])
 
         try:
-            await _all_or_first_error(engines, join)
+            await fan_out(engines, join, on_failure=OnFailure.CANCEL)
         except BaseException:
             # Engines that joined would wait on the others forever: leave nothing half-built.
             del self._groups[group_name]
@@ -251,11 +252,8 @@ class WeightGroups:
             await ops.timed_call(engine, trace, self._metrics, "destroy_weights_update_group", budget,
                              adapter.destroy_weights_update_group(group_name), group=group_name)
 
-        results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, Exception):
-                raise r
-        return {e.name: str(r) for e, r in zip(engines, results, strict=True) if isinstance(r, Exception)}
+        results = await fan_out(engines, one, on_failure=OnFailure.COLLECT)
+        return {name: str(r) for name, r in results.items() if isinstance(r, Exception)}
 
     # -- broadcasts ----------------------------------------------------------------------------
     async def broadcast(self, session: WeightSession, engines: list[EngineHandle], desc: BroadcastDescriptor,
@@ -297,7 +295,7 @@ class WeightGroups:
 
         t0 = time.perf_counter()
         try:
-            await _all_or_first_error(engines, load)
+            await fan_out(engines, load, on_failure=OnFailure.CANCEL)
         except Exception as exc:
             error = _explain(exc, record.name, desc.seq)
             await session.fail(error)
@@ -379,25 +377,3 @@ def _explain(exc: Exception, group_name: str, seq: int) -> Exception:
     if isinstance(exc, EngineError | WeightSyncError):
         return WeightSyncError(f"broadcast {seq}: {exc}{tail}")
     return WeightSyncError(f"broadcast {seq}: {type(exc).__name__}: {exc}{tail}")
-
-
-async def _all_or_first_error(engines: list[EngineHandle],
-                              call: Callable[[EngineHandle], Awaitable[None]]) -> None:
-    """Run ``call`` on every engine; on the first failure cancel the rest and raise it.
-
-    The rest would only run out their budgets: they wait on a collective that the failed engine
-    (or the trainer, seeing the failure) will never complete.
-    """
-    tasks = [asyncio.ensure_future(call(e)) for e in engines]
-    try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    except BaseException:
-        pending = set(tasks)
-        raise
-    finally:
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    for task in tasks:
-        if task in done and (error := task.exception()) is not None:
-            raise error

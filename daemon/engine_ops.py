@@ -17,7 +17,7 @@ from ..policies import Timeouts, TimeoutStep
 from .errors import EngineError, StepTimeout
 from .memory import NvmlProbe
 from .metrics import Metrics
-from .states import EngineState, Generation, TagState
+from .states import Attachment, EngineState, Generation, TagState, unready_reason
 from .trace import Trace
 
 __all__ = [
@@ -34,12 +34,14 @@ __all__ = [
 
 @dataclass
 class EngineHandle:
-    """One engine as the daemon holds it: adapter, config slice, attach info and the recorded state."""
+    """One engine as the daemon holds it: adapter, config slice, attachment (with what ``attach`` said)
+    and the recorded state."""
 
     adapter: EngineAdapter
     config: Any
     state: EngineState
-    info: EngineInfo | None = None
+    attachment: Attachment = Attachment.DETACHED
+    info: EngineInfo | None = None  # what the engine said when it attached (None while detached)
     # Bytes each tag held by the engine's own report the last time it was released, and bytes NVML
     # showed freed the last time a set of tags was released together: the next release's expectation.
     learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
@@ -53,6 +55,13 @@ class EngineHandle:
     @property
     def name(self) -> str:
         return self.state.name
+
+    def attached(self, info: EngineInfo) -> None:
+        """The engine answered ``attach`` (first contact, or a restarted process that may speak a new version)."""
+        self.info, self.attachment = info, Attachment.ATTACHED
+
+    def unready_reason(self) -> str | None:
+        return unready_reason(self.name, self.attachment, self.state)
 
     @property
     def gpus(self) -> list[int | str]:

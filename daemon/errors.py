@@ -26,7 +26,7 @@ so adapters raise members of this same tree without importing the daemon.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..engines.errors import (
@@ -57,6 +57,7 @@ __all__ = [
     "TransitionRejected",
     "WeightSyncError",
     "caller_payload",
+    "refused_payload",
 ]
 
 
@@ -129,20 +130,31 @@ class ChunkTimeout(WeightSyncError):
         self.rank = rank
 
 
+def refused_payload(exc: BaseException, *, field: str | None = None,
+                    describe: Callable[[EngineRejected], str] | None = None) -> PayloadRejected | None:
+    """The caller's 422 if ``exc`` is an engine's refusal of data the caller wrote, else None.
+
+    Only a refusal (``engines.httpmap.is_payload_refusal``: 400/413/422) is the caller's, keeping the engine's
+    words (``describe`` words the message; by default it names ``field``); an engine that fails (5xx,
+    unreachable, timeout) stays an engine error (502/503/504).
+    """
+    if not isinstance(exc, EngineRejected) or not is_payload_refusal(exc):
+        return None
+    message = describe(exc) if describe is not None else f"{exc} (the request's {field or 'payload'} was refused)"
+    return PayloadRejected(message, engine=exc.engine, field=field)
+
+
 @contextmanager
 def caller_payload(field: str | None = None) -> Iterator[None]:
-    """Engine calls in this block carry data the caller wrote: an engine's refusal of it is the caller's 422.
+    """Engine calls in this block carry data the caller wrote: an engine's refusal of it is the caller's 422
+    (``refused_payload``).
 
         with caller_payload("handle"):
             await engine.adapter.load_weights(load)
-
-    Only a refusal (``engines.httpmap.is_payload_refusal``: 400/413/422) is converted, keeping the engine's
-    words; an engine that fails (5xx, unreachable, timeout) stays an engine error (502/503/504).
     """
     try:
         yield
     except EngineRejected as exc:
-        if not is_payload_refusal(exc):
+        if (refusal := refused_payload(exc, field=field)) is None:
             raise
-        raise PayloadRejected(f"{exc} (the request's {field or 'payload'} was refused)", engine=exc.engine,
-                              field=field) from exc
+        raise refusal from exc

@@ -1,28 +1,56 @@
-"""The daemon's state machines as data: node phases and per-engine memory/generation/weights state.
+"""The daemon's state machines as data: the daemon's lifecycle, node phases, per-engine memory/generation/
+weights state and attachment, and each weight session's lifecycle.
 
 Rule 1 (after h11): everything that decides whether a transition is legal lives in this file.
-It is pure: no asyncio, no I/O. An illegal request raises ``TransitionRejected`` naming the
-current state and what would be allowed; a legal one returns the plan of what must change.
+It is pure: no asyncio, no I/O. An illegal request raises ``TransitionRejected`` (or, for a weight
+session that has ended, ``SessionGone``) naming the current state and what would be allowed; a legal
+one returns the plan of what must change. The daemon's code asks these functions; it holds no rule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 from ..engines.base import ALL_TAGS, MemoryTag
-from .errors import TransitionRejected
+from .errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
     "NEXT_PHASE",
+    "SESSION_MOVES",
+    "Attachment",
+    "DaemonState",
     "EngineState",
     "Generation",
     "NodePhase",
     "NodeState",
+    "SessionLifecycle",
+    "SessionState",
     "TagState",
     "WeightsState",
+    "check_attached",
+    "check_can_open_session",
+    "check_can_start",
+    "check_no_open_session",
+    "check_partial_allowed",
     "check_phase_request",
+    "check_reconciled",
+    "check_rollout_weights",
+    "check_session_abortable",
+    "check_session_move",
+    "closed_from",
+    "require_session_open",
+    "unready_reason",
 ]
+
+
+class DaemonState(StrEnum):
+    """The daemon's own lifecycle: it takes work only while running."""
+
+    UNOPENED = "unopened"
+    RUNNING = "running"
+    CLOSED = "closed"
 
 
 class NodePhase(StrEnum):
@@ -166,6 +194,183 @@ class NodeState:
 
     def snapshot(self) -> dict[str, object]:
         return {"phase": self.phase.value, "step": self.step}
+
+
+class Attachment(StrEnum):
+    """Whether the daemon knows whom it talks to: an engine is attached once it answered ``attach``
+    (protocol, version); a restarted engine is attached again. Health is the last observation's answer."""
+
+    DETACHED = "detached"
+    ATTACHED = "attached"
+
+
+def unready_reason(name: str, attachment: Attachment, state: EngineState) -> str | None:
+    """Why an engine cannot take a mutating call now (None: it can): never attached, or its last
+    observation failed. The reason is the engine's last error where there is one."""
+    if attachment is Attachment.ATTACHED and state.healthy:
+        return None
+    return state.last_error or f"engine {name!r} unhealthy"
+
+
+def check_attached(name: str, attachment: Attachment, state: EngineState) -> None:
+    """Every engine must have answered the observation that just ran; else 502/503 naming it."""
+    if attachment is Attachment.DETACHED or not state.healthy:
+        message = (state.last_error or "not attached").removeprefix(f"engine {name!r}: ")
+        raise EngineUnreachable(name, message)
+
+
+# -- the daemon: one mutating operation at a time, only while running, only once reconciled ---------
+def check_can_start(what: str, *, lifecycle: DaemonState, busy_with: str | None, node: NodeState) -> None:
+    """``busy_with``: the operation that holds the node now, None when the node is free (or only a
+    background reconcile holds it, which the new one waits for)."""
+    if lifecycle is not DaemonState.RUNNING:
+        raise TransitionRejected(f"daemon is {lifecycle.value}")
+    if busy_with is not None:
+        raise TransitionRejected(f"cannot start {what}: {busy_with} is in progress", state=node.snapshot())
+
+
+def check_reconciled(what: str, unreconciled: Mapping[str, str | None], node: NodeState) -> None:
+    """A restarted daemon acts on no engine whose journal record it has not checked against the engine.
+    ``unreconciled``: engine name → its last error (None: not observed)."""
+    if unreconciled:
+        names = sorted(unreconciled)
+        raise TransitionRejected(
+            f"cannot start {what}: the daemon restarted and has not yet reconciled engines "
+            f"{names} with its journal: " + "; ".join(unreconciled[n] or "not observed" for n in names),
+            state=node.snapshot())
+
+
+# -- phases that need the weight session closed, and clean weights -------------------------------
+def check_no_open_session(open_session: str | None, *, advice: str = "") -> None:
+    """Train and rollout never run under an open weight session (``advice`` is appended to the refusal)."""
+    if open_session is not None:
+        raise TransitionRejected(f"weight session {open_session} is still open{advice}")
+
+
+def check_rollout_weights(engines: Iterable[EngineState], node: NodeState) -> None:
+    """Every engine's weights are the committed version before any resumes: a stale engine must not
+    leave the others half-resumed."""
+    stale = [e.describe() for e in engines if e.weights is not WeightsState.CLEAN]
+    if stale:
+        raise TransitionRejected("cannot enter 'rollout': weights not updated since release: " + "; ".join(stale),
+                                 state=node.snapshot())
+
+
+def check_can_open_session(open_session: str | None, engines: Iterable[EngineState], node: NodeState, *,
+                           idle_for: float = 0.0, idle_s: float | None = None) -> None:
+    """One weight session at a time, on engines that are paused with their weights memory resident."""
+    if open_session is not None:
+        raise TransitionRejected(
+            f"weight session {open_session} is already open (idle {idle_for:.1f}s; it expires after "
+            f"{idle_s}s without a chunk, or abort it)", state=node.snapshot())
+    bad = [e.describe() for e in engines
+           if e.generation is not Generation.PAUSED or not e.resident(MemoryTag.WEIGHTS)]
+    if bad:
+        raise TransitionRejected(
+            "cannot open a weight session: every engine must be paused with weights resident "
+            "(enter 'sync' first): " + "; ".join(bad), state=node.snapshot())
+
+
+def check_partial_allowed(engines: Iterable[EngineState], node: NodeState) -> None:
+    """A partial update goes on top of intact weights only."""
+    discarded = [e.describe() for e in engines if e.weights is not WeightsState.CLEAN]
+    if discarded:
+        raise TransitionRejected(
+            "a partial update needs intact weights, but weights were discarded (released, or an "
+            "update was abandoned): push every tensor (partial: false): " + "; ".join(discarded),
+            state=node.snapshot())
+
+
+# -- one weight session's lifecycle ------------------------------------------------------------
+class SessionState(StrEnum):
+    """What a weight session is, as its callers see it (status, 410 bodies, metrics labels)."""
+
+    OPEN = "open"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    FAILED = "failed"
+    EXPIRED = "expired"  # no chunk within the idle time: the trainer is presumed gone
+
+
+class SessionLifecycle(Enum):
+    """A weight session's one state: what it shows callers, and whether the engines' update sessions
+    were ended for it (``closed``). An ended session (aborted, failed, expired) still holds the engines
+    in their update until the daemon closes it; a committed one closed them as it committed."""
+
+    OPEN = (SessionState.OPEN, False)
+    COMMITTED = (SessionState.COMMITTED, True)
+    ABORTED = (SessionState.ABORTED, False)
+    FAILED = (SessionState.FAILED, False)
+    EXPIRED = (SessionState.EXPIRED, False)
+    ABORTED_CLOSED = (SessionState.ABORTED, True)
+    FAILED_CLOSED = (SessionState.FAILED, True)
+    EXPIRED_CLOSED = (SessionState.EXPIRED, True)
+
+    @property
+    def state(self) -> SessionState:
+        return self.value[0]  # type: ignore[no-any-return]
+
+    @property
+    def closed(self) -> bool:
+        return self.value[1]  # type: ignore[no-any-return]
+
+
+_L = SessionLifecycle
+# The only legal moves of a weight session: it ends once (commit, abort, failure, expiry); an ended
+# one is closed once; a closed one never moves again.
+SESSION_MOVES: dict[SessionLifecycle, frozenset[SessionLifecycle]] = {
+    _L.OPEN: frozenset({_L.COMMITTED, _L.ABORTED, _L.FAILED, _L.EXPIRED}),
+    _L.ABORTED: frozenset({_L.ABORTED_CLOSED}),
+    _L.FAILED: frozenset({_L.FAILED_CLOSED}),
+    _L.EXPIRED: frozenset({_L.EXPIRED_CLOSED}),
+    _L.COMMITTED: frozenset(),
+    _L.ABORTED_CLOSED: frozenset(),
+    _L.FAILED_CLOSED: frozenset(),
+    _L.EXPIRED_CLOSED: frozenset(),
+}
+# Where closing an ended session leads.
+CLOSED_AFTER: dict[SessionLifecycle, SessionLifecycle] = {
+    _L.ABORTED: _L.ABORTED_CLOSED, _L.FAILED: _L.FAILED_CLOSED, _L.EXPIRED: _L.EXPIRED_CLOSED}
+# Where ending an open session leads, by outcome.
+ENDED_AS: dict[SessionState, SessionLifecycle] = {
+    SessionState.COMMITTED: _L.COMMITTED, SessionState.ABORTED: _L.ABORTED, SessionState.FAILED: _L.FAILED,
+    SessionState.EXPIRED: _L.EXPIRED}
+
+
+def check_session_move(session_id: str, current: SessionLifecycle, target: SessionLifecycle) -> None:
+    if target not in SESSION_MOVES[current]:
+        closed = ", engines' updates ended" if current.closed else ""
+        raise TransitionRejected(
+            f"weight session {session_id} is {current.state.value}{closed}: it cannot become "
+            f"{target.state.value}{', closed' if target.closed else ''}")
+
+
+def closed_from(session_id: str, current: SessionLifecycle) -> SessionLifecycle | None:
+    """Where closing the session leads; None if it is closed already (closing twice does nothing).
+    An open session is ended first (committed, aborted, failed, expired): its engines are mid-update."""
+    if current.closed:
+        return None
+    if current is SessionLifecycle.OPEN:
+        raise TransitionRejected(f"weight session {session_id} is open: it is ended (committed, aborted, "
+                                 "failed or expired) before the engines' updates are closed")
+    return CLOSED_AFTER[current]
+
+
+def require_session_open(session_id: str, state: SessionState, *, error: str | None = None,
+                         advise_new: bool = False) -> None:
+    """Work for a session that ended is 410 naming how it ended (and ``error``, why it failed)."""
+    if state is not SessionState.OPEN:
+        raise SessionGone(
+            f"weight session {session_id} is {state.value}" + (f": {error}" if error else "")
+            + ("; open a new session" if advise_new and state is not SessionState.COMMITTED else ""),
+            session_id=session_id, state=state.value)
+
+
+def check_session_abortable(session_id: str, state: SessionState, version: str, node: NodeState) -> None:
+    """A committed session's version is what the engines serve: it cannot be taken back by an abort."""
+    if state is SessionState.COMMITTED:
+        raise TransitionRejected(f"weight session {session_id} is committed (version {version!r}); "
+                                 "it cannot be aborted", state=node.snapshot())
 
 
 def check_phase_request(node: NodeState, phase: NodePhase, step: int) -> None:

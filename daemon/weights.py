@@ -20,13 +20,10 @@ import secrets
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from ..engines.base import RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
-from ..engines.errors import EngineRejected
-from ..engines.httpmap import is_payload_refusal
 from .engine_ops import EngineHandle
 from .errors import (
     ChunkTimeout,
@@ -35,14 +32,24 @@ from .errors import (
     SessionGone,
     TransitionRejected,
     WeightSyncError,
+    refused_payload,
 )
 from .metrics import Metrics
-from .states import WeightsState
+from .states import (
+    ENDED_AS,
+    SessionLifecycle,
+    SessionState,
+    WeightsState,
+    check_session_move,
+    closed_from,
+    require_session_open,
+)
 from .trace import Trace
 
 __all__ = [
     "ChunkAck",
     "Manifest",
+    "SessionLifecycle",
     "SessionState",
     "TensorMeta",
     "WeightSession",
@@ -50,14 +57,6 @@ __all__ = [
     "manifest_to_json",
     "name_some",
 ]
-
-
-class SessionState(StrEnum):
-    OPEN = "open"
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-    FAILED = "failed"
-    EXPIRED = "expired"  # no chunk within the idle time: the trainer is presumed gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +139,9 @@ class WeightSession:
     t is fed by trainer rank t. ``manifest`` is what the trainer declared it will send (None: not
     declared; then what the chunks' layouts carried is what was sent); ``partial`` says the trainer
     means to update only some tensors, on top of intact weights.
+
+    Its lifecycle (``states.SessionLifecycle``) is its own: it ends once (``commit``, ``abort``, ``fail``,
+    ``expire``) and is closed once (``close``), each move checked by ``states.check_session_move``.
     """
 
     def __init__(
@@ -172,9 +174,8 @@ class WeightSession:
         self.manifest = manifest
         self.partial = partial
         self.idle_s = idle_s
-        self.state = SessionState.OPEN
+        self._lifecycle = SessionLifecycle.OPEN
         self.error: str | None = None
-        self.closed = False  # the daemon has ended the engines' update sessions for this one
         self.tainted: list[str] = []  # engines whose calls had to be abandoned when it closed
         # Set by the daemon at open: each engine's full parameter set (None: unknown) and weights state.
         self.required: dict[str, Manifest | None] = {}
@@ -207,6 +208,38 @@ class WeightSession:
                 f"in 0..{self.ranks - 1}; got {list(chosen)}"
             )
         return chosen
+
+    # -- the lifecycle -----------------------------------------------------------------------
+    @property
+    def lifecycle(self) -> SessionLifecycle:
+        return self._lifecycle
+
+    @property
+    def state(self) -> SessionState:
+        """How the session stands for its callers: open, or how it ended."""
+        return self._lifecycle.state
+
+    @property
+    def closed(self) -> bool:
+        """The engines' update sessions were ended for this one (as it committed, or after it ended)."""
+        return self._lifecycle.closed
+
+    def _move(self, target: SessionLifecycle) -> None:
+        check_session_move(self.id, self._lifecycle, target)
+        self._lifecycle = target
+
+    def commit(self) -> None:
+        """Record the commit: the daemon has ended every engine's update at this session's version."""
+        self._move(SessionLifecycle.COMMITTED)
+
+    def close(self) -> bool:
+        """Record that the daemon is ending the engines' updates for this ended session; False if it already
+        did (closing is done once). An open session is refused: it must end first."""
+        target = closed_from(self.id, self._lifecycle)
+        if target is None:
+            return False
+        self._move(target)
+        return True
 
     # -- the lease ---------------------------------------------------------------------------
     def idle_for(self) -> float:
@@ -317,11 +350,7 @@ class WeightSession:
         return layout
 
     def _check_open(self) -> None:
-        if self.state is not SessionState.OPEN:
-            raise SessionGone(
-                f"weight session {self.id} is {self.state.value}" + (f": {self.error}" if self.error else "")
-                + ("; open a new session" if self.state is not SessionState.COMMITTED else ""),
-                session_id=self.id, state=self.state.value)
+        require_session_open(self.id, self.state, error=self.error, advise_new=True)
 
     async def _check_device(self, seq: int, part: RankPayload, users: tuple[_Lane, ...]) -> None:
         """A GPU handle must land on the GPU of the engine TP rank it feeds: a mismatch is an error, never a
@@ -531,9 +560,9 @@ class WeightSession:
     async def fail(self, error: BaseException) -> None:
         """Stop the session: fail every waiting rank; loads already running are left to ``quiesce``."""
         if self.state is not SessionState.OPEN:
-            return
-        self.state = (SessionState.ABORTED if isinstance(error, _Abort)
-                      else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED)
+            return  # it ended already: the first ending is the one that counts
+        self._move(ENDED_AS[SessionState.ABORTED if isinstance(error, _Abort)
+                            else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED])
         self.error = str(error)
         message = f"session {self.id} {self.state.value}: {error}"
         for chunk in self._chunks.values():
@@ -591,10 +620,9 @@ class WeightSession:
 
 def _load_error(engine: str, seq: int, exc: BaseException) -> WeightSyncError | PayloadRejected:
     """An engine's 4xx to a chunk is the caller's payload at fault (422 with the engine's words)."""
-    if isinstance(exc, EngineRejected) and is_payload_refusal(exc):
-        return PayloadRejected(f"chunk {seq}: engine {engine!r} refused it: {exc.detail}", engine=engine,
-                               field="handle")
-    return WeightSyncError(f"chunk {seq} on engine {engine!r}: {exc or type(exc).__name__}")
+    refusal = refused_payload(exc, field="handle", describe=lambda e: f"chunk {seq}: engine {engine!r} refused it: "
+                              f"{e.detail}")
+    return refusal or WeightSyncError(f"chunk {seq} on engine {engine!r}: {exc or type(exc).__name__}")
 
 
 class _Abort(WeightSyncError):

@@ -96,3 +96,69 @@ def test_sglang_engines_own_cuda_graph_memory_only_when_launched_to() -> None:
     assert CG in SGLangEngineConfig(name="s", url="http://x", memory_saver_cuda_graph=True).owned_tags
     with pytest.raises(ValidationError, match="SGLANG_MEMORY_SAVER_CUDA_GRAPH"):
         SGLangEngineConfig(name="s", url="http://x", owned_tags=["weights", "cuda_graph"])
+
+
+# -- the daemon's own rules: one operation at a time, only while running, only once reconciled ----------
+def test_a_daemon_takes_work_only_while_running_and_one_operation_at_a_time() -> None:
+    from colocd.daemon.states import DaemonState, check_can_start
+
+    node = NodeState(NodePhase.TRAIN, 2)
+    check_can_start("sync@2", lifecycle=DaemonState.RUNNING, busy_with=None, node=node)
+    for lifecycle in (DaemonState.UNOPENED, DaemonState.CLOSED):
+        with pytest.raises(TransitionRejected, match=f"^daemon is {lifecycle.value}$"):
+            check_can_start("sync@2", lifecycle=lifecycle, busy_with=None, node=node)
+    with pytest.raises(TransitionRejected, match=r"^cannot start sync@2: sleep is in progress$") as caught:
+        check_can_start("sync@2", lifecycle=DaemonState.RUNNING, busy_with="sleep", node=node)
+    assert caught.value.state == {"phase": "train", "step": 2}
+
+
+def test_a_restarted_daemon_refuses_work_until_every_engine_is_reconciled() -> None:
+    from colocd.daemon.states import check_reconciled
+
+    node = NodeState(NodePhase.SYNC, 4)
+    check_reconciled("sync@4", {}, node)
+    with pytest.raises(TransitionRejected, match=r"engines \['a', 'b'\] with its journal: not observed; down"):
+        check_reconciled("sync@4", {"b": "down", "a": None}, node)
+
+
+def test_rollout_needs_clean_weights_on_every_engine_before_any_resumes() -> None:
+    from colocd.daemon.states import check_rollout_weights
+
+    node = NodeState(NodePhase.SYNC, 1)
+    clean, stale = EngineState(name="a"), EngineState(name="b", weights=WeightsState.STALE)
+    check_rollout_weights([clean], node)
+    with pytest.raises(TransitionRejected, match="weights not updated since release: engine 'b'"):
+        check_rollout_weights([clean, stale], node)
+
+
+def test_a_weight_session_opens_alone_on_paused_engines_with_weights_resident() -> None:
+    from colocd.daemon.states import check_can_open_session, check_partial_allowed
+
+    node = NodeState(NodePhase.SYNC, 1)
+    paused = EngineState(name="a", generation=Generation.PAUSED)
+    check_can_open_session(None, [paused], node)
+    with pytest.raises(TransitionRejected, match=r"session s1 is already open \(idle 2.0s; it expires after 30.0s"):
+        check_can_open_session("s1", [paused], node, idle_for=2.0, idle_s=30.0)
+    with pytest.raises(TransitionRejected, match="must be paused with weights resident"):
+        check_can_open_session(None, [EngineState(name="a")], node)  # serving
+    with pytest.raises(TransitionRejected, match="must be paused with weights resident"):
+        check_can_open_session(None, [paused.with_tags((W,), TagState.RELEASED)], node)
+    check_partial_allowed([paused], node)
+    with pytest.raises(TransitionRejected, match="a partial update needs intact weights"):
+        check_partial_allowed([paused.with_(weights=WeightsState.STALE)], node)
+
+
+def test_an_engine_takes_mutating_calls_only_attached_and_healthy() -> None:
+    from colocd.daemon.errors import EngineUnreachable
+    from colocd.daemon.states import Attachment, check_attached, unready_reason
+
+    healthy = EngineState(name="a")
+    check_attached("a", Attachment.ATTACHED, healthy)
+    assert unready_reason("a", Attachment.ATTACHED, healthy) is None
+    with pytest.raises(EngineUnreachable, match="not attached"):
+        check_attached("a", Attachment.DETACHED, healthy)
+    lost = healthy.with_(healthy=False, last_error="engine 'a': connection refused")
+    with pytest.raises(EngineUnreachable, match="connection refused"):
+        check_attached("a", Attachment.ATTACHED, lost)
+    assert unready_reason("a", Attachment.ATTACHED, lost) == "engine 'a': connection refused"
+    assert unready_reason("a", Attachment.DETACHED, healthy) == "engine 'a' unhealthy"

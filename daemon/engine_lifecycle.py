@@ -1,0 +1,196 @@
+"""Engine lifecycle: attach, observe and reconcile each engine toward the desired state (daemon/reconcile.py
+decides, this module observes and acts), on the health loop and before every mutating operation; and the
+journal restore that a restarted daemon starts from."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..engines.base import MemoryTag, Observation, PauseMode
+from ..engines.errors import EngineRejected
+from ..policies import TimeoutStep
+from . import engine_ops as ops
+from .engine_ops import EngineHandle
+from .errors import ColocdError, EngineError, EngineUnreachable, WeightSyncError
+from .fanout import OnFailure, fan_out
+from .reconcile import Action, Plan, plan_reconcile
+from .states import Attachment, DaemonState, Generation, NodePhase, NodeState, WeightsState, check_attached
+from .trace import Trace
+
+if TYPE_CHECKING:
+    from .node import Daemon
+
+__all__ = ["EngineLifecycle"]
+
+log = logging.getLogger("colocd.daemon")
+
+
+class EngineLifecycle:
+    """The node's engines as processes the daemon watches: what it found, what it did, what is unchecked."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self._d = daemon
+        # Engines whose journal record is not yet checked against the engine (mutating calls are refused
+        # meanwhile), and what was found and done at startup and since.
+        self.unreconciled: set[str] = set()
+        self.reports: dict[str, dict[str, Any]] = {}
+        self.startup_report: dict[str, Any] | None = None
+
+    async def start(self) -> None:
+        """Restore the journal, then reconcile every engine once before the daemon takes work."""
+        engines = self._d.engines
+        restored = self._restore_journal()
+        await fan_out(engines.values(), lambda e: self.reconcile_engine(e, "startup"), on_failure=OnFailure.SETTLE)
+        self.startup_report = {"journal_restored": restored, "unreconciled": sorted(self.unreconciled),
+                               "engines": {n: self.reports.get(n) for n in engines}}
+        log.info("startup reconciliation (journal restored: %s): %s", restored, self.startup_report["engines"])
+
+    async def health_loop(self) -> None:
+        """Every health interval, observe each engine and drive it toward the desired state."""
+        d = self._d
+        while not d.stopping.is_set():
+            interval = d.timeouts().for_step(TimeoutStep.HEALTH_INTERVAL)  # a new policy may change it
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await d.stopping.wait()
+            if d.stopping.is_set():
+                return
+            await asyncio.to_thread(d.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
+            if d.busy:
+                continue  # a transition in progress reconciles before it acts
+            async with d.background("reconcile:health", reconciling=True):
+                await self.reconcile_all("health")
+            d.refresh_gauges()
+
+    async def reconcile_relaunched(self, name: str) -> None:
+        """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
+        d = self._d
+        if d.lifecycle is DaemonState.RUNNING:
+            async with d.background("reconcile:relaunch", reconciling=True):
+                await self.reconcile_engine(d.engines[name], "relaunch")
+            d.refresh_gauges()
+
+    def require_attached(self) -> None:
+        """Every engine answered the observation that just ran (``Daemon.exclusive``); else 502 naming it."""
+        for engine in self._d.engines.values():
+            check_attached(engine.name, engine.attachment, engine.state)
+
+    # -- reconciliation ------------------------------------------------------------------------
+    async def reconcile_all(self, trigger: str, *, keep_error: bool = False) -> None:
+        await fan_out(self._d.engines.values(), lambda e: self.reconcile_engine(e, trigger, keep_error=keep_error),
+                      on_failure=OnFailure.SETTLE)
+
+    async def _observe(self, engine: EngineHandle) -> Observation:
+        budget = self._d.timeouts().for_step(TimeoutStep.OBSERVE)
+        try:
+            async with asyncio.timeout(budget):
+                if engine.attachment is Attachment.DETACHED:
+                    engine.attached(await engine.adapter.attach())
+                return await engine.adapter.observe()
+        except TimeoutError:
+            raise EngineUnreachable(engine.name, f"no answer to observe within {budget:g}s") from None
+
+    async def reconcile_engine(self, engine: EngineHandle, trigger: str, *, keep_error: bool = False) -> bool:
+        """Observe one engine and drive it toward the desired state; False if it cannot be done now.
+
+        The caller holds the node's lock (or the daemon is starting). ``keep_error``: the record's
+        last_error stays (a refresh right after a failed step keeps that step's error).
+        """
+        d = self._d
+        try:
+            observed = await self._observe(engine)
+        except EngineError as exc:
+            engine.state = engine.state.with_(healthy=False, last_error=str(exc))
+            engine.lost_sight = engine.lost_sight or engine.observed_once
+            return False
+        recorded = engine.state
+        plan = plan_reconcile(recorded, observed, phase=d.node.phase, owns_session=d.sessions.owns_open(),
+                              first_sight=not engine.observed_once and not engine.lost_sight,
+                              lost_sight=engine.lost_sight)
+        engine.state = plan.state
+        trace = Trace(d.node.step, f"reconcile:{engine.name}")
+        try:
+            if plan.restarted:
+                if observed.incarnation is None or observed.incarnation != engine.restart_counted:
+                    d.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
+                    engine.restart_counted = observed.incarnation
+                async with asyncio.timeout(d.timeouts().for_step(TimeoutStep.OBSERVE)):
+                    engine.attached(await engine.adapter.attach())  # a new process may speak a new version
+            for action in plan.actions:
+                await self._apply(engine, plan, action, trace)
+                d.metrics.reconcile_actions.labels(engine.name, action.value).inc()
+        except (ColocdError, TimeoutError) as exc:
+            error = f"reconcile ({trigger}) of engine {engine.name!r} failed: {exc or type(exc).__name__}"
+            # Keep what the engine was recorded as (and its old incarnation), so the next tick plans again.
+            base = recorded if plan.restarted else engine.state
+            engine.state = base.with_(weights=engine.state.weights if not plan.restarted else WeightsState.STALE,
+                                      healthy=True, last_error=error)
+            self._report(engine, trigger, plan, error)
+            trace.finish("reconcile_failed", error=error)  # not "failed": the trainer's step did not fail
+            return False
+        finally:
+            if plan.actions:
+                trace.finish("reconciled", restarted=plan.restarted)
+                d.traces.put(trace)
+        if plan.findings:
+            d.metrics.reconcile_actions.labels(engine.name, "adopt").inc()
+        engine.observed_once, engine.lost_sight = True, False
+        engine.state = engine.state.with_(healthy=True,
+                                          last_error=engine.state.last_error if keep_error else None)
+        self.unreconciled.discard(engine.name)
+        if plan.changes_anything:
+            self._report(engine, trigger, plan, None)
+            d.journal_append(f"reconcile:{engine.name}")
+        return True
+
+    async def _apply(self, engine: EngineHandle, plan: Plan, action: Action, trace: Trace) -> None:
+        d = self._d
+        t = d.timeouts()
+        if action is Action.FAIL_SESSION:
+            why = plan.reason or "it reports no open weight-update session"
+            await d.sessions.fail_current(WeightSyncError(f"engine {engine.name!r} lost the weight session: {why}"))
+        elif action is Action.END_ENGINE_SESSION:
+            try:
+                await ops.timed_call(engine, trace, d.metrics, "end_weight_update",
+                                     t.for_step(TimeoutStep.WEIGHT_UPDATE), engine.adapter.end_weight_update())
+            except EngineRejected:
+                if not plan.end_session_tolerant:
+                    raise  # the engine said a session was open, yet refuses to end it
+        elif action is Action.PAUSE:
+            # Abort, whatever the policy: anything running now runs on weights that are not committed.
+            await ops.pause(engine, PauseMode.ABORT, trace, d.metrics, t)
+        elif action is Action.RELEASE:
+            await ops.flush(engine, trace, d.metrics, t)
+            await ops.release(engine, plan.release, trace, d.metrics, t, d.probe)
+
+    def _report(self, engine: EngineHandle, trigger: str, plan: Plan, error: str | None) -> None:
+        report = {"trigger": trigger, "at": time.time(), "ok": error is None, "error": error, **plan.snapshot()}
+        self.reports[engine.name] = report
+        (log.warning if plan.restarted or error else log.info)(
+            "reconcile %s engine %r: restarted=%s (%s) findings=%s actions=%s%s", trigger, engine.name,
+            plan.restarted, plan.reason, list(plan.findings), [a.value for a in plan.actions],
+            f" FAILED: {error}" if error else "")
+
+    # -- the journal -----------------------------------------------------------------------------
+    def _restore_journal(self) -> bool:
+        d = self._d
+        if d.journal is None or (record := d.journal.last()) is None:
+            return False
+        d.node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
+        for name, snap in record.get("engines", {}).items():
+            if (engine := d.engines.get(name)) is None:
+                continue
+            tags = {MemoryTag(t): ops.TagState(s) for t, s in snap["tags"].items()}
+            engine.state = engine.state.with_(
+                tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
+                weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],
+                incarnation=snap.get("incarnation"))
+            # Not observed since the journal was written: re-verified before any mutating call.
+            engine.lost_sight = True
+            self.unreconciled.add(name)
+        log.info("restored node state from journal: %s", d.node.snapshot())
+        return True

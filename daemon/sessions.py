@@ -1,0 +1,478 @@
+"""Weight sessions on the node: open, chunks, commit, abort, the lease that expires an abandoned one, what a
+complete update must cover (manifests), the one-shot update, and the separated-GPU path (weight-update
+groups and broadcasts, daemon/distributed.py). The stream itself is daemon/weights.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..engines.base import RankPayload
+from ..policies import TimeoutStep
+from . import engine_ops as ops
+from .distributed import BroadcastDescriptor, WeightGroups
+from .engine_ops import EngineHandle
+from .errors import NotFound, RequestInvalid, WeightSyncError
+from .fanout import OnFailure, each_engine, fan_out
+from .states import (
+    SessionState,
+    WeightsState,
+    check_can_open_session,
+    check_partial_allowed,
+    check_session_abortable,
+    require_session_open,
+)
+from .trace import Trace
+from .weights import (
+    ChunkAck,
+    Manifest,
+    TensorMeta,
+    WeightSession,
+    manifest_from_json,
+    manifest_to_json,
+    name_some,
+)
+
+if TYPE_CHECKING:
+    from .node import Daemon
+
+__all__ = ["WeightSessions"]
+
+log = logging.getLogger("colocd.daemon")
+
+
+class WeightSessions:
+    """The node's current (or last) weight session, the ids of ended ones (410), and the reference a complete
+    update is checked against."""
+
+    def __init__(self, daemon: Daemon, groups: WeightGroups) -> None:
+        self._d = daemon
+        self.groups = groups  # separated GPUs: daemon/distributed.py
+        self.current: WeightSession | None = None
+        self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
+        # The tensors of the last complete push: what a complete update must cover where the engine
+        # cannot list its parameters (kept beside the journal, so it survives a daemon restart).
+        journal = daemon.config.journal
+        self._manifest_file = Path(journal + ".manifest.json") if journal else None
+        self.complete_manifest: Manifest | None = None
+
+    def restore(self) -> None:
+        self.complete_manifest = self._read_manifest_file()
+
+    def owns_open(self) -> bool:
+        return self.current is not None and self.current.state is SessionState.OPEN
+
+    def open_id(self) -> str | None:
+        """The id of the open session, None when none is open."""
+        return self.current.id if self.owns_open() and self.current is not None else None
+
+    def get(self, session_id: str) -> WeightSession:
+        if self.current is not None and self.current.id == session_id:
+            return self.current
+        if (gone := self._gone.get(session_id)) is not None:
+            return gone
+        raise NotFound(f"no weight session {session_id!r}"
+                       + (f" (current: {self.current.id}, {self.current.state.value})" if self.current else ""))
+
+    # -- open -------------------------------------------------------------------------------------
+    async def open(self, *, step: int | None, version: str, ranks: int | None, depth: int | None = None,
+                   manifest: list[dict[str, Any]] | None = None, partial: bool = False) -> WeightSession:
+        """Begin a weight update on every engine. Each must be paused with its weights memory resident.
+
+        ``manifest`` ([{name, dtype, shape}]) is what the trainer will send; every chunk's layout is checked
+        against it. Unless ``partial``, it must cover each engine's full parameter set where that is known;
+        a partial update needs intact (clean) weights on every engine. Refusals change nothing.
+        """
+        d = self._d
+        async with d.exclusive("open_weights"):
+            await self.lapse_if_idle()
+            current = self.current
+            check_can_open_session(self.open_id(), (e.state for e in d.engines.values()), d.node,
+                                   idle_for=current.idle_for() if current is not None else 0.0,
+                                   idle_s=current.idle_s if current is not None else None)
+            step = d.node.step if step is None else step
+            try:
+                declared = manifest_from_json(manifest) if manifest is not None else None
+            except (KeyError, TypeError, ValueError) as exc:
+                raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
+            if partial:
+                check_partial_allowed((e.state for e in d.engines.values()), d.node)
+            d.engine_lifecycle.require_attached()
+            need = max((e.config.tp_size for e in d.engines.values()), default=1)
+            ranks = need if ranks is None else ranks
+            if ranks < need:
+                raise RequestInvalid(f"ranks={ranks} but engines need {need} (their largest tp_size)", field="ranks")
+            trace = Trace(step, "weights")
+            t = d.timeouts()
+            required = await self._parameter_sets(trace, t.for_step(TimeoutStep.WEIGHT_UPDATE))
+            if declared is not None:
+                self._check_declared(declared, required, partial)
+            session = WeightSession(
+                step=step, version=version, ranks=ranks, engines=list(d.engines.values()),
+                depth=depth or d.pipeline_depth(), chunk_timeout_s=t.for_step(TimeoutStep.CHUNK),
+                trace=trace, metrics=d.metrics, manifest=declared, partial=partial,
+                idle_s=t.for_step(TimeoutStep.SESSION_IDLE))
+            session.required = required
+            session.prior = {n: e.state.weights for n, e in d.engines.items()}
+
+            async def begin(engine: EngineHandle) -> None:
+                await ops.timed_call(engine, trace, d.metrics, "begin_weight_update",
+                                     t.for_step(TimeoutStep.WEIGHT_UPDATE),
+                                     engine.adapter.begin_weight_update(session_id=session.id))
+                engine.state = engine.state.with_(weights=WeightsState.UPDATING)
+
+            try:
+                await each_engine(d.engines.values(), begin, phase="weights", metrics=d.metrics)
+            except BaseException:
+                await self._close_engines_update(trace, committed=False, session=session)
+                raise
+            if self.current is not None:
+                self._gone[self.current.id] = self.current
+                while len(self._gone) > 64:
+                    self._gone.popitem(last=False)
+            self.current = session
+            session.touch()
+            return session
+
+    async def _parameter_sets(self, trace: Trace, budget_s: float) -> dict[str, Manifest | None]:
+        """Each engine's full parameter set: from the engine where it can list them, else the last complete
+        push (None when neither is known: the daemon cannot tell what complete means)."""
+        d = self._d
+        sets: dict[str, Manifest | None] = {}
+        for name, engine in d.engines.items():
+            query = getattr(engine.adapter, "parameter_manifest", None)
+            items = None
+            if query is not None:
+                items = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s, query())
+            sets[name] = manifest_from_json(items) if items is not None else self.complete_manifest
+        return sets
+
+    def _check_declared(self, declared: Manifest, required: dict[str, Manifest | None], partial: bool) -> None:
+        """Refuse a manifest that cannot make a complete (or, partial, a consistent) update: 422 before acting."""
+        for name, params in required.items():
+            if params is None:
+                continue
+            unknown = [n for n in declared if n not in params]
+            wrong = [f"{n!r} is {m.describe()}, the engine has {params[n].describe()}"
+                     for n, m in declared.items() if n in params and m != params[n]]
+            missing = [] if partial else [n for n in params if n not in declared]
+            if unknown or wrong or missing:
+                why = []
+                if missing:
+                    clean = all(e.state.weights is WeightsState.CLEAN for e in self._d.engines.values())
+                    why.append(f"missing {name_some(missing)}: " + (
+                        "a session that updates only some tensors must say partial: true" if clean else
+                        "weights were discarded (released, or an update was abandoned), so every tensor must be "
+                        "pushed"))
+                if unknown:
+                    why.append(f"not parameters of engine {name!r}: {name_some(unknown)}")
+                if wrong:
+                    why.append("; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+                raise RequestInvalid(
+                    f"manifest does not fit engine {name!r} ({len(params)} parameters, {len(declared)} declared): "
+                    + "; ".join(why), field="manifest")
+
+    # -- chunks --------------------------------------------------------------------------------------
+    async def submit_chunk(self, session_id: str, seq: int, part: RankPayload) -> ChunkAck:
+        current = self.current
+        if current is not None and current.id == session_id and part.rank >= current.ranks:
+            raise RequestInvalid(f"rank {part.rank} is outside session {session_id}'s ranks 0..{current.ranks - 1}",
+                                 field="rank")
+        session = self.get(session_id)
+        try:
+            return await session.submit(seq, part)
+        finally:
+            if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
+                await self._finish_failed(session)
+            self._d.changed()  # chunk counters and the session's stats moved
+
+    def _trainer_ranks(self) -> int:
+        """Trainer ranks a one-shot update can carry: one per TP rank of the widest engine (what engines need)."""
+        return max((int(e.config.tp_size) for e in self._d.engines.values()), default=1)
+
+    async def update(self, *, step: int | None, version: str, chunks: list[tuple[int, RankPayload]]) -> dict[str, Any]:
+        """The one-shot form: open a session, send every chunk ((seq, part), in the caller's order), commit;
+        abort on any failure."""
+        known = self._trainer_ranks()
+        for i, (_, part) in enumerate(chunks):
+            if part.rank >= known:
+                raise RequestInvalid(f"chunks.{i}.rank {part.rank} is outside 0..{known - 1}: this node's engines "
+                                     f"take {known} trainer rank(s) (their largest tp_size)", field=f"chunks.{i}.rank")
+        ranks = max(part.rank for _, part in chunks) + 1
+        session = await self.open(step=step, version=version, ranks=ranks)
+        by_rank: dict[int, list[tuple[int, RankPayload]]] = {}
+        for seq, part in sorted(chunks, key=lambda c: c[0]):
+            by_rank.setdefault(part.rank, []).append((seq, part))
+
+        async def send_rank(sends: list[tuple[int, RankPayload]]) -> None:
+            # In sequence order, at most `depth` outstanding per rank: what the session accepts from a rank.
+            window = asyncio.Semaphore(session.depth)
+
+            async def one(seq: int, part: RankPayload) -> None:
+                try:
+                    await self.submit_chunk(session.id, seq, part)
+                finally:
+                    window.release()
+
+            tasks = []
+            for seq, part in sends:
+                await window.acquire()
+                tasks.append(asyncio.create_task(one(seq, part)))
+            await asyncio.gather(*tasks)
+
+        try:
+            await asyncio.gather(*(send_rank(sends) for sends in by_rank.values()))
+            return await self.commit(session.id, len({seq for seq, _ in chunks}))
+        except BaseException as exc:
+            if session.state is SessionState.OPEN:
+                await self.abort(session.id, f"one-shot update failed: {exc}")
+            if isinstance(exc, WeightSyncError) and session.error:
+                raise WeightSyncError(session.error) from exc
+            raise
+
+    # -- commit ----------------------------------------------------------------------------------------
+    async def commit(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
+        d = self._d
+        session = self.get(session_id)
+        require_session_open(session.id, session.state, error=session.error)
+        async with d.exclusive("commit_weights"):
+            session.touch()
+            self.groups.check_settled(session)
+            try:
+                await session.drain(num_chunks)
+            except RequestInvalid:
+                raise  # the trainer's gap: the session stays open (send the chunk, or abort)
+            except BaseException:
+                await session.fail(WeightSyncError("commit failed"))
+                await self._close_session(session)
+                raise
+            self._check_complete(session)
+            await self._close_engines_update(session.trace, committed=True, version=session.version)
+            session.commit()
+            if not session.partial:
+                self._record_complete(session)
+            d.metrics.weight_sessions.labels("committed").inc()
+            session.trace.finish("committed", bytes=session.bytes_loaded, chunks=session.chunks_loaded,
+                                 version=session.version)
+            d.traces.put(session.trace)
+            d.journal_append("weights")
+            return {**session.stats(), "broadcasts": self.groups.session_stats(session.id),
+                    "engines": {n: e.state.snapshot() for n, e in d.engines.items()},
+                    "trace": session.trace.to_json()}
+
+    def _check_complete(self, session: WeightSession) -> None:
+        """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
+        required, prior = session.required, session.prior
+        for name in self._d.engines:
+            sent = session.sent_names(name)
+            if session.manifest is not None and sent is not None:
+                unsent = [n for n in session.manifest if n not in sent]
+                if unsent:
+                    raise RequestInvalid(
+                        f"cannot commit session {session.id}: engine {name!r} never received "
+                        f"{name_some(unsent)}, declared in the manifest; send them or abort", field="manifest")
+            params = required.get(name)
+            discarded = prior.get(name) is not WeightsState.CLEAN
+            if sent is None:
+                if discarded and params is not None:
+                    raise RequestInvalid(
+                        f"cannot commit session {session.id}: engine {name!r} lost its weights and the chunks "
+                        "carried no layout the daemon can read; open the session with a manifest", field="manifest")
+                continue
+            if params is None or session.partial:
+                continue
+            missing = [n for n in params if n not in sent]
+            if missing:
+                raise RequestInvalid(
+                    f"cannot commit session {session.id}: engine {name!r} has {len(params)} parameters and "
+                    f"{'its weights were discarded, so ' if discarded else ''}a complete update must cover "
+                    f"them all; missing {name_some(missing)}. Send them, or abort "
+                    + ("(a partial update needs intact weights)" if discarded
+                       else "(open with partial: true to update only some tensors)"), field="manifest")
+
+    def _record_complete(self, session: WeightSession) -> None:
+        """Remember what a complete push carried: the reference for the next one after a discard."""
+        manifest = session.manifest if session.manifest is not None else (session.delivered or None)
+        if manifest is None:
+            return
+        self.complete_manifest = dict(manifest)
+        if self._manifest_file is not None:
+            tmp = self._manifest_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"version": session.version, "step": session.step,
+                                       "tensors": manifest_to_json(manifest)}))
+            os.replace(tmp, self._manifest_file)
+
+    def _read_manifest_file(self) -> Manifest | None:
+        if self._manifest_file is None or not self._manifest_file.exists():
+            return None
+        try:
+            return manifest_from_json(json.loads(self._manifest_file.read_text())["tensors"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable %s: %s", self._manifest_file, exc)
+            return None
+
+    # -- abort, failure, expiry ---------------------------------------------------------------------
+    async def abort(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
+        session = self.get(session_id)
+        check_session_abortable(session.id, session.state, session.version, self._d.node)
+        await session.abort(reason)  # no-op if it already ended (aborted, failed, expired)
+        await self._finish_failed(session)
+        return session.stats()
+
+    async def abort_on_shutdown(self) -> None:
+        if self.owns_open() and self.current is not None:
+            await self.current.abort("daemon shutting down")
+
+    async def fail_current(self, error: WeightSyncError) -> None:
+        """The open session cannot finish (an engine lost it): fail it and close it (caller holds the lock)."""
+        session = self.current
+        if session is None:
+            return
+        await session.fail(error)
+        await self._close_session(session)
+
+    async def _finish_failed(self, session: WeightSession) -> None:
+        if session.closed:
+            return
+        async with self._d.background(f"close_weights:{session.id}"):
+            await self._close_session(session)
+        self._d.refresh_gauges()
+
+    async def _close_session(self, session: WeightSession) -> None:
+        """End an uncommitted session (caller holds the lock): wait for its engine calls, end the engines'
+        updates (engines stay paused, weights stale where any chunk may have landed), unlink the shared-memory
+        segments its chunks named."""
+        if not session.close():
+            return  # closed already
+        d = self._d
+        t = d.timeouts()
+        session.tainted = await session.quiesce(t.for_step(TimeoutStep.QUIESCE))
+        if session.tainted:
+            log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
+                        session.id, session.tainted, t.for_step(TimeoutStep.QUIESCE))
+        await self._close_engines_update(session.trace, committed=False, session=session)
+        # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
+        # keeps its mappings valid and finds them already gone when it releases them.
+        _unlink_segments(session.shm_names)
+        d.metrics.weight_sessions.labels(session.state.value).inc()
+        session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
+                             version=session.version)
+        d.traces.put(session.trace)
+
+    async def lapse_if_idle(self) -> None:
+        """Expire the open session if its lease ran out (caller holds the lock)."""
+        session = self.current
+        if session is not None and session.expired():
+            log.warning("weight session %s expired after %.1fs without a chunk", session.id, session.idle_for())
+            await session.expire()
+            await self._close_session(session)
+
+    async def lease_loop(self) -> None:
+        """Expire idle sessions and close failed ones nobody is waiting on, without any caller's help."""
+        d = self._d
+        while not d.stopping.is_set():
+            session = self.current
+            idle_s = session.idle_s if session is not None and session.idle_s else 1.0
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(max(idle_s / 4, 0.05), 1.0)):
+                    await d.stopping.wait()
+            session = self.current
+            if d.stopping.is_set() or session is None or session.closed or d.busy:
+                continue
+            if session.state is SessionState.OPEN and not session.expired():
+                continue
+            try:
+                async with d.background(f"close_weights:{session.id}"):
+                    await self.lapse_if_idle()
+                    if session.state is not SessionState.OPEN:
+                        await self._close_session(session)
+            except Exception:  # keep the loop alive: the next round (or the next open) retries
+                log.exception("closing weight session %s failed", session.id)
+            d.refresh_gauges()
+
+    async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None,
+                                    session: WeightSession | None = None) -> None:
+        """End the engines' update sessions. Uncommitted: engines stay paused; weights are stale unless the
+        session never touched them (no chunk started there, none abandoned)."""
+        d = self._d
+        t = d.timeouts()
+        prior = session.prior if session is not None else {}
+
+        async def one(engine: EngineHandle) -> None:
+            if engine.state.weights is not WeightsState.UPDATING:
+                return
+            if not committed:
+                untouched = (session is not None and not session.touched(engine.name)
+                             and engine.name not in session.tainted)
+                engine.state = engine.state.with_(
+                    weights=prior.get(engine.name, WeightsState.STALE) if untouched else WeightsState.STALE)
+            await ops.timed_call(engine, trace, d.metrics, "end_weight_update",
+                                 t.for_step(TimeoutStep.WEIGHT_UPDATE), engine.adapter.end_weight_update())
+            if committed and version is not None:
+                await ops.timed_call(engine, trace, d.metrics, "set_weight_version",
+                                     t.for_step(TimeoutStep.WEIGHT_UPDATE),
+                                     engine.adapter.set_weight_version(version))
+                engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
+
+        if committed:
+            await each_engine(d.engines.values(), one, phase="weights", metrics=d.metrics)
+        else:
+            # Best effort: an engine that cannot even end its session is already marked stale.
+            await fan_out(d.engines.values(), one, on_failure=OnFailure.COLLECT)
+
+    # -- separated GPUs: weight-update groups and broadcasts (daemon/distributed.py) -----------------
+    async def open_group(self, *, group_name: str, master_address: str, master_port: int, backend: str,
+                         world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
+        """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
+        d = self._d
+        async with d.exclusive("open_weight_group"):
+            d.engine_lifecycle.require_attached()
+            trace = Trace(d.node.step, "weight_group")
+            try:
+                with trace.timed():
+                    record = await self.groups.open(
+                        list(d.engines.values()), group_name=group_name, master_address=master_address,
+                        master_port=master_port, backend=backend, world_size=world_size, first_rank=first_rank,
+                        t=d.timeouts(), trace=trace)
+            finally:
+                d.traces.put(trace)
+            return {**record.snapshot(), "trace": trace.to_json()}
+
+    async def close_group(self, group_name: str) -> dict[str, Any]:
+        """Destroy the group on every engine and forget it."""
+        d = self._d
+        async with d.exclusive("close_weight_group"):
+            trace = Trace(d.node.step, "weight_group")
+            return await self.groups.close(list(d.engines.values()), group_name, d.timeouts(), trace)
+
+    async def broadcast(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
+        """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
+        d = self._d
+        session = self.get(session_id)
+        require_session_open(session.id, session.state)
+        session.touch()
+        try:
+            reply = await self.groups.broadcast(session, list(d.engines.values()), descriptor, d.timeouts())
+            session.note_delivered(descriptor.names, (TensorMeta(dt, tuple(s)) for dt, s in
+                                                      zip(descriptor.dtypes, descriptor.shapes, strict=True)))
+            return reply
+        finally:
+            session.touch()
+            if session.state is not SessionState.OPEN:
+                await self._finish_failed(session)  # engines end their update, stay paused, weights stale
+            d.changed()
+
+
+def _unlink_segments(names: set[str]) -> None:
+    """Remove the /dev/shm segments an uncommitted session's chunks named (names were checked when the chunks
+    arrived; a segment the trainer already removed is simply gone)."""
+    for name in sorted(names):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join("/dev/shm", name))
+            log.info("unlinked shared-memory segment %s of an expired weight session", name)
