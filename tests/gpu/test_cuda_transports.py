@@ -21,7 +21,7 @@ from colocd.daemon.config import NodeConfig
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.sink import device_checksum, hf_shapes
-from colocd.trainer import ring
+from colocd.engines import cuda_handles
 from colocd.trainer.push import WeightPusher
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
@@ -139,7 +139,7 @@ async def test_a_handle_from_a_gpu_the_engine_cannot_see_is_a_clear_error(
     node: Node, named: list[tuple[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bogus = "GPU-00000000-0000-0000-0000-000000000000"
-    monkeypatch.setattr(ring, "device_uuid", lambda index: bogus)
+    monkeypatch.setattr(cuda_handles, "device_uuid", lambda index: bogus)  # what export_cuda_handle names
     async with WeightPusher(node.client, transport="ipc_ring", bucket_mb=1, depth=1) as pusher:
         with pytest.raises(ColocdHTTPError) as err:
             await node.push(pusher, named)
