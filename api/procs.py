@@ -3,6 +3,10 @@
 The process (own process group, log file, readiness under a deadline, SIGTERM then SIGKILL) is
 ``engines/supervisor.py``'s, as for every engine; this module writes the config and says what
 "ready" is: the ready file the daemon writes once it listens.
+
+``tether=True`` (the Ray node actor) ties the daemon to this process and, through
+``COLOCD_TETHER=1`` in its environment, each engine the daemon launches to the daemon: a SIGKILL
+anywhere up the chain leaves nothing running (``engines/tether.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import yaml
 
 from ..engines.logtail import read_tail
 from ..engines.supervisor import ManagedProcess
+from ..engines.tether import TETHER_ENV
 
 __all__ = ["DaemonProcess"]
 
@@ -26,11 +31,12 @@ class DaemonProcess:
     """``async with DaemonProcess(config_dict) as d: d.url`` — a real ``colocd serve`` process."""
 
     def __init__(self, config: dict[str, Any], *, workdir: str | None = None, ready_timeout_s: float = 60.0,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", tether: bool = False) -> None:
         self._config = dict(config)
         self._dir = Path(workdir or tempfile.mkdtemp(prefix="colocd-daemon-"))
         self._ready_timeout_s = ready_timeout_s
         self._log_level = log_level
+        self._tether = tether
         self.url: str = ""
         self.pid: int | None = None  # the daemon's process id, once ready
         self.log_path = self._dir / "daemon.log"
@@ -45,7 +51,8 @@ class DaemonProcess:
         self.process = ManagedProcess(
             "colocd", [sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(config_path),
                        "--log-level", self._log_level],
-            {**os.environ, "PYTHONUNBUFFERED": "1"}, label="colocd daemon", log_file=self.log_path,
+            {**os.environ, "PYTHONUNBUFFERED": "1", **({TETHER_ENV: "1"} if self._tether else {})},
+            label="colocd daemon", log_file=self.log_path, tether=self._tether,
             header=False,  # the daemon's log is its own format (JSON lines with log_format: json)
             failure=lambda proc, what: RuntimeError(f"colocd daemon {what}: {self.log_tail()}"))
         self.log_path.write_bytes(b"")  # this run's log only, as the ready file is this run's

@@ -8,46 +8,33 @@ no CPU of the node's (the trainer's actors keep them), and is named ``colocd-<no
 ``colocd`` namespace (``registry``). ``detached=True`` keeps it, and so the daemon and engines, running
 after the job that started it ends; otherwise it goes with the job.
 
-Engines come from the spec, the same entries as a node config's ``engines:``. One with a ``url`` and
-no ``launch`` is attached to (found); a reference engine with ``launch`` is started here, and restarted
-here on the same URL when it exits (the daemon's health loop then sees the new incarnation and
-reconciles it: issue 9). That is the ``launcher="actor"`` mode; ``launcher="daemon"`` hands the
-``launch`` entries to the daemon unchanged, for a daemon that launches and supervises its engines itself.
+The actor only runs the daemon (``api/procs.DaemonProcess``: the one process supervisor). Engines come
+from the spec, the same entries as a node config's ``engines:``, handed to the daemon unchanged: one with
+a ``url`` and no ``launch`` is attached to, one with ``launch`` is launched by the daemon, relaunched with
+backoff when it exits and reconciled (docs/config.md, ``launch:``). Where each engine runs and its pid
+are in the daemon's ``/v1/status`` (``engines.<name>.launched``).
 
-Every child is tethered (``colocd.cluster.tether``): if the actor's process dies without stopping them
-(``ray.kill``, the job ending, the node removed) the kernel kills them too, so no daemon or engine
-outlives the actor that owns it.
+The daemon is tethered to the actor and the engines to the daemon (``engines/tether.py``): if the
+actor's process dies without stopping it (``ray.kill``, the job ending, the node removed) the kernel
+kills the daemon, and then its engines, so nothing outlives the actor that owns it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import logging
-import os
 import shutil
-import signal
-import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import ray
-import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..engines.config import ReferenceEngineConfig
-from ..engines.logtail import read_tail
-from ..engines.reference.launcher import ReferenceEngineProcess
+from ..api.procs import DaemonProcess
 from .registry import NAMESPACE, actor_name
-from .tether import tether_prefix
 
 __all__ = ["NodeDaemon", "NodeSpec", "create_node_daemon", "start_node_daemon"]
-
-log = logging.getLogger("colocd.cluster")
 
 
 @dataclass(frozen=True)
@@ -62,24 +49,8 @@ class NodeSpec:
     engines: list[dict[str, Any]] = field(default_factory=list)
     daemon: dict[str, Any] = field(default_factory=dict)
     listen_host: str | None = None
-    launcher: Literal["actor", "daemon"] = "actor"
-    supervise_s: float = 0.2  # how often the actor looks for an exited engine it launched
-    ready_timeout_s: float = 120.0  # the daemon's own start
-
-
-class _TetheredReferenceEngine(ReferenceEngineProcess):
-    """A reference engine process that dies with the actor that started it."""
-
-    def command(self, ready_file: str) -> list[str]:
-        return tether_prefix() + super().command(ready_file)
-
-
-@dataclass
-class _LaunchedEngine:
-    config: ReferenceEngineConfig
-    process: ReferenceEngineProcess
-    restarts: int = 0
-    last_exit: int | None = None
+    ready_timeout_s: float = 300.0  # the daemon's start, its engines' launches included
+    stop_grace_s: float = 30.0  # SIGTERM → SIGKILL; the daemon stops its engines in it (launch.stop_grace_s)
 
 
 class NodeDaemon:
@@ -89,130 +60,46 @@ class NodeDaemon:
         self.node_id = node_id
         self.spec = spec
         self.workdir = Path(tempfile.mkdtemp(prefix=f"colocd-node-{node_id[:12]}-"))
-        self.url = ""
-        self._daemon: asyncio.subprocess.Process | None = None
-        self._daemon_log = self.workdir / "daemon.log"
-        self._engines: dict[str, _LaunchedEngine] = {}
-        self._supervisor: asyncio.Task[None] | None = None
+        self._daemon: DaemonProcess | None = None
+        self._starting = asyncio.Lock()  # concurrent start() calls (two drivers' ensure()) start one daemon
 
     # --- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> dict[str, Any]:
-        """Start (or find) the engines, then the daemon; returns ``info()``. Idempotent."""
-        if self._daemon is not None:
-            return self.info()
-        engines: list[dict[str, Any]] = []
-        launch_here = [e for e in self.spec.engines if self.spec.launcher == "actor" and e.get("launch") is not None]
-        for entry in self.spec.engines:
-            if entry not in launch_here:
-                engines.append(entry)
-        started = await asyncio.gather(*(self._launch_engine(e) for e in launch_here), return_exceptions=True)
-        errors = [s for s in started if isinstance(s, BaseException)]
-        if errors:
-            await self.stop()
-            raise errors[0]
-        # The daemon attaches to what was launched here, on the URL it bound.
-        engines += [{k: v for k, v in e.items() if k != "launch"} | {"url": self._engines[e["name"]].process.url}
-                    for e in launch_here]
-        await self._start_daemon(engines)
-        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+        """Start the daemon (which launches or attaches to the engines); returns ``info()``. Idempotent."""
+        async with self._starting:
+            if self._daemon is None:
+                host = self.spec.listen_host or ray.util.get_node_ip_address()
+                config = {"journal": str(self.workdir / "journal.jsonl"), **self.spec.daemon,
+                          "listen": {"host": host, "port": 0, **self.spec.daemon.get("listen", {})},
+                          "engines": self.spec.engines}
+                daemon = DaemonProcess(config, workdir=str(self.workdir), ready_timeout_s=self.spec.ready_timeout_s,
+                                       tether=True)
+                try:
+                    await daemon.__aenter__()  # stops what it started if it fails
+                except Exception as exc:
+                    raise RuntimeError(f"node {self.node_id}: {exc}") from exc
+                self._daemon = daemon
         return self.info()
 
     async def stop(self) -> None:
-        """Stop the daemon (SIGTERM, then SIGKILL) and every engine launched here."""
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
-            self._supervisor = None
-        proc = self._daemon
-        if proc is not None and proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        await asyncio.gather(*(e.process.aclose() for e in self._engines.values()), return_exceptions=True)
+        """Stop the daemon (SIGTERM, then SIGKILL after ``stop_grace_s``); it stops the engines it launched."""
+        if self._daemon is not None:
+            await self._daemon.stop(self.spec.stop_grace_s)
 
     def info(self) -> dict[str, Any]:
-        """Where this node's daemon listens, its pid, and each engine launched here (url, pid, restarts)."""
-        return {
-            "node_id": self.node_id,
-            "url": self.url,
-            "daemon_pid": self._daemon.pid if self._daemon else None,
-            "engines": {n: {"url": e.process.url, "pid": e.process.pid, "restarts": e.restarts,
-                            "last_exit": e.last_exit} for n, e in self._engines.items()},
-            "workdir": str(self.workdir),
-        }
+        """Where this node's daemon listens and its pid; its engines are in the daemon's ``/v1/status``."""
+        daemon = self._daemon
+        return {"node_id": self.node_id, "url": daemon.url if daemon else "",
+                "daemon_pid": daemon.pid if daemon else None, "workdir": str(self.workdir)}
 
     def daemon_log(self, n: int = 4000) -> str:
-        return read_tail(self._daemon_log, n)
+        return self._daemon.log_tail(n) if self._daemon is not None else ""
 
     async def cleanup(self) -> None:
         """``stop()`` and remove the working directory (the journal and logs with it)."""
         await self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-    # --- engines ----------------------------------------------------------------------------------
-
-    async def _launch_engine(self, entry: dict[str, Any]) -> None:
-        if entry.get("kind", "reference") != "reference":
-            raise ValueError(f"engine {entry.get('name')!r}: the node actor launches reference engines only; "
-                             "give other engines a url (attach) or use launcher='daemon'")
-        config = ReferenceEngineConfig.model_validate({"url": "http://127.0.0.1:0", **entry})
-        process = _TetheredReferenceEngine(config, log_path=self.workdir / f"{config.name}.log")
-        await process.astart()
-        # Restarts bind the same port: the daemon's config names this URL.
-        pinned = config.model_copy(update={"url": process.url})
-        self._engines[config.name] = _LaunchedEngine(pinned, process)
-
-    async def _supervise(self) -> None:
-        """Restart any engine launched here that exited; the daemon reconciles the new incarnation."""
-        while True:
-            await asyncio.sleep(self.spec.supervise_s)  # supervision cadence, not synchronisation
-            for name, engine in self._engines.items():
-                code = engine.process.returncode
-                if code is None:
-                    continue
-                log.warning("node %s: engine %s exited with %s; restarting it on %s",
-                            self.node_id, name, code, engine.config.url)
-                await engine.process.aclose()  # reaps it, drops its ready file
-                engine.last_exit = code
-                # Ready once it answers at all: the daemon may pause it before its first generation.
-                fresh = _TetheredReferenceEngine(engine.config, log_path=self.workdir / f"{name}.log",
-                                                 ready_path="/model_info")
-                try:
-                    await fresh.astart()
-                except Exception:
-                    log.exception("node %s: engine %s did not restart; trying again", self.node_id, name)
-                engine.process = fresh
-                engine.restarts += 1
-
-    # --- the daemon -------------------------------------------------------------------------------
-
-    async def _start_daemon(self, engines: list[dict[str, Any]]) -> None:
-        ready = self.workdir / "daemon.ready.json"
-        host = self.spec.listen_host or ray.util.get_node_ip_address()
-        listen = {"host": host, "port": 0, **self.spec.daemon.get("listen", {}), "ready_file": str(ready)}
-        config = {"journal": str(self.workdir / "journal.jsonl"), **self.spec.daemon,
-                  "listen": listen, "engines": engines}
-        config_path = self.workdir / "colocd.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        with open(self._daemon_log, "ab") as log_file:  # noqa: ASYNC230 (opening a log for the child)
-            self._daemon = await asyncio.create_subprocess_exec(
-                *tether_prefix(), sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(config_path),
-                "--log-level", "warning", stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + self.spec.ready_timeout_s
-        while not ready.exists():
-            if self._daemon.returncode is not None or time.monotonic() > deadline:
-                what = (f"exited with {self._daemon.returncode}" if self._daemon.returncode is not None
-                        else f"not ready within {self.spec.ready_timeout_s:g}s")
-                await self.stop()
-                raise RuntimeError(f"node {self.node_id}: colocd daemon {what}: {self.daemon_log()}")
-            await asyncio.sleep(0.05)  # polling for the ready file the daemon writes once it listens
-        self.url = str(json.loads(ready.read_text())["url"])
 
 
 def create_node_daemon(node_id: str, spec: NodeSpec, *, detached: bool = False) -> Any:

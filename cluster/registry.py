@@ -3,7 +3,7 @@
     daemons = NodeDaemons(spec)     # the driver holds them; they go with the job (detached=True: they stay)
     daemons.ensure()                # start one on every alive node that has none (again after nodes join)
     daemon_urls()                   # {node_id: url} for the cluster client
-    daemon_for_this_node()          # inside a trainer actor: this node's daemon (its url, engines)
+    daemon_for_this_node()          # inside a trainer actor: this node's daemon (its url and pid)
 
 No registry actor of our own: Ray's named-actor table (in the GCS) is the registry, so it lives as
 long as the cluster and has no single actor to lose. Lookups by name cost one GCS round trip each.
@@ -111,7 +111,7 @@ def daemon_urls(timeout_s: float = 60.0) -> dict[str, str]:
 
 
 def daemon_for_this_node(timeout_s: float = 60.0) -> dict[str, Any]:
-    """This node's daemon ``info()`` (url, pid, engines), from inside any task or actor on the node."""
+    """This node's daemon ``info()`` (url, pid), from inside any task or actor on the node."""
     node_id = ray.get_runtime_context().get_node_id()
     handle = find_daemon(node_id)
     if handle is None:

@@ -12,6 +12,11 @@ own process group (pgid == pid), so a stop reaches the engine's own children (SG
 and detokenizer, vLLM's engine core) and nothing else. The process is a ``subprocess.Popen``, so
 the same object serves asyncio callers (the daemon) and blocking ones (test fixtures, scripts);
 an async wait for exit uses a pidfd on the event loop, not a thread.
+
+A tethered child (``tether=True``, or by default when this process's environment has
+``COLOCD_TETHER=1``) is killed by the kernel when this process dies, however it dies
+(``engines/tether.py``). Its own process group does not help there: a SIGKILLed supervisor
+signals nobody, so under the cluster actor every level (actor → daemon → engine) is tethered.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from .errors import EngineError
 from .logtail import read_tail
+from .tether import TETHER_ENV, tether_prefix
 
 __all__ = [
     "EngineLaunchError",
@@ -123,7 +129,8 @@ class ManagedProcess:
     ``label`` names what it is in messages ("reference engine", "SGLang", "colocd daemon");
     ``failure`` turns a one-line reason into the exception to raise (default ``EngineLaunchError``
     with the log tail), so a non-engine child can raise its own kind. ``header`` writes the
-    (redacted) command line into the log before the child's output.
+    (redacted) command line into the log before the child's output. ``tether``: the child dies
+    with this process (None: when this process's environment has ``COLOCD_TETHER=1``).
     """
 
     def __init__(
@@ -136,6 +143,7 @@ class ManagedProcess:
         log_file: str | os.PathLike[str] | None = None,
         failure: Callable[[ManagedProcess, str], BaseException] | None = None,
         header: bool = True,
+        tether: bool | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -144,6 +152,7 @@ class ManagedProcess:
         self.log_path: Path | None = Path(log_file) if log_file is not None else None
         self._failure = failure or _engine_failure
         self._header = header  # the "# colocd: <command>" line; off where the log must stay one format
+        self.tethered = os.environ.get(TETHER_ENV) == "1" if tether is None else tether
         self._popen: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None  # time.monotonic() of spawn
 
@@ -191,8 +200,10 @@ class ManagedProcess:
             if self._header:
                 os.write(fd, f"\n# colocd: {_shown(self.argv)}\n".encode())
             try:
+                # The tether execs the command: same pid, same process group, so nothing else changes.
+                argv = tether_prefix() + self.argv if self.tethered else self.argv
                 self._popen = subprocess.Popen(
-                    self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                    argv, env=self.env, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )  # fmt: skip
             except OSError as exc:

@@ -31,15 +31,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from colocd.cluster import ClusterClient
 from colocd.cluster.daemon_actor import NodeSpec
-from colocd.cluster.registry import NodeDaemons, list_daemons
+from colocd.cluster.registry import NodeDaemons
 
 PROMPTS = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
 NEW_TOKENS = 6
 TARGET = 17  # the reward: how often a completion says token 17
 
 SPEC = NodeSpec(
-    engines=[{"kind": "reference", "name": "ref0", "launch": {}}],  # launched by the node's actor
-    daemon={"timeouts": {"health_s": 1.0, "default_s": 30}},
+    engines=[{"kind": "reference", "name": "ref0", "launch": {}}],  # launched (and relaunched) by the node's daemon
+    daemon={"timeouts": {"health_interval_s": 1.0, "default_s": 30}},
     listen_host="127.0.0.1",  # one machine; on a real cluster leave it unset (the node's IP) and set a token
 )
 
@@ -107,10 +107,11 @@ async def run(steps: int) -> list[dict[str, Any]]:
     infos = daemons.ensure()
     trainers = {node: TrainerRank.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote() for node in infos}
-    engines = {node: info["engines"]["ref0"]["url"] for node, info in list_daemons().items()}
     rows = []
     async with ClusterClient(daemons.urls()) as cluster:
         status = await cluster.status()
+        # Where each node's daemon launched its engine (the URL stays the same across relaunches).
+        engines = {node: r.body["engines"]["ref0"]["launched"]["url"] for node, r in status.nodes.items()}
         start = max(r.body["node"]["step"] for r in status.nodes.values()) + 1
         for step in range(start, start + steps):
             t0 = time.perf_counter()

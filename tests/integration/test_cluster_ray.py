@@ -1,13 +1,14 @@
 """colocd on a real multi-node Ray cluster on one machine (issue 13): one daemon per node, steps fanned out.
 
 Three Ray nodes (``ray.cluster_utils.Cluster``: separate raylets with distinct node ids, one CPU each)
-each get a ``NodeDaemon`` actor pinned to them, which launches a reference engine and runs
-``colocd serve``; a trainer actor on every node pushes to its own node's daemon. The driver steps the
-cluster through ``ClusterClient``. Every step ends on every engine's own weight checksum equal to the
-trainer's weights. One node's engine is SIGKILLed mid-step: the step fails naming that node and
-engine, the other nodes keep the new version paused, rollout is refused everywhere, and after the
-actor restarted the engine and the daemon reconciled it, redoing the sync and the next step pass.
-A node added between steps gets a daemon and is covered by the next step.
+each get a ``NodeDaemon`` actor pinned to them, which runs ``colocd serve``; the daemon launches a
+reference engine from its ``launch:`` section. A trainer actor on every node pushes to its own node's
+daemon. The driver steps the cluster through ``ClusterClient``. Every step ends on every engine's own
+weight checksum equal to the trainer's weights. One node's engine is SIGKILLed mid-step: the step
+fails naming that node and engine, the other nodes keep the new version paused, rollout is refused
+everywhere, and after that node's daemon relaunched the engine and reconciled it, redoing the sync
+and the next step pass. A node added between steps gets a daemon and is covered by the next step.
+An actor killed outright leaves neither its daemon nor the engine the daemon launched.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[2]
 
-SPEC = NodeSpec(
-    engines=[{"kind": "reference", "name": "ref0", "launch": {"ready_timeout_s": 120}}],
-    daemon={"timeouts": {"health_s": 0.5, "default_s": 20}},
+SPEC = NodeSpec(  # the daemon launches ref0, and relaunches it soon after it dies
+    engines=[{"kind": "reference", "name": "ref0",
+              "launch": {"ready_timeout_s": 120, "backoff_initial_s": 0.2, "backoff_max_s": 1}}],
+    daemon={"timeouts": {"health_interval_s": 0.5, "default_s": 20}},
     listen_host="127.0.0.1",
 )
 
@@ -108,10 +110,17 @@ async def engine_checksum(url: str) -> str:
         return str(r.json()["colocd_checksum"])
 
 
+async def launched_engines() -> dict[str, dict[str, Any]]:
+    """Each node's ``ref0`` as its daemon launched it: ``/v1/status`` → ``engines.ref0.launched``."""
+    async with ClusterClient(daemon_urls()) as cluster:
+        status = await cluster.status()
+    return {n: r.body["engines"]["ref0"]["launched"] for n, r in status.nodes.items()}
+
+
 async def checksums_by_node() -> dict[str, str]:
-    infos = list_daemons()
-    sums = await asyncio.gather(*(engine_checksum(i["engines"]["ref0"]["url"]) for i in infos.values()))
-    return dict(zip(infos, sums, strict=True))
+    engines = await launched_engines()
+    sums = await asyncio.gather(*(engine_checksum(e["url"]) for e in engines.values()))
+    return dict(zip(engines, sums, strict=True))
 
 
 async def full_step(world: World, cluster: ClusterClient) -> None:
@@ -151,7 +160,7 @@ async def test_every_node_runs_its_own_daemon_and_full_steps_reach_every_engine(
 async def test_an_engine_killed_mid_step_fails_the_step_naming_it_and_the_cluster_recovers(world: World) -> None:
     infos = list_daemons()
     victim = sorted(infos)[1]
-    old_pid = infos[victim]["engines"]["ref0"]["pid"]
+    old_pid = (await launched_engines())[victim]["pid"]
     async with ClusterClient(daemon_urls()) as cluster:
         world.step += 1
         step = world.step
@@ -177,13 +186,13 @@ async def test_an_engine_killed_mid_step_fails_the_step_naming_it_and_the_cluste
             assert r.body["node"]["phase"] == "sync", f"{node} left sync although the cluster's sync failed"
             assert r.body["engines"]["ref0"]["generation"] == "paused", node
 
-        # The actor restarts the engine; the daemon sees the new incarnation on its health loop.
+        # The victim's daemon relaunches the engine (same URL) and reconciles the new incarnation at once.
         async def reconciled() -> bool:
-            engine = list_daemons()[victim]["engines"]["ref0"]
-            last = (await cluster.client(victim).status())["reconcile"]["last"].get("ref0") or {}
-            return engine["pid"] != old_pid and engine["restarts"] == 1 and bool(last.get("restarted")) \
-                and bool(last.get("ok"))
-        await until("engine restarted and reconciled", reconciled)
+            status = await cluster.client(victim).status()
+            engine, last = status["engines"]["ref0"]["launched"], status["reconcile"]["last"].get("ref0") or {}
+            return engine["pid"] != old_pid and engine["restarts"] == 1 and engine["state"] == "running" \
+                and bool(last.get("restarted")) and bool(last.get("ok"))
+        await until("engine relaunched and reconciled", reconciled)
 
         redo = await cluster.sync(step, f"v{step}", world.push)
         assert {n for n, r in redo.nodes.items() if "skipped" not in (r.body or {})} == {victim}
@@ -223,3 +232,28 @@ async def test_the_deploy_ray_example_runs_its_rl_loop_on_the_cluster(world: Wor
     assert rows[1]["versions_seen"] == [f"v{rows[0]['step']}"]
     sums = await checksums_by_node()
     assert len(set(sums.values())) == 1 and len(sums) == len(world.trainers)
+
+
+async def test_an_actor_killed_outright_leaves_neither_its_daemon_nor_its_engine(world: World) -> None:
+    """``ray.kill`` runs none of the actor's code: only the tethers (actor → daemon → engine) stop them.
+
+    Last in the module: it takes one node's daemon away.
+    """
+    node = sorted(world.trainers)[0]
+    daemon_pid = int(list_daemons()[node]["daemon_pid"])
+    engine_pid = int((await launched_engines())[node]["pid"])
+    assert pid_alive(daemon_pid) and pid_alive(engine_pid)
+    ray.kill(world.daemons.handles.pop(node), no_restart=True)
+    deadline = time.monotonic() + 60
+    while pid_alive(daemon_pid) or pid_alive(engine_pid):
+        assert time.monotonic() < deadline, f"daemon {daemon_pid} or engine {engine_pid} outlived the actor by 60s"
+        await asyncio.sleep(0.1)  # polling for the kernel's kills, bounded by the deadline
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an orphan's zombie is reaped by init, not us)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

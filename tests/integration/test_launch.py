@@ -73,10 +73,11 @@ async def until(what: str, check: Any, client: AsyncColocdClient, timeout_s: flo
 
 
 @asynccontextmanager
-async def serve(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[tuple[DaemonProcess, AsyncColocdClient]]:
+async def serve(tmp_path: Path, config: dict[str, Any], *,
+                tether: bool = False) -> AsyncIterator[tuple[DaemonProcess, AsyncColocdClient]]:
     shm_before = shm_segments()
-    async with asyncio.timeout(DEADLINE_S), DaemonProcess(config, workdir=str(tmp_path),
-                                                          ready_timeout_s=DEADLINE_S) as daemon:
+    async with asyncio.timeout(DEADLINE_S), DaemonProcess(config, workdir=str(tmp_path), ready_timeout_s=DEADLINE_S,
+                                                          tether=tether) as daemon:
         client = AsyncColocdClient(daemon.url)
         try:
             await client.wait_ready(30)
@@ -155,6 +156,23 @@ async def test_a_launched_engine_that_dies_is_relaunched_reconciled_and_the_next
         ref0 = (await client.status())["engines"]["ref0"]
         assert (ref0["weights"], ref0["generation"], ref0["weight_version"]) == ("clean", "serving", "v2")
     assert not alive(int(again["pid"]))
+
+
+async def test_a_tethered_daemon_killed_outright_takes_the_engines_it_launched_with_it(tmp_path: Path) -> None:
+    """The cluster actor's case: nobody gets to stop anything, the kernel does (engines/tether.py).
+
+    The engine is in its own process group and its parent is the daemon, so only its own tether
+    (``COLOCD_TETHER=1`` in the daemon's environment) can reach it once the daemon is SIGKILLed.
+    """
+    async with serve(tmp_path, example_config(), tether=True) as (daemon, client):
+        engine = int((await launched(client))["pid"])
+        assert alive(engine) and os.getpgid(engine) == engine  # still its own group, tether or not
+        assert daemon.pid is not None
+        os.kill(daemon.pid, signal.SIGKILL)  # no SIGTERM handler runs: nothing stops the engine but the kernel
+        deadline = time.monotonic() + 30
+        while group_alive(engine):
+            assert time.monotonic() < deadline, f"engine {engine} outlived its daemon by 30s"
+            await asyncio.sleep(0.05)  # polling for the kernel's kill, bounded by the deadline
 
 
 async def test_a_launch_that_is_never_ready_fails_serve_with_one_line_naming_the_engine(tmp_path: Path) -> None:
