@@ -18,10 +18,10 @@ from support import serve_app, shm_segments
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
+from colocd.engines import cuda_handles
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.sink import device_checksum, hf_shapes
-from colocd.engines import cuda_handles
 from colocd.trainer.push import WeightPusher
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
