@@ -9,6 +9,7 @@ validation) are rewritten into the same shape. Routes raise; they never build an
 from __future__ import annotations
 
 import logging
+from collections.abc import MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -136,8 +137,8 @@ def validation_body(errors: list[Any]) -> tuple[int, dict[str, object]]:
                          f"{(err.get('ctx') or {}).get('error') or err.get('msg')})"}
     fields = []
     for err in errors:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        fields.append({"field": loc, "message": str(err.get("msg") or err.get("type") or "invalid")})
+        field = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        fields.append({"field": field, "message": str(err.get("msg") or err.get("type") or "invalid")})
     message = "; ".join(f"{f['field']}: {f['message']}" for f in fields) or "ValidationError (HTTP 422)"
     body: dict[str, object] = {"error": "ValidationError", "message": message, "fields": fields}
     if fields:
@@ -145,7 +146,7 @@ def validation_body(errors: list[Any]) -> tuple[int, dict[str, object]]:
     return 422, body
 
 
-def allowed_methods(app: Any, scope: dict[str, Any]) -> list[str]:
+def allowed_methods(app: Any, scope: MutableMapping[str, Any]) -> list[str]:
     """Every method some route serves at this path (Starlette's 405 names only the first route's)."""
     methods: set[str] = set()
     for route in app.router.routes:

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -97,12 +98,14 @@ async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime
                      *, log_level: str, log_json: bool) -> None:
     app = create_app(config, daemon=daemon, policies=policies)
     # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
-                                           **({"log_config": None} if log_json else {})))
+    uv_config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False)
+    if log_json:
+        uv_config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, log_config=None)
+    server = uvicorn.Server(uv_config)
     loop = asyncio.get_running_loop()
     if config.policy_file:
         # Parsing is CPU work: a signal only schedules it on a worker thread, never on the event loop.
-        reloads: set[asyncio.Future[object]] = set()
+        reloads: set[asyncio.Future[Any]] = set()
 
         def reload_on_sighup() -> None:
             future = asyncio.ensure_future(asyncio.to_thread(policies.reload_file))

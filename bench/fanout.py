@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -154,14 +155,14 @@ async def measure(node_counts: list[int], rounds: int) -> dict[str, Any]:
                 for _ in range(rounds):
                     step += 1
                     t0 = time.perf_counter()
-                    train = await _timed_cpu("train", lambda step=step: cluster.phase("train", step), cpu)
-                    sync = await _timed_cpu("sync", lambda step=step: cluster.phase("sync", step), cpu)
+                    train = await _timed_cpu("train", functools.partial(cluster.phase, "train", step), cpu)
+                    sync = await _timed_cpu("sync", functools.partial(cluster.phase, "sync", step), cpu)
                     pushes = await asyncio.gather(*(_push(u, step, model) for u in urls.values()))
                     check = await _timed_cpu("status", cluster.status, cpu)
                     t_roll = time.perf_counter()
                     # rollout(): a status fan-out (its cluster-wide check), then the phase: two requests per node
                     rollout = await _timed_cpu(
-                        "rollout", lambda step=step: cluster.rollout(step, version=f"v{step}"), cpu)
+                        "rollout", functools.partial(cluster.rollout, step, version=f"v{step}"), cpu)
                     walls["train"].append(train.seconds)
                     walls["sync"].append(sync.seconds + max(p[0] for p in pushes))
                     walls["rollout"].append(time.perf_counter() - t_roll)
@@ -231,7 +232,8 @@ def _simulate(base: dict[str, Any], c: float, nodes: tuple[int, ...], trials: in
     soft_fds, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     out: dict[str, Any] = {}
     for n in nodes:
-        steps, phases = [], {p: [] for p in fits}
+        steps: list[float] = []
+        phases: dict[str, list[float]] = {p: [] for p in fits}
         for _ in range(trials):
             train = _fan_out_wall(n, *fits["train"], c_send, c_recv, rng)
             sync_phase = _fan_out_wall(n, *fits["sync_phase"], c_send, c_recv, rng)
@@ -260,7 +262,7 @@ def _simulate(base: dict[str, Any], c: float, nodes: tuple[int, ...], trials: in
 
 async def _main(args: argparse.Namespace) -> int:
     measured = await measure(sorted(set(args.nodes)), args.rounds)
-    record = {
+    record: dict[str, Any] = {
         "bench": "fanout",
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
                     "load_avg_at_end": os.getloadavg()},

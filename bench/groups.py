@@ -144,7 +144,8 @@ def _setup(kind: str) -> torch.device:
         device = torch.device("cpu")
         backend = "gloo"
     # An in-process store: world size 1 needs no port at all.
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    store = dist.HashStore()  # type: ignore[attr-defined]  # exported by torch.distributed, not declared
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
     if kind == "cuda":
         # NCCL allocates some process-wide memory with its first communicator and keeps it after
         # destroy; pay that here so no policy's pause window is charged for it.
@@ -215,7 +216,7 @@ def _free(device: torch.device) -> int | None:
 def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     cuda = device.type == "cuda"
     try:
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None  # type: ignore[no-untyped-call]
     except Exception:
         nccl = None
     return {

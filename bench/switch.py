@@ -199,7 +199,7 @@ class _Nvml:
         if device.type != "cuda":
             return
         try:
-            import pynvml  # type: ignore[import-not-found]
+            import pynvml
 
             pynvml.nvmlInit()
             uuid = str(torch.cuda.get_device_properties(device).uuid)
@@ -507,7 +507,8 @@ def _f(value: float | None, digits: int) -> str:
 
 
 def _trainer_gib(s: dict[str, Any]) -> float | None:
-    return s["trainer_nvml_gib_max"]
+    gib = s["trainer_nvml_gib_max"]
+    return None if gib is None else float(gib)
 
 
 def _targets(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -534,8 +535,8 @@ def _targets(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 def _init_dist(device: torch.device) -> None:
     if not dist.is_initialized():
         # An in-process store: world size 1 needs no port.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
+        store = dist.HashStore()  # type: ignore[attr-defined]  # exported by torch.distributed, not declared
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
     if device.type == "cuda":
         # NCCL's process-wide first-communicator memory is paid here, as in bench/groups.py.
         warm = dist.new_group([0])

@@ -69,7 +69,7 @@ class NodeDaemon:
         """Start the daemon (which launches or attaches to the engines); returns ``info()``. Idempotent."""
         async with self._starting:
             if self._daemon is None:
-                host = self.spec.listen_host or ray.util.get_node_ip_address()
+                host = self.spec.listen_host or ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
                 config = {"journal": str(self.workdir / "journal.jsonl"), **self.spec.daemon,
                           "listen": {"host": host, "port": 0, **self.spec.daemon.get("listen", {})},
                           "engines": self.spec.engines}

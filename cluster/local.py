@@ -11,6 +11,7 @@ send traffic to.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,8 +45,8 @@ def local_cluster(nodes: int = 3, *, namespace: str | None = None, **node_args: 
         for _ in range(nodes - 1):
             cluster.add_node(**args)
         ray.init(address=cluster.address, namespace=namespace, include_dashboard=False,
-                 logging_level="warning", log_to_driver=False)
+                 logging_level=logging.WARNING, log_to_driver=False)
         yield cluster
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        cluster.shutdown()  # type: ignore[no-untyped-call]

@@ -38,7 +38,7 @@ def actor_name(node_id: str) -> str:
 
 def alive_nodes() -> list[str]:
     """Node ids of the cluster's alive nodes."""
-    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))  # type: ignore[no-untyped-call]
 
 
 def find_daemon(node_id: str) -> Any | None:

@@ -345,8 +345,8 @@ async def _check_reachable(host: str, port: int, within_s: float) -> None:
         for family, _, proto, _, address in infos:
             try:
                 async with asyncio.timeout(max(deadline - loop.time(), 0.05)):
-                    _, writer = await asyncio.open_connection(host=address[0], port=address[1], family=family,
-                                                              proto=proto)
+                    _, writer = await asyncio.open_connection(host=str(address[0]), port=int(address[1]),
+                                                              family=family, proto=proto)
             except (OSError, TimeoutError) as exc:
                 last = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
                 continue

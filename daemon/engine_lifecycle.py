@@ -18,7 +18,7 @@ from .engine_ops import EngineHandle
 from .errors import ColocdError, EngineError, EngineUnreachable, WeightSyncError
 from .fanout import OnFailure, fan_out
 from .reconcile import Action, Plan, plan_reconcile
-from .states import Attachment, DaemonState, Generation, NodePhase, NodeState, WeightsState, check_attached
+from .states import Attachment, DaemonState, Generation, NodePhase, NodeState, TagState, WeightsState, check_attached
 from .trace import Trace
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class EngineLifecycle:
         for name, snap in record.get("engines", {}).items():
             if (engine := d.engines.get(name)) is None:
                 continue
-            tags = {MemoryTag(t): ops.TagState(s) for t, s in snap["tags"].items()}
+            tags = {MemoryTag(t): TagState(s) for t, s in snap["tags"].items()}
             engine.state = engine.state.with_(
                 tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
                 weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],

@@ -127,7 +127,7 @@ class NvmlProbe:
 def open_probe() -> NvmlProbe | None:
     """An NVML probe if the driver and nvidia-ml-py are present, else None (CPU machines)."""
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
 
         pynvml.nvmlInit()
         if pynvml.nvmlDeviceGetCount() == 0:

@@ -308,11 +308,13 @@ class SessionLifecycle(Enum):
 
     @property
     def state(self) -> SessionState:
-        return self.value[0]  # type: ignore[no-any-return]
+        state: SessionState = self.value[0]
+        return state
 
     @property
     def closed(self) -> bool:
-        return self.value[1]  # type: ignore[no-any-return]
+        closed: bool = self.value[1]
+        return closed
 
 
 _L = SessionLifecycle

@@ -119,9 +119,10 @@ class Transitions:
         try:
             return d.policies.directives(pinned, phase, trainer, d.transports(), staging)
         except ValidationError as exc:
-            first = exc.errors()[0] if exc.errors() else {}
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise RequestInvalid(f"trainer.groups.{where}: {first.get('msg', exc)}",
+            errors = exc.errors()
+            where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+            msg = errors[0]["msg"] if errors else str(exc)
+            raise RequestInvalid(f"trainer.groups.{where}: {msg}",
                                  field=f"trainer.groups.{where}".rstrip(".")) from None
 
     async def _quiesce_and_release(self, engine: EngineHandle, tags: tuple[MemoryTag, ...] | None,

@@ -290,9 +290,9 @@ class WeightSession:
                     lambda: seq < self._acked + self.depth or self.state is not SessionState.OPEN
                 )
         except TimeoutError:
-            error = self._window_timeout(seq)
-            await self.fail(error)
-            raise error from None
+            window_error = self._window_timeout(seq)
+            await self.fail(window_error)
+            raise window_error from None
         self._check_open()
         chunk = self._chunks.get(seq)
         if chunk is None:
@@ -387,7 +387,7 @@ class WeightSession:
             f"{', '.join(map(repr, slow)) or '(none)'} did not consume {budget}",
             step="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
 
-    def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError:
+    def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError | RequestInvalid:
         """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the trainer's
         sequence (the caller's mistake: 422), or an engine that did not consume it."""
         budget = f"within {self.chunk_timeout_s:.1f}s"
@@ -557,6 +557,9 @@ class WeightSession:
         """Whether any load of this session ever started on the engine (its weights may be mixed)."""
         return any(ln.loads_started for ln in self._lanes if ln.name == engine)
 
+    def _lifecycle_state(self) -> SessionState:
+        return self.state
+
     async def fail(self, error: BaseException) -> None:
         """Stop the session: fail every waiting rank; loads already running are left to ``quiesce``."""
         if self.state is not SessionState.OPEN:
@@ -564,14 +567,15 @@ class WeightSession:
         self._move(ENDED_AS[SessionState.ABORTED if isinstance(error, _Abort)
                             else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED])
         self.error = str(error)
-        message = f"session {self.id} {self.state.value}: {error}"
+        ended: SessionState = self._lifecycle_state()  # _move changed it; a call keeps mypy from narrowing
+        message = f"session {self.id} {ended.value}: {error}"
         for chunk in self._chunks.values():
             for done in chunk.consumed.values():
                 if not done.done():
                     # Abandoned on purpose (abort, expiry): 410 to every rank still waiting; failed: 502.
                     done.set_exception(
-                        WeightSyncError(message) if self.state is SessionState.FAILED
-                        else SessionGone(message, session_id=self.id, state=self.state.value))
+                        WeightSyncError(message) if ended is SessionState.FAILED
+                        else SessionGone(message, session_id=self.id, state=ended.value))
                     done.exception()
         async with self._window:
             self._window.notify_all()

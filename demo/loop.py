@@ -79,7 +79,7 @@ def _reinforce_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sa
     advantage = prefix_right - prefix_right.mean()
     loss = -(advantage * logp).sum(dim=1).mean()
     optimizer.zero_grad()
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
     optimizer.step()
 
 
@@ -126,11 +126,13 @@ async def run_demo(settings: DemoSettings) -> int:
     async with ReferenceEngineProcess(engine_cfg) as engine:
         daemon_cfg = {"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
                       "journal": f"{workdir}/journal.jsonl"}
+        engine_url = engine.url
+        assert engine_url is not None  # set once the engine is ready
         async with DaemonProcess(daemon_cfg, workdir=workdir) as daemon, \
                 AsyncColocdClient(daemon.url) as client, \
                 httpx.AsyncClient(timeout=120, trust_env=False) as http:
             await client.wait_ready(30)
-            if await _engine_checksum(http, engine.url) != tensor_checksum(model.named_parameters()):
+            if await _engine_checksum(http, engine_url) != tensor_checksum(model.named_parameters()):
                 print("engine and trainer start from different weights", flush=True)
                 return 1
             pusher = WeightPusher(client, transport="shm", bucket_mb=0.1, depth=2)
@@ -138,7 +140,7 @@ async def run_demo(settings: DemoSettings) -> int:
             print(f"{'step':>4} {'reward':>7} {'sleep_s':>8} {'update_s':>9} {'wake_s':>7} {'bytes':>9} "
                   f"{'version':>7}  weights", flush=True)
             for step in range(1, settings.steps + 1):
-                samples = await _rollouts(http, engine.url, settings.batch, seed=step * 1000)
+                samples = await _rollouts(http, engine_url, settings.batch, seed=step * 1000)
                 rewards = [_reward(s) for s in samples]
                 mean_reward = sum(rewards) / len(rewards)
 
@@ -149,7 +151,7 @@ async def run_demo(settings: DemoSettings) -> int:
                 rollout = await agent.rollout(step)
 
                 trainer_sum = tensor_checksum(model.named_parameters())
-                engine_sum = await _engine_checksum(http, engine.url)
+                engine_sum = await _engine_checksum(http, engine_url)
                 status = (await client.status())["engines"]["ref0"]
                 ok = engine_sum == trainer_sum and status["weight_version"] == str(step)
                 record = {"step": step, "reward": mean_reward, "sleep_s": train["duration_s"],

@@ -23,9 +23,9 @@ def build_adapter(config: Any, client: httpx.AsyncClient) -> EngineAdapter:
 
         return SGLangAdapter(config, client)
     if config.kind == "vllm":
-        from .vllm import VLLMAdapter  # type: ignore[import-not-found]
+        from .vllm import VLLMAdapter
 
-        return VLLMAdapter(config, client)  # type: ignore[no-any-return]
+        return VLLMAdapter(config, client)
     raise ValueError(f"engine {config.name!r}: unknown kind {config.kind!r}")
 
 

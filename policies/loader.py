@@ -46,12 +46,12 @@ class _BoundedLoader(yaml.SafeLoader):
             self._aliases += 1
             if self._aliases > self._limits.max_aliases:
                 raise PolicyError(f"more than {self._limits.max_aliases} YAML aliases (limits.max_yaml_aliases)",
-                                  *_position(self.peek_event().start_mark))
+                                  *_position(self.peek_event().start_mark))  # type: ignore[no-untyped-call]
         self._depth += 1
         try:
             if self._depth > self._limits.max_depth:
                 raise PolicyError(f"nested deeper than {self._limits.max_depth} levels",
-                                  *_position(self.peek_event().start_mark))
+                                  *_position(self.peek_event().start_mark))  # type: ignore[no-untyped-call]
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1

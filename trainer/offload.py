@@ -66,7 +66,7 @@ class RankState:
         ]
         self.grads: torch.Tensor | None = torch.zeros(total, dtype=torch.bfloat16, device=device)
         optim = torch.empty(3 * self.shard_numel, dtype=torch.float32, device=device)
-        master, _, _ = optim.split(self.shard_numel)
+        master, _, _ = optim.split(self.shard_numel)  # type: ignore[no-untyped-call]  # torch's split is untyped
         torch.cat([w.reshape(-1) for w in self.weights[: self.owned]], out=master)
         optim[self.shard_numel :].zero_()
         self.optimizer: torch.Tensor | None = optim
@@ -134,7 +134,7 @@ class RankState:
 
     def _adam(self, lr: float, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8) -> None:
         assert self.weights is not None and self.grads is not None and self.optimizer is not None
-        master, m, v = self.optimizer.split(self.shard_numel)
+        master, m, v = self.optimizer.split(self.shard_numel)  # type: ignore[no-untyped-call]
         # Groups of tensors of at most ~1 GiB of fp32 gradient: bounded temporaries.
         start, i = 0, 0
         while i < self.owned:

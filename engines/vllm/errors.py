@@ -32,8 +32,8 @@ def engine_message(response: httpx.Response) -> str:
         return text[:_MAX_BODY] or response.reason_phrase
     if isinstance(data, dict):
         err = data.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
+        if isinstance(err, dict) and isinstance(message := err.get("message"), str):
+            return message
         if isinstance(err, str):
             return err
         detail = data.get("detail")
@@ -41,8 +41,8 @@ def engine_message(response: httpx.Response) -> str:
             return detail
         if detail is not None:
             return json.dumps(detail)[:_MAX_BODY]
-        if isinstance(data.get("message"), str):
-            return data["message"]
+        if isinstance(message := data.get("message"), str):
+            return message
     return text[:_MAX_BODY]
 
 

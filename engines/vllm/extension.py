@@ -101,7 +101,7 @@ def _digests_enabled(device: torch.device) -> bool:
 
 def _tp_rank() -> int:
     try:
-        from vllm.distributed.parallel_state import get_tp_group  # type: ignore[import-not-found]
+        from vllm.distributed.parallel_state import get_tp_group
 
         return int(get_tp_group().rank_in_group)
     except Exception:  # outside a vLLM worker, or TP not initialised: a single rank
@@ -195,7 +195,7 @@ class ChunkReceiver:
         key = tuple(a if not isinstance(a, list) else tuple(a) for a in args)
         buffer = self._ipc_cache.get(key)
         if buffer is None:
-            buffer = rebuild_cuda_tensor(*args)
+            buffer = rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
         if handle.get("persistent"):
             # A ring slot exported once and reused: keep one mapping per export, as vLLM's
             # PackedBufferImporter does, so the producer's refcount is released exactly once.
@@ -240,7 +240,7 @@ def begin(model: torch.nn.Module, *, strict: bool = True) -> None:
     a session whose update failed (gpu_worker.py:1579-1585), so a new start must be allowed.
     ``initialize_layerwise_reload`` skips layers already set up (layerwise.py:105-107).
     """
-    from vllm.model_executor.model_loader.reload import (  # type: ignore[import-not-found]
+    from vllm.model_executor.model_loader.reload import (
         initialize_layerwise_reload,
     )
 
@@ -265,11 +265,11 @@ def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Seque
     try:
         named = receiver.tensors(receiver.select(payloads, _tp_rank()))
         try:
-            from vllm.model_executor.model_loader.mtp_validation import (  # type: ignore[import-not-found]
+            from vllm.model_executor.model_loader.mtp_validation import (
                 disable_mtp_completeness_check,
             )
         except ImportError:  # older vLLM: no MTP completeness check to silence
-            from contextlib import nullcontext as disable_mtp_completeness_check  # type: ignore[assignment]
+            from contextlib import nullcontext as disable_mtp_completeness_check
         with disable_mtp_completeness_check():
             # A chunk holds only part of the model; the check would reject it (ipc_engine.py:240-245).
             model.load_weights(iter(named))
@@ -288,7 +288,7 @@ def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Seque
 
 def finish(model: torch.nn.Module, model_config: Any, receiver: ChunkReceiver) -> dict[str, Any]:
     """Finalise the layer-wise reload (restores kernel formats, e.g. CPU prepacking)."""
-    from vllm.model_executor.model_loader.reload import (  # type: ignore[import-not-found]
+    from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
     )
 
@@ -383,7 +383,7 @@ class ColocdWorkerExtension:
 def register_backend() -> bool:
     """Register the ``colocd`` backend with vLLM's WeightTransferEngineFactory; False outside vLLM."""
     try:
-        from vllm.distributed.weight_transfer.factory import (  # type: ignore[import-not-found]
+        from vllm.distributed.weight_transfer.factory import (
             WeightTransferEngineFactory,
         )
     except Exception:  # not inside a vLLM install: the extension's pure parts still import
