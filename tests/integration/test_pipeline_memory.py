@@ -23,6 +23,8 @@ from colocd.daemon.memory import NvmlProbe
 from colocd.daemon.node import Daemon
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.registry import build_adapter
+from colocd.policies import Transport
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -65,6 +67,19 @@ class EngineMirrorNvml:
         self._http.close()
 
 
+class AsIfOnGpu:
+    """The real adapter, advertising the transports the reference engine accepts on CUDA: it runs on the
+    CPU here, and a CPU engine honestly offers only shm and disk, which stage no GPU memory."""
+
+    transports = frozenset(Transport)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def node() -> AsyncIterator[dict[str, Any]]:
     engine_cfg = ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0, model=MODEL)
@@ -72,8 +87,10 @@ async def node() -> AsyncIterator[dict[str, Any]]:
         config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url,
                                                          "gpus": [0]}]})
         nvml = EngineMirrorNvml(engine.url)
-        daemon = Daemon(config, probe=NvmlProbe(nvml))
-        async with serve_app(create_app(config, daemon=daemon)) as url, AsyncColocdClient(url) as client:
+        http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False)
+        adapter = AsIfOnGpu(build_adapter(config.engines[0], http))
+        daemon = Daemon(config, probe=NvmlProbe(nvml), adapters={"ref0": adapter})
+        async with http, serve_app(create_app(config, daemon=daemon)) as url, AsyncColocdClient(url) as client:
             await client.wait_ready(30)
             yield {"client": client, "nvml": nvml, "url": url}
 
