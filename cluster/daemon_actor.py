@@ -32,7 +32,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..api.procs import DaemonProcess
-from .registry import NAMESPACE, actor_name
+from .names import NAMESPACE, actor_name
 
 __all__ = ["NodeDaemon", "NodeSpec", "create_node_daemon", "start_node_daemon"]
 

@@ -15,6 +15,9 @@ from typing import Any
 
 import ray
 
+from .daemon_actor import create_node_daemon
+from .names import NAMESPACE, actor_name
+
 __all__ = [
     "NAMESPACE",
     "NodeDaemons",
@@ -28,13 +31,6 @@ __all__ = [
     "list_daemons",
     "stop_daemons",
 ]
-
-NAMESPACE = "colocd"
-
-
-def actor_name(node_id: str) -> str:
-    return f"colocd-{node_id}"
-
 
 def alive_nodes() -> list[str]:
     """Node ids of the cluster's alive nodes."""
@@ -66,8 +62,6 @@ class NodeDaemons:
 
         Safe to call again after nodes joined: existing daemons are found, not restarted.
         """
-        from .daemon_actor import create_node_daemon  # the actor module imports this one
-
         targets = nodes if nodes is not None else alive_nodes()
         for node in targets:  # get-or-create by name: a daemon started elsewhere is adopted
             self.handles.setdefault(node, create_node_daemon(node, self.spec, detached=self.detached))
