@@ -49,7 +49,7 @@ class DaemonProcess:
         config_path = self._dir / "colocd.yaml"
         config_path.write_text(yaml.safe_dump({**self._config, "listen": listen}))
         self.process = ManagedProcess(
-            "colocd", [sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(config_path),
+            "colocd", [sys.executable, "-m", "colocd.cli", "serve", "--config", str(config_path),
                        "--log-level", self._log_level],
             {**os.environ, "PYTHONUNBUFFERED": "1", **({TETHER_ENV: "1"} if self._tether else {})},
             label="colocd daemon", log_file=self.log_path, tether=self._tether,

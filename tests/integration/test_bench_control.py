@@ -11,7 +11,7 @@ from pathlib import Path
 def test_bench_control_smoke_run_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "control.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "colocd.api.cli", "bench", "control", "--samples", "10", "--warmup-cycles", "1",
+        [sys.executable, "-m", "colocd.cli", "bench", "control", "--samples", "10", "--warmup-cycles", "1",
          "--cycles", "2", "--blocks", "2", "--readers", "4", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

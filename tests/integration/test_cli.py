@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _colocd(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "colocd.api.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "colocd.cli", *args], capture_output=True, text=True,
                           timeout=timeout_s, cwd=REPO)
 
 
@@ -51,7 +51,7 @@ def _write_config(tmp_path: Path, **overrides: object) -> Path:
 
 def test_status_without_a_daemon_fails_in_one_line_without_importing_torch(dead_url: str) -> None:
     # In-process main() in a child, so the child can report whether torch was imported (seconds of start-up).
-    code = ("import sys; from colocd.api.cli import main; rc = main(['status', '--url', sys.argv[1]]); "
+    code = ("import sys; from colocd.cli import main; rc = main(['status', '--url', sys.argv[1]]); "
             "print('torch' in sys.modules); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, dead_url], capture_output=True, text=True, timeout=120)
     line = _one_line_failure(proc, 1)

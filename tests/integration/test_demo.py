@@ -10,7 +10,7 @@ from pathlib import Path
 
 def test_demo_learns_and_every_step_syncs_identical_weights(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "colocd.api.cli", "demo", "--steps", "40", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "colocd.cli", "demo", "--steps", "40", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())

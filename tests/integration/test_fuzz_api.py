@@ -95,7 +95,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         log = work / "colocd.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from colocd.api.cli import main; sys.exit(main())",
+                [sys.executable, "-c", "import sys; from colocd.cli import main; sys.exit(main())",
                  "serve", "--config", str(work / "node.yaml"), "--log-level", "warning"],
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:

@@ -182,7 +182,7 @@ async def test_a_launch_that_is_never_ready_fails_serve_with_one_line_naming_the
     path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": 0}}))
     started = time.monotonic()
     out = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(path),
+        subprocess.run, [sys.executable, "-m", "colocd.cli", "serve", "--config", str(path),
                          "--log-level", "warning"],
         capture_output=True, text=True, timeout=DEADLINE_S)
     assert out.returncode == 1, out.stderr

@@ -21,9 +21,9 @@ import pytest_asyncio
 from support import serve_app
 
 from colocd.api.app import create_app
-from colocd.api.cli import main as cli_main
 from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
+from colocd.cli import main as cli_main
 from colocd.daemon.config import NodeConfig
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess

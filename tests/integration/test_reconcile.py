@@ -90,7 +90,7 @@ class DaemonProcess:
         self.ready_file.unlink(missing_ok=True)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; readiness polled below
-                [sys.executable, "-m", "colocd.api.cli", "serve", "--config", str(self.config)],
+                [sys.executable, "-m", "colocd.cli", "serve", "--config", str(self.config)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         async with asyncio.timeout(30):
             while not self.ready_file.exists():

@@ -11,19 +11,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .cli_http import CliFailure, DaemonCall
-from .timeline import add_trace_command
-from .top import add_top_command
+from .api.cli_http import CliFailure, DaemonCall
+from .api.timeline import add_trace_command
+from .api.top import add_top_command
 
 __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ..daemon.config import ConfigError, load_node_config
-    from ..engines.supervisor import EngineLaunchError
-    from ..policies import PolicyError
-    from .logs import configure_logging
-    from .server import serve
+    from .api.logs import configure_logging
+    from .api.server import serve
+    from .daemon.config import ConfigError, load_node_config
+    from .engines.supervisor import EngineLaunchError
+    from .policies import PolicyError
 
     try:
         config = load_node_config(args.config)
@@ -96,7 +96,7 @@ def _policy_apply(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ..demo.loop import DemoSettings, run_demo
+    from .demo.loop import DemoSettings, run_demo
 
     settings = DemoSettings(steps=args.steps, device=args.device, batch=args.batch, seed=args.seed,
                             json_out=args.json, timeline_out=args.timeline, metrics_out=args.metrics_out)
@@ -104,7 +104,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_weights(args: argparse.Namespace) -> int:
-    from ..bench.weights import BenchSettings, run_weights_bench
+    from .bench.weights import BenchSettings, run_weights_bench
 
     settings = BenchSettings(model=args.model, device=args.device, variants=tuple(args.variants.split(",")),
                              bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
@@ -114,7 +114,7 @@ def _bench_weights(args: argparse.Namespace) -> int:
 
 
 def _bench_control(args: argparse.Namespace) -> int:
-    from ..bench.control import ControlBenchSettings, run_control_bench
+    from .bench.control import ControlBenchSettings, run_control_bench
 
     settings = ControlBenchSettings(samples=args.samples, warmup_cycles=args.warmup_cycles, cycles=args.cycles,
                                     readers=args.readers, blocks=args.blocks, out=args.out)
@@ -123,7 +123,7 @@ def _bench_control(args: argparse.Namespace) -> int:
 
 
 def _bench_switch(args: argparse.Namespace) -> int:
-    from ..bench.switch import SwitchSettings, run_switch_bench
+    from .bench.switch import SwitchSettings, run_switch_bench
 
     settings = SwitchSettings(model=args.model, device=args.device, presets=tuple(args.presets.split(",")),
                               steps=args.steps, warmup=args.warmup, optimizer_shards=args.optimizer_shards,
