@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from ..daemon.config import ListenConfig, NodeConfig
 from ..daemon.node import Daemon
@@ -97,11 +98,11 @@ async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool =
 async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime, sock: socket.socket, url: str,
                      *, log_level: str, log_json: bool) -> None:
     app = create_app(config, daemon=daemon, policies=policies)
-    # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too.
-    uv_config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False)
-    if log_json:
-        uv_config = uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, log_config=None)
-    server = uvicorn.Server(uv_config)
+    # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too; building a
+    # Config applies the one it is given, so it is chosen first.
+    log_config = None if log_json else LOGGING_CONFIG
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
+                                           log_config=log_config))
     loop = asyncio.get_running_loop()
     if config.policy_file:
         # Parsing is CPU work: a signal only schedules it on a worker thread, never on the event loop.
