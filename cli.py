@@ -130,7 +130,8 @@ def _bench_switch(args: argparse.Namespace) -> int:
                               groups=args.groups, train_tokens=args.train_tokens, gen_tokens=args.gen_tokens,
                               rollout_s=args.rollout_s,
                               mem_fraction=args.mem_fraction, kv_gib=args.kv_gib,
-                              post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out)
+                              post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out,
+                              sync_modes=tuple(args.sync.split(",")))
     record = asyncio.run(run_switch_bench(settings))
     return 0 if all(s["verified_all"] for s in record["summary"]) else 1
 
@@ -208,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="engine weights + KV as a share of the GPU (SGLang's mem_fraction_static)")
     ps.add_argument("--kv-gib", type=float, default=None, help="KV cache size; overrides --mem-fraction")
     ps.add_argument("--post-destroy-wait-s", type=float, default=None, help="override the presets' 2 s wait")
+    ps.add_argument("--sync", default="sync",
+                    help="sync, async or sync,async: the weight push awaited, or from a snapshot in the background "
+                         "(policy sync.mode); both compare step time per preset in one run")
     ps.add_argument("--seed", type=int, default=0)
     ps.add_argument("--out", default=None, help="write the JSON record here")
     ps.set_defaults(func=_bench_switch)

@@ -33,6 +33,7 @@ __all__ = [
     "SleepRequest",
     "TrainerReport",
     "TrainerSpan",
+    "TrainerWeights",
     "TransitionReply",
     "UpdateWeightsRequest",
 ]
@@ -95,6 +96,22 @@ class TrainerGroups(GroupSnapshot):
     model_config = ConfigDict(strict=True)
 
 
+class TrainerWeights(_Strict):
+    """How the trainer pushed its weights this step (``colocd.trainer.async_push.AsyncWeightSync.report()``)."""
+
+    requested: Literal["sync", "async"] = Field("sync", description="the mode the policy asked for")
+    mode: Literal["sync", "async"] = Field("sync", description="the mode that ran")
+    buffer: Literal["device", "pinned_cpu", "none"] = Field("none", description="where the snapshot went")
+    fallback_reason: str | None = Field(None, max_length=2000, description="why async fell back to sync")
+    started_version: str | None = Field(None, max_length=256, description="the trainer's latest started version")
+    version: str | None = Field(None, max_length=256, description="the version this report's push carried")
+    buffer_bytes: int | None = Field(None, ge=0, description="bytes the snapshot holds")
+    snapshot_s: float | None = Field(None, ge=0, description="copying into the second buffer")
+    push_s: float | None = Field(None, ge=0, description="the push, open to commit")
+    join_wait_s: float | None = Field(None, ge=0, description="how long the join waited for the push")
+    overlap_s: float | None = Field(None, ge=0, description="push time hidden behind the trainer's work")
+
+
 class TrainerReport(_Strict):
     """What the trainer agent knows or did (``colocd.trainer.TrainerAgent``), validated before any engine is touched."""
 
@@ -102,6 +119,8 @@ class TrainerReport(_Strict):
     groups_report: GroupsReport | None = Field(None, description="sync: what the group lifecycle did")
     spans: list[TrainerSpan] | None = Field(None, max_length=1024, description="sync: timed trainer sub-steps")
     cleanup: dict[str, JsonValue] | None = Field(None, description="sync: the cleanup report, minus its spans")
+    weights: TrainerWeights | None = Field(None, description="how the weights were pushed, and the latest version "
+                                                             "the trainer started")
 
 
 class PhaseRequest(_Strict):

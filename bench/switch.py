@@ -2,6 +2,7 @@
 
     colocd bench switch --model qwen3-8b --device cuda --rollout-s 2 --out bench/results/switch-qwen3-8b-h200.json
     colocd bench switch --model tiny --device cpu --steps 1 --warmup 0 --groups 2   # CPU smoke run
+    colocd bench switch --model qwen3-8b --device cuda --presets tuned --sync sync,async   # issue 15
 
 Three processes, as in ``colocd bench weights``: this one is a training rank, a reference engine
 holds the checkpoint's shapes (``--sink-shapes``) plus a KV cache (``--sink-kv-gib``), and a real
@@ -16,6 +17,12 @@ communicator). Every step runs the whole handoff through the ``TrainerAgent``:
     update   WeightPusher push shaped by the sync reply's pipeline plan (checksum-verified afterwards)
     wake     weights offloaded, cleanup, POST rollout (KV back)
     rollout  real generation on the engine; memory of both processes read from NVML meanwhile
+
+``--sync async`` runs the same step with ``sync: {mode: async}`` through ``AsyncWeightSync``: the update
+is only the snapshot of the weights into a second buffer (on the device when it fits), and the push runs
+in the background while the trainer does its post-step work (offloading its weights, cleanup); the wake
+joins it before the rollout. ``--sync sync,async`` runs both per preset in one run (``<preset>+async``),
+and the summary's ``step_s`` (train + switch) compares them (``targets.async_step_speedup``).
 
 A preset is a policy document applied to the daemon (``PUT /v1/policies``) plus the trainer-side
 settings the policy does not carry (the export format). The floor is measured in the same run: the
@@ -51,6 +58,7 @@ from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
 from ..policies import CleanupPlan
 from ..trainer.agent import TrainerAgent
+from ..trainer.async_push import AsyncWeightSync
 from ..trainer.cleanup import run_cleanup
 from ..trainer.groups import GroupLifecycle, GroupSpec
 from ..trainer.offload import RankState
@@ -158,6 +166,7 @@ class SwitchSettings:
     mem_fraction: float = 0.80  # engine static memory (weights + KV) as a share of the GPU, as SGLang's
     kv_gib: float | None = None  # overrides the KV size mem_fraction gives
     post_destroy_wait_s: float | None = None  # overrides the presets' 2 s (the smoke test keeps it)
+    sync_modes: tuple[str, ...] = ("sync",)  # per preset: sync, async (a background push from a snapshot)
     seed: int = 0
     out: str | None = None
 
@@ -174,6 +183,8 @@ class StepRecord:
     update_s: float = 0.0
     wake_s: float = 0.0
     switch_s: float = 0.0  # resume + sleep + update + wake
+    step_s: float = 0.0  # train + switch: what async can shorten
+    sync_mode: str = "sync"  # what ran (async falls back to sync when no second buffer fits)
     parts: dict[str, float] = field(default_factory=dict)  # where each phase's time went
     offloaded_bytes: int = 0  # device → pinned host this step
     onloaded_bytes: int = 0  # pinned host → device
@@ -306,12 +317,13 @@ class _Rank:
 
 
 async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engine_url: str, first_step: int,
-                      nvml: _Nvml, pids: dict[str, int | None], daemon_url: str) -> list[StepRecord]:
+                      nvml: _Nvml, pids: dict[str, int | None], daemon_url: str,
+                      mode: str = "sync") -> list[StepRecord]:
     s, state, device = rank.settings, rank.state, rank.device
     agent = TrainerAgent(rank.client, groups=rank.life, device=device, overlap_groups=preset.overlap_groups)
     transport = "cuda_ipc" if device.type == "cuda" else "shm"
     export = preset.export if device.type == "cuda" else None
-    document = preset.policy_yaml(transport)
+    document = preset.policy_yaml(transport) + f"sync: {{mode: {mode}}}\n"
     if s.post_destroy_wait_s is not None:
         document = document.replace("post_destroy_wait_s: 2.0", f"post_destroy_wait_s: {s.post_destroy_wait_s:g}")
     put = await http.put(f"{daemon_url}/v1/policies", content=document.encode(),
@@ -367,31 +379,46 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         rec.sleep_s = t5 - t3
         rec.offloaded_bytes = off.copied_bytes
 
-        # update_weights: shaped by the pipeline plan in the sync reply.
+        # update_weights: shaped by the pipeline plan in the sync reply. Async: only the snapshot is on the
+        # critical path here; the push runs during the wake's post-step work and is joined before the rollout.
         plan = dict(sync["directives"]["pipeline"])
         if export is not None:
             plan["transport"] = export
-        async with WeightPusher.from_plan(rank.client, plan) as pusher:
-            push = await pusher.push(state.named_weights(), version=f"{preset.name}-{step}", step=step)
-            log = list(pusher.chunk_log)
+        pusher = WeightPusher.from_plan(rank.client, plan)
+        weight_sync = AsyncWeightSync(pusher)
+        weight_sync.follow(sync["directives"].get("weight_sync"))
+        await weight_sync.start(state.named_weights(), version=f"{preset.name}-{mode}-{step}", step=step)
         t6 = time.perf_counter()
         rec.update_s = t6 - t5
-        rec.pushed_bytes, rec.chunks, rec.transport = push.nbytes, push.chunks, str(plan["transport"])
-        parts["update.chunks_engine"] = sum(c.load_s for c in log)
-        parts["update.export"] = sum(c.export_s for c in log)
-        sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
-        rec.verified = [sink["checksums"].get(n) for n in state.names] == expected
+        report = weight_sync.report() or {}
+        rec.sync_mode = str(report.get("mode", "sync"))
+        if rec.sync_mode == "async":
+            parts["update.snapshot"] = float(report.get("snapshot_s") or 0.0)
 
-        # wake_up: weights out, cleanup per policy, engine KV back.
+        # wake_up: weights out, cleanup per policy (the push runs meanwhile if async), engine KV back.
         t7 = time.perf_counter()
         offw = await asyncio.to_thread(state.offload, ("weights",))
-        time.perf_counter()
         plan_doc = agent.directives.get("cleanup")  # the train reply's plan, the one sync enacted
         cleanup2 = 0.0
         if plan_doc:
-            report = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan_doc), device=device)
-            cleanup2 = report.seconds
-        t9 = time.perf_counter()
+            cleaned = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan_doc), device=device)
+            cleanup2 = cleaned.seconds
+        t8 = time.perf_counter()
+        push = await weight_sync.join() or weight_sync.last_push
+        joined = time.perf_counter()
+        log = list(pusher.chunk_log)
+        await pusher.aclose()
+        assert push is not None
+        report = weight_sync.report() or {}
+        rec.pushed_bytes, rec.chunks, rec.transport = push.nbytes, push.chunks, str(plan["transport"])
+        parts["update.chunks_engine"] = sum(c.load_s for c in log)
+        parts["update.export"] = sum(c.export_s for c in log)
+        if rec.sync_mode == "async":
+            parts["update.push_overlapped"] = float(report.get("overlap_s") or 0.0)
+            parts["wake.join_wait"] = joined - t8
+        sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
+        rec.verified = [sink["checksums"].get(n) for n in state.names] == expected
+        t9 = time.perf_counter()  # the verification read is the benchmark's, not the switch's
         agent.last_reports.pop("groups_pause_wait_s", None)
         rollout = await agent.rollout(step)
         t10 = time.perf_counter()
@@ -404,9 +431,10 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             parts["sleep.groups_overlapped"] = _groups_s(agent, "groups_report")
             parts["wake.groups_wait"] = pause_wait
         parts["wake.http_and_client"] = (t10 - t9) - rollout["duration_s"] - pause_wait
-        rec.wake_s = t10 - t7
+        rec.wake_s = (joined - t7) + (t10 - t9)  # sync: the join is immediate (the push ran inside start())
         rec.offloaded_bytes += offw.copied_bytes
         rec.switch_s = rec.resume_s + rec.sleep_s + rec.update_s + rec.wake_s
+        rec.step_s = rec.train_s + rec.switch_s
         for phase, reply in (("train", train), ("sync", sync), ("rollout", rollout)):
             for name, seconds in _span_totals(reply).items():
                 parts[f"daemon.{phase}.{name}"] = seconds
@@ -420,7 +448,8 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         while time.perf_counter() - window_start < s.rollout_s:
             rec.generated_tokens += await _generate(http, engine_url, s, step)
         records.append(rec)
-        print(f"  {preset.name} step {step}{' (warm-up)' if rec.warmup else ''}: switch {rec.switch_s:.3f} s "
+        print(f"  {preset.name}/{rec.sync_mode} step {step}{' (warm-up)' if rec.warmup else ''}: "
+              f"step {rec.step_s:.3f} s, switch {rec.switch_s:.3f} s "
               f"(resume {rec.resume_s:.3f}, sleep {rec.sleep_s:.3f}, update {rec.update_s:.3f}, "
               f"wake {rec.wake_s:.3f}); verified={rec.verified}", flush=True)
     return records
@@ -452,7 +481,7 @@ async def _generate(http: httpx.AsyncClient, url: str, s: SwitchSettings, step: 
 # --- summary ---------------------------------------------------------------------------------------
 
 
-_FIELDS = ("switch_s", "resume_s", "sleep_s", "update_s", "wake_s", "train_s")
+_FIELDS = ("switch_s", "resume_s", "sleep_s", "update_s", "wake_s", "train_s", "step_s")
 
 
 _ENGINE_MEMORY_SPANS = ("daemon.train.release_memory", "daemon.sync.resume_memory", "daemon.rollout.resume_memory")
@@ -484,6 +513,7 @@ def _summary(name: str, records: Sequence[StepRecord], floor_s: float, strict_s:
     out["chunks"] = timed[0].chunks
     out["transport"] = timed[0].transport
     out["group_actions"] = sorted({a for r in timed for a in r.group_actions})
+    out["sync_modes"] = sorted({r.sync_mode for r in timed})
     return out
 
 
@@ -520,6 +550,11 @@ def _targets(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         out["tuned_x_floor_strict"] = tuned["x_floor_strict"]
         out["tuned_within_1_3x_floor"] = tuned["x_floor"] is not None and tuned["x_floor"] <= 1.3
         out["tuned_within_1_3x_strict_floor"] = tuned["x_floor_strict"] is not None and tuned["x_floor_strict"] <= 1.3
+    speedups = {name: by[name]["step_s"] / s["step_s"] for name in by
+                if (s := by.get(f"{name}+async")) is not None and s["step_s"] > 0}
+    if speedups:
+        out["async_step_speedup"] = speedups  # sync step time / async step time, per preset (>1: async helps)
+        out["async_ran_async"] = {n: by[f"{n}+async"]["sync_modes"] == ["async"] for n in speedups}
     if tuned and seed:
         out["speedup_vs_seed_baseline"] = seed["switch_s"] / tuned["switch_s"]
         out["speedup_at_least_3x"] = out["speedup_vs_seed_baseline"] >= 3.0
@@ -560,6 +595,8 @@ async def run_switch_bench(settings: SwitchSettings) -> dict[str, Any]:
     unknown = [p for p in settings.presets if p not in PRESETS]
     if unknown:
         raise ValueError(f"unknown presets {unknown}; known: {sorted(PRESETS)}")
+    if not settings.sync_modes or any(m not in ("sync", "async") for m in settings.sync_modes):
+        raise ValueError(f"sync modes must be sync and/or async, got {settings.sync_modes}")
     device = torch.device(settings.device)
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
@@ -654,8 +691,11 @@ async def _run(settings: SwitchSettings, device: torch.device,
             rank = _Rank(settings, device, client, life, state)
             step = 1
             for name in settings.presets:
-                results[name] = await _run_preset(PRESETS[name], rank, http, engine.url, step, nvml, pids, daemon.url)
-                step += len(results[name])
+                for mode in settings.sync_modes:
+                    key = name if mode == "sync" else f"{name}+{mode}"
+                    results[key] = await _run_preset(PRESETS[name], rank, http, engine.url, step, nvml, pids,
+                                                     daemon.url, mode)
+                    step += len(results[key])
     life.close()
     # The allocation term measured in this process came out larger than what the engine's own release
     # and resume calls take (HTTP hop included); the strict floor uses the smaller of the two.

@@ -87,6 +87,13 @@ class Metrics:
         self.fallbacks = Counter(
             "colocd_fallbacks_total", "A policy decision replaced by its fallback (kind=process_groups, ...)",
             ["kind"], registry=r)
+        self.rollout_staleness = Gauge(
+            "colocd_rollout_weight_staleness_versions", "How many started weight versions were newer than the one "
+            "each engine served when the last rollout began (0: the latest)", ["engine"], registry=r)
+        self.weight_syncs = Counter(
+            "colocd_trainer_weight_syncs_total", "Weight pushes the trainer reported, by the mode the policy asked "
+            "for and the mode that ran (async falls back to sync when the second buffer does not fit)",
+            ["requested", "mode"], registry=r)
         self.nvml_available = Gauge(
             "colocd_nvml_available", "1 if NVML reads the engines' GPUs; 0 means no GPU memory series exist",
             registry=r)

@@ -48,6 +48,7 @@ from .steps import StepBook
 from .supervision import EngineSupervision
 from .trace import Trace, TraceStore
 from .transitions import TransitionResult, Transitions
+from .versions import VersionBook
 from .weights import ChunkAck, WeightSession
 
 __all__ = ["Daemon", "DaemonState", "TransitionResult"]
@@ -73,6 +74,7 @@ class _StatusInputs(NamedTuple):
     active_policy: Any
     pending_policy: Any
     nvml: bool
+    versions: dict[str, Any]
 
 
 class Daemon:
@@ -86,6 +88,7 @@ class Daemon:
         self.traces = TraceStore(on_put=self.steps.observe)
         self.steps.attach(self.traces)
         self.node = NodeState()
+        self.versions = VersionBook()  # started weight versions, and what each rollout served
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
         self.pinned: Any = None  # the PolicySet of the transition in progress
@@ -311,7 +314,9 @@ class Daemon:
             session.stats() if session is not None else None,
             tuple(sorted(lifecycle.unreconciled)), lifecycle.startup_report, tuple(lifecycle.reports.items()),
             tuple((n, self.launches.snapshot(n)) for n in self.engines),
-            self.policies.active, self.policies.store.pending, self.probe is not None)
+            self.policies.active, self.policies.store.pending, self.probe is not None,
+            self.versions.snapshot(self.policies.active.sync.staleness_bound, self.policies.active.sync.mode,
+                                   ((n, e.state.weight_version) for n, e in self.engines.items())))
 
     def status_json(self) -> bytes:
         """``status()`` as JSON bytes, rebuilt only when one of its inputs changed (GET /v1/status)."""
@@ -369,4 +374,5 @@ def _render_status(i: _StatusInputs) -> dict[str, Any]:
         "reconcile": {"unreconciled": list(i.unreconciled), "startup": i.startup, "last": dict(i.reports)},
         "policy": policy,
         "nvml": i.nvml,
+        "versions": i.versions,
     }

@@ -105,7 +105,7 @@ class PolicyRuntime:
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
                    transports: frozenset[Transport] | None, staging: StagingMemory | None = None) -> dict[str, Any]:
         """What the trainer agent must enact for this phase (pure decisions, serialised)."""
-        out: dict[str, Any] = {"policy": policies.info()}
+        out: dict[str, Any] = {"policy": policies.info(), "weight_sync": self.weight_sync(policies)}
         if phase == "train":
             snapshot = GroupSnapshot.model_validate((trainer or {}).get("groups") or {})
             out["process_groups"] = policies.process_groups.before_pause(snapshot).model_dump(mode="json")
@@ -113,6 +113,10 @@ class PolicyRuntime:
         elif phase == "sync":
             out["pipeline"] = self.pipeline_plan(policies, transports, staging).model_dump(mode="json")
         return out
+
+    def weight_sync(self, policies: PolicySet) -> dict[str, Any]:
+        """How the trainer pushes (``sync.mode``) and the staleness bound in force (``sync`` section)."""
+        return {**policies.sync.model_dump(mode="json"), "max_staleness_versions": policies.sync.staleness_bound}
 
     def pipeline_plan(self, policies: PolicySet, transports: frozenset[Transport] | None,
                       staging: StagingMemory | None = None) -> PipelinePlan:

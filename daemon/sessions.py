@@ -137,6 +137,7 @@ class WeightSessions:
                 while len(self._gone) > 64:
                     self._gone.popitem(last=False)
             self.current = session
+            d.versions.started(version)  # the trainer has this version now; engines lag it until commit
             session.touch()
             return session
 

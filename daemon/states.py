@@ -36,6 +36,7 @@ __all__ = [
     "check_partial_allowed",
     "check_phase_request",
     "check_reconciled",
+    "check_rollout_staleness",
     "check_rollout_weights",
     "check_session_abortable",
     "check_session_move",
@@ -254,6 +255,22 @@ def check_rollout_weights(engines: Iterable[EngineState], node: NodeState) -> No
     if stale:
         raise TransitionRejected("cannot enter 'rollout': weights not updated since release: " + "; ".join(stale),
                                  state=node.snapshot())
+
+
+def check_rollout_staleness(served: Mapping[str, str | None], staleness: Mapping[str, int], latest: str | None,
+                            bound: int, node: NodeState) -> None:
+    """No engine starts a rollout serving weights more than ``bound`` versions behind the trainer's latest
+    started version (``sync.max_staleness_versions``): the push that would close the gap must land first.
+    ``served``: engine → the version it reports; ``staleness``: engine → started versions newer than that."""
+    behind = [f"engine {name!r} serves version {served.get(name)!r}, {lag} version(s) behind the latest "
+              f"started version {latest!r}" for name, lag in sorted(staleness.items()) if lag > bound]
+    if behind:
+        raise TransitionRejected(
+            "cannot enter 'rollout': " + "; ".join(behind) + f"; the bound is {bound} "
+            "(sync.max_staleness_versions): wait for the push to land (join it), then retry",
+            state={**node.snapshot(), "stale": {n: {"serves": served.get(n), "behind": lag}
+                                                for n, lag in staleness.items() if lag > bound},
+                   "latest_version": latest, "max_staleness_versions": bound})
 
 
 def check_can_open_session(open_session: str | None, engines: Iterable[EngineState], node: NodeState, *,

@@ -157,6 +157,11 @@ class StepBook:
         for span in trace.spans:
             if span.engine == "trainer":
                 m.trainer_substep_duration.labels(span.name.removeprefix("trainer.")).observe(span.duration_s)
+                if span.name == "trainer.weight_sync":
+                    m.weight_syncs.labels(str(span.attrs.get("requested", "sync")),
+                                          str(span.attrs.get("mode", "sync"))).inc()
+                    if span.attrs.get("fallback_reason"):
+                        m.fallbacks.labels("weight_sync").inc()
                 if span.name == "trainer.process_groups":
                     if span.attrs.get("fallback_reason"):
                         m.fallbacks.labels("process_groups").inc()

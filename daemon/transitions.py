@@ -16,8 +16,16 @@ from .engine_ops import EngineHandle
 from .errors import NotFound, RequestInvalid, TransitionRejected
 from .fanout import each_engine
 from .staging import StagingMemory
-from .states import NodePhase, NodeState, check_no_open_session, check_phase_request, check_rollout_weights
+from .states import (
+    NodePhase,
+    NodeState,
+    check_no_open_session,
+    check_phase_request,
+    check_rollout_staleness,
+    check_rollout_weights,
+)
 from .trace import Span, Trace
+from .versions import RolloutVersions, VersionBook
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -62,7 +70,7 @@ class Transitions:
                 check_phase_request(d.node, phase, step)
                 d.engine_lifecycle.require_attached()
                 trace = Trace(step, phase.value)
-                _record_trainer_report(trace, trainer)
+                _record_trainer_report(trace, trainer, d.versions)
                 t0 = time.perf_counter()
                 runner = {NodePhase.TRAIN: self._enter_train, NodePhase.SYNC: self._enter_sync,
                           NodePhase.ROLLOUT: self._enter_rollout}[phase]
@@ -160,8 +168,15 @@ class Transitions:
     async def _enter_rollout(self, trace: Trace) -> dict[str, dict[str, int]]:
         d = self._d
         await d.sessions.lapse_if_idle()
+        # Versions first: a push still in flight is refused by the bound, naming each engine's version.
+        sync = d.policy_set().sync
+        served = {n: e.state.weight_version for n, e in d.engines.items()}  # as just observed (reconcile)
+        staleness = d.versions.lags(served)
+        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, d.node)
         check_no_open_session(d.sessions.open_id(), advice=": commit or abort it first")
         check_rollout_weights((e.state for e in d.engines.values()), d.node)
+        record = RolloutVersions(d.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
+        trace.attrs.update(rollout_versions=served, staleness_versions=staleness, latest_version=record.latest)
 
         async def one(engine: EngineHandle) -> dict[str, int]:
             t = d.timeouts()
@@ -169,7 +184,11 @@ class Transitions:
             await ops.flush(engine, trace, d.metrics, t)  # no stale prefix KV across a weight change
             await ops.continue_generation(engine, trace, d.metrics, t)
             return {}
-        return await each_engine(d.engines.values(), one, phase="rollout", metrics=d.metrics)
+        freed = await each_engine(d.engines.values(), one, phase="rollout", metrics=d.metrics)
+        d.versions.record(record)
+        for name, lag in staleness.items():
+            d.metrics.rollout_staleness.labels(name).set(lag)
+        return freed
 
     # -- manual sleep / resume -----------------------------------------------------------------
     def _select(self, names: list[str] | None) -> list[EngineHandle]:
@@ -234,10 +253,15 @@ class Transitions:
                                     {e.name: e.state.snapshot() for e in engines}, trace=trace)
 
 
-def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None) -> None:
-    """Put what the trainer agent reported (group lifecycle, cleanup sub-steps) into the step's trace."""
+def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None, versions: VersionBook) -> None:
+    """Put what the trainer agent reported (group lifecycle, cleanup sub-steps, how its weights were pushed)
+    into the step's trace; a version it reports started counts from now."""
     if not trainer:
         return
+    if (weights := trainer.get("weights")) is not None:
+        versions.started(weights.get("started_version"))
+        trace.add(Span(name="trainer.weight_sync", engine="trainer", start_s=0.0,
+                       duration_s=float(weights.get("join_wait_s") or 0.0), attrs=dict(weights)))
     for span in trainer.get("spans") or []:
         trace.add(Span(name=f"trainer.{span.get('name', 'step')}", engine="trainer",
                        start_s=-float(span.get("duration_s", 0.0)), duration_s=float(span.get("duration_s", 0.0)),

@@ -31,7 +31,7 @@ from .process_groups import (
     WaitPoint,
 )
 from .registry import BUILTINS, ENTRY_POINT_GROUP, resolve_policy
-from .settings import DEFAULT_PAUSE_MODE, EngineSettings, PauseModeName
+from .settings import DEFAULT_PAUSE_MODE, EngineSettings, PauseModeName, SecondBuffer, SyncMode, SyncSettings
 from .store import PolicyStore
 from .timeouts import Timeouts, TimeoutStep
 from .transport import Transport
@@ -70,8 +70,11 @@ __all__ = [
     "PolicySet",
     "PolicyStore",
     "ProcessGroupPolicy",
+    "SecondBuffer",
     "SerialPolicy",
     "SuspendPolicy",
+    "SyncMode",
+    "SyncSettings",
     "TimeoutStep",
     "Timeouts",
     "Transport",

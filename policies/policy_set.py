@@ -11,7 +11,7 @@ from typing import Any
 from .cleanup import CleanupPolicy
 from .pipeline import PipelinePolicy
 from .process_groups import ProcessGroupPolicy
-from .settings import EngineSettings, PauseModeName
+from .settings import EngineSettings, PauseModeName, SyncSettings
 from .timeouts import Timeouts
 
 __all__ = ["API_VERSION", "PolicySet"]
@@ -33,6 +33,7 @@ class PolicySet:
     cleanup: CleanupPolicy
     engines: EngineSettings = field(default_factory=lambda: EngineSettings())
     timeouts: Timeouts = field(default_factory=lambda: Timeouts())
+    sync: SyncSettings = field(default_factory=lambda: SyncSettings())
     version: int = 0
     source: str | None = None  # where it came from, for logs: a path, "PUT /v1/policies", "defaults"
     fingerprint: str = field(init=False)
@@ -50,6 +51,7 @@ class PolicySet:
             "cleanup": self.cleanup.settings(),
             "engines": self.engines.model_dump(mode="json"),
             "timeouts": self.timeouts.model_dump(mode="json"),
+            "sync": self.sync.model_dump(mode="json"),
         }
 
     def info(self) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""Plain settings carried in the policy document: engine release behaviour (timeouts: ``timeouts.py``).
+"""Plain settings carried in the policy document: engine release behaviour, how weights sync (timeouts:
+``timeouts.py``).
 
 These are values, not pluggable policies; the daemon reads them at each transition.
 """
@@ -9,7 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["DEFAULT_PAUSE_MODE", "EngineSettings", "PauseModeName", "ReleaseTag"]
+__all__ = ["DEFAULT_PAUSE_MODE", "EngineSettings", "PauseModeName", "ReleaseTag", "SecondBuffer", "SyncMode",
+           "SyncSettings"]
 
 ReleaseTag = Literal["weights", "kv_cache", "cuda_graph"]
 PauseModeName = Literal["abort", "retract", "in_place"]
@@ -39,3 +41,39 @@ class EngineSettings(BaseModel):
         if len(set(tags)) != len(tags):
             raise ValueError(f"tags listed twice: {sorted({t for t in tags if tags.count(t) > 1})}")
         return tags
+
+
+SyncMode = Literal["sync", "async"]
+# Where the trainer snapshots its weights for a background push: auto picks the device when a copy plus
+# the margin fits in its free memory, else pinned host memory, else it falls back to a synchronous push.
+SecondBuffer = Literal["auto", "device", "pinned_cpu"]
+
+
+class SyncSettings(BaseModel):
+    """How the trainer's weights reach the engines, and how far the served weights may lag behind.
+
+    ``sync`` (the default): the push is awaited before anything else happens. ``async``: the trainer
+    snapshots its weights into a second buffer and the push runs in the background while the trainer does
+    its post-step work (``colocd.trainer.async_push.AsyncWeightSync``); it is joined before the rollout
+    and before the next push. The engines never serve a partial update either way: they serve the old
+    version until the push commits.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: SyncMode = Field("sync", description="sync | async (a background push from a snapshot)")
+    max_staleness_versions: int | None = Field(
+        None, ge=0, le=1024,
+        description="how many versions the weights an engine serves may lag the trainer's latest started "
+                    "version when a rollout begins; left out: 0 for sync, 1 for async")
+    second_buffer: SecondBuffer = Field(
+        "auto", description="async: where the snapshot goes (auto | device | pinned_cpu)")
+    buffer_margin_mb: int = Field(
+        1024, ge=0, le=1 << 20, description="async: memory that must stay free beside the snapshot, MiB")
+
+    @property
+    def staleness_bound(self) -> int:
+        """The bound in force: the one set, else the mode's default."""
+        if self.max_staleness_versions is not None:
+            return self.max_staleness_versions
+        return 1 if self.mode == "async" else 0

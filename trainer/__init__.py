@@ -1,18 +1,20 @@
 """colocd.trainer: the library that runs inside the trainer process.
 
 Client-side weight push (``push``: bucketing, ``producer``/``ring``: IPC export), the synchronous
-``TrainerClient``, separated-GPU broadcast (``broadcast``), process-group lifecycle (``groups``),
-cleanup (``cleanup``), state offload (``offload``) and the agent that enacts the daemon's directives
-(``agent``). Engines never import this package; the chunk formats both sides read live in
-``colocd.engines.chunks`` and ``colocd.engines.cuda_handles``.
+``TrainerClient``, separated-GPU broadcast (``broadcast``), the asynchronous push from a snapshot
+(``async_push``), process-group lifecycle (``groups``), cleanup (``cleanup``), state offload
+(``offload``) and the agent that enacts the daemon's directives (``agent``). Engines never import this
+package; the chunk formats both sides read live in ``colocd.engines.chunks`` and ``colocd.engines.cuda_handles``.
 """
 
 from .agent import TrainerAgent
+from .async_push import AsyncWeightSync
 from .broadcast import DistributedWeightSender
 from .client import TrainerClient
 from .push import ChunkRecord, PushReport, WeightPusher, manifest_of
 
 __all__ = [
+    "AsyncWeightSync",
     "ChunkRecord",
     "DistributedWeightSender",
     "PushReport",

@@ -15,6 +15,11 @@ runs in the background from ``sync`` until ``rollout``, which waits for it befor
 their KV cache back (the memory must be free by then, not earlier), and its report travels with the
 ``rollout`` call; the resume (e.g. a rebuild) starts right after the ``train`` reply and runs while
 the trainer brings its state back. Call ``groups_ready()`` before the first collective of the step.
+
+With ``weight_sync`` (``colocd.trainer.async_push.AsyncWeightSync``) the agent hands it the policy's
+``weight_sync`` directive from every reply, joins its background push before ``rollout`` (the engines
+must hold the new version before they serve), reports how the push ran, and, if the daemon still
+refuses the rollout on the staleness bound, joins and retries once.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from typing import Any
 
 import torch
 
-from ..api.client import AsyncColocdClient
+from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..policies import CleanupPlan, GroupDirective
+from .async_push import AsyncWeightSync
 from .cleanup import run_cleanup
 from .groups import GroupLifecycle, GroupReport
 
@@ -37,8 +43,10 @@ class TrainerAgent:
     """Phase calls plus the trainer-side half of each policy; every cost is reported to the daemon."""
 
     def __init__(self, client: AsyncColocdClient, *, groups: GroupLifecycle | None = None,
-                 device: torch.device | None = None, overlap_groups: bool = False) -> None:
+                 device: torch.device | None = None, overlap_groups: bool = False,
+                 weight_sync: AsyncWeightSync | None = None) -> None:
         self._client = client
+        self._weight_sync = weight_sync
         self._groups = groups
         self._device = device
         self._overlap = overlap_groups
@@ -71,6 +79,8 @@ class TrainerAgent:
         trainer = {"groups": self._groups.snapshot().model_dump(mode="json")} if self._groups else None
         reply = await self._client.phase("train", step, trainer=trainer)
         self._directives = reply.get("directives") or {}
+        if self._weight_sync is not None:
+            self._weight_sync.follow(self._directives.get("weight_sync"))
         if self._groups is not None:
             # Rebuild (or verify kept groups) now that the engines gave the memory back.
             resume = asyncio.ensure_future(asyncio.to_thread(self._groups.resume))
@@ -93,7 +103,10 @@ class TrainerAgent:
             report["spans"] = cleanup.spans
             report["cleanup"] = {k: v for k, v in cleanup.to_dict().items() if k != "spans"}
         self.last_reports.update(report)
-        return await self._client.phase("sync", step, trainer=report or None)
+        reply = await self._client.phase("sync", step, trainer=report or None)
+        if self._weight_sync is not None:
+            self._weight_sync.follow((reply.get("directives") or {}).get("weight_sync"))
+        return reply
 
     async def rollout(self, step: int) -> dict[str, Any]:
         trainer = None
@@ -101,4 +114,16 @@ class TrainerAgent:
             # The background pause must have freed the groups' memory before the engines resume.
             self.last_reports["groups_pause_wait_s"] = await self.groups_ready()
             trainer = {"groups_report": self.last_reports["groups_report"]}
-        return await self._client.phase("rollout", step, trainer=trainer)
+        if self._weight_sync is None:
+            return await self._client.phase("rollout", step, trainer=trainer)
+        await self._weight_sync.join()  # the engines serve only a committed version
+        if (weights := self._weight_sync.report()) is not None:
+            trainer = {**(trainer or {}), "weights": weights}
+            self.last_reports["weights"] = weights
+        try:
+            return await self._client.phase("rollout", step, trainer=trainer)
+        except ColocdHTTPError as exc:
+            if exc.status != 409 or "stale" not in (exc.body.get("state") or {}):
+                raise
+            await self._weight_sync.join()  # a push started elsewhere meanwhile: let it land, then retry once
+            return await self._client.phase("rollout", step, trainer=trainer)

@@ -191,6 +191,10 @@ class WeightPusher:
             raise
         return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
+    def transport_for(self, device: torch.device) -> str:
+        """The transport a stream of tensors on ``device`` uses: the one given, else ``auto_transport``."""
+        return str(self._transport) if self._transport != "auto" else auto_transport(device)
+
     def _shape_for(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
         """This stream's transport and bucket size: the ones given, else chosen from the tensors."""
         device = next((t.device for _, t in named), torch.device("cpu"))

@@ -88,7 +88,8 @@ class ReferenceEngine:
         self.settings = settings
         self.tokenizer = CharTokenizer()
         self.state = EngineState.STARTING
-        self.weight_version = settings.weight_version
+        self._scheduler: Scheduler | None = None
+        self._weight_version = settings.weight_version
         self.startup_time = time.time()
         self.tp_size = settings.tp_size
         # Rank 0's device (generation runs there); every rank's is known once the model is built.
@@ -137,6 +138,7 @@ class ReferenceEngine:
             max_seq=self.settings.max_seq,
             tokenizer=self.tokenizer,
             memory_ready=lambda: memory.all_resident,
+            weight_version=self._weight_version,
         )
         self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
         self._loop_task.add_done_callback(self._on_loop_exit)
@@ -418,6 +420,18 @@ class ReferenceEngine:
             future=future,
         )
 
+    @property
+    def weight_version(self) -> str:
+        """The version served now (``/model_info``, every response's ``meta_info``)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, new: str) -> None:
+        # SGLang's record_weight_version_change: requests alive across the change get a span per version.
+        self._weight_version = new
+        if self._scheduler is not None:
+            self._scheduler.record_version_change(new)
+
     def _response(self, out: ReqOutput) -> dict[str, Any]:
         """SGLang's non-streaming answer (tokenizer_manager.py:2506-2669)."""
         meta: dict[str, Any] = {
@@ -430,6 +444,11 @@ class ReferenceEngine:
             "completion_tokens": len(out.output_ids),
             "cached_tokens": 0,
         }
+        if out.weight_versions:
+            # SGLang 0.5.23 add_weight_versions_to_meta_info (utils/weight_versions.py): the spans of output
+            # tokens each version produced, and weight_version becomes the last span's version.
+            meta["weight_versions"] = [dict(span) for span in out.weight_versions]
+            meta["weight_version"] = out.weight_versions[-1]["version"]
         if out.output_logprobs is not None:
             # SGLang's (logprob, token_id, text) triples; text is null unless return_text_in_logprobs.
             meta["input_token_logprobs"] = [

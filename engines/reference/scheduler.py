@@ -78,6 +78,9 @@ class ReqOutput:
     num_retractions: int
     input_logprobs: list[float | None] | None
     output_logprobs: list[float] | None
+    # SGLang's per-request spans: [{version, start, end}] over the output tokens, one per weight version
+    # that produced some of them, oldest first (empty for a request nothing produced).
+    weight_versions: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(eq=False)
@@ -99,6 +102,8 @@ class Req:
     num_retractions: int = 0
     finish: FinishReason | None = None
     created: float = field(default_factory=time.monotonic)
+    # (old version, output tokens produced under it so far), one per version change while it was alive.
+    version_events: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -119,8 +124,10 @@ class Scheduler:
         max_seq: int,
         tokenizer: CharTokenizer,
         memory_ready: Callable[[], bool],
+        weight_version: str = "default",
     ) -> None:
         self._step = step
+        self._weight_version = weight_version
         self._max_batch = max_batch
         self._max_seq = max_seq
         self._tokenizer = tokenizer
@@ -188,6 +195,16 @@ class Scheduler:
             self._reap()
             self._changed.notify_all()
             return len(victims)
+
+    def record_version_change(self, new_version: str) -> None:
+        """The weights changed version: every live request with output so far notes how many tokens the old
+        version produced (SGLang's record_weight_version_events; the request's spans are built at finish)."""
+        old, self._weight_version = self._weight_version, new_version
+        if old == new_version:
+            return
+        for req in (*self._waiting, *self._running):
+            if req.finish is None and req.output_ids:
+                req.version_events.append((old, len(req.output_ids)))
 
     # --- control ---------------------------------------------------------------------------------
 
@@ -342,6 +359,7 @@ class Scheduler:
                 num_retractions=req.num_retractions,
                 input_logprobs=req.input_logprobs if req.return_logprob else None,
                 output_logprobs=list(req.output_logprobs) if req.return_logprob else None,
+                weight_versions=_version_spans(req.version_events, self._weight_version, len(req.output_ids)),
             )
         )
 
@@ -371,3 +389,19 @@ class Scheduler:
                 self._free_slots.append(r.slot)
                 r.slot = None
         self._running = []
+
+
+def _version_spans(events: list[tuple[str, int]], current: str, num_output: int) -> tuple[dict[str, Any], ...]:
+    """SGLang 0.5.23's compute_weight_version_spans then add_weight_versions_to_meta_info: consecutive spans
+    of output tokens per version, the current one last; a span starting past the output is dropped unless it
+    starts at 0 (a request that produced nothing still names the version it ran under)."""
+    spans: list[dict[str, Any]] = []
+    for version, end in (*events, (current, num_output)):
+        end = min(end, num_output)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return tuple(s for s in spans if s["start"] < num_output or s["start"] == 0)

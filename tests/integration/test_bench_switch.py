@@ -33,3 +33,19 @@ async def test_bench_switch_cpu_smoke_run_verifies_every_sync_and_writes_the_rec
     assert "pause:destroy" in by["seed-baseline"]["group_actions"]
     assert all(by[p]["verified_all"] and by[p]["x_floor"] > 0 for p in by)
     assert {"speedup_vs_seed_baseline", "tuned_x_floor", "paused_memory_within_0_25_gib"} <= set(record["targets"])
+
+
+async def test_bench_switch_sync_and_async_in_one_run_verify_every_push_and_compare_step_time(tmp_path: Path) -> None:
+    record = await run_switch_bench(SwitchSettings(
+        model="tiny", device="cpu", presets=("tuned",), steps=1, warmup=0, groups=2, train_tokens=8,
+        gen_requests=2, gen_tokens=4, post_destroy_wait_s=0.0, sync_modes=("sync", "async")))
+
+    by = {s["preset"]: s for s in record["summary"]}
+    assert set(by) == {"tuned", "tuned+async"}
+    assert by["tuned"]["sync_modes"] == ["sync"] and by["tuned+async"]["sync_modes"] == ["async"]
+    assert all(by[p]["verified_all"] for p in by)  # the engine holds exactly the snapshot the push carried
+    async_step = record["steps"]["tuned+async"][0]
+    assert async_step["step_s"] == async_step["train_s"] + async_step["switch_s"]
+    assert "update.snapshot" in async_step["parts"] and "wake.join_wait" in async_step["parts"]
+    assert record["targets"]["async_step_speedup"]["tuned"] > 0
+    assert record["targets"]["async_ran_async"] == {"tuned": True}

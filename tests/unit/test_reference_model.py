@@ -483,3 +483,26 @@ def test_greedy_helper_stops_at_eos() -> None:
     model = EosModel()
     runner = ModelRunner(model, StaticBuffers(torch.zeros(1), torch.zeros(1, CFG.vocab_size)))  # type: ignore[arg-type]
     assert generate_greedy(runner, [1, 4], 5, eos_id=EOS_ID) == [EOS_ID]
+
+
+async def test_scheduler_reports_a_weight_version_span_per_version_that_produced_output_tokens() -> None:
+    """SGLang 0.5.23's meta_info.weight_versions: a request alive across a version change gets one span per
+    version, over its output tokens; one that started after the change names only the new version."""
+    step = GatedStep()
+    sched = Scheduler(step, max_batch=2, max_seq=64, tokenizer=CharTokenizer(), memory_ready=lambda: True,
+                      weight_version="v1")
+    loop = asyncio.create_task(sched.run())
+    try:
+        across = make_req([1, 5], max_new=4)
+        await sched.submit(across)
+        await run_steps(step, 2)  # two tokens under v1
+        await step.entered.wait()  # the third step is in flight; the change waits for no step
+        sched.record_version_change("v2")
+        after = make_req([1, 5], max_new=2)
+        await sched.submit(after)
+        await run_steps(step, 3)  # the step in flight, then two more: `after` joins the batch at the next
+        spans = (await across.future).weight_versions
+        assert spans == ({"version": "v1", "start": 0, "end": 2}, {"version": "v2", "start": 2, "end": 4})
+        assert (await after.future).weight_versions == ({"version": "v2", "start": 0, "end": 2},)
+    finally:
+        loop.cancel()

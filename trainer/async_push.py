@@ -1,0 +1,248 @@
+"""Asynchronous weight sync: snapshot the weights into a second buffer, push from it in the background.
+
+    sync = AsyncWeightSync(WeightPusher(client))            # or DistributedWeightSender (separated GPUs)
+    agent = TrainerAgent(client, weight_sync=sync)
+    for step in steps:
+        await agent.train(step); ...train...
+        await agent.sync(step)                               # the reply's directives say sync or async
+        await sync.start(model.named_parameters(), version=str(step), step=step)   # returns after the copy
+        await asyncio.to_thread(post_step_work)              # logging, offload, checkpoint: the push runs meanwhile
+        await agent.rollout(step)                            # joins the push first; the engines serve it
+
+``start`` joins the previous push (one weight session at a time), copies every tensor into the second
+buffer and returns; the push (open, stream, commit) then runs as a task on this event loop, so the
+trainer's work must yield to the loop (``asyncio.to_thread``: torch releases the GIL in its kernels).
+``join`` waits for the commit and frees the snapshot. The engines keep serving the old version until the
+commit, and the daemon switches them only at a step boundary (the rollout phase): never a partial update.
+
+The second buffer: the tensors' own device when its free memory (``torch.cuda.mem_get_info``; host
+``MemAvailable`` for CPU tensors) holds a copy plus ``margin``; else pinned host memory (CUDA tensors only,
+and only for senders that can read host tensors: the broadcast sender, or a shared-memory pusher); else
+the push runs synchronously and the report says why (``fallback_reason``; the daemon counts it in
+``colocd_fallbacks_total{kind="weight_sync"}`` and puts it in the step trace).
+
+When it helps, and when it cannot:
+
+* Separated GPUs (``DistributedWeightSender``): the engines' memory is theirs, so the broadcast can run
+  while the trainer computes: everything after the snapshot overlaps, down to the next step's forward and
+  backward if the loop accepts one version of staleness (``sync.max_staleness_versions``).
+* Colocated engines: the engine's memory is the trainer's during training, so a push can only land after
+  ``sync`` gave the engine its weights memory back. What overlaps is the trainer's post-step work between
+  the snapshot and the rollout (offloading its weights and optimizer, cleanup, logging, checkpointing). A
+  device snapshot costs one more copy of the weights in GPU memory during that window; with little
+  post-step work there is nothing to hide the push behind and async gains nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from .push import PushReport, WeightPusher
+
+__all__ = ["AsyncWeightSync", "BufferChoice", "MemoryProbe", "WeightSender", "choose_buffer"]
+
+_MIB = 1 << 20
+BufferKind = Literal["device", "pinned_cpu", "none"]
+# Producers that read host tensors; the others need each chunk's tensors on a CUDA device.
+_HOST_READABLE = frozenset({"shm", "disk"})
+
+
+class WeightSender(Protocol):
+    """What ``AsyncWeightSync`` drives: ``WeightPusher`` or ``DistributedWeightSender``."""
+
+    async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
+                   step: int | None = None) -> PushReport: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProbe:
+    """Free bytes where a snapshot could go (None: unknown, treated as no room). Injected for tests."""
+
+    device_free: Callable[[torch.device], int | None]
+    host_available: Callable[[], int | None]
+
+    @classmethod
+    def system(cls) -> MemoryProbe:
+        return cls(device_free=_device_free, host_available=_host_available)
+
+
+def _device_free(device: torch.device) -> int | None:
+    if device.type == "cpu":
+        return _host_available()
+    try:
+        return int(torch.cuda.mem_get_info(device)[0])
+    except (RuntimeError, AssertionError):
+        return None
+
+
+def _host_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class BufferChoice:
+    kind: BufferKind
+    reason: str
+
+
+def choose_buffer(nbytes: int, device: torch.device, *, wanted: str = "auto", margin_bytes: int,
+                  probe: MemoryProbe, host_ok: bool) -> BufferChoice:
+    """Where a snapshot of ``nbytes`` goes: the device if a copy plus the margin fits there, else pinned host
+    memory (CUDA tensors, a sender that reads host tensors: ``host_ok``), else none (push synchronously)."""
+    need = nbytes + margin_bytes
+    notes = []
+    if wanted in ("auto", "device"):
+        free = probe.device_free(device)
+        if free is not None and free >= need:
+            return BufferChoice("device", f"{nbytes / _MIB:.0f} MiB copy on {device} ({free / _MIB:.0f} MiB free)")
+        notes.append(f"{device} has {'unknown' if free is None else f'{free / _MIB:.0f} MiB'} free, "
+                     f"needs {need / _MIB:.0f} MiB (copy + margin)")
+    if wanted in ("auto", "pinned_cpu"):
+        if device.type != "cuda":
+            notes.append("pinned host memory only stages CUDA tensors")
+        elif not host_ok:
+            notes.append("the sender's transport needs device tensors, not a host snapshot")
+        else:
+            free = probe.host_available()
+            if free is not None and free >= need:
+                return BufferChoice("pinned_cpu", f"{nbytes / _MIB:.0f} MiB pinned host copy "
+                                                  f"({free / _MIB:.0f} MiB available)")
+            notes.append(f"host has {'unknown' if free is None else f'{free / _MIB:.0f} MiB'} available, "
+                         f"needs {need / _MIB:.0f} MiB")
+    return BufferChoice("none", "no room for a second buffer: " + "; ".join(notes))
+
+
+def _snapshot(named: list[tuple[str, torch.Tensor]], kind: BufferKind) -> list[tuple[str, torch.Tensor]]:
+    """Copy every tensor into the second buffer. Device copies are queued on the current stream, so the
+    trainer's later kernels (on that stream) cannot overwrite a source before it is copied; host copies are
+    waited for, so the push reads finished bytes."""
+    out = []
+    for name, tensor in named:
+        src = tensor.detach()
+        if kind == "pinned_cpu":
+            dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            dst.copy_(src, non_blocking=True)
+        else:
+            dst = torch.empty_like(src, memory_format=torch.contiguous_format).copy_(src)
+        out.append((name, dst))
+    if kind == "pinned_cpu":
+        torch.cuda.current_stream().synchronize()
+    return out
+
+
+class AsyncWeightSync:
+    """One push at a time, from a snapshot, in the background (``mode="async"``) or awaited (``"sync"``).
+
+    ``mode``, ``second_buffer`` and ``margin_mb`` are the policy's ``sync`` section; ``follow(directive)``
+    takes them from a phase reply (``directives["weight_sync"]``), as ``TrainerAgent`` does.
+    """
+
+    def __init__(self, sender: WeightSender, *, mode: str = "async", second_buffer: str = "auto",
+                 margin_mb: float = 1024, probe: MemoryProbe | None = None) -> None:
+        self._sender = sender
+        self.mode = mode
+        self.second_buffer = second_buffer
+        self.margin_bytes = int(margin_mb * _MIB)
+        self._probe = probe or MemoryProbe.system()
+        self._task: asyncio.Task[PushReport] | None = None
+        self._snapshot: list[tuple[str, torch.Tensor]] | None = None
+        self._report: dict[str, Any] | None = None
+        self._started_version: str | None = None
+        self.last_push: PushReport | None = None
+
+    def follow(self, directive: dict[str, Any] | None) -> None:
+        """Adopt the policy's ``weight_sync`` directive (mode, second buffer, margin)."""
+        if not directive:
+            return
+        self.mode = str(directive.get("mode", self.mode))
+        self.second_buffer = str(directive.get("second_buffer", self.second_buffer))
+        if directive.get("buffer_margin_mb") is not None:
+            self.margin_bytes = int(directive["buffer_margin_mb"]) * _MIB
+
+    @property
+    def pending(self) -> bool:
+        """A background push has started and not been joined."""
+        return self._task is not None
+
+    async def start(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
+                    step: int | None = None) -> None:
+        """Push ``named`` as ``version``: after the snapshot (async) or the commit (sync, or a fallback)."""
+        await self.join()  # one weight session at a time, in version order
+        named = list(named)
+        self._started_version = version
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        device = next((t.device for _, t in named), torch.device("cpu"))
+        report: dict[str, Any] = {"requested": self.mode, "version": version, "started_version": version,
+                                  "buffer": "none", "fallback_reason": None}
+        if self.mode == "async":
+            choice = choose_buffer(nbytes, device, wanted=self.second_buffer, margin_bytes=self.margin_bytes,
+                                   probe=self._probe, host_ok=self._reads_host(device))
+            if choice.kind == "none":
+                report["fallback_reason"] = choice.reason
+            else:
+                t0 = time.perf_counter()
+                self._snapshot = await asyncio.to_thread(_snapshot, named, choice.kind)
+                report.update(mode="async", buffer=choice.kind, buffer_bytes=nbytes,
+                              snapshot_s=time.perf_counter() - t0)
+                self._report = report
+                self._task = asyncio.ensure_future(self._push(self._snapshot, version, step))
+                return
+        t0 = time.perf_counter()
+        self.last_push = await self._sender.push(named, version=version, step=step)
+        report.update(mode="sync", push_s=time.perf_counter() - t0, join_wait_s=0.0, overlap_s=0.0)
+        self._report = report
+
+    async def _push(self, named: list[tuple[str, torch.Tensor]], version: str, step: int | None) -> PushReport:
+        t0 = time.perf_counter()
+        try:
+            return await self._sender.push(named, version=version, step=step)
+        finally:
+            if self._report is not None:
+                self._report["push_s"] = time.perf_counter() - t0
+
+    async def join(self) -> PushReport | None:
+        """Wait for the background push (if any) to commit; free the snapshot. Re-raises the push's error."""
+        task, self._task = self._task, None
+        if task is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            self.last_push = await task
+        finally:
+            self._snapshot = None  # the engines hold their own copy now (or the push failed)
+            waited = time.perf_counter() - t0
+            if self._report is not None:
+                self._report["join_wait_s"] = waited
+                self._report["overlap_s"] = max(0.0, float(self._report.get("push_s") or 0.0) - waited)
+        return self.last_push
+
+    def report(self) -> dict[str, Any] | None:
+        """What the last push did, as the daemon's ``trainer.weights`` reads it (None before the first)."""
+        if self._report is None:
+            return None
+        return {k: v for k, v in self._report.items() if v is not None or k == "fallback_reason"}
+
+    async def aclose(self) -> None:
+        """Join what runs (its error is the caller's to see) and drop the snapshot."""
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.join()
+
+    def _reads_host(self, device: torch.device) -> bool:
+        if isinstance(self._sender, WeightPusher):
+            return self._sender.transport_for(device) in _HOST_READABLE
+        return True  # the broadcast sender stages each bucket onto its device itself
+
