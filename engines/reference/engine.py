@@ -88,7 +88,6 @@ class ReferenceEngine:
         self.settings = settings
         self.tokenizer = CharTokenizer()
         self.state = EngineState.STARTING
-        self._scheduler: Scheduler | None = None
         self._weight_version = settings.weight_version
         self.startup_time = time.time()
         self.tp_size = settings.tp_size
