@@ -23,6 +23,7 @@ import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import dtype_name, plan_buckets
+from ..engines.cuda_handles import device_uuid
 from ..policies import Transport
 from .channel import ChannelClosed, ChunkChannel
 from .exported import ExportedChunk, Producer
@@ -120,8 +121,13 @@ class WeightPusher:
     ``from_plan`` follows the daemon's pipeline plan instead.
 
     Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a
-    ``torch.distributed`` broadcast); every rank calls ``stream(session_id, its_tensors)`` with its own
-    ``rank``; rank 0 commits once all have returned.
+    ``torch.distributed`` broadcast); every rank calls ``stream(session_id, full_tensors)`` with its own
+    ``rank``; rank 0 commits once all have returned. ``stream`` first joins the session declaring the rank's
+    device (``device_id``; default: the tensors' GPU UUID, or ``cpu:<rank>`` for CPU tensors), and the
+    daemon feeds each engine TP rank from the rank on its device (docs/client.md, "layouts"). A rank whose
+    device carries no engine rank sends nothing: its ``stream`` only walks the tensors (they may be
+    collectives) and returns the chunk count every rank's plan has, with 0 bytes. ``last_join`` is the
+    daemon's reply to the last join (``feeds``: the engine TP ranks this rank feeds).
 
     ``channel`` picks how chunk descriptors travel (``CHANNEL_CHOICES``): by default over the daemon's
     chunk channel (one Unix-socket connection per stream, ``colocd.trainer.channel``) when the session
@@ -130,7 +136,7 @@ class WeightPusher:
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
                  bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
-                 slots: int | None = None, channel: str = "auto") -> None:
+                 slots: int | None = None, channel: str = "auto", device_id: str | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         if transport != "auto" and transport not in PRODUCERS:
@@ -146,6 +152,8 @@ class WeightPusher:
         self._bucket_bytes: int | None = None if bucket_mb is None else max(int(bucket_mb * 1024 * 1024), 1)
         self._depth = depth
         self._rank = rank
+        self._device_id = device_id
+        self.last_join: dict[str, Any] | None = None
         # A ring needs a free slot for every chunk in flight.
         self._slots = max(slots or depth, depth)
         self._producer: Producer | None = None
@@ -153,10 +161,21 @@ class WeightPusher:
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
 
     @classmethod
-    def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0) -> WeightPusher:
+    def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0,
+                  device_id: str | None = None) -> WeightPusher:
         """A pusher shaped by the pipeline policy: the ``directives["pipeline"]`` of a ``sync`` reply."""
         return cls(client, transport=Transport(plan["transport"]), bucket_mb=int(plan["bucket_bytes"]) / 2**20,
-                   depth=int(plan["depth"]), rank=rank)
+                   depth=int(plan["depth"]), rank=rank, device_id=device_id)
+
+    def device_of(self, named: list[tuple[str, torch.Tensor]]) -> str:
+        """The device this rank declares when it joins: ``device_id`` if given, else the first tensor's GPU
+        UUID (CUDA), else ``cpu:<rank>``."""
+        if self._device_id is not None:
+            return self._device_id
+        device = next((t.device for _, t in named), torch.device("cpu"))
+        if device.type == "cuda":
+            return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+        return f"cpu:{self._rank}"
 
     async def __aenter__(self) -> WeightPusher:
         return self
@@ -233,10 +252,17 @@ class WeightPusher:
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
                      chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
-        """Send this rank's part of every chunk of an open session; returns (chunks, bytes).
+        """Join the session, then send this rank's part of every chunk; returns (chunks, bytes).
 
         ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
-        the daemon is asked."""
+        the daemon is asked. A rank that feeds no engine rank (the join says ``streams: false``) sends
+        nothing and returns (the chunk count of the plan, 0)."""
+        named = list(named)
+        self.last_join = await self._client.join_session(session_id, rank=self._rank, device_id=self.device_of(named))
+        if not self.last_join["streams"]:
+            self.chunk_log = []
+            bucket_bytes = self._bucket_bytes or self._shape_for(named)[1]
+            return sum(1 for _ in plan_buckets(named, bucket_bytes)), 0
         channel = await self._open_channel(session_id, chunk_channel)
         self.last_path = "http" if channel is None else "channel"
         try:

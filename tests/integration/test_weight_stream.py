@@ -23,7 +23,7 @@ from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.bench.weights import BenchSettings, run_weights_bench
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.engine_ops import EngineHandle
-from colocd.daemon.errors import ChunkTimeout, PayloadRejected, SessionGone, WeightSyncError
+from colocd.daemon.errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, WeightSyncError
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineState
 from colocd.daemon.trace import Trace
@@ -191,20 +191,26 @@ async def test_a_missing_part_of_an_earlier_chunk_is_named_by_the_later_chunks_t
 
 
 async def test_a_rank_cannot_run_ahead_of_a_lagging_rank_and_the_wait_names_the_laggard() -> None:
-    engine = FakeEngine("a")  # needs rank 0 only, yet rank 0 may not outrun rank 1 by more than depth
-    session = _session([engine], ranks=2, depth=2, timeout_s=0.2)
-    await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(1, _part(0, 1)))
+    a, b = FakeEngine("a"), FakeEngine("b")  # rank 0 feeds a, rank 1 feeds b
+    session = _session([a, b], ranks=2, depth=2, timeout_s=0.2, sources={"b": (1,)})
+    acks = await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(1, _part(0, 1)))
+    assert [ack.engines for ack in acks] == [("a",), ("a",)]  # acked once its own engine consumed it
     with pytest.raises(ChunkTimeout, match=r"chunk 2: the window is 2 chunks past chunk 0, which rank 1 never sent"):
         await session.submit(2, _part(0, 2))
-    assert [seq for seq, _, _ in engine.loads] == [0, 1]
+    assert [seq for seq, _, _ in a.loads] == [0, 1]
 
 
-async def test_commit_names_a_rank_that_sent_nothing_even_when_no_engine_needs_it() -> None:
-    engine = FakeEngine("a")  # tp 1: needs rank 0 only, so rank 0 is acked without rank 1
+async def test_a_rank_that_feeds_no_engine_is_refused_and_the_commit_does_not_wait_for_it() -> None:
+    engine = FakeEngine("a")  # tp 1: fed by rank 0 alone; rank 1 feeds nothing
     session = _session([engine], ranks=2, timeout_s=0.2)
-    await session.submit(0, _part(0, 0))
-    with pytest.raises(ChunkTimeout, match=r"chunks missing ranks \{0: \[1\]\}"):
-        await session.drain(1)
+    joined = await session.join(1, "cpu:1")
+    assert joined.to_json()["streams"] is False and joined.feeds == ()
+    with pytest.raises(RequestInvalid, match=r"rank 1 \(device 'cpu:1'\) feeds no engine TP rank"):
+        await session.submit(0, _part(1, 0))  # no ack for bytes nobody loads
+    ack = await session.submit(0, _part(0, 0))
+    assert ack.engines == ("a",)
+    await session.drain(1)
+    assert session.state is SessionState.OPEN and [seq for seq, _, _ in engine.loads] == [0]
 
 
 async def test_abort_fails_every_waiting_rank_and_quiesce_names_the_engine_whose_loads_it_abandoned() -> None:
@@ -243,8 +249,16 @@ async def test_an_engine_failure_fails_the_session_for_every_rank() -> None:
     assert session.state is SessionState.FAILED and "boom" in str(session.error)
 
 
-async def test_a_handle_from_another_gpu_is_refused_naming_both() -> None:
+async def test_a_rank_on_another_gpu_leaves_the_engines_gpu_unserved_and_the_layout_is_refused_naming_it() -> None:
     session = _session([FakeEngine("a", gpu_uuids=["GPU-aaaa"])], ranks=1)
+    # The rank joins with its first chunk, on the GPU its handle names; no rank is left for GPU-aaaa.
+    with pytest.raises(RequestInvalid, match=r"engine 'a' TP rank 0 on device 'GPU-aaaa' has no trainer rank on it"):
+        await session.submit(0, _part(0, 0, device_uuid="GPU-bbbb"))
+    assert session.state is SessionState.FAILED
+
+
+async def test_with_an_explicit_mapping_a_handle_from_another_gpu_is_refused_naming_both() -> None:
+    session = _session([FakeEngine("a", gpu_uuids=["GPU-aaaa"])], ranks=1, sources={"a": (0,)})
     with pytest.raises(WeightSyncError, match=r"GPU GPU-bbbb, but engine 'a' TP rank 0 runs on GPU GPU-aaaa"):
         await session.submit(0, _part(0, 0, device_uuid="GPU-bbbb"))
     assert session.state is SessionState.FAILED
@@ -268,11 +282,14 @@ def test_a_cpu_engine_refuses_ring_chunks_clearly() -> None:
 
 
 @asynccontextmanager
-async def _node(count: int, **config: Any) -> AsyncIterator[tuple[AsyncColocdClient, list[ReferenceEngineProcess]]]:
-    """``count`` reference engines (started concurrently), an in-process daemon over them, a client."""
+async def _node(count: int, *, own_devices: bool = False,
+                **config: Any) -> AsyncIterator[tuple[AsyncColocdClient, list[ReferenceEngineProcess]]]:
+    """``count`` reference engines (started concurrently), an in-process daemon over them, a client.
+    ``own_devices``: engine i runs on device cpu:i (fed by trainer rank i); else all on cpu:0 (rank 0)."""
     async with AsyncExitStack() as stack:
         procs = [
-            ReferenceEngineProcess(ReferenceEngineConfig(name=f"ref{i}", url="http://127.0.0.1:0"))
+            ReferenceEngineProcess(ReferenceEngineConfig(name=f"ref{i}", url="http://127.0.0.1:0",
+                                                         device_ids=[f"cpu:{i}"] if own_devices else []))
             for i in range(count)
         ]
         await asyncio.gather(*(stack.enter_async_context(p) for p in procs))
@@ -295,7 +312,7 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
     model = build_model(QwenLikeConfig(), seed=7)
     named = list(model.named_parameters())
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(2) as (client, procs), httpx.AsyncClient(trust_env=False, timeout=60) as http:
+    async with _node(2, own_devices=True) as (client, procs), httpx.AsyncClient(trust_env=False, timeout=60) as http:
         for transport, depth in (("shm", 2), ("disk", 1)):
             with torch.no_grad():
                 for p in model.parameters():
@@ -316,7 +333,11 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
             assert {e: sorted(s) for e, s in loads.items()} == {"ref0": every_chunk_once, "ref1": every_chunk_once}
             assert all(1 <= n <= depth for n in commit["max_in_flight"].values()), commit["max_in_flight"]
             assert commit["engines"]["ref1"]["weight_version"] == f"v-{transport}"
-            assert len(pushers[1].chunk_log) == chunks  # rank 1 was acked for every chunk it sent
+            assert commit["sources"] == {"ref0": [0], "ref1": [1]}  # each engine fed by the rank on its device
+            for r, pusher in enumerate(pushers):
+                assert pusher.last_join is not None
+                assert pusher.last_join["feeds"] == [{"engine": f"ref{r}", "tp_rank": 0}]
+                assert len(pusher.chunk_log) == chunks  # every rank was acked for every chunk it sent
     assert shm_segments() <= segments_before
 
 
@@ -356,15 +377,17 @@ async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared
 async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it() -> None:
     model = build_model(QwenLikeConfig(), seed=4)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(1, timeouts={"chunk_s": 0.5}) as (client, _):
+    # ref1 runs on cpu:1, so it needs trainer rank 1, which never joins: past start_s the commit names it.
+    async with _node(2, own_devices=True, timeouts={"chunk_s": 0.5, "start_s": 1.0}) as (client, _):
         sid = (await client.open_session("v1", ranks=2, depth=2))["session_id"]
         # Two chunks: within rank 0's window, so only the commit notices that rank 1 sent nothing.
         chunks, _ = await WeightPusher(client, bucket_mb=0.2, rank=0).stream(sid, list(model.named_parameters()))
         assert chunks == 2
         with pytest.raises(ColocdHTTPError) as err:
             await client.commit(sid, chunks)
-        assert err.value.status == 504 and "missing ranks" in err.value.body["message"]
-        assert ": [1]" in err.value.body["message"]
+        body = err.value.body
+        assert err.value.status == 504 and (body["step"], body["rank"]) == ("start", 1), body
+        assert "rank 1 did not start" in body["message"] and "'cpu:1'" in body["message"]
         assert (await client.status())["engines"]["ref0"]["weights"] == "stale"
     assert shm_segments() <= segments_before
 
