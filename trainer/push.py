@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -211,7 +212,7 @@ class WeightPusher:
         return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
     def _shape_for(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-        """This stream's transport and bucket size: the ones given, else chosen from the tensors."""
+        """This stream's transport and bucket size: the ones given, else chosen from the (first) tensors."""
         device = next((t.device for _, t in named), torch.device("cpu"))
         transport = self._transport if self._transport != "auto" else auto_transport(device)
         if self._bucket_bytes is not None:
@@ -257,26 +258,45 @@ class WeightPusher:
         ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
         the daemon is asked. A rank that feeds no engine rank (the join says ``streams: false``) sends
         nothing and returns (the chunk count of the plan, 0)."""
-        named = list(named)
-        self.last_join = await self._client.join_session(session_id, rank=self._rank, device_id=self.device_of(named))
+        # The iterator is pulled off the event loop, one item at a time: producing a tensor may be a collective
+        # (FSDP's full_tensor, a TP all-gather) that waits for a slower rank, and the acks of this rank's chunks
+        # in flight must keep flowing meanwhile (the slower rank's engine may be waiting for them).
+        # With a declared device_id the rank joins before producing anything (so a rank blocked in its first
+        # gather has already told the daemon its device); else the first tensor says where it is.
+        items = iter(named)
+        if self._device_id is not None:
+            self.last_join = await self._client.join_session(session_id, rank=self._rank, device_id=self._device_id)
+        first = await asyncio.to_thread(next, items, None)
+        head = [first] if first is not None else []
+        named = itertools.chain(head, items)
+        if self._device_id is None:
+            self.last_join = await self._client.join_session(session_id, rank=self._rank,
+                                                             device_id=self.device_of(head))
+        assert self.last_join is not None
         if not self.last_join["streams"]:
+            # No engine rank is on this rank's device: walk the tensors (they may be collectives the other ranks
+            # wait for) and count the plan's chunks, sending nothing.
             self.chunk_log = []
-            bucket_bytes = self._bucket_bytes or self._shape_for(named)[1]
-            return sum(1 for _ in plan_buckets(named, bucket_bytes)), 0
+            bucket_bytes = self._shape[1] if self._producer is not None else self._shape_for(head)[1]
+            buckets = plan_buckets(named, bucket_bytes)
+            count = 0
+            while await asyncio.to_thread(next, buckets, None) is not None:
+                count += 1
+            return count, 0
         channel = await self._open_channel(session_id, chunk_channel)
         self.last_path = "http" if channel is None else "channel"
         try:
-            return await self._stream(session_id, named, channel or self._client)
+            return await self._stream(session_id, head, named, channel or self._client)
         finally:
             if channel is not None:
                 await channel.aclose()
 
-    async def _stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]],
+    async def _stream(self, session_id: str, head: list[tuple[str, torch.Tensor]],
+                      named: Iterable[tuple[str, torch.Tensor]],
                       sender: AsyncColocdClient | ChunkChannel) -> tuple[int, int]:
-        named = list(named)  # read twice: the producer's shape, then the buckets
         if self._producer is None:
             # Chosen with the producer and kept with it: a ring's slots are sized by the first stream.
-            self._shape = self._shape_for(named)
+            self._shape = self._shape_for(head)
             self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots)
         producer, bucket_bytes = self._producer, self._shape[1]
         producer.begin_stream()
@@ -284,7 +304,7 @@ class WeightPusher:
         tasks: list[asyncio.Task[None]] = []
         records: dict[int, ChunkRecord] = {}
         nbytes = 0
-        seq = -1
+        sent = 0  # chunks exported and handed to a sender
 
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
@@ -296,9 +316,14 @@ class WeightPusher:
             round_trip_s = time.perf_counter() - t0
             records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, round_trip_s, float(ack["load_s"]))
 
+        buckets = plan_buckets(named, bucket_bytes)
         try:
-            for seq, bucket in enumerate(plan_buckets(named, bucket_bytes)):
+            while True:
                 await window.acquire()
+                bucket = await asyncio.to_thread(next, buckets, None)  # off the loop: see stream()
+                if bucket is None:
+                    window.release()
+                    break
                 if any(t.done() and t.exception() for t in tasks):
                     window.release()
                     break  # a chunk failed: the session is over, export nothing more
@@ -307,7 +332,8 @@ class WeightPusher:
                 # acks of earlier chunks must keep flowing meanwhile. One export at a time.
                 chunk = await self._export(producer, bucket)
                 nbytes += chunk.nbytes
-                tasks.append(asyncio.create_task(send(seq, chunk, time.perf_counter() - t0)))
+                tasks.append(asyncio.create_task(send(sent, chunk, time.perf_counter() - t0)))
+                sent += 1
             await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
@@ -317,4 +343,4 @@ class WeightPusher:
         finally:
             producer.close()
             self.chunk_log = [records[k] for k in sorted(records)]
-        return seq + 1, nbytes
+        return sent, nbytes
