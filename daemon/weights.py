@@ -470,12 +470,12 @@ class WeightSession:
         await self._advance()
         return ChunkAck(seq, part.rank, tuple(lane.name for lane in users), max(loads, default=0.0))
 
-    async def _fail_with(self, error: WeightSyncError) -> Any:
+    async def _fail_with(self, error: WeightSyncError | RequestInvalid) -> Any:
         await self.fail(error)
         raise error
 
-    async def _wait(self, done: Callable[[], bool], blame: Callable[[], WeightSyncError],
-                    wake: asyncio.Future[Any] | None = None) -> WeightSyncError | None:
+    async def _wait(self, done: Callable[[], bool], blame: Callable[[], WeightSyncError | RequestInvalid],
+                    wake: asyncio.Future[Any] | None = None) -> WeightSyncError | RequestInvalid | None:
         """Wait until ``done()`` (or, with ``wake``, until that future settles), within the chunk budget; while
         what holds the wait up is a rank that has not started, up to the start deadline instead. Returns None,
         or on timeout the error naming what held it up (``blame``; a late rank past the start deadline: the
@@ -612,7 +612,7 @@ class WeightSession:
             f"{', '.join(map(repr, slow)) or '(none)'} did not consume {budget}",
             step="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
 
-    def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError:
+    def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError | RequestInvalid:
         """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the trainer's
         sequence (the caller's mistake: 422), or an engine that did not consume it."""
         budget = f"within {self.chunk_timeout_s:.1f}s"

@@ -29,7 +29,7 @@ from colocd.daemon.states import EngineState
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import SessionState, WeightSession
 from colocd.engines.base import RankPayload, WeightsLoad
-from colocd.engines.chunks import tensor_checksum
+from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.cuda_handles import RingTable
 from colocd.engines.errors import EngineRejected
@@ -90,6 +90,8 @@ def _session(
     depth: int = 2,
     timeout_s: float = 10.0,
     sources: dict[str, tuple[int, ...]] | None = None,
+    start_s: float | None = None,
+    idle_s: float | None = None,
 ) -> WeightSession:
     handles = [
         EngineHandle(
@@ -109,6 +111,8 @@ def _session(
         trace=Trace(1, "weights"),
         metrics=Metrics(),
         sources=sources,
+        start_timeout_s=start_s,
+        idle_s=idle_s,
     )
 
 
@@ -116,6 +120,28 @@ def _part(rank: int, seq: int, **handle: Any) -> RankPayload:
     # cuda_ipc: a handle the daemon cannot look into (no layout, no segment), so any payload passes its checks.
     return RankPayload(rank=rank, transport="cuda_ipc", nbytes=100,
                        handle={"payload_b64": "", "data": f"r{rank}c{seq}", **handle})
+
+
+def _shm_part(rank: int, names: list[str]) -> RankPayload:
+    """A part whose layout the daemon reads (shm), in a segment of its own: it names the tensors it carries."""
+    named = [(n, torch.zeros(4)) for n in names]
+    layout = ChunkLayout.for_tensors(named)
+    segment = SharedSegment.create(layout.nbytes)
+    _SEGMENTS.append(segment)
+    return RankPayload(rank=rank, transport="shm", nbytes=layout.nbytes,
+                       handle={"shm_name": segment.name, "layout": layout.to_json(), "data": f"r{rank}"})
+
+
+_SEGMENTS: list[SharedSegment] = []
+
+
+@pytest.fixture(autouse=True)
+def _unlink_segments() -> Iterator[None]:
+    yield
+    while _SEGMENTS:
+        segment = _SEGMENTS.pop()
+        segment.close()
+        segment.unlink()
 
 
 async def _settle() -> None:
@@ -211,6 +237,45 @@ async def test_a_rank_that_feeds_no_engine_is_refused_and_the_commit_does_not_wa
     assert ack.engines == ("a",)
     await session.drain(1)
     assert session.state is SessionState.OPEN and [seq for seq, _, _ in engine.loads] == [0]
+
+
+async def test_a_rank_that_has_not_started_is_waited_for_until_the_start_deadline_not_one_chunk_budget() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.1, start_s=5.0, idle_s=0.1)
+    first = asyncio.create_task(session.submit(0, _part(0, 0)))
+    await asyncio.sleep(0.4)  # the fault: rank 1 starts four chunk budgets (and idle limits) late
+    assert not first.done() and session.start_overdue() is None and not session.expired()
+    assert session.stats()["late_ranks"] == [1]
+    await session.submit(0, _part(1, 0))
+    assert (await first).engines == ("tp2",)
+    await session.drain(1)
+
+
+async def test_past_the_start_deadline_the_rank_that_never_started_is_named() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.1, start_s=0.3)
+    with pytest.raises(ChunkTimeout, match=r"rank 1 did not start .* within start_s=0.3s") as err:
+        await session.submit(0, _part(0, 0))
+    assert (err.value.step, err.value.rank, err.value.budget_s) == ("start", 1, 0.3)
+    assert session.state is SessionState.FAILED
+
+
+async def test_a_started_rank_that_stops_sending_gets_the_chunk_budget_not_the_start_deadline() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.2, start_s=30.0)
+    await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(0, _part(1, 0)))
+    with pytest.raises(ChunkTimeout, match=r"waiting for chunk 1 from rank 1, which never sent it") as err:
+        await session.submit(1, _part(0, 1))
+    assert err.value.step == "gather"
+
+
+async def test_chunks_from_ranks_that_carry_other_tensors_than_the_first_ranks_are_refused_naming_both() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2)
+    ok = asyncio.create_task(session.submit(0, _shm_part(0, ["a", "b"])))
+    await _settle()
+    with pytest.raises(RequestInvalid, match=r"chunk 0 from rank 1 carries other tensors than rank 0's chunk 0 "
+                                             r"\(missing 'b', extra 'c'"):
+        await session.submit(0, _shm_part(1, ["a", "c"]))
+    assert session.state is SessionState.OPEN  # refused before it was accepted: rank 1 may send the right one
+    await session.submit(0, _shm_part(1, ["a", "b"]))
+    await ok
 
 
 async def test_abort_fails_every_waiting_rank_and_quiesce_names_the_engine_whose_loads_it_abandoned() -> None:
