@@ -738,11 +738,11 @@ class WeightSession:
         if gap is not None:
             raise RequestInvalid(gap, field="num_chunks")
 
-        def settled() -> bool:
-            served = all(lane.resolved for lane in self._lanes)
-            return (not self._chunks and served) or self.state is not SessionState.OPEN
-
-        if error := await self._wait(settled, self._drain_timeout):
+        # Nothing to wait for once no chunk is in progress: a lane whose rank never joined holds every chunk
+        # back (so this waits for it, until the start deadline), and with no chunk at all the completeness
+        # check at commit names what each engine lacks.
+        if error := await self._wait(lambda: not self._chunks or self.state is not SessionState.OPEN,
+                                     self._drain_timeout):
             return await self._fail_with(error)
         self._check_open()
         if num_chunks is not None and num_chunks != self._acked:
@@ -754,8 +754,6 @@ class WeightSession:
         """Why the commit cannot settle: a rank that started and then missed a chunk, one that never started
         (past the start deadline), or an engine still loading."""
         incomplete = {s: m for s, c in sorted(self._chunks.items()) if (m := self._missing_parts(c))}
-        if not self._chunks and not all(lane.resolved for lane in self._lanes):
-            incomplete = {self._acked: self._unjoined()}
         if incomplete:
             first_missing = next(iter(incomplete.values()))
             return ChunkTimeout(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
