@@ -34,6 +34,7 @@ from .weights import (
     Manifest,
     TensorMeta,
     WeightSession,
+    device_key,
     manifest_from_json,
     manifest_to_json,
     name_some,
@@ -148,7 +149,8 @@ class WeightSessions:
         one per TP rank of the widest engine, one per engine device fed by device, one past every feed rank."""
         engines = list(self._d.engines.values())
         fixed = self._feed_ranks()
-        devices = sorted({dev for e in engines if e.name not in fixed and (devs := e.tp_devices) for dev in devs})
+        devices = sorted({device_key(dev) for e in engines if e.name not in fixed and (devs := e.tp_devices)
+                          for dev in devs})
         widest = max((int(e.config.tp_size) for e in engines), default=1)
         need = max(widest, len(devices), max((r + 1 for rs in fixed.values() for r in rs), default=1))
         if ranks is None:

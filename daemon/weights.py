@@ -68,6 +68,7 @@ __all__ = [
     "SessionState",
     "TensorMeta",
     "WeightSession",
+    "device_key",
     "manifest_from_json",
     "manifest_to_json",
     "name_some",
@@ -118,6 +119,12 @@ class ChunkAck:
     rank: int
     engines: tuple[str, ...]
     load_s: float
+
+
+def device_key(device_id: str) -> str:
+    """A device identity as compared: NVML and nvidia-smi spell a GPU UUID ``GPU-<uuid>``, torch (and SGLang)
+    ``<uuid>``; a config may use either, so the prefix and case do not count. CPU ids compare as written."""
+    return device_id[4:].lower() if device_id[:4].lower() == "gpu-" else device_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,7 +289,7 @@ class WeightSession:
             raise TransitionRejected(f"session {self.id}: rank {rank} joined on device {known!r}, not {device_id!r}")
         if known is None:
             slots = [(lane, t) for lane in self._lanes if lane.by_device
-                     for t in range(len(lane.sources)) if lane.device(t) == device_id]
+                     for t in range(len(lane.sources)) if device_key(lane.device(t)) == device_key(device_id)]
             taken = next((lane.sources[t] for lane, t in slots if lane.sources[t] is not None), None)
             if taken is not None:
                 raise RequestInvalid(
@@ -572,7 +579,7 @@ class WeightSession:
         for lane in users:
             expected = list(lane.engine.config.gpu_uuids or ())
             for tp_rank, rank in enumerate(lane.sources):
-                if rank == part.rank and tp_rank < len(expected) and expected[tp_rank] != uuid:
+                if rank == part.rank and tp_rank < len(expected) and device_key(expected[tp_rank]) != device_key(uuid):
                     error = WeightSyncError(
                         f"chunk {seq}: trainer rank {rank} exported it from GPU {uuid}, but engine "
                         f"{lane.name!r} TP rank {tp_rank} runs on GPU {expected[tp_rank]}; "

@@ -322,11 +322,25 @@ async def test_a_rank_on_another_gpu_leaves_the_engines_gpu_unserved_and_the_lay
     assert session.state is SessionState.FAILED
 
 
+async def test_a_gpu_uuid_matches_whether_spelled_as_nvml_or_as_torch_does() -> None:
+    session = _session([FakeEngine("a", gpu_uuids=["GPU-58a8d8b1-AAAA"])], ranks=1)  # nvidia-smi's spelling
+    joined = await session.join(0, "58a8d8b1-aaaa")  # torch's (and SGLang's): str(device_properties.uuid)
+    assert joined.feeds == (("a", 0),)
+
+
 async def test_with_an_explicit_mapping_a_handle_from_another_gpu_is_refused_naming_both() -> None:
     session = _session([FakeEngine("a", gpu_uuids=["GPU-aaaa"])], ranks=1, sources={"a": (0,)})
     with pytest.raises(WeightSyncError, match=r"GPU GPU-bbbb, but engine 'a' TP rank 0 runs on GPU GPU-aaaa"):
         await session.submit(0, _part(0, 0, device_uuid="GPU-bbbb"))
     assert session.state is SessionState.FAILED
+
+
+def test_feed_ranks_name_one_distinct_trainer_rank_per_tp_rank() -> None:
+    with pytest.raises(ValueError, match="feed_ranks has 1 entries for tp_size 2"):
+        ReferenceEngineConfig(name="e", url="http://127.0.0.1:1", tp_size=2, feed_ranks=[0])
+    with pytest.raises(ValueError, match="distinct"):
+        ReferenceEngineConfig(name="e", url="http://127.0.0.1:1", tp_size=2, feed_ranks=[1, 1])
+    assert ReferenceEngineConfig(name="e", url="http://127.0.0.1:1", tp_size=2, feed_ranks=[5, 4]).feed_ranks == [5, 4]
 
 
 def test_each_transport_reaches_the_engine_in_its_load_format() -> None:
