@@ -25,6 +25,8 @@ from .schemas import (
     ChunkAckReply,
     ChunkDescriptor,
     CommitRequest,
+    JoinReply,
+    JoinRequest,
     OpenSessionReply,
     OpenSessionRequest,
     OpenWeightGroupRequest,
@@ -165,6 +167,13 @@ async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Open
                             partial=s.partial, idle_s=s.idle_s,
                             manifest_tensors=None if s.manifest is None else len(s.manifest),
                             chunk_channel=request.state.chunk_channel)
+
+
+@_route("POST", "/v1/weights/sessions/{session_id}/join", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+async def join_session(session_id: str, body: JoinRequest, d: D) -> JoinReply:
+    """A rank declares its device and learns which engine TP ranks it feeds; ``streams: false`` means none (it
+    must not send chunks). Once every rank joined, a layout with an engine device no rank is on is a 422."""
+    return JoinReply.model_validate(await d.join_weights(session_id, body.rank, body.device_id))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))

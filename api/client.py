@@ -141,6 +141,12 @@ class AsyncColocdClient:
             body["partial"] = True
         return await self._call("POST", "/v1/weights/sessions", body)
 
+    async def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:
+        """Declare this rank's device; the reply's ``feeds`` are the engine TP ranks it feeds (``streams``
+        false: none, send no chunks)."""
+        return await self._call("POST", f"/v1/weights/sessions/{session_id}/join",
+                                {"rank": rank, "device_id": device_id})
+
     async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
         body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
                 "handle": chunk.handle}
@@ -233,6 +239,9 @@ class ColocdClient:
                      partial: bool = False) -> dict[str, Any]:
         return self.run(self._async.open_session(version, step=step, ranks=ranks, depth=depth,
                                                  manifest=manifest, partial=partial))
+
+    def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:
+        return self.run(self._async.join_session(session_id, rank=rank, device_id=device_id))
 
     def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
         return self.run(self._async.send_chunk(session_id, seq=seq, rank=rank, chunk=chunk))

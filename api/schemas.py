@@ -227,6 +227,28 @@ class ChunkChannelHello(_Strict):
     token: str | None = Field(None, max_length=4096, description="the node's bearer token, when it sets one")
 
 
+class JoinRequest(_Strict):
+    """A trainer rank joins a session, declaring its device: it then feeds the engine TP ranks on that device."""
+
+    rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = Field(..., description="trainer rank")
+    device_id: str = Field(..., min_length=1, max_length=256,
+                           description="the rank's device: its GPU's UUID (CUDA), or a declared id such as cpu:0, "
+                                       "matching the engine's device_ids (CPU)")
+
+
+class FeedEntry(BaseModel):
+    engine: str
+    tp_rank: int
+
+
+class JoinReply(BaseModel):
+    session_id: str
+    rank: int
+    device_id: str
+    streams: bool = Field(..., description="false: no engine rank loads this rank's bytes; it must not send chunks")
+    feeds: list[FeedEntry] = Field(..., description="the engine TP ranks this rank's chunks go to")
+
+
 class ChunkAckReply(BaseModel):
     seq: int
     rank: int

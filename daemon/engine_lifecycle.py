@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.base import MemoryTag, Observation, PauseMode
 from ..engines.errors import EngineRejected
+from ..engines.segments import reclaim_dead_segments
 from ..policies import TimeoutStep
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
@@ -60,11 +61,28 @@ class EngineLifecycle:
             if d.stopping.is_set():
                 return
             await asyncio.to_thread(d.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
+            await self.reclaim_segments()
             if d.busy:
                 continue  # a transition in progress reconciles before it acts
             async with d.background("reconcile:health", reconciling=True):
                 await self.reconcile_all("health")
             d.refresh_gauges()
+
+    async def reclaim_segments(self) -> int:
+        """Unlink the shared-memory segments of dead trainers (a SIGKILLed trainer unlinks nothing); returns how
+        many. Directory scans and flock probes are syscalls: off the event loop."""
+        try:
+            reclaimed = await asyncio.to_thread(reclaim_dead_segments)
+        except OSError as exc:  # an unreadable /dev/shm must not stop the health loop
+            log.warning("reclaiming dead trainers' shared-memory segments failed: %s", exc)
+            return 0
+        for seg in reclaimed:
+            log.info("unlinked shared-memory segment %s of dead process %d (%d bytes)", seg.name, seg.pid, seg.nbytes)
+        if reclaimed:
+            self._d.metrics.shm_reclaimed.inc(len(reclaimed))
+            self._d.metrics.shm_reclaimed_bytes.inc(sum(seg.nbytes for seg in reclaimed))
+            self._d.changed()
+        return len(reclaimed)
 
     async def reconcile_relaunched(self, name: str) -> None:
         """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""

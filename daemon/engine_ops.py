@@ -67,6 +67,17 @@ class EngineHandle:
     def gpus(self) -> list[int | str]:
         return list(self.config.gpu_uuids or self.config.gpus)
 
+    @property
+    def tp_devices(self) -> tuple[str, ...] | None:
+        """Each TP rank's device identity in TP-rank order, as the engine reported it at attach (else the
+        config's ``gpu_uuids``, one per TP rank); None when unknown (GPU indices alone do not say which GPU
+        a trainer rank's UUID is)."""
+        tp = int(self.config.tp_size)
+        if self.info is not None and len(self.info.device_ids) == tp:
+            return tuple(self.info.device_ids)
+        uuids = list(self.config.gpu_uuids or ())
+        return tuple(uuids) if len(uuids) == tp else None
+
 
 async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str, budget_s: float,
                  coro: Any, **attrs: Any) -> Any:

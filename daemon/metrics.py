@@ -41,6 +41,11 @@ class Metrics:
         self.weight_sessions = Counter(
             "colocd_weight_sessions_total", "Weight sessions by outcome (committed, aborted, failed, expired)",
             ["outcome"], registry=r)
+        self.shm_reclaimed = Counter(
+            "colocd_shm_segments_reclaimed", "Shared-memory segments (colocd-<pid>-*) of dead trainer processes "
+            "the health loop unlinked", registry=r)
+        self.shm_reclaimed_bytes = Counter(
+            "colocd_shm_reclaimed_bytes", "Bytes the reclaimed segments of dead trainers held", registry=r)
         self.freed_bytes = Counter(
             "colocd_memory_freed_bytes_total", "Bytes confirmed freed by releases", ["engine", "source"], registry=r)
         self.memory_confirm = Histogram(

@@ -247,6 +247,9 @@ class Daemon:
         return await self.sessions.open(step=step, version=version, ranks=ranks, depth=depth, manifest=manifest,
                                         partial=partial)
 
+    async def join_weights(self, session_id: str, rank: int, device_id: str) -> dict[str, Any]:
+        return await self.sessions.join(session_id, rank, device_id)
+
     async def submit_chunk(self, session_id: str, seq: int, part: RankPayload) -> ChunkAck:
         return await self.sessions.submit_chunk(session_id, seq, part)
 

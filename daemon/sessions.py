@@ -34,6 +34,7 @@ from .weights import (
     Manifest,
     TensorMeta,
     WeightSession,
+    device_key,
     manifest_from_json,
     manifest_to_json,
     name_some,
@@ -104,10 +105,7 @@ class WeightSessions:
             if partial:
                 check_partial_allowed((e.state for e in d.engines.values()), d.node)
             d.engine_lifecycle.require_attached()
-            need = max((e.config.tp_size for e in d.engines.values()), default=1)
-            ranks = need if ranks is None else ranks
-            if ranks < need:
-                raise RequestInvalid(f"ranks={ranks} but engines need {need} (their largest tp_size)", field="ranks")
+            ranks = self._check_ranks(ranks)
             trace = Trace(step, "weights")
             t = d.timeouts()
             required = await self._parameter_sets(trace, t.for_step(TimeoutStep.WEIGHT_UPDATE))
@@ -117,7 +115,8 @@ class WeightSessions:
                 step=step, version=version, ranks=ranks, engines=list(d.engines.values()),
                 depth=depth or d.pipeline_depth(), chunk_timeout_s=t.for_step(TimeoutStep.CHUNK),
                 trace=trace, metrics=d.metrics, manifest=declared, partial=partial,
-                idle_s=t.for_step(TimeoutStep.SESSION_IDLE))
+                idle_s=t.for_step(TimeoutStep.SESSION_IDLE), start_timeout_s=t.for_step(TimeoutStep.START),
+                sources=self._feed_ranks())
             session.required = required
             session.prior = {n: e.state.weights for n, e in d.engines.items()}
 
@@ -140,6 +139,41 @@ class WeightSessions:
             d.versions.started(version)  # the trainer has this version now; engines lag it until commit
             session.touch()
             return session
+
+    def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
+        """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
+        return {name: tuple(e.config.feed_ranks) for name, e in self._d.engines.items()
+                if getattr(e.config, "feed_ranks", None) is not None}
+
+    def _check_ranks(self, ranks: int | None) -> int:
+        """The session's trainer ranks (default: as many as the layout needs), refused where too few to serve it:
+        one per TP rank of the widest engine, one per engine device fed by device, one past every feed rank."""
+        engines = list(self._d.engines.values())
+        fixed = self._feed_ranks()
+        devices = sorted({device_key(dev) for e in engines if e.name not in fixed and (devs := e.tp_devices)
+                          for dev in devs})
+        widest = max((int(e.config.tp_size) for e in engines), default=1)
+        need = max(widest, len(devices), max((r + 1 for rs in fixed.values() for r in rs), default=1))
+        if ranks is None:
+            return need
+        if ranks < widest:
+            raise RequestInvalid(f"ranks={ranks} but engines need {widest} (their largest tp_size)", field="ranks")
+        if ranks < len(devices):
+            raise RequestInvalid(
+                f"ranks={ranks} but the engines run on {len(devices)} devices ({name_some(devices, 8)}), each fed by "
+                "the trainer rank on it: open with one rank per device, or map ranks with the engines' feed_ranks",
+                field="ranks")
+        return ranks
+
+    async def join(self, session_id: str, rank: int, device_id: str) -> dict[str, Any]:
+        """A rank declares its device; the reply lists the engine TP ranks it feeds (none: it must not stream)."""
+        session = self.get(session_id)
+        try:
+            return (await session.join(rank, device_id)).to_json()
+        finally:
+            if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
+                await self._finish_failed(session)  # the layout cannot be served: engines end their update
+            self._d.changed()
 
     async def _parameter_sets(self, trace: Trace, budget_s: float) -> dict[str, Manifest | None]:
         """Each engine's full parameter set: from the engine where it can list them, else the last complete
@@ -277,7 +311,8 @@ class WeightSessions:
                 if unsent:
                     raise RequestInvalid(
                         f"cannot commit session {session.id}: engine {name!r} never received "
-                        f"{name_some(unsent)}, declared in the manifest; send them or abort", field="manifest")
+                        f"{name_some(unsent)}, declared in the manifest ({session.unsent_by_tp_rank(name, unsent)}); "
+                        "every TP rank must receive every tensor: send them or abort", field="manifest")
             params = required.get(name)
             discarded = prior.get(name) is not WeightsState.CLEAN
             if sent is None:
@@ -293,7 +328,8 @@ class WeightSessions:
                 raise RequestInvalid(
                     f"cannot commit session {session.id}: engine {name!r} has {len(params)} parameters and "
                     f"{'its weights were discarded, so ' if discarded else ''}a complete update must cover "
-                    f"them all; missing {name_some(missing)}. Send them, or abort "
+                    f"them all on every TP rank; missing {name_some(missing)} "
+                    f"({session.unsent_by_tp_rank(name, missing)}). Send them, or abort "
                     + ("(a partial update needs intact weights)" if discarded
                        else "(open with partial: true to update only some tensors)"), field="manifest")
 
@@ -367,9 +403,14 @@ class WeightSessions:
         d.traces.put(session.trace)
 
     async def lapse_if_idle(self) -> None:
-        """Expire the open session if its lease ran out (caller holds the lock)."""
+        """Fail the open session if a rank missed its start deadline, expire it if its lease ran out (caller
+        holds the lock)."""
         session = self.current
-        if session is not None and session.expired():
+        if session is not None and (late := session.start_overdue()) is not None:
+            log.warning("weight session %s failed: %s", session.id, late)
+            await session.fail(late)
+            await self._close_session(session)
+        elif session is not None and session.expired():
             log.warning("weight session %s expired after %.1fs without a chunk", session.id, session.idle_for())
             await session.expire()
             await self._close_session(session)
@@ -386,7 +427,7 @@ class WeightSessions:
             session = self.current
             if d.stopping.is_set() or session is None or session.closed or d.busy:
                 continue
-            if session.state is SessionState.OPEN and not session.expired():
+            if session.state is SessionState.OPEN and not session.expired() and session.start_overdue() is None:
                 continue
             try:
                 async with d.background(f"close_weights:{session.id}"):
@@ -458,6 +499,7 @@ class WeightSessions:
         session = self.get(session_id)
         require_session_open(session.id, session.state)
         session.touch()
+        session.note_broadcast()
         try:
             reply = await self.groups.broadcast(session, list(d.engines.values()), descriptor, d.timeouts())
             session.note_delivered(descriptor.names, (TensorMeta(dt, tuple(s)) for dt, s in

@@ -1,11 +1,25 @@
 """The weight stream: gather each chunk from the trainer ranks, load it into every engine, ack the ranks.
 
-Data path: rank r POSTs chunk k's descriptor → as soon as the ranks one engine needs (its TP rank t
-is fed by trainer rank ``sources[t]``) have sent chunk k, the chunk goes to that engine, in sequence
-order and with at most ``depth`` chunks in flight per engine → when every engine that needed rank
-r's part has consumed it, rank r's request returns, which is the rank's licence to free or refill
-that buffer. SGLang replies to an update before its copy has finished (slime
-update_weight_from_tensor.py:39-47), so buffer lifetime is tied to this ack, never to a timer.
+Layout: each engine TP rank is fed by one trainer rank. By default it is the trainer rank that declared
+the TP rank's device when it joined (``join``: a GPU UUID, or a CPU rank's declared id such as
+``cpu:0``), so a rank feeds exactly the engine ranks on its own device; an engine's ``feed_ranks`` (node
+config) fixes the ranks instead, and an engine whose devices are unknown is fed positionally (TP rank t
+by trainer rank t). A rank that feeds no engine rank is told so when it joins, and its chunks are
+refused: nobody would load them. A layout that leaves an engine device without a trainer rank is
+refused when the last rank joins, naming the device.
+
+Data path: rank r POSTs chunk k's descriptor → as soon as the ranks one engine needs have sent chunk
+k, the chunk goes to that engine, in sequence order and with at most ``depth`` chunks in flight per
+engine → when every engine that needed rank r's part has consumed it, rank r's request returns, which
+is the rank's licence to free or refill that buffer. SGLang replies to an update before its copy has
+finished (slime update_weight_from_tensor.py:39-47), so buffer lifetime is tied to this ack, never to
+a timer. Every rank sends the same chunk plan: chunk k's layout from each rank must carry the same
+tensors as the other ranks' chunk k (checked as parts arrive), and each engine TP rank must have
+received every tensor of a complete update before it commits.
+
+Deadlines: a rank that has not started (joined and sent its first chunk) is waited for until the
+session's start deadline (``start_timeout_s`` from the open); from a rank's first chunk on, each chunk
+must complete within ``chunk_timeout_s``.
 
 A session is leased: every chunk renews it, and the daemon expires it after an idle time (a trainer
 that died mid-stream). It carries a manifest (names, dtypes, shapes) that every chunk's layout is
@@ -18,9 +32,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from ..engines.base import RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
@@ -49,10 +63,12 @@ from .trace import Trace
 __all__ = [
     "ChunkAck",
     "Manifest",
+    "RankJoin",
     "SessionLifecycle",
     "SessionState",
     "TensorMeta",
     "WeightSession",
+    "device_key",
     "manifest_from_json",
     "manifest_to_json",
     "name_some",
@@ -105,6 +121,26 @@ class ChunkAck:
     load_s: float
 
 
+def device_key(device_id: str) -> str:
+    """A device identity as compared: NVML and nvidia-smi spell a GPU UUID ``GPU-<uuid>``, torch (and SGLang)
+    ``<uuid>``; a config may use either, so the prefix and case do not count. CPU ids compare as written."""
+    return device_id[4:].lower() if device_id[:4].lower() == "gpu-" else device_id
+
+
+@dataclass(frozen=True, slots=True)
+class RankJoin:
+    """What a rank learns when it joins: the engine TP ranks it feeds (none: it must not stream)."""
+
+    session_id: str
+    rank: int
+    device_id: str
+    feeds: tuple[tuple[str, int], ...]  # (engine, TP rank)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "rank": self.rank, "device_id": self.device_id,
+                "streams": bool(self.feeds), "feeds": [{"engine": e, "tp_rank": t} for e, t in self.feeds]}
+
+
 @dataclass
 class _Chunk:
     """One chunk while it is being gathered and loaded; dropped once every engine consumed it."""
@@ -120,23 +156,43 @@ class _Lane:
     """One engine's view of the stream: which ranks feed it, what it has been sent, what is in flight."""
 
     engine: EngineHandle
-    sources: tuple[int, ...]  # trainer rank feeding each of the engine's TP ranks, in TP-rank order
+    # Trainer rank feeding each of the engine's TP ranks, in TP-rank order; None: the rank on that TP rank's
+    # device has not joined yet (only where ``by_device``).
+    sources: list[int | None]
+    devices: tuple[str, ...] | None  # each TP rank's device identity, where the engine reported it
+    by_device: bool  # sources follow the devices the ranks declare (else fixed: feed_ranks, or positional)
     next_seq: int = 0  # chunks go to an engine strictly in sequence order
     in_flight: int = 0
     max_in_flight: int = 0
     loads_started: int = 0  # zero: the engine's weights were never touched by this session
-    names: set[str] = field(default_factory=set)  # tensors this engine consumed (from layouts)
+    # Per TP rank: the tensors it consumed (from layouts); a complete update needs all of them on each.
+    rank_names: list[set[str]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return self.engine.name
 
+    @property
+    def resolved(self) -> bool:
+        return None not in self.sources
+
+    @property
+    def names(self) -> set[str]:
+        """Tensors every TP rank of this engine consumed."""
+        return set.intersection(*self.rank_names) if self.rank_names else set()
+
+    def device(self, tp_rank: int) -> str:
+        return self.devices[tp_rank] if self.devices is not None else f"(TP rank {tp_rank})"
+
 
 class WeightSession:
     """One weight update across the node's engines. Created after every engine began its update.
 
-    ``sources`` maps an engine name to the trainer rank of each of its TP ranks; by default TP rank
-    t is fed by trainer rank t. ``manifest`` is what the trainer declared it will send (None: not
+    ``sources`` maps an engine name to the trainer rank of each of its TP ranks (fixed, e.g. the engine's
+    ``feed_ranks``); any other engine is fed by device (``EngineHandle.tp_devices``: each TP rank by the
+    rank that joins declaring that device) or, where its devices are unknown, TP rank t by trainer rank t.
+    ``start_timeout_s``: how long after the open a rank may start (None: no start deadline, ``chunk_timeout_s``
+    bounds every wait). ``manifest`` is what the trainer declared it will send (None: not
     declared; then what the chunks' layouts carried is what was sent); ``partial`` says the trainer
     means to update only some tensors, on top of intact weights.
 
@@ -159,6 +215,7 @@ class WeightSession:
         manifest: Manifest | None = None,
         partial: bool = False,
         idle_s: float | None = None,
+        start_timeout_s: float | None = None,
         session_id: str | None = None,
     ) -> None:
         if depth < 1:
@@ -174,6 +231,8 @@ class WeightSession:
         self.manifest = manifest
         self.partial = partial
         self.idle_s = idle_s
+        self.start_timeout_s = start_timeout_s
+        self.opened_at = time.monotonic()
         self._lifecycle = SessionLifecycle.OPEN
         self.error: str | None = None
         self.tainted: list[str] = []  # engines whose calls had to be abandoned when it closed
@@ -186,10 +245,11 @@ class WeightSession:
         self.delivered: Manifest = {}  # every tensor a chunk layout carried, with its dtype and shape
         self._layoutless = False  # some part had no visible layout (cuda_ipc, disk)
         self._metrics = metrics
-        self._lanes = [_Lane(e, self._sources_of(e, sources)) for e in engines]
-        self._users: dict[int, tuple[_Lane, ...]] = {
-            r: tuple(lane for lane in self._lanes if r in lane.sources) for r in range(ranks)
-        }
+        self._lanes = [self._lane_of(e, sources) for e in engines]
+        self._devices: dict[int, str] = {}  # rank → the device it declared when it joined
+        self._started: set[int] = set()  # ranks that sent a first chunk
+        self._broadcasting = False  # a broadcast fed every engine: no rank is late to start
+        self._plans: dict[int, tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]]] = {}  # seq → first rank's
         self._chunks: dict[int, _Chunk] = {}
         self._acked = 0  # chunks [0, _acked) are complete and consumed by every engine
         self._rank_next = dict.fromkeys(range(ranks), 0)  # per rank: the first chunk not received from it
@@ -199,15 +259,107 @@ class WeightSession:
         self._requests = 0  # rank requests being served: a session with one is never idle
         self.last_activity = time.monotonic()
 
-    def _sources_of(self, engine: EngineHandle, sources: Mapping[str, tuple[int, ...]] | None) -> tuple[int, ...]:
+    def _lane_of(self, engine: EngineHandle, sources: Mapping[str, tuple[int, ...]] | None) -> _Lane:
         tp = int(engine.config.tp_size)
-        chosen = tuple(sources[engine.name]) if sources and engine.name in sources else tuple(range(tp))
-        if len(chosen) != tp or not all(0 <= r < self.ranks for r in chosen):
-            raise TransitionRejected(
-                f"engine {engine.name!r} has tp_size {tp} and needs that many trainer ranks "
-                f"in 0..{self.ranks - 1}; got {list(chosen)}"
-            )
-        return chosen
+        devices = engine.tp_devices
+        fixed = sources.get(engine.name) if sources else None
+        if fixed is None and devices is None:
+            fixed = tuple(range(tp))  # devices unknown: TP rank t is fed by trainer rank t
+        if fixed is not None and (len(fixed) != tp or not all(0 <= r < self.ranks for r in fixed)):
+            raise RequestInvalid(
+                f"engine {engine.name!r} has tp_size {tp} and is fed by trainer ranks {list(fixed)}, which must be "
+                f"{tp} rank(s) in 0..{self.ranks - 1}: open the session with more ranks, or fix its feed_ranks",
+                field="ranks")
+        return _Lane(engine, list(fixed) if fixed is not None else [None] * tp, devices, by_device=fixed is None,
+                     rank_names=[set() for _ in range(tp)])
+
+    # -- the layout: who feeds whom ------------------------------------------------------------
+    async def join(self, rank: int, device_id: str) -> RankJoin:
+        """Rank ``rank`` declares its device: it feeds the engine TP ranks on that device (and any whose
+        ``feed_ranks`` name it). Joining twice with the same device is a no-op. Once every rank joined, an
+        engine TP rank without a trainer rank fails the session (422 naming its device)."""
+        self._check_open()
+        if not 0 <= rank < self.ranks:
+            raise RequestInvalid(f"session {self.id}: rank {rank} outside 0..{self.ranks - 1}", field="rank")
+        if not device_id or len(device_id) > 256:
+            raise RequestInvalid(f"session {self.id}: rank {rank}: device_id must be 1..256 characters",
+                                 field="device_id")
+        known = self._devices.get(rank)
+        if known is not None and known != device_id:
+            raise TransitionRejected(f"session {self.id}: rank {rank} joined on device {known!r}, not {device_id!r}")
+        if known is None:
+            slots = [(lane, t) for lane in self._lanes if lane.by_device
+                     for t in range(len(lane.sources)) if device_key(lane.device(t)) == device_key(device_id)]
+            taken = next((lane.sources[t] for lane, t in slots if lane.sources[t] is not None), None)
+            if taken is not None:
+                raise RequestInvalid(
+                    f"session {self.id}: rank {rank} declares device {device_id!r}, which rank {taken} declared "
+                    "already; each engine device is fed by one trainer rank (declare each rank's own device)",
+                    field="device_id")
+            self._devices[rank] = device_id
+            for lane, t in slots:
+                lane.sources[t] = rank
+            self.touch()
+        joined = RankJoin(self.id, rank, device_id, self._feeds(rank))
+        if len(self._devices) == self.ranks and (unserved := self._unserved()):
+            declared = ", ".join(f"rank {r}: {d!r}" for r, d in sorted(self._devices.items()))
+            error = RequestInvalid(
+                f"session {self.id}: layout cannot be served: {unserved}, and every rank has joined ({declared}); "
+                "start a trainer rank on that device (CPU: WeightPusher(device_id=...), matching the engine's "
+                "device_ids), or map the ranks in the node config (the engine's feed_ranks)", field="device_id")
+            await self.fail(error)
+            raise error
+        return joined
+
+    def _feeds(self, rank: int) -> tuple[tuple[str, int], ...]:
+        return tuple((lane.name, t) for lane in self._lanes for t, r in enumerate(lane.sources) if r == rank)
+
+    def _unserved(self) -> str:
+        """The engine TP ranks no trainer rank feeds yet, described by device; empty when every one is fed."""
+        gaps = [f"engine {lane.name!r} TP rank {t} on device {lane.device(t)!r} has no trainer rank on it"
+                for lane in self._lanes for t, r in enumerate(lane.sources) if r is None]
+        return "; ".join(gaps[:4]) + (f" (and {len(gaps) - 4} more)" if len(gaps) > 4 else "")
+
+    def _users_of(self, rank: int) -> tuple[_Lane, ...]:
+        return tuple(lane for lane in self._lanes if rank in lane.sources)
+
+    def _unjoined(self) -> list[int]:
+        return [r for r in range(self.ranks) if r not in self._devices]
+
+    def _late(self) -> list[int]:
+        """Ranks the session still waits on to start: sources that sent no chunk yet, and, while an engine TP
+        rank has no trainer rank, the ranks that have not joined (one of them may be on its device)."""
+        if self._broadcasting:
+            return []
+        late = {r for lane in self._lanes for r in lane.sources if r is not None and r not in self._started}
+        if not all(lane.resolved for lane in self._lanes):
+            late.update(self._unjoined())
+        return sorted(late)
+
+    def _start_deadline(self) -> float | None:
+        return None if self.start_timeout_s is None else self.opened_at + self.start_timeout_s
+
+    def start_overdue(self) -> ChunkTimeout | None:
+        """The error to fail the session with when its start deadline passed with a rank still late."""
+        deadline = self._start_deadline()
+        if deadline is None or self.state is not SessionState.OPEN or time.monotonic() <= deadline:
+            return None
+        late = self._late()
+        return self._start_timeout(late) if late else None
+
+    def _start_timeout(self, late: list[int]) -> ChunkTimeout:
+        budget = self.start_timeout_s or 0.0
+        unserved = self._unserved()
+        return ChunkTimeout(
+            f"session {self.id}: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not start (join "
+            f"and send a first chunk) within start_s={budget:.1f}s of the session's open"
+            + (f"; {unserved}" if unserved else ""),
+            step="start", budget_s=budget, rank=late[0])
+
+    def note_broadcast(self) -> None:
+        """Weights travel by broadcast (separated GPUs): every engine is fed from the group, no rank is late."""
+        self._broadcasting = True
+
 
     # -- the lifecycle -----------------------------------------------------------------------
     @property
@@ -252,7 +404,11 @@ class WeightSession:
         self.last_activity = time.monotonic()
 
     def expired(self) -> bool:
-        return self.idle_s is not None and self.state is SessionState.OPEN and self.idle_for() > self.idle_s
+        """The lease ran out. Never while a rank is still within its start deadline (it is late, not gone)."""
+        if self.idle_s is None or self.state is not SessionState.OPEN or self.idle_for() <= self.idle_s:
+            return False
+        deadline = self._start_deadline()
+        return deadline is None or time.monotonic() > deadline or not self._late()
 
     # -- the rank-facing side ----------------------------------------------------------------
     async def submit(self, seq: int, part: RankPayload) -> ChunkAck:
@@ -271,6 +427,16 @@ class WeightSession:
         # and leaves the session as it was (the rank may send a corrected part).
         if not 0 <= part.rank < self.ranks:
             raise RequestInvalid(f"session {self.id}: rank {part.rank} outside 0..{self.ranks - 1}", field="rank")
+        if part.rank not in self._devices:
+            # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank>.
+            uuid = part.handle.get("device_uuid")
+            await self.join(part.rank, uuid if isinstance(uuid, str) and uuid else f"cpu:{part.rank}")
+        users = self._users_of(part.rank)
+        if not users:
+            raise RequestInvalid(
+                f"session {self.id}: rank {part.rank} (device {self._devices[part.rank]!r}) feeds no engine TP rank, "
+                "so nobody would load its chunks: it must not stream (its join reply says streams: false)",
+                field="rank")
         if seq < self._acked or seq < self._rank_next[part.rank] or seq in self._rank_ahead[part.rank]:
             raise TransitionRejected(f"session {self.id}: rank {part.rank} already sent chunk {seq}")
         first_missing = self._rank_next[part.rank]
@@ -281,18 +447,14 @@ class WeightSession:
                 f"(chunks {first_missing}..{first_missing + self.depth - 1}); chunk sequence numbers are "
                 "0, 1, 2, ... without gaps", field="seq")
         layout = self._inspect(seq, part)
+        self._check_plan(seq, part.rank, layout)
         self._mark_sent(part.rank, seq)  # received: counts for the gap rule even while it waits below
+        self._started.add(part.rank)
         # Backpressure: no rank runs more than `depth` chunks ahead of the slowest engine or the
         # slowest rank; the request just waits, bounded by the chunk timeout.
-        try:
-            async with asyncio.timeout(self.chunk_timeout_s), self._window:
-                await self._window.wait_for(
-                    lambda: seq < self._acked + self.depth or self.state is not SessionState.OPEN
-                )
-        except TimeoutError:
-            window_error = self._window_timeout(seq)
-            await self.fail(window_error)
-            raise window_error from None
+        if error := await self._wait(lambda: seq < self._acked + self.depth or self.state is not SessionState.OPEN,
+                                     lambda: self._window_timeout(seq)):
+            return await self._fail_with(error)
         self._check_open()
         chunk = self._chunks.get(seq)
         if chunk is None:
@@ -300,23 +462,79 @@ class WeightSession:
             chunk = self._chunks[seq] = _Chunk(seq, {lane.name: loop.create_future() for lane in self._lanes})
         if part.rank in chunk.parts:
             raise TransitionRejected(f"session {self.id}: rank {part.rank} already sent chunk {seq}")
-        users = self._users[part.rank]
         await self._check_device(seq, part, users)
         chunk.parts[part.rank] = part
         chunk.layouts[part.rank] = layout
         if part.transport == "shm":
             self.shm_names.add(str(part.handle["shm_name"]))
         self._pump()
-        try:
-            async with asyncio.timeout(self.chunk_timeout_s):
-                # shield: a rank that times out must not cancel the engines' shared result.
-                loads = await asyncio.shield(asyncio.gather(*(chunk.consumed[lane.name] for lane in users)))
-        except TimeoutError:
-            error = self._stall_timeout(seq, users)
-            await self.fail(error)
-            raise error from None
+        # shield: a rank that times out must not cancel the engines' shared result.
+        consumed = asyncio.shield(asyncio.gather(*(chunk.consumed[lane.name] for lane in users)))
+        if error := await self._wait(consumed.done, lambda: self._stall_timeout(seq, users), wake=consumed):
+            consumed.cancel()  # the shield only: the engines' futures stay as they are
+            return await self._fail_with(error)
+        loads = consumed.result()
         await self._advance()
         return ChunkAck(seq, part.rank, tuple(lane.name for lane in users), max(loads, default=0.0))
+
+    async def _fail_with(self, error: WeightSyncError | RequestInvalid) -> NoReturn:
+        await self.fail(error)
+        raise error
+
+    async def _wait(self, done: Callable[[], bool], blame: Callable[[], WeightSyncError | RequestInvalid],
+                    wake: asyncio.Future[Any] | None = None) -> WeightSyncError | RequestInvalid | None:
+        """Wait until ``done()`` (or, with ``wake``, until that future settles), within the chunk budget; while
+        what holds the wait up is a rank that has not started, up to the start deadline instead. Returns None,
+        or on timeout the error naming what held it up (``blame``; a late rank past the start deadline: the
+        start error); an error of ``wake`` is raised."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.chunk_timeout_s
+        while True:
+            try:
+                async with asyncio.timeout_at(until):
+                    if wake is not None:
+                        await asyncio.wait([wake])
+                        wake.result()
+                    else:
+                        async with self._window:
+                            await self._window.wait_for(done)
+                return None
+            except TimeoutError:
+                if wake is not None and wake.done():
+                    wake.result()  # settled just as the budget ran out: take the result
+                    return None
+                if wake is None and done():
+                    return None
+                error = blame()
+                deadline = self._start_deadline()
+                rank = error.rank if isinstance(error, ChunkTimeout) and error.step == "gather" else None
+                late = self._late()
+                if deadline is None or rank is None or rank not in late:
+                    return error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return self._start_timeout(late)
+                until = max(until, loop.time() + remaining)  # a late rank: it has until the start deadline
+
+    def _check_plan(self, seq: int, rank: int, layout: ChunkLayout | None) -> None:
+        """Chunk ``seq`` carries the same tensors (names, dtypes, shapes, in order) from every rank; else 422."""
+        if layout is None:
+            return
+        plan = tuple((t.name, t.dtype, tuple(t.shape)) for t in layout.tensors)
+        first = self._plans.setdefault(seq, (rank, plan))
+        if first[0] == rank or first[1] == plan:
+            return
+        ours, theirs = {p[0]: p for p in plan}, {p[0]: p for p in first[1]}
+        missing, extra = sorted(theirs.keys() - ours.keys()), sorted(ours.keys() - theirs.keys())
+        if missing or extra:
+            why = (f"missing {name_some(missing) if missing else 'none'}, extra {name_some(extra) if extra else 'none'}"
+                   f" compared with rank {first[0]}'s")
+        else:
+            why = f"the same tensors as rank {first[0]}'s, in another order or shape"
+        raise RequestInvalid(
+            f"session {self.id}: chunk {seq} from rank {rank} carries other tensors than rank {first[0]}'s chunk "
+            f"{seq} ({why}): every rank sends the same chunk plan, the full tensors in the same order with the "
+            "same bucket size, so each engine TP rank gets every tensor", field="handle.layout")
 
     def _mark_sent(self, rank: int, seq: int) -> None:
         ahead = self._rank_ahead[rank]
@@ -361,7 +579,7 @@ class WeightSession:
         for lane in users:
             expected = list(lane.engine.config.gpu_uuids or ())
             for tp_rank, rank in enumerate(lane.sources):
-                if rank == part.rank and tp_rank < len(expected) and expected[tp_rank] != uuid:
+                if rank == part.rank and tp_rank < len(expected) and device_key(expected[tp_rank]) != device_key(uuid):
                     error = WeightSyncError(
                         f"chunk {seq}: trainer rank {rank} exported it from GPU {uuid}, but engine "
                         f"{lane.name!r} TP rank {tp_rank} runs on GPU {expected[tp_rank]}; "
@@ -370,10 +588,24 @@ class WeightSession:
                     await self.fail(error)
                     raise error
 
+    def _missing_parts(self, chunk: _Chunk) -> list[int]:
+        """Ranks whose part of ``chunk`` an engine still waits for (an engine TP rank whose trainer rank has not
+        joined waits for any rank that has not)."""
+        missing: set[int] = set()
+        for lane in self._lanes:
+            if chunk.consumed[lane.name].done():
+                continue
+            for r in lane.sources:
+                if r is None:
+                    missing.update(self._unjoined())
+                elif r not in chunk.parts:
+                    missing.add(r)
+        return sorted(missing)
+
     def _window_timeout(self, seq: int) -> ChunkTimeout:
         """Name why chunk ``seq`` may not enter the window: the oldest chunk lacks a rank, or an engine."""
         oldest = self._chunks.get(self._acked)
-        missing = sorted(set(range(self.ranks)) - set(oldest.parts)) if oldest is not None else []
+        missing = self._missing_parts(oldest) if oldest is not None else []
         budget = f"within {self.chunk_timeout_s:.1f}s"
         if oldest is None or missing:
             ranks = ", ".join(map(str, missing)) if missing else "any rank"
@@ -400,13 +632,16 @@ class WeightSession:
                     f"chunk {seq}: engine {lane.name!r} is waiting for chunk {lane.next_seq}, which no rank sent "
                     f"{budget}: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)",
                     field="seq")
-            missing = sorted(r for r in lane.sources if r not in blocking.parts)
-            if missing:
+            missing = sorted(r for r in lane.sources if r is not None and r not in blocking.parts)
+            unjoined = self._unjoined() if not lane.resolved else []
+            if missing or unjoined:
+                who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, which never sent it"
+                       if missing else
+                       f"the trainer rank on device {lane.device(lane.sources.index(None))!r}, which has not joined "
+                       f"(not joined yet: rank{'s' if len(unjoined) > 1 else ''} {', '.join(map(str, unjoined))})")
                 return ChunkTimeout(
-                    f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from "
-                    f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, "
-                    f"which never sent it {budget}", step="gather", budget_s=self.chunk_timeout_s,
-                    engine=lane.name, rank=missing[0])
+                    f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from {who} {budget}",
+                    step="gather", budget_s=self.chunk_timeout_s, engine=lane.name, rank=(missing or unjoined)[0])
         chunk = self._chunks.get(seq)
         slow = [lane.name for lane in users if chunk is None or not chunk.consumed[lane.name].done()]
         return ChunkTimeout(
@@ -418,6 +653,7 @@ class WeightSession:
         for lane in self._lanes:
             while (
                 lane.in_flight < self.depth
+                and lane.resolved
                 and (chunk := self._chunks.get(lane.next_seq)) is not None
                 and all(r in chunk.parts for r in lane.sources)
             ):
@@ -434,7 +670,8 @@ class WeightSession:
         self.touch()
 
     async def _load(self, lane: _Lane, chunk: _Chunk) -> None:
-        payloads = tuple(chunk.parts[r] for r in lane.sources)
+        sources = [r for r in lane.sources if r is not None]  # all of them: _pump loads resolved lanes only
+        payloads = tuple(chunk.parts[r] for r in sources)
         load = WeightsLoad(seq=chunk.seq, payloads=payloads, nbytes=sum(p.nbytes for p in payloads),
                            session_id=self.id)
         done = chunk.consumed[lane.name]
@@ -453,11 +690,11 @@ class WeightSession:
                 return
             raise
         lane.in_flight -= 1
-        for r in lane.sources:
+        for tp_rank, r in enumerate(sources):
             layout = chunk.layouts.get(r)
             if layout is not None:
                 for t in layout.tensors:
-                    lane.names.add(t.name)
+                    lane.rank_names[tp_rank].add(t.name)
                     self.delivered.setdefault(t.name, TensorMeta(t.dtype, t.shape))
         self.bytes_loaded += load.nbytes
         self.chunks_loaded += 1
@@ -470,14 +707,15 @@ class WeightSession:
         await self._advance()
 
     async def _advance(self) -> None:
-        """Drop chunks that every rank sent and every engine consumed, in order; wake waiting ranks."""
+        """Drop chunks that every engine consumed (so every rank feeding one sent them), in order; wake waiting
+        ranks."""
         moved = False
         while (
             (c := self._chunks.get(self._acked)) is not None
-            and len(c.parts) == self.ranks
             and all(f.done() and not f.cancelled() and f.exception() is None for f in c.consumed.values())
         ):
             del self._chunks[self._acked]
+            self._plans.pop(self._acked, None)
             self._acked += 1
             moved = True
         if moved:
@@ -488,7 +726,8 @@ class WeightSession:
         """Tensors that reached every engine by another path (a broadcast): they count as sent."""
         listed = list(names)
         for lane in self._lanes:
-            lane.names.update(listed)
+            for names_of_rank in lane.rank_names:
+                names_of_rank.update(listed)
         if metas is not None:
             for name, meta in zip(listed, metas, strict=False):
                 self.delivered.setdefault(name, meta)
@@ -497,39 +736,40 @@ class WeightSession:
     async def drain(self, num_chunks: int | None = None) -> None:
         """Wait until every chunk is complete and consumed; check the count the trainer says it sent.
 
-        A rank that never sends its part of a chunk is waited for one chunk timeout, then named (504). A gap
+        A rank that never sends its part of a chunk is waited for one chunk timeout (one that never started:
+        until the start deadline), then named (504). A gap
         in the sequence or a wrong count is the trainer's mistake (422) and leaves the session open.
         """
         self._check_open()
         gap = self._gap()
         if gap is not None:
             raise RequestInvalid(gap, field="num_chunks")
-        try:
-            async with asyncio.timeout(self.chunk_timeout_s), self._window:
-                await self._window.wait_for(lambda: not self._chunks or self.state is not SessionState.OPEN)
-        except TimeoutError:
-            incomplete = {
-                s: sorted(set(range(self.ranks)) - set(c.parts))
-                for s, c in sorted(self._chunks.items())
-                if len(c.parts) < self.ranks
-            }
-            if incomplete:
-                first_missing = next(iter(incomplete.values()))
-                error = ChunkTimeout(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
-                                     step="gather", budget_s=self.chunk_timeout_s, rank=first_missing[0])
-            else:
-                slow = sorted({lane.name for lane in self._lanes if lane.in_flight})
-                error = ChunkTimeout(
-                    f"at commit: engine{'s' if len(slow) > 1 else ''} {', '.join(map(repr, slow)) or '(none)'} did "
-                    f"not consume chunks {sorted(self._chunks)} within {self.chunk_timeout_s:.1f}s",
-                    step="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
-            await self.fail(error)
-            raise error from None
+
+        # Nothing to wait for once no chunk is in progress: a lane whose rank never joined holds every chunk
+        # back (so this waits for it, until the start deadline), and with no chunk at all the completeness
+        # check at commit names what each engine lacks.
+        if error := await self._wait(lambda: not self._chunks or self.state is not SessionState.OPEN,
+                                     self._drain_timeout):
+            return await self._fail_with(error)
         self._check_open()
         if num_chunks is not None and num_chunks != self._acked:
             raise RequestInvalid(
                 f"session {self.id}: the trainer says {num_chunks} chunks, the engines consumed {self._acked} "
                 f"(chunks 0..{self._acked - 1}); nothing committed, the session stays open", field="num_chunks")
+
+    def _drain_timeout(self) -> ChunkTimeout:
+        """Why the commit cannot settle: a rank that started and then missed a chunk, one that never started
+        (past the start deadline), or an engine still loading."""
+        incomplete = {s: m for s, c in sorted(self._chunks.items()) if (m := self._missing_parts(c))}
+        if incomplete:
+            first_missing = next(iter(incomplete.values()))
+            return ChunkTimeout(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
+                                step="gather", budget_s=self.chunk_timeout_s, rank=first_missing[0])
+        slow = sorted({lane.name for lane in self._lanes if lane.in_flight})
+        return ChunkTimeout(
+            f"at commit: engine{'s' if len(slow) > 1 else ''} {', '.join(map(repr, slow)) or '(none)'} did "
+            f"not consume chunks {sorted(self._chunks)} within {self.chunk_timeout_s:.1f}s",
+            step="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
 
     def _gap(self) -> str | None:
         """A chunk below the highest one received that no rank ever sent: the trainer skipped it."""
@@ -553,6 +793,19 @@ class WeightSession:
             return None if self.manifest is None else set(self.manifest) | lane.names
         return set(lane.names)
 
+    def unsent_by_tp_rank(self, engine: str, wanted: Collection[str]) -> str:
+        """Which of the engine's TP ranks lack which of ``wanted``, and the trainer rank feeding each: the words
+        of a refused commit (a complete update covers every TP rank). Empty when each has them all."""
+        lane = next(ln for ln in self._lanes if ln.name == engine)
+        gaps = []
+        for t, got in enumerate(lane.rank_names):
+            lacking = [n for n in wanted if n not in got]
+            if lacking:
+                source = lane.sources[t]
+                fed = f"trainer rank {source}" if source is not None else "no trainer rank"
+                gaps.append(f"TP rank {t} (device {lane.device(t)!r}, fed by {fed}) lacks {name_some(lacking, 3)}")
+        return "; ".join(gaps)
+
     def touched(self, engine: str) -> bool:
         """Whether any load of this session ever started on the engine (its weights may be mixed)."""
         return any(ln.loads_started for ln in self._lanes if ln.name == engine)
@@ -572,9 +825,11 @@ class WeightSession:
         for chunk in self._chunks.values():
             for done in chunk.consumed.values():
                 if not done.done():
-                    # Abandoned on purpose (abort, expiry): 410 to every rank still waiting; failed: 502.
+                    # Abandoned on purpose (abort, expiry): 410 to every rank still waiting; failed: 502, or
+                    # the caller's 422 where the caller's request failed it (a layout that cannot be served).
                     done.set_exception(
-                        WeightSyncError(message) if ended is SessionState.FAILED
+                        RequestInvalid(message, field=error.field) if isinstance(error, RequestInvalid)
+                        else WeightSyncError(message) if ended is SessionState.FAILED
                         else SessionGone(message, session_id=self.id, state=ended.value))
                     done.exception()
         async with self._window:
@@ -613,7 +868,10 @@ class WeightSession:
             "chunks_consumed": self._acked,
             "bytes_loaded": self.bytes_loaded,
             "max_in_flight": {ln.name: ln.max_in_flight for ln in self._lanes},
-            "sources": {ln.name: list(ln.sources) for ln in self._lanes},
+            "sources": {ln.name: list(ln.sources) for ln in self._lanes},  # per TP rank; null: not joined yet
+            "devices": {str(r): d for r, d in sorted(self._devices.items())},  # what each joined rank declared
+            "late_ranks": self._late() if self.state is SessionState.OPEN else [],
+            "start_s": self.start_timeout_s,
             "open_chunks": sorted(self._chunks),
             "idle_s": self.idle_s,
             "idle_for_s": round(self.idle_for(), 3) if self.state is SessionState.OPEN else None,

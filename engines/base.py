@@ -56,6 +56,10 @@ class EngineInfo:
     tp_size: int = 1
     owned_tags: tuple[MemoryTag, ...] = ALL_TAGS
     extra: dict[str, Any] = field(default_factory=dict)
+    # The identity of each TP rank's device, in TP-rank order, as the engine reports it (the reference
+    # engine's server_info ``colocd_tp_ranks``: a GPU UUID, or a CPU rank's declared id); empty if it
+    # reports none. The daemon feeds each TP rank from the trainer rank that declared the same device.
+    device_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,9 @@ class _EngineBase(BaseModel):
     gpus: list[int] = Field(default_factory=list, description="physical GPU indices the engine occupies")
     gpu_uuids: list[str] = Field(default_factory=list, description="GPU UUIDs (preferred over indices)")
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks; one chunk payload per rank")
+    feed_ranks: list[int] | None = Field(
+        None, description="the trainer rank that feeds each TP rank, in TP-rank order (one per TP rank); "
+        "overrides the default, which feeds each TP rank from the trainer rank on the same device")
     api_key: str | None = Field(None, description="bearer token the engine expects on control routes")
     launch: LaunchConfig | None = None
     owned_tags: list[MemoryTag] = Field(
@@ -63,6 +66,18 @@ class _EngineBase(BaseModel):
     def _needs_url_or_launch(self) -> _EngineBase:
         if self.url is None and self.launch is None:
             raise ValueError(f"engine {self.name!r}: set 'url' (attach) or 'launch' (colocd starts it)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_feed_rank_per_tp_rank(self) -> _EngineBase:
+        if self.feed_ranks is None:
+            return self
+        if len(self.feed_ranks) != self.tp_size:
+            raise ValueError(f"engine {self.name!r}: feed_ranks has {len(self.feed_ranks)} entries for tp_size "
+                             f"{self.tp_size} (one trainer rank per TP rank)")
+        if any(r < 0 for r in self.feed_ranks) or len(set(self.feed_ranks)) != len(self.feed_ranks):
+            raise ValueError(f"engine {self.name!r}: feed_ranks must be distinct trainer ranks >= 0, "
+                             f"got {self.feed_ranks}")
         return self
 
 

@@ -25,6 +25,7 @@ class TimeoutStep(StrEnum):
     RESUME = "resume"  # resume_memory_occupation
     WEIGHT_UPDATE = "weight_update"  # an engine's begin/end of an update, its version bump, its parameter list
     CHUNK = "chunk"  # one chunk: gather from every rank plus every engine's load (or one broadcast)
+    START = "start"  # from a session's open until every rank it needs joined and sent its first chunk
     GROUP = "group"  # an engine joins or leaves a weight-update group
     MASTER_REACH = "master_reach"  # the trainer's TCPStore accepts a connection
     OBSERVE = "observe"  # one observation of one engine
@@ -57,6 +58,9 @@ class Timeouts(BaseModel):
         None, gt=0, description="an engine begins or ends a weight update, bumps its version, lists its parameters")
     chunk_s: float | None = Field(
         None, gt=0, description="one chunk: gather from all ranks + engine load (or one broadcast)")
+    start_s: float | None = Field(
+        60.0, gt=0, description="from a weight session's open until every trainer rank an engine needs has "
+        "joined and sent its first chunk (a late rank is named); chunk_s applies from a rank's first chunk on")
     group_s: float | None = Field(None, gt=0, description="an engine joins or destroys a weight-update group")
     master_reach_s: float | None = Field(
         3.0, gt=0, description="how long POST /v1/weights/groups waits for the trainer's TCPStore to accept a "

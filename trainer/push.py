@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import dtype_name, plan_buckets
+from ..engines.cuda_handles import device_uuid
 from ..policies import Transport
 from .channel import ChannelClosed, ChunkChannel
 from .exported import ExportedChunk, Producer
@@ -120,8 +122,13 @@ class WeightPusher:
     ``from_plan`` follows the daemon's pipeline plan instead.
 
     Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a
-    ``torch.distributed`` broadcast); every rank calls ``stream(session_id, its_tensors)`` with its own
-    ``rank``; rank 0 commits once all have returned.
+    ``torch.distributed`` broadcast); every rank calls ``stream(session_id, full_tensors)`` with its own
+    ``rank``; rank 0 commits once all have returned. ``stream`` first joins the session declaring the rank's
+    device (``device_id``; default: the tensors' GPU UUID, or ``cpu:<rank>`` for CPU tensors), and the
+    daemon feeds each engine TP rank from the rank on its device (docs/client.md, "layouts"). A rank whose
+    device carries no engine rank sends nothing: its ``stream`` only walks the tensors (they may be
+    collectives) and returns the chunk count every rank's plan has, with 0 bytes. ``last_join`` is the
+    daemon's reply to the last join (``feeds``: the engine TP ranks this rank feeds).
 
     ``channel`` picks how chunk descriptors travel (``CHANNEL_CHOICES``): by default over the daemon's
     chunk channel (one Unix-socket connection per stream, ``colocd.trainer.channel``) when the session
@@ -130,7 +137,7 @@ class WeightPusher:
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
                  bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
-                 slots: int | None = None, channel: str = "auto") -> None:
+                 slots: int | None = None, channel: str = "auto", device_id: str | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         if transport != "auto" and transport not in PRODUCERS:
@@ -146,6 +153,8 @@ class WeightPusher:
         self._bucket_bytes: int | None = None if bucket_mb is None else max(int(bucket_mb * 1024 * 1024), 1)
         self._depth = depth
         self._rank = rank
+        self._device_id = device_id
+        self.last_join: dict[str, Any] | None = None
         # A ring needs a free slot for every chunk in flight.
         self._slots = max(slots or depth, depth)
         self._producer: Producer | None = None
@@ -153,10 +162,21 @@ class WeightPusher:
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
 
     @classmethod
-    def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0) -> WeightPusher:
+    def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0,
+                  device_id: str | None = None) -> WeightPusher:
         """A pusher shaped by the pipeline policy: the ``directives["pipeline"]`` of a ``sync`` reply."""
         return cls(client, transport=Transport(plan["transport"]), bucket_mb=int(plan["bucket_bytes"]) / 2**20,
-                   depth=int(plan["depth"]), rank=rank)
+                   depth=int(plan["depth"]), rank=rank, device_id=device_id)
+
+    def device_of(self, named: list[tuple[str, torch.Tensor]]) -> str:
+        """The device this rank declares when it joins: ``device_id`` if given, else the first tensor's GPU
+        UUID (CUDA), else ``cpu:<rank>``."""
+        if self._device_id is not None:
+            return self._device_id
+        device = next((t.device for _, t in named), torch.device("cpu"))
+        if device.type == "cuda":
+            return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+        return f"cpu:{self._rank}"
 
     async def __aenter__(self) -> WeightPusher:
         return self
@@ -196,7 +216,7 @@ class WeightPusher:
         return str(self._transport) if self._transport != "auto" else auto_transport(device)
 
     def _shape_for(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-        """This stream's transport and bucket size: the ones given, else chosen from the tensors."""
+        """This stream's transport and bucket size: the ones given, else chosen from the (first) tensors."""
         device = next((t.device for _, t in named), torch.device("cpu"))
         transport = self._transport if self._transport != "auto" else auto_transport(device)
         if self._bucket_bytes is not None:
@@ -237,24 +257,50 @@ class WeightPusher:
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
                      chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
-        """Send this rank's part of every chunk of an open session; returns (chunks, bytes).
+        """Join the session, then send this rank's part of every chunk; returns (chunks, bytes).
 
         ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
-        the daemon is asked."""
+        the daemon is asked. A rank that feeds no engine rank (the join says ``streams: false``) sends
+        nothing and returns (the chunk count of the plan, 0)."""
+        # The iterator is pulled off the event loop, one item at a time: producing a tensor may be a collective
+        # (FSDP's full_tensor, a TP all-gather) that waits for a slower rank, and the acks of this rank's chunks
+        # in flight must keep flowing meanwhile (the slower rank's engine may be waiting for them).
+        # With a declared device_id the rank joins before producing anything (so a rank blocked in its first
+        # gather has already told the daemon its device); else the first tensor says where it is.
+        items = iter(named)
+        if self._device_id is not None:
+            self.last_join = await self._client.join_session(session_id, rank=self._rank, device_id=self._device_id)
+        first = await asyncio.to_thread(next, items, None)
+        head = [first] if first is not None else []
+        named = itertools.chain(head, items)
+        if self._device_id is None:
+            self.last_join = await self._client.join_session(session_id, rank=self._rank,
+                                                             device_id=self.device_of(head))
+        assert self.last_join is not None
+        if not self.last_join["streams"]:
+            # No engine rank is on this rank's device: walk the tensors (they may be collectives the other ranks
+            # wait for) and count the plan's chunks, sending nothing.
+            self.chunk_log = []
+            bucket_bytes = self._shape[1] if self._producer is not None else self._shape_for(head)[1]
+            buckets = plan_buckets(named, bucket_bytes)
+            count = 0
+            while await asyncio.to_thread(next, buckets, None) is not None:
+                count += 1
+            return count, 0
         channel = await self._open_channel(session_id, chunk_channel)
         self.last_path = "http" if channel is None else "channel"
         try:
-            return await self._stream(session_id, named, channel or self._client)
+            return await self._stream(session_id, head, named, channel or self._client)
         finally:
             if channel is not None:
                 await channel.aclose()
 
-    async def _stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]],
+    async def _stream(self, session_id: str, head: list[tuple[str, torch.Tensor]],
+                      named: Iterable[tuple[str, torch.Tensor]],
                       sender: AsyncColocdClient | ChunkChannel) -> tuple[int, int]:
-        named = list(named)  # read twice: the producer's shape, then the buckets
         if self._producer is None:
             # Chosen with the producer and kept with it: a ring's slots are sized by the first stream.
-            self._shape = self._shape_for(named)
+            self._shape = self._shape_for(head)
             self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots)
         producer, bucket_bytes = self._producer, self._shape[1]
         producer.begin_stream()
@@ -262,7 +308,7 @@ class WeightPusher:
         tasks: list[asyncio.Task[None]] = []
         records: dict[int, ChunkRecord] = {}
         nbytes = 0
-        seq = -1
+        sent = 0  # chunks exported and handed to a sender
 
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
@@ -274,9 +320,14 @@ class WeightPusher:
             round_trip_s = time.perf_counter() - t0
             records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, round_trip_s, float(ack["load_s"]))
 
+        buckets = plan_buckets(named, bucket_bytes)
         try:
-            for seq, bucket in enumerate(plan_buckets(named, bucket_bytes)):
+            while True:
                 await window.acquire()
+                bucket = await asyncio.to_thread(next, buckets, None)  # off the loop: see stream()
+                if bucket is None:
+                    window.release()
+                    break
                 if any(t.done() and t.exception() for t in tasks):
                     window.release()
                     break  # a chunk failed: the session is over, export nothing more
@@ -285,7 +336,8 @@ class WeightPusher:
                 # acks of earlier chunks must keep flowing meanwhile. One export at a time.
                 chunk = await self._export(producer, bucket)
                 nbytes += chunk.nbytes
-                tasks.append(asyncio.create_task(send(seq, chunk, time.perf_counter() - t0)))
+                tasks.append(asyncio.create_task(send(sent, chunk, time.perf_counter() - t0)))
+                sent += 1
             await asyncio.gather(*tasks)
         except BaseException:
             for task in tasks:
@@ -295,4 +347,4 @@ class WeightPusher:
         finally:
             producer.close()
             self.chunk_log = [records[k] for k in sorted(records)]
-        return seq + 1, nbytes
+        return sent, nbytes

@@ -108,8 +108,20 @@ class SGLangAdapter:
             tp_size=self._config.tp_size,
             owned_tags=owned,
             extra={"colocd_reference": bool(server.get("colocd_reference", False))},
+            device_ids=self._tp_device_ids(server),
         )
         return self._info
+
+    def _tp_device_ids(self, server: dict[str, Any]) -> tuple[str, ...]:
+        """Each TP rank's device identity: the reference engine reports them (``colocd_tp_ranks``); real SGLang
+        does not, so the config's ``gpu_uuids`` (one per TP rank) stand for them; else none are known."""
+        ranks = server.get("colocd_tp_ranks")
+        if isinstance(ranks, list) and len(ranks) == self._config.tp_size:
+            ids = [r.get("device_id") if isinstance(r, dict) else None for r in ranks]
+            if all(isinstance(i, str) and i for i in ids):
+                return tuple(str(i) for i in ids)
+        uuids = list(getattr(self._config, "gpu_uuids", None) or ())
+        return tuple(uuids) if len(uuids) == self._config.tp_size else ()
 
     def _check_tp_size(self, server: dict[str, Any]) -> None:
         """The engine's TP size must be the declared one: the daemon gathers one payload per declared TP rank

@@ -15,8 +15,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from support import shm_segments
+from support import serve_app, shm_segments
 
+from colocd.api.app import create_app
+from colocd.api.client import AsyncColocdClient
+from colocd.daemon.config import NodeConfig
 from colocd.engines.segments import pid_alive, reclaim_dead_segments, segment_creator
 from colocd.trainer.producer import producer_for
 
@@ -88,6 +91,25 @@ async def test_the_next_trainer_on_the_node_reclaims_them_when_its_shm_producer_
             assert not shm_segments(dead.pid)
         finally:
             producer.close()
+
+
+def _reclaimed_total(metrics: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith("colocd_shm_segments_reclaimed_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def test_the_daemons_health_loop_reclaims_a_killed_trainers_segments_and_counts_them() -> None:
+    config = NodeConfig.model_validate({"engines": [], "timeouts": {"health_interval_s": 0.1}})
+    async with trainer() as dead, serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
+        await dead.kill()
+        async with asyncio.timeout(DEADLINE_S):
+            while True:  # polled: the health loop runs every 0.1 s
+                if not shm_segments(dead.pid) and _reclaimed_total(await client.metrics()) >= len(dead.segments):
+                    break
+                await asyncio.sleep(0.05)
+        assert "colocd_shm_reclaimed_bytes_total" in await client.metrics()
 
 
 async def test_a_segment_whose_creator_still_holds_it_is_kept_though_its_pid_is_not_ours() -> None:

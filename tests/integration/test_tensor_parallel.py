@@ -255,10 +255,13 @@ async def test_two_trainer_ranks_feed_a_tp2_engine_through_the_daemon(
         await client.phase("sync", 1)
         session = await client.open_session("v1", step=1, ranks=2, depth=2, manifest=manifest_of(named))
         sid = session["session_id"]
-        # Every rank sends the same chunk plan: the full tensors, bucketed the same way.
-        pushers = [WeightPusher(client, bucket_mb=0.05, rank=r) for r in range(2)]
+        # Every rank sends the same chunk plan: the full tensors, bucketed the same way. The engine's TP ranks
+        # run on cpu:4 and cpu:5; each trainer rank declares one of them and feeds that TP rank.
+        pushers = [WeightPusher(client, bucket_mb=0.05, rank=r, device_id=f"cpu:{4 + r}") for r in range(2)]
         results = await asyncio.gather(*(p.stream(sid, named) for p in pushers))
         assert results[0] == results[1]
+        assert [p.last_join["feeds"] for p in pushers if p.last_join] == [
+            [{"engine": "ref-tp2", "tp_rank": 0}], [{"engine": "ref-tp2", "tp_rank": 1}]]
         await client.commit(sid, results[0][0])
         await client.phase("rollout", 1)
 

@@ -23,13 +23,13 @@ from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.bench.weights import BenchSettings, run_weights_bench
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.engine_ops import EngineHandle
-from colocd.daemon.errors import ChunkTimeout, PayloadRejected, SessionGone, WeightSyncError
+from colocd.daemon.errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, WeightSyncError
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineState
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import SessionState, WeightSession
 from colocd.engines.base import RankPayload, WeightsLoad
-from colocd.engines.chunks import tensor_checksum
+from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.cuda_handles import RingTable
 from colocd.engines.errors import EngineRejected
@@ -90,6 +90,8 @@ def _session(
     depth: int = 2,
     timeout_s: float = 10.0,
     sources: dict[str, tuple[int, ...]] | None = None,
+    start_s: float | None = None,
+    idle_s: float | None = None,
 ) -> WeightSession:
     handles = [
         EngineHandle(
@@ -109,6 +111,8 @@ def _session(
         trace=Trace(1, "weights"),
         metrics=Metrics(),
         sources=sources,
+        start_timeout_s=start_s,
+        idle_s=idle_s,
     )
 
 
@@ -116,6 +120,28 @@ def _part(rank: int, seq: int, **handle: Any) -> RankPayload:
     # cuda_ipc: a handle the daemon cannot look into (no layout, no segment), so any payload passes its checks.
     return RankPayload(rank=rank, transport="cuda_ipc", nbytes=100,
                        handle={"payload_b64": "", "data": f"r{rank}c{seq}", **handle})
+
+
+def _shm_part(rank: int, names: list[str]) -> RankPayload:
+    """A part whose layout the daemon reads (shm), in a segment of its own: it names the tensors it carries."""
+    named = [(n, torch.zeros(4)) for n in names]
+    layout = ChunkLayout.for_tensors(named)
+    segment = SharedSegment.create(layout.nbytes)
+    _SEGMENTS.append(segment)
+    return RankPayload(rank=rank, transport="shm", nbytes=layout.nbytes,
+                       handle={"shm_name": segment.name, "layout": layout.to_json(), "data": f"r{rank}"})
+
+
+_SEGMENTS: list[SharedSegment] = []
+
+
+@pytest.fixture(autouse=True)
+def _unlink_segments() -> Iterator[None]:
+    yield
+    while _SEGMENTS:
+        segment = _SEGMENTS.pop()
+        segment.close()
+        segment.unlink()
 
 
 async def _settle() -> None:
@@ -191,20 +217,65 @@ async def test_a_missing_part_of_an_earlier_chunk_is_named_by_the_later_chunks_t
 
 
 async def test_a_rank_cannot_run_ahead_of_a_lagging_rank_and_the_wait_names_the_laggard() -> None:
-    engine = FakeEngine("a")  # needs rank 0 only, yet rank 0 may not outrun rank 1 by more than depth
-    session = _session([engine], ranks=2, depth=2, timeout_s=0.2)
-    await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(1, _part(0, 1)))
+    a, b = FakeEngine("a"), FakeEngine("b")  # rank 0 feeds a, rank 1 feeds b
+    session = _session([a, b], ranks=2, depth=2, timeout_s=0.2, sources={"b": (1,)})
+    acks = await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(1, _part(0, 1)))
+    assert [ack.engines for ack in acks] == [("a",), ("a",)]  # acked once its own engine consumed it
     with pytest.raises(ChunkTimeout, match=r"chunk 2: the window is 2 chunks past chunk 0, which rank 1 never sent"):
         await session.submit(2, _part(0, 2))
-    assert [seq for seq, _, _ in engine.loads] == [0, 1]
+    assert [seq for seq, _, _ in a.loads] == [0, 1]
 
 
-async def test_commit_names_a_rank_that_sent_nothing_even_when_no_engine_needs_it() -> None:
-    engine = FakeEngine("a")  # tp 1: needs rank 0 only, so rank 0 is acked without rank 1
+async def test_a_rank_that_feeds_no_engine_is_refused_and_the_commit_does_not_wait_for_it() -> None:
+    engine = FakeEngine("a")  # tp 1: fed by rank 0 alone; rank 1 feeds nothing
     session = _session([engine], ranks=2, timeout_s=0.2)
-    await session.submit(0, _part(0, 0))
-    with pytest.raises(ChunkTimeout, match=r"chunks missing ranks \{0: \[1\]\}"):
-        await session.drain(1)
+    joined = await session.join(1, "cpu:1")
+    assert joined.to_json()["streams"] is False and joined.feeds == ()
+    with pytest.raises(RequestInvalid, match=r"rank 1 \(device 'cpu:1'\) feeds no engine TP rank"):
+        await session.submit(0, _part(1, 0))  # no ack for bytes nobody loads
+    ack = await session.submit(0, _part(0, 0))
+    assert ack.engines == ("a",)
+    await session.drain(1)
+    assert session.state is SessionState.OPEN and [seq for seq, _, _ in engine.loads] == [0]
+
+
+async def test_a_rank_that_has_not_started_is_waited_for_until_the_start_deadline_not_one_chunk_budget() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.1, start_s=5.0, idle_s=0.1)
+    first = asyncio.create_task(session.submit(0, _part(0, 0)))
+    await asyncio.sleep(0.4)  # the fault: rank 1 starts four chunk budgets (and idle limits) late
+    assert not first.done() and session.start_overdue() is None and not session.expired()
+    assert session.stats()["late_ranks"] == [1]
+    await session.submit(0, _part(1, 0))
+    assert (await first).engines == ("tp2",)
+    await session.drain(1)
+
+
+async def test_past_the_start_deadline_the_rank_that_never_started_is_named() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.1, start_s=0.3)
+    with pytest.raises(ChunkTimeout, match=r"rank 1 did not start .* within start_s=0.3s") as err:
+        await session.submit(0, _part(0, 0))
+    assert (err.value.step, err.value.rank, err.value.budget_s) == ("start", 1, 0.3)
+    assert session.state is SessionState.FAILED
+
+
+async def test_a_started_rank_that_stops_sending_gets_the_chunk_budget_not_the_start_deadline() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.2, start_s=30.0)
+    await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(0, _part(1, 0)))
+    with pytest.raises(ChunkTimeout, match=r"waiting for chunk 1 from rank 1, which never sent it") as err:
+        await session.submit(1, _part(0, 1))
+    assert err.value.step == "gather"
+
+
+async def test_chunks_from_ranks_that_carry_other_tensors_than_the_first_ranks_are_refused_naming_both() -> None:
+    session = _session([FakeEngine("tp2", tp=2)], ranks=2)
+    ok = asyncio.create_task(session.submit(0, _shm_part(0, ["a", "b"])))
+    await _settle()
+    with pytest.raises(RequestInvalid, match=r"chunk 0 from rank 1 carries other tensors than rank 0's chunk 0 "
+                                             r"\(missing 'b', extra 'c'"):
+        await session.submit(0, _shm_part(1, ["a", "c"]))
+    assert session.state is SessionState.OPEN  # refused before it was accepted: rank 1 may send the right one
+    await session.submit(0, _shm_part(1, ["a", "b"]))
+    await ok
 
 
 async def test_abort_fails_every_waiting_rank_and_quiesce_names_the_engine_whose_loads_it_abandoned() -> None:
@@ -243,11 +314,33 @@ async def test_an_engine_failure_fails_the_session_for_every_rank() -> None:
     assert session.state is SessionState.FAILED and "boom" in str(session.error)
 
 
-async def test_a_handle_from_another_gpu_is_refused_naming_both() -> None:
+async def test_a_rank_on_another_gpu_leaves_the_engines_gpu_unserved_and_the_layout_is_refused_naming_it() -> None:
     session = _session([FakeEngine("a", gpu_uuids=["GPU-aaaa"])], ranks=1)
+    # The rank joins with its first chunk, on the GPU its handle names; no rank is left for GPU-aaaa.
+    with pytest.raises(RequestInvalid, match=r"engine 'a' TP rank 0 on device 'GPU-aaaa' has no trainer rank on it"):
+        await session.submit(0, _part(0, 0, device_uuid="GPU-bbbb"))
+    assert session.state is SessionState.FAILED
+
+
+async def test_a_gpu_uuid_matches_whether_spelled_as_nvml_or_as_torch_does() -> None:
+    session = _session([FakeEngine("a", gpu_uuids=["GPU-58a8d8b1-AAAA"])], ranks=1)  # nvidia-smi's spelling
+    joined = await session.join(0, "58a8d8b1-aaaa")  # torch's (and SGLang's): str(device_properties.uuid)
+    assert joined.feeds == (("a", 0),)
+
+
+async def test_with_an_explicit_mapping_a_handle_from_another_gpu_is_refused_naming_both() -> None:
+    session = _session([FakeEngine("a", gpu_uuids=["GPU-aaaa"])], ranks=1, sources={"a": (0,)})
     with pytest.raises(WeightSyncError, match=r"GPU GPU-bbbb, but engine 'a' TP rank 0 runs on GPU GPU-aaaa"):
         await session.submit(0, _part(0, 0, device_uuid="GPU-bbbb"))
     assert session.state is SessionState.FAILED
+
+
+def test_feed_ranks_name_one_distinct_trainer_rank_per_tp_rank() -> None:
+    with pytest.raises(ValueError, match="feed_ranks has 1 entries for tp_size 2"):
+        ReferenceEngineConfig(name="e", url="http://127.0.0.1:1", tp_size=2, feed_ranks=[0])
+    with pytest.raises(ValueError, match="distinct"):
+        ReferenceEngineConfig(name="e", url="http://127.0.0.1:1", tp_size=2, feed_ranks=[1, 1])
+    assert ReferenceEngineConfig(name="e", url="http://127.0.0.1:1", tp_size=2, feed_ranks=[5, 4]).feed_ranks == [5, 4]
 
 
 def test_each_transport_reaches_the_engine_in_its_load_format() -> None:
@@ -268,11 +361,14 @@ def test_a_cpu_engine_refuses_ring_chunks_clearly() -> None:
 
 
 @asynccontextmanager
-async def _node(count: int, **config: Any) -> AsyncIterator[tuple[AsyncColocdClient, list[ReferenceEngineProcess]]]:
-    """``count`` reference engines (started concurrently), an in-process daemon over them, a client."""
+async def _node(count: int, *, own_devices: bool = False,
+                **config: Any) -> AsyncIterator[tuple[AsyncColocdClient, list[ReferenceEngineProcess]]]:
+    """``count`` reference engines (started concurrently), an in-process daemon over them, a client.
+    ``own_devices``: engine i runs on device cpu:i (fed by trainer rank i); else all on cpu:0 (rank 0)."""
     async with AsyncExitStack() as stack:
         procs = [
-            ReferenceEngineProcess(ReferenceEngineConfig(name=f"ref{i}", url="http://127.0.0.1:0"))
+            ReferenceEngineProcess(ReferenceEngineConfig(name=f"ref{i}", url="http://127.0.0.1:0",
+                                                         device_ids=[f"cpu:{i}"] if own_devices else []))
             for i in range(count)
         ]
         await asyncio.gather(*(stack.enter_async_context(p) for p in procs))
@@ -295,7 +391,7 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
     model = build_model(QwenLikeConfig(), seed=7)
     named = list(model.named_parameters())
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(2) as (client, procs), httpx.AsyncClient(trust_env=False, timeout=60) as http:
+    async with _node(2, own_devices=True) as (client, procs), httpx.AsyncClient(trust_env=False, timeout=60) as http:
         for transport, depth in (("shm", 2), ("disk", 1)):
             with torch.no_grad():
                 for p in model.parameters():
@@ -316,7 +412,11 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
             assert {e: sorted(s) for e, s in loads.items()} == {"ref0": every_chunk_once, "ref1": every_chunk_once}
             assert all(1 <= n <= depth for n in commit["max_in_flight"].values()), commit["max_in_flight"]
             assert commit["engines"]["ref1"]["weight_version"] == f"v-{transport}"
-            assert len(pushers[1].chunk_log) == chunks  # rank 1 was acked for every chunk it sent
+            assert commit["sources"] == {"ref0": [0], "ref1": [1]}  # each engine fed by the rank on its device
+            for r, pusher in enumerate(pushers):
+                assert pusher.last_join is not None
+                assert pusher.last_join["feeds"] == [{"engine": f"ref{r}", "tp_rank": 0}]
+                assert len(pusher.chunk_log) == chunks  # every rank was acked for every chunk it sent
     assert shm_segments() <= segments_before
 
 
@@ -356,15 +456,17 @@ async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared
 async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it() -> None:
     model = build_model(QwenLikeConfig(), seed=4)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(1, timeouts={"chunk_s": 0.5}) as (client, _):
+    # ref1 runs on cpu:1, so it needs trainer rank 1, which never joins: past start_s the commit names it.
+    async with _node(2, own_devices=True, timeouts={"chunk_s": 0.5, "start_s": 1.0}) as (client, _):
         sid = (await client.open_session("v1", ranks=2, depth=2))["session_id"]
         # Two chunks: within rank 0's window, so only the commit notices that rank 1 sent nothing.
         chunks, _ = await WeightPusher(client, bucket_mb=0.2, rank=0).stream(sid, list(model.named_parameters()))
         assert chunks == 2
         with pytest.raises(ColocdHTTPError) as err:
             await client.commit(sid, chunks)
-        assert err.value.status == 504 and "missing ranks" in err.value.body["message"]
-        assert ": [1]" in err.value.body["message"]
+        body = err.value.body
+        assert err.value.status == 504 and (body["step"], body["rank"]) == ("start", 1), body
+        assert "rank 1 did not start" in body["message"] and "'cpu:1'" in body["message"]
         assert (await client.status())["engines"]["ref0"]["weights"] == "stale"
     assert shm_segments() <= segments_before
 
