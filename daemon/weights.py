@@ -750,7 +750,7 @@ class WeightSession:
         # check at commit names what each engine lacks.
         if error := await self._wait(lambda: not self._chunks or self.state is not SessionState.OPEN,
                                      self._drain_timeout):
-            return await self._fail_with(error)
+            await self._fail_with(error)
         self._check_open()
         if num_chunks is not None and num_chunks != self._acked:
             raise RequestInvalid(
