@@ -127,6 +127,11 @@ def device_key(device_id: str) -> str:
     return device_id[4:].lower() if device_id[:4].lower() == "gpu-" else device_id
 
 
+def is_host_device(device_id: str | None) -> bool:
+    """A declared device that is host memory (``cpu`` or ``cpu:<n>``), not a GPU."""
+    return bool(device_id) and str(device_id).lower().split(":", 1)[0] == "cpu"
+
+
 @dataclass(frozen=True, slots=True)
 class RankJoin:
     """What a rank learns when it joins: the engine TP ranks it feeds (none: it must not stream)."""
@@ -300,6 +305,8 @@ class WeightSession:
             for lane, t in slots:
                 lane.sources[t] = rank
             self.touch()
+        if len(self._devices) == self.ranks:
+            self._feed_gpus_from_host_ranks()
         joined = RankJoin(self.id, rank, device_id, self._feeds(rank))
         if len(self._devices) == self.ranks and (unserved := self._unserved()):
             declared = ", ".join(f"rank {r}: {d!r}" for r, d in sorted(self._devices.items()))
@@ -310,6 +317,19 @@ class WeightSession:
             await self.fail(error)
             raise error
         return joined
+
+    def _feed_gpus_from_host_ranks(self) -> None:
+        """Once every rank joined: an engine TP rank on a GPU that no rank shares is fed by trainer rank t
+        (its TP rank) when that rank's tensors are in host memory (a ``cpu`` device). Host bytes travel by
+        shared memory or disk, which any GPU engine reads: no device has to match. A GPU trainer rank on
+        another GPU still leaves it unserved (CUDA IPC cannot cross GPUs)."""
+        for lane in self._lanes:
+            if not lane.by_device:
+                continue
+            for t, source in enumerate(lane.sources):
+                if source is None and not is_host_device(lane.device(t)) and t < self.ranks \
+                        and is_host_device(self._devices.get(t, "")):
+                    lane.sources[t] = t
 
     def _feeds(self, rank: int) -> tuple[tuple[str, int], ...]:
         return tuple((lane.name, t) for lane in self._lanes for t, r in enumerate(lane.sources) if r == rank)
