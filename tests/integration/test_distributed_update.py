@@ -23,6 +23,7 @@ from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.weight_group import WeightGroup, master_store, off_loop
+from colocd.trainer.async_push import AsyncWeightSync
 from colocd.trainer.broadcast import DistributedWeightSender
 
 DEADLINE_S = 60  # every test body runs under this
@@ -217,3 +218,27 @@ async def test_a_trainer_that_never_joins_gets_504_naming_the_engine_and_nothing
         assert (await client.weight_groups())["groups"] == {}
         async with sender(client) as trainer:  # the same name opens cleanly afterwards
             assert (await trainer.open_group())["state"] == "ready"
+
+
+async def test_an_async_sync_over_the_weight_update_group_serves_the_snapshot_not_later_training() -> None:
+    """Separated engines, async (issue 15): the broadcast runs in the background out of a snapshot while the
+    trainer keeps changing its weights; after the join the engine serves exactly the snapshot."""
+    model = build_model(QwenLikeConfig(), seed=123)
+    async with asyncio.timeout(DEADLINE_S), node(timeouts={"chunk_s": 20}) as (engine, client):
+        async with sender(client, bucket_mb=0.05) as trainer:
+            await trainer.open_group()
+            sync = AsyncWeightSync(trainer, mode="async", margin_mb=0)
+            await client.phase("train", 1)
+            await client.phase("sync", 1)
+            snapshot = tensor_checksum(model.named_parameters())
+            await sync.start(model.named_parameters(), version="v1", step=1)
+            assert sync.pending  # the broadcast runs in the background ...
+            with torch.no_grad():  # ... while training goes on and changes every weight
+                for p in model.parameters():
+                    p.add_(1.0)
+            report = await sync.join()
+            await client.phase("rollout", 1)
+        assert report is not None and report.chunks > 1
+        assert (sync.report() or {}).get("mode") == "async"
+        assert await engine_checksum(engine) == snapshot != tensor_checksum(model.named_parameters())
+        assert (await client.status())["engines"]["ref0"]["weight_version"] == "v1"
