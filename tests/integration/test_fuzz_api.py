@@ -171,14 +171,24 @@ def test_no_generated_request_gets_a_500_and_rejected_ones_change_nothing(
 def _enter_sync(node: Node) -> None:
     """Put the node where weight sessions may open, so generated sequences reach chunks, commits and aborts."""
     with httpx.Client(base_url=node.url, headers=node.auth, timeout=60, trust_env=False) as http:
-        current = http.get("/v1/status").json()["node"]
-        step, phase = int(current["step"]), current["phase"]
+        status = http.get("/v1/status").json()
+        # The stateless test before this one may have left a generated weight session open, and a phase
+        # change is refused (409) while one is: end it first, as a trainer would.
+        session = status.get("weight_session") or {}
+        if session.get("state") == "open":
+            http.post(f"/v1/weights/sessions/{session['id']}/abort")
+        step, phase = int(status["node"]["step"]), status["node"]["phase"]
+
+        def phase_to(target: str) -> None:
+            r = http.post("/v1/phase", json={"step": step, "phase": target})
+            assert r.status_code == 200, f"setup: {target}@{step} -> {r.status_code} {r.text[:500]}"
+
         if phase == "rollout":
             step += 1
-            http.post("/v1/phase", json={"step": step, "phase": "train"}).raise_for_status()
+            phase_to("train")
             phase = "train"
         if phase == "train":
-            http.post("/v1/phase", json={"step": step, "phase": "sync"}).raise_for_status()
+            phase_to("sync")
 
 
 def test_no_generated_sequence_gets_a_500_and_rejected_steps_change_nothing(api_schema: Any, node: Node) -> None:
