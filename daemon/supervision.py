@@ -129,7 +129,6 @@ class EngineSupervision:
         self._started = False
         self._closed = False
         self._watchers: set[asyncio.Task[None]] = set()
-        self.version = 0  # bumped on every change status shows
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -187,8 +186,7 @@ class EngineSupervision:
     # --- internals -------------------------------------------------------------------------------
 
     def _changed(self) -> None:
-        self.version += 1
-        self._on_change()
+        self._on_change()  # status compares each engine's snapshot(); this marks the snapshot stale
 
     async def _launch(self, engine: LaunchedEngine) -> None:
         """One launch: ready, or the failure recorded and raised."""
