@@ -24,6 +24,7 @@ __all__ = [
     "EngineHandle",
     "continue_generation",
     "expected_release_bytes",
+    "expected_resume_bytes",
     "flush",
     "pause",
     "release",
@@ -46,6 +47,9 @@ class EngineHandle:
     # showed freed the last time a set of tags was released together: the next release's expectation.
     learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
     learned_release_bytes: dict[frozenset[MemoryTag], int] = field(default_factory=dict)
+    # The most NVML showed the engine's GPUs lose while a set of tags resumed: what the next resume of
+    # the same set needs free (the largest seen, since memory the trainer frees meanwhile hides some).
+    learned_resume_bytes: dict[frozenset[MemoryTag], int] = field(default_factory=dict)
     # Reconciliation (daemon/reconcile.py): observed at least once by this daemon; and whether it
     # lost sight of the engine since (a failed probe, or its record came from the journal).
     observed_once: bool = False
@@ -191,15 +195,31 @@ def expected_release_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...],
     return known[source], source
 
 
+def expected_resume_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...]) -> tuple[int | None, str | None]:
+    """What resuming ``tags`` will take on the engine's GPUs (all of them together), and where that figure
+    comes from: what the engine reported the tags holding when they were last released, else the most
+    NVML showed taken when the same tags last resumed. None when neither is known (a first resume)."""
+    if tags and all(engine.learned_tag_bytes.get(x, 0) > 0 for x in tags):
+        return sum(engine.learned_tag_bytes[x] for x in tags), "engine_report"
+    if (learned := engine.learned_resume_bytes.get(frozenset(tags))) is not None and learned > 0:
+        return learned, "last_resume"
+    return None, None
+
+
 async def resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
                  t: Timeouts, probe: NvmlProbe | None = None) -> None:
     if not tags:
         return
+    before = probe.read_all(engine.gpus) if probe is not None and engine.gpus else None
     await timed_call(engine, trace, metrics, "resume_memory", t.for_step(TimeoutStep.RESUME),
                  engine.adapter.resume_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
-    if probe is not None and engine.gpus:
-        _sample_memory(engine, trace, metrics, None, probe.read_all(engine.gpus))
+    if probe is not None and before is not None:
+        after = probe.read_all(engine.gpus)
+        taken = sum(max(0, before[g].free_bytes - after[g].free_bytes) for g in before if g in after)
+        key = frozenset(tags)
+        engine.learned_resume_bytes[key] = max(taken, engine.learned_resume_bytes.get(key, 0))
+        _sample_memory(engine, trace, metrics, None, after)
     elif _reports_memory(engine):
         _sample_memory(engine, trace, metrics, await _memory_report(engine), None)
 

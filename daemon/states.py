@@ -25,6 +25,7 @@ __all__ = [
     "Generation",
     "NodePhase",
     "NodeState",
+    "ResumeNeed",
     "SessionLifecycle",
     "SessionState",
     "TagState",
@@ -36,6 +37,7 @@ __all__ = [
     "check_partial_allowed",
     "check_phase_request",
     "check_reconciled",
+    "check_resume_headroom",
     "check_rollout_staleness",
     "check_rollout_weights",
     "check_session_abortable",
@@ -271,6 +273,50 @@ def check_rollout_staleness(served: Mapping[str, str | None], staleness: Mapping
             state={**node.snapshot(), "stale": {n: {"serves": served.get(n), "behind": lag}
                                                 for n, lag in staleness.items() if lag > bound},
                    "latest_version": latest, "max_staleness_versions": bound})
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeNeed:
+    """What one engine's resume will take on one of its GPUs (its share, for a TP engine), and from what
+    evidence (``expected_resume_bytes``)."""
+
+    engine: str
+    gpu: str
+    nbytes: int
+    tags: tuple[str, ...]
+    source: str
+
+
+def check_resume_headroom(what: str, needs: Iterable[ResumeNeed], free: Mapping[str, int], headroom: int,
+                          node: NodeState) -> None:
+    """Every GPU has the memory its engines' resumes will take, plus ``headroom``, free now: a resume that
+    cannot fit is refused before any engine call (an engine that OOMs halfway through its wake is the
+    failure this prevents), naming the GPU, the bytes and who needs them. GPUs not in ``free`` (no
+    reading) and needs of unknown size are not checked."""
+    per_gpu: dict[str, list[ResumeNeed]] = {}
+    for need in needs:
+        if need.gpu in free:
+            per_gpu.setdefault(need.gpu, []).append(need)
+    short = {}
+    for gpu, items in sorted(per_gpu.items()):
+        needed = sum(n.nbytes for n in items)
+        if free[gpu] < needed + headroom:
+            short[gpu] = {"free_bytes": free[gpu], "needed_bytes": needed, "headroom_bytes": headroom,
+                          "engines": {n.engine: {"nbytes": n.nbytes, "tags": list(n.tags), "from": n.source}
+                                      for n in items}}
+    if not short:
+        return
+    gib = 1 << 30
+    said = "; ".join(
+        f"GPU {gpu} has {v['free_bytes'] / gib:.2f} GiB free, resuming needs {v['needed_bytes'] / gib:.2f} GiB"
+        + (f" + {headroom / gib:.2f} GiB headroom" if headroom else "")
+        + " (" + ", ".join(f"engine {e!r}: {'+'.join(x['tags'])} {x['nbytes'] / gib:.2f} GiB from {x['from']}"
+                           for e, x in v["engines"].items()) + ")"
+        for gpu, v in short.items())
+    raise TransitionRejected(
+        f"cannot {what}: {said}; free the trainer's GPU memory (offload, empty_cache) and retry; no engine "
+        "was touched (engines.resume_headroom_mb sets the headroom, null turns the check off)",
+        state={**node.snapshot(), "headroom": short})
 
 
 def check_can_open_session(open_session: str | None, engines: Iterable[EngineState], node: NodeState, *,

@@ -19,8 +19,10 @@ from .staging import StagingMemory
 from .states import (
     NodePhase,
     NodeState,
+    ResumeNeed,
     check_no_open_session,
     check_phase_request,
+    check_resume_headroom,
     check_rollout_staleness,
     check_rollout_weights,
 )
@@ -156,12 +158,36 @@ class Transitions:
 
         return await each_engine(d.engines.values(), one, phase="train", metrics=d.metrics)
 
+    def _check_headroom(self, what: str, plans: dict[str, tuple[MemoryTag, ...]], trace: Trace) -> None:
+        """Refuse a resume NVML says will not fit (``check_resume_headroom``), before any engine call."""
+        d = self._d
+        headroom_mb = d.policy_set().engines.resume_headroom_mb
+        if headroom_mb is None or d.probe is None:
+            return
+        needs: list[ResumeNeed] = []
+        gpus: set[int | str] = set()
+        for name, tags in plans.items():
+            engine = d.engines[name]
+            nbytes, source = ops.expected_resume_bytes(engine, tags)
+            if not tags or not engine.gpus or nbytes is None or source is None:
+                continue
+            share = nbytes // len(engine.gpus)  # a TP engine's shards are even
+            needs += [ResumeNeed(name, str(g), share, tuple(x.value for x in tags), source) for g in engine.gpus]
+            gpus.update(engine.gpus)
+        if not needs:
+            return
+        free = {g: r.free_bytes for g, r in d.probe.read_all(sorted(gpus, key=str)).items()}
+        trace.attrs["resume_headroom"] = {"free_bytes": free, "needed_bytes": {
+            g: sum(n.nbytes for n in needs if n.gpu == g) for g in free}, "headroom_bytes": headroom_mb << 20}
+        check_resume_headroom(what, needs, free, headroom_mb << 20, d.node)
+
     async def _enter_sync(self, trace: Trace) -> dict[str, dict[str, int]]:
         d = self._d
+        plans = {n: e.state.tags_to_resume((MemoryTag.WEIGHTS,), strict=False) for n, e in d.engines.items()}
+        self._check_headroom("enter 'sync'", plans, trace)
 
         async def one(engine: EngineHandle) -> dict[str, int]:
-            tags = engine.state.tags_to_resume((MemoryTag.WEIGHTS,), strict=False)
-            await ops.resume(engine, tags, trace, d.metrics, d.timeouts(), d.probe)
+            await ops.resume(engine, plans[engine.name], trace, d.metrics, d.timeouts(), d.probe)
             return {}
         return await each_engine(d.engines.values(), one, phase="sync", metrics=d.metrics)
 
@@ -177,10 +203,12 @@ class Transitions:
         check_rollout_weights((e.state for e in d.engines.values()), d.node)
         record = RolloutVersions(d.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
         trace.attrs.update(rollout_versions=served, staleness_versions=staleness, latest_version=record.latest)
+        plans = {n: e.state.tags_to_resume(None, strict=False) for n, e in d.engines.items()}
+        self._check_headroom("enter 'rollout'", plans, trace)
 
         async def one(engine: EngineHandle) -> dict[str, int]:
             t = d.timeouts()
-            await ops.resume(engine, engine.state.tags_to_resume(None, strict=False), trace, d.metrics, t, d.probe)
+            await ops.resume(engine, plans[engine.name], trace, d.metrics, t, d.probe)
             await ops.flush(engine, trace, d.metrics, t)  # no stale prefix KV across a weight change
             await ops.continue_generation(engine, trace, d.metrics, t)
             return {}
@@ -229,6 +257,7 @@ class Transitions:
             plans = {e.name: e.state.tags_to_resume(tags, strict=True) for e in engines}
             d.engine_lifecycle.require_attached()
             trace = Trace(d.node.step, "resume")
+            self._check_headroom("resume", plans, trace)
             t0 = time.perf_counter()
 
             async def one(engine: EngineHandle) -> None:

@@ -34,6 +34,11 @@ class EngineSettings(BaseModel):
     )
     pause_mode: PauseModeName = Field(
         DEFAULT_PAUSE_MODE, description="abort | retract | in_place (SGLang's names); left out: the node config's")
+    resume_headroom_mb: int | None = Field(
+        0, ge=0, le=1 << 20,
+        description="before an engine resumes memory, NVML must show the bytes its tags took (learned from the "
+                    "engine's report or its last resume) plus this many MiB free on each of its GPUs, or the "
+                    "transition is refused (409) before any engine call; null: no check")
 
     @field_validator("release_tags")
     @classmethod

@@ -1,4 +1,5 @@
-"""Test helpers: serve an ASGI app on an OS-chosen loopback port; this process's colocd shared-memory segments."""
+"""Test helpers: serve an ASGI app on an OS-chosen loopback port; this process's colocd shared-memory segments;
+a stand-in NVML that mirrors a CPU reference engine's memory as one GPU's."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import uvicorn
 
-__all__ = ["leaves_no_shm_segments", "serve_app", "shm_segments"]
+from colocd.policies import Transport
+
+__all__ = ["BASE", "AsIfOnGpu", "EngineMirrorNvml", "leaves_no_shm_segments", "serve_app", "shm_segments"]
 
 
 @asynccontextmanager
@@ -64,3 +68,52 @@ def leaves_no_shm_segments() -> Iterator[None]:
     yield
     leaked = shm_segments() - before
     assert not leaked, f"shared-memory segments created here and left behind: {sorted(leaked)}"
+
+
+BASE = 512 << 20  # what EngineMirrorNvml's GPU holds besides the engine (a CUDA context, the trainer)
+
+
+class EngineMirrorNvml:
+    """Stands in for pynvml on a machine without a GPU: GPU 0's used bytes are BASE plus what the
+    reference engine reports resident plus ``extra`` (another tenant: the trainer); the test sets ``total``."""
+
+    def __init__(self, engine_url: str) -> None:
+        self._http = httpx.Client(base_url=engine_url, trust_env=False, timeout=10)
+        self.total = 1 << 40
+        self.extra = 0
+        self.reads = 0
+
+    def tag_size(self, tag: str) -> int:
+        """Bytes ``tag`` holds when resident, whatever its state now (the engine's report)."""
+        return int(self._http.get("/colocd/memory").json()["tags"][tag]["resident_nbytes"])
+
+    def resident(self) -> int:
+        tags = self._http.get("/colocd/memory").json()["tags"]
+        return sum(int(t["nbytes"]) for t in tags.values())
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        self.reads += 1
+        used = BASE + self.extra + self.resident()
+        return SimpleNamespace(used=used, free=max(self.total - used, 0), total=self.total)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return []
+
+    def nvmlShutdown(self) -> None:
+        self._http.close()
+
+
+class AsIfOnGpu:
+    """The real adapter, advertising the transports the reference engine accepts on CUDA: it runs on the
+    CPU here, and a CPU engine honestly offers only shm and disk, which stage no GPU memory."""
+
+    transports = frozenset(Transport)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)

@@ -16,6 +16,13 @@ their KV cache back (the memory must be free by then, not earlier), and its repo
 ``rollout`` call; the resume (e.g. a rebuild) starts right after the ``train`` reply and runs while
 the trainer brings its state back. Call ``groups_ready()`` before the first collective of the step.
 
+``sync`` and ``rollout`` take ``freeing``: trainer work that gives GPU memory back and is still running
+(an offload, as an ``asyncio`` task). The agent posts the phase at once instead of waiting for it; the
+daemon checks that the engines' resume fits in the memory NVML shows free (``engines.resume_headroom_mb``)
+and refuses with 409 before touching an engine when it does not, and then the agent waits for
+``freeing`` (and a background group pause) and posts again. ``last_reports["<phase>_room"]`` says which
+happened. The caller still awaits its own task before it uses the memory again.
+
 With ``weight_sync`` (``colocd.trainer.async_push.AsyncWeightSync``) the agent hands it the policy's
 ``weight_sync`` directive from every reply, joins its background push before ``rollout`` (the engines
 must hold the new version before they serve), reports how the push ran, and, if the daemon still
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import torch
@@ -75,8 +83,15 @@ class TrainerAgent:
         return self._directives
 
     async def train(self, step: int) -> dict[str, Any]:
-        await self.groups_ready()  # a pause still running: the snapshot must see where it ended
-        trainer = {"groups": self._groups.snapshot().model_dump(mode="json")} if self._groups else None
+        # A pause still running (a rollout posted before it ended): the snapshot must see where it ended,
+        # and its report, which the rollout call could not carry, travels with this call.
+        unreported = self._pending is not None and self._pending[0] == "groups_report"
+        await self.groups_ready()
+        trainer: dict[str, Any] | None = None
+        if self._groups is not None:
+            trainer = {"groups": self._groups.snapshot().model_dump(mode="json")}
+            if unreported:
+                trainer["groups_report"] = self.last_reports["groups_report"]
         reply = await self._client.phase("train", step, trainer=trainer)
         self._directives = reply.get("directives") or {}
         if self._weight_sync is not None:
@@ -89,7 +104,7 @@ class TrainerAgent:
                 await self.groups_ready()
         return reply
 
-    async def sync(self, step: int) -> dict[str, Any]:
+    async def sync(self, step: int, *, freeing: Awaitable[object] | None = None) -> dict[str, Any]:
         await self.groups_ready()  # the resume, if the caller did not wait for it
         report: dict[str, Any] = {}
         if self._groups is not None and (d := self._directives.get("process_groups")):
@@ -103,27 +118,60 @@ class TrainerAgent:
             report["spans"] = cleanup.spans
             report["cleanup"] = {k: v for k, v in cleanup.to_dict().items() if k != "spans"}
         self.last_reports.update(report)
-        reply = await self._client.phase("sync", step, trainer=report or None)
+        reply = await self._post_when_room("sync", step, report or None, freeing)
         if self._weight_sync is not None:
             self._weight_sync.follow((reply.get("directives") or {}).get("weight_sync"))
         return reply
 
-    async def rollout(self, step: int) -> dict[str, Any]:
+    async def rollout(self, step: int, *, freeing: Awaitable[object] | None = None) -> dict[str, Any]:
         trainer = None
         if self._pending is not None and self._pending[0] == "groups_report":
-            # The background pause must have freed the groups' memory before the engines resume.
-            self.last_reports["groups_pause_wait_s"] = await self.groups_ready()
-            trainer = {"groups_report": self.last_reports["groups_report"]}
-        if self._weight_sync is None:
-            return await self._client.phase("rollout", step, trainer=trainer)
-        await self._weight_sync.join()  # the engines serve only a committed version
-        if (weights := self._weight_sync.report()) is not None:
-            trainer = {**(trainer or {}), "weights": weights}
-            self.last_reports["weights"] = weights
+            if freeing is None:
+                # The background pause must have freed the groups' memory before the engines resume.
+                self.last_reports["groups_pause_wait_s"] = await self.groups_ready()
+                trainer = {"groups_report": self.last_reports["groups_report"]}
+            else:  # the daemon's headroom check decides whether the engines may resume before it ends
+                freeing = self._together(freeing, self._pending[1])
+        if self._weight_sync is not None:
+            await self._weight_sync.join()  # the engines serve only a committed version
+            if (weights := self._weight_sync.report()) is not None:
+                trainer = {**(trainer or {}), "weights": weights}
+                self.last_reports["weights"] = weights
         try:
-            return await self._client.phase("rollout", step, trainer=trainer)
+            return await self._post_when_room("rollout", step, trainer, freeing)
         except ColocdHTTPError as exc:
-            if exc.status != 409 or "stale" not in (exc.body.get("state") or {}):
+            if self._weight_sync is None or exc.status != 409 or "stale" not in (exc.body.get("state") or {}):
                 raise
             await self._weight_sync.join()  # a push started elsewhere meanwhile: let it land, then retry once
             return await self._client.phase("rollout", step, trainer=trainer)
+
+    async def _post_when_room(self, phase: str, step: int, trainer: dict[str, Any] | None,
+                              freeing: Awaitable[object] | None) -> dict[str, Any]:
+        """Post ``phase``; with ``freeing``, at once, and again once it is done if the daemon refused the
+        engines' resume for lack of free GPU memory (409 naming ``headroom``)."""
+        if freeing is None:
+            return await self._client.phase(phase, step, trainer=trainer)
+        try:
+            reply = await self._client.phase(phase, step, trainer=trainer)
+        except ColocdHTTPError as exc:
+            if exc.status != 409 or "headroom" not in (exc.body.get("state") or {}):
+                raise
+            t0 = time.perf_counter()
+            await freeing
+            waited = time.perf_counter() - t0
+            reply = await self._client.phase(phase, step, trainer=trainer)
+            self.last_reports[f"{phase}_room"] = {"early": False, "waited_s": waited,
+                                                  "refused": str(exc.body.get("message", ""))}
+            return reply
+        self.last_reports[f"{phase}_room"] = {"early": True, "waited_s": 0.0}
+        return reply
+
+    @staticmethod
+    def _together(*work: Awaitable[object]) -> asyncio.Future[object]:
+        """One task that ends when all of ``work`` has; its failure is kept by the task, not logged."""
+        async def both() -> None:
+            for w in work:
+                await w
+        task = asyncio.ensure_future(both())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task

@@ -8,13 +8,12 @@ a fixed base, as if the engine were the GPU's only tenant, and the test sets how
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
-from support import serve_app
+from support import BASE, AsIfOnGpu, EngineMirrorNvml, serve_app
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient
@@ -24,60 +23,13 @@ from colocd.daemon.node import Daemon
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.registry import build_adapter
-from colocd.policies import Transport
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MIB = 1 << 20
-BASE = 512 * MIB  # what the GPU holds besides the engine (a CUDA context, the trainer)
 # ~16 MB of fp32 weights: several MiB-sized chunks once the guard shrinks the buckets.
 MODEL: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 1024, "num_layers": 4, "num_heads": 4,
                          "num_kv_heads": 2, "head_dim": 64}
-
-
-class EngineMirrorNvml:
-    """Stands in for pynvml on a machine without a GPU: GPU 0's used bytes are BASE plus what the
-    reference engine reports resident; ``total`` is set by the test."""
-
-    def __init__(self, engine_url: str) -> None:
-        self._http = httpx.Client(base_url=engine_url, trust_env=False, timeout=10)
-        self.total = 1 << 40
-        self.reads = 0
-
-    def tag_size(self, tag: str) -> int:
-        """Bytes ``tag`` holds when resident, whatever its state now (the engine's report)."""
-        return int(self._http.get("/colocd/memory").json()["tags"][tag]["resident_nbytes"])
-
-    def resident(self) -> int:
-        tags = self._http.get("/colocd/memory").json()["tags"]
-        return sum(int(t["nbytes"]) for t in tags.values())
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        self.reads += 1
-        used = BASE + self.resident()
-        return SimpleNamespace(used=used, free=max(self.total - used, 0), total=self.total)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
-        return []
-
-    def nvmlShutdown(self) -> None:
-        self._http.close()
-
-
-class AsIfOnGpu:
-    """The real adapter, advertising the transports the reference engine accepts on CUDA: it runs on the
-    CPU here, and a CPU engine honestly offers only shm and disk, which stage no GPU memory."""
-
-    transports = frozenset(Transport)
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
