@@ -61,7 +61,7 @@ from ..trainer.agent import TrainerAgent
 from ..trainer.async_push import AsyncWeightSync
 from ..trainer.cleanup import run_cleanup
 from ..trainer.groups import GroupLifecycle, GroupSpec
-from ..trainer.offload import RankState
+from ..trainer.offload import OffloadReport, RankState
 from ..trainer.push import WeightPusher
 from .records import write_record
 from .weights import measure_floor
@@ -94,6 +94,9 @@ class Preset:
     export: str | None  # WeightPusher transport overriding the plan's (None: the plan's)
     about: str
     overlap_groups: bool = False  # TrainerAgent(overlap_groups=...): group pause/resume off the critical path
+    # The trainer's offloads run while it posts sync / rollout and pushes (TrainerAgent's ``freeing``): the
+    # daemon's headroom check lets the engines resume at once when NVML shows the room, else they wait.
+    overlap_copies: bool = False
 
     def policy_yaml(self, transport: str) -> str:
         return (
@@ -127,8 +130,11 @@ PRESETS: dict[str, Preset] = {
         "groups kept only while they hold <= 0.25 GiB, else destroyed with the 2 s wait deferred to the "
         "next rebuild, and both the destroy and the rebuild run off the critical path (overlapped with "
         "the weight push and the state onload); 3 fresh 2 GiB buckets in flight (overlap3@2048, the "
-        "fastest transport that keeps no trainer memory through the rollout); empty_cache only",
+        "fastest transport that keeps no trainer memory through the rollout); empty_cache only; the "
+        "optimizer offload runs beside the sync and the push, the weights offload beside the rollout call "
+        "(the daemon refuses the engines' resume until NVML shows the room)",
         overlap_groups=True,
+        overlap_copies=True,
     ),
     "tuned-serial-groups": Preset(
         "tuned-serial-groups",
@@ -137,6 +143,7 @@ PRESETS: dict[str, Preset] = {
         "{policy: empty_cache}",
         None,
         "as tuned, but the group destroy and rebuild run in line (before sync, after train)",
+        overlap_copies=True,
     ),
     "tuned-keep": Preset(
         "tuned-keep",
@@ -145,6 +152,7 @@ PRESETS: dict[str, Preset] = {
         "{policy: empty_cache}",
         None,
         "as tuned, but the groups are kept alive through the rollout (no rebuild; their memory stays)",
+        overlap_copies=True,
     ),
 }
 DEFAULT_PRESETS = ("seed-baseline", "tuned", "tuned-serial-groups", "tuned-keep")
@@ -193,7 +201,8 @@ class StepRecord:
     transport: str = ""
     verified: bool = False
     group_actions: list[str] = field(default_factory=list)
-    memory: dict[str, int | None] = field(default_factory=dict)  # paused window (rollout)
+    memory: dict[str, int | None] = field(default_factory=dict)  # paused window (rollout), at its start
+    memory_settled: dict[str, int | None] = field(default_factory=dict)  # once background group work ended
     loss: float = 0.0
     generated_tokens: int = 0
 
@@ -364,20 +373,31 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         expected = device_checksum(w for _, w in state.named_weights())
 
         # sleep: optimizer state out, grads dropped; groups paused and cleanup per policy; engine weights back.
+        overlap = preset.overlap_copies and mode == "sync"
+        plan_doc = agent.directives.get("cleanup")  # the train reply's plan, the one sync enacts
+
         t3 = time.perf_counter()
-        off = await asyncio.to_thread(state.offload, ("grads", "optimizer"))
-        t4 = time.perf_counter()
-        sync = await agent.sync(step)
+        if overlap:
+            state.offload(("grads",))  # dropped, not copied; the agent's cleanup gives them back
+            off_task = asyncio.ensure_future(
+                asyncio.to_thread(_offload_and_clean, state, ("optimizer",), plan_doc, device))
+            t4 = time.perf_counter()
+            sync = await agent.sync(step, freeing=off_task)
+        else:
+            off = await asyncio.to_thread(state.offload, ("grads", "optimizer"))
+            t4 = time.perf_counter()
+            sync = await agent.sync(step)
         t5 = time.perf_counter()
         groups_pause = 0.0 if preset.overlap_groups else _groups_s(agent, "groups_report")
         cleanup_s = (agent.last_reports.get("cleanup") or {}).get("seconds", 0.0)
-        parts["sleep.offload_optimizer"] = off.seconds
         parts["sleep.groups"] = groups_pause
         parts["sleep.cleanup"] = cleanup_s
         parts["sleep.sync_phase"] = sync["duration_s"]
         parts["sleep.http_and_client"] = (t5 - t4) - groups_pause - cleanup_s - sync["duration_s"]
+        if not overlap:
+            parts["sleep.offload_optimizer"] = off.seconds
+            rec.offloaded_bytes = off.copied_bytes
         rec.sleep_s = t5 - t3
-        rec.offloaded_bytes = off.copied_bytes
 
         # update_weights: shaped by the pipeline plan in the sync reply. Async: only the snapshot is on the
         # critical path here; the push runs during the wake's post-step work and is joined before the rollout.
@@ -395,43 +415,73 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         if rec.sync_mode == "async":
             parts["update.snapshot"] = float(report.get("snapshot_s") or 0.0)
 
-        # wake_up: weights out, cleanup per policy (the push runs meanwhile if async), engine KV back.
-        t7 = time.perf_counter()
-        offw = await asyncio.to_thread(state.offload, ("weights",))
-        plan_doc = agent.directives.get("cleanup")  # the train reply's plan, the one sync enacted
-        cleanup2 = 0.0
-        if plan_doc:
-            cleaned = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan_doc), device=device)
-            cleanup2 = cleaned.seconds
-        t8 = time.perf_counter()
-        push = await weight_sync.join() or weight_sync.last_push
-        joined = time.perf_counter()
-        log = list(pusher.chunk_log)
-        await pusher.aclose()
+        if overlap:
+            # The push is done (sync mode): verify it before the wake starts, so the read is not timed.
+            push = weight_sync.last_push
+            log = list(pusher.chunk_log)
+            await pusher.aclose()
+            sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
+            rec.verified = [sink["checksums"].get(n) for n in state.names] == expected
+            # wake_up: the optimizer offload (running since sleep) must end before the weights go out on the
+            # same copy stream; the weights offload runs beside the rollout call, which waits for it (and for
+            # a background group pause) only if the daemon says the engines' KV cache does not fit yet.
+            t7 = time.perf_counter()
+            off, off_clean = await off_task
+            t7b = time.perf_counter()
+            offw_task = asyncio.ensure_future(
+                asyncio.to_thread(_offload_and_clean, state, ("weights",), plan_doc, device))
+            agent.last_reports.pop("groups_pause_wait_s", None)
+            rollout = await agent.rollout(step, freeing=offw_task)
+            t9 = time.perf_counter()
+            offw, cleanup2 = await offw_task
+            t10 = time.perf_counter()
+            room = agent.last_reports.get("rollout_room") or {}
+            parts["sleep.offload_optimizer"] = off.seconds  # overlapped with sync + push
+            parts["sleep.cleanup_after_offload"] = off_clean
+            parts["wake.optimizer_offload_wait"] = t7b - t7
+            parts["wake.rollout_posted_early"] = 1.0 if room.get("early") else 0.0
+            parts["wake.rollout_room_wait"] = float(room.get("waited_s") or 0.0)
+            parts["wake.offload_after_rollout_reply"] = t10 - t9
+            rec.offloaded_bytes = off.copied_bytes
+            pause_wait = float(agent.last_reports.get("groups_pause_wait_s", 0.0))
+            rec.wake_s = t10 - t7
+            parts["wake.http_and_client"] = (t9 - t7b) - rollout["duration_s"] - parts["wake.rollout_room_wait"]
+        else:
+            # wake_up: weights out, cleanup per policy (the push runs meanwhile if async), engine KV back.
+            t7 = time.perf_counter()
+            offw = await asyncio.to_thread(state.offload, ("weights",))
+            cleanup2 = 0.0
+            if plan_doc:
+                cleaned = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan_doc), device=device)
+                cleanup2 = cleaned.seconds
+            t8 = time.perf_counter()
+            push = await weight_sync.join() or weight_sync.last_push
+            joined = time.perf_counter()
+            log = list(pusher.chunk_log)
+            await pusher.aclose()
+            report = weight_sync.report() or {}
+            if rec.sync_mode == "async":
+                parts["update.push_overlapped"] = float(report.get("overlap_s") or 0.0)
+                parts["wake.join_wait"] = joined - t8
+            sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
+            rec.verified = [sink["checksums"].get(n) for n in state.names] == expected
+            t9 = time.perf_counter()  # the verification read is the benchmark's, not the switch's
+            agent.last_reports.pop("groups_pause_wait_s", None)
+            rollout = await agent.rollout(step)
+            t10 = time.perf_counter()
+            pause_wait = float(agent.last_reports.get("groups_pause_wait_s", 0.0))
+            parts["wake.http_and_client"] = (t10 - t9) - rollout["duration_s"] - pause_wait
+            rec.wake_s = (joined - t7) + (t10 - t9)  # sync: the join is immediate (the push ran inside start())
         assert push is not None
-        report = weight_sync.report() or {}
         rec.pushed_bytes, rec.chunks, rec.transport = push.nbytes, push.chunks, str(plan["transport"])
         parts["update.chunks_engine"] = sum(c.load_s for c in log)
         parts["update.export"] = sum(c.export_s for c in log)
-        if rec.sync_mode == "async":
-            parts["update.push_overlapped"] = float(report.get("overlap_s") or 0.0)
-            parts["wake.join_wait"] = joined - t8
-        sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
-        rec.verified = [sink["checksums"].get(n) for n in state.names] == expected
-        t9 = time.perf_counter()  # the verification read is the benchmark's, not the switch's
-        agent.last_reports.pop("groups_pause_wait_s", None)
-        rollout = await agent.rollout(step)
-        t10 = time.perf_counter()
-        pause_wait = float(agent.last_reports.get("groups_pause_wait_s", 0.0))
         rec.group_actions.append(f"pause:{(agent.last_reports.get('groups_report') or {}).get('action')}")
         parts["wake.offload_weights"] = offw.seconds
         parts["wake.cleanup"] = cleanup2
         parts["wake.rollout_phase"] = rollout["duration_s"]
         if preset.overlap_groups:
-            parts["sleep.groups_overlapped"] = _groups_s(agent, "groups_report")
             parts["wake.groups_wait"] = pause_wait
-        parts["wake.http_and_client"] = (t10 - t9) - rollout["duration_s"] - pause_wait
-        rec.wake_s = (joined - t7) + (t10 - t9)  # sync: the join is immediate (the push ran inside start())
         rec.offloaded_bytes += offw.copied_bytes
         rec.switch_s = rec.resume_s + rec.sleep_s + rec.update_s + rec.wake_s
         rec.step_s = rec.train_s + rec.switch_s
@@ -443,6 +493,12 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         rec.memory = {**nvml.read(pids), "trainer_torch_reserved_bytes":
                       int(torch.cuda.memory_reserved(device)) if device.type == "cuda" else None,
                       "groups_kept_reported_bytes": (agent.last_reports.get("groups_report") or {}).get("kept_bytes")}
+        if preset.overlap_groups:
+            # A rollout posted before the background group pause ended (overlap_copies): the window's memory
+            # once it has, read again (the engine's KV cache was allocated already, in the room NVML showed).
+            parts["rollout.groups_pause_tail"] = await agent.groups_ready()
+            parts["sleep.groups_overlapped"] = _groups_s(agent, "groups_report")
+            rec.memory_settled = nvml.read(pids)
         window_start = time.perf_counter()
         rec.generated_tokens = await _generate(http, engine_url, s, step)
         while time.perf_counter() - window_start < s.rollout_s:
@@ -453,6 +509,14 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
               f"(resume {rec.resume_s:.3f}, sleep {rec.sleep_s:.3f}, update {rec.update_s:.3f}, "
               f"wake {rec.wake_s:.3f}); verified={rec.verified}", flush=True)
     return records
+
+
+def _offload_and_clean(state: RankState, parts: tuple[str, ...], plan_doc: dict[str, Any] | None,
+                       device: torch.device) -> tuple[OffloadReport, float]:
+    """Offload ``parts``, then run the cleanup plan so their memory goes back to the driver."""
+    report = state.offload(parts)
+    cleaned = run_cleanup(CleanupPlan.model_validate(plan_doc), device=device) if plan_doc else None
+    return report, cleaned.seconds if cleaned is not None else 0.0
 
 
 def _span_totals(reply: dict[str, Any]) -> dict[str, float]:
@@ -507,6 +571,8 @@ def _summary(name: str, records: Sequence[StepRecord], floor_s: float, strict_s:
     for key in ("trainer_nvml_bytes", "engine_nvml_bytes", "device_used_bytes", "trainer_torch_reserved_bytes"):
         values = [v for r in timed if (v := r.memory.get(key)) is not None]
         out[key.replace("_bytes", "_gib_max")] = max(values) / GIB if values else None
+    settled = [v for r in timed if (v := r.memory_settled.get("trainer_nvml_bytes")) is not None]
+    out["trainer_nvml_settled_gib_max"] = max(settled) / GIB if settled else None
     out["offloaded_bytes"] = timed[0].offloaded_bytes
     out["onloaded_bytes"] = timed[0].onloaded_bytes
     out["pushed_bytes"] = timed[0].pushed_bytes
@@ -527,7 +593,8 @@ def _table(summaries: list[dict[str, Any]], floor: dict[str, Any]) -> str:
         lines.append(
             f"{s['preset']:<20}{s['switch_s']:>9.3f}{_f(s['x_floor'], 2):>8}{_f(s['x_floor_strict'], 2):>9}"
             f"{s['resume_s']:>8.3f}{s['sleep_s']:>8.3f}"
-            f"{s['update_s']:>8.3f}{s['wake_s']:>8.3f}{_f(_trainer_gib(s), 2):>12}"
+            f"{s['update_s']:>8.3f}{s['wake_s']:>8.3f}"
+            f"{_f(s['trainer_nvml_gib_max'], 2) + '/' + _f(s['trainer_nvml_settled_gib_max'], 2):>12}"
             f"{_f(s['engine_nvml_gib_max'], 2):>11}  {'yes' if s['verified_all'] else 'NO'}")
     return "\n".join(lines)
 
@@ -537,7 +604,11 @@ def _f(value: float | None, digits: int) -> str:
 
 
 def _trainer_gib(s: dict[str, Any]) -> float | None:
-    gib = s["trainer_nvml_gib_max"]
+    """The trainer's GPU memory in the paused window once its background group work has ended (the
+    reading at the window's start where there was none); the start's reading is in the table too."""
+    gib = s.get("trainer_nvml_settled_gib_max")
+    if gib is None:
+        gib = s["trainer_nvml_gib_max"]
     return None if gib is None else float(gib)
 
 

@@ -9,15 +9,19 @@ What one Megatron-style rank with a distributed optimizer holds for a dense chec
 
 ``offload(parts)`` copies the parts to pinned host buffers allocated once and reused (Relax's
 selective offload; slime's pinned tensor backups), then drops the GPU storage; ``onload(parts)``
-allocates again and copies back. Both wait for their copies and report seconds and bytes. The
-caller runs cleanup (the cleanup policy) afterwards: dropping a tensor returns it to torch's cache,
-not to the driver. ``step`` does real optimizer work on the shard so every sync moves new bytes.
+allocates again and copies back. Both wait for their copies and report seconds and bytes. The copies
+run on the state's own CUDA stream (after the work already queued on the caller's stream), so an
+offload in a worker thread overlaps the weight push and the phase calls instead of queueing behind
+them or in front of them on the default stream. The caller runs cleanup (the cleanup policy)
+afterwards: dropping a tensor returns it to torch's cache, not to the driver. ``step`` does real
+optimizer work on the shard so every sync moves new bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +76,7 @@ class RankState:
         self.optimizer: torch.Tensor | None = optim
         # Pinned host mirrors, allocated on the first offload of each part and reused.
         self._host: dict[Part, torch.Tensor] = {}
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.steps = 0
 
     # --- sizes -------------------------------------------------------------------------------------
@@ -169,13 +174,13 @@ class RankState:
                 continue
             if part != "grads":
                 host = self._host_buffer(part)
-                for dst, src in self._pairs(part, host):
-                    dst.copy_(src, non_blocking=self._pin)
+                with self._copying():
+                    for dst, src in self._pairs(part, host):
+                        dst.copy_(src, non_blocking=self._pin)
                 copied += self.nbytes(part)
             dropped += self.nbytes(part)
             done.append(part)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the host copies must land before the storage goes
+        self._copies_landed()  # the host copies must land before the storage goes
         for part in done:
             setattr(self, _attr(part), None)
         return OffloadReport(tuple(done), copied, dropped, time.perf_counter() - t0)
@@ -195,14 +200,31 @@ class RankState:
             else:
                 self.optimizer = torch.empty(3 * self.shard_numel, dtype=torch.float32, device=self.device)
             if part != "grads":
-                for host, gpu in self._pairs(part, self._host[part]):
-                    gpu.copy_(host, non_blocking=self._pin)
+                with self._copying():
+                    for host, gpu in self._pairs(part, self._host[part]):
+                        gpu.copy_(host, non_blocking=self._pin)
                 copied += self.nbytes(part)
             allocated += self.nbytes(part)
             done.append(part)
+        self._copies_landed()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()  # the grads' zero fill
         return OffloadReport(tuple(done), copied, allocated, time.perf_counter() - t0)
+
+    @contextlib.contextmanager
+    def _copying(self) -> Iterator[None]:
+        """Queue copies on the state's stream, behind what the caller's stream has queued so far (the last
+        optimizer step writing the tensors, or a freed block's last use before it was handed out again)."""
+        if self._copy_stream is None:
+            yield
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            yield
+
+    def _copies_landed(self) -> None:
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
 
     def pinned_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._host.values())

@@ -33,6 +33,11 @@ async def test_bench_switch_cpu_smoke_run_verifies_every_sync_and_writes_the_rec
     assert "pause:destroy" in by["seed-baseline"]["group_actions"]
     assert all(by[p]["verified_all"] and by[p]["x_floor"] > 0 for p in by)
     assert {"speedup_vs_seed_baseline", "tuned_x_floor", "paused_memory_within_0_25_gib"} <= set(record["targets"])
+    # tuned overlaps its offloads with the phase calls: the rollout was posted while the weights went out (with
+    # no NVML here nothing refuses it), and the optimizer's offload ran beside the sync and the push.
+    tuned = by["tuned"]["parts"]
+    assert tuned["wake.rollout_posted_early"] == 1.0 and tuned["wake.rollout_room_wait"] == 0.0
+    assert tuned["sleep.offload_optimizer"] > 0 and "wake.rollout_posted_early" not in by["seed-baseline"]["parts"]
 
 
 async def test_bench_switch_sync_and_async_in_one_run_verify_every_push_and_compare_step_time(tmp_path: Path) -> None:

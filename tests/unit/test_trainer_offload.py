@@ -43,3 +43,19 @@ def test_unknown_parts_are_refused() -> None:
     state = RankState(hf_shapes("tiny"), torch.device("cpu"), shards=1)
     with pytest.raises(ValueError, match="unknown parts"):
         state.offload(("weights", "activations"))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_offload_waits_for_the_last_write_queued_on_the_callers_stream() -> None:
+    """The copies run on the state's own stream: they must still see a write the caller queued just before."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device = torch.device("cuda", 0)
+    state = RankState(hf_shapes("tiny"), device, shards=4, seed=1)
+    last = state.named_weights()[-1][1]
+    torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time queued ahead of the write, on the default stream
+    last.fill_(3.0)
+    state.offload(("weights", "grads", "optimizer"))
+    state.onload(("weights", "grads", "optimizer"))
+    assert bool((state.named_weights()[-1][1] == 3.0).all())
+    assert state.grads is not None and not bool(state.grads.any())
