@@ -379,10 +379,9 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         t3 = time.perf_counter()
         if overlap:
             state.offload(("grads",))  # dropped, not copied; the agent's cleanup gives them back
-            off_task = asyncio.ensure_future(
-                asyncio.to_thread(_offload_and_clean, state, ("optimizer",), plan_doc, device))
+            off_task, start_offload = _offload_when_started(state, ("optimizer",), plan_doc, device)
             t4 = time.perf_counter()
-            sync = await agent.sync(step, freeing=off_task)
+            sync = await agent.sync(step, freeing=start_offload)
         else:
             off = await asyncio.to_thread(state.offload, ("grads", "optimizer"))
             t4 = time.perf_counter()
@@ -427,6 +426,13 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             # a background group pause) only if the daemon says the engines' KV cache does not fit yet.
             t7 = time.perf_counter()
             off, off_clean = await off_task
+            # The push's buckets and the optimizer's blocks go back to the driver before the weights' copies
+            # start (nothing in flight: milliseconds), so the rollout's KV cache can fit beside the weights.
+            early_clean = 0.0
+            if plan_doc:
+                early_clean = (await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan_doc),
+                                                       device=device)).seconds
+            parts["wake.cleanup_before_offload"] = early_clean
             t7b = time.perf_counter()
             offw_task = asyncio.ensure_future(
                 asyncio.to_thread(_offload_and_clean, state, ("weights",), plan_doc, device))
@@ -438,7 +444,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             room = agent.last_reports.get("rollout_room") or {}
             parts["sleep.offload_optimizer"] = off.seconds  # overlapped with sync + push
             parts["sleep.cleanup_after_offload"] = off_clean
-            parts["wake.optimizer_offload_wait"] = t7b - t7
+            parts["wake.optimizer_offload_wait"] = t7b - t7 - early_clean
             parts["wake.rollout_posted_early"] = 1.0 if room.get("early") else 0.0
             parts["wake.rollout_room_wait"] = float(room.get("waited_s") or 0.0)
             parts["wake.offload_after_rollout_reply"] = t10 - t9
@@ -509,6 +515,26 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
               f"(resume {rec.resume_s:.3f}, sleep {rec.sleep_s:.3f}, update {rec.update_s:.3f}, "
               f"wake {rec.wake_s:.3f}); verified={rec.verified}", flush=True)
     return records
+
+
+def _offload_when_started(state: RankState, parts: tuple[str, ...], plan_doc: dict[str, Any] | None,
+                          device: torch.device) -> tuple[asyncio.Future[tuple[OffloadReport, float]],
+                                                         Callable[[], asyncio.Future[tuple[OffloadReport, float]]]]:
+    """An offload task that starts when the returned function is called (the agent calls it after its
+    cleanup, so the cleanup's cudaFree waits on no copy), and that function."""
+    go: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def run() -> tuple[OffloadReport, float]:
+        await go
+        return await asyncio.to_thread(_offload_and_clean, state, parts, plan_doc, device)
+
+    task = asyncio.ensure_future(run())
+
+    def start() -> asyncio.Future[tuple[OffloadReport, float]]:
+        go.set_result(None)
+        return task
+
+    return task, start
 
 
 def _offload_and_clean(state: RankState, parts: tuple[str, ...], plan_doc: dict[str, Any] | None,

@@ -17,11 +17,14 @@ their KV cache back (the memory must be free by then, not earlier), and its repo
 the trainer brings its state back. Call ``groups_ready()`` before the first collective of the step.
 
 ``sync`` and ``rollout`` take ``freeing``: trainer work that gives GPU memory back and is still running
-(an offload, as an ``asyncio`` task). The agent posts the phase at once instead of waiting for it; the
-daemon checks that the engines' resume fits in the memory NVML shows free (``engines.resume_headroom_mb``)
-and refuses with 409 before touching an engine when it does not, and then the agent waits for
-``freeing`` (and a background group pause) and posts again. ``last_reports["<phase>_room"]`` says which
-happened. The caller still awaits its own task before it uses the memory again.
+(an offload, as an ``asyncio`` task), or a function that starts it, which the agent calls right after
+its cleanup (``empty_cache`` frees blocks through ``cudaFree``, which waits for every copy in flight on
+the device: run before the offload starts, it costs milliseconds; beside it, the whole offload). The
+agent posts the phase at once instead of waiting for it; the daemon checks that the engines' resume fits
+in the memory NVML shows free (``engines.resume_headroom_mb``) and refuses with 409 before touching an
+engine when it does not, and then the agent waits for ``freeing`` (and a background group pause) and
+posts again. ``last_reports["<phase>_room"]`` says which happened. The caller still awaits its own task
+before it uses the memory again.
 
 With ``weight_sync`` (``colocd.trainer.async_push.AsyncWeightSync``) the agent hands it the policy's
 ``weight_sync`` directive from every reply, joins its background push before ``rollout`` (the engines
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -44,7 +47,10 @@ from .async_push import AsyncWeightSync
 from .cleanup import run_cleanup
 from .groups import GroupLifecycle, GroupReport
 
-__all__ = ["TrainerAgent"]
+__all__ = ["Freeing", "TrainerAgent"]
+
+# Trainer work that gives GPU memory back: running already, or started by the agent after its cleanup.
+Freeing = Awaitable[object] | Callable[[], Awaitable[object]]
 
 
 class TrainerAgent:
@@ -104,7 +110,7 @@ class TrainerAgent:
                 await self.groups_ready()
         return reply
 
-    async def sync(self, step: int, *, freeing: Awaitable[object] | None = None) -> dict[str, Any]:
+    async def sync(self, step: int, *, freeing: Freeing | None = None) -> dict[str, Any]:
         await self.groups_ready()  # the resume, if the caller did not wait for it
         report: dict[str, Any] = {}
         if self._groups is not None and (d := self._directives.get("process_groups")):
@@ -118,13 +124,14 @@ class TrainerAgent:
             report["spans"] = cleanup.spans
             report["cleanup"] = {k: v for k, v in cleanup.to_dict().items() if k != "spans"}
         self.last_reports.update(report)
-        reply = await self._post_when_room("sync", step, report or None, freeing)
+        reply = await self._post_when_room("sync", step, report or None, _started(freeing))
         if self._weight_sync is not None:
             self._weight_sync.follow((reply.get("directives") or {}).get("weight_sync"))
         return reply
 
-    async def rollout(self, step: int, *, freeing: Awaitable[object] | None = None) -> dict[str, Any]:
+    async def rollout(self, step: int, *, freeing: Freeing | None = None) -> dict[str, Any]:
         trainer = None
+        freeing = _started(freeing)
         if self._pending is not None and self._pending[0] == "groups_report":
             if freeing is None:
                 # The background pause must have freed the groups' memory before the engines resume.
@@ -175,3 +182,7 @@ class TrainerAgent:
         task = asyncio.ensure_future(both())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
+
+
+def _started(freeing: Freeing | None) -> Awaitable[object] | None:
+    return freeing() if callable(freeing) else freeing
