@@ -56,7 +56,7 @@ class RecordingEngine:
         self.received.append(handle)
         if "layout_ref" not in handle:
             return  # the original format: everything inline
-        if "layout" not in handle and handle["layout_ref"] not in self._layouts or any(
+        if ("layout" not in handle and handle["layout_ref"] not in self._layouts) or any(
                 str(e["slot"]) not in self._slots and str(e["slot"]) not in (handle.get("open") or {})
                 for e in handle.get("layout") or LAYOUT):
             raise RingRefsUnknown(self.name, f"ring {handle['ring']}: not held here ({UNKNOWN_REF_MARK})", status=400)
