@@ -247,6 +247,9 @@ class JoinReply(BaseModel):
     device_id: str
     streams: bool = Field(..., description="false: no engine rank loads this rank's bytes; it must not send chunks")
     feeds: list[FeedEntry] = Field(..., description="the engine TP ranks this rank's chunks go to")
+    ring_refs: str | None = Field(None, description=(
+        "this daemon's record of ipc_ring announcements: a ring that announced its layouts and slot handles "
+        "to this id may send layout_ref only; another id (a restarted daemon) needs them again"))
 
 
 class ChunkAckReply(BaseModel):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode
+from ..engines.ring_refs import EngineRingRefs
 from ..policies import Timeouts, TimeoutStep
 from .errors import EngineError, StepTimeout
 from .memory import NvmlProbe
@@ -55,6 +56,9 @@ class EngineHandle:
     observed_once: bool = False
     lost_sight: bool = False
     restart_counted: str | None = None  # the incarnation last counted in colocd_engine_restarts_total
+    # The ipc_ring layouts and slot handles this engine incarnation acknowledged (engines/ring_refs.py):
+    # chunks to it carry only refs for those. Dropped whenever it attaches (first contact, or a restart).
+    ring_refs: EngineRingRefs = field(default_factory=EngineRingRefs)
 
     @property
     def name(self) -> str:
@@ -63,6 +67,7 @@ class EngineHandle:
     def attached(self, info: EngineInfo) -> None:
         """The engine answered ``attach`` (first contact, or a restarted process that may speak a new version)."""
         self.info, self.attachment = info, Attachment.ATTACHED
+        self.ring_refs.forget()  # a new process holds no ring mapping of the old one
 
     def unready_reason(self) -> str | None:
         return unready_reason(self.name, self.attachment, self.state)

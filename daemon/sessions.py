@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..engines.base import RankPayload
+from ..engines.ring_refs import RingDirectory
 from ..policies import TimeoutStep
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
@@ -62,6 +63,9 @@ class WeightSessions:
         journal = daemon.config.journal
         self._manifest_file = Path(journal + ".manifest.json") if journal else None
         self.complete_manifest: Manifest | None = None
+        # What trainer rings announced to this daemon process, so their chunks may carry refs only
+        # (engines/ring_refs.py); its id, in every join reply, tells a trainer when to announce again.
+        self.rings = RingDirectory()
 
     def restore(self) -> None:
         self.complete_manifest = self._read_manifest_file()
@@ -116,7 +120,7 @@ class WeightSessions:
                 depth=depth or d.pipeline_depth(), chunk_timeout_s=t.for_step(TimeoutStep.CHUNK),
                 trace=trace, metrics=d.metrics, manifest=declared, partial=partial,
                 idle_s=t.for_step(TimeoutStep.SESSION_IDLE), start_timeout_s=t.for_step(TimeoutStep.START),
-                sources=self._feed_ranks())
+                sources=self._feed_ranks(), rings=self.rings)
             session.required = required
             session.prior = {n: e.state.weights for n, e in d.engines.items()}
 

@@ -38,11 +38,14 @@ from typing import Any, NoReturn
 
 from ..engines.base import RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
+from ..engines.errors import RingRefsUnknown
+from ..engines.ring_refs import RefMismatch, RefUnknown, RingDirectory
 from .engine_ops import EngineHandle
 from .errors import (
     ChunkTimeout,
     PayloadRejected,
     RequestInvalid,
+    RingRefUnknown,
     SessionGone,
     TransitionRejected,
     WeightSyncError,
@@ -140,10 +143,12 @@ class RankJoin:
     rank: int
     device_id: str
     feeds: tuple[tuple[str, int], ...]  # (engine, TP rank)
+    ring_refs: str | None = None  # the daemon's RingDirectory id: what a ring's announcements were made to
 
     def to_json(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "rank": self.rank, "device_id": self.device_id,
-                "streams": bool(self.feeds), "feeds": [{"engine": e, "tp_rank": t} for e, t in self.feeds]}
+                "streams": bool(self.feeds), "feeds": [{"engine": e, "tp_rank": t} for e, t in self.feeds],
+                "ring_refs": self.ring_refs}
 
 
 @dataclass
@@ -222,6 +227,7 @@ class WeightSession:
         idle_s: float | None = None,
         start_timeout_s: float | None = None,
         session_id: str | None = None,
+        rings: RingDirectory | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
@@ -250,6 +256,8 @@ class WeightSession:
         self.delivered: Manifest = {}  # every tensor a chunk layout carried, with its dtype and shape
         self._layoutless = False  # some part had no visible layout (cuda_ipc, disk)
         self._metrics = metrics
+        # ipc_ring announcements by ref (engines/ring_refs.py); None: chunks with a layout_ref are refused.
+        self._rings = rings
         self._lanes = [self._lane_of(e, sources) for e in engines]
         self._devices: dict[int, str] = {}  # rank → the device it declared when it joined
         self._started: set[int] = set()  # ranks that sent a first chunk
@@ -307,7 +315,8 @@ class WeightSession:
             self.touch()
         if len(self._devices) == self.ranks:
             self._feed_gpus_from_host_ranks()
-        joined = RankJoin(self.id, rank, device_id, self._feeds(rank))
+        joined = RankJoin(self.id, rank, device_id, self._feeds(rank),
+                          self._rings.id if self._rings is not None else None)
         if len(self._devices) == self.ranks and (unserved := self._unserved()):
             declared = ", ".join(f"rank {r}: {d!r}" for r, d in sorted(self._devices.items()))
             error = RequestInvalid(
@@ -466,6 +475,7 @@ class WeightSession:
                 f"sent chunk {first_missing}, and a rank may have at most depth={self.depth} chunks outstanding "
                 f"(chunks {first_missing}..{first_missing + self.depth - 1}); chunk sequence numbers are "
                 "0, 1, 2, ... without gaps", field="seq")
+        part = self._resolve(seq, part)
         layout = self._inspect(seq, part)
         self._check_plan(seq, part.rank, layout)
         self._mark_sent(part.rank, seq)  # received: counts for the gap rule even while it waits below
@@ -562,6 +572,27 @@ class WeightSession:
         while self._rank_next[rank] in ahead:
             ahead.discard(self._rank_next[rank])
             self._rank_next[rank] += 1
+
+    def _resolve(self, seq: int, part: RankPayload) -> RankPayload:
+        """An ipc_ring part that names its layout (and slots) by ref, with the announced content filled in;
+        any other part as it is. A ref this daemon never got is a 409 naming it: the trainer re-sends in full."""
+        if part.transport != "ipc_ring" or "layout_ref" not in part.handle:
+            return part
+        where = f"session {self.id}: chunk {seq} from rank {part.rank}"
+        if self._rings is None:
+            raise RequestInvalid(f"{where}: this session takes no layout_ref; send the layout",
+                                 field="handle.layout_ref")
+        try:
+            full = self._rings.resolve(part.handle)
+        except RefUnknown as exc:
+            state: dict[str, object] = {"ring": exc.ring, "layout_ref": exc.ref, "field": f"handle.{exc.field}",
+                                        "slots": exc.slots}
+            raise RingRefUnknown(f"{where}: {exc}", state=state) from None
+        except RefMismatch as exc:
+            raise RequestInvalid(f"{where}: {exc}", field="handle.layout_ref") from None
+        except ValueError as exc:
+            raise RequestInvalid(f"{where}: {exc}", field="handle") from None
+        return RankPayload(rank=part.rank, transport=part.transport, nbytes=part.nbytes, handle=full)
 
     def _inspect(self, seq: int, part: RankPayload) -> ChunkLayout | None:
         """The handle is readable on this node and its layout agrees with the manifest; else 422."""
@@ -695,10 +726,23 @@ class WeightSession:
         load = WeightsLoad(seq=chunk.seq, payloads=payloads, nbytes=sum(p.nbytes for p in payloads),
                            session_id=self.id)
         done = chunk.consumed[lane.name]
+        refs = lane.engine.ring_refs
         t0 = time.perf_counter()
         try:
             with self.trace.span("load_chunk", lane.name, seq=chunk.seq, nbytes=load.nbytes):
-                await lane.engine.adapter.load_weights(load)
+                sent = tuple(_outgoing(p, tp, refs.outgoing) for tp, p in enumerate(payloads))
+                try:
+                    await lane.engine.adapter.load_weights(_with_payloads(load, sent))
+                except RingRefsUnknown:
+                    # The engine lacks refs the daemon believed it held (an unobserved restart, an evicted
+                    # ring) and applied nothing: believe nothing of it, and send the chunk in full once.
+                    refs.forget()
+                    if all(a is b for a, b in zip(sent, payloads, strict=True)):
+                        raise  # it was sent in full already: the refusal stands
+                    await lane.engine.adapter.load_weights(load)
+            for tp, p in enumerate(payloads):
+                if p.transport == "ipc_ring":
+                    refs.learned(tp, p.handle)
         except BaseException as exc:
             lane.in_flight -= 1
             error = _load_error(lane.name, chunk.seq, exc)
@@ -898,6 +942,22 @@ class WeightSession:
             "tainted": self.tainted,
             "error": self.error,
         }
+
+
+def _outgoing(part: RankPayload, tp_rank: int,
+              strip: Callable[[int, dict[str, Any]], dict[str, Any]]) -> RankPayload:
+    """The part as this engine TP rank gets it: an ipc_ring descriptor without what the rank already holds."""
+    if part.transport != "ipc_ring":
+        return part
+    handle = strip(tp_rank, part.handle)
+    return part if handle is part.handle else RankPayload(part.rank, part.transport, part.nbytes, handle)
+
+
+def _with_payloads(load: WeightsLoad, payloads: tuple[RankPayload, ...]) -> WeightsLoad:
+    if all(a is b for a, b in zip(payloads, load.payloads, strict=True)):
+        return load
+    return WeightsLoad(seq=load.seq, payloads=payloads, nbytes=load.nbytes, flush_cache=load.flush_cache,
+                       weight_version=load.weight_version, session_id=load.session_id)
 
 
 def _load_error(engine: str, seq: int, exc: BaseException) -> WeightSyncError | PayloadRejected:

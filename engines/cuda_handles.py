@@ -9,7 +9,9 @@ The wire is JSON, never a pickle.
 
 ``RingTable`` opens each (ring, slot) handle once and keeps it for the engine's lifetime, so a chunk
 costs a dict lookup plus the copy. Opened rings are few and evicted oldest first, since every mapping
-keeps the trainer's memory alive.
+keeps the trainer's memory alive. A descriptor may name its layout by ``layout_ref`` alone once the
+table has seen that layout (``colocd.engines.ring_refs``): a ref or slot it does not hold is refused
+with ``UNKNOWN_REF_MARK`` in the message, so the sender re-sends the chunk in full.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from .chunks import TensorSpec, dtype_from_name
+from .ring_refs import UNKNOWN_REF_MARK, handle_key, layout_digest
 
 __all__ = [
     "RING_LOAD_FORMAT",
@@ -111,13 +114,13 @@ def open_cuda_handle(data: dict[str, Any]) -> torch.Tensor:
     return tensor
 
 
-
 @dataclass
 class _OpenRing:
     """One ring as an engine holds it: opened slots (by handle key) and views built for seen layouts."""
 
     slots: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
     views: OrderedDict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=OrderedDict)
+    layouts: OrderedDict[str, list[Any]] = field(default_factory=OrderedDict)  # layout_ref -> its layout list
 
 
 class RingTable:
@@ -148,25 +151,59 @@ class RingTable:
         for key, handle in dict(descriptor.get("open") or {}).items():
             self._open(ring_id, ring, int(key), handle, device)
         t1 = time.perf_counter()
-        layout = descriptor.get("layout")
-        if not isinstance(layout, list):
-            raise ValueError("ipc_ring descriptor needs a 'layout' list")
-        key = json.dumps([descriptor.get("slot"), layout], separators=(",", ":"))
+        layout, key = self._layout(ring_id, ring, descriptor)
         named = ring.views.get(key)
         if named is None:
-            named = ring.views[key] = self._views(ring_id, ring, descriptor.get("slot"), layout)
+            if layout is None:
+                layout = self._known_layout(ring_id, ring, str(descriptor["layout_ref"]))
+            named = ring.views[key] = self._views(ring_id, ring, descriptor.get("slot"), layout,
+                                                  by_ref="layout_ref" in descriptor)
             while len(ring.views) > self.max_layouts:
                 ring.views.popitem(last=False)
         self.last_stages = {"open_s": t1 - t0, "views_s": time.perf_counter() - t1}
         return list(named)
 
+    def _layout(self, ring_id: str, ring: _OpenRing, descriptor: dict[str, Any]) -> tuple[list[Any] | None, str]:
+        """The descriptor's layout list where it carries one (recorded under its ref), and its views' cache key.
+
+        By ref the key is (slot, ref), so a repeated chunk costs no JSON at all; without one, (slot, layout)."""
+        layout = descriptor.get("layout")
+        if layout is not None and not isinstance(layout, list):
+            raise ValueError("ipc_ring descriptor needs a 'layout' list")
+        ref = descriptor.get("layout_ref")
+        if ref is None:
+            if layout is None:
+                raise ValueError("ipc_ring descriptor needs a 'layout' list (or a 'layout_ref' to one sent before)")
+            return layout, json.dumps([descriptor.get("slot"), layout], separators=(",", ":"))
+        if not isinstance(ref, str) or not ref:
+            raise ValueError("layout_ref must be a non-empty string")
+        if layout is not None:
+            if layout_digest(layout) != ref:
+                raise ValueError(f"ring {ring_id}: layout_ref {ref!r} is not the digest of the layout it carries")
+            ring.layouts[ref] = layout
+            ring.layouts.move_to_end(ref)
+            while len(ring.layouts) > self.max_layouts:
+                ring.layouts.popitem(last=False)
+        return layout, json.dumps([descriptor.get("slot"), ref])
+
+    def _known_layout(self, ring_id: str, ring: _OpenRing, ref: str) -> list[Any]:
+        layout = ring.layouts.get(ref)
+        if layout is None:
+            raise ValueError(f"ring {ring_id}: layout_ref {ref!r} is not held here ({UNKNOWN_REF_MARK}): "
+                             "this engine restarted or dropped the ring since that layout was sent; send it again")
+        ring.layouts.move_to_end(ref)
+        return layout
+
     def _views(
-        self, ring_id: str, ring: _OpenRing, default_slot: Any, layout: list[Any]
+        self, ring_id: str, ring: _OpenRing, default_slot: Any, layout: list[Any], *, by_ref: bool = False
     ) -> list[tuple[str, torch.Tensor]]:
         out = []
         for entry in layout:
             slot = entry.get("slot", default_slot)
             if slot not in ring.slots:
+                if by_ref:  # the sender believed this engine holds the slot: it must re-send the handle
+                    raise ValueError(f"ring {ring_id} slot {slot} was never opened here ({UNKNOWN_REF_MARK}): "
+                                     "this engine restarted or dropped the ring; send the slot's handle again")
                 raise ValueError(
                     f"ring {ring_id} slot {slot} was never opened here: the first chunk on a slot in a "
                     "stream carries its handle (did the engine restart mid-stream?)"
@@ -192,7 +229,7 @@ class RingTable:
         return self._rings[ring_id]
 
     def _open(self, ring_id: str, ring: _OpenRing, slot: int, handle: dict[str, Any], device: torch.device) -> None:
-        key = str(handle.get("handle")) + f"@{handle.get('storage_offset')}"
+        key = handle_key(handle)
         if slot in ring.slots and ring.slots[slot][0] == key:
             return  # announced again in a new stream; already open
         tensor = open_cuda_handle(handle)

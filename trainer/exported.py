@@ -6,7 +6,7 @@ importing each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +27,11 @@ class ExportedChunk:
     handle: dict[str, Any]
     layout: ChunkLayout
     _release: Any = field(default=None, repr=False)
+    # A chunk that names announced content by ref (ipc_ring, trainer/ring.py): ``announce`` is the same
+    # chunk with everything inline (sent again if the daemon answers 409 RingRefUnknown), and ``acked``
+    # tells the producer the daemon now holds what this chunk announced.
+    announce: dict[str, Any] | None = field(default=None, repr=False)
+    acked: Callable[[], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         if self._release is not None:
@@ -39,6 +44,8 @@ class Producer(Protocol):
 
     transport: Transport
 
-    def begin_stream(self) -> None: ...
+    def begin_stream(self, receiver: str | None = None) -> None:
+        """A stream starts toward the daemon whose ring record is ``receiver`` (its join reply's ``ring_refs``;
+        None: a daemon that takes no refs)."""
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk: ...
     def close(self) -> None: ...

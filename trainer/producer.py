@@ -65,7 +65,7 @@ class ShmProducer:
                     ", ".join(r.name for r in reclaimed),
                 )
 
-    def begin_stream(self) -> None:
+    def begin_stream(self, receiver: str | None = None) -> None:
         return None
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
@@ -102,7 +102,7 @@ class DiskProducer:
         self._dir = directory or tempfile.mkdtemp(prefix="colocd-disk-")
         self._live: set[str] = set()
 
-    def begin_stream(self) -> None:
+    def begin_stream(self, receiver: str | None = None) -> None:
         return None
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
@@ -140,7 +140,7 @@ class CudaIpcProducer:
         self.per_tensor = per_tensor
         self._live: dict[int, BucketLease | None] = {}
 
-    def begin_stream(self) -> None:
+    def begin_stream(self, receiver: str | None = None) -> None:
         return None
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:

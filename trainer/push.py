@@ -303,7 +303,8 @@ class WeightPusher:
             self._shape = self._shape_for(head)
             self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots)
         producer, bucket_bytes = self._producer, self._shape[1]
-        producer.begin_stream()
+        # What this daemon process's ring record acknowledged goes by ref (engines/ring_refs.py).
+        producer.begin_stream((self.last_join or {}).get("ring_refs"))
         window = asyncio.Semaphore(self._depth)
         tasks: list[asyncio.Task[None]] = []
         records: dict[int, ChunkRecord] = {}
@@ -313,7 +314,17 @@ class WeightPusher:
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
             try:
-                ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
+                try:
+                    ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
+                except ColocdHTTPError as exc:
+                    # The daemon holds no record of a ref this chunk named (it dropped the ring) and took
+                    # nothing: the same chunk once more, with everything inline.
+                    if exc.status != 409 or exc.error != "RingRefUnknown" or chunk.announce is None:
+                        raise
+                    inline = ExportedChunk(chunk.transport, chunk.nbytes, chunk.announce, chunk.layout)
+                    ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=inline)
+                if chunk.acked is not None:
+                    chunk.acked()
             finally:
                 chunk.release()  # after the ack (or the failure): the engines are done with it
                 window.release()

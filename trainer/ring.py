@@ -1,8 +1,11 @@
 """The trainer side of the ``ipc_ring`` transport: GPU buffers exported once, then per chunk only (slot, layout).
 
 ``IpcRingProducer``: ``slots`` persistent buffers of ``slot_bytes`` on the trainer's GPU.
-A chunk is flattened into a free slot and described as ``{ring, slot, layout}``; the first chunk
-on each slot in a stream also carries the slot's CUDA IPC handle under ``open``. A slot is refilled
+A chunk is flattened into a free slot and described as ``{ring, slot, layout_ref}``: toward a daemon
+that keeps ring records (``begin_stream(receiver)``, its join reply's ``ring_refs``) the ``layout``
+list and the slots' CUDA IPC handles (``open``) travel only until that daemon acknowledged them
+once (``colocd.engines.ring_refs``); toward one that does not, every chunk carries its ``layout``
+and the first chunk on each slot in a stream its handle, as before. A slot is refilled
 only after the chunk's ack (``ExportedChunk.release`` returns it), because SGLang replies before
 its copy is done (research/engine-apis.md §6.4 #6). A tensor larger than a slot travels alone,
 straight from its own storage (no flatten), and with ``zero_copy=True`` every tensor does: the
@@ -19,7 +22,7 @@ import os
 import secrets
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch
 
 from ..engines.chunks import ChunkLayout, TensorSpec, copy_tensors, dtype_from_name, dtype_name
 from ..engines.cuda_handles import device_uuid, export_cuda_handle
+from ..engines.ring_refs import layout_digest
 from ..policies import Transport
 from .exported import ExportedChunk
 
@@ -43,6 +47,7 @@ class _Plan:
     layout_json: list[dict[str, Any]]
     views: list[torch.Tensor]  # typed views of each tensor inside its ring slot
     regions: dict[int, torch.Tensor]  # zero copy: the registered storages the layout refers to
+    ref: str  # layout_digest(layout_json)
 
 
 def _device_of(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
@@ -70,11 +75,22 @@ class IpcRingProducer:
         # keeps the storage, so its address is not reused by another tensor while an engine maps it.
         self._regions: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         self._handles: dict[int, dict[str, Any]] = {}  # slot -> its handle, exported once
-        self._announced: set[int] = set()  # slots whose handle went out in this stream
+        self._announced: set[int] = set()  # no receiver: slots whose handle went out in this stream
+        # The daemon ring record (RingDirectory.id) this stream goes to, and what it acknowledged holding.
+        self._receiver: str | None = None
+        self._held_layouts: set[str] = set()
+        self._held_slots: set[int] = set()
         self._plans: dict[Any, _Plan] = {}
 
-    def begin_stream(self) -> None:
-        """Announce every slot again on its first use: an engine restarted since the last stream has none."""
+    def begin_stream(self, receiver: str | None = None) -> None:
+        """A stream to the daemon record ``receiver``: what that record acknowledged goes by ref only. Another
+        record (a restarted daemon) holds nothing, so everything is announced again. None (a daemon without
+        records): every slot is announced again on its first use, since an engine restarted since the last
+        stream has none."""
+        if receiver is None or receiver != self._receiver:
+            self._held_layouts.clear()
+            self._held_slots.clear()
+        self._receiver = receiver
         self._announced.clear()
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
@@ -115,9 +131,7 @@ class IpcRingProducer:
         except BaseException:
             self._free.append(slot)
             raise
-        handle = self._describe({slot: self._buffers[slot]}, device)
-        handle.update(slot=slot, layout=plan.layout_json)
-        return ExportedChunk(self.transport, layout.nbytes, handle, layout, lambda: self._free.append(slot))
+        return self._describe({slot: self._buffers[slot]}, device, plan, slot, lambda: self._free.append(slot))
 
     def _slot_plan(self, slot: int, layout: ChunkLayout) -> _Plan:
         """Typed views of ``layout``'s tensors in ``slot``, built once per (slot, layout): a trainer
@@ -129,7 +143,8 @@ class IpcRingProducer:
                 self._buffers[slot][s.offset : s.offset + s.nbytes].view(dtype_from_name(s.dtype)).view(s.shape)
                 for s in layout.tensors
             ]
-            plan = self._plans[key] = _Plan(layout, layout.to_json(), views, {})
+            layout_json = layout.to_json()
+            plan = self._plans[key] = _Plan(layout, layout_json, views, {}, layout_digest(layout_json))
             self._trim()
         return plan
 
@@ -141,11 +156,9 @@ class IpcRingProducer:
         if plan is None:
             plan = self._plans[key] = self._in_place_plan(named, nbytes)
             self._trim()
-        handle = self._describe(plan.regions, device)
-        handle["layout"] = plan.layout_json
         # Nothing to give back: the engine reads the trainer's own tensors, which must simply stay
         # unchanged until the ack (the trainer is waiting for the sync anyway).
-        return ExportedChunk(self.transport, nbytes, handle, plan.layout)
+        return self._describe(plan.regions, device, plan, None)
 
     def _in_place_plan(self, named: Sequence[tuple[str, torch.Tensor]], nbytes: int) -> _Plan:
         entries: list[dict[str, Any]] = []
@@ -162,7 +175,7 @@ class IpcRingProducer:
             spec = TensorSpec(name, dtype_name(t.dtype), tuple(t.shape), int(t.storage_offset()) * t.element_size())
             specs.append(spec)
             entries.append({**spec.to_json(), "slot": slot})
-        return _Plan(ChunkLayout(tuple(specs), nbytes), entries, [], regions)
+        return _Plan(ChunkLayout(tuple(specs), nbytes), entries, [], regions, layout_digest(entries))
 
     def _trim(self) -> None:
         if len(self._plans) > _MAX_PLANS:  # a trainer whose buckets keep changing: start over
@@ -177,19 +190,38 @@ class IpcRingProducer:
             self._regions[key] = (self.slots + len(self._regions), base)
         return self._regions[key]
 
-    def _describe(self, used: dict[int, torch.Tensor], device: torch.device) -> dict[str, Any]:
-        """Ring id and GPU, plus the handles of slots this stream has not announced yet."""
-        opening = {}
-        for slot, buffer in used.items():
-            if slot not in self._announced:
-                if slot not in self._handles:
-                    self._handles[slot] = export_cuda_handle(buffer)
-                opening[str(slot)] = self._handles[slot]
-                self._announced.add(slot)
-        handle: dict[str, Any] = {"ring": self.ring_id, "device_uuid": device_uuid(device.index or 0)}
+    def _describe(self, used: dict[int, torch.Tensor], device: torch.device, plan: _Plan,
+                  slot: int | None, release: Callable[[], None] | None = None) -> ExportedChunk:
+        """The chunk's descriptor: ring id, GPU and slot, with the layout and the slots' handles inline only
+        where the receiver does not hold them yet (no receiver: the layout always, handles once a stream)."""
+        for s, buffer in used.items():
+            if s not in self._handles:
+                self._handles[s] = export_cuda_handle(buffer)
+        base: dict[str, Any] = {"ring": self.ring_id, "device_uuid": device_uuid(device.index or 0)}
+        if slot is not None:
+            base["slot"] = slot
+        if self._receiver is None:
+            opening = {str(s): self._handles[s] for s in used if s not in self._announced}
+            self._announced.update(used)
+            handle = {**base, "layout": plan.layout_json, **({"open": opening} if opening else {})}
+            return ExportedChunk(self.transport, plan.layout.nbytes, handle, plan.layout, release)
+        base["layout_ref"] = plan.ref
+        handle = dict(base)
+        if plan.ref not in self._held_layouts:
+            handle["layout"] = plan.layout_json
+        opening = {str(s): self._handles[s] for s in used if s not in self._held_slots}
         if opening:
             handle["open"] = opening
-        return handle
+        full = {**base, "layout": plan.layout_json, "open": {str(s): self._handles[s] for s in used}}
+        receiver, slots = self._receiver, tuple(used)
+
+        def acked() -> None:
+            if self._receiver == receiver:  # not a record this producer has since moved away from
+                self._held_layouts.add(plan.ref)
+                self._held_slots.update(slots)
+
+        return ExportedChunk(self.transport, plan.layout.nbytes, handle, plan.layout, release,
+                             announce=full, acked=acked)
 
     def close(self) -> None:
         """End of a stream: every slot is free again. Buffers and registrations persist with the producer."""

@@ -8,6 +8,8 @@ Formats:
 - ``colocd_ring``: base64 of JSON ``{"transport": "ipc_ring", "ring", "slot", "layout", "open"?}``:
   tensors are views into GPU buffers the trainer exported once; the engine's ``RingTable`` opens
   each slot's handle on first use and keeps it (``engines/cuda_handles.py`` holds the format).
+  With ``layout_ref`` the daemon leaves out the ``layout`` and ``open`` this engine already holds
+  (``engines/ring_refs.py``); a ref it lacks is refused naming ``UNKNOWN_REF_MARK``, nothing applied.
 - ``null``/``"direct"``: SGLang's pickled ``list[(name, tensor)]`` (tensors may be SGLang
   ``LocalSerializedTensor`` wrappers); ``"flattened_bucket"``: SGLang's pickled
   ``{"flattened_tensor", "metadata"}`` (research/engine-apis.md §1.7). Pickles go through the

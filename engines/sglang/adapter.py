@@ -15,8 +15,9 @@ import httpx
 from ...errors import RequestInvalid
 from ...policies import Transport
 from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
-from ..errors import EngineMismatch, EngineProtocolError, EngineRejected
+from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
 from ..httpmap import check_reply, map_http_errors
+from ..ring_refs import UNKNOWN_REF_MARK
 from . import wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
@@ -234,7 +235,13 @@ class SGLangAdapter:
         )
         body = self._with_session(wire.body(request, self.protocol), load.session_id)
         response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}", body)
-        self._check_success(response, f"update_weights_from_tensor#{load.seq}")
+        try:
+            self._check_success(response, f"update_weights_from_tensor#{load.seq}")
+        except EngineRejected as exc:
+            # The reference engine lacks a ring ref the daemon left out (engines/ring_refs.py): nothing applied.
+            if UNKNOWN_REF_MARK in exc.detail and any(p.transport == Transport.IPC_RING for p in load.payloads):
+                raise RingRefsUnknown(self.name, exc.detail, status=exc.status, body=exc.body) from None
+            raise
 
     async def parameter_manifest(self) -> list[dict[str, Any]] | None:
         """The reference engine lists its parameters (colocd extension); SGLang cannot tell: None."""
