@@ -203,6 +203,7 @@ class StepRecord:
     group_actions: list[str] = field(default_factory=list)
     memory: dict[str, int | None] = field(default_factory=dict)  # paused window (rollout), at its start
     memory_settled: dict[str, int | None] = field(default_factory=dict)  # once background group work ended
+    notes: list[str] = field(default_factory=list)  # e.g. why the daemon refused an early phase call
     loss: float = 0.0
     generated_tokens: int = 0
 
@@ -380,6 +381,8 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         if overlap:
             state.offload(("grads",))  # dropped, not copied; the agent's cleanup gives them back
             off_task, start_offload = _offload_when_started(state, ("optimizer",), plan_doc, device)
+            agent.last_reports.pop("sync_room", None)
+            agent.last_reports.pop("rollout_room", None)
             t4 = time.perf_counter()
             sync = await agent.sync(step, freeing=start_offload)
         else:
@@ -442,6 +445,9 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             offw, cleanup2 = await offw_task
             t10 = time.perf_counter()
             room = agent.last_reports.get("rollout_room") or {}
+            for phase in ("sync", "rollout"):
+                if refused := (agent.last_reports.get(f"{phase}_room") or {}).get("refused"):
+                    rec.notes.append(f"{phase} refused at first: {refused}")
             parts["sleep.offload_optimizer"] = off.seconds  # overlapped with sync + push
             parts["sleep.cleanup_after_offload"] = off_clean
             parts["wake.optimizer_offload_wait"] = t7b - t7 - early_clean

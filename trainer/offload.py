@@ -30,6 +30,7 @@ __all__ = ["OffloadReport", "Part", "RankState"]
 
 Part = str  # "weights" | "grads" | "optimizer"
 PARTS: tuple[Part, ...] = ("weights", "grads", "optimizer")
+COPY_PIECE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,7 @@ class RankState:
             if part != "grads":
                 host = self._host_buffer(part)
                 with self._copying():
-                    for dst, src in self._pairs(part, host):
+                    for dst, src in self._pieces(self._pairs(part, host)):
                         dst.copy_(src, non_blocking=self._pin)
                 copied += self.nbytes(part)
             dropped += self.nbytes(part)
@@ -201,7 +202,7 @@ class RankState:
                 self.optimizer = torch.empty(3 * self.shard_numel, dtype=torch.float32, device=self.device)
             if part != "grads":
                 with self._copying():
-                    for host, gpu in self._pairs(part, self._host[part]):
+                    for host, gpu in self._pieces(self._pairs(part, self._host[part])):
                         gpu.copy_(host, non_blocking=self._pin)
                 copied += self.nbytes(part)
             allocated += self.nbytes(part)
@@ -225,6 +226,19 @@ class RankState:
     def _copies_landed(self) -> None:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
+
+    def _pieces(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The pairs cut into copies of at most ``COPY_PIECE_BYTES``: one 12 GB copy holds the GPU's copy engine
+        for a quarter of a second, so another process's work (an engine allocating its memory back) waits
+        behind it; pieces let it in between, at the same bandwidth."""
+        for a, b in pairs:
+            step = max(1, COPY_PIECE_BYTES // a.element_size())
+            if a.numel() <= step:
+                yield a, b
+                continue
+            fa, fb = a.reshape(-1), b.reshape(-1)  # both contiguous: views, not copies
+            for start in range(0, fa.numel(), step):
+                yield fa[start : start + step], fb[start : start + step]
 
     def pinned_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._host.values())

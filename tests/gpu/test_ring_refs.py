@@ -122,7 +122,9 @@ async def test_an_engine_restarted_between_pushes_gets_layouts_and_handles_inlin
                 first = len(wire)
                 await engine.aclose()
                 # The same address, a new process: it holds no mapping of the trainer's ring.
-                engine = ReferenceEngineProcess(_engine_config(port), ready_path="/model_info")
+                # Started as the first one was: ready only once it serves (a pause sent to an engine still
+                # starting is a 503, which the daemon passes on: the trainer would retry).
+                engine = ReferenceEngineProcess(_engine_config(port))
                 await engine.astart()
                 await client.phase("train", 2)
                 await client.phase("sync", 2)

@@ -59,3 +59,16 @@ def test_on_cuda_the_offload_waits_for_the_last_write_queued_on_the_callers_stre
     state.onload(("weights", "grads", "optimizer"))
     assert bool((state.named_weights()[-1][1] == 3.0).all())
     assert state.grads is not None and not bool(state.grads.any())
+
+
+def test_copies_cut_into_pieces_still_move_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    import colocd.trainer.offload as offload
+
+    monkeypatch.setattr(offload, "COPY_PIECE_BYTES", 1000)  # far below the tensors' sizes, and not a divisor
+    state = RankState(hf_shapes("tiny"), torch.device("cpu"), shards=4, seed=1)
+    state.step(8, seed=2)
+    weights, optim = _snapshot(state)
+    state.offload(("weights", "grads", "optimizer"))
+    state.onload(("weights", "grads", "optimizer"))
+    assert all(torch.equal(a, b) for a, (_, b) in zip(weights, state.named_weights(), strict=True))
+    assert state.optimizer is not None and torch.equal(optim, state.optimizer)
