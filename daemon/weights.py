@@ -597,8 +597,12 @@ class WeightSession:
     def _inspect(self, seq: int, part: RankPayload) -> ChunkLayout | None:
         """The handle is readable on this node and its layout agrees with the manifest; else 422."""
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
+        ref = part.handle.get("layout_ref") if part.transport == "ipc_ring" else None
         try:
-            layout = inspect_handle(part.transport, part.nbytes, part.handle)
+            if isinstance(ref, str) and self._rings is not None:  # resolved already: the layout is ref's own
+                layout = self._rings.derived(ref, lambda: inspect_handle(part.transport, part.nbytes, part.handle))
+            else:
+                layout = inspect_handle(part.transport, part.nbytes, part.handle)
         except HandleError as exc:
             raise RequestInvalid(f"{where}: {exc}", field=exc.field) from None
         if layout is None:

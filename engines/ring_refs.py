@@ -26,7 +26,7 @@ import hashlib
 import json
 import secrets
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +102,18 @@ class RingDirectory:
         self.max_rings = max_rings
         self.max_layouts = max_layouts
         self._rings: OrderedDict[str, _Ring] = OrderedDict()
+        self._derived: OrderedDict[str, Any] = OrderedDict()  # layout_ref -> what a reader built from it
+
+    def derived(self, ref: str, build: Callable[[], Any]) -> Any:
+        """``build()``'s result, kept per ``ref`` (a digest of the layout, so the result cannot go stale): the
+        daemon parses a 399-tensor layout once, not on every push. An exception is not kept."""
+        if ref in self._derived:
+            self._derived.move_to_end(ref)
+            return self._derived[ref]
+        value = self._derived[ref] = build()
+        while len(self._derived) > self.max_layouts:
+            self._derived.popitem(last=False)
+        return value
 
     def resolve(self, handle: dict[str, Any]) -> dict[str, Any]:
         """The full descriptor of a chunk: ``layout`` and, under ``open``, the handle of every slot it reads.

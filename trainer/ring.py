@@ -96,17 +96,19 @@ class IpcRingProducer:
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
         """Describe one chunk; flattened into a free slot unless it travels from its own storages."""
         device = _device_of(named)
-        layout = ChunkLayout.for_tensors(named)
-        oversize = layout.nbytes > self.slot_bytes
-        if self.zero_copy or oversize:
-            if oversize and len(named) > 1:
-                raise ValueError(
-                    f"chunk of {layout.nbytes} bytes does not fit a {self.slot_bytes}-byte slot; "
-                    "plan it with plan_buckets(bucket_bytes=slot_bytes)"
-                )
-            chunk = self._export_in_place(named, device, layout.nbytes)
+        if self.zero_copy:
+            chunk = self._export_in_place(named, device)  # the layout is built once per set of storages
         else:
-            chunk = self._export_to_slot(named, device, layout)
+            layout = ChunkLayout.for_tensors(named)
+            if layout.nbytes > self.slot_bytes:
+                if len(named) > 1:
+                    raise ValueError(
+                        f"chunk of {layout.nbytes} bytes does not fit a {self.slot_bytes}-byte slot; "
+                        "plan it with plan_buckets(bucket_bytes=slot_bytes)"
+                    )
+                chunk = self._export_in_place(named, device)
+            else:
+                chunk = self._export_to_slot(named, device, layout)
         # The engine reads these bytes as soon as it gets the descriptor, on its own stream: every
         # write queued here (the flatten, or the trainer's last optimizer step) must be done first.
         torch.cuda.current_stream(device).synchronize()
@@ -148,13 +150,12 @@ class IpcRingProducer:
             self._trim()
         return plan
 
-    def _export_in_place(
-        self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device, nbytes: int
-    ) -> ExportedChunk:
+    def _export_in_place(self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> ExportedChunk:
+        # Keyed on where each tensor lives now: a storage that moved (an onload) is a new plan.
         key = tuple((name, t.data_ptr(), t.dtype, t.shape) for name, t in named)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._in_place_plan(named, nbytes)
+            plan = self._plans[key] = self._in_place_plan(named, ChunkLayout.for_tensors(named).nbytes)
             self._trim()
         # Nothing to give back: the engine reads the trainer's own tensors, which must simply stay
         # unchanged until the ack (the trainer is waiting for the sync anyway).

@@ -88,3 +88,22 @@ def test_an_engine_forgotten_gets_everything_inline_again() -> None:
     held.learned(0, _announcing())
     held.forget()
     assert held.outgoing(0, _announcing()) == _announcing()
+
+
+def test_what_a_reader_builds_from_a_layout_ref_is_built_once_and_a_failed_build_is_not_kept() -> None:
+    directory = RingDirectory()
+    calls: list[str] = []
+
+    def build() -> list[str]:
+        calls.append("built")
+        return ["parsed"]
+
+    first = directory.derived("ref-a", build)
+    assert directory.derived("ref-a", build) is first and calls == ["built"]
+
+    def broken() -> list[str]:
+        raise ValueError("bad layout")
+
+    with pytest.raises(ValueError, match="bad layout"):
+        directory.derived("ref-b", broken)
+    assert directory.derived("ref-b", build) == ["parsed"] and calls == ["built", "built"]
