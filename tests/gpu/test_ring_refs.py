@@ -120,6 +120,7 @@ async def test_an_engine_restarted_between_pushes_gets_layouts_and_handles_inlin
             async with WeightPusher(client, transport=transport, bucket_mb=1, depth=2) as pusher:
                 await _push(client, pusher, named, "v1")
                 first = len(wire)
+                await client.phase("rollout", 1)
                 await engine.aclose()
                 # The same address, a new process: it holds no mapping of the trainer's ring.
                 # Started as the first one was: ready only once it serves (a pause sent to an engine still
