@@ -80,7 +80,7 @@ async def _to_synced(node: dict[str, Any], step: int) -> None:
 async def _until_rejected(client: AsyncColocdClient, phase: str, before: float, deadline_s: float = 30) -> None:
     """Poll the daemon's metrics (within a deadline) until one more ``phase`` transition was rejected."""
     async with asyncio.timeout(deadline_s):
-        while _rejected(await client.metrics(), phase) <= before:
+        while _rejected(await client.metrics(), phase) <= before:  # noqa: ASYNC110 (polls the daemon, bounded)
             await asyncio.sleep(0.01)
 
 
