@@ -297,26 +297,27 @@ def check_resume_headroom(what: str, needs: Iterable[ResumeNeed], free: Mapping[
     for need in needs:
         if need.gpu in free:
             per_gpu.setdefault(need.gpu, []).append(need)
-    short = {}
-    for gpu, items in sorted(per_gpu.items()):
-        needed = sum(n.nbytes for n in items)
-        if free[gpu] < needed + headroom:
-            short[gpu] = {"free_bytes": free[gpu], "needed_bytes": needed, "headroom_bytes": headroom,
-                          "engines": {n.engine: {"nbytes": n.nbytes, "tags": list(n.tags), "from": n.source}
-                                      for n in items}}
+    short = {gpu: items for gpu, items in sorted(per_gpu.items())
+             if free[gpu] < sum(n.nbytes for n in items) + headroom}
     if not short:
         return
     gib = 1 << 30
+
+    def needs_of(items: list[ResumeNeed]) -> str:
+        return ", ".join(f"engine {n.engine!r}: {'+'.join(n.tags)} {n.nbytes / gib:.2f} GiB from {n.source}"
+                         for n in items)
+
     said = "; ".join(
-        f"GPU {gpu} has {v['free_bytes'] / gib:.2f} GiB free, resuming needs {v['needed_bytes'] / gib:.2f} GiB"
-        + (f" + {headroom / gib:.2f} GiB headroom" if headroom else "")
-        + " (" + ", ".join(f"engine {e!r}: {'+'.join(x['tags'])} {x['nbytes'] / gib:.2f} GiB from {x['from']}"
-                           for e, x in v["engines"].items()) + ")"
-        for gpu, v in short.items())
+        f"GPU {gpu} has {free[gpu] / gib:.2f} GiB free, resuming needs {sum(n.nbytes for n in items) / gib:.2f} GiB"
+        + (f" + {headroom / gib:.2f} GiB headroom" if headroom else "") + f" ({needs_of(items)})"
+        for gpu, items in short.items())
+    state = {gpu: {"free_bytes": free[gpu], "needed_bytes": sum(n.nbytes for n in items), "headroom_bytes": headroom,
+                   "engines": {n.engine: {"nbytes": n.nbytes, "tags": list(n.tags), "from": n.source} for n in items}}
+             for gpu, items in short.items()}
     raise TransitionRejected(
         f"cannot {what}: {said}; free the trainer's GPU memory (offload, empty_cache) and retry; no engine "
         "was touched (engines.resume_headroom_mb sets the headroom, null turns the check off)",
-        state={**node.snapshot(), "headroom": short})
+        state={**node.snapshot(), "headroom": state})
 
 
 def check_can_open_session(open_session: str | None, engines: Iterable[EngineState], node: NodeState, *,

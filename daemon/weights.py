@@ -34,7 +34,7 @@ import secrets
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from ..engines.base import RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
@@ -600,7 +600,8 @@ class WeightSession:
         ref = part.handle.get("layout_ref") if part.transport == "ipc_ring" else None
         try:
             if isinstance(ref, str) and self._rings is not None:  # resolved already: the layout is ref's own
-                layout = self._rings.derived(ref, lambda: inspect_handle(part.transport, part.nbytes, part.handle))
+                layout = cast("ChunkLayout | None", self._rings.derived(
+                    ref, lambda: inspect_handle(part.transport, part.nbytes, part.handle)))
             else:
                 layout = inspect_handle(part.transport, part.nbytes, part.handle)
         except HandleError as exc:

@@ -174,7 +174,7 @@ class TrainerAgent:
         return reply
 
     @staticmethod
-    def _together(*work: Awaitable[object]) -> asyncio.Future[object]:
+    def _together(*work: Awaitable[object]) -> asyncio.Future[None]:
         """One task that ends when all of ``work`` has; its failure is kept by the task, not logged."""
         async def both() -> None:
             for w in work:

@@ -77,7 +77,7 @@ class RankState:
         self.optimizer: torch.Tensor | None = optim
         # Pinned host mirrors, allocated on the first offload of each part and reused.
         self._host: dict[Part, torch.Tensor] = {}
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self.steps = 0
 
     # --- sizes -------------------------------------------------------------------------------------
