@@ -16,7 +16,8 @@ import uvicorn
 
 from colocd.policies import Transport
 
-__all__ = ["BASE", "AsIfOnGpu", "EngineMirrorNvml", "leaves_no_shm_segments", "serve_app", "shm_segments"]
+__all__ = ["BASE", "AsIfOnGpu", "EngineMirrorNvml", "leaves_no_shm_segments", "node_on_mirrored_gpu", "serve_app",
+           "shm_segments"]
 
 
 @asynccontextmanager
@@ -117,3 +118,30 @@ class AsIfOnGpu:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+@asynccontextmanager
+async def node_on_mirrored_gpu(model: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """A reference engine on the CPU and an in-process daemon that sees it on GPU 0 through
+    ``EngineMirrorNvml``, with the adapter offering the CUDA transports (``AsIfOnGpu``); yields the
+    client, the stand-in NVML and the URLs of the daemon and of the engine."""
+    from colocd.api.app import create_app
+    from colocd.api.client import AsyncColocdClient
+    from colocd.daemon.config import NodeConfig
+    from colocd.daemon.memory import NvmlProbe
+    from colocd.daemon.node import Daemon
+    from colocd.engines.config import ReferenceEngineConfig
+    from colocd.engines.reference.launcher import ReferenceEngineProcess
+    from colocd.engines.registry import build_adapter
+
+    engine_cfg = ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0, model=model)
+    async with ReferenceEngineProcess(engine_cfg) as engine:
+        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url,
+                                                         "gpus": [0]}]})
+        nvml = EngineMirrorNvml(engine.url)
+        http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False)
+        adapter = AsIfOnGpu(build_adapter(config.engines[0], http))
+        daemon = Daemon(config, probe=NvmlProbe(nvml), adapters={"ref0": adapter})
+        async with http, serve_app(create_app(config, daemon=daemon)) as url, AsyncColocdClient(url) as client:
+            await client.wait_ready(30)
+            yield {"client": client, "nvml": nvml, "url": url, "engine_url": str(engine.url)}

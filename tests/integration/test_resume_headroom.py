@@ -15,17 +15,10 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support import BASE, AsIfOnGpu, EngineMirrorNvml, serve_app
+from support import BASE, EngineMirrorNvml, node_on_mirrored_gpu
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
-from colocd.daemon.memory import NvmlProbe
-from colocd.daemon.node import Daemon
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.engines.registry import build_adapter
 from colocd.trainer import TrainerAgent, WeightPusher
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -37,17 +30,8 @@ MODEL: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 256, "num_laye
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def node() -> AsyncIterator[dict[str, Any]]:
-    engine_cfg = ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0, model=MODEL)
-    async with ReferenceEngineProcess(engine_cfg) as engine:
-        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url,
-                                                         "gpus": [0]}]})
-        nvml = EngineMirrorNvml(engine.url)
-        http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False)
-        adapter = AsIfOnGpu(build_adapter(config.engines[0], http))
-        daemon = Daemon(config, probe=NvmlProbe(nvml), adapters={"ref0": adapter})
-        async with http, serve_app(create_app(config, daemon=daemon)) as url, AsyncColocdClient(url) as client:
-            await client.wait_ready(30)
-            yield {"client": client, "nvml": nvml, "url": url, "engine_url": engine.url}
+    async with node_on_mirrored_gpu(MODEL) as n:
+        yield n
 
 
 @pytest_asyncio.fixture(loop_scope="module")
