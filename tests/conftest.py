@@ -54,32 +54,60 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return LoadFileVLLMTogether(config, log)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _exclusive_module(request: pytest.FixtureRequest) -> Iterator[None]:
+class _ModuleLock:
     """Under xdist, a module marked ``exclusive`` holds the run's module lock alone; every other module holds it
-    shared, from before its module fixtures start until after they stop (their daemons' health loops too).
+    shared, from before its first test's setup (its module fixtures, their daemons' health loops) until after
+    its last test's teardown.
 
     A writer-preference reader/writer lock over two flock files: everyone passes the gate to take the lock, and
     an exclusive module keeps the gate until it has the lock, so the other worker's next module cannot slip in.
-    Without xdist (one process) it does nothing.
     """
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._gate = open(directory / "gate", "a")  # both open for the worker's session (close())
+        self._modules = open(directory / "modules", "a")
+        self.held_for: Path | None = None
+
+    def enter(self, module: Path, *, exclusive: bool) -> None:
+        fcntl.flock(self._gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._modules, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self.held_for = module
+
+    def leave(self) -> None:
+        fcntl.flock(self._modules, fcntl.LOCK_UN)
+        self.held_for = None
+
+    def close(self) -> None:
+        self._gate.close()
+        self._modules.close()
+
+
+_MODULE_LOCK = pytest.StashKey[_ModuleLock]()  # this worker's, in its config, made at its first test
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout's: waiting here is not the test's time
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    if run is None:  # one process: nothing runs beside it
         yield
         return
-    exclusive = request.node.get_closest_marker("exclusive") is not None
-    base = Path(tempfile.gettempdir()) / f"colocd-pytest-{run}"
-    base.mkdir(exist_ok=True)
-    with open(base / "gate", "a") as gate, open(base / "modules", "a") as modules:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(modules, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(modules, fcntl.LOCK_UN)
+    lock = item.config.stash.get(_MODULE_LOCK, None)
+    if lock is None:
+        lock = item.config.stash[_MODULE_LOCK] = _ModuleLock(Path(tempfile.gettempdir()) / f"colocd-pytest-{run}")
+        item.config.add_cleanup(lock.close)
+    if lock.held_for != item.path:
+        if lock.held_for is not None:
+            lock.leave()
+        lock.enter(item.path, exclusive=item.get_closest_marker("exclusive") is not None)
+    try:
+        yield
+    finally:
+        if nextitem is None or nextitem.path != item.path:  # this item's teardown ended the module's fixtures
+            lock.leave()
 
 
 @pytest.fixture(autouse=True)
