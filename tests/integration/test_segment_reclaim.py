@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 from support import serve_app, shm_segments
 
 from colocd.api.app import create_app
@@ -24,6 +25,10 @@ from colocd.engines.segments import pid_alive, reclaim_dead_segments, segment_cr
 from colocd.trainer.producer import producer_for
 
 DEADLINE_S = 30.0
+
+# Every daemon's health loop and every new shm producer on the machine reclaims dead trainers' segments: under
+# pytest -n, another worker's would unlink this module's before it looks (tests/conftest.py).
+pytestmark = pytest.mark.exclusive
 
 _TRAINER = """
 import json, sys, time, torch
