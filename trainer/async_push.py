@@ -214,6 +214,12 @@ class AsyncWeightSync:
             if self._report is not None:
                 self._report["push_s"] = time.perf_counter() - t0
 
+    async def wait_ended(self) -> None:
+        """Wait until the background push (if any) has ended, committed or failed, without joining it: its
+        outcome stays for ``join``, and so does the snapshot."""
+        if self._task is not None:
+            await asyncio.wait({self._task})
+
     async def join(self) -> PushReport | None:
         """Wait for the background push (if any) to commit; free the snapshot. Re-raises the push's error."""
         task, self._task = self._task, None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -60,11 +61,15 @@ async def _policy(node: Node, sync: str) -> None:
     r.raise_for_status()
 
 
-def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int) -> tuple[float, float]:
-    """Real optimizer steps on the model (next-token loss on random ids); returns wall-clock (start, end)."""
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int,
+           until: threading.Event | None = None) -> tuple[float, float]:
+    """Real optimizer steps on the model (next-token loss on random ids), ``steps`` of them and then on until
+    ``until`` is set, if given; returns wall-clock (start, end)."""
     start = time.time()
     gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
+    done = 0
+    while done < steps or (until is not None and not until.is_set()):
+        done += 1
         ids = torch.randint(3, 30, (4, 24), generator=gen)
         logits = model(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
@@ -126,8 +131,15 @@ async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_s
 
         await sync.start(model.named_parameters(), version="1", step=1)
         assert sync.pending
-        # Training goes on while the push runs: the live weights move away from the snapshot.
-        train_start, train_end = await asyncio.to_thread(_train, model, optimizer, 20, 2)
+        # Training goes on while the push runs (until it has committed, however the two are scheduled on a
+        # loaded machine): the live weights move away from the snapshot.
+        pushed = threading.Event()
+        training = asyncio.ensure_future(asyncio.to_thread(_train, model, optimizer, 20, 2, pushed))
+        try:
+            await asyncio.wait_for(sync.wait_ended(), 120)  # the push itself; joined by the rollout below
+        finally:
+            pushed.set()
+        train_start, train_end = await training
         await agent.rollout(1)  # joins the push, then the engines serve it
 
         assert sync.last_push is not None
