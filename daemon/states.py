@@ -9,7 +9,7 @@ one returns the plan of what must change. The daemon's code asks these functions
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum, StrEnum
 
@@ -43,6 +43,7 @@ __all__ = [
     "check_session_abortable",
     "check_session_move",
     "closed_from",
+    "needed_per_gpu",
     "require_session_open",
     "unready_reason",
 ]
@@ -287,7 +288,15 @@ class ResumeNeed:
     source: str
 
 
-def check_resume_headroom(what: str, needs: Iterable[ResumeNeed], free: Mapping[str, int], headroom: int,
+def needed_per_gpu(needs: Iterable[ResumeNeed]) -> dict[str, int]:
+    """Bytes the resumes take on each GPU, all engines on it together."""
+    out: dict[str, int] = {}
+    for need in needs:
+        out[need.gpu] = out.get(need.gpu, 0) + need.nbytes
+    return out
+
+
+def check_resume_headroom(what: str, needs: Sequence[ResumeNeed], free: Mapping[str, int], headroom: int,
                           node: NodeState) -> None:
     """Every GPU has the memory its engines' resumes will take, plus ``headroom``, free now: a resume that
     cannot fit is refused before any engine call (an engine that OOMs halfway through its wake is the
@@ -297,8 +306,8 @@ def check_resume_headroom(what: str, needs: Iterable[ResumeNeed], free: Mapping[
     for need in needs:
         if need.gpu in free:
             per_gpu.setdefault(need.gpu, []).append(need)
-    short = {gpu: items for gpu, items in sorted(per_gpu.items())
-             if free[gpu] < sum(n.nbytes for n in items) + headroom}
+    needed = needed_per_gpu(needs)
+    short = {gpu: items for gpu, items in sorted(per_gpu.items()) if free[gpu] < needed[gpu] + headroom}
     if not short:
         return
     gib = 1 << 30
@@ -308,10 +317,10 @@ def check_resume_headroom(what: str, needs: Iterable[ResumeNeed], free: Mapping[
                          for n in items)
 
     said = "; ".join(
-        f"GPU {gpu} has {free[gpu] / gib:.2f} GiB free, resuming needs {sum(n.nbytes for n in items) / gib:.2f} GiB"
+        f"GPU {gpu} has {free[gpu] / gib:.2f} GiB free, resuming needs {needed[gpu] / gib:.2f} GiB"
         + (f" + {headroom / gib:.2f} GiB headroom" if headroom else "") + f" ({needs_of(items)})"
         for gpu, items in short.items())
-    state = {gpu: {"free_bytes": free[gpu], "needed_bytes": sum(n.nbytes for n in items), "headroom_bytes": headroom,
+    state = {gpu: {"free_bytes": free[gpu], "needed_bytes": needed[gpu], "headroom_bytes": headroom,
                    "engines": {n.engine: {"nbytes": n.nbytes, "tags": list(n.tags), "from": n.source} for n in items}}
              for gpu, items in short.items()}
     raise TransitionRejected(

@@ -25,6 +25,7 @@ from .states import (
     check_resume_headroom,
     check_rollout_staleness,
     check_rollout_weights,
+    needed_per_gpu,
 )
 from .trace import Span, Trace
 from .versions import RolloutVersions, VersionBook
@@ -177,8 +178,8 @@ class Transitions:
         if not needs:
             return
         free = {g: r.free_bytes for g, r in d.probe.read_all(sorted(gpus, key=str)).items()}
-        trace.attrs["resume_headroom"] = {"free_bytes": free, "needed_bytes": {
-            g: sum(n.nbytes for n in needs if n.gpu == g) for g in free}, "headroom_bytes": headroom_mb << 20}
+        trace.attrs["resume_headroom"] = {"free_bytes": free, "needed_bytes": needed_per_gpu(needs),
+                                          "headroom_bytes": headroom_mb << 20}
         check_resume_headroom(what, needs, free, headroom_mb << 20, d.node)
 
     async def _enter_sync(self, trace: Trace) -> dict[str, dict[str, int]]:

@@ -33,7 +33,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, cast
 
 from ..engines.base import RankPayload, WeightsLoad
@@ -592,7 +592,7 @@ class WeightSession:
             raise RequestInvalid(f"{where}: {exc}", field="handle.layout_ref") from None
         except ValueError as exc:
             raise RequestInvalid(f"{where}: {exc}", field="handle") from None
-        return RankPayload(rank=part.rank, transport=part.transport, nbytes=part.nbytes, handle=full)
+        return replace(part, handle=full)
 
     def _inspect(self, seq: int, part: RankPayload) -> ChunkLayout | None:
         """The handle is readable on this node and its layout agrees with the manifest; else 422."""
@@ -737,7 +737,7 @@ class WeightSession:
             with self.trace.span("load_chunk", lane.name, seq=chunk.seq, nbytes=load.nbytes):
                 sent = tuple(_outgoing(p, tp, refs.outgoing) for tp, p in enumerate(payloads))
                 try:
-                    await lane.engine.adapter.load_weights(_with_payloads(load, sent))
+                    await lane.engine.adapter.load_weights(replace(load, payloads=sent))
                 except RingRefsUnknown:
                     # The engine lacks refs the daemon believed it held (an unobserved restart, an evicted
                     # ring) and applied nothing: believe nothing of it, and send the chunk in full once.
@@ -955,14 +955,7 @@ def _outgoing(part: RankPayload, tp_rank: int,
     if part.transport != "ipc_ring":
         return part
     handle = strip(tp_rank, part.handle)
-    return part if handle is part.handle else RankPayload(part.rank, part.transport, part.nbytes, handle)
-
-
-def _with_payloads(load: WeightsLoad, payloads: tuple[RankPayload, ...]) -> WeightsLoad:
-    if all(a is b for a, b in zip(payloads, load.payloads, strict=True)):
-        return load
-    return WeightsLoad(seq=load.seq, payloads=payloads, nbytes=load.nbytes, flush_cache=load.flush_cache,
-                       weight_version=load.weight_version, session_id=load.session_id)
+    return part if handle is part.handle else replace(part, handle=handle)
 
 
 def _load_error(engine: str, seq: int, exc: BaseException) -> WeightSyncError | PayloadRejected:

@@ -27,10 +27,10 @@ class ExportedChunk:
     handle: dict[str, Any]
     layout: ChunkLayout
     _release: Any = field(default=None, repr=False)
-    # A chunk that names announced content by ref (ipc_ring, trainer/ring.py): ``announce`` is the same
+    # A chunk that names announced content by ref (ipc_ring, trainer/ring.py): ``announce()`` builds the same
     # chunk with everything inline (sent again if the daemon answers 409 RingRefUnknown), and ``acked``
     # tells the producer the daemon now holds what this chunk announced.
-    announce: dict[str, Any] | None = field(default=None, repr=False)
+    announce: Callable[[], dict[str, Any]] | None = field(default=None, repr=False)
     acked: Callable[[], None] | None = field(default=None, repr=False)
 
     def release(self) -> None:

@@ -321,7 +321,7 @@ class WeightPusher:
                     # nothing: the same chunk once more, with everything inline.
                     if exc.status != 409 or exc.error != "RingRefUnknown" or chunk.announce is None:
                         raise
-                    inline = ExportedChunk(chunk.transport, chunk.nbytes, chunk.announce, chunk.layout)
+                    inline = ExportedChunk(chunk.transport, chunk.nbytes, chunk.announce(), chunk.layout)
                     ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=inline)
                 if chunk.acked is not None:
                     chunk.acked()

@@ -213,8 +213,10 @@ class IpcRingProducer:
         opening = {str(s): self._handles[s] for s in used if s not in self._held_slots}
         if opening:
             handle["open"] = opening
-        full = {**base, "layout": plan.layout_json, "open": {str(s): self._handles[s] for s in used}}
-        receiver, slots = self._receiver, tuple(used)
+        receiver, slots, handles = self._receiver, tuple(used), self._handles
+
+        def inline() -> dict[str, Any]:  # built only if the daemon turns the refs down (a 409)
+            return {**base, "layout": plan.layout_json, "open": {str(s): handles[s] for s in slots}}
 
         def acked() -> None:
             if self._receiver == receiver:  # not a record this producer has since moved away from
@@ -222,7 +224,7 @@ class IpcRingProducer:
                 self._held_slots.update(slots)
 
         return ExportedChunk(self.transport, plan.layout.nbytes, handle, plan.layout, release,
-                             announce=full, acked=acked)
+                             announce=inline, acked=acked)
 
     def close(self) -> None:
         """End of a stream: every slot is free again. Buffers and registrations persist with the producer."""
