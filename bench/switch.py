@@ -422,8 +422,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             push = weight_sync.last_push
             log = list(pusher.chunk_log)
             await pusher.aclose()
-            sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
-            rec.verified = [sink["checksums"].get(n) for n in state.names] == expected
+            rec.verified = await _engine_holds(http, engine_url, state.names, expected)
             # wake_up: the optimizer offload (running since sleep) must end before the weights go out on the
             # same copy stream; the weights offload runs beside the rollout call, which waits for it (and for
             # a background group pause) only if the daemon says the engines' KV cache does not fit yet.
@@ -431,10 +430,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             off, off_clean = await off_task
             # The push's buckets and the optimizer's blocks go back to the driver before the weights' copies
             # start (nothing in flight: milliseconds), so the rollout's KV cache can fit beside the weights.
-            early_clean = 0.0
-            if plan_doc:
-                early_clean = (await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan_doc),
-                                                       device=device)).seconds
+            early_clean = await asyncio.to_thread(_clean, plan_doc, device)
             parts["wake.cleanup_before_offload"] = early_clean
             t7b = time.perf_counter()
             offw_task = asyncio.ensure_future(
@@ -461,11 +457,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         else:
             # wake_up: weights out, cleanup per policy (the push runs meanwhile if async), engine KV back.
             t7 = time.perf_counter()
-            offw = await asyncio.to_thread(state.offload, ("weights",))
-            cleanup2 = 0.0
-            if plan_doc:
-                cleaned = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan_doc), device=device)
-                cleanup2 = cleaned.seconds
+            offw, cleanup2 = await asyncio.to_thread(_offload_and_clean, state, ("weights",), plan_doc, device)
             t8 = time.perf_counter()
             push = await weight_sync.join() or weight_sync.last_push
             joined = time.perf_counter()
@@ -475,8 +467,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             if rec.sync_mode == "async":
                 parts["update.push_overlapped"] = float(report.get("overlap_s") or 0.0)
                 parts["wake.join_wait"] = joined - t8
-            sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
-            rec.verified = [sink["checksums"].get(n) for n in state.names] == expected
+            rec.verified = await _engine_holds(http, engine_url, state.names, expected)
             t9 = time.perf_counter()  # the verification read is the benchmark's, not the switch's
             agent.last_reports.pop("groups_pause_wait_s", None)
             rollout = await agent.rollout(step)
@@ -547,8 +538,19 @@ def _offload_and_clean(state: RankState, parts: tuple[str, ...], plan_doc: dict[
                        device: torch.device) -> tuple[OffloadReport, float]:
     """Offload ``parts``, then run the cleanup plan so their memory goes back to the driver."""
     report = state.offload(parts)
-    cleaned = run_cleanup(CleanupPlan.model_validate(plan_doc), device=device) if plan_doc else None
-    return report, cleaned.seconds if cleaned is not None else 0.0
+    return report, _clean(plan_doc, device)
+
+
+def _clean(plan_doc: dict[str, Any] | None, device: torch.device) -> float:
+    """Run the cleanup plan of the train reply (if any); its seconds."""
+    return run_cleanup(CleanupPlan.model_validate(plan_doc), device=device).seconds if plan_doc else 0.0
+
+
+async def _engine_holds(http: httpx.AsyncClient, engine_url: str, names: Sequence[str],
+                        expected: list[list[int]]) -> bool:
+    """Whether the engine's device checksums of ``names`` are the trainer's (``expected``)."""
+    sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
+    return [sink["checksums"].get(n) for n in names] == expected
 
 
 def _span_totals(reply: dict[str, Any]) -> dict[str, float]:
