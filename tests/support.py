@@ -8,6 +8,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,8 +17,8 @@ import uvicorn
 
 from colocd.policies import Transport
 
-__all__ = ["BASE", "AsIfOnGpu", "EngineMirrorNvml", "leaves_no_shm_segments", "node_on_mirrored_gpu", "serve_app",
-           "shm_segments"]
+__all__ = ["BASE", "AsIfOnGpu", "EngineMirrorNvml", "NvmlNode", "leaves_no_shm_segments", "node_on_mirrored_gpu",
+           "serve_app", "shm_segments"]
 
 
 @asynccontextmanager
@@ -69,6 +70,15 @@ def leaves_no_shm_segments() -> Iterator[None]:
     yield
     leaked = shm_segments() - before
     assert not leaked, f"shared-memory segments created here and left behind: {sorted(leaked)}"
+
+
+@dataclass(frozen=True)
+class NvmlNode:
+    """What tests/gpu's ``nvml_node`` fixture yields: a daemon client, its engine's URL and model config."""
+
+    client: Any  # colocd.api.client.AsyncColocdClient
+    engine_url: str
+    model: dict[str, Any]
 
 
 BASE = 512 << 20  # what EngineMirrorNvml's GPU holds besides the engine (a CUDA context, the trainer)

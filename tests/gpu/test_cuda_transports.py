@@ -6,7 +6,7 @@ every push is verified by device checksums of what the engine received.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -21,7 +21,7 @@ from colocd.daemon.config import NodeConfig
 from colocd.engines import cuda_handles
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
-from colocd.engines.reference.sink import device_checksum, hf_shapes
+from colocd.engines.reference.sink import device_checksum
 from colocd.trainer.push import WeightPusher
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
@@ -71,14 +71,6 @@ async def node() -> AsyncIterator[Node]:
             await client.phase("train", 1)
             await client.phase("sync", 1)
             yield Node(engine, client, http)
-
-
-@pytest.fixture
-def named() -> Iterator[list[tuple[str, torch.Tensor]]]:
-    tensors = [(n, torch.empty(s, dtype=torch.bfloat16, device=_DEVICE)) for n, s in hf_shapes("tiny")]
-    yield tensors
-    del tensors
-    torch.cuda.empty_cache()
 
 
 def _received(sink: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> list[list[int]]:

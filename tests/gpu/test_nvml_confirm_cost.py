@@ -13,49 +13,33 @@ import json
 import os
 import statistics
 from collections import Counter
-from typing import Any
 
 import pytest
-from support import serve_app
-
-from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient
-from colocd.daemon.config import NodeConfig
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
+from support import NvmlNode
 
 pytestmark = pytest.mark.gpu
 
 CYCLES = int(os.environ.get("COLOCD_CONFIRM_CYCLES", "30"))
 TARGET_MEDIAN_S = 0.005
-# ~0.4 GB of fp32 weights plus the KV pool, as in test_nvml_handoff.py: a release NVML sees clearly.
-MODEL: dict[str, Any] = {"hidden_size": 1024, "intermediate_size": 4096, "num_layers": 8, "num_heads": 16,
-                         "num_kv_heads": 8, "head_dim": 64, "max_position": 128}
 
 
-async def test_the_nvml_confirmation_after_a_release_costs_at_most_5_ms_median_per_transition() -> None:
-    pytest.importorskip("pynvml")
-    engine_cfg = ReferenceEngineConfig(name="gpu0", url="http://127.0.0.1:0", device="cuda:0", model=MODEL)
-    async with ReferenceEngineProcess(engine_cfg) as engine:
-        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "gpu0", "url": engine.url,
-                                                         "gpus": [0]}], "timeouts": {"memory_confirm_s": 30}})
-        async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
-            await client.wait_ready(60)
-            assert (await client.status())["nvml"] is True
-            waits: list[float] = []
-            criteria: Counter[str] = Counter()
-            sources: Counter[str] = Counter()
-            freed: list[int] = []
-            for _ in range(CYCLES):
-                reply = await client.sleep()
-                spans = [s for s in reply["trace"]["spans"] if s["name"] == "confirm_memory_freed"]
-                assert len(spans) == 1, reply["trace"]["spans"]
-                attrs = spans[0]["attrs"]
-                waits.append(float(attrs["waited_s"]))
-                criteria[attrs["criterion"]] += 1
-                sources[str(attrs["expected_from"])] += 1
-                freed.append(sum(attrs["freed_bytes"].values()))
-                await client.resume()
+async def test_the_nvml_confirmation_after_a_release_costs_at_most_5_ms_median_per_transition(
+        nvml_node: NvmlNode) -> None:
+    client = nvml_node.client
+    waits: list[float] = []
+    criteria: Counter[str] = Counter()
+    sources: Counter[str] = Counter()
+    freed: list[int] = []
+    for _ in range(CYCLES):
+        reply = await client.sleep()
+        spans = [s for s in reply["trace"]["spans"] if s["name"] == "confirm_memory_freed"]
+        assert len(spans) == 1, reply["trace"]["spans"]
+        attrs = spans[0]["attrs"]
+        waits.append(float(attrs["waited_s"]))
+        criteria[attrs["criterion"]] += 1
+        sources[str(attrs["expected_from"])] += 1
+        freed.append(sum(attrs["freed_bytes"].values()))
+        await client.resume()
     waits.sort()
     summary = {
         "cycles": CYCLES,

@@ -9,7 +9,7 @@ ring mapping: the daemon must inline the layouts and handles for it again.
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,14 +23,13 @@ from colocd.api.client import AsyncColocdClient
 from colocd.daemon.config import NodeConfig
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
-from colocd.engines.reference.sink import device_checksum, hf_shapes
+from colocd.engines.reference.sink import device_checksum
 from colocd.trainer.exported import ExportedChunk
 from colocd.trainer.push import WeightPusher
 from colocd.trainer.ring import IpcRingProducer
 
 pytestmark = [pytest.mark.gpu]
 
-_DEVICE = torch.device("cuda", 0)
 
 
 def _free_port() -> int:
@@ -43,14 +42,6 @@ def _engine_config(port: int) -> ReferenceEngineConfig:
     return ReferenceEngineConfig.model_validate({
         "name": "ref0", "url": f"http://127.0.0.1:{port}", "device": "cuda",
         "launch": {"args": ["--sink-shapes", "tiny"], "ready_timeout_s": 300}})
-
-
-@pytest.fixture
-def named() -> Iterator[list[tuple[str, torch.Tensor]]]:
-    tensors = [(n, torch.empty(s, dtype=torch.bfloat16, device=_DEVICE)) for n, s in hf_shapes("tiny")]
-    yield tensors
-    del tensors
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture

@@ -115,16 +115,22 @@ def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
+async def _trained_to_sync(node: Node, sync_policy: str) -> tuple[torch.nn.Module, torch.optim.Optimizer,
+                                                                   AsyncWeightSync, TrainerAgent]:
+    """The sync policy in force, a model trained for two steps at step 1, and the node moved to ``sync``."""
+    await _policy(node, sync_policy)
+    model, optimizer = _model_and_optimizer()
+    sync = AsyncWeightSync(WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2))
+    agent = TrainerAgent(node.client, weight_sync=sync)
+    await agent.train(1)
+    await asyncio.to_thread(_train, model, optimizer, 2, 1)
+    await agent.sync(1)
+    return model, optimizer, sync, agent
+
+
 async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_snapshot(tmp_path: Any) -> None:
     async with _node(tmp_path) as node:
-        await _policy(node, "{mode: async}")
-        model, optimizer = _model_and_optimizer()
-        sync = AsyncWeightSync(WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2))
-        agent = TrainerAgent(node.client, weight_sync=sync)
-
-        await agent.train(1)
-        await asyncio.to_thread(_train, model, optimizer, 2, 1)
-        await agent.sync(1)
+        model, optimizer, sync, agent = await _trained_to_sync(node, "{mode: async}")
         assert sync.mode == "async"  # from the policy's directive in the replies
         pushed_sum = tensor_checksum(model.named_parameters())
         pushed_greedy = _greedy_local(copy.deepcopy(model))
@@ -172,13 +178,7 @@ async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_s
 async def test_async_falls_back_to_a_synchronous_push_when_the_second_buffer_does_not_fit(tmp_path: Any) -> None:
     async with _node(tmp_path) as node:
         # A margin of 1 TiB: neither this host's memory nor any device holds a copy beside it.
-        await _policy(node, "{mode: async, buffer_margin_mb: 1048576}")
-        model, optimizer = _model_and_optimizer()
-        sync = AsyncWeightSync(WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2))
-        agent = TrainerAgent(node.client, weight_sync=sync)
-        await agent.train(1)
-        await asyncio.to_thread(_train, model, optimizer, 2, 1)
-        await agent.sync(1)
+        model, _, sync, agent = await _trained_to_sync(node, "{mode: async, buffer_margin_mb: 1048576}")
         await sync.start(model.named_parameters(), version="1", step=1)
         assert not sync.pending  # pushed and committed before start() returned
         assert await _checksum(node.engine_url) == tensor_checksum(model.named_parameters())

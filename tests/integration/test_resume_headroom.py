@@ -35,7 +35,7 @@ async def node() -> AsyncIterator[dict[str, Any]]:
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def at_sync(node: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+async def in_train(node: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """The node at a fresh step in `train`, the GPU big enough for everything and the trainer holding
     nothing. Every test ends its step in `rollout`."""
     client, nvml = node["client"], node["nvml"]
@@ -76,9 +76,9 @@ def _rejected(metrics: str, phase: str) -> float:
 
 
 async def test_a_rollout_whose_kv_cache_does_not_fit_is_refused_and_no_engine_is_touched(
-        at_sync: dict[str, Any]) -> None:
-    client, nvml, step = at_sync["client"], at_sync["nvml"], at_sync["step"]
-    await _to_synced(at_sync, step)
+        in_train: dict[str, Any]) -> None:
+    client, nvml, step = in_train["client"], in_train["nvml"], in_train["step"]
+    await _to_synced(in_train, step)
     # The trainer still holds memory: one MiB short of what the engine's KV cache and graphs take.
     nvml.total = BASE + nvml.tag_size("weights") + _kv_and_graph(nvml) - MIB
     with pytest.raises(ColocdHTTPError) as refused:
@@ -98,9 +98,9 @@ async def test_a_rollout_whose_kv_cache_does_not_fit_is_refused_and_no_engine_is
     assert (await client.status())["engines"]["ref0"]["tags"]["kv_cache"] == "resident"
 
 
-async def test_the_headroom_is_added_to_what_the_engine_needs(at_sync: dict[str, Any]) -> None:
-    client, nvml, url, step = at_sync["client"], at_sync["nvml"], at_sync["url"], at_sync["step"]
-    await _to_synced(at_sync, step)
+async def test_the_headroom_is_added_to_what_the_engine_needs(in_train: dict[str, Any]) -> None:
+    client, nvml, url, step = in_train["client"], in_train["nvml"], in_train["url"], in_train["step"]
+    await _to_synced(in_train, step)
     nvml.total = BASE + nvml.tag_size("weights") + _kv_and_graph(nvml) + 4 * MIB  # 4 MiB to spare
     async with httpx.AsyncClient(base_url=url, trust_env=False) as http:
         put = await http.put("/v1/policies", content="apiVersion: colocd/v1\nengines: {resume_headroom_mb: 8}\n")
@@ -115,22 +115,22 @@ async def test_the_headroom_is_added_to_what_the_engine_needs(at_sync: dict[str,
     await client.phase("rollout", step)  # the staged default (no headroom) is in force for the next transition
 
 
-async def test_a_sync_whose_weights_do_not_fit_is_refused_before_the_resume(at_sync: dict[str, Any]) -> None:
-    client, nvml, step = at_sync["client"], at_sync["nvml"], at_sync["step"]
+async def test_a_sync_whose_weights_do_not_fit_is_refused_before_the_resume(in_train: dict[str, Any]) -> None:
+    client, nvml, step = in_train["client"], in_train["nvml"], in_train["step"]
     nvml.total = BASE + nvml.tag_size("weights") - 1
     with pytest.raises(ColocdHTTPError) as refused:
         await client.phase("sync", step)
     assert refused.value.status == 409 and "engine 'ref0': weights" in refused.value.body["message"]
     assert (await client.status())["engines"]["ref0"]["tags"]["weights"] == "released"
     nvml.total = 1 << 40
-    await _to_synced(at_sync, step)
+    await _to_synced(in_train, step)
     await client.phase("rollout", step)
 
 
 async def test_the_agent_posts_the_rollout_early_and_waits_for_its_offload_only_when_refused(
-        at_sync: dict[str, Any]) -> None:
-    client, nvml, step = at_sync["client"], at_sync["nvml"], at_sync["step"]
-    await _to_synced(at_sync, step)
+        in_train: dict[str, Any]) -> None:
+    client, nvml, step = in_train["client"], in_train["nvml"], in_train["step"]
+    await _to_synced(in_train, step)
     nvml.total = BASE + nvml.tag_size("weights") + _kv_and_graph(nvml) + 64 * MIB
     nvml.extra = 128 * MIB  # the trainer's weights, still on the GPU while they offload
     offloaded = asyncio.Event()
@@ -152,9 +152,9 @@ async def test_the_agent_posts_the_rollout_early_and_waits_for_its_offload_only_
 
 
 async def test_the_agent_rollout_goes_through_while_the_offload_runs_when_it_fits(
-        at_sync: dict[str, Any]) -> None:
-    client, nvml, step = at_sync["client"], at_sync["nvml"], at_sync["step"]
-    await _to_synced(at_sync, step)
+        in_train: dict[str, Any]) -> None:
+    client, nvml, step = in_train["client"], in_train["nvml"], in_train["step"]
+    await _to_synced(in_train, step)
     nvml.extra = 128 * MIB  # still held, but the GPU is big enough for both
     never = asyncio.Event()
     freeing = asyncio.ensure_future(never.wait())
