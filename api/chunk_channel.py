@@ -8,9 +8,11 @@ mid-stream is a trainer that went quiet, and the session's lease (``timeouts.ses
 
 Protocol, newline-delimited JSON (one UTF-8 object per line, at most ``limits.max_body_bytes``):
 
-- trainer → daemon, first frame: ``{"session_id": "...", "rank": 0, "token": "..."}`` (``ChunkChannelHello``;
-  ``token`` when the node sets one). The daemon answers ``{"channel": "colocd-chunks/1", "session_id",
-  "rank", "max_frame_bytes", "max_in_flight"}``, or an error frame and closes the connection.
+- trainer → daemon, first frame: ``{"session_id": "...", "rank": 0, "token": "...", "device_id": "..."}``
+  (``ChunkChannelHello``; ``token`` when the node sets one; ``device_id`` to join the session in the same
+  round trip, as ``POST /v1/weights/sessions/{id}/join`` would). The daemon answers ``{"channel":
+  "colocd-chunks/1", "session_id", "rank", "max_frame_bytes", "max_in_flight"}`` plus ``"join"`` (the
+  ``JoinReply``) when the hello joined, or an error frame and closes the connection.
 - every later frame is what ``POST /v1/weights/sessions/{id}/chunks`` carries (``seq``, ``rank``,
   ``transport``, ``nbytes``, ``handle``); ``rank`` may be left out (the hello's rank) but not changed.
 - the daemon answers each with the ``ChunkAckReply`` body, or an error frame: ``ErrorBody`` plus
@@ -43,7 +45,7 @@ from ..daemon.node import Daemon
 from ..engines.base import RankPayload
 from ..engines.errors import EngineError
 from .errors import error_body, validation_body
-from .schemas import ChunkChannelHello, ChunkDescriptor
+from .schemas import ChunkChannelHello, ChunkDescriptor, JoinReply
 
 __all__ = ["CHANNEL_PROTOCOL", "ChunkChannelServer", "channel_path"]
 
@@ -180,7 +182,8 @@ class ChunkChannelServer:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 line = await reader.readline()
-            session_id, rank = self._hello(line)
+            hello = self._hello(line)
+            joined = await self._join(hello)
         except TimeoutError:
             writer.write(_error_frame(408, {"error": "HelloTimeout", "message": (
                 f"no hello frame within {HELLO_TIMEOUT_S:g} s of connecting: send "
@@ -192,8 +195,12 @@ class ChunkChannelServer:
         except _ChannelRefusal as refusal:
             writer.write(_error_frame(refusal.status, refusal.body))
             return
-        writer.write(_frame({"channel": CHANNEL_PROTOCOL, "session_id": session_id, "rank": rank,
-                             "max_frame_bytes": self.max_frame_bytes, "max_in_flight": MAX_IN_FLIGHT}))
+        session_id, rank = hello.session_id, hello.rank
+        greeting: dict[str, Any] = {"channel": CHANNEL_PROTOCOL, "session_id": session_id, "rank": rank,
+                                    "max_frame_bytes": self.max_frame_bytes, "max_in_flight": MAX_IN_FLIGHT}
+        if joined is not None:
+            greeting["join"] = joined
+        writer.write(_frame(greeting))
         window = asyncio.Semaphore(MAX_IN_FLIGHT)
         chunks: set[asyncio.Task[None]] = set()
         try:
@@ -230,7 +237,7 @@ class ChunkChannelServer:
                         task.cancel()
                     raise
 
-    def _hello(self, line: bytes) -> tuple[str, int]:
+    def _hello(self, line: bytes) -> ChunkChannelHello:
         try:
             hello = ChunkChannelHello.model_validate_json(line)
         except ValidationError as exc:
@@ -251,7 +258,17 @@ class ChunkChannelServer:
                                      f"0..{int(stats['ranks']) - 1}", field="rank")
         except (ColocdError, EngineError) as exc:
             raise _ChannelRefusal(*error_body(exc)) from None
-        return hello.session_id, hello.rank
+        return hello
+
+    async def _join(self, hello: ChunkChannelHello) -> dict[str, Any] | None:
+        """The join a hello asked for (its reply, as JSON), saving the trainer an HTTP call; None if it asked none."""
+        if hello.device_id is None:
+            return None
+        try:
+            joined = await self._daemon.join_weights(hello.session_id, hello.rank, hello.device_id)
+        except (ColocdError, EngineError) as exc:
+            raise _ChannelRefusal(*error_body(exc)) from None
+        return JoinReply.model_validate(joined).model_dump(mode="json")
 
     async def _chunk(self, line: bytes, session_id: str, rank: int, writer: asyncio.StreamWriter,
                      window: asyncio.Semaphore) -> None:

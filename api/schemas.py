@@ -225,6 +225,9 @@ class ChunkChannelHello(_Strict):
     session_id: str = Field(..., min_length=1, max_length=256)
     rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = 0
     token: str | None = Field(None, max_length=4096, description="the node's bearer token, when it sets one")
+    device_id: str | None = Field(None, min_length=1, max_length=256, description=(
+        "join the session on this device as part of the greeting (what POST .../join does); the greeting "
+        "then carries the join reply as `join`, and a refused join is an error frame"))
 
 
 class JoinRequest(_Strict):

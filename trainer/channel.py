@@ -3,10 +3,11 @@
     async with await ChunkChannel.connect(reply["chunk_channel"], session_id=sid, rank=0) as ch:
         ack = await ch.send_chunk(sid, seq=0, rank=0, chunk=exported)
 
-One connection per session and rank. ``send_chunk`` has the signature of
-``AsyncColocdClient.send_chunk`` and fails the same way (``ColocdHTTPError`` with the status HTTP
-would have answered), so ``WeightPusher`` uses either. Many chunks may be in flight at once; each
-reply is matched to its call by ``seq``.
+One connection per session and rank. ``connect(..., device_id=...)`` joins the session in the greeting
+(``channel.joined`` is the join reply), one Unix-socket round trip instead of ``POST .../join``.
+``send_chunk`` has the signature of ``AsyncColocdClient.send_chunk`` and fails the same way
+(``ColocdHTTPError`` with the status HTTP would have answered), so ``WeightPusher`` uses either. Many
+chunks may be in flight at once; each reply is matched to its call by ``seq``.
 """
 
 from __future__ import annotations
@@ -37,15 +38,19 @@ class ChunkChannel:
         self.session_id = session_id
         self.rank = rank
         self.max_frame_bytes = int(greeting.get("max_frame_bytes", 0)) or None
+        # The join reply when the hello joined; None when it did not (or the daemon predates joining there).
+        joined = greeting.get("join")
+        self.joined: dict[str, Any] | None = joined if isinstance(joined, dict) else None
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._closed: BaseException | None = None
         self._reading = asyncio.create_task(self._read_replies())
 
     @classmethod
     async def connect(cls, address: str, *, session_id: str, rank: int = 0, token: str | None = None,
-                      timeout_s: float = CONNECT_TIMEOUT_S) -> ChunkChannel:
-        """Connect to ``unix:/path`` and greet; ``ColocdHTTPError`` if the daemon refuses the hello,
-        ``OSError`` if the socket cannot be reached (e.g. the daemon runs on another host)."""
+                      device_id: str | None = None, timeout_s: float = CONNECT_TIMEOUT_S) -> ChunkChannel:
+        """Connect to ``unix:/path`` and greet (joining on ``device_id`` when given); ``ColocdHTTPError`` if
+        the daemon refuses the hello or the join, ``OSError`` if the socket cannot be reached (e.g. the
+        daemon runs on another host)."""
         if not address.startswith("unix:"):
             raise ValueError(f"chunk channel address {address!r}: only unix:/path is supported")
         async with asyncio.timeout(timeout_s):
@@ -55,6 +60,8 @@ class ChunkChannel:
                 hello: dict[str, Any] = {"session_id": session_id, "rank": rank}
                 if token is not None:
                     hello["token"] = token
+                if device_id is not None:
+                    hello["device_id"] = device_id
                 writer.write(json.dumps(hello).encode() + b"\n")
                 line = await reader.readline()
                 if not line:

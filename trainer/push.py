@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any
@@ -224,18 +224,36 @@ class WeightPusher:
         return transport, auto_bucket_bytes(transport, device, self._depth)
 
     @staticmethod
-    async def _export(producer: Producer, bucket: list[tuple[str, torch.Tensor]]) -> ExportedChunk:
-        export = asyncio.ensure_future(asyncio.to_thread(producer.export, bucket))
+    def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
+                         ) -> tuple[ExportedChunk, float] | None:
+        """The next bucket, exported, and the export's seconds; None when the plan is done. Runs on a thread."""
+        bucket = next(buckets, None)
+        if bucket is None:
+            return None
+        t0 = time.perf_counter()
+        return producer.export(bucket), time.perf_counter() - t0
+
+    @classmethod
+    async def _next_export(cls, producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
+                           ) -> tuple[ExportedChunk, float] | None:
+        # One hop off the event loop per chunk for both (each hop costs ~0.2-0.3 ms on a busy host): pulling a
+        # bucket may be a collective and an export may wait on the GPU (the ring syncs its flatten), while acks
+        # of earlier chunks must keep flowing. One export at a time.
+        work = asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets))
         try:
-            return await asyncio.shield(export)
+            return await asyncio.shield(work)
         except asyncio.CancelledError:
             # The thread runs on regardless: release what it made, or its buffer would outlive us.
             with contextlib.suppress(Exception):
-                (await export).release()
+                made = await work
+                if made is not None:
+                    made[0].release()
             raise
 
-    async def _open_channel(self, session_id: str, address: str | EllipsisType | None) -> ChunkChannel | None:
-        """The chunk channel for this stream, or None for HTTP (``channel``'s rule)."""
+    async def _open_channel(self, session_id: str, address: str | EllipsisType | None,
+                            device_id: str) -> ChunkChannel | None:
+        """The chunk channel for this stream, joined on ``device_id`` in its greeting; None for HTTP
+        (``channel``'s rule)."""
         if self._channel == "http":
             return None
         if address is ...:
@@ -247,13 +265,29 @@ class WeightPusher:
             return None
         try:
             return await ChunkChannel.connect(address, session_id=session_id, rank=self._rank,
-                                              token=self._client.token)
+                                              token=self._client.token, device_id=device_id)
         except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
             if self._channel == "channel":
                 raise
             # e.g. the daemon is reached over TCP from another mount namespace: same calls over HTTP.
             log.warning("chunk channel %s unreachable (%s); sending chunks over HTTP", address, exc)
             return None
+
+    async def _join(self, session_id: str, device_id: str,
+                    address: str | EllipsisType | None) -> ChunkChannel | None:
+        """Join the session on ``device_id`` and open this stream's channel: one round trip on the channel
+        (its greeting joins), else ``POST .../join``. Sets ``last_join``; returns the channel or None (HTTP)."""
+        channel = await self._open_channel(session_id, address, device_id)
+        joined = channel.joined if channel is not None else None
+        if joined is None:  # HTTP, or a daemon whose greeting does not join
+            try:
+                joined = await self._client.join_session(session_id, rank=self._rank, device_id=device_id)
+            except BaseException:
+                if channel is not None:
+                    await channel.aclose()
+                raise
+        self.last_join = joined
+        return channel
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
                      chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
@@ -268,28 +302,27 @@ class WeightPusher:
         # With a declared device_id the rank joins before producing anything (so a rank blocked in its first
         # gather has already told the daemon its device); else the first tensor says where it is.
         items = iter(named)
+        channel: ChunkChannel | None = None
         if self._device_id is not None:
-            self.last_join = await self._client.join_session(session_id, rank=self._rank, device_id=self._device_id)
-        first = await asyncio.to_thread(next, items, None)
-        head = [first] if first is not None else []
-        named = itertools.chain(head, items)
-        if self._device_id is None:
-            self.last_join = await self._client.join_session(session_id, rank=self._rank,
-                                                             device_id=self.device_of(head))
-        assert self.last_join is not None
-        if not self.last_join["streams"]:
-            # No engine rank is on this rank's device: walk the tensors (they may be collectives the other ranks
-            # wait for) and count the plan's chunks, sending nothing.
-            self.chunk_log = []
-            bucket_bytes = self._shape[1] if self._producer is not None else self._shape_for(head)[1]
-            buckets = plan_buckets(named, bucket_bytes)
-            count = 0
-            while await asyncio.to_thread(next, buckets, None) is not None:
-                count += 1
-            return count, 0
-        channel = await self._open_channel(session_id, chunk_channel)
-        self.last_path = "http" if channel is None else "channel"
+            channel = await self._join(session_id, self._device_id, chunk_channel)
         try:
+            first = await asyncio.to_thread(next, items, None)
+            head = [first] if first is not None else []
+            named = itertools.chain(head, items)
+            if self._device_id is None:
+                channel = await self._join(session_id, self.device_of(head), chunk_channel)
+            assert self.last_join is not None
+            if not self.last_join["streams"]:
+                # No engine rank is on this rank's device: walk the tensors (they may be collectives the other
+                # ranks wait for) and count the plan's chunks, sending nothing.
+                self.chunk_log = []
+                bucket_bytes = self._shape[1] if self._producer is not None else self._shape_for(head)[1]
+                buckets = plan_buckets(named, bucket_bytes)
+                count = 0
+                while await asyncio.to_thread(next, buckets, None) is not None:
+                    count += 1
+                return count, 0
+            self.last_path = "http" if channel is None else "channel"
             return await self._stream(session_id, head, named, channel or self._client)
         finally:
             if channel is not None:
@@ -335,19 +368,17 @@ class WeightPusher:
         try:
             while True:
                 await window.acquire()
-                bucket = await asyncio.to_thread(next, buckets, None)  # off the loop: see stream()
-                if bucket is None:
+                made = await self._next_export(producer, buckets)
+                if made is None:
                     window.release()
                     break
+                chunk, export_s = made
                 if any(t.done() and t.exception() for t in tasks):
+                    chunk.release()
                     window.release()
-                    break  # a chunk failed: the session is over, export nothing more
-                t0 = time.perf_counter()
-                # Off the event loop: an export may wait on the GPU (the ring syncs its flatten), and
-                # acks of earlier chunks must keep flowing meanwhile. One export at a time.
-                chunk = await self._export(producer, bucket)
+                    break  # a chunk failed: the session is over, send nothing more
                 nbytes += chunk.nbytes
-                tasks.append(asyncio.create_task(send(sent, chunk, time.perf_counter() - t0)))
+                tasks.append(asyncio.create_task(send(sent, chunk, export_s)))
                 sent += 1
             await asyncio.gather(*tasks)
         except BaseException:

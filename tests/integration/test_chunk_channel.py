@@ -193,6 +193,46 @@ async def test_a_wrong_token_or_an_unknown_session_is_refused_at_hello(tmp_path:
         assert await _checksum(node.engine_url) == tensor_checksum(named)
 
 
+async def test_the_greeting_joins_the_session_as_the_http_join_does_and_a_refused_join_closes_it(
+        tmp_path: Any) -> None:
+    async with _node(tmp_path) as node:
+        named = _model(seed=11)
+        sid = (await _open(node, "greeting-join", named))["session_id"]
+        address = (await node.client.session(sid))["chunk_channel"]
+        channel = await ChunkChannel.connect(address, session_id=sid, rank=0, token=TOKEN, device_id="cpu:0")
+        assert channel.joined is not None and channel.joined["streams"] is True
+        # Joining again on the same device is a no-op, so HTTP now answers what the greeting did.
+        assert channel.joined == await node.client.join_session(sid, rank=0, device_id="cpu:0")
+        await channel.aclose()
+
+        conn = await RawConnection.open(address)
+        refused = await conn.send({"session_id": sid, "rank": 0, "token": TOKEN, "device_id": "cpu:7"})
+        assert refused["status"] == 409 and "joined on device 'cpu:0'" in refused["message"], refused
+        assert await conn.closed_by_daemon()
+        conn.close()
+        conn = await RawConnection.open(address)
+        refused = await conn.send({"session_id": sid, "rank": 0, "token": TOKEN, "device_id": ""})
+        assert (refused["status"], refused.get("field")) == (422, "device_id"), refused
+        conn.close()
+        assert (await node.client.session(sid))["state"] == "open"  # refusals changed nothing
+        await node.client.abort(sid)
+
+        # The pusher joins in its greeting: no HTTP join per stream.
+        http_joins: list[int] = []
+        join_over_http = node.client.join_session
+
+        async def counted_join(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            http_joins.append(1)
+            return await join_over_http(*args, **kwargs)
+
+        node.client.join_session = counted_join  # type: ignore[method-assign]
+        pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05)
+        await pusher.push(named, version="joined-in-greeting", step=1)
+        assert pusher.last_path == "channel" and not http_joins
+        assert pusher.last_join is not None and pusher.last_join["feeds"] == [{"engine": "ref0", "tp_rank": 0}]
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+
+
 async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(tmp_path: Any) -> None:
     async with _node(tmp_path, timeouts={"session_idle_s": 1.5}) as node:
         named = _model(seed=8)
