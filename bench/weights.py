@@ -124,6 +124,7 @@ class VariantResult:
     control_ms_per_chunk: float = 0.0  # median (round trip - engines' load) of the best run's chunks
     engine_ms_per_chunk: float = 0.0  # median time the daemon waited on the engine per chunk
     export_ms_per_chunk: float = 0.0  # median flatten / export time in the trainer
+    release_ms_per_chunk: float = 0.0  # median ack -> buffer released in the trainer (outside the control figure)
     # Mean per chunk of the best push: the daemon's wait on the engine minus the engine's time in its handler.
     hop_ms_per_chunk: float = 0.0
     handler_ms_per_chunk: float = 0.0  # mean time inside the engine's update_weights_from_tensor
@@ -306,6 +307,7 @@ async def _run_variant(
     result.verified = verified
     if best_log:
         result.control_ms_per_chunk = 1e3 * statistics.median(c.round_trip_s - c.load_s for c in best_log)
+        result.release_ms_per_chunk = 1e3 * statistics.median(c.release_s for c in best_log)
         result.engine_ms_per_chunk = 1e3 * statistics.median(c.load_s for c in best_log)
         result.export_ms_per_chunk = 1e3 * statistics.median(c.export_s for c in best_log)
     if best_loads:
@@ -324,7 +326,7 @@ def _table(results: list[dict[str, Any]], floor_s: float, nbytes: int) -> str:
     head = (
         f"{'variant':<20}{'transport':<11}{'depth':>5}{'chunk MiB':>10}{'chunks':>7}{'stream ms':>10}"
         f"{'GB/s':>8}{'x floor':>8}{'wall ms':>9}{'wall x':>7}{'ctl ms/chunk':>13}{'engine ms':>10}"
-        f"{'hop ms':>8}  ok"
+        f"{'hop ms':>8}{'release ms':>11}  ok"
     )
     floor = f"{floor_s * 1e3:.2f} ms ({nbytes / floor_s / 1e9:.0f} GB/s)"
     lines = [f"floor: one device-to-device copy of {nbytes / 1e9:.2f} GB in one process: {floor}", head]
@@ -337,10 +339,12 @@ def _table(results: list[dict[str, Any]], floor_s: float, nbytes: int) -> str:
             f"{r['name']:<20}{r['transport']:<11}{r['depth']:>5}{bucket:>10}{r['chunks']:>7}"
             f"{r['best_stream_s'] * 1e3:>10.2f}{r['gb_per_s']:>8.1f}{r['x_floor']:>8.2f}"
             f"{r['best_wall_s'] * 1e3:>9.2f}{r['wall_x_floor']:>7.2f}{r['control_ms_per_chunk']:>13.3f}"
-            f"{r['engine_ms_per_chunk']:>10.2f}{r['hop_ms_per_chunk']:>8.2f}  {'yes' if r['verified'] else 'NO'}"
+            f"{r['engine_ms_per_chunk']:>10.2f}{r['hop_ms_per_chunk']:>8.2f}{r['release_ms_per_chunk']:>11.3f}"
+            f"  {'yes' if r['verified'] else 'NO'}"
         )
-    lines.append("ctl: median per chunk of (trainer round trip - daemon's wait on the engine), trainer <-> daemon; "
-                 "engine: median daemon wait; hop: mean (daemon wait - engine handler), the engine's HTTP call")
+    lines.append("ctl: median per chunk of (trainer round trip to the ack - daemon's wait on the engine), trainer <-> "
+                 "daemon; engine: median daemon wait; hop: mean (daemon wait - engine handler), the engine's HTTP "
+                 "call; release: median ack -> buffer released in the trainer")
     return "\n".join(lines)
 
 

@@ -101,13 +101,15 @@ class PushReport:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRecord:
-    """One chunk of a stream: bytes, export (flatten) time, round trip to its ack, the engines' load time."""
+    """One chunk of a stream: bytes, export (flatten) time, round trip to its ack, the engines' load time, and
+    the release of its buffer after the ack (the trainer's own work, not control)."""
 
     seq: int
     nbytes: int
     export_s: float
-    round_trip_s: float
+    round_trip_s: float  # descriptor handed to the sender -> ack back
     load_s: float
+    release_s: float = 0.0  # ack back -> buffer released and the window slot free again
 
 
 class WeightPusher:
@@ -346,6 +348,7 @@ class WeightPusher:
 
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
+            acked_at = t0
             try:
                 try:
                     ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
@@ -356,13 +359,15 @@ class WeightPusher:
                         raise
                     inline = ExportedChunk(chunk.transport, chunk.nbytes, chunk.announce(), chunk.layout)
                     ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=inline)
+                acked_at = time.perf_counter()
                 if chunk.acked is not None:
                     chunk.acked()
             finally:
                 chunk.release()  # after the ack (or the failure): the engines are done with it
                 window.release()
-            round_trip_s = time.perf_counter() - t0
-            records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, round_trip_s, float(ack["load_s"]))
+            released_at = time.perf_counter()
+            records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, acked_at - t0, float(ack["load_s"]),
+                                       released_at - acked_at)
 
         buckets = plan_buckets(named, bucket_bytes)
         try:
