@@ -517,6 +517,9 @@ class WeightSession:
         what holds the wait up is a rank that has not started, up to the start deadline instead. Returns None,
         or on timeout the error naming what held it up (``blame``; a late rank past the start deadline: the
         start error); an error of ``wake`` is raised."""
+        # Already there (the usual case for the window): no timer and no lock, which cost a chunk ~0.03 ms.
+        if wake is None and done():
+            return None
         loop = asyncio.get_running_loop()
         until = loop.time() + self.chunk_timeout_s
         while True:
