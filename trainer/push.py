@@ -266,14 +266,24 @@ class WeightPusher:
                 raise ChannelClosed("the daemon advertises no chunk channel (listen.chunk_channel is off)")
             return None
         try:
-            return await ChunkChannel.connect(address, session_id=session_id, rank=self._rank,
-                                              token=self._client.token, device_id=device_id)
+            return await self._connect(address, session_id, device_id)
         except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
             if self._channel == "channel":
                 raise
             # e.g. the daemon is reached over TCP from another mount namespace: same calls over HTTP.
             log.warning("chunk channel %s unreachable (%s); sending chunks over HTTP", address, exc)
             return None
+
+    async def _connect(self, address: str, session_id: str, device_id: str) -> ChunkChannel:
+        try:
+            return await ChunkChannel.connect(address, session_id=session_id, rank=self._rank,
+                                              token=self._client.token, device_id=device_id)
+        except ColocdHTTPError as exc:
+            if exc.status != 422 or exc.body.get("field") != "device_id":
+                raise
+        # A daemon from before hellos could join refuses the field: greet without it and join over HTTP (which
+        # also answers a device_id that is wrong in itself, as before).
+        return await ChunkChannel.connect(address, session_id=session_id, rank=self._rank, token=self._client.token)
 
     async def _join(self, session_id: str, device_id: str,
                     address: str | EllipsisType | None) -> ChunkChannel | None:

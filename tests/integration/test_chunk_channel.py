@@ -233,6 +233,56 @@ async def test_the_greeting_joins_the_session_as_the_http_join_does_and_a_refuse
         assert await _checksum(node.engine_url) == tensor_checksum(named)
 
 
+@asynccontextmanager
+async def _older_daemon_channel(real: str, tmp_path: Any) -> AsyncIterator[str]:
+    """The real channel behind a door that answers a hello carrying ``device_id`` as a daemon from before joining
+    in the hello did (its strict hello model forbids the field), and passes everything else through."""
+    refusal = {"error": "ValidationError", "field": "device_id", "status": 422,
+               "message": "hello frame: device_id: Extra inputs are not permitted",
+               "fields": [{"field": "device_id", "message": "Extra inputs are not permitted"}]}
+    hellos: list[dict[str, Any]] = []
+
+    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        while data := await src.read(1 << 16):
+            dst.write(data)
+            await dst.drain()
+        dst.close()
+
+    async def door(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = json.loads(await reader.readline())
+        hellos.append(hello)
+        if "device_id" in hello:
+            writer.write(json.dumps(refusal).encode() + b"\n")
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_unix_connection(real.removeprefix("unix:"))
+        up_writer.write(json.dumps(hello).encode() + b"\n")
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    path = tmp_path / "older.sock"
+    server = await asyncio.start_unix_server(door, str(path))
+    try:
+        yield f"unix:{path}"
+    finally:
+        server.close()
+    assert [("device_id" in h) for h in hellos] == [True, False]
+
+
+async def test_against_a_daemon_whose_hello_cannot_join_the_pusher_greets_plainly_and_joins_over_http(
+        tmp_path: Any) -> None:
+    async with _node(tmp_path) as node:
+        named = _model(seed=12)
+        sid = (await _open(node, "older-daemon", named))["session_id"]
+        real = (await node.client.session(sid))["chunk_channel"]
+        async with _older_daemon_channel(real, tmp_path) as older:
+            pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, channel="channel")
+            await pusher.stream(sid, named, chunk_channel=older)
+        assert pusher.last_path == "channel"
+        assert pusher.last_join is not None and pusher.last_join["device_id"] == "cpu:0"  # joined over HTTP
+        await node.client.commit(sid)
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+
+
 async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(tmp_path: Any) -> None:
     async with _node(tmp_path, timeouts={"session_idle_s": 1.5}) as node:
         named = _model(seed=8)
