@@ -102,6 +102,12 @@ async def _open(node: Node, version: str, named: Named) -> dict[str, Any]:
     return await node.client.open_session(version, step=1, ranks=1, depth=2, manifest=manifest_of(named))
 
 
+async def _open_with_channel(node: Node, version: str, named: Named) -> tuple[str, str]:
+    """A fresh session's id and the chunk channel its open reply advertises."""
+    reply = await _open(node, version, named)
+    return reply["session_id"], reply["chunk_channel"]
+
+
 async def test_a_push_over_the_channel_lands_byte_identical_and_the_socket_is_private(tmp_path: Any) -> None:
     async with _node(tmp_path) as node:
         named = _model(seed=5)
@@ -115,6 +121,7 @@ async def test_a_push_over_the_channel_lands_byte_identical_and_the_socket_is_pr
         probe = await _open(node, "probe", named)
         address = probe["chunk_channel"]
         assert address.startswith("unix:")
+        assert (await node.client.session(probe["session_id"]))["chunk_channel"] == address  # GET says the same
         assert stat.S_IMODE(os.stat(address.removeprefix("unix:")).st_mode) == 0o600
         await node.client.abort(probe["session_id"])
     assert not os.path.exists(address.removeprefix("unix:"))  # noqa: ASYNC240 (the daemon removed its socket)
@@ -124,8 +131,7 @@ async def test_caller_mistakes_get_error_frames_naming_the_field_and_the_connect
         tmp_path: Any) -> None:
     async with _node(tmp_path, limits={"max_body_bytes": 64 * 1024}) as node:
         named = _model(seed=6)
-        sid = (await _open(node, "mistakes", named))["session_id"]
-        address = (await node.client.session(sid))["chunk_channel"]
+        sid, address = await _open_with_channel(node, "mistakes", named)
         conn = await RawConnection.open(address)
         greeting = await conn.send({"session_id": sid, "rank": 0, "token": TOKEN})
         assert greeting["channel"] == "colocd-chunks/1" and greeting["max_frame_bytes"] == 64 * 1024
@@ -170,8 +176,7 @@ async def test_caller_mistakes_get_error_frames_naming_the_field_and_the_connect
 async def test_a_wrong_token_or_an_unknown_session_is_refused_at_hello(tmp_path: Any) -> None:
     async with _node(tmp_path) as node:
         named = _model(seed=7)
-        sid = (await _open(node, "hello", named))["session_id"]
-        address = (await node.client.session(sid))["chunk_channel"]
+        sid, address = await _open_with_channel(node, "hello", named)
         for hello, status, field in (
             ({"session_id": sid, "rank": 0, "token": "wrong"}, 401, "token"),
             ({"session_id": sid, "rank": 0}, 401, "token"),
@@ -197,8 +202,7 @@ async def test_the_greeting_joins_the_session_as_the_http_join_does_and_a_refuse
         tmp_path: Any) -> None:
     async with _node(tmp_path) as node:
         named = _model(seed=11)
-        sid = (await _open(node, "greeting-join", named))["session_id"]
-        address = (await node.client.session(sid))["chunk_channel"]
+        sid, address = await _open_with_channel(node, "greeting-join", named)
         channel = await ChunkChannel.connect(address, session_id=sid, rank=0, token=TOKEN, device_id="cpu:0")
         assert channel.joined is not None and channel.joined["streams"] is True
         # Joining again on the same device is a no-op, so HTTP now answers what the greeting did.
@@ -272,8 +276,7 @@ async def test_against_a_daemon_whose_hello_cannot_join_the_pusher_greets_plainl
         tmp_path: Any) -> None:
     async with _node(tmp_path) as node:
         named = _model(seed=12)
-        sid = (await _open(node, "older-daemon", named))["session_id"]
-        real = (await node.client.session(sid))["chunk_channel"]
+        sid, real = await _open_with_channel(node, "older-daemon", named)
         async with _older_daemon_channel(real, tmp_path) as older:
             pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, channel="channel")
             await pusher.stream(sid, named, chunk_channel=older)
@@ -286,8 +289,7 @@ async def test_against_a_daemon_whose_hello_cannot_join_the_pusher_greets_plainl
 async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(tmp_path: Any) -> None:
     async with _node(tmp_path, timeouts={"session_idle_s": 1.5}) as node:
         named = _model(seed=8)
-        sid = (await _open(node, "dropped", named))["session_id"]
-        address = (await node.client.session(sid))["chunk_channel"]
+        sid, address = await _open_with_channel(node, "dropped", named)
         channel = await ChunkChannel.connect(address, session_id=sid, rank=0, token=TOKEN)
         producer = producer_for("shm")
         sent = [producer.export(bucket) for bucket in list(plan_buckets(named, 20_000))[:2]]
