@@ -72,6 +72,7 @@ def warm(g):
 def shut(g):
     g.shutdown()
 abort = dist.distributed_c10d._abort_process_group
+# threads/threads runs again last: it shows whether the aborts before it left anything that slows a later round.
 modes = [("serial", "serial"), ("threads", "threads"), ("serial", "abort_serial"), ("threads", "abort_threads"),
          ("threads", "threads")]
 out = {"rounds": []}
