@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, cast
 
@@ -61,6 +61,7 @@ from .states import (
     closed_from,
     require_session_open,
 )
+from .tasks import start_now
 from .trace import Trace
 
 __all__ = [
@@ -498,12 +499,10 @@ class WeightSession:
         if part.transport == "shm":
             self.shm_names.add(str(part.handle["shm_name"]))
         self._pump()
-        # shield: a rank that times out must not cancel the engines' shared result.
-        consumed = asyncio.shield(asyncio.gather(*(chunk.consumed[lane.name] for lane in users)))
-        if error := await self._wait(consumed.done, lambda: self._stall_timeout(seq, users), wake=consumed):
-            consumed.cancel()  # the shield only: the engines' futures stay as they are
+        consumed = [chunk.consumed[lane.name] for lane in users]
+        if error := await self._wait(lambda: False, lambda: self._stall_timeout(seq, users), wake=consumed):
             return await self._fail_with(error)
-        loads = consumed.result()
+        loads = [f.result() for f in consumed]
         await self._advance()
         return ChunkAck(seq, part.rank, tuple(lane.name for lane in users), max(loads, default=0.0))
 
@@ -512,42 +511,45 @@ class WeightSession:
         raise error
 
     async def _wait(self, done: Callable[[], bool], blame: Callable[[], WeightSyncError | RequestInvalid],
-                    wake: asyncio.Future[Any] | None = None) -> WeightSyncError | RequestInvalid | None:
-        """Wait until ``done()`` (or, with ``wake``, until that future settles), within the chunk budget; while
+                    wake: Sequence[asyncio.Future[Any]] | None = None) -> WeightSyncError | RequestInvalid | None:
+        """Wait until ``done()`` (or, with ``wake``, until all those futures settle), within the chunk budget; while
         what holds the wait up is a rank that has not started, up to the start deadline instead. Returns None,
         or on timeout the error naming what held it up (``blame``; a late rank past the start deadline: the
-        start error); an error of ``wake`` is raised."""
+        start error); the first error among ``wake`` is raised as soon as it is there."""
         # Already there (the usual case for the window): no timer and no lock, which cost a chunk ~0.03 ms.
         if wake is None and done():
             return None
         loop = asyncio.get_running_loop()
         until = loop.time() + self.chunk_timeout_s
         while True:
-            try:
-                async with asyncio.timeout_at(until):
-                    if wake is not None:
-                        await asyncio.wait([wake])
-                        wake.result()
-                    else:
+            if wake is not None:
+                # asyncio.wait neither cancels what it waits on when it times out or this rank's request is
+                # cancelled (the engines' futures are every rank's) nor needs a shield or a gather in between,
+                # each of which cost the ack a pass of the event loop.
+                if _settled(wake):
+                    return None
+                await asyncio.wait(wake, timeout=max(until - loop.time(), 0.0), return_when=asyncio.FIRST_EXCEPTION)
+                if _settled(wake):
+                    return None
+            else:
+                try:
+                    async with asyncio.timeout_at(until):
                         async with self._window:
                             await self._window.wait_for(done)
-                return None
-            except TimeoutError:
-                if wake is not None and wake.done():
-                    wake.result()  # settled just as the budget ran out: take the result
                     return None
-                if wake is None and done():
-                    return None
-                error = blame()
-                deadline = self._start_deadline()
-                rank = error.rank if isinstance(error, ChunkTimeout) and error.step == "gather" else None
-                late = self._late()
-                if deadline is None or rank is None or rank not in late:
-                    return error
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return self._start_timeout(late)
-                until = max(until, loop.time() + remaining)  # a late rank: it has until the start deadline
+                except TimeoutError:
+                    if done():
+                        return None
+            error = blame()
+            deadline = self._start_deadline()
+            rank = error.rank if isinstance(error, ChunkTimeout) and error.step == "gather" else None
+            late = self._late()
+            if deadline is None or rank is None or rank not in late:
+                return error
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return self._start_timeout(late)
+            until = max(until, loop.time() + remaining)  # a late rank: it has until the start deadline
 
     def _check_plan(self, seq: int, rank: int, layout: ChunkLayout | None) -> None:
         """Chunk ``seq`` carries the same tensors (names, dtypes, shapes, in order) from every rank; else 422."""
@@ -720,7 +722,7 @@ class WeightSession:
                 lane.in_flight += 1
                 lane.loads_started += 1
                 lane.max_in_flight = max(lane.max_in_flight, lane.in_flight)
-                task = asyncio.get_running_loop().create_task(self._load(lane, chunk))
+                task = start_now(self._load(lane, chunk))  # on 3.12+ the request is sent before this returns
                 self._in_flight[task] = lane.name
                 task.add_done_callback(self._forget)
 
@@ -974,3 +976,11 @@ class _Abort(WeightSyncError):
 
 class _Expired(WeightSyncError):
     """The session's lease ran out: no chunk within its idle time."""
+
+
+def _settled(futures: Sequence[asyncio.Future[Any]]) -> bool:
+    """Whether every future is done; raises the first error (or cancellation) among those that are."""
+    for future in futures:
+        if future.done() and (future.cancelled() or future.exception() is not None):
+            future.result()
+    return all(future.done() for future in futures)

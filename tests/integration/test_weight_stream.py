@@ -305,6 +305,19 @@ async def test_quiesce_waits_for_a_load_that_returns_late() -> None:
     assert isinstance(await asyncio.gather(task, return_exceptions=True), list)
 
 
+async def test_an_engine_that_stalls_past_the_budget_is_named_and_its_load_is_left_running_for_quiesce() -> None:
+    engine = FakeEngine("stuck", gated=True)
+    session = _session([engine], ranks=1, depth=1, timeout_s=0.2)
+    with pytest.raises(ChunkTimeout, match=r"chunk 0: engine 'stuck' did not consume it within 0.2s"):
+        await session.submit(0, _part(0, 0))
+    assert session.state is SessionState.FAILED
+    await _settle()
+    assert engine.active == 1 and engine.cancelled == []  # the rank's timeout does not cancel the engine's call
+    engine.release[0].set()
+    assert await session.quiesce(5.0) == []  # it returned: nothing tainted
+    assert [seq for seq, _, _ in engine.loads] == [0] and engine.cancelled == []
+
+
 async def test_an_engine_failure_fails_the_session_for_every_rank() -> None:
     session = _session([FakeEngine("bad", fail_at=1)], ranks=1)
     results = await asyncio.gather(*(session.submit(s, _part(0, s)) for s in range(3)), return_exceptions=True)
