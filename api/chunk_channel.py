@@ -42,6 +42,7 @@ from pydantic import ValidationError
 from ..daemon.config import NodeConfig
 from ..daemon.errors import ColocdError, RequestInvalid, SessionGone
 from ..daemon.node import Daemon
+from ..daemon.tasks import start_now
 from ..engines.base import RankPayload
 from ..engines.errors import EngineError
 from .errors import error_body, validation_body
@@ -218,7 +219,7 @@ class ChunkChannelServer:
                 if not line.strip():
                     window.release()
                     continue
-                task = asyncio.create_task(self._chunk(line, session_id, rank, writer, window))
+                task = start_now(self._chunk(line, session_id, rank, writer, window))
                 chunks.add(task)
                 task.add_done_callback(chunks.discard)
                 await writer.drain()  # back-pressure on acks the trainer is not reading
