@@ -38,11 +38,14 @@ import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..api.procs import DaemonProcess
-from ..engines.chunks import copy_tensors
+from ..engines.chunks import copy_tensors, plan_buckets
 from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
+from ..trainer.channel import chunk_frame
+from ..trainer.producer import producer_for
 from ..trainer.push import WeightPusher
+from .control_floor import measure_control_floor
 from .records import write_record
 
 __all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
@@ -363,7 +366,31 @@ def _stage_table(results: list[dict[str, Any]], kernels: dict[str, float], nbyte
     return "\n".join(lines)
 
 
-def _targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+async def _control_floor(results: list[VariantResult], named: Sequence[tuple[str, torch.Tensor]],
+                         settings: BenchSettings) -> list[dict[str, Any]]:
+    """The control figure's floor in this run (``bench.control_floor``): a real descriptor of the first chunk of
+    the first channel variant, back to back and held as long as that variant's engine wait per chunk."""
+    ran = [r for r in results if r.channel == "channel" and not r.skipped and r.chunks]
+    if not ran:
+        return []
+    first = min(ran, key=lambda r: r.depth)  # one chunk at a time when there is such a variant: no window waits
+    bucket_bytes = int((first.bucket_mb or settings.bucket_mb) * 2**20)
+    producer = producer_for(first.transport, bucket_bytes=bucket_bytes)
+    try:
+        chunk = producer.export(next(plan_buckets(named, bucket_bytes)))
+        try:
+            frame = chunk_frame(0, 0, chunk)
+        finally:
+            chunk.release()
+    finally:
+        producer.close()
+    floors = []
+    for hold_s in (0.0, first.engine_ms_per_chunk / 1e3):
+        floors.append({"variant": first.name, **await measure_control_floor(frame, hold_s)})
+    return floors
+
+
+def _targets(results: list[dict[str, Any]], control_floor: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     ran = {r["name"]: r for r in results if not r["skipped"] and r["verified"]}
     out: dict[str, Any] = {}
     if ran:
@@ -377,9 +404,17 @@ def _targets(results: list[dict[str, Any]]) -> dict[str, Any]:
             out["best_at_512_mib"] = best512["name"]
             out["best_at_512_mib_x_floor"] = best512["x_floor"]
         for path in ("http", "channel"):  # item 6: trainer <-> daemon control per chunk <= 0.5 ms median
-            ctl = [r["control_ms_per_chunk"] for r in ran.values() if r["channel"] == path]
-            if ctl:
-                out[f"control_ms_per_chunk_{path}"] = statistics.median(ctl)
+            on_path = [r for r in ran.values() if r["channel"] == path]
+            if on_path:
+                # One chunk at a time where a variant does so: with several in flight the round trip also holds
+                # the waits for the window and for the chunk ahead, which are not control.
+                figure = min(on_path, key=lambda r: r["depth"])
+                out[f"control_ms_per_chunk_{path}"] = figure["control_ms_per_chunk"]
+                out[f"control_variant_{path}"] = figure["name"]
+        held = control_floor[-1] if control_floor else None  # the floor with the peer holding each line
+        if held is not None and held["variant"] in ran:
+            out["control_floor_ms"] = held["p50_ms"]
+            out["control_x_floor_channel"] = ran[held["variant"]]["control_ms_per_chunk"] / held["p50_ms"]
     overlaps = [ran[n]["best_stream_s"] for n in ("overlap2", "overlap3") if n in ran]
     if "serial" in ran and overlaps:
         out["overlap_speedup_vs_serial"] = ran["serial"]["best_stream_s"] / min(overlaps)
@@ -440,6 +475,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
                 status = "skipped" if result.skipped else f"best {min(result.stream_s) * 1e3:.2f} ms"
                 print(f"  {variant.name}: {status}", flush=True)
     summaries = [r.summary(nbytes, floor_s) for r in results]
+    control_floor = await _control_floor(results, named, settings)
     record = {
         "command": "colocd bench weights " + " ".join(sys.argv[3:])
         if sys.argv[1:3] == ["bench", "weights"]
@@ -455,11 +491,16 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         "floor_gb_per_s": nbytes / floor_s / 1e9,
         "copy_kernels_s": kernels,
         "variants": summaries,
-        "targets": _targets(summaries),
+        "control_floor": control_floor,
+        "targets": _targets(summaries, control_floor),
         "date": time.strftime("%Y-%m-%d"),
     }
     print(_table(summaries, floor_s, nbytes), flush=True)
     print(_stage_table(summaries, kernels, nbytes), flush=True)
+    for floor in control_floor:
+        print(f"control floor: one {floor['frame_bytes']}-byte descriptor line to a peer process and back, the peer "
+              f"holding it {floor['hold_ms']:.2f} ms: {floor['p50_ms']:.3f} ms median (p90 {floor['p90_ms']:.3f})",
+              flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
     if settings.out:
         write_record(Path(settings.out), record)

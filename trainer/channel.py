@@ -19,9 +19,15 @@ from typing import Any
 
 from ..api.client import ChunkDescriptor, ColocdHTTPError
 
-__all__ = ["ChannelClosed", "ChunkChannel"]
+__all__ = ["ChannelClosed", "ChunkChannel", "chunk_frame"]
 
 CONNECT_TIMEOUT_S = 5.0
+
+
+def chunk_frame(seq: int, rank: int, chunk: ChunkDescriptor) -> bytes:
+    """One chunk's frame as the channel writes it: the chunk route's body as one JSON line."""
+    return json.dumps({"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
+                       "handle": chunk.handle}, separators=(",", ":")).encode() + b"\n"
 
 
 class ChannelClosed(ConnectionError):
@@ -178,8 +184,7 @@ class ChunkChannel:
             raise ChannelClosed(f"chunk channel is closed: {self._closed}")
         if seq in self._waiting:
             raise ValueError(f"chunk {seq} is already in flight on this channel")
-        frame = json.dumps({"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
-                            "handle": chunk.handle}, separators=(",", ":")).encode() + b"\n"
+        frame = chunk_frame(seq, rank, chunk)
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = reply
         try:

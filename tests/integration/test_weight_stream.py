@@ -503,6 +503,13 @@ async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any)
     assert ran["ipc_ring"]["skipped"] == "needs CUDA"
     # Measured in the same run: control per chunk on both paths, the engine hop, the engine's load stages.
     assert {"control_ms_per_chunk_http", "control_ms_per_chunk_channel"} <= set(record["targets"])
+    # ... and the control figure's floor: a descriptor line to a peer process, back to back and held as long as
+    # the channel variant's engine wait.
+    back_to_back, held = record["control_floor"]
+    assert back_to_back["variant"] == held["variant"] == "overlap2+chan" and back_to_back["frame_bytes"] > 100
+    assert back_to_back["hold_ms"] == 0
+    assert held["hold_ms"] == pytest.approx(ran["overlap2+chan"]["engine_ms_per_chunk"]) and held["hold_ms"] > 0
+    assert back_to_back["p50_ms"] > 0 and record["targets"]["control_floor_ms"] == held["p50_ms"]
     stages = ran["overlap2+chan"]["stages_ms"]
     assert {"queue", "decode", "checks", "copy_launch", "sync", "handler"} <= set(stages) and stages["handler"] > 0
     assert ran["overlap2+chan"]["handler_ms_per_chunk"] > 0 and ran["overlap2+chan"]["checksum_ms"] > 0
