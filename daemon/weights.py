@@ -481,10 +481,13 @@ class WeightSession:
         self._check_plan(seq, part.rank, layout)
         self._mark_sent(part.rank, seq)  # received: counts for the gap rule even while it waits below
         self._started.add(part.rank)
+
+        def in_window() -> bool:
+            return seq < self._acked + self.depth or self.state is not SessionState.OPEN
+
         # Backpressure: no rank runs more than `depth` chunks ahead of the slowest engine or the
         # slowest rank; the request just waits, bounded by the chunk timeout.
-        if error := await self._wait(lambda: seq < self._acked + self.depth or self.state is not SessionState.OPEN,
-                                     lambda: self._window_timeout(seq)):
+        if error := await self._wait(lambda: self._window_timeout(seq), done=in_window):
             return await self._fail_with(error)
         self._check_open()
         chunk = self._chunks.get(seq)
@@ -500,7 +503,7 @@ class WeightSession:
             self.shm_names.add(str(part.handle["shm_name"]))
         self._pump()
         consumed = [chunk.consumed[lane.name] for lane in users]
-        if error := await self._wait(lambda: False, lambda: self._stall_timeout(seq, users), wake=consumed):
+        if error := await self._wait(lambda: self._stall_timeout(seq, users), futures=consumed):
             return await self._fail_with(error)
         loads = [f.result() for f in consumed]
         await self._advance()
@@ -510,26 +513,28 @@ class WeightSession:
         await self.fail(error)
         raise error
 
-    async def _wait(self, done: Callable[[], bool], blame: Callable[[], WeightSyncError | RequestInvalid],
-                    wake: Sequence[asyncio.Future[Any]] | None = None) -> WeightSyncError | RequestInvalid | None:
-        """Wait until ``done()`` (or, with ``wake``, until all those futures settle), within the chunk budget; while
-        what holds the wait up is a rank that has not started, up to the start deadline instead. Returns None,
-        or on timeout the error naming what held it up (``blame``; a late rank past the start deadline: the
-        start error); the first error among ``wake`` is raised as soon as it is there."""
+    async def _wait(self, blame: Callable[[], WeightSyncError | RequestInvalid], *,
+                    done: Callable[[], bool] | None = None,
+                    futures: Sequence[asyncio.Future[Any]] = ()) -> WeightSyncError | RequestInvalid | None:
+        """Wait until ``done()`` holds (woken by the window's condition), or else until every one of ``futures``
+        settles, within the chunk budget; while what holds the wait up is a rank that has not started, up to the
+        start deadline instead. Returns None, or on timeout the error naming what held it up (``blame``; a late
+        rank past the start deadline: the start error); the first error among ``futures`` is raised as soon as
+        it is there."""
         # Already there (the usual case for the window): no timer and no lock, which cost a chunk ~0.03 ms.
-        if wake is None and done():
+        if done is not None and done():
             return None
         loop = asyncio.get_running_loop()
         until = loop.time() + self.chunk_timeout_s
         while True:
-            if wake is not None:
+            if done is None:
                 # asyncio.wait neither cancels what it waits on when it times out or this rank's request is
                 # cancelled (the engines' futures are every rank's) nor needs a shield or a gather in between,
                 # each of which cost the ack a pass of the event loop.
-                if _settled(wake):
+                if _settled(futures):
                     return None
-                await asyncio.wait(wake, timeout=max(until - loop.time(), 0.0), return_when=asyncio.FIRST_EXCEPTION)
-                if _settled(wake):
+                await asyncio.wait(futures, timeout=max(until - loop.time(), 0.0), return_when=asyncio.FIRST_EXCEPTION)
+                if _settled(futures):
                     return None
             else:
                 try:
@@ -822,8 +827,8 @@ class WeightSession:
         # Nothing to wait for once no chunk is in progress: a lane whose rank never joined holds every chunk
         # back (so this waits for it, until the start deadline), and with no chunk at all the completeness
         # check at commit names what each engine lacks.
-        if error := await self._wait(lambda: not self._chunks or self.state is not SessionState.OPEN,
-                                     self._drain_timeout):
+        if error := await self._wait(self._drain_timeout,
+                                     done=lambda: not self._chunks or self.state is not SessionState.OPEN):
             await self._fail_with(error)
         self._check_open()
         if num_chunks is not None and num_chunks != self._acked:
