@@ -18,7 +18,13 @@ from ..daemon.node import Daemon
 from ..daemon.policy_runtime import PolicyRuntime
 from .app import create_app
 
-__all__ = ["bind", "serve"]
+__all__ = ["KEEP_ALIVE_S", "bind", "serve"]
+
+# How long an idle keep-alive connection stays open. uvicorn's default is 5 s, the same as httpx's pool expiry:
+# a client that reuses a connection idle for just under 5 s can meet the server closing it, and the request
+# fails with "Server disconnected without sending a response" (a 1-in-many race a cluster client hit in CI).
+# The server must keep connections longer than its clients do.
+KEEP_ALIVE_S = 75.0
 
 
 def bind(listen: ListenConfig) -> tuple[socket.socket, str]:
@@ -102,7 +108,7 @@ async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime
     # Config applies the one it is given, so it is chosen first.
     log_config = None if log_json else LOGGING_CONFIG
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
-                                           log_config=log_config))
+                                           log_config=log_config, timeout_keep_alive=KEEP_ALIVE_S))
     loop = asyncio.get_running_loop()
     if config.policy_file:
         # Parsing is CPU work: a signal only schedules it on a worker thread, never on the event loop.

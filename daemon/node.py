@@ -55,6 +55,11 @@ __all__ = ["Daemon", "DaemonState", "TransitionResult"]
 
 log = logging.getLogger("colocd.daemon")
 
+# SGLang and vLLM serve with uvicorn's timeout_keep_alive=5 (SGLang: entrypoints/http_server.py). httpx keeps an
+# idle connection for 5 s too, so a call made just under 5 s after the last one can go out on a connection the
+# engine is closing, and fail as if the engine had gone. The daemon lets its connections go well before that.
+ENGINE_KEEPALIVE_S = 2.0
+
 
 class _StatusInputs(NamedTuple):
     """Everything ``status()`` shows, read once: the snapshot is built from these alone, so they are also the
@@ -117,7 +122,8 @@ class Daemon:
             raise RuntimeError(f"cannot open a daemon that is {self.lifecycle.value}")
         # Long read timeouts: weight, release and resume calls hold engine locks and barriers;
         # the daemon's own per-step deadlines (asyncio.timeout) bound them.
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False,
+                                         limits=httpx.Limits(keepalive_expiry=ENGINE_KEEPALIVE_S))
         await self.launches.start()  # a no-op if `colocd serve` already did it
         for cfg in self.launches.configs():  # launched engines now carry their URL
             adapter = self._given_adapters.get(cfg.name) or build_adapter(cfg, self._client)

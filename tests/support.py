@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import uvicorn
 
+from colocd.api.server import KEEP_ALIVE_S
 from colocd.policies import Transport
 
 __all__ = ["BASE", "AsIfOnGpu", "EngineMirrorNvml", "NvmlNode", "leaves_no_shm_segments", "node_on_mirrored_gpu",
@@ -29,7 +30,7 @@ async def serve_app(app: Any, *, ready_path: str = "/healthz", timeout_s: float 
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # else ~40 ms per keep-alive reply (Nagle)
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=KEEP_ALIVE_S))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with httpx.AsyncClient(trust_env=False) as client, asyncio.timeout(timeout_s):
