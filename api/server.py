@@ -24,7 +24,7 @@ __all__ = ["KEEP_ALIVE_S", "bind", "serve"]
 # a client that reuses a connection idle for just under 5 s can meet the server closing it, and the request
 # fails with "Server disconnected without sending a response" (a 1-in-many race a cluster client hit in CI).
 # The server must keep connections longer than its clients do.
-KEEP_ALIVE_S = 75.0
+KEEP_ALIVE_S = 75  # seconds; uvicorn takes an int
 
 
 def bind(listen: ListenConfig) -> tuple[socket.socket, str]:
