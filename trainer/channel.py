@@ -55,6 +55,8 @@ class _Replies(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.lost is not None:
+            return  # the channel is over: nothing after its end is read
         buffer = self._buffer
         buffer += data
         start = 0
