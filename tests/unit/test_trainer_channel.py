@@ -12,15 +12,16 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from colocd.api.client import ColocdHTTPError
+from colocd.engines.chunks import ChunkLayout
 from colocd.policies import Transport
 from colocd.trainer.channel import ChannelClosed, ChunkChannel
+from colocd.trainer.exported import ExportedChunk
 
 DEADLINE_S = 10
 GREETING = {"channel": "colocd-chunks/1", "session_id": "s1", "rank": 0, "max_frame_bytes": 1 << 20,
@@ -32,17 +33,9 @@ def _line(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode() + b"\n"
 
 
-@dataclass(frozen=True)
-class _Descriptor:
-    """A chunk as the channel sends it (``api.client.ChunkDescriptor``); the peer never opens the handle."""
-
-    transport: Transport
-    nbytes: int
-    handle: dict[str, Any]
-
-
-def _chunk(seq: int) -> _Descriptor:
-    return _Descriptor(Transport.SHM, 8, {"shm_name": f"seg{seq}"})
+def _chunk(seq: int) -> ExportedChunk:
+    """A chunk descriptor naming a segment that does not exist: the peer never opens the handle."""
+    return ExportedChunk(Transport.SHM, 8, {"shm_name": f"seg{seq}"}, ChunkLayout((), 8))
 
 
 @asynccontextmanager
