@@ -22,6 +22,9 @@ from ..api.client import ChunkDescriptor, ColocdHTTPError
 __all__ = ["ChannelClosed", "ChunkChannel", "chunk_frame"]
 
 CONNECT_TIMEOUT_S = 5.0
+# The longest line the daemon may send: the greeting and acks are small, but an error frame may quote a large
+# request. A longer one ends the channel.
+MAX_REPLY_BYTES = 1 << 24
 
 
 def chunk_frame(seq: int, rank: int, chunk: ChunkDescriptor) -> bytes:
@@ -61,13 +64,15 @@ class _Replies(asyncio.Protocol):
         buffer += data
         start = 0
         while (end := buffer.find(b"\n", start)) >= 0:
+            if end - start > self._limit:
+                break  # left in the buffer, which is then over the limit: refused below
             line = bytes(buffer[start:end + 1])
             start = end + 1
             self.on_line(line)
             if self.lost is not None:
                 return
         del buffer[:start]
-        if len(buffer) > self._limit:
+        if len(buffer) > self._limit:  # a line still arriving, or a whole one, over the limit
             self.end(ChannelClosed(f"the daemon sent a line over {self._limit} bytes"))
 
     def eof_received(self) -> bool:
@@ -133,8 +138,7 @@ class ChunkChannel:
             raise ValueError(f"chunk channel address {address!r}: only unix:/path is supported")
         loop = asyncio.get_running_loop()
         greeted: asyncio.Future[bytes] = loop.create_future()
-        # limit: the greeting and acks are small, but an error frame may quote a large request.
-        replies = _Replies(limit=1 << 24)
+        replies = _Replies(limit=MAX_REPLY_BYTES)
         early: list[bytes] = []
 
         def on_line(line: bytes) -> None:

@@ -20,7 +20,7 @@ import pytest
 from colocd.api.client import ColocdHTTPError
 from colocd.engines.chunks import ChunkLayout
 from colocd.policies import Transport
-from colocd.trainer.channel import ChannelClosed, ChunkChannel
+from colocd.trainer.channel import MAX_REPLY_BYTES, ChannelClosed, ChunkChannel
 from colocd.trainer.exported import ExportedChunk
 
 DEADLINE_S = 10
@@ -100,6 +100,21 @@ async def test_a_frame_that_arrives_with_the_greeting_is_not_lost(tmp_path: Path
     async with _peer(tmp_path, serve) as address, asyncio.timeout(DEADLINE_S):
         channel = await ChunkChannel.connect(address, session_id="s1")
         with pytest.raises(ChannelClosed, match="frame over the limit"):
+            await channel.send_chunk("s1", seq=0, rank=0, chunk=_chunk(0))
+
+
+async def test_a_reply_line_over_the_limit_ends_the_channel_even_when_it_arrives_whole(tmp_path: Path) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        writer.write(_line(GREETING))
+        (frame,) = await _frames(reader, 1)
+        writer.write(_line({"seq": frame["seq"], "rank": 0, "engines": ["e"], "load_s": 0.0,
+                            "pad": "x" * MAX_REPLY_BYTES}))
+        await reader.read()
+
+    async with _peer(tmp_path, serve) as address, asyncio.timeout(DEADLINE_S):
+        channel = await ChunkChannel.connect(address, session_id="s1")
+        with pytest.raises(ChannelClosed, match="over"):
             await channel.send_chunk("s1", seq=0, rank=0, chunk=_chunk(0))
 
 
