@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 import httpx
 
@@ -65,7 +65,7 @@ class AsyncColocdClient:
         self._http = httpx.AsyncClient(base_url=base, transport=transport, headers=headers,
                                        timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False)
 
-    async def __aenter__(self) -> AsyncColocdClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -198,7 +198,7 @@ class ColocdClient:
         """The client this one drives (for code that needs the async calls on the same connection pool)."""
         return self._async
 
-    def __enter__(self) -> ColocdClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
