@@ -19,7 +19,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 def test_every_registered_metric_is_documented_in_metrics_md() -> None:
     text = DOC.read_text()
-    documented = set(re.findall(r"`(colocd_[a-z0-9_]+)`", text))
+    documented = set(re.findall(r"`((?:colocd|process|python)_[a-z0-9_]+)`", text))
     registered = {f.name + ("_total" if f.type == "counter" else "") for f in Metrics().registry.collect()}
     assert registered, "no metrics registered?"
     assert not registered - documented, sorted(registered - documented)
@@ -80,6 +80,9 @@ class _FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return i
 
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-0000000{h}-aaaa-bbbb-cccc-ddddeeeeffff"
+
     def nvmlDeviceGetMemoryInfo(self, h: int) -> object:
         return self._mem[h]
 
@@ -107,9 +110,13 @@ def test_nvml_gauges_give_each_gpu_and_each_process_nvml_attributes_memory_to() 
     metrics = Metrics()
     refresh_gpu_metrics(metrics, NvmlProbe(_FakeNvml()), [_engine("a", [0]), _engine("b", [0, 1])])
     assert _samples(metrics, "colocd_nvml_available") == {(): 1.0}
-    gpu = _samples(metrics, "colocd_gpu_memory_bytes")
-    assert gpu[(("gpu", "0"), ("kind", "used"))] == 30 << 30
-    assert gpu[(("gpu", "1"), ("kind", "total"))] == 140 << 30
+    uuid0 = ("uuid", "GPU-00000000-aaaa-bbbb-cccc-ddddeeeeffff")
+    uuid1 = ("uuid", "GPU-00000001-aaaa-bbbb-cccc-ddddeeeeffff")
+    # One metric per quantity, each GPU once (GPU 0 is shared by two engines), labelled by index and UUID.
+    assert _samples(metrics, "colocd_gpu_memory_used_bytes") == {(("gpu", "0"), uuid0): 30 << 30,
+                                                                 (("gpu", "1"), uuid1): 1 << 30}
+    assert _samples(metrics, "colocd_gpu_memory_free_bytes")[(("gpu", "0"), uuid0)] == 110 << 30
+    assert _samples(metrics, "colocd_gpu_memory_total_bytes")[(("gpu", "1"), uuid1)] == 140 << 30
     # pid 102's usage is hidden (None) and GPU 1 refuses the query: neither becomes a made-up number.
     assert _samples(metrics, "colocd_gpu_process_memory_bytes") == {(("gpu", "0"), ("pid", "101")): 20 << 30}
     assert set(_samples(metrics, "colocd_engine_gpu_info")) == {
@@ -122,5 +129,55 @@ def test_without_nvml_no_gpu_series_exist() -> None:
     metrics = Metrics()
     refresh_gpu_metrics(metrics, None, [_engine("a", [])])
     assert _samples(metrics, "colocd_nvml_available") == {(): 0.0}
-    assert _samples(metrics, "colocd_gpu_memory_bytes") == {}
+    for quantity in ("used", "free", "total"):
+        assert _samples(metrics, f"colocd_gpu_memory_{quantity}_bytes") == {}
     assert _samples(metrics, "colocd_gpu_process_memory_bytes") == {}
+
+
+def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() -> None:
+    metrics = Metrics()
+    metrics.declare(["ref0", "ref1"], ["ref1"])
+    text = metrics.exposition().decode()
+    for line in ('colocd_engine_restarts_total{engine="ref0"} 0.0',
+                 'colocd_reconcile_actions_total{action="pause",engine="ref1"} 0.0',
+                 'colocd_transitions_total{outcome="failed",phase="train"} 0.0',
+                 'colocd_transitions_total{outcome="rejected",phase="rollout"} 0.0',
+                 'colocd_weight_sessions_total{outcome="expired"} 0.0',
+                 'colocd_engine_launch_failures_total{engine="ref1"} 0.0'):
+        assert line in text.splitlines(), line
+    assert 'colocd_engine_launches_total{engine="ref0"}' not in text  # ref0 is attached, not launched
+
+
+def test_a_failed_transition_logs_one_line_naming_engine_step_phase_session_and_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from colocd.engines.errors import EngineUnreachable
+
+    book = StepBook(Metrics())
+    with caplog.at_level(logging.INFO, logger="colocd.events"):
+        book.failed("train", 3, EngineUnreachable("ref0", "no answer to observe within 1s"), session="s-1")
+    [record] = caplog.records
+    line = json.loads(JsonFormatter().format(record))
+    assert {k: line[k] for k in ("event", "engine", "step", "phase", "session", "result", "level")} == {
+        "event": "transition", "engine": "ref0", "step": 3, "phase": "train", "session": "s-1",
+        "result": "failed", "level": "warning"}
+    assert "no answer to observe" in line["error"]
+
+
+def test_a_failed_transitions_trace_is_not_logged_a_second_time(caplog: pytest.LogCaptureFixture) -> None:
+    book = StepBook(Metrics())
+    store = TraceStore(on_put=book.observe)
+    book.attach(store)
+    with caplog.at_level(logging.INFO, logger="colocd.events"):
+        store.put(_trace("train", 3, 0.2, "failed"))
+    assert caplog.records == []  # Transitions.transition logs it, with the caller's error (above)
+
+
+def test_weight_session_phase_time_is_observed_once_per_session() -> None:
+    metrics = Metrics()
+    book = StepBook(metrics)
+    store = TraceStore(on_put=book.observe)
+    book.attach(store)
+    store.put(_trace("weights", 2, 0.25, "committed"))
+    counts = _samples(metrics, "colocd_phase_duration_seconds_count")
+    assert counts == {(("engine", "all"), ("phase", "weights")): 1.0}
+    assert _samples(metrics, "colocd_last_phase_duration_seconds") == {(("engine", "all"), ("phase", "weights")): 0.25}
