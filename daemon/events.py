@@ -33,7 +33,8 @@ def logfmt(fields: Mapping[str, Any]) -> str:
 
 def emit(event: str, level: int = logging.INFO, *, engine: str | None = None, session: str | None = None,
          **fields: Any) -> None:
-    """Log ``event`` once; fields that are None are left out, except ``engine`` and ``session``."""
+    """Log ``event`` once; fields that are None are left out, except ``engine``, ``session`` and a given
+    ``error`` (null: no error), so an event's JSON keeps one shape whether or not it failed."""
     out: dict[str, Any] = {"event": event, "engine": engine, "session": session,
-                           **{k: v for k, v in fields.items() if v is not None}}
+                           **{k: v for k, v in fields.items() if v is not None or k == "error"}}
     log.log(level, logfmt(out), extra={"colocd": out})
