@@ -4,8 +4,8 @@ The text exposition (tens of KB, ~10-30 ms to render on a small CPU) is rendered
 and shared by every reader, in a worker thread so the event loop keeps serving: the owner calls
 ``changed()`` after it updates series, a scrape awaits ``current()``.
 
-Every event counter exists at 0 for each engine and label value from the start (``declare``): Prometheus's
-``increase()`` needs a sample before the first event, or the first engine restart reads as 0.
+Every event counter and histogram exists at 0 for each engine and label value from the start (``declare``):
+Prometheus's ``increase()`` needs a sample before the first event, or the first engine restart reads as 0.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ TRANSITION_OUTCOMES = ("ok", "rejected", "failed", "replayed")
 SESSION_OUTCOMES = ("committed", "aborted", "failed", "expired")
 RECONCILE_ACTIONS = ("adopt", "pause", "release", "end_engine_session", "fail_session")
 FALLBACK_KINDS = ("process_groups", "weight_sync")
+# The trainer-side work a trainer agent reports: cleanup.<CleanupStep>, process groups, its weight push.
+TRAINER_SUBSTEPS = ("cleanup.gc_collect", "cleanup.synchronize", "cleanup.empty_cache", "process_groups",
+                    "weight_sync")
 
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -186,9 +189,23 @@ class Metrics:
         self._rendered_version = 0
         self._rendering: asyncio.Future[None] | None = None
 
-    def declare(self, engines: Iterable[str], launched: Iterable[str] = ()) -> None:
-        """Export every event counter at 0 for each of ``engines`` (``launched``: those colocd launches) and
-        each label value of its fixed vocabulary, so the first event is an increase Prometheus can see."""
+    def declare(self, engines: Iterable[str], launched: Iterable[str] = (), parts: Iterable[str] = ()) -> None:
+        """Export every event counter and histogram at 0 for each of ``engines`` (``launched``: those colocd
+        launches), each step part and each label value of its fixed vocabulary, so the first event is an
+        increase Prometheus can see."""
+        engines = list(engines)
+        for phase in TRANSITION_PHASES:
+            for engine in [*engines, "all"]:
+                self.phase_duration.labels(phase, engine)
+        self.phase_duration.labels("weights", "all")
+        for outcome in SESSION_OUTCOMES:
+            self.weight_session_duration.labels(outcome)
+        for part in parts:
+            self.step_part_duration.labels(part)
+        for substep in TRAINER_SUBSTEPS:
+            self.trainer_substep_duration.labels(substep)
+        for engine in engines:
+            self.chunk_load_duration.labels(engine)
         for phase in TRANSITION_PHASES:
             for outcome in TRANSITION_OUTCOMES:
                 self.transitions.labels(phase, outcome)

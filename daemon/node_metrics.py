@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .states import NodePhase, NodeState
+from .steps import PARTS
 
 if TYPE_CHECKING:
     from .node import Daemon
@@ -25,7 +26,7 @@ class NodeMetrics:
         self._d = daemon
         m = daemon.metrics
         engines = daemon.config.engines
-        m.declare((e.name for e in engines), (e.name for e in engines if e.launch is not None))
+        m.declare((e.name for e in engines), (e.name for e in engines if e.launch is not None), PARTS)
         m.node_busy.set_function(lambda: 1.0 if daemon.busy else 0.0)
         m.session_open.set_function(lambda: 1.0 if daemon.sessions.open_id() is not None else 0.0)
         m.session_idle.set_function(self._session_idle_s)

@@ -136,14 +136,18 @@ def test_without_nvml_no_gpu_series_exist() -> None:
 
 def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() -> None:
     metrics = Metrics()
-    metrics.declare(["ref0", "ref1"], ["ref1"])
+    metrics.declare(["ref0", "ref1"], ["ref1"], ["sleep"])
     text = metrics.exposition().decode()
     for line in ('colocd_engine_restarts_total{engine="ref0"} 0.0',
                  'colocd_reconcile_actions_total{action="pause",engine="ref1"} 0.0',
                  'colocd_transitions_total{outcome="failed",phase="train"} 0.0',
                  'colocd_transitions_total{outcome="rejected",phase="rollout"} 0.0',
                  'colocd_weight_sessions_total{outcome="expired"} 0.0',
-                 'colocd_engine_launch_failures_total{engine="ref1"} 0.0'):
+                 'colocd_engine_launch_failures_total{engine="ref1"} 0.0',
+                 # histograms too: a mean over the first observations needs their 0 before them
+                 'colocd_phase_duration_seconds_count{engine="ref0",phase="train"} 0.0',
+                 'colocd_step_part_duration_seconds_count{part="sleep"} 0.0',
+                 'colocd_trainer_substep_duration_seconds_count{substep="process_groups"} 0.0'):
         assert line in text.splitlines(), line
     assert 'colocd_engine_launches_total{engine="ref0"}' not in text  # ref0 is attached, not launched
 
@@ -178,6 +182,6 @@ def test_weight_session_phase_time_is_observed_once_per_session() -> None:
     store = TraceStore(on_put=book.observe)
     book.attach(store)
     store.put(_trace("weights", 2, 0.25, "committed"))
-    counts = _samples(metrics, "colocd_phase_duration_seconds_count")
+    counts = {k: v for k, v in _samples(metrics, "colocd_phase_duration_seconds_count").items() if v}
     assert counts == {(("engine", "all"), ("phase", "weights")): 1.0}
     assert _samples(metrics, "colocd_last_phase_duration_seconds") == {(("engine", "all"), ("phase", "weights")): 0.25}
