@@ -173,7 +173,8 @@ async def run() -> AsyncIterator[Run]:
         "engines": [{"kind": "reference", "name": "ref0", "device": "cpu", "seed": 0,
                      "launch": {"ready_timeout_s": 120, "backoff_initial_s": 0.2}}],
         "log_format": "json",
-        "timeouts": {"observe_s": 1.0, "health_interval_s": 0.5, "session_idle_s": 1.0},
+        # observe_s: a hung engine fails the next transition after 3 s (a busy 2-core CI box answers well within it)
+        "timeouts": {"observe_s": 3.0, "health_interval_s": 0.5, "session_idle_s": 1.0},
     }
     async with DaemonProcess(config, workdir=str(workdir / "daemon"), log_level="info",
                              ready_timeout_s=120) as daemon, \
@@ -212,7 +213,7 @@ async def run() -> AsyncIterator[Run]:
         await poll(lambda: _session_state(client, session, "expired"), "the idle session to expire")
 
         os.kill(engine_pid, signal.SIGKILL)  # colocd relaunches it and reconciles the new process
-        await poll(lambda: _restarted(client), "the engine relaunched and reconciled", timeout_s=60)
+        await poll(lambda: _restarted(client), "the engine relaunched and reconciled", timeout_s=120)
 
         # Prometheus has scraped the end state, and the last step is older than the shortest panel window.
         await poll(lambda: prometheus.has('colocd_engine_restarts_total{engine="ref0"} > 0'), "a scrape after it")
