@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,3 +186,55 @@ def test_weight_session_phase_time_is_observed_once_per_session() -> None:
     counts = {k: v for k, v in _samples(metrics, "colocd_phase_duration_seconds_count").items() if v}
     assert counts == {(("engine", "all"), ("phase", "weights")): 1.0}
     assert _samples(metrics, "colocd_last_phase_duration_seconds") == {(("engine", "all"), ("phase", "weights")): 0.25}
+
+
+class _StubSession:
+    id = "s-1"
+
+    def idle_for(self) -> float:
+        return 12.5
+
+
+def _stub_daemon(*, busy: bool, session: bool) -> object:
+    from types import SimpleNamespace
+
+    from colocd.daemon.states import NodePhase, NodeState
+
+    current = _StubSession() if session else None
+    sessions = SimpleNamespace(current=current, open_id=lambda: current.id if current is not None else None)
+    return SimpleNamespace(metrics=Metrics(), busy=busy, sessions=sessions, node=NodeState(NodePhase.SYNC, 4),
+                           config=SimpleNamespace(engines=[SimpleNamespace(name="ref0", launch=None)]))
+
+
+def test_busy_and_the_open_sessions_idle_age_are_read_when_the_exposition_renders() -> None:
+    from colocd.daemon.node_metrics import NodeMetrics
+
+    daemon: Any = _stub_daemon(busy=True, session=True)
+    NodeMetrics(daemon)
+    text = daemon.metrics.exposition().decode().splitlines()
+    assert "colocd_node_busy 1.0" in text
+    assert "colocd_weight_session_open 1.0" in text and "colocd_weight_session_idle_seconds 12.5" in text
+    daemon.busy, daemon.sessions.current = False, None
+    text = daemon.metrics.exposition().decode().splitlines()
+    assert "colocd_node_busy 0.0" in text and "colocd_weight_session_idle_seconds 0.0" in text
+
+
+def test_the_phase_clock_restarts_only_when_the_node_moves() -> None:
+    from colocd.daemon.node_metrics import NodeMetrics
+    from colocd.daemon.states import NodePhase, NodeState
+
+    daemon: Any = _stub_daemon(busy=False, session=False)
+    gauges = NodeMetrics(daemon)
+    gauges.refresh()
+    entered = _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()]
+    assert entered > 0
+    assert _samples(daemon.metrics, "colocd_node_phase") == {
+        (("phase", "rollout"),): 0.0, (("phase", "train"),): 0.0, (("phase", "sync"),): 1.0}
+    daemon.metrics.node_phase_entered.set(1.0)  # marks the value: a refresh that keeps it changed nothing
+    daemon.node = NodeState(NodePhase.SYNC, 4)  # a new record of the same (step, phase): the clock keeps running
+    gauges.refresh()
+    assert _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()] == 1.0
+    daemon.node = NodeState(NodePhase.ROLLOUT, 4)
+    gauges.refresh()
+    assert _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()] >= entered
+    assert _samples(daemon.metrics, "colocd_node_step")[()] == 4.0
