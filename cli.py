@@ -19,32 +19,38 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .api.logs import configure_logging
+    from .api.logs import configure_logging, fatal
     from .api.server import serve
     from .daemon.config import ConfigError, load_node_config
     from .engines.supervisor import EngineLaunchError
     from .policies import PolicyError
 
+    # The line colocd ends with is a log line: one JSON object in json format, as soon as the format is known.
     try:
         config = load_node_config(args.config)
     except ConfigError as exc:
-        print(f"colocd: {exc}", file=sys.stderr)
+        fatal(f"colocd: {exc}", args.log_format or "text")
         return 2
-    _check_writable_journal(config.journal, args.config)
     log_format = args.log_format or config.log_format
+    try:
+        _check_writable_journal(config.journal, args.config)
+    except CliFailure as exc:
+        fatal(str(exc), log_format)
+        return exc.exit_code
     configure_logging(args.log_level, log_format)
     try:
         asyncio.run(serve(config, log_level=args.log_level, log_json=log_format == "json"))
     except KeyboardInterrupt:
         pass
     except PolicyError as exc:
-        print(f"colocd: policy file {config.policy_file}: {exc}", file=sys.stderr)
+        fatal(f"colocd: policy file {config.policy_file}: {exc}", log_format)
         return 2
     except EngineLaunchError as exc:  # a launched engine was not ready: one line, its log named in it
-        print(f"colocd: {exc.summary}", file=sys.stderr)
+        fatal(f"colocd: {exc.summary}", log_format)
         return 1
     except OSError as exc:
-        raise CliFailure(_serve_os_error(exc, config, args.config), 2) from None
+        fatal(_serve_os_error(exc, config, args.config), log_format)
+        return 2
     return 0
 
 

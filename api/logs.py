@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["LOG_FORMATS", "JsonFormatter", "configure_logging"]
+__all__ = ["LOG_FORMATS", "JsonFormatter", "configure_logging", "fatal"]
 
 LOG_FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -50,3 +50,14 @@ def configure_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
     # httpx logs every request at INFO: the health loop's observations would drown the daemon's own lines.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
+
+
+def fatal(message: str, fmt: str) -> None:
+    """The one line ``colocd serve`` ends with when it cannot serve: plain on stderr, or one JSON object in json
+    format (``event`` ``fatal``), as every other line of that log."""
+    if fmt == "json":
+        record = logging.LogRecord("colocd", logging.CRITICAL, __file__, 0, message, None, None)
+        record.colocd = {"event": "fatal", "engine": None, "session": None}
+        print(JsonFormatter().format(record), file=sys.stderr, flush=True)
+    else:
+        print(message, file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
 from ..daemon.config import ListenConfig, NodeConfig
+from ..daemon.events import emit
 from ..daemon.node import Daemon
 from ..daemon.policy_runtime import PolicyRuntime
 from .app import create_app
@@ -126,7 +128,10 @@ async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime
     while not server.started and not serve_task.done():  # noqa: ASYNC110
         await asyncio.sleep(0.01)
     if server.started:
-        print(f"colocd listening on {url}", flush=True)
+        if log_json:  # every line of a JSON log is one object: this one too, on stderr with the others
+            emit("listening", logging.INFO, url=url, pid=os.getpid())
+        else:
+            print(f"colocd listening on {url}", flush=True)
         if config.listen.ready_file:
             _write_ready(config.listen.ready_file, url)
     await serve_task

@@ -32,6 +32,9 @@ class Snapshot:
     taken_at: float = field(default_factory=time.time)
 
 
+_GPU_MEMORY = {f"colocd_gpu_memory_{kind}_bytes": kind for kind in ("used", "free", "total")}
+
+
 def _parse_metrics(text: str) -> tuple[dict[str, dict[str, float]], bool, dict[str, float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,8 +43,8 @@ def _parse_metrics(text: str) -> tuple[dict[str, dict[str, float]], bool, dict[s
     restarts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "colocd_gpu_memory_bytes":
-                gpus.setdefault(sample.labels["gpu"], {})[sample.labels["kind"]] = sample.value
+            if (kind := _GPU_MEMORY.get(sample.name)) is not None:
+                gpus.setdefault(sample.labels["gpu"], {})[kind] = sample.value
             elif sample.name == "colocd_nvml_available":
                 nvml = sample.value == 1
             elif sample.name == "colocd_engine_restarts_total":

@@ -17,6 +17,7 @@ from ..policies import TimeoutStep
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import ColocdError, EngineError, EngineUnreachable, WeightSyncError
+from .events import emit
 from .fanout import OnFailure, fan_out
 from .reconcile import Action, Plan, plan_reconcile
 from .states import Attachment, DaemonState, Generation, NodePhase, NodeState, TagState, WeightsState, check_attached
@@ -48,7 +49,8 @@ class EngineLifecycle:
         await fan_out(engines.values(), lambda e: self.reconcile_engine(e, "startup"), on_failure=OnFailure.SETTLE)
         self.startup_report = {"journal_restored": restored, "unreconciled": sorted(self.unreconciled),
                                "engines": {n: self.reports.get(n) for n in engines}}
-        log.info("startup reconciliation (journal restored: %s): %s", restored, self.startup_report["engines"])
+        emit("startup_reconcile", logging.INFO, journal_restored=restored, unreconciled=sorted(self.unreconciled),
+             engines=sorted(engines))
 
     async def health_loop(self) -> None:
         """Every health interval, observe each engine and drive it toward the desired state."""
@@ -63,6 +65,7 @@ class EngineLifecycle:
             await asyncio.to_thread(d.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
             await self.reclaim_segments()
             if d.busy:
+                d.changed()  # the next scrape renders what is live (busy, the open session's idle age)
                 continue  # a transition in progress reconciles before it acts
             async with d.background("reconcile:health", reconciling=True):
                 await self.reconcile_all("health")
@@ -116,8 +119,20 @@ class EngineLifecycle:
         """Observe one engine and drive it toward the desired state; False if it cannot be done now.
 
         The caller holds the node's lock (or the daemon is starting). ``keep_error``: the record's
-        last_error stays (a refresh right after a failed step keeps that step's error).
+        last_error stays (a refresh right after a failed step keeps that step's error). A change of the
+        engine's health is logged once (event ``engine_health``).
         """
+        was_healthy = engine.state.healthy
+        try:
+            return await self._reconcile_engine(engine, trigger, keep_error=keep_error)
+        finally:
+            if engine.state.healthy is not was_healthy:
+                d = self._d
+                emit("engine_health", logging.INFO if engine.state.healthy else logging.WARNING, engine=engine.name,
+                     session=d.sessions.open_id(), step=d.node.step, phase=d.node.phase.value,
+                     healthy=engine.state.healthy, trigger=trigger, error=engine.state.last_error)
+
+    async def _reconcile_engine(self, engine: EngineHandle, trigger: str, *, keep_error: bool) -> bool:
         d = self._d
         try:
             observed = await self._observe(engine)
@@ -188,10 +203,11 @@ class EngineLifecycle:
     def _report(self, engine: EngineHandle, trigger: str, plan: Plan, error: str | None) -> None:
         report = {"trigger": trigger, "at": time.time(), "ok": error is None, "error": error, **plan.snapshot()}
         self.reports[engine.name] = report
-        (log.warning if plan.restarted or error else log.info)(
-            "reconcile %s engine %r: restarted=%s (%s) findings=%s actions=%s%s", trigger, engine.name,
-            plan.restarted, plan.reason, list(plan.findings), [a.value for a in plan.actions],
-            f" FAILED: {error}" if error else "")
+        d = self._d
+        emit("reconcile", logging.WARNING if plan.restarted or error else logging.INFO, engine=engine.name,
+             session=d.sessions.open_id(), step=d.node.step, phase=d.node.phase.value, trigger=trigger,
+             result="failed" if error else "ok", restarted=plan.restarted, reason=plan.reason,
+             findings=list(plan.findings), actions=[a.value for a in plan.actions], error=error)
 
     # -- the journal -----------------------------------------------------------------------------
     def _restore_journal(self) -> bool:
@@ -210,5 +226,5 @@ class EngineLifecycle:
             # Not observed since the journal was written: re-verified before any mutating call.
             engine.lost_sight = True
             self.unreconciled.add(name)
-        log.info("restored node state from journal: %s", d.node.snapshot())
+        emit("journal_restored", logging.INFO, step=d.node.step, phase=d.node.phase.value)
         return True

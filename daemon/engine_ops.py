@@ -103,7 +103,7 @@ async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name:
             engine.state = engine.state.with_(last_error=str(exc))
             raise
         finally:
-            metrics.step_duration.labels(name, engine.name).observe(time.perf_counter() - t0)
+            metrics.observe_substep(name, engine.name, time.perf_counter() - t0)
     return result
 
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .engine_ops import EngineHandle
     from .metrics import Metrics
 
-__all__ = ["OnFailure", "each_engine", "fan_out"]
+__all__ = ["SESSION_PHASES", "OnFailure", "each_engine", "fan_out"]
 
 
 class Named(Protocol):
@@ -85,6 +85,11 @@ async def fan_out(targets: Iterable[T], call: Callable[[T], Awaitable[R]], *,
     return ordered
 
 
+# A weight session's engine calls (begin, end) are its sub-steps, timed as such by engine_ops; its phase time is
+# the whole session's, observed once when the session ends (daemon/steps.py), not once per call and engine.
+SESSION_PHASES = frozenset({"weights"})
+
+
 async def each_engine(engines: Iterable[EngineHandle], step: Callable[[EngineHandle], Awaitable[R]], *,
                       phase: str, metrics: Metrics) -> dict[str, R]:
     """One step of a handoff on every engine (``SETTLE``: none is left running outside the node's lock), each
@@ -95,7 +100,8 @@ async def each_engine(engines: Iterable[EngineHandle], step: Callable[[EngineHan
         try:
             return await step(engine)
         finally:
-            metrics.phase_duration.labels(phase, engine.name).observe(time.perf_counter() - t0)
+            if phase not in SESSION_PHASES:
+                metrics.observe_phase(phase, engine.name, time.perf_counter() - t0)
 
     try:
         results = await fan_out(engines, timed, on_failure=OnFailure.SETTLE)

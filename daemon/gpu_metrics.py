@@ -1,4 +1,5 @@
-"""GPU memory gauges from NVML: per GPU (used / free / total) and per compute process.
+"""GPU memory gauges from NVML: per GPU (used, free, total: one metric each, labelled by the GPU's index and
+UUID so they join dcgm-exporter's series) and per compute process.
 
 Without NVML (no driver, no package, a CPU node) it sets ``colocd_nvml_available 0`` and no GPU
 series at all: an absent series is honest, a zero would claim a reading that never happened.
@@ -32,13 +33,14 @@ def refresh_gpu_metrics(metrics: Metrics, probe: NvmlProbe | None, engines: Iter
     try:
         readings = probe.read_all(gpus)
         per_process = {str(g): probe.processes(g) for g in gpus}
+        uuids = {str(g): probe.uuid(g) for g in gpus}
     except Exception as exc:  # NVML errors (a GPU fell off the bus) must not break a transition
         log.warning("NVML read failed; GPU memory gauges keep their last values: %s", exc)
         return
     for gpu, reading in readings.items():
-        metrics.gpu_memory.labels(gpu, "used").set(reading.used_bytes)
-        metrics.gpu_memory.labels(gpu, "free").set(reading.free_bytes)
-        metrics.gpu_memory.labels(gpu, "total").set(reading.total_bytes)
+        metrics.gpu_memory_used.labels(gpu, uuids[gpu]).set(reading.used_bytes)
+        metrics.gpu_memory_free.labels(gpu, uuids[gpu]).set(reading.free_bytes)
+        metrics.gpu_memory_total.labels(gpu, uuids[gpu]).set(reading.total_bytes)
     metrics.gpu_process_memory.clear()  # processes come and go; keep only the live ones
     for gpu, procs in per_process.items():
         for pid, nbytes in procs.items():

@@ -49,6 +49,7 @@ class NvmlProbe:
     def __init__(self, nvml: Any, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self._nvml = nvml
         self._clock = clock  # injectable so a test can script how long a drop stays put
+        self._uuids: dict[str, str] = {}
 
     def read(self, gpu: int | str) -> GpuReading:
         n = self._nvml
@@ -56,6 +57,20 @@ class NvmlProbe:
                   else n.nvmlDeviceGetHandleByIndex(gpu))
         info = n.nvmlDeviceGetMemoryInfo(handle)
         return GpuReading(str(gpu), int(info.used), int(info.free), int(info.total))
+
+    def uuid(self, gpu: int | str) -> str:
+        """The GPU's UUID (``GPU-...``, what dcgm-exporter labels its series with); "" where NVML cannot say."""
+        key = str(gpu)
+        if key not in self._uuids:
+            n = self._nvml
+            try:
+                handle = (n.nvmlDeviceGetHandleByUUID(gpu) if isinstance(gpu, str)
+                          else n.nvmlDeviceGetHandleByIndex(gpu))
+                raw = n.nvmlDeviceGetUUID(handle)
+                self._uuids[key] = raw.decode() if isinstance(raw, bytes) else str(raw)
+            except Exception:  # an old driver or a vGPU without the query: the index still names it
+                return ""
+        return self._uuids[key]
 
     def read_all(self, gpus: list[int | str]) -> dict[str, GpuReading]:
         return {str(g): self.read(g) for g in gpus}

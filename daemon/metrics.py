@@ -3,15 +3,40 @@
 The text exposition (tens of KB, ~10-30 ms to render on a small CPU) is rendered once per change
 and shared by every reader, in a worker thread so the event loop keeps serving: the owner calls
 ``changed()`` after it updates series, a scrape awaits ``current()``.
+
+Every event counter and histogram exists at 0 for each engine and label value from the start (``declare``):
+Prometheus's ``increase()`` needs a sample before the first event, or the first engine restart reads as 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import platform
+from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+from .. import __version__
 
 __all__ = ["Metrics"]
+
+# The fixed vocabularies of the event counters' labels: each combination is exported at 0 from the start.
+TRANSITION_PHASES = ("train", "sync", "rollout")
+TRANSITION_OUTCOMES = ("ok", "rejected", "failed", "replayed")
+SESSION_OUTCOMES = ("committed", "aborted", "failed", "expired")
+RECONCILE_ACTIONS = ("adopt", "pause", "release", "end_engine_session", "fail_session")
+FALLBACK_KINDS = ("process_groups", "weight_sync")
+# The trainer-side work a trainer agent reports: cleanup.<CleanupStep>, process groups, its weight push.
+TRAINER_SUBSTEPS = ("cleanup.gc_collect", "cleanup.synchronize", "cleanup.empty_cache", "process_groups",
+                    "weight_sync")
 
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -52,8 +77,13 @@ class Metrics:
             "colocd_memory_confirm_seconds", "Time from a release's reply until NVML showed the memory free, "
             "by the criterion that ended the wait (expected bytes back, or a drop that stayed put)",
             ["engine", "criterion"], buckets=_CONFIRM_BUCKETS, registry=r)
-        self.gpu_memory = Gauge(
-            "colocd_gpu_memory_bytes", "GPU memory by NVML (kind=used|free|total)", ["gpu", "kind"], registry=r)
+        # One metric per quantity (never a kind label): a sum over a metric's series must mean something.
+        self.gpu_memory_used = Gauge("colocd_gpu_memory_used_bytes", "GPU memory in use, by NVML",
+                                     ["gpu", "uuid"], registry=r)
+        self.gpu_memory_free = Gauge("colocd_gpu_memory_free_bytes", "GPU memory free, by NVML",
+                                     ["gpu", "uuid"], registry=r)
+        self.gpu_memory_total = Gauge("colocd_gpu_memory_total_bytes", "GPU memory in all, by NVML",
+                                      ["gpu", "uuid"], registry=r)
         self.engine_healthy = Gauge("colocd_engine_healthy", "1 if the engine answered its last probe",
                                     ["engine"], registry=r)
         self.engine_tag_resident = Gauge("colocd_engine_tag_resident", "1 if the tag's memory is resident",
@@ -64,6 +94,29 @@ class Metrics:
         self.policy_info = Gauge("colocd_policy_info", "Active policy (value 1)",
                                  ["version", "fingerprint", "process_groups", "pipeline", "cleanup"], registry=r)
         self.node_step = Gauge("colocd_node_step", "Current step of the node", registry=r)
+        self.node_phase = Gauge("colocd_node_phase", "1 for the node's current phase (train, sync, rollout), "
+                                "0 for the others", ["phase"], registry=r)
+        self.node_phase_entered = Gauge(
+            "colocd_node_phase_entered_timestamp_seconds", "Unix time at which the node entered its current "
+            "(step, phase), or the daemon started: time() minus this is how long it has been there", registry=r)
+        self.node_busy = Gauge("colocd_node_busy", "1 while a transition, weight-session call or reconcile "
+                               "holds the node", registry=r)
+        self.session_open = Gauge("colocd_weight_session_open", "1 while a weight session is open", registry=r)
+        self.session_idle = Gauge(
+            "colocd_weight_session_idle_seconds", "Seconds since the open weight session last saw the trainer "
+            "(0 when none is open); it expires at timeouts.session_idle_s", registry=r)
+        self.build_info = Gauge("colocd_build_info", "colocd's version and the Python it runs on (value 1)",
+                                ["version", "python"], registry=r)
+        self.build_info.labels(__version__, platform.python_version()).set(1)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        PlatformCollector(registry=r)  # python_info
+        self.last_phase_duration = Gauge(
+            "colocd_last_phase_duration_seconds", "The last transition's wall time per engine ('all' = whole "
+            "node), by phase: stays put between steps, where a rate over the histogram has nothing", 
+            ["phase", "engine"], registry=r)
+        self.last_substep_duration = Gauge(
+            "colocd_last_substep_duration_seconds", "The last call of each sub-step on each engine",
+            ["substep", "engine"], registry=r)
         # -- the operator's view (issue 14): step breakdown, GPU memory detail, engine lifecycle ------------
         self.step_switch = Histogram(
             "colocd_step_switch_seconds", "Daemon-side switch time of one step: train + sync + weight update + "
@@ -130,10 +183,53 @@ class Metrics:
             "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state "
             "(adopt, pause, release, end_engine_session, fail_session)",
             ["engine", "action"], registry=r)
+        self.declare(())
         self._version = 1  # bumped by changed(); the rendering below is of _rendered_version
         self._rendered = b""
         self._rendered_version = 0
         self._rendering: asyncio.Future[None] | None = None
+
+    def declare(self, engines: Iterable[str], launched: Iterable[str] = (), parts: Iterable[str] = ()) -> None:
+        """Export every event counter and histogram at 0 for each of ``engines`` (``launched``: those colocd
+        launches), each step part and each label value of its fixed vocabulary, so the first event is an
+        increase Prometheus can see."""
+        engines = list(engines)
+        for phase in TRANSITION_PHASES:
+            for engine in [*engines, "all"]:
+                self.phase_duration.labels(phase, engine)
+        self.phase_duration.labels("weights", "all")
+        for outcome in SESSION_OUTCOMES:
+            self.weight_session_duration.labels(outcome)
+        for part in parts:
+            self.step_part_duration.labels(part)
+        for substep in TRAINER_SUBSTEPS:
+            self.trainer_substep_duration.labels(substep)
+        for engine in engines:
+            self.chunk_load_duration.labels(engine)
+        for phase in TRANSITION_PHASES:
+            for outcome in TRANSITION_OUTCOMES:
+                self.transitions.labels(phase, outcome)
+        for outcome in SESSION_OUTCOMES:
+            self.weight_sessions.labels(outcome)
+        for kind in FALLBACK_KINDS:
+            self.fallbacks.labels(kind)
+        for engine in engines:
+            self.engine_restarts.labels(engine)
+            for action in RECONCILE_ACTIONS:
+                self.reconcile_actions.labels(engine, action)
+        for engine in launched:
+            self.engine_launches.labels(engine)
+            self.engine_launch_failures.labels(engine)
+
+    def observe_phase(self, phase: str, engine: str, seconds: float) -> None:
+        """One transition's time on ``engine`` ('all': the node): the histogram and the last-value gauge."""
+        self.phase_duration.labels(phase, engine).observe(seconds)
+        self.last_phase_duration.labels(phase, engine).set(seconds)
+
+    def observe_substep(self, substep: str, engine: str, seconds: float) -> None:
+        """One engine call's time: the histogram and the last-value gauge."""
+        self.step_duration.labels(substep, engine).observe(seconds)
+        self.last_substep_duration.labels(substep, engine).set(seconds)
 
     def exposition(self) -> bytes:
         """Render now, on the calling thread (tests, tools); the daemon's route uses ``current()``."""

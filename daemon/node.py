@@ -31,6 +31,7 @@ from .gpu_metrics import refresh_gpu_metrics
 from .journal import Journal
 from .memory import NvmlProbe, open_probe
 from .metrics import Metrics
+from .node_metrics import NodeMetrics
 from .policy_runtime import PolicyRuntime
 from .sessions import WeightSessions
 from .staging import StagingMemory, staging_memory
@@ -113,6 +114,7 @@ class Daemon:
         self.engine_lifecycle = EngineLifecycle(self)
         self.sessions = WeightSessions(self, WeightGroups(self.metrics))
         self.transitions = Transitions(self)
+        self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
         self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed)
 
@@ -350,7 +352,7 @@ class Daemon:
 
     def refresh_gauges(self) -> None:
         m = self.metrics
-        m.node_step.set(self.node.step)
+        self.node_metrics.refresh()
         m.weight_version.clear()
         m.policy_info.clear()
         m.policy_info.labels(**self.policies.active.info()).set(1)

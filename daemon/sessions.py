@@ -122,6 +122,7 @@ class WeightSessions:
                 idle_s=t.for_step(TimeoutStep.SESSION_IDLE), start_timeout_s=t.for_step(TimeoutStep.START),
                 sources=self._feed_ranks(), rings=self.rings)
             session.required = required
+            trace.attrs["session"] = session.id  # the session's log line and trace name it
             session.prior = {n: e.state.weights for n, e in d.engines.items()}
 
             async def begin(engine: EngineHandle) -> None:

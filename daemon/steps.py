@@ -13,12 +13,15 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from .events import emit
 from .metrics import Metrics
 from .trace import Trace, TraceStore
 
 __all__ = ["PARTS", "StepBook", "step_summary"]
 
 log = logging.getLogger("colocd.events")
+# The phases Transitions.transition runs: it logs each failure itself, with the error that reached the caller.
+_NODE_PHASES = ("train", "sync", "rollout")
 
 # The parts of a switch, in the order they happen; ``total`` is their sum.
 PARTS = ("sleep", "load_weights_memory", "update", "wake", "cleanup", "groups")
@@ -87,16 +90,6 @@ def step_summary(step: int, traces: Mapping[str, Trace]) -> dict[str, Any]:
     }
 
 
-def _logfmt(fields: Mapping[str, Any]) -> str:
-    def value(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4f}"
-        text = str(v)
-        return f'"{text}"' if (" " in text or "=" in text or not text) else text
-
-    return " ".join(f"{k}={value(v)}" for k, v in fields.items() if v is not None)
-
-
 class StepBook:
     """Sees every stored trace (``TraceStore(on_put=book.observe)``): logs it and records step metrics."""
 
@@ -115,10 +108,16 @@ class StepBook:
         except Exception:
             log.exception("step book: could not record step %s phase %s", trace.step, trace.phase)
 
-    def rejected(self, phase: str, step: int, reason: str) -> None:
+    def rejected(self, phase: str, step: int, reason: str, *, session: str | None = None) -> None:
         """A transition refused before it started (409): logged, it has no trace."""
-        fields = {"event": "transition", "step": step, "phase": phase, "result": "rejected", "error": reason}
-        log.info(_logfmt(fields), extra={"colocd": fields})
+        emit("transition", logging.INFO, engine=None, session=session, step=step, phase=phase, result="rejected",
+             error=reason)
+
+    def failed(self, phase: str, step: int, exc: BaseException, *, session: str | None = None) -> None:
+        """A transition that failed, at any point (before its trace began, too): one line with the error the
+        caller got and the engine it names."""
+        emit("transition", logging.WARNING, engine=getattr(exc, "engine", None), session=session, step=step,
+             phase=phase, result="failed", error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
     def summaries(self, limit: int = 20) -> list[dict[str, Any]]:
         """The last ``limit`` steps, newest first."""
@@ -130,8 +129,12 @@ class StepBook:
     # -- internals -----------------------------------------------------------------------------
     def _log(self, trace: Trace) -> None:
         session = trace.phase == "weights"
+        if trace.phase in _NODE_PHASES and trace.outcome != "ok":
+            return  # Transitions.transition logs it (failed), with the caller's error
+        if trace.phase.startswith("reconcile:"):
+            return  # EngineLifecycle logs each reconcile (event reconcile), with its plan
+        failed = next((s for s in trace.spans if not s.ok and s.engine and s.engine != "trainer"), None)
         fields: dict[str, Any] = {
-            "event": "weight_session" if session else "transition",
             "step": trace.step,
             "phase": trace.phase,
             "result": trace.outcome or "in_progress",
@@ -142,14 +145,15 @@ class StepBook:
             "engines": ",".join(sorted({s.engine for s in trace.spans if s.engine and s.engine != "trainer"})) or None,
             "error": _error_of(trace),
         }
-        fields = {k: v for k, v in fields.items() if v is not None}
-        level = logging.WARNING if trace.outcome in ("failed", "aborted") else logging.INFO
-        log.log(level, _logfmt(fields), extra={"colocd": fields})
+        level = logging.WARNING if trace.outcome in ("failed", "aborted", "expired") else logging.INFO
+        emit("weight_session" if session else "transition", level,
+             engine=failed.engine if failed is not None else None, session=trace.attrs.get("session"), **fields)
 
     def _record(self, trace: Trace) -> None:
         m = self._metrics
         if trace.phase == "weights":
             if trace.duration_s is not None:
+                m.observe_phase("weights", "all", trace.duration_s)  # once per session (daemon/fanout.py)
                 m.weight_session_duration.labels(trace.outcome or "unknown").observe(trace.duration_s)
             for span in trace.spans:
                 if span.name == "load_chunk" and span.ok and span.engine:

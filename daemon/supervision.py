@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 from ..engines.registry import launch_engine
 from ..engines.supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
+from .events import emit
 from .metrics import Metrics
 
 __all__ = ["Backoff", "EngineSupervision", "LaunchState", "LaunchedEngine"]
@@ -209,7 +210,7 @@ class EngineSupervision:
         engine.state, engine.last_error = LaunchState.RUNNING, None
         self._metrics.engine_launches.labels(engine.name).inc()
         self._changed()
-        log.info("engine %r: launched pid %s at %s", engine.name, launched.process.pid, launched.url)
+        emit("engine_launched", logging.INFO, engine=engine.name, pid=launched.process.pid, url=launched.url)
 
     async def _watch(self, engine: LaunchedEngine, on_relaunch: Callable[[str], Awaitable[None]]) -> None:
         while True:
@@ -217,8 +218,8 @@ class EngineSupervision:
             engine.last_exit = await engine.process.wait_exit()
             uptime = time.monotonic() - engine.up_since if engine.up_since is not None else None
             engine.up_since = None
-            log.warning("engine %r (pid %s) exited with code %s after %.1fs%s", engine.name, engine.process.pid,
-                        engine.last_exit, uptime or 0.0, "; relaunching" if engine.restart else "; left down")
+            emit("engine_exited", logging.WARNING, engine=engine.name, pid=engine.process.pid, code=engine.last_exit,
+                 uptime_s=round(uptime or 0.0, 3), then="relaunch" if engine.restart else "left_down")
             if not engine.restart:
                 engine.state = LaunchState.EXITED
                 self._changed()
@@ -227,7 +228,8 @@ class EngineSupervision:
             try:
                 await on_relaunch(engine.name)
             except Exception:  # the health loop reconciles it again; the watcher must keep watching
-                log.exception("engine %r: reconcile after relaunch failed", engine.name)
+                log.exception("engine %s: reconcile after relaunch failed", engine.name,
+                              extra={"colocd": {"event": "reconcile", "engine": engine.name, "session": None}})
 
     async def _relaunch(self, engine: LaunchedEngine, uptime: float | None) -> None:
         """Relaunch until one is ready, backing off between attempts."""
@@ -240,7 +242,7 @@ class EngineSupervision:
             try:
                 await self._launch(engine)
             except EngineLaunchError as exc:
-                log.warning("engine %r: relaunch failed: %s", engine.name, exc.summary)
+                emit("engine_launch_failed", logging.WARNING, engine=engine.name, error=exc.summary)
                 uptime = None
                 continue
             engine.restarts += 1
@@ -253,7 +255,8 @@ class EngineSupervision:
                 with contextlib.suppress(ProcessLookupError):
                     await engine.process.stop(engine.grace_s)
             engine.state = LaunchState.STOPPED
-            log.info("engine %r: stopped (pid %s)", engine.name, engine.process.pid if engine.process else None)
+            emit("engine_stopped", logging.INFO, engine=engine.name,
+                 pid=engine.process.pid if engine.process else None)
 
         await asyncio.gather(*(stop(e) for e in self.launched.values()))
         self._changed()

@@ -97,18 +97,19 @@ class Transitions:
                 result = TransitionResult(step, phase.value, time.perf_counter() - t0,
                                           {n: e.state.snapshot() for n, e in d.engines.items()},
                                           freed, directives, trace)
-                d.metrics.phase_duration.labels(phase.value, "all").observe(result.duration_s)
+                d.metrics.observe_phase(phase.value, "all", result.duration_s)
                 self._completed[key] = result
                 while len(self._completed) > 256:
                     self._completed.popitem(last=False)
                 d.journal_append(phase.value)
         except TransitionRejected as exc:
             d.metrics.transitions.labels(phase.value, "rejected").inc()
-            d.steps.rejected(phase.value, step, str(exc))
+            d.steps.rejected(phase.value, step, str(exc), session=d.sessions.open_id())
             d.changed()
             raise
-        except BaseException:
+        except BaseException as exc:
             d.metrics.transitions.labels(phase.value, "failed").inc()
+            d.steps.failed(phase.value, step, exc, session=d.sessions.open_id())
             d.changed()
             raise
         d.metrics.transitions.labels(phase.value, "ok").inc()

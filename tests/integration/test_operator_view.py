@@ -122,10 +122,16 @@ async def test_step_metrics_record_the_breakdown_of_the_last_step(node: dict[str
     assert re.search(r'^colocd_weight_chunk_load_seconds_count\{engine="ref0"\} [1-9]', text, re.M)
 
 
+async def test_the_weights_phase_is_observed_once_per_session_for_the_node(node: dict[str, Any]) -> None:
+    text = node["metrics"]
+    assert re.search(r'^colocd_phase_duration_seconds_count\{engine="all",phase="weights"\} 2\.0$', text, re.M)
+    assert not re.search(r'^colocd_phase_duration_seconds_count\{engine="ref0",phase="weights"\}', text, re.M)
+
+
 async def test_without_nvml_there_are_no_gpu_readings_and_the_gauge_says_so(node: dict[str, Any]) -> None:
     text = node["metrics"]
     assert re.search(r"^colocd_nvml_available 0\.0$", text, re.M)
-    assert not re.search(r"^colocd_gpu_memory_bytes\{", text, re.M)
+    assert not re.search(r"^colocd_gpu_memory_(used|free|total)_bytes\{", text, re.M)
     assert re.search(r'^colocd_engine_memory_bytes\{engine="ref0",tag="weights"\} [1-9]', text, re.M)
 
 

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 def test_every_registered_metric_is_documented_in_metrics_md() -> None:
     text = DOC.read_text()
-    documented = set(re.findall(r"`(colocd_[a-z0-9_]+)`", text))
+    documented = set(re.findall(r"`((?:colocd|process|python)_[a-z0-9_]+)`", text))
     registered = {f.name + ("_total" if f.type == "counter" else "") for f in Metrics().registry.collect()}
     assert registered, "no metrics registered?"
     assert not registered - documented, sorted(registered - documented)
@@ -80,6 +81,9 @@ class _FakeNvml:
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return i
 
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-0000000{h}-aaaa-bbbb-cccc-ddddeeeeffff"
+
     def nvmlDeviceGetMemoryInfo(self, h: int) -> object:
         return self._mem[h]
 
@@ -107,9 +111,13 @@ def test_nvml_gauges_give_each_gpu_and_each_process_nvml_attributes_memory_to() 
     metrics = Metrics()
     refresh_gpu_metrics(metrics, NvmlProbe(_FakeNvml()), [_engine("a", [0]), _engine("b", [0, 1])])
     assert _samples(metrics, "colocd_nvml_available") == {(): 1.0}
-    gpu = _samples(metrics, "colocd_gpu_memory_bytes")
-    assert gpu[(("gpu", "0"), ("kind", "used"))] == 30 << 30
-    assert gpu[(("gpu", "1"), ("kind", "total"))] == 140 << 30
+    uuid0 = ("uuid", "GPU-00000000-aaaa-bbbb-cccc-ddddeeeeffff")
+    uuid1 = ("uuid", "GPU-00000001-aaaa-bbbb-cccc-ddddeeeeffff")
+    # One metric per quantity, each GPU once (GPU 0 is shared by two engines), labelled by index and UUID.
+    assert _samples(metrics, "colocd_gpu_memory_used_bytes") == {(("gpu", "0"), uuid0): 30 << 30,
+                                                                 (("gpu", "1"), uuid1): 1 << 30}
+    assert _samples(metrics, "colocd_gpu_memory_free_bytes")[(("gpu", "0"), uuid0)] == 110 << 30
+    assert _samples(metrics, "colocd_gpu_memory_total_bytes")[(("gpu", "1"), uuid1)] == 140 << 30
     # pid 102's usage is hidden (None) and GPU 1 refuses the query: neither becomes a made-up number.
     assert _samples(metrics, "colocd_gpu_process_memory_bytes") == {(("gpu", "0"), ("pid", "101")): 20 << 30}
     assert set(_samples(metrics, "colocd_engine_gpu_info")) == {
@@ -122,5 +130,111 @@ def test_without_nvml_no_gpu_series_exist() -> None:
     metrics = Metrics()
     refresh_gpu_metrics(metrics, None, [_engine("a", [])])
     assert _samples(metrics, "colocd_nvml_available") == {(): 0.0}
-    assert _samples(metrics, "colocd_gpu_memory_bytes") == {}
+    for quantity in ("used", "free", "total"):
+        assert _samples(metrics, f"colocd_gpu_memory_{quantity}_bytes") == {}
     assert _samples(metrics, "colocd_gpu_process_memory_bytes") == {}
+
+
+def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() -> None:
+    metrics = Metrics()
+    metrics.declare(["ref0", "ref1"], ["ref1"], ["sleep"])
+    text = metrics.exposition().decode()
+    for line in ('colocd_engine_restarts_total{engine="ref0"} 0.0',
+                 'colocd_reconcile_actions_total{action="pause",engine="ref1"} 0.0',
+                 'colocd_transitions_total{outcome="failed",phase="train"} 0.0',
+                 'colocd_transitions_total{outcome="rejected",phase="rollout"} 0.0',
+                 'colocd_weight_sessions_total{outcome="expired"} 0.0',
+                 'colocd_engine_launch_failures_total{engine="ref1"} 0.0',
+                 # histograms too: a mean over the first observations needs their 0 before them
+                 'colocd_phase_duration_seconds_count{engine="ref0",phase="train"} 0.0',
+                 'colocd_step_part_duration_seconds_count{part="sleep"} 0.0',
+                 'colocd_trainer_substep_duration_seconds_count{substep="process_groups"} 0.0'):
+        assert line in text.splitlines(), line
+    assert 'colocd_engine_launches_total{engine="ref0"}' not in text  # ref0 is attached, not launched
+
+
+def test_a_failed_transition_logs_one_line_naming_engine_step_phase_session_and_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from colocd.engines.errors import EngineUnreachable
+
+    book = StepBook(Metrics())
+    with caplog.at_level(logging.INFO, logger="colocd.events"):
+        book.failed("train", 3, EngineUnreachable("ref0", "no answer to observe within 1s"), session="s-1")
+    [record] = caplog.records
+    line = json.loads(JsonFormatter().format(record))
+    assert {k: line[k] for k in ("event", "engine", "step", "phase", "session", "result", "level")} == {
+        "event": "transition", "engine": "ref0", "step": 3, "phase": "train", "session": "s-1",
+        "result": "failed", "level": "warning"}
+    assert "no answer to observe" in line["error"]
+
+
+def test_a_failed_transitions_trace_is_not_logged_a_second_time(caplog: pytest.LogCaptureFixture) -> None:
+    book = StepBook(Metrics())
+    store = TraceStore(on_put=book.observe)
+    book.attach(store)
+    with caplog.at_level(logging.INFO, logger="colocd.events"):
+        store.put(_trace("train", 3, 0.2, "failed"))
+    assert caplog.records == []  # Transitions.transition logs it, with the caller's error (above)
+
+
+def test_weight_session_phase_time_is_observed_once_per_session() -> None:
+    metrics = Metrics()
+    book = StepBook(metrics)
+    store = TraceStore(on_put=book.observe)
+    book.attach(store)
+    store.put(_trace("weights", 2, 0.25, "committed"))
+    counts = {k: v for k, v in _samples(metrics, "colocd_phase_duration_seconds_count").items() if v}
+    assert counts == {(("engine", "all"), ("phase", "weights")): 1.0}
+    assert _samples(metrics, "colocd_last_phase_duration_seconds") == {(("engine", "all"), ("phase", "weights")): 0.25}
+
+
+class _StubSession:
+    id = "s-1"
+
+    def idle_for(self) -> float:
+        return 12.5
+
+
+def _stub_daemon(*, busy: bool, session: bool) -> object:
+    from types import SimpleNamespace
+
+    from colocd.daemon.states import NodePhase, NodeState
+
+    current = _StubSession() if session else None
+    sessions = SimpleNamespace(current=current, open_id=lambda: current.id if current is not None else None)
+    return SimpleNamespace(metrics=Metrics(), busy=busy, sessions=sessions, node=NodeState(NodePhase.SYNC, 4),
+                           config=SimpleNamespace(engines=[SimpleNamespace(name="ref0", launch=None)]))
+
+
+def test_busy_and_the_open_sessions_idle_age_are_read_when_the_exposition_renders() -> None:
+    from colocd.daemon.node_metrics import NodeMetrics
+
+    daemon: Any = _stub_daemon(busy=True, session=True)
+    NodeMetrics(daemon)
+    text = daemon.metrics.exposition().decode().splitlines()
+    assert "colocd_node_busy 1.0" in text
+    assert "colocd_weight_session_open 1.0" in text and "colocd_weight_session_idle_seconds 12.5" in text
+    daemon.busy, daemon.sessions.current = False, None
+    text = daemon.metrics.exposition().decode().splitlines()
+    assert "colocd_node_busy 0.0" in text and "colocd_weight_session_idle_seconds 0.0" in text
+
+
+def test_the_phase_clock_restarts_only_when_the_node_moves() -> None:
+    from colocd.daemon.node_metrics import NodeMetrics
+    from colocd.daemon.states import NodePhase, NodeState
+
+    daemon: Any = _stub_daemon(busy=False, session=False)
+    gauges = NodeMetrics(daemon)
+    gauges.refresh()
+    entered = _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()]
+    assert entered > 0
+    assert _samples(daemon.metrics, "colocd_node_phase") == {
+        (("phase", "rollout"),): 0.0, (("phase", "train"),): 0.0, (("phase", "sync"),): 1.0}
+    daemon.metrics.node_phase_entered.set(1.0)  # marks the value: a refresh that keeps it changed nothing
+    daemon.node = NodeState(NodePhase.SYNC, 4)  # a new record of the same (step, phase): the clock keeps running
+    gauges.refresh()
+    assert _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()] == 1.0
+    daemon.node = NodeState(NodePhase.ROLLOUT, 4)
+    gauges.refresh()
+    assert _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()] >= entered
+    assert _samples(daemon.metrics, "colocd_node_step")[()] == 4.0
