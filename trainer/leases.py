@@ -207,7 +207,7 @@ class LeaseBook:
             del self._live[lease.id]
         return self.retained_bytes
 
-    def reclaim(self, reason: str) -> int:
+    def reclaim(self, reason: str, level: int = logging.WARNING) -> int:
         """Zero the consumers' counts of every retained lease and let torch free them; returns the bytes."""
         retained = self.leases(LeaseState.RETAINED)
         for lease in retained:
@@ -221,20 +221,20 @@ class LeaseBook:
             del self._live[lease.id]
             nbytes += lease.nbytes
             held = self._clock() - (lease.released_at or self._clock())
-            log.warning("reclaimed IPC lease %d (%s, %d bytes, owner %s, rank %d) retained %.2fs after its release "
-                        "by a consumer that never let go: %s", lease.id, lease.transport, lease.nbytes,
-                        lease.owner, self.rank, held, reason)
+            log.log(level, "reclaimed IPC lease %d (%s, %d bytes, owner %s, rank %d), still counted by a consumer "
+                    "%.2fs after its release: %s", lease.id, lease.transport, lease.nbytes, lease.owner, self.rank,
+                    held, reason)
         self.reclaimed += len(retained)
         self.reclaimed_bytes += nbytes
         return nbytes
 
-    async def settle(self, reason: str, grace_s: float = LEASE_GRACE_S) -> int:
+    async def settle(self, reason: str, grace_s: float = LEASE_GRACE_S, level: int = logging.WARNING) -> int:
         """After a failure or a close: wait up to ``grace_s`` for retained leases' consumers to let go, then
         ``reclaim`` what is left; returns the bytes reclaimed (0 when every consumer let go in time)."""
         deadline = self._clock() + grace_s
         while self.collect() and self._clock() < deadline:
             await asyncio.sleep(_POLL_S)  # polling another process's count, bounded by the grace
-        return self.reclaim(reason)
+        return self.reclaim(reason, level)
 
     def leases(self, state: LeaseState | None = None) -> list[Lease]:
         return [lease for lease in self._live.values() if state is None or lease.state is state]

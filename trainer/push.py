@@ -206,7 +206,7 @@ class WeightPusher:
             # Its ring slots and registered storages: no chunk is in flight, so no consumer is mid-read and
             # nothing needs a grace; an engine's table would keep them mapped (and counted) until it evicts them.
             self.leases.release_all()
-            await self.leases.settle("the pusher closed its producer", grace_s=0.0)
+            await self.leases.settle("the pusher closed its producer", grace_s=0.0, level=logging.INFO)
             self._report_leases()
         if self._lease_reporter is not None:
             await self._lease_reporter
