@@ -37,15 +37,17 @@ _GiB = 1 << 30
 
 
 class KillBeforeChunk(AsyncColocdClient):
-    """A trainer client that SIGKILLs process ``pid`` just before it sends chunk ``seq`` (the engine's crash)."""
+    """A trainer client that SIGKILLs process ``pid`` just before it sends chunk ``seq`` of the first session
+    opened once ``armed`` is set (the engine's crash)."""
 
     def __init__(self, url: str, *, pid: int, seq: int) -> None:
         super().__init__(url)
         self.pid, self.seq = pid, seq
+        self.armed = False
         self.killed_at: float | None = None
 
     async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
-        if seq == self.seq and self.killed_at is None:
+        if self.armed and seq == self.seq and self.killed_at is None:
             os.kill(self.pid, signal.SIGKILL)
             self.killed_at = time.monotonic()
         return await super().send_chunk(session_id, seq=seq, rank=rank, chunk=chunk)
@@ -80,6 +82,7 @@ async def engine_kill_mid_push(*, model: str, device: str = "cuda:0", bucket_mb:
                 torch.cuda.synchronize(dev)
                 baseline = torch.cuda.memory_allocated(dev)
                 pusher = WeightPusher(client, **options)
+                client.armed = True
                 push = asyncio.create_task(pusher.push(named, version="killed"))
                 peak = baseline
                 while not push.done():  # exports run on threads: sample the trainer's memory meanwhile
