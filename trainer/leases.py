@@ -19,7 +19,10 @@ the default 3 x 2 GiB window on qwen3-8b shapes.
 ``reclaim`` ends that: it writes 0 into the slots of a released lease and collects, so torch frees the block.
 The consumer side stays torch's (SGLang, vLLM and the reference engine rebuild the payload unchanged): a late
 decrement from a consumer that was still alive hits a slot torch never hands out again (slots of a file only
-move forward). What ``reclaim`` gives up is the consumer's protection, so it runs only where the trainer knows
+move forward). A storage some tensor of the trainer still holds (a ``zero_copy`` parameter, a ``per_tensor``
+share) is never reclaimed: torch is not holding it for the consumer, nothing is stranded, and a zeroed count
+that a live consumer later decrements would wrap torch's unsigned counter and keep the storage forever once
+the trainer frees it. What ``reclaim`` gives up is the consumer's protection, so it runs only where the trainer knows
 the buffer's contents no longer matter: after a stream failed or was aborted (its engines' weights are torn
 either way and are pushed again before they serve), or after the producer was closed, and only once
 ``settle``'s grace for live consumers to let go by themselves has passed.
@@ -38,6 +41,7 @@ from enum import StrEnum
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "LEASE_GRACE_S",
@@ -138,8 +142,13 @@ class Lease:
     nbytes: int
     owner: str
     counters: tuple[RefCounter, ...]
+    storages: tuple[StorageWeakRef, ...] = ()  # the exported storages: does a trainer tensor still hold one?
     state: LeaseState = LeaseState.EXPORTED
     released_at: float | None = None
+
+    def held_by_trainer(self) -> bool:
+        """Some tensor of this process still holds a storage: its memory is the trainer's, not torch's limbo."""
+        return any(not storage.expired() for storage in self.storages)  # type: ignore[no-untyped-call]
 
     def counts(self) -> int:
         return sum(max(c.read(), 0) for c in self.counters)
@@ -170,9 +179,11 @@ class LeaseBook:
         self.reclaimed_bytes = 0
 
     def export(self, transport: str, nbytes: int, counters: Iterable[RefCounter | None] = (),
-               owner: str | None = None) -> Lease:
+               owner: str | None = None, buffers: Iterable[torch.Tensor] = ()) -> Lease:
+        """A new exported lease; ``buffers``: the tensors whose storages were shared (weakly referenced)."""
+        storages = tuple(StorageWeakRef(t.untyped_storage()) for t in buffers)  # type: ignore[no-untyped-call]
         lease = Lease(next(self._ids), str(transport), int(nbytes), owner or self.owner,
-                      tuple(c for c in counters if c is not None))
+                      tuple(c for c in counters if c is not None), storages)
         self._live[lease.id] = lease
         return lease
 
@@ -181,7 +192,8 @@ class LeaseBook:
         if lease.state is not LeaseState.EXPORTED:
             return
         lease.released_at = self._clock()
-        if not lease.counters:  # nothing but the producer held it (a shm segment, once unlinked)
+        # Nothing but the producer held it (a shm segment, once unlinked), or a trainer tensor still holds it.
+        if not lease.counters or lease.held_by_trainer():
             lease.state = LeaseState.FREED
             del self._live[lease.id]
             return

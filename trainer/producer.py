@@ -171,7 +171,8 @@ class CudaIpcProducer:
             payload, bucket = export_flattened_bucket(named, shares)
             load_format = FLATTENED_BUCKET
         lease = self.leases.export(Transport.PER_TENSOR if self.per_tensor else self.transport, layout.nbytes,
-                                   [RefCounter.of(h, offset) for h, offset in shares])
+                                   [RefCounter.of(h, offset) for h, offset in shares],
+                                   buffers=[t for _, t in named] if bucket is None else [bucket.tensor])
         key = lease.id
         self._live[key] = (bucket, lease)
         handle = {

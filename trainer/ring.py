@@ -206,7 +206,7 @@ class IpcRingProducer:
                 counter = handle["ref_counter_handle"]
                 self.leases.export(Transport.ZERO_COPY if self.zero_copy else self.transport, buffer.numel(),
                                    [RefCounter.of(base64.b64decode(counter), handle["ref_counter_offset"])
-                                    if counter is not None else None], owner=f"ring {self.ring_id}")
+                                    if counter is not None else None], owner=f"ring {self.ring_id}", buffers=[buffer])
         base: dict[str, Any] = {"ring": self.ring_id, "device_uuid": device_uuid(device.index or 0)}
         if slot is not None:
             base["slot"] = slot

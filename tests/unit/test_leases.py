@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from colocd.trainer.leases import REF_COUNTER_SLOTS, LeaseBook, LeaseState, RefCounter
 
@@ -135,3 +136,30 @@ def test_exported_leases_are_never_reclaimed(tmp_path: Path) -> None:
     assert lease.state is LeaseState.EXPORTED and RefCounter(handle, 0, str(tmp_path)).read() == 1
     book.release_all(owner="ring r")
     assert book.reclaim("the pusher closed its producer") == 64
+
+
+async def test_a_storage_a_trainer_tensor_still_holds_is_never_reclaimed(tmp_path: Path) -> None:
+    # A zero_copy parameter (or a per_tensor share): torch does not hold it for the consumer, so nothing is
+    # stranded, and zeroing a count a live engine decrements later would strand it for good once freed.
+    handle = ref_file(tmp_path)
+    set_count(tmp_path, handle, 0, 1)
+    parameter = torch.zeros(16)
+    book = LeaseBook(collect=Collects())
+    lease = book.export("zero_copy", 64, [RefCounter(handle, 0, str(tmp_path))], owner="ring r", buffers=[parameter])
+    book.release_all(owner="ring r")
+    assert lease.state is LeaseState.FREED and book.retained_bytes == 0
+    assert await book.settle("the pusher closed its producer", grace_s=0) == 0
+    assert RefCounter(handle, 0, str(tmp_path)).read() == 1  # the engine's count, untouched
+
+
+async def test_a_released_buffer_no_tensor_holds_is_retained_and_reclaimed(tmp_path: Path) -> None:
+    handle = ref_file(tmp_path)
+    set_count(tmp_path, handle, 0, 1)
+    bucket = torch.zeros(16)
+    book = LeaseBook(collect=Collects())
+    lease = book.export("cuda_ipc", 64, [RefCounter(handle, 0, str(tmp_path))], buffers=[bucket])
+    del bucket  # the producer let go: only torch's limbo (on a GPU) would hold it now
+    book.release(lease)
+    assert lease.state is LeaseState.RETAINED
+    assert await book.settle("stream failed", grace_s=0) == 64
+    assert RefCounter(handle, 0, str(tmp_path)).read() == 0
