@@ -28,4 +28,5 @@ async def test_an_engine_killed_mid_push_leaves_the_trainers_memory_at_its_pre_p
     assert record["back_after_kill_s"] < BACK_WITHIN_S, record
     assert record["final_bytes"] <= record["baseline_bytes"], record
     assert record["leases"]["exported_bytes"] == record["leases"]["retained_bytes"] == 0, record
+    assert record["leases"]["reclaimed"] >= 1, record  # the dead engine's counts were what held it
     assert 'colocd_ipc_retained_bytes{rank="0"} 0.0' in record["metrics"], record
