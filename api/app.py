@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
 from ..daemon.config import NodeConfig
+from ..daemon.leases import LeaseReport
 from ..daemon.node import Daemon, TransitionResult
 from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
@@ -29,6 +30,7 @@ from .schemas import (
     JoinRequest,
     OpenSessionReply,
     OpenSessionRequest,
+    LeaseReportRequest,
     OpenWeightGroupRequest,
     PhaseRequest,
     SleepRequest,
@@ -144,6 +146,12 @@ async def phase(body: PhaseRequest, d: D) -> TransitionReply:
     """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
     trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None
     return _reply(await d.transition(NodePhase(body.phase), body.step, trainer))
+
+
+@_route("POST", "/v1/trainer/leases", responses=_errors(*_MUTATING))
+async def report_leases(body: LeaseReportRequest, d: D) -> dict[str, Any]:
+    """A trainer rank's IPC lease bytes (``colocd.trainer.leases``), for the ``colocd_ipc_*`` metrics."""
+    return d.report_leases(LeaseReport(**body.model_dump()))
 
 
 @_route("POST", "/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))

@@ -162,6 +162,10 @@ class AsyncColocdClient:
     async def abort(self, session_id: str) -> dict[str, Any]:
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/abort")
 
+    async def report_leases(self, report: dict[str, int]) -> dict[str, Any]:
+        """A trainer rank's IPC lease bytes (``colocd.trainer.leases.LeaseBook.report()``)."""
+        return await self._call("POST", "/v1/trainer/leases", report)
+
     async def weight_groups(self) -> dict[str, Any]:
         """The rank layout (world size, each engine's rank_offset) and the open weight-update groups."""
         return await self._call("GET", "/v1/weights/groups")

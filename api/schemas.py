@@ -25,6 +25,7 @@ __all__ = [
     "ErrorBody",
     "ErrorReply",
     "FieldProblem",
+    "LeaseReportRequest",
     "ManifestEntry",
     "OpenSessionReply",
     "OpenSessionRequest",
@@ -121,6 +122,16 @@ class TrainerReport(_Strict):
     cleanup: dict[str, JsonValue] | None = Field(None, description="sync: the cleanup report, minus its spans")
     weights: TrainerWeights | None = Field(None, description="how the weights were pushed, and the latest version "
                                                              "the trainer started")
+
+
+class LeaseReportRequest(_Strict):
+    """One trainer rank's IPC leases (``colocd.trainer.leases.LeaseBook.report()``): bytes now, reclaims so far."""
+
+    rank: Count = Field(..., le=65535, description="the trainer rank")
+    exported_bytes: Count = Field(..., description="bytes exported for engines now")
+    retained_bytes: Count = Field(..., description="bytes released but kept by torch for a consumer's count")
+    reclaimed: Count = Field(0, description="leases reclaimed in this rank's lifetime")
+    reclaimed_bytes: Count = Field(0, description="bytes those leases held")
 
 
 class PhaseRequest(_Strict):

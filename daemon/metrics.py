@@ -71,6 +71,18 @@ class Metrics:
             "the health loop unlinked", registry=r)
         self.shm_reclaimed_bytes = Counter(
             "colocd_shm_reclaimed_bytes", "Bytes the reclaimed segments of dead trainers held", registry=r)
+        # Trainer-side IPC leases (daemon/leases.py), as each trainer rank last reported them.
+        self.ipc_exported_bytes = Gauge(
+            "colocd_ipc_exported_bytes", "Bytes a trainer rank holds exported for engines (chunks in flight, "
+            "ring slots, zero-copy storages, shm segments), as of its last report", ["rank"], registry=r)
+        self.ipc_retained_bytes = Gauge(
+            "colocd_ipc_retained_bytes", "Bytes a trainer rank released that torch still keeps for a consumer's "
+            "CUDA IPC count, as of its last report", ["rank"], registry=r)
+        self.ipc_reclaimed = Counter(
+            "colocd_ipc_leases_reclaimed", "IPC leases a trainer rank reclaimed (zeroed a consumer's count that "
+            "never came down: a dead or gone engine)", ["rank"], registry=r)
+        self.ipc_reclaimed_bytes = Counter(
+            "colocd_ipc_reclaimed_bytes", "Bytes of the IPC leases a trainer rank reclaimed", ["rank"], registry=r)
         self.freed_bytes = Counter(
             "colocd_memory_freed_bytes_total", "Bytes confirmed freed by releases", ["engine", "source"], registry=r)
         self.memory_confirm = Histogram(

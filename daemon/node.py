@@ -29,6 +29,7 @@ from .engine_ops import EngineHandle
 from .errors import NotFound
 from .gpu_metrics import refresh_gpu_metrics
 from .journal import Journal
+from .leases import LeaseReport, TrainerLeases
 from .memory import NvmlProbe, open_probe
 from .metrics import Metrics
 from .node_metrics import NodeMetrics
@@ -117,6 +118,7 @@ class Daemon:
         self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
         self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed)
+        self.trainer_leases = TrainerLeases(self.metrics)  # what the trainer ranks report of their IPC leases
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
@@ -310,6 +312,12 @@ class Daemon:
         if traces is None:
             raise NotFound(f"no trace for step {step}; known steps: {self.traces.steps()}")
         return traces
+
+    def report_leases(self, report: LeaseReport) -> dict[str, Any]:
+        """A trainer rank's IPC lease report (``colocd.trainer.leases``): sets the ``colocd_ipc_*`` series."""
+        self.trainer_leases.record(report)
+        self.changed()
+        return {"rank": report.rank, "recorded": True}
 
     def changed(self) -> None:
         """State or metrics changed in a way the recorded states cannot show (counters, chunk stats)."""

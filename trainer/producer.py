@@ -25,6 +25,7 @@ from ..engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from ..engines.segments import reclaim_dead_segments
 from ..policies import Transport
 from .exported import ExportedChunk, Producer
+from .leases import Lease, LeaseBook, RefCounter
 
 if TYPE_CHECKING:
     from ..engines.sglang.payload import BucketLease
@@ -53,8 +54,9 @@ class ShmProducer:
 
     transport = Transport.SHM
 
-    def __init__(self, *, reclaim: bool = True) -> None:
-        self._live: dict[str, SharedSegment] = {}
+    def __init__(self, *, reclaim: bool = True, leases: LeaseBook | None = None) -> None:
+        self.leases = leases or LeaseBook()
+        self._live: dict[str, tuple[SharedSegment, Lease]] = {}
         if reclaim:
             reclaimed = reclaim_dead_segments()
             if reclaimed:
@@ -71,7 +73,7 @@ class ShmProducer:
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
         layout = ChunkLayout.for_tensors(named)
         segment = SharedSegment.create(layout.nbytes)
-        self._live[segment.name] = segment
+        self._live[segment.name] = (segment, self.leases.export(self.transport, layout.nbytes))
         try:
             cpu_named = [(n, t.detach().to("cpu")) for n, t in named]
             flatten_into(segment.tensor(), layout, cpu_named)
@@ -82,10 +84,12 @@ class ShmProducer:
         return ExportedChunk(Transport.SHM, layout.nbytes, handle, layout, lambda: self._drop(segment.name))
 
     def _drop(self, name: str) -> None:
-        segment = self._live.pop(name, None)
-        if segment is not None:
+        entry = self._live.pop(name, None)
+        if entry is not None:
+            segment, lease = entry
             segment.close()
             segment.unlink()
+            self.leases.release(lease)
 
     def close(self) -> None:
         """Unlink every segment still alive (abort / error paths): nothing left in /dev/shm."""
@@ -136,9 +140,10 @@ class CudaIpcProducer:
 
     transport = Transport.CUDA_IPC  # per_tensor too: on the wire it is cuda_ipc, load_format "direct"
 
-    def __init__(self, *, per_tensor: bool = False) -> None:
+    def __init__(self, *, per_tensor: bool = False, leases: LeaseBook | None = None) -> None:
         self.per_tensor = per_tensor
-        self._live: dict[int, BucketLease | None] = {}
+        self.leases = leases or LeaseBook()
+        self._live: dict[int, tuple[BucketLease | None, Lease]] = {}
 
     def begin_stream(self, receiver: str | None = None) -> None:
         return None
@@ -156,16 +161,20 @@ class CudaIpcProducer:
         if len(devices) != 1 or (device := devices.pop()).type != "cuda":
             raise ValueError(f"cuda_ipc needs a chunk's tensors on one CUDA device; got {sorted(map(str, devices))}")
         layout = ChunkLayout.for_tensors(named)
-        lease: BucketLease | None = None
+        bucket: BucketLease | None = None
+        shares: list[tuple[bytes, int]] = []  # the consumers' counts torch keeps the buffer alive for
         if self.per_tensor:
-            payload, load_format = serialize(named_tensors_payload(named)), "direct"
+            payload, load_format = serialize(named_tensors_payload(named), shares), "direct"
         else:
             # The flatten is queued on this stream; torch's IPC export records an event on it that
             # the engine waits for before reading, so no host sync is needed here.
-            payload, lease = export_flattened_bucket(named)
+            payload, bucket = export_flattened_bucket(named, shares)
             load_format = FLATTENED_BUCKET
-        key = id(lease) if lease is not None else id(payload)
-        self._live[key] = lease
+        lease = self.leases.export(Transport.PER_TENSOR if self.per_tensor else self.transport, layout.nbytes,
+                                   [RefCounter.of(h, offset) for h, offset in shares],
+                                   buffers=[t for _, t in named] if bucket is None else [bucket.tensor])
+        key = lease.id
+        self._live[key] = (bucket, lease)
         handle = {
             "payload_b64": payload,
             "load_format": load_format,
@@ -174,11 +183,15 @@ class CudaIpcProducer:
         return ExportedChunk(self.transport, layout.nbytes, handle, layout, lambda: self._drop(key))
 
     def _drop(self, key: int) -> None:
-        lease = self._live.pop(key, None)
-        if lease is not None:
-            lease.release()  # drops the bucket and runs torch.cuda.ipc_collect() (THUDM/slime#1731)
+        entry = self._live.pop(key, None)
+        if entry is None:
+            return
+        bucket, lease = entry
+        if bucket is not None:
+            bucket.release()  # drops the bucket and runs torch.cuda.ipc_collect() (THUDM/slime#1731)
         else:
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+        self.leases.release(lease)  # retained while the engine's count says it still holds the buffer
 
     def close(self) -> None:
         """Release every bucket still held (abort and error paths)."""
@@ -186,19 +199,21 @@ class CudaIpcProducer:
             self._drop(key)
 
 
-def producer_for(transport: Transport | str, *, bucket_bytes: int = 64 << 20, slots: int = 2) -> Producer:
+def producer_for(transport: Transport | str, *, bucket_bytes: int = 64 << 20, slots: int = 2,
+                 leases: LeaseBook | None = None) -> Producer:
     """The producer of ``transport`` (a name is accepted; an unknown one is a ValueError naming the known);
-    ring slots are ``bucket_bytes`` each."""
+    ring slots are ``bucket_bytes`` each. Its exported buffers are leases in ``leases`` (default: its own book)."""
     try:
         transport = Transport(transport)
     except ValueError:
         raise ValueError(f"unknown transport {transport!r}; known: {[t.value for t in PRODUCERS]}") from None
     if transport is Transport.SHM:
-        return ShmProducer()
+        return ShmProducer(leases=leases)
     if transport is Transport.DISK:
         return DiskProducer()
     if transport in (Transport.CUDA_IPC, Transport.PER_TENSOR):
-        return CudaIpcProducer(per_tensor=transport is Transport.PER_TENSOR)
+        return CudaIpcProducer(per_tensor=transport is Transport.PER_TENSOR, leases=leases)
     from .ring import IpcRingProducer  # IPC_RING or ZERO_COPY
 
-    return IpcRingProducer(slot_bytes=bucket_bytes, slots=slots, zero_copy=transport is Transport.ZERO_COPY)
+    return IpcRingProducer(slot_bytes=bucket_bytes, slots=slots, zero_copy=transport is Transport.ZERO_COPY,
+                           leases=leases)

@@ -28,6 +28,7 @@ from ..engines.cuda_handles import device_uuid
 from ..policies import Transport
 from .channel import ChannelClosed, ChunkChannel
 from .exported import ExportedChunk, Producer
+from .leases import LEASE_GRACE_S, LeaseBook
 from .producer import PRODUCERS, producer_for
 
 __all__ = [
@@ -135,11 +136,18 @@ class WeightPusher:
     ``channel`` picks how chunk descriptors travel (``CHANNEL_CHOICES``): by default over the daemon's
     chunk channel (one Unix-socket connection per stream, ``colocd.trainer.channel``) when the session
     advertises one, else over HTTP. Both are the same calls with the same acks and errors.
+
+    Every exported buffer is a lease in ``leases`` (``colocd.trainer.leases``). When a stream fails, leases a
+    consumer still counts are reclaimed once ``lease_grace_s`` has passed, before the error reaches the caller,
+    and the producer's persistent ones at ``aclose()``: the trainer's memory is back either way, also when the
+    engine that held the buffer was killed. The rank's lease bytes are reported to the daemon after each stream
+    and each reclaim (``colocd_ipc_*`` metrics).
     """
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
                  bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
-                 slots: int | None = None, channel: str = "auto", device_id: str | None = None) -> None:
+                 slots: int | None = None, channel: str = "auto", device_id: str | None = None,
+                 lease_grace_s: float = LEASE_GRACE_S) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         if transport != "auto" and transport not in PRODUCERS:
@@ -162,6 +170,10 @@ class WeightPusher:
         self._producer: Producer | None = None
         self._shape: tuple[str, int] = (transport, self._bucket_bytes or 0)  # (transport, bucket) in use
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
+        self.leases = LeaseBook(rank)
+        self._lease_grace_s = lease_grace_s
+        self._lease_reporter: asyncio.Task[None] | None = None
+        self._lease_report_due = False
 
     @classmethod
     def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0,
@@ -191,6 +203,28 @@ class WeightPusher:
         if self._producer is not None:
             self._producer.close()
             self._producer = None  # the next stream chooses its shape again
+            # Its ring slots and registered storages: no chunk is in flight, so no consumer is mid-read and
+            # nothing needs a grace; an engine's table would keep them mapped (and counted) until it evicts them.
+            self.leases.release_all()
+            await self.leases.settle("the pusher closed its producer", grace_s=0.0, level=logging.INFO)
+            self._report_leases()
+        if self._lease_reporter is not None:
+            await self._lease_reporter
+
+    def _report_leases(self) -> None:
+        """Tell the daemon this rank's lease bytes, off the stream's path: one report in flight, the latest wins."""
+        self._lease_report_due = True
+        if self._lease_reporter is None or self._lease_reporter.done():
+            self._lease_reporter = asyncio.create_task(self._send_lease_reports())
+
+    async def _send_lease_reports(self) -> None:
+        while self._lease_report_due:
+            self._lease_report_due = False
+            try:
+                await self._client.report_leases(self.leases.report())
+            except (ColocdHTTPError, httpx.TransportError) as exc:  # a daemon without the route, or gone
+                log.debug("lease report not delivered: %s", exc)
+                return
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                    step: int | None = None, partial: bool = False) -> PushReport:
@@ -205,11 +239,14 @@ class WeightPusher:
         try:
             chunks, nbytes = await self.stream(sid, named, chunk_channel=session.get("chunk_channel"))
             commit = await self._client.commit(sid, chunks)
-        except BaseException:
+        except BaseException as exc:
             try:
                 await self._client.abort(sid)
             except (ColocdHTTPError, httpx.TransportError):
                 pass  # the session may already be failed; the original error matters
+            if self.leases.retained_bytes:  # e.g. an engine that died after its acks, before letting go
+                await self.leases.settle(f"session {sid} failed: {exc!r}", self._lease_grace_s)
+                self._report_leases()
             raise
         return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
@@ -346,8 +383,10 @@ class WeightPusher:
         if self._producer is None:
             # Chosen with the producer and kept with it: a ring's slots are sized by the first stream.
             self._shape = self._shape_for(head)
-            self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots)
+            self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots,
+                                          leases=self.leases)
         producer, bucket_bytes = self._producer, self._shape[1]
+        self.leases.owner = f"session {session_id}"
         # What this daemon process's ring record acknowledged goes by ref (engines/ring_refs.py).
         producer.begin_stream((self.last_join or {}).get("ring_refs"))
         window = asyncio.Semaphore(self._depth)
@@ -380,6 +419,7 @@ class WeightPusher:
                                        released_at - acked_at)
 
         buckets = plan_buckets(named, bucket_bytes)
+        failure: BaseException | None = None
         try:
             while True:
                 await window.acquire()
@@ -396,7 +436,8 @@ class WeightPusher:
                 tasks.append(asyncio.create_task(send(sent, chunk, export_s)))
                 sent += 1
             await asyncio.gather(*tasks)
-        except BaseException:
+        except BaseException as exc:
+            failure = exc
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -404,4 +445,11 @@ class WeightPusher:
         finally:
             producer.close()
             self.chunk_log = [records[k] for k in sorted(records)]
+            if failure is not None:
+                # Every buffer is released; what a consumer still counts (one that died holding it, or that
+                # never got to rebuild it) is reclaimed after the grace, before the error goes on.
+                await self.leases.settle(f"session {session_id} failed: {failure!r}", self._lease_grace_s)
+            else:
+                self.leases.collect()
+            self._report_leases()
         return sent, nbytes

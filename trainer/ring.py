@@ -18,6 +18,7 @@ live in ``colocd.engines.cuda_handles``, so no engine imports trainer code.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import socket
@@ -33,6 +34,7 @@ from ..engines.cuda_handles import device_uuid, export_cuda_handle
 from ..engines.ring_refs import layout_digest
 from ..policies import Transport
 from .exported import ExportedChunk
+from .leases import LeaseBook, RefCounter
 
 __all__ = ["IpcRingProducer"]
 
@@ -62,13 +64,16 @@ class IpcRingProducer:
 
     transport = Transport.IPC_RING  # zero_copy too: on the wire it is ipc_ring
 
-    def __init__(self, *, slot_bytes: int, slots: int = 2, zero_copy: bool = False) -> None:
+    def __init__(self, *, slot_bytes: int, slots: int = 2, zero_copy: bool = False,
+                 leases: LeaseBook | None = None) -> None:
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"a ring needs slots >= 1 and slot_bytes >= 1, got {slots} x {slot_bytes}")
         self.ring_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.zero_copy = zero_copy
+        # Each exported slot or registered storage is a lease of this ring, released when the producer is dropped.
+        self.leases = leases or LeaseBook()
         self._buffers: list[torch.Tensor] = []  # allocated on the first chunk's device
         self._free: deque[int] = deque(range(slots))
         # Registered trainer storages, by (device, data pointer), as uint8 views. Holding the view
@@ -197,7 +202,11 @@ class IpcRingProducer:
         where the receiver does not hold them yet (no receiver: the layout always, handles once a stream)."""
         for s, buffer in used.items():
             if s not in self._handles:
-                self._handles[s] = export_cuda_handle(buffer)
+                self._handles[s] = handle = export_cuda_handle(buffer)
+                counter = handle["ref_counter_handle"]
+                self.leases.export(Transport.ZERO_COPY if self.zero_copy else self.transport, buffer.numel(),
+                                   [RefCounter.of(base64.b64decode(counter), handle["ref_counter_offset"])
+                                    if counter is not None else None], owner=f"ring {self.ring_id}", buffers=[buffer])
         base: dict[str, Any] = {"ring": self.ring_id, "device_uuid": device_uuid(device.index or 0)}
         if slot is not None:
             base["slot"] = slot

@@ -49,6 +49,7 @@ FLATTENED_BUCKET = (
 # SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX, patch_torch.py:66). 15 positional arguments in all.
 _DEVICE_ARG = 6
 _CUDA_ARGS = 15
+_REF_HANDLE, _REF_OFFSET = 11, 12  # the consumer's reference count: torch's ref-counter file and slot
 
 
 def with_device_uuid(args: tuple[Any, ...], uuid_of: Callable[[int], str]) -> tuple[Any, ...]:
@@ -79,8 +80,11 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
     return rebuild, args
 
 
-def serialize(obj: Any) -> str:
+def serialize(obj: Any, shares: list[tuple[bytes, int]] | None = None) -> str:
     """One SGLang ``serialized_named_tensors`` entry: ``obj`` pickled by ForkingPickler, base64 text.
+
+    ``shares`` collects each CUDA share's ``(ref_counter_handle, ref_counter_offset)``: the consumer's count
+    torch keeps the storage alive for (``colocd.trainer.leases``).
 
     The UUID reducer is installed on this pickler instance only (its own ``dispatch_table``), so
     nothing process-wide is patched, unlike SGLang's ``monkey_patch_torch_reductions``. The
@@ -93,8 +97,15 @@ def serialize(obj: Any) -> str:
     """
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
-    pickler.dispatch_table[torch.Tensor] = _reduce_tensor
-    pickler.dispatch_table[torch.nn.Parameter] = _reduce_tensor
+    reduce = _reduce_tensor
+    if shares is not None:
+        def reduce(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+            rebuild, args = _reduce_tensor(tensor)
+            if rebuild is reductions.rebuild_cuda_tensor and args[_REF_HANDLE] is not None:
+                shares.append((args[_REF_HANDLE], int(args[_REF_OFFSET])))
+            return rebuild, args
+    pickler.dispatch_table[torch.Tensor] = reduce
+    pickler.dispatch_table[torch.nn.Parameter] = reduce
     pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
@@ -173,14 +184,15 @@ def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> FlattenedBucket
     return FlattenedBucket(buffer, metadata_for_layout(layout))
 
 
-def export_flattened_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, BucketLease]:
+def export_flattened_bucket(named: Sequence[tuple[str, torch.Tensor]],
+                            shares: list[tuple[bytes, int]] | None = None) -> tuple[str, BucketLease]:
     """This rank's ``serialized_named_tensors`` entry for one bucket, and the lease on its buffer.
 
     The trainer sends the string (through the daemon) and calls ``lease.release()`` once the
     daemon acked the chunk; nothing else holds the buffer.
     """
     bucket = flatten_bucket(named)
-    return serialize(bucket.payload()), BucketLease(bucket.flattened_tensor)
+    return serialize(bucket.payload(), shares), BucketLease(bucket.flattened_tensor)
 
 
 class LeaseState(Enum):

@@ -1,0 +1,265 @@
+"""IPC lease accounting: every buffer the trainer exports is a lease, and a failed owner gives its memory back.
+
+A lease is one exported buffer (a ``cuda_ipc`` bucket, an ``ipc_ring`` slot, a ``zero_copy`` storage, an ``shm``
+segment) with an owner (the stream's session, or the ring) and a state:
+
+- ``exported``: handed out; the producer holds it for a chunk in flight, or as a persistent slot;
+- ``retained``: the producer let go, but torch still holds the memory for a consumer's count;
+- ``freed`` / ``reclaimed``: back to the trainer, by the consumer's own release or by ``reclaim``.
+
+Why ``retained`` exists: torch keeps a CUDA storage it shared alive while the consumer's reference count is
+nonzero (``CudaIPCSentData`` and its limbo, torch/csrc/CudaIPCTypes.cpp). Each share takes one int64 slot in a
+shared-memory "ref-counter file" (``_share_cuda_()`` returns its name and slot; they travel in the payload as
+``ref_counter_handle``/``ref_counter_offset``), set to 1; the consumer decrements it when it drops the storage it
+rebuilt, and ``torch.cuda.ipc_collect()`` frees a released block once its slot reads 0. An engine killed before
+it rebuilt the payload, or before it dropped it, never decrements: the block stays in torch's limbo until the
+trainer exits ("Producer process has been terminated before all shared CUDA tensors released"), ~7.9 GiB with
+the default 3 x 2 GiB window on qwen3-8b shapes.
+
+``reclaim`` ends that: it writes 0 into the slots of a released lease and collects, so torch frees the block.
+The consumer side stays torch's (SGLang, vLLM and the reference engine rebuild the payload unchanged): a late
+decrement from a consumer that was still alive hits a slot torch never hands out again (slots of a file only
+move forward). A storage some tensor of the trainer still holds (a ``zero_copy`` parameter, a ``per_tensor``
+share) is never reclaimed: torch is not holding it for the consumer, nothing is stranded, and a zeroed count
+that a live consumer later decrements would wrap torch's unsigned counter and keep the storage forever once
+the trainer frees it. What ``reclaim`` gives up is the consumer's protection, so it runs only where the trainer knows
+the buffer's contents no longer matter: after a stream failed or was aborted (its engines' weights are torn
+either way and are pushed again before they serve), or after the producer was closed, and only once
+``settle``'s grace for live consumers to let go by themselves has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = [
+    "LEASE_GRACE_S",
+    "REF_COUNTER_SLOTS",
+    "Lease",
+    "LeaseBook",
+    "LeaseState",
+    "RefCounter",
+]
+
+log = logging.getLogger("colocd.trainer.leases")
+
+# How long a failed stream's leases may stay retained before their counts are zeroed: a live engine drops a
+# payload right after its load, well inside this; a dead one never does. Inside the 5 s the trainer's memory
+# must be back in (issue 26).
+LEASE_GRACE_S = 1.0
+_POLL_S = 0.02
+
+# torch's ref-counter file (CUDA_IPC_REF_COUNTER_FILE_SIZE int64 slots) behind RefcountedMapAllocator's header
+# (map_alloc_alignment bytes holding the mapping's own refcount; ATen/MapAllocator.cpp).
+REF_COUNTER_SLOTS = 10000
+_HEADER_BYTES = 64
+_SLOT_BYTES = 8
+_FILE_BYTES = _HEADER_BYTES + REF_COUNTER_SLOTS * _SLOT_BYTES
+_SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class RefCounter:
+    """One consumer's count for one CUDA share: slot ``offset`` of torch's ref-counter file ``handle``
+    (a POSIX shared-memory name such as ``/torch_1234_5678_0``)."""
+
+    handle: str
+    offset: int
+    directory: str = _SHM_DIR
+
+    @classmethod
+    def of(cls, handle: bytes | str | None, offset: Any) -> RefCounter | None:
+        """From ``_share_cuda_()``'s ``ref_counter_handle``/``ref_counter_offset``; None for an empty storage."""
+        if handle is None:
+            return None
+        name = handle.decode() if isinstance(handle, bytes) else handle
+        return cls(name, int(offset))
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, self.handle.lstrip("/"))
+
+    def _open(self, flags: int) -> int | None:
+        """The file, if it has the layout this module knows; None if torch removed it (every slot returned)."""
+        if not 0 <= self.offset < REF_COUNTER_SLOTS:
+            raise ValueError(f"ref-counter slot {self.offset} is outside torch's {REF_COUNTER_SLOTS}")
+        try:
+            fd = os.open(self.path, flags | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        if (size := os.fstat(fd).st_size) != _FILE_BYTES:
+            os.close(fd)
+            raise RuntimeError(f"torch ref-counter file {self.path} is {size} bytes, not {_FILE_BYTES}: "
+                               "its layout changed; IPC leases cannot be reclaimed")
+        return fd
+
+    def read(self) -> int:
+        """The count (0 once the consumer let go, or once torch removed the file)."""
+        fd = self._open(os.O_RDONLY)
+        if fd is None:
+            return 0
+        try:
+            raw = os.pread(fd, _SLOT_BYTES, _HEADER_BYTES + self.offset * _SLOT_BYTES)
+        finally:
+            os.close(fd)
+        return int.from_bytes(raw, "little", signed=True)
+
+    def zero(self) -> None:
+        """Drop whatever count the consumer still holds."""
+        fd = self._open(os.O_RDWR)
+        if fd is None:
+            return
+        try:
+            os.pwrite(fd, bytes(_SLOT_BYTES), _HEADER_BYTES + self.offset * _SLOT_BYTES)
+        finally:
+            os.close(fd)
+
+
+class LeaseState(StrEnum):
+    EXPORTED = "exported"
+    RETAINED = "retained"
+    FREED = "freed"
+    RECLAIMED = "reclaimed"
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """One exported buffer. ``counters``: the consumers' counts torch keeps it alive for (CUDA shares only)."""
+
+    id: int
+    transport: str
+    nbytes: int
+    owner: str
+    counters: tuple[RefCounter, ...]
+    storages: tuple[StorageWeakRef, ...] = ()  # the exported storages: does a trainer tensor still hold one?
+    state: LeaseState = LeaseState.EXPORTED
+    released_at: float | None = None
+
+    def held_by_trainer(self) -> bool:
+        """Some tensor of this process still holds a storage: its memory is the trainer's, not torch's limbo."""
+        return any(not storage.expired() for storage in self.storages)  # type: ignore[no-untyped-call]
+
+    def counts(self) -> int:
+        return sum(max(c.read(), 0) for c in self.counters)
+
+
+def _ipc_collect() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+
+
+class LeaseBook:
+    """The leases of one trainer rank's producers: what is exported, what torch retains, what was reclaimed.
+
+    Producers call ``export`` when they hand a buffer out and ``release`` when they let go of it (the chunk's
+    ack, a failure, ``close``); ``settle`` is the trainer's answer to a failed stream or a closed producer.
+    ``collect`` is torch's ``ipc_collect`` (injectable for specs).
+    """
+
+    def __init__(self, rank: int = 0, *, collect: Callable[[], object] = _ipc_collect,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rank = rank
+        self.owner = "-"  # what new leases belong to: the pusher sets the session id of each stream
+        self._collect = collect
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._live: dict[int, Lease] = {}  # exported or retained
+        self.reclaimed = 0  # leases reclaimed, in this book's lifetime
+        self.reclaimed_bytes = 0
+
+    def export(self, transport: str, nbytes: int, counters: Iterable[RefCounter | None] = (),
+               owner: str | None = None, buffers: Iterable[torch.Tensor] = ()) -> Lease:
+        """A new exported lease; ``buffers``: the tensors whose storages were shared (weakly referenced)."""
+        storages = tuple(StorageWeakRef(t.untyped_storage()) for t in buffers)  # type: ignore[no-untyped-call]
+        lease = Lease(next(self._ids), str(transport), int(nbytes), owner or self.owner,
+                      tuple(c for c in counters if c is not None), storages)
+        self._live[lease.id] = lease
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        """The producer dropped its last reference to the buffer: freed, or retained while a consumer counts."""
+        if lease.state is not LeaseState.EXPORTED:
+            return
+        lease.released_at = self._clock()
+        # Nothing but the producer held it (a shm segment, once unlinked), or a trainer tensor still holds it.
+        if not lease.counters or lease.held_by_trainer():
+            lease.state = LeaseState.FREED
+            del self._live[lease.id]
+            return
+        lease.state = LeaseState.RETAINED
+        self.collect()
+
+    def release_all(self, owner: str | None = None) -> None:
+        """Every exported lease (of ``owner``) is released: its producer is gone."""
+        for lease in list(self._live.values()):
+            if owner is None or lease.owner == owner:
+                self.release(lease)
+
+    def collect(self) -> int:
+        """Frees, in torch and here, every retained lease whose consumers let go; returns the bytes still retained."""
+        retained = self.leases(LeaseState.RETAINED)
+        if not retained:
+            return 0
+        # Counts first, then torch's collect: a lease read as 0 is one torch frees in this very collect.
+        done = [lease for lease in retained if lease.counts() == 0]
+        self._collect()
+        for lease in done:
+            lease.state = LeaseState.FREED
+            del self._live[lease.id]
+        return self.retained_bytes
+
+    def reclaim(self, reason: str, level: int = logging.WARNING) -> int:
+        """Zero the consumers' counts of every retained lease and let torch free them; returns the bytes."""
+        retained = self.leases(LeaseState.RETAINED)
+        for lease in retained:
+            for counter in lease.counters:
+                counter.zero()
+        if retained:
+            self._collect()
+        nbytes = 0
+        for lease in retained:
+            lease.state = LeaseState.RECLAIMED
+            del self._live[lease.id]
+            nbytes += lease.nbytes
+            held = self._clock() - (lease.released_at or self._clock())
+            log.log(level, "reclaimed IPC lease %d (%s, %d bytes, owner %s, rank %d), still counted by a consumer "
+                    "%.2fs after its release: %s", lease.id, lease.transport, lease.nbytes, lease.owner, self.rank,
+                    held, reason)
+        self.reclaimed += len(retained)
+        self.reclaimed_bytes += nbytes
+        return nbytes
+
+    async def settle(self, reason: str, grace_s: float = LEASE_GRACE_S, level: int = logging.WARNING) -> int:
+        """After a failure or a close: wait up to ``grace_s`` for retained leases' consumers to let go, then
+        ``reclaim`` what is left; returns the bytes reclaimed (0 when every consumer let go in time)."""
+        deadline = self._clock() + grace_s
+        while self.collect() and self._clock() < deadline:
+            await asyncio.sleep(_POLL_S)  # polling another process's count, bounded by the grace
+        return self.reclaim(reason, level)
+
+    def leases(self, state: LeaseState | None = None) -> list[Lease]:
+        return [lease for lease in self._live.values() if state is None or lease.state is state]
+
+    @property
+    def exported_bytes(self) -> int:
+        return sum(lease.nbytes for lease in self.leases(LeaseState.EXPORTED))
+
+    @property
+    def retained_bytes(self) -> int:
+        return sum(lease.nbytes for lease in self.leases(LeaseState.RETAINED))
+
+    def report(self) -> dict[str, int]:
+        """What the trainer tells the daemon (``POST /v1/trainer/leases``): this rank's bytes now, and totals."""
+        return {"rank": self.rank, "exported_bytes": self.exported_bytes, "retained_bytes": self.retained_bytes,
+                "reclaimed": self.reclaimed, "reclaimed_bytes": self.reclaimed_bytes}
