@@ -19,11 +19,9 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .api.logs import configure_logging
-    from .api.server import serve
+    # The config is read and checked before the daemon's modules are imported: a typo'd key costs a
+    # fraction of a second, not the daemon's import (tests/integration/test_cli.py times it).
     from .daemon.config import ConfigError, load_node_config
-    from .engines.supervisor import EngineLaunchError
-    from .policies import PolicyError
 
     try:
         config = load_node_config(args.config)
@@ -31,6 +29,12 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"colocd: {exc}", file=sys.stderr)
         return 2
     _check_writable_journal(config.journal, args.config)
+
+    from .api.logs import configure_logging
+    from .api.server import serve
+    from .engines.supervisor import EngineLaunchError
+    from .policies import PolicyError
+
     log_format = args.log_format or config.log_format
     configure_logging(args.log_level, log_format)
     try:

@@ -25,7 +25,7 @@ import httpx
 
 from ..config import LaunchConfig, VLLMEngineConfig
 from ..supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
-from .extension import BACKEND_NAME
+from . import BACKEND_NAME
 
 __all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "launch_vllm"]
 

@@ -106,6 +106,34 @@ def test_serve_with_an_unknown_key_names_the_key(tmp_path: Path) -> None:
     assert "listne" in line
 
 
+def test_serve_with_a_typo_in_its_config_fails_before_importing_the_daemon(tmp_path: Path) -> None:
+    # In-process main() in a child, so it can report what it imported before the one-line error: a typo costs
+    # the config's check (well under 2 s), not the daemon's import.
+    code = ("import sys, time; t0 = time.monotonic(); from colocd.cli import main; "
+            "rc = main(['serve', '--config', sys.argv[1]]); "
+            "print(time.monotonic() - t0, 'torch' in sys.modules, 'colocd.daemon.node' in sys.modules); sys.exit(rc)")
+    config = _write_config(tmp_path, engins=[])
+    proc = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=120)
+    line = _one_line_failure(proc, 2)
+    assert "engins" in line and str(config) in line
+    took_s, torch_imported, daemon_imported = proc.stdout.split()
+    assert (torch_imported, daemon_imported) == ("False", "False")
+    assert float(took_s) < 2.0
+
+
+def test_the_daemons_modules_import_without_torch() -> None:
+    # torch is imported where a tensor is touched (the separated-GPU weight-group path, an engine's worker),
+    # never by the daemon's start-up: the server, every engine adapter, the weight and chunk paths.
+    modules = ["colocd.api.server", "colocd.daemon.node", "colocd.daemon.weights", "colocd.daemon.distributed",
+               "colocd.engines.chunks", "colocd.engines.registry", "colocd.engines.sglang.adapter",
+               "colocd.engines.vllm.adapter", "colocd.engines.vllm.launcher", "colocd.cli"]
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_serve_with_a_missing_policy_file_names_the_key_and_a_fix(tmp_path: Path) -> None:
     config = _write_config(tmp_path, policy_file=str(tmp_path / "policies.yaml"))
     line = _one_line_failure(_colocd("serve", "--config", str(config)), 2)
