@@ -46,7 +46,7 @@ def test_the_variable_forces_either_path_on_any_cpu() -> None:
 
 
 def test_a_bad_value_is_refused_naming_the_variable_and_its_choices() -> None:
-    with pytest.raises(ValueError, match="COLOCD_VLLM_CPU_ISA='amx'.*auto, avx512, native"):
+    with pytest.raises(ValueError, match=r"COLOCD_VLLM_CPU_ISA='amx'.*auto, avx512, native"):
         cpu_isa.choose(cpu_isa.cpu_flags(XEON), "amx")
 
 

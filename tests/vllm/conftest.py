@@ -19,12 +19,12 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from shared_server import SharedServerGuard, remember
 
 from colocd.engines.base import RankPayload, WeightsLoad
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_buckets
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
-from shared_server import SharedServerGuard, remember
 
 Named = list[tuple[str, torch.Tensor]]
 
