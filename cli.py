@@ -11,19 +11,37 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .api.cli_http import CliFailure, DaemonCall
+from .api.cli_http import CliFailure, add_daemon_options, daemon_call
 from .api.timeline import add_trace_command
 from .api.top import add_top_command
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+
+class _ShowDefaults(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless the help already says its default (how an
+    unset option behaves) or the option is a flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's --help shows each option's default (subparsers inherit this class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _ShowDefaults)
+        super().__init__(*args, **kwargs)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .api.logs import configure_logging, fatal
-    from .api.server import serve
+    # The config is read and checked before the daemon's modules are imported: a typo'd key costs a
+    # fraction of a second, not the daemon's import (tests/integration/test_cli.py times it).
+    from .api.logs import fatal
     from .daemon.config import ConfigError, load_node_config
-    from .engines.supervisor import EngineLaunchError
-    from .policies import PolicyError
 
     # The line colocd ends with is a log line: one JSON object in json format, as soon as the format is known.
     try:
@@ -37,6 +55,12 @@ def _serve(args: argparse.Namespace) -> int:
     except CliFailure as exc:
         fatal(str(exc), log_format)
         return exc.exit_code
+
+    from .api.logs import configure_logging
+    from .api.server import serve
+    from .engines.supervisor import EngineLaunchError
+    from .policies import PolicyError
+
     configure_logging(args.log_level, log_format)
     try:
         asyncio.run(serve(config, log_level=args.log_level, log_json=log_format == "json"))
@@ -81,7 +105,7 @@ def _serve_os_error(exc: OSError, config: Any, config_path: str) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    with DaemonCall(args.url, token=args.token) as call:
+    with daemon_call(args) as call:
         print(json.dumps(call.json("GET", "/v1/status"), indent=2))
     return 0
 
@@ -92,7 +116,7 @@ def _policy_apply(args: argparse.Namespace) -> int:
             text = f.read()
     except OSError as exc:
         raise CliFailure(f"colocd: cannot read {args.file}: {exc.strerror}", 2) from None
-    with DaemonCall(args.url, token=args.token) as call:
+    with daemon_call(args) as call:
         try:
             body = call.json("PUT", "/v1/policies", content=text, headers={"Content-Type": "application/yaml"})
         except CliFailure as exc:
@@ -142,38 +166,39 @@ def _bench_switch(args: argparse.Namespace) -> int:
     return 0 if all(s["verified_all"] for s in record["summary"]) else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="colocd", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="colocd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the daemon for this node")
     p.add_argument("--config", required=True, help="node config YAML (listen address, engines, timeouts)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the least severe log lines written")
     p.add_argument("--log-format", default=None, choices=["text", "json"],
-                   help="text (default, or the config's log_format) or json: one object per line")
+                   help="text or json (one object per line) (default: the config's log_format, else text)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("status", help="print the daemon's /v1/status")
-    p.add_argument("--url", default="http://127.0.0.1:7000", help="http://host:port or unix:/path")
-    p.add_argument("--token", default=None)
+    add_daemon_options(p)
     p.set_defaults(func=_status)
 
     p = sub.add_parser("policy", help="policy operations")
     psub = p.add_subparsers(dest="policy_command", required=True)
     pa = psub.add_parser("apply", help="stage a policy YAML on a running daemon (applies at the next transition)")
-    pa.add_argument("file")
-    pa.add_argument("--url", default="http://127.0.0.1:7000", help="http://host:port or unix:/path")
-    pa.add_argument("--token", default=None)
+    pa.add_argument("file", help="the policy YAML (deploy/policies/default.yaml is one)")
+    add_daemon_options(pa)
     pa.set_defaults(func=_policy_apply)
 
     p = sub.add_parser("demo", help="a tiny real RL loop through the full handoff on the reference engine")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=60, help="RL steps to run")
     p.add_argument("--batch", type=int, default=32, help="rollouts per step")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="also write the per-step records here")
-    p.add_argument("--timeline", default=None, help="draw the last step's timeline here (png; colocd[viz])")
-    p.add_argument("--metrics-out", default=None, help="append /metrics after each step here (JSON lines)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")
+    p.add_argument("--json", default=None, help="also write the per-step records here (default: not written)")
+    p.add_argument("--timeline", default=None,
+                   help="draw the last step's timeline here (png; colocd[viz]) (default: not drawn)")
+    p.add_argument("--metrics-out", default=None,
+                   help="append /metrics after each step here (JSON lines) (default: not written)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="benchmarks")
@@ -186,8 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pb.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")
     pb.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (best is reported)")
     pb.add_argument("--warmup", type=int, default=1, help="untimed pushes per variant first")
-    pb.add_argument("--seed", type=int, default=0)
-    pb.add_argument("--out", default=None, help="write the JSON record here")
+    pb.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
+    pb.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
     pb.set_defaults(func=_bench_weights)
     pc = bsub.add_parser("control", help="cost of /v1/status and /metrics against /healthz; transitions under readers")
     pc.add_argument("--samples", type=int, default=500, help="sequential requests per read path")
@@ -195,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pc.add_argument("--cycles", type=int, default=40, help="timed cycles per condition (3 transitions each)")
     pc.add_argument("--readers", type=int, default=100, help="concurrent readers in the loaded condition")
     pc.add_argument("--blocks", type=int, default=4, help="alternating blocks without / with readers")
-    pc.add_argument("--out", default=None, help="write the JSON record here")
+    pc.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
     pc.set_defaults(func=_bench_control)
     ps = bsub.add_parser("switch", help="the full colocated handoff per preset, against the floor measured in the run")
     ps.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
@@ -207,25 +232,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps.add_argument("--optimizer-shards", type=int, default=8,
                     help="distributed-optimizer ranks: this rank holds 1/N of the fp32 master + Adam state")
     ps.add_argument("--groups", type=int, default=14, help="process groups the rank holds (Megatron: 14)")
-    ps.add_argument("--train-tokens", type=int, default=512)
+    ps.add_argument("--train-tokens", type=int, default=512, help="tokens per training step")
     ps.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per request in each rollout")
     ps.add_argument("--rollout-s", type=float, default=0.0,
                     help="each rollout window lasts at least this long (generation repeats), as a real one would")
     ps.add_argument("--mem-fraction", type=float, default=0.80,
                     help="engine weights + KV as a share of the GPU (SGLang's mem_fraction_static)")
-    ps.add_argument("--kv-gib", type=float, default=None, help="KV cache size; overrides --mem-fraction")
-    ps.add_argument("--post-destroy-wait-s", type=float, default=None, help="override the presets' 2 s wait")
+    ps.add_argument("--kv-gib", type=float, default=None,
+                    help="KV cache size; overrides --mem-fraction (default: from --mem-fraction)")
+    ps.add_argument("--post-destroy-wait-s", type=float, default=None,
+                    help="override the presets' wait after destroying process groups (default: the presets' 2 s)")
     ps.add_argument("--sync", default="sync",
                     help="sync, async or sync,async: the weight push awaited, or from a snapshot in the background "
                          "(policy sync.mode); both compare step time per preset in one run")
-    ps.add_argument("--seed", type=int, default=0)
-    ps.add_argument("--out", default=None, help="write the JSON record here")
+    ps.add_argument("--seed", type=int, default=0, help="seed of the model and the rollouts")
+    ps.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
     ps.set_defaults(func=_bench_switch)
 
     add_trace_command(sub)  # colocd trace STEP -o step.png (api/timeline.py)
     add_top_command(sub)  # colocd top [--once] (api/top.py)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except CliFailure as exc:  # an expected failure: one line saying what and how to fix it, no traceback

@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 
-__all__ = ["CliFailure", "DaemonCall"]
+__all__ = ["DEFAULT_URL", "CliFailure", "DaemonCall", "add_daemon_options", "daemon_call"]
+
+DEFAULT_URL = "http://127.0.0.1:7000"
 
 _CONNECT_S = 3.0  # loopback or a local socket: a refusal is immediate, a silent peer is the only slow case
 
@@ -75,6 +77,20 @@ class DaemonCall:
         except ValueError:
             raise CliFailure(f"colocd: {self.url} answered {method} {path} with something that is not JSON; "
                              "is --url a colocd daemon?") from None
+
+
+def add_daemon_options(p: Any, *, timeout_s: float = 30.0) -> None:
+    """``--url``, ``--token`` and ``--timeout``: how every command that reads or changes a daemon reaches it."""
+    p.add_argument("--url", default=DEFAULT_URL, help="the daemon: http://host:port or unix:/path/to.sock")
+    p.add_argument("--token", default=None,
+                   help="bearer token, when the daemon's config sets one (default: none sent)")
+    p.add_argument("--timeout", type=float, default=timeout_s, metavar="SECONDS",
+                   help="how long to wait for each answer before giving up")
+
+
+def daemon_call(args: Any) -> DaemonCall:
+    """The one client of ``status``, ``top``, ``trace`` and ``policy apply``: same URL check, same wording."""
+    return DaemonCall(args.url, token=args.token, timeout_s=args.timeout)
 
 
 def _reason(exc: httpx.TransportError) -> str:

@@ -303,19 +303,10 @@ def _ticks(squeeze: _Squeeze) -> tuple[list[float], list[str]]:
 
 # -- the command ------------------------------------------------------------------------------------
 def _trace_command(args: argparse.Namespace) -> int:
-    import httpx
+    from .cli_http import daemon_call
 
-    from .client import ColocdClient, ColocdHTTPError
-
-    try:
-        with ColocdClient(args.url, token=args.token) as client:
-            traces = client.trace(args.step)
-    except ColocdHTTPError as exc:
-        print(f"colocd: {exc}", file=sys.stderr)
-        return 1
-    except (OSError, httpx.TransportError) as exc:
-        print(f"colocd: cannot reach the daemon at {args.url}: {exc}", file=sys.stderr)
-        return 1
+    with daemon_call(args) as call:
+        traces = call.json("GET", f"/v1/traces/{args.step}", params={"format": "json"})
     out = Path(args.output)
     if out.suffix == ".json":
         out.write_text(json.dumps(traces, indent=2))
@@ -331,11 +322,13 @@ def _trace_command(args: argparse.Namespace) -> int:
 
 def add_trace_command(sub: Any) -> None:
     """``colocd trace STEP -o step.png`` on the CLI's subparsers."""
+    from .cli_http import add_daemon_options
+
     p = sub.add_parser("trace", help="draw one step's timeline (png/svg/pdf) or save its trace (.json)")
-    p.add_argument("step", type=int)
-    p.add_argument("-o", "--output", default=None, help="output file (default: step-STEP.png)")
-    p.add_argument("--url", default="http://127.0.0.1:7000", help="http://host:port or unix:/path")
-    p.add_argument("--token", default=None)
+    p.add_argument("step", type=int, help="the step to draw (GET /v1/steps lists the recent ones)")
+    p.add_argument("-o", "--output", default=None,
+                   help="output file; its suffix picks the format (default: step-STEP.png)")
+    add_daemon_options(p)
     p.set_defaults(func=lambda a: _trace_command(_defaults(a)))
 
 

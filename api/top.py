@@ -7,10 +7,11 @@ daemon it can reach and changes nothing. ``--once`` prints a single frame (scrip
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from .cli_http import DaemonCall, add_daemon_options, daemon_call
 
 __all__ = ["Snapshot", "add_top_command", "fetch_snapshot", "render"]
 
@@ -52,12 +53,12 @@ def _parse_metrics(text: str) -> tuple[dict[str, dict[str, float]], bool, dict[s
     return gpus, nvml, restarts
 
 
-def fetch_snapshot(client: Any, url: str, limit: int = 8) -> Snapshot:
-    """One read of the daemon through a sync ``ColocdClient``."""
-    status = client.status()
-    steps = client.steps(limit)
-    gpus, nvml, restarts = _parse_metrics(client.metrics())
-    return Snapshot(url=url, status=status, steps=steps, gpus=gpus, nvml=nvml, restarts=restarts)
+def fetch_snapshot(call: DaemonCall, limit: int = 8) -> Snapshot:
+    """One read of the daemon (three GETs); a failure raises ``CliFailure`` with the CLI's one line."""
+    status = call.json("GET", "/v1/status")
+    steps = call.json("GET", "/v1/steps", params={"limit": limit})["steps"]
+    gpus, nvml, restarts = _parse_metrics(call.request("GET", "/metrics").text)
+    return Snapshot(url=call.url, status=status, steps=steps, gpus=gpus, nvml=nvml, restarts=restarts)
 
 
 def _ms(seconds: float | None) -> str:
@@ -68,21 +69,87 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB" if n else "-"
+def _size(n: float) -> str:
+    """Bytes in the largest unit that keeps 1-4 digits: ``15.3 GiB``, not ``15625.0 MiB``."""
+    if not n:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One table column: ``keep`` ranks it (lower stays longer when the frame is narrow); ``wrap`` lets its
+    text wrap at spaces (prose such as memory tags); every other column keeps its values whole."""
+
+    name: str
+    keep: int
+    justify: str = "left"
+    wrap: bool = False
+
+
+def _cell_width(cell: Any) -> int:
+    text = cell.plain if hasattr(cell, "plain") else str(cell)
+    return max((len(line) for line in text.splitlines()), default=0)
+
+
+def _fit_table(title: str, columns: list[_Column], rows: list[list[Any]], width: int) -> Any:
+    """A table no wider than ``width``: whole columns are left out, lowest ``keep`` last, never a value cut.
+
+    A left-out column is named in the title, so a narrow view says what it does not show.
+    """
+    from rich.table import Table
+
+    def need(col: int) -> int:  # the column's narrowest whole width, plus its padding (1 each side)
+        words = [w for r in rows for w in str(getattr(r[col], "plain", r[col])).split()]
+        widest = (max((len(w) for w in words), default=1) if columns[col].wrap
+                  else max([_cell_width(r[col]) for r in rows], default=1))
+        return max(widest, len(columns[col].name)) + 2
+
+    shown = list(range(len(columns)))
+    while len(shown) > 1 and sum(need(c) for c in shown) + len(shown) - 1 > width:
+        shown.remove(max(shown, key=lambda c: (columns[c].keep, c)))
+    dropped = [columns[c].name for c in range(len(columns)) if c not in shown]
+    if dropped:
+        title += f" (too narrow for: {', '.join(dropped)})"
+    table = Table(title=title, title_justify="left", expand=True, show_edge=False)
+    for c in shown:
+        col = columns[c]
+        table.add_column(col.name, justify=col.justify,  # type: ignore[arg-type]  # the four rich accepts
+                         no_wrap=not col.wrap, min_width=None if col.wrap else need(c) - 2)
+    for r in rows:
+        table.add_row(*(r[c] for c in shown))
+    return table
 
 
 def render(snap: Snapshot) -> Any:
-    """A rich renderable of one frame."""
+    """A rich renderable of one frame; it lays itself out for the console's width when printed."""
+    return _Frame(snap)
+
+
+class _Frame:
+    def __init__(self, snap: Snapshot) -> None:
+        self.snap = snap
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield _layout(self.snap, options.max_width)
+
+
+def _layout(snap: Snapshot, width: int) -> Any:
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
 
+    inner = max(width - 4, 20)  # the panel's border and padding
     st = snap.status
     node = st.get("node", {})
     policy = st.get("policy") or {}
     busy = st.get("busy_with")
+    # Words the header may wrap between; each value stays whole.
     head = Text.assemble(
         ("colocd ", "bold"), (snap.url, "cyan"), "  ",
         ("phase ", "dim"), (str(node.get("phase")), "bold magenta"),
@@ -94,85 +161,88 @@ def render(snap: Snapshot) -> Any:
         ("  ", ""), (time.strftime("%H:%M:%S", time.localtime(snap.taken_at)), "dim"),
     )
 
-    engines = Table(title="engines", title_justify="left", expand=True, show_edge=False)
-    for col in ("engine", "healthy", "generation", "memory tags", "weights", "version", "protocol", "restarts",
-                "last error"):
-        engines.add_column(col, overflow="fold")
+    engine_cols = [_Column("engine", 0), _Column("healthy", 0), _Column("generation", 1), _Column("weights", 2),
+                   _Column("version", 1), _Column("restarts", 1, "right"), _Column("protocol", 4),
+                   _Column("memory tags", 3, wrap=True)]
+    engine_rows: list[list[Any]] = []
+    errors: list[Any] = []
     for name, e in sorted((st.get("engines") or {}).items()):
         tags = " ".join(f"{t}:{'R' if v == 'resident' else '-'}" for t, v in sorted((e.get("tags") or {}).items()))
         healthy = e.get("healthy")
-        engines.add_row(name, Text("yes" if healthy else "NO", style="green" if healthy else "bold red"),
-                        str(e.get("generation")), tags, str(e.get("weights")), str(e.get("weight_version")),
-                        str(e.get("protocol")), f"{snap.restarts.get(name, 0):.0f}",
-                        Text(str(e.get("last_error") or ""), style="red"))
+        engine_rows.append([name, Text("yes" if healthy else "NO", style="green" if healthy else "bold red"),
+                            str(e.get("generation")), str(e.get("weights")), str(e.get("weight_version")),
+                            f"{snap.restarts.get(name, 0):.0f}", str(e.get("protocol")), tags])
+        if e.get("last_error"):  # prose, below the table: it wraps at any width without squeezing the columns
+            errors.append(Text.assemble((f"{name} last error: ", "bold red"), (str(e["last_error"]), "red")))
+    engines = _fit_table("engines", engine_cols, engine_rows, inner)
 
-    steps = Table(title="last steps (switch breakdown; w-mem = weights memory back at sync)", title_justify="left",
-                  expand=True, show_edge=False)
-    for col in ("step", "result", *(_PART_SHORT[p] for p in _PARTS), "switch", "bytes", "chunks"):
-        steps.add_column(col, justify="right" if col not in ("result",) else "left")
+    step_cols = [_Column("step", 0, "right"), _Column("result", 0), _Column("switch", 0, "right"),
+                 *(_Column(_PART_SHORT[p], k, "right") for p, k in zip(_PARTS, (2, 3, 1, 2, 4, 4), strict=True)),
+                 _Column("bytes", 3, "right"), _Column("chunks", 5, "right")]
+    step_rows: list[list[Any]] = []
     for s in snap.steps:
         b = s.get("breakdown") or {}
         result = s.get("result", "?")
         style = {"ok": "green", "failed": "bold red"}.get(result, "yellow")
-        steps.add_row(str(s.get("step")), Text(result, style=style),
-                      *(_ms(b.get(p)) for p in _PARTS), Text(_ms(s.get("switch_s")), style="bold"),
-                      _mib(s.get("bytes", 0)), str(s.get("chunks", 0)))
+        step_rows.append([str(s.get("step")), Text(result, style=style), Text(_ms(s.get("switch_s")), style="bold"),
+                          *(_ms(b.get(p)) for p in _PARTS), _size(s.get("bytes", 0)), str(s.get("chunks", 0))])
     if not snap.steps:
-        steps.add_row("-", "no steps yet", *([""] * (len(_PARTS) + 3)))
+        step_rows.append(["-", "no steps yet", *([""] * (len(step_cols) - 2))])
+    steps = _fit_table("last steps (switch and its parts; w-mem = weights memory back at sync)", step_cols,
+                       step_rows, inner)
 
     if snap.gpus:
+        gpu_rows = [[gpu, _gib(k.get("used", 0.0)), _gib(k.get("free", 0.0)), _gib(k.get("total", 0.0))]
+                    for gpu, k in sorted(snap.gpus.items())]
+        bar = max(0, min(30, inner - 44))  # the bar takes what the numbers leave, and goes below 8 columns
         gpus = Table(title="GPU memory (NVML)", title_justify="left", expand=True, show_edge=False)
-        for col in ("gpu", "used", "free", "total", ""):
-            gpus.add_column(col)
-        for gpu, kinds in sorted(snap.gpus.items()):
+        for col in ("gpu", "used", "free", "total"):
+            gpus.add_column(col, no_wrap=True, justify="left" if col == "gpu" else "right")
+        if bar >= 8:
+            gpus.add_column("", no_wrap=True)
+        for (_, kinds), row in zip(sorted(snap.gpus.items()), gpu_rows, strict=True):
             used, total = kinds.get("used", 0.0), kinds.get("total", 0.0)
-            width = 30
-            filled = int(width * used / total) if total else 0
-            gpus.add_row(gpu, _gib(used), _gib(kinds.get("free", 0.0)), _gib(total),
-                         Text("█" * filled + "░" * (width - filled), style="magenta"))
+            filled = int(bar * used / total) if total else 0
+            cells: list[Any] = list(row)
+            if bar >= 8:
+                cells.append(Text("█" * filled + "░" * (bar - filled), style="magenta"))
+            gpus.add_row(*cells)
         memory: Any = gpus
     else:
         memory = Text("GPU memory: NVML not available on this node (no GPU readings; nothing is estimated)",
                       style="dim")
-    return Panel(Group(head, Text(""), engines, Text(""), steps, Text(""), memory), title="colocd top",
-                 border_style="blue")
+    parts: list[Any] = [head, Text(""), engines, *errors, Text(""), steps, Text(""), memory]
+    return Panel(Group(*parts), title="colocd top", border_style="blue")
 
 
 def _top_command(args: argparse.Namespace) -> int:
-    import httpx
     from rich.console import Console
     from rich.live import Live
 
-    from .client import ColocdClient, ColocdHTTPError
-
     console = Console(width=args.width) if args.width else Console()
     try:
-        with ColocdClient(args.url, token=args.token, timeout_s=10) as client:
+        with daemon_call(args) as call:
             if args.once:
-                console.print(render(fetch_snapshot(client, args.url, args.steps)))
+                console.print(render(fetch_snapshot(call, args.steps)))
                 return 0
-            with Live(render(fetch_snapshot(client, args.url, args.steps)), console=console,
+            with Live(render(fetch_snapshot(call, args.steps)), console=console,
                       refresh_per_second=4, screen=False) as live:
                 while True:
                     time.sleep(args.interval)  # the refresh cadence of a foreground view
-                    live.update(render(fetch_snapshot(client, args.url, args.steps)))
+                    live.update(render(fetch_snapshot(call, args.steps)))
     except KeyboardInterrupt:
         return 0
-    except ColocdHTTPError as exc:
-        print(f"colocd: {exc}", file=sys.stderr)
-        return 1
-    except (OSError, httpx.TransportError) as exc:
-        print(f"colocd: cannot reach the daemon at {args.url}: {exc}", file=sys.stderr)
-        return 1
 
 
 def add_top_command(sub: Any) -> None:
     """``colocd top [--once]`` on the CLI's subparsers."""
-    p = sub.add_parser("top", help="live view: node, engines, last steps' breakdown, GPU memory")
-    p.add_argument("--url", default="http://127.0.0.1:7000", help="http://host:port or unix:/path")
-    p.add_argument("--token", default=None)
-    p.add_argument("--once", action="store_true", help="print one frame and exit")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p = sub.add_parser("top", help="live view: node, engines, last steps' breakdown, GPU memory",
+                       description="A live view of one daemon. Narrow terminals show fewer columns, never cut "
+                                   "values; the columns left out are named.")
+    add_daemon_options(p, timeout_s=10.0)
+    p.add_argument("--once", action="store_true", help="print one frame and exit (scripts, pipes)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="time between refreshes")
     p.add_argument("--steps", type=int, default=8, help="how many recent steps to show")
-    p.add_argument("--width", type=int, default=None, help="console width (default: the terminal's)")
+    p.add_argument("--width", type=int, default=None,
+                   help="console width in columns (default: the terminal's, 80 when piped)")
     p.set_defaults(func=_top_command)

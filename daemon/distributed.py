@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-from ..engines.weight_group import BACKEND_DEVICES, flattened_layout, parse_dtype
 from ..policies import Timeouts, TimeoutStep
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
@@ -96,6 +95,9 @@ class BroadcastDescriptor:
                              f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}")
         if self.load_format not in (None, FLATTENED):
             raise ValueError(f"load_format: {self.load_format!r} is not null or {FLATTENED!r}")
+        # torch (through weight_group) is imported here, on the separated-GPU path, not when the daemon starts.
+        from ..engines.weight_group import flattened_layout, parse_dtype
+
         for i, dtype in enumerate(self.dtypes):
             parse_dtype(dtype)  # ValueError names the dtype
             if any(d < 0 for d in self.shapes[i]):
@@ -105,6 +107,8 @@ class BroadcastDescriptor:
 
     @property
     def nbytes(self) -> int:
+        from ..engines.weight_group import parse_dtype
+
         total = 0
         for dtype, shape in zip(self.dtypes, self.shapes, strict=True):
             n = parse_dtype(dtype).itemsize
@@ -187,6 +191,8 @@ class WeightGroups:
                                      f"DELETE /v1/weights/groups/{group_name} first")
         if not engines:
             raise TransitionRejected("this node has no engines to join a weight-update group")
+        from ..engines.weight_group import BACKEND_DEVICES
+
         # Everything the caller wrote is checked before any engine is asked to join: an engine that joins
         # a group that cannot form waits out its whole budget.
         if backend not in BACKEND_DEVICES:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..engines.base import MemoryTag
-from ..engines.chunks import dtype_from_name
+from ..engines.chunks import dtype_itemsize
 from .engine_ops import EngineHandle
 from .memory import NvmlProbe
 from .weights import Manifest
@@ -43,7 +43,7 @@ def staging_memory(engines: Iterable[EngineHandle], probe: NvmlProbe | None,
     engines = list(engines)
     total, total_from = None, None
     if last_push:
-        total = sum(_numel(meta.shape) * dtype_from_name(meta.dtype).itemsize for meta in last_push.values())
+        total = sum(_numel(meta.shape) * dtype_itemsize(meta.dtype) for meta in last_push.values())
         total_from = "last_push"
     else:
         reported = [e.learned_tag_bytes[MemoryTag.WEIGHTS] for e in engines

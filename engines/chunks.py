@@ -16,9 +16,10 @@ import secrets
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are touched: a layout is checked without it (the daemon)
+    import torch
 
 __all__ = [
     "DTYPES",
@@ -32,6 +33,7 @@ __all__ = [
     "TensorSpec",
     "copy_tensors",
     "dtype_from_name",
+    "dtype_itemsize",
     "dtype_name",
     "flatten_into",
     "inspect_handle",
@@ -40,23 +42,24 @@ __all__ = [
     "unflatten",
 ]
 
-# Names are torch's own short names (``str(torch.bfloat16)`` minus the prefix): the same strings
-# vLLM's ``dtype_names`` uses, so layouts can be translated to either engine without a table.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+# The dtypes a chunk may carry, each with its itemsize in bytes. Names are torch's own short names
+# (``str(torch.bfloat16)`` minus the prefix, ``getattr(torch, name)`` back): the same strings vLLM's
+# ``dtype_names`` uses, so layouts can be translated to either engine without a table. Sizes, not torch
+# dtypes, so that validating a layout (all the daemon does with one) never imports torch.
+DTYPES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
-if hasattr(torch, "float8_e4m3fn"):
-    DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
-    DTYPES["float8_e5m2"] = torch.float8_e5m2
 
 _ALIGN = 256  # byte alignment of each tensor: keeps every offset a multiple of any itemsize
 
@@ -65,11 +68,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of the dtype called ``name``; ``ValueError`` names an unknown one."""
     try:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype_itemsize(name)  # unknown names fail with the same message as a layout's check
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +102,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * dtype_from_name(self.dtype).itemsize
+        return self.numel * dtype_itemsize(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset}
@@ -103,10 +115,10 @@ class TensorSpec:
             shape=tuple(int(d) for d in data["shape"]),
             offset=int(data["offset"]),
         )
-        dtype_from_name(spec.dtype)  # validate early, with a message naming the dtype
+        itemsize = dtype_itemsize(spec.dtype)  # validate early, with a message naming the dtype
         if spec.offset < 0 or any(d < 0 for d in spec.shape):
             raise ValueError(f"tensor {spec.name!r}: negative offset or dimension")
-        if spec.offset % dtype_from_name(spec.dtype).itemsize:
+        if spec.offset % itemsize:
             raise ValueError(f"tensor {spec.name!r}: offset {spec.offset} not aligned to its dtype")
         return spec
 
@@ -162,6 +174,8 @@ def plan_buckets(
 
 def flatten_into(buffer: torch.Tensor, layout: ChunkLayout, named: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Copy tensors into a uint8 buffer at the layout's offsets (one copy per tensor)."""
+    import torch
+
     for spec, (_, t) in zip(layout.tensors, named, strict=True):
         dst = buffer[spec.offset : spec.offset + spec.nbytes]
         dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
@@ -178,6 +192,8 @@ def unflatten(buffer: torch.Tensor, layout: ChunkLayout) -> list[tuple[str, torc
 
 def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """SHA-256 over names and raw bytes in name order: equal iff every tensor is byte-identical."""
+    import torch
+
     h = hashlib.sha256()
     for name, t in sorted(named, key=lambda p: p[0]):
         h.update(name.encode())
@@ -239,6 +255,8 @@ class SharedSegment:
     def tensor(self) -> torch.Tensor:
         """A uint8 tensor over the mapping (no copy). Read-only mappings give a read-only view."""
         assert self._mmap is not None, "segment closed"
+        import torch
+
         if self.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         import warnings
@@ -354,4 +372,6 @@ def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
             small_dsts.append(dst)
             small_srcs.append(src)
     if small_dsts:
+        import torch
+
         torch._foreach_copy_(small_dsts, small_srcs)

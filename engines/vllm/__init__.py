@@ -12,7 +12,11 @@ if TYPE_CHECKING:
     from .adapter import VLLMAdapter
     from .launcher import VLLMServer
 
-__all__ = ["VLLMAdapter", "VLLMServer"]
+__all__ = ["BACKEND_NAME", "VLLMAdapter", "VLLMServer"]
+
+# The weight-transfer backend the extension registers in vLLM's workers; here, not in extension.py, so
+# the launcher names it without importing torch.
+BACKEND_NAME = "colocd"
 
 
 def __getattr__(name: str) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..chunks import ChunkLayout, SharedSegment, dtype_from_name, unflatten
+from . import BACKEND_NAME
 
 __all__ = [
     "BACKEND_NAME",
@@ -42,7 +43,6 @@ __all__ = [
     "register_backend",
 ]
 
-BACKEND_NAME = "colocd"
 EXTENSION_VERSION = 1
 # Set once per worker process: a restarted vLLM server has new workers, so a new boot id. The daemon
 # compares it across observations to prove (or rule out) a restart; vLLM's own API has no such marker.

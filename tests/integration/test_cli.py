@@ -84,6 +84,47 @@ def test_every_daemon_reading_command_without_a_daemon_fails_in_one_line(
     assert dead_url in line
 
 
+READERS = {"status": ["status"], "top": ["top", "--once"], "trace": ["trace", "1", "-o", "step1.png"]}
+
+
+@pytest.fixture
+def silent_url() -> Iterator[str]:
+    """A loopback port that accepts connections (the kernel's backlog) and never answers: a stuck daemon."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+
+
+def _read(command: str, url: str, tmp_path: Path, *extra: str) -> str:
+    args = [a if a != "step1.png" else str(tmp_path / a) for a in READERS[command]]
+    proc = _colocd(*args, "--url", url, *extra)
+    return _one_line_failure(proc, 2 if "://" not in url and not url.startswith("unix:") else 1)
+
+
+@pytest.mark.parametrize("command", sorted(READERS))
+def test_status_top_and_trace_say_the_same_when_no_daemon_answers(command: str, dead_url: str,
+                                                                   tmp_path: Path) -> None:
+    line = _read(command, dead_url, tmp_path)
+    assert line == (f"colocd: no daemon answers at {dead_url} (Connection refused); start one with "
+                    "`colocd serve --config FILE`, or point --url at it")
+
+
+@pytest.mark.parametrize("command", sorted(READERS))
+def test_status_top_and_trace_refuse_a_url_that_is_not_one_alike(command: str, tmp_path: Path) -> None:
+    line = _read(command, "127.0.0.1:7000", tmp_path)
+    assert line == "colocd: --url '127.0.0.1:7000' is neither http://host:port nor unix:/path/to.sock"
+
+
+@pytest.mark.parametrize("command", sorted(READERS))
+def test_status_top_and_trace_name_what_timed_out(command: str, silent_url: str, tmp_path: Path) -> None:
+    line = _read(command, silent_url, tmp_path, "--timeout", "0.5")
+    path = {"status": "/v1/status", "top": "/v1/status", "trace": "/v1/traces/1"}[command]
+    assert line == (f"colocd: the daemon at {silent_url} did not answer GET {path} within 0.5 s; "
+                    "is it overloaded or stuck? (see its log)")
+
+
 def test_policy_apply_of_a_missing_file_names_it(tmp_path: Path) -> None:
     line = _one_line_failure(_colocd("policy", "apply", str(tmp_path / "nope.yaml")), 2)
     assert "nope.yaml" in line and "No such file" in line
@@ -104,6 +145,36 @@ def test_serve_with_invalid_yaml_names_the_line(tmp_path: Path) -> None:
 def test_serve_with_an_unknown_key_names_the_key(tmp_path: Path) -> None:
     line = _one_line_failure(_colocd("serve", "--config", str(_write_config(tmp_path, listne={}))), 2)
     assert "listne" in line
+
+
+def test_serve_with_a_typo_in_its_config_fails_before_importing_the_daemon(tmp_path: Path) -> None:
+    # In-process main() in a child, so it can report what it imported before the one-line error: a typo costs
+    # the config's check (well under 2 s), not the daemon's import. The child's CPU time (its whole life,
+    # interpreter start included), not wall time: other processes on a shared CI machine do not count.
+    code = ("import resource, sys; from colocd.cli import main; rc = main(['serve', '--config', sys.argv[1]]); "
+            "u = resource.getrusage(resource.RUSAGE_SELF); "
+            "print(u.ru_utime + u.ru_stime, 'torch' in sys.modules, 'colocd.daemon.node' in sys.modules); "
+            "sys.exit(rc)")
+    config = _write_config(tmp_path, engins=[])
+    proc = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=120)
+    line = _one_line_failure(proc, 2)
+    assert "engins" in line and str(config) in line
+    took_s, torch_imported, daemon_imported = proc.stdout.split()
+    assert (torch_imported, daemon_imported) == ("False", "False")
+    assert float(took_s) < 2.0
+
+
+def test_the_daemons_modules_import_without_torch() -> None:
+    # torch is imported where a tensor is touched (the separated-GPU weight-group path, an engine's worker),
+    # never by the daemon's start-up: the server, every engine adapter, the weight and chunk paths.
+    modules = ["colocd.api.server", "colocd.daemon.node", "colocd.daemon.weights", "colocd.daemon.distributed",
+               "colocd.engines.chunks", "colocd.engines.registry", "colocd.engines.sglang.adapter",
+               "colocd.engines.vllm.adapter", "colocd.engines.vllm.launcher", "colocd.cli"]
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 def test_serve_with_a_missing_policy_file_names_the_key_and_a_fix(tmp_path: Path) -> None:

