@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from colocd.daemon.verify import ExpectedDigests, Verification, sample_names, verdict_of
 from colocd.engines.base import EngineDigests
 from colocd.engines.sglang.adapter import UNSUPPORTED_DIGESTS
+from colocd.policies import PolicyError, load_policy_yaml
 
 NAMES = [f"model.layers.{i}.w" for i in range(40)]
 
@@ -56,3 +59,11 @@ def test_an_engine_that_cannot_report_says_why_and_does_not_fail_the_commit() ->
     assert verdict.to_json() == {"status": "unsupported", "checked": 0, "reason": UNSUPPORTED_DIGESTS}
     assert "fused" in UNSUPPORTED_DIGESTS and "not verified" in UNSUPPORTED_DIGESTS
     assert Verification("full", (verdict,)).error() is None
+
+
+def test_the_policy_knob_defaults_to_full_and_a_bare_yaml_off_means_off() -> None:
+    assert load_policy_yaml("apiVersion: colocd/v1\n").sync.verify == "full"
+    assert load_policy_yaml("apiVersion: colocd/v1\nsync:\n  verify: off\n").sync.verify == "off"
+    assert load_policy_yaml("apiVersion: colocd/v1\nsync:\n  verify: sample\n").sync.verify == "sample"
+    with pytest.raises(PolicyError, match="verify"):
+        load_policy_yaml("apiVersion: colocd/v1\nsync:\n  verify: on\n")
