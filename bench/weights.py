@@ -21,6 +21,7 @@ stages (queue, decode, open, views, checks, copy_launch, sync; from the sink's `
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import platform
@@ -519,7 +520,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
             "timeouts": {"default_s": 600, "chunk_s": 600},
             "policy_file": f"{workdir}/policy.yaml",
         }
-        Path(workdir, "policy.yaml").write_text(_verify_policy(settings.verify[0]))
+        await asyncio.to_thread(Path(workdir, "policy.yaml").write_text, _verify_policy(settings.verify[0]))
         async with (
             DaemonProcess(daemon_cfg, workdir=workdir) as daemon,
             AsyncColocdClient(daemon.url) as client,
