@@ -50,7 +50,8 @@ def _reply(result: TransitionResult) -> TransitionReply:
 
 
 def _part(chunk: ChunkDescriptor) -> RankPayload:
-    return RankPayload(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle)
+    return RankPayload(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle,
+                       digests=chunk.digests)
 
 
 def _get_daemon(request: Request) -> Daemon:

@@ -32,6 +32,8 @@ class ChunkDescriptor(Protocol):
     def nbytes(self) -> int: ...
     @property
     def handle(self) -> dict[str, Any]: ...
+    @property
+    def digests(self) -> dict[str, str] | None: ...
 
 
 class ColocdHTTPError(Exception):
@@ -150,6 +152,8 @@ class AsyncColocdClient:
     async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
         body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
                 "handle": chunk.handle}
+        if chunk.digests is not None:
+            body["digests"] = chunk.digests
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/chunks", body)
 
     async def session(self, session_id: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from ..daemon.errors import (
     StepTimeout,
     TransitionFailed,
     TransitionRejected,
+    WeightsMismatch,
     WeightSyncError,
 )
 from ..policies import PolicyError
@@ -111,6 +112,8 @@ def _body(exc: Exception) -> dict[str, object]:
         body["engine"] = exc.engine
     if isinstance(exc, SessionGone):
         body.update(session_id=exc.session_id, session_state=exc.state)
+    if isinstance(exc, WeightsMismatch):
+        body.update(engine=exc.engine, tensor=exc.tensor)
     if isinstance(exc, ChunkTimeout):
         body.update(engine=exc.engine, step=exc.step, budget_s=exc.budget_s, rank=exc.rank)
     if isinstance(exc, TransitionFailed):

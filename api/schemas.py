@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
 
 from ..daemon.distributed import BroadcastDescriptor
 from ..engines.base import MemoryTag
-from ..engines.chunks import DTYPES
+from ..engines.chunks import DTYPES, MAX_LAYOUT_ENTRIES
 from ..policies import GroupSnapshot, Transport
 
 MAX_CHUNK_BYTES = 1 << 38  # 256 GiB: larger than any GPU's memory, so a larger nbytes is a mistake
@@ -210,6 +210,14 @@ class TensorEntry(_Strict):
     offset: Count
 
 
+# name -> 16 hex digits (engines/digest.py); at most as many entries as a chunk's layout may have.
+WeightDigests = Annotated[
+    dict[Annotated[str, StringConstraints(min_length=1, max_length=4096)],
+         Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16}$")]],
+    Field(max_length=MAX_LAYOUT_ENTRIES),
+]
+
+
 class ChunkDescriptor(_Strict):
     """One rank's part of one chunk. ``handle`` is transport-specific and opaque to the daemon."""
 
@@ -221,6 +229,9 @@ class ChunkDescriptor(_Strict):
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
     handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
+    digests: WeightDigests | None = Field(
+        None, description="each tensor's digest as the trainer computed it at export (colocd.engines.digest: "
+                          "16 hex digits), by tensor name; what a verified commit compares with the engines'")
 
     @model_validator(mode="after")
     def _as_on_the_wire(self) -> ChunkDescriptor:
@@ -264,6 +275,8 @@ class JoinReply(BaseModel):
     ring_refs: str | None = Field(None, description=(
         "this daemon's record of ipc_ring announcements: a ring that announced its layouts and slot handles "
         "to this id may send layout_ref only; another id (a restarted daemon) needs them again"))
+    verify: Literal["full", "sample", "off"] = Field(
+        "off", description="the policy's sync.verify for this session: unless off, send each chunk's digests")
 
 
 class ChunkAckReply(BaseModel):
@@ -341,6 +354,7 @@ class ErrorBody(BaseModel):
     step: str | None = Field(None, description="the step that failed or timed out (502/504), e.g. load_chunk")
     budget_s: float | None = Field(None, description="the budget a timed-out step had (504)")
     rank: int | None = Field(None, description="the trainer rank that never sent its part (ChunkTimeout)")
+    tensor: str | None = Field(None, description="the tensor an engine holds other bytes of (WeightsMismatch)")
     session_id: str | None = Field(None, description="the weight session that is gone (410)")
     session_state: str | None = Field(None, description="why it is gone: expired, aborted, failed, committed")
 

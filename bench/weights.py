@@ -21,6 +21,7 @@ stages (queue, decode, open, views, checks, copy_launch, sync; from the sink's `
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import platform
@@ -40,6 +41,7 @@ from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..api.procs import DaemonProcess
 from ..engines.chunks import copy_tensors, plan_buckets
 from ..engines.config import ReferenceEngineConfig
+from ..engines.digest import DigestCache, tensor_digests
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
 from ..trainer.channel import chunk_frame
@@ -108,6 +110,9 @@ class BenchSettings:
     warmup: int = 1
     seed: int = 0
     out: str | None = None
+    # The daemon's policy sync.verify for each pass over the variants (full | sample | off); with more than one,
+    # every variant runs once per mode and is named variant/mode.
+    verify: tuple[str, ...] = ("full",)
 
 
 @dataclass
@@ -136,6 +141,9 @@ class VariantResult:
     verified: bool | None = None
     skipped: str | None = None
     rings_opened: int | None = None  # handles the engine had opened after this variant
+    verify: str = "full"  # the daemon's sync.verify during this variant
+    verify_ms: float = 0.0  # the best push's commit-time verification (the daemon asking the engine), ms
+    verification: dict[str, Any] = field(default_factory=dict)  # the best push's commit reply "verification"
 
     def summary(self, nbytes: int, floor_s: float) -> dict[str, Any]:
         best, wall = min(self.stream_s, default=math.nan), min(self.wall_s, default=math.nan)
@@ -226,14 +234,59 @@ def measure_copy_kernels(named: Sequence[tuple[str, torch.Tensor]], device: torc
     return kernels
 
 
+def measure_digests(named: Sequence[tuple[str, torch.Tensor]], device: torch.device, repeats: int) -> dict[str, Any]:
+    """What the verified commit costs the trainer: best time of every tensor's digest (engines/digest.py) on
+    ``device``, one host sync, as the pusher computes them at export; and whether the CPU computes the same
+    digests from the same bytes (the engine side may run elsewhere)."""
+    cache: DigestCache = {}
+    tensor_digests(named, cache)  # the weight vectors move to the device once
+    best = math.inf
+    for _ in range(max(repeats, 1)):
+        _sync(device)
+        t0 = time.perf_counter()
+        on_device = tensor_digests(named, cache)
+        best = min(best, time.perf_counter() - t0)
+    largest = max(named, key=lambda p: p[1].numel())
+    sample = [*named[:3], largest]
+    on_cpu = tensor_digests([(n, t.cpu()) for n, t in sample])
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    return {"trainer_digest_s": best, "trainer_digest_gb_per_s": nbytes / best / 1e9,
+            "cpu_agrees": all(on_cpu[n] == on_device[n] for n, _ in sample), "cpu_checked": [n for n, _ in sample]}
+
+
+async def _engine_digests(http: httpx.AsyncClient, engine_url: str, names: list[str], repeats: int) -> float:
+    """Best time of the engine's report of every tensor's digest (POST /colocd/digests: HTTP + its device work)."""
+    best = math.inf
+    for _ in range(max(repeats, 1)):
+        t0 = time.perf_counter()
+        (await http.post(f"{engine_url}/colocd/digests", json={"names": names})).raise_for_status()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _verify_policy(mode: str) -> str:
+    return f"apiVersion: colocd/v1\nsync:\n  verify: \"{mode}\"\n"
+
+
+async def _set_verify(client: AsyncColocdClient, http: httpx.AsyncClient, daemon_url: str, mode: str,
+                      step: int) -> int:
+    """Stage ``sync.verify: mode`` and cross a transition boundary so it applies; returns the step now in sync."""
+    (await http.put(f"{daemon_url}/v1/policies", content=_verify_policy(mode).encode(),
+                    headers={"Content-Type": "application/yaml"})).raise_for_status()
+    await client.phase("rollout", step)
+    await client.phase("train", step + 1)
+    await client.phase("sync", step + 1)
+    return step + 1
+
+
 async def _push_once(
     client: AsyncColocdClient,
     pusher: WeightPusher,
     named: Sequence[tuple[str, torch.Tensor]],
     version: str,
     depth: int,
-) -> tuple[float, float, float, float, int]:
-    """(open, stream, commit, wall) seconds and the chunk count of one full session."""
+) -> tuple[float, float, float, float, int, dict[str, Any]]:
+    """(open, stream, commit, wall) seconds, the chunk count and the commit's verification of one full session."""
     t0 = time.perf_counter()
     reply = await client.open_session(version, ranks=1, depth=depth)
     sid = reply["session_id"]
@@ -241,7 +294,7 @@ async def _push_once(
     try:
         chunks, _ = await pusher.stream(sid, named, chunk_channel=reply.get("chunk_channel"))
         t2 = time.perf_counter()
-        await client.commit(sid, chunks)
+        commit = await client.commit(sid, chunks)
     except BaseException:
         try:
             await client.abort(sid)
@@ -249,7 +302,7 @@ async def _push_once(
             pass  # already failed; the original error matters
         raise
     t3 = time.perf_counter()
-    return t1 - t0, t2 - t1, t3 - t2, t3 - t0, chunks
+    return t1 - t0, t2 - t1, t3 - t2, t3 - t0, chunks, dict(commit.get("verification") or {})
 
 
 async def _run_variant(
@@ -260,13 +313,15 @@ async def _run_variant(
     engine_url: str,
     named: Sequence[tuple[str, torch.Tensor]],
     seed: int,
+    verify: str = "full",
 ) -> VariantResult:
     result = VariantResult(
-        variant.name,
+        variant.name if len(settings.verify) < 2 else f"{variant.name}/{verify}",
         variant.transport,
         variant.depth,
         None if math.isinf(variant.bucket_mb) else variant.bucket_mb,
         variant.channel,
+        verify=verify,
     )
     if variant.cuda_only and torch.device(settings.device).type != "cuda":
         result.skipped = "needs CUDA"
@@ -286,8 +341,8 @@ async def _run_variant(
             # Fresh values before every push, checked after it: no repetition can pass on the bytes
             # an earlier one delivered.
             expected = _refill(named, seed * 1000 + i)
-            open_s, stream_s, commit_s, wall_s, chunks = await _push_once(
-                client, pusher, named, f"{variant.name}-{i}", variant.depth
+            open_s, stream_s, commit_s, wall_s, chunks, verification = await _push_once(
+                client, pusher, named, f"{result.name}-{i}", variant.depth
             )
             if pusher.last_path != variant.channel:
                 raise RuntimeError(f"{variant.name}: chunks went over {pusher.last_path}, not {variant.channel}")
@@ -304,6 +359,8 @@ async def _run_variant(
             if not result.stream_s or stream_s < min(result.stream_s):
                 best_log, result.open_s, result.commit_s = list(pusher.chunk_log), open_s, commit_s
                 best_loads, result.checksum_ms = list(sink["loads"]), 1e3 * float(sink["checksum_s"])
+                result.verification = verification
+                result.verify_ms = 1e3 * float(verification.get("seconds", 0.0))
             result.stream_s.append(stream_s)
             result.wall_s.append(wall_s)
             result.chunks = chunks
@@ -329,7 +386,7 @@ def _table(results: list[dict[str, Any]], floor_s: float, nbytes: int) -> str:
     head = (
         f"{'variant':<20}{'transport':<11}{'depth':>5}{'chunk MiB':>10}{'chunks':>7}{'stream ms':>10}"
         f"{'GB/s':>8}{'x floor':>8}{'wall ms':>9}{'wall x':>7}{'ctl ms/chunk':>13}{'engine ms':>10}"
-        f"{'hop ms':>8}{'release ms':>11}  ok"
+        f"{'hop ms':>8}{'release ms':>11}{'verify ms':>10}  ok"
     )
     floor = f"{floor_s * 1e3:.2f} ms ({nbytes / floor_s / 1e9:.0f} GB/s)"
     lines = [f"floor: one device-to-device copy of {nbytes / 1e9:.2f} GB in one process: {floor}", head]
@@ -343,11 +400,12 @@ def _table(results: list[dict[str, Any]], floor_s: float, nbytes: int) -> str:
             f"{r['best_stream_s'] * 1e3:>10.2f}{r['gb_per_s']:>8.1f}{r['x_floor']:>8.2f}"
             f"{r['best_wall_s'] * 1e3:>9.2f}{r['wall_x_floor']:>7.2f}{r['control_ms_per_chunk']:>13.3f}"
             f"{r['engine_ms_per_chunk']:>10.2f}{r['hop_ms_per_chunk']:>8.2f}{r['release_ms_per_chunk']:>11.3f}"
-            f"  {'yes' if r['verified'] else 'NO'}"
+            f"{r['verify_ms']:>10.2f}  {'yes' if r['verified'] else 'NO'}"
         )
     lines.append("ctl: median per chunk of (trainer round trip to the ack - daemon's wait on the engine), trainer <-> "
                  "daemon; engine: median daemon wait; hop: mean (daemon wait - engine handler), the engine's HTTP "
-                 "call; release: median ack -> buffer released in the trainer")
+                 "call; release: median ack -> buffer released in the trainer; verify: the commit's check of the "
+                 "engine's digests (the trainer's digests are inside export, so inside stream)")
     return "\n".join(lines)
 
 
@@ -460,7 +518,9 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         daemon_cfg = {
             "engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
             "timeouts": {"default_s": 600, "chunk_s": 600},
+            "policy_file": f"{workdir}/policy.yaml",
         }
+        await asyncio.to_thread(Path(workdir, "policy.yaml").write_text, _verify_policy(settings.verify[0]))
         async with (
             DaemonProcess(daemon_cfg, workdir=workdir) as daemon,
             AsyncColocdClient(daemon.url) as client,
@@ -469,11 +529,19 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
             await client.wait_ready(120)
             await client.phase("train", 1)
             await client.phase("sync", 1)  # engine paused, weights resident: sessions may open
-            for i, variant in enumerate(variants):
-                result = await _run_variant(variant, settings, client, http, engine.url, named, settings.seed + 1 + i)
-                results.append(result)
-                status = "skipped" if result.skipped else f"best {min(result.stream_s) * 1e3:.2f} ms"
-                print(f"  {variant.name}: {status}", flush=True)
+            step = 1
+            for m, mode in enumerate(settings.verify):
+                if m:  # the first mode is the policy file's
+                    step = await _set_verify(client, http, daemon.url, mode, step)
+                for i, variant in enumerate(variants):
+                    result = await _run_variant(variant, settings, client, http, engine.url, named,
+                                                settings.seed + 1 + i, verify=mode)
+                    results.append(result)
+                    status = "skipped" if result.skipped else f"best {min(result.stream_s) * 1e3:.2f} ms"
+                    print(f"  {result.name}: {status}", flush=True)
+            digests = measure_digests(named, device, max(settings.repeats, 3))
+            digests["engine_report_s"] = await _engine_digests(http, engine.url, [n for n, _ in named],
+                                                               max(settings.repeats, 3))
     summaries = [r.summary(nbytes, floor_s) for r in results]
     control_floor = await _control_floor(results, named, settings)
     record = {
@@ -490,6 +558,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         "floor_s": floor_s,
         "floor_gb_per_s": nbytes / floor_s / 1e9,
         "copy_kernels_s": kernels,
+        "digests": digests,
         "variants": summaries,
         "control_floor": control_floor,
         "targets": _targets(summaries, control_floor),
@@ -502,6 +571,10 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
               f"holding it {floor['hold_ms']:.2f} ms: {floor['p50_ms']:.3f} ms median (p90 {floor['p90_ms']:.3f})",
               flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
+    print(f"verified commit: trainer digests of all {len(named)} tensors {digests['trainer_digest_s'] * 1e3:.2f} ms "
+          f"({digests['trainer_digest_gb_per_s']:.1f} GB/s, CPU agrees: {digests['cpu_agrees']}); the engine's "
+          f"report over HTTP {digests['engine_report_s'] * 1e3:.2f} ms; per variant: verify ms in the table",
+          flush=True)
     if settings.out:
         write_record(Path(settings.out), record)
     return record

@@ -15,7 +15,8 @@ so adapters raise members of this same tree without importing the daemon.
     │   └── StepTimeout         an engine call exceeded its budget; .budget_s            → 504
     ├── MemoryNotConfirmed      NVML never showed the released bytes back               → 504
     ├── WeightSyncError         a weight session failed or was aborted                  → 502
-    │   └── ChunkTimeout        a chunk not complete in time; .engine/.rank, .step, .budget_s → 504
+    │   ├── ChunkTimeout        a chunk not complete in time; .engine/.rank, .step, .budget_s → 504
+    │   └── WeightsMismatch     an engine holds other weights than the trainer pushed; .engine, .tensor → 502
     └── EngineError (engines/errors.py) .engine                                         → 502
         ├── EngineUnreachable                                                           → 503
         ├── EngineTimeout                                                               → 504
@@ -58,6 +59,7 @@ __all__ = [
     "TransitionFailed",
     "TransitionRejected",
     "WeightSyncError",
+    "WeightsMismatch",
     "caller_payload",
     "refused_payload",
 ]
@@ -121,6 +123,15 @@ class MemoryNotConfirmed(ColocdError):
 
 class WeightSyncError(ColocdError):
     """A weight session failed or was aborted; engines stay paused at the old version."""
+
+
+class WeightsMismatch(WeightSyncError):
+    """A verified commit found an engine's digest of ``tensor`` other than the trainer's (daemon/verify.py)."""
+
+    def __init__(self, message: str, *, engine: str, tensor: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.tensor = tensor
 
 
 class ChunkTimeout(WeightSyncError):

@@ -9,11 +9,12 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..engines.base import RankPayload
+from ..engines.base import EngineDigests, RankPayload
 from ..engines.ring_refs import RingDirectory
 from ..policies import TimeoutStep
 from . import engine_ops as ops
@@ -30,6 +31,7 @@ from .states import (
     require_session_open,
 )
 from .trace import Trace
+from .verify import Verification, verify_engines
 from .weights import (
     ChunkAck,
     Manifest,
@@ -124,6 +126,7 @@ class WeightSessions:
             session.required = required
             trace.attrs["session"] = session.id  # the session's log line and trace name it
             session.prior = {n: e.state.weights for n, e in d.engines.items()}
+            session.verify = d.policy_set().sync.verify
 
             async def begin(engine: EngineHandle) -> None:
                 await ops.timed_call(engine, trace, d.metrics, "begin_weight_update",
@@ -293,6 +296,7 @@ class WeightSessions:
                 await self._close_session(session)
                 raise
             self._check_complete(session)
+            verification = await self._verify(session)
             await self._close_engines_update(session.trace, committed=True, version=session.version)
             session.commit()
             if not session.partial:
@@ -304,7 +308,34 @@ class WeightSessions:
             d.journal_append("weights")
             return {**session.stats(), "broadcasts": self.groups.session_stats(session.id),
                     "engines": {n: e.state.snapshot() for n, e in d.engines.items()},
-                    "trace": session.trace.to_json()}
+                    "verification": verification.to_json(), "trace": session.trace.to_json()}
+
+    async def _verify(self, session: WeightSession) -> Verification:
+        """The verified commit (daemon/verify.py): each engine's digests against the trainer's. A mismatch, or an
+        engine that cannot be asked, fails the session (the engines stay paused, their weights stale)."""
+        d = self._d
+        budget = d.timeouts().for_step(TimeoutStep.WEIGHT_UPDATE)
+
+        async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
+            report: EngineDigests = await ops.timed_call(engine, session.trace, d.metrics, "weight_digests", budget,
+                                                         engine.adapter.weight_digests(names), tensors=len(names))
+            return report
+
+        t0 = time.perf_counter()
+        try:
+            verdicts = await verify_engines(list(d.engines.values()), session.expected, session.verify,
+                                            session.version, ask)
+        except BaseException:
+            await session.fail(WeightSyncError("commit failed: asking the engines for their weight digests failed"))
+            await self._close_session(session)
+            raise
+        verification = Verification(session.verify, verdicts, time.perf_counter() - t0)
+        if (error := verification.error()) is not None:
+            log.error("weight session %s: %s", session.id, error)
+            await session.fail(error)
+            await self._close_session(session)
+            raise error
+        return verification
 
     def _check_complete(self, session: WeightSession) -> None:
         """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""

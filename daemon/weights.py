@@ -40,6 +40,7 @@ from ..engines.base import RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.errors import RingRefsUnknown
 from ..engines.ring_refs import RefMismatch, RefUnknown, RingDirectory
+from ..policies import VerifyMode
 from .engine_ops import EngineHandle
 from .errors import (
     ChunkTimeout,
@@ -63,6 +64,7 @@ from .states import (
 )
 from .tasks import start_now
 from .trace import Trace
+from .verify import ExpectedDigests
 
 __all__ = [
     "ChunkAck",
@@ -145,11 +147,12 @@ class RankJoin:
     device_id: str
     feeds: tuple[tuple[str, int], ...]  # (engine, TP rank)
     ring_refs: str | None = None  # the daemon's RingDirectory id: what a ring's announcements were made to
+    verify: VerifyMode = "off"  # the commit's check (daemon/verify.py): unless off, send digests with each chunk
 
     def to_json(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "rank": self.rank, "device_id": self.device_id,
                 "streams": bool(self.feeds), "feeds": [{"engine": e, "tp_rank": t} for e, t in self.feeds],
-                "ring_refs": self.ring_refs}
+                "ring_refs": self.ring_refs, "verify": self.verify}
 
 
 @dataclass
@@ -251,6 +254,8 @@ class WeightSession:
         # Set by the daemon at open: each engine's full parameter set (None: unknown) and weights state.
         self.required: dict[str, Manifest | None] = {}
         self.prior: dict[str, WeightsState] = {}
+        self.verify: VerifyMode = "off"  # set at open from the policy (sync.verify)
+        self.expected = ExpectedDigests()  # the digests the trainer sent beside its chunks
         self.bytes_loaded = 0
         self.chunks_loaded = 0
         self.shm_names: set[str] = set()  # segments the trainer named: unlinked if the session expires
@@ -317,7 +322,7 @@ class WeightSession:
         if len(self._devices) == self.ranks:
             self._feed_gpus_from_host_ranks()
         joined = RankJoin(self.id, rank, device_id, self._feeds(rank),
-                          self._rings.id if self._rings is not None else None)
+                          self._rings.id if self._rings is not None else None, self.verify)
         if len(self._devices) == self.ranks and (unserved := self._unserved()):
             declared = ", ".join(f"rank {r}: {d!r}" for r, d in sorted(self._devices.items()))
             error = RequestInvalid(
@@ -499,6 +504,7 @@ class WeightSession:
         await self._check_device(seq, part, users)
         chunk.parts[part.rank] = part
         chunk.layouts[part.rank] = layout
+        self.expected.record(part.digests)
         if part.transport == "shm":
             self.shm_names.add(str(part.handle["shm_name"]))
         self._pump()

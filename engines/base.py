@@ -6,6 +6,7 @@ retries or deadlines: the daemon owns those and wraps each call in its own timeo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
@@ -15,6 +16,7 @@ from ..policies import Transport
 __all__ = [
     "ALL_TAGS",
     "EngineAdapter",
+    "EngineDigests",
     "EngineInfo",
     "MemoryTag",
     "Observation",
@@ -83,6 +85,8 @@ class RankPayload:
     transport: Transport
     nbytes: int
     handle: dict[str, Any]
+    # Each tensor's digest as the trainer computed it (engines/digest.py), by name; None: none sent.
+    digests: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,18 @@ class WeightsLoad:
     flush_cache: bool = False
     weight_version: str | None = None
     session_id: str | None = None  # the daemon's session: engines that can tell refuse a chunk of another
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDigests:
+    """What an engine reports of the weights it holds, as digests (engines/digest.py) per TP rank.
+
+    ``ranks``: one ``{name: digest}`` per TP rank, for the names asked (a name it does not hold is left out);
+    None when the engine cannot report, and then ``unsupported`` says why.
+    """
+
+    ranks: tuple[dict[str, str], ...] | None
+    unsupported: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +155,9 @@ class EngineAdapter(Protocol):
     async def end_weight_update(self) -> None: ...
     async def set_weight_version(self, version: str) -> None: ...
     async def weights_checksum(self) -> str | None: ...
+    async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
+        """Digests of the named tensors as the engine holds (or received) them, for a verified commit."""
+        ...
     async def aclose(self) -> None: ...
 
     # Optional (looked up with getattr): ``async def parameter_manifest(self) -> list[dict] | None``, the

@@ -31,7 +31,15 @@ from .process_groups import (
     WaitPoint,
 )
 from .registry import BUILTINS, ENTRY_POINT_GROUP, resolve_policy
-from .settings import DEFAULT_PAUSE_MODE, EngineSettings, PauseModeName, SecondBuffer, SyncMode, SyncSettings
+from .settings import (
+    DEFAULT_PAUSE_MODE,
+    EngineSettings,
+    PauseModeName,
+    SecondBuffer,
+    SyncMode,
+    SyncSettings,
+    VerifyMode,
+)
 from .store import PolicyStore
 from .timeouts import Timeouts, TimeoutStep
 from .transport import Transport
@@ -78,6 +86,7 @@ __all__ = [
     "TimeoutStep",
     "Timeouts",
     "Transport",
+    "VerifyMode",
     "WaitPoint",
     "YamlLimits",
     "default_policies",

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = ["DEFAULT_PAUSE_MODE", "EngineSettings", "PauseModeName", "ReleaseTag", "SecondBuffer", "SyncMode",
-           "SyncSettings"]
+           "SyncSettings", "VerifyMode"]
 
 ReleaseTag = Literal["weights", "kv_cache", "cuda_graph"]
 PauseModeName = Literal["abort", "retract", "in_place"]
@@ -52,6 +52,10 @@ SyncMode = Literal["sync", "async"]
 # Where the trainer snapshots its weights for a background push: auto picks the device when a copy plus
 # the margin fits in its free memory, else pinned host memory, else it falls back to a synchronous push.
 SecondBuffer = Literal["auto", "device", "pinned_cpu"]
+# What a commit checks before the engines may serve the new weights (daemon/verify.py, docs/policies.md#verify):
+# full: every tensor's digest the trainer sent against the engine's report; sample: a deterministic subset
+# (a different one each version); off: nothing.
+VerifyMode = Literal["full", "sample", "off"]
 
 
 class SyncSettings(BaseModel):
@@ -75,6 +79,15 @@ class SyncSettings(BaseModel):
         "auto", description="async: where the snapshot goes (auto | device | pinned_cpu)")
     buffer_margin_mb: int = Field(
         1024, ge=0, le=1 << 20, description="async: memory that must stay free beside the snapshot, MiB")
+    verify: VerifyMode = Field(
+        "full", description="before a commit lets engines serve: compare the per-tensor digests the trainer sent "
+                            "with what each engine reports holding (full | sample: a deterministic subset | off)")
+
+    @field_validator("verify", mode="before")
+    @classmethod
+    def _bare_off(cls, value: object) -> object:
+        # YAML 1.1 (PyYAML) reads a bare `verify: off` as the boolean false; that is what the writer meant.
+        return "off" if value is False else value
 
     @property
     def staleness_bound(self) -> int:

@@ -29,8 +29,10 @@ MAX_REPLY_BYTES = 1 << 24
 
 def chunk_frame(seq: int, rank: int, chunk: ChunkDescriptor) -> bytes:
     """One chunk's frame as the channel writes it: the chunk route's body as one JSON line."""
-    return json.dumps({"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
-                       "handle": chunk.handle}, separators=(",", ":")).encode() + b"\n"
+    body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes, "handle": chunk.handle}
+    if chunk.digests is not None:
+        body["digests"] = chunk.digests
+    return json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
 
 class ChannelClosed(ConnectionError):

@@ -32,6 +32,8 @@ class ExportedChunk:
     # tells the producer the daemon now holds what this chunk announced.
     announce: Callable[[], dict[str, Any]] | None = field(default=None, repr=False)
     acked: Callable[[], None] | None = field(default=None, repr=False)
+    # Each tensor's digest (engines/digest.py) computed on its device at export; None: not asked for.
+    digests: dict[str, str] | None = field(default=None, repr=False)
 
     def release(self) -> None:
         if self._release is not None:

@@ -25,6 +25,7 @@ import torch
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import dtype_name, plan_buckets
 from ..engines.cuda_handles import device_uuid
+from ..engines.digest import DigestCache, tensor_digests
 from ..policies import Transport
 from .channel import ChannelClosed, ChunkChannel
 from .exported import ExportedChunk, Producer
@@ -174,6 +175,7 @@ class WeightPusher:
         self._lease_grace_s = lease_grace_s
         self._lease_reporter: asyncio.Task[None] | None = None
         self._lease_report_due = False
+        self._digest_cache: DigestCache = {}  # engines/digest.py weight vectors, per device
 
     @classmethod
     def from_plan(cls, client: AsyncColocdClient, plan: dict[str, Any], *, rank: int = 0,
@@ -264,21 +266,29 @@ class WeightPusher:
 
     @staticmethod
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
-                         ) -> tuple[ExportedChunk, float] | None:
-        """The next bucket, exported, and the export's seconds; None when the plan is done. Runs on a thread."""
+                         digests: DigestCache | None = None) -> tuple[ExportedChunk, float] | None:
+        """The next bucket, exported (with each tensor's digest, computed on its device, where ``digests`` is a
+        cache), and the export's seconds; None when the plan is done. Runs on a thread."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
         t0 = time.perf_counter()
-        return producer.export(bucket), time.perf_counter() - t0
+        chunk = producer.export(bucket)
+        if digests is not None:
+            try:
+                chunk.digests = tensor_digests(bucket, digests)
+            except BaseException:
+                chunk.release()
+                raise
+        return chunk, time.perf_counter() - t0
 
     @classmethod
     async def _next_export(cls, producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
-                           ) -> tuple[ExportedChunk, float] | None:
+                           digests: DigestCache | None = None) -> tuple[ExportedChunk, float] | None:
         # One hop off the event loop per chunk for both (each hop costs ~0.2-0.3 ms on a busy host): pulling a
         # bucket may be a collective and an export may wait on the GPU (the ring syncs its flatten), while acks
         # of earlier chunks must keep flowing. One export at a time.
-        work = asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets))
+        work = asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets, digests))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -420,10 +430,12 @@ class WeightPusher:
 
         buckets = plan_buckets(named, bucket_bytes)
         failure: BaseException | None = None
+        # The daemon's commit compares these with the engines' (policy sync.verify; daemon/verify.py).
+        digests = self._digest_cache if (self.last_join or {}).get("verify", "off") != "off" else None
         try:
             while True:
                 await window.acquire()
-                made = await self._next_export(producer, buckets)
+                made = await self._next_export(producer, buckets, digests)
                 if made is None:
                     window.release()
                     break

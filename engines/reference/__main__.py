@@ -96,6 +96,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
             sink_kv_bytes=int(args.sink_kv_gib * (1 << 30)),
             tp_size=args.tp_size,
             device_ids=tuple(i.strip() for i in args.device_ids.split(",")) if args.device_ids else (),
+            test_corrupt_after_load=os.environ.get("COLOCD_REFERENCE_TEST_CORRUPT") or None,
         )
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))

@@ -26,6 +26,7 @@ import torch
 
 from ..base import MemoryTag, PauseMode
 from ..cuda_handles import RingTable
+from ..digest import DigestCache, tensor_digests
 from .locks import ReaderWriterLock
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .memory import ReleaseReport as MemoryReleaseReport
@@ -95,6 +96,7 @@ class ReferenceEngine:
         self.device = torch.device(settings.device if settings.tp_size == 1 else "cuda:0"
                                    if settings.device.startswith("cuda") else settings.device)
         self._ranks: list[TPRank] = []
+        self._digest_cache: DigestCache = {}  # engines/digest.py weight vectors per device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
         self._model: QwenLikeForCausalLM | None = None
         self._memory: MemoryRegions | None = None
@@ -676,6 +678,8 @@ class ReferenceEngine:
                 raise ValueError(why)  # before any rank applies anything: the ranks stay identical
             applied = [(rank.sink or rank.model).load_weights(named)
                        for rank, named in zip(self._ranks, opened, strict=True)]
+            if (corrupt := self.settings.test_corrupt_after_load) is not None and corrupt in applied[0]:
+                self._corrupt(corrupt)
             t2 = time.perf_counter()
         for rank in self._ranks:
             if rank.device.type == "cuda":
@@ -688,6 +692,31 @@ class ReferenceEngine:
             self._last_stages = {"decode_s": t1 - t0 - sum(ring.values()), "open_s": 0.0, "views_s": 0.0, **ring,
                                  **self._sink.last_load, "sync_s": time.perf_counter() - t2}
         return applied[0]
+
+    def _corrupt(self, name: str) -> None:
+        """The test-only hook (settings.test_corrupt_after_load): flip one bit of ``name`` on TP rank 0."""
+        rank = self._ranks[0]
+        held = rank.sink.tensors if rank.sink is not None else dict(rank.model.named_parameters())
+        with torch.no_grad():
+            held[name].detach().reshape(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
+        logger.warning("test hook: corrupted %s on TP rank 0 after its load", name)
+
+    async def weight_digests(self, names: Sequence[str]) -> list[dict[str, str]]:
+        """``/colocd/digests``: the engines/digest.py digest of each named tensor as every TP rank holds it now (a
+        name it does not hold is left out; a tied ``lm_head.weight`` is the embedding it is tied to)."""
+        self._running()
+        async with self._control_lock:
+            return await self._on_model_thread(self._digests, tuple(names))
+
+    def _digests(self, names: tuple[str, ...]) -> list[dict[str, str]]:
+        out = []
+        for rank in self._ranks:
+            held: dict[str, torch.Tensor] = (dict(rank.sink.tensors) if rank.sink is not None
+                                             else {n: p.detach() for n, p in rank.model.named_parameters()})
+            if "lm_head.weight" not in held and "model.embed_tokens.weight" in held:
+                held["lm_head.weight"] = held["model.embed_tokens.weight"]  # tied: loads skip it (model.py)
+            out.append(tensor_digests(((n, held[n]) for n in names if n in held), self._digest_cache))
+        return out
 
     async def sink_checksums(self) -> dict[str, Any]:
         """``/colocd/sink``: device checksums of the benchmark sink's tensors (404 without a sink); rank 0's

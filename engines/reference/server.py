@@ -29,6 +29,7 @@ from .wire import (
     BeginWeightUpdateBody,
     CheckWeightsBody,
     ContinueGenerationBody,
+    DigestsBody,
     EndWeightUpdateBody,
     GenerateBody,
     MemoryTagsBody,
@@ -246,6 +247,11 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
         """colocd extension: the full parameter set [{name, dtype, shape}], what a complete update must cover
         (null in benchmark mode, where chunks land in a sink)."""
         return {"parameters": engine.parameter_manifest()}
+
+    @router.post("/colocd/digests")
+    async def colocd_digests(body: DigestsBody) -> dict[str, Any]:
+        """colocd extension: engines/digest.py digests of the named tensors, as each TP rank holds them now."""
+        return {"ranks": await engine.weight_digests(body.names)}
 
     @router.get("/colocd/sink")
     async def colocd_sink() -> dict[str, Any]:

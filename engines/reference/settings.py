@@ -42,6 +42,9 @@ class ReferenceServerSettings:
     # The identity each TP rank declares, what a trainer rank names to be paired with it: on CPU any label
     # (default "cpu:<rank>"); on CUDA it is the GPU's UUID, read from the device, so none may be given.
     device_ids: tuple[str, ...] = ()
+    # Test only (env COLOCD_REFERENCE_TEST_CORRUPT): after every load that wrote this tensor, TP rank 0 flips a
+    # bit of it, so the engine holds other weights than it was sent (what a verified commit must catch).
+    test_corrupt_after_load: str | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOL_VERSIONS:

@@ -8,20 +8,33 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
 from ...errors import RequestInvalid
 from ...policies import Transport
-from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from ..base import EngineDigests, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
 from ..httpmap import check_reply, map_http_errors
 from ..ring_refs import UNKNOWN_REF_MARK
 from . import wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
-__all__ = ["SGLangAdapter"]
+__all__ = ["UNSUPPORTED_DIGESTS", "SGLangAdapter"]
+
+# Why a verified commit cannot check real SGLang (0.5.23), in the words the commit reply carries. Its one per-tensor
+# check, /weights_checker {"action": "checksum"} (srt/utils/weight_checker.py), hashes each parameter as the model
+# holds it: fused (qkv_proj = q|k|v, gate_up_proj = gate|up), sharded by TP rank, after post-load processing
+# (quantised weights dequantised), with sha256 on CPU and a Triton tile hash on GPU
+# (kernels/ops/memory/gpu_tensor_hash.py). Reproducing it means rebuilding every fused shard on the trainer, per
+# model architecture, and a device-to-host copy plus sha256 of every byte on CPU; it reports nothing about the
+# tensors as they arrived. docs/behavior.md ("Verified commit") says what the check would need.
+UNSUPPORTED_DIGESTS = (
+    "SGLang reports no per-tensor digests of what it received: /weights_checker checksums its fused, TP-sharded "
+    "parameters (qkv_proj, gate_up_proj) with its own hash, which colocd does not rebuild; this engine's weights "
+    "are not verified")
 
 
 class SGLangAdapter:
@@ -315,6 +328,20 @@ class SGLangAdapter:
         if isinstance(checksum, list):
             checksum = checksum[0] if checksum else None
         return None if checksum is None else str(checksum)
+
+    async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
+        """The reference engine's digests (engines/digest.py) of the tensors it holds, per TP rank (colocd
+        extension). SGLang reports none that can be compared: ``UNSUPPORTED_DIGESTS`` says why."""
+        if not self._is_reference:
+            return EngineDigests(None, UNSUPPORTED_DIGESTS)
+        data = self._json(await self._call("POST", "/colocd/digests", "colocd/digests", {"names": list(names)}),
+                          self.name, "colocd/digests")
+        ranks = data.get("ranks") if isinstance(data, dict) else None
+        if not isinstance(ranks, list) or not all(
+                isinstance(r, dict) and all(isinstance(v, str) for v in r.values()) for r in ranks):
+            raise EngineProtocolError(self.name, f"colocd/digests: expected {{ranks: [{{name: digest}}]}}, "
+                                                 f"got {data!r:.200}")
+        return EngineDigests(tuple({str(k): str(v) for k, v in r.items()} for r in ranks))
 
     async def memory_report(self) -> dict[str, Any] | None:
         """The reference engine's own per-tag byte counts (colocd extension); None elsewhere."""

@@ -22,13 +22,14 @@ Verb → route (research/engine-apis.md §2, §6.2):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
 from ...policies import Transport
-from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from ..base import EngineDigests, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
 from ..config import VLLMEngineConfig
 from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from . import wire
@@ -350,6 +351,22 @@ class VLLMAdapter:
         await self._rpc("reload_weights", weights_path=weights_path)
         if weight_version is not None:
             await self.set_weight_version(weight_version)
+
+    async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
+        """The digests (engines/digest.py) colocd's worker extension computed over each tensor as it loaded it,
+        one dict per TP worker; without the extension vLLM reports none."""
+        if self._extension is None:
+            return EngineDigests(None, "vLLM without colocd's worker extension reports no weight digests (launch it "
+                                       "with --worker-extension-cls colocd.engines.vllm.extension."
+                                       "ColocdWorkerExtension)")
+        results = await self._rpc("colocd_received_digests", list(names))
+        ranks = []
+        for r in results:
+            if not isinstance(r, dict) or not all(isinstance(v, str) for v in r.values()):
+                raise EngineProtocolError(self.name, f"colocd_received_digests: expected {{name: digest}}, "
+                                                     f"got {r!r:.200}")
+            ranks.append({str(k): str(v) for k, v in r.items()})
+        return EngineDigests(tuple(ranks))
 
     async def weights_checksum(self) -> str | None:
         """Digest of the tensors the last update delivered, comparable with extension.named_digest.

@@ -33,6 +33,7 @@ import torch
 
 from ..chunks import ChunkLayout, SharedSegment, dtype_from_name, unflatten
 from . import BACKEND_NAME
+from ..digest import DigestCache, tensor_digests
 
 __all__ = [
     "BACKEND_NAME",
@@ -228,6 +229,10 @@ class _UpdateState:
     chunks: int = 0
     log: DigestLog = field(default_factory=DigestLog)
     last: dict[str, Any] = field(default_factory=lambda: {"digest": None, "n_tensors": 0})
+    # engines/digest.py digests of every tensor this update received, computed on the worker's device as it
+    # loads them (cheap there, so always on): what a verified commit compares with the trainer's.
+    received: dict[str, str] = field(default_factory=dict)
+    digest_cache: DigestCache = field(default_factory=dict)
 
 
 _STATE = _UpdateState()  # one vLLM worker per process, so one state per process
@@ -248,6 +253,7 @@ def begin(model: torch.nn.Module, *, strict: bool = True) -> None:
         raise RuntimeError("a colocd weight update is already active on this worker; finish it first")
     initialize_layerwise_reload(model)
     _STATE.active, _STATE.chunks, _STATE.log = True, 0, DigestLog()
+    _STATE.received = {}
 
 
 def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Sequence[dict[str, Any]]) -> int:
@@ -264,6 +270,7 @@ def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Seque
         raise RuntimeError("no colocd weight update is active on this worker: begin before loading chunks")
     try:
         named = receiver.tensors(receiver.select(payloads, _tp_rank()))
+        _STATE.received.update(tensor_digests(named, _STATE.digest_cache))
         try:
             from vllm.model_executor.model_loader.mtp_validation import (
                 disable_mtp_completeness_check,
@@ -361,6 +368,11 @@ class ColocdWorkerExtension:
     def colocd_received_digest(self) -> dict[str, Any]:
         """Digest of the tensors the last finished update delivered (see named_digest)."""
         return dict(_STATE.last)
+
+    def colocd_received_digests(self, names: list[str]) -> dict[str, str]:
+        """The engines/digest.py digest of each named tensor the current (or last) update received; a name it
+        did not receive is left out."""
+        return {n: _STATE.received[n] for n in names if n in _STATE.received}
 
     def colocd_model_digest(self) -> dict[str, Any]:
         """SHA-256 over the served model's parameters as they sit in memory (vLLM names and layout).

@@ -516,3 +516,6 @@ async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any)
     assert set(record["copy_kernels_s"]) == {"copy_", "_foreach_copy_", "copy_tensors"}
     assert ran["serial"]["chunks"] >= 5 and record["floor_s"] > 0
     assert out.exists() and "overlap_speedup_vs_serial" in record["targets"]
+    # The verified commit (default sync.verify: full) checked every push; its costs are in the record.
+    assert ran["serial"]["verification"]["engines"]["ref0"]["status"] == "verified"
+    assert record["digests"]["cpu_agrees"] and record["digests"]["trainer_digest_s"] > 0

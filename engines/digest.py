@@ -1,0 +1,135 @@
+"""Per-tensor weight digests: what the trainer computes at export and an engine reports after loading.
+
+A digest is a function of a tensor's raw bytes (any dtype, any shape: the bytes are read as 32-bit words),
+computed with torch integer ops on the device where the tensor lives, with one host sync per batch. Equal
+bytes give equal digests on every device (CPU and CUDA agree bit for bit: integer arithmetic modulo 2**64
+does not depend on the reduction order). Trainer (``trainer/push.py``), daemon (``daemon/verify.py``) and
+engines (the reference engine, vLLM's worker extension) share this module, as they share ``chunks.py``.
+
+The function: the bytes, zero-padded to whole 32-bit words ``x_i`` (signed), laid out in rows of ``ROW``
+words; ``H = sum_r u_r * sum_j w_j * x_{r,j}  (mod 2**64)`` with fixed-seed odd weights ``w`` (one per
+column) and ``u`` (one per row), then the byte count is mixed in (so a truncation or zero-padding shows).
+
+Collision properties (it detects accidents, not adversaries: the weights are public):
+
+- any change confined to one 32-bit word is always detected (``u_r * w_j`` is odd, a word difference is
+  nonzero and below 2**32 in magnitude, so their product is nonzero modulo 2**64);
+- a different byte count is always detected by the length mix, up to a 2**-64 coincidence;
+- any other change (a different tensor, stale weights, a shifted or transposed copy, a half-written
+  buffer) collides only if the weighted sum of the word differences is 0 modulo 2**64: for differences
+  that do not conspire with the fixed weights, about 2**-64;
+- it is linear: two corruptions whose weighted differences cancel collide. Crafting them is easy for
+  someone who reads this file, never the effect of a bug.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["DIGEST_HEX_CHARS", "ROW", "DigestCache", "TensorDigest", "digest_hex", "digests_equal", "tensor_digests"]
+
+ROW = 1 << 18  # words per row: one column weight each (2 MiB of int64 weights per device)
+_ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors over 64 GiB)
+_BLOCK_ROWS = 16  # rows per reduction: bounds the int64 temporaries to 2 x 32 MiB
+_SEED = 0x636F6C6F6364  # "colocd"
+_MASK = (1 << 64) - 1
+_LENGTH_MIX = 0x9E3779B97F4A7C15  # the 64-bit golden ratio
+DIGEST_HEX_CHARS = 16
+
+
+class TensorDigest(NamedTuple):
+    """One tensor's digest as 16 hex digits (what travels on the wire)."""
+
+    name: str
+    digest: str
+
+
+class _Workspace(NamedTuple):
+    columns: torch.Tensor  # (ROW,) odd int64 weights
+    rows: torch.Tensor  # (_ROWS,) odd int64 weights
+    scratch: torch.Tensor  # (_BLOCK_ROWS, ROW) int64, reused: a fresh 32 MiB per block costs page faults on CPU
+
+
+DigestCache = dict[torch.device, _Workspace]
+
+
+def _workspace(device: torch.device, cache: DigestCache) -> _Workspace:
+    found = cache.get(device)
+    if found is None:
+        g = torch.Generator().manual_seed(_SEED)
+        # Odd weights below 2**62, drawn on the CPU (the same on every machine), then moved.
+        columns = torch.randint(0, 1 << 62, (ROW,), generator=g, dtype=torch.int64) | 1
+        rows = torch.randint(0, 1 << 62, (_ROWS,), generator=g, dtype=torch.int64) | 1
+        scratch = torch.empty((_BLOCK_ROWS, ROW), dtype=torch.int64, device=device)
+        found = _Workspace(columns.to(device), rows.to(device), scratch)
+        cache[device] = found
+    return found
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as int32 words, zero-padded to a whole word (a view where the bytes allow it)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = -flat.numel() % 4
+    if pad or flat.data_ptr() % 4:
+        padded = torch.zeros(flat.numel() + pad, dtype=torch.uint8, device=flat.device)
+        padded[: flat.numel()].copy_(flat)
+        flat = padded
+    return flat.view(torch.int32)
+
+
+def _sum_words(words: torch.Tensor, ws: _Workspace) -> torch.Tensor:
+    """``sum_r u_r sum_j w_j x_{r,j}`` modulo 2**64, as a 0-dim int64 tensor on the words' device.
+
+    Relies on int64 products and sums wrapping modulo 2**64, as torch's CPU and CUDA kernels do; the unit
+    tests hold both to a numpy uint64 reference.
+    """
+    columns, rows = ws.columns, ws.rows
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    n = words.numel()
+    whole = n // ROW
+    for start in range(0, whole, _BLOCK_ROWS):
+        stop = min(start + _BLOCK_ROWS, whole)
+        block = ws.scratch[: stop - start]
+        block.copy_(words[start * ROW : stop * ROW].view(stop - start, ROW))
+        per_row = block.mul_(columns).sum(1)
+        index = torch.arange(start, stop, device=words.device) % _ROWS
+        total += (per_row * rows[index]).sum()
+    tail = words[whole * ROW :]
+    if tail.numel():
+        total += (tail.to(torch.int64) * columns[: tail.numel()]).sum() * rows[whole % _ROWS]
+    return total
+
+
+def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache | None = None) -> dict[str, str]:
+    """Every tensor's digest by name, computed where each tensor lives; one host sync for the batch.
+
+    ``cache`` keeps the weight vectors per device between calls (pass the same dict to reuse them).
+    """
+    cache = {} if cache is None else cache
+    names: list[str] = []
+    sizes: list[int] = []
+    sums: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, (name, t) in enumerate(named):
+        names.append(name)
+        sizes.append(t.numel() * t.element_size())
+        sums.setdefault(t.device, []).append((i, _sum_words(_words(t), _workspace(t.device, cache))))
+    values: list[int] = [0] * len(names)
+    for entries in sums.values():
+        got = torch.stack([s for _, s in entries]).tolist()
+        for (i, _), v in zip(entries, got, strict=True):
+            values[i] = int(v) & _MASK
+    return {n: digest_hex(v, nbytes) for n, v, nbytes in zip(names, values, sizes, strict=True)}
+
+
+def digest_hex(weighted_sum: int, nbytes: int) -> str:
+    """The wire form: the weighted sum with the byte count mixed in, as 16 hex digits."""
+    mixed = (weighted_sum ^ ((nbytes * _LENGTH_MIX) & _MASK)) & _MASK
+    return f"{mixed:0{DIGEST_HEX_CHARS}x}"
+
+
+def digests_equal(expected: Mapping[str, str], reported: Mapping[str, str]) -> list[str]:
+    """Names whose reported digest differs from the expected one (a name not reported counts as differing)."""
+    return [n for n, d in expected.items() if reported.get(n) != d]
