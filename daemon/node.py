@@ -114,7 +114,8 @@ class Daemon:
         self.sessions = WeightSessions(self, WeightGroups(self.metrics))
         self.transitions = Transitions(self)
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
-        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed)
+        # Each launched process is journaled; a restarted daemon adopts the ones still running.
+        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
@@ -159,6 +160,8 @@ class Daemon:
             except Exception as exc:  # collect, keep closing the rest
                 errors.append(exc)
         await self.launches.aclose()
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.close)  # the queued writes reach the disk
         if self._client is not None:
             await self._client.aclose()
         if self.probe is not None:
@@ -339,7 +342,7 @@ class Daemon:
         return _render_status(self._status_inputs())
 
     def ready(self) -> tuple[bool, list[str]]:
-        problems = [reason for e in self.engines.values() if (reason := e.unready_reason()) is not None]
+        problems = self.engine_lifecycle.unready_reasons()
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     # -- bookkeeping ---------------------------------------------------------------------------

@@ -42,6 +42,9 @@ class ReferenceServerSettings:
     # The identity each TP rank declares, what a trainer rank names to be paired with it: on CPU any label
     # (default "cpu:<rank>"); on CUDA it is the GPU's UUID, read from the device, so none may be given.
     device_ids: tuple[str, ...] = ()
+    # Generation gated (as after an abort-mode pause) from the start: a daemon relaunching an engine keeps
+    # it from serving its launch weights before it is reconciled; continue_generation opens the gate.
+    start_paused: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOL_VERSIONS:

@@ -26,6 +26,7 @@ from colocd.daemon.supervision import Backoff, EngineSupervision, LaunchState
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.supervisor import (
     EngineLaunchError,
+    LaunchOptions,
     Launched,
     ManagedProcess,
     free_port,
@@ -208,15 +209,17 @@ class ScriptLauncher:
         self.tmp_path = tmp_path
         self.fail = fail or set()
         self.configs: list[Any] = []
+        self.options: list[LaunchOptions] = []
         self.processes: list[ManagedProcess] = []
 
-    async def __call__(self, config: Any) -> Launched:
+    async def __call__(self, config: Any, options: LaunchOptions) -> Launched:
         self.configs.append(config)
+        self.options.append(options)
         n = len(self.configs)
         ready = self.tmp_path / f"ready-{config.name}-{n}.json"
         mode = "4" if config.name in self.fail else "sleep"
         proc = ManagedProcess(config.name, child(self.tmp_path, ready=ready, mode=mode), dict(os.environ),
-                              label="test engine", log_file=config.launch.log_file)
+                              label="test engine", log_file=config.launch.log_file, on_spawn=options.on_spawn)
         proc.spawn()
         self.processes.append(proc)
         try:
