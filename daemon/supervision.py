@@ -209,7 +209,7 @@ class EngineSupervision:
                     backoff=Backoff(launch.backoff_initial_s, launch.backoff_max_s, launch.backoff_reset_s))
         records = self._journal.launches() if self._journal is not None else {}
         # A daemon restarted on its journal: what it launches must not serve before it is reconciled.
-        paused = self._journal is not None and self._journal.last() is not None
+        paused = self._journal is not None and (self._journal.last() is not None or bool(records))
         given = {c.name: c for c in self._engines}
         try:
             async with asyncio.TaskGroup() as group:  # the first failure cancels the other launches
@@ -240,6 +240,8 @@ class EngineSupervision:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
         await self._stop_all()
+        if self._journal is not None:
+            await self._journal.drain()  # "stopped" is on disk: a next daemon adopts nothing
 
     def note_incarnation(self, name: str, incarnation: str | None) -> None:
         """The daemon observed ``name``'s incarnation: journal it with the process, once per change."""
@@ -323,6 +325,8 @@ class EngineSupervision:
             raise
         if engine.process is not launched.process:  # a launcher that has no spawn hook (SGLang, vLLM)
             self._spawned(engine, launched.process)
+        if self._journal is not None:
+            await self._journal.drain()  # running means journaled: a daemon killed from here on finds it
         engine.up_since = time.monotonic()
         engine.launches += 1
         engine.state, engine.last_error = LaunchState.RUNNING, None
