@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,7 @@ class Journal:
         record = {"ts": time.time(), **record}
         self._folded.apply(record)
         self._since_snapshot += 1
+        job: Callable[[str], None]
         if self._since_snapshot > self._compact_every:
             # The snapshot is taken here, in order with the state it follows; the thread only writes it.
             text, job = json.dumps(self._folded.snapshot(), sort_keys=True, default=str), self._replace

@@ -398,9 +398,11 @@ class WeightSessions:
             log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
                         session.id, session.tainted, t.for_step(TimeoutStep.QUIESCE))
         await self._close_engines_update(session.trace, committed=False, session=session)
+        if session.state is SessionState.FAILED:  # a chunk failed: an engine may be gone; status says so now
+            await d.engine_lifecycle.reconcile_all(f"after failed session {session.id}", keep_error=True)
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
         # keeps its mappings valid and finds them already gone when it releases them.
-        _unlink_segments(session.shm_names)
+        _unlink_segments(session.shm_names, f"{session.state.value} weight session {session.id}")
         d.metrics.weight_sessions.labels(session.state.value).inc()
         session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                              version=session.version)
@@ -516,10 +518,10 @@ class WeightSessions:
             d.changed()
 
 
-def _unlink_segments(names: set[str]) -> None:
+def _unlink_segments(names: set[str], whose: str) -> None:
     """Remove the /dev/shm segments an uncommitted session's chunks named (names were checked when the chunks
-    arrived; a segment the trainer already removed is simply gone)."""
+    arrived; a segment the trainer already removed is simply gone). ``whose``: "failed weight session <id>"."""
     for name in sorted(names):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join("/dev/shm", name))
-            log.info("unlinked shared-memory segment %s of an expired weight session", name)
+            log.info("unlinked shared-memory segment %s of the %s", name, whose)

@@ -48,7 +48,7 @@ import httpx
 
 from ..engines.adoption import AdoptedProcess, LaunchRecord, stop_group
 from ..engines.registry import launch_engine
-from ..engines.supervisor import EngineLaunchError, LaunchOptions, Launched, ManagedProcess, free_port
+from ..engines.supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, free_port
 from .journal import Journal
 from .metrics import Metrics
 

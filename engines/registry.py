@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 
 from .base import EngineAdapter
-from .supervisor import LaunchOptions, Launched
+from .supervisor import Launched, LaunchOptions
 
 __all__ = ["build_adapter", "launch_engine"]
 

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..config import ReferenceEngineConfig
-from ..supervisor import EngineLaunchError, LaunchOptions, Launched, ManagedProcess, read_ready_file
+from ..supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, read_ready_file
 
 __all__ = ["EngineLaunchError", "ReferenceEngineProcess", "launch_reference"]
 

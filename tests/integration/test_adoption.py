@@ -22,6 +22,7 @@ import torch
 
 from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
+from colocd.engines.adoption import process_start_time
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.supervisor import free_port
@@ -106,8 +107,7 @@ async def engine_checksum(url: str) -> str:
 
 async def gone(pids: set[int], timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
-    while any(Path(f"/proc/{p}").exists() and b"Z" not in Path(f"/proc/{p}/stat").read_bytes().split(b")")[-1][:3]
-              for p in pids if Path(f"/proc/{p}").exists()):
+    while any(process_start_time(p) is not None for p in pids):  # a zombie counts as gone
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(0.05)  # polling for another process's exit, bounded by the deadline

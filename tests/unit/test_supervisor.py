@@ -27,8 +27,8 @@ from colocd.daemon.supervision import Backoff, EngineSupervision, LaunchState
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.supervisor import (
     EngineLaunchError,
-    LaunchOptions,
     Launched,
+    LaunchOptions,
     ManagedProcess,
     free_port,
     group_alive,
