@@ -58,6 +58,7 @@ class WeightSessions:
         self.groups = groups  # separated GPUs: daemon/distributed.py
         self.current: WeightSession | None = None
         self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
+        self._closing: dict[str, asyncio.Event] = {}  # sessions being closed now, set once closed
         # The tensors of the last complete push: what a complete update must cover where the engine
         # cannot list its parameters (kept beside the journal, so it survives a daemon restart).
         journal = daemon.config.journal
@@ -379,7 +380,9 @@ class WeightSessions:
         await self._close_session(session)
 
     async def _finish_failed(self, session: WeightSession) -> None:
-        if session.closed:
+        if session.closed:  # closed, or being closed (the lease loop): the caller's error waits for the close
+            if (closing := self._closing.get(session.id)) is not None:
+                await closing.wait()
             return
         async with self._d.background(f"close_weights:{session.id}"):
             await self._close_session(session)
@@ -391,6 +394,14 @@ class WeightSessions:
         segments its chunks named."""
         if not session.close():
             return  # closed already
+        self._closing[session.id] = closing = asyncio.Event()
+        try:
+            await self._close_uncommitted(session)
+        finally:
+            closing.set()
+            del self._closing[session.id]
+
+    async def _close_uncommitted(self, session: WeightSession) -> None:
         d = self._d
         t = d.timeouts()
         session.tainted = await session.quiesce(t.for_step(TimeoutStep.QUIESCE))
