@@ -6,12 +6,18 @@ import asyncio
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from colocd.daemon import journal as journal_module
+from colocd.daemon.config import NodeConfig
 from colocd.daemon.journal import KEEP_COMPLETED, Journal
+from colocd.daemon.node import Daemon
+from colocd.daemon.states import NodePhase
 from colocd.engines.adoption import LaunchRecord
+from colocd.engines.base import EngineInfo, Observation, ReleaseReport
+from colocd.policies import Transport
 
 
 def state(step: int) -> dict[str, object]:
@@ -88,3 +94,35 @@ async def test_append_returns_before_the_write_reaches_the_disk(tmp_path: Path,
     await asyncio.wait_for(journal.drain(), 10)
     journal.close()
     assert "rollout" in (tmp_path / "journal.jsonl").read_text()
+
+
+class _Engine:
+    """The least an engine must answer for a daemon to run ``train``."""
+
+    transports = frozenset({Transport.SHM})
+
+    async def attach(self) -> EngineInfo:
+        return EngineInfo("e0", "fake", "0", "fake", "v0")
+
+    async def observe(self) -> Observation:
+        return Observation(incarnation="one", weight_version="v0")
+
+    async def pause_generation(self, mode: Any) -> None: ...
+    async def flush_cache(self) -> bool:
+        return True
+
+    async def release_memory(self, tags: Any) -> ReleaseReport:
+        return ReleaseReport(tags)
+
+    async def aclose(self) -> None: ...
+
+
+async def test_a_finished_transition_repeated_after_a_daemon_restart_is_replayed(tmp_path: Path) -> None:
+    config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
+                                        "journal": str(tmp_path / "journal.jsonl")})
+    async with Daemon(config, adapters={"e0": _Engine()}) as first:  # type: ignore[dict-item]
+        done = await first.transition(NodePhase.TRAIN, 1)
+    async with Daemon(config, adapters={"e0": _Engine()}) as second:  # type: ignore[dict-item]
+        again = await second.transition(NodePhase.TRAIN, 1)
+    assert again.replayed is True and (again.step, again.phase) == (1, "train")
+    assert again.engines == done.engines and again.freed_bytes == done.freed_bytes
