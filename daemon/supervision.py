@@ -61,10 +61,11 @@ Answers = Callable[[str], Awaitable[bool]]  # does something serve HTTP at this 
 
 
 async def answers_http(url: str) -> bool:
-    """Any HTTP answer at ``url``'s ``/health`` (even 503: starting, paused) means a server listens there."""
+    """Any HTTP answer at ``url`` (even 401, 404 or 503: an API key, another engine kind, still loading) means
+    a server listens there. ``/model_info``, not ``/health``: that runs a generation on SGLang, slow under load."""
     try:
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-            await client.get(f"{url}/health")
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            await client.get(f"{url}/model_info")
     except httpx.HTTPError:
         return False
     return True
