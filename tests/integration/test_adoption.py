@@ -12,12 +12,13 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 
 from colocd.api.client import AsyncColocdClient
@@ -58,6 +59,15 @@ def engines_of(tmp_path: Path) -> set[int]:
                     b"colocd.engines.reference" in Path(f"/proc/{entry}/cmdline").read_bytes():
                 found.add(int(entry))
     return found
+
+
+@pytest.fixture
+def node_dir(tmp_path: Path) -> Iterator[Path]:
+    """The node's directory; whatever engine of this node outlives a failed test is killed at teardown."""
+    yield tmp_path
+    for pid in engines_of(tmp_path):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 @asynccontextmanager
@@ -115,7 +125,8 @@ async def gone(pids: set[int], timeout_s: float = 30) -> bool:
 
 
 async def test_a_daemon_sigkilled_mid_push_adopts_its_engine_reconciles_it_and_the_next_push_verifies(
-        tmp_path: Path) -> None:
+        node_dir: Path) -> None:
+    tmp_path = node_dir
     config = node_config(tmp_path)
     async with daemon(tmp_path, config, "first") as (first, client):
         await client.wait_ready(60)
@@ -149,7 +160,8 @@ async def test_a_daemon_sigkilled_mid_push_adopts_its_engine_reconciles_it_and_t
 
 
 async def test_with_a_fixed_port_an_engine_that_no_longer_answers_is_stopped_and_one_is_launched_there(
-        tmp_path: Path) -> None:
+        node_dir: Path) -> None:
+    tmp_path = node_dir
     url = f"http://127.0.0.1:{free_port()}"
     config = node_config(tmp_path, url=url)
     async with daemon(tmp_path, config, "first") as (first, client):
