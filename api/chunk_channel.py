@@ -31,9 +31,7 @@ import hmac
 import json
 import logging
 import os
-import shutil
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,7 @@ from ..daemon.node import Daemon
 from ..daemon.tasks import start_now
 from ..engines.base import RankPayload
 from ..engines.errors import EngineError
+from .channel_dir import ChannelDir, reclaim_dead_channel_dirs
 from .errors import error_body, validation_body
 from .schemas import ChunkChannelHello, ChunkDescriptor, JoinReply
 
@@ -59,17 +58,19 @@ HELLO_TIMEOUT_S = 10.0  # a connection that never says which session it serves i
 MAX_IN_FLIGHT = 64
 
 
-def channel_path(config: NodeConfig) -> tuple[Path | None, bool]:
-    """Where the channel listens and whether that is a private directory we made (and remove); None: off."""
+def channel_path(config: NodeConfig) -> tuple[Path | None, ChannelDir | None]:
+    """Where the channel listens and the private directory we made for it (removed on stop); None: off."""
     chosen = config.listen.chunk_channel
     if chosen == "off":
-        return None, False
+        return None, None
     if chosen:
-        return Path(chosen), False
+        return Path(chosen), None
     if config.listen.uds:
-        return Path(f"{config.listen.uds}.chunks"), False
+        return Path(f"{config.listen.uds}.chunks"), None
+    reclaim_dead_channel_dirs()  # those of SIGKILLed daemons, which could not remove their own
     # mkdtemp makes the directory 0700: only this user can even reach the socket.
-    return Path(tempfile.mkdtemp(prefix="colocd-chunks-")) / "chunks.sock", True
+    private = ChannelDir()
+    return private.path / "chunks.sock", private
 
 
 def _bind_unix(path: Path) -> socket.socket:
@@ -116,7 +117,7 @@ class ChunkChannelServer:
         self._config = config
         self._server: asyncio.Server | None = None
         self._path: Path | None = None
-        self._private_dir = False
+        self._private_dir: ChannelDir | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.address: str | None = None
 
@@ -134,8 +135,8 @@ class ChunkChannelServer:
         try:
             sock = _bind_unix(path)
         except OSError as exc:
-            if private:
-                shutil.rmtree(path.parent, ignore_errors=True)
+            if private is not None:
+                private.remove()
             if self._explicit:
                 raise OSError(f"listen.chunk_channel {str(path)!r}: cannot listen there: {exc}") from exc
             # The default place failed: trainers fall back to HTTP, which costs time, not correctness.
@@ -160,8 +161,9 @@ class ChunkChannelServer:
         if self._path is not None:
             with contextlib.suppress(OSError):
                 self._path.unlink()
-            if self._private_dir:
-                shutil.rmtree(self._path.parent, ignore_errors=True)
+            if self._private_dir is not None:
+                self._private_dir.remove()
+                self._private_dir = None
             self._path = None
         self.address = None
 

@@ -30,6 +30,8 @@ __all__ = ["EngineLifecycle"]
 
 log = logging.getLogger("colocd.daemon")
 
+RETRY_INITIAL_S = 0.1  # first retry of a failed reconcile; doubles per health tick up to the health interval
+
 
 class EngineLifecycle:
     """The node's engines as processes the daemon watches: what it found, what it did, what is unchecked."""
@@ -39,6 +41,10 @@ class EngineLifecycle:
         # Engines whose journal record is not yet checked against the engine (mutating calls are refused
         # meanwhile), and what was found and done at startup and since.
         self.unreconciled: set[str] = set()
+        # Engines whose last reconcile did not finish (it failed, or a relaunched one is not reconciled yet):
+        # name -> why. Not ready meanwhile; the health loop retries them with a short backoff.
+        self.unsettled: dict[str, str] = {}
+        self._retries = 0  # health ticks in a row that found an engine unsettled or unreachable
         self.reports: dict[str, dict[str, Any]] = {}
         self.startup_report: dict[str, Any] | None = None
 
@@ -57,6 +63,11 @@ class EngineLifecycle:
         d = self._d
         while not d.stopping.is_set():
             interval = d.timeouts().for_step(TimeoutStep.HEALTH_INTERVAL)  # a new policy may change it
+            if self._needs_retry():  # a failed reconcile is retried soon, backing off up to the interval
+                self._retries += 1
+                interval = min(interval, RETRY_INITIAL_S * 2 ** (self._retries - 1))
+            else:
+                self._retries = 0
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await d.stopping.wait()
@@ -87,9 +98,32 @@ class EngineLifecycle:
             self._d.changed()
         return len(reclaimed)
 
+    def _needs_retry(self) -> bool:
+        return bool(self.unsettled) or any(not e.state.healthy for e in self._d.engines.values())
+
+    def unready_reasons(self) -> list[str]:
+        """Why the node cannot be driven now, one line per engine that cannot (``/readyz``)."""
+        d = self._d
+        reasons = []
+        for name, engine in d.engines.items():
+            launched = d.launches.launched.get(name)
+            if launched is not None and (why := launched.unready_reason()) is not None:
+                reasons.append(why)
+            elif name in self.unreconciled:
+                error = engine.state.last_error
+                reasons.append(f"engine {name!r}: not yet reconciled with the journal after the daemon restarted"
+                               + (f": {error}" if error else ""))
+            elif name in self.unsettled:
+                reasons.append(self.unsettled[name])
+            elif (why := engine.unready_reason()) is not None:
+                reasons.append(why)
+        return reasons
+
     async def reconcile_relaunched(self, name: str) -> None:
         """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
         d = self._d
+        self.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
+        d.changed()
         if d.lifecycle is DaemonState.RUNNING:
             async with d.background("reconcile:relaunch", reconciling=True):
                 await self.reconcile_engine(d.engines[name], "relaunch")
@@ -163,6 +197,7 @@ class EngineLifecycle:
             engine.state = base.with_(weights=engine.state.weights if not plan.restarted else WeightsState.STALE,
                                       healthy=True, last_error=error)
             self._report(engine, trigger, plan, error)
+            self.unsettled[engine.name] = error
             trace.finish("reconcile_failed", error=error)  # not "failed": the trainer's step did not fail
             return False
         finally:
@@ -175,6 +210,8 @@ class EngineLifecycle:
         engine.state = engine.state.with_(healthy=True,
                                           last_error=engine.state.last_error if keep_error else None)
         self.unreconciled.discard(engine.name)
+        self.unsettled.pop(engine.name, None)
+        d.launches.note_incarnation(engine.name, engine.state.incarnation)
         if plan.changes_anything:
             self._report(engine, trigger, plan, None)
             d.journal_append(f"reconcile:{engine.name}")

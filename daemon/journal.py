@@ -1,29 +1,154 @@
-"""Append-only JSON-lines journal of finished transitions, so a restarted daemon knows where it was."""
+"""The daemon's journal: a snapshot plus a tail of JSON lines, so a restarted daemon knows where it was.
+
+    journal = Journal(path)
+    journal.last()                   # the last recorded node/engine state (None: nothing recorded)
+    journal.launches()               # the engine processes this node's daemons launched (engines/adoption.py)
+    journal.completed()              # the results of the last finished transitions, replayed on a repeat
+    journal.append({...})            # a state record; written and fsynced on the journal's own thread
+    journal.record_launch(r)         # an engine process exists (engines/adoption.py)
+
+What the file holds folds into one ``JournalState``: each line is a record of one ``kind`` (state,
+launch, launch_ended, completed) applied on top of the lines before it, and a ``snapshot`` line is
+a whole state. Every ``COMPACT_EVERY`` records the file is replaced (write, fsync, rename) by one
+snapshot line, so its size stays bounded whatever the run length. Applying a record twice gives the
+same state, so a crash between any two steps of the compaction loses nothing.
+
+Writes and fsyncs run on one worker thread, in order, off the event loop; the in-memory state is
+updated at once, so what the daemon reads back is what it wrote. A write still queued when the
+daemon is SIGKILLed is lost, as if the daemon had died a moment earlier. At start the file is read
+at most ``MAX_READ_BYTES`` from its end (a file a previous version let grow holds whole-state lines,
+so the last one is enough).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
+import logging
 import os
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Journal"]
+from ..engines.adoption import LaunchRecord
+
+__all__ = ["COMPACT_EVERY", "MAX_READ_BYTES", "Journal", "JournalState"]
+
+log = logging.getLogger("colocd.daemon")
+
+COMPACT_EVERY = 128  # records appended after a snapshot before the file is compacted into a new one
+MAX_READ_BYTES = 8 << 20  # what start-up reads at most, from the end of the file
+KEEP_COMPLETED = 64  # finished transition results kept (a trainer repeats the last one or two)
+
+
+@dataclass
+class JournalState:
+    """Everything the journal says, folded from its records."""
+
+    state: dict[str, Any] | None = None  # the last "state" record: {event, node, engines}
+    launched: dict[str, dict[str, Any]] = field(default_factory=dict)  # engine name -> LaunchRecord json
+    completed: list[dict[str, Any]] = field(default_factory=list)  # {step, phase, result}, oldest first
+
+    def apply(self, record: dict[str, Any]) -> None:
+        kind = record.get("kind", "state")  # a line without a kind is a state record (older journals)
+        if kind == "snapshot":
+            self.state = record.get("state")
+            self.launched = dict(record.get("launched") or {})
+            self.completed = list(record.get("completed") or [])
+        elif kind == "state":
+            self.state = {k: v for k, v in record.items() if k != "kind"}
+        elif kind == "launch":
+            self.launched[str(record["record"]["engine"])] = record["record"]
+        elif kind == "launch_ended":
+            self.launched.pop(str(record["engine"]), None)
+        elif kind == "completed":
+            key = (record["step"], record["phase"])
+            self.completed = [c for c in self.completed if (c["step"], c["phase"]) != key]
+            self.completed.append({"step": record["step"], "phase": record["phase"], "result": record["result"]})
+            del self.completed[:-KEEP_COMPLETED]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"kind": "snapshot", "ts": time.time(), "state": self.state, "launched": self.launched,
+                "completed": self.completed}
 
 
 class Journal:
-    """One line per finished transition: node phase/step and every engine's recorded state.
+    """One writer (this daemon); the file is re-read only when a daemon starts."""
 
-    The daemon re-verifies what it reads here against the engines before acting on it.
-    """
-
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, compact_every: int = COMPACT_EVERY) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._compact_every = compact_every
+        self._folded = JournalState()
+        self._since_snapshot = 0
+        for record in _read_records(self.path):
+            self._folded.apply(record)
+            self._since_snapshot += 1
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[None] | None = None
 
-    def append(self, record: dict[str, Any]) -> None:
-        line = json.dumps({"ts": time.time(), **record}, sort_keys=True)
-        # O_APPEND writes of one line are atomic enough for a single writer; fsync makes them durable.
+    # -- reads (the folded state in memory) --------------------------------------------------------
+    def last(self) -> dict[str, Any] | None:
+        """The last state record, if any."""
+        return self._folded.state
+
+    def launches(self) -> dict[str, LaunchRecord]:
+        return {name: LaunchRecord.from_json(r) for name, r in self._folded.launched.items()}
+
+    def completed(self) -> list[dict[str, Any]]:
+        """Finished transitions, oldest first: ``{step, phase, result}``."""
+        return list(self._folded.completed)
+
+    # -- writes ------------------------------------------------------------------------------------
+    def append(self, record: dict[str, Any]) -> concurrent.futures.Future[None]:
+        """Record node/engine state; the returned future is done once it is on disk."""
+        return self._write({"kind": "state", **record})
+
+    def record_completed(self, step: int, phase: str, result: dict[str, Any]) -> concurrent.futures.Future[None]:
+        return self._write({"kind": "completed", "step": step, "phase": phase, "result": result})
+
+    def record_launch(self, record: LaunchRecord) -> concurrent.futures.Future[None]:
+        return self._write({"kind": "launch", "record": record.to_json()})
+
+    def launch_ended(self, engine: str) -> concurrent.futures.Future[None]:
+        """The engine process was stopped by its daemon: nothing left to adopt."""
+        return self._write({"kind": "launch_ended", "engine": engine})
+
+    async def drain(self) -> None:
+        """Return once every record written so far is on disk."""
+        if (pending := self._pending) is not None:
+            await asyncio.wrap_future(pending)
+
+    def close(self) -> None:
+        """Wait for the queued writes and stop the writer thread (a later write starts another)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _write(self, record: dict[str, Any]) -> concurrent.futures.Future[None]:
+        record = {"ts": time.time(), **record}
+        self._folded.apply(record)
+        self._since_snapshot += 1
+        job: Callable[[str], None]
+        if self._since_snapshot > self._compact_every:
+            # The snapshot is taken here, in order with the state it follows; the thread only writes it.
+            text, job = json.dumps(self._folded.snapshot(), sort_keys=True, default=str), self._replace
+            self._since_snapshot = 1
+        else:
+            text, job = json.dumps(record, sort_keys=True, default=str), self._append_line
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-journal")
+        future = self._writer.submit(job, text)
+        future.add_done_callback(_log_failure)
+        self._pending = future
+        return future
+
+    def _append_line(self, line: str) -> None:
+        # O_APPEND writes of one line from one writer; fsync makes each durable before the next.
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             os.write(fd, (line + "\n").encode())
@@ -31,14 +156,48 @@ class Journal:
         finally:
             os.close(fd)
 
-    def last(self) -> dict[str, Any] | None:
-        """The last complete record; a torn final line (crash mid-write) is skipped."""
-        if not self.path.exists():
-            return None
-        last = None
-        for raw in self.path.read_text().splitlines():
-            try:
-                last = json.loads(raw)
-            except json.JSONDecodeError:
-                continue
-        return last
+    def _replace(self, snapshot: str) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, (snapshot + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself is durable
+        finally:
+            os.close(dir_fd)
+
+
+def _log_failure(future: concurrent.futures.Future[None]) -> None:
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        log.error("journal write failed: %s", exc)
+
+
+def _read_records(path: Path) -> Iterable[dict[str, Any]]:
+    """The complete records of the file's last ``MAX_READ_BYTES``; a torn line (crash mid-write) is skipped."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - MAX_READ_BYTES)
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    lines = data.split(b"\n")
+    if start > 0:
+        lines = lines[1:]  # the first line may begin before the window
+        log.warning("journal %s is %d bytes: read its last %d (it is compacted from now on)", path, size,
+                    MAX_READ_BYTES)
+    records = []
+    for raw in lines:
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

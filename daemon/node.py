@@ -117,7 +117,8 @@ class Daemon:
         self.transitions = Transitions(self)
         self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
-        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed)
+        # Each launched process is journaled; a restarted daemon adopts the ones still running.
+        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
         self.trainer_leases = TrainerLeases(self.metrics)  # what the trainer ranks report of their IPC leases
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -163,6 +164,8 @@ class Daemon:
             except Exception as exc:  # collect, keep closing the rest
                 errors.append(exc)
         await self.launches.aclose()
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.close)  # the queued writes reach the disk
         if self._client is not None:
             await self._client.aclose()
         if self.probe is not None:
@@ -349,7 +352,7 @@ class Daemon:
         return _render_status(self._status_inputs())
 
     def ready(self) -> tuple[bool, list[str]]:
-        problems = [reason for e in self.engines.values() if (reason := e.unready_reason()) is not None]
+        problems = self.engine_lifecycle.unready_reasons()
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     # -- bookkeeping ---------------------------------------------------------------------------

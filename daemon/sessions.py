@@ -60,6 +60,7 @@ class WeightSessions:
         self.groups = groups  # separated GPUs: daemon/distributed.py
         self.current: WeightSession | None = None
         self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
+        self._closing: dict[str, asyncio.Event] = {}  # sessions being closed now, set once closed
         # The tensors of the last complete push: what a complete update must cover where the engine
         # cannot list its parameters (kept beside the journal, so it survives a daemon restart).
         journal = daemon.config.journal
@@ -411,7 +412,9 @@ class WeightSessions:
         await self._close_session(session)
 
     async def _finish_failed(self, session: WeightSession) -> None:
-        if session.closed:
+        if session.closed:  # closed, or being closed (the lease loop): the caller's error waits for the close
+            if (closing := self._closing.get(session.id)) is not None:
+                await closing.wait()
             return
         async with self._d.background(f"close_weights:{session.id}"):
             await self._close_session(session)
@@ -423,6 +426,14 @@ class WeightSessions:
         segments its chunks named."""
         if not session.close():
             return  # closed already
+        self._closing[session.id] = closing = asyncio.Event()
+        try:
+            await self._close_uncommitted(session)
+        finally:
+            closing.set()
+            del self._closing[session.id]
+
+    async def _close_uncommitted(self, session: WeightSession) -> None:
         d = self._d
         t = d.timeouts()
         session.tainted = await session.quiesce(t.for_step(TimeoutStep.QUIESCE))
@@ -430,9 +441,11 @@ class WeightSessions:
             log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
                         session.id, session.tainted, t.for_step(TimeoutStep.QUIESCE))
         await self._close_engines_update(session.trace, committed=False, session=session)
+        if session.state is SessionState.FAILED:  # a chunk failed: an engine may be gone; status says so now
+            await d.engine_lifecycle.reconcile_all(f"after failed session {session.id}", keep_error=True)
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
         # keeps its mappings valid and finds them already gone when it releases them.
-        _unlink_segments(session.shm_names)
+        _unlink_segments(session.shm_names, f"{session.state.value} weight session {session.id}")
         d.metrics.weight_sessions.labels(session.state.value).inc()
         session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                              version=session.version)
@@ -548,10 +561,10 @@ class WeightSessions:
             d.changed()
 
 
-def _unlink_segments(names: set[str]) -> None:
+def _unlink_segments(names: set[str], whose: str) -> None:
     """Remove the /dev/shm segments an uncommitted session's chunks named (names were checked when the chunks
-    arrived; a segment the trainer already removed is simply gone)."""
+    arrived; a segment the trainer already removed is simply gone). ``whose``: "failed weight session <id>"."""
     for name in sorted(names):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join("/dev/shm", name))
-            log.info("unlinked shared-memory segment %s of an expired weight session", name)
+            log.info("unlinked shared-memory segment %s of the %s", name, whose)

@@ -15,14 +15,25 @@ doubles per consecutive failure (a launch that died or missed its deadline, or a
 than ``backoff_reset_s``) up to ``backoff_max_s``. Nothing here touches the engine's recorded
 state: once the new process is ready, ``on_relaunch`` has the daemon reconcile it at once, and
 the reconciliation sees a new incarnation exactly as for an engine someone else restarted
-(released, paused, marked stale until a complete push commits; daemon/reconcile.py). While the
-engine is down the health loop finds it unreachable and ``/readyz`` says so.
+(released, paused, marked stale until a complete push commits; daemon/reconcile.py). A relaunch
+starts with generation gated where the engine can (``LaunchOptions.paused``), so it serves nothing
+before that. While the engine is launching or backing off ``/readyz`` names it and says so.
+
+Every process is recorded in the journal as soon as it exists (daemon/journal.py,
+engines/adoption.py). A daemon that starts on a journal naming an engine process adopts it when it
+is still that process (same pid and start time) and answers on its URL; one that is alive but does
+not (or listens elsewhere than the config says) is stopped, its whole process group, before a new
+one is launched. So a daemon SIGKILLed and started again drives the engine it left, never a second
+one beside it, and a fixed ``url:`` port is free when it is needed. The adopted engine is then
+reconciled like any engine the daemon lost sight of (an update it left open is ended, its weights
+stale until a complete push commits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
@@ -33,16 +44,32 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
+
+from ..engines.adoption import AdoptedProcess, LaunchRecord, stop_group
 from ..engines.registry import launch_engine
-from ..engines.supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
+from ..engines.supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, free_port
 from .events import emit
+from .journal import Journal
 from .metrics import Metrics
 
 __all__ = ["Backoff", "EngineSupervision", "LaunchState", "LaunchedEngine"]
 
 log = logging.getLogger("colocd.supervision")
 
-Launcher = Callable[[Any], Awaitable[Launched]]
+Launcher = Callable[[Any, LaunchOptions], Awaitable[Launched]]
+Answers = Callable[[str], Awaitable[bool]]  # does something serve HTTP at this URL?
+
+
+async def answers_http(url: str) -> bool:
+    """Any HTTP answer at ``url`` (even 401, 404 or 503: an API key, another engine kind, still loading) means
+    a server listens there. ``/model_info``, not ``/health``: that runs a generation on SGLang, slow under load."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
+            await client.get(f"{url}/model_info")
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -70,6 +97,10 @@ class LaunchState(StrEnum):
     STOPPED = "stopped"  # stopped by the daemon (shutdown)
 
 
+_UNREADY = {LaunchState.STARTING: "launching", LaunchState.BACKOFF: "exited; in backoff before its relaunch",
+            LaunchState.EXITED: "exited (launch.restart is false)", LaunchState.STOPPED: "stopped"}
+
+
 @dataclass
 class LaunchedEngine:
     """What the daemon knows about one engine it launches (status shows ``snapshot()``)."""
@@ -79,7 +110,7 @@ class LaunchedEngine:
     restart: bool
     grace_s: float
     state: LaunchState = LaunchState.STARTING
-    process: ManagedProcess | None = None
+    process: ManagedProcess | AdoptedProcess | None = None
     up_since: float | None = None  # monotonic time it became ready; None while not running
     launches: int = 0  # processes that became ready
     restarts: int = 0  # of those, the relaunches after an exit
@@ -87,17 +118,37 @@ class LaunchedEngine:
     last_exit: int | None = None
     last_error: str | None = None
     next_launch_at: float | None = None  # wall-clock time of the pending relaunch, in BACKOFF
+    adopted: bool = False  # the running process was launched by a previous daemon (engines/adoption.py)
+    record: LaunchRecord | None = None  # what the journal says about the process
 
     @property
     def name(self) -> str:
         return str(self.config.name)
 
+    def unready_reason(self) -> str | None:
+        """Why the engine cannot be driven now as far as its process goes (None: it runs)."""
+        if self.state is LaunchState.RUNNING:
+            return None
+        why = _UNREADY[self.state]
+        if self.state is LaunchState.BACKOFF and self.next_launch_at is not None:
+            why += f" (next launch in {max(0.0, self.next_launch_at - time.time()):.1f}s)"
+        if self.last_error:
+            why += f"; last error: {self.last_error}"
+        return f"engine {self.name!r}: {why}"
+
     def snapshot(self) -> dict[str, Any]:
-        return {"state": self.state.value, "pid": self.process.pid if self.process else None,
+        # The pid of the process that is running or starting; none while the engine is down.
+        live = self.process is not None and self.state in (LaunchState.STARTING, LaunchState.RUNNING)
+        return {"state": self.state.value, "pid": self.process.pid if live and self.process else None,
+                "adopted": self.adopted,
                 "url": self.config.url, "launches": self.launches, "restarts": self.restarts,
                 "consecutive_failures": self.failures, "last_exit_code": self.last_exit,
                 "last_error": self.last_error, "next_launch_at": self.next_launch_at,
                 "log": str(self.process.log_path) if self.process and self.process.log_path else None}
+
+
+def _port(url: str | None) -> int | None:
+    return urlsplit(url).port if url else None
 
 
 def _for_launch(config: Any) -> Any:
@@ -121,11 +172,14 @@ class EngineSupervision:
     """Launches and supervises the engines of one daemon that have a ``launch:`` section."""
 
     def __init__(self, engines: Sequence[Any], metrics: Metrics, *, on_change: Callable[[], None] = lambda: None,
-                 launcher: Launcher = launch_engine) -> None:
+                 launcher: Launcher = launch_engine, journal: Journal | None = None,
+                 answers: Answers = answers_http) -> None:
         self._engines = list(engines)
         self._metrics = metrics
         self._on_change = on_change
         self._launcher = launcher
+        self._journal = journal
+        self._answers = answers
         self.launched: dict[str, LaunchedEngine] = {}
         self._started = False
         self._closed = False
@@ -155,10 +209,15 @@ class EngineSupervision:
                 self.launched[cfg.name] = LaunchedEngine(
                     config=_for_launch(cfg), restart=launch.restart, grace_s=launch.stop_grace_s,
                     backoff=Backoff(launch.backoff_initial_s, launch.backoff_max_s, launch.backoff_reset_s))
+        records = self._journal.launches() if self._journal is not None else {}
+        # A daemon restarted on its journal: what it launches must not serve before it is reconciled.
+        paused = self._journal is not None and (self._journal.last() is not None or bool(records))
+        given = {c.name: c for c in self._engines}
         try:
             async with asyncio.TaskGroup() as group:  # the first failure cancels the other launches
                 for engine in self.launched.values():
-                    group.create_task(self._launch(engine))
+                    group.create_task(self._adopt_or_launch(engine, records.get(engine.name), given[engine.name],
+                                                            paused=paused))
         except BaseExceptionGroup as failed:
             await self._stop_all()
             raise failed.exceptions[0] from None
@@ -183,19 +242,82 @@ class EngineSupervision:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
         await self._stop_all()
+        if self._journal is not None:
+            await self._journal.drain()  # "stopped" is on disk: a next daemon adopts nothing
+
+    def note_incarnation(self, name: str, incarnation: str | None) -> None:
+        """The daemon observed ``name``'s incarnation: journal it with the process, once per change."""
+        engine = self.launched.get(name)
+        if (engine is None or engine.record is None or incarnation is None
+                or engine.record.incarnation == incarnation or self._journal is None):
+            return
+        engine.record = dataclasses.replace(engine.record, incarnation=incarnation)
+        self._journal.record_launch(engine.record)
 
     # --- internals -------------------------------------------------------------------------------
+
+    async def _adopt_or_launch(self, engine: LaunchedEngine, record: LaunchRecord | None, given: Any, *,
+                               paused: bool) -> None:
+        if record is None or not await self._adopt(engine, record, given):
+            await self._launch(engine, paused=paused)
+
+    async def _adopt(self, engine: LaunchedEngine, record: LaunchRecord, given: Any) -> bool:
+        """Adopt the recorded process if it is still there and answers where it should; else stop what is
+        left of it (its process group). True if adopted."""
+        fixed_port = _port(given.url)
+        if record.alive():
+            why = None
+            if fixed_port is not None and record.port != fixed_port:
+                why = f"it listens on port {record.port}, the config says {fixed_port}"
+            elif not await self._answers(record.url):
+                why = f"it does not answer at {record.url}"
+            if why is None:
+                launch = engine.config.launch
+                if record.log and given.launch.log_file is None:  # its own log, not the one made for a launch
+                    with contextlib.suppress(OSError):
+                        os.unlink(launch.log_file)
+                    launch = launch.model_copy(update={"log_file": record.log})
+                engine.config = engine.config.model_copy(update={"url": record.url, "launch": launch})
+                engine.process, engine.record, engine.adopted = AdoptedProcess(record), record, True
+                engine.state, engine.up_since, engine.last_error = LaunchState.RUNNING, time.monotonic(), None
+                self._changed()
+                emit("engine_adopted", logging.INFO, engine=engine.name, pid=record.pid, url=record.url,
+                     launched_by="a previous daemon")
+                return True
+            emit("engine_orphan_stopped", logging.WARNING, engine=engine.name, pid=record.pid, pgid=record.pgid,
+                 reason=f"launched by a previous daemon, alive but {why}; its process group is stopped before "
+                        "another is launched")
+            await stop_group(record.pgid, engine.grace_s, leader=record)
+        elif record.leftovers():
+            emit("engine_orphan_stopped", logging.WARNING, engine=engine.name, pgid=record.pgid,
+                 reason="the process group of an engine a previous daemon launched outlived it; stopped before "
+                        "another is launched")
+            await stop_group(record.pgid, engine.grace_s)
+        return False
+
+    def _spawned(self, engine: LaunchedEngine, process: ManagedProcess) -> None:
+        """A process exists: show its pid, and journal it before it is waited for (a daemon killed now finds it)."""
+        engine.process = process
+        self._changed()
+        if self._journal is None or process.pid is None:
+            return
+        record = LaunchRecord.of(engine.name, process.pid, url=str(engine.config.url),
+                                 log=str(process.log_path) if process.log_path else None)
+        if record is not None:
+            engine.record = record
+            self._journal.record_launch(record)
 
     def _changed(self) -> None:
         self._on_change()  # status compares each engine's snapshot(); this marks the snapshot stale
 
-    async def _launch(self, engine: LaunchedEngine) -> None:
+    async def _launch(self, engine: LaunchedEngine, *, paused: bool) -> None:
         """One launch: ready, or the failure recorded and raised."""
-        engine.state, engine.next_launch_at = LaunchState.STARTING, None
+        engine.state, engine.next_launch_at, engine.adopted = LaunchState.STARTING, None, False
         self._changed()
+        options = LaunchOptions(paused=paused, on_spawn=lambda process: self._spawned(engine, process))
         try:
             try:
-                launched = await self._launcher(engine.config)
+                launched = await self._launcher(engine.config, options)
             except (EngineLaunchError, asyncio.CancelledError):
                 raise
             except Exception as exc:  # a misconfiguration the launcher found (vLLM without model_path, ...)
@@ -205,7 +327,11 @@ class EngineSupervision:
             self._metrics.engine_launch_failures.labels(engine.name).inc()
             self._changed()
             raise
-        engine.process, engine.up_since = launched.process, time.monotonic()
+        if engine.process is not launched.process:  # a launcher that has no spawn hook (SGLang, vLLM)
+            self._spawned(engine, launched.process)
+        if self._journal is not None:
+            await self._journal.drain()  # running means journaled: a daemon killed from here on finds it
+        engine.up_since = time.monotonic()
         engine.launches += 1
         engine.state, engine.last_error = LaunchState.RUNNING, None
         self._metrics.engine_launches.labels(engine.name).inc()
@@ -218,7 +344,8 @@ class EngineSupervision:
             engine.last_exit = await engine.process.wait_exit()
             uptime = time.monotonic() - engine.up_since if engine.up_since is not None else None
             engine.up_since = None
-            emit("engine_exited", logging.WARNING, engine=engine.name, pid=engine.process.pid, code=engine.last_exit,
+            emit("engine_exited", logging.WARNING, engine=engine.name, pid=engine.process.pid,
+                 code=engine.last_exit,  # None: adopted, not this daemon's child, so its code is unknown
                  uptime_s=round(uptime or 0.0, 3), then="relaunch" if engine.restart else "left_down")
             if not engine.restart:
                 engine.state = LaunchState.EXITED
@@ -240,7 +367,7 @@ class EngineSupervision:
             self._changed()
             await asyncio.sleep(delay)  # the backoff itself, not a wait for something to happen
             try:
-                await self._launch(engine)
+                await self._launch(engine, paused=True)  # stale launch weights: nothing served until reconciled
             except EngineLaunchError as exc:
                 emit("engine_launch_failed", logging.WARNING, engine=engine.name, error=exc.summary)
                 uptime = None
@@ -255,6 +382,9 @@ class EngineSupervision:
                 with contextlib.suppress(ProcessLookupError):
                     await engine.process.stop(engine.grace_s)
             engine.state = LaunchState.STOPPED
+            if self._journal is not None and engine.record is not None:
+                self._journal.launch_ended(engine.name)  # nothing left for a next daemon to adopt
+                engine.record = None
             emit("engine_stopped", logging.INFO, engine=engine.name,
                  pid=engine.process.pid if engine.process else None)
 

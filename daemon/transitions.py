@@ -58,6 +58,10 @@ class Transitions:
     def __init__(self, daemon: Daemon) -> None:
         self._d = daemon
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
+        # A daemon restarted on its journal still replays what the previous one finished (without its trace).
+        for done in daemon.journal.completed() if daemon.journal is not None else ():
+            self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
+                int(done["step"]), str(done["phase"]), **done["result"])
 
     async def transition(self, phase: NodePhase, step: int,
                          trainer: dict[str, Any] | None = None) -> TransitionResult:
@@ -102,6 +106,10 @@ class Transitions:
                 while len(self._completed) > 256:
                     self._completed.popitem(last=False)
                 d.journal_append(phase.value)
+                if d.journal is not None:
+                    d.journal.record_completed(step, phase.value, {
+                        "duration_s": result.duration_s, "engines": result.engines,
+                        "freed_bytes": result.freed_bytes, "directives": result.directives})
         except TransitionRejected as exc:
             d.metrics.transitions.labels(phase.value, "rejected").inc()
             d.steps.rejected(phase.value, step, str(exc), session=d.sessions.open_id())

@@ -250,6 +250,7 @@ class WeightSession:
         self.opened_at = time.monotonic()
         self._lifecycle = SessionLifecycle.OPEN
         self.error: str | None = None
+        self._ended_by: str | None = None  # "failed: ChunkTimeout: ..." once it ended
         self.tainted: list[str] = []  # engines whose calls had to be abandoned when it closed
         # Set by the daemon at open: each engine's full parameter set (None: unknown) and weights state.
         self.required: dict[str, Manifest | None] = {}
@@ -750,10 +751,14 @@ class WeightSession:
         refs = lane.engine.ring_refs
         t0 = time.perf_counter()
         try:
-            with self.trace.span("load_chunk", lane.name, seq=chunk.seq, nbytes=load.nbytes):
+            with self.trace.span("load_chunk", lane.name, seq=chunk.seq, nbytes=load.nbytes) as span:
                 sent = tuple(_outgoing(p, tp, refs.outgoing) for tp, p in enumerate(payloads))
                 try:
                     await lane.engine.adapter.load_weights(replace(load, payloads=sent))
+                except asyncio.CancelledError:
+                    if self._ended_by is not None:  # the session ended first: say how, not "CancelledError"
+                        span.attrs["error"] = f"cancelled, the session {self._ended_by}"[:500]
+                    raise
                 except RingRefsUnknown:
                     # The engine lacks refs the daemon believed it held (an unobserved restart, an evicted
                     # ring) and applied nothing: believe nothing of it, and send the chunk in full once.
@@ -766,7 +771,7 @@ class WeightSession:
                     refs.learned(tp, p.handle)
         except BaseException as exc:
             lane.in_flight -= 1
-            error = _load_error(lane.name, chunk.seq, exc)
+            error = _load_error(lane.name, chunk.seq, exc, ended=self._ended_by)
             if not done.done():
                 done.set_exception(error)
                 done.exception()  # retrieved: the ranks waiting on it may already be gone
@@ -906,6 +911,7 @@ class WeightSession:
                             else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED])
         self.error = str(error)
         ended: SessionState = self._lifecycle_state()  # _move changed it; a call keeps mypy from narrowing
+        self._ended_by = f"{ended.value}: {type(error).__name__.lstrip('_')}: {error}"  # what a cancelled load says
         message = f"session {self.id} {ended.value}: {error}"
         for chunk in self._chunks.values():
             for done in chunk.consumed.values():
@@ -974,10 +980,14 @@ def _outgoing(part: RankPayload, tp_rank: int,
     return part if handle is part.handle else replace(part, handle=handle)
 
 
-def _load_error(engine: str, seq: int, exc: BaseException) -> WeightSyncError | PayloadRejected:
-    """An engine's 4xx to a chunk is the caller's payload at fault (422 with the engine's words)."""
+def _load_error(engine: str, seq: int, exc: BaseException, *, ended: str | None = None
+                ) -> WeightSyncError | PayloadRejected:
+    """An engine's 4xx to a chunk is the caller's payload at fault (422 with the engine's words). A load
+    cancelled because the session ended (``ended``: how, e.g. "failed: ChunkTimeout: ...") says that."""
     refusal = refused_payload(exc, field="handle", describe=lambda e: f"chunk {seq}: engine {engine!r} refused it: "
                               f"{e.detail}")
+    if isinstance(exc, asyncio.CancelledError) and ended is not None:
+        return WeightSyncError(f"chunk {seq} on engine {engine!r}: cancelled, the session {ended}")
     return refusal or WeightSyncError(f"chunk {seq} on engine {engine!r}: {exc or type(exc).__name__}")
 
 

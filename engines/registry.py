@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 
 from .base import EngineAdapter
-from .supervisor import Launched
+from .supervisor import Launched, LaunchOptions
 
 __all__ = ["build_adapter", "launch_engine"]
 
@@ -29,15 +29,18 @@ def build_adapter(config: Any, client: httpx.AsyncClient) -> EngineAdapter:
     raise ValueError(f"engine {config.name!r}: unknown kind {config.kind!r}")
 
 
-async def launch_engine(config: Any) -> Launched:
+async def launch_engine(config: Any, options: LaunchOptions | None = None) -> Launched:
     """Start ``config``'s server on ``config.url``'s port and return once it is ready.
+
+    ``options`` (start paused, the spawn hook) reach the reference engine's launcher; SGLang's and
+    vLLM's are told nothing: the daemon pauses them when it reconciles them, and journals them once ready.
 
     Raises ``EngineLaunchError`` naming the engine (it exited, or missed ``launch.ready_timeout_s``).
     """
     if config.kind == "reference":
         from .reference.launcher import launch_reference
 
-        return await launch_reference(config)
+        return await launch_reference(config, options or LaunchOptions())
     if config.kind == "sglang":
         from .sglang.launcher import launch_sglang
 

@@ -42,6 +42,7 @@ from .tether import TETHER_ENV, tether_prefix
 
 __all__ = [
     "EngineLaunchError",
+    "LaunchOptions",
     "Launched",
     "ManagedProcess",
     "free_port",
@@ -79,6 +80,18 @@ class Launched(NamedTuple):
 
     url: str
     process: ManagedProcess
+
+
+class LaunchOptions(NamedTuple):
+    """How the daemon wants an engine started.
+
+    ``paused``: generation gated from the start, where the engine can do that (the reference engine's
+    ``--start-paused``): a relaunched engine serves nothing before the daemon reconciled it.
+    ``on_spawn``: told the process as soon as it exists, before it is ready (the daemon journals it).
+    """
+
+    paused: bool = False
+    on_spawn: Callable[[ManagedProcess], None] | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -131,6 +144,7 @@ class ManagedProcess:
     with the log tail), so a non-engine child can raise its own kind. ``header`` writes the
     (redacted) command line into the log before the child's output. ``tether``: the child dies
     with this process (None: when this process's environment has ``COLOCD_TETHER=1``).
+    ``on_spawn`` is called with the process right after it started.
     """
 
     def __init__(
@@ -144,6 +158,7 @@ class ManagedProcess:
         failure: Callable[[ManagedProcess, str], BaseException] | None = None,
         header: bool = True,
         tether: bool | None = None,
+        on_spawn: Callable[[ManagedProcess], None] | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -154,6 +169,7 @@ class ManagedProcess:
         self._header = header  # the "# colocd: <command>" line; off where the log must stay one format
         self.tethered = os.environ.get(TETHER_ENV) == "1" if tether is None else tether
         self._popen: subprocess.Popen[bytes] | None = None
+        self._on_spawn = on_spawn
         self.started_at: float | None = None  # time.monotonic() of spawn
 
     # --- facts -----------------------------------------------------------------------------------
@@ -215,6 +231,11 @@ class ManagedProcess:
                   "session": None, "pid": self._popen.pid, "log": str(self.log_path) if self.log_path else None}
         log.info("%s %s: started pid %d, logs in %s", self.label, self.name, self._popen.pid, self.log_path,
                  extra={"colocd": fields})  # the JSON log's fields (api/logs.py)
+        if self._on_spawn is not None:
+            try:
+                self._on_spawn(self)
+            except Exception:  # the hook records the process; it must not orphan it
+                log.exception("%s %r: on_spawn hook failed", self.label, self.name)
 
     # --- wait ------------------------------------------------------------------------------------
 

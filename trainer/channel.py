@@ -82,7 +82,12 @@ class _Replies(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.end(exc if exc is not None else ChannelClosed("the daemon closed the chunk channel"))
+        if exc is None:
+            self.end(ChannelClosed("the daemon closed the chunk channel"))
+        else:  # the daemon vanished (a reset, a broken pipe): the channel's end, said as the channel's error
+            closed = ChannelClosed(f"the chunk channel to the daemon broke: {type(exc).__name__}: {exc}")
+            closed.__cause__ = exc
+            self.end(closed)
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
 

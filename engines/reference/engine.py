@@ -105,7 +105,7 @@ class ReferenceEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._failed = asyncio.Event()
         # Generation gate: while a pause is in force new requests wait here (SGLang's is_pause_cond).
-        self._pause_mode: PauseMode | None = None
+        self._pause_mode: PauseMode | None = PauseMode.ABORT if settings.start_paused else None
         self._pause_cond = asyncio.Condition()
         self._blocked = 0
         self._update_lock = ReaderWriterLock()

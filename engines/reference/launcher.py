@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..config import ReferenceEngineConfig
-from ..supervisor import EngineLaunchError, Launched, ManagedProcess, read_ready_file
+from ..supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, read_ready_file
 
 __all__ = ["EngineLaunchError", "ReferenceEngineProcess", "launch_reference"]
 
@@ -45,6 +45,8 @@ class ReferenceEngineProcess:
         log_path: str | os.PathLike[str] | None = None,
         grace_s: float = 10.0,
         ready_path: str = "/health",
+        drivable: bool = False,
+        options: LaunchOptions | None = None,
     ) -> None:
         if config.device.startswith("cuda:") and config.tp_size > 1:
             raise ValueError(
@@ -56,6 +58,9 @@ class ReferenceEngineProcess:
         # "/health" (a generation answers) by default; "/model_info" when something else (a colocd
         # daemon that sees a restarted engine) may pause it before its first generation.
         self.ready_path = ready_path
+        # Ready only once it can be driven (its model built: a pause is accepted), not just answering HTTP.
+        self.drivable = drivable
+        self.options = options or LaunchOptions()
         launch_log = config.launch.log_file if config.launch else None
         self._log_file = log_path if log_path is not None else launch_log
         self._workdir: str | None = None
@@ -114,6 +119,8 @@ class ReferenceEngineProcess:
         ]  # fmt: skip
         if self.config.device_ids:
             cmd += ["--device-ids", ",".join(self.config.device_ids)]
+        if self.options.paused:
+            cmd.append("--start-paused")
         if self.config.launch:
             cmd += self.config.launch.args
         return cmd
@@ -135,6 +142,17 @@ class ReferenceEngineProcess:
                     return None
 
                 await proc.wait_ready(answers, self._remaining(proc))
+                if self.drivable:
+                    info = "/get_server_info" if self.config.protocol == "legacy" else "/server_info"
+
+                    async def running() -> bool | None:
+                        with contextlib.suppress(httpx.TransportError, ValueError, KeyError, IndexError):
+                            r = await client.get(f"{self.url}{info}")
+                            if r.status_code == 200 and r.json()["internal_states"][0]["engine_state"] == "running":
+                                return True
+                        return None
+
+                    await proc.wait_ready(running, self._remaining(proc))
         except BaseException:
             await self.aclose()
             raise
@@ -180,7 +198,7 @@ class ReferenceEngineProcess:
         ready_file = os.path.join(self._workdir, "ready.json")
         self.process = ManagedProcess(
             self.config.name, self.command(ready_file), self._environment(),
-            label="reference engine", log_file=self._log_file,
+            label="reference engine", log_file=self._log_file, on_spawn=self.options.on_spawn,
         )  # fmt: skip
         try:
             self.process.spawn()
@@ -230,13 +248,15 @@ def _ready_file_probe(path: str) -> Callable[[], Awaitable[str | None]]:
     return probe
 
 
-async def launch_reference(config: ReferenceEngineConfig) -> Launched:
-    """Start ``config``'s engine for the daemon: ready once it answers ``/model_info``.
+async def launch_reference(config: ReferenceEngineConfig, options: LaunchOptions | None = None) -> Launched:
+    """Start ``config``'s engine for the daemon: ready once it can be driven (its model is built, so it
+    accepts a pause), which ``/model_info`` answering does not show: it answers while the model loads.
 
     Not ``/health``: that runs a generation on weights the daemon is about to replace (a relaunched
-    engine is reconciled, paused and marked stale, right after). The process belongs to the caller.
+    engine is reconciled, paused and marked stale, right after); ``options.paused`` starts it with
+    generation gated, so it serves nothing meanwhile. The process belongs to the caller.
     """
-    engine = ReferenceEngineProcess(config, ready_path="/model_info")
+    engine = ReferenceEngineProcess(config, ready_path="/model_info", drivable=True, options=options)
     await engine.astart()
     assert engine.process is not None and engine.url is not None
     return Launched(engine.url, engine.process)

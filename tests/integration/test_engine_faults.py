@@ -237,3 +237,23 @@ async def test_a_step_that_happened_on_the_engine_but_failed_on_the_wire_is_repo
         n.proxy.heal()
         await n.client.phase("sync", 1)  # the retry does not resume twice (the engine would refuse)
         assert n.proxy.calls["/resume_memory_occupation"] == 1
+
+
+async def test_right_after_a_chunk_failed_on_a_dead_engine_status_says_the_engine_is_unhealthy() -> None:
+    from colocd.engines.reference.model import QwenLikeConfig, build_model
+    from colocd.trainer.push import WeightPusher
+
+    async with node(health_interval_s=600) as n:  # no health tick in this test: what status says came from the failure
+        await n.client.phase("train", 1)
+        await n.client.phase("sync", 1)
+        assert (await n.client.status())["engines"]["ref0"]["healthy"] is True
+        session = (await n.client.open_session("v1", step=1, ranks=1))["session_id"]
+        assert n.engine.process is not None
+        await n.engine.process.stop(grace_s=0.1)  # the engine dies with the session open: its first chunk fails
+        with pytest.raises(ColocdHTTPError) as failed:
+            await WeightPusher(n.client, bucket_mb=0.05).stream(
+                session, list(build_model(QwenLikeConfig(), seed=1).named_parameters()))
+        assert failed.value.status in (502, 503), failed.value.body
+        ref0 = (await n.client.status())["engines"]["ref0"]
+        assert ref0["healthy"] is False and ref0["last_error"]
+        assert await n.client.ready() is False

@@ -21,12 +21,14 @@ from typing import Any
 
 import pytest
 
+from colocd.daemon.journal import Journal
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.supervision import Backoff, EngineSupervision, LaunchState
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.supervisor import (
     EngineLaunchError,
     Launched,
+    LaunchOptions,
     ManagedProcess,
     free_port,
     group_alive,
@@ -208,15 +210,17 @@ class ScriptLauncher:
         self.tmp_path = tmp_path
         self.fail = fail or set()
         self.configs: list[Any] = []
+        self.options: list[LaunchOptions] = []
         self.processes: list[ManagedProcess] = []
 
-    async def __call__(self, config: Any) -> Launched:
+    async def __call__(self, config: Any, options: LaunchOptions) -> Launched:
         self.configs.append(config)
+        self.options.append(options)
         n = len(self.configs)
         ready = self.tmp_path / f"ready-{config.name}-{n}.json"
         mode = "4" if config.name in self.fail else "sleep"
         proc = ManagedProcess(config.name, child(self.tmp_path, ready=ready, mode=mode), dict(os.environ),
-                              label="test engine", log_file=config.launch.log_file)
+                              label="test engine", log_file=config.launch.log_file, on_spawn=options.on_spawn)
         proc.spawn()
         self.processes.append(proc)
         try:
@@ -345,3 +349,119 @@ def test_the_example_launch_config_is_valid() -> None:
     (engine,) = config.engines
     assert engine.kind == "reference" and engine.url is None and engine.launch is not None
     json.dumps(engine.model_dump())
+
+
+# --- adoption: a daemon started again on its journal ----------------------------------------------
+
+
+def answering(url: str) -> Any:
+    async def answers(_url: str) -> bool:
+        return True
+
+    return answers
+
+
+async def never_answers(url: str) -> bool:
+    return False
+
+
+async def first_daemon(tmp_path: Path, journal: Path, **launch: Any) -> tuple[EngineSupervision, ScriptLauncher]:
+    """A daemon's supervision that launched engine 'a' and then died (it is never closed, only abandoned)."""
+    launcher = ScriptLauncher(tmp_path)
+    supervision = EngineSupervision([launch_config("a", **launch)], Metrics(), launcher=launcher,
+                                    journal=Journal(journal))
+    await supervision.start()
+    assert supervision._journal is not None
+    await supervision._journal.drain()
+    # Stands for init, which reaps an orphan: here the engine stays this process's child.
+    reaper = asyncio.get_running_loop().create_task(launcher.processes[0].wait_exit())
+    supervision._watchers.add(reaper)  # type: ignore[arg-type]
+    return supervision, launcher
+
+
+async def test_a_restarted_daemon_adopts_the_engine_its_journal_names_instead_of_launching_another(
+        tmp_path: Path) -> None:
+    journal = tmp_path / "journal.jsonl"
+    dead, first = await first_daemon(tmp_path, journal)
+    pid = first.processes[0].pid
+    assert pid is not None
+    again = ScriptLauncher(tmp_path)
+    supervision = EngineSupervision([launch_config("a")], Metrics(), launcher=again, journal=Journal(journal),
+                                    answers=answering(""))
+    await supervision.start()
+    try:
+        assert again.configs == []  # nothing launched: the running engine is the one
+        snap = supervision.snapshot("a")
+        assert snap is not None and (snap["state"], snap["pid"], snap["adopted"]) == ("running", pid, True)
+        assert supervision.configs()[0].url == dead.configs()[0].url  # where the adapter finds it
+    finally:
+        await supervision.aclose()
+    assert not group_alive(pid)  # the adopter stops it on shutdown, as its own
+    assert Journal(journal).launches() == {}  # and says so: nothing left to adopt
+    await dead.aclose()
+
+
+async def test_a_recorded_engine_that_does_not_answer_is_stopped_with_its_group_before_another_is_launched(
+        tmp_path: Path) -> None:
+    journal = tmp_path / "journal.jsonl"
+    dead, first = await first_daemon(tmp_path, journal)
+    old = first.processes[0].pid
+    assert old is not None
+    again = ScriptLauncher(tmp_path)
+    supervision = EngineSupervision([launch_config("a")], Metrics(), launcher=again, journal=Journal(journal),
+                                    answers=never_answers)
+    await supervision.start()
+    try:
+        assert not group_alive(old)  # gone before the new one started: never two engines for one entry
+        assert len(again.processes) == 1 and again.processes[0].running
+        snap = supervision.snapshot("a")
+        assert snap is not None and snap["adopted"] is False and snap["pid"] == again.processes[0].pid
+        # Started on a journal: its weights are unknown until it is reconciled, so it starts paused.
+        assert again.options[0].paused is True
+        assert Journal(journal).launches()["a"].pid == again.processes[0].pid
+    finally:
+        await supervision.aclose()
+        await dead.aclose()
+
+
+async def test_a_fresh_daemon_launches_unpaused_and_every_relaunch_starts_paused(tmp_path: Path) -> None:
+    launcher = ScriptLauncher(tmp_path)
+    supervision = EngineSupervision([launch_config("a")], Metrics(), launcher=launcher)
+    await supervision.start()
+
+    async def ignore(name: str) -> None:
+        return None
+
+    supervision.supervise(ignore)
+    try:
+        os.kill(launcher.processes[0].pid or 0, signal.SIGKILL)
+        await until(lambda: supervision.launched["a"].restarts == 1, "the relaunch")
+        assert [o.paused for o in launcher.options] == [False, True]
+    finally:
+        await supervision.aclose()
+
+
+async def test_status_never_shows_a_dead_pid_while_the_engine_is_relaunched(tmp_path: Path) -> None:
+    launcher = ScriptLauncher(tmp_path)
+    supervision = EngineSupervision([launch_config("a", backoff_initial_s=0.5, backoff_max_s=0.5)], Metrics(),
+                                    launcher=launcher)
+    await supervision.start()
+
+    async def ignore(name: str) -> None:
+        return None
+
+    supervision.supervise(ignore)
+    try:
+        dead = launcher.processes[0].pid
+        os.kill(dead or 0, signal.SIGKILL)
+        engine = supervision.launched["a"]
+        await until(lambda: engine.state is LaunchState.BACKOFF, "the backoff")
+        snap = supervision.snapshot("a")
+        assert snap is not None and snap["pid"] is None
+        assert engine.unready_reason() is not None and "backoff" in engine.unready_reason()  # type: ignore[operator]
+        await until(lambda: engine.state is LaunchState.STARTING or engine.restarts == 1, "the relaunch started")
+        await until(lambda: len(launcher.processes) == 2, "the new process")
+        snap = supervision.snapshot("a")
+        assert snap is not None and snap["pid"] in (launcher.processes[1].pid, None) and snap["pid"] != dead
+    finally:
+        await supervision.aclose()

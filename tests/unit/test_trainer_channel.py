@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -152,3 +154,28 @@ async def test_a_refused_hello_raises_the_daemons_status_and_a_silent_hangup_say
     async with _peer(tmp_path, hang_up) as address, asyncio.timeout(DEADLINE_S):
         with pytest.raises(ChannelClosed, match="before greeting"):
             await ChunkChannel.connect(address, session_id="s1")
+
+
+async def test_a_daemon_that_vanishes_is_channel_closed_not_a_connection_reset(tmp_path: Path) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        writer.transport.pause_reading()  # what the trainer sends next stays unread in the kernel
+        writer.write(_line(GREETING))
+        sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))  # a plain one, to peek
+        async with asyncio.timeout(DEADLINE_S):
+            while True:  # until the chunk frame has arrived (peeked, not read)
+                try:
+                    if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        break
+                except BlockingIOError:
+                    pass
+                await asyncio.sleep(0.01)  # polls the kernel's queue, bounded by the deadline
+        sock.close()
+        writer.transport.abort()  # closed with unread data: the trainer's end sees ECONNRESET, as on a SIGKILL
+
+    async with _peer(tmp_path, serve) as address, asyncio.timeout(DEADLINE_S):
+        channel = await ChunkChannel.connect(address, session_id="s1")
+        with pytest.raises(ChannelClosed, match="broke: ConnectionResetError") as caught:
+            await channel.send_chunk("s1", seq=0, rank=0, chunk=_chunk(0))
+        assert isinstance(caught.value.__cause__, ConnectionResetError)
+        await channel.aclose()

@@ -1,0 +1,109 @@
+"""Readiness tells the truth: ``/readyz`` (``Daemon.ready``) is false, naming the engine and why, while an engine
+cannot be driven; a failed reconcile is retried soon, not at the next health tick; a relaunched reference engine
+serves nothing before the daemon lets it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from colocd.daemon.config import NodeConfig
+from colocd.daemon.node import Daemon
+from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.errors import EngineRejected
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.supervisor import LaunchOptions
+from colocd.policies import Transport
+
+HEALTH_S = 30.0  # a tick far beyond every wait here: what happens sooner is not the health loop's tick
+
+
+class SessionStuckEngine:
+    """An in-memory engine left with an update session open (a daemon died mid-push) that refuses to end it
+    until ``fixed`` is set: the daemon's reconcile of it fails until then."""
+
+    transports = frozenset({Transport.SHM, Transport.DISK})
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.fixed = False
+        self.open = True
+        self.ends = 0
+
+    async def attach(self) -> EngineInfo:
+        return EngineInfo(self.name, "fake", "0", "fake", "v0")
+
+    async def health(self) -> bool:
+        return True
+
+    async def observe(self) -> Observation:
+        return Observation(incarnation="one", weight_version="v0", paused=True, update_session_open=self.open)
+
+    async def weight_version(self) -> str | None:
+        return "v0"
+
+    async def pause_generation(self, mode: PauseMode) -> None: ...
+    async def continue_generation(self) -> None: ...
+
+    async def flush_cache(self) -> bool:
+        return True
+
+    async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
+        return ReleaseReport(tags)
+
+    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
+        return ReleaseReport(tags)
+
+    async def begin_weight_update(self, session_id: str | None = None) -> None: ...
+    async def load_weights(self, load: WeightsLoad) -> None: ...
+
+    async def end_weight_update(self) -> None:
+        self.ends += 1
+        if not self.fixed:
+            raise EngineRejected(self.name, "end_weight_update: busy", status=503)
+        self.open = False
+
+    async def set_weight_version(self, version: str) -> None: ...
+
+    async def weights_checksum(self) -> str | None:
+        return None
+
+    async def aclose(self) -> None: ...
+
+
+def config() -> NodeConfig:
+    return NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
+                                      "timeouts": {"health_interval_s": HEALTH_S}})
+
+
+async def test_an_engine_whose_reconcile_failed_is_not_ready_and_is_retried_before_the_next_health_tick() -> None:
+    engine = SessionStuckEngine("e0")
+    async with Daemon(config(), adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+        ready, problems = daemon.ready()
+        assert not ready and len(problems) == 1
+        assert "engine 'e0'" in problems[0] and "busy" in problems[0]  # which engine, and why
+        engine.fixed = True  # whatever held it is gone
+        started = time.monotonic()
+        async with asyncio.timeout(HEALTH_S / 3):
+            while not daemon.ready()[0]:  # noqa: ASYNC110 - polls the daemon's own retry, bounded
+                await asyncio.sleep(0.02)
+        assert time.monotonic() - started < HEALTH_S / 3 and not engine.open
+
+
+async def test_a_reference_engine_started_paused_serves_nothing_until_generation_continues() -> None:
+    config = ReferenceEngineConfig(name="ref0", device="cpu", url="http://127.0.0.1:0")
+    async with ReferenceEngineProcess(config, ready_path="/model_info", drivable=True,
+                                      options=LaunchOptions(paused=True)) as engine, \
+            httpx.AsyncClient(base_url=str(engine.url), trust_env=False, timeout=30) as http:
+        info: dict[str, Any] = (await http.get("/server_info")).json()["internal_states"][0]
+        assert (info["engine_state"], info["paused"]) == ("running", "abort")  # drivable, and gated
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        asked = asyncio.ensure_future(http.post("/generate", json=body))
+        done, _ = await asyncio.wait({asked}, timeout=1.0)
+        assert not done, "generated on launch weights while paused"
+        (await http.post("/continue_generation", json={})).raise_for_status()
+        assert (await asyncio.wait_for(asked, 30)).status_code == 200

@@ -1,0 +1,128 @@
+"""The journal: a snapshot plus a tail, bounded whatever the run length, written off the caller's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from colocd.daemon import journal as journal_module
+from colocd.daemon.config import NodeConfig
+from colocd.daemon.journal import KEEP_COMPLETED, Journal
+from colocd.daemon.node import Daemon
+from colocd.daemon.states import NodePhase
+from colocd.engines.adoption import LaunchRecord
+from colocd.engines.base import EngineInfo, Observation, ReleaseReport
+from colocd.policies import Transport
+
+
+def state(step: int) -> dict[str, object]:
+    return {"event": "rollout", "node": {"phase": "rollout", "step": step}, "engines": {"e": {"step": step}}}
+
+
+async def test_a_long_run_keeps_the_file_bounded_and_a_reopened_journal_knows_everything(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    journal = Journal(path, compact_every=16)
+    record = LaunchRecord("e", pid=123, start_time=456, url="http://127.0.0.1:9", pgid=123, log=None)
+    journal.record_launch(record)
+    for step in range(1, 201):
+        journal.append(state(step))
+        journal.record_completed(step, "rollout", {"duration_s": 0.1, "engines": {}})
+    await journal.drain()
+    journal.close()
+    assert len(path.read_text().splitlines()) <= 17
+    again = Journal(path)
+    assert again.last() == {"ts": again.last()["ts"], **state(200)}  # type: ignore[index]
+    assert again.launches() == {"e": record}
+    done = again.completed()
+    assert len(done) == KEEP_COMPLETED and done[-1]["step"] == 200 and done[0]["step"] == 201 - KEEP_COMPLETED
+
+
+async def test_a_stopped_engine_leaves_nothing_to_adopt(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    journal = Journal(path)
+    journal.record_launch(LaunchRecord("e", pid=1, start_time=2, url="http://127.0.0.1:9", pgid=1))
+    journal.launch_ended("e")
+    await journal.drain()
+    assert Journal(path).launches() == {}
+
+
+def test_start_reads_a_huge_journal_only_from_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "journal.jsonl"
+    lines = [json.dumps({"event": "rollout", "node": {"phase": "rollout", "step": i}, "engines": {}})
+             for i in range(5000)]  # what an uncompacted journal of an older daemon holds
+    path.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(journal_module, "MAX_READ_BYTES", 4096)
+    read: list[int] = []
+    real = journal_module._read_records
+
+    def counting(p: Path) -> list[dict[str, object]]:
+        records = list(real(p))
+        read.append(len(records))
+        return records
+
+    monkeypatch.setattr(journal_module, "_read_records", counting)
+    journal = Journal(path)
+    assert journal.last() is not None and journal.last()["node"] == {"phase": "rollout", "step": 4999}  # type: ignore[index]
+    assert read[0] < 100  # a window at the end, not the whole file
+
+
+def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    path.write_text(json.dumps({"kind": "state", **state(1)}) + "\n" + '{"kind": "state", "node": {"pha')
+    assert Journal(path).last()["node"] == {"phase": "rollout", "step": 1}  # type: ignore[index]
+
+
+async def test_append_returns_before_the_write_reaches_the_disk(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    real_fsync = journal_module.os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        assert release.wait(10), "the test never released the fsync"
+        real_fsync(fd)
+
+    monkeypatch.setattr(journal_module.os, "fsync", slow_fsync)
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.append(state(1))  # would block here, on the caller's (event-loop) thread, if written inline
+    assert journal.last() is not None  # what the daemon reads back is there at once
+    release.set()
+    await asyncio.wait_for(journal.drain(), 10)
+    journal.close()
+    assert "rollout" in (tmp_path / "journal.jsonl").read_text()
+
+
+class _Engine:
+    """The least an engine must answer for a daemon to run ``train``."""
+
+    transports = frozenset({Transport.SHM})
+
+    async def attach(self) -> EngineInfo:
+        return EngineInfo("e0", "fake", "0", "fake", "v0")
+
+    async def observe(self) -> Observation:
+        return Observation(incarnation="one", weight_version="v0")
+
+    async def pause_generation(self, mode: Any) -> None: ...
+    async def flush_cache(self) -> bool:
+        return True
+
+    async def release_memory(self, tags: Any) -> ReleaseReport:
+        return ReleaseReport(tags)
+
+    async def aclose(self) -> None: ...
+
+
+async def test_a_finished_transition_repeated_after_a_daemon_restart_is_replayed(tmp_path: Path) -> None:
+    config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
+                                        "journal": str(tmp_path / "journal.jsonl")})
+    async with Daemon(config, adapters={"e0": _Engine()}) as first:  # type: ignore[dict-item]
+        done = await first.transition(NodePhase.TRAIN, 1)
+    async with Daemon(config, adapters={"e0": _Engine()}) as second:  # type: ignore[dict-item]
+        again = await second.transition(NodePhase.TRAIN, 1)
+    assert again.replayed is True and (again.step, again.phase) == (1, "train")
+    assert again.engines == done.engines and again.freed_bytes == done.freed_bytes
