@@ -267,6 +267,12 @@ class CommitRequest(_Strict):
         None, description="chunks the trainer sent; checked against the engines'")
 
 
+class AbortRequest(_Strict):
+    reason: str | None = Field(None, min_length=1, max_length=1024,
+                               description="why the trainer abandons the session (e.g. the refusal one rank got): "
+                                           "the session's error, and what every other rank's waiting chunk is told")
+
+
 class UpdateWeightsRequest(_Strict):
     """One-shot update: open, send every chunk, commit."""
 

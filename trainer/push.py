@@ -228,12 +228,18 @@ class WeightPusher:
     @staticmethod
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                          ) -> tuple[ExportedChunk, float] | None:
-        """The next bucket, exported, and the export's seconds; None when the plan is done. Runs on a thread."""
+        """The next bucket, exported, and the export's seconds; None when the plan is done. Runs on a thread.
+        An export that fails raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own
+        error is raised as it is."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
         t0 = time.perf_counter()
-        return producer.export(bucket), time.perf_counter() - t0
+        try:
+            chunk = producer.export(bucket)
+        except Exception as exc:
+            raise _ExportFailed(exc) from exc
+        return chunk, time.perf_counter() - t0
 
     @classmethod
     async def _next_export(cls, producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
@@ -301,13 +307,27 @@ class WeightPusher:
         self.last_join = joined
         return channel
 
+    async def _join_or_walk(self, session_id: str, device_id: str, address: str | EllipsisType | None,
+                            remaining: Iterator[tuple[str, torch.Tensor]]) -> ChunkChannel | None:
+        """``_join``; if it fails, abort the session, walk the tensors (as a failed stream does), then raise."""
+        try:
+            return await self._join(session_id, device_id, address)
+        except Exception as exc:
+            await self._abort(session_id, exc)
+            await self._walk(remaining)
+            raise
+
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
                      chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
         """Join the session, then send this rank's part of every chunk; returns (chunks, bytes).
 
         ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
         the daemon is asked. A rank that feeds no engine rank (the join says ``streams: false``) sends
-        nothing and returns (the chunk count of the plan, 0)."""
+        nothing and returns (the chunk count of the plan, 0).
+
+        A chunk (or the join) that fails aborts the session at once, naming this rank's error (every other
+        rank's stream then fails with it within a chunk); the stream still pulls every tensor left, so the
+        ranks' collectives in ``named`` stay matched, and then raises the first error."""
         # The iterator is pulled off the event loop, one item at a time: producing a tensor may be a collective
         # (FSDP's full_tensor, a TP all-gather) that waits for a slower rank, and the acks of this rank's chunks
         # in flight must keep flowing meanwhile (the slower rank's engine may be waiting for them).
@@ -316,13 +336,13 @@ class WeightPusher:
         items = iter(named)
         channel: ChunkChannel | None = None
         if self._device_id is not None:
-            channel = await self._join(session_id, self._device_id, chunk_channel)
+            channel = await self._join_or_walk(session_id, self._device_id, chunk_channel, items)
         try:
             first = await asyncio.to_thread(next, items, None)
             head = [first] if first is not None else []
             named = itertools.chain(head, items)
             if self._device_id is None:
-                channel = await self._join(session_id, self.device_of(head), chunk_channel)
+                channel = await self._join_or_walk(session_id, self.device_of(head), chunk_channel, items)
             assert self.last_join is not None
             if not self.last_join["streams"]:
                 # No engine rank is on this rank's device: walk the tensors (they may be collectives the other
@@ -356,6 +376,15 @@ class WeightPusher:
         nbytes = 0
         sent = 0  # chunks exported and handed to a sender
 
+        failure: list[Exception] = []  # the first failure of this stream: what it raises, after walking the rest
+        aborting: list[asyncio.Future[None]] = []
+
+        def failed(exc: Exception) -> None:
+            if not failure:
+                failure.append(exc)
+                # At once, not after the next bucket's gather: the other ranks' waits end with this error now.
+                aborting.append(asyncio.ensure_future(self._abort(session_id, exc)))
+
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
             acked_at = t0
@@ -372,6 +401,9 @@ class WeightPusher:
                 acked_at = time.perf_counter()
                 if chunk.acked is not None:
                     chunk.acked()
+            except Exception as exc:
+                failed(exc)
+                raise
             finally:
                 chunk.release()  # after the ack (or the failure): the engines are done with it
                 window.release()
@@ -381,27 +413,73 @@ class WeightPusher:
 
         buckets = plan_buckets(named, bucket_bytes)
         try:
-            while True:
+            while not failure:
                 await window.acquire()
-                made = await self._next_export(producer, buckets)
+                try:
+                    made = await self._next_export(producer, buckets)
+                except _ExportFailed as exc:
+                    window.release()
+                    failed(exc.error)
+                    break
                 if made is None:
                     window.release()
                     break
                 chunk, export_s = made
-                if any(t.done() and t.exception() for t in tasks):
+                if failure:
                     chunk.release()
                     window.release()
                     break  # a chunk failed: the session is over, send nothing more
                 nbytes += chunk.nbytes
                 tasks.append(asyncio.create_task(send(sent, chunk, export_s)))
                 sent += 1
-            await asyncio.gather(*tasks)
-        except BaseException:
+            # Chunks still in flight end with their acks, or once the abort lands (410): buffers go after that.
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException as exc:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if isinstance(exc, Exception) and not failure:
+                failed(exc)  # the iterator itself failed: nothing left to walk, but the other ranks learn it now
+            await asyncio.gather(*aborting, return_exceptions=True)
             raise
         finally:
             producer.close()
             self.chunk_log = [records[k] for k in sorted(records)]
+        if failure:
+            await asyncio.gather(*aborting, return_exceptions=True)
+            await self._walk(buckets)
+            raise failure[0]
+        if (error := next((r for r in results if isinstance(r, BaseException)), None)) is not None:
+            raise error
         return sent, nbytes
+
+    async def _abort(self, session_id: str, error: BaseException) -> None:
+        """Abort the session naming this rank's error, so every other rank's wait ends now with it (best
+        effort: a session another rank aborted first is gone already)."""
+        detail = error.body.get("message", str(error)) if isinstance(error, ColocdHTTPError) else str(error)
+        reason = f"rank {self._rank} stopped: {type(error).__name__}: {detail}"
+        try:
+            await self._client.abort(session_id, reason)
+        except (ColocdHTTPError, httpx.TransportError) as exc:
+            log.debug("abort of session %s after rank %d's failure: %s", session_id, self._rank, exc)
+
+    @staticmethod
+    async def _walk(remaining: Iterable[object]) -> None:
+        """Pull every item left, sending nothing: producing one may be a collective (FSDP's full_tensor, a TP
+        all-gather) that the other ranks run too, so every rank walks all of its tensors, failed or not."""
+        def walk() -> None:
+            for _ in remaining:
+                pass
+
+        try:
+            await asyncio.to_thread(walk)
+        except Exception as exc:  # the stream's first error is what the caller needs
+            log.warning("walking the tensors left after a failed stream raised: %s", exc)
+
+
+class _ExportFailed(Exception):
+    """A bucket's export failed (the tensors themselves can still be produced, so the stream walks them)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
