@@ -269,6 +269,48 @@ async def test_ranks_that_all_send_half_the_manifest_are_refused_at_commit_namin
         await push(n, ranks, 4, seed=12, version="after-half", step=2)
 
 
+@pytest.mark.parametrize("transport", ["shm", "disk"])
+async def test_ranks_streaming_disjoint_halves_to_their_own_engines_never_commit_on_any_transport(
+        engines: dict[str, str], ranks: Ranks, transport: str) -> None:
+    names = ["tp1_0", "tp1_1"]  # rank r feeds engine tp1_<r> alone; each engine needs the full manifest
+    async with node(engines, names) as n:
+        await push(n, ranks, 2, seed=20, version="good", group="pair")
+        await n.sync(2)
+        sid = await n.open("halves", 2, seed=21, step=2)
+        replies = await ranks.run({r: stream(n.url, sid, r, 21, "disjoint", of=2, transport=transport)
+                                   for r in range(2)})
+        refusals = [reply["body"]["message"] for reply in replies.values() if reply.get("status") == 422]
+        assert refusals and "carries other tensors than rank" in refusals[0], replies
+        with pytest.raises(ColocdHTTPError) as gone:
+            await n.client.commit(sid, 1)
+        assert gone.value.status == 410  # the refused rank aborted it: nothing committed, nothing half-written
+        for engine in (await n.client.status())["engines"].values():
+            assert (engine["weight_version"], engine["generation"]) == ("good", "paused")
+        await push(n, ranks, 2, seed=22, version="after-halves", group="pair", step=2)
+
+
+async def test_a_rank_whose_chunk_is_refused_aborts_walks_its_gathers_and_both_ranks_end_with_the_named_error(
+        engines: dict[str, str], ranks: Ranks) -> None:
+    # The docs' FSDP recipe (every tensor is an all-gather over the pair), rank 1 sending its first tensor in the
+    # wrong dtype: its first chunk is refused while rank 0 streams on to its own engine.
+    names = ["tp1_0", "tp1_1"]
+    async with node(engines, names) as n:
+        await push(n, ranks, 2, seed=23, version="good", group="pair")
+        await n.sync(2)
+        sid = await n.open("retyped", 2, seed=24, step=2)
+        replies = await ranks.run({0: stream(n.url, sid, 0, 24, group="pair"),
+                                   1: stream(n.url, sid, 1, 24, group="pair", retype_first=True)})
+        assert (replies[1]["status"], replies[1]["body"]["field"]) == (422, "handle.layout"), replies
+        assert "chunk 0 from rank 1: layout disagrees with the manifest" in replies[1]["body"]["message"]
+        assert replies[0]["status"] == 410, replies  # told at its next chunk, naming rank 1's refusal
+        assert "rank 1 stopped" in replies[0]["body"]["message"]
+        assert "layout disagrees with the manifest" in replies[0]["body"]["message"]
+        session = (await n.client.status())["weight_session"]
+        assert session["state"] == "aborted" and "rank 1 stopped" in session["error"]
+        # Both ranks ran every gather: the next push's collectives line up, and it commits.
+        await push(n, ranks, 2, seed=25, version="after-refusal", group="pair", step=2)
+
+
 # --- deadlines -----------------------------------------------------------------------------------------
 
 
