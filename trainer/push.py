@@ -353,6 +353,7 @@ class WeightPusher:
                 count = 0
                 while await asyncio.to_thread(next, buckets, None) is not None:
                     count += 1
+                await self._check_still_open(session_id)
                 return count, 0
             self.last_path = "http" if channel is None else "channel"
             return await self._stream(session_id, head, named, channel or self._client)
@@ -415,6 +416,9 @@ class WeightPusher:
         try:
             while not failure:
                 await window.acquire()
+                if failure:  # a chunk failed while this waited for a slot: pull nothing more here
+                    window.release()
+                    break
                 try:
                     made = await self._next_export(producer, buckets)
                 except _ExportFailed as exc:
@@ -452,6 +456,16 @@ class WeightPusher:
         if (error := next((r for r in results if isinstance(r, BaseException)), None)) is not None:
             raise error
         return sent, nbytes
+
+    async def _check_still_open(self, session_id: str) -> None:
+        """A rank that sent nothing learns at the end of its walk whether the session ended meanwhile (another
+        rank failed it): it raises the session's error, as the streaming ranks do."""
+        session = await self._client.session(session_id)
+        if session.get("state") != "open":
+            raise ColocdHTTPError(410, {"error": "SessionGone", "session_id": session_id,
+                                        "session_state": session.get("state"),
+                                        "message": f"session {session_id} {session.get('state')}: "
+                                                   f"{session.get('error')}"})
 
     async def _abort(self, session_id: str, error: BaseException) -> None:
         """Abort the session naming this rank's error, so every other rank's wait ends now with it (best

@@ -289,26 +289,27 @@ async def test_ranks_streaming_disjoint_halves_to_their_own_engines_never_commit
         await push(n, ranks, 2, seed=22, version="after-halves", group="pair", step=2)
 
 
-async def test_a_rank_whose_chunk_is_refused_aborts_walks_its_gathers_and_both_ranks_end_with_the_named_error(
+async def test_a_rank_whose_chunk_is_refused_aborts_walks_its_gathers_and_every_rank_ends_with_the_named_error(
         engines: dict[str, str], ranks: Ranks) -> None:
-    # The docs' FSDP recipe (every tensor is an all-gather over the pair), rank 1 sending its first tensor in the
-    # wrong dtype: its first chunk is refused while rank 0 streams on to its own engine.
-    names = ["tp1_0", "tp1_1"]
+    # The docs' FSDP recipe over four ranks (every tensor is an all-gather over all of them); ranks 1 and 2 feed
+    # engines tp1_1 and tp1_2, ranks 0 and 3 feed nothing and only gather. Rank 1 sends its first tensor in the
+    # wrong dtype: its first chunk is refused, and unless it runs every gather left, ranks 0 and 3 hang in one.
+    names = ["tp1_1", "tp1_2"]
     async with node(engines, names) as n:
-        await push(n, ranks, 2, seed=23, version="good", group="pair")
+        await push(n, ranks, WORLD, seed=23, version="good")
         await n.sync(2)
-        sid = await n.open("retyped", 2, seed=24, step=2)
-        replies = await ranks.run({0: stream(n.url, sid, 0, 24, group="pair"),
-                                   1: stream(n.url, sid, 1, 24, group="pair", retype_first=True)})
+        sid = await n.open("retyped", WORLD, seed=24, step=2)
+        replies = await ranks.run({r: stream(n.url, sid, r, 24, retype_first=r == 1) for r in range(WORLD)})
         assert (replies[1]["status"], replies[1]["body"]["field"]) == (422, "handle.layout"), replies
         assert "chunk 0 from rank 1: layout disagrees with the manifest" in replies[1]["body"]["message"]
-        assert replies[0]["status"] == 410, replies  # told at its next chunk, naming rank 1's refusal
-        assert "rank 1 stopped" in replies[0]["body"]["message"]
-        assert "layout disagrees with the manifest" in replies[0]["body"]["message"]
+        for r in (0, 2, 3):  # told at its next chunk (rank 2) or at the end of its gathers (0, 3)
+            assert replies[r]["status"] == 410, replies
+            assert "rank 1 stopped" in replies[r]["body"]["message"]
+            assert "layout disagrees with the manifest" in replies[r]["body"]["message"]
         session = (await n.client.status())["weight_session"]
         assert session["state"] == "aborted" and "rank 1 stopped" in session["error"]
-        # Both ranks ran every gather: the next push's collectives line up, and it commits.
-        await push(n, ranks, 2, seed=25, version="after-refusal", group="pair", step=2)
+        # Every rank ran every gather: the next push's collectives line up, and it commits.
+        await push(n, ranks, WORLD, seed=25, version="after-refusal", step=2)
 
 
 # --- deadlines -----------------------------------------------------------------------------------------
