@@ -123,3 +123,14 @@ def test_a_disk_chunk_without_its_layout_is_refused_and_with_it_yields_the_layou
     assert refused.value.field == "handle.layout"
     layout = inspect_handle("disk", 8, {"path": str(path), "layout": _layout(TENSORS)})
     assert [t.name for t in layout.tensors] == [n for n, _ in TENSORS]
+
+
+def test_a_broadcasts_descriptor_is_checked_against_the_manifest_before_any_engine_joins_it() -> None:
+    from colocd.daemon.weights import TensorMeta
+
+    session = _session([RecordingEngine("a"), RecordingEngine("b")])
+    session.check_broadcast(0, [("w0", TensorMeta("float32", (4, 2)))])
+    with pytest.raises(RequestInvalid, match="broadcast 1: tensors not in the session's manifest: 'stray'"):
+        session.check_broadcast(1, [("stray", TensorMeta("float32", (4, 2)))])
+    with pytest.raises(RequestInvalid, match=r"'w1' is bfloat16\[4, 2\], the manifest says float32\[4, 2\]"):
+        session.check_broadcast(1, [("w1", TensorMeta("bfloat16", (4, 2)))])
