@@ -209,7 +209,9 @@ class ChunkDescriptor(_Strict):
         ..., description="as the chunk travels: per_tensor chunks say cuda_ipc, zero_copy chunks ipc_ring")
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
-    handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
+    handle: dict[str, Any] = Field(..., description="every transport carries layout: [{name, dtype, shape, offset}]; "
+                                   "shm: {shm_name, nbytes, layout}; disk: {path, layout}; cuda_ipc: {payload_b64, "
+                                   "load_format, device_uuid, layout}; ipc_ring: {ring, slot, layout | layout_ref}")
 
     @model_validator(mode="after")
     def _as_on_the_wire(self) -> ChunkDescriptor:
