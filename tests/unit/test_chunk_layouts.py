@@ -134,3 +134,25 @@ def test_a_broadcasts_descriptor_is_checked_against_the_manifest_before_any_engi
         session.check_broadcast(1, [("stray", TensorMeta("float32", (4, 2)))])
     with pytest.raises(RequestInvalid, match=r"'w1' is bfloat16\[4, 2\], the manifest says float32\[4, 2\]"):
         session.check_broadcast(1, [("w1", TensorMeta("bfloat16", (4, 2)))])
+
+
+def test_the_reference_engine_refuses_a_disk_file_holding_other_tensors_than_its_layout_declares(
+        tmp_path: Any) -> None:
+    import base64
+    import json
+
+    from safetensors.torch import save_file
+
+    from colocd.engines.reference.payloads import PayloadError, open_payload
+
+    path = str(tmp_path / "chunk.safetensors")
+    save_file(dict(TENSORS[:2]), path)
+
+    def entry(layout: list[dict[str, Any]]) -> str:
+        return base64.b64encode(json.dumps({"transport": "disk", "path": path, "layout": layout}).encode()).decode()
+
+    with open_payload(entry(_layout(TENSORS[:2])), "colocd_disk") as named:
+        assert sorted(n for n, _ in named) == ["w0", "w1"]
+    with pytest.raises(PayloadError, match=r"holds other tensors than its layout declares \(missing \['w2'\]"), \
+            open_payload(entry(_layout(TENSORS[:3])), "colocd_disk"):
+        pass
