@@ -22,6 +22,7 @@ from .errors import ERROR_RESPONSES, install_error_handlers
 from .guard import RequestGuard
 from .schemas import (
     MAX_STEP,
+    AbortRequest,
     BroadcastRequest,
     ChunkAckReply,
     ChunkDescriptor,
@@ -198,8 +199,9 @@ async def commit(session_id: str, d: D, body: Annotated[CommitRequest | None, Bo
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
-async def abort(session_id: str, d: D) -> dict[str, Any]:
-    return await d.abort_weights(session_id)
+async def abort(session_id: str, d: D, body: Annotated[AbortRequest | None, Body()] = None) -> dict[str, Any]:
+    reason = body.reason if body is not None else None
+    return await d.abort_weights(session_id, f"aborted by trainer: {reason}" if reason else "aborted by trainer")
 
 
 @_route("GET", "/v1/weights/sessions/{session_id}", responses=_errors(404))

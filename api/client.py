@@ -163,8 +163,10 @@ class AsyncColocdClient:
     async def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/commit", {"num_chunks": num_chunks})
 
-    async def abort(self, session_id: str) -> dict[str, Any]:
-        return await self._call("POST", f"/v1/weights/sessions/{session_id}/abort")
+    async def abort(self, session_id: str, reason: str | None = None) -> dict[str, Any]:
+        """Abandon the session; ``reason`` becomes its error, which every rank still streaming is told."""
+        body = {"reason": reason[:1024]} if reason else None
+        return await self._call("POST", f"/v1/weights/sessions/{session_id}/abort", body)
 
     async def report_leases(self, report: dict[str, int]) -> dict[str, Any]:
         """A trainer rank's IPC lease bytes (``colocd.trainer.leases.LeaseBook.report()``)."""
@@ -260,8 +262,8 @@ class ColocdClient:
     def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:
         return self.run(self._async.commit(session_id, num_chunks))
 
-    def abort(self, session_id: str) -> dict[str, Any]:
-        return self.run(self._async.abort(session_id))
+    def abort(self, session_id: str, reason: str | None = None) -> dict[str, Any]:
+        return self.run(self._async.abort(session_id, reason))
 
     def weight_groups(self) -> dict[str, Any]:
         return self.run(self._async.weight_groups())

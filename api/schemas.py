@@ -228,7 +228,9 @@ class ChunkDescriptor(_Strict):
         ..., description="as the chunk travels: per_tensor chunks say cuda_ipc, zero_copy chunks ipc_ring")
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
-    handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
+    handle: dict[str, Any] = Field(..., description="every transport carries layout: [{name, dtype, shape, offset}]; "
+                                   "shm: {shm_name, nbytes, layout}; disk: {path, layout}; cuda_ipc: {payload_b64, "
+                                   "load_format, device_uuid, layout}; ipc_ring: {ring, slot, layout | layout_ref}")
     digests: WeightDigests | None = Field(
         None, description="each tensor's digest as the trainer computed it at export (colocd.engines.digest: "
                           "16 hex digits), by tensor name; what a verified commit compares with the engines'")
@@ -289,6 +291,12 @@ class ChunkAckReply(BaseModel):
 class CommitRequest(_Strict):
     num_chunks: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)] | None = Field(
         None, description="chunks the trainer sent; checked against the engines'")
+
+
+class AbortRequest(_Strict):
+    reason: str | None = Field(None, min_length=1, max_length=1024,
+                               description="why the trainer abandons the session (e.g. the refusal one rank got): "
+                                           "the session's error, and what every other rank's waiting chunk is told")
 
 
 class UpdateWeightsRequest(_Strict):

@@ -145,7 +145,7 @@ class WeightSessions:
                 while len(self._gone) > 64:
                     self._gone.popitem(last=False)
             self.current = session
-            d.versions.started(version)  # the trainer has this version now; engines lag it until commit
+            d.versions.opened(version, session.id)  # counts while open; engines lag it until commit
             session.touch()
             return session
 
@@ -300,6 +300,7 @@ class WeightSessions:
             verification = await self._verify(session)
             await self._close_engines_update(session.trace, committed=True, version=session.version)
             session.commit()
+            d.versions.committed(session.version)
             if not session.partial:
                 self._record_complete(session)
             d.metrics.weight_sessions.labels("committed").inc()
@@ -343,7 +344,7 @@ class WeightSessions:
         required, prior = session.required, session.prior
         for name in self._d.engines:
             sent = session.sent_names(name)
-            if session.manifest is not None and sent is not None:
+            if session.manifest is not None:
                 unsent = [n for n in session.manifest if n not in sent]
                 if unsent:
                     raise RequestInvalid(
@@ -352,12 +353,6 @@ class WeightSessions:
                         "every TP rank must receive every tensor: send them or abort", field="manifest")
             params = required.get(name)
             discarded = prior.get(name) is not WeightsState.CLEAN
-            if sent is None:
-                if discarded and params is not None:
-                    raise RequestInvalid(
-                        f"cannot commit session {session.id}: engine {name!r} lost its weights and the chunks "
-                        "carried no layout the daemon can read; open the session with a manifest", field="manifest")
-                continue
             if params is None or session.partial:
                 continue
             missing = [n for n in params if n not in sent]
@@ -443,6 +438,7 @@ class WeightSessions:
         await self._close_engines_update(session.trace, committed=False, session=session)
         if session.state is SessionState.FAILED:  # a chunk failed: an engine may be gone; status says so now
             await d.engine_lifecycle.reconcile_all(f"after failed session {session.id}", keep_error=True)
+        d.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
         # keeps its mappings valid and finds them already gone when it releases them.
         _unlink_segments(session.shm_names, f"{session.state.value} weight session {session.id}")
@@ -547,12 +543,14 @@ class WeightSessions:
         d = self._d
         session = self.get(session_id)
         require_session_open(session.id, session.state)
+        tensors = [(n, TensorMeta(dt, tuple(s)))
+                   for n, dt, s in zip(descriptor.names, descriptor.dtypes, descriptor.shapes, strict=True)]
+        session.check_broadcast(descriptor.seq, tensors)
         session.touch()
         session.note_broadcast()
         try:
             reply = await self.groups.broadcast(session, list(d.engines.values()), descriptor, d.timeouts())
-            session.note_delivered(descriptor.names, (TensorMeta(dt, tuple(s)) for dt, s in
-                                                      zip(descriptor.dtypes, descriptor.shapes, strict=True)))
+            session.note_delivered(descriptor.names, (meta for _, meta in tensors))
             return reply
         finally:
             session.touch()

@@ -261,19 +261,36 @@ def check_rollout_weights(engines: Iterable[EngineState], node: NodeState) -> No
 
 
 def check_rollout_staleness(served: Mapping[str, str | None], staleness: Mapping[str, int], latest: str | None,
-                            bound: int, node: NodeState) -> None:
+                            bound: int, node: NodeState,
+                            newer: Mapping[str, Sequence[tuple[str, str]]] | None = None) -> None:
     """No engine starts a rollout serving weights more than ``bound`` versions behind the trainer's latest
-    started version (``sync.max_staleness_versions``): the push that would close the gap must land first.
-    ``served``: engine → the version it reports; ``staleness``: engine → started versions newer than that."""
-    behind = [f"engine {name!r} serves version {served.get(name)!r}, {lag} version(s) behind the latest "
-              f"started version {latest!r}" for name, lag in sorted(staleness.items()) if lag > bound]
-    if behind:
-        raise TransitionRejected(
-            "cannot enter 'rollout': " + "; ".join(behind) + f"; the bound is {bound} "
-            "(sync.max_staleness_versions): wait for the push to land (join it), then retry",
-            state={**node.snapshot(), "stale": {n: {"serves": served.get(n), "behind": lag}
-                                                for n, lag in staleness.items() if lag > bound},
-                   "latest_version": latest, "max_staleness_versions": bound})
+    counted version (``sync.max_staleness_versions``): the push that would close the gap must land first.
+    ``served``: engine → the version it reports; ``staleness``: engine → counted versions newer than that;
+    ``newer``: engine → those versions with why each counts (``VersionBook.newer``), named in the refusal."""
+    stale = sorted(name for name, lag in staleness.items() if lag > bound)
+    if not stale:
+        return
+    behind = []
+    whys: dict[str, str] = {}
+    for name in stale:
+        ahead = list((newer or {}).get(name, ()))
+        whys.update(ahead)
+        listed = ", ".join(f"{v!r} ({why})" for v, why in ahead[-4:])
+        behind.append(f"engine {name!r} serves version {served.get(name)!r}, {staleness[name]} version(s) behind "
+                      f"the latest started version {latest!r}" + (f"; newer: {listed}" if listed else ""))
+    advice = []
+    if any(why.startswith("session ") for why in whys.values()):
+        advice.append("commit the open session (join its push), or abort it, which withdraws its version")
+    if any(why.startswith("reported") for why in whys.values()):
+        advice.append("push the version the trainer reported, or re-push a committed version to roll back to it")
+    if any(why == "committed" for why in whys.values()) or not advice:
+        advice.append("push the latest committed version again (these engines do not serve it)")
+    raise TransitionRejected(
+        "cannot enter 'rollout': " + "; ".join(behind) + f"; the bound is {bound} "
+        "(sync.max_staleness_versions): " + "; or ".join(advice),
+        state={**node.snapshot(), "stale": {n: {"serves": served.get(n), "behind": staleness[n]} for n in stale},
+               "latest_version": latest, "max_staleness_versions": bound,
+               "newer_versions": [{"version": v, "why": why} for v, why in whys.items()]})
 
 
 @dataclass(frozen=True, slots=True)

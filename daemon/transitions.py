@@ -208,7 +208,8 @@ class Transitions:
         sync = d.policy_set().sync
         served = {n: e.state.weight_version for n, e in d.engines.items()}  # as just observed (reconcile)
         staleness = d.versions.lags(served)
-        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, d.node)
+        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, d.node,
+                                newer={n: d.versions.newer(v) for n, v in served.items()})
         check_no_open_session(d.sessions.open_id(), advice=": commit or abort it first")
         check_rollout_weights((e.state for e in d.engines.values()), d.node)
         record = RolloutVersions(d.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)

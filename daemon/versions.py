@@ -1,10 +1,14 @@
 """Which weight versions exist, in order, and which one every engine served in each rollout.
 
-A version is *started* once the trainer has it: its weight session opened, or the trainer reported it
-(``trainer.weights.started_version``: an async push's snapshot was taken, the push may come later). An
-engine's *staleness* is how many started versions are newer than the one it serves. The rule that bounds
-it is ``states.check_rollout_staleness``; this module only counts. The book lives in memory: a restarted
-daemon starts counting from the versions it sees again (it never reports more staleness than it knows of).
+A version counts once the trainer has it, each for a reason the book keeps: it *committed* (a weight session
+for it committed), an *open session* carries it (provisionally: withdrawn if that session aborts, fails or
+expires), or the trainer *reported* it (``trainer.weights.started_version``: an async push's snapshot was
+taken, the push may come later). Only a commit makes a version permanent; re-committing a version that
+committed before (a rollback, a restart from a checkpoint) makes it the latest again and withdraws every
+version counted after it. An engine's *staleness* is how many counted versions are newer than the one it
+serves. The rule that bounds it is ``states.check_rollout_staleness``; this module only counts. The book
+lives in memory: a restarted daemon starts counting from the versions it sees again (it never reports more
+staleness than it knows of).
 """
 
 from __future__ import annotations
@@ -37,26 +41,68 @@ class RolloutVersions:
 
 
 class VersionBook:
-    """Started versions in order (oldest first), and the last rollouts' versions."""
+    """Counted versions in order (oldest first), why each counts, and the last rollouts' versions."""
+
+    COMMITTED = "committed"
+    REPORTED = "reported by the trainer, no session carries it yet"
 
     def __init__(self) -> None:
         self._order: deque[str] = deque(maxlen=_KEPT_VERSIONS)
+        self._why: dict[str, str] = {}  # version → COMMITTED, REPORTED, or "session <id> open"
         self.rollouts: deque[RolloutVersions] = deque(maxlen=_KEPT_ROLLOUTS)
 
+    def _add(self, version: str, why: str) -> None:
+        if len(self._order) == self._order.maxlen:
+            self._why.pop(self._order[0], None)
+        self._order.append(version)
+        self._why[version] = why
+
     def started(self, version: str | None) -> None:
-        """``version`` exists now (a repeat of a known version changes nothing)."""
-        if version is not None and version not in self._order:
-            self._order.append(version)
+        """The trainer reports it has ``version`` (its push may come later); a known version changes nothing."""
+        if version is not None and version not in self._why:
+            self._add(version, self.REPORTED)
+
+    def opened(self, version: str, session_id: str) -> None:
+        """A session for ``version`` opened: it counts while the session is open. A committed version keeps
+        its place and its reason (a re-push); a reported one is now this session's."""
+        why = self._why.get(version)
+        if why is None:
+            self._add(version, _session(session_id))
+        elif why != self.COMMITTED:
+            self._why[version] = _session(session_id)
+
+    def committed(self, version: str) -> None:
+        """A session for ``version`` committed. A version that had committed before is a rollback: it is the
+        latest again, and the versions counted after it (which the trainer went back from) are withdrawn."""
+        if self._why.get(version) == self.COMMITTED:
+            while self._order and self._order[-1] != version:
+                self._why.pop(self._order.pop(), None)
+        elif version not in self._why:
+            self._add(version, self.COMMITTED)
+        self._why[version] = self.COMMITTED
+
+    def withdrawn(self, version: str, session_id: str) -> None:
+        """``session_id`` ended without committing: its version no longer counts (unless it committed before)."""
+        if self._why.get(version) == _session(session_id):
+            del self._why[version]
+            self._order.remove(version)
 
     @property
     def latest(self) -> str | None:
         return self._order[-1] if self._order else None
 
     def staleness(self, served: str | None) -> int:
-        """Started versions newer than ``served``; one the book never saw is older than every kept one."""
-        if served in self._order:
-            return len(self._order) - 1 - list(self._order).index(served)  # type: ignore[arg-type]
+        """Counted versions newer than ``served``; one the book never saw is older than every kept one."""
+        if served in self._why:
+            return len(self._order) - 1 - list(self._order).index(served)
         return len(self._order)
+
+    def newer(self, served: str | None) -> list[tuple[str, str]]:
+        """The versions newer than ``served``, oldest first, each with why it counts: what a refused rollout
+        waits for."""
+        order = list(self._order)
+        start = order.index(served) + 1 if served in self._why else 0
+        return [(v, self._why[v]) for v in order[start:]]
 
     def lags(self, served: Mapping[str, str | None]) -> dict[str, int]:
         return {name: self.staleness(version) for name, version in served.items()}
@@ -69,4 +115,9 @@ class VersionBook:
         last rollouts' versions (newest last)."""
         now = dict(served)
         return {"latest_started": self.latest, "mode": mode, "max_staleness_versions": bound,
-                "staleness_versions": self.lags(now), "rollouts": [r.to_json() for r in self.rollouts]}
+                "staleness_versions": self.lags(now), "rollouts": [r.to_json() for r in self.rollouts],
+                "counted": [{"version": v, "why": self._why[v]} for v in self._order]}
+
+
+def _session(session_id: str) -> str:
+    return f"session {session_id} open"

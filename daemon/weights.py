@@ -162,7 +162,7 @@ class _Chunk:
     seq: int
     consumed: dict[str, asyncio.Future[float]]  # per engine: seconds its load took
     parts: dict[int, RankPayload] = field(default_factory=dict)
-    layouts: dict[int, ChunkLayout | None] = field(default_factory=dict)
+    layouts: dict[int, ChunkLayout] = field(default_factory=dict)
 
 
 @dataclass
@@ -261,7 +261,6 @@ class WeightSession:
         self.chunks_loaded = 0
         self.shm_names: set[str] = set()  # segments the trainer named: unlinked if the session expires
         self.delivered: Manifest = {}  # every tensor a chunk layout carried, with its dtype and shape
-        self._layoutless = False  # some part had no visible layout (cuda_ipc, disk)
         self._metrics = metrics
         # ipc_ring announcements by ref (engines/ring_refs.py); None: chunks with a layout_ref are refused.
         self._rings = rings
@@ -563,10 +562,8 @@ class WeightSession:
                 return self._start_timeout(late)
             until = max(until, loop.time() + remaining)  # a late rank: it has until the start deadline
 
-    def _check_plan(self, seq: int, rank: int, layout: ChunkLayout | None) -> None:
+    def _check_plan(self, seq: int, rank: int, layout: ChunkLayout) -> None:
         """Chunk ``seq`` carries the same tensors (names, dtypes, shapes, in order) from every rank; else 422."""
-        if layout is None:
-            return
         plan = tuple((t.name, t.dtype, tuple(t.shape)) for t in layout.tensors)
         first = self._plans.setdefault(seq, (rank, plan))
         if first[0] == rank or first[1] == plan:
@@ -611,34 +608,40 @@ class WeightSession:
             raise RequestInvalid(f"{where}: {exc}", field="handle") from None
         return replace(part, handle=full)
 
-    def _inspect(self, seq: int, part: RankPayload) -> ChunkLayout | None:
-        """The handle is readable on this node and its layout agrees with the manifest; else 422."""
+    def _inspect(self, seq: int, part: RankPayload) -> ChunkLayout:
+        """The handle is readable on this node and its layout (every transport carries one) agrees with the
+        manifest; else 422."""
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
         ref = part.handle.get("layout_ref") if part.transport == "ipc_ring" else None
         try:
             if isinstance(ref, str) and self._rings is not None:  # resolved already: the layout is ref's own
-                layout = cast("ChunkLayout | None", self._rings.derived(
+                layout = cast("ChunkLayout", self._rings.derived(
                     ref, lambda: inspect_handle(part.transport, part.nbytes, part.handle)))
             else:
                 layout = inspect_handle(part.transport, part.nbytes, part.handle)
         except HandleError as exc:
             raise RequestInvalid(f"{where}: {exc}", field=exc.field) from None
-        if layout is None:
-            self._layoutless = True
-            return None
-        if self.manifest is not None:
-            unknown = [t.name for t in layout.tensors if t.name not in self.manifest]
-            if unknown:
-                raise RequestInvalid(f"{where}: tensors not in the session's manifest: {name_some(unknown)}",
-                                     field="handle.layout")
-            wrong = [f"{t.name!r} is {t.dtype}{list(t.shape)}, the manifest says {self.manifest[t.name].describe()}"
-                     for t in layout.tensors
-                     if (t.dtype, t.shape) != (self.manifest[t.name].dtype, self.manifest[t.name].shape)]
-            if wrong:
-                raise RequestInvalid(f"{where}: layout disagrees with the manifest: {'; '.join(wrong[:3])}"
-                                     + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""),
-                                     field="handle.layout")
+        self._check_manifest(where, [(t.name, TensorMeta(t.dtype, t.shape)) for t in layout.tensors],
+                             field="handle.layout")
         return layout
+
+    def check_broadcast(self, seq: int, tensors: Sequence[tuple[str, TensorMeta]]) -> None:
+        """A broadcast's descriptor (its layout) agrees with the session's manifest; else 422 before any engine
+        joins it."""
+        self._check_open()
+        self._check_manifest(f"session {self.id}: broadcast {seq}", tensors, field="names")
+
+    def _check_manifest(self, where: str, tensors: Sequence[tuple[str, TensorMeta]], *, field: str) -> None:
+        if self.manifest is None:
+            return
+        unknown = [name for name, _ in tensors if name not in self.manifest]
+        if unknown:
+            raise RequestInvalid(f"{where}: tensors not in the session's manifest: {name_some(unknown)}", field=field)
+        wrong = [f"{name!r} is {meta.describe()}, the manifest says {self.manifest[name].describe()}"
+                 for name, meta in tensors if meta != self.manifest[name]]
+        if wrong:
+            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {'; '.join(wrong[:3])}"
+                                 + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""), field=field)
 
     def _check_open(self) -> None:
         require_session_open(self.id, self.state, error=self.error, advise_new=True)
@@ -876,11 +879,10 @@ class WeightSession:
     def chunks_consumed(self) -> int:
         return self._acked
 
-    def sent_names(self, engine: str) -> set[str] | None:
-        """Tensors this engine received, where the daemon can tell (layouts, broadcasts); None if it cannot."""
+    def sent_names(self, engine: str) -> set[str]:
+        """Tensors every TP rank of this engine received: from the chunks' layouts (every transport carries
+        one) and the broadcasts' descriptors."""
         lane = next(ln for ln in self._lanes if ln.name == engine)
-        if self._layoutless:
-            return None if self.manifest is None else set(self.manifest) | lane.names
         return set(lane.names)
 
     def unsent_by_tp_rank(self, engine: str, wanted: Collection[str]) -> str:

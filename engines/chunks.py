@@ -295,12 +295,15 @@ class HandleError(ValueError):
         self.field = field
 
 
-def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> ChunkLayout | None:
-    """Check what can be checked of a chunk handle on this node, before any engine sees it.
+def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> ChunkLayout:
+    """Check what can be checked of a chunk handle on this node, before any engine sees it, and return the
+    chunk's layout: every transport carries one (``handle.layout``), so the daemon knows which tensors each
+    chunk holds whatever the bytes travel in.
 
     shm: the name is a plain segment name, the segment exists and holds ``nbytes``, the layout fits in
     it; ipc_ring: the layout fits in ``nbytes``; disk: an absolute path to a regular file; cuda_ipc: a
-    base64 string. Returns the layout where the handle carries one (shm, ipc_ring), else None.
+    base64 string. The layout of a chunk whose bytes the daemon cannot read (disk, cuda_ipc, ring regions)
+    names the tensors the trainer put in it: names, dtypes, shapes.
     """
     if transport == "shm":
         name = handle.get("shm_name")
@@ -314,25 +317,30 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
         if size < nbytes:
             raise HandleError(f"segment {name!r} holds {size} bytes but the chunk says nbytes={nbytes}",
                               field="nbytes")
-        return _layout(handle, nbytes)
+        return _layout(transport, handle, nbytes)
     if transport == "ipc_ring":
         # Zero-copy ring entries point into registered storages of their own size, not into nbytes.
-        return _layout(handle, None)
+        return _layout(transport, handle, None)
     if transport == "disk":
         path = handle.get("path")
         if not isinstance(path, str) or not os.path.isabs(path) or not os.path.isfile(path):
             raise HandleError(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
-        return None
+        return _layout(transport, handle, None)
     if transport == "cuda_ipc":
         if not isinstance(handle.get("payload_b64"), str):
             raise HandleError("a cuda_ipc handle carries its payload as a 'payload_b64' string",
                               field="handle.payload_b64")
-        return None
+        return _layout(transport, handle, None)
     raise HandleError(f"unknown transport {transport!r}", field="transport")
 
 
-def _layout(handle: dict[str, Any], nbytes: int | None) -> ChunkLayout:
+def _layout(transport: str, handle: dict[str, Any], nbytes: int | None) -> ChunkLayout:
     items = handle.get("layout")
+    if items is None:
+        raise HandleError(f"a {transport} chunk carries its layout (handle.layout: [{{name, dtype, shape, offset}}], "
+                          "as colocd's producers export it): the daemon checks every chunk's tensors against the "
+                          "manifest and the other ranks' chunk, and a complete update against what reached each "
+                          "engine", field="handle.layout")
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise HandleError("layout must be a list of {name, dtype, shape, offset} objects", field="handle.layout")
     if len(items) > MAX_LAYOUT_ENTRIES:

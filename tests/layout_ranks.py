@@ -10,8 +10,10 @@ modes:
 - ``half``: the first half of the parameters, the same on every rank;
 - ``disjoint``: rank r of k its own 1/k of the parameters.
 
-A rank whose stream raised aborts the session (what docs/client.md tells a trainer to do), then
-replies with the error.
+``transport`` picks the rank's producer (default ``shm``); ``retype_first`` makes the rank send its first
+tensor as float64 after producing it (a converter bug on one rank: its first chunk is refused). A rank
+whose stream raised (the stream has aborted the session and walked its tensors by then) aborts the
+session too, as docs/client.md tells a trainer to do, then replies with the error.
 """
 
 from __future__ import annotations
@@ -64,13 +66,21 @@ def _source(rank: int, command: dict[str, Any], groups: dict[str, Any]) -> Any:
     raise ValueError(f"unknown mode {mode!r}")
 
 
+def _retyped_first(source: Any) -> Any:
+    for i, (name, tensor) in enumerate(source):
+        yield name, (tensor.double() if i == 0 else tensor)
+
+
 async def _stream(rank: int, command: dict[str, Any], groups: dict[str, Any]) -> dict[str, Any]:
     source = _source(rank, command, groups)
+    if command.get("retype_first"):
+        source = _retyped_first(source)
     if command.get("delay_s"):
         await asyncio.sleep(command["delay_s"])  # the fault under test: this rank starts late
     sid = command["session_id"]
     async with AsyncColocdClient(command["url"]) as c:
-        pusher = WeightPusher(c, rank=rank, transport="shm", bucket_mb=command.get("bucket_mb", 0.05), depth=2,
+        pusher = WeightPusher(c, rank=rank, transport=command.get("transport", "shm"),
+                              bucket_mb=command.get("bucket_mb", 0.05), depth=2,
                               device_id=command["device_id"])
         try:
             chunks, nbytes = await pusher.stream(sid, source)

@@ -30,7 +30,7 @@ import torch
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import plan_buckets
 from ..engines.weight_group import WeightGroup, bucket_order, dtype_name, master_store, off_loop
-from .push import PushReport
+from .push import PushReport, manifest_of
 
 __all__ = ["DistributedWeightSender"]
 
@@ -132,7 +132,8 @@ class DistributedWeightSender:
                    step: int | None = None) -> PushReport:
         """Open a weight session, broadcast every bucket, commit; on failure abort the session and raise."""
         t0 = time.perf_counter()
-        session = await self._client.open_session(version, step=step, ranks=1)
+        named = list(named)  # references only: the manifest (each broadcast is checked against it) comes first
+        session = await self._client.open_session(version, step=step, ranks=1, manifest=manifest_of(named))
         sid = session["session_id"]
         try:
             count, nbytes = await self.stream(sid, named)

@@ -117,7 +117,9 @@ class DiskProducer:
         os.close(fd)
         self._live.add(path)
         save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, path)
-        return ExportedChunk(Transport.DISK, layout.nbytes, {"path": path}, layout, lambda: self._drop(path))
+        # The layout travels with every chunk (the daemon checks it); the file's own header says where each lies.
+        handle = {"path": path, "layout": layout.to_json()}
+        return ExportedChunk(Transport.DISK, layout.nbytes, handle, layout, lambda: self._drop(path))
 
     def _drop(self, path: str) -> None:
         self._live.discard(path)
@@ -179,6 +181,9 @@ class CudaIpcProducer:
             "payload_b64": payload,
             "load_format": load_format,
             "device_uuid": device_uuid(device.index or 0),
+            # What the payload holds, in words the daemon reads (it never unpickles the payload): checked
+            # against the manifest and the other ranks' chunk, and counted for the commit's completeness.
+            "layout": layout.to_json(),
         }
         return ExportedChunk(self.transport, layout.nbytes, handle, layout, lambda: self._drop(key))
 

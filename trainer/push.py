@@ -268,18 +268,22 @@ class WeightPusher:
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                          digests: DigestCache | None = None) -> tuple[ExportedChunk, float] | None:
         """The next bucket, exported (with each tensor's digest, computed on its device, where ``digests`` is a
-        cache), and the export's seconds; None when the plan is done. Runs on a thread."""
+        cache), and the export's seconds; None when the plan is done. Runs on a thread. An export that fails
+        raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is raised as it is."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
         t0 = time.perf_counter()
-        chunk = producer.export(bucket)
+        try:
+            chunk = producer.export(bucket)
+        except Exception as exc:
+            raise _ExportFailed(exc) from exc
         if digests is not None:
             try:
                 chunk.digests = tensor_digests(bucket, digests)
-            except BaseException:
+            except Exception as exc:
                 chunk.release()
-                raise
+                raise _ExportFailed(exc) from exc
         return chunk, time.perf_counter() - t0
 
     @classmethod
@@ -348,13 +352,27 @@ class WeightPusher:
         self.last_join = joined
         return channel
 
+    async def _join_or_walk(self, session_id: str, device_id: str, address: str | EllipsisType | None,
+                            remaining: Iterator[tuple[str, torch.Tensor]]) -> ChunkChannel | None:
+        """``_join``; if it fails, abort the session, walk the tensors (as a failed stream does), then raise."""
+        try:
+            return await self._join(session_id, device_id, address)
+        except Exception as exc:
+            await self._abort(session_id, exc)
+            await self._walk(remaining)
+            raise
+
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
                      chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
         """Join the session, then send this rank's part of every chunk; returns (chunks, bytes).
 
         ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
         the daemon is asked. A rank that feeds no engine rank (the join says ``streams: false``) sends
-        nothing and returns (the chunk count of the plan, 0)."""
+        nothing and returns (the chunk count of the plan, 0).
+
+        A chunk (or the join) that fails aborts the session at once, naming this rank's error (every other
+        rank's stream then fails with it within a chunk); the stream still pulls every tensor left, so the
+        ranks' collectives in ``named`` stay matched, and then raises the first error."""
         # The iterator is pulled off the event loop, one item at a time: producing a tensor may be a collective
         # (FSDP's full_tensor, a TP all-gather) that waits for a slower rank, and the acks of this rank's chunks
         # in flight must keep flowing meanwhile (the slower rank's engine may be waiting for them).
@@ -363,13 +381,13 @@ class WeightPusher:
         items = iter(named)
         channel: ChunkChannel | None = None
         if self._device_id is not None:
-            channel = await self._join(session_id, self._device_id, chunk_channel)
+            channel = await self._join_or_walk(session_id, self._device_id, chunk_channel, items)
         try:
             first = await asyncio.to_thread(next, items, None)
             head = [first] if first is not None else []
             named = itertools.chain(head, items)
             if self._device_id is None:
-                channel = await self._join(session_id, self.device_of(head), chunk_channel)
+                channel = await self._join_or_walk(session_id, self.device_of(head), chunk_channel, items)
             assert self.last_join is not None
             if not self.last_join["streams"]:
                 # No engine rank is on this rank's device: walk the tensors (they may be collectives the other
@@ -380,6 +398,7 @@ class WeightPusher:
                 count = 0
                 while await asyncio.to_thread(next, buckets, None) is not None:
                     count += 1
+                await self._check_still_open(session_id)
                 return count, 0
             self.last_path = "http" if channel is None else "channel"
             return await self._stream(session_id, head, named, channel or self._client)
@@ -405,6 +424,15 @@ class WeightPusher:
         nbytes = 0
         sent = 0  # chunks exported and handed to a sender
 
+        failure: list[Exception] = []  # the first failure of this stream: what it raises, after walking the rest
+        aborting: list[asyncio.Future[None]] = []
+
+        def failed(exc: Exception) -> None:
+            if not failure:
+                failure.append(exc)
+                # At once, not after the next bucket's gather: the other ranks' waits end with this error now.
+                aborting.append(asyncio.ensure_future(self._abort(session_id, exc)))
+
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
             acked_at = t0
@@ -416,11 +444,15 @@ class WeightPusher:
                     # nothing: the same chunk once more, with everything inline.
                     if exc.status != 409 or exc.error != "RingRefUnknown" or chunk.announce is None:
                         raise
-                    inline = ExportedChunk(chunk.transport, chunk.nbytes, chunk.announce(), chunk.layout)
+                    inline = ExportedChunk(chunk.transport, chunk.nbytes, chunk.announce(), chunk.layout,
+                                           digests=chunk.digests)
                     ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=inline)
                 acked_at = time.perf_counter()
                 if chunk.acked is not None:
                     chunk.acked()
+            except Exception as exc:
+                failed(exc)
+                raise
             finally:
                 chunk.release()  # after the ack (or the failure): the engines are done with it
                 window.release()
@@ -429,39 +461,101 @@ class WeightPusher:
                                        released_at - acked_at)
 
         buckets = plan_buckets(named, bucket_bytes)
-        failure: BaseException | None = None
+        results: list[BaseException | None] = []
+        raised: BaseException | None = None
         # The daemon's commit compares these with the engines' (policy sync.verify; daemon/verify.py).
         digests = self._digest_cache if (self.last_join or {}).get("verify", "off") != "off" else None
         try:
-            while True:
+            while not failure:
                 await window.acquire()
-                made = await self._next_export(producer, buckets, digests)
+                if failure:  # a chunk failed while this waited for a slot: pull nothing more here
+                    window.release()
+                    break
+                try:
+                    made = await self._next_export(producer, buckets, digests)
+                except _ExportFailed as exc:
+                    window.release()
+                    failed(exc.error)
+                    break
                 if made is None:
                     window.release()
                     break
                 chunk, export_s = made
-                if any(t.done() and t.exception() for t in tasks):
+                if failure:
                     chunk.release()
                     window.release()
                     break  # a chunk failed: the session is over, send nothing more
                 nbytes += chunk.nbytes
                 tasks.append(asyncio.create_task(send(sent, chunk, export_s)))
                 sent += 1
-            await asyncio.gather(*tasks)
+            # Chunks still in flight end with their acks, or once the abort lands (410): buffers go after that.
+            results = await asyncio.gather(*tasks, return_exceptions=True)
         except BaseException as exc:
-            failure = exc
+            raised = exc
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if isinstance(exc, Exception) and not failure:
+                failed(exc)  # the iterator itself failed: nothing left to walk, but the other ranks learn it now
+            await asyncio.gather(*aborting, return_exceptions=True)
             raise
         finally:
             producer.close()
             self.chunk_log = [records[k] for k in sorted(records)]
-            if failure is not None:
+            error = raised or (failure[0] if failure else None) or next(
+                (r for r in results if isinstance(r, BaseException)), None)
+            if error is not None:
                 # Every buffer is released; what a consumer still counts (one that died holding it, or that
                 # never got to rebuild it) is reclaimed after the grace, before the error goes on.
-                await self.leases.settle(f"session {session_id} failed: {failure!r}", self._lease_grace_s)
+                await self.leases.settle(f"session {session_id} failed: {error!r}", self._lease_grace_s)
             else:
                 self.leases.collect()
             self._report_leases()
+        if failure:
+            await asyncio.gather(*aborting, return_exceptions=True)
+            await self._walk(buckets)
+            raise failure[0]
+        if (error := next((r for r in results if isinstance(r, BaseException)), None)) is not None:
+            raise error
         return sent, nbytes
+
+    async def _check_still_open(self, session_id: str) -> None:
+        """A rank that sent nothing learns at the end of its walk whether the session ended meanwhile (another
+        rank failed it): it raises the session's error, as the streaming ranks do."""
+        session = await self._client.session(session_id)
+        if session.get("state") != "open":
+            raise ColocdHTTPError(410, {"error": "SessionGone", "session_id": session_id,
+                                        "session_state": session.get("state"),
+                                        "message": f"session {session_id} {session.get('state')}: "
+                                                   f"{session.get('error')}"})
+
+    async def _abort(self, session_id: str, error: BaseException) -> None:
+        """Abort the session naming this rank's error, so every other rank's wait ends now with it (best
+        effort: a session another rank aborted first is gone already)."""
+        detail = error.body.get("message", str(error)) if isinstance(error, ColocdHTTPError) else str(error)
+        reason = f"rank {self._rank} stopped: {type(error).__name__}: {detail}"
+        try:
+            await self._client.abort(session_id, reason)
+        except (ColocdHTTPError, httpx.TransportError) as exc:
+            log.debug("abort of session %s after rank %d's failure: %s", session_id, self._rank, exc)
+
+    @staticmethod
+    async def _walk(remaining: Iterable[object]) -> None:
+        """Pull every item left, sending nothing: producing one may be a collective (FSDP's full_tensor, a TP
+        all-gather) that the other ranks run too, so every rank walks all of its tensors, failed or not."""
+        def walk() -> None:
+            for _ in remaining:
+                pass
+
+        try:
+            await asyncio.to_thread(walk)
+        except Exception as exc:  # the stream's first error is what the caller needs
+            log.warning("walking the tensors left after a failed stream raised: %s", exc)
+
+
+class _ExportFailed(Exception):
+    """A bucket's export failed (the tensors themselves can still be produced, so the stream walks them)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error

@@ -4,7 +4,8 @@ Formats:
 - ``colocd_shm``: base64 of JSON ``{"transport": "shm", "shm_name", "nbytes", "layout": [...]}``;
   tensors are views into the producer's POSIX shared memory, mapped read-only and closed (never
   unlinked: the producer owns the segment) when the caller is done with them.
-- ``colocd_disk``: base64 of JSON ``{"transport": "disk", "path"}`` naming a safetensors file.
+- ``colocd_disk``: base64 of JSON ``{"transport": "disk", "path", "layout"?}`` naming a safetensors file; the
+  tensors read must be the ones the layout declares.
 - ``colocd_ring``: base64 of JSON ``{"transport": "ipc_ring", "ring", "slot", "layout", "open"?}``:
   tensors are views into GPU buffers the trainer exported once; the engine's ``RingTable`` opens
   each slot's handle on first use and keeps it (``engines/cuda_handles.py`` holds the format).
@@ -64,6 +65,8 @@ class DiskDescriptor(BaseModel):
 
     transport: Literal["disk"]
     path: str = Field(min_length=1)
+    # What the trainer says the file holds (the daemon checked it against the session): checked here too.
+    layout: list[dict[str, Any]] | None = None
 
 
 @contextlib.contextmanager
@@ -170,11 +173,26 @@ def _load_disk(desc: DiskDescriptor) -> NamedTensors:
     from safetensors.torch import load_file
 
     try:
-        return list(load_file(desc.path, device="cpu").items())
+        named = list(load_file(desc.path, device="cpu").items())
     except FileNotFoundError:
         raise PayloadError(f"safetensors file {desc.path!r} does not exist") from None
     except (OSError, SafetensorError) as exc:
         raise PayloadError(f"safetensors file {desc.path!r}: {exc}") from None
+    if desc.layout is not None:
+        _check_declared(desc.path, named, desc.layout)
+    return named
+
+
+def _check_declared(where: str, named: NamedTensors, layout: list[dict[str, Any]]) -> None:
+    """The tensors read are the ones the chunk's layout declared (names, dtypes, shapes): what the daemon
+    counted as delivered is what this engine loads."""
+    declared = {str(i.get("name")): (str(i.get("dtype")), [int(d) for d in i.get("shape", [])]) for i in layout}
+    held = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in named}
+    if declared != held:
+        missing, extra = sorted(declared.keys() - held.keys()), sorted(held.keys() - declared.keys())
+        wrong = sorted(n for n in declared.keys() & held.keys() if declared[n] != held[n])
+        raise PayloadError(f"{where}: holds other tensors than its layout declares (missing {missing[:3]}, "
+                           f"undeclared {extra[:3]}, other dtype or shape {wrong[:3]})")
 
 
 def _named_list(obj: Any, tp_rank: int) -> NamedTensors:

@@ -242,3 +242,37 @@ async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_la
         assert _sample(metrics, "colocd_rollout_weight_staleness_versions", engine="ref0") == 1.0
         status = (await node.client.status())["versions"]
         assert [r["rollout_versions"] for r in status["rollouts"]] == [{"ref0": "1"}, {"ref0": "2"}]
+
+
+async def test_an_abandoned_push_is_withdrawn_and_re_pushing_the_last_committed_version_lets_rollout_proceed(
+        tmp_path: Any) -> None:
+    async with _node(tmp_path) as node:
+        model, optimizer = _model_and_optimizer()
+        pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
+        await node.client.phase("train", 1)
+        await asyncio.to_thread(_train, model, optimizer, 1, 1)
+        await node.client.phase("sync", 1)
+        await pusher.push(model.named_parameters(), version="1", step=1)
+        await node.client.phase("rollout", 1)
+        checkpoint = copy.deepcopy(model)  # what a restart resumes from
+
+        # Version 2's push lands part of its tensors, then the trainer gives up on it.
+        await node.client.phase("train", 2)
+        await asyncio.to_thread(_train, model, optimizer, 1, 2)
+        await node.client.phase("sync", 2)
+        named = list(model.named_parameters())
+        sid = (await node.client.open_session("2", step=2, ranks=1, manifest=manifest_of(named)))["session_id"]
+        await pusher.stream(sid, named[:2], chunk_channel=None)
+        with pytest.raises(ColocdHTTPError) as refused:
+            await node.client.phase("rollout", 2)
+        message = refused.value.body["message"]
+        assert refused.value.status == 409 and f"newer: '2' (session {sid} open)" in message, message
+        assert "abort it, which withdraws its version" in message
+        await node.client.abort(sid)
+        assert (await node.client.status())["versions"]["latest_started"] == "1"
+
+        # A restart from the checkpoint re-pushes version 1: it commits, and rollout goes ahead.
+        await pusher.push(checkpoint.named_parameters(), version="1", step=2)
+        await node.client.phase("rollout", 2)
+        assert await _checksum(node.engine_url) == tensor_checksum(checkpoint.named_parameters())
+        assert (await node.client.trace(2))["rollout"]["attrs"]["staleness_versions"] == {"ref0": 0}

@@ -269,6 +269,49 @@ async def test_ranks_that_all_send_half_the_manifest_are_refused_at_commit_namin
         await push(n, ranks, 4, seed=12, version="after-half", step=2)
 
 
+@pytest.mark.parametrize("transport", ["shm", "disk"])
+async def test_ranks_streaming_disjoint_halves_to_their_own_engines_never_commit_on_any_transport(
+        engines: dict[str, str], ranks: Ranks, transport: str) -> None:
+    names = ["tp1_0", "tp1_1"]  # rank r feeds engine tp1_<r> alone; each engine needs the full manifest
+    async with node(engines, names) as n:
+        await push(n, ranks, 2, seed=20, version="good", group="pair")
+        await n.sync(2)
+        sid = await n.open("halves", 2, seed=21, step=2)
+        replies = await ranks.run({r: stream(n.url, sid, r, 21, "disjoint", of=2, transport=transport)
+                                   for r in range(2)})
+        refusals = [reply["body"]["message"] for reply in replies.values() if reply.get("status") == 422]
+        assert refusals and "carries other tensors than rank" in refusals[0], replies
+        with pytest.raises(ColocdHTTPError) as gone:
+            await n.client.commit(sid, 1)
+        assert gone.value.status == 410  # the refused rank aborted it: nothing committed, nothing half-written
+        for engine in (await n.client.status())["engines"].values():
+            assert (engine["weight_version"], engine["generation"]) == ("good", "paused")
+        await push(n, ranks, 2, seed=22, version="after-halves", group="pair", step=2)
+
+
+async def test_a_rank_whose_chunk_is_refused_aborts_walks_its_gathers_and_every_rank_ends_with_the_named_error(
+        engines: dict[str, str], ranks: Ranks) -> None:
+    # The docs' FSDP recipe over four ranks (every tensor is an all-gather over all of them); ranks 1 and 2 feed
+    # engines tp1_1 and tp1_2, ranks 0 and 3 feed nothing and only gather. Rank 1 sends its first tensor in the
+    # wrong dtype: its first chunk is refused, and unless it runs every gather left, ranks 0 and 3 hang in one.
+    names = ["tp1_1", "tp1_2"]
+    async with node(engines, names) as n:
+        await push(n, ranks, WORLD, seed=23, version="good")
+        await n.sync(2)
+        sid = await n.open("retyped", WORLD, seed=24, step=2)
+        replies = await ranks.run({r: stream(n.url, sid, r, 24, retype_first=r == 1) for r in range(WORLD)})
+        assert (replies[1]["status"], replies[1]["body"]["field"]) == (422, "handle.layout"), replies
+        assert "chunk 0 from rank 1: layout disagrees with the manifest" in replies[1]["body"]["message"]
+        for r in (0, 2, 3):  # told at its next chunk (rank 2) or at the end of its gathers (0, 3)
+            assert replies[r]["status"] == 410, replies
+            assert "rank 1 stopped" in replies[r]["body"]["message"]
+            assert "layout disagrees with the manifest" in replies[r]["body"]["message"]
+        session = (await n.client.status())["weight_session"]
+        assert session["state"] == "aborted" and "rank 1 stopped" in session["error"]
+        # Every rank ran every gather: the next push's collectives line up, and it commits.
+        await push(n, ranks, WORLD, seed=25, version="after-refusal", step=2)
+
+
 # --- deadlines -----------------------------------------------------------------------------------------
 
 

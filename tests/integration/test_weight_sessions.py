@@ -39,7 +39,7 @@ from colocd.engines.base import (
     ReleaseReport,
     WeightsLoad,
 )
-from colocd.engines.chunks import plan_buckets, tensor_checksum
+from colocd.engines.chunks import ChunkLayout, plan_buckets, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
@@ -538,7 +538,8 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
                                         "journal": str(tmp_path / "journal.jsonl")})
     _, named = _model(seed=5)
     full = manifest_of(named)
-    handle = {"payload_b64": ""}  # a CUDA-IPC pickle the daemon cannot look into: only the manifest says
+    # A CUDA-IPC pickle the daemon cannot look into: its layout says which tensors it holds.
+    handle = {"payload_b64": "", "layout": ChunkLayout.for_tensors(named).to_json()}
 
     async def step(daemon: Daemon, s: int) -> None:
         await daemon.transition(NodePhase.TRAIN, s)

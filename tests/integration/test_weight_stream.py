@@ -117,9 +117,11 @@ def _session(
 
 
 def _part(rank: int, seq: int, **handle: Any) -> RankPayload:
-    # cuda_ipc: a handle the daemon cannot look into (no layout, no segment), so any payload passes its checks.
+    # cuda_ipc: a payload the daemon cannot look into (no segment), with the layout every chunk carries: chunk
+    # seq holds tensor t<seq> on every rank.
+    layout = [{"name": f"t{seq}", "dtype": "float32", "shape": [1], "offset": 0}]
     return RankPayload(rank=rank, transport="cuda_ipc", nbytes=100,
-                       handle={"payload_b64": "", "data": f"r{rank}c{seq}", **handle})
+                       handle={"payload_b64": "", "layout": layout, "data": f"r{rank}c{seq}", **handle})
 
 
 def _shm_part(rank: int, names: list[str]) -> RankPayload:
