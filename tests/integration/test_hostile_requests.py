@@ -169,6 +169,36 @@ async def test_a_yaml_alias_bomb_is_refused_without_stalling_the_daemon(client: 
     assert max(probes, default=0.0) < 1.5, probes  # unbounded, the loop was blocked 4.4 s
 
 
+@pytest.mark.parametrize(("document", "line", "column"), [
+    (b"apiVersion: colocd/v1\n\x00\n", 2, 1),
+    (b"apiVersion: colocd/v1\x07\n", 1, 22),
+    (b"apiVersion: colocd/v1\npipeline: {policy: \x1b[31moverlap}\n", 2, 20),
+], ids=["NUL", "BEL", "ESC"])
+async def test_a_policy_document_with_a_control_character_is_400_naming_where_it_is(
+        client: httpx.AsyncClient, document: bytes, line: int, column: int) -> None:
+    before = (await client.get("/v1/policies")).json()
+    body = _is_error(await client.put("/v1/policies", content=document), 400)
+    assert (body["line"], body["column"]) == (line, column) and "U+00" in body["message"], body
+    assert (await client.get("/v1/policies")).json() == before
+
+
+async def test_a_flat_list_of_131k_nodes_is_refused_at_the_node_limit_without_stalling_the_daemon(
+        client: httpx.AsyncClient) -> None:
+    document = b"apiVersion: colocd/v1\nx: [" + b",".join([b"1"] * 131_000) + b"]\n"
+    assert len(document) < 256 * 1024
+    put = asyncio.ensure_future(client.put("/v1/policies", content=document))
+    t0 = time.perf_counter()
+    probes = []
+    while not put.done():
+        p0 = time.perf_counter()
+        assert (await client.get("/healthz")).status_code == 200
+        probes.append(time.perf_counter() - p0)
+    body = _is_error(await put, 400)
+    assert "limits.max_yaml_nodes" in body["message"], body
+    assert time.perf_counter() - t0 < 2.0  # composed to the end first, it took 5-20 s
+    assert max(probes, default=0.0) < 0.5, probes
+
+
 async def test_a_plugin_outside_the_allow_list_is_refused_before_its_module_is_imported(
         engine: ReferenceEngineProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "imported"
