@@ -165,7 +165,7 @@ class ManifestEntry(_Strict):
 
 class OpenSessionRequest(_Strict):
     version: str = Field(..., min_length=1, max_length=256, description="weight version the engines will report")
-    step: Step | None = None
+    step: Step | None = Field(None, description="the node's current step (the default); any other is a 422")
     ranks: Annotated[int, Field(strict=True, ge=1, le=MAX_RANKS)] | None = Field(
         None, description="trainer ranks that send parts of each chunk")
     depth: Annotated[int, Field(strict=True, ge=1, le=64)] | None = Field(

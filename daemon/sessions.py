@@ -101,7 +101,11 @@ class WeightSessions:
             check_can_open_session(self.open_id(), (e.state for e in d.engines.values()), d.node,
                                    idle_for=current.idle_for() if current is not None else 0.0,
                                    idle_s=current.idle_s if current is not None else None)
-            step = d.node.step if step is None else step
+            if step is not None and step != d.node.step:
+                raise RequestInvalid(f"step {step} is not the node's step {d.node.step} (phase "
+                                     f"{d.node.phase.value}): a session carries the weights of the node's step; "
+                                     f"send {d.node.step} or leave step out", field="step")
+            step = d.node.step
             try:
                 declared = manifest_from_json(manifest) if manifest is not None else None
             except (KeyError, TypeError, ValueError) as exc:

@@ -8,6 +8,7 @@ OS-chosen loopback port (cheap), so a test's config (token, limits, plugins) is 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ import pytest_asyncio
 from support import serve_app
 
 from colocd.api.app import create_app
-from colocd.daemon.config import NodeConfig
+from colocd.daemon.config import ConfigError, NodeConfig, load_node_config
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
@@ -223,6 +224,22 @@ async def test_a_plugin_on_the_allow_list_is_imported(
     assert marker.exists()
 
 
+@pytest.mark.parametrize("value", [True, "30"])
+async def test_a_duration_that_is_not_a_number_is_400_naming_the_field(client: httpx.AsyncClient, value: Any) -> None:
+    before = (await client.get("/v1/policies")).json()
+    document = f"apiVersion: colocd/v1\ntimeouts:\n  chunk_s: {json.dumps(value)}\n".encode()
+    body = _is_error(await client.put("/v1/policies", content=document), 400, field="timeouts.chunk_s")
+    assert body["line"] == 3, body
+    assert (await client.get("/v1/policies")).json() == before
+
+
+async def test_a_node_config_duration_that_is_a_boolean_is_refused_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_text("timeouts:\n  chunk_s: true\n")
+    with pytest.raises(ConfigError, match=r"timeouts\.chunk_s"):
+        load_node_config(path)
+
+
 # -- bodies: the token first, then the size, before the body is read ----------------------------------
 
 async def test_an_unauthenticated_100_mb_body_is_401_before_it_is_read(engine: ReferenceEngineProcess) -> None:
@@ -300,6 +317,23 @@ async def test_openapi_declares_the_error_statuses_with_the_error_model(client: 
     assert phase["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert phase["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert "404" in spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["responses"]
+
+
+async def test_a_session_for_a_step_other_than_the_nodes_is_422_naming_step() -> None:
+    # Its own engine: this test moves the node to sync.
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
+            daemon(own) as c:
+        assert (await c.post("/v1/phase", json={"step": 3, "phase": "train"})).status_code == 200
+        assert (await c.post("/v1/phase", json={"step": 3, "phase": "sync"})).status_code == 200
+        before = (await c.get("/v1/status")).json()
+        for step in (2, 4, 0):
+            body = _is_error(await c.post("/v1/weights/sessions", json={"version": "v1", "step": step}), 422,
+                             field="step")
+            assert "node's step 3" in body["message"], body
+        assert (await c.get("/v1/status")).json() == before
+        opened = await c.post("/v1/weights/sessions", json={"version": "v1", "step": 3})
+        assert opened.status_code == 200 and opened.json()["step"] == 3, opened.text
+        assert (await c.post(f"/v1/weights/sessions/{opened.json()['session_id']}/abort")).status_code == 200
 
 
 async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open() -> None:
