@@ -173,7 +173,7 @@ async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Open
 async def join_session(session_id: str, body: JoinRequest, d: D) -> JoinReply:
     """A rank declares its device and learns which engine TP ranks it feeds; ``streams: false`` means none (it
     must not send chunks). Once every rank joined, a layout with an engine device no rank is on is a 422."""
-    return JoinReply.model_validate(await d.join_weights(session_id, body.rank, body.device_id))
+    return JoinReply.model_validate(await d.join_weights(session_id, body.rank, body.device_id, body.pid))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))

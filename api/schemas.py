@@ -209,7 +209,9 @@ class ChunkDescriptor(_Strict):
         ..., description="as the chunk travels: per_tensor chunks say cuda_ipc, zero_copy chunks ipc_ring")
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
-    handle: dict[str, Any] = Field(..., description="shm: {shm_name, layout}; disk: {path}; cuda_ipc: {payload_b64}")
+    handle: dict[str, Any] = Field(..., description=(
+        "shm: {shm_name, nbytes, layout}: shm_name a colocd trainer segment (colocd-<pid>-<hex>), nbytes equal to "
+        "this descriptor's nbytes; disk: {path}; cuda_ipc: {payload_b64} (standard base64)"))
 
     @model_validator(mode="after")
     def _as_on_the_wire(self) -> ChunkDescriptor:
@@ -237,6 +239,9 @@ class JoinRequest(_Strict):
     device_id: str = Field(..., min_length=1, max_length=256,
                            description="the rank's device: its GPU's UUID (CUDA), or a declared id such as cpu:0, "
                                        "matching the engine's device_ids (CPU)")
+    pid: Annotated[int, Field(strict=True, ge=1, le=4_194_304)] | None = Field(
+        None, description="the rank's process id: if the session ends uncommitted, the daemon unlinks the shm "
+                          "segments colocd-<pid>-* its chunks named (the trainer library sends os.getpid())")
 
 
 class FeedEntry(BaseModel):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.base import RankPayload
 from ..engines.ring_refs import RingDirectory
+from ..engines.segments import unlink_session_segments
 from ..policies import TimeoutStep
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
@@ -173,15 +174,23 @@ class WeightSessions:
                 field="ranks")
         return ranks
 
-    async def join(self, session_id: str, rank: int, device_id: str) -> dict[str, Any]:
-        """A rank declares its device; the reply lists the engine TP ranks it feeds (none: it must not stream)."""
+    async def join(self, session_id: str, rank: int, device_id: str, pid: int | None = None) -> dict[str, Any]:
+        """A rank declares its device (and its process, ``pid``: whose shm segments the session may unlink);
+        the reply lists the engine TP ranks it feeds (none: it must not stream)."""
         session = self.get(session_id)
+        if pid is not None and session.state is SessionState.OPEN:
+            session.trainer_pids.add(pid)
         try:
             return (await session.join(rank, device_id)).to_json()
         finally:
             if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
                 await self._finish_failed(session)  # the layout cannot be served: engines end their update
             self._d.changed()
+
+    def note_trainer_pid(self, session_id: str, pid: int) -> None:
+        session = self.get(session_id)
+        if session.state is SessionState.OPEN:
+            session.trainer_pids.add(pid)
 
     async def _parameter_sets(self, trace: Trace, budget_s: float) -> dict[str, Manifest | None]:
         """Each engine's full parameter set: from the engine where it can list them, else the last complete
@@ -403,8 +412,11 @@ class WeightSessions:
                         session.id, session.tainted, t.for_step(TimeoutStep.QUIESCE))
         await self._close_engines_update(session.trace, committed=False, session=session)
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
-        # keeps its mappings valid and finds them already gone when it releases them.
-        _unlink_segments(session.shm_names)
+        # keeps its mappings valid and finds them already gone when it releases them. Only the trainer's own
+        # segments go (engines/segments.py): never a file a chunk merely named.
+        for seg in unlink_session_segments(session.shm_names, session.trainer_pids):
+            log.info("unlinked shared-memory segment %s of weight session %s (%s, pid %d)", seg.name, session.id,
+                     session.state.value, seg.pid)
         d.metrics.weight_sessions.labels(session.state.value).inc()
         session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                              version=session.version)
@@ -518,12 +530,3 @@ class WeightSessions:
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
             d.changed()
-
-
-def _unlink_segments(names: set[str]) -> None:
-    """Remove the /dev/shm segments an uncommitted session's chunks named (names were checked when the chunks
-    arrived; a segment the trainer already removed is simply gone)."""
-    for name in sorted(names):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join("/dev/shm", name))
-            log.info("unlinked shared-memory segment %s of an expired weight session", name)

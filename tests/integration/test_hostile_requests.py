@@ -8,9 +8,12 @@ OS-chosen loopback port (cheap), so a test's config (token, limits, plugins) is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -334,6 +337,74 @@ async def test_a_session_for_a_step_other_than_the_nodes_is_422_naming_step() ->
         opened = await c.post("/v1/weights/sessions", json={"version": "v1", "step": 3})
         assert opened.status_code == 200 and opened.json()["step"] == 3, opened.text
         assert (await c.post(f"/v1/weights/sessions/{opened.json()['session_id']}/abort")).status_code == 200
+
+
+_OTHER_COLOCD_PROCESS = """
+import sys, time
+from colocd.engines.chunks import SharedSegment
+segment = SharedSegment.create(64)  # another colocd process's live segment, nothing to do with the session
+print(segment.name, flush=True)
+time.sleep(3600)
+"""
+
+
+@asynccontextmanager
+async def _another_process_segment() -> AsyncIterator[str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _OTHER_COLOCD_PROCESS,
+                                                stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            name = (await proc.stdout.readline()).decode().strip()
+        assert name, "the other process exited before creating its segment"
+        yield name
+    finally:
+        proc.kill()
+        await proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.fixture
+def other_program_segment() -> Iterator[str]:
+    """A /dev/shm file of another program (a database's, NCCL's), not in colocd's naming."""
+    path = f"/dev/shm/hostile-victim-{os.getpid()}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64)
+    yield os.path.basename(path)
+    os.unlink(path)
+
+
+def _in_dev_shm(name: str) -> bool:
+    return name in os.listdir("/dev/shm")
+
+
+async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_files_survive_the_abort(
+        other_program_segment: str) -> None:
+    # Its own engine: this test moves the node to sync and opens a session.
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
+            daemon(own) as c, _another_process_segment() as colocd_segment:
+        assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200
+        assert (await c.post("/v1/phase", json={"step": 1, "phase": "sync"})).status_code == 200
+        session_id = (await c.post("/v1/weights/sessions", json={"version": "v1", "ranks": 1})).json()["session_id"]
+        chunks = f"/v1/weights/sessions/{session_id}/chunks"
+        shm = {"seq": 0, "rank": 0, "transport": "shm", "nbytes": 64}
+        for chunk, field in (
+            ({**shm, "handle": {"shm_name": other_program_segment, "nbytes": 64, "layout": []}},
+             "handle.shm_name"),
+            ({**shm, "handle": {"shm_name": colocd_segment, "layout": []}}, "handle.nbytes"),
+            ({**shm, "handle": {"shm_name": colocd_segment, "nbytes": True, "layout": []}}, "handle.nbytes"),
+            ({**shm, "handle": {"shm_name": colocd_segment, "nbytes": 63, "layout": []}}, "handle.nbytes"),
+            ({"seq": 0, "rank": 0, "transport": "cuda_ipc", "nbytes": 64,
+              "handle": {"payload_b64": "not base64!"}}, "handle.payload_b64"),
+        ):
+            _is_error(await c.post(chunks, json=chunk), 422, field=field)
+            assert (await c.get("/v1/status")).json()["weight_session"]["state"] == "open", chunk
+        # A live colocd segment of a process that is not this session's trainer: the daemon may read it,
+        # never remove it.
+        await c.post(chunks, json={**shm, "handle": {"shm_name": colocd_segment, "nbytes": 64, "layout": []}})
+        assert (await c.post(f"/v1/weights/sessions/{session_id}/abort")).status_code == 200
+        assert _in_dev_shm(other_program_segment) and _in_dev_shm(colocd_segment)
 
 
 async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open() -> None:
