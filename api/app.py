@@ -19,6 +19,7 @@ from ..engines.base import RankPayload
 from .chunk_channel import ChunkChannelServer
 from .errors import ERROR_RESPONSES, install_error_handlers
 from .guard import RequestGuard
+from .openapi import complete_openapi
 from .schemas import (
     MAX_STEP,
     BroadcastRequest,
@@ -95,6 +96,7 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
     app.add_middleware(RequestGuard, token=config.token, max_body_bytes=config.limits.max_body_bytes)
     for path, method, endpoint, options in _ROUTES:
         app.add_api_route(path, endpoint, methods=[method], **options)
+    complete_openapi(app, token=config.token is not None)
     return app
 
 

@@ -286,6 +286,19 @@ async def test_a_weight_group_with_an_unreachable_master_is_422_within_seconds(
         assert (await c.get("/v1/weights/groups")).json()["groups"] == {}
 
 
+async def test_a_weight_group_whose_master_port_is_not_a_tcpstore_is_422_within_seconds(
+        engine: ReferenceEngineProcess) -> None:
+    async with daemon(engine, timeouts={"master_reach_s": 1.0, "group_s": 5.0}) as c:
+        http_port = int(str(c.base_url).rstrip("/").rsplit(":", 1)[1])  # this daemon's own HTTP port
+        t0 = time.perf_counter()
+        r = await c.post("/v1/weights/groups", json={"master_address": "127.0.0.1", "master_port": http_port,
+                                                     "backend": "gloo", "world_size": 2})
+        body = _is_error(r, 422, field="master_port")
+        assert "not a torch TCPStore" in body["message"], body
+        assert time.perf_counter() - t0 < 4  # a 504 after the engines' rendezvous timed out, before
+        assert (await c.get("/v1/weights/groups")).json()["groups"] == {}
+
+
 async def test_the_nccl_backend_on_a_cpu_engine_is_422_before_it_joins(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/weights/groups", json={"master_address": "127.0.0.1", "master_port": 1,
                                                       "backend": "nccl"})
@@ -405,6 +418,20 @@ async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_file
         await c.post(chunks, json={**shm, "handle": {"shm_name": colocd_segment, "nbytes": 64, "layout": []}})
         assert (await c.post(f"/v1/weights/sessions/{session_id}/abort")).status_code == 200
         assert _in_dev_shm(other_program_segment) and _in_dev_shm(colocd_segment)
+
+
+async def test_openapi_declares_the_bearer_token_on_mutating_routes_and_links_a_session_to_its_routes(
+        client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    scheme = spec["components"]["securitySchemes"]["bearerAuth"]
+    assert (scheme["type"], scheme["scheme"]) == ("http", "bearer")
+    assert spec["paths"]["/v1/phase"]["post"]["security"] == [{"bearerAuth": []}]
+    assert "security" not in spec["paths"]["/v1/status"]["get"]
+    links = spec["paths"]["/v1/weights/sessions"]["post"]["responses"]["200"]["links"]
+    commit = spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["operationId"]
+    assert links[commit]["parameters"] == {"path.session_id": "$response.body#/session_id"}
+    assert "shm: {shm_name, nbytes, layout}" in spec["components"]["schemas"]["ChunkDescriptor"]["properties"][
+        "handle"]["description"]
 
 
 async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open() -> None:
