@@ -178,8 +178,8 @@ class WeightSessions:
         """A rank declares its device (and its process, ``pid``: whose shm segments the session may unlink);
         the reply lists the engine TP ranks it feeds (none: it must not stream)."""
         session = self.get(session_id)
-        if pid is not None and session.state is SessionState.OPEN:
-            session.trainer_pids.add(pid)
+        if pid is not None:
+            self.note_trainer_pid(session_id, pid)
         try:
             return (await session.join(rank, device_id)).to_json()
         finally:
@@ -188,6 +188,7 @@ class WeightSessions:
             self._d.changed()
 
     def note_trainer_pid(self, session_id: str, pid: int) -> None:
+        """``pid`` is the open session's trainer (declared at join, or its chunk channel's peer)."""
         session = self.get(session_id)
         if session.state is SessionState.OPEN:
             session.trainer_pids.add(pid)
