@@ -20,6 +20,7 @@ from ..engines.base import RankPayload
 from .chunk_channel import ChunkChannelServer
 from .errors import ERROR_RESPONSES, install_error_handlers
 from .guard import RequestGuard
+from .openapi import complete_openapi
 from .schemas import (
     MAX_STEP,
     AbortRequest,
@@ -99,6 +100,7 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
     app.add_middleware(RequestGuard, token=config.token, max_body_bytes=config.limits.max_body_bytes)
     for path, method, endpoint, options in _ROUTES:
         app.add_api_route(path, endpoint, methods=[method], **options)
+    complete_openapi(app, token=config.token is not None)
     return app
 
 
@@ -183,7 +185,7 @@ async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Open
 async def join_session(session_id: str, body: JoinRequest, d: D) -> JoinReply:
     """A rank declares its device and learns which engine TP ranks it feeds; ``streams: false`` means none (it
     must not send chunks). Once every rank joined, a layout with an engine device no rank is on is a 422."""
-    return JoinReply.model_validate(await d.join_weights(session_id, body.rank, body.device_id))
+    return JoinReply.model_validate(await d.join_weights(session_id, body.rank, body.device_id, body.pid))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))

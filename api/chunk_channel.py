@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,8 @@ class ChunkChannelServer:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 line = await reader.readline()
             hello = self._hello(line)
+            if (pid := _peer_pid(writer)) is not None:  # the kernel's word: this process is the trainer
+                self._daemon.note_trainer_pid(hello.session_id, pid)
             joined = await self._join(hello)
         except TimeoutError:
             writer.write(_error_frame(408, {"error": "HelloTimeout", "message": (
@@ -318,3 +321,17 @@ def _seq_of(line: bytes) -> int | None:
     except (ValueError, AttributeError):
         return None
     return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
+    """The connected trainer's pid from the kernel (SO_PEERCRED); None where it cannot tell (0: a pid namespace
+    this one does not see)."""
+    sock = writer.get_extra_info("socket")
+    option = getattr(socket, "SO_PEERCRED", None)
+    if sock is None or option is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i")))[0]
+    except OSError:
+        return None
+    return int(pid) or None

@@ -11,6 +11,7 @@ trainer library's job: ``colocd.trainer.WeightPusher`` and ``colocd.trainer.Trai
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Coroutine
 from typing import Any, Protocol, Self, TypeVar
 
@@ -145,9 +146,16 @@ class AsyncColocdClient:
 
     async def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:
         """Declare this rank's device; the reply's ``feeds`` are the engine TP ranks it feeds (``streams``
-        false: none, send no chunks)."""
-        return await self._call("POST", f"/v1/weights/sessions/{session_id}/join",
-                                {"rank": rank, "device_id": device_id})
+        false: none, send no chunks). The join also declares this process (``pid``), so the daemon may unlink
+        its shm segments if the session ends uncommitted."""
+        path = f"/v1/weights/sessions/{session_id}/join"
+        try:
+            return await self._call("POST", path, {"rank": rank, "device_id": device_id, "pid": os.getpid()})
+        except ColocdHTTPError as exc:
+            if exc.status != 422 or exc.body.get("field") != "pid":
+                raise
+        # A daemon from before joins declared a pid refuses the field: join without it.
+        return await self._call("POST", path, {"rank": rank, "device_id": device_id})
 
     async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
         body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,

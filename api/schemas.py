@@ -176,7 +176,7 @@ class ManifestEntry(_Strict):
 
 class OpenSessionRequest(_Strict):
     version: str = Field(..., min_length=1, max_length=256, description="weight version the engines will report")
-    step: Step | None = None
+    step: Step | None = Field(None, description="the node's current step (the default); any other is a 422")
     ranks: Annotated[int, Field(strict=True, ge=1, le=MAX_RANKS)] | None = Field(
         None, description="trainer ranks that send parts of each chunk")
     depth: Annotated[int, Field(strict=True, ge=1, le=64)] | None = Field(
@@ -228,9 +228,11 @@ class ChunkDescriptor(_Strict):
         ..., description="as the chunk travels: per_tensor chunks say cuda_ipc, zero_copy chunks ipc_ring")
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
-    handle: dict[str, Any] = Field(..., description="every transport carries layout: [{name, dtype, shape, offset}]; "
-                                   "shm: {shm_name, nbytes, layout}; disk: {path, layout}; cuda_ipc: {payload_b64, "
-                                   "load_format, device_uuid, layout}; ipc_ring: {ring, slot, layout | layout_ref}")
+    handle: dict[str, Any] = Field(..., description=(
+        "every transport carries layout: [{name, dtype, shape, offset}]; shm: {shm_name, nbytes, layout}: shm_name "
+        "a colocd trainer segment (colocd-<pid>-<hex>), nbytes equal to this descriptor's nbytes; disk: {path, "
+        "layout}; cuda_ipc: {payload_b64 (standard base64), load_format, device_uuid, layout}; ipc_ring: {ring, "
+        "slot, layout | layout_ref}"))
     digests: WeightDigests | None = Field(
         None, description="each tensor's digest as the trainer computed it at export (colocd.engines.digest: "
                           "16 hex digits), by tensor name; what a verified commit compares with the engines'")
@@ -261,6 +263,9 @@ class JoinRequest(_Strict):
     device_id: str = Field(..., min_length=1, max_length=256,
                            description="the rank's device: its GPU's UUID (CUDA), or a declared id such as cpu:0, "
                                        "matching the engine's device_ids (CPU)")
+    pid: Annotated[int, Field(strict=True, ge=1, le=4_194_304)] | None = Field(
+        None, description="the rank's process id: if the session ends uncommitted, the daemon unlinks the shm "
+                          "segments colocd-<pid>-* its chunks named (the trainer library sends os.getpid())")
 
 
 class FeedEntry(BaseModel):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from ..engines.tcpstore_probe import probe_tcpstore
 from ..policies import Timeouts, TimeoutStep
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
@@ -335,7 +336,8 @@ def _device_type(engine: EngineHandle) -> str:
 
 async def _check_reachable(host: str, port: int, within_s: float) -> None:
     """Fail fast, naming the field, when the trainer's TCPStore cannot be reached from this node (where the
-    engines run): an unresolvable host, or nothing accepting connections at host:port within ``within_s``."""
+    engines run): an unresolvable host, nothing accepting connections at host:port within ``within_s``, or
+    something that accepts them but does not answer as a TCPStore."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(within_s):
@@ -351,14 +353,22 @@ async def _check_reachable(host: str, port: int, within_s: float) -> None:
         for family, _, proto, _, address in infos:
             try:
                 async with asyncio.timeout(max(deadline - loop.time(), 0.05)):
-                    _, writer = await asyncio.open_connection(host=str(address[0]), port=int(address[1]),
-                                                              family=family, proto=proto)
+                    reader, writer = await asyncio.open_connection(host=str(address[0]), port=int(address[1]),
+                                                                   family=family, proto=proto)
             except (OSError, TimeoutError) as exc:
                 last = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
                 continue
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            try:
+                # Something listens; is it a TCPStore? (An HTTP port would leave the engines in their rendezvous.)
+                problem = await probe_tcpstore(reader, writer, max(deadline - loop.time(), 1.0))
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+            if problem is not None:
+                raise RequestInvalid(
+                    f"master_address:master_port {host}:{port} accepts connections but is not a torch TCPStore "
+                    f"({problem}); point it at the trainer's store (group rank 0's MASTER_PORT)", field="master_port")
             return
         if loop.time() >= deadline:
             raise RequestInvalid(

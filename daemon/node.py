@@ -260,8 +260,12 @@ class Daemon:
         return await self.sessions.open(step=step, version=version, ranks=ranks, depth=depth, manifest=manifest,
                                         partial=partial)
 
-    async def join_weights(self, session_id: str, rank: int, device_id: str) -> dict[str, Any]:
-        return await self.sessions.join(session_id, rank, device_id)
+    async def join_weights(self, session_id: str, rank: int, device_id: str, pid: int | None = None) -> dict[str, Any]:
+        return await self.sessions.join(session_id, rank, device_id, pid)
+
+    def note_trainer_pid(self, session_id: str, pid: int) -> None:
+        """``pid`` is proven to be the session's trainer (its chunk channel's peer): its segments may be unlinked."""
+        self.sessions.note_trainer_pid(session_id, pid)
 
     async def submit_chunk(self, session_id: str, seq: int, part: RankPayload) -> ChunkAck:
         return await self.sessions.submit_chunk(session_id, seq, part)

@@ -38,7 +38,7 @@ class PolicyRuntime:
     def __init__(self, config: NodeConfig, store: PolicyStore | None = None) -> None:
         self.config = config
         self.store = store or PolicyStore(self._over_node(default_policies()))
-        self._file_mtime: float | None = None
+        self._file_seen: tuple[int, int] | None = None  # (mtime_ns, size) of the policy file last read
         if config.policy_file:
             self.reload_file(raise_errors=True)
             self.store.at_boundary()  # the file's policies are in force from the start
@@ -67,12 +67,14 @@ class PolicyRuntime:
         return document.over_node(self.config.timeouts, self.config.pause_mode)
 
     def reload_file(self, raise_errors: bool = False) -> PolicySet | None:
+        """Read, validate and stage the policy file; a bad file is logged (or raised, at start) and the running
+        policy stays. The file's (mtime, size) is recorded either way, so a bad file is reported once per edit."""
         path = self.config.policy_file
         if not path:
             return None
         try:
+            self._file_seen = _signature(path)
             staged = self.apply_yaml(Path(path).read_bytes(), source=path)
-            self._file_mtime = os.stat(path).st_mtime
         except (OSError, PolicyError) as exc:
             if raise_errors:
                 raise
@@ -82,15 +84,18 @@ class PolicyRuntime:
         return staged
 
     def reload_if_changed(self) -> None:
+        """The health loop's check of the policy file: whatever the file holds, this returns (a failure is
+        logged), so the loop goes on observing engines and a later good edit is still staged."""
         path = self.config.policy_file
         if not path:
             return
         try:
-            mtime = os.stat(path).st_mtime
+            if _signature(path) != self._file_seen:
+                self.reload_file()
         except OSError:
-            return
-        if mtime != self._file_mtime:
-            self.reload_file()
+            return  # gone or unreadable for now; the next pass looks again
+        except Exception:  # a plugin's import or constructor is foreign code: never the end of the loop
+            log.exception("policy file %s not applied, the running policy stays", path)
 
     # -- what one transition uses (read from a pinned PolicySet) ---------------------------------
     def timeouts(self, policies: PolicySet) -> Timeouts:
@@ -133,3 +138,8 @@ class PolicyRuntime:
         plan = policies.pipeline.plan(snapshot)
         memory = staging.describe() if staging else "memory not read"
         return plan.model_copy(update={"reason": f"{plan.reason}; {memory}" if plan.reason else memory})
+
+
+def _signature(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.base import EngineDigests, RankPayload
 from ..engines.ring_refs import RingDirectory
+from ..engines.segments import unlink_session_segments
 from ..policies import TimeoutStep
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
@@ -104,7 +105,11 @@ class WeightSessions:
             check_can_open_session(self.open_id(), (e.state for e in d.engines.values()), d.node,
                                    idle_for=current.idle_for() if current is not None else 0.0,
                                    idle_s=current.idle_s if current is not None else None)
-            step = d.node.step if step is None else step
+            if step is not None and step != d.node.step:
+                raise RequestInvalid(f"step {step} is not the node's step {d.node.step} (phase "
+                                     f"{d.node.phase.value}): a session carries the weights of the node's step; "
+                                     f"send {d.node.step} or leave step out", field="step")
+            step = d.node.step
             try:
                 declared = manifest_from_json(manifest) if manifest is not None else None
             except (KeyError, TypeError, ValueError) as exc:
@@ -174,15 +179,24 @@ class WeightSessions:
                 field="ranks")
         return ranks
 
-    async def join(self, session_id: str, rank: int, device_id: str) -> dict[str, Any]:
-        """A rank declares its device; the reply lists the engine TP ranks it feeds (none: it must not stream)."""
+    async def join(self, session_id: str, rank: int, device_id: str, pid: int | None = None) -> dict[str, Any]:
+        """A rank declares its device (and its process, ``pid``: whose shm segments the session may unlink);
+        the reply lists the engine TP ranks it feeds (none: it must not stream)."""
         session = self.get(session_id)
+        if pid is not None:
+            self.note_trainer_pid(session_id, pid)
         try:
             return (await session.join(rank, device_id)).to_json()
         finally:
             if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
                 await self._finish_failed(session)  # the layout cannot be served: engines end their update
             self._d.changed()
+
+    def note_trainer_pid(self, session_id: str, pid: int) -> None:
+        """``pid`` is the open session's trainer (declared at join, or its chunk channel's peer)."""
+        session = self.get(session_id)
+        if session.state is SessionState.OPEN:
+            session.trainer_pids.add(pid)
 
     async def _parameter_sets(self, trace: Trace, budget_s: float) -> dict[str, Manifest | None]:
         """Each engine's full parameter set: from the engine where it can list them, else the last complete
@@ -440,8 +454,11 @@ class WeightSessions:
             await d.engine_lifecycle.reconcile_all(f"after failed session {session.id}", keep_error=True)
         d.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
-        # keeps its mappings valid and finds them already gone when it releases them.
-        _unlink_segments(session.shm_names, f"{session.state.value} weight session {session.id}")
+        # keeps its mappings valid and finds them already gone when it releases them. Only the trainer's own
+        # segments go (engines/segments.py): never a file a chunk merely named.
+        for seg in unlink_session_segments(session.shm_names, session.trainer_pids):
+            log.info("unlinked shared-memory segment %s of weight session %s (%s, pid %d)", seg.name, session.id,
+                     session.state.value, seg.pid)
         d.metrics.weight_sessions.labels(session.state.value).inc()
         session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                              version=session.version)
@@ -557,12 +574,3 @@ class WeightSessions:
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
             d.changed()
-
-
-def _unlink_segments(names: set[str], whose: str) -> None:
-    """Remove the /dev/shm segments an uncommitted session's chunks named (names were checked when the chunks
-    arrived; a segment the trainer already removed is simply gone). ``whose``: "failed weight session <id>"."""
-    for name in sorted(names):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join("/dev/shm", name))
-            log.info("unlinked shared-memory segment %s of the %s", name, whose)

@@ -260,6 +260,7 @@ class WeightSession:
         self.bytes_loaded = 0
         self.chunks_loaded = 0
         self.shm_names: set[str] = set()  # segments the trainer named: unlinked if the session expires
+        self.trainer_pids: set[int] = set()  # the trainer's processes, as proven (engines/segments.py)
         self.delivered: Manifest = {}  # every tensor a chunk layout carried, with its dtype and shape
         self._metrics = metrics
         # ipc_ring announcements by ref (engines/ring_refs.py); None: chunks with a layout_ref are refused.

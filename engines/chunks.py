@@ -7,6 +7,8 @@ describe a chunk to any other without trusting it with code.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import fcntl
 import hashlib
 import mmap
@@ -282,8 +284,9 @@ class SharedSegment:
             pass
 
 
-# What a trainer-supplied handle may name: a plain /dev/shm file name (no path, no leading dot).
-SHM_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
+# What a trainer-supplied handle may name: a colocd trainer's segment (SharedSegment.create's naming), never
+# another program's /dev/shm file (the daemon may unlink what a chunk names: engines/segments.py).
+SHM_NAME_PATTERN = re.compile(rf"^{SEGMENT_PREFIX}-[1-9][0-9]{{0,9}}-[0-9a-f]{{1,64}}$")
 MAX_LAYOUT_ENTRIES = 65536  # more tensors than any model has in one chunk; bounds the daemon's parsing
 
 
@@ -300,16 +303,20 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
     chunk's layout: every transport carries one (``handle.layout``), so the daemon knows which tensors each
     chunk holds whatever the bytes travel in.
 
-    shm: the name is a plain segment name, the segment exists and holds ``nbytes``, the layout fits in
-    it; ipc_ring: the layout fits in ``nbytes``; disk: an absolute path to a regular file; cuda_ipc: a
-    base64 string. The layout of a chunk whose bytes the daemon cannot read (disk, cuda_ipc, ring regions)
-    names the tensors the trainer put in it: names, dtypes, shapes.
+    shm: the name is a colocd trainer segment's, ``handle.nbytes`` is ``nbytes``, the segment exists and
+    holds them, the layout fits in it; ipc_ring: the layout fits in ``nbytes``; disk: an absolute path to a
+    regular file; cuda_ipc: a base64 string. The layout of a chunk whose bytes the daemon cannot read (disk,
+    cuda_ipc, ring regions) names the tensors the trainer put in it: names, dtypes, shapes.
     """
     if transport == "shm":
         name = handle.get("shm_name")
         if not isinstance(name, str) or not SHM_NAME_PATTERN.match(name):
-            raise HandleError(f"shm_name {name!r} is not a plain shared-memory segment name "
+            raise HandleError(f"shm_name {name!r} is not a colocd trainer segment name "
                               f"(pattern {SHM_NAME_PATTERN.pattern})", field="handle.shm_name")
+        declared = handle.get("nbytes")
+        if type(declared) is not int or declared != nbytes:
+            raise HandleError(f"handle.nbytes must be the chunk's nbytes ({nbytes}) as an integer, got {declared!r}",
+                              field="handle.nbytes")
         try:
             size = os.stat(os.path.join(SHM_DIR, name)).st_size
         except FileNotFoundError:
@@ -327,9 +334,14 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
             raise HandleError(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
         return _layout(transport, handle, None)
     if transport == "cuda_ipc":
-        if not isinstance(handle.get("payload_b64"), str):
+        payload = handle.get("payload_b64")
+        if not isinstance(payload, str):
             raise HandleError("a cuda_ipc handle carries its payload as a 'payload_b64' string",
                               field="handle.payload_b64")
+        try:
+            base64.b64decode(payload, validate=True)
+        except binascii.Error as exc:
+            raise HandleError(f"payload_b64 is not base64: {exc}", field="handle.payload_b64") from None
         return _layout(transport, handle, None)
     raise HandleError(f"unknown transport {transport!r}", field="transport")
 

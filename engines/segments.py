@@ -11,6 +11,12 @@ A segment is reclaimed only when both say its creator is gone:
   the mapping; the kernel drops it when the process dies).
 The lock covers a creator in another pid namespace sharing /dev/shm (a container with ``hostIPC``),
 whose pid means nothing here. Segments of other users are left alone (we could not unlink them).
+
+The daemon also unlinks what an uncommitted weight session's chunks named (``unlink_session_segments``),
+but only segments it can prove are that session's trainer's: colocd's naming and either a pid the trainer
+proved (the kernel's peer credentials of its chunk channel, or the pid a rank declared when it joined) or
+a dead creator as above. Any other file a chunk names is left alone: a caller with the token must not be
+able to delete another program's shared memory by naming it.
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from .chunks import SEGMENT_PREFIX, SHM_DIR
 
-__all__ = ["ReclaimedSegment", "pid_alive", "reclaim_dead_segments", "segment_creator"]
+__all__ = ["ReclaimedSegment", "pid_alive", "reclaim_dead_segments", "segment_creator", "unlink_session_segments"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,22 +80,54 @@ def reclaim_dead_segments(directory: str = SHM_DIR, prefix: str = SEGMENT_PREFIX
         pid = segment_creator(name, prefix)
         if pid is None or pid == os.getpid() or pid_alive(pid):
             continue
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue  # gone already, another user's, or not a plain file
-        try:
+        seg = _unlink(directory, name, pid, require_unlocked=True)
+        if seg is not None:
+            reclaimed.append(seg)
+    return reclaimed
+
+
+def unlink_session_segments(names: Iterable[str], trainer_pids: Collection[int],
+                            directory: str = SHM_DIR) -> list[ReclaimedSegment]:
+    """Unlink, of the segments an uncommitted session's chunks named, those provably its trainer's; returns them.
+
+    A name must be colocd's (``<prefix>-<pid>-<hex>``) and its pid one of ``trainer_pids`` (what the trainer
+    proved: its chunk channel's peer pid, the pid its ranks declared at join), or its creator must be dead
+    and unlocked (``reclaim_dead_segments``' rule). Anything else named is left where it is.
+    """
+    unlinked = []
+    for name in sorted(set(names)):
+        pid = segment_creator(name)
+        if pid is None:
+            continue  # not colocd's naming: never ours to remove
+        if pid in trainer_pids:
+            seg = _unlink(directory, name, pid, require_unlocked=False)
+        elif pid != os.getpid() and not pid_alive(pid):
+            seg = _unlink(directory, name, pid, require_unlocked=True)
+        else:
+            continue  # a live process the trainer did not prove to be: another colocd program's segment
+        if seg is not None:
+            unlinked.append(seg)
+    return unlinked
+
+
+def _unlink(directory: str, name: str, pid: int, *, require_unlocked: bool) -> ReclaimedSegment | None:
+    """Unlink one segment, a plain file only; with ``require_unlocked``, only if nobody holds its creator's lock."""
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None  # gone already, another user's, or not a plain file
+    try:
+        if require_unlocked:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                continue  # its creator lives on in another pid namespace
-            nbytes = os.fstat(fd).st_size
-            try:
-                os.unlink(path)
-            except (FileNotFoundError, PermissionError):
-                continue
-            reclaimed.append(ReclaimedSegment(name, pid, nbytes))
-        finally:
-            os.close(fd)
-    return reclaimed
+                return None  # its creator lives on in another pid namespace
+        nbytes = os.fstat(fd).st_size
+        try:
+            os.unlink(path)
+        except OSError:
+            return None  # gone meanwhile, or not ours to remove
+        return ReclaimedSegment(name, pid, nbytes)
+    finally:
+        os.close(fd)

@@ -2,11 +2,15 @@
 
 Positions come from PyYAML's composer (node marks), so a typo deep in a section points at its own line.
 Parsing is bounded (``YamlLimits``): size, aliases, nesting depth and nodes counted with aliases expanded,
-so a small alias bomb ("billion laughs") is refused in microseconds instead of expanding exponentially.
+all enforced while the composer runs, so a small alias bomb ("billion laughs") or a flat list of 100k
+scalars is refused after the limit's worth of nodes instead of after the whole document. Characters the
+YAML reader refuses (NUL, BEL, ESC, ...) are refused first, with their line and column; every other
+failure of the reader, composer or constructor is a ``PolicyError`` too, never a foreign exception.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +25,10 @@ __all__ = ["YamlLimits", "load_policy_yaml"]
 
 _Mark = tuple[int, int]  # 1-based line, column
 
+# What PyYAML's reader refuses (yaml.reader.Reader.NON_PRINTABLE): C0 controls but tab and newlines, DEL and
+# C1 controls but NEL, surrogates, U+FFFE/FFFF. Checked before the reader runs so the error says where.
+_NOT_YAML_TEXT = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
 
 @dataclass(frozen=True, slots=True)
 class YamlLimits:
@@ -33,28 +41,49 @@ class YamlLimits:
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """SafeLoader that counts aliases and nesting while composing (PyYAML's composer recurses per level)."""
+    """SafeLoader that counts nodes (aliases expanded), aliases and nesting while composing, and stops at the
+    first limit crossed: PyYAML scans lazily, so nothing past that point is even tokenised."""
 
     def __init__(self, stream: str, limits: YamlLimits) -> None:
         super().__init__(stream)
         self._limits = limits
         self._aliases = 0
         self._depth = 0
+        self._nodes = 0
+        self._sizes: dict[int, int] = {}  # id(node) -> its node count with aliases expanded, once composed
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
             self._aliases += 1
             if self._aliases > self._limits.max_aliases:
                 raise PolicyError(f"more than {self._limits.max_aliases} YAML aliases (limits.max_yaml_aliases)",
-                                  *_position(self.peek_event().start_mark))  # type: ignore[no-untyped-call]
+                                  *_position(mark))
+            node = super().compose_node(parent, index)
+            size = self._sizes.get(id(node))
+            if size is None:  # the anchored node is still being composed: the alias is inside it
+                raise PolicyError("a YAML alias refers to a node that contains it (a recursive document)",
+                                  *_position(mark))
+            self._spend(size, mark)
+            return node
         self._depth += 1
         try:
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
             if self._depth > self._limits.max_depth:
-                raise PolicyError(f"nested deeper than {self._limits.max_depth} levels",
-                                  *_position(self.peek_event().start_mark))  # type: ignore[no-untyped-call]
-            return super().compose_node(parent, index)
+                raise PolicyError(f"nested deeper than {self._limits.max_depth} levels", *_position(mark))
+            before = self._nodes
+            self._spend(1, mark)
+            node = super().compose_node(parent, index)
+            self._sizes[id(node)] = self._nodes - before
+            return node
         finally:
             self._depth -= 1
+
+    def _spend(self, nodes: int, mark: Any) -> None:
+        self._nodes += nodes
+        if self._nodes > self._limits.max_nodes:
+            raise PolicyError(f"more than {self._limits.max_nodes} YAML nodes with aliases expanded "
+                              "(limits.max_yaml_nodes)", *_position(mark))
 
 
 def load_policy_yaml(text: str | bytes, *, source: str | None = None, limits: YamlLimits | None = None,
@@ -77,7 +106,11 @@ def load_policy_yaml(text: str | bytes, *, source: str | None = None, limits: Ya
         except UnicodeDecodeError as exc:
             raise PolicyError(f"document is not UTF-8: byte {exc.object[exc.start]:#04x} at offset {exc.start} "
                               f"({exc.reason})") from None
-    loader = _BoundedLoader(text, limits)
+    _check_text(text)
+    try:
+        loader = _BoundedLoader(text, limits)
+    except yaml.YAMLError as exc:  # the reader's own checks (_check_text should have caught them)
+        raise PolicyError(f"invalid YAML: {str(exc).splitlines()[0]}") from None
     try:
         try:
             node = loader.get_single_node()
@@ -86,15 +119,18 @@ def load_policy_yaml(text: str | bytes, *, source: str | None = None, limits: Ya
             problem = " ".join(p for p in (exc.context, exc.problem) if p) or "invalid YAML"
             raise PolicyError(f"invalid YAML: {problem}", *_position(mark)) from None
         except yaml.YAMLError as exc:
-            raise PolicyError(f"invalid YAML: {exc}") from None
+            raise PolicyError(f"invalid YAML: {str(exc).splitlines()[0]}") from None
         if node is None:
             raise PolicyError("empty document; it needs at least 'apiVersion: colocd/v1'", 1, 1)
         marks: dict[tuple[Path, bool], _Mark] = {}
-        _walk(node, (), marks, _Budget(limits.max_nodes))
+        _walk(node, (), marks)
         try:
             data = loader.construct_document(node)
         except yaml.MarkedYAMLError as exc:  # e.g. an unknown !tag
             raise PolicyError(f"invalid YAML: {exc.problem}", *_position(exc.problem_mark)) from None
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # SafeConstructor's own conversions: "2026-13-01" as a date, an int of 5000 digits, !!int x.
+            raise PolicyError(f"invalid YAML value: {exc}") from None
     finally:
         loader.dispose()
 
@@ -109,21 +145,9 @@ def load_policy_yaml(text: str | bytes, *, source: str | None = None, limits: Ya
     return build_policy_set(data, source=source, locate=locate, plugins=plugins)
 
 
-class _Budget:
-    """Nodes left to visit; aliases are visited once per reference, as validation would walk them."""
-
-    def __init__(self, nodes: int) -> None:
-        self.limit = self.left = nodes
-
-    def spend(self, node: yaml.Node) -> None:
-        self.left -= 1
-        if self.left < 0:
-            raise PolicyError(f"more than {self.limit} YAML nodes with aliases expanded (limits.max_yaml_nodes)",
-                              *_position(node.start_mark))
-
-
-def _walk(node: yaml.Node, path: Path, marks: dict[tuple[Path, bool], _Mark], budget: _Budget) -> None:
-    budget.spend(node)
+def _walk(node: yaml.Node, path: Path, marks: dict[tuple[Path, bool], _Mark]) -> None:
+    """Record every node's position and refuse duplicate or non-scalar keys; composing already bounded the
+    nodes (aliases expanded) this visits."""
     marks[(path, False)] = _position(node.start_mark)
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
@@ -142,10 +166,24 @@ def _walk(node: yaml.Node, path: Path, marks: dict[tuple[Path, bool], _Mark], bu
                 )
             seen[key] = _position(key_node.start_mark)[0]
             marks[((*path, key), True)] = _position(key_node.start_mark)
-            _walk(value_node, (*path, key), marks, budget)
+            _walk(value_node, (*path, key), marks)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, (*path, index), marks, budget)
+            _walk(item, (*path, index), marks)
+
+
+def _check_text(text: str) -> None:
+    """Refuse the first character YAML cannot hold, naming it and where it is (a NUL, BEL or ESC is a pasted
+    binary or terminal escape, never a policy)."""
+    bad = _NOT_YAML_TEXT.search(text)
+    if bad is None:
+        return
+    char, offset = bad.group(), bad.start()
+    line = text.count("\n", 0, offset) + 1
+    column = offset - (text.rfind("\n", 0, offset) + 1) + 1
+    raise PolicyError(f"character U+{ord(char):04X} is not allowed in a YAML document (control characters other "
+                      "than tab and newline cannot appear, even quoted; write them as escapes in a "
+                      "double-quoted string)", line, column)
 
 
 def _position(mark: Any) -> _Mark:

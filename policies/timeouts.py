@@ -46,7 +46,8 @@ class Timeouts(BaseModel):
     In a policy document, a field left out keeps the node config's value (these defaults are the node's).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a number is a duration, ``true`` is not 1 s and ``"30"`` is not 30 s (an int is still a float).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     default_s: float = Field(30.0, gt=0, description="budget of any step without its own value")
     pause_s: float | None = Field(None, gt=0, description="pause_generation, and continue_generation")

@@ -183,6 +183,13 @@ def test_serve_with_a_missing_policy_file_names_the_key_and_a_fix(tmp_path: Path
     assert "policy_file" in line and "deploy/policies/default.yaml" in line
 
 
+def test_serve_with_a_policy_file_holding_a_control_character_fails_in_one_line(tmp_path: Path) -> None:
+    policies = tmp_path / "policies.yaml"
+    policies.write_bytes(b"apiVersion: colocd/v1\n\x1b[31m\n")  # a pasted terminal escape
+    line = _one_line_failure(_colocd("serve", "--config", str(_write_config(tmp_path, policy_file=str(policies)))), 2)
+    assert "policies.yaml" in line and "line 2" in line and "U+001B" in line
+
+
 def test_serve_with_an_unwritable_journal_names_the_key(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the journal's directory would be: mkdir fails for root too

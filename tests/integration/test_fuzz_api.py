@@ -1,7 +1,8 @@
 """Schemathesis over ``/openapi.json`` against a real ``colocd serve`` process and a real reference engine.
 
 Two properties, for every generated request, stateless and stateful (schemathesis chains operations
-through the links it infers, e.g. a session id from ``POST /v1/weights/sessions``):
+through the OpenAPI links, e.g. a session id from ``POST /v1/weights/sessions`` into its chunks, commit and
+abort), with the token supplied through the document's ``securitySchemes`` (``bearerAuth``), not by hand:
   * never a 500: a caller's mistake is a 4xx, an engine's failure a 502/503/504;
   * a rejected request (4xx) leaves ``/v1/status`` exactly as it was.
 Each answer is also checked against the OpenAPI document (declared status, error body shape).
@@ -29,6 +30,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 from colocd.engines.config import ReferenceEngineConfig
@@ -45,7 +47,7 @@ _TICKING = frozenset({"healthy", "last_error", "last_seen", "checked_at", "obser
                       "idle_for_s", "busy_with"})
 
 # Per operation: valid requests reach deeper (state rules, engines), so they get more of the time box.
-_EXAMPLES = {GenerationMode.POSITIVE: 8, GenerationMode.NEGATIVE: 5}
+_EXAMPLES = {GenerationMode.POSITIVE: 6, GenerationMode.NEGATIVE: 4}
 _SETTINGS = settings(max_examples=6, deadline=None, database=None, derandomize=False, print_blob=True,
                      suppress_health_check=list(HealthCheck))
 
@@ -57,6 +59,7 @@ class Node:
 
     @property
     def auth(self) -> dict[str, str]:
+        """For this test's own setup calls; generated requests get the token from the security scheme."""
         return {"Authorization": f"Bearer {TOKEN}"}
 
     def status(self) -> dict[str, Any]:
@@ -128,13 +131,17 @@ def _wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, log: Path) -> s
 
 @pytest.fixture(scope="module")
 def api_schema(node: Node) -> Any:
-    return schemathesis.openapi.from_url(f"{node.url}/openapi.json")
+    config = SchemathesisConfig.from_dict({"auth": {"openapi": {"bearerAuth": {"bearer": TOKEN}}}})
+    return schemathesis.openapi.from_url(f"{node.url}/openapi.json", config=config)
 
 
 def _check(node: Node, case: Any, response: Any, before: dict[str, Any]) -> None:
     """The properties every answer must have; a failure names the request so it can be replayed."""
     request = f"{case.method} {case.formatted_path} body={str(getattr(case, 'body', None))[:300]!r}"
     status = response.status_code
+    # The scheme supplies the token: a 401 only where the case spoiled it on purpose (negative security).
+    assert status != 401 or (case.headers or {}).get("Authorization") != f"Bearer {TOKEN}", \
+        f"{request} -> 401 though the security scheme gave it the token"
     assert status != 500, f"{request} -> 500 {response.text[:500]}\n{node.log_tail()}"
     assert status < 500 or status in (502, 503, 504), f"{request} -> {status} {response.text[:300]}"
     if status >= 400:
@@ -156,8 +163,11 @@ def test_no_generated_request_gets_a_500_and_rejected_ones_change_nothing(
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(_SETTINGS, max_examples=_EXAMPLES[mode])
         def one(case: Any) -> None:
+            if mode is GenerationMode.POSITIVE and case.method.upper() not in ("GET", "HEAD", "OPTIONS"):
+                # Valid requests carry the token because the OpenAPI document says how (securitySchemes).
+                assert (case.headers or {}).get("Authorization") == f"Bearer {TOKEN}", case.operation.label
             before = node.status()
-            response = case.call(headers=node.auth, timeout=60)
+            response = case.call(timeout=60)
             _check(node, case, response, before)
             case.validate_response(response, checks=[status_code_conformance])
 
@@ -196,7 +206,7 @@ def test_no_generated_sequence_gets_a_500_and_rejected_steps_change_nothing(api_
 
     class Workflow(api_schema.as_state_machine()):  # type: ignore[misc]
         def get_call_kwargs(self, case: Any) -> dict[str, Any]:
-            return {"headers": node.auth, "timeout": 60}
+            return {"timeout": 60}
 
         def before_call(self, case: Any) -> None:
             self.before = node.status()

@@ -8,8 +8,12 @@ OS-chosen loopback port (cheap), so a test's config (token, limits, plugins) is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ import pytest_asyncio
 from support import serve_app
 
 from colocd.api.app import create_app
-from colocd.daemon.config import NodeConfig
+from colocd.daemon.config import ConfigError, NodeConfig, load_node_config
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
@@ -169,6 +173,36 @@ async def test_a_yaml_alias_bomb_is_refused_without_stalling_the_daemon(client: 
     assert max(probes, default=0.0) < 1.5, probes  # unbounded, the loop was blocked 4.4 s
 
 
+@pytest.mark.parametrize(("document", "line", "column"), [
+    (b"apiVersion: colocd/v1\n\x00\n", 2, 1),
+    (b"apiVersion: colocd/v1\x07\n", 1, 22),
+    (b"apiVersion: colocd/v1\npipeline: {policy: \x1b[31moverlap}\n", 2, 20),
+], ids=["NUL", "BEL", "ESC"])
+async def test_a_policy_document_with_a_control_character_is_400_naming_where_it_is(
+        client: httpx.AsyncClient, document: bytes, line: int, column: int) -> None:
+    before = (await client.get("/v1/policies")).json()
+    body = _is_error(await client.put("/v1/policies", content=document), 400)
+    assert (body["line"], body["column"]) == (line, column) and "U+00" in body["message"], body
+    assert (await client.get("/v1/policies")).json() == before
+
+
+async def test_a_flat_list_of_131k_nodes_is_refused_at_the_node_limit_without_stalling_the_daemon(
+        client: httpx.AsyncClient) -> None:
+    document = b"apiVersion: colocd/v1\nx: [" + b",".join([b"1"] * 131_000) + b"]\n"
+    assert len(document) < 256 * 1024
+    put = asyncio.ensure_future(client.put("/v1/policies", content=document))
+    t0 = time.perf_counter()
+    probes = []
+    while not put.done():
+        p0 = time.perf_counter()
+        assert (await client.get("/healthz")).status_code == 200
+        probes.append(time.perf_counter() - p0)
+    body = _is_error(await put, 400)
+    assert "limits.max_yaml_nodes" in body["message"], body
+    assert time.perf_counter() - t0 < 2.0  # composed to the end first, it took 5-20 s
+    assert max(probes, default=0.0) < 0.5, probes
+
+
 async def test_a_plugin_outside_the_allow_list_is_refused_before_its_module_is_imported(
         engine: ReferenceEngineProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "imported"
@@ -191,6 +225,22 @@ async def test_a_plugin_on_the_allow_list_is_imported(
         body = _is_error(await c.put("/v1/policies", content=document), 400)  # P is not a policy class
         assert "ProcessGroupPolicy" in body["message"], body
     assert marker.exists()
+
+
+@pytest.mark.parametrize("value", [True, "30"])
+async def test_a_duration_that_is_not_a_number_is_400_naming_the_field(client: httpx.AsyncClient, value: Any) -> None:
+    before = (await client.get("/v1/policies")).json()
+    document = f"apiVersion: colocd/v1\ntimeouts:\n  chunk_s: {json.dumps(value)}\n".encode()
+    body = _is_error(await client.put("/v1/policies", content=document), 400, field="timeouts.chunk_s")
+    assert body["line"] == 3, body
+    assert (await client.get("/v1/policies")).json() == before
+
+
+async def test_a_node_config_duration_that_is_a_boolean_is_refused_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_text("timeouts:\n  chunk_s: true\n")
+    with pytest.raises(ConfigError, match=r"timeouts\.chunk_s"):
+        load_node_config(path)
 
 
 # -- bodies: the token first, then the size, before the body is read ----------------------------------
@@ -236,6 +286,19 @@ async def test_a_weight_group_with_an_unreachable_master_is_422_within_seconds(
         assert (await c.get("/v1/weights/groups")).json()["groups"] == {}
 
 
+async def test_a_weight_group_whose_master_port_is_not_a_tcpstore_is_422_within_seconds(
+        engine: ReferenceEngineProcess) -> None:
+    async with daemon(engine, timeouts={"master_reach_s": 1.0, "group_s": 5.0}) as c:
+        http_port = int(str(c.base_url).rstrip("/").rsplit(":", 1)[1])  # this daemon's own HTTP port
+        t0 = time.perf_counter()
+        r = await c.post("/v1/weights/groups", json={"master_address": "127.0.0.1", "master_port": http_port,
+                                                     "backend": "gloo", "world_size": 2})
+        body = _is_error(r, 422, field="master_port")
+        assert "not a torch TCPStore" in body["message"], body
+        assert time.perf_counter() - t0 < 4  # a 504 after the engines' rendezvous timed out, before
+        assert (await c.get("/v1/weights/groups")).json()["groups"] == {}
+
+
 async def test_the_nccl_backend_on_a_cpu_engine_is_422_before_it_joins(client: httpx.AsyncClient) -> None:
     r = await client.post("/v1/weights/groups", json={"master_address": "127.0.0.1", "master_port": 1,
                                                       "backend": "nccl"})
@@ -270,6 +333,105 @@ async def test_openapi_declares_the_error_statuses_with_the_error_model(client: 
     assert phase["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert phase["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert "404" in spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["responses"]
+
+
+async def test_a_session_for_a_step_other_than_the_nodes_is_422_naming_step() -> None:
+    # Its own engine: this test moves the node to sync.
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
+            daemon(own) as c:
+        assert (await c.post("/v1/phase", json={"step": 3, "phase": "train"})).status_code == 200
+        assert (await c.post("/v1/phase", json={"step": 3, "phase": "sync"})).status_code == 200
+        before = (await c.get("/v1/status")).json()
+        for step in (2, 4, 0):
+            body = _is_error(await c.post("/v1/weights/sessions", json={"version": "v1", "step": step}), 422,
+                             field="step")
+            assert "node's step 3" in body["message"], body
+        assert (await c.get("/v1/status")).json() == before
+        opened = await c.post("/v1/weights/sessions", json={"version": "v1", "step": 3})
+        assert opened.status_code == 200 and opened.json()["step"] == 3, opened.text
+        assert (await c.post(f"/v1/weights/sessions/{opened.json()['session_id']}/abort")).status_code == 200
+
+
+_OTHER_COLOCD_PROCESS = """
+import sys, time
+from colocd.engines.chunks import SharedSegment
+segment = SharedSegment.create(64)  # another colocd process's live segment, nothing to do with the session
+print(segment.name, flush=True)
+time.sleep(3600)
+"""
+
+
+@asynccontextmanager
+async def _another_process_segment() -> AsyncIterator[str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _OTHER_COLOCD_PROCESS,
+                                                stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(60):
+            name = (await proc.stdout.readline()).decode().strip()
+        assert name, "the other process exited before creating its segment"
+        yield name
+    finally:
+        proc.kill()
+        await proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.fixture
+def other_program_segment() -> Iterator[str]:
+    """A /dev/shm file of another program (a database's, NCCL's), not in colocd's naming."""
+    path = f"/dev/shm/hostile-victim-{os.getpid()}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 64)
+    yield os.path.basename(path)
+    os.unlink(path)
+
+
+def _in_dev_shm(name: str) -> bool:
+    return name in os.listdir("/dev/shm")
+
+
+async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_files_survive_the_abort(
+        other_program_segment: str) -> None:
+    # Its own engine: this test moves the node to sync and opens a session.
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
+            daemon(own) as c, _another_process_segment() as colocd_segment:
+        assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200
+        assert (await c.post("/v1/phase", json={"step": 1, "phase": "sync"})).status_code == 200
+        session_id = (await c.post("/v1/weights/sessions", json={"version": "v1", "ranks": 1})).json()["session_id"]
+        chunks = f"/v1/weights/sessions/{session_id}/chunks"
+        shm = {"seq": 0, "rank": 0, "transport": "shm", "nbytes": 64}
+        for chunk, field in (
+            ({**shm, "handle": {"shm_name": other_program_segment, "nbytes": 64, "layout": []}},
+             "handle.shm_name"),
+            ({**shm, "handle": {"shm_name": colocd_segment, "layout": []}}, "handle.nbytes"),
+            ({**shm, "handle": {"shm_name": colocd_segment, "nbytes": True, "layout": []}}, "handle.nbytes"),
+            ({**shm, "handle": {"shm_name": colocd_segment, "nbytes": 63, "layout": []}}, "handle.nbytes"),
+            ({"seq": 0, "rank": 0, "transport": "cuda_ipc", "nbytes": 64,
+              "handle": {"payload_b64": "not base64!"}}, "handle.payload_b64"),
+        ):
+            _is_error(await c.post(chunks, json=chunk), 422, field=field)
+            assert (await c.get("/v1/status")).json()["weight_session"]["state"] == "open", chunk
+        # A live colocd segment of a process that is not this session's trainer: the daemon may read it,
+        # never remove it.
+        await c.post(chunks, json={**shm, "handle": {"shm_name": colocd_segment, "nbytes": 64, "layout": []}})
+        assert (await c.post(f"/v1/weights/sessions/{session_id}/abort")).status_code == 200
+        assert _in_dev_shm(other_program_segment) and _in_dev_shm(colocd_segment)
+
+
+async def test_openapi_declares_the_bearer_token_on_mutating_routes_and_links_a_session_to_its_routes(
+        client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    scheme = spec["components"]["securitySchemes"]["bearerAuth"]
+    assert (scheme["type"], scheme["scheme"]) == ("http", "bearer")
+    assert spec["paths"]["/v1/phase"]["post"]["security"] == [{"bearerAuth": []}]
+    assert "security" not in spec["paths"]["/v1/status"]["get"]
+    links = spec["paths"]["/v1/weights/sessions"]["post"]["responses"]["200"]["links"]
+    commit = spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["operationId"]
+    assert links[commit]["parameters"] == {"path.session_id": "$response.body#/session_id"}
+    assert "shm: {shm_name, nbytes, layout}" in spec["components"]["schemas"]["ChunkDescriptor"]["properties"][
+        "handle"]["description"]
 
 
 async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open() -> None:

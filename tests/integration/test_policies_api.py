@@ -184,3 +184,47 @@ async def test_the_sync_reply_shapes_the_weight_pusher(served: tuple[str, GatedE
         assert (plan["depth"], plan["bucket_bytes"], plan["transport"]) == (3, 8 << 20, "shm")
         pusher = WeightPusher.from_plan(client, plan)
         assert (pusher._depth, pusher._bucket_bytes, pusher._transport) == (3, 8 << 20, "shm")
+
+
+class StoppableEngine(GatedEngine):
+    """A GatedEngine that can be stopped: from then on every observation fails as a dead engine's would."""
+
+    stopped = False
+
+    async def observe(self) -> Observation:
+        if self.stopped:
+            from colocd.engines.errors import EngineUnreachable
+            raise EngineUnreachable(self.name, "connection refused")
+        return await super().observe()
+
+
+async def _until(condition: Any, what: str) -> None:
+    """Poll ``condition`` (daemon state) until it holds; ``what`` names it when the deadline passes."""
+    try:
+        async with asyncio.timeout(10):
+            while not condition():  # noqa: ASYNC110 - the daemon's state, polled with a deadline
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"not within 10 s: {what}") from None
+
+
+@pytest.mark.parametrize("bad", [b"apiVersion: colocd/v1\n\x00\n", b"apiVersion: colocd/v1\x07\n",
+                                 b"apiVersion: colocd/v1\npipeline: {policy: \x1b[31moverlap}\n"],
+                         ids=["NUL", "BEL", "ESC"])
+async def test_a_live_reload_of_a_file_with_a_control_character_keeps_the_health_loop_and_reloads(
+        tmp_path: Any, bad: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "policies.yaml"
+    path.write_text(KEEP_ALIVE)
+    engine = StoppableEngine("e0")
+    config = _config(policy_file=str(path), timeouts={"health_interval_s": 0.05})
+    async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+        path.write_bytes(bad)
+        await _until(lambda: any("not applied" in r.getMessage() and "U+00" in r.getMessage()
+                                 for r in caplog.records), "the bad file was read")
+        engine.stopped = True
+        await _until(lambda: not daemon.ready()[0], "the stopped engine reads unhealthy")
+        path.write_text("apiVersion: colocd/v1\nprocess_groups:\n  policy: destroy\n")
+        await _until(lambda: daemon.policies.store.pending is not None, "the good edit is staged")
+        pending = daemon.policies.store.pending
+        assert pending is not None and pending.info()["process_groups"] == "destroy"
+        assert daemon.policies.active.info()["process_groups"] == "keep_alive"  # the bad file changed nothing

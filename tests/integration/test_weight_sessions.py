@@ -217,6 +217,25 @@ async def test_a_killed_trainers_session_expires_and_the_next_push_needs_no_manu
 # --- complete updates -------------------------------------------------------------------------------
 
 
+async def test_an_aborted_sessions_segments_are_unlinked_when_its_live_trainer_declared_its_pid_at_join(
+        tmp_path: Any) -> None:
+    async with _node(tmp_path) as node:
+        _, named = _model(seed=12)
+        sid = (await node.client.open_session("kept", step=1, ranks=1))["session_id"]
+        await node.client.join_session(sid, rank=0, device_id="cpu:0")  # declares this process (os.getpid())
+        producer = producer_for("shm")
+        try:
+            kept = [producer.export(bucket) for bucket in list(plan_buckets(named, 20_000))[:2]]
+            for seq, chunk in enumerate(kept):  # sent and acked, never released: this trainer lives on
+                await node.client.send_chunk(sid, seq=seq, rank=0, chunk=chunk)
+            segments = {c.handle["shm_name"] for c in kept}
+            assert segments <= shm_segments()
+            await node.client.abort(sid)
+            assert not segments & shm_segments()  # the daemon (another process) proved them this trainer's
+        finally:
+            producer.close()
+
+
 async def test_a_partial_commit_after_a_release_is_refused_naming_the_missing_tensors(tmp_path: Any) -> None:
     async with _node(tmp_path) as node:
         model, named = _model(seed=5)

@@ -131,7 +131,8 @@ def _shm_part(rank: int, names: list[str]) -> RankPayload:
     segment = SharedSegment.create(layout.nbytes)
     _SEGMENTS.append(segment)
     return RankPayload(rank=rank, transport="shm", nbytes=layout.nbytes,
-                       handle={"shm_name": segment.name, "layout": layout.to_json(), "data": f"r{rank}"})
+                       handle={"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json(),
+                               "data": f"r{rank}"})
 
 
 _SEGMENTS: list[SharedSegment] = []

@@ -12,7 +12,7 @@ from colocd.engines.chunks import MAX_LAYOUT_ENTRIES, ChunkLayout, HandleError, 
 
 @pytest.fixture
 def segment() -> Any:
-    seg = SharedSegment.create(1024, prefix="colocd-unit")
+    seg = SharedSegment.create(1024)
     yield seg
     seg.close()
     seg.unlink()
@@ -23,16 +23,24 @@ def _layout() -> list[dict[str, Any]]:
 
 
 def test_a_readable_shm_handle_yields_its_layout(segment: SharedSegment) -> None:
-    layout = inspect_handle("shm", 1024, {"shm_name": segment.name, "layout": _layout()})
+    layout = inspect_handle("shm", 1024, {"shm_name": segment.name, "nbytes": 1024, "layout": _layout()})
     assert layout is not None and [t.name for t in layout.tensors] == ["a", "b"]
 
 
 @pytest.mark.parametrize(
     ("transport", "nbytes", "handle", "field", "words"),
     [
-        ("shm", 8, {"shm_name": "../../etc/passwd", "layout": []}, "handle.shm_name", "plain shared-memory"),
-        ("shm", 8, {"shm_name": ".hidden", "layout": []}, "handle.shm_name", "plain shared-memory"),
-        ("shm", 8, {"shm_name": "colocd-unit-absent", "layout": []}, "handle.shm_name", "no shared-memory segment"),
+        ("shm", 8, {"shm_name": "../../etc/passwd", "nbytes": 8, "layout": []}, "handle.shm_name", "colocd trainer"),
+        ("shm", 8, {"shm_name": ".hidden", "nbytes": 8, "layout": []}, "handle.shm_name", "colocd trainer"),
+        # Another program's segment: refused by name, whether or not it exists.
+        ("shm", 8, {"shm_name": "nccl-abc123", "nbytes": 8, "layout": []}, "handle.shm_name", "colocd trainer"),
+        ("shm", 8, {"shm_name": "colocd-unit-absent", "nbytes": 8, "layout": []}, "handle.shm_name", "colocd trainer"),
+        ("shm", 8, {"shm_name": "colocd-1-0a1b2c3d4e5f", "nbytes": 8, "layout": []}, "handle.shm_name",
+         "no shared-memory segment"),
+        ("shm", 8, {"shm_name": "colocd-1-0a1b2c3d4e5f", "layout": []}, "handle.nbytes", "got None"),
+        ("shm", 8, {"shm_name": "colocd-1-0a1b2c3d4e5f", "nbytes": True, "layout": []}, "handle.nbytes", "got True"),
+        ("shm", 8, {"shm_name": "colocd-1-0a1b2c3d4e5f", "nbytes": 16, "layout": []}, "handle.nbytes", "got 16"),
+        ("cuda_ipc", 8, {"payload_b64": "not base64!"}, "handle.payload_b64", "not base64"),
         ("disk", 8, {"path": "relative.safetensors"}, "handle.path", "absolute path"),
         ("cuda_ipc", 8, {}, "handle.payload_b64", "payload_b64"),
         ("carrier_pigeon", 8, {}, "transport", "unknown transport"),
@@ -58,17 +66,17 @@ def test_unreadable_handles_are_refused_naming_the_field(
 )
 def test_bad_layouts_are_refused(segment: SharedSegment, layout: Any, words: str) -> None:
     with pytest.raises(HandleError, match=words) as err:
-        inspect_handle("shm", 1024, {"shm_name": segment.name, "layout": layout})
+        inspect_handle("shm", 1024, {"shm_name": segment.name, "nbytes": 1024, "layout": layout})
     assert err.value.field == "handle.layout"
 
 
 def test_a_segment_smaller_than_nbytes_is_refused(segment: SharedSegment) -> None:
     with pytest.raises(HandleError, match="holds 1024 bytes") as err:
-        inspect_handle("shm", 10**12, {"shm_name": segment.name, "layout": []})
+        inspect_handle("shm", 10**12, {"shm_name": segment.name, "nbytes": 10**12, "layout": []})
     assert err.value.field == "nbytes"
 
 
 def test_a_layout_longer_than_any_chunk_is_refused_before_parsing_it(segment: SharedSegment) -> None:
     huge = [{"name": f"t{i}", "dtype": "uint8", "shape": [0], "offset": 0} for i in range(MAX_LAYOUT_ENTRIES + 1)]
     with pytest.raises(HandleError, match=f"at most {MAX_LAYOUT_ENTRIES}"):
-        inspect_handle("shm", 1024, {"shm_name": segment.name, "layout": huge})
+        inspect_handle("shm", 1024, {"shm_name": segment.name, "nbytes": 1024, "layout": huge})
