@@ -490,7 +490,7 @@ async def test_a_committed_session_refuses_chunks_and_commit_with_410_and_abort_
         assert after["engines"] == before["engines"] and after["weight_session"] == before["weight_session"]
         metrics = await node.client.metrics()
         assert 'colocd_weight_sessions_total{outcome="committed"} 1.0' in metrics
-        assert 'outcome="aborted"' not in metrics
+        assert 'colocd_weight_sessions_total{outcome="aborted"} 0.0' in metrics  # declared at 0, never counted
         await node.client.phase("rollout", 1)
         assert await _checksum(node.engine_url) == tensor_checksum(named)
         assert await _greedy(node.engine_url) == _local_greedy(model)
