@@ -190,6 +190,8 @@ class OpenSessionReply(BaseModel):
     chunk_channel: str | None = Field(
         None, description="unix:/path of the framed chunk channel (api/chunk_channel.py): the same chunk calls "
                           "at a tenth of HTTP's cost; null when the node has it off")
+    transports: list[Transport] = Field(default_factory=list, description=(
+        "the transports every engine of the session loads; a chunk by any other is refused (422)"))
 
 
 class TensorEntry(_Strict):
@@ -253,6 +255,9 @@ class JoinReply(BaseModel):
     ring_refs: str | None = Field(None, description=(
         "this daemon's record of ipc_ring announcements: a ring that announced its layouts and slot handles "
         "to this id may send layout_ref only; another id (a restarted daemon) needs them again"))
+    transports: list[Transport] = Field(default_factory=list, description=(
+        "the transports every engine this rank feeds loads: a chunk by any other is refused (422) before any "
+        "engine sees it; WeightPusher's transport='auto' picks from these"))
 
 
 class ChunkAckReply(BaseModel):

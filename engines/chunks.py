@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .inline import InlinePayloadError, check_inline_payload
+
 __all__ = [
     "DTYPES",
     "MAX_LAYOUT_ENTRIES",
@@ -282,7 +284,8 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
 
     shm: the name is a plain segment name, the segment exists and holds ``nbytes``, the layout fits in
     it; ipc_ring: the layout fits in ``nbytes``; disk: an absolute path to a regular file; cuda_ipc: a
-    base64 string. Returns the layout where the handle carries one (shm, ipc_ring), else None.
+    base64 string; inline: one well-formed pickle of allow-listed names (``engines/inline.py``). Returns the
+    layout where the handle carries one (shm, ipc_ring, inline), else None.
     """
     if transport == "shm":
         name = handle.get("shm_name")
@@ -305,6 +308,12 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
         if not isinstance(path, str) or not os.path.isabs(path) or not os.path.isfile(path):
             raise HandleError(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
         return None
+    if transport == "inline":
+        try:
+            check_inline_payload(handle.get("payload_b64"))
+        except InlinePayloadError as exc:
+            raise HandleError(str(exc), field="handle.payload_b64") from None
+        return _layout(handle, nbytes) if "layout" in handle else None
     if transport == "cuda_ipc":
         if not isinstance(handle.get("payload_b64"), str):
             raise HandleError("a cuda_ipc handle carries its payload as a 'payload_b64' string",

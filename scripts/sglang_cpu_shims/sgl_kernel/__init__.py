@@ -12,7 +12,8 @@ SGLang server on a CPU machine (scripts/install-sglang-cpu.sh puts it into that 
 
 from __future__ import annotations
 
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -32,7 +33,7 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
     ends = end_offset.tolist()
     rows = req_pool_indices.tolist()
     offset = 0
-    for row, start, end in zip(rows, starts, ends):
+    for row, start, end in zip(rows, starts, ends, strict=True):
         n = end - start
         req_to_token[row, start:end] = out_cache_loc[offset:offset + n].to(req_to_token.dtype)
         offset += n
