@@ -18,7 +18,7 @@ from ..base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport,
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
 from ..httpmap import check_reply, map_http_errors
 from ..ring_refs import UNKNOWN_REF_MARK
-from . import wire
+from . import checksums, wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
 __all__ = ["SGLangAdapter"]
@@ -318,6 +318,25 @@ class SGLangAdapter:
         data = self._json(await self._call("POST", route, "weights_checker", wire.body(request, self.protocol)),
                           self.name, "weights_checker")
         return self._parse(wire.CheckWeightsResult, data, "weights_checker").checksum()
+
+    async def reload_weights(self, model_path: str, *, weight_version: str | None = None) -> None:
+        """SGLang loads ``model_path`` itself (``/update_weights_from_disk``, no session needed); a failed load
+        leaves the old weights served (EngineRejected)."""
+        request = wire.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version)
+        self._check_success(
+            await self._call("POST", request.ROUTE, "update_weights_from_disk", wire.body(request, self.protocol)),
+            "update_weights_from_disk")
+
+    async def parameter_checksums(self) -> dict[str, str] | None:
+        """Per-parameter checksums of the served weights (``checksums.parameter_checksums``); None where the
+        engine has no checker route."""
+        route = self.protocol.weights_checker_route
+        if route is None:
+            return None
+        request = wire.CheckWeightsReqInput(action="checksum")
+        data = self._json(await self._call("POST", route, "weights_checker", wire.body(request, self.protocol)),
+                          self.name, "weights_checker")
+        return checksums.parameter_checksums(self._parse(wire.CheckWeightsResult, data, "weights_checker"))
 
     async def memory_report(self) -> dict[str, Any] | None:
         """The reference engine's own per-tag byte counts (colocd extension); None elsewhere."""
