@@ -167,3 +167,21 @@ class Recorder:
             "responses": dict(sorted(merged.items()))}, indent=1, sort_keys=False) + "\n")
 
 
+
+
+def greedy_sync(url: str, max_new_tokens: int = 12) -> list[int]:
+    """``greedy`` for synchronous tests (those that drive the README's synchronous TrainerClient)."""
+    r = httpx.post(f"{url}/generate", timeout=120, trust_env=False, json={
+        "text": PROMPT, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}})
+    r.raise_for_status()
+    return list(r.json()["output_ids"])
+
+
+def checksums_sync(url: str) -> dict[str, str]:
+    """Every per-parameter ``/weights_checker`` checksum of the server (engines/sglang/checksums.py)."""
+    from colocd.engines.sglang import wire
+    from colocd.engines.sglang.checksums import parameter_checksums
+
+    r = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=120, trust_env=False)
+    r.raise_for_status()
+    return parameter_checksums(wire.CheckWeightsResult.model_validate(r.json()))
