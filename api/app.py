@@ -178,7 +178,7 @@ async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Open
     return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version,
                             partial=s.partial, idle_s=s.idle_s,
                             manifest_tensors=None if s.manifest is None else len(s.manifest),
-                            chunk_channel=request.state.chunk_channel)
+                            chunk_channel=request.state.chunk_channel, transports=list(s.transports()))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/join", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))

@@ -201,6 +201,8 @@ class OpenSessionReply(BaseModel):
     chunk_channel: str | None = Field(
         None, description="unix:/path of the framed chunk channel (api/chunk_channel.py): the same chunk calls "
                           "at a tenth of HTTP's cost; null when the node has it off")
+    transports: list[Transport] = Field(default_factory=list, description=(
+        "the transports every engine of the session loads; a chunk by any other is refused (422)"))
 
 
 class TensorEntry(_Strict):
@@ -284,6 +286,9 @@ class JoinReply(BaseModel):
         "to this id may send layout_ref only; another id (a restarted daemon) needs them again"))
     verify: Literal["full", "sample", "off"] = Field(
         "off", description="the policy's sync.verify for this session: unless off, send each chunk's digests")
+    transports: list[Transport] = Field(default_factory=list, description=(
+        "the transports every engine this rank feeds loads: a chunk by any other is refused (422) before any "
+        "engine sees it; WeightPusher's transport='auto' picks from these"))
 
 
 class ChunkAckReply(BaseModel):

@@ -40,7 +40,7 @@ from ..engines.base import RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.errors import RingRefsUnknown
 from ..engines.ring_refs import RefMismatch, RefUnknown, RingDirectory
-from ..policies import VerifyMode
+from ..policies import Transport, VerifyMode
 from .engine_ops import EngineHandle
 from .errors import (
     ChunkTimeout,
@@ -148,11 +148,13 @@ class RankJoin:
     feeds: tuple[tuple[str, int], ...]  # (engine, TP rank)
     ring_refs: str | None = None  # the daemon's RingDirectory id: what a ring's announcements were made to
     verify: VerifyMode = "off"  # the commit's check (daemon/verify.py): unless off, send digests with each chunk
+    transports: tuple[Transport, ...] = ()  # what every engine this rank feeds loads (its chunks must use one)
 
     def to_json(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "rank": self.rank, "device_id": self.device_id,
                 "streams": bool(self.feeds), "feeds": [{"engine": e, "tp_rank": t} for e, t in self.feeds],
-                "ring_refs": self.ring_refs, "verify": self.verify}
+                "ring_refs": self.ring_refs, "verify": self.verify,
+                "transports": [t.value for t in self.transports]}
 
 
 @dataclass
@@ -323,7 +325,8 @@ class WeightSession:
         if len(self._devices) == self.ranks:
             self._feed_gpus_from_host_ranks()
         joined = RankJoin(self.id, rank, device_id, self._feeds(rank),
-                          self._rings.id if self._rings is not None else None, self.verify)
+                          self._rings.id if self._rings is not None else None, self.verify,
+                          self.transports(self._users_of(rank)))
         if len(self._devices) == self.ranks and (unserved := self._unserved()):
             declared = ", ".join(f"rank {r}: {d!r}" for r, d in sorted(self._devices.items()))
             error = RequestInvalid(
@@ -355,6 +358,24 @@ class WeightSession:
         gaps = [f"engine {lane.name!r} TP rank {t} on device {lane.device(t)!r} has no trainer rank on it"
                 for lane in self._lanes for t, r in enumerate(lane.sources) if r is None]
         return "; ".join(gaps[:4]) + (f" (and {len(gaps) - 4} more)" if len(gaps) > 4 else "")
+
+    def transports(self, lanes: Sequence[_Lane] | None = None) -> tuple[Transport, ...]:
+        """The transports every engine of ``lanes`` (default: the session's) loads, in the enum's order."""
+        lanes = self._lanes if lanes is None else lanes
+        return tuple(t for t in Transport if all(t in lane.engine.adapter.transports for lane in lanes))
+
+    def _check_transport(self, seq: int, part: RankPayload, users: tuple[_Lane, ...]) -> None:
+        """A chunk goes only to engines that load its transport: refused (422 naming the transport and what the
+        engine accepts) before any engine sees it. Real SGLang unpickles whatever it is sent in its scheduler;
+        a payload it cannot load kills the scheduler and the whole server."""
+        for lane in users:
+            accepted = lane.engine.adapter.transports
+            if part.transport not in {t.wire for t in accepted}:
+                names = ", ".join(t.value for t in Transport if t in accepted) or "none"
+                raise RequestInvalid(
+                    f"session {self.id}: chunk {seq} from rank {part.rank} travels by {part.transport}, which engine "
+                    f"{lane.name!r} does not load (it accepts: {names}); nothing was sent to any engine: send it by "
+                    "one of those (the join reply's transports)", field="transport")
 
     def _users_of(self, rank: int) -> tuple[_Lane, ...]:
         return tuple(lane for lane in self._lanes if rank in lane.sources)
@@ -483,6 +504,7 @@ class WeightSession:
                 f"(chunks {first_missing}..{first_missing + self.depth - 1}); chunk sequence numbers are "
                 "0, 1, 2, ... without gaps", field="seq")
         part = self._resolve(seq, part)
+        self._check_transport(seq, part, users)
         layout = self._inspect(seq, part)
         self._check_plan(seq, part.rank, layout)
         self._mark_sent(part.rank, seq)  # received: counts for the gap rule even while it waits below

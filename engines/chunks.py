@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where tensors are touched: a layout is checked without it (the daemon)
     import torch
 
+from .inline import InlinePayloadError, check_inline_payload
+
 __all__ = [
     "DTYPES",
     "MAX_LAYOUT_ENTRIES",
@@ -306,7 +308,8 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
     shm: the name is a colocd trainer segment's, ``handle.nbytes`` is ``nbytes``, the segment exists and
     holds them, the layout fits in it; ipc_ring: the layout fits in ``nbytes``; disk: an absolute path to a
     regular file; cuda_ipc: a base64 string. The layout of a chunk whose bytes the daemon cannot read (disk,
-    cuda_ipc, ring regions) names the tensors the trainer put in it: names, dtypes, shapes.
+    cuda_ipc, ring regions) names the tensors the trainer put in it: names, dtypes, shapes. inline: one
+    well-formed pickle of allow-listed names (``engines/inline.py``).
     """
     if transport == "shm":
         name = handle.get("shm_name")
@@ -333,6 +336,12 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
         if not isinstance(path, str) or not os.path.isabs(path) or not os.path.isfile(path):
             raise HandleError(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
         return _layout(transport, handle, None)
+    if transport == "inline":
+        try:
+            check_inline_payload(handle.get("payload_b64"))
+        except InlinePayloadError as exc:
+            raise HandleError(str(exc), field="handle.payload_b64") from None
+        return _layout(transport, handle, nbytes)
     if transport == "cuda_ipc":
         payload = handle.get("payload_b64")
         if not isinstance(payload, str):

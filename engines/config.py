@@ -110,7 +110,8 @@ class ReferenceEngineConfig(_EngineBase):
 
 
 class SGLangEngineConfig(_EngineBase):
-    """A real SGLang server (launched with --enable-memory-saver)."""
+    """A real SGLang server (launched with --enable-memory-saver on a GPU; ``--device cpu`` in launch.args runs
+    SGLang's CPU engine, where releases free nothing)."""
 
     kind: Literal["sglang"] = "sglang"
     model_path: str | None = Field(None, description="model to serve when colocd launches the server")

@@ -31,7 +31,9 @@ TransportChoice = Transport | Literal["auto"]
 
 # Fastest first: the ring measured 1.2x faster than a fresh IPC bucket per chunk on one H200
 # (research/h200-limits.md); shm is the CPU path; disk always works.
-_PREFERENCE: tuple[Transport, ...] = (Transport.IPC_RING, Transport.CUDA_IPC, Transport.SHM, Transport.DISK)
+# inline before disk: it is what a real SGLang loads from CPU, and disk is the floor.
+_PREFERENCE: tuple[Transport, ...] = (Transport.IPC_RING, Transport.CUDA_IPC, Transport.SHM, Transport.INLINE,
+                                      Transport.DISK)
 # Transports whose buckets are staged in GPU memory, so depth x bucket must fit in free memory.
 _GPU_STAGED = frozenset({Transport.IPC_RING, Transport.CUDA_IPC})
 

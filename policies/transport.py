@@ -17,6 +17,7 @@ class Transport(StrEnum):
 
     SHM = "shm"  # POSIX shared memory by name: the CPU path
     DISK = "disk"  # a safetensors file: the fallback
+    INLINE = "inline"  # the tensors' bytes in the descriptor, plainly pickled (what SGLang loads from CPU)
     CUDA_IPC = "cuda_ipc"  # a fresh IPC-exported GPU bucket per chunk (SGLang's flattened_bucket)
     PER_TENSOR = "per_tensor"  # cuda_ipc with one IPC handle per tensor (SGLang's default list format)
     IPC_RING = "ipc_ring"  # persistent GPU buffers exported once; a chunk names (slot, layout)

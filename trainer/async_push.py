@@ -51,7 +51,7 @@ __all__ = ["AsyncWeightSync", "BufferChoice", "MemoryProbe", "WeightSender", "ch
 _MIB = 1 << 20
 BufferKind = Literal["device", "pinned_cpu", "none"]
 # Producers that read host tensors; the others need each chunk's tensors on a CUDA device.
-_HOST_READABLE = frozenset({"shm", "disk"})
+_HOST_READABLE = frozenset({"shm", "disk", "inline"})
 
 
 class WeightSender(Protocol):

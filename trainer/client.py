@@ -16,7 +16,7 @@ import torch
 
 from ..api.client import ColocdClient
 from ..policies import Transport
-from .push import PushReport, WeightPusher
+from .push import DEFAULT_DEPTH, PushReport, WeightPusher
 
 __all__ = ["TrainerClient"]
 
@@ -25,8 +25,11 @@ class TrainerClient(ColocdClient):
     """``ColocdClient`` with the weight push; each push opens, streams and commits one session."""
 
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
-                     transport: Transport | str = Transport.SHM, bucket_mb: float = 64, depth: int = 2,
+                     transport: Transport | str = "auto", bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH,
                      partial: bool = False) -> PushReport:
+        """Open, stream and commit one session. The defaults are ``WeightPusher``'s (the ``tuned`` preset:
+        the transport by the tensors' device and what the engines load, 2 GiB buckets unless free memory
+        says less, depth 3); tests/unit/test_tuned_defaults.py holds the two to one set."""
         async def push() -> PushReport:
             async with WeightPusher(self.async_client, transport=transport, bucket_mb=bucket_mb,
                                     depth=depth) as pusher:

@@ -5,7 +5,8 @@ daemon acked the chunk (every engine consumed it). Until then the buffer stays a
 SGLang replies before its copy has finished (research/engine-apis.md §6.4 #6), so the ack, not the
 engine's HTTP reply seen by anyone else, is what licenses reuse.
 
-Producers by name (``producer_for``): ``shm`` and ``disk`` (CPU paths), ``cuda_ipc`` (a fresh
+Producers by name (``producer_for``): ``shm`` and ``disk`` (CPU paths), ``inline`` (the bytes in the
+descriptor as SGLang's plainly pickled ``flattened_bucket``: what a real SGLang loads from CPU), ``cuda_ipc`` (a fresh
 IPC-exported bucket per chunk, SGLang's ``flattened_bucket``), ``per_tensor`` (one IPC handle per
 tensor, SGLang's default format), ``ipc_ring`` and ``zero_copy`` (persistent exported buffers,
 ``ring.py``).
@@ -13,8 +14,10 @@ tensor, SGLang's default format), ``ipc_ring`` and ``zero_copy`` (persistent exp
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
+import pickle
 import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -35,6 +38,7 @@ __all__ = [
     "CudaIpcProducer",
     "DiskProducer",
     "ExportedChunk",
+    "InlineProducer",
     "Producer",
     "ShmProducer",
     "producer_for",
@@ -133,6 +137,35 @@ class DiskProducer:
             self._drop(path)
 
 
+class InlineProducer:
+    """The chunk's bytes in its descriptor: base64 of a plain ``pickle`` of SGLang's ``flattened_bucket``
+    (``{"flattened_tensor": uint8 CPU tensor, "metadata": [...]}``), the CPU format a real SGLang's
+    ``update_weights_from_tensor`` loads on any device. Plain pickle carries the tensor by value, so nothing
+    is shared with the engine (ForkingPickler's file-descriptor sharing needs the sender's multiprocessing
+    key, and SGLang's scheduler dies on it). Bounded by the daemon's request size (limits.max_body_bytes):
+    ``INLINE_BUCKET_MB`` by default. The handle also carries the layout, which the daemon checks against the
+    manifest; the daemon itself never unpickles the payload (``engines/inline.py`` checks its opcodes)."""
+
+    transport = Transport.INLINE
+
+    def begin_stream(self, receiver: str | None = None) -> None:
+        return None
+
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
+        from ..engines.sglang.payload import FLATTENED_BUCKET, metadata_for_layout
+
+        layout = ChunkLayout.for_tensors(named)
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        flatten_into(buffer, layout, [(n, t.detach().to("cpu")) for n, t in named])
+        payload = pickle.dumps({"flattened_tensor": buffer, "metadata": list(metadata_for_layout(layout))})
+        handle = {"payload_b64": base64.b64encode(payload).decode("ascii"), "load_format": FLATTENED_BUCKET,
+                  "layout": layout.to_json()}
+        return ExportedChunk(Transport.INLINE, layout.nbytes, handle, layout)
+
+    def close(self) -> None:
+        return None  # nothing outlives a chunk: its bytes are in the descriptor
+
+
 class CudaIpcProducer:
     """A fresh IPC-exported GPU bucket per chunk (what SGLang's ``flattened_bucket`` expects).
 
@@ -216,6 +249,8 @@ def producer_for(transport: Transport | str, *, bucket_bytes: int = 64 << 20, sl
         return ShmProducer(leases=leases)
     if transport is Transport.DISK:
         return DiskProducer()
+    if transport is Transport.INLINE:
+        return InlineProducer()
     if transport in (Transport.CUDA_IPC, Transport.PER_TENSOR):
         return CudaIpcProducer(per_tensor=transport is Transport.PER_TENSOR, leases=leases)
     from .ring import IpcRingProducer  # IPC_RING or ZERO_COPY

@@ -36,6 +36,7 @@ __all__ = [
     "CHANNEL_CHOICES",
     "DEFAULT_BUCKET_MB",
     "DEFAULT_DEPTH",
+    "INLINE_BUCKET_MB",
     "ChunkRecord",
     "PushReport",
     "WeightPusher",
@@ -50,18 +51,29 @@ __all__ = [
 # until ``aclose()``, so they are opt-in), shared memory on CPU.
 DEFAULT_DEPTH = 3
 DEFAULT_BUCKET_MB = 2048
+# An inline chunk travels in one request body (the daemon's limits.max_body_bytes, 64 MiB by default);
+# base64 and the pickle add a third.
+INLINE_BUCKET_MB = 32
 _MIB = 1 << 20
 
+# transport="auto", by the tensors' device, first choice first: what the engines accept decides among them.
+_AUTO_ORDER = {"cuda": ("cuda_ipc", "shm", "inline", "disk"), "cpu": ("shm", "inline", "disk")}
 
-def auto_transport(device: torch.device) -> str:
-    """``transport="auto"``: fresh CUDA-IPC buckets for CUDA tensors, POSIX shared memory for CPU ones."""
-    return "cuda_ipc" if device.type == "cuda" else "shm"
+
+def auto_transport(device: torch.device, accepted: Iterable[str] | None = None) -> str:
+    """``transport="auto"``: fresh CUDA-IPC buckets for CUDA tensors, POSIX shared memory for CPU ones, unless
+    the engines do not load that: then the first of the device's order they do (``accepted``: the join reply's
+    ``transports``; None or empty: no word from the daemon). Against a real SGLang on CPU that is ``inline``."""
+    order = _AUTO_ORDER["cuda" if device.type == "cuda" else "cpu"]
+    allowed = set(accepted or ())
+    return next((t for t in order if t in allowed), order[0]) if allowed else order[0]
 
 
 def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
-    """``bucket_mb=None``: DEFAULT_BUCKET_MB, unless ``depth`` such buckets would not fit in what is free
-    where they are staged (GPU memory for CUDA transports, /dev/shm for shm): then what fits, >= 1 MiB."""
-    bucket = DEFAULT_BUCKET_MB * _MIB
+    """``bucket_mb=None``: DEFAULT_BUCKET_MB (INLINE_BUCKET_MB for inline), unless ``depth`` such buckets would
+    not fit in what is free where they are staged (GPU memory for CUDA transports, /dev/shm for shm): then what
+    fits, >= 1 MiB."""
+    bucket = (INLINE_BUCKET_MB if transport == "inline" else DEFAULT_BUCKET_MB) * _MIB
     free = _staging_free_bytes(transport, device)
     if free is not None and depth * bucket > free:
         bucket = max(_MIB, free // depth)
@@ -253,13 +265,18 @@ class WeightPusher:
         return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
     def transport_for(self, device: torch.device) -> str:
-        """The transport a stream of tensors on ``device`` uses: the one given, else ``auto_transport``."""
-        return str(self._transport) if self._transport != "auto" else auto_transport(device)
+        """The transport a stream of tensors on ``device`` uses: the one given, else ``auto_transport`` over what
+        the last join said the engines accept."""
+        return str(self._transport) if self._transport != "auto" else auto_transport(device, self._accepted())
+
+    def _accepted(self) -> list[str] | None:
+        return None if self.last_join is None else self.last_join.get("transports")
 
     def _shape_for(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-        """This stream's transport and bucket size: the ones given, else chosen from the (first) tensors."""
+        """This stream's transport and bucket size: the ones given, else chosen from the (first) tensors and
+        what the engines accept (the join reply's ``transports``)."""
         device = next((t.device for _, t in named), torch.device("cpu"))
-        transport = self._transport if self._transport != "auto" else auto_transport(device)
+        transport = self._transport if self._transport != "auto" else auto_transport(device, self._accepted())
         if self._bucket_bytes is not None:
             return transport, self._bucket_bytes
         return transport, auto_bucket_bytes(transport, device, self._depth)
@@ -409,6 +426,10 @@ class WeightPusher:
     async def _stream(self, session_id: str, head: list[tuple[str, torch.Tensor]],
                       named: Iterable[tuple[str, torch.Tensor]],
                       sender: AsyncColocdClient | ChunkChannel) -> tuple[int, int]:
+        accepted = self._accepted()
+        if self._producer is not None and self._transport == "auto" and accepted and self._shape[0] not in accepted:
+            self._producer.close()  # the engines changed (e.g. another kind attached): choose again
+            self._producer = None
         if self._producer is None:
             # Chosen with the producer and kept with it: a ring's slots are sized by the first stream.
             self._shape = self._shape_for(head)

@@ -221,7 +221,11 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "colocd_tp_ranks": engine.tp_ranks(),
         }
         if not legacy:
-            info["startup_time"] = engine.startup_time
+            # SGLang 0.5.23's shape: a dict of startup-phase durations (tokenizer_manager.py:535,862), which
+            # observers may not read as a timestamp. This engine measures none of them; its start time, in
+            # the same dict, makes each process's answer its own (the incarnation colocd derives from it).
+            info["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
+                                    "cuda_graph": {}, "tokenizer_e2e": 0.0, "colocd_started_at": engine.startup_time}
             info["frontend"] = "python"
         return info
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -19,7 +19,7 @@ from ..base import EngineDigests, EngineInfo, MemoryTag, Observation, PauseMode,
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
 from ..httpmap import check_reply, map_http_errors
 from ..ring_refs import UNKNOWN_REF_MARK
-from . import wire
+from . import checksums, wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
 __all__ = ["UNSUPPORTED_DIGESTS", "SGLangAdapter"]
@@ -35,6 +35,8 @@ UNSUPPORTED_DIGESTS = (
     "SGLang reports no per-tensor digests of what it received: /weights_checker checksums its fused, TP-sharded "
     "parameters (qkv_proj, gate_up_proj) with its own hash, which colocd does not rebuild; this engine's weights "
     "are not verified")
+
+_R = TypeVar("_R", bound=wire.ServerInfo | wire.ModelInfo | wire.CheckWeightsResult)
 
 
 class SGLangAdapter:
@@ -80,15 +82,19 @@ class SGLangAdapter:
 
     @property
     def transports(self) -> frozenset[Transport]:
-        """SGLang loads CUDA-IPC chunks only (flattened_bucket, or its default per-tensor list); colocd's
-        own formats (shm, disk, the ring) need the reference engine's loader, and those on CPU only shm/disk."""
+        """What this engine loads. Real SGLang: ``inline`` (plain-pickled CPU tensors, on any device) and, on
+        a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list); never colocd's own formats
+        (shm, disk, the ring), which only the reference engine's loader reads: SGLang would unpickle their
+        JSON descriptors and its scheduler would die. Before attach a real SGLang is assumed to be on a GPU.
+        The reference engine: everything on a GPU, shm/disk/inline on CPU."""
+        device = self._device or str(getattr(self._config, "device", "cuda" if self._config.kind != "reference"
+                                               else "cpu"))
         if not self._is_reference and (self._info is not None or self._config.kind != "reference"):
-            return _SGLANG_TRANSPORTS
-        device = self._device or str(getattr(self._config, "device", "cpu"))
+            return _SGLANG_GPU_TRANSPORTS if device.startswith("cuda") else _SGLANG_CPU_TRANSPORTS
         return _REFERENCE_GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
 
     # -- verbs -------------------------------------------------------------------------------
-    async def _server_info(self) -> dict[str, Any]:
+    async def _server_info(self) -> wire.ServerInfo:
         try:
             server = self._json(await self._call("GET", self._server_info_route, "server_info"),
                                 self.name, "server_info")
@@ -99,20 +105,24 @@ class SGLangAdapter:
             self._server_info_route = "/get_server_info"
             server = self._json(await self._call("GET", "/get_server_info", "get_server_info"),
                                 self.name, "get_server_info")
-        if not isinstance(server, dict):
-            raise EngineProtocolError(self.name, f"server_info: expected an object, got {server!r:.200}")
-        return server
+        return self._parse(wire.ServerInfo, server, "server_info")
+
+    def _parse(self, model: type[_R], data: Any, what: str) -> _R:
+        try:
+            return wire.parse_reply(model, data)
+        except wire.ReplyInvalid as exc:
+            raise EngineProtocolError(self.name, f"{what}: {exc}") from None
 
     async def attach(self) -> EngineInfo:
         server = await self._server_info()
-        version = str(server.get("version", ""))
+        version = server.version
         try:
             self.protocol = protocol_for_version(version)
         except ValueError as exc:
             raise EngineProtocolError(self.name, f"cannot drive SGLang version {version!r}: {exc}") from exc
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
-        self._device = str(server["device"]) if isinstance(server.get("device"), str) else None
+        self._device = server.device
         self._info = EngineInfo(
             name=self.name,
             engine_kind=getattr(self._config, "kind", "sglang"),
@@ -121,32 +131,30 @@ class SGLangAdapter:
             weight_version=await self.weight_version(),
             tp_size=self._config.tp_size,
             owned_tags=owned,
-            extra={"colocd_reference": bool(server.get("colocd_reference", False))},
+            extra={"colocd_reference": server.colocd_reference},
             device_ids=self._tp_device_ids(server),
         )
         return self._info
 
-    def _tp_device_ids(self, server: dict[str, Any]) -> tuple[str, ...]:
+    def _tp_device_ids(self, server: wire.ServerInfo) -> tuple[str, ...]:
         """Each TP rank's device identity: the reference engine reports them (``colocd_tp_ranks``); real SGLang
         does not, so the config's ``gpu_uuids`` (one per TP rank) stand for them; else none are known."""
-        ranks = server.get("colocd_tp_ranks")
-        if isinstance(ranks, list) and len(ranks) == self._config.tp_size:
-            ids = [r.get("device_id") if isinstance(r, dict) else None for r in ranks]
-            if all(isinstance(i, str) and i for i in ids):
+        ranks = server.colocd_tp_ranks
+        if ranks is not None and len(ranks) == self._config.tp_size:
+            ids = [r.device_id for r in ranks]
+            if all(ids):
                 return tuple(str(i) for i in ids)
         uuids = list(getattr(self._config, "gpu_uuids", None) or ())
         return tuple(uuids) if len(uuids) == self._config.tp_size else ()
 
-    def _check_tp_size(self, server: dict[str, Any]) -> None:
+    def _check_tp_size(self, server: wire.ServerInfo) -> None:
         """The engine's TP size must be the declared one: the daemon gathers one payload per declared TP rank
         for every chunk. SGLang's server_info carries its resolved server args, ``tp_size`` among them
         (http_server.py:863-894; 0.5.4 /get_server_info too); an answer without it cannot be checked."""
-        reported = server.get("tp_size")
+        reported = server.tp_size
         if reported is None:
             return
         declared = int(self._config.tp_size)
-        if not isinstance(reported, int) or isinstance(reported, bool):
-            raise EngineProtocolError(self.name, f"server_info: tp_size {reported!r} is not an integer")
         if reported != declared:
             raise EngineMismatch(
                 self.name,
@@ -162,31 +170,31 @@ class SGLangAdapter:
         return True
 
     async def observe(self) -> Observation:
-        """server_info's ``startup_time`` is the incarnation (SGLang sets it once per process,
-        http_server.py:853-894); the reference engine also reports its pause gate, its open
-        weight-update session (``internal_states``) and per-tag residency (``/colocd/memory``).
-        Real SGLang reports neither, so those fields stay None there."""
+        """The incarnation is derived from server_info's ``startup_time``, whatever its shape
+        (``wire.ServerInfo.incarnation``: SGLang measures it once per process, http_server.py:886); the
+        reference engine also reports its pause gate, its open weight-update session (``internal_states``)
+        and per-tag residency (``/colocd/memory``). Real SGLang reports neither, so those stay None there."""
         server = await self._server_info()
-        startup = server.get("startup_time")
-        states = server.get("internal_states") or [{}]
-        first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
-        paused = (first["paused"] is not None) if "paused" in first else None
+        first = server.internal_states[0] if server.internal_states else wire.InternalState()
+        paused = (first.paused is not None) if first.has_paused else None
         session = None  # older SGLang has no update session at all, so none can be open or lost
-        if self.protocol.weight_update_session and "weight_update_session" in first:
-            session = first["weight_update_session"] is not None
+        if self.protocol.weight_update_session and first.has_session:
+            session = first.weight_update_session is not None
         resident = None
         if (report := await self.memory_report()) is not None:
             resident = {MemoryTag(t): bool(v.get("resident")) for t, v in report.get("tags", {}).items()
                         if t in MemoryTag.__members__.values()}
-        return Observation(incarnation=None if startup is None else repr(float(startup)),
+        return Observation(incarnation=server.incarnation(),
                            weight_version=await self.weight_version(), resident=resident or None,
                            paused=paused, update_session_open=session)
 
     async def weight_version(self) -> str | None:
         route = self.protocol.weight_version_route
-        data = self._json(await self._call("GET", route, route.lstrip("/")), self.name, route.lstrip("/"))
-        version = data.get("weight_version") if isinstance(data, dict) else data
-        return None if version is None else str(version)
+        what = route.lstrip("/")
+        data = self._json(await self._call("GET", route, what), self.name, what)
+        if not isinstance(data, dict):  # the oldest servers answer the bare version
+            return None if data is None else str(data)
+        return self._parse(wire.ModelInfo, data, what).weight_version
 
     async def pause_generation(self, mode: PauseMode) -> None:
         try:
@@ -322,12 +330,26 @@ class SGLangAdapter:
         request = wire.CheckWeightsReqInput(action="checksum")
         data = self._json(await self._call("POST", route, "weights_checker", wire.body(request, self.protocol)),
                           self.name, "weights_checker")
-        if not isinstance(data, dict):
+        return self._parse(wire.CheckWeightsResult, data, "weights_checker").checksum()
+
+    async def reload_weights(self, model_path: str, *, weight_version: str | None = None) -> None:
+        """SGLang loads ``model_path`` itself (``/update_weights_from_disk``, no session needed); a failed load
+        leaves the old weights served (EngineRejected)."""
+        request = wire.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version)
+        self._check_success(
+            await self._call("POST", request.ROUTE, "update_weights_from_disk", wire.body(request, self.protocol)),
+            "update_weights_from_disk")
+
+    async def parameter_checksums(self) -> dict[str, str] | None:
+        """Per-parameter checksums of the served weights (``checksums.parameter_checksums``); None where the
+        engine has no checker route."""
+        route = self.protocol.weights_checker_route
+        if route is None:
             return None
-        checksum = data.get("colocd_checksum") or data.get("per_engine_checksum")
-        if isinstance(checksum, list):
-            checksum = checksum[0] if checksum else None
-        return None if checksum is None else str(checksum)
+        request = wire.CheckWeightsReqInput(action="checksum")
+        data = self._json(await self._call("POST", route, "weights_checker", wire.body(request, self.protocol)),
+                          self.name, "weights_checker")
+        return checksums.parameter_checksums(self._parse(wire.CheckWeightsResult, data, "weights_checker"))
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """The reference engine's digests (engines/digest.py) of the tensors it holds, per TP rank (colocd
@@ -354,8 +376,9 @@ class SGLangAdapter:
         return None
 
 
-_SGLANG_TRANSPORTS = frozenset({Transport.CUDA_IPC, Transport.PER_TENSOR})
-_CPU_TRANSPORTS = frozenset({Transport.SHM, Transport.DISK})
+_SGLANG_CPU_TRANSPORTS = frozenset({Transport.INLINE})
+_SGLANG_GPU_TRANSPORTS = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER_TENSOR})
+_CPU_TRANSPORTS = frozenset({Transport.SHM, Transport.DISK, Transport.INLINE})
 _REFERENCE_GPU_TRANSPORTS = frozenset(Transport)
 
 # colocd's own transports travel as base64 JSON descriptors, one load_format each; CUDA-IPC
@@ -374,8 +397,9 @@ def _load_format(load: WeightsLoad) -> str | None:
 
 
 def _entry(transport: Transport, handle: dict[str, Any]) -> str:
-    """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA paths,
-    or base64 JSON for colocd's shm/disk/ipc_ring paths (which SGLang would reach through a custom loader)."""
+    """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA and inline paths,
+    or base64 JSON for colocd's shm/disk/ipc_ring paths (the reference engine's loader; the daemon never
+    sends those to a real SGLang, whose ``transports`` leave them out)."""
     if transport in _COLOCD_FORMATS:
         return base64.b64encode(json.dumps({"transport": transport, **handle}).encode()).decode()
     payload = handle.get("payload_b64")

@@ -118,6 +118,9 @@ def sglang_command(
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and full environment that start ``config``'s server on 127.0.0.1:``port``.
 
+    With ``--device cpu`` in ``launch.args`` the server runs on SGLang's CPU engine
+    (``SGLANG_USE_CPU_ENGINE=1``) and without ``--enable-memory-saver``, whose library has only CUDA hooks.
+
     ``environ`` is the environment to start from (default: this process's). ``sglang_version``,
     when known, drops flags that version does not have; unknown means the newest verified (0.5.23).
     Raises ``LaunchError`` naming the setting for anything that would break colocation.
@@ -147,15 +150,22 @@ def sglang_command(
                 config.name, f"{flag} {given[flag]}; run one SGLang server per DP replica"
             )
 
+    on_cpu = given.get("--device") == "cpu"
+    if on_cpu and "--enable-memory-saver" in given:
+        raise LaunchError(
+            config.name, "--enable-memory-saver with --device cpu: torch_memory_saver has only CUDA hooks and "
+            "the server dies at start; on CPU colocd launches without it (releases then free nothing)"
+        )
     argv = [
         python, "-m", "sglang.launch_server",
         "--model-path", config.model_path,
         "--host", "127.0.0.1",
         "--port", str(port),
         "--tp-size", str(config.tp_size),
-        # Without it release/resume only log a warning and free nothing (sgl-project/sglang#4566).
-        "--enable-memory-saver",
     ]  # fmt: skip
+    if not on_cpu:
+        # Without it release/resume only log a warning and free nothing (sgl-project/sglang#4566).
+        argv.append("--enable-memory-saver")
     if "--weight-cache-mode" not in given and (
         sglang_version is None or parse_version(sglang_version)[:3] >= _WEIGHT_CACHE_FLAG_MIN
     ):
@@ -168,6 +178,13 @@ def sglang_command(
     env = dict(os.environ if environ is None else environ)
     for key, value in config.launch.env.items():
         env[key] = value
+    if on_cpu:
+        # --device cpu alone leaves SGLang's is_cpu() False and the model build imports vllm
+        # (0.5.23 utils/common.py:221-224): the CPU engine needs this too.
+        if config.launch.env.get("SGLANG_USE_CPU_ENGINE", "1") != "1":
+            raise LaunchError(config.name, "--device cpu with launch.env SGLANG_USE_CPU_ENGINE="
+                              f"{config.launch.env['SGLANG_USE_CPU_ENGINE']}: SGLang's CPU engine needs it 1")
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
     for key in _ALLOC_CONF_VARS:
         if key in env:
             cleaned, removed = strip_expandable_segments(env[key])

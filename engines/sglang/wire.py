@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any, ClassVar, Literal
+import hashlib
+import json
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from ..base import PauseMode
 from .protocol import SGLangProtocol
@@ -32,13 +34,17 @@ __all__ = [
     "ErrorResponse",
     "GenerationControlResult",
     "InitWeightsUpdateGroupReqInput",
+    "InternalState",
     "ModelInfo",
     "PauseGenerationReqInput",
+    "RankChecksums",
     "ReleaseMemoryOccupationReqInput",
+    "ReplyInvalid",
     "ResumeMemoryOccupationReqInput",
     "SGLangRequest",
     "Selector",
     "ServerInfo",
+    "TpRankDevice",
     "UpdateWeightFromDiskReqInput",
     "UpdateWeightFromDiskResult",
     "UpdateWeightVersionReqInput",
@@ -48,6 +54,7 @@ __all__ = [
     "WeightVersionInfo",
     "body",
     "continue_generation_request",
+    "parse_reply",
     "pause_generation_request",
 ]
 
@@ -308,11 +315,31 @@ class UpdateWeightVersionResult(ControlResult):
     new_version: str | None = None
 
 
-class CheckWeightsResult(ControlResult):
-    """http_server.py:1614-1619: ``ranks`` (one entry per TP rank and role) and a combined checksum."""
+class RankChecksums(_Reply):
+    """One ``ranks`` entry of a checksum reply: per fused parameter, and over the rank's weights."""
 
-    ranks: list[dict[str, Any]] | None = None
-    per_engine_checksum: str | None = None
+    checksums: dict[str, str] = Field(default_factory=dict)
+    per_gpu_checksum: str | None = None
+
+
+class CheckWeightsResult(ControlResult):
+    """http_server.py:1614-1619: ``ranks`` (one entry per TP rank and role) and a combined checksum; the
+    reference engine answers ``colocd_checksum`` instead. Shapes as recorded live
+    (``tests/contract/fixtures/sglang_live_0_5_23.json``, ``weights_checker``)."""
+
+    ranks: list[RankChecksums] | None = None
+    per_engine_checksum: str | list[str] | None = None
+    colocd_checksum: str | None = None
+
+    def checksum(self) -> str | None:
+        """The one string that stands for the engine's weights: the reference engine's own, else SGLang's
+        per-engine checksum (the first, where it is a list), else None."""
+        if self.colocd_checksum:
+            return self.colocd_checksum
+        value = self.per_engine_checksum
+        if isinstance(value, list):
+            value = value[0] if value else None
+        return value or None
 
 
 class GenerationControlResult(_Reply):
@@ -352,21 +379,91 @@ class WeightVersionInfo(_Reply):
     weight_version: str | None = None
 
 
+class InternalState(_Reply):
+    """One entry of server_info's ``internal_states`` (one per DP rank). Real SGLang reports scheduler
+    counters here; the reference engine adds its pause gate and open weight-update session, which real
+    SGLang does not report (absent: None, "cannot tell")."""
+
+    paused: Any = None
+    weight_update_session: Any = None
+    has_paused: bool = False  # whether the key was there at all (paused may be a null)
+    has_session: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _presence(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {**data, "has_paused": "paused" in data, "has_session": "weight_update_session" in data}
+        return data
+
+
+class TpRankDevice(_Reply):
+    """The reference engine's ``colocd_tp_ranks`` entry: one TP rank's device identity."""
+
+    device_id: str | None = None
+
+
 class ServerInfo(_Reply):
-    """The subset of GET /server_info colocd reads (http_server.py:863-894; 0.5.4 /get_server_info:496).
+    """Every field of GET /server_info colocd reads (http_server.py:863-894; 0.5.4 /get_server_info:496),
+    checked against the live 0.5.23 reply recorded in ``tests/contract/fixtures/sglang_live_0_5_23.json``.
 
     The body is the resolved server arguments plus scheduler info; ``version`` is what
     ``protocol.protocol_for_version`` takes. ``weight_cache_mode`` does not exist before it was added.
+    ``startup_time`` is a dict of startup-phase durations in 0.5.23 (tokenizer_manager.py:535,862) and a
+    number in the reference engine: ``incarnation`` reads either. ``device`` is where the model runs.
     """
 
     version: str
     model_path: str | None = None
-    tp_size: int = 1
+    tp_size: StrictInt | None = None  # absent from some builds' replies: then it cannot be checked
     dp_size: int = 1
+    device: str | None = None
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     weight_cache_mode: str | None = None
     weight_version: str | None = None
+    startup_time: float | dict[str, Any] | None = None
+    internal_states: list[InternalState] = Field(default_factory=list)
+    colocd_reference: bool = False
+    colocd_tp_ranks: list[TpRankDevice] | None = None
+
+    @field_validator("internal_states", mode="before")
+    @classmethod
+    def _states_list(cls, value: Any) -> Any:
+        # Only dict entries carry state; anything else says nothing (and must not fail an attach).
+        return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+    def incarnation(self) -> str | None:
+        """What changes exactly when the server process restarted, from ``startup_time`` of either shape.
+
+        A number is the process's start timestamp. A dict (0.5.23) holds the measured durations of its
+        startup phases, floats to the microsecond, which a restart measures anew: its canonical JSON, hashed,
+        stands for the process (two starts agreeing on every duration is not a real event). None: no
+        ``startup_time``, the engine cannot tell.
+        """
+        if self.startup_time is None:
+            return None
+        if isinstance(self.startup_time, float | int):
+            return repr(float(self.startup_time))
+        canonical = json.dumps(self.startup_time, sort_keys=True, separators=(",", ":"), default=str)
+        return "startup:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class ReplyInvalid(ValueError):
+    """A reply that does not have the shape colocd reads; the message names the field."""
+
+
+_R = TypeVar("_R", bound=_Reply)
+
+
+def parse_reply(model: type[_R], data: Any) -> _R:
+    """``data`` as ``model``, or ``ReplyInvalid`` naming the first field that does not fit."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(the body)"
+        raise ReplyInvalid(f"{model.__name__}.{where}: {first['msg']} (got {str(data)[:200]})") from None
 
 
 # --- builders --------------------------------------------------------------------------------

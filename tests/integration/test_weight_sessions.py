@@ -44,7 +44,7 @@ from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.policies import Transport
-from colocd.trainer.producer import ExportedChunk, producer_for
+from colocd.trainer.producer import ExportedChunk, InlineProducer, producer_for
 from colocd.trainer.push import WeightPusher, manifest_of
 
 Named = list[tuple[str, torch.Tensor]]
@@ -509,7 +509,7 @@ def _no_leaked_segments() -> Any:
 class UnlistedEngine:
     """An engine adapter that, like SGLang, cannot say what its parameters are; loads always succeed."""
 
-    transports = frozenset({Transport.SHM, Transport.DISK})
+    transports = frozenset(Transport)  # it reads no payload, so any transport will do
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -580,3 +580,34 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
         with pytest.raises(RequestInvalid, match=rf"\({len(named) - 10} in all\)"):
             await restarted.open_weights(step=2, version="v2", ranks=1, manifest=full[:10])
         assert (await restarted.open_weights(step=2, version="v2", ranks=1, manifest=full)).manifest is not None
+
+
+class InlineOnlyEngine(UnlistedEngine):
+    """Loads only ``inline`` chunks, as a real SGLang on CPU does; counts every load it is asked for."""
+
+    transports = frozenset({Transport.INLINE})
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.loads = 0
+
+    async def load_weights(self, load: WeightsLoad) -> None:
+        self.loads += 1
+
+
+async def test_a_chunk_by_a_transport_the_engine_does_not_load_is_refused_before_any_engine_call(
+        tmp_path: Any) -> None:
+    config = NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}]})
+    engine = InlineOnlyEngine("e0")
+    _, named = _model(seed=6)
+    async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+        await daemon.transition(NodePhase.TRAIN, 1)
+        await daemon.transition(NodePhase.SYNC, 1)
+        session = await daemon.open_weights(step=1, version="v1", ranks=1)
+        assert session.transports() == (Transport.INLINE,)
+        with pytest.raises(RequestInvalid, match=r"travels by disk.*'e0' does not load \(it accepts: inline\)") as err:
+            await daemon.submit_chunk(session.id, 0, RankPayload(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
+        assert err.value.field == "transport" and engine.loads == 0
+        chunk = InlineProducer().export(named)  # what the engine loads: accepted, and the session goes on
+        await daemon.submit_chunk(session.id, 0, RankPayload(0, Transport.INLINE, chunk.nbytes, chunk.handle))
+        assert engine.loads == 1

@@ -17,13 +17,15 @@ from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import WeightSession
+from colocd.policies import Transport
 
 GPU0 = "GPU-c84bc8ec-c721-6836-0423-0963f9a5acdc"
 GPU1 = "GPU-00000000-1111-2222-3333-444444444444"
 
 
 def _engine(name: str, *devices: str) -> Any:
-    return SimpleNamespace(name=name, config=SimpleNamespace(tp_size=len(devices)), tp_devices=tuple(devices))
+    return SimpleNamespace(name=name, config=SimpleNamespace(tp_size=len(devices)), tp_devices=tuple(devices),
+                           adapter=SimpleNamespace(transports=frozenset(Transport)))
 
 
 def _session(ranks: int, *engines: Any) -> WeightSession:

@@ -40,8 +40,9 @@ async def test_engines_advertise_what_they_load() -> None:
         gpu_reference = SGLangAdapter(ReferenceEngineConfig(name="g", url="http://127.0.0.1:1", device="cuda"), client)
         vllm_ipc = VLLMAdapter(VLLMEngineConfig(name="v", url="http://127.0.0.1:1", weight_transfer_backend="ipc"),
                                client)
-        assert sglang.transports == {Transport.CUDA_IPC, Transport.PER_TENSOR}  # SGLang has no colocd loader
-        assert cpu_reference.transports == {Transport.SHM, Transport.DISK}
+        # SGLang has no colocd loader: before attach it is assumed on a GPU; inline it loads anywhere
+        assert sglang.transports == {Transport.CUDA_IPC, Transport.PER_TENSOR, Transport.INLINE}
+        assert cpu_reference.transports == {Transport.SHM, Transport.DISK, Transport.INLINE}
         assert gpu_reference.transports == set(Transport)
         assert vllm_ipc.transports == {Transport.CUDA_IPC}
 
@@ -52,3 +53,5 @@ def test_the_plan_picks_the_fastest_transport_every_engine_accepts() -> None:
     assert runtime.pipeline_plan(runtime.active, both).transport is Transport.CUDA_IPC
     assert runtime.pipeline_plan(runtime.active, frozenset({Transport.SHM, Transport.DISK})).transport is Transport.SHM
     assert runtime.pipeline_plan(runtime.active, None).transport is Transport.SHM  # no engines: the CPU default
+    sglang_on_cpu = frozenset({Transport.INLINE})
+    assert runtime.pipeline_plan(runtime.active, sglang_on_cpu).transport is Transport.INLINE

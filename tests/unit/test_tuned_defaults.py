@@ -49,3 +49,21 @@ def test_a_default_pusher_on_cpu_tensors_streams_over_shared_memory() -> None:
     assert transport == "shm" and MIB <= bucket <= DEFAULT_BUCKET_MB * MIB
     explicit = WeightPusher(client=None, transport="disk", bucket_mb=8)  # type: ignore[arg-type]
     assert explicit._shape_for([("w", torch.zeros(4))]) == ("disk", 8 * MIB)
+
+
+def test_trainer_client_push_weights_takes_weight_pushers_defaults() -> None:
+    import inspect
+
+    from colocd.trainer.client import TrainerClient
+
+    pusher = inspect.signature(WeightPusher.__init__).parameters
+    client = inspect.signature(TrainerClient.push_weights).parameters
+    shared = {"transport", "bucket_mb", "depth"}
+    assert {n: client[n].default for n in shared} == {n: pusher[n].default for n in shared}
+
+
+def test_auto_picks_what_the_engines_load_in_the_devices_order() -> None:
+    assert auto_transport(torch.device("cpu"), ["inline", "cuda_ipc", "per_tensor"]) == "inline"  # SGLang
+    assert auto_transport(torch.device("cpu"), ["shm", "disk", "inline"]) == "shm"
+    assert auto_transport(torch.device("cuda", 0), ["inline", "cuda_ipc"]) == "cuda_ipc"
+    assert auto_transport(torch.device("cpu"), []) == "shm"  # no word from the daemon: the device's first
