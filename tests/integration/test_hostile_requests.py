@@ -408,8 +408,12 @@ async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_file
             ({**shm, "handle": {"shm_name": colocd_segment, "layout": []}}, "handle.nbytes"),
             ({**shm, "handle": {"shm_name": colocd_segment, "nbytes": True, "layout": []}}, "handle.nbytes"),
             ({**shm, "handle": {"shm_name": colocd_segment, "nbytes": 63, "layout": []}}, "handle.nbytes"),
-            ({"seq": 0, "rank": 0, "transport": "cuda_ipc", "nbytes": 64,
+            # Payloads that are not base64 (the cuda_ipc case is tests/unit/test_chunk_handles.py: this CPU
+            # engine refuses cuda_ipc by its transport first).
+            ({"seq": 0, "rank": 0, "transport": "inline", "nbytes": 64,
               "handle": {"payload_b64": "not base64!"}}, "handle.payload_b64"),
+            ({"seq": 0, "rank": 0, "transport": "cuda_ipc", "nbytes": 64,
+              "handle": {"payload_b64": "not base64!"}}, "transport"),
         ):
             _is_error(await c.post(chunks, json=chunk), 422, field=field)
             assert (await c.get("/v1/status")).json()["weight_session"]["state"] == "open", chunk
