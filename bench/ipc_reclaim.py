@@ -77,11 +77,12 @@ async def engine_kill_mid_push(*, model: str, device: str = "cuda:0", bucket_mb:
                 await client.wait_ready(120)
                 await client.phase("train", 1)
                 await client.phase("sync", 1)
-                async with WeightPusher(client, **options) as warm:
-                    await warm.push(named, version="warm")
+                # One pusher for both pushes: what it keeps between pushes (the digest workspace) is in the
+                # baseline, so what the killed push leaves above it is what that push stranded.
+                pusher = WeightPusher(client, **options)
+                await pusher.push(named, version="warm")
                 torch.cuda.synchronize(dev)
                 baseline = torch.cuda.memory_allocated(dev)
-                pusher = WeightPusher(client, **options)
                 client.armed = True
                 push = asyncio.create_task(pusher.push(named, version="killed"))
                 peak = baseline

@@ -217,10 +217,13 @@ class WeightPusher:
         if self._producer is not None:
             self._producer.close()
             self._producer = None  # the next stream chooses its shape again
-            # Its ring slots and registered storages: no chunk is in flight, so no consumer is mid-read and
-            # nothing needs a grace; an engine's table would keep them mapped (and counted) until it evicts them.
+            # Its ring slots and registered storages are released; those a live engine still maps (its ring
+            # table) stay counted, so torch keeps them until the engine lets go. Zeroing those counts would free
+            # memory the engine still reads: the allocator hands it to the next buffer, and the engine's cached
+            # mapping of the old one (same IPC handle, other size) then fails to load ("storage not resizable").
+            # Counts are zeroed only on a failed stream, once the grace has passed.
             self.leases.release_all()
-            await self.leases.settle("the pusher closed its producer", grace_s=0.0, level=logging.INFO)
+            self.leases.collect()
             self._report_leases()
         if self._lease_reporter is not None:
             await self._lease_reporter
