@@ -327,7 +327,7 @@ class EngineSupervision:
             self._metrics.engine_launch_failures.labels(engine.name).inc()
             self._changed()
             raise
-        if engine.process is not launched.process:  # a launcher that has no spawn hook (SGLang, vLLM)
+        if engine.process is not launched.process:  # a launcher that did not call the spawn hook (a plugin)
             self._spawned(engine, launched.process)
         if self._journal is not None:
             await self._journal.drain()  # running means journaled: a daemon killed from here on finds it

@@ -32,8 +32,9 @@ def build_adapter(config: Any, client: httpx.AsyncClient) -> EngineAdapter:
 async def launch_engine(config: Any, options: LaunchOptions | None = None) -> Launched:
     """Start ``config``'s server on ``config.url``'s port and return once it is ready.
 
-    ``options`` (start paused, the spawn hook) reach the reference engine's launcher; SGLang's and
-    vLLM's are told nothing: the daemon pauses them when it reconciles them, and journals them once ready.
+    ``options``: the spawn hook reaches every launcher (the daemon journals each process as soon as it exists,
+    so a daemon killed while an engine loads finds it on restart); start paused only the reference engine's
+    (the daemon pauses SGLang and vLLM when it reconciles them).
 
     Raises ``EngineLaunchError`` naming the engine (it exited, or missed ``launch.ready_timeout_s``).
     """
@@ -44,9 +45,9 @@ async def launch_engine(config: Any, options: LaunchOptions | None = None) -> La
     if config.kind == "sglang":
         from .sglang.launcher import launch_sglang
 
-        return await launch_sglang(config)
+        return await launch_sglang(config, options)
     if config.kind == "vllm":
         from .vllm.launcher import launch_vllm
 
-        return await launch_vllm(config)
+        return await launch_vllm(config, options)
     raise ValueError(f"engine {config.name!r}: unknown kind {config.kind!r}")

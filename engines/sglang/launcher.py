@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..config import SGLangEngineConfig
-from ..supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
+from ..supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, free_port
 from .protocol import parse_version
 
 __all__ = [
@@ -273,9 +273,11 @@ class SGLangServer:
         url: str,
         *,
         log_file: str | os.PathLike[str] | None = None,
+        on_spawn: Callable[[ManagedProcess], None] | None = None,
     ) -> SGLangServer:
-        """Start ``argv`` in its own process group with stdout and stderr appended to a log file."""
-        process = ManagedProcess(name, argv, env, label="SGLang", log_file=log_file)
+        """Start ``argv`` in its own process group with stdout and stderr appended to a log file; ``on_spawn``
+        is told the process as soon as it exists (the daemon journals it before it is ready)."""
+        process = ManagedProcess(name, argv, env, label="SGLang", log_file=log_file, on_spawn=on_spawn)
         process.spawn()
         return cls(name, url, process)
 
@@ -287,6 +289,7 @@ class SGLangServer:
         *,
         python: str | None = None,
         sglang_version: str | None = None,
+        on_spawn: Callable[[ManagedProcess], None] | None = None,
     ) -> SGLangServer:
         """Start ``config``'s server and wait for ``/health`` within ``launch.ready_timeout_s``.
 
@@ -301,7 +304,8 @@ class SGLangServer:
             port = fixed_port or free_port()
             argv, env = sglang_command(config, port, python=python, sglang_version=sglang_version)
             server = await cls.start(
-                config.name, argv, env, f"http://127.0.0.1:{port}", log_file=config.launch.log_file
+                config.name, argv, env, f"http://127.0.0.1:{port}", log_file=config.launch.log_file,
+                on_spawn=on_spawn,
             )
             try:
                 await server.wait_ready(client, config.launch.ready_timeout_s)
@@ -364,10 +368,12 @@ class SGLangServer:
         await self.stop()
 
 
-async def launch_sglang(config: SGLangEngineConfig) -> Launched:
-    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200."""
+async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | None = None) -> Launched:
+    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200. ``options.on_spawn``
+    journals the process as soon as it exists; ``options.paused`` is not SGLang's (the daemon pauses it when
+    it reconciles it)."""
     async with httpx.AsyncClient(trust_env=False) as client:
-        server = await SGLangServer.launch(config, client)
+        server = await SGLangServer.launch(config, client, on_spawn=(options or LaunchOptions()).on_spawn)
     assert server.process is not None
     return Launched(server.url, server.process)
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,7 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..config import LaunchConfig, VLLMEngineConfig
-from ..supervisor import EngineLaunchError, Launched, ManagedProcess, free_port
+from ..supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, free_port
 from . import BACKEND_NAME, cpu_isa
 
 __all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "check_cpu_isa", "launch_vllm"]
@@ -156,9 +157,11 @@ class VLLMServer:
     """One vLLM server process group. ``start()`` returns when /health answers; ``stop()`` is idempotent."""
 
     def __init__(
-        self, config: VLLMEngineConfig, *, python: str | None = None, port: int | None = None
+        self, config: VLLMEngineConfig, *, python: str | None = None, port: int | None = None,
+        on_spawn: Callable[[ManagedProcess], None] | None = None,
     ) -> None:
         self._config = config
+        self._on_spawn = on_spawn  # told the process as soon as it exists (the daemon journals it)
         self._python = python or config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
         self._port = port
         self.process: ManagedProcess | None = None
@@ -227,7 +230,8 @@ class VLLMServer:
         cmd = build_command(self._config, self._python, str(self.probe["entry"]), port, cpu=cpu)
         env = _environment(self._config, cpu=cpu)
         launch = self._config.launch or LaunchConfig.model_validate({})
-        self.process = ManagedProcess(self._config.name, cmd, env, label="vLLM", log_file=launch.log_file)
+        self.process = ManagedProcess(self._config.name, cmd, env, label="vLLM", log_file=launch.log_file,
+                                      on_spawn=self._on_spawn)
         self.process.spawn()
         url = f"http://127.0.0.1:{port}"
         try:
@@ -277,9 +281,11 @@ def _port_of(url: str | None) -> int | None:
     return urlsplit(url).port if url is not None else None
 
 
-async def launch_vllm(config: VLLMEngineConfig) -> Launched:
-    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200."""
-    server = VLLMServer(config)
+async def launch_vllm(config: VLLMEngineConfig, options: LaunchOptions | None = None) -> Launched:
+    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200. ``options.on_spawn``
+    journals the process as soon as it exists; ``options.paused`` is not vLLM's (the daemon pauses it when it
+    reconciles it)."""
+    server = VLLMServer(config, on_spawn=(options or LaunchOptions()).on_spawn)
     url = await server.start()
     assert server.process is not None
     return Launched(url, server.process)
