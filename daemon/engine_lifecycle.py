@@ -182,6 +182,9 @@ class EngineLifecycle:
         trace = Trace(d.node.step, f"reconcile:{engine.name}")
         try:
             if plan.restarted:
+                if not await engine.adapter.started():  # retried like any failed reconcile, promptly
+                    raise EngineUnreachable(engine.name, "restarted and still starting up (its own warm-up has "
+                                                         "not finished); it is driven once it has")
                 if observed.incarnation is None or observed.incarnation != engine.restart_counted:
                     d.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
                     engine.restart_counted = observed.incarnation

@@ -456,6 +456,9 @@ class WeightPusher:
                 failure.append(exc)
                 # At once, not after the next bucket's gather: the other ranks' waits end with this error now.
                 aborting.append(asyncio.ensure_future(self._abort(session_id, exc)))
+            elif _session_gone(failure[0]) and not _session_gone(exc):
+                # A later chunk's 410 can arrive before the failing chunk's own reply: raise the cause, not its echo.
+                failure[0] = exc
 
         async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
             t0 = time.perf_counter()
@@ -575,6 +578,11 @@ class WeightPusher:
             await asyncio.to_thread(walk)
         except Exception as exc:  # the stream's first error is what the caller needs
             log.warning("walking the tensors left after a failed stream raised: %s", exc)
+
+
+def _session_gone(exc: Exception) -> bool:
+    """The daemon's 410: the session already ended (what chunks after the failing one are answered)."""
+    return isinstance(exc, ColocdHTTPError) and exc.status == 410
 
 
 class _ExportFailed(Exception):

@@ -163,6 +163,18 @@ class SGLangAdapter:
                 f"config of engine {self.name!r} or restart the engine with tp_size {declared}",
             )
 
+    async def started(self) -> bool:
+        """SGLang's ``/health`` is 503 until its warm-up generation has run (``server_status`` Starting), 200
+        once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused. The
+        reference engine is driven as soon as it answers (its launcher waits for its model)."""
+        if self._is_reference:
+            return True
+        try:
+            response = await self._client.get(self._base + "/health", headers=self._headers, timeout=30.0)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
     async def health(self) -> bool:
         # /health runs a 1-token generation in SGLang; while paused or released that would block
         # or touch unmapped memory, so liveness uses model info (tokenizer-side, no forward pass).

@@ -179,6 +179,10 @@ class VLLMAdapter:
             },
         )
 
+    async def started(self) -> bool:
+        """vLLM answers HTTP only once its engine core is up: a server that answers has started."""
+        return True
+
     async def health(self) -> bool:
         """GET /health: 200 → True, 503 (engine core dead) or any other status → False.
 
