@@ -178,13 +178,19 @@ class EngineLifecycle:
         plan = plan_reconcile(recorded, observed, phase=d.node.phase, owns_session=d.sessions.owns_open(),
                               first_sight=not engine.observed_once and not engine.lost_sight,
                               lost_sight=engine.lost_sight)
+        if plan.restarted and not await engine.adapter.started():
+            # Driven only once its own start-up has run (a pause during SGLang's warm-up blocks it for good); the
+            # record stays as it was, so status shows no new incarnation yet, and the retry comes promptly.
+            error = (f"reconcile ({trigger}) of engine {engine.name!r} waits: it restarted and is still starting up "
+                     "(its own warm-up has not finished); it is driven once it has")
+            engine.state = recorded.with_(weights=WeightsState.STALE, healthy=True, last_error=error)
+            self._report(engine, trigger, plan, error)
+            self.unsettled[engine.name] = error
+            return False
         engine.state = plan.state
         trace = Trace(d.node.step, f"reconcile:{engine.name}")
         try:
             if plan.restarted:
-                if not await engine.adapter.started():  # retried like any failed reconcile, promptly
-                    raise EngineUnreachable(engine.name, "restarted and still starting up (its own warm-up has "
-                                                         "not finished); it is driven once it has")
                 if observed.incarnation is None or observed.incarnation != engine.restart_counted:
                     d.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
                     engine.restart_counted = observed.incarnation
