@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .supervisor import POLL_S, group_alive, signal_group
+from .supervisor import POLL_S, group_alive, signal_group, wait_pidfd
 
 __all__ = ["AdoptedProcess", "LaunchRecord", "process_start_time", "stop_group"]
 
@@ -140,18 +140,7 @@ class AdoptedProcess:
         try:
             if not self.record.alive():  # the pid was reused before the pidfd pinned it
                 return None
-            loop = asyncio.get_running_loop()
-            exited: asyncio.Future[None] = loop.create_future()
-
-            def on_exit() -> None:
-                if not exited.done():
-                    exited.set_result(None)
-
-            loop.add_reader(pidfd, on_exit)
-            try:
-                await exited
-            finally:
-                loop.remove_reader(pidfd)
+            await wait_pidfd(pidfd)
         finally:
             os.close(pidfd)
         return None

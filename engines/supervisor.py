@@ -49,6 +49,7 @@ __all__ = [
     "group_alive",
     "read_ready_file",
     "signal_group",
+    "wait_pidfd",
 ]
 
 log = logging.getLogger("colocd.supervisor")
@@ -58,6 +59,22 @@ POLL_S = 0.05  # readiness and group-exit poll interval; every wait is bounded b
 _LOG_TAIL_BYTES = 4000
 _GROUP_GONE_S = 10.0  # after SIGKILL: how long the group's members may take to be reaped
 _REDACTED_FLAGS = ("--api-key",)
+
+
+async def wait_pidfd(pidfd: int) -> None:
+    """Return once the process behind ``pidfd`` has exited (the descriptor turns readable); the caller closes it."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def on_exit() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, on_exit)
+    try:
+        await exited
+    finally:
+        loop.remove_reader(pidfd)
 
 
 class EngineLaunchError(EngineError):
@@ -250,18 +267,9 @@ class ManagedProcess:
             while proc.poll() is None:  # noqa: ASYNC110 - no exit event to await without a pidfd
                 await asyncio.sleep(POLL_S)
             return int(proc.returncode)
-        loop = asyncio.get_running_loop()
-        exited: asyncio.Future[None] = loop.create_future()
-
-        def on_exit() -> None:
-            if not exited.done():
-                exited.set_result(None)
-
-        loop.add_reader(pidfd, on_exit)
         try:
-            await exited
+            await wait_pidfd(pidfd)
         finally:
-            loop.remove_reader(pidfd)
             os.close(pidfd)
         return proc.wait()  # readable pidfd: it has exited, so this reaps without blocking
 
