@@ -37,23 +37,10 @@ RUNTIME=(triton==3.6.0 numpy psutil requests fastapi "uvicorn>=0.51" orjson pyba
          compressed-tensors==0.18.0 partial-json-parser einops jsonschema xgrammar==0.2.7 soundfile
          python-multipart)
 
-log() { echo "install-sglang-cpu: $*" >&2; }
-die() { log "IMPOSSIBLE: $*"; exit 1; }
-# pip warns once per package about this machine's extra index folders that lack it; drop that noise.
-pipq() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2; }
+INSTALL_NAME=install-sglang-cpu
+# shellcheck source=scripts/install-lib.sh
+source "${REPO}/scripts/install-lib.sh"
 pip_c() { pipq "${VENV}/bin/pip" install -q -c "${CONSTRAINT}" "$@"; }
-# A long step says every 15 s that it is still running, so CI logs never show minutes of silence.
-with_progress() {
-    local what="$1"; shift
-    local t0=$SECONDS
-    ( while sleep 15; do log "${what}: still running ($(( SECONDS - t0 )) s)"; done ) >&2 &
-    local ticker=$!
-    local rc=0
-    "$@" || rc=$?
-    kill "${ticker}" 2>/dev/null; wait "${ticker}" 2>/dev/null || true
-    log "${what}: done in $(( SECONDS - t0 )) s"
-    return "${rc}"
-}
 
 start=$(date +%s)
 mkdir -p "${HOME_DIR}" || die "cannot create ${HOME_DIR}"
