@@ -187,7 +187,9 @@ class EngineLifecycle:
             self._report(engine, trigger, plan, error)
             self.unsettled[engine.name] = error
             return False
-        engine.state = plan.state
+        # A restarted engine's new incarnation is published only once the plan's actions (pause, release) ran:
+        # status never shows the new process before it is in the state the record wants.
+        engine.state = plan.state.with_(incarnation=recorded.incarnation) if plan.restarted else plan.state
         trace = Trace(d.node.step, f"reconcile:{engine.name}")
         try:
             if plan.restarted:
@@ -216,7 +218,7 @@ class EngineLifecycle:
         if plan.findings:
             d.metrics.reconcile_actions.labels(engine.name, "adopt").inc()
         engine.observed_once, engine.lost_sight = True, False
-        engine.state = engine.state.with_(healthy=True,
+        engine.state = engine.state.with_(healthy=True, incarnation=plan.state.incarnation,
                                           last_error=engine.state.last_error if keep_error else None)
         self.unreconciled.discard(engine.name)
         self.unsettled.pop(engine.name, None)
