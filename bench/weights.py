@@ -457,7 +457,7 @@ def _targets(results: list[dict[str, Any]], control_floor: Sequence[dict[str, An
         out["best_x_floor"] = best["x_floor"]
         out["best_wall_x_floor"] = min(r["wall_x_floor"] for r in ran.values())
         at_default = [r for r in ran.values() if r["bucket_mb"] == 512]
-        if at_default:  # issue 12 item 6: at 512 MiB chunks the best variant <= 4x the floor
+        if at_default:  # target: at 512 MiB chunks the best variant <= 4x the floor
             best512 = min(at_default, key=lambda r: r["best_stream_s"])
             out["best_at_512_mib"] = best512["name"]
             out["best_at_512_mib_x_floor"] = best512["x_floor"]

@@ -104,8 +104,8 @@ class NvmlProbe:
           tags were released) is what makes a confirmation cost one or two readings, not a window.
         * ``stable``: a positive drop has not changed for ``settle_s`` (time, not a poll count, so the
           cadence does not change what "settled" means). It covers an unknown expectation and one the
-          engine no longer meets (it holds less than last time); its window is what the old 3 polls
-          at 20 ms gave, so the fallback is as conservative as before.
+          engine does not meet (it holds less than last time); its window equals three polls at
+          20 ms, so the fallback stays conservative.
 
         No positive drop within ``timeout_s`` → ``MemoryNotConfirmed``.
         """

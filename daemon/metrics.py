@@ -40,7 +40,7 @@ TRAINER_SUBSTEPS = ("cleanup.gc_collect", "cleanup.synchronize", "cleanup.empty_
 
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-# NVML confirmation is meant to cost a few milliseconds (issue 12: <= 5 ms median per transition).
+# NVML confirmation is meant to cost a few milliseconds (target: <= 5 ms median per transition).
 _CONFIRM_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5, 30)
 
 
@@ -129,7 +129,7 @@ class Metrics:
         self.last_substep_duration = Gauge(
             "colocd_last_substep_duration_seconds", "The last call of each sub-step on each engine",
             ["substep", "engine"], registry=r)
-        # -- the operator's view (issue 14): step breakdown, GPU memory detail, engine lifecycle ------------
+        # -- the operator's view: step breakdown, GPU memory detail, engine lifecycle -----------------------
         self.step_switch = Histogram(
             "colocd_step_switch_seconds", "Daemon-side switch time of one step: train + sync + weight update + "
             "rollout, not counting the trainer's own training", buckets=_DURATION_BUCKETS, registry=r)

@@ -56,7 +56,7 @@ log = logging.getLogger("colocd.trainer.leases")
 
 # How long a failed stream's leases may stay retained before their counts are zeroed: a live engine drops a
 # payload right after its load, well inside this; a dead one never does. Inside the 5 s the trainer's memory
-# must be back in (issue 26).
+# must be back in once an engine was killed mid-push (docs/runbook.md).
 LEASE_GRACE_S = 1.0
 _POLL_S = 0.02
 
