@@ -1,5 +1,5 @@
 """Engine SIGKILL mid-push: seconds until the trainer's ``torch.cuda.memory_allocated()`` is back at its
-pre-push level (issue 26; ``colocd.trainer.leases``).
+pre-push level (``colocd.trainer.leases``).
 
 This process is the trainer; a reference engine holding the model's sink shapes on the same GPU is the consumer;
 a daemon process forwards. One warm push first, then a push whose engine is SIGKILLed just before chunk
