@@ -2,7 +2,7 @@
 
     colocd bench switch --model qwen3-8b --device cuda --rollout-s 2 --out bench/results/switch-qwen3-8b-h200.json
     colocd bench switch --model tiny --device cpu --steps 1 --warmup 0 --groups 2   # CPU smoke run
-    colocd bench switch --model qwen3-8b --device cuda --presets tuned --sync sync,async   # sync vs async step time
+    colocd bench switch --model qwen3-8b --device cuda --presets tuned --sync sync,async   # sync vs async
 
 Three processes, as in ``colocd bench weights``: this one is a training rank, a reference engine
 holds the checkpoint's shapes (``--sink-shapes``) plus a KV cache (``--sink-kv-gib``), and a real
