@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from .api.cli_http import CliFailure, add_daemon_options, daemon_call
-from .api.timeline import add_trace_command
 from .api.top import add_top_command
 
 __all__ = ["build_parser", "main"]
@@ -133,8 +134,39 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(settings))
 
 
+@contextlib.contextmanager
+def _lab() -> Iterator[None]:
+    """Around the import of ``colocd.bench`` (the benches, the timeline renderer): only the commands that use it
+    import it, and an install without it says so in one line."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("colocd.bench"):
+            raise
+        raise CliFailure("colocd: this install has no colocd.bench (the benches and the timeline renderer); "
+                         "install colocd from its source tree (pip install .) to use this command", 2) from None
+
+
+def _trace(args: argparse.Namespace) -> int:
+    with _lab():
+        from .bench.timeline import MatplotlibMissing, render_timeline
+    with daemon_call(args) as call:
+        traces = call.json("GET", f"/v1/traces/{args.step}", params={"format": "json"})
+    out = Path(args.output or f"step-{args.step}.png")
+    if out.suffix == ".json":
+        out.write_text(json.dumps(traces, indent=2))
+    else:
+        try:
+            render_timeline(traces, out, step=args.step)
+        except MatplotlibMissing as exc:
+            raise CliFailure(f"colocd: {exc}", 2) from None
+    print(f"wrote {out}")
+    return 0
+
+
 def _bench_weights(args: argparse.Namespace) -> int:
-    from .bench.weights import BenchSettings, run_weights_bench
+    with _lab():
+        from .bench.weights import BenchSettings, run_weights_bench
 
     settings = BenchSettings(model=args.model, device=args.device, variants=tuple(args.variants.split(",")),
                              bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
@@ -144,7 +176,8 @@ def _bench_weights(args: argparse.Namespace) -> int:
 
 
 def _bench_control(args: argparse.Namespace) -> int:
-    from .bench.control import ControlBenchSettings, run_control_bench
+    with _lab():
+        from .bench.control import ControlBenchSettings, run_control_bench
 
     settings = ControlBenchSettings(samples=args.samples, warmup_cycles=args.warmup_cycles, cycles=args.cycles,
                                     readers=args.readers, blocks=args.blocks, out=args.out)
@@ -153,7 +186,8 @@ def _bench_control(args: argparse.Namespace) -> int:
 
 
 def _bench_switch(args: argparse.Namespace) -> int:
-    from .bench.switch import SwitchSettings, run_switch_bench
+    with _lab():
+        from .bench.switch import SwitchSettings, run_switch_bench
 
     settings = SwitchSettings(model=args.model, device=args.device, presets=tuple(args.presets.split(",")),
                               steps=args.steps, warmup=args.warmup, optimizer_shards=args.optimizer_shards,
@@ -251,7 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
     ps.set_defaults(func=_bench_switch)
 
-    add_trace_command(sub)  # colocd trace STEP -o step.png (api/timeline.py)
+    p = sub.add_parser("trace", help="draw one step's timeline (png/svg/pdf) or save its trace (.json)")
+    p.add_argument("step", type=int, help="the step to draw (GET /v1/steps lists the recent ones)")
+    p.add_argument("-o", "--output", default=None,
+                   help="output file; its suffix picks the format (default: step-STEP.png)")
+    add_daemon_options(p)
+    p.set_defaults(func=_trace)
+
     add_top_command(sub)  # colocd top [--once] (api/top.py)
     return parser
 

@@ -7,7 +7,7 @@
 Three processes, as in ``colocd bench weights``: this one is a training rank, a reference engine
 holds the checkpoint's shapes (``--sink-shapes``) plus a KV cache (``--sink-kv-gib``), and a real
 ``colocd serve`` sits between them. The rank holds what a Megatron rank with a distributed optimizer
-holds (``trainer.offload.RankState``: bf16 weights, a bf16 grad buffer, an fp32 master + Adam
+holds (``offload.RankState``: bf16 weights, a bf16 grad buffer, an fp32 master + Adam
 shard) and the Megatron set of process groups (world size 1 on one GPU: every group is a one-rank
 communicator). Every step runs the whole handoff through the ``TrainerAgent``:
 
@@ -61,7 +61,7 @@ from ..trainer.agent import TrainerAgent
 from ..trainer.async_push import AsyncWeightSync
 from ..trainer.cleanup import run_cleanup
 from ..trainer.groups import GroupLifecycle, GroupSpec
-from ..trainer.offload import OffloadReport, RankState
+from .offload import OffloadReport, RankState
 from ..trainer.push import WeightPusher
 from .records import write_record
 from .weights import measure_floor

@@ -101,7 +101,7 @@ async def _append_scrape(path: str, step: int, exposition: str) -> None:
 
 
 async def _draw_last_step(client: AsyncColocdClient, step: int, out: str) -> None:
-    from ..api.timeline import MatplotlibMissing, render_timeline
+    from ..bench.timeline import MatplotlibMissing, render_timeline
 
     traces = await client.trace(step)
     try:

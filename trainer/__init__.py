@@ -2,9 +2,9 @@
 
 Client-side weight push (``push``: bucketing, ``producer``/``ring``: IPC export), the synchronous
 ``TrainerClient``, separated-GPU broadcast (``broadcast``), the asynchronous push from a snapshot
-(``async_push``), process-group lifecycle (``groups``), cleanup (``cleanup``), state offload
-(``offload``) and the agent that enacts the daemon's directives (``agent``). Engines never import this
-package; the chunk formats both sides read live in ``colocd.engines.chunks`` and ``colocd.engines.cuda_handles``.
+(``async_push``), process-group lifecycle (``groups``), cleanup (``cleanup``) and the agent that
+enacts the daemon's directives (``agent``). Engines never import this package; the chunk formats both
+sides read live in ``colocd.engines.chunks`` and ``colocd.engines.cuda_handles``.
 """
 
 from .agent import TrainerAgent

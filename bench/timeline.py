@@ -1,4 +1,4 @@
-"""``colocd trace STEP -o step.png``: draw one step's switch so a person sees where the time went.
+"""Draw one step's switch so a person sees where the time went (``colocd trace``, ``colocd demo --timeline``).
 
 Lanes: the node's phases, the trainer (its reported cleanup / process-group work, and its training
 between train and sync), each engine's sub-steps, each engine's weight chunks; below, memory
@@ -9,14 +9,11 @@ switch around 30 s of training stays readable. matplotlib is the optional ``colo
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MatplotlibMissing", "add_trace_command", "breakdown_of", "render_timeline"]
+__all__ = ["MatplotlibMissing", "breakdown_of", "render_timeline"]
 
 _PHASE_ORDER = ("train", "sync", "weights", "rollout", "sleep", "resume", "weight_group")
 _PHASE_COLOR = {"train": "#4C72B0", "sync": "#8172B3", "weights": "#DD8452", "rollout": "#55A868",
@@ -299,40 +296,3 @@ def _ticks(squeeze: _Squeeze) -> tuple[list[float], list[str]]:
                 labels.append(f"{v:.3f}".rstrip("0").rstrip(".") if step < 1 else f"{v:.0f}")
             v += step
     return ticks, labels
-
-
-# -- the command ------------------------------------------------------------------------------------
-def _trace_command(args: argparse.Namespace) -> int:
-    from .cli_http import daemon_call
-
-    with daemon_call(args) as call:
-        traces = call.json("GET", f"/v1/traces/{args.step}", params={"format": "json"})
-    out = Path(args.output)
-    if out.suffix == ".json":
-        out.write_text(json.dumps(traces, indent=2))
-    else:
-        try:
-            render_timeline(traces, out, step=args.step)
-        except MatplotlibMissing as exc:
-            print(f"colocd: {exc}", file=sys.stderr)
-            return 2
-    print(f"wrote {out}")
-    return 0
-
-
-def add_trace_command(sub: Any) -> None:
-    """``colocd trace STEP -o step.png`` on the CLI's subparsers."""
-    from .cli_http import add_daemon_options
-
-    p = sub.add_parser("trace", help="draw one step's timeline (png/svg/pdf) or save its trace (.json)")
-    p.add_argument("step", type=int, help="the step to draw (GET /v1/steps lists the recent ones)")
-    p.add_argument("-o", "--output", default=None,
-                   help="output file; its suffix picks the format (default: step-STEP.png)")
-    add_daemon_options(p)
-    p.set_defaults(func=lambda a: _trace_command(_defaults(a)))
-
-
-def _defaults(args: argparse.Namespace) -> argparse.Namespace:
-    if args.output is None:
-        args.output = f"step-{args.step}.png"
-    return args
