@@ -21,7 +21,7 @@ import httpx
 
 from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode, RankPayload
 from ..engines.registry import build_adapter
-from ..policies import Timeouts, Transport
+from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_lifecycle import EngineLifecycle
@@ -48,6 +48,7 @@ from .states import (
 )
 from .steps import StepBook
 from .supervision import EngineSupervision
+from .sync import EngineSync
 from .trace import Trace, TraceStore
 from .transitions import TransitionResult, Transitions
 from .versions import VersionBook
@@ -98,7 +99,7 @@ class Daemon:
         self.versions = VersionBook()  # started weight versions, and what each rollout served
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
-        self.pinned: Any = None  # the PolicySet of the transition in progress
+        self.pinned: PolicySet | None = None  # the policy set of the transition in progress
         self._given_adapters = adapters or {}
         self.probe = probe
         self._client: httpx.AsyncClient | None = None
@@ -112,8 +113,9 @@ class Daemon:
         # Reads are served from snapshots: changed() marks what status() and /metrics show as stale.
         self._changes = 0
         self._status_cache: tuple[_StatusInputs, bytes] | None = None
-        self.engine_lifecycle = EngineLifecycle(self)
-        self.sessions = WeightSessions(self, WeightGroups(self.metrics))
+        self.sync = EngineSync(self)  # the one path that drives engines (daemon/sync.py)
+        self.engine_lifecycle = EngineLifecycle(self, self.sync)
+        self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics))
         self.transitions = Transitions(self)
         self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
@@ -193,9 +195,9 @@ class Daemon:
         async with self._lock:  # a background reconcile holding it finishes first
             self.busy_with = what
             try:
-                await self.engine_lifecycle.reconcile_all(f"before {what}")
+                await self.sync.reconcile_all(f"before {what}")
                 check_reconciled(what, {n: self.engines[n].state.last_error
-                                        for n in self.engine_lifecycle.unreconciled}, self.node)
+                                        for n in self.sync.unreconciled}, self.node)
                 yield
             finally:
                 self.busy_with = None
@@ -213,7 +215,7 @@ class Daemon:
                 self.busy_with, self._reconciling = None, False
 
     # -- policy of the moment ----------------------------------------------------------------
-    def policy_set(self) -> Any:
+    def policy_set(self) -> PolicySet:
         return self.pinned if self.pinned is not None else self.policies.active
 
     def timeouts(self) -> Timeouts:
@@ -332,13 +334,13 @@ class Daemon:
         self.metrics.changed()
 
     def _status_inputs(self) -> _StatusInputs:
-        lifecycle = self.engine_lifecycle
+        sync = self.sync
         session = self.sessions.current
         return _StatusInputs(
             self._changes, self.lifecycle, self.node, self.busy_with,
             tuple((n, e.state, e.info) for n, e in self.engines.items()),
             session.stats() if session is not None else None,
-            tuple(sorted(lifecycle.unreconciled)), lifecycle.startup_report, tuple(lifecycle.reports.items()),
+            tuple(sorted(sync.unreconciled)), self.engine_lifecycle.startup_report, tuple(sync.reports.items()),
             tuple((n, self.launches.snapshot(n)) for n in self.engines),
             self.policies.active, self.policies.store.pending, self.probe is not None,
             self.versions.snapshot(self.policies.active.sync.staleness_bound, self.policies.active.sync.mode,
@@ -360,6 +362,9 @@ class Daemon:
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     # -- bookkeeping ---------------------------------------------------------------------------
+    def note_incarnation(self, name: str, incarnation: str | None) -> None:
+        self.launches.note_incarnation(name, incarnation)
+
     def journal_append(self, what: str) -> None:
         if self.journal is not None:
             self.journal.append({"event": what, "node": self.node.snapshot(),

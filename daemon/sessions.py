@@ -116,7 +116,7 @@ class WeightSessions:
                 raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
             if partial:
                 check_partial_allowed((e.state for e in d.engines.values()), d.node)
-            d.engine_lifecycle.require_attached()
+            d.sync.require_attached()
             ranks = self._check_ranks(ranks)
             trace = Trace(step, "weights")
             t = d.timeouts()
@@ -451,7 +451,7 @@ class WeightSessions:
                         session.id, session.tainted, t.for_step(TimeoutStep.QUIESCE))
         await self._close_engines_update(session.trace, committed=False, session=session)
         if session.state is SessionState.FAILED:  # a chunk failed: an engine may be gone; status says so now
-            await d.engine_lifecycle.reconcile_all(f"after failed session {session.id}", keep_error=True)
+            await d.sync.reconcile_all(f"after failed session {session.id}", keep_error=True)
         d.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
         # keeps its mappings valid and finds them already gone when it releases them. Only the trainer's own
@@ -536,7 +536,7 @@ class WeightSessions:
         """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
         d = self._d
         async with d.exclusive("open_weight_group"):
-            d.engine_lifecycle.require_attached()
+            d.sync.require_attached()
             trace = Trace(d.node.step, "weight_group")
             try:
                 with trace.timed():
