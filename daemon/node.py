@@ -115,7 +115,8 @@ class Daemon:
         self._status_cache: tuple[_StatusInputs, bytes] | None = None
         self.sync = EngineSync(self)  # the one path that drives engines (daemon/sync.py)
         self.engine_lifecycle = EngineLifecycle(self, self.sync)
-        self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics))
+        self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics),
+                                                       journal=config.journal)
         self.transitions = Transitions(self)
         self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
