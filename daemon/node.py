@@ -2,10 +2,12 @@
 that serialises mutating work, and answers status.
 
 The concerns live beside it, one module each: ``transitions`` (phases, sleep, resume), ``sessions``
-(weight sessions, groups, broadcasts), ``engine_lifecycle`` (attach, observe, reconcile, the health
-loop, the journal). One mutating operation at a time: a second request while one runs is rejected
-with 409 naming the one in progress (the trainer drives phases sequentially; queueing would hide a
-trainer bug).
+(weight sessions, groups, broadcasts), ``engine_lifecycle`` (the health loop, relaunches, the journal
+restore), and ``sync``, the one path that drives engines (observe, plan, act). Each declares the context
+it needs of the daemon as a Protocol; none imports this module.
+
+One mutating operation at a time: a second request while one runs is rejected with 409 naming the one in
+progress (the trainer drives phases sequentially; queueing would hide a trainer bug).
 """
 
 from __future__ import annotations
@@ -247,15 +249,6 @@ class Daemon:
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         return await self.transitions.resume(tags, names)
-
-    @property
-    def session(self) -> WeightSession | None:
-        """The current (or last) weight session."""
-        return self.sessions.current
-
-    @property
-    def weight_groups(self) -> WeightGroups:
-        return self.sessions.groups
 
     async def open_weights(self, *, step: int | None, version: str, ranks: int | None,
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,

@@ -20,20 +20,16 @@ __all__ = ["MetricsContext", "NodeMetrics"]
 
 
 class _Sessions(Protocol):
-    @property
-    def current(self) -> WeightSession | None: ...
+    current: WeightSession | None
     def open_id(self) -> str | None: ...
 
 
 class MetricsContext(Protocol):
     """What the node's series read of the daemon."""
 
-    @property
-    def config(self) -> NodeConfig: ...
-    @property
-    def metrics(self) -> Metrics: ...
-    @property
-    def node(self) -> NodeState: ...
+    config: NodeConfig
+    metrics: Metrics
+    node: NodeState
     @property
     def busy(self) -> bool: ...
     @property

@@ -63,26 +63,16 @@ class TransitionContext(Protocol):
 
     node: NodeState  # a finished transition moves it
     pinned: PolicySet | None  # the policy set of the transition in progress
-    @property
-    def engines(self) -> dict[str, EngineHandle]: ...
-    @property
-    def metrics(self) -> Metrics: ...
-    @property
-    def traces(self) -> TraceStore: ...
-    @property
-    def steps(self) -> StepBook: ...
-    @property
-    def journal(self) -> Journal | None: ...
-    @property
-    def probe(self) -> NvmlProbe | None: ...
-    @property
-    def policies(self) -> PolicyRuntime: ...
-    @property
-    def versions(self) -> VersionBook: ...
-    @property
-    def sessions(self) -> WeightSessions: ...
-    @property
-    def sync(self) -> EngineSync: ...
+    engines: dict[str, EngineHandle]
+    metrics: Metrics
+    traces: TraceStore
+    steps: StepBook
+    journal: Journal | None
+    probe: NvmlProbe | None
+    policies: PolicyRuntime
+    versions: VersionBook
+    sessions: WeightSessions
+    sync: EngineSync
     def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
     def policy_set(self) -> PolicySet: ...
     def pause_mode(self) -> PauseMode: ...
@@ -259,7 +249,8 @@ class Transitions:
                 engine.state.tags_to_release(tags, strict=True)
             d.sync.require_attached()
             mode = d.pause_mode()
-            desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode) for e in engines}
+            desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode)
+                       for e in engines}
             return await self._manual("sleep", engines, desired, Trace(d.node.step, "sleep"))
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
