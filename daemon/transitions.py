@@ -97,13 +97,13 @@ class Transitions:
                          trainer: dict[str, Any] | None = None) -> TransitionResult:
         """Move the node to ``phase`` at ``step``. A repeat of a finished (step, phase) replays its result."""
         d = self._d
-        key = (step, phase.value)
-        if (done := self._completed.get(key)) is not None:
+        if (done := self._completed.get((step, phase.value))) is not None:
             d.metrics.transitions.labels(phase.value, "replayed").inc()
             d.changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
         try:
-            async with d.exclusive(f"{phase.value}@{step}"):
+            # Legality, then each engine's desired state, then one sync of every engine, then the journal.
+            async with d.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
                 check_phase_request(d.node, phase, step)
                 d.sync.require_attached()
                 trace = Trace(step, phase.value)
@@ -134,14 +134,7 @@ class Transitions:
                                           {n: e.state.snapshot() for n, e in d.engines.items()},
                                           freed, directives, trace)
                 d.metrics.observe_phase(phase.value, "all", result.duration_s)
-                self._completed[key] = result
-                while len(self._completed) > 256:
-                    self._completed.popitem(last=False)
-                d.journal_append(phase.value)
-                if d.journal is not None:
-                    d.journal.record_completed(step, phase.value, {
-                        "duration_s": result.duration_s, "engines": result.engines,
-                        "freed_bytes": result.freed_bytes, "directives": result.directives})
+                self._journal(result)
         except TransitionRejected as exc:
             d.metrics.transitions.labels(phase.value, "rejected").inc()
             d.steps.rejected(phase.value, step, str(exc), session=d.sessions.open_id())
@@ -155,6 +148,18 @@ class Transitions:
         d.metrics.transitions.labels(phase.value, "ok").inc()
         d.changed()
         return result
+
+    def _journal(self, result: TransitionResult) -> None:
+        """Remember a finished transition (a repeat replays it) and journal it with the node's state."""
+        d = self._d
+        self._completed[(result.step, result.phase)] = result
+        while len(self._completed) > 256:
+            self._completed.popitem(last=False)
+        d.journal_append(result.phase)
+        if d.journal is not None:
+            d.journal.record_completed(result.step, result.phase, {
+                "duration_s": result.duration_s, "engines": result.engines,
+                "freed_bytes": result.freed_bytes, "directives": result.directives})
 
     def _directives(self, pinned: PolicySet, phase: str, trainer: dict[str, Any] | None,
                     staging: StagingMemory | None = None) -> dict[str, Any]:
