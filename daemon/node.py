@@ -2,10 +2,12 @@
 that serialises mutating work, and answers status.
 
 The concerns live beside it, one module each: ``transitions`` (phases, sleep, resume), ``sessions``
-(weight sessions, groups, broadcasts), ``engine_lifecycle`` (attach, observe, reconcile, the health
-loop, the journal). One mutating operation at a time: a second request while one runs is rejected
-with 409 naming the one in progress (the trainer drives phases sequentially; queueing would hide a
-trainer bug).
+(weight sessions, groups, broadcasts), ``engine_lifecycle`` (the health loop, relaunches, the journal
+restore), and ``sync``, the one path that drives engines (observe, plan, act). Each declares the context
+it needs of the daemon as a Protocol; none imports this module.
+
+One mutating operation at a time: a second request while one runs is rejected with 409 naming the one in
+progress (the trainer drives phases sequentially; queueing would hide a trainer bug).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import httpx
 
 from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode, RankPayload
 from ..engines.registry import build_adapter
-from ..policies import Timeouts, Transport
+from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_lifecycle import EngineLifecycle
@@ -48,6 +50,7 @@ from .states import (
 )
 from .steps import StepBook
 from .supervision import EngineSupervision
+from .sync import EngineSync
 from .trace import Trace, TraceStore
 from .transitions import TransitionResult, Transitions
 from .versions import VersionBook
@@ -98,7 +101,7 @@ class Daemon:
         self.versions = VersionBook()  # started weight versions, and what each rollout served
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
-        self.pinned: Any = None  # the PolicySet of the transition in progress
+        self.pinned: PolicySet | None = None  # the policy set of the transition in progress
         self._given_adapters = adapters or {}
         self.probe = probe
         self._client: httpx.AsyncClient | None = None
@@ -112,8 +115,10 @@ class Daemon:
         # Reads are served from snapshots: changed() marks what status() and /metrics show as stale.
         self._changes = 0
         self._status_cache: tuple[_StatusInputs, bytes] | None = None
-        self.engine_lifecycle = EngineLifecycle(self)
-        self.sessions = WeightSessions(self, WeightGroups(self.metrics))
+        self.sync = EngineSync(self)  # the one path that drives engines (daemon/sync.py)
+        self.engine_lifecycle = EngineLifecycle(self, self.sync)
+        self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics),
+                                                       journal=config.journal)
         self.transitions = Transitions(self)
         self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
@@ -193,9 +198,9 @@ class Daemon:
         async with self._lock:  # a background reconcile holding it finishes first
             self.busy_with = what
             try:
-                await self.engine_lifecycle.reconcile_all(f"before {what}")
+                await self.sync.reconcile_all(f"before {what}")
                 check_reconciled(what, {n: self.engines[n].state.last_error
-                                        for n in self.engine_lifecycle.unreconciled}, self.node)
+                                        for n in self.sync.unreconciled}, self.node)
                 yield
             finally:
                 self.busy_with = None
@@ -213,7 +218,7 @@ class Daemon:
                 self.busy_with, self._reconciling = None, False
 
     # -- policy of the moment ----------------------------------------------------------------
-    def policy_set(self) -> Any:
+    def policy_set(self) -> PolicySet:
         return self.pinned if self.pinned is not None else self.policies.active
 
     def timeouts(self) -> Timeouts:
@@ -244,15 +249,6 @@ class Daemon:
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         return await self.transitions.resume(tags, names)
-
-    @property
-    def session(self) -> WeightSession | None:
-        """The current (or last) weight session."""
-        return self.sessions.current
-
-    @property
-    def weight_groups(self) -> WeightGroups:
-        return self.sessions.groups
 
     async def open_weights(self, *, step: int | None, version: str, ranks: int | None,
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
@@ -332,13 +328,13 @@ class Daemon:
         self.metrics.changed()
 
     def _status_inputs(self) -> _StatusInputs:
-        lifecycle = self.engine_lifecycle
+        sync = self.sync
         session = self.sessions.current
         return _StatusInputs(
             self._changes, self.lifecycle, self.node, self.busy_with,
             tuple((n, e.state, e.info) for n, e in self.engines.items()),
             session.stats() if session is not None else None,
-            tuple(sorted(lifecycle.unreconciled)), lifecycle.startup_report, tuple(lifecycle.reports.items()),
+            tuple(sorted(sync.unreconciled)), self.engine_lifecycle.startup_report, tuple(sync.reports.items()),
             tuple((n, self.launches.snapshot(n)) for n in self.engines),
             self.policies.active, self.policies.store.pending, self.probe is not None,
             self.versions.snapshot(self.policies.active.sync.staleness_bound, self.policies.active.sync.mode,
@@ -360,6 +356,9 @@ class Daemon:
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     # -- bookkeeping ---------------------------------------------------------------------------
+    def note_incarnation(self, name: str, incarnation: str | None) -> None:
+        self.launches.note_incarnation(name, incarnation)
+
     def journal_append(self, what: str) -> None:
         if self.journal is not None:
             self.journal.append({"event": what, "node": self.node.snapshot(),

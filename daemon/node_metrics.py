@@ -8,21 +8,38 @@ at least once per health interval), so a scrape during a long transition still s
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from .config import NodeConfig
+from .metrics import Metrics
 from .states import NodePhase, NodeState
 from .steps import PARTS
+from .weights import WeightSession
 
-if TYPE_CHECKING:
-    from .node import Daemon
+__all__ = ["MetricsContext", "NodeMetrics"]
 
-__all__ = ["NodeMetrics"]
+
+class _Sessions(Protocol):
+    current: WeightSession | None
+    def open_id(self) -> str | None: ...
+
+
+class MetricsContext(Protocol):
+    """What the node's series read of the daemon."""
+
+    config: NodeConfig
+    metrics: Metrics
+    node: NodeState
+    @property
+    def busy(self) -> bool: ...
+    @property
+    def sessions(self) -> _Sessions: ...
 
 
 class NodeMetrics:
     """``NodeMetrics(daemon)`` once, then ``refresh()`` with the other gauges (``Daemon.refresh_gauges``)."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: MetricsContext) -> None:
         self._d = daemon
         m = daemon.metrics
         engines = daemon.config.engines

@@ -1,11 +1,13 @@
-"""Reconciliation as data: what the daemon recorded, what the engine says, and what to do about it.
+"""Engine sync as data: what each engine should be (``Desired``), what the daemon recorded, what the engine
+says, and the engine calls that close the gap. Pure, like states.py: no asyncio, no I/O.
 
-The daemon's record of an engine is a cache of what it last observed, never the truth
-(DESIGN.md §3). ``plan_reconcile`` compares the record with a fresh ``Observation`` and returns a
-``Plan``: whether the engine restarted, the record to hold now (what the engine really is), and
-the engine calls that drive it back to the desired state. Level-triggered, as kubelet does it:
-the same inputs give the same plan, so a plan whose calls failed is simply planned again on the
-next tick. Pure, like states.py: no asyncio, no I/O.
+The daemon's record of an engine is a cache of what it last observed, never the truth (DESIGN.md §3).
+``plan(desired, recorded, observed)`` returns a ``Plan``: whether the engine restarted, the record to hold
+now (what the engine really is), and the actions that drive it to ``desired``. Level-triggered, as kubelet
+does it: the same inputs give the same plan, so a plan whose calls failed is simply planned again. Every
+path that drives an engine plans here (daemon/sync.py runs the plans): a phase transition or a manual
+sleep / resume sets ``desired`` and plans on the record it just observed (``observed=None``); the health
+loop, a relaunch and a daemon restart plan on a fresh observation with ``desired`` holding the record.
 
 Rules, in order:
 
@@ -14,23 +16,26 @@ Rules, in order:
    the committed one while no update was open. A restarted engine is a fresh one: every tag
    resident, serving its launch weights, no update session. Its weights are stale.
 2. Adopt. Whatever the engine reports (residency, pause gate, weight version) replaces the record;
-   a field it cannot report keeps the record's value.
+   a field it cannot report keeps the record's value. What a same engine reports replaces the desired
+   state of that field too (a half-done step is taken at the engine's word; the trainer re-asks).
 3. Sessions. An engine-side update session the daemon does not own is ended (its contents are
    unknown: stale). A session the daemon owns on an engine that lost it (restarted) fails.
-4. Memory. A restarted engine gets back the memory state the record wanted: the tags that were
-   released (during ``train``: the trainer's memory) are released again.
-5. Serving. An engine may serve only clean weights on resident memory; otherwise it is paused.
+4. Memory. Tags the desired state has released are released (a restarted engine gets back the
+   memory state the record wanted: during ``train``, the trainer's memory), the others resumed.
+5. Serving. An engine may serve only clean weights on resident memory; otherwise it is paused. It
+   pauses in the desired state's mode unless its weights or memory forbid serving now (abort: what
+   runs would run on weights that are not committed); it continues only where the desired state serves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from ..engines.base import MemoryTag, Observation
+from ..engines.base import MemoryTag, Observation, PauseMode
 from .states import EngineState, Generation, NodePhase, TagState, WeightsState
 
-__all__ = ["Action", "Plan", "plan_reconcile"]
+__all__ = ["Action", "Desired", "Plan", "plan", "plan_reconcile"]
 
 
 class Action(StrEnum):
@@ -38,13 +43,72 @@ class Action(StrEnum):
 
     FAIL_SESSION = "fail_session"  # the daemon's open weight session cannot finish: the engine lost it
     END_ENGINE_SESSION = "end_engine_session"  # an engine-side update session nobody owns
-    PAUSE = "pause"  # stop generation: the weights are stale or memory is released
-    RELEASE = "release"  # give the memory back that the desired state has released
+    PAUSE = "pause"  # stop generation: the desired state pauses, the weights are stale or memory is released
+    RELEASE = "release"  # flush the prefix cache (idle first), then give back what the desired state released
+    RESUME = "resume"  # take back the memory the desired state has resident
+    CONTINUE = "continue"  # flush the prefix cache (no stale KV across a weight change), then serve
+
+
+@dataclass(frozen=True, slots=True)
+class Desired:
+    """What one engine should be: serving or paused (and how it pauses), and which owned tags are released."""
+
+    generation: Generation = Generation.SERVING
+    released: frozenset[MemoryTag] = frozenset()
+    pause_mode: PauseMode = PauseMode.ABORT
+
+    @classmethod
+    def holding(cls, state: EngineState) -> Desired:
+        """The engine as recorded: what the health loop, a relaunch and a daemon restart drive toward."""
+        return cls(state.generation, frozenset(t for t in state.owned_tags if not state.resident(t)))
+
+    def to_release(self, state: EngineState) -> tuple[MemoryTag, ...]:
+        return tuple(t for t in state.owned_tags if t in self.released and state.resident(t))
+
+    def to_resume(self, state: EngineState) -> tuple[MemoryTag, ...]:
+        return tuple(t for t in state.owned_tags if t not in self.released and not state.resident(t))
+
+    def adopting(self, recorded: EngineState, now: EngineState) -> Desired:
+        """Where the engine reported something other than the record, that is what it should be."""
+        released = {t for t in self.released
+                    if not (now.resident(t) and not recorded.resident(t))}
+        released |= {t for t in now.owned_tags if not now.resident(t) and recorded.resident(t)}
+        generation = now.generation if now.generation is not recorded.generation else self.generation
+        return replace(self, generation=generation, released=frozenset(released))
+
+    # -- what each phase and manual step wants, from the record it starts on ------------------------
+    @classmethod
+    def for_train(cls, state: EngineState, release: tuple[MemoryTag, ...] | None, mode: PauseMode) -> Desired:
+        """Paused, ``release`` (None: every owned tag) released as well: the trainer's memory."""
+        tags = state.owned_tags if release is None else tuple(t for t in release if t in state.owned_tags)
+        return cls(Generation.PAUSED, cls.holding(state).released | set(tags), mode)
+
+    @classmethod
+    def for_sync(cls, state: EngineState) -> Desired:
+        """The weights memory back, for the push; the rest stays as it is."""
+        held = cls.holding(state)
+        return replace(held, released=held.released - {MemoryTag.WEIGHTS})
+
+    @classmethod
+    def for_rollout(cls) -> Desired:
+        """Everything resident, serving."""
+        return cls(Generation.SERVING, frozenset())
+
+    @classmethod
+    def for_sleep(cls, state: EngineState, tags: tuple[MemoryTag, ...], mode: PauseMode) -> Desired:
+        return cls(Generation.PAUSED, cls.holding(state).released | set(tags), mode)
+
+    @classmethod
+    def for_resume(cls, state: EngineState, tags: tuple[MemoryTag, ...], phase: NodePhase) -> Desired:
+        """``tags`` resident again; in rollout the engine serves once it may (else it stays paused)."""
+        held = cls.holding(state)
+        generation = Generation.SERVING if phase is NodePhase.ROLLOUT else held.generation
+        return cls(generation, held.released - set(tags))
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What one observation means for one engine."""
+    """What one observation (or none: the record is fresh) means for one engine, and what to do."""
 
     engine: str
     restarted: bool
@@ -54,6 +118,8 @@ class Plan:
     release: tuple[MemoryTag, ...] = ()  # tags for Action.RELEASE
     findings: tuple[str, ...] = ()  # where the record differed from the engine (adopted)
     end_session_tolerant: bool = False  # END_ENGINE_SESSION on a guess: the engine may have none open
+    resume: tuple[MemoryTag, ...] = ()  # tags for Action.RESUME
+    pause_mode: PauseMode = PauseMode.ABORT  # for Action.PAUSE
 
     @property
     def changes_anything(self) -> bool:
@@ -64,60 +130,82 @@ class Plan:
                 "actions": [a.value for a in self.actions], "release": [t.value for t in self.release]}
 
 
-def plan_reconcile(recorded: EngineState, observed: Observation, *, phase: NodePhase, owns_session: bool,
-                   first_sight: bool, lost_sight: bool) -> Plan:
-    """The plan for one engine.
+def plan(desired: Desired, recorded: EngineState, observed: Observation | None, *, phase: NodePhase,
+         owns_session: bool, first_sight: bool = False, lost_sight: bool = False) -> Plan:
+    """The plan that drives one engine from ``recorded`` (corrected by ``observed``, if any) to ``desired``.
 
     ``owns_session``: the daemon has an open weight session that includes this engine.
     ``first_sight``: the daemon has no record of this engine at all (fresh daemon, no journal):
     whatever it reports is the baseline. ``lost_sight``: the daemon had a record but did not observe
     the engine continuously since (a failed probe, or the daemon restarted with a journal).
     """
-    reason = None if first_sight else _restart_reason(recorded, observed, owns_session, lost_sight)
-    restarted = reason is not None
+    reason: str | None = None
     findings: list[str] = []
-    if restarted:
-        base = EngineState(name=recorded.name, owned_tags=recorded.owned_tags, weights=WeightsState.STALE,
-                           weight_version=observed.weight_version, healthy=True, last_error=recorded.last_error,
-                           incarnation=observed.incarnation)
-        base = _overlay(base, observed, [])
-    else:
-        base = _overlay(recorded.with_(incarnation=observed.incarnation or recorded.incarnation), observed, findings)
-        if first_sight:
-            base = base.with_(weight_version=observed.weight_version)
-        elif (observed.weight_version != recorded.weight_version and not owns_session
-              and recorded.weights is not WeightsState.UPDATING):
-            findings.append(f"weight version {observed.weight_version!r}, record said {recorded.weight_version!r}")
-            base = base.with_(weight_version=observed.weight_version, weights=WeightsState.STALE)
-
     actions: list[Action] = []
     end_tolerant = False
-    if owns_session and (restarted or observed.update_session_open is False):
-        actions.append(Action.FAIL_SESSION)
-        findings.append("the engine lost the open weight session")
-        base = base.with_(weights=WeightsState.STALE)
-    elif not owns_session and not restarted:
-        if observed.update_session_open or recorded.weights is WeightsState.UPDATING:
-            actions.append(Action.END_ENGINE_SESSION)
-            findings.append("weight-update session open on the engine that this daemon does not own")
-            end_tolerant = not observed.update_session_open
+    base = recorded
+    if observed is not None:
+        reason = None if first_sight else _restart_reason(recorded, observed, owns_session, lost_sight)
+        base = _observed(recorded, observed, reason is not None, first_sight, owns_session, findings)
+        if reason is None:
+            desired = desired.adopting(recorded, base)
+        if owns_session and (reason is not None or observed.update_session_open is False):
+            actions.append(Action.FAIL_SESSION)
+            findings.append("the engine lost the open weight session")
             base = base.with_(weights=WeightsState.STALE)
-        elif (lost_sight and observed.update_session_open is None and phase is NodePhase.SYNC
-              and base.weights is not WeightsState.CLEAN):
-            # The engine cannot say, and a daemon that lost sight mid-sync may have left one open.
-            actions.append(Action.END_ENGINE_SESSION)
-            end_tolerant = True
+        elif not owns_session and reason is None:
+            if observed.update_session_open or recorded.weights is WeightsState.UPDATING:
+                actions.append(Action.END_ENGINE_SESSION)
+                findings.append("weight-update session open on the engine that this daemon does not own")
+                end_tolerant = not observed.update_session_open
+                base = base.with_(weights=WeightsState.STALE)
+            elif (lost_sight and observed.update_session_open is None and phase is NodePhase.SYNC
+                  and base.weights is not WeightsState.CLEAN):
+                # The engine cannot say, and a daemon that lost sight mid-sync may have left one open.
+                actions.append(Action.END_ENGINE_SESSION)
+                end_tolerant = True
 
-    release: tuple[MemoryTag, ...] = ()
-    if restarted:
-        wanted = {t for t in recorded.owned_tags if recorded.tags[t] is TagState.RELEASED}
-        release = tuple(t for t in recorded.owned_tags if t in wanted and base.resident(t))
-    released_after = [t for t in base.owned_tags if not base.resident(t) or t in release]
-    if base.generation is Generation.SERVING and (base.weights is not WeightsState.CLEAN or released_after):
+    release, resume = desired.to_release(base), desired.to_resume(base)
+    after = base.with_tags(release, TagState.RELEASED).with_tags(resume, TagState.RESIDENT)
+    may_serve = base.weights is WeightsState.CLEAN and all(after.resident(t) for t in after.owned_tags)
+    mode = desired.pause_mode
+    if base.weights is not WeightsState.CLEAN or any(not base.resident(t) for t in base.owned_tags):
+        mode = PauseMode.ABORT
+    if base.generation is Generation.SERVING and (desired.generation is Generation.PAUSED or not may_serve):
         actions.append(Action.PAUSE)
     if release:
         actions.append(Action.RELEASE)
-    return Plan(recorded.name, restarted, reason, base, tuple(actions), release, tuple(findings), end_tolerant)
+    if resume:
+        actions.append(Action.RESUME)
+    if base.generation is Generation.PAUSED and desired.generation is Generation.SERVING and may_serve:
+        actions.append(Action.CONTINUE)
+    return Plan(recorded.name, reason is not None, reason, base, tuple(actions), release, tuple(findings),
+                end_tolerant, resume, mode)
+
+
+def plan_reconcile(recorded: EngineState, observed: Observation, *, phase: NodePhase, owns_session: bool,
+                   first_sight: bool, lost_sight: bool) -> Plan:
+    """The plan for one freshly observed engine whose desired state is its record."""
+    return plan(Desired.holding(recorded), recorded, observed, phase=phase, owns_session=owns_session,
+                first_sight=first_sight, lost_sight=lost_sight)
+
+
+def _observed(recorded: EngineState, observed: Observation, restarted: bool, first_sight: bool,
+              owns_session: bool, findings: list[str]) -> EngineState:
+    """What the engine is now: a fresh process (restarted), or the record overlaid with the engine's report."""
+    if restarted:
+        fresh = EngineState(name=recorded.name, owned_tags=recorded.owned_tags, weights=WeightsState.STALE,
+                            weight_version=observed.weight_version, healthy=True, last_error=recorded.last_error,
+                            incarnation=observed.incarnation)
+        return _overlay(fresh, observed, [])
+    base = _overlay(recorded.with_(incarnation=observed.incarnation or recorded.incarnation), observed, findings)
+    if first_sight:
+        return base.with_(weight_version=observed.weight_version)
+    if (observed.weight_version != recorded.weight_version and not owns_session
+            and recorded.weights is not WeightsState.UPDATING):
+        findings.append(f"weight version {observed.weight_version!r}, record said {recorded.weight_version!r}")
+        return base.with_(weight_version=observed.weight_version, weights=WeightsState.STALE)
+    return base
 
 
 def _restart_reason(recorded: EngineState, observed: Observation, owns_session: bool, lost_sight: bool) -> str | None:
@@ -148,3 +236,4 @@ def _overlay(state: EngineState, observed: Observation, findings: list[str]) -> 
             findings.append(f"generation is {generation.value}, record said {state.generation.value}")
             state = state.with_(generation=generation)
     return state
+

@@ -11,19 +11,22 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..engines.base import EngineDigests, RankPayload
 from ..engines.ring_refs import RingDirectory
 from ..engines.segments import unlink_session_segments
-from ..policies import TimeoutStep
+from ..policies import PolicySet, Timeouts, TimeoutStep
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
 from .errors import NotFound, RequestInvalid, WeightSyncError
 from .fanout import OnFailure, each_engine, fan_out
+from .metrics import Metrics
 from .states import (
+    NodeState,
     SessionState,
     WeightsState,
     check_can_open_session,
@@ -31,8 +34,10 @@ from .states import (
     check_session_abortable,
     require_session_open,
 )
-from .trace import Trace
+from .sync import EngineSync
+from .trace import Trace, TraceStore
 from .verify import Verification, verify_engines
+from .versions import VersionBook
 from .weights import (
     ChunkAck,
     Manifest,
@@ -44,27 +49,45 @@ from .weights import (
     name_some,
 )
 
-if TYPE_CHECKING:
-    from .node import Daemon
-
-__all__ = ["WeightSessions"]
+__all__ = ["SessionContext", "WeightSessions"]
 
 log = logging.getLogger("colocd.daemon")
+
+
+class SessionContext(Protocol):
+    """What the weight sessions read of the node and do to it (the daemon provides it)."""
+
+    engines: dict[str, EngineHandle]
+    node: NodeState
+    metrics: Metrics
+    traces: TraceStore
+    versions: VersionBook
+    sync: EngineSync
+    stopping: asyncio.Event
+    @property
+    def busy(self) -> bool: ...
+    def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
+    def background(self, what: str, *, reconciling: bool = False) -> AbstractAsyncContextManager[None]: ...
+    def timeouts(self) -> Timeouts: ...
+    def policy_set(self) -> PolicySet: ...
+    def pipeline_depth(self) -> int: ...
+    def journal_append(self, what: str) -> None: ...
+    def changed(self) -> None: ...
+    def refresh_gauges(self) -> None: ...
 
 
 class WeightSessions:
     """The node's current (or last) weight session, the ids of ended ones (410), and the reference a complete
     update is checked against."""
 
-    def __init__(self, daemon: Daemon, groups: WeightGroups) -> None:
-        self._d = daemon
+    def __init__(self, node: SessionContext, groups: WeightGroups, *, journal: str | None = None) -> None:
+        self._d = node
         self.groups = groups  # separated GPUs: daemon/distributed.py
         self.current: WeightSession | None = None
         self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
         self._closing: dict[str, asyncio.Event] = {}  # sessions being closed now, set once closed
         # The tensors of the last complete push: what a complete update must cover where the engine
         # cannot list its parameters (kept beside the journal, so it survives a daemon restart).
-        journal = daemon.config.journal
         self._manifest_file = Path(journal + ".manifest.json") if journal else None
         self.complete_manifest: Manifest | None = None
         # What trainer rings announced to this daemon process, so their chunks may carry refs only
@@ -116,7 +139,7 @@ class WeightSessions:
                 raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
             if partial:
                 check_partial_allowed((e.state for e in d.engines.values()), d.node)
-            d.engine_lifecycle.require_attached()
+            d.sync.require_attached()
             ranks = self._check_ranks(ranks)
             trace = Trace(step, "weights")
             t = d.timeouts()
@@ -451,7 +474,7 @@ class WeightSessions:
                         session.id, session.tainted, t.for_step(TimeoutStep.QUIESCE))
         await self._close_engines_update(session.trace, committed=False, session=session)
         if session.state is SessionState.FAILED:  # a chunk failed: an engine may be gone; status says so now
-            await d.engine_lifecycle.reconcile_all(f"after failed session {session.id}", keep_error=True)
+            await d.sync.reconcile_all(f"after failed session {session.id}", keep_error=True)
         d.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
         # keeps its mappings valid and finds them already gone when it releases them. Only the trainer's own
@@ -536,7 +559,7 @@ class WeightSessions:
         """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
         d = self._d
         async with d.exclusive("open_weight_group"):
-            d.engine_lifecycle.require_attached()
+            d.sync.require_attached()
             trace = Trace(d.node.step, "weight_group")
             try:
                 with trace.timed():

@@ -132,7 +132,7 @@ class StepBook:
         if trace.phase in _NODE_PHASES and trace.outcome != "ok":
             return  # Transitions.transition logs it (failed), with the caller's error
         if trace.phase.startswith("reconcile:"):
-            return  # EngineLifecycle logs each reconcile (event reconcile), with its plan
+            return  # EngineSync logs each reconcile (event reconcile), with its plan
         failed = next((s for s in trace.spans if not s.ok and s.engine and s.engine != "trainer"), None)
         fields: dict[str, Any] = {
             "step": trace.step,

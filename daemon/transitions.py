@@ -1,20 +1,29 @@
-"""Phase transitions (train, sync, rollout) and the manual sleep / resume: the memory handoff on every engine,
-checked against daemon/states.py before any engine call, replayed for a repeat of a finished (step, phase)."""
+"""Phase transitions (train, sync, rollout) and the manual sleep / resume. Each reads: check legality against
+daemon/states.py, set every engine's desired state (daemon/reconcile.py), sync all engines concurrently
+(daemon/sync.py), journal. A repeat of a finished (step, phase) replays its result."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from ..engines.base import MemoryTag
+from ..engines.base import MemoryTag, PauseMode
+from ..policies import PolicySet, Transport
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import NotFound, RequestInvalid, TransitionRejected
-from .fanout import each_engine
+from .journal import Journal
+from .memory import NvmlProbe
+from .metrics import Metrics
+from .policy_runtime import PolicyRuntime
+from .reconcile import Desired
+from .sessions import WeightSessions
 from .staging import StagingMemory
 from .states import (
     NodePhase,
@@ -27,15 +36,12 @@ from .states import (
     check_rollout_weights,
     needed_per_gpu,
 )
-from .trace import Span, Trace
+from .steps import StepBook
+from .sync import EngineSync
+from .trace import Span, Trace, TraceStore
 from .versions import RolloutVersions, VersionBook
 
-if TYPE_CHECKING:
-    from collections.abc import Awaitable
-
-    from .node import Daemon
-
-__all__ = ["TransitionResult", "Transitions"]
+__all__ = ["TransitionContext", "TransitionResult", "Transitions"]
 
 
 @dataclass
@@ -52,14 +58,38 @@ class TransitionResult:
     replayed: bool = False
 
 
+class TransitionContext(Protocol):
+    """What a transition reads of the node and does to it (the daemon provides it)."""
+
+    node: NodeState  # a finished transition moves it
+    pinned: PolicySet | None  # the policy set of the transition in progress
+    engines: dict[str, EngineHandle]
+    metrics: Metrics
+    traces: TraceStore
+    steps: StepBook
+    journal: Journal | None
+    probe: NvmlProbe | None
+    policies: PolicyRuntime
+    versions: VersionBook
+    sessions: WeightSessions
+    sync: EngineSync
+    def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
+    def policy_set(self) -> PolicySet: ...
+    def pause_mode(self) -> PauseMode: ...
+    def transports(self) -> frozenset[Transport] | None: ...
+    def staging(self) -> StagingMemory: ...
+    def changed(self) -> None: ...
+    def journal_append(self, what: str) -> None: ...
+
+
 class Transitions:
     """Runs the node's phase transitions and manual sleep / resume, one at a time (``Daemon.exclusive``)."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self._d = daemon
+    def __init__(self, node: TransitionContext) -> None:
+        self._d = node
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
         # A daemon restarted on its journal still replays what the previous one finished (without its trace).
-        for done in daemon.journal.completed() if daemon.journal is not None else ():
+        for done in node.journal.completed() if node.journal is not None else ():
             self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
                 int(done["step"]), str(done["phase"]), **done["result"])
 
@@ -67,20 +97,18 @@ class Transitions:
                          trainer: dict[str, Any] | None = None) -> TransitionResult:
         """Move the node to ``phase`` at ``step``. A repeat of a finished (step, phase) replays its result."""
         d = self._d
-        key = (step, phase.value)
-        if (done := self._completed.get(key)) is not None:
+        if (done := self._completed.get((step, phase.value))) is not None:
             d.metrics.transitions.labels(phase.value, "replayed").inc()
             d.changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
         try:
-            async with d.exclusive(f"{phase.value}@{step}"):
+            # Legality, then each engine's desired state, then one sync of every engine, then the journal.
+            async with d.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
                 check_phase_request(d.node, phase, step)
-                d.engine_lifecycle.require_attached()
+                d.sync.require_attached()
                 trace = Trace(step, phase.value)
                 _record_trainer_report(trace, trainer, d.versions)
                 t0 = time.perf_counter()
-                runner = {NodePhase.TRAIN: self._enter_train, NodePhase.SYNC: self._enter_sync,
-                          NodePhase.ROLLOUT: self._enter_rollout}[phase]
                 # A staged policy swap lands here, between transitions; this one runs on a pinned set.
                 with d.policies.store.transition() as pinned:
                     d.pinned = pinned
@@ -89,9 +117,13 @@ class Transitions:
                         # caller's mistake (RequestInvalid), and must leave every engine as it was.
                         directives = self._directives(pinned, phase.value, trainer)
                         with trace.timed():
-                            freed = await self._refreshed_on_failure(runner(trace), f"{phase.value}@{step}")
+                            desired, rollout = await self._desired(phase, trace)
+                            freed = await d.sync.drive(list(d.engines.values()), desired, trace,
+                                                       phase=phase.value, what=f"{phase.value}@{step}")
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
+                        if rollout is not None:
+                            self._served(rollout)
                         if phase is NodePhase.SYNC:  # planned on the memory left once the weights are back
                             directives = self._directives(pinned, phase.value, trainer, d.staging())
                     finally:
@@ -102,14 +134,7 @@ class Transitions:
                                           {n: e.state.snapshot() for n, e in d.engines.items()},
                                           freed, directives, trace)
                 d.metrics.observe_phase(phase.value, "all", result.duration_s)
-                self._completed[key] = result
-                while len(self._completed) > 256:
-                    self._completed.popitem(last=False)
-                d.journal_append(phase.value)
-                if d.journal is not None:
-                    d.journal.record_completed(step, phase.value, {
-                        "duration_s": result.duration_s, "engines": result.engines,
-                        "freed_bytes": result.freed_bytes, "directives": result.directives})
+                self._journal(result)
         except TransitionRejected as exc:
             d.metrics.transitions.labels(phase.value, "rejected").inc()
             d.steps.rejected(phase.value, step, str(exc), session=d.sessions.open_id())
@@ -124,16 +149,19 @@ class Transitions:
         d.changed()
         return result
 
-    async def _refreshed_on_failure(self, work: Awaitable[Any], what: str) -> Any:
-        """Await ``work``; if it fails, re-observe every engine before the error reaches the caller,
-        so /v1/status says what the engines really are (a timed-out step may have half happened)."""
-        try:
-            return await work
-        except Exception:
-            await self._d.engine_lifecycle.reconcile_all(f"after failed {what}", keep_error=True)
-            raise
+    def _journal(self, result: TransitionResult) -> None:
+        """Remember a finished transition (a repeat replays it) and journal it with the node's state."""
+        d = self._d
+        self._completed[(result.step, result.phase)] = result
+        while len(self._completed) > 256:
+            self._completed.popitem(last=False)
+        d.journal_append(result.phase)
+        if d.journal is not None:
+            d.journal.record_completed(result.step, result.phase, {
+                "duration_s": result.duration_s, "engines": result.engines,
+                "freed_bytes": result.freed_bytes, "directives": result.directives})
 
-    def _directives(self, pinned: Any, phase: str, trainer: dict[str, Any] | None,
+    def _directives(self, pinned: PolicySet, phase: str, trainer: dict[str, Any] | None,
                     staging: StagingMemory | None = None) -> dict[str, Any]:
         d = self._d
         try:
@@ -145,30 +173,45 @@ class Transitions:
             raise RequestInvalid(f"trainer.groups.{where}: {msg}",
                                  field=f"trainer.groups.{where}".rstrip(".")) from None
 
-    async def _quiesce_and_release(self, engine: EngineHandle, tags: tuple[MemoryTag, ...] | None,
-                                   trace: Trace, *, strict: bool) -> dict[str, int]:
+    async def _desired(self, phase: NodePhase,
+                       trace: Trace) -> tuple[dict[str, Desired], RolloutVersions | None]:
+        """What each engine should be in ``phase``, once the phase's own checks passed (nothing changed on a
+        refusal); for rollout also what it will serve, recorded once it does."""
         d = self._d
-        to_release = engine.state.tags_to_release(tags, strict=strict)
-        t = d.timeouts()
-        await ops.pause(engine, d.pause_mode(), trace, d.metrics, t)
-        if to_release:
-            await ops.flush(engine, trace, d.metrics, t)  # idle + empty radix cache before release
-        return await ops.release(engine, to_release, trace, d.metrics, t, d.probe)
-
-    async def _enter_train(self, trace: Trace) -> dict[str, dict[str, int]]:
-        d = self._d
+        engines = d.engines
+        if phase is NodePhase.TRAIN:
+            await d.sessions.lapse_if_idle()
+            check_no_open_session(d.sessions.open_id())
+            names = d.policies.release_tags(d.policy_set())
+            tags = None if names is None else tuple(MemoryTag(n) for n in names)
+            mode = d.pause_mode()
+            return {n: Desired.for_train(e.state, tags, mode) for n, e in engines.items()}, None
+        if phase is NodePhase.SYNC:
+            desired = {n: Desired.for_sync(e.state) for n, e in engines.items()}
+            self._check_headroom("enter 'sync'", desired, trace)
+            return desired, None
         await d.sessions.lapse_if_idle()
-        check_no_open_session(d.sessions.open_id())
-        names = d.policies.release_tags(d.policy_set())
+        # Versions first: a push still in flight is refused by the bound, naming each engine's version.
+        sync = d.policy_set().sync
+        served = {n: e.state.weight_version for n, e in engines.items()}  # as just observed (reconcile)
+        staleness = d.versions.lags(served)
+        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, d.node,
+                                newer={n: d.versions.newer(v) for n, v in served.items()})
+        check_no_open_session(d.sessions.open_id(), advice=": commit or abort it first")
+        check_rollout_weights((e.state for e in engines.values()), d.node)
+        record = RolloutVersions(d.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
+        trace.attrs.update(rollout_versions=served, staleness_versions=staleness, latest_version=record.latest)
+        desired = {n: Desired.for_rollout() for n in engines}
+        self._check_headroom("enter 'rollout'", desired, trace)
+        return desired, record
 
-        async def one(engine: EngineHandle) -> dict[str, int]:
-            owned = engine.state.owned_tags
-            tags = None if names is None else tuple(MemoryTag(n) for n in names if MemoryTag(n) in owned)
-            return await self._quiesce_and_release(engine, tags, trace, strict=False)
+    def _served(self, record: RolloutVersions) -> None:
+        d = self._d
+        d.versions.record(record)
+        for name, lag in record.staleness.items():
+            d.metrics.rollout_staleness.labels(name).set(lag)
 
-        return await each_engine(d.engines.values(), one, phase="train", metrics=d.metrics)
-
-    def _check_headroom(self, what: str, plans: dict[str, tuple[MemoryTag, ...]], trace: Trace) -> None:
+    def _check_headroom(self, what: str, desired: Mapping[str, Desired], trace: Trace) -> None:
         """Refuse a resume NVML says will not fit (``check_resume_headroom``), before any engine call."""
         d = self._d
         headroom_mb = d.policy_set().engines.resume_headroom_mb
@@ -176,8 +219,9 @@ class Transitions:
             return
         needs: list[ResumeNeed] = []
         gpus: set[int | str] = set()
-        for name, tags in plans.items():
+        for name, want in desired.items():
             engine = d.engines[name]
+            tags = want.to_resume(engine.state)
             nbytes, source = ops.expected_resume_bytes(engine, tags)
             if not tags or not engine.gpus or nbytes is None or source is None:
                 continue
@@ -190,44 +234,6 @@ class Transitions:
         trace.attrs["resume_headroom"] = {"free_bytes": free, "needed_bytes": needed_per_gpu(needs),
                                           "headroom_bytes": headroom_mb << 20}
         check_resume_headroom(what, needs, free, headroom_mb << 20, d.node)
-
-    async def _enter_sync(self, trace: Trace) -> dict[str, dict[str, int]]:
-        d = self._d
-        plans = {n: e.state.tags_to_resume((MemoryTag.WEIGHTS,), strict=False) for n, e in d.engines.items()}
-        self._check_headroom("enter 'sync'", plans, trace)
-
-        async def one(engine: EngineHandle) -> dict[str, int]:
-            await ops.resume(engine, plans[engine.name], trace, d.metrics, d.timeouts(), d.probe)
-            return {}
-        return await each_engine(d.engines.values(), one, phase="sync", metrics=d.metrics)
-
-    async def _enter_rollout(self, trace: Trace) -> dict[str, dict[str, int]]:
-        d = self._d
-        await d.sessions.lapse_if_idle()
-        # Versions first: a push still in flight is refused by the bound, naming each engine's version.
-        sync = d.policy_set().sync
-        served = {n: e.state.weight_version for n, e in d.engines.items()}  # as just observed (reconcile)
-        staleness = d.versions.lags(served)
-        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, d.node,
-                                newer={n: d.versions.newer(v) for n, v in served.items()})
-        check_no_open_session(d.sessions.open_id(), advice=": commit or abort it first")
-        check_rollout_weights((e.state for e in d.engines.values()), d.node)
-        record = RolloutVersions(d.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
-        trace.attrs.update(rollout_versions=served, staleness_versions=staleness, latest_version=record.latest)
-        plans = {n: e.state.tags_to_resume(None, strict=False) for n, e in d.engines.items()}
-        self._check_headroom("enter 'rollout'", plans, trace)
-
-        async def one(engine: EngineHandle) -> dict[str, int]:
-            t = d.timeouts()
-            await ops.resume(engine, plans[engine.name], trace, d.metrics, t, d.probe)
-            await ops.flush(engine, trace, d.metrics, t)  # no stale prefix KV across a weight change
-            await ops.continue_generation(engine, trace, d.metrics, t)
-            return {}
-        freed = await each_engine(d.engines.values(), one, phase="rollout", metrics=d.metrics)
-        d.versions.record(record)
-        for name, lag in staleness.items():
-            d.metrics.rollout_staleness.labels(name).set(lag)
-        return freed
 
     # -- manual sleep / resume -----------------------------------------------------------------
     def _select(self, names: list[str] | None) -> list[EngineHandle]:
@@ -246,51 +252,39 @@ class Transitions:
         async with d.exclusive("sleep"):
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_release(tags, strict=True)
-            d.engine_lifecycle.require_attached()
-            trace = Trace(d.node.step, "sleep")
-            t0 = time.perf_counter()
-            try:
-                with trace.timed():
-                    freed = await self._refreshed_on_failure(each_engine(
-                        engines, lambda e: self._quiesce_and_release(e, tags, trace, strict=True),
-                        phase="sleep", metrics=d.metrics), "sleep")
-            finally:
-                d.traces.put(trace)
-            d.journal_append("sleep")
-            return TransitionResult(d.node.step, "sleep", time.perf_counter() - t0,
-                                    {e.name: e.state.snapshot() for e in engines}, freed, trace=trace)
+            d.sync.require_attached()
+            mode = d.pause_mode()
+            desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode)
+                       for e in engines}
+            return await self._manual("sleep", engines, desired, Trace(d.node.step, "sleep"))
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""
         d = self._d
         engines = self._select(names)
         async with d.exclusive("resume"):
-            plans = {e.name: e.state.tags_to_resume(tags, strict=True) for e in engines}
-            d.engine_lifecycle.require_attached()
+            for engine in engines:  # validate all first: an illegal request changes nothing
+                engine.state.tags_to_resume(tags, strict=True)
+            d.sync.require_attached()
             trace = Trace(d.node.step, "resume")
-            self._check_headroom("resume", plans, trace)
-            t0 = time.perf_counter()
+            desired = {e.name: Desired.for_resume(e.state, e.state.owned_tags if tags is None else tags,
+                                                  d.node.phase) for e in engines}
+            self._check_headroom("resume", desired, trace)
+            return await self._manual("resume", engines, desired, trace)
 
-            async def one(engine: EngineHandle) -> None:
-                t = d.timeouts()
-                await ops.resume(engine, plans[engine.name], trace, d.metrics, t, d.probe)
-                if d.node.phase is NodePhase.ROLLOUT:
-                    try:
-                        engine.state.check_can_serve()
-                    except TransitionRejected:
-                        return  # stays paused: memory still released or weights stale (said in its state)
-                    await ops.flush(engine, trace, d.metrics, t)
-                    await ops.continue_generation(engine, trace, d.metrics, t)
-
-            try:
-                with trace.timed():
-                    await self._refreshed_on_failure(each_engine(engines, one, phase="resume", metrics=d.metrics),
-                                                     "resume")
-            finally:
-                d.traces.put(trace)
-            d.journal_append("resume")
-            return TransitionResult(d.node.step, "resume", time.perf_counter() - t0,
-                                    {e.name: e.state.snapshot() for e in engines}, trace=trace)
+    async def _manual(self, what: str, engines: list[EngineHandle], desired: Mapping[str, Desired],
+                      trace: Trace) -> TransitionResult:
+        d = self._d
+        t0 = time.perf_counter()
+        try:
+            with trace.timed():
+                freed = await d.sync.drive(engines, desired, trace, phase=what, what=what)
+        finally:
+            d.traces.put(trace)
+        d.journal_append(what)
+        return TransitionResult(d.node.step, what, time.perf_counter() - t0,
+                                {e.name: e.state.snapshot() for e in engines},
+                                freed if what == "sleep" else {}, trace=trace)
 
 
 def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None, versions: VersionBook) -> None:

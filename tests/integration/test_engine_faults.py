@@ -257,3 +257,32 @@ async def test_right_after_a_chunk_failed_on_a_dead_engine_status_says_the_engin
         ref0 = (await n.client.status())["engines"]["ref0"]
         assert ref0["healthy"] is False and ref0["last_error"]
         assert await n.client.ready() is False
+
+
+async def test_a_failed_step_is_left_to_the_trainer_not_retried_by_the_health_loop() -> None:
+    """The desired state of a step holds for that step's sync only: once it failed, the record (what the engine
+    is) is what every health tick drives toward, so the engine stays as the failure left it until asked again."""
+    async with node(health_interval_s=0.05) as n:
+        n.proxy.inject("/release_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500))
+        with pytest.raises(ColocdHTTPError):
+            await n.client.phase("train", 1)
+        n.proxy.heal()
+        n.proxy.calls = ticks = _CallsUntil(n.proxy.calls, more=20)  # several health ticks, each observing
+        await ticks.reached.wait()  # bounded by the node's deadline
+        assert n.proxy.calls["/release_memory_occupation"] == 1
+        assert record(await n.client.status()) == ("rollout", 0, "paused", "clean", RESIDENT)
+        assert set((await n.engine_memory()).values()) == {True}
+
+
+class _CallsUntil(Counter[str]):
+    """The proxy's call counts, with an event set once ``more`` calls came after ``start``."""
+
+    def __init__(self, start: Counter[str], *, more: int) -> None:
+        super().__init__(start)
+        self._target = start.total() + more
+        self.reached = asyncio.Event()
+
+    def __setitem__(self, path: str, count: int) -> None:
+        super().__setitem__(path, count)
+        if self.total() >= self._target:
+            self.reached.set()
