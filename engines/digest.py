@@ -30,13 +30,14 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "DigestCache", "TensorDigest", "digest_hex", "digests_equal", "tensor_digests"]
+__all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "TensorDigest", "digest_hex", "digests_equal", "tensor_digests"]
 
 ROW = 1 << 18  # words per row: one column weight each (2 MiB of int64 weights per device)
 _ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors over 64 GiB)
 # Rows per product pass (a row is 1 MiB of tensor bytes): the pass's int64 products land in a reused scratch of
 # SCRATCH_ROWS x 2 MiB per device, so a tensor up to 32 MiB takes one pass; 32 rows: a 64 MiB scratch.
 SCRATCH_ROWS = 32
+WIDEN = ("multiply", "copy")  # how the words become int64 (``_row_sums``)
 _SEED = 0x636F6C6F6364  # "colocd"
 _MASK = (1 << 64) - 1
 _LENGTH_MIX = 0x9E3779B97F4A7C15  # the 64-bit golden ratio
@@ -90,11 +91,20 @@ def _row_count(words: int) -> int:
     return -(-words // ROW)
 
 
-def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor) -> None:
+def _product(words: torch.Tensor, columns: torch.Tensor, out: torch.Tensor, widen: str) -> None:
+    if widen == "multiply":
+        torch.mul(words, columns, out=out)
+    else:
+        out.copy_(words).mul_(columns)
+
+
+def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor, widen: str) -> None:
     """``out[r] = sum_j w_j x_{r,j}`` modulo 2**64 for every row ``r`` of ``words`` (the last may be short).
 
-    Two kernels per pass of up to ``scratch rows``: the int32 x int64 product, widened inside the multiply
-    (no int64 copy of the words), into the scratch, and its row sums straight into ``out``. Relies on int64
+    Per pass of up to ``scratch rows``: the int64 products into the scratch, then their row sums straight into
+    ``out``. ``widen`` says how the int32 words become int64: ``multiply`` inside the product (one kernel that
+    reads the words once: CUDA casts while it loads), ``copy`` by a widening copy first, then the product in place
+    (CPU: its mixed-dtype multiply makes a temporary instead). Either gives the same sums. Relies on int64
     products and sums wrapping modulo 2**64, as torch's CPU and CUDA kernels do; the unit tests hold both to a
     numpy uint64 reference.
     """
@@ -104,12 +114,12 @@ def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor) -> None:
     for start in range(0, whole, step):  # one pass for a tensor up to `step` rows
         stop = min(start + step, whole)
         block = ws.scratch[: stop - start]
-        torch.mul(words[start * ROW : stop * ROW].view(stop - start, ROW), ws.columns, out=block)
+        _product(words[start * ROW : stop * ROW].view(stop - start, ROW), ws.columns, block, widen)
         torch.sum(block, 1, out=out[start:stop])
     tail = n - whole * ROW
     if tail:
         last = ws.scratch[0, :tail]
-        torch.mul(words[whole * ROW :], ws.columns[:tail], out=last)
+        _product(words[whole * ROW :], ws.columns[:tail], last, widen)
         torch.sum(last.view(1, tail), 1, out=out[whole : whole + 1])
 
 
@@ -126,12 +136,15 @@ def _weighted_totals(row_sums: torch.Tensor, counts: list[int], ws: _Workspace) 
 
 
 def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache | None = None,
-                   scratch_rows: int = SCRATCH_ROWS) -> dict[str, str]:
+                   scratch_rows: int = SCRATCH_ROWS, widen: str | None = None) -> dict[str, str]:
     """Every tensor's digest by name, computed where each tensor lives; one host sync for the batch.
 
     ``cache`` keeps the weight vectors and the scratch per device between calls (pass the same dict to reuse
-    them); ``scratch_rows`` bounds the scratch (``scratch_rows`` x 2 MiB per device).
+    them); ``scratch_rows`` bounds the scratch (``scratch_rows`` x 2 MiB per device); ``widen`` (``multiply`` or
+    ``copy``, see ``_row_sums``; default: ``multiply`` on CUDA, ``copy`` elsewhere) changes speed, never a digest.
     """
+    if widen not in (None, *WIDEN):
+        raise ValueError(f"widen must be one of {WIDEN}, not {widen!r}")
     cache = {} if cache is None else cache
     names: list[str] = []
     sizes: list[int] = []
@@ -143,11 +156,12 @@ def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache
     totals: list[tuple[list[int], torch.Tensor]] = []
     for device, entries in by_device.items():
         ws = _workspace(device, cache, scratch_rows)
+        how = widen or ("multiply" if device.type == "cuda" else "copy")
         counts = [_row_count(w.numel()) for _, w in entries]
         row_sums = torch.empty(sum(counts), dtype=torch.int64, device=device)
         at = 0
         for (_, w), rows in zip(entries, counts, strict=True):
-            _row_sums(w, ws, row_sums[at : at + rows])
+            _row_sums(w, ws, row_sums[at : at + rows], how)
             at += rows
         totals.append(([i for i, _ in entries], _weighted_totals(row_sums, counts, ws)))
     values: list[int] = [0] * len(names)
