@@ -18,7 +18,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -80,8 +80,41 @@ def block_loop_digests(named: Sequence[tuple[str, torch.Tensor]], cache: dict[to
     return {n: D.digest_hex(v, b) for (n, _), v, b in zip(named, values, sizes, strict=True)}
 
 
+def compiled_digests(named: Sequence[tuple[str, torch.Tensor]], cache: DigestCache,
+                     row_sums_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> dict[str, str]:
+    """The same function with each tensor's whole rows in one compiled kernel (``row_sums_of``: widen, multiply
+    and row-sum fused, so no int64 products reach memory); tails and the row weights as engines/digest.py does.
+    A candidate only: measured here against the eager implementations before anything depends on a compiler."""
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    sizes = []
+    for i, (_, t) in enumerate(named):
+        sizes.append(t.numel() * t.element_size())
+        by_device.setdefault(t.device, []).append((i, D._words(t)))
+    values = [0] * len(named)
+    for device, entries in by_device.items():
+        ws = D._workspace(device, cache, 1)
+        counts = [D._row_count(w.numel()) for _, w in entries]
+        sums = torch.empty(sum(counts), dtype=torch.int64, device=device)
+        at = 0
+        for (_, w), rows in zip(entries, counts, strict=True):
+            whole = w.numel() // D.ROW
+            if whole:
+                sums[at : at + whole] = row_sums_of(w[: whole * D.ROW].view(whole, D.ROW), ws.columns)
+            if (tail := w.numel() - whole * D.ROW):
+                sums[at + whole] = (w[whole * D.ROW :].to(torch.int64) * ws.columns[:tail]).sum()
+            at += rows
+        got = D._weighted_totals(sums, counts, ws).tolist()
+        for (i, _), v in zip(entries, got, strict=True):
+            values[i] = int(v) & ((1 << 64) - 1)
+    return {n: D.digest_hex(v, b) for (n, _), v, b in zip(named, values, sizes, strict=True)}
+
+
+def _fused_row_sums(block: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    return (block.to(torch.int64) * columns).sum(1)
+
+
 def compare_implementations(named: Sequence[tuple[str, torch.Tensor]], device: torch.device, repeats: int,
-                            scratch_rows: Sequence[int]) -> dict[str, Any]:
+                            scratch_rows: Sequence[int], compiled: bool = False) -> dict[str, Any]:
     """Old (``block_loop``) against new (``multiply@rows``, ``copy@rows``: engines/digest.py's two widenings at
     each scratch size; the default is ``multiply`` on CUDA, ``copy`` on CPU) on the same tensors: best seconds, GB/s, and whether every
     implementation returned the same digests."""
@@ -93,26 +126,40 @@ def compare_implementations(named: Sequence[tuple[str, torch.Tensor]], device: t
             cache: DigestCache = {}
             runs[f"{widen}@{rows}"] = lambda cache=cache, rows=rows, widen=widen: tensor_digests(
                 named, cache, scratch_rows=rows, widen=widen)
+    if compiled:
+        fused = torch.compile(_fused_row_sums, dynamic=True)
+        compiled_cache: DigestCache = {}
+        runs["compiled"] = lambda: compiled_digests(named, compiled_cache, fused)
     out: dict[str, Any] = {}
     answers = {}
+    errors: dict[str, str] = {}
     for name, fn in runs.items():
-        answers[name] = fn()  # warm: weight vectors and scratch on the device
+        t0 = time.perf_counter()
+        try:
+            answers[name] = fn()  # warm: weight vectors and scratch on the device (and, compiled, the kernel)
+        except Exception as exc:  # a candidate that cannot run here is reported, not fatal
+            if name != "compiled":
+                raise
+            errors[name] = f"{type(exc).__name__}: {exc}"[:400]
+            continue
+        warm_s = time.perf_counter() - t0
         s = _best(fn, device, repeats)
-        out[name] = {"s": s, "gb_per_s": nbytes / s / 1e9,
-                     "scratch_mib": 2 * (_OLD_BLOCK_ROWS if name == "block_loop" else int(name.split("@")[1]))}
+        out[name] = {"s": s, "gb_per_s": nbytes / s / 1e9, "first_call_s": warm_s,
+                     "scratch_mib": 0 if name == "compiled" else
+                     2 * (_OLD_BLOCK_ROWS if name == "block_loop" else int(name.split("@")[1]))}
         if device.type == "cuda":
             torch.cuda.empty_cache()
     first = next(iter(answers.values()))
-    fused = min((k for k in out if k != "block_loop"), key=lambda k: out[k]["s"])
+    fused = min((k for k in out if k not in ("block_loop", "compiled")), key=lambda k: out[k]["s"])
     default = f"{'multiply' if device.type == 'cuda' else 'copy'}@{SCRATCH_ROWS}"
-    return {"implementations": out, "same_digests": all(a == first for a in answers.values()),
+    return {"implementations": out, "errors": errors, "same_digests": all(a == first for a in answers.values()),
             "best_fused": fused, "speedup": out["block_loop"]["s"] / out[fused]["s"],
             "default": default if default in out else None,
             "default_speedup": out["block_loop"]["s"] / out[default]["s"] if default in out else None}
 
 
 def measure(model: str, device: torch.device, repeats: int,
-            scratch_rows: Sequence[int] = (SCRATCH_ROWS,)) -> dict[str, Any]:
+            scratch_rows: Sequence[int] = (SCRATCH_ROWS,), compiled: bool = False) -> dict[str, Any]:
     """The record: seconds and GB/s of full and sampled digests against one copy, old against new, and CPU
     agreement."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -131,7 +178,7 @@ def measure(model: str, device: torch.device, repeats: int,
     full_s = _best(lambda: tensor_digests(named, cache), device, repeats)
     sample_s = _best(lambda: tensor_digests(subset, cache), device, repeats)
     copy_s = _best(copy, device, repeats)
-    compared = compare_implementations(named, device, repeats, scratch_rows)
+    compared = compare_implementations(named, device, repeats, scratch_rows, compiled)
     largest = max(named, key=lambda p: p[1].numel())
     check: Sequence[tuple[str, torch.Tensor]] = [*named[:3], largest]
     on_cpu = tensor_digests([(n, t.cpu()) for n, t in check])
@@ -154,12 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--scratch-rows", default=str(SCRATCH_ROWS),
                         help="comma-separated scratch sizes (rows of 2 MiB) to time the current digest at")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time a torch.compile'd fused row sum (a candidate; needs a working inductor)")
     parser.add_argument("--out", default=None, help="write the JSON record here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    record = measure(args.model, device, args.repeats, [int(r) for r in args.scratch_rows.split(",")])
+    record = measure(args.model, device, args.repeats, [int(r) for r in args.scratch_rows.split(",")],
+                     args.compiled)
     print(json.dumps(record, indent=2))
     print("digests of every tensor, same bytes: " + ", ".join(
         f"{k} {v['gb_per_s']:.1f} GB/s ({v['s'] * 1e3:.1f} ms, scratch {v['scratch_mib']} MiB)"

@@ -468,6 +468,7 @@ def _targets(results: list[dict[str, Any]], control_floor: Sequence[dict[str, An
         out["best_wall_x_floor"] = min(r["wall_x_floor"] for r in ran.values())
         out["best_wall_variant"] = min(ran.values(), key=lambda r: r["wall_x_floor"])["name"]
         defaults = [r for r in ran.values() if r["name"].split("/")[0] == DEFAULTS_VARIANT]
+        defaults = [r for r in defaults if r["verify"] == "full"] or defaults  # the default policy verifies fully
         if defaults:  # issue 29 item 1: the whole session <= 2.5x the floor for the best, <= 4x for the defaults
             out["defaults_variant"] = DEFAULTS_VARIANT
             out["defaults_wall_x_floor"] = min(r["wall_x_floor"] for r in defaults)
