@@ -11,6 +11,7 @@
 #    verify off and full, with the session's breakdown open -> commit (bench/session_breakdown.py).
 # 3. switch: `colocd bench switch`, seed-baseline, tuned, tuned-keep and the onload levers tuned-onload and
 #    tuned-onload2 (bench/onload.py), against the same run's floor.
+# 4. compiled: step 1's tensors once more with a torch.compile'd fused row sum beside the eager digests.
 # Each step has its own time limit, so one that hangs costs only its own slot; the summary at the end reads the
 # JSON records. Wheels in .whl/ (fastapi, uvicorn, pydantic for a bare box) are installed first where present.
 set -uo pipefail
@@ -39,10 +40,10 @@ step() { local name=$1 t=$2; shift 2; echo "=== $name: $*"; local t0=$SECONDS; t
 
 if [ "$DEVICE" = cuda ]; then
   ROWS=4,16,32,128 REPEATS=5 SWITCH=(--steps 2 --warmup 1 --rollout-s 2)
-  T_DIG=60 T_WEIGHTS=120 T_SWITCH=170
+  T_DIG=40 T_WEIGHTS=90 T_SWITCH=180 T_COMPILED=50  # expected ~20 + 60 + 130 + 35 s
 else  # a CPU smoke run of the same steps: tiny shapes, few repeats, two one-rank groups, no destroy wait
   ROWS=8,32 REPEATS=2 SWITCH=(--steps 1 --warmup 1 --groups 2 --train-tokens 8 --gen-tokens 4 --post-destroy-wait-s 0)
-  T_DIG=300 T_WEIGHTS=600 T_SWITCH=900
+  T_DIG=300 T_WEIGHTS=600 T_SWITCH=900 T_COMPILED=400
 fi
 
 step digests "$T_DIG" "$PY" -m colocd.bench.digests --model "$MODEL" --device "$DEVICE" --repeats "$REPEATS" \
@@ -51,6 +52,10 @@ step weights "$T_WEIGHTS" "$PY" -m colocd.cli bench weights --model "$MODEL" --d
   --variants "zero_copy@all+chan,overlap3@2048+chan" --verify off,full --out "$OUT/weights-$MODEL.json"
 step switch "$T_SWITCH" "$PY" -m colocd.cli bench switch --model "$MODEL" --device "$DEVICE" "${SWITCH[@]}" \
   --presets seed-baseline,tuned,tuned-onload,tuned-onload2,tuned-keep --out "$OUT/switch-$MODEL.json"
+
+# Last, as it may not finish: the same digests with the row sums fused by torch.compile (a candidate lever).
+step compiled "$T_COMPILED" "$PY" -m colocd.bench.digests --model "$MODEL" --device "$DEVICE" --repeats "$REPEATS" \
+  --scratch-rows 32 --compiled --out "$OUT/digests-compiled-$MODEL.json"
 
 "$PY" - "$OUT" "$MODEL" <<'EOF'
 import json, sys
@@ -64,7 +69,12 @@ if (d := load("digests")) is not None:
     summary["digests"] = {"old_gb_per_s": d["implementations"]["block_loop"]["gb_per_s"],
                           "default": d["default"], "default_speedup": d["default_speedup"],
                           "best": d["best_fused"], "best_speedup": d["speedup"], "same_digests": d["same_digests"],
-                          "cpu_agrees": d["cpu_agrees"], "copy_s": d["copy_s"], "full_s": d["full_s"]}
+                          "cpu_agrees": d["cpu_agrees"], "copy_s": d["copy_s"], "full_s": d["full_s"],
+                          "gb_per_s": {k: v["gb_per_s"] for k, v in d["implementations"].items()}}
+if (c := load("digests-compiled")) is not None:
+    summary["digests_compiled"] = {"gb_per_s": {k: v["gb_per_s"] for k, v in c["implementations"].items()},
+                                   "first_call_s": c["implementations"].get("compiled", {}).get("first_call_s"),
+                                   "same_digests": c["same_digests"], "errors": c["errors"]}
 if (w := load("weights")) is not None:
     summary["weights"] = {"floor_ms": 1e3 * w["floor_s"], "targets": w["targets"],
                           "variants": {v["name"]: {"stream_x": v["x_floor"], "wall_x": v["wall_x_floor"],
