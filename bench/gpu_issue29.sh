@@ -42,7 +42,7 @@ if [ "$DEVICE" = cuda ]; then
   ROWS=4,16,32,128 REPEATS=5 SWITCH=(--steps 2 --warmup 1 --rollout-s 2)
   T_DIG=40 T_WEIGHTS=90 T_SWITCH=180 T_COMPILED=50  # expected ~20 + 60 + 130 + 35 s
 else  # a CPU smoke run of the same steps: tiny shapes, few repeats, two one-rank groups, no destroy wait
-  ROWS=8,32 REPEATS=2 SWITCH=(--steps 1 --warmup 1 --groups 2 --train-tokens 8 --gen-tokens 4 --post-destroy-wait-s 0)
+  ROWS=8,16 REPEATS=2 SWITCH=(--steps 1 --warmup 1 --groups 2 --train-tokens 8 --gen-tokens 4 --post-destroy-wait-s 0)
   T_DIG=300 T_WEIGHTS=600 T_SWITCH=900 T_COMPILED=400
 fi
 
@@ -55,7 +55,7 @@ step switch "$T_SWITCH" "$PY" -m colocd.cli bench switch --model "$MODEL" --devi
 
 # Last, as it may not finish: the same digests with the row sums fused by torch.compile (a candidate lever).
 step compiled "$T_COMPILED" "$PY" -m colocd.bench.digests --model "$MODEL" --device "$DEVICE" --repeats "$REPEATS" \
-  --scratch-rows 32 --compiled --out "$OUT/digests-compiled-$MODEL.json"
+  --scratch-rows 16 --compiled --out "$OUT/digests-compiled-$MODEL.json"
 
 "$PY" - "$OUT" "$MODEL" <<'EOF'
 import json, sys

@@ -35,8 +35,9 @@ __all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "T
 ROW = 1 << 18  # words per row: one column weight each (2 MiB of int64 weights per device)
 _ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors over 64 GiB)
 # Rows per product pass (a row is 1 MiB of tensor bytes): the pass's int64 products land in a reused scratch of
-# SCRATCH_ROWS x 2 MiB per device, so a tensor up to 32 MiB takes one pass; 32 rows: a 64 MiB scratch.
-SCRATCH_ROWS = 32
+# SCRATCH_ROWS x 2 MiB per device, kept with the weight vectors (a trainer keeps it through the rollout), so a
+# tensor up to 16 MiB takes one pass; 16 rows: a 32 MiB scratch, what the earlier block loop kept.
+SCRATCH_ROWS = 16
 WIDEN = ("multiply", "copy")  # how the words become int64 (``_row_sums``)
 _SEED = 0x636F6C6F6364  # "colocd"
 _MASK = (1 << 64) - 1
@@ -123,16 +124,23 @@ def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor, widen: str
         torch.sum(last.view(1, tail), 1, out=out[whole : whole + 1])
 
 
-def _weighted_totals(row_sums: torch.Tensor, counts: list[int], ws: _Workspace) -> torch.Tensor:
-    """Per tensor ``sum_r u_r * row_sums[r]`` over its own rows (``counts`` rows each, in order): one gather,
-    one product and one segmented sum for the whole batch."""
-    device = row_sums.device
+def _segments(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the rows of a batch (``counts`` rows per tensor, in order): each row's tensor, and its row index within
+    that tensor modulo ``_ROWS``, on ``device`` (built on the host; copied before any pass is queued)."""
     sizes = torch.tensor(counts, dtype=torch.int64)
     segment = torch.repeat_interleave(torch.arange(len(counts)), sizes)
     starts = torch.cumsum(sizes, 0) - sizes
-    index = (torch.arange(row_sums.numel()) - torch.repeat_interleave(starts, sizes)) % _ROWS
-    weighted = row_sums * ws.rows[index.to(device)]
-    return torch.zeros(len(counts), dtype=torch.int64, device=device).index_add_(0, segment.to(device), weighted)
+    index = (torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)) % _ROWS
+    return segment.to(device), index.to(device)
+
+
+def _weighted_totals(row_sums: torch.Tensor, counts: list[int], ws: _Workspace,
+                     segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Per tensor ``sum_r u_r * row_sums[r]`` over its own rows (``counts`` rows each, in order): one gather,
+    one product and one segmented sum for the whole batch."""
+    segment, index = segments if segments is not None else _segments(counts, row_sums.device)
+    weighted = row_sums * ws.rows[index]
+    return torch.zeros(len(counts), dtype=torch.int64, device=row_sums.device).index_add_(0, segment, weighted)
 
 
 def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache | None = None,
@@ -158,12 +166,13 @@ def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache
         ws = _workspace(device, cache, scratch_rows)
         how = widen or ("multiply" if device.type == "cuda" else "copy")
         counts = [_row_count(w.numel()) for _, w in entries]
+        segments = _segments(counts, device)
         row_sums = torch.empty(sum(counts), dtype=torch.int64, device=device)
         at = 0
         for (_, w), rows in zip(entries, counts, strict=True):
             _row_sums(w, ws, row_sums[at : at + rows], how)
             at += rows
-        totals.append(([i for i, _ in entries], _weighted_totals(row_sums, counts, ws)))
+        totals.append(([i for i, _ in entries], _weighted_totals(row_sums, counts, ws, segments)))
     values: list[int] = [0] * len(names)
     for indices, on_device in totals:
         for i, v in zip(indices, on_device.tolist(), strict=True):
