@@ -116,8 +116,8 @@ def _fused_row_sums(block: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 def compare_implementations(named: Sequence[tuple[str, torch.Tensor]], device: torch.device, repeats: int,
                             scratch_rows: Sequence[int], compiled: bool = False) -> dict[str, Any]:
     """Old (``block_loop``) against new (``multiply@rows``, ``copy@rows``: engines/digest.py's two widenings at
-    each scratch size; the default is ``multiply`` on CUDA, ``copy`` on CPU) on the same tensors: best seconds, GB/s, and whether every
-    implementation returned the same digests."""
+    each scratch size; the default is ``multiply`` on CUDA, ``copy`` on CPU; ``compiled`` where asked) on the same
+    tensors: best seconds, GB/s, and whether every implementation returned the same digests."""
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     old_cache: dict[torch.device, Any] = {}
     runs: dict[str, Any] = {"block_loop": lambda: block_loop_digests(named, old_cache)}
@@ -127,9 +127,9 @@ def compare_implementations(named: Sequence[tuple[str, torch.Tensor]], device: t
             runs[f"{widen}@{rows}"] = lambda cache=cache, rows=rows, widen=widen: tensor_digests(
                 named, cache, scratch_rows=rows, widen=widen)
     if compiled:
-        fused = torch.compile(_fused_row_sums, dynamic=True)
+        row_sums_of = torch.compile(_fused_row_sums, dynamic=True)
         compiled_cache: DigestCache = {}
-        runs["compiled"] = lambda: compiled_digests(named, compiled_cache, fused)
+        runs["compiled"] = lambda: compiled_digests(named, compiled_cache, row_sums_of)
     out: dict[str, Any] = {}
     answers = {}
     errors: dict[str, str] = {}

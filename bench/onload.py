@@ -38,7 +38,8 @@ def onloader(state: RankState, how: str) -> Onload:
     if how not in ONLOADS:
         raise ValueError(f"unknown onload {how!r}; known: {ONLOADS}")
     extra = 1 if how == "interleaved2" else 0
-    streams = [torch.cuda.Stream(state.device) for _ in range(extra)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
+    cuda = state.device.type == "cuda"
+    streams = [torch.cuda.Stream(state.device) for _ in range(extra)] if cuda else []  # type: ignore[no-untyped-call]
     return lambda parts: _interleaved(state, parts, streams)
 
 

@@ -2,12 +2,13 @@
 
 Every figure comes from a timestamp: the trainer's own timers around its three calls (open, stream, commit), its
 pusher's per-chunk timers (the join, the digests on its export thread), and the spans of the session's trace that
-the commit reply carries (daemon/sessions.py: ``node_lock`` (twice: open and commit), ``open_checks``, ``parameter_manifest``, ``manifest_check``,
-``begin_weight_update``, ``load_chunk``, ``drain``, ``check_complete``, ``verify`` with its ``weight_digests``
-calls, ``end_weight_update``, ``set_weight_version``, ``commit_bookkeeping``, ``journal``). An engine call made on
-several engines at once counts as the extent of its spans (first start → last end), a per-chunk one as the sum.
-The two ``outside`` rows are the trainer's round trip less the daemon's extent of the same step (both measured):
-the HTTP hop, the node lock and the reply's encoding.
+the commit reply carries (daemon/sessions.py: ``node_lock`` (twice: open and commit; the node's lock and the
+reconcile that observes every engine), ``open_checks``, ``parameter_manifest``, ``manifest_check``,
+``begin_weight_update``, ``load_chunk``, ``drain``, ``check_complete``, ``verify`` with its ``weight_digests`` calls,
+``end_weight_update``, ``set_weight_version``, ``commit_bookkeeping``, ``journal``). An engine call made on several
+engines at once counts as the extent of its spans (first start → last end), a per-chunk one as the sum. The two
+``outside`` rows are the trainer's round trip less the daemon's extent of the same call (both measured): the HTTP
+hop, the route and the reply's encoding.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("open.manifest", "    engines' parameter manifests"),
     ("open.manifest_check", "    declared manifest against them"),
     ("open.begin", "    engines' begin_weight_update"),
-    ("open.outside", "  outside the daemon's open (HTTP, lock, reply)"),
+    ("open.outside", "  outside the daemon's open (HTTP, route, reply)"),
     ("stream", "trainer: first export -> last ack"),
     ("stream.join", "  join (+ chunk channel greeting)"),
     ("stream.trainer_digest", "  trainer digests (export thread, overlapped)"),
@@ -43,12 +44,12 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("commit.version", "    engines' set_weight_version"),
     ("commit.bookkeeping", "    versions, records, metrics"),
     ("commit.journal", "    journal record"),
-    ("commit.outside", "  outside the daemon's commit (HTTP, lock, reply)"),
+    ("commit.outside", "  outside the daemon's commit (HTTP, route, reply)"),
     ("wall", "trainer: open -> commit reply"),
 )
 _OPEN_SPANS = ("node_lock", "open_checks", "parameter_manifest", "manifest_check", "begin_weight_update")
-_COMMIT_SPANS = ("node_lock", "drain", "check_complete", "verify", "weight_digests", "end_weight_update", "set_weight_version",
-                 "commit_bookkeeping", "journal")
+_COMMIT_SPANS = ("node_lock", "drain", "check_complete", "verify", "weight_digests", "end_weight_update",
+                 "set_weight_version", "commit_bookkeeping", "journal")
 
 
 def _spans(trace: Mapping[str, Any], name: str) -> list[tuple[float, float]]:

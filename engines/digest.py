@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "TensorDigest", "digest_hex", "digests_equal", "tensor_digests"]
+__all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "TensorDigest", "digest_hex",
+           "digests_equal", "tensor_digests"]
 
 ROW = 1 << 18  # words per row: one column weight each (2 MiB of int64 weights per device)
 _ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors over 64 GiB)

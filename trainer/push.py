@@ -290,8 +290,9 @@ class WeightPusher:
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                          digests: DigestCache | None = None) -> tuple[ExportedChunk, float, float] | None:
         """The next bucket, exported (with each tensor's digest, computed on its device, where ``digests`` is a
-        cache), the export's seconds and the digests' share of them; None when the plan is done. Runs on a thread. An export that fails
-        raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is raised as it is."""
+        cache), the export's seconds and the digests' share of them; None when the plan is done. Runs on a thread.
+        An export that fails raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is
+        raised as it is."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
