@@ -36,6 +36,8 @@ fi
 ln -sfn "$ROOT" "$PKG/colocd"
 export PYTHONPATH=$SITE:$PKG${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -c 'import torch, colocd; print("torch", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no cuda", colocd.__file__)'
+# The digest micro-bench as a module of the package; override where bench/ lives elsewhere (DIGESTS="python3 -m ...").
+read -r -a DIGESTS <<< "${DIGESTS:-$PY -m colocd.bench.digests}"
 step() { local name=$1 t=$2; shift 2; echo "=== $name: $*"; local t0=$SECONDS; timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 60; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS-t0)) s"; }
 
 if [ "$DEVICE" = cuda ]; then
@@ -46,7 +48,7 @@ else  # a CPU smoke run of the same steps: tiny shapes, few repeats, two one-ran
   T_DIG=300 T_WEIGHTS=600 T_SWITCH=900 T_COMPILED=400
 fi
 
-step digests "$T_DIG" "$PY" -m colocd.bench.digests --model "$MODEL" --device "$DEVICE" --repeats "$REPEATS" \
+step digests "$T_DIG" "${DIGESTS[@]}" --model "$MODEL" --device "$DEVICE" --repeats "$REPEATS" \
   --scratch-rows "$ROWS" --out "$OUT/digests-$MODEL.json"
 step weights "$T_WEIGHTS" "$PY" -m colocd.cli bench weights --model "$MODEL" --device "$DEVICE" --repeats 3 \
   --variants "zero_copy@all+chan,overlap3@2048+chan" --verify off,full --out "$OUT/weights-$MODEL.json"
@@ -54,7 +56,7 @@ step switch "$T_SWITCH" "$PY" -m colocd.cli bench switch --model "$MODEL" --devi
   --presets seed-baseline,tuned,tuned-onload,tuned-onload2,tuned-keep --out "$OUT/switch-$MODEL.json"
 
 # Last, as it may not finish: the same digests with the row sums fused by torch.compile (a candidate lever).
-step compiled "$T_COMPILED" "$PY" -m colocd.bench.digests --model "$MODEL" --device "$DEVICE" --repeats "$REPEATS" \
+step compiled "$T_COMPILED" "${DIGESTS[@]}" --model "$MODEL" --device "$DEVICE" --repeats "$REPEATS" \
   --scratch-rows 16 --compiled --out "$OUT/digests-compiled-$MODEL.json"
 
 "$PY" - "$OUT" "$MODEL" <<'EOF'
