@@ -49,6 +49,7 @@ from ..trainer.producer import producer_for
 from ..trainer.push import WeightPusher
 from .control_floor import measure_control_floor
 from .records import write_record
+from .session_breakdown import breakdown, breakdown_table
 
 __all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
 
@@ -81,6 +82,8 @@ VARIANTS: dict[str, tuple[str, str | None, int, int | None, bool]] = {
     "zero_copy": ("zero_copy", None, 2, None, False),  # engine reads the trainer's own storages
 }
 DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3", "ipc_ring", "zero_copy")
+# What the tuned pipeline policy pushes with (overlap, depth 3, 2048 MiB, cuda_ipc, over the chunk channel).
+DEFAULTS_VARIANT = "overlap3@2048+chan"
 
 
 def parse_variant(spec: str, device: str, bucket_mb: float) -> Variant:
@@ -144,6 +147,8 @@ class VariantResult:
     verify: str = "full"  # the daemon's sync.verify during this variant
     verify_ms: float = 0.0  # the best push's commit-time verification (the daemon asking the engine), ms
     verification: dict[str, Any] = field(default_factory=dict)  # the best push's commit reply "verification"
+    # The best-wall push's session, stage by stage (bench/session_breakdown.py), seconds.
+    breakdown: dict[str, float] = field(default_factory=dict)
 
     def summary(self, nbytes: int, floor_s: float) -> dict[str, Any]:
         best, wall = min(self.stream_s, default=math.nan), min(self.wall_s, default=math.nan)
@@ -286,7 +291,7 @@ async def _push_once(
     version: str,
     depth: int,
 ) -> tuple[float, float, float, float, int, dict[str, Any]]:
-    """(open, stream, commit, wall) seconds, the chunk count and the commit's verification of one full session."""
+    """(open, stream, commit, wall) seconds, the chunk count and the commit reply of one full session."""
     t0 = time.perf_counter()
     reply = await client.open_session(version, ranks=1, depth=depth)
     sid = reply["session_id"]
@@ -302,7 +307,7 @@ async def _push_once(
             pass  # already failed; the original error matters
         raise
     t3 = time.perf_counter()
-    return t1 - t0, t2 - t1, t3 - t2, t3 - t0, chunks, dict(commit.get("verification") or {})
+    return t1 - t0, t2 - t1, t3 - t2, t3 - t0, chunks, commit
 
 
 async def _run_variant(
@@ -341,9 +346,10 @@ async def _run_variant(
             # Fresh values before every push, checked after it: no repetition can pass on the bytes
             # an earlier one delivered.
             expected = _refill(named, seed * 1000 + i)
-            open_s, stream_s, commit_s, wall_s, chunks, verification = await _push_once(
+            open_s, stream_s, commit_s, wall_s, chunks, commit = await _push_once(
                 client, pusher, named, f"{result.name}-{i}", variant.depth
             )
+            verification = dict(commit.get("verification") or {})
             if pusher.last_path != variant.channel:
                 raise RuntimeError(f"{variant.name}: chunks went over {pusher.last_path}, not {variant.channel}")
             sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
@@ -356,6 +362,10 @@ async def _run_variant(
             result.rings_opened = int(sink["rings_opened"])
             if i < settings.warmup:
                 continue
+            if not result.wall_s or wall_s < min(result.wall_s):
+                result.breakdown = breakdown(open_s=open_s, stream_s=stream_s, commit_s=commit_s, wall_s=wall_s,
+                                             trace=commit.get("trace") or {}, join_s=pusher.last_join_s,
+                                             digest_s=[c.digest_s for c in pusher.chunk_log])
             if not result.stream_s or stream_s < min(result.stream_s):
                 best_log, result.open_s, result.commit_s = list(pusher.chunk_log), open_s, commit_s
                 best_loads, result.checksum_ms = list(sink["loads"]), 1e3 * float(sink["checksum_s"])
@@ -456,6 +466,12 @@ def _targets(results: list[dict[str, Any]], control_floor: Sequence[dict[str, An
         out["best_variant"] = best["name"]
         out["best_x_floor"] = best["x_floor"]
         out["best_wall_x_floor"] = min(r["wall_x_floor"] for r in ran.values())
+        out["best_wall_variant"] = min(ran.values(), key=lambda r: r["wall_x_floor"])["name"]
+        defaults = [r for r in ran.values() if r["name"].split("/")[0] == DEFAULTS_VARIANT]
+        defaults = [r for r in defaults if r["verify"] == "full"] or defaults  # the default policy verifies fully
+        if defaults:  # issue 29 item 1: the whole session <= 2.5x the floor for the best, <= 4x for the defaults
+            out["defaults_variant"] = DEFAULTS_VARIANT
+            out["defaults_wall_x_floor"] = min(r["wall_x_floor"] for r in defaults)
         at_default = [r for r in ran.values() if r["bucket_mb"] == 512]
         if at_default:  # target: at 512 MiB chunks the best variant <= 4x the floor
             best512 = min(at_default, key=lambda r: r["best_stream_s"])
@@ -566,6 +582,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
     }
     print(_table(summaries, floor_s, nbytes), flush=True)
     print(_stage_table(summaries, kernels, nbytes), flush=True)
+    print(breakdown_table([(r["name"], r["breakdown"]) for r in summaries if r["breakdown"]], floor_s), flush=True)
     for floor in control_floor:
         print(f"control floor: one {floor['frame_bytes']}-byte descriptor line to a peer process and back, the peer "
               f"holding it {floor['hold_ms']:.2f} ms: {floor['p50_ms']:.3f} ms median (p90 {floor['p90_ms']:.3f})",

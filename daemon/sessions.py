@@ -35,7 +35,7 @@ from .states import (
     require_session_open,
 )
 from .sync import EngineSync
-from .trace import Trace, TraceStore
+from .trace import Span, Trace, TraceStore
 from .verify import Verification, verify_engines
 from .versions import VersionBook
 from .weights import (
@@ -90,6 +90,9 @@ class WeightSessions:
         # cannot list its parameters (kept beside the journal, so it survives a daemon restart).
         self._manifest_file = Path(journal + ".manifest.json") if journal else None
         self.complete_manifest: Manifest | None = None
+        # Each engine's own parameter set as it last listed it, per attachment of one incarnation: a process
+        # serves one model, so the next open need not ask again (a restart or re-attach asks anew).
+        self._engine_manifests: dict[str, tuple[str, object, Manifest | None]] = {}
         # What trainer rings announced to this daemon process, so their chunks may carry refs only
         # (engines/ring_refs.py); its id, in every join reply, tells a trainer when to announce again.
         self.rings = RingDirectory()
@@ -122,30 +125,36 @@ class WeightSessions:
         a partial update needs intact (clean) weights on every engine. Refusals change nothing.
         """
         d = self._d
+        # The session's trace starts before the node's lock, so its spans cover the whole open (the breakdown
+        # of `colocd bench weights`); the step it names is the node's, as the check below requires.
+        trace = Trace(d.node.step, "weights")
         async with d.exclusive("open_weights"):
-            await self.lapse_if_idle()
-            current = self.current
-            check_can_open_session(self.open_id(), (e.state for e in d.engines.values()), d.node,
-                                   idle_for=current.idle_for() if current is not None else 0.0,
-                                   idle_s=current.idle_s if current is not None else None)
-            if step is not None and step != d.node.step:
-                raise RequestInvalid(f"step {step} is not the node's step {d.node.step} (phase "
-                                     f"{d.node.phase.value}): a session carries the weights of the node's step; "
-                                     f"send {d.node.step} or leave step out", field="step")
-            step = d.node.step
-            try:
-                declared = manifest_from_json(manifest) if manifest is not None else None
-            except (KeyError, TypeError, ValueError) as exc:
-                raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
-            if partial:
-                check_partial_allowed((e.state for e in d.engines.values()), d.node)
-            d.sync.require_attached()
-            ranks = self._check_ranks(ranks)
-            trace = Trace(step, "weights")
+            _lock_span(trace, 0.0)
+            trace.step = d.node.step
+            with trace.span("open_checks"):
+                await self.lapse_if_idle()
+                current = self.current
+                check_can_open_session(self.open_id(), (e.state for e in d.engines.values()), d.node,
+                                       idle_for=current.idle_for() if current is not None else 0.0,
+                                       idle_s=current.idle_s if current is not None else None)
+                if step is not None and step != d.node.step:
+                    raise RequestInvalid(f"step {step} is not the node's step {d.node.step} (phase "
+                                         f"{d.node.phase.value}): a session carries the weights of the node's step; "
+                                         f"send {d.node.step} or leave step out", field="step")
+                step = d.node.step
+                try:
+                    declared = manifest_from_json(manifest) if manifest is not None else None
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
+                if partial:
+                    check_partial_allowed((e.state for e in d.engines.values()), d.node)
+                d.sync.require_attached()
+                ranks = self._check_ranks(ranks)
             t = d.timeouts()
             required = await self._parameter_sets(trace, t.for_step(TimeoutStep.WEIGHT_UPDATE))
             if declared is not None:
-                self._check_declared(declared, required, partial)
+                with trace.span("manifest_check", tensors=len(declared)):
+                    self._check_declared(declared, required, partial)
             session = WeightSession(
                 step=step, version=version, ranks=ranks, engines=list(d.engines.values()),
                 depth=depth or d.pipeline_depth(), chunk_timeout_s=t.for_step(TimeoutStep.CHUNK),
@@ -225,14 +234,24 @@ class WeightSessions:
         """Each engine's full parameter set: from the engine where it can list them, else the last complete
         push (None when neither is known: the daemon cannot tell what complete means)."""
         d = self._d
-        sets: dict[str, Manifest | None] = {}
-        for name, engine in d.engines.items():
+
+        async def listed(engine: EngineHandle) -> Manifest | None:
             query = getattr(engine.adapter, "parameter_manifest", None)
-            items = None
-            if query is not None:
-                items = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s, query())
-            sets[name] = manifest_from_json(items) if items is not None else self.complete_manifest
-        return sets
+            if query is None:
+                return None
+            incarnation, cached = engine.state.incarnation, self._engine_manifests.get(engine.name)
+            if incarnation is not None and cached is not None and cached[:2] == (incarnation, engine.info):
+                return cached[2]
+            items = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s, query())
+            params = manifest_from_json(items) if items is not None else None
+            if incarnation is not None:
+                self._engine_manifests[engine.name] = (incarnation, engine.info, params)
+            return params
+
+        engines = list(d.engines.values())
+        found = await asyncio.gather(*(listed(e) for e in engines))
+        return {e.name: params if params is not None else self.complete_manifest
+                for e, params in zip(engines, found, strict=True)}
 
     def _check_declared(self, declared: Manifest, required: dict[str, Manifest | None], partial: bool) -> None:
         """Refuse a manifest that cannot make a complete (or, partial, a consistent) update: 422 before acting."""
@@ -322,29 +341,37 @@ class WeightSessions:
         d = self._d
         session = self.get(session_id)
         require_session_open(session.id, session.state, error=session.error)
+        waiting_since = session.trace.elapsed_s()
         async with d.exclusive("commit_weights"):
+            _lock_span(session.trace, waiting_since)
             session.touch()
             self.groups.check_settled(session)
+            trace = session.trace
             try:
-                await session.drain(num_chunks)
+                with trace.span("drain"):
+                    await session.drain(num_chunks)
             except RequestInvalid:
                 raise  # the trainer's gap: the session stays open (send the chunk, or abort)
             except BaseException:
                 await session.fail(WeightSyncError("commit failed"))
                 await self._close_session(session)
                 raise
-            self._check_complete(session)
-            verification = await self._verify(session)
+            with trace.span("check_complete"):
+                self._check_complete(session)
+            with trace.span("verify", mode=session.verify):
+                verification = await self._verify(session)
             await self._close_engines_update(session.trace, committed=True, version=session.version)
-            session.commit()
-            d.versions.committed(session.version)
-            if not session.partial:
-                self._record_complete(session)
-            d.metrics.weight_sessions.labels("committed").inc()
+            with trace.span("commit_bookkeeping"):
+                session.commit()
+                d.versions.committed(session.version)
+                if not session.partial:
+                    self._record_complete(session)
+                d.metrics.weight_sessions.labels("committed").inc()
             session.trace.finish("committed", bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                                  version=session.version)
             d.traces.put(session.trace)
-            d.journal_append("weights")
+            with trace.span("journal"):
+                d.journal_append("weights")
             return {**session.stats(), "broadcasts": self.groups.session_stats(session.id),
                     "engines": {n: e.state.snapshot() for n, e in d.engines.items()},
                     "verification": verification.to_json(), "trace": session.trace.to_json()}
@@ -597,3 +624,9 @@ class WeightSessions:
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
             d.changed()
+
+
+def _lock_span(trace: Trace, since: float) -> None:
+    """``node_lock``: from ``since`` until now, waiting for the node and reconciling every engine before acting
+    (``Daemon.exclusive``)."""
+    trace.add(Span("node_lock", None, since, trace.elapsed_s() - since))

@@ -1,7 +1,8 @@
 """Per-tensor weight digests: what the trainer computes at export and an engine reports after loading.
 
 A digest is a function of a tensor's raw bytes (any dtype, any shape: the bytes are read as 32-bit words),
-computed with torch integer ops on the device where the tensor lives, with one host sync per batch. Equal
+computed with torch integer ops on the device where the tensor lives, with one host sync per batch and a
+handful of kernels per tensor (no per-row work in Python: see ``_row_sums``). Equal
 bytes give equal digests on every device (CPU and CUDA agree bit for bit: integer arithmetic modulo 2**64
 does not depend on the reduction order). Trainer (``trainer/push.py``), daemon (``daemon/verify.py``) and
 engines (the reference engine, vLLM's worker extension) share this module, as they share ``chunks.py``.
@@ -29,11 +30,16 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DIGEST_HEX_CHARS", "ROW", "DigestCache", "TensorDigest", "digest_hex", "digests_equal", "tensor_digests"]
+__all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "TensorDigest", "digest_hex",
+           "digests_equal", "tensor_digests"]
 
 ROW = 1 << 18  # words per row: one column weight each (2 MiB of int64 weights per device)
 _ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors over 64 GiB)
-_BLOCK_ROWS = 16  # rows per reduction: bounds the int64 temporaries to 2 x 32 MiB
+# Rows per product pass (a row is 1 MiB of tensor bytes): the pass's int64 products land in a reused scratch of
+# SCRATCH_ROWS x 2 MiB per device, kept with the weight vectors (a trainer keeps it through the rollout), so a
+# tensor up to 16 MiB takes one pass; 16 rows: a 32 MiB scratch, what the earlier block loop kept.
+SCRATCH_ROWS = 16
+WIDEN = ("multiply", "copy")  # how the words become int64 (``_row_sums``)
 _SEED = 0x636F6C6F6364  # "colocd"
 _MASK = (1 << 64) - 1
 _LENGTH_MIX = 0x9E3779B97F4A7C15  # the 64-bit golden ratio
@@ -50,21 +56,24 @@ class TensorDigest(NamedTuple):
 class _Workspace(NamedTuple):
     columns: torch.Tensor  # (ROW,) odd int64 weights
     rows: torch.Tensor  # (_ROWS,) odd int64 weights
-    scratch: torch.Tensor  # (_BLOCK_ROWS, ROW) int64, reused: a fresh 32 MiB per block costs page faults on CPU
+    scratch: torch.Tensor  # (scratch rows, ROW) int64, reused: a fresh one per pass costs page faults on CPU
 
 
 DigestCache = dict[torch.device, _Workspace]
 
 
-def _workspace(device: torch.device, cache: DigestCache) -> _Workspace:
+def _workspace(device: torch.device, cache: DigestCache, scratch_rows: int = SCRATCH_ROWS) -> _Workspace:
     found = cache.get(device)
-    if found is None:
-        g = torch.Generator().manual_seed(_SEED)
-        # Odd weights below 2**62, drawn on the CPU (the same on every machine), then moved.
-        columns = torch.randint(0, 1 << 62, (ROW,), generator=g, dtype=torch.int64) | 1
-        rows = torch.randint(0, 1 << 62, (_ROWS,), generator=g, dtype=torch.int64) | 1
-        scratch = torch.empty((_BLOCK_ROWS, ROW), dtype=torch.int64, device=device)
-        found = _Workspace(columns.to(device), rows.to(device), scratch)
+    if found is None or found.scratch.shape[0] != scratch_rows:
+        if found is not None:
+            columns, rows = found.columns, found.rows
+        else:
+            g = torch.Generator().manual_seed(_SEED)
+            # Odd weights below 2**62, drawn on the CPU (the same on every machine), then moved.
+            columns = (torch.randint(0, 1 << 62, (ROW,), generator=g, dtype=torch.int64) | 1).to(device)
+            rows = (torch.randint(0, 1 << 62, (_ROWS,), generator=g, dtype=torch.int64) | 1).to(device)
+        scratch = torch.empty((scratch_rows, ROW), dtype=torch.int64, device=device)
+        found = _Workspace(columns, rows, scratch)
         cache[device] = found
     return found
 
@@ -80,46 +89,94 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32)
 
 
-def _sum_words(words: torch.Tensor, ws: _Workspace) -> torch.Tensor:
-    """``sum_r u_r sum_j w_j x_{r,j}`` modulo 2**64, as a 0-dim int64 tensor on the words' device.
+def _row_count(words: int) -> int:
+    return -(-words // ROW)
 
-    Relies on int64 products and sums wrapping modulo 2**64, as torch's CPU and CUDA kernels do; the unit
-    tests hold both to a numpy uint64 reference.
+
+def _product(words: torch.Tensor, columns: torch.Tensor, out: torch.Tensor, widen: str) -> None:
+    if widen == "multiply":
+        torch.mul(words, columns, out=out)
+    else:
+        out.copy_(words).mul_(columns)
+
+
+def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor, widen: str) -> None:
+    """``out[r] = sum_j w_j x_{r,j}`` modulo 2**64 for every row ``r`` of ``words`` (the last may be short).
+
+    Per pass of up to ``scratch rows``: the int64 products into the scratch, then their row sums straight into
+    ``out``. ``widen`` says how the int32 words become int64: ``multiply`` inside the product (one kernel that
+    reads the words once: CUDA casts while it loads), ``copy`` by a widening copy first, then the product in place
+    (CPU: its mixed-dtype multiply makes a temporary instead). Either gives the same sums. Relies on int64
+    products and sums wrapping modulo 2**64, as torch's CPU and CUDA kernels do; the unit tests hold both to a
+    numpy uint64 reference.
     """
-    columns, rows = ws.columns, ws.rows
-    total = torch.zeros((), dtype=torch.int64, device=words.device)
     n = words.numel()
     whole = n // ROW
-    for start in range(0, whole, _BLOCK_ROWS):
-        stop = min(start + _BLOCK_ROWS, whole)
+    step = ws.scratch.shape[0]
+    for start in range(0, whole, step):  # one pass for a tensor up to `step` rows
+        stop = min(start + step, whole)
         block = ws.scratch[: stop - start]
-        block.copy_(words[start * ROW : stop * ROW].view(stop - start, ROW))
-        per_row = block.mul_(columns).sum(1)
-        index = torch.arange(start, stop, device=words.device) % _ROWS
-        total += (per_row * rows[index]).sum()
-    tail = words[whole * ROW :]
-    if tail.numel():
-        total += (tail.to(torch.int64) * columns[: tail.numel()]).sum() * rows[whole % _ROWS]
-    return total
+        _product(words[start * ROW : stop * ROW].view(stop - start, ROW), ws.columns, block, widen)
+        torch.sum(block, 1, out=out[start:stop])
+    tail = n - whole * ROW
+    if tail:
+        last = ws.scratch[0, :tail]
+        _product(words[whole * ROW :], ws.columns[:tail], last, widen)
+        torch.sum(last.view(1, tail), 1, out=out[whole : whole + 1])
 
 
-def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache | None = None) -> dict[str, str]:
+def _segments(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the rows of a batch (``counts`` rows per tensor, in order): each row's tensor, and its row index within
+    that tensor modulo ``_ROWS``, on ``device`` (built on the host; copied before any pass is queued)."""
+    sizes = torch.tensor(counts, dtype=torch.int64)
+    segment = torch.repeat_interleave(torch.arange(len(counts)), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    index = (torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)) % _ROWS
+    return segment.to(device), index.to(device)
+
+
+def _weighted_totals(row_sums: torch.Tensor, counts: list[int], ws: _Workspace,
+                     segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Per tensor ``sum_r u_r * row_sums[r]`` over its own rows (``counts`` rows each, in order): one gather,
+    one product and one segmented sum for the whole batch."""
+    segment, index = segments if segments is not None else _segments(counts, row_sums.device)
+    weighted = row_sums * ws.rows[index]
+    return torch.zeros(len(counts), dtype=torch.int64, device=row_sums.device).index_add_(0, segment, weighted)
+
+
+def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache | None = None,
+                   scratch_rows: int = SCRATCH_ROWS, widen: str | None = None) -> dict[str, str]:
     """Every tensor's digest by name, computed where each tensor lives; one host sync for the batch.
 
-    ``cache`` keeps the weight vectors per device between calls (pass the same dict to reuse them).
+    ``cache`` keeps the weight vectors and the scratch per device between calls (pass the same dict to reuse
+    them); ``scratch_rows`` bounds the scratch (``scratch_rows`` x 2 MiB per device); ``widen`` (``multiply`` or
+    ``copy``, see ``_row_sums``; default: ``multiply`` on CUDA, ``copy`` elsewhere) changes speed, never a digest.
     """
+    if widen not in (None, *WIDEN):
+        raise ValueError(f"widen must be one of {WIDEN}, not {widen!r}")
     cache = {} if cache is None else cache
     names: list[str] = []
     sizes: list[int] = []
-    sums: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, (name, t) in enumerate(named):
         names.append(name)
         sizes.append(t.numel() * t.element_size())
-        sums.setdefault(t.device, []).append((i, _sum_words(_words(t), _workspace(t.device, cache))))
+        by_device.setdefault(t.device, []).append((i, _words(t)))
+    totals: list[tuple[list[int], torch.Tensor]] = []
+    for device, entries in by_device.items():
+        ws = _workspace(device, cache, scratch_rows)
+        how = widen or ("multiply" if device.type == "cuda" else "copy")
+        counts = [_row_count(w.numel()) for _, w in entries]
+        segments = _segments(counts, device)
+        row_sums = torch.empty(sum(counts), dtype=torch.int64, device=device)
+        at = 0
+        for (_, w), rows in zip(entries, counts, strict=True):
+            _row_sums(w, ws, row_sums[at : at + rows], how)
+            at += rows
+        totals.append(([i for i, _ in entries], _weighted_totals(row_sums, counts, ws, segments)))
     values: list[int] = [0] * len(names)
-    for entries in sums.values():
-        got = torch.stack([s for _, s in entries]).tolist()
-        for (i, _), v in zip(entries, got, strict=True):
+    for indices, on_device in totals:
+        for i, v in zip(indices, on_device.tolist(), strict=True):
             values[i] = int(v) & _MASK
     return {n: digest_hex(v, nbytes) for n, v, nbytes in zip(names, values, sizes, strict=True)}
 

@@ -124,6 +124,7 @@ class ChunkRecord:
     round_trip_s: float  # descriptor handed to the sender -> ack back
     load_s: float
     release_s: float = 0.0  # ack back -> buffer released and the window slot free again
+    digest_s: float = 0.0  # of export_s: the tensors' digests (verified commits only; engines/digest.py)
 
 
 class WeightPusher:
@@ -183,6 +184,7 @@ class WeightPusher:
         self._producer: Producer | None = None
         self._shape: tuple[str, int] = (transport, self._bucket_bytes or 0)  # (transport, bucket) in use
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
+        self.last_join_s = 0.0  # the last stream's join (and its chunk channel's greeting), seconds
         self.leases = LeaseBook(rank)
         self._lease_grace_s = lease_grace_s
         self._lease_reporter: asyncio.Task[None] | None = None
@@ -286,10 +288,11 @@ class WeightPusher:
 
     @staticmethod
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
-                         digests: DigestCache | None = None) -> tuple[ExportedChunk, float] | None:
+                         digests: DigestCache | None = None) -> tuple[ExportedChunk, float, float] | None:
         """The next bucket, exported (with each tensor's digest, computed on its device, where ``digests`` is a
-        cache), and the export's seconds; None when the plan is done. Runs on a thread. An export that fails
-        raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is raised as it is."""
+        cache), the export's seconds and the digests' share of them; None when the plan is done. Runs on a thread.
+        An export that fails raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is
+        raised as it is."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
@@ -298,17 +301,19 @@ class WeightPusher:
             chunk = producer.export(bucket)
         except Exception as exc:
             raise _ExportFailed(exc) from exc
+        t1 = time.perf_counter()
         if digests is not None:
             try:
                 chunk.digests = tensor_digests(bucket, digests)
             except Exception as exc:
                 chunk.release()
                 raise _ExportFailed(exc) from exc
-        return chunk, time.perf_counter() - t0
+        t2 = time.perf_counter()
+        return chunk, t2 - t0, t2 - t1
 
     @classmethod
     async def _next_export(cls, producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
-                           digests: DigestCache | None = None) -> tuple[ExportedChunk, float] | None:
+                           digests: DigestCache | None = None) -> tuple[ExportedChunk, float, float] | None:
         # One hop off the event loop per chunk for both (each hop costs ~0.2-0.3 ms on a busy host): pulling a
         # bucket may be a collective and an export may wait on the GPU (the ring syncs its flatten), while acks
         # of earlier chunks must keep flowing. One export at a time.
@@ -375,12 +380,15 @@ class WeightPusher:
     async def _join_or_walk(self, session_id: str, device_id: str, address: str | EllipsisType | None,
                             remaining: Iterator[tuple[str, torch.Tensor]]) -> ChunkChannel | None:
         """``_join``; if it fails, abort the session, walk the tensors (as a failed stream does), then raise."""
+        t0 = time.perf_counter()
         try:
-            return await self._join(session_id, device_id, address)
+            channel = await self._join(session_id, device_id, address)
         except Exception as exc:
             await self._abort(session_id, exc)
             await self._walk(remaining)
             raise
+        self.last_join_s = time.perf_counter() - t0
+        return channel
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
                      chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
@@ -460,7 +468,7 @@ class WeightPusher:
                 # A later chunk's 410 can arrive before the failing chunk's own reply: raise the cause, not its echo.
                 failure[0] = exc
 
-        async def send(seq: int, chunk: ExportedChunk, export_s: float) -> None:
+        async def send(seq: int, chunk: ExportedChunk, export_s: float, digest_s: float) -> None:
             t0 = time.perf_counter()
             acked_at = t0
             try:
@@ -485,7 +493,7 @@ class WeightPusher:
                 window.release()
             released_at = time.perf_counter()
             records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, acked_at - t0, float(ack["load_s"]),
-                                       released_at - acked_at)
+                                       released_at - acked_at, digest_s)
 
         buckets = plan_buckets(named, bucket_bytes)
         results: list[BaseException | None] = []
@@ -507,13 +515,13 @@ class WeightPusher:
                 if made is None:
                     window.release()
                     break
-                chunk, export_s = made
+                chunk, export_s, digest_s = made
                 if failure:
                     chunk.release()
                     window.release()
                     break  # a chunk failed: the session is over, send nothing more
                 nbytes += chunk.nbytes
-                tasks.append(asyncio.create_task(send(sent, chunk, export_s)))
+                tasks.append(asyncio.create_task(send(sent, chunk, export_s, digest_s)))
                 sent += 1
             # Chunks still in flight end with their acks, or once the abort lands (410): buffers go after that.
             results = await asyncio.gather(*tasks, return_exceptions=True)

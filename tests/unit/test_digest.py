@@ -78,3 +78,13 @@ def test_one_batch_is_one_answer_per_name_in_order() -> None:
     together = tensor_digests(named)
     assert list(together) == [n for n, _ in named]
     assert together == {n: tensor_digests([(n, t)])[n] for n, t in named}
+
+
+@pytest.mark.parametrize("widen", D.WIDEN)
+@pytest.mark.parametrize("scratch_rows", [1, 3, 64])
+def test_the_digest_does_not_depend_on_the_scratch_size_or_the_widening(scratch_rows: int, widen: str) -> None:
+    # 7 whole rows and a tail, beside a one-row tensor and an empty one: passes and batch segments line up.
+    long = torch.randint(-(1 << 31), (1 << 31) - 1, (ROW * 7 + 11,), dtype=torch.int32)
+    named = [("short", torch.randn(5)), ("long", long), ("empty", torch.empty(0)), ("row", torch.randn(ROW))]
+    got = tensor_digests(named, {}, scratch_rows=scratch_rows, widen=widen)
+    assert got == {n: _reference(t) for n, t in named}

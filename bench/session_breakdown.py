@@ -1,0 +1,120 @@
+"""Where one weight session's wall time goes, open → commit: the breakdown ``colocd bench weights`` prints.
+
+Every figure comes from a timestamp: the trainer's own timers around its three calls (open, stream, commit), its
+pusher's per-chunk timers (the join, the digests on its export thread), and the spans of the session's trace that
+the commit reply carries (daemon/sessions.py: ``node_lock`` (twice: open and commit; the node's lock and the
+reconcile that observes every engine), ``open_checks``, ``parameter_manifest``, ``manifest_check``,
+``begin_weight_update``, ``load_chunk``, ``drain``, ``check_complete``, ``verify`` with its ``weight_digests`` calls,
+``end_weight_update``, ``set_weight_version``, ``commit_bookkeeping``, ``journal``). An engine call made on several
+engines at once counts as the extent of its spans (first start → last end), a per-chunk one as the sum. The two
+``outside`` rows are the trainer's round trip less the daemon's extent of the same call (both measured): the HTTP
+hop, the route and the reply's encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["STAGES", "breakdown", "breakdown_table"]
+
+# (key, what): the rows, in the order they happen; nested ones are indented in the table.
+STAGES: tuple[tuple[str, str], ...] = (
+    ("open", "trainer: POST open -> reply"),
+    ("open.daemon", "  daemon: trace start -> last open span"),
+    ("open.lock", "    node lock + reconcile (engines observed)"),
+    ("open.checks", "    state, step, ranks, manifest parse"),
+    ("open.manifest", "    engines' parameter manifests"),
+    ("open.manifest_check", "    declared manifest against them"),
+    ("open.begin", "    engines' begin_weight_update"),
+    ("open.outside", "  outside the daemon's open (HTTP, route, reply)"),
+    ("stream", "trainer: first export -> last ack"),
+    ("stream.join", "  join (+ chunk channel greeting)"),
+    ("stream.trainer_digest", "  trainer digests (export thread, overlapped)"),
+    ("stream.load", "  engines' chunk loads, summed"),
+    ("commit", "trainer: POST commit -> reply"),
+    ("commit.daemon", "  daemon: node lock -> journal end"),
+    ("commit.lock", "    node lock + reconcile (engines observed)"),
+    ("commit.drain", "    drain"),
+    ("commit.check_complete", "    completeness"),
+    ("commit.verify", "    verification"),
+    ("commit.engine_digest", "      engines' weight_digests (HTTP + device)"),
+    ("commit.compare", "      compare (last digests reply -> verdict)"),
+    ("commit.end", "    engines' end_weight_update"),
+    ("commit.version", "    engines' set_weight_version"),
+    ("commit.bookkeeping", "    versions, records, metrics"),
+    ("commit.journal", "    journal record"),
+    ("commit.outside", "  outside the daemon's commit (HTTP, route, reply)"),
+    ("wall", "trainer: open -> commit reply"),
+)
+_OPEN_SPANS = ("node_lock", "open_checks", "parameter_manifest", "manifest_check", "begin_weight_update")
+_COMMIT_SPANS = ("node_lock", "drain", "check_complete", "verify", "weight_digests", "end_weight_update",
+                 "set_weight_version", "commit_bookkeeping", "journal")
+
+
+def _spans(trace: Mapping[str, Any], name: str) -> list[tuple[float, float]]:
+    return [(float(s["start_s"]), float(s["start_s"]) + float(s["duration_s"]))
+            for s in trace.get("spans", ()) if s.get("name") == name]
+
+
+def _extent(spans: Iterable[tuple[float, float]]) -> float:
+    got = list(spans)
+    return max(e for _, e in got) - min(s for s, _ in got) if got else 0.0
+
+
+def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float, trace: Mapping[str, Any],
+              join_s: float = 0.0, digest_s: Sequence[float] = ()) -> dict[str, float]:
+    """The stages of one session in seconds (keys of ``STAGES``), from the trainer's timers and the commit's
+    trace; a stage the session did not have (no verification, no manifest) is 0."""
+    by = {n: _spans(trace, n) for n in (*_OPEN_SPANS, *_COMMIT_SPANS, "load_chunk")}
+    # The first node_lock is the open's, a second the commit's.
+    locks = sorted(by.pop("node_lock"))
+    open_lock, commit_lock = locks[:1], locks[1:2]
+    open_spans = [s for n in _OPEN_SPANS if n != "node_lock" for s in by[n]] + open_lock
+    commit_spans = [s for n in _COMMIT_SPANS if n != "node_lock" for s in by[n]] + commit_lock
+    open_daemon = max((e for _, e in open_spans), default=0.0)  # the trace starts as the daemon's open does
+    commit_daemon = _extent(commit_spans)
+    digests_end = max((e for _, e in by["weight_digests"]), default=None)
+    verify_end = max((e for _, e in by["verify"]), default=None)
+    out = {
+        "open": open_s,
+        "open.daemon": open_daemon,
+        "open.lock": _extent(open_lock),
+        "open.checks": _extent(by["open_checks"]),
+        "open.manifest": sum(e - s for s, e in by["parameter_manifest"]),  # asked engine by engine
+        "open.manifest_check": _extent(by["manifest_check"]),
+        "open.begin": _extent(by["begin_weight_update"]),
+        "open.outside": open_s - open_daemon,
+        "stream": stream_s,
+        "stream.join": join_s,
+        "stream.trainer_digest": sum(digest_s),
+        "stream.load": sum(e - s for s, e in by["load_chunk"]),
+        "commit": commit_s,
+        "commit.daemon": commit_daemon,
+        "commit.lock": _extent(commit_lock),
+        "commit.drain": _extent(by["drain"]),
+        "commit.check_complete": _extent(by["check_complete"]),
+        "commit.verify": _extent(by["verify"]),
+        "commit.engine_digest": _extent(by["weight_digests"]),
+        "commit.compare": (verify_end - digests_end) if verify_end is not None and digests_end is not None else 0.0,
+        "commit.end": _extent(by["end_weight_update"]),
+        "commit.version": _extent(by["set_weight_version"]),
+        "commit.bookkeeping": _extent(by["commit_bookkeeping"]),
+        "commit.journal": _extent(by["journal"]),
+        "commit.outside": commit_s - commit_daemon,
+        "wall": wall_s,
+    }
+    return out
+
+
+def breakdown_table(rows: Sequence[tuple[str, Mapping[str, float]]], floor_s: float) -> str:
+    """One column per variant (ms), the rows of ``STAGES``, and the wall against ``floor_s``."""
+    if not rows:
+        return ""
+    width = max(14, *(len(name) + 2 for name, _ in rows))
+    lines = [f"session breakdown, best wall push, ms (floor {floor_s * 1e3:.2f} ms):",
+             f"{'stage':<52}" + "".join(f"{name:>{width}}" for name, _ in rows)]
+    for key, what in STAGES:
+        lines.append(f"{what:<52}" + "".join(f"{1e3 * b.get(key, 0.0):>{width}.2f}" for _, b in rows))
+    lines.append(f"{'wall / floor':<52}" + "".join(f"{b['wall'] / floor_s:>{width}.2f}" for _, b in rows))
+    return "\n".join(lines)
