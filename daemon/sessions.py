@@ -14,7 +14,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..engines.base import EngineDigests, RankPayload
+from ..engines.base import Capability, EngineDigests, RankPayload
 from ..engines.ring_refs import RingDirectory
 from ..engines.segments import unlink_session_segments
 from ..policies import TimeoutStep
@@ -40,6 +40,7 @@ from .weights import (
     WeightSession,
     device_key,
     manifest_from_json,
+    manifest_of,
     manifest_to_json,
     name_some,
 )
@@ -204,11 +205,11 @@ class WeightSessions:
         d = self._d
         sets: dict[str, Manifest | None] = {}
         for name, engine in d.engines.items():
-            query = getattr(engine.adapter, "parameter_manifest", None)
-            items = None
-            if query is not None:
-                items = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s, query())
-            sets[name] = manifest_from_json(items) if items is not None else self.complete_manifest
+            specs = None
+            if engine.can(Capability.PARAMETER_MANIFEST):
+                specs = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s,
+                                             engine.adapter.parameter_manifest())
+            sets[name] = manifest_of(specs) if specs is not None else self.complete_manifest
         return sets
 
     def _check_declared(self, declared: Manifest, required: dict[str, Manifest | None], partial: bool) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, cast
 
-from ..engines.base import RankPayload, WeightsLoad
+from ..engines.base import ParameterSpec, RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.errors import RingRefsUnknown
 from ..engines.ring_refs import RefMismatch, RefUnknown, RingDirectory
@@ -76,6 +76,7 @@ __all__ = [
     "WeightSession",
     "device_key",
     "manifest_from_json",
+    "manifest_of",
     "manifest_to_json",
     "name_some",
 ]
@@ -104,6 +105,11 @@ def manifest_from_json(items: Iterable[Mapping[str, Any]]) -> Manifest:
             raise ValueError(f"tensor {name!r} is listed twice")
         manifest[name] = TensorMeta(str(item["dtype"]), tuple(int(d) for d in item["shape"]))
     return manifest
+
+
+def manifest_of(specs: Iterable[ParameterSpec]) -> Manifest:
+    """An engine's parameter set as a Manifest."""
+    return {p.name: TensorMeta(p.dtype, p.shape) for p in specs}
 
 
 def manifest_to_json(manifest: Mapping[str, TensorMeta]) -> list[dict[str, Any]]:

@@ -12,14 +12,26 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
 from ...errors import RequestInvalid
 from ...policies import Transport
-from ..base import EngineDigests, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from ..base import (
+    Capability,
+    EngineDigests,
+    EngineInfo,
+    MemoryReport,
+    MemoryTag,
+    Observation,
+    ParameterSpec,
+    PauseMode,
+    ReleaseReport,
+    WeightsLoad,
+)
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
 from ..httpmap import check_reply, map_http_errors
 from ..ring_refs import UNKNOWN_REF_MARK
-from . import checksums, wire
+from . import checksums, extensions, wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
 __all__ = ["UNSUPPORTED_DIGESTS", "SGLangAdapter"]
@@ -36,7 +48,11 @@ UNSUPPORTED_DIGESTS = (
     "parameters (qkv_proj, gate_up_proj) with its own hash, which colocd does not rebuild; this engine's weights "
     "are not verified")
 
-_R = TypeVar("_R", bound=wire.ServerInfo | wire.ModelInfo | wire.CheckWeightsResult)
+# What the reference engine answers beyond SGLang's protocol (its server_info says ``colocd_reference``): routes
+# under /colocd/, a session id on begin and on each chunk, and colocd's own transports (shm, disk, the ring).
+REFERENCE_EXTENSIONS = frozenset(Capability)
+
+_R = TypeVar("_R", bound=BaseModel)
 
 
 class SGLangAdapter:
@@ -51,6 +67,7 @@ class SGLangAdapter:
         # Until attach probes the version, assume the current protocol.
         self.protocol: SGLangProtocol = V0_5_23
         self._info: EngineInfo | None = None
+        self._extensions: frozenset[Capability] = frozenset()  # negotiated at attach, from server_info
         self._server_info_route = "/server_info"
         self._device: str | None = None  # where the reference engine says its weights live (server_info)
 
@@ -123,6 +140,7 @@ class SGLangAdapter:
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
+        self._extensions = REFERENCE_EXTENSIONS if server.colocd_reference else frozenset()
         self._info = EngineInfo(
             name=self.name,
             engine_kind=getattr(self._config, "kind", "sglang"),
@@ -131,7 +149,7 @@ class SGLangAdapter:
             weight_version=await self.weight_version(),
             tp_size=self._config.tp_size,
             owned_tags=owned,
-            extra={"colocd_reference": server.colocd_reference},
+            capabilities=self._extensions,
             device_ids=self._tp_device_ids(server),
         )
         return self._info
@@ -192,10 +210,8 @@ class SGLangAdapter:
         session = None  # older SGLang has no update session at all, so none can be open or lost
         if self.protocol.weight_update_session and first.has_session:
             session = first.weight_update_session is not None
-        resident = None
-        if (report := await self.memory_report()) is not None:
-            resident = {MemoryTag(t): bool(v.get("resident")) for t, v in report.get("tags", {}).items()
-                        if t in MemoryTag.__members__.values()}
+        report = await self.memory_report()
+        resident = report.residency() if report is not None else None
         return Observation(incarnation=server.incarnation(),
                            weight_version=await self.weight_version(), resident=resident or None,
                            paused=paused, update_session_open=session)
@@ -242,12 +258,13 @@ class SGLangAdapter:
 
     @property
     def _is_reference(self) -> bool:
-        return bool(self._info is not None and self._info.extra.get("colocd_reference"))
+        return bool(self._extensions)
 
     def _with_session(self, body: dict[str, Any], session_id: str | None) -> dict[str, Any]:
         """The reference engine carries the daemon's session id on begin and on every chunk, and refuses a
         chunk of any other session (a late chunk of a closed one). SGLang has no such field: not sent."""
-        if session_id is not None and self._is_reference and self.protocol.weight_update_session:
+        fenced = Capability.SESSION_FENCE in self._extensions and self.protocol.weight_update_session
+        if session_id is not None and fenced:
             return {**body, "colocd_session": session_id}
         return body
 
@@ -276,20 +293,13 @@ class SGLangAdapter:
                 raise RingRefsUnknown(self.name, exc.detail, status=exc.status, body=exc.body) from None
             raise
 
-    async def parameter_manifest(self) -> list[dict[str, Any]] | None:
-        """The reference engine lists its parameters (colocd extension); SGLang cannot tell: None."""
-        if not self._is_reference:
+    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
+        """The reference engine lists its parameters (``Capability.PARAMETER_MANIFEST``); SGLang cannot tell: None."""
+        if Capability.PARAMETER_MANIFEST not in self._extensions:
             return None
         data = self._json(await self._call("GET", "/colocd/parameters", "colocd/parameters"),
                           self.name, "colocd/parameters")
-        if not isinstance(data, dict) or "parameters" not in data:
-            raise EngineProtocolError(self.name, f"colocd/parameters: expected {{parameters: [...]}}, "
-                                                 f"got {data!r:.200}")
-        params = data["parameters"]
-        if params is not None and not isinstance(params, list):
-            raise EngineProtocolError(self.name, f"colocd/parameters: expected {{parameters: [...]}}, "
-                                                 f"got {data!r:.200}")
-        return params
+        return self._parse(extensions.ParametersReply, data, "colocd/parameters").specs()
 
     async def end_weight_update(self) -> None:
         if self.protocol.weight_update_session:
@@ -366,23 +376,18 @@ class SGLangAdapter:
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """The reference engine's digests (engines/digest.py) of the tensors it holds, per TP rank (colocd
         extension). SGLang reports none that can be compared: ``UNSUPPORTED_DIGESTS`` says why."""
-        if not self._is_reference:
+        if Capability.TENSOR_DIGESTS not in self._extensions:
             return EngineDigests(None, UNSUPPORTED_DIGESTS)
         data = self._json(await self._call("POST", "/colocd/digests", "colocd/digests", {"names": list(names)}),
                           self.name, "colocd/digests")
-        ranks = data.get("ranks") if isinstance(data, dict) else None
-        if not isinstance(ranks, list) or not all(
-                isinstance(r, dict) and all(isinstance(v, str) for v in r.values()) for r in ranks):
-            raise EngineProtocolError(self.name, f"colocd/digests: expected {{ranks: [{{name: digest}}]}}, "
-                                                 f"got {data!r:.200}")
-        return EngineDigests(tuple({str(k): str(v) for k, v in r.items()} for r in ranks))
+        return EngineDigests(tuple(self._parse(extensions.DigestsReply, data, "colocd/digests").ranks))
 
-    async def memory_report(self) -> dict[str, Any] | None:
-        """The reference engine's own per-tag byte counts (colocd extension); None elsewhere."""
-        if self._info is None or not self._info.extra.get("colocd_reference"):
+    async def memory_report(self) -> MemoryReport | None:
+        """The reference engine's own per-tag byte counts (``Capability.MEMORY_REPORT``); None elsewhere."""
+        if Capability.MEMORY_REPORT not in self._extensions:
             return None
         data = self._json(await self._call("GET", "/colocd/memory", "colocd/memory"), self.name, "colocd/memory")
-        return data if isinstance(data, dict) else None
+        return self._parse(extensions.MemoryReply, data, "colocd/memory").report() if isinstance(data, dict) else None
 
     async def aclose(self) -> None:
         return None
