@@ -139,7 +139,7 @@ class WeightGroups:
             raise RequestInvalid(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}", field="backend")
         for engine in engines:
             _verbs(engine)  # every engine must speak the routes before any joins
-            device = _device_type(engine)
+            device = engine.device_type
             if BACKEND_DEVICES[backend] == "cuda" and device != "cuda":
                 raise RequestInvalid(f"backend {backend!r} needs CUDA, but engine {engine.name!r} runs on {device}; "
                                      "use 'gloo' with CPU engines", field="backend")
@@ -266,11 +266,6 @@ class WeightGroups:
             self._per_session.popitem(last=False)
         return {"seq": desc.seq, "group_name": record.name, "engines": [e.name for e in engines],
                 "nbytes": nbytes, "load_s": time.perf_counter() - t0}
-
-
-def _device_type(engine: EngineHandle) -> str:
-    """Where the engine's tensors live: the reference engine says (``device``); SGLang and vLLM run on CUDA."""
-    return str(getattr(engine.config, "device", "cuda")).split(":")[0]
 
 
 async def _check_reachable(host: str, port: int, within_s: float) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..engines.base import Capability, EngineAdapter, EngineInfo, MemoryReport, MemoryTag, PauseMode
+from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
 from ..engines.ring_refs import EngineRingRefs
 from ..policies import Timeouts, TimeoutStep
 from .errors import EngineError, StepTimeout
@@ -43,7 +44,7 @@ class EngineHandle:
     and the recorded state."""
 
     adapter: EngineAdapter
-    config: Any
+    config: AnyEngineConfig
     state: EngineState
     attachment: Attachment = Attachment.DETACHED
     info: EngineInfo | None = None  # what the engine said when it attached (None while detached)
@@ -78,6 +79,11 @@ class EngineHandle:
 
     def unready_reason(self) -> str | None:
         return unready_reason(self.name, self.attachment, self.state)
+
+    @property
+    def device_type(self) -> str:
+        """Where the engine's tensors live: the reference engine says (``device``); SGLang and vLLM run on CUDA."""
+        return self.config.device.split(":")[0] if isinstance(self.config, ReferenceEngineConfig) else "cuda"
 
     @property
     def gpus(self) -> list[int | str]:

@@ -21,7 +21,7 @@ import httpx
 
 from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode, RankPayload
 from ..engines.registry import build_adapter
-from ..policies import Timeouts, Transport
+from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_lifecycle import EngineLifecycle
@@ -98,7 +98,7 @@ class Daemon:
         self.versions = VersionBook()  # started weight versions, and what each rollout served
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
-        self.pinned: Any = None  # the PolicySet of the transition in progress
+        self.pinned: PolicySet | None = None  # the policy set of the transition in progress
         self._given_adapters = adapters or {}
         self.probe = probe
         self._client: httpx.AsyncClient | None = None
@@ -213,7 +213,7 @@ class Daemon:
                 self.busy_with, self._reconciling = None, False
 
     # -- policy of the moment ----------------------------------------------------------------
-    def policy_set(self) -> Any:
+    def policy_set(self) -> PolicySet:
         return self.pinned if self.pinned is not None else self.policies.active
 
     def timeouts(self) -> Timeouts:

@@ -158,7 +158,7 @@ class WeightSessions:
     def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
         """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
         return {name: tuple(e.config.feed_ranks) for name, e in self._d.engines.items()
-                if getattr(e.config, "feed_ranks", None) is not None}
+                if e.config.feed_ranks is not None}
 
     def _check_ranks(self, ranks: int | None) -> int:
         """The session's trainer ranks (default: as many as the layout needs), refused where too few to serve it:

@@ -62,6 +62,8 @@ class Capability(StrEnum):
     MEMORY_REPORT = "memory_report"  # ``memory_report``: its own per-tag byte counts
     TENSOR_DIGESTS = "tensor_digests"  # ``weight_digests`` compares with the trainer's (engines/digest.py)
     SESSION_FENCE = "session_fence"  # it refuses a chunk of a session other than the open one
+    COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk, the ring)
+    NO_WARMUP = "no_warmup"  # it serves as soon as it answers: no warm-up generation to wait for (``started``)
 
 
 @dataclass(frozen=True, slots=True)

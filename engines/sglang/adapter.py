@@ -28,6 +28,7 @@ from ..base import (
     ReleaseReport,
     WeightsLoad,
 )
+from ..config import ReferenceEngineConfig, SGLangEngineConfig
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
 from ..httpmap import check_reply, map_http_errors
 from ..ring_refs import UNKNOWN_REF_MARK
@@ -58,7 +59,7 @@ _R = TypeVar("_R", bound=BaseModel)
 class SGLangAdapter:
     """Verbs over one SGLang (or reference) server. ``config`` is that engine's slice of the node config."""
 
-    def __init__(self, config: Any, client: httpx.AsyncClient) -> None:
+    def __init__(self, config: SGLangEngineConfig | ReferenceEngineConfig, client: httpx.AsyncClient) -> None:
         self.name: str = config.name
         self._config = config
         self._client = client
@@ -104,9 +105,10 @@ class SGLangAdapter:
         (shm, disk, the ring), which only the reference engine's loader reads: SGLang would unpickle their
         JSON descriptors and its scheduler would die. Before attach a real SGLang is assumed to be on a GPU.
         The reference engine: everything on a GPU, shm/disk/inline on CPU."""
-        device = self._device or str(getattr(self._config, "device", "cuda" if self._config.kind != "reference"
-                                               else "cpu"))
-        if not self._is_reference and (self._info is not None or self._config.kind != "reference"):
+        colocd_formats = (Capability.COLOCD_TRANSPORTS in self._extensions if self._info is not None
+                          else isinstance(self._config, ReferenceEngineConfig))  # before attach: the config's kind
+        device = self._device or (self._config.device if isinstance(self._config, ReferenceEngineConfig) else "cuda")
+        if not colocd_formats:
             return _SGLANG_GPU_TRANSPORTS if device.startswith("cuda") else _SGLANG_CPU_TRANSPORTS
         return _REFERENCE_GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
 
@@ -143,7 +145,7 @@ class SGLangAdapter:
         self._extensions = REFERENCE_EXTENSIONS if server.colocd_reference else frozenset()
         self._info = EngineInfo(
             name=self.name,
-            engine_kind=getattr(self._config, "kind", "sglang"),
+            engine_kind=self._config.kind,
             version=version,
             protocol=self.protocol.name,
             weight_version=await self.weight_version(),
@@ -162,7 +164,7 @@ class SGLangAdapter:
             ids = [r.device_id for r in ranks]
             if all(ids):
                 return tuple(str(i) for i in ids)
-        uuids = list(getattr(self._config, "gpu_uuids", None) or ())
+        uuids = list(self._config.gpu_uuids)
         return tuple(uuids) if len(uuids) == self._config.tp_size else ()
 
     def _check_tp_size(self, server: wire.ServerInfo) -> None:
@@ -183,9 +185,10 @@ class SGLangAdapter:
 
     async def started(self) -> bool:
         """SGLang's ``/health`` is 503 until its warm-up generation has run (``server_status`` Starting), 200
-        once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused. The
-        reference engine is driven as soon as it answers (its launcher waits for its model)."""
-        if self._is_reference:
+        once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused. An engine
+        with ``Capability.NO_WARMUP`` (the reference engine: its launcher waits for its model) is driven as soon
+        as it answers."""
+        if Capability.NO_WARMUP in self._extensions:
             return True
         try:
             response = await self._client.get(self._base + "/health", headers=self._headers, timeout=30.0)
@@ -256,10 +259,6 @@ class SGLangAdapter:
         await self._call("POST", request.ROUTE, "resume_memory_occupation", wire.body(request, self.protocol))
         return ReleaseReport(tags)
 
-    @property
-    def _is_reference(self) -> bool:
-        return bool(self._extensions)
-
     def _with_session(self, body: dict[str, Any], session_id: str | None) -> dict[str, Any]:
         """The reference engine carries the daemon's session id on begin and on every chunk, and refuses a
         chunk of any other session (a late chunk of a closed one). SGLang has no such field: not sent."""
@@ -289,7 +288,10 @@ class SGLangAdapter:
             self._check_success(response, f"update_weights_from_tensor#{load.seq}")
         except EngineRejected as exc:
             # The reference engine lacks a ring ref the daemon left out (engines/ring_refs.py): nothing applied.
-            if UNKNOWN_REF_MARK in exc.detail and any(p.transport == Transport.IPC_RING for p in load.payloads):
+            # SGLang's {success, message} reply has no field for a reason, so the engine names the ring
+            # protocol's token in its message; only an engine that loads ring chunks is read for it.
+            ring = any(p.transport == Transport.IPC_RING for p in load.payloads)
+            if ring and Capability.COLOCD_TRANSPORTS in self._extensions and UNKNOWN_REF_MARK in exc.detail:
                 raise RingRefsUnknown(self.name, exc.detail, status=exc.status, body=exc.body) from None
             raise
 
