@@ -7,11 +7,12 @@ retries or deadlines: the daemon owns those and wraps each call in its own timeo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from ..policies import Transport
+from .handles import HandleRoute, route_of
 
 __all__ = [
     "ALL_TAGS",
@@ -140,7 +141,8 @@ class RankPayload:
 
     ``handle`` is opaque to the daemon: a shared-memory name and layout, a base64 CUDA-IPC
     payload produced by the trainer, a ring slot, a file path. Adapters translate it into
-    their engine's wire format; none of them unpickles it.
+    their engine's wire format; none of them unpickles it. The few facts the daemon needs of it
+    (the device, a segment name, a ring layout ref) are ``route``, typed per transport.
     """
 
     rank: int
@@ -149,6 +151,11 @@ class RankPayload:
     handle: dict[str, Any]
     # Each tensor's digest as the trainer computed it (engines/digest.py), by name; None: none sent.
     digests: dict[str, str] | None = None
+    # What the daemon reads of ``handle``, parsed once as the payload is made (engines/handles.py).
+    route: HandleRoute = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "route", route_of(self.transport, self.handle))
 
 
 @dataclass(frozen=True, slots=True)
