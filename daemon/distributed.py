@@ -9,6 +9,9 @@ way: every engine's ``/init_weights_update_group`` is in flight while the traine
 
 A group whose collective sequence may be out of step (a failed or timed-out broadcast, a failed
 join) is destroyed on every engine and forgotten, so the trainer can open it again under its name.
+
+This module only orchestrates; the protocol (what a broadcast is, the verbs an engine offers for it) is
+``engines/weight_group_protocol.py``, re-exported here for the daemon's callers.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from ..engines.tcpstore_probe import probe_tcpstore
+from ..engines.weight_group_protocol import BACKEND_DEVICES, BroadcastDescriptor, SupportsWeightGroups
 from ..policies import Timeouts, TimeoutStep
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
@@ -50,73 +54,10 @@ __all__ = [
     "rank_layout",
 ]
 
-FLATTENED = "flattened_bucket"
-
-
-@runtime_checkable
-class SupportsWeightGroups(Protocol):
-    """The adapter verbs of the distributed path (SGLang's; ``engines/sglang/adapter.py``)."""
-
-    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> None: ...
-
-    async def update_weights_from_distributed(self, *, seq: int, names: list[str], dtypes: list[str],
-                                              shapes: list[list[int]], group_name: str, load_format: str | None,
-                                              flush_cache: bool = False, weight_version: str | None = None,
-                                              ) -> None: ...
-
-    async def destroy_weights_update_group(self, group_name: str) -> None: ...
-
 
 class GroupState(StrEnum):
     JOINING = "joining"  # engines' /init_weights_update_group in flight
     READY = "ready"
-
-
-@dataclass(frozen=True, slots=True)
-class BroadcastDescriptor:
-    """One broadcast as the trainer runs it: tensors in broadcast order, one broadcast each or one flattened bucket.
-
-    Construction validates it (``ValueError`` naming the field), so an engine never receives a layout
-    the trainer cannot have sent.
-    """
-
-    seq: int
-    group_name: str
-    names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    load_format: str | None = None  # None: one broadcast per tensor; "flattened_bucket": one uint8 broadcast
-
-    def __post_init__(self) -> None:
-        if not self.names:
-            raise ValueError("names: a broadcast carries at least one tensor")
-        if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError(f"names, dtypes and shapes need one entry per tensor; got "
-                             f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}")
-        if self.load_format not in (None, FLATTENED):
-            raise ValueError(f"load_format: {self.load_format!r} is not null or {FLATTENED!r}")
-        # torch (through weight_group) is imported here, on the separated-GPU path, not when the daemon starts.
-        from ..engines.weight_group import flattened_layout, parse_dtype
-
-        for i, dtype in enumerate(self.dtypes):
-            parse_dtype(dtype)  # ValueError names the dtype
-            if any(d < 0 for d in self.shapes[i]):
-                raise ValueError(f"shapes.{i}: negative dimension in {list(self.shapes[i])}")
-        if self.load_format == FLATTENED:
-            flattened_layout(self.names, self.dtypes, self.shapes)  # offsets aligned to each itemsize
-
-    @property
-    def nbytes(self) -> int:
-        from ..engines.weight_group import parse_dtype
-
-        total = 0
-        for dtype, shape in zip(self.dtypes, self.shapes, strict=True):
-            n = parse_dtype(dtype).itemsize
-            for d in shape:
-                n *= d
-            total += n
-        return total
 
 
 @dataclass
@@ -192,15 +133,13 @@ class WeightGroups:
                                      f"DELETE /v1/weights/groups/{group_name} first")
         if not engines:
             raise TransitionRejected("this node has no engines to join a weight-update group")
-        from ..engines.weight_group import BACKEND_DEVICES
-
         # Everything the caller wrote is checked before any engine is asked to join: an engine that joins
         # a group that cannot form waits out its whole budget.
         if backend not in BACKEND_DEVICES:
             raise RequestInvalid(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}", field="backend")
         for engine in engines:
             _verbs(engine)  # every engine must speak the routes before any joins
-            device = _device_type(engine)
+            device = engine.device_type
             if BACKEND_DEVICES[backend] == "cuda" and device != "cuda":
                 raise RequestInvalid(f"backend {backend!r} needs CUDA, but engine {engine.name!r} runs on {device}; "
                                      "use 'gloo' with CPU engines", field="backend")
@@ -327,11 +266,6 @@ class WeightGroups:
             self._per_session.popitem(last=False)
         return {"seq": desc.seq, "group_name": record.name, "engines": [e.name for e in engines],
                 "nbytes": nbytes, "load_s": time.perf_counter() - t0}
-
-
-def _device_type(engine: EngineHandle) -> str:
-    """Where the engine's tensors live: the reference engine says (``device``); SGLang and vLLM run on CUDA."""
-    return str(getattr(engine.config, "device", "cuda")).split(":")[0]
 
 
 async def _check_reachable(host: str, port: int, within_s: float) -> None:

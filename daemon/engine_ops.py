@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode
+from ..engines.base import Capability, EngineAdapter, EngineInfo, MemoryReport, MemoryTag, PauseMode
+from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
 from ..engines.ring_refs import EngineRingRefs
 from ..policies import Timeouts, TimeoutStep
 from .errors import EngineError, StepTimeout
-from .memory import NvmlProbe
+from .memory import GpuReading, NvmlProbe
 from .metrics import Metrics
 from .states import Attachment, EngineState, Generation, TagState, unready_reason
 from .trace import Trace
@@ -33,6 +35,8 @@ __all__ = [
     "timed_call",
 ]
 
+_T = TypeVar("_T")
+
 
 @dataclass
 class EngineHandle:
@@ -40,7 +44,7 @@ class EngineHandle:
     and the recorded state."""
 
     adapter: EngineAdapter
-    config: Any
+    config: AnyEngineConfig
     state: EngineState
     attachment: Attachment = Attachment.DETACHED
     info: EngineInfo | None = None  # what the engine said when it attached (None while detached)
@@ -69,8 +73,17 @@ class EngineHandle:
         self.info, self.attachment = info, Attachment.ATTACHED
         self.ring_refs.forget()  # a new process holds no ring mapping of the old one
 
+    def can(self, capability: Capability) -> bool:
+        """Whether the engine said at attach that it answers ``capability``'s optional verb."""
+        return self.info is not None and capability in self.info.capabilities
+
     def unready_reason(self) -> str | None:
         return unready_reason(self.name, self.attachment, self.state)
+
+    @property
+    def device_type(self) -> str:
+        """Where the engine's tensors live: the reference engine says (``device``); SGLang and vLLM run on CUDA."""
+        return self.config.device.split(":")[0] if isinstance(self.config, ReferenceEngineConfig) else "cuda"
 
     @property
     def gpus(self) -> list[int | str]:
@@ -89,7 +102,7 @@ class EngineHandle:
 
 
 async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str, budget_s: float,
-                 coro: Any, **attrs: Any) -> Any:
+                     coro: Awaitable[_T], **attrs: Any) -> _T:
     """Run one engine call under its deadline, as a span; a timeout names the step and budget."""
     with trace.span(name, engine.name, **attrs):
         t0 = time.perf_counter()
@@ -152,7 +165,7 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
     freed: dict[str, int] = {}
     if before_own is not None:
         for x in tags:
-            engine.learned_tag_bytes[x] = int(before_own.get("tags", {}).get(x.value, {}).get("nbytes", 0))
+            engine.learned_tag_bytes[x] = before_own.nbytes((x,))
     if probe and before_gpu is not None:
         expected, expected_from = expected_release_bytes(engine, tags, before_own)
         with trace.span("confirm_memory_freed", engine.name, source="nvml") as span:
@@ -171,14 +184,14 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
         # No NVML (CPU engines): the reference engine's own per-tag accounting is the evidence.
         after_own = await _memory_report(engine)
         _sample_memory(engine, trace, metrics, after_own, None)
-        freed = {"engine": _resident_bytes(before_own) - _resident_bytes(after_own or {})}
+        freed = {"engine": before_own.resident_bytes - (after_own.resident_bytes if after_own else 0)}
     for source, nbytes in freed.items():
         metrics.freed_bytes.labels(engine.name, source).inc(max(nbytes, 0))
     return freed
 
 
 def expected_release_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...],
-                           report: dict[str, Any] | None) -> tuple[int | None, str | None]:
+                           report: MemoryReport | None) -> tuple[int | None, str | None]:
     """What NVML should show freed once ``tags`` are released, and where that figure comes from.
 
     The smaller of what the engine reports holding under those tags now and what NVML showed the last
@@ -188,9 +201,7 @@ def expected_release_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...],
     """
     known: dict[str, int] = {}
     if report is not None:
-        entries = report.get("tags", {})
-        reported = sum(int(entries.get(x.value, {}).get("nbytes", 0)) for x in tags)
-        if reported > 0:
+        if (reported := report.nbytes(tags)) > 0:
             known["engine_report"] = reported
     if (learned := engine.learned_release_bytes.get(frozenset(tags))) is not None and learned > 0:
         known["last_release"] = learned
@@ -225,7 +236,7 @@ async def resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace
         key = frozenset(tags)
         engine.learned_resume_bytes[key] = max(taken, engine.learned_resume_bytes.get(key, 0))
         _sample_memory(engine, trace, metrics, None, after)
-    elif _reports_memory(engine):
+    elif engine.can(Capability.MEMORY_REPORT):
         _sample_memory(engine, trace, metrics, await _memory_report(engine), None)
 
 
@@ -238,35 +249,24 @@ async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metri
     engine.state = engine.state.with_(generation=Generation.SERVING)
 
 
-async def _memory_report(engine: EngineHandle) -> dict[str, Any] | None:
-    report = getattr(engine.adapter, "memory_report", None)
-    if report is None:
+async def _memory_report(engine: EngineHandle) -> MemoryReport | None:
+    """The engine's own accounting where it keeps one (asking others would cost a call for nothing); a failed
+    read is no evidence either way."""
+    if not engine.can(Capability.MEMORY_REPORT):
         return None
     try:
-        result: dict[str, Any] | None = await report()
-        return result
+        return await engine.adapter.memory_report()
     except EngineError:
         return None
 
 
-def _reports_memory(engine: EngineHandle) -> bool:
-    """Only the reference engine answers a memory report; asking others would cost a call for nothing."""
-    info = engine.info
-    has_report = getattr(engine.adapter, "memory_report", None) is not None
-    return has_report and bool(info and info.extra.get("colocd_reference"))
-
-
-def _sample_memory(engine: EngineHandle, trace: Trace, metrics: Metrics, own: dict[str, Any] | None,
-                   gpu: dict[str, Any] | None) -> None:
+def _sample_memory(engine: EngineHandle, trace: Trace, metrics: Metrics, own: MemoryReport | None,
+                   gpu: Mapping[str, GpuReading] | None) -> None:
     """Put a memory reading into the trace (the timeline's memory line) and the engine's gauges:
     NVML per GPU where there is one, else the engine's own per-tag accounting."""
     for g, reading in (gpu or {}).items():
         trace.sample_memory(f"gpu:{g}", reading.used_bytes)
     if own is not None:
-        trace.sample_memory(f"engine:{engine.name}", _resident_bytes(own))
-        for tag, entry in own.get("tags", {}).items():
-            metrics.engine_memory.labels(engine.name, tag).set(int(entry.get("resident_nbytes", 0)))
-
-
-def _resident_bytes(report: dict[str, Any]) -> int:
-    return sum(int(v.get("nbytes", 0)) for v in report.get("tags", {}).values() if v.get("resident"))
+        trace.sample_memory(f"engine:{engine.name}", own.resident_bytes)
+        for tag, entry in own.tags.items():
+            metrics.engine_memory.labels(engine.name, tag.value).set(entry.resident_nbytes)

@@ -15,7 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..engines.base import EngineDigests, RankPayload
+from ..engines.base import Capability, EngineDigests, RankPayload
 from ..engines.ring_refs import RingDirectory
 from ..engines.segments import unlink_session_segments
 from ..policies import PolicySet, Timeouts, TimeoutStep
@@ -45,6 +45,7 @@ from .weights import (
     WeightSession,
     device_key,
     manifest_from_json,
+    manifest_of,
     manifest_to_json,
     name_some,
 )
@@ -189,7 +190,7 @@ class WeightSessions:
     def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
         """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
         return {name: tuple(e.config.feed_ranks) for name, e in self._d.engines.items()
-                if getattr(e.config, "feed_ranks", None) is not None}
+                if e.config.feed_ranks is not None}
 
     def _check_ranks(self, ranks: int | None) -> int:
         """The session's trainer ranks (default: as many as the layout needs), refused where too few to serve it:
@@ -236,14 +237,14 @@ class WeightSessions:
         d = self._d
 
         async def listed(engine: EngineHandle) -> Manifest | None:
-            query = getattr(engine.adapter, "parameter_manifest", None)
-            if query is None:
+            if not engine.can(Capability.PARAMETER_MANIFEST):
                 return None
             incarnation, cached = engine.state.incarnation, self._engine_manifests.get(engine.name)
             if incarnation is not None and cached is not None and cached[:2] == (incarnation, engine.info):
                 return cached[2]
-            items = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s, query())
-            params = manifest_from_json(items) if items is not None else None
+            specs = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s,
+                                         engine.adapter.parameter_manifest())
+            params = manifest_of(specs) if specs is not None else None
             if incarnation is not None:
                 self._engine_manifests[engine.name] = (incarnation, engine.info, params)
             return params

@@ -36,9 +36,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, cast
 
-from ..engines.base import RankPayload, WeightsLoad
+from ..engines.base import ParameterSpec, RankPayload, WeightsLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.errors import RingRefsUnknown
+from ..engines.handles import RingRoute, ShmRoute
 from ..engines.ring_refs import RefMismatch, RefUnknown, RingDirectory
 from ..policies import Transport, VerifyMode
 from .engine_ops import EngineHandle
@@ -76,6 +77,7 @@ __all__ = [
     "WeightSession",
     "device_key",
     "manifest_from_json",
+    "manifest_of",
     "manifest_to_json",
     "name_some",
 ]
@@ -104,6 +106,11 @@ def manifest_from_json(items: Iterable[Mapping[str, Any]]) -> Manifest:
             raise ValueError(f"tensor {name!r} is listed twice")
         manifest[name] = TensorMeta(str(item["dtype"]), tuple(int(d) for d in item["shape"]))
     return manifest
+
+
+def manifest_of(specs: Iterable[ParameterSpec]) -> Manifest:
+    """An engine's parameter set as a Manifest."""
+    return {p.name: TensorMeta(p.dtype, p.shape) for p in specs}
 
 
 def manifest_to_json(manifest: Mapping[str, TensorMeta]) -> list[dict[str, Any]]:
@@ -486,8 +493,7 @@ class WeightSession:
             raise RequestInvalid(f"session {self.id}: rank {part.rank} outside 0..{self.ranks - 1}", field="rank")
         if part.rank not in self._devices:
             # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank>.
-            uuid = part.handle.get("device_uuid")
-            await self.join(part.rank, uuid if isinstance(uuid, str) and uuid else f"cpu:{part.rank}")
+            await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
         users = self._users_of(part.rank)
         if not users:
             raise RequestInvalid(
@@ -528,8 +534,8 @@ class WeightSession:
         chunk.parts[part.rank] = part
         chunk.layouts[part.rank] = layout
         self.expected.record(part.digests)
-        if part.transport == "shm":
-            self.shm_names.add(str(part.handle["shm_name"]))
+        if isinstance(part.route, ShmRoute) and part.route.shm_name is not None:
+            self.shm_names.add(part.route.shm_name)
         self._pump()
         consumed = [chunk.consumed[lane.name] for lane in users]
         if error := await self._wait(lambda: self._stall_timeout(seq, users), futures=consumed):
@@ -613,7 +619,7 @@ class WeightSession:
     def _resolve(self, seq: int, part: RankPayload) -> RankPayload:
         """An ipc_ring part that names its layout (and slots) by ref, with the announced content filled in;
         any other part as it is. A ref this daemon never got is a 409 naming it: the trainer re-sends in full."""
-        if part.transport != "ipc_ring" or "layout_ref" not in part.handle:
+        if not isinstance(part.route, RingRoute) or part.route.layout_ref is None:
             return part
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
         if self._rings is None:
@@ -635,9 +641,9 @@ class WeightSession:
         """The handle is readable on this node and its layout (every transport carries one) agrees with the
         manifest; else 422."""
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
-        ref = part.handle.get("layout_ref") if part.transport == "ipc_ring" else None
+        ref = part.route.layout_ref if isinstance(part.route, RingRoute) else None
         try:
-            if isinstance(ref, str) and self._rings is not None:  # resolved already: the layout is ref's own
+            if ref is not None and self._rings is not None:  # resolved already: the layout is ref's own
                 layout = cast("ChunkLayout", self._rings.derived(
                     ref, lambda: inspect_handle(part.transport, part.nbytes, part.handle)))
             else:
@@ -672,8 +678,8 @@ class WeightSession:
     async def _check_device(self, seq: int, part: RankPayload, users: tuple[_Lane, ...]) -> None:
         """A GPU handle must land on the GPU of the engine TP rank it feeds: a mismatch is an error, never a
         silent cross-device copy. Only checked where both sides are known (handle and engine config)."""
-        uuid = part.handle.get("device_uuid")
-        if not isinstance(uuid, str):
+        uuid = part.route.device_uuid
+        if uuid is None:
             return
         for lane in users:
             expected = list(lane.engine.config.gpu_uuids or ())

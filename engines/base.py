@@ -6,23 +6,28 @@ retries or deadlines: the daemon owns those and wraps each call in its own timeo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from ..policies import Transport
+from .handles import HandleRoute, route_of
 
 __all__ = [
     "ALL_TAGS",
+    "Capability",
     "EngineAdapter",
     "EngineDigests",
     "EngineInfo",
+    "MemoryReport",
     "MemoryTag",
     "Observation",
+    "ParameterSpec",
     "PauseMode",
     "RankPayload",
     "ReleaseReport",
+    "TagMemory",
     "WeightsLoad",
 ]
 
@@ -46,6 +51,31 @@ class PauseMode(StrEnum):
     IN_PLACE = "in_place"
 
 
+class Capability(StrEnum):
+    """An optional part of the seam an engine answers, as it said at attach (``EngineInfo.capabilities``).
+
+    The daemon asks an optional verb only of an engine that has its capability, so an engine that
+    cannot answer is never asked (and costs no call). The reference engine has them all; SGLang and
+    vLLM have none of these.
+    """
+
+    PARAMETER_MANIFEST = "parameter_manifest"  # ``parameter_manifest``: its full parameter set
+    MEMORY_REPORT = "memory_report"  # ``memory_report``: its own per-tag byte counts
+    TENSOR_DIGESTS = "tensor_digests"  # ``weight_digests`` compares with the trainer's (engines/digest.py)
+    SESSION_FENCE = "session_fence"  # it refuses a chunk of a session other than the open one
+    COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk, the ring)
+    NO_WARMUP = "no_warmup"  # it serves as soon as it answers: no warm-up generation to wait for (``started``)
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterSpec:
+    """One parameter as an engine holds it: name, dtype (torch short name) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What an engine told us at attach: its protocol and the state we can read from it."""
@@ -57,7 +87,8 @@ class EngineInfo:
     weight_version: str | None
     tp_size: int = 1
     owned_tags: tuple[MemoryTag, ...] = ALL_TAGS
-    extra: dict[str, Any] = field(default_factory=dict)
+    capabilities: frozenset[Capability] = frozenset()
+    extra: dict[str, object] | None = None  # engine-specific diagnostics for people and tests; the daemon reads none
     # The identity of each TP rank's device, in TP-rank order, as the engine reports it (the reference
     # engine's server_info ``colocd_tp_ranks``: a GPU UUID, or a CPU rank's declared id); empty if it
     # reports none. The daemon feeds each TP rank from the trainer rank that declared the same device.
@@ -73,12 +104,45 @@ class ReleaseReport:
 
 
 @dataclass(frozen=True, slots=True)
+class TagMemory:
+    """What an engine reports of one tag's memory: whether it is resident, the bytes the tag holds when
+    resident (``nbytes``) and the bytes it holds now (``resident_nbytes``)."""
+
+    resident: bool
+    nbytes: int
+    resident_nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """An engine's own per-tag memory accounting (``memory_report``; bytes are its claim, summed over TP ranks).
+
+    The daemon reads it where NVML cannot tell (a CPU engine) and as the expectation for an NVML confirmation.
+    """
+
+    tags: Mapping[MemoryTag, TagMemory]
+
+    def nbytes(self, tags: Iterable[MemoryTag]) -> int:
+        """What ``tags`` hold when resident (a tag the engine does not report counts 0)."""
+        return sum(self.tags[t].nbytes for t in tags if t in self.tags)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the resident tags hold."""
+        return sum(m.nbytes for m in self.tags.values() if m.resident)
+
+    def residency(self) -> dict[MemoryTag, bool]:
+        return {t: m.resident for t, m in self.tags.items()}
+
+
+@dataclass(frozen=True, slots=True)
 class RankPayload:
     """One trainer rank's piece of a chunk, as the trainer described it (transport-specific handle).
 
     ``handle`` is opaque to the daemon: a shared-memory name and layout, a base64 CUDA-IPC
     payload produced by the trainer, a ring slot, a file path. Adapters translate it into
-    their engine's wire format; none of them unpickles it.
+    their engine's wire format; none of them unpickles it. The few facts the daemon needs of it
+    (the device, a segment name, a ring layout ref) are ``route``, typed per transport.
     """
 
     rank: int
@@ -87,6 +151,11 @@ class RankPayload:
     handle: dict[str, Any]
     # Each tensor's digest as the trainer computed it (engines/digest.py), by name; None: none sent.
     digests: dict[str, str] | None = None
+    # What the daemon reads of ``handle``, parsed once as the payload is made (engines/handles.py).
+    route: HandleRoute = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "route", route_of(self.transport, self.handle))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +217,7 @@ class EngineAdapter(Protocol):
         blocks it, and the server never reports itself up."""
         ...
 
-    async def health(self) -> bool: ...
     async def observe(self) -> Observation: ...
-    async def weight_version(self) -> str | None: ...
     async def pause_generation(self, mode: PauseMode) -> None: ...
     async def continue_generation(self) -> None: ...
     async def flush_cache(self) -> bool: ...
@@ -160,11 +227,17 @@ class EngineAdapter(Protocol):
     async def load_weights(self, load: WeightsLoad) -> None: ...
     async def end_weight_update(self) -> None: ...
     async def set_weight_version(self, version: str) -> None: ...
-    async def weights_checksum(self) -> str | None: ...
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """Digests of the named tensors as the engine holds (or received) them, for a verified commit."""
         ...
-    async def aclose(self) -> None: ...
+    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
+        """The engine's full parameter set; None where it cannot tell. Asked only with
+        ``Capability.PARAMETER_MANIFEST``."""
+        ...
 
-    # Optional (looked up with getattr): ``async def parameter_manifest(self) -> list[dict] | None``, the
-    # engine's full parameter set as [{name, dtype, shape}], or None where the engine cannot tell.
+    async def memory_report(self) -> MemoryReport | None:
+        """The engine's own per-tag accounting; None where it keeps none. Asked only with
+        ``Capability.MEMORY_REPORT``."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -11,7 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .base import ALL_TAGS, MemoryTag
 
-__all__ = ["EngineConfig", "LaunchConfig", "ReferenceEngineConfig", "SGLangEngineConfig", "VLLMEngineConfig"]
+__all__ = [
+    "AnyEngineConfig",
+    "EngineConfig",
+    "LaunchConfig",
+    "ReferenceEngineConfig",
+    "SGLangEngineConfig",
+    "VLLMEngineConfig",
+]
 
 
 class LaunchConfig(BaseModel):
@@ -163,6 +170,6 @@ class VLLMEngineConfig(_EngineBase):
     )
 
 
-EngineConfig = Annotated[
-    ReferenceEngineConfig | SGLangEngineConfig | VLLMEngineConfig, Field(discriminator="kind")
-]
+# One engine's slice of the node config, as the daemon and the adapters hold it (parsed: one of the kinds).
+AnyEngineConfig = ReferenceEngineConfig | SGLangEngineConfig | VLLMEngineConfig
+EngineConfig = Annotated[AnyEngineConfig, Field(discriminator="kind")]

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 
 from .base import EngineAdapter
+from .config import AnyEngineConfig
 from .supervisor import Launched, LaunchOptions
 
 __all__ = ["build_adapter", "launch_engine"]
 
 
-def build_adapter(config: Any, client: httpx.AsyncClient) -> EngineAdapter:
+def build_adapter(config: AnyEngineConfig, client: httpx.AsyncClient) -> EngineAdapter:
     """The reference engine speaks SGLang's protocol, so both use the SGLang adapter."""
     if config.url is None:
         # Never the string "None": a launched engine gets its URL from the port colocd chose.
         raise ValueError(f"engine {config.name!r}: no 'url' to attach to (a launched engine gets one when "
                          "colocd starts it)")
-    if config.kind in ("reference", "sglang"):
+    if config.kind == "reference" or config.kind == "sglang":
         from .sglang.adapter import SGLangAdapter
 
         return SGLangAdapter(config, client)
@@ -29,7 +28,7 @@ def build_adapter(config: Any, client: httpx.AsyncClient) -> EngineAdapter:
     raise ValueError(f"engine {config.name!r}: unknown kind {config.kind!r}")
 
 
-async def launch_engine(config: Any, options: LaunchOptions | None = None) -> Launched:
+async def launch_engine(config: AnyEngineConfig, options: LaunchOptions | None = None) -> Launched:
     """Start ``config``'s server on ``config.url``'s port and return once it is ready.
 
     ``options``: the spawn hook reaches every launcher (the daemon journals each process as soon as it exists,

@@ -32,6 +32,7 @@ from torch.distributed import (  # type: ignore[attr-defined]  # re-exported fro
 )
 
 from .chunks import dtype_from_name, dtype_name
+from .weight_group_protocol import BACKEND_DEVICES
 
 __all__ = [
     "BACKEND_DEVICES",
@@ -47,9 +48,6 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-# The device key torch's helper files each backend under (BackendConfig: gloo registers "cpu"
-# first, nccl "cuda"); it is part of the store prefix, so it must match the engine's.
-BACKEND_DEVICES: dict[str, str] = {"gloo": "cpu", "nccl": "cuda"}
 
 _Collectives = Any  # ProcessGroupGloo or ProcessGroupNCCL (the latter absent from CPU builds)
 

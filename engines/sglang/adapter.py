@@ -12,14 +12,27 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel
 
 from ...errors import RequestInvalid
 from ...policies import Transport
-from ..base import EngineDigests, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from ..base import (
+    Capability,
+    EngineDigests,
+    EngineInfo,
+    MemoryReport,
+    MemoryTag,
+    Observation,
+    ParameterSpec,
+    PauseMode,
+    ReleaseReport,
+    WeightsLoad,
+)
+from ..config import ReferenceEngineConfig, SGLangEngineConfig
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
 from ..httpmap import check_reply, map_http_errors
 from ..ring_refs import UNKNOWN_REF_MARK
-from . import checksums, wire
+from . import checksums, extensions, wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
 __all__ = ["UNSUPPORTED_DIGESTS", "SGLangAdapter"]
@@ -36,13 +49,17 @@ UNSUPPORTED_DIGESTS = (
     "parameters (qkv_proj, gate_up_proj) with its own hash, which colocd does not rebuild; this engine's weights "
     "are not verified")
 
-_R = TypeVar("_R", bound=wire.ServerInfo | wire.ModelInfo | wire.CheckWeightsResult)
+# What the reference engine answers beyond SGLang's protocol (its server_info says ``colocd_reference``): routes
+# under /colocd/, a session id on begin and on each chunk, and colocd's own transports (shm, disk, the ring).
+REFERENCE_EXTENSIONS = frozenset(Capability)
+
+_R = TypeVar("_R", bound=BaseModel)
 
 
 class SGLangAdapter:
     """Verbs over one SGLang (or reference) server. ``config`` is that engine's slice of the node config."""
 
-    def __init__(self, config: Any, client: httpx.AsyncClient) -> None:
+    def __init__(self, config: SGLangEngineConfig | ReferenceEngineConfig, client: httpx.AsyncClient) -> None:
         self.name: str = config.name
         self._config = config
         self._client = client
@@ -51,6 +68,7 @@ class SGLangAdapter:
         # Until attach probes the version, assume the current protocol.
         self.protocol: SGLangProtocol = V0_5_23
         self._info: EngineInfo | None = None
+        self._extensions: frozenset[Capability] = frozenset()  # negotiated at attach, from server_info
         self._server_info_route = "/server_info"
         self._device: str | None = None  # where the reference engine says its weights live (server_info)
 
@@ -87,9 +105,10 @@ class SGLangAdapter:
         (shm, disk, the ring), which only the reference engine's loader reads: SGLang would unpickle their
         JSON descriptors and its scheduler would die. Before attach a real SGLang is assumed to be on a GPU.
         The reference engine: everything on a GPU, shm/disk/inline on CPU."""
-        device = self._device or str(getattr(self._config, "device", "cuda" if self._config.kind != "reference"
-                                               else "cpu"))
-        if not self._is_reference and (self._info is not None or self._config.kind != "reference"):
+        colocd_formats = (Capability.COLOCD_TRANSPORTS in self._extensions if self._info is not None
+                          else isinstance(self._config, ReferenceEngineConfig))  # before attach: the config's kind
+        device = self._device or (self._config.device if isinstance(self._config, ReferenceEngineConfig) else "cuda")
+        if not colocd_formats:
             return _SGLANG_GPU_TRANSPORTS if device.startswith("cuda") else _SGLANG_CPU_TRANSPORTS
         return _REFERENCE_GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
 
@@ -123,15 +142,16 @@ class SGLangAdapter:
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
+        self._extensions = REFERENCE_EXTENSIONS if server.colocd_reference else frozenset()
         self._info = EngineInfo(
             name=self.name,
-            engine_kind=getattr(self._config, "kind", "sglang"),
+            engine_kind=self._config.kind,
             version=version,
             protocol=self.protocol.name,
             weight_version=await self.weight_version(),
             tp_size=self._config.tp_size,
             owned_tags=owned,
-            extra={"colocd_reference": server.colocd_reference},
+            capabilities=self._extensions,
             device_ids=self._tp_device_ids(server),
         )
         return self._info
@@ -144,7 +164,7 @@ class SGLangAdapter:
             ids = [r.device_id for r in ranks]
             if all(ids):
                 return tuple(str(i) for i in ids)
-        uuids = list(getattr(self._config, "gpu_uuids", None) or ())
+        uuids = list(self._config.gpu_uuids)
         return tuple(uuids) if len(uuids) == self._config.tp_size else ()
 
     def _check_tp_size(self, server: wire.ServerInfo) -> None:
@@ -165,9 +185,10 @@ class SGLangAdapter:
 
     async def started(self) -> bool:
         """SGLang's ``/health`` is 503 until its warm-up generation has run (``server_status`` Starting), 200
-        once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused. The
-        reference engine is driven as soon as it answers (its launcher waits for its model)."""
-        if self._is_reference:
+        once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused. An engine
+        with ``Capability.NO_WARMUP`` (the reference engine: its launcher waits for its model) is driven as soon
+        as it answers."""
+        if Capability.NO_WARMUP in self._extensions:
             return True
         try:
             response = await self._client.get(self._base + "/health", headers=self._headers, timeout=30.0)
@@ -192,10 +213,8 @@ class SGLangAdapter:
         session = None  # older SGLang has no update session at all, so none can be open or lost
         if self.protocol.weight_update_session and first.has_session:
             session = first.weight_update_session is not None
-        resident = None
-        if (report := await self.memory_report()) is not None:
-            resident = {MemoryTag(t): bool(v.get("resident")) for t, v in report.get("tags", {}).items()
-                        if t in MemoryTag.__members__.values()}
+        report = await self.memory_report()
+        resident = report.residency() if report is not None else None
         return Observation(incarnation=server.incarnation(),
                            weight_version=await self.weight_version(), resident=resident or None,
                            paused=paused, update_session_open=session)
@@ -240,14 +259,11 @@ class SGLangAdapter:
         await self._call("POST", request.ROUTE, "resume_memory_occupation", wire.body(request, self.protocol))
         return ReleaseReport(tags)
 
-    @property
-    def _is_reference(self) -> bool:
-        return bool(self._info is not None and self._info.extra.get("colocd_reference"))
-
     def _with_session(self, body: dict[str, Any], session_id: str | None) -> dict[str, Any]:
         """The reference engine carries the daemon's session id on begin and on every chunk, and refuses a
         chunk of any other session (a late chunk of a closed one). SGLang has no such field: not sent."""
-        if session_id is not None and self._is_reference and self.protocol.weight_update_session:
+        fenced = Capability.SESSION_FENCE in self._extensions and self.protocol.weight_update_session
+        if session_id is not None and fenced:
             return {**body, "colocd_session": session_id}
         return body
 
@@ -272,24 +288,20 @@ class SGLangAdapter:
             self._check_success(response, f"update_weights_from_tensor#{load.seq}")
         except EngineRejected as exc:
             # The reference engine lacks a ring ref the daemon left out (engines/ring_refs.py): nothing applied.
-            if UNKNOWN_REF_MARK in exc.detail and any(p.transport == Transport.IPC_RING for p in load.payloads):
+            # SGLang's {success, message} reply has no field for a reason, so the engine names the ring
+            # protocol's token in its message; only an engine that loads ring chunks is read for it.
+            ring = any(p.transport == Transport.IPC_RING for p in load.payloads)
+            if ring and Capability.COLOCD_TRANSPORTS in self._extensions and UNKNOWN_REF_MARK in exc.detail:
                 raise RingRefsUnknown(self.name, exc.detail, status=exc.status, body=exc.body) from None
             raise
 
-    async def parameter_manifest(self) -> list[dict[str, Any]] | None:
-        """The reference engine lists its parameters (colocd extension); SGLang cannot tell: None."""
-        if not self._is_reference:
+    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
+        """The reference engine lists its parameters (``Capability.PARAMETER_MANIFEST``); SGLang cannot tell: None."""
+        if Capability.PARAMETER_MANIFEST not in self._extensions:
             return None
         data = self._json(await self._call("GET", "/colocd/parameters", "colocd/parameters"),
                           self.name, "colocd/parameters")
-        if not isinstance(data, dict) or "parameters" not in data:
-            raise EngineProtocolError(self.name, f"colocd/parameters: expected {{parameters: [...]}}, "
-                                                 f"got {data!r:.200}")
-        params = data["parameters"]
-        if params is not None and not isinstance(params, list):
-            raise EngineProtocolError(self.name, f"colocd/parameters: expected {{parameters: [...]}}, "
-                                                 f"got {data!r:.200}")
-        return params
+        return self._parse(extensions.ParametersReply, data, "colocd/parameters").specs()
 
     async def end_weight_update(self) -> None:
         if self.protocol.weight_update_session:
@@ -366,23 +378,18 @@ class SGLangAdapter:
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """The reference engine's digests (engines/digest.py) of the tensors it holds, per TP rank (colocd
         extension). SGLang reports none that can be compared: ``UNSUPPORTED_DIGESTS`` says why."""
-        if not self._is_reference:
+        if Capability.TENSOR_DIGESTS not in self._extensions:
             return EngineDigests(None, UNSUPPORTED_DIGESTS)
         data = self._json(await self._call("POST", "/colocd/digests", "colocd/digests", {"names": list(names)}),
                           self.name, "colocd/digests")
-        ranks = data.get("ranks") if isinstance(data, dict) else None
-        if not isinstance(ranks, list) or not all(
-                isinstance(r, dict) and all(isinstance(v, str) for v in r.values()) for r in ranks):
-            raise EngineProtocolError(self.name, f"colocd/digests: expected {{ranks: [{{name: digest}}]}}, "
-                                                 f"got {data!r:.200}")
-        return EngineDigests(tuple({str(k): str(v) for k, v in r.items()} for r in ranks))
+        return EngineDigests(tuple(self._parse(extensions.DigestsReply, data, "colocd/digests").ranks))
 
-    async def memory_report(self) -> dict[str, Any] | None:
-        """The reference engine's own per-tag byte counts (colocd extension); None elsewhere."""
-        if self._info is None or not self._info.extra.get("colocd_reference"):
+    async def memory_report(self) -> MemoryReport | None:
+        """The reference engine's own per-tag byte counts (``Capability.MEMORY_REPORT``); None elsewhere."""
+        if Capability.MEMORY_REPORT not in self._extensions:
             return None
         data = self._json(await self._call("GET", "/colocd/memory", "colocd/memory"), self.name, "colocd/memory")
-        return data if isinstance(data, dict) else None
+        return self._parse(extensions.MemoryReply, data, "colocd/memory").report() if isinstance(data, dict) else None
 
     async def aclose(self) -> None:
         return None

@@ -453,7 +453,7 @@ class ReplyInvalid(ValueError):
     """A reply that does not have the shape colocd reads; the message names the field."""
 
 
-_R = TypeVar("_R", bound=_Reply)
+_R = TypeVar("_R", bound=BaseModel)  # a reply model here, or one of the reference extensions (extensions.py)
 
 
 def parse_reply(model: type[_R], data: Any) -> _R:

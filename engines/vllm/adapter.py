@@ -29,7 +29,17 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from ...policies import Transport
-from ..base import EngineDigests, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from ..base import (
+    EngineDigests,
+    EngineInfo,
+    MemoryReport,
+    MemoryTag,
+    Observation,
+    ParameterSpec,
+    PauseMode,
+    ReleaseReport,
+    WeightsLoad,
+)
 from ..config import VLLMEngineConfig
 from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from . import wire
@@ -399,6 +409,14 @@ class VLLMAdapter:
             "POST", "/weight_checker", json={"action": "compare", "baseline": baseline}
         )
         return self._parse(wire.WeightCheckerCompareReply, response, "/weight_checker").mismatches
+
+    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
+        """vLLM lists no parameters over HTTP (attach declares no ``Capability.PARAMETER_MANIFEST``)."""
+        return None
+
+    async def memory_report(self) -> MemoryReport | None:
+        """vLLM keeps no per-tag accounting it reports (attach declares no ``Capability.MEMORY_REPORT``)."""
+        return None
 
     async def aclose(self) -> None:
         """Nothing to release: the HTTP client belongs to the caller."""

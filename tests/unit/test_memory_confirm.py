@@ -12,7 +12,7 @@ from colocd.daemon.engine_ops import EngineHandle, expected_release_bytes
 from colocd.daemon.errors import MemoryNotConfirmed
 from colocd.daemon.memory import GpuReading, NvmlProbe, Settled
 from colocd.daemon.states import EngineState
-from colocd.engines.base import MemoryTag
+from colocd.engines.base import MemoryReport, MemoryTag, TagMemory
 
 GIB = 1 << 30
 TOTAL = 140 * GIB
@@ -85,7 +85,9 @@ def _engine() -> EngineHandle:
 
 
 TAGS = (MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
-REPORT = {"tags": {"weights": {"nbytes": 16 * GIB}, "kv_cache": {"nbytes": 60 * GIB}, "cuda_graph": {"nbytes": GIB}}}
+REPORT = MemoryReport({MemoryTag.WEIGHTS: TagMemory(True, 16 * GIB, 16 * GIB),
+                       MemoryTag.KV_CACHE: TagMemory(True, 60 * GIB, 60 * GIB),
+                       MemoryTag.CUDA_GRAPH: TagMemory(True, GIB, GIB)})
 
 
 def test_the_expectation_is_the_smaller_of_the_engines_report_and_the_last_release_of_the_same_tags() -> None:

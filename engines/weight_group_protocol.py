@@ -1,0 +1,81 @@
+"""The weight-update group protocol between the daemon and an engine (separated GPUs, research/engine-apis.md §1.6).
+
+What a broadcast is (``BroadcastDescriptor``, validated as the trainer must have sent it) and the verbs an
+engine adapter offers for it (``SupportsWeightGroups``: SGLang's routes). The collective itself is
+``weight_group.py`` (torch, imported only on this path); the daemon's side, which opens groups, forwards
+broadcasts and destroys a group whose sequence may be out of step, is ``daemon/distributed.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = ["BACKEND_DEVICES", "FLATTENED", "BroadcastDescriptor", "SupportsWeightGroups"]
+
+# The device key torch's helper files each backend under (BackendConfig: gloo registers "cpu"
+# first, nccl "cuda"); it is part of the store prefix, so it must match the engine's.
+BACKEND_DEVICES: dict[str, str] = {"gloo": "cpu", "nccl": "cuda"}
+
+FLATTENED = "flattened_bucket"
+
+
+@runtime_checkable
+class SupportsWeightGroups(Protocol):
+    """The adapter verbs of the distributed path (SGLang's; ``engines/sglang/adapter.py``)."""
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None: ...
+
+    async def update_weights_from_distributed(self, *, seq: int, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str, load_format: str | None,
+                                              flush_cache: bool = False, weight_version: str | None = None,
+                                              ) -> None: ...
+
+    async def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastDescriptor:
+    """One broadcast as the trainer runs it: tensors in broadcast order, one broadcast each or one flattened bucket.
+
+    Construction validates it (``ValueError`` naming the field), so an engine never receives a layout
+    the trainer cannot have sent.
+    """
+
+    seq: int
+    group_name: str
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    load_format: str | None = None  # None: one broadcast per tensor; "flattened_bucket": one uint8 broadcast
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("names: a broadcast carries at least one tensor")
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes need one entry per tensor; got "
+                             f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}")
+        if self.load_format not in (None, FLATTENED):
+            raise ValueError(f"load_format: {self.load_format!r} is not null or {FLATTENED!r}")
+        # torch (through weight_group) is imported here, on the separated-GPU path, not when the daemon starts.
+        from .weight_group import flattened_layout, parse_dtype
+
+        for i, dtype in enumerate(self.dtypes):
+            parse_dtype(dtype)  # ValueError names the dtype
+            if any(d < 0 for d in self.shapes[i]):
+                raise ValueError(f"shapes.{i}: negative dimension in {list(self.shapes[i])}")
+        if self.load_format == FLATTENED:
+            flattened_layout(self.names, self.dtypes, self.shapes)  # offsets aligned to each itemsize
+
+    @property
+    def nbytes(self) -> int:
+        from .weight_group import parse_dtype
+
+        total = 0
+        for dtype, shape in zip(self.dtypes, self.shapes, strict=True):
+            n = parse_dtype(dtype).itemsize
+            for d in shape:
+                n *= d
+            total += n
+        return total

@@ -1,0 +1,42 @@
+"""What the daemon reads of a chunk handle is parsed once, when the payload is made, into one type per transport
+on the wire (engines/handles.py): the orchestration reads these fields, never the handle's keys."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from colocd.engines.base import RankPayload
+from colocd.engines.handles import CudaIpcRoute, HostRoute, RingRoute, ShmRoute
+from colocd.errors import RequestInvalid
+from colocd.policies import Transport
+
+
+def _part(transport: Transport, **handle: object) -> RankPayload:
+    return RankPayload(rank=0, transport=transport, nbytes=8, handle=dict(handle))
+
+
+@pytest.mark.parametrize("transport, handle, route", [
+    (Transport.SHM, {"shm_name": "colocd-x", "nbytes": 8}, ShmRoute(None, "colocd-x")),
+    (Transport.CUDA_IPC, {"payload_b64": "", "device_uuid": "GPU-1"}, CudaIpcRoute("GPU-1")),
+    (Transport.PER_TENSOR, {"device_uuid": "GPU-2"}, CudaIpcRoute("GPU-2")),  # travels as cuda_ipc
+    (Transport.IPC_RING, {"ring": "r", "layout_ref": "abc", "device_uuid": "GPU-3"}, RingRoute("GPU-3", "abc")),
+    (Transport.ZERO_COPY, {"ring": "r"}, RingRoute(None, None)),  # carries its layout: no ref
+    (Transport.DISK, {"path": "/x", "device_uuid": 7}, HostRoute(None)),  # a device not named as a string
+    (Transport.INLINE, {"payload_b64": ""}, HostRoute(None)),
+])
+def test_each_transport_parses_into_its_route(transport: Transport, handle: dict[str, object],
+                                               route: object) -> None:
+    assert _part(transport, **handle).route == route
+
+
+def test_a_new_handle_is_parsed_anew() -> None:
+    part = _part(Transport.IPC_RING, ring="r", layout_ref="abc")
+    assert replace(part, handle={"ring": "r", "layout": []}).route == RingRoute(None, None)
+
+
+def test_a_layout_ref_that_is_not_a_string_is_the_callers_error_naming_it() -> None:
+    with pytest.raises(RequestInvalid) as caught:
+        _part(Transport.IPC_RING, ring="r", layout_ref=3)
+    assert caught.value.field == "handle.layout_ref"
