@@ -13,7 +13,7 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, RankPayload, ReleaseReport, WeightsLoad
+from colocd.engines.base import Capability, EngineInfo, MemoryTag, ParameterSpec, Observation, PauseMode, RankPayload, ReleaseReport, WeightsLoad
 from colocd.engines.chunks import ChunkLayout
 from colocd.policies import Transport
 from colocd.trainer.push import manifest_of
@@ -33,7 +33,8 @@ class ListedEngine:
         self.manifest_calls = 0
 
     async def attach(self) -> EngineInfo:
-        return EngineInfo(self.name, "fake", "0", "fake", self.version)
+        return EngineInfo(self.name, "fake", "0", "fake", self.version,
+                          capabilities=frozenset({Capability.PARAMETER_MANIFEST}))
 
     async def health(self) -> bool:
         return True
@@ -47,9 +48,9 @@ class ListedEngine:
     async def weight_version(self) -> str | None:
         return self.version
 
-    async def parameter_manifest(self) -> list[dict[str, Any]] | None:
+    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
         self.manifest_calls += 1
-        return manifest_of(NAMED)
+        return tuple(ParameterSpec(m["name"], m["dtype"], tuple(m["shape"])) for m in manifest_of(NAMED))
 
     async def pause_generation(self, mode: PauseMode) -> None: ...
     async def continue_generation(self) -> None: ...
