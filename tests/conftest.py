@@ -20,6 +20,7 @@ import pytest
 # A shared server that died fails its later tests with its log tail (tests/shared_server.py); the xdist
 # controller loads only this conftest, so the hooks are registered here.
 from shared_server import pytest_report_teststatus, pytest_runtest_makereport  # noqa: F401
+from support import EnginePool
 
 VLLM_TESTS = Path(__file__).parent / "vllm"
 
@@ -121,3 +122,13 @@ def _clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+
+
+@pytest.fixture(scope="module")
+def engine_pool() -> Iterator[EnginePool]:
+    """The module's reference engines (tests/support.py): started at first use, reset after each test."""
+    pool = EnginePool()
+    try:
+        yield pool
+    finally:
+        pool.close()
