@@ -132,3 +132,11 @@ def engine_pool() -> Iterator[EnginePool]:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture
+def pooled_engine(engine_pool: EnginePool) -> Iterator[Any]:
+    """A reference engine ``ref0`` at seed 0, as fresh as a new process (the module's, reset after the test)."""
+    proc = engine_pool.borrow()
+    yield proc
+    engine_pool.give_back(proc)
