@@ -2,9 +2,9 @@
 
 The module's reference engine process (reset between tests) and a daemon per test, in the test's event loop;
 the trainer is this process: a real model of the engine's architecture, trained with real optimizer steps,
-pushed through ``AsyncWeightSync`` over ``WeightPusher`` (shared memory). Every push is checked on the engine (``/weights_checker`` checksum
-and greedy output), and every rollout's versions are read back from the trace, ``/v1/status`` and
-``/metrics``.
+pushed through ``AsyncWeightSync`` over ``WeightPusher`` (shared memory). Every push is checked on the engine
+(``/weights_checker`` checksum and greedy output), and every rollout's versions are read back from the trace,
+``/v1/status`` and ``/metrics``.
 """
 
 from __future__ import annotations
