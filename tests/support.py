@@ -229,9 +229,13 @@ class EnginePool:
         self._idle[proc.pool_key] = (proc, proc.fresh)
 
     def close(self) -> None:
-        for proc, _ in self._idle.values():
-            proc.stop()
+        """Stop every engine, concurrently: each waits for its own clean exit."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        procs = [proc for proc, _ in self._idle.values()]
         self._idle.clear()
+        with ThreadPoolExecutor(max(1, len(procs))) as stopping:
+            list(stopping.map(lambda proc: proc.stop(), procs))
 
 
 def _engine_http(proc: Any) -> httpx.Client:
