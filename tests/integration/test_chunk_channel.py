@@ -1,10 +1,10 @@
 """The framed chunk channel (issue 12 item 6): the chunk calls of the HTTP API on one Unix-socket connection.
 
 The module's reference engine process (reset between tests) and a daemon per test, in the test's event loop.
-The channel must carry exactly the HTTP route's semantics: every chunk verified by the engine's checksum, caller mistakes answered with the
-same error bodies (plus ``status``) while the connection and the daemon keep serving, a wrong token
-refused, and a trainer that drops its connection mid-stream treated as one that went quiet (the
-session's lease expires it and unlinks its segments).
+The channel must carry exactly the HTTP route's semantics: every chunk verified by the engine's checksum,
+caller mistakes answered with the same error bodies (plus ``status``) while the connection and the daemon keep
+serving, a wrong token refused, and a trainer that drops its connection mid-stream treated as one that went
+quiet (the session's lease expires it and unlinks its segments).
 """
 
 from __future__ import annotations

@@ -240,7 +240,8 @@ async def test_right_after_a_chunk_failed_on_a_dead_engine_status_says_the_engin
     from colocd.engines.reference.model import QwenLikeConfig, build_model
     from colocd.trainer.push import WeightPusher
 
-    async with reference_engine() as engine, node(engine, health_interval_s=600) as n:  # no health tick in this test: what status says came from the failure
+    # Its own engine: it dies. No health tick in this test: what status says came from the failure.
+    async with reference_engine() as engine, node(engine, health_interval_s=600) as n:
         await n.client.phase("train", 1)
         await n.client.phase("sync", 1)
         assert (await n.client.status())["engines"]["ref0"]["healthy"] is True

@@ -398,7 +398,8 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
     model = build_model(QwenLikeConfig(), seed=7)
     named = list(model.named_parameters())
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(engine_pool, 2, own_devices=True) as (client, procs), httpx.AsyncClient(trust_env=False, timeout=60) as http:
+    async with _node(engine_pool, 2, own_devices=True) as (client, procs), \
+            httpx.AsyncClient(trust_env=False, timeout=60) as http:
         for transport, depth in (("shm", 2), ("disk", 1)):
             with torch.no_grad():
                 for p in model.parameters():
@@ -436,7 +437,8 @@ def _abort_after(
         yield item
 
 
-async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared_memory(engine_pool: EnginePool) -> None:
+async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared_memory(
+        engine_pool: EnginePool) -> None:
     model = build_model(QwenLikeConfig(), seed=3)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
     async with _node(engine_pool, 1) as (client, _):
