@@ -3,7 +3,8 @@
 Under ``pytest -n N --dist loadfile`` (scripts/test.sh runs two workers) each module is one unit of work, so a
 module-scoped fixture is built once and a module's tests run in file order on one worker; tests/vllm/ is one unit,
 so a single worker starts the session's vLLM server. A module marked ``exclusive`` runs while no other worker is
-inside a module.
+inside a module. ``engine_pool`` and ``pooled_engine`` hand out the module's reference engines
+(tests/support.py's ``EnginePool``), reset through their API after each test.
 """
 
 from __future__ import annotations

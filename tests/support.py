@@ -1,5 +1,7 @@
-"""Test helpers: serve an ASGI app on an OS-chosen loopback port; this process's colocd shared-memory segments;
-a stand-in NVML that mirrors a CPU reference engine's memory as one GPU's."""
+"""Test helpers: the fixture factory (reference engines, a module's engine pool reset through the engine's API,
+daemons in the test's event loop or as ``colocd serve``, and their clients); serving an ASGI app on an OS-chosen
+loopback port; this process's colocd shared-memory segments; a stand-in NVML that mirrors a CPU reference
+engine's memory as one GPU's."""
 
 from __future__ import annotations
 
