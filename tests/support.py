@@ -22,7 +22,7 @@ from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "NvmlNode", "daemon_node",
            "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config", "reference_engine", "serve_app",
-           "shm_segments"]
+           "shm_segments", "stop_engines"]
 
 
 @asynccontextmanager
@@ -232,12 +232,17 @@ class EnginePool:
 
     def close(self) -> None:
         """Stop every engine, concurrently: each waits for its own clean exit."""
-        from concurrent.futures import ThreadPoolExecutor
-
         procs = [proc for proc, _ in self._idle.values()]
         self._idle.clear()
-        with ThreadPoolExecutor(max(1, len(procs))) as stopping:
-            list(stopping.map(lambda proc: proc.stop(), procs))
+        stop_engines(procs)
+
+
+def stop_engines(procs: list[Any]) -> None:
+    """Stop engine processes concurrently (each ``stop()`` waits for its own exit, seconds under load)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(procs))) as stopping:
+        list(stopping.map(lambda proc: proc.stop(), procs))
 
 
 def _engine_http(proc: Any) -> httpx.Client:

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import layout_ranks
 import pytest
-from support import daemon_node
+from support import daemon_node, stop_engines
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.chunks import tensor_checksum
@@ -49,8 +49,7 @@ def engines() -> Iterator[dict[str, str]]:
     try:
         yield {name: str(p.url) for name, p in procs.items()}
     finally:
-        for p in procs.values():
-            p.stop()
+        stop_engines(list(procs.values()))
 
 
 @dataclass
