@@ -21,10 +21,9 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support import serve_app
+from support import daemon_node
 
-from colocd.api.app import create_app
-from colocd.daemon.config import ConfigError, NodeConfig, load_node_config
+from colocd.daemon.config import ConfigError, load_node_config
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
@@ -49,10 +48,8 @@ async def engine() -> AsyncIterator[ReferenceEngineProcess]:
 
 @asynccontextmanager
 async def daemon(engine: ReferenceEngineProcess, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
-    node = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
-                                     "token": TOKEN, **config})
-    async with serve_app(create_app(node)) as url, \
-            httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60, trust_env=False) as client:
+    async with daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False, **config) as node, \
+            httpx.AsyncClient(base_url=node.url, headers=AUTH, timeout=60, trust_env=False) as client:
         yield client
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import daemon_node
+from support import daemon_node, reference_engine
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
@@ -83,8 +83,7 @@ async def restore(c: httpx.AsyncClient) -> None:
 
 @asynccontextmanager
 async def tp1_engine() -> AsyncIterator[ReferenceEngineProcess]:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(
-            name="ref-tp1", launch=LaunchConfig(ready_timeout_s=DEADLINE_S))) as proc:
+    async with reference_engine("ref-tp1", launch={"ready_timeout_s": DEADLINE_S}) as proc:
         yield proc
 
 
