@@ -3,6 +3,8 @@
 #
 #   bash scripts/test.sh [pytest args]
 #
+# Without arguments it runs the core tier, then the SGLang and vLLM tiers, each as its own pytest run, and ends
+# with each tier's wall time (below); with arguments, one pytest run of exactly those.
 # The venv ($COLOCD_TEST_VENV, default .venv in the checkout) never sees the system's site-packages,
 # so a dependency pyproject.toml forgets fails here as it would on a stranger's machine. It is
 # created on first use and reinstalled only when pyproject.toml changes (colocd itself is editable).
@@ -98,5 +100,38 @@ parallel=()
 if [[ "${workers}" != "0" ]]; then
   parallel=(-n "${workers}" --dist loadfile)
 fi
-# --durations=25: the suite ends by listing its slowest tests, so a test that grows slow is seen in CI's log.
-exec "${PY}" -m pytest "${parallel[@]}" --durations=25 "$@"
+# --durations=25: each run ends by listing its slowest tests, so a test that grows slow is seen in CI's log.
+pytest_run() { "${PY}" -m pytest "${parallel[@]}" --durations=25 "$@"; }
+
+# With arguments (a file, -k, -m ...): one pytest run of exactly those.
+if [[ $# -gt 0 ]]; then
+  exec "${PY}" -m pytest "${parallel[@]}" --durations=25 "$@"
+fi
+
+# Without: the core tier (everything but the real-engine tests: reference engines, daemons, the CLI, Ray,
+# Prometheus), then each real-engine tier (-m sglang, -m vllm; markers in pyproject.toml) as its own run with
+# its own slowest-tests list, and one summary of the wall times. A tier whose COLOCD_SKIP_* is 1 is not run;
+# one with nothing selected (pytest's exit 5) passes. The exit status is the first failing tier's.
+summary=()
+status=0
+tier() {
+  local name="$1" skip="$2" marks="$3" start rc
+  if [[ "${skip}" == "1" ]]; then
+    summary+=("$(printf '%-7s skipped (its COLOCD_SKIP_* is 1)' "${name}")")
+    return
+  fi
+  say "tier ${name}: pytest -m '${marks}'"
+  start=${SECONDS}
+  rc=0
+  pytest_run -m "${marks}" || rc=$?
+  [[ ${rc} -eq 5 ]] && rc=0  # nothing selected: no test of this tier here
+  summary+=("$(printf '%-7s %5ds  %s' "${name}" $((SECONDS - start)) "$([[ ${rc} -eq 0 ]] && echo passed || echo "FAILED (exit ${rc})")")")
+  [[ ${status} -eq 0 ]] && status=${rc}
+  return 0
+}
+tier core 0 "not sglang and not vllm"
+tier sglang "${COLOCD_SKIP_SGLANG:-0}" "sglang"
+tier vllm "${COLOCD_SKIP_VLLM:-0}" "vllm"
+say "wall time per tier (the core tier's budget is 10 minutes on a 2-core machine):"
+for line in "${summary[@]}"; do say "  ${line}"; done
+exit "${status}"

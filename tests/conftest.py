@@ -3,7 +3,8 @@
 Under ``pytest -n N --dist loadfile`` (scripts/test.sh runs two workers) each module is one unit of work, so a
 module-scoped fixture is built once and a module's tests run in file order on one worker; tests/vllm/ is one unit,
 so a single worker starts the session's vLLM server. A module marked ``exclusive`` runs while no other worker is
-inside a module.
+inside a module. ``engine_pool`` and ``pooled_engine`` hand out the module's reference engines
+(tests/support.py's ``EnginePool``), reset through their API after each test.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 # A shared server that died fails its later tests with its log tail (tests/shared_server.py); the xdist
 # controller loads only this conftest, so the hooks are registered here.
 from shared_server import pytest_report_teststatus, pytest_runtest_makereport  # noqa: F401
+from support import EnginePool
 
 VLLM_TESTS = Path(__file__).parent / "vllm"
 
@@ -121,3 +123,21 @@ def _clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+
+
+@pytest.fixture(scope="module")
+def engine_pool() -> Iterator[EnginePool]:
+    """The module's reference engines (tests/support.py): started at first use, reset after each test."""
+    pool = EnginePool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def pooled_engine(engine_pool: EnginePool) -> Iterator[Any]:
+    """A reference engine ``ref0`` at seed 0, as fresh as a new process (the module's, reset after the test)."""
+    proc = engine_pool.borrow()
+    yield proc
+    engine_pool.give_back(proc)

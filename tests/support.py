@@ -1,5 +1,7 @@
-"""Test helpers: serve an ASGI app on an OS-chosen loopback port; this process's colocd shared-memory segments;
-a stand-in NVML that mirrors a CPU reference engine's memory as one GPU's."""
+"""Test helpers: the fixture factory (reference engines, a module's engine pool reset through the engine's API,
+daemons in the test's event loop or as ``colocd serve``, and their clients); serving an ASGI app on an OS-chosen
+loopback port; this process's colocd shared-memory segments; a stand-in NVML that mirrors a CPU reference
+engine's memory as one GPU's."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import asyncio
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -18,8 +20,9 @@ import uvicorn
 from colocd.api.server import KEEP_ALIVE_S
 from colocd.policies import Transport
 
-__all__ = ["BASE", "AsIfOnGpu", "EngineMirrorNvml", "NvmlNode", "leaves_no_shm_segments", "node_on_mirrored_gpu",
-           "serve_app", "shm_segments"]
+__all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "NvmlNode", "daemon_node",
+           "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config", "reference_engine", "serve_app",
+           "shm_segments", "stop_engines"]
 
 
 @asynccontextmanager
@@ -156,3 +159,194 @@ async def node_on_mirrored_gpu(model: dict[str, Any]) -> AsyncIterator[dict[str,
         async with http, serve_app(create_app(config, daemon=daemon)) as url, AsyncColocdClient(url) as client:
             await client.wait_ready(30)
             yield {"client": client, "nvml": nvml, "url": url, "engine_url": str(engine.url)}
+
+
+# --- the fixture factory: reference engines, daemons, clients -------------------------------------------
+#
+# Every integration test builds its node from these: ``reference_engine`` (a fresh process, where the process is
+# the point: it is killed, restarted, or its launch is what is tested), ``EnginePool`` (module-scoped processes a
+# test borrows and the pool resets through the engine's own API afterwards) and ``daemon_node`` (the daemon in
+# the test's event loop, or ``colocd serve`` as a child process where the process is the point).
+
+DEADLINE_S = 60.0  # readiness of an engine or a daemon
+
+
+def reference_config(name: str = "ref0", **config: Any) -> Any:
+    """A reference engine on an OS-chosen loopback port: seed 0 unless ``config`` says otherwise."""
+    from colocd.engines.config import ReferenceEngineConfig
+
+    return ReferenceEngineConfig.model_validate({"name": name, "url": "http://127.0.0.1:0", "seed": 0, **config})
+
+
+@asynccontextmanager
+async def reference_engine(name: str = "ref0", **config: Any) -> AsyncIterator[Any]:
+    """A fresh reference engine process (``ReferenceEngineProcess``), ready once a generation answers."""
+    from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+    async with ReferenceEngineProcess(reference_config(name, **config)) as proc:
+        yield proc
+
+
+class EnginePool:
+    """Reference engine processes shared by a module's tests, one per configuration.
+
+    ``borrow(**config)`` hands out the module's engine for that configuration (started at its first borrow);
+    ``give_back`` resets it through its API (generation continued, every tag resident, no update open, the seed's
+    weights, the start's weight version, caches flushed) and then requires every observable of it to equal what
+    the freshly started process showed. An engine a test killed, or one the reset cannot bring back, is stopped
+    and the next borrow starts another, so no test ever sees what an earlier one did.
+    """
+
+    def __init__(self) -> None:
+        self._idle: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+    def borrow(self, name: str = "ref0", **config: Any) -> Any:
+        from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+        key = repr(sorted({"name": name, **config}.items()))
+        held = self._idle.pop(key, None)
+        if held is not None and held[0].returncode is None:
+            proc, fresh = held
+        else:
+            proc = ReferenceEngineProcess(reference_config(name, **config))
+            proc.start()
+            fresh = _observe(proc)
+        proc.pool_key, proc.fresh = key, fresh
+        return proc
+
+    def give_back(self, proc: Any) -> None:
+        if proc.returncode is not None:
+            proc.stop()
+            return
+        try:
+            _reset(proc, proc.fresh)
+            now = _observe(proc)
+        except BaseException:
+            proc.stop()
+            raise
+        if now != proc.fresh:
+            proc.stop()
+            raise AssertionError(f"the reset left engine {proc.config.name!r} unlike a fresh one: {now} != "
+                                 f"{proc.fresh}")
+        self._idle[proc.pool_key] = (proc, proc.fresh)
+
+    def close(self) -> None:
+        """Stop every engine, concurrently: each waits for its own clean exit."""
+        procs = [proc for proc, _ in self._idle.values()]
+        self._idle.clear()
+        stop_engines(procs)
+
+
+def stop_engines(procs: list[Any]) -> None:
+    """Stop engine processes concurrently (each ``stop()`` waits for its own exit, seconds under load)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(procs))) as stopping:
+        list(stopping.map(lambda proc: proc.stop(), procs))
+
+
+def _engine_http(proc: Any) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {proc.config.api_key}"} if proc.config.api_key else {}
+    return httpx.Client(base_url=str(proc.url), headers=headers, timeout=DEADLINE_S, trust_env=False)
+
+
+def _observe(proc: Any) -> dict[str, Any]:
+    """What a client can see of an engine's state: the daemon's inputs, and what the tests assert on."""
+    legacy = proc.config.protocol == "legacy"
+    with _engine_http(proc) as http:
+        info = http.get("/get_server_info" if legacy else "/server_info").json()
+        model = http.get("/get_model_info" if legacy else "/model_info").json()
+        tags = http.get("/colocd/memory").json()["tags"]
+        check = http.post("/weights_checker", json={"action": "checksum"}).json() if not legacy else {}
+    return {"state": info["internal_states"][0], "weight_version": model["weight_version"],
+            "resident": {tag: entry["resident"] for tag, entry in tags.items()},
+            "checksum": check.get("colocd_checksum"), "pid": proc.pid}
+
+
+def _reset(proc: Any, fresh: dict[str, Any]) -> None:
+    legacy = proc.config.protocol == "legacy"
+    with _engine_http(proc) as http:
+        _ok(http.post("/continue_generation", **({} if legacy else {"json": {}})))
+        released = [t for t, v in http.get("/colocd/memory").json()["tags"].items() if not v["resident"]]
+        if released:
+            _ok(http.post("/resume_memory_occupation", json={"tags": released}))
+        if not legacy and http.get("/server_info").json()["internal_states"][0]["weight_update_session"]:
+            _ok(http.post("/end_weight_update", json={}))
+        if not legacy and http.post("/weights_checker", json={"action": "checksum"}).json().get(
+                "colocd_checksum") != fresh["checksum"]:
+            _load_seed_weights(http, proc.config)
+        _ok(http.post("/update_weight_version", json={"new_version": fresh["weight_version"]}))
+        _ok(http.post("/flush_cache"))
+
+
+def _load_seed_weights(http: httpx.Client, config: Any) -> None:
+    """The weights a fresh engine of ``config`` serves, loaded through one colocd_shm update."""
+    import base64
+    import json
+
+    from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
+    from colocd.engines.reference.model import QwenLikeConfig, build_model
+
+    named = list(build_model(QwenLikeConfig(**config.model), seed=config.seed).named_parameters())
+    layout = ChunkLayout.for_tensors(named)
+    seg = SharedSegment.create(layout.nbytes)
+    try:
+        flatten_into(seg.tensor(), layout, named)
+        entry = {"transport": "shm", "shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
+        _ok(http.post("/begin_weight_update", json={}))
+        _ok(http.post("/update_weights_from_tensor", json={
+            "serialized_named_tensors": [base64.b64encode(json.dumps(entry).encode()).decode()],
+            "load_format": "colocd_shm", "flush_cache": True}))
+        _ok(http.post("/end_weight_update", json={}))
+    finally:
+        seg.close()
+        seg.unlink()
+
+
+def _ok(response: httpx.Response) -> None:
+    assert response.status_code == 200, f"{response.request.url.path}: {response.status_code} {response.text}"
+    body = response.json() if response.headers.get("content-type", "").startswith("application/json") else None
+    assert not (isinstance(body, dict) and body.get("success") is False), body
+
+
+@dataclass
+class DaemonNode:
+    """What ``daemon_node`` yields: a client of the daemon, its URL, and its process when it runs as one."""
+
+    client: Any  # colocd.api.client.AsyncColocdClient
+    url: str
+    process: Any = None  # colocd.api.procs.DaemonProcess, with ``subprocess=True``
+
+
+@asynccontextmanager
+async def daemon_node(engines: list[dict[str, Any]] | dict[str, str], *, subprocess: bool = False,
+                      workdir: Any = None, token: str | None = None, ready: bool = True,
+                      **config: Any) -> AsyncIterator[DaemonNode]:
+    """A colocd daemon over ``engines`` (config entries, or ``{name: url}`` of reference engines) and a client.
+
+    In the test's event loop by default; ``subprocess=True`` runs ``colocd serve`` as a child process (in
+    ``workdir``), for tests about that process (killed, restarted, its own segments, its log). The client waits
+    for ``/readyz`` unless ``ready=False``.
+    """
+    from colocd.api.client import AsyncColocdClient
+
+    if isinstance(engines, dict):
+        engines = [{"kind": "reference", "name": n, "url": str(u)} for n, u in engines.items()]
+    full = {"engines": engines, **config, **({"token": token} if token is not None else {})}
+    async with AsyncExitStack() as stack:
+        if subprocess:
+            from colocd.api.procs import DaemonProcess
+
+            process = await stack.enter_async_context(DaemonProcess(
+                full, workdir=None if workdir is None else str(workdir), ready_timeout_s=DEADLINE_S))
+            url = process.url
+        else:
+            from colocd.api.app import create_app
+            from colocd.daemon.config import NodeConfig
+
+            process = None
+            url = await stack.enter_async_context(serve_app(create_app(NodeConfig.model_validate(full))))
+        client = await stack.enter_async_context(AsyncColocdClient(url, token=token))
+        if ready:
+            await client.wait_ready(DEADLINE_S)
+        yield DaemonNode(client, url, process)

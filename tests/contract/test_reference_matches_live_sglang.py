@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.sglang import wire
 
@@ -44,9 +43,9 @@ DIFFERENCES: dict[str, tuple[int, str]] = {
 
 
 @pytest.fixture
-async def ref() -> AsyncIterator[str]:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as p:
-        yield str(p.url).rstrip("/")
+def ref(pooled_engine: ReferenceEngineProcess) -> str:
+    """The module's reference engine (reset between tests, tests/support.py)."""
+    return str(pooled_engine.url).rstrip("/")
 
 
 @pytest.fixture

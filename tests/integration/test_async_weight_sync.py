@@ -1,10 +1,10 @@
 """Asynchronous weight sync and the weight version of every rollout (issue 15), against real processes.
 
-A reference engine process and a ``colocd serve`` process per test; the trainer is this process: a real
-model of the engine's architecture, trained with real optimizer steps, pushed through ``AsyncWeightSync``
-over ``WeightPusher`` (shared memory). Every push is checked on the engine (``/weights_checker`` checksum
-and greedy output), and every rollout's versions are read back from the trace, ``/v1/status`` and
-``/metrics``.
+The module's reference engine process (reset between tests) and a daemon per test, in the test's event loop;
+the trainer is this process: a real model of the engine's architecture, trained with real optimizer steps,
+pushed through ``AsyncWeightSync`` over ``WeightPusher`` (shared memory). Every push is checked on the engine
+(``/weights_checker`` checksum and greedy output), and every rollout's versions are read back from the trace,
+``/v1/status`` and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from support import daemon_node
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.api.procs import DaemonProcess
 from colocd.engines.chunks import tensor_checksum
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.agent import TrainerAgent
@@ -44,15 +43,10 @@ class Node:
 
 
 @asynccontextmanager
-async def _node(tmp_path: Any) -> AsyncIterator[Node]:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as proc:
-        config = {"engines": [{"kind": "reference", "name": "ref0", "url": str(proc.url)}],
-                  "journal": str(tmp_path / "journal.jsonl")}
-        async with DaemonProcess(config, workdir=str(tmp_path)) as daemon, \
-                AsyncColocdClient(daemon.url) as client, \
-                httpx.AsyncClient(base_url=daemon.url, trust_env=False, timeout=120) as http:
-            await client.wait_ready(DEADLINE_S)
-            yield Node(client, http, str(proc.url))
+async def _node(engine: ReferenceEngineProcess, tmp_path: Any) -> AsyncIterator[Node]:
+    async with daemon_node({"ref0": str(engine.url)}, journal=str(tmp_path / "journal.jsonl")) as daemon, \
+            httpx.AsyncClient(base_url=daemon.url, trust_env=False, timeout=120) as http:
+        yield Node(daemon.client, http, str(engine.url))
 
 
 async def _policy(node: Node, sync: str) -> None:
@@ -128,8 +122,9 @@ async def _trained_to_sync(node: Node, sync_policy: str) -> tuple[torch.nn.Modul
     return model, optimizer, sync, agent
 
 
-async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_snapshot(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_snapshot(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, optimizer, sync, agent = await _trained_to_sync(node, "{mode: async}")
         assert sync.mode == "async"  # from the policy's directive in the replies
         pushed_sum = tensor_checksum(model.named_parameters())
@@ -175,8 +170,9 @@ async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_s
         assert _sample(metrics, "colocd_trainer_weight_syncs_total", requested="async", mode="async") == 1.0
 
 
-async def test_async_falls_back_to_a_synchronous_push_when_the_second_buffer_does_not_fit(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_async_falls_back_to_a_synchronous_push_when_the_second_buffer_does_not_fit(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         # A margin of 1 TiB: neither this host's memory nor any device holds a copy beside it.
         model, _, sync, agent = await _trained_to_sync(node, "{mode: async, buffer_margin_mb: 1048576}")
         await sync.start(model.named_parameters(), version="1", step=1)
@@ -194,8 +190,9 @@ async def test_async_falls_back_to_a_synchronous_push_when_the_second_buffer_doe
         assert _sample(metrics, "colocd_trainer_weight_syncs_total", requested="async", mode="sync") == 1.0
 
 
-async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_lands(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_lands(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, optimizer = _model_and_optimizer()
         pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
 
@@ -245,8 +242,8 @@ async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_la
 
 
 async def test_an_abandoned_push_is_withdrawn_and_re_pushing_the_last_committed_version_lets_rollout_proceed(
-        tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, optimizer = _model_and_optimizer()
         pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
         await node.client.phase("train", 1)

@@ -1,10 +1,10 @@
 """The framed chunk channel (issue 12 item 6): the chunk calls of the HTTP API on one Unix-socket connection.
 
-A reference engine process and a ``colocd serve`` process per test. The channel must carry exactly the
-HTTP route's semantics: every chunk verified by the engine's checksum, caller mistakes answered with the
-same error bodies (plus ``status``) while the connection and the daemon keep serving, a wrong token
-refused, and a trainer that drops its connection mid-stream treated as one that went quiet (the
-session's lease expires it and unlinks its segments).
+The module's reference engine process (reset between tests) and a daemon per test, in the test's event loop.
+The channel must carry exactly the HTTP route's semantics: every chunk verified by the engine's checksum,
+caller mistakes answered with the same error bodies (plus ``status``) while the connection and the daemon keep
+serving, a wrong token refused, and a trainer that drops its connection mid-stream treated as one that went
+quiet (the session's lease expires it and unlinks its segments).
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import shm_segments
+from support import daemon_node, shm_segments
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.api.procs import DaemonProcess
 from colocd.engines.chunks import plan_buckets, tensor_checksum
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.channel import ChunkChannel
@@ -41,23 +39,18 @@ TOKEN = "channel-secret"
 @dataclass
 class Node:
     client: AsyncColocdClient
-    daemon: DaemonProcess
+    url: str  # the daemon's
     engine_url: str
 
 
 @asynccontextmanager
-async def _node(tmp_path: Any, *, token: str | None = TOKEN, listen: dict[str, Any] | None = None,
-                **config: Any) -> AsyncIterator[Node]:
-    """A reference engine and ``colocd serve`` over it, left in ``sync`` at step 1 (weights stale)."""
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as proc:
-        daemon_config = {"engines": [{"kind": "reference", "name": "ref0", "url": str(proc.url)}],
-                         "token": token, "listen": listen or {}, **config}
-        async with DaemonProcess(daemon_config, workdir=str(tmp_path)) as daemon, \
-                AsyncColocdClient(daemon.url, token=token) as client:
-            await client.wait_ready(DEADLINE_S)
-            await client.phase("train", 1)
-            await client.phase("sync", 1)
-            yield Node(client, daemon, str(proc.url))
+async def _node(engine: ReferenceEngineProcess, tmp_path: Any, *, token: str | None = TOKEN,
+                listen: dict[str, Any] | None = None, **config: Any) -> AsyncIterator[Node]:
+    """A daemon over ``engine`` in the test's event loop, left in ``sync`` at step 1 (weights stale)."""
+    async with daemon_node({"ref0": str(engine.url)}, token=token, listen=listen or {}, **config) as daemon:
+        await daemon.client.phase("train", 1)
+        await daemon.client.phase("sync", 1)
+        yield Node(daemon.client, daemon.url, str(engine.url))
 
 
 def _model(seed: int) -> Named:
@@ -108,8 +101,9 @@ async def _open_with_channel(node: Node, version: str, named: Named) -> tuple[st
     return reply["session_id"], reply["chunk_channel"]
 
 
-async def test_a_push_over_the_channel_lands_byte_identical_and_the_socket_is_private(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_a_push_over_the_channel_lands_byte_identical_and_the_socket_is_private(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         named = _model(seed=5)
         pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
         report = await pusher.push(named, version="over-channel", step=1)
@@ -128,8 +122,8 @@ async def test_a_push_over_the_channel_lands_byte_identical_and_the_socket_is_pr
 
 
 async def test_caller_mistakes_get_error_frames_naming_the_field_and_the_connection_keeps_serving(
-        tmp_path: Any) -> None:
-    async with _node(tmp_path, limits={"max_body_bytes": 64 * 1024}) as node:
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path, limits={"max_body_bytes": 64 * 1024}) as node:
         named = _model(seed=6)
         sid, address = await _open_with_channel(node, "mistakes", named)
         conn = await RawConnection.open(address)
@@ -173,8 +167,9 @@ async def test_caller_mistakes_get_error_frames_naming_the_field_and_the_connect
         assert (await node.client.status())["weight_session"]["state"] == "committed"  # still serving
 
 
-async def test_a_wrong_token_or_an_unknown_session_is_refused_at_hello(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_a_wrong_token_or_an_unknown_session_is_refused_at_hello(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         named = _model(seed=7)
         sid, address = await _open_with_channel(node, "hello", named)
         for hello, status, field in (
@@ -199,8 +194,8 @@ async def test_a_wrong_token_or_an_unknown_session_is_refused_at_hello(tmp_path:
 
 
 async def test_the_greeting_joins_the_session_as_the_http_join_does_and_a_refused_join_closes_it(
-        tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         named = _model(seed=11)
         sid, address = await _open_with_channel(node, "greeting-join", named)
         channel = await ChunkChannel.connect(address, session_id=sid, rank=0, token=TOKEN, device_id="cpu:0")
@@ -273,8 +268,8 @@ async def _older_daemon_channel(real: str, tmp_path: Any) -> AsyncIterator[str]:
 
 
 async def test_against_a_daemon_whose_hello_cannot_join_the_pusher_greets_plainly_and_joins_over_http(
-        tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         named = _model(seed=12)
         sid, real = await _open_with_channel(node, "older-daemon", named)
         async with _older_daemon_channel(real, tmp_path) as older:
@@ -286,8 +281,9 @@ async def test_against_a_daemon_whose_hello_cannot_join_the_pusher_greets_plainl
         assert await _checksum(node.engine_url) == tensor_checksum(named)
 
 
-async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(tmp_path: Any) -> None:
-    async with _node(tmp_path, timeouts={"session_idle_s": 1.5}) as node:
+async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path, timeouts={"session_idle_s": 1.5}) as node:
         named = _model(seed=8)
         sid, address = await _open_with_channel(node, "dropped", named)
         channel = await ChunkChannel.connect(address, session_id=sid, rank=0, token=TOKEN)
@@ -318,8 +314,9 @@ async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(t
         assert await _checksum(node.engine_url) == tensor_checksum(fresh)
 
 
-async def test_with_the_channel_off_the_pusher_uses_http_and_says_so(tmp_path: Any) -> None:
-    async with _node(tmp_path, token=None, listen={"chunk_channel": "off"}) as node:
+async def test_with_the_channel_off_the_pusher_uses_http_and_says_so(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path, token=None, listen={"chunk_channel": "off"}) as node:
         named = _model(seed=10)
         reply = await _open(node, "no-channel", named)
         assert reply["chunk_channel"] is None

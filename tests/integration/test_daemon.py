@@ -7,44 +7,32 @@ idempotency and engine failures.
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from support import leaves_no_shm_segments, serve_app, shm_segments
+from support import EnginePool, daemon_node, leaves_no_shm_segments, reference_engine, shm_segments
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
 from colocd.engines.chunks import tensor_checksum
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[ReferenceEngineProcess]:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as proc:
-        yield proc
-
-
-@asynccontextmanager
-async def running_daemon(engines: list[dict[str, Any]], **extra: Any) -> AsyncIterator[str]:
-    config = NodeConfig.model_validate({"engines": engines, **extra})
-    async with serve_app(create_app(config)) as url:
-        yield url
+def engine(engine_pool: EnginePool) -> Iterator[ReferenceEngineProcess]:
+    proc = engine_pool.borrow()
+    yield proc
+    engine_pool.give_back(proc)
 
 
 @pytest.fixture
 async def daemon(engine: ReferenceEngineProcess) -> AsyncIterator[AsyncColocdClient]:
-    async with running_daemon([{"kind": "reference", "name": "ref0", "url": engine.url}]) as url, \
-            AsyncColocdClient(url) as client:
-        await client.wait_ready(30)
-        yield client
+    async with daemon_node({"ref0": str(engine.url)}) as node:
+        yield node.client
 
 
 async def _greedy(engine_url: str, n: int = 8) -> list[int]:
@@ -219,8 +207,8 @@ async def test_unreachable_engine_gets_503_naming_it_and_daemon_keeps_serving() 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]  # closed on exit: nothing listens there
-    async with running_daemon([{"kind": "reference", "name": "ghost", "url": f"http://127.0.0.1:{dead_port}"}]) \
-            as url, AsyncColocdClient(url) as client:
+    async with daemon_node({"ghost": f"http://127.0.0.1:{dead_port}"}, ready=False) as node:
+        client, url = node.client, node.url
         with pytest.raises(ColocdHTTPError) as err:
             await client.phase("train", 1)
         assert err.value.status == 503
@@ -261,14 +249,13 @@ async def test_trace_is_served_as_json_and_chrome_events(daemon: AsyncColocdClie
 
 
 async def test_mutating_routes_need_the_token_when_one_is_configured(engine: ReferenceEngineProcess) -> None:
-    engines = [{"kind": "reference", "name": "ref0", "url": engine.url}]
-    async with running_daemon(engines, token="s3cret") as url:
-        async with AsyncColocdClient(url) as anonymous:
+    async with daemon_node({"ref0": str(engine.url)}, ready=False, token="s3cret") as node:
+        async with AsyncColocdClient(node.url) as anonymous:
             with pytest.raises(ColocdHTTPError) as err:
                 await anonymous.phase("train", 1)
             assert err.value.status == 401
             assert (await anonymous.status())["node"]["step"] == 0
-        async with AsyncColocdClient(url, token="s3cret") as trainer:
+        async with AsyncColocdClient(node.url, token="s3cret") as trainer:
             assert (await trainer.phase("train", 1))["phase"] == "train"
 
 
@@ -287,12 +274,9 @@ async def test_full_step_through_the_legacy_sglang_protocol() -> None:
 
     Its pause route reads no body and always aborts, so a node driving it says ``pause_mode: abort``
     (the default, retract, is refused by that protocol with a 502 naming the key)."""
-    cfg = ReferenceEngineConfig(name="old", url="http://127.0.0.1:0", seed=0, protocol="legacy")
-    async with ReferenceEngineProcess(cfg) as engine, \
-            running_daemon([{"kind": "reference", "name": "old", "url": engine.url}],
-                           pause_mode="abort") as url, \
-            AsyncColocdClient(url) as client:
-        await client.wait_ready(30)
+    async with reference_engine("old", protocol="legacy") as engine, \
+            daemon_node({"old": str(engine.url)}, pause_mode="abort") as node:
+        client = node.client
         status = (await client.status())["engines"]["old"]
         assert (status["protocol"], status["engine_version"]) == ("legacy", "0.5.4")
         trained = build_model(QwenLikeConfig(), seed=7)
@@ -303,14 +287,13 @@ async def test_full_step_through_the_legacy_sglang_protocol() -> None:
 
 
 async def test_a_restarted_daemon_resumes_from_its_journal(engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    engines = [{"kind": "reference", "name": "ref0", "url": engine.url}]
+    engines = {"ref0": str(engine.url)}
     journal = str(tmp_path / "journal.jsonl")
-    async with running_daemon(engines, journal=journal) as url, AsyncColocdClient(url) as client:
-        await client.wait_ready(30)
-        await client.phase("train", 1)
+    async with daemon_node(engines, journal=journal) as node:
+        await node.client.phase("train", 1)
     # A new daemon process on the same node: it must not release the engine's memory twice.
-    async with running_daemon(engines, journal=journal) as url, AsyncColocdClient(url) as client:
-        await client.wait_ready(30)
+    async with daemon_node(engines, journal=journal) as node:
+        client = node.client
         status = await client.status()
         assert status["node"] == {"phase": "train", "step": 1}
         assert status["engines"]["ref0"]["tags"]["kv_cache"] == "released"

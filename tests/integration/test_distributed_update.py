@@ -13,13 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import serve_app
+from support import daemon_node, reference_engine
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
 from colocd.engines.chunks import tensor_checksum
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.weight_group import WeightGroup, master_store, off_loop
@@ -32,12 +29,10 @@ DEADLINE_S = 60  # every test body runs under this
 @asynccontextmanager
 async def node(**config: Any) -> AsyncIterator[tuple[ReferenceEngineProcess, AsyncColocdClient]]:
     """A reference engine process and an in-process daemon driving it, both on loopback."""
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as engine:
-        settings = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
-                                              **config})
-        async with serve_app(create_app(settings)) as url, AsyncColocdClient(url) as client:
-            await client.wait_ready(30)
-            yield engine, client
+    # A fresh engine per test: the weight-update groups it joined are state its API does not show, so a reset
+    # could not prove them gone.
+    async with reference_engine() as engine, daemon_node({"ref0": str(engine.url)}, **config) as daemon:
+        yield engine, daemon.client
 
 
 def sender(client: AsyncColocdClient, **kw: Any) -> DistributedWeightSender:

@@ -17,12 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
-from support import serve_app
+from support import daemon_node, reference_engine, serve_app
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
 Scope = MutableMapping[str, Any]
@@ -124,18 +121,14 @@ class Node:
 
 
 @asynccontextmanager
-async def node(**timeouts: float) -> AsyncIterator[Node]:
+async def node(engine: ReferenceEngineProcess, **timeouts: float) -> AsyncIterator[Node]:
     """Engine process ← fault proxy ← in-process daemon, all on loopback; everything bounded by DEADLINE_S."""
-    async with asyncio.timeout(DEADLINE_S), \
-            ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as engine:
+    async with asyncio.timeout(DEADLINE_S):
         proxy = FaultProxy(str(engine.url))
         async with serve_app(proxy, ready_path="/health") as proxy_url:
             try:
-                config = NodeConfig.model_validate({
-                    "engines": [{"kind": "reference", "name": "ref0", "url": proxy_url}], "timeouts": timeouts})
-                async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
-                    await client.wait_ready(30)
-                    yield Node(engine, proxy, client, url)
+                async with daemon_node({"ref0": proxy_url}, timeouts=timeouts) as daemon:
+                    yield Node(engine, proxy, daemon.client, daemon.url)
             finally:
                 proxy.release()  # held requests must end before the proxy's server can stop
 
@@ -150,8 +143,9 @@ def record(status: dict[str, Any]) -> tuple[Any, ...]:
 RESIDENT = (("cuda_graph", "resident"), ("kv_cache", "resident"), ("weights", "resident"))
 
 
-async def test_release_answered_500_is_502_naming_engine_and_route_and_a_retry_succeeds_once_it_recovers() -> None:
-    async with node() as n:
+async def test_release_answered_500_is_502_naming_engine_and_route_and_a_retry_succeeds_once_it_recovers(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    async with node(pooled_engine) as n:
         n.proxy.inject("/release_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500))
         with pytest.raises(ColocdHTTPError) as err:
             await n.client.phase("train", 1)
@@ -171,8 +165,9 @@ async def test_release_answered_500_is_502_naming_engine_and_route_and_a_retry_s
         assert n.proxy.calls["/pause_generation"] == 1  # the retry did not pause twice
 
 
-async def test_flush_refused_a_few_times_is_retried_with_backoff_and_the_transition_succeeds() -> None:
-    async with node(flush_s=10) as n:
+async def test_flush_refused_a_few_times_is_retried_with_backoff_and_the_transition_succeeds(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    async with node(pooled_engine, flush_s=10) as n:
         n.proxy.inject("/flush_cache", Fault(remaining=3, status=400, body=FLUSH_400, content_type=b"text/plain"))
         reply = await n.client.phase("train", 1)
         assert set(reply["engines"]["ref0"]["tags"].values()) == {"released"}
@@ -182,8 +177,8 @@ async def test_flush_refused_a_few_times_is_retried_with_backoff_and_the_transit
 
 
 async def test_flush_that_never_succeeds_is_504_naming_flush_cache_and_its_budget_and_only_the_pause_happened(
-        ) -> None:
-    async with node(flush_s=0.5) as n:
+        pooled_engine: ReferenceEngineProcess) -> None:
+    async with node(pooled_engine, flush_s=0.5) as n:
         n.proxy.inject("/flush_cache", Fault(remaining=10**6, status=400, body=FLUSH_400, content_type=b"text/plain"))
         with pytest.raises(ColocdHTTPError) as err:
             await n.client.phase("train", 1)
@@ -199,8 +194,9 @@ async def test_flush_that_never_succeeds_is_504_naming_flush_cache_and_its_budge
         assert (await n.client.phase("train", 1))["phase"] == "train"
 
 
-async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_the_daemon_keeps_serving() -> None:
-    async with node(pause_s=0.5) as n:
+async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_the_daemon_keeps_serving(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    async with node(pooled_engine, pause_s=0.5) as n:
         n.proxy.inject("/pause_generation", Fault(remaining=1, hang=True))
         train = asyncio.ensure_future(n.client.phase("train", 1))
         await n.proxy.hanging.wait()
@@ -220,8 +216,9 @@ async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_
         assert (await n.client.phase("train", 1))["phase"] == "train"  # the engine answers again
 
 
-async def test_a_step_that_happened_on_the_engine_but_failed_on_the_wire_is_reported_as_the_engine_is() -> None:
-    async with node() as n:
+async def test_a_step_that_happened_on_the_engine_but_failed_on_the_wire_is_reported_as_the_engine_is(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    async with node(pooled_engine) as n:
         await n.client.phase("train", 1)
         n.proxy.inject("/resume_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500,
                                                           forward_first=True))
@@ -243,7 +240,8 @@ async def test_right_after_a_chunk_failed_on_a_dead_engine_status_says_the_engin
     from colocd.engines.reference.model import QwenLikeConfig, build_model
     from colocd.trainer.push import WeightPusher
 
-    async with node(health_interval_s=600) as n:  # no health tick in this test: what status says came from the failure
+    # Its own engine: it dies. No health tick in this test: what status says came from the failure.
+    async with reference_engine() as engine, node(engine, health_interval_s=600) as n:
         await n.client.phase("train", 1)
         await n.client.phase("sync", 1)
         assert (await n.client.status())["engines"]["ref0"]["healthy"] is True

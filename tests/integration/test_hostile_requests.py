@@ -21,10 +21,9 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support import serve_app
+from support import daemon_node
 
-from colocd.api.app import create_app
-from colocd.daemon.config import ConfigError, NodeConfig, load_node_config
+from colocd.daemon.config import ConfigError, load_node_config
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
@@ -49,10 +48,8 @@ async def engine() -> AsyncIterator[ReferenceEngineProcess]:
 
 @asynccontextmanager
 async def daemon(engine: ReferenceEngineProcess, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
-    node = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
-                                     "token": TOKEN, **config})
-    async with serve_app(create_app(node)) as url, \
-            httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60, trust_env=False) as client:
+    async with daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False, **config) as node, \
+            httpx.AsyncClient(base_url=node.url, headers=AUTH, timeout=60, trust_env=False) as client:
         yield client
 
 
@@ -335,10 +332,10 @@ async def test_openapi_declares_the_error_statuses_with_the_error_model(client: 
     assert "404" in spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["responses"]
 
 
-async def test_a_session_for_a_step_other_than_the_nodes_is_422_naming_step() -> None:
-    # Its own engine: this test moves the node to sync.
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
-            daemon(own) as c:
+async def test_a_session_for_a_step_other_than_the_nodes_is_422_naming_step(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    # Its own engine (the pool's, reset afterwards): this test moves the node to sync.
+    async with daemon(pooled_engine) as c:
         assert (await c.post("/v1/phase", json={"step": 3, "phase": "train"})).status_code == 200
         assert (await c.post("/v1/phase", json={"step": 3, "phase": "sync"})).status_code == 200
         before = (await c.get("/v1/status")).json()
@@ -393,10 +390,9 @@ def _in_dev_shm(name: str) -> bool:
 
 
 async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_files_survive_the_abort(
-        other_program_segment: str) -> None:
-    # Its own engine: this test moves the node to sync and opens a session.
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
-            daemon(own) as c, _another_process_segment() as colocd_segment:
+        other_program_segment: str, pooled_engine: ReferenceEngineProcess) -> None:
+    # Its own engine (the pool's, reset afterwards): this test moves the node to sync and opens a session.
+    async with daemon(pooled_engine) as c, _another_process_segment() as colocd_segment:
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "sync"})).status_code == 200
         session_id = (await c.post("/v1/weights/sessions", json={"version": "v1", "ranks": 1})).json()["session_id"]
@@ -438,10 +434,10 @@ async def test_openapi_declares_the_bearer_token_on_mutating_routes_and_links_a_
         "handle"]["description"]
 
 
-async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open() -> None:
-    # Its own engine: this test moves the node to sync and opens a session.
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as own, \
-            daemon(own) as c:
+async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    # Its own engine (the pool's, reset afterwards): this test moves the node to sync and opens a session.
+    async with daemon(pooled_engine) as c:
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "sync"})).status_code == 200
         opened = await c.post("/v1/weights/sessions", json={"version": "v1", "ranks": 1})

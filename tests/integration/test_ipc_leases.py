@@ -14,13 +14,9 @@ import signal
 import time
 
 import pytest
-from support import serve_app, shm_segments
+from support import daemon_node, reference_engine, shm_segments
 
-from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.api.client import ColocdHTTPError
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.channel import ChannelClosed
 from colocd.trainer.push import WeightPusher
@@ -34,12 +30,10 @@ def gauge(metrics: str, name: str, rank: int = 0) -> float | None:
 
 
 async def test_an_engine_killed_mid_push_leaves_no_trainer_segment_within_5s_and_the_metrics_say_so() -> None:
-    engine_cfg = ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", device="cpu")
-    async with asyncio.timeout(120), ReferenceEngineProcess(engine_cfg) as engine:
-        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
-                                            "timeouts": {"chunk_s": 20}})
-        async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
-            await client.wait_ready(60)
+    # Its own engine: it is killed.
+    async with asyncio.timeout(120), reference_engine(device="cpu") as engine:
+        async with daemon_node({"ref0": str(engine.url)}, timeouts={"chunk_s": 20}) as daemon:
+            client = daemon.client
             await client.phase("train", 1)
             await client.phase("sync", 1)
             named = list(build_model(QwenLikeConfig(), seed=1).named_parameters())

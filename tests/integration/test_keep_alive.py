@@ -13,10 +13,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
+from support import daemon_node
 
 from colocd.api.client import AsyncColocdClient
-from colocd.api.procs import DaemonProcess
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
 HTTPX_KEEPALIVE_S = 5.0  # httpx's default pool expiry, and uvicorn's default keep-alive
@@ -60,38 +59,36 @@ class CountingProxy:
 @asynccontextmanager
 async def _node(engine_url: str) -> AsyncIterator[AsyncColocdClient]:
     # No health passes during the test: only the calls it makes reach the engine.
-    config = {"engines": [{"kind": "reference", "name": "ref0", "url": engine_url}],
-              "timeouts": {"health_interval_s": 600}}
-    async with DaemonProcess(config) as daemon, AsyncColocdClient(daemon.url) as client:
-        await client.wait_ready(DEADLINE_S)
-        yield client
+    async with daemon_node({"ref0": engine_url}, timeouts={"health_interval_s": 600}) as daemon:
+        yield daemon.client
 
 
-async def test_the_daemon_keeps_an_idle_connection_open_longer_than_an_httpx_client_keeps_it() -> None:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as engine:
-        async with DaemonProcess({"engines": [{"kind": "reference", "name": "ref0", "url": str(engine.url)}]}) as d:
-            host, port = d.url.removeprefix("http://").split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(b"GET /healthz HTTP/1.1\r\nHost: colocd\r\n\r\n")
-            async with asyncio.timeout(DEADLINE_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 200")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            await reader.readexactly(length)
-            # Idle past the client's expiry: the server must not have closed it (read() would return b"").
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(HTTPX_KEEPALIVE_S + 1.0):
-                    await reader.read(1)
-            writer.write(b"GET /healthz HTTP/1.1\r\nHost: colocd\r\n\r\n")  # and it still serves on it
-            async with asyncio.timeout(DEADLINE_S):
-                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
-            writer.close()
+async def test_the_daemon_keeps_an_idle_connection_open_longer_than_an_httpx_client_keeps_it(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    # colocd serve itself: its server's keep-alive is what is under test.
+    async with daemon_node({"ref0": str(pooled_engine.url)}, subprocess=True) as d:
+        host, port = d.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: colocd\r\n\r\n")
+        async with asyncio.timeout(DEADLINE_S):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        # Idle past the client's expiry: the server must not have closed it (read() would return b"").
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(HTTPX_KEEPALIVE_S + 1.0):
+                await reader.read(1)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: colocd\r\n\r\n")  # and it still serves on it
+        async with asyncio.timeout(DEADLINE_S):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer.close()
 
 
-async def test_the_daemon_lets_an_engine_connection_go_before_the_engines_keep_alive_would_close_it() -> None:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as engine, \
-            CountingProxy(str(engine.url)).serve() as proxy, _node(proxy.url) as client:
+async def test_the_daemon_lets_an_engine_connection_go_before_the_engines_keep_alive_would_close_it(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    async with CountingProxy(str(pooled_engine.url)).serve() as proxy, _node(proxy.url) as client:
         await client.phase("train", 1)  # engine calls: observe, release
         before = proxy.connections
         assert before >= 1

@@ -14,18 +14,16 @@ import asyncio
 import multiprocessing as mp
 import socket
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import layout_ranks
 import pytest
-from support import serve_app
+from support import daemon_node, stop_engines
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
@@ -51,8 +49,7 @@ def engines() -> Iterator[dict[str, str]]:
     try:
         yield {name: str(p.url) for name, p in procs.items()}
     finally:
-        for p in procs.values():
-            p.stop()
+        stop_engines(list(procs.values()))
 
 
 @dataclass
@@ -124,11 +121,8 @@ class Node:
 async def node(engines: dict[str, str], names: list[str], **timeouts: float) -> AsyncIterator[Node]:
     config = {"engines": [{"kind": "reference", "name": n, "url": engines[n], "tp_size": len(ENGINES[n])}
                           for n in names], "timeouts": timeouts}
-    async with AsyncExitStack() as stack:
-        url = await stack.enter_async_context(serve_app(create_app(NodeConfig.model_validate(config))))
-        client = await stack.enter_async_context(AsyncColocdClient(url))
-        await client.wait_ready(DEADLINE_S)
-        yield Node(client, url, {n: engines[n] for n in names})
+    async with daemon_node(**config) as daemon:
+        yield Node(daemon.client, daemon.url, {n: engines[n] for n in names})
 
 
 def stream(url: str, sid: str, rank: int, seed: int, mode: str = "sharded", **extra: Any) -> dict[str, Any]:
@@ -198,9 +192,8 @@ async def test_an_explicit_mapping_in_the_node_config_overrides_the_device_rule(
     names = [f"tp1_{i}" for i in range(4)]
     config = {"engines": [{"kind": "reference", "name": name, "url": engines[name], "feed_ranks": [3 - i]}
                           for i, name in enumerate(names)]}
-    async with serve_app(create_app(NodeConfig.model_validate(config))) as url, AsyncColocdClient(url) as client:
-        await client.wait_ready(DEADLINE_S)
-        n = Node(client, url, {name: engines[name] for name in names})
+    async with daemon_node(**config) as daemon:
+        n = Node(daemon.client, daemon.url, {name: engines[name] for name in names})
         replies = await push(n, ranks, 4, seed=5, version="reversed", mode="replicated")
     assert [feeds(replies[r]) for r in range(4)] == [[f"tp1_{3 - r}/0"] for r in range(4)]
 

@@ -31,6 +31,11 @@ SPECS: list[tuple[str, tuple[int, ...] | None]] = [
     ("world", None),
 ]
 _INIT_FAILED = 3  # worker exit code: the rendezvous port was taken before rank 0 bound it
+# Destroy → rebuild cycles with no wait, back to back: each rebuilds all five groups right after destroying them,
+# and all of them run well inside the 60 s TIME_WAIT of the first destroy, where a rebuild that bound a port would
+# clash. A clash is a property of one rebuild, not of their number (new_group binds no port;
+# research/nccl-keepalive.md §2): 50 cycles (250 rebuilds a rank) prove it as 200 did, in a quarter of the time.
+CHURN_CYCLES = 50
 
 
 # --- the harness (pytest side) -------------------------------------------------------------------
@@ -95,12 +100,12 @@ def _scenario(world: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(150)
-def test_destroy_rebuild_200_times_without_waits_never_hits_address_in_use(
+def test_destroy_rebuild_back_to_back_without_waits_never_hits_address_in_use(
     world: list[dict[str, Any]],
 ) -> None:
     for r in _scenario(world, "churn"):
         assert r["errors"] == [], r["errors"]
-        assert r["cycles"] == 200
+        assert r["cycles"] == CHURN_CYCLES
         assert r["address_in_use"] == 0
         assert r["final_sums_ok"] is True
         assert r["max_waited_s"] == 0.0
@@ -233,7 +238,7 @@ def _churn(rank: int) -> dict[str, Any]:
     cycles = 0
     max_waited = 0.0
     directive = GroupDirective.destroy("destroy", "churn test", wait_s=0.0)
-    for _ in range(200):
+    for _ in range(CHURN_CYCLES):
         try:
             paused = life.pause(directive)
             resumed = life.resume()

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from support import daemon_node
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.api.procs import DaemonProcess
 from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.errors import RequestInvalid, RingRefUnknown
 from colocd.daemon.metrics import Metrics
@@ -31,7 +31,6 @@ LAYOUT = [{"name": "w", "dtype": "float32", "shape": [4], "offset": 0, "slot": 2
           {"name": "b", "dtype": "float32", "shape": [2], "offset": 256, "slot": 2}]
 REF = layout_digest(LAYOUT)
 HANDLES = {"2": {"handle": "aGFuZGxlMg==", "storage_offset": 0}}
-DEADLINE_S = 60
 
 
 class RecordingEngine:
@@ -143,14 +142,11 @@ async def test_a_descriptor_without_a_layout_ref_travels_as_before() -> None:
 
 
 @pytest.fixture
-async def client(tmp_path: Any) -> AsyncIterator[AsyncColocdClient]:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as proc:
-        config = {"engines": [{"kind": "reference", "name": "ref0", "url": str(proc.url)}]}
-        async with DaemonProcess(config, workdir=str(tmp_path)) as daemon, AsyncColocdClient(daemon.url) as c:
-            await c.wait_ready(DEADLINE_S)
-            await c.phase("train", 1)
-            await c.phase("sync", 1)
-            yield c
+async def client(pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> AsyncIterator[AsyncColocdClient]:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, subprocess=True, workdir=tmp_path) as daemon:
+        await daemon.client.phase("train", 1)
+        await daemon.client.phase("sync", 1)
+        yield daemon.client
 
 
 async def test_the_daemon_names_its_ring_record_in_every_join_and_refuses_an_unknown_ref_with_409(

@@ -20,11 +20,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import serve_app
+from support import daemon_node, reference_engine
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
@@ -85,8 +83,7 @@ async def restore(c: httpx.AsyncClient) -> None:
 
 @asynccontextmanager
 async def tp1_engine() -> AsyncIterator[ReferenceEngineProcess]:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(
-            name="ref-tp1", launch=LaunchConfig(ready_timeout_s=DEADLINE_S))) as proc:
+    async with reference_engine("ref-tp1", launch={"ready_timeout_s": DEADLINE_S}) as proc:
         yield proc
 
 
@@ -212,9 +209,8 @@ def test_device_ids_must_name_every_tp_rank_once() -> None:
 
 @asynccontextmanager
 async def daemon(engines: list[dict[str, Any]]) -> AsyncIterator[AsyncColocdClient]:
-    async with serve_app(create_app(NodeConfig.model_validate({"engines": engines}))) as url, \
-            AsyncColocdClient(url) as client:
-        yield client
+    async with daemon_node(engines, ready=False) as node:
+        yield node.client
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:

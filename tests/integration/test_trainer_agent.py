@@ -6,12 +6,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch.distributed as dist
-from support import serve_app
+from support import daemon_node
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient
-from colocd.daemon.config import NodeConfig
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.agent import TrainerAgent
@@ -29,15 +26,11 @@ def gloo_world(tmp_path: object) -> Iterator[None]:
 
 
 @pytest.fixture
-async def client(tmp_path: object) -> AsyncIterator[AsyncColocdClient]:
+async def client(pooled_engine: ReferenceEngineProcess, tmp_path: object) -> AsyncIterator[AsyncColocdClient]:
     policy = tmp_path / "policies.yaml"  # type: ignore[operator]
     policy.write_text("apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\ncleanup:\n  policy: aggressive\n")
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as engine:
-        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
-                                            "policy_file": str(policy)})
-        async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as c:
-            await c.wait_ready(30)
-            yield c
+    async with daemon_node({"ref0": str(pooled_engine.url)}, policy_file=str(policy)) as node:
+        yield node.client
 
 
 async def test_agent_keeps_groups_alive_and_reports_groups_and_cleanup_in_the_step_trace(

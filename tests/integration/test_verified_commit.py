@@ -16,11 +16,9 @@ import httpx
 import pytest
 import pytest_asyncio
 import torch
-from support import serve_app
+from support import daemon_node
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
 from colocd.daemon.verify import sample_names
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
@@ -66,9 +64,8 @@ async def _node(tmp_path: Any, urls: dict[str, str], *, verify: str | None = Non
         policy = tmp_path / "policy.yaml"
         policy.write_text(f"apiVersion: colocd/v1\nsync:\n  verify: {verify}\n")
         config["policy_file"] = str(policy)
-    async with serve_app(create_app(NodeConfig.model_validate(config))) as url, AsyncColocdClient(url) as client, \
-            httpx.AsyncClient(trust_env=False, timeout=30) as http:
-        await client.wait_ready(60)
+    async with daemon_node(**config) as daemon, httpx.AsyncClient(trust_env=False, timeout=30) as http:
+        client = daemon.client
         await client.phase("train", 1)
         await client.phase("sync", 1)
         yield client, http

@@ -1,7 +1,8 @@
 """Weight sessions as a trainer meets them (issue 9 items 3-5, issue 10 item 6), against real processes.
 
-A reference engine process and a ``colocd serve`` process per test; trainers are ``AsyncColocdClient``s in
-the test or, where one must die, a separate Python process. Every test ends the same way: the engine's
+The module's reference engine process (reset between tests) and a daemon per test, in the test's event loop
+or, where the daemon must be another process, ``colocd serve``; trainers are ``AsyncColocdClient``s in the
+test or, where one must die, a separate Python process. Every test ends the same way: the engine's
 ``/weights_checker`` checksum equals the last complete push, and a generation request sent while the
 fault was visible (it waits at the engine's pause gate) answers only on the complete weights.
 """
@@ -22,10 +23,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import serve_app, shm_segments
+from support import daemon_node, serve_app, shm_segments
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.api.procs import DaemonProcess
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
@@ -40,7 +40,6 @@ from colocd.engines.base import (
     WeightsLoad,
 )
 from colocd.engines.chunks import ChunkLayout, plan_buckets, tensor_checksum
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.policies import Transport
@@ -54,25 +53,23 @@ DEADLINE_S = 60
 @dataclass
 class Node:
     client: AsyncColocdClient
-    daemon: DaemonProcess
+    url: str  # the daemon's
     engine_url: str  # the engine itself (not the daemon's view of it)
 
 
 @asynccontextmanager
-async def _node(tmp_path: Any, *, via: Callable[[str], Any] | None = None, **timeouts: float) -> AsyncIterator[Node]:
-    """A reference engine, ``colocd serve`` over it (optionally through ``via(engine_url)``, an ASGI app served
-    here), and a client; the node is left in ``sync`` at step 1, weights released and back (stale)."""
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as proc:
-        engine_url = str(proc.url)
-        async with _maybe_proxy(engine_url, via) as daemon_sees:
-            config = {"engines": [{"kind": "reference", "name": "ref0", "url": daemon_sees}],
-                      "timeouts": timeouts, "journal": str(tmp_path / "journal.jsonl")}
-            async with DaemonProcess(config, workdir=str(tmp_path)) as daemon, \
-                    AsyncColocdClient(daemon.url) as client:
-                await client.wait_ready(DEADLINE_S)
-                await client.phase("train", 1)
-                await client.phase("sync", 1)
-                yield Node(client, daemon, engine_url)
+async def _node(engine: ReferenceEngineProcess, tmp_path: Any, *, via: Callable[[str], Any] | None = None,
+                subprocess: bool = False, **timeouts: float) -> AsyncIterator[Node]:
+    """A daemon over ``engine`` (optionally through ``via(engine_url)``, an ASGI app served here), in this
+    event loop or as ``colocd serve``, and a client; the node is left in ``sync`` at step 1, weights released
+    and back (stale)."""
+    engine_url = str(engine.url)
+    async with _maybe_proxy(engine_url, via) as daemon_sees, \
+            daemon_node({"ref0": daemon_sees}, subprocess=subprocess, workdir=tmp_path, timeouts=timeouts,
+                        journal=str(tmp_path / "journal.jsonl")) as daemon:
+        await daemon.client.phase("train", 1)
+        await daemon.client.phase("sync", 1)
+        yield Node(daemon.client, daemon.url, engine_url)
 
 
 @asynccontextmanager
@@ -182,10 +179,11 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
-async def test_a_killed_trainers_session_expires_and_the_next_push_needs_no_manual_call(tmp_path: Any) -> None:
-    async with _node(tmp_path, session_idle_s=1.5) as node:
+async def test_a_killed_trainers_session_expires_and_the_next_push_needs_no_manual_call(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path, session_idle_s=1.5) as node:
         trainer = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _DOOMED_TRAINER, node.daemon.url, stdout=asyncio.subprocess.PIPE)
+            sys.executable, "-c", _DOOMED_TRAINER, node.url, stdout=asyncio.subprocess.PIPE)
         assert trainer.stdout is not None
         async with asyncio.timeout(DEADLINE_S):
             started = json.loads(await trainer.stdout.readline())
@@ -218,8 +216,8 @@ async def test_a_killed_trainers_session_expires_and_the_next_push_needs_no_manu
 
 
 async def test_an_aborted_sessions_segments_are_unlinked_when_its_live_trainer_declared_its_pid_at_join(
-        tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path, subprocess=True) as node:  # the daemon is another process
         _, named = _model(seed=12)
         sid = (await node.client.open_session("kept", step=1, ranks=1))["session_id"]
         await node.client.join_session(sid, rank=0, device_id="cpu:0")  # declares this process (os.getpid())
@@ -236,8 +234,9 @@ async def test_an_aborted_sessions_segments_are_unlinked_when_its_live_trainer_d
             producer.close()
 
 
-async def test_a_partial_commit_after_a_release_is_refused_naming_the_missing_tensors(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_a_partial_commit_after_a_release_is_refused_naming_the_missing_tensors(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         sid = (await node.client.open_session("ten", step=1, ranks=1))["session_id"]  # no manifest declared
@@ -259,8 +258,9 @@ async def test_a_partial_commit_after_a_release_is_refused_naming_the_missing_te
         await _finish_with(node, model, named, probe)
 
 
-async def test_a_declared_partial_manifest_after_a_release_is_refused_at_open_changing_nothing(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_a_declared_partial_manifest_after_a_release_is_refused_at_open_changing_nothing(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         before = await node.client.status()
@@ -274,8 +274,9 @@ async def test_a_declared_partial_manifest_after_a_release_is_refused_at_open_ch
         await _finish_with(node, model, named, probe)
 
 
-async def test_a_partial_update_on_clean_weights_needs_partial_true_and_then_works(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_a_partial_update_on_clean_weights_needs_partial_true_and_then_works(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, named = _model(seed=5)
         await WeightPusher(node.client, bucket_mb=0.05).push(named, version="v1", step=1)
         await node.client.phase("rollout", 1)
@@ -348,14 +349,15 @@ class SlowLoadProxy:
         await send({"type": "http.response.body", "body": reply.content})
 
 
-async def test_a_late_chunk_never_lands_in_the_next_session(tmp_path: Any) -> None:
+async def test_a_late_chunk_never_lands_in_the_next_session(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
     proxies: list[SlowLoadProxy] = []
 
     def via(url: str) -> SlowLoadProxy:
         proxies.append(SlowLoadProxy(url, nth=2))
         return proxies[0]
 
-    async with _node(tmp_path, via=via, chunk_s=1.0, quiesce_s=0.3) as node:
+    async with _node(pooled_engine, tmp_path, via=via, chunk_s=1.0, quiesce_s=0.3) as node:
         _, stale_named = _model(seed=99)
         chunks = _export(stale_named, transport="disk")  # files outlive the session: only the engine can refuse
         try:
@@ -392,8 +394,9 @@ async def test_a_late_chunk_never_lands_in_the_next_session(tmp_path: Any) -> No
 # --- caller mistakes: 4xx before any engine call, nothing changed -------------------------------------
 
 
-async def test_unreadable_chunk_handles_are_422_before_any_engine_call(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_unreadable_chunk_handles_are_422_before_any_engine_call(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         sid = (await node.client.open_session("v1", step=1, ranks=1, manifest=manifest_of(named)))["session_id"]
@@ -427,8 +430,9 @@ async def test_unreadable_chunk_handles_are_422_before_any_engine_call(tmp_path:
         await _finish_with(node, model, named, probe)
 
 
-async def test_a_chunk_the_engine_refuses_is_422_with_its_words_and_the_engine_stays_paused(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_a_chunk_the_engine_refuses_is_422_with_its_words_and_the_engine_stays_paused(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         sid = (await node.client.open_session("v1", step=1, ranks=1))["session_id"]  # no manifest to check against
@@ -446,8 +450,9 @@ async def test_a_chunk_the_engine_refuses_is_422_with_its_words_and_the_engine_s
         await _finish_with(node, model, named, probe)
 
 
-async def test_sequence_mistakes_are_422_naming_them_and_leave_the_session_open(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_sequence_mistakes_are_422_naming_them_and_leave_the_session_open(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         sid = (await node.client.open_session("good", step=1, ranks=1, depth=2,
@@ -471,8 +476,9 @@ async def test_sequence_mistakes_are_422_naming_them_and_leave_the_session_open(
         assert await asyncio.wait_for(probe, DEADLINE_S) == _local_greedy(model)
 
 
-async def test_a_committed_session_refuses_chunks_and_commit_with_410_and_abort_with_409(tmp_path: Any) -> None:
-    async with _node(tmp_path) as node:
+async def test_a_committed_session_refuses_chunks_and_commit_with_410_and_abort_with_409(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
         model, named = _model(seed=5)
         report = await WeightPusher(node.client, bucket_mb=0.05).push(named, version="good", step=1)
         before = await node.client.status()

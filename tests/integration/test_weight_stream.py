@@ -10,18 +10,16 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from support import serve_app, shm_segments
+from support import EnginePool, daemon_node, shm_segments
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.bench.weights import BenchSettings, run_weights_bench
-from colocd.daemon.config import NodeConfig
 from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, WeightSyncError
 from colocd.daemon.metrics import Metrics
@@ -377,37 +375,31 @@ def test_a_cpu_engine_refuses_ring_chunks_clearly() -> None:
 
 
 @asynccontextmanager
-async def _node(count: int, *, own_devices: bool = False,
+async def _node(pool: EnginePool, count: int, *, own_devices: bool = False,
                 **config: Any) -> AsyncIterator[tuple[AsyncColocdClient, list[ReferenceEngineProcess]]]:
-    """``count`` reference engines (started concurrently), an in-process daemon over them, a client.
+    """``count`` of the module's reference engines, an in-process daemon over them, a client.
     ``own_devices``: engine i runs on device cpu:i (fed by trainer rank i); else all on cpu:0 (rank 0)."""
-    async with AsyncExitStack() as stack:
-        procs = [
-            ReferenceEngineProcess(ReferenceEngineConfig(name=f"ref{i}", url="http://127.0.0.1:0",
-                                                         device_ids=[f"cpu:{i}"] if own_devices else []))
-            for i in range(count)
-        ]
-        await asyncio.gather(*(stack.enter_async_context(p) for p in procs))
-        engines = [{"kind": "reference", "name": f"ref{i}", "url": p.url} for i, p in enumerate(procs)]
-        url = await stack.enter_async_context(
-            serve_app(create_app(NodeConfig.model_validate({"engines": engines, **config})))
-        )
-        client = await stack.enter_async_context(AsyncColocdClient(url))
-        await client.wait_ready(30)
-        await client.phase("train", 1)
-        await client.phase("sync", 1)
-        yield client, procs
+    procs = [pool.borrow(f"ref{i}", device_ids=[f"cpu:{i}"] if own_devices else []) for i in range(count)]
+    try:
+        async with daemon_node({f"ref{i}": str(p.url) for i, p in enumerate(procs)}, **config) as daemon:
+            await daemon.client.phase("train", 1)
+            await daemon.client.phase("sync", 1)
+            yield daemon.client, procs
+    finally:
+        for proc in procs:
+            pool.give_back(proc)
 
 
 async def _colocd_checksum(http: httpx.AsyncClient, url: str) -> str:
     return str((await http.post(f"{url}/weights_checker", json={"action": "checksum"})).json()["colocd_checksum"])
 
 
-async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical() -> None:
+async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(engine_pool: EnginePool) -> None:
     model = build_model(QwenLikeConfig(), seed=7)
     named = list(model.named_parameters())
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(2, own_devices=True) as (client, procs), httpx.AsyncClient(trust_env=False, timeout=60) as http:
+    async with _node(engine_pool, 2, own_devices=True) as (client, procs), \
+            httpx.AsyncClient(trust_env=False, timeout=60) as http:
         for transport, depth in (("shm", 2), ("disk", 1)):
             with torch.no_grad():
                 for p in model.parameters():
@@ -445,10 +437,11 @@ def _abort_after(
         yield item
 
 
-async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared_memory() -> None:
+async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared_memory(
+        engine_pool: EnginePool) -> None:
     model = build_model(QwenLikeConfig(), seed=3)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(1) as (client, _):
+    async with _node(engine_pool, 1) as (client, _):
         sid = (await client.open_session("v1", ranks=1, depth=2))["session_id"]
         reached = asyncio.Event()
         pusher = WeightPusher(client, transport="shm", bucket_mb=0.005, depth=2)
@@ -469,11 +462,11 @@ async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared
     assert shm_segments() <= segments_before
 
 
-async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it() -> None:
+async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it(engine_pool: EnginePool) -> None:
     model = build_model(QwenLikeConfig(), seed=4)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
     # ref1 runs on cpu:1, so it needs trainer rank 1, which never joins: past start_s the commit names it.
-    async with _node(2, own_devices=True, timeouts={"chunk_s": 0.5, "start_s": 1.0}) as (client, _):
+    async with _node(engine_pool, 2, own_devices=True, timeouts={"chunk_s": 0.5, "start_s": 1.0}) as (client, _):
         sid = (await client.open_session("v1", ranks=2, depth=2))["session_id"]
         # Two chunks: within rank 0's window, so only the commit notices that rank 1 sent nothing.
         chunks, _ = await WeightPusher(client, bucket_mb=0.2, rank=0).stream(sid, list(model.named_parameters()))
