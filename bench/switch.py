@@ -382,6 +382,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
 
         if offloaded_sum is not None:  # outside the timed windows: the benchmark's check, not the switch's
             rec.onload_intact = device_checksum(w for _, w in state.named_weights()) == offloaded_sum
+            _empty_cache(device)  # the check's temporaries are the benchmark's, not the switch's memory
         t2 = time.perf_counter()
 
         # train: a token amount of real work; weights change, so the sync has new bytes to move.

@@ -77,23 +77,29 @@ def hf_shapes(model: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 _PRIME = 251  # position weights repeat every 251 bytes: catches shifts and transposes a plain sum misses
+# Bytes summed per reduction: a whole multiple of _PRIME, so each block's columns line up with the tensor's, and
+# small enough that the int64 accumulation of one block stays a bounded temporary (not 8x the largest tensor).
+_BLOCK = _PRIME * (1 << 18)
 
 
 def device_checksum(tensors: Iterable[torch.Tensor]) -> list[list[int]]:
     """Per tensor ``[sum of its bytes, position-weighted sum]``, computed where the tensor lives.
 
     Integer sums are exact and independent of reduction order, so trainer and engine agree
-    bit for bit; one host sync for the whole list.
+    bit for bit; one host sync for the whole list. Tensors are summed in blocks of ``_BLOCK`` bytes, so a
+    checksum's temporaries stay under a few hundred MiB whatever the tensor's size.
     """
     sums = []
     for t in tensors:
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         whole = flat.numel() // _PRIME * _PRIME
         weights = torch.arange(1, _PRIME + 1, device=flat.device, dtype=torch.int64)
-        columns = flat[:whole].view(-1, _PRIME).sum(0, dtype=torch.int64)
+        columns = torch.zeros(_PRIME, device=flat.device, dtype=torch.int64)
+        for start in range(0, whole, _BLOCK):
+            columns += flat[start : min(start + _BLOCK, whole)].view(-1, _PRIME).sum(0, dtype=torch.int64)
         tail = flat[whole:].to(torch.int64)
         weighted = (columns * weights).sum() + (tail * weights[: tail.numel()]).sum()
-        sums.append(torch.stack([flat.sum(dtype=torch.int64), weighted]))
+        sums.append(torch.stack([columns.sum() + tail.sum(), weighted]))
     if not sums:
         return []
     result: list[list[int]] = torch.stack(sums).tolist()
