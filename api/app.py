@@ -16,7 +16,7 @@ from ..daemon.leases import LeaseReport
 from ..daemon.node import Daemon, TransitionResult
 from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
-from ..engines.base import RankPayload
+from ..engines.base import ChunkPart
 from .chunk_channel import ChunkChannelServer
 from .errors import ERROR_RESPONSES, install_error_handlers
 from .guard import RequestGuard
@@ -51,8 +51,8 @@ def _reply(result: TransitionResult) -> TransitionReply:
                            directives=result.directives, trace=result.trace.to_json() if result.trace else None)
 
 
-def _part(chunk: ChunkDescriptor) -> RankPayload:
-    return RankPayload(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle,
+def _part(chunk: ChunkDescriptor) -> ChunkPart:
+    return ChunkPart(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle,
                        digests=chunk.digests)
 
 

@@ -42,7 +42,7 @@ from ..daemon.config import NodeConfig
 from ..daemon.errors import ColocdError, RequestInvalid, SessionGone
 from ..daemon.node import Daemon
 from ..daemon.tasks import start_now
-from ..engines.base import RankPayload
+from ..engines.base import ChunkPart
 from ..engines.errors import EngineError
 from .channel_dir import ChannelDir, reclaim_dead_channel_dirs
 from .errors import error_body, validation_body
@@ -300,7 +300,7 @@ class ChunkChannelServer:
             if "rank" in body.model_fields_set and body.rank != rank:
                 raise RequestInvalid(f"rank {body.rank}: this connection carries rank {rank}'s chunks "
                                      "(open one connection per rank)", field="rank")
-            part = RankPayload(rank=rank, transport=body.transport, nbytes=body.nbytes, handle=body.handle,
+            part = ChunkPart(rank=rank, transport=body.transport, nbytes=body.nbytes, handle=body.handle,
                                digests=body.digests)
             ack = await self._daemon.submit_chunk(session_id, body.seq, part)
         except (ColocdError, EngineError) as exc:

@@ -39,7 +39,7 @@ import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..api.procs import DaemonProcess
-from ..engines.chunks import copy_tensors, plan_buckets
+from ..engines.chunks import copy_tensors, plan_chunks
 from ..engines.config import ReferenceEngineConfig
 from ..engines.digest import DigestCache, tensor_digests
 from ..engines.reference.launcher import ReferenceEngineProcess
@@ -445,7 +445,7 @@ async def _control_floor(results: list[VariantResult], named: Sequence[tuple[str
     bucket_bytes = int((first.bucket_mb or settings.bucket_mb) * 2**20)
     producer = producer_for(first.transport, bucket_bytes=bucket_bytes)
     try:
-        chunk = producer.export(next(plan_buckets(named, bucket_bytes)))
+        chunk = producer.export(next(plan_chunks(named, bucket_bytes)))
         try:
             frame = chunk_frame(0, 0, chunk)
         finally:

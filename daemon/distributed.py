@@ -28,7 +28,7 @@ from typing import Any
 
 from ..engines.tcpstore_probe import probe_tcpstore
 from ..engines.weight_group_protocol import BACKEND_DEVICES, BroadcastDescriptor, SupportsWeightGroups
-from ..policies import Timeouts, TimeoutStep
+from ..policies import Timeouts, Budget
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import (
@@ -150,10 +150,10 @@ class WeightGroups:
             raise RequestInvalid(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
                                  f"this node's {needed - first_rank} engine ranks need {needed}", field="world_size")
         # Frameworks that start the store while the POST is in flight need a moment (timeouts.master_reach_s).
-        await _check_reachable(master_address, master_port, t.for_step(TimeoutStep.MASTER_REACH))
+        await _check_reachable(master_address, master_port, t.budget(Budget.MASTER_REACH))
         record = self._groups[group_name] = WeightGroupRecord(
             group_name, backend, master_address, master_port, world, offsets)
-        budget = t.for_step(TimeoutStep.GROUP)
+        budget = t.budget(Budget.GROUP)
 
         async def join(engine: EngineHandle) -> None:
             adapter = _verbs(engine)
@@ -191,7 +191,7 @@ class WeightGroups:
     async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, t: Timeouts,
                                   trace: Trace) -> dict[str, str]:
         """Best effort on every engine: a failure here must not hide the error that led here."""
-        budget = t.for_step(TimeoutStep.GROUP)
+        budget = t.budget(Budget.GROUP)
 
         async def one(engine: EngineHandle) -> None:
             adapter = _verbs(engine)
@@ -228,7 +228,7 @@ class WeightGroups:
         if record.session_id != session.id:
             record.session_id, record.next_seq = session.id, 0  # numbering restarts with each session
         record.in_flight = desc.seq
-        budget, nbytes, step = t.for_step(TimeoutStep.CHUNK), desc.nbytes, f"update_weights_from_distributed#{desc.seq}"
+        budget, nbytes, step = t.budget(Budget.CHUNK), desc.nbytes, f"update_weights_from_distributed#{desc.seq}"
 
         def load(engine: EngineHandle) -> Awaitable[None]:
             adapter = _verbs(engine)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from ..engines.base import MemoryTag
 from ..engines.segments import reclaim_dead_segments
-from ..policies import Timeouts, TimeoutStep
+from ..policies import Timeouts, Budget
 from .engine_ops import EngineHandle
 from .events import emit
 from .fanout import OnFailure, fan_out
@@ -74,7 +74,7 @@ class EngineLifecycle:
         """Every health interval, observe each engine and drive it toward the desired state."""
         d = self._d
         while not d.stopping.is_set():
-            interval = d.timeouts().for_step(TimeoutStep.HEALTH_INTERVAL)  # a new policy may change it
+            interval = d.timeouts().budget(Budget.HEALTH_INTERVAL)  # a new policy may change it
             if self._needs_retry():  # a failed reconcile is retried soon, backing off up to the interval
                 self._retries += 1
                 interval = min(interval, RETRY_INITIAL_S * 2 ** (self._retries - 1))

@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 from ..engines.base import Capability, EngineAdapter, EngineInfo, MemoryReport, MemoryTag, PauseMode
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
 from ..engines.ring_refs import EngineRingRefs
-from ..policies import Timeouts, TimeoutStep
+from ..policies import Timeouts, Budget
 from .errors import EngineError, StepTimeout
 from .memory import GpuReading, NvmlProbe
 from .metrics import Metrics
-from .states import Attachment, EngineState, Generation, TagState, unready_reason
+from .states import Attachment, EngineRecord, Generation, TagState, unready_reason
 from .trace import Trace
 
 __all__ = [
@@ -45,7 +45,7 @@ class EngineHandle:
 
     adapter: EngineAdapter
     config: AnyEngineConfig
-    state: EngineState
+    state: EngineRecord
     attachment: Attachment = Attachment.DETACHED
     info: EngineInfo | None = None  # what the engine said when it attached (None while detached)
     # Bytes each tag held by the engine's own report the last time it was released, and bytes NVML
@@ -116,21 +116,21 @@ async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name:
             engine.state = engine.state.with_(last_error=str(exc))
             raise
         finally:
-            metrics.observe_substep(name, engine.name, time.perf_counter() - t0)
+            metrics.observe_call(name, engine.name, time.perf_counter() - t0)
     return result
 
 
 async def pause(engine: EngineHandle, mode: PauseMode, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
     if engine.state.generation is Generation.PAUSED:
         return
-    await timed_call(engine, trace, metrics, "pause_generation", t.for_step(TimeoutStep.PAUSE),
+    await timed_call(engine, trace, metrics, "pause_generation", t.budget(Budget.PAUSE),
                  engine.adapter.pause_generation(mode), mode=mode.value)
     engine.state = engine.state.with_(generation=Generation.PAUSED)
 
 
 async def flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
     """Flush the prefix cache, retrying SGLang's normal 400 ("not idle yet") with backoff."""
-    budget = t.for_step(TimeoutStep.FLUSH)
+    budget = t.budget(Budget.FLUSH)
 
     async def _retrying() -> int:
         delay, attempts = 0.01, 0
@@ -159,7 +159,7 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
     before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
     before_own = await _memory_report(engine)
     _sample_memory(engine, trace, metrics, before_own, before_gpu)
-    await timed_call(engine, trace, metrics, "release_memory", t.for_step(TimeoutStep.RELEASE),
+    await timed_call(engine, trace, metrics, "release_memory", t.budget(Budget.RELEASE),
                  engine.adapter.release_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RELEASED)
     freed: dict[str, int] = {}
@@ -171,7 +171,7 @@ async def release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
         with trace.span("confirm_memory_freed", engine.name, source="nvml") as span:
             confirmation = await probe.confirm_release(
                 engine.gpus, before_gpu, expected_bytes=expected,
-                timeout_s=t.for_step(TimeoutStep.MEMORY_CONFIRM))
+                timeout_s=t.budget(Budget.MEMORY_CONFIRM))
             span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 6),
                               criterion=confirmation.criterion.value, polls=confirmation.polls,
                               expected_bytes=expected, expected_from=expected_from)
@@ -227,7 +227,7 @@ async def resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace
     if not tags:
         return
     before = probe.read_all(engine.gpus) if probe is not None and engine.gpus else None
-    await timed_call(engine, trace, metrics, "resume_memory", t.for_step(TimeoutStep.RESUME),
+    await timed_call(engine, trace, metrics, "resume_memory", t.budget(Budget.RESUME),
                  engine.adapter.resume_memory(tags), tags=[x.value for x in tags])
     engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
     if probe is not None and before is not None:
@@ -244,7 +244,7 @@ async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metri
     engine.state.check_can_serve()  # never serve released memory or a partial update
     if engine.state.generation is Generation.SERVING:
         return
-    await timed_call(engine, trace, metrics, "continue_generation", t.for_step(TimeoutStep.PAUSE),
+    await timed_call(engine, trace, metrics, "continue_generation", t.budget(Budget.PAUSE),
                  engine.adapter.continue_generation())
     engine.state = engine.state.with_(generation=Generation.SERVING)
 

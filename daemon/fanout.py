@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .engine_ops import EngineHandle
     from .metrics import Metrics
 
-__all__ = ["SESSION_PHASES", "OnFailure", "each_engine", "fan_out"]
+__all__ = ["SESSION_OPERATIONS", "OnFailure", "each_engine", "fan_out"]
 
 
 class Named(Protocol):
@@ -87,7 +87,7 @@ async def fan_out(targets: Iterable[T], call: Callable[[T], Awaitable[R]], *,
 
 # A weight session's engine calls (begin, end) are its sub-steps, timed as such by engine_ops; its phase time is
 # the whole session's, observed once when the session ends (daemon/steps.py), not once per call and engine.
-SESSION_PHASES = frozenset({"weights"})
+SESSION_OPERATIONS = frozenset({"weights"})
 
 
 async def each_engine(engines: Iterable[EngineHandle], step: Callable[[EngineHandle], Awaitable[R]], *,
@@ -100,7 +100,7 @@ async def each_engine(engines: Iterable[EngineHandle], step: Callable[[EngineHan
         try:
             return await step(engine)
         finally:
-            if phase not in SESSION_PHASES:
+            if phase not in SESSION_OPERATIONS:
                 metrics.observe_phase(phase, engine.name, time.perf_counter() - t0)
 
     try:

@@ -34,7 +34,7 @@ TRANSITION_OUTCOMES = ("ok", "rejected", "failed", "replayed")
 SESSION_OUTCOMES = ("committed", "aborted", "failed", "expired")
 RECONCILE_ACTIONS = ("adopt", "pause", "release", "end_engine_session", "fail_session")
 FALLBACK_KINDS = ("process_groups", "weight_sync")
-# The trainer-side work a trainer agent reports: cleanup.<CleanupStep>, process groups, its weight push.
+# The trainer-side work a trainer agent reports: cleanup.<CleanupAction>, process groups, its weight push.
 TRAINER_SUBSTEPS = ("cleanup.gc_collect", "cleanup.synchronize", "cleanup.empty_cache", "process_groups",
                     "weight_sync")
 
@@ -238,7 +238,7 @@ class Metrics:
         self.phase_duration.labels(phase, engine).observe(seconds)
         self.last_phase_duration.labels(phase, engine).set(seconds)
 
-    def observe_substep(self, substep: str, engine: str, seconds: float) -> None:
+    def observe_call(self, substep: str, engine: str, seconds: float) -> None:
         """One engine call's time: the histogram and the last-value gauge."""
         self.step_duration.labels(substep, engine).observe(seconds)
         self.last_substep_duration.labels(substep, engine).set(seconds)

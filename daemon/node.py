@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode, RankPayload
+from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode, ChunkPart
 from ..engines.registry import build_adapter
 from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
@@ -40,7 +40,7 @@ from .sessions import WeightSessions
 from .staging import StagingMemory, staging_memory
 from .states import (
     DaemonState,
-    EngineState,
+    EngineRecord,
     Generation,
     NodePhase,
     NodeState,
@@ -75,7 +75,7 @@ class _StatusInputs(NamedTuple):
     lifecycle: DaemonState
     node: NodeState
     busy_with: str | None
-    engines: tuple[tuple[str, EngineState, EngineInfo | None], ...]
+    engines: tuple[tuple[str, EngineRecord, EngineInfo | None], ...]
     session: dict[str, Any] | None
     unreconciled: tuple[str, ...]
     startup: dict[str, Any] | None
@@ -137,7 +137,7 @@ class Daemon:
         await self.launches.start()  # a no-op if `colocd serve` already did it
         for cfg in self.launches.configs():  # launched engines now carry their URL
             adapter = self._given_adapters.get(cfg.name) or build_adapter(cfg, self._client)
-            state = EngineState(name=cfg.name, owned_tags=tuple(MemoryTag(t) for t in cfg.owned_tags))
+            state = EngineRecord(name=cfg.name, owned_tags=tuple(MemoryTag(t) for t in cfg.owned_tags))
             self.engines[cfg.name] = EngineHandle(adapter=adapter, config=cfg, state=state)
         if self.probe is None and any(e.gpus for e in self.engines.values()):
             self.probe = open_probe()
@@ -263,7 +263,7 @@ class Daemon:
         """``pid`` is proven to be the session's trainer (its chunk channel's peer): its segments may be unlinked."""
         self.sessions.note_trainer_pid(session_id, pid)
 
-    async def submit_chunk(self, session_id: str, seq: int, part: RankPayload) -> ChunkAck:
+    async def submit_chunk(self, session_id: str, seq: int, part: ChunkPart) -> ChunkAck:
         return await self.sessions.submit_chunk(session_id, seq, part)
 
     async def commit_weights(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
@@ -273,7 +273,7 @@ class Daemon:
         return await self.sessions.abort(session_id, reason)
 
     async def update_weights(self, *, step: int | None, version: str,
-                             chunks: list[tuple[int, RankPayload]]) -> dict[str, Any]:
+                             chunks: list[tuple[int, ChunkPart]]) -> dict[str, Any]:
         return await self.sessions.update(step=step, version=version, chunks=chunks)
 
     def session_stats(self, session_id: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from ..engines.base import MemoryTag, Observation, PauseMode
-from .states import EngineState, Generation, NodePhase, TagState, WeightsState
+from .states import EngineRecord, Generation, NodePhase, TagState, WeightsState
 
 __all__ = ["Action", "Desired", "Plan", "plan", "plan_reconcile"]
 
@@ -58,17 +58,17 @@ class Desired:
     pause_mode: PauseMode = PauseMode.ABORT
 
     @classmethod
-    def holding(cls, state: EngineState) -> Desired:
+    def holding(cls, state: EngineRecord) -> Desired:
         """The engine as recorded: what the health loop, a relaunch and a daemon restart drive toward."""
         return cls(state.generation, frozenset(t for t in state.owned_tags if not state.resident(t)))
 
-    def to_release(self, state: EngineState) -> tuple[MemoryTag, ...]:
+    def to_release(self, state: EngineRecord) -> tuple[MemoryTag, ...]:
         return tuple(t for t in state.owned_tags if t in self.released and state.resident(t))
 
-    def to_resume(self, state: EngineState) -> tuple[MemoryTag, ...]:
+    def to_resume(self, state: EngineRecord) -> tuple[MemoryTag, ...]:
         return tuple(t for t in state.owned_tags if t not in self.released and not state.resident(t))
 
-    def adopting(self, recorded: EngineState, now: EngineState) -> Desired:
+    def adopting(self, recorded: EngineRecord, now: EngineRecord) -> Desired:
         """Where the engine reported something other than the record, that is what it should be."""
         released = {t for t in self.released
                     if not (now.resident(t) and not recorded.resident(t))}
@@ -78,13 +78,13 @@ class Desired:
 
     # -- what each phase and manual step wants, from the record it starts on ------------------------
     @classmethod
-    def for_train(cls, state: EngineState, release: tuple[MemoryTag, ...] | None, mode: PauseMode) -> Desired:
+    def for_train(cls, state: EngineRecord, release: tuple[MemoryTag, ...] | None, mode: PauseMode) -> Desired:
         """Paused, ``release`` (None: every owned tag) released as well: the trainer's memory."""
         tags = state.owned_tags if release is None else tuple(t for t in release if t in state.owned_tags)
         return cls(Generation.PAUSED, cls.holding(state).released | set(tags), mode)
 
     @classmethod
-    def for_sync(cls, state: EngineState) -> Desired:
+    def for_sync(cls, state: EngineRecord) -> Desired:
         """The weights memory back, for the push; the rest stays as it is."""
         held = cls.holding(state)
         return replace(held, released=held.released - {MemoryTag.WEIGHTS})
@@ -95,11 +95,11 @@ class Desired:
         return cls(Generation.SERVING, frozenset())
 
     @classmethod
-    def for_sleep(cls, state: EngineState, tags: tuple[MemoryTag, ...], mode: PauseMode) -> Desired:
+    def for_sleep(cls, state: EngineRecord, tags: tuple[MemoryTag, ...], mode: PauseMode) -> Desired:
         return cls(Generation.PAUSED, cls.holding(state).released | set(tags), mode)
 
     @classmethod
-    def for_resume(cls, state: EngineState, tags: tuple[MemoryTag, ...], phase: NodePhase) -> Desired:
+    def for_resume(cls, state: EngineRecord, tags: tuple[MemoryTag, ...], phase: NodePhase) -> Desired:
         """``tags`` resident again; in rollout the engine serves once it may (else it stays paused)."""
         held = cls.holding(state)
         generation = Generation.SERVING if phase is NodePhase.ROLLOUT else held.generation
@@ -113,7 +113,7 @@ class Plan:
     engine: str
     restarted: bool
     reason: str | None  # why the engine counts as restarted
-    state: EngineState  # the record to hold before acting: what the engine is now
+    state: EngineRecord  # the record to hold before acting: what the engine is now
     actions: tuple[Action, ...]
     release: tuple[MemoryTag, ...] = ()  # tags for Action.RELEASE
     findings: tuple[str, ...] = ()  # where the record differed from the engine (adopted)
@@ -130,7 +130,7 @@ class Plan:
                 "actions": [a.value for a in self.actions], "release": [t.value for t in self.release]}
 
 
-def plan(desired: Desired, recorded: EngineState, observed: Observation | None, *, phase: NodePhase,
+def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None, *, phase: NodePhase,
          owns_session: bool, first_sight: bool = False, lost_sight: bool = False) -> Plan:
     """The plan that drives one engine from ``recorded`` (corrected by ``observed``, if any) to ``desired``.
 
@@ -183,18 +183,18 @@ def plan(desired: Desired, recorded: EngineState, observed: Observation | None, 
                 end_tolerant, resume, mode)
 
 
-def plan_reconcile(recorded: EngineState, observed: Observation, *, phase: NodePhase, owns_session: bool,
+def plan_reconcile(recorded: EngineRecord, observed: Observation, *, phase: NodePhase, owns_session: bool,
                    first_sight: bool, lost_sight: bool) -> Plan:
     """The plan for one freshly observed engine whose desired state is its record."""
     return plan(Desired.holding(recorded), recorded, observed, phase=phase, owns_session=owns_session,
                 first_sight=first_sight, lost_sight=lost_sight)
 
 
-def _observed(recorded: EngineState, observed: Observation, restarted: bool, first_sight: bool,
-              owns_session: bool, findings: list[str]) -> EngineState:
+def _observed(recorded: EngineRecord, observed: Observation, restarted: bool, first_sight: bool,
+              owns_session: bool, findings: list[str]) -> EngineRecord:
     """What the engine is now: a fresh process (restarted), or the record overlaid with the engine's report."""
     if restarted:
-        fresh = EngineState(name=recorded.name, owned_tags=recorded.owned_tags, weights=WeightsState.STALE,
+        fresh = EngineRecord(name=recorded.name, owned_tags=recorded.owned_tags, weights=WeightsState.STALE,
                             weight_version=observed.weight_version, healthy=True, last_error=recorded.last_error,
                             incarnation=observed.incarnation)
         return _overlay(fresh, observed, [])
@@ -208,7 +208,7 @@ def _observed(recorded: EngineState, observed: Observation, restarted: bool, fir
     return base
 
 
-def _restart_reason(recorded: EngineState, observed: Observation, owns_session: bool, lost_sight: bool) -> str | None:
+def _restart_reason(recorded: EngineRecord, observed: Observation, owns_session: bool, lost_sight: bool) -> str | None:
     if recorded.incarnation is not None and observed.incarnation is not None:
         if recorded.incarnation != observed.incarnation:
             return f"incarnation changed ({recorded.incarnation} -> {observed.incarnation})"
@@ -221,7 +221,7 @@ def _restart_reason(recorded: EngineState, observed: Observation, owns_session: 
     return None
 
 
-def _overlay(state: EngineState, observed: Observation, findings: list[str]) -> EngineState:
+def _overlay(state: EngineRecord, observed: Observation, findings: list[str]) -> EngineRecord:
     """The record with every field the engine reports replaced by the engine's answer."""
     if observed.resident is not None:
         for tag in state.owned_tags:

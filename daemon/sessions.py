@@ -15,10 +15,10 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..engines.base import Capability, EngineDigests, RankPayload
+from ..engines.base import Capability, EngineDigests, ChunkPart
 from ..engines.ring_refs import RingDirectory
 from ..engines.segments import unlink_session_segments
-from ..policies import PolicySet, Timeouts, TimeoutStep
+from ..policies import PolicySet, Timeouts, Budget
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
@@ -152,15 +152,15 @@ class WeightSessions:
                 d.sync.require_attached()
                 ranks = self._check_ranks(ranks)
             t = d.timeouts()
-            required = await self._parameter_sets(trace, t.for_step(TimeoutStep.WEIGHT_UPDATE))
+            required = await self._parameter_sets(trace, t.budget(Budget.WEIGHT_UPDATE))
             if declared is not None:
                 with trace.span("manifest_check", tensors=len(declared)):
                     self._check_declared(declared, required, partial)
             session = WeightSession(
                 step=step, version=version, ranks=ranks, engines=list(d.engines.values()),
-                depth=depth or d.pipeline_depth(), chunk_timeout_s=t.for_step(TimeoutStep.CHUNK),
+                depth=depth or d.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
                 trace=trace, metrics=d.metrics, manifest=declared, partial=partial,
-                idle_s=t.for_step(TimeoutStep.SESSION_IDLE), start_timeout_s=t.for_step(TimeoutStep.START),
+                idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
                 sources=self._feed_ranks(), rings=self.rings)
             session.required = required
             trace.attrs["session"] = session.id  # the session's log line and trace name it
@@ -169,7 +169,7 @@ class WeightSessions:
 
             async def begin(engine: EngineHandle) -> None:
                 await ops.timed_call(engine, trace, d.metrics, "begin_weight_update",
-                                     t.for_step(TimeoutStep.WEIGHT_UPDATE),
+                                     t.budget(Budget.WEIGHT_UPDATE),
                                      engine.adapter.begin_weight_update(session_id=session.id))
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
 
@@ -280,7 +280,7 @@ class WeightSessions:
                     + "; ".join(why), field="manifest")
 
     # -- chunks --------------------------------------------------------------------------------------
-    async def submit_chunk(self, session_id: str, seq: int, part: RankPayload) -> ChunkAck:
+    async def submit_chunk(self, session_id: str, seq: int, part: ChunkPart) -> ChunkAck:
         current = self.current
         if current is not None and current.id == session_id and part.rank >= current.ranks:
             raise RequestInvalid(f"rank {part.rank} is outside session {session_id}'s ranks 0..{current.ranks - 1}",
@@ -297,7 +297,7 @@ class WeightSessions:
         """Trainer ranks a one-shot update can carry: one per TP rank of the widest engine (what engines need)."""
         return max((int(e.config.tp_size) for e in self._d.engines.values()), default=1)
 
-    async def update(self, *, step: int | None, version: str, chunks: list[tuple[int, RankPayload]]) -> dict[str, Any]:
+    async def update(self, *, step: int | None, version: str, chunks: list[tuple[int, ChunkPart]]) -> dict[str, Any]:
         """The one-shot form: open a session, send every chunk ((seq, part), in the caller's order), commit;
         abort on any failure."""
         known = self._trainer_ranks()
@@ -307,15 +307,15 @@ class WeightSessions:
                                      f"take {known} trainer rank(s) (their largest tp_size)", field=f"chunks.{i}.rank")
         ranks = max(part.rank for _, part in chunks) + 1
         session = await self.open(step=step, version=version, ranks=ranks)
-        by_rank: dict[int, list[tuple[int, RankPayload]]] = {}
+        by_rank: dict[int, list[tuple[int, ChunkPart]]] = {}
         for seq, part in sorted(chunks, key=lambda c: c[0]):
             by_rank.setdefault(part.rank, []).append((seq, part))
 
-        async def send_rank(sends: list[tuple[int, RankPayload]]) -> None:
+        async def send_rank(sends: list[tuple[int, ChunkPart]]) -> None:
             # In sequence order, at most `depth` outstanding per rank: what the session accepts from a rank.
             window = asyncio.Semaphore(session.depth)
 
-            async def one(seq: int, part: RankPayload) -> None:
+            async def one(seq: int, part: ChunkPart) -> None:
                 try:
                     await self.submit_chunk(session.id, seq, part)
                 finally:
@@ -381,7 +381,7 @@ class WeightSessions:
         """The verified commit (daemon/verify.py): each engine's digests against the trainer's. A mismatch, or an
         engine that cannot be asked, fails the session (the engines stay paused, their weights stale)."""
         d = self._d
-        budget = d.timeouts().for_step(TimeoutStep.WEIGHT_UPDATE)
+        budget = d.timeouts().budget(Budget.WEIGHT_UPDATE)
 
         async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
             report: EngineDigests = await ops.timed_call(engine, session.trace, d.metrics, "weight_digests", budget,
@@ -496,10 +496,10 @@ class WeightSessions:
     async def _close_uncommitted(self, session: WeightSession) -> None:
         d = self._d
         t = d.timeouts()
-        session.tainted = await session.quiesce(t.for_step(TimeoutStep.QUIESCE))
+        session.tainted = await session.quiesce(t.budget(Budget.QUIESCE))
         if session.tainted:
             log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
-                        session.id, session.tainted, t.for_step(TimeoutStep.QUIESCE))
+                        session.id, session.tainted, t.budget(Budget.QUIESCE))
         await self._close_engines_update(session.trace, committed=False, session=session)
         if session.state is SessionState.FAILED:  # a chunk failed: an engine may be gone; status says so now
             await d.sync.reconcile_all(f"after failed session {session.id}", keep_error=True)
@@ -568,10 +568,10 @@ class WeightSessions:
                 engine.state = engine.state.with_(
                     weights=prior.get(engine.name, WeightsState.STALE) if untouched else WeightsState.STALE)
             await ops.timed_call(engine, trace, d.metrics, "end_weight_update",
-                                 t.for_step(TimeoutStep.WEIGHT_UPDATE), engine.adapter.end_weight_update())
+                                 t.budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update())
             if committed and version is not None:
                 await ops.timed_call(engine, trace, d.metrics, "set_weight_version",
-                                     t.for_step(TimeoutStep.WEIGHT_UPDATE),
+                                     t.budget(Budget.WEIGHT_UPDATE),
                                      engine.adapter.set_weight_version(version))
                 engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
 

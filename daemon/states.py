@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum, StrEnum
 
-from ..engines.base import ALL_TAGS, MemoryTag
+from ..engines.base import ALL_TAGS, MemoryTag, TagState
 from .errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
@@ -21,7 +21,7 @@ __all__ = [
     "SESSION_MOVES",
     "Attachment",
     "DaemonState",
-    "EngineState",
+    "EngineRecord",
     "Generation",
     "NodePhase",
     "NodeState",
@@ -73,11 +73,6 @@ NEXT_PHASE: dict[NodePhase, NodePhase] = {
 }
 
 
-class TagState(StrEnum):
-    RESIDENT = "resident"
-    RELEASED = "released"
-
-
 class Generation(StrEnum):
     SERVING = "serving"
     PAUSED = "paused"
@@ -92,7 +87,7 @@ class WeightsState(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class EngineState:
+class EngineRecord:
     """What the daemon knows about one engine; engines cannot be asked reliably, so this is the record."""
 
     name: str
@@ -164,7 +159,7 @@ class EngineState:
         return tuple(t for t in ALL_TAGS if t in requested)
 
     # -- pure updates -------------------------------------------------------------------------
-    def with_tags(self, tags: tuple[MemoryTag, ...], state: TagState) -> EngineState:
+    def with_tags(self, tags: tuple[MemoryTag, ...], state: TagState) -> EngineRecord:
         new = dict(self.tags)
         for t in tags:
             new[t] = state
@@ -173,7 +168,7 @@ class EngineState:
             weights = WeightsState.STALE  # released weights come back as garbage (no CPU backup)
         return replace(self, tags=new, weights=weights)
 
-    def with_(self, **changes: object) -> EngineState:
+    def with_(self, **changes: object) -> EngineRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
 
     def snapshot(self) -> dict[str, object]:
@@ -208,7 +203,7 @@ class Attachment(StrEnum):
     ATTACHED = "attached"
 
 
-def unready_reason(name: str, attachment: Attachment, state: EngineState) -> str | None:
+def unready_reason(name: str, attachment: Attachment, state: EngineRecord) -> str | None:
     """Why an engine cannot take a mutating call now (None: it can): never attached, or its last
     observation failed. The reason is the engine's last error where there is one."""
     if attachment is Attachment.ATTACHED and state.healthy:
@@ -216,7 +211,7 @@ def unready_reason(name: str, attachment: Attachment, state: EngineState) -> str
     return state.last_error or f"engine {name!r} unhealthy"
 
 
-def check_attached(name: str, attachment: Attachment, state: EngineState) -> None:
+def check_attached(name: str, attachment: Attachment, state: EngineRecord) -> None:
     """Every engine must have answered the observation that just ran; else 502/503 naming it."""
     if attachment is Attachment.DETACHED or not state.healthy:
         message = (state.last_error or "not attached").removeprefix(f"engine {name!r}: ")
@@ -251,7 +246,7 @@ def check_no_open_session(open_session: str | None, *, advice: str = "") -> None
         raise TransitionRejected(f"weight session {open_session} is still open{advice}")
 
 
-def check_rollout_weights(engines: Iterable[EngineState], node: NodeState) -> None:
+def check_rollout_weights(engines: Iterable[EngineRecord], node: NodeState) -> None:
     """Every engine's weights are the committed version before any resumes: a stale engine must not
     leave the others half-resumed."""
     stale = [e.describe() for e in engines if e.weights is not WeightsState.CLEAN]
@@ -346,7 +341,7 @@ def check_resume_headroom(what: str, needs: Sequence[ResumeNeed], free: Mapping[
         state={**node.snapshot(), "headroom": state})
 
 
-def check_can_open_session(open_session: str | None, engines: Iterable[EngineState], node: NodeState, *,
+def check_can_open_session(open_session: str | None, engines: Iterable[EngineRecord], node: NodeState, *,
                            idle_for: float = 0.0, idle_s: float | None = None) -> None:
     """One weight session at a time, on engines that are paused with their weights memory resident."""
     if open_session is not None:
@@ -361,7 +356,7 @@ def check_can_open_session(open_session: str | None, engines: Iterable[EngineSta
             "(enter 'sync' first): " + "; ".join(bad), state=node.snapshot())
 
 
-def check_partial_allowed(engines: Iterable[EngineState], node: NodeState) -> None:
+def check_partial_allowed(engines: Iterable[EngineRecord], node: NodeState) -> None:
     """A partial update goes on top of intact weights only."""
     discarded = [e.describe() for e in engines if e.weights is not WeightsState.CLEAN]
     if discarded:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from ..engines.base import Observation
 from ..engines.errors import EngineRejected
-from ..policies import Timeouts, TimeoutStep
+from ..policies import Timeouts, Budget
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import ColocdError, EngineError, EngineUnreachable, WeightSyncError
@@ -119,7 +119,7 @@ class EngineSync:
                      healthy=engine.state.healthy, trigger=trigger, error=engine.state.last_error)
 
     async def _observe(self, engine: EngineHandle) -> Observation:
-        budget = self._node.timeouts().for_step(TimeoutStep.OBSERVE)
+        budget = self._node.timeouts().budget(Budget.OBSERVE)
         try:
             async with asyncio.timeout(budget):
                 if engine.attachment is Attachment.DETACHED:
@@ -158,7 +158,7 @@ class EngineSync:
                 if observed.incarnation is None or observed.incarnation != engine.restart_counted:
                     node.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
                     engine.restart_counted = observed.incarnation
-                async with asyncio.timeout(node.timeouts().for_step(TimeoutStep.OBSERVE)):
+                async with asyncio.timeout(node.timeouts().budget(Budget.OBSERVE)):
                     engine.attached(await engine.adapter.attach())  # a new process may speak a new version
             await self._run(engine, p, trace, counted=True)
         except (ColocdError, TimeoutError) as exc:
@@ -203,7 +203,7 @@ class EngineSync:
             elif action is Action.END_ENGINE_SESSION:
                 try:
                     await ops.timed_call(engine, trace, node.metrics, "end_weight_update",
-                                         t.for_step(TimeoutStep.WEIGHT_UPDATE), engine.adapter.end_weight_update())
+                                         t.budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update())
                 except EngineRejected:
                     if not p.end_session_tolerant:
                         raise  # the engine said a session was open, yet refuses to end it

@@ -1,7 +1,7 @@
 """The verified commit: before a session commits, each engine's digests of what it holds are compared with the
 digests the trainer computed at export (engines/digest.py). Knows nothing of HTTP or of any engine's protocol.
 
-The expected digests arrive beside each chunk (``RankPayload.digests``) and are gathered by name; the policy's
+The expected digests arrive beside each chunk (``ChunkPart.digests``) and are gathered by name; the policy's
 ``sync.verify`` says which names are checked: ``full`` all, ``sample`` a deterministic subset, ``off`` none.
 """
 
@@ -19,8 +19,17 @@ from ..policies import VerifyMode
 from .engine_ops import EngineHandle
 from .errors import WeightsMismatch
 
-__all__ = ["SAMPLE_FRACTION", "AskDigests", "EngineVerdict", "ExpectedDigests", "Verification", "names_to_check",
-           "sample_names", "verdict_of", "verify_engines"]
+__all__ = [
+    "SAMPLE_FRACTION",
+    "AskDigests",
+    "EngineVerdict",
+    "ExpectedDigests",
+    "Verification",
+    "names_to_check",
+    "sample_names",
+    "verdict_of",
+    "verify_engines",
+]
 
 # ``sample`` checks this share of the tensors (at least one); the subset changes with the version, so
 # successive commits cover different tensors.

@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, cast
 
-from ..engines.base import ParameterSpec, RankPayload, WeightsLoad
+from ..engines.base import ParameterSpec, ChunkPart, ChunkLoad
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.errors import RingRefsUnknown
 from ..engines.handles import RingRoute, ShmRoute
@@ -170,7 +170,7 @@ class _Chunk:
 
     seq: int
     consumed: dict[str, asyncio.Future[float]]  # per engine: seconds its load took
-    parts: dict[int, RankPayload] = field(default_factory=dict)
+    parts: dict[int, ChunkPart] = field(default_factory=dict)
     layouts: dict[int, ChunkLayout] = field(default_factory=dict)
 
 
@@ -371,7 +371,7 @@ class WeightSession:
         lanes = self._lanes if lanes is None else lanes
         return tuple(t for t in Transport if all(t in lane.engine.adapter.transports for lane in lanes))
 
-    def _check_transport(self, seq: int, part: RankPayload, users: tuple[_Lane, ...]) -> None:
+    def _check_transport(self, seq: int, part: ChunkPart, users: tuple[_Lane, ...]) -> None:
         """A chunk goes only to engines that load its transport: refused (422 naming the transport and what the
         engine accepts) before any engine sees it. Real SGLang unpickles whatever it is sent in its scheduler;
         a payload it cannot load kills the scheduler and the whole server."""
@@ -475,7 +475,7 @@ class WeightSession:
         return deadline is None or time.monotonic() > deadline or not self._late()
 
     # -- the rank-facing side ----------------------------------------------------------------
-    async def submit(self, seq: int, part: RankPayload) -> ChunkAck:
+    async def submit(self, seq: int, part: ChunkPart) -> ChunkAck:
         """Accept one rank's part of chunk ``seq``; return once every engine that needs it consumed it."""
         self._check_open()
         self._requests += 1
@@ -486,7 +486,7 @@ class WeightSession:
             self._requests -= 1
             self.touch()
 
-    async def _submit(self, seq: int, part: RankPayload) -> ChunkAck:
+    async def _submit(self, seq: int, part: ChunkPart) -> ChunkAck:
         # Everything the caller could have got wrong is refused here, before the part is accepted,
         # and leaves the session as it was (the rank may send a corrected part).
         if not 0 <= part.rank < self.ranks:
@@ -616,7 +616,7 @@ class WeightSession:
             ahead.discard(self._rank_next[rank])
             self._rank_next[rank] += 1
 
-    def _resolve(self, seq: int, part: RankPayload) -> RankPayload:
+    def _resolve(self, seq: int, part: ChunkPart) -> ChunkPart:
         """An ipc_ring part that names its layout (and slots) by ref, with the announced content filled in;
         any other part as it is. A ref this daemon never got is a 409 naming it: the trainer re-sends in full."""
         if not isinstance(part.route, RingRoute) or part.route.layout_ref is None:
@@ -637,7 +637,7 @@ class WeightSession:
             raise RequestInvalid(f"{where}: {exc}", field="handle") from None
         return replace(part, handle=full)
 
-    def _inspect(self, seq: int, part: RankPayload) -> ChunkLayout:
+    def _inspect(self, seq: int, part: ChunkPart) -> ChunkLayout:
         """The handle is readable on this node and its layout (every transport carries one) agrees with the
         manifest; else 422."""
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
@@ -675,7 +675,7 @@ class WeightSession:
     def _check_open(self) -> None:
         require_session_open(self.id, self.state, error=self.error, advise_new=True)
 
-    async def _check_device(self, seq: int, part: RankPayload, users: tuple[_Lane, ...]) -> None:
+    async def _check_device(self, seq: int, part: ChunkPart, users: tuple[_Lane, ...]) -> None:
         """A GPU handle must land on the GPU of the engine TP rank it feeds: a mismatch is an error, never a
         silent cross-device copy. Only checked where both sides are known (handle and engine config)."""
         uuid = part.route.device_uuid
@@ -777,7 +777,7 @@ class WeightSession:
     async def _load(self, lane: _Lane, chunk: _Chunk) -> None:
         sources = [r for r in lane.sources if r is not None]  # all of them: _pump loads resolved lanes only
         payloads = tuple(chunk.parts[r] for r in sources)
-        load = WeightsLoad(seq=chunk.seq, payloads=payloads, nbytes=sum(p.nbytes for p in payloads),
+        load = ChunkLoad(seq=chunk.seq, payloads=payloads, nbytes=sum(p.nbytes for p in payloads),
                            session_id=self.id)
         done = chunk.consumed[lane.name]
         refs = lane.engine.ring_refs
@@ -1002,8 +1002,8 @@ class WeightSession:
         }
 
 
-def _outgoing(part: RankPayload, tp_rank: int,
-              strip: Callable[[int, dict[str, Any]], dict[str, Any]]) -> RankPayload:
+def _outgoing(part: ChunkPart, tp_rank: int,
+              strip: Callable[[int, dict[str, Any]], dict[str, Any]]) -> ChunkPart:
     """The part as this engine TP rank gets it: an ipc_ring descriptor without what the rank already holds."""
     if part.transport != "ipc_ring":
         return part

@@ -17,6 +17,8 @@ from .handles import HandleRoute, route_of
 __all__ = [
     "ALL_TAGS",
     "Capability",
+    "ChunkLoad",
+    "ChunkPart",
     "EngineAdapter",
     "EngineDigests",
     "EngineInfo",
@@ -25,10 +27,9 @@ __all__ = [
     "Observation",
     "ParameterSpec",
     "PauseMode",
-    "RankPayload",
     "ReleaseReport",
     "TagMemory",
-    "WeightsLoad",
+    "TagState",
 ]
 
 
@@ -41,6 +42,13 @@ class MemoryTag(StrEnum):
 
 
 ALL_TAGS: tuple[MemoryTag, ...] = (MemoryTag.WEIGHTS, MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH)
+
+
+class TagState(StrEnum):
+    """Whether a tag's memory is allocated (the daemon's record and the reference engine's regions alike)."""
+
+    RESIDENT = "resident"
+    RELEASED = "released"
 
 
 class PauseMode(StrEnum):
@@ -136,7 +144,7 @@ class MemoryReport:
 
 
 @dataclass(frozen=True, slots=True)
-class RankPayload:
+class ChunkPart:
     """One trainer rank's piece of a chunk, as the trainer described it (transport-specific handle).
 
     ``handle`` is opaque to the daemon: a shared-memory name and layout, a base64 CUDA-IPC
@@ -159,11 +167,11 @@ class RankPayload:
 
 
 @dataclass(frozen=True, slots=True)
-class WeightsLoad:
+class ChunkLoad:
     """One gathered chunk for one engine: a payload per engine TP rank, in TP-rank order."""
 
     seq: int
-    payloads: tuple[RankPayload, ...]
+    payloads: tuple[ChunkPart, ...]
     nbytes: int
     flush_cache: bool = False
     weight_version: str | None = None
@@ -224,7 +232,7 @@ class EngineAdapter(Protocol):
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: WeightsLoad) -> None: ...
+    async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self) -> None: ...
     async def set_weight_version(self, version: str) -> None: ...
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:

@@ -41,7 +41,7 @@ __all__ = [
     "dtype_name",
     "flatten_into",
     "inspect_handle",
-    "plan_buckets",
+    "plan_chunks",
     "tensor_checksum",
     "unflatten",
 ]
@@ -159,7 +159,7 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def plan_buckets(
+def plan_chunks(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors in order into buckets of at most ``bucket_bytes``; a larger tensor travels alone."""

@@ -1,4 +1,4 @@
-"""What the daemon reads of a chunk handle, parsed once where the chunk enters (``RankPayload``), one type per
+"""What the daemon reads of a chunk handle, parsed once where the chunk enters (``ChunkPart``), one type per
 transport on the wire.
 
 A handle is otherwise opaque to the daemon: the rest of it (layouts, IPC payloads, ring slots) is the

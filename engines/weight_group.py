@@ -38,7 +38,7 @@ __all__ = [
     "BACKEND_DEVICES",
     "FlatEntry",
     "WeightGroup",
-    "bucket_order",
+    "chunk_order",
     "dtype_name",
     "flattened_layout",
     "master_store",
@@ -93,7 +93,7 @@ def flattened_layout(names: Sequence[str], dtypes: Sequence[str], shapes: Sequen
     return entries
 
 
-def bucket_order(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def chunk_order(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Tensors by decreasing itemsize (stable): every flattened offset is then aligned without padding."""
     return sorted(named, key=lambda item: -item[1].element_size())
 

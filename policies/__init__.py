@@ -9,7 +9,7 @@ from .cleanup import (
     AggressiveCleanupPolicy,
     CleanupPlan,
     CleanupPolicy,
-    CleanupStep,
+    CleanupAction,
     EmptyCachePolicy,
     NoCleanupPolicy,
 )
@@ -41,7 +41,7 @@ from .settings import (
     VerifyMode,
 )
 from .store import PolicyStore
-from .timeouts import Timeouts, TimeoutStep
+from .timeouts import Timeouts, Budget
 from .transport import Transport
 
 __all__ = [
@@ -51,9 +51,10 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AggressiveCleanupPolicy",
     "AutoPolicy",
+    "Budget",
+    "CleanupAction",
     "CleanupPlan",
     "CleanupPolicy",
-    "CleanupStep",
     "Decision",
     "DeferredCooldownPolicy",
     "DestroyPolicy",
@@ -83,7 +84,6 @@ __all__ = [
     "SuspendPolicy",
     "SyncMode",
     "SyncSettings",
-    "TimeoutStep",
     "Timeouts",
     "Transport",
     "VerifyMode",

@@ -15,9 +15,9 @@ from .base import Decision, Family, Policy, PolicyConfig
 
 __all__ = [
     "AggressiveCleanupPolicy",
+    "CleanupAction",
     "CleanupPlan",
     "CleanupPolicy",
-    "CleanupStep",
     "EmptyCachePolicy",
     "NoCleanupPolicy",
 ]
@@ -25,7 +25,7 @@ __all__ = [
 _GIB = 1 << 30
 
 
-class CleanupStep(StrEnum):
+class CleanupAction(StrEnum):
     """One cleanup sub-step, in the order a plan lists them."""
 
     GC_COLLECT = "gc_collect"  # drop Python cycles that may pin tensors
@@ -38,7 +38,7 @@ class CleanupPlan(Decision):
     ``max_retries`` more times."""
 
     policy: str
-    steps: tuple[CleanupStep, ...] = ()
+    steps: tuple[CleanupAction, ...] = ()
     max_retries: int = Field(0, ge=0, le=10)
     min_freed_bytes: int = Field(_GIB, ge=0)
 
@@ -59,7 +59,7 @@ class EmptyCachePolicy(CleanupPolicy):
     name: ClassVar[str] = "empty_cache"
 
     def plan(self) -> CleanupPlan:
-        return CleanupPlan(policy=self.spec, steps=(CleanupStep.EMPTY_CACHE,))
+        return CleanupPlan(policy=self.spec, steps=(CleanupAction.EMPTY_CACHE,))
 
 
 class AggressiveCleanupPolicy(CleanupPolicy):
@@ -76,7 +76,7 @@ class AggressiveCleanupPolicy(CleanupPolicy):
     def plan(self) -> CleanupPlan:
         return CleanupPlan(
             policy=self.spec,
-            steps=(CleanupStep.GC_COLLECT, CleanupStep.SYNCHRONIZE, CleanupStep.EMPTY_CACHE),
+            steps=(CleanupAction.GC_COLLECT, CleanupAction.SYNCHRONIZE, CleanupAction.EMPTY_CACHE),
             max_retries=self.config.max_retries,
             min_freed_bytes=int(self.config.min_freed_gib * _GIB),
         )

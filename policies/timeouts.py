@@ -2,7 +2,7 @@
 
 The node config's ``timeouts`` are the node's defaults; a policy document's ``timeouts`` override
 exactly the fields it sets (``Timeouts.over``). The daemon merges the two once, when a policy set is
-staged or the node starts, and reads budgets only through ``for_step(TimeoutStep.X)``.
+staged or the node starts, and reads budgets only through ``budget(Budget.X)``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["LEGACY_TIMEOUT_KEYS", "TimeoutStep", "Timeouts"]
+__all__ = ["LEGACY_TIMEOUT_KEYS", "Budget", "Timeouts"]
 
 
-class TimeoutStep(StrEnum):
+class Budget(StrEnum):
     """A step the daemon bounds in time; ``Timeouts`` has a ``<value>_s`` field for each."""
 
     PAUSE = "pause"  # pause_generation and continue_generation
@@ -88,15 +88,15 @@ class Timeouts(BaseModel):
                 out.setdefault(new, data[old])
         return out
 
-    def for_step(self, step: TimeoutStep) -> float:
-        """Seconds allowed for ``step``; a string that names no step is a ValueError."""
-        if not isinstance(step, TimeoutStep):
+    def budget(self, name: Budget) -> float:
+        """Seconds allowed for the engine call or stage ``name``; a string that names no budget is a ValueError."""
+        if not isinstance(name, Budget):
             try:
-                step = TimeoutStep(step)
+                name = Budget(name)
             except ValueError:
-                known = ", ".join(s.value for s in TimeoutStep)
-                raise ValueError(f"unknown timeout step {step!r}; known: {known}") from None
-        value: float | None = getattr(self, f"{step.value}_s")
+                known = ", ".join(s.value for s in Budget)
+                raise ValueError(f"unknown budget {name!r}; known: {known}") from None
+        value: float | None = getattr(self, f"{name.value}_s")
         return self.default_s if value is None else value
 
     def over(self, base: Timeouts) -> Timeouts:

@@ -28,8 +28,8 @@ import httpx
 import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
-from ..engines.chunks import plan_buckets
-from ..engines.weight_group import WeightGroup, bucket_order, dtype_name, master_store, off_loop
+from ..engines.chunks import plan_chunks
+from ..engines.weight_group import WeightGroup, chunk_order, dtype_name, master_store, off_loop
 from .push import PushReport, manifest_of
 
 __all__ = ["DistributedWeightSender"]
@@ -95,7 +95,7 @@ class DistributedWeightSender:
     async def broadcast(self, session_id: str, seq: int, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Send one bucket: the descriptor first, then the broadcast(s), then await the daemon's answer."""
         group = self._require_group()
-        ordered = bucket_order(named) if self._flattened else list(named)
+        ordered = chunk_order(named) if self._flattened else list(named)
         descriptor = {"seq": seq, "group_name": self.group_name, "names": [n for n, _ in ordered],
                       "dtypes": [dtype_name(t.dtype) for _, t in ordered],
                       "shapes": [list(t.shape) for _, t in ordered],
@@ -123,7 +123,7 @@ class DistributedWeightSender:
         """Broadcast every bucket of an open session, one at a time (a group carries one collective
         sequence); returns (broadcasts, bytes)."""
         count = nbytes = 0
-        for seq, bucket in enumerate(plan_buckets(named, self._bucket_bytes)):
+        for seq, bucket in enumerate(plan_chunks(named, self._bucket_bytes)):
             reply = await self.broadcast(session_id, seq, bucket)
             count, nbytes = seq + 1, nbytes + int(reply["nbytes"])
         return count, nbytes

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..policies import CleanupPlan, CleanupStep
+from ..policies import CleanupPlan, CleanupAction
 
 __all__ = ["CleanupReport", "run_cleanup"]
 
@@ -63,10 +63,10 @@ def run_cleanup(
     cuda = device.type == "cuda"
     if meter is None and cuda:
         meter = lambda: int(torch.cuda.memory_reserved(device))  # noqa: E731
-    actions: dict[CleanupStep, Callable[[], object]] = {
-        CleanupStep.GC_COLLECT: collect,
-        CleanupStep.SYNCHRONIZE: (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None),
-        CleanupStep.EMPTY_CACHE: torch.cuda.empty_cache if cuda else (lambda: None),
+    actions: dict[CleanupAction, Callable[[], object]] = {
+        CleanupAction.GC_COLLECT: collect,
+        CleanupAction.SYNCHRONIZE: (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None),
+        CleanupAction.EMPTY_CACHE: torch.cuda.empty_cache if cuda else (lambda: None),
     }
     started_at = time.time()
     origin = clock()

@@ -15,11 +15,11 @@ import torch
 from ..engines.chunks import ChunkLayout
 from ..policies import Transport
 
-__all__ = ["ExportedChunk", "Producer"]
+__all__ = ["ExportedPart", "Producer"]
 
 
 @dataclass
-class ExportedChunk:
+class ExportedPart:
     """A chunk ready to describe to the daemon; ``release`` frees its buffer (after the ack)."""
 
     transport: Transport  # as on the wire (Transport.wire)
@@ -49,5 +49,5 @@ class Producer(Protocol):
     def begin_stream(self, receiver: str | None = None) -> None:
         """A stream starts toward the daemon whose ring record is ``receiver`` (its join reply's ``ring_refs``;
         None: a daemon that takes no refs)."""
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk: ...
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart: ...
     def close(self) -> None: ...

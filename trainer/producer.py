@@ -1,6 +1,6 @@
 """Trainer-side chunk export: copy a bucket of tensors into a transport buffer and describe it.
 
-A producer hands out ``ExportedChunk`` objects; the trainer must call ``release()`` only after the
+A producer hands out ``ExportedPart`` objects; the trainer must call ``release()`` only after the
 daemon acked the chunk (every engine consumed it). Until then the buffer stays alive and untouched:
 SGLang replies before its copy has finished (research/engine-apis.md §6.4 #6), so the ack, not the
 engine's HTTP reply seen by anyone else, is what licenses reuse.
@@ -27,17 +27,17 @@ import torch
 from ..engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from ..engines.segments import reclaim_dead_segments
 from ..policies import Transport
-from .exported import ExportedChunk, Producer
+from .exported import ExportedPart, Producer
 from .leases import Lease, LeaseBook, RefCounter
 
 if TYPE_CHECKING:
-    from ..engines.sglang.payload import BucketLease
+    from ..engines.sglang.payload import BufferLease
 
 __all__ = [
     "PRODUCERS",
     "CudaIpcProducer",
     "DiskProducer",
-    "ExportedChunk",
+    "ExportedPart",
     "InlineProducer",
     "Producer",
     "ShmProducer",
@@ -74,7 +74,7 @@ class ShmProducer:
     def begin_stream(self, receiver: str | None = None) -> None:
         return None
 
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         layout = ChunkLayout.for_tensors(named)
         segment = SharedSegment.create(layout.nbytes)
         self._live[segment.name] = (segment, self.leases.export(self.transport, layout.nbytes))
@@ -85,7 +85,7 @@ class ShmProducer:
             self._drop(segment.name)
             raise
         handle = {"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-        return ExportedChunk(Transport.SHM, layout.nbytes, handle, layout, lambda: self._drop(segment.name))
+        return ExportedPart(Transport.SHM, layout.nbytes, handle, layout, lambda: self._drop(segment.name))
 
     def _drop(self, name: str) -> None:
         entry = self._live.pop(name, None)
@@ -113,7 +113,7 @@ class DiskProducer:
     def begin_stream(self, receiver: str | None = None) -> None:
         return None
 
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from safetensors.torch import save_file
 
         layout = ChunkLayout.for_tensors(named)
@@ -123,7 +123,7 @@ class DiskProducer:
         save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, path)
         # The layout travels with every chunk (the daemon checks it); the file's own header says where each lies.
         handle = {"path": path, "layout": layout.to_json()}
-        return ExportedChunk(Transport.DISK, layout.nbytes, handle, layout, lambda: self._drop(path))
+        return ExportedPart(Transport.DISK, layout.nbytes, handle, layout, lambda: self._drop(path))
 
     def _drop(self, path: str) -> None:
         self._live.discard(path)
@@ -151,7 +151,7 @@ class InlineProducer:
     def begin_stream(self, receiver: str | None = None) -> None:
         return None
 
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from ..engines.sglang.payload import FLATTENED_BUCKET, metadata_for_layout
 
         layout = ChunkLayout.for_tensors(named)
@@ -160,7 +160,7 @@ class InlineProducer:
         payload = pickle.dumps({"flattened_tensor": buffer, "metadata": list(metadata_for_layout(layout))})
         handle = {"payload_b64": base64.b64encode(payload).decode("ascii"), "load_format": FLATTENED_BUCKET,
                   "layout": layout.to_json()}
-        return ExportedChunk(Transport.INLINE, layout.nbytes, handle, layout)
+        return ExportedPart(Transport.INLINE, layout.nbytes, handle, layout)
 
     def close(self) -> None:
         return None  # nothing outlives a chunk: its bytes are in the descriptor
@@ -178,12 +178,12 @@ class CudaIpcProducer:
     def __init__(self, *, per_tensor: bool = False, leases: LeaseBook | None = None) -> None:
         self.per_tensor = per_tensor
         self.leases = leases or LeaseBook()
-        self._live: dict[int, tuple[BucketLease | None, Lease]] = {}
+        self._live: dict[int, tuple[BufferLease | None, Lease]] = {}
 
     def begin_stream(self, receiver: str | None = None) -> None:
         return None
 
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from ..engines.cuda_handles import device_uuid
         from ..engines.sglang.payload import (
             FLATTENED_BUCKET,
@@ -196,7 +196,7 @@ class CudaIpcProducer:
         if len(devices) != 1 or (device := devices.pop()).type != "cuda":
             raise ValueError(f"cuda_ipc needs a chunk's tensors on one CUDA device; got {sorted(map(str, devices))}")
         layout = ChunkLayout.for_tensors(named)
-        bucket: BucketLease | None = None
+        bucket: BufferLease | None = None
         shares: list[tuple[bytes, int]] = []  # the consumers' counts torch keeps the buffer alive for
         if self.per_tensor:
             payload, load_format = serialize(named_tensors_payload(named), shares), "direct"
@@ -218,7 +218,7 @@ class CudaIpcProducer:
             # against the manifest and the other ranks' chunk, and counted for the commit's completeness.
             "layout": layout.to_json(),
         }
-        return ExportedChunk(self.transport, layout.nbytes, handle, layout, lambda: self._drop(key))
+        return ExportedPart(self.transport, layout.nbytes, handle, layout, lambda: self._drop(key))
 
     def _drop(self, key: int) -> None:
         entry = self._live.pop(key, None)

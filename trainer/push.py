@@ -23,12 +23,12 @@ import httpx
 import torch
 
 from ..api.client import AsyncColocdClient, ColocdHTTPError
-from ..engines.chunks import dtype_name, plan_buckets
+from ..engines.chunks import dtype_name, plan_chunks
 from ..engines.cuda_handles import device_uuid
 from ..engines.digest import DigestCache, tensor_digests
 from ..policies import Transport
 from .channel import ChannelClosed, ChunkChannel
-from .exported import ExportedChunk, Producer
+from .exported import ExportedPart, Producer
 from .leases import LEASE_GRACE_S, LeaseBook
 from .producer import PRODUCERS, producer_for
 
@@ -288,7 +288,7 @@ class WeightPusher:
 
     @staticmethod
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
-                         digests: DigestCache | None = None) -> tuple[ExportedChunk, float, float] | None:
+                         digests: DigestCache | None = None) -> tuple[ExportedPart, float, float] | None:
         """The next bucket, exported (with each tensor's digest, computed on its device, where ``digests`` is a
         cache), the export's seconds and the digests' share of them; None when the plan is done. Runs on a thread.
         An export that fails raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is
@@ -313,7 +313,7 @@ class WeightPusher:
 
     @classmethod
     async def _next_export(cls, producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
-                           digests: DigestCache | None = None) -> tuple[ExportedChunk, float, float] | None:
+                           digests: DigestCache | None = None) -> tuple[ExportedPart, float, float] | None:
         # One hop off the event loop per chunk for both (each hop costs ~0.2-0.3 ms on a busy host): pulling a
         # bucket may be a collective and an export may wait on the GPU (the ring syncs its flatten), while acks
         # of earlier chunks must keep flowing. One export at a time.
@@ -422,7 +422,7 @@ class WeightPusher:
                 # ranks wait for) and count the plan's chunks, sending nothing.
                 self.chunk_log = []
                 bucket_bytes = self._shape[1] if self._producer is not None else self._shape_for(head)[1]
-                buckets = plan_buckets(named, bucket_bytes)
+                buckets = plan_chunks(named, bucket_bytes)
                 count = 0
                 while await asyncio.to_thread(next, buckets, None) is not None:
                     count += 1
@@ -468,7 +468,7 @@ class WeightPusher:
                 # A later chunk's 410 can arrive before the failing chunk's own reply: raise the cause, not its echo.
                 failure[0] = exc
 
-        async def send(seq: int, chunk: ExportedChunk, export_s: float, digest_s: float) -> None:
+        async def send(seq: int, chunk: ExportedPart, export_s: float, digest_s: float) -> None:
             t0 = time.perf_counter()
             acked_at = t0
             try:
@@ -479,7 +479,7 @@ class WeightPusher:
                     # nothing: the same chunk once more, with everything inline.
                     if exc.status != 409 or exc.error != "RingRefUnknown" or chunk.announce is None:
                         raise
-                    inline = ExportedChunk(chunk.transport, chunk.nbytes, chunk.announce(), chunk.layout,
+                    inline = ExportedPart(chunk.transport, chunk.nbytes, chunk.announce(), chunk.layout,
                                            digests=chunk.digests)
                     ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=inline)
                 acked_at = time.perf_counter()
@@ -495,7 +495,7 @@ class WeightPusher:
             records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, acked_at - t0, float(ack["load_s"]),
                                        released_at - acked_at, digest_s)
 
-        buckets = plan_buckets(named, bucket_bytes)
+        buckets = plan_chunks(named, bucket_bytes)
         results: list[BaseException | None] = []
         raised: BaseException | None = None
         # The daemon's commit compares these with the engines' (policy sync.verify; daemon/verify.py).

@@ -6,7 +6,7 @@ that keeps ring records (``begin_stream(receiver)``, its join reply's ``ring_ref
 list and the slots' CUDA IPC handles (``open``) travel only until that daemon acknowledged them
 once (``colocd.engines.ring_refs``); toward one that does not, every chunk carries its ``layout``
 and the first chunk on each slot in a stream its handle, as before. A slot is refilled
-only after the chunk's ack (``ExportedChunk.release`` returns it), because SGLang replies before
+only after the chunk's ack (``ExportedPart.release`` returns it), because SGLang replies before
 its copy is done (research/engine-apis.md §6.4 #6). A tensor larger than a slot travels alone,
 straight from its own storage (no flatten), and with ``zero_copy=True`` every tensor does: the
 trainer's parameter storages are then the ring's slots, registered once, and the engine copies
@@ -33,7 +33,7 @@ from ..engines.chunks import ChunkLayout, TensorSpec, copy_tensors, dtype_from_n
 from ..engines.cuda_handles import device_uuid, export_cuda_handle
 from ..engines.ring_refs import layout_digest
 from ..policies import Transport
-from .exported import ExportedChunk
+from .exported import ExportedPart
 from .leases import LeaseBook, RefCounter
 
 __all__ = ["IpcRingProducer"]
@@ -98,7 +98,7 @@ class IpcRingProducer:
         self._receiver = receiver
         self._announced.clear()
 
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedChunk:
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         """Describe one chunk; flattened into a free slot unless it travels from its own storages."""
         device = _device_of(named)
         if self.zero_copy:
@@ -109,7 +109,7 @@ class IpcRingProducer:
                 if len(named) > 1:
                     raise ValueError(
                         f"chunk of {layout.nbytes} bytes does not fit a {self.slot_bytes}-byte slot; "
-                        "plan it with plan_buckets(bucket_bytes=slot_bytes)"
+                        "plan it with plan_chunks(bucket_bytes=slot_bytes)"
                     )
                 chunk = self._export_in_place(named, device)
             else:
@@ -121,7 +121,7 @@ class IpcRingProducer:
 
     def _export_to_slot(
         self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device, layout: ChunkLayout
-    ) -> ExportedChunk:
+    ) -> ExportedPart:
         if not self._buffers:
             self._buffers = [torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.slots)]
         if not self._free:
@@ -155,7 +155,7 @@ class IpcRingProducer:
             self._trim()
         return plan
 
-    def _export_in_place(self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> ExportedChunk:
+    def _export_in_place(self, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> ExportedPart:
         # Keyed on where each tensor lives now: a storage that moved (an onload) is a new plan.
         key = tuple((name, t.data_ptr(), t.dtype, t.shape) for name, t in named)
         plan = self._plans.get(key)
@@ -197,7 +197,7 @@ class IpcRingProducer:
         return self._regions[key]
 
     def _describe(self, used: dict[int, torch.Tensor], device: torch.device, plan: _Plan,
-                  slot: int | None, release: Callable[[], None] | None = None) -> ExportedChunk:
+                  slot: int | None, release: Callable[[], None] | None = None) -> ExportedPart:
         """The chunk's descriptor: ring id, GPU and slot, with the layout and the slots' handles inline only
         where the receiver does not hold them yet (no receiver: the layout always, handles once a stream)."""
         for s, buffer in used.items():
@@ -214,7 +214,7 @@ class IpcRingProducer:
             opening = {str(s): self._handles[s] for s in used if s not in self._announced}
             self._announced.update(used)
             handle = {**base, "layout": plan.layout_json, **({"open": opening} if opening else {})}
-            return ExportedChunk(self.transport, plan.layout.nbytes, handle, plan.layout, release)
+            return ExportedPart(self.transport, plan.layout.nbytes, handle, plan.layout, release)
         base["layout_ref"] = plan.ref
         handle = dict(base)
         if plan.ref not in self._held_layouts:
@@ -232,7 +232,7 @@ class IpcRingProducer:
                 self._held_layouts.add(plan.ref)
                 self._held_slots.update(slots)
 
-        return ExportedChunk(self.transport, plan.layout.nbytes, handle, plan.layout, release,
+        return ExportedPart(self.transport, plan.layout.nbytes, handle, plan.layout, release,
                              announce=inline, acked=acked)
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ from ..cuda_handles import RingTable
 from ..digest import DigestCache, tensor_digests
 from .locks import ReaderWriterLock
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
-from .memory import ReleaseReport as MemoryReleaseReport
+from .memory import MemoryMove as MemoryReleaseReport
 from .model import QwenLikeForCausalLM, build_model
 from .payloads import open_payload
 from .runner import ModelRunner
@@ -41,14 +41,14 @@ from .tokenizer import CharTokenizer
 from .tp import TPRank, disagreement, rank_checksum, rank_devices
 from .wire import GenerateBody, SamplingParamsBody, UpdateWeightsFromTensorBody
 
-__all__ = ["EngineRefusal", "EngineState", "ReferenceEngine", "WeightsCheck"]
+__all__ = ["EngineRefusal", "ReferenceEngine", "RunState", "WeightsCheck"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
 
-class EngineState(StrEnum):
+class RunState(StrEnum):
     """Lifecycle of the server process (not of generation or memory, which have their own state)."""
 
     STARTING = "starting"
@@ -88,7 +88,7 @@ class ReferenceEngine:
     def __init__(self, settings: ReferenceServerSettings) -> None:
         self.settings = settings
         self.tokenizer = CharTokenizer()
-        self.state = EngineState.STARTING
+        self.state = RunState.STARTING
         self._weight_version = settings.weight_version
         self.startup_time = time.time()
         self.tp_size = settings.tp_size
@@ -128,7 +128,7 @@ class ReferenceEngine:
             await self._on_model_thread(self._build)
         except Exception:
             logger.exception("reference engine failed to start")
-            self.state = EngineState.FAILED
+            self.state = RunState.FAILED
             self._failed.set()
             return
         assert self._runner is not None and self._memory is not None
@@ -143,7 +143,7 @@ class ReferenceEngine:
         )
         self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
         self._loop_task.add_done_callback(self._on_loop_exit)
-        self.state = EngineState.RUNNING
+        self.state = RunState.RUNNING
         logger.info(
             "reference engine ready: %s, tp_size %d on %s, protocol %s",
             self.settings.model_path,
@@ -157,7 +157,7 @@ class ReferenceEngine:
         # requests hanging, so fail loudly and let the process exit (its supervisor sees it die).
         if not task.cancelled() and task.exception() is not None:
             logger.error("scheduler loop died", exc_info=task.exception())
-            self.state = EngineState.FAILED
+            self.state = RunState.FAILED
             self._failed.set()
 
     async def wait_failed(self) -> None:
@@ -165,7 +165,7 @@ class ReferenceEngine:
         await self._failed.wait()
 
     async def aclose(self) -> None:
-        self.state = EngineState.STOPPING
+        self.state = RunState.STOPPING
         if self._scheduler is not None:
             await self._scheduler.abort_all("server is shutting down")
         if self._loop_task is not None:
@@ -196,9 +196,9 @@ class ReferenceEngine:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _running(self) -> tuple[Scheduler, MemoryRegions, QwenLikeForCausalLM]:
-        if self.state is EngineState.STARTING:
+        if self.state is RunState.STARTING:
             raise EngineRefusal(503, "the server is still starting")
-        if self.state is not EngineState.RUNNING:
+        if self.state is not RunState.RUNNING:
             raise EngineRefusal(503, f"the server is {self.state.value}")
         assert self._scheduler is not None and self._memory is not None and self._model is not None
         return self._scheduler, self._memory, self._model
@@ -276,7 +276,7 @@ class ReferenceEngine:
 
     async def health_generate(self) -> bool:
         """SGLang's probe: a 1-token greedy request; never run while paused or while memory is released."""
-        if self.state is not EngineState.RUNNING or self._scheduler is None or self._memory is None:
+        if self.state is not RunState.RUNNING or self._scheduler is None or self._memory is None:
             return False
         if self._pause_mode is not None or not self._memory.all_resident:
             return False

@@ -23,19 +23,18 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 from torch import nn
 
-from ..base import ALL_TAGS, MemoryTag
+from ..base import ALL_TAGS, MemoryTag, TagState
 from .model import QwenLikeForCausalLM, kv_pool_shape
 from .sink import WeightSink
 
 __all__ = [
+    "MemoryMove",
     "MemoryRegions",
     "MemoryTagError",
-    "ReleaseReport",
     "TagState",
     "normalize_tags",
     "process_rss_bytes",
@@ -45,13 +44,6 @@ __all__ = [
 # resume graph → weights → kv, so the biggest allocations come back last.
 _RELEASE_ORDER = (MemoryTag.KV_CACHE, MemoryTag.WEIGHTS, MemoryTag.CUDA_GRAPH)
 _RESUME_ORDER = (MemoryTag.CUDA_GRAPH, MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
-
-
-class TagState(StrEnum):
-    """Whether a tag's memory is allocated."""
-
-    RESIDENT = "resident"
-    RELEASED = "released"
 
 
 class MemoryTagError(ValueError):
@@ -64,7 +56,7 @@ class MemoryTagError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class ReleaseReport:
+class MemoryMove:
     """What one release or resume did: tags in the order handled, bytes of tensor storage moved."""
 
     tags: tuple[MemoryTag, ...]
@@ -169,7 +161,7 @@ class MemoryRegions:
 
     # --- transitions (run on the model thread) ---------------------------------------------------
 
-    def release(self, tags: Iterable[MemoryTag]) -> ReleaseReport:
+    def release(self, tags: Iterable[MemoryTag]) -> MemoryMove:
         """Free the tags' storage; checks every tag first, so a refused call changes nothing."""
         tags = tuple(t for t in _RELEASE_ORDER if t in set(tags))
         self.check(tags, resume=False)
@@ -192,9 +184,9 @@ class MemoryRegions:
                 self._workspace = None
             self._states[tag] = TagState.RELEASED
         delta = self._give_back_cache(reserved_before)
-        return ReleaseReport(tags, freed, delta)
+        return MemoryMove(tags, freed, delta)
 
-    def resume(self, tags: Iterable[MemoryTag]) -> ReleaseReport:
+    def resume(self, tags: Iterable[MemoryTag]) -> MemoryMove:
         """Reallocate the tags (weights as ``torch.empty``: garbage until weights are pushed again)."""
         tags = tuple(t for t in _RESUME_ORDER if t in set(tags))
         self.check(tags, resume=True)
@@ -217,7 +209,7 @@ class MemoryRegions:
             torch.cuda.synchronize(self._device)
         after = self._cuda_reserved()
         delta = None if reserved_before is None or after is None else after - reserved_before
-        return ReleaseReport(tags, allocated, delta)
+        return MemoryMove(tags, allocated, delta)
 
     def empty_cache(self) -> None:
         if self._device.type == "cuda":

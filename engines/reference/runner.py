@@ -14,7 +14,7 @@ import torch
 from .model import KVCacheView, QwenLikeForCausalLM, kv_pool_shape
 from .sampling import GREEDY, SamplingConfig, choose_token
 
-__all__ = ["ModelRunner", "RunnerBuffers", "StaticBuffers", "StepInput", "StepOutput", "generate_greedy"]
+__all__ = ["ForwardInput", "ForwardOutput", "ModelRunner", "RunnerBuffers", "StaticBuffers", "generate_greedy"]
 
 
 class RunnerBuffers(Protocol):
@@ -43,7 +43,7 @@ class StaticBuffers:
 
 
 @dataclass(frozen=True, slots=True)
-class StepInput:
+class ForwardInput:
     """One row: the tokens not yet in the pool for ``slot``, starting at position ``start``."""
 
     slot: int
@@ -55,7 +55,7 @@ class StepInput:
 
 
 @dataclass(frozen=True, slots=True)
-class StepOutput:
+class ForwardOutput:
     """The row's next token, its log-probability, and (if asked) the logprob of each input token
     after the first given the ones before it."""
 
@@ -72,7 +72,7 @@ class ModelRunner:
         self.buffers = buffers
 
     @torch.no_grad()
-    def step(self, rows: Sequence[StepInput]) -> list[StepOutput]:
+    def step(self, rows: Sequence[ForwardInput]) -> list[ForwardOutput]:
         if not rows:
             return []
         device = next(self.model.parameters()).device
@@ -103,7 +103,7 @@ class ModelRunner:
                 lp = torch.log_softmax(logits[b, : len(r.tokens) - 1].float(), dim=-1).cpu()
                 nxt = torch.tensor(r.tokens[1:], dtype=torch.long)
                 prompt_lp = lp.gather(1, nxt[:, None]).squeeze(1).tolist()
-            out.append(StepOutput(token, logprob, prompt_lp if r.prompt_logprobs else None))
+            out.append(ForwardOutput(token, logprob, prompt_lp if r.prompt_logprobs else None))
         return out
 
 
@@ -119,7 +119,7 @@ def generate_greedy(
     out: list[int] = []
     pending, start = list(prompt), 0
     while len(out) < max_new_tokens:
-        (res,) = runner.step([StepInput(slot=slot, tokens=pending, start=start)])
+        (res,) = runner.step([ForwardInput(slot=slot, tokens=pending, start=start)])
         out.append(res.token)
         if res.token == eos_id:
             break

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .runner import StepInput, StepOutput
+from .runner import ForwardInput, ForwardOutput
 from .sampling import SamplingConfig
 from .tokenizer import CharTokenizer
 
@@ -110,7 +110,7 @@ class Req:
         return self.prompt_ids + self.output_ids
 
 
-StepFn = Callable[[Sequence[StepInput]], Awaitable[list[StepOutput]]]
+ForwardFn = Callable[[Sequence[ForwardInput]], Awaitable[list[ForwardOutput]]]
 
 
 class Scheduler:
@@ -118,7 +118,7 @@ class Scheduler:
 
     def __init__(
         self,
-        step: StepFn,
+        step: ForwardFn,
         *,
         max_batch: int,
         max_seq: int,
@@ -254,7 +254,7 @@ class Scheduler:
                 batch = self._admit()
                 rows = [self._row(r) for r in batch]
                 self._stepping = True
-            results: list[StepOutput] | None = None
+            results: list[ForwardOutput] | None = None
             error: Exception | None = None
             try:
                 results = await self._step(rows)
@@ -291,9 +291,9 @@ class Scheduler:
             self._running.append(req)
         return list(self._running)
 
-    def _row(self, req: Req) -> StepInput:
+    def _row(self, req: Req) -> ForwardInput:
         tokens = req.tokens
-        return StepInput(
+        return ForwardInput(
             slot=req.slot if req.slot is not None else -1,
             tokens=tokens[req.cached_len :],
             start=req.cached_len,
@@ -302,7 +302,7 @@ class Scheduler:
             prompt_logprobs=req.return_logprob and req.input_logprobs is None,
         )
 
-    def _apply(self, batch: list[Req], results: list[StepOutput] | None, error: BaseException | None) -> None:
+    def _apply(self, batch: list[Req], results: list[ForwardOutput] | None, error: BaseException | None) -> None:
         for i, req in enumerate(batch):
             if req.finish is not None:
                 continue  # aborted while the step ran; its result is dropped

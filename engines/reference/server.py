@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..base import PauseMode
 from .distributed import DistributedUpdates, distributed_routes
-from .engine import EngineRefusal, EngineState, ReferenceEngine
+from .engine import EngineRefusal, RunState, ReferenceEngine
 from .settings import ReferenceServerSettings
 from .wire import (
     AbortRequestBody,
@@ -154,7 +154,7 @@ def _health_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -
         @router.get("/ready")
         async def ready() -> Response:
             """tokenizer_manager.py:732: ready = not paused and healthy."""
-            ok = engine.state is EngineState.RUNNING and not engine.paused
+            ok = engine.state is RunState.RUNNING and not engine.paused
             return Response(status_code=200 if ok else 503)
 
     return router

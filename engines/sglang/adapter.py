@@ -26,7 +26,7 @@ from ..base import (
     ParameterSpec,
     PauseMode,
     ReleaseReport,
-    WeightsLoad,
+    ChunkLoad,
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
@@ -274,7 +274,7 @@ class SGLangAdapter:
             self._check_success(await self._call("POST", request.ROUTE, "begin_weight_update", body),
                                 "begin_weight_update")
 
-    async def load_weights(self, load: WeightsLoad) -> None:
+    async def load_weights(self, load: ChunkLoad) -> None:
         request = wire.UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[_entry(p.transport, p.handle) for p in load.payloads],
             load_format=_load_format(load),
@@ -405,7 +405,7 @@ _REFERENCE_GPU_TRANSPORTS = frozenset(Transport)
 _COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk", Transport.IPC_RING: "colocd_ring"}
 
 
-def _load_format(load: WeightsLoad) -> str | None:
+def _load_format(load: ChunkLoad) -> str | None:
     formats = {_COLOCD_FORMATS.get(p.transport) or str(p.handle.get("load_format", "flattened_bucket"))
                for p in load.payloads}
     if len(formats) != 1:

@@ -28,9 +28,9 @@ from ..chunks import ChunkLayout, dtype_from_name, flatten_into
 
 __all__ = [
     "FLATTENED_BUCKET",
-    "BucketLease",
+    "BufferLease",
+    "BufferLeaseState",
     "FlattenedBucket",
-    "LeaseState",
     "export_flattened_bucket",
     "flatten_bucket",
     "metadata_for_layout",
@@ -185,22 +185,22 @@ def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> FlattenedBucket
 
 
 def export_flattened_bucket(named: Sequence[tuple[str, torch.Tensor]],
-                            shares: list[tuple[bytes, int]] | None = None) -> tuple[str, BucketLease]:
+                            shares: list[tuple[bytes, int]] | None = None) -> tuple[str, BufferLease]:
     """This rank's ``serialized_named_tensors`` entry for one bucket, and the lease on its buffer.
 
     The trainer sends the string (through the daemon) and calls ``lease.release()`` once the
     daemon acked the chunk; nothing else holds the buffer.
     """
     bucket = flatten_bucket(named)
-    return serialize(bucket.payload(), shares), BucketLease(bucket.flattened_tensor)
+    return serialize(bucket.payload(), shares), BufferLease(bucket.flattened_tensor)
 
 
-class LeaseState(Enum):
+class BufferLeaseState(Enum):
     HELD = "held"
     RELEASED = "released"
 
 
-class BucketLease:
+class BufferLease:
     """Keeps one exported bucket alive until the engine has confirmed it, then lets it go for good.
 
     SGLang answers ``update_weights_from_tensor`` once the copy is *enqueued*, not done
@@ -215,7 +215,7 @@ class BucketLease:
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor: torch.Tensor | None = tensor
         self._cuda = tensor.is_cuda
-        self.state = LeaseState.HELD
+        self.state = BufferLeaseState.HELD
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -225,14 +225,14 @@ class BucketLease:
 
     def release(self) -> None:
         """Call after the engine confirmed this bucket; repeated calls do nothing."""
-        if self.state is LeaseState.RELEASED:
+        if self.state is BufferLeaseState.RELEASED:
             return
         self._tensor = None
-        self.state = LeaseState.RELEASED
+        self.state = BufferLeaseState.RELEASED
         if self._cuda and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
-    def __enter__(self) -> BucketLease:
+    def __enter__(self) -> BufferLease:
         return self
 
     def __exit__(self, *exc: object) -> None:

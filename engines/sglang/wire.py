@@ -154,7 +154,7 @@ class UpdateWeightsFromTensorReqInput(SGLangRequest):
 
     The reply comes once the scheduler has *enqueued* the copies, before the device syncs, so the
     producer must not reuse the exported buffer right after it (slime update_weight_from_tensor.py:39-47,
-    THUDM/slime#929); see ``payload.BucketLease``.
+    THUDM/slime#929); see ``payload.BufferLease``.
     """
 
     ROUTE: ClassVar[str] = "/update_weights_from_tensor"

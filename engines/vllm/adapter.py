@@ -38,7 +38,7 @@ from ..base import (
     ParameterSpec,
     PauseMode,
     ReleaseReport,
-    WeightsLoad,
+    ChunkLoad,
 )
 from ..config import VLLMEngineConfig
 from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
@@ -323,7 +323,7 @@ class VLLMAdapter:
             self._transfer_initialised = True
         await self._call("POST", "/start_weight_update")
 
-    async def load_weights(self, load: WeightsLoad) -> None:
+    async def load_weights(self, load: ChunkLoad) -> None:
         """Send one chunk. vLLM replies after the copy is done (base.py update_weights synchronises)."""
         if self._backend == "ipc":
             try:

@@ -115,7 +115,7 @@ def _local_gpu_uuid(device: torch.device) -> str:
 
 
 class ChunkReceiver:
-    """Turns one chunk's payloads (our RankPayload JSON) into cloned named tensors on ``device``.
+    """Turns one chunk's payloads (our ChunkPart JSON) into cloned named tensors on ``device``.
 
     shm: open the POSIX segment read-only by name, unflatten by the JSON layout, clone; never unlink
     (the trainer owns the segment). cuda_ipc: vLLM's packed IPC fields, picked by this worker's GPU

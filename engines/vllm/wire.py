@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..base import MemoryTag, PauseMode, RankPayload
+from ..base import MemoryTag, PauseMode, ChunkPart
 
 __all__ = [
     "BACKEND_COLOCD",
@@ -93,11 +93,11 @@ def rpc_body(
     return body
 
 
-def _payload_json(p: RankPayload) -> dict[str, Any]:
+def _payload_json(p: ChunkPart) -> dict[str, Any]:
     return {"rank": p.rank, "transport": p.transport, "nbytes": p.nbytes, "handle": p.handle}
 
 
-def colocd_update_info(seq: int, payloads: tuple[RankPayload, ...]) -> dict[str, Any]:
+def colocd_update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, Any]:
     """``update_info`` for our ``colocd`` weight-transfer backend (and the extension's RPC).
 
     One dict for every worker: each worker picks its own payload (by GPU UUID for cuda_ipc, by TP
@@ -109,7 +109,7 @@ def colocd_update_info(seq: int, payloads: tuple[RankPayload, ...]) -> dict[str,
 _IPC_KEYS = ("names", "dtype_names", "shapes", "tensor_sizes", "ipc_handles_pickled")
 
 
-def ipc_update_info(payloads: tuple[RankPayload, ...]) -> dict[str, Any] | list[dict[str, Any]]:
+def ipc_update_info(payloads: tuple[ChunkPart, ...]) -> dict[str, Any] | list[dict[str, Any]]:
     """``update_info`` for vLLM's built-in ``ipc`` backend, packed mode (ipc_engine.py:63-120).
 
     The trainer's cuda_ipc handle already carries vLLM's packed fields; the daemon never unpickles

@@ -24,7 +24,7 @@ from colocd.daemon.config import NodeConfig
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.sink import device_checksum
-from colocd.trainer.exported import ExportedChunk
+from colocd.trainer.exported import ExportedPart
 from colocd.trainer.push import WeightPusher
 from colocd.trainer.ring import IpcRingProducer
 
@@ -50,7 +50,7 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     sent: list[dict[str, Any]] = []
     export = IpcRingProducer.export
 
-    def recording(self: IpcRingProducer, named: Any) -> ExportedChunk:
+    def recording(self: IpcRingProducer, named: Any) -> ExportedPart:
         chunk = export(self, named)
         sent.append(chunk.handle)
         return chunk

@@ -24,7 +24,7 @@ import torch
 from support import daemon_node, shm_segments
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.engines.chunks import plan_buckets, tensor_checksum
+from colocd.engines.chunks import plan_chunks, tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.channel import ChunkChannel
@@ -150,7 +150,7 @@ async def test_caller_mistakes_get_error_frames_naming_the_field_and_the_connect
 
         # After every mistake the same connection carries the real chunks, and the session commits.
         producer = producer_for("shm")
-        buckets = list(plan_buckets(named, 20_000))
+        buckets = list(plan_chunks(named, 20_000))
         for seq, bucket in enumerate(buckets):
             chunk = producer.export(bucket)
             ack = await conn.send({"seq": seq, "transport": "shm", "nbytes": chunk.nbytes, "handle": chunk.handle})
@@ -288,7 +288,7 @@ async def test_a_connection_dropped_mid_stream_leaves_the_session_to_its_lease(
         sid, address = await _open_with_channel(node, "dropped", named)
         channel = await ChunkChannel.connect(address, session_id=sid, rank=0, token=TOKEN)
         producer = producer_for("shm")
-        sent = [producer.export(bucket) for bucket in list(plan_buckets(named, 20_000))[:2]]
+        sent = [producer.export(bucket) for bucket in list(plan_chunks(named, 20_000))[:2]]
         for seq, chunk in enumerate(sent):
             await channel.send_chunk(sid, seq=seq, rank=0, chunk=chunk)
         await channel.aclose()  # gone mid-stream, its segments left behind (never released)

@@ -14,8 +14,8 @@ from colocd.api.app import create_app
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
-from colocd.policies import TimeoutStep, Transport
+from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, ChunkLoad
+from colocd.policies import Budget, Transport
 
 KEEP_ALIVE = "apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\npipeline:\n  policy: serial\n"
 BAD_FIELD = "apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depht: 3\n"
@@ -64,7 +64,7 @@ class GatedEngine:
         return ReleaseReport(tags)
 
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: WeightsLoad) -> None: ...
+    async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self) -> None: ...
     async def set_weight_version(self, version: str) -> None:
         self.version = version
@@ -141,7 +141,7 @@ async def test_a_document_that_leaves_out_the_pause_mode_and_timeouts_keeps_the_
         daemon.policies.apply_yaml("apiVersion: colocd/v1\ntimeouts:\n  chunk_s: 3\n", source="test")
         await daemon.transition(NodePhase.TRAIN, 1)
         timeouts = daemon.policies.active.timeouts
-        assert (timeouts.for_step(TimeoutStep.CHUNK), timeouts.for_step(TimeoutStep.HEALTH_INTERVAL)) == (3, 2)
+        assert (timeouts.budget(Budget.CHUNK), timeouts.budget(Budget.HEALTH_INTERVAL)) == (3, 2)
     assert engine.pause_modes == ["abort"]
 
 

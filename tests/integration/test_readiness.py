@@ -12,7 +12,7 @@ import httpx
 
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
-from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, WeightsLoad
+from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, ChunkLoad
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.errors import EngineRejected
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -59,7 +59,7 @@ class SessionStuckEngine:
         return ReleaseReport(tags)
 
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: WeightsLoad) -> None: ...
+    async def load_weights(self, load: ChunkLoad) -> None: ...
 
     async def end_weight_update(self) -> None:
         self.ends += 1

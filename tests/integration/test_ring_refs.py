@@ -17,10 +17,10 @@ from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.errors import RequestInvalid, RingRefUnknown
 from colocd.daemon.metrics import Metrics
-from colocd.daemon.states import EngineState
+from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import WeightSession
-from colocd.engines.base import EngineInfo, RankPayload, WeightsLoad
+from colocd.engines.base import EngineInfo, ChunkPart, ChunkLoad
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.errors import RingRefsUnknown
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -49,7 +49,7 @@ class RecordingEngine:
         self._layouts.clear()
         self._slots.clear()
 
-    async def load_weights(self, load: WeightsLoad) -> None:
+    async def load_weights(self, load: ChunkLoad) -> None:
         (part,) = load.payloads
         handle = part.handle
         self.received.append(handle)
@@ -64,7 +64,7 @@ class RecordingEngine:
 
 
 def _handle_of(engine: RecordingEngine) -> EngineHandle:
-    return EngineHandle(adapter=engine, state=EngineState(engine.name),  # type: ignore[arg-type]
+    return EngineHandle(adapter=engine, state=EngineRecord(engine.name),  # type: ignore[arg-type]
                         config=ReferenceEngineConfig(name=engine.name, url="http://127.0.0.1:9"))
 
 
@@ -73,8 +73,8 @@ def _session(handle: EngineHandle, rings: RingDirectory) -> WeightSession:
                          trace=Trace(1, "weights"), metrics=Metrics(), rings=rings)
 
 
-def _part(**handle: Any) -> RankPayload:
-    return RankPayload(rank=0, transport=Transport.IPC_RING, nbytes=24,
+def _part(**handle: Any) -> ChunkPart:
+    return ChunkPart(rank=0, transport=Transport.IPC_RING, nbytes=24,
                        handle={"ring": "r1", "device_uuid": "u", "layout_ref": REF, **handle})
 
 
@@ -134,7 +134,7 @@ async def test_a_descriptor_without_a_layout_ref_travels_as_before() -> None:
     legacy = {"ring": "r1", "device_uuid": "u", "layout": LAYOUT, "open": HANDLES}
     handle = _handle_of(engine)
     for _ in range(2):
-        await _session(handle, RingDirectory()).submit(0, RankPayload(0, Transport.IPC_RING, 24, legacy))
+        await _session(handle, RingDirectory()).submit(0, ChunkPart(0, Transport.IPC_RING, 24, legacy))
     assert engine.received == [legacy, legacy]  # nothing stripped, nothing added
 
 
@@ -158,7 +158,7 @@ async def test_the_daemon_names_its_ring_record_in_every_join_and_refuses_an_unk
     rejoined = await client.join_session(second, rank=0, device_id="cpu:0")
     assert joined["ring_refs"] and rejoined["ring_refs"] == joined["ring_refs"]  # one record per daemon process
     with pytest.raises(ColocdHTTPError) as err:
-        await client.send_chunk(second, seq=0, rank=0, chunk=RankPayload(0, Transport.IPC_RING, 24, BY_REF))
+        await client.send_chunk(second, seq=0, rank=0, chunk=ChunkPart(0, Transport.IPC_RING, 24, BY_REF))
     assert err.value.status == 409 and err.value.error == "RingRefUnknown"
     assert err.value.body["state"]["layout_ref"] == REF and REF in err.value.body["message"]
     assert (await client.session(second))["state"] == "open"  # refused, nothing accepted

@@ -13,7 +13,7 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import Capability, EngineInfo, MemoryTag, ParameterSpec, Observation, PauseMode, RankPayload, ReleaseReport, WeightsLoad
+from colocd.engines.base import Capability, EngineInfo, MemoryTag, ParameterSpec, Observation, PauseMode, ChunkPart, ReleaseReport, ChunkLoad
 from colocd.engines.chunks import ChunkLayout
 from colocd.policies import Transport
 from colocd.trainer.push import manifest_of
@@ -65,7 +65,7 @@ class ListedEngine:
         return ReleaseReport(tags)
 
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: WeightsLoad) -> None: ...
+    async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self) -> None: ...
 
     async def set_weight_version(self, version: str) -> None:
@@ -85,7 +85,7 @@ def _config(tmp_path: Any) -> NodeConfig:
 async def _commit_one(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
     session = await daemon.open_weights(step=step, version=version, ranks=1, manifest=manifest_of(NAMED))
     handle = {"payload_b64": "", "layout": ChunkLayout.for_tensors(NAMED).to_json()}
-    await daemon.submit_chunk(session.id, 0, RankPayload(0, "cuda_ipc", 8, handle))
+    await daemon.submit_chunk(session.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
     return await daemon.commit_weights(session.id, 1)
 
 

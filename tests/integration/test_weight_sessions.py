@@ -35,15 +35,15 @@ from colocd.engines.base import (
     MemoryTag,
     Observation,
     PauseMode,
-    RankPayload,
+    ChunkPart,
     ReleaseReport,
-    WeightsLoad,
+    ChunkLoad,
 )
-from colocd.engines.chunks import ChunkLayout, plan_buckets, tensor_checksum
+from colocd.engines.chunks import ChunkLayout, plan_chunks, tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.policies import Transport
-from colocd.trainer.producer import ExportedChunk, InlineProducer, producer_for
+from colocd.trainer.producer import ExportedPart, InlineProducer, producer_for
 from colocd.trainer.push import WeightPusher, manifest_of
 
 Named = list[tuple[str, torch.Tensor]]
@@ -147,9 +147,9 @@ async def _refused(call: Awaitable[Any], status: int) -> dict[str, Any]:
     return err.value.body
 
 
-def _export(named: Named, *, transport: str = "shm", bucket_bytes: int = 20_000) -> list[ExportedChunk]:
+def _export(named: Named, *, transport: str = "shm", bucket_bytes: int = 20_000) -> list[ExportedPart]:
     producer = producer_for(transport)
-    return [producer.export(bucket) for bucket in plan_buckets(named, bucket_bytes)]
+    return [producer.export(bucket) for bucket in plan_chunks(named, bucket_bytes)]
 
 
 # --- leases -----------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ _DOOMED_TRAINER = """
 import asyncio, json, sys
 from colocd.api.client import AsyncColocdClient
 from colocd.trainer.push import manifest_of
-from colocd.engines.chunks import plan_buckets
+from colocd.engines.chunks import plan_chunks
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.producer import producer_for
 
@@ -167,7 +167,7 @@ async def main(url):
     async with AsyncColocdClient(url) as c:
         s = await c.open_session("doomed", step=1, ranks=1, depth=2, manifest=manifest_of(named))
         producer, kept = producer_for("shm"), []
-        for seq, bucket in enumerate(list(plan_buckets(named, 20_000))[:3]):
+        for seq, bucket in enumerate(list(plan_chunks(named, 20_000))[:3]):
             chunk = producer.export(bucket)
             await c.send_chunk(s["session_id"], seq=seq, rank=0, chunk=chunk)
             kept.append(chunk)  # acked, never released: this trainer dies first
@@ -223,7 +223,7 @@ async def test_an_aborted_sessions_segments_are_unlinked_when_its_live_trainer_d
         await node.client.join_session(sid, rank=0, device_id="cpu:0")  # declares this process (os.getpid())
         producer = producer_for("shm")
         try:
-            kept = [producer.export(bucket) for bucket in list(plan_buckets(named, 20_000))[:2]]
+            kept = [producer.export(bucket) for bucket in list(plan_chunks(named, 20_000))[:2]]
             for seq, chunk in enumerate(kept):  # sent and acked, never released: this trainer lives on
                 await node.client.send_chunk(sid, seq=seq, rank=0, chunk=chunk)
             segments = {c.handle["shm_name"] for c in kept}
@@ -417,7 +417,7 @@ async def test_unreadable_chunk_handles_are_422_before_any_engine_call(
         try:
             before = await node.client.status()
             for change, nbytes, expected_field in bad:
-                chunk = ExportedChunk("shm", nbytes, {**good.handle, **change}, good.layout)
+                chunk = ExportedPart("shm", nbytes, {**good.handle, **change}, good.layout)
                 refused = await _refused(node.client.send_chunk(sid, seq=0, rank=0, chunk=chunk), 422)
                 assert expected_field in str(refused), (change, refused)
             after = await node.client.status()
@@ -546,7 +546,7 @@ class UnlistedEngine:
         return ReleaseReport(tags)
 
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: WeightsLoad) -> None: ...
+    async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self) -> None: ...
     async def set_weight_version(self, version: str) -> None:
         self.version = version
@@ -573,7 +573,7 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
     async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as daemon:  # type: ignore[dict-item]
         await step(daemon, 1)
         first = await daemon.open_weights(step=1, version="v1", ranks=1, manifest=full)
-        await daemon.submit_chunk(first.id, 0, RankPayload(0, "cuda_ipc", 8, handle))
+        await daemon.submit_chunk(first.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
         await daemon.commit_weights(first.id, 1)  # nothing to compare with yet: recorded as complete
         await daemon.transition(NodePhase.ROLLOUT, 1)
         await step(daemon, 2)
@@ -597,7 +597,7 @@ class InlineOnlyEngine(UnlistedEngine):
         super().__init__(name)
         self.loads = 0
 
-    async def load_weights(self, load: WeightsLoad) -> None:
+    async def load_weights(self, load: ChunkLoad) -> None:
         self.loads += 1
 
 
@@ -612,8 +612,8 @@ async def test_a_chunk_by_a_transport_the_engine_does_not_load_is_refused_before
         session = await daemon.open_weights(step=1, version="v1", ranks=1)
         assert session.transports() == (Transport.INLINE,)
         with pytest.raises(RequestInvalid, match=r"travels by disk.*'e0' does not load \(it accepts: inline\)") as err:
-            await daemon.submit_chunk(session.id, 0, RankPayload(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
+            await daemon.submit_chunk(session.id, 0, ChunkPart(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
         assert err.value.field == "transport" and engine.loads == 0
         chunk = InlineProducer().export(named)  # what the engine loads: accepted, and the session goes on
-        await daemon.submit_chunk(session.id, 0, RankPayload(0, Transport.INLINE, chunk.nbytes, chunk.handle))
+        await daemon.submit_chunk(session.id, 0, ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle))
         assert engine.loads == 1

@@ -23,10 +23,10 @@ from colocd.bench.weights import BenchSettings, run_weights_bench
 from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, WeightSyncError
 from colocd.daemon.metrics import Metrics
-from colocd.daemon.states import EngineState
+from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import SessionState, WeightSession
-from colocd.engines.base import RankPayload, WeightsLoad
+from colocd.engines.base import ChunkPart, ChunkLoad
 from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.cuda_handles import RingTable
@@ -62,7 +62,7 @@ class FakeEngine:
         self.cancelled: list[int] = []
         self.active = self.max_active = 0
 
-    async def load_weights(self, load: WeightsLoad) -> None:
+    async def load_weights(self, load: ChunkLoad) -> None:
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         self.started[load.seq].set()
@@ -94,7 +94,7 @@ def _session(
     handles = [
         EngineHandle(
             adapter=e,  # type: ignore[arg-type]
-            state=EngineState(e.name),
+            state=EngineRecord(e.name),
             config=ReferenceEngineConfig(name=e.name, url="http://127.0.0.1:9", tp_size=e.tp, gpu_uuids=e.gpu_uuids),
         )
         for e in engines
@@ -114,21 +114,21 @@ def _session(
     )
 
 
-def _part(rank: int, seq: int, **handle: Any) -> RankPayload:
+def _part(rank: int, seq: int, **handle: Any) -> ChunkPart:
     # cuda_ipc: a payload the daemon cannot look into (no segment), with the layout every chunk carries: chunk
     # seq holds tensor t<seq> on every rank.
     layout = [{"name": f"t{seq}", "dtype": "float32", "shape": [1], "offset": 0}]
-    return RankPayload(rank=rank, transport="cuda_ipc", nbytes=100,
+    return ChunkPart(rank=rank, transport="cuda_ipc", nbytes=100,
                        handle={"payload_b64": "", "layout": layout, "data": f"r{rank}c{seq}", **handle})
 
 
-def _shm_part(rank: int, names: list[str]) -> RankPayload:
+def _shm_part(rank: int, names: list[str]) -> ChunkPart:
     """A part whose layout the daemon reads (shm), in a segment of its own: it names the tensors it carries."""
     named = [(n, torch.zeros(4)) for n in names]
     layout = ChunkLayout.for_tensors(named)
     segment = SharedSegment.create(layout.nbytes)
     _SEGMENTS.append(segment)
-    return RankPayload(rank=rank, transport="shm", nbytes=layout.nbytes,
+    return ChunkPart(rank=rank, transport="shm", nbytes=layout.nbytes,
                        handle={"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json(),
                                "data": f"r{rank}"})
 
@@ -359,7 +359,7 @@ def test_feed_ranks_name_one_distinct_trainer_rank_per_tp_rank() -> None:
 
 def test_each_transport_reaches_the_engine_in_its_load_format() -> None:
     def fmt(transport: str, **handle: Any) -> str | None:
-        return _load_format(WeightsLoad(0, (RankPayload(0, transport, 1, handle),), 1))
+        return _load_format(ChunkLoad(0, (ChunkPart(0, transport, 1, handle),), 1))
 
     assert fmt("shm") == "colocd_shm" and fmt("disk") == "colocd_disk" and fmt("ipc_ring") == "colocd_ring"
     assert fmt("cuda_ipc", load_format="flattened_bucket") == "flattened_bucket"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sglang_live import LiveServer, Recorder, greedy, original_weights, save_model, step_weights
 
-from colocd.engines.base import PauseMode, RankPayload, WeightsLoad
+from colocd.engines.base import PauseMode, ChunkPart, ChunkLoad
 from colocd.engines.errors import EngineRejected
 from colocd.engines.sglang.adapter import SGLangAdapter
 from colocd.engines.sglang.checksums import differing
@@ -26,10 +26,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 DEADLINE_S = 120
 
 
-def inline_load(named: list, seq: int = 0, version: str | None = None) -> WeightsLoad:
+def inline_load(named: list, seq: int = 0, version: str | None = None) -> ChunkLoad:
     chunk = InlineProducer().export(named)
-    part = RankPayload(0, Transport.INLINE, chunk.nbytes, chunk.handle)
-    return WeightsLoad(seq=seq, payloads=(part,), nbytes=chunk.nbytes, weight_version=version)
+    part = ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle)
+    return ChunkLoad(seq=seq, payloads=(part,), nbytes=chunk.nbytes, weight_version=version)
 
 
 async def test_attach_reads_sglangs_server_info_and_observe_derives_a_stable_incarnation(

@@ -15,10 +15,10 @@ import torch
 from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.metrics import Metrics
-from colocd.daemon.states import EngineState
+from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import WeightSession, manifest_from_json
-from colocd.engines.base import RankPayload, WeightsLoad
+from colocd.engines.base import ChunkPart, ChunkLoad
 from colocd.engines.chunks import ChunkLayout
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.policies import Transport
@@ -36,12 +36,12 @@ class RecordingEngine:
         self.name = name
         self.loads: list[int] = []
 
-    async def load_weights(self, load: WeightsLoad) -> None:
+    async def load_weights(self, load: ChunkLoad) -> None:
         self.loads.append(load.seq)
 
 
 def _session(engines: list[RecordingEngine]) -> WeightSession:
-    handles = [EngineHandle(adapter=e, state=EngineState(e.name),  # type: ignore[arg-type]
+    handles = [EngineHandle(adapter=e, state=EngineRecord(e.name),  # type: ignore[arg-type]
                             config=ReferenceEngineConfig(name=e.name, url="http://127.0.0.1:9"))
                for e in engines]
     return WeightSession(step=1, version="v", ranks=2, engines=handles, depth=2, chunk_timeout_s=5.0,
@@ -53,7 +53,7 @@ def _layout(named: list[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
     return ChunkLayout.for_tensors(named).to_json()
 
 
-def _part(transport: str, rank: int, named: list[tuple[str, torch.Tensor]]) -> RankPayload:
+def _part(transport: str, rank: int, named: list[tuple[str, torch.Tensor]]) -> ChunkPart:
     """One rank's chunk as its producer describes it."""
     layout = _layout(named)
     handles: dict[str, tuple[str, dict[str, Any]]] = {
@@ -66,7 +66,7 @@ def _part(transport: str, rank: int, named: list[tuple[str, torch.Tensor]]) -> R
                                    "layout": [{**e, "slot": 2 + i} for i, e in enumerate(layout)]}),
     }
     wire, handle = handles[transport]
-    return RankPayload(rank=rank, transport=wire, nbytes=ChunkLayout.for_tensors(named).nbytes, handle=handle)
+    return ChunkPart(rank=rank, transport=wire, nbytes=ChunkLayout.for_tensors(named).nbytes, handle=handle)
 
 
 CUDA_TRANSPORTS = ["cuda_ipc", "per_tensor", "ipc_ring", "zero_copy"]

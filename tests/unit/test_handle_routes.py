@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from colocd.engines.base import RankPayload
+from colocd.engines.base import ChunkPart
 from colocd.engines.handles import CudaIpcRoute, HostRoute, RingRoute, ShmRoute
 from colocd.errors import RequestInvalid
 from colocd.policies import Transport
 
 
-def _part(transport: Transport, **handle: object) -> RankPayload:
-    return RankPayload(rank=0, transport=transport, nbytes=8, handle=dict(handle))
+def _part(transport: Transport, **handle: object) -> ChunkPart:
+    return ChunkPart(rank=0, transport=transport, nbytes=8, handle=dict(handle))
 
 
 @pytest.mark.parametrize("transport, handle, route", [

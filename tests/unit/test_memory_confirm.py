@@ -11,7 +11,7 @@ import pytest
 from colocd.daemon.engine_ops import EngineHandle, expected_release_bytes
 from colocd.daemon.errors import MemoryNotConfirmed
 from colocd.daemon.memory import GpuReading, NvmlProbe, Settled
-from colocd.daemon.states import EngineState
+from colocd.daemon.states import EngineRecord
 from colocd.engines.base import MemoryReport, MemoryTag, TagMemory
 
 GIB = 1 << 30
@@ -81,7 +81,7 @@ async def test_memory_that_never_shows_free_is_an_error_naming_the_gpus_and_the_
 
 def _engine() -> EngineHandle:
     return EngineHandle(adapter=SimpleNamespace(), config=SimpleNamespace(gpus=[0], gpu_uuids=None),
-                        state=EngineState(name="e0"))
+                        state=EngineRecord(name="e0"))
 
 
 TAGS = (MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)

@@ -7,7 +7,7 @@ import pytest
 from colocd.policies import (
     AggressiveCleanupPolicy,
     AutoPolicy,
-    CleanupStep,
+    CleanupAction,
     DeferredCooldownPolicy,
     DestroyPolicy,
     EmptyCachePolicy,
@@ -21,7 +21,7 @@ from colocd.policies import (
     SerialPolicy,
     SuspendPolicy,
     Timeouts,
-    TimeoutStep,
+    Budget,
     Transport,
     WaitPoint,
 )
@@ -188,22 +188,22 @@ def test_small_syncs_get_small_buckets_and_no_useless_depth() -> None:
 
 
 def test_cleanup_plans() -> None:
-    assert EmptyCachePolicy().plan().steps == (CleanupStep.EMPTY_CACHE,)
+    assert EmptyCachePolicy().plan().steps == (CleanupAction.EMPTY_CACHE,)
     aggressive = AggressiveCleanupPolicy().plan()
-    assert aggressive.steps == (CleanupStep.GC_COLLECT, CleanupStep.SYNCHRONIZE, CleanupStep.EMPTY_CACHE)
+    assert aggressive.steps == (CleanupAction.GC_COLLECT, CleanupAction.SYNCHRONIZE, CleanupAction.EMPTY_CACHE)
     assert (aggressive.max_retries, aggressive.min_freed_bytes) == (3, GIB)
     assert NoCleanupPolicy().plan().steps == ()
 
 
 def test_timeouts_fall_back_to_the_default_and_reject_unknown_steps() -> None:
     t = Timeouts(default_s=10, release_s=None, chunk_s=99)
-    assert (t.for_step(TimeoutStep.RELEASE), t.for_step(TimeoutStep.CHUNK)) == (10, 99)
-    with pytest.raises(ValueError, match="unknown timeout step 'bogus'"):
-        t.for_step("bogus")  # type: ignore[arg-type]
+    assert (t.budget(Budget.RELEASE), t.budget(Budget.CHUNK)) == (10, 99)
+    with pytest.raises(ValueError, match="unknown budget 'bogus'"):
+        t.budget("bogus")  # type: ignore[arg-type]
 
 
 def test_every_timeout_step_has_its_field_and_every_field_a_step() -> None:
-    steps = {f"{s.value}_s" for s in TimeoutStep}
+    steps = {f"{s.value}_s" for s in Budget}
     assert set(Timeouts.model_fields) - {"default_s"} == steps
 
 
@@ -211,16 +211,16 @@ def test_a_document_overrides_only_the_timeouts_it_sets() -> None:
     node = Timeouts(default_s=20, chunk_s=7, health_interval_s=2)
     document = Timeouts(chunk_s=3, resume_s=None)
     merged = document.over(node)
-    assert merged.for_step(TimeoutStep.CHUNK) == 3  # the document's
-    assert merged.for_step(TimeoutStep.HEALTH_INTERVAL) == 2  # left out: the node's
-    assert merged.for_step(TimeoutStep.RELEASE) == 20  # unset in both: the node's default_s
+    assert merged.budget(Budget.CHUNK) == 3  # the document's
+    assert merged.budget(Budget.HEALTH_INTERVAL) == 2  # left out: the node's
+    assert merged.budget(Budget.RELEASE) == 20  # unset in both: the node's default_s
     assert Timeouts().over(node) == node
 
 
 def test_old_timeout_keys_still_load() -> None:
     # health_s was the node's health-loop interval; sync_s was never read, so it is dropped.
     t = Timeouts.model_validate({"health_s": 9, "sync_s": 600})
-    assert t.for_step(TimeoutStep.HEALTH_INTERVAL) == 9
+    assert t.budget(Budget.HEALTH_INTERVAL) == 9
     assert "sync_s" not in t.model_dump()
 
 

@@ -9,7 +9,7 @@ import torch
 from colocd.policies import (
     AggressiveCleanupPolicy,
     CleanupPlan,
-    CleanupStep,
+    CleanupAction,
     EmptyCachePolicy,
     NoCleanupPolicy,
 )
@@ -79,6 +79,6 @@ def test_empty_cache_is_one_step_and_none_is_nothing() -> None:
 
 
 def test_report_serialises() -> None:
-    plan = CleanupPlan(policy="x", steps=(CleanupStep.GC_COLLECT,))
+    plan = CleanupPlan(policy="x", steps=(CleanupAction.GC_COLLECT,))
     d = run_cleanup(plan, device=CPU).to_dict()
     assert d["policy"] == "x" and isinstance(d["spans"], list)

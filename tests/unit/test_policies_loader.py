@@ -11,7 +11,7 @@ from colocd.policies import (
     AutoPolicy,
     PolicyError,
     PolicySet,
-    TimeoutStep,
+    Budget,
     default_policies,
     load_policy_yaml,
 )
@@ -44,7 +44,7 @@ def test_a_full_document_loads_into_typed_policies() -> None:
     assert p.process_groups.config.max_resident_gib == 6
     assert (p.pipeline.spec, p.cleanup.spec) == ("overlap", "aggressive")
     assert p.engines.release_tags == ("kv_cache",)
-    assert p.timeouts.for_step(TimeoutStep.RESUME) == 20
+    assert p.timeouts.budget(Budget.RESUME) == 20
 
 
 def test_only_api_version_gives_the_defaults() -> None:

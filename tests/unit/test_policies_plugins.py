@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from colocd.policies import CleanupPlan, CleanupPolicy, CleanupStep, GroupDirective, PolicyConfig
+from colocd.policies import CleanupPlan, CleanupPolicy, CleanupAction, GroupDirective, PolicyConfig
 from colocd.policies import ProcessGroupPolicy
 
 
@@ -46,7 +46,7 @@ class GcOnly(CleanupPolicy):
     name: ClassVar[str] = "gc_only"
 
     def plan(self):
-        return CleanupPlan(policy=self.spec, steps=(CleanupStep.GC_COLLECT,))
+        return CleanupPlan(policy=self.spec, steps=(CleanupAction.GC_COLLECT,))
 '''
 
 

@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 from colocd.daemon.reconcile import Action, plan_reconcile
-from colocd.daemon.states import EngineState, Generation, NodePhase, TagState, WeightsState
+from colocd.daemon.states import EngineRecord, Generation, NodePhase, TagState, WeightsState
 from colocd.engines.base import ALL_TAGS, MemoryTag, Observation
 
 W, KV, CG = MemoryTag.WEIGHTS, MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH
 ALL_RESIDENT = {W: True, KV: True, CG: True}
 
 
-def serving(version: str = "v3", incarnation: str | None = "boot-1") -> EngineState:
+def serving(version: str = "v3", incarnation: str | None = "boot-1") -> EngineRecord:
     """An engine in rollout at a committed version: everything resident, generation on."""
-    return EngineState(name="e0", weight_version=version, incarnation=incarnation)
+    return EngineRecord(name="e0", weight_version=version, incarnation=incarnation)
 
 
-def trained(incarnation: str | None = "boot-1") -> EngineState:
+def trained(incarnation: str | None = "boot-1") -> EngineRecord:
     """An engine after 'train': paused, every tag released (so weights stale), version kept."""
     return serving(incarnation=incarnation).with_(generation=Generation.PAUSED).with_tags(ALL_TAGS, TagState.RELEASED)
 
 
-def synced(incarnation: str | None = "boot-1") -> EngineState:
+def synced(incarnation: str | None = "boot-1") -> EngineRecord:
     """After 'sync': weights resident (stale until the push commits), KV cache and graphs still released."""
     return trained(incarnation).with_tags((W,), TagState.RESIDENT)
 
@@ -31,7 +31,7 @@ def fresh(incarnation: str | None = "boot-2", version: str = "default") -> Obser
                        paused=False, update_session_open=False)
 
 
-def plan(recorded: EngineState, observed: Observation, phase: NodePhase = NodePhase.ROLLOUT, *,
+def plan(recorded: EngineRecord, observed: Observation, phase: NodePhase = NodePhase.ROLLOUT, *,
          owns_session: bool = False, first_sight: bool = False, lost_sight: bool = False):  # type: ignore[no-untyped-def]
     return plan_reconcile(recorded, observed, phase=phase, owns_session=owns_session, first_sight=first_sight,
                           lost_sight=lost_sight)
@@ -89,7 +89,7 @@ def test_a_weight_version_back_at_the_launch_default_on_clean_weights_is_a_resta
 
 
 def test_the_first_sight_of_an_engine_adopts_whatever_it_reports() -> None:
-    p = plan(EngineState(name="e0"), Observation("boot-1", "default", dict(ALL_RESIDENT), False, False),
+    p = plan(EngineRecord(name="e0"), Observation("boot-1", "default", dict(ALL_RESIDENT), False, False),
              first_sight=True)
     assert not p.restarted and p.actions == ()
     assert (p.state.weight_version, p.state.incarnation, p.state.weights) == ("default", "boot-1", WeightsState.CLEAN)

@@ -21,7 +21,7 @@ from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tens
 from colocd.engines.reference.memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.payloads import PayloadError, open_payload
-from colocd.engines.reference.runner import ModelRunner, StaticBuffers, StepInput, StepOutput, generate_greedy
+from colocd.engines.reference.runner import ModelRunner, StaticBuffers, ForwardInput, ForwardOutput, generate_greedy
 from colocd.engines.reference.safe_unpickle import UnsafePickleError, safe_loads
 from colocd.engines.reference.sampling import SamplingConfig, choose_token
 from colocd.engines.reference.scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
@@ -118,7 +118,7 @@ def test_a_padded_batch_step_gives_each_row_its_own_logits() -> None:
     starts = [0, 0, 0]
     outs: list[list[int]] = [[], [], []]
     for _ in range(6):
-        results = runner.step([StepInput(slot=i + 1, tokens=pending[i], start=starts[i]) for i in range(3)])
+        results = runner.step([ForwardInput(slot=i + 1, tokens=pending[i], start=starts[i]) for i in range(3)])
         for i, r in enumerate(results):
             outs[i].append(r.token)
             starts[i] += len(pending[i])
@@ -229,15 +229,15 @@ class GatedStep:
     def __init__(self) -> None:
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
-        self.calls: list[list[StepInput]] = []
+        self.calls: list[list[ForwardInput]] = []
 
-    async def __call__(self, rows: list[StepInput]) -> list[StepOutput]:
+    async def __call__(self, rows: list[ForwardInput]) -> list[ForwardOutput]:
         self.calls.append(list(rows))
         self.entered.set()
         await self.gate.wait()
         self.gate.clear()
         self.entered.clear()
-        return [StepOutput(token=(r.tokens[-1] + 1) % 32 or 3, logprob=-1.0) for r in rows]
+        return [ForwardOutput(token=(r.tokens[-1] + 1) % 32 or 3, logprob=-1.0) for r in rows]
 
 
 def make_req(prompt: list[int], max_new: int) -> Req:

@@ -9,7 +9,7 @@ import pytest
 
 from colocd.daemon.errors import TransitionRejected
 from colocd.daemon.states import (
-    EngineState,
+    EngineRecord,
     Generation,
     NodePhase,
     NodeState,
@@ -47,7 +47,7 @@ def test_illegal_phase_moves_name_the_current_state(node: NodeState, phase: Node
 
 
 def test_double_release_is_refused_when_strict_and_skipped_otherwise() -> None:
-    engine = EngineState("e").with_tags((KV,), TagState.RELEASED)
+    engine = EngineRecord("e").with_tags((KV,), TagState.RELEASED)
     assert engine.tags_to_release((KV, W), strict=False) == (W,)
     with pytest.raises(TransitionRejected, match=r"\['kv_cache'\]: already released"):
         engine.tags_to_release((KV,), strict=True)
@@ -55,18 +55,18 @@ def test_double_release_is_refused_when_strict_and_skipped_otherwise() -> None:
 
 def test_resume_of_a_resident_tag_is_refused_when_strict() -> None:
     with pytest.raises(TransitionRejected, match="already resident"):
-        EngineState("e").tags_to_resume((W,), strict=True)
+        EngineRecord("e").tags_to_resume((W,), strict=True)
 
 
 def test_tags_the_engine_does_not_own_are_refused() -> None:
-    engine = EngineState("e", owned_tags=(W, KV))
+    engine = EngineRecord("e", owned_tags=(W, KV))
     with pytest.raises(TransitionRejected, match="does not own tags \\['cuda_graph'\\]"):
         engine.tags_to_release((CG,), strict=True)
     assert engine.tags_to_release(None, strict=True) == (W, KV)
 
 
 def test_releasing_weights_makes_them_stale_and_serving_is_refused_until_clean() -> None:
-    engine = EngineState("e").with_tags((W, KV), TagState.RELEASED)
+    engine = EngineRecord("e").with_tags((W, KV), TagState.RELEASED)
     assert engine.weights is WeightsState.STALE
     engine = engine.with_tags((W, KV), TagState.RESIDENT)
     with pytest.raises(TransitionRejected, match="weights are stale"):
@@ -75,7 +75,7 @@ def test_releasing_weights_makes_them_stale_and_serving_is_refused_until_clean()
 
 
 def test_serving_on_released_memory_is_refused() -> None:
-    engine = EngineState("e").with_tags((KV,), TagState.RELEASED)
+    engine = EngineRecord("e").with_tags((KV,), TagState.RELEASED)
     with pytest.raises(TransitionRejected, match=r"tags \['kv_cache'\] are released"):
         engine.check_can_serve()
 
@@ -125,7 +125,7 @@ def test_rollout_needs_clean_weights_on_every_engine_before_any_resumes() -> Non
     from colocd.daemon.states import check_rollout_weights
 
     node = NodeState(NodePhase.SYNC, 1)
-    clean, stale = EngineState(name="a"), EngineState(name="b", weights=WeightsState.STALE)
+    clean, stale = EngineRecord(name="a"), EngineRecord(name="b", weights=WeightsState.STALE)
     check_rollout_weights([clean], node)
     with pytest.raises(TransitionRejected, match="weights not updated since release: engine 'b'"):
         check_rollout_weights([clean, stale], node)
@@ -135,12 +135,12 @@ def test_a_weight_session_opens_alone_on_paused_engines_with_weights_resident() 
     from colocd.daemon.states import check_can_open_session, check_partial_allowed
 
     node = NodeState(NodePhase.SYNC, 1)
-    paused = EngineState(name="a", generation=Generation.PAUSED)
+    paused = EngineRecord(name="a", generation=Generation.PAUSED)
     check_can_open_session(None, [paused], node)
     with pytest.raises(TransitionRejected, match=r"session s1 is already open \(idle 2.0s; it expires after 30.0s"):
         check_can_open_session("s1", [paused], node, idle_for=2.0, idle_s=30.0)
     with pytest.raises(TransitionRejected, match="must be paused with weights resident"):
-        check_can_open_session(None, [EngineState(name="a")], node)  # serving
+        check_can_open_session(None, [EngineRecord(name="a")], node)  # serving
     with pytest.raises(TransitionRejected, match="must be paused with weights resident"):
         check_can_open_session(None, [paused.with_tags((W,), TagState.RELEASED)], node)
     check_partial_allowed([paused], node)
@@ -152,7 +152,7 @@ def test_an_engine_takes_mutating_calls_only_attached_and_healthy() -> None:
     from colocd.daemon.errors import EngineUnreachable
     from colocd.daemon.states import Attachment, check_attached, unready_reason
 
-    healthy = EngineState(name="a")
+    healthy = EngineRecord(name="a")
     check_attached("a", Attachment.ATTACHED, healthy)
     assert unready_reason("a", Attachment.ATTACHED, healthy) is None
     with pytest.raises(EngineUnreachable, match="not attached"):

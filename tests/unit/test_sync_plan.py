@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import pytest
 
 from colocd.daemon.reconcile import Action, Desired, plan
-from colocd.daemon.states import EngineState, Generation, NodePhase, TagState, WeightsState
+from colocd.daemon.states import EngineRecord, Generation, NodePhase, TagState, WeightsState
 from colocd.engines.base import ALL_TAGS, MemoryTag, Observation, PauseMode
 
 W, KV, CG = MemoryTag.WEIGHTS, MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH
 P, R, RS, C = Action.PAUSE, Action.RELEASE, Action.RESUME, Action.CONTINUE
 FAIL, END = Action.FAIL_SESSION, Action.END_ENGINE_SESSION
 
-SERVING = EngineState(name="e0", weight_version="v3", incarnation="boot-1")
+SERVING = EngineRecord(name="e0", weight_version="v3", incarnation="boot-1")
 TRAINED = SERVING.with_(generation=Generation.PAUSED).with_tags(ALL_TAGS, TagState.RELEASED)
 SYNCED = TRAINED.with_tags((W,), TagState.RESIDENT)
 PUSHED = SYNCED.with_(weights=WeightsState.CLEAN, weight_version="v4")  # a complete push committed
@@ -35,7 +35,7 @@ def fresh(incarnation: str = "boot-2") -> Observation:
     return Observation(incarnation, "default", dict(RESIDENT), paused=False, update_session_open=False)
 
 
-def same(state: EngineState, **changes: object) -> Observation:
+def same(state: EngineRecord, **changes: object) -> Observation:
     """The engine reporting exactly its record (with ``changes``)."""
     fields: dict[str, object] = {"incarnation": state.incarnation, "weight_version": state.weight_version,
                                  "resident": {t: state.resident(t) for t in ALL_TAGS},
@@ -46,7 +46,7 @@ def same(state: EngineState, **changes: object) -> Observation:
 @dataclass(frozen=True)
 class Row:
     desired: Desired
-    recorded: EngineState
+    recorded: EngineRecord
     observed: Observation | None
     phase: NodePhase
     actions: tuple[Action, ...]

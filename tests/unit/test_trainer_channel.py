@@ -23,7 +23,7 @@ from colocd.api.client import ColocdHTTPError
 from colocd.engines.chunks import ChunkLayout
 from colocd.policies import Transport
 from colocd.trainer.channel import MAX_REPLY_BYTES, ChannelClosed, ChunkChannel
-from colocd.trainer.exported import ExportedChunk
+from colocd.trainer.exported import ExportedPart
 
 DEADLINE_S = 10
 GREETING = {"channel": "colocd-chunks/1", "session_id": "s1", "rank": 0, "max_frame_bytes": 1 << 20,
@@ -35,9 +35,9 @@ def _line(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode() + b"\n"
 
 
-def _chunk(seq: int) -> ExportedChunk:
+def _chunk(seq: int) -> ExportedPart:
     """A chunk descriptor naming a segment that does not exist: the peer never opens the handle."""
-    return ExportedChunk(Transport.SHM, 8, {"shm_name": f"seg{seq}"}, ChunkLayout((), 8))
+    return ExportedPart(Transport.SHM, 8, {"shm_name": f"seg{seq}"}, ChunkLayout((), 8))
 
 
 @asynccontextmanager

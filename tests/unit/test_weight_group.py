@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from colocd.daemon.distributed import BroadcastDescriptor
-from colocd.engines.weight_group import bucket_order, flattened_layout, parse_dtype
+from colocd.engines.weight_group import chunk_order, flattened_layout, parse_dtype
 
 
 def test_flattened_layout_packs_tensors_back_to_back_without_padding() -> None:
@@ -24,7 +24,7 @@ def test_a_misaligned_offset_is_refused_naming_the_tensor_and_its_itemsize() -> 
 def test_bucket_order_makes_any_mix_of_dtypes_aligned() -> None:
     named = [("i8", torch.zeros(3, dtype=torch.int8)), ("f32", torch.zeros(5)),
              ("bf16", torch.zeros(7, dtype=torch.bfloat16)), ("f64", torch.zeros(1, dtype=torch.float64))]
-    ordered = bucket_order(named)
+    ordered = chunk_order(named)
     assert [n for n, _ in ordered] == ["f64", "f32", "bf16", "i8"]
     flattened_layout([n for n, _ in ordered], [str(t.dtype).removeprefix("torch.") for _, t in ordered],
                      [list(t.shape) for _, t in ordered])

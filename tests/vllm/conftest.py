@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from shared_server import SharedServerGuard, remember
 
-from colocd.engines.base import RankPayload, WeightsLoad
-from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_buckets
+from colocd.engines.base import ChunkPart, ChunkLoad
+from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_chunks
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
 
@@ -184,24 +184,24 @@ def new_weights_dir(model_dir: Path, new_weights: Named, tmp_path_factory: pytes
 
 
 @pytest.fixture
-def shm_chunks() -> Callable[..., AbstractContextManager[list[WeightsLoad]]]:
+def shm_chunks() -> Callable[..., AbstractContextManager[list[ChunkLoad]]]:
     return _shm_chunks
 
 
 @pytest.fixture
-def push() -> Callable[[VLLMAdapter, Sequence[WeightsLoad]], Awaitable[None]]:
+def push() -> Callable[[VLLMAdapter, Sequence[ChunkLoad]], Awaitable[None]]:
     return _push
 
 
 @contextmanager
 def _shm_chunks(
     named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, version: str | None
-) -> Iterator[list[WeightsLoad]]:
+) -> Iterator[list[ChunkLoad]]:
     """Trainer side: flatten ``named`` into POSIX shm chunks; the last one carries ``version``."""
     segments: list[SharedSegment] = []
-    loads: list[WeightsLoad] = []
+    loads: list[ChunkLoad] = []
     try:
-        buckets = list(plan_buckets(named, bucket_bytes))
+        buckets = list(plan_chunks(named, bucket_bytes))
         for seq, bucket in enumerate(buckets):
             layout = ChunkLayout.for_tensors(bucket)
             seg = SharedSegment.create(layout.nbytes)
@@ -209,9 +209,9 @@ def _shm_chunks(
             flatten_into(seg.tensor(), layout, bucket)
             handle = {"shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
             loads.append(
-                WeightsLoad(
+                ChunkLoad(
                     seq=seq,
-                    payloads=(RankPayload(rank=0, transport="shm", nbytes=layout.nbytes, handle=handle),),
+                    payloads=(ChunkPart(rank=0, transport="shm", nbytes=layout.nbytes, handle=handle),),
                     nbytes=layout.nbytes,
                     weight_version=version if seq == len(buckets) - 1 else None,
                 )
@@ -223,7 +223,7 @@ def _shm_chunks(
             seg.unlink()
 
 
-async def _push(adapter: VLLMAdapter, loads: Sequence[WeightsLoad]) -> None:
+async def _push(adapter: VLLMAdapter, loads: Sequence[ChunkLoad]) -> None:
     await adapter.begin_weight_update()
     for load in loads:
         await adapter.load_weights(load)

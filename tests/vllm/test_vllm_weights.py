@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from colocd.engines.base import MemoryTag, PauseMode, RankPayload, WeightsLoad
+from colocd.engines.base import MemoryTag, PauseMode, ChunkPart, ChunkLoad
 from colocd.engines.errors import EngineRejected
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
 from colocd.engines.vllm.extension import named_digest
@@ -104,9 +104,9 @@ async def test_disk_chunks_load_through_the_same_session(
     adapter: VLLMAdapter, complete: Any, new_weights: list[Any], new_weights_dir: Path, restore_original: None
 ) -> None:
     path = str(new_weights_dir / "model.safetensors")
-    load = WeightsLoad(
+    load = ChunkLoad(
         seq=0,
-        payloads=(RankPayload(rank=0, transport="disk", nbytes=0, handle={"path": path}),),
+        payloads=(ChunkPart(rank=0, transport="disk", nbytes=0, handle={"path": path}),),
         nbytes=0,
         flush_cache=True,
         weight_version="disk-chunk",
@@ -146,7 +146,7 @@ async def test_a_chunk_that_cannot_be_read_leaves_the_weights_untouched(
 ) -> None:
     start_checksums, start_text = await adapter.engine_checksums(), await complete()
     missing = {"shm_name": "colocd-does-not-exist", "nbytes": 256, "layout": []}
-    load = WeightsLoad(seq=0, payloads=(RankPayload(0, "shm", 256, missing),), nbytes=256)
+    load = ChunkLoad(seq=0, payloads=(ChunkPart(0, "shm", 256, missing),), nbytes=256)
     await adapter.begin_weight_update()
     with pytest.raises(EngineRejected, match="colocd-does-not-exist"):
         await adapter.load_weights(load)
