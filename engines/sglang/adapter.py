@@ -6,6 +6,8 @@ Every call maps to one SGLang route; ordering, retries and deadlines belong to t
 
 from __future__ import annotations
 
+import asyncio
+
 import base64
 import json
 from collections.abc import Sequence
@@ -207,16 +209,24 @@ class SGLangAdapter:
         (``wire.ServerInfo.incarnation``: SGLang measures it once per process, http_server.py:886); the
         reference engine also reports its pause gate, its open weight-update session (``internal_states``)
         and per-tag residency (``/colocd/memory``). Real SGLang reports neither, so those stay None there."""
-        server = await self._server_info()
+        # The three questions are independent, so they are asked at once (an observe runs under the node's lock
+        # before every weight session's open and commit); the first failure is raised and nothing is left running.
+        asked = (server_t := asyncio.ensure_future(self._server_info()),
+                 report_t := asyncio.ensure_future(self.memory_report()),
+                 version_t := asyncio.ensure_future(self.weight_version()))
+        try:
+            server, report, version = await server_t, await report_t, await version_t
+        finally:
+            for task in asked:
+                task.cancel()
+            await asyncio.gather(*asked, return_exceptions=True)  # every outcome retrieved
         first = server.internal_states[0] if server.internal_states else wire.InternalState()
         paused = (first.paused is not None) if first.has_paused else None
         session = None  # older SGLang has no update session at all, so none can be open or lost
         if self.protocol.weight_update_session and first.has_session:
             session = first.weight_update_session is not None
-        report = await self.memory_report()
         resident = report.residency() if report is not None else None
-        return Observation(incarnation=server.incarnation(),
-                           weight_version=await self.weight_version(), resident=resident or None,
+        return Observation(incarnation=server.incarnation(), weight_version=version, resident=resident or None,
                            paused=paused, update_session_open=session)
 
     async def weight_version(self) -> str | None:
