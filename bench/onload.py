@@ -49,7 +49,7 @@ def _interleaved(state: RankState, parts: Iterable[Part], extra: list[torch.cuda
     cuda = state.device.type == "cuda"
     compute = torch.cuda.current_stream(state.device) if cuda else None
     # The state's own copy stream first.
-    lanes: list[torch.cuda.Stream | None] = [state._copy_stream, *extra] if cuda else [None]  # noqa: SLF001
+    lanes: list[torch.cuda.Stream | None] = [state._copy_stream, *extra] if cuda else [None]
     for lane in lanes:
         if lane is not None and compute is not None:
             lane.wait_stream(compute)  # behind what the caller queued (the blocks' last uses)
@@ -65,10 +65,10 @@ def _interleaved(state: RankState, parts: Iterable[Part], extra: list[torch.cuda
         if part == "optimizer":
             state.optimizer = alloc(lambda: torch.empty(3 * state.shard_numel, dtype=torch.float32,
                                                         device=state.device))
-            _queue(state, [(state._host["optimizer"], state.optimizer)], deal)  # noqa: SLF001
+            _queue(state, [(state._host["optimizer"], state.optimizer)], deal)
             copied += state.nbytes(part)
         elif part == "weights":
-            host = state._host["weights"]  # noqa: SLF001
+            host = state._host["weights"]
             weights, offset = [], 0
             for shape, n in zip(state.shapes, state.numels, strict=True):
                 w = alloc(functools.partial(torch.empty, shape, dtype=torch.bfloat16, device=state.device))
@@ -98,7 +98,7 @@ def _queue(state: RankState, pairs: list[tuple[torch.Tensor, torch.Tensor]],
            deal: Iterator[torch.cuda.Stream | None]) -> None:
     """Each piece (RankState's 256 MiB pieces) of each (host, device) pair copied onto the next lane."""
     pin = state.device.type == "cuda"
-    for host, gpu in state._pieces(pairs):  # noqa: SLF001
+    for host, gpu in state._pieces(pairs):
         with _on(next(deal)):
             gpu.copy_(host, non_blocking=pin)
 

@@ -62,8 +62,8 @@ from ..trainer.agent import TrainerAgent
 from ..trainer.async_push import AsyncWeightSync
 from ..trainer.cleanup import run_cleanup
 from ..trainer.groups import GroupLifecycle, GroupSpec
-from .offload import OffloadReport, RankState
 from ..trainer.push import WeightPusher
+from .offload import OffloadReport, RankState
 from .onload import onloader
 from .records import write_record
 from .weights import measure_floor

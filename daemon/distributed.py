@@ -28,7 +28,7 @@ from typing import Any
 
 from ..engines.tcpstore_probe import probe_tcpstore
 from ..engines.weight_group_protocol import BACKEND_DEVICES, BroadcastDescriptor, SupportsWeightGroups
-from ..policies import Timeouts, Budget
+from ..policies import Budget, Timeouts
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import (

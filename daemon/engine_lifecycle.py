@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from ..engines.base import MemoryTag
 from ..engines.segments import reclaim_dead_segments
-from ..policies import Timeouts, Budget
+from ..policies import Budget, Timeouts
 from .engine_ops import EngineHandle
 from .events import emit
 from .fanout import OnFailure, fan_out

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from ..engines.base import Capability, EngineAdapter, EngineInfo, MemoryReport, MemoryTag, PauseMode
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
 from ..engines.ring_refs import EngineRingRefs
-from ..policies import Timeouts, Budget
+from ..policies import Budget, Timeouts
 from .errors import EngineError, StepTimeout
 from .memory import GpuReading, NvmlProbe
 from .metrics import Metrics

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode, ChunkPart
+from ..engines.base import ChunkPart, EngineAdapter, EngineInfo, MemoryTag, PauseMode
 from ..engines.registry import build_adapter
 from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig

@@ -15,10 +15,10 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..engines.base import Capability, EngineDigests, ChunkPart
+from ..engines.base import Capability, ChunkPart, EngineDigests
 from ..engines.ring_refs import RingDirectory
 from ..engines.segments import unlink_session_segments
-from ..policies import PolicySet, Timeouts, Budget
+from ..policies import Budget, PolicySet, Timeouts
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from ..engines.base import Observation
 from ..engines.errors import EngineRejected
-from ..policies import Timeouts, Budget
+from ..policies import Budget, Timeouts
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import ColocdError, EngineError, EngineUnreachable, WeightSyncError

@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, cast
 
-from ..engines.base import ParameterSpec, ChunkPart, ChunkLoad
+from ..engines.base import ChunkLoad, ChunkPart, ParameterSpec
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.errors import RingRefsUnknown
 from ..engines.handles import RingRoute, ShmRoute

@@ -7,9 +7,9 @@ enacts ``GroupDirective`` and ``CleanupPlan``; the weight-stream pipeline follow
 from .base import Decision, Family, Policy, PolicyConfig
 from .cleanup import (
     AggressiveCleanupPolicy,
+    CleanupAction,
     CleanupPlan,
     CleanupPolicy,
-    CleanupAction,
     EmptyCachePolicy,
     NoCleanupPolicy,
 )
@@ -41,7 +41,7 @@ from .settings import (
     VerifyMode,
 )
 from .store import PolicyStore
-from .timeouts import Timeouts, Budget
+from .timeouts import Budget, Timeouts
 from .transport import Transport
 
 __all__ = [

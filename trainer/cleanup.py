@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..policies import CleanupPlan, CleanupAction
+from ..policies import CleanupAction, CleanupPlan
 
 __all__ = ["CleanupReport", "run_cleanup"]
 

@@ -244,8 +244,9 @@ class LeaseBook:
         """After a failure or a close: wait up to ``grace_s`` for retained leases' consumers to let go, then
         ``reclaim`` what is left; returns the bytes reclaimed (0 when every consumer let go in time)."""
         deadline = self._clock() + grace_s
-        while self.collect() and self._clock() < deadline:
-            await asyncio.sleep(_POLL_S)  # polling another process's count, bounded by the grace
+        # Polling another process's count (no event can cross processes), bounded by the grace.
+        while self.collect() and self._clock() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_POLL_S)
         return self.reclaim(reason, level)
 
     def leases(self, state: LeaseState | None = None) -> list[Lease]:

@@ -28,8 +28,8 @@ from ..base import MemoryTag, PauseMode
 from ..cuda_handles import RingTable
 from ..digest import DigestCache, tensor_digests
 from .locks import ReaderWriterLock
-from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .memory import MemoryMove as MemoryReleaseReport
+from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .model import QwenLikeForCausalLM, build_model
 from .payloads import open_payload
 from .runner import ModelRunner

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..base import PauseMode
 from .distributed import DistributedUpdates, distributed_routes
-from .engine import EngineRefusal, RunState, ReferenceEngine
+from .engine import EngineRefusal, ReferenceEngine, RunState
 from .settings import ReferenceServerSettings
 from .wire import (
     AbortRequestBody,

@@ -7,7 +7,6 @@ Every call maps to one SGLang route; ordering, retries and deadlines belong to t
 from __future__ import annotations
 
 import asyncio
-
 import base64
 import json
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from ...errors import RequestInvalid
 from ...policies import Transport
 from ..base import (
     Capability,
+    ChunkLoad,
     EngineDigests,
     EngineInfo,
     MemoryReport,
@@ -28,7 +28,6 @@ from ..base import (
     ParameterSpec,
     PauseMode,
     ReleaseReport,
-    ChunkLoad,
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown

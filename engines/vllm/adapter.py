@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from ...policies import Transport
 from ..base import (
+    ChunkLoad,
     EngineDigests,
     EngineInfo,
     MemoryReport,
@@ -38,7 +39,6 @@ from ..base import (
     ParameterSpec,
     PauseMode,
     ReleaseReport,
-    ChunkLoad,
 )
 from ..config import VLLMEngineConfig
 from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable

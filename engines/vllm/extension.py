@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ..chunks import ChunkLayout, SharedSegment, dtype_from_name, unflatten
-from . import BACKEND_NAME
 from ..digest import DigestCache, tensor_digests
+from . import BACKEND_NAME
 
 __all__ = [
     "BACKEND_NAME",

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..base import MemoryTag, PauseMode, ChunkPart
+from ..base import ChunkPart, MemoryTag, PauseMode
 
 __all__ = [
     "BACKEND_COLOCD",

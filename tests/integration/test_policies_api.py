@@ -14,7 +14,7 @@ from colocd.api.app import create_app
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, ChunkLoad
+from colocd.engines.base import ChunkLoad, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport
 from colocd.policies import Budget, Transport
 
 KEEP_ALIVE = "apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\npipeline:\n  policy: serial\n"

@@ -12,7 +12,7 @@ import httpx
 
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
-from colocd.engines.base import EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport, ChunkLoad
+from colocd.engines.base import ChunkLoad, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.errors import EngineRejected
 from colocd.engines.reference.launcher import ReferenceEngineProcess

@@ -20,7 +20,7 @@ from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import WeightSession
-from colocd.engines.base import EngineInfo, ChunkPart, ChunkLoad
+from colocd.engines.base import ChunkLoad, ChunkPart, EngineInfo
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.errors import RingRefsUnknown
 from colocd.engines.reference.launcher import ReferenceEngineProcess

@@ -13,7 +13,17 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import Capability, EngineInfo, MemoryTag, ParameterSpec, Observation, PauseMode, ChunkPart, ReleaseReport, ChunkLoad
+from colocd.engines.base import (
+    Capability,
+    ChunkLoad,
+    ChunkPart,
+    EngineInfo,
+    MemoryTag,
+    Observation,
+    ParameterSpec,
+    PauseMode,
+    ReleaseReport,
+)
 from colocd.engines.chunks import ChunkLayout
 from colocd.policies import Transport
 from colocd.trainer.push import manifest_of

@@ -31,13 +31,13 @@ from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import (
+    ChunkLoad,
+    ChunkPart,
     EngineInfo,
     MemoryTag,
     Observation,
     PauseMode,
-    ChunkPart,
     ReleaseReport,
-    ChunkLoad,
 )
 from colocd.engines.chunks import ChunkLayout, plan_chunks, tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess

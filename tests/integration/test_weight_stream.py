@@ -26,7 +26,7 @@ from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import SessionState, WeightSession
-from colocd.engines.base import ChunkPart, ChunkLoad
+from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.cuda_handles import RingTable

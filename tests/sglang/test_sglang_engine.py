@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sglang_live import LiveServer, Recorder, greedy, original_weights, save_model, step_weights
 
-from colocd.engines.base import PauseMode, ChunkPart, ChunkLoad
+from colocd.engines.base import ChunkLoad, ChunkPart, PauseMode
 from colocd.engines.errors import EngineRejected
 from colocd.engines.sglang.adapter import SGLangAdapter
 from colocd.engines.sglang.checksums import differing

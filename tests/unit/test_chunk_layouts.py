@@ -18,7 +18,7 @@ from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import WeightSession, manifest_from_json
-from colocd.engines.base import ChunkPart, ChunkLoad
+from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.policies import Transport

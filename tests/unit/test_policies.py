@@ -7,6 +7,7 @@ import pytest
 from colocd.policies import (
     AggressiveCleanupPolicy,
     AutoPolicy,
+    Budget,
     CleanupAction,
     DeferredCooldownPolicy,
     DestroyPolicy,
@@ -21,7 +22,6 @@ from colocd.policies import (
     SerialPolicy,
     SuspendPolicy,
     Timeouts,
-    Budget,
     Transport,
     WaitPoint,
 )

@@ -8,8 +8,8 @@ import torch
 
 from colocd.policies import (
     AggressiveCleanupPolicy,
-    CleanupPlan,
     CleanupAction,
+    CleanupPlan,
     EmptyCachePolicy,
     NoCleanupPolicy,
 )

@@ -9,9 +9,9 @@ import pytest
 
 from colocd.policies import (
     AutoPolicy,
+    Budget,
     PolicyError,
     PolicySet,
-    Budget,
     default_policies,
     load_policy_yaml,
 )

@@ -21,7 +21,7 @@ from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tens
 from colocd.engines.reference.memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.payloads import PayloadError, open_payload
-from colocd.engines.reference.runner import ModelRunner, StaticBuffers, ForwardInput, ForwardOutput, generate_greedy
+from colocd.engines.reference.runner import ForwardInput, ForwardOutput, ModelRunner, StaticBuffers, generate_greedy
 from colocd.engines.reference.safe_unpickle import UnsafePickleError, safe_loads
 from colocd.engines.reference.sampling import SamplingConfig, choose_token
 from colocd.engines.reference.scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule

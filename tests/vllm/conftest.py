@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from shared_server import SharedServerGuard, remember
 
-from colocd.engines.base import ChunkPart, ChunkLoad
+from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_chunks
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
 from colocd.engines.vllm import VLLMAdapter, VLLMServer

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from colocd.engines.base import MemoryTag, PauseMode, ChunkPart, ChunkLoad
+from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
 from colocd.engines.errors import EngineRejected
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
 from colocd.engines.vllm.extension import named_digest
