@@ -257,10 +257,11 @@ async def test_right_after_a_chunk_failed_on_a_dead_engine_status_says_the_engin
         assert await n.client.ready() is False
 
 
-async def test_a_failed_step_is_left_to_the_trainer_not_retried_by_the_health_loop() -> None:
+async def test_a_failed_step_is_left_to_the_trainer_not_retried_by_the_health_loop(
+        pooled_engine: ReferenceEngineProcess) -> None:
     """The desired state of a step holds for that step's sync only: once it failed, the record (what the engine
     is) is what every health tick drives toward, so the engine stays as the failure left it until asked again."""
-    async with node(health_interval_s=0.05) as n:
+    async with node(pooled_engine, health_interval_s=0.05) as n:
         n.proxy.inject("/release_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500))
         with pytest.raises(ColocdHTTPError):
             await n.client.phase("train", 1)
