@@ -32,7 +32,7 @@ from torch.distributed import (  # type: ignore[attr-defined]  # re-exported fro
 )
 
 from .chunks import dtype_from_name, dtype_name
-from .weight_group_protocol import BACKEND_DEVICES
+from .weight_group_protocol import BACKEND_DEVICES, flat_offsets
 
 __all__ = [
     "BACKEND_DEVICES",
@@ -69,28 +69,10 @@ class FlatEntry:
 
 
 def flattened_layout(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[FlatEntry]:
-    """The byte layout of one flattened bucket: tensors back to back in ``names`` order, no padding.
-
-    Raises ``ValueError`` naming the tensor whose offset is not a multiple of its dtype's itemsize,
-    which SGLang's receiver refuses (weight_sync/tensor_bucket.py ``FlattenedTensorBucket.empty``).
-    """
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
-    entries: list[FlatEntry] = []
-    offset = 0
-    for name, dtype_str, shape in zip(names, dtypes, shapes, strict=True):
-        dtype = parse_dtype(dtype_str)
-        if offset % dtype.itemsize:
-            raise ValueError(
-                f"tensor {name!r} ({dtype_name(dtype)}) would start at byte {offset}, not a multiple of its "
-                f"itemsize {dtype.itemsize}; order a bucket's tensors by decreasing itemsize"
-            )
-        if any(d < 0 for d in shape):
-            raise ValueError(f"tensor {name!r} has a negative dimension in shape {list(shape)}")
-        nbytes = dtype.itemsize * _numel(shape)
-        entries.append(FlatEntry(name, dtype, tuple(shape), offset, offset + nbytes))
-        offset += nbytes
-    return entries
+    """The byte layout of one flattened bucket (``weight_group_protocol.flat_offsets``) with each tensor's dtype."""
+    ranges = flat_offsets(names, dtypes, shapes)
+    return [FlatEntry(name, parse_dtype(dtype), tuple(shape), start, end)
+            for name, dtype, shape, (start, end) in zip(names, dtypes, shapes, ranges, strict=True)]
 
 
 def chunk_order(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

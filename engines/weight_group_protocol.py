@@ -8,10 +8,14 @@ broadcasts and destroys a group whose sequence may be out of step, is ``daemon/d
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["BACKEND_DEVICES", "FLATTENED", "BroadcastDescriptor", "SupportsWeightGroups"]
+from .chunks import dtype_itemsize
+
+__all__ = ["BACKEND_DEVICES", "FLATTENED", "BroadcastDescriptor", "SupportsWeightGroups", "flat_offsets", "itemsize"]
 
 # The device key torch's helper files each backend under (BackendConfig: gloo registers "cpu"
 # first, nccl "cuda"); it is part of the store prefix, so it must match the engine's.
@@ -58,24 +62,43 @@ class BroadcastDescriptor:
                              f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}")
         if self.load_format not in (None, FLATTENED):
             raise ValueError(f"load_format: {self.load_format!r} is not null or {FLATTENED!r}")
-        # torch (through weight_group) is imported here, on the separated-GPU path, not when the daemon starts.
-        from .weight_group import flattened_layout, parse_dtype
-
         for i, dtype in enumerate(self.dtypes):
-            parse_dtype(dtype)  # ValueError names the dtype
+            itemsize(dtype)  # ValueError names the dtype
             if any(d < 0 for d in self.shapes[i]):
                 raise ValueError(f"shapes.{i}: negative dimension in {list(self.shapes[i])}")
         if self.load_format == FLATTENED:
-            flattened_layout(self.names, self.dtypes, self.shapes)  # offsets aligned to each itemsize
+            flat_offsets(self.names, self.dtypes, self.shapes)  # offsets aligned to each itemsize
 
     @property
     def nbytes(self) -> int:
-        from .weight_group import parse_dtype
+        return sum(itemsize(d) * math.prod(s) for d, s in zip(self.dtypes, self.shapes, strict=True))
 
-        total = 0
-        for dtype, shape in zip(self.dtypes, self.shapes, strict=True):
-            n = parse_dtype(dtype).itemsize
-            for d in shape:
-                n *= d
-            total += n
-        return total
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype`` as SGLang spells it (``bfloat16`` or ``torch.bfloat16``); torch-free."""
+    return dtype_itemsize(dtype.removeprefix("torch."))
+
+
+def flat_offsets(names: Sequence[str], dtypes: Sequence[str],
+                 shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Each tensor's byte range ``[start, end)`` in one flattened bucket: back to back in ``names`` order, no padding.
+
+    Raises ``ValueError`` naming the tensor whose offset is not a multiple of its dtype's itemsize, which SGLang's
+    receiver refuses (weight_sync/tensor_bucket.py ``FlattenedTensorBucket.empty``).
+    """
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+    ranges: list[tuple[int, int]] = []
+    offset = 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        size = itemsize(dtype)
+        if offset % size:
+            raise ValueError(
+                f"tensor {name!r} ({dtype.removeprefix('torch.')}) would start at byte {offset}, not a multiple of "
+                f"its itemsize {size}; order a bucket's tensors by decreasing itemsize"
+            )
+        if any(d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r} has a negative dimension in shape {list(shape)}")
+        ranges.append((offset, offset + size * math.prod(shape)))
+        offset = ranges[-1][1]
+    return ranges
