@@ -149,7 +149,7 @@ async def status(request: Request) -> Response:
 async def phase(body: PhaseRequest, d: D) -> TransitionReply:
     """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
     trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None
-    return _reply(await d.transition(NodePhase(body.phase), body.step, trainer))
+    return _reply(await d.transitions.transition(NodePhase(body.phase), body.step, trainer))
 
 
 @_route("POST", "/v1/trainer/leases", responses=_errors(*_MUTATING))
@@ -161,20 +161,20 @@ async def report_leases(body: LeaseReportRequest, d: D) -> dict[str, Any]:
 @_route("POST", "/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def sleep(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
     body = body or SleepRequest()
-    return _reply(await d.sleep(tuple(body.tags) if body.tags else None, body.engines))
+    return _reply(await d.transitions.sleep(tuple(body.tags) if body.tags else None, body.engines))
 
 
 @_route("POST", "/v1/resume", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
     body = body or SleepRequest()
-    return _reply(await d.resume(tuple(body.tags) if body.tags else None, body.engines))
+    return _reply(await d.transitions.resume(tuple(body.tags) if body.tags else None, body.engines))
 
 
 @_route("POST", "/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES))
 async def open_session(body: OpenSessionRequest, d: D, request: Request) -> OpenSessionReply:
     manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
-    s = await d.open_weights(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
-                             manifest=manifest, partial=body.partial)
+    s = await d.sessions.open(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
+                              manifest=manifest, partial=body.partial)
     return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version,
                             partial=s.partial, idle_s=s.idle_s,
                             manifest_tensors=None if s.manifest is None else len(s.manifest),
@@ -185,61 +185,61 @@ async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Open
 async def join_session(session_id: str, body: JoinRequest, d: D) -> JoinReply:
     """A rank declares its device and learns which engine TP ranks it feeds; ``streams: false`` means none (it
     must not send chunks). Once every rank joined, a layout with an engine device no rank is on is a 422."""
-    return JoinReply.model_validate(await d.join_weights(session_id, body.rank, body.device_id, body.pid))
+    return JoinReply.model_validate(await d.sessions.join(session_id, body.rank, body.device_id, body.pid))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckReply:
     """Returns once every engine consumed the chunk: the rank may then free or refill its buffer."""
-    ack = await d.submit_chunk(session_id, body.seq, _part(body))
+    ack = await d.sessions.submit_chunk(session_id, body.seq, _part(body))
     return ChunkAckReply(seq=ack.seq, rank=ack.rank, engines=list(ack.engines), load_s=ack.load_s)
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/commit", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def commit(session_id: str, d: D, body: Annotated[CommitRequest | None, Body()] = None) -> dict[str, Any]:
-    return await d.commit_weights(session_id, (body or CommitRequest()).num_chunks)
+    return await d.sessions.commit(session_id, (body or CommitRequest()).num_chunks)
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def abort(session_id: str, d: D, body: Annotated[AbortRequest | None, Body()] = None) -> dict[str, Any]:
     reason = body.reason if body is not None else None
-    return await d.abort_weights(session_id, f"aborted by trainer: {reason}" if reason else "aborted by trainer")
+    return await d.sessions.abort(session_id, f"aborted by trainer: {reason}" if reason else "aborted by trainer")
 
 
 @_route("GET", "/v1/weights/sessions/{session_id}", responses=_errors(404))
 async def session_status(session_id: str, d: D, request: Request) -> dict[str, Any]:
     """The session's progress; ``chunk_channel`` tells a rank that did not open it where to stream."""
-    return {**d.session_stats(session_id), "chunk_channel": request.state.chunk_channel}
+    return {**d.sessions.get(session_id).stats(), "chunk_channel": request.state.chunk_channel}
 
 
 @_route("GET", "/v1/weights/groups")
 async def weight_groups(d: D) -> dict[str, Any]:
     """The rank layout a trainer needs before building its side (world size, rank offsets); open groups."""
-    return d.weight_group_info()
+    return d.sessions.groups.snapshot(list(d.engines.values()))
 
 
 @_route("POST", "/v1/weights/groups", responses=_errors(*_MUTATING, 409, *_ENGINES))
 async def open_weight_group(body: OpenWeightGroupRequest, d: D) -> dict[str, Any]:
     """Every engine joins; returns once all joined, so the trainer must join concurrently (never after)."""
-    return await d.open_weight_group(**body.model_dump())
+    return await d.sessions.open_group(**body.model_dump())
 
 
 @_route("DELETE", "/v1/weights/groups/{group_name}", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def close_weight_group(group_name: str, d: D) -> dict[str, Any]:
-    return await d.close_weight_group(group_name)
+    return await d.sessions.close_group(group_name)
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/broadcasts", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def post_broadcast(session_id: str, body: BroadcastRequest, d: D) -> dict[str, Any]:
     """Forwarded to every engine at once; returns when all loaded it. Broadcast while it is in flight."""
-    return await d.broadcast_weights(session_id, body.descriptor())
+    return await d.sessions.broadcast(session_id, body.descriptor())
 
 
 @_route("POST", "/v1/update_weights", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def update_weights(body: UpdateWeightsRequest, d: D) -> dict[str, Any]:
     """One-shot form: open a session, send every chunk, commit (abort on any failure)."""
-    return await d.update_weights(step=body.step, version=body.version,
-                                  chunks=[(c.seq, _part(c)) for c in body.chunks])
+    return await d.sessions.update(step=body.step, version=body.version,
+                                   chunks=[(c.seq, _part(c)) for c in body.chunks])
 
 
 @_route("GET", "/v1/policies")

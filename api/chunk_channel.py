@@ -1,6 +1,6 @@
 """The framed chunk channel: weight-chunk descriptors on one Unix-socket connection per trainer rank and session.
 
-Beside the HTTP API, not instead of it: the same calls into ``Daemon.submit_chunk`` with the same
+Beside the HTTP API, not instead of it: the same calls into ``WeightSessions.submit_chunk`` with the same
 validation (``schemas.ChunkDescriptor``), the same acks and the same error bodies, minus the HTTP
 stack's per-request cost (about 1.4 ms per chunk on an H200 host, against ~0.15 ms for a JSON line
 on a Unix socket: research/h200-limits.md). Session semantics do not change: a connection that drops
@@ -188,7 +188,7 @@ class ChunkChannelServer:
                 line = await reader.readline()
             hello = self._hello(line)
             if (pid := _peer_pid(writer)) is not None:  # the kernel's word: this process is the trainer
-                self._daemon.note_trainer_pid(hello.session_id, pid)
+                self._daemon.sessions.note_trainer_pid(hello.session_id, pid)
             joined = await self._join(hello)
         except TimeoutError:
             writer.write(_error_frame(408, {"error": "HelloTimeout", "message": (
@@ -254,7 +254,7 @@ class ChunkChannelServer:
             raise _ChannelRefusal(401, {"error": "Unauthorized", "field": "token",
                                         "message": "missing or wrong token in the hello frame"})
         try:
-            stats = self._daemon.session_stats(hello.session_id)
+            stats = self._daemon.sessions.get(hello.session_id).stats()
             if stats["state"] != "open":
                 raise SessionGone(f"weight session {hello.session_id} is {stats['state']}"
                                   + (f": {stats['error']}" if stats.get("error") else ""),
@@ -271,7 +271,7 @@ class ChunkChannelServer:
         if hello.device_id is None:
             return None
         try:
-            joined = await self._daemon.join_weights(hello.session_id, hello.rank, hello.device_id)
+            joined = await self._daemon.sessions.join(hello.session_id, hello.rank, hello.device_id)
         except (ColocdError, EngineError) as exc:
             raise _ChannelRefusal(*error_body(exc)) from None
         return JoinReply.model_validate(joined).model_dump(mode="json")
@@ -302,7 +302,7 @@ class ChunkChannelServer:
                                      "(open one connection per rank)", field="rank")
             part = ChunkPart(rank=rank, transport=body.transport, nbytes=body.nbytes, handle=body.handle,
                                digests=body.digests)
-            ack = await self._daemon.submit_chunk(session_id, body.seq, part)
+            ack = await self._daemon.sessions.submit_chunk(session_id, body.seq, part)
         except (ColocdError, EngineError) as exc:
             return _error_frame(*error_body(exc), body.seq)
         # ChunkAckReply's fields, written directly: a model built and dumped per chunk is pure overhead here.

@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from ..engines.base import ChunkPart, EngineAdapter, EngineInfo, MemoryTag, PauseMode
+from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode
 from ..engines.registry import build_adapter
 from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
-from .distributed import BroadcastDescriptor, WeightGroups
+from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
 from .engine_ops import EngineHandle
 from .errors import NotFound
@@ -42,7 +42,6 @@ from .states import (
     DaemonState,
     EngineRecord,
     Generation,
-    NodePhase,
     NodeState,
     WeightsState,
     check_can_start,
@@ -54,7 +53,6 @@ from .sync import EngineSync
 from .trace import Trace, TraceStore
 from .transitions import TransitionResult, Transitions
 from .versions import VersionBook
-from .weights import ChunkAck, WeightSession
 
 __all__ = ["Daemon", "DaemonState", "TransitionResult"]
 
@@ -88,7 +86,8 @@ class _StatusInputs(NamedTuple):
 
 
 class Daemon:
-    """Async context manager; ``async with Daemon(config) as d: await d.transition(...)``."""
+    """Async context manager; ``async with Daemon(config) as d: await d.transitions.transition(...)``.
+    Callers use each concern directly (``d.transitions``, ``d.sessions``); the facade holds only what spans them."""
 
     def __init__(self, config: NodeConfig, *, adapters: dict[str, EngineAdapter] | None = None,
                  probe: NvmlProbe | None = None, policies: PolicyRuntime | None = None) -> None:
@@ -239,61 +238,7 @@ class Daemon:
         """What a sync may stage into: free memory on the engines' GPUs and the sync's size."""
         return staging_memory(self.engines.values(), self.probe, self.sessions.complete_manifest)
 
-    # -- the API's verbs: each concern answers its own ---------------------------------------------
-    async def transition(self, phase: NodePhase, step: int,
-                         trainer: dict[str, Any] | None = None) -> TransitionResult:
-        return await self.transitions.transition(phase, step, trainer)
-
-    async def sleep(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
-        return await self.transitions.sleep(tags, names)
-
-    async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
-        return await self.transitions.resume(tags, names)
-
-    async def open_weights(self, *, step: int | None, version: str, ranks: int | None,
-                           depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
-                           partial: bool = False) -> WeightSession:
-        return await self.sessions.open(step=step, version=version, ranks=ranks, depth=depth, manifest=manifest,
-                                        partial=partial)
-
-    async def join_weights(self, session_id: str, rank: int, device_id: str, pid: int | None = None) -> dict[str, Any]:
-        return await self.sessions.join(session_id, rank, device_id, pid)
-
-    def note_trainer_pid(self, session_id: str, pid: int) -> None:
-        """``pid`` is proven to be the session's trainer (its chunk channel's peer): its segments may be unlinked."""
-        self.sessions.note_trainer_pid(session_id, pid)
-
-    async def submit_chunk(self, session_id: str, seq: int, part: ChunkPart) -> ChunkAck:
-        return await self.sessions.submit_chunk(session_id, seq, part)
-
-    async def commit_weights(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
-        return await self.sessions.commit(session_id, num_chunks)
-
-    async def abort_weights(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
-        return await self.sessions.abort(session_id, reason)
-
-    async def update_weights(self, *, step: int | None, version: str,
-                             chunks: list[tuple[int, ChunkPart]]) -> dict[str, Any]:
-        return await self.sessions.update(step=step, version=version, chunks=chunks)
-
-    def session_stats(self, session_id: str) -> dict[str, Any]:
-        return self.sessions.get(session_id).stats()
-
-    def weight_group_info(self) -> dict[str, Any]:
-        return self.sessions.groups.snapshot(list(self.engines.values()))
-
-    async def open_weight_group(self, *, group_name: str, master_address: str, master_port: int, backend: str,
-                                world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
-        return await self.sessions.open_group(group_name=group_name, master_address=master_address,
-                                              master_port=master_port, backend=backend, world_size=world_size,
-                                              first_rank=first_rank)
-
-    async def close_weight_group(self, group_name: str) -> dict[str, Any]:
-        return await self.sessions.close_group(group_name)
-
-    async def broadcast_weights(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
-        return await self.sessions.broadcast(session_id, descriptor)
-
+    # -- the policy document: what GET and PUT /v1/policies answer --------------------------------
     def policy_view(self) -> dict[str, Any]:
         """The active policy document (defaults filled in), its version and any staged swap."""
         active, pending = self.policies.active, self.policies.store.pending

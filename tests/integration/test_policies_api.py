@@ -130,7 +130,7 @@ async def test_policy_document_sets_the_pause_mode() -> None:
     config = _config()
     async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
         daemon.policies.apply_yaml("apiVersion: colocd/v1\nengines:\n  pause_mode: in_place\n", source="test")
-        await daemon.transition(NodePhase.TRAIN, 1)
+        await daemon.transitions.transition(NodePhase.TRAIN, 1)
     assert engine.pause_modes == ["in_place"]
 
 
@@ -139,7 +139,7 @@ async def test_a_document_that_leaves_out_the_pause_mode_and_timeouts_keeps_the_
     config = _config(pause_mode="abort", timeouts={"chunk_s": 7, "health_interval_s": 2})
     async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
         daemon.policies.apply_yaml("apiVersion: colocd/v1\ntimeouts:\n  chunk_s: 3\n", source="test")
-        await daemon.transition(NodePhase.TRAIN, 1)
+        await daemon.transitions.transition(NodePhase.TRAIN, 1)
         timeouts = daemon.policies.active.timeouts
         assert (timeouts.budget(Budget.CHUNK), timeouts.budget(Budget.HEALTH_INTERVAL)) == (3, 2)
     assert engine.pause_modes == ["abort"]
@@ -152,7 +152,7 @@ async def test_policy_file_is_loaded_at_start_and_reloaded_on_request(tmp_path: 
         assert daemon.policies.active.info()["process_groups"] == "keep_alive"
         path.write_text("apiVersion: colocd/v1\nprocess_groups:\n  policy: destroy\n")
         daemon.policies.reload_file()  # what SIGHUP calls
-        await daemon.transition(NodePhase.TRAIN, 1)
+        await daemon.transitions.transition(NodePhase.TRAIN, 1)
         assert daemon.policies.active.info()["process_groups"] == "destroy"
         path.write_text(BAD_FIELD)
         assert daemon.policies.reload_file() is None  # logged; the running policy stays
@@ -163,7 +163,7 @@ async def test_train_directive_reflects_the_trainers_group_snapshot() -> None:
     async with Daemon(_config(), adapters={"e0": GatedEngine("e0")}) as daemon:  # type: ignore[dict-item]
         daemon.policies.apply_yaml(
             "apiVersion: colocd/v1\nprocess_groups:\n  policy: auto\n  max_resident_gib: 1\n", source="test")
-        result = await daemon.transition(
+        result = await daemon.transitions.transition(
             NodePhase.TRAIN, 1, {"groups": {"group_count": 14, "resident_bytes": 7 * 2**30}})
     directive = result.directives["process_groups"]
     assert directive["action"] == "destroy"  # 7 GiB kept would exceed the 1 GiB budget

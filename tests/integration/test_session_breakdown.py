@@ -93,17 +93,17 @@ def _config(tmp_path: Any) -> NodeConfig:
 
 
 async def _commit_one(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
-    session = await daemon.open_weights(step=step, version=version, ranks=1, manifest=manifest_of(NAMED))
+    session = await daemon.sessions.open(step=step, version=version, ranks=1, manifest=manifest_of(NAMED))
     handle = {"payload_b64": "", "layout": ChunkLayout.for_tensors(NAMED).to_json()}
-    await daemon.submit_chunk(session.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
-    return await daemon.commit_weights(session.id, 1)
+    await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
+    return await daemon.sessions.commit(session.id, 1)
 
 
 async def _push(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
-    await daemon.transition(NodePhase.TRAIN, step)
-    await daemon.transition(NodePhase.SYNC, step)
+    await daemon.transitions.transition(NodePhase.TRAIN, step)
+    await daemon.transitions.transition(NodePhase.SYNC, step)
     commit = await _commit_one(daemon, step, version)
-    await daemon.transition(NodePhase.ROLLOUT, step)
+    await daemon.transitions.transition(NodePhase.ROLLOUT, step)
     return commit
 
 
@@ -132,10 +132,10 @@ async def test_an_engine_lists_its_parameters_once_per_incarnation_and_they_stil
         assert engine.manifest_calls == 1
         assert "parameter_manifest" not in [s["name"] for s in second["trace"]["spans"]]
 
-        await daemon.transition(NodePhase.TRAIN, 3)
-        await daemon.transition(NodePhase.SYNC, 3)
+        await daemon.transitions.transition(NodePhase.TRAIN, 3)
+        await daemon.transitions.transition(NodePhase.SYNC, 3)
         with pytest.raises(RequestInvalid, match="manifest does not fit engine 'e0'") as refused:
-            await daemon.open_weights(step=3, version="v3", ranks=1, manifest=manifest_of(NAMED[:5]))
+            await daemon.sessions.open(step=3, version="v3", ranks=1, manifest=manifest_of(NAMED[:5]))
         assert refused.value.field == "manifest"  # the remembered set still says what complete means
 
         engine.incarnation = "proc-1"  # the engine restarted: the next open asks the new process

@@ -567,25 +567,25 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
     handle = {"payload_b64": "", "layout": ChunkLayout.for_tensors(named).to_json()}
 
     async def step(daemon: Daemon, s: int) -> None:
-        await daemon.transition(NodePhase.TRAIN, s)
-        await daemon.transition(NodePhase.SYNC, s)
+        await daemon.transitions.transition(NodePhase.TRAIN, s)
+        await daemon.transitions.transition(NodePhase.SYNC, s)
 
     async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as daemon:  # type: ignore[dict-item]
         await step(daemon, 1)
-        first = await daemon.open_weights(step=1, version="v1", ranks=1, manifest=full)
-        await daemon.submit_chunk(first.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
-        await daemon.commit_weights(first.id, 1)  # nothing to compare with yet: recorded as complete
-        await daemon.transition(NodePhase.ROLLOUT, 1)
+        first = await daemon.sessions.open(step=1, version="v1", ranks=1, manifest=full)
+        await daemon.sessions.submit_chunk(first.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
+        await daemon.sessions.commit(first.id, 1)  # nothing to compare with yet: recorded as complete
+        await daemon.transitions.transition(NodePhase.ROLLOUT, 1)
         await step(daemon, 2)
         first_missing = min(n for n, _ in named[10:])  # messages list names in sorted order
         with pytest.raises(RequestInvalid, match=rf"missing {first_missing!r}") as err:
-            await daemon.open_weights(step=2, version="v2", ranks=1, manifest=full[:10])
+            await daemon.sessions.open(step=2, version="v2", ranks=1, manifest=full[:10])
         assert err.value.field == "manifest"
 
     async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as restarted:  # type: ignore[dict-item]
         with pytest.raises(RequestInvalid, match=rf"\({len(named) - 10} in all\)"):
-            await restarted.open_weights(step=2, version="v2", ranks=1, manifest=full[:10])
-        assert (await restarted.open_weights(step=2, version="v2", ranks=1, manifest=full)).manifest is not None
+            await restarted.sessions.open(step=2, version="v2", ranks=1, manifest=full[:10])
+        assert (await restarted.sessions.open(step=2, version="v2", ranks=1, manifest=full)).manifest is not None
 
 
 class InlineOnlyEngine(UnlistedEngine):
@@ -607,13 +607,14 @@ async def test_a_chunk_by_a_transport_the_engine_does_not_load_is_refused_before
     engine = InlineOnlyEngine("e0")
     _, named = _model(seed=6)
     async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
-        await daemon.transition(NodePhase.TRAIN, 1)
-        await daemon.transition(NodePhase.SYNC, 1)
-        session = await daemon.open_weights(step=1, version="v1", ranks=1)
+        await daemon.transitions.transition(NodePhase.TRAIN, 1)
+        await daemon.transitions.transition(NodePhase.SYNC, 1)
+        session = await daemon.sessions.open(step=1, version="v1", ranks=1)
         assert session.transports() == (Transport.INLINE,)
         with pytest.raises(RequestInvalid, match=r"travels by disk.*'e0' does not load \(it accepts: inline\)") as err:
-            await daemon.submit_chunk(session.id, 0, ChunkPart(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
+            await daemon.sessions.submit_chunk(session.id, 0,
+                                               ChunkPart(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
         assert err.value.field == "transport" and engine.loads == 0
         chunk = InlineProducer().export(named)  # what the engine loads: accepted, and the session goes on
-        await daemon.submit_chunk(session.id, 0, ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle))
+        await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle))
         assert engine.loads == 1

@@ -121,8 +121,8 @@ async def test_a_finished_transition_repeated_after_a_daemon_restart_is_replayed
     config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
                                         "journal": str(tmp_path / "journal.jsonl")})
     async with Daemon(config, adapters={"e0": _Engine()}) as first:  # type: ignore[dict-item]
-        done = await first.transition(NodePhase.TRAIN, 1)
+        done = await first.transitions.transition(NodePhase.TRAIN, 1)
     async with Daemon(config, adapters={"e0": _Engine()}) as second:  # type: ignore[dict-item]
-        again = await second.transition(NodePhase.TRAIN, 1)
+        again = await second.transitions.transition(NodePhase.TRAIN, 1)
     assert again.replayed is True and (again.step, again.phase) == (1, "train")
     assert again.engines == done.engines and again.freed_bytes == done.freed_bytes
