@@ -146,7 +146,8 @@ class RingHandle(Handle):
     slot: Annotated[int, Field(ge=0)] | None = Field(None, description="the slot the chunk's bytes are in")
     layout_ref: _Text | None = Field(None, description=(
         "the digest of a layout this ring announced to the daemon (JoinReply.ring_refs), sent instead of layout"))
-    open: SkipValidation[dict[str, object] | None] = Field(None, description="slot -> IPC handle, for slots not yet announced")
+    open: SkipValidation[dict[str, object] | None] = Field(
+        None, description="slot -> IPC handle, for the slots this ring has not announced yet")
 
     def route(self) -> HandleRoute:
         return RingRoute(self.device_uuid, self.layout_ref)
