@@ -52,8 +52,8 @@ def _reply(result: TransitionResult) -> TransitionReply:
 
 
 def _part(chunk: ChunkDescriptor) -> ChunkPart:
-    return ChunkPart(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle,
-                       digests=chunk.digests)
+    return ChunkPart.of(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle,
+                        digests=chunk.digests)
 
 
 def _get_daemon(request: Request) -> Daemon:

@@ -300,8 +300,8 @@ class ChunkChannelServer:
             if "rank" in body.model_fields_set and body.rank != rank:
                 raise RequestInvalid(f"rank {body.rank}: this connection carries rank {rank}'s chunks "
                                      "(open one connection per rank)", field="rank")
-            part = ChunkPart(rank=rank, transport=body.transport, nbytes=body.nbytes, handle=body.handle,
-                               digests=body.digests)
+            part = ChunkPart.of(rank=rank, transport=body.transport, nbytes=body.nbytes, handle=body.handle,
+                                digests=body.digests)
             ack = await self._daemon.sessions.submit_chunk(session_id, body.seq, part)
         except (ColocdError, EngineError) as exc:
             return _error_frame(*error_body(exc), body.seq)

@@ -5,11 +5,22 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from ..daemon.distributed import BroadcastDescriptor
 from ..engines.base import MemoryTag
 from ..engines.chunks import DTYPES, MAX_LAYOUT_ENTRIES
+from ..engines.handles import Handle, HandleModel, parse_handle
 from ..policies import GroupSnapshot, Transport
 
 MAX_CHUNK_BYTES = 1 << 38  # 256 GiB: larger than any GPU's memory, so a larger nbytes is a mistake
@@ -221,7 +232,8 @@ WeightDigests = Annotated[
 
 
 class ChunkDescriptor(_Strict):
-    """One rank's part of one chunk. ``handle`` is transport-specific and opaque to the daemon."""
+    """One rank's part of one chunk. ``handle`` is parsed into the model of ``transport`` (engines/handles.py);
+    the daemon reads only its route, the adapters forward it as sent."""
 
     seq: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
     rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = Field(
@@ -230,14 +242,25 @@ class ChunkDescriptor(_Strict):
         ..., description="as the chunk travels: per_tensor chunks say cuda_ipc, zero_copy chunks ipc_ring")
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
-    handle: dict[str, Any] = Field(..., description=(
-        "every transport carries layout: [{name, dtype, shape, offset}]; shm: {shm_name, nbytes, layout}: shm_name "
-        "a colocd trainer segment (colocd-<pid>-<hex>), nbytes equal to this descriptor's nbytes; disk: {path, "
-        "layout}; cuda_ipc: {payload_b64 (standard base64), load_format, device_uuid, layout}; ipc_ring: {ring, "
-        "slot, layout | layout_ref}"))
+    handle: HandleModel = Field(..., description=(
+        "the model of the chunk's transport (engines/handles.py); every transport carries layout: [{name, dtype, "
+        "shape, offset}]; shm: {shm_name, nbytes, layout}: shm_name a colocd trainer segment (colocd-<pid>-<hex>), "
+        "nbytes equal to this descriptor's nbytes; disk: {path, layout}; cuda_ipc: {payload_b64 (standard "
+        "base64), load_format, device_uuid, layout}; ipc_ring: {ring, slot, layout | layout_ref}; other keys "
+        "travel to the engine as sent"))
     digests: WeightDigests | None = Field(
         None, description="each tensor's digest as the trainer computed it at export (colocd.engines.digest: "
                           "16 hex digits), by tensor name; what a verified commit compares with the engines'")
+
+    @field_validator("handle", mode="wrap")
+    @classmethod
+    def _typed_by_transport(cls, value: object, _: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Handle:
+        # The transport picks the one model to try (a union tried member by member would name every variant's
+        # fields in its errors); a transport that did not parse is reported on its own, the handle as an object.
+        transport = info.data.get("transport")
+        if not isinstance(transport, Transport):
+            return Handle.model_validate(value)
+        return parse_handle(transport, value)
 
     @model_validator(mode="after")
     def _as_on_the_wire(self) -> ChunkDescriptor:

@@ -635,7 +635,7 @@ class WeightSession:
             raise RequestInvalid(f"{where}: {exc}", field="handle.layout_ref") from None
         except ValueError as exc:
             raise RequestInvalid(f"{where}: {exc}", field="handle") from None
-        return replace(part, handle=full)
+        return part.with_handle(full)
 
     def _inspect(self, seq: int, part: ChunkPart) -> ChunkLayout:
         """The handle is readable on this node and its layout (every transport carries one) agrees with the
@@ -1008,7 +1008,7 @@ def _outgoing(part: ChunkPart, tp_rank: int,
     if part.transport != "ipc_ring":
         return part
     handle = strip(tp_rank, part.handle)
-    return part if handle is part.handle else replace(part, handle=handle)
+    return part if handle is part.handle else part.with_handle(handle)
 
 
 def _load_error(engine: str, seq: int, exc: BaseException, *, ended: str | None = None

@@ -7,12 +7,12 @@ retries or deadlines: the daemon owns those and wraps each call in its own timeo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from ..policies import Transport
-from .handles import HandleRoute, route_of
+from .handles import Handle, HandleRoute, route_of
 
 __all__ = [
     "ALL_TAGS",
@@ -147,10 +147,11 @@ class MemoryReport:
 class ChunkPart:
     """One trainer rank's piece of a chunk, as the trainer described it (transport-specific handle).
 
-    ``handle`` is opaque to the daemon: a shared-memory name and layout, a base64 CUDA-IPC
-    payload produced by the trainer, a ring slot, a file path. Adapters translate it into
-    their engine's wire format; none of them unpickles it. The few facts the daemon needs of it
-    (the device, a segment name, a ring layout ref) are ``route``, typed per transport.
+    ``handle`` is the JSON object the trainer sent: a shared-memory name and layout, a base64 CUDA-IPC
+    payload produced by the trainer, a ring slot, a file path. Adapters translate it into their engine's
+    wire format; none of them unpickles it. The API parses it once into its transport's model
+    (engines/handles.py, ``ChunkPart.of``); the few facts the daemon needs of it (the device, a segment name,
+    a ring layout ref) are ``route``, built from that model.
     """
 
     rank: int
@@ -159,11 +160,25 @@ class ChunkPart:
     handle: dict[str, Any]
     # Each tensor's digest as the trainer computed it (engines/digest.py), by name; None: none sent.
     digests: dict[str, str] | None = None
-    # What the daemon reads of ``handle``, parsed once as the payload is made (engines/handles.py).
+    # What the daemon reads of ``handle``: ``parsed`` where the caller has it (the API's typed handle), else
+    # read from ``handle`` as the part is made (an in-process caller's dict).
     route: HandleRoute = field(init=False, repr=False, compare=False)
+    parsed: InitVar[HandleRoute | None] = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "route", route_of(self.transport, self.handle))
+    def __post_init__(self, parsed: HandleRoute | None) -> None:
+        object.__setattr__(self, "route", parsed if parsed is not None else route_of(self.transport, self.handle))
+
+    @classmethod
+    def of(cls, *, rank: int, transport: Transport, nbytes: int, handle: Handle,
+           digests: dict[str, str] | None = None) -> ChunkPart:
+        """The part of a typed handle: it travels on as the JSON it was parsed from, its route from the model."""
+        return cls(rank=rank, transport=transport, nbytes=nbytes, handle=handle.wire, digests=digests,
+                   parsed=handle.route())
+
+    def with_handle(self, handle: dict[str, Any]) -> ChunkPart:
+        """The same part with its handle completed or trimmed for an engine (a ring's announced layout filled
+        in, or what a TP rank holds left out): what the daemon reads of it stays."""
+        return replace(self, handle=handle, parsed=self.route)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,20 +1,44 @@
-"""What the daemon reads of a chunk handle, parsed once where the chunk enters (``ChunkPart``), one type per
-transport on the wire.
+"""A chunk handle, typed per transport on the wire, and what the daemon reads of it (its route).
 
-A handle is otherwise opaque to the daemon: the rest of it (layouts, IPC payloads, ring slots) is the
-trainer's description of its bytes, which only the node-side checks (``engines/chunks.py``) and the
-adapters read. The orchestration never looks a key up in a handle; it reads these fields.
+The API parses a chunk's handle once, into the model of the chunk's transport (``handle_model``): a malformed
+field is the caller's 422 naming it (``handle.shm_name``) before any engine sees the chunk, and the OpenAPI
+schema shows each variant. The model keeps the JSON object it was parsed from (``wire``): what the adapters
+forward to their engine, byte for byte, since the handle is the trainer's description of its bytes in the
+engine's own terms. The orchestration reads only the route (``HandleRoute``), built from the model.
+
+Keys a model does not name are kept (``extra="allow"``): they are the engine's (vLLM's IPC keys, a ring's
+``open`` handles), checked where they are read (``engines/chunks.py``, the adapters).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, StringConstraints
 
 from ..errors import RequestInvalid
 from ..policies import Transport
+from .chunks import SHM_NAME_PATTERN
 
-__all__ = ["CudaIpcRoute", "HandleRoute", "HostRoute", "RingRoute", "ShmRoute", "route_of"]
+__all__ = [
+    "CudaIpcHandle",
+    "CudaIpcRoute",
+    "DiskHandle",
+    "Handle",
+    "HandleModel",
+    "HandleRoute",
+    "HostRoute",
+    "InlineHandle",
+    "RingHandle",
+    "RingRoute",
+    "ShmHandle",
+    "ShmRoute",
+    "handle_model",
+    "parse_handle",
+    "route_of",
+]
 
 
 # Every route says ``device_uuid``: the GPU the trainer exported the bytes from, where its handle names one as a
@@ -54,10 +78,107 @@ class HostRoute:
 
 HandleRoute = ShmRoute | CudaIpcRoute | RingRoute | HostRoute
 
+_Text = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
+
+
+class Handle(BaseModel):
+    """What every transport's handle may say. The layout's entries ({name, dtype, shape, offset}) are checked
+    against the chunk's bytes and the manifest where the daemon inspects the chunk (``engines/chunks.py``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    device_uuid: str | None = Field(None, max_length=256, description=(
+        "the GPU the trainer exported the bytes from (its UUID); a rank that did not join joins on it"))
+    # Not walked here (the API's hot path): engines/chunks.py checks every entry, once, where the chunk is
+    # inspected, and answers a malformed one as handle.layout.
+    layout: SkipValidation[list[dict[str, object]] | None] = Field(None, description=(
+        "[{name, dtype, shape, offset}]: every transport carries one (an ipc_ring chunk may name it by "
+        "layout_ref instead)"))
+    _wire: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def wire(self) -> dict[str, Any]:
+        """The JSON object this handle was parsed from: what an adapter forwards to its engine."""
+        return self._wire
+
+    def route(self) -> HandleRoute:
+        return HostRoute(self.device_uuid)
+
+
+class ShmHandle(Handle):
+    """shm: a colocd trainer's shared-memory segment on this node."""
+
+    shm_name: Annotated[str, StringConstraints(pattern=SHM_NAME_PATTERN.pattern)] = Field(..., description=(
+        "a colocd trainer segment (colocd-<pid>-<hex>), never another program's /dev/shm file"))
+    nbytes: Annotated[int, Field(ge=0)] = Field(..., description="equal to the chunk's nbytes")
+
+    def route(self) -> HandleRoute:
+        return ShmRoute(self.device_uuid, self.shm_name)
+
+
+class DiskHandle(Handle):
+    """disk: a safetensors file on this node."""
+
+    path: _Text = Field(..., description="an absolute path to a regular file on this node")
+
+
+class InlineHandle(Handle):
+    """inline: the tensors' bytes in the handle, plainly pickled (engines/inline.py checks the pickle)."""
+
+    payload_b64: str = Field(..., description="standard base64 of the pickle")
+
+
+class CudaIpcHandle(Handle):
+    """cuda_ipc: a GPU bucket (or per-tensor IPC handles) exported by the trainer."""
+
+    payload_b64: str = Field(..., description="standard base64 of the engine's IPC payload")
+    load_format: str | None = Field(None, max_length=256, description=(
+        "SGLang's name for the payload's form (flattened_bucket; direct for per_tensor chunks)"))
+
+    def route(self) -> HandleRoute:
+        return CudaIpcRoute(self.device_uuid)
+
+
+class RingHandle(Handle):
+    """ipc_ring: a chunk in the trainer's persistent GPU ring, by slot."""
+
+    ring: _Text | None = Field(None, description="the ring's id (needed with layout_ref)")
+    slot: Annotated[int, Field(ge=0)] | None = Field(None, description="the slot the chunk's bytes are in")
+    layout_ref: _Text | None = Field(None, description=(
+        "the digest of a layout this ring announced to the daemon (JoinReply.ring_refs), sent instead of layout"))
+    open: SkipValidation[dict[str, object] | None] = Field(
+        None, description="slot -> IPC handle, for the slots this ring has not announced yet")
+
+    def route(self) -> HandleRoute:
+        return RingRoute(self.device_uuid, self.layout_ref)
+
+
+HandleModel = ShmHandle | DiskHandle | InlineHandle | CudaIpcHandle | RingHandle
+"""Each transport's handle, as the OpenAPI schema lists them."""
+
+_MODELS: dict[Transport, type[Handle]] = {
+    Transport.SHM: ShmHandle, Transport.DISK: DiskHandle, Transport.INLINE: InlineHandle,
+    Transport.CUDA_IPC: CudaIpcHandle, Transport.IPC_RING: RingHandle,
+}
+
+
+def handle_model(transport: Transport) -> type[Handle]:
+    """The model a chunk of ``transport`` carries its handle in (as the chunk travels: ``Transport.wire``)."""
+    return _MODELS.get(Transport(transport).wire, Handle)
+
+
+def parse_handle(transport: Transport, handle: object) -> Handle:
+    """``handle`` parsed into its transport's model, keeping the object it came from (``Handle.wire``);
+    pydantic's ``ValidationError`` names a field at fault."""
+    model = handle_model(transport).model_validate(handle)
+    if isinstance(handle, dict):
+        model._wire = handle
+    return model
+
 
 def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
-    """The typed part of ``handle`` for ``transport`` (as the chunk travels: ``Transport.wire``); a
-    ``layout_ref`` that is not a string is the caller's 422 naming it."""
+    """The route of a handle that did not come through the API (an in-process caller's dict), read as
+    leniently as the engines read it; a ``layout_ref`` that is not a string is the caller's 422 naming it."""
     try:
         wire = Transport(transport).wire
     except ValueError:  # no such transport: refused, naming it, where the handle is inspected (chunks.py)

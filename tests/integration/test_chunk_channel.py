@@ -134,9 +134,10 @@ async def test_caller_mistakes_get_error_frames_naming_the_field_and_the_connect
         assert (not_json["status"], not_json["error"]) == (400, "BadRequest")
         wrong_type = await conn.send({"seq": "zero", "transport": "shm", "nbytes": 1, "handle": {}})
         assert (wrong_type["status"], wrong_type["field"]) == (422, "seq") and "seq" not in wrong_type
-        unknown_key = await conn.send({"seq": 0, "transport": "shm", "nbytes": 1, "handle": {}, "extra": 1})
+        handle = {"shm_name": "colocd-1-ab", "nbytes": 1, "layout": []}  # well formed: another field is at fault
+        unknown_key = await conn.send({"seq": 0, "transport": "shm", "nbytes": 1, "handle": handle, "extra": 1})
         assert (unknown_key["status"], unknown_key["field"], unknown_key["seq"]) == (422, "extra", 0)
-        other_rank = await conn.send({"seq": 0, "rank": 1, "transport": "shm", "nbytes": 1, "handle": {}})
+        other_rank = await conn.send({"seq": 0, "rank": 1, "transport": "shm", "nbytes": 1, "handle": handle})
         assert (other_rank["status"], other_rank["field"]) == (422, "rank")
         # The same refusal HTTP gives for a handle that names no segment: 422 before any engine call.
         missing = await conn.send({"seq": 0, "transport": "shm", "nbytes": 8,

@@ -135,7 +135,8 @@ async def test_a_step_that_is_not_an_int_below_2_53_is_422(client: httpx.AsyncCl
 
 async def test_a_one_shot_update_for_a_rank_the_engines_do_not_have_is_422_at_once(
         client: httpx.AsyncClient) -> None:
-    chunk = {"seq": 0, "transport": "shm", "nbytes": 8, "handle": {"shm_name": "x", "layout": []}}
+    chunk = {"seq": 0, "transport": "shm", "nbytes": 8,
+             "handle": {"shm_name": "colocd-1-ab", "nbytes": 8, "layout": []}}  # well formed: the rank is at fault
     for rank, field in ((1, "chunks.0.rank"), (200_000, "chunks.0.rank")):
         t0 = time.perf_counter()
         r = await client.post("/v1/update_weights", json={"version": "v1", "chunks": [{**chunk, "rank": rank}]})
@@ -445,7 +446,7 @@ async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_st
         before = (await c.get("/v1/status")).json()
         r = await c.post(f"/v1/weights/sessions/{session_id}/chunks",
                          json={"seq": 0, "rank": 1, "transport": "shm", "nbytes": 8,
-                               "handle": {"shm_name": "x", "layout": []}})
+                               "handle": {"shm_name": "colocd-1-ab", "nbytes": 8, "layout": []}})
         _is_error(r, 422, field="rank")
         after = (await c.get("/v1/status")).json()
         after["weight_session"].pop("idle_for_s", None)

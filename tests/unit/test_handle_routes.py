@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from colocd.engines.base import ChunkPart
-from colocd.engines.handles import CudaIpcRoute, HostRoute, RingRoute, ShmRoute
+from colocd.engines.handles import CudaIpcRoute, HostRoute, RingRoute, ShmRoute, parse_handle
 from colocd.errors import RequestInvalid
 from colocd.policies import Transport
 
@@ -40,3 +40,15 @@ def test_a_layout_ref_that_is_not_a_string_is_the_callers_error_naming_it() -> N
     with pytest.raises(RequestInvalid) as caught:
         _part(Transport.IPC_RING, ring="r", layout_ref=3)
     assert caught.value.field == "handle.layout_ref"
+
+
+def test_a_typed_handle_travels_on_as_the_json_it_was_parsed_from_with_its_route_from_the_model() -> None:
+    sent = {"shm_name": "colocd-1-ab", "nbytes": 8, "layout": [], "device_uuid": "GPU-1", "engine_key": [1]}
+    part = ChunkPart.of(rank=0, transport=Transport.SHM, nbytes=8, handle=parse_handle(Transport.SHM, sent))
+    assert part.handle is sent  # forwarded as the trainer sent it, keys the model does not name included
+    assert part.route == ShmRoute("GPU-1", "colocd-1-ab")
+
+
+def test_a_completed_or_trimmed_handle_keeps_the_route_it_was_parsed_with() -> None:
+    part = _part(Transport.IPC_RING, ring="r", layout_ref="abc", device_uuid="GPU-3")
+    assert part.with_handle({"ring": "r", "layout": []}).route == RingRoute("GPU-3", "abc")

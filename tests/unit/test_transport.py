@@ -25,7 +25,7 @@ def test_every_transport_has_a_producer_and_a_variant_travels_as_its_base() -> N
 
 
 def test_a_chunk_names_the_transport_it_travels_as() -> None:
-    chunk = {"seq": 0, "transport": "cuda_ipc", "nbytes": 1, "handle": {}}
+    chunk = {"seq": 0, "transport": "cuda_ipc", "nbytes": 1, "handle": {"payload_b64": ""}}
     assert ChunkDescriptor.model_validate(chunk).transport is Transport.CUDA_IPC
     with pytest.raises(ValidationError, match="'per_tensor' travels as 'cuda_ipc'"):
         ChunkDescriptor.model_validate({**chunk, "transport": "per_tensor"})
