@@ -316,6 +316,28 @@ class DaemonNode:
     client: Any  # colocd.api.client.AsyncColocdClient
     url: str
     process: Any = None  # colocd.api.procs.DaemonProcess, with ``subprocess=True``
+    token: str | None = None
+
+    async def kill(self) -> None:
+        """The crash of ``colocd serve``: SIGKILL, no handler runs, nothing it started is stopped."""
+        import signal
+
+        assert self.process is not None and self.process.process is not None, "kill() needs subprocess=True"
+        os.kill(self.process.pid, signal.SIGKILL)
+        await self.process.process.wait_exit()
+
+    async def restart(self, *, ready: bool = True) -> None:
+        """Start ``colocd serve`` again after ``kill()``, with the same config and workdir (so the same
+        journal); the client follows it to its new port. Waits for ``/readyz`` unless ``ready=False``."""
+        from colocd.api.client import AsyncColocdClient
+
+        assert self.process is not None and not self.process.process.running, "restart() follows kill()"
+        await self.client.aclose()
+        await self.process.__aenter__()  # daemon_node's exit stops whichever process runs last
+        self.url = self.process.url
+        self.client = AsyncColocdClient(self.url, token=self.token)
+        if ready:
+            await self.client.wait_ready(DEADLINE_S)
 
 
 @asynccontextmanager
@@ -346,7 +368,8 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str], *, subproc
 
             process = None
             url = await stack.enter_async_context(serve_app(create_app(NodeConfig.model_validate(full))))
-        client = await stack.enter_async_context(AsyncColocdClient(url, token=token))
+        node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token)
+        stack.push_async_callback(lambda: node.client.aclose())  # the client of the last restart()
         if ready:
-            await client.wait_ready(DEADLINE_S)
-        yield DaemonNode(client, url, process)
+            await node.client.wait_ready(DEADLINE_S)
+        yield node

@@ -218,7 +218,7 @@ def _refusal_cpu_s(document: bytes) -> float:
 
     limits = Limits()
     t0 = time.thread_time()
-    with pytest.raises(PolicyError, match="limits.max_yaml_nodes"):
+    with pytest.raises(PolicyError, match=r"limits\.max_yaml_nodes"):
         load_policy_yaml(document, limits=YamlLimits(max_bytes=limits.max_policy_bytes,
                                                      max_aliases=limits.max_yaml_aliases,
                                                      max_nodes=limits.max_yaml_nodes))
