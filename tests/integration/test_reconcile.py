@@ -28,6 +28,7 @@ import torch
 from support import DaemonNode, daemon_node, shm_segments
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.daemon.journal import Journal
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -73,6 +74,14 @@ class Node:
     engine: ReferenceEngineProcess
     daemon: DaemonNode
     engine_url: str
+    journal: Path
+
+    async def journaled(self, step: int, phase: str) -> None:
+        """Until the journal file holds (step, phase) as finished: the daemon answers a transition before its
+        journal thread has written it (daemon/journal.py), and a kill in between loses it."""
+        async def on_disk() -> bool:
+            return any((c["step"], c["phase"]) == (step, phase) for c in Journal(self.journal).completed())
+        await self.until(f"{phase}@{step} in the journal", on_disk)
 
     @property
     def client(self) -> AsyncColocdClient:
@@ -129,7 +138,7 @@ async def node(tmp_path: Path, *, daemon_process: bool = False) -> AsyncIterator
                 {"ref0": engine.url}, subprocess=daemon_process, workdir=tmp_path,
                 journal=str(tmp_path / "journal.jsonl"),
                 timeouts={"health_interval_s": HEALTH_S, "default_s": 20}) as daemon:
-            n = Node(engine, daemon, engine.url)
+            n = Node(engine, daemon, engine.url, tmp_path / "journal.jsonl")
             yield n
         assert daemon.process is None or daemon.process.process.returncode is not None
     finally:
@@ -294,6 +303,7 @@ async def test_daemon_killed_mid_stream_ends_the_engines_orphaned_session_and_re
         await stream_half(n.client, 2)
         assert (await n.engine_get("/server_info"))["internal_states"][0]["weight_update_session"] is not None
 
+        await n.journaled(2, "sync")
         await n.daemon.kill()
         await n.daemon.restart()
         assert (await n.engine_get("/server_info"))["internal_states"][0]["weight_update_session"] is None
@@ -317,6 +327,7 @@ async def test_daemon_killed_mid_stream_ends_the_engines_orphaned_session_and_re
 async def test_restarted_daemon_refuses_mutating_calls_until_it_reconciled_with_its_engines(tmp_path: Path) -> None:
     async with node(tmp_path, daemon_process=True) as n:
         await full_step(n.client, 1)
+        await n.journaled(1, "rollout")
         await n.daemon.kill()
         await kill_engine(n.engine)
         await n.daemon.restart(ready=False)
