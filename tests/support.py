@@ -21,8 +21,8 @@ from colocd.api.server import KEEP_ALIVE_S
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "NvmlNode", "daemon_node",
-           "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config", "reference_engine", "serve_app",
-           "shm_segments", "stop_engines"]
+           "daemon_thread", "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config", "reference_engine",
+           "serve_app", "shm_segments", "stop_engines"]
 
 
 @asynccontextmanager
@@ -316,6 +316,28 @@ class DaemonNode:
     client: Any  # colocd.api.client.AsyncColocdClient
     url: str
     process: Any = None  # colocd.api.procs.DaemonProcess, with ``subprocess=True``
+    token: str | None = None
+
+    async def kill(self) -> None:
+        """The crash of ``colocd serve``: SIGKILL, no handler runs, nothing it started is stopped."""
+        import signal
+
+        assert self.process is not None and self.process.process is not None, "kill() needs subprocess=True"
+        os.kill(self.process.pid, signal.SIGKILL)
+        await self.process.process.wait_exit()
+
+    async def restart(self, *, ready: bool = True) -> None:
+        """Start ``colocd serve`` again after ``kill()``, with the same config and workdir (so the same
+        journal); the client follows it to its new port. Waits for ``/readyz`` unless ``ready=False``."""
+        from colocd.api.client import AsyncColocdClient
+
+        assert self.process is not None and not self.process.process.running, "restart() follows kill()"
+        await self.client.aclose()
+        await self.process.__aenter__()  # daemon_node's exit stops whichever process runs last
+        self.url = self.process.url
+        self.client = AsyncColocdClient(self.url, token=self.token)
+        if ready:
+            await self.client.wait_ready(DEADLINE_S)
 
 
 @asynccontextmanager
@@ -346,7 +368,51 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str], *, subproc
 
             process = None
             url = await stack.enter_async_context(serve_app(create_app(NodeConfig.model_validate(full))))
-        client = await stack.enter_async_context(AsyncColocdClient(url, token=token))
+        node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token)
+        stack.push_async_callback(lambda: node.client.aclose())  # the client of the last restart()
         if ready:
-            await client.wait_ready(DEADLINE_S)
-        yield DaemonNode(client, url, process)
+            await node.client.wait_ready(DEADLINE_S)
+        yield node
+
+
+@contextmanager
+def daemon_thread(engines: list[dict[str, Any]] | dict[str, str], **config: Any) -> Iterator[str]:
+    """``daemon_node``'s daemon for a synchronous test (hypothesis, schemathesis): served from its own event
+    loop on a thread of this process; yields its URL once ``/healthz`` answers, stops it at exit."""
+    import concurrent.futures
+    import threading
+
+    from colocd.api.app import create_app
+    from colocd.daemon.config import NodeConfig
+
+    if isinstance(engines, dict):
+        engines = [{"kind": "reference", "name": n, "url": str(u)} for n, u in engines.items()]
+    app = create_app(NodeConfig.model_validate({"engines": engines, **config}))
+    url: concurrent.futures.Future[str] = concurrent.futures.Future()
+    stopping: concurrent.futures.Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = concurrent.futures.Future()
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        stopping.set_result((asyncio.get_running_loop(), stop))
+        async with serve_app(app) as served:
+            url.set_result(served)
+            await stop.wait()
+
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as exc:
+            if not url.done():
+                url.set_exception(exc)
+            raise
+
+    thread = threading.Thread(target=run, name="colocd-daemon", daemon=True)
+    thread.start()
+    try:
+        yield url.result(DEADLINE_S)
+    finally:
+        if stopping.done():
+            loop, stop = stopping.result()
+            loop.call_soon_threadsafe(stop.set)
+        thread.join(DEADLINE_S)
+        assert not thread.is_alive(), f"the daemon's thread did not stop within {DEADLINE_S}s"

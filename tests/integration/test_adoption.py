@@ -1,8 +1,9 @@
 """A real ``colocd serve`` SIGKILLed and started again on its journal drives the engine it launched.
 
-Real processes only: ``colocd serve`` as a child, the reference engine as its child (its own process
-group), the trainer on the client. The engine processes of one test are found by a marker in their
-environment, so "one engine per config entry" is counted on the machine, not taken from status.
+Real processes only: ``colocd serve`` as a child (``daemon_node(subprocess=True)``, SIGKILLed and
+restarted), the reference engine as its child (its own process group), the trainer on the client. The
+engine processes of one test are found by a marker in their environment, so "one engine per config
+entry" is counted on the machine, not taken from status.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from support import DaemonNode, daemon_node
 
 from colocd.api.client import AsyncColocdClient
-from colocd.api.procs import DaemonProcess
 from colocd.engines.adoption import process_start_time
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
@@ -71,24 +72,12 @@ def node_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def daemon(tmp_path: Path, config: dict[str, Any], run: str) -> AsyncIterator[tuple[DaemonProcess,
-                                                                                         AsyncColocdClient]]:
-    workdir = tmp_path / run
-    workdir.mkdir()
-    async with asyncio.timeout(DEADLINE_S), DaemonProcess(config, workdir=str(workdir),
-                                                          ready_timeout_s=DEADLINE_S) as proc:
-        client = AsyncColocdClient(proc.url)
-        try:
-            yield proc, client
-        finally:
-            await client.aclose()
-
-
-async def kill(proc: DaemonProcess) -> None:
-    """The crash: SIGKILL, no handler runs, nothing is stopped."""
-    assert proc.pid is not None and proc.process is not None
-    os.kill(proc.pid, signal.SIGKILL)
-    await proc.process.wait_exit()
+async def serve(tmp_path: Path, config: dict[str, Any]) -> AsyncIterator[DaemonNode]:
+    """``colocd serve`` on ``config``, ready; ``kill()`` and ``restart()`` it on the same journal."""
+    async with asyncio.timeout(DEADLINE_S), daemon_node(
+            config["engines"], subprocess=True, workdir=tmp_path,
+            **{k: v for k, v in config.items() if k != "engines"}) as node:
+        yield node
 
 
 async def push(client: AsyncColocdClient, step: int) -> None:
@@ -128,18 +117,17 @@ async def test_a_daemon_sigkilled_mid_push_adopts_its_engine_reconciles_it_and_t
         node_dir: Path) -> None:
     tmp_path = node_dir
     config = node_config(tmp_path)
-    async with daemon(tmp_path, config, "first") as (first, client):
-        await client.wait_ready(60)
-        await full_step(client, 1)
-        await client.phase("train", 2)
-        await client.phase("sync", 2)
-        await stream_half(client, 2)  # the engine has an update open, half the tensors in
-        engine = (await client.status())["engines"]["ref0"]["launched"]
-        await kill(first)
-    assert engines_of(tmp_path) == {engine["pid"]}  # the engine outlived its daemon
+    async with serve(tmp_path, config) as node:
+        await full_step(node.client, 1)
+        await node.client.phase("train", 2)
+        await node.client.phase("sync", 2)
+        await stream_half(node.client, 2)  # the engine has an update open, half the tensors in
+        engine = (await node.client.status())["engines"]["ref0"]["launched"]
+        await node.kill()
+        assert engines_of(tmp_path) == {engine["pid"]}  # the engine outlived its daemon
 
-    async with daemon(tmp_path, config, "second") as (_second, client):
-        await client.wait_ready(60)
+        await node.restart()
+        client = node.client
         assert engines_of(tmp_path) == {engine["pid"]}  # adopted: no second engine beside it
         status = await client.status()
         ref0 = status["engines"]["ref0"]
@@ -164,15 +152,14 @@ async def test_with_a_fixed_port_an_engine_that_no_longer_answers_is_stopped_and
     tmp_path = node_dir
     url = f"http://127.0.0.1:{free_port()}"
     config = node_config(tmp_path, url=url)
-    async with daemon(tmp_path, config, "first") as (first, client):
-        await client.wait_ready(60)
-        await full_step(client, 1)
-        old = int((await client.status())["engines"]["ref0"]["launched"]["pid"])
-        await kill(first)
-    os.kill(old, signal.SIGSTOP)  # alive, its port held, but it answers nothing: not adoptable
-    try:
-        async with daemon(tmp_path, config, "second") as (_second, client):
-            await client.wait_ready(60)
+    async with serve(tmp_path, config) as node:
+        await full_step(node.client, 1)
+        old = int((await node.client.status())["engines"]["ref0"]["launched"]["pid"])
+        await node.kill()
+        os.kill(old, signal.SIGSTOP)  # alive, its port held, but it answers nothing: not adoptable
+        try:
+            await node.restart()
+            client = node.client
             assert await gone({old})  # its process group was stopped before the new engine was launched
             ref0 = (await client.status())["engines"]["ref0"]
             assert ref0["launched"]["adopted"] is False and ref0["launched"]["url"] == url
@@ -180,6 +167,6 @@ async def test_with_a_fixed_port_an_engine_that_no_longer_answers_is_stopped_and
             assert (ref0["weights"], ref0["generation"]) == ("stale", "paused")
             await full_step(client, 2)
             assert await engine_checksum(url) == tensor_checksum(model_for(2).named_parameters())
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(old, signal.SIGKILL)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old, signal.SIGKILL)

@@ -1,7 +1,8 @@
 """``colocd serve`` launches its own engines (``launch:``): start, relaunch after a death, stop, deadline.
 
-Real processes only: ``colocd serve`` as a child, the reference engine as its child (in its own
-process group), the trainer on the client. Nothing here starts or stops an engine by hand except
+Real processes: ``colocd serve`` as a child, the reference engine as its child (in its own process
+group), the trainer on the client; the relaunch spec runs the daemon in the test's event loop (the
+engine's process is under test there, not the daemon's). Nothing here starts or stops an engine by hand except
 the SIGKILL that stands for a crash; every wait is a poll under a deadline.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 import httpx
 import torch
 import yaml
-from support import shm_segments
+from support import daemon_node, shm_segments
 
 from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
@@ -87,6 +88,15 @@ async def serve(tmp_path: Path, config: dict[str, Any], *,
     assert shm_segments() - shm_before == set(), "leaked shared-memory segments"
 
 
+@asynccontextmanager
+async def serve_in_loop(config: dict[str, Any]) -> AsyncIterator[AsyncColocdClient]:
+    shm_before = shm_segments()
+    engines, rest = config["engines"], {k: v for k, v in config.items() if k != "engines"}
+    async with asyncio.timeout(DEADLINE_S), daemon_node(engines, **rest) as daemon:
+        yield daemon.client
+    assert shm_segments() - shm_before == set(), "leaked shared-memory segments"
+
+
 async def launched(client: AsyncColocdClient) -> dict[str, Any]:
     info: dict[str, Any] = (await client.status())["engines"]["ref0"]["launched"]
     return info
@@ -126,7 +136,8 @@ async def test_a_launched_engine_that_dies_is_relaunched_reconciled_and_the_next
         tmp_path: Path) -> None:
     config = example_config(timeouts={"health_interval_s": HEALTH_S, "default_s": 20})
     config["engines"][0]["launch"].update(backoff_initial_s=0.2, backoff_max_s=1)
-    async with serve(tmp_path, config) as (_daemon, client):
+    # The daemon in this event loop: the engine's death and relaunch are under test, not the daemon's process.
+    async with serve_in_loop(config) as client:
         await full_step(client, 1)
         first = await launched(client)
         os.kill(int(first["pid"]), signal.SIGKILL)  # the crash

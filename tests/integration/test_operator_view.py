@@ -18,15 +18,11 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support import serve_app
+from support import EnginePool, daemon_node
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
 from colocd.cli import main as cli_main
-from colocd.daemon.config import NodeConfig
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
 
@@ -48,15 +44,16 @@ async def _step(client: AsyncColocdClient, step: int, model: Any) -> None:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def node() -> AsyncIterator[dict[str, Any]]:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0)) as eng:
-        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": eng.url}]})
-        async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
-            await client.wait_ready(30)
+async def node(engine_pool: EnginePool) -> AsyncIterator[dict[str, Any]]:
+    engine = engine_pool.borrow()
+    try:
+        async with daemon_node({"ref0": str(engine.url)}) as daemon:
             model = build_model(QwenLikeConfig(), seed=7)
             for step in (1, 2):
-                await _step(client, step, model)
-            yield {"url": url, "client": client, "metrics": await client.metrics()}
+                await _step(daemon.client, step, model)
+            yield {"url": daemon.url, "client": daemon.client, "metrics": await daemon.client.metrics()}
+    finally:
+        engine_pool.give_back(engine)
 
 
 def _dashboard_module() -> Any:
@@ -182,16 +179,21 @@ async def test_top_once_renders_node_engines_steps_and_the_absence_of_nvml(
     assert "NVML not available" in frame
 
 
-async def test_json_logs_have_one_parsable_line_per_transition() -> None:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref1", url="http://127.0.0.1:0", seed=0)) as eng, \
-            DaemonProcess({"engines": [{"kind": "reference", "name": "ref1", "url": eng.url}], "log_format": "json"},
-                          log_level="info") as daemon, AsyncColocdClient(daemon.url) as client:
-        await client.wait_ready(30)
-        await client.phase("train", 1)
-        with pytest.raises(Exception):  # noqa: B017 - a rejected transition is logged too
-            await client.phase("rollout", 1)
-        lines = [ln for ln in daemon.log_tail(200_000).splitlines()
-                 if ln.strip() and not ln.startswith("colocd listening on")]  # that one is stdout, not a log
+async def test_json_logs_have_one_parsable_line_per_transition(engine_pool: EnginePool) -> None:
+    # colocd serve, not the module's daemon: the log format is the process's (its CLI sets up logging).
+    engine = engine_pool.borrow("ref1")
+    try:
+        async with DaemonProcess({"engines": [{"kind": "reference", "name": "ref1", "url": str(engine.url)}],
+                                  "log_format": "json"}, log_level="info") as daemon, \
+                AsyncColocdClient(daemon.url) as client:
+            await client.wait_ready(30)
+            await client.phase("train", 1)
+            with pytest.raises(Exception):  # noqa: B017 - a rejected transition is logged too
+                await client.phase("rollout", 1)
+            lines = [ln for ln in daemon.log_tail(200_000).splitlines()
+                     if ln.strip() and not ln.startswith("colocd listening on")]  # that one is stdout, not a log
+    finally:
+        engine_pool.give_back(engine)
     records = [json.loads(ln) for ln in lines]  # every log line is one JSON object
     train = [r for r in records if r.get("event") == "transition" and r.get("phase") == "train"]
     assert len(train) == 1

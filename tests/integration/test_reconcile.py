@@ -1,35 +1,34 @@
 """Restarts, as a node sees them: the engine or the daemon is SIGKILLed and started again (issue 9).
 
-A reference engine and ``colocd serve`` run as separate processes on loopback; the trainer uses the
-client. Each test kills one process at one point of a step, starts it again (the engine on the same
-URL, the daemon with the same config and journal) and then runs the next step with no call made to
-the engine by hand. It ends on the engine's own checksum equal to the last complete push, and no
-shared-memory segment or process left behind. A prober asks the engine for greedy completions all
-through the fault window: every answer must come from one complete version (the one it is labelled
-with), and none from a request started after the daemon saw the restart may carry stale weights.
+A reference engine runs as its own process on loopback; the daemon runs in the test's event loop, or as
+``colocd serve`` in the tests that kill the daemon itself; the trainer uses the client. Each test kills
+one process at one point of a step, starts it again (the engine on the same URL, the daemon with the
+same config and journal) and then runs the next step with no call made to the engine by hand. It ends
+on the engine's own checksum equal to the last complete push, and no shared-memory segment or process
+left behind. A prober asks the engine for greedy completions all through the fault window: every answer
+must come from one complete version (the one it is labelled with), and none from a request started
+after the daemon saw the restart may carry stale weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 import torch
-from support import shm_segments
+from support import DaemonNode, daemon_node, shm_segments
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.daemon.journal import Journal
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -70,67 +69,28 @@ async def kill_engine(proc: ReferenceEngineProcess) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-class DaemonProcess:
-    """``colocd serve --config`` as a child process; its URL comes from the ready file."""
-
-    def __init__(self, workdir: Path, engine_url: str) -> None:
-        self.ready_file = workdir / "daemon.ready"
-        self.config = workdir / "node.json"  # JSON is YAML
-        self.config.write_text(json.dumps({
-            "listen": {"host": "127.0.0.1", "port": 0, "ready_file": str(self.ready_file)},
-            "engines": [{"kind": "reference", "name": "ref0", "url": engine_url}],
-            "journal": str(workdir / "journal.jsonl"),
-            "timeouts": {"health_interval_s": HEALTH_S, "default_s": 20},
-        }))
-        self.log = workdir / "daemon.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-
-    async def start(self) -> str:
-        self.ready_file.unlink(missing_ok=True)
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(  # noqa: ASYNC220 - returns at once; readiness polled below
-                [sys.executable, "-m", "colocd.cli", "serve", "--config", str(self.config)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        async with asyncio.timeout(30):
-            while not self.ready_file.exists():
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"colocd serve exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-                await asyncio.sleep(0.05)  # ready-file poll cadence
-        self.url = json.loads(self.ready_file.read_text())["url"]
-        return self.url
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 @dataclass
 class Node:
     engine: ReferenceEngineProcess
-    daemon: DaemonProcess
-    client: AsyncColocdClient
+    daemon: DaemonNode
     engine_url: str
+    journal: Path
+
+    async def journaled(self, step: int, phase: str) -> None:
+        """Until the journal file holds (step, phase) as finished: the daemon answers a transition before its
+        journal thread has written it (daemon/journal.py), and a kill in between loses it."""
+        async def on_disk() -> bool:
+            return any((c["step"], c["phase"]) == (step, phase) for c in Journal(self.journal).completed())
+        await self.until(f"{phase}@{step} in the journal", on_disk)
+
+    @property
+    def client(self) -> AsyncColocdClient:
+        return cast(AsyncColocdClient, self.daemon.client)
 
     async def restart_engine(self) -> None:
         await kill_engine(self.engine)
         # Ready once it answers at all: the daemon watching it may pause it before its first generation.
         self.engine = await start_engine(self.engine_url, ready_path="/model_info")
-
-    async def restart_daemon(self) -> None:
-        self.daemon.kill()
-        await self.client.aclose()
-        self.client = AsyncColocdClient(await self.daemon.start())
 
     async def engine_get(self, path: str) -> Any:
         async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
@@ -166,24 +126,25 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def node(tmp_path: Path) -> AsyncIterator[Node]:
+async def node(tmp_path: Path, *, daemon_process: bool = False) -> AsyncIterator[Node]:
+    """An engine process and a daemon over it with a journal: in this event loop, or ``colocd serve``
+    (``daemon_process=True``) where the daemon itself is killed and started again."""
     shm_before = shm_segments()
     engine = await start_engine()
     assert engine.url is not None
-    daemon = DaemonProcess(tmp_path, engine.url)
     n: Node | None = None
     try:
-        async with asyncio.timeout(DEADLINE_S):
-            n = Node(engine, daemon, AsyncColocdClient(await daemon.start()), engine.url)
-            await n.client.wait_ready(30)
+        async with asyncio.timeout(DEADLINE_S), daemon_node(
+                {"ref0": engine.url}, subprocess=daemon_process, workdir=tmp_path,
+                journal=str(tmp_path / "journal.jsonl"),
+                timeouts={"health_interval_s": HEALTH_S, "default_s": 20}) as daemon:
+            n = Node(engine, daemon, engine.url, tmp_path / "journal.jsonl")
             yield n
+        assert daemon.process is None or daemon.process.process.returncode is not None
     finally:
         if n is not None:
-            await n.client.aclose()
             engine = n.engine
-        daemon.stop()
         await engine.aclose()
-        assert daemon.proc is None or daemon.proc.returncode is not None
         assert engine.returncode is not None
     assert shm_segments() - shm_before == set(), "leaked shared-memory segments"
 
@@ -335,15 +296,16 @@ async def _answered(prober: Prober, version: str) -> bool:
 
 
 async def test_daemon_killed_mid_stream_ends_the_engines_orphaned_session_and_reports_it(tmp_path: Path) -> None:
-    async with node(tmp_path) as n:
+    async with node(tmp_path, daemon_process=True) as n:
         await full_step(n.client, 1)
         await n.client.phase("train", 2)
         await n.client.phase("sync", 2)
         await stream_half(n.client, 2)
         assert (await n.engine_get("/server_info"))["internal_states"][0]["weight_update_session"] is not None
 
-        await n.restart_daemon()
-        await n.client.wait_ready(30)
+        await n.journaled(2, "sync")
+        await n.daemon.kill()
+        await n.daemon.restart()
         assert (await n.engine_get("/server_info"))["internal_states"][0]["weight_update_session"] is None
         status = await n.client.status()
         assert status["node"] == {"phase": "sync", "step": 2}  # from the journal
@@ -363,12 +325,12 @@ async def test_daemon_killed_mid_stream_ends_the_engines_orphaned_session_and_re
 
 
 async def test_restarted_daemon_refuses_mutating_calls_until_it_reconciled_with_its_engines(tmp_path: Path) -> None:
-    async with node(tmp_path) as n:
+    async with node(tmp_path, daemon_process=True) as n:
         await full_step(n.client, 1)
-        n.daemon.kill()
+        await n.journaled(1, "rollout")
+        await n.daemon.kill()
         await kill_engine(n.engine)
-        await n.client.aclose()
-        n.client = AsyncColocdClient(await n.daemon.start())
+        await n.daemon.restart(ready=False)
         with pytest.raises(ColocdHTTPError) as err:
             await n.client.phase("train", 2)
         assert err.value.status == 409, err.value.body
