@@ -21,8 +21,8 @@ from colocd.api.server import KEEP_ALIVE_S
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "NvmlNode", "daemon_node",
-           "daemon_thread", "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config", "reference_engine",
-           "serve_app", "shm_segments", "stop_engines"]
+           "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config", "reference_engine", "serve_app",
+           "shm_segments", "stop_engines"]
 
 
 @asynccontextmanager
@@ -373,46 +373,3 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str], *, subproc
         if ready:
             await node.client.wait_ready(DEADLINE_S)
         yield node
-
-
-@contextmanager
-def daemon_thread(engines: list[dict[str, Any]] | dict[str, str], **config: Any) -> Iterator[str]:
-    """``daemon_node``'s daemon for a synchronous test (hypothesis, schemathesis): served from its own event
-    loop on a thread of this process; yields its URL once ``/healthz`` answers, stops it at exit."""
-    import concurrent.futures
-    import threading
-
-    from colocd.api.app import create_app
-    from colocd.daemon.config import NodeConfig
-
-    if isinstance(engines, dict):
-        engines = [{"kind": "reference", "name": n, "url": str(u)} for n, u in engines.items()]
-    app = create_app(NodeConfig.model_validate({"engines": engines, **config}))
-    url: concurrent.futures.Future[str] = concurrent.futures.Future()
-    stopping: concurrent.futures.Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = concurrent.futures.Future()
-
-    async def serve() -> None:
-        stop = asyncio.Event()
-        stopping.set_result((asyncio.get_running_loop(), stop))
-        async with serve_app(app) as served:
-            url.set_result(served)
-            await stop.wait()
-
-    def run() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as exc:
-            if not url.done():
-                url.set_exception(exc)
-            raise
-
-    thread = threading.Thread(target=run, name="colocd-daemon", daemon=True)
-    thread.start()
-    try:
-        yield url.result(DEADLINE_S)
-    finally:
-        if stopping.done():
-            loop, stop = stopping.result()
-            loop.call_soon_threadsafe(stop.set)
-        thread.join(DEADLINE_S)
-        assert not thread.is_alive(), f"the daemon's thread did not stop within {DEADLINE_S}s"

@@ -1,5 +1,4 @@
-"""Schemathesis over ``/openapi.json`` against a real daemon (served from a thread of the test process, on
-loopback) and a real reference engine process.
+"""Schemathesis over ``/openapi.json`` against a real ``colocd serve`` process and a real reference engine.
 
 Two properties, for every generated request, stateless and stateful (schemathesis chains operations
 through the OpenAPI links, e.g. a session id from ``POST /v1/weights/sessions`` into its chunks, commit and
@@ -14,25 +13,33 @@ no example database, so it runs in the default suite in about two minutes on two
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import schemathesis
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import status_code_conformance
-from support import daemon_thread, reference_config
 
+from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(420)]
 
 TOKEN = "fuzz-token"
+_READY_S = 90.0
 # Where the status legitimately moves with no request at all: health probes, the reconciliation reports of
 # the health loop ("last", "at"), a session's idle clock, and "busy_with" while the health loop's own
 # reconcile holds the transition lock for a moment ("reconcile:health").
@@ -48,6 +55,7 @@ _SETTINGS = settings(max_examples=6, deadline=None, database=None, derandomize=F
 @dataclass
 class Node:
     url: str
+    log: Path
 
     @property
     def auth(self) -> dict[str, str]:
@@ -58,6 +66,9 @@ class Node:
         response = httpx.get(f"{self.url}/v1/status", timeout=30, trust_env=False)
         response.raise_for_status()
         return _comparable(response.json())
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
 
 
 def _comparable(value: Any) -> Any:
@@ -72,12 +83,50 @@ def _comparable(value: Any) -> Any:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     work = tmp_path_factory.mktemp("fuzz")
-    with ReferenceEngineProcess(reference_config(), log_path=work / "engine.log") as engine, daemon_thread(
-            {"ref0": str(engine.url)}, token=TOKEN,
+    with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0"),
+                                log_path=work / "engine.log") as engine:
+        ready_file = work / "ready.json"
+        config = {
+            "listen": {"host": "127.0.0.1", "port": 0, "ready_file": str(ready_file)},
+            "token": TOKEN,
+            "engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
             # Short budgets: a generated request that waits on a rank or a group must not eat the time box.
-            timeouts={"default_s": 10, "chunk_s": 2, "health_interval_s": 5, "master_reach_s": 0.3},
-            limits={"max_body_bytes": 1024 * 1024}) as url:
-        yield Node(url)
+            "timeouts": {"default_s": 10, "chunk_s": 2, "health_interval_s": 5, "master_reach_s": 0.3},
+            "limits": {"max_body_bytes": 1024 * 1024},
+        }
+        (work / "node.yaml").write_text(yaml.safe_dump(config))
+        log = work / "colocd.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from colocd.cli import main; sys.exit(main())",
+                 "serve", "--config", str(work / "node.yaml"), "--log-level", "warning"],
+                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            url = _wait_ready(proc, ready_file, log)
+            yield Node(url, log)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, log: Path) -> str:
+    deadline = time.monotonic() + _READY_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"colocd serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        if ready_file.exists():
+            url = json.loads(ready_file.read_text())["url"]
+            try:
+                if httpx.get(f"{url}/readyz", timeout=5, trust_env=False).status_code == 200:
+                    return str(url)
+            except httpx.TransportError:
+                pass
+        time.sleep(0.1)  # readiness poll cadence, bounded by the deadline
+    raise RuntimeError(f"colocd serve not ready within {_READY_S}s: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +142,7 @@ def _check(node: Node, case: Any, response: Any, before: dict[str, Any]) -> None
     # The scheme supplies the token: a 401 only where the case spoiled it on purpose (negative security).
     assert status != 401 or (case.headers or {}).get("Authorization") != f"Bearer {TOKEN}", \
         f"{request} -> 401 though the security scheme gave it the token"
-    assert status != 500, f"{request} -> 500 {response.text[:500]}"  # the traceback: the test's captured log
+    assert status != 500, f"{request} -> 500 {response.text[:500]}\n{node.log_tail()}"
     assert status < 500 or status in (502, 503, 504), f"{request} -> {status} {response.text[:300]}"
     if status >= 400:
         body = response.json()
