@@ -35,7 +35,7 @@ from enum import StrEnum
 from ..engines.base import MemoryTag, Observation, PauseMode
 from .states import EngineRecord, Generation, NodePhase, TagState, WeightsState
 
-__all__ = ["Action", "Desired", "Plan", "plan", "plan_reconcile"]
+__all__ = ["Action", "Desired", "Plan", "plan"]
 
 
 class Action(StrEnum):
@@ -181,13 +181,6 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
         actions.append(Action.CONTINUE)
     return Plan(recorded.name, reason is not None, reason, base, tuple(actions), release, tuple(findings),
                 end_tolerant, resume, mode)
-
-
-def plan_reconcile(recorded: EngineRecord, observed: Observation, *, phase: NodePhase, owns_session: bool,
-                   first_sight: bool, lost_sight: bool) -> Plan:
-    """The plan for one freshly observed engine whose desired state is its record."""
-    return plan(Desired.holding(recorded), recorded, observed, phase=phase, owns_session=owns_session,
-                first_sight=first_sight, lost_sight=lost_sight)
 
 
 def _observed(recorded: EngineRecord, observed: Observation, restarted: bool, first_sight: bool,

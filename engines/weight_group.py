@@ -80,13 +80,6 @@ def chunk_order(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, to
     return sorted(named, key=lambda item: -item[1].element_size())
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def master_store(host: str, world_size: int, timeout_s: float) -> TCPStore:
     """The group's rendezvous store, served by rank 0 on an OS-chosen port (read it from ``.port``)."""
     return TCPStore(

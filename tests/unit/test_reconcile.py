@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from colocd.daemon.reconcile import Action, plan_reconcile
+from colocd.daemon.reconcile import Action, Desired
+from colocd.daemon.reconcile import plan as plan_toward
 from colocd.daemon.states import EngineRecord, Generation, NodePhase, TagState, WeightsState
 from colocd.engines.base import ALL_TAGS, MemoryTag, Observation
 
@@ -33,8 +34,9 @@ def fresh(incarnation: str | None = "boot-2", version: str = "default") -> Obser
 
 def plan(recorded: EngineRecord, observed: Observation, phase: NodePhase = NodePhase.ROLLOUT, *,
          owns_session: bool = False, first_sight: bool = False, lost_sight: bool = False):  # type: ignore[no-untyped-def]
-    return plan_reconcile(recorded, observed, phase=phase, owns_session=owns_session, first_sight=first_sight,
-                          lost_sight=lost_sight)
+    # A reconcile: the desired state is the record itself.
+    return plan_toward(Desired.holding(recorded), recorded, observed, phase=phase, owns_session=owns_session,
+                       first_sight=first_sight, lost_sight=lost_sight)
 
 
 def test_an_engine_that_matches_its_record_needs_nothing() -> None:
