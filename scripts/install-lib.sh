@@ -16,3 +16,17 @@ with_progress() {
     log "${what}: done in $(( SECONDS - t0 )) s"
     return "${rc}"
 }
+# The tiny Qwen2 model both engine tiers serve (scripts/build_tiny_qwen2.py, run by the engine venv's python);
+# its RECIPE names the build, so a cached model is rebuilt only when the recipe changes.
+build_tiny_model() {
+    local py="$1" repo="$2" model="$3" recipe
+    recipe="$(sed -n 's/^RECIPE = "\(.*\)"$/\1/p' "${repo}/scripts/build_tiny_qwen2.py")"
+    if [[ "$(cat "${model}/colocd-recipe" 2>/dev/null)" == "${recipe}" ]]; then
+        log "tiny model already at ${model}"
+    else
+        log "building the tiny Qwen2 model and tokenizer in ${model}"
+        rm -rf "${model}"
+        with_progress "building the tiny model" "${py}" "${repo}/scripts/build_tiny_qwen2.py" "${model}" 0 >&2 \
+            || die "building the tiny model failed"
+    fi
+}

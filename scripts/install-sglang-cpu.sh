@@ -100,15 +100,7 @@ if [[ "$(cat "${VENV}/.colocd-shims" 2>/dev/null)" != "${shims_stamp}" ]]; then
     echo "${shims_stamp}" > "${VENV}/.colocd-shims"
 fi
 
-MODEL_RECIPE="$(sed -n 's/^RECIPE = "\(.*\)"$/\1/p' "${REPO}/scripts/build_tiny_qwen2.py")"
-if [[ "$(cat "${MODEL}/colocd-recipe" 2>/dev/null)" == "${MODEL_RECIPE}" ]]; then
-    log "tiny model already at ${MODEL}"
-else
-    log "building the tiny Qwen2 model and tokenizer in ${MODEL}"
-    rm -rf "${MODEL}"
-    with_progress "building the tiny model" "${PY}" "${REPO}/scripts/build_tiny_qwen2.py" "${MODEL}" 0 >&2 \
-        || die "building the tiny model failed"
-fi
+build_tiny_model "${PY}" "${REPO}" "${MODEL}"
 
 log "ready in $(( $(date +%s) - start )) s: python ${PY}, model ${MODEL}"
 echo "COLOCD_SGLANG_PYTHON=${PY}"

@@ -69,18 +69,9 @@ fi
 # native; engines/vllm/cpu_isa.py says how and why). Rewritten every run: a few ms.
 "${PY}" -c 'from colocd.engines.vllm.cpu_isa import install_shim; install_shim()' || die "installing the CPU-ISA shim into the venv failed"
 
-# The tiny model both engine tiers serve (scripts/build_tiny_qwen2.py; its RECIPE names the build, so a
-# cached model is rebuilt when the recipe changes). 4096 positions let a test request decode for seconds,
-# long enough to pause it mid-flight.
-MODEL_RECIPE="$(sed -n 's/^RECIPE = "\(.*\)"$/\1/p' "${REPO}/scripts/build_tiny_qwen2.py")"
-if [[ "$(cat "${MODEL}/colocd-recipe" 2>/dev/null)" == "${MODEL_RECIPE}" ]]; then
-    log "tiny model already at ${MODEL}"
-else
-    log "building the tiny Qwen2 model and tokenizer in ${MODEL}"
-    rm -rf "${MODEL}"
-    with_progress "building the tiny model" "${PY}" "${REPO}/scripts/build_tiny_qwen2.py" "${MODEL}" 0 >&2 \
-        || die "building the tiny model failed"
-fi
+# The tiny model both engine tiers serve: 4096 positions let a test request decode for seconds, long enough
+# to pause it mid-flight.
+build_tiny_model "${PY}" "${REPO}" "${MODEL}"
 
 log "ready in $(( $(date +%s) - start )) s: python ${PY}, model ${MODEL}"
 echo "COLOCD_VLLM_PYTHON=${PY}"
