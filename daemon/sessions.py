@@ -469,7 +469,9 @@ class WeightSessions:
         if session is None:
             return
         await session.fail(error)
-        await self._close_session(session)
+        # The caller is the reconcile that found the loss: it observes and drives the engines itself, so the
+        # close must not start a second reconcile of the same engine in the middle of the first one's plan.
+        await self._close_session(session, observe=False)
 
     async def _finish_failed(self, session: WeightSession) -> None:
         if session.closed:  # closed, or being closed (the lease loop): the caller's error waits for the close
@@ -480,7 +482,7 @@ class WeightSessions:
             await self._close_session(session)
         self._d.refresh_gauges()
 
-    async def _close_session(self, session: WeightSession) -> None:
+    async def _close_session(self, session: WeightSession, *, observe: bool = True) -> None:
         """End an uncommitted session (caller holds the lock): wait for its engine calls, end the engines'
         updates (engines stay paused, weights stale where any chunk may have landed), unlink the shared-memory
         segments its chunks named."""
@@ -488,12 +490,12 @@ class WeightSessions:
             return  # closed already
         self._closing[session.id] = closing = asyncio.Event()
         try:
-            await self._close_uncommitted(session)
+            await self._close_uncommitted(session, observe=observe)
         finally:
             closing.set()
             del self._closing[session.id]
 
-    async def _close_uncommitted(self, session: WeightSession) -> None:
+    async def _close_uncommitted(self, session: WeightSession, *, observe: bool) -> None:
         d = self._d
         t = d.timeouts()
         session.tainted = await session.quiesce(t.budget(Budget.QUIESCE))
@@ -501,7 +503,8 @@ class WeightSessions:
             log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
                         session.id, session.tainted, t.budget(Budget.QUIESCE))
         await self._close_engines_update(session.trace, committed=False, session=session)
-        if session.state is SessionState.FAILED:  # a chunk failed: an engine may be gone; status says so now
+        # A chunk failed: an engine may be gone, and status says so now.
+        if observe and session.state is SessionState.FAILED:
             await d.sync.reconcile_all(f"after failed session {session.id}", keep_error=True)
         d.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
