@@ -26,6 +26,7 @@ from ..daemon.errors import (
     EngineRejected,
     EngineTimeout,
     EngineUnreachable,
+    JournalFailed,
     MemoryNotConfirmed,
     NotFound,
     PayloadRejected,
@@ -55,6 +56,7 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (ChunkTimeout, 504),
     (StepTimeout, 504),
     (MemoryNotConfirmed, 504),
+    (JournalFailed, 507),
     (EngineTimeout, 504),
     (EngineUnreachable, 503),
     (EngineRejected, 502),
@@ -82,6 +84,7 @@ _DESCRIPTIONS = {
     502: "an engine failed or refused a call that was not the caller's mistake",
     503: "an engine is unreachable",
     504: "an engine or a trainer rank did not answer within its budget",
+    507: "the state changed but the daemon could not write its journal (named in 'journal'); fix the disk",
 }
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text} for status, text in _DESCRIPTIONS.items()}
@@ -112,6 +115,8 @@ def _body(exc: Exception) -> dict[str, object]:
         body["engine"] = exc.engine
     if isinstance(exc, SessionGone):
         body.update(session_id=exc.session_id, session_state=exc.state)
+    if isinstance(exc, JournalFailed):
+        body["journal"] = exc.path
     if isinstance(exc, WeightsMismatch):
         body.update(engine=exc.engine, tensor=exc.tensor)
     if isinstance(exc, ChunkTimeout):

@@ -394,6 +394,7 @@ class ErrorBody(BaseModel):
     state: dict[str, Any] | None = Field(None, description="the node's state when a request was rejected (409)")
     step: str | None = Field(None, description="the step that failed or timed out (502/504), e.g. load_chunk")
     budget_s: float | None = Field(None, description="the budget a timed-out step had (504)")
+    journal: str | None = Field(None, description="the journal file the daemon could not write (507)")
     rank: int | None = Field(None, description="the trainer rank that never sent its part (ChunkTimeout)")
     tensor: str | None = Field(None, description="the tensor an engine holds other bytes of (WeightsMismatch)")
     session_id: str | None = Field(None, description="the weight session that is gone (410)")

@@ -14,6 +14,7 @@ so adapters raise members of this same tree without importing the daemon.
     ├── TransitionFailed        an engine call failed mid-transition; .engine, .step    → 502
     │   └── StepTimeout         an engine call exceeded its budget; .budget_s            → 504
     ├── MemoryNotConfirmed      NVML never showed the released bytes back               → 504
+    ├── JournalFailed           the state changed but its journal record is not on disk; .path → 507
     ├── WeightSyncError         a weight session failed or was aborted                  → 502
     │   ├── ChunkTimeout        a chunk not complete in time; .engine/.rank, .step, .budget_s → 504
     │   └── WeightsMismatch     an engine holds other weights than the trainer pushed; .engine, .tensor → 502
@@ -49,6 +50,7 @@ __all__ = [
     "EngineRejected",
     "EngineTimeout",
     "EngineUnreachable",
+    "JournalFailed",
     "MemoryNotConfirmed",
     "NotFound",
     "PayloadRejected",
@@ -119,6 +121,15 @@ class StepTimeout(TransitionFailed):
 
 class MemoryNotConfirmed(ColocdError):
     """The released memory never showed up as free within the deadline."""
+
+
+class JournalFailed(ColocdError):
+    """The node's state changed but its journal record could not be written (``path``: the journal's file): a
+    daemon restarted now would resume from an older state."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class WeightSyncError(ColocdError):

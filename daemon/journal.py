@@ -5,6 +5,7 @@
     journal.launches()               # the engine processes this node's daemons launched (engines/adoption.py)
     journal.completed()              # the results of the last finished transitions, replayed on a repeat
     journal.append({...})            # a state record; written and fsynced on the journal's own thread
+    await journal.written(future)    # returns once that record is on disk (JournalFailed names the path)
     journal.record_launch(r)         # an engine process exists (engines/adoption.py)
 
 What the file holds folds into one ``JournalState``: each line is a record of one ``kind`` (state,
@@ -14,8 +15,10 @@ snapshot line, so its size stays bounded whatever the run length. Applying a rec
 same state, so a crash between any two steps of the compaction loses nothing.
 
 Writes and fsyncs run on one worker thread, in order, off the event loop; the in-memory state is
-updated at once, so what the daemon reads back is what it wrote. A write still queued when the
-daemon is SIGKILLed is lost, as if the daemon had died a moment earlier. At start the file is read
+updated at once, so what the daemon reads back is what it wrote. Each write returns a future done once
+the record is on disk: a reply that reports a state change awaits it (``written``), so a daemon SIGKILLed
+after the reply restarts on that state; a record nobody was told about yet (a health-loop reconcile) may be
+lost with a write still queued, as if the daemon had died a moment earlier. At start the file is read
 at most ``MAX_READ_BYTES`` from its end (a file a previous version let grow holds whole-state lines,
 so the last one is enough).
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engines.adoption import LaunchRecord
+from .errors import JournalFailed
 
 __all__ = ["COMPACT_EVERY", "MAX_READ_BYTES", "Journal", "JournalState"]
 
@@ -117,10 +122,22 @@ class Journal:
         """The engine process was stopped by its daemon: nothing left to adopt."""
         return self._write({"kind": "launch_ended", "engine": engine})
 
+    async def written(self, future: concurrent.futures.Future[None]) -> None:
+        """Return once ``future``'s record (and so every one before it) is on disk; ``JournalFailed``, naming
+        this journal's file, if it cannot be. A cancelled caller leaves the write queued: later records follow it."""
+        try:
+            await asyncio.shield(asyncio.wrap_future(future))
+        except OSError as exc:
+            raise JournalFailed(f"journal {self.path}: the record was not written ({exc}); the state change it "
+                                "records happened but a restarted daemon would not know it", path=str(self.path)) \
+                from exc
+
     async def drain(self) -> None:
-        """Return once every record written so far is on disk."""
+        """Return once every record written so far is on disk, or failed to be (logged, and raised to whoever
+        awaits it with ``written``)."""
         if (pending := self._pending) is not None:
-            await asyncio.wrap_future(pending)
+            with contextlib.suppress(OSError):
+                await asyncio.shield(asyncio.wrap_future(pending))
 
     def close(self) -> None:
         """Wait for the queued writes and stop the writer thread (a later write starts another)."""

@@ -13,6 +13,7 @@ progress (the trainer drives phases sequentially; queueing would hide a trainer 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -305,9 +306,20 @@ class Daemon:
         self.launches.note_incarnation(name, incarnation)
 
     def journal_append(self, what: str) -> None:
+        """Queue the node's and engines' state on the journal (written in order, off the loop): for a record no
+        reply reports (a reconcile); a reply that does awaits ``journal_written``."""
         if self.journal is not None:
-            self.journal.append({"event": what, "node": self.node.snapshot(),
-                                 "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
+            self._journal_record(self.journal, what)
+
+    async def journal_written(self, what: str) -> None:
+        """Record the node's and engines' state and return once it is on disk (``JournalFailed`` naming the file
+        if it cannot be): what a reply reporting a state change waits for, so a SIGKILL after it loses nothing."""
+        if self.journal is not None:
+            await self.journal.written(self._journal_record(self.journal, what))
+
+    def _journal_record(self, journal: Journal, what: str) -> concurrent.futures.Future[None]:
+        return journal.append({"event": what, "node": self.node.snapshot(),
+                               "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
 
     def refresh_gauges(self) -> None:
         m = self.metrics

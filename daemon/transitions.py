@@ -79,7 +79,7 @@ class TransitionContext(Protocol):
     def transports(self) -> frozenset[Transport] | None: ...
     def staging(self) -> StagingMemory: ...
     def changed(self) -> None: ...
-    def journal_append(self, what: str) -> None: ...
+    async def journal_written(self, what: str) -> None: ...
 
 
 class Transitions:
@@ -134,7 +134,7 @@ class Transitions:
                                           {n: e.state.snapshot() for n, e in d.engines.items()},
                                           freed, directives, trace)
                 d.metrics.observe_phase(phase.value, "all", result.duration_s)
-                self._journal(result)
+                await self._journal(result)
         except TransitionRejected as exc:
             d.metrics.transitions.labels(phase.value, "rejected").inc()
             d.steps.rejected(phase.value, step, str(exc), session=d.sessions.open_id())
@@ -149,17 +149,18 @@ class Transitions:
         d.changed()
         return result
 
-    def _journal(self, result: TransitionResult) -> None:
-        """Remember a finished transition (a repeat replays it) and journal it with the node's state."""
+    async def _journal(self, result: TransitionResult) -> None:
+        """Journal a finished transition with the node's state, on disk before the reply; then remember it (a
+        repeat replays it: never a result the journal failed to keep)."""
         d = self._d
+        await d.journal_written(result.phase)
+        if d.journal is not None:
+            await d.journal.written(d.journal.record_completed(result.step, result.phase, {
+                "duration_s": result.duration_s, "engines": result.engines,
+                "freed_bytes": result.freed_bytes, "directives": result.directives}))
         self._completed[(result.step, result.phase)] = result
         while len(self._completed) > 256:
             self._completed.popitem(last=False)
-        d.journal_append(result.phase)
-        if d.journal is not None:
-            d.journal.record_completed(result.step, result.phase, {
-                "duration_s": result.duration_s, "engines": result.engines,
-                "freed_bytes": result.freed_bytes, "directives": result.directives})
 
     def _directives(self, pinned: PolicySet, phase: str, trainer: dict[str, Any] | None,
                     staging: StagingMemory | None = None) -> dict[str, Any]:
@@ -281,7 +282,7 @@ class Transitions:
                 freed = await d.sync.drive(engines, desired, trace, phase=what, what=what)
         finally:
             d.traces.put(trace)
-        d.journal_append(what)
+        await d.journal_written(what)
         return TransitionResult(d.node.step, what, time.perf_counter() - t0,
                                 {e.name: e.state.snapshot() for e in engines},
                                 freed if what == "sleep" else {}, trace=trace)
