@@ -245,9 +245,10 @@ class ChunkDescriptor(_Strict):
     handle: HandleModel = Field(..., description=(
         "the model of the chunk's transport (engines/handles.py); every transport carries layout: [{name, dtype, "
         "shape, offset}]; shm: {shm_name, nbytes, layout}: shm_name a colocd trainer segment (colocd-<pid>-<hex>), "
-        "nbytes equal to this descriptor's nbytes; disk: {path, layout}; cuda_ipc: {payload_b64 (standard "
-        "base64), load_format, device_uuid, layout}; ipc_ring: {ring, slot, layout | layout_ref}; other keys "
-        "travel to the engine as sent"))
+        "nbytes equal to this descriptor's nbytes; disk: {path, layout}; inline: {payload_b64, load_format, "
+        "layout}: these three take no other key; cuda_ipc: {payload_b64 (standard base64), load_format, "
+        "device_uuid, layout}; ipc_ring: {ring, device_uuid, slot, layout | layout_ref}: other keys (not another "
+        "transport's) travel to the engine as sent"))
     digests: WeightDigests | None = Field(
         None, description="each tensor's digest as the trainer computed it at export (colocd.engines.digest: "
                           "16 hex digits), by tensor name; what a verified commit compares with the engines'")

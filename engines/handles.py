@@ -6,17 +6,21 @@ schema shows each variant. The model keeps the JSON object it was parsed from (`
 forward to their engine, byte for byte, since the handle is the trainer's description of its bytes in the
 engine's own terms. The orchestration reads only the route (``HandleRoute``), built from the model.
 
-Keys a model does not name are kept (``extra="allow"``): they are the engine's (vLLM's IPC keys, a ring's
-``open`` handles), checked where they are read (``engines/chunks.py``, the adapters).
+Each model takes only what makes sense for its transport. The colocd formats (shm, disk, inline) are read by
+colocd's own loaders, which take no other key: a key their model does not name (a ``device_uuid`` on a disk
+handle, another transport's ``payload_b64``) is a 422 naming it. The GPU transports (cuda_ipc, ipc_ring) keep
+keys their model does not name (``extra="allow"``): they are the engine's (vLLM's IPC keys), checked where
+they are read (``engines/chunks.py``, the adapters); a field of another colocd transport is still a 422.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, StringConstraints, model_validator
+from pydantic_core import InitErrorDetails, ValidationError
 
 from ..errors import RequestInvalid
 from ..policies import Transport
@@ -81,14 +85,18 @@ HandleRoute = ShmRoute | CudaIpcRoute | RingRoute | HostRoute
 _Text = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 
 
+_DeviceUuid = Annotated[str | None, Field(max_length=256, description=(
+    "the GPU the trainer exported the bytes from (its UUID); a rank that did not join joins on it"))]
+
+
 class Handle(BaseModel):
     """What every transport's handle may say. The layout's entries ({name, dtype, shape, offset}) are checked
     against the chunk's bytes and the manifest where the daemon inspects the chunk (``engines/chunks.py``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    # Fields of the other colocd transports: refused where extra keys are otherwise kept (the GPU transports).
+    foreign_fields: ClassVar[frozenset[str]] = frozenset()
 
-    device_uuid: str | None = Field(None, max_length=256, description=(
-        "the GPU the trainer exported the bytes from (its UUID); a rank that did not join joins on it"))
     # Not walked here (the API's hot path): engines/chunks.py checks every entry, once, where the chunk is
     # inspected, and answers a malformed one as handle.layout.
     layout: SkipValidation[list[dict[str, object]] | None] = Field(None, description=(
@@ -96,28 +104,43 @@ class Handle(BaseModel):
         "layout_ref instead)"))
     _wire: dict[str, Any] = PrivateAttr(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_foreign_fields(cls, value: object) -> object:
+        if isinstance(value, dict) and (wrong := sorted(cls.foreign_fields.intersection(value))):
+            raise ValidationError.from_exception_data(cls.__name__, [
+                InitErrorDetails(type="extra_forbidden", loc=(name,), input=value[name]) for name in wrong])
+        return value
+
     @property
     def wire(self) -> dict[str, Any]:
         """The JSON object this handle was parsed from: what an adapter forwards to its engine."""
         return self._wire
 
     def route(self) -> HandleRoute:
-        return HostRoute(self.device_uuid)
+        return HostRoute(None)
+
+
+_ColocdFormat = ConfigDict(extra="forbid", strict=True)  # read by colocd's own loaders: no other key
 
 
 class ShmHandle(Handle):
     """shm: a colocd trainer's shared-memory segment on this node."""
+
+    model_config = _ColocdFormat
 
     shm_name: Annotated[str, StringConstraints(pattern=SHM_NAME_PATTERN.pattern)] = Field(..., description=(
         "a colocd trainer segment (colocd-<pid>-<hex>), never another program's /dev/shm file"))
     nbytes: Annotated[int, Field(ge=0)] = Field(..., description="equal to the chunk's nbytes")
 
     def route(self) -> HandleRoute:
-        return ShmRoute(self.device_uuid, self.shm_name)
+        return ShmRoute(None, self.shm_name)
 
 
 class DiskHandle(Handle):
     """disk: a safetensors file on this node."""
+
+    model_config = _ColocdFormat
 
     path: _Text = Field(..., description="an absolute path to a regular file on this node")
 
@@ -125,12 +148,19 @@ class DiskHandle(Handle):
 class InlineHandle(Handle):
     """inline: the tensors' bytes in the handle, plainly pickled (engines/inline.py checks the pickle)."""
 
+    model_config = _ColocdFormat
+
     payload_b64: str = Field(..., description="standard base64 of the pickle")
+    load_format: str | None = Field(None, max_length=256, description=(
+        "SGLang's name for the pickle's form (flattened_bucket, the default; direct)"))
 
 
 class CudaIpcHandle(Handle):
     """cuda_ipc: a GPU bucket (or per-tensor IPC handles) exported by the trainer."""
 
+    foreign_fields: ClassVar[frozenset[str]] = frozenset({"shm_name", "path", "ring", "slot", "layout_ref", "open"})
+
+    device_uuid: _DeviceUuid = None
     payload_b64: str = Field(..., description="standard base64 of the engine's IPC payload")
     load_format: str | None = Field(None, max_length=256, description=(
         "SGLang's name for the payload's form (flattened_bucket; direct for per_tensor chunks)"))
@@ -141,6 +171,10 @@ class CudaIpcHandle(Handle):
 
 class RingHandle(Handle):
     """ipc_ring: a chunk in the trainer's persistent GPU ring, by slot."""
+
+    foreign_fields: ClassVar[frozenset[str]] = frozenset({"shm_name", "path", "payload_b64", "load_format"})
+
+    device_uuid: _DeviceUuid = None
 
     ring: _Text | None = Field(None, description="the ring's id (needed with layout_ref)")
     slot: Annotated[int, Field(ge=0)] | None = Field(None, description="the slot the chunk's bytes are in")

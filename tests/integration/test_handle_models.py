@@ -25,15 +25,20 @@ DEADLINE_S = 60
 LAYOUT = [{"name": "w", "dtype": "float32", "shape": [2], "offset": 0}]
 
 # Per transport, a handle wrong in one field only, and that field: each a mistake the node-side checks
-# (engines/chunks.py) would not have named, or would have named only after another check.
+# (engines/chunks.py) would not have named, or would have named only after another check, or one the engine
+# would have failed the session on (a field that makes no sense for the transport: colocd's loaders refuse it).
 MALFORMED = [
-    ("shm", {"shm_name": "colocd-1-ab", "nbytes": 8, "layout": LAYOUT, "device_uuid": 7}, "handle.device_uuid"),
+    ("shm", {"shm_name": "colocd-1-ab", "nbytes": 8, "layout": LAYOUT, "device_uuid": "GPU-0"}, "handle.device_uuid"),
     ("shm", {"shm_name": "colocd-1-ab", "nbytes": "8", "layout": LAYOUT}, "handle.nbytes"),
-    ("disk", {"path": "/etc/hostname", "layout": LAYOUT, "device_uuid": ["GPU-0"]}, "handle.device_uuid"),
+    ("disk", {"path": "/etc/hostname", "layout": LAYOUT, "device_uuid": "GPU-0"}, "handle.device_uuid"),
+    ("disk", {"path": "/etc/hostname", "layout": LAYOUT, "nbytes": 8}, "handle.nbytes"),
     ("inline", {"layout": LAYOUT}, "handle.payload_b64"),
+    ("inline", {"payload_b64": "AAAA", "layout": LAYOUT, "shm_name": "colocd-1-ab"}, "handle.shm_name"),
     ("cuda_ipc", {"payload_b64": "AAAA", "load_format": 5, "layout": LAYOUT}, "handle.load_format"),
+    ("cuda_ipc", {"payload_b64": "AAAA", "layout": LAYOUT, "path": "/etc/hostname"}, "handle.path"),
     ("ipc_ring", {"ring": "r", "slot": "0", "layout": LAYOUT}, "handle.slot"),
     ("ipc_ring", {"ring": "r", "slot": 0, "layout_ref": 3}, "handle.layout_ref"),
+    ("ipc_ring", {"ring": "r", "slot": 0, "layout": LAYOUT, "payload_b64": "AAAA"}, "handle.payload_b64"),
 ]
 IDS = [f"{t}-{f.removeprefix('handle.')}" for t, _, f in MALFORMED]
 

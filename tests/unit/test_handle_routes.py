@@ -43,10 +43,11 @@ def test_a_layout_ref_that_is_not_a_string_is_the_callers_error_naming_it() -> N
 
 
 def test_a_typed_handle_travels_on_as_the_json_it_was_parsed_from_with_its_route_from_the_model() -> None:
-    sent = {"shm_name": "colocd-1-ab", "nbytes": 8, "layout": [], "device_uuid": "GPU-1", "engine_key": [1]}
-    part = ChunkPart.of(rank=0, transport=Transport.SHM, nbytes=8, handle=parse_handle(Transport.SHM, sent))
-    assert part.handle is sent  # forwarded as the trainer sent it, keys the model does not name included
-    assert part.route == ShmRoute("GPU-1", "colocd-1-ab")
+    sent = {"payload_b64": "AAAA", "layout": [], "device_uuid": "GPU-1", "ipc_handles_pickled": "x"}
+    part = ChunkPart.of(rank=0, transport=Transport.CUDA_IPC, nbytes=8,
+                        handle=parse_handle(Transport.CUDA_IPC, sent))
+    assert part.handle is sent  # forwarded as the trainer sent it, the engine's keys the model does not name included
+    assert part.route == CudaIpcRoute("GPU-1")
 
 
 def test_a_completed_or_trimmed_handle_keeps_the_route_it_was_parsed_with() -> None:
