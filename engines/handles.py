@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, NotRequired
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, StringConstraints, model_validator
 from pydantic_core import InitErrorDetails, ValidationError
+from typing_extensions import TypedDict  # pydantic takes typing's TypedDict only from Python 3.12
 
 from ..errors import RequestInvalid
 from ..policies import Transport
@@ -35,6 +36,9 @@ __all__ = [
     "HandleRoute",
     "HostRoute",
     "InlineHandle",
+    "InlineRoute",
+    "LayoutEntry",
+    "PayloadRoute",
     "RingHandle",
     "RingRoute",
     "ShmHandle",
@@ -59,9 +63,12 @@ class ShmRoute:
 
 @dataclass(frozen=True, slots=True)
 class CudaIpcRoute:
-    """A GPU bucket (or per-tensor handles) exported by the trainer."""
+    """A GPU bucket (or per-tensor handles) exported by the trainer: ``payload_b64`` the engine's IPC payload
+    (None: the handle carries none as a string), ``load_format`` SGLang's name for its form (None: not said)."""
 
     device_uuid: str | None
+    payload_b64: str | None = None
+    load_format: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +81,35 @@ class RingRoute:
 
 
 @dataclass(frozen=True, slots=True)
+class InlineRoute:
+    """The bytes in the handle itself: ``payload_b64`` the pickle (None: the handle carries none as a string),
+    ``load_format`` SGLang's name for its form (None: not said)."""
+
+    device_uuid: str | None
+    payload_b64: str | None = None
+    load_format: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class HostRoute:
-    """Bytes the engine reads from this host without a device: a file (disk) or the handle itself (inline)."""
+    """Bytes the engine reads from this host by itself: a file (disk)."""
 
     device_uuid: str | None
 
 
-HandleRoute = ShmRoute | CudaIpcRoute | RingRoute | HostRoute
+HandleRoute = ShmRoute | CudaIpcRoute | RingRoute | InlineRoute | HostRoute
+PayloadRoute = CudaIpcRoute | InlineRoute
+"""The routes of a chunk whose handle carries the engine's payload (the trainer's own base64 pickle)."""
+
+
+class LayoutEntry(TypedDict):
+    """One tensor of a chunk's layout, as colocd's producers export it (``ChunkLayout.to_json``)."""
+
+    name: str
+    dtype: str  # torch's name without the prefix: float32, bfloat16, ...
+    shape: list[int]
+    offset: int  # bytes from the start of the chunk (zero_copy: of its slot's storage)
+    slot: NotRequired[int]  # zero_copy: the ring slot the tensor's storage is in
 
 _Text = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 
@@ -99,7 +128,7 @@ class Handle(BaseModel):
 
     # Not walked here (the API's hot path): engines/chunks.py checks every entry, once, where the chunk is
     # inspected, and answers a malformed one as handle.layout.
-    layout: SkipValidation[list[dict[str, object]] | None] = Field(None, description=(
+    layout: SkipValidation[list[LayoutEntry] | None] = Field(None, description=(
         "[{name, dtype, shape, offset}]: every transport carries one (an ipc_ring chunk may name it by "
         "layout_ref instead)"))
     _wire: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -154,6 +183,9 @@ class InlineHandle(Handle):
     load_format: str | None = Field(None, max_length=256, description=(
         "SGLang's name for the pickle's form (flattened_bucket, the default; direct)"))
 
+    def route(self) -> HandleRoute:
+        return InlineRoute(None, self.payload_b64, self.load_format)
+
 
 class CudaIpcHandle(Handle):
     """cuda_ipc: a GPU bucket (or per-tensor IPC handles) exported by the trainer."""
@@ -166,7 +198,7 @@ class CudaIpcHandle(Handle):
         "SGLang's name for the payload's form (flattened_bucket; direct for per_tensor chunks)"))
 
     def route(self) -> HandleRoute:
-        return CudaIpcRoute(self.device_uuid)
+        return CudaIpcRoute(self.device_uuid, self.payload_b64, self.load_format)
 
 
 class RingHandle(Handle):
@@ -221,7 +253,9 @@ def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
         name = handle.get("shm_name")
         return ShmRoute(_device(handle), name if isinstance(name, str) else None)
     if wire is Transport.CUDA_IPC:
-        return CudaIpcRoute(_device(handle))
+        return CudaIpcRoute(_device(handle), _text(handle, "payload_b64"), _text(handle, "load_format"))
+    if wire is Transport.INLINE:
+        return InlineRoute(_device(handle), _text(handle, "payload_b64"), _text(handle, "load_format"))
     if wire is Transport.IPC_RING:
         ref = handle.get("layout_ref")
         if ref is not None and not isinstance(ref, str):
@@ -232,5 +266,9 @@ def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
 
 
 def _device(handle: Mapping[str, object]) -> str | None:
-    uuid = handle.get("device_uuid")
-    return uuid if isinstance(uuid, str) else None
+    return _text(handle, "device_uuid")
+
+
+def _text(handle: Mapping[str, object], key: str) -> str | None:
+    value = handle.get(key)
+    return value if isinstance(value, str) else None

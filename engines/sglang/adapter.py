@@ -20,6 +20,7 @@ from ...policies import Transport
 from ..base import (
     Capability,
     ChunkLoad,
+    ChunkPart,
     EngineDigests,
     EngineInfo,
     MemoryReport,
@@ -31,6 +32,7 @@ from ..base import (
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
 from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
+from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
 from ..httpmap import check_reply, map_http_errors
 from ..ring_refs import UNKNOWN_REF_MARK
 from . import checksums, extensions, wire
@@ -285,7 +287,7 @@ class SGLangAdapter:
 
     async def load_weights(self, load: ChunkLoad) -> None:
         request = wire.UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[_entry(p.transport, p.handle) for p in load.payloads],
+            serialized_named_tensors=[_entry(p) for p in load.payloads],
             load_format=_load_format(load),
             flush_cache=load.flush_cache,
             abort_all_requests=False,
@@ -415,8 +417,7 @@ _COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk", T
 
 
 def _load_format(load: ChunkLoad) -> str | None:
-    formats = {_COLOCD_FORMATS.get(p.transport) or str(p.handle.get("load_format", "flattened_bucket"))
-               for p in load.payloads}
+    formats = {_COLOCD_FORMATS.get(p.transport) or _payload_format(p.route) for p in load.payloads}
     if len(formats) != 1:
         raise RequestInvalid(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}; one chunk "
                              "travels in one format", field="handle.load_format")
@@ -424,13 +425,21 @@ def _load_format(load: ChunkLoad) -> str | None:
     return None if load_format == "direct" else load_format  # SGLang's default: a list of (name, tensor)
 
 
-def _entry(transport: Transport, handle: dict[str, Any]) -> str:
+def _payload_format(route: HandleRoute) -> str:
+    """The form of the trainer's own payload: what its handle says, else SGLang's flattened_bucket."""
+    said = route.load_format if isinstance(route, (CudaIpcRoute, InlineRoute)) else None
+    return said or "flattened_bucket"
+
+
+def _entry(part: ChunkPart) -> str:
     """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA and inline paths,
-    or base64 JSON for colocd's shm/disk/ipc_ring paths (the reference engine's loader; the daemon never
-    sends those to a real SGLang, whose ``transports`` leave them out)."""
-    if transport in _COLOCD_FORMATS:
-        return base64.b64encode(json.dumps({"transport": transport, **handle}).encode()).decode()
-    payload = handle.get("payload_b64")
-    if not isinstance(payload, str):
-        raise RequestInvalid(f"{transport} chunk handle carries no 'payload_b64' string", field="handle.payload_b64")
+    or base64 JSON for colocd's shm/disk/ipc_ring paths: the handle as the trainer sent it (with a ring's
+    announced layout filled in) is the reference engine's descriptor. The daemon never sends those to a real
+    SGLang, whose ``transports`` leave them out."""
+    if part.transport in _COLOCD_FORMATS:
+        return base64.b64encode(json.dumps({"transport": part.transport, **part.handle}).encode()).decode()
+    payload = part.route.payload_b64 if isinstance(part.route, (CudaIpcRoute, InlineRoute)) else None
+    if payload is None:
+        raise RequestInvalid(f"{part.transport} chunk handle carries no 'payload_b64' string",
+                             field="handle.payload_b64")
     return payload

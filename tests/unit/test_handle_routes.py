@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from colocd.engines.base import ChunkPart
-from colocd.engines.handles import CudaIpcRoute, HostRoute, RingRoute, ShmRoute, parse_handle
+from colocd.engines.handles import CudaIpcRoute, HostRoute, InlineRoute, RingRoute, ShmRoute, parse_handle
 from colocd.errors import RequestInvalid
 from colocd.policies import Transport
 
@@ -19,12 +19,13 @@ def _part(transport: Transport, **handle: object) -> ChunkPart:
 
 @pytest.mark.parametrize("transport, handle, route", [
     (Transport.SHM, {"shm_name": "colocd-x", "nbytes": 8}, ShmRoute(None, "colocd-x")),
-    (Transport.CUDA_IPC, {"payload_b64": "", "device_uuid": "GPU-1"}, CudaIpcRoute("GPU-1")),
+    (Transport.CUDA_IPC, {"payload_b64": "", "device_uuid": "GPU-1", "load_format": "direct"},
+     CudaIpcRoute("GPU-1", "", "direct")),
     (Transport.PER_TENSOR, {"device_uuid": "GPU-2"}, CudaIpcRoute("GPU-2")),  # travels as cuda_ipc
     (Transport.IPC_RING, {"ring": "r", "layout_ref": "abc", "device_uuid": "GPU-3"}, RingRoute("GPU-3", "abc")),
     (Transport.ZERO_COPY, {"ring": "r"}, RingRoute(None, None)),  # carries its layout: no ref
     (Transport.DISK, {"path": "/x", "device_uuid": 7}, HostRoute(None)),  # a device not named as a string
-    (Transport.INLINE, {"payload_b64": ""}, HostRoute(None)),
+    (Transport.INLINE, {"payload_b64": "", "load_format": 5}, InlineRoute(None, "", None)),  # not a string: unsaid
 ])
 def test_each_transport_parses_into_its_route(transport: Transport, handle: dict[str, object],
                                                route: object) -> None:
@@ -47,7 +48,7 @@ def test_a_typed_handle_travels_on_as_the_json_it_was_parsed_from_with_its_route
     part = ChunkPart.of(rank=0, transport=Transport.CUDA_IPC, nbytes=8,
                         handle=parse_handle(Transport.CUDA_IPC, sent))
     assert part.handle is sent  # forwarded as the trainer sent it, the engine's keys the model does not name included
-    assert part.route == CudaIpcRoute("GPU-1")
+    assert part.route == CudaIpcRoute("GPU-1", "AAAA")
 
 
 def test_a_completed_or_trimmed_handle_keeps_the_route_it_was_parsed_with() -> None:
