@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..base import ChunkPart, MemoryTag, PauseMode
+from ..handles import CudaIpcRoute
 
 __all__ = [
     "BACKEND_COLOCD",
@@ -94,6 +95,7 @@ def rpc_body(
 
 
 def _payload_json(p: ChunkPart) -> dict[str, Any]:
+    # The handle as the trainer sent it is the extension's input (extension.py reads its own keys).
     return {"rank": p.rank, "transport": p.transport, "nbytes": p.nbytes, "handle": p.handle}
 
 
@@ -112,13 +114,14 @@ _IPC_KEYS = ("names", "dtype_names", "shapes", "tensor_sizes", "ipc_handles_pick
 def ipc_update_info(payloads: tuple[ChunkPart, ...]) -> dict[str, Any] | list[dict[str, Any]]:
     """``update_info`` for vLLM's built-in ``ipc`` backend, packed mode (ipc_engine.py:63-120).
 
-    The trainer's cuda_ipc handle already carries vLLM's packed fields; the daemon never unpickles
-    ``ipc_handles_pickled``. With several TP ranks, each rank's handle dict holds only its own GPU,
-    so we send a list indexed by worker rank (gpu_worker.py:1573-1578) instead of merging pickles.
+    The trainer's cuda_ipc handle already carries vLLM's packed fields (the engine's own keys, which no colocd
+    handle model names: forwarded as sent); the daemon never unpickles ``ipc_handles_pickled``. With several
+    TP ranks, each rank's handle dict holds only its own GPU, so we send a list indexed by worker rank
+    (gpu_worker.py:1573-1578) instead of merging pickles.
     """
     infos: list[dict[str, Any]] = []
     for p in sorted(payloads, key=lambda p: p.rank):
-        if p.transport != "cuda_ipc":
+        if not isinstance(p.route, CudaIpcRoute):
             raise ValueError(f"vLLM's ipc backend takes cuda_ipc chunks only, got {p.transport!r}")
         missing = [k for k in _IPC_KEYS if k not in p.handle]
         if missing:

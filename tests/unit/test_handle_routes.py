@@ -9,6 +9,7 @@ import pytest
 
 from colocd.engines.base import ChunkPart
 from colocd.engines.handles import CudaIpcRoute, HostRoute, InlineRoute, RingRoute, ShmRoute, parse_handle
+from colocd.engines.vllm.wire import ipc_update_info
 from colocd.errors import RequestInvalid
 from colocd.policies import Transport
 
@@ -54,3 +55,12 @@ def test_a_typed_handle_travels_on_as_the_json_it_was_parsed_from_with_its_route
 def test_a_completed_or_trimmed_handle_keeps_the_route_it_was_parsed_with() -> None:
     part = _part(Transport.IPC_RING, ring="r", layout_ref="abc", device_uuid="GPU-3")
     assert part.with_handle({"ring": "r", "layout": []}).route == RingRoute("GPU-3", "abc")
+
+
+def test_vllms_ipc_backend_forwards_its_own_keys_of_a_cuda_ipc_part_and_refuses_another_transport() -> None:
+    packed = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]], "tensor_sizes": [8],
+              "ipc_handles_pickled": "AAAA"}
+    cuda = _part(Transport.CUDA_IPC, payload_b64="", **packed)
+    assert ipc_update_info((cuda,)) == packed
+    with pytest.raises(ValueError, match="cuda_ipc chunks only"):
+        ipc_update_info((_part(Transport.SHM, shm_name="colocd-x", nbytes=8, **packed),))
