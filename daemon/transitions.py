@@ -88,6 +88,7 @@ class Transitions:
     def __init__(self, node: TransitionContext) -> None:
         self._d = node
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
+        self._unjournaled: set[tuple[int, str]] = set()  # finished, but the journal failed to keep them
         # A daemon restarted on its journal still replays what the previous one finished (without its trace).
         for done in node.journal.completed() if node.journal is not None else ():
             self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
@@ -98,6 +99,8 @@ class Transitions:
         """Move the node to ``phase`` at ``step``. A repeat of a finished (step, phase) replays its result."""
         d = self._d
         if (done := self._completed.get((step, phase.value))) is not None:
+            if (step, phase.value) in self._unjournaled:  # its record failed to be written: a repeat writes it
+                await self._write(done)
             d.metrics.transitions.labels(phase.value, "replayed").inc()
             d.changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
@@ -150,17 +153,23 @@ class Transitions:
         return result
 
     async def _journal(self, result: TransitionResult) -> None:
-        """Journal a finished transition with the node's state, on disk before the reply; then remember it (a
-        repeat replays it: never a result the journal failed to keep)."""
+        """Remember a finished transition (a repeat replays it) and journal it with the node's state, on disk
+        before the reply. If the journal fails (``JournalFailed``), a repeat writes it again before replaying."""
+        key = (result.step, result.phase)
+        self._completed[key] = result
+        while len(self._completed) > 256:
+            self._unjournaled.discard(self._completed.popitem(last=False)[0])
+        self._unjournaled.add(key)
+        await self._write(result)
+
+    async def _write(self, result: TransitionResult) -> None:
         d = self._d
         await d.journal_written(result.phase)
         if d.journal is not None:
             await d.journal.written(d.journal.record_completed(result.step, result.phase, {
                 "duration_s": result.duration_s, "engines": result.engines,
                 "freed_bytes": result.freed_bytes, "directives": result.directives}))
-        self._completed[(result.step, result.phase)] = result
-        while len(self._completed) > 256:
-            self._completed.popitem(last=False)
+        self._unjournaled.discard((result.step, result.phase))
 
     def _directives(self, pinned: PolicySet, phase: str, trainer: dict[str, Any] | None,
                     staging: StagingMemory | None = None) -> dict[str, Any]:

@@ -59,7 +59,7 @@ async def test_a_transitions_reply_waits_for_its_journal_record_to_be_written(
         assert _recorded(journal) == {"phase": "train", "step": 1}
 
 
-async def test_a_journal_that_cannot_be_written_fails_the_reply_naming_its_file(
+async def test_a_journal_that_cannot_be_written_fails_the_reply_naming_its_file_and_a_repeat_writes_it(
         pooled_engine: Any, tmp_path: Path) -> None:
     journal = tmp_path / "journal.jsonl"
     async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(journal)) as node:
@@ -70,3 +70,7 @@ async def test_a_journal_that_cannot_be_written_fails_the_reply_naming_its_file(
         assert err.value.status == 507, err.value.body
         assert (err.value.error, err.value.body["journal"]) == ("JournalFailed", str(journal))
         assert str(journal) in err.value.body["message"]
+
+        journal.rmdir()  # the disk is fixed: the repeat writes the record, then replays the result
+        assert (await node.client.phase("train", 1))["replayed"] is True
+        assert _recorded(journal) == {"phase": "train", "step": 1}
