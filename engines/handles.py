@@ -38,7 +38,6 @@ __all__ = [
     "InlineHandle",
     "InlineRoute",
     "LayoutEntry",
-    "PayloadRoute",
     "RingHandle",
     "RingRoute",
     "ShmHandle",
@@ -98,8 +97,6 @@ class HostRoute:
 
 
 HandleRoute = ShmRoute | CudaIpcRoute | RingRoute | InlineRoute | HostRoute
-PayloadRoute = CudaIpcRoute | InlineRoute
-"""The routes of a chunk whose handle carries the engine's payload (the trainer's own base64 pickle)."""
 
 
 class LayoutEntry(TypedDict):
