@@ -54,3 +54,25 @@ async def test_bench_switch_sync_and_async_in_one_run_verify_every_push_and_comp
     assert "update.snapshot" in async_step["parts"] and "wake.join_wait" in async_step["parts"]
     assert record["targets"]["async_step_speedup"]["tuned"] > 0
     assert record["targets"]["async_ran_async"] == {"tuned": True}
+
+
+async def test_bench_switch_strict_presets_post_the_rollout_only_beside_a_settled_trainer(tmp_path: Path) -> None:
+    record = await run_switch_bench(SwitchSettings(
+        model="tiny", device="cpu", presets=("tuned-settled", "tuned-split-early"), steps=1, warmup=1, groups=2,
+        train_tokens=8, gen_requests=2, gen_tokens=4, post_destroy_wait_s=0.0))
+
+    by = {s["preset"]: s for s in record["summary"]}
+    weights, optimizer = record["state_bytes"]["weights"], record["state_bytes"]["optimizer"]
+    for name in ("tuned-settled", "tuned-split-early"):
+        parts = by[name]["parts"]
+        assert by[name]["verified_all"], name
+        # Posted once the offload, its cleanup and the group destroy had ended: nothing left for the window.
+        assert parts["wake.rollout_posted_early"] == 0.0 and parts["wake.offload_after_rollout_reply"] < 0.05, name
+        assert parts["rollout.groups_pause_tail"] == 0.0, name
+        for step in record["steps"][name]:
+            assert step["offloaded_bytes"] == weights + optimizer
+            assert step["memory_peak"]["window_samples"] >= 2  # the reply and the window's end, at least
+        assert record["targets"]["memory_neutral"] is not None
+    # split_shared cannot apply on gloo: the groups came back separate, and the step says why.
+    notes = [n for step in record["steps"]["tuned-split-early"] for n in step["notes"]]
+    assert any("split_shared unavailable" in n for n in notes), notes
