@@ -509,6 +509,10 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
                 sampler = _window_sampler(nvml, pids, s)
                 rollout = await agent.rollout(step, freeing=offw_task)
             t9 = time.perf_counter()
+            # 1.0: the offload had ended before rollout was posted, and so had the group pause (the agent
+            # waited for it before posting: it reports that wait only then).
+            parts["wake.settled_before_rollout"] = float(
+                preset.settle_before_rollout and "groups_pause_wait_s" in agent.last_reports)
             sampler.mark()
             offw, cleanup2 = await offw_task
             t10 = time.perf_counter()

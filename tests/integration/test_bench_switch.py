@@ -38,6 +38,7 @@ async def test_bench_switch_cpu_smoke_run_verifies_every_sync_and_writes_the_rec
     tuned = by["tuned"]["parts"]
     assert tuned["wake.rollout_posted_early"] == 1.0 and tuned["wake.rollout_room_wait"] == 0.0
     assert tuned["sleep.offload_optimizer"] > 0 and "wake.rollout_posted_early" not in by["seed-baseline"]["parts"]
+    assert tuned["wake.settled_before_rollout"] == 0.0  # tuned's window may open beside memory still going
 
 
 async def test_bench_switch_sync_and_async_in_one_run_verify_every_push_and_compare_step_time(tmp_path: Path) -> None:
@@ -67,12 +68,10 @@ async def test_bench_switch_strict_presets_post_the_rollout_only_beside_a_settle
         parts = by[name]["parts"]
         assert by[name]["verified_all"], name
         # Posted once the offload, its cleanup and the group destroy had ended: nothing left for the window.
-        assert parts["wake.rollout_posted_early"] == 0.0 and parts["wake.offload_after_rollout_reply"] < 0.05, name
-        assert parts["rollout.groups_pause_tail"] == 0.0, name
+        assert parts["wake.settled_before_rollout"] == 1.0 and parts["wake.rollout_posted_early"] == 0.0, name
         for step in record["steps"][name]:
             assert step["offloaded_bytes"] == weights + optimizer
             assert step["memory_peak"]["window_samples"] >= 2  # the reply and the window's end, at least
-        assert record["targets"]["memory_neutral"] is not None
     # split_shared cannot apply on gloo: the groups came back separate, and the step says why.
     notes = [n for step in record["steps"]["tuned-split-early"] for n in step["notes"]]
     assert any("split_shared unavailable" in n for n in notes), notes
