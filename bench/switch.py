@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -463,7 +464,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         offw_early: asyncio.Future[tuple[OffloadReport, float]] | None = None
         if early:  # the weights' copies queue behind the optimizer's; their storage goes once the push ended
             offw_early = asyncio.ensure_future(asyncio.to_thread(
-                _offload_and_clean, state, ("weights",), plan_doc, device, lambda: _wait_set(pushed)))
+                _offload_and_clean, state, ("weights",), plan_doc, device, functools.partial(_wait_set, pushed)))
         try:
             # The early offload drops the weights only once ``pushed`` is set, so they are all here until then.
             await weight_sync.start(state.named_weights(), version=f"{preset.name}-{mode}-{step}", step=step)

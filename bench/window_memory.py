@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["Peaks", "PeakSampler"]
+__all__ = ["PeakSampler", "Peaks"]
 
 Reading = Mapping[str, int | None]
 

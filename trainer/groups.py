@@ -470,7 +470,7 @@ class GroupLifecycle:
         self._state = LifecycleState.LIVE
         self._cooldown_until = None
         split = " split from one parent" if self._parent is not None else ""
-        return notes + [f"created {len(self._specs)} groups{split} ({len(self._resident)} with this rank)"], why
+        return [*notes, f"created {len(self._specs)} groups{split} ({len(self._resident)} with this rank)"], why
 
     def _make_parent(self) -> str:
         """The parent communicator over the whole world, created at once (bound to the device) so every
@@ -492,6 +492,7 @@ class GroupLifecycle:
         parent = _backend(self._parent, self._device)
         member = ranks is None or dist.get_rank() in ranks
         opts = _nccl_options()
+        opts._timeout = self._group_timeout  # as new_group sets it (else torch warns that they differ)
         opts.split_from = parent
         opts.split_color = index  # one split per call: the members share it, every other rank takes no colour
         if hasattr(opts.config, "split_share"):

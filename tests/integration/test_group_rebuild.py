@@ -1,4 +1,4 @@
-"""``rebuild: split_shared`` where it cannot apply (CPU, gloo): the groups come back separate, and the report says why."""
+"""``rebuild: split_shared`` where it cannot apply (CPU, gloo): separate groups come back, and the report says why."""
 
 from __future__ import annotations
 
