@@ -437,18 +437,34 @@ class GroupLifecycle:
         """new_group for every spec in order (every rank, member or not), then warm and measure each; with
         ``split_shared`` (where this process can) each is split from one parent made first. Returns the
         actions and, where ``split_shared`` could not be honoured, the one-line reason."""
-        self._groups = []
-        self._resident = {}
         probe_ready = torch.ones(1, device=self._device)  # allocate before measuring, so it is not counted
         del probe_ready
         why: str | None = None
         notes: list[str] = []
         if mode == RebuildMode.SPLIT_SHARED and not self._split.supported:
             why = f"rebuild split_shared unavailable ({self._split.reason}): separate communicators"
+        elif mode == RebuildMode.SPLIT_SHARED:
+            try:
+                notes.append(self._make_parent())
+                self._create_groups()
+            except Exception as exc:  # the split itself failed here: what was made goes, separate ones come
+                # (world size 1 is where this was measured; with peers, a rank that fails alone leaves them
+                # waiting in the split until NCCL's timeout)
+                why = " ".join(f"rebuild split_shared failed ({exc!r:.300}): separate communicators".split())
+                self._abort_all()
+        if why is not None:
             log.warning("process groups: %s", why)
             notes.append(why)
-        elif mode == RebuildMode.SPLIT_SHARED:
-            notes.append(self._make_parent())
+        if self._state != LifecycleState.LIVE:  # separate, or split_shared that could not be
+            self._create_groups()
+        self._cooldown_until = None
+        split = " split from one parent" if self._parent is not None else ""
+        return [*notes, f"created {len(self._specs)} groups{split} ({len(self._resident)} with this rank)"], why
+
+    def _create_groups(self) -> None:
+        """Every spec's group (split from the parent when there is one), warmed and measured; then LIVE."""
+        self._groups = []
+        self._resident = {}
         for index, spec in enumerate(self._specs):
             before = self._free_bytes()
             reserved = _reserved(self._device)
@@ -468,9 +484,6 @@ class GroupLifecycle:
             grown = _reserved(self._device) - reserved if self._cuda else 0
             self._resident[spec.name] = None if used is None else max(0, used - grown)
         self._state = LifecycleState.LIVE
-        self._cooldown_until = None
-        split = " split from one parent" if self._parent is not None else ""
-        return [*notes, f"created {len(self._specs)} groups{split} ({len(self._resident)} with this rank)"], why
 
     def _make_parent(self) -> str:
         """The parent communicator over the whole world, created at once (bound to the device) so every

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from colocd.policies import GroupDirective, RebuildMode, WaitPoint
-from colocd.trainer.groups import GroupLifecycle, GroupSpec
+from colocd.trainer.groups import GroupLifecycle, GroupSpec, SuspendCapability
 
 
 @pytest.fixture
@@ -49,3 +49,25 @@ def test_a_separate_rebuild_reports_no_fallback(one_rank_world: None) -> None:
         life.pause(GroupDirective.destroy("destroy", "test"))
         report = life.resume()
         assert (report.action, report.fallback_reason) == ("rebuild", None)
+
+
+def test_a_split_that_fails_leaves_nothing_half_made_and_rebuilds_separate_groups(
+    one_rank_world: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_parent(self: GroupLifecycle) -> str:
+        raise RuntimeError("ncclCommSplit refused\nsecond line")
+
+    monkeypatch.setattr(GroupLifecycle, "_make_parent", no_parent)
+    with GroupLifecycle([GroupSpec("tp#0", (0,))], device=torch.device("cpu")) as life:
+        life._split = SuspendCapability(True, "pretend this process can split")  # what a CUDA box would find
+        life.build()
+        life.pause(GroupDirective.destroy("destroy", "test", rebuild=RebuildMode.SPLIT_SHARED))
+        report = life.resume()
+
+        reason = report.fallback_reason
+        assert reason is not None and "\n" not in reason
+        assert "split_shared failed" in reason and "ncclCommSplit refused" in reason
+        [(_spec, group)] = list(life.groups())
+        probe = torch.ones(1)
+        dist.all_reduce(probe, group=group)
+        assert probe.item() == 1.0
