@@ -488,7 +488,10 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             # wake_up: the optimizer offload (running since sleep) must end before the weights go out on the
             # same copy stream; the weights offload runs beside the rollout call, which waits for it (and for
             # a background group pause) only if the daemon says the engines' KV cache does not fit yet.
-            t7 = t6 if early else time.perf_counter()  # early: the offload runs on, so the wake starts at once
+            # Early, the offload runs on, so the wake starts at once; and the optimizer's offload, which waits for its
+            # copy stream, ends with the weights' copies queued behind it: wake.optimizer_offload_wait holds most of
+            # the weights offload then, wake.offload_wait_before_rollout the rest.
+            t7 = t6 if early else time.perf_counter()
             off, off_clean = await off_task
             # The push's buckets and the optimizer's blocks go back to the driver before the weights' copies
             # start (nothing in flight: milliseconds), so the rollout's KV cache can fit beside the weights.
