@@ -197,7 +197,7 @@ def _bench_switch(args: argparse.Namespace) -> int:
                               post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out,
                               sync_modes=tuple(args.sync.split(",")), memory_sample_ms=args.memory_sample_ms)
     record = asyncio.run(run_switch_bench(settings))
-    return 0 if all(s["verified_all"] for s in record["summary"]) else 1
+    return 0 if all(s["verified_all"] for s in record["summary"]) and not record["failed_presets"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

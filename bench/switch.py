@@ -894,6 +894,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
     })
     nvml = _Nvml(device)
     results: dict[str, list[StepRecord]] = {}
+    failed: dict[str, str] = {}  # preset → why it stopped (the record keeps the others)
     async with ReferenceEngineProcess(engine_cfg) as engine:
         assert engine.url is not None
         engine_entry: dict[str, Any] = {"kind": "reference", "name": "ref0", "url": engine.url}
@@ -912,9 +913,15 @@ async def _run(settings: SwitchSettings, device: torch.device,
             for name in settings.presets:
                 for mode in settings.sync_modes:
                     key = name if mode == "sync" else f"{name}+{mode}"
-                    results[key] = await _run_preset(PRESETS[name], rank, http, engine.url, step, nvml, pids,
-                                                     daemon.url, mode)
-                    step += len(results[key])
+                    try:
+                        results[key] = await _run_preset(PRESETS[name], rank, http, engine.url, step, nvml, pids,
+                                                         daemon.url, mode)
+                    except Exception as exc:  # one device call measures every preset it can; this one is lost
+                        if not results:
+                            raise  # the first preset failing is the bench's own failure, not a preset's
+                        failed[key] = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+                        print(f"  {key}: FAILED ({failed[key]}); the presets after it run on", flush=True)
+                    step += settings.warmup + settings.steps
     life.close()
     # The allocation term measured in this process came out larger than what the engine's own release
     # and resume calls take (HTTP hop included); the strict floor uses the smaller of the two.
@@ -947,12 +954,15 @@ async def _run(settings: SwitchSettings, device: torch.device,
         "summary": summaries,
         "steps": {n: [asdict(r) for r in recs] for n, recs in results.items()},
         "targets": _targets(summaries),
+        "failed_presets": failed,
         "caveats": [WORLD_SIZE_1],
         "seconds": time.perf_counter() - t_start,
         "date": time.strftime("%Y-%m-%d"),
     }
     print(_table(summaries, floor), flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
+    if failed:
+        print("failed presets: " + json.dumps(failed), flush=True)
     if settings.out:
         write_record(Path(settings.out), record)
     return record

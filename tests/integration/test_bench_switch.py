@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from colocd.bench.switch import SwitchSettings, run_switch_bench
+import pytest
+
+from colocd.bench.switch import PRESETS, SwitchSettings, run_switch_bench
 
 PHASES = ("resume_s", "sleep_s", "update_s", "wake_s", "switch_s")
 
@@ -75,3 +78,15 @@ async def test_bench_switch_strict_presets_post_the_rollout_only_beside_a_settle
     # split_shared cannot apply on gloo: the groups came back separate, and the step says why.
     notes = [n for step in record["steps"]["tuned-split-early"] for n in step["notes"]]
     assert any("split_shared unavailable" in n for n in notes), notes
+
+
+async def test_a_preset_that_fails_is_recorded_and_the_run_keeps_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(PRESETS, "broken", dataclasses.replace(PRESETS["tuned"], name="broken", onload="bogus"))
+    record = await run_switch_bench(SwitchSettings(
+        model="tiny", device="cpu", presets=("tuned", "broken"), steps=1, warmup=0, groups=2, train_tokens=8,
+        gen_requests=2, gen_tokens=4, post_destroy_wait_s=0.0))
+
+    assert [s["preset"] for s in record["summary"]] == ["tuned"]
+    assert record["summary"][0]["verified_all"]
+    assert list(record["failed_presets"]) == ["broken"]
+    assert "unknown onload 'bogus'" in record["failed_presets"]["broken"]
