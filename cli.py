@@ -195,9 +195,9 @@ def _bench_switch(args: argparse.Namespace) -> int:
                               rollout_s=args.rollout_s,
                               mem_fraction=args.mem_fraction, kv_gib=args.kv_gib,
                               post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out,
-                              sync_modes=tuple(args.sync.split(",")))
+                              sync_modes=tuple(args.sync.split(",")), memory_sample_ms=args.memory_sample_ms)
     record = asyncio.run(run_switch_bench(settings))
-    return 0 if all(s["verified_all"] for s in record["summary"]) else 1
+    return 0 if all(s["verified_all"] for s in record["summary"]) and not record["failed_presets"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
     ps.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
     ps.add_argument("--presets", default="seed-baseline,tuned,tuned-serial-groups,tuned-keep",
-                    help="comma-separated: seed-baseline, tuned, tuned-serial-groups, tuned-keep")
+                    help="comma-separated: seed-baseline, tuned, tuned-serial-groups, tuned-keep, tuned-onload, "
+                         "tuned-onload2, tuned-settled, tuned-split, tuned-split-early")
     ps.add_argument("--steps", type=int, default=3, help="timed handoffs per preset (median is reported)")
     ps.add_argument("--warmup", type=int, default=1, help="untimed handoffs per preset first")
     ps.add_argument("--optimizer-shards", type=int, default=8,
@@ -281,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--sync", default="sync",
                     help="sync, async or sync,async: the weight push awaited, or from a snapshot in the background "
                          "(policy sync.mode); both compare step time per preset in one run")
+    ps.add_argument("--memory-sample-ms", type=float, default=2.0,
+                    help="the trainer's NVML memory is sampled this often over each paused window (its maximum)")
     ps.add_argument("--seed", type=int, default=0, help="seed of the model and the rollouts")
     ps.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
     ps.set_defaults(func=_bench_switch)

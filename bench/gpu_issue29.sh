@@ -86,6 +86,8 @@ if (s := load("switch")) is not None:
     summary["switch"] = {"floor_s": s["floor"]["total_s"], "targets": s.get("targets"),
                          "presets": {p["preset"]: {k: p.get(k) for k in ("switch_s", "x_floor", "resume_s", "sleep_s",
                                                                          "update_s", "wake_s", "trainer_nvml_gib_max",
+                                                                         "trainer_nvml_settled_gib_max",
+                                                                         "trainer_window_peak_gib",
                                                                          "verified_all", "onload_intact_all")}
                                      | {"onload_s": p["parts"].get("resume.onload"),
                                         "groups_wait_s": p["parts"].get("resume.groups_wait")}

@@ -161,6 +161,9 @@ def _rows(args: argparse.Namespace) -> list[Row]:
         Row("destroy", f"{{policy: destroy, post_destroy_wait_s: {w}}}"),
         Row("destroy (no wait)", "{policy: destroy, post_destroy_wait_s: 0}"),
         Row("deferred_cooldown", f"{{policy: deferred_cooldown, post_destroy_wait_s: {w}}}"),
+        # Groups rebuilt as splits of one parent sharing its resources; the build is separate, so step 0's
+        # pause destroys separate groups and the later steps show the split ones (NCCL only, else a no-op).
+        Row("split_shared (0 s)", "{policy: destroy, post_destroy_wait_s: 0, rebuild: split_shared}"),
         Row("keep_alive", "{policy: keep_alive}"),
         Row("suspend", f"{{policy: suspend, fallback: deferred_cooldown, post_destroy_wait_s: {w}}}"),
     ]
@@ -199,6 +202,7 @@ def _run_policy(row: Row, specs: list[GroupSpec], device: torch.device, args: ar
                     "build_s": build.seconds if step == 0 else None,
                     "resident_at_build_bytes": life.snapshot().resident_bytes,
                     "resume_action": resumed.action,
+                    "resume_fallback_reason": resumed.fallback_reason,
                     "keep_alive": resumed.keep_alive,
                 }
             )

@@ -165,8 +165,10 @@ class RankState:
 
     # --- offload / onload --------------------------------------------------------------------------
 
-    def offload(self, parts: Iterable[Part]) -> OffloadReport:
-        """Copy each part to its pinned host buffer (grads are dropped, not copied) and drop its GPU storage."""
+    def offload(self, parts: Iterable[Part], *, before_drop: Callable[[], object] | None = None) -> OffloadReport:
+        """Copy each part to its pinned host buffer (grads are dropped, not copied) and drop its GPU storage;
+        ``before_drop`` runs once the copies have landed, before any storage goes (e.g. waiting for a weight
+        push that reads the same tensors)."""
         t0 = time.perf_counter()
         done: list[Part] = []
         copied = dropped = 0
@@ -182,6 +184,8 @@ class RankState:
             dropped += self.nbytes(part)
             done.append(part)
         self._copies_landed()  # the host copies must land before the storage goes
+        if before_drop is not None:
+            before_drop()
         for part in done:
             setattr(self, _attr(part), None)
         return OffloadReport(tuple(done), copied, dropped, time.perf_counter() - t0)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -42,6 +43,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -67,6 +69,7 @@ from .offload import OffloadReport, RankState
 from .onload import onloader
 from .records import write_record
 from .weights import measure_floor
+from .window_memory import PeakSampler
 
 __all__ = ["PRESETS", "Preset", "SwitchSettings", "run_switch_bench"]
 
@@ -100,6 +103,12 @@ class Preset:
     # daemon's headroom check lets the engines resume at once when NVML shows the room, else they wait.
     overlap_copies: bool = False
     onload: str = "bulk"  # how the rank's state comes back (bench/onload.py: bulk, interleaved, interleaved2)
+    # Strictly memory-neutral: rollout is posted only once the weights offload, its cleanup and the background
+    # group pause have all ended, so the engines' KV resume and generation start beside a settled trainer.
+    settle_before_rollout: bool = False
+    # The weights' copies to the host start beside the push (both only read them); their storage goes once
+    # the push has ended. With settle_before_rollout only (the rollout waits for the whole offload anyway).
+    offload_weights_during_push: bool = False
 
     def policy_yaml(self, transport: str) -> str:
         return (
@@ -165,6 +174,22 @@ PRESETS["tuned-onload"] = dataclasses.replace(
 PRESETS["tuned-onload2"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-onload2", onload="interleaved2",
     about="as tuned-onload, with the copies dealt over two copy streams (bench/onload.py)")
+# Strictly memory-neutral: the paused window (the engines' generation) starts only beside a settled trainer.
+PRESETS["tuned-settled"] = dataclasses.replace(
+    PRESETS["tuned"], name="tuned-settled", settle_before_rollout=True,
+    about="as tuned, but rollout is posted only after the weights offload, its cleanup and the background group "
+          "destroy have ended (the optimizer offload still runs beside the sync and the push, the destroy beside "
+          "sleep/update/wake, the rebuild beside the onload)")
+PRESETS["tuned-split"] = dataclasses.replace(
+    PRESETS["tuned-settled"], name="tuned-split",
+    groups="{policy: auto, max_resident_gib: 0.25, post_destroy_wait_s: 2.0, rebuild: split_shared}",
+    about="as tuned-settled, with the groups rebuilt as ncclCommSplit children of one parent bound to the device "
+          "sharing its resources (rebuild: split_shared), parent destroyed with them: a destroy short enough to "
+          "hide behind the offloads")
+PRESETS["tuned-split-early"] = dataclasses.replace(
+    PRESETS["tuned-split"], name="tuned-split-early", offload_weights_during_push=True,
+    about="as tuned-split, with the weights' copies to the host started beside the push (their storage goes "
+          "once the push has ended)")
 DEFAULT_PRESETS = ("seed-baseline", "tuned", "tuned-serial-groups", "tuned-keep")
 
 
@@ -185,6 +210,7 @@ class SwitchSettings:
     kv_gib: float | None = None  # overrides the KV size mem_fraction gives
     post_destroy_wait_s: float | None = None  # overrides the presets' 2 s (the smoke test keeps it)
     sync_modes: tuple[str, ...] = ("sync",)  # per preset: sync, async (a background push from a snapshot)
+    memory_sample_ms: float = 2.0  # NVML per-process readings over the paused window, this often
     seed: int = 0
     out: str | None = None
 
@@ -214,6 +240,8 @@ class StepRecord:
     group_actions: list[str] = field(default_factory=list)
     memory: dict[str, int | None] = field(default_factory=dict)  # paused window (rollout), at its start
     memory_settled: dict[str, int | None] = field(default_factory=dict)  # once background group work ended
+    # Maxima sampled from posting rollout (``call``) and from its reply (``window``) until the next train.
+    memory_peak: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # e.g. why the daemon refused an early phase call
     loss: float = 0.0
     generated_tokens: int = 0
@@ -379,6 +407,8 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         rec.onloaded_bytes = onload.copied_bytes
         rec.resume_s = t2 - t0
         rec.group_actions.append(f"resume:{agent.last_reports.get('groups_resume', {}).get('action')}")
+        if why := (agent.last_reports.get("groups_resume") or {}).get("fallback_reason"):
+            rec.notes.append(f"groups: {why}")  # e.g. rebuild split_shared unavailable here, and why
 
         if offloaded_sum is not None:  # outside the timed windows: the benchmark's check, not the switch's
             rec.onload_intact = device_checksum(w for _, w in state.named_weights()) == offloaded_sum
@@ -429,7 +459,17 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         pusher = WeightPusher.from_plan(rank.client, plan)
         weight_sync = AsyncWeightSync(pusher)
         weight_sync.follow(sync["directives"].get("weight_sync"))
-        await weight_sync.start(state.named_weights(), version=f"{preset.name}-{mode}-{step}", step=step)
+        early = overlap and preset.offload_weights_during_push and preset.settle_before_rollout
+        pushed = threading.Event()
+        offw_early: asyncio.Future[tuple[OffloadReport, float]] | None = None
+        if early:  # the weights' copies queue behind the optimizer's; their storage goes once the push ended
+            offw_early = asyncio.ensure_future(asyncio.to_thread(
+                _offload_and_clean, state, ("weights",), plan_doc, device, functools.partial(_wait_set, pushed)))
+        try:
+            # The early offload drops the weights only once ``pushed`` is set, so they are all here until then.
+            await weight_sync.start(state.named_weights(), version=f"{preset.name}-{mode}-{step}", step=step)
+        finally:
+            pushed.set()
         t6 = time.perf_counter()
         rec.update_s = t6 - t5
         report = weight_sync.report() or {}
@@ -438,28 +478,50 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             parts["update.snapshot"] = float(report.get("snapshot_s") or 0.0)
 
         if overlap:
-            # The push is done (sync mode): verify it before the wake starts, so the read is not timed.
+            # The push is done (sync mode): verify it before the wake starts, so the read is not timed (with the
+            # weights already going out beside the push, after the wake instead: nothing may run untimed).
             push = weight_sync.last_push
             log = list(pusher.chunk_log)
             await pusher.aclose()
-            rec.verified = await _engine_holds(http, engine_url, state.names, expected)
+            if not early:
+                rec.verified = await _engine_holds(http, engine_url, state.names, expected)
             # wake_up: the optimizer offload (running since sleep) must end before the weights go out on the
             # same copy stream; the weights offload runs beside the rollout call, which waits for it (and for
             # a background group pause) only if the daemon says the engines' KV cache does not fit yet.
-            t7 = time.perf_counter()
+            # Early, the offload runs on, so the wake starts at once; and the optimizer's offload, which waits for its
+            # copy stream, ends with the weights' copies queued behind it: wake.optimizer_offload_wait holds most of
+            # the weights offload then, wake.offload_wait_before_rollout the rest.
+            t7 = t6 if early else time.perf_counter()
             off, off_clean = await off_task
             # The push's buckets and the optimizer's blocks go back to the driver before the weights' copies
             # start (nothing in flight: milliseconds), so the rollout's KV cache can fit beside the weights.
-            early_clean = await asyncio.to_thread(_clean, plan_doc, device)
+            # (Early, the weights' copies are in flight: a cudaFree now would wait for them all.)
+            early_clean = 0.0 if early else await asyncio.to_thread(_clean, plan_doc, device)
             parts["wake.cleanup_before_offload"] = early_clean
             t7b = time.perf_counter()
-            offw_task = asyncio.ensure_future(
+            offw_task = offw_early or asyncio.ensure_future(
                 asyncio.to_thread(_offload_and_clean, state, ("weights",), plan_doc, device))
             agent.last_reports.pop("groups_pause_wait_s", None)
-            rollout = await agent.rollout(step, freeing=offw_task)
+            if preset.settle_before_rollout:
+                # Strict: the trainer is settled (offload, cleanup and, inside rollout(), the group pause
+                # awaited) before the engines take their KV cache back and generate.
+                await offw_task
+                parts["wake.offload_wait_before_rollout"] = time.perf_counter() - t7b
+                sampler = _window_sampler(nvml, pids, s)
+                rollout = await agent.rollout(step)
+            else:
+                sampler = _window_sampler(nvml, pids, s)
+                rollout = await agent.rollout(step, freeing=offw_task)
             t9 = time.perf_counter()
+            # 1.0: the offload had ended before rollout was posted, and so had the group pause (the agent
+            # waited for it before posting: it reports that wait only then).
+            parts["wake.settled_before_rollout"] = float(
+                preset.settle_before_rollout and "groups_pause_wait_s" in agent.last_reports)
+            sampler.mark()
             offw, cleanup2 = await offw_task
             t10 = time.perf_counter()
+            if early:
+                rec.verified = await _engine_holds(http, engine_url, state.names, expected)
             room = agent.last_reports.get("rollout_room") or {}
             for phase in ("sync", "rollout"):
                 if refused := (agent.last_reports.get(f"{phase}_room") or {}).get("refused"):
@@ -473,7 +535,8 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             rec.offloaded_bytes = off.copied_bytes
             pause_wait = float(agent.last_reports.get("groups_pause_wait_s", 0.0))
             rec.wake_s = t10 - t7
-            parts["wake.http_and_client"] = (t9 - t7b) - rollout["duration_s"] - parts["wake.rollout_room_wait"]
+            parts["wake.http_and_client"] = ((t9 - t7b) - rollout["duration_s"] - parts["wake.rollout_room_wait"]
+                                             - parts.get("wake.offload_wait_before_rollout", 0.0) - pause_wait)
         else:
             # wake_up: weights out, cleanup per policy (the push runs meanwhile if async), engine KV back.
             t7 = time.perf_counter()
@@ -490,8 +553,10 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
             rec.verified = await _engine_holds(http, engine_url, state.names, expected)
             t9 = time.perf_counter()  # the verification read is the benchmark's, not the switch's
             agent.last_reports.pop("groups_pause_wait_s", None)
+            sampler = _window_sampler(nvml, pids, s)
             rollout = await agent.rollout(step)
             t10 = time.perf_counter()
+            sampler.mark()
             pause_wait = float(agent.last_reports.get("groups_pause_wait_s", 0.0))
             parts["wake.http_and_client"] = (t10 - t9) - rollout["duration_s"] - pause_wait
             rec.wake_s = (joined - t7) + (t10 - t9)  # sync: the join is immediate (the push ran inside start())
@@ -526,6 +591,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
         rec.generated_tokens = await _generate(http, engine_url, s, step)
         while time.perf_counter() - window_start < s.rollout_s:
             rec.generated_tokens += await _generate(http, engine_url, s, step)
+        rec.memory_peak = (await asyncio.to_thread(sampler.stop)).to_dict()  # the next train ends the window
         records.append(rec)
         print(f"  {preset.name}/{rec.sync_mode} step {step}{' (warm-up)' if rec.warmup else ''}: "
               f"step {rec.step_s:.3f} s, switch {rec.switch_s:.3f} s "
@@ -555,10 +621,24 @@ def _offload_when_started(state: RankState, parts: tuple[str, ...], plan_doc: di
 
 
 def _offload_and_clean(state: RankState, parts: tuple[str, ...], plan_doc: dict[str, Any] | None,
-                       device: torch.device) -> tuple[OffloadReport, float]:
+                       device: torch.device, before_drop: Callable[[], object] | None = None
+                       ) -> tuple[OffloadReport, float]:
     """Offload ``parts``, then run the cleanup plan so their memory goes back to the driver."""
-    report = state.offload(parts)
+    report = state.offload(parts, before_drop=before_drop)
     return report, _clean(plan_doc, device)
+
+
+def _wait_set(event: threading.Event, timeout_s: float = 600.0) -> None:
+    """Block (a worker thread) until ``event`` is set; a push that never ends is an error, not a hang."""
+    if not event.wait(timeout_s):
+        raise TimeoutError(f"the weight push did not end within {timeout_s:g} s")
+
+
+def _window_sampler(nvml: _Nvml, pids: dict[str, int | None], s: SwitchSettings) -> PeakSampler:
+    """Started just before rollout is posted; ``mark`` at its reply, ``stop`` when the rollout ends."""
+    sampler = PeakSampler(lambda: nvml.read(pids), s.memory_sample_ms / 1e3)
+    sampler.start()
+    return sampler
 
 
 def _clean(plan_doc: dict[str, Any] | None, device: torch.device) -> float:
@@ -628,6 +708,11 @@ def _summary(name: str, records: Sequence[StepRecord], floor_s: float, strict_s:
         out[key.replace("_bytes", "_gib_max")] = max(values) / GIB if values else None
     settled = [v for r in timed if (v := r.memory_settled.get("trainer_nvml_bytes")) is not None]
     out["trainer_nvml_settled_gib_max"] = max(settled) / GIB if settled else None
+    # The maxima sampled over the whole paused window (from the rollout reply) and from posting rollout.
+    for span in ("window", "call"):
+        peaks = [v for r in timed if (v := (r.memory_peak.get(span) or {}).get("trainer_nvml_bytes")) is not None]
+        out[f"trainer_{span}_peak_gib"] = max(peaks) / GIB if peaks else None
+    out["memory_samples_min"] = min((int(r.memory_peak.get("window_samples") or 0) for r in timed), default=0)
     out["offloaded_bytes"] = timed[0].offloaded_bytes
     out["onloaded_bytes"] = timed[0].onloaded_bytes
     out["pushed_bytes"] = timed[0].pushed_bytes
@@ -640,16 +725,18 @@ def _summary(name: str, records: Sequence[StepRecord], floor_s: float, strict_s:
 
 def _table(summaries: list[dict[str, Any]], floor: dict[str, Any]) -> str:
     head = (f"{'preset':<20}{'switch s':>9}{'x floor':>8}{'x strict':>9}{'resume':>8}{'sleep':>8}{'update':>8}"
-            f"{'wake':>8}{'trainer GiB':>12}{'engine GiB':>11}  ok")
+            f"{'wake':>8}{'trainer GiB start/settled/max':>31}{'engine GiB':>11}  ok")
     lines = [f"floor: {floor['total_s']:.3f} s per switch (strict: {floor['strict_total_s']:.3f} s) "
              f"(copies {floor['offload_s'] + floor['onload_s']:.3f} s over PCIe, {floor['device_copy_s'] * 1e3:.1f} ms "
              f"on the device, allocations {floor['alloc_s']:.3f} s)", head]
     for s in summaries:
+        trainer = "/".join(_f(s[k], 2) for k in ("trainer_nvml_gib_max", "trainer_nvml_settled_gib_max",
+                                                   "trainer_window_peak_gib"))
         lines.append(
             f"{s['preset']:<20}{s['switch_s']:>9.3f}{_f(s['x_floor'], 2):>8}{_f(s['x_floor_strict'], 2):>9}"
             f"{s['resume_s']:>8.3f}{s['sleep_s']:>8.3f}"
             f"{s['update_s']:>8.3f}{s['wake_s']:>8.3f}"
-            f"{_f(s['trainer_nvml_gib_max'], 2) + '/' + _f(s['trainer_nvml_settled_gib_max'], 2):>12}"
+            f"{trainer:>31}"
             f"{_f(s['engine_nvml_gib_max'], 2):>11}  {'yes' if s['verified_all'] and s['onload_intact_all'] else 'NO'}")
     return "\n".join(lines)
 
@@ -659,12 +746,11 @@ def _f(value: float | None, digits: int) -> str:
 
 
 def _trainer_gib(s: dict[str, Any]) -> float | None:
-    """The trainer's GPU memory in the paused window once its background group work has ended (the
-    reading at the window's start where there was none); the start's reading is in the table too."""
-    gib = s.get("trainer_nvml_settled_gib_max")
-    if gib is None:
-        gib = s["trainer_nvml_gib_max"]
-    return None if gib is None else float(gib)
+    """The trainer's GPU memory in the paused window: the largest of the maximum sampled over the whole
+    window and the readings at its start and once settled (None where NVML gave nothing)."""
+    values = [float(v) for k in ("trainer_window_peak_gib", "trainer_nvml_gib_max", "trainer_nvml_settled_gib_max")
+              if (v := s.get(k)) is not None]
+    return max(values) if values else None
 
 
 def _targets(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -687,6 +773,13 @@ def _targets(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         t, b = _trainer_gib(tuned), _trainer_gib(seed)
         out["paused_trainer_gib"] = {"tuned": t, "seed-baseline": b}
         out["paused_memory_within_0_25_gib"] = None if t is None or b is None else t <= b + 0.25
+    if seed:
+        # Per preset: the paused window's maximum against the seed's + 0.25 GiB, and the time against the floor.
+        base = _trainer_gib(seed)
+        out["paused_window_max_gib"] = {name: _trainer_gib(p) for name, p in by.items()}
+        out["memory_neutral"] = {name: None if (g := _trainer_gib(p)) is None or base is None else g <= base + 0.25
+                                 for name, p in by.items()}
+        out["x_floor"] = {name: p["x_floor"] for name, p in by.items()}
     return out
 
 
@@ -801,6 +894,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
     })
     nvml = _Nvml(device)
     results: dict[str, list[StepRecord]] = {}
+    failed: dict[str, str] = {}  # preset → why it stopped (the record keeps the others)
     async with ReferenceEngineProcess(engine_cfg) as engine:
         assert engine.url is not None
         engine_entry: dict[str, Any] = {"kind": "reference", "name": "ref0", "url": engine.url}
@@ -819,9 +913,15 @@ async def _run(settings: SwitchSettings, device: torch.device,
             for name in settings.presets:
                 for mode in settings.sync_modes:
                     key = name if mode == "sync" else f"{name}+{mode}"
-                    results[key] = await _run_preset(PRESETS[name], rank, http, engine.url, step, nvml, pids,
-                                                     daemon.url, mode)
-                    step += len(results[key])
+                    try:
+                        results[key] = await _run_preset(PRESETS[name], rank, http, engine.url, step, nvml, pids,
+                                                         daemon.url, mode)
+                    except Exception as exc:  # one device call measures every preset it can; this one is lost
+                        if not results:
+                            raise  # the first preset failing is the bench's own failure, not a preset's
+                        failed[key] = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+                        print(f"  {key}: FAILED ({failed[key]}); the presets after it run on", flush=True)
+                    step += settings.warmup + settings.steps
     life.close()
     # The allocation term measured in this process came out larger than what the engine's own release
     # and resume calls take (HTTP hop included); the strict floor uses the smaller of the two.
@@ -854,12 +954,15 @@ async def _run(settings: SwitchSettings, device: torch.device,
         "summary": summaries,
         "steps": {n: [asdict(r) for r in recs] for n, recs in results.items()},
         "targets": _targets(summaries),
+        "failed_presets": failed,
         "caveats": [WORLD_SIZE_1],
         "seconds": time.perf_counter() - t_start,
         "date": time.strftime("%Y-%m-%d"),
     }
     print(_table(summaries, floor), flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
+    if failed:
+        print("failed presets: " + json.dumps(failed), flush=True)
     if settings.out:
         write_record(Path(settings.out), record)
     return record

@@ -27,6 +27,7 @@ from .process_groups import (
     GroupSnapshot,
     KeepAlivePolicy,
     ProcessGroupPolicy,
+    RebuildMode,
     SuspendPolicy,
     WaitPoint,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "PolicySet",
     "PolicyStore",
     "ProcessGroupPolicy",
+    "RebuildMode",
     "SecondBuffer",
     "SerialPolicy",
     "SuspendPolicy",

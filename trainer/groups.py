@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..policies import GroupAction, GroupDirective, GroupSnapshot, WaitPoint
+from ..policies import GroupAction, GroupDirective, GroupSnapshot, RebuildMode, WaitPoint
 
 __all__ = [
     "Canary",
@@ -29,6 +29,7 @@ __all__ = [
     "LifecycleState",
     "SuspendCapability",
     "all_reduce_canary",
+    "detect_split_capability",
     "detect_suspend_capability",
 ]
 
@@ -42,6 +43,7 @@ _CUDA_NOTE = (
     "device free-memory deltas (mem_get_info minus torch's own reserved delta); other processes add noise"
 )
 _MIN_NCCL_SUSPEND = (2, 29, 7)
+_MIN_NCCL_SPLIT = (2, 18, 0)  # ncclCommSplit and its splitShare config
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +139,24 @@ def detect_suspend_capability(device: torch.device, backends: Sequence[str]) -> 
     return SuspendCapability(True, f"torch {torch.__version__}, NCCL {'.'.join(map(str, nccl))}")
 
 
+def detect_split_capability(device: torch.device, backends: Sequence[str]) -> SuspendCapability:
+    """Whether groups can be rebuilt as ncclCommSplit children of one parent (``rebuild: split_shared``)."""
+    if device.type != "cuda":
+        return SuspendCapability(False, "split_shared needs CUDA and NCCL; this process runs on CPU")
+    if any(b != "nccl" for b in backends):
+        return SuspendCapability(False, f"split_shared applies to NCCL groups only; backends here: "
+                                        f"{sorted(set(backends))}")
+    if _nccl_options() is None or not hasattr(_nccl_options(), "split_from"):
+        return SuspendCapability(False, f"torch {torch.__version__} cannot split a process group from a parent")
+    try:
+        nccl = tuple(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        return SuspendCapability(False, f"NCCL version unknown ({exc!r})")
+    if nccl < _MIN_NCCL_SPLIT:
+        return SuspendCapability(False, f"NCCL {'.'.join(map(str, nccl))} < 2.18 has no ncclCommSplit")
+    return SuspendCapability(True, f"torch {torch.__version__}, NCCL {'.'.join(map(str, nccl))}")
+
+
 class GroupLifecycle:
     """A named set of process groups taken through pauses as the daemon's directives say.
 
@@ -178,6 +198,11 @@ class GroupLifecycle:
         self._cuda = self._device.type == "cuda"
         backends = [spec.backend or dist.get_backend() for spec in self._specs]
         self._suspend = detect_suspend_capability(self._device, backends)
+        self._split = detect_split_capability(self._device, backends)
+        # split_shared: the parent the groups were split from (destroyed with them), and how to rebuild next.
+        self._parent: dist.ProcessGroup | None = None
+        self._parent_bytes: int | None = 0
+        self._rebuild = RebuildMode.SEPARATE
         # The vote runs on its own gloo group, never destroyed: it must work when the kept groups do not.
         self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=agree_timeout_s))
         self._groups: list[dist.ProcessGroup | None] = []  # one slot per spec; None where not a member
@@ -225,7 +250,7 @@ class GroupLifecycle:
         """Create every group (collective) and warm it with one canary so lazy communicators exist."""
         self._require(LifecycleState.UNBUILT, "build")
         start = self._clock()
-        actions = self._create_all()
+        actions = self._create_all()[0]
         return self._report("build", "create", None, start, 0.0, actions, kept=None, freed=None)
 
     def pause(self, directive: GroupDirective) -> GroupReport:
@@ -252,8 +277,9 @@ class GroupLifecycle:
         if self._state == LifecycleState.DESTROYED:
             waited = self._cooldown_remainder()
             actions = [f"slept {waited:.3f} s: remainder of the deferred post-destroy wait"] if waited else []
-            actions += self._create_all()
-            return self._report("resume", "rebuild", policy, start, waited, actions, None, None)
+            created, why = self._create_all(self._rebuild)
+            actions += created
+            return self._report("resume", "rebuild", policy, start, waited, actions, None, None, fallback_reason=why)
         if self._state == LifecycleState.SUSPENDED:
             return self._verify_kept(start, policy, resume_first=True)
         self._require(LifecycleState.KEPT, "resume")
@@ -265,7 +291,7 @@ class GroupLifecycle:
         self._disable(reason)
         self._abort_all()
         actions = [f"keep-alive disabled: {reason}", "aborted all groups, no wait"]
-        actions += self._create_all()
+        actions += self._create_all()[0]
         return self._report(
             "abandon", "rebuild", None, start, 0.0, actions, None, None, fallback_reason=reason
         )
@@ -278,6 +304,7 @@ class GroupLifecycle:
             if group is not None:
                 _destroy(group)
         self._groups = []
+        self._drop_parent(_destroy)
         _destroy(self._control)
         self._state = LifecycleState.CLOSED
 
@@ -322,10 +349,13 @@ class GroupLifecycle:
         if self._keep_alive in (KeepAliveState.ELIGIBLE, KeepAliveState.READY):
             self._keep_alive = KeepAliveState.OFF  # the policy moved away from keeping
         before = self._free_bytes()
+        split = self._parent is not None
+        resident = self._resident_total()  # before the destroy drops the parent's share
         count = self._destroy_all()
         freed = _delta(self._free_bytes(), before)
         destroyed_at = self._clock()
-        actions.append(f"destroyed {count} groups")
+        actions.append(f"destroyed {count} groups" + (" and the parent they were split from" if split else ""))
+        self._rebuild = directive.rebuild
         waited = 0.0
         wait_s = min(directive.wait_s, self._max_wait_s)
         if wait_s < directive.wait_s:
@@ -339,7 +369,6 @@ class GroupLifecycle:
             # Deferred: the pause (rollout) usually outlasts the wait, so resume() sleeps only what is left.
             self._cooldown_until = destroyed_at + wait_s
             actions.append(f"deferred post-destroy wait of {wait_s:g} s to the next rebuild")
-        resident = self._resident_total()
         kept = None if resident is None or freed is None else max(0, resident - freed)
         return self._report(
             "pause", "destroy", directive.policy, start, waited, actions, kept, freed, fallback_reason=why
@@ -397,26 +426,50 @@ class GroupLifecycle:
         self._disable(reason)
         self._abort_all()
         actions.append("aborted all groups, no wait")
-        actions += self._create_all()
+        actions += self._create_all()[0]
         return self._report(
             "resume", "rebuild", policy, start, 0.0, actions, None, None, fallback_reason=reason
         )
 
     # --- collective building blocks ----------------------------------------------------------------
 
-    def _create_all(self) -> list[str]:
-        """new_group for every spec in order (every rank, member or not), then warm and measure each."""
-        self._groups = []
-        self._resident = {}
+    def _create_all(self, mode: RebuildMode = RebuildMode.SEPARATE) -> tuple[list[str], str | None]:
+        """new_group for every spec in order (every rank, member or not), then warm and measure each; with
+        ``split_shared`` (where this process can) each is split from one parent made first. Returns the
+        actions and, where ``split_shared`` could not be honoured, the one-line reason."""
         probe_ready = torch.ones(1, device=self._device)  # allocate before measuring, so it is not counted
         del probe_ready
-        for spec in self._specs:
+        why: str | None = None
+        notes: list[str] = []
+        if mode == RebuildMode.SPLIT_SHARED and not self._split.supported:
+            why = f"rebuild split_shared unavailable ({self._split.reason}): separate communicators"
+        elif mode == RebuildMode.SPLIT_SHARED:
+            try:
+                notes.append(self._make_parent())
+                self._create_groups()
+            except Exception as exc:  # the split itself failed here: what was made goes, separate ones come
+                # (world size 1 is where this was measured; with peers, a rank that fails alone leaves them
+                # waiting in the split until NCCL's timeout)
+                why = " ".join(f"rebuild split_shared failed ({exc!r:.300}): separate communicators".split())
+                self._abort_all()
+        if why is not None:
+            log.warning("process groups: %s", why)
+            notes.append(why)
+        if self._state != LifecycleState.LIVE:  # separate, or split_shared that could not be
+            self._create_groups()
+        self._cooldown_until = None
+        split = " split from one parent" if self._parent is not None else ""
+        return [*notes, f"created {len(self._specs)} groups{split} ({len(self._resident)} with this rank)"], why
+
+    def _create_groups(self) -> None:
+        """Every spec's group (split from the parent when there is one), warmed and measured; then LIVE."""
+        self._groups = []
+        self._resident = {}
+        for index, spec in enumerate(self._specs):
             before = self._free_bytes()
             reserved = _reserved(self._device)
-            group = dist.new_group(
-                list(spec.ranks) if spec.ranks else None, self._group_timeout, spec.backend
-            )
-            if group is dist.GroupMember.NON_GROUP_MEMBER or group is None:
+            group = self._new_group(spec, index)
+            if group is None:
                 self._groups.append(None)
                 continue
             # The first collective creates NCCL's communicator; doing it here keeps its cost in the
@@ -431,8 +484,43 @@ class GroupLifecycle:
             grown = _reserved(self._device) - reserved if self._cuda else 0
             self._resident[spec.name] = None if used is None else max(0, used - grown)
         self._state = LifecycleState.LIVE
-        self._cooldown_until = None
-        return [f"created {len(self._specs)} groups ({len(self._resident)} with this rank)"]
+
+    def _make_parent(self) -> str:
+        """The parent communicator over the whole world, created at once (bound to the device) so every
+        group split from it finds it; it holds the resources its children share (splitShare)."""
+        before = self._free_bytes()
+        self._parent = dist.new_group(None, self._group_timeout, "nccl", device_id=self._device)
+        self._parent_bytes = _delta(before, self._free_bytes())
+        if hasattr(_nccl_options().config, "split_share"):
+            return "parent communicator created; children share its resources (splitShare=1)"
+        env = os.environ.get("NCCL_COMM_SPLIT_SHARE_RESOURCES")
+        return (f"parent communicator created; this torch cannot set splitShare, so children share its resources "
+                f"only with NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (here: {env!r})")
+
+    def _new_group(self, spec: GroupSpec, index: int) -> dist.ProcessGroup | None:
+        """The group, or None on a rank outside it."""
+        ranks = list(spec.ranks) if spec.ranks else None
+        if self._parent is None:
+            return _member(dist.new_group(ranks, self._group_timeout, spec.backend))
+        parent = _backend(self._parent, self._device)
+        member = ranks is None or dist.get_rank() in ranks
+        opts = _nccl_options()
+        opts._timeout = self._group_timeout  # as new_group sets it (else torch warns that they differ)
+        opts.split_from = parent
+        opts.split_color = index  # one split per call: the members share it, every other rank takes no colour
+        if hasattr(opts.config, "split_share"):
+            opts.config.split_share = 1
+        # Bound to the device, the group's communicator is split at creation (eagerly): ncclCommSplit is
+        # collective over the parent, so every rank must reach it at the same point, non-members included.
+        group = dist.new_group(ranks, self._group_timeout, "nccl", pg_options=opts, device_id=self._device)
+        if not member:
+            parent.perform_nocolor_split(self._device)
+        return _member(group)
+
+    def _drop_parent(self, how: Callable[[dist.ProcessGroup], None]) -> None:
+        if self._parent is not None:
+            how(self._parent)
+            self._parent, self._parent_bytes = None, 0
 
     def _run_canaries(self, actions: list[str]) -> bool:
         failed: list[str] = []
@@ -472,6 +560,7 @@ class GroupLifecycle:
             if group is not None:
                 _destroy(group)
                 count += 1
+        self._drop_parent(_destroy)  # after its children: nothing of theirs is kept through the pause
         self._groups = [None] * len(self._specs)
         self._state = LifecycleState.DESTROYED
         return count
@@ -481,6 +570,7 @@ class GroupLifecycle:
         for group in self._groups:
             if group is not None:
                 _abort(group)
+        self._drop_parent(_abort)
         self._groups = [None] * len(self._specs)
         self._state = LifecycleState.DESTROYED
 
@@ -518,7 +608,7 @@ class GroupLifecycle:
         return int(torch.cuda.mem_get_info(self._device)[0])
 
     def _resident_total(self) -> int | None:
-        values = list(self._resident.values())
+        values = [*self._resident.values(), self._parent_bytes]  # a split_shared parent holds what they share
         if not self._cuda or any(v is None for v in values):
             return None
         return sum(v or 0 for v in values)
@@ -591,6 +681,18 @@ def _backend(group: dist.ProcessGroup, device: torch.device) -> Any:
     # suspend/resume/memory_stats exist from torch 2.12 (nccl-keepalive.md §2); typed Any because
     # older stubs lack them and detect_suspend_capability has already checked they are there.
     return group._get_backend(device)
+
+
+def _member(group: object) -> dist.ProcessGroup | None:
+    """``new_group``'s answer as a group, None on a rank outside it (NON_GROUP_MEMBER)."""
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
+def _nccl_options() -> Any:
+    """A fresh ``ProcessGroupNCCL.Options`` (None in a build without NCCL); typed Any because CPU builds' stubs
+    lack the class, and ``detect_split_capability`` checks what is there before any use."""
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    return None if nccl is None else nccl.Options()
 
 
 def _cuda() -> bool:

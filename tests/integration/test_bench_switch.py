@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from colocd.bench.switch import SwitchSettings, run_switch_bench
+import pytest
+
+from colocd.bench.switch import PRESETS, SwitchSettings, run_switch_bench
 
 PHASES = ("resume_s", "sleep_s", "update_s", "wake_s", "switch_s")
 
@@ -38,6 +41,7 @@ async def test_bench_switch_cpu_smoke_run_verifies_every_sync_and_writes_the_rec
     tuned = by["tuned"]["parts"]
     assert tuned["wake.rollout_posted_early"] == 1.0 and tuned["wake.rollout_room_wait"] == 0.0
     assert tuned["sleep.offload_optimizer"] > 0 and "wake.rollout_posted_early" not in by["seed-baseline"]["parts"]
+    assert tuned["wake.settled_before_rollout"] == 0.0  # tuned's window may open beside memory still going
 
 
 async def test_bench_switch_sync_and_async_in_one_run_verify_every_push_and_compare_step_time(tmp_path: Path) -> None:
@@ -54,3 +58,35 @@ async def test_bench_switch_sync_and_async_in_one_run_verify_every_push_and_comp
     assert "update.snapshot" in async_step["parts"] and "wake.join_wait" in async_step["parts"]
     assert record["targets"]["async_step_speedup"]["tuned"] > 0
     assert record["targets"]["async_ran_async"] == {"tuned": True}
+
+
+async def test_bench_switch_strict_presets_post_the_rollout_only_beside_a_settled_trainer(tmp_path: Path) -> None:
+    record = await run_switch_bench(SwitchSettings(
+        model="tiny", device="cpu", presets=("tuned-settled", "tuned-split-early"), steps=1, warmup=1, groups=2,
+        train_tokens=8, gen_requests=2, gen_tokens=4, post_destroy_wait_s=0.0))
+
+    by = {s["preset"]: s for s in record["summary"]}
+    weights, optimizer = record["state_bytes"]["weights"], record["state_bytes"]["optimizer"]
+    for name in ("tuned-settled", "tuned-split-early"):
+        parts = by[name]["parts"]
+        assert by[name]["verified_all"], name
+        # Posted once the offload, its cleanup and the group destroy had ended: nothing left for the window.
+        assert parts["wake.settled_before_rollout"] == 1.0 and parts["wake.rollout_posted_early"] == 0.0, name
+        for step in record["steps"][name]:
+            assert step["offloaded_bytes"] == weights + optimizer
+            assert step["memory_peak"]["window_samples"] >= 2  # the reply and the window's end, at least
+    # split_shared cannot apply on gloo: the groups came back separate, and the step says why.
+    notes = [n for step in record["steps"]["tuned-split-early"] for n in step["notes"]]
+    assert any("split_shared unavailable" in n for n in notes), notes
+
+
+async def test_a_preset_that_fails_is_recorded_and_the_run_keeps_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(PRESETS, "broken", dataclasses.replace(PRESETS["tuned"], name="broken", onload="bogus"))
+    record = await run_switch_bench(SwitchSettings(
+        model="tiny", device="cpu", presets=("tuned", "broken"), steps=1, warmup=0, groups=2, train_tokens=8,
+        gen_requests=2, gen_tokens=4, post_destroy_wait_s=0.0))
+
+    assert [s["preset"] for s in record["summary"]] == ["tuned"]
+    assert record["summary"][0]["verified_all"]
+    assert list(record["failed_presets"]) == ["broken"]
+    assert "unknown onload 'bogus'" in record["failed_presets"]["broken"]

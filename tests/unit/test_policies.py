@@ -19,6 +19,7 @@ from colocd.policies import (
     NoCleanupPolicy,
     OverlapPolicy,
     PipelineSnapshot,
+    RebuildMode,
     SerialPolicy,
     SuspendPolicy,
     Timeouts,
@@ -106,6 +107,20 @@ def test_suspend_unsupported_uses_the_configured_fallback_and_says_so(
     d = SuspendPolicy(SuspendPolicy.Config(fallback=fallback)).before_pause(snap(suspend_supported=False))  # type: ignore[arg-type]
     assert d.action == action
     assert "suspend unavailable" in d.reason
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [DestroyPolicy(DestroyPolicy.Config(rebuild="split_shared")),  # type: ignore[arg-type]
+     DeferredCooldownPolicy(DeferredCooldownPolicy.Config(rebuild="split_shared")),  # type: ignore[arg-type]
+     AutoPolicy(AutoPolicy.Config(max_resident_gib=0.25, rebuild="split_shared")),  # type: ignore[arg-type]
+     SuspendPolicy(SuspendPolicy.Config(fallback="destroy", rebuild="split_shared"))],  # type: ignore[arg-type]
+    ids=["destroy", "deferred_cooldown", "auto", "suspend-fallback"],
+)
+def test_split_shared_rebuild_is_opt_in_and_travels_with_every_destroy(policy: object) -> None:
+    d = policy.before_pause(snap(resident_bytes=4 * GIB, suspend_supported=False))  # type: ignore[attr-defined]
+    assert (d.action, d.rebuild) == (GroupAction.DESTROY, RebuildMode.SPLIT_SHARED)
+    assert DestroyPolicy().before_pause(snap()).rebuild == RebuildMode.SEPARATE  # the default
 
 
 def test_directives_round_trip_through_json() -> None:
