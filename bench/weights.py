@@ -511,6 +511,14 @@ def _targets(results: list[dict[str, Any]], control_floor: Sequence[dict[str, An
         if held is not None and held["variant"] in ran:
             out["control_floor_ms"] = held["p50_ms"]
             out["control_x_floor_channel"] = ran[held["variant"]]["control_ms_per_chunk"] / held["p50_ms"]
+        walled = [r for r in ran.values() if r["breakdown"].get("open.rt_floor")]
+        if walled:  # open and commit against their round trips at the same run's no-op floors
+            b = min(walled, key=lambda r: r["wall_x_floor"])["breakdown"]
+            out["open_x_round_trips"] = b["open"] / b["open.rt_floor"]
+            out["commit_x_round_trips"] = b["commit"] / b["commit.rt_floor"]
+            floor_s = b["wall"] / min(r["wall_x_floor"] for r in walled)
+            out["best_wall_x_floor_plus_round_trips"] = b["wall"] / (floor_s + b["open.rt_floor"]
+                                                                     + b["commit.rt_floor"])
     overlaps = [ran[n]["best_stream_s"] for n in ("overlap2", "overlap3") if n in ran]
     if "serial" in ran and overlaps:
         out["overlap_speedup_vs_serial"] = ran["serial"]["best_stream_s"] / min(overlaps)
