@@ -47,8 +47,7 @@ async def _served_version(url: str) -> str:
 
 
 async def test_an_engine_restarted_after_the_commits_observation_takes_no_version_and_the_commit_fails() -> None:
-    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
-                                    ready_path="/model_info")
+    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
     await engine.astart()
     url = str(engine.url)
     segments: list[SharedSegment] = []
@@ -68,8 +67,8 @@ async def test_an_engine_restarted_after_the_commits_observation_takes_no_versio
                     assert engine.pid is not None
                     os.kill(engine.pid, signal.SIGKILL)
                     await engine.aclose()
-                    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0),
-                                                    ready_path="/model_info")
+                    # Ready once it serves (its start-up over), so its answer is about the session, not the start.
+                    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0))
                     await engine.astart()
                 return seen
 
