@@ -9,14 +9,20 @@ reconcile that observes every engine), ``open_checks``, ``parameter_manifest``, 
 engines at once counts as the extent of its spans (first start → last end), a per-chunk one as the sum. The two
 ``outside`` rows are the trainer's round trip less the daemon's extent of the same call (both measured): the HTTP
 hop, the route and the reply's encoding.
+
+Against the round-trip floors measured in the same run (a no-op trainer → daemon request, a no-op engine request):
+open and commit each make one trainer round trip and a number of engine round trips in a row (the observation
+under the node lock, then each engine call whose span the trace has), and ``round_trips`` prices them at the floors,
+so what open and commit cost beyond their round trips is visible.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["STAGES", "breakdown", "breakdown_table"]
+__all__ = ["STAGES", "RoundTrips", "breakdown", "breakdown_table", "round_trips", "round_trips_lines"]
 
 # (key, what): the rows, in the order they happen; nested ones are indented in the table.
 STAGES: tuple[tuple[str, str], ...] = (
@@ -28,6 +34,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("open.manifest_check", "    declared manifest against them"),
     ("open.begin", "    engines' begin_weight_update"),
     ("open.outside", "  outside the daemon's open (HTTP, route, reply)"),
+    ("open.rt_floor", "  its round trips at their floors (see below)"),
     ("stream", "trainer: first export -> last ack"),
     ("stream.join", "  join (+ chunk channel greeting)"),
     ("stream.trainer_digest", "  trainer digests (export thread, overlapped)"),
@@ -45,6 +52,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("commit.bookkeeping", "    versions, records, metrics"),
     ("commit.journal", "    journal record"),
     ("commit.outside", "  outside the daemon's commit (HTTP, route, reply)"),
+    ("commit.rt_floor", "  its round trips at their floors (see below)"),
     ("wall", "trainer: open -> commit reply"),
 )
 _OPEN_SPANS = ("node_lock", "open_checks", "parameter_manifest", "manifest_check", "begin_weight_update")
@@ -62,10 +70,33 @@ def _extent(spans: Iterable[tuple[float, float]]) -> float:
     return max(e for _, e in got) - min(s for s, _ in got) if got else 0.0
 
 
+# The engine calls of open and commit, each one round trip after the observation (one more) under the node lock.
+_OPEN_CALLS = ("parameter_manifest", "begin_weight_update")
+_COMMIT_CALLS = ("weight_digests", "end_weight_update", "set_weight_version")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTrips:
+    """The no-op round trips of this run, seconds (medians): trainer → daemon, and to an engine."""
+
+    trainer_s: float
+    engine_s: float
+
+
+def round_trips(trace: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The engine round trips open and commit made one after another: the observation, then each engine call the
+    trace has a span of (several engines asked at once count once)."""
+    names = {s.get("name") for s in trace.get("spans", ())}
+    return {"open": ["observe", *(n for n in _OPEN_CALLS if n in names)],
+            "commit": ["observe", *(n for n in _COMMIT_CALLS if n in names)]}
+
+
 def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float, trace: Mapping[str, Any],
-              join_s: float = 0.0, digest_s: Sequence[float] = ()) -> dict[str, float]:
+              join_s: float = 0.0, digest_s: Sequence[float] = (), floors: RoundTrips | None = None,
+              ) -> dict[str, float]:
     """The stages of one session in seconds (keys of ``STAGES``), from the trainer's timers and the commit's
-    trace; a stage the session did not have (no verification, no manifest) is 0."""
+    trace; a stage the session did not have (no verification, no manifest) is 0, and so are the round-trip
+    floors without ``floors``."""
     by = {n: _spans(trace, n) for n in (*_OPEN_SPANS, *_COMMIT_SPANS, "load_chunk")}
     # The first node_lock is the open's, a second the commit's.
     locks = sorted(by.pop("node_lock"))
@@ -104,7 +135,28 @@ def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float,
         "commit.outside": commit_s - commit_daemon,
         "wall": wall_s,
     }
+    calls = round_trips(trace)
+    for part in ("open", "commit"):
+        out[f"{part}.rt_floor"] = floors.trainer_s + len(calls[part]) * floors.engine_s if floors else 0.0
     return out
+
+
+def round_trips_lines(rows: Sequence[tuple[str, Mapping[str, float], Mapping[str, Sequence[str]]]],
+                      floors: RoundTrips, copy_floor_s: float) -> str:
+    """Per variant (name, its breakdown, its ``round_trips``): open and commit as multiples of their round trips at the
+    floors, and the wall against the copy floor plus those round trips (what HTTP makes irreducible)."""
+    lines = [f"round-trip floors, same run (medians): trainer -> daemon no-op {floors.trainer_s * 1e3:.3f} ms, "
+             f"engine no-op {floors.engine_s * 1e3:.3f} ms"]
+    for name, b, calls in rows:
+        for part in ("open", "commit"):
+            floor = b[f"{part}.rt_floor"]
+            lines.append(f"  {name}: {part} {b[part] * 1e3:.2f} ms = {b[part] / floor:.2f}x its round trips "
+                         f"(1 trainer + {len(calls[part])} engine: {', '.join(calls[part])}; {floor * 1e3:.2f} ms)")
+        bound = copy_floor_s + b["open.rt_floor"] + b["commit.rt_floor"]
+        lines.append(f"  {name}: wall {b['wall'] * 1e3:.2f} ms = {b['wall'] / copy_floor_s:.2f}x the copy floor, "
+                     f"{b['wall'] / bound:.2f}x the copy floor + those round trips ({bound * 1e3:.2f} ms, "
+                     f"{bound / copy_floor_s:.2f}x the copy floor)")
+    return "\n".join(lines)
 
 
 def breakdown_table(rows: Sequence[tuple[str, Mapping[str, float]]], floor_s: float) -> str:

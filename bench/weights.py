@@ -49,7 +49,7 @@ from ..trainer.producer import producer_for
 from ..trainer.push import WeightPusher
 from .control_floor import measure_control_floor
 from .records import write_record
-from .session_breakdown import breakdown, breakdown_table
+from .session_breakdown import RoundTrips, breakdown, breakdown_table, round_trips, round_trips_lines
 
 __all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
 
@@ -149,6 +149,7 @@ class VariantResult:
     verification: dict[str, Any] = field(default_factory=dict)  # the best push's commit reply "verification"
     # The best-wall push's session, stage by stage (bench/session_breakdown.py), seconds.
     breakdown: dict[str, float] = field(default_factory=dict)
+    round_trips: dict[str, list[str]] = field(default_factory=dict)  # its open's and commit's engine round trips
 
     def summary(self, nbytes: int, floor_s: float) -> dict[str, Any]:
         best, wall = min(self.stream_s, default=math.nan), min(self.wall_s, default=math.nan)
@@ -269,6 +270,24 @@ async def _engine_digests(http: httpx.AsyncClient, engine_url: str, names: list[
     return best
 
 
+async def measure_round_trips(http: httpx.AsyncClient, daemon_url: str, engine_url: str,
+                              repeats: int = 50) -> RoundTrips:
+    """The no-op round trips of this run (medians after a warm-up): trainer → daemon ``GET /healthz``, and an
+    engine's ``GET /model_info`` (answered on its event loop from memory: the hop each daemon → engine call makes,
+    from this process, over the same loopback HTTP)."""
+
+    async def median_s(url: str) -> float:
+        times = []
+        for i in range(repeats + 5):
+            t0 = time.perf_counter()
+            (await http.get(url)).raise_for_status()
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return RoundTrips(await median_s(f"{daemon_url}/healthz"), await median_s(f"{engine_url}/model_info"))
+
+
 def _verify_policy(mode: str) -> str:
     return f"apiVersion: colocd/v1\nsync:\n  verify: \"{mode}\"\n"
 
@@ -318,6 +337,7 @@ async def _run_variant(
     engine_url: str,
     named: Sequence[tuple[str, torch.Tensor]],
     seed: int,
+    floors: RoundTrips,
     verify: str = "full",
 ) -> VariantResult:
     result = VariantResult(
@@ -363,9 +383,11 @@ async def _run_variant(
             if i < settings.warmup:
                 continue
             if not result.wall_s or wall_s < min(result.wall_s):
+                trace = commit.get("trace") or {}
                 result.breakdown = breakdown(open_s=open_s, stream_s=stream_s, commit_s=commit_s, wall_s=wall_s,
-                                             trace=commit.get("trace") or {}, join_s=pusher.last_join_s,
-                                             digest_s=[c.digest_s for c in pusher.chunk_log])
+                                             trace=trace, join_s=pusher.last_join_s,
+                                             digest_s=[c.digest_s for c in pusher.chunk_log], floors=floors)
+                result.round_trips = round_trips(trace)
             if not result.stream_s or stream_s < min(result.stream_s):
                 best_log, result.open_s, result.commit_s = list(pusher.chunk_log), open_s, commit_s
                 best_loads, result.checksum_ms = list(sink["loads"]), 1e3 * float(sink["checksum_s"])
@@ -489,6 +511,14 @@ def _targets(results: list[dict[str, Any]], control_floor: Sequence[dict[str, An
         if held is not None and held["variant"] in ran:
             out["control_floor_ms"] = held["p50_ms"]
             out["control_x_floor_channel"] = ran[held["variant"]]["control_ms_per_chunk"] / held["p50_ms"]
+        walled = [r for r in ran.values() if r["breakdown"].get("open.rt_floor")]
+        if walled:  # open and commit against their round trips at the same run's no-op floors
+            b = min(walled, key=lambda r: r["wall_x_floor"])["breakdown"]
+            out["open_x_round_trips"] = b["open"] / b["open.rt_floor"]
+            out["commit_x_round_trips"] = b["commit"] / b["commit.rt_floor"]
+            floor_s = b["wall"] / min(r["wall_x_floor"] for r in walled)
+            out["best_wall_x_floor_plus_round_trips"] = b["wall"] / (floor_s + b["open.rt_floor"]
+                                                                     + b["commit.rt_floor"])
     overlaps = [ran[n]["best_stream_s"] for n in ("overlap2", "overlap3") if n in ran]
     if "serial" in ran and overlaps:
         out["overlap_speedup_vs_serial"] = ran["serial"]["best_stream_s"] / min(overlaps)
@@ -546,12 +576,13 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
             await client.phase("train", 1)
             await client.phase("sync", 1)  # engine paused, weights resident: sessions may open
             step = 1
+            floors = await measure_round_trips(http, daemon.url, engine.url)
             for m, mode in enumerate(settings.verify):
                 if m:  # the first mode is the policy file's
                     step = await _set_verify(client, http, daemon.url, mode, step)
                 for i, variant in enumerate(variants):
                     result = await _run_variant(variant, settings, client, http, engine.url, named,
-                                                settings.seed + 1 + i, verify=mode)
+                                                settings.seed + 1 + i, floors, verify=mode)
                     results.append(result)
                     status = "skipped" if result.skipped else f"best {min(result.stream_s) * 1e3:.2f} ms"
                     print(f"  {result.name}: {status}", flush=True)
@@ -577,12 +608,15 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         "digests": digests,
         "variants": summaries,
         "control_floor": control_floor,
+        "round_trip_floors_s": {"trainer_daemon": floors.trainer_s, "engine": floors.engine_s},
         "targets": _targets(summaries, control_floor),
         "date": time.strftime("%Y-%m-%d"),
     }
     print(_table(summaries, floor_s, nbytes), flush=True)
     print(_stage_table(summaries, kernels, nbytes), flush=True)
     print(breakdown_table([(r["name"], r["breakdown"]) for r in summaries if r["breakdown"]], floor_s), flush=True)
+    print(round_trips_lines([(r["name"], r["breakdown"], r["round_trips"]) for r in summaries if r["breakdown"]],
+                            floors, floor_s), flush=True)
     for floor in control_floor:
         print(f"control floor: one {floor['frame_bytes']}-byte descriptor line to a peer process and back, the peer "
               f"holding it {floor['hold_ms']:.2f} ms: {floor['p50_ms']:.3f} ms median (p90 {floor['p90_ms']:.3f})",

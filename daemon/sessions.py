@@ -570,12 +570,17 @@ class WeightSessions:
                              and engine.name not in session.tainted)
                 engine.state = engine.state.with_(
                     weights=prior.get(engine.name, WeightsState.STALE) if untouched else WeightsState.STALE)
-            await ops.timed_call(engine, trace, d.metrics, "end_weight_update",
-                                 t.budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update())
+            # An engine that sets the version as its session ends takes it in the same call (one round trip, and
+            # only the process holding the session, so the pushed weights, can take it); others are told next.
+            at_end = committed and version is not None and engine.can(Capability.VERSION_AT_END)
+            await ops.timed_call(engine, trace, d.metrics, "end_weight_update", t.budget(Budget.WEIGHT_UPDATE),
+                                 engine.adapter.end_weight_update(version) if at_end
+                                 else engine.adapter.end_weight_update())
             if committed and version is not None:
-                await ops.timed_call(engine, trace, d.metrics, "set_weight_version",
-                                     t.budget(Budget.WEIGHT_UPDATE),
-                                     engine.adapter.set_weight_version(version))
+                if not at_end:
+                    await ops.timed_call(engine, trace, d.metrics, "set_weight_version",
+                                         t.budget(Budget.WEIGHT_UPDATE),
+                                         engine.adapter.set_weight_version(version))
                 engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
 
         if committed:

@@ -73,6 +73,8 @@ class Capability(StrEnum):
     SESSION_FENCE = "session_fence"  # it refuses a chunk of a session other than the open one
     COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk, the ring)
     NO_WARMUP = "no_warmup"  # it serves as soon as it answers: no warm-up generation to wait for (``started``)
+    OBSERVE_IN_ONE = "observe_in_one"  # one reply carries all ``observe`` reads (version and memory with its state)
+    VERSION_AT_END = "version_at_end"  # ``end_weight_update(version)`` sets the served version as the session ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +250,10 @@ class EngineAdapter(Protocol):
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
     async def load_weights(self, load: ChunkLoad) -> None: ...
-    async def end_weight_update(self) -> None: ...
+    async def end_weight_update(self, version: str | None = None) -> None:
+        """End the update session; ``version`` (asked only with ``Capability.VERSION_AT_END``) becomes the served
+        weight version in the same call, else ``set_weight_version`` follows."""
+        ...
     async def set_weight_version(self, version: str) -> None: ...
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """Digests of the named tensors as the engine holds (or received) them, for a verified commit."""

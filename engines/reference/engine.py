@@ -223,27 +223,43 @@ class ReferenceEngine:
             "engine_state": self.state.value,
         }
 
-    def memory_report(self) -> dict[str, Any]:
-        """The ``/colocd/memory`` answer: per-tag residency and bytes (summed over TP ranks, which move
-        together; each rank's under ``ranks``), process RSS, CUDA counters (per device)."""
-        tags: dict[str, Any] = {}
-        ranks: list[dict[str, Any]] = []
-        cuda: dict[str, int] | None = None
-        for rank in self._ranks:
-            mine = {
-                tag.value: {
-                    "resident": rank.memory.state(tag) is TagState.RESIDENT,
-                    "nbytes": rank.memory.nbytes(tag),
-                    "resident_nbytes": rank.memory.resident_nbytes(tag),
-                }
-                for tag in MemoryTag
+    @staticmethod
+    def _rank_tags(rank: TPRank) -> dict[str, dict[str, Any]]:
+        return {
+            tag.value: {
+                "resident": rank.memory.state(tag) is TagState.RESIDENT,
+                "nbytes": rank.memory.nbytes(tag),
+                "resident_nbytes": rank.memory.resident_nbytes(tag),
             }
-            ranks.append({**rank.describe(), "tags": mine, "cuda": rank.memory.cuda_memory()})
+            for tag in MemoryTag
+        }
+
+    def tag_memory(self, per_rank: Sequence[dict[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
+        """Per-tag residency and bytes, summed over the TP ranks (which move together): ``/colocd/memory``'s
+        ``tags``, and the memory part of server_info's ``colocd_state``."""
+        tags: dict[str, Any] = {}
+        for mine in per_rank if per_rank is not None else [self._rank_tags(r) for r in self._ranks]:
             for tag, entry in mine.items():
                 total = tags.setdefault(tag, {"resident": entry["resident"], "nbytes": 0, "resident_nbytes": 0})
                 total["resident"] = total["resident"] and entry["resident"]
                 total["nbytes"] += entry["nbytes"]
                 total["resident_nbytes"] += entry["resident_nbytes"]
+        return tags
+
+    def observed_state(self) -> dict[str, Any]:
+        """What server_info carries beside the pause gate and the update session (``colocd_state``): the weight
+        version served now and the tags' memory, so one call answers everything the daemon observes."""
+        return {"weight_version": self.weight_version, "memory": {"tags": self.tag_memory()}}
+
+    def memory_report(self) -> dict[str, Any]:
+        """The ``/colocd/memory`` answer: per-tag residency and bytes (summed over TP ranks, which move
+        together; each rank's under ``ranks``), process RSS, CUDA counters (per device)."""
+        ranks: list[dict[str, Any]] = []
+        cuda: dict[str, int] | None = None
+        per_rank = [self._rank_tags(r) for r in self._ranks]
+        for rank, mine in zip(self._ranks, per_rank, strict=True):
+            ranks.append({**rank.describe(), "tags": mine, "cuda": rank.memory.cuda_memory()})
+        tags = self.tag_memory(per_rank)
         devices = {r.device: r.memory.cuda_memory() for r in self._ranks}
         if any(c is not None for c in devices.values()):
             cuda = {"allocated_bytes": 0, "reserved_bytes": 0}
@@ -586,7 +602,9 @@ class ReferenceEngine:
             self._sink_loads = []
             return True, "Success"
 
-    async def end_weight_update(self) -> tuple[bool, str]:
+    async def end_weight_update(self, version: str | None = None) -> tuple[bool, str]:
+        """End the open session; ``version`` (colocd's extension) becomes the served weight version in the same
+        step, so a version is only ever set by the process that holds the session's weights."""
         self._running()
         # Under the control lock: once this returns, no load of the ended session runs or can start.
         async with self._model_update(), self._control_lock:
@@ -594,6 +612,8 @@ class ReferenceEngine:
                 return False, "no weight-update session is open; call begin_weight_update() first"
             self._session_selector = None
             self._session_id = None
+            if version is not None:
+                self.weight_version = version
             return True, "Success"
 
     def parameter_manifest(self) -> list[dict[str, Any]] | None:

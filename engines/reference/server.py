@@ -167,7 +167,7 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
     router = APIRouter()
     legacy = settings.protocol == "legacy"
 
-    def model_info() -> dict[str, Any]:
+    async def model_info() -> dict[str, Any]:  # async: answered on the loop, no thread hop
         if legacy:  # ≈0.5.4 get_model_info
             return {
                 "model_path": settings.model_path,
@@ -193,7 +193,7 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "architectures": ["QwenLikeForCausalLM"],
         }
 
-    def server_info() -> dict[str, Any]:
+    async def server_info() -> dict[str, Any]:
         info: dict[str, Any] = {
             "model_path": settings.model_path,
             "tokenizer_path": settings.model_path,
@@ -219,6 +219,8 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "colocd_model_config": settings.model.to_json(),
             # Each TP rank's device and declared identity (GPU UUID on CUDA); empty while starting.
             "colocd_tp_ranks": engine.tp_ranks(),
+            # The served weight version and the tags' memory: with internal_states, all the daemon observes.
+            "colocd_state": engine.observed_state(),
         }
         if not legacy:
             # SGLang 0.5.23's shape: a dict of startup-phase durations (tokenizer_manager.py:535,862), which
@@ -339,7 +341,7 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
 
         @router.post("/end_weight_update")
         async def end(body: EndWeightUpdateBody) -> JSONResponse:
-            return _success(*await engine.end_weight_update())
+            return _success(*await engine.end_weight_update(body.colocd_weight_version))
 
         @router.api_route("/weights_checker", methods=["GET", "POST"])
         async def weights_checker(body: Annotated[CheckWeightsBody | None, Body()] = None) -> JSONResponse:

@@ -59,6 +59,18 @@ REFERENCE_EXTENSIONS = frozenset(Capability)
 _R = TypeVar("_R", bound=BaseModel)
 
 
+def _reference_extensions(server: wire.ServerInfo, protocol: SGLangProtocol) -> frozenset[Capability]:
+    """The reference engine's capabilities: all of them, less what this server's reply or protocol lacks (one
+    call observes it only where server_info carries ``colocd_state``; a version set at the end needs an update
+    session to end)."""
+    lacking: set[Capability] = set()
+    if server.colocd_state is None:
+        lacking.add(Capability.OBSERVE_IN_ONE)
+    if not protocol.weight_update_session:
+        lacking.add(Capability.VERSION_AT_END)
+    return REFERENCE_EXTENSIONS - lacking
+
+
 class SGLangAdapter:
     """Verbs over one SGLang (or reference) server. ``config`` is that engine's slice of the node config."""
 
@@ -145,7 +157,7 @@ class SGLangAdapter:
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
-        self._extensions = REFERENCE_EXTENSIONS if server.colocd_reference else frozenset()
+        self._extensions = _reference_extensions(server, self.protocol) if server.colocd_reference else frozenset()
         self._info = EngineInfo(
             name=self.name,
             engine_kind=self._config.kind,
@@ -210,8 +222,15 @@ class SGLangAdapter:
         (``wire.ServerInfo.incarnation``: SGLang measures it once per process, http_server.py:886); the
         reference engine also reports its pause gate, its open weight-update session (``internal_states``)
         and per-tag residency (``/colocd/memory``). Real SGLang reports neither, so those stay None there."""
-        # The three questions are independent, so they are asked at once (an observe runs under the node's lock
-        # before every weight session's open and commit); the first failure is raised and nothing is left running.
+        if Capability.OBSERVE_IN_ONE in self._extensions:
+            # One call: server_info carries the version and the memory beside the state (an observe runs under
+            # the node's lock before every weight session's open and commit, so each round trip counts).
+            server = await self._server_info()
+            if server.colocd_state is not None:
+                state = self._parse(extensions.StateReply, server.colocd_state, "server_info.colocd_state")
+                return self._observation(server, state.weight_version, state.memory.report())
+        # The three questions are independent, so they are asked at once; the first failure is raised and nothing
+        # is left running.
         asked = (server_t := asyncio.ensure_future(self._server_info()),
                  report_t := asyncio.ensure_future(self.memory_report()),
                  version_t := asyncio.ensure_future(self.weight_version()))
@@ -221,6 +240,9 @@ class SGLangAdapter:
             for task in asked:
                 task.cancel()
             await asyncio.gather(*asked, return_exceptions=True)  # every outcome retrieved
+        return self._observation(server, version, report)
+
+    def _observation(self, server: wire.ServerInfo, version: str | None, report: MemoryReport | None) -> Observation:
         first = server.internal_states[0] if server.internal_states else wire.InternalState()
         paused = (first.paused is not None) if first.has_paused else None
         session = None  # older SGLang has no update session at all, so none can be open or lost
@@ -314,12 +336,17 @@ class SGLangAdapter:
                           self.name, "colocd/parameters")
         return self._parse(extensions.ParametersReply, data, "colocd/parameters").specs()
 
-    async def end_weight_update(self) -> None:
+    async def end_weight_update(self, version: str | None = None) -> None:
         if self.protocol.weight_update_session:
             request = wire.EndWeightUpdateReqInput()
-            self._check_success(
-                await self._call("POST", request.ROUTE, "end_weight_update", wire.body(request, self.protocol)),
-                "end_weight_update")
+            body = wire.body(request, self.protocol)
+            if version is not None and Capability.VERSION_AT_END in self._extensions:
+                body = {**body, "colocd_weight_version": version}  # the reference engine's extension
+            elif version is not None:
+                raise EngineProtocolError(self.name, "end_weight_update: this engine sets no version as it ends "
+                                          "(no version_at_end capability): call set_weight_version")
+            self._check_success(await self._call("POST", request.ROUTE, "end_weight_update", body),
+                                "end_weight_update")
 
     # -- separated GPUs (research §1.6): each call blocks on a collective the trainer runs meanwhile --
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,

@@ -340,9 +340,10 @@ class VLLMAdapter:
             self._pending_version = load.weight_version
         self._flush_after_update |= load.flush_cache
 
-    async def end_weight_update(self) -> None:
-        """Close the update; the version carried by the chunks lands with it (finish_weight_update)."""
-        version, self._pending_version = self._pending_version, None
+    async def end_weight_update(self, version: str | None = None) -> None:
+        """Close the update; the version given, else the one carried by the chunks, lands with it
+        (finish_weight_update)."""
+        version, self._pending_version = version if version is not None else self._pending_version, None
         if self._session_kind == "native":
             await self._call("POST", "/finish_weight_update", json={"weight_version": version})
         else:
