@@ -20,6 +20,7 @@ optimizer work on the shard so every sync moves new bytes.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ class RankState:
         self.device = device
         self.names = [n for n, _ in shapes]
         self.shapes = [tuple(s) for _, s in shapes]
-        self.numels = [_numel(s) for s in self.shapes]
+        self.numels = [math.prod(s) for s in self.shapes]
         total = sum(self.numels)
         # This rank's optimizer shard: the leading whole tensors covering >= 1/shards of the parameters.
         owned, acc = 0, 0
@@ -279,10 +280,3 @@ def _ordered(parts: Iterable[Part]) -> list[Part]:
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; known: {PARTS}")
     return [p for p in PARTS if p in wanted]
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -93,9 +93,6 @@ class NodeDaemon:
         return {"node_id": self.node_id, "url": daemon.url if daemon else "",
                 "daemon_pid": daemon.pid if daemon else None, "workdir": str(self.workdir)}
 
-    def daemon_log(self, n: int = 4000) -> str:
-        return self._daemon.log_tail(n) if self._daemon is not None else ""
-
     async def cleanup(self) -> None:
         """``stop()`` and remove the working directory (the journal and logs with it)."""
         await self.stop()

@@ -7,6 +7,7 @@ Read, never guessed: a figure no source gives stays None, and the plan's reason 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ def staging_memory(engines: Iterable[EngineHandle], probe: NvmlProbe | None,
     engines = list(engines)
     total, total_from = None, None
     if last_push:
-        total = sum(_numel(meta.shape) * dtype_itemsize(meta.dtype) for meta in last_push.values())
+        total = sum(math.prod(meta.shape) * dtype_itemsize(meta.dtype) for meta in last_push.values())
         total_from = "last_push"
     else:
         reported = [e.learned_tag_bytes[MemoryTag.WEIGHTS] for e in engines
@@ -61,10 +62,3 @@ def staging_memory(engines: Iterable[EngineHandle], probe: NvmlProbe | None,
             tightest = min(readings.values(), key=lambda r: r.free_bytes)
             free, free_from = tightest.free_bytes, f"nvml:{tightest.gpu}"
     return StagingMemory(total, free, total_from, free_from)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

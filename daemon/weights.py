@@ -904,10 +904,6 @@ class WeightSession:
         return (f"session {self.id}: chunk{'s' if len(missing) > 1 else ''} {missing[:5]} never sent, though chunk "
                 f"{top} was: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)")
 
-    @property
-    def chunks_consumed(self) -> int:
-        return self._acked
-
     def sent_names(self, engine: str) -> set[str]:
         """Tensors every TP rank of this engine received: from the chunks' layouts (every transport carries
         one) and the broadcasts' descriptors."""

@@ -30,7 +30,6 @@ from .chunks import TensorSpec, dtype_from_name
 from .ring_refs import UNKNOWN_REF_MARK, handle_key, layout_digest
 
 __all__ = [
-    "RING_LOAD_FORMAT",
     "RingTable",
     "device_index",
     "device_uuid",
@@ -38,7 +37,6 @@ __all__ = [
     "open_cuda_handle",
 ]
 
-RING_LOAD_FORMAT = "colocd_ring"  # the load_format engines dispatch on for this transport
 
 # reduce_tensor's CUDA argument tuple (torch/multiprocessing/reductions.py), by index.
 _DEVICE, _HANDLE, _SIZE, _OFFSET = 6, 7, 8, 9

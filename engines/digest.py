@@ -25,13 +25,12 @@ Collision properties (it detects accidents, not adversaries: the weights are pub
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "TensorDigest", "digest_hex",
-           "digests_equal", "tensor_digests"]
+__all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "digest_hex", "tensor_digests"]
 
 ROW = 1 << 18  # words per row: one column weight each (2 MiB of int64 weights per device)
 _ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors over 64 GiB)
@@ -44,13 +43,6 @@ _SEED = 0x636F6C6F6364  # "colocd"
 _MASK = (1 << 64) - 1
 _LENGTH_MIX = 0x9E3779B97F4A7C15  # the 64-bit golden ratio
 DIGEST_HEX_CHARS = 16
-
-
-class TensorDigest(NamedTuple):
-    """One tensor's digest as 16 hex digits (what travels on the wire)."""
-
-    name: str
-    digest: str
 
 
 class _Workspace(NamedTuple):
@@ -185,8 +177,3 @@ def digest_hex(weighted_sum: int, nbytes: int) -> str:
     """The wire form: the weighted sum with the byte count mixed in, as 16 hex digits."""
     mixed = (weighted_sum ^ ((nbytes * _LENGTH_MIX) & _MASK)) & _MASK
     return f"{mixed:0{DIGEST_HEX_CHARS}x}"
-
-
-def digests_equal(expected: Mapping[str, str], reported: Mapping[str, str]) -> list[str]:
-    """Names whose reported digest differs from the expected one (a name not reported counts as differing)."""
-    return [n for n, d in expected.items() if reported.get(n) != d]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -18,11 +18,74 @@ import httpx
 import uvicorn
 
 from colocd.api.server import KEEP_ALIVE_S
+from colocd.engines.base import (
+    ChunkLoad,
+    EngineDigests,
+    EngineInfo,
+    MemoryReport,
+    MemoryTag,
+    Observation,
+    ParameterSpec,
+    PauseMode,
+    ReleaseReport,
+)
 from colocd.policies import Transport
 
-__all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "NvmlNode", "daemon_node",
-           "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config", "reference_engine", "serve_app",
-           "shm_segments", "stop_engines"]
+__all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
+           "NvmlNode", "daemon_node", "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config",
+           "reference_engine", "serve_app", "shm_segments", "stop_engines"]
+
+
+class InMemoryEngine:
+    """An engine adapter with no server behind it: every verb succeeds at once, the weight version is what was last
+    set, and the process never restarts. A test subclasses it to hold, fail or count the verbs it is about; the
+    daemon under test is the real one."""
+
+    transports: frozenset[Transport] = frozenset(Transport)  # it reads no payload, so any transport will do
+    incarnation = "one"
+
+    def __init__(self, name: str = "e0") -> None:
+        self.name = name
+        self.version: str | None = "v0"
+
+    async def attach(self) -> EngineInfo:
+        return EngineInfo(self.name, "fake", "0", "fake", self.version)
+
+    async def started(self) -> bool:
+        return True
+
+    async def observe(self) -> Observation:
+        return Observation(incarnation=self.incarnation, weight_version=self.version)
+
+    async def pause_generation(self, mode: PauseMode) -> None: ...
+    async def continue_generation(self) -> None: ...
+
+    async def flush_cache(self) -> bool:
+        return True
+
+    async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
+        return ReleaseReport(tags)
+
+    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
+        return ReleaseReport(tags)
+
+    async def begin_weight_update(self, session_id: str | None = None) -> None: ...
+    async def load_weights(self, load: ChunkLoad) -> None: ...
+    async def end_weight_update(self) -> None: ...
+
+    async def set_weight_version(self, version: str) -> None:
+        self.version = version
+
+    async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
+        return EngineDigests(None, "an in-memory engine holds no tensors")
+
+    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
+        return None
+
+    async def memory_report(self) -> MemoryReport | None:
+        return None
+
+    async def aclose(self) -> None: ...
 
 
 @asynccontextmanager

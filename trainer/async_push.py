@@ -161,7 +161,6 @@ class AsyncWeightSync:
         self._task: asyncio.Task[PushReport] | None = None
         self._snapshot: list[tuple[str, torch.Tensor]] | None = None
         self._report: dict[str, Any] | None = None
-        self._started_version: str | None = None
         self.last_push: PushReport | None = None
 
     def follow(self, directive: dict[str, Any] | None) -> None:
@@ -183,7 +182,6 @@ class AsyncWeightSync:
         """Push ``named`` as ``version``: after the snapshot (async) or the commit (sync, or a fallback)."""
         await self.join()  # one weight session at a time, in version order
         named = list(named)
-        self._started_version = version
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         device = next((t.device for _, t in named), torch.device("cpu"))
         report: dict[str, Any] = {"requested": self.mode, "version": version, "started_version": version,

@@ -64,10 +64,6 @@ class DistributedWeightSender:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    @property
-    def group_open(self) -> bool:
-        return self._group is not None
-
     async def open_group(self) -> dict[str, Any]:
         """Serve the group's store, then join as rank 0 while the daemon has every engine join."""
         if self._group is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -201,7 +202,7 @@ class DistributedUpdates:
         # gloo receives into host memory; NCCL into the engine's device.
         device = self._engine.device if group.backend == "nccl" else torch.device("cpu")
         if body.load_format == "flattened_bucket":
-            nbytes = sum(parse_dtype(d).itemsize * _numel(s) for d, s in zip(body.dtypes, body.shapes, strict=True))
+            nbytes = sum(parse_dtype(d).itemsize * math.prod(s) for d, s in zip(body.dtypes, body.shapes, strict=True))
             return [torch.empty(nbytes, dtype=torch.uint8, device=device)]
         if body.load_format is not None:
             raise ValueError(f"load_format {body.load_format!r} is not supported; use null or 'flattened_bucket'")
@@ -264,13 +265,6 @@ class DistributedUpdates:
         """Leave every group (shutdown)."""
         for name in list(self._members):
             self._forget(name)
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 async def _unless_gone(member: _Member, work: asyncio.Future[_R]) -> _R:

@@ -20,6 +20,7 @@ nothing would ever overwrite them), and generation after a resume still runs on 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -141,12 +142,12 @@ class MemoryRegions:
     def resident_nbytes(self, tag: MemoryTag) -> int:
         """Bytes the tag holds when resident (its size, whatever its state now)."""
         if tag is MemoryTag.WEIGHTS:
-            params = sum(_numel(shape) * dtype.itemsize for shape, dtype in self._param_meta.values())
+            params = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._param_meta.values())
             sink = self._sink.nbytes if self._sink else 0
             return params + sink + sum(b.nbytes for b in self._buffers_now_or_stashed())
         if tag is MemoryTag.KV_CACHE:
-            return _numel(self._kv_shape) * self._dtype.itemsize + (self._sink.kv_bytes if self._sink else 0)
-        return _numel(self._workspace_shape) * torch.float32.itemsize
+            return math.prod(self._kv_shape) * self._dtype.itemsize + (self._sink.kv_bytes if self._sink else 0)
+        return math.prod(self._workspace_shape) * torch.float32.itemsize
 
     def nbytes(self, tag: MemoryTag) -> int:
         """Bytes the tag holds right now (0 once released)."""
@@ -273,10 +274,3 @@ class MemoryRegions:
         with torch.cuda.device(self._device):
             torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self._device) - reserved_before
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -11,10 +11,10 @@ from typing import Protocol
 
 import torch
 
-from .model import KVCacheView, QwenLikeForCausalLM, kv_pool_shape
+from .model import KVCacheView, QwenLikeForCausalLM
 from .sampling import GREEDY, SamplingConfig, choose_token
 
-__all__ = ["ForwardInput", "ForwardOutput", "ModelRunner", "RunnerBuffers", "StaticBuffers", "generate_greedy"]
+__all__ = ["ForwardInput", "ForwardOutput", "ModelRunner", "RunnerBuffers"]
 
 
 class RunnerBuffers(Protocol):
@@ -25,21 +25,6 @@ class RunnerBuffers(Protocol):
 
     @property
     def workspace(self) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True, slots=True)
-class StaticBuffers:
-    """Plain buffers for using the runner outside the engine (tests, the trainer's evaluation)."""
-
-    kv_pool: torch.Tensor
-    workspace: torch.Tensor
-
-    @classmethod
-    def allocate(cls, model: QwenLikeForCausalLM, max_batch: int, max_seq: int) -> StaticBuffers:
-        p = next(model.parameters())
-        pool = torch.zeros(kv_pool_shape(model.config, max_batch, max_seq), dtype=p.dtype, device=p.device)
-        workspace = torch.zeros((max_batch, model.config.vocab_size), dtype=torch.float32, device=p.device)
-        return cls(pool, workspace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,24 +90,3 @@ class ModelRunner:
                 prompt_lp = lp.gather(1, nxt[:, None]).squeeze(1).tolist()
             out.append(ForwardOutput(token, logprob, prompt_lp if r.prompt_logprobs else None))
         return out
-
-
-def generate_greedy(
-    runner: ModelRunner,
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    *,
-    eos_id: int | None = None,
-    slot: int = 0,
-) -> list[int]:
-    """Greedy decoding of one prompt through ``runner``: the engine's code path, without its server."""
-    out: list[int] = []
-    pending, start = list(prompt), 0
-    while len(out) < max_new_tokens:
-        (res,) = runner.step([ForwardInput(slot=slot, tokens=pending, start=start)])
-        out.append(res.token)
-        if res.token == eos_id:
-            break
-        start += len(pending)
-        pending = [res.token]
-    return out

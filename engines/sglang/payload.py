@@ -36,8 +36,6 @@ __all__ = [
     "metadata_for_layout",
     "named_tensors_payload",
     "serialize",
-    "serialize_per_rank",
-    "serialize_replicated",
     "with_device_uuid",
 ]
 
@@ -108,24 +106,6 @@ def serialize(obj: Any, shares: list[tuple[bytes, int]] | None = None) -> str:
     pickler.dispatch_table[torch.nn.Parameter] = reduce
     pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def serialize_per_rank(per_rank: Sequence[Any]) -> list[str]:
-    """One entry per TP rank from each rank's own object (rank r's tensors on rank r's GPU)."""
-    if not per_rank:
-        raise ValueError("a payload needs at least one TP rank")
-    return [serialize(obj) for obj in per_rank]
-
-
-def serialize_replicated(obj: Any, tp_size: int) -> list[str]:
-    """``tp_size`` entries for one object, each a separate serialisation (SGLang engine.py:1743-1750).
-
-    One shared entry would be rebuilt by every rank, opening its IPC handle several times and
-    leaking (sgl-project/sglang#4446, #17870).
-    """
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be at least 1, got {tp_size}")
-    return [serialize(obj) for _ in range(tp_size)]
 
 
 def named_tensors_payload(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

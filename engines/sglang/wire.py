@@ -46,7 +46,6 @@ __all__ = [
     "ServerInfo",
     "TpRankDevice",
     "UpdateWeightFromDiskReqInput",
-    "UpdateWeightFromDiskResult",
     "UpdateWeightVersionReqInput",
     "UpdateWeightVersionResult",
     "UpdateWeightsFromDistributedReqInput",
@@ -301,12 +300,6 @@ class ControlResult(_Reply):
 
     success: bool
     message: str = ""
-
-
-class UpdateWeightFromDiskResult(ControlResult):
-    """http_server.py:1312-1327."""
-
-    num_paused_requests: int = 0
 
 
 class UpdateWeightVersionResult(ControlResult):

@@ -1,6 +1,6 @@
 """Every body colocd sends is one SGLang's own request structs accept, per protocol band.
 
-The structs are the ones ``tools/extract_sglang_structs.py`` read out of the released wheels with
+The structs are the ones ``tests/contract/extract_sglang_structs.py`` read out of the released wheels with
 ``ast`` (field names, annotation and default source, line numbers) and committed under
 ``fixtures/``: 0.5.23 for V0_5_23, 0.5.9 for PRE_SESSION, 0.5.4 for LEGACY. SGLang ignores keys it
 does not know (``msgspec_utils.py`` ``extra_behavior="ignore"``), so a misspelt or missing field
@@ -361,7 +361,7 @@ def _candidate_wheels() -> list[Path]:
 
 def _extractor() -> Any:
     spec = importlib.util.spec_from_file_location(
-        "extract_sglang_structs", ROOT / "tools" / "extract_sglang_structs.py"
+        "extract_sglang_structs", ROOT / "tests" / "contract" / "extract_sglang_structs.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -382,5 +382,5 @@ def test_fixture_matches_a_fresh_extraction_from_its_wheel(fixture_file: str) ->
     fresh = _extractor().extract_from_wheel(wheel)
     assert fresh["wheel_sha256"] == recorded["wheel_sha256"], "a different build of the same wheel name"
     assert fresh == recorded, (
-        f"re-run tools/extract_sglang_structs.py {wheel} -o tests/contract/fixtures/{fixture_file}"
+        f"re-run tests/contract/extract_sglang_structs.py {wheel} -o tests/contract/fixtures/{fixture_file}"
     )

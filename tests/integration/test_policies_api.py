@@ -8,71 +8,40 @@ from typing import Any
 
 import httpx
 import pytest
-from support import serve_app
+from support import InMemoryEngine, serve_app
 
 from colocd.api.app import create_app
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import ChunkLoad, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport
+from colocd.engines.base import MemoryTag, Observation, PauseMode, ReleaseReport
 from colocd.policies import Budget, Transport
 
 KEEP_ALIVE = "apiVersion: colocd/v1\nprocess_groups:\n  policy: keep_alive\npipeline:\n  policy: serial\n"
 BAD_FIELD = "apiVersion: colocd/v1\npipeline:\n  policy: overlap\n  depht: 3\n"
 
 
-class GatedEngine:
+class GatedEngine(InMemoryEngine):
     """An in-memory engine whose release waits on a gate: lets a test act while a transition is mid-way.
     (A real engine cannot be held mid-call on demand; the daemon under test is the real one.)"""
 
     transports = frozenset({Transport.SHM, Transport.DISK})
+    incarnation = "gated"
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        super().__init__(name)
         self.gate = asyncio.Event()
         self.gate.set()
         self.entered = asyncio.Event()
         self.pause_modes: list[str] = []
-        self.version = "v0"
-
-    async def attach(self) -> EngineInfo:
-        return EngineInfo(self.name, "fake", "0", "fake", self.version)
-
-    async def health(self) -> bool:
-        return True
-
-    async def observe(self) -> Observation:
-        return Observation(incarnation="gated", weight_version=self.version)
-
-    async def weight_version(self) -> str | None:
-        return self.version
 
     async def pause_generation(self, mode: PauseMode) -> None:
         self.pause_modes.append(mode.value)
-
-    async def continue_generation(self) -> None: ...
-
-    async def flush_cache(self) -> bool:
-        return True
 
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
         self.entered.set()
         await self.gate.wait()
         return ReleaseReport(tags)
-
-    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        return ReleaseReport(tags)
-
-    async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: ChunkLoad) -> None: ...
-    async def end_weight_update(self) -> None: ...
-    async def set_weight_version(self, version: str) -> None:
-        self.version = version
-
-    async def weights_checksum(self) -> str | None:
-        return None
-
-    async def aclose(self) -> None: ...
 
 
 def _config(**extra: Any) -> NodeConfig:
@@ -84,7 +53,7 @@ def _config(**extra: Any) -> NodeConfig:
 async def served() -> AsyncIterator[tuple[str, GatedEngine]]:
     engine = GatedEngine("e0")
     config = _config()
-    daemon = Daemon(config, adapters={"e0": engine})  # type: ignore[dict-item]
+    daemon = Daemon(config, adapters={"e0": engine})
     async with serve_app(create_app(config, daemon=daemon)) as url:
         yield url, engine
 
@@ -128,7 +97,7 @@ async def test_swap_staged_during_a_transition_takes_effect_at_the_next_one(
 async def test_policy_document_sets_the_pause_mode() -> None:
     engine = GatedEngine("e0")
     config = _config()
-    async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(config, adapters={"e0": engine}) as daemon:
         daemon.policies.apply_yaml("apiVersion: colocd/v1\nengines:\n  pause_mode: in_place\n", source="test")
         await daemon.transitions.transition(NodePhase.TRAIN, 1)
     assert engine.pause_modes == ["in_place"]
@@ -137,7 +106,7 @@ async def test_policy_document_sets_the_pause_mode() -> None:
 async def test_a_document_that_leaves_out_the_pause_mode_and_timeouts_keeps_the_node_configs() -> None:
     engine = GatedEngine("e0")
     config = _config(pause_mode="abort", timeouts={"chunk_s": 7, "health_interval_s": 2})
-    async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(config, adapters={"e0": engine}) as daemon:
         daemon.policies.apply_yaml("apiVersion: colocd/v1\ntimeouts:\n  chunk_s: 3\n", source="test")
         await daemon.transitions.transition(NodePhase.TRAIN, 1)
         timeouts = daemon.policies.active.timeouts
@@ -148,7 +117,7 @@ async def test_a_document_that_leaves_out_the_pause_mode_and_timeouts_keeps_the_
 async def test_policy_file_is_loaded_at_start_and_reloaded_on_request(tmp_path: Any) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text(KEEP_ALIVE)
-    async with Daemon(_config(policy_file=str(path)), adapters={"e0": GatedEngine("e0")}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(_config(policy_file=str(path)), adapters={"e0": GatedEngine("e0")}) as daemon:
         assert daemon.policies.active.info()["process_groups"] == "keep_alive"
         path.write_text("apiVersion: colocd/v1\nprocess_groups:\n  policy: destroy\n")
         daemon.policies.reload_file()  # what SIGHUP calls
@@ -160,7 +129,7 @@ async def test_policy_file_is_loaded_at_start_and_reloaded_on_request(tmp_path: 
 
 
 async def test_train_directive_reflects_the_trainers_group_snapshot() -> None:
-    async with Daemon(_config(), adapters={"e0": GatedEngine("e0")}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(_config(), adapters={"e0": GatedEngine("e0")}) as daemon:
         daemon.policies.apply_yaml(
             "apiVersion: colocd/v1\nprocess_groups:\n  policy: auto\n  max_resident_gib: 1\n", source="test")
         result = await daemon.transitions.transition(
@@ -217,7 +186,7 @@ async def test_a_live_reload_of_a_file_with_a_control_character_keeps_the_health
     path.write_text(KEEP_ALIVE)
     engine = StoppableEngine("e0")
     config = _config(policy_file=str(path), timeouts={"health_interval_s": 0.05})
-    async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(config, adapters={"e0": engine}) as daemon:
         path.write_bytes(bad)
         await _until(lambda: any("not applied" in r.getMessage() and "U+00" in r.getMessage()
                                  for r in caplog.records), "the bad file was read")

@@ -9,10 +9,11 @@ import time
 from typing import Any
 
 import httpx
+from support import InMemoryEngine
 
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
-from colocd.engines.base import ChunkLoad, EngineInfo, MemoryTag, Observation, PauseMode, ReleaseReport
+from colocd.engines.base import Observation
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.errors import EngineRejected
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -22,44 +23,20 @@ from colocd.policies import Transport
 HEALTH_S = 30.0  # a tick far beyond every wait here: what happens sooner is not the health loop's tick
 
 
-class SessionStuckEngine:
+class SessionStuckEngine(InMemoryEngine):
     """An in-memory engine left with an update session open (a daemon died mid-push) that refuses to end it
     until ``fixed`` is set: the daemon's reconcile of it fails until then."""
 
     transports = frozenset({Transport.SHM, Transport.DISK})
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        super().__init__(name)
         self.fixed = False
         self.open = True
         self.ends = 0
 
-    async def attach(self) -> EngineInfo:
-        return EngineInfo(self.name, "fake", "0", "fake", "v0")
-
-    async def health(self) -> bool:
-        return True
-
     async def observe(self) -> Observation:
         return Observation(incarnation="one", weight_version="v0", paused=True, update_session_open=self.open)
-
-    async def weight_version(self) -> str | None:
-        return "v0"
-
-    async def pause_generation(self, mode: PauseMode) -> None: ...
-    async def continue_generation(self) -> None: ...
-
-    async def flush_cache(self) -> bool:
-        return True
-
-    async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        return ReleaseReport(tags)
-
-    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        return ReleaseReport(tags)
-
-    async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: ChunkLoad) -> None: ...
 
     async def end_weight_update(self) -> None:
         self.ends += 1
@@ -69,11 +46,6 @@ class SessionStuckEngine:
 
     async def set_weight_version(self, version: str) -> None: ...
 
-    async def weights_checksum(self) -> str | None:
-        return None
-
-    async def aclose(self) -> None: ...
-
 
 def config() -> NodeConfig:
     return NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
@@ -82,7 +54,7 @@ def config() -> NodeConfig:
 
 async def test_an_engine_whose_reconcile_failed_is_not_ready_and_is_retried_before_the_next_health_tick() -> None:
     engine = SessionStuckEngine("e0")
-    async with Daemon(config(), adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(config(), adapters={"e0": engine}) as daemon:
         ready, problems = daemon.ready()
         assert not ready and len(problems) == 1
         assert "engine 'e0'" in problems[0] and "busy" in problems[0]  # which engine, and why

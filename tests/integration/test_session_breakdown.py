@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import InMemoryEngine
 
 from colocd.bench.session_breakdown import STAGES, breakdown
 from colocd.daemon.config import NodeConfig
@@ -15,76 +16,32 @@ from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import (
     Capability,
-    ChunkLoad,
     ChunkPart,
     EngineInfo,
-    MemoryTag,
-    Observation,
     ParameterSpec,
-    PauseMode,
-    ReleaseReport,
 )
 from colocd.engines.chunks import ChunkLayout
-from colocd.policies import Transport
 from colocd.trainer.push import manifest_of
 
 NAMED = [(f"layers.{i}.weight", torch.zeros(4, 4)) for i in range(12)]
 
 
-class ListedEngine:
+class ListedEngine(InMemoryEngine):
     """A fake engine that lists its parameters (counting each time it is asked) and can be 'restarted'."""
 
-    transports = frozenset(Transport)
+    incarnation = "proc-0"
 
     def __init__(self, name: str) -> None:
-        self.name = name
-        self.version = "v0"
-        self.incarnation = "proc-0"
+        super().__init__(name)
         self.manifest_calls = 0
 
     async def attach(self) -> EngineInfo:
         return EngineInfo(self.name, "fake", "0", "fake", self.version,
                           capabilities=frozenset({Capability.PARAMETER_MANIFEST}))
 
-    async def health(self) -> bool:
-        return True
-
-    async def started(self) -> bool:
-        return True
-
-    async def observe(self) -> Observation:
-        return Observation(incarnation=self.incarnation, weight_version=self.version)
-
-    async def weight_version(self) -> str | None:
-        return self.version
-
     async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
         self.manifest_calls += 1
         return tuple(ParameterSpec(m["name"], m["dtype"], tuple(m["shape"])) for m in manifest_of(NAMED))
-
-    async def pause_generation(self, mode: PauseMode) -> None: ...
-    async def continue_generation(self) -> None: ...
-
-    async def flush_cache(self) -> bool:
-        return True
-
-    async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        return ReleaseReport(tags)
-
-    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        return ReleaseReport(tags)
-
-    async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: ChunkLoad) -> None: ...
-    async def end_weight_update(self) -> None: ...
-
-    async def set_weight_version(self, version: str) -> None:
-        self.version = version
-
-    async def weights_checksum(self) -> str | None:
-        return None
-
-    async def aclose(self) -> None: ...
 
 
 def _config(tmp_path: Any) -> NodeConfig:
@@ -108,7 +65,7 @@ async def _push(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
 
 
 async def test_the_commit_trace_times_every_stage_of_the_session_open_to_commit(tmp_path: Any) -> None:
-    async with Daemon(_config(tmp_path), adapters={"e0": ListedEngine("e0")}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(_config(tmp_path), adapters={"e0": ListedEngine("e0")}) as daemon:
         commit = await _push(daemon, 1, "v1")
     names = [s["name"] for s in commit["trace"]["spans"]]
     assert names.count("node_lock") == 2  # the open's and the commit's
@@ -126,7 +83,7 @@ async def test_the_commit_trace_times_every_stage_of_the_session_open_to_commit(
 async def test_an_engine_lists_its_parameters_once_per_incarnation_and_they_still_bind_every_open(
         tmp_path: Any) -> None:
     engine = ListedEngine("e0")
-    async with Daemon(_config(tmp_path), adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(_config(tmp_path), adapters={"e0": engine}) as daemon:
         await _push(daemon, 1, "v1")
         second = await _push(daemon, 2, "v2")
         assert engine.manifest_calls == 1

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from reference_runner import StaticBuffers, generate_greedy
 from support import daemon_node, reference_engine
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
@@ -27,7 +28,7 @@ from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tens
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
-from colocd.engines.reference.runner import ModelRunner, StaticBuffers, generate_greedy
+from colocd.engines.reference.runner import ModelRunner
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
 from colocd.trainer.push import WeightPusher, manifest_of
 

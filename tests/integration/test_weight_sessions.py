@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import daemon_node, serve_app, shm_segments
+from support import InMemoryEngine, daemon_node, serve_app, shm_segments
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
@@ -33,11 +33,6 @@ from colocd.daemon.states import NodePhase
 from colocd.engines.base import (
     ChunkLoad,
     ChunkPart,
-    EngineInfo,
-    MemoryTag,
-    Observation,
-    PauseMode,
-    ReleaseReport,
 )
 from colocd.engines.chunks import ChunkLayout, plan_chunks, tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -512,49 +507,10 @@ def _no_leaked_segments() -> Any:
 # --- engines that cannot list their parameters (SGLang): the last complete push is the reference ---------
 
 
-class UnlistedEngine:
+class UnlistedEngine(InMemoryEngine):
     """An engine adapter that, like SGLang, cannot say what its parameters are; loads always succeed."""
 
-    transports = frozenset(Transport)  # it reads no payload, so any transport will do
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.version = "v0"
-
-    async def attach(self) -> EngineInfo:
-        return EngineInfo(self.name, "fake", "0", "fake", self.version)
-
-    async def health(self) -> bool:
-        return True
-
-    async def observe(self) -> Observation:
-        return Observation(incarnation="unlisted-0", weight_version=self.version)  # the same process throughout
-
-    async def weight_version(self) -> str | None:
-        return self.version
-
-    async def pause_generation(self, mode: PauseMode) -> None: ...
-    async def continue_generation(self) -> None: ...
-
-    async def flush_cache(self) -> bool:
-        return True
-
-    async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        return ReleaseReport(tags)
-
-    async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        return ReleaseReport(tags)
-
-    async def begin_weight_update(self, session_id: str | None = None) -> None: ...
-    async def load_weights(self, load: ChunkLoad) -> None: ...
-    async def end_weight_update(self) -> None: ...
-    async def set_weight_version(self, version: str) -> None:
-        self.version = version
-
-    async def weights_checksum(self) -> str | None:
-        return None
-
-    async def aclose(self) -> None: ...
+    incarnation = "unlisted-0"  # the same process throughout
 
 
 async def test_without_a_parameter_list_the_first_push_after_a_discard_must_match_the_last_complete_one(
@@ -570,7 +526,7 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
         await daemon.transitions.transition(NodePhase.TRAIN, s)
         await daemon.transitions.transition(NodePhase.SYNC, s)
 
-    async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as daemon:
         await step(daemon, 1)
         first = await daemon.sessions.open(step=1, version="v1", ranks=1, manifest=full)
         await daemon.sessions.submit_chunk(first.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
@@ -582,7 +538,7 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
             await daemon.sessions.open(step=2, version="v2", ranks=1, manifest=full[:10])
         assert err.value.field == "manifest"
 
-    async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as restarted:  # type: ignore[dict-item]
+    async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as restarted:
         with pytest.raises(RequestInvalid, match=rf"\({len(named) - 10} in all\)"):
             await restarted.sessions.open(step=2, version="v2", ranks=1, manifest=full[:10])
         assert (await restarted.sessions.open(step=2, version="v2", ranks=1, manifest=full)).manifest is not None
@@ -606,7 +562,7 @@ async def test_a_chunk_by_a_transport_the_engine_does_not_load_is_refused_before
     config = NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}]})
     engine = InlineOnlyEngine("e0")
     _, named = _model(seed=6)
-    async with Daemon(config, adapters={"e0": engine}) as daemon:  # type: ignore[dict-item]
+    async with Daemon(config, adapters={"e0": engine}) as daemon:
         await daemon.transitions.transition(NodePhase.TRAIN, 1)
         await daemon.transitions.transition(NodePhase.SYNC, 1)
         session = await daemon.sessions.open(step=1, version="v1", ranks=1)

@@ -15,13 +15,14 @@ from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
+from reference_runner import StaticBuffers, generate_greedy
 
 from colocd.engines.base import MemoryTag
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
 from colocd.engines.reference.memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.payloads import PayloadError, open_payload
-from colocd.engines.reference.runner import ForwardInput, ForwardOutput, ModelRunner, StaticBuffers, generate_greedy
+from colocd.engines.reference.runner import ForwardInput, ForwardOutput, ModelRunner
 from colocd.engines.reference.safe_unpickle import UnsafePickleError, safe_loads
 from colocd.engines.reference.sampling import SamplingConfig, choose_token
 from colocd.engines.reference.scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule

@@ -19,8 +19,6 @@ from colocd.engines.sglang.payload import (
     flatten_bucket,
     named_tensors_payload,
     serialize,
-    serialize_per_rank,
-    serialize_replicated,
     with_device_uuid,
 )
 
@@ -99,36 +97,11 @@ def test_metadata_offsets_are_multiples_of_each_dtype_itemsize() -> None:
 
 def test_plain_named_tensor_entry_round_trips() -> None:
     named = _named()
-    (entry,) = serialize_per_rank([named_tensors_payload(named)])
+    entry = serialize(named_tensors_payload(named))
     loaded = _load(entry)
     assert [n for n, _ in loaded] == [n for n, _ in named]
     for (_, got), (_, want) in zip(loaded, named, strict=True):
         assert torch.equal(got, want)
-
-
-def test_each_tp_rank_gets_its_own_serialisation(monkeypatch: pytest.MonkeyPatch) -> None:
-    bucket = flatten_bucket(_named())
-    reduced: list[torch.Tensor] = []
-    real = payload._reduce_tensor
-
-    def counting(tensor: torch.Tensor) -> Any:
-        reduced.append(tensor)
-        return real(tensor)
-
-    monkeypatch.setattr(payload, "_reduce_tensor", counting)
-    entries = serialize_replicated(bucket.payload(), tp_size=3)
-    # One reduce (one IPC refcount slot on CUDA) per rank, never one shared entry.
-    assert len(entries) == 3 and len(reduced) == 3
-    for entry in entries:
-        assert torch.equal(_load(entry)["flattened_tensor"], bucket.flattened_tensor)
-
-
-def test_per_rank_entries_carry_each_ranks_own_tensors() -> None:
-    rank0 = [("w", torch.zeros(4))]
-    rank1 = [("w", torch.ones(4))]
-    entries = serialize_per_rank([rank0, rank1])
-    assert entries[0] != entries[1]
-    assert torch.equal(_load(entries[1])[0][1], torch.ones(4))
 
 
 def test_a_foreign_class_in_the_payload_is_refused_like_sglang_would() -> None:
@@ -189,8 +162,6 @@ def test_bucket_lease_context_manager_releases_on_error() -> None:
 def test_empty_and_mixed_device_buckets_are_refused() -> None:
     with pytest.raises(ValueError, match="empty"):
         flatten_bucket([])
-    with pytest.raises(ValueError, match="at least 1"):
-        serialize_replicated([], tp_size=0)
     with pytest.raises(ValueError, match="one device"):
         flatten_bucket([("a", torch.zeros(1)), ("b", torch.zeros(1, device="meta"))])
 

@@ -7,7 +7,7 @@ and writes, for each struct colocd sends, every field's name, annotation source,
 line, plus the routes colocd calls with the body struct each one parses. The JSON it writes is the
 fixture ``tests/contract/test_sglang_contract.py`` checks colocd's wire models against.
 
-    python tools/extract_sglang_structs.py /tmp/sgl/sglang-0.5.23-*.whl \\
+    python tests/contract/extract_sglang_structs.py /tmp/sgl/sglang-0.5.23-*.whl \\
         -o tests/contract/fixtures/sglang_0_5_23_io_struct.json
 """
 
@@ -298,7 +298,7 @@ def extract_from_wheel(wheel: Path) -> dict[str, Any]:
         "wheel_sha256": _sha256(wheel.read_bytes()),
         "io_struct": {"path": IO_STRUCT_PATH, "sha256": _sha256(io_bytes)},
         "http_server": {"path": HTTP_SERVER_PATH, "sha256": _sha256(http_bytes)},
-        "generated_by": "tools/extract_sglang_structs.py",
+        "generated_by": "tests/contract/extract_sglang_structs.py",
         **body,
     }
 
