@@ -89,10 +89,10 @@ class SGLangAdapter:
 
     # -- transport ---------------------------------------------------------------------------
     async def _call(self, method: str, path: str, what: str, json_body: Any = None,
-                    *, send_body: bool = True, params: dict[str, Any] | None = None) -> httpx.Response:
+                    *, send_body: bool = True) -> httpx.Response:
         with map_http_errors(self.name, what):
             response = await self._client.request(
-                method, self._base + path, headers=self._headers, params=params,
+                method, self._base + path, headers=self._headers,
                 json=json_body if send_body else None,
             )
         return check_reply(self.name, what, response)
@@ -104,14 +104,13 @@ class SGLangAdapter:
         except ValueError as exc:
             raise EngineProtocolError(engine, f"{what}: reply is not JSON: {response.text[:200]!r}") from exc
 
-    def _check_success(self, response: httpx.Response, what: str) -> dict[str, Any]:
+    def _check_success(self, response: httpx.Response, what: str) -> None:
         data = self._json(response, self.name, what)
         if not isinstance(data, dict) or "success" not in data:
             raise EngineProtocolError(self.name, f"{what}: expected {{success, message}}, got {data!r:.200}")
         if not data["success"]:
             raise EngineRejected(self.name, f"{what}: {data.get('message') or 'success=false'}",
                                  status=response.status_code, body=json.dumps(data)[:2000])
-        return data
 
     @property
     def transports(self) -> frozenset[Transport]:
