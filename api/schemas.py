@@ -34,7 +34,6 @@ __all__ = [
     "ChunkDescriptor",
     "CommitRequest",
     "ErrorBody",
-    "ErrorReply",
     "FieldProblem",
     "LeaseReportRequest",
     "ManifestEntry",
@@ -400,6 +399,3 @@ class ErrorBody(BaseModel):
     tensor: str | None = Field(None, description="the tensor an engine holds other bytes of (WeightsMismatch)")
     session_id: str | None = Field(None, description="the weight session that is gone (410)")
     session_state: str | None = Field(None, description="why it is gone: expired, aborted, failed, committed")
-
-
-ErrorReply = ErrorBody  # the earlier name

@@ -18,7 +18,9 @@ import secrets
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired
+
+from typing_extensions import TypedDict  # pydantic takes typing's TypedDict only from Python 3.12
 
 if TYPE_CHECKING:  # torch is imported where tensors are touched: a layout is checked without it (the daemon)
     import torch
@@ -33,6 +35,7 @@ __all__ = [
     "SHM_NAME_PATTERN",
     "ChunkLayout",
     "HandleError",
+    "LayoutEntry",
     "SharedSegment",
     "TensorSpec",
     "copy_tensors",
@@ -88,6 +91,16 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+class LayoutEntry(TypedDict):
+    """One tensor of a chunk's layout on the wire (``ChunkLayout.to_json``; ``TensorSpec.from_json`` checks one)."""
+
+    name: str
+    dtype: str  # torch's name without the prefix: float32, bfloat16, ...
+    shape: list[int]
+    offset: int  # bytes from the start of the chunk (zero_copy: of its slot's storage)
+    slot: NotRequired[int]  # zero_copy: the ring slot the tensor's storage is in
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     """Where one tensor lives inside a chunk: name, dtype, shape and byte offset."""
@@ -108,11 +121,11 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * dtype_itemsize(self.dtype)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LayoutEntry:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> TensorSpec:
+    def from_json(cls, data: LayoutEntry) -> TensorSpec:
         spec = cls(
             name=str(data["name"]),
             dtype=str(data["dtype"]),
@@ -143,11 +156,11 @@ class ChunkLayout:
             offset += _aligned(t.numel() * t.element_size())
         return cls(tuple(specs), offset)
 
-    def to_json(self) -> list[dict[str, Any]]:
+    def to_json(self) -> list[LayoutEntry]:
         return [s.to_json() for s in self.tensors]
 
     @classmethod
-    def from_json(cls, items: Iterable[dict[str, Any]], nbytes: int) -> ChunkLayout:
+    def from_json(cls, items: Iterable[LayoutEntry], nbytes: int) -> ChunkLayout:
         specs = tuple(TensorSpec.from_json(i) for i in items)
         for s in specs:
             if s.offset + s.nbytes > nbytes:

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, NotRequired
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, StringConstraints, model_validator
 from pydantic_core import InitErrorDetails, ValidationError
-from typing_extensions import TypedDict  # pydantic takes typing's TypedDict only from Python 3.12
 
 from ..errors import RequestInvalid
 from ..policies import Transport
-from .chunks import SHM_NAME_PATTERN
+from .chunks import SHM_NAME_PATTERN, LayoutEntry
 
 __all__ = [
     "CudaIpcHandle",
@@ -98,15 +97,6 @@ class HostRoute:
 
 HandleRoute = ShmRoute | CudaIpcRoute | RingRoute | InlineRoute | HostRoute
 
-
-class LayoutEntry(TypedDict):
-    """One tensor of a chunk's layout, as colocd's producers export it (``ChunkLayout.to_json``)."""
-
-    name: str
-    dtype: str  # torch's name without the prefix: float32, bfloat16, ...
-    shape: list[int]
-    offset: int  # bytes from the start of the chunk (zero_copy: of its slot's storage)
-    slot: NotRequired[int]  # zero_copy: the ring slot the tensor's storage is in
 
 _Text = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
 

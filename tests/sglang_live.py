@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
+from colocd.engines.sglang import wire
 from colocd.engines.sglang.launcher import SGLangServer
+from colocd.engines.sglang.protocol import V0_5_23
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -177,11 +180,38 @@ def greedy_sync(url: str, max_new_tokens: int = 12) -> list[int]:
     return list(r.json()["output_ids"])
 
 
-def checksums_sync(url: str) -> dict[str, str]:
-    """Every per-parameter ``/weights_checker`` checksum of the server (engines/sglang/checksums.py)."""
-    from colocd.engines.sglang import wire
-    from colocd.engines.sglang.checksums import parameter_checksums
+def parameter_checksums(result: wire.CheckWeightsResult) -> dict[str, str]:
+    """``{"tp<rank>/<parameter>": checksum}`` over every rank of a ``/weights_checker`` checksum reply (empty if it
+    has none). SGLang's reply (0.5.23 http_server.py:1599-1619) holds, per TP rank, one checksum per (fused)
+    parameter, e.g. ``model.layers.0.self_attn.qkv_proj.weight``: two servers serve the same weights exactly
+    when every per-parameter checksum agrees."""
+    return {f"tp{i}/{name}": value for i, rank in enumerate(result.ranks or ())
+            for name, value in rank.checksums.items()}
 
+
+def differing(expected: Mapping[str, str], actual: Mapping[str, str]) -> list[str]:
+    """The parameters whose checksum differs or that only one side has, sorted; empty when they agree."""
+    return sorted(k for k in expected.keys() | actual.keys() if expected.get(k) != actual.get(k))
+
+
+def checksums_sync(url: str) -> dict[str, str]:
+    """Every per-parameter ``/weights_checker`` checksum of the server."""
     r = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=120, trust_env=False)
     r.raise_for_status()
     return parameter_checksums(wire.CheckWeightsResult.model_validate(r.json()))
+
+
+async def checksums(client: httpx.AsyncClient, url: str) -> dict[str, str]:
+    """``checksums_sync`` for async tests."""
+    r = await client.post(f"{url}/weights_checker", json={"action": "checksum"})
+    r.raise_for_status()
+    return parameter_checksums(wire.CheckWeightsResult.model_validate(r.json()))
+
+
+async def load_from_disk(client: httpx.AsyncClient, url: str, model_path: str, *,
+                         weight_version: str | None = None) -> bool:
+    """SGLang loads ``model_path`` itself (``/update_weights_from_disk``, no session needed): whether it did. A
+    failed load leaves the old weights served."""
+    request = wire.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version)
+    r = await client.post(f"{url}{request.ROUTE}", json=wire.body(request, V0_5_23))
+    return r.status_code == 200 and r.json().get("success") is True

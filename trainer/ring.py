@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..engines.chunks import ChunkLayout, TensorSpec, copy_tensors, dtype_from_name, dtype_name
+from ..engines.chunks import ChunkLayout, LayoutEntry, TensorSpec, copy_tensors, dtype_from_name, dtype_name
 from ..engines.cuda_handles import device_uuid, export_cuda_handle
 from ..engines.ring_refs import layout_digest
 from ..policies import Transport
@@ -46,7 +46,7 @@ class _Plan:
     """What a repeated chunk needs, computed once: its layout as JSON, and the slot views or regions."""
 
     layout: ChunkLayout
-    layout_json: list[dict[str, Any]]
+    layout_json: list[LayoutEntry]
     views: list[torch.Tensor]  # typed views of each tensor inside its ring slot
     regions: dict[int, torch.Tensor]  # zero copy: the registered storages the layout refers to
     ref: str  # layout_digest(layout_json)
@@ -167,7 +167,7 @@ class IpcRingProducer:
         return self._describe(plan.regions, device, plan, None)
 
     def _in_place_plan(self, named: Sequence[tuple[str, torch.Tensor]], nbytes: int) -> _Plan:
-        entries: list[dict[str, Any]] = []
+        entries: list[LayoutEntry] = []
         specs: list[TensorSpec] = []
         regions: dict[int, torch.Tensor] = {}
         for name, t in named:

@@ -29,9 +29,9 @@ from collections.abc import Iterator
 from typing import Any, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError
 
-from ..chunks import ChunkLayout, SharedSegment, unflatten
+from ..chunks import ChunkLayout, LayoutEntry, SharedSegment, TensorSpec, unflatten
 from ..cuda_handles import RingTable
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
@@ -55,7 +55,8 @@ class ShmDescriptor(BaseModel):
     transport: Literal["shm"]
     shm_name: str = Field(min_length=1)
     nbytes: int = Field(ge=0)
-    layout: list[dict[str, Any]]
+    # Not walked here: ``ChunkLayout.from_json`` checks every entry, once, as the segment is opened.
+    layout: SkipValidation[list[LayoutEntry]]
 
 
 class DiskDescriptor(BaseModel):
@@ -65,8 +66,9 @@ class DiskDescriptor(BaseModel):
 
     transport: Literal["disk"]
     path: str = Field(min_length=1)
-    # What the trainer says the file holds (the daemon checked it against the session): checked here too.
-    layout: list[dict[str, Any]] | None = None
+    # What the trainer says the file holds (the daemon checked it against the session): checked here too, each
+    # entry walked once by ``TensorSpec.from_json``.
+    layout: SkipValidation[list[LayoutEntry] | None] = None
 
 
 @contextlib.contextmanager
@@ -183,11 +185,15 @@ def _load_disk(desc: DiskDescriptor) -> NamedTensors:
     return named
 
 
-def _check_declared(where: str, named: NamedTensors, layout: list[dict[str, Any]]) -> None:
+def _check_declared(where: str, named: NamedTensors, layout: list[LayoutEntry]) -> None:
     """The tensors read are the ones the chunk's layout declared (names, dtypes, shapes): what the daemon
     counted as delivered is what this engine loads."""
-    declared = {str(i.get("name")): (str(i.get("dtype")), [int(d) for d in i.get("shape", [])]) for i in layout}
-    held = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in named}
+    try:
+        specs = [TensorSpec.from_json(i) for i in layout]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PayloadError(f"{where}: bad layout: {type(exc).__name__}: {exc}") from None
+    declared = {s.name: (s.dtype, s.shape) for s in specs}
+    held = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in named}
     if declared != held:
         missing, extra = sorted(declared.keys() - held.keys()), sorted(held.keys() - declared.keys())
         wrong = sorted(n for n in declared.keys() & held.keys() if declared[n] != held[n])

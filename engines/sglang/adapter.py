@@ -35,7 +35,7 @@ from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRe
 from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
 from ..httpmap import check_reply, map_http_errors
 from ..ring_refs import UNKNOWN_REF_MARK
-from . import checksums, extensions, wire
+from . import extensions, wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
 __all__ = ["UNSUPPORTED_DIGESTS", "SGLangAdapter"]
@@ -89,10 +89,10 @@ class SGLangAdapter:
 
     # -- transport ---------------------------------------------------------------------------
     async def _call(self, method: str, path: str, what: str, json_body: Any = None,
-                    *, send_body: bool = True, params: dict[str, Any] | None = None) -> httpx.Response:
+                    *, send_body: bool = True) -> httpx.Response:
         with map_http_errors(self.name, what):
             response = await self._client.request(
-                method, self._base + path, headers=self._headers, params=params,
+                method, self._base + path, headers=self._headers,
                 json=json_body if send_body else None,
             )
         return check_reply(self.name, what, response)
@@ -104,14 +104,13 @@ class SGLangAdapter:
         except ValueError as exc:
             raise EngineProtocolError(engine, f"{what}: reply is not JSON: {response.text[:200]!r}") from exc
 
-    def _check_success(self, response: httpx.Response, what: str) -> dict[str, Any]:
+    def _check_success(self, response: httpx.Response, what: str) -> None:
         data = self._json(response, self.name, what)
         if not isinstance(data, dict) or "success" not in data:
             raise EngineProtocolError(self.name, f"{what}: expected {{success, message}}, got {data!r:.200}")
         if not data["success"]:
             raise EngineRejected(self.name, f"{what}: {data.get('message') or 'success=false'}",
                                  status=response.status_code, body=json.dumps(data)[:2000])
-        return data
 
     @property
     def transports(self) -> frozenset[Transport]:
@@ -163,7 +162,7 @@ class SGLangAdapter:
             engine_kind=self._config.kind,
             version=version,
             protocol=self.protocol.name,
-            weight_version=await self.weight_version(),
+            weight_version=await self._weight_version(),
             tp_size=self._config.tp_size,
             owned_tags=owned,
             capabilities=self._extensions,
@@ -211,12 +210,6 @@ class SGLangAdapter:
             return False
         return response.status_code == 200
 
-    async def health(self) -> bool:
-        # /health runs a 1-token generation in SGLang; while paused or released that would block
-        # or touch unmapped memory, so liveness uses model info (tokenizer-side, no forward pass).
-        await self._call("GET", self.protocol.model_info_route, "model_info")
-        return True
-
     async def observe(self) -> Observation:
         """The incarnation is derived from server_info's ``startup_time``, whatever its shape
         (``wire.ServerInfo.incarnation``: SGLang measures it once per process, http_server.py:886); the
@@ -233,7 +226,7 @@ class SGLangAdapter:
         # is left running.
         asked = (server_t := asyncio.ensure_future(self._server_info()),
                  report_t := asyncio.ensure_future(self.memory_report()),
-                 version_t := asyncio.ensure_future(self.weight_version()))
+                 version_t := asyncio.ensure_future(self._weight_version()))
         try:
             server, report, version = await server_t, await report_t, await version_t
         finally:
@@ -252,7 +245,7 @@ class SGLangAdapter:
         return Observation(incarnation=server.incarnation(), weight_version=version, resident=resident or None,
                            paused=paused, update_session_open=session)
 
-    async def weight_version(self) -> str | None:
+    async def _weight_version(self) -> str | None:
         route = self.protocol.weight_version_route
         what = route.lstrip("/")
         data = self._json(await self._call("GET", route, what), self.name, what)
@@ -384,34 +377,6 @@ class SGLangAdapter:
         self._check_success(
             await self._call("POST", request.ROUTE, "update_weight_version", wire.body(request, self.protocol)),
             "update_weight_version")
-
-    async def weights_checksum(self) -> str | None:
-        route = self.protocol.weights_checker_route
-        if route is None:
-            return None
-        request = wire.CheckWeightsReqInput(action="checksum")
-        data = self._json(await self._call("POST", route, "weights_checker", wire.body(request, self.protocol)),
-                          self.name, "weights_checker")
-        return self._parse(wire.CheckWeightsResult, data, "weights_checker").checksum()
-
-    async def reload_weights(self, model_path: str, *, weight_version: str | None = None) -> None:
-        """SGLang loads ``model_path`` itself (``/update_weights_from_disk``, no session needed); a failed load
-        leaves the old weights served (EngineRejected)."""
-        request = wire.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version)
-        self._check_success(
-            await self._call("POST", request.ROUTE, "update_weights_from_disk", wire.body(request, self.protocol)),
-            "update_weights_from_disk")
-
-    async def parameter_checksums(self) -> dict[str, str] | None:
-        """Per-parameter checksums of the served weights (``checksums.parameter_checksums``); None where the
-        engine has no checker route."""
-        route = self.protocol.weights_checker_route
-        if route is None:
-            return None
-        request = wire.CheckWeightsReqInput(action="checksum")
-        data = self._json(await self._call("POST", route, "weights_checker", wire.body(request, self.protocol)),
-                          self.name, "weights_checker")
-        return checksums.parameter_checksums(self._parse(wire.CheckWeightsResult, data, "weights_checker"))
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """The reference engine's digests (engines/digest.py) of the tensors it holds, per TP rank (colocd

@@ -16,8 +16,7 @@ Verb → route (research/engine-apis.md §2, §6.2):
     load_weights         POST /update_weights, or /collective_rpc colocd_load_chunk without a backend
     end_weight_update    POST /finish_weight_update {"weight_version"}
     set_weight_version   POST /update_weight_version
-    weights_checksum     /collective_rpc colocd_received_digest (extension.named_digest of what arrived)
-    reload_weights       /collective_rpc reload_weights {"weights_path"}: vLLM's own disk loader
+    weight_digests       /collective_rpc colocd_received_digests (engines/digest.py, per tensor as it arrived)
 """
 
 from __future__ import annotations
@@ -175,7 +174,7 @@ class VLLMAdapter:
             engine_kind="vllm",
             version=version,
             protocol="vllm-dev",
-            weight_version=await self.weight_version(),
+            weight_version=await self._weight_version(),
             tp_size=world,
             owned_tags=owned,
             extra={
@@ -193,16 +192,6 @@ class VLLMAdapter:
         """vLLM answers HTTP only once its engine core is up: a server that answers has started."""
         return True
 
-    async def health(self) -> bool:
-        """GET /health: 200 → True, 503 (engine core dead) or any other status → False.
-
-        Never runs a generation, so it is safe while asleep. Raises EngineUnreachable when nothing
-        answers at all.
-        """
-        with map_transport_errors(self.name, "GET", "/health"):
-            response = await self._client.get(self._base + "/health", headers=self._headers)
-        return response.status_code == 200
-
     async def observe(self) -> Observation:
         """The worker extension's boot id is the incarnation (vLLM's HTTP API has none: without the
         extension the daemon treats an engine that was unreachable as restarted). ``/is_sleeping``
@@ -215,24 +204,21 @@ class VLLMAdapter:
             incarnation = info.get("boot_id")
             if self._session_kind == "rpc" and "update_active" in info:
                 session = bool(info["update_active"])
-        sleeping = await self.is_sleeping()
+        sleeping = await self._is_sleeping()
         resident = None if sleeping else {t: True for t in self._config.owned_tags if t in wire.SLEEP_TAGS}
         return Observation(incarnation=None if incarnation is None else str(incarnation),
-                           weight_version=await self.weight_version(), resident=resident or None,
+                           weight_version=await self._weight_version(), resident=resident or None,
                            paused=sleeping, update_session_open=session)
 
-    async def weight_version(self) -> str | None:
+    async def _weight_version(self) -> str | None:
         response = await self._call("GET", "/weight_info")
         return self._parse(wire.WeightInfoReply, response, "/weight_info").weight_version
 
-    async def is_sleeping(self) -> bool:
+    async def _is_sleeping(self) -> bool:
         """vLLM's own flag: true while any tag is asleep *or* the scheduler is merely paused."""
         return self._parse(
             wire.IsSleepingReply, await self._call("GET", "/is_sleeping"), "/is_sleeping"
         ).is_sleeping
-
-    async def is_paused(self) -> bool:
-        return self._parse(wire.IsPausedReply, await self._call("GET", "/is_paused"), "/is_paused").is_paused
 
     # -- generation -------------------------------------------------------------------------
 
@@ -357,16 +343,6 @@ class VLLMAdapter:
     async def set_weight_version(self, version: str) -> None:
         await self._call("POST", "/update_weight_version", json={"new_version": version})
 
-    async def reload_weights(self, weights_path: str, weight_version: str | None = None) -> None:
-        """The disk fallback: vLLM's own loader reads an HF checkpoint directory in place.
-
-        ``reload_weights`` (gpu_worker.py:629, reload/inplace.py:32) also repoints the model config
-        at ``weights_path``, so a later argument-less reload reads that directory.
-        """
-        await self._rpc("reload_weights", weights_path=weights_path)
-        if weight_version is not None:
-            await self.set_weight_version(weight_version)
-
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """The digests (engines/digest.py) colocd's worker extension computed over each tensor as it loaded it,
         one dict per TP worker; without the extension vLLM reports none."""
@@ -382,34 +358,6 @@ class VLLMAdapter:
                                                      f"got {r!r:.200}")
             ranks.append({str(k): str(v) for k, v in r.items()})
         return EngineDigests(tuple(ranks))
-
-    async def weights_checksum(self) -> str | None:
-        """Digest of the tensors the last update delivered, comparable with extension.named_digest.
-
-        None without our extension, or when it records no digests (GPU default; set
-        COLOCD_VLLM_DIGESTS=1 in the server's environment to turn them on).
-        """
-        if self._extension is None:
-            return None
-        results = await self._rpc("colocd_received_digest")
-        digests = {r.get("digest") for r in results if isinstance(r, dict)}
-        if len(digests) > 1:
-            raise EngineProtocolError(
-                self.name, f"vLLM workers received different weights: {sorted(map(str, digests))}"
-            )
-        return digests.pop() if digests else None
-
-    async def engine_checksums(self) -> dict[str, str]:
-        """POST /weight_checker checksum: vLLM's per-parameter digests of the served model."""
-        response = await self._call("POST", "/weight_checker", json={"action": "checksum"})
-        return self._parse(wire.WeightCheckerChecksumReply, response, "/weight_checker").checksums
-
-    async def compare_checksums(self, baseline: dict[str, str]) -> list[str]:
-        """POST /weight_checker compare: the parameter names whose digest differs from ``baseline``."""
-        response = await self._call(
-            "POST", "/weight_checker", json={"action": "compare", "baseline": baseline}
-        )
-        return self._parse(wire.WeightCheckerCompareReply, response, "/weight_checker").mismatches
 
     async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
         """vLLM lists no parameters over HTTP (attach declares no ``Capability.PARAMETER_MANIFEST``)."""

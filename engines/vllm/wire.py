@@ -20,14 +20,11 @@ __all__ = [
     "PAUSE_MODES",
     "SLEEP_TAGS",
     "CollectiveRpcReply",
-    "IsPausedReply",
     "IsSleepingReply",
     "ResetPrefixCacheReply",
     "SleepReply",
     "VersionReply",
     "WakeUpReply",
-    "WeightCheckerChecksumReply",
-    "WeightCheckerCompareReply",
     "WeightInfoReply",
     "WorldSizeReply",
     "colocd_update_info",
@@ -175,12 +172,6 @@ class IsSleepingReply(_Reply):
     is_sleeping: bool
 
 
-class IsPausedReply(_Reply):
-    """GET /is_paused (rl/online/api_router.py:142)."""
-
-    is_paused: bool
-
-
 class ResetPrefixCacheReply(_Reply):
     """POST /reset_prefix_cache (serve/dev/cache/api_router.py:20); false while blocks are held."""
 
@@ -197,23 +188,6 @@ class WorldSizeReply(_Reply):
     """GET /get_world_size?include_dp=false (rl/online/api_router.py:266): TP*PP."""
 
     world_size: int
-
-
-class WeightCheckerChecksumReply(_Reply):
-    """POST /weight_checker {"action":"checksum"} (rl/online/api_router.py:229).
-
-    Keys are ``dp{i}:pp{j}:pcp{k}:tp{r}:<param>`` (gpu_worker.py:367-378). On CPU the prepacked
-    linear weights are empty tensors, so only embeddings, lm_head, norms and biases are covered.
-    """
-
-    checksums: dict[str, str]
-
-
-class WeightCheckerCompareReply(_Reply):
-    """POST /weight_checker {"action":"compare","baseline":{...}}; without a baseline it is a 400."""
-
-    match: bool
-    mismatches: list[str]
 
 
 class CollectiveRpcReply(_Reply):

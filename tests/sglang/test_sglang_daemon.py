@@ -19,11 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-from sglang_live import LiveServer, checksums_sync, greedy_sync, launch, save_model, step_weights
+from sglang_live import LiveServer, checksums_sync, differing, greedy_sync, launch, save_model, step_weights
 
 from colocd.api.client import ColocdHTTPError
 from colocd.api.procs import DaemonProcess
-from colocd.engines.sglang.checksums import differing
 from colocd.trainer import TrainerClient
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1200)]

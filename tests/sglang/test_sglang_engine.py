@@ -12,12 +12,21 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sglang_live import LiveServer, Recorder, greedy, original_weights, save_model, step_weights
+from sglang_live import (
+    LiveServer,
+    Recorder,
+    checksums,
+    differing,
+    greedy,
+    load_from_disk,
+    original_weights,
+    save_model,
+    step_weights,
+)
 
 from colocd.engines.base import ChunkLoad, ChunkPart, PauseMode
 from colocd.engines.errors import EngineRejected
 from colocd.engines.sglang.adapter import SGLangAdapter
-from colocd.engines.sglang.checksums import differing
 from colocd.policies import Transport
 from colocd.trainer.producer import InlineProducer
 
@@ -51,7 +60,8 @@ async def test_every_pause_mode_closes_ready_and_continue_opens_it(
         await adapter.pause_generation(mode)
         ready = recorder.record(f"ready_paused_{mode.value}", await client.get(f"{sglang.url}/ready"))
         assert ready.status_code == 503, mode
-        assert await adapter.health()  # colocd's liveness reads model info: no generation, so pauses pass
+        # colocd's liveness is an observation (server and model info): no generation, so pauses pass.
+        assert (await adapter.observe()).incarnation
         await adapter.continue_generation()
         assert (await client.get(f"{sglang.url}/ready")).status_code == 200
 
@@ -129,7 +139,7 @@ async def test_an_inline_update_serves_what_sglang_loading_the_checkpoint_itself
         sglang: LiveServer, adapter: SGLangAdapter, client: httpx.AsyncClient, model_dir: Path,
         tmp_path: Path, recorder: Recorder) -> None:
     url = sglang.url
-    original = await adapter.parameter_checksums()
+    original = await checksums(client, url)
     assert original and len(original) >= 10
     before = await greedy(client, url)
     named = step_weights(model_dir, 1)
@@ -143,23 +153,24 @@ async def test_an_inline_update_serves_what_sglang_loading_the_checkpoint_itself
     # The radix cache still holds KV computed by the old weights: a prompt seen before would reuse it.
     assert await adapter.flush_cache()
     await adapter.continue_generation()
-    pushed = await adapter.parameter_checksums()
+    pushed = await checksums(client, url)
     recorder.record("weights_checker", await client.post(f"{url}/weights_checker", json={"action": "checksum"}),
                     request={"action": "checksum"})
     assert pushed is not None and differing(original, pushed) == sorted(original)  # every parameter changed
     served = await greedy(client, url)
     assert served != before
-    assert await adapter.weight_version() == "step-1"
+    assert (await adapter.observe()).weight_version == "step-1"
 
-    await adapter.reload_weights(str(save_model(model_dir, named, tmp_path / "step-1")), weight_version="disk-1")
-    assert differing(pushed, await adapter.parameter_checksums() or {}) == []  # SGLang's own loader agrees
+    assert await load_from_disk(client, url, str(save_model(model_dir, named, tmp_path / "step-1")),
+                                weight_version="disk-1")
+    assert differing(pushed, await checksums(client, url)) == []  # SGLang's own loader agrees
     assert await greedy(client, url) == served
-    assert await adapter.weight_version() == "disk-1"
+    assert (await adapter.observe()).weight_version == "disk-1"
 
-    with pytest.raises(EngineRejected):  # a path that is not there: refused, the old weights stay
-        await adapter.reload_weights(str(tmp_path / "nowhere"))
-    assert differing(pushed, await adapter.parameter_checksums() or {}) == []
+    # A path that is not there: refused, the old weights stay.
+    assert not await load_from_disk(client, url, str(tmp_path / "nowhere"))
+    assert differing(pushed, await checksums(client, url)) == []
 
-    await adapter.reload_weights(str(model_dir), weight_version="default")
-    assert differing(original, await adapter.parameter_checksums() or {}) == []
+    assert await load_from_disk(client, url, str(model_dir), weight_version="default")
+    assert differing(original, await checksums(client, url)) == []
     assert await greedy(client, url) == before

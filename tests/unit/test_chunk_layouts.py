@@ -156,3 +156,20 @@ def test_the_reference_engine_refuses_a_disk_file_holding_other_tensors_than_its
     with pytest.raises(PayloadError, match=r"holds other tensors than its layout declares \(missing \['w2'\]"), \
             open_payload(entry(_layout(TENSORS[:3])), "colocd_disk"):
         pass
+
+
+def test_the_reference_engine_refuses_a_disk_layout_entry_without_its_shape_as_a_bad_layout(tmp_path: Any) -> None:
+    import base64
+    import json
+
+    from safetensors.torch import save_file
+
+    from colocd.engines.reference.payloads import PayloadError, open_payload
+
+    path = str(tmp_path / "chunk.safetensors")
+    save_file(dict(TENSORS[:1]), path)
+    entry = {k: v for k, v in _layout(TENSORS[:1])[0].items() if k != "shape"}
+    raw = base64.b64encode(json.dumps({"transport": "disk", "path": path, "layout": [entry]}).encode()).decode()
+    with pytest.raises(PayloadError, match=r"chunk\.safetensors'?: bad layout: KeyError: 'shape'"), \
+            open_payload(raw, "colocd_disk"):
+        pass

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from sglang_live import differing, parameter_checksums
 
 from colocd.engines.inline import InlinePayloadError, check_inline_payload
 from colocd.engines.sglang import wire
-from colocd.engines.sglang.checksums import differing, parameter_checksums
 from colocd.trainer.producer import InlineProducer
 
 LIVE = json.loads((Path(__file__).parent.parent / "contract" / "fixtures" / "sglang_live_0_5_23.json")

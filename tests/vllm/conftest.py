@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from shared_server import SharedServerGuard, remember
+from vllm_live import VLLMHttp
 
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_chunks
@@ -127,6 +128,12 @@ async def adapter(vllm_server: VLLMServer, client: httpx.AsyncClient) -> AsyncIt
     url = vllm_server.config.url
     await client.post(f"{url}/wake_up")
     await client.post(f"{url}/resume")
+
+
+@pytest.fixture
+def vllm(vllm_server: VLLMServer, client: httpx.AsyncClient) -> VLLMHttp:
+    """vLLM's own routes beside the adapter's verbs: its flags, disk loader and checksums (tests/vllm_live.py)."""
+    return VLLMHttp(str(vllm_server.config.url), client)
 
 
 Complete = Callable[[], Awaitable[str]]

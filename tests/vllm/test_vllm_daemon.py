@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from support import serve_app
+from vllm_live import VLLMHttp
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
@@ -28,14 +29,14 @@ async def daemon(vllm_server: Any) -> Any:
 
 
 @pytest.fixture
-async def restore(adapter: VLLMAdapter, model_dir: Path) -> Any:
+async def restore(adapter: VLLMAdapter, model_dir: Path, vllm: VLLMHttp) -> Any:
     yield
-    await adapter.reload_weights(str(model_dir), weight_version="default")
+    await vllm.reload_weights(str(model_dir), weight_version="default")
 
 
 async def test_a_full_step_through_the_daemon_serves_exactly_the_pushed_weights(
         daemon: AsyncColocdClient, adapter: VLLMAdapter, complete: Any, new_weights: list[Any],
-        new_weights_dir: Path, restore: None) -> None:
+        new_weights_dir: Path, restore: None, vllm: VLLMHttp) -> None:
     before = await complete()
     train = await daemon.phase("train", 1)
     assert set(train["engines"]["tiny"]["tags"].values()) == {"released"}
@@ -45,26 +46,26 @@ async def test_a_full_step_through_the_daemon_serves_exactly_the_pushed_weights(
     rollout = await daemon.phase("rollout", 1)
     assert rollout["engines"]["tiny"]["generation"] == "serving"
 
-    assert await adapter.weights_checksum() == named_digest(new_weights)  # every byte arrived
-    assert await adapter.weight_version() == "step-1"
+    assert await vllm.received_digest() == named_digest(new_weights)  # every byte arrived
+    assert await vllm.weight_version() == "step-1"
     pushed = await complete()
     assert pushed != before
-    checksums = await adapter.engine_checksums()
-    await adapter.reload_weights(str(new_weights_dir))  # vLLM loading the same tensors itself
-    assert await adapter.compare_checksums(checksums) == []
+    checksums = await vllm.checksums()
+    await vllm.reload_weights(str(new_weights_dir))  # vLLM loading the same tensors itself
+    assert await vllm.mismatches(checksums) == []
     assert await complete() == pushed
 
 
 async def test_rollout_before_a_push_is_refused_and_vllm_stays_asleep(
         daemon: AsyncColocdClient, adapter: VLLMAdapter, complete: Any, new_weights: list[Any],
-        restore: None) -> None:
+        restore: None, vllm: VLLMHttp) -> None:
     await daemon.phase("train", 1)
     await daemon.phase("sync", 1)
     with pytest.raises(ColocdHTTPError) as err:
         await daemon.phase("rollout", 1)
     assert err.value.status == 409 and "tiny" in err.value.body["message"]
-    assert await adapter.is_sleeping() is True
+    assert await vllm.is_sleeping() is True
     await WeightPusher(daemon, bucket_mb=1).push(new_weights, version="step-1", step=1)
     await daemon.phase("rollout", 1)
-    assert await adapter.is_sleeping() is False
+    assert await vllm.is_sleeping() is False
     assert await complete()

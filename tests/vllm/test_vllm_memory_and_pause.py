@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from vllm_live import VLLMHttp
 
 from colocd.engines.base import MemoryTag, PauseMode
 from colocd.engines.errors import EngineRejected
@@ -84,58 +85,58 @@ async def test_attach_reports_version_extension_and_what_vllm_owns(adapter: VLLM
     assert isinstance(info.weight_version, str)
 
 
-async def test_health_is_true_while_serving_and_while_asleep(adapter: VLLMAdapter) -> None:
-    assert await adapter.health() is True
+async def test_health_is_true_while_serving_and_while_asleep(adapter: VLLMAdapter, vllm: VLLMHttp) -> None:
+    assert await vllm.healthy() is True
     await adapter.release_memory(BOTH)
-    assert await adapter.health() is True  # /health never generates (instrumentator/health.py)
+    assert await vllm.healthy() is True  # /health never generates (instrumentator/health.py)
 
 
 async def test_release_reports_both_tags_and_partial_wake_stays_asleep_until_kv(
-    adapter: VLLMAdapter, complete: Any
+    adapter: VLLMAdapter, complete: Any, vllm: VLLMHttp
 ) -> None:
     before = await complete()
     report = await adapter.release_memory(BOTH)
     assert report.tags == BOTH
-    assert await adapter.is_sleeping() is True
+    assert await vllm.is_sleeping() is True
     assert (await adapter.resume_memory((MemoryTag.WEIGHTS,))).tags == (MemoryTag.WEIGHTS,)
-    assert await adapter.is_sleeping() is True  # kv_cache still asleep: scheduler stays paused
+    assert await vllm.is_sleeping() is True  # kv_cache still asleep: scheduler stays paused
     assert (await adapter.resume_memory((MemoryTag.KV_CACHE,))).tags == (MemoryTag.KV_CACHE,)
-    assert await adapter.is_sleeping() is False
-    assert await adapter.is_paused() is False  # the last wake resumed generation by itself
+    assert await vllm.is_sleeping() is False
+    assert await vllm.is_paused() is False  # the last wake resumed generation by itself
     assert await complete() == before  # on CPU the weights survive a level-2 sleep
 
 
-async def test_releasing_only_weights_still_sleeps_kv_and_says_so(adapter: VLLMAdapter) -> None:
+async def test_releasing_only_weights_still_sleeps_kv_and_says_so(adapter: VLLMAdapter, vllm: VLLMHttp) -> None:
     report = await adapter.release_memory((MemoryTag.WEIGHTS,))
     assert report.tags == BOTH  # vLLM's sleep is all-or-nothing; the report tells the daemon
     await adapter.resume_memory(BOTH)
-    assert await adapter.is_sleeping() is False
+    assert await vllm.is_sleeping() is False
 
 
-async def test_cuda_graph_tag_is_neither_released_nor_woken(adapter: VLLMAdapter) -> None:
+async def test_cuda_graph_tag_is_neither_released_nor_woken(adapter: VLLMAdapter, vllm: VLLMHttp) -> None:
     assert (await adapter.release_memory((MemoryTag.CUDA_GRAPH,))).tags == ()
     assert (await adapter.resume_memory((MemoryTag.CUDA_GRAPH,))).tags == ()
-    assert await adapter.is_sleeping() is False
+    assert await vllm.is_sleeping() is False
 
 
-async def test_waking_a_tag_that_is_awake_is_a_silent_noop(adapter: VLLMAdapter) -> None:
+async def test_waking_a_tag_that_is_awake_is_a_silent_noop(adapter: VLLMAdapter, vllm: VLLMHttp) -> None:
     await adapter.release_memory(BOTH)
     await adapter.resume_memory((MemoryTag.WEIGHTS,))
     # weights is awake now: vLLM logs a warning and skips the *whole* call, kv_cache included
     # (executor/abstract.py:398-404). The daemon's tag state must prevent this request.
     await adapter.resume_memory(BOTH)
-    assert await adapter.is_sleeping() is True
+    assert await vllm.is_sleeping() is True
     await adapter.resume_memory((MemoryTag.KV_CACHE,))
-    assert await adapter.is_sleeping() is False
+    assert await vllm.is_sleeping() is False
 
 
-async def test_is_sleeping_is_true_while_merely_paused(adapter: VLLMAdapter) -> None:
+async def test_is_sleeping_is_true_while_merely_paused(adapter: VLLMAdapter, vllm: VLLMHttp) -> None:
     await adapter.pause_generation(PauseMode.ABORT)
-    assert await adapter.is_paused() is True
-    assert await adapter.is_sleeping() is True  # core.py:1041: paused OR asleep
+    assert await vllm.is_paused() is True
+    assert await vllm.is_sleeping() is True  # core.py:1041: paused OR asleep
     await adapter.continue_generation()
-    assert await adapter.is_paused() is False
-    assert await adapter.is_sleeping() is False
+    assert await vllm.is_paused() is False
+    assert await vllm.is_sleeping() is False
 
 
 async def test_pause_abort_ends_in_flight_requests_with_abort(
@@ -151,7 +152,7 @@ async def test_pause_abort_ends_in_flight_requests_with_abort(
 
 
 async def test_pause_retract_maps_to_wait_and_drains_in_flight_requests(
-    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient, slow_engine: None
+    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient, slow_engine: None, vllm: VLLMHttp
 ) -> None:
     stream = Stream(client, str(vllm_server.config.url))
     await stream.started()
@@ -160,7 +161,7 @@ async def test_pause_retract_maps_to_wait_and_drains_in_flight_requests(
     await stream.finished(timeout_s=10)
     assert stream.finish_reason == "length"
     assert stream.tokens == LONG
-    assert await adapter.is_paused() is True
+    assert await vllm.is_paused() is True
     await adapter.continue_generation()
 
 

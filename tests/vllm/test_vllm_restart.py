@@ -16,11 +16,12 @@ from typing import Any
 import httpx
 import pytest
 from support import serve_app
+from vllm_live import VLLMHttp
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
-from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.engines.vllm import VLLMServer
 from colocd.engines.vllm.extension import named_digest
 from colocd.trainer.push import WeightPusher
 
@@ -83,10 +84,9 @@ async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_
             await daemon.phase("sync", 2)
             await WeightPusher(daemon, bucket_mb=1).push(new_weights, version="step-2", step=2)
             await daemon.phase("rollout", 2)
-            adapter = VLLMAdapter(server.config, http)
-            await adapter.attach()
-            assert await adapter.weights_checksum() == named_digest(new_weights)
-            assert await adapter.weight_version() == "step-2"
+            vllm = VLLMHttp(url, http)
+            assert await vllm.received_digest() == named_digest(new_weights)
+            assert await vllm.weight_version() == "step-2"
             assert await _complete(url) == trained
             assert 'colocd_engine_restarts_total{engine="tiny"} 1.0' in await daemon.metrics()
             print(f"vLLM restart detected {detected_s:.2f}s after the new server answered /health")

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from support import serve_app
+from vllm_live import VLLMHttp
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient
@@ -20,9 +21,9 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture
-async def restore(adapter: VLLMAdapter, model_dir: Path) -> Any:
+async def restore(adapter: VLLMAdapter, model_dir: Path, vllm: VLLMHttp) -> Any:
     yield
-    await adapter.reload_weights(str(model_dir), weight_version="default")
+    await vllm.reload_weights(str(model_dir), weight_version="default")
 
 
 async def test_the_worker_reports_the_digest_of_every_tensor_it_received(

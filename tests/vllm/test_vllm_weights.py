@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_live import VLLMHttp
 
 from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
 from colocd.engines.errors import EngineRejected
@@ -26,10 +27,10 @@ SMALL_BUCKETS = 64 << 10  # the 0.8 MB model travels in ~15 chunks, several per 
 
 
 @pytest.fixture
-async def restore_original(adapter: VLLMAdapter, model_dir: Path) -> Any:
+async def restore_original(adapter: VLLMAdapter, model_dir: Path, vllm: VLLMHttp) -> Any:
     yield
     # vLLM's own loader puts the startup weights back (and repoints its model path at them).
-    await adapter.reload_weights(str(model_dir), weight_version="default")
+    await vllm.reload_weights(str(model_dir), weight_version="default")
 
 
 async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
@@ -40,9 +41,9 @@ async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
     original_weights: list[Any],
     new_weights: list[Any],
     new_weights_dir: Path,
-    restore_original: None,
+    restore_original: None, vllm: VLLMHttp,
 ) -> None:
-    start_checksums, start_text = await adapter.engine_checksums(), await complete()
+    start_checksums, start_text = await vllm.checksums(), await complete()
 
     # The colocated step, as the daemon drives it.
     await adapter.pause_generation(PauseMode.ABORT)
@@ -52,26 +53,26 @@ async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
         assert len(loads) > 4
         await push(adapter, loads)
     await adapter.resume_memory((MemoryTag.KV_CACHE,))
-    assert await adapter.is_sleeping() is False
+    assert await vllm.is_sleeping() is False
 
-    assert await adapter.weights_checksum() == named_digest(new_weights)  # every byte arrived
-    assert await adapter.weight_version() == "step-1"
-    pushed_checksums, pushed_text = await adapter.engine_checksums(), await complete()
+    assert await vllm.received_digest() == named_digest(new_weights)  # every byte arrived
+    assert await vllm.weight_version() == "step-1"
+    pushed_checksums, pushed_text = await vllm.checksums(), await complete()
     assert pushed_checksums != start_checksums
     assert pushed_text != start_text
 
     # vLLM loads the same tensors from disk itself: identical model state and output.
-    await adapter.reload_weights(str(new_weights_dir))
-    assert await adapter.compare_checksums(pushed_checksums) == []
+    await vllm.reload_weights(str(new_weights_dir))
+    assert await vllm.mismatches(pushed_checksums) == []
     assert await complete() == pushed_text
 
     # Pushing the original tensors back reproduces vLLM's startup load exactly.
     with shm_chunks(original_weights, SMALL_BUCKETS, version="step-2") as loads:
         await push(adapter, loads)
-    assert await adapter.compare_checksums(start_checksums) == []
+    assert await vllm.mismatches(start_checksums) == []
     assert await complete() == start_text
-    assert await adapter.weights_checksum() == named_digest(original_weights)
-    assert await adapter.weight_version() == "step-2"
+    assert await vllm.received_digest() == named_digest(original_weights)
+    assert await vllm.weight_version() == "step-2"
 
 
 async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
@@ -83,7 +84,7 @@ async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
     push: Any,
     new_weights: list[Any],
     new_weights_dir: Path,
-    restore_original: None,
+    restore_original: None, vllm: VLLMHttp,
 ) -> None:
     # Same server, but an adapter configured for servers launched without --weight-transfer-config:
     # chunks go to ColocdWorkerExtension over /collective_rpc and the version via /update_weight_version.
@@ -91,17 +92,18 @@ async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
     await rpc.attach()
     with shm_chunks(new_weights, SMALL_BUCKETS, version="rpc-1") as loads:
         await push(rpc, loads)
-    assert await rpc.weights_checksum() == named_digest(new_weights)
-    assert await rpc.weight_version() == "rpc-1"
-    pushed = await rpc.engine_checksums()
+    assert await vllm.received_digest() == named_digest(new_weights)
+    assert await vllm.weight_version() == "rpc-1"
+    pushed = await vllm.checksums()
     text = await complete()
-    await adapter.reload_weights(str(new_weights_dir))
-    assert await adapter.compare_checksums(pushed) == []
+    await vllm.reload_weights(str(new_weights_dir))
+    assert await vllm.mismatches(pushed) == []
     assert await complete() == text
 
 
 async def test_disk_chunks_load_through_the_same_session(
-    adapter: VLLMAdapter, complete: Any, new_weights: list[Any], new_weights_dir: Path, restore_original: None
+    adapter: VLLMAdapter, complete: Any, new_weights: list[Any], new_weights_dir: Path, restore_original: None,
+    vllm: VLLMHttp,
 ) -> None:
     path = str(new_weights_dir / "model.safetensors")
     load = ChunkLoad(
@@ -114,37 +116,37 @@ async def test_disk_chunks_load_through_the_same_session(
     await adapter.begin_weight_update()
     await adapter.load_weights(load)
     await adapter.end_weight_update()
-    assert await adapter.weights_checksum() == named_digest(new_weights)
-    pushed, text = await adapter.engine_checksums(), await complete()
-    await adapter.reload_weights(str(new_weights_dir))
-    assert await adapter.compare_checksums(pushed) == []
+    assert await vllm.received_digest() == named_digest(new_weights)
+    pushed, text = await vllm.checksums(), await complete()
+    await vllm.reload_weights(str(new_weights_dir))
+    assert await vllm.mismatches(pushed) == []
     assert await complete() == text
 
 
-async def test_reload_fallback_from_disk_changes_then_restores_the_weights(
-    adapter: VLLMAdapter, complete: Any, model_dir: Path, new_weights_dir: Path
+async def test_vllms_own_disk_loader_changes_then_restores_the_weights(
+    complete: Any, model_dir: Path, new_weights_dir: Path, vllm: VLLMHttp
 ) -> None:
-    start_checksums, start_text = await adapter.engine_checksums(), await complete()
-    await adapter.reload_weights(str(new_weights_dir), weight_version="disk-1")
-    assert await adapter.weight_version() == "disk-1"
-    assert await adapter.compare_checksums(start_checksums) != []
+    start_checksums, start_text = await vllm.checksums(), await complete()
+    await vllm.reload_weights(str(new_weights_dir), weight_version="disk-1")
+    assert await vllm.weight_version() == "disk-1"
+    assert await vllm.mismatches(start_checksums) != []
     assert await complete() != start_text
-    await adapter.reload_weights(str(model_dir), weight_version="default")
-    assert await adapter.compare_checksums(start_checksums) == []
+    await vllm.reload_weights(str(model_dir), weight_version="default")
+    assert await vllm.mismatches(start_checksums) == []
     assert await complete() == start_text
 
 
-async def test_version_bump_is_visible_in_weight_info(adapter: VLLMAdapter) -> None:
-    before = await adapter.weight_version()
+async def test_version_bump_is_visible_in_weight_info(adapter: VLLMAdapter, vllm: VLLMHttp) -> None:
+    before = await vllm.weight_version()
     await adapter.set_weight_version("v-test-42")
-    assert await adapter.weight_version() == "v-test-42"
+    assert await vllm.weight_version() == "v-test-42"
     await adapter.set_weight_version(before or "default")
 
 
 async def test_a_chunk_that_cannot_be_read_leaves_the_weights_untouched(
-    adapter: VLLMAdapter, complete: Any
+    adapter: VLLMAdapter, complete: Any, vllm: VLLMHttp
 ) -> None:
-    start_checksums, start_text = await adapter.engine_checksums(), await complete()
+    start_checksums, start_text = await vllm.checksums(), await complete()
     missing = {"shm_name": "colocd-does-not-exist", "nbytes": 256, "layout": []}
     load = ChunkLoad(seq=0, payloads=(ChunkPart(0, "shm", 256, missing),), nbytes=256)
     await adapter.begin_weight_update()
@@ -152,7 +154,7 @@ async def test_a_chunk_that_cannot_be_read_leaves_the_weights_untouched(
         await adapter.load_weights(load)
     # vLLM ended the session on the error; our backend finalised the layer-wise reload, so every
     # layer is back on its previous weights and the engine can serve (or start a new update).
-    assert await adapter.compare_checksums(start_checksums) == []
+    assert await vllm.mismatches(start_checksums) == []
     assert await complete() == start_text
     await adapter.begin_weight_update()
     await adapter.end_weight_update()

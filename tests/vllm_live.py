@@ -1,0 +1,70 @@
+"""What the live vLLM tier (tests/vllm) asks of the server beside colocd's adapter: vLLM's own flags, its disk loader
+and its checksums, and the digest colocd's worker extension keeps of what arrived. None of it is a verb the daemon
+uses, so the tests speak vLLM's HTTP API for it directly.
+
+Its own module (not tests/vllm/conftest.py) so test modules can import it by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class VLLMHttp:
+    """One vLLM server's routes, read and driven as the tests need; any reply but 200 raises."""
+
+    def __init__(self, url: str, client: httpx.AsyncClient) -> None:
+        self._url = url.rstrip("/")
+        self._client = client
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        # Connection: close, as the adapter sends: a worker's error drops the keep-alive socket (docs/vllm.md).
+        response = await self._client.request(method, self._url + path, headers={"Connection": "close"}, **kwargs)
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    async def healthy(self) -> bool:
+        """``GET /health`` answers 200 (it never generates, so it passes while asleep)."""
+        return (await self._client.get(self._url + "/health")).status_code == 200
+
+    async def is_sleeping(self) -> bool:
+        """vLLM's own flag: true while any tag is asleep *or* the scheduler is merely paused."""
+        return bool((await self._json("GET", "/is_sleeping"))["is_sleeping"])
+
+    async def is_paused(self) -> bool:
+        return bool((await self._json("GET", "/is_paused"))["is_paused"])
+
+    async def weight_version(self) -> str | None:
+        version = (await self._json("GET", "/weight_info"))["weight_version"]
+        return None if version is None else str(version)
+
+    async def _rpc(self, method: str, **kwargs: Any) -> list[Any]:
+        body = {"method": method, **({"kwargs": kwargs} if kwargs else {})}
+        reply = await self._json("POST", "/collective_rpc", json=body)
+        return [] if reply is None else list(reply["results"])  # empty: every worker returned None
+
+    async def received_digest(self) -> str | None:
+        """The extension's digest of the tensors the last update delivered (comparable with
+        ``extension.named_digest``); every worker must report the same one."""
+        digests = {r.get("digest") for r in await self._rpc("colocd_received_digest") if isinstance(r, dict)}
+        assert len(digests) <= 1, f"vLLM workers received different weights: {digests}"
+        return digests.pop() if digests else None
+
+    async def reload_weights(self, weights_path: str, weight_version: str | None = None) -> None:
+        """vLLM's own loader reads an HF checkpoint directory in place (and repoints its model path at it)."""
+        await self._rpc("reload_weights", weights_path=weights_path)
+        if weight_version is not None:
+            await self._json("POST", "/update_weight_version", json={"new_version": weight_version})
+
+    async def checksums(self) -> dict[str, str]:
+        """``/weight_checker`` checksum: vLLM's per-parameter digests of the served model, keyed
+        ``dp{i}:pp{j}:pcp{k}:tp{r}:<param>`` (gpu_worker.py:367-378). On CPU the prepacked linear weights are
+        empty tensors, so only embeddings, lm_head, norms and biases are covered."""
+        return dict((await self._json("POST", "/weight_checker", json={"action": "checksum"}))["checksums"])
+
+    async def mismatches(self, baseline: dict[str, str]) -> list[str]:
+        """``/weight_checker`` compare: the parameters whose digest differs from ``baseline``."""
+        reply = await self._json("POST", "/weight_checker", json={"action": "compare", "baseline": baseline})
+        return list(reply["mismatches"])
