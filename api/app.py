@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal, TypeVar
 
+import pydantic_core
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
@@ -49,6 +50,18 @@ def _reply(result: TransitionResult) -> TransitionReply:
     return TransitionReply(step=result.step, phase=result.phase, replayed=result.replayed,
                            duration_s=result.duration_s, engines=result.engines, freed_bytes=result.freed_bytes,
                            directives=result.directives, trace=result.trace.to_json() if result.trace else None)
+
+
+def _json_reply(content: dict[str, Any]) -> Response | dict[str, Any]:
+    """A reply the daemon built from its own records, encoded in one pass by pydantic-core (as FastAPI would,
+    NaN as null): the route's ``response_model`` documents it, and FastAPI's validation of every nested value
+    first (measurable on the session's open and commit) is skipped. A value pydantic-core cannot encode as is
+    goes back to FastAPI, as before."""
+    try:
+        body = pydantic_core.to_json(content, inf_nan_mode="null")
+    except pydantic_core.PydanticSerializationError:
+        return content
+    return Response(body, media_type="application/json")
 
 
 def _part(chunk: ChunkDescriptor) -> ChunkPart:
@@ -170,15 +183,20 @@ async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> T
     return _reply(await d.transitions.resume(tuple(body.tags) if body.tags else None, body.engines))
 
 
-@_route("POST", "/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES))
-async def open_session(body: OpenSessionRequest, d: D, request: Request) -> OpenSessionReply:
+# The hot routes of a weight session (open, commit) answer pre-encoded JSON (_json_reply); response_model keeps
+# each reply's schema in OpenAPI.
+@_route("POST", "/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES),
+        response_model=OpenSessionReply)
+async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Response | dict[str, Any]:
     manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
     s = await d.sessions.open(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
                               manifest=manifest, partial=body.partial)
-    return OpenSessionReply(session_id=s.id, ranks=s.ranks, depth=s.depth, step=s.step, version=s.version,
-                            partial=s.partial, idle_s=s.idle_s,
-                            manifest_tensors=None if s.manifest is None else len(s.manifest),
-                            chunk_channel=request.state.chunk_channel, transports=list(s.transports()))
+    # OpenSessionReply's fields, in its order (tests/integration/test_session_replies.py holds the two to one set).
+    return _json_reply({"session_id": s.id, "ranks": s.ranks, "depth": s.depth, "step": s.step,
+                        "version": s.version, "partial": s.partial, "idle_s": s.idle_s,
+                        "manifest_tensors": None if s.manifest is None else len(s.manifest),
+                        "chunk_channel": request.state.chunk_channel,
+                        "transports": [t.value for t in s.transports()]})
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/join", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
@@ -195,9 +213,11 @@ async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckRe
     return ChunkAckReply(seq=ack.seq, rank=ack.rank, engines=list(ack.engines), load_s=ack.load_s)
 
 
-@_route("POST", "/v1/weights/sessions/{session_id}/commit", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
-async def commit(session_id: str, d: D, body: Annotated[CommitRequest | None, Body()] = None) -> dict[str, Any]:
-    return await d.sessions.commit(session_id, (body or CommitRequest()).num_chunks)
+@_route("POST", "/v1/weights/sessions/{session_id}/commit", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES),
+        response_model=dict[str, Any])
+async def commit(session_id: str, d: D,
+                 body: Annotated[CommitRequest | None, Body()] = None) -> Response | dict[str, Any]:
+    return _json_reply(await d.sessions.commit(session_id, (body or CommitRequest()).num_chunks))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))

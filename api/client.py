@@ -67,6 +67,9 @@ class AsyncColocdClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=base, transport=transport, headers=headers,
                                        timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False)
+        self._in_flight = 0  # this client's calls under way (``idle``)
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def __aenter__(self) -> Self:
         return self
@@ -77,8 +80,22 @@ class AsyncColocdClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    async def idle(self) -> None:
+        """Return once none of this client's calls is under way: what a report nobody waits on (the trainer's
+        lease bytes) waits for, so it never shares the daemon's and this process's time with a call that is on
+        the trainer's path (a commit right after the stream, the rollout transition right after the commit)."""
+        while self._in_flight:
+            await self._idle.wait()
+
     async def _request(self, method: str, path: str, json: Any = None, **kw: Any) -> Any:
-        response = await self._http.request(method, path, json=json, **kw)
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            response = await self._http.request(method, path, json=json, **kw)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
         if response.status_code >= 400:
             try:
                 body = response.json()

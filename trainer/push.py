@@ -237,6 +237,7 @@ class WeightPusher:
             self._lease_reporter = asyncio.create_task(self._send_lease_reports())
 
     async def _send_lease_reports(self) -> None:
+        await self._client.idle()  # after the call that follows the stream (its commit), not beside it
         while self._lease_report_due:
             self._lease_report_due = False
             try:

@@ -1,0 +1,112 @@
+"""The weight session's hot calls: their replies (open, commit) are encoded by the route itself (api/app.py
+``_json_reply``) and must still be what their documented models say; the trainer's lease report, which nobody waits
+on, never travels beside the commit that follows the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import torch
+from support import InMemoryEngine, serve_app
+
+from colocd.api.app import _json_reply, create_app
+from colocd.api.client import AsyncColocdClient
+from colocd.api.schemas import OpenSessionReply
+from colocd.daemon.config import NodeConfig
+from colocd.daemon.node import Daemon
+from colocd.trainer.push import WeightPusher
+
+
+def _config() -> NodeConfig:
+    return NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}]})
+
+
+async def _synced_node_replies() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The open and commit replies of one empty session over HTTP."""
+    config = _config()
+    async with (serve_app(create_app(config, daemon=Daemon(config, adapters={"e0": InMemoryEngine("e0")}))) as url,
+                AsyncColocdClient(url) as client):
+        await client.phase("train", 1)
+        await client.phase("sync", 1)
+        opened = await client.open_session("v1", ranks=1)
+        return opened, await client.commit(opened["session_id"], 0)
+
+
+async def test_the_open_reply_has_exactly_the_fields_of_its_documented_model() -> None:
+    opened, _ = await _synced_node_replies()
+    assert list(opened) == list(OpenSessionReply.model_fields)
+    assert OpenSessionReply.model_validate(opened).model_dump(mode="json") == opened
+    assert opened["transports"] and all(isinstance(t, str) for t in opened["transports"])
+
+
+async def test_the_commit_reply_carries_the_session_the_engines_the_verification_and_the_trace() -> None:
+    opened, committed = await _synced_node_replies()
+    assert committed["id"] == opened["session_id"] and committed["state"] == "committed"
+    assert set(committed) >= {"broadcasts", "engines", "verification", "trace"}
+    assert committed["engines"]["e0"]["weight_version"] == "v1"
+    assert committed["trace"]["outcome"] == "committed"
+
+
+def test_a_reply_encodes_nan_as_null_and_leaves_what_json_cannot_carry_to_the_framework() -> None:
+    encoded = _json_reply({"seconds": math.nan, "tags": ("a", "b")})
+    assert not isinstance(encoded, dict)
+    assert json.loads(bytes(encoded.body)) == {"seconds": None, "tags": ["a", "b"]}
+    odd = {"value": object()}
+    assert _json_reply(odd) is odd
+
+
+class ReportWaitingEngine(InMemoryEngine):
+    """Ends its update session only once a lease report reached the daemon, or after a while: a commit that lasts
+    long enough for a report sent beside it to arrive meanwhile (a real engine's end takes milliseconds)."""
+
+    def __init__(self, reported: asyncio.Event) -> None:
+        super().__init__("e0")
+        self.reported = reported
+
+    async def end_weight_update(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.reported.wait(), 0.3)
+
+
+def _request_log(app: Any, log: list[tuple[str, str, float]], reported: asyncio.Event) -> Any:
+    """``app`` noting when each POST arrives and when its reply went out; ``reported`` set as a lease report
+    arrives."""
+    async def logged(scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
+                     send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        log.append(("in", scope["path"], time.perf_counter()))
+        if scope["path"] == "/v1/trainer/leases":
+            reported.set()
+
+        async def noted(message: Any) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                log.append(("out", scope["path"], time.perf_counter()))
+        await app(scope, receive, noted)
+    return logged
+
+
+async def test_the_lease_report_after_a_stream_waits_for_the_commit_reply_instead_of_riding_beside_it() -> None:
+    config = _config()
+    log: list[tuple[str, str, float]] = []
+    reported = asyncio.Event()
+    daemon = Daemon(config, adapters={"e0": ReportWaitingEngine(reported)})
+    app = _request_log(create_app(config, daemon=daemon), log, reported)
+    named = [(f"layers.{i}.weight", torch.zeros(64, 64)) for i in range(4)]
+    async with serve_app(app) as url, AsyncColocdClient(url) as client:
+        await client.phase("train", 1)
+        await client.phase("sync", 1)
+        async with WeightPusher(client, transport="shm", bucket_mb=0.02) as pusher:
+            await pusher.push(named, version="v1")
+        await client.idle()
+    commit_out = next(t for kind, path, t in log if kind == "out" and path.endswith("/commit"))
+    reports = [t for kind, path, t in log if kind == "in" and path == "/v1/trainer/leases"]
+    assert reports, "the pusher reports its leases"
+    assert min(reports) > commit_out, log
