@@ -117,43 +117,48 @@ def all_reduce_canary(name: str, group: dist.ProcessGroup, timeout_s: float, *, 
 
 def detect_suspend_capability(device: torch.device, backends: Sequence[str]) -> SuspendCapability:
     """Check torch >= 2.12, NCCL >= 2.29.7, CUDA, NCCL-only groups and cuMem on (nccl-keepalive.md §1.1)."""
-    if device.type != "cuda":
-        return SuspendCapability(False, "suspend needs CUDA and NCCL; this process runs on CPU")
-    if torch.__version__ < "2.12":
-        return SuspendCapability(
-            False, f"torch {torch.__version__} has no ProcessGroupNCCL suspend (needs 2.12)"
-        )
-    if any(b != "nccl" for b in backends):
-        return SuspendCapability(
-            False, f"suspend applies to NCCL groups only; backends here: {sorted(set(backends))}"
-        )
-    try:
-        nccl = tuple(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
-    except Exception as exc:
-        return SuspendCapability(False, f"NCCL version unknown ({exc!r})")
-    if nccl < _MIN_NCCL_SUSPEND:
-        return SuspendCapability(False, f"NCCL {'.'.join(map(str, nccl))} < 2.29.7 has no ncclCommSuspend")
+    torch_missing = (f"torch {torch.__version__} has no ProcessGroupNCCL suspend (needs 2.12)"
+                     if torch.__version__ < "2.12" else None)
+    refused = _nccl_gate("suspend", device, backends, torch_missing, _MIN_NCCL_SUSPEND, "2.29.7 has no ncclCommSuspend")
+    if refused is not None:
+        return refused
     if os.environ.get("NCCL_CUMEM_ENABLE") == "0":
         # Suspend only releases cuMem allocations; with cuMem off it would succeed and free nothing.
         return SuspendCapability(False, "NCCL_CUMEM_ENABLE=0: suspend would succeed but free nothing")
-    return SuspendCapability(True, f"torch {torch.__version__}, NCCL {'.'.join(map(str, nccl))}")
+    return _nccl_ready()
 
 
 def detect_split_capability(device: torch.device, backends: Sequence[str]) -> SuspendCapability:
     """Whether groups can be rebuilt as ncclCommSplit children of one parent (``rebuild: split_shared``)."""
+    options = _nccl_options() if device.type == "cuda" else None
+    torch_missing = (f"torch {torch.__version__} cannot split a process group from a parent"
+                     if options is None or not hasattr(options, "split_from") else None)
+    refused = _nccl_gate("split_shared", device, backends, torch_missing, _MIN_NCCL_SPLIT, "2.18 has no ncclCommSplit")
+    return refused if refused is not None else _nccl_ready()
+
+
+def _nccl_gate(feature: str, device: torch.device, backends: Sequence[str], torch_missing: str | None,
+               minimum: tuple[int, ...], too_old: str) -> SuspendCapability | None:
+    """The checks an NCCL communicator feature shares, in order: CUDA, NCCL-only groups, torch's support, NCCL's
+    version. The first that fails, or None when all pass."""
     if device.type != "cuda":
-        return SuspendCapability(False, "split_shared needs CUDA and NCCL; this process runs on CPU")
+        return SuspendCapability(False, f"{feature} needs CUDA and NCCL; this process runs on CPU")
     if any(b != "nccl" for b in backends):
-        return SuspendCapability(False, f"split_shared applies to NCCL groups only; backends here: "
+        return SuspendCapability(False, f"{feature} applies to NCCL groups only; backends here: "
                                         f"{sorted(set(backends))}")
-    if _nccl_options() is None or not hasattr(_nccl_options(), "split_from"):
-        return SuspendCapability(False, f"torch {torch.__version__} cannot split a process group from a parent")
+    if torch_missing is not None:
+        return SuspendCapability(False, torch_missing)
     try:
         nccl = tuple(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
     except Exception as exc:
         return SuspendCapability(False, f"NCCL version unknown ({exc!r})")
-    if nccl < _MIN_NCCL_SPLIT:
-        return SuspendCapability(False, f"NCCL {'.'.join(map(str, nccl))} < 2.18 has no ncclCommSplit")
+    if nccl < minimum:
+        return SuspendCapability(False, f"NCCL {'.'.join(map(str, nccl))} < {too_old}")
+    return None
+
+
+def _nccl_ready() -> SuspendCapability:
+    nccl = tuple(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
     return SuspendCapability(True, f"torch {torch.__version__}, NCCL {'.'.join(map(str, nccl))}")
 
 
