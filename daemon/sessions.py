@@ -574,8 +574,7 @@ class WeightSessions:
             # only the process holding the session, so the pushed weights, can take it); others are told next.
             at_end = committed and version is not None and engine.can(Capability.VERSION_AT_END)
             await ops.timed_call(engine, trace, d.metrics, "end_weight_update", t.budget(Budget.WEIGHT_UPDATE),
-                                 engine.adapter.end_weight_update(version) if at_end
-                                 else engine.adapter.end_weight_update())
+                                 engine.adapter.end_weight_update(version if at_end else None))
             if committed and version is not None:
                 if not at_end:
                     await ops.timed_call(engine, trace, d.metrics, "set_weight_version",

@@ -38,7 +38,7 @@ class SessionStuckEngine(InMemoryEngine):
     async def observe(self) -> Observation:
         return Observation(incarnation="one", weight_version="v0", paused=True, update_session_open=self.open)
 
-    async def end_weight_update(self) -> None:
+    async def end_weight_update(self, version: str | None = None) -> None:
         self.ends += 1
         if not self.fixed:
             raise EngineRejected(self.name, "end_weight_update: busy", status=503)

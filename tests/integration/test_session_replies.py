@@ -69,7 +69,7 @@ class ReportWaitingEngine(InMemoryEngine):
         super().__init__("e0")
         self.reported = reported
 
-    async def end_weight_update(self) -> None:
+    async def end_weight_update(self, version: str | None = None) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.reported.wait(), 0.3)
 
