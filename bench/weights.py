@@ -480,7 +480,8 @@ async def _control_floor(results: list[VariantResult], named: Sequence[tuple[str
     return floors
 
 
-def _targets(results: list[dict[str, Any]], control_floor: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+def _targets(results: list[dict[str, Any]], floor_s: float,
+             control_floor: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     ran = {r["name"]: r for r in results if not r["skipped"] and r["verified"]}
     out: dict[str, Any] = {}
     if ran:
@@ -516,7 +517,6 @@ def _targets(results: list[dict[str, Any]], control_floor: Sequence[dict[str, An
             b = min(walled, key=lambda r: r["wall_x_floor"])["breakdown"]
             out["open_x_round_trips"] = b["open"] / b["open.rt_floor"]
             out["commit_x_round_trips"] = b["commit"] / b["commit.rt_floor"]
-            floor_s = b["wall"] / min(r["wall_x_floor"] for r in walled)
             out["best_wall_x_floor_plus_round_trips"] = b["wall"] / (floor_s + b["open.rt_floor"]
                                                                      + b["commit.rt_floor"])
     overlaps = [ran[n]["best_stream_s"] for n in ("overlap2", "overlap3") if n in ran]
@@ -609,7 +609,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         "variants": summaries,
         "control_floor": control_floor,
         "round_trip_floors_s": {"trainer_daemon": floors.trainer_s, "engine": floors.engine_s},
-        "targets": _targets(summaries, control_floor),
+        "targets": _targets(summaries, floor_s, control_floor),
         "date": time.strftime("%Y-%m-%d"),
     }
     print(_table(summaries, floor_s, nbytes), flush=True)
