@@ -28,7 +28,7 @@ __all__ = ["STAGES", "RoundTrips", "breakdown", "breakdown_table", "round_trips"
 STAGES: tuple[tuple[str, str], ...] = (
     ("open", "trainer: POST open -> reply"),
     ("open.daemon", "  daemon: trace start -> last open span"),
-    ("open.lock", "    node lock + reconcile (engines observed)"),
+    ("open.lock", "    node lock (+ reconcile, engines observed, where made)"),
     ("open.checks", "    state, step, ranks, manifest parse"),
     ("open.manifest", "    engines' parameter manifests"),
     ("open.manifest_check", "    declared manifest against them"),
@@ -41,7 +41,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("stream.load", "  engines' chunk loads, summed"),
     ("commit", "trainer: POST commit -> reply"),
     ("commit.daemon", "  daemon: node lock -> journal end"),
-    ("commit.lock", "    node lock + reconcile (engines observed)"),
+    ("commit.lock", "    node lock (+ reconcile, engines observed, where made)"),
     ("commit.drain", "    drain"),
     ("commit.check_complete", "    completeness"),
     ("commit.verify", "    verification"),
@@ -84,11 +84,15 @@ class RoundTrips:
 
 
 def round_trips(trace: Mapping[str, Any]) -> dict[str, list[str]]:
-    """The engine round trips open and commit made one after another: the observation, then each engine call the
-    trace has a span of (several engines asked at once count once)."""
-    names = {s.get("name") for s in trace.get("spans", ())}
-    return {"open": ["observe", *(n for n in _OPEN_CALLS if n in names)],
-            "commit": ["observe", *(n for n in _COMMIT_CALLS if n in names)]}
+    """The engine round trips open and commit made one after another: the observation where the node lock made one,
+    then each engine call the trace has a span of (several engines asked at once count once)."""
+    spans = list(trace.get("spans", ()))
+    names = {s.get("name") for s in spans}
+    # The first node_lock is the open's, a second the commit's; a lock span without the flag observed.
+    locks = sorted((s for s in spans if s.get("name") == "node_lock"), key=lambda s: float(s.get("start_s", 0.0)))
+    observed = [bool(s.get("attrs", {}).get("observed", True)) for s in locks] + [True, True]
+    return {"open": ["observe"] * observed[0] + [n for n in _OPEN_CALLS if n in names],
+            "commit": ["observe"] * observed[1] + [n for n in _COMMIT_CALLS if n in names]}
 
 
 def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float, trace: Mapping[str, Any],

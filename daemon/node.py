@@ -190,21 +190,33 @@ class Daemon:
         return self._lock.locked()
 
     @contextlib.asynccontextmanager
-    async def exclusive(self, what: str) -> AsyncIterator[None]:
+    async def exclusive(self, what: str, *, observe: bool = True) -> AsyncIterator[None]:
         """Hold the node for ``what``: refused while another operation holds it (a background reconcile is
-        waited for), then every engine is reconciled before ``what`` acts."""
+        waited for), then every engine is reconciled before ``what`` acts. ``observe=False``: ``what``'s own
+        first engine call proves each engine is the one on record, so it acts on the record (still refused
+        while a restarted daemon has engines it has not reconciled)."""
         check_can_start(what, lifecycle=self.lifecycle, node=self.node,
                         busy_with=self.busy_with if self._lock.locked() and not self._reconciling else None)
         async with self._lock:  # a background reconcile holding it finishes first
             self.busy_with = what
             try:
-                await self.sync.reconcile_all(f"before {what}")
-                check_reconciled(what, {n: self.engines[n].state.last_error
-                                        for n in self.sync.unreconciled}, self.node)
+                if observe:
+                    await self.reconcile_before(what)
+                else:
+                    self._check_reconciled(what)
                 yield
             finally:
                 self.busy_with = None
                 self.refresh_gauges()
+
+    async def reconcile_before(self, what: str) -> None:
+        """Observe and reconcile every engine for ``what`` (which holds the node); refused while a restarted
+        daemon still has engines it could not reconcile with its journal."""
+        await self.sync.reconcile_all(f"before {what}")
+        self._check_reconciled(what)
+
+    def _check_reconciled(self, what: str) -> None:
+        check_reconciled(what, {n: self.engines[n].state.last_error for n in self.sync.unreconciled}, self.node)
 
     @contextlib.asynccontextmanager
     async def background(self, what: str, *, reconciling: bool = False) -> AsyncIterator[None]:

@@ -35,7 +35,7 @@ from enum import StrEnum
 from ..engines.base import MemoryTag, Observation, PauseMode
 from .states import EngineRecord, Generation, NodePhase, TagState, WeightsState
 
-__all__ = ["Action", "Desired", "Plan", "plan"]
+__all__ = ["Action", "Desired", "Plan", "agrees", "plan"]
 
 
 class Action(StrEnum):
@@ -181,6 +181,11 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
         actions.append(Action.CONTINUE)
     return Plan(recorded.name, reason is not None, reason, base, tuple(actions), release, tuple(findings),
                 end_tolerant, resume, mode)
+
+
+def agrees(recorded: EngineRecord, observed: Observation, *, phase: NodePhase) -> bool:
+    """The engine is what its record says: reconciling on ``observed`` would correct nothing and do nothing."""
+    return not plan(Desired.holding(recorded), recorded, observed, phase=phase, owns_session=False).changes_anything
 
 
 def _observed(recorded: EngineRecord, observed: Observation, restarted: bool, first_sight: bool,

@@ -12,6 +12,7 @@ import os
 import time
 from collections import OrderedDict
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +26,7 @@ from .engine_ops import EngineHandle
 from .errors import NotFound, RequestInvalid, WeightSyncError
 from .fanout import OnFailure, each_engine, fan_out
 from .metrics import Metrics
+from .reconcile import agrees
 from .states import (
     NodeState,
     SessionState,
@@ -67,7 +69,8 @@ class SessionContext(Protocol):
     stopping: asyncio.Event
     @property
     def busy(self) -> bool: ...
-    def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
+    def exclusive(self, what: str, *, observe: bool = True) -> AbstractAsyncContextManager[None]: ...
+    async def reconcile_before(self, what: str) -> None: ...
     def background(self, what: str, *, reconciling: bool = False) -> AbstractAsyncContextManager[None]: ...
     def timeouts(self) -> Timeouts: ...
     def policy_set(self) -> PolicySet: ...
@@ -124,68 +127,93 @@ class WeightSessions:
         ``manifest`` ([{name, dtype, shape}]) is what the trainer will send; every chunk's layout is checked
         against it. Unless ``partial``, it must cover each engine's full parameter set where that is known;
         a partial update needs intact (clean) weights on every engine. Refusals change nothing.
+
+        Where every engine answers its begin with what it was just before (``Capability.OBSERVE_AT_BEGIN``) and
+        has been in sight since it was last observed, that answer is the check against the record, so no
+        observation comes first; an engine that differs from its record has its begin undone, every engine is
+        observed and reconciled, and the open runs again on the corrected records.
         """
         d = self._d
         # The session's trace starts before the node's lock, so its spans cover the whole open (the breakdown
         # of `colocd bench weights`); the step it names is the node's, as the check below requires.
         trace = Trace(d.node.step, "weights")
-        async with d.exclusive("open_weights"):
-            _lock_span(trace, 0.0)
+        at_begin = all(_observes_at_begin(e) for e in d.engines.values())
+        async with d.exclusive("open_weights", observe=not at_begin):
+            _lock_span(trace, 0.0, observed=not at_begin)
             trace.step = d.node.step
-            with trace.span("open_checks"):
-                await self.lapse_if_idle()
-                current = self.current
-                check_can_open_session(self.open_id(), (e.state for e in d.engines.values()), d.node,
-                                       idle_for=current.idle_for() if current is not None else 0.0,
-                                       idle_s=current.idle_s if current is not None else None)
-                if step is not None and step != d.node.step:
-                    raise RequestInvalid(f"step {step} is not the node's step {d.node.step} (phase "
-                                         f"{d.node.phase.value}): a session carries the weights of the node's step; "
-                                         f"send {d.node.step} or leave step out", field="step")
-                step = d.node.step
+            args = _OpenArgs(step, version, ranks, depth, manifest, partial)
+            if at_begin:
                 try:
-                    declared = manifest_from_json(manifest) if manifest is not None else None
-                except (KeyError, TypeError, ValueError) as exc:
-                    raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
-                if partial:
-                    check_partial_allowed((e.state for e in d.engines.values()), d.node)
-                d.sync.require_attached()
-                ranks = self._check_ranks(ranks)
-            t = d.timeouts()
-            required = await self._parameter_sets(trace, t.budget(Budget.WEIGHT_UPDATE))
-            if declared is not None:
-                with trace.span("manifest_check", tensors=len(declared)):
-                    self._check_declared(declared, required, partial)
-            session = WeightSession(
-                step=step, version=version, ranks=ranks, engines=list(d.engines.values()),
-                depth=depth or d.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
-                trace=trace, metrics=d.metrics, manifest=declared, partial=partial,
-                idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
-                sources=self._feed_ranks(), rings=self.rings)
-            session.required = required
-            trace.attrs["session"] = session.id  # the session's log line and trace name it
-            session.prior = {n: e.state.weights for n, e in d.engines.items()}
-            session.verify = d.policy_set().sync.verify
+                    return await self._open_locked(trace, args, check_at_begin=True)
+                except _RecordDiffers as differs:
+                    since = trace.elapsed_s()
+                    await d.reconcile_before("open_weights")
+                    trace.add(Span("reconcile", None, since, trace.elapsed_s() - since,
+                                   attrs={"engines": differs.engines}))
+            return await self._open_locked(trace, args, check_at_begin=False)
 
-            async def begin(engine: EngineHandle) -> None:
-                await ops.timed_call(engine, trace, d.metrics, "begin_weight_update",
-                                     t.budget(Budget.WEIGHT_UPDATE),
-                                     engine.adapter.begin_weight_update(session_id=session.id))
-                engine.state = engine.state.with_(weights=WeightsState.UPDATING)
-
+    async def _open_locked(self, trace: Trace, args: _OpenArgs, *, check_at_begin: bool) -> WeightSession:
+        d = self._d
+        step, version, ranks, manifest, partial = args.step, args.version, args.ranks, args.manifest, args.partial
+        with trace.span("open_checks"):
+            await self.lapse_if_idle()
+            current = self.current
+            check_can_open_session(self.open_id(), (e.state for e in d.engines.values()), d.node,
+                                   idle_for=current.idle_for() if current is not None else 0.0,
+                                   idle_s=current.idle_s if current is not None else None)
+            if step is not None and step != d.node.step:
+                raise RequestInvalid(f"step {step} is not the node's step {d.node.step} (phase "
+                                     f"{d.node.phase.value}): a session carries the weights of the node's step; "
+                                     f"send {d.node.step} or leave step out", field="step")
+            step = d.node.step
             try:
-                await each_engine(d.engines.values(), begin, phase="weights", metrics=d.metrics)
-            except BaseException:
-                await self._close_engines_update(trace, committed=False, session=session)
-                raise
-            if self.current is not None:
-                self._gone[self.current.id] = self.current
-                while len(self._gone) > 64:
-                    self._gone.popitem(last=False)
-            self.current = session
-            d.versions.opened(version, session.id)  # counts while open; engines lag it until commit
-            session.touch()
-            return session
+                declared = manifest_from_json(manifest) if manifest is not None else None
+            except (KeyError, TypeError, ValueError) as exc:
+                raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
+            if partial:
+                check_partial_allowed((e.state for e in d.engines.values()), d.node)
+            d.sync.require_attached()
+            ranks = self._check_ranks(ranks)
+        t = d.timeouts()
+        required = await self._parameter_sets(trace, t.budget(Budget.WEIGHT_UPDATE))
+        if declared is not None:
+            with trace.span("manifest_check", tensors=len(declared)):
+                self._check_declared(declared, required, partial)
+        session = WeightSession(
+            step=step, version=version, ranks=ranks, engines=list(d.engines.values()),
+            depth=args.depth or d.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
+            trace=trace, metrics=d.metrics, manifest=declared, partial=partial,
+            idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
+            sources=self._feed_ranks(), rings=self.rings)
+        session.required = required
+        trace.attrs["session"] = session.id  # the session's log line and trace name it
+        session.prior = {n: e.state.weights for n, e in d.engines.items()}
+        session.verify = d.policy_set().sync.verify
+        differs: list[str] = []
+
+        async def begin(engine: EngineHandle) -> None:
+            observed = await ops.timed_call(engine, trace, d.metrics, "begin_weight_update",
+                                            t.budget(Budget.WEIGHT_UPDATE),
+                                            engine.adapter.begin_weight_update(session_id=session.id))
+            if check_at_begin and (observed is None or not agrees(engine.state, observed, phase=d.node.phase)):
+                differs.append(engine.name)
+            engine.state = engine.state.with_(weights=WeightsState.UPDATING)
+
+        try:
+            await each_engine(d.engines.values(), begin, phase="weights", metrics=d.metrics)
+            if differs:
+                raise _RecordDiffers(sorted(differs))
+        except BaseException:
+            await self._close_engines_update(trace, committed=False, session=session)
+            raise
+        if self.current is not None:
+            self._gone[self.current.id] = self.current
+            while len(self._gone) > 64:
+                self._gone.popitem(last=False)
+        self.current = session
+        d.versions.opened(version, session.id)  # counts while open; engines lag it until commit
+        session.touch()
+        return session
 
     def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
         """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
@@ -343,8 +371,11 @@ class WeightSessions:
         session = self.get(session_id)
         require_session_open(session.id, session.state, error=session.error)
         waiting_since = session.trace.elapsed_s()
-        async with d.exclusive("commit_weights"):
-            _lock_span(session.trace, waiting_since)
+        # An engine that takes the version as its session ends refuses the end unless it is the process that
+        # holds this session (so the pushed weights): that call is the commit's proof, no observation first.
+        bound = all(e.can(Capability.VERSION_AT_END) for e in session.engines)
+        async with d.exclusive("commit_weights", observe=not bound):
+            _lock_span(session.trace, waiting_since, observed=not bound)
             session.touch()
             self.groups.check_settled(session)
             trace = session.trace
@@ -634,7 +665,34 @@ class WeightSessions:
             d.changed()
 
 
-def _lock_span(trace: Trace, since: float) -> None:
-    """``node_lock``: from ``since`` until now, waiting for the node and reconciling every engine before acting
-    (``Daemon.exclusive``)."""
-    trace.add(Span("node_lock", None, since, trace.elapsed_s() - since))
+@dataclass(frozen=True, slots=True)
+class _OpenArgs:
+    """What the trainer asked an open for (``WeightSessions.open``'s arguments)."""
+
+    step: int | None
+    version: str
+    ranks: int | None
+    depth: int | None
+    manifest: list[dict[str, Any]] | None
+    partial: bool
+
+
+class _RecordDiffers(Exception):
+    """An engine's answer to its begin differs from its record (the open observes and reconciles, then retries)."""
+
+    def __init__(self, engines: list[str]) -> None:
+        super().__init__(f"engines {engines} differ from their records")
+        self.engines = engines
+
+
+def _observes_at_begin(engine: EngineHandle) -> bool:
+    """Its begin's answer can stand in for an observation: it says what it was, and nothing since it was last
+    observed (a failed probe, a journal record) asks for a full look first."""
+    return (engine.can(Capability.OBSERVE_AT_BEGIN) and engine.observed_once and not engine.lost_sight
+            and engine.state.healthy)
+
+
+def _lock_span(trace: Trace, since: float, *, observed: bool = True) -> None:
+    """``node_lock``: from ``since`` until now, waiting for the node and, where ``observed``, reconciling every
+    engine before acting (``Daemon.exclusive``)."""
+    trace.add(Span("node_lock", None, since, trace.elapsed_s() - since, attrs={"observed": observed}))

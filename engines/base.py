@@ -75,6 +75,7 @@ class Capability(StrEnum):
     NO_WARMUP = "no_warmup"  # it serves as soon as it answers: no warm-up generation to wait for (``started``)
     OBSERVE_IN_ONE = "observe_in_one"  # one reply carries all ``observe`` reads (version and memory with its state)
     VERSION_AT_END = "version_at_end"  # ``end_weight_update(version)`` sets the served version as the session ends
+    OBSERVE_AT_BEGIN = "observe_at_begin"  # ``begin_weight_update`` returns the observation as the session opened
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +249,10 @@ class EngineAdapter(Protocol):
     async def flush_cache(self) -> bool: ...
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
-    async def begin_weight_update(self, session_id: str | None = None) -> None: ...
+    async def begin_weight_update(self, session_id: str | None = None) -> Observation | None:
+        """Open the engine's update session; with ``Capability.OBSERVE_AT_BEGIN``, what ``observe`` would have
+        answered just before it opened (from the same reply), else None."""
+        ...
     async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self, version: str | None = None) -> None:
         """End the update session; ``version`` (asked only with ``Capability.VERSION_AT_END``) becomes the served

@@ -591,16 +591,21 @@ class ReferenceEngine:
             async with self._update_lock.writer():
                 yield
 
-    async def begin_weight_update(self, selector: str, session: str | None = None) -> tuple[bool, str]:
+    async def begin_weight_update(self, selector: str, session: str | None = None
+                                  ) -> tuple[bool, str, dict[str, Any] | None]:
+        """Open the session; on success also what server_info's state fields said just before it opened (the
+        pause gate, the served version, the tags' memory), taken under the same lock, so the caller's check
+        of this process against its record needs no separate observation."""
         self._running()
         # The control lock: a load still running (of a session whose caller gave up) finishes first.
         async with self._model_update(), self._control_lock:
             if self._session_selector is not None:
-                return False, "a weight-update session is already open; call end_weight_update() first"
+                return False, "a weight-update session is already open; call end_weight_update() first", None
+            state = {"internal_states": [self.internal_state()], "colocd_state": self.observed_state()}
             self._session_selector = selector
             self._session_id = session
             self._sink_loads = []
-            return True, "Success"
+            return True, "Success", state
 
     async def end_weight_update(self, version: str | None = None) -> tuple[bool, str]:
         """End the open session; ``version`` (colocd's extension) becomes the served weight version in the same

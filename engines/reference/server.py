@@ -163,6 +163,14 @@ def _health_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -
 # --- info --------------------------------------------------------------------------------------
 
 
+def _startup_time(engine: ReferenceEngine) -> dict[str, Any]:
+    """SGLang 0.5.23's shape: a dict of startup-phase durations (tokenizer_manager.py:535,862), which observers may
+    not read as a timestamp. This engine measures none of them; its start time, in the same dict, makes each
+    process's answer its own (the incarnation colocd derives from it)."""
+    return {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0, "cuda_graph": {},
+            "tokenizer_e2e": 0.0, "colocd_started_at": engine.startup_time}
+
+
 def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
     router = APIRouter()
     legacy = settings.protocol == "legacy"
@@ -223,11 +231,7 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "colocd_state": engine.observed_state(),
         }
         if not legacy:
-            # SGLang 0.5.23's shape: a dict of startup-phase durations (tokenizer_manager.py:535,862), which
-            # observers may not read as a timestamp. This engine measures none of them; its start time, in
-            # the same dict, makes each process's answer its own (the incarnation colocd derives from it).
-            info["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
-                                    "cuda_graph": {}, "tokenizer_e2e": 0.0, "colocd_started_at": engine.startup_time}
+            info["startup_time"] = _startup_time(engine)
             info["frontend"] = "python"
         return info
 
@@ -336,8 +340,13 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
             return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
         @router.post("/begin_weight_update")
-        async def begin(body: BeginWeightUpdateBody) -> JSONResponse:
-            return _success(*await engine.begin_weight_update(body.selector, body.colocd_session))  # :1458
+        async def begin(body: BeginWeightUpdateBody) -> JSONResponse:  # :1458
+            ok, message, state = await engine.begin_weight_update(body.selector, body.colocd_session)
+            if state is None:
+                return _success(ok, message)
+            # colocd's extension: server_info's identity and state fields as the session opened.
+            observed = {"version": settings.version, "startup_time": _startup_time(engine), **state}
+            return _success(ok, message, colocd_observed=observed)
 
         @router.post("/end_weight_update")
         async def end(body: EndWeightUpdateBody) -> JSONResponse:

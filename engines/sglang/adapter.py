@@ -61,13 +61,15 @@ _R = TypeVar("_R", bound=BaseModel)
 
 def _reference_extensions(server: wire.ServerInfo, protocol: SGLangProtocol) -> frozenset[Capability]:
     """The reference engine's capabilities: all of them, less what this server's reply or protocol lacks (one
-    call observes it only where server_info carries ``colocd_state``; a version set at the end needs an update
-    session to end)."""
+    call, or the begin of a session, observes it only where server_info carries ``colocd_state``; a version set at
+    the end, and an observation at the begin, need an update session)."""
     lacking: set[Capability] = set()
     if server.colocd_state is None:
         lacking.add(Capability.OBSERVE_IN_ONE)
     if not protocol.weight_update_session:
-        lacking.add(Capability.VERSION_AT_END)
+        lacking.update((Capability.VERSION_AT_END, Capability.OBSERVE_AT_BEGIN))
+    if server.colocd_state is None:
+        lacking.add(Capability.OBSERVE_AT_BEGIN)
     return REFERENCE_EXTENSIONS - lacking
 
 
@@ -293,12 +295,21 @@ class SGLangAdapter:
             return {**body, "colocd_session": session_id}
         return body
 
-    async def begin_weight_update(self, session_id: str | None = None) -> None:
-        if self.protocol.weight_update_session:
-            request = wire.BeginWeightUpdateReqInput(selector="all")
-            body = self._with_session(wire.body(request, self.protocol), session_id)
-            self._check_success(await self._call("POST", request.ROUTE, "begin_weight_update", body),
-                                "begin_weight_update")
+    async def begin_weight_update(self, session_id: str | None = None) -> Observation | None:
+        if not self.protocol.weight_update_session:
+            return None
+        request = wire.BeginWeightUpdateReqInput(selector="all")
+        body = self._with_session(wire.body(request, self.protocol), session_id)
+        response = await self._call("POST", request.ROUTE, "begin_weight_update", body)
+        self._check_success(response, "begin_weight_update")
+        if Capability.OBSERVE_AT_BEGIN not in self._extensions:
+            return None
+        # The reference engine's reply carries server_info's state fields as the session opened.
+        data = self._json(response, self.name, "begin_weight_update")
+        observed = data.get("colocd_observed") if isinstance(data, dict) else None
+        server = self._parse(wire.ServerInfo, observed, "begin_weight_update.colocd_observed")
+        state = self._parse(extensions.StateReply, server.colocd_state, "begin_weight_update.colocd_observed")
+        return self._observation(server, state.weight_version, state.memory.report())
 
     async def load_weights(self, load: ChunkLoad) -> None:
         request = wire.UpdateWeightsFromTensorReqInput(

@@ -1,12 +1,16 @@
-"""What a weight session's commit asks of the reference engine in one round trip (issue 29), and what that
-shortcut must still catch: the engine's end of the session sets the pushed version, so an engine process that
-restarted after the commit's observation (the gap before the version lands) takes no version it does not hold.
+"""What a weight session's open and commit ask of the reference engine (issue 29), and what those shortcuts must
+still catch. The engine's end of the session sets the pushed version, and only the process that holds the session
+can end it, so the commit observes no engine first, and an engine process that restarted after the last chunk
+takes no version it does not hold. The engine's begin answers what it was as the session opened, so the open
+observes no engine first either; an engine that is not what its record says (a restarted process) is observed
+and reconciled, and the open is decided on the corrected record.
 
 A reference engine runs as its own process on loopback; the daemon runs in the test's event loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from typing import Any
@@ -18,7 +22,7 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase, WeightsState
 from colocd.daemon.weights import WeightSession
-from colocd.engines.base import Capability, ChunkPart, Observation
+from colocd.engines.base import Capability, ChunkPart, MemoryTag, Observation
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -46,36 +50,44 @@ async def _served_version(url: str) -> str:
         return str((await http.get(f"{url}/model_info")).raise_for_status().json()["weight_version"])
 
 
-async def test_an_engine_restarted_after_the_commits_observation_takes_no_version_and_the_commit_fails() -> None:
+def _daemon_config(url: str) -> NodeConfig:
+    return NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": url}],
+                                      "timeouts": {"health_interval_s": 600, "default_s": 20}})
+
+
+def _count_observations(daemon: Daemon, during: str) -> list[int]:
+    """Counts the engine observations made while the node is busy with ``during`` (one counter, a list)."""
+    handle = daemon.engines["ref0"]
+    observe = handle.adapter.observe
+    seen = [0]
+
+    async def counted() -> Observation:
+        if daemon.busy_with == during:
+            seen[0] += 1
+        return await observe()
+
+    handle.adapter.observe = counted  # type: ignore[method-assign]
+    return seen
+
+
+async def test_an_engine_restarted_before_the_commit_takes_no_version_and_the_commit_fails_at_its_end() -> None:
     engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
     await engine.astart()
     url = str(engine.url)
     segments: list[SharedSegment] = []
-    config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": url}],
-                                        "timeouts": {"health_interval_s": 600, "default_s": 20}})
     try:
-        async with Daemon(config) as daemon:
+        async with Daemon(_daemon_config(url)) as daemon:
             handle = daemon.engines["ref0"]
             assert handle.can(Capability.VERSION_AT_END) and handle.can(Capability.OBSERVE_IN_ONE)
             session = await _open_and_send_everything(daemon, segments)
-            observe = handle.adapter.observe
-
-            async def observe_then_restart() -> Observation:
-                seen = await observe()
-                if daemon.busy_with == "commit_weights":  # the commit's observation: the engine restarts after it
-                    nonlocal engine
-                    assert engine.pid is not None
-                    os.kill(engine.pid, signal.SIGKILL)
-                    await engine.aclose()
-                    # Ready once it serves (its start-up over), so its answer is about the session, not the start.
-                    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0))
-                    await engine.astart()
-                return seen
-
-            handle.adapter.observe = observe_then_restart  # type: ignore[method-assign]
+            assert engine.pid is not None
+            os.kill(engine.pid, signal.SIGKILL)  # every chunk delivered; the process holding them is gone
+            await engine.aclose()
+            # Ready once it serves (its start-up over), so its answer is about the session, not the start.
+            engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0))
+            await engine.astart()
             with pytest.raises(Exception, match="no weight-update session is open"):
                 await daemon.sessions.commit(session.id, 1)
-            handle.adapter.observe = observe  # type: ignore[method-assign]
             assert await _served_version(url) == "default"  # the new process never took v1
             assert handle.state.weight_version != "v1"
             assert handle.state.weights is not WeightsState.CLEAN
@@ -84,15 +96,44 @@ async def test_an_engine_restarted_after_the_commits_observation_takes_no_versio
         _unlink(segments)
 
 
+async def test_a_commit_whose_engines_end_their_sessions_with_the_version_observes_no_engine_first() -> None:
+    segments: list[SharedSegment] = []
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
+                                      ready_path="/model_info") as engine:
+        async with Daemon(_daemon_config(str(engine.url))) as daemon:
+            session = await _open_and_send_everything(daemon, segments)
+            observed = _count_observations(daemon, "commit_weights")
+            await daemon.sessions.commit(session.id, 1)
+            assert observed == [0]
+            assert daemon.engines["ref0"].state.weight_version == "v1"
+    _unlink(segments)
+
+
+async def test_a_commit_observes_every_engine_first_where_one_sets_its_version_in_a_separate_call() -> None:
+    segments: list[SharedSegment] = []
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
+                                      ready_path="/model_info") as engine:
+        async with Daemon(_daemon_config(str(engine.url))) as daemon:
+            handle = daemon.engines["ref0"]
+            assert handle.info is not None
+            # As SGLang: the version is its own call after the end, which any process may answer.
+            handle.info = dataclasses.replace(handle.info,
+                                              capabilities=handle.info.capabilities - {Capability.VERSION_AT_END})
+            session = await _open_and_send_everything(daemon, segments)
+            observed = _count_observations(daemon, "commit_weights")
+            reply: dict[str, Any] = await daemon.sessions.commit(session.id, 1)
+            assert observed == [1]
+            assert "set_weight_version" in [s["name"] for s in reply["trace"]["spans"]]
+    _unlink(segments)
+
+
 async def test_a_commit_sets_the_version_as_the_engine_ends_the_session_in_one_call() -> None:
     engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
                                     ready_path="/model_info")
     segments: list[SharedSegment] = []
     async with engine:
         url = str(engine.url)
-        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": url}],
-                                            "timeouts": {"health_interval_s": 600, "default_s": 20}})
-        async with Daemon(config) as daemon:
+        async with Daemon(_daemon_config(url)) as daemon:
             session = await _open_and_send_everything(daemon, segments)
             reply: dict[str, Any] = await daemon.sessions.commit(session.id, 1)
             names = [s["name"] for s in reply["trace"]["spans"]]
@@ -100,6 +141,82 @@ async def test_a_commit_sets_the_version_as_the_engine_ends_the_session_in_one_c
             assert await _served_version(url) == "v1"
             assert daemon.engines["ref0"].state.weight_version == "v1"
     _unlink(segments)
+
+
+async def _restart(engine: ReferenceEngineProcess, url: str) -> ReferenceEngineProcess:
+    assert engine.pid is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    await engine.aclose()
+    fresh = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0))
+    await fresh.astart()
+    return fresh
+
+
+async def test_an_open_whose_engines_answer_their_state_at_begin_observes_no_engine_first() -> None:
+    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
+                                      ready_path="/model_info") as engine:
+        async with Daemon(_daemon_config(str(engine.url))) as daemon:
+            assert daemon.engines["ref0"].can(Capability.OBSERVE_AT_BEGIN)
+            await daemon.transitions.transition(NodePhase.TRAIN, 1)
+            await daemon.transitions.transition(NodePhase.SYNC, 1)
+            observed = _count_observations(daemon, "open_weights")
+            session = await daemon.sessions.open(step=1, version="v1", ranks=1)
+            assert observed == [0]
+            assert daemon.engines["ref0"].state.weights is WeightsState.UPDATING
+            await daemon.sessions.abort(session.id)
+
+
+async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_partial_update_is_refused() -> None:
+    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
+    await engine.astart()
+    url = str(engine.url)
+    segments: list[SharedSegment] = []
+    try:
+        async with Daemon(_daemon_config(url)) as daemon:
+            session = await _open_and_send_everything(daemon, segments)
+            await daemon.sessions.commit(session.id, 1)
+            await daemon.transitions.transition(NodePhase.ROLLOUT, 1)
+            await daemon.transitions.sleep((MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH), None)  # weights kept
+            record = daemon.engines["ref0"].state
+            assert record.weights is WeightsState.CLEAN and record.weight_version == "v1"
+            engine = await _restart(engine, url)  # behind the daemon's back: default weights, serving
+            observed = _count_observations(daemon, "open_weights")
+            with pytest.raises(Exception, match="a partial update needs intact weights"):
+                await daemon.sessions.open(step=1, version="v1p", ranks=1, partial=True)
+            assert observed == [1]  # the begin's answer differed, so the open looked, then refused
+            record = daemon.engines["ref0"].state
+            assert record.incarnation != "" and record.weights is WeightsState.STALE
+            assert (await _internal_state(url))["weight_update_session"] is None  # the begin was undone
+    finally:
+        await engine.aclose()
+        _unlink(segments)
+
+
+async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_complete_update_opens() -> None:
+    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
+    await engine.astart()
+    url = str(engine.url)
+    try:
+        async with Daemon(_daemon_config(url)) as daemon:
+            await daemon.transitions.transition(NodePhase.TRAIN, 1)
+            await daemon.transitions.transition(NodePhase.SYNC, 1)
+            before = daemon.engines["ref0"].state.incarnation
+            engine = await _restart(engine, url)
+            session = await daemon.sessions.open(step=1, version="v1", ranks=1)
+            record = daemon.engines["ref0"].state
+            assert record.incarnation != before and record.weights is WeightsState.UPDATING
+            names = [s.name for s in session.trace.spans]
+            assert "reconcile" in names and names.count("begin_weight_update") == 2
+            state = await _internal_state(url)
+            assert state["paused"] is not None and state["weight_update_session"] == "all"
+            await daemon.sessions.abort(session.id)
+    finally:
+        await engine.aclose()
+
+
+async def _internal_state(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+        return dict((await http.get(f"{url}/server_info")).raise_for_status().json()["internal_states"][0])
 
 
 def _unlink(segments: list[SharedSegment]) -> None:

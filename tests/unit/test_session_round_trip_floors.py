@@ -33,3 +33,10 @@ def test_the_floors_price_each_round_trip_and_the_lines_say_the_multiples() -> N
     assert "commit 14.00 ms = 2.00x its round trips (1 trainer + 3 engine" in text
     assert "4.40x the copy floor" in text
     assert breakdown(open_s=1, stream_s=1, commit_s=1, wall_s=3, trace=trace)["open.rt_floor"] == 0.0
+
+
+def test_a_node_lock_that_observed_no_engine_counts_no_observation() -> None:
+    trace = _trace("node_lock", "begin_weight_update", "node_lock", "end_weight_update")
+    commit_lock = trace["spans"][2]  # type: ignore[index]
+    commit_lock["attrs"] = {"observed": False}
+    assert round_trips(trace) == {"open": ["observe", "begin_weight_update"], "commit": ["end_weight_update"]}
