@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal, TypeVar
 
-import pydantic_core
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
@@ -40,6 +39,8 @@ from .schemas import (
     TransitionReply,
     UpdateWeightsRequest,
 )
+from .session_calls import commit_session, encode_reply
+from .session_calls import open_session as open_session_call
 
 __all__ = ["create_app"]
 
@@ -57,11 +58,8 @@ def _json_reply(content: dict[str, Any]) -> Response | dict[str, Any]:
     NaN as null): the route's ``response_model`` documents it, and FastAPI's validation of every nested value
     first (measurable on the session's open and commit) is skipped. A value pydantic-core cannot encode as is
     goes back to FastAPI, as before."""
-    try:
-        body = pydantic_core.to_json(content, inf_nan_mode="null")
-    except pydantic_core.PydanticSerializationError:
-        return content
-    return Response(body, media_type="application/json")
+    body = encode_reply(content)
+    return content if body is None else Response(body, media_type="application/json")
 
 
 def _part(chunk: ChunkDescriptor) -> ChunkPart:
@@ -188,15 +186,7 @@ async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> T
 @_route("POST", "/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES),
         response_model=OpenSessionReply)
 async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Response | dict[str, Any]:
-    manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
-    s = await d.sessions.open(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
-                              manifest=manifest, partial=body.partial)
-    # OpenSessionReply's fields, in its order (tests/integration/test_session_replies.py holds the two to one set).
-    return _json_reply({"session_id": s.id, "ranks": s.ranks, "depth": s.depth, "step": s.step,
-                        "version": s.version, "partial": s.partial, "idle_s": s.idle_s,
-                        "manifest_tensors": None if s.manifest is None else len(s.manifest),
-                        "chunk_channel": request.state.chunk_channel,
-                        "transports": [t.value for t in s.transports()]})
+    return _json_reply(await open_session_call(d, body, request.state.chunk_channel))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/join", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
@@ -217,7 +207,7 @@ async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckRe
         response_model=dict[str, Any])
 async def commit(session_id: str, d: D,
                  body: Annotated[CommitRequest | None, Body()] = None) -> Response | dict[str, Any]:
-    return _json_reply(await d.sessions.commit(session_id, (body or CommitRequest()).num_chunks))
+    return _json_reply(await commit_session(d, session_id, body))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))

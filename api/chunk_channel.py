@@ -10,14 +10,21 @@ Protocol, newline-delimited JSON (one UTF-8 object per line, at most ``limits.ma
 
 - trainer → daemon, first frame: ``{"session_id": "...", "rank": 0, "token": "...", "device_id": "..."}``
   (``ChunkChannelHello``; ``token`` when the node sets one; ``device_id`` to join the session in the same
-  round trip, as ``POST /v1/weights/sessions/{id}/join`` would). The daemon answers ``{"channel":
-  "colocd-chunks/1", "session_id", "rank", "max_frame_bytes", "max_in_flight"}`` plus ``"join"`` (the
-  ``JoinReply``) when the hello joined, or an error frame and closes the connection.
+  round trip, as ``POST /v1/weights/sessions/{id}/join`` would). Instead of ``session_id``, ``"open": {...}``
+  (``OpenSessionRequest``) opens the session as ``POST /v1/weights/sessions`` would, and this connection carries
+  it. The daemon answers ``{"channel": "colocd-chunks/1", "session_id", "rank", "max_frame_bytes",
+  "max_in_flight"}`` plus ``"open"`` (the ``OpenSessionReply``) when the hello opened and ``"join"`` (the
+  ``JoinReply``) when it joined, or an error frame and closes the connection (a session the hello opened and
+  whose join was refused is aborted).
 - every later frame is what ``POST /v1/weights/sessions/{id}/chunks`` carries (``seq``, ``rank``,
   ``transport``, ``nbytes``, ``handle``); ``rank`` may be left out (the hello's rank) but not changed.
 - the daemon answers each with the ``ChunkAckReply`` body, or an error frame: ``ErrorBody`` plus
   ``status`` (what HTTP would have answered) and ``seq`` when the frame had one. Replies come in
   completion order, so a trainer keeps ``depth`` chunks in flight on one connection and matches by ``seq``.
+- a frame whose first key is ``"commit"``, ``{"commit": {"num_chunks": N}}`` (``ChannelCommit``), sent once every
+  chunk was acked, commits the connection's session as ``POST .../commit`` would: the answer is
+  ``{"commit": <its reply>}`` or an error frame with ``"frame": "commit"``. The session's open and commit then
+  cost one Unix-socket round trip each instead of an HTTP request.
 
 A malformed frame is answered with an error frame naming the field and the connection stays usable;
 only a frame over the size limit, a bad hello or a wrong token closes it.
@@ -46,7 +53,8 @@ from ..engines.base import ChunkPart
 from ..engines.errors import EngineError
 from .channel_dir import ChannelDir, reclaim_dead_channel_dirs
 from .errors import error_body, validation_body
-from .schemas import ChunkChannelHello, ChunkDescriptor, JoinReply
+from .schemas import ChannelCommit, ChunkChannelHello, ChunkDescriptor, JoinReply
+from .session_calls import commit_session, encode_reply, open_session
 
 __all__ = ["CHANNEL_PROTOCOL", "ChunkChannelServer", "channel_path"]
 
@@ -57,6 +65,7 @@ HELLO_TIMEOUT_S = 10.0  # a connection that never says which session it serves i
 # Chunks one connection may have submitted and unanswered; reading stops (back-pressure) beyond it.
 # Sessions allow at most depth <= 64 outstanding per rank, so this never limits a correct trainer.
 MAX_IN_FLIGHT = 64
+_COMMIT_FRAME = b'{"commit"'  # a frame whose first key is "commit" commits; every other one is a chunk
 
 
 def channel_path(config: NodeConfig) -> tuple[Path | None, ChannelDir | None]:
@@ -93,8 +102,10 @@ def _frame(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
 
-def _error_frame(status: int, body: dict[str, Any], seq: int | None = None) -> bytes:
-    extra = {} if seq is None else {"seq": seq}
+def _error_frame(status: int, body: dict[str, Any], seq: int | None = None, *, frame: str | None = None) -> bytes:
+    extra: dict[str, Any] = {} if seq is None else {"seq": seq}
+    if frame is not None:
+        extra["frame"] = frame
     return _frame({**body, "status": status, **extra})
 
 
@@ -187,9 +198,12 @@ class ChunkChannelServer:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 line = await reader.readline()
             hello = self._hello(line)
+            opened = await self._open(hello) if hello.open is not None else None
+            session_id = opened["session_id"] if opened is not None else hello.session_id
+            assert session_id is not None
             if (pid := _peer_pid(writer)) is not None:  # the kernel's word: this process is the trainer
-                self._daemon.sessions.note_trainer_pid(hello.session_id, pid)
-            joined = await self._join(hello)
+                self._daemon.sessions.note_trainer_pid(session_id, pid)
+            joined = await self._join(hello, session_id, opened=opened is not None)
         except TimeoutError:
             writer.write(_error_frame(408, {"error": "HelloTimeout", "message": (
                 f"no hello frame within {HELLO_TIMEOUT_S:g} s of connecting: send "
@@ -201,9 +215,11 @@ class ChunkChannelServer:
         except _ChannelRefusal as refusal:
             writer.write(_error_frame(refusal.status, refusal.body))
             return
-        session_id, rank = hello.session_id, hello.rank
+        rank = hello.rank
         greeting: dict[str, Any] = {"channel": CHANNEL_PROTOCOL, "session_id": session_id, "rank": rank,
                                     "max_frame_bytes": self.max_frame_bytes, "max_in_flight": MAX_IN_FLIGHT}
+        if opened is not None:
+            greeting["open"] = opened
         if joined is not None:
             greeting["join"] = joined
         writer.write(_frame(greeting))
@@ -223,6 +239,14 @@ class ChunkChannelServer:
                     break  # end of stream (a partial last line is a trainer cut off mid-frame)
                 if not line.strip():
                     window.release()
+                    continue
+                if line.startswith(_COMMIT_FRAME):
+                    # Sent once every chunk was acked: answered in order, before anything read after it.
+                    try:
+                        writer.write(await self._commit(line, session_id))
+                    finally:
+                        window.release()
+                    await writer.drain()
                     continue
                 task = start_now(self._chunk(line, session_id, rank, writer, window))
                 chunks.add(task)
@@ -253,6 +277,12 @@ class ChunkChannelServer:
         if self._token is not None and not hmac.compare_digest((hello.token or "").encode(), self._token):
             raise _ChannelRefusal(401, {"error": "Unauthorized", "field": "token",
                                         "message": "missing or wrong token in the hello frame"})
+        if hello.open is not None:
+            if hello.rank >= (ranks := hello.open.ranks or 1):
+                raise _ChannelRefusal(422, {"error": "RequestInvalid", "field": "rank", "message": (
+                    f"rank {hello.rank} is outside the opened session's ranks 0..{ranks - 1}")})
+            return hello
+        assert hello.session_id is not None
         try:
             stats = self._daemon.sessions.get(hello.session_id).stats()
             if stats["state"] != "open":
@@ -266,15 +296,44 @@ class ChunkChannelServer:
             raise _ChannelRefusal(*error_body(exc)) from None
         return hello
 
-    async def _join(self, hello: ChunkChannelHello) -> dict[str, Any] | None:
-        """The join a hello asked for (its reply, as JSON), saving the trainer an HTTP call; None if it asked none."""
+    async def _open(self, hello: ChunkChannelHello) -> dict[str, Any]:
+        """The session a hello asked to open (``OpenSessionReply``'s fields), saving the trainer an HTTP call."""
+        assert hello.open is not None
+        try:
+            return await open_session(self._daemon, hello.open, self.address)
+        except (ColocdError, EngineError) as exc:
+            raise _ChannelRefusal(*error_body(exc)) from None
+
+    async def _join(self, hello: ChunkChannelHello, session_id: str, *, opened: bool) -> dict[str, Any] | None:
+        """The join a hello asked for (its reply, as JSON), saving the trainer an HTTP call; None if it asked none.
+        A session this hello ``opened`` is aborted when its join is refused: nobody else knows its id."""
         if hello.device_id is None:
             return None
         try:
-            joined = await self._daemon.sessions.join(hello.session_id, hello.rank, hello.device_id)
+            joined = await self._daemon.sessions.join(session_id, hello.rank, hello.device_id)
         except (ColocdError, EngineError) as exc:
+            if opened:
+                with contextlib.suppress(ColocdError, EngineError):
+                    await self._daemon.sessions.abort(session_id, f"the opening rank's join was refused: {exc}")
             raise _ChannelRefusal(*error_body(exc)) from None
         return JoinReply.model_validate(joined).model_dump(mode="json")
+
+    async def _commit(self, line: bytes, session_id: str) -> bytes:
+        """A commit frame's answer: ``{"commit": <the commit reply>}``, or an error frame with ``"frame": "commit"``."""
+        try:
+            body = ChannelCommit.model_validate_json(line)
+        except ValidationError as exc:
+            return _error_frame(*validation_body(exc.errors(include_url=False)), frame="commit")
+        try:
+            reply = {"commit": await commit_session(self._daemon, session_id, body.commit)}
+        except (ColocdError, EngineError) as exc:
+            return _error_frame(*error_body(exc), frame="commit")
+        except Exception as exc:
+            log.exception("unexpected error committing on the chunk channel (session %s)", session_id)
+            return _error_frame(500, {"error": "InternalError", "message": f"{type(exc).__name__}: {exc}"},
+                                frame="commit")
+        encoded = encode_reply(reply)
+        return encoded + b"\n" if encoded is not None else _frame(reply)
 
     async def _chunk(self, line: bytes, session_id: str, rank: int, writer: asyncio.StreamWriter,
                      window: asyncio.Semaphore) -> None:

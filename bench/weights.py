@@ -310,21 +310,25 @@ async def _push_once(
     version: str,
     depth: int,
 ) -> tuple[float, float, float, float, int, dict[str, Any]]:
-    """(open, stream, commit, wall) seconds, the chunk count and the commit reply of one full session."""
+    """(open, stream, commit, wall) seconds, the chunk count and the commit reply of one full session, as
+    ``WeightPusher.push`` makes it (open and join, stream, commit), no manifest declared."""
     t0 = time.perf_counter()
-    reply = await client.open_session(version, ranks=1, depth=depth)
-    sid = reply["session_id"]
+    session = await pusher.open(list(named), version=version, declare=False)
+    sid = session.session_id
     t1 = time.perf_counter()
     try:
-        chunks, _ = await pusher.stream(sid, named, chunk_channel=reply.get("chunk_channel"))
+        chunks, _ = await pusher.stream(sid, named, session=session)
         t2 = time.perf_counter()
-        commit = await client.commit(sid, chunks)
+        commit = await pusher.commit(session, chunks)
     except BaseException:
         try:
             await client.abort(sid)
         except (ColocdHTTPError, httpx.TransportError):
             pass  # already failed; the original error matters
         raise
+    finally:
+        if session.channel is not None:
+            await session.channel.aclose()
     t3 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, t3 - t0, chunks, commit
 

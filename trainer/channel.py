@@ -4,7 +4,9 @@
         ack = await ch.send_chunk(sid, seq=0, rank=0, chunk=exported)
 
 One connection per session and rank. ``connect(..., device_id=...)`` joins the session in the greeting
-(``channel.joined`` is the join reply), one Unix-socket round trip instead of ``POST .../join``.
+(``channel.joined`` is the join reply), one Unix-socket round trip instead of ``POST .../join``;
+``connect(..., open_body={...})`` opens the session there too (``channel.opened`` is the open reply), and
+``commit(num_chunks)`` commits it on the same connection: a one-rank push then makes no HTTP request at all.
 ``send_chunk`` has the signature of ``AsyncColocdClient.send_chunk`` and fails the same way
 (``ColocdHTTPError`` with the status HTTP would have answered), so ``WeightPusher`` uses either. Many
 chunks may be in flight at once; each reply is matched to its call by ``seq``.
@@ -126,7 +128,10 @@ class ChunkChannel:
         # The join reply when the hello joined; None when it did not (or the daemon predates joining there).
         joined = greeting.get("join")
         self.joined: dict[str, Any] | None = joined if isinstance(joined, dict) else None
+        opened = greeting.get("open")
+        self.opened: dict[str, Any] | None = opened if isinstance(opened, dict) else None  # when the hello opened
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._committing: asyncio.Future[dict[str, Any]] | None = None
         self._closed: BaseException | None = None
         for line in early or ():  # frames that came with the greeting, before this object listened
             self._on_reply(line)
@@ -136,11 +141,15 @@ class ChunkChannel:
             self._fail_waiting(replies.lost)
 
     @classmethod
-    async def connect(cls, address: str, *, session_id: str, rank: int = 0, token: str | None = None,
-                      device_id: str | None = None, timeout_s: float = CONNECT_TIMEOUT_S) -> ChunkChannel:
-        """Connect to ``unix:/path`` and greet (joining on ``device_id`` when given); ``ColocdHTTPError`` if
-        the daemon refuses the hello or the join, ``OSError`` if the socket cannot be reached (e.g. the
+    async def connect(cls, address: str, *, session_id: str | None = None, rank: int = 0, token: str | None = None,
+                      device_id: str | None = None, open_body: dict[str, Any] | None = None,
+                      timeout_s: float = CONNECT_TIMEOUT_S) -> ChunkChannel:
+        """Connect to ``unix:/path`` and greet: for ``session_id``, or opening the session ``open_body`` describes
+        (``POST /v1/weights/sessions``' body); joining on ``device_id`` when given. ``ColocdHTTPError`` if the
+        daemon refuses the hello, the open or the join, ``OSError`` if the socket cannot be reached (e.g. the
         daemon runs on another host)."""
+        if (session_id is None) == (open_body is None):
+            raise ValueError("give exactly one of session_id and open_body")
         if not address.startswith("unix:"):
             raise ValueError(f"chunk channel address {address!r}: only unix:/path is supported")
         loop = asyncio.get_running_loop()
@@ -164,7 +173,11 @@ class ChunkChannel:
             await loop.create_unix_connection(lambda: replies, address.removeprefix("unix:"))
             assert replies.transport is not None
             try:
-                hello: dict[str, Any] = {"session_id": session_id, "rank": rank}
+                hello: dict[str, Any] = {"rank": rank}
+                if session_id is not None:
+                    hello["session_id"] = session_id
+                else:
+                    hello["open"] = open_body
                 if token is not None:
                     hello["token"] = token
                 if device_id is not None:
@@ -176,7 +189,8 @@ class ChunkChannel:
             except BaseException:
                 replies.transport.close()
                 raise
-        return cls(replies, session_id=session_id, rank=rank, greeting=greeting, early=early)
+        return cls(replies, session_id=str(greeting.get("session_id", session_id)), rank=rank, greeting=greeting,
+                   early=early)
 
     async def __aenter__(self) -> ChunkChannel:
         return self
@@ -207,6 +221,21 @@ class ChunkChannel:
         finally:
             self._waiting.pop(seq, None)
 
+    async def commit(self, num_chunks: int | None = None) -> dict[str, Any]:
+        """Commit this channel's session once every chunk sent on it was acked; returns what ``POST .../commit``
+        would (``ColocdHTTPError`` with its status where that would fail)."""
+        if self._closed is not None:
+            raise ChannelClosed(f"chunk channel is closed: {self._closed}")
+        if self._waiting or self._committing is not None:
+            raise ValueError("commit only once, after every chunk on this channel was acked")
+        self._committing = asyncio.get_running_loop().create_future()
+        try:
+            self._transport.write(json.dumps({"commit": {"num_chunks": num_chunks}}).encode() + b"\n")
+            await self._replies.drain()
+            return await self._committing
+        finally:
+            self._committing = None
+
     def _on_reply(self, line: bytes) -> None:
         try:
             body = json.loads(line)
@@ -214,6 +243,13 @@ class ChunkChannel:
                 raise ValueError(f"not a JSON object: {line[:200]!r}")
         except ValueError as exc:
             self._replies.end(ChannelClosed(f"the daemon sent an unreadable frame: {exc}"))
+            return
+        if self._committing is not None and ("commit" in body or body.get("frame") == "commit"):
+            if not self._committing.done():
+                if "error" in body:
+                    self._committing.set_exception(ColocdHTTPError(int(body.get("status", 502)), body))
+                else:
+                    self._committing.set_result(body["commit"])
             return
         seq = body.get("seq")
         waiter = self._waiting.get(seq) if isinstance(seq, int) else None
@@ -232,6 +268,6 @@ class ChunkChannel:
     def _fail_waiting(self, exc: BaseException) -> None:
         """Every chunk still waiting learns why the channel ended; later sends are refused."""
         self._closed = self._closed or exc
-        for waiter in self._waiting.values():
+        for waiter in [*self._waiting.values(), *([self._committing] if self._committing is not None else [])]:
             if not waiter.done():
                 waiter.set_exception(exc)

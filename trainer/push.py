@@ -114,6 +114,16 @@ class PushReport:
 
 
 @dataclass(frozen=True, slots=True)
+class PushSession:
+    """A one-rank session ``WeightPusher.open`` opened and joined: its id, the open reply, and the chunk channel
+    that carries its chunks and its commit (None: HTTP)."""
+
+    session_id: str
+    reply: dict[str, Any]
+    channel: ChunkChannel | None
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkRecord:
     """One chunk of a stream: bytes, export (flatten) time, round trip to its ack, the engines' load time, and
     the release of its buffer after the ack (the trainer's own work, not control)."""
@@ -184,11 +194,15 @@ class WeightPusher:
         self._producer: Producer | None = None
         self._shape: tuple[str, int] = (transport, self._bucket_bytes or 0)  # (transport, bucket) in use
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
-        self.last_join_s = 0.0  # the last stream's join (and its chunk channel's greeting), seconds
+        self.last_join_s = 0.0  # the last join (and its chunk channel's greeting), seconds; 0 in an open's greeting
         self.leases = LeaseBook(rank)
         self._lease_grace_s = lease_grace_s
         self._lease_reporter: asyncio.Task[None] | None = None
         self._lease_report_due = False
+        # The daemon's chunk channel as the last HTTP open named it: later opens go there (``open``).
+        self._channel_address: str | None = None
+        self._committed = asyncio.Event()  # clear while ``commit`` is under way
+        self._committed.set()
         self._digest_cache: DigestCache = {}  # engines/digest.py weight vectors, per device
 
     @classmethod
@@ -237,7 +251,9 @@ class WeightPusher:
             self._lease_reporter = asyncio.create_task(self._send_lease_reports())
 
     async def _send_lease_reports(self) -> None:
-        await self._client.idle()  # after the call that follows the stream (its commit), not beside it
+        # After the call that follows the stream (its commit, over HTTP or on the channel), not beside it.
+        await self._client.idle()
+        await self._committed.wait()
         while self._lease_report_due:
             self._lease_report_due = False
             try:
@@ -253,12 +269,11 @@ class WeightPusher:
         intact); otherwise the daemon refuses a push that does not cover every parameter."""
         t0 = time.perf_counter()
         named = list(named)  # references only: the manifest is declared before the first chunk
-        session = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
-                                                  manifest=manifest_of(named), partial=partial)
-        sid = session["session_id"]
+        session = await self.open(named, version=version, step=step, partial=partial)
+        sid = session.session_id
         try:
-            chunks, nbytes = await self.stream(sid, named, chunk_channel=session.get("chunk_channel"))
-            commit = await self._client.commit(sid, chunks)
+            chunks, nbytes = await self.stream(sid, named, session=session)
+            commit = await self.commit(session, chunks)
         except BaseException as exc:
             try:
                 await self._client.abort(sid)
@@ -268,7 +283,69 @@ class WeightPusher:
                 await self.leases.settle(f"session {sid} failed: {exc!r}", self._lease_grace_s)
                 self._report_leases()
             raise
+        finally:
+            if session.channel is not None:
+                await session.channel.aclose()
         return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
+
+    async def open(self, named: list[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
+                   partial: bool = False, declare: bool = True) -> PushSession:
+        """Open a session whose only rank is this process and join it (``push``'s first part): in the greeting of
+        the daemon's chunk channel where this pusher already knows its address (one Unix-socket round trip for
+        both), else over HTTP. ``declare``: the manifest of ``named`` is declared (``manifest_of``). The caller
+        closes ``channel`` (``push`` does)."""
+        body: dict[str, Any] = {"version": version, "step": step, "ranks": 1, "depth": self._depth}
+        if declare:
+            body["manifest"] = manifest_of(named)
+        if partial:
+            body["partial"] = True
+        device = self.device_of(named)
+        channel = await self._open_on_channel(body, device)
+        if channel is not None:
+            assert channel.opened is not None and channel.joined is not None
+            self.last_join, self.last_join_s = channel.joined, 0.0  # in the open's own round trip
+            return PushSession(channel.session_id, channel.opened, channel)
+        reply = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
+                                                manifest=body.get("manifest"), partial=partial)
+        sid = str(reply["session_id"])
+        self._channel_address = reply.get("chunk_channel")
+        t1 = time.perf_counter()
+        try:
+            channel = await self._join(sid, device, self._channel_address)
+        except BaseException as exc:
+            await self._abort(sid, exc)
+            raise
+        self.last_join_s = time.perf_counter() - t1
+        return PushSession(sid, reply, channel)
+
+    async def commit(self, session: PushSession, chunks: int) -> dict[str, Any]:
+        """Commit ``session`` (``push``'s last part): on its chunk channel, else over HTTP."""
+        self._committed.clear()  # before the first await: a lease report pending from the stream waits for it
+        try:
+            if session.channel is not None:
+                return await session.channel.commit(chunks)
+            return await self._client.commit(session.session_id, chunks)
+        finally:
+            self._committed.set()
+
+    async def _open_on_channel(self, body: dict[str, Any], device_id: str) -> ChunkChannel | None:
+        """The session ``body`` describes, opened and joined in a chunk channel's greeting; None where this pusher
+        knows no channel (its first open, ``channel="http"``) or the channel cannot (a restarted daemon's socket is
+        elsewhere, an older daemon): the open then goes over HTTP, whose reply says where the channel is now."""
+        address = self._channel_address
+        if self._channel == "http" or address is None:
+            return None
+        try:
+            return await ChunkChannel.connect(address, rank=self._rank, token=self._client.token,
+                                              device_id=device_id, open_body=body)
+        except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
+            log.debug("opening on chunk channel %s failed (%s); opening over HTTP", address, exc)
+        except ColocdHTTPError as exc:
+            if exc.status != 422 or exc.body.get("field") not in ("open", "session_id"):
+                raise  # the open itself was refused: as HTTP would have answered
+            log.debug("chunk channel %s cannot open sessions (%s); opening over HTTP", address, exc)
+        self._channel_address = None
+        return None
 
     def transport_for(self, device: torch.device) -> str:
         """The transport a stream of tensors on ``device`` uses: the one given, else ``auto_transport`` over what
@@ -392,7 +469,8 @@ class WeightPusher:
         return channel
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
-                     chunk_channel: str | EllipsisType | None = ...) -> tuple[int, int]:
+                     chunk_channel: str | EllipsisType | None = ...,
+                     session: PushSession | None = None) -> tuple[int, int]:
         """Join the session, then send this rank's part of every chunk; returns (chunks, bytes).
 
         ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
@@ -401,21 +479,25 @@ class WeightPusher:
 
         A chunk (or the join) that fails aborts the session at once, naming this rank's error (every other
         rank's stream then fails with it within a chunk); the stream still pulls every tensor left, so the
-        ranks' collectives in ``named`` stay matched, and then raises the first error."""
+        ranks' collectives in ``named`` stay matched, and then raises the first error.
+
+        ``session``: what ``open`` opened and joined; the stream then sends on its channel (or over HTTP) without
+        joining again, and leaves the channel open for the commit."""
         # The iterator is pulled off the event loop, one item at a time: producing a tensor may be a collective
         # (FSDP's full_tensor, a TP all-gather) that waits for a slower rank, and the acks of this rank's chunks
         # in flight must keep flowing meanwhile (the slower rank's engine may be waiting for them).
         # With a declared device_id the rank joins before producing anything (so a rank blocked in its first
         # gather has already told the daemon its device); else the first tensor says where it is.
         items = iter(named)
-        channel: ChunkChannel | None = None
-        if self._device_id is not None:
+        joined = session is not None
+        channel: ChunkChannel | None = session.channel if session is not None else None
+        if not joined and self._device_id is not None:
             channel = await self._join_or_walk(session_id, self._device_id, chunk_channel, items)
         try:
             first = await asyncio.to_thread(next, items, None)
             head = [first] if first is not None else []
             named = itertools.chain(head, items)
-            if self._device_id is None:
+            if not joined and self._device_id is None:
                 channel = await self._join_or_walk(session_id, self.device_of(head), chunk_channel, items)
             assert self.last_join is not None
             if not self.last_join["streams"]:
@@ -432,7 +514,7 @@ class WeightPusher:
             self.last_path = "http" if channel is None else "channel"
             return await self._stream(session_id, head, named, channel or self._client)
         finally:
-            if channel is not None:
+            if channel is not None and not joined:
                 await channel.aclose()
 
     async def _stream(self, session_id: str, head: list[tuple[str, torch.Tensor]],

@@ -178,7 +178,9 @@ async def test_a_wrong_token_or_an_unknown_session_is_refused_at_hello(
             ({"session_id": sid, "rank": 0}, 401, "token"),
             ({"session_id": "no-such-session", "rank": 0, "token": TOKEN}, 404, None),
             ({"session_id": sid, "rank": 3, "token": TOKEN}, 422, "rank"),
-            ({"session": sid, "token": TOKEN}, 422, "session_id"),
+            ({"session": sid, "token": TOKEN}, 422, "open"),  # no session named (and the field it has, refused)
+            ({"token": TOKEN}, 422, "open"),  # neither a session nor one to open
+            ({"session_id": sid, "open": {"version": "v"}, "token": TOKEN}, 422, "open"),  # both
         ):
             conn = await RawConnection.open(address)
             refused = await conn.send(hello)
@@ -331,3 +333,102 @@ async def test_with_the_channel_off_the_pusher_uses_http_and_says_so(
         assert await _checksum(node.engine_url) == tensor_checksum(named)
         with pytest.raises(ConnectionError):
             await WeightPusher(node.client, bucket_mb=0.05, channel="channel").push(named, version="x", step=1)
+
+
+# --- a one-rank push opens and commits on the channel ----------------------------------------------
+
+
+def _count_http(client: AsyncColocdClient) -> dict[str, int]:
+    """Counts the client's HTTP session opens and commits (the pusher's other calls go through these too)."""
+    counts = {"open": 0, "commit": 0}
+    open_session, commit = client.open_session, client.commit
+
+    async def counted_open(*args: Any, **kw: Any) -> dict[str, Any]:
+        counts["open"] += 1
+        return await open_session(*args, **kw)
+
+    async def counted_commit(*args: Any, **kw: Any) -> dict[str, Any]:
+        counts["commit"] += 1
+        return await commit(*args, **kw)
+
+    client.open_session = counted_open  # type: ignore[method-assign]
+    client.commit = counted_commit  # type: ignore[method-assign]
+    return counts
+
+
+async def test_a_pushers_next_push_opens_and_commits_on_the_chunk_channel_and_lands_verified(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
+        named = _model(seed=11)
+        counts = _count_http(node.client)
+        async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
+            await pusher.push(named, version="first", step=1)
+            assert counts == {"open": 1, "commit": 0}  # the first open learns where the channel is
+            await node.client.phase("rollout", 1)
+            await node.client.phase("train", 2)
+            await node.client.phase("sync", 2)
+            named = _model(seed=12)
+            report = await pusher.push(named, version="second", step=2)
+        assert counts == {"open": 1, "commit": 0}
+        assert report.commit["state"] == "committed" and report.commit["verification"]["mode"] == "full"
+        assert all(v == "verified" for v in [e["status"] for e in report.commit["verification"]["engines"].values()])
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+        assert (await node.client.status())["engines"]["ref0"]["weight_version"] == "second"
+
+
+async def test_an_open_the_daemon_refuses_on_the_channel_is_the_same_error_as_over_http_and_opens_nothing(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
+        named = _model(seed=13)
+        sid, address = await _open_with_channel(node, "first", named)
+        await node.client.abort(sid)
+        conn = await RawConnection.open(address)  # the node is at step 1: an open for step 2 is refused
+        refused = await conn.send({"open": {"version": "v", "step": 2, "ranks": 1}, "rank": 0, "token": TOKEN,
+                                   "device_id": "cpu:0"})
+        assert (refused["status"], refused["field"]) == (422, "step"), refused
+        assert await conn.closed_by_daemon()
+        conn.close()
+        assert (await node.client.status())["weight_session"]["id"] == sid  # still the aborted one: none opened
+        with pytest.raises(ColocdHTTPError) as over_http:
+            await node.client.open_session("v", step=2, ranks=1)
+        assert (over_http.value.status, over_http.value.body["field"]) == (422, "step")
+
+
+async def test_a_commit_frame_with_a_wrong_chunk_count_is_refused_and_the_connection_then_commits(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
+        named = _model(seed=14)
+        async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
+            await pusher.push(named, version="learn-the-channel", step=1)  # the pusher now knows the address
+            await node.client.phase("rollout", 1)
+            await node.client.phase("train", 2)
+            await node.client.phase("sync", 2)
+            session = await pusher.open(named, version="v2", step=2)
+            assert session.channel is not None and session.reply["session_id"] == session.session_id
+            chunks, _ = await pusher.stream(session.session_id, named, session=session)
+            with pytest.raises(ColocdHTTPError) as refused:
+                await session.channel.commit(chunks + 1)
+            assert (refused.value.status, refused.value.body.get("frame")) == (422, "commit")
+            reply = await session.channel.commit(chunks)
+            await session.channel.aclose()
+        assert reply["state"] == "committed" and reply["chunks_consumed"] == chunks
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+
+
+async def test_a_push_whose_remembered_channel_is_unreachable_opens_streams_and_commits_over_http(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
+        named = _model(seed=15)
+        counts = _count_http(node.client)
+        async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
+            first = await pusher.push(named, version="learn", step=1)
+            address = (await node.client.session(first.session_id))["chunk_channel"]
+            os.unlink(address.removeprefix("unix:"))  # the socket is gone (as behind another mount namespace)
+            await node.client.phase("rollout", 1)
+            await node.client.phase("train", 2)
+            await node.client.phase("sync", 2)
+            named = _model(seed=16)
+            report = await pusher.push(named, version="over-http", step=2)
+        assert counts == {"open": 2, "commit": 1} and pusher.last_path == "http"
+        assert report.commit["state"] == "committed"
+        assert await _checksum(node.engine_url) == tensor_checksum(named)

@@ -72,6 +72,7 @@ class ReportWaitingEngine(InMemoryEngine):
     async def end_weight_update(self, version: str | None = None) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.reported.wait(), 0.3)
+        self.reported.clear()
 
 
 def _request_log(app: Any, log: list[tuple[str, str, float]], reported: asyncio.Event) -> Any:
@@ -97,16 +98,33 @@ async def test_the_lease_report_after_a_stream_waits_for_the_commit_reply_instea
     config = _config()
     log: list[tuple[str, str, float]] = []
     reported = asyncio.Event()
-    daemon = Daemon(config, adapters={"e0": ReportWaitingEngine(reported)})
+    engine = ReportWaitingEngine(reported)
+    daemon = Daemon(config, adapters={"e0": engine})
     app = _request_log(create_app(config, daemon=daemon), log, reported)
     named = [(f"layers.{i}.weight", torch.zeros(64, 64)) for i in range(4)]
     async with serve_app(app) as url, AsyncColocdClient(url) as client:
         await client.phase("train", 1)
         await client.phase("sync", 1)
         async with WeightPusher(client, transport="shm", bucket_mb=0.02) as pusher:
-            await pusher.push(named, version="v1")
+            commits: list[tuple[float, float]] = []  # each commit's call, as the trainer saw it
+            commit = pusher.commit
+
+            async def timed_commit(*args: Any) -> dict[str, Any]:
+                t0 = time.perf_counter()
+                try:
+                    return await commit(*args)
+                finally:
+                    commits.append((t0, time.perf_counter()))
+
+            pusher.commit = timed_commit  # type: ignore[method-assign]
+            await pusher.push(named, version="v1")  # opened over HTTP, committed on the chunk channel
+            assert pusher.last_path == "channel"
+            await client.phase("rollout", 1)
+            await client.phase("train", 2)
+            await client.phase("sync", 2)
+            await pusher.push(named, version="v2", step=2)  # opened and committed on the chunk channel
         await client.idle()
-    commit_out = next(t for kind, path, t in log if kind == "out" and path.endswith("/commit"))
     reports = [t for kind, path, t in log if kind == "in" and path == "/v1/trainer/leases"]
     assert reports, "the pusher reports its leases"
-    assert min(reports) > commit_out, log
+    assert len(commits) == 2
+    assert not [t for t in reports for start, end in commits if start <= t <= end], (reports, commits)
