@@ -190,11 +190,12 @@ async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> T
 async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Response | dict[str, Any]:
     manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
     s = await d.sessions.open(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
-                              manifest=manifest, partial=body.partial)
+                              manifest=manifest, manifest_ref=body.manifest_ref, partial=body.partial)
     # OpenSessionReply's fields, in its order (tests/integration/test_session_replies.py holds the two to one set).
     return _json_reply({"session_id": s.id, "ranks": s.ranks, "depth": s.depth, "step": s.step,
                         "version": s.version, "partial": s.partial, "idle_s": s.idle_s,
                         "manifest_tensors": None if s.manifest is None else len(s.manifest),
+                        "manifest_ref": s.manifest_ref,
                         "chunk_channel": request.state.chunk_channel,
                         "transports": [t.value for t in s.transports()]})
 
