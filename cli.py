@@ -170,7 +170,8 @@ def _bench_weights(args: argparse.Namespace) -> int:
 
     settings = BenchSettings(model=args.model, device=args.device, variants=tuple(args.variants.split(",")),
                              bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
-                             seed=args.seed, out=args.out, verify=tuple(args.verify.split(",")))
+                             seed=args.seed, out=args.out, verify=tuple(args.verify.split(",")),
+                             manifest=args.manifest == "declared")
     record = asyncio.run(run_weights_bench(settings))
     return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
 
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
     pb.add_argument("--verify", default="full",
                     help="the daemon's sync.verify, comma-separated (e.g. off,full: every variant once per mode)")
+    pb.add_argument("--manifest", choices=("none", "declared"), default="none",
+                    help="declared: each open declares every tensor, as WeightPusher.push does")
     pb.set_defaults(func=_bench_weights)
     pc = bsub.add_parser("control", help="cost of /v1/status and /metrics against /healthz; transitions under readers")
     pc.add_argument("--samples", type=int, default=500, help="sequential requests per read path")

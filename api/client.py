@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Coroutine
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, Self, TypeVar
 
 import httpx
@@ -22,6 +23,16 @@ from ..policies import Transport
 __all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError"]
 
 _T = TypeVar("_T")
+
+# A manifest's content as the client compares it: (name, dtype, shape) per tensor, in order.
+_ManifestKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+_SESSIONS = "/v1/weights/sessions"
+_MANIFEST_REFS_KEPT = 8  # as many as the daemon keeps (daemon/manifests.py)
+
+
+def _manifest_key(manifest: Sequence[dict[str, Any]]) -> _ManifestKey:
+    """What a manifest's reference stands for, cheap to build and compare (the daemon's digest is its own)."""
+    return tuple((str(e["name"]), str(e["dtype"]), tuple(e["shape"])) for e in manifest)
 
 
 class ChunkDescriptor(Protocol):
@@ -52,6 +63,14 @@ class ColocdHTTPError(Exception):
         return (type(self), (self.status, self.body))
 
 
+def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
+    """The daemon will not take the reference: it holds no manifest by it (409, a restarted daemon), or it
+    predates the field (422 naming it). Either way the manifest itself is what it needs."""
+    if exc.status == 409:
+        return exc.error == "ManifestRefUnknown"
+    return exc.status == 422 and exc.body.get("field") == "manifest_ref"
+
+
 def _transport(url: str) -> tuple[str, httpx.AsyncHTTPTransport | None]:
     if url.startswith("unix:"):
         return "http://colocd", httpx.AsyncHTTPTransport(uds=url.removeprefix("unix:"))
@@ -67,6 +86,9 @@ class AsyncColocdClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=base, transport=transport, headers=headers,
                                        timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False)
+        # The daemon's manifest_ref for each manifest this client sent in full lately, so the next open of the same
+        # manifest sends the reference instead (the daemon forgets them on restart: then the manifest again).
+        self._manifest_refs: OrderedDict[_ManifestKey, str] = OrderedDict()
         self._in_flight = 0  # this client's calls under way (``idle``)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -153,13 +175,41 @@ class AsyncColocdClient:
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
                            partial: bool = False) -> dict[str, Any]:
         """``manifest``: every tensor the session will send, ``[{name, dtype, shape}]`` (see ``manifest_of``);
-        ``partial``: update only some tensors (allowed on intact weights only)."""
+        ``partial``: update only some tensors (allowed on intact weights only).
+
+        A manifest the daemon gave a ``manifest_ref`` for is sent as that reference next time; if the daemon no
+        longer holds it (a restart), the manifest is sent in full once more, and the refusal is not raised."""
         body: dict[str, Any] = {"version": version, "step": step, "ranks": ranks, "depth": depth}
-        if manifest is not None:
-            body["manifest"] = manifest
         if partial:
             body["partial"] = True
-        return await self._call("POST", "/v1/weights/sessions", body)
+        return await self.open_declaring(body, manifest, lambda b: self._call("POST", _SESSIONS, b))
+
+    async def open_declaring(self, body: dict[str, Any], manifest: list[dict[str, Any]] | None,
+                             send: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """Open a session by ``send``ing ``body`` (``POST /v1/weights/sessions``' body, over HTTP or in a chunk
+        channel's greeting) declaring ``manifest``: by the reference the daemon gave for it where this client
+        has one, else (or where the daemon no longer holds it) the manifest itself; returns the open reply."""
+        if manifest is None:
+            return await send(body)
+        key = _manifest_key(manifest)
+        if (ref := self._manifest_refs.get(key)) is not None:
+            try:
+                return self._noted(key, await send({**body, "manifest_ref": ref}))
+            except ColocdHTTPError as exc:
+                if not _refuses_manifest_ref(exc):
+                    raise
+                del self._manifest_refs[key]
+        return self._noted(key, await send({**body, "manifest": manifest}))
+
+    def _noted(self, key: _ManifestKey, reply: dict[str, Any]) -> dict[str, Any]:
+        """Keep the reply's manifest_ref for ``key`` (a daemon without the field gives none: nothing kept)."""
+        ref = reply.get("manifest_ref")
+        if isinstance(ref, str):
+            self._manifest_refs[key] = ref
+            self._manifest_refs.move_to_end(key)
+            while len(self._manifest_refs) > _MANIFEST_REFS_KEPT:
+                self._manifest_refs.popitem(last=False)
+        return reply
 
     async def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:
         """Declare this rank's device; the reply's ``feeds`` are the engine TP ranks it feeds (``streams``

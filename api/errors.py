@@ -27,6 +27,7 @@ from ..daemon.errors import (
     EngineTimeout,
     EngineUnreachable,
     JournalFailed,
+    ManifestRefUnknown,
     MemoryNotConfirmed,
     NotFound,
     PayloadRejected,
@@ -76,7 +77,8 @@ _DESCRIPTIONS = {
     401: "missing or wrong bearer token",
     404: "unknown route, session, engine, group or step",
     405: "method not allowed on this path (see the Allow header)",
-    409: "illegal in the node's current state; nothing changed",
+    409: "illegal in the node's current state, or a reference (manifest_ref, an ipc_ring ref) this daemon does "
+         "not hold; nothing changed",
     410: "the weight session expired, was aborted or committed",
     413: "request body larger than limits.max_body_bytes",
     422: "a field is wrong (named in 'field'/'fields'), or an engine refused the caller's payload",
@@ -109,7 +111,7 @@ def _body(exc: Exception) -> dict[str, object]:
     body: dict[str, object] = {"error": type(exc).__name__, "message": str(exc) or type(exc).__name__}
     if isinstance(exc, TransitionRejected) and exc.state:
         body["state"] = exc.state
-    if isinstance(exc, RequestInvalid) and exc.field:
+    if isinstance(exc, RequestInvalid | ManifestRefUnknown) and exc.field:
         body["field"] = exc.field
     if isinstance(exc, PayloadRejected | EngineError):
         body["engine"] = exc.engine

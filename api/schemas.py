@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from ..daemon.distributed import BroadcastDescriptor
+from ..daemon.manifests import MANIFEST_REF_PATTERN
 from ..engines.base import MemoryTag
 from ..engines.chunks import DTYPES, MAX_LAYOUT_ENTRIES
 from ..engines.handles import Handle, HandleModel, parse_handle
@@ -195,6 +196,11 @@ class OpenSessionRequest(_Strict):
         None, max_length=1_000_000,
         description="every tensor the session will send; each chunk's layout is checked against it. Unless "
                     "partial, it must cover the engines' full parameter set (422 naming what is missing)")
+    manifest_ref: Annotated[str, StringConstraints(pattern=MANIFEST_REF_PATTERN)] | None = Field(
+        None, description="instead of manifest: the manifest_ref an earlier open's reply gave for the same manifest. "
+                          "A daemon that holds no manifest by it (it restarted) answers 409 ManifestRefUnknown "
+                          "naming manifest_ref, changing nothing: send the manifest. Given with manifest, the two "
+                          "must agree (else 422)")
     partial: Annotated[bool, Field(strict=True)] = Field(
         False, description="update only some tensors; allowed only on intact (clean) weights")
 
@@ -208,6 +214,9 @@ class OpenSessionReply(BaseModel):
     partial: bool = False
     idle_s: float | None = Field(None, description="the session expires after this long without a chunk")
     manifest_tensors: int | None = Field(None, description="tensors declared in the manifest (null: none)")
+    manifest_ref: str | None = Field(
+        None, description="the declared manifest's reference (null: none declared): the next open may send it as "
+                          "manifest_ref instead of the manifest, while this daemon process holds it")
     chunk_channel: str | None = Field(
         None, description="unix:/path of the framed chunk channel (api/chunk_channel.py): the same chunk calls "
                           "at a tenth of HTTP's cost; null when the node has it off")

@@ -18,10 +18,10 @@ async def open_session(d: Daemon, body: OpenSessionRequest, chunk_channel: str |
     test_session_replies.py holds the two to one set)."""
     manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
     s = await d.sessions.open(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
-                              manifest=manifest, partial=body.partial)
+                              manifest=manifest, manifest_ref=body.manifest_ref, partial=body.partial)
     return {"session_id": s.id, "ranks": s.ranks, "depth": s.depth, "step": s.step, "version": s.version,
             "partial": s.partial, "idle_s": s.idle_s,
-            "manifest_tensors": None if s.manifest is None else len(s.manifest),
+            "manifest_tensors": None if s.manifest is None else len(s.manifest), "manifest_ref": s.manifest_ref,
             "chunk_channel": chunk_channel, "transports": [t.value for t in s.transports()]}
 
 

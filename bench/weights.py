@@ -116,6 +116,8 @@ class BenchSettings:
     # The daemon's policy sync.verify for each pass over the variants (full | sample | off); with more than one,
     # every variant runs once per mode and is named variant/mode.
     verify: tuple[str, ...] = ("full",)
+    # Declare the tensors at each open (what WeightPusher.push does), so the open's cost includes the manifest's.
+    manifest: bool = False
 
 
 @dataclass
@@ -309,11 +311,13 @@ async def _push_once(
     named: Sequence[tuple[str, torch.Tensor]],
     version: str,
     depth: int,
+    manifest: bool = False,
 ) -> tuple[float, float, float, float, int, dict[str, Any]]:
     """(open, stream, commit, wall) seconds, the chunk count and the commit reply of one full session, as
-    ``WeightPusher.push`` makes it (open and join, stream, commit), no manifest declared."""
+    ``WeightPusher.push`` makes it (open and join, stream, commit); ``manifest``: the open declares the tensors,
+    built from them as a push does."""
     t0 = time.perf_counter()
-    session = await pusher.open(list(named), version=version, declare=False)
+    session = await pusher.open(list(named), version=version, declare=manifest)
     sid = session.session_id
     t1 = time.perf_counter()
     try:
@@ -371,7 +375,7 @@ async def _run_variant(
             # an earlier one delivered.
             expected = _refill(named, seed * 1000 + i)
             open_s, stream_s, commit_s, wall_s, chunks, commit = await _push_once(
-                client, pusher, named, f"{result.name}-{i}", variant.depth
+                client, pusher, named, f"{result.name}-{i}", variant.depth, settings.manifest
             )
             verification = dict(commit.get("verification") or {})
             if pusher.last_path != variant.channel:

@@ -8,7 +8,8 @@ so adapters raise members of this same tree without importing the daemon.
     │   └── PayloadRejected     an engine refused the caller's payload (engine's words)          → 422
     ├── ConfigError (daemon/config.py) the node config file is missing or invalid          → 400
     ├── TransitionRejected      illegal from the current state; nothing changed        → 409
-    │   └── RingRefUnknown      a chunk names an ipc_ring ref this daemon does not hold  → 409
+    │   ├── RingRefUnknown      a chunk names an ipc_ring ref this daemon does not hold  → 409
+    │   └── ManifestRefUnknown  an open names a manifest_ref this daemon does not hold; .field → 409
     ├── SessionGone             a weight session that expired, was aborted or committed → 410
     ├── NotFound                unknown engine / session / step                          → 404
     ├── TransitionFailed        an engine call failed mid-transition; .engine, .step    → 502
@@ -51,6 +52,7 @@ __all__ = [
     "EngineTimeout",
     "EngineUnreachable",
     "JournalFailed",
+    "ManifestRefUnknown",
     "MemoryNotConfirmed",
     "NotFound",
     "PayloadRejected",
@@ -78,6 +80,14 @@ class TransitionRejected(ColocdError):
 class RingRefUnknown(TransitionRejected):
     """A chunk names a layout ref or slot this daemon holds no announcement of (it restarted, or dropped the
     ring): ``state`` names the ring, the ref and the slots; the trainer re-sends the chunk in full."""
+
+
+class ManifestRefUnknown(TransitionRejected):
+    """An open names a ``manifest_ref`` this daemon process holds no manifest for (it restarted, or the manifest
+    fell out of the few it keeps): the request was well formed, the daemon's memory is what lacks it. Nothing
+    changed; the trainer sends the manifest itself (``field`` names the field at fault)."""
+
+    field = "manifest_ref"
 
 
 class PayloadRejected(RequestInvalid):

@@ -25,6 +25,7 @@ from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
 from .errors import NotFound, RequestInvalid, WeightSyncError
 from .fanout import OnFailure, each_engine, fan_out
+from .manifests import ManifestBook, reference_of
 from .metrics import Metrics
 from .reconcile import agrees
 from .states import (
@@ -97,6 +98,9 @@ class WeightSessions:
         # Each engine's own parameter set as it last listed it, per attachment of one incarnation: a process
         # serves one model, so the next open need not ask again (a restart or re-attach asks anew).
         self._engine_manifests: dict[str, tuple[str, object, Manifest | None]] = {}
+        # The manifests of this process's last opens by reference, so a trainer's next open may name its
+        # manifest instead of sending and having it parsed again (daemon/manifests.py).
+        self.manifests = ManifestBook()
         # What trainer rings announced to this daemon process, so their chunks may carry refs only
         # (engines/ring_refs.py); its id, in every join reply, tells a trainer when to announce again.
         self.rings = RingDirectory()
@@ -121,12 +125,15 @@ class WeightSessions:
 
     # -- open -------------------------------------------------------------------------------------
     async def open(self, *, step: int | None, version: str, ranks: int | None, depth: int | None = None,
-                   manifest: list[dict[str, Any]] | None = None, partial: bool = False) -> WeightSession:
+                   manifest: list[dict[str, Any]] | None = None, manifest_ref: str | None = None,
+                   partial: bool = False) -> WeightSession:
         """Begin a weight update on every engine. Each must be paused with its weights memory resident.
 
         ``manifest`` ([{name, dtype, shape}]) is what the trainer will send; every chunk's layout is checked
         against it. Unless ``partial``, it must cover each engine's full parameter set where that is known;
-        a partial update needs intact (clean) weights on every engine. Refusals change nothing.
+        a partial update needs intact (clean) weights on every engine. ``manifest_ref`` names a manifest an
+        earlier open of this process declared (the session's ``manifest_ref``) in its place. Refusals change
+        nothing.
 
         Where every engine answers its begin with what it was just before (``Capability.OBSERVE_AT_BEGIN``) and
         has been in sight since it was last observed, that answer is the check against the record, so no
@@ -141,7 +148,7 @@ class WeightSessions:
         async with d.exclusive("open_weights", observe=not at_begin):
             _lock_span(trace, 0.0, observed=not at_begin)
             trace.step = d.node.step
-            args = _OpenArgs(step, version, ranks, depth, manifest, partial)
+            args = _OpenArgs(step, version, ranks, depth, manifest, manifest_ref, partial)
             if at_begin:
                 try:
                     return await self._open_locked(trace, args, check_at_begin=True)
@@ -166,10 +173,7 @@ class WeightSessions:
                                      f"{d.node.phase.value}): a session carries the weights of the node's step; "
                                      f"send {d.node.step} or leave step out", field="step")
             step = d.node.step
-            try:
-                declared = manifest_from_json(manifest) if manifest is not None else None
-            except (KeyError, TypeError, ValueError) as exc:
-                raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
+            declared, declared_ref = self._declared(manifest, args.manifest_ref)
             if partial:
                 check_partial_allowed((e.state for e in d.engines.values()), d.node)
             d.sync.require_attached()
@@ -182,7 +186,7 @@ class WeightSessions:
         session = WeightSession(
             step=step, version=version, ranks=ranks, engines=list(d.engines.values()),
             depth=args.depth or d.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
-            trace=trace, metrics=d.metrics, manifest=declared, partial=partial,
+            trace=trace, metrics=d.metrics, manifest=declared, manifest_ref=declared_ref, partial=partial,
             idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
             sources=self._feed_ranks(), rings=self.rings)
         session.required = required
@@ -210,10 +214,28 @@ class WeightSessions:
             self._gone[self.current.id] = self.current
             while len(self._gone) > 64:
                 self._gone.popitem(last=False)
+        if declared is not None and declared_ref is not None:
+            self.manifests.remember(declared_ref, declared)  # an open that succeeded: its reply names it
         self.current = session
         d.versions.opened(version, session.id)  # counts while open; engines lag it until commit
         session.touch()
         return session
+
+    def _declared(self, manifest: list[dict[str, Any]] | None,
+                  ref: str | None) -> tuple[Manifest | None, str | None]:
+        """The session's manifest and its reference: parsed from ``manifest``, or the one ``ref`` names (409
+        ``ManifestRefUnknown`` if none); both given, they must agree (422 naming ``manifest_ref``)."""
+        if manifest is None:
+            return (None, None) if ref is None else (self.manifests.resolve(ref), ref)
+        try:
+            declared = manifest_from_json(manifest)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestInvalid(f"manifest: {exc}", field="manifest") from None
+        own = reference_of(declared)
+        if ref is not None and ref != own:
+            raise RequestInvalid(f"manifest_ref {ref!r} is not the reference of the manifest sent with it ({own!r}): "
+                                 "send one of the two, or both agreeing", field="manifest_ref")
+        return declared, own
 
     def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
         """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
@@ -674,6 +696,7 @@ class _OpenArgs:
     ranks: int | None
     depth: int | None
     manifest: list[dict[str, Any]] | None
+    manifest_ref: str | None
     partial: bool
 
 

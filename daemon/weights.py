@@ -236,6 +236,7 @@ class WeightSession:
         metrics: Metrics,
         sources: Mapping[str, tuple[int, ...]] | None = None,
         manifest: Manifest | None = None,
+        manifest_ref: str | None = None,
         partial: bool = False,
         idle_s: float | None = None,
         start_timeout_s: float | None = None,
@@ -252,7 +253,8 @@ class WeightSession:
         self.depth = depth
         self.chunk_timeout_s = chunk_timeout_s
         self.trace = trace
-        self.manifest = manifest
+        self.manifest = manifest  # shared with later sessions that name it by reference: never changed
+        self.manifest_ref = manifest_ref  # the manifest's reference (daemon/manifests.py); None without one
         self.partial = partial
         self.idle_s = idle_s
         self.start_timeout_s = start_timeout_s

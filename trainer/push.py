@@ -295,18 +295,17 @@ class WeightPusher:
         both), else over HTTP. ``declare``: the manifest of ``named`` is declared (``manifest_of``). The caller
         closes ``channel`` (``push`` does)."""
         body: dict[str, Any] = {"version": version, "step": step, "ranks": 1, "depth": self._depth}
-        if declare:
-            body["manifest"] = manifest_of(named)
         if partial:
             body["partial"] = True
+        manifest = manifest_of(named) if declare else None
         device = self.device_of(named)
-        channel = await self._open_on_channel(body, device)
+        channel = await self._open_on_channel(body, manifest, device)
         if channel is not None:
             assert channel.opened is not None and channel.joined is not None
             self.last_join, self.last_join_s = channel.joined, 0.0  # in the open's own round trip
             return PushSession(channel.session_id, channel.opened, channel)
         reply = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
-                                                manifest=body.get("manifest"), partial=partial)
+                                                manifest=manifest, partial=partial)
         sid = str(reply["session_id"])
         self._channel_address = reply.get("chunk_channel")
         t1 = time.perf_counter()
@@ -328,16 +327,27 @@ class WeightPusher:
         finally:
             self._committed.set()
 
-    async def _open_on_channel(self, body: dict[str, Any], device_id: str) -> ChunkChannel | None:
-        """The session ``body`` describes, opened and joined in a chunk channel's greeting; None where this pusher
-        knows no channel (its first open, ``channel="http"``) or the channel cannot (a restarted daemon's socket is
-        elsewhere, an older daemon): the open then goes over HTTP, whose reply says where the channel is now."""
+    async def _open_on_channel(self, body: dict[str, Any], manifest: list[dict[str, Any]] | None,
+                               device_id: str) -> ChunkChannel | None:
+        """The session ``body`` describes (declaring ``manifest``, by its reference where the client has one),
+        opened and joined in a chunk channel's greeting; None where this pusher knows no channel (its first open,
+        ``channel="http"``) or the channel cannot (a restarted daemon's socket is elsewhere, an older daemon): the
+        open then goes over HTTP, whose reply says where the channel is now."""
         address = self._channel_address
         if self._channel == "http" or address is None:
             return None
+        opened: list[ChunkChannel] = []
+
+        async def greet(open_body: dict[str, Any]) -> dict[str, Any]:
+            channel = await ChunkChannel.connect(address, rank=self._rank, token=self._client.token,
+                                                 device_id=device_id, open_body=open_body)
+            opened.append(channel)
+            assert channel.opened is not None
+            return channel.opened
+
         try:
-            return await ChunkChannel.connect(address, rank=self._rank, token=self._client.token,
-                                              device_id=device_id, open_body=body)
+            await self._client.open_declaring(body, manifest, greet)
+            return opened[-1]
         except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
             log.debug("opening on chunk channel %s failed (%s); opening over HTTP", address, exc)
         except ColocdHTTPError as exc:
