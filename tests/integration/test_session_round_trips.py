@@ -96,51 +96,44 @@ async def test_an_engine_restarted_before_the_commit_takes_no_version_and_the_co
         _unlink(segments)
 
 
-async def test_a_commit_whose_engines_end_their_sessions_with_the_version_observes_no_engine_first() -> None:
+async def _observed_commit(url: str, *, version_at_end: bool) -> tuple[list[int], dict[str, Any], str | None]:
+    """A complete session committed: the engine observations the commit made, its reply, the version recorded.
+    ``version_at_end`` False: the engine is taken as one that sets its version in a call of its own (as SGLang)."""
     segments: list[SharedSegment] = []
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
-                                      ready_path="/model_info") as engine:
-        async with Daemon(_daemon_config(str(engine.url))) as daemon:
-            session = await _open_and_send_everything(daemon, segments)
-            observed = _count_observations(daemon, "commit_weights")
-            await daemon.sessions.commit(session.id, 1)
-            assert observed == [0]
-            assert daemon.engines["ref0"].state.weight_version == "v1"
-    _unlink(segments)
-
-
-async def test_a_commit_observes_every_engine_first_where_one_sets_its_version_in_a_separate_call() -> None:
-    segments: list[SharedSegment] = []
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
-                                      ready_path="/model_info") as engine:
-        async with Daemon(_daemon_config(str(engine.url))) as daemon:
-            handle = daemon.engines["ref0"]
-            assert handle.info is not None
-            # As SGLang: the version is its own call after the end, which any process may answer.
-            handle.info = dataclasses.replace(handle.info,
-                                              capabilities=handle.info.capabilities - {Capability.VERSION_AT_END})
-            session = await _open_and_send_everything(daemon, segments)
-            observed = _count_observations(daemon, "commit_weights")
-            reply: dict[str, Any] = await daemon.sessions.commit(session.id, 1)
-            assert observed == [1]
-            assert "set_weight_version" in [s["name"] for s in reply["trace"]["spans"]]
-    _unlink(segments)
-
-
-async def test_a_commit_sets_the_version_as_the_engine_ends_the_session_in_one_call() -> None:
-    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
-                                    ready_path="/model_info")
-    segments: list[SharedSegment] = []
-    async with engine:
-        url = str(engine.url)
+    try:
         async with Daemon(_daemon_config(url)) as daemon:
+            handle = daemon.engines["ref0"]
+            assert handle.info is not None and handle.can(Capability.VERSION_AT_END)
+            if not version_at_end:  # the version is then its own call after the end, which any process may answer
+                handle.info = dataclasses.replace(
+                    handle.info, capabilities=handle.info.capabilities - {Capability.VERSION_AT_END})
             session = await _open_and_send_everything(daemon, segments)
+            observed = _count_observations(daemon, "commit_weights")
             reply: dict[str, Any] = await daemon.sessions.commit(session.id, 1)
-            names = [s["name"] for s in reply["trace"]["spans"]]
-            assert "end_weight_update" in names and "set_weight_version" not in names
-            assert await _served_version(url) == "v1"
-            assert daemon.engines["ref0"].state.weight_version == "v1"
-    _unlink(segments)
+            return observed, reply, handle.state.weight_version
+    finally:
+        _unlink(segments)
+
+
+async def test_a_commit_whose_engines_end_their_sessions_with_the_version_observes_no_engine_first(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    observed, _, version = await _observed_commit(str(pooled_engine.url), version_at_end=True)
+    assert observed == [0] and version == "v1"
+
+
+async def test_a_commit_sets_the_version_as_the_engine_ends_the_session_in_one_call(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    _, reply, version = await _observed_commit(str(pooled_engine.url), version_at_end=True)
+    names = [s["name"] for s in reply["trace"]["spans"]]
+    assert "end_weight_update" in names and "set_weight_version" not in names
+    assert version == "v1" and await _served_version(str(pooled_engine.url)) == "v1"
+
+
+async def test_a_commit_observes_every_engine_first_where_one_sets_its_version_in_a_separate_call(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    observed, reply, version = await _observed_commit(str(pooled_engine.url), version_at_end=False)
+    assert observed == [1] and version == "v1"
+    assert "set_weight_version" in [s["name"] for s in reply["trace"]["spans"]]
 
 
 async def _restart(engine: ReferenceEngineProcess, url: str) -> ReferenceEngineProcess:
@@ -152,18 +145,17 @@ async def _restart(engine: ReferenceEngineProcess, url: str) -> ReferenceEngineP
     return fresh
 
 
-async def test_an_open_whose_engines_answer_their_state_at_begin_observes_no_engine_first() -> None:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0),
-                                      ready_path="/model_info") as engine:
-        async with Daemon(_daemon_config(str(engine.url))) as daemon:
-            assert daemon.engines["ref0"].can(Capability.OBSERVE_AT_BEGIN)
-            await daemon.transitions.transition(NodePhase.TRAIN, 1)
-            await daemon.transitions.transition(NodePhase.SYNC, 1)
-            observed = _count_observations(daemon, "open_weights")
-            session = await daemon.sessions.open(step=1, version="v1", ranks=1)
-            assert observed == [0]
-            assert daemon.engines["ref0"].state.weights is WeightsState.UPDATING
-            await daemon.sessions.abort(session.id)
+async def test_an_open_whose_engines_answer_their_state_at_begin_observes_no_engine_first(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    async with Daemon(_daemon_config(str(pooled_engine.url))) as daemon:
+        assert daemon.engines["ref0"].can(Capability.OBSERVE_AT_BEGIN)
+        await daemon.transitions.transition(NodePhase.TRAIN, 1)
+        await daemon.transitions.transition(NodePhase.SYNC, 1)
+        observed = _count_observations(daemon, "open_weights")
+        session = await daemon.sessions.open(step=1, version="v1", ranks=1)
+        assert observed == [0]
+        assert daemon.engines["ref0"].state.weights is WeightsState.UPDATING
+        await daemon.sessions.abort(session.id)
 
 
 async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_partial_update_is_refused() -> None:
