@@ -25,7 +25,7 @@ import torch
 
 from ..daemon.verify import sample_names
 from ..engines import digest as D
-from ..engines.digest import SCRATCH_ROWS, WIDEN, DigestCache, tensor_digests
+from ..engines.digest import KERNEL, SCRATCH_ROWS, WIDEN, DigestCache, kernel_available, tensor_digests
 from ..engines.reference.sink import MODEL_SHAPES, hf_shapes
 
 __all__ = ["main", "measure"]
@@ -116,7 +116,8 @@ def _fused_row_sums(block: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
 def compare_implementations(named: Sequence[tuple[str, torch.Tensor]], device: torch.device, repeats: int,
                             scratch_rows: Sequence[int], compiled: bool = False) -> dict[str, Any]:
     """Old (``block_loop``) against new (``multiply@rows``, ``copy@rows``: engines/digest.py's two widenings at
-    each scratch size; the default is ``multiply`` on CUDA, ``copy`` on CPU; ``compiled`` where asked) on the same
+    each scratch size; ``kernel``, its fused Triton kernel, on CUDA; the default is ``kernel`` on CUDA where Triton
+    imports, else ``multiply``, ``copy`` on CPU; ``compiled`` where asked) on the same
     tensors: best seconds, GB/s, and whether every implementation returned the same digests."""
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     old_cache: dict[torch.device, Any] = {}
@@ -126,6 +127,9 @@ def compare_implementations(named: Sequence[tuple[str, torch.Tensor]], device: t
             cache: DigestCache = {}
             runs[f"{widen}@{rows}"] = lambda cache=cache, rows=rows, widen=widen: tensor_digests(
                 named, cache, scratch_rows=rows, widen=widen)
+    if device.type == "cuda" and kernel_available():
+        kernel_cache: DigestCache = {}
+        runs[KERNEL] = lambda: tensor_digests(named, kernel_cache, widen=KERNEL)
     if compiled:
         row_sums_of = torch.compile(_fused_row_sums, dynamic=True)
         compiled_cache: DigestCache = {}
@@ -145,13 +149,13 @@ def compare_implementations(named: Sequence[tuple[str, torch.Tensor]], device: t
         warm_s = time.perf_counter() - t0
         s = _best(fn, device, repeats)
         out[name] = {"s": s, "gb_per_s": nbytes / s / 1e9, "first_call_s": warm_s,
-                     "scratch_mib": 0 if name == "compiled" else
+                     "scratch_mib": 0 if name in ("compiled", KERNEL) else
                      2 * (_OLD_BLOCK_ROWS if name == "block_loop" else int(name.split("@")[1]))}
         if device.type == "cuda":
             torch.cuda.empty_cache()
     first = next(iter(answers.values()))
     fused = min((k for k in out if k not in ("block_loop", "compiled")), key=lambda k: out[k]["s"])
-    default = f"{'multiply' if device.type == 'cuda' else 'copy'}@{SCRATCH_ROWS}"
+    default = KERNEL if KERNEL in out else f"{'multiply' if device.type == 'cuda' else 'copy'}@{SCRATCH_ROWS}"
     return {"implementations": out, "errors": errors, "same_digests": all(a == first for a in answers.values()),
             "best_fused": fused, "speedup": out["block_loop"]["s"] / out[fused]["s"],
             "default": default if default in out else None,

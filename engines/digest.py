@@ -26,11 +26,12 @@ Collision properties (it detects accidents, not adversaries: the weights are pub
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["DIGEST_HEX_CHARS", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "digest_hex", "tensor_digests"]
+__all__ = ["DIGEST_HEX_CHARS", "KERNEL", "ROW", "SCRATCH_ROWS", "WIDEN", "DigestCache", "digest_hex",
+           "kernel_available", "tensor_digests"]
 
 ROW = 1 << 18  # words per row: one column weight each (2 MiB of int64 weights per device)
 _ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors over 64 GiB)
@@ -38,7 +39,10 @@ _ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors 
 # SCRATCH_ROWS x 2 MiB per device, kept with the weight vectors (a trainer keeps it through the rollout), so a
 # tensor up to 16 MiB takes one pass; 16 rows: a 32 MiB scratch, what the earlier block loop kept.
 SCRATCH_ROWS = 16
-WIDEN = ("multiply", "copy")  # how the words become int64 (``_row_sums``)
+WIDEN = ("multiply", "copy")  # how torch's kernels widen the words to int64 (``_row_sums``)
+# ``widen="kernel"``: one fused kernel per tensor (``_kernel_row_sums``, Triton, CUDA only) reads each word once and
+# writes only per-row sums: no int64 products reach memory. The default on CUDA where Triton imports.
+KERNEL = "kernel"
 _SEED = 0x636F6C6F6364  # "colocd"
 _MASK = (1 << 64) - 1
 _LENGTH_MIX = 0x9E3779B97F4A7C15  # the 64-bit golden ratio
@@ -117,6 +121,56 @@ def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor, widen: str
         torch.sum(last.view(1, tail), 1, out=out[whole : whole + 1])
 
 
+# The fused kernel: each program sums SPAN words of one row (its column weights read from L2, they are 2 MiB), so
+# a row is ROW // SPAN programs writing one partial each; the partials of a row are then summed by torch. int64
+# products and sums wrap modulo 2**64 in Triton as in torch, so the result is bit for bit ``_row_sums``'.
+_SPAN = 1 << 14
+_BLOCK = 1024
+_kernel: Any = None  # the compiled Triton kernel, built on first use (None: not tried; False: no Triton here)
+
+
+def _build_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def row_partials(words: Any, columns: Any, out: Any, n: Any, ROW_: tl.constexpr, SPAN: tl.constexpr,
+                     BLOCK: tl.constexpr) -> None:
+        row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for start in range(0, SPAN, BLOCK):
+            cols = part * SPAN + start + tl.arange(0, BLOCK)
+            index = row * ROW_ + cols
+            x = tl.load(words + index, mask=index < n, other=0).to(tl.int64)
+            acc += x * tl.load(columns + cols)
+        tl.store(out + row * (ROW_ // SPAN) + part, tl.sum(acc, axis=0))
+
+    return row_partials
+
+
+def kernel_available() -> bool:
+    """Whether ``widen="kernel"`` can run: Triton imports and a CUDA device is there."""
+    global _kernel
+    if _kernel is None:
+        try:
+            _kernel = _build_kernel() if torch.cuda.is_available() else False
+        except ImportError:
+            _kernel = False
+    return _kernel is not False
+
+
+def _kernel_row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor) -> None:
+    """``_row_sums``' result in one fused kernel launch plus one row sum of its partials (CUDA tensors)."""
+    rows = out.numel()
+    if rows == 0:
+        return
+    parts = ROW // _SPAN
+    partials = torch.empty(rows * parts, dtype=torch.int64, device=words.device)
+    _kernel[(rows, parts)](words, ws.columns, partials, words.numel(), ROW_=ROW, SPAN=_SPAN, BLOCK=_BLOCK)
+    torch.sum(partials.view(rows, parts), 1, out=out)
+
+
 def _segments(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """For the rows of a batch (``counts`` rows per tensor, in order): each row's tensor, and its row index within
     that tensor modulo ``_ROWS``, on ``device`` (built on the host; copied before any pass is queued)."""
@@ -142,10 +196,11 @@ def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache
 
     ``cache`` keeps the weight vectors and the scratch per device between calls (pass the same dict to reuse
     them); ``scratch_rows`` bounds the scratch (``scratch_rows`` x 2 MiB per device); ``widen`` (``multiply`` or
-    ``copy``, see ``_row_sums``; default: ``multiply`` on CUDA, ``copy`` elsewhere) changes speed, never a digest.
+    ``copy``, see ``_row_sums``, or ``kernel``, CUDA with Triton only; default: ``kernel`` on CUDA where Triton
+    imports, else ``multiply``, ``copy`` elsewhere) changes speed, never a digest.
     """
-    if widen not in (None, *WIDEN):
-        raise ValueError(f"widen must be one of {WIDEN}, not {widen!r}")
+    if widen not in (None, KERNEL, *WIDEN):
+        raise ValueError(f"widen must be one of {(*WIDEN, KERNEL)}, not {widen!r}")
     cache = {} if cache is None else cache
     names: list[str] = []
     sizes: list[int] = []
@@ -156,14 +211,19 @@ def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache
         by_device.setdefault(t.device, []).append((i, _words(t)))
     totals: list[tuple[list[int], torch.Tensor]] = []
     for device, entries in by_device.items():
-        ws = _workspace(device, cache, scratch_rows)
-        how = widen or ("multiply" if device.type == "cuda" else "copy")
+        how = widen or (("kernel" if kernel_available() else "multiply") if device.type == "cuda" else "copy")
+        if how == KERNEL and not (device.type == "cuda" and kernel_available()):
+            raise ValueError(f"widen={KERNEL!r} needs CUDA tensors and Triton (tensors on {device})")
+        ws = _workspace(device, cache, scratch_rows if how != KERNEL else 1)
         counts = [_row_count(w.numel()) for _, w in entries]
         segments = _segments(counts, device)
         row_sums = torch.empty(sum(counts), dtype=torch.int64, device=device)
         at = 0
         for (_, w), rows in zip(entries, counts, strict=True):
-            _row_sums(w, ws, row_sums[at : at + rows], how)
+            if how == KERNEL:
+                _kernel_row_sums(w, ws, row_sums[at : at + rows])
+            else:
+                _row_sums(w, ws, row_sums[at : at + rows], how)
             at += rows
         totals.append(([i for i, _ in entries], _weighted_totals(row_sums, counts, ws, segments)))
     values: list[int] = [0] * len(names)

@@ -88,3 +88,8 @@ def test_the_digest_does_not_depend_on_the_scratch_size_or_the_widening(scratch_
     named = [("short", torch.randn(5)), ("long", long), ("empty", torch.empty(0)), ("row", torch.randn(ROW))]
     got = tensor_digests(named, {}, scratch_rows=scratch_rows, widen=widen)
     assert got == {n: _reference(t) for n, t in named}
+
+
+def test_the_fused_kernel_is_refused_for_tensors_off_cuda() -> None:
+    with pytest.raises(ValueError, match="kernel"):
+        tensor_digests([("t", torch.randn(8))], widen=D.KERNEL)
