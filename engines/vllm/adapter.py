@@ -21,11 +21,11 @@ Verb → route (research/engine-apis.md §2, §6.2):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Literal, TypeVar
 
 import httpx
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, JsonValue, ValidationError
 
 from ...policies import Transport
 from ..base import (
@@ -50,7 +50,7 @@ _M = TypeVar("_M", bound=BaseModel)
 
 # init_info per backend for /init_weight_transfer_engine: ours needs nothing; vLLM's ipc backend must
 # agree with the trainer on packing, and colocd's cuda_ipc chunks are packed (ipc_engine.py:36-44).
-_INIT_INFO: dict[str, dict[str, Any]] = {wire.BACKEND_COLOCD: {}, "ipc": {"packed": True}}
+_INIT_INFO: dict[str, dict[str, JsonValue]] = {wire.BACKEND_COLOCD: {}, "ipc": {"packed": True}}
 
 
 class VLLMAdapter:
@@ -76,7 +76,7 @@ class VLLMAdapter:
             self._headers["Authorization"] = f"Bearer {config.api_key}"
         self._backend = config.weight_transfer_backend
         self._transfer_initialised = False
-        self._extension: dict[str, Any] | None = None
+        self._extension: wire.ExtensionInfo | None = None  # rank 0's colocd_info at attach; None: no extension
         # Wire-level memory, not engine state: /sleep re-pauses with its own ``mode`` (core.py:959-975),
         # and "abort" would abort requests an earlier /pause?mode=keep froze. So a sleep reuses the
         # mode of the pause this adapter issued last.
@@ -91,8 +91,8 @@ class VLLMAdapter:
         method: str,
         path: str,
         *,
-        params: Any = None,  # httpx QueryParamTypes: a dict, or (key, value) pairs for repeats
-        json: Any = None,
+        params: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None,  # (key, value) pairs: repeats
+        json: JsonValue = None,
     ) -> httpx.Response:
         with map_transport_errors(self.name, method, path):
             response = await self._client.request(
@@ -110,7 +110,8 @@ class VLLMAdapter:
                 f"{path} answered {response.text[:300]!r}, not {model.__name__}: {exc.errors()[:2]}",
             ) from exc
 
-    async def _rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    async def _rpc(self, method: str, *args: JsonValue, **kwargs: JsonValue) -> list[JsonValue]:
+        """Call ``method`` on every worker; one result per worker, as vLLM sent it (``_rpc_each`` parses them)."""
         response = await self._call(
             "POST", "/collective_rpc", json=wire.rpc_body(method, args=list(args), kwargs=kwargs)
         )
@@ -118,13 +119,37 @@ class VLLMAdapter:
             return []  # every worker returned None (rpc/api_router.py:51-52)
         return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results
 
+    async def _rpc_each(self, model: type[_M], method: str, *args: JsonValue) -> list[_M]:
+        """``_rpc``, each worker's result parsed as ``model``: one that does not fit is an EngineProtocolError
+        naming the method, the worker and the field."""
+        parsed: list[_M] = []
+        for worker, result in enumerate(await self._rpc(method, *args)):
+            try:
+                parsed.append(model.model_validate(result))
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                field = ".".join(str(p) for p in first["loc"]) or "(the reply)"
+                raise EngineProtocolError(
+                    self.name,
+                    f"/collective_rpc {method} (worker {worker}): {model.__name__}.{field}: {first['msg']} "
+                    f"(got {result!r:.200})",
+                ) from None
+        return parsed
+
+    async def _colocd_info(self) -> wire.ExtensionInfo:
+        """The extension's ``colocd_info`` from the first worker (TP rank 0), every worker's reply checked."""
+        infos = await self._rpc_each(wire.ExtensionInfo, "colocd_info")
+        if not infos:
+            raise EngineProtocolError(self.name, "/collective_rpc colocd_info: no worker answered")
+        return infos[0]
+
     @property
     def transports(self) -> frozenset[Transport]:
         """vLLM's own ipc backend takes packed CUDA-IPC chunks only (ipc_engine.py:36-44); the colocd worker
         extension (no backend, or ``colocd``) reads shm, disk and cuda_ipc (``extension.py``)."""
         if self._backend == "ipc":
             return frozenset({Transport.CUDA_IPC})
-        device = str((self._extension or {}).get("device", "cuda"))  # the extension says after attach
+        device = self._extension.device if self._extension is not None else "cuda"  # the extension says after attach
         cuda = {Transport.CUDA_IPC} if device.startswith("cuda") else set()
         return frozenset({Transport.SHM, Transport.DISK, *cuda})
 
@@ -164,8 +189,7 @@ class VLLMAdapter:
             )
         extension_error = None
         try:
-            results = await self._rpc("colocd_info")
-            self._extension = results[0] if results and isinstance(results[0], dict) else None
+            self._extension = await self._colocd_info()
         except EngineRejected as exc:  # 500 "'CPUWorker' object has no attribute 'colocd_info'"
             self._extension, extension_error = None, exc.detail
         owned = tuple(t for t in self._config.owned_tags if t in wire.SLEEP_TAGS)
@@ -178,7 +202,7 @@ class VLLMAdapter:
             tp_size=world,
             owned_tags=owned,
             extra={
-                "extension": self._extension,
+                "extension": None if self._extension is None else self._extension.model_dump(),
                 "extension_error": extension_error,
                 "weight_transfer_backend": self._backend,
                 "sleep_level": self._config.sleep_level,
@@ -197,16 +221,16 @@ class VLLMAdapter:
         extension the daemon treats an engine that was unreachable as restarted). ``/is_sleeping``
         false means awake and unpaused, so every sleep tag is resident; true means paused or
         asleep, which HTTP cannot tell apart, so residency stays unknown then."""
-        incarnation = session = None
+        incarnation: str | None = None
+        session: bool | None = None
         if self._extension is not None:
-            results = await self._rpc("colocd_info")
-            info = results[0] if results and isinstance(results[0], dict) else {}
-            incarnation = info.get("boot_id")
-            if self._session_kind == "rpc" and "update_active" in info:
-                session = bool(info["update_active"])
+            info = await self._colocd_info()
+            incarnation = info.boot_id
+            if self._session_kind == "rpc":
+                session = info.update_active
         sleeping = await self._is_sleeping()
         resident = None if sleeping else {t: True for t in self._config.owned_tags if t in wire.SLEEP_TAGS}
-        return Observation(incarnation=None if incarnation is None else str(incarnation),
+        return Observation(incarnation=incarnation,
                            weight_version=await self._weight_version(), resident=resident or None,
                            paused=sleeping, update_session_open=session)
 
@@ -313,7 +337,7 @@ class VLLMAdapter:
         """Send one chunk. vLLM replies after the copy is done (base.py update_weights synchronises)."""
         if self._backend == "ipc":
             try:
-                info: Any = wire.ipc_update_info(load.payloads)
+                info: JsonValue = wire.ipc_update_info(load.payloads)
             except ValueError as exc:
                 raise EngineProtocolError(self.name, f"chunk {load.seq}: {exc}") from None
         else:
@@ -350,14 +374,8 @@ class VLLMAdapter:
             return EngineDigests(None, "vLLM without colocd's worker extension reports no weight digests (launch it "
                                        "with --worker-extension-cls colocd.engines.vllm.extension."
                                        "ColocdWorkerExtension)")
-        results = await self._rpc("colocd_received_digests", list(names))
-        ranks = []
-        for r in results:
-            if not isinstance(r, dict) or not all(isinstance(v, str) for v in r.values()):
-                raise EngineProtocolError(self.name, f"colocd_received_digests: expected {{name: digest}}, "
-                                                     f"got {r!r:.200}")
-            ranks.append({str(k): str(v) for k, v in r.items()})
-        return EngineDigests(tuple(ranks))
+        ranks = await self._rpc_each(wire.ReceivedDigests, "colocd_received_digests", list(names))
+        return EngineDigests(tuple(dict(r.root) for r in ranks))
 
     async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
         """vLLM lists no parameters over HTTP (attach declares no ``Capability.PARAMETER_MANIFEST``)."""

@@ -7,9 +7,9 @@ Line numbers below are 0.32.0's. This module knows nothing of phases, policies o
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, RootModel, StrictBool, StrictStr
 
 from ..base import ChunkPart, MemoryTag, PauseMode
 from ..handles import CudaIpcRoute
@@ -20,7 +20,9 @@ __all__ = [
     "PAUSE_MODES",
     "SLEEP_TAGS",
     "CollectiveRpcReply",
+    "ExtensionInfo",
     "IsSleepingReply",
+    "ReceivedDigests",
     "ResetPrefixCacheReply",
     "SleepReply",
     "VersionReply",
@@ -67,23 +69,23 @@ def vllm_tags(tags: tuple[MemoryTag, ...]) -> list[str]:
     return [name for tag, name in SLEEP_TAGS.items() if tag in tags]
 
 
-def wake_query(tags: list[str]) -> list[tuple[str, str]]:
+def wake_query(tags: list[str]) -> tuple[tuple[str, str], ...]:
     """Query for POST /wake_up: repeated ``tags`` (``query_params.getlist``, sleep/api_router.py:44).
 
     An empty list would mean "wake everything", so callers never send one by accident.
     """
-    return [("tags", t) for t in tags]
+    return tuple(("tags", t) for t in tags)
 
 
 def rpc_body(
-    method: str, *, args: list[Any] | None = None, kwargs: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    method: str, *, args: list[JsonValue] | None = None, kwargs: dict[str, JsonValue] | None = None
+) -> dict[str, JsonValue]:
     """Body of POST /collective_rpc (serve/dev/rpc/api_router.py:23, parsed by hand).
 
     ``method`` is required (400 without it). The route's comment says args/kwargs are strings,
     but nothing enforces it: any JSON reaches the worker method as-is.
     """
-    body: dict[str, Any] = {"method": method}
+    body: dict[str, JsonValue] = {"method": method}
     if args:
         body["args"] = args
     if kwargs:
@@ -91,12 +93,12 @@ def rpc_body(
     return body
 
 
-def _payload_json(p: ChunkPart) -> dict[str, Any]:
+def _payload_json(p: ChunkPart) -> dict[str, JsonValue]:
     # The handle as the trainer sent it is the extension's input (extension.py reads its own keys).
     return {"rank": p.rank, "transport": p.transport, "nbytes": p.nbytes, "handle": p.handle}
 
 
-def colocd_update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, Any]:
+def colocd_update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, JsonValue]:
     """``update_info`` for our ``colocd`` weight-transfer backend (and the extension's RPC).
 
     One dict for every worker: each worker picks its own payload (by GPU UUID for cuda_ipc, by TP
@@ -108,7 +110,7 @@ def colocd_update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, A
 _IPC_KEYS = ("names", "dtype_names", "shapes", "tensor_sizes", "ipc_handles_pickled")
 
 
-def ipc_update_info(payloads: tuple[ChunkPart, ...]) -> dict[str, Any] | list[dict[str, Any]]:
+def ipc_update_info(payloads: tuple[ChunkPart, ...]) -> JsonValue:
     """``update_info`` for vLLM's built-in ``ipc`` backend, packed mode (ipc_engine.py:63-120).
 
     The trainer's cuda_ipc handle already carries vLLM's packed fields (the engine's own keys, which no colocd
@@ -116,7 +118,7 @@ def ipc_update_info(payloads: tuple[ChunkPart, ...]) -> dict[str, Any] | list[di
     TP ranks, each rank's handle dict holds only its own GPU, so we send a list indexed by worker rank
     (gpu_worker.py:1573-1578) instead of merging pickles.
     """
-    infos: list[dict[str, Any]] = []
+    infos: list[JsonValue] = []
     for p in sorted(payloads, key=lambda p: p.rank):
         if not isinstance(p.route, CudaIpcRoute):
             raise ValueError(f"vLLM's ipc backend takes cuda_ipc chunks only, got {p.transport!r}")
@@ -196,4 +198,31 @@ class CollectiveRpcReply(_Reply):
     When the whole result is None the reply is an empty 200 body (rpc/api_router.py:51-52).
     """
 
-    results: list[Any] = Field(default_factory=list)
+    results: list[JsonValue] = Field(default_factory=list)
+
+
+# --- what colocd's worker extension answers through /collective_rpc (extension.py), one reply per worker ---
+
+
+class ExtensionInfo(_Reply):
+    """``colocd_info`` (ColocdWorkerExtension.colocd_info): strict about the fields the adapter reads.
+
+    The others (``extension_version``, ``tp_rank``, ``backend_registered``, ``digests``) are kept as sent,
+    for EngineInfo.extra.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    device: StrictStr
+    """The worker's torch device ("cpu", "cuda:0"): cuda_ipc chunks are offered only on a GPU."""
+    boot_id: StrictStr
+    """New in every worker process: the engine's incarnation (vLLM's HTTP API has none)."""
+    update_active: StrictBool
+    """A weight update opened through ``colocd_begin_update`` is still open on this worker."""
+
+
+class ReceivedDigests(RootModel[dict[StrictStr, StrictStr]]):
+    """``colocd_received_digests``: ``{name: digest}`` (engines/digest.py) of the tensors the current or last
+    update delivered to this worker; a name asked for that it did not receive is left out."""
+
+    model_config = ConfigDict(frozen=True)
