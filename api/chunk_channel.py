@@ -225,11 +225,13 @@ class ChunkChannelServer:
         writer.write(_frame(greeting))
         window = asyncio.Semaphore(MAX_IN_FLIGHT)
         chunks: set[asyncio.Task[None]] = set()
+        framed = False  # a frame came after the greeting
         try:
             while True:
                 await window.acquire()
                 try:
                     line = await reader.readline()
+                    framed = framed or bool(line.strip())
                 except ValueError:
                     # Over the limit: the rest of that line is still arriving and cannot be framed; close.
                     writer.write(_error_frame(413, self._too_large()))
@@ -253,6 +255,12 @@ class ChunkChannelServer:
                 task.add_done_callback(chunks.discard)
                 await writer.drain()  # back-pressure on acks the trainer is not reading
         finally:
+            if opened is not None and not framed and not _cancelling():
+                # The connection that opened the session ended before saying anything more: its trainer may
+                # never have seen the greeting, so nobody else knows the session: abort it rather than let it
+                # hold the node until its idle lease expires.
+                with contextlib.suppress(ColocdError, EngineError):
+                    await self._daemon.sessions.abort(session_id, "the connection that opened it closed first")
             # Let submitted chunks finish, as an HTTP request whose client hung up does: the session
             # accounts for them. Cancelled only when the daemon stops (stop() cancels this task).
             if chunks:
@@ -371,6 +379,11 @@ class ChunkChannelServer:
         return {"error": "PayloadTooLarge", "message": (
             f"frame over the node's limit of {self.max_frame_bytes} bytes (limits.max_body_bytes in the node "
             "config); the connection is closed")}
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _seq_of(line: bytes) -> int | None:

@@ -432,3 +432,20 @@ async def test_a_push_whose_remembered_channel_is_unreachable_opens_streams_and_
         assert counts == {"open": 2, "commit": 1} and pusher.last_path == "http"
         assert report.commit["state"] == "committed"
         assert await _checksum(node.engine_url) == tensor_checksum(named)
+
+
+async def test_a_session_opened_on_a_connection_that_then_closes_unused_is_aborted_and_frees_the_node(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
+        _, address = await _open_with_channel(node, "learn-the-address", _model(seed=17))
+        await node.client.abort((await node.client.status())["weight_session"]["id"])
+        conn = await RawConnection.open(address)
+        greeting = await conn.send({"open": {"version": "v", "step": 1, "ranks": 1}, "rank": 0, "token": TOKEN})
+        sid = greeting["session_id"]
+        conn.close()  # as a trainer that died before it read the greeting
+        async with asyncio.timeout(DEADLINE_S):
+            while (await node.client.session(sid))["state"] == "open":  # noqa: ASYNC110 (polls the daemon, bounded)
+                await asyncio.sleep(0.05)
+        assert (await node.client.session(sid))["state"] == "aborted"
+        reopened = await node.client.open_session("v", step=1, ranks=1)  # the node is free again
+        await node.client.abort(reopened["session_id"])
