@@ -15,7 +15,7 @@ Protocol, newline-delimited JSON (one UTF-8 object per line, at most ``limits.ma
   it. The daemon answers ``{"channel": "colocd-chunks/1", "session_id", "rank", "max_frame_bytes",
   "max_in_flight"}`` plus ``"open"`` (the ``OpenSessionReply``) when the hello opened and ``"join"`` (the
   ``JoinReply``) when it joined, or an error frame and closes the connection (a session the hello opened and
-  whose join was refused is aborted).
+  whose join was refused is aborted, as is one whose connection closes before another frame).
 - every later frame is what ``POST /v1/weights/sessions/{id}/chunks`` carries (``seq``, ``rank``,
   ``transport``, ``nbytes``, ``handle``); ``rank`` may be left out (the hello's rank) but not changed.
 - the daemon answers each with the ``ChunkAckReply`` body, or an error frame: ``ErrorBody`` plus
