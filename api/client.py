@@ -89,6 +89,9 @@ class AsyncColocdClient:
         # The daemon's manifest_ref for each manifest this client sent in full lately, so the next open of the same
         # manifest sends the reference instead (the daemon forgets them on restart: then the manifest again).
         self._manifest_refs: OrderedDict[_ManifestKey, str] = OrderedDict()
+        # Where the daemon's chunk channel is, as its last open reply said (None: not yet known, or off): where
+        # a pusher on this client opens its next one-rank session (``WeightPusher.open``).
+        self.chunk_channel: str | None = None
         self._in_flight = 0  # this client's calls under way (``idle``)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -190,7 +193,7 @@ class AsyncColocdClient:
         channel's greeting) declaring ``manifest``: by the reference the daemon gave for it where this client
         has one, else (or where the daemon no longer holds it) the manifest itself; returns the open reply."""
         if manifest is None:
-            return await send(body)
+            return self._noted(None, await send(body))
         key = _manifest_key(manifest)
         if (ref := self._manifest_refs.get(key)) is not None:
             try:
@@ -201,10 +204,13 @@ class AsyncColocdClient:
                 del self._manifest_refs[key]
         return self._noted(key, await send({**body, "manifest": manifest}))
 
-    def _noted(self, key: _ManifestKey, reply: dict[str, Any]) -> dict[str, Any]:
-        """Keep the reply's manifest_ref for ``key`` (a daemon without the field gives none: nothing kept)."""
+    def _noted(self, key: _ManifestKey | None, reply: dict[str, Any]) -> dict[str, Any]:
+        """Keep what an open reply tells later opens: where the chunk channel is, and the manifest_ref for ``key``
+        (a daemon without the field gives none: nothing kept)."""
+        channel = reply.get("chunk_channel")
+        self.chunk_channel = channel if isinstance(channel, str) else None
         ref = reply.get("manifest_ref")
-        if isinstance(ref, str):
+        if key is not None and isinstance(ref, str):
             self._manifest_refs[key] = ref
             self._manifest_refs.move_to_end(key)
             while len(self._manifest_refs) > _MANIFEST_REFS_KEPT:

@@ -199,8 +199,6 @@ class WeightPusher:
         self._lease_grace_s = lease_grace_s
         self._lease_reporter: asyncio.Task[None] | None = None
         self._lease_report_due = False
-        # The daemon's chunk channel as the last HTTP open named it: later opens go there (``open``).
-        self._channel_address: str | None = None
         self._committed = asyncio.Event()  # clear while ``commit`` is under way
         self._committed.set()
         self._digest_cache: DigestCache = {}  # engines/digest.py weight vectors, per device
@@ -291,7 +289,7 @@ class WeightPusher:
     async def open(self, named: list[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
                    partial: bool = False, declare: bool = True) -> PushSession:
         """Open a session whose only rank is this process and join it (``push``'s first part): in the greeting of
-        the daemon's chunk channel where this pusher already knows its address (one Unix-socket round trip for
+        the daemon's chunk channel where the client already knows its address (one Unix-socket round trip for
         both), else over HTTP. ``declare``: the manifest of ``named`` is declared (``manifest_of``). The caller
         closes ``channel`` (``push`` does)."""
         body: dict[str, Any] = {"version": version, "step": step, "ranks": 1, "depth": self._depth}
@@ -307,10 +305,9 @@ class WeightPusher:
         reply = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
                                                 manifest=manifest, partial=partial)
         sid = str(reply["session_id"])
-        self._channel_address = reply.get("chunk_channel")
         t1 = time.perf_counter()
         try:
-            channel = await self._join(sid, device, self._channel_address)
+            channel = await self._join(sid, device, reply.get("chunk_channel"))
         except BaseException as exc:
             await self._abort(sid, exc)
             raise
@@ -330,10 +327,10 @@ class WeightPusher:
     async def _open_on_channel(self, body: dict[str, Any], manifest: list[dict[str, Any]] | None,
                                device_id: str) -> ChunkChannel | None:
         """The session ``body`` describes (declaring ``manifest``, by its reference where the client has one),
-        opened and joined in a chunk channel's greeting; None where this pusher knows no channel (its first open,
-        ``channel="http"``) or the channel cannot (a restarted daemon's socket is elsewhere, an older daemon): the
-        open then goes over HTTP, whose reply says where the channel is now."""
-        address = self._channel_address
+        opened and joined in a chunk channel's greeting; None where the client knows no channel yet (its first
+        open, the daemon's is off), ``channel="http"``, or the channel cannot (a restarted daemon's socket is
+        elsewhere, an older daemon): the open then goes over HTTP, whose reply says where the channel is now."""
+        address = self._client.chunk_channel
         if self._channel == "http" or address is None:
             return None
         opened: list[ChunkChannel] = []
@@ -354,7 +351,7 @@ class WeightPusher:
             if exc.status != 422 or exc.body.get("field") not in ("open", "session_id"):
                 raise  # the open itself was refused: as HTTP would have answered
             log.debug("chunk channel %s cannot open sessions (%s); opening over HTTP", address, exc)
-        self._channel_address = None
+        self._client.chunk_channel = None
         return None
 
     def transport_for(self, device: torch.device) -> str:

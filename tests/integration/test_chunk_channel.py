@@ -449,3 +449,20 @@ async def test_a_session_opened_on_a_connection_that_then_closes_unused_is_abort
         assert (await node.client.session(sid))["state"] == "aborted"
         reopened = await node.client.open_session("v", step=1, ranks=1)  # the node is free again
         await node.client.abort(reopened["session_id"])
+
+
+async def test_a_new_pusher_on_the_same_client_opens_on_the_channel_the_clients_last_open_named(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    # TrainerClient.push_weights (the README's push) makes a pusher per push over one client.
+    async with _node(pooled_engine, tmp_path) as node:
+        counts = _count_http(node.client)
+        async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as first:
+            await first.push(_model(seed=18), version="first", step=1)
+        await node.client.phase("rollout", 1)
+        await node.client.phase("train", 2)
+        await node.client.phase("sync", 2)
+        named = _model(seed=19)
+        async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as second:
+            await second.push(named, version="second", step=2)
+        assert counts == {"open": 1, "commit": 0}
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
