@@ -133,9 +133,10 @@ def _build_kernel() -> Any:
     import triton
     import triton.language as tl
 
+    # Unannotated but for the constexprs: Triton reads a parameter's annotation as a type it must know.
     @triton.jit  # type: ignore[untyped-decorator]
-    def row_partials(words: Any, columns: Any, out: Any, n: Any, ROW_: tl.constexpr, SPAN: tl.constexpr,
-                     BLOCK: tl.constexpr) -> None:
+    def row_partials(words, columns, out, n, ROW_: tl.constexpr, SPAN: tl.constexpr,  # type: ignore[no-untyped-def]
+                     BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         acc = tl.zeros([BLOCK], dtype=tl.int64)

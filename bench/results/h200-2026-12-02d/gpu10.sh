@@ -13,6 +13,6 @@ step digest-kernel-spec 90 after $PY -m pytest $T -ra tests/gpu/test_digest_kern
 TAILN=3 step digests 120 after $PY -m colocd.bench.digests --model $MODEL --device cuda --repeats 3 --out "$OUT/digests.json"
 step gpu-tier 200 after $PY -m pytest $T -ra tests/gpu
 step readme-after 120 after $PY -m colocd.bench.readme_push --model $MODEL --device cuda --repeats 5 --out "$OUT/readme-after.json"
-step readme-before 120 before $PY -m colocd.bench.readme_push --model $MODEL --device cuda --repeats 5 --out "$OUT/readme-before.json"
+
 TAILN=4 step weights-after3 90 after $PY -m colocd.cli bench weights --model $MODEL --device cuda --repeats 3 --variants zero_copy@all+chan,overlap3@2048+chan --verify off,full --out "$OUT/weights-after3.json"
 echo "=== done in $SECONDS s"
