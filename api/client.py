@@ -176,22 +176,19 @@ class AsyncColocdClient:
 
     async def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
-                           partial: bool = False) -> dict[str, Any]:
+                           partial: bool = False,
+                           send: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None) -> dict[str, Any]:
         """``manifest``: every tensor the session will send, ``[{name, dtype, shape}]`` (see ``manifest_of``);
-        ``partial``: update only some tensors (allowed on intact weights only).
+        ``partial``: update only some tensors (allowed on intact weights only). ``send`` carries the body
+        (``POST /v1/weights/sessions``') and returns the open reply: by default that POST, or e.g. a chunk
+        channel's greeting (``WeightPusher.open``).
 
         A manifest the daemon gave a ``manifest_ref`` for is sent as that reference next time; if the daemon no
         longer holds it (a restart), the manifest is sent in full once more, and the refusal is not raised."""
         body: dict[str, Any] = {"version": version, "step": step, "ranks": ranks, "depth": depth}
         if partial:
             body["partial"] = True
-        return await self.open_declaring(body, manifest, lambda b: self._call("POST", _SESSIONS, b))
-
-    async def open_declaring(self, body: dict[str, Any], manifest: list[dict[str, Any]] | None,
-                             send: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        """Open a session by ``send``ing ``body`` (``POST /v1/weights/sessions``' body, over HTTP or in a chunk
-        channel's greeting) declaring ``manifest``: by the reference the daemon gave for it where this client
-        has one, else (or where the daemon no longer holds it) the manifest itself; returns the open reply."""
+        send = send or (lambda b: self._call("POST", _SESSIONS, b))
         if manifest is None:
             return self._noted(None, await send(body))
         key = _manifest_key(manifest)

@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any
@@ -111,6 +111,10 @@ class PushReport:
     nbytes: int
     seconds: float
     commit: dict[str, Any]
+
+
+# How an open's body reaches the daemon and its reply comes back (``AsyncColocdClient.open_session``'s ``send``).
+_Send = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,18 +296,19 @@ class WeightPusher:
         the daemon's chunk channel where the client already knows its address (one Unix-socket round trip for
         both), else over HTTP. ``declare``: the manifest of ``named`` is declared (``manifest_of``). The caller
         closes ``channel`` (``push`` does)."""
-        body: dict[str, Any] = {"version": version, "step": step, "ranks": 1, "depth": self._depth}
-        if partial:
-            body["partial"] = True
         manifest = manifest_of(named) if declare else None
         device = self.device_of(named)
-        channel = await self._open_on_channel(body, manifest, device)
+
+        async def open_session(send: _Send | None) -> dict[str, Any]:
+            return await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
+                                                   manifest=manifest, partial=partial, send=send)
+
+        channel = await self._open_on_channel(open_session, device)
         if channel is not None:
             assert channel.opened is not None and channel.joined is not None
             self.last_join, self.last_join_s = channel.joined, 0.0  # in the open's own round trip
             return PushSession(channel.session_id, channel.opened, channel)
-        reply = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
-                                                manifest=manifest, partial=partial)
+        reply = await open_session(None)
         sid = str(reply["session_id"])
         t1 = time.perf_counter()
         try:
@@ -324,12 +329,13 @@ class WeightPusher:
         finally:
             self._committed.set()
 
-    async def _open_on_channel(self, body: dict[str, Any], manifest: list[dict[str, Any]] | None,
+    async def _open_on_channel(self, open_session: Callable[[_Send], Awaitable[dict[str, Any]]],
                                device_id: str) -> ChunkChannel | None:
-        """The session ``body`` describes (declaring ``manifest``, by its reference where the client has one),
-        opened and joined in a chunk channel's greeting; None where the client knows no channel yet (its first
-        open, the daemon's is off), ``channel="http"``, or the channel cannot (a restarted daemon's socket is
-        elsewhere, an older daemon): the open then goes over HTTP, whose reply says where the channel is now."""
+        """The session ``open_session`` opens (the client's open, which declares the manifest by its reference
+        where it has one), opened and joined in a chunk channel's greeting; None where the client knows no channel
+        yet (its first open, the daemon's is off), ``channel="http"``, or the channel cannot (a restarted
+        daemon's socket is elsewhere, an older daemon): the open then goes over HTTP, whose reply says where the
+        channel is now."""
         address = self._client.chunk_channel
         if self._channel == "http" or address is None:
             return None
@@ -343,7 +349,7 @@ class WeightPusher:
             return channel.opened
 
         try:
-            await self._client.open_declaring(body, manifest, greet)
+            await open_session(greet)
             return opened[-1]
         except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
             log.debug("opening on chunk channel %s failed (%s); opening over HTTP", address, exc)
