@@ -212,8 +212,9 @@ def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache
         by_device.setdefault(t.device, []).append((i, _words(t)))
     totals: list[tuple[list[int], torch.Tensor]] = []
     for device, entries in by_device.items():
-        how = widen or (("kernel" if kernel_available() else "multiply") if device.type == "cuda" else "copy")
-        if how == KERNEL and not (device.type == "cuda" and kernel_available()):
+        fused = device.type == "cuda" and kernel_available()
+        how = widen or ((KERNEL if fused else "multiply") if device.type == "cuda" else "copy")
+        if how == KERNEL and not fused:
             raise ValueError(f"widen={KERNEL!r} needs CUDA tensors and Triton (tensors on {device})")
         ws = _workspace(device, cache, scratch_rows if how != KERNEL else 1)
         counts = [_row_count(w.numel()) for _, w in entries]
