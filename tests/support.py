@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -33,7 +33,12 @@ from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
            "NvmlNode", "daemon_node", "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config",
-           "reference_engine", "serve_app", "shm_segments", "stop_engines"]
+           "reference_engine", "request_body", "serve_app", "serve_lifespan", "shm_segments", "stop_engines"]
+
+# An ASGI app's three arguments, as the tests' own forwarding apps take them.
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class InMemoryEngine:
@@ -86,6 +91,26 @@ class InMemoryEngine:
         return None
 
     async def aclose(self) -> None: ...
+
+
+async def serve_lifespan(receive: Receive, send: Send,
+                         on_shutdown: Callable[[], Awaitable[None]] | None = None) -> None:
+    """An ASGI app's lifespan conversation: started at once; ``on_shutdown`` runs before it reports stopped."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    if on_shutdown is not None:
+        await on_shutdown()
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def request_body(receive: Receive) -> bytes:
+    """An ASGI request's whole body."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
 
 
 @asynccontextmanager

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-from support import daemon_node, reference_engine, serve_app
+from support import Receive, Scope, Send, daemon_node, reference_engine, request_body, serve_app, serve_lifespan
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.reference.launcher import ReferenceEngineProcess
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 DEADLINE_S = 60
 # SGLang's answers, as its http_server.py shapes them: a tokenizer-side exception is an
@@ -69,19 +65,11 @@ class FaultProxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await self._http.aclose()
-            await send({"type": "lifespan.shutdown.complete"})
+            await serve_lifespan(receive, send, self._http.aclose)
             return
         path = scope["path"]
         self.calls[path] += 1
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         fault = self._faults.get(path)
         if fault is not None and fault.remaining > 0:
             fault.remaining -= 1

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from support import InMemoryEngine, serve_app
+from support import InMemoryEngine, Receive, Scope, Send, request_body, serve_app, serve_lifespan
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdClient, ColocdHTTPError
@@ -24,9 +24,6 @@ from colocd.trainer.channel import ChunkChannel
 from colocd.trainer.producer import producer_for
 from colocd.trainer.push import WeightPusher, manifest_of
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Any]]
-Send = Callable[[Any], Awaitable[None]]
 _OPEN = "/v1/weights/sessions"
 NAMED = [(f"layers.{i}.weight", torch.zeros(8, 8)) for i in range(4)]
 MANIFEST = manifest_of(NAMED)
@@ -45,16 +42,9 @@ class WireFront:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await serve_lifespan(receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         is_open = scope["method"] == "POST" and scope["path"] == _OPEN
         if is_open:
             self.opens.append(json.loads(body))

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +23,17 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import InMemoryEngine, daemon_node, serve_app, shm_segments
+from support import (
+    InMemoryEngine,
+    Receive,
+    Scope,
+    Send,
+    daemon_node,
+    request_body,
+    serve_app,
+    serve_lifespan,
+    shm_segments,
+)
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
@@ -296,9 +306,6 @@ async def test_a_partial_update_on_clean_weights_needs_partial_true_and_then_wor
 
 # --- no chunk outlives its session ------------------------------------------------------------------
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 @dataclass
@@ -316,16 +323,9 @@ class SlowLoadProxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await serve_lifespan(receive, send)
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         late = False
         if scope["path"] == "/update_weights_from_tensor":
             self.chunks_seen += 1
