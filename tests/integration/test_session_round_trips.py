@@ -70,6 +70,17 @@ def _count_observations(daemon: Daemon, during: str) -> list[int]:
     return seen
 
 
+async def _restart(engine: ReferenceEngineProcess, url: str) -> ReferenceEngineProcess:
+    """SIGKILL the engine and start another on its URL, ready once it serves (its start-up over), so what it
+    answers next is about sessions, not its start."""
+    assert engine.pid is not None
+    os.kill(engine.pid, signal.SIGKILL)
+    await engine.aclose()
+    fresh = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0))
+    await fresh.astart()
+    return fresh
+
+
 async def test_an_engine_restarted_before_the_commit_takes_no_version_and_the_commit_fails_at_its_end() -> None:
     engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
     await engine.astart()
@@ -80,12 +91,7 @@ async def test_an_engine_restarted_before_the_commit_takes_no_version_and_the_co
             handle = daemon.engines["ref0"]
             assert handle.can(Capability.VERSION_AT_END) and handle.can(Capability.OBSERVE_IN_ONE)
             session = await _open_and_send_everything(daemon, segments)
-            assert engine.pid is not None
-            os.kill(engine.pid, signal.SIGKILL)  # every chunk delivered; the process holding them is gone
-            await engine.aclose()
-            # Ready once it serves (its start-up over), so its answer is about the session, not the start.
-            engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0))
-            await engine.astart()
+            engine = await _restart(engine, url)  # every chunk delivered; the process holding them is gone
             with pytest.raises(Exception, match="no weight-update session is open"):
                 await daemon.sessions.commit(session.id, 1)
             assert await _served_version(url) == "default"  # the new process never took v1
@@ -134,15 +140,6 @@ async def test_a_commit_observes_every_engine_first_where_one_sets_its_version_i
     observed, reply, version = await _observed_commit(str(pooled_engine.url), version_at_end=False)
     assert observed == [1] and version == "v1"
     assert "set_weight_version" in [s["name"] for s in reply["trace"]["spans"]]
-
-
-async def _restart(engine: ReferenceEngineProcess, url: str) -> ReferenceEngineProcess:
-    assert engine.pid is not None
-    os.kill(engine.pid, signal.SIGKILL)
-    await engine.aclose()
-    fresh = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0))
-    await fresh.astart()
-    return fresh
 
 
 async def test_an_open_whose_engines_answer_their_state_at_begin_observes_no_engine_first(
