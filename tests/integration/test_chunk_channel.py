@@ -338,6 +338,13 @@ async def test_with_the_channel_off_the_pusher_uses_http_and_says_so(
 # --- a one-rank push opens and commits on the channel ----------------------------------------------
 
 
+async def _to_sync_of_step_2(node: Node) -> None:
+    """Step 1's rollout (after its push), then step 2's train and sync: the node ready for the next push."""
+    await node.client.phase("rollout", 1)
+    await node.client.phase("train", 2)
+    await node.client.phase("sync", 2)
+
+
 def _count_http(client: AsyncColocdClient) -> dict[str, int]:
     """Counts the client's HTTP session opens and commits (an open it sends another way, ``send``, is not one)."""
     counts = {"open": 0, "commit": 0}
@@ -364,9 +371,7 @@ async def test_a_pushers_next_push_opens_and_commits_on_the_chunk_channel_and_la
         async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
             await pusher.push(named, version="first", step=1)
             assert counts == {"open": 1, "commit": 0}  # the first open learns where the channel is
-            await node.client.phase("rollout", 1)
-            await node.client.phase("train", 2)
-            await node.client.phase("sync", 2)
+            await _to_sync_of_step_2(node)
             named = _model(seed=12)
             report = await pusher.push(named, version="second", step=2)
         assert counts == {"open": 1, "commit": 0}
@@ -400,9 +405,7 @@ async def test_a_commit_frame_with_a_wrong_chunk_count_is_refused_and_the_connec
         named = _model(seed=14)
         async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
             await pusher.push(named, version="learn-the-channel", step=1)  # the pusher now knows the address
-            await node.client.phase("rollout", 1)
-            await node.client.phase("train", 2)
-            await node.client.phase("sync", 2)
+            await _to_sync_of_step_2(node)
             session = await pusher.open(named, version="v2", step=2)
             assert session.channel is not None and session.reply["session_id"] == session.session_id
             chunks, _ = await pusher.stream(session.session_id, named, session=session)
@@ -424,9 +427,7 @@ async def test_a_push_whose_remembered_channel_is_unreachable_opens_streams_and_
             first = await pusher.push(named, version="learn", step=1)
             address = (await node.client.session(first.session_id))["chunk_channel"]
             os.unlink(address.removeprefix("unix:"))  # the socket is gone (as behind another mount namespace)
-            await node.client.phase("rollout", 1)
-            await node.client.phase("train", 2)
-            await node.client.phase("sync", 2)
+            await _to_sync_of_step_2(node)
             named = _model(seed=16)
             report = await pusher.push(named, version="over-http", step=2)
         assert counts == {"open": 2, "commit": 1} and pusher.last_path == "http"
@@ -458,9 +459,7 @@ async def test_a_new_pusher_on_the_same_client_opens_on_the_channel_the_clients_
         counts = _count_http(node.client)
         async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as first:
             await first.push(_model(seed=18), version="first", step=1)
-        await node.client.phase("rollout", 1)
-        await node.client.phase("train", 2)
-        await node.client.phase("sync", 2)
+        await _to_sync_of_step_2(node)
         named = _model(seed=19)
         async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as second:
             await second.push(named, version="second", step=2)
