@@ -21,10 +21,11 @@ Protocol, newline-delimited JSON (one UTF-8 object per line, at most ``limits.ma
 - the daemon answers each with the ``ChunkAckReply`` body, or an error frame: ``ErrorBody`` plus
   ``status`` (what HTTP would have answered) and ``seq`` when the frame had one. Replies come in
   completion order, so a trainer keeps ``depth`` chunks in flight on one connection and matches by ``seq``.
-- a frame whose first key is ``"commit"``, ``{"commit": {"num_chunks": N}}`` (``ChannelCommit``), sent once every
-  chunk was acked, commits the connection's session as ``POST .../commit`` would: the answer is
-  ``{"commit": <its reply>}`` or an error frame with ``"frame": "commit"``. The session's open and commit then
-  cost one Unix-socket round trip each instead of an HTTP request.
+- a frame whose first key is ``"commit"``, ``{"commit": {"num_chunks": N}}`` (``ChannelCommit``), commits the
+  connection's session as ``POST .../commit`` would, once every chunk frame read before it is answered (so it may
+  follow the last chunk at once, before its ack): the answer is ``{"commit": <its reply>}`` or an error frame with
+  ``"frame": "commit"``. The session's open and commit then cost one Unix-socket round trip each instead of an
+  HTTP request, and a commit sent behind the last chunk no round trip of its own.
 
 A malformed frame is answered with an error frame naming the field and the connection stays usable;
 only a frame over the size limit, a bad hello or a wrong token closes it.
@@ -243,8 +244,10 @@ class ChunkChannelServer:
                     window.release()
                     continue
                 if line.startswith(_COMMIT_FRAME):
-                    # Sent once every chunk was acked: answered in order, before anything read after it.
+                    # It may come right behind the last chunk: answered once every chunk read before it is,
+                    # and before anything read after it.
                     try:
+                        await asyncio.gather(*chunks, return_exceptions=True)
                         writer.write(await self._commit(line, session_id))
                     finally:
                         window.release()

@@ -321,7 +321,7 @@ async def _push_once(
     sid = session.session_id
     t1 = time.perf_counter()
     try:
-        chunks, _ = await pusher.stream(sid, named, session=session)
+        chunks, _ = await pusher.stream(sid, named, session=session, commit=True)
         t2 = time.perf_counter()
         commit = await pusher.commit(session, chunks)
     except BaseException:
@@ -394,7 +394,8 @@ async def _run_variant(
                 trace = commit.get("trace") or {}
                 result.breakdown = breakdown(open_s=open_s, stream_s=stream_s, commit_s=commit_s, wall_s=wall_s,
                                              trace=trace, join_s=pusher.last_join_s,
-                                             digest_s=[c.digest_s for c in pusher.chunk_log], floors=floors)
+                                             digest_s=[c.digest_s for c in pusher.chunk_log], floors=floors,
+                                             app_calls=sink.get("calls") or ())
                 result.round_trips = round_trips(trace)
             if not result.stream_s or stream_s < min(result.stream_s):
                 best_log, result.open_s, result.commit_s = list(pusher.chunk_log), open_s, commit_s

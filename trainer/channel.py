@@ -7,6 +7,8 @@ One connection per session and rank. ``connect(..., device_id=...)`` joins the s
 (``channel.joined`` is the join reply), one Unix-socket round trip instead of ``POST .../join``;
 ``connect(..., open_body={...})`` opens the session there too (``channel.opened`` is the open reply), and
 ``commit(num_chunks)`` commits it on the same connection: a one-rank push then makes no HTTP request at all.
+``send_commit(num_chunks)`` sends that commit right behind the last chunk, before its ack (the daemon answers it
+once every chunk before it is answered), and ``commit`` then collects its reply: one round trip fewer.
 ``send_chunk`` has the signature of ``AsyncColocdClient.send_chunk`` and fails the same way
 (``ColocdHTTPError`` with the status HTTP would have answered), so ``WeightPusher`` uses either. Many
 chunks may be in flight at once; each reply is matched to its call by ``seq``.
@@ -132,6 +134,8 @@ class ChunkChannel:
         self.opened: dict[str, Any] | None = opened if isinstance(opened, dict) else None  # when the hello opened
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._committing: asyncio.Future[dict[str, Any]] | None = None
+        self._frames = 0  # chunk frames written
+        self._commit_after: int | None = None  # a sent commit's frame waits for this many chunk frames
         self._closed: BaseException | None = None
         for line in early or ():  # frames that came with the greeting, before this object listened
             self._on_reply(line)
@@ -216,23 +220,55 @@ class ChunkChannel:
         self._waiting[seq] = reply
         try:
             self._transport.write(frame)
+            self._frames += 1
+            if self._commit_after is not None and self._frames >= self._commit_after:
+                self._write_commit(self._commit_after)
             await self._replies.drain()
             return await reply
         finally:
             self._waiting.pop(seq, None)
 
-    async def commit(self, num_chunks: int | None = None) -> dict[str, Any]:
-        """Commit this channel's session once every chunk sent on it was acked; returns what ``POST .../commit``
-        would (``ColocdHTTPError`` with its status where that would fail)."""
+    @property
+    def committing(self) -> bool:
+        """A commit was sent on this channel and its reply not yet collected."""
+        return self._committing is not None
+
+    def send_commit(self, num_chunks: int) -> asyncio.Future[dict[str, Any]]:
+        """Commit this channel's session behind its ``num_chunks``-th chunk frame, acked or not: the frame goes
+        once that many chunk frames are written (now, where they are), and the daemon answers it once it has
+        answered every chunk before it. ``commit(num_chunks)`` collects the reply (so does the returned future,
+        whose failure counts as seen)."""
         if self._closed is not None:
             raise ChannelClosed(f"chunk channel is closed: {self._closed}")
-        if self._waiting or self._committing is not None:
-            raise ValueError("commit only once, after every chunk on this channel was acked")
-        self._committing = asyncio.get_running_loop().create_future()
+        if self._committing is not None:
+            raise ValueError("commit only once on this channel")
+        self._committing = committing = asyncio.get_running_loop().create_future()
+        committing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if self._frames >= num_chunks:
+            self._write_commit(num_chunks)
+        else:
+            self._commit_after = num_chunks
+        return committing
+
+    def _write_commit(self, num_chunks: int | None) -> None:
+        self._commit_after = None
+        self._transport.write(json.dumps({"commit": {"num_chunks": num_chunks}}).encode() + b"\n")
+
+    async def commit(self, num_chunks: int | None = None) -> dict[str, Any]:
+        """Commit this channel's session once every chunk sent on it was acked (or collect the reply of the commit
+        ``send_commit`` sent); returns what ``POST .../commit`` would (``ColocdHTTPError`` with its status where that
+        would fail)."""
+        committing = self._committing
         try:
-            self._transport.write(json.dumps({"commit": {"num_chunks": num_chunks}}).encode() + b"\n")
-            await self._replies.drain()
-            return await self._committing
+            if committing is None:
+                if self._closed is not None:
+                    raise ChannelClosed(f"chunk channel is closed: {self._closed}")
+                if self._waiting:
+                    raise ValueError("commit after every chunk on this channel was acked (or use send_commit)")
+                self._committing = committing = asyncio.get_running_loop().create_future()
+                self._write_commit(num_chunks)
+                await self._replies.drain()
+            return await committing
         finally:
             self._committing = None
 

@@ -465,3 +465,53 @@ async def test_a_new_pusher_on_the_same_client_opens_on_the_channel_the_clients_
             await second.push(named, version="second", step=2)
         assert counts == {"open": 1, "commit": 0}
         assert await _checksum(node.engine_url) == tensor_checksum(named)
+
+
+async def test_a_commit_frame_sent_right_behind_the_chunks_before_their_acks_commits_once_they_are_consumed(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
+    async with _node(pooled_engine, tmp_path) as node:
+        named = _model(seed=20)
+        sid, address = await _open_with_channel(node, "behind", named)
+        conn = await RawConnection.open(address)
+        assert (await conn.send({"session_id": sid, "rank": 0, "token": TOKEN}))["session_id"] == sid
+        producer = producer_for("shm")
+        chunks = [producer.export(bucket) for bucket in plan_chunks(named, 20_000)]
+        frames: list[dict[str, Any]] = [{"seq": seq, "transport": "shm", "nbytes": c.nbytes, "handle": c.handle}
+                                        for seq, c in enumerate(chunks)]
+        frames.append({"commit": {"num_chunks": len(chunks)}})
+        # Every chunk and the commit written at once: nothing is read before the last frame is out.
+        conn.writer.write(b"".join(json.dumps(f).encode() + b"\n" for f in frames))
+        replies = []
+        async with asyncio.timeout(DEADLINE_S):
+            for _ in frames:
+                replies.append(json.loads(await conn.reader.readline()))
+        for chunk in chunks:
+            chunk.release()
+        conn.close()
+        assert sorted(r["seq"] for r in replies[:-1]) == list(range(len(chunks)))  # every ack, then the commit
+        assert replies[-1]["commit"]["state"] == "committed"
+        assert replies[-1]["commit"]["chunks_consumed"] == len(chunks)
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
+
+
+async def test_a_push_on_the_channel_sends_its_commit_behind_the_last_chunk_and_collects_its_reply(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[int] = []
+    send_commit = ChunkChannel.send_commit
+
+    def spy(channel: ChunkChannel, num_chunks: int) -> asyncio.Future[dict[str, Any]]:
+        sent.append(num_chunks)
+        return send_commit(channel, num_chunks)
+
+    monkeypatch.setattr(ChunkChannel, "send_commit", spy)
+    async with _node(pooled_engine, tmp_path) as node:
+        async with WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
+            # Opened over HTTP (no channel known yet), joined and committed on the channel.
+            first = await pusher.push(_model(seed=21), version="joined-on-the-channel", step=1)
+            assert sent == [first.chunks] and first.commit["chunks_consumed"] == first.chunks
+            await _to_sync_of_step_2(node)
+            named = _model(seed=22)
+            report = await pusher.push(named, version="opened-on-the-channel", step=2)
+        assert sent == [first.chunks, report.chunks] and report.commit["chunks_consumed"] == report.chunks
+        assert report.commit["state"] == "committed"
+        assert await _checksum(node.engine_url) == tensor_checksum(named)
