@@ -569,3 +569,40 @@ async def test_a_child_that_dies_fails_the_launch_at_once_with_its_log_tail(tmp_
         await proc.astart()
     assert time.monotonic() - started < 30  # the death was noticed, not the deadline
     assert "exited with code 2" in str(err.value) and proc.log_path == tmp_path / "engine.log"
+
+
+async def test_a_pickled_chunk_is_decoded_while_the_load_before_it_still_holds_the_model_lock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from colocd.engines.reference import engine as engine_module
+    from colocd.engines.reference.server import create_app
+    from colocd.engines.reference.settings import ReferenceServerSettings
+
+    decoded = asyncio.Event()
+    decode_pickled = engine_module.decode_pickled
+    loop = asyncio.get_running_loop()
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        named = decode_pickled(*args, **kwargs)
+        loop.call_soon_threadsafe(decoded.set)
+        return named
+
+    monkeypatch.setattr(engine_module, "decode_pickled", spy)
+    app = create_app(ReferenceServerSettings())
+    engine = app.state.engine
+    pushed = named_params(build_model(CFG, 5))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://engine") as c:
+        async with asyncio.timeout(60):
+            while (await c.get("/health")).status_code != 200:  # noqa: ASYNC110 (polls the app, bounded)
+                await asyncio.sleep(0.05)
+        assert (await c.post("/begin_weight_update", json={})).json()["success"]
+        async with engine._control_lock:  # as a load of the chunk before this one holds it
+            load = asyncio.ensure_future(c.post("/update_weights_from_tensor", json={
+                "serialized_named_tensors": [base64.b64encode(pickle.dumps(pushed)).decode()],
+                "load_format": None, "flush_cache": False}))
+            async with asyncio.timeout(10):
+                await decoded.wait()
+            assert not load.done()  # decoded, and waiting for the lock to apply it
+        assert (await load).json() == {"success": True, "message": "Success"}
+        assert (await c.post("/end_weight_update", json={})).json()["success"]
+        assert await checksum(c) == tensor_checksum(pushed)
