@@ -31,7 +31,7 @@ from .locks import ReaderWriterLock
 from .memory import MemoryMove as MemoryReleaseReport
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .model import QwenLikeForCausalLM, build_model
-from .payloads import PICKLED_FORMATS, NamedTensors, decode_pickled, open_payload
+from .payloads import open_payload
 from .runner import ModelRunner
 from .sampling import SamplingConfig
 from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
@@ -98,7 +98,6 @@ class ReferenceEngine:
         self._ranks: list[TPRank] = []
         self._digest_cache: DigestCache = {}  # engines/digest.py weight vectors per device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
-        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-decode")  # PICKLED_FORMATS
         self._model: QwenLikeForCausalLM | None = None
         self._memory: MemoryRegions | None = None
         self._runner: ModelRunner | None = None
@@ -174,7 +173,6 @@ class ReferenceEngine:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)  # a death was logged already
         self._executor.shutdown(wait=True, cancel_futures=True)
-        self._decoder.shutdown(wait=True, cancel_futures=True)
 
     def _build(self) -> None:
         settings = self.settings
@@ -649,19 +647,6 @@ class ReferenceEngine:
             )
         if body.abort_all_requests:
             await scheduler.abort_all()
-        decoded: list[NamedTensors] | None = None
-        if body.load_format in PICKLED_FORMATS:
-            # Decoded on its own thread before the lock: opening a chunk's CUDA IPC handles (~1 ms) overlaps the
-            # load of the chunk before it. The checks below still decide whether it is applied.
-            try:
-                decoded = await asyncio.get_running_loop().run_in_executor(
-                    self._decoder, self._decode_entries, entries, body.load_format)
-            except ValueError as exc:  # PayloadError, UnsafePickleError
-                return False, f"Failed to update weights, nothing applied: {exc}"
-            except Exception as exc:
-                logger.exception("update_weights_from_tensor: decoding failed")
-                return False, f"Failed to update weights, nothing applied: internal error {type(exc).__name__}: {exc}"
-        decode_s = time.perf_counter() - entered if decoded is not None else 0.0
         async with self._model_update(), self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
                 return False, (
@@ -680,17 +665,14 @@ class ReferenceEngine:
             locked = time.perf_counter()
             async with scheduler.hold():
                 try:
-                    names = await self._on_model_thread(self._load_entries, entries, body.load_format, decoded)
+                    names = await self._on_model_thread(self._load_entries, entries, body.load_format)
                 except ValueError as exc:  # PayloadError, UnsafePickleError, load_weights' checks
                     return False, f"Failed to update weights, nothing applied: {exc}"
                 except Exception as exc:
                     logger.exception("update_weights_from_tensor failed")
                     return False, f"Failed to update weights: internal error {type(exc).__name__}: {exc}"
             if self._sink is not None and len(self._sink_loads) < 1 << 16:
-                stages = self._last_stages
-                if decoded is not None:
-                    stages = {**stages, "decode_s": decode_s}
-                self._sink_loads.append({"queue_s": locked - entered - decode_s, **stages,
+                self._sink_loads.append({"queue_s": locked - entered, **self._last_stages,
                                          "handler_s": time.perf_counter() - entered})
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
@@ -707,17 +689,12 @@ class ReferenceEngine:
             message += f" Weight version updated to {body.weight_version}."
         return True, message
 
-    def _decode_entries(self, entries: Sequence[str], load_format: str | None) -> list[NamedTensors]:
-        return [decode_pickled(entry, load_format, tp_rank=rank.index, device=rank.device)
-                for rank, entry in zip(self._ranks, entries, strict=True)]
-
-    def _load_entries(self, entries: Sequence[str], load_format: str | None,
-                      decoded: list[NamedTensors] | None = None) -> list[str]:
+    def _load_entries(self, entries: Sequence[str], load_format: str | None) -> list[str]:
         t0 = time.perf_counter()
         for rank in self._ranks:
             rank.rings.last_stages = {}
         with contextlib.ExitStack() as stack:
-            opened = decoded if decoded is not None else [
+            opened = [
                 stack.enter_context(
                     open_payload(entry, load_format, tp_rank=rank.index, rings=rank.rings, device=rank.device)
                 )

@@ -35,11 +35,9 @@ from ..chunks import ChunkLayout, LayoutEntry, SharedSegment, TensorSpec, unflat
 from ..cuda_handles import RingTable
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
-__all__ = ["LOAD_FORMATS", "PICKLED_FORMATS", "DiskDescriptor", "NamedTensors", "PayloadError", "ShmDescriptor",
-           "decode_pickled", "open_payload"]
+__all__ = ["LOAD_FORMATS", "DiskDescriptor", "PayloadError", "ShmDescriptor", "open_payload"]
 
 LOAD_FORMATS = ("colocd_shm", "colocd_disk", "colocd_ring", "flattened_bucket", "direct", None)
-PICKLED_FORMATS = ("flattened_bucket", "direct", None)  # SGLang's own: decoded without the engine's state
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 _M = TypeVar("_M", bound=BaseModel)
@@ -87,11 +85,9 @@ def open_payload(
     ``rings`` is the engine's table of opened ``colocd_ring`` slots. With ``device`` given, CUDA
     tensors must already be on it: a handle from another GPU is an error, not a silent P2P copy.
     """
-    if load_format in PICKLED_FORMATS:
-        yield decode_pickled(entry, load_format, tp_rank=tp_rank, device=device)
-        return
     raw = _b64decode(entry)
-    device = _indexed(device)
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if load_format == "colocd_shm":
         with _open_shm(_parse_json(raw, ShmDescriptor)) as named:
             yield named
@@ -99,25 +95,12 @@ def open_payload(
         yield _load_disk(_parse_json(raw, DiskDescriptor))
     elif load_format == "colocd_ring":
         yield _on_device(_ring_tensors(raw, rings, device), device)
+    elif load_format in (None, "direct"):
+        yield _on_device(_named_list(safe_loads(raw), tp_rank), device)
+    elif load_format == "flattened_bucket":
+        yield _on_device(_flattened_bucket(safe_loads(raw)), device)
     else:
         raise PayloadError(f"unknown load_format {load_format!r}; supported: {list(LOAD_FORMATS)}")
-
-
-def decode_pickled(entry: str, load_format: str | None, *, tp_rank: int = 0,
-                   device: torch.device | None = None) -> NamedTensors:
-    """A pickled entry's tensors (``PICKLED_FORMATS``): they own what they hold (a CUDA IPC mapping, or CPU
-    bytes), so this touches no engine state and may run before the engine takes its model lock."""
-    raw = _b64decode(entry)
-    device = _indexed(device)
-    if load_format == "flattened_bucket":
-        return _on_device(_flattened_bucket(safe_loads(raw)), device)
-    return _on_device(_named_list(safe_loads(raw), tp_rank), device)
-
-
-def _indexed(device: torch.device | None) -> torch.device | None:
-    if device is not None and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _ring_tensors(raw: bytes, rings: RingTable | None, device: torch.device | None) -> NamedTensors:
