@@ -234,10 +234,10 @@ class ChunkChannel:
         return self._committing is not None
 
     def send_commit(self, num_chunks: int) -> asyncio.Future[dict[str, Any]]:
-        """Commit this channel's session behind its ``num_chunks``-th chunk frame, acked or not: the frame goes
-        once that many chunk frames are written (now, where they are), and the daemon answers it once it has
-        answered every chunk before it. ``commit(num_chunks)`` collects the reply (so does the returned future,
-        whose failure counts as seen)."""
+        """Commit this channel's session behind its ``num_chunks``-th chunk frame, acked or not: the frame is
+        written as soon as that many chunk frames are (at once if they already are), and the daemon answers it
+        once it has answered every chunk before it. ``commit(num_chunks)`` collects the reply (so does the
+        returned future, whose failure counts as seen)."""
         if self._closed is not None:
             raise ChannelClosed(f"chunk channel is closed: {self._closed}")
         if self._committing is not None:
