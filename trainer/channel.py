@@ -238,16 +238,21 @@ class ChunkChannel:
         written as soon as that many chunk frames are (at once if they already are), and the daemon answers it
         once it has answered every chunk before it. ``commit(num_chunks)`` collects the reply (so does the
         returned future, whose failure counts as seen)."""
+        committing = self._new_commit()
+        if self._frames >= num_chunks:
+            self._write_commit(num_chunks)
+        else:
+            self._commit_after = num_chunks
+        return committing
+
+    def _new_commit(self) -> asyncio.Future[dict[str, Any]]:
+        """The future of this channel's one commit, whose failure counts as seen (a caller may never await it)."""
         if self._closed is not None:
             raise ChannelClosed(f"chunk channel is closed: {self._closed}")
         if self._committing is not None:
             raise ValueError("commit only once on this channel")
         self._committing = committing = asyncio.get_running_loop().create_future()
         committing.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if self._frames >= num_chunks:
-            self._write_commit(num_chunks)
-        else:
-            self._commit_after = num_chunks
         return committing
 
     def _write_commit(self, num_chunks: int | None) -> None:
@@ -261,11 +266,9 @@ class ChunkChannel:
         committing = self._committing
         try:
             if committing is None:
-                if self._closed is not None:
-                    raise ChannelClosed(f"chunk channel is closed: {self._closed}")
-                if self._waiting:
+                if self._closed is None and self._waiting:
                     raise ValueError("commit after every chunk on this channel was acked (or use send_commit)")
-                self._committing = committing = asyncio.get_running_loop().create_future()
+                committing = self._new_commit()
                 self._write_commit(num_chunks)
                 await self._replies.drain()
             return await committing
