@@ -448,6 +448,10 @@ async def test_a_session_opened_on_a_connection_that_then_closes_unused_is_abort
             while (await node.client.session(sid))["state"] == "open":  # noqa: ASYNC110 (polls the daemon, bounded)
                 await asyncio.sleep(0.05)
         assert (await node.client.session(sid))["state"] == "aborted"
+        # The abort's close (ending the engines' update) holds the node a moment after the state says aborted.
+        async with asyncio.timeout(DEADLINE_S):
+            while (await node.client.status())["busy_with"] is not None:  # noqa: ASYNC110 (polls the daemon, bounded)
+                await asyncio.sleep(0.05)
         reopened = await node.client.open_session("v", step=1, ranks=1)  # the node is free again
         await node.client.abort(reopened["session_id"])
 
