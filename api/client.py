@@ -19,6 +19,7 @@ from typing import Any, Protocol, Self, TypeVar
 import httpx
 
 from ..policies import Transport
+from ..recent import remember
 
 __all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError"]
 
@@ -208,10 +209,7 @@ class AsyncColocdClient:
         self.chunk_channel = channel if isinstance(channel, str) else None
         ref = reply.get("manifest_ref")
         if key is not None and isinstance(ref, str):
-            self._manifest_refs[key] = ref
-            self._manifest_refs.move_to_end(key)
-            while len(self._manifest_refs) > _MANIFEST_REFS_KEPT:
-                self._manifest_refs.popitem(last=False)
+            remember(self._manifest_refs, key, ref, _MANIFEST_REFS_KEPT)
         return reply
 
     async def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 from ..engines.tcpstore_probe import probe_tcpstore
 from ..engines.weight_group_protocol import BACKEND_DEVICES, BroadcastDescriptor, SupportsWeightGroups
 from ..policies import Budget, Timeouts
+from ..recent import remember
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import (
@@ -259,11 +260,10 @@ class WeightGroups:
         for engine in engines:
             self._metrics.weight_bytes.labels(engine.name, record.backend).inc(nbytes)
             self._metrics.weight_chunks.labels(engine.name).inc()
-        stats = self._per_session.setdefault(session.id, {"broadcasts": 0, "nbytes": 0})
+        stats = self._per_session.get(session.id, {"broadcasts": 0, "nbytes": 0})
         stats["broadcasts"] += 1
         stats["nbytes"] += nbytes
-        while len(self._per_session) > 64:
-            self._per_session.popitem(last=False)
+        remember(self._per_session, session.id, stats, 64)
         return {"seq": desc.seq, "group_name": record.name, "engines": [e.name for e in engines],
                 "nbytes": nbytes, "load_s": time.perf_counter() - t0}
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 from collections import OrderedDict
 
+from ..recent import remember
 from .errors import ManifestRefUnknown
 from .weights import Manifest
 
@@ -60,7 +61,4 @@ class ManifestBook:
 
     def remember(self, ref: str, manifest: Manifest) -> None:
         """Keep ``manifest`` by ``ref`` (its ``manifest_ref``) as the most recently used one."""
-        self._by_ref[ref] = manifest
-        self._by_ref.move_to_end(ref)
-        while len(self._by_ref) > self._capacity:
-            self._by_ref.popitem(last=False)
+        remember(self._by_ref, ref, manifest, self._capacity)

@@ -20,6 +20,7 @@ from ..engines.base import Capability, ChunkPart, EngineDigests
 from ..engines.ring_refs import RingDirectory
 from ..engines.segments import unlink_session_segments
 from ..policies import Budget, PolicySet, Timeouts
+from ..recent import remember
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
@@ -211,9 +212,7 @@ class WeightSessions:
             await self._close_engines_update(trace, committed=False, session=session)
             raise
         if self.current is not None:
-            self._gone[self.current.id] = self.current
-            while len(self._gone) > 64:
-                self._gone.popitem(last=False)
+            remember(self._gone, self.current.id, self.current, 64)
         if declared is not None and declared_ref is not None:
             self.manifests.remember(declared_ref, declared)  # an open that succeeded: its reply names it
         self.current = session

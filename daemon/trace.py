@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..recent import remember
+
 __all__ = ["Span", "Trace", "TraceStore"]
 
 
@@ -117,10 +119,9 @@ class TraceStore:
         self._on_put = on_put
 
     def put(self, trace: Trace) -> None:
-        self._steps.setdefault(trace.step, {})[trace.phase] = trace
-        self._steps.move_to_end(trace.step)
-        while len(self._steps) > self._capacity:
-            self._steps.popitem(last=False)
+        phases = self._steps.get(trace.step, {})
+        phases[trace.phase] = trace
+        remember(self._steps, trace.step, phases, self._capacity)
         if self._on_put is not None:
             self._on_put(trace)
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from ..engines.base import MemoryTag, PauseMode
 from ..policies import PolicySet, Transport
+from ..recent import remember
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import NotFound, RequestInvalid, TransitionRejected
@@ -156,9 +157,8 @@ class Transitions:
         """Remember a finished transition (a repeat replays it) and journal it with the node's state, on disk
         before the reply. If the journal fails (``JournalFailed``), a repeat writes it again before replaying."""
         key = (result.step, result.phase)
-        self._completed[key] = result
-        while len(self._completed) > 256:
-            self._unjournaled.discard(self._completed.popitem(last=False)[0])
+        forgotten = remember(self._completed, key, result, 256)
+        self._unjournaled.difference_update(forgotten)
         self._unjournaled.add(key)
         await self._write(result)
 

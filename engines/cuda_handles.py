@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
+from ..recent import remember
 from .chunks import TensorSpec, dtype_from_name
 from .ring_refs import UNKNOWN_REF_MARK, handle_key, layout_digest
 
@@ -154,10 +155,8 @@ class RingTable:
         if named is None:
             if layout is None:
                 layout = self._known_layout(ring_id, ring, str(descriptor["layout_ref"]))
-            named = ring.views[key] = self._views(ring_id, ring, descriptor.get("slot"), layout,
-                                                  by_ref="layout_ref" in descriptor)
-            while len(ring.views) > self.max_layouts:
-                ring.views.popitem(last=False)
+            named = self._views(ring_id, ring, descriptor.get("slot"), layout, by_ref="layout_ref" in descriptor)
+            remember(ring.views, key, named, self.max_layouts)
         self.last_stages = {"open_s": t1 - t0, "views_s": time.perf_counter() - t1}
         return list(named)
 
@@ -178,10 +177,7 @@ class RingTable:
         if layout is not None:
             if layout_digest(layout) != ref:
                 raise ValueError(f"ring {ring_id}: layout_ref {ref!r} is not the digest of the layout it carries")
-            ring.layouts[ref] = layout
-            ring.layouts.move_to_end(ref)
-            while len(ring.layouts) > self.max_layouts:
-                ring.layouts.popitem(last=False)
+            remember(ring.layouts, ref, layout, self.max_layouts)
         return layout, json.dumps([descriptor.get("slot"), ref])
 
     def _known_layout(self, ring_id: str, ring: _OpenRing, ref: str) -> list[Any]:
@@ -221,9 +217,8 @@ class RingTable:
         if ring_id in self._rings:
             self._rings.move_to_end(ring_id)
         else:
-            self._rings[ring_id] = _OpenRing()
-            while len(self._rings) > self.max_rings:
-                self._rings.popitem(last=False)  # its mappings close once the last view is gone
+            # A dropped ring's mappings close once its last view is gone.
+            remember(self._rings, ring_id, _OpenRing(), self.max_rings)
         return self._rings[ring_id]
 
     def _open(self, ring_id: str, ring: _OpenRing, slot: int, handle: dict[str, Any], device: torch.device) -> None:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..recent import remember
+
 __all__ = [
     "UNKNOWN_REF_MARK",
     "EngineRingRefs",
@@ -110,9 +112,8 @@ class RingDirectory:
         if ref in self._derived:
             self._derived.move_to_end(ref)
             return self._derived[ref]
-        value = self._derived[ref] = build()
-        while len(self._derived) > self.max_layouts:
-            self._derived.popitem(last=False)
+        value = build()
+        remember(self._derived, ref, value, self.max_layouts)
         return value
 
     def resolve(self, handle: dict[str, Any]) -> dict[str, Any]:
@@ -147,9 +148,7 @@ class RingDirectory:
             except (TypeError, ValueError):
                 raise ValueError(f"open: slot {key!r} is not an integer") from None
         if layout is not None:
-            ring.layouts[ref] = (layout, slots_of(None, layout))
-            while len(ring.layouts) > self.max_layouts:
-                ring.layouts.popitem(last=False)
+            remember(ring.layouts, ref, (layout, slots_of(None, layout)), self.max_layouts)
         known = ring.layouts.get(ref)
         if known is None:
             raise RefUnknown(f"ring {ring_id}: layout_ref {ref!r} is unknown to this daemon (restarted, or it "
@@ -166,13 +165,8 @@ class RingDirectory:
         return full
 
     def _ring(self, ring_id: str) -> _Ring:
-        ring = self._rings.get(ring_id)
-        if ring is None:
-            ring = self._rings[ring_id] = _Ring()
-            while len(self._rings) > self.max_rings:
-                self._rings.popitem(last=False)
-        else:
-            self._rings.move_to_end(ring_id)
+        ring = self._rings.get(ring_id) or _Ring()
+        remember(self._rings, ring_id, ring, self.max_rings)
         return ring
 
 
