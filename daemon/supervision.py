@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ..engines.adoption import AdoptedProcess, LaunchRecord, stop_group
+from ..engines.config import AnyEngineConfig, LaunchConfig
 from ..engines.registry import launch_engine
 from ..engines.supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, free_port
 from .events import emit
@@ -57,7 +58,7 @@ __all__ = ["Backoff", "EngineSupervision", "LaunchState", "LaunchedEngine"]
 
 log = logging.getLogger("colocd.supervision")
 
-Launcher = Callable[[Any, LaunchOptions], Awaitable[Launched]]
+Launcher = Callable[[AnyEngineConfig, LaunchOptions], Awaitable[Launched]]
 Answers = Callable[[str], Awaitable[bool]]  # does something serve HTTP at this URL?
 
 
@@ -105,7 +106,7 @@ _UNREADY = {LaunchState.STARTING: "launching", LaunchState.BACKOFF: "exited; in 
 class LaunchedEngine:
     """What the daemon knows about one engine it launches (status shows ``snapshot()``)."""
 
-    config: Any  # the engine's config, url filled in
+    config: AnyEngineConfig  # the engine's config, url filled in
     backoff: Backoff
     restart: bool
     grace_s: float
@@ -123,7 +124,7 @@ class LaunchedEngine:
 
     @property
     def name(self) -> str:
-        return str(self.config.name)
+        return self.config.name
 
     def unready_reason(self) -> str | None:
         """Why the engine cannot be driven now as far as its process goes (None: it runs)."""
@@ -151,7 +152,14 @@ def _port(url: str | None) -> int | None:
     return urlsplit(url).port if url else None
 
 
-def _for_launch(config: Any) -> Any:
+def _launch_of(config: AnyEngineConfig) -> LaunchConfig:
+    """The ``launch:`` section of an engine the supervision launches (it holds no other)."""
+    if config.launch is None:
+        raise ValueError(f"engine {config.name!r} has no launch: section, so colocd does not launch it")
+    return config.launch
+
+
+def _for_launch(config: AnyEngineConfig) -> AnyEngineConfig:
     """``config`` as launched: with the URL it will listen on, and one log file for all its runs.
 
     Port 0 (or none) is replaced by a concrete free port now, so a relaunch comes back where the
@@ -161,19 +169,20 @@ def _for_launch(config: Any) -> Any:
     update: dict[str, Any] = {}
     if not (urlsplit(config.url).port if config.url else None):
         update["url"] = f"http://127.0.0.1:{free_port()}"
-    if config.launch.log_file is None:
+    launch = _launch_of(config)
+    if launch.log_file is None:
         fd, path = tempfile.mkstemp(prefix=f"colocd-{config.name}-", suffix=".log")
         os.close(fd)
-        update["launch"] = config.launch.model_copy(update={"log_file": path})
+        update["launch"] = launch.model_copy(update={"log_file": path})
     return config.model_copy(update=update)
 
 
 class EngineSupervision:
     """Launches and supervises the engines of one daemon that have a ``launch:`` section."""
 
-    def __init__(self, engines: Sequence[Any], metrics: Metrics, *, on_change: Callable[[], None] = lambda: None,
-                 launcher: Launcher = launch_engine, journal: Journal | None = None,
-                 answers: Answers = answers_http) -> None:
+    def __init__(self, engines: Sequence[AnyEngineConfig], metrics: Metrics, *,
+                 on_change: Callable[[], None] = lambda: None, launcher: Launcher = launch_engine,
+                 journal: Journal | None = None, answers: Answers = answers_http) -> None:
         self._engines = list(engines)
         self._metrics = metrics
         self._on_change = on_change
@@ -187,7 +196,7 @@ class EngineSupervision:
 
     # --- queries ---------------------------------------------------------------------------------
 
-    def configs(self) -> list[Any]:
+    def configs(self) -> list[AnyEngineConfig]:
         """Every engine's config, launched ones with their URL (call after ``start``)."""
         return [self.launched[c.name].config if c.name in self.launched else c for c in self._engines]
 
@@ -256,12 +265,13 @@ class EngineSupervision:
 
     # --- internals -------------------------------------------------------------------------------
 
-    async def _adopt_or_launch(self, engine: LaunchedEngine, record: LaunchRecord | None, given: Any, *,
+    async def _adopt_or_launch(self, engine: LaunchedEngine, record: LaunchRecord | None,
+                               given: AnyEngineConfig, *,
                                paused: bool) -> None:
         if record is None or not await self._adopt(engine, record, given):
             await self._launch(engine, paused=paused)
 
-    async def _adopt(self, engine: LaunchedEngine, record: LaunchRecord, given: Any) -> bool:
+    async def _adopt(self, engine: LaunchedEngine, record: LaunchRecord, given: AnyEngineConfig) -> bool:
         """Adopt the recorded process if it is still there and answers where it should; else stop what is
         left of it (its process group). True if adopted."""
         fixed_port = _port(given.url)
@@ -272,10 +282,11 @@ class EngineSupervision:
             elif not await self._answers(record.url):
                 why = f"it does not answer at {record.url}"
             if why is None:
-                launch = engine.config.launch
-                if record.log and given.launch.log_file is None:  # its own log, not the one made for a launch
-                    with contextlib.suppress(OSError):
-                        os.unlink(launch.log_file)
+                launch = _launch_of(engine.config)
+                if record.log and _launch_of(given).log_file is None:  # its own log, not the one made for a launch
+                    if launch.log_file is not None:
+                        with contextlib.suppress(OSError):
+                            os.unlink(launch.log_file)
                     launch = launch.model_copy(update={"log_file": record.log})
                 engine.config = engine.config.model_copy(update={"url": record.url, "launch": launch})
                 engine.process, engine.record, engine.adopted = AdoptedProcess(record), record, True
