@@ -80,8 +80,8 @@ class _StatusInputs(NamedTuple):
     startup: dict[str, Any] | None
     reports: tuple[tuple[str, dict[str, Any]], ...]
     launched: tuple[tuple[str, dict[str, Any] | None], ...]  # per engine: colocd's launch of it, if any
-    active_policy: Any
-    pending_policy: Any
+    active_policy: PolicySet
+    pending_policy: PolicySet | None
     nvml: bool
     versions: dict[str, Any]
 
