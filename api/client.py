@@ -18,6 +18,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 import httpx
 
+from ..http1 import Http1Transport
 from ..policies import Transport
 from ..recent import remember
 
@@ -72,10 +73,10 @@ def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
     return exc.status == 422 and exc.body.get("field") == "manifest_ref"
 
 
-def _transport(url: str) -> tuple[str, httpx.AsyncHTTPTransport | None]:
+def _transport(url: str) -> tuple[str, Http1Transport]:
     if url.startswith("unix:"):
-        return "http://colocd", httpx.AsyncHTTPTransport(uds=url.removeprefix("unix:"))
-    return url.rstrip("/"), None
+        return "http://colocd", Http1Transport(uds=url.removeprefix("unix:"))
+    return url.rstrip("/"), Http1Transport()
 
 
 class AsyncColocdClient:

@@ -24,6 +24,7 @@ import httpx
 
 from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode
 from ..engines.registry import build_adapter
+from ..http1 import Http1Transport
 from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
 from .distributed import WeightGroups
@@ -59,9 +60,9 @@ __all__ = ["Daemon", "DaemonState", "TransitionResult"]
 
 log = logging.getLogger("colocd.daemon")
 
-# SGLang and vLLM serve with uvicorn's timeout_keep_alive=5 (SGLang: entrypoints/http_server.py). httpx keeps an
-# idle connection for 5 s too, so a call made just under 5 s after the last one can go out on a connection the
-# engine is closing, and fail as if the engine had gone. The daemon lets its connections go well before that.
+# SGLang and vLLM serve with uvicorn's timeout_keep_alive=5 (SGLang: entrypoints/http_server.py). A client that kept an
+# idle connection for 5 s too could send a call, just under 5 s after the last one, on a connection the engine is
+# closing, and fail as if the engine had gone. The daemon lets its connections go well before that.
 ENGINE_KEEPALIVE_S = 2.0
 
 
@@ -133,7 +134,7 @@ class Daemon:
         # Long read timeouts: weight, release and resume calls hold engine locks and barriers;
         # the daemon's own per-step deadlines (asyncio.timeout) bound them.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False,
-                                         limits=httpx.Limits(keepalive_expiry=ENGINE_KEEPALIVE_S))
+                                         transport=Http1Transport(keepalive_expiry=ENGINE_KEEPALIVE_S))
         await self.launches.start()  # a no-op if `colocd serve` already did it
         for cfg in self.launches.configs():  # launched engines now carry their URL
             adapter = self._given_adapters.get(cfg.name) or build_adapter(cfg, self._client)
