@@ -8,7 +8,8 @@ for ``keepalive_expiry`` seconds, under the servers' own keep-alive timeouts (uv
 connection is not one the server is closing.
 
 It speaks only what those calls need: plain ``http`` over TCP or a Unix socket, whole bodies both ways (a
-streamed request body is read first; a reply is read whole before ``handle_async_request`` returns). Failures
+streamed request body is read first; a reply is read whole before ``handle_async_request`` returns); an
+``https`` URL goes through httpx's own transport. Failures
 are httpx's own exceptions, as the default transport raises them: ``ConnectError``, ``ConnectTimeout``,
 ``ReadTimeout``, ``WriteTimeout``, ``ReadError``, ``WriteError``, ``RemoteProtocolError``. A connection that did
 not end its exchange cleanly (an error, a cancelled call) is closed, never pooled, and no request is retried.
@@ -86,10 +87,14 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._max_idle = max_idle_per_origin
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
+        self._tls: httpx.AsyncHTTPTransport | None = None  # https, made on first use
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.scheme == "https" and self._uds is None:
+            self._tls = self._tls or httpx.AsyncHTTPTransport()
+            return await self._tls.handle_async_request(request)
         if request.url.scheme != "http":
-            raise httpx.UnsupportedProtocol(f"{request.url.scheme!r} is not served by this transport (http only)",
+            raise httpx.UnsupportedProtocol(f"{request.url.scheme!r} URLs are not served here (http, https)",
                                             request=request)
         if self._closed:
             raise RuntimeError("the transport is closed")
@@ -116,6 +121,8 @@ class Http1Transport(httpx.AsyncBaseTransport):
             for connection in pool:
                 connection.close()
         self._idle.clear()
+        if self._tls is not None:
+            await self._tls.aclose()
 
     def _pooled(self, origin: tuple[str, int]) -> _Connection | None:
         pool = self._idle.get(origin, [])

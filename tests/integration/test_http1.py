@@ -205,7 +205,16 @@ async def test_a_unix_socket_carries_every_call(tmp_path: Path) -> None:
     assert (replies, len(accepted)) == ([{"ok": True}] * 3, 1)
 
 
-async def test_https_is_refused_by_name() -> None:
+async def test_an_https_url_goes_through_httpx_s_own_transport() -> None:
+    async with _raw_server(_replying(_OK)) as (url, _):
+        pass  # closed: nothing listens there now
     async with httpx.AsyncClient(transport=Http1Transport()) as client:
-        with pytest.raises(httpx.UnsupportedProtocol, match="https"):
-            await client.get("https://127.0.0.1:1/")
+        with pytest.raises(httpx.ConnectError):
+            await client.get(url.replace("http://", "https://"))
+        assert isinstance(client._transport, Http1Transport) and client._transport._tls is not None
+
+
+async def test_another_scheme_is_refused_by_name() -> None:
+    async with httpx.AsyncClient(transport=Http1Transport()) as client:
+        with pytest.raises(httpx.UnsupportedProtocol, match="ftp"):
+            await client.get("ftp://127.0.0.1:1/")
