@@ -82,14 +82,14 @@ async def _push(url: str, step: int, model: Any) -> tuple[float, float]:
 
 
 async def client_cost(url: str, requests: int = 200) -> dict[str, float]:
-    """CPU per ``GET /v1/status`` on one keep-alive connection: through ``AsyncColocdClient`` (httpx), and
-    through a bare HTTP/1.1 exchange on asyncio streams (the floor a leaner client could reach)."""
+    """CPU per ``GET /v1/status`` on one keep-alive connection: through ``AsyncColocdClient`` (httpx over
+    ``colocd.http1``), and through a bare HTTP/1.1 exchange on asyncio streams (the floor under any client)."""
     async with AsyncColocdClient(url) as client:
         await client.status()
         c0 = time.process_time()
         for _ in range(requests):
             await client.status()
-        httpx_ms = 1e3 * (time.process_time() - c0) / requests
+        client_ms = 1e3 * (time.process_time() - c0) / requests
     parts = urlsplit(url)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     request = f"GET /v1/status HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode()
@@ -111,7 +111,7 @@ async def client_cost(url: str, requests: int = 200) -> dict[str, float]:
     finally:
         writer.close()
         await writer.wait_closed()
-    return {"httpx_client_ms": round(httpx_ms, 4), "bare_http11_ms": round(bare_ms, 4), "requests": requests}
+    return {"client_ms": round(client_ms, 4), "bare_http11_ms": round(bare_ms, 4), "requests": requests}
 
 
 async def _timed_cpu(kind: str, fan_out: Callable[[], Awaitable[StepResult]],
@@ -214,13 +214,13 @@ def simulate(measured: dict[str, Any], nodes: tuple[int, ...] = SIMULATED_NODES,
     """The cluster step at ``nodes`` from the N=1 per-node latencies and the client's CPU per request."""
     counts = [k for k in measured if k.isdigit()]
     base = measured["1"] if "1" in measured else measured[min(counts, key=int)]
-    # CPU per request: the largest measured N (per-request costs amortise best there); or a leaner
-    # client's, scaled from the bare-HTTP/1.1 floor measured beside it.
+    # CPU per request: the largest measured N (per-request costs amortise best there); or the bare
+    # HTTP/1.1 floor's, scaled from the one measured beside the client.
     largest = measured[max(counts, key=int)]
-    c_httpx = largest["client_cpu_per_request_ms"] / 1e3
+    c_client = largest["client_cpu_per_request_ms"] / 1e3
     cost = measured.get("client_cost")
-    lean = c_httpx * cost["bare_http11_ms"] / cost["httpx_client_ms"] if cost else None
-    clients = {"httpx": c_httpx, **({"bare_http11": lean} if lean else {})}
+    lean = c_client * cost["bare_http11_ms"] / cost["client_ms"] if cost else None
+    clients = {"client": c_client, **({"bare_http11": lean} if lean else {})}
     return {name: _simulate(base, c, nodes, trials, seed) for name, c in clients.items()}
 
 
