@@ -100,7 +100,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
             raise RuntimeError("the transport is closed")
         timeouts = request.extensions.get("timeout", {})
         origin = (request.url.host, request.url.port or 80)
-        message = await _message(request)
+        message = await _message(request)  # head and body: one write for a small body, two for a large one
         connection = self._pooled(origin) or await self._connect(request, origin, timeouts.get("connect"))
         try:
             await _write(connection, message, request, timeouts.get("write"))
@@ -156,7 +156,7 @@ class Http1Transport(httpx.AsyncBaseTransport):
         return _Connection(reader, writer)
 
 
-async def _message(request: httpx.Request) -> bytes:
+async def _message(request: httpx.Request) -> list[bytes]:
     """The request as bytes on the wire; a streamed body is read whole and sent with its length."""
     body = await request.aread()
     headers = [(k, v) for k, v in request.headers.raw if k.lower() not in (b"transfer-encoding", b"content-length")]
@@ -165,12 +165,15 @@ async def _message(request: httpx.Request) -> bytes:
     target = request.url.raw_path or b"/"
     lines = [request.method.encode() + b" " + target + b" HTTP/1.1"]
     lines += [k + b": " + v for k, v in headers]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+    head = b"\r\n".join(lines) + b"\r\n\r\n"
+    return [head + body] if len(body) <= _READ_SIZE else [head, body]  # a large body is not copied again
 
 
-async def _write(connection: _Connection, message: bytes, request: httpx.Request, limit_s: float | None) -> None:
+async def _write(connection: _Connection, message: list[bytes], request: httpx.Request,
+                 limit_s: float | None) -> None:
     try:
-        connection.writer.write(message)
+        for part in message:  # write() each: writelines() joins them first on Python 3.11
+            connection.writer.write(part)
         async with asyncio.timeout(limit_s):
             await connection.writer.drain()
     except TimeoutError:

@@ -97,6 +97,13 @@ async def test_a_json_post_round_trips_and_consecutive_calls_share_one_connectio
     assert first.json()["peer_port"] == second.json()["peer_port"] == third.json()["peer_port"]
 
 
+async def test_a_large_body_travels_whole_both_ways() -> None:
+    body = bytes(range(256)) * 8192  # 2 MiB: sent apart from its head
+    async with serve_app(_APP) as url, httpx.AsyncClient(transport=Http1Transport(), base_url=url) as client:
+        reply = await client.put("/echo", content=body.hex().encode())
+    assert bytes.fromhex(reply.json()["body"]) == body
+
+
 async def test_concurrent_calls_each_get_a_connection_and_all_are_answered() -> None:
     async with serve_app(_APP) as url, httpx.AsyncClient(transport=Http1Transport(), base_url=url) as client:
         replies = await asyncio.gather(*(client.post("/echo", content=str(i).encode()) for i in range(8)))
