@@ -18,6 +18,7 @@ not end its exchange cleanly (an error, a cancelled call) is closed, never poole
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +37,12 @@ class _Connection:
     idle_since: float = 0.0
 
     def reusable(self, now: float, expiry: float) -> bool:
-        return not (self.reader.at_eof() or self.writer.is_closing()) and now - self.idle_since < expiry
+        if self.reader.at_eof() or self.writer.is_closing() or now - self.idle_since >= expiry:
+            return False
+        # An idle connection has nothing to read: readable means the server closed it, which the loop has not
+        # seen yet where it did not run since (``ColocdClient`` runs its loop only inside a call).
+        sock = self.writer.get_extra_info("socket")
+        return sock is None or not select.select([sock], [], [], 0)[0]
 
     def close(self) -> None:
         self.writer.close()

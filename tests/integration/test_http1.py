@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -145,6 +147,43 @@ async def test_an_idle_connection_the_server_closed_is_not_used_again() -> None:
                 break
             await asyncio.sleep(0.01)
         assert (await client.get(url)).json() == {"ok": True}
+    assert len(accepted) == 2
+
+
+def test_a_closed_idle_connection_is_seen_even_where_the_loop_did_not_run_since() -> None:
+    # As ColocdClient runs its private loop only inside a call: the server's close arrives between two calls.
+    listener = socket.create_server(("127.0.0.1", 0))
+    answered, closed, accepted = threading.Event(), threading.Event(), []
+
+    def serve() -> None:
+        for n in range(2):
+            conn, _ = listener.accept()
+            accepted.append(1)
+            with conn:
+                conn.recv(65536)
+                conn.sendall(_OK)
+                if n == 0:
+                    answered.wait(10)  # closed once the client's call has returned and its loop stopped
+            closed.set()  # after the close: the reply said nothing of it (no "connection: close")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    loop = asyncio.new_event_loop()
+    transport = Http1Transport()
+
+    def call() -> bytes:  # the transport's first step runs before the loop reads what arrived while it was idle
+        return loop.run_until_complete(transport.handle_async_request(httpx.Request("GET", url))).read()
+
+    try:
+        assert call() == b'{"ok":true}'
+        answered.set()
+        assert closed.wait(10)
+        assert call() == b'{"ok":true}'
+    finally:
+        loop.run_until_complete(transport.aclose())
+        loop.close()
+        listener.close()
     assert len(accepted) == 2
 
 
