@@ -214,12 +214,9 @@ class RingTable:
         return out
 
     def _ring(self, ring_id: str) -> _OpenRing:
-        if ring_id in self._rings:
-            self._rings.move_to_end(ring_id)
-        else:
-            # A dropped ring's mappings close once its last view is gone.
-            remember(self._rings, ring_id, _OpenRing(), self.max_rings)
-        return self._rings[ring_id]
+        ring = self._rings.get(ring_id) or _OpenRing()
+        remember(self._rings, ring_id, ring, self.max_rings)  # a dropped ring's mappings close with its last view
+        return ring
 
     def _open(self, ring_id: str, ring: _OpenRing, slot: int, handle: dict[str, Any], device: torch.device) -> None:
         key = handle_key(handle)
