@@ -42,12 +42,15 @@ class ExpectedDigests:
 
     by_name: dict[str, str] = field(default_factory=dict)
     conflicts: dict[str, set[str]] = field(default_factory=dict)  # name -> every digest some rank sent
+    undigested: set[str] = field(default_factory=set)  # tensors some rank's chunk carried without a digest
 
-    def record(self, digests: Mapping[str, str] | None) -> None:
+    def record(self, digests: Mapping[str, str] | None, names: Iterable[str] = ()) -> None:
+        """One rank's chunk: the digests it sent, and ``names``, every tensor it carried."""
         for name, digest in (digests or {}).items():
             first = self.by_name.setdefault(name, digest)
             if first != digest:
                 self.conflicts.setdefault(name, {first}).add(digest)
+        self.undigested.update(n for n in names if n not in (digests or {}))
 
 
 def sample_names(names: Iterable[str], version: str, fraction: float = SAMPLE_FRACTION) -> list[str]:
@@ -147,6 +150,13 @@ async def verify_engines(engines: Sequence[EngineHandle], expected: ExpectedDige
 
     async def one(engine: EngineHandle) -> EngineVerdict:
         report = await ask(engine, names)
-        return verdict_of(engine.name, expected, names, report)
+        verdict = verdict_of(engine.name, expected, names, report)
+        if verdict.status == "verified" and expected.undigested:
+            # What was checked matches, but not everything loaded was checkable: no claim of "verified".
+            missing = sorted(expected.undigested)
+            return EngineVerdict(engine.name, "unverified", verdict.checked, None,
+                                 f"the trainer sent no digests for {len(missing)} of the tensors it loaded "
+                                 f"(first: {missing[0]!r}); the {verdict.checked} it sent digests for match")
+        return verdict
 
     return tuple(await asyncio.gather(*(one(e) for e in engines)))

@@ -535,7 +535,7 @@ class WeightSession:
         await self._check_device(seq, part, users)
         chunk.parts[part.rank] = part
         chunk.layouts[part.rank] = layout
-        self.expected.record(part.digests)
+        self.expected.record(part.digests, (t.name for t in layout.tensors))
         if isinstance(part.route, ShmRoute) and part.route.shm_name is not None:
             self.shm_names.add(part.route.shm_name)
         self._pump()

@@ -22,6 +22,7 @@ from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.verify import sample_names
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.digest import tensor_digests
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.producer import ShmProducer
@@ -154,3 +155,26 @@ async def test_a_trainer_that_sends_no_digests_commits_and_the_reply_says_nothin
         commit = await client.commit(session["session_id"], 1)
         reason = "the trainer sent no digests with its chunks"
         assert commit["verification"]["engines"] == {"ref0": {"status": "unverified", "checked": 0, "reason": reason}}
+
+
+async def test_a_session_some_of_whose_chunks_carry_no_digests_is_not_called_verified(
+        tmp_path: Any, engines: dict[str, str]) -> None:
+    named = _named(seed=12)
+    half = len(named) // 2
+    producer = ShmProducer(reclaim=False)
+    async with _node(tmp_path, {"ref0": engines["clean"]}) as (client, _):
+        session = await client.open_session("v1", step=1, ranks=1)
+        with_digests, without = producer.export(named[:half]), producer.export(named[half:])
+        with_digests.digests = tensor_digests(named[:half])
+        try:
+            for seq, chunk in enumerate((with_digests, without)):
+                await client.send_chunk(session["session_id"], seq=seq, rank=0, chunk=chunk)
+        finally:
+            with_digests.release()
+            without.release()
+        commit = await client.commit(session["session_id"], 2)
+        verdict = commit["verification"]["engines"]["ref0"]
+        assert (verdict["status"], verdict["checked"]) == ("unverified", half)
+        assert f"no digests for {len(named) - half} of the tensors it loaded" in verdict["reason"]
+        assert repr(min(n for n, _ in named[half:])) in verdict["reason"]
+        await client.phase("rollout", 1)
