@@ -331,8 +331,7 @@ async def _push_once(
             pass  # already failed; the original error matters
         raise
     finally:
-        if session.channel is not None:
-            await session.channel.aclose()
+        await session.aclose()
     t3 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, t3 - t0, chunks, commit
 

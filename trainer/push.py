@@ -117,14 +117,74 @@ class PushReport:
 _Send = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
+# What one export gives: the chunk, the export's seconds and the digests' share of them (None: the plan is done).
+_Made = tuple[ExportedPart, float, float] | None
+
+
+def _release_made(work: asyncio.Future[_Made]) -> None:
+    if not work.cancelled() and work.exception() is None and (made := work.result()) is not None:
+        made[0].release()
+
+
+@dataclass(slots=True, eq=False)
+class FirstExport:
+    """A push's first chunk, exported while its session opens (``WeightPusher.open``), under the terms of the
+    pusher's last join: its producer, the daemon's ring record (``ring_refs``), whether digests go with it. The
+    stream sends it only where this session's join says the same (``matches``); otherwise it is released once
+    its export has ended and the stream exports it again."""
+
+    producer: Producer
+    bucket_bytes: int
+    receiver: str | None
+    digests: bool
+    buckets: Iterator[list[tuple[str, torch.Tensor]]]
+    work: asyncio.Future[_Made]
+    taken: bool = False
+
+    def matches(self, producer: Producer, bucket_bytes: int, join: dict[str, Any]) -> bool:
+        return (producer is self.producer and bucket_bytes == self.bucket_bytes and bool(join.get("streams"))
+                and join.get("ring_refs") == self.receiver and (join.get("verify", "off") != "off") == self.digests)
+
+    async def take(self) -> _Made:
+        self.taken = True
+        try:
+            return await asyncio.shield(self.work)
+        except asyncio.CancelledError:
+            self.work.add_done_callback(_release_made)  # the thread runs on: its chunk goes when it ends
+            raise
+
+    async def discard(self) -> None:
+        """Release the chunk once its export has ended (nothing touches the producer before that)."""
+        if self.taken:
+            return
+        self.taken = True
+        try:
+            made = await asyncio.shield(self.work)
+        except asyncio.CancelledError:
+            self.work.add_done_callback(_release_made)  # the thread runs on: its chunk goes when it ends
+            raise
+        except Exception:
+            return  # the export failed: nothing was made, and the stream (if any) exports again
+        if made is not None:
+            made[0].release()
+
+
 @dataclass(frozen=True, slots=True)
 class PushSession:
-    """A one-rank session ``WeightPusher.open`` opened and joined: its id, the open reply, and the chunk channel
-    that carries its chunks and its commit (None: HTTP)."""
+    """A one-rank session ``WeightPusher.open`` opened and joined: its id, the open reply, the chunk channel
+    that carries its chunks and its commit (None: HTTP), and the first chunk exported meanwhile (None: none
+    was). ``aclose`` closes the channel and releases that chunk if no stream sent it."""
 
     session_id: str
     reply: dict[str, Any]
     channel: ChunkChannel | None
+    first: FirstExport | None = None
+
+    async def aclose(self) -> None:
+        if self.first is not None:
+            await self.first.discard()
+        if self.channel is not None:
+            await self.channel.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,8 +346,7 @@ class WeightPusher:
                 self._report_leases()
             raise
         finally:
-            if session.channel is not None:
-                await session.channel.aclose()
+            await session.aclose()
         return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
     async def open(self, named: list[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
@@ -295,7 +354,10 @@ class WeightPusher:
         """Open a session whose only rank is this process and join it (``push``'s first part): in the greeting of
         the daemon's chunk channel where the client already knows its address (one Unix-socket round trip for
         both), else over HTTP. ``declare``: the manifest of ``named`` is declared (``manifest_of``). The caller
-        closes ``channel`` (``push`` does)."""
+        calls ``aclose`` on what this returns (``push`` does).
+
+        From the second stream on, the first chunk is exported meanwhile (``FirstExport``): the open's round trip
+        and the engines' begin then hide one export."""
         manifest = manifest_of(named) if declare else None
         device = self.device_of(named)
 
@@ -303,21 +365,45 @@ class WeightPusher:
             return await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
                                                    manifest=manifest, partial=partial, send=send)
 
-        channel = await self._open_on_channel(open_session, device)
-        if channel is not None:
-            assert channel.opened is not None and channel.joined is not None
-            self.last_join, self.last_join_s = channel.joined, 0.0  # in the open's own round trip
-            return PushSession(channel.session_id, channel.opened, channel)
-        reply = await open_session(None)
-        sid = str(reply["session_id"])
-        t1 = time.perf_counter()
+        first = self._export_first(named)
         try:
-            channel = await self._join(sid, device, reply.get("chunk_channel"))
-        except BaseException as exc:
-            await self._abort(sid, exc)
+            channel = await self._open_on_channel(open_session, device)
+            if channel is not None:
+                assert channel.opened is not None and channel.joined is not None
+                self.last_join, self.last_join_s = channel.joined, 0.0  # in the open's own round trip
+                return PushSession(channel.session_id, channel.opened, channel, first)
+            reply = await open_session(None)
+            sid = str(reply["session_id"])
+            t1 = time.perf_counter()
+            try:
+                channel = await self._join(sid, device, reply.get("chunk_channel"))
+            except BaseException as exc:
+                await self._abort(sid, exc)
+                raise
+            self.last_join_s = time.perf_counter() - t1
+            return PushSession(sid, reply, channel, first)
+        except BaseException:
+            if first is not None:
+                await first.discard()
             raise
-        self.last_join_s = time.perf_counter() - t1
-        return PushSession(sid, reply, channel)
+
+    def _export_first(self, named: list[tuple[str, torch.Tensor]]) -> FirstExport | None:
+        """The first chunk of ``named``, its export started on a thread under the last join's terms; None before
+        the first stream (the producer and its shape are chosen from that join) or where that join sent nothing
+        or named no transport this producer has."""
+        join, producer = self.last_join, self._producer
+        if producer is None or join is None or not join.get("streams") or not named:
+            return None
+        accepted = join.get("transports")
+        if self._transport == "auto" and accepted and self._shape[0] not in accepted:
+            return None
+        receiver = join.get("ring_refs")
+        digests = self._digest_cache if join.get("verify", "off") != "off" else None
+        producer.begin_stream(receiver)
+        buckets = plan_chunks(iter(named), self._shape[1])
+        self.leases.owner = "session (opening)"
+        work = asyncio.ensure_future(asyncio.to_thread(self._pull_and_export, producer, buckets, digests))
+        return FirstExport(producer, self._shape[1], receiver, digests is not None, buckets, work)
 
     async def commit(self, session: PushSession, chunks: int) -> dict[str, Any]:
         """Commit ``session`` (``push``'s last part): on its chunk channel (collecting the reply of the commit a
@@ -527,9 +613,12 @@ class WeightPusher:
             if not joined and self._device_id is None:
                 channel = await self._join_or_walk(session_id, self.device_of(head), chunk_channel, items)
             assert self.last_join is not None
+            early = session.first if session is not None else None
             if not self.last_join["streams"]:
                 # No engine rank is on this rank's device: walk the tensors (they may be collectives the other
                 # ranks wait for) and count the plan's chunks, sending nothing.
+                if early is not None:
+                    await early.discard()
                 self.chunk_log = []
                 bucket_bytes = self._shape[1] if self._producer is not None else self._shape_for(head)[1]
                 buckets = plan_chunks(named, bucket_bytes)
@@ -540,14 +629,15 @@ class WeightPusher:
                 return count, 0
             self.last_path = "http" if channel is None else "channel"
             return await self._stream(session_id, head, named, channel or self._client,
-                                      commit=commit and joined and channel is not None)
+                                      commit=commit and joined and channel is not None, first=early)
         finally:
             if channel is not None and not joined:
                 await channel.aclose()
 
     async def _stream(self, session_id: str, head: list[tuple[str, torch.Tensor]],
                       named: Iterable[tuple[str, torch.Tensor]],
-                      sender: AsyncColocdClient | ChunkChannel, *, commit: bool = False) -> tuple[int, int]:
+                      sender: AsyncColocdClient | ChunkChannel, *, commit: bool = False,
+                      first: FirstExport | None = None) -> tuple[int, int]:
         accepted = self._accepted()
         if self._producer is not None and self._transport == "auto" and accepted and self._shape[0] not in accepted:
             self._producer.close()  # the engines changed (e.g. another kind attached): choose again
@@ -558,9 +648,14 @@ class WeightPusher:
             self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots,
                                           leases=self.leases)
         producer, bucket_bytes = self._producer, self._shape[1]
+        join = self.last_join or {}
+        if first is not None and not first.matches(producer, bucket_bytes, join):
+            await first.discard()  # made under other terms than this join's: export it again
+        if first is None or first.taken:
+            first = None
+            # What this daemon process's ring record acknowledged goes by ref (engines/ring_refs.py).
+            producer.begin_stream(join.get("ring_refs"))
         self.leases.owner = f"session {session_id}"
-        # What this daemon process's ring record acknowledged goes by ref (engines/ring_refs.py).
-        producer.begin_stream((self.last_join or {}).get("ring_refs"))
         window = asyncio.Semaphore(self._depth)
         tasks: list[asyncio.Task[None]] = []
         records: dict[int, ChunkRecord] = {}
@@ -606,11 +701,11 @@ class WeightPusher:
             records[seq] = ChunkRecord(seq, chunk.nbytes, export_s, acked_at - t0, float(ack["load_s"]),
                                        released_at - acked_at, digest_s)
 
-        buckets = plan_chunks(named, bucket_bytes)
+        buckets = plan_chunks(named, bucket_bytes) if first is None else first.buckets
         results: list[BaseException | None] = []
         raised: BaseException | None = None
         # The daemon's commit compares these with the engines' (policy sync.verify; daemon/verify.py).
-        digests = self._digest_cache if (self.last_join or {}).get("verify", "off") != "off" else None
+        digests = self._digest_cache if join.get("verify", "off") != "off" else None
         try:
             while not failure:
                 await window.acquire()
@@ -618,7 +713,10 @@ class WeightPusher:
                     window.release()
                     break
                 try:
-                    made = await self._next_export(producer, buckets, digests)
+                    if first is not None and not first.taken:
+                        made = await first.take()
+                    else:
+                        made = await self._next_export(producer, buckets, digests)
                 except _ExportFailed as exc:
                     window.release()
                     failed(exc.error)

@@ -413,7 +413,7 @@ async def test_a_commit_frame_with_a_wrong_chunk_count_is_refused_and_the_connec
                 await session.channel.commit(chunks + 1)
             assert (refused.value.status, refused.value.body.get("frame")) == (422, "commit")
             reply = await session.channel.commit(chunks)
-            await session.channel.aclose()
+            await session.aclose()
         assert reply["state"] == "committed" and reply["chunks_consumed"] == chunks
         assert await _checksum(node.engine_url) == tensor_checksum(named)
 
