@@ -130,7 +130,7 @@ class VariantResult:
     bucket_mb: float | None
     channel: str = "http"
     chunks: int = 0
-    stream_s: list[float] = field(default_factory=list)  # first export → last ack
+    stream_s: list[float] = field(default_factory=list)  # the open's reply → last ack
     wall_s: list[float] = field(default_factory=list)  # open session → commit reply
     open_s: float = 0.0
     commit_s: float = 0.0
@@ -393,6 +393,7 @@ async def _run_variant(
                 trace = commit.get("trace") or {}
                 result.breakdown = breakdown(open_s=open_s, stream_s=stream_s, commit_s=commit_s, wall_s=wall_s,
                                              trace=trace, join_s=pusher.last_join_s,
+                                             first_export_s=pusher.early_export_s,
                                              digest_s=[c.digest_s for c in pusher.chunk_log], floors=floors,
                                              app_calls=sink.get("calls") or ())
                 result.round_trips = round_trips(trace)

@@ -259,6 +259,7 @@ class WeightPusher:
         self._shape: tuple[str, int] = (transport, self._bucket_bytes or 0)  # (transport, bucket) in use
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
         self.last_join_s = 0.0  # the last join (and its chunk channel's greeting), seconds; 0 in an open's greeting
+        self.early_export_s = 0.0  # the last stream's first export, where it ran beside the open (FirstExport)
         self.leases = LeaseBook(rank)
         self._lease_grace_s = lease_grace_s
         self._lease_reporter: asyncio.Task[None] | None = None
@@ -648,6 +649,7 @@ class WeightPusher:
             self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots,
                                           leases=self.leases)
         producer, bucket_bytes = self._producer, self._shape[1]
+        self.early_export_s = 0.0
         join = self.last_join or {}
         if first is not None and not first.matches(producer, bucket_bytes, join):
             await first.discard()  # made under other terms than this join's: export it again
@@ -715,6 +717,7 @@ class WeightPusher:
                 try:
                     if first is not None and not first.taken:
                         made = await first.take()
+                        self.early_export_s = made[1] if made is not None else 0.0
                     else:
                         made = await self._next_export(producer, buckets, digests)
                 except _ExportFailed as exc:
