@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from enum import StrEnum
@@ -31,6 +32,7 @@ __all__ = [
     "all_reduce_canary",
     "detect_split_capability",
     "detect_suspend_capability",
+    "teardown_together",
 ]
 
 log = logging.getLogger(__name__)
@@ -560,21 +562,16 @@ class GroupLifecycle:
         return agreed
 
     def _destroy_all(self) -> int:
-        count = 0
-        for group in self._groups:
-            if group is not None:
-                _destroy(group)
-                count += 1
+        members = [group for group in self._groups if group is not None]
+        teardown_together(_destroy, members)
         self._drop_parent(_destroy)  # after its children: nothing of theirs is kept through the pause
         self._groups = [None] * len(self._specs)
         self._state = LifecycleState.DESTROYED
-        return count
+        return len(members)
 
     def _abort_all(self) -> None:
         # Abort, not destroy: destroy flushes, and a communicator that just failed may never flush.
-        for group in self._groups:
-            if group is not None:
-                _abort(group)
+        teardown_together(_abort, [group for group in self._groups if group is not None])
         self._drop_parent(_abort)
         self._groups = [None] * len(self._specs)
         self._state = LifecycleState.DESTROYED
@@ -662,6 +659,25 @@ class GroupLifecycle:
             actions=actions,
             fallback_reason=fallback_reason,
         )
+
+
+def teardown_together(teardown: Callable[[dist.ProcessGroup], None], groups: Sequence[dist.ProcessGroup]) -> None:
+    """``teardown`` every group at once, one thread each, and return when all have ended.
+
+    Why not one after another: an NCCL communicator's teardown joins its proxy's socket thread, which sees the
+    stop only when its ``poll`` times out (500 ms, NCCL 2.28 ``proxy.cc``), on a clock that started when the
+    communicator was made. In a row, each waits for its own expiry, and a teardown slowed past the next one's
+    (beside copies and a push) waits a further period; together, the whole set waits for one. Torch releases
+    the GIL inside ``shutdown`` and abort. Every rank tears down the same set, so a collective teardown still
+    meets its peers.
+    """
+    if len(groups) < 2:
+        for group in groups:
+            teardown(group)
+        return
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="colocd-group-teardown") as pool:
+        for _ in pool.map(teardown, groups):
+            pass
 
 
 def _destroy(group: dist.ProcessGroup) -> None:

@@ -1,7 +1,9 @@
-"""``rebuild: split_shared`` where it cannot apply (CPU, gloo): separate groups come back, and the report says why."""
+"""GroupLifecycle in one gloo process: ``rebuild: split_shared`` where it cannot apply (separate groups come back,
+and the report says why), and a pause that tears every group down at once."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from colocd.policies import GroupDirective, RebuildMode, WaitPoint
+from colocd.trainer import groups as groups_module
 from colocd.trainer.groups import GroupLifecycle, GroupSpec, SuspendCapability
 
 
@@ -71,3 +74,35 @@ def test_a_split_that_fails_leaves_nothing_half_made_and_rebuilds_separate_group
         probe = torch.ones(1)
         dist.all_reduce(probe, group=group)
         assert probe.item() == 1.0
+
+
+def test_a_pause_destroys_every_group_at_once_and_the_rebuild_brings_working_groups_back(
+    one_rank_world: None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    specs = [GroupSpec(f"g#{i}", (0,)) for i in range(3)]
+    # Each destroy goes on only once all three have begun: one after another, the first would wait out the
+    # barrier's timeout and find it broken.
+    together = threading.Barrier(len(specs), timeout=10)
+    met: list[bool] = []
+    destroy = groups_module._destroy
+
+    def destroy_once_all_began(group: dist.ProcessGroup) -> None:
+        try:
+            together.wait()
+            met.append(True)
+        except threading.BrokenBarrierError:
+            met.append(False)
+        destroy(group)
+
+    monkeypatch.setattr(groups_module, "_destroy", destroy_once_all_began)
+    with GroupLifecycle(specs, device=torch.device("cpu")) as life:
+        life.build()
+        pause = life.pause(GroupDirective.destroy("destroy", "test"))
+        assert met == [True] * len(specs)
+        assert "destroyed 3 groups" in pause.actions
+        monkeypatch.setattr(groups_module, "_destroy", destroy)  # close() destroys the rebuilt ones
+        assert life.resume().action == "rebuild"
+        for _spec, group in life.groups():
+            probe = torch.ones(1)
+            dist.all_reduce(probe, group=group)
+            assert probe.item() == 1.0
