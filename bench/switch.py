@@ -139,14 +139,15 @@ PRESETS: dict[str, Preset] = {
         _FAST_PIPELINE,
         "{policy: empty_cache}",
         None,
-        "groups kept only while they hold <= 0.25 GiB, else destroyed with the 2 s wait deferred to the "
-        "next rebuild, and both the destroy and the rebuild run off the critical path (overlapped with "
-        "the weight push and the state onload); 3 fresh 2 GiB buckets in flight (overlap3@2048, the "
-        "fastest transport that keeps no trainer memory through the rollout); empty_cache only; the "
-        "optimizer offload runs beside the sync and the push, the weights offload beside the rollout call "
-        "(the daemon refuses the engines' resume until NVML shows the room)",
+        "groups kept only while they hold <= 0.25 GiB, else destroyed (every group at once) with the 2 s "
+        "wait deferred to the next rebuild, and both the destroy and the rebuild run off the critical path "
+        "(overlapped with the weight push and the state onload); 3 fresh 2 GiB buckets in flight "
+        "(overlap3@2048, the fastest transport that keeps no trainer memory through the rollout); "
+        "empty_cache only; the optimizer offload runs beside the sync and the push; rollout is posted once "
+        "the weights offload, its cleanup and the group destroy have ended (memory-neutral)",
         overlap_groups=True,
         overlap_copies=True,
+        settle_before_rollout=True,
     ),
     "tuned-serial-groups": Preset(
         "tuned-serial-groups",
@@ -174,16 +175,16 @@ PRESETS["tuned-onload"] = dataclasses.replace(
 PRESETS["tuned-onload2"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-onload2", onload="interleaved2",
     about="as tuned-onload, with the copies dealt over two copy streams (bench/onload.py)")
-# Strictly memory-neutral: the paused window (the engines' generation) starts only beside a settled trainer.
-PRESETS["tuned-settled"] = dataclasses.replace(
-    PRESETS["tuned"], name="tuned-settled", settle_before_rollout=True,
-    about="as tuned, but rollout is posted only after the weights offload, its cleanup and the background group "
-          "destroy have ended (the optimizer offload still runs beside the sync and the push, the destroy beside "
-          "sleep/update/wake, the rebuild beside the onload)")
+# Not memory-neutral: the paused window (the engines' generation) opens beside memory still going.
+PRESETS["tuned-early"] = dataclasses.replace(
+    PRESETS["tuned"], name="tuned-early", settle_before_rollout=False,
+    about="as tuned, but rollout is posted while the weights are still being copied out and the groups "
+          "destroyed (the daemon refuses the engines' resume until NVML shows the room): faster where the GPU "
+          "has it, not memory-neutral")
 PRESETS["tuned-split"] = dataclasses.replace(
-    PRESETS["tuned-settled"], name="tuned-split",
+    PRESETS["tuned"], name="tuned-split",
     groups="{policy: auto, max_resident_gib: 0.25, post_destroy_wait_s: 2.0, rebuild: split_shared}",
-    about="as tuned-settled, with the groups rebuilt as ncclCommSplit children of one parent bound to the device "
+    about="as tuned, with the groups rebuilt as ncclCommSplit children of one parent bound to the device "
           "sharing its resources (rebuild: split_shared), parent destroyed with them: a destroy short enough to "
           "hide behind the offloads")
 PRESETS["tuned-split-early"] = dataclasses.replace(
