@@ -147,11 +147,11 @@ class ChunkChannel:
     @classmethod
     async def connect(cls, address: str, *, session_id: str | None = None, rank: int = 0, token: str | None = None,
                       device_id: str | None = None, open_body: dict[str, Any] | None = None,
-                      timeout_s: float = CONNECT_TIMEOUT_S) -> ChunkChannel:
+                      timeout_s: float = CONNECT_TIMEOUT_S, sent: Callable[[], None] | None = None) -> ChunkChannel:
         """Connect to ``unix:/path`` and greet: for ``session_id``, or opening the session ``open_body`` describes
         (``POST /v1/weights/sessions``' body); joining on ``device_id`` when given. ``ColocdHTTPError`` if the
         daemon refuses the hello, the open or the join, ``OSError`` if the socket cannot be reached (e.g. the
-        daemon runs on another host)."""
+        daemon runs on another host). ``sent`` is called once the hello is written."""
         if (session_id is None) == (open_body is None):
             raise ValueError("give exactly one of session_id and open_body")
         if not address.startswith("unix:"):
@@ -187,6 +187,8 @@ class ChunkChannel:
                 if device_id is not None:
                     hello["device_id"] = device_id
                 replies.transport.write(json.dumps(hello).encode() + b"\n")
+                if sent is not None:
+                    sent()
                 greeting = json.loads(await greeted)
                 if "error" in greeting:
                     raise ColocdHTTPError(int(greeting.get("status", 502)), greeting)

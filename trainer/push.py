@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -139,6 +140,9 @@ class FirstExport:
     digests: bool
     buckets: Iterator[list[tuple[str, torch.Tensor]]]
     work: asyncio.Future[_Made]
+    # Set once the open is on the wire: until then the export's thread waits, so that it does not hold the GIL
+    # while the event loop writes the open (a thread switch can take up to sys.getswitchinterval(), 5 ms).
+    go: threading.Event
     taken: bool = False
 
     def matches(self, producer: Producer, bucket_bytes: int, join: dict[str, Any]) -> bool:
@@ -147,6 +151,7 @@ class FirstExport:
 
     async def take(self) -> _Made:
         self.taken = True
+        self.go.set()
         try:
             return await asyncio.shield(self.work)
         except asyncio.CancelledError:
@@ -158,6 +163,7 @@ class FirstExport:
         if self.taken:
             return
         self.taken = True
+        self.go.set()
         try:
             made = await asyncio.shield(self.work)
         except asyncio.CancelledError:
@@ -368,7 +374,9 @@ class WeightPusher:
 
         first = self._export_first(named)
         try:
-            channel = await self._open_on_channel(open_session, device)
+            channel = await self._open_on_channel(open_session, device, None if first is None else first.go.set)
+            if first is not None:
+                first.go.set()  # over HTTP (the channel could not open): the export goes beside that open
             if channel is not None:
                 assert channel.opened is not None and channel.joined is not None
                 self.last_join, self.last_join_s = channel.joined, 0.0  # in the open's own round trip
@@ -403,8 +411,14 @@ class WeightPusher:
         producer.begin_stream(receiver)
         buckets = plan_chunks(iter(named), self._shape[1])
         self.leases.owner = "session (opening)"
-        work = asyncio.ensure_future(asyncio.to_thread(self._pull_and_export, producer, buckets, digests))
-        return FirstExport(producer, self._shape[1], receiver, digests is not None, buckets, work)
+        go = threading.Event()
+
+        def export_once_the_open_is_sent() -> _Made:
+            go.wait()
+            return self._pull_and_export(producer, buckets, digests)
+
+        work = asyncio.ensure_future(asyncio.to_thread(export_once_the_open_is_sent))
+        return FirstExport(producer, self._shape[1], receiver, digests is not None, buckets, work, go)
 
     async def commit(self, session: PushSession, chunks: int) -> dict[str, Any]:
         """Commit ``session`` (``push``'s last part): on its chunk channel (collecting the reply of the commit a
@@ -426,12 +440,12 @@ class WeightPusher:
             self._committed.set()
 
     async def _open_on_channel(self, open_session: Callable[[_Send], Awaitable[dict[str, Any]]],
-                               device_id: str) -> ChunkChannel | None:
+                               device_id: str, sent: Callable[[], None] | None = None) -> ChunkChannel | None:
         """The session ``open_session`` opens (the client's open, which declares the manifest by its reference
         where it has one), opened and joined in a chunk channel's greeting; None where the client knows no channel
         yet (its first open, the daemon's is off), ``channel="http"``, or the channel cannot (a restarted
         daemon's socket is elsewhere, an older daemon): the open then goes over HTTP, whose reply says where the
-        channel is now."""
+        channel is now. ``sent`` is called once the open is written to the channel."""
         address = self._client.chunk_channel
         if self._channel == "http" or address is None:
             return None
@@ -439,7 +453,7 @@ class WeightPusher:
 
         async def greet(open_body: dict[str, Any]) -> dict[str, Any]:
             channel = await ChunkChannel.connect(address, rank=self._rank, token=self._client.token,
-                                                 device_id=device_id, open_body=open_body)
+                                                 device_id=device_id, open_body=open_body, sent=sent)
             opened.append(channel)
             assert channel.opened is not None
             return channel.opened

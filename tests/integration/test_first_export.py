@@ -1,7 +1,7 @@
 """A push's first chunk is exported while its session opens (``colocd.trainer.push.FirstExport``).
 
-From a pusher's second push on, ``WeightPusher.open`` starts exporting the first chunk on a thread before it
-sends the open, so the open's round trip and the engines' begin hide one export. That chunk is made under the
+From a pusher's second push on, ``WeightPusher.open`` exports the first chunk on a thread once the open is
+written, so the open's round trip and the engines' begin hide one export. That chunk is made under the
 last join's terms; it is sent only where this session's join says the same, and it is given back when the open
 fails. One reference engine process for the module, an in-process daemon per test, shm chunks (their segments
 in /dev/shm show what is still exported).
@@ -20,10 +20,13 @@ import pytest
 import torch
 from support import DaemonNode, daemon_node, shm_segments
 
+from colocd.api import chunk_channel
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.session_calls import open_session
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.channel import ChunkChannel
 from colocd.trainer.exported import ExportedPart
 from colocd.trainer.producer import ShmProducer
 from colocd.trainer.push import WeightPusher
@@ -85,7 +88,7 @@ class Exports:
             return self._changed.wait_for(lambda: self.count > mark, timeout_s)
 
 
-async def test_from_the_second_push_on_the_first_chunk_is_exported_before_the_open_is_sent(
+async def test_from_the_second_push_on_the_first_chunk_is_exported_while_the_open_is_answered(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     exports = Exports(monkeypatch)
     async with _node(pooled_engine, tmp_path, verify="full") as node:
@@ -94,15 +97,15 @@ async def test_from_the_second_push_on_the_first_chunk_is_exported_before_the_op
             first = await pusher.push(_model(seed=31), version="one", step=1)
             assert first.chunks > 1 and exports.count == first.chunks
             await _next_step(client, 2)
-            open_session = client.open_session
             began: list[bool] = []
 
-            async def open_once_an_export_began(*args: Any, **kwargs: Any) -> dict[str, Any]:
-                # A pusher that exported only after the open's reply would leave this waiting out WAIT_S.
+            async def open_once_an_export_began(d: Any, body: Any, address: str | None) -> dict[str, Any]:
+                # The daemon answers the open (on the chunk channel) only once the push's first export has
+                # begun: a pusher that exported only after the open's reply would leave this waiting out WAIT_S.
                 began.append(await asyncio.to_thread(exports.wait_past, first.chunks, WAIT_S))
-                return await open_session(*args, **kwargs)
+                return await open_session(d, body, address)
 
-            monkeypatch.setattr(client, "open_session", open_once_an_export_began)
+            monkeypatch.setattr(chunk_channel, "open_session", open_once_an_export_began)
             named = _model(seed=32)
             report = await pusher.push(named, version="two", step=2)
         assert began == [True]
@@ -111,6 +114,31 @@ async def test_from_the_second_push_on_the_first_chunk_is_exported_before_the_op
         assert {e["status"] for e in report.commit["verification"]["engines"].values()} == {"verified"}
         assert await _checksum(pooled_engine) == tensor_checksum(named)
         assert not shm_segments()
+
+
+async def test_the_first_export_waits_until_the_open_is_written(
+        pooled_engine: ReferenceEngineProcess, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    exports = Exports(monkeypatch)
+    async with _node(pooled_engine, tmp_path, verify="full") as node:
+        client = node.client
+        async with WeightPusher(client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
+            first = await pusher.push(_model(seed=38), version="one", step=1)
+            await _next_step(client, 2)
+            connect = ChunkChannel.connect
+            before_hello: list[int] = []
+
+            async def connect_after_a_pause(*args: Any, **kwargs: Any) -> ChunkChannel:
+                # Time enough for a thread that did not wait to begin its export before the hello is written.
+                await asyncio.to_thread(exports.wait_past, first.chunks, 0.5)
+                before_hello.append(exports.count)
+                return await connect(*args, **kwargs)
+
+            monkeypatch.setattr(ChunkChannel, "connect", connect_after_a_pause)
+            named = _model(seed=39)
+            report = await pusher.push(named, version="two", step=2)
+        assert before_hello == [first.chunks]  # no export of this push had begun before its open went out
+        assert exports.count == first.chunks + report.chunks
+        assert await _checksum(pooled_engine) == tensor_checksum(named)
 
 
 async def test_a_first_chunk_exported_without_digests_is_exported_again_once_the_join_asks_for_them(
