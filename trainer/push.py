@@ -655,6 +655,8 @@ class WeightPusher:
                       first: FirstExport | None = None) -> tuple[int, int]:
         accepted = self._accepted()
         if self._producer is not None and self._transport == "auto" and accepted and self._shape[0] not in accepted:
+            if first is not None:
+                await first.discard()  # its export ends before the producer it writes into is closed
             self._producer.close()  # the engines changed (e.g. another kind attached): choose again
             self._producer = None
         if self._producer is None:
