@@ -29,7 +29,7 @@ from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.channel import ChunkChannel
 from colocd.trainer.exported import ExportedPart
 from colocd.trainer.producer import ShmProducer
-from colocd.trainer.push import WeightPusher
+from colocd.trainer.push import PushReport, WeightPusher
 
 Named = list[tuple[str, torch.Tensor]]
 WAIT_S = 10
@@ -67,6 +67,24 @@ async def _checksum(engine: ReferenceEngineProcess) -> str:
         return str(r.json()["colocd_checksum"])
 
 
+async def _landed_verified(report: PushReport, named: Named, engine: ReferenceEngineProcess) -> None:
+    """The push committed, verified on the engine, which holds ``named``; no segment left behind."""
+    assert report.commit["state"] == "committed"
+    assert {e["status"] for e in report.commit["verification"]["engines"].values()} == {"verified"}
+    assert await _checksum(engine) == tensor_checksum(named)
+    assert not shm_segments()
+
+
+@asynccontextmanager
+async def _pushed_once(engine: ReferenceEngineProcess, tmp_path: Any, *, verify: str = "full",
+                       seed: int) -> AsyncIterator[tuple[DaemonNode, WeightPusher, PushReport]]:
+    """A node (``_node``), a shm pusher, and its first push's report (at step 1; the node then in step 1's rollout
+    unless the test moves on)."""
+    async with _node(engine, tmp_path, verify=verify) as node, \
+            WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
+        yield node, pusher, await pusher.push(_model(seed=seed), version="one", step=1)
+
+
 class Exports:
     """Counts shm exports as they begin (on their threads); a thread can wait for the count to pass a mark."""
 
@@ -91,95 +109,76 @@ class Exports:
 async def test_from_the_second_push_on_the_first_chunk_is_exported_while_the_open_is_answered(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     exports = Exports(monkeypatch)
-    async with _node(pooled_engine, tmp_path, verify="full") as node:
-        client = node.client
-        async with WeightPusher(client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
-            first = await pusher.push(_model(seed=31), version="one", step=1)
-            assert first.chunks > 1 and exports.count == first.chunks
-            await _next_step(client, 2)
-            began: list[bool] = []
+    async with _pushed_once(pooled_engine, tmp_path, seed=31) as (node, pusher, first):
+        assert first.chunks > 1 and exports.count == first.chunks
+        await _next_step(node.client, 2)
+        began: list[bool] = []
 
-            async def open_once_an_export_began(d: Any, body: Any, address: str | None) -> dict[str, Any]:
-                # The daemon answers the open (on the chunk channel) only once the push's first export has
-                # begun: a pusher that exported only after the open's reply would leave this waiting out WAIT_S.
-                began.append(await asyncio.to_thread(exports.wait_past, first.chunks, WAIT_S))
-                return await open_session(d, body, address)
+        async def open_once_an_export_began(d: Any, body: Any, address: str | None) -> dict[str, Any]:
+            # The daemon answers the open (on the chunk channel) only once the push's first export has begun:
+            # a pusher that exported only after the open's reply would leave this waiting out WAIT_S.
+            began.append(await asyncio.to_thread(exports.wait_past, first.chunks, WAIT_S))
+            return await open_session(d, body, address)
 
-            monkeypatch.setattr(chunk_channel, "open_session", open_once_an_export_began)
-            named = _model(seed=32)
-            report = await pusher.push(named, version="two", step=2)
-        assert began == [True]
-        assert exports.count == first.chunks + report.chunks  # the early export is the stream's first chunk
-        assert report.commit["state"] == "committed"
-        assert {e["status"] for e in report.commit["verification"]["engines"].values()} == {"verified"}
-        assert await _checksum(pooled_engine) == tensor_checksum(named)
-        assert not shm_segments()
+        monkeypatch.setattr(chunk_channel, "open_session", open_once_an_export_began)
+        named = _model(seed=32)
+        report = await pusher.push(named, version="two", step=2)
+    assert began == [True]
+    assert exports.count == first.chunks + report.chunks  # the early export is the stream's first chunk
+    await _landed_verified(report, named, pooled_engine)
 
 
 async def test_the_first_export_waits_until_the_open_is_written(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     exports = Exports(monkeypatch)
-    async with _node(pooled_engine, tmp_path, verify="full") as node:
-        client = node.client
-        async with WeightPusher(client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
-            first = await pusher.push(_model(seed=38), version="one", step=1)
-            await _next_step(client, 2)
-            connect = ChunkChannel.connect
-            before_hello: list[int] = []
+    async with _pushed_once(pooled_engine, tmp_path, seed=38) as (node, pusher, first):
+        await _next_step(node.client, 2)
+        connect = ChunkChannel.connect
+        before_hello: list[int] = []
 
-            async def connect_after_a_pause(*args: Any, **kwargs: Any) -> ChunkChannel:
-                # Time enough for a thread that did not wait to begin its export before the hello is written.
-                await asyncio.to_thread(exports.wait_past, first.chunks, 0.5)
-                before_hello.append(exports.count)
-                return await connect(*args, **kwargs)
+        async def connect_after_a_pause(*args: Any, **kwargs: Any) -> ChunkChannel:
+            # Time enough for a thread that did not wait to begin its export before the hello is written.
+            await asyncio.to_thread(exports.wait_past, first.chunks, 0.5)
+            before_hello.append(exports.count)
+            return await connect(*args, **kwargs)
 
-            monkeypatch.setattr(ChunkChannel, "connect", connect_after_a_pause)
-            named = _model(seed=39)
-            report = await pusher.push(named, version="two", step=2)
-        assert before_hello == [first.chunks]  # no export of this push had begun before its open went out
-        assert exports.count == first.chunks + report.chunks
-        assert await _checksum(pooled_engine) == tensor_checksum(named)
+        monkeypatch.setattr(ChunkChannel, "connect", connect_after_a_pause)
+        named = _model(seed=39)
+        report = await pusher.push(named, version="two", step=2)
+    assert before_hello == [first.chunks]  # no export of this push had begun before its open went out
+    assert exports.count == first.chunks + report.chunks
+    await _landed_verified(report, named, pooled_engine)
 
 
 async def test_a_first_chunk_exported_without_digests_is_exported_again_once_the_join_asks_for_them(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     exports = Exports(monkeypatch)
-    async with _node(pooled_engine, tmp_path, verify="off") as node:
-        client = node.client
-        async with WeightPusher(client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
-            first = await pusher.push(_model(seed=33), version="unverified", step=1)
-            assert first.commit["verification"]["mode"] == "off"
-            async with httpx.AsyncClient(base_url=node.url, trust_env=False, timeout=30) as http:
-                staged = await http.put("/v1/policies", content=_verify("full").encode(),
-                                        headers={"Content-Type": "application/yaml"})
-                assert staged.status_code == 200, staged.text  # applies at the next boundary
-            await _next_step(client, 2)
-            named = _model(seed=34)
-            report = await pusher.push(named, version="verified", step=2)
-        # The export made under verify "off" was given back, and the stream exported its chunk again.
-        assert exports.count == first.chunks + 1 + report.chunks
-        assert report.commit["verification"]["mode"] == "full"
-        assert {e["status"] for e in report.commit["verification"]["engines"].values()} == {"verified"}
-        assert await _checksum(pooled_engine) == tensor_checksum(named)
-        assert not shm_segments()
+    async with _pushed_once(pooled_engine, tmp_path, verify="off", seed=33) as (node, pusher, first):
+        assert first.commit["verification"]["mode"] == "off"
+        async with httpx.AsyncClient(base_url=node.url, trust_env=False, timeout=30) as http:
+            staged = await http.put("/v1/policies", content=_verify("full").encode(),
+                                    headers={"Content-Type": "application/yaml"})
+            assert staged.status_code == 200, staged.text  # applies at the next boundary
+        await _next_step(node.client, 2)
+        named = _model(seed=34)
+        report = await pusher.push(named, version="verified", step=2)
+    # The export made under verify "off" was given back, and the stream exported its chunk again.
+    assert exports.count == first.chunks + 1 + report.chunks
+    assert report.commit["verification"]["mode"] == "full"
+    await _landed_verified(report, named, pooled_engine)
 
 
 async def test_an_open_the_daemon_refuses_gives_back_the_chunk_exported_meanwhile(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     exports = Exports(monkeypatch)
-    async with _node(pooled_engine, tmp_path, verify="full") as node:
-        client = node.client
-        async with WeightPusher(client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
-            first = await pusher.push(_model(seed=35), version="one", step=1)
-            with pytest.raises(ColocdHTTPError) as refused:
-                await pusher.push(_model(seed=36), version="wrong-step", step=7)  # the node is at step 1
-            assert (refused.value.status, refused.value.body["field"]) == (422, "step")
-            assert exports.count == first.chunks + 1  # the early export ran
-            assert not shm_segments()  # and its segment is gone
-            assert pusher.leases.report()["exported_bytes"] == 0
-            await _next_step(client, 2)
-            named = _model(seed=37)
-            report = await pusher.push(named, version="two", step=2)
-        assert report.commit["state"] == "committed"
-        assert await _checksum(pooled_engine) == tensor_checksum(named)
-        assert not shm_segments()
+    async with _pushed_once(pooled_engine, tmp_path, seed=35) as (node, pusher, first):
+        with pytest.raises(ColocdHTTPError) as refused:
+            await pusher.push(_model(seed=36), version="wrong-step", step=7)  # the node is at step 1
+        assert (refused.value.status, refused.value.body["field"]) == (422, "step")
+        assert exports.count == first.chunks + 1  # the early export ran
+        assert not shm_segments()  # and its segment is gone
+        assert pusher.leases.report()["exported_bytes"] == 0
+        await _next_step(node.client, 2)
+        named = _model(seed=37)
+        report = await pusher.push(named, version="two", step=2)
+    await _landed_verified(report, named, pooled_engine)
