@@ -122,9 +122,22 @@ _Send = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 _Made = tuple[ExportedPart, float, float] | None
 
 
-def _release_made(work: asyncio.Future[_Made]) -> None:
-    if not work.cancelled() and work.exception() is None and (made := work.result()) is not None:
-        made[0].release()
+async def _exported(work: asyncio.Future[_Made]) -> _Made:
+    """What an export's thread made. Cancelled meanwhile, the thread runs on regardless: wait for it and release
+    what it made, so its buffer does not outlive us and nothing closes the producer while it writes into it."""
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            made = await work
+            if made is not None:
+                made[0].release()
+        raise
+
+
+def _wants_digests(join: dict[str, Any]) -> bool:
+    """The join reply asks for each tensor's digest beside its chunk (policy sync.verify; daemon/verify.py)."""
+    return bool(join.get("verify", "off") != "off")
 
 
 @dataclass(slots=True, eq=False)
@@ -147,16 +160,12 @@ class FirstExport:
 
     def matches(self, producer: Producer, bucket_bytes: int, join: dict[str, Any]) -> bool:
         return (producer is self.producer and bucket_bytes == self.bucket_bytes and bool(join.get("streams"))
-                and join.get("ring_refs") == self.receiver and (join.get("verify", "off") != "off") == self.digests)
+                and join.get("ring_refs") == self.receiver and _wants_digests(join) == self.digests)
 
     async def take(self) -> _Made:
         self.taken = True
         self.go.set()
-        try:
-            return await asyncio.shield(self.work)
-        except asyncio.CancelledError:
-            self.work.add_done_callback(_release_made)  # the thread runs on: its chunk goes when it ends
-            raise
+        return await _exported(self.work)
 
     async def discard(self) -> None:
         """Release the chunk once its export has ended (nothing touches the producer before that)."""
@@ -165,10 +174,7 @@ class FirstExport:
         self.taken = True
         self.go.set()
         try:
-            made = await asyncio.shield(self.work)
-        except asyncio.CancelledError:
-            self.work.add_done_callback(_release_made)  # the thread runs on: its chunk goes when it ends
-            raise
+            made = await _exported(self.work)
         except Exception:
             return  # the export failed: nothing was made, and the stream (if any) exports again
         if made is not None:
@@ -403,11 +409,10 @@ class WeightPusher:
         join, producer = self.last_join, self._producer
         if producer is None or join is None or not join.get("streams") or not named:
             return None
-        accepted = join.get("transports")
-        if self._transport == "auto" and accepted and self._shape[0] not in accepted:
+        if self._shape_refused(join.get("transports")):
             return None
         receiver = join.get("ring_refs")
-        digests = self._digest_cache if join.get("verify", "off") != "off" else None
+        digests = self._digest_cache if _wants_digests(join) else None
         producer.begin_stream(receiver)
         buckets = plan_chunks(iter(named), self._shape[1])
         self.leases.owner = "session (opening)"
@@ -470,6 +475,10 @@ class WeightPusher:
         self._client.chunk_channel = None
         return None
 
+    def _shape_refused(self, accepted: list[str] | None) -> bool:
+        """The engines (a join's ``transports``) do not load the transport ``auto`` chose for the producer."""
+        return self._transport == "auto" and bool(accepted) and self._shape[0] not in (accepted or ())
+
     def transport_for(self, device: torch.device) -> str:
         """The transport a stream of tensors on ``device`` uses: the one given, else ``auto_transport`` over what
         the last join said the engines accept."""
@@ -518,16 +527,8 @@ class WeightPusher:
         # One hop off the event loop per chunk for both (each hop costs ~0.2-0.3 ms on a busy host): pulling a
         # bucket may be a collective and an export may wait on the GPU (the ring syncs its flatten), while acks
         # of earlier chunks must keep flowing. One export at a time.
-        work = asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets, digests))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            # The thread runs on regardless: release what it made, or its buffer would outlive us.
-            with contextlib.suppress(Exception):
-                made = await work
-                if made is not None:
-                    made[0].release()
-            raise
+        return await _exported(asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets,
+                                                                       digests)))
 
     async def _open_channel(self, session_id: str, address: str | EllipsisType | None,
                             device_id: str) -> ChunkChannel | None:
@@ -653,8 +654,7 @@ class WeightPusher:
                       named: Iterable[tuple[str, torch.Tensor]],
                       sender: AsyncColocdClient | ChunkChannel, *, commit: bool = False,
                       first: FirstExport | None = None) -> tuple[int, int]:
-        accepted = self._accepted()
-        if self._producer is not None and self._transport == "auto" and accepted and self._shape[0] not in accepted:
+        if self._producer is not None and self._shape_refused(self._accepted()):
             if first is not None:
                 await first.discard()  # its export ends before the producer it writes into is closed
             self._producer.close()  # the engines changed (e.g. another kind attached): choose again
@@ -723,7 +723,7 @@ class WeightPusher:
         results: list[BaseException | None] = []
         raised: BaseException | None = None
         # The daemon's commit compares these with the engines' (policy sync.verify; daemon/verify.py).
-        digests = self._digest_cache if join.get("verify", "off") != "off" else None
+        digests = self._digest_cache if _wants_digests(join) else None
         try:
             while not failure:
                 await window.acquire()
