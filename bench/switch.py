@@ -109,10 +109,6 @@ class Preset:
     # The weights' copies to the host start beside the push (both only read them); their storage goes once
     # the push has ended. With settle_before_rollout only (the rollout waits for the whole offload anyway).
     offload_weights_during_push: bool = False
-    gpu_transport: str = "cuda_ipc"  # the pipeline's transport on a GPU (on CPU: shm)
-
-    def transport(self, device: torch.device) -> str:
-        return self.gpu_transport if device.type == "cuda" else "shm"
 
     def policy_yaml(self, transport: str) -> str:
         return (
@@ -145,15 +141,13 @@ PRESETS: dict[str, Preset] = {
         None,
         "groups kept only while they hold <= 0.25 GiB, else destroyed (every group at once) with the 2 s "
         "wait deferred to the next rebuild, and both the destroy and the rebuild run off the critical path "
-        "(overlapped with the weight push and the state onload); 3 2 GiB buckets in flight "
-        "in a ring per session (session_ring3@2048, the fastest transport that keeps no trainer memory through "
-        "the rollout); "
+        "(overlapped with the weight push and the state onload); 3 fresh 2 GiB buckets in flight "
+        "(overlap3@2048, the fastest transport that keeps no trainer memory through the rollout); "
         "empty_cache only; the optimizer offload runs beside the sync and the push; rollout is posted once "
         "the weights offload, its cleanup and the group destroy have ended (memory-neutral)",
         overlap_groups=True,
         overlap_copies=True,
         settle_before_rollout=True,
-        gpu_transport="session_ring",
     ),
     "tuned-serial-groups": Preset(
         "tuned-serial-groups",
@@ -163,7 +157,6 @@ PRESETS: dict[str, Preset] = {
         None,
         "as tuned, but the group destroy and rebuild run in line (before sync, after train)",
         overlap_copies=True,
-        gpu_transport="session_ring",
     ),
     "tuned-keep": Preset(
         "tuned-keep",
@@ -173,7 +166,6 @@ PRESETS: dict[str, Preset] = {
         None,
         "as tuned, but the groups are kept alive through the rollout (no rebuild; their memory stays)",
         overlap_copies=True,
-        gpu_transport="session_ring",
     ),
 }
 PRESETS["tuned-onload"] = dataclasses.replace(
@@ -183,10 +175,6 @@ PRESETS["tuned-onload"] = dataclasses.replace(
 PRESETS["tuned-onload2"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-onload2", onload="interleaved2",
     about="as tuned-onload, with the copies dealt over two copy streams (bench/onload.py)")
-PRESETS["tuned-fresh"] = dataclasses.replace(
-    PRESETS["tuned"], name="tuned-fresh", gpu_transport="cuda_ipc",
-    about="as tuned, with a fresh CUDA-IPC bucket per chunk (overlap3@2048: what tuned pushes to SGLang or vLLM, "
-          "which load no ring)")
 # Not memory-neutral: the paused window (the engines' generation) opens beside memory still going.
 PRESETS["tuned-early"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-early", settle_before_rollout=False,
@@ -383,7 +371,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
                       mode: str = "sync") -> list[StepRecord]:
     s, state, device = rank.settings, rank.state, rank.device
     agent = TrainerAgent(rank.client, groups=rank.life, device=device, overlap_groups=preset.overlap_groups)
-    transport = preset.transport(device)
+    transport = "cuda_ipc" if device.type == "cuda" else "shm"
     export = preset.export if device.type == "cuda" else None
     document = preset.policy_yaml(transport) + f"sync: {{mode: {mode}}}\n"
     if s.post_destroy_wait_s is not None:
@@ -961,7 +949,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
         "rates": rates,
         "floor": floor,
         "presets": [{"name": n, "about": PRESETS[n].about, "policy": PRESETS[n].policy_yaml(
-                        PRESETS[n].transport(device)),
+                        "cuda_ipc" if device.type == "cuda" else "shm"),
                      "trainer_export": PRESETS[n].export if device.type == "cuda" else None}
                     for n in settings.presets],
         "summary": summaries,

@@ -79,14 +79,11 @@ VARIANTS: dict[str, tuple[str, str | None, int, int | None, bool]] = {
     "overlap3": ("cuda_ipc", "shm", 3, None, False),
     "ipc_ring": ("ipc_ring", None, 2, 2, False),  # two persistent slots, per chunk only (slot, layout)
     "ipc_ring3": ("ipc_ring", None, 3, 3, False),
-    # three slots for one session: announced by its first chunks, closed by the engine as it ends (the default)
-    "session_ring3": ("session_ring", None, 3, 3, False),
     "zero_copy": ("zero_copy", None, 2, None, False),  # engine reads the trainer's own storages
 }
 DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3", "ipc_ring", "zero_copy")
-# What WeightPusher() and the tuned pipeline policy push with to the reference engine (depth 3, 2048 MiB, a ring
-# per session, over the chunk channel); to SGLang or vLLM they push overlap3@2048+chan (fresh cuda_ipc buckets).
-DEFAULTS_VARIANT = "session_ring3@2048+chan"
+# What the tuned pipeline policy pushes with (overlap, depth 3, 2048 MiB, cuda_ipc, over the chunk channel).
+DEFAULTS_VARIANT = "overlap3@2048+chan"
 
 
 def parse_variant(spec: str, device: str, bucket_mb: float) -> Variant:

@@ -9,9 +9,7 @@ The wire is JSON, never a pickle.
 
 ``RingTable`` opens each (ring, slot) handle once and keeps it for the engine's lifetime, so a chunk
 costs a dict lookup plus the copy. Opened rings are few and evicted oldest first, since every mapping
-keeps the trainer's memory alive. A ring whose descriptors say ``"scope": "session"`` (``session_ring``) is
-kept only until the engine's weight-update session ends (``end_session``): then its mappings close and the
-trainer's memory is the trainer's again. A descriptor may name its layout by ``layout_ref`` alone once the
+keeps the trainer's memory alive. A descriptor may name its layout by ``layout_ref`` alone once the
 table has seen that layout (``colocd.engines.ring_refs``): a ref or slot it does not hold is refused
 with ``UNKNOWN_REF_MARK`` in the message, so the sender re-sends the chunk in full.
 """
@@ -119,7 +117,6 @@ def open_cuda_handle(data: dict[str, Any]) -> torch.Tensor:
 class _OpenRing:
     """One ring as an engine holds it: opened slots (by handle key) and views built for seen layouts."""
 
-    session: bool = False  # "scope": "session": closed when the engine's weight-update session ends
     slots: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
     views: OrderedDict[str, list[tuple[str, torch.Tensor]]] = field(default_factory=OrderedDict)
     layouts: OrderedDict[str, list[Any]] = field(default_factory=OrderedDict)  # layout_ref -> its layout list
@@ -128,9 +125,8 @@ class _OpenRing:
 class RingTable:
     """Engine side of ``ipc_ring``: opened slots per ring, kept while the ring is among the newest."""
 
-    def __init__(self, max_rings: int = 4, max_layouts: int = 1024, *, sessions: bool = True) -> None:
+    def __init__(self, max_rings: int = 4, max_layouts: int = 1024) -> None:
         self.max_rings = max_rings
-        self.sessions = sessions  # the engine has weight-update sessions, whose end closes session rings
         self.max_layouts = max_layouts
         self._rings: OrderedDict[str, _OpenRing] = OrderedDict()
         self.opened = 0  # handles opened so far (each costs a cudaIpcOpenMemHandle)
@@ -149,14 +145,7 @@ class RingTable:
         ring_id = descriptor.get("ring")
         if not isinstance(ring_id, str) or not ring_id:
             raise ValueError("ipc_ring descriptor needs a 'ring' id")
-        scope = descriptor.get("scope")
-        if scope not in (None, "session"):
-            raise ValueError(f"ipc_ring descriptor scope must be 'session' or absent, got {scope!r}")
-        if scope == "session" and not self.sessions:
-            raise ValueError("a session_ring chunk (scope 'session'), but this engine has no weight-update sessions "
-                             "whose end would close it (protocol legacy): send ipc_ring or cuda_ipc")
         ring = self._ring(ring_id)
-        ring.session = ring.session or scope == "session"
         t0 = time.perf_counter()
         for key, handle in dict(descriptor.get("open") or {}).items():
             self._open(ring_id, ring, int(key), handle, device)
@@ -170,19 +159,6 @@ class RingTable:
             remember(ring.views, key, named, self.max_layouts)
         self.last_stages = {"open_s": t1 - t0, "views_s": time.perf_counter() - t1}
         return list(named)
-
-    def end_session(self) -> int:
-        """The weight-update session ended (or a new one began): close every session-scoped ring, so torch
-        unmaps its slots and the trainer's counts drop. Returns how many rings were closed."""
-        ended = [ring_id for ring_id, ring in self._rings.items() if ring.session]
-        for ring_id in ended:
-            del self._rings[ring_id]  # the slots' tensors and views go with it: torch closes each mapping
-        return len(ended)
-
-    @property
-    def rings(self) -> int:
-        """Rings held now (each keeps its slots mapped)."""
-        return len(self._rings)
 
     def _layout(self, ring_id: str, ring: _OpenRing, descriptor: dict[str, Any]) -> tuple[list[Any] | None, str]:
         """The descriptor's layout list where it carries one (recorded under its ref), and its views' cache key.

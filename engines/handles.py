@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, StringConstraints, model_validator
 from pydantic_core import InitErrorDetails, ValidationError
@@ -201,9 +201,6 @@ class RingHandle(Handle):
         "the digest of a layout this ring announced to the daemon (JoinReply.ring_refs), sent instead of layout"))
     open: SkipValidation[dict[str, object] | None] = Field(
         None, description="slot -> IPC handle, for the slots this ring has not announced yet")
-    scope: Literal["session"] | None = Field(None, description=(
-        "session: the ring lives for this weight-update session (session_ring); the engine closes its slots "
-        "when the session ends"))
 
     def route(self) -> HandleRoute:
         return RingRoute(self.device_uuid, self.layout_ref)

@@ -29,15 +29,13 @@ _MIB = 1 << 20
 TransportChoice = Transport | Literal["auto"]
 
 
-# Fastest first: a ring per session (each slot's IPC handle opened once a session, and nothing kept through the
-# rollout; docs/benchmarks.md); a persistent ring, which measured 1.2x faster than a fresh IPC bucket per chunk
-# on one H200 (research/h200-limits.md) and is left only to a reference engine without sessions; then the fresh
-# buckets SGLang and vLLM load; shm is the CPU path; inline before disk: it is what a real SGLang loads from CPU,
-# and disk is the floor.
-_PREFERENCE: tuple[Transport, ...] = (Transport.SESSION_RING, Transport.IPC_RING, Transport.CUDA_IPC, Transport.SHM,
-                                      Transport.INLINE, Transport.DISK)
+# Fastest first: the ring measured 1.2x faster than a fresh IPC bucket per chunk on one H200
+# (research/h200-limits.md); shm is the CPU path; disk always works.
+# inline before disk: it is what a real SGLang loads from CPU, and disk is the floor.
+_PREFERENCE: tuple[Transport, ...] = (Transport.IPC_RING, Transport.CUDA_IPC, Transport.SHM, Transport.INLINE,
+                                      Transport.DISK)
 # Transports whose buckets are staged in GPU memory, so depth x bucket must fit in free memory.
-_GPU_STAGED = frozenset({Transport.IPC_RING, Transport.SESSION_RING, Transport.CUDA_IPC})
+_GPU_STAGED = frozenset({Transport.IPC_RING, Transport.CUDA_IPC})
 
 
 class PipelineSnapshot(Decision):

@@ -22,10 +22,6 @@ class Transport(StrEnum):
     PER_TENSOR = "per_tensor"  # cuda_ipc with one IPC handle per tensor (SGLang's default list format)
     IPC_RING = "ipc_ring"  # persistent GPU buffers exported once; a chunk names (slot, layout)
     ZERO_COPY = "zero_copy"  # ipc_ring over the trainer's own parameter storages (no flatten)
-    # ipc_ring whose slots live for one weight-update session: exported once per session, closed by the engine
-    # when the session ends (handle "scope": "session"), then freed by the trainer; nothing is kept through the
-    # rollout, and each slot's IPC handle is opened once per session instead of once per chunk.
-    SESSION_RING = "session_ring"
 
     @property
     def wire(self) -> Transport:
@@ -34,5 +30,4 @@ class Transport(StrEnum):
         return _WIRE.get(self, self)
 
 
-_WIRE = {Transport.PER_TENSOR: Transport.CUDA_IPC, Transport.ZERO_COPY: Transport.IPC_RING,
-         Transport.SESSION_RING: Transport.IPC_RING}
+_WIRE = {Transport.PER_TENSOR: Transport.CUDA_IPC, Transport.ZERO_COPY: Transport.IPC_RING}

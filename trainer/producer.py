@@ -8,8 +8,8 @@ engine's HTTP reply seen by anyone else, is what licenses reuse.
 Producers by name (``producer_for``): ``shm`` and ``disk`` (CPU paths), ``inline`` (the bytes in the
 descriptor as SGLang's plainly pickled ``flattened_bucket``: what a real SGLang loads from CPU), ``cuda_ipc`` (a fresh
 IPC-exported bucket per chunk, SGLang's ``flattened_bucket``), ``per_tensor`` (one IPC handle per
-tensor, SGLang's default format), ``ipc_ring`` and ``zero_copy`` (persistent exported buffers) and
-``session_ring`` (a ring per session), all three in ``ring.py``.
+tensor, SGLang's default format), ``ipc_ring`` and ``zero_copy`` (persistent exported buffers,
+``ring.py``).
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def producer_for(transport: Transport | str, *, bucket_bytes: int = 64 << 20, sl
         return InlineProducer()
     if transport in (Transport.CUDA_IPC, Transport.PER_TENSOR):
         return CudaIpcProducer(per_tensor=transport is Transport.PER_TENSOR, leases=leases)
-    from .ring import IpcRingProducer  # IPC_RING, ZERO_COPY or SESSION_RING
+    from .ring import IpcRingProducer  # IPC_RING or ZERO_COPY
 
     return IpcRingProducer(slot_bytes=bucket_bytes, slots=slots, zero_copy=transport is Transport.ZERO_COPY,
-                           session=transport is Transport.SESSION_RING, leases=leases)
+                           leases=leases)

@@ -47,10 +47,9 @@ __all__ = [
 ]
 
 # The `tuned` preset of `colocd bench switch` (docs/benchmarks.md), as the daemon's default policy has it:
-# 3 chunks in flight of up to 2 GiB; on GPU a ring per session where the engines load one (the reference
-# engine; each slot's IPC handle is opened once per session, not once per chunk), else fresh CUDA-IPC buckets
-# (SGLang, vLLM). Both keep no trainer memory through the rollout; a persistent ring's slots and zero-copy's
-# registered storages stay exported until ``aclose()``, so they are opt-in. Shared memory on CPU.
+# 3 chunks in flight of up to 2 GiB, fresh CUDA-IPC buckets on GPU (the fastest measured that keeps no
+# trainer memory through the rollout: a ring's slots and zero-copy's registered storages stay exported
+# until ``aclose()``, so they are opt-in), shared memory on CPU.
 DEFAULT_DEPTH = 3
 DEFAULT_BUCKET_MB = 2048
 # An inline chunk travels in one request body (the daemon's limits.max_body_bytes, 64 MiB by default);
@@ -59,19 +58,16 @@ INLINE_BUCKET_MB = 32
 _MIB = 1 << 20
 
 # transport="auto", by the tensors' device, first choice first: what the engines accept decides among them.
-_AUTO_ORDER = {"cuda": ("session_ring", "cuda_ipc", "shm", "inline", "disk"), "cpu": ("shm", "inline", "disk")}
-# No word from the daemon on what the engines load: what every engine loads on that device.
-_AUTO_UNSAID = {"cuda": "cuda_ipc", "cpu": "shm"}
+_AUTO_ORDER = {"cuda": ("cuda_ipc", "shm", "inline", "disk"), "cpu": ("shm", "inline", "disk")}
 
 
 def auto_transport(device: torch.device, accepted: Iterable[str] | None = None) -> str:
-    """``transport="auto"``: for CUDA tensors a ring per session where the engines load one, else fresh CUDA-IPC
-    buckets; POSIX shared memory for CPU ones; else the first of the device's order the engines load
-    (``accepted``: the join reply's ``transports``; None or empty: no word from the daemon, then ``cuda_ipc`` or
-    ``shm``). Against a real SGLang on a GPU that is ``cuda_ipc``, on CPU ``inline``."""
-    kind = "cuda" if device.type == "cuda" else "cpu"
+    """``transport="auto"``: fresh CUDA-IPC buckets for CUDA tensors, POSIX shared memory for CPU ones, unless
+    the engines do not load that: then the first of the device's order they do (``accepted``: the join reply's
+    ``transports``; None or empty: no word from the daemon). Against a real SGLang on CPU that is ``inline``."""
+    order = _AUTO_ORDER["cuda" if device.type == "cuda" else "cpu"]
     allowed = set(accepted or ())
-    return next((t for t in _AUTO_ORDER[kind] if t in allowed), _AUTO_UNSAID[kind])
+    return next((t for t in order if t in allowed), order[0]) if allowed else order[0]
 
 
 def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
@@ -87,7 +83,7 @@ def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
 
 def _staging_free_bytes(transport: str, device: torch.device) -> int | None:
     try:
-        if device.type == "cuda" and transport in ("cuda_ipc", "per_tensor", "ipc_ring", "session_ring"):
+        if device.type == "cuda" and transport in ("cuda_ipc", "per_tensor", "ipc_ring"):
             return int(torch.cuda.mem_get_info(device)[0])
         if transport == "shm":
             st = os.statvfs("/dev/shm")
@@ -446,10 +442,6 @@ class WeightPusher:
                     raise
                 return await session.channel.commit(chunks)
         finally:
-            # A session ring's slots are the engines' until the session ends: their memory is free once it has.
-            if self.leases.retained_bytes:
-                self.leases.collect()
-                self._report_leases()
             self._committed.set()
 
     async def _open_on_channel(self, open_session: Callable[[_Send], Awaitable[dict[str, Any]]],
@@ -487,11 +479,6 @@ class WeightPusher:
         """The engines (a join's ``transports``) do not load the transport ``auto`` chose for the producer."""
         return self._transport == "auto" and bool(accepted) and self._shape[0] not in (accepted or ())
 
-    def _ring_unowned(self, own: bool) -> bool:
-        """``auto`` chose a ring per session, but this stream is of a session another rank commits: its slots
-        would stay in torch's keeping after the engines closed them, until this rank's next stream."""
-        return self._transport == "auto" and not own and self._shape[0] == Transport.SESSION_RING
-
     def transport_for(self, device: torch.device) -> str:
         """The transport a stream of tensors on ``device`` uses: the one given, else ``auto_transport`` over what
         the last join said the engines accept."""
@@ -500,13 +487,11 @@ class WeightPusher:
     def _accepted(self) -> list[str] | None:
         return None if self.last_join is None else self.last_join.get("transports")
 
-    def _shape_for(self, named: list[tuple[str, torch.Tensor]], *, own: bool = True) -> tuple[str, int]:
+    def _shape_for(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
         """This stream's transport and bucket size: the ones given, else chosen from the (first) tensors and
-        what the engines accept (the join reply's ``transports``). ``own``: the session is this pusher's to
-        commit (``push``, ``open``); a ring per session is chosen only then, since the commit is what frees it."""
+        what the engines accept (the join reply's ``transports``)."""
         device = next((t.device for _, t in named), torch.device("cpu"))
-        accepted = [t for t in self._accepted() or () if own or t != Transport.SESSION_RING]
-        transport = self._transport if self._transport != "auto" else auto_transport(device, accepted)
+        transport = self._transport if self._transport != "auto" else auto_transport(device, self._accepted())
         if self._bucket_bytes is not None:
             return transport, self._bucket_bytes
         return transport, auto_bucket_bytes(transport, device, self._depth)
@@ -660,7 +645,7 @@ class WeightPusher:
                 return count, 0
             self.last_path = "http" if channel is None else "channel"
             return await self._stream(session_id, head, named, channel or self._client,
-                                      commit=commit and joined and channel is not None, first=early, own=joined)
+                                      commit=commit and joined and channel is not None, first=early)
         finally:
             if channel is not None and not joined:
                 await channel.aclose()
@@ -668,15 +653,15 @@ class WeightPusher:
     async def _stream(self, session_id: str, head: list[tuple[str, torch.Tensor]],
                       named: Iterable[tuple[str, torch.Tensor]],
                       sender: AsyncColocdClient | ChunkChannel, *, commit: bool = False,
-                      first: FirstExport | None = None, own: bool = False) -> tuple[int, int]:
-        if self._producer is not None and (self._shape_refused(self._accepted()) or self._ring_unowned(own)):
+                      first: FirstExport | None = None) -> tuple[int, int]:
+        if self._producer is not None and self._shape_refused(self._accepted()):
             if first is not None:
                 await first.discard()  # its export ends before the producer it writes into is closed
             self._producer.close()  # the engines changed (e.g. another kind attached): choose again
             self._producer = None
         if self._producer is None:
             # Chosen with the producer and kept with it: a ring's slots are sized by the first stream.
-            self._shape = self._shape_for(head, own=own)
+            self._shape = self._shape_for(head)
             self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots,
                                           leases=self.leases)
         producer, bucket_bytes = self._producer, self._shape[1]

@@ -10,10 +10,7 @@ only after the chunk's ack (``ExportedPart.release`` returns it), because SGLang
 its copy is done (research/engine-apis.md §6.4 #6). A tensor larger than a slot travels alone,
 straight from its own storage (no flatten), and with ``zero_copy=True`` every tensor does: the
 trainer's parameter storages are then the ring's slots, registered once, and the engine copies
-from them directly (one copy of every byte instead of two). With ``session=True`` (``session_ring``, the
-default on GPU) the slots live for one stream's session: allocated and announced by its first chunks, let go by
-``close``, closed by the engine as the session ends; nothing is kept through the rollout, yet each slot's handle
-is opened once per session where ``cuda_ipc`` opens one per chunk.
+from them directly (one copy of every byte instead of two).
 
 The engine side (``RingTable``) and the JSON handle format (GPU named by UUID, never a pickle)
 live in ``colocd.engines.cuda_handles``, so no engine imports trainer code.
@@ -55,10 +52,6 @@ class _Plan:
     ref: str  # layout_digest(layout_json)
 
 
-def _ring_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
 def _device_of(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
     devices = {t.device for _, t in named}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
@@ -71,22 +64,14 @@ class IpcRingProducer:
 
     transport = Transport.IPC_RING  # zero_copy too: on the wire it is ipc_ring
 
-    def __init__(self, *, slot_bytes: int, slots: int = 2, zero_copy: bool = False, session: bool = False,
+    def __init__(self, *, slot_bytes: int, slots: int = 2, zero_copy: bool = False,
                  leases: LeaseBook | None = None) -> None:
         if slots < 1 or slot_bytes < 1:
             raise ValueError(f"a ring needs slots >= 1 and slot_bytes >= 1, got {slots} x {slot_bytes}")
-        if session and zero_copy:
-            raise ValueError("a session ring flattens into its own slots; zero_copy registers the trainer's storages")
-        self.ring_id = _ring_id()
+        self.ring_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.zero_copy = zero_copy
-        # session_ring: the slots live for one stream's session. Their descriptors say "scope": "session", so the
-        # engine closes its mappings when that session ends; ``close`` lets go of them, and the next stream
-        # allocates, exports and announces a new ring.
-        self.session = session
-        self.lease_transport = (Transport.ZERO_COPY if zero_copy else Transport.SESSION_RING if session
-                                else Transport.IPC_RING)
         # Each exported slot or registered storage is a lease of this ring, released when the producer is dropped.
         self.leases = leases or LeaseBook()
         self._buffers: list[torch.Tensor] = []  # allocated on the first chunk's device
@@ -219,12 +204,10 @@ class IpcRingProducer:
             if s not in self._handles:
                 self._handles[s] = handle = export_cuda_handle(buffer)
                 counter = handle["ref_counter_handle"]
-                self.leases.export(self.lease_transport, buffer.numel(),
+                self.leases.export(Transport.ZERO_COPY if self.zero_copy else self.transport, buffer.numel(),
                                    [RefCounter.of(base64.b64decode(counter), handle["ref_counter_offset"])
                                     if counter is not None else None], owner=f"ring {self.ring_id}", buffers=[buffer])
         base: dict[str, Any] = {"ring": self.ring_id, "device_uuid": device_uuid(device.index or 0)}
-        if self.session:
-            base["scope"] = "session"
         if slot is not None:
             base["slot"] = slot
         if self._receiver is None:
@@ -253,18 +236,5 @@ class IpcRingProducer:
                              announce=inline, acked=acked)
 
     def close(self) -> None:
-        """End of a stream: every slot is free again. Buffers and registrations persist with the producer, except
-        a session ring's: its slots are let go (retained by torch until the engine closes them as the session
-        ends, ``LeaseBook``), and the next stream starts a new ring."""
+        """End of a stream: every slot is free again. Buffers and registrations persist with the producer."""
         self._free = deque(range(self.slots))
-        if self.session and (self._buffers or self._regions):
-            # Every reference first (slots, their views in the plans): a lease whose storage a trainer tensor
-            # still holds is the trainer's memory, not torch's, and would not wait for the engine's count.
-            # Registered storages too (a tensor larger than a slot travels from its own): a parameter the trainer
-            # offloads must not be kept on the GPU by this ring.
-            self._buffers, self._handles, self._plans, self._regions = [], {}, {}, {}
-            self.leases.release_all(owner=f"ring {self.ring_id}")
-            self._held_layouts.clear()
-            self._held_slots.clear()
-            self._announced.clear()
-            self.ring_id = _ring_id()

@@ -187,8 +187,7 @@ class ReferenceEngine:
             memory = MemoryRegions(
                 model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device, sink=sink
             )
-            rings = RingTable(sessions=settings.protocol != "legacy")
-            self._ranks.append(TPRank(index, device, device_id, model, memory, sink, rings))
+            self._ranks.append(TPRank(index, device, device_id, model, memory, sink, RingTable()))
         first = self._ranks[0]
         self.device = first.device
         self._model, self._memory, self._sink = first.model, first.memory, first.sink
@@ -606,7 +605,6 @@ class ReferenceEngine:
             state = {"internal_states": [self.internal_state()], "colocd_state": self.observed_state()}
             self._session_selector = selector
             self._session_id = session
-            self._end_session_rings()  # a session that never ended (its daemon died) left them open
             self._sink_loads = []
             self._sink_calls = []
             return True, "Success", state
@@ -621,16 +619,9 @@ class ReferenceEngine:
                 return False, "no weight-update session is open; call begin_weight_update() first"
             self._session_selector = None
             self._session_id = None
-            self._end_session_rings()
             if version is not None:
                 self.weight_version = version
             return True, "Success"
-
-    def _end_session_rings(self) -> None:
-        """Close the session rings (``session_ring``) of every TP rank: their slots are the trainer's again."""
-        closed = sum(rank.rings.end_session() for rank in self._ranks)
-        if closed:
-            logger.info("closed %d session ring(s) as the weight-update session ended", closed)
 
     def parameter_manifest(self) -> list[dict[str, Any]] | None:
         """What a complete update must carry; None in benchmark mode (chunks land in the sink, not the model)."""
@@ -775,7 +766,6 @@ class ReferenceEngine:
             "nbytes": sink.nbytes,
             "checksums": per_rank[0],
             "rings_opened": self._ranks[0].rings.opened,
-            "rings_held": self._ranks[0].rings.rings,
             "ranks": [{**r.describe(), "checksums": c, "rings_opened": r.rings.opened}
                       for r, c in zip(self._ranks, per_rank, strict=True)],
             "loads": self._sink_loads,  # per-stage seconds of each load of the last session, in load order

@@ -120,18 +120,13 @@ class SGLangAdapter:
         a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list); never colocd's own formats
         (shm, disk, the ring), which only the reference engine's loader reads: SGLang would unpickle their
         JSON descriptors and its scheduler would die. Before attach a real SGLang is assumed to be on a GPU.
-        The reference engine: everything on a GPU (a ring per session only where it has weight-update
-        sessions), shm/disk/inline on CPU."""
+        The reference engine: everything on a GPU, shm/disk/inline on CPU."""
         colocd_formats = (Capability.COLOCD_TRANSPORTS in self._extensions if self._info is not None
                           else isinstance(self._config, ReferenceEngineConfig))  # before attach: the config's kind
         device = self._device or (self._config.device if isinstance(self._config, ReferenceEngineConfig) else "cuda")
         if not colocd_formats:
             return _SGLANG_GPU_TRANSPORTS if device.startswith("cuda") else _SGLANG_CPU_TRANSPORTS
-        if not device.startswith("cuda"):
-            return _CPU_TRANSPORTS
-        # A session ring is closed by the session's end: an engine without sessions (legacy) would keep it.
-        return _REFERENCE_GPU_TRANSPORTS - (set() if self.protocol.weight_update_session
-                                            else {Transport.SESSION_RING})
+        return _REFERENCE_GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
 
     # -- verbs -------------------------------------------------------------------------------
     async def _server_info(self) -> wire.ServerInfo:

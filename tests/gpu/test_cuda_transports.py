@@ -77,7 +77,7 @@ def _received(sink: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> li
     return [sink["checksums"][n] for n, _ in named]
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "per_tensor", "ipc_ring", "zero_copy", "session_ring", "shm"])
+@pytest.mark.parametrize("transport", ["cuda_ipc", "per_tensor", "ipc_ring", "zero_copy", "shm"])
 async def test_every_transport_delivers_byte_identical_weights_twice(
     node: Node, named: list[tuple[str, torch.Tensor]], transport: str
 ) -> None:
@@ -92,45 +92,6 @@ async def test_every_transport_delivers_byte_identical_weights_twice(
         # Handles are opened on first use only: the second push re-announced them, opened nothing.
         assert second["rings_opened"] == first["rings_opened"]
     assert not shm_segments()
-
-
-async def test_the_default_push_goes_in_a_session_ring_the_engine_closes_as_the_session_ends(
-    node: Node, named: list[tuple[str, torch.Tensor]]
-) -> None:
-    before = await node.sink()
-    allocated = torch.cuda.memory_allocated(_DEVICE)
-    async with WeightPusher(node.client, bucket_mb=1) as pusher:
-        expected = await node.push(pusher, named)
-        first = await node.sink()
-        assert pusher.transport_for(_DEVICE) == "session_ring"
-        # The ring is gone from the engine and its slots from the trainer: nothing kept through the rollout.
-        assert first["rings_held"] == before["rings_held"]
-        assert pusher.leases.exported_bytes == 0 and pusher.leases.retained_bytes == 0
-        assert torch.cuda.memory_allocated(_DEVICE) <= allocated
-        await node.push(pusher, named)
-        second = await node.sink()
-    assert _received(first, named) == expected
-    # Each session opens its slots' handles anew (a fresh ring), once per slot (3, and the embedding travels
-    # from its own storage), never once per chunk (9).
-    opened = first["rings_opened"] - before["rings_opened"]
-    assert 1 <= opened < len(pusher.chunk_log)
-    assert second["rings_opened"] - first["rings_opened"] == opened
-    assert pusher.leases.reclaimed == 0
-
-
-async def test_an_aborted_session_ring_is_given_back_by_the_engine_not_reclaimed(
-    node: Node, named: list[tuple[str, torch.Tensor]]
-) -> None:
-    async with WeightPusher(node.client, transport="session_ring", bucket_mb=1, depth=2) as pusher:
-        sid = (await node.client.open_session("aborted-ring", ranks=1, depth=2))["session_id"]
-        chunks, _ = await pusher.stream(sid, named[:3])
-        assert chunks >= 1 and pusher.leases.retained_bytes > 0  # the engine holds the slots until the end
-        await node.client.abort(sid)
-        # Within the grace the engine's end let go of every slot by itself: nothing had to be reclaimed.
-        assert await pusher.leases.settle("spec", grace_s=30) == 0
-        assert pusher.leases.retained_bytes == 0
-        expected = await node.push(pusher, named)
-    assert _received(await node.sink(), named) == expected
 
 
 async def test_a_ring_chunk_larger_than_a_slot_travels_from_its_own_storage(

@@ -3,8 +3,7 @@
 torch keeps every CUDA buffer it exported alive while the consumer's count in its ref-counter file is nonzero,
 and a killed engine never brings its count down. Real processes: a reference engine holding sink shapes on
 cuda:0 (killed outright just before the trainer sends chunk 2, chunks 0 and 1 in flight), a daemon process, and
-this process as the trainer, pushing with ``WeightPusher``'s default transport (against this engine a ring per
-session).
+this process as the trainer, pushing with ``WeightPusher``'s default transport (fresh CUDA-IPC buckets).
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.policy_runtime import PolicyRuntime
 from colocd.engines.config import ReferenceEngineConfig, SGLangEngineConfig, VLLMEngineConfig
 from colocd.engines.sglang.adapter import SGLangAdapter
-from colocd.engines.sglang.protocol import LEGACY
 from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.policies import Transport
 from colocd.trainer.producer import PRODUCERS, producer_for
@@ -46,9 +45,6 @@ async def test_engines_advertise_what_they_load() -> None:
         assert cpu_reference.transports == {Transport.SHM, Transport.DISK, Transport.INLINE}
         assert gpu_reference.transports == set(Transport)
         assert vllm_ipc.transports == {Transport.CUDA_IPC}
-        # A ring per session is closed by the session's end: a reference engine without sessions gets none.
-        gpu_reference.protocol = LEGACY
-        assert gpu_reference.transports == set(Transport) - {Transport.SESSION_RING}
 
 
 def test_the_plan_picks_the_fastest_transport_every_engine_accepts() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from colocd.bench.switch import PRESETS
-from colocd.policies import Transport, default_policies, load_policy_yaml
+from colocd.policies import default_policies, load_policy_yaml
 from colocd.trainer.push import DEFAULT_BUCKET_MB, DEFAULT_DEPTH, WeightPusher, auto_bucket_bytes, auto_transport
 
 MIB = 1 << 20
@@ -60,14 +60,6 @@ def test_trainer_client_push_weights_takes_weight_pushers_defaults() -> None:
     client = inspect.signature(TrainerClient.push_weights).parameters
     shared = {"transport", "bucket_mb", "depth"}
     assert {n: client[n].default for n in shared} == {n: pusher[n].default for n in shared}
-
-
-def test_auto_on_a_gpu_takes_a_ring_per_session_where_the_engines_load_one_else_fresh_buckets() -> None:
-    reference = [t.value for t in Transport]  # the reference engine with weight-update sessions
-    assert auto_transport(torch.device("cuda", 0), reference) == "session_ring"
-    assert auto_transport(torch.device("cuda", 0), ["cuda_ipc", "per_tensor", "inline"]) == "cuda_ipc"  # SGLang
-    assert auto_transport(torch.device("cuda", 0), ["cuda_ipc"]) == "cuda_ipc"  # vLLM
-    assert auto_transport(torch.device("cuda", 0), []) == "cuda_ipc"  # no word from the daemon: what all load
 
 
 def test_auto_picks_what_the_engines_load_in_the_devices_order() -> None:
