@@ -176,7 +176,8 @@ PRESETS["tuned-onload2"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-onload2", onload="interleaved2",
     about="as tuned-onload, with the copies dealt over two copy streams (bench/onload.py)")
 PRESETS["tuned-2x4096"] = dataclasses.replace(
-    PRESETS["tuned"], name="tuned-2x4096", pipeline="{policy: overlap, depth: 2, bucket_mb: 4096, transport: {transport}}",
+    PRESETS["tuned"], name="tuned-2x4096",
+    pipeline="{policy: overlap, depth: 2, bucket_mb: 4096, transport: {transport}}",
     about="as tuned, with 2 fresh 4 GiB buckets in flight instead of 3 of 2 GiB (fewer chunks: each bucket's IPC "
           "handle opened and closed half as often; 8 GiB staged during the push instead of 6)")
 # Not memory-neutral: the paused window (the engines' generation) opens beside memory still going.
