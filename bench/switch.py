@@ -121,7 +121,7 @@ class Preset:
 
 _SEED_GROUPS = "{policy: destroy, post_destroy_wait_s: 2.0}"
 _AUTO_GROUPS = "{policy: auto, max_resident_gib: 0.25, post_destroy_wait_s: 2.0}"
-_FAST_PIPELINE = "{policy: overlap, depth: 3, bucket_mb: 2048, transport: {transport}}"
+_FAST_PIPELINE = "{policy: overlap, depth: 2, bucket_mb: 4096, transport: {transport}}"
 
 PRESETS: dict[str, Preset] = {
     "seed-baseline": Preset(
@@ -141,8 +141,8 @@ PRESETS: dict[str, Preset] = {
         None,
         "groups kept only while they hold <= 0.25 GiB, else destroyed (every group at once) with the 2 s "
         "wait deferred to the next rebuild, and both the destroy and the rebuild run off the critical path "
-        "(overlapped with the weight push and the state onload); 3 fresh 2 GiB buckets in flight "
-        "(overlap3@2048, the fastest transport that keeps no trainer memory through the rollout); "
+        "(overlapped with the weight push and the state onload); 2 fresh 4 GiB buckets in flight "
+        "(overlap2@4096, the fastest transport that keeps no trainer memory through the rollout); "
         "empty_cache only; the optimizer offload runs beside the sync and the push; rollout is posted once "
         "the weights offload, its cleanup and the group destroy have ended (memory-neutral)",
         overlap_groups=True,
@@ -175,11 +175,11 @@ PRESETS["tuned-onload"] = dataclasses.replace(
 PRESETS["tuned-onload2"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-onload2", onload="interleaved2",
     about="as tuned-onload, with the copies dealt over two copy streams (bench/onload.py)")
-PRESETS["tuned-2x4096"] = dataclasses.replace(
-    PRESETS["tuned"], name="tuned-2x4096",
-    pipeline="{policy: overlap, depth: 2, bucket_mb: 4096, transport: {transport}}",
-    about="as tuned, with 2 fresh 4 GiB buckets in flight instead of 3 of 2 GiB (fewer chunks: each bucket's IPC "
-          "handle opened and closed half as often; 8 GiB staged during the push instead of 6)")
+PRESETS["tuned-3x2048"] = dataclasses.replace(
+    PRESETS["tuned"], name="tuned-3x2048",
+    pipeline="{policy: overlap, depth: 3, bucket_mb: 2048, transport: {transport}}",
+    about="as tuned, with 3 fresh 2 GiB buckets in flight instead of 2 of 4 GiB (twice the chunks, each "
+          "bucket's IPC handle opened and closed in the engine; 6 GiB staged during the push instead of 8)")
 # Not memory-neutral: the paused window (the engines' generation) opens beside memory still going.
 PRESETS["tuned-early"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-early", settle_before_rollout=False,

@@ -82,8 +82,8 @@ VARIANTS: dict[str, tuple[str, str | None, int, int | None, bool]] = {
     "zero_copy": ("zero_copy", None, 2, None, False),  # engine reads the trainer's own storages
 }
 DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3", "ipc_ring", "zero_copy")
-# What the tuned pipeline policy pushes with (overlap, depth 3, 2048 MiB, cuda_ipc, over the chunk channel).
-DEFAULTS_VARIANT = "overlap3@2048+chan"
+# What the tuned pipeline policy pushes with (overlap, depth 2, 4096 MiB, cuda_ipc, over the chunk channel).
+DEFAULTS_VARIANT = "overlap2@4096+chan"
 
 
 def parse_variant(spec: str, device: str, bucket_mb: float) -> Variant:

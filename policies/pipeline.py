@@ -93,12 +93,12 @@ class OverlapPolicy(PipelinePolicy):
 
     name: ClassVar[str] = "overlap"
 
-    # The defaults are the tuned preset of `colocd bench switch` (overlap3@2048), the fastest measured on
+    # The defaults are the tuned preset of `colocd bench switch` (overlap2@4096), the fastest measured on
     # one H200 that keeps no trainer memory through the rollout; the memory guard shrinks the buckets
-    # where 3 x 2 GiB do not fit in free GPU memory.
+    # where 2 x 4 GiB do not fit in free GPU memory.
     class Config(_BucketConfig):
-        depth: int = Field(3, ge=2, le=64, description="chunks in flight")
-        bucket_mb: int = Field(2048, gt=0, le=65536, description="target chunk size, MiB")
+        depth: int = Field(2, ge=2, le=64, description="chunks in flight")
+        bucket_mb: int = Field(4096, gt=0, le=65536, description="target chunk size, MiB")
 
     config: Config
 

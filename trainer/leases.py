@@ -14,7 +14,7 @@ shared-memory "ref-counter file" (``_share_cuda_()`` returns its name and slot; 
 rebuilt, and ``torch.cuda.ipc_collect()`` frees a released block once its slot reads 0. An engine killed before
 it rebuilt the payload, or before it dropped it, never decrements: the block stays in torch's limbo until the
 trainer exits ("Producer process has been terminated before all shared CUDA tensors released"), ~7.9 GiB with
-the default 3 x 2 GiB window on qwen3-8b shapes.
+a 3 x 2 GiB window on qwen3-8b shapes.
 
 ``reclaim`` ends that: it writes 0 into the slots of a released lease and collects, so torch frees the block.
 The consumer side stays torch's (SGLang, vLLM and the reference engine rebuild the payload unchanged): a late

@@ -47,11 +47,13 @@ __all__ = [
 ]
 
 # The `tuned` preset of `colocd bench switch` (docs/benchmarks.md), as the daemon's default policy has it:
-# 3 chunks in flight of up to 2 GiB, fresh CUDA-IPC buckets on GPU (the fastest measured that keeps no
+# 2 chunks in flight of up to 4 GiB, fresh CUDA-IPC buckets on GPU (the fastest measured that keeps no
 # trainer memory through the rollout: a ring's slots and zero-copy's registered storages stay exported
-# until ``aclose()``, so they are opt-in), shared memory on CPU.
-DEFAULT_DEPTH = 3
-DEFAULT_BUCKET_MB = 2048
+# until ``aclose()``, so they are opt-in), shared memory on CPU. Two 4 GiB buckets rather than three of 2 GiB:
+# each bucket costs the engine an IPC handle opened and closed (~1 ms on an H200), and the engine loads one
+# chunk at a time, so a third in flight only queued there (8 GiB staged during the push instead of 6).
+DEFAULT_DEPTH = 2
+DEFAULT_BUCKET_MB = 4096
 # An inline chunk travels in one request body (the daemon's limits.max_body_bytes, 64 MiB by default);
 # base64 and the pickle add a third.
 INLINE_BUCKET_MB = 32
@@ -221,7 +223,7 @@ class WeightPusher:
     ``transport`` names a producer (``colocd.trainer.producer.PRODUCERS``); persistent ones
     (``ipc_ring``, ``zero_copy``) keep their exported buffers across pushes until ``aclose()``.
     The defaults are the ``tuned`` preset: ``transport="auto"`` (``auto_transport``: by the tensors'
-    device), ``bucket_mb=None`` (``auto_bucket_bytes``: 2 GiB unless free memory says less), depth 3.
+    device), ``bucket_mb=None`` (``auto_bucket_bytes``: 4 GiB unless free memory says less), depth 2.
     ``from_plan`` follows the daemon's pipeline plan instead.
 
     Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a

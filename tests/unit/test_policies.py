@@ -144,8 +144,8 @@ def test_overlap_plans_depth_and_bucket_and_prefers_the_ring() -> None:
     plan = OverlapPolicy().plan(
         PipelineSnapshot(available_transports=(Transport.SHM, Transport.CUDA_IPC, Transport.IPC_RING))
     )
-    # The defaults are the tuned preset of `colocd bench switch` (overlap3@2048; before: 2 x 512 MiB).
-    assert (plan.depth, plan.bucket_bytes, plan.transport) == (3, 2048 * MIB, Transport.IPC_RING)
+    # The defaults are the tuned preset of `colocd bench switch` (overlap2@4096; before: 3 x 2048 MiB).
+    assert (plan.depth, plan.bucket_bytes, plan.transport) == (2, 4096 * MIB, Transport.IPC_RING)
 
 
 def test_serial_is_depth_one() -> None:

@@ -180,10 +180,10 @@ def test_fingerprint_ignores_layout_comments_and_defaults_spelled_out() -> None:
         apiVersion: colocd/v1
         pipeline:
           policy: overlap
-          depth: 3        # the default (the tuned preset's), spelled out
+          depth: 2        # the default (the tuned preset's), spelled out
         """
     )
-    c = load("apiVersion: colocd/v1\npipeline: {policy: overlap, depth: 2}\n")
+    c = load("apiVersion: colocd/v1\npipeline: {policy: overlap, depth: 3}\n")
     assert a.fingerprint == b.fingerprint != c.fingerprint
     assert len(a.fingerprint) == 16
 
