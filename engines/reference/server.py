@@ -107,9 +107,11 @@ class _SessionCallTimer:
         t0 = time.perf_counter()
 
         async def timed_send(message: Message) -> None:
-            await send(message)
+            # Timed as the last body byte is handed over, not once the server's write returns: the caller may
+            # have read the whole reply (and ended its own clock) before this coroutine runs again.
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 self._engine.note_call(scope["path"], time.perf_counter() - t0)
+            await send(message)
 
         await self._app(scope, receive, timed_send)
 
