@@ -29,7 +29,7 @@ from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.sink import hf_shapes
 from ..trainer.leases import LEASE_GRACE_S
-from ..trainer.push import WeightPusher
+from ..trainer.push import DEFAULT_BUCKET_MB, DEFAULT_DEPTH, WeightPusher
 
 __all__ = ["KillBeforeChunk", "engine_kill_mid_push", "main"]
 
@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colocd.bench.ipc_reclaim", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-8b", help="sink shapes of the engine and the trainer's tensors")
     parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--bucket-mb", type=float, default=None, help="default: WeightPusher's (4 GiB)")
-    parser.add_argument("--depth", type=int, default=None, help="default: WeightPusher's (3)")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help=f"default: WeightPusher's ({DEFAULT_BUCKET_MB} MiB)")
+    parser.add_argument("--depth", type=int, default=None, help=f"default: WeightPusher's ({DEFAULT_DEPTH})")
     parser.add_argument("--kill-at", type=int, default=2, help="SIGKILL the engine before sending this chunk")
     parser.add_argument("--grace-s", type=float, default=LEASE_GRACE_S, help="WeightPusher(lease_grace_s=...)")
     parser.add_argument("--out", default=None, help="write the JSON record here")

@@ -121,7 +121,13 @@ class Preset:
 
 _SEED_GROUPS = "{policy: destroy, post_destroy_wait_s: 2.0}"
 _AUTO_GROUPS = "{policy: auto, max_resident_gib: 0.25, post_destroy_wait_s: 2.0}"
-_FAST_PIPELINE = "{policy: overlap, depth: 2, bucket_mb: 4096, transport: {transport}}"
+
+
+def _overlap_pipeline(depth: int, bucket_mb: int) -> str:
+    return f"{{policy: overlap, depth: {depth}, bucket_mb: {bucket_mb}, transport: {{transport}}}}"
+
+
+_FAST_PIPELINE = _overlap_pipeline(2, 4096)
 
 PRESETS: dict[str, Preset] = {
     "seed-baseline": Preset(
@@ -177,7 +183,7 @@ PRESETS["tuned-onload2"] = dataclasses.replace(
     about="as tuned-onload, with the copies dealt over two copy streams (bench/onload.py)")
 PRESETS["tuned-3x2048"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-3x2048",
-    pipeline="{policy: overlap, depth: 3, bucket_mb: 2048, transport: {transport}}",
+    pipeline=_overlap_pipeline(3, 2048),
     about="as tuned, with 3 fresh 2 GiB buckets in flight instead of 2 of 4 GiB (twice the chunks, each "
           "bucket's IPC handle opened and closed in the engine; 6 GiB staged during the push instead of 8)")
 # Not memory-neutral: the paused window (the engines' generation) opens beside memory still going.
