@@ -267,12 +267,9 @@ class WeightSessions:
         session = self.get(session_id)
         if pid is not None:
             self.note_trainer_pid(session_id, pid)
-        try:
-            return (await session.join(rank, device_id)).to_json()
-        finally:
-            if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
-                await self._finish_failed(session)  # the layout cannot be served: engines end their update
-            self._d.changed()
+        joined = await session.join(rank, device_id)  # a refused join changes nothing
+        self._d.changed()
+        return joined.to_json()
 
     def note_trainer_pid(self, session_id: str, pid: int) -> None:
         """``pid`` is the open session's trainer (declared at join, or its chunk channel's peer)."""

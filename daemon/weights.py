@@ -307,8 +307,10 @@ class WeightSession:
     # -- the layout: who feeds whom ------------------------------------------------------------
     async def join(self, rank: int, device_id: str) -> RankJoin:
         """Rank ``rank`` declares its device: it feeds the engine TP ranks on that device (and any whose
-        ``feed_ranks`` name it). Joining twice with the same device is a no-op. Once every rank joined, an
-        engine TP rank without a trainer rank fails the session (422 naming its device)."""
+        ``feed_ranks`` name it). Joining twice with the same device is a no-op. The last rank's join is
+        refused (422 naming the unserved device) when it would leave an engine TP rank without a trainer
+        rank; like every refusal it changes nothing: the session stays open and the rank may join again on
+        another device (the trainer aborts, or the start deadline fails the session)."""
         self._check_open()
         if not 0 <= rank < self.ranks:
             raise RequestInvalid(f"session {self.id}: rank {rank} outside 0..{self.ranks - 1}", field="rank")
@@ -327,24 +329,27 @@ class WeightSession:
                     f"session {self.id}: rank {rank} declares device {device_id!r}, which rank {taken} declared "
                     "already; each engine device is fed by one trainer rank (declare each rank's own device)",
                     field="device_id")
+            before = [list(lane.sources) for lane in self._lanes]
             self._devices[rank] = device_id
             for lane, t in slots:
                 lane.sources[t] = rank
+            if len(self._devices) == self.ranks:
+                self._feed_gpus_from_host_ranks()
+                if unserved := self._unserved():
+                    declared = ", ".join(f"rank {r}: {d!r}" for r, d in sorted(self._devices.items()))
+                    del self._devices[rank]
+                    for lane, sources in zip(self._lanes, before, strict=True):
+                        lane.sources[:] = sources
+                    raise RequestInvalid(
+                        f"session {self.id}: layout cannot be served: {unserved}, with every rank joined "
+                        f"({declared}); rank {rank}'s join is refused and the session stays open: join it on that "
+                        "device (CPU: WeightPusher(device_id=...), matching the engine's device_ids), map the "
+                        "ranks in the node config (the engine's feed_ranks), or abort the session",
+                        field="device_id")
             self.touch()
-        if len(self._devices) == self.ranks:
-            self._feed_gpus_from_host_ranks()
-        joined = RankJoin(self.id, rank, device_id, self._feeds(rank),
-                          self._rings.id if self._rings is not None else None, self.verify,
-                          self.transports(self._users_of(rank)))
-        if len(self._devices) == self.ranks and (unserved := self._unserved()):
-            declared = ", ".join(f"rank {r}: {d!r}" for r, d in sorted(self._devices.items()))
-            error = RequestInvalid(
-                f"session {self.id}: layout cannot be served: {unserved}, and every rank has joined ({declared}); "
-                "start a trainer rank on that device (CPU: WeightPusher(device_id=...), matching the engine's "
-                "device_ids), or map the ranks in the node config (the engine's feed_ranks)", field="device_id")
-            await self.fail(error)
-            raise error
-        return joined
+        return RankJoin(self.id, rank, device_id, self._feeds(rank),
+                        self._rings.id if self._rings is not None else None, self.verify,
+                        self.transports(self._users_of(rank)))
 
     def _feed_gpus_from_host_ranks(self) -> None:
         """Once every rank joined: an engine TP rank on a GPU that no rank shares is fed by trainer rank t

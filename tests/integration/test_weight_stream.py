@@ -328,12 +328,14 @@ async def test_an_engine_failure_fails_the_session_for_every_rank() -> None:
     assert session.state is SessionState.FAILED and "boom" in str(session.error)
 
 
-async def test_a_rank_on_another_gpu_leaves_the_engines_gpu_unserved_and_the_layout_is_refused_naming_it() -> None:
-    session = _session([FakeEngine("a", gpu_uuids=["GPU-aaaa"])], ranks=1)
+async def test_a_chunk_from_another_gpu_is_refused_naming_the_unserved_gpu_and_loads_nothing() -> None:
+    engine = FakeEngine("a", gpu_uuids=["GPU-aaaa"])
+    session = _session([engine], ranks=1)
     # The rank joins with its first chunk, on the GPU its handle names; no rank is left for GPU-aaaa.
     with pytest.raises(RequestInvalid, match=r"engine 'a' TP rank 0 on device 'GPU-aaaa' has no trainer rank on it"):
         await session.submit(0, _part(0, 0, device_uuid="GPU-bbbb"))
-    assert session.state is SessionState.FAILED
+    assert session.state is SessionState.OPEN and engine.loads == []
+    assert (await session.submit(0, _part(0, 0, device_uuid="GPU-aaaa"))).seq == 0  # from the right GPU: loaded
 
 
 async def test_a_gpu_uuid_matches_whether_spelled_as_nvml_or_as_torch_does() -> None:
