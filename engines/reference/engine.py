@@ -31,7 +31,7 @@ from .locks import ReaderWriterLock
 from .memory import MemoryMove as MemoryReleaseReport
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .model import QwenLikeForCausalLM, build_model
-from .payloads import NamedTensors, open_payload
+from .payloads import open_payload
 from .runner import ModelRunner
 from .sampling import SamplingConfig
 from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
@@ -46,25 +46,6 @@ __all__ = ["EngineRefusal", "ReferenceEngine", "RunState", "WeightsCheck"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-@dataclass
-class _OpenChunk:
-    """One chunk's payload as every TP rank opened it, before its load; ``close`` lets go of the mappings (the
-    model thread, once its copies landed) and is idempotent."""
-
-    stack: contextlib.ExitStack
-    named: list[NamedTensors]  # per TP rank
-    stages: dict[str, float]  # decode_s and the ring's open/views stages
-    opened_at: float  # perf_counter when opening ended: the load's queue is counted from here
-    error: Exception | None = None  # why it could not be opened
-    closed: bool = False
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.stack.close()
-            self.named = []
 
 
 class RunState(StrEnum):
@@ -117,10 +98,6 @@ class ReferenceEngine:
         self._ranks: list[TPRank] = []
         self._digest_cache: DigestCache = {}  # engines/digest.py weight vectors per device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
-        # Opens chunk payloads (CUDA IPC handles, shm mappings, ring slots) before a load takes the model lock,
-        # so the next chunk's handles open while the model thread copies this one. One thread: the ring
-        # tables are only ever touched here.
-        self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-open")
         self._model: QwenLikeForCausalLM | None = None
         self._memory: MemoryRegions | None = None
         self._runner: ModelRunner | None = None
@@ -195,7 +172,6 @@ class ReferenceEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)  # a death was logged already
-        self._opener.shutdown(wait=True, cancel_futures=True)
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _build(self) -> None:
@@ -671,15 +647,6 @@ class ReferenceEngine:
             )
         if body.abort_all_requests:
             await scheduler.abort_all()
-        chunk = await self._open_chunk(entries, body.load_format)
-        try:
-            return await self._load_chunk(body, chunk, scheduler, memory, entered)
-        finally:
-            if not chunk.closed:  # refused before it was applied
-                await self._on_model_thread(chunk.close)
-
-    async def _load_chunk(self, body: UpdateWeightsFromTensorBody, chunk: _OpenChunk, scheduler: Scheduler,
-                          memory: MemoryRegions, entered: float) -> tuple[bool, str]:
         async with self._model_update(), self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
                 return False, (
@@ -698,16 +665,14 @@ class ReferenceEngine:
             locked = time.perf_counter()
             async with scheduler.hold():
                 try:
-                    if chunk.error is not None:
-                        raise chunk.error
-                    names = await self._on_model_thread(self._apply_chunk, chunk)
+                    names = await self._on_model_thread(self._load_entries, entries, body.load_format)
                 except ValueError as exc:  # PayloadError, UnsafePickleError, load_weights' checks
                     return False, f"Failed to update weights, nothing applied: {exc}"
                 except Exception as exc:
-                    logger.error("update_weights_from_tensor failed", exc_info=exc)
+                    logger.exception("update_weights_from_tensor failed")
                     return False, f"Failed to update weights: internal error {type(exc).__name__}: {exc}"
             if self._sink is not None and len(self._sink_loads) < 1 << 16:
-                self._sink_loads.append({"queue_s": locked - chunk.opened_at, **self._last_stages,
+                self._sink_loads.append({"queue_s": locked - entered, **self._last_stages,
                                          "handler_s": time.perf_counter() - entered})
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
@@ -724,41 +689,18 @@ class ReferenceEngine:
             message += f" Weight version updated to {body.weight_version}."
         return True, message
 
-    async def _open_chunk(self, entries: Sequence[str], load_format: str | None) -> _OpenChunk:
-        """Every TP rank's payload of one chunk, opened on the opener thread (an error is kept for the load
-        to report under the lock, after the session checks). A caller cancelled meanwhile closes what opened."""
-        future = asyncio.get_running_loop().run_in_executor(self._opener, self._open_entries, entries, load_format)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(
-                lambda done: None if done.cancelled() or done.exception() is not None
-                else self._executor.submit(done.result().close))
-            raise
-
-    def _open_entries(self, entries: Sequence[str], load_format: str | None) -> _OpenChunk:
+    def _load_entries(self, entries: Sequence[str], load_format: str | None) -> list[str]:
         t0 = time.perf_counter()
         for rank in self._ranks:
             rank.rings.last_stages = {}
-        stack = contextlib.ExitStack()
-        try:
-            named = [
+        with contextlib.ExitStack() as stack:
+            opened = [
                 stack.enter_context(
                     open_payload(entry, load_format, tp_rank=rank.index, rings=rank.rings, device=rank.device)
                 )
                 for rank, entry in zip(self._ranks, entries, strict=True)
             ]
-        except Exception as exc:  # reported by the load, under the lock
-            stack.close()
-            return _OpenChunk(contextlib.ExitStack(), [], {}, time.perf_counter(), exc)
-        ring = self._ranks[0].rings.last_stages
-        stages = {"decode_s": time.perf_counter() - t0 - sum(ring.values()), "open_s": 0.0, "views_s": 0.0, **ring}
-        return _OpenChunk(stack, named, stages, time.perf_counter())
-
-    def _apply_chunk(self, chunk: _OpenChunk) -> list[str]:
-        """Load an opened chunk into every TP rank (the model thread); the chunk is closed when this returns."""
-        try:
-            opened = chunk.named
+            t1 = time.perf_counter()
             if len(opened) > 1 and (why := disagreement(opened)) is not None:
                 raise ValueError(why)  # before any rank applies anything: the ranks stay identical
             applied = [(rank.sink or rank.model).load_weights(named)
@@ -766,19 +708,17 @@ class ReferenceEngine:
             if (corrupt := self.settings.test_corrupt_after_load) is not None and corrupt in applied[0]:
                 self._corrupt(corrupt)
             t2 = time.perf_counter()
-            chunk.stack.close()
-            for rank in self._ranks:
-                if rank.device.type == "cuda":
-                    # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
-                    torch.cuda.synchronize(rank.device)
-            if self._sink is not None:
-                # Where a load's time goes (rank 0's ring and sink): decode (base64 + JSON, IPC handles; on the
-                # opener thread, beside the previous load), open, views (ring slots), checks, copy_launch
-                # (queueing the copies), sync (waiting for them, closing the payload).
-                self._last_stages = {**chunk.stages, **self._sink.last_load, "sync_s": time.perf_counter() - t2}
-            return applied[0]
-        finally:
-            chunk.close()
+        for rank in self._ranks:
+            if rank.device.type == "cuda":
+                # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
+                torch.cuda.synchronize(rank.device)
+        if self._sink is not None:
+            # Where a load's time goes (rank 0's ring and sink): decode (base64 + JSON), open (IPC handles),
+            # views, checks, copy_launch (queueing the copies), sync (waiting for them, closing the payload).
+            ring = self._ranks[0].rings.last_stages
+            self._last_stages = {"decode_s": t1 - t0 - sum(ring.values()), "open_s": 0.0, "views_s": 0.0, **ring,
+                                 **self._sink.last_load, "sync_s": time.perf_counter() - t2}
+        return applied[0]
 
     def _corrupt(self, name: str) -> None:
         """The test-only hook (settings.test_corrupt_after_load): flip one bit of ``name`` on TP rank 0."""

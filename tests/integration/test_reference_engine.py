@@ -506,54 +506,6 @@ async def test_updates_need_resident_weights(client: httpx.AsyncClient) -> None:
     assert (await client.post("/weights_checker", json={"action": "checksum"})).status_code == 400
 
 
-def _mapped(pid: int, segment: str) -> list[str]:
-    """The lines of ``/proc/<pid>/maps`` that map the named shm segment (mapped or deleted-but-mapped)."""
-    return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if segment in line]
-
-
-@pytest.mark.parametrize("refusal", ["weights-released", "other-session"])
-async def test_a_chunk_refused_after_its_payload_was_opened_leaves_no_mapping_in_the_engine(
-    client: httpx.AsyncClient, engine: ReferenceEngineProcess, refusal: str
-) -> None:
-    # The engine opens a chunk's payload before it takes the model lock, so a refusal under the lock comes after
-    # the segment was mapped: the refusal must let go of it.
-    assert engine.pid is not None
-    if refusal == "weights-released":
-        assert (await client.post("/release_memory_occupation", json={"tags": ["weights"]})).status_code == 200
-    assert (await client.post("/begin_weight_update", json={"colocd_session": "s-open"})).json()["success"]
-    segments: list[SharedSegment] = []
-    try:
-        r = await client.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [shm_entry(SEED0[:2], segments)], "load_format": "colocd_shm",
-            "colocd_session": "s-open" if refusal == "weights-released" else "s-other"})
-        assert r.status_code == 400 and r.json()["success"] is False
-        assert ("'weights' is released" if refusal == "weights-released" else "s-other") in r.json()["message"]
-        assert _mapped(engine.pid, segments[0].name) == []
-    finally:
-        for seg in segments:
-            seg.close()
-            seg.unlink()
-    assert (await client.post("/end_weight_update", json={})).json()["success"]
-
-
-async def test_a_loaded_chunk_leaves_no_mapping_in_the_engine(
-    client: httpx.AsyncClient, engine: ReferenceEngineProcess
-) -> None:
-    assert engine.pid is not None
-    assert (await client.post("/begin_weight_update", json={})).json()["success"]
-    segments: list[SharedSegment] = []
-    try:
-        r = await client.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [shm_entry(SEED0[:2], segments)], "load_format": "colocd_shm"})
-        assert r.json() == {"success": True, "message": "Success"}
-        assert _mapped(engine.pid, segments[0].name) == []
-    finally:
-        for seg in segments:
-            seg.close()
-            seg.unlink()
-    assert (await client.post("/end_weight_update", json={})).json()["success"]
-
-
 # --- other processes: legacy protocol, API key, launcher failures -----------------------------------
 
 
