@@ -506,6 +506,29 @@ async def test_updates_need_resident_weights(client: httpx.AsyncClient) -> None:
     assert (await client.post("/weights_checker", json={"action": "checksum"})).status_code == 400
 
 
+def _mapped(pid: int, segment: str) -> list[str]:
+    """The lines of ``/proc/<pid>/maps`` that map the named shm segment (mapped or deleted-but-mapped)."""
+    return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if segment in line]
+
+
+async def test_a_loaded_chunk_leaves_no_mapping_of_its_segment_in_the_engine(
+    client: httpx.AsyncClient, engine: ReferenceEngineProcess
+) -> None:
+    assert engine.pid is not None
+    assert (await client.post("/begin_weight_update", json={})).json()["success"]
+    segments: list[SharedSegment] = []
+    try:
+        r = await client.post("/update_weights_from_tensor", json={
+            "serialized_named_tensors": [shm_entry(SEED0[:2], segments)], "load_format": "colocd_shm"})
+        assert r.json() == {"success": True, "message": "Success"}
+        assert _mapped(engine.pid, segments[0].name) == []  # the trainer may unlink it: nothing keeps its pages
+    finally:
+        for seg in segments:
+            seg.close()
+            seg.unlink()
+    assert (await client.post("/end_weight_update", json={})).json()["success"]
+
+
 # --- other processes: legacy protocol, API key, launcher failures -----------------------------------
 
 
