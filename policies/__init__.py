@@ -43,10 +43,11 @@ from .settings import (
 )
 from .store import PolicyStore
 from .timeouts import Budget, Timeouts
-from .transport import Transport
+from .transport import AUTO_ORDER, Transport
 
 __all__ = [
     "API_VERSION",
+    "AUTO_ORDER",
     "BUILTINS",
     "DEFAULT_PAUSE_MODE",
     "ENTRY_POINT_GROUP",

@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from .base import Decision, Family, Policy, PolicyConfig
-from .transport import Transport
+from .transport import AUTO_ORDER, Transport
 
 __all__ = [
     "OverlapPolicy",
@@ -29,11 +29,6 @@ _MIB = 1 << 20
 TransportChoice = Transport | Literal["auto"]
 
 
-# Fastest first: the ring measured 1.2x faster than a fresh IPC bucket per chunk on one H200
-# (research/h200-limits.md); shm is the CPU path; disk always works.
-# inline before disk: it is what a real SGLang loads from CPU, and disk is the floor.
-_PREFERENCE: tuple[Transport, ...] = (Transport.IPC_RING, Transport.CUDA_IPC, Transport.SHM, Transport.INLINE,
-                                      Transport.DISK)
 # Transports whose buckets are staged in GPU memory, so depth x bucket must fit in free memory.
 _GPU_STAGED = frozenset({Transport.IPC_RING, Transport.CUDA_IPC})
 
@@ -71,7 +66,8 @@ class PipelinePolicy(Policy):
 class _BucketConfig(PolicyConfig):
     bucket_mb: int = Field(512, gt=0, le=65536, description="target chunk size, MiB")
     transport: TransportChoice = Field(
-        "auto", description="auto (the fastest both sides support) or a transport: " + " | ".join(Transport))
+        "auto", description="auto (the first that both sides support of " + ", ".join(AUTO_ORDER)
+        + ": nothing stays exported between pushes) or a transport: " + " | ".join(Transport))
 
 
 class SerialPolicy(PipelinePolicy):
@@ -141,7 +137,7 @@ def _choose_transport(wanted: TransportChoice, available: tuple[Transport, ...],
         if wanted in available:
             return wanted
         notes.append(f"{wanted} not available")
-    for candidate in _PREFERENCE:
+    for candidate in AUTO_ORDER:
         if candidate in available:
             return candidate
     # Every trainer can write a safetensors file; disk is the floor.

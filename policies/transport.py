@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["Transport"]
+__all__ = ["AUTO_ORDER", "Transport"]
 
 
 class Transport(StrEnum):
@@ -31,3 +31,12 @@ class Transport(StrEnum):
 
 
 _WIRE = {Transport.PER_TENSOR: Transport.CUDA_IPC, Transport.ZERO_COPY: Transport.IPC_RING}
+
+
+# ``transport: auto``, first choice first, in the daemon's plan and in ``WeightPusher`` alike: only transports
+# that keep nothing exported between pushes, so the trainer holds no staging memory through the rollout (the
+# colocated engine's KV cache needs it). ``ipc_ring`` and ``zero_copy`` are faster on one GPU but keep their
+# buffers exported until the pusher closes; ``per_tensor`` opens one handle per tensor. A document or a
+# pusher names those; auto never picks them. ``inline`` before ``disk``: it is what a real SGLang loads from
+# CPU, and disk is the floor.
+AUTO_ORDER: tuple[Transport, ...] = (Transport.CUDA_IPC, Transport.SHM, Transport.INLINE, Transport.DISK)

@@ -27,7 +27,7 @@ from ..api.client import AsyncColocdClient, ColocdHTTPError
 from ..engines.chunks import dtype_name, plan_chunks
 from ..engines.cuda_handles import device_uuid
 from ..engines.digest import DigestCache, tensor_digests
-from ..policies import Transport
+from ..policies import AUTO_ORDER, Transport
 from .channel import ChannelClosed, ChunkChannel
 from .exported import ExportedPart, Producer
 from .leases import LEASE_GRACE_S, LeaseBook
@@ -59,8 +59,10 @@ DEFAULT_BUCKET_MB = 4096
 INLINE_BUCKET_MB = 32
 _MIB = 1 << 20
 
-# transport="auto", by the tensors' device, first choice first: what the engines accept decides among them.
-_AUTO_ORDER = {"cuda": ("cuda_ipc", "shm", "inline", "disk"), "cpu": ("shm", "inline", "disk")}
+# transport="auto", by the tensors' device (policies.AUTO_ORDER, less what CPU tensors cannot be exported by):
+# what the engines accept decides among them.
+_AUTO_ORDER = {"cuda": tuple(t.value for t in AUTO_ORDER),
+               "cpu": tuple(t.value for t in AUTO_ORDER if t is not Transport.CUDA_IPC)}
 
 
 def auto_transport(device: torch.device, accepted: Iterable[str] | None = None) -> str:

@@ -52,7 +52,7 @@ async def test_with_little_free_gpu_memory_the_sync_plan_stages_only_what_fits(n
     # weights back, 6 MiB are left for the trainer's staging buckets.
     nvml.total = BASE + nvml.tag_size("weights") + 6 * MIB
     plan = (await client.phase("sync", 1))["directives"]["pipeline"]
-    assert plan["transport"] == "ipc_ring"  # a GPU-staged transport: the guard applies
+    assert plan["transport"] == "cuda_ipc"  # a GPU-staged transport: the guard applies
     assert (plan["depth"], plan["bucket_bytes"]) == (2, 3 * MIB)  # 512 MiB buckets would not fit
     assert "bucket shrunk to fit 2 in 6 MiB free GPU memory" in plan["reason"]
     assert "6.0 MiB free (nvml:0)" in plan["reason"]

@@ -140,12 +140,19 @@ def test_policies_are_pure_same_snapshot_same_decision() -> None:
         assert policy.before_pause(s) == policy.before_pause(s)
 
 
-def test_overlap_plans_depth_and_bucket_and_prefers_the_ring() -> None:
+def test_overlap_plans_two_4_gib_buckets_over_cuda_ipc_even_where_a_ring_is_loaded() -> None:
     plan = OverlapPolicy().plan(
         PipelineSnapshot(available_transports=(Transport.SHM, Transport.CUDA_IPC, Transport.IPC_RING))
     )
-    # The defaults are the tuned preset of `colocd bench switch` (overlap2@4096; before: 3 x 2048 MiB).
-    assert (plan.depth, plan.bucket_bytes, plan.transport) == (2, 4096 * MIB, Transport.IPC_RING)
+    # The tuned preset of `colocd bench switch`: fresh buckets, so nothing stays exported through the rollout.
+    assert (plan.depth, plan.bucket_bytes, plan.transport) == (2, 4096 * MIB, Transport.CUDA_IPC)
+
+
+def test_auto_never_picks_a_persistent_transport_a_document_may_name() -> None:
+    ring_only = PipelineSnapshot(available_transports=(Transport.IPC_RING, Transport.ZERO_COPY))
+    assert OverlapPolicy().plan(ring_only).transport is Transport.DISK
+    named = OverlapPolicy(OverlapPolicy.Config(transport=Transport.IPC_RING)).plan(ring_only)
+    assert named.transport is Transport.IPC_RING
 
 
 def test_serial_is_depth_one() -> None:
@@ -161,13 +168,13 @@ def test_an_unavailable_transport_falls_back_with_a_reason() -> None:
 
 def test_pipeline_never_stages_more_gpu_memory_than_is_free() -> None:
     policy = OverlapPolicy(OverlapPolicy.Config(depth=4, bucket_mb=1024))
-    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.IPC_RING,), free_bytes=1 * GIB))
+    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.CUDA_IPC,), free_bytes=1 * GIB))
     assert plan.depth * plan.bucket_bytes <= GIB
 
 
 def test_the_memory_guard_keeps_the_overlap_and_shrinks_buckets_to_what_is_free() -> None:
     policy = OverlapPolicy(OverlapPolicy.Config(depth=3, bucket_mb=2048))
-    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.IPC_RING,), total_bytes=16 * GIB,
+    plan = policy.plan(PipelineSnapshot(available_transports=(Transport.CUDA_IPC,), total_bytes=16 * GIB,
                                         free_bytes=3 * GIB))
     assert (plan.depth, plan.bucket_bytes) == (3, GIB)
     assert "bucket shrunk to fit 3 in 3072 MiB free GPU memory" in plan.reason
@@ -182,7 +189,7 @@ def test_the_memory_guard_gives_up_depth_before_going_below_1_mib_per_chunk() ->
 def test_a_bucket_shrunk_by_the_guard_can_still_keep_several_chunks_in_flight() -> None:
     # A 24 MiB sync would be one 24 MiB chunk; with 6 MiB free it becomes 8 chunks, 2 in flight.
     plan = OverlapPolicy(OverlapPolicy.Config(depth=2)).plan(PipelineSnapshot(
-        available_transports=(Transport.IPC_RING,), total_bytes=24 * MIB, free_bytes=6 * MIB))
+        available_transports=(Transport.CUDA_IPC,), total_bytes=24 * MIB, free_bytes=6 * MIB))
     assert (plan.depth, plan.bucket_bytes) == (2, 3 * MIB)
 
 
@@ -193,7 +200,7 @@ def test_host_memory_transports_are_not_bounded_by_free_gpu_memory() -> None:
 
 
 def test_a_gpu_staged_plan_without_a_free_memory_reading_says_it_is_unbounded() -> None:
-    plan = OverlapPolicy().plan(PipelineSnapshot(available_transports=(Transport.IPC_RING,)))
+    plan = OverlapPolicy().plan(PipelineSnapshot(available_transports=(Transport.CUDA_IPC,)))
     assert "free GPU memory unknown" in plan.reason
 
 
