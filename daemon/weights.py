@@ -951,7 +951,7 @@ class WeightSession:
             for done in chunk.consumed.values():
                 if not done.done():
                     # Abandoned on purpose (abort, expiry): 410 to every rank still waiting; failed: 502, or
-                    # the caller's 422 where the caller's request failed it (a layout that cannot be served).
+                    # the caller's 422 where the caller's data failed it (an engine refused a chunk's payload).
                     done.set_exception(
                         RequestInvalid(message, field=error.field) if isinstance(error, RequestInvalid)
                         else WeightSyncError(message) if ended is SessionState.FAILED
