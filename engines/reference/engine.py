@@ -31,7 +31,7 @@ from .locks import ReaderWriterLock
 from .memory import MemoryMove as MemoryReleaseReport
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
 from .model import QwenLikeForCausalLM, build_model
-from .payloads import open_payload
+from .payloads import open_bucket, open_payload
 from .runner import ModelRunner
 from .sampling import SamplingConfig
 from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
@@ -690,6 +690,8 @@ class ReferenceEngine:
         return True, message
 
     def _load_entries(self, entries: Sequence[str], load_format: str | None) -> list[str]:
+        if load_format == "flattened_bucket" and len(self._ranks) == 1 and (sink := self._ranks[0].sink) is not None:
+            return self._load_bucket(self._ranks[0], sink, entries[0])
         t0 = time.perf_counter()
         for rank in self._ranks:
             rank.rings.last_stages = {}
@@ -719,6 +721,23 @@ class ReferenceEngine:
             self._last_stages = {"decode_s": t1 - t0 - sum(ring.values()), "open_s": 0.0, "views_s": 0.0, **ring,
                                  **self._sink.last_load, "sync_s": time.perf_counter() - t2}
         return applied[0]
+
+    def _load_bucket(self, rank: TPRank, sink: WeightSink, entry: str) -> list[str]:
+        """A benchmark sink's ``flattened_bucket`` chunk, copied by its shape's plan (``load_plan``) rather than
+        through a list of views: on one rank no other rank's entry needs comparing."""
+        t0 = time.perf_counter()
+        flat, metadata = open_bucket(entry, rank.device)  # unpickling opens the IPC handle
+        t1 = time.perf_counter()
+        names = sink.load_bucket(flat, metadata)
+        if (corrupt := self.settings.test_corrupt_after_load) is not None and corrupt in names:
+            self._corrupt(corrupt)
+        t2 = time.perf_counter()
+        if rank.device.type == "cuda":
+            torch.cuda.synchronize(rank.device)
+        del flat  # the IPC mapping closes here, before the reply: the trainer may reuse the memory then
+        self._last_stages = {"decode_s": t1 - t0, "open_s": 0.0, "views_s": 0.0, **sink.last_load,
+                             "sync_s": time.perf_counter() - t2}
+        return names
 
     def _corrupt(self, name: str) -> None:
         """The test-only hook (settings.test_corrupt_after_load): flip one bit of ``name`` on TP rank 0."""

@@ -35,7 +35,9 @@ from ..chunks import ChunkLayout, LayoutEntry, SharedSegment, TensorSpec, unflat
 from ..cuda_handles import RingTable
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
-__all__ = ["LOAD_FORMATS", "DiskDescriptor", "PayloadError", "ShmDescriptor", "open_payload"]
+__all__ = [
+    "LOAD_FORMATS", "DiskDescriptor", "PayloadError", "ShmDescriptor", "bucket_entry", "open_bucket", "open_payload",
+]
 
 LOAD_FORMATS = ("colocd_shm", "colocd_disk", "colocd_ring", "flattened_bucket", "direct", None)
 
@@ -222,7 +224,21 @@ def _named_list(obj: Any, tp_rank: int) -> NamedTensors:
     return out
 
 
-def _flattened_bucket(obj: Any) -> NamedTensors:
+def open_bucket(entry: str, device: torch.device) -> tuple[torch.Tensor, list[Any]]:
+    """A ``flattened_bucket`` entry's buffer and its metadata, unchecked beyond their types (``LoadPlans``
+    checks the metadata against the buffer and the destinations)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    flat, metadata = _bucket_parts(safe_loads(_b64decode(entry)))
+    if flat.is_cuda and device.type == "cuda" and flat.device != device:
+        raise PayloadError(
+            f"flattened_tensor arrived on {flat.device} but this engine runs on {device}: "
+            "trainer rank and engine TP rank must share a GPU"
+        )
+    return flat, metadata
+
+
+def _bucket_parts(obj: Any) -> tuple[torch.Tensor, list[Any]]:
     if isinstance(obj, FlattenedTensorBucketData):
         flat, metadata = getattr(obj, "flattened_tensor", None), getattr(obj, "metadata", None)
     elif isinstance(obj, dict):
@@ -231,30 +247,40 @@ def _flattened_bucket(obj: Any) -> NamedTensors:
         raise PayloadError(
             f"flattened_bucket expects a dict with flattened_tensor and metadata, got {type(obj).__name__}"
         )
-    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
-        raise PayloadError("flattened_bucket: flattened_tensor must be a 1-D uint8 tensor")
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():
+        raise PayloadError("flattened_bucket: flattened_tensor must be a contiguous 1-D uint8 tensor")
     if not isinstance(metadata, list | tuple):
         raise PayloadError("flattened_bucket: metadata must be a list")
+    return flat, list(metadata)
+
+
+def bucket_entry(i: int, meta: Any, nbytes: int) -> tuple[str, torch.Size, torch.dtype, int]:
+    """Metadata item ``i`` of a bucket of ``nbytes``: (name, shape, dtype, start byte), checked to fit."""
+    try:
+        name, shape, dtype = str(meta.name), torch.Size(meta.shape), meta.dtype
+        start, end = int(meta.start_idx), int(meta.end_idx)
+    except (AttributeError, TypeError, ValueError):
+        raise PayloadError(
+            f"flattened_bucket: metadata item {i} lacks name/shape/dtype/start_idx/end_idx"
+        ) from None
+    if not isinstance(dtype, torch.dtype):
+        raise PayloadError(f"flattened_bucket: tensor {name!r} has dtype {dtype!r}, not a torch.dtype")
+    if start < 0 or end != start + shape.numel() * dtype.itemsize or end > nbytes:
+        raise PayloadError(
+            f"flattened_bucket: tensor {name!r} spans bytes [{start}, {end}) which does not fit its "
+            f"shape {list(shape)} x {dtype} or the bucket's {nbytes} bytes"
+        )
+    if start % dtype.itemsize:
+        raise PayloadError(
+            f"flattened_bucket: tensor {name!r} starts at byte {start}, not aligned to {dtype}"
+        )
+    return name, shape, dtype, start
+
+
+def _flattened_bucket(obj: Any) -> NamedTensors:
+    flat, metadata = _bucket_parts(obj)
     out: NamedTensors = []
     for i, meta in enumerate(metadata):
-        try:
-            name, shape, dtype = str(meta.name), torch.Size(meta.shape), meta.dtype
-            start, end = int(meta.start_idx), int(meta.end_idx)
-        except (AttributeError, TypeError, ValueError):
-            raise PayloadError(
-                f"flattened_bucket: metadata item {i} lacks name/shape/dtype/start_idx/end_idx"
-            ) from None
-        if not isinstance(dtype, torch.dtype):
-            raise PayloadError(f"flattened_bucket: tensor {name!r} has dtype {dtype!r}, not a torch.dtype")
-        nbytes = shape.numel() * dtype.itemsize
-        if start < 0 or end != start + nbytes or end > flat.numel():
-            raise PayloadError(
-                f"flattened_bucket: tensor {name!r} spans bytes [{start}, {end}) which does not fit its "
-                f"shape {list(shape)} x {dtype} or the bucket's {flat.numel()} bytes"
-            )
-        if start % dtype.itemsize:
-            raise PayloadError(
-                f"flattened_bucket: tensor {name!r} starts at byte {start}, not aligned to {dtype}"
-            )
-        out.append((name, flat[start:end].view(dtype).reshape(shape)))
+        name, shape, dtype, start = bucket_entry(i, meta, flat.numel())
+        out.append((name, flat[start : start + shape.numel() * dtype.itemsize].view(dtype).reshape(shape)))
     return out

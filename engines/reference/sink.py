@@ -14,12 +14,14 @@ switch benchmark moves and confirms the memory a real engine of that shape would
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..chunks import copy_tensors
+from .load_plan import LoadPlans
 
 __all__ = ["MODEL_SHAPES", "ModelShape", "WeightSink", "device_checksum", "hf_shapes"]
 
@@ -119,6 +121,7 @@ class WeightSink:
         self._shapes = hf_shapes(model)
         # Uninitialised on purpose: every byte is overwritten by a load, and checksums prove it.
         self.tensors: dict[str, torch.Tensor] = {}
+        self._plans = LoadPlans(f"sink {model}")
         self.resume_weights()
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
         self.kv_bytes = kv_bytes
@@ -131,6 +134,7 @@ class WeightSink:
     # Release/resume are called by the engine's MemoryRegions with its tags, on the model thread.
     def release_weights(self) -> None:
         self.tensors = {}
+        self._plans.clear()
 
     def resume_weights(self) -> None:
         self.tensors = {
@@ -165,6 +169,18 @@ class WeightSink:
         t1 = time.perf_counter()
         # Queued, not waited for: the engine synchronises once before replying.
         copy_tensors(dsts, srcs)
+        self.last_load = {"checks_s": t1 - t0, "copy_launch_s": time.perf_counter() - t1}
+        return names
+
+    def load_bucket(self, flat: torch.Tensor, metadata: Sequence[Any]) -> list[str]:
+        """Copy a ``flattened_bucket``'s tensors into their destinations by the plan for its shape
+        (``LoadPlans``: checked in full on the first chunk of a shape, before any copy)."""
+        if not self.tensors:
+            raise ValueError(f"sink {self.model}: its weights are released; resume them first")
+        t0 = time.perf_counter()
+        plan = self._plans.plan(flat, metadata, self.tensors)
+        t1 = time.perf_counter()
+        names = plan.apply(flat)  # views and copy launches, interleaved
         self.last_load = {"checks_s": t1 - t0, "copy_launch_s": time.perf_counter() - t1}
         return names
 
