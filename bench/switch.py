@@ -186,6 +186,10 @@ PRESETS["tuned-3x2048"] = dataclasses.replace(
     pipeline=_overlap_pipeline(3, 2048),
     about="as tuned, with 3 fresh 2 GiB buckets in flight instead of 2 of 4 GiB (twice the chunks, each "
           "bucket's IPC handle opened and closed in the engine; 6 GiB staged during the push instead of 8)")
+PRESETS["tuned-3x4096"] = dataclasses.replace(
+    PRESETS["tuned"], name="tuned-3x4096",
+    pipeline=_overlap_pipeline(3, 4096),
+    about="as tuned, with 3 fresh 4 GiB buckets in flight instead of 2 (12 GiB staged during the push instead of 8)")
 # Not memory-neutral: the paused window (the engines' generation) opens beside memory still going.
 PRESETS["tuned-early"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-early", settle_before_rollout=False,
