@@ -1,0 +1,60 @@
+"""A benchmark sink on CPU loads ``flattened_bucket`` chunks (the ``inline`` transport) by its plans, push after push.
+
+Real processes: a reference engine holding ``tiny`` sink tensors, an in-process daemon, this process the trainer.
+Each push carries fresh values; what the engine holds must be what the trainer sent, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import torch
+from support import serve_app
+
+from colocd.api.app import create_app
+from colocd.api.client import AsyncColocdClient
+from colocd.daemon.config import NodeConfig
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.sink import device_checksum, hf_shapes
+from colocd.trainer.push import WeightPusher
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def node() -> AsyncIterator[tuple[AsyncColocdClient, str]]:
+    config = ReferenceEngineConfig.model_validate({"name": "ref0", "url": "http://127.0.0.1:0", "device": "cpu",
+                                                   "launch": {"args": ["--sink-shapes", "tiny"]}})
+    async with ReferenceEngineProcess(config) as engine:
+        node_config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}]})
+        async with serve_app(create_app(node_config)) as url, AsyncColocdClient(url) as client:
+            await client.wait_ready(60)
+            await client.phase("train", 1)
+            await client.phase("sync", 1)
+            yield client, str(engine.url)
+
+
+async def _held(engine_url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        return (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()  # type: ignore[no-any-return]
+
+
+async def test_inline_buckets_land_byte_identical_in_the_sink_push_after_push(
+    node: tuple[AsyncColocdClient, str],
+) -> None:
+    client, engine_url = node
+    gen = torch.Generator().manual_seed(0)
+    named = [(n, torch.empty(s, dtype=torch.bfloat16)) for n, s in hf_shapes("tiny")]
+    async with WeightPusher(client, transport="inline", bucket_mb=1, depth=2) as pusher:
+        for version in ("v1", "v2", "v3"):  # the second and third reuse the first push's plans
+            for _, t in named:
+                t.copy_(torch.randn(t.shape, generator=gen))
+            report = await pusher.push(named, version=version)
+            assert report.chunks > 1
+            held = await _held(engine_url)
+            assert [held["checksums"][n] for n, _ in named] == device_checksum(t for _, t in named)
