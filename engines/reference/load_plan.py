@@ -4,8 +4,9 @@ A push sends the same chunks every step: the same names, shapes, dtypes and byte
 What depends only on that metadata (every range inside the buffer, every name known, every shape and dtype
 its destination's, each source view's strides) is checked and computed on the first chunk of a shape and
 kept. A later chunk of that shape costs its key, one typed view of its buffer, and per tensor one
-``as_strided`` and one copy: on an H200 that is 0.45 ms of views per Qwen3-8B push where slicing, viewing
-and reshaping every tensor took 5.7 ms (``python3 -m colocd.bench.chunk_load``).
+``as_strided`` made as its copy is queued. On an H200, per Qwen3-8B push of 4 chunks: 0.4 ms to find the plans
+and about 1.6 ms of views among the copy launches, where slicing, viewing and reshaping every tensor took 5.6 ms
+before the first copy (``python3 -m colocd.bench.chunk_load``; docs/benchmarks.md).
 """
 
 from __future__ import annotations
