@@ -21,9 +21,20 @@ import torch
 from ..chunks import copy_tensors
 from .payloads import PayloadError, bucket_entry
 
-__all__ = ["LoadPlan", "LoadPlans"]
+__all__ = ["LoadPlan", "LoadPlans", "destination"]
 
 _MAX_PLANS = 64  # one per chunk shape of a model, with room for a changed bucket size
+
+
+def destination(dsts: Mapping[str, torch.Tensor], where: str, name: str, shape: Sequence[int],
+                dtype: torch.dtype) -> torch.Tensor:
+    """``dsts[name]``, checked to be a tensor of ``shape`` and ``dtype``; ``ValueError`` naming it otherwise."""
+    dst = dsts.get(name)
+    if dst is None:
+        raise ValueError(f"{where}: unknown tensor {name!r}")
+    if dst.shape != shape or dst.dtype != dtype:
+        raise ValueError(f"{where}: tensor {name!r} is {list(shape)} {dtype}, expected {list(dst.shape)} {dst.dtype}")
+    return dst
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +109,8 @@ class LoadPlans:
         names, targets, sources = [], [], []
         for i, meta in enumerate(metadata):
             name, shape, dtype, start = bucket_entry(i, meta, nbytes)
-            dst = dsts.get(name)
-            if dst is None:
-                raise ValueError(f"{self._where}: unknown tensor {name!r}")
-            if dst.shape != shape or dst.dtype != dtype:
-                raise ValueError(f"{self._where}: tensor {name!r} is {list(shape)} {dtype}, "
-                                 f"expected {list(dst.shape)} {dst.dtype}")
             names.append(name)
-            targets.append(dst)
+            targets.append(destination(dsts, self._where, name, shape, dtype))
             strides, step = [], 1
             for size in reversed(shape):
                 strides.append(step)

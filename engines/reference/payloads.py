@@ -88,8 +88,7 @@ def open_payload(
     tensors must already be on it: a handle from another GPU is an error, not a silent P2P copy.
     """
     raw = _b64decode(entry)
-    if device is not None and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     if load_format == "colocd_shm":
         with _open_shm(_parse_json(raw, ShmDescriptor)) as named:
             yield named
@@ -103,6 +102,13 @@ def open_payload(
         yield _on_device(_flattened_bucket(safe_loads(raw)), device)
     else:
         raise PayloadError(f"unknown load_format {load_format!r}; supported: {list(LOAD_FORMATS)}")
+
+
+def _indexed(device: torch.device | None) -> torch.device | None:
+    """``cuda`` as this process's current GPU, so that tensors' devices compare equal to it."""
+    if device is not None and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _ring_tensors(raw: bytes, rings: RingTable | None, device: torch.device | None) -> NamedTensors:
@@ -227,14 +233,8 @@ def _named_list(obj: Any, tp_rank: int) -> NamedTensors:
 def open_bucket(entry: str, device: torch.device) -> tuple[torch.Tensor, list[Any]]:
     """A ``flattened_bucket`` entry's buffer and its metadata, unchecked beyond their types (``LoadPlans``
     checks the metadata against the buffer and the destinations)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     flat, metadata = _bucket_parts(safe_loads(_b64decode(entry)))
-    if flat.is_cuda and device.type == "cuda" and flat.device != device:
-        raise PayloadError(
-            f"flattened_tensor arrived on {flat.device} but this engine runs on {device}: "
-            "trainer rank and engine TP rank must share a GPU"
-        )
+    _on_device([("flattened_tensor", flat)], _indexed(device))
     return flat, metadata
 
 

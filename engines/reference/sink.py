@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..chunks import copy_tensors
-from .load_plan import LoadPlans
+from .load_plan import LoadPlans, destination
 
 __all__ = ["MODEL_SHAPES", "ModelShape", "WeightSink", "device_checksum", "hf_shapes"]
 
@@ -121,7 +121,8 @@ class WeightSink:
         self._shapes = hf_shapes(model)
         # Uninitialised on purpose: every byte is overwritten by a load, and checksums prove it.
         self.tensors: dict[str, torch.Tensor] = {}
-        self._plans = LoadPlans(f"sink {model}")
+        self._where = f"sink {model}"  # names this sink in errors
+        self._plans = LoadPlans(self._where)
         self.resume_weights()
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
         self.kv_bytes = kv_bytes
@@ -148,23 +149,18 @@ class WeightSink:
         if self.kv_bytes:
             self._kv = torch.empty(self.kv_bytes, dtype=torch.uint8, device=self._device)
 
+    def _check_held(self) -> None:
+        if not self.tensors:
+            raise ValueError(f"{self._where}: its weights are released; resume them first")
+
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy each tensor into its destination; every name, shape and dtype is checked before any copy."""
-        if not self.tensors:
-            raise ValueError(f"sink {self.model}: its weights are released; resume them first")
+        self._check_held()
         t0 = time.perf_counter()
         names, dsts, srcs = [], [], []
         for name, src in named:
-            dst = self.tensors.get(name)
-            if dst is None:
-                raise ValueError(f"sink {self.model}: unknown tensor {name!r}")
-            if src.shape != dst.shape or src.dtype != dst.dtype:
-                raise ValueError(
-                    f"sink {self.model}: tensor {name!r} is {list(src.shape)} {src.dtype}, "
-                    f"expected {list(dst.shape)} {dst.dtype}"
-                )
             names.append(name)
-            dsts.append(dst)
+            dsts.append(destination(self.tensors, self._where, name, src.shape, src.dtype))
             srcs.append(src)
         t1 = time.perf_counter()
         # Queued, not waited for: the engine synchronises once before replying.
@@ -175,8 +171,7 @@ class WeightSink:
     def load_bucket(self, flat: torch.Tensor, metadata: Sequence[Any]) -> list[str]:
         """Copy a ``flattened_bucket``'s tensors into their destinations by the plan for its shape
         (``LoadPlans``: checked in full on the first chunk of a shape, before any copy)."""
-        if not self.tensors:
-            raise ValueError(f"sink {self.model}: its weights are released; resume them first")
+        self._check_held()
         t0 = time.perf_counter()
         plan = self._plans.plan(flat, metadata, self.tensors)
         t1 = time.perf_counter()
