@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
     ps.add_argument("--presets", default="seed-baseline,tuned,tuned-serial-groups,tuned-keep",
                     help="comma-separated: seed-baseline, tuned, tuned-serial-groups, tuned-keep, tuned-onload, "
-                         "tuned-onload2, tuned-3x2048, tuned-early, tuned-split, tuned-split-early")
+                         "tuned-onload2, tuned-3x2048, tuned-3x4096, tuned-early, tuned-split, tuned-split-early")
     ps.add_argument("--steps", type=int, default=3, help="timed handoffs per preset (median is reported)")
     ps.add_argument("--warmup", type=int, default=1, help="untimed handoffs per preset first")
     ps.add_argument("--optimizer-shards", type=int, default=8,

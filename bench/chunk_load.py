@@ -29,22 +29,10 @@ from typing import Any
 
 import torch
 
+from ..engines.chunks import plan_chunks
 from ..engines.reference.sink import hf_shapes
 
 _WAYS = ("current", "planned")
-
-
-def _chunks(model: str, bucket_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
-    out: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    used = 0
-    for name, shape in hf_shapes(model):
-        nbytes = torch.Size(shape).numel() * 2
-        if out[-1] and used + nbytes > bucket_bytes:
-            out.append([])
-            used = 0
-        out[-1].append((name, shape))
-        used += nbytes
-    return out
 
 
 def _consumer(model: str) -> None:
@@ -96,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    chunks = _chunks(args.model, args.bucket_mib << 20)
-    params = {n: torch.randn(s, dtype=torch.bfloat16, device=device) for c in chunks for n, s in c}
+    params = [(n, torch.randn(s, dtype=torch.bfloat16, device=device)) for n, s in hf_shapes(args.model)]
+    chunks = list(plan_chunks(params, args.bucket_mib << 20))  # WeightPusher's buckets
     child = subprocess.Popen([sys.executable, "-m", "colocd.bench.chunk_load", "--consumer", "--model", args.model],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
@@ -106,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for way in _WAYS:
             per_push: dict[str, float] = {}
             for chunk in chunks:
-                entry, lease = export_flattened_bucket([(n, params[n]) for n, _ in chunk])
+                entry, lease = export_flattened_bucket(chunk)
                 child.stdin.write(json.dumps({"way": way, "entry": entry}) + "\n")
                 child.stdin.flush()
                 stages = json.loads(child.stdout.readline())
