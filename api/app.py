@@ -143,11 +143,16 @@ async def readyz(d: D) -> JSONResponse:
 
 # The two read routes take the daemon from the request rather than through the D dependency:
 # FastAPI's dependency resolution costs more than the rest of such a read (bench control).
-@_route("GET", "/metrics", tags=["probes"])
-async def metrics(request: Request) -> Response:
+class _PrometheusText(Response):
+    """Prometheus's text exposition format, as OpenAPI declares it (Starlette adds the charset when it serves)."""
+
+    media_type = "text/plain; version=0.0.4"
+
+
+@_route("GET", "/metrics", tags=["probes"], response_class=_PrometheusText)
+async def metrics(request: Request) -> _PrometheusText:
     """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""
-    body = await _get_daemon(request).metrics.current()
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return _PrometheusText(await _get_daemon(request).metrics.current())
 
 
 # response_model keeps the schema in OpenAPI; the snapshot is returned as bytes, serialised once per change.

@@ -369,6 +369,14 @@ async def test_openapi_declares_the_error_statuses_with_the_error_model(client: 
     assert "404" in spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["responses"]
 
 
+async def test_openapi_declares_metrics_as_the_prometheus_text_it_serves(client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    declared = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    served = (await client.get("/metrics")).headers["content-type"]
+    assert list(declared) == ["text/plain; version=0.0.4"], declared
+    assert served.startswith("text/plain; version=0.0.4"), served
+
+
 async def test_a_session_for_a_step_other_than_the_nodes_is_422_naming_step(
         pooled_engine: ReferenceEngineProcess) -> None:
     # Its own engine (the pool's, reset afterwards): this test moves the node to sync.
