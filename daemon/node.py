@@ -349,6 +349,8 @@ class Daemon:
             for tag in engine.state.owned_tags:
                 m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
             m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
+            m.declare_engine(name, transports=sorted(t.value for t in engine.adapter.transports),
+                             gpus=[str(g) for g in engine.gpus] if self.probe is not None and engine.gpus else None)
         refresh_gpu_metrics(m, self.probe, self.engines.values())
         self.changed()
 
