@@ -11,6 +11,7 @@ trainer library's job: ``colocd.trainer.WeightPusher`` and ``colocd.trainer.Trai
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -23,6 +24,8 @@ from ..policies import Transport
 from ..recent import remember
 
 __all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError"]
+
+log = logging.getLogger("colocd.client")
 
 _T = TypeVar("_T")
 
@@ -97,6 +100,7 @@ class AsyncColocdClient:
         self._in_flight = 0  # this client's calls under way (``idle``)
         self._idle = asyncio.Event()
         self._idle.set()
+        self._background: set[asyncio.Task[None]] = set()  # ``in_background``: ended before ``aclose`` closes
 
     async def __aenter__(self) -> Self:
         return self
@@ -105,7 +109,20 @@ class AsyncColocdClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the connections, once every call started ``in_background`` has ended (its request needs them)."""
+        while self._background:
+            for result in await asyncio.gather(*self._background, return_exceptions=True):
+                if isinstance(result, Exception):
+                    log.warning("a background call of this client failed: %r", result)
         await self._http.aclose()
+
+    def in_background(self, call: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``call`` (a report nobody waits on) as a task this client owns: ``aclose`` waits for it, so it never
+        runs against a closed client. ``call`` handles its own errors; one it lets through is raised by the task."""
+        task = asyncio.create_task(call)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def idle(self) -> None:
         """Return once none of this client's calls is under way: what a report nobody waits on (the trainer's

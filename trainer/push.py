@@ -327,7 +327,7 @@ class WeightPusher:
         """Tell the daemon this rank's lease bytes, off the stream's path: one report in flight, the latest wins."""
         self._lease_report_due = True
         if self._lease_reporter is None or self._lease_reporter.done():
-            self._lease_reporter = asyncio.create_task(self._send_lease_reports())
+            self._lease_reporter = self._client.in_background(self._send_lease_reports())
 
     async def _send_lease_reports(self) -> None:
         # After the call that follows the stream (its commit, over HTTP or on the channel), not beside it.
