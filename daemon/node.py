@@ -364,7 +364,7 @@ def _render_status(i: _StatusInputs) -> dict[str, Any]:
         "lifecycle": i.lifecycle.value,
         "node": i.node.snapshot(),
         "busy_with": i.busy_with,
-        "engines": {n: {**state.snapshot(), "protocol": info.protocol if info else None,
+        "engines": {n: {**state.status(), "protocol": info.protocol if info else None,
                         "engine_version": info.version if info else None, "launched": launched}
                     for (n, state, info), (_, launched) in zip(i.engines, i.launched, strict=True)},
         "weight_session": i.session,
