@@ -199,6 +199,30 @@ async def test_sleep_after_an_in_place_pause_keeps_the_frozen_requests(
     assert stream.tokens == LONG
 
 
+async def _waiting(client: httpx.AsyncClient, url: str) -> float:
+    """vLLM's count of requests queued and not yet scheduled (its own /metrics)."""
+    text = (await client.get(f"{url}/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_waiting"))
+
+
+async def test_a_sleep_after_an_abort_pause_keeps_the_requests_queued_meanwhile(
+    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient
+) -> None:
+    # A reconcile pauses with abort (the weights are not committed); the next phase's sleep has its own cause and
+    # must not abort what was queued since: it is served once the engine wakes.
+    url = str(vllm_server.config.url)
+    await adapter.pause_generation(PauseMode.ABORT)
+    stream = Stream(client, url, max_tokens=8)
+    async with asyncio.timeout(30):
+        while not await _waiting(client, url):  # noqa: ASYNC110 - another process's queue
+            await asyncio.sleep(0.05)  # vLLM's queue, polled under the deadline
+    await adapter.release_memory(BOTH)
+    await adapter.resume_memory(BOTH)  # the full wake resumes the scheduler
+    await stream.finished()
+    assert (stream.finish_reason, stream.tokens) == ("length", 8)
+
+
 async def test_kv_only_release_needs_a_completed_pause(adapter: VLLMAdapter) -> None:
     with pytest.raises(EngineRejected, match="requires a completed pause first") as exc:
         await adapter.release_memory((MemoryTag.KV_CACHE,))
