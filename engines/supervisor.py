@@ -290,6 +290,7 @@ class ManagedProcess:
             async with asyncio.timeout(deadline_s):
                 while True:
                     if (value := await probe()) is not None:
+                        await asyncio.to_thread(self.note_shm)  # what it made starting up, should it crash
                         return value
                     await asyncio.wait({exited}, timeout=POLL_S)  # wakes at once if the child exits
                     if exited.done():
@@ -309,6 +310,7 @@ class ManagedProcess:
         deadline = time.monotonic() + deadline_s
         while True:
             if (value := probe()) is not None:
+                self.note_shm()  # what it made starting up, should it crash
                 return value
             remaining = deadline - time.monotonic()
             if remaining <= 0:

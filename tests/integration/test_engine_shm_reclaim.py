@@ -94,8 +94,7 @@ async def test_a_stopped_group_leaves_none_of_the_files_its_members_mapped_or_he
 
 async def test_an_engine_that_died_outright_leaves_its_files_to_the_supervisors_stop(
         tmp_path: Path, names: dict[str, str]) -> None:
-    proc = await _engine(tmp_path, names)
-    proc.note_shm()  # what the daemon's watcher does while the engine runs
+    proc = await _engine(tmp_path, names)  # noted once ready (and by the daemon's watcher while it runs)
     assert proc.pid is not None
     os.killpg(proc.pid, signal.SIGKILL)  # the crash: nothing is noted at the end, nothing of theirs cleans up
     await proc.wait_exit()
