@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol, Self, TypeVar
 
 import httpx
 
-from ..http1 import Http1Transport
 from ..policies import Transport
 from ..recent import remember
 
@@ -73,10 +72,18 @@ def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
     return exc.status == 422 and exc.body.get("field") == "manifest_ref"
 
 
-def _transport(url: str) -> tuple[str, Http1Transport]:
+# uvicorn (the daemon's server) closes a connection idle for 5 s (timeout_keep_alive); the client lets its idle
+# connections go well before that, so a call never lands on one the daemon is closing.
+KEEPALIVE_S = 2.0
+
+
+def _transport(url: str) -> tuple[str, httpx.AsyncHTTPTransport]:
+    """httpx's own transport: keep-alive connections, unbounded in number (the cluster client fans out to every
+    daemon at once, and a trainer keeps ``depth`` chunks in flight), idle ones closed after ``KEEPALIVE_S``."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
     if url.startswith("unix:"):
-        return "http://colocd", Http1Transport(uds=url.removeprefix("unix:"))
-    return url.rstrip("/"), Http1Transport()
+        return "http://colocd", httpx.AsyncHTTPTransport(uds=url.removeprefix("unix:"), limits=limits)
+    return url.rstrip("/"), httpx.AsyncHTTPTransport(limits=limits)
 
 
 class AsyncColocdClient:
@@ -84,16 +91,13 @@ class AsyncColocdClient:
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
         base, transport = _transport(url)
-        self.token = token  # also the chunk channel's (colocd.trainer.channel)
+        self.token = token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=base, transport=transport, headers=headers,
                                        timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False)
         # The daemon's manifest_ref for each manifest this client sent in full lately, so the next open of the same
         # manifest sends the reference instead (the daemon forgets them on restart: then the manifest again).
         self._manifest_refs: OrderedDict[_ManifestKey, str] = OrderedDict()
-        # Where the daemon's chunk channel is, as its last open reply said (None: not yet known, or off): where
-        # a pusher on this client opens its next one-rank session (``WeightPusher.open``).
-        self.chunk_channel: str | None = None
         self._in_flight = 0  # this client's calls under way (``idle``)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -178,38 +182,32 @@ class AsyncColocdClient:
 
     async def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
-                           partial: bool = False,
-                           send: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None) -> dict[str, Any]:
+                           partial: bool = False) -> dict[str, Any]:
         """``manifest``: every tensor the session will send, ``[{name, dtype, shape}]`` (see ``manifest_of``);
-        ``partial``: update only some tensors (allowed on intact weights only). ``send`` carries the body
-        (``POST /v1/weights/sessions``') and returns the open reply: by default that POST, or e.g. a chunk
-        channel's greeting (``WeightPusher.open``).
+        ``partial``: update only some tensors (allowed on intact weights only).
 
         A manifest the daemon gave a ``manifest_ref`` for is sent as that reference next time; if the daemon no
         longer holds it (a restart), the manifest is sent in full once more, and the refusal is not raised."""
         body: dict[str, Any] = {"version": version, "step": step, "ranks": ranks, "depth": depth}
         if partial:
             body["partial"] = True
-        send = send or (lambda b: self._call("POST", _SESSIONS, b))
         if manifest is None:
-            return self._noted(None, await send(body))
+            return await self._call("POST", _SESSIONS, body)
         key = _manifest_key(manifest)
         if (ref := self._manifest_refs.get(key)) is not None:
             try:
-                return self._noted(key, await send({**body, "manifest_ref": ref}))
+                return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest_ref": ref}))
             except ColocdHTTPError as exc:
                 if not _refuses_manifest_ref(exc):
                     raise
                 del self._manifest_refs[key]
-        return self._noted(key, await send({**body, "manifest": manifest}))
+        return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest": manifest}))
 
-    def _noted(self, key: _ManifestKey | None, reply: dict[str, Any]) -> dict[str, Any]:
-        """Keep what an open reply tells later opens: where the chunk channel is, and the manifest_ref for ``key``
-        (a daemon without the field gives none: nothing kept)."""
-        channel = reply.get("chunk_channel")
-        self.chunk_channel = channel if isinstance(channel, str) else None
+    def _noted(self, key: _ManifestKey, reply: dict[str, Any]) -> dict[str, Any]:
+        """Keep the manifest_ref an open reply gives for ``key`` (a daemon without the field gives none: nothing
+        kept), so later opens of the same manifest send the reference."""
         ref = reply.get("manifest_ref")
-        if key is not None and isinstance(ref, str):
+        if isinstance(ref, str):
             remember(self._manifest_refs, key, ref, _MANIFEST_REFS_KEPT)
         return reply
 
@@ -234,7 +232,7 @@ class AsyncColocdClient:
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/chunks", body)
 
     async def session(self, session_id: str) -> dict[str, Any]:
-        """A session's progress and state, and the node's ``chunk_channel`` address."""
+        """A session's progress and state."""
         return await self._call("GET", f"/v1/weights/sessions/{session_id}")
 
     async def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:

@@ -64,7 +64,7 @@ async def engine_kill_mid_push(*, model: str, device: str = "cuda:0", bucket_mb:
     engine_cfg = ReferenceEngineConfig.model_validate({
         "name": "ref0", "url": "http://127.0.0.1:0", "device": device,
         "launch": {"args": ["--sink-shapes", model], "ready_timeout_s": 600, "log_file": f"{workdir}/engine.log"}})
-    options: dict[str, Any] = {"lease_grace_s": lease_grace_s, "bucket_mb": bucket_mb, "channel": "http"}
+    options: dict[str, Any] = {"lease_grace_s": lease_grace_s, "bucket_mb": bucket_mb}
     if depth is not None:
         options["depth"] = depth
     async with ReferenceEngineProcess(engine_cfg) as engine:
