@@ -272,7 +272,7 @@ class WeightSessions:
         return joined.to_json()
 
     def note_trainer_pid(self, session_id: str, pid: int) -> None:
-        """``pid`` is the open session's trainer (declared at join, or its chunk channel's peer)."""
+        """``pid`` is the open session's trainer (declared at join)."""
         session = self.get(session_id)
         if session.state is SessionState.OPEN:
             session.trainer_pids.add(pid)
