@@ -11,17 +11,18 @@ trainer library's job: ``colocd.trainer.WeightPusher`` and ``colocd.trainer.Trai
 from __future__ import annotations
 
 import asyncio
+import json as jsonlib
 import os
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol, Self, TypeVar
 
-import httpx
+import aiohttp
 
 from ..policies import Transport
 from ..recent import remember
 
-__all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError"]
+__all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError", "DaemonUnreachable"]
 
 _T = TypeVar("_T")
 
@@ -64,6 +65,11 @@ class ColocdHTTPError(Exception):
         return (type(self), (self.status, self.body))
 
 
+class DaemonUnreachable(ConnectionError):
+    """No answer came back from the daemon (it refused the connection, dropped it, or did not reply in time);
+    ``ColocdHTTPError`` is for the answers that say no."""
+
+
 def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
     """The daemon will not take the reference: it holds no manifest by it (409, a restarted daemon), or it
     predates the field (422 naming it). Either way the manifest itself is what it needs."""
@@ -75,32 +81,40 @@ def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
 # uvicorn (the daemon's server) closes a connection idle for 5 s (timeout_keep_alive); the client lets its idle
 # connections go well before that, so a call never lands on one the daemon is closing.
 KEEPALIVE_S = 2.0
-
-
-def _transport(url: str) -> tuple[str, httpx.AsyncHTTPTransport]:
-    """httpx's own transport: keep-alive connections, unbounded in number (the cluster client fans out to every
-    daemon at once, and a trainer keeps ``depth`` chunks in flight), idle ones closed after ``KEEPALIVE_S``."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
-    if url.startswith("unix:"):
-        return "http://colocd", httpx.AsyncHTTPTransport(uds=url.removeprefix("unix:"), limits=limits)
-    return url.rstrip("/"), httpx.AsyncHTTPTransport(limits=limits)
+CONNECT_S = 5.0
 
 
 class AsyncColocdClient:
-    """One method per route. ``url`` is ``http://host:port`` or ``unix:/path/to.sock``."""
+    """One method per route. ``url`` is ``http://host:port`` or ``unix:/path/to.sock``.
+
+    Calls go through aiohttp's client: the cluster client fans every phase out to all daemons from one event loop,
+    and aiohttp's costs that loop a fraction of httpx's CPU per request (docs/deploy.md, the fan-out study). A
+    call the daemon answers with an error raises ``ColocdHTTPError``; one it does not answer, ``DaemonUnreachable``.
+    """
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
-        base, transport = _transport(url)
+        self._unix = url.removeprefix("unix:") if url.startswith("unix:") else None
+        self._base = "http://colocd" if self._unix is not None else url.rstrip("/")
         self.token = token
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=base, transport=transport, headers=headers,
-                                       timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=CONNECT_S)
+        # Made on the first call: an aiohttp session belongs to the event loop it is made on.
+        self._http: aiohttp.ClientSession | None = None
         # The daemon's manifest_ref for each manifest this client sent in full lately, so the next open of the same
         # manifest sends the reference instead (the daemon forgets them on restart: then the manifest again).
         self._manifest_refs: OrderedDict[_ManifestKey, str] = OrderedDict()
         self._in_flight = 0  # this client's calls under way (``idle``)
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            # limit=0: as many connections as calls in flight (a rank keeps ``depth`` chunks in flight).
+            connector = (aiohttp.UnixConnector(path=self._unix, limit=0, keepalive_timeout=KEEPALIVE_S)
+                         if self._unix is not None else aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+            self._http = aiohttp.ClientSession(self._base, connector=connector, headers=self._headers,
+                                               timeout=self._timeout)
+        return self._http
 
     async def __aenter__(self) -> Self:
         return self
@@ -109,7 +123,8 @@ class AsyncColocdClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
 
     async def idle(self) -> None:
         """Return once none of this client's calls is under way: what a report nobody waits on (the trainer's
@@ -118,26 +133,35 @@ class AsyncColocdClient:
         while self._in_flight:
             await self._idle.wait()
 
-    async def _request(self, method: str, path: str, json: Any = None, **kw: Any) -> Any:
+    async def _send(self, method: str, path: str, json: Any = None,
+                    params: dict[str, Any] | None = None) -> tuple[int, bytes]:
+        """One call: the status and the whole body; ``DaemonUnreachable`` when no answer came back."""
         self._in_flight += 1
         self._idle.clear()
         try:
-            response = await self._http.request(method, path, json=json, **kw)
+            async with self._session().request(method, path, json=json, params=params) as response:
+                return response.status, await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise DaemonUnreachable(f"{method} {self._base}{path}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
         finally:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
-        if response.status_code >= 400:
-            try:
-                body = response.json()
-            except ValueError:
-                body = {"message": response.text}
-            raise ColocdHTTPError(response.status_code, body if isinstance(body, dict) else {"message": body})
-        return response.json()
 
-    async def _call(self, method: str, path: str, json: Any = None, **kw: Any) -> dict[str, Any]:
+    async def _request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
+        status, content = await self._send(method, path, json, params)
+        if status >= 400:
+            try:
+                body = jsonlib.loads(content)
+            except ValueError:
+                body = {"message": content.decode(errors="replace")}
+            raise ColocdHTTPError(status, body if isinstance(body, dict) else {"message": body})
+        return jsonlib.loads(content)
+
+    async def _call(self, method: str, path: str, json: Any = None,
+                    params: dict[str, Any] | None = None) -> dict[str, Any]:
         """A route whose success body is a JSON object."""
-        body = await self._request(method, path, json, **kw)
+        body = await self._request(method, path, json, params)
         if not isinstance(body, dict):
             raise ColocdHTTPError(502, {"message": f"{method} {path} answered {type(body).__name__}, not an object"})
         return body
@@ -159,8 +183,8 @@ class AsyncColocdClient:
         return await self._call("GET", "/v1/status")
 
     async def ready(self) -> bool:
-        response = await self._http.get("/readyz")
-        return response.status_code == 200
+        status, _ = await self._send("GET", "/readyz")
+        return status == 200
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Poll /readyz until it answers 200, within a deadline."""
@@ -170,15 +194,16 @@ class AsyncColocdClient:
                 try:
                     if await self.ready():
                         return
-                except httpx.TransportError:
+                except DaemonUnreachable:
                     pass
                 await asyncio.sleep(delay)  # polling cadence while the daemon starts
                 delay = min(delay * 2, 0.5)
 
     async def metrics(self) -> str:
-        response = await self._http.get("/metrics")
-        response.raise_for_status()
-        return response.text
+        status, content = await self._send("GET", "/metrics")
+        if status >= 400:
+            raise ColocdHTTPError(status, {"message": content.decode(errors="replace")})
+        return content.decode()
 
     async def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,

@@ -18,10 +18,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import torch
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError
+from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
 from ..engines.chunks import dtype_name, plan_chunks
 from ..engines.cuda_handles import device_uuid
 from ..engines.digest import DigestCache, tensor_digests
@@ -308,7 +307,7 @@ class WeightPusher:
             self._lease_report_due = False
             try:
                 await self._client.report_leases(self.leases.report())
-            except (ColocdHTTPError, httpx.TransportError) as exc:  # a daemon without the route, or gone
+            except (ColocdHTTPError, DaemonUnreachable) as exc:  # a daemon without the route, or gone
                 log.debug("lease report not delivered: %s", exc)
                 return
 
@@ -327,7 +326,7 @@ class WeightPusher:
         except BaseException as exc:
             try:
                 await self._client.abort(sid)
-            except (ColocdHTTPError, httpx.TransportError):
+            except (ColocdHTTPError, DaemonUnreachable):
                 pass  # the session may already be failed; the original error matters
             if self.leases.retained_bytes:  # e.g. an engine that died after its acks, before letting go
                 await self.leases.settle(f"session {sid} failed: {exc!r}", self._lease_grace_s)
@@ -655,7 +654,7 @@ class WeightPusher:
         reason = f"rank {self._rank} stopped: {type(error).__name__}: {detail}"
         try:
             await self._client.abort(session_id, reason)
-        except (ColocdHTTPError, httpx.TransportError) as exc:
+        except (ColocdHTTPError, DaemonUnreachable) as exc:
             log.debug("abort of session %s after rank %d's failure: %s", session_id, self._rank, exc)
 
     @staticmethod
