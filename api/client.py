@@ -78,9 +78,6 @@ def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
     return exc.status == 422 and exc.body.get("field") == "manifest_ref"
 
 
-# uvicorn (the daemon's server) closes a connection idle for 5 s (timeout_keep_alive); the client lets its idle
-# connections go well before that, so a call never lands on one the daemon is closing.
-KEEPALIVE_S = 2.0
 CONNECT_S = 5.0
 
 
@@ -109,9 +106,10 @@ class AsyncColocdClient:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
-            # limit=0: as many connections as calls in flight (a rank keeps ``depth`` chunks in flight).
-            connector = (aiohttp.UnixConnector(path=self._unix, limit=0, keepalive_timeout=KEEPALIVE_S)
-                         if self._unix is not None else aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+            # limit=0: as many connections as calls in flight (a rank keeps ``depth`` chunks in flight). Idle ones
+            # are kept aiohttp's 15 s, well under the daemon's 75 s (api/server.py KEEP_ALIVE_S).
+            connector = (aiohttp.UnixConnector(path=self._unix, limit=0) if self._unix is not None
+                         else aiohttp.TCPConnector(limit=0))
             self._http = aiohttp.ClientSession(self._base, connector=connector, headers=self._headers,
                                                timeout=self._timeout)
         return self._http

@@ -82,8 +82,8 @@ async def _push(url: str, step: int, model: Any) -> tuple[float, float]:
 
 
 async def client_cost(url: str, requests: int = 200) -> dict[str, float]:
-    """CPU per ``GET /v1/status`` on one keep-alive connection: through ``AsyncColocdClient`` (httpx over
-    ``colocd.http1``), and through a bare HTTP/1.1 exchange on asyncio streams (the floor under any client)."""
+    """CPU per ``GET /v1/status`` on one keep-alive connection: through ``AsyncColocdClient`` (on
+    aiohttp), and through a bare HTTP/1.1 exchange on asyncio streams (the floor under any client)."""
     async with AsyncColocdClient(url) as client:
         await client.status()
         c0 = time.process_time()

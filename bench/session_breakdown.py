@@ -37,7 +37,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("open.begin", "    engines' begin_weight_update"),
     ("open.begin_app", "      of it inside the engine's app"),
     ("open.outside", "  outside the daemon's open (transport, route, reply)"),
-    ("open.join", "  join (+ chunk channel greeting) after it (0: in it)"),
+    ("open.join", "  join after it"),
     ("open.rt_floor", "  its round trips at their floors (see below)"),
     ("open.first_export", "  the first chunk's export, beside it (0: after it)"),
     ("stream", "trainer: open's reply -> last ack"),
