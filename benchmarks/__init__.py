@@ -1,7 +1,18 @@
-"""colocd.bench: the lab beside the product. Nothing in the daemon, the API or the trainer library imports it.
+"""The lab beside the product: benches run from a checkout, never installed, and nothing in colocd imports them.
 
-The benchmarks behind ``colocd bench`` (weights, control, switch), the studies run as ``python -m colocd.bench.X``,
-``offload`` (a training rank's state and its offload, which ``bench switch`` drives) and ``timeline`` (the picture
-``colocd trace`` and ``colocd demo --timeline`` draw). Each bench prints a table, writes a JSON record
-(``records.write_record``) and measures the physical floor and the baselines in the same run, so results are ratios.
+    python3 -m benchmarks.weights --help     # one bench; docs/benchmarks.md lists them all and their results
+
+Each bench prints a table, writes a JSON record (``records.write_record``) and measures the physical floor and the
+baselines in the same run, so results are ratios. The benches import the product as ``colocd`` (an install of this
+checkout, e.g. ``pip install -e .``) and each other relatively; ``offload`` and ``onload`` model a training rank's
+state, which ``switch`` drives.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["CHECKOUT"]
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+"""The checkout holding ``benchmarks/``: a bench's own child processes start here, so ``-m benchmarks.X`` finds it."""

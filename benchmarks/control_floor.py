@@ -1,4 +1,4 @@
-"""The control path's floor, measured in the same run as ``bench weights``: a JSON line to a peer process and back.
+"""The control path's floor, measured in the same run as ``benchmarks.weights``: a JSON line to a peer process and back.
 
 The chunk channel's control figure is (round trip to the ack - the daemon's wait on the engine). Its floor is
 the same round trip with nothing but the message: this process writes a chunk descriptor as one JSON line on a
@@ -10,7 +10,7 @@ research/h200-limits.md measured, 0.12-0.15 ms on the H200 host) and the engine'
 (the trainer and the daemon sleep that long on every chunk; waking a sleeping vCPU costs what a hot one does
 not). The second is the floor the channel's figure should be read against.
 
-    python -m colocd.bench.control_floor --serve /path/to.sock --hold-s 0.004   # the peer (started for you)
+    python3 -m benchmarks.control_floor --serve /path/to.sock --hold-s 0.004   # the peer (started for you)
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import CHECKOUT
+
 __all__ = ["measure_control_floor"]
 
 READY = b"ready\n"
@@ -39,8 +41,8 @@ async def measure_control_floor(frame: bytes, hold_s: float, messages: int = 300
     directory = tempfile.mkdtemp(prefix="colocd-floor-")
     path = Path(directory) / "peer.sock"
     peer = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "colocd.bench.control_floor", "--serve", str(path), "--hold-s", repr(hold_s),
-        stdout=asyncio.subprocess.PIPE)
+        sys.executable, "-m", "benchmarks.control_floor", "--serve", str(path), "--hold-s", repr(hold_s),
+        stdout=asyncio.subprocess.PIPE, cwd=CHECKOUT)
     try:
         assert peer.stdout is not None
         async with asyncio.timeout(60):
