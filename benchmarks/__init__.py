@@ -10,9 +10,20 @@ state, which ``switch`` drives.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
-__all__ = ["CHECKOUT"]
+__all__ = ["CHECKOUT", "ShowDefaults"]
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 """The checkout holding ``benchmarks/``: a bench's own child processes start here, so ``-m benchmarks.X`` finds it."""
+
+
+class ShowDefaults(argparse.HelpFormatter):
+    """A bench's ``--help``: appends ``(default: X)`` unless the help already says what leaving it out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"

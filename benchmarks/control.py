@@ -42,7 +42,7 @@ from colocd.api.procs import DaemonProcess
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
-from . import CHECKOUT
+from . import CHECKOUT, ShowDefaults
 from .records import write_record
 
 __all__ = ["ControlBenchSettings", "main", "run_control_bench"]
@@ -366,7 +366,7 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python3 -m benchmarks.control``: prints the tables and writes the record where ``--out`` says."""
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.control", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=ShowDefaults)
     p.add_argument("--samples", type=int, default=500, help="sequential requests per read path")
     p.add_argument("--warmup-cycles", type=int, default=5, help="untimed train/sync/rollout cycles first")
     p.add_argument("--cycles", type=int, default=40, help="timed cycles per condition (3 transitions each)")

@@ -68,6 +68,7 @@ from colocd.trainer.cleanup import run_cleanup
 from colocd.trainer.groups import GroupLifecycle, GroupSpec
 from colocd.trainer.push import WeightPusher
 
+from . import ShowDefaults
 from .offload import OffloadReport, RankState
 from .onload import onloader
 from .records import write_record
@@ -989,7 +990,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
 def main(argv: Sequence[str] | None = None) -> int:
     """``python3 -m benchmarks.switch``: exit 1 when a preset failed or ended with weights it did not push."""
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.switch", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=ShowDefaults)
     p.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
     p.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
     p.add_argument("--presets", default="seed-baseline,tuned,tuned-serial-groups,tuned-keep",

@@ -49,6 +49,7 @@ from colocd.trainer.channel import chunk_frame
 from colocd.trainer.producer import producer_for
 from colocd.trainer.push import WeightPusher
 
+from . import ShowDefaults
 from .control_floor import measure_control_floor
 from .records import write_record
 from .session_breakdown import RoundTrips, breakdown, breakdown_table, round_trips, round_trips_lines
@@ -644,7 +645,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python3 -m benchmarks.weights``: exit 1 when a variant's engine did not end with the pushed weights."""
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.weights", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=ShowDefaults)
     p.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
     p.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
     p.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3,ipc_ring,zero_copy",
