@@ -141,7 +141,7 @@ async def readyz(d: D) -> JSONResponse:
 
 
 # The two read routes take the daemon from the request rather than through the D dependency:
-# FastAPI's dependency resolution costs more than the rest of such a read (bench control).
+# FastAPI's dependency resolution costs more than the rest of such a read (benchmarks.control).
 @_route("GET", "/metrics", tags=["probes"])
 async def metrics(request: Request) -> Response:
     """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""

@@ -143,7 +143,7 @@ class WeightSessions:
         """
         d = self._d
         # The session's trace starts before the node's lock, so its spans cover the whole open (the breakdown
-        # of `colocd bench weights`); the step it names is the node's, as the check below requires.
+        # of `benchmarks.weights`); the step it names is the node's, as the check below requires.
         trace = Trace(d.node.step, "weights")
         at_begin = all(_observes_at_begin(e) for e in d.engines.values())
         async with d.exclusive("open_weights", observe=not at_begin):

@@ -41,7 +41,7 @@ __all__ = [
     "manifest_of",
 ]
 
-# The `tuned` preset of `colocd bench switch` (docs/benchmarks.md), as the daemon's default policy has it:
+# The `tuned` preset of `benchmarks.switch` (docs/benchmarks.md), as the daemon's default policy has it:
 # 2 chunks in flight of up to 4 GiB, fresh CUDA-IPC buckets on GPU (the fastest measured that keeps no
 # trainer memory through the rollout: a ring's slots and zero-copy's registered storages stay exported
 # until ``aclose()``, so they are opt-in), shared memory on CPU. Two 4 GiB buckets rather than three of 2 GiB:

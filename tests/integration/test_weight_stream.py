@@ -18,8 +18,8 @@ import pytest
 import torch
 from support import EnginePool, daemon_node, shm_segments
 
+from benchmarks.weights import BenchSettings, run_weights_bench
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.bench.weights import BenchSettings, run_weights_bench
 from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, WeightSyncError
 from colocd.daemon.metrics import Metrics

@@ -1,7 +1,7 @@
-"""``colocd bench weights``: trainer → daemon → engine weight transfer over HTTP, against the copy floor.
+"""``python3 -m benchmarks.weights``: trainer → daemon → engine weight transfer over HTTP, against the copy floor.
 
-    colocd bench weights --model qwen3-8b --device cuda --out bench/results/weights-qwen3-8b-h200.json
-    colocd bench weights --model tiny --device cpu       # CI smoke run: shm transport, a few MB
+    python3 -m benchmarks.weights --model qwen3-8b --device cuda --out benchmarks/results/weights-qwen3-8b-h200.json
+    python3 -m benchmarks.weights --model tiny --device cpu       # CI smoke run: shm transport, a few MB
 
 Three processes: this one is the trainer; it makes the checkpoint's tensors (HF names and shapes,
 random bf16) on the device, starts a reference engine that holds destination tensors of the same
@@ -20,6 +20,7 @@ stages (queue, decode, open, views, checks, copy_launch, sync; from the sink's `
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -36,18 +37,21 @@ from typing import Any
 import httpx
 import torch
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError
-from ..api.procs import DaemonProcess
-from ..engines.chunks import copy_tensors
-from ..engines.config import ReferenceEngineConfig
-from ..engines.digest import DigestCache, tensor_digests
-from ..engines.reference.launcher import ReferenceEngineProcess
-from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
-from ..trainer.push import WeightPusher
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.procs import DaemonProcess
+from colocd.engines.chunks import copy_tensors
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.digest import DigestCache, tensor_digests
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
+from colocd.trainer.push import WeightPusher
+
+from . import ShowDefaults
 from .records import write_record
 from .session_breakdown import RoundTrips, breakdown, breakdown_table, round_trips, round_trips_lines
 
-__all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
+__all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "main", "parse_variant",
+           "run_weights_bench"]
 
 # The engine's load stages, in order (engines/reference/engine.py _load_entry; seconds per load).
 STAGES = ("queue_s", "decode_s", "open_s", "views_s", "checks_s", "copy_launch_s", "sync_s")
@@ -139,7 +143,7 @@ class VariantResult:
     verify: str = "full"  # the daemon's sync.verify during this variant
     verify_ms: float = 0.0  # the best push's commit-time verification (the daemon asking the engine), ms
     verification: dict[str, Any] = field(default_factory=dict)  # the best push's commit reply "verification"
-    # The best-wall push's session, stage by stage (bench/session_breakdown.py), seconds.
+    # The best-wall push's session, stage by stage (benchmarks/session_breakdown.py), seconds.
     breakdown: dict[str, float] = field(default_factory=dict)
     round_trips: dict[str, list[str]] = field(default_factory=dict)  # its open's and commit's engine round trips
 
@@ -502,7 +506,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
     kernels = measure_copy_kernels(named, device, max(settings.repeats, 5))
     floor_s = kernels["copy_"]
     print(
-        f"colocd bench weights: {settings.model} ({len(named)} tensors, {nbytes / 1e9:.2f} GB) "
+        f"python3 -m benchmarks.weights: {settings.model} ({len(named)} tensors, {nbytes / 1e9:.2f} GB) "
         f"on {device}; floor {floor_s * 1e3:.2f} ms",
         flush=True,
     )
@@ -554,9 +558,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
                                                                max(settings.repeats, 3))
     summaries = [r.summary(nbytes, floor_s) for r in results]
     record = {
-        "command": "colocd bench weights " + " ".join(sys.argv[3:])
-        if sys.argv[1:3] == ["bench", "weights"]
-        else " ".join(sys.argv),
+        "command": " ".join(["python3 -m benchmarks.weights", *sys.argv[1:]]),
         "model": settings.model,
         "tensors": len(named),
         "bytes": nbytes,
@@ -587,3 +589,32 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         write_record(Path(settings.out), record)
     return record
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python3 -m benchmarks.weights``: exit 1 when a variant's engine did not end with the pushed weights."""
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.weights", description=__doc__.split("\n")[0],
+                                formatter_class=ShowDefaults)
+    p.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
+    p.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
+    p.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3,ipc_ring,zero_copy",
+                   help="comma-separated; name@MB sets one variant's chunk size")
+    p.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")
+    p.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (best is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed pushes per variant first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
+    p.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
+    p.add_argument("--verify", default="full",
+                   help="the daemon's sync.verify, comma-separated (e.g. off,full: every variant once per mode)")
+    p.add_argument("--manifest", choices=("none", "declared"), default="none",
+                   help="declared: each open declares every tensor, as WeightPusher.push does")
+    args = p.parse_args(argv)
+    settings = BenchSettings(model=args.model, device=args.device, variants=tuple(args.variants.split(",")),
+                             bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
+                             seed=args.seed, out=args.out, verify=tuple(args.verify.split(",")),
+                             manifest=args.manifest == "declared")
+    record = asyncio.run(run_weights_bench(settings))
+    return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

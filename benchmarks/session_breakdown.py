@@ -1,4 +1,4 @@
-"""Where one weight session's wall time goes, open → commit: the breakdown ``colocd bench weights`` prints.
+"""Where one weight session's wall time goes, open → commit: the breakdown ``python3 -m benchmarks.weights`` prints.
 
 Every figure comes from a timestamp: the trainer's own timers around its three calls (open, stream, commit), its
 pusher's per-chunk timers (the join, the digests on its export thread), and the spans of the session's trace that
