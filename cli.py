@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb = bsub.add_parser("weights", help="trainer → daemon → engine weight transfer against the copy floor")
     pb.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
     pb.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
-    pb.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3,ipc_ring,zero_copy",
+    pb.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3",
                     help="comma-separated; name@MB sets one variant's chunk size")
     pb.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")
     pb.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (best is reported)")

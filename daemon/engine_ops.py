@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 from ..engines.base import Capability, EngineAdapter, EngineInfo, MemoryReport, MemoryTag, PauseMode
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
-from ..engines.ring_refs import EngineRingRefs
 from ..policies import Budget, Timeouts
 from .errors import EngineError, StepTimeout
 from .memory import GpuReading, NvmlProbe
@@ -60,9 +59,6 @@ class EngineHandle:
     observed_once: bool = False
     lost_sight: bool = False
     restart_counted: str | None = None  # the incarnation last counted in colocd_engine_restarts_total
-    # The ipc_ring layouts and slot handles this engine incarnation acknowledged (engines/ring_refs.py):
-    # chunks to it carry only refs for those. Dropped whenever it attaches (first contact, or a restart).
-    ring_refs: EngineRingRefs = field(default_factory=EngineRingRefs)
 
     @property
     def name(self) -> str:
@@ -71,7 +67,6 @@ class EngineHandle:
     def attached(self, info: EngineInfo) -> None:
         """The engine answered ``attach`` (first contact, or a restarted process that may speak a new version)."""
         self.info, self.attachment = info, Attachment.ATTACHED
-        self.ring_refs.forget()  # a new process holds no ring mapping of the old one
 
     def can(self, capability: Capability) -> bool:
         """Whether the engine said at attach that it answers ``capability``'s optional verb."""

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..engines.base import Capability, ChunkPart, EngineDigests
-from ..engines.ring_refs import RingDirectory
 from ..engines.segments import unlink_session_segments
 from ..policies import Budget, PolicySet, Timeouts
 from ..recent import remember
@@ -102,9 +101,6 @@ class WeightSessions:
         # The manifests of this process's last opens by reference, so a trainer's next open may name its
         # manifest instead of sending and having it parsed again (daemon/manifests.py).
         self.manifests = ManifestBook()
-        # What trainer rings announced to this daemon process, so their chunks may carry refs only
-        # (engines/ring_refs.py); its id, in every join reply, tells a trainer when to announce again.
-        self.rings = RingDirectory()
 
     def restore(self) -> None:
         self.complete_manifest = self._read_manifest_file()
@@ -189,7 +185,7 @@ class WeightSessions:
             depth=args.depth or d.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
             trace=trace, metrics=d.metrics, manifest=declared, manifest_ref=declared_ref, partial=partial,
             idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
-            sources=self._feed_ranks(), rings=self.rings)
+            sources=self._feed_ranks())
         session.required = required
         trace.attrs["session"] = session.id  # the session's log line and trace name it
         session.prior = {n: e.state.weights for n, e in d.engines.items()}

@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 import torch
 
 from ..base import MemoryTag, PauseMode
-from ..cuda_handles import RingTable
 from ..digest import DigestCache, tensor_digests
 from .locks import ReaderWriterLock
 from .memory import MemoryMove as MemoryReleaseReport
@@ -187,7 +186,7 @@ class ReferenceEngine:
             memory = MemoryRegions(
                 model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device, sink=sink
             )
-            self._ranks.append(TPRank(index, device, device_id, model, memory, sink, RingTable()))
+            self._ranks.append(TPRank(index, device, device_id, model, memory, sink))
         first = self._ranks[0]
         self.device = first.device
         self._model, self._memory, self._sink = first.model, first.memory, first.sink
@@ -693,12 +692,10 @@ class ReferenceEngine:
         if load_format == "flattened_bucket" and len(self._ranks) == 1 and (sink := self._ranks[0].sink) is not None:
             return self._load_bucket(self._ranks[0], sink, entries[0])
         t0 = time.perf_counter()
-        for rank in self._ranks:
-            rank.rings.last_stages = {}
         with contextlib.ExitStack() as stack:
             opened = [
                 stack.enter_context(
-                    open_payload(entry, load_format, tp_rank=rank.index, rings=rank.rings, device=rank.device)
+                    open_payload(entry, load_format, tp_rank=rank.index, device=rank.device)
                 )
                 for rank, entry in zip(self._ranks, entries, strict=True)
             ]
@@ -715,10 +712,9 @@ class ReferenceEngine:
                 # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
                 torch.cuda.synchronize(rank.device)
         if self._sink is not None:
-            # Where a load's time goes (rank 0's ring and sink): decode (base64 + JSON), open (IPC handles),
-            # views, checks, copy_launch (queueing the copies), sync (waiting for them, closing the payload).
-            ring = self._ranks[0].rings.last_stages
-            self._last_stages = {"decode_s": t1 - t0 - sum(ring.values()), "open_s": 0.0, "views_s": 0.0, **ring,
+            # Where a load's time goes (rank 0's sink): decode (base64 + JSON, opening IPC handles), checks,
+            # copy_launch (queueing the copies), sync (waiting for them, closing the payload).
+            self._last_stages = {"decode_s": t1 - t0, "open_s": 0.0, "views_s": 0.0,
                                  **self._sink.last_load, "sync_s": time.perf_counter() - t2}
         return applied[0]
 
@@ -784,8 +780,7 @@ class ReferenceEngine:
             "model": sink.model,
             "nbytes": sink.nbytes,
             "checksums": per_rank[0],
-            "rings_opened": self._ranks[0].rings.opened,
-            "ranks": [{**r.describe(), "checksums": c, "rings_opened": r.rings.opened}
+            "ranks": [{**r.describe(), "checksums": c}
                       for r, c in zip(self._ranks, per_rank, strict=True)],
             "loads": self._sink_loads,  # per-stage seconds of each load of the last session, in load order
             "calls": self._sink_calls,  # its begin, loads and end, each timed inside the app, in reply order

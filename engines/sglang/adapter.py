@@ -31,10 +31,9 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
-from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
+from ..errors import EngineMismatch, EngineProtocolError, EngineRejected
 from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
 from ..httpmap import check_reply, map_http_errors
-from ..ring_refs import UNKNOWN_REF_MARK
 from . import extensions, wire
 from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
 
@@ -53,7 +52,7 @@ UNSUPPORTED_DIGESTS = (
     "are not verified")
 
 # What the reference engine answers beyond SGLang's protocol (its server_info says ``colocd_reference``): routes
-# under /colocd/, a session id on begin and on each chunk, and colocd's own transports (shm, disk, the ring).
+# under /colocd/, a session id on begin and on each chunk, and colocd's own transports (shm, disk).
 REFERENCE_EXTENSIONS = frozenset(Capability)
 
 _R = TypeVar("_R", bound=BaseModel)
@@ -118,7 +117,7 @@ class SGLangAdapter:
     def transports(self) -> frozenset[Transport]:
         """What this engine loads. Real SGLang: ``inline`` (plain-pickled CPU tensors, on any device) and, on
         a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list); never colocd's own formats
-        (shm, disk, the ring), which only the reference engine's loader reads: SGLang would unpickle their
+        (shm, disk), which only the reference engine's loader reads: SGLang would unpickle their
         JSON descriptors and its scheduler would die. Before attach a real SGLang is assumed to be on a GPU.
         The reference engine: everything on a GPU, shm/disk/inline on CPU."""
         colocd_formats = (Capability.COLOCD_TRANSPORTS in self._extensions if self._info is not None
@@ -321,16 +320,7 @@ class SGLangAdapter:
         )
         body = self._with_session(wire.body(request, self.protocol), load.session_id)
         response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}", body)
-        try:
-            self._check_success(response, f"update_weights_from_tensor#{load.seq}")
-        except EngineRejected as exc:
-            # The reference engine lacks a ring ref the daemon left out (engines/ring_refs.py): nothing applied.
-            # SGLang's {success, message} reply has no field for a reason, so the engine names the ring
-            # protocol's token in its message; only an engine that loads ring chunks is read for it.
-            ring = any(p.transport == Transport.IPC_RING for p in load.payloads)
-            if ring and Capability.COLOCD_TRANSPORTS in self._extensions and UNKNOWN_REF_MARK in exc.detail:
-                raise RingRefsUnknown(self.name, exc.detail, status=exc.status, body=exc.body) from None
-            raise
+        self._check_success(response, f"update_weights_from_tensor#{load.seq}")
 
     async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
         """The reference engine lists its parameters (``Capability.PARAMETER_MANIFEST``); SGLang cannot tell: None."""
@@ -416,7 +406,7 @@ _REFERENCE_GPU_TRANSPORTS = frozenset(Transport)
 
 # colocd's own transports travel as base64 JSON descriptors, one load_format each; CUDA-IPC
 # chunks are the trainer's own SGLang pickle, flattened_bucket unless the trainer says otherwise.
-_COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk", Transport.IPC_RING: "colocd_ring"}
+_COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk"}
 
 
 def _load_format(load: ChunkLoad) -> str | None:
@@ -436,8 +426,8 @@ def _payload_format(route: HandleRoute) -> str:
 
 def _entry(part: ChunkPart) -> str:
     """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA and inline paths,
-    or base64 JSON for colocd's shm/disk/ipc_ring paths: the handle as the trainer sent it (with a ring's
-    announced layout filled in) is the reference engine's descriptor. The daemon never sends those to a real
+    or base64 JSON for colocd's shm/disk paths: the handle as the trainer sent it is the reference engine's
+    descriptor. The daemon never sends those to a real
     SGLang, whose ``transports`` leave them out."""
     if part.transport in _COLOCD_FORMATS:
         return base64.b64encode(json.dumps({"transport": part.transport, **part.handle}).encode()).decode()

@@ -36,9 +36,6 @@ MALFORMED = [
     ("inline", {"payload_b64": "AAAA", "layout": LAYOUT, "shm_name": "colocd-1-ab"}, "handle.shm_name"),
     ("cuda_ipc", {"payload_b64": "AAAA", "load_format": 5, "layout": LAYOUT}, "handle.load_format"),
     ("cuda_ipc", {"payload_b64": "AAAA", "layout": LAYOUT, "path": "/etc/hostname"}, "handle.path"),
-    ("ipc_ring", {"ring": "r", "slot": "0", "layout": LAYOUT}, "handle.slot"),
-    ("ipc_ring", {"ring": "r", "slot": 0, "layout_ref": 3}, "handle.layout_ref"),
-    ("ipc_ring", {"ring": "r", "slot": 0, "layout": LAYOUT, "payload_b64": "AAAA"}, "handle.payload_b64"),
 ]
 IDS = [f"{t}-{f.removeprefix('handle.')}" for t, _, f in MALFORMED]
 
@@ -125,6 +122,5 @@ async def test_openapi_shows_each_transports_handle_model(pooled_engine: Referen
         schemas = (await http.get("/openapi.json")).json()["components"]["schemas"]
     variants = {ref["$ref"].rsplit("/", 1)[-1]
                 for ref in schemas["ChunkDescriptor"]["properties"]["handle"]["anyOf"]}
-    assert variants == {"ShmHandle", "DiskHandle", "InlineHandle", "CudaIpcHandle", "RingHandle"}
+    assert variants == {"ShmHandle", "DiskHandle", "InlineHandle", "CudaIpcHandle"}
     assert {"shm_name", "nbytes"} <= set(schemas["ShmHandle"]["required"])
-    assert schemas["RingHandle"]["properties"]["layout_ref"]["anyOf"][0]["type"] == "string"
