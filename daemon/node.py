@@ -191,20 +191,15 @@ class Daemon:
         return self._lock.locked()
 
     @contextlib.asynccontextmanager
-    async def exclusive(self, what: str, *, observe: bool = True) -> AsyncIterator[None]:
+    async def exclusive(self, what: str) -> AsyncIterator[None]:
         """Hold the node for ``what``: refused while another operation holds it (a background reconcile is
-        waited for), then every engine is reconciled before ``what`` acts. ``observe=False``: ``what``'s own
-        first engine call proves each engine is the one on record, so it acts on the record (still refused
-        while a restarted daemon has engines it has not reconciled)."""
+        waited for), then every engine is reconciled before ``what`` acts."""
         check_can_start(what, lifecycle=self.lifecycle, node=self.node,
                         busy_with=self.busy_with if self._lock.locked() and not self._reconciling else None)
         async with self._lock:  # a background reconcile holding it finishes first
             self.busy_with = what
             try:
-                if observe:
-                    await self.reconcile_before(what)
-                else:
-                    self._check_reconciled(what)
+                await self.reconcile_before(what)
                 yield
             finally:
                 self.busy_with = None

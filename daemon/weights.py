@@ -750,7 +750,7 @@ class WeightSession:
         sources = [r for r in lane.sources if r is not None]  # all of them: _pump loads resolved lanes only
         payloads = tuple(chunk.parts[r] for r in sources)
         load = ChunkLoad(seq=chunk.seq, payloads=payloads, nbytes=sum(p.nbytes for p in payloads),
-                           session_id=self.id)
+                         session_id=self.id)
         done = chunk.consumed[lane.name]
         t0 = time.perf_counter()
         try:

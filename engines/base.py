@@ -73,9 +73,6 @@ class Capability(StrEnum):
     SESSION_FENCE = "session_fence"  # it refuses a chunk of a session other than the open one
     COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk)
     NO_WARMUP = "no_warmup"  # it serves as soon as it answers: no warm-up generation to wait for (``started``)
-    OBSERVE_IN_ONE = "observe_in_one"  # one reply carries all ``observe`` reads (version and memory with its state)
-    VERSION_AT_END = "version_at_end"  # ``end_weight_update(version)`` sets the served version as the session ends
-    OBSERVE_AT_BEGIN = "observe_at_begin"  # ``begin_weight_update`` returns the observation as the session opened
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +211,7 @@ class Observation:
 
     incarnation: str | None = None
     weight_version: str | None = None
+    session_id: str | None = None  # the daemon's session: engines that can tell refuse a chunk of another
     resident: dict[MemoryTag, bool] | None = None  # per tag, where the engine reports residency
     paused: bool | None = None  # generation paused at the engine's gate
     update_session_open: bool | None = None  # an engine-side weight-update session is open
@@ -244,16 +242,15 @@ class EngineAdapter(Protocol):
     async def flush_cache(self) -> bool: ...
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
-    async def begin_weight_update(self, session_id: str | None = None) -> Observation | None:
-        """Open the engine's update session; with ``Capability.OBSERVE_AT_BEGIN``, what ``observe`` would have
-        answered just before it opened (from the same reply), else None."""
+    async def begin_weight_update(self, session_id: str | None = None) -> None:
+        """Open the engine's update session (where its protocol has one); with ``Capability.SESSION_FENCE`` it
+        refuses any chunk not of ``session_id``."""
         ...
     async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self, version: str | None = None) -> None:
-        """End the update session; ``version`` (asked only with ``Capability.VERSION_AT_END``) becomes the served
-        weight version in the same call, else ``set_weight_version`` follows."""
+        """End the update session; ``version`` (a commit's) then becomes the served weight version, by whatever
+        calls the engine's protocol needs (SGLang: ``update_weight_version`` after the end)."""
         ...
-    async def set_weight_version(self, version: str) -> None: ...
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """Digests of the named tensors as the engine holds (or received) them, for a verified commit."""
         ...

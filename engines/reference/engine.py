@@ -236,7 +236,7 @@ class ReferenceEngine:
 
     def tag_memory(self, per_rank: Sequence[dict[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
         """Per-tag residency and bytes, summed over the TP ranks (which move together): ``/colocd/memory``'s
-        ``tags``, and the memory part of server_info's ``colocd_state``."""
+        ``tags``."""
         tags: dict[str, Any] = {}
         for mine in per_rank if per_rank is not None else [self._rank_tags(r) for r in self._ranks]:
             for tag, entry in mine.items():
@@ -245,11 +245,6 @@ class ReferenceEngine:
                 total["nbytes"] += entry["nbytes"]
                 total["resident_nbytes"] += entry["resident_nbytes"]
         return tags
-
-    def observed_state(self) -> dict[str, Any]:
-        """What server_info carries beside the pause gate and the update session (``colocd_state``): the weight
-        version served now and the tags' memory, so one call answers everything the daemon observes."""
-        return {"weight_version": self.weight_version, "memory": {"tags": self.tag_memory()}}
 
     def memory_report(self) -> dict[str, Any]:
         """The ``/colocd/memory`` answer: per-tag residency and bytes (summed over TP ranks, which move
@@ -591,26 +586,21 @@ class ReferenceEngine:
             async with self._update_lock.writer():
                 yield
 
-    async def begin_weight_update(self, selector: str, session: str | None = None
-                                  ) -> tuple[bool, str, dict[str, Any] | None]:
-        """Open the session; on success also what server_info's state fields said just before it opened (the
-        pause gate, the served version, the tags' memory), taken under the same lock, so the caller's check
-        of this process against its record needs no separate observation."""
+    async def begin_weight_update(self, selector: str, session: str | None = None) -> tuple[bool, str]:
+        """Open the session; ``session`` (colocd's extension): the only session whose chunks it then loads."""
         self._running()
         # The control lock: a load still running (of a session whose caller gave up) finishes first.
         async with self._model_update(), self._control_lock:
             if self._session_selector is not None:
-                return False, "a weight-update session is already open; call end_weight_update() first", None
-            state = {"internal_states": [self.internal_state()], "colocd_state": self.observed_state()}
+                return False, "a weight-update session is already open; call end_weight_update() first"
             self._session_selector = selector
             self._session_id = session
             self._sink_loads = []
             self._sink_calls = []
-            return True, "Success", state
+            return True, "Success"
 
-    async def end_weight_update(self, version: str | None = None) -> tuple[bool, str]:
-        """End the open session; ``version`` (colocd's extension) becomes the served weight version in the same
-        step, so a version is only ever set by the process that holds the session's weights."""
+    async def end_weight_update(self) -> tuple[bool, str]:
+        """End the open session."""
         self._running()
         # Under the control lock: once this returns, no load of the ended session runs or can start.
         async with self._model_update(), self._control_lock:
@@ -618,8 +608,6 @@ class ReferenceEngine:
                 return False, "no weight-update session is open; call begin_weight_update() first"
             self._session_selector = None
             self._session_id = None
-            if version is not None:
-                self.weight_version = version
             return True, "Success"
 
     def parameter_manifest(self) -> list[dict[str, Any]] | None:
