@@ -24,9 +24,9 @@ from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
 from .errors import NotFound, RequestInvalid, WeightSyncError
-from .fanout import OnFailure, each_engine, fan_out
 from .manifests import ManifestBook, reference_of
 from .metrics import Metrics
+from .reconcile import WeightsGoal
 from .states import (
     NodeState,
     SessionState,
@@ -176,14 +176,8 @@ class WeightSessions:
         trace.attrs["session"] = session.id  # the session's log line and trace name it
         session.prior = {n: e.state.weights for n, e in d.engines.items()}
         session.verify = d.policy_set().sync.verify
-
-        async def begin(engine: EngineHandle) -> None:
-            await ops.timed_call(engine, trace, d.metrics, "begin_weight_update", t.budget(Budget.WEIGHT_UPDATE),
-                                 engine.adapter.begin_weight_update(session.id))
-            engine.state = engine.state.with_(weights=WeightsState.UPDATING)
-
         try:
-            await each_engine(d.engines.values(), begin, phase="weights", metrics=d.metrics)
+            await d.sync.weights({n: WeightsGoal.begin(session.id) for n in d.engines}, trace, strict=True)
         except BaseException:
             await self._close_engines_update(trace, committed=False, session=session)
             raise
@@ -578,31 +572,20 @@ class WeightSessions:
 
     async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None,
                                     session: WeightSession | None = None) -> None:
-        """End the engines' update sessions. Uncommitted: engines stay paused; weights are stale unless the
-        session never touched them (no chunk started there, none abandoned)."""
+        """End the engines' update sessions. Committed, they serve ``version``. Uncommitted: engines stay paused;
+        weights are stale unless the session never touched them (no chunk started there, none abandoned)."""
         d = self._d
-        t = d.timeouts()
+        if committed and version is not None:
+            await d.sync.weights({n: WeightsGoal.commit(version) for n in d.engines}, trace, strict=True)
+            return
         prior = session.prior if session is not None else {}
 
-        async def one(engine: EngineHandle) -> None:
-            if engine.state.weights is not WeightsState.UPDATING:
-                return
-            if not committed:
-                untouched = (session is not None and not session.touched(engine.name)
-                             and engine.name not in session.tainted)
-                engine.state = engine.state.with_(
-                    weights=prior.get(engine.name, WeightsState.STALE) if untouched else WeightsState.STALE)
-            # A commit's version becomes the served one as the session ends (the adapter's end sets it).
-            await ops.timed_call(engine, trace, d.metrics, "end_weight_update", t.budget(Budget.WEIGHT_UPDATE),
-                                 engine.adapter.end_weight_update(version if committed else None))
-            if committed and version is not None:
-                engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
+        def left(name: str) -> WeightsState:
+            untouched = session is not None and not session.touched(name) and name not in session.tainted
+            return prior.get(name, WeightsState.STALE) if untouched else WeightsState.STALE
 
-        if committed:
-            await each_engine(d.engines.values(), one, phase="weights", metrics=d.metrics)
-        else:
-            # Best effort: an engine that cannot even end its session is already marked stale.
-            await fan_out(d.engines.values(), one, on_failure=OnFailure.COLLECT)
+        # Best effort: an engine that cannot even end its session is already marked as the session left it.
+        await d.sync.weights({n: WeightsGoal.discard(left(n)) for n in d.engines}, trace, strict=False)
 
     # -- separated GPUs: weight-update groups and broadcasts (daemon/distributed.py) -----------------
     async def open_group(self, *, group_name: str, master_address: str, master_port: int, backend: str,

@@ -32,7 +32,7 @@ from .events import emit
 from .fanout import OnFailure, each_engine, fan_out
 from .memory import NvmlProbe
 from .metrics import Metrics
-from .reconcile import Action, Desired, Plan, plan
+from .reconcile import Action, Desired, Plan, WeightsGoal, plan
 from .states import Attachment, NodeState, WeightsState, check_attached
 from .trace import Trace, TraceStore
 
@@ -207,6 +207,12 @@ class EngineSync:
                 except EngineRejected:
                     if not p.end_session_tolerant:
                         raise  # the engine said a session was open, yet refuses to end it
+            elif action is Action.BEGIN_SESSION and p.weights is not None:
+                await ops.timed_call(engine, trace, node.metrics, "begin_weight_update", t.budget(Budget.WEIGHT_UPDATE),
+                                     engine.adapter.begin_weight_update(p.weights.session))
+                engine.state = engine.state.with_(weights=WeightsState.UPDATING)
+            elif action is Action.END_SESSION and p.weights is not None:
+                await self._end_session(engine, p.weights, trace)
             elif action is Action.PAUSE:
                 await ops.pause(engine, p.pause_mode, trace, node.metrics, t)
             elif action is Action.RELEASE:
@@ -220,6 +226,35 @@ class EngineSync:
             if counted:
                 node.metrics.reconcile_actions.labels(engine.name, action.value).inc()
         return freed
+
+    async def _end_session(self, engine: EngineHandle, goal: WeightsGoal, trace: Trace) -> None:
+        """End the engine's update session: committed, it serves ``goal.version`` (the adapter's end sets it);
+        else its record holds what the session left (``goal.after``) from before the call, which may fail."""
+        if goal.after is not None:
+            engine.state = engine.state.with_(weights=goal.after)
+        await ops.timed_call(engine, trace, self._node.metrics, "end_weight_update",
+                             self._node.timeouts().budget(Budget.WEIGHT_UPDATE),
+                             engine.adapter.end_weight_update(goal.version))
+        if goal.version is not None:
+            engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=goal.version)
+
+    # -- a weight session's goal ------------------------------------------------------------------------
+    async def weights(self, goals: Mapping[str, WeightsGoal], trace: Trace, *, strict: bool) -> None:
+        """Drive each named engine to its weight session goal, concurrently, on its record (the caller observed
+        every engine when it took the node's lock). ``strict``: the first failure is raised (the caller cleans
+        up); else every engine is tried and failures are only logged (a best-effort close)."""
+        node = self._node
+
+        async def one(engine: EngineHandle) -> None:
+            p = plan(Desired.for_weights(engine.state, goals[engine.name]), engine.state, None,
+                     phase=node.node.phase, owns_session=node.sessions.owns_open())
+            await self._run(engine, p, trace)
+
+        engines = [e for n, e in node.engines.items() if n in goals]
+        if strict:
+            await each_engine(engines, one, phase="weights", metrics=node.metrics)
+        else:
+            await fan_out(engines, one, on_failure=OnFailure.COLLECT)
 
     def _report(self, engine: EngineHandle, trigger: str, p: Plan, error: str | None) -> None:
         report = {"trigger": trigger, "at": time.time(), "ok": error is None, "error": error, **p.snapshot()}

@@ -211,7 +211,6 @@ class Observation:
 
     incarnation: str | None = None
     weight_version: str | None = None
-    session_id: str | None = None  # the daemon's session: engines that can tell refuse a chunk of another
     resident: dict[MemoryTag, bool] | None = None  # per tag, where the engine reports residency
     paused: bool | None = None  # generation paused at the engine's gate
     update_session_open: bool | None = None  # an engine-side weight-update session is open
