@@ -44,9 +44,10 @@ class Action(StrEnum):
     """One engine call (or daemon-side step) of a plan, in the order the daemon runs them."""
 
     FAIL_SESSION = "fail_session"  # the daemon's open weight session cannot finish: the engine lost it
-    END_ENGINE_SESSION = "end_engine_session"  # an engine-side update session nobody owns
-    BEGIN_SESSION = "begin_session"  # open the engine's update session for the daemon's weight session
-    END_SESSION = "end_session"  # end the daemon's weight session on the engine: committed, or not
+    BEGIN_ENGINE_SESSION = "begin_engine_session"  # open the engine's update session for a weight session
+    # End the engine's update session: a weight session's commit or close (the plan's ``weights`` says which),
+    # or one nobody owns (its contents unknown: stale).
+    END_ENGINE_SESSION = "end_engine_session"
     PAUSE = "pause"  # stop generation: the desired state pauses, the weights are stale or memory is released
     RELEASE = "release"  # flush the prefix cache (idle first), then give back what the desired state released
     RESUME = "resume"  # take back the memory the desired state has resident
@@ -153,7 +154,7 @@ class Plan:
     end_session_tolerant: bool = False  # END_ENGINE_SESSION on a guess: the engine may have none open
     resume: tuple[MemoryTag, ...] = ()  # tags for Action.RESUME
     pause_mode: PauseMode = PauseMode.ABORT  # for Action.PAUSE
-    weights: WeightsGoal | None = None  # for Action.BEGIN_SESSION and Action.END_SESSION
+    weights: WeightsGoal | None = None  # for Action.BEGIN_ENGINE_SESSION and Action.END_ENGINE_SESSION
 
     @property
     def changes_anything(self) -> bool:
@@ -177,6 +178,7 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
     findings: list[str] = []
     actions: list[Action] = []
     end_tolerant = False
+    goal = desired.weights
     base = recorded
     if observed is not None:
         reason = None if first_sight else _restart_reason(recorded, observed, owns_session, lost_sight)
@@ -192,18 +194,19 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
                 actions.append(Action.END_ENGINE_SESSION)
                 findings.append("weight-update session open on the engine that this daemon does not own")
                 end_tolerant = not observed.update_session_open
+                goal = WeightsGoal.discard(WeightsState.STALE)
                 base = base.with_(weights=WeightsState.STALE)
             elif (lost_sight and observed.update_session_open is None and phase is NodePhase.SYNC
                   and base.weights is not WeightsState.CLEAN):
                 # The engine cannot say, and a daemon that lost sight mid-sync may have left one open.
                 actions.append(Action.END_ENGINE_SESSION)
                 end_tolerant = True
+                goal = WeightsGoal.discard(base.weights)
 
-    goal = desired.weights
-    if goal is not None and goal.session is not None and base.weights is not WeightsState.UPDATING:
-        actions.append(Action.BEGIN_SESSION)
-    elif goal is not None and goal.session is None and base.weights is WeightsState.UPDATING:
-        actions.append(Action.END_SESSION)
+    if not actions and goal is not None and goal.session is not None and base.weights is not WeightsState.UPDATING:
+        actions.append(Action.BEGIN_ENGINE_SESSION)
+    elif not actions and goal is not None and goal.session is None and base.weights is WeightsState.UPDATING:
+        actions.append(Action.END_ENGINE_SESSION)
     release, resume = desired.to_release(base), desired.to_resume(base)
     after = base.with_tags(release, TagState.RELEASED).with_tags(resume, TagState.RESIDENT)
     may_serve = base.weights is WeightsState.CLEAN and all(after.resident(t) for t in after.owned_tags)

@@ -202,17 +202,14 @@ class EngineSync:
                                                                  f"{why}"))
             elif action is Action.END_ENGINE_SESSION:
                 try:
-                    await ops.timed_call(engine, trace, node.metrics, "end_weight_update",
-                                         t.budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update())
+                    await self._end_session(engine, p.weights or WeightsGoal(), trace)
                 except EngineRejected:
                     if not p.end_session_tolerant:
                         raise  # the engine said a session was open, yet refuses to end it
-            elif action is Action.BEGIN_SESSION and p.weights is not None:
+            elif action is Action.BEGIN_ENGINE_SESSION and p.weights is not None:
                 await ops.timed_call(engine, trace, node.metrics, "begin_weight_update", t.budget(Budget.WEIGHT_UPDATE),
                                      engine.adapter.begin_weight_update(p.weights.session))
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
-            elif action is Action.END_SESSION and p.weights is not None:
-                await self._end_session(engine, p.weights, trace)
             elif action is Action.PAUSE:
                 await ops.pause(engine, p.pause_mode, trace, node.metrics, t)
             elif action is Action.RELEASE:
