@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..engines.base import Capability, EngineAdapter, EngineInfo, MemoryReport, MemoryTag, PauseMode
+from ..engines.base import (
+    Capability,
+    ChunkLoad,
+    EngineAdapter,
+    EngineDigests,
+    EngineInfo,
+    MemoryReport,
+    MemoryTag,
+    ParameterSpec,
+    PauseMode,
+)
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
 from ..policies import Budget, Timeouts
 from .errors import EngineError, StepTimeout
@@ -25,9 +35,12 @@ from .trace import Trace
 __all__ = [
     "EngineHandle",
     "continue_generation",
+    "digests",
     "expected_release_bytes",
     "expected_resume_bytes",
     "flush",
+    "load_chunk",
+    "parameters",
     "pause",
     "release",
     "resume",
@@ -242,6 +255,27 @@ async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metri
     await timed_call(engine, trace, metrics, "continue_generation", t.budget(Budget.PAUSE),
                  engine.adapter.continue_generation())
     engine.state = engine.state.with_(generation=Generation.SERVING)
+
+
+# -- a weight session's calls beside its plan (daemon/sync.py begins and ends it): chunks, and its questions --
+async def load_chunk(engine: EngineHandle, load: ChunkLoad) -> None:
+    """One chunk into the engine; the session's lane times and traces it, under the chunk budget."""
+    await engine.adapter.load_weights(load)
+
+
+async def parameters(engine: EngineHandle, trace: Trace, metrics: Metrics,
+                     budget_s: float) -> tuple[ParameterSpec, ...] | None:
+    """The engine's full parameter set where it can list it (``Capability.PARAMETER_MANIFEST``); else None."""
+    if not engine.can(Capability.PARAMETER_MANIFEST):
+        return None
+    return await timed_call(engine, trace, metrics, "parameter_manifest", budget_s, engine.adapter.parameter_manifest())
+
+
+async def digests(engine: EngineHandle, names: Sequence[str], trace: Trace, metrics: Metrics,
+                  budget_s: float) -> EngineDigests:
+    """What the engine holds of ``names``, as digests, for a verified commit (daemon/verify.py)."""
+    return await timed_call(engine, trace, metrics, "weight_digests", budget_s, engine.adapter.weight_digests(names),
+                            tensors=len(names))
 
 
 async def _memory_report(engine: EngineHandle) -> MemoryReport | None:

@@ -182,7 +182,7 @@ def caller_payload(field: str | None = None) -> Iterator[None]:
     (``refused_payload``).
 
         with caller_payload("handle"):
-            await engine.adapter.load_weights(load)
+            await ops.load_chunk(engine, load)
     """
     try:
         yield

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..engines.base import Capability, ChunkPart, EngineDigests
+from ..engines.base import ChunkPart, EngineDigests
 from ..engines.segments import unlink_session_segments
 from ..policies import Budget, PolicySet, Timeouts
 from ..recent import remember
@@ -252,13 +252,10 @@ class WeightSessions:
         d = self._d
 
         async def listed(engine: EngineHandle) -> Manifest | None:
-            if not engine.can(Capability.PARAMETER_MANIFEST):
-                return None
             incarnation, cached = engine.state.incarnation, self._engine_manifests.get(engine.name)
             if incarnation is not None and cached is not None and cached[:2] == (incarnation, engine.info):
                 return cached[2]
-            specs = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s,
-                                         engine.adapter.parameter_manifest())
+            specs = await ops.parameters(engine, trace, d.metrics, budget_s)
             params = manifest_of(specs) if specs is not None else None
             if incarnation is not None:
                 self._engine_manifests[engine.name] = (incarnation, engine.info, params)
@@ -399,9 +396,7 @@ class WeightSessions:
         budget = d.timeouts().budget(Budget.WEIGHT_UPDATE)
 
         async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
-            report: EngineDigests = await ops.timed_call(engine, session.trace, d.metrics, "weight_digests", budget,
-                                                         engine.adapter.weight_digests(names), tensors=len(names))
-            return report
+            return await ops.digests(engine, names, session.trace, d.metrics, budget)
 
         t0 = time.perf_counter()
         try:

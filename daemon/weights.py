@@ -40,6 +40,7 @@ from ..engines.base import ChunkLoad, ChunkPart, ParameterSpec
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.handles import ShmRoute
 from ..policies import Transport, VerifyMode
+from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import (
     ChunkTimeout,
@@ -756,7 +757,7 @@ class WeightSession:
         try:
             with self.trace.span("load_chunk", lane.name, seq=chunk.seq, nbytes=load.nbytes) as span:
                 try:
-                    await lane.engine.adapter.load_weights(load)
+                    await ops.load_chunk(lane.engine, load)
                 except asyncio.CancelledError:
                     if self._ended_by is not None:  # the session ended first: say how, not "CancelledError"
                         span.attrs["error"] = f"cancelled, the session {self._ended_by}"[:500]
