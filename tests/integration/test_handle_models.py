@@ -82,6 +82,19 @@ async def test_a_malformed_handle_posted_is_422_naming_its_field_and_nothing_cha
         assert await _engine_view(pooled_engine) == engine_before
 
 
+@pytest.mark.parametrize("retired", ["ipc_ring", "zero_copy"])
+async def test_a_chunk_of_a_transport_no_engine_loads_is_422_naming_the_transport(
+        pooled_engine: ReferenceEngineProcess, retired: str) -> None:
+    async with _open_session(pooled_engine) as (http, opened):
+        sid = opened["session_id"]
+        session_before = await _session_view(http, sid)
+        r = await http.post(f"/v1/weights/sessions/{sid}/chunks",
+                            json=_chunk(retired, {"ring": "r", "slot": 0, "layout": LAYOUT}))
+        assert r.status_code == 422, r.text
+        assert r.json()["field"] == "transport", r.json()
+        assert await _session_view(http, sid) == session_before
+
+
 @pytest.mark.parametrize("transport, handle, field", MALFORMED, ids=IDS)
 async def test_a_malformed_handle_on_the_chunk_channel_is_the_same_422_and_nothing_changes(
         pooled_engine: ReferenceEngineProcess, transport: str, handle: dict[str, Any], field: str) -> None:
