@@ -116,10 +116,13 @@ class Daemon:
         # Reads are served from snapshots: changed() marks what status() and /metrics show as stale.
         self._changes = 0
         self._status_cache: tuple[_StatusInputs, bytes] | None = None
-        self.sync = EngineSync(self)  # the one path that drives engines (daemon/sync.py)
+        # The one path that drives engines (daemon/sync.py).
+        self.sync = EngineSync(self.engines, self.metrics, self.traces, state=lambda: self.node,
+                               timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled)
         self.engine_lifecycle = EngineLifecycle(self, self.sync)
         self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics),
                                                        journal=config.journal)
+        self.sync.sessions = self.sessions
         self.transitions = Transitions(self)
         self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
@@ -310,8 +313,11 @@ class Daemon:
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def note_incarnation(self, name: str, incarnation: str | None) -> None:
-        self.launches.note_incarnation(name, incarnation)
+    def _reconciled(self, engine: EngineHandle, changed: bool) -> None:
+        """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled."""
+        self.launches.note_incarnation(engine.name, engine.state.incarnation)
+        if changed:
+            self.journal_append(f"reconcile:{engine.name}")
 
     def journal_append(self, what: str) -> None:
         """Queue the node's and engines' state on the journal (written in order, off the loop): for a record no
