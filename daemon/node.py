@@ -124,7 +124,9 @@ class Daemon:
                                                        journal=config.journal)
         self.sync.sessions = self.sessions
         self.transitions = Transitions(self)
-        self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
+        # Every event series at 0 from the start; phase, busy, session.
+        self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
+                                        busy=lambda: self.busy)
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
         # Each launched process is journaled; a restarted daemon adopts the ones still running.
         self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
