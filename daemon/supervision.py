@@ -15,9 +15,8 @@ doubles per consecutive failure (a launch that died or missed its deadline, or a
 than ``backoff_reset_s``) up to ``backoff_max_s``. Nothing here touches the engine's recorded
 state: once the new process is ready, ``on_relaunch`` has the daemon reconcile it at once, and
 the reconciliation sees a new incarnation exactly as for an engine someone else restarted
-(released, paused, marked stale until a complete push commits; daemon/reconcile.py). A relaunch
-starts with generation gated where the engine can (``LaunchOptions.paused``), so it serves nothing
-before that. While the engine is launching or backing off ``/readyz`` names it and says so.
+(released, paused, marked stale until a complete push commits; daemon/reconcile.py), as soon as its
+own start-up has run (``started``). While the engine is launching or backing off ``/readyz`` names it and says so.
 
 Every process is recorded in the journal as soon as it exists (daemon/journal.py,
 engines/adoption.py). A daemon that starts on a journal naming an engine process adopts it when it
@@ -220,14 +219,11 @@ class EngineSupervision:
                     config=_for_launch(cfg), restart=launch.restart, grace_s=launch.stop_grace_s,
                     backoff=Backoff(launch.backoff_initial_s, launch.backoff_max_s, launch.backoff_reset_s))
         records = self._journal.launches() if self._journal is not None else {}
-        # A daemon restarted on its journal: what it launches must not serve before it is reconciled.
-        paused = self._journal is not None and (self._journal.last() is not None or bool(records))
         given = {c.name: c for c in self._engines}
         try:
             async with asyncio.TaskGroup() as group:  # the first failure cancels the other launches
                 for engine in self.launched.values():
-                    group.create_task(self._adopt_or_launch(engine, records.get(engine.name), given[engine.name],
-                                                            paused=paused))
+                    group.create_task(self._adopt_or_launch(engine, records.get(engine.name), given[engine.name]))
         except BaseExceptionGroup as failed:
             await self._stop_all()
             raise failed.exceptions[0] from None
@@ -267,10 +263,9 @@ class EngineSupervision:
     # --- internals -------------------------------------------------------------------------------
 
     async def _adopt_or_launch(self, engine: LaunchedEngine, record: LaunchRecord | None,
-                               given: AnyEngineConfig, *,
-                               paused: bool) -> None:
+                               given: AnyEngineConfig) -> None:
         if record is None or not await self._adopt(engine, record, given):
-            await self._launch(engine, paused=paused)
+            await self._launch(engine)
 
     async def _adopt(self, engine: LaunchedEngine, record: LaunchRecord, given: AnyEngineConfig) -> bool:
         """Adopt the recorded process if it is still there and answers where it should; else stop what is
@@ -322,11 +317,11 @@ class EngineSupervision:
     def _changed(self) -> None:
         self._on_change()  # status compares each engine's snapshot(); this marks the snapshot stale
 
-    async def _launch(self, engine: LaunchedEngine, *, paused: bool) -> None:
+    async def _launch(self, engine: LaunchedEngine) -> None:
         """One launch: ready, or the failure recorded and raised."""
         engine.state, engine.next_launch_at, engine.adopted = LaunchState.STARTING, None, False
         self._changed()
-        options = LaunchOptions(paused=paused, on_spawn=lambda process: self._spawned(engine, process))
+        options = LaunchOptions(on_spawn=lambda process: self._spawned(engine, process))
         try:
             try:
                 launched = await self._launcher(engine.config, options)
@@ -396,7 +391,7 @@ class EngineSupervision:
             self._changed()
             await asyncio.sleep(delay)  # the backoff itself, not a wait for something to happen
             try:
-                await self._launch(engine, paused=True)  # stale launch weights: nothing served until reconciled
+                await self._launch(engine)
             except EngineLaunchError as exc:
                 emit("engine_launch_failed", logging.WARNING, engine=engine.name, error=exc.summary)
                 uptime = None

@@ -207,7 +207,7 @@ class EngineSync:
                     if not p.end_session_tolerant:
                         raise  # the engine said a session was open, yet refuses to end it
             elif action is Action.BEGIN_ENGINE_SESSION and p.weights is not None:
-                begin = engine.adapter.begin_weight_update(p.weights.session)
+                begin = engine.adapter.begin_weight_update()
                 await ops.timed_call(engine, trace, self._metrics, "begin_weight_update",
                                      t.budget(Budget.WEIGHT_UPDATE), begin)
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)

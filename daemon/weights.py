@@ -756,8 +756,7 @@ class WeightSession:
     async def _load(self, lane: _Lane, chunk: _Chunk) -> None:
         sources = [r for r in lane.sources if r is not None]  # all of them: _pump loads resolved lanes only
         payloads = tuple(chunk.parts[r] for r in sources)
-        load = ChunkLoad(seq=chunk.seq, payloads=payloads, nbytes=sum(p.nbytes for p in payloads),
-                         session_id=self.id)
+        load = ChunkLoad(seq=chunk.seq, payloads=payloads, nbytes=sum(p.nbytes for p in payloads))
         done = chunk.consumed[lane.name]
         t0 = time.perf_counter()
         try:

@@ -70,9 +70,7 @@ class Capability(StrEnum):
     PARAMETER_MANIFEST = "parameter_manifest"  # ``parameter_manifest``: its full parameter set
     MEMORY_REPORT = "memory_report"  # ``memory_report``: its own per-tag byte counts
     TENSOR_DIGESTS = "tensor_digests"  # ``weight_digests`` compares with the trainer's (engines/digest.py)
-    SESSION_FENCE = "session_fence"  # it refuses a chunk of a session other than the open one
     COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk)
-    NO_WARMUP = "no_warmup"  # it serves as soon as it answers: no warm-up generation to wait for (``started``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +183,6 @@ class ChunkLoad:
     nbytes: int
     flush_cache: bool = False
     weight_version: str | None = None
-    session_id: str | None = None  # the daemon's session: engines that can tell refuse a chunk of another
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,9 +238,9 @@ class EngineAdapter(Protocol):
     async def flush_cache(self) -> bool: ...
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
-    async def begin_weight_update(self, session_id: str | None = None) -> None:
-        """Open the engine's update session (where its protocol has one); with ``Capability.SESSION_FENCE`` it
-        refuses any chunk not of ``session_id``."""
+    async def begin_weight_update(self) -> None:
+        """Open the engine's update session (where its protocol has one). No engine tells one session's chunk
+        from another's: the daemon quiesces a session's loads before it ends it."""
         ...
     async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self, version: str | None = None) -> None:

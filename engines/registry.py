@@ -32,8 +32,8 @@ async def launch_engine(config: AnyEngineConfig, options: LaunchOptions | None =
     """Start ``config``'s server on ``config.url``'s port and return once it is ready.
 
     ``options``: the spawn hook reaches every launcher (the daemon journals each process as soon as it exists,
-    so a daemon killed while an engine loads finds it on restart); start paused only the reference engine's
-    (the daemon pauses SGLang and vLLM when it reconciles them).
+    so a daemon killed while an engine loads finds it on restart); the daemon pauses an engine it launched
+    when it reconciles it.
 
     Raises ``EngineLaunchError`` naming the engine (it exited, or missed ``launch.ready_timeout_s``).
     """

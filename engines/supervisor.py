@@ -103,12 +103,9 @@ class Launched(NamedTuple):
 class LaunchOptions(NamedTuple):
     """How the daemon wants an engine started.
 
-    ``paused``: generation gated from the start, where the engine can do that (the reference engine's
-    ``--start-paused``): a relaunched engine serves nothing before the daemon reconciled it.
     ``on_spawn``: told the process as soon as it exists, before it is ready (the daemon journals it).
     """
 
-    paused: bool = False
     on_spawn: Callable[[ManagedProcess], None] | None = None
 
 

@@ -78,11 +78,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
         default=0.0,
         help="benchmark mode: also hold a KV-cache block of this many GiB, released and resumed with kv_cache",
     )
-    parser.add_argument(
-        "--start-paused",
-        action="store_true",
-        help="gate generation from the start, as after pause_generation (abort); continue_generation opens it",
-    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
@@ -102,7 +97,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
             tp_size=args.tp_size,
             device_ids=tuple(i.strip() for i in args.device_ids.split(",")) if args.device_ids else (),
             test_corrupt_after_load=os.environ.get("COLOCD_REFERENCE_TEST_CORRUPT") or None,
-            start_paused=args.start_paused,
         )
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))

@@ -104,14 +104,13 @@ class ReferenceEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._failed = asyncio.Event()
         # Generation gate: while a pause is in force new requests wait here (SGLang's is_pause_cond).
-        self._pause_mode: PauseMode | None = PauseMode.ABORT if settings.start_paused else None
+        self._pause_mode: PauseMode | None = None
         self._pause_cond = asyncio.Condition()
         self._blocked = 0
         self._update_lock = ReaderWriterLock()
         # Memory, weight and flush operations run one at a time, as SGLang's scheduler runs them.
         self._control_lock = asyncio.Lock()
         self._session_selector: str | None = None
-        self._session_id: str | None = None  # colocd extension: the daemon's session, checked per chunk
         self._snapshot: list[dict[str, torch.Tensor]] | None = None  # one per TP rank
         self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
         self._sink: WeightSink | None = None  # benchmark mode (rank 0's): loads land here instead of the model
@@ -586,15 +585,14 @@ class ReferenceEngine:
             async with self._update_lock.writer():
                 yield
 
-    async def begin_weight_update(self, selector: str, session: str | None = None) -> tuple[bool, str]:
-        """Open the session; ``session`` (colocd's extension): the only session whose chunks it then loads."""
+    async def begin_weight_update(self, selector: str) -> tuple[bool, str]:
+        """Open the session."""
         self._running()
         # The control lock: a load still running (of a session whose caller gave up) finishes first.
         async with self._model_update(), self._control_lock:
             if self._session_selector is not None:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             self._session_selector = selector
-            self._session_id = session
             self._sink_loads = []
             self._sink_calls = []
             return True, "Success"
@@ -607,7 +605,6 @@ class ReferenceEngine:
             if self._session_selector is None:
                 return False, "no weight-update session is open; call begin_weight_update() first"
             self._session_selector = None
-            self._session_id = None
             return True, "Success"
 
     def parameter_manifest(self) -> list[dict[str, Any]] | None:
@@ -639,15 +636,6 @@ class ReferenceEngine:
                 return False, (
                     "memory tag 'weights' is released; resume it (/resume_memory_occupation "
                     '{"tags": ["weights"]}) before loading weights'
-                )
-            # Checked under the lock, just before applying: a chunk that waited here while its session
-            # ended (or another began) must not land in the next one.
-            if body.colocd_session is not None and self.settings.protocol != "legacy" and (
-                self._session_selector is None or body.colocd_session != self._session_id
-            ):
-                return False, (
-                    f"chunk of weight-update session {body.colocd_session!r}, but the open session is "
-                    f"{self._session_id!r}; nothing applied"
                 )
             locked = time.perf_counter()
             async with scheduler.hold():

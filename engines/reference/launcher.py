@@ -119,8 +119,6 @@ class ReferenceEngineProcess:
         ]  # fmt: skip
         if self.config.device_ids:
             cmd += ["--device-ids", ",".join(self.config.device_ids)]
-        if self.options.paused:
-            cmd.append("--start-paused")
         if self.config.launch:
             cmd += self.config.launch.args
         return cmd
@@ -252,9 +250,8 @@ async def launch_reference(config: ReferenceEngineConfig, options: LaunchOptions
     """Start ``config``'s engine for the daemon: ready once it can be driven (its model is built, so it
     accepts a pause), which ``/model_info`` answering does not show: it answers while the model loads.
 
-    Not ``/health``: that runs a generation on weights the daemon is about to replace (a relaunched
-    engine is reconciled, paused and marked stale, right after); ``options.paused`` starts it with
-    generation gated, so it serves nothing meanwhile. The process belongs to the caller.
+    Not ``/health``: that runs a generation; the daemon asks it (``started``) of an engine it saw restart,
+    before it reconciles it, as of SGLang. The process belongs to the caller.
     """
     engine = ReferenceEngineProcess(config, ready_path="/model_info", drivable=True, options=options)
     await engine.astart()

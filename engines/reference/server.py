@@ -372,7 +372,7 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
 
         @router.post("/begin_weight_update")
         async def begin(body: BeginWeightUpdateBody) -> JSONResponse:  # :1458
-            return _success(*await engine.begin_weight_update(body.selector, body.colocd_session))
+            return _success(*await engine.begin_weight_update(body.selector))
 
         @router.post("/end_weight_update")
         async def end(body: EndWeightUpdateBody) -> JSONResponse:

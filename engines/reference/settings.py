@@ -45,9 +45,6 @@ class ReferenceServerSettings:
     # Test only (env COLOCD_REFERENCE_TEST_CORRUPT): after every load that wrote this tensor, TP rank 0 flips a
     # bit of it, so the engine holds other weights than it was sent (what a verified commit must catch).
     test_corrupt_after_load: str | None = None
-    # Generation gated (as after an abort-mode pause) from the start: a daemon relaunching an engine keeps
-    # it from serving its launch weights before it is reconciled; continue_generation opens the gate.
-    start_paused: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOL_VERSIONS:

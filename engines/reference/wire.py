@@ -62,10 +62,9 @@ class MemoryTagsBody(_Body):
 
 
 class BeginWeightUpdateBody(_Body):
-    """io_struct.py:2197 BeginWeightUpdateReqInput; ``colocd_session`` is colocd's extension."""
+    """io_struct.py:2197 BeginWeightUpdateReqInput."""
 
     selector: Selector = "all"
-    colocd_session: str | None = None  # the daemon's session id: chunks of any other one are refused
 
 
 class EndWeightUpdateBody(_Body):
@@ -82,7 +81,6 @@ class UpdateWeightsFromTensorBody(_Body):
     weight_version: str | None = None
     selector: Selector = "all"
     torch_empty_cache: bool = False
-    colocd_session: str | None = None  # colocd extension: refused unless it is the open session's id
 
 
 class UpdateWeightVersionBody(_Body):

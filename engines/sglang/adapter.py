@@ -186,11 +186,7 @@ class SGLangAdapter:
 
     async def started(self) -> bool:
         """SGLang's ``/health`` is 503 until its warm-up generation has run (``server_status`` Starting), 200
-        once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused. An engine
-        with ``Capability.NO_WARMUP`` (the reference engine: its launcher waits for its model, and may start it
-        paused, where its /health answers 503) is driven as soon as it answers."""
-        if Capability.NO_WARMUP in self._extensions:
-            return True
+        once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused."""
         try:
             response = await self._client.get(self._base + "/health", headers=self._headers, timeout=30.0)
         except httpx.HTTPError:
@@ -265,20 +261,11 @@ class SGLangAdapter:
         await self._call("POST", request.ROUTE, "resume_memory_occupation", wire.body(request, self.protocol))
         return ReleaseReport(tags)
 
-    def _with_session(self, body: dict[str, Any], session_id: str | None) -> dict[str, Any]:
-        """The reference engine carries the daemon's session id on begin and on every chunk, and refuses a
-        chunk of any other session (a late chunk of a closed one). SGLang has no such field: not sent."""
-        fenced = Capability.SESSION_FENCE in self._extensions and self.protocol.weight_update_session
-        if session_id is not None and fenced:
-            return {**body, "colocd_session": session_id}
-        return body
-
-    async def begin_weight_update(self, session_id: str | None = None) -> None:
+    async def begin_weight_update(self) -> None:
         if not self.protocol.weight_update_session:
             return
         request = wire.BeginWeightUpdateReqInput(selector="all")
-        body = self._with_session(wire.body(request, self.protocol), session_id)
-        response = await self._call("POST", request.ROUTE, "begin_weight_update", body)
+        response = await self._call("POST", request.ROUTE, "begin_weight_update", wire.body(request, self.protocol))
         self._check_success(response, "begin_weight_update")
 
     async def load_weights(self, load: ChunkLoad) -> None:
@@ -289,8 +276,8 @@ class SGLangAdapter:
             abort_all_requests=False,
             weight_version=load.weight_version,
         )
-        body = self._with_session(wire.body(request, self.protocol), load.session_id)
-        response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}", body)
+        response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}",
+                                    wire.body(request, self.protocol))
         self._check_success(response, f"update_weights_from_tensor#{load.seq}")
 
     async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:

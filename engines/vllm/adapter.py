@@ -310,11 +310,10 @@ class VLLMAdapter:
     def _session_kind(self) -> Literal["native", "rpc"]:
         return "native" if self._backend else "rpc"
 
-    async def begin_weight_update(self, session_id: str | None = None) -> None:
+    async def begin_weight_update(self) -> None:
         """Open an update: native /start_weight_update (initialising transfer once), or the extension's.
 
-        ``session_id`` is not carried: vLLM's update routes have no field for it (the daemon's quiesce
-        before closing a session is the guarantee). No ``parameter_manifest`` either: ``/weight_info`` holds
+        No ``parameter_manifest`` either: ``/weight_info`` holds
         only the version, and the worker's own parameters (what the extension could list) are vLLM's fused
         layout (``qkv_proj``, ``gate_up_proj``), not the HF names a trainer sends; so the daemon compares a
         push after a discard with the last complete one."""

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
-import httpx
 from support import InMemoryEngine
 
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.engines.base import Observation
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.errors import EngineRejected
-from colocd.engines.reference.launcher import ReferenceEngineProcess
-from colocd.engines.supervisor import LaunchOptions
 from colocd.policies import Transport
 
 HEALTH_S = 30.0  # a tick far beyond every wait here: what happens sooner is not the health loop's tick
@@ -62,18 +57,3 @@ async def test_an_engine_whose_reconcile_failed_is_not_ready_and_is_retried_befo
             while not daemon.ready()[0]:  # noqa: ASYNC110 - polls the daemon's own retry, bounded
                 await asyncio.sleep(0.02)
         assert time.monotonic() - started < HEALTH_S / 3 and not engine.open
-
-
-async def test_a_reference_engine_started_paused_serves_nothing_until_generation_continues() -> None:
-    config = ReferenceEngineConfig(name="ref0", device="cpu", url="http://127.0.0.1:0")
-    async with ReferenceEngineProcess(config, ready_path="/model_info", drivable=True,
-                                      options=LaunchOptions(paused=True)) as engine, \
-            httpx.AsyncClient(base_url=str(engine.url), trust_env=False, timeout=30) as http:
-        info: dict[str, Any] = (await http.get("/server_info")).json()["internal_states"][0]
-        assert (info["engine_state"], info["paused"]) == ("running", "abort")  # drivable, and gated
-        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-        asked = asyncio.ensure_future(http.post("/generate", json=body))
-        done, _ = await asyncio.wait({asked}, timeout=1.0)
-        assert not done, "generated on launch weights while paused"
-        (await http.post("/continue_generation", json={})).raise_for_status()
-        assert (await asyncio.wait_for(asked, 30)).status_code == 200
