@@ -3,7 +3,7 @@
 Every figure comes from a timestamp: the trainer's own timers around its three calls (open, stream, commit), its
 pusher's per-chunk timers (the join, the digests on its export thread), and the spans of the session's trace that
 the commit reply carries (daemon/sessions.py: ``node_lock`` (twice: open and commit; the node's lock and the
-reconcile that observes every engine), ``open_checks``, ``parameter_manifest``, ``manifest_check``,
+reconcile that observes every engine), ``open_checks``, ``manifest_check``,
 ``begin_weight_update``, ``load_chunk``, ``drain``, ``check_complete``, ``verify`` with its ``weight_digests`` calls,
 ``end_weight_update`` (the version with it), ``commit_bookkeeping``, ``journal``). An engine call made on several
 engines at once counts as the extent of its spans (first start → last end), a per-chunk one as the sum. The two
@@ -32,7 +32,6 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("open.daemon", "  daemon: trace start -> last open span"),
     ("open.lock", "    node lock (+ reconcile where made)"),
     ("open.checks", "    state, step, ranks, manifest parse"),
-    ("open.manifest", "    engines' parameter manifests"),
     ("open.manifest_check", "    declared manifest against them"),
     ("open.begin", "    engines' begin_weight_update"),
     ("open.begin_app", "      of it inside the engine's app"),
@@ -60,7 +59,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("commit.rt_floor", "  its round trips at their floors (see below)"),
     ("wall", "trainer: open -> commit reply"),
 )
-_OPEN_SPANS = ("node_lock", "open_checks", "parameter_manifest", "manifest_check", "begin_weight_update")
+_OPEN_SPANS = ("node_lock", "open_checks", "manifest_check", "begin_weight_update")
 _COMMIT_SPANS = ("node_lock", "drain", "check_complete", "verify", "weight_digests", "end_weight_update",
                  "commit_bookkeeping", "journal")
 
@@ -76,7 +75,7 @@ def _extent(spans: Iterable[tuple[float, float]]) -> float:
 
 
 # The engine calls of open and commit, each one round trip after the observation (one more) under the node lock.
-_OPEN_CALLS = ("parameter_manifest", "begin_weight_update")
+_OPEN_CALLS = ("begin_weight_update",)
 _COMMIT_CALLS = ("weight_digests", "end_weight_update")
 
 
@@ -121,7 +120,6 @@ def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float,
         "open.daemon": open_daemon,
         "open.lock": _extent(open_lock),
         "open.checks": _extent(by["open_checks"]),
-        "open.manifest": sum(e - s for s, e in by["parameter_manifest"]),  # asked engine by engine
         "open.manifest_check": _extent(by["manifest_check"]),
         "open.begin": _extent(by["begin_weight_update"]),
         "open.begin_app": app["/begin_weight_update"],

@@ -21,7 +21,6 @@ from ..engines.base import (
     EngineInfo,
     MemoryReport,
     MemoryTag,
-    ParameterSpec,
     PauseMode,
 )
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
@@ -40,7 +39,6 @@ __all__ = [
     "expected_resume_bytes",
     "flush",
     "load_chunk",
-    "parameters",
     "pause",
     "release",
     "resume",
@@ -261,14 +259,6 @@ async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metri
 async def load_chunk(engine: EngineHandle, load: ChunkLoad) -> None:
     """One chunk into the engine; the session's lane times and traces it, under the chunk budget."""
     await engine.adapter.load_weights(load)
-
-
-async def parameters(engine: EngineHandle, trace: Trace, metrics: Metrics,
-                     budget_s: float) -> tuple[ParameterSpec, ...] | None:
-    """The engine's full parameter set where it can list it (``Capability.PARAMETER_MANIFEST``); else None."""
-    if not engine.can(Capability.PARAMETER_MANIFEST):
-        return None
-    return await timed_call(engine, trace, metrics, "parameter_manifest", budget_s, engine.adapter.parameter_manifest())
 
 
 async def digests(engine: EngineHandle, names: Sequence[str], trace: Trace, metrics: Metrics,

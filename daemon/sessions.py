@@ -47,7 +47,6 @@ from .weights import (
     WeightSession,
     device_key,
     manifest_from_json,
-    manifest_of,
     manifest_to_json,
     name_some,
 )
@@ -89,13 +88,10 @@ class WeightSessions:
         self.current: WeightSession | None = None
         self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
         self._closing: dict[str, asyncio.Event] = {}  # sessions being closed now, set once closed
-        # The tensors of the last complete push: what a complete update must cover where the engine
-        # cannot list its parameters (kept beside the journal, so it survives a daemon restart).
+        # The tensors of the last complete push: what a complete update must cover, since no engine lists its
+        # parameters (kept beside the journal, so it survives a daemon restart).
         self._manifest_file = Path(journal + ".manifest.json") if journal else None
         self.complete_manifest: Manifest | None = None
-        # Each engine's own parameter set as it last listed it, per attachment of one incarnation: a process
-        # serves one model, so the next open need not ask again (a restart or re-attach asks anew).
-        self._engine_manifests: dict[str, tuple[str, object, Manifest | None]] = {}
         # The manifests of this process's last opens by reference, so a trainer's next open may name its
         # manifest instead of sending and having it parsed again (daemon/manifests.py).
         self.manifests = ManifestBook()
@@ -161,7 +157,7 @@ class WeightSessions:
             d.sync.require_attached()
             ranks = self._check_ranks(ranks)
         t = d.timeouts()
-        required = await self._parameter_sets(trace, t.budget(Budget.WEIGHT_UPDATE))
+        required = {name: self.complete_manifest for name in d.engines}
         if declared is not None:
             with trace.span("manifest_check", tensors=len(declared)):
                 self._check_declared(declared, required, partial)
@@ -245,26 +241,6 @@ class WeightSessions:
         session = self.get(session_id)
         if session.state is SessionState.OPEN:
             session.trainer_pids.add(pid)
-
-    async def _parameter_sets(self, trace: Trace, budget_s: float) -> dict[str, Manifest | None]:
-        """Each engine's full parameter set: from the engine where it can list them, else the last complete
-        push (None when neither is known: the daemon cannot tell what complete means)."""
-        d = self._d
-
-        async def listed(engine: EngineHandle) -> Manifest | None:
-            incarnation, cached = engine.state.incarnation, self._engine_manifests.get(engine.name)
-            if incarnation is not None and cached is not None and cached[:2] == (incarnation, engine.info):
-                return cached[2]
-            specs = await ops.parameters(engine, trace, d.metrics, budget_s)
-            params = manifest_of(specs) if specs is not None else None
-            if incarnation is not None:
-                self._engine_manifests[engine.name] = (incarnation, engine.info, params)
-            return params
-
-        engines = list(d.engines.values())
-        found = await asyncio.gather(*(listed(e) for e in engines))
-        return {e.name: params if params is not None else self.complete_manifest
-                for e, params in zip(engines, found, strict=True)}
 
     def _check_declared(self, declared: Manifest, required: dict[str, Manifest | None], partial: bool) -> None:
         """Refuse a manifest that cannot make a complete (or, partial, a consistent) update: 422 before acting."""

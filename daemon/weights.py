@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ..engines.base import ChunkLoad, ChunkPart, ParameterSpec
+from ..engines.base import ChunkLoad, ChunkPart
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
 from ..engines.handles import ShmRoute
 from ..policies import Transport, VerifyMode
@@ -75,7 +75,6 @@ __all__ = [
     "WeightSession",
     "device_key",
     "manifest_from_json",
-    "manifest_of",
     "manifest_to_json",
     "name_some",
 ]
@@ -104,11 +103,6 @@ def manifest_from_json(items: Iterable[Mapping[str, Any]]) -> Manifest:
             raise ValueError(f"tensor {name!r} is listed twice")
         manifest[name] = TensorMeta(str(item["dtype"]), tuple(int(d) for d in item["shape"]))
     return manifest
-
-
-def manifest_of(specs: Iterable[ParameterSpec]) -> Manifest:
-    """An engine's parameter set as a Manifest."""
-    return {p.name: TensorMeta(p.dtype, p.shape) for p in specs}
 
 
 def manifest_to_json(manifest: Mapping[str, TensorMeta]) -> list[dict[str, Any]]:

@@ -25,7 +25,6 @@ __all__ = [
     "MemoryReport",
     "MemoryTag",
     "Observation",
-    "ParameterSpec",
     "PauseMode",
     "ReleaseReport",
     "TagMemory",
@@ -67,19 +66,9 @@ class Capability(StrEnum):
     vLLM have none of these.
     """
 
-    PARAMETER_MANIFEST = "parameter_manifest"  # ``parameter_manifest``: its full parameter set
     MEMORY_REPORT = "memory_report"  # ``memory_report``: its own per-tag byte counts
     TENSOR_DIGESTS = "tensor_digests"  # ``weight_digests`` compares with the trainer's (engines/digest.py)
     COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk)
-
-
-@dataclass(frozen=True, slots=True)
-class ParameterSpec:
-    """One parameter as an engine holds it: name, dtype (torch short name) and shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,11 +239,6 @@ class EngineAdapter(Protocol):
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """Digests of the named tensors as the engine holds (or received) them, for a verified commit."""
         ...
-    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
-        """The engine's full parameter set; None where it cannot tell. Asked only with
-        ``Capability.PARAMETER_MANIFEST``."""
-        ...
-
     async def memory_report(self) -> MemoryReport | None:
         """The engine's own per-tag accounting; None where it keeps none. Asked only with
         ``Capability.MEMORY_REPORT``."""

@@ -25,7 +25,6 @@ from colocd.engines.base import (
     MemoryReport,
     MemoryTag,
     Observation,
-    ParameterSpec,
     PauseMode,
     ReleaseReport,
 )
@@ -84,9 +83,6 @@ class InMemoryEngine:
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         return EngineDigests(None, "an in-memory engine holds no tensors")
-
-    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
-        return None
 
     async def memory_report(self) -> MemoryReport | None:
         return None

@@ -607,14 +607,6 @@ class ReferenceEngine:
             self._session_selector = None
             return True, "Success"
 
-    def parameter_manifest(self) -> list[dict[str, Any]] | None:
-        """What a complete update must carry; None in benchmark mode (chunks land in the sink, not the model)."""
-        _, _, model = self._running()
-        if self._sink is not None:
-            return None
-        return [{"name": n, "dtype": str(p.dtype).removeprefix("torch."), "shape": list(p.shape)}
-                for n, p in model.named_parameters()]
-
     async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorBody) -> tuple[bool, str]:
         """Load one chunk, TP rank r from entry r; a bad chunk applies nothing on any rank and says why."""
         entered = time.perf_counter()

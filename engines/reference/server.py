@@ -283,12 +283,6 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
         """colocd extension: per-tag {resident, nbytes, resident_nbytes}, RSS, CUDA counters."""
         return engine.memory_report()
 
-    @router.get("/colocd/parameters")
-    async def colocd_parameters() -> dict[str, Any]:
-        """colocd extension: the full parameter set [{name, dtype, shape}], what a complete update must cover
-        (null in benchmark mode, where chunks land in a sink)."""
-        return {"parameters": engine.parameter_manifest()}
-
     @router.post("/colocd/digests")
     async def colocd_digests(body: DigestsBody) -> dict[str, Any]:
         """colocd extension: engines/digest.py digests of the named tensors, as each TP rank holds them now."""

@@ -26,7 +26,6 @@ from ..base import (
     MemoryReport,
     MemoryTag,
     Observation,
-    ParameterSpec,
     PauseMode,
     ReleaseReport,
 )
@@ -279,14 +278,6 @@ class SGLangAdapter:
         response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}",
                                     wire.body(request, self.protocol))
         self._check_success(response, f"update_weights_from_tensor#{load.seq}")
-
-    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
-        """The reference engine lists its parameters (``Capability.PARAMETER_MANIFEST``); SGLang cannot tell: None."""
-        if Capability.PARAMETER_MANIFEST not in self._extensions:
-            return None
-        data = self._json(await self._call("GET", "/colocd/parameters", "colocd/parameters"),
-                          self.name, "colocd/parameters")
-        return self._parse(extensions.ParametersReply, data, "colocd/parameters").specs()
 
     async def end_weight_update(self, version: str | None = None) -> None:
         """SGLang's end takes no version: ``update_weight_version`` follows it."""

@@ -5,32 +5,15 @@ The adapter negotiates these at attach (``Capability``); real SGLang has none of
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictStr
 
-from ..base import MemoryReport, MemoryTag, ParameterSpec, TagMemory
+from ..base import MemoryReport, MemoryTag, TagMemory
 
-__all__ = ["DigestsReply", "MemoryReply", "ParametersReply"]
+__all__ = ["DigestsReply", "MemoryReply"]
 
 
 class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class _Parameter(_Reply):
-    name: StrictStr
-    dtype: StrictStr
-    shape: list[StrictInt]
-
-
-class ParametersReply(_Reply):
-    """``GET /colocd/parameters``: the full parameter set; null where the engine cannot tell (benchmark mode)."""
-
-    parameters: list[_Parameter] | None
-
-    def specs(self) -> tuple[ParameterSpec, ...] | None:
-        if self.parameters is None:
-            return None
-        return tuple(ParameterSpec(p.name, p.dtype, tuple(p.shape)) for p in self.parameters)
 
 
 class _TagEntry(_Reply):

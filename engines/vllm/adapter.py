@@ -34,7 +34,6 @@ from ..base import (
     MemoryReport,
     MemoryTag,
     Observation,
-    ParameterSpec,
     PauseMode,
     ReleaseReport,
 )
@@ -313,10 +312,9 @@ class VLLMAdapter:
     async def begin_weight_update(self) -> None:
         """Open an update: native /start_weight_update (initialising transfer once), or the extension's.
 
-        No ``parameter_manifest`` either: ``/weight_info`` holds
-        only the version, and the worker's own parameters (what the extension could list) are vLLM's fused
-        layout (``qkv_proj``, ``gate_up_proj``), not the HF names a trainer sends; so the daemon compares a
-        push after a discard with the last complete one."""
+        vLLM lists no parameters: ``/weight_info`` holds only the version, and the worker's own parameters
+        (what the extension could list) are vLLM's fused layout (``qkv_proj``, ``gate_up_proj``), not the HF
+        names a trainer sends; so the daemon compares a push after a discard with the last complete one."""
         self._pending_version, self._flush_after_update = None, False
         if self._session_kind == "rpc":
             await self._rpc("colocd_begin_update")
@@ -377,10 +375,6 @@ class VLLMAdapter:
                                        "ColocdWorkerExtension)")
         ranks = await self._rpc_each(wire.ReceivedDigests, "colocd_received_digests", list(names))
         return EngineDigests(tuple(dict(r.root) for r in ranks))
-
-    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
-        """vLLM lists no parameters over HTTP (attach declares no ``Capability.PARAMETER_MANIFEST``)."""
-        return None
 
     async def memory_report(self) -> MemoryReport | None:
         """vLLM keeps no per-tag accounting it reports (attach declares no ``Capability.MEMORY_REPORT``)."""

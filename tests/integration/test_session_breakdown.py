@@ -5,43 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 from support import InMemoryEngine
 
 from benchmarks.session_breakdown import STAGES, breakdown
 from colocd.daemon.config import NodeConfig
-from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import (
-    Capability,
-    ChunkPart,
-    EngineInfo,
-    ParameterSpec,
-)
+from colocd.engines.base import ChunkPart
 from colocd.engines.chunks import ChunkLayout
 from colocd.trainer.push import manifest_of
 
 NAMED = [(f"layers.{i}.weight", torch.zeros(4, 4)) for i in range(12)]
-
-
-class ListedEngine(InMemoryEngine):
-    """A fake engine that lists its parameters (counting each time it is asked) and can be 'restarted'."""
-
-    incarnation = "proc-0"
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.manifest_calls = 0
-
-    async def attach(self) -> EngineInfo:
-        return EngineInfo(self.name, "fake", "0", "fake", self.version,
-                          capabilities=frozenset({Capability.PARAMETER_MANIFEST}))
-
-    async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
-        self.manifest_calls += 1
-        return tuple(ParameterSpec(m["name"], m["dtype"], tuple(m["shape"])) for m in manifest_of(NAMED))
 
 
 def _config(tmp_path: Any) -> NodeConfig:
@@ -65,11 +40,11 @@ async def _push(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
 
 
 async def test_the_commit_trace_times_every_stage_of_the_session_open_to_commit(tmp_path: Any) -> None:
-    async with Daemon(_config(tmp_path), adapters={"e0": ListedEngine("e0")}) as daemon:
+    async with Daemon(_config(tmp_path), adapters={"e0": InMemoryEngine("e0")}) as daemon:
         commit = await _push(daemon, 1, "v1")
     names = [s["name"] for s in commit["trace"]["spans"]]
     assert names.count("node_lock") == 2  # the open's and the commit's
-    for name in ("open_checks", "parameter_manifest", "manifest_check", "begin_weight_update", "load_chunk", "drain",
+    for name in ("open_checks", "manifest_check", "begin_weight_update", "load_chunk", "drain",
                  "check_complete", "verify", "end_weight_update", "commit_bookkeeping",
                  "journal"):
         assert name in names, name
@@ -78,23 +53,3 @@ async def test_the_commit_trace_times_every_stage_of_the_session_open_to_commit(
     assert 0 < stages["open.daemon"] <= 1.0 and 0 < stages["commit.daemon"] <= 1.0
     assert stages["open.lock"] + stages["open.begin"] <= stages["open.daemon"]
     assert stages["commit.lock"] + stages["commit.verify"] + stages["commit.end"] <= stages["commit.daemon"]
-
-
-async def test_an_engine_lists_its_parameters_once_per_incarnation_and_they_still_bind_every_open(
-        tmp_path: Any) -> None:
-    engine = ListedEngine("e0")
-    async with Daemon(_config(tmp_path), adapters={"e0": engine}) as daemon:
-        await _push(daemon, 1, "v1")
-        second = await _push(daemon, 2, "v2")
-        assert engine.manifest_calls == 1
-        assert "parameter_manifest" not in [s["name"] for s in second["trace"]["spans"]]
-
-        await daemon.transitions.transition(NodePhase.TRAIN, 3)
-        await daemon.transitions.transition(NodePhase.SYNC, 3)
-        with pytest.raises(RequestInvalid, match="manifest does not fit engine 'e0'") as refused:
-            await daemon.sessions.open(step=3, version="v3", ranks=1, manifest=manifest_of(NAMED[:5]))
-        assert refused.value.field == "manifest"  # the remembered set still says what complete means
-
-        engine.incarnation = "proc-1"  # the engine restarted: the next open asks the new process
-        await _commit_one(daemon, 3, "v3")
-        assert engine.manifest_calls == 2

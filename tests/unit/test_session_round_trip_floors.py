@@ -17,9 +17,8 @@ def test_open_and_commit_count_the_observation_and_each_engine_call_in_a_row() -
                    "end_weight_update")
     assert round_trips(trace) == {"open": ["observe", "begin_weight_update"],
                                   "commit": ["observe", "end_weight_update"]}
-    verified = _trace("node_lock", "parameter_manifest", "begin_weight_update", "node_lock", "weight_digests",
-                      "end_weight_update")
-    assert [len(v) for v in round_trips(verified).values()] == [3, 3]
+    verified = _trace("node_lock", "begin_weight_update", "node_lock", "weight_digests", "end_weight_update")
+    assert [len(v) for v in round_trips(verified).values()] == [2, 3]
 
 
 def test_the_floors_price_each_round_trip_and_the_lines_say_the_multiples() -> None:
