@@ -416,29 +416,10 @@ async def test_a_recorded_engine_that_does_not_answer_is_stopped_with_its_group_
         assert len(again.processes) == 1 and again.processes[0].running
         snap = supervision.snapshot("a")
         assert snap is not None and snap["adopted"] is False and snap["pid"] == again.processes[0].pid
-        # Started on a journal: its weights are unknown until it is reconciled, so it starts paused.
-        assert again.options[0].paused is True
         assert Journal(journal).launches()["a"].pid == again.processes[0].pid
     finally:
         await supervision.aclose()
         await dead.aclose()
-
-
-async def test_a_fresh_daemon_launches_unpaused_and_every_relaunch_starts_paused(tmp_path: Path) -> None:
-    launcher = ScriptLauncher(tmp_path)
-    supervision = EngineSupervision([launch_config("a")], Metrics(), launcher=launcher)
-    await supervision.start()
-
-    async def ignore(name: str) -> None:
-        return None
-
-    supervision.supervise(ignore)
-    try:
-        os.kill(launcher.processes[0].pid or 0, signal.SIGKILL)
-        await until(lambda: supervision.launched["a"].restarts == 1, "the relaunch")
-        assert [o.paused for o in launcher.options] == [False, True]
-    finally:
-        await supervision.aclose()
 
 
 async def test_status_never_shows_a_dead_pid_while_the_engine_is_relaunched(tmp_path: Path) -> None:
