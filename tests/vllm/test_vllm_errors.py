@@ -42,7 +42,7 @@ async def test_an_out_of_range_sleep_level_is_a_400_where_vllm_checks_it(
         await adapter._call("POST", "/sleep", params={"level": "5"})
         await adapter._call("POST", "/wake_up")
         return
-    with pytest.raises(EngineRejected, match=r"vLLM rejected POST /sleep with 400: .*level") as exc:
+    with pytest.raises(EngineRejected, match=r"(?s)vLLM rejected POST /sleep with 400: .*level") as exc:
         await adapter._call("POST", "/sleep", params={"level": "5"})
     assert exc.value.status == 400
 
