@@ -44,7 +44,7 @@ from ..config import VLLMEngineConfig
 from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from . import wire
 from .errors import map_transport_errors, raise_for_status
-from .protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES, VLLMRoutes, warn_if_untested
+from .protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES, VLLMRoutes, lacking, warn_if_untested
 
 __all__ = ["VLLMAdapter"]
 
@@ -105,7 +105,7 @@ class VLLMAdapter:
             )
         if response.status_code == 404 and (path in OPTIONAL_ROUTES or path in REQUIRED_ROUTES):
             # A route this server lacks (a release without it, or dev mode off): say which, not a bare 404.
-            raise EngineProtocolError(self.name, VLLMRoutes(frozenset()).require(path, self._version) or path)
+            raise EngineProtocolError(self.name, lacking(path, self._version))
         raise_for_status(self.name, method, path, response)
         return response
 
@@ -173,8 +173,7 @@ class VLLMAdapter:
         self._routes = await self._read_routes()
         missing = self._routes.missing_required()
         if missing:
-            lacks = self._routes.require(missing[0], version)
-            raise EngineProtocolError(self.name, f"{lacks} (lacking: {', '.join(missing)})")
+            raise EngineProtocolError(self.name, f"{lacking(missing[0], version)} (lacking: {', '.join(missing)})")
         if self._routes.known is None:
             await self._call("GET", "/is_paused")  # no route table: probe dev mode (a 404 says what is missing)
         world = self._parse(

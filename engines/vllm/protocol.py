@@ -29,6 +29,7 @@ __all__ = [
     "REQUIRED_ROUTES",
     "TESTED",
     "VLLMRoutes",
+    "lacking",
     "untested_warning",
     "warn_if_untested",
 ]
@@ -74,12 +75,15 @@ class VLLMRoutes:
 
     def require(self, route: str, version: str) -> str | None:
         """None when ``route`` is there, else one line saying what vLLM ``version`` lacks and what that costs."""
-        if self.has(route):
-            return None
-        if route in OPTIONAL_ROUTES:
-            return f"vLLM {version} has no {route}: {OPTIONAL_ROUTES[route]} is not available on this version"
-        return (f"vLLM {version} has no {route}: start the server with VLLM_SERVER_DEV_MODE=1 (it registers the "
-                "dev and RL routes colocd drives)")
+        return None if self.has(route) else lacking(route, version)
+
+
+def lacking(route: str, version: str) -> str:
+    """One line saying that vLLM ``version`` has no ``route`` and what that costs (or how to get it)."""
+    if route in OPTIONAL_ROUTES:
+        return f"vLLM {version} has no {route}: {OPTIONAL_ROUTES[route]} is not available on this version"
+    return (f"vLLM {version} has no {route}: start the server with VLLM_SERVER_DEV_MODE=1 (it registers the "
+            "dev and RL routes colocd drives)")
 
 
 def _numbers(version: str) -> tuple[int, int, int] | None:
