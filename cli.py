@@ -1,20 +1,20 @@
-"""The ``colocd`` command: serve, status, top, trace, demo, bench, policy."""
+"""The ``colocd`` command: serve, status, top, trace, demo, policy."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import errno
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .api.cli_http import CliFailure, add_daemon_options, daemon_call
 from .api.top import add_top_command
+from .timeline import MatplotlibMissing, render_timeline
 
 __all__ = ["build_parser", "main"]
 
@@ -141,22 +141,7 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(settings))
 
 
-@contextlib.contextmanager
-def _lab() -> Iterator[None]:
-    """Around the import of ``colocd.bench`` (the benches, the timeline renderer): only the commands that use it
-    import it, and an install without it says so in one line."""
-    try:
-        yield
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("colocd.bench"):
-            raise
-        raise CliFailure("colocd: this install has no colocd.bench (the benches and the timeline renderer); "
-                         "install colocd from its source tree (pip install .) to use this command", 2) from None
-
-
 def _trace(args: argparse.Namespace) -> int:
-    with _lab():
-        from .bench.timeline import MatplotlibMissing, render_timeline
     with daemon_call(args) as call:
         traces = call.json("GET", f"/v1/traces/{args.step}", params={"format": "json"})
     out = Path(args.output or f"step-{args.step}.png")
@@ -169,43 +154,6 @@ def _trace(args: argparse.Namespace) -> int:
             raise CliFailure(f"colocd: {exc}", 2) from None
     print(f"wrote {out}")
     return 0
-
-
-def _bench_weights(args: argparse.Namespace) -> int:
-    with _lab():
-        from .bench.weights import BenchSettings, run_weights_bench
-
-    settings = BenchSettings(model=args.model, device=args.device, variants=tuple(args.variants.split(",")),
-                             bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
-                             seed=args.seed, out=args.out, verify=tuple(args.verify.split(",")),
-                             manifest=args.manifest == "declared")
-    record = asyncio.run(run_weights_bench(settings))
-    return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
-
-
-def _bench_control(args: argparse.Namespace) -> int:
-    with _lab():
-        from .bench.control import ControlBenchSettings, run_control_bench
-
-    settings = ControlBenchSettings(samples=args.samples, warmup_cycles=args.warmup_cycles, cycles=args.cycles,
-                                    readers=args.readers, blocks=args.blocks, out=args.out)
-    asyncio.run(run_control_bench(settings))
-    return 0
-
-
-def _bench_switch(args: argparse.Namespace) -> int:
-    with _lab():
-        from .bench.switch import SwitchSettings, run_switch_bench
-
-    settings = SwitchSettings(model=args.model, device=args.device, presets=tuple(args.presets.split(",")),
-                              steps=args.steps, warmup=args.warmup, optimizer_shards=args.optimizer_shards,
-                              groups=args.groups, train_tokens=args.train_tokens, gen_tokens=args.gen_tokens,
-                              rollout_s=args.rollout_s,
-                              mem_fraction=args.mem_fraction, kv_gib=args.kv_gib,
-                              post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out,
-                              sync_modes=tuple(args.sync.split(",")), memory_sample_ms=args.memory_sample_ms)
-    record = asyncio.run(run_switch_bench(settings))
-    return 0 if all(s["verified_all"] for s in record["summary"]) and not record["failed_presets"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,61 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-out", default=None,
                    help="append /metrics after each step here (JSON lines) (default: not written)")
     p.set_defaults(func=_demo)
-
-    p = sub.add_parser("bench", help="benchmarks")
-    bsub = p.add_subparsers(dest="bench_command", required=True)
-    pb = bsub.add_parser("weights", help="trainer → daemon → engine weight transfer against the copy floor")
-    pb.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
-    pb.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
-    pb.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3,ipc_ring,zero_copy",
-                    help="comma-separated; name@MB sets one variant's chunk size")
-    pb.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")
-    pb.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (best is reported)")
-    pb.add_argument("--warmup", type=int, default=1, help="untimed pushes per variant first")
-    pb.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
-    pb.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
-    pb.add_argument("--verify", default="full",
-                    help="the daemon's sync.verify, comma-separated (e.g. off,full: every variant once per mode)")
-    pb.add_argument("--manifest", choices=("none", "declared"), default="none",
-                    help="declared: each open declares every tensor, as WeightPusher.push does")
-    pb.set_defaults(func=_bench_weights)
-    pc = bsub.add_parser("control", help="cost of /v1/status and /metrics against /healthz; transitions under readers")
-    pc.add_argument("--samples", type=int, default=500, help="sequential requests per read path")
-    pc.add_argument("--warmup-cycles", type=int, default=5, help="untimed train/sync/rollout cycles first")
-    pc.add_argument("--cycles", type=int, default=40, help="timed cycles per condition (3 transitions each)")
-    pc.add_argument("--readers", type=int, default=100, help="concurrent readers in the loaded condition")
-    pc.add_argument("--blocks", type=int, default=4, help="alternating blocks without / with readers")
-    pc.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
-    pc.set_defaults(func=_bench_control)
-    ps = bsub.add_parser("switch", help="the full colocated handoff per preset, against the floor measured in the run")
-    ps.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
-    ps.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
-    ps.add_argument("--presets", default="seed-baseline,tuned,tuned-serial-groups,tuned-keep",
-                    help="comma-separated: seed-baseline, tuned, tuned-serial-groups, tuned-keep, tuned-onload, "
-                         "tuned-onload2, tuned-3x2048, tuned-3x4096, tuned-early, tuned-split, tuned-split-early")
-    ps.add_argument("--steps", type=int, default=3, help="timed handoffs per preset (median is reported)")
-    ps.add_argument("--warmup", type=int, default=1, help="untimed handoffs per preset first")
-    ps.add_argument("--optimizer-shards", type=int, default=8,
-                    help="distributed-optimizer ranks: this rank holds 1/N of the fp32 master + Adam state")
-    ps.add_argument("--groups", type=int, default=14, help="process groups the rank holds (Megatron: 14)")
-    ps.add_argument("--train-tokens", type=int, default=512, help="tokens per training step")
-    ps.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per request in each rollout")
-    ps.add_argument("--rollout-s", type=float, default=0.0,
-                    help="each rollout window lasts at least this long (generation repeats), as a real one would")
-    ps.add_argument("--mem-fraction", type=float, default=0.80,
-                    help="engine weights + KV as a share of the GPU (SGLang's mem_fraction_static)")
-    ps.add_argument("--kv-gib", type=float, default=None,
-                    help="KV cache size; overrides --mem-fraction (default: from --mem-fraction)")
-    ps.add_argument("--post-destroy-wait-s", type=float, default=None,
-                    help="override the presets' wait after destroying process groups (default: the presets' 2 s)")
-    ps.add_argument("--sync", default="sync",
-                    help="sync, async or sync,async: the weight push awaited, or from a snapshot in the background "
-                         "(policy sync.mode); both compare step time per preset in one run")
-    ps.add_argument("--memory-sample-ms", type=float, default=2.0,
-                    help="the trainer's NVML memory is sampled this often over each paused window (its maximum)")
-    ps.add_argument("--seed", type=int, default=0, help="seed of the model and the rollouts")
-    ps.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
-    ps.set_defaults(func=_bench_switch)
 
     p = sub.add_parser("trace", help="draw one step's timeline (png/svg/pdf) or save its trace (.json)")
     p.add_argument("step", type=int, help="the step to draw (GET /v1/steps lists the recent ones)")

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal, TypeVar
 
+import pydantic_core
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
@@ -17,7 +18,6 @@ from ..daemon.node import Daemon, TransitionResult
 from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
 from ..engines.base import ChunkPart
-from .chunk_channel import ChunkChannelServer
 from .errors import ERROR_RESPONSES, install_error_handlers
 from .guard import RequestGuard
 from .openapi import complete_openapi
@@ -39,8 +39,6 @@ from .schemas import (
     TransitionReply,
     UpdateWeightsRequest,
 )
-from .session_calls import commit_session, encode_reply
-from .session_calls import open_session as open_session_call
 
 __all__ = ["create_app"]
 
@@ -57,9 +55,11 @@ def _json_reply(content: dict[str, Any]) -> Response | dict[str, Any]:
     """A reply the daemon built from its own records, encoded in one pass by pydantic-core (as FastAPI would,
     NaN as null): the route's ``response_model`` documents it, and FastAPI's validation of every nested value
     first (measurable on the session's open and commit) is skipped. A value pydantic-core cannot encode as is
-    goes back to FastAPI, as before."""
-    body = encode_reply(content)
-    return content if body is None else Response(body, media_type="application/json")
+    goes back to FastAPI."""
+    try:
+        return Response(pydantic_core.to_json(content, inf_nan_mode="null"), media_type="application/json")
+    except pydantic_core.PydanticSerializationError:
+        return content
 
 
 def _part(chunk: ChunkDescriptor) -> ChunkPart:
@@ -98,9 +98,8 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        async with (daemon or Daemon(config, policies=policies)) as d, ChunkChannelServer(d, config) as channel:
-            # Stopped before the daemon (exit order): no chunk frame reaches a daemon that is closing.
-            yield {"daemon": d, "chunk_channel": channel.address}
+        async with (daemon or Daemon(config, policies=policies)) as d:
+            yield {"daemon": d}
 
     app = FastAPI(title="colocd", version=__version__, lifespan=lifespan,
                   description="Per-node daemon for colocated RL: phase transitions, memory handoff, weight sync. "
@@ -142,18 +141,22 @@ async def readyz(d: D) -> JSONResponse:
 
 
 # The two read routes take the daemon from the request rather than through the D dependency:
-# FastAPI's dependency resolution costs more than the rest of such a read (bench control).
-@_route("GET", "/metrics", tags=["probes"])
-async def metrics(request: Request) -> Response:
+# FastAPI's dependency resolution costs more than the rest of such a read (benchmarks.control).
+class _PrometheusText(Response):
+    """Prometheus's text exposition format, as OpenAPI declares it (Starlette adds the charset when it serves)."""
+
+    media_type = "text/plain; version=0.0.4"
+
+
+@_route("GET", "/metrics", tags=["probes"], response_class=_PrometheusText)
+async def metrics(request: Request) -> _PrometheusText:
     """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""
-    body = await _get_daemon(request).metrics.current()
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return _PrometheusText(await _get_daemon(request).metrics.current())
 
 
-# response_model keeps the schema in OpenAPI; the snapshot is returned as bytes, serialised once per change.
 @_route("GET", "/v1/status", response_model=dict[str, Any])
-async def status(request: Request) -> Response:
-    return Response(_get_daemon(request).status_json(), media_type="application/json")
+async def status(request: Request) -> Response | dict[str, Any]:
+    return _json_reply(_get_daemon(request).status())
 
 
 @_route("POST", "/v1/phase", responses=_errors(*_MUTATING, 409, *_ENGINES))
@@ -185,8 +188,15 @@ async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> T
 # each reply's schema in OpenAPI.
 @_route("POST", "/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES),
         response_model=OpenSessionReply)
-async def open_session(body: OpenSessionRequest, d: D, request: Request) -> Response | dict[str, Any]:
-    return _json_reply(await open_session_call(d, body, request.state.chunk_channel))
+async def open_session(body: OpenSessionRequest, d: D) -> Response | dict[str, Any]:
+    manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
+    s = await d.sessions.open(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
+                              manifest=manifest, manifest_ref=body.manifest_ref, partial=body.partial)
+    # OpenSessionReply's fields, in its order (tests/integration/test_session_replies.py holds the two to one set).
+    return _json_reply({"session_id": s.id, "ranks": s.ranks, "depth": s.depth, "step": s.step, "version": s.version,
+                        "partial": s.partial, "idle_s": s.idle_s,
+                        "manifest_tensors": None if s.manifest is None else len(s.manifest),
+                        "manifest_ref": s.manifest_ref, "transports": [t.value for t in s.transports()]})
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/join", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
@@ -207,7 +217,7 @@ async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckRe
         response_model=dict[str, Any])
 async def commit(session_id: str, d: D,
                  body: Annotated[CommitRequest | None, Body()] = None) -> Response | dict[str, Any]:
-    return _json_reply(await commit_session(d, session_id, body))
+    return _json_reply(await d.sessions.commit(session_id, (body or CommitRequest()).num_chunks))
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
@@ -217,9 +227,9 @@ async def abort(session_id: str, d: D, body: Annotated[AbortRequest | None, Body
 
 
 @_route("GET", "/v1/weights/sessions/{session_id}", responses=_errors(404))
-async def session_status(session_id: str, d: D, request: Request) -> dict[str, Any]:
-    """The session's progress; ``chunk_channel`` tells a rank that did not open it where to stream."""
-    return {**d.sessions.get(session_id).stats(), "chunk_channel": request.state.chunk_channel}
+async def session_status(session_id: str, d: D) -> dict[str, Any]:
+    """The session's progress and state."""
+    return d.sessions.get(session_id).stats()
 
 
 @_route("GET", "/v1/weights/groups")

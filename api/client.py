@@ -11,18 +11,21 @@ trainer library's job: ``colocd.trainer.WeightPusher`` and ``colocd.trainer.Trai
 from __future__ import annotations
 
 import asyncio
+import json as jsonlib
+import logging
 import os
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol, Self, TypeVar
 
-import httpx
+import aiohttp
 
-from ..http1 import Http1Transport
 from ..policies import Transport
 from ..recent import remember
 
-__all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError"]
+__all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError", "DaemonUnreachable"]
+
+log = logging.getLogger("colocd.client")
 
 _T = TypeVar("_T")
 
@@ -65,6 +68,11 @@ class ColocdHTTPError(Exception):
         return (type(self), (self.status, self.body))
 
 
+class DaemonUnreachable(ConnectionError):
+    """No answer came back from the daemon (it refused the connection, dropped it, or did not reply in time);
+    ``ColocdHTTPError`` is for the answers that say no."""
+
+
 def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
     """The daemon will not take the reference: it holds no manifest by it (409, a restarted daemon), or it
     predates the field (422 naming it). Either way the manifest itself is what it needs."""
@@ -73,30 +81,42 @@ def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
     return exc.status == 422 and exc.body.get("field") == "manifest_ref"
 
 
-def _transport(url: str) -> tuple[str, Http1Transport]:
-    if url.startswith("unix:"):
-        return "http://colocd", Http1Transport(uds=url.removeprefix("unix:"))
-    return url.rstrip("/"), Http1Transport()
+CONNECT_S = 5.0
 
 
 class AsyncColocdClient:
-    """One method per route. ``url`` is ``http://host:port`` or ``unix:/path/to.sock``."""
+    """One method per route. ``url`` is ``http://host:port`` or ``unix:/path/to.sock``.
+
+    Calls go through aiohttp's client: the cluster client fans every phase out to all daemons from one event loop,
+    and aiohttp's costs that loop a fraction of httpx's CPU per request (docs/deploy.md, the fan-out study). A
+    call the daemon answers with an error raises ``ColocdHTTPError``; one it does not answer, ``DaemonUnreachable``.
+    """
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
-        base, transport = _transport(url)
-        self.token = token  # also the chunk channel's (colocd.trainer.channel)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=base, transport=transport, headers=headers,
-                                       timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False)
+        self._unix = url.removeprefix("unix:") if url.startswith("unix:") else None
+        self._base = "http://colocd" if self._unix is not None else url.rstrip("/")
+        self.token = token
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=CONNECT_S)
+        # Made on the first call: an aiohttp session belongs to the event loop it is made on.
+        self._http: aiohttp.ClientSession | None = None
         # The daemon's manifest_ref for each manifest this client sent in full lately, so the next open of the same
         # manifest sends the reference instead (the daemon forgets them on restart: then the manifest again).
         self._manifest_refs: OrderedDict[_ManifestKey, str] = OrderedDict()
-        # Where the daemon's chunk channel is, as its last open reply said (None: not yet known, or off): where
-        # a pusher on this client opens its next one-rank session (``WeightPusher.open``).
-        self.chunk_channel: str | None = None
         self._in_flight = 0  # this client's calls under way (``idle``)
         self._idle = asyncio.Event()
         self._idle.set()
+        self._background: set[asyncio.Task[None]] = set()  # ``in_background``: ended before ``aclose`` closes
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            # limit=0: as many connections as calls in flight (a rank keeps ``depth`` chunks in flight). Idle ones
+            # are kept aiohttp's 15 s, well under the daemon's 75 s (api/server.py KEEP_ALIVE_S).
+            connector = (aiohttp.UnixConnector(path=self._unix, limit=0) if self._unix is not None
+                         else aiohttp.TCPConnector(limit=0))
+            self._http = aiohttp.ClientSession(self._base, connector=connector, headers=self._headers,
+                                               timeout=self._timeout)
+        return self._http
 
     async def __aenter__(self) -> Self:
         return self
@@ -105,7 +125,21 @@ class AsyncColocdClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        """Close the connections, once every call started ``in_background`` has ended (its request needs them)."""
+        while self._background:
+            for result in await asyncio.gather(*self._background, return_exceptions=True):
+                if isinstance(result, Exception):
+                    log.warning("a background call of this client failed: %r", result)
+        if self._http is not None:
+            await self._http.close()
+
+    def in_background(self, call: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``call`` (a report nobody waits on) as a task this client owns: ``aclose`` waits for it, so it never
+        runs against a closed client. ``call`` handles its own errors; one it lets through is raised by the task."""
+        task = asyncio.create_task(call)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def idle(self) -> None:
         """Return once none of this client's calls is under way: what a report nobody waits on (the trainer's
@@ -114,26 +148,35 @@ class AsyncColocdClient:
         while self._in_flight:
             await self._idle.wait()
 
-    async def _request(self, method: str, path: str, json: Any = None, **kw: Any) -> Any:
+    async def _send(self, method: str, path: str, json: Any = None,
+                    params: dict[str, Any] | None = None) -> tuple[int, bytes]:
+        """One call: the status and the whole body; ``DaemonUnreachable`` when no answer came back."""
         self._in_flight += 1
         self._idle.clear()
         try:
-            response = await self._http.request(method, path, json=json, **kw)
+            async with self._session().request(method, path, json=json, params=params) as response:
+                return response.status, await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise DaemonUnreachable(f"{method} {self._base}{path}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
         finally:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
-        if response.status_code >= 400:
-            try:
-                body = response.json()
-            except ValueError:
-                body = {"message": response.text}
-            raise ColocdHTTPError(response.status_code, body if isinstance(body, dict) else {"message": body})
-        return response.json()
 
-    async def _call(self, method: str, path: str, json: Any = None, **kw: Any) -> dict[str, Any]:
+    async def _request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
+        status, content = await self._send(method, path, json, params)
+        if status >= 400:
+            try:
+                body = jsonlib.loads(content)
+            except ValueError:
+                body = {"message": content.decode(errors="replace")}
+            raise ColocdHTTPError(status, body if isinstance(body, dict) else {"message": body})
+        return jsonlib.loads(content)
+
+    async def _call(self, method: str, path: str, json: Any = None,
+                    params: dict[str, Any] | None = None) -> dict[str, Any]:
         """A route whose success body is a JSON object."""
-        body = await self._request(method, path, json, **kw)
+        body = await self._request(method, path, json, params)
         if not isinstance(body, dict):
             raise ColocdHTTPError(502, {"message": f"{method} {path} answered {type(body).__name__}, not an object"})
         return body
@@ -155,8 +198,8 @@ class AsyncColocdClient:
         return await self._call("GET", "/v1/status")
 
     async def ready(self) -> bool:
-        response = await self._http.get("/readyz")
-        return response.status_code == 200
+        status, _ = await self._send("GET", "/readyz")
+        return status == 200
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Poll /readyz until it answers 200, within a deadline."""
@@ -166,50 +209,45 @@ class AsyncColocdClient:
                 try:
                     if await self.ready():
                         return
-                except httpx.TransportError:
+                except DaemonUnreachable:
                     pass
                 await asyncio.sleep(delay)  # polling cadence while the daemon starts
                 delay = min(delay * 2, 0.5)
 
     async def metrics(self) -> str:
-        response = await self._http.get("/metrics")
-        response.raise_for_status()
-        return response.text
+        status, content = await self._send("GET", "/metrics")
+        if status >= 400:
+            raise ColocdHTTPError(status, {"message": content.decode(errors="replace")})
+        return content.decode()
 
     async def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
-                           partial: bool = False,
-                           send: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None) -> dict[str, Any]:
+                           partial: bool = False) -> dict[str, Any]:
         """``manifest``: every tensor the session will send, ``[{name, dtype, shape}]`` (see ``manifest_of``);
-        ``partial``: update only some tensors (allowed on intact weights only). ``send`` carries the body
-        (``POST /v1/weights/sessions``') and returns the open reply: by default that POST, or e.g. a chunk
-        channel's greeting (``WeightPusher.open``).
+        ``partial``: update only some tensors (allowed on intact weights only).
 
         A manifest the daemon gave a ``manifest_ref`` for is sent as that reference next time; if the daemon no
         longer holds it (a restart), the manifest is sent in full once more, and the refusal is not raised."""
         body: dict[str, Any] = {"version": version, "step": step, "ranks": ranks, "depth": depth}
         if partial:
             body["partial"] = True
-        send = send or (lambda b: self._call("POST", _SESSIONS, b))
         if manifest is None:
-            return self._noted(None, await send(body))
+            return await self._call("POST", _SESSIONS, body)
         key = _manifest_key(manifest)
         if (ref := self._manifest_refs.get(key)) is not None:
             try:
-                return self._noted(key, await send({**body, "manifest_ref": ref}))
+                return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest_ref": ref}))
             except ColocdHTTPError as exc:
                 if not _refuses_manifest_ref(exc):
                     raise
                 del self._manifest_refs[key]
-        return self._noted(key, await send({**body, "manifest": manifest}))
+        return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest": manifest}))
 
-    def _noted(self, key: _ManifestKey | None, reply: dict[str, Any]) -> dict[str, Any]:
-        """Keep what an open reply tells later opens: where the chunk channel is, and the manifest_ref for ``key``
-        (a daemon without the field gives none: nothing kept)."""
-        channel = reply.get("chunk_channel")
-        self.chunk_channel = channel if isinstance(channel, str) else None
+    def _noted(self, key: _ManifestKey, reply: dict[str, Any]) -> dict[str, Any]:
+        """Keep the manifest_ref an open reply gives for ``key`` (a daemon without the field gives none: nothing
+        kept), so later opens of the same manifest send the reference."""
         ref = reply.get("manifest_ref")
-        if key is not None and isinstance(ref, str):
+        if isinstance(ref, str):
             remember(self._manifest_refs, key, ref, _MANIFEST_REFS_KEPT)
         return reply
 
@@ -234,7 +272,7 @@ class AsyncColocdClient:
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/chunks", body)
 
     async def session(self, session_id: str) -> dict[str, Any]:
-        """A session's progress and state, and the node's ``chunk_channel`` address."""
+        """A session's progress and state."""
         return await self._call("GET", f"/v1/weights/sessions/{session_id}")
 
     async def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:

@@ -131,7 +131,7 @@ def _body(exc: Exception) -> dict[str, object]:
 
 
 def error_body(exc: Exception) -> tuple[int, dict[str, object]]:
-    """The status and ``ErrorBody`` the HTTP API answers for one of the daemon's errors (the chunk channel too)."""
+    """The status and ``ErrorBody`` the HTTP API answers for one of the daemon's errors."""
     return status_for(exc), _body(exc)
 
 

@@ -31,7 +31,6 @@ __all__ = [
     "MAX_STEP",
     "BroadcastRequest",
     "ChunkAckReply",
-    "ChunkChannelHello",
     "ChunkDescriptor",
     "CommitRequest",
     "ErrorBody",
@@ -217,9 +216,6 @@ class OpenSessionReply(BaseModel):
     manifest_ref: str | None = Field(
         None, description="the declared manifest's reference (null: none declared): the next open may send it as "
                           "manifest_ref instead of the manifest, while this daemon process holds it")
-    chunk_channel: str | None = Field(
-        None, description="unix:/path of the framed chunk channel (api/chunk_channel.py): the same chunk calls "
-                          "at a tenth of HTTP's cost; null when the node has it off")
     transports: list[Transport] = Field(default_factory=list, description=(
         "the transports every engine of the session loads; a chunk by any other is refused (422)"))
 
@@ -279,28 +275,6 @@ class ChunkDescriptor(_Strict):
         return self
 
 
-class ChunkChannelHello(_Strict):
-    """The first frame on a chunk-channel connection: which session and trainer rank it carries chunks for, or
-    (``open``) the session to open, as ``POST /v1/weights/sessions`` would, carried by this connection."""
-
-    session_id: str | None = Field(None, min_length=1, max_length=256)
-    open: OpenSessionRequest | None = Field(None, validate_default=True, description=(
-        "open this session instead of naming one (the greeting then carries the OpenSessionReply as `open`); "
-        "exactly one of session_id and open"))
-    rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = 0
-    token: str | None = Field(None, max_length=4096, description="the node's bearer token, when it sets one")
-    device_id: str | None = Field(None, min_length=1, max_length=256, description=(
-        "join the session on this device as part of the greeting (what POST .../join does); the greeting "
-        "then carries the join reply as `join`, and a refused join is an error frame"))
-
-    @field_validator("open")
-    @classmethod
-    def _one_session(cls, value: OpenSessionRequest | None, info: ValidationInfo) -> OpenSessionRequest | None:
-        if (info.data.get("session_id") is None) == (value is None):
-            raise ValueError("send exactly one of session_id (a session already open) and open (the session to open)")
-        return value
-
-
 class JoinRequest(_Strict):
     """A trainer rank joins a session, declaring its device: it then feeds the engine TP ranks on that device."""
 
@@ -344,12 +318,6 @@ class ChunkAckReply(BaseModel):
 class CommitRequest(_Strict):
     num_chunks: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)] | None = Field(
         None, description="chunks the trainer sent; checked against the engines'")
-
-
-class ChannelCommit(_Strict):
-    """A chunk-channel frame ``{"commit": {...}}``: commit the connection's session, as ``POST .../commit``."""
-
-    commit: CommitRequest
 
 
 class AbortRequest(_Strict):

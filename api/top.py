@@ -125,6 +125,20 @@ def _fit_table(title: str, columns: list[_Column], rows: list[list[Any]], width:
     return table
 
 
+def _header(items: list[Any], width: int) -> Any:
+    """The header's items (a label with its value), packed into lines of ``width``: a line breaks only between
+    items, so a label never sits apart from its value; an item wider than a line wraps on a line of its own."""
+    from rich.text import Text
+
+    lines: list[Text] = []
+    for item in items:
+        if lines and lines[-1].cell_len + 2 + item.cell_len <= width:
+            lines[-1].append("  ").append_text(item)
+        else:
+            lines.append(item.copy())
+    return Text("\n").join(lines)
+
+
 def render(snap: Snapshot) -> Any:
     """A rich renderable of one frame; it lays itself out for the console's width when printed."""
     return _Frame(snap)
@@ -149,17 +163,17 @@ def _layout(snap: Snapshot, width: int) -> Any:
     node = st.get("node", {})
     policy = st.get("policy") or {}
     busy = st.get("busy_with")
-    # Words the header may wrap between; each value stays whole.
-    head = Text.assemble(
-        ("colocd ", "bold"), (snap.url, "cyan"), "  ",
-        ("phase ", "dim"), (str(node.get("phase")), "bold magenta"),
-        ("  step ", "dim"), (str(node.get("step")), "bold"),
-        ("  daemon ", "dim"), (str(st.get("lifecycle")), "green" if st.get("lifecycle") == "running" else "red"),
-        ("  busy ", "dim"), (busy or "idle", "yellow" if busy else "dim"),
-        ("  policy ", "dim"), (f"{policy.get('process_groups', '?')}/{policy.get('pipeline', '?')}/"
-                               f"{policy.get('cleanup', '?')} v{policy.get('version', '?')}", ""),
-        ("  ", ""), (time.strftime("%H:%M:%S", time.localtime(snap.taken_at)), "dim"),
-    )
+    head = _header([
+        Text.assemble(("colocd ", "bold"), (snap.url, "cyan")),
+        Text.assemble(("phase ", "dim"), (str(node.get("phase")), "bold magenta")),
+        Text.assemble(("step ", "dim"), (str(node.get("step")), "bold")),
+        Text.assemble(("daemon ", "dim"),
+                      (str(st.get("lifecycle")), "green" if st.get("lifecycle") == "running" else "red")),
+        Text.assemble(("busy ", "dim"), (busy or "idle", "yellow" if busy else "dim")),
+        Text.assemble(("policy ", "dim"), (f"{policy.get('process_groups', '?')}/{policy.get('pipeline', '?')}/"
+                                           f"{policy.get('cleanup', '?')} v{policy.get('version', '?')}", "")),
+        Text(time.strftime("%H:%M:%S", time.localtime(snap.taken_at)), "dim"),
+    ], inner)
 
     engine_cols = [_Column("engine", 0), _Column("healthy", 0), _Column("generation", 1), _Column("weights", 2),
                    _Column("version", 1), _Column("restarts", 1, "right"), _Column("protocol", 4),

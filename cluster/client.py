@@ -36,9 +36,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
-from ..api.client import AsyncColocdClient, ColocdHTTPError
+from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
 
 __all__ = ["ClusterClient", "ClusterStepError", "NodeFailure", "NodeResult", "StepResult", "failure_of"]
 
@@ -122,7 +120,7 @@ def failure_of(node_id: str, exc: BaseException) -> NodeFailure:
         body = exc.body
         return NodeFailure(node_id, str(body.get("error") or exc.error), str(body.get("message") or exc),
                            exc.status, body.get("engine") or None)
-    if isinstance(exc, httpx.TransportError):
+    if isinstance(exc, DaemonUnreachable):
         return NodeFailure(node_id, "DaemonUnreachable", f"{type(exc).__name__}: {exc}".rstrip(": "))
     if isinstance(exc, TimeoutError):
         return NodeFailure(node_id, "Timeout", str(exc) or "no answer within the cluster client's deadline")

@@ -25,6 +25,7 @@ from prometheus_client import (
 )
 
 from .. import __version__
+from .memory import Settled
 
 __all__ = ["Metrics"]
 
@@ -34,6 +35,8 @@ TRANSITION_OUTCOMES = ("ok", "rejected", "failed", "replayed")
 SESSION_OUTCOMES = ("committed", "aborted", "failed", "expired")
 RECONCILE_ACTIONS = ("adopt", "pause", "release", "end_engine_session", "fail_session")
 FALLBACK_KINDS = ("process_groups", "weight_sync")
+# What a weight push ran as, against what the policy asked for: async falls back to sync, never the reverse.
+WEIGHT_SYNC_MODES = (("sync", "sync"), ("async", "async"), ("async", "sync"))
 # The trainer-side work a trainer agent reports: cleanup.<CleanupAction>, process groups, its weight push.
 TRAINER_SUBSTEPS = ("cleanup.gc_collect", "cleanup.synchronize", "cleanup.empty_cache", "process_groups",
                     "weight_sync")
@@ -209,6 +212,9 @@ class Metrics:
         for phase in TRANSITION_PHASES:
             for engine in [*engines, "all"]:
                 self.phase_duration.labels(phase, engine)
+        for engine in engines:  # a manual sleep or resume is timed per engine only
+            self.phase_duration.labels("sleep", engine)
+            self.phase_duration.labels("resume", engine)
         self.phase_duration.labels("weights", "all")
         for outcome in SESSION_OUTCOMES:
             self.weight_session_duration.labels(outcome)
@@ -225,6 +231,8 @@ class Metrics:
             self.weight_sessions.labels(outcome)
         for kind in FALLBACK_KINDS:
             self.fallbacks.labels(kind)
+        for requested, mode in WEIGHT_SYNC_MODES:
+            self.weight_syncs.labels(requested, mode)
         for engine in engines:
             self.engine_restarts.labels(engine)
             for action in RECONCILE_ACTIONS:
@@ -232,6 +240,18 @@ class Metrics:
         for engine in launched:
             self.engine_launches.labels(engine)
             self.engine_launch_failures.labels(engine)
+
+    def declare_engine(self, engine: str, *, transports: Iterable[str], gpus: Iterable[str] | None) -> None:
+        """Export ``engine``'s weight and memory series at 0: chunks, bytes by each transport it loads, the bytes
+        its releases free by source (each of its GPUs where NVML reads them: ``gpus``; else the engine's own
+        report) and NVML's confirmation by criterion. Idempotent: the node repeats it as engines attach."""
+        self.weight_chunks.labels(engine)
+        for transport in transports:
+            self.weight_bytes.labels(engine, transport)
+        for source in ["engine"] if gpus is None else [f"gpu:{gpu}" for gpu in gpus]:
+            self.freed_bytes.labels(engine, source)
+        for criterion in Settled:
+            self.memory_confirm.labels(engine, criterion.value)
 
     def observe_phase(self, phase: str, engine: str, seconds: float) -> None:
         """One transition's time on ``engine`` ('all': the node): the histogram and the last-value gauge."""

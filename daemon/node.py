@@ -15,16 +15,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpx
 
-from ..engines.base import EngineAdapter, EngineInfo, MemoryTag, PauseMode
+from ..engines.base import EngineAdapter, MemoryTag, PauseMode
 from ..engines.registry import build_adapter
-from ..http1 import Http1Transport
 from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
 from .distributed import WeightGroups
@@ -66,27 +64,6 @@ log = logging.getLogger("colocd.daemon")
 ENGINE_KEEPALIVE_S = 2.0
 
 
-class _StatusInputs(NamedTuple):
-    """Everything ``status()`` shows, read once: the snapshot is built from these alone, so they are also the
-    key that says whether the last snapshot still holds. Recorded states are immutable and replaced on change
-    (identity or equality compares them); the change counter covers what is edited in place."""
-
-    changes: int
-    lifecycle: DaemonState
-    node: NodeState
-    busy_with: str | None
-    engines: tuple[tuple[str, EngineRecord, EngineInfo | None], ...]
-    session: dict[str, Any] | None
-    unreconciled: tuple[str, ...]
-    startup: dict[str, Any] | None
-    reports: tuple[tuple[str, dict[str, Any]], ...]
-    launched: tuple[tuple[str, dict[str, Any] | None], ...]  # per engine: colocd's launch of it, if any
-    active_policy: PolicySet
-    pending_policy: PolicySet | None
-    nvml: bool
-    versions: dict[str, Any]
-
-
 class Daemon:
     """Async context manager; ``async with Daemon(config) as d: await d.transitions.transition(...)``.
     Callers use each concern directly (``d.transitions``, ``d.sessions``); the facade holds only what spans them."""
@@ -113,9 +90,6 @@ class Daemon:
         self.journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
-        # Reads are served from snapshots: changed() marks what status() and /metrics show as stale.
-        self._changes = 0
-        self._status_cache: tuple[_StatusInputs, bytes] | None = None
         self.sync = EngineSync(self)  # the one path that drives engines (daemon/sync.py)
         self.engine_lifecycle = EngineLifecycle(self, self.sync)
         self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics),
@@ -133,8 +107,9 @@ class Daemon:
             raise RuntimeError(f"cannot open a daemon that is {self.lifecycle.value}")
         # Long read timeouts: weight, release and resume calls hold engine locks and barriers;
         # the daemon's own per-step deadlines (asyncio.timeout) bound them.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=ENGINE_KEEPALIVE_S)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False,
-                                         transport=Http1Transport(keepalive_expiry=ENGINE_KEEPALIVE_S))
+                                         transport=httpx.AsyncHTTPTransport(limits=limits))
         await self.launches.start()  # a no-op if `colocd serve` already did it
         for cfg in self.launches.configs():  # launched engines now carry their URL
             adapter = self._given_adapters.get(cfg.name) or build_adapter(cfg, self._client)
@@ -282,33 +257,29 @@ class Daemon:
         return {"rank": report.rank, "recorded": True}
 
     def changed(self) -> None:
-        """State or metrics changed in a way the recorded states cannot show (counters, chunk stats)."""
-        self._changes += 1
+        """Metrics changed: the next /metrics scrape renders them again."""
         self.metrics.changed()
 
-    def _status_inputs(self) -> _StatusInputs:
-        sync = self.sync
-        session = self.sessions.current
-        return _StatusInputs(
-            self._changes, self.lifecycle, self.node, self.busy_with,
-            tuple((n, e.state, e.info) for n, e in self.engines.items()),
-            session.stats() if session is not None else None,
-            tuple(sorted(sync.unreconciled)), self.engine_lifecycle.startup_report, tuple(sync.reports.items()),
-            tuple((n, self.launches.snapshot(n)) for n in self.engines),
-            self.policies.active, self.policies.store.pending, self.probe is not None,
-            self.versions.snapshot(self.policies.active.sync.staleness_bound, self.policies.active.sync.mode,
-                                   ((n, e.state.weight_version) for n, e in self.engines.items())))
-
-    def status_json(self) -> bytes:
-        """``status()`` as JSON bytes, rebuilt only when one of its inputs changed (GET /v1/status)."""
-        inputs = self._status_inputs()
-        cached = self._status_cache
-        if cached is None or cached[0] != inputs:  # tuple equality tries identity first, element by element
-            cached = self._status_cache = (inputs, json.dumps(_render_status(inputs)).encode())
-        return cached[1]
-
     def status(self) -> dict[str, Any]:
-        return _render_status(self._status_inputs())
+        """What GET /v1/status answers: the node, every engine's record, the session, reconcile, policy, versions."""
+        sync, session = self.sync, self.sessions.current
+        active = self.policies.active
+        return {
+            "lifecycle": self.lifecycle.value,
+            "node": self.node.snapshot(),
+            "busy_with": self.busy_with,
+            "engines": {n: {**e.state.status(), "protocol": e.info.protocol if e.info else None,
+                            "engine_version": e.info.version if e.info else None,
+                            "launched": self.launches.snapshot(n)}
+                        for n, e in self.engines.items()},
+            "weight_session": session.stats() if session is not None else None,
+            "reconcile": {"unreconciled": sorted(sync.unreconciled), "startup": self.engine_lifecycle.startup_report,
+                          "last": dict(sync.reports)},
+            "policy": self.policy_view(),
+            "nvml": self.probe is not None,
+            "versions": self.versions.snapshot(active.sync.staleness_bound, active.sync.mode,
+                                               ((n, e.state.weight_version) for n, e in self.engines.items())),
+        }
 
     def ready(self) -> tuple[bool, list[str]]:
         problems = self.engine_lifecycle.unready_reasons()
@@ -349,25 +320,7 @@ class Daemon:
             for tag in engine.state.owned_tags:
                 m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
             m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
+            m.declare_engine(name, transports=sorted(t.value for t in engine.adapter.transports),
+                             gpus=[str(g) for g in engine.gpus] if self.probe is not None and engine.gpus else None)
         refresh_gpu_metrics(m, self.probe, self.engines.values())
         self.changed()
-
-
-def _render_status(i: _StatusInputs) -> dict[str, Any]:
-    """The status snapshot, from its inputs only (so they are its cache key)."""
-    active, pending = i.active_policy, i.pending_policy
-    policy = {**active.info(), "source": active.source, "document": active.as_document(),
-              "pending": pending.info() if pending is not None else None}
-    return {
-        "lifecycle": i.lifecycle.value,
-        "node": i.node.snapshot(),
-        "busy_with": i.busy_with,
-        "engines": {n: {**state.snapshot(), "protocol": info.protocol if info else None,
-                        "engine_version": info.version if info else None, "launched": launched}
-                    for (n, state, info), (_, launched) in zip(i.engines, i.launched, strict=True)},
-        "weight_session": i.session,
-        "reconcile": {"unreconciled": list(i.unreconciled), "startup": i.startup, "last": dict(i.reports)},
-        "policy": policy,
-        "nvml": i.nvml,
-        "versions": i.versions,
-    }

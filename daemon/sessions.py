@@ -143,7 +143,7 @@ class WeightSessions:
         """
         d = self._d
         # The session's trace starts before the node's lock, so its spans cover the whole open (the breakdown
-        # of `colocd bench weights`); the step it names is the node's, as the check below requires.
+        # of `benchmarks.weights`); the step it names is the node's, as the check below requires.
         trace = Trace(d.node.step, "weights")
         at_begin = all(_observes_at_begin(e) for e in d.engines.values())
         async with d.exclusive("open_weights", observe=not at_begin):
@@ -272,7 +272,7 @@ class WeightSessions:
         return joined.to_json()
 
     def note_trainer_pid(self, session_id: str, pid: int) -> None:
-        """``pid`` is the open session's trainer (declared at join, or its chunk channel's peer)."""
+        """``pid`` is the open session's trainer (declared at join)."""
         session = self.get(session_id)
         if session.state is SessionState.OPEN:
             session.trainer_pids.add(pid)

@@ -19,6 +19,7 @@ from .errors import EngineUnreachable, SessionGone, TransitionRejected
 __all__ = [
     "NEXT_PHASE",
     "SESSION_MOVES",
+    "UNKNOWN",
     "Attachment",
     "DaemonState",
     "EngineRecord",
@@ -84,6 +85,10 @@ class WeightsState(StrEnum):
     CLEAN = "clean"  # the committed version, byte for byte
     UPDATING = "updating"  # a weight session is open; contents are mixed
     STALE = "stale"  # released and resumed without a full update, an update was abandoned, or the engine restarted
+
+
+# What status shows for a field of an engine that does not answer: the daemon cannot tell (EngineRecord.status).
+UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +187,18 @@ class EngineRecord:
             "last_error": self.last_error,
             "incarnation": self.incarnation,
         }
+
+    def status(self) -> dict[str, object]:
+        """``snapshot()`` as ``/v1/status`` shows it: while the engine does not answer, what it serves and holds
+        now is not known (it may have died, or restarted empty), so those fields say ``unknown`` and
+        ``last_known`` keeps what the record said when it last answered."""
+        snapshot = self.snapshot()
+        if self.healthy:
+            return snapshot
+        known = ("generation", "weights", "weight_version", "tags")
+        return {**snapshot, "generation": UNKNOWN, "weights": UNKNOWN, "weight_version": None,
+                "tags": {t.value: UNKNOWN for t in self.owned_tags},
+                "last_known": {k: snapshot[k] for k in known}}
 
 
 @dataclass(frozen=True, slots=True)

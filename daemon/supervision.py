@@ -58,6 +58,7 @@ __all__ = ["Backoff", "EngineSupervision", "LaunchState", "LaunchedEngine"]
 
 log = logging.getLogger("colocd.supervision")
 
+SHM_NOTE_S = 5.0  # how often a launched engine's /dev/shm files are noted while it runs
 Launcher = Callable[[AnyEngineConfig, LaunchOptions], Awaitable[Launched]]
 Answers = Callable[[str], Awaitable[bool]]  # does something serve HTTP at this URL?
 
@@ -352,7 +353,10 @@ class EngineSupervision:
     async def _watch(self, engine: LaunchedEngine, on_relaunch: Callable[[str], Awaitable[None]]) -> None:
         while True:
             assert engine.process is not None
-            engine.last_exit = await engine.process.wait_exit()
+            engine.last_exit = await self._until_exit(engine.process)
+            if isinstance(engine.process, ManagedProcess):
+                # What is left of the group (children of a crashed leader) goes, and the /dev/shm files it left.
+                await engine.process.stop(engine.grace_s)
             uptime = time.monotonic() - engine.up_since if engine.up_since is not None else None
             engine.up_since = None
             emit("engine_exited", logging.WARNING, engine=engine.name, pid=engine.process.pid,
@@ -368,6 +372,20 @@ class EngineSupervision:
             except Exception:  # the health loop reconciles it again; the watcher must keep watching
                 log.exception("engine %s: reconcile after relaunch failed", engine.name,
                               extra={"colocd": {"event": "reconcile", "engine": engine.name, "session": None}})
+
+    @staticmethod
+    async def _until_exit(process: ManagedProcess | AdoptedProcess) -> int | None:
+        """Wait for the process to exit, noting the ``/dev/shm`` files its group maps meanwhile (a crash gives no
+        moment to note them)."""
+        exited = asyncio.ensure_future(process.wait_exit())
+        try:
+            while not exited.done():
+                if isinstance(process, ManagedProcess):
+                    await asyncio.to_thread(process.note_shm)
+                await asyncio.wait({exited}, timeout=SHM_NOTE_S)
+            return exited.result()
+        finally:
+            exited.cancel()
 
     async def _relaunch(self, engine: LaunchedEngine, uptime: float | None) -> None:
         """Relaunch until one is ready, backing off between attempts."""

@@ -26,6 +26,7 @@ from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.model import QwenLikeConfig, build_model
 from ..engines.reference.tokenizer import BOS_ID
+from ..timeline import MatplotlibMissing, render_timeline
 from ..trainer.agent import TrainerAgent
 from ..trainer.push import WeightPusher
 
@@ -101,8 +102,6 @@ async def _append_scrape(path: str, step: int, exposition: str) -> None:
 
 
 async def _draw_last_step(client: AsyncColocdClient, step: int, out: str) -> None:
-    from ..bench.timeline import MatplotlibMissing, render_timeline
-
     traces = await client.trace(step)
     try:
         await asyncio.to_thread(render_timeline, traces, out, step=step)

@@ -403,7 +403,7 @@ def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
     """``dst.copy_(src)`` for every pair, queued on the current stream, at memcpy bandwidth for large tensors.
 
     Why not one ``torch._foreach_copy_`` for everything: its multi-tensor-apply kernel moves large
-    tensors well below memcpy bandwidth (``colocd bench weights`` prints both, measured in the same
+    tensors well below memcpy bandwidth (``benchmarks.weights`` prints both, measured in the same
     process), and large tensors are few, so their launches cost little next to their bytes.
     """
     small_dsts, small_srcs = [], []

@@ -14,9 +14,8 @@ whose pid means nothing here. Segments of other users are left alone (we could n
 
 The daemon also unlinks what an uncommitted weight session's chunks named (``unlink_session_segments``),
 but only segments it can prove are that session's trainer's: colocd's naming and either a pid the trainer
-proved (the kernel's peer credentials of its chunk channel, or the pid a rank declared when it joined) or
-a dead creator as above. Any other file a chunk names is left alone: a caller with the token must not be
-able to delete another program's shared memory by naming it.
+proved (the pid a rank declared when it joined) or a dead creator as above. Any other file a chunk names is left
+alone: a caller with the token must not be able to delete another program's shared memory by naming it.
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ def unlink_session_segments(names: Iterable[str], trainer_pids: Collection[int],
     """Unlink, of the segments an uncommitted session's chunks named, those provably its trainer's; returns them.
 
     A name must be colocd's (``<prefix>-<pid>-<hex>``) and its pid one of ``trainer_pids`` (what the trainer
-    proved: its chunk channel's peer pid, the pid its ranks declared at join), or its creator must be dead
+    proved: the pid its ranks declared at join), or its creator must be dead
     and unlocked (``reclaim_dead_segments``' rule). Anything else named is left where it is.
     """
     unlinked = []

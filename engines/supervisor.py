@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from .errors import EngineError
 from .logtail import read_tail
+from .shm_files import GroupShmFiles
 from .tether import TETHER_ENV, tether_prefix
 
 __all__ = [
@@ -188,6 +189,7 @@ class ManagedProcess:
         self._popen: subprocess.Popen[bytes] | None = None
         self._on_spawn = on_spawn
         self.started_at: float | None = None  # time.monotonic() of spawn
+        self.shm: GroupShmFiles | None = None  # what the group maps in /dev/shm; reclaimed when it is stopped
 
     # --- facts -----------------------------------------------------------------------------------
 
@@ -244,6 +246,7 @@ class ManagedProcess:
         finally:
             os.close(fd)  # the child holds its own copy
         self.started_at = time.monotonic()
+        self.shm = GroupShmFiles(self._popen.pid)
         fields = {"event": "process_started", "engine": self.name if "engine" in self.label else None,
                   "session": None, "pid": self._popen.pid, "log": str(self.log_path) if self.log_path else None}
         log.info("%s %s: started pid %d, logs in %s", self.label, self.name, self._popen.pid, self.log_path,
@@ -287,6 +290,7 @@ class ManagedProcess:
             async with asyncio.timeout(deadline_s):
                 while True:
                     if (value := await probe()) is not None:
+                        await asyncio.to_thread(self.note_shm)  # what it made starting up, should it crash
                         return value
                     await asyncio.wait({exited}, timeout=POLL_S)  # wakes at once if the child exits
                     if exited.done():
@@ -306,6 +310,7 @@ class ManagedProcess:
         deadline = time.monotonic() + deadline_s
         while True:
             if (value := probe()) is not None:
+                self.note_shm()  # what it made starting up, should it crash
                 return value
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -316,17 +321,24 @@ class ManagedProcess:
 
     # --- stop ------------------------------------------------------------------------------------
 
+    def note_shm(self) -> None:
+        """Note the ``/dev/shm`` files the group maps or holds open now (``engines/shm_files.py``): its owner calls
+        this while it runs, so what a crash leaves is known; ``stop`` calls it before it signals."""
+        if self.shm is not None:
+            self.shm.note()
+
     async def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the group, SIGKILL it after ``grace_s``; the exit status (None if never started).
 
         Returns only once the leader is reaped and the group is gone, so a successor never
-        overlaps it. Idempotent. If cancelled meanwhile, the group is killed before the cancel
-        goes on: no child outlives its owner.
+        overlaps it, and the ``/dev/shm`` files the group left are unlinked (``note_shm``). Idempotent.
+        If cancelled meanwhile, the group is killed before the cancel goes on: no child outlives its owner.
         """
         proc = self._popen
         if proc is None:
             return None
         try:
+            await asyncio.to_thread(self.note_shm)
             if proc.poll() is None:
                 signal_group(proc.pid, signal.SIGTERM)
                 try:
@@ -345,6 +357,8 @@ class ManagedProcess:
         except BaseException:
             signal_group(proc.pid, signal.SIGKILL)
             raise
+        if self.shm is not None:
+            await asyncio.to_thread(self.shm.reclaim)
         return proc.returncode
 
     def stop_sync(self, grace_s: float = 10.0) -> int | None:
@@ -353,6 +367,7 @@ class ManagedProcess:
         if proc is None:
             return None
         try:
+            self.note_shm()
             if proc.poll() is None:
                 signal_group(proc.pid, signal.SIGTERM)
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -365,6 +380,8 @@ class ManagedProcess:
         except BaseException:
             signal_group(proc.pid, signal.SIGKILL)
             raise
+        if self.shm is not None:
+            self.shm.reclaim()
         return proc.returncode
 
     def _require(self) -> subprocess.Popen[bytes]:

@@ -89,7 +89,7 @@ class OverlapPolicy(PipelinePolicy):
 
     name: ClassVar[str] = "overlap"
 
-    # The defaults are the tuned preset of `colocd bench switch` (overlap2@4096), the fastest measured on
+    # The defaults are the tuned preset of `benchmarks.switch` (overlap2@4096), the fastest measured on
     # one H200 that keeps no trainer memory through the rollout; the memory guard shrinks the buckets
     # where 2 x 4 GiB do not fit in free GPU memory.
     class Config(_BucketConfig):

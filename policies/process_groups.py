@@ -142,7 +142,7 @@ class WaitConfig(PolicyConfig):
 
 class CanaryConfig(PolicyConfig):
     canary_timeout_s: float = Field(
-        _DEFAULT_CANARY_S, gt=0, le=3600, description="bound on each canary all-reduce after the pause"
+        _DEFAULT_CANARY_S, ge=0.1, le=3600, description="bound on each canary all-reduce after the pause"
     )
 
 

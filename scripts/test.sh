@@ -42,8 +42,9 @@ else
 fi
 "${PY}" scripts/import_all.py
 
-# Types: mypy --strict over the package (settings in pyproject.toml). `-p colocd` needs a folder named
-# colocd, which a checkout is not; a link in a temporary directory gives it that name.
+# Types: mypy --strict over the package and the benches beside it (settings in pyproject.toml). `-p colocd` needs a
+# folder named colocd, which a checkout is not; a link in a temporary directory gives it that name, and benchmarks/ in
+# it is checked as colocd.benchmarks (its modules import the product absolutely and each other relatively).
 # The cache lives outside the checkout, so a fresh clone on the same machine (CI's) starts warm: ~1.5 s instead of
 # ~50 s cold. mypy revalidates every cached module against its source (size, mtime, then hash), so it is never stale.
 mypy_cache="${COLOCD_MYPY_CACHE:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/colocd/mypy}"

@@ -25,14 +25,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy" / "examples"))
 from layouts import ShardedModel, trained_weights  # the example's FSDP stand-in
 
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
 from colocd.trainer.push import WeightPusher
 
 GROUPS = {"world": None, "pair": [0, 1]}  # process groups every rank builds at start
@@ -85,7 +84,7 @@ async def _stream(rank: int, command: dict[str, Any], groups: dict[str, Any]) ->
         try:
             chunks, nbytes = await pusher.stream(sid, source)
         except ColocdHTTPError as exc:
-            with contextlib.suppress(ColocdHTTPError, httpx.TransportError):
+            with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
                 await c.abort(sid)
             return {"ok": False, "status": exc.status, "body": exc.body, "join": pusher.last_join}
         return {"ok": True, "chunks": chunks, "nbytes": nbytes, "join": pusher.last_join,

@@ -33,7 +33,8 @@ from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
            "NvmlNode", "daemon_node", "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config",
-           "reference_engine", "request_body", "serve_app", "serve_lifespan", "shm_segments", "stop_engines"]
+           "reference_engine", "request_body", "serve_app", "serve_lifespan", "shm_files_in_use", "shm_left_behind",
+           "shm_segments", "stop_engines"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -153,6 +154,28 @@ def shm_segments(owner: int | str | None = None) -> set[str]:
     if not prefix.startswith("colocd-"):
         raise ValueError(f"{prefix!r} would match other processes' segments; pass a pid or 'colocd-<pid>-'")
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+def shm_files_in_use() -> set[str]:
+    """The names of the /dev/shm files any process this one can read maps or holds open now."""
+    in_use: set[str] = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                in_use.update(line.split("/dev/shm/", 1)[1].strip() for line in f if "/dev/shm/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    in_use.add(target.removeprefix("/dev/shm/"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return in_use
+
+
+def shm_left_behind(before: set[str]) -> set[str]:
+    """/dev/shm files that appeared since ``before`` (a listing) and that no process maps or holds open any more:
+    what something stopped meanwhile left behind. (Other programs' files are in use, or were there before.)"""
+    return set(os.listdir("/dev/shm")) - before - shm_files_in_use()
 
 
 @contextmanager

@@ -24,10 +24,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
-import httpx
 import torch
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError
+from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
 from ..engines.chunks import plan_chunks
 from ..engines.weight_group import WeightGroup, chunk_order, dtype_name, master_store, off_loop
 from .push import PushReport, manifest_of
@@ -82,7 +81,7 @@ class DistributedWeightSender:
             group, reply = await self._together(joining, http)
         except BaseException:
             joining.add_done_callback(_leave_when_joined)
-            with contextlib.suppress(ColocdHTTPError, httpx.TransportError):
+            with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
                 await self._client.close_weight_group(self.group_name)  # the daemon may have kept nothing
             raise
         self._group = group
@@ -135,7 +134,7 @@ class DistributedWeightSender:
             count, nbytes = await self.stream(sid, named)
             commit = await self._client.commit(sid)
         except BaseException:
-            with contextlib.suppress(ColocdHTTPError, httpx.TransportError):
+            with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
                 await self._client.abort(sid)  # the session may already have failed; the first error matters
             raise
         return PushReport(sid, version, count, nbytes, time.perf_counter() - t0, commit)
@@ -186,7 +185,7 @@ class DistributedWeightSender:
         """After a failure: have the daemon destroy the group, and leave it without waiting (a broadcast
         of ours may still be pending on it; it fails once the engines are gone)."""
         group, self._group = self._group, None
-        with contextlib.suppress(ColocdHTTPError, httpx.TransportError):
+        with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
             await self._client.close_weight_group(self.group_name)  # 404 if the daemon destroyed it already
         if group is not None:
             off_loop(group.close, name="colocd-trainer-leave")

@@ -13,28 +13,23 @@ import contextlib
 import itertools
 import logging
 import os
-import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from types import EllipsisType
 from typing import Any
 
-import httpx
 import torch
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError
+from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
 from ..engines.chunks import dtype_name, plan_chunks
 from ..engines.cuda_handles import device_uuid
 from ..engines.digest import DigestCache, tensor_digests
 from ..policies import AUTO_ORDER, Transport
-from .channel import ChannelClosed, ChunkChannel
 from .exported import ExportedPart, Producer
 from .leases import LEASE_GRACE_S, LeaseBook
 from .producer import PRODUCERS, producer_for
 
 __all__ = [
-    "CHANNEL_CHOICES",
     "DEFAULT_BUCKET_MB",
     "DEFAULT_DEPTH",
     "INLINE_BUCKET_MB",
@@ -46,7 +41,7 @@ __all__ = [
     "manifest_of",
 ]
 
-# The `tuned` preset of `colocd bench switch` (docs/benchmarks.md), as the daemon's default policy has it:
+# The `tuned` preset of `benchmarks.switch` (docs/benchmarks.md), as the daemon's default policy has it:
 # 2 chunks in flight of up to 4 GiB, fresh CUDA-IPC buckets on GPU (the fastest measured that keeps no
 # trainer memory through the rollout: a ring's slots and zero-copy's registered storages stay exported
 # until ``aclose()``, so they are opt-in), shared memory on CPU. Two 4 GiB buckets rather than three of 2 GiB:
@@ -98,10 +93,6 @@ def _staging_free_bytes(transport: str, device: torch.device) -> int | None:
 
 log = logging.getLogger("colocd.trainer")
 
-# auto: the chunk channel when the daemon advertises one and this process can reach it, else HTTP;
-# channel: the chunk channel or an error; http: always POST /v1/weights/sessions/{id}/chunks.
-CHANNEL_CHOICES = ("auto", "channel", "http")
-
 
 def manifest_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
     """The manifest a session declares at open: each tensor's name, dtype (torch short name) and shape."""
@@ -116,10 +107,6 @@ class PushReport:
     nbytes: int
     seconds: float
     commit: dict[str, Any]
-
-
-# How an open's body reaches the daemon and its reply comes back (``AsyncColocdClient.open_session``'s ``send``).
-_Send = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 # What one export gives: the chunk, the export's seconds and the digests' share of them (None: the plan is done).
@@ -157,9 +144,6 @@ class FirstExport:
     digests: bool
     buckets: Iterator[list[tuple[str, torch.Tensor]]]
     work: asyncio.Future[_Made]
-    # Set once the open is on the wire: until then the export's thread waits, so that it does not hold the GIL
-    # while the event loop writes the open (a thread switch can take up to sys.getswitchinterval(), 5 ms).
-    go: threading.Event
     taken: bool = False
 
     def matches(self, producer: Producer, bucket_bytes: int, join: dict[str, Any]) -> bool:
@@ -168,7 +152,6 @@ class FirstExport:
 
     async def take(self) -> _Made:
         self.taken = True
-        self.go.set()
         return await _exported(self.work)
 
     async def discard(self) -> None:
@@ -176,7 +159,6 @@ class FirstExport:
         if self.taken:
             return
         self.taken = True
-        self.go.set()
         try:
             made = await _exported(self.work)
         except Exception:
@@ -187,20 +169,16 @@ class FirstExport:
 
 @dataclass(frozen=True, slots=True)
 class PushSession:
-    """A one-rank session ``WeightPusher.open`` opened and joined: its id, the open reply, the chunk channel
-    that carries its chunks and its commit (None: HTTP), and the first chunk exported meanwhile (None: none
-    was). ``aclose`` closes the channel and releases that chunk if no stream sent it."""
+    """A one-rank session ``WeightPusher.open`` opened and joined: its id, the open reply, and the first chunk
+    exported meanwhile (None: none was). ``aclose`` releases that chunk if no stream sent it."""
 
     session_id: str
     reply: dict[str, Any]
-    channel: ChunkChannel | None
     first: FirstExport | None = None
 
     async def aclose(self) -> None:
         if self.first is not None:
             await self.first.discard()
-        if self.channel is not None:
-            await self.channel.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,10 +215,6 @@ class WeightPusher:
     collectives) and returns the chunk count every rank's plan has, with 0 bytes. ``last_join`` is the
     daemon's reply to the last join (``feeds``: the engine TP ranks this rank feeds).
 
-    ``channel`` picks how chunk descriptors travel (``CHANNEL_CHOICES``): by default over the daemon's
-    chunk channel (one Unix-socket connection per stream, ``colocd.trainer.channel``) when the session
-    advertises one, else over HTTP. Both are the same calls with the same acks and errors.
-
     Every exported buffer is a lease in ``leases`` (``colocd.trainer.leases``). When a stream fails, leases a
     consumer still counts are reclaimed once ``lease_grace_s`` has passed, before the error reaches the caller,
     and the producer's persistent ones at ``aclose()``: the trainer's memory is back either way, also when the
@@ -250,16 +224,12 @@ class WeightPusher:
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
                  bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
-                 slots: int | None = None, channel: str = "auto", device_id: str | None = None,
+                 slots: int | None = None, device_id: str | None = None,
                  lease_grace_s: float = LEASE_GRACE_S) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         if transport != "auto" and transport not in PRODUCERS:
             raise ValueError(f"unknown transport {transport!r}; known: auto, {', '.join(PRODUCERS)}")
-        if channel not in CHANNEL_CHOICES:
-            raise ValueError(f"channel must be one of {CHANNEL_CHOICES}, got {channel!r}")
-        self._channel = channel
-        self.last_path: str | None = None  # how the last stream's chunks travelled: "channel" or "http"
         self._client = client
         self._transport = transport
         # None: DEFAULT_BUCKET_MB, shrunk to what is free where the buckets are staged when the first
@@ -274,7 +244,7 @@ class WeightPusher:
         self._producer: Producer | None = None
         self._shape: tuple[str, int] = (transport, self._bucket_bytes or 0)  # (transport, bucket) in use
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
-        self.last_join_s = 0.0  # the last join (and its chunk channel's greeting), seconds; 0 in an open's greeting
+        self.last_join_s = 0.0  # the last join's round trip, seconds
         self.early_export_s = 0.0  # the last stream's first export, where it ran beside the open (FirstExport)
         self.leases = LeaseBook(rank)
         self._lease_grace_s = lease_grace_s
@@ -327,17 +297,17 @@ class WeightPusher:
         """Tell the daemon this rank's lease bytes, off the stream's path: one report in flight, the latest wins."""
         self._lease_report_due = True
         if self._lease_reporter is None or self._lease_reporter.done():
-            self._lease_reporter = asyncio.create_task(self._send_lease_reports())
+            self._lease_reporter = self._client.in_background(self._send_lease_reports())
 
     async def _send_lease_reports(self) -> None:
-        # After the call that follows the stream (its commit, over HTTP or on the channel), not beside it.
+        # After the call that follows the stream (its commit), not beside it.
         await self._client.idle()
         await self._committed.wait()
         while self._lease_report_due:
             self._lease_report_due = False
             try:
                 await self._client.report_leases(self.leases.report())
-            except (ColocdHTTPError, httpx.TransportError) as exc:  # a daemon without the route, or gone
+            except (ColocdHTTPError, DaemonUnreachable) as exc:  # a daemon without the route, or gone
                 log.debug("lease report not delivered: %s", exc)
                 return
 
@@ -351,12 +321,12 @@ class WeightPusher:
         session = await self.open(named, version=version, step=step, partial=partial)
         sid = session.session_id
         try:
-            chunks, nbytes = await self.stream(sid, named, session=session, commit=True)
+            chunks, nbytes = await self.stream(sid, named, session=session)
             commit = await self.commit(session, chunks)
         except BaseException as exc:
             try:
                 await self._client.abort(sid)
-            except (ColocdHTTPError, httpx.TransportError):
+            except (ColocdHTTPError, DaemonUnreachable):
                 pass  # the session may already be failed; the original error matters
             if self.leases.retained_bytes:  # e.g. an engine that died after its acks, before letting go
                 await self.leases.settle(f"session {sid} failed: {exc!r}", self._lease_grace_s)
@@ -368,39 +338,27 @@ class WeightPusher:
 
     async def open(self, named: list[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
                    partial: bool = False, declare: bool = True) -> PushSession:
-        """Open a session whose only rank is this process and join it (``push``'s first part): in the greeting of
-        the daemon's chunk channel where the client already knows its address (one Unix-socket round trip for
-        both), else over HTTP. ``declare``: the manifest of ``named`` is declared (``manifest_of``). The caller
-        calls ``aclose`` on what this returns (``push`` does).
+        """Open a session whose only rank is this process and join it (``push``'s first part). ``declare``: the
+        manifest of ``named`` is declared (``manifest_of``). The caller calls ``aclose`` on what this returns
+        (``push`` does).
 
         From the second stream on, the first chunk is exported meanwhile (``FirstExport``): the open's round trip
         and the engines' begin then hide one export."""
         manifest = manifest_of(named) if declare else None
         device = self.device_of(named)
-
-        async def open_session(send: _Send | None) -> dict[str, Any]:
-            return await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
-                                                   manifest=manifest, partial=partial, send=send)
-
         first = self._export_first(named)
         try:
-            channel = await self._open_on_channel(open_session, device, None if first is None else first.go.set)
-            if first is not None:
-                first.go.set()  # over HTTP (the channel could not open): the export goes beside that open
-            if channel is not None:
-                assert channel.opened is not None and channel.joined is not None
-                self.last_join, self.last_join_s = channel.joined, 0.0  # in the open's own round trip
-                return PushSession(channel.session_id, channel.opened, channel, first)
-            reply = await open_session(None)
+            reply = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
+                                                    manifest=manifest, partial=partial)
             sid = str(reply["session_id"])
             t1 = time.perf_counter()
             try:
-                channel = await self._join(sid, device, reply.get("chunk_channel"))
+                await self._join(sid, device)
             except BaseException as exc:
                 await self._abort(sid, exc)
                 raise
             self.last_join_s = time.perf_counter() - t1
-            return PushSession(sid, reply, channel, first)
+            return PushSession(sid, reply, first)
         except BaseException:
             if first is not None:
                 await first.discard()
@@ -420,64 +378,16 @@ class WeightPusher:
         producer.begin_stream(receiver)
         buckets = plan_chunks(iter(named), self._shape[1])
         self.leases.owner = "session (opening)"
-        go = threading.Event()
-
-        def export_once_the_open_is_sent() -> _Made:
-            go.wait()
-            return self._pull_and_export(producer, buckets, digests)
-
-        work = asyncio.ensure_future(asyncio.to_thread(export_once_the_open_is_sent))
-        return FirstExport(producer, self._shape[1], receiver, digests is not None, buckets, work, go)
+        work = asyncio.ensure_future(asyncio.to_thread(self._pull_and_export, producer, buckets, digests))
+        return FirstExport(producer, self._shape[1], receiver, digests is not None, buckets, work)
 
     async def commit(self, session: PushSession, chunks: int) -> dict[str, Any]:
-        """Commit ``session`` (``push``'s last part): on its chunk channel (collecting the reply of the commit a
-        ``stream(..., commit=True)`` sent there), else over HTTP."""
+        """Commit ``session`` (``push``'s last part)."""
         self._committed.clear()  # before the first await: a lease report pending from the stream waits for it
         try:
-            if session.channel is None:
-                return await self._client.commit(session.session_id, chunks)
-            early = session.channel.committing
-            try:
-                return await session.channel.commit(chunks)
-            except ColocdHTTPError as exc:
-                # A chunk sent again inline (its ring ref unknown) follows the early commit, which then finds a
-                # gap (422, the session stays open): every chunk is acked now, so commit again.
-                if not early or exc.status != 422 or exc.body.get("field") != "num_chunks":
-                    raise
-                return await session.channel.commit(chunks)
+            return await self._client.commit(session.session_id, chunks)
         finally:
             self._committed.set()
-
-    async def _open_on_channel(self, open_session: Callable[[_Send], Awaitable[dict[str, Any]]],
-                               device_id: str, sent: Callable[[], None] | None = None) -> ChunkChannel | None:
-        """The session ``open_session`` opens (the client's open, which declares the manifest by its reference
-        where it has one), opened and joined in a chunk channel's greeting; None where the client knows no channel
-        yet (its first open, the daemon's is off), ``channel="http"``, or the channel cannot (a restarted
-        daemon's socket is elsewhere, an older daemon): the open then goes over HTTP, whose reply says where the
-        channel is now. ``sent`` is called once the open is written to the channel."""
-        address = self._client.chunk_channel
-        if self._channel == "http" or address is None:
-            return None
-        opened: list[ChunkChannel] = []
-
-        async def greet(open_body: dict[str, Any]) -> dict[str, Any]:
-            channel = await ChunkChannel.connect(address, rank=self._rank, token=self._client.token,
-                                                 device_id=device_id, open_body=open_body, sent=sent)
-            opened.append(channel)
-            assert channel.opened is not None
-            return channel.opened
-
-        try:
-            await open_session(greet)
-            return opened[-1]
-        except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
-            log.debug("opening on chunk channel %s failed (%s); opening over HTTP", address, exc)
-        except ColocdHTTPError as exc:
-            if exc.status != 422 or exc.body.get("field") not in ("open", "session_id"):
-                raise  # the open itself was refused: as HTTP would have answered
-            log.debug("chunk channel %s cannot open sessions (%s); opening over HTTP", address, exc)
-        self._client.chunk_channel = None
-        return None
 
     def _shape_refused(self, accepted: list[str] | None) -> bool:
         """The engines (a join's ``transports``) do not load the transport ``auto`` chose for the producer."""
@@ -534,85 +444,34 @@ class WeightPusher:
         return await _exported(asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets,
                                                                        digests)))
 
-    async def _open_channel(self, session_id: str, address: str | EllipsisType | None,
-                            device_id: str) -> ChunkChannel | None:
-        """The chunk channel for this stream, joined on ``device_id`` in its greeting; None for HTTP
-        (``channel``'s rule)."""
-        if self._channel == "http":
-            return None
-        if address is ...:
-            # A rank that did not open the session asks where the daemon's channel is (one read).
-            address = (await self._client.session(session_id)).get("chunk_channel")
-        if address is None:
-            if self._channel == "channel":
-                raise ChannelClosed("the daemon advertises no chunk channel (listen.chunk_channel is off)")
-            return None
-        try:
-            return await self._connect(address, session_id, device_id)
-        except (OSError, TimeoutError) as exc:  # ChannelClosed is an OSError
-            if self._channel == "channel":
-                raise
-            # e.g. the daemon is reached over TCP from another mount namespace: same calls over HTTP.
-            log.warning("chunk channel %s unreachable (%s); sending chunks over HTTP", address, exc)
-            return None
+    async def _join(self, session_id: str, device_id: str) -> None:
+        """Join the session on ``device_id`` (``POST .../join``); sets ``last_join``."""
+        self.last_join = await self._client.join_session(session_id, rank=self._rank, device_id=device_id)
 
-    async def _connect(self, address: str, session_id: str, device_id: str) -> ChunkChannel:
-        try:
-            return await ChunkChannel.connect(address, session_id=session_id, rank=self._rank,
-                                              token=self._client.token, device_id=device_id)
-        except ColocdHTTPError as exc:
-            if exc.status != 422 or exc.body.get("field") != "device_id":
-                raise
-        # A daemon from before hellos could join refuses the field: greet without it and join over HTTP (which
-        # also answers a device_id that is wrong in itself, as before).
-        return await ChunkChannel.connect(address, session_id=session_id, rank=self._rank, token=self._client.token)
-
-    async def _join(self, session_id: str, device_id: str,
-                    address: str | EllipsisType | None) -> ChunkChannel | None:
-        """Join the session on ``device_id`` and open this stream's channel: one round trip on the channel
-        (its greeting joins), else ``POST .../join``. Sets ``last_join``; returns the channel or None (HTTP)."""
-        channel = await self._open_channel(session_id, address, device_id)
-        joined = channel.joined if channel is not None else None
-        if joined is None:  # HTTP, or a daemon whose greeting does not join
-            try:
-                joined = await self._client.join_session(session_id, rank=self._rank, device_id=device_id)
-            except BaseException:
-                if channel is not None:
-                    await channel.aclose()
-                raise
-        self.last_join = joined
-        return channel
-
-    async def _join_or_walk(self, session_id: str, device_id: str, address: str | EllipsisType | None,
-                            remaining: Iterator[tuple[str, torch.Tensor]]) -> ChunkChannel | None:
+    async def _join_or_walk(self, session_id: str, device_id: str,
+                            remaining: Iterator[tuple[str, torch.Tensor]]) -> None:
         """``_join``; if it fails, abort the session, walk the tensors (as a failed stream does), then raise."""
         t0 = time.perf_counter()
         try:
-            channel = await self._join(session_id, device_id, address)
+            await self._join(session_id, device_id)
         except Exception as exc:
             await self._abort(session_id, exc)
             await self._walk(remaining)
             raise
         self.last_join_s = time.perf_counter() - t0
-        return channel
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]], *,
-                     chunk_channel: str | EllipsisType | None = ...,
-                     session: PushSession | None = None, commit: bool = False) -> tuple[int, int]:
+                     session: PushSession | None = None) -> tuple[int, int]:
         """Join the session, then send this rank's part of every chunk; returns (chunks, bytes).
 
-        ``chunk_channel``: the address in the session-open reply (None: the daemon has none); left out,
-        the daemon is asked. A rank that feeds no engine rank (the join says ``streams: false``) sends
-        nothing and returns (the chunk count of the plan, 0).
+        A rank that feeds no engine rank (the join says ``streams: false``) sends nothing and returns (the chunk
+        count of the plan, 0).
 
         A chunk (or the join) that fails aborts the session at once, naming this rank's error (every other
         rank's stream then fails with it within a chunk); the stream still pulls every tensor left, so the
         ranks' collectives in ``named`` stay matched, and then raises the first error.
 
-        ``session``: what ``open`` opened and joined; the stream then sends on its channel (or over HTTP) without
-        joining again, and leaves the channel open for the commit. ``commit`` (``push``'s): on the session's
-        channel, the commit goes right behind the last chunk, before its ack, and ``commit()`` collects the
-        reply; a failed chunk fails that commit with the session."""
+        ``session``: what ``open`` opened and joined; the stream then sends without joining again."""
         # The iterator is pulled off the event loop, one item at a time: producing a tensor may be a collective
         # (FSDP's full_tensor, a TP all-gather) that waits for a slower rank, and the acks of this rank's chunks
         # in flight must keep flowing meanwhile (the slower rank's engine may be waiting for them).
@@ -620,43 +479,35 @@ class WeightPusher:
         # gather has already told the daemon its device); else the first tensor says where it is.
         items = iter(named)
         joined = session is not None
-        channel: ChunkChannel | None = session.channel if session is not None else None
         if not joined and self._device_id is not None:
-            channel = await self._join_or_walk(session_id, self._device_id, chunk_channel, items)
-        try:
-            # A list or tuple is already produced: its first item costs no thread hop (on a VM host one is
-            # ~0.2-0.5 ms on the push's critical path).
-            produced = isinstance(named, (list, tuple))
-            first = next(items, None) if produced else await asyncio.to_thread(next, items, None)
-            head = [first] if first is not None else []
-            named = itertools.chain(head, items)
-            if not joined and self._device_id is None:
-                channel = await self._join_or_walk(session_id, self.device_of(head), chunk_channel, items)
-            assert self.last_join is not None
-            early = session.first if session is not None else None
-            if not self.last_join["streams"]:
-                # No engine rank is on this rank's device: walk the tensors (they may be collectives the other
-                # ranks wait for) and count the plan's chunks, sending nothing.
-                if early is not None:
-                    await early.discard()
-                self.chunk_log = []
-                bucket_bytes = self._shape[1] if self._producer is not None else self._shape_for(head)[1]
-                buckets = plan_chunks(named, bucket_bytes)
-                count = 0
-                while await asyncio.to_thread(next, buckets, None) is not None:
-                    count += 1
-                await self._check_still_open(session_id)
-                return count, 0
-            self.last_path = "http" if channel is None else "channel"
-            return await self._stream(session_id, head, named, channel or self._client,
-                                      commit=commit and joined and channel is not None, first=early)
-        finally:
-            if channel is not None and not joined:
-                await channel.aclose()
+            await self._join_or_walk(session_id, self._device_id, items)
+        # A list or tuple is already produced: its first item costs no thread hop (on a VM host one is
+        # ~0.2-0.5 ms on the push's critical path).
+        produced = isinstance(named, (list, tuple))
+        first = next(items, None) if produced else await asyncio.to_thread(next, items, None)
+        head = [first] if first is not None else []
+        named = itertools.chain(head, items)
+        if not joined and self._device_id is None:
+            await self._join_or_walk(session_id, self.device_of(head), items)
+        assert self.last_join is not None
+        early = session.first if session is not None else None
+        if not self.last_join["streams"]:
+            # No engine rank is on this rank's device: walk the tensors (they may be collectives the other
+            # ranks wait for) and count the plan's chunks, sending nothing.
+            if early is not None:
+                await early.discard()
+            self.chunk_log = []
+            bucket_bytes = self._shape[1] if self._producer is not None else self._shape_for(head)[1]
+            buckets = plan_chunks(named, bucket_bytes)
+            count = 0
+            while await asyncio.to_thread(next, buckets, None) is not None:
+                count += 1
+            await self._check_still_open(session_id)
+            return count, 0
+        return await self._stream(session_id, head, named, first=early)
 
     async def _stream(self, session_id: str, head: list[tuple[str, torch.Tensor]],
-                      named: Iterable[tuple[str, torch.Tensor]],
-                      sender: AsyncColocdClient | ChunkChannel, *, commit: bool = False,
+                      named: Iterable[tuple[str, torch.Tensor]], *,
                       first: FirstExport | None = None) -> tuple[int, int]:
         if self._producer is not None and self._shape_refused(self._accepted()):
             if first is not None:
@@ -701,7 +552,7 @@ class WeightPusher:
             acked_at = t0
             try:
                 try:
-                    ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
+                    ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
                 except ColocdHTTPError as exc:
                     # The daemon holds no record of a ref this chunk named (it dropped the ring) and took
                     # nothing: the same chunk once more, with everything inline.
@@ -709,7 +560,7 @@ class WeightPusher:
                         raise
                     inline = ExportedPart(chunk.transport, chunk.nbytes, chunk.announce(), chunk.layout,
                                            digests=chunk.digests)
-                    ack = await sender.send_chunk(session_id, seq=seq, rank=self._rank, chunk=inline)
+                    ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=inline)
                 acked_at = time.perf_counter()
                 if chunk.acked is not None:
                     chunk.acked()
@@ -746,10 +597,6 @@ class WeightPusher:
                     break
                 if made is None:
                     window.release()
-                    if commit and not failure and isinstance(sender, ChunkChannel):
-                        # A lease report waits for the commit's reply, as behind ``commit()``.
-                        self._committed.clear()
-                        sender.send_commit(sent).add_done_callback(lambda _: self._committed.set())
                     break
                 chunk, export_s, digest_s = made
                 if failure:
@@ -807,7 +654,7 @@ class WeightPusher:
         reason = f"rank {self._rank} stopped: {type(error).__name__}: {detail}"
         try:
             await self._client.abort(session_id, reason)
-        except (ColocdHTTPError, httpx.TransportError) as exc:
+        except (ColocdHTTPError, DaemonUnreachable) as exc:
             log.debug("abort of session %s after rank %d's failure: %s", session_id, self._rank, exc)
 
     @staticmethod

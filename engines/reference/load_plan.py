@@ -6,7 +6,7 @@ its destination's, each source view's strides) is checked and computed on the fi
 kept. A later chunk of that shape costs its key, one typed view of its buffer, and per tensor one
 ``as_strided`` made as its copy is queued. On an H200, per Qwen3-8B push of 4 chunks: 0.4 ms to find the plans
 and about 1.6 ms of views among the copy launches, where slicing, viewing and reshaping every tensor took 5.6 ms
-before the first copy (``python3 -m colocd.bench.chunk_load``; docs/benchmarks.md).
+before the first copy (``python3 -m benchmarks.chunk_load``; docs/benchmarks.md).
 """
 
 from __future__ import annotations

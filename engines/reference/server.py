@@ -94,7 +94,7 @@ class _SessionCallTimer:
     """Benchmark mode: each weight-session call's seconds inside this app, from the ASGI call to the last
     body byte handed to the server (routing, body parse, validation, handler, reply encoding). Against the
     caller's own time for the call, the rest is outside the app: the caller's client, the HTTP server's
-    parse and write, the socket and the wake-ups (``/colocd/sink``'s ``calls``; ``colocd bench weights``)."""
+    parse and write, the socket and the wake-ups (``/colocd/sink``'s ``calls``; ``benchmarks.weights``)."""
 
     def __init__(self, app: ASGIApp, engine: ReferenceEngine) -> None:
         self._app = app

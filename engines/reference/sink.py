@@ -129,7 +129,7 @@ class WeightSink:
         self._kv: torch.Tensor | None = None
         self.resume_kv()
         # Seconds the last load_weights spent checking names/shapes and queueing the copies (the engine's
-        # per-stage breakdown of a load, shown by ``colocd bench weights``).
+        # per-stage breakdown of a load, shown by ``benchmarks.weights``).
         self.last_load: dict[str, float] = {}
 
     # Release/resume are called by the engine's MemoryRegions with its tags, on the model thread.

@@ -79,9 +79,8 @@ class VLLMAdapter:
         self._backend = config.weight_transfer_backend
         self._transfer_initialised = False
         self._extension: wire.ExtensionInfo | None = None  # rank 0's colocd_info at attach; None: no extension
-        # Wire-level memory, not engine state: /sleep re-pauses with its own ``mode`` (core.py:959-975),
-        # and "abort" would abort requests an earlier /pause?mode=keep froze. So a sleep reuses the
-        # mode of the pause this adapter issued last.
+        # Wire-level memory, not engine state: the mode of the pause this adapter issued last. /sleep re-pauses
+        # with its own ``mode`` (core.py:959-975); see ``_sleep_mode``.
         self._pause_mode: str | None = None
         # What attach read from the server: its version and the routes it answers (protocol.py).
         self._version = "unknown"
@@ -291,13 +290,20 @@ class VLLMAdapter:
             await self._call("POST", "/release_kv_cache_memory")
             return ReleaseReport(tags=(MemoryTag.KV_CACHE,))
         level = self._config.sleep_level
-        params = {"level": str(level), "mode": self._pause_mode or "abort"}
+        params = {"level": str(level), "mode": self._sleep_mode()}
         response = await self._call("POST", "/sleep", params=params)
         if response.content:  # vLLM 0.29 answers an empty 200 (wire.SleepReply)
             self._parse(wire.SleepReply, response, "/sleep")
         if level == 0:
             return ReleaseReport(tags=())
         return ReleaseReport(tags=(MemoryTag.WEIGHTS, MemoryTag.KV_CACHE))
+
+    def _sleep_mode(self) -> str:
+        """The mode of a sleep's own pause: ``keep`` after a pause that froze requests in place (``abort`` would
+        end them), else ``wait``. A sleep never aborts: a pause that had to (a reconcile's, on weights that are
+        not committed) already did, and requests queued since are held at the gate until the engine serves
+        again, as the node's pause mode wants; reusing that ``abort`` answered them with no tokens."""
+        return "keep" if self._pause_mode == "keep" else "wait"
 
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
         """POST /wake_up with exactly the vLLM tags asked for; cuda_graph has no vLLM tag.

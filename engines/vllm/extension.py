@@ -377,11 +377,17 @@ class ColocdWorkerExtension:
     def colocd_model_digest(self) -> dict[str, Any]:
         """SHA-256 over the served model's parameters as they sit in memory (vLLM names and layout).
 
-        On CPU the prepacked linear weights are empty tensors here, so this covers the rest only.
+        On CPU the prepacked linear weights are empty tensors here, so this covers the rest only. While a weight
+        update is under way the layers sit on the meta device, with no bytes to hash: the reply is then a refusal
+        (``refused``, in words) rather than an error, since vLLM answers any worker exception with a bare 500.
         """
+        params = sorted(self.model_runner.get_model().named_parameters(), key=lambda kv: kv[0])  # type: ignore[attr-defined]
+        if _STATE.active or any(p.is_meta for _, p in params):
+            return {"refused": "a weight update is under way on this worker: its layers hold no weights until the "
+                               "update ends (colocd_finish_update or /finish_weight_update); ask again then"}
         h = hashlib.sha256()
         n = empty = 0
-        for name, p in sorted(self.model_runner.get_model().named_parameters(), key=lambda kv: kv[0]):  # type: ignore[attr-defined]
+        for name, p in params:
             t = p.detach()
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
             if t.numel() == 0:

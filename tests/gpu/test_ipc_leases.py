@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from colocd.bench.ipc_reclaim import engine_kill_mid_push
+from benchmarks.ipc_reclaim import engine_kill_mid_push
 
 pytestmark = [pytest.mark.gpu]
 

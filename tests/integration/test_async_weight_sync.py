@@ -199,7 +199,7 @@ async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_la
         async def open_and_stream(version: str, step: int) -> tuple[str, int]:
             named = list(model.named_parameters())
             session = await node.client.open_session(version, step=step, ranks=1, manifest=manifest_of(named))
-            chunks, _ = await pusher.stream(session["session_id"], named, chunk_channel=session.get("chunk_channel"))
+            chunks, _ = await pusher.stream(session["session_id"], named)
             return session["session_id"], chunks
 
         # Synchronous (bound 0): the push of version 1 is streamed but not committed.
@@ -259,7 +259,7 @@ async def test_an_abandoned_push_is_withdrawn_and_re_pushing_the_last_committed_
         await node.client.phase("sync", 2)
         named = list(model.named_parameters())
         sid = (await node.client.open_session("2", step=2, ranks=1, manifest=manifest_of(named)))["session_id"]
-        await pusher.stream(sid, named[:2], chunk_channel=None)
+        await pusher.stream(sid, named[:2])
         with pytest.raises(ColocdHTTPError) as refused:
             await node.client.phase("rollout", 2)
         message = refused.value.body["message"]

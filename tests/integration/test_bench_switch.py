@@ -1,4 +1,4 @@
-"""``colocd bench switch`` on the CPU: the whole handoff per preset, every sync verified, the JSON's shape."""
+"""``python3 -m benchmarks.switch`` on the CPU: the whole handoff per preset, every sync verified, the JSON's shape."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from colocd.bench.switch import PRESETS, SwitchSettings, run_switch_bench
+from benchmarks.switch import PRESETS, SwitchSettings, run_switch_bench
 
 PHASES = ("resume_s", "sleep_s", "update_s", "wake_s", "switch_s")
 

@@ -6,8 +6,10 @@ idempotency and engine failures.
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -233,9 +235,50 @@ async def test_metrics_expose_phase_durations_and_weight_bytes(daemon: AsyncColo
     text = await daemon.metrics()
     assert 'colocd_phase_duration_seconds_count{engine="ref0",phase="train"} 1.0' in text
     nbytes = sum(p.numel() * p.element_size() for p in build_model(QwenLikeConfig(), seed=1).parameters())
-    line = next(ln for ln in text.splitlines() if ln.startswith("colocd_weight_bytes_total{"))
-    assert float(line.split()[-1]) >= nbytes
+    delivered = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("colocd_weight_bytes_total{")]
+    assert sum(delivered) >= nbytes
     assert 'colocd_transitions_total{outcome="ok",phase="rollout"} 1.0' in text
+
+
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+# What docs/metrics.md says appears later than the first scrape: engine calls at their first call, per-rank
+# families when the rank first reports.
+AT_FIRST_CALL = "colocd_substep_duration_seconds"
+STARTED = "colocd_engine_launches_total"  # the start-up's own launch: 1 (docs/metrics.md)
+
+
+def _documented_event_series() -> dict[str, dict[str, list[str]]]:
+    """Every counter and histogram docs/metrics.md's tables list: its labels, each with the values the doc
+    names for it (``outcome`` (`ok`, `rejected`) gives ok and rejected; a pattern such as `gpu:N` is left out)."""
+    text = METRICS_DOC.read_text()
+    assert f"`{AT_FIRST_CALL}`, appear at their first call" in text
+    assert "per-rank families (label `rank`) appear when the rank first reports" in text
+    found: dict[str, dict[str, list[str]]] = {}
+    for name, labels in re.findall(r"^\| `(colocd_\w+)` \| (?:counter|histogram) \| ([^|]*) \|", text, re.M):
+        found[name] = {label: re.findall(r"`([\w.]+)`", values)
+                       for label, values in re.findall(r"`(\w+)`(?:\s*\(([^)]*)\))?", labels)}
+    return found
+
+
+async def test_a_fresh_daemon_exports_every_documented_event_series_at_zero() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    documented = _documented_event_series()
+    assert {"colocd_weight_chunks_total", "colocd_memory_confirm_seconds"} <= set(documented)
+    engine = {"kind": "reference", "name": "ref0", "device": "cpu", "seed": 0, "launch": {"ready_timeout_s": 120}}
+    async with daemon_node([engine]) as node:
+        scraped = {f.name: f for f in text_string_to_metric_families(await node.client.metrics())}
+    for name, labels in documented.items():
+        if name == AT_FIRST_CALL or "rank" in labels:
+            continue
+        family = scraped.get(name.removesuffix("_total"))
+        assert family is not None and family.samples, f"{name} is not exported before its first event"
+        counts = [s for s in family.samples if not s.name.endswith("_created")]
+        assert all(s.value == (1 if name == STARTED else 0) for s in counts), f"{name} is not at 0: {counts}"
+        for label, values in labels.items():
+            exported = {s.labels.get(label) for s in counts}
+            wanted = {*values, *(["ref0"] if label == "engine" else [])}
+            assert wanted <= exported, f"{name}: {label} lacks {sorted(wanted - exported)} (has {sorted(exported)})"
 
 
 async def test_trace_is_served_as_json_and_chrome_events(daemon: AsyncColocdClient) -> None:

@@ -224,6 +224,19 @@ async def test_a_step_that_happened_on_the_engine_but_failed_on_the_wire_is_repo
         assert n.proxy.calls["/resume_memory_occupation"] == 1
 
 
+async def test_status_says_unknown_for_what_it_cannot_know_of_an_engine_that_stopped_answering() -> None:
+    # Its own engine: it dies. What status said before is kept as last_known; nothing of it is claimed as now.
+    async with reference_engine() as engine, node(engine, health_interval_s=0.05) as n:
+        assert (await n.client.status())["engines"]["ref0"]["weights"] == "clean"
+        assert engine.process is not None
+        await engine.process.stop(grace_s=0.1)
+        while (ref0 := (await n.client.status())["engines"]["ref0"])["healthy"]:  # noqa: ASYNC110 - the health
+            await asyncio.sleep(0.05)  # loop's next tick, bounded by node()'s deadline
+        assert (ref0["generation"], ref0["weights"], ref0["weight_version"]) == ("unknown", "unknown", None), ref0
+        assert set(ref0["tags"].values()) == {"unknown"}, ref0
+        assert ref0["last_known"]["generation"] == "serving" and ref0["last_known"]["weights"] == "clean", ref0
+
+
 async def test_right_after_a_chunk_failed_on_a_dead_engine_status_says_the_engine_is_unhealthy() -> None:
     from colocd.engines.reference.model import QwenLikeConfig, build_model
     from colocd.trainer.push import WeightPusher

@@ -1,10 +1,10 @@
 """A push's first chunk is exported while its session opens (``colocd.trainer.push.FirstExport``).
 
-From a pusher's second push on, ``WeightPusher.open`` exports the first chunk on a thread once the open is
-written, so the open's round trip and the engines' begin hide one export. That chunk is made under the
-last join's terms; it is sent only where this session's join says the same, and it is given back when the open
-fails. One reference engine process for the module, an in-process daemon per test, shm chunks (their segments
-in /dev/shm show what is still exported).
+From a pusher's second push on, ``WeightPusher.open`` exports the first chunk on a thread beside the open, so
+the open's round trip and the engines' begin hide one export. That chunk is made under the last join's terms; it
+is sent only where this session's join says the same, and it is given back when the open fails. One reference
+engine process for the module, an in-process daemon per test, shm chunks (their segments in /dev/shm show what is
+still exported).
 """
 
 from __future__ import annotations
@@ -20,13 +20,10 @@ import pytest
 import torch
 from support import DaemonNode, daemon_node, shm_segments
 
-from colocd.api import chunk_channel
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.api.session_calls import open_session
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.trainer.channel import ChunkChannel
 from colocd.trainer.exported import ExportedPart
 from colocd.trainer.producer import ShmProducer
 from colocd.trainer.push import PushReport, WeightPusher
@@ -114,39 +111,19 @@ async def test_from_the_second_push_on_the_first_chunk_is_exported_while_the_ope
         await _next_step(node.client, 2)
         began: list[bool] = []
 
-        async def open_once_an_export_began(d: Any, body: Any, address: str | None) -> dict[str, Any]:
-            # The daemon answers the open (on the chunk channel) only once the push's first export has begun:
-            # a pusher that exported only after the open's reply would leave this waiting out WAIT_S.
-            began.append(await asyncio.to_thread(exports.wait_past, first.chunks, WAIT_S))
-            return await open_session(d, body, address)
+        open_session = node.client.open_session
 
-        monkeypatch.setattr(chunk_channel, "open_session", open_once_an_export_began)
+        async def open_once_an_export_began(*args: Any, **kw: Any) -> dict[str, Any]:
+            # The open goes out only once the push's first export has begun: a pusher that exported only after
+            # the open's reply would leave this waiting out WAIT_S.
+            began.append(await asyncio.to_thread(exports.wait_past, first.chunks, WAIT_S))
+            return await open_session(*args, **kw)
+
+        monkeypatch.setattr(node.client, "open_session", open_once_an_export_began)
         named = _model(seed=32)
         report = await pusher.push(named, version="two", step=2)
     assert began == [True]
     assert exports.count == first.chunks + report.chunks  # the early export is the stream's first chunk
-    await _landed_verified(report, named, pooled_engine)
-
-
-async def test_the_first_export_waits_until_the_open_is_written(
-        pooled_engine: ReferenceEngineProcess, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    exports = Exports(monkeypatch)
-    async with _pushed_once(pooled_engine, tmp_path, seed=38) as (node, pusher, first):
-        await _next_step(node.client, 2)
-        connect = ChunkChannel.connect
-        before_hello: list[int] = []
-
-        async def connect_after_a_pause(*args: Any, **kwargs: Any) -> ChunkChannel:
-            # Time enough for a thread that did not wait to begin its export before the hello is written.
-            await asyncio.to_thread(exports.wait_past, first.chunks, 0.5)
-            before_hello.append(exports.count)
-            return await connect(*args, **kwargs)
-
-        monkeypatch.setattr(ChunkChannel, "connect", connect_after_a_pause)
-        named = _model(seed=39)
-        report = await pusher.push(named, version="two", step=2)
-    assert before_hello == [first.chunks]  # no export of this push had begun before its open went out
-    assert exports.count == first.chunks + report.chunks
     await _landed_verified(report, named, pooled_engine)
 
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ from support import daemon_node
 from colocd.daemon.config import ConfigError, load_node_config
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.policies.document import policy_json_schema
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -270,6 +272,63 @@ async def test_a_duration_that_is_not_a_number_is_400_naming_the_field(client: h
     assert (await client.get("/v1/policies")).json() == before
 
 
+def _durations() -> list[tuple[str, str, float, float]]:
+    """Every duration the policy schema declares: (its section's YAML, its dotted field, floor, ceiling); the
+    floor and the ceiling are 0 and inf where the schema leaves them out."""
+    defs = policy_json_schema()["$defs"]
+    found: dict[str, tuple[str, str, float, float]] = {}
+    for model in defs.values():
+        properties = model.get("properties", {})
+        policy = properties.get("policy", {}).get("const")
+        for name, prop in properties.items():
+            number = next((p for p in prop.get("anyOf", [prop]) if p.get("type") == "number"), None)
+            if not name.endswith("_s") or number is None:
+                continue
+            section = "timeouts" if model.get("title") == "Timeouts" else "process_groups"
+            head = f"{section}:\n" + (f"  policy: {policy}\n" if policy else "")
+            floor = float(number.get("minimum", number.get("exclusiveMinimum", 0.0)))
+            found[f"{section}.{name}"] = (head, f"{section}.{name}", floor, float(number.get("maximum", math.inf)))
+    return sorted(found.values(), key=lambda d: d[1])
+
+
+DURATIONS = _durations()
+
+
+@pytest.mark.parametrize("duration", DURATIONS, ids=[d[1] for d in DURATIONS])
+async def test_every_duration_in_the_policy_schema_has_a_floor_and_a_ceiling(
+        duration: tuple[str, str, float, float]) -> None:
+    _, field, floor, ceiling = duration
+    # A wait may be none at all; every other duration is a budget or an interval, and has a floor above 0.
+    assert floor > 0 or field.endswith("_wait_s"), f"{field} has no floor above 0"
+    assert math.isfinite(ceiling), f"{field} has no ceiling"
+
+
+@pytest.mark.parametrize("duration", DURATIONS, ids=[d[1] for d in DURATIONS])
+async def test_a_duration_outside_its_bounds_is_400_naming_the_field(
+        client: httpx.AsyncClient, duration: tuple[str, str, float, float]) -> None:
+    head, field, floor, ceiling = duration
+    before = (await client.get("/v1/policies")).json()
+    for value in (floor / 2 if floor > 0 else -1.0, 1e-9 if floor > 0 else -1e-9, ceiling * 2):
+        # Written as YAML 1.1 floats (PyYAML reads 1e-09 as a string).
+        document = f"apiVersion: colocd/v1\n{head}  {field.split('.')[1]}: {value:.6e}\n".encode()
+        body = _is_error(await client.put("/v1/policies", content=document), 400, field=field)
+        assert repr(value) in body["message"], body
+    assert (await client.get("/v1/policies")).json() == before
+
+
+async def test_a_health_interval_of_a_nanosecond_is_400_naming_its_floor(
+        client: httpx.AsyncClient) -> None:
+    document = b"apiVersion: colocd/v1\ntimeouts:\n  health_interval_s: 1.0e-9\n"
+    body = _is_error(await client.put("/v1/policies", content=document), 400, field="timeouts.health_interval_s")
+    assert "greater than or equal to 0.05" in body["message"], body
+
+
+async def test_the_health_interval_at_its_floor_is_accepted(client: httpx.AsyncClient) -> None:
+    floor = next(d[2] for d in DURATIONS if d[1] == "timeouts.health_interval_s")
+    document = f"apiVersion: colocd/v1\ntimeouts:\n  health_interval_s: {floor:.6e}\n".encode()
+    assert (await client.put("/v1/policies", content=document)).status_code == 200
+
+
 async def test_a_node_config_duration_that_is_a_boolean_is_refused_naming_the_key(tmp_path: Path) -> None:
     path = tmp_path / "node.yaml"
     path.write_text("timeouts:\n  chunk_s: true\n")
@@ -367,6 +426,14 @@ async def test_openapi_declares_the_error_statuses_with_the_error_model(client: 
     assert phase["409"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert phase["422"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody")
     assert "404" in spec["paths"]["/v1/weights/sessions/{session_id}/commit"]["post"]["responses"]
+
+
+async def test_openapi_declares_metrics_as_the_prometheus_text_it_serves(client: httpx.AsyncClient) -> None:
+    spec = (await client.get("/openapi.json")).json()
+    declared = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    served = (await client.get("/metrics")).headers["content-type"]
+    assert list(declared) == ["text/plain; version=0.0.4"], declared
+    assert served.startswith("text/plain; version=0.0.4"), served
 
 
 async def test_a_session_for_a_step_other_than_the_nodes_is_422_naming_step(

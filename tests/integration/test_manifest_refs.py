@@ -20,7 +20,6 @@ from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
-from colocd.trainer.channel import ChunkChannel
 from colocd.trainer.producer import producer_for
 from colocd.trainer.push import WeightPusher, manifest_of
 
@@ -220,30 +219,11 @@ async def test_the_sync_client_sends_the_reference_on_its_second_open() -> None:
 
 async def test_a_pushers_second_push_over_http_declares_its_manifest_by_reference() -> None:
     async with (_fronted() as (front, client, _),
-                WeightPusher(client, transport="shm", bucket_mb=0.02, channel="http") as pusher):
+                WeightPusher(client, transport="shm", bucket_mb=0.02) as pusher):
         await pusher.push(NAMED, version="v1")
         await pusher.push(NAMED, version="v2")
         assert "manifest" in front.opens[0]
         assert "manifest_ref" in front.opens[1] and "manifest" not in front.opens[1]
-        assert (await client.status())["engines"]["e0"]["weight_version"] == "v2"
-
-
-async def test_a_pushers_second_push_on_the_chunk_channel_declares_its_manifest_by_reference(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    greeted: list[dict[str, Any]] = []  # each open body a chunk channel's hello carried
-    connect = ChunkChannel.connect.__func__  # type: ignore[attr-defined]
-
-    async def recording(cls: type[ChunkChannel], address: str, **kw: Any) -> ChunkChannel:
-        if kw.get("open_body") is not None:
-            greeted.append(kw["open_body"])
-        return await connect(cls, address, **kw)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(ChunkChannel, "connect", classmethod(recording))
-    async with _fronted() as (front, client, _), WeightPusher(client, transport="shm", bucket_mb=0.02) as pusher:
-        await pusher.push(NAMED, version="v1")  # over HTTP, declaring the manifest: the reply names it
-        await pusher.push(NAMED, version="v2")  # on the channel the first open named
-        assert len(front.opens) == 1 and "manifest" in front.opens[0]
-        assert len(greeted) == 1 and "manifest_ref" in greeted[0] and "manifest" not in greeted[0]
         assert (await client.status())["engines"]["e0"]["weight_version"] == "v2"
 
 

@@ -179,6 +179,17 @@ async def test_top_once_renders_node_engines_steps_and_the_absence_of_nvml(
     assert "NVML not available" in frame
 
 
+@pytest.mark.parametrize("width", [80, 60])
+async def test_top_keeps_each_header_label_on_the_line_of_its_value(
+        node: dict[str, Any], capsys: pytest.CaptureFixture[str], width: int) -> None:
+    rc = await asyncio.to_thread(cli_main, ["top", "--once", "--width", str(width), "--url", node["url"]])
+    assert rc == 0
+    frame = capsys.readouterr().out
+    assert max(len(line) for line in frame.splitlines()) <= width, frame
+    for pair in (r"phase rollout", r"step 2", r"daemon running", r"busy idle", r"policy \S+/\S+/\S+ v\d+"):
+        assert re.search(pair, frame), f"{pair!r} is not on one line at {width} columns:\n{frame}"
+
+
 async def test_json_logs_have_one_parsable_line_per_transition(engine_pool: EnginePool) -> None:
     # colocd serve, not the module's daemon: the log format is the process's (its CLI sets up logging).
     engine = engine_pool.borrow("ref1")

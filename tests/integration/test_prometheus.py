@@ -209,7 +209,7 @@ async def run() -> AsyncIterator[Run]:
         named = list(model.named_parameters())
         opened = await client.open_session("v3", step=3, ranks=1, manifest=manifest_of(named))
         session = opened["session_id"]
-        await WeightPusher(client, bucket_mb=0.05).stream(session, named[:1], chunk_channel=opened.get("chunk_channel"))
+        await WeightPusher(client, bucket_mb=0.05).stream(session, named[:1])
         await poll(lambda: _session_state(client, session, "expired"), "the idle session to expire")
 
         os.kill(engine_pid, signal.SIGKILL)  # colocd relaunches it and reconciles the new process

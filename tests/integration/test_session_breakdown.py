@@ -9,7 +9,7 @@ import pytest
 import torch
 from support import InMemoryEngine
 
-from colocd.bench.session_breakdown import STAGES, breakdown
+from benchmarks.session_breakdown import STAGES, breakdown
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon

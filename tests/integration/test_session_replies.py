@@ -117,12 +117,11 @@ async def test_the_lease_report_after_a_stream_waits_for_the_commit_reply_instea
                     commits.append((t0, time.perf_counter()))
 
             pusher.commit = timed_commit  # type: ignore[method-assign]
-            await pusher.push(named, version="v1")  # opened over HTTP, committed on the chunk channel
-            assert pusher.last_path == "channel"
+            await pusher.push(named, version="v1")
             await client.phase("rollout", 1)
             await client.phase("train", 2)
             await client.phase("sync", 2)
-            await pusher.push(named, version="v2", step=2)  # opened and committed on the chunk channel
+            await pusher.push(named, version="v2", step=2)
         await client.idle()
     reports = [t for kind, path, t in log if kind == "in" and path == "/v1/trainer/leases"]
     assert reports, "the pusher reports its leases"

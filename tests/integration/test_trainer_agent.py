@@ -56,7 +56,9 @@ async def test_agent_keeps_groups_alive_and_reports_groups_and_cleanup_in_the_st
 async def test_overlapped_agent_destroys_groups_off_the_sync_path_and_reports_it_with_rollout(
         gloo_world: None, client: AsyncColocdClient) -> None:
     document = b"apiVersion: colocd/v1\nprocess_groups: {policy: destroy, post_destroy_wait_s: 0}\n"
-    await client._http.put("/v1/policies", headers={"Content-Type": "application/yaml"}, content=document)
+    async with client._session().put("/v1/policies", headers={"Content-Type": "application/yaml"},
+                                     data=document) as staged:
+        assert staged.status == 200, await staged.text()
     lifecycle = GroupLifecycle([GroupSpec("tp"), GroupSpec("dp")], agree_timeout_s=10, group_timeout_s=10)
     lifecycle.build()
     agent = TrainerAgent(client, groups=lifecycle, overlap_groups=True)

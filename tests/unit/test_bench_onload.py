@@ -1,12 +1,12 @@
-"""The switch bench's onload levers (bench/onload.py): each brings back exactly the state the offload took."""
+"""The switch bench's onload levers (benchmarks/onload.py): each brings back exactly the state the offload took."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from colocd.bench import onload as O
-from colocd.bench.offload import RankState
+from benchmarks import onload as O
+from benchmarks.offload import RankState
 
 SHAPES = [("embed.weight", (64, 32)), ("layers.0.mlp.gate_proj.weight", (48, 32)),
           ("layers.0.mlp.up_proj.weight", (48, 32)), ("layers.0.mlp.down_proj.weight", (32, 48)),

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-import httpx
-
-from colocd.api.client import ColocdHTTPError
+from colocd.api.client import ColocdHTTPError, DaemonUnreachable
 from colocd.cluster import ClusterStepError, NodeResult, StepResult
 from colocd.cluster.client import failure_of
 
@@ -34,7 +32,7 @@ def test_a_failure_names_the_node_the_engine_and_the_daemons_reason_through_a_re
 
 
 def test_an_unreachable_daemon_is_a_failure_of_its_node_not_a_crash_of_the_step() -> None:
-    failure = failure_of("node-c", httpx.ConnectError("All connection attempts failed"))
+    failure = failure_of("node-c", DaemonUnreachable("GET http://node-c/v1/status: ClientConnectorError"))
     assert (failure.error, failure.status, failure.engine) == ("DaemonUnreachable", None, None)
 
 

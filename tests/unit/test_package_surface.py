@@ -1,34 +1,72 @@
-"""The product's import path carries none of the lab: the benches, the benchmark sink and the timeline
-renderer (``colocd.bench``) load only when a command that uses them runs."""
+"""The wheel is the product and nothing else: the lab (``benchmarks/``: benches, their results, device scripts) sits
+beside the package in the checkout, is not installed, and no installed module imports it."""
 
 from __future__ import annotations
 
+import ast
+import os
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+PACKAGE_DATA = {"colocd/policies/schema.json"}  # pyproject.toml's package-data: the only file that is not Python
+LAB = ("benchmarks", "bench")
 
 
-def test_the_daemon_the_api_and_the_cli_import_nothing_of_colocd_bench() -> None:
-    code = ("import sys, colocd.daemon.node, colocd.api.app, colocd.cli, colocd.engines.reference.server; "
-            "print(sorted(m for m in sys.modules if m.startswith('colocd.bench')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    """The wheel built from this checkout as a user's ``pip wheel .`` builds it; setuptools' build and egg-info
+    folders go to a temporary directory (DIST_EXTRA_CONFIG), so no earlier build's leftovers get into it."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    extra = tmp / "setup.cfg"
+    extra.write_text(f"[build]\nbuild_base = {tmp / 'build'}\n[egg_info]\negg_base = {tmp}\n")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp / "dist"), str(CHECKOUT)],
+                   check=True, timeout=240, env={**os.environ, "DIST_EXTRA_CONFIG": str(extra)})
+    (built,) = (tmp / "dist").glob("colocd-*.whl")
+    return zipfile.ZipFile(built)
 
 
-_WITHOUT_BENCH = """
-import importlib.abc, sys
-class _NoBench(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name == "colocd.bench" or name.startswith("colocd.bench."):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-sys.meta_path.insert(0, _NoBench())
-from colocd.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+def _modules(wheel: zipfile.ZipFile) -> list[str]:
+    return [n for n in wheel.namelist() if n.endswith(".py")]
 
 
-def test_an_install_without_colocd_bench_says_so_in_one_line_from_bench_and_trace() -> None:
-    for argv in (["bench", "control"], ["trace", "1", "--url", "http://127.0.0.1:9"]):
-        out = subprocess.run([sys.executable, "-c", _WITHOUT_BENCH, *argv], capture_output=True, text=True,
-                             timeout=120)
-        assert (out.returncode, out.stdout) == (2, ""), argv
-        assert out.stderr.count("\n") == 1 and "this install has no colocd.bench" in out.stderr, argv
+def test_the_wheel_holds_python_modules_the_policy_schema_and_its_metadata_only(wheel: zipfile.ZipFile) -> None:
+    others = [n for n in wheel.namelist()
+              if not n.endswith(".py") and n not in PACKAGE_DATA and ".dist-info/" not in n]
+    assert others == []
+    assert "colocd/cli.py" in wheel.namelist() and "colocd/timeline.py" in wheel.namelist()
+
+
+def test_the_wheel_holds_no_bench_module(wheel: zipfile.ZipFile) -> None:
+    assert [n for n in _modules(wheel) if n.split("/")[1] in LAB] == []
+
+
+def _imported(source: str, module: str) -> list[str]:
+    """Every module an ``import``/``from ... import`` in ``source`` names, made absolute (``module`` is its name)."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = module.split(".")[: len(module.split(".")) - node.level] if node.level else []
+            target = ".".join([*base, node.module] if node.module else base)
+            names += [target] + [f"{target}.{alias.name}" for alias in node.names]
+    return names
+
+
+def test_no_module_of_the_wheel_imports_the_lab(wheel: zipfile.ZipFile) -> None:
+    lab = {"benchmarks", *(f"colocd.{name}" for name in LAB)}
+    offenders = []
+    for path in _modules(wheel):
+        module = path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        if path.endswith("__init__.py"):
+            module += ".__init__"  # a package's relative imports resolve against the package itself
+        for name in _imported(wheel.read(path).decode(), module):
+            if any(name == top or name.startswith(top + ".") for top in lab):
+                offenders.append(f"{path}: {name}")
+    assert offenders == []

@@ -144,7 +144,7 @@ def test_overlap_plans_two_4_gib_buckets_over_cuda_ipc_even_where_a_ring_is_load
     plan = OverlapPolicy().plan(
         PipelineSnapshot(available_transports=(Transport.SHM, Transport.CUDA_IPC, Transport.IPC_RING))
     )
-    # The tuned preset of `colocd bench switch`: fresh buckets, so nothing stays exported through the rollout.
+    # The tuned preset of `python3 -m benchmarks.switch`: fresh buckets, so nothing stays exported through the rollout.
     assert (plan.depth, plan.bucket_bytes, plan.transport) == (2, 4096 * MIB, Transport.CUDA_IPC)
 
 

@@ -1,11 +1,11 @@
-"""The session breakdown prices open and commit at the same run's round-trip floors (bench/session_breakdown.py):
+"""The session breakdown prices open and commit at the same run's round-trip floors (benchmarks/session_breakdown.py):
 one trainer round trip each, plus the observation and every engine call the commit's trace has a span of."""
 
 from __future__ import annotations
 
 import pytest
 
-from colocd.bench.session_breakdown import RoundTrips, breakdown, round_trips, round_trips_lines
+from benchmarks.session_breakdown import RoundTrips, breakdown, round_trips, round_trips_lines
 
 
 def _trace(*names: str) -> dict[str, object]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocd.bench.offload import RankState
+from benchmarks.offload import RankState
 from colocd.engines.reference.sink import hf_shapes
 
 
@@ -62,7 +62,7 @@ def test_on_cuda_the_offload_waits_for_the_last_write_queued_on_the_callers_stre
 
 
 def test_copies_cut_into_pieces_still_move_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
-    import colocd.bench.offload as offload
+    import benchmarks.offload as offload
 
     monkeypatch.setattr(offload, "COPY_PIECE_BYTES", 1000)  # far below the tensors' sizes, and not a divisor
     state = RankState(hf_shapes("tiny"), torch.device("cpu"), shards=4, seed=1)

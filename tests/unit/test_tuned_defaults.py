@@ -1,11 +1,11 @@
-"""What a user gets without tuning is the `tuned` preset of `colocd bench switch` (issue 12 item 4):
+"""What a user gets without tuning is the `tuned` preset of `python3 -m benchmarks.switch` (issue 12 item 4):
 the daemon's default policy document and ``WeightPusher``'s defaults."""
 
 from __future__ import annotations
 
 import torch
 
-from colocd.bench.switch import PRESETS
+from benchmarks.switch import PRESETS
 from colocd.policies import default_policies, load_policy_yaml
 from colocd.trainer.push import DEFAULT_BUCKET_MB, DEFAULT_DEPTH, WeightPusher, auto_bucket_bytes, auto_transport
 

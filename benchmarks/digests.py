@@ -1,6 +1,6 @@
-"""What the verified commit costs on one device, without a daemon: ``python -m colocd.bench.digests``.
+"""What the verified commit costs on one device, without a daemon: ``python3 -m benchmarks.digests``.
 
-    python -m colocd.bench.digests --model qwen3-8b --device cuda --out bench/results/digests-qwen3-8b-h200.json
+    python3 -m benchmarks.digests --model qwen3-8b --device cuda --out benchmarks/results/digests-qwen3-8b-h200.json
 
 Makes the checkpoint's tensors (HF names and shapes, random bf16) on the device, then times, best of
 ``--repeats``: every tensor's digest (engines/digest.py, one host sync: what the trainer adds to a push and the
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from ..daemon.verify import sample_names
-from ..engines import digest as D
-from ..engines.digest import KERNEL, SCRATCH_ROWS, WIDEN, DigestCache, kernel_available, tensor_digests
-from ..engines.reference.sink import MODEL_SHAPES, hf_shapes
+from colocd.daemon.verify import sample_names
+from colocd.engines import digest as D
+from colocd.engines.digest import KERNEL, SCRATCH_ROWS, WIDEN, DigestCache, kernel_available, tensor_digests
+from colocd.engines.reference.sink import MODEL_SHAPES, hf_shapes
 
 __all__ = ["main", "measure"]
 
@@ -199,7 +199,7 @@ def measure(model: str, device: torch.device, repeats: int,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colocd.bench.digests", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.digests", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)

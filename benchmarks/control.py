@@ -1,7 +1,7 @@
-"""``colocd bench control``: what reads cost the daemon, and what readers cost the trainer's transitions.
+"""``python3 -m benchmarks.control``: what reads cost the daemon, and what readers cost the trainer's transitions.
 
-    colocd bench control --out bench/results/control-cpu.json           # the recorded run
-    colocd bench control --cycles 2 --samples 20 --readers 4            # a smoke run (seconds)
+    python3 -m benchmarks.control --out benchmarks/results/control-cpu.json           # the recorded run
+    python3 -m benchmarks.control --cycles 2 --samples 20 --readers 4            # a smoke run (seconds)
 
 Three processes on one machine, all real: a reference engine, a ``colocd serve`` daemon, and this
 one (the trainer), plus a fourth for the readers so their client-side work never delays this
@@ -22,6 +22,7 @@ the control path alone (pause, flush, release, resume, continue).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -30,18 +31,21 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from ..api.procs import DaemonProcess
-from ..engines.config import ReferenceEngineConfig
-from ..engines.reference.launcher import ReferenceEngineProcess
+from colocd.api.procs import DaemonProcess
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+from . import CHECKOUT, ShowDefaults
 from .records import write_record
 
-__all__ = ["ControlBenchSettings", "run_control_bench"]
+__all__ = ["ControlBenchSettings", "main", "run_control_bench"]
 
 READ_PATHS = ("/healthz", "/v1/status", "/metrics")
 TARGETS = {"status_x_healthz": 1.5, "metrics_x_healthz": 3.0, "transition_p99_x_idle": 2.0}
@@ -137,8 +141,8 @@ class _Readers:
 
     async def __aenter__(self) -> _Readers:
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "colocd.bench.control", "--readers-child", self.url, str(self.count),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            sys.executable, "-m", "benchmarks.control", "--readers-child", self.url, str(self.count),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=CHECKOUT)
         await self._expect("held")  # every reader connected and answered once, now idle
         return self
 
@@ -279,7 +283,7 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
     engine_cfg = ReferenceEngineConfig.model_validate({
         "name": "ref0", "url": "http://127.0.0.1:0",
         "launch": {"ready_timeout_s": 300, "log_file": f"{workdir}/engine.log"}})
-    print(f"colocd bench control: reference engine + daemon on {platform.node()} ({os.cpu_count()} CPUs)", flush=True)
+    print(f"benchmarks.control: reference engine + daemon on {platform.node()} ({os.cpu_count()} CPUs)", flush=True)
     async with ReferenceEngineProcess(engine_cfg) as engine:
         assert engine.url is not None
         daemon_cfg = {"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
@@ -326,7 +330,7 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
             print("  transitions without and with readers measured", flush=True)
     idle, loaded = _summary(idle_obs), _summary(loaded_obs)
     record: dict[str, Any] = {
-        "command": "colocd " + " ".join(sys.argv[1:]) if sys.argv[1:3] == ["bench", "control"] else " ".join(sys.argv),
+        "command": " ".join(["python3 -m benchmarks.control", *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "settings": asdict(settings),
         "reads": reads,
@@ -359,5 +363,25 @@ async def run_control_bench(settings: ControlBenchSettings) -> dict[str, Any]:
 
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--readers-child"]:
-    asyncio.run(_reader_child(sys.argv[2], int(sys.argv[3])))
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python3 -m benchmarks.control``: prints the tables and writes the record where ``--out`` says."""
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.control", description=__doc__.split("\n")[0],
+                                formatter_class=ShowDefaults)
+    p.add_argument("--samples", type=int, default=500, help="sequential requests per read path")
+    p.add_argument("--warmup-cycles", type=int, default=5, help="untimed train/sync/rollout cycles first")
+    p.add_argument("--cycles", type=int, default=40, help="timed cycles per condition (3 transitions each)")
+    p.add_argument("--readers", type=int, default=100, help="concurrent readers in the loaded condition")
+    p.add_argument("--blocks", type=int, default=4, help="alternating blocks without / with readers")
+    p.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
+    args = p.parse_args(argv)
+    settings = ControlBenchSettings(samples=args.samples, warmup_cycles=args.warmup_cycles, cycles=args.cycles,
+                                    readers=args.readers, blocks=args.blocks, out=args.out)
+    asyncio.run(run_control_bench(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--readers-child"]:  # the readers' own process (``_Readers``)
+        asyncio.run(_reader_child(sys.argv[2], int(sys.argv[3])))
+    else:
+        sys.exit(main())

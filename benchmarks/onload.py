@@ -1,6 +1,6 @@
-"""Ways to bring a training rank's state back onto its GPU, for ``colocd bench switch`` to measure side by side.
+"""Ways to bring a training rank's state back onto its GPU, for ``benchmarks.switch`` to measure side by side.
 
-``bulk`` is ``RankState.onload`` (bench/offload.py): every tensor of a part is allocated, then the part's
+``bulk`` is ``RankState.onload`` (benchmarks/offload.py): every tensor of a part is allocated, then the part's
 copies are queued, part after part (weights, grads, optimizer). Its allocations (one ``cudaMalloc`` per weight
 tensor after the cleanup gave the blocks back to the driver, then 16 GB of grads and 12 GB of optimizer shard on
 8B) sit in front of the copies, so the switch pays both in a row.

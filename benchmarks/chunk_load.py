@@ -1,6 +1,6 @@
 """Where one fresh-bucket chunk's load goes inside an engine process, stage by stage, on a real CUDA IPC export.
 
-``python3 -m colocd.bench.chunk_load --model qwen3-8b --bucket-mib 4096 --pushes 6``
+``python3 -m benchmarks.chunk_load --model qwen3-8b --bucket-mib 4096 --pushes 6``
 
 The trainer side (this process) flattens the model's tensors into fresh IPC-exported buckets exactly as
 ``WeightPusher``'s ``cuda_ipc`` transport does (``export_flattened_bucket``), one chunk at a time. A second process,
@@ -13,7 +13,7 @@ Each push uses one way of building the views and queueing the copies, so the way
 - ``planned``: ``WeightSink.load_bucket``, views and copies by a plan cached per chunk shape
   (``engines.reference.load_plan``), what the reference engine does now on one TP rank.
 
-No HTTP and no daemon: this isolates the engine's per-chunk CPU work that ``bench weights`` reports as
+No HTTP and no daemon: this isolates the engine's per-chunk CPU work that ``benchmarks.weights`` reports as
 ``decode``, ``copy_launch`` and ``other``. Prints a table (ms per push, summed over its chunks) and writes JSON.
 """
 
@@ -29,17 +29,19 @@ from typing import Any
 
 import torch
 
-from ..engines.chunks import plan_chunks
-from ..engines.reference.sink import hf_shapes
+from colocd.engines.chunks import plan_chunks
+from colocd.engines.reference.sink import hf_shapes
+
+from . import CHECKOUT
 
 _WAYS = ("current", "planned")
 
 
 def _consumer(model: str) -> None:
     """Read one JSON line per chunk ({"way", "entry"}), load it into a sink, answer the stages on stdout."""
-    from ..engines.reference.payloads import _b64decode, _flattened_bucket, _on_device
-    from ..engines.reference.safe_unpickle import safe_loads
-    from ..engines.reference.sink import WeightSink
+    from colocd.engines.reference.payloads import _b64decode, _flattened_bucket, _on_device
+    from colocd.engines.reference.safe_unpickle import safe_loads
+    from colocd.engines.reference.sink import WeightSink
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -80,14 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.consumer:
         _consumer(args.model)
         return 0
-    from ..engines.sglang.payload import export_flattened_bucket
+    from colocd.engines.sglang.payload import export_flattened_bucket
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     params = [(n, torch.randn(s, dtype=torch.bfloat16, device=device)) for n, s in hf_shapes(args.model)]
     chunks = list(plan_chunks(params, args.bucket_mib << 20))  # WeightPusher's buckets
-    child = subprocess.Popen([sys.executable, "-m", "colocd.bench.chunk_load", "--consumer", "--model", args.model],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-m", "benchmarks.chunk_load", "--consumer", "--model", args.model],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=CHECKOUT)
     assert child.stdin is not None and child.stdout is not None
     results: dict[str, list[dict[str, float]]] = {w: [] for w in _WAYS}
     for push in range(args.pushes):

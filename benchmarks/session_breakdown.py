@@ -1,4 +1,4 @@
-"""Where one weight session's wall time goes, open → commit: the breakdown ``colocd bench weights`` prints.
+"""Where one weight session's wall time goes, open → commit: the breakdown ``python3 -m benchmarks.weights`` prints.
 
 Every figure comes from a timestamp: the trainer's own timers around its three calls (open, stream, commit), its
 pusher's per-chunk timers (the join, the digests on its export thread), and the spans of the session's trace that
@@ -37,7 +37,7 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("open.begin", "    engines' begin_weight_update"),
     ("open.begin_app", "      of it inside the engine's app"),
     ("open.outside", "  outside the daemon's open (transport, route, reply)"),
-    ("open.join", "  join (+ chunk channel greeting) after it (0: in it)"),
+    ("open.join", "  join after it"),
     ("open.rt_floor", "  its round trips at their floors (see below)"),
     ("open.first_export", "  the first chunk's export, beside it (0: after it)"),
     ("stream", "trainer: open's reply -> last ack"),

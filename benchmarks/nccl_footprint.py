@@ -1,6 +1,6 @@
 """What one-rank NCCL communicators cost on this GPU: memory per communicator, and create/destroy time of 14.
 
-    python -m colocd.bench.nccl_footprint --out nccl.json
+    python3 -m benchmarks.nccl_footprint --out nccl.json
 
 Each NCCL setting runs in a fresh process (NCCL reads its environment once): world size 1 over an
 in-process store, 14 groups (Megatron's per-rank set) each warmed by one all-reduce, three rounds of

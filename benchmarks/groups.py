@@ -1,7 +1,7 @@
 """Benchmark: each process-group policy side by side on a Megatron-like set of groups, world size 1.
 
-    python bench/groups.py --device cuda --groups 14 --steps 3 --out bench/results/groups.json
-    python bench/groups.py --device cpu --steps 1              # smoke test (gloo, no GPU numbers)
+    python3 -m benchmarks.groups --device cuda --groups 14 --steps 3 --out benchmarks/results/groups.json
+    python3 -m benchmarks.groups --device cpu --steps 1              # smoke test (gloo, no GPU numbers)
 
 Per policy and step it runs what the trainer agent runs around one colocated pause: the policy's
 decision, ``GroupLifecycle.pause``, a simulated rollout (``--rollout-s``), ``GroupLifecycle.resume``.

@@ -6,7 +6,7 @@ a daemon process forwards. One warm push first, then a push whose engine is SIGK
 ``kill_at`` goes out (earlier chunks in flight or loading). Measured: the pre-push level, the peak while the push
 ran, when the push raised, and when the trainer's memory was back (polled every 5 ms), all from the kill.
 
-    python3 -m colocd.bench.ipc_reclaim --model qwen3-8b --out bench/results/ipc-reclaim-qwen3-8b-h200.json
+    python3 -m benchmarks.ipc_reclaim --model qwen3-8b --out benchmarks/results/ipc-reclaim-qwen3-8b-h200.json
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from ..api.client import AsyncColocdClient, ChunkDescriptor
-from ..api.procs import DaemonProcess
-from ..engines.config import ReferenceEngineConfig
-from ..engines.reference.launcher import ReferenceEngineProcess
-from ..engines.reference.sink import hf_shapes
-from ..trainer.leases import LEASE_GRACE_S
-from ..trainer.push import DEFAULT_BUCKET_MB, DEFAULT_DEPTH, WeightPusher
+from colocd.api.client import AsyncColocdClient, ChunkDescriptor
+from colocd.api.procs import DaemonProcess
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.sink import hf_shapes
+from colocd.trainer.leases import LEASE_GRACE_S
+from colocd.trainer.push import DEFAULT_BUCKET_MB, DEFAULT_DEPTH, WeightPusher
 
 __all__ = ["KillBeforeChunk", "engine_kill_mid_push", "main"]
 
@@ -64,7 +64,7 @@ async def engine_kill_mid_push(*, model: str, device: str = "cuda:0", bucket_mb:
     engine_cfg = ReferenceEngineConfig.model_validate({
         "name": "ref0", "url": "http://127.0.0.1:0", "device": device,
         "launch": {"args": ["--sink-shapes", model], "ready_timeout_s": 600, "log_file": f"{workdir}/engine.log"}})
-    options: dict[str, Any] = {"lease_grace_s": lease_grace_s, "bucket_mb": bucket_mb, "channel": "http"}
+    options: dict[str, Any] = {"lease_grace_s": lease_grace_s, "bucket_mb": bucket_mb}
     if depth is not None:
         options["depth"] = depth
     async with ReferenceEngineProcess(engine_cfg) as engine:
@@ -117,7 +117,7 @@ async def engine_kill_mid_push(*, model: str, device: str = "cuda:0", bucket_mb:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colocd.bench.ipc_reclaim", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.ipc_reclaim", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-8b", help="sink shapes of the engine and the trainer's tensors")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--bucket-mb", type=float, default=None,
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     record = asyncio.run(engine_kill_mid_push(model=args.model, device=args.device, bucket_mb=args.bucket_mb,
                                               depth=args.depth, kill_at=args.kill_at, lease_grace_s=args.grace_s))
-    record["command"] = "python3 -m colocd.bench.ipc_reclaim " + " ".join(sys.argv[1:] if argv is None else argv)
+    record["command"] = "python3 -m benchmarks.ipc_reclaim " + " ".join(sys.argv[1:] if argv is None else argv)
     text = json.dumps(record, indent=2)
     print(text)
     if args.out:

@@ -1,10 +1,11 @@
-"""``colocd bench switch``: the full colocated handoff, step after step, per preset, against the floor.
+"""``python3 -m benchmarks.switch``: the full colocated handoff, step after step, per preset, against the floor.
 
-    colocd bench switch --model qwen3-8b --device cuda --rollout-s 2 --out bench/results/switch-qwen3-8b-h200.json
-    colocd bench switch --model tiny --device cpu --steps 1 --warmup 0 --groups 2   # CPU smoke run
-    colocd bench switch --model qwen3-8b --device cuda --presets tuned --sync sync,async   # sync vs async
+    python3 -m benchmarks.switch --model qwen3-8b --device cuda --rollout-s 2 \
+        --out benchmarks/results/switch-qwen3-8b-h200.json
+    python3 -m benchmarks.switch --model tiny --device cpu --steps 1 --warmup 0 --groups 2   # CPU smoke run
+    python3 -m benchmarks.switch --model qwen3-8b --device cuda --presets tuned --sync sync,async   # sync vs async
 
-Three processes, as in ``colocd bench weights``: this one is a training rank, a reference engine
+Three processes, as in ``python3 -m benchmarks.weights``: this one is a training rank, a reference engine
 holds the checkpoint's shapes (``--sink-shapes``) plus a KV cache (``--sink-kv-gib``), and a real
 ``colocd serve`` sits between them. The rank holds what a Megatron rank with a distributed optimizer
 holds (``offload.RankState``: bf16 weights, a bf16 grad buffer, an fp32 master + Adam
@@ -32,6 +33,7 @@ memory both sides must give back, each timed in this process.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import functools
@@ -54,28 +56,30 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from ..api.client import AsyncColocdClient
-from ..api.procs import DaemonProcess
-from ..engines.config import ReferenceEngineConfig
-from ..engines.reference.launcher import ReferenceEngineProcess
-from ..engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
-from ..policies import CleanupPlan
-from ..trainer.agent import TrainerAgent
-from ..trainer.async_push import AsyncWeightSync
-from ..trainer.cleanup import run_cleanup
-from ..trainer.groups import GroupLifecycle, GroupSpec
-from ..trainer.push import WeightPusher
+from colocd.api.client import AsyncColocdClient
+from colocd.api.procs import DaemonProcess
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
+from colocd.policies import CleanupPlan
+from colocd.trainer.agent import TrainerAgent
+from colocd.trainer.async_push import AsyncWeightSync
+from colocd.trainer.cleanup import run_cleanup
+from colocd.trainer.groups import GroupLifecycle, GroupSpec
+from colocd.trainer.push import WeightPusher
+
+from . import ShowDefaults
 from .offload import OffloadReport, RankState
 from .onload import onloader
 from .records import write_record
 from .weights import measure_floor
 from .window_memory import PeakSampler
 
-__all__ = ["PRESETS", "Preset", "SwitchSettings", "run_switch_bench"]
+__all__ = ["PRESETS", "Preset", "SwitchSettings", "main", "run_switch_bench"]
 
 GIB = 1 << 30
 
-# Megatron's per-rank groups (parallel_state.py), as in bench/groups.py.
+# Megatron's per-rank groups (parallel_state.py), as in benchmarks/groups.py.
 MEGATRON_GROUPS = ("tp", "pp", "dp", "dp_cp", "cp", "tp_pp", "tp_dp", "tp_dp_cp", "ep", "tp_ep", "expert_dp",
                    "embedding", "position_embedding", "mp")
 
@@ -102,7 +106,7 @@ class Preset:
     # The trainer's offloads run while it posts sync / rollout and pushes (TrainerAgent's ``freeing``): the
     # daemon's headroom check lets the engines resume at once when NVML shows the room, else they wait.
     overlap_copies: bool = False
-    onload: str = "bulk"  # how the rank's state comes back (bench/onload.py: bulk, interleaved, interleaved2)
+    onload: str = "bulk"  # how the rank's state comes back (benchmarks/onload.py: bulk, interleaved, interleaved2)
     # Strictly memory-neutral: rollout is posted only once the weights offload, its cleanup and the background
     # group pause have all ended, so the engines' KV resume and generation start beside a settled trainer.
     settle_before_rollout: bool = False
@@ -177,10 +181,10 @@ PRESETS: dict[str, Preset] = {
 PRESETS["tuned-onload"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-onload", onload="interleaved",
     about="as tuned, with the state onload interleaved: each copy queued as soon as its destination exists, "
-          "optimizer shard first, so the allocations run while the copy engine moves bytes (bench/onload.py)")
+          "optimizer shard first, so the allocations run while the copy engine moves bytes (benchmarks/onload.py)")
 PRESETS["tuned-onload2"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-onload2", onload="interleaved2",
-    about="as tuned-onload, with the copies dealt over two copy streams (bench/onload.py)")
+    about="as tuned-onload, with the copies dealt over two copy streams (benchmarks/onload.py)")
 PRESETS["tuned-3x2048"] = dataclasses.replace(
     PRESETS["tuned"], name="tuned-3x2048",
     pipeline=_overlap_pipeline(3, 2048),
@@ -808,7 +812,7 @@ def _init_dist(device: torch.device) -> None:
         store = dist.HashStore()  # type: ignore[attr-defined]  # exported by torch.distributed, not declared
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
     if device.type == "cuda":
-        # NCCL's process-wide first-communicator memory is paid here, as in bench/groups.py.
+        # NCCL's process-wide first-communicator memory is paid here, as in benchmarks/groups.py.
         warm = dist.new_group([0])
         dist.all_reduce(torch.ones(1, device=device), group=warm)
         dist.destroy_process_group(warm)
@@ -892,7 +896,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
                 "(to the driver) the trainer state and the engine's weights + KV once each",
     }
     floor["total_s"] = floor["offload_s"] + floor["onload_s"] + floor["device_copy_s"] + floor["alloc_s"]
-    print(f"colocd bench switch: {settings.model} on {device}; weights {weight_bytes / 1e9:.2f} GB, grads "
+    print(f"python3 -m benchmarks.switch: {settings.model} on {device}; weights {weight_bytes / 1e9:.2f} GB, grads "
           f"{sizes['grads'] / 1e9:.2f} GB, optimizer shard (1/{settings.optimizer_shards}) "
           f"{sizes['optimizer'] / 1e9:.2f} GB, engine KV {kv_bytes / GIB:.2f} GiB, {settings.groups} groups; "
           f"floor {floor['total_s']:.3f} s", flush=True)
@@ -947,8 +951,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
     floor["strict_total_s"] = floor["total_s"] - engine_measured + min(engine_measured, seen)
     summaries = [_summary(name, recs, floor["total_s"], floor["strict_total_s"]) for name, recs in results.items()]
     record = {
-        "command": "colocd bench switch " + " ".join(sys.argv[3:])
-        if sys.argv[1:3] == ["bench", "switch"] else " ".join(sys.argv),
+        "command": " ".join(["python3 -m benchmarks.switch", *sys.argv[1:]]),
         "model": settings.model,
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
@@ -982,3 +985,48 @@ async def _run(settings: SwitchSettings, device: torch.device,
     if settings.out:
         write_record(Path(settings.out), record)
     return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python3 -m benchmarks.switch``: exit 1 when a preset failed or ended with weights it did not push."""
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.switch", description=__doc__.split("\n")[0],
+                                formatter_class=ShowDefaults)
+    p.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
+    p.add_argument("--device", default="cpu", help="cpu (gloo, shm) or cuda")
+    p.add_argument("--presets", default="seed-baseline,tuned,tuned-serial-groups,tuned-keep",
+                   help="comma-separated: " + ", ".join(PRESETS))
+    p.add_argument("--steps", type=int, default=3, help="timed handoffs per preset (median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed handoffs per preset first")
+    p.add_argument("--optimizer-shards", type=int, default=8,
+                   help="distributed-optimizer ranks: this rank holds 1/N of the fp32 master + Adam state")
+    p.add_argument("--groups", type=int, default=14, help="process groups the rank holds (Megatron: 14)")
+    p.add_argument("--train-tokens", type=int, default=512, help="tokens per training step")
+    p.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per request in each rollout")
+    p.add_argument("--rollout-s", type=float, default=0.0,
+                   help="each rollout window lasts at least this long (generation repeats), as a real one would")
+    p.add_argument("--mem-fraction", type=float, default=0.80,
+                   help="engine weights + KV as a share of the GPU (SGLang's mem_fraction_static)")
+    p.add_argument("--kv-gib", type=float, default=None,
+                   help="KV cache size; overrides --mem-fraction (default: from --mem-fraction)")
+    p.add_argument("--post-destroy-wait-s", type=float, default=None,
+                   help="override the presets' wait after destroying process groups (default: the presets' 2 s)")
+    p.add_argument("--sync", default="sync",
+                   help="sync, async or sync,async: the weight push awaited, or from a snapshot in the background "
+                        "(policy sync.mode); both compare step time per preset in one run")
+    p.add_argument("--memory-sample-ms", type=float, default=2.0,
+                   help="the trainer's NVML memory is sampled this often over each paused window (its maximum)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the rollouts")
+    p.add_argument("--out", default=None, help="write the JSON record here (default: stdout only)")
+    args = p.parse_args(argv)
+    settings = SwitchSettings(model=args.model, device=args.device, presets=tuple(args.presets.split(",")),
+                              steps=args.steps, warmup=args.warmup, optimizer_shards=args.optimizer_shards,
+                              groups=args.groups, train_tokens=args.train_tokens, gen_tokens=args.gen_tokens,
+                              rollout_s=args.rollout_s, mem_fraction=args.mem_fraction, kv_gib=args.kv_gib,
+                              post_destroy_wait_s=args.post_destroy_wait_s, seed=args.seed, out=args.out,
+                              sync_modes=tuple(args.sync.split(",")), memory_sample_ms=args.memory_sample_ms)
+    record = asyncio.run(run_switch_bench(settings))
+    return 0 if all(s["verified_all"] for s in record["summary"]) and not record["failed_presets"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

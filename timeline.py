@@ -1,4 +1,4 @@
-"""Draw one step's switch so a person sees where the time went (``colocd trace``, ``colocd demo --timeline``).
+"""Draw one step's switch so a person sees where the time went (``colocd trace -o``, ``colocd demo --timeline``).
 
 Lanes: the node's phases, the trainer (its reported cleanup / process-group work, and its training
 between train and sync), each engine's sub-steps, each engine's weight chunks; below, memory

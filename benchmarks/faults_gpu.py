@@ -1,6 +1,6 @@
 """GPU memory truth under faults, on one GPU: a leak watch, then a daemon SIGKILLed mid-push and started again.
 
-    python -m colocd.bench.faults_gpu --model qwen3-8b --kv-gib 40 --steps 20 --out bench/results/faults-h200.json
+    python3 -m benchmarks.faults_gpu --model qwen3-8b --kv-gib 40 --steps 20 --out benchmarks/results/faults-h200.json
 
 Three processes, as a colocated node runs them: this one is the trainer (the checkpoint's shapes in bf16 on
 cuda:0, pushed with ``WeightPusher()`` defaults), a real ``colocd serve`` on a journal, and the reference
@@ -37,10 +37,10 @@ from typing import Any
 import httpx
 import torch
 
-from ..api.client import AsyncColocdClient
-from ..api.procs import DaemonProcess
-from ..engines.reference.sink import device_checksum, hf_shapes
-from ..trainer.push import WeightPusher
+from colocd.api.client import AsyncColocdClient
+from colocd.api.procs import DaemonProcess
+from colocd.engines.reference.sink import device_checksum, hf_shapes
+from colocd.trainer.push import WeightPusher
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -276,7 +276,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colocd.bench.faults_gpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.faults_gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-8b", help="checkpoint shapes (engines/reference/sink.py)")
     parser.add_argument("--kv-gib", type=float, default=40.0, help="the engine's KV block")
     parser.add_argument("--steps", type=int, default=20, help="leak-watch steps")

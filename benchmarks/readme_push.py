@@ -1,7 +1,7 @@
-"""``python -m colocd.bench.readme_push``: the README's trainer snippet against ``WeightPusher()``, same run.
+"""``python3 -m benchmarks.readme_push``: the README's trainer snippet against ``WeightPusher()``, same run.
 
-    python -m colocd.bench.readme_push --model qwen3-8b --device cuda --out bench/results/readme-push-h200.json
-    python -m colocd.bench.readme_push --model tiny --device cpu        # smoke run
+    python3 -m benchmarks.readme_push --model qwen3-8b --device cuda --out benchmarks/results/readme-push-h200.json
+    python3 -m benchmarks.readme_push --model tiny --device cpu        # smoke run
 
 What a user types (``TrainerClient(url).push_weights(named, version=...)``, every tuning argument at its
 default) and the async ``WeightPusher()`` at its defaults push the same tensors through one real daemon to one
@@ -25,13 +25,14 @@ from typing import Any
 import httpx
 import torch
 
-from ..api.client import AsyncColocdClient
-from ..api.procs import DaemonProcess
-from ..engines.config import ReferenceEngineConfig
-from ..engines.reference.launcher import ReferenceEngineProcess
-from ..engines.reference.sink import MODEL_SHAPES
-from ..trainer import TrainerClient
-from ..trainer.push import WeightPusher
+from colocd.api.client import AsyncColocdClient
+from colocd.api.procs import DaemonProcess
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.engines.reference.sink import MODEL_SHAPES
+from colocd.trainer import TrainerClient
+from colocd.trainer.push import WeightPusher
+
 from .records import write_record
 from .weights import _make_tensors, _refill, measure_floor
 
@@ -105,7 +106,7 @@ async def run_readme_bench(model: str, device_name: str, repeats: int, out: str 
     best = {k: min(v) for k, v in times.items()}
     median = {k: statistics.median(v) for k, v in times.items()}
     record: dict[str, Any] = {
-        "command": " ".join(["python -m colocd.bench.readme_push", *sys.argv[1:]]),
+        "command": " ".join(["python3 -m benchmarks.readme_push", *sys.argv[1:]]),
         "model": model, "bytes": nbytes, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "floor_s": floor_s, "chunks": chunks,
@@ -127,7 +128,7 @@ async def run_readme_bench(model: str, device_name: str, repeats: int, out: str 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m colocd.bench.readme_push", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.readme_push", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny", help=f"checkpoint shapes: {', '.join(sorted(MODEL_SHAPES))}")
     p.add_argument("--device", default="cpu", help="where the trainer's tensors live (cpu, cuda)")

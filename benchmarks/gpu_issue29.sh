@@ -2,15 +2,15 @@
 # Issue 29 in one device call (about 4 minutes on one H200, qwen3-8b shapes): every figure against a floor measured
 # in the same run, every JSON record under $OUT.
 #
-#   bash bench/gpu_issue29.sh                           # on the device: cuda, qwen3-8b
-#   OUT=/tmp/i29 bash bench/gpu_issue29.sh --device cpu --model tiny   # the same steps on CPU, tiny shapes (CI-sized)
+#   bash benchmarks/gpu_issue29.sh                           # on the device: cuda, qwen3-8b
+#   OUT=/tmp/i29 bash benchmarks/gpu_issue29.sh --device cpu --model tiny   # the same steps on CPU, tiny shapes (CI-sized)
 #
 # 1. digests: engines/digest.py against the earlier block loop on the same tensors, GB/s each, at several scratch
-#    sizes and both widenings, and against one device copy (bench/digests.py).
-# 2. weights: `colocd bench weights`, the best variant (zero_copy@all+chan) and the defaults (overlap3@2048+chan),
-#    verify off and full, with the session's breakdown open -> commit (bench/session_breakdown.py).
-# 3. switch: `colocd bench switch`, seed-baseline, tuned, tuned-keep and the onload levers tuned-onload and
-#    tuned-onload2 (bench/onload.py), against the same run's floor.
+#    sizes and both widenings, and against one device copy (benchmarks/digests.py).
+# 2. weights: `python3 -m benchmarks.weights`, the best variant (zero_copy@all) and the defaults (overlap3@2048),
+#    verify off and full, with the session's breakdown open -> commit (benchmarks/session_breakdown.py).
+# 3. switch: `python3 -m benchmarks.switch`, seed-baseline, tuned, tuned-keep and the onload levers tuned-onload and
+#    tuned-onload2 (benchmarks/onload.py), against the same run's floor.
 # 4. compiled: step 1's tensors once more with a torch.compile'd fused row sum beside the eager digests.
 # Each step has its own time limit, so one that hangs costs only its own slot; the summary at the end reads the
 # JSON records. Wheels in .whl/ (fastapi, uvicorn, pydantic for a bare box) are installed first where present.
@@ -36,8 +36,8 @@ fi
 ln -sfn "$ROOT" "$PKG/colocd"
 export PYTHONPATH=$SITE:$PKG${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -c 'import torch, colocd; print("torch", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no cuda", colocd.__file__)'
-# The digest micro-bench as a module of the package; override where bench/ lives elsewhere (DIGESTS="python3 -m ...").
-read -r -a DIGESTS <<< "${DIGESTS:-$PY -m colocd.bench.digests}"
+# The digest micro-bench (run from the checkout); override where benchmarks/ lives elsewhere (DIGESTS="python3 -m ...").
+read -r -a DIGESTS <<< "${DIGESTS:-$PY -m benchmarks.digests}"
 step() { local name=$1 t=$2; shift 2; echo "=== $name: $*"; local t0=$SECONDS; timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 60; echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS-t0)) s"; }
 
 if [ "$DEVICE" = cuda ]; then
@@ -50,9 +50,9 @@ fi
 
 step digests "$T_DIG" "${DIGESTS[@]}" --model "$MODEL" --device "$DEVICE" --repeats "$REPEATS" \
   --scratch-rows "$ROWS" --out "$OUT/digests-$MODEL.json"
-step weights "$T_WEIGHTS" "$PY" -m colocd.cli bench weights --model "$MODEL" --device "$DEVICE" --repeats 3 \
-  --variants "zero_copy@all+chan,overlap3@2048+chan" --verify off,full --out "$OUT/weights-$MODEL.json"
-step switch "$T_SWITCH" "$PY" -m colocd.cli bench switch --model "$MODEL" --device "$DEVICE" "${SWITCH[@]}" \
+step weights "$T_WEIGHTS" "$PY" -m benchmarks.weights --model "$MODEL" --device "$DEVICE" --repeats 3 \
+  --variants "zero_copy@all,overlap3@2048" --verify off,full --out "$OUT/weights-$MODEL.json"
+step switch "$T_SWITCH" "$PY" -m benchmarks.switch --model "$MODEL" --device "$DEVICE" "${SWITCH[@]}" \
   --presets seed-baseline,tuned,tuned-onload,tuned-onload2,tuned-keep --out "$OUT/switch-$MODEL.json"
 
 # Last, as it may not finish: the same digests with the row sums fused by torch.compile (a candidate lever).

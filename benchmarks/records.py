@@ -1,4 +1,4 @@
-"""Benchmark records on disk: one JSON document per run (no torch, so ``bench control`` stays light)."""
+"""Benchmark records on disk: one JSON document per run (no torch, so ``benchmarks.control`` stays light)."""
 
 from __future__ import annotations
 

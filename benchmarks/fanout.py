@@ -1,8 +1,8 @@
-"""``python -m colocd.bench.fanout``: what one cluster step costs the cluster client, per daemon, and a model
+"""``python3 -m benchmarks.fanout``: what one cluster step costs the cluster client, per daemon, and a model
 of it at 64 / 256 / 1,024 nodes.
 
-    python -m colocd.bench.fanout --out bench/results/fanout-cpu.json      # the recorded run
-    python -m colocd.bench.fanout --nodes 1 2 --rounds 3                   # a smoke run
+    python3 -m benchmarks.fanout --out benchmarks/results/fanout-cpu.json      # the recorded run
+    python3 -m benchmarks.fanout --nodes 1 2 --rounds 3                   # a smoke run
 
 Measured here, all real processes on loopback: ``max(--nodes)`` reference engines, each behind its own
 ``colocd serve``; this process is the ``ClusterClient``. For each N in ``--nodes`` and each round, one
@@ -40,11 +40,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..api.client import AsyncColocdClient
-from ..api.procs import DaemonProcess
-from ..cluster.client import ClusterClient, StepResult
-from ..engines.config import ReferenceEngineConfig
-from ..engines.reference.launcher import ReferenceEngineProcess
+from colocd.api.client import AsyncColocdClient
+from colocd.api.procs import DaemonProcess
+from colocd.cluster.client import ClusterClient, StepResult
+from colocd.engines.config import ReferenceEngineConfig
+from colocd.engines.reference.launcher import ReferenceEngineProcess
+
 from .records import write_record
 
 __all__ = ["measure", "simulate"]
@@ -68,7 +69,7 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 async def _push(url: str, step: int, model: Any) -> tuple[float, float]:
     """One node's complete push from this process (its trainer, here); returns (stream+commit s, commit s)."""
-    from ..trainer.push import WeightPusher, manifest_of
+    from colocd.trainer.push import WeightPusher, manifest_of
 
     named = list(model.named_parameters())
     t0 = time.perf_counter()
@@ -82,8 +83,8 @@ async def _push(url: str, step: int, model: Any) -> tuple[float, float]:
 
 
 async def client_cost(url: str, requests: int = 200) -> dict[str, float]:
-    """CPU per ``GET /v1/status`` on one keep-alive connection: through ``AsyncColocdClient`` (httpx over
-    ``colocd.http1``), and through a bare HTTP/1.1 exchange on asyncio streams (the floor under any client)."""
+    """CPU per ``GET /v1/status`` on one keep-alive connection: through ``AsyncColocdClient`` (on
+    aiohttp), and through a bare HTTP/1.1 exchange on asyncio streams (the floor under any client)."""
     async with AsyncColocdClient(url) as client:
         await client.status()
         c0 = time.process_time()
@@ -124,7 +125,7 @@ async def _timed_cpu(kind: str, fan_out: Callable[[], Awaitable[StepResult]],
 
 async def measure(node_counts: list[int], rounds: int) -> dict[str, Any]:
     """Start max(node_counts) engine+daemon pairs and time ``rounds`` steps for each N; returns the raw record."""
-    from ..engines.reference.model import QwenLikeConfig, build_model
+    from colocd.engines.reference.model import QwenLikeConfig, build_model
 
     biggest = max(node_counts)
     engines = [ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
@@ -282,7 +283,7 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colocd.bench.fanout", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m benchmarks.fanout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8], help="daemon counts to measure")
     parser.add_argument("--rounds", type=int, default=15, help="steps per daemon count")
     parser.add_argument("--out", default=None, help="write the JSON record here")

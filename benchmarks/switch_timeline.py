@@ -1,6 +1,7 @@
-"""Timeline picture (SVG, no plotting library) of one median step per preset from a ``colocd bench switch`` JSON.
+"""Timeline picture (SVG, no plotting library) of one median step per preset from a ``benchmarks.switch`` JSON.
 
-    python bench/switch_timeline.py bench/results/switch-qwen3-8b-h200.json docs/img/switch-timeline-qwen3-8b.svg
+    python3 -m benchmarks.switch_timeline benchmarks/results/switch-qwen3-8b-h200.json \
+        docs/img/switch-timeline-qwen3-8b.svg
 
 One row per preset: the step whose switch time is the median of the timed steps, drawn as the
 sequence the trainer waits through (resume → sleep → update → wake; the training work between
@@ -67,7 +68,7 @@ def render(record: dict[str, Any]) -> str:
     height = TOP + ROW * len(rows) + 60
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
            f'font-size="11">',
-           f'<text x="8" y="18" font-size="13">colocd bench switch: {escape(record["model"])} on '
+           f'<text x="8" y="18" font-size="13">python3 -m benchmarks.switch: {escape(record["model"])} on '
            f'{escape(str(record["gpu"]))}, median step per preset (seconds)</text>']
     for i, (name, segs) in enumerate(rows):
         y, x = TOP + i * ROW, float(LEFT)
