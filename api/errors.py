@@ -77,7 +77,7 @@ _DESCRIPTIONS = {
     401: "missing or wrong bearer token",
     404: "unknown route, session, engine, group or step",
     405: "method not allowed on this path (see the Allow header)",
-    409: "illegal in the node's current state, or a reference (manifest_ref, an ipc_ring ref) this daemon does "
+    409: "illegal in the node's current state, or a reference (manifest_ref) this daemon does "
          "not hold; nothing changed",
     410: "the weight session expired, was aborted or committed",
     413: "request body larger than limits.max_body_bytes",

@@ -243,7 +243,7 @@ class ChunkDescriptor(_Strict):
     rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = Field(
         0, description="trainer rank; below the session's ranks (one-shot: below the engines' largest tp_size)")
     transport: Transport = Field(
-        ..., description="as the chunk travels: per_tensor chunks say cuda_ipc, zero_copy chunks ipc_ring")
+        ..., description="as the chunk travels: per_tensor chunks say cuda_ipc")
     nbytes: Annotated[int, Field(strict=True, ge=0, le=MAX_CHUNK_BYTES)] = Field(
         ..., description="bytes of this rank's part (at most 256 GiB)")
     handle: HandleModel = Field(..., description=(
@@ -251,8 +251,7 @@ class ChunkDescriptor(_Strict):
         "shape, offset}]; shm: {shm_name, nbytes, layout}: shm_name a colocd trainer segment (colocd-<pid>-<hex>), "
         "nbytes equal to this descriptor's nbytes; disk: {path, layout}; inline: {payload_b64, load_format, "
         "layout}: these three take no other key; cuda_ipc: {payload_b64 (standard base64), load_format, "
-        "device_uuid, layout}; ipc_ring: {ring, device_uuid, slot, layout | layout_ref}: other keys (not another "
-        "transport's) travel to the engine as sent"))
+        "device_uuid, layout}: other keys (not another transport's) travel to the engine as sent"))
     digests: WeightDigests | None = Field(
         None, description="each tensor's digest as the trainer computed it at export (colocd.engines.digest: "
                           "16 hex digits), by tensor name; what a verified commit compares with the engines'")
@@ -298,9 +297,6 @@ class JoinReply(BaseModel):
     device_id: str
     streams: bool = Field(..., description="false: no engine rank loads this rank's bytes; it must not send chunks")
     feeds: list[FeedEntry] = Field(..., description="the engine TP ranks this rank's chunks go to")
-    ring_refs: str | None = Field(None, description=(
-        "this daemon's record of ipc_ring announcements: a ring that announced its layouts and slot handles "
-        "to this id may send layout_ref only; another id (a restarted daemon) needs them again"))
     verify: Literal["full", "sample", "off"] = Field(
         "off", description="the policy's sync.verify for this session: unless off, send each chunk's digests")
     transports: list[Transport] = Field(default_factory=list, description=(

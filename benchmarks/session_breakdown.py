@@ -5,7 +5,7 @@ pusher's per-chunk timers (the join, the digests on its export thread), and the 
 the commit reply carries (daemon/sessions.py: ``node_lock`` (twice: open and commit; the node's lock and the
 reconcile that observes every engine), ``open_checks``, ``parameter_manifest``, ``manifest_check``,
 ``begin_weight_update``, ``load_chunk``, ``drain``, ``check_complete``, ``verify`` with its ``weight_digests`` calls,
-``end_weight_update``, ``set_weight_version``, ``commit_bookkeeping``, ``journal``). An engine call made on several
+``end_weight_update`` (the version with it), ``commit_bookkeeping``, ``journal``). An engine call made on several
 engines at once counts as the extent of its spans (first start → last end), a per-chunk one as the sum. The two
 ``outside`` rows are the trainer's round trip less the daemon's extent of the same call (both measured): the HTTP
 hop, the route and the reply's encoding. The ``inside the engine's app`` rows are the reference engine's own timing
@@ -54,7 +54,6 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("commit.compare", "      compare (last digests reply -> verdict)"),
     ("commit.end", "    engines' end_weight_update"),
     ("commit.end_app", "      of it inside the engine's app"),
-    ("commit.version", "    engines' set_weight_version"),
     ("commit.bookkeeping", "    versions, records, metrics"),
     ("commit.journal", "    journal record"),
     ("commit.outside", "  outside the daemon's commit (transport, route, reply)"),
@@ -63,7 +62,7 @@ STAGES: tuple[tuple[str, str], ...] = (
 )
 _OPEN_SPANS = ("node_lock", "open_checks", "parameter_manifest", "manifest_check", "begin_weight_update")
 _COMMIT_SPANS = ("node_lock", "drain", "check_complete", "verify", "weight_digests", "end_weight_update",
-                 "set_weight_version", "commit_bookkeeping", "journal")
+                 "commit_bookkeeping", "journal")
 
 
 def _spans(trace: Mapping[str, Any], name: str) -> list[tuple[float, float]]:
@@ -78,7 +77,7 @@ def _extent(spans: Iterable[tuple[float, float]]) -> float:
 
 # The engine calls of open and commit, each one round trip after the observation (one more) under the node lock.
 _OPEN_CALLS = ("parameter_manifest", "begin_weight_update")
-_COMMIT_CALLS = ("weight_digests", "end_weight_update", "set_weight_version")
+_COMMIT_CALLS = ("weight_digests", "end_weight_update")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,15 +89,11 @@ class RoundTrips:
 
 
 def round_trips(trace: Mapping[str, Any]) -> dict[str, list[str]]:
-    """The engine round trips open and commit made one after another: the observation where the node lock made one,
-    then each engine call the trace has a span of (several engines asked at once count once)."""
-    spans = list(trace.get("spans", ()))
-    names = {s.get("name") for s in spans}
-    # The first node_lock is the open's, a second the commit's; a lock span without the flag observed.
-    locks = sorted((s for s in spans if s.get("name") == "node_lock"), key=lambda s: float(s.get("start_s", 0.0)))
-    observed = [bool(s.get("attrs", {}).get("observed", True)) for s in locks] + [True, True]
-    return {"open": ["observe"] * observed[0] + [n for n in _OPEN_CALLS if n in names],
-            "commit": ["observe"] * observed[1] + [n for n in _COMMIT_CALLS if n in names]}
+    """The engine round trips open and commit made one after another: the observation the node lock makes, then
+    each engine call the trace has a span of (several engines asked at once count once)."""
+    names = {s.get("name") for s in trace.get("spans", ())}
+    return {"open": ["observe", *(n for n in _OPEN_CALLS if n in names)],
+            "commit": ["observe", *(n for n in _COMMIT_CALLS if n in names)]}
 
 
 def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float, trace: Mapping[str, Any],
@@ -147,7 +142,6 @@ def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float,
         "commit.compare": (verify_end - digests_end) if verify_end is not None and digests_end is not None else 0.0,
         "commit.end": _extent(by["end_weight_update"]),
         "commit.end_app": app["/end_weight_update"],
-        "commit.version": _extent(by["set_weight_version"]),
         "commit.bookkeeping": _extent(by["commit_bookkeeping"]),
         "commit.journal": _extent(by["journal"]),
         "commit.outside": commit_s - commit_daemon,

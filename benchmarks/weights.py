@@ -65,21 +65,17 @@ class Variant:
     transport: str
     depth: int
     bucket_mb: float  # math.inf: the whole checkpoint in one message
-    slots: int | None = None
     cuda_only: bool = False
 
 
-# name -> (producer on CUDA, producer on CPU or None, depth, ring slots, one message for everything)
-VARIANTS: dict[str, tuple[str, str | None, int, int | None, bool]] = {
-    "per_tensor": ("per_tensor", None, 1, None, True),  # one IPC handle per tensor, one message
-    "serial": ("cuda_ipc", "shm", 1, None, False),  # fresh bucket per chunk, wait for each ack
-    "overlap2": ("cuda_ipc", "shm", 2, None, False),
-    "overlap3": ("cuda_ipc", "shm", 3, None, False),
-    "ipc_ring": ("ipc_ring", None, 2, 2, False),  # two persistent slots, per chunk only (slot, layout)
-    "ipc_ring3": ("ipc_ring", None, 3, 3, False),
-    "zero_copy": ("zero_copy", None, 2, None, False),  # engine reads the trainer's own storages
+# name -> (producer on CUDA, producer on CPU or None, depth, one message for everything)
+VARIANTS: dict[str, tuple[str, str | None, int, bool]] = {
+    "per_tensor": ("per_tensor", None, 1, True),  # one IPC handle per tensor, one message
+    "serial": ("cuda_ipc", "shm", 1, False),  # fresh bucket per chunk, wait for each ack
+    "overlap2": ("cuda_ipc", "shm", 2, False),
+    "overlap3": ("cuda_ipc", "shm", 3, False),
 }
-DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3", "ipc_ring", "zero_copy")
+DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3")
 # What the tuned pipeline policy pushes with (overlap, depth 2, 4096 MiB, cuda_ipc).
 DEFAULTS_VARIANT = "overlap2@4096"
 
@@ -89,11 +85,11 @@ def parse_variant(spec: str, device: str, bucket_mb: float) -> Variant:
     name, _, size = spec.partition("@")
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
-    on_cuda, on_cpu, depth, slots, whole = VARIANTS[name]
+    on_cuda, on_cpu, depth, whole = VARIANTS[name]
     cuda = torch.device(device).type == "cuda"
     transport = on_cuda if cuda else on_cpu
     mb = math.inf if whole or size == "all" else float(size or bucket_mb)
-    return Variant(spec, transport or on_cuda, depth, mb, slots, cuda_only=transport is None)
+    return Variant(spec, transport or on_cuda, depth, mb, cuda_only=transport is None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +135,6 @@ class VariantResult:
     checksum_ms: float = 0.0  # the engine's verification of the best push (outside every timed window)
     verified: bool | None = None
     skipped: str | None = None
-    rings_opened: int | None = None  # handles the engine had opened after this variant
     verify: str = "full"  # the daemon's sync.verify during this variant
     verify_ms: float = 0.0  # the best push's commit-time verification (the daemon asking the engine), ms
     verification: dict[str, Any] = field(default_factory=dict)  # the best push's commit reply "verification"
@@ -359,7 +354,6 @@ async def _run_variant(
         transport=variant.transport,
         bucket_mb=min(variant.bucket_mb, 1 << 30),
         depth=variant.depth,
-        slots=variant.slots,
     ) as pusher:
         for i in range(settings.warmup + settings.repeats):
             # Fresh values before every push, checked after it: no repetition can pass on the bytes
@@ -376,7 +370,6 @@ async def _run_variant(
             # A line per push: on 14B-sized pushes a variant runs for minutes, silence looks like a hang.
             print(f"    {variant.name} push {i + 1}/{total} ({kind}): stream {stream_s * 1e3:.1f} ms, "
                   f"{chunks} chunks, {'verified' if verified else 'CHECKSUM MISMATCH'}", flush=True)
-            result.rings_opened = int(sink["rings_opened"])
             if i < settings.warmup:
                 continue
             if not result.wall_s or wall_s < min(result.wall_s):
@@ -596,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=ShowDefaults)
     p.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
     p.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
-    p.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3,ipc_ring,zero_copy",
+    p.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3",
                    help="comma-separated; name@MB sets one variant's chunk size")
     p.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")
     p.add_argument("--repeats", type=int, default=3, help="timed pushes per variant (best is reported)")

@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..engines.base import Capability, EngineAdapter, EngineInfo, MemoryReport, MemoryTag, PauseMode
+from ..engines.base import (
+    Capability,
+    ChunkLoad,
+    EngineAdapter,
+    EngineDigests,
+    EngineInfo,
+    MemoryReport,
+    MemoryTag,
+    ParameterSpec,
+    PauseMode,
+)
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
-from ..engines.ring_refs import EngineRingRefs
 from ..policies import Budget, Timeouts
 from .errors import EngineError, StepTimeout
 from .memory import GpuReading, NvmlProbe
@@ -26,9 +35,12 @@ from .trace import Trace
 __all__ = [
     "EngineHandle",
     "continue_generation",
+    "digests",
     "expected_release_bytes",
     "expected_resume_bytes",
     "flush",
+    "load_chunk",
+    "parameters",
     "pause",
     "release",
     "resume",
@@ -60,9 +72,6 @@ class EngineHandle:
     observed_once: bool = False
     lost_sight: bool = False
     restart_counted: str | None = None  # the incarnation last counted in colocd_engine_restarts_total
-    # The ipc_ring layouts and slot handles this engine incarnation acknowledged (engines/ring_refs.py):
-    # chunks to it carry only refs for those. Dropped whenever it attaches (first contact, or a restart).
-    ring_refs: EngineRingRefs = field(default_factory=EngineRingRefs)
 
     @property
     def name(self) -> str:
@@ -71,7 +80,6 @@ class EngineHandle:
     def attached(self, info: EngineInfo) -> None:
         """The engine answered ``attach`` (first contact, or a restarted process that may speak a new version)."""
         self.info, self.attachment = info, Attachment.ATTACHED
-        self.ring_refs.forget()  # a new process holds no ring mapping of the old one
 
     def can(self, capability: Capability) -> bool:
         """Whether the engine said at attach that it answers ``capability``'s optional verb."""
@@ -247,6 +255,27 @@ async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metri
     await timed_call(engine, trace, metrics, "continue_generation", t.budget(Budget.PAUSE),
                  engine.adapter.continue_generation())
     engine.state = engine.state.with_(generation=Generation.SERVING)
+
+
+# -- a weight session's calls beside its plan (daemon/sync.py begins and ends it): chunks, and its questions --
+async def load_chunk(engine: EngineHandle, load: ChunkLoad) -> None:
+    """One chunk into the engine; the session's lane times and traces it, under the chunk budget."""
+    await engine.adapter.load_weights(load)
+
+
+async def parameters(engine: EngineHandle, trace: Trace, metrics: Metrics,
+                     budget_s: float) -> tuple[ParameterSpec, ...] | None:
+    """The engine's full parameter set where it can list it (``Capability.PARAMETER_MANIFEST``); else None."""
+    if not engine.can(Capability.PARAMETER_MANIFEST):
+        return None
+    return await timed_call(engine, trace, metrics, "parameter_manifest", budget_s, engine.adapter.parameter_manifest())
+
+
+async def digests(engine: EngineHandle, names: Sequence[str], trace: Trace, metrics: Metrics,
+                  budget_s: float) -> EngineDigests:
+    """What the engine holds of ``names``, as digests, for a verified commit (daemon/verify.py)."""
+    return await timed_call(engine, trace, metrics, "weight_digests", budget_s, engine.adapter.weight_digests(names),
+                            tensors=len(names))
 
 
 async def _memory_report(engine: EngineHandle) -> MemoryReport | None:

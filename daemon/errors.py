@@ -8,7 +8,6 @@ so adapters raise members of this same tree without importing the daemon.
     │   └── PayloadRejected     an engine refused the caller's payload (engine's words)          → 422
     ├── ConfigError (daemon/config.py) the node config file is missing or invalid          → 400
     ├── TransitionRejected      illegal from the current state; nothing changed        → 409
-    │   ├── RingRefUnknown      a chunk names an ipc_ring ref this daemon does not hold  → 409
     │   └── ManifestRefUnknown  an open names a manifest_ref this daemon does not hold; .field → 409
     ├── SessionGone             a weight session that expired, was aborted or committed → 410
     ├── NotFound                unknown engine / session / step                          → 404
@@ -57,7 +56,6 @@ __all__ = [
     "NotFound",
     "PayloadRejected",
     "RequestInvalid",
-    "RingRefUnknown",
     "SessionGone",
     "StepTimeout",
     "TransitionFailed",
@@ -75,11 +73,6 @@ class TransitionRejected(ColocdError):
     def __init__(self, message: str, *, state: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.state = state or {}
-
-
-class RingRefUnknown(TransitionRejected):
-    """A chunk names a layout ref or slot this daemon holds no announcement of (it restarted, or dropped the
-    ring): ``state`` names the ring, the ref and the slots; the trainer re-sends the chunk in full."""
 
 
 class ManifestRefUnknown(TransitionRejected):
@@ -189,7 +182,7 @@ def caller_payload(field: str | None = None) -> Iterator[None]:
     (``refused_payload``).
 
         with caller_payload("handle"):
-            await engine.adapter.load_weights(load)
+            await ops.load_chunk(engine, load)
     """
     try:
         yield

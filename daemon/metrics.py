@@ -77,7 +77,7 @@ class Metrics:
         # Trainer-side IPC leases (daemon/leases.py), as each trainer rank last reported them.
         self.ipc_exported_bytes = Gauge(
             "colocd_ipc_exported_bytes", "Bytes a trainer rank holds exported for engines (chunks in flight, "
-            "ring slots, zero-copy storages, shm segments), as of its last report", ["rank"], registry=r)
+            "shm segments), as of its last report", ["rank"], registry=r)
         self.ipc_retained_bytes = Gauge(
             "colocd_ipc_retained_bytes", "Bytes a trainer rank released that torch still keeps for a consumer's "
             "CUDA IPC count, as of its last report", ["rank"], registry=r)

@@ -90,12 +90,17 @@ class Daemon:
         self.journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
-        self.sync = EngineSync(self)  # the one path that drives engines (daemon/sync.py)
+        # The one path that drives engines (daemon/sync.py).
+        self.sync = EngineSync(self.engines, self.metrics, self.traces, state=lambda: self.node,
+                               timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled)
         self.engine_lifecycle = EngineLifecycle(self, self.sync)
         self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics),
                                                        journal=config.journal)
+        self.sync.sessions = self.sessions
         self.transitions = Transitions(self)
-        self.node_metrics = NodeMetrics(self)  # every event series at 0 from the start; phase, busy, session
+        # Every event series at 0 from the start; phase, busy, session.
+        self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
+                                        busy=lambda: self.busy)
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
         # Each launched process is journaled; a restarted daemon adopts the ones still running.
         self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
@@ -166,20 +171,15 @@ class Daemon:
         return self._lock.locked()
 
     @contextlib.asynccontextmanager
-    async def exclusive(self, what: str, *, observe: bool = True) -> AsyncIterator[None]:
+    async def exclusive(self, what: str) -> AsyncIterator[None]:
         """Hold the node for ``what``: refused while another operation holds it (a background reconcile is
-        waited for), then every engine is reconciled before ``what`` acts. ``observe=False``: ``what``'s own
-        first engine call proves each engine is the one on record, so it acts on the record (still refused
-        while a restarted daemon has engines it has not reconciled)."""
+        waited for), then every engine is reconciled before ``what`` acts."""
         check_can_start(what, lifecycle=self.lifecycle, node=self.node,
                         busy_with=self.busy_with if self._lock.locked() and not self._reconciling else None)
         async with self._lock:  # a background reconcile holding it finishes first
             self.busy_with = what
             try:
-                if observe:
-                    await self.reconcile_before(what)
-                else:
-                    self._check_reconciled(what)
+                await self.reconcile_before(what)
                 yield
             finally:
                 self.busy_with = None
@@ -286,8 +286,11 @@ class Daemon:
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def note_incarnation(self, name: str, incarnation: str | None) -> None:
-        self.launches.note_incarnation(name, incarnation)
+    def _reconciled(self, engine: EngineHandle, changed: bool) -> None:
+        """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled."""
+        self.launches.note_incarnation(engine.name, engine.state.incarnation)
+        if changed:
+            self.journal_append(f"reconcile:{engine.name}")
 
     def journal_append(self, what: str) -> None:
         """Queue the node's and engines' state on the journal (written in order, off the loop): for a record no

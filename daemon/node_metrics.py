@@ -8,15 +8,16 @@ at least once per health interval), so a scrape during a long transition still s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from .config import NodeConfig
+from ..engines.config import AnyEngineConfig
 from .metrics import Metrics
 from .states import NodePhase, NodeState
 from .steps import PARTS
 from .weights import WeightSession
 
-__all__ = ["MetricsContext", "NodeMetrics"]
+__all__ = ["NodeMetrics"]
 
 
 class _Sessions(Protocol):
@@ -24,34 +25,22 @@ class _Sessions(Protocol):
     def open_id(self) -> str | None: ...
 
 
-class MetricsContext(Protocol):
-    """What the node's series read of the daemon."""
-
-    config: NodeConfig
-    metrics: Metrics
-    node: NodeState
-    @property
-    def busy(self) -> bool: ...
-    @property
-    def sessions(self) -> _Sessions: ...
-
-
 class NodeMetrics:
-    """``NodeMetrics(daemon)`` once, then ``refresh()`` with the other gauges (``Daemon.refresh_gauges``)."""
+    """Once per daemon, then ``refresh()`` with the other gauges (``Daemon.refresh_gauges``). ``state`` and ``busy``
+    read the node as of now."""
 
-    def __init__(self, daemon: MetricsContext) -> None:
-        self._d = daemon
-        m = daemon.metrics
-        engines = daemon.config.engines
-        m.declare((e.name for e in engines), (e.name for e in engines if e.launch is not None), PARTS)
-        m.node_busy.set_function(lambda: 1.0 if daemon.busy else 0.0)
-        m.session_open.set_function(lambda: 1.0 if daemon.sessions.open_id() is not None else 0.0)
-        m.session_idle.set_function(self._session_idle_s)
+    def __init__(self, metrics: Metrics, engines: Sequence[AnyEngineConfig], sessions: _Sessions, *,
+                 state: Callable[[], NodeState], busy: Callable[[], bool]) -> None:
+        self._metrics, self._sessions, self._state = metrics, sessions, state
+        metrics.declare((e.name for e in engines), (e.name for e in engines if e.launch is not None), PARTS)
+        metrics.node_busy.set_function(lambda: 1.0 if busy() else 0.0)
+        metrics.session_open.set_function(lambda: 1.0 if sessions.open_id() is not None else 0.0)
+        metrics.session_idle.set_function(self._session_idle_s)
         self._node: NodeState | None = None
 
     def refresh(self) -> None:
         """The phase gauges; a new (step, phase) restarts the clock of ``colocd_node_phase_entered_...``."""
-        node, m = self._d.node, self._d.metrics
+        node, m = self._state(), self._metrics
         if node is self._node:  # NodeState is replaced, never edited, on every move
             return
         if self._node is None or (node.phase, node.step) != (self._node.phase, self._node.step):
@@ -62,6 +51,6 @@ class NodeMetrics:
         m.node_step.set(node.step)
 
     def _session_idle_s(self) -> float:
-        sessions = self._d.sessions
+        sessions = self._sessions
         current = sessions.current
         return current.idle_for() if current is not None and sessions.open_id() is not None else 0.0

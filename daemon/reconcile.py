@@ -19,7 +19,9 @@ Rules, in order:
    a field it cannot report keeps the record's value. What a same engine reports replaces the desired
    state of that field too (a half-done step is taken at the engine's word; the trainer re-asks).
 3. Sessions. An engine-side update session the daemon does not own is ended (its contents are
-   unknown: stale). A session the daemon owns on an engine that lost it (restarted) fails.
+   unknown: stale). A session the daemon owns on an engine that lost it (restarted) fails. A weight
+   session's open and close set the desired weights (``WeightsGoal``): the update session begins, or ends
+   committing a version (clean) or not (the weights the session leaves).
 4. Memory. Tags the desired state has released are released (a restarted engine gets back the
    memory state the record wanted: during ``train``, the trainer's memory), the others resumed.
 5. Serving. An engine may serve only clean weights on resident memory; otherwise it is paused. It
@@ -35,14 +37,17 @@ from enum import StrEnum
 from ..engines.base import MemoryTag, Observation, PauseMode
 from .states import EngineRecord, Generation, NodePhase, TagState, WeightsState
 
-__all__ = ["Action", "Desired", "Plan", "agrees", "plan"]
+__all__ = ["Action", "Desired", "Plan", "WeightsGoal", "plan"]
 
 
 class Action(StrEnum):
     """One engine call (or daemon-side step) of a plan, in the order the daemon runs them."""
 
     FAIL_SESSION = "fail_session"  # the daemon's open weight session cannot finish: the engine lost it
-    END_ENGINE_SESSION = "end_engine_session"  # an engine-side update session nobody owns
+    BEGIN_ENGINE_SESSION = "begin_engine_session"  # open the engine's update session for a weight session
+    # End the engine's update session: a weight session's commit or close (the plan's ``weights`` says which),
+    # or one nobody owns (its contents unknown: stale).
+    END_ENGINE_SESSION = "end_engine_session"
     PAUSE = "pause"  # stop generation: the desired state pauses, the weights are stale or memory is released
     RELEASE = "release"  # flush the prefix cache (idle first), then give back what the desired state released
     RESUME = "resume"  # take back the memory the desired state has resident
@@ -50,12 +55,36 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class WeightsGoal:
+    """What a weight session wants of one engine's weights: its update session open (``session``), or ended,
+    serving ``version`` (a commit) or holding ``after`` (a close without commit: what the session left)."""
+
+    session: str | None = None
+    version: str | None = None
+    after: WeightsState | None = None
+
+    @classmethod
+    def begin(cls, session: str) -> WeightsGoal:
+        return cls(session=session)
+
+    @classmethod
+    def commit(cls, version: str) -> WeightsGoal:
+        return cls(version=version)
+
+    @classmethod
+    def discard(cls, after: WeightsState) -> WeightsGoal:
+        return cls(after=after)
+
+
+@dataclass(frozen=True, slots=True)
 class Desired:
-    """What one engine should be: serving or paused (and how it pauses), and which owned tags are released."""
+    """What one engine should be: serving or paused (and how it pauses), which owned tags are released, and
+    what a weight session wants of its weights (None: nothing)."""
 
     generation: Generation = Generation.SERVING
     released: frozenset[MemoryTag] = frozenset()
     pause_mode: PauseMode = PauseMode.ABORT
+    weights: WeightsGoal | None = None
 
     @classmethod
     def holding(cls, state: EngineRecord) -> Desired:
@@ -95,6 +124,11 @@ class Desired:
         return cls(Generation.SERVING, frozenset())
 
     @classmethod
+    def for_weights(cls, state: EngineRecord, goal: WeightsGoal) -> Desired:
+        """The engine as it is, with the weight session's goal."""
+        return replace(cls.holding(state), weights=goal)
+
+    @classmethod
     def for_sleep(cls, state: EngineRecord, tags: tuple[MemoryTag, ...], mode: PauseMode) -> Desired:
         return cls(Generation.PAUSED, cls.holding(state).released | set(tags), mode)
 
@@ -120,6 +154,7 @@ class Plan:
     end_session_tolerant: bool = False  # END_ENGINE_SESSION on a guess: the engine may have none open
     resume: tuple[MemoryTag, ...] = ()  # tags for Action.RESUME
     pause_mode: PauseMode = PauseMode.ABORT  # for Action.PAUSE
+    weights: WeightsGoal | None = None  # for Action.BEGIN_ENGINE_SESSION and Action.END_ENGINE_SESSION
 
     @property
     def changes_anything(self) -> bool:
@@ -143,6 +178,7 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
     findings: list[str] = []
     actions: list[Action] = []
     end_tolerant = False
+    goal = desired.weights
     base = recorded
     if observed is not None:
         reason = None if first_sight else _restart_reason(recorded, observed, owns_session, lost_sight)
@@ -158,13 +194,19 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
                 actions.append(Action.END_ENGINE_SESSION)
                 findings.append("weight-update session open on the engine that this daemon does not own")
                 end_tolerant = not observed.update_session_open
+                goal = WeightsGoal.discard(WeightsState.STALE)
                 base = base.with_(weights=WeightsState.STALE)
             elif (lost_sight and observed.update_session_open is None and phase is NodePhase.SYNC
                   and base.weights is not WeightsState.CLEAN):
                 # The engine cannot say, and a daemon that lost sight mid-sync may have left one open.
                 actions.append(Action.END_ENGINE_SESSION)
                 end_tolerant = True
+                goal = WeightsGoal.discard(base.weights)
 
+    if not actions and goal is not None and goal.session is not None and base.weights is not WeightsState.UPDATING:
+        actions.append(Action.BEGIN_ENGINE_SESSION)
+    elif not actions and goal is not None and goal.session is None and base.weights is WeightsState.UPDATING:
+        actions.append(Action.END_ENGINE_SESSION)
     release, resume = desired.to_release(base), desired.to_resume(base)
     after = base.with_tags(release, TagState.RELEASED).with_tags(resume, TagState.RESIDENT)
     may_serve = base.weights is WeightsState.CLEAN and all(after.resident(t) for t in after.owned_tags)
@@ -180,12 +222,7 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
     if base.generation is Generation.PAUSED and desired.generation is Generation.SERVING and may_serve:
         actions.append(Action.CONTINUE)
     return Plan(recorded.name, reason is not None, reason, base, tuple(actions), release, tuple(findings),
-                end_tolerant, resume, mode)
-
-
-def agrees(recorded: EngineRecord, observed: Observation, *, phase: NodePhase) -> bool:
-    """The engine is what its record says: reconciling on ``observed`` would correct nothing and do nothing."""
-    return not plan(Desired.holding(recorded), recorded, observed, phase=phase, owns_session=False).changes_anything
+                end_tolerant, resume, mode, goal)
 
 
 def _observed(recorded: EngineRecord, observed: Observation, restarted: bool, first_sight: bool,

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..engines.base import Capability, ChunkPart, EngineDigests
-from ..engines.ring_refs import RingDirectory
+from ..engines.base import ChunkPart, EngineDigests
 from ..engines.segments import unlink_session_segments
 from ..policies import Budget, PolicySet, Timeouts
 from ..recent import remember
@@ -25,10 +24,9 @@ from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
 from .errors import NotFound, RequestInvalid, WeightSyncError
-from .fanout import OnFailure, each_engine, fan_out
 from .manifests import ManifestBook, reference_of
 from .metrics import Metrics
-from .reconcile import agrees
+from .reconcile import WeightsGoal
 from .states import (
     NodeState,
     SessionState,
@@ -71,8 +69,7 @@ class SessionContext(Protocol):
     stopping: asyncio.Event
     @property
     def busy(self) -> bool: ...
-    def exclusive(self, what: str, *, observe: bool = True) -> AbstractAsyncContextManager[None]: ...
-    async def reconcile_before(self, what: str) -> None: ...
+    def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
     def background(self, what: str, *, reconciling: bool = False) -> AbstractAsyncContextManager[None]: ...
     def timeouts(self) -> Timeouts: ...
     def policy_set(self) -> PolicySet: ...
@@ -102,9 +99,6 @@ class WeightSessions:
         # The manifests of this process's last opens by reference, so a trainer's next open may name its
         # manifest instead of sending and having it parsed again (daemon/manifests.py).
         self.manifests = ManifestBook()
-        # What trainer rings announced to this daemon process, so their chunks may carry refs only
-        # (engines/ring_refs.py); its id, in every join reply, tells a trainer when to announce again.
-        self.rings = RingDirectory()
 
     def restore(self) -> None:
         self.complete_manifest = self._read_manifest_file()
@@ -134,33 +128,20 @@ class WeightSessions:
         against it. Unless ``partial``, it must cover each engine's full parameter set where that is known;
         a partial update needs intact (clean) weights on every engine. ``manifest_ref`` names a manifest an
         earlier open of this process declared (the session's ``manifest_ref``) in its place. Refusals change
-        nothing.
-
-        Where every engine answers its begin with what it was just before (``Capability.OBSERVE_AT_BEGIN``) and
-        has been in sight since it was last observed, that answer is the check against the record, so no
-        observation comes first; an engine that differs from its record has its begin undone, every engine is
-        observed and reconciled, and the open runs again on the corrected records.
+        nothing. Every engine is observed and reconciled first (``Daemon.exclusive``), so the open acts on records
+        that agree with the engines.
         """
         d = self._d
         # The session's trace starts before the node's lock, so its spans cover the whole open (the breakdown
         # of `benchmarks.weights`); the step it names is the node's, as the check below requires.
         trace = Trace(d.node.step, "weights")
-        at_begin = all(_observes_at_begin(e) for e in d.engines.values())
-        async with d.exclusive("open_weights", observe=not at_begin):
-            _lock_span(trace, 0.0, observed=not at_begin)
+        async with d.exclusive("open_weights"):
+            _lock_span(trace, 0.0)
             trace.step = d.node.step
             args = _OpenArgs(step, version, ranks, depth, manifest, manifest_ref, partial)
-            if at_begin:
-                try:
-                    return await self._open_locked(trace, args, check_at_begin=True)
-                except _RecordDiffers as differs:
-                    since = trace.elapsed_s()
-                    await d.reconcile_before("open_weights")
-                    trace.add(Span("reconcile", None, since, trace.elapsed_s() - since,
-                                   attrs={"engines": differs.engines}))
-            return await self._open_locked(trace, args, check_at_begin=False)
+            return await self._open_locked(trace, args)
 
-    async def _open_locked(self, trace: Trace, args: _OpenArgs, *, check_at_begin: bool) -> WeightSession:
+    async def _open_locked(self, trace: Trace, args: _OpenArgs) -> WeightSession:
         d = self._d
         step, version, ranks, manifest, partial = args.step, args.version, args.ranks, args.manifest, args.partial
         with trace.span("open_checks"):
@@ -189,25 +170,13 @@ class WeightSessions:
             depth=args.depth or d.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
             trace=trace, metrics=d.metrics, manifest=declared, manifest_ref=declared_ref, partial=partial,
             idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
-            sources=self._feed_ranks(), rings=self.rings)
+            sources=self._feed_ranks())
         session.required = required
         trace.attrs["session"] = session.id  # the session's log line and trace name it
         session.prior = {n: e.state.weights for n, e in d.engines.items()}
         session.verify = d.policy_set().sync.verify
-        differs: list[str] = []
-
-        async def begin(engine: EngineHandle) -> None:
-            observed = await ops.timed_call(engine, trace, d.metrics, "begin_weight_update",
-                                            t.budget(Budget.WEIGHT_UPDATE),
-                                            engine.adapter.begin_weight_update(session_id=session.id))
-            if check_at_begin and (observed is None or not agrees(engine.state, observed, phase=d.node.phase)):
-                differs.append(engine.name)
-            engine.state = engine.state.with_(weights=WeightsState.UPDATING)
-
         try:
-            await each_engine(d.engines.values(), begin, phase="weights", metrics=d.metrics)
-            if differs:
-                raise _RecordDiffers(sorted(differs))
+            await d.sync.weights({n: WeightsGoal.begin(session.id) for n in d.engines}, trace, strict=True)
         except BaseException:
             await self._close_engines_update(trace, committed=False, session=session)
             raise
@@ -283,13 +252,10 @@ class WeightSessions:
         d = self._d
 
         async def listed(engine: EngineHandle) -> Manifest | None:
-            if not engine.can(Capability.PARAMETER_MANIFEST):
-                return None
             incarnation, cached = engine.state.incarnation, self._engine_manifests.get(engine.name)
             if incarnation is not None and cached is not None and cached[:2] == (incarnation, engine.info):
                 return cached[2]
-            specs = await ops.timed_call(engine, trace, d.metrics, "parameter_manifest", budget_s,
-                                         engine.adapter.parameter_manifest())
+            specs = await ops.parameters(engine, trace, d.metrics, budget_s)
             params = manifest_of(specs) if specs is not None else None
             if incarnation is not None:
                 self._engine_manifests[engine.name] = (incarnation, engine.info, params)
@@ -389,11 +355,8 @@ class WeightSessions:
         session = self.get(session_id)
         require_session_open(session.id, session.state, error=session.error)
         waiting_since = session.trace.elapsed_s()
-        # An engine that takes the version as its session ends refuses the end unless it is the process that
-        # holds this session (so the pushed weights): that call is the commit's proof, no observation first.
-        bound = all(e.can(Capability.VERSION_AT_END) for e in session.engines)
-        async with d.exclusive("commit_weights", observe=not bound):
-            _lock_span(session.trace, waiting_since, observed=not bound)
+        async with d.exclusive("commit_weights"):
+            _lock_span(session.trace, waiting_since)
             session.touch()
             self.groups.check_settled(session)
             trace = session.trace
@@ -433,9 +396,7 @@ class WeightSessions:
         budget = d.timeouts().budget(Budget.WEIGHT_UPDATE)
 
         async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
-            report: EngineDigests = await ops.timed_call(engine, session.trace, d.metrics, "weight_digests", budget,
-                                                         engine.adapter.weight_digests(names), tensors=len(names))
-            return report
+            return await ops.digests(engine, names, session.trace, d.metrics, budget)
 
         t0 = time.perf_counter()
         try:
@@ -605,37 +566,20 @@ class WeightSessions:
 
     async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None,
                                     session: WeightSession | None = None) -> None:
-        """End the engines' update sessions. Uncommitted: engines stay paused; weights are stale unless the
-        session never touched them (no chunk started there, none abandoned)."""
+        """End the engines' update sessions. Committed, they serve ``version``. Uncommitted: engines stay paused;
+        weights are stale unless the session never touched them (no chunk started there, none abandoned)."""
         d = self._d
-        t = d.timeouts()
+        if committed and version is not None:
+            await d.sync.weights({n: WeightsGoal.commit(version) for n in d.engines}, trace, strict=True)
+            return
         prior = session.prior if session is not None else {}
 
-        async def one(engine: EngineHandle) -> None:
-            if engine.state.weights is not WeightsState.UPDATING:
-                return
-            if not committed:
-                untouched = (session is not None and not session.touched(engine.name)
-                             and engine.name not in session.tainted)
-                engine.state = engine.state.with_(
-                    weights=prior.get(engine.name, WeightsState.STALE) if untouched else WeightsState.STALE)
-            # An engine that sets the version as its session ends takes it in the same call (one round trip, and
-            # only the process holding the session, so the pushed weights, can take it); others are told next.
-            at_end = committed and version is not None and engine.can(Capability.VERSION_AT_END)
-            await ops.timed_call(engine, trace, d.metrics, "end_weight_update", t.budget(Budget.WEIGHT_UPDATE),
-                                 engine.adapter.end_weight_update(version if at_end else None))
-            if committed and version is not None:
-                if not at_end:
-                    await ops.timed_call(engine, trace, d.metrics, "set_weight_version",
-                                         t.budget(Budget.WEIGHT_UPDATE),
-                                         engine.adapter.set_weight_version(version))
-                engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=version)
+        def left(name: str) -> WeightsState:
+            untouched = session is not None and not session.touched(name) and name not in session.tainted
+            return prior.get(name, WeightsState.STALE) if untouched else WeightsState.STALE
 
-        if committed:
-            await each_engine(d.engines.values(), one, phase="weights", metrics=d.metrics)
-        else:
-            # Best effort: an engine that cannot even end its session is already marked stale.
-            await fan_out(d.engines.values(), one, on_failure=OnFailure.COLLECT)
+        # Best effort: an engine that cannot even end its session is already marked as the session left it.
+        await d.sync.weights({n: WeightsGoal.discard(left(n)) for n in d.engines}, trace, strict=False)
 
     # -- separated GPUs: weight-update groups and broadcasts (daemon/distributed.py) -----------------
     async def open_group(self, *, group_name: str, master_address: str, master_port: int, backend: str,
@@ -696,22 +640,7 @@ class _OpenArgs:
     partial: bool
 
 
-class _RecordDiffers(Exception):
-    """An engine's answer to its begin differs from its record (the open observes and reconciles, then retries)."""
-
-    def __init__(self, engines: list[str]) -> None:
-        super().__init__(f"engines {engines} differ from their records")
-        self.engines = engines
-
-
-def _observes_at_begin(engine: EngineHandle) -> bool:
-    """Its begin's answer can stand in for an observation: it says what it was, and nothing since it was last
-    observed (a failed probe, a journal record) asks for a full look first."""
-    return (engine.can(Capability.OBSERVE_AT_BEGIN) and engine.observed_once and not engine.lost_sight
-            and engine.state.healthy)
-
-
-def _lock_span(trace: Trace, since: float, *, observed: bool = True) -> None:
-    """``node_lock``: from ``since`` until now, waiting for the node and, where ``observed``, reconciling every
-    engine before acting (``Daemon.exclusive``)."""
-    trace.add(Span("node_lock", None, since, trace.elapsed_s() - since, attrs={"observed": observed}))
+def _lock_span(trace: Trace, since: float) -> None:
+    """``node_lock``: from ``since`` until now, waiting for the node and reconciling every engine before acting
+    (``Daemon.exclusive``)."""
+    trace.add(Span("node_lock", None, since, trace.elapsed_s() - since))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ..engines.base import Observation
@@ -32,11 +32,11 @@ from .events import emit
 from .fanout import OnFailure, each_engine, fan_out
 from .memory import NvmlProbe
 from .metrics import Metrics
-from .reconcile import Action, Desired, Plan, plan
+from .reconcile import Action, Desired, Plan, WeightsGoal, plan
 from .states import Attachment, NodeState, WeightsState, check_attached
 from .trace import Trace, TraceStore
 
-__all__ = ["EngineSync", "OpenSession", "SyncContext"]
+__all__ = ["EngineSync", "OpenSession"]
 
 
 class OpenSession(Protocol):
@@ -47,26 +47,31 @@ class OpenSession(Protocol):
     async def fail_current(self, error: WeightSyncError) -> None: ...
 
 
-class SyncContext(Protocol):
-    """What the sync reads of the node and whom it tells (the daemon provides it)."""
+class _NoSessions:
+    """Until the daemon hands the sync its weight sessions: none is open."""
 
-    engines: dict[str, EngineHandle]
-    metrics: Metrics
-    traces: TraceStore
-    node: NodeState
-    probe: NvmlProbe | None
-    @property
-    def sessions(self) -> OpenSession: ...
-    def timeouts(self) -> Timeouts: ...
-    def journal_append(self, what: str) -> None: ...
-    def note_incarnation(self, name: str, incarnation: str | None) -> None: ...
+    def owns_open(self) -> bool:
+        return False
+
+    def open_id(self) -> str | None:
+        return None
+
+    async def fail_current(self, error: WeightSyncError) -> None:
+        return None
 
 
 class EngineSync:
     """Drives the node's engines, and keeps what its reconciles found and did."""
 
-    def __init__(self, node: SyncContext) -> None:
-        self._node = node
+    def __init__(self, engines: dict[str, EngineHandle], metrics: Metrics, traces: TraceStore, *,
+                 state: Callable[[], NodeState], timeouts: Callable[[], Timeouts],
+                 probe: Callable[[], NvmlProbe | None], reconciled: Callable[[EngineHandle, bool], None]) -> None:
+        """``state``, ``timeouts`` and ``probe``: the node's as of now; ``reconciled(engine, changed)``: told after
+        each reconcile that finished (the daemon notes the incarnation and, where it changed anything, journals).
+        """
+        self._engines, self._metrics, self._traces = engines, metrics, traces
+        self._state, self._timeouts, self._probe, self._reconciled = state, timeouts, probe, reconciled
+        self.sessions: OpenSession = _NoSessions()  # the daemon's weight sessions, once they exist
         # Engines whose journal record is not yet checked against the engine (mutating calls are refused
         # meanwhile).
         self.unreconciled: set[str] = set()
@@ -77,29 +82,28 @@ class EngineSync:
 
     def require_attached(self) -> None:
         """Every engine answered the observation that just ran (``Daemon.exclusive``); else 502 naming it."""
-        for engine in self._node.engines.values():
+        for engine in self._engines.values():
             check_attached(engine.name, engine.attachment, engine.state)
 
     # -- toward a desired state ----------------------------------------------------------------------
     async def drive(self, engines: list[EngineHandle], desired: Mapping[str, Desired], trace: Trace, *,
                     phase: str, what: str) -> dict[str, dict[str, int]]:
         """Drive each engine to ``desired[name]``, concurrently; returns the bytes each freed, per source."""
-        node = self._node
-        owns = node.sessions.owns_open()
+        owns = self.sessions.owns_open()
 
         async def one(engine: EngineHandle) -> dict[str, int]:
-            p = plan(desired[engine.name], engine.state, None, phase=node.node.phase, owns_session=owns)
+            p = plan(desired[engine.name], engine.state, None, phase=self._state().phase, owns_session=owns)
             return await self._run(engine, p, trace)
 
         try:
-            return await each_engine(engines, one, phase=phase, metrics=node.metrics)
+            return await each_engine(engines, one, phase=phase, metrics=self._metrics)
         except Exception:
             await self.reconcile_all(f"after failed {what}", keep_error=True)
             raise
 
     # -- toward the record, on a fresh observation -----------------------------------------------------
     async def reconcile_all(self, trigger: str, *, keep_error: bool = False) -> None:
-        await fan_out(self._node.engines.values(), lambda e: self.reconcile(e, trigger, keep_error=keep_error),
+        await fan_out(self._engines.values(), lambda e: self.reconcile(e, trigger, keep_error=keep_error),
                       on_failure=OnFailure.SETTLE)
 
     async def reconcile(self, engine: EngineHandle, trigger: str, *, keep_error: bool = False) -> bool:
@@ -113,13 +117,12 @@ class EngineSync:
             return await self._reconcile(engine, trigger, keep_error=keep_error)
         finally:
             if engine.state.healthy is not was_healthy:
-                node = self._node
                 emit("engine_health", logging.INFO if engine.state.healthy else logging.WARNING, engine=engine.name,
-                     session=node.sessions.open_id(), step=node.node.step, phase=node.node.phase.value,
+                     session=self.sessions.open_id(), step=self._state().step, phase=self._state().phase.value,
                      healthy=engine.state.healthy, trigger=trigger, error=engine.state.last_error)
 
     async def _observe(self, engine: EngineHandle) -> Observation:
-        budget = self._node.timeouts().budget(Budget.OBSERVE)
+        budget = self._timeouts().budget(Budget.OBSERVE)
         try:
             async with asyncio.timeout(budget):
                 if engine.attachment is Attachment.DETACHED:
@@ -129,7 +132,6 @@ class EngineSync:
             raise EngineUnreachable(engine.name, f"no answer to observe within {budget:g}s") from None
 
     async def _reconcile(self, engine: EngineHandle, trigger: str, *, keep_error: bool) -> bool:
-        node = self._node
         try:
             observed = await self._observe(engine)
         except EngineError as exc:
@@ -137,8 +139,8 @@ class EngineSync:
             engine.lost_sight = engine.lost_sight or engine.observed_once
             return False
         recorded = engine.state
-        p = plan(Desired.holding(recorded), recorded, observed, phase=node.node.phase,
-                 owns_session=node.sessions.owns_open(),
+        p = plan(Desired.holding(recorded), recorded, observed, phase=self._state().phase,
+                 owns_session=self.sessions.owns_open(),
                  first_sight=not engine.observed_once and not engine.lost_sight, lost_sight=engine.lost_sight)
         if p.restarted and not await engine.adapter.started():
             # Driven only once its own start-up has run (a pause during SGLang's warm-up blocks it for good); the
@@ -152,13 +154,13 @@ class EngineSync:
         # A restarted engine's new incarnation is published only once the plan's actions (pause, release) ran:
         # status never shows the new process before it is in the state the record wants.
         engine.state = p.state.with_(incarnation=recorded.incarnation) if p.restarted else p.state
-        trace = Trace(node.node.step, f"reconcile:{engine.name}")
+        trace = Trace(self._state().step, f"reconcile:{engine.name}")
         try:
             if p.restarted:
                 if observed.incarnation is None or observed.incarnation != engine.restart_counted:
-                    node.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
+                    self._metrics.engine_restarts.labels(engine.name).inc()  # once per new process
                     engine.restart_counted = observed.incarnation
-                async with asyncio.timeout(node.timeouts().budget(Budget.OBSERVE)):
+                async with asyncio.timeout(self._timeouts().budget(Budget.OBSERVE)):
                     engine.attached(await engine.adapter.attach())  # a new process may speak a new version
             await self._run(engine, p, trace, counted=True)
         except (ColocdError, TimeoutError) as exc:
@@ -174,58 +176,87 @@ class EngineSync:
         finally:
             if p.actions:
                 trace.finish("reconciled", restarted=p.restarted)
-                node.traces.put(trace)
+                self._traces.put(trace)
         if p.findings:
-            node.metrics.reconcile_actions.labels(engine.name, "adopt").inc()
+            self._metrics.reconcile_actions.labels(engine.name, "adopt").inc()
         engine.observed_once, engine.lost_sight = True, False
         engine.state = engine.state.with_(healthy=True, incarnation=p.state.incarnation,
                                           last_error=engine.state.last_error if keep_error else None)
         self.unreconciled.discard(engine.name)
         self.unsettled.pop(engine.name, None)
-        node.note_incarnation(engine.name, engine.state.incarnation)
         if p.changes_anything:
             self._report(engine, trigger, p, None)
-            node.journal_append(f"reconcile:{engine.name}")
+        self._reconciled(engine, p.changes_anything)
         return True
 
     # -- the worker: one engine, one plan ----------------------------------------------------------------
     async def _run(self, engine: EngineHandle, p: Plan, trace: Trace, *, counted: bool = False) -> dict[str, int]:
         """Run ``p``'s actions on ``engine`` in order; returns the bytes its release freed, per source.
         ``counted``: each action is counted in ``colocd_reconcile_actions`` (a reconcile's plan)."""
-        node = self._node
-        t = node.timeouts()
+        t = self._timeouts()
         freed: dict[str, int] = {}
         for action in p.actions:
             if action is Action.FAIL_SESSION:
                 why = p.reason or "it reports no open weight-update session"
-                await node.sessions.fail_current(WeightSyncError(f"engine {engine.name!r} lost the weight session: "
+                await self.sessions.fail_current(WeightSyncError(f"engine {engine.name!r} lost the weight session: "
                                                                  f"{why}"))
             elif action is Action.END_ENGINE_SESSION:
                 try:
-                    await ops.timed_call(engine, trace, node.metrics, "end_weight_update",
-                                         t.budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update())
+                    await self._end_session(engine, p.weights or WeightsGoal(), trace)
                 except EngineRejected:
                     if not p.end_session_tolerant:
                         raise  # the engine said a session was open, yet refuses to end it
+            elif action is Action.BEGIN_ENGINE_SESSION and p.weights is not None:
+                begin = engine.adapter.begin_weight_update(p.weights.session)
+                await ops.timed_call(engine, trace, self._metrics, "begin_weight_update",
+                                     t.budget(Budget.WEIGHT_UPDATE), begin)
+                engine.state = engine.state.with_(weights=WeightsState.UPDATING)
             elif action is Action.PAUSE:
-                await ops.pause(engine, p.pause_mode, trace, node.metrics, t)
+                await ops.pause(engine, p.pause_mode, trace, self._metrics, t)
             elif action is Action.RELEASE:
-                await ops.flush(engine, trace, node.metrics, t)  # idle + empty radix cache before release
-                freed = await ops.release(engine, p.release, trace, node.metrics, t, node.probe)
+                await ops.flush(engine, trace, self._metrics, t)  # idle + empty radix cache before release
+                freed = await ops.release(engine, p.release, trace, self._metrics, t, self._probe())
             elif action is Action.RESUME:
-                await ops.resume(engine, p.resume, trace, node.metrics, t, node.probe)
+                await ops.resume(engine, p.resume, trace, self._metrics, t, self._probe())
             elif action is Action.CONTINUE:
-                await ops.flush(engine, trace, node.metrics, t)  # no stale prefix KV across a weight change
-                await ops.continue_generation(engine, trace, node.metrics, t)
+                await ops.flush(engine, trace, self._metrics, t)  # no stale prefix KV across a weight change
+                await ops.continue_generation(engine, trace, self._metrics, t)
             if counted:
-                node.metrics.reconcile_actions.labels(engine.name, action.value).inc()
+                self._metrics.reconcile_actions.labels(engine.name, action.value).inc()
         return freed
+
+    async def _end_session(self, engine: EngineHandle, goal: WeightsGoal, trace: Trace) -> None:
+        """End the engine's update session: committed, it serves ``goal.version`` (the adapter's end sets it);
+        else its record holds what the session left (``goal.after``) from before the call, which may fail."""
+        if goal.after is not None:
+            engine.state = engine.state.with_(weights=goal.after)
+        await ops.timed_call(engine, trace, self._metrics, "end_weight_update",
+                             self._timeouts().budget(Budget.WEIGHT_UPDATE),
+                             engine.adapter.end_weight_update(goal.version))
+        if goal.version is not None:
+            engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=goal.version)
+
+    # -- a weight session's goal ------------------------------------------------------------------------
+    async def weights(self, goals: Mapping[str, WeightsGoal], trace: Trace, *, strict: bool) -> None:
+        """Drive each named engine to its weight session goal, concurrently, on its record (the caller observed
+        every engine when it took the node's lock). ``strict``: the first failure is raised (the caller cleans
+        up); else every engine is tried and failures are only logged (a best-effort close)."""
+
+        async def one(engine: EngineHandle) -> None:
+            p = plan(Desired.for_weights(engine.state, goals[engine.name]), engine.state, None,
+                     phase=self._state().phase, owns_session=self.sessions.owns_open())
+            await self._run(engine, p, trace)
+
+        engines = [e for n, e in self._engines.items() if n in goals]
+        if strict:
+            await each_engine(engines, one, phase="weights", metrics=self._metrics)
+        else:
+            await fan_out(engines, one, on_failure=OnFailure.COLLECT)
 
     def _report(self, engine: EngineHandle, trigger: str, p: Plan, error: str | None) -> None:
         report = {"trigger": trigger, "at": time.time(), "ok": error is None, "error": error, **p.snapshot()}
         self.reports[engine.name] = report
-        node = self._node
         emit("reconcile", logging.WARNING if p.restarted or error else logging.INFO, engine=engine.name,
-             session=node.sessions.open_id(), step=node.node.step, phase=node.node.phase.value, trigger=trigger,
+             session=self.sessions.open_id(), step=self._state().step, phase=self._state().phase.value, trigger=trigger,
              result="failed" if error else "ok", restarted=p.restarted, reason=p.reason,
              findings=list(p.findings), actions=[a.value for a in p.actions], error=error)

@@ -33,21 +33,19 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn, cast
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from ..engines.base import ChunkLoad, ChunkPart, ParameterSpec
 from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
-from ..engines.errors import RingRefsUnknown
-from ..engines.handles import RingRoute, ShmRoute
-from ..engines.ring_refs import RefMismatch, RefUnknown, RingDirectory
+from ..engines.handles import ShmRoute
 from ..policies import Transport, VerifyMode
+from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import (
     ChunkTimeout,
     PayloadRejected,
     RequestInvalid,
-    RingRefUnknown,
     SessionGone,
     TransitionRejected,
     WeightSyncError,
@@ -153,14 +151,13 @@ class RankJoin:
     rank: int
     device_id: str
     feeds: tuple[tuple[str, int], ...]  # (engine, TP rank)
-    ring_refs: str | None = None  # the daemon's RingDirectory id: what a ring's announcements were made to
     verify: VerifyMode = "off"  # the commit's check (daemon/verify.py): unless off, send digests with each chunk
     transports: tuple[Transport, ...] = ()  # what every engine this rank feeds loads (its chunks must use one)
 
     def to_json(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "rank": self.rank, "device_id": self.device_id,
                 "streams": bool(self.feeds), "feeds": [{"engine": e, "tp_rank": t} for e, t in self.feeds],
-                "ring_refs": self.ring_refs, "verify": self.verify,
+                "verify": self.verify,
                 "transports": [t.value for t in self.transports]}
 
 
@@ -241,7 +238,6 @@ class WeightSession:
         idle_s: float | None = None,
         start_timeout_s: float | None = None,
         session_id: str | None = None,
-        rings: RingDirectory | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
@@ -274,8 +270,6 @@ class WeightSession:
         self.trainer_pids: set[int] = set()  # the trainer's processes, as proven (engines/segments.py)
         self.delivered: Manifest = {}  # every tensor a chunk layout carried, with its dtype and shape
         self._metrics = metrics
-        # ipc_ring announcements by ref (engines/ring_refs.py); None: chunks with a layout_ref are refused.
-        self._rings = rings
         self._lanes = [self._lane_of(e, sources) for e in engines]
         self._devices: dict[int, str] = {}  # rank → the device it declared when it joined
         self._started: set[int] = set()  # ranks that sent a first chunk
@@ -347,8 +341,7 @@ class WeightSession:
                         "ranks in the node config (the engine's feed_ranks), or abort the session",
                         field="device_id")
             self.touch()
-        return RankJoin(self.id, rank, device_id, self._feeds(rank),
-                        self._rings.id if self._rings is not None else None, self.verify,
+        return RankJoin(self.id, rank, device_id, self._feeds(rank), self.verify,
                         self.transports(self._users_of(rank)))
 
     def _feed_gpus_from_host_ranks(self) -> None:
@@ -516,7 +509,6 @@ class WeightSession:
                 f"sent chunk {first_missing}, and a rank may have at most depth={self.depth} chunks outstanding "
                 f"(chunks {first_missing}..{first_missing + self.depth - 1}); chunk sequence numbers are "
                 "0, 1, 2, ... without gaps", field="seq")
-        part = self._resolve(seq, part)
         self._check_transport(seq, part, users)
         layout = self._inspect(seq, part)
         self._check_plan(seq, part.rank, layout)
@@ -623,38 +615,12 @@ class WeightSession:
             ahead.discard(self._rank_next[rank])
             self._rank_next[rank] += 1
 
-    def _resolve(self, seq: int, part: ChunkPart) -> ChunkPart:
-        """An ipc_ring part that names its layout (and slots) by ref, with the announced content filled in;
-        any other part as it is. A ref this daemon never got is a 409 naming it: the trainer re-sends in full."""
-        if not isinstance(part.route, RingRoute) or part.route.layout_ref is None:
-            return part
-        where = f"session {self.id}: chunk {seq} from rank {part.rank}"
-        if self._rings is None:
-            raise RequestInvalid(f"{where}: this session takes no layout_ref; send the layout",
-                                 field="handle.layout_ref")
-        try:
-            full = self._rings.resolve(part.handle)
-        except RefUnknown as exc:
-            state: dict[str, object] = {"ring": exc.ring, "layout_ref": exc.ref, "field": f"handle.{exc.field}",
-                                        "slots": exc.slots}
-            raise RingRefUnknown(f"{where}: {exc}", state=state) from None
-        except RefMismatch as exc:
-            raise RequestInvalid(f"{where}: {exc}", field="handle.layout_ref") from None
-        except ValueError as exc:
-            raise RequestInvalid(f"{where}: {exc}", field="handle") from None
-        return part.with_handle(full)
-
     def _inspect(self, seq: int, part: ChunkPart) -> ChunkLayout:
         """The handle is readable on this node and its layout (every transport carries one) agrees with the
         manifest; else 422."""
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
-        ref = part.route.layout_ref if isinstance(part.route, RingRoute) else None
         try:
-            if ref is not None and self._rings is not None:  # resolved already: the layout is ref's own
-                layout = cast("ChunkLayout", self._rings.derived(
-                    ref, lambda: inspect_handle(part.transport, part.nbytes, part.handle)))
-            else:
-                layout = inspect_handle(part.transport, part.nbytes, part.handle)
+            layout = inspect_handle(part.transport, part.nbytes, part.handle)
         except HandleError as exc:
             raise RequestInvalid(f"{where}: {exc}", field=exc.field) from None
         self._check_manifest(where, [(t.name, TensorMeta(t.dtype, t.shape)) for t in layout.tensors],
@@ -785,29 +751,17 @@ class WeightSession:
         sources = [r for r in lane.sources if r is not None]  # all of them: _pump loads resolved lanes only
         payloads = tuple(chunk.parts[r] for r in sources)
         load = ChunkLoad(seq=chunk.seq, payloads=payloads, nbytes=sum(p.nbytes for p in payloads),
-                           session_id=self.id)
+                         session_id=self.id)
         done = chunk.consumed[lane.name]
-        refs = lane.engine.ring_refs
         t0 = time.perf_counter()
         try:
             with self.trace.span("load_chunk", lane.name, seq=chunk.seq, nbytes=load.nbytes) as span:
-                sent = tuple(_outgoing(p, tp, refs.outgoing) for tp, p in enumerate(payloads))
                 try:
-                    await lane.engine.adapter.load_weights(replace(load, payloads=sent))
+                    await ops.load_chunk(lane.engine, load)
                 except asyncio.CancelledError:
                     if self._ended_by is not None:  # the session ended first: say how, not "CancelledError"
                         span.attrs["error"] = f"cancelled, the session {self._ended_by}"[:500]
                     raise
-                except RingRefsUnknown:
-                    # The engine lacks refs the daemon believed it held (an unobserved restart, an evicted
-                    # ring) and applied nothing: believe nothing of it, and send the chunk in full once.
-                    refs.forget()
-                    if all(a is b for a, b in zip(sent, payloads, strict=True)):
-                        raise  # it was sent in full already: the refusal stands
-                    await lane.engine.adapter.load_weights(load)
-            for tp, p in enumerate(payloads):
-                if p.transport == "ipc_ring":
-                    refs.learned(tp, p.handle)
         except BaseException as exc:
             lane.in_flight -= 1
             error = _load_error(lane.name, chunk.seq, exc, ended=self._ended_by)
@@ -1003,15 +957,6 @@ class WeightSession:
             "tainted": self.tainted,
             "error": self.error,
         }
-
-
-def _outgoing(part: ChunkPart, tp_rank: int,
-              strip: Callable[[int, dict[str, Any]], dict[str, Any]]) -> ChunkPart:
-    """The part as this engine TP rank gets it: an ipc_ring descriptor without what the rank already holds."""
-    if part.transport != "ipc_ring":
-        return part
-    handle = strip(tp_rank, part.handle)
-    return part if handle is part.handle else part.with_handle(handle)
 
 
 def _load_error(engine: str, seq: int, exc: BaseException, *, ended: str | None = None

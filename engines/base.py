@@ -7,7 +7,7 @@ retries or deadlines: the daemon owns those and wraps each call in its own timeo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import InitVar, dataclass, field, replace
+from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
@@ -71,11 +71,8 @@ class Capability(StrEnum):
     MEMORY_REPORT = "memory_report"  # ``memory_report``: its own per-tag byte counts
     TENSOR_DIGESTS = "tensor_digests"  # ``weight_digests`` compares with the trainer's (engines/digest.py)
     SESSION_FENCE = "session_fence"  # it refuses a chunk of a session other than the open one
-    COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk, the ring)
+    COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk)
     NO_WARMUP = "no_warmup"  # it serves as soon as it answers: no warm-up generation to wait for (``started``)
-    OBSERVE_IN_ONE = "observe_in_one"  # one reply carries all ``observe`` reads (version and memory with its state)
-    VERSION_AT_END = "version_at_end"  # ``end_weight_update(version)`` sets the served version as the session ends
-    OBSERVE_AT_BEGIN = "observe_at_begin"  # ``begin_weight_update`` returns the observation as the session opened
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +148,10 @@ class ChunkPart:
     """One trainer rank's piece of a chunk, as the trainer described it (transport-specific handle).
 
     ``handle`` is the JSON object the trainer sent: a shared-memory name and layout, a base64 CUDA-IPC
-    payload produced by the trainer, a ring slot, a file path. Adapters translate it into their engine's
+    payload produced by the trainer, a file path. Adapters translate it into their engine's
     wire format; none of them unpickles it. The API parses it once into its transport's model
-    (engines/handles.py, ``ChunkPart.of``); the few facts the daemon needs of it (the device, a segment name,
-    a ring layout ref) are ``route``, built from that model.
+    (engines/handles.py, ``ChunkPart.of``); the few facts the daemon needs of it (the device, a segment name)
+    are ``route``, built from that model.
     """
 
     rank: int
@@ -177,11 +174,6 @@ class ChunkPart:
         """The part of a typed handle: it travels on as the JSON it was parsed from, its route from the model."""
         return cls(rank=rank, transport=transport, nbytes=nbytes, handle=handle.wire, digests=digests,
                    parsed=handle.route())
-
-    def with_handle(self, handle: dict[str, Any]) -> ChunkPart:
-        """The same part with its handle completed or trimmed for an engine (a ring's announced layout filled
-        in, or what a TP rank holds left out): what the daemon reads of it stays."""
-        return replace(self, handle=handle, parsed=self.route)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,16 +241,15 @@ class EngineAdapter(Protocol):
     async def flush_cache(self) -> bool: ...
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
-    async def begin_weight_update(self, session_id: str | None = None) -> Observation | None:
-        """Open the engine's update session; with ``Capability.OBSERVE_AT_BEGIN``, what ``observe`` would have
-        answered just before it opened (from the same reply), else None."""
+    async def begin_weight_update(self, session_id: str | None = None) -> None:
+        """Open the engine's update session (where its protocol has one); with ``Capability.SESSION_FENCE`` it
+        refuses any chunk not of ``session_id``."""
         ...
     async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self, version: str | None = None) -> None:
-        """End the update session; ``version`` (asked only with ``Capability.VERSION_AT_END``) becomes the served
-        weight version in the same call, else ``set_weight_version`` follows."""
+        """End the update session; ``version`` (a commit's) then becomes the served weight version, by whatever
+        calls the engine's protocol needs (SGLang: ``update_weight_version`` after the end)."""
         ...
-    async def set_weight_version(self, version: str) -> None: ...
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """Digests of the named tensors as the engine holds (or received) them, for a verified commit."""
         ...

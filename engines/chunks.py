@@ -18,7 +18,7 @@ import secrets
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NotRequired
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import TypedDict  # pydantic takes typing's TypedDict only from Python 3.12
 
@@ -97,8 +97,7 @@ class LayoutEntry(TypedDict):
     name: str
     dtype: str  # torch's name without the prefix: float32, bfloat16, ...
     shape: list[int]
-    offset: int  # bytes from the start of the chunk (zero_copy: of its slot's storage)
-    slot: NotRequired[int]  # zero_copy: the ring slot the tensor's storage is in
+    offset: int  # bytes from the start of the chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,9 +318,9 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
     chunk holds whatever the bytes travel in.
 
     shm: the name is a colocd trainer segment's, ``handle.nbytes`` is ``nbytes``, the segment exists and
-    holds them, the layout fits in it; ipc_ring: the layout fits in ``nbytes``; disk: an absolute path to a
+    holds them, the layout fits in it; disk: an absolute path to a
     regular file; cuda_ipc: a base64 string. The layout of a chunk whose bytes the daemon cannot read (disk,
-    cuda_ipc, ring regions) names the tensors the trainer put in it: names, dtypes, shapes. inline: one
+    cuda_ipc) names the tensors the trainer put in it: names, dtypes, shapes. inline: one
     well-formed pickle of allow-listed names (``engines/inline.py``).
     """
     if transport == "shm":
@@ -341,9 +340,6 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
             raise HandleError(f"segment {name!r} holds {size} bytes but the chunk says nbytes={nbytes}",
                               field="nbytes")
         return _layout(transport, handle, nbytes)
-    if transport == "ipc_ring":
-        # Zero-copy ring entries point into registered storages of their own size, not into nbytes.
-        return _layout(transport, handle, None)
     if transport == "disk":
         path = handle.get("path")
         if not isinstance(path, str) or not os.path.isabs(path) or not os.path.isfile(path):

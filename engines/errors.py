@@ -7,7 +7,6 @@ turn into their engine's wire format; both sit under ``ColocdError`` (the tree: 
     ├── EngineUnreachable       connection refused / reset / DNS: the engine is not there
     ├── EngineTimeout           the engine did not answer within the caller's deadline
     ├── EngineRejected          the engine answered 4xx/5xx or success=false; .status, .body
-    │   └── RingRefsUnknown     a chunk named ipc_ring refs the engine does not hold; nothing applied
     └── EngineProtocolError     the engine answered something we cannot parse
         └── EngineMismatch      the engine is not what its config declares (e.g. another tp_size)
 """
@@ -23,7 +22,6 @@ __all__ = [
     "EngineRejected",
     "EngineTimeout",
     "EngineUnreachable",
-    "RingRefsUnknown",
 ]
 
 
@@ -51,11 +49,6 @@ class EngineRejected(EngineError):
         super().__init__(engine, message)
         self.status = status
         self.body = body
-
-
-class RingRefsUnknown(EngineRejected):
-    """The engine refused an ``ipc_ring`` chunk whose layout ref or slot it does not hold (it restarted, or
-    dropped the ring); it applied nothing, so the chunk may be sent again in full (engines/ring_refs.py)."""
 
 
 class EngineProtocolError(EngineError):

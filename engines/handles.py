@@ -8,8 +8,8 @@ engine's own terms. The orchestration reads only the route (``HandleRoute``), bu
 
 Each model takes only what makes sense for its transport. The colocd formats (shm, disk, inline) are read by
 colocd's own loaders, which take no other key: a key their model does not name (a ``device_uuid`` on a disk
-handle, another transport's ``payload_b64``) is a 422 naming it. The GPU transports (cuda_ipc, ipc_ring) keep
-keys their model does not name (``extra="allow"``): they are the engine's (vLLM's IPC keys), checked where
+handle, another transport's ``payload_b64``) is a 422 naming it. The GPU transport (cuda_ipc) keeps
+keys its model does not name (``extra="allow"``): they are the engine's (vLLM's IPC keys), checked where
 they are read (``engines/chunks.py``, the adapters); a field of another colocd transport is still a 422.
 """
 
@@ -22,7 +22,6 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, StringConstraints, model_validator
 from pydantic_core import InitErrorDetails, ValidationError
 
-from ..errors import RequestInvalid
 from ..policies import Transport
 from .chunks import SHM_NAME_PATTERN, LayoutEntry
 
@@ -37,8 +36,6 @@ __all__ = [
     "InlineHandle",
     "InlineRoute",
     "LayoutEntry",
-    "RingHandle",
-    "RingRoute",
     "ShmHandle",
     "ShmRoute",
     "handle_model",
@@ -70,15 +67,6 @@ class CudaIpcRoute:
 
 
 @dataclass(frozen=True, slots=True)
-class RingRoute:
-    """A chunk in the trainer's persistent GPU ring; ``layout_ref``: the announced layout it names instead of
-    carrying one (None: it carries its layout)."""
-
-    device_uuid: str | None
-    layout_ref: str | None
-
-
-@dataclass(frozen=True, slots=True)
 class InlineRoute:
     """The bytes in the handle itself: ``payload_b64`` the pickle (None: the handle carries none as a string),
     ``load_format`` SGLang's name for its form (None: not said)."""
@@ -95,7 +83,7 @@ class HostRoute:
     device_uuid: str | None
 
 
-HandleRoute = ShmRoute | CudaIpcRoute | RingRoute | InlineRoute | HostRoute
+HandleRoute = ShmRoute | CudaIpcRoute | InlineRoute | HostRoute
 
 
 _Text = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
@@ -116,8 +104,7 @@ class Handle(BaseModel):
     # Not walked here (the API's hot path): engines/chunks.py checks every entry, once, where the chunk is
     # inspected, and answers a malformed one as handle.layout.
     layout: SkipValidation[list[LayoutEntry] | None] = Field(None, description=(
-        "[{name, dtype, shape, offset}]: every transport carries one (an ipc_ring chunk may name it by "
-        "layout_ref instead)"))
+        "[{name, dtype, shape, offset}]: every transport carries one"))
     _wire: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
@@ -177,7 +164,7 @@ class InlineHandle(Handle):
 class CudaIpcHandle(Handle):
     """cuda_ipc: a GPU bucket (or per-tensor IPC handles) exported by the trainer."""
 
-    foreign_fields: ClassVar[frozenset[str]] = frozenset({"shm_name", "path", "ring", "slot", "layout_ref", "open"})
+    foreign_fields: ClassVar[frozenset[str]] = frozenset({"shm_name", "path"})
 
     device_uuid: _DeviceUuid = None
     payload_b64: str = Field(..., description="standard base64 of the engine's IPC payload")
@@ -188,30 +175,12 @@ class CudaIpcHandle(Handle):
         return CudaIpcRoute(self.device_uuid, self.payload_b64, self.load_format)
 
 
-class RingHandle(Handle):
-    """ipc_ring: a chunk in the trainer's persistent GPU ring, by slot."""
-
-    foreign_fields: ClassVar[frozenset[str]] = frozenset({"shm_name", "path", "payload_b64", "load_format"})
-
-    device_uuid: _DeviceUuid = None
-
-    ring: _Text | None = Field(None, description="the ring's id (needed with layout_ref)")
-    slot: Annotated[int, Field(ge=0)] | None = Field(None, description="the slot the chunk's bytes are in")
-    layout_ref: _Text | None = Field(None, description=(
-        "the digest of a layout this ring announced to the daemon (JoinReply.ring_refs), sent instead of layout"))
-    open: SkipValidation[dict[str, object] | None] = Field(
-        None, description="slot -> IPC handle, for the slots this ring has not announced yet")
-
-    def route(self) -> HandleRoute:
-        return RingRoute(self.device_uuid, self.layout_ref)
-
-
-HandleModel = ShmHandle | DiskHandle | InlineHandle | CudaIpcHandle | RingHandle
+HandleModel = ShmHandle | DiskHandle | InlineHandle | CudaIpcHandle
 """Each transport's handle, as the OpenAPI schema lists them."""
 
 _MODELS: dict[Transport, type[Handle]] = {
     Transport.SHM: ShmHandle, Transport.DISK: DiskHandle, Transport.INLINE: InlineHandle,
-    Transport.CUDA_IPC: CudaIpcHandle, Transport.IPC_RING: RingHandle,
+    Transport.CUDA_IPC: CudaIpcHandle,
 }
 
 
@@ -231,7 +200,7 @@ def parse_handle(transport: Transport, handle: object) -> Handle:
 
 def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
     """The route of a handle that did not come through the API (an in-process caller's dict), read as
-    leniently as the engines read it; a ``layout_ref`` that is not a string is the caller's 422 naming it."""
+    leniently as the engines read it."""
     try:
         wire = Transport(transport).wire
     except ValueError:  # no such transport: refused, naming it, where the handle is inspected (chunks.py)
@@ -243,12 +212,6 @@ def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
         return CudaIpcRoute(_device(handle), _text(handle, "payload_b64"), _text(handle, "load_format"))
     if wire is Transport.INLINE:
         return InlineRoute(_device(handle), _text(handle, "payload_b64"), _text(handle, "load_format"))
-    if wire is Transport.IPC_RING:
-        ref = handle.get("layout_ref")
-        if ref is not None and not isinstance(ref, str):
-            raise RequestInvalid(f"handle.layout_ref must be a string, got {type(ref).__name__}",
-                                 field="handle.layout_ref")
-        return RingRoute(_device(handle), ref)
     return HostRoute(_device(handle))
 
 

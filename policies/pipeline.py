@@ -8,7 +8,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import Decision, Family, Policy, PolicyConfig
 from .transport import AUTO_ORDER, Transport
@@ -30,7 +30,7 @@ TransportChoice = Transport | Literal["auto"]
 
 
 # Transports whose buckets are staged in GPU memory, so depth x bucket must fit in free memory.
-_GPU_STAGED = frozenset({Transport.IPC_RING, Transport.CUDA_IPC})
+_GPU_STAGED = frozenset({Transport.CUDA_IPC})
 
 
 class PipelineSnapshot(Decision):
@@ -68,6 +68,15 @@ class _BucketConfig(PolicyConfig):
     transport: TransportChoice = Field(
         "auto", description="auto (the first that both sides support of " + ", ".join(AUTO_ORDER)
         + ": nothing stays exported between pushes) or a transport: " + " | ".join(Transport))
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _known_transport(cls, value: object) -> object:
+        """One error naming every allowed value, not one per member of the union."""
+        if value == "auto" or value in set(Transport):
+            return value
+        allowed = ", ".join(("auto", *Transport))
+        raise ValueError(f"{value!r} is no transport an engine loads; allowed: {allowed}")
 
 
 class SerialPolicy(PipelinePolicy):

@@ -13,30 +13,28 @@ __all__ = ["AUTO_ORDER", "Transport"]
 
 
 class Transport(StrEnum):
-    """A way to move one chunk (DESIGN.md §4). Two are variants of another on the wire (``wire``)."""
+    """A way to move one chunk (DESIGN.md §4); each is one a real engine loads (SGLang, or vLLM through
+    colocd's worker extension). ``per_tensor`` is a variant of ``cuda_ipc`` on the wire (``wire``)."""
 
     SHM = "shm"  # POSIX shared memory by name: the CPU path
     DISK = "disk"  # a safetensors file: the fallback
     INLINE = "inline"  # the tensors' bytes in the descriptor, plainly pickled (what SGLang loads from CPU)
     CUDA_IPC = "cuda_ipc"  # a fresh IPC-exported GPU bucket per chunk (SGLang's flattened_bucket)
     PER_TENSOR = "per_tensor"  # cuda_ipc with one IPC handle per tensor (SGLang's default list format)
-    IPC_RING = "ipc_ring"  # persistent GPU buffers exported once; a chunk names (slot, layout)
-    ZERO_COPY = "zero_copy"  # ipc_ring over the trainer's own parameter storages (no flatten)
 
     @property
     def wire(self) -> Transport:
         """What a chunk of this transport says it is on the wire: a variant travels as its base transport,
-        with the difference carried in its handle (``load_format: direct``; ring regions)."""
+        with the difference carried in its handle (``load_format: direct``)."""
         return _WIRE.get(self, self)
 
 
-_WIRE = {Transport.PER_TENSOR: Transport.CUDA_IPC, Transport.ZERO_COPY: Transport.IPC_RING}
+_WIRE = {Transport.PER_TENSOR: Transport.CUDA_IPC}
 
 
 # ``transport: auto``, first choice first, in the daemon's plan and in ``WeightPusher`` alike: only transports
 # that keep nothing exported between pushes, so the trainer holds no staging memory through the rollout (the
-# colocated engine's KV cache needs it). ``ipc_ring`` and ``zero_copy`` are faster on one GPU but keep their
-# buffers exported until the pusher closes; ``per_tensor`` opens one handle per tensor. A document or a
-# pusher names those; auto never picks them. ``inline`` before ``disk``: it is what a real SGLang loads from
+# colocated engine's KV cache needs it). ``per_tensor`` opens one handle per tensor: a document or a pusher
+# names it; auto never picks it. ``inline`` before ``disk``: it is what a real SGLang loads from
 # CPU, and disk is the floor.
 AUTO_ORDER: tuple[Transport, ...] = (Transport.CUDA_IPC, Transport.SHM, Transport.INLINE, Transport.DISK)

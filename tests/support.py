@@ -77,10 +77,10 @@ class InMemoryEngine:
 
     async def begin_weight_update(self, session_id: str | None = None) -> None: ...
     async def load_weights(self, load: ChunkLoad) -> None: ...
-    async def end_weight_update(self, version: str | None = None) -> None: ...
 
-    async def set_weight_version(self, version: str) -> None:
-        self.version = version
+    async def end_weight_update(self, version: str | None = None) -> None:
+        if version is not None:
+            self.version = version
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         return EngineDigests(None, "an in-memory engine holds no tensors")

@@ -1,6 +1,6 @@
 """colocd.trainer: the library that runs inside the trainer process.
 
-Client-side weight push (``push``: bucketing, ``producer``/``ring``: IPC export), the synchronous
+Client-side weight push (``push``: bucketing, ``producer``: IPC export), the synchronous
 ``TrainerClient``, separated-GPU broadcast (``broadcast``), the asynchronous push from a snapshot
 (``async_push``), process-group lifecycle (``groups``), cleanup (``cleanup``) and the agent that
 enacts the daemon's directives (``agent``). Engines never import this package; the chunk formats both

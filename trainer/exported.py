@@ -1,12 +1,11 @@
 """What a trainer-side producer hands out: an exported chunk and the ``Producer`` interface.
 
-Its own module so the producers (``producer.py``) and the ring (``ring.py``) both use it without
-importing each other.
+Its own module so the pusher (``push.py``) and the producers (``producer.py``) share it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,11 +26,6 @@ class ExportedPart:
     handle: dict[str, Any]
     layout: ChunkLayout
     _release: Any = field(default=None, repr=False)
-    # A chunk that names announced content by ref (ipc_ring, trainer/ring.py): ``announce()`` builds the same
-    # chunk with everything inline (sent again if the daemon answers 409 RingRefUnknown), and ``acked``
-    # tells the producer the daemon now holds what this chunk announced.
-    announce: Callable[[], dict[str, Any]] | None = field(default=None, repr=False)
-    acked: Callable[[], None] | None = field(default=None, repr=False)
     # Each tensor's digest (engines/digest.py) computed on its device at export; None: not asked for.
     digests: dict[str, str] | None = field(default=None, repr=False)
 
@@ -46,8 +40,5 @@ class Producer(Protocol):
 
     transport: Transport
 
-    def begin_stream(self, receiver: str | None = None) -> None:
-        """A stream starts toward the daemon whose ring record is ``receiver`` (its join reply's ``ring_refs``;
-        None: a daemon that takes no refs)."""
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart: ...
     def close(self) -> None: ...

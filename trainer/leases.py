@@ -1,9 +1,9 @@
 """IPC lease accounting: every buffer the trainer exports is a lease, and a failed owner gives its memory back.
 
-A lease is one exported buffer (a ``cuda_ipc`` bucket, an ``ipc_ring`` slot, a ``zero_copy`` storage, an ``shm``
-segment) with an owner (the stream's session, or the ring) and a state:
+A lease is one exported buffer (a ``cuda_ipc`` bucket, an ``shm`` segment) with an owner (the stream's session)
+and a state:
 
-- ``exported``: handed out; the producer holds it for a chunk in flight, or as a persistent slot;
+- ``exported``: handed out; the producer holds it for a chunk in flight;
 - ``retained``: the producer let go, but torch still holds the memory for a consumer's count;
 - ``freed`` / ``reclaimed``: back to the trainer, by the consumer's own release or by ``reclaim``.
 
@@ -16,16 +16,16 @@ it rebuilt the payload, or before it dropped it, never decrements: the block sta
 trainer exits ("Producer process has been terminated before all shared CUDA tensors released"), ~7.9 GiB with
 a 3 x 2 GiB window on qwen3-8b shapes.
 
-``reclaim`` ends that: it writes 0 into the slots of a released lease and collects, so torch frees the block.
-The consumer side stays torch's (SGLang, vLLM and the reference engine rebuild the payload unchanged): a late
-decrement from a consumer that was still alive hits a slot torch never hands out again (slots of a file only
-move forward). A storage some tensor of the trainer still holds (a ``zero_copy`` parameter, a ``per_tensor``
-share) is never reclaimed: torch is not holding it for the consumer, nothing is stranded, and a zeroed count
-that a live consumer later decrements would wrap torch's unsigned counter and keep the storage forever once
-the trainer frees it. What ``reclaim`` gives up is the consumer's protection, so it runs only where the trainer knows
-the buffer's contents no longer matter: after a stream failed or was aborted (its engines' weights are torn
-either way and are pushed again before they serve), or after the producer was closed, and only once
-``settle``'s grace for live consumers to let go by themselves has passed.
+``reclaim`` ends that: it writes 0 into the slots of a released lease and collects, so torch frees the block. The
+consumer side stays torch's (SGLang, vLLM and the reference engine rebuild the payload unchanged): a late decrement
+from a consumer that was still alive hits a slot torch never hands out again (slots of a file only move forward). A
+storage some tensor of the trainer still holds (a ``per_tensor`` share) is never reclaimed: torch is not holding it
+for the consumer, nothing is stranded, and a zeroed count that a live consumer later decrements would wrap torch's
+unsigned counter and keep the storage forever once the trainer frees it. What ``reclaim`` gives up is the
+consumer's protection, so it runs only where the trainer knows the buffer's contents no longer matter: after a
+stream failed or was aborted (its engines' weights are torn either way and are pushed again before they serve), or
+after the producer was closed, and only once ``settle``'s grace for live consumers to let go by themselves has
+passed.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ engine's HTTP reply seen by anyone else, is what licenses reuse.
 Producers by name (``producer_for``): ``shm`` and ``disk`` (CPU paths), ``inline`` (the bytes in the
 descriptor as SGLang's plainly pickled ``flattened_bucket``: what a real SGLang loads from CPU), ``cuda_ipc`` (a fresh
 IPC-exported bucket per chunk, SGLang's ``flattened_bucket``), ``per_tensor`` (one IPC handle per
-tensor, SGLang's default format), ``ipc_ring`` and ``zero_copy`` (persistent exported buffers,
-``ring.py``).
+tensor, SGLang's default format).
 """
 
 from __future__ import annotations
@@ -71,9 +70,6 @@ class ShmProducer:
                     ", ".join(r.name for r in reclaimed),
                 )
 
-    def begin_stream(self, receiver: str | None = None) -> None:
-        return None
-
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         layout = ChunkLayout.for_tensors(named)
         segment = SharedSegment.create(layout.nbytes)
@@ -110,9 +106,6 @@ class DiskProducer:
         self._dir = directory or tempfile.mkdtemp(prefix="colocd-disk-")
         self._live: set[str] = set()
 
-    def begin_stream(self, receiver: str | None = None) -> None:
-        return None
-
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from safetensors.torch import save_file
 
@@ -148,9 +141,6 @@ class InlineProducer:
 
     transport = Transport.INLINE
 
-    def begin_stream(self, receiver: str | None = None) -> None:
-        return None
-
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from ..engines.sglang.payload import FLATTENED_BUCKET, metadata_for_layout
 
@@ -179,9 +169,6 @@ class CudaIpcProducer:
         self.per_tensor = per_tensor
         self.leases = leases or LeaseBook()
         self._live: dict[int, tuple[BufferLease | None, Lease]] = {}
-
-    def begin_stream(self, receiver: str | None = None) -> None:
-        return None
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from ..engines.cuda_handles import device_uuid
@@ -237,10 +224,9 @@ class CudaIpcProducer:
             self._drop(key)
 
 
-def producer_for(transport: Transport | str, *, bucket_bytes: int = 64 << 20, slots: int = 2,
-                 leases: LeaseBook | None = None) -> Producer:
-    """The producer of ``transport`` (a name is accepted; an unknown one is a ValueError naming the known);
-    ring slots are ``bucket_bytes`` each. Its exported buffers are leases in ``leases`` (default: its own book)."""
+def producer_for(transport: Transport | str, *, leases: LeaseBook | None = None) -> Producer:
+    """The producer of ``transport`` (a name is accepted; an unknown one is a ValueError naming the known).
+    Its exported buffers are leases in ``leases`` (default: its own book)."""
     try:
         transport = Transport(transport)
     except ValueError:
@@ -251,9 +237,4 @@ def producer_for(transport: Transport | str, *, bucket_bytes: int = 64 << 20, sl
         return DiskProducer()
     if transport is Transport.INLINE:
         return InlineProducer()
-    if transport in (Transport.CUDA_IPC, Transport.PER_TENSOR):
-        return CudaIpcProducer(per_tensor=transport is Transport.PER_TENSOR, leases=leases)
-    from .ring import IpcRingProducer  # IPC_RING or ZERO_COPY
-
-    return IpcRingProducer(slot_bytes=bucket_bytes, slots=slots, zero_copy=transport is Transport.ZERO_COPY,
-                           leases=leases)
+    return CudaIpcProducer(per_tensor=transport is Transport.PER_TENSOR, leases=leases)

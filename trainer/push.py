@@ -41,12 +41,11 @@ __all__ = [
     "manifest_of",
 ]
 
-# The `tuned` preset of `benchmarks.switch` (docs/benchmarks.md), as the daemon's default policy has it:
-# 2 chunks in flight of up to 4 GiB, fresh CUDA-IPC buckets on GPU (the fastest measured that keeps no
-# trainer memory through the rollout: a ring's slots and zero-copy's registered storages stay exported
-# until ``aclose()``, so they are opt-in), shared memory on CPU. Two 4 GiB buckets rather than three of 2 GiB:
-# each bucket costs the engine an IPC handle opened and closed (~1 ms on an H200), and the engine loads one
-# chunk at a time, so a third in flight only queued there (8 GiB staged during the push instead of 6).
+# The `tuned` preset of `benchmarks.switch` (docs/benchmarks.md), as the daemon's default policy has it: 2 chunks
+# in flight of up to 4 GiB, fresh CUDA-IPC buckets on GPU (nothing stays exported through the rollout, where the
+# engine's KV cache needs the memory), shared memory on CPU. Two 4 GiB buckets rather than three of 2 GiB: each
+# bucket costs the engine an IPC handle opened and closed (~1 ms on an H200), and the engine loads one chunk at a
+# time, so a third in flight only queued there (8 GiB staged during the push instead of 6).
 DEFAULT_DEPTH = 2
 DEFAULT_BUCKET_MB = 4096
 # An inline chunk travels in one request body (the daemon's limits.max_body_bytes, 64 MiB by default);
@@ -82,14 +81,14 @@ def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
 
 def _staging_free_bytes(transport: str, device: torch.device) -> int | None:
     try:
-        if device.type == "cuda" and transport in ("cuda_ipc", "per_tensor", "ipc_ring"):
+        if device.type == "cuda" and transport in ("cuda_ipc", "per_tensor"):
             return int(torch.cuda.mem_get_info(device)[0])
         if transport == "shm":
             st = os.statvfs("/dev/shm")
             return int(st.f_bavail * st.f_frsize)
     except (OSError, RuntimeError):  # no /dev/shm, or the CUDA query failed: nothing to bound by
         return None
-    return None  # zero_copy stages nothing; disk is bounded by the filesystem, not checked here
+    return None  # disk is bounded by the filesystem, not checked here
 
 log = logging.getLogger("colocd.trainer")
 
@@ -134,13 +133,12 @@ def _wants_digests(join: dict[str, Any]) -> bool:
 @dataclass(slots=True, eq=False)
 class FirstExport:
     """A push's first chunk, exported while its session opens (``WeightPusher.open``), under the terms of the
-    pusher's last join: its producer, the daemon's ring record (``ring_refs``), whether digests go with it. The
+    pusher's last join: its producer and whether digests go with it. The
     stream sends it only where this session's join says the same (``matches``); otherwise it is released once
     its export has ended and the stream exports it again."""
 
     producer: Producer
     bucket_bytes: int
-    receiver: str | None
     digests: bool
     buckets: Iterator[list[tuple[str, torch.Tensor]]]
     work: asyncio.Future[_Made]
@@ -148,7 +146,7 @@ class FirstExport:
 
     def matches(self, producer: Producer, bucket_bytes: int, join: dict[str, Any]) -> bool:
         return (producer is self.producer and bucket_bytes == self.bucket_bytes and bool(join.get("streams"))
-                and join.get("ring_refs") == self.receiver and _wants_digests(join) == self.digests)
+                and _wants_digests(join) == self.digests)
 
     async def take(self) -> _Made:
         self.taken = True
@@ -200,8 +198,7 @@ class WeightPusher:
 
     At most ``depth`` chunks are exported and in flight at once; each buffer is released only
     after the daemon's ack. On any failure the session is aborted and every buffer released.
-    ``transport`` names a producer (``colocd.trainer.producer.PRODUCERS``); persistent ones
-    (``ipc_ring``, ``zero_copy``) keep their exported buffers across pushes until ``aclose()``.
+    ``transport`` names a producer (``colocd.trainer.producer.PRODUCERS``).
     The defaults are the ``tuned`` preset: ``transport="auto"`` (``auto_transport``: by the tensors'
     device), ``bucket_mb=None`` (``auto_bucket_bytes``: 4 GiB unless free memory says less), depth 2.
     ``from_plan`` follows the daemon's pipeline plan instead.
@@ -224,7 +221,7 @@ class WeightPusher:
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
                  bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
-                 slots: int | None = None, device_id: str | None = None,
+                 device_id: str | None = None,
                  lease_grace_s: float = LEASE_GRACE_S) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
@@ -239,8 +236,6 @@ class WeightPusher:
         self._rank = rank
         self._device_id = device_id
         self.last_join: dict[str, Any] | None = None
-        # A ring needs a free slot for every chunk in flight.
-        self._slots = max(slots or depth, depth)
         self._producer: Producer | None = None
         self._shape: tuple[str, int] = (transport, self._bucket_bytes or 0)  # (transport, bucket) in use
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
@@ -282,10 +277,8 @@ class WeightPusher:
         if self._producer is not None:
             self._producer.close()
             self._producer = None  # the next stream chooses its shape again
-            # Its ring slots and registered storages are released; those a live engine still maps (its ring
-            # table) stay counted, so torch keeps them until the engine lets go. Zeroing those counts would free
-            # memory the engine still reads: the allocator hands it to the next buffer, and the engine's cached
-            # mapping of the old one (same IPC handle, other size) then fails to load ("storage not resizable").
+            # Its buffers are released; those a live engine still maps stay counted, so torch keeps them until
+            # the engine lets go (zeroing the counts would hand memory the engine still reads to the next buffer).
             # Counts are zeroed only on a failed stream, once the grace has passed.
             self.leases.release_all()
             self.leases.collect()
@@ -373,13 +366,11 @@ class WeightPusher:
             return None
         if self._shape_refused(join.get("transports")):
             return None
-        receiver = join.get("ring_refs")
         digests = self._digest_cache if _wants_digests(join) else None
-        producer.begin_stream(receiver)
         buckets = plan_chunks(iter(named), self._shape[1])
         self.leases.owner = "session (opening)"
         work = asyncio.ensure_future(asyncio.to_thread(self._pull_and_export, producer, buckets, digests))
-        return FirstExport(producer, self._shape[1], receiver, digests is not None, buckets, work)
+        return FirstExport(producer, self._shape[1], digests is not None, buckets, work)
 
     async def commit(self, session: PushSession, chunks: int) -> dict[str, Any]:
         """Commit ``session`` (``push``'s last part)."""
@@ -439,7 +430,7 @@ class WeightPusher:
     async def _next_export(cls, producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                            digests: DigestCache | None = None) -> tuple[ExportedPart, float, float] | None:
         # One hop off the event loop per chunk for both (each hop costs ~0.2-0.3 ms on a busy host): pulling a
-        # bucket may be a collective and an export may wait on the GPU (the ring syncs its flatten), while acks
+        # bucket may be a collective and an export may wait on the GPU, while acks
         # of earlier chunks must keep flowing. One export at a time.
         return await _exported(asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets,
                                                                        digests)))
@@ -515,10 +506,9 @@ class WeightPusher:
             self._producer.close()  # the engines changed (e.g. another kind attached): choose again
             self._producer = None
         if self._producer is None:
-            # Chosen with the producer and kept with it: a ring's slots are sized by the first stream.
+            # Chosen with the producer and kept with it.
             self._shape = self._shape_for(head)
-            self._producer = producer_for(self._shape[0], bucket_bytes=self._shape[1], slots=self._slots,
-                                          leases=self.leases)
+            self._producer = producer_for(self._shape[0], leases=self.leases)
         producer, bucket_bytes = self._producer, self._shape[1]
         self.early_export_s = 0.0
         join = self.last_join or {}
@@ -526,8 +516,6 @@ class WeightPusher:
             await first.discard()  # made under other terms than this join's: export it again
         if first is None or first.taken:
             first = None
-            # What this daemon process's ring record acknowledged goes by ref (engines/ring_refs.py).
-            producer.begin_stream(join.get("ring_refs"))
         self.leases.owner = f"session {session_id}"
         window = asyncio.Semaphore(self._depth)
         tasks: list[asyncio.Task[None]] = []
@@ -551,19 +539,8 @@ class WeightPusher:
             t0 = time.perf_counter()
             acked_at = t0
             try:
-                try:
-                    ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
-                except ColocdHTTPError as exc:
-                    # The daemon holds no record of a ref this chunk named (it dropped the ring) and took
-                    # nothing: the same chunk once more, with everything inline.
-                    if exc.status != 409 or exc.error != "RingRefUnknown" or chunk.announce is None:
-                        raise
-                    inline = ExportedPart(chunk.transport, chunk.nbytes, chunk.announce(), chunk.layout,
-                                           digests=chunk.digests)
-                    ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=inline)
+                ack = await self._client.send_chunk(session_id, seq=seq, rank=self._rank, chunk=chunk)
                 acked_at = time.perf_counter()
-                if chunk.acked is not None:
-                    chunk.acked()
             except Exception as exc:
                 failed(exc)
                 raise

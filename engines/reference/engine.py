@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 import torch
 
 from ..base import MemoryTag, PauseMode
-from ..cuda_handles import RingTable
 from ..digest import DigestCache, tensor_digests
 from .locks import ReaderWriterLock
 from .memory import MemoryMove as MemoryReleaseReport
@@ -187,7 +186,7 @@ class ReferenceEngine:
             memory = MemoryRegions(
                 model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device, sink=sink
             )
-            self._ranks.append(TPRank(index, device, device_id, model, memory, sink, RingTable()))
+            self._ranks.append(TPRank(index, device, device_id, model, memory, sink))
         first = self._ranks[0]
         self.device = first.device
         self._model, self._memory, self._sink = first.model, first.memory, first.sink
@@ -237,7 +236,7 @@ class ReferenceEngine:
 
     def tag_memory(self, per_rank: Sequence[dict[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
         """Per-tag residency and bytes, summed over the TP ranks (which move together): ``/colocd/memory``'s
-        ``tags``, and the memory part of server_info's ``colocd_state``."""
+        ``tags``."""
         tags: dict[str, Any] = {}
         for mine in per_rank if per_rank is not None else [self._rank_tags(r) for r in self._ranks]:
             for tag, entry in mine.items():
@@ -246,11 +245,6 @@ class ReferenceEngine:
                 total["nbytes"] += entry["nbytes"]
                 total["resident_nbytes"] += entry["resident_nbytes"]
         return tags
-
-    def observed_state(self) -> dict[str, Any]:
-        """What server_info carries beside the pause gate and the update session (``colocd_state``): the weight
-        version served now and the tags' memory, so one call answers everything the daemon observes."""
-        return {"weight_version": self.weight_version, "memory": {"tags": self.tag_memory()}}
 
     def memory_report(self) -> dict[str, Any]:
         """The ``/colocd/memory`` answer: per-tag residency and bytes (summed over TP ranks, which move
@@ -592,26 +586,21 @@ class ReferenceEngine:
             async with self._update_lock.writer():
                 yield
 
-    async def begin_weight_update(self, selector: str, session: str | None = None
-                                  ) -> tuple[bool, str, dict[str, Any] | None]:
-        """Open the session; on success also what server_info's state fields said just before it opened (the
-        pause gate, the served version, the tags' memory), taken under the same lock, so the caller's check
-        of this process against its record needs no separate observation."""
+    async def begin_weight_update(self, selector: str, session: str | None = None) -> tuple[bool, str]:
+        """Open the session; ``session`` (colocd's extension): the only session whose chunks it then loads."""
         self._running()
         # The control lock: a load still running (of a session whose caller gave up) finishes first.
         async with self._model_update(), self._control_lock:
             if self._session_selector is not None:
-                return False, "a weight-update session is already open; call end_weight_update() first", None
-            state = {"internal_states": [self.internal_state()], "colocd_state": self.observed_state()}
+                return False, "a weight-update session is already open; call end_weight_update() first"
             self._session_selector = selector
             self._session_id = session
             self._sink_loads = []
             self._sink_calls = []
-            return True, "Success", state
+            return True, "Success"
 
-    async def end_weight_update(self, version: str | None = None) -> tuple[bool, str]:
-        """End the open session; ``version`` (colocd's extension) becomes the served weight version in the same
-        step, so a version is only ever set by the process that holds the session's weights."""
+    async def end_weight_update(self) -> tuple[bool, str]:
+        """End the open session."""
         self._running()
         # Under the control lock: once this returns, no load of the ended session runs or can start.
         async with self._model_update(), self._control_lock:
@@ -619,8 +608,6 @@ class ReferenceEngine:
                 return False, "no weight-update session is open; call begin_weight_update() first"
             self._session_selector = None
             self._session_id = None
-            if version is not None:
-                self.weight_version = version
             return True, "Success"
 
     def parameter_manifest(self) -> list[dict[str, Any]] | None:
@@ -693,12 +680,10 @@ class ReferenceEngine:
         if load_format == "flattened_bucket" and len(self._ranks) == 1 and (sink := self._ranks[0].sink) is not None:
             return self._load_bucket(self._ranks[0], sink, entries[0])
         t0 = time.perf_counter()
-        for rank in self._ranks:
-            rank.rings.last_stages = {}
         with contextlib.ExitStack() as stack:
             opened = [
                 stack.enter_context(
-                    open_payload(entry, load_format, tp_rank=rank.index, rings=rank.rings, device=rank.device)
+                    open_payload(entry, load_format, tp_rank=rank.index, device=rank.device)
                 )
                 for rank, entry in zip(self._ranks, entries, strict=True)
             ]
@@ -715,10 +700,9 @@ class ReferenceEngine:
                 # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
                 torch.cuda.synchronize(rank.device)
         if self._sink is not None:
-            # Where a load's time goes (rank 0's ring and sink): decode (base64 + JSON), open (IPC handles),
-            # views, checks, copy_launch (queueing the copies), sync (waiting for them, closing the payload).
-            ring = self._ranks[0].rings.last_stages
-            self._last_stages = {"decode_s": t1 - t0 - sum(ring.values()), "open_s": 0.0, "views_s": 0.0, **ring,
+            # Where a load's time goes (rank 0's sink): decode (base64 + JSON, opening IPC handles), checks,
+            # copy_launch (queueing the copies), sync (waiting for them, closing the payload).
+            self._last_stages = {"decode_s": t1 - t0, "open_s": 0.0, "views_s": 0.0,
                                  **self._sink.last_load, "sync_s": time.perf_counter() - t2}
         return applied[0]
 
@@ -784,8 +768,7 @@ class ReferenceEngine:
             "model": sink.model,
             "nbytes": sink.nbytes,
             "checksums": per_rank[0],
-            "rings_opened": self._ranks[0].rings.opened,
-            "ranks": [{**r.describe(), "checksums": c, "rings_opened": r.rings.opened}
+            "ranks": [{**r.describe(), "checksums": c}
                       for r, c in zip(self._ranks, per_rank, strict=True)],
             "loads": self._sink_loads,  # per-stage seconds of each load of the last session, in load order
             "calls": self._sink_calls,  # its begin, loads and end, each timed inside the app, in reply order

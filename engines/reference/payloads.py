@@ -6,11 +6,6 @@ Formats:
   unlinked: the producer owns the segment) when the caller is done with them.
 - ``colocd_disk``: base64 of JSON ``{"transport": "disk", "path", "layout"?}`` naming a safetensors file; the
   tensors read must be the ones the layout declares.
-- ``colocd_ring``: base64 of JSON ``{"transport": "ipc_ring", "ring", "slot", "layout", "open"?}``:
-  tensors are views into GPU buffers the trainer exported once; the engine's ``RingTable`` opens
-  each slot's handle on first use and keeps it (``engines/cuda_handles.py`` holds the format).
-  With ``layout_ref`` the daemon leaves out the ``layout`` and ``open`` this engine already holds
-  (``engines/ring_refs.py``); a ref it lacks is refused naming ``UNKNOWN_REF_MARK``, nothing applied.
 - ``null``/``"direct"``: SGLang's pickled ``list[(name, tensor)]`` (tensors may be SGLang
   ``LocalSerializedTensor`` wrappers); ``"flattened_bucket"``: SGLang's pickled
   ``{"flattened_tensor", "metadata"}`` (research/engine-apis.md §1.7). Pickles go through the
@@ -32,14 +27,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError
 
 from ..chunks import ChunkLayout, LayoutEntry, SharedSegment, TensorSpec, unflatten
-from ..cuda_handles import RingTable
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
 __all__ = [
     "LOAD_FORMATS", "DiskDescriptor", "PayloadError", "ShmDescriptor", "bucket_entry", "open_bucket", "open_payload",
 ]
 
-LOAD_FORMATS = ("colocd_shm", "colocd_disk", "colocd_ring", "flattened_bucket", "direct", None)
+LOAD_FORMATS = ("colocd_shm", "colocd_disk", "flattened_bucket", "direct", None)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 _M = TypeVar("_M", bound=BaseModel)
@@ -79,13 +73,12 @@ def open_payload(
     load_format: str | None,
     *,
     tp_rank: int = 0,
-    rings: RingTable | None = None,
     device: torch.device | None = None,
 ) -> Iterator[NamedTensors]:
     """Yield the entry's tensors; views into shared memory are valid only inside the ``with``.
 
-    ``rings`` is the engine's table of opened ``colocd_ring`` slots. With ``device`` given, CUDA
-    tensors must already be on it: a handle from another GPU is an error, not a silent P2P copy.
+    With ``device`` given, CUDA tensors must already be on it: a handle from another GPU is an error,
+    not a silent P2P copy.
     """
     raw = _b64decode(entry)
     device = _indexed(device)
@@ -94,8 +87,6 @@ def open_payload(
             yield named
     elif load_format == "colocd_disk":
         yield _load_disk(_parse_json(raw, DiskDescriptor))
-    elif load_format == "colocd_ring":
-        yield _on_device(_ring_tensors(raw, rings, device), device)
     elif load_format in (None, "direct"):
         yield _on_device(_named_list(safe_loads(raw), tp_rank), device)
     elif load_format == "flattened_bucket":
@@ -109,18 +100,6 @@ def _indexed(device: torch.device | None) -> torch.device | None:
     if device is not None and device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _ring_tensors(raw: bytes, rings: RingTable | None, device: torch.device | None) -> NamedTensors:
-    if rings is None or device is None:
-        raise PayloadError("load_format colocd_ring needs the engine's ring table and device")
-    try:
-        descriptor = json.loads(raw)
-        if not isinstance(descriptor, dict) or descriptor.get("transport") != "ipc_ring":
-            raise ValueError("expected a JSON object with transport 'ipc_ring'")
-        return rings.named_tensors(descriptor, device)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as exc:
-        raise PayloadError(f"colocd_ring: {exc}") from None
 
 
 def _on_device(named: NamedTensors, device: torch.device | None) -> NamedTensors:

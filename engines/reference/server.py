@@ -260,8 +260,6 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "colocd_model_config": settings.model.to_json(),
             # Each TP rank's device and declared identity (GPU UUID on CUDA); empty while starting.
             "colocd_tp_ranks": engine.tp_ranks(),
-            # The served weight version and the tags' memory: with internal_states, all the daemon observes.
-            "colocd_state": engine.observed_state(),
         }
         if not legacy:
             info["startup_time"] = _startup_time(engine)
@@ -374,16 +372,11 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
 
         @router.post("/begin_weight_update")
         async def begin(body: BeginWeightUpdateBody) -> JSONResponse:  # :1458
-            ok, message, state = await engine.begin_weight_update(body.selector, body.colocd_session)
-            if state is None:
-                return _success(ok, message)
-            # colocd's extension: server_info's identity and state fields as the session opened.
-            observed = {"version": settings.version, "startup_time": _startup_time(engine), **state}
-            return _success(ok, message, colocd_observed=observed)
+            return _success(*await engine.begin_weight_update(body.selector, body.colocd_session))
 
         @router.post("/end_weight_update")
         async def end(body: EndWeightUpdateBody) -> JSONResponse:
-            return _success(*await engine.end_weight_update(body.colocd_weight_version))
+            return _success(*await engine.end_weight_update())
 
         @router.api_route("/weights_checker", methods=["GET", "POST"])
         async def weights_checker(body: Annotated[CheckWeightsBody | None, Body()] = None) -> JSONResponse:

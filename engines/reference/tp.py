@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..chunks import tensor_checksum
-from ..cuda_handles import RingTable, device_uuid
+from ..cuda_handles import device_uuid
 from .memory import MemoryRegions
 from .model import QwenLikeForCausalLM
 from .sink import WeightSink, device_checksum
@@ -30,7 +30,7 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 @dataclass(slots=True)
 class TPRank:
-    """One TP rank: its device and declared identity, its weights and memory tags, its opened ring slots."""
+    """One TP rank: its device and declared identity, its weights and memory tags."""
 
     index: int
     device: torch.device
@@ -38,7 +38,6 @@ class TPRank:
     model: QwenLikeForCausalLM
     memory: MemoryRegions
     sink: WeightSink | None
-    rings: RingTable  # per rank: each is fed by its own trainer rank, whose ring ids are its own
 
     def describe(self) -> dict[str, Any]:
         return {"tp_rank": self.index, "device": str(self.device), "device_id": self.device_id}

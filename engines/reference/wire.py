@@ -69,9 +69,7 @@ class BeginWeightUpdateBody(_Body):
 
 
 class EndWeightUpdateBody(_Body):
-    """io_struct.py:2208 EndWeightUpdateReqInput (no fields); ``colocd_weight_version`` is colocd's extension."""
-
-    colocd_weight_version: str | None = None  # set as the served version as the session ends (one call)
+    """io_struct.py:2208 EndWeightUpdateReqInput (no fields)."""
 
 
 class UpdateWeightsFromTensorBody(_Body):

@@ -32,10 +32,9 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
-from ..errors import EngineMismatch, EngineProtocolError, EngineRejected, RingRefsUnknown
+from ..errors import EngineMismatch, EngineProtocolError, EngineRejected
 from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
 from ..httpmap import check_reply, map_http_errors
-from ..ring_refs import UNKNOWN_REF_MARK
 from . import extensions, wire
 from .protocol import V0_5_23, SGLangProtocol, negotiated, protocol_for_version, untested_warning
 
@@ -56,24 +55,10 @@ UNSUPPORTED_DIGESTS = (
     "are not verified")
 
 # What the reference engine answers beyond SGLang's protocol (its server_info says ``colocd_reference``): routes
-# under /colocd/, a session id on begin and on each chunk, and colocd's own transports (shm, disk, the ring).
+# under /colocd/ and colocd's own transports (shm, disk).
 REFERENCE_EXTENSIONS = frozenset(Capability)
 
 _R = TypeVar("_R", bound=BaseModel)
-
-
-def _reference_extensions(server: wire.ServerInfo, protocol: SGLangProtocol) -> frozenset[Capability]:
-    """The reference engine's capabilities: all of them, less what this server's reply or protocol lacks (one
-    call, or the begin of a session, observes it only where server_info carries ``colocd_state``; a version set at
-    the end, and an observation at the begin, need an update session)."""
-    lacking: set[Capability] = set()
-    if server.colocd_state is None:
-        lacking.add(Capability.OBSERVE_IN_ONE)
-    if not protocol.weight_update_session:
-        lacking.update((Capability.VERSION_AT_END, Capability.OBSERVE_AT_BEGIN))
-    if server.colocd_state is None:
-        lacking.add(Capability.OBSERVE_AT_BEGIN)
-    return REFERENCE_EXTENSIONS - lacking
 
 
 class SGLangAdapter:
@@ -121,7 +106,7 @@ class SGLangAdapter:
     def transports(self) -> frozenset[Transport]:
         """What this engine loads. Real SGLang: ``inline`` (plain-pickled CPU tensors, on any device) and, on
         a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list); never colocd's own formats
-        (shm, disk, the ring), which only the reference engine's loader reads: SGLang would unpickle their
+        (shm, disk), which only the reference engine's loader reads: SGLang would unpickle their
         JSON descriptors and its scheduler would die. Before attach a real SGLang is assumed to be on a GPU.
         The reference engine: everything on a GPU, shm/disk/inline on CPU."""
         colocd_formats = (Capability.COLOCD_TRANSPORTS in self._extensions if self._info is not None
@@ -164,7 +149,7 @@ class SGLangAdapter:
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
-        self._extensions = _reference_extensions(server, self.protocol) if server.colocd_reference else frozenset()
+        self._extensions = REFERENCE_EXTENSIONS if server.colocd_reference else frozenset()
         self._info = EngineInfo(
             name=self.name,
             engine_kind=self._config.kind,
@@ -221,8 +206,8 @@ class SGLangAdapter:
     async def started(self) -> bool:
         """SGLang's ``/health`` is 503 until its warm-up generation has run (``server_status`` Starting), 200
         once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused. An engine
-        with ``Capability.NO_WARMUP`` (the reference engine: its launcher waits for its model) is driven as soon
-        as it answers."""
+        with ``Capability.NO_WARMUP`` (the reference engine: its launcher waits for its model, and may start it
+        paused, where its /health answers 503) is driven as soon as it answers."""
         if Capability.NO_WARMUP in self._extensions:
             return True
         try:
@@ -236,13 +221,6 @@ class SGLangAdapter:
         (``wire.ServerInfo.incarnation``: SGLang measures it once per process, http_server.py:886); the
         reference engine also reports its pause gate, its open weight-update session (``internal_states``)
         and per-tag residency (``/colocd/memory``). Real SGLang reports neither, so those stay None there."""
-        if Capability.OBSERVE_IN_ONE in self._extensions:
-            # One call: server_info carries the version and the memory beside the state (an observe runs under
-            # the node's lock before every weight session's open and commit, so each round trip counts).
-            server = await self._server_info()
-            if server.colocd_state is not None:
-                state = self._parse(extensions.StateReply, server.colocd_state, "server_info.colocd_state")
-                return self._observation(server, state.weight_version, state.memory.report())
         # The three questions are independent, so they are asked at once; the first failure is raised and nothing
         # is left running.
         asked = (server_t := asyncio.ensure_future(self._server_info()),
@@ -314,21 +292,13 @@ class SGLangAdapter:
             return {**body, "colocd_session": session_id}
         return body
 
-    async def begin_weight_update(self, session_id: str | None = None) -> Observation | None:
+    async def begin_weight_update(self, session_id: str | None = None) -> None:
         if not self.protocol.weight_update_session:
-            return None
+            return
         request = wire.BeginWeightUpdateReqInput(selector="all")
         body = self._with_session(wire.body(request, self.protocol), session_id)
         response = await self._call("POST", request.ROUTE, "begin_weight_update", body)
         self._check_success(response, "begin_weight_update")
-        if Capability.OBSERVE_AT_BEGIN not in self._extensions:
-            return None
-        # The reference engine's reply carries server_info's state fields as the session opened.
-        data = self._json(response, self.name, "begin_weight_update")
-        observed = data.get("colocd_observed") if isinstance(data, dict) else None
-        server = self._parse(wire.ServerInfo, observed, "begin_weight_update.colocd_observed")
-        state = self._parse(extensions.StateReply, server.colocd_state, "begin_weight_update.colocd_observed")
-        return self._observation(server, state.weight_version, state.memory.report())
 
     async def load_weights(self, load: ChunkLoad) -> None:
         request = wire.UpdateWeightsFromTensorReqInput(
@@ -340,16 +310,7 @@ class SGLangAdapter:
         )
         body = self._with_session(wire.body(request, self.protocol), load.session_id)
         response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}", body)
-        try:
-            self._check_success(response, f"update_weights_from_tensor#{load.seq}")
-        except EngineRejected as exc:
-            # The reference engine lacks a ring ref the daemon left out (engines/ring_refs.py): nothing applied.
-            # SGLang's {success, message} reply has no field for a reason, so the engine names the ring
-            # protocol's token in its message; only an engine that loads ring chunks is read for it.
-            ring = any(p.transport == Transport.IPC_RING for p in load.payloads)
-            if ring and Capability.COLOCD_TRANSPORTS in self._extensions and UNKNOWN_REF_MARK in exc.detail:
-                raise RingRefsUnknown(self.name, exc.detail, status=exc.status, body=exc.body) from None
-            raise
+        self._check_success(response, f"update_weights_from_tensor#{load.seq}")
 
     async def parameter_manifest(self) -> tuple[ParameterSpec, ...] | None:
         """The reference engine lists its parameters (``Capability.PARAMETER_MANIFEST``); SGLang cannot tell: None."""
@@ -360,16 +321,13 @@ class SGLangAdapter:
         return self._parse(extensions.ParametersReply, data, "colocd/parameters").specs()
 
     async def end_weight_update(self, version: str | None = None) -> None:
+        """SGLang's end takes no version: ``update_weight_version`` follows it."""
         if self.protocol.weight_update_session:
             request = wire.EndWeightUpdateReqInput()
-            body = wire.body(request, self.protocol)
-            if version is not None and Capability.VERSION_AT_END in self._extensions:
-                body = {**body, "colocd_weight_version": version}  # the reference engine's extension
-            elif version is not None:
-                raise EngineProtocolError(self.name, "end_weight_update: this engine sets no version as it ends "
-                                          "(no version_at_end capability): call set_weight_version")
-            self._check_success(await self._call("POST", request.ROUTE, "end_weight_update", body),
-                                "end_weight_update")
+            self._check_success(await self._call("POST", request.ROUTE, "end_weight_update",
+                                                 wire.body(request, self.protocol)), "end_weight_update")
+        if version is not None:
+            await self._set_weight_version(version)
 
     # -- separated GPUs (research §1.6): each call blocks on a collective the trainer runs meanwhile --
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
@@ -400,7 +358,7 @@ class SGLangAdapter:
             raise EngineProtocolError(self.name, f"{what}: {exc}") from exc
         self._check_success(await self._call("POST", request.ROUTE, what, body), what)
 
-    async def set_weight_version(self, version: str) -> None:
+    async def _set_weight_version(self, version: str) -> None:
         # abort_all_requests defaults to true in SGLang; the engine is paused here anyway and we
         # never want a version bump to kill requests on its own.
         request = wire.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
@@ -435,7 +393,7 @@ _REFERENCE_GPU_TRANSPORTS = frozenset(Transport)
 
 # colocd's own transports travel as base64 JSON descriptors, one load_format each; CUDA-IPC
 # chunks are the trainer's own SGLang pickle, flattened_bucket unless the trainer says otherwise.
-_COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk", Transport.IPC_RING: "colocd_ring"}
+_COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk"}
 
 
 def _load_format(load: ChunkLoad) -> str | None:
@@ -455,8 +413,8 @@ def _payload_format(route: HandleRoute) -> str:
 
 def _entry(part: ChunkPart) -> str:
     """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA and inline paths,
-    or base64 JSON for colocd's shm/disk/ipc_ring paths: the handle as the trainer sent it (with a ring's
-    announced layout filled in) is the reference engine's descriptor. The daemon never sends those to a real
+    or base64 JSON for colocd's shm/disk paths: the handle as the trainer sent it is the reference engine's
+    descriptor. The daemon never sends those to a real
     SGLang, whose ``transports`` leave them out."""
     if part.transport in _COLOCD_FORMATS:
         return base64.b64encode(json.dumps({"transport": part.transport, **part.handle}).encode()).decode()

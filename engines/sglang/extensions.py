@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from ..base import MemoryReport, MemoryTag, ParameterSpec, TagMemory
 
-__all__ = ["DigestsReply", "MemoryReply", "ParametersReply", "StateReply"]
+__all__ = ["DigestsReply", "MemoryReply", "ParametersReply"]
 
 
 class _Reply(BaseModel):
@@ -48,14 +48,6 @@ class MemoryReply(_Reply):
         known = {t.value for t in MemoryTag}
         return MemoryReport({MemoryTag(t): TagMemory(e.resident, e.nbytes, e.resident_nbytes)
                              for t, e in self.tags.items() if t in known})
-
-
-class StateReply(_Reply):
-    """server_info's ``colocd_state``: the weight version served now and the tags' memory (as ``/colocd/memory``),
-    so one server_info answers all an observation reads."""
-
-    weight_version: StrictStr | None = None
-    memory: MemoryReply
 
 
 class DigestsReply(_Reply):

@@ -419,7 +419,6 @@ class ServerInfo(_Reply):
     internal_states: list[InternalState] = Field(default_factory=list)
     colocd_reference: bool = False
     colocd_tp_ranks: list[TpRankDevice] | None = None
-    colocd_state: dict[str, Any] | None = None  # the reference engine's version and memory (extensions.StateReply)
 
     @field_validator("internal_states", mode="before")
     @classmethod

@@ -15,8 +15,7 @@ Verb → route (research/engine-apis.md §2, §6.2):
     resume_memory        POST /wake_up?tags=weights&tags=kv_cache
     begin_weight_update  POST /init_weight_transfer_engine (once), /start_weight_update
     load_weights         POST /update_weights, or /collective_rpc colocd_load_chunk without a backend
-    end_weight_update    POST /finish_weight_update {"weight_version"}
-    set_weight_version   POST /update_weight_version
+    end_weight_update    POST /finish_weight_update {"weight_version"} (extension: then /update_weight_version)
     weight_digests       /collective_rpc colocd_received_digests (engines/digest.py, per tensor as it arrived)
 """
 
@@ -383,13 +382,10 @@ class VLLMAdapter:
         else:
             await self._rpc("colocd_finish_update")
             if version is not None:
-                await self.set_weight_version(version)
+                await self._call("POST", "/update_weight_version", json={"new_version": version})
         if self._flush_after_update:
             self._flush_after_update = False
             await self.flush_cache()
-
-    async def set_weight_version(self, version: str) -> None:
-        await self._call("POST", "/update_weight_version", json={"new_version": version})
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """The digests (engines/digest.py) colocd's worker extension computed over each tensor as it loaded it,

@@ -124,7 +124,6 @@ class ChunkReceiver:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._ipc_cache: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def select(self, payloads: Sequence[dict[str, Any]], tp_rank: int) -> dict[str, Any]:
         """This worker's payload: by GPU UUID for cuda_ipc, else by TP rank, else the only one."""
@@ -193,14 +192,7 @@ class ChunkReceiver:
             )
         args = list(handles[local])
         args[6] = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        key = tuple(a if not isinstance(a, list) else tuple(a) for a in args)
-        buffer = self._ipc_cache.get(key)
-        if buffer is None:
-            buffer = rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
-        if handle.get("persistent"):
-            # A ring slot exported once and reused: keep one mapping per export, as vLLM's
-            # PackedBufferImporter does, so the producer's refcount is released exactly once.
-            self._ipc_cache[key] = buffer
+        buffer = rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
         names, shapes, dtypes = handle["names"], handle["shapes"], handle["dtype_names"]
         if "layout" in handle:
             layout = ChunkLayout.from_json(handle["layout"], int(handle.get("nbytes", buffer.numel())))
@@ -215,10 +207,6 @@ class ChunkReceiver:
         out = [(n, t.clone()) for n, t in views]
         torch.cuda.current_stream().synchronize()  # copies done before the trainer may reuse the buffer
         return out
-
-    def close(self) -> None:
-        """Drop cached IPC mappings (end of a weight update)."""
-        self._ipc_cache.clear()
 
 
 @dataclass
@@ -282,7 +270,7 @@ def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Seque
             model.load_weights(iter(named))
     except BaseException:
         try:
-            finish(model, model_config, receiver)
+            finish(model, model_config)
         except Exception:  # the original error is the one worth reporting
             _STATE.active = False
         _STATE.last = {"digest": None, "n_tensors": 0, "chunks": _STATE.chunks, "failed": True}
@@ -293,7 +281,7 @@ def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Seque
     return len(named)
 
 
-def finish(model: torch.nn.Module, model_config: Any, receiver: ChunkReceiver) -> dict[str, Any]:
+def finish(model: torch.nn.Module, model_config: Any) -> dict[str, Any]:
     """Finalise the layer-wise reload (restores kernel formats, e.g. CPU prepacking)."""
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
@@ -305,7 +293,6 @@ def finish(model: torch.nn.Module, model_config: Any, receiver: ChunkReceiver) -
         finalize_layerwise_reload(model, model_config)
     finally:
         _STATE.active = False
-        receiver.close()
     _STATE.last = {**_STATE.log.summary(), "chunks": _STATE.chunks}
     return dict(_STATE.last)
 
@@ -358,7 +345,6 @@ class ColocdWorkerExtension:
         summary = finish(
             self.model_runner.get_model(),  # type: ignore[attr-defined]
             self.model_config,  # type: ignore[attr-defined]
-            self._colocd_receiver(),
         )
         reset_lora = getattr(self.model_runner, "reset_lora_state", None)  # type: ignore[attr-defined]
         if callable(reset_lora):

@@ -60,7 +60,7 @@ class ColocdWeightTransferEngine(WeightTransferEngine[ColocdInitInfo, ColocdUpda
         extension.load(self.model, self.model_config, self._receiver, update_info.payloads)
 
     def finish_weight_update(self) -> None:
-        extension.finish(self.model, self.model_config, self._receiver)
+        extension.finish(self.model, self.model_config)
 
     def shutdown(self) -> None:
-        self._receiver.close()
+        """Nothing to close: each chunk's IPC mapping is dropped with its views as the chunk is loaded."""

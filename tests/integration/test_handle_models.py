@@ -34,9 +34,6 @@ MALFORMED = [
     ("inline", {"payload_b64": "AAAA", "layout": LAYOUT, "shm_name": "colocd-1-ab"}, "handle.shm_name"),
     ("cuda_ipc", {"payload_b64": "AAAA", "load_format": 5, "layout": LAYOUT}, "handle.load_format"),
     ("cuda_ipc", {"payload_b64": "AAAA", "layout": LAYOUT, "path": "/etc/hostname"}, "handle.path"),
-    ("ipc_ring", {"ring": "r", "slot": "0", "layout": LAYOUT}, "handle.slot"),
-    ("ipc_ring", {"ring": "r", "slot": 0, "layout_ref": 3}, "handle.layout_ref"),
-    ("ipc_ring", {"ring": "r", "slot": 0, "layout": LAYOUT, "payload_b64": "AAAA"}, "handle.payload_b64"),
 ]
 IDS = [f"{t}-{f.removeprefix('handle.')}" for t, _, f in MALFORMED]
 
@@ -83,6 +80,19 @@ async def test_a_malformed_handle_posted_is_422_naming_its_field_and_nothing_cha
         assert await _engine_view(pooled_engine) == engine_before
 
 
+@pytest.mark.parametrize("retired", ["ipc_ring", "zero_copy"])
+async def test_a_chunk_of_a_transport_no_engine_loads_is_422_naming_the_transport(
+        pooled_engine: ReferenceEngineProcess, retired: str) -> None:
+    async with _open_session(pooled_engine) as (http, opened):
+        sid = opened["session_id"]
+        session_before = await _session_view(http, sid)
+        r = await http.post(f"/v1/weights/sessions/{sid}/chunks",
+                            json=_chunk(retired, {"ring": "r", "slot": 0, "layout": LAYOUT}))
+        assert r.status_code == 422, r.text
+        assert r.json()["field"] == "transport", r.json()
+        assert await _session_view(http, sid) == session_before
+
+
 async def test_a_one_shot_update_names_the_chunk_and_the_field_and_leaves_the_engine_as_it_was(
         pooled_engine: ReferenceEngineProcess) -> None:
     async with daemon_node({"ref0": str(pooled_engine.url)}) as node, \
@@ -104,6 +114,5 @@ async def test_openapi_shows_each_transports_handle_model(pooled_engine: Referen
         schemas = (await http.get("/openapi.json")).json()["components"]["schemas"]
     variants = {ref["$ref"].rsplit("/", 1)[-1]
                 for ref in schemas["ChunkDescriptor"]["properties"]["handle"]["anyOf"]}
-    assert variants == {"ShmHandle", "DiskHandle", "InlineHandle", "CudaIpcHandle", "RingHandle"}
+    assert variants == {"ShmHandle", "DiskHandle", "InlineHandle", "CudaIpcHandle"}
     assert {"shm_name", "nbytes"} <= set(schemas["ShmHandle"]["required"])
-    assert schemas["RingHandle"]["properties"]["layout_ref"]["anyOf"][0]["type"] == "string"

@@ -44,8 +44,6 @@ class SessionStuckEngine(InMemoryEngine):
             raise EngineRejected(self.name, "end_weight_update: busy", status=503)
         self.open = False
 
-    async def set_weight_version(self, version: str) -> None: ...
-
 
 def config() -> NodeConfig:
     return NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],

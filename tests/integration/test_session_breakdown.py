@@ -70,7 +70,7 @@ async def test_the_commit_trace_times_every_stage_of_the_session_open_to_commit(
     names = [s["name"] for s in commit["trace"]["spans"]]
     assert names.count("node_lock") == 2  # the open's and the commit's
     for name in ("open_checks", "parameter_manifest", "manifest_check", "begin_weight_update", "load_chunk", "drain",
-                 "check_complete", "verify", "end_weight_update", "set_weight_version", "commit_bookkeeping",
+                 "check_complete", "verify", "end_weight_update", "commit_bookkeeping",
                  "journal"):
         assert name in names, name
     stages = breakdown(open_s=1.0, stream_s=1.0, commit_s=1.0, wall_s=3.0, trace=commit["trace"])

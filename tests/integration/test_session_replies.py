@@ -73,6 +73,7 @@ class ReportWaitingEngine(InMemoryEngine):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.reported.wait(), 0.3)
         self.reported.clear()
+        await super().end_weight_update(version)
 
 
 def _request_log(app: Any, log: list[tuple[str, str, float]], reported: asyncio.Event) -> Any:

@@ -1,16 +1,13 @@
-"""What a weight session's open and commit ask of the reference engine (issue 29), and what those shortcuts must
-still catch. The engine's end of the session sets the pushed version, and only the process that holds the session
-can end it, so the commit observes no engine first, and an engine process that restarted after the last chunk
-takes no version it does not hold. The engine's begin answers what it was as the session opened, so the open
-observes no engine first either; an engine that is not what its record says (a restarted process) is observed
-and reconciled, and the open is decided on the corrected record.
+"""What a weight session's open and commit ask of the engine, and what they must catch. Both observe every engine
+first, so an engine that is not what its record says (a restarted process) is reconciled and the open or commit is
+decided on the corrected record: an engine process that restarted after the last chunk takes no version it does
+not hold. The commit's version becomes the served one as the engine's session ends.
 
 A reference engine runs as its own process on loopback; the daemon runs in the test's event loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 from typing import Any
@@ -19,10 +16,11 @@ import httpx
 import pytest
 
 from colocd.daemon.config import NodeConfig
+from colocd.daemon.errors import SessionGone
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase, WeightsState
 from colocd.daemon.weights import WeightSession
-from colocd.engines.base import Capability, ChunkPart, MemoryTag, Observation
+from colocd.engines.base import ChunkPart, MemoryTag, Observation
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -89,10 +87,9 @@ async def test_an_engine_restarted_before_the_commit_takes_no_version_and_the_co
     try:
         async with Daemon(_daemon_config(url)) as daemon:
             handle = daemon.engines["ref0"]
-            assert handle.can(Capability.VERSION_AT_END) and handle.can(Capability.OBSERVE_IN_ONE)
             session = await _open_and_send_everything(daemon, segments)
             engine = await _restart(engine, url)  # every chunk delivered; the process holding them is gone
-            with pytest.raises(Exception, match="no weight-update session is open"):
+            with pytest.raises(SessionGone):
                 await daemon.sessions.commit(session.id, 1)
             assert await _served_version(url) == "default"  # the new process never took v1
             assert handle.state.weight_version != "v1"
@@ -102,17 +99,12 @@ async def test_an_engine_restarted_before_the_commit_takes_no_version_and_the_co
         _unlink(segments)
 
 
-async def _observed_commit(url: str, *, version_at_end: bool) -> tuple[list[int], dict[str, Any], str | None]:
-    """A complete session committed: the engine observations the commit made, its reply, the version recorded.
-    ``version_at_end`` False: the engine is taken as one that sets its version in a call of its own (as SGLang)."""
+async def _observed_commit(url: str) -> tuple[list[int], dict[str, Any], str | None]:
+    """A complete session committed: the engine observations the commit made, its reply, the version recorded."""
     segments: list[SharedSegment] = []
     try:
         async with Daemon(_daemon_config(url)) as daemon:
             handle = daemon.engines["ref0"]
-            assert handle.info is not None and handle.can(Capability.VERSION_AT_END)
-            if not version_at_end:  # the version is then its own call after the end, which any process may answer
-                handle.info = dataclasses.replace(
-                    handle.info, capabilities=handle.info.capabilities - {Capability.VERSION_AT_END})
             session = await _open_and_send_everything(daemon, segments)
             observed = _count_observations(daemon, "commit_weights")
             reply: dict[str, Any] = await daemon.sessions.commit(session.id, 1)
@@ -121,36 +113,21 @@ async def _observed_commit(url: str, *, version_at_end: bool) -> tuple[list[int]
         _unlink(segments)
 
 
-async def test_a_commit_whose_engines_end_their_sessions_with_the_version_observes_no_engine_first(
+async def test_a_commit_observes_every_engine_first_and_the_version_is_served_as_the_session_ends(
         pooled_engine: ReferenceEngineProcess) -> None:
-    observed, _, version = await _observed_commit(str(pooled_engine.url), version_at_end=True)
-    assert observed == [0] and version == "v1"
-
-
-async def test_a_commit_sets_the_version_as_the_engine_ends_the_session_in_one_call(
-        pooled_engine: ReferenceEngineProcess) -> None:
-    _, reply, version = await _observed_commit(str(pooled_engine.url), version_at_end=True)
-    names = [s["name"] for s in reply["trace"]["spans"]]
-    assert "end_weight_update" in names and "set_weight_version" not in names
-    assert version == "v1" and await _served_version(str(pooled_engine.url)) == "v1"
-
-
-async def test_a_commit_observes_every_engine_first_where_one_sets_its_version_in_a_separate_call(
-        pooled_engine: ReferenceEngineProcess) -> None:
-    observed, reply, version = await _observed_commit(str(pooled_engine.url), version_at_end=False)
+    observed, reply, version = await _observed_commit(str(pooled_engine.url))
     assert observed == [1] and version == "v1"
-    assert "set_weight_version" in [s["name"] for s in reply["trace"]["spans"]]
+    assert "end_weight_update" in [s["name"] for s in reply["trace"]["spans"]]
+    assert await _served_version(str(pooled_engine.url)) == "v1"
 
 
-async def test_an_open_whose_engines_answer_their_state_at_begin_observes_no_engine_first(
-        pooled_engine: ReferenceEngineProcess) -> None:
+async def test_an_open_observes_every_engine_first(pooled_engine: ReferenceEngineProcess) -> None:
     async with Daemon(_daemon_config(str(pooled_engine.url))) as daemon:
-        assert daemon.engines["ref0"].can(Capability.OBSERVE_AT_BEGIN)
         await daemon.transitions.transition(NodePhase.TRAIN, 1)
         await daemon.transitions.transition(NodePhase.SYNC, 1)
         observed = _count_observations(daemon, "open_weights")
         session = await daemon.sessions.open(step=1, version="v1", ranks=1)
-        assert observed == [0]
+        assert observed == [1]
         assert daemon.engines["ref0"].state.weights is WeightsState.UPDATING
         await daemon.sessions.abort(session.id)
 
@@ -172,10 +149,10 @@ async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_partial_u
             observed = _count_observations(daemon, "open_weights")
             with pytest.raises(Exception, match="a partial update needs intact weights"):
                 await daemon.sessions.open(step=1, version="v1p", ranks=1, partial=True)
-            assert observed == [1]  # the begin's answer differed, so the open looked, then refused
+            assert observed == [1]  # the open looked first, then refused
             record = daemon.engines["ref0"].state
             assert record.incarnation != "" and record.weights is WeightsState.STALE
-            assert (await _internal_state(url))["weight_update_session"] is None  # the begin was undone
+            assert (await _internal_state(url))["weight_update_session"] is None  # no begin was sent
     finally:
         await engine.aclose()
         _unlink(segments)
@@ -194,8 +171,7 @@ async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_complete_
             session = await daemon.sessions.open(step=1, version="v1", ranks=1)
             record = daemon.engines["ref0"].state
             assert record.incarnation != before and record.weights is WeightsState.UPDATING
-            names = [s.name for s in session.trace.spans]
-            assert "reconcile" in names and names.count("begin_weight_update") == 2
+            assert [s.name for s in session.trace.spans].count("begin_weight_update") == 1
             state = await _internal_state(url)
             assert state["paused"] is not None and state["weight_update_session"] == "all"
             await daemon.sessions.abort(session.id)

@@ -29,7 +29,6 @@ from colocd.daemon.weights import SessionState, WeightSession
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.cuda_handles import RingTable
 from colocd.engines.errors import EngineRejected
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
@@ -363,14 +362,9 @@ def test_each_transport_reaches_the_engine_in_its_load_format() -> None:
     def fmt(transport: str, **handle: Any) -> str | None:
         return _load_format(ChunkLoad(0, (ChunkPart(0, transport, 1, handle),), 1))
 
-    assert fmt("shm") == "colocd_shm" and fmt("disk") == "colocd_disk" and fmt("ipc_ring") == "colocd_ring"
+    assert fmt("shm") == "colocd_shm" and fmt("disk") == "colocd_disk"
     assert fmt("cuda_ipc", load_format="flattened_bucket") == "flattened_bucket"
     assert fmt("cuda_ipc", load_format="direct") is None  # SGLang's default: a list of (name, tensor)
-
-
-def test_a_cpu_engine_refuses_ring_chunks_clearly() -> None:
-    with pytest.raises(ValueError, match="ipc_ring chunks are CUDA memory; this engine runs on cpu"):
-        RingTable().named_tensors({"ring": "r", "slot": 0, "layout": []}, torch.device("cpu"))
 
 
 # --- over HTTP, real reference engines ---------------------------------------------------------------
@@ -488,7 +482,7 @@ async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any)
         BenchSettings(
             model="tiny",
             device="cpu",
-            variants=("serial", "overlap2", "ipc_ring"),
+            variants=("serial", "overlap2", "per_tensor"),
             bucket_mb=1,
             repeats=1,
             warmup=0,
@@ -497,7 +491,7 @@ async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any)
     )
     ran = {v["name"]: v for v in record["variants"]}
     assert ran["serial"]["verified"] and ran["overlap2"]["verified"]
-    assert ran["ipc_ring"]["skipped"] == "needs CUDA"
+    assert ran["per_tensor"]["skipped"] == "needs CUDA"
     # Measured in the same run: control per chunk, the engine hop, the engine's load stages.
     assert record["targets"]["control_variant"] == "serial" and record["targets"]["control_ms_per_chunk"] > 0
     stages = ran["overlap2"]["stages_ms"]

@@ -163,8 +163,7 @@ async def test_an_inline_update_serves_what_sglang_loading_the_checkpoint_itself
     half = len(named) // 2
     await adapter.load_weights(inline_load(named[:half], 0))
     await adapter.load_weights(inline_load(named[half:], 1))
-    await adapter.end_weight_update()
-    await adapter.set_weight_version("step-1")
+    await adapter.end_weight_update("step-1")
     # The radix cache still holds KV computed by the old weights: a prompt seen before would reuse it.
     assert await adapter.flush_cache()
     await adapter.continue_generation()

@@ -61,15 +61,12 @@ def _part(transport: str, rank: int, named: list[tuple[str, torch.Tensor]]) -> C
                                   "layout": layout}),
         "per_tensor": ("cuda_ipc", {"payload_b64": "", "load_format": "direct", "device_uuid": "u",
                                     "layout": layout}),
-        "ipc_ring": ("ipc_ring", {"ring": "r", "slot": 0, "device_uuid": "u", "layout": layout}),
-        "zero_copy": ("ipc_ring", {"ring": "r", "device_uuid": "u",
-                                   "layout": [{**e, "slot": 2 + i} for i, e in enumerate(layout)]}),
     }
     wire, handle = handles[transport]
     return ChunkPart(rank=rank, transport=wire, nbytes=ChunkLayout.for_tensors(named).nbytes, handle=handle)
 
 
-CUDA_TRANSPORTS = ["cuda_ipc", "per_tensor", "ipc_ring", "zero_copy"]
+CUDA_TRANSPORTS = ["cuda_ipc", "per_tensor"]
 
 
 @pytest.mark.parametrize("transport", CUDA_TRANSPORTS)

@@ -75,32 +75,3 @@ def test_the_reference_engine_negotiates_its_extensions_and_they_arrive_typed() 
     assert params == (ParameterSpec("w", "bfloat16", (2, 3)),)
     assert digests.ranks == ({"w": "d1"},)
     assert resident == {MemoryTag.WEIGHTS: True, MemoryTag.KV_CACHE: False, MemoryTag.CUDA_GRAPH: True}
-
-
-def test_a_reference_engine_whose_server_info_carries_its_state_is_observed_in_one_call() -> None:
-    config = ReferenceEngineConfig(name="r", url="http://reference.test")
-    carrying = {**REFERENCE_SERVER_INFO, "colocd_state": {"weight_version": "v7", "memory": MEMORY}}
-
-    async def observe_once(adapter: SGLangAdapter) -> tuple[Any, Any]:
-        info = await adapter.attach()
-        return info.capabilities, await adapter.observe()
-
-    (capabilities, observed), asked = _drive(config, carrying, observe_once)
-    assert Capability.OBSERVE_IN_ONE in capabilities
-    after_attach = asked[asked.index("/model_info") + 1:]  # attach reads the version; then the one observe
-    assert after_attach == ["/server_info"]
-    assert observed.weight_version == "v7"
-    assert observed.resident == {MemoryTag.WEIGHTS: True, MemoryTag.KV_CACHE: False, MemoryTag.CUDA_GRAPH: True}
-
-
-def test_a_reference_server_info_without_its_state_is_observed_by_asking_each_part() -> None:
-    config = ReferenceEngineConfig(name="r", url="http://reference.test")
-
-    async def observe_once(adapter: SGLangAdapter) -> tuple[Any, Any]:
-        info = await adapter.attach()
-        return info.capabilities, await adapter.observe()
-
-    (capabilities, observed), asked = _drive(config, REFERENCE_SERVER_INFO, observe_once)
-    assert Capability.OBSERVE_IN_ONE not in capabilities
-    assert sorted(asked[asked.index("/model_info") + 1:]) == ["/colocd/memory", "/model_info", "/server_info"]
-    assert observed.resident == {MemoryTag.WEIGHTS: True, MemoryTag.KV_CACHE: False, MemoryTag.CUDA_GRAPH: True}

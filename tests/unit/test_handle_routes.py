@@ -8,9 +8,8 @@ from dataclasses import replace
 import pytest
 
 from colocd.engines.base import ChunkPart
-from colocd.engines.handles import CudaIpcRoute, HostRoute, InlineRoute, RingRoute, ShmRoute, parse_handle
+from colocd.engines.handles import CudaIpcRoute, HostRoute, InlineRoute, ShmRoute, parse_handle
 from colocd.engines.vllm.wire import ipc_update_info
-from colocd.errors import RequestInvalid
 from colocd.policies import Transport
 
 
@@ -23,8 +22,6 @@ def _part(transport: Transport, **handle: object) -> ChunkPart:
     (Transport.CUDA_IPC, {"payload_b64": "", "device_uuid": "GPU-1", "load_format": "direct"},
      CudaIpcRoute("GPU-1", "", "direct")),
     (Transport.PER_TENSOR, {"device_uuid": "GPU-2"}, CudaIpcRoute("GPU-2")),  # travels as cuda_ipc
-    (Transport.IPC_RING, {"ring": "r", "layout_ref": "abc", "device_uuid": "GPU-3"}, RingRoute("GPU-3", "abc")),
-    (Transport.ZERO_COPY, {"ring": "r"}, RingRoute(None, None)),  # carries its layout: no ref
     (Transport.DISK, {"path": "/x", "device_uuid": 7}, HostRoute(None)),  # a device not named as a string
     (Transport.INLINE, {"payload_b64": "", "load_format": 5}, InlineRoute(None, "", None)),  # not a string: unsaid
 ])
@@ -34,14 +31,8 @@ def test_each_transport_parses_into_its_route(transport: Transport, handle: dict
 
 
 def test_a_new_handle_is_parsed_anew() -> None:
-    part = _part(Transport.IPC_RING, ring="r", layout_ref="abc")
-    assert replace(part, handle={"ring": "r", "layout": []}).route == RingRoute(None, None)
-
-
-def test_a_layout_ref_that_is_not_a_string_is_the_callers_error_naming_it() -> None:
-    with pytest.raises(RequestInvalid) as caught:
-        _part(Transport.IPC_RING, ring="r", layout_ref=3)
-    assert caught.value.field == "handle.layout_ref"
+    part = _part(Transport.SHM, shm_name="colocd-x", nbytes=8)
+    assert replace(part, handle={"shm_name": "colocd-y", "nbytes": 8}).route == ShmRoute(None, "colocd-y")
 
 
 def test_a_typed_handle_travels_on_as_the_json_it_was_parsed_from_with_its_route_from_the_model() -> None:
@@ -50,11 +41,6 @@ def test_a_typed_handle_travels_on_as_the_json_it_was_parsed_from_with_its_route
                         handle=parse_handle(Transport.CUDA_IPC, sent))
     assert part.handle is sent  # forwarded as the trainer sent it, the engine's keys the model does not name included
     assert part.route == CudaIpcRoute("GPU-1", "AAAA")
-
-
-def test_a_completed_or_trimmed_handle_keeps_the_route_it_was_parsed_with() -> None:
-    part = _part(Transport.IPC_RING, ring="r", layout_ref="abc", device_uuid="GPU-3")
-    assert part.with_handle({"ring": "r", "layout": []}).route == RingRoute("GPU-3", "abc")
 
 
 def test_vllms_ipc_backend_forwards_its_own_keys_of_a_cuda_ipc_part_and_refuses_another_transport() -> None:

@@ -131,22 +131,23 @@ def test_exported_leases_are_never_reclaimed(tmp_path: Path) -> None:
     handle = ref_file(tmp_path)
     set_count(tmp_path, handle, 0, 1)
     book = LeaseBook(collect=Collects())
-    lease = book.export("ipc_ring", 64, [RefCounter(handle, 0, str(tmp_path))], owner="ring r")
-    assert book.reclaim("stream failed") == 0  # the producer still holds it: a ring slot it will reuse
+    lease = book.export("cuda_ipc", 64, [RefCounter(handle, 0, str(tmp_path))], owner="session s")
+    assert book.reclaim("stream failed") == 0  # the producer still holds it: a chunk in flight
     assert lease.state is LeaseState.EXPORTED and RefCounter(handle, 0, str(tmp_path)).read() == 1
-    book.release_all(owner="ring r")
+    book.release_all(owner="session s")
     assert book.reclaim("the pusher closed its producer") == 64
 
 
 async def test_a_storage_a_trainer_tensor_still_holds_is_never_reclaimed(tmp_path: Path) -> None:
-    # A zero_copy parameter (or a per_tensor share): torch does not hold it for the consumer, so nothing is
+    # A per_tensor share of a trainer parameter: torch does not hold it for the consumer, so nothing is
     # stranded, and zeroing a count a live engine decrements later would strand it for good once freed.
     handle = ref_file(tmp_path)
     set_count(tmp_path, handle, 0, 1)
     parameter = torch.zeros(16)
     book = LeaseBook(collect=Collects())
-    lease = book.export("zero_copy", 64, [RefCounter(handle, 0, str(tmp_path))], owner="ring r", buffers=[parameter])
-    book.release_all(owner="ring r")
+    lease = book.export("per_tensor", 64, [RefCounter(handle, 0, str(tmp_path))], owner="session s",
+                        buffers=[parameter])
+    book.release_all(owner="session s")
     assert lease.state is LeaseState.FREED and book.retained_bytes == 0
     assert await book.settle("the pusher closed its producer", grace_s=0) == 0
     assert RefCounter(handle, 0, str(tmp_path)).read() == 1  # the engine's count, untouched

@@ -210,7 +210,8 @@ def test_busy_and_the_open_sessions_idle_age_are_read_when_the_exposition_render
     from colocd.daemon.node_metrics import NodeMetrics
 
     daemon: Any = _stub_daemon(busy=True, session=True)
-    NodeMetrics(daemon)
+    NodeMetrics(daemon.metrics, daemon.config.engines, daemon.sessions, state=lambda: daemon.node,
+                busy=lambda: daemon.busy)
     text = daemon.metrics.exposition().decode().splitlines()
     assert "colocd_node_busy 1.0" in text
     assert "colocd_weight_session_open 1.0" in text and "colocd_weight_session_idle_seconds 12.5" in text
@@ -224,7 +225,8 @@ def test_the_phase_clock_restarts_only_when_the_node_moves() -> None:
     from colocd.daemon.states import NodePhase, NodeState
 
     daemon: Any = _stub_daemon(busy=False, session=False)
-    gauges = NodeMetrics(daemon)
+    gauges = NodeMetrics(daemon.metrics, daemon.config.engines, daemon.sessions, state=lambda: daemon.node,
+                         busy=lambda: daemon.busy)
     gauges.refresh()
     entered = _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()]
     assert entered > 0

@@ -140,19 +140,19 @@ def test_policies_are_pure_same_snapshot_same_decision() -> None:
         assert policy.before_pause(s) == policy.before_pause(s)
 
 
-def test_overlap_plans_two_4_gib_buckets_over_cuda_ipc_even_where_a_ring_is_loaded() -> None:
+def test_overlap_plans_two_4_gib_buckets_over_cuda_ipc_even_where_per_tensor_is_loaded() -> None:
     plan = OverlapPolicy().plan(
-        PipelineSnapshot(available_transports=(Transport.SHM, Transport.CUDA_IPC, Transport.IPC_RING))
+        PipelineSnapshot(available_transports=(Transport.SHM, Transport.CUDA_IPC, Transport.PER_TENSOR))
     )
     # The tuned preset of `python3 -m benchmarks.switch`: fresh buckets, so nothing stays exported through the rollout.
     assert (plan.depth, plan.bucket_bytes, plan.transport) == (2, 4096 * MIB, Transport.CUDA_IPC)
 
 
-def test_auto_never_picks_a_persistent_transport_a_document_may_name() -> None:
-    ring_only = PipelineSnapshot(available_transports=(Transport.IPC_RING, Transport.ZERO_COPY))
-    assert OverlapPolicy().plan(ring_only).transport is Transport.DISK
-    named = OverlapPolicy(OverlapPolicy.Config(transport=Transport.IPC_RING)).plan(ring_only)
-    assert named.transport is Transport.IPC_RING
+def test_auto_never_picks_a_transport_only_a_document_may_name() -> None:
+    per_tensor_only = PipelineSnapshot(available_transports=(Transport.PER_TENSOR,))
+    assert OverlapPolicy().plan(per_tensor_only).transport is Transport.DISK
+    named = OverlapPolicy(OverlapPolicy.Config(transport=Transport.PER_TENSOR)).plan(per_tensor_only)
+    assert named.transport is Transport.PER_TENSOR
 
 
 def test_serial_is_depth_one() -> None:

@@ -34,7 +34,7 @@ def test_a_full_document_loads_into_typed_policies() -> None:
         """
         apiVersion: colocd/v1
         process_groups: {policy: auto, max_resident_gib: 6, post_destroy_wait_s: 0.5}
-        pipeline: {policy: overlap, depth: 3, bucket_mb: 256, transport: ipc_ring}
+        pipeline: {policy: overlap, depth: 3, bucket_mb: 256, transport: per_tensor}
         cleanup: {policy: aggressive, max_retries: 2}
         engines: {release_tags: [kv_cache], pause_mode: abort}
         timeouts: {default_s: 20, chunk_s: 120}
@@ -113,6 +113,20 @@ def test_a_bad_value_names_the_field_and_its_line() -> None:
         """
     )
     assert (err.field, err.line, err.column) == ("pipeline.bucket_mb", 4, 14)
+
+
+@pytest.mark.parametrize("retired", ["ipc_ring", "zero_copy"])
+def test_a_transport_no_engine_loads_is_refused_naming_the_field_and_the_allowed_ones(retired: str) -> None:
+    err = error(
+        f"""\
+        apiVersion: colocd/v1
+        pipeline:
+          policy: overlap
+          transport: {retired}
+        """
+    )
+    assert (err.field, err.line) == ("pipeline.transport", 4)
+    assert all(allowed in err.message for allowed in ("auto", "shm", "disk", "inline", "cuda_ipc", "per_tensor"))
 
 
 def test_a_bad_list_item_points_at_the_item() -> None:

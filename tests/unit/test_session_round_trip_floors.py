@@ -17,13 +17,13 @@ def test_open_and_commit_count_the_observation_and_each_engine_call_in_a_row() -
                    "end_weight_update")
     assert round_trips(trace) == {"open": ["observe", "begin_weight_update"],
                                   "commit": ["observe", "end_weight_update"]}
-    with_version = _trace("node_lock", "parameter_manifest", "begin_weight_update", "node_lock", "weight_digests",
-                          "end_weight_update", "set_weight_version")
-    assert [len(v) for v in round_trips(with_version).values()] == [3, 4]
+    verified = _trace("node_lock", "parameter_manifest", "begin_weight_update", "node_lock", "weight_digests",
+                      "end_weight_update")
+    assert [len(v) for v in round_trips(verified).values()] == [3, 3]
 
 
 def test_the_floors_price_each_round_trip_and_the_lines_say_the_multiples() -> None:
-    trace = _trace("node_lock", "begin_weight_update", "node_lock", "end_weight_update", "set_weight_version")
+    trace = _trace("node_lock", "begin_weight_update", "node_lock", "weight_digests", "end_weight_update")
     floors = RoundTrips(trainer_s=0.001, engine_s=0.002)
     b = breakdown(open_s=0.010, stream_s=0.020, commit_s=0.014, wall_s=0.044, trace=trace, floors=floors)
     assert b["open.rt_floor"] == pytest.approx(0.001 + 2 * 0.002)
@@ -34,9 +34,3 @@ def test_the_floors_price_each_round_trip_and_the_lines_say_the_multiples() -> N
     assert "4.40x the copy floor" in text
     assert breakdown(open_s=1, stream_s=1, commit_s=1, wall_s=3, trace=trace)["open.rt_floor"] == 0.0
 
-
-def test_a_node_lock_that_observed_no_engine_counts_no_observation() -> None:
-    trace = _trace("node_lock", "begin_weight_update", "node_lock", "end_weight_update")
-    commit_lock = trace["spans"][2]  # type: ignore[index]
-    commit_lock["attrs"] = {"observed": False}
-    assert round_trips(trace) == {"open": ["observe", "begin_weight_update"], "commit": ["end_weight_update"]}

@@ -136,11 +136,16 @@ async def test_vllms_own_disk_loader_changes_then_restores_the_weights(
     assert await complete() == start_text
 
 
-async def test_version_bump_is_visible_in_weight_info(adapter: VLLMAdapter, vllm: VLLMHttp) -> None:
-    before = await vllm.weight_version()
-    await adapter.set_weight_version("v-test-42")
+async def test_the_version_an_update_ends_with_is_visible_in_weight_info(
+    adapter: VLLMAdapter, new_weights_dir: Path, restore_original: None, vllm: VLLMHttp,
+) -> None:
+    path = str(new_weights_dir / "model.safetensors")
+    load = ChunkLoad(seq=0, payloads=(ChunkPart(rank=0, transport="disk", nbytes=0, handle={"path": path}),),
+                     nbytes=0)
+    await adapter.begin_weight_update()
+    await adapter.load_weights(load)
+    await adapter.end_weight_update("v-test-42")
     assert await vllm.weight_version() == "v-test-42"
-    await adapter.set_weight_version(before or "default")
 
 
 async def test_a_chunk_that_cannot_be_read_leaves_the_weights_untouched(
