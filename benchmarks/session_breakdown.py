@@ -8,9 +8,7 @@ reconcile that observes every engine), ``open_checks``, ``manifest_check``,
 ``end_weight_update`` (the version with it), ``commit_bookkeeping``, ``journal``). An engine call made on several
 engines at once counts as the extent of its spans (first start → last end), a per-chunk one as the sum. The two
 ``outside`` rows are the trainer's round trip less the daemon's extent of the same call (both measured): the HTTP
-hop, the route and the reply's encoding. The ``inside the engine's app`` rows are the reference engine's own timing
-of each call (benchmark mode: ASGI call to the reply's last byte); the daemon's span less it is the rest of that
-round trip: the daemon's HTTP client, the engine's HTTP server, the socket, and each side waking to it.
+hop, the route and the reply's encoding.
 
 Against the round-trip floors measured in the same run (a no-op trainer → daemon request, a no-op engine request):
 open and commit each make one trainer round trip and a number of engine round trips in a row (the observation
@@ -34,7 +32,6 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("open.checks", "    state, step, ranks, manifest parse"),
     ("open.manifest_check", "    declared manifest against them"),
     ("open.begin", "    engines' begin_weight_update"),
-    ("open.begin_app", "      of it inside the engine's app"),
     ("open.outside", "  outside the daemon's open (transport, route, reply)"),
     ("open.join", "  join after it"),
     ("open.rt_floor", "  its round trips at their floors (see below)"),
@@ -42,7 +39,6 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("stream", "trainer: open's reply -> last ack"),
     ("stream.trainer_digest", "  trainer digests (export thread, overlapped)"),
     ("stream.load", "  engines' chunk loads, summed"),
-    ("stream.load_app", "    of them inside the engine's app"),
     ("commit", "trainer: POST commit -> reply"),
     ("commit.daemon", "  daemon: node lock -> journal end"),
     ("commit.lock", "    node lock (+ reconcile where made)"),
@@ -52,7 +48,6 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("commit.engine_digest", "      engines' weight_digests (HTTP + device)"),
     ("commit.compare", "      compare (last digests reply -> verdict)"),
     ("commit.end", "    engines' end_weight_update"),
-    ("commit.end_app", "      of it inside the engine's app"),
     ("commit.bookkeeping", "    versions, records, metrics"),
     ("commit.journal", "    journal record"),
     ("commit.outside", "  outside the daemon's commit (transport, route, reply)"),
@@ -97,14 +92,10 @@ def round_trips(trace: Mapping[str, Any]) -> dict[str, list[str]]:
 
 def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float, trace: Mapping[str, Any],
               join_s: float = 0.0, first_export_s: float = 0.0, digest_s: Sequence[float] = (),
-              floors: RoundTrips | None = None,
-              app_calls: Sequence[Mapping[str, Any]] = ()) -> dict[str, float]:
+              floors: RoundTrips | None = None) -> dict[str, float]:
     """The stages of one session in seconds (keys of ``STAGES``), from the trainer's timers and the commit's
     trace; a stage the session did not have (no verification, no manifest) is 0, and so are the round-trip
-    floors without ``floors``. ``app_calls``: the engine's own timing of each session call inside its app (the
-    sink's ``calls``, one engine), so each engine call splits into inside the app and outside it."""
-    app = {route: sum(float(c["app_s"]) for c in app_calls if c.get("route") == route)
-           for route in ("/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update")}
+    floors without ``floors``."""
     by = {n: _spans(trace, n) for n in (*_OPEN_SPANS, *_COMMIT_SPANS, "load_chunk")}
     # The first node_lock is the open's, a second the commit's.
     locks = sorted(by.pop("node_lock"))
@@ -122,14 +113,12 @@ def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float,
         "open.checks": _extent(by["open_checks"]),
         "open.manifest_check": _extent(by["manifest_check"]),
         "open.begin": _extent(by["begin_weight_update"]),
-        "open.begin_app": app["/begin_weight_update"],
         "open.outside": open_s - open_daemon - join_s,
         "open.join": join_s,
         "open.first_export": first_export_s,
         "stream": stream_s,
         "stream.trainer_digest": sum(digest_s),
         "stream.load": sum(e - s for s, e in by["load_chunk"]),
-        "stream.load_app": app["/update_weights_from_tensor"],
         "commit": commit_s,
         "commit.daemon": commit_daemon,
         "commit.lock": _extent(commit_lock),
@@ -139,7 +128,6 @@ def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float,
         "commit.engine_digest": _extent(by["weight_digests"]),
         "commit.compare": (verify_end - digests_end) if verify_end is not None and digests_end is not None else 0.0,
         "commit.end": _extent(by["end_weight_update"]),
-        "commit.end_app": app["/end_weight_update"],
         "commit.bookkeeping": _extent(by["commit_bookkeeping"]),
         "commit.journal": _extent(by["journal"]),
         "commit.outside": commit_s - commit_daemon,

@@ -377,8 +377,7 @@ async def _run_variant(
                 result.breakdown = breakdown(open_s=open_s, stream_s=stream_s, commit_s=commit_s, wall_s=wall_s,
                                              trace=trace, join_s=pusher.last_join_s,
                                              first_export_s=pusher.early_export_s,
-                                             digest_s=[c.digest_s for c in pusher.chunk_log], floors=floors,
-                                             app_calls=sink.get("calls") or ())
+                                             digest_s=[c.digest_s for c in pusher.chunk_log], floors=floors)
                 result.round_trips = round_trips(trace)
             if not result.stream_s or stream_s < min(result.stream_s):
                 best_log, result.open_s, result.commit_s = list(pusher.chunk_log), open_s, commit_s

@@ -116,7 +116,6 @@ class ReferenceEngine:
         self._sink: WeightSink | None = None  # benchmark mode (rank 0's): loads land here instead of the model
         # Benchmark mode: per-stage seconds of every load since the last begin_weight_update (/colocd/sink).
         self._sink_loads: list[dict[str, float]] = []
-        self._sink_calls: list[dict[str, Any]] = []  # the open session's calls, each timed inside the app
         self._last_stages: dict[str, float] = {}  # the last load's, written on the model thread
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -594,7 +593,6 @@ class ReferenceEngine:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             self._session_selector = selector
             self._sink_loads = []
-            self._sink_calls = []
             return True, "Success"
 
     async def end_weight_update(self) -> tuple[bool, str]:
@@ -728,11 +726,6 @@ class ReferenceEngine:
             out.append(tensor_digests(((n, held[n]) for n in names if n in held), self._digest_cache))
         return out
 
-    def note_call(self, route: str, seconds: float) -> None:
-        """Benchmark mode: one weight-session call's seconds inside the app (the server's call timer)."""
-        if len(self._sink_calls) < 1 << 16:
-            self._sink_calls.append({"route": route, "app_s": seconds})
-
     async def sink_checksums(self) -> dict[str, Any]:
         """``/colocd/sink``: device checksums of the benchmark sink's tensors (404 without a sink); rank 0's
         at the top level, every TP rank's under ``ranks``."""
@@ -751,7 +744,6 @@ class ReferenceEngine:
             "ranks": [{**r.describe(), "checksums": c}
                       for r, c in zip(self._ranks, per_rank, strict=True)],
             "loads": self._sink_loads,  # per-stage seconds of each load of the last session, in load order
-            "calls": self._sink_calls,  # its begin, loads and end, each timed inside the app, in reply order
             "checksum_s": checksum_s,  # verifying is this call, outside every load's timed window
         }
 

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
@@ -20,7 +19,6 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..base import PauseMode
 from .distributed import DistributedUpdates, distributed_routes
@@ -82,38 +80,7 @@ def create_app(settings: ReferenceServerSettings) -> FastAPI:
     app.include_router(_info_routes(engine, settings), dependencies=[Depends(_auth(settings.api_key))])
     app.include_router(_control_routes(engine, settings), dependencies=[Depends(_auth(settings.api_key))])
     app.include_router(distributed_routes(distributed), dependencies=[Depends(_auth(settings.api_key))])
-    if settings.sink is not None:
-        app.add_middleware(_SessionCallTimer, engine=engine)
     return app
-
-
-_TIMED_CALLS = frozenset({"/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"})
-
-
-class _SessionCallTimer:
-    """Benchmark mode: each weight-session call's seconds inside this app, from the ASGI call to the last
-    body byte handed to the server (routing, body parse, validation, handler, reply encoding). Against the
-    caller's own time for the call, the rest is outside the app: the caller's client, the HTTP server's
-    parse and write, the socket and the wake-ups (``/colocd/sink``'s ``calls``; ``benchmarks.weights``)."""
-
-    def __init__(self, app: ASGIApp, engine: ReferenceEngine) -> None:
-        self._app = app
-        self._engine = engine
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in _TIMED_CALLS:
-            await self._app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-
-        async def timed_send(message: Message) -> None:
-            # Timed as the last body byte is handed over, not once the server's write returns: the caller may
-            # have read the whole reply (and ended its own clock) before this coroutine runs again.
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self._engine.note_call(scope["path"], time.perf_counter() - t0)
-            await send(message)
-
-        await self._app(scope, receive, timed_send)
 
 
 def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:

