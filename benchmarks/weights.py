@@ -50,11 +50,10 @@ from . import ShowDefaults
 from .records import write_record
 from .session_breakdown import RoundTrips, breakdown, breakdown_table, round_trips, round_trips_lines
 
-__all__ = ["STAGES", "VARIANTS", "BenchSettings", "Variant", "VariantResult", "main", "parse_variant",
+__all__ = ["VARIANTS", "BenchSettings", "Variant", "VariantResult", "main", "parse_variant",
            "run_weights_bench"]
 
 # The engine's load stages, in order (engines/reference/engine.py _load_entry; seconds per load).
-STAGES = ("queue_s", "decode_s", "open_s", "views_s", "checks_s", "copy_launch_s", "sync_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,11 +127,6 @@ class VariantResult:
     engine_ms_per_chunk: float = 0.0  # median time the daemon waited on the engine per chunk
     export_ms_per_chunk: float = 0.0  # median flatten / export time in the trainer
     release_ms_per_chunk: float = 0.0  # median ack -> buffer released in the trainer (outside the control figure)
-    # Mean per chunk of the best push: the daemon's wait on the engine minus the engine's time in its handler.
-    hop_ms_per_chunk: float = 0.0
-    handler_ms_per_chunk: float = 0.0  # mean time inside the engine's update_weights_from_tensor
-    stages_ms: dict[str, float] = field(default_factory=dict)  # the best push's engine stages, summed, ms
-    checksum_ms: float = 0.0  # the engine's verification of the best push (outside every timed window)
     verified: bool | None = None
     skipped: str | None = None
     verify: str = "full"  # the daemon's sync.verify during this variant
@@ -347,7 +341,6 @@ async def _run_variant(
         result.skipped = "needs CUDA"
         return result
     best_log: list[Any] = []
-    best_loads: list[dict[str, float]] = []
     verified = True
     async with WeightPusher(
         client,
@@ -381,7 +374,6 @@ async def _run_variant(
                 result.round_trips = round_trips(trace)
             if not result.stream_s or stream_s < min(result.stream_s):
                 best_log, result.open_s, result.commit_s = list(pusher.chunk_log), open_s, commit_s
-                best_loads, result.checksum_ms = list(sink["loads"]), 1e3 * float(sink["checksum_s"])
                 result.verification = verification
                 result.verify_ms = 1e3 * float(verification.get("seconds", 0.0))
             result.stream_s.append(stream_s)
@@ -393,15 +385,6 @@ async def _run_variant(
         result.release_ms_per_chunk = 1e3 * statistics.median(c.release_s for c in best_log)
         result.engine_ms_per_chunk = 1e3 * statistics.median(c.load_s for c in best_log)
         result.export_ms_per_chunk = 1e3 * statistics.median(c.export_s for c in best_log)
-    if best_loads:
-        result.handler_ms_per_chunk = 1e3 * statistics.fmean(x["handler_s"] for x in best_loads)
-        if len(best_loads) == len(best_log):  # one engine, one load per chunk
-            result.hop_ms_per_chunk = 1e3 * statistics.fmean(c.load_s for c in best_log) - result.handler_ms_per_chunk
-        result.stages_ms = {k.removesuffix("_s"): 1e3 * sum(x.get(k, 0.0) for x in best_loads) for k in STAGES}
-        result.stages_ms["handler"] = 1e3 * sum(x["handler_s"] for x in best_loads)
-        # The rest of the handler: hopping onto the engine's model thread and back, its scheduler hold.
-        result.stages_ms["other"] = result.stages_ms["handler"] - sum(
-            v for k, v in result.stages_ms.items() if k != "handler")
     return result
 
 
@@ -409,7 +392,7 @@ def _table(results: list[dict[str, Any]], floor_s: float, nbytes: int) -> str:
     head = (
         f"{'variant':<20}{'transport':<11}{'depth':>5}{'chunk MiB':>10}{'chunks':>7}{'stream ms':>10}"
         f"{'GB/s':>8}{'x floor':>8}{'wall ms':>9}{'wall x':>7}{'ctl ms/chunk':>13}{'engine ms':>10}"
-        f"{'hop ms':>8}{'release ms':>11}{'verify ms':>10}  ok"
+        f"{'release ms':>11}{'verify ms':>10}  ok"
     )
     floor = f"{floor_s * 1e3:.2f} ms ({nbytes / floor_s / 1e9:.0f} GB/s)"
     lines = [f"floor: one device-to-device copy of {nbytes / 1e9:.2f} GB in one process: {floor}", head]
@@ -422,29 +405,19 @@ def _table(results: list[dict[str, Any]], floor_s: float, nbytes: int) -> str:
             f"{r['name']:<20}{r['transport']:<11}{r['depth']:>5}{bucket:>10}{r['chunks']:>7}"
             f"{r['best_stream_s'] * 1e3:>10.2f}{r['gb_per_s']:>8.1f}{r['x_floor']:>8.2f}"
             f"{r['best_wall_s'] * 1e3:>9.2f}{r['wall_x_floor']:>7.2f}{r['control_ms_per_chunk']:>13.3f}"
-            f"{r['engine_ms_per_chunk']:>10.2f}{r['hop_ms_per_chunk']:>8.2f}{r['release_ms_per_chunk']:>11.3f}"
+            f"{r['engine_ms_per_chunk']:>10.2f}{r['release_ms_per_chunk']:>11.3f}"
             f"{r['verify_ms']:>10.2f}  {'yes' if r['verified'] else 'NO'}"
         )
     lines.append("ctl: median per chunk of (trainer round trip to the ack - daemon's wait on the engine), trainer <-> "
-                 "daemon; engine: median daemon wait; hop: mean (daemon wait - engine handler), the engine's HTTP "
-                 "call; release: median ack -> buffer released in the trainer; verify: the commit's check of the "
-                 "engine's digests (the trainer's digests are inside export, so inside stream)")
+                 "daemon; engine: median daemon wait; release: median ack -> buffer released in the trainer; "
+                 "verify: the commit's check of the engine's digests (the trainer's digests are inside export, so "
+                 "inside stream)")
     return "\n".join(lines)
 
 
-def _stage_table(results: list[dict[str, Any]], kernels: dict[str, float], nbytes: int) -> str:
-    """Where the engine's time goes in the best push of each variant (ms, summed over its chunks)."""
-    names = [k.removesuffix("_s") for k in STAGES] + ["other", "handler"]
-    lines = ["engine load stages, best push, ms summed over its chunks (checksum: verification, after the push):",
-             f"{'variant':<20}{'chunks':>7}" + "".join(f"{n:>12}" for n in names) + f"{'checksum':>10}"]
-    for r in results:
-        if r["skipped"] or not r["stages_ms"]:
-            continue
-        lines.append(f"{r['name']:<20}{r['chunks']:>7}" + "".join(f"{r['stages_ms'].get(n, 0.0):>12.2f}" for n in names)
-                     + f"{r['checksum_ms']:>10.1f}")
-    lines.append("copy kernels in one process, same bytes: " + ", ".join(
-        f"{k} {v * 1e3:.2f} ms ({nbytes / v / 1e9:.0f} GB/s)" for k, v in kernels.items()))
-    return "\n".join(lines)
+def _kernel_line(kernels: dict[str, float], nbytes: int) -> str:
+    return "copy kernels in one process, same bytes: " + ", ".join(
+        f"{k} {v * 1e3:.2f} ms ({nbytes / v / 1e9:.0f} GB/s)" for k, v in kernels.items())
 
 
 def _targets(results: list[dict[str, Any]], floor_s: float) -> dict[str, Any]:
@@ -568,7 +541,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
     }
     print(_table(summaries, floor_s, nbytes), flush=True)
-    print(_stage_table(summaries, kernels, nbytes), flush=True)
+    print(_kernel_line(kernels, nbytes), flush=True)
     print(breakdown_table([(r["name"], r["breakdown"]) for r in summaries if r["breakdown"]], floor_s), flush=True)
     print(round_trips_lines([(r["name"], r["breakdown"], r["round_trips"]) for r in summaries if r["breakdown"]],
                             floors, floor_s), flush=True)

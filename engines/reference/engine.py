@@ -114,9 +114,6 @@ class ReferenceEngine:
         self._snapshot: list[dict[str, torch.Tensor]] | None = None  # one per TP rank
         self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
         self._sink: WeightSink | None = None  # benchmark mode (rank 0's): loads land here instead of the model
-        # Benchmark mode: per-stage seconds of every load since the last begin_weight_update (/colocd/sink).
-        self._sink_loads: list[dict[str, float]] = []
-        self._last_stages: dict[str, float] = {}  # the last load's, written on the model thread
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -592,7 +589,6 @@ class ReferenceEngine:
             if self._session_selector is not None:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             self._session_selector = selector
-            self._sink_loads = []
             return True, "Success"
 
     async def end_weight_update(self) -> tuple[bool, str]:
@@ -607,7 +603,6 @@ class ReferenceEngine:
 
     async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorBody) -> tuple[bool, str]:
         """Load one chunk, TP rank r from entry r; a bad chunk applies nothing on any rank and says why."""
-        entered = time.perf_counter()
         scheduler, memory, _ = self._running()
         if self.settings.protocol != "legacy" and self._session_selector is None:
             return False, (
@@ -627,7 +622,6 @@ class ReferenceEngine:
                     "memory tag 'weights' is released; resume it (/resume_memory_occupation "
                     '{"tags": ["weights"]}) before loading weights'
                 )
-            locked = time.perf_counter()
             async with scheduler.hold():
                 try:
                     names = await self._on_model_thread(self._load_entries, entries, body.load_format)
@@ -636,9 +630,6 @@ class ReferenceEngine:
                 except Exception as exc:
                     logger.exception("update_weights_from_tensor failed")
                     return False, f"Failed to update weights: internal error {type(exc).__name__}: {exc}"
-            if self._sink is not None and len(self._sink_loads) < 1 << 16:
-                self._sink_loads.append({"queue_s": locked - entered, **self._last_stages,
-                                         "handler_s": time.perf_counter() - entered})
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
                 self.weight_version = body.weight_version
@@ -657,7 +648,6 @@ class ReferenceEngine:
     def _load_entries(self, entries: Sequence[str], load_format: str | None) -> list[str]:
         if load_format == "flattened_bucket" and len(self._ranks) == 1 and (sink := self._ranks[0].sink) is not None:
             return self._load_bucket(self._ranks[0], sink, entries[0])
-        t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             opened = [
                 stack.enter_context(
@@ -665,40 +655,28 @@ class ReferenceEngine:
                 )
                 for rank, entry in zip(self._ranks, entries, strict=True)
             ]
-            t1 = time.perf_counter()
             if len(opened) > 1 and (why := disagreement(opened)) is not None:
                 raise ValueError(why)  # before any rank applies anything: the ranks stay identical
             applied = [(rank.sink or rank.model).load_weights(named)
                        for rank, named in zip(self._ranks, opened, strict=True)]
             if (corrupt := self.settings.test_corrupt_after_load) is not None and corrupt in applied[0]:
                 self._corrupt(corrupt)
-            t2 = time.perf_counter()
         for rank in self._ranks:
             if rank.device.type == "cuda":
                 # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
                 torch.cuda.synchronize(rank.device)
-        if self._sink is not None:
-            # Where a load's time goes (rank 0's sink): decode (base64 + JSON, opening IPC handles), checks,
-            # copy_launch (queueing the copies), sync (waiting for them, closing the payload).
-            self._last_stages = {"decode_s": t1 - t0, "open_s": 0.0, "views_s": 0.0,
-                                 **self._sink.last_load, "sync_s": time.perf_counter() - t2}
         return applied[0]
 
     def _load_bucket(self, rank: TPRank, sink: WeightSink, entry: str) -> list[str]:
         """A benchmark sink's ``flattened_bucket`` chunk, copied by its shape's plan (``load_plan``) rather than
         through a list of views: on one rank no other rank's entry needs comparing."""
-        t0 = time.perf_counter()
         flat, metadata = open_bucket(entry, rank.device)  # unpickling opens the IPC handle
-        t1 = time.perf_counter()
         names = sink.load_bucket(flat, metadata)
         if (corrupt := self.settings.test_corrupt_after_load) is not None and corrupt in names:
             self._corrupt(corrupt)
-        t2 = time.perf_counter()
         if rank.device.type == "cuda":
             torch.cuda.synchronize(rank.device)
         del flat  # the IPC mapping closes here, before the reply: the trainer may reuse the memory then
-        self._last_stages = {"decode_s": t1 - t0, "open_s": 0.0, "views_s": 0.0, **sink.last_load,
-                             "sync_s": time.perf_counter() - t2}
         return names
 
     def _corrupt(self, name: str) -> None:
@@ -734,17 +712,13 @@ class ReferenceEngine:
             raise EngineRefusal(404, "this engine has no weight sink (start it with --sink-shapes)")
         sink = self._sink
         async with self._control_lock:
-            t0 = time.perf_counter()
             per_rank = await self._on_model_thread(lambda: [r.sink.checksums() for r in self._ranks if r.sink])
-            checksum_s = time.perf_counter() - t0
         return {
             "model": sink.model,
             "nbytes": sink.nbytes,
             "checksums": per_rank[0],
             "ranks": [{**r.describe(), "checksums": c}
                       for r, c in zip(self._ranks, per_rank, strict=True)],
-            "loads": self._sink_loads,  # per-stage seconds of each load of the last session, in load order
-            "checksum_s": checksum_s,  # verifying is this call, outside every load's timed window
         }
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:

@@ -492,11 +492,8 @@ async def test_bench_weights_cpu_smoke_run_verifies_every_variant(tmp_path: Any)
     ran = {v["name"]: v for v in record["variants"]}
     assert ran["serial"]["verified"] and ran["overlap2"]["verified"]
     assert ran["per_tensor"]["skipped"] == "needs CUDA"
-    # Measured in the same run: control per chunk, the engine hop, the engine's load stages.
+    # Measured in the same run: control per chunk.
     assert record["targets"]["control_variant"] == "serial" and record["targets"]["control_ms_per_chunk"] > 0
-    stages = ran["overlap2"]["stages_ms"]
-    assert {"queue", "decode", "checks", "copy_launch", "sync", "handler"} <= set(stages) and stages["handler"] > 0
-    assert ran["overlap2"]["handler_ms_per_chunk"] > 0 and ran["overlap2"]["checksum_ms"] > 0
     parts = ran["overlap2"]["breakdown"]
     assert all(parts[call] > 0 for call in ("open.begin", "stream.load", "commit.end"))
     assert set(record["copy_kernels_s"]) == {"copy_", "_foreach_copy_", "copy_tensors"}
