@@ -38,6 +38,8 @@ __all__ = [
     "expected_release_bytes",
     "expected_resume_bytes",
     "flush",
+    "cancel_loads",
+    "late_loads",
     "load_chunk",
     "pause",
     "release",
@@ -70,6 +72,10 @@ class EngineHandle:
     observed_once: bool = False
     lost_sight: bool = False
     restart_counted: str | None = None  # the incarnation last counted in colocd_engine_restarts_total
+    # Chunk loads sent to the engine and not yet answered, with the session each belongs to. A load outlives a
+    # session that ended under it (no engine tells one session's chunk from another's, so a load cancelled on
+    # the daemon's side could still land): the next session opens only once the engine answered each.
+    loads_in_flight: dict[asyncio.Task[None], str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -256,9 +262,32 @@ async def continue_generation(engine: EngineHandle, trace: Trace, metrics: Metri
 
 
 # -- a weight session's calls beside its plan (daemon/sync.py begins and ends it): chunks, and its questions --
-async def load_chunk(engine: EngineHandle, load: ChunkLoad) -> None:
-    """One chunk into the engine; the session's lane times and traces it, under the chunk budget."""
-    await engine.adapter.load_weights(load)
+async def load_chunk(engine: EngineHandle, load: ChunkLoad, session_id: str) -> None:
+    """One chunk into the engine; the session's lane times and traces it, under the chunk budget.
+
+    The call runs to the engine's answer even when the caller is cancelled (its session ended): until then it is
+    in ``engine.loads_in_flight``, and no other session may open on the engine (``late_loads``)."""
+    call = asyncio.ensure_future(engine.adapter.load_weights(load))
+    engine.loads_in_flight[call] = session_id
+    call.add_done_callback(lambda done: (engine.loads_in_flight.pop(done, None),
+                                         None if done.cancelled() else done.exception()))
+    await asyncio.shield(call)
+
+
+def late_loads(engine: EngineHandle) -> str | None:
+    """Why a session may not open on ``engine`` now: a chunk load of an ended session still on its way."""
+    if not engine.loads_in_flight:
+        return None
+    sessions = sorted(set(engine.loads_in_flight.values()))
+    return (f"engine {engine.name!r} has not yet answered {len(engine.loads_in_flight)} chunk load(s) of ended "
+            f"session(s) {', '.join(sessions)}; a late chunk would land in the next session, so it opens once the "
+            "engine answered (or the engine is restarted)")
+
+
+def cancel_loads(engine: EngineHandle) -> None:
+    """Stop waiting for the engine's answers (the daemon closes)."""
+    for call in list(engine.loads_in_flight):
+        call.cancel()
 
 
 async def digests(engine: EngineHandle, names: Sequence[str], trace: Trace, metrics: Metrics,

@@ -27,6 +27,7 @@ from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
+from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import NotFound
 from .gpu_metrics import refresh_gpu_metrics
@@ -145,6 +146,7 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         errors = []
         for engine in reversed(list(self.engines.values())):
+            ops.cancel_loads(engine)
             try:
                 await engine.adapter.aclose()
             except Exception as exc:  # collect, keep closing the rest

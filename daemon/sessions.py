@@ -23,7 +23,7 @@ from ..recent import remember
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
-from .errors import NotFound, RequestInvalid, WeightSyncError
+from .errors import NotFound, RequestInvalid, TransitionRejected, WeightSyncError
 from .manifests import ManifestBook, reference_of
 from .metrics import Metrics
 from .reconcile import WeightsGoal
@@ -155,6 +155,9 @@ class WeightSessions:
             if partial:
                 check_partial_allowed((e.state for e in d.engines.values()), d.node)
             d.sync.require_attached()
+            for engine in d.engines.values():
+                if (busy := ops.late_loads(engine)) is not None:
+                    raise TransitionRejected(busy)
             ranks = self._check_ranks(ranks)
         t = d.timeouts()
         required = {name: self.complete_manifest for name in d.engines}

@@ -756,7 +756,7 @@ class WeightSession:
         try:
             with self.trace.span("load_chunk", lane.name, seq=chunk.seq, nbytes=load.nbytes) as span:
                 try:
-                    await ops.load_chunk(lane.engine, load)
+                    await ops.load_chunk(lane.engine, load, self.id)
                 except asyncio.CancelledError:
                     if self._ended_by is not None:  # the session ended first: say how, not "CancelledError"
                         span.attrs["error"] = f"cancelled, the session {self._ended_by}"[:500]

@@ -357,11 +357,6 @@ class SlowLoadProxy:
         await send({"type": "http.response.body", "body": reply.content})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known defect: no engine (SGLang, vLLM, the reference engine) tells one session's chunk from another's, and "
-    "the daemon opens the next session while a failed session's load is still on its way to the engine (its "
-    "quiesce gave up and marked the engine stale), so that load lands in the next session; the guard belongs "
-    "in the daemon (no open while an engine call of an ended session is in flight)"))
 async def test_a_late_chunk_never_lands_in_the_next_session(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
     proxies: list[SlowLoadProxy] = []
@@ -386,11 +381,24 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
             probe = await _blocked_generation(node.engine_url)
 
             model, named = _model(seed=5)
-            sid = (await node.client.open_session("good", step=1, ranks=1, manifest=manifest_of(named)))["session_id"]
-            sent, _ = await WeightPusher(node.client, bucket_mb=0.05).stream(sid, named)
-            proxies[0].release.set()  # the old session's chunk reaches the engine inside the new session
+            # No engine tells one session's chunk from another's: while the old session's load is on its way,
+            # the next session does not open (409 naming the engine), and nothing changed.
+            busy = await _refused(node.client.open_session("good", step=1, ranks=1, manifest=manifest_of(named)), 409)
+            assert "'ref0'" in busy["message"] and sid_a in busy["message"], busy
+            proxies[0].release.set()  # the old session's chunk reaches the engine now, before the next session
             async with asyncio.timeout(DEADLINE_S):
                 await proxies[0].late_answered.wait()
+            async with asyncio.timeout(DEADLINE_S):
+                while True:  # the daemon sees the engine's answer a moment after the proxy sent it
+                    try:
+                        opened = await node.client.open_session("good", step=1, ranks=1, manifest=manifest_of(named))
+                        break
+                    except ColocdHTTPError as exc:
+                        if exc.status != 409:
+                            raise
+                        await asyncio.sleep(0.05)
+            sid = opened["session_id"]
+            sent, _ = await WeightPusher(node.client, bucket_mb=0.05).stream(sid, named)
             await node.client.commit(sid, sent)
             await node.client.phase("rollout", 1)
             assert await _checksum(node.engine_url) == tensor_checksum(named)
