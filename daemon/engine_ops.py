@@ -33,12 +33,12 @@ from .trace import Trace
 
 __all__ = [
     "EngineHandle",
+    "cancel_loads",
     "continue_generation",
     "digests",
     "expected_release_bytes",
     "expected_resume_bytes",
     "flush",
-    "cancel_loads",
     "late_loads",
     "load_chunk",
     "pause",

@@ -24,10 +24,10 @@ import httpx
 from ..engines.base import EngineAdapter, MemoryTag, PauseMode
 from ..engines.registry import build_adapter
 from ..policies import PolicySet, Timeouts, Transport
+from . import engine_ops as ops
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
-from . import engine_ops as ops
 from .engine_ops import EngineHandle
 from .errors import NotFound
 from .gpu_metrics import refresh_gpu_metrics
