@@ -20,9 +20,11 @@ from typing import Any, Protocol, Self, TypeVar
 
 import aiohttp
 
+from ..errors import ColocdHTTPError, DaemonUnreachable
 from ..policies import Transport
 from ..recent import remember
 
+# ColocdHTTPError and DaemonUnreachable live in colocd.errors; re-exported where client users import them.
 __all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError", "DaemonUnreachable"]
 
 log = logging.getLogger("colocd.client")
@@ -51,26 +53,6 @@ class ChunkDescriptor(Protocol):
     def handle(self) -> dict[str, Any]: ...
     @property
     def digests(self) -> dict[str, str] | None: ...
-
-
-class ColocdHTTPError(Exception):
-    """The daemon answered with an error; ``status`` and the daemon's ``message`` are kept."""
-
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        self.status = status
-        self.body = body
-        self.error = str(body.get("error", "Error"))
-        super().__init__(f"HTTP {status} {self.error}: {body.get('message', body)}")
-
-    def __reduce__(self) -> tuple[type[ColocdHTTPError], tuple[int, dict[str, Any]]]:
-        # Pickled with its constructor's arguments, so it crosses processes intact (a Ray trainer actor
-        # raising it to the driver's cluster client keeps the daemon's error body).
-        return (type(self), (self.status, self.body))
-
-
-class DaemonUnreachable(ConnectionError):
-    """No answer came back from the daemon (it refused the connection, dropped it, or did not reply in time);
-    ``ColocdHTTPError`` is for the answers that say no."""
 
 
 def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:

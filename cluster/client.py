@@ -36,7 +36,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
+from ..api.client import AsyncColocdClient
+from ..errors import ClusterStepError, ColocdHTTPError, DaemonUnreachable
 
 __all__ = ["ClusterClient", "ClusterStepError", "NodeFailure", "NodeResult", "StepResult", "failure_of"]
 
@@ -87,22 +88,6 @@ class StepResult:
     @property
     def ok(self) -> bool:
         return not self.failures
-
-
-class ClusterStepError(Exception):
-    """A fan-out failed on at least one node; ``result`` has every node's answer."""
-
-    def __init__(self, result: StepResult) -> None:
-        self.result = result
-        failed = result.failures
-        lines = [f"{result.what} failed on {len(failed)} of {len(result.nodes)} nodes:"]
-        lines += [f"  {f.describe()}" for f in failed]
-        lines += [f"  {note}" for note in result.notes]
-        super().__init__("\n".join(lines))
-
-    @property
-    def failures(self) -> list[NodeFailure]:
-        return self.result.failures
 
 
 def _unwrap(exc: BaseException) -> BaseException:

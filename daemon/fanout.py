@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from .errors import ColocdError, EngineError, TransitionFailed
+from ..errors import ColocdError, EngineError, TransitionFailed
 
 if TYPE_CHECKING:
     from .engine_ops import EngineHandle

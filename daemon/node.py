@@ -23,12 +23,12 @@ import httpx
 
 from ..engines.base import EngineAdapter, MemoryTag, PauseMode
 from ..engines.registry import build_adapter
+from ..errors import NotFound
 from ..policies import PolicySet, Timeouts, Transport
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
 from .engine_ops import EngineHandle
-from .errors import NotFound
 from .gpu_metrics import refresh_gpu_metrics
 from .journal import Journal
 from .leases import LeaseReport, TrainerLeases

@@ -18,12 +18,12 @@ from typing import Any, Protocol
 
 from ..engines.base import ChunkPart, EngineDigests
 from ..engines.segments import unlink_session_segments
+from ..errors import NotFound, RequestInvalid, WeightSyncError
 from ..policies import Budget, PolicySet, Timeouts
 from ..recent import remember
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
-from .errors import NotFound, RequestInvalid, WeightSyncError
 from .manifests import ManifestBook, reference_of
 from .metrics import Metrics
 from .reconcile import WeightsGoal

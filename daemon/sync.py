@@ -23,11 +23,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ..engines.base import Observation
-from ..engines.errors import EngineRejected
+from ..errors import ColocdError, EngineError, EngineRejected, EngineUnreachable, WeightSyncError
 from ..policies import Budget, Timeouts
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
-from .errors import ColocdError, EngineError, EngineUnreachable, WeightSyncError
 from .events import emit
 from .fanout import OnFailure, each_engine, fan_out
 from .memory import NvmlProbe

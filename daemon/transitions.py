@@ -14,11 +14,11 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from ..engines.base import MemoryTag, PauseMode
+from ..errors import NotFound, RequestInvalid, TransitionRejected
 from ..policies import PolicySet, Transport
 from ..recent import remember
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
-from .errors import NotFound, RequestInvalid, TransitionRejected
 from .journal import Journal
 from .memory import NvmlProbe
 from .metrics import Metrics

@@ -172,7 +172,7 @@ async def test_flush_that_never_succeeds_is_504_naming_flush_cache_and_its_budge
             await n.client.phase("train", 1)
         body = err.value.body
         assert err.value.status == 504, body
-        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "flush_cache", 0.5)
+        assert (body["engine"], body["stage"], body["budget_s"]) == ("ref0", "flush_cache", 0.5)
         assert "'ref0'" in body["message"] and "flush_cache exceeded its 0.5s budget" in body["message"]
         assert record(await n.client.status()) == ("rollout", 0, "paused", "clean", RESIDENT)
         assert n.proxy.calls["/release_memory_occupation"] == 0
@@ -194,7 +194,7 @@ async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_
             await train
         body = err.value.body
         assert err.value.status == 504, body
-        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "pause_generation", 0.5)
+        assert (body["engine"], body["stage"], body["budget_s"]) == ("ref0", "pause_generation", 0.5)
         assert "pause_generation exceeded its 0.5s budget" in body["message"]
         after = await n.client.status()
         assert after["busy_with"] is None

@@ -15,9 +15,9 @@ from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.engines.base import Observation
 from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.errors import EngineRejected
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.supervisor import LaunchOptions
+from colocd.errors import EngineRejected
 from colocd.policies import Transport
 
 HEALTH_S = 30.0  # a tick far beyond every wait here: what happens sooner is not the health loop's tick

@@ -11,7 +11,6 @@ from support import InMemoryEngine
 
 from benchmarks.session_breakdown import STAGES, breakdown
 from colocd.daemon.config import NodeConfig
-from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import (
@@ -21,6 +20,7 @@ from colocd.engines.base import (
     ParameterSpec,
 )
 from colocd.engines.chunks import ChunkLayout
+from colocd.errors import RequestInvalid
 from colocd.trainer.push import manifest_of
 
 NAMED = [(f"layers.{i}.weight", torch.zeros(4, 4)) for i in range(12)]

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from colocd.daemon.errors import TransitionFailed
 from colocd.daemon.fanout import OnFailure, each_engine, fan_out
 from colocd.daemon.metrics import Metrics
+from colocd.errors import TransitionFailed
 
 
 @dataclass(frozen=True)

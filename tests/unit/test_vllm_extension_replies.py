@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.errors import EngineProtocolError
 from colocd.engines.vllm import VLLMAdapter
+from colocd.errors import EngineProtocolError
 from colocd.policies import Transport
 
 INFO = {"extension_version": 1, "device": "cpu", "tp_rank": 0, "backend_registered": True, "digests": True,

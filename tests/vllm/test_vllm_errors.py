@@ -6,8 +6,8 @@ import httpx
 import pytest
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.errors import EngineProtocolError, EngineRejected, EngineUnreachable
 
 pytestmark = pytest.mark.vllm
 

@@ -16,8 +16,8 @@ import pytest
 from vllm_live import VLLMHttp
 
 from colocd.engines.base import MemoryTag, PauseMode
-from colocd.engines.errors import EngineRejected
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.errors import EngineRejected
 
 pytestmark = pytest.mark.vllm
 
