@@ -33,28 +33,26 @@ of ours), engines, the daemon, the trainer library, the clients. Anything else r
     └── raised on the caller's side (never inside the daemon):
         ├── ColocdHTTPError           the daemon answered an error; .status, .body, .error
         ├── DaemonUnreachable (also ConnectionError) no answer came back from the daemon
-        ├── ClusterStepError          a cluster fan-out failed on at least one node; .result
+        ├── ClusterStepError          a cluster fan-out failed on at least one node; .result (defined in
+        │                             cluster/client.py beside the StepResult it carries: no import circle)
         ├── CliFailure                an expected CLI failure: one line to print; .exit_code
         └── MatplotlibMissing (also RuntimeError) drawing a timeline needs the ``viz`` extra
 
 Deliberately elsewhere: private signals (a leading underscore) that never leave the module raising and
 catching them, and the reference engine's own errors (``engines/reference/``: a separate program imitating
-SGLang, which answers HTTP like SGLang does, not with colocd's tree). The public client names stay importable
-where users import them: ``colocd.api.client`` and ``colocd.cluster`` re-export theirs.
+SGLang, which answers HTTP like SGLang does, not with colocd's tree), and ``ClusterStepError`` (a ColocdError
+beside the ``StepResult`` it carries). The public client names stay importable where users import them:
+``colocd.api.client`` re-exports ``ColocdHTTPError`` and ``DaemonUnreachable``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .cluster.client import NodeFailure, StepResult
+from typing import Any
 
 __all__ = [
     "ChunkTimeout",
     "CliFailure",
-    "ClusterStepError",
     "ColocdError",
     "ColocdHTTPError",
     "ConfigError",
@@ -335,22 +333,6 @@ class ColocdHTTPError(ColocdError):
 class DaemonUnreachable(ColocdError, ConnectionError):
     """No answer came back from the daemon (it refused the connection, dropped it, or did not reply in time);
     ``ColocdHTTPError`` is for the answers that say no."""
-
-
-class ClusterStepError(ColocdError):
-    """A fan-out failed on at least one node; ``result`` has every node's answer."""
-
-    def __init__(self, result: StepResult) -> None:
-        self.result = result
-        failed = result.failures
-        lines = [f"{result.what} failed on {len(failed)} of {len(result.nodes)} nodes:"]
-        lines += [f"  {f.describe()}" for f in failed]
-        lines += [f"  {note}" for note in result.notes]
-        super().__init__("\n".join(lines))
-
-    @property
-    def failures(self) -> list[NodeFailure]:
-        return self.result.failures
 
 
 class CliFailure(ColocdError):

@@ -25,7 +25,7 @@ from ..policies import Transport
 from ..recent import remember
 
 # ColocdHTTPError and DaemonUnreachable live in colocd.errors; re-exported where client users import them.
-__all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError", "DaemonUnreachable"]
+__all__ = ["AsyncColocdClient", "ColocdClient", "ColocdHTTPError", "DaemonUnreachable", "SendablePart"]
 
 log = logging.getLogger("colocd.client")
 
@@ -42,8 +42,9 @@ def _manifest_key(manifest: Sequence[dict[str, Any]]) -> _ManifestKey:
     return tuple((str(e["name"]), str(e["dtype"]), tuple(e["shape"])) for e in manifest)
 
 
-class ChunkDescriptor(Protocol):
-    """What one chunk tells the daemon: its transport, size and the handle engines open (an exported chunk)."""
+class SendablePart(Protocol):
+    """What one rank's part of a chunk tells the daemon (``trainer.exported.ExportedPart`` is one): its transport,
+    size, the handle engines open and its digests; the daemon parses it as ``api.schemas.ChunkDescriptor``."""
 
     @property
     def transport(self) -> Transport: ...
@@ -246,7 +247,7 @@ class AsyncColocdClient:
         # A daemon from before joins declared a pid refuses the field: join without it.
         return await self._call("POST", path, {"rank": rank, "device_id": device_id})
 
-    async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
+    async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: SendablePart) -> dict[str, Any]:
         body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
                 "handle": chunk.handle}
         if chunk.digests is not None:
@@ -350,7 +351,7 @@ class ColocdClient:
     def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:
         return self.run(self._async.join_session(session_id, rank=rank, device_id=device_id))
 
-    def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
+    def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: SendablePart) -> dict[str, Any]:
         return self.run(self._async.send_chunk(session_id, seq=seq, rank=rank, chunk=chunk))
 
     def session(self, session_id: str) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api.client import AsyncColocdClient
-from ..errors import ClusterStepError, ColocdHTTPError, DaemonUnreachable
+from ..errors import ColocdError, ColocdHTTPError, DaemonUnreachable
 
 __all__ = ["ClusterClient", "ClusterStepError", "NodeFailure", "NodeResult", "StepResult", "failure_of"]
 
@@ -88,6 +88,22 @@ class StepResult:
     @property
     def ok(self) -> bool:
         return not self.failures
+
+
+class ClusterStepError(ColocdError):
+    """A fan-out failed on at least one node; ``result`` has every node's answer."""
+
+    def __init__(self, result: StepResult) -> None:
+        self.result = result
+        failed = result.failures
+        lines = [f"{result.what} failed on {len(failed)} of {len(result.nodes)} nodes:"]
+        lines += [f"  {f.describe()}" for f in failed]
+        lines += [f"  {note}" for note in result.notes]
+        super().__init__("\n".join(lines))
+
+    @property
+    def failures(self) -> list[NodeFailure]:
+        return self.result.failures
 
 
 def _unwrap(exc: BaseException) -> BaseException:

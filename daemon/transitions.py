@@ -123,7 +123,7 @@ class Transitions:
                         with trace.timed():
                             desired, rollout = await self._desired(phase, trace)
                             freed = await d.sync.drive(list(d.engines.values()), desired, trace,
-                                                       phase=phase.value, what=f"{phase.value}@{step}")
+                                                       operation=phase.value, what=f"{phase.value}@{step}")
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
                         if rollout is not None:
@@ -288,7 +288,7 @@ class Transitions:
         t0 = time.perf_counter()
         try:
             with trace.timed():
-                freed = await d.sync.drive(engines, desired, trace, phase=what, what=what)
+                freed = await d.sync.drive(engines, desired, trace, operation=what, what=what)
         finally:
             d.traces.put(trace)
         await d.journal_written(what)
