@@ -77,11 +77,9 @@ class Daemon:
         self.steps = StepBook(self.metrics)  # logs each finished trace, records step metrics
         self.traces = TraceStore(on_put=self.steps.observe)
         self.steps.attach(self.traces)
-        self.node = NodeState()
         self.versions = VersionBook()  # started weight versions, and what each rollout served
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
-        self.pinned: PolicySet | None = None  # the policy set of the transition in progress
         self._given_adapters = adapters or {}
         self.probe = probe
         self._client: httpx.AsyncClient | None = None
@@ -127,7 +125,7 @@ class Daemon:
             self.probe = open_probe()
         self.sessions.restore()
         if (restored := self.engine_lifecycle.restore_journal()) is not None:
-            self.node = restored
+            self.transitions.resume_at(restored)
         await self.engine_lifecycle.reconcile_at_startup(journal_restored=restored is not None)
         self.lifecycle = DaemonState.RUNNING
         self._start(self._health_loop())
@@ -238,9 +236,15 @@ class Daemon:
             finally:
                 self.busy_with, self._reconciling = None, False
 
+    @property
+    def node(self) -> NodeState:
+        """The node's phase and step (``Transitions`` owns and moves it)."""
+        return self.transitions.node
+
     # -- policy of the moment ----------------------------------------------------------------
     def policy_set(self) -> PolicySet:
-        return self.pinned if self.pinned is not None else self.policies.active
+        pinned = self.transitions.pinned
+        return pinned if pinned is not None else self.policies.active
 
     def timeouts(self) -> Timeouts:
         return self.policies.timeouts(self.policy_set())

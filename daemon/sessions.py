@@ -61,7 +61,8 @@ class SessionContext(Protocol):
     """What the weight sessions read of the node and do to it (the daemon provides it)."""
 
     engines: dict[str, EngineHandle]
-    node: NodeState
+    @property
+    def node(self) -> NodeState: ...
     metrics: Metrics
     traces: TraceStore
     versions: VersionBook

@@ -62,8 +62,6 @@ class TransitionResult:
 class TransitionContext(Protocol):
     """What a transition reads of the node and does to it (the daemon provides it)."""
 
-    node: NodeState  # a finished transition moves it
-    pinned: PolicySet | None  # the policy set of the transition in progress
     engines: dict[str, EngineHandle]
     metrics: Metrics
     traces: TraceStore
@@ -88,12 +86,19 @@ class Transitions:
 
     def __init__(self, node: TransitionContext) -> None:
         self._d = node
+        # The node's phase and step: moved only by a finished transition (or, at startup, to the journal's).
+        self.node = NodeState()
+        self.pinned: PolicySet | None = None  # the policy set of the transition in progress
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
         self._unjournaled: set[tuple[int, str]] = set()  # finished, but the journal failed to keep them
         # A daemon restarted on its journal still replays what the previous one finished (without its trace).
         for done in node.journal.completed() if node.journal is not None else ():
             self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
                 int(done["step"]), str(done["phase"]), **done["result"])
+
+    def resume_at(self, node: NodeState) -> None:
+        """A restarted daemon resumes at the phase and step its journal recorded."""
+        self.node = node
 
     async def transition(self, phase: NodePhase, step: int,
                          trainer: dict[str, Any] | None = None) -> TransitionResult:
@@ -108,14 +113,14 @@ class Transitions:
         try:
             # Legality, then each engine's desired state, then one sync of every engine, then the journal.
             async with d.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
-                check_phase_request(d.node, phase, step)
+                check_phase_request(self.node, phase, step)
                 d.sync.require_attached()
                 trace = Trace(step, phase.value)
                 _record_trainer_report(trace, trainer, d.versions)
                 t0 = time.perf_counter()
                 # A staged policy swap lands here, between transitions; this one runs on a pinned set.
                 with d.policies.store.transition() as pinned:
-                    d.pinned = pinned
+                    self.pinned = pinned
                     try:
                         # Decided before any engine call: a trainer report the policy cannot read is the
                         # caller's mistake (RequestInvalid), and must leave every engine as it was.
@@ -131,9 +136,9 @@ class Transitions:
                         if phase is NodePhase.SYNC:  # planned on the memory left once the weights are back
                             directives = self._directives(pinned, phase.value, trainer, d.staging())
                     finally:
-                        d.pinned = None
+                        self.pinned = None
                         d.traces.put(trace)
-                d.node = NodeState(phase, step)
+                self.node = NodeState(phase, step)
                 result = TransitionResult(step, phase.value, time.perf_counter() - t0,
                                           {n: e.state.snapshot() for n, e in d.engines.items()},
                                           freed, directives, trace)
@@ -205,11 +210,11 @@ class Transitions:
         sync = d.policy_set().sync
         served = {n: e.state.weight_version for n, e in engines.items()}  # as just observed (reconcile)
         staleness = d.versions.lags(served)
-        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, d.node,
+        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, self.node,
                                 newer={n: d.versions.newer(v) for n, v in served.items()})
         check_no_open_session(d.sessions.open_id(), advice=": commit or abort it first")
-        check_rollout_weights((e.state for e in engines.values()), d.node)
-        record = RolloutVersions(d.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
+        check_rollout_weights((e.state for e in engines.values()), self.node)
+        record = RolloutVersions(self.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
         trace.attrs.update(rollout_versions=served, staleness_versions=staleness, latest_version=record.latest)
         desired = {n: Desired.for_rollout() for n in engines}
         self._check_headroom("enter 'rollout'", desired, trace)
@@ -243,7 +248,7 @@ class Transitions:
         free = {g: r.free_bytes for g, r in d.probe.read_all(sorted(gpus, key=str)).items()}
         trace.attrs["resume_headroom"] = {"free_bytes": free, "needed_bytes": needed_per_gpu(needs),
                                           "headroom_bytes": headroom_mb << 20}
-        check_resume_headroom(what, needs, free, headroom_mb << 20, d.node)
+        check_resume_headroom(what, needs, free, headroom_mb << 20, self.node)
 
     # -- manual sleep / resume -----------------------------------------------------------------
     def _select(self, names: list[str] | None) -> list[EngineHandle]:
@@ -266,7 +271,7 @@ class Transitions:
             mode = d.pause_mode()
             desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode)
                        for e in engines}
-            return await self._manual("sleep", engines, desired, Trace(d.node.step, "sleep"))
+            return await self._manual("sleep", engines, desired, Trace(self.node.step, "sleep"))
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""
@@ -276,9 +281,9 @@ class Transitions:
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_resume(tags, strict=True)
             d.sync.require_attached()
-            trace = Trace(d.node.step, "resume")
+            trace = Trace(self.node.step, "resume")
             desired = {e.name: Desired.for_resume(e.state, e.state.owned_tags if tags is None else tags,
-                                                  d.node.phase) for e in engines}
+                                                  self.node.phase) for e in engines}
             self._check_headroom("resume", desired, trace)
             return await self._manual("resume", engines, desired, trace)
 
@@ -292,7 +297,7 @@ class Transitions:
         finally:
             d.traces.put(trace)
         await d.journal_written(what)
-        return TransitionResult(d.node.step, what, time.perf_counter() - t0,
+        return TransitionResult(self.node.step, what, time.perf_counter() - t0,
                                 {e.name: e.state.snapshot() for e in engines},
                                 freed if what == "sleep" else {}, trace=trace)
 
