@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from ..engines.base import EngineAdapter, MemoryTag, PauseMode
+from ..engines.base import EngineAdapter, MemoryTag
 from ..engines.registry import build_adapter
 from ..errors import NotFound
 from ..policies import Budget, PolicySet, Timeouts, Transport
@@ -243,14 +243,10 @@ class Daemon:
 
     # -- policy of the moment ----------------------------------------------------------------
     def policy_set(self) -> PolicySet:
-        pinned = self.transitions.pinned
-        return pinned if pinned is not None else self.policies.active
+        return self.transitions.policy_set()
 
     def timeouts(self) -> Timeouts:
         return self.policies.timeouts(self.policy_set())
-
-    def pause_mode(self) -> PauseMode:
-        return PauseMode(self.policies.pause_mode(self.policy_set()))
 
     def transports(self) -> frozenset[Transport] | None:
         """What every engine of the node accepts (each adapter says; None: no engines to ask)."""

@@ -73,8 +73,6 @@ class TransitionContext(Protocol):
     sessions: WeightSessions
     sync: EngineSync
     def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
-    def policy_set(self) -> PolicySet: ...
-    def pause_mode(self) -> PauseMode: ...
     def transports(self) -> frozenset[Transport] | None: ...
     def staging(self) -> StagingMemory: ...
     def changed(self) -> None: ...
@@ -95,6 +93,13 @@ class Transitions:
         for done in node.journal.completed() if node.journal is not None else ():
             self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
                 int(done["step"]), str(done["phase"]), **done["result"])
+
+    def policy_set(self) -> PolicySet:
+        """The policy set in force: the transition's own, pinned while it runs, else the active one."""
+        return self.pinned if self.pinned is not None else self._d.policies.active
+
+    def pause_mode(self) -> PauseMode:
+        return PauseMode(self._d.policies.pause_mode(self.policy_set()))
 
     def resume_at(self, node: NodeState) -> None:
         """A restarted daemon resumes at the phase and step its journal recorded."""
@@ -197,9 +202,9 @@ class Transitions:
         if phase is NodePhase.TRAIN:
             await d.sessions.lapse_if_idle()
             check_no_open_session(d.sessions.open_id())
-            names = d.policies.release_tags(d.policy_set())
+            names = d.policies.release_tags(self.policy_set())
             tags = None if names is None else tuple(MemoryTag(n) for n in names)
-            mode = d.pause_mode()
+            mode = self.pause_mode()
             return {n: Desired.for_train(e.state, tags, mode) for n, e in engines.items()}, None
         if phase is NodePhase.SYNC:
             desired = {n: Desired.for_sync(e.state) for n, e in engines.items()}
@@ -207,7 +212,7 @@ class Transitions:
             return desired, None
         await d.sessions.lapse_if_idle()
         # Versions first: a push still in flight is refused by the bound, naming each engine's version.
-        sync = d.policy_set().sync
+        sync = self.policy_set().sync
         served = {n: e.state.weight_version for n, e in engines.items()}  # as just observed (reconcile)
         staleness = d.versions.lags(served)
         check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, self.node,
@@ -229,7 +234,7 @@ class Transitions:
     def _check_headroom(self, what: str, desired: Mapping[str, Desired], trace: Trace) -> None:
         """Refuse a resume NVML says will not fit (``check_resume_headroom``), before any engine call."""
         d = self._d
-        headroom_mb = d.policy_set().engines.resume_headroom_mb
+        headroom_mb = self.policy_set().engines.resume_headroom_mb
         if headroom_mb is None or d.probe is None:
             return
         needs: list[ResumeNeed] = []
@@ -268,7 +273,7 @@ class Transitions:
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_release(tags, strict=True)
             d.sync.require_attached()
-            mode = d.pause_mode()
+            mode = self.pause_mode()
             desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode)
                        for e in engines}
             return await self._manual("sleep", engines, desired, Trace(self.node.step, "sleep"))
