@@ -36,6 +36,7 @@ of ours), engines, the daemon, the trainer library, the clients. Anything else r
         ├── ClusterStepError          a cluster fan-out failed on at least one node; .result (defined in
         │                             cluster/client.py beside the StepResult it carries: no import circle)
         ├── CliFailure                an expected CLI failure: one line to print; .exit_code
+        ├── EngineMissing             the live demo's engine venv or tiny model is not installed
         └── MatplotlibMissing (also RuntimeError) drawing a timeline needs the ``viz`` extra
 
 Deliberately elsewhere: private signals (a leading underscore) that never leave the module raising and
@@ -60,6 +61,7 @@ __all__ = [
     "EngineError",
     "EngineLaunchError",
     "EngineMismatch",
+    "EngineMissing",
     "EngineProtocolError",
     "EngineRejected",
     "EngineTimeout",
@@ -341,6 +343,10 @@ class CliFailure(ColocdError):
     def __init__(self, line: str, exit_code: int = 1) -> None:
         super().__init__(line)
         self.exit_code = exit_code
+
+
+class EngineMissing(ColocdError):
+    """The live demo's engine venv or tiny model is not installed; the message names the install script."""
 
 
 class MatplotlibMissing(ColocdError, RuntimeError):
