@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .api.cli_http import CliFailure, add_daemon_options, daemon_call
+from .api.cli_http import add_daemon_options, daemon_call
 from .api.top import add_top_command
-from .timeline import MatplotlibMissing, render_timeline
+from .errors import CliFailure, MatplotlibMissing
+from .timeline import render_timeline
 
 __all__ = ["build_parser", "main"]
 
@@ -42,7 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
     # The config is read and checked before the daemon's modules are imported: a typo'd key costs a
     # fraction of a second, not the daemon's import (tests/integration/test_cli.py times it).
     from .api.logs import fatal
-    from .daemon.config import ConfigError, load_node_config
+    from .daemon.config import load_node_config
+    from .errors import ConfigError
 
     # The line colocd ends with is a log line: one JSON object in json format, as soon as the format is known.
     try:
@@ -59,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .api.logs import configure_logging
     from .api.server import serve
-    from .engines.supervisor import EngineLaunchError
+    from .errors import EngineLaunchError
     from .policies import PolicyError
 
     configure_logging(args.log_level, log_format)

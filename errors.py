@@ -1,26 +1,353 @@
-"""The root of colocd's exception tree, where every layer that raises can import it.
+"""Every exception colocd raises on purpose, in one tree; ``api/errors.py`` maps each class to one HTTP status.
 
-Engines (``engines/errors.py``) and the daemon (``daemon/errors.py``) both subclass ``ColocdError``;
-``daemon/errors.py`` draws the whole tree and ``api/errors.py`` maps each class to one HTTP status.
-Policies import nothing of ours, so ``policies.PolicyError`` stands apart (mapped in ``api/errors.py``).
+This module imports nothing of ours, so every layer may import it: policies (which otherwise import nothing
+of ours), engines, the daemon, the trainer library, the clients. Anything else reaching the api is a bug (500).
+
+    ColocdError                       the root                                                 → 500
+    ├── RequestInvalid                the caller's request is wrong; .field names it; nothing changed → 422
+    │   └── PayloadRejected           an engine refused the caller's payload (its words); .engine      → 422
+    ├── ConfigError                   the node config file is missing or invalid                → 400
+    ├── PolicyError (also ValueError) a policy document was rejected; .field, .line, .column    → 400
+    │   ├── PluginNotFoundError       ``module:Class`` or entry point that resolves to nothing
+    │   └── PluginImportError         the plugin's module raised while importing
+    ├── TransitionRejected            illegal from the current state; nothing changed; .state   → 409
+    │   └── ManifestRefUnknown        an open names a manifest_ref this daemon does not hold    → 409
+    ├── SessionGone                   a weight session expired, aborted or committed            → 410
+    ├── NotFound                      unknown engine / session / step / group                   → 404
+    ├── TransitionFailed              an engine call failed mid-transition; .engine, .stage     → 502
+    │   └── StageTimeout              an engine call exceeded its budget; .budget_s             → 504
+    ├── MemoryNotConfirmed            NVML never showed the released bytes back                 → 504
+    ├── JournalFailed                 the state changed, its journal record is not on disk; .path → 507
+    ├── WeightSyncError               a weight session failed or was aborted                    → 502
+    │   ├── ChunkTimeout              a chunk not complete in time; .engine/.rank, .stage, .budget_s → 504
+    │   └── WeightsMismatch           an engine holds other weights than pushed; .engine, .tensor → 502
+    ├── EngineError                   something went wrong talking to one engine; .engine       → 502
+    │   ├── EngineUnreachable         connection refused / reset: the engine is not there       → 503
+    │   ├── EngineTimeout             no answer within the caller's deadline                    → 504
+    │   ├── EngineRejected            the engine answered 4xx/5xx or success=false; .status     → 502
+    │   ├── EngineProtocolError       an answer we cannot parse                                 → 502
+    │   │   └── EngineMismatch        the engine is not what its config declares (tp_size)
+    │   └── EngineLaunchError         a launched engine died, was not ready, or could not start
+    ├── ReplyInvalid                  a SGLang reply without the shape colocd reads (adapters make it
+    │                                 an EngineProtocolError naming the engine)
+    └── raised on the caller's side (never inside the daemon):
+        ├── ColocdHTTPError           the daemon answered an error; .status, .body, .error
+        ├── DaemonUnreachable (also ConnectionError) no answer came back from the daemon
+        ├── ClusterStepError          a cluster fan-out failed on at least one node; .result (defined in
+        │                             cluster/client.py beside the StepResult it carries: no import circle)
+        ├── CliFailure                an expected CLI failure: one line to print; .exit_code
+        ├── EngineMissing             the live demo's engine venv or tiny model is not installed
+        └── MatplotlibMissing (also RuntimeError) drawing a timeline needs the ``viz`` extra
+
+Deliberately elsewhere: private signals (a leading underscore) that never leave the module raising and
+catching them, and the reference engine's own errors (``engines/reference/``: a separate program imitating
+SGLang, which answers HTTP like SGLang does, not with colocd's tree), and ``ClusterStepError`` (a ColocdError
+beside the ``StepResult`` it carries). The public client names stay importable where users import them:
+``colocd.api.client`` re-exports ``ColocdHTTPError`` and ``DaemonUnreachable``.
 """
 
 from __future__ import annotations
 
-__all__ = ["ColocdError", "RequestInvalid"]
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ChunkTimeout",
+    "CliFailure",
+    "ColocdError",
+    "ColocdHTTPError",
+    "ConfigError",
+    "DaemonUnreachable",
+    "EngineError",
+    "EngineLaunchError",
+    "EngineMismatch",
+    "EngineMissing",
+    "EngineProtocolError",
+    "EngineRejected",
+    "EngineTimeout",
+    "EngineUnreachable",
+    "JournalFailed",
+    "ManifestRefUnknown",
+    "MatplotlibMissing",
+    "MemoryNotConfirmed",
+    "NotFound",
+    "PayloadRejected",
+    "PluginImportError",
+    "PluginNotFoundError",
+    "PolicyError",
+    "ReplyInvalid",
+    "RequestInvalid",
+    "SessionGone",
+    "StageTimeout",
+    "TransitionFailed",
+    "TransitionRejected",
+    "WeightSyncError",
+    "WeightsMismatch",
+]
 
 
 class ColocdError(Exception):
     """Base class of every error colocd raises on purpose; anything else reaching the api is a bug (500)."""
 
 
-class RequestInvalid(ColocdError):
-    """The caller's request is wrong (a field out of range, a handle that cannot be read); nothing changed.
+# --- the caller's request -------------------------------------------------------------------------------------
 
-    Raised before the first engine call wherever colocd can tell (the daemon, or an adapter turning a
-    chunk into its engine's wire format); ``field`` names the offending field.
+class RequestInvalid(ColocdError):
+    """The caller's request is wrong (a field out of range, a chunk handle that cannot be read); nothing changed.
+
+    Raised before the first engine call wherever colocd can tell (the daemon, the chunk formats, or an adapter
+    turning a chunk into its engine's wire format); ``field`` names the offending field.
     """
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class PayloadRejected(RequestInvalid):
+    """An engine answered 400 to data the caller supplied (a handle, a layout): the caller's mistake,
+    carrying the engine's own words. The engine is left as the daemon's state says."""
+
+    def __init__(self, message: str, *, engine: str, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.engine = engine
+
+
+class ConfigError(ColocdError):
+    """The node config file is missing or invalid; the message names the key."""
+
+
+class PolicyError(ColocdError, ValueError):
+    """A policy document was rejected; the running policy stays in force.
+
+    ``str(err)`` reads ``line 4, column 3: process_groups.policy: ...`` so an operator can jump to it. Also a
+    ``ValueError``, which plugin authors validating their own settings may raise and catch.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        line: int | None = None,
+        column: int | None = None,
+        *,
+        field: str | None = None,
+    ) -> None:
+        self.message = message
+        self.line = line
+        self.column = column
+        self.field = field
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = ""
+        if self.line is not None:
+            where = (
+                f"line {self.line}" + (f", column {self.column}" if self.column is not None else "") + ": "
+            )
+        what = f"{self.field}: " if self.field else ""
+        return f"{where}{what}{self.message}"
+
+    def at(self, line: int | None, column: int | None, field: str | None = None) -> PolicyError:
+        """Return a copy of this error placed at a YAML position (keeps the subclass)."""
+        located = type(self).__new__(type(self))
+        PolicyError.__init__(located, self.message, line, column, field=field or self.field)
+        located.__cause__ = self.__cause__
+        return located
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form for an HTTP 400 body."""
+        return {"message": self.message, "field": self.field, "line": self.line, "column": self.column}
+
+
+class PluginNotFoundError(PolicyError):
+    """``module:Class`` or an entry point name that does not resolve to anything."""
+
+
+class PluginImportError(PolicyError):
+    """The plugin's module was found but its own import raised; ``__cause__`` holds that exception."""
+
+
+# --- the node's state -----------------------------------------------------------------------------------------
+
+class TransitionRejected(ColocdError):
+    """The request is illegal in the current state; the state is unchanged."""
+
+    def __init__(self, message: str, *, state: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.state = state or {}
+
+
+class ManifestRefUnknown(TransitionRejected):
+    """An open names a ``manifest_ref`` this daemon process holds no manifest for (it restarted, or the manifest
+    fell out of the few it keeps): the request was well formed, the daemon's memory is what lacks it. Nothing
+    changed; the trainer sends the manifest itself (``field`` names the field at fault)."""
+
+    field = "manifest_ref"
+
+
+class SessionGone(ColocdError):
+    """A weight session that no longer accepts work: expired, aborted, failed or committed."""
+
+    def __init__(self, message: str, *, session_id: str, state: str) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+        self.state = state
+
+
+class NotFound(ColocdError):
+    """An engine, session, group or step that does not exist."""
+
+
+class TransitionFailed(ColocdError):
+    """An engine call failed during a transition; the engine was left in a safe (paused) state. ``stage`` names
+    the part of the transition that failed (``pause``, ``release_memory``, ...)."""
+
+    def __init__(self, message: str, *, engine: str | None = None, stage: str | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.stage = stage
+
+
+class StageTimeout(TransitionFailed):
+    """An engine call did not finish within its stage's budget; the message names the stage and budget."""
+
+    def __init__(self, message: str, *, engine: str, stage: str, budget_s: float) -> None:
+        super().__init__(message, engine=engine, stage=stage)
+        self.budget_s = budget_s
+
+
+class MemoryNotConfirmed(ColocdError):
+    """The released memory never showed up as free within the deadline."""
+
+
+class JournalFailed(ColocdError):
+    """The node's state changed but its journal record could not be written (``path``: the journal's file): a
+    daemon restarted now would resume from an older state."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+# --- weight sessions ------------------------------------------------------------------------------------------
+
+class WeightSyncError(ColocdError):
+    """A weight session failed or was aborted; engines stay paused at the old version."""
+
+
+class WeightsMismatch(WeightSyncError):
+    """A verified commit found an engine's digest of ``tensor`` other than the trainer's (daemon/verify.py)."""
+
+    def __init__(self, message: str, *, engine: str, tensor: str) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.tensor = tensor
+
+
+class ChunkTimeout(WeightSyncError):
+    """A chunk did not complete in time: a rank never sent its part (``engine`` None, ``rank`` set) or an
+    engine never consumed it (``engine`` set). ``stage`` is ``gather`` or ``load_chunk``; ``budget_s`` the
+    chunk budget."""
+
+    def __init__(self, message: str, *, stage: str, budget_s: float, engine: str | None = None,
+                 rank: int | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.stage = stage
+        self.budget_s = budget_s
+        self.rank = rank
+
+
+# --- engines (adapters raise only these, or RequestInvalid; never an httpx type) ------------------------------
+
+class EngineError(ColocdError):
+    """Base class: something went wrong talking to one engine."""
+
+    def __init__(self, engine: str, message: str) -> None:
+        super().__init__(f"engine {engine!r}: {message}")
+        self.engine = engine
+        self.detail = message
+
+
+class EngineUnreachable(EngineError):
+    """The engine's HTTP endpoint could not be reached at all."""
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer in time."""
+
+
+class EngineRejected(EngineError):
+    """The engine answered with an error status or ``success: false``."""
+
+    def __init__(self, engine: str, message: str, *, status: int, body: str = "") -> None:
+        super().__init__(engine, message)
+        self.status = status
+        self.body = body
+
+
+class EngineProtocolError(EngineError):
+    """The engine's answer did not match the protocol we expected."""
+
+
+class EngineMismatch(EngineProtocolError):
+    """The engine runs with another layout than its config declares (e.g. tp_size); nothing is sent to it,
+    since every chunk would carry the wrong number of payloads."""
+
+
+class EngineLaunchError(EngineError):
+    """A launched process died, or was not ready by its deadline, or could not be started.
+
+    ``str()`` carries the log tail (what the operator needs to see why); ``summary`` is one line
+    (what failed and where the log is), for a CLI that prints one line.
+    """
+
+    def __init__(self, engine: str, message: str, *, log_path: Path | None = None, tail: str = "") -> None:
+        where = f"; log {log_path}" if log_path is not None else ""
+        super().__init__(engine, f"{message}{where}" + (f":\n{tail}" if tail else ""))
+        self.summary = f"engine {engine!r}: {message}{where}"
+        self.log_path = log_path
+        self.tail = tail
+
+
+class ReplyInvalid(ColocdError):
+    """A reply that does not have the shape colocd reads; the message names the field. Raised where the
+    engine's name is not known (``engines/sglang/wire.py``); the adapter re-raises it as EngineProtocolError."""
+
+
+# --- the caller's side: clients, the cluster fan-out, the CLI -------------------------------------------------
+
+class ColocdHTTPError(ColocdError):
+    """The daemon answered with an error; ``status`` and the daemon's ``message`` are kept."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        self.status = status
+        self.body = body
+        self.error = str(body.get("error", "Error"))
+        super().__init__(f"HTTP {status} {self.error}: {body.get('message', body)}")
+
+    def __reduce__(self) -> tuple[type[ColocdHTTPError], tuple[int, dict[str, Any]]]:
+        # Pickled with its constructor's arguments, so it crosses processes intact (a Ray trainer actor
+        # raising it to the driver's cluster client keeps the daemon's error body).
+        return (type(self), (self.status, self.body))
+
+
+class DaemonUnreachable(ColocdError, ConnectionError):
+    """No answer came back from the daemon (it refused the connection, dropped it, or did not reply in time);
+    ``ColocdHTTPError`` is for the answers that say no."""
+
+
+class CliFailure(ColocdError):
+    """An expected failure of a CLI command: ``str()`` is the one line to print, ``exit_code`` the status."""
+
+    def __init__(self, line: str, exit_code: int = 1) -> None:
+        super().__init__(line)
+        self.exit_code = exit_code
+
+
+class EngineMissing(ColocdError):
+    """The live demo's engine venv or tiny model is not installed; the message names the install script."""
+
+
+class MatplotlibMissing(ColocdError, RuntimeError):
+    """Drawing needs matplotlib, an optional extra."""

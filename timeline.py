@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MatplotlibMissing", "breakdown_of", "render_timeline"]
+from .errors import MatplotlibMissing
+
+__all__ = ["breakdown_of", "render_timeline"]
 
 _PHASE_ORDER = ("train", "sync", "weights", "rollout", "sleep", "resume", "weight_group")
 _PHASE_COLOR = {"train": "#4C72B0", "sync": "#8172B3", "weights": "#DD8452", "rollout": "#55A868",
@@ -25,10 +27,6 @@ _SPAN_COLOR = {"pause_generation": "#64B5CD", "flush_cache": "#8C8C8C", "release
                "begin_weight_update": "#FFB482", "end_weight_update": "#FFB482", "set_weight_version": "#D0BBFF",
                "trainer.process_groups": "#DA8BC3"}
 _PHASE_PART = {"train": "sleep", "sync": "load_weights_memory", "weights": "update", "rollout": "wake"}
-
-
-class MatplotlibMissing(RuntimeError):
-    """Drawing needs matplotlib, an optional extra."""
 
 
 def _fmt_s(seconds: float) -> str:

@@ -13,19 +13,13 @@ from typing import Any
 
 import httpx
 
-__all__ = ["DEFAULT_URL", "CliFailure", "DaemonCall", "add_daemon_options", "daemon_call"]
+from ..errors import CliFailure
+
+__all__ = ["DEFAULT_URL", "DaemonCall", "add_daemon_options", "daemon_call"]
 
 DEFAULT_URL = "http://127.0.0.1:7000"
 
 _CONNECT_S = 3.0  # loopback or a local socket: a refusal is immediate, a silent peer is the only slow case
-
-
-class CliFailure(Exception):
-    """An expected failure of a CLI command: ``str()`` is the one line to print, ``exit_code`` the status."""
-
-    def __init__(self, line: str, exit_code: int = 1) -> None:
-        super().__init__(line)
-        self.exit_code = exit_code
 
 
 class DaemonCall:

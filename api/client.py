@@ -20,10 +20,12 @@ from typing import Any, Protocol, Self, TypeVar
 
 import aiohttp
 
+from ..errors import ColocdHTTPError, DaemonUnreachable
 from ..policies import Transport
 from ..recent import remember
 
-__all__ = ["AsyncColocdClient", "ChunkDescriptor", "ColocdClient", "ColocdHTTPError", "DaemonUnreachable"]
+# ColocdHTTPError and DaemonUnreachable live in colocd.errors; re-exported where client users import them.
+__all__ = ["AsyncColocdClient", "ColocdClient", "ColocdHTTPError", "DaemonUnreachable", "SendablePart"]
 
 log = logging.getLogger("colocd.client")
 
@@ -40,8 +42,9 @@ def _manifest_key(manifest: Sequence[dict[str, Any]]) -> _ManifestKey:
     return tuple((str(e["name"]), str(e["dtype"]), tuple(e["shape"])) for e in manifest)
 
 
-class ChunkDescriptor(Protocol):
-    """What one chunk tells the daemon: its transport, size and the handle engines open (an exported chunk)."""
+class SendablePart(Protocol):
+    """What one rank's part of a chunk tells the daemon (``trainer.exported.ExportedPart`` is one): its transport,
+    size, the handle engines open and its digests; the daemon parses it as ``api.schemas.ChunkDescriptor``."""
 
     @property
     def transport(self) -> Transport: ...
@@ -51,26 +54,6 @@ class ChunkDescriptor(Protocol):
     def handle(self) -> dict[str, Any]: ...
     @property
     def digests(self) -> dict[str, str] | None: ...
-
-
-class ColocdHTTPError(Exception):
-    """The daemon answered with an error; ``status`` and the daemon's ``message`` are kept."""
-
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        self.status = status
-        self.body = body
-        self.error = str(body.get("error", "Error"))
-        super().__init__(f"HTTP {status} {self.error}: {body.get('message', body)}")
-
-    def __reduce__(self) -> tuple[type[ColocdHTTPError], tuple[int, dict[str, Any]]]:
-        # Pickled with its constructor's arguments, so it crosses processes intact (a Ray trainer actor
-        # raising it to the driver's cluster client keeps the daemon's error body).
-        return (type(self), (self.status, self.body))
-
-
-class DaemonUnreachable(ConnectionError):
-    """No answer came back from the daemon (it refused the connection, dropped it, or did not reply in time);
-    ``ColocdHTTPError`` is for the answers that say no."""
 
 
 def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
@@ -264,7 +247,7 @@ class AsyncColocdClient:
         # A daemon from before joins declared a pid refuses the field: join without it.
         return await self._call("POST", path, {"rank": rank, "device_id": device_id})
 
-    async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
+    async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: SendablePart) -> dict[str, Any]:
         body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,
                 "handle": chunk.handle}
         if chunk.digests is not None:
@@ -368,7 +351,7 @@ class ColocdClient:
     def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:
         return self.run(self._async.join_session(session_id, rank=rank, device_id=device_id))
 
-    def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
+    def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: SendablePart) -> dict[str, Any]:
         return self.run(self._async.send_chunk(session_id, seq=seq, rank=rank, chunk=chunk))
 
     def session(self, session_id: str) -> dict[str, Any]:

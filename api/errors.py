@@ -1,8 +1,7 @@
 """Map every error onto HTTP in one table, in one body shape (``ErrorBody``); clients never see a traceback.
 
-The daemon's own tree (``daemon/errors.py``, rooted at ``colocd.errors.ColocdError``, engine errors
-included) maps by class; ``PolicyError`` (policies import nothing of ours, so it is outside the tree) is
-mapped here too; the framework's errors (routing 404/405, a body that is not JSON or not UTF-8, request
+colocd's tree (``colocd.errors``, rooted at ``ColocdError``, engine and policy errors included) maps by
+class; the framework's errors (routing 404/405, a body that is not JSON or not UTF-8, request
 validation) are rewritten into the same shape. Routes raise; they never build an error reply themselves.
 """
 
@@ -18,10 +17,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from ..daemon.config import ConfigError
-from ..daemon.errors import (
+from ..errors import (
     ChunkTimeout,
     ColocdError,
+    ConfigError,
     EngineError,
     EngineRejected,
     EngineTimeout,
@@ -31,15 +30,15 @@ from ..daemon.errors import (
     MemoryNotConfirmed,
     NotFound,
     PayloadRejected,
+    PolicyError,
     RequestInvalid,
     SessionGone,
-    StepTimeout,
+    StageTimeout,
     TransitionFailed,
     TransitionRejected,
     WeightsMismatch,
     WeightSyncError,
 )
-from ..policies import PolicyError
 from .schemas import ErrorBody
 
 __all__ = ["ERROR_RESPONSES", "allowed_methods", "error_body", "error_response", "install_error_handlers",
@@ -55,7 +54,7 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (NotFound, 404),
     (ConfigError, 400),
     (ChunkTimeout, 504),
-    (StepTimeout, 504),
+    (StageTimeout, 504),
     (MemoryNotConfirmed, 504),
     (JournalFailed, 507),
     (EngineTimeout, 504),
@@ -122,10 +121,10 @@ def _body(exc: Exception) -> dict[str, object]:
     if isinstance(exc, WeightsMismatch):
         body.update(engine=exc.engine, tensor=exc.tensor)
     if isinstance(exc, ChunkTimeout):
-        body.update(engine=exc.engine, step=exc.step, budget_s=exc.budget_s, rank=exc.rank)
+        body.update(engine=exc.engine, stage=exc.stage, budget_s=exc.budget_s, rank=exc.rank)
     if isinstance(exc, TransitionFailed):
-        body.update(engine=exc.engine, step=exc.step)
-        if isinstance(exc, StepTimeout):
+        body.update(engine=exc.engine, stage=exc.stage)
+        if isinstance(exc, StageTimeout):
             body["budget_s"] = exc.budget_s
     return body
 
@@ -199,7 +198,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail or "")
         return error_response(status, _HTTP_NAMES.get(status, f"HTTP{status}"), message, headers=headers or None)
 
-    app.add_exception_handler(ColocdError, colocd_error)  # engine errors and ConfigError included
-    app.add_exception_handler(PolicyError, policy_error)
+    app.add_exception_handler(PolicyError, policy_error)  # before the root: its body names the YAML position
+    app.add_exception_handler(ColocdError, colocd_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

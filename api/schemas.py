@@ -382,8 +382,9 @@ class ErrorBody(BaseModel):
     fields: list[FieldProblem] | None = Field(None, description="every field at fault (422 validation)")
     engine: str | None = Field(None, description="the engine involved")
     state: dict[str, Any] | None = Field(None, description="the node's state when a request was rejected (409)")
-    step: str | None = Field(None, description="the step that failed or timed out (502/504), e.g. load_chunk")
-    budget_s: float | None = Field(None, description="the budget a timed-out step had (504)")
+    stage: str | None = Field(None, description="the stage of the call that failed or timed out (502/504), e.g. "
+                              "load_chunk")
+    budget_s: float | None = Field(None, description="the budget a timed-out stage had (504)")
     journal: str | None = Field(None, description="the journal file the daemon could not write (507)")
     rank: int | None = Field(None, description="the trainer rank that never sent its part (ChunkTimeout)")
     tensor: str | None = Field(None, description="the tensor an engine holds other bytes of (WeightsMismatch)")

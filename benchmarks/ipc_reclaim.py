@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from colocd.api.client import AsyncColocdClient, ChunkDescriptor
+from colocd.api.client import AsyncColocdClient, SendablePart
 from colocd.api.procs import DaemonProcess
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -46,7 +46,7 @@ class KillBeforeChunk(AsyncColocdClient):
         self.armed = False
         self.killed_at: float | None = None
 
-    async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: ChunkDescriptor) -> dict[str, Any]:
+    async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: SendablePart) -> dict[str, Any]:
         if self.armed and seq == self.seq and self.killed_at is None:
             os.kill(self.pid, signal.SIGKILL)
             self.killed_at = time.monotonic()

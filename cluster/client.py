@@ -36,7 +36,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
+from ..api.client import AsyncColocdClient
+from ..errors import ColocdError, ColocdHTTPError, DaemonUnreachable
 
 __all__ = ["ClusterClient", "ClusterStepError", "NodeFailure", "NodeResult", "StepResult", "failure_of"]
 
@@ -89,7 +90,7 @@ class StepResult:
         return not self.failures
 
 
-class ClusterStepError(Exception):
+class ClusterStepError(ColocdError):
     """A fan-out failed on at least one node; ``result`` has every node's answer."""
 
     def __init__(self, result: StepResult) -> None:

@@ -9,17 +9,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..engines.config import EngineConfig
+from ..errors import ConfigError
 from ..policies import DEFAULT_PAUSE_MODE, PauseModeName, Timeouts
 from ..policies.timeouts import LEGACY_TIMEOUT_KEYS
-from .errors import ColocdError
 
-__all__ = ["ConfigError", "Limits", "ListenConfig", "NodeConfig", "Timeouts", "load_node_config"]
+__all__ = ["Limits", "ListenConfig", "NodeConfig", "Timeouts", "load_node_config"]
 
 log = logging.getLogger("colocd.config")
-
-
-class ConfigError(ColocdError):
-    """The node config file is missing or invalid; the message names the key."""
 
 
 class ListenConfig(BaseModel):

@@ -26,21 +26,21 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from ..engines.httpmap import caller_payload
 from ..engines.tcpstore_probe import probe_tcpstore
 from ..engines.weight_group_protocol import BACKEND_DEVICES, BroadcastDescriptor, SupportsWeightGroups
+from ..errors import (
+    EngineError,
+    NotFound,
+    RequestInvalid,
+    StageTimeout,
+    TransitionRejected,
+    WeightSyncError,
+)
 from ..policies import Budget, Timeouts
 from ..recent import remember
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
-from .errors import (
-    EngineError,
-    NotFound,
-    RequestInvalid,
-    StepTimeout,
-    TransitionRejected,
-    WeightSyncError,
-    caller_payload,
-)
 from .fanout import OnFailure, fan_out
 from .metrics import Metrics
 from .trace import Trace
@@ -321,9 +321,9 @@ def _verbs(engine: EngineHandle) -> SupportsWeightGroups:
 def _explain(exc: Exception, group_name: str, seq: int) -> Exception:
     """The error for the trainer: what failed where, and that the group is gone and must be reopened."""
     tail = f"; group {group_name!r} was destroyed on every engine: open it again to continue"
-    if isinstance(exc, StepTimeout):
-        return StepTimeout(f"{exc} (the trainer's broadcast never arrived, or the engine is stuck){tail}",
-                           engine=exc.engine or "", step=exc.step or "", budget_s=exc.budget_s)
+    if isinstance(exc, StageTimeout):
+        return StageTimeout(f"{exc} (the trainer's broadcast never arrived, or the engine is stuck){tail}",
+                           engine=exc.engine or "", stage=exc.stage or "", budget_s=exc.budget_s)
     if isinstance(exc, EngineError | WeightSyncError):
         return WeightSyncError(f"broadcast {seq}: {exc}{tail}")
     return WeightSyncError(f"broadcast {seq}: {type(exc).__name__}: {exc}{tail}")

@@ -24,8 +24,8 @@ from ..engines.base import (
     PauseMode,
 )
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
+from ..errors import EngineError, StageTimeout
 from ..policies import Budget, Timeouts
-from .errors import EngineError, StepTimeout
 from .memory import GpuReading, NvmlProbe
 from .metrics import Metrics
 from .states import Attachment, EngineRecord, Generation, TagState, unready_reason
@@ -122,8 +122,8 @@ async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name:
             async with asyncio.timeout(budget_s):
                 result = await coro
         except TimeoutError as exc:
-            raise StepTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
-                              engine=engine.name, step=name, budget_s=budget_s) from exc
+            raise StageTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
+                              engine=engine.name, stage=name, budget_s=budget_s) from exc
         except EngineError as exc:
             engine.state = engine.state.with_(last_error=str(exc))
             raise
@@ -155,11 +155,11 @@ async def flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeout
 
     try:
         await timed_call(engine, trace, metrics, "flush_cache", budget, _retrying())
-    except StepTimeout as exc:
+    except StageTimeout as exc:
         # The policy for a flush the engine keeps refusing is "wait, within a budget that says so".
-        raise StepTimeout(f"{exc}: the engine kept requests running (e.g. ones queued while it slept, which "
+        raise StageTimeout(f"{exc}: the engine kept requests running (e.g. ones queued while it slept, which "
                           "start when it wakes); raise timeouts.flush_s or abort them, then retry the step",
-                          engine=exc.engine or engine.name, step=exc.step or "flush_cache",
+                          engine=exc.engine or engine.name, stage=exc.stage or "flush_cache",
                           budget_s=exc.budget_s) from exc.__cause__
 
 

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from .errors import ColocdError, EngineError, TransitionFailed
+from ..errors import ColocdError, EngineError, TransitionFailed
 
 if TYPE_CHECKING:
     from .engine_ops import EngineHandle
@@ -85,28 +85,28 @@ async def fan_out(targets: Iterable[T], call: Callable[[T], Awaitable[R]], *,
     return ordered
 
 
-# A weight session's engine calls (begin, end) are its sub-steps, timed as such by engine_ops; its phase time is
-# the whole session's, observed once when the session ends (daemon/steps.py), not once per call and engine.
+# A weight session's engine calls (begin, end) are timed as calls by engine_ops; its operation time is the whole
+# session's, observed once when the session ends (daemon/steps.py), not once per call and engine.
 SESSION_OPERATIONS = frozenset({"weights"})
 
 
-async def each_engine(engines: Iterable[EngineHandle], step: Callable[[EngineHandle], Awaitable[R]], *,
-                      phase: str, metrics: Metrics) -> dict[str, R]:
-    """One step of a handoff on every engine (``SETTLE``: none is left running outside the node's lock), each
-    engine's time recorded under ``phase``; a failure that is neither ours nor an engine's becomes
-    ``TransitionFailed`` naming the phase."""
+async def each_engine(engines: Iterable[EngineHandle], work: Callable[[EngineHandle], Awaitable[R]], *,
+                      operation: str, metrics: Metrics) -> dict[str, R]:
+    """One operation's work on every engine (``SETTLE``: none is left running outside the node's lock), each
+    engine's time recorded under ``operation`` (a phase, sleep, resume; the metric's label is ``phase``); a
+    failure that is neither ours nor an engine's becomes ``TransitionFailed`` naming the operation."""
     async def timed(engine: EngineHandle) -> R:
         t0 = time.perf_counter()
         try:
-            return await step(engine)
+            return await work(engine)
         finally:
-            if phase not in SESSION_OPERATIONS:
-                metrics.observe_phase(phase, engine.name, time.perf_counter() - t0)
+            if operation not in SESSION_OPERATIONS:
+                metrics.observe_phase(operation, engine.name, time.perf_counter() - t0)
 
     try:
         results = await fan_out(engines, timed, on_failure=OnFailure.SETTLE)
     except (ColocdError, EngineError):
         raise
     except Exception as exc:
-        raise TransitionFailed(f"{phase}: {type(exc).__name__}: {exc}") from exc
+        raise TransitionFailed(f"{operation}: {type(exc).__name__}: {exc}") from exc
     return results  # type: ignore[return-value]  # SETTLE raised every failure

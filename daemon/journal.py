@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engines.adoption import LaunchRecord
-from .errors import JournalFailed
+from ..errors import JournalFailed
 
 __all__ = ["COMPACT_EVERY", "MAX_READ_BYTES", "Journal", "JournalState"]
 

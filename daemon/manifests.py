@@ -14,8 +14,8 @@ import hashlib
 import json
 from collections import OrderedDict
 
+from ..errors import ManifestRefUnknown
 from ..recent import remember
-from .errors import ManifestRefUnknown
 from .weights import Manifest
 
 __all__ = ["MANIFEST_REF_PATTERN", "ManifestBook", "reference_of"]

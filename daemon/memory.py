@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .errors import MemoryNotConfirmed
+from ..errors import MemoryNotConfirmed
 
 __all__ = ["GpuReading", "NvmlProbe", "ReleaseConfirmation", "Settled", "open_probe"]
 

@@ -2,9 +2,11 @@
 that serialises mutating work, and answers status.
 
 The concerns live beside it, one module each: ``transitions`` (phases, sleep, resume), ``sessions``
-(weight sessions, groups, broadcasts), ``engine_lifecycle`` (the health loop, relaunches, the journal
-restore), and ``sync``, the one path that drives engines (observe, plan, act). Each declares the context
-it needs of the daemon as a Protocol; none imports this module.
+(weight sessions, groups, broadcasts), ``engine_lifecycle`` (the journal restore, the startup reconcile, the
+health loop's backoff, readiness), and ``sync``, the one path that drives engines (observe, plan, act). The
+engine sync, the lifecycle and the node metrics take their members explicitly and own their fields; the
+transitions and sessions still declare the context they need of the daemon as a Protocol. None imports this
+module. The daemon runs the loops that take its lock (the health tick, a relaunched engine's reconcile).
 
 One mutating operation at a time: a second request while one runs is rejected with 409 naming the one in
 progress (the trainer drives phases sequentially; queueing would hide a trainer bug).
@@ -21,15 +23,15 @@ from typing import Any
 
 import httpx
 
-from ..engines.base import EngineAdapter, MemoryTag, PauseMode
+from ..engines.base import EngineAdapter, MemoryTag
 from ..engines.registry import build_adapter
-from ..policies import PolicySet, Timeouts, Transport
+from ..errors import NotFound
+from ..policies import Budget, PolicySet, Timeouts, Transport
 from . import engine_ops as ops
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
 from .engine_ops import EngineHandle
-from .errors import NotFound
 from .gpu_metrics import refresh_gpu_metrics
 from .journal import Journal
 from .leases import LeaseReport, TrainerLeases
@@ -76,11 +78,9 @@ class Daemon:
         self.steps = StepBook(self.metrics)  # logs each finished trace, records step metrics
         self.traces = TraceStore(on_put=self.steps.observe)
         self.steps.attach(self.traces)
-        self.node = NodeState()
         self.versions = VersionBook()  # started weight versions, and what each rollout served
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
-        self.pinned: PolicySet | None = None  # the policy set of the transition in progress
         self._given_adapters = adapters or {}
         self.probe = probe
         self._client: httpx.AsyncClient | None = None
@@ -94,7 +94,11 @@ class Daemon:
         # The one path that drives engines (daemon/sync.py).
         self.sync = EngineSync(self.engines, self.metrics, self.traces, state=lambda: self.node,
                                timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled)
-        self.engine_lifecycle = EngineLifecycle(self, self.sync)
+        # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
+        # Each launched process is journaled; a restarted daemon adopts the ones still running.
+        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
+        self.engine_lifecycle = EngineLifecycle(self.engines, self.sync, self.metrics, journal=self.journal,
+                                                launches=self.launches, changed=self.changed)
         self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics),
                                                        journal=config.journal)
         self.sync.sessions = self.sessions
@@ -102,9 +106,6 @@ class Daemon:
         # Every event series at 0 from the start; phase, busy, session.
         self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
                                         busy=lambda: self.busy)
-        # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
-        # Each launched process is journaled; a restarted daemon adopts the ones still running.
-        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
         self.trainer_leases = TrainerLeases(self.metrics)  # what the trainer ranks report of their IPC leases
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -124,11 +125,13 @@ class Daemon:
         if self.probe is None and any(e.gpus for e in self.engines.values()):
             self.probe = open_probe()
         self.sessions.restore()
-        await self.engine_lifecycle.start()
+        if (restored := self.engine_lifecycle.restore_journal()) is not None:
+            self.transitions.resume_at(restored)
+        await self.engine_lifecycle.reconcile_at_startup(journal_restored=restored is not None)
         self.lifecycle = DaemonState.RUNNING
-        self._start(self.engine_lifecycle.health_loop())
+        self._start(self._health_loop())
         self._start(self.sessions.lease_loop())
-        self.launches.supervise(self.engine_lifecycle.reconcile_relaunched)
+        self.launches.supervise(self._reconcile_relaunched)
         self.refresh_gauges()
         return self
 
@@ -160,6 +163,34 @@ class Daemon:
             self.probe.close()
         if errors:
             log.warning("errors while closing engines: %s", errors)
+
+    async def _health_loop(self) -> None:
+        """Every health interval, observe each engine and drive it toward the desired state."""
+        while not self.stopping.is_set():
+            # Read each tick: a new policy may change it; a failed reconcile is retried sooner.
+            interval = self.engine_lifecycle.health_interval(self.timeouts().budget(Budget.HEALTH_INTERVAL))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self.stopping.wait()
+            if self.stopping.is_set():
+                return
+            await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
+            await self.engine_lifecycle.reclaim_segments()
+            if self.busy:
+                self.changed()  # the next scrape renders what is live (busy, the open session's idle age)
+                continue  # a transition in progress reconciles before it acts
+            async with self.background("reconcile:health", reconciling=True):
+                await self.sync.reconcile_all("health")
+            self.refresh_gauges()
+
+    async def _reconcile_relaunched(self, name: str) -> None:
+        """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
+        self.sync.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
+        self.changed()
+        if self.lifecycle is DaemonState.RUNNING:
+            async with self.background("reconcile:relaunch", reconciling=True):
+                await self.sync.reconcile(self.engines[name], "relaunch")
+            self.refresh_gauges()
 
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -207,15 +238,17 @@ class Daemon:
             finally:
                 self.busy_with, self._reconciling = None, False
 
+    @property
+    def node(self) -> NodeState:
+        """The node's phase and step (``Transitions`` owns and moves it)."""
+        return self.transitions.node
+
     # -- policy of the moment ----------------------------------------------------------------
     def policy_set(self) -> PolicySet:
-        return self.pinned if self.pinned is not None else self.policies.active
+        return self.transitions.policy_set()
 
     def timeouts(self) -> Timeouts:
         return self.policies.timeouts(self.policy_set())
-
-    def pause_mode(self) -> PauseMode:
-        return PauseMode(self.policies.pause_mode(self.policy_set()))
 
     def transports(self) -> frozenset[Transport] | None:
         """What every engine of the node accepts (each adapter says; None: no engines to ask)."""

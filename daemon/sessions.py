@@ -18,12 +18,12 @@ from typing import Any, Protocol
 
 from ..engines.base import ChunkPart, EngineDigests
 from ..engines.segments import unlink_session_segments
+from ..errors import NotFound, RequestInvalid, TransitionRejected, WeightSyncError
 from ..policies import Budget, PolicySet, Timeouts
 from ..recent import remember
 from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
 from .engine_ops import EngineHandle
-from .errors import NotFound, RequestInvalid, TransitionRejected, WeightSyncError
 from .manifests import ManifestBook, reference_of
 from .metrics import Metrics
 from .reconcile import WeightsGoal
@@ -60,7 +60,8 @@ class SessionContext(Protocol):
     """What the weight sessions read of the node and do to it (the daemon provides it)."""
 
     engines: dict[str, EngineHandle]
-    node: NodeState
+    @property
+    def node(self) -> NodeState: ...
     metrics: Metrics
     traces: TraceStore
     versions: VersionBook

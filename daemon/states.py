@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum, StrEnum
 
 from ..engines.base import ALL_TAGS, MemoryTag, TagState
-from .errors import EngineUnreachable, SessionGone, TransitionRejected
+from ..errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
     "NEXT_PHASE",

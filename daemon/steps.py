@@ -45,7 +45,7 @@ def _error_of(trace: Trace) -> str | None:
 
 
 def _phase_summary(trace: Trace) -> dict[str, Any]:
-    out: dict[str, Any] = {"phase": trace.phase, "started_at": trace.started_at,
+    out: dict[str, Any] = {"phase": trace.operation, "started_at": trace.started_at,
                            "duration_s": None if trace.duration_s is None else round(trace.duration_s, 6),
                            "result": trace.outcome or "in_progress"}
     for key in ("bytes", "chunks", "freed_bytes", "version"):
@@ -61,12 +61,12 @@ def step_summary(step: int, traces: Mapping[str, Trace]) -> dict[str, Any]:
 
     result: ``failed`` if any phase failed, ``ok`` once rollout finished, else ``in_progress``.
     """
-    ordered = sorted(traces.values(), key=lambda t: (_PHASE_ORDER.index(t.phase)
-                                                       if t.phase in _PHASE_ORDER else len(_PHASE_ORDER),
+    ordered = sorted(traces.values(), key=lambda t: (_PHASE_ORDER.index(t.operation)
+                                                       if t.operation in _PHASE_ORDER else len(_PHASE_ORDER),
                                                        t.started_at))
     breakdown = dict.fromkeys(PARTS, 0.0)
     for trace in ordered:
-        if (part := _PHASE_PART.get(trace.phase)) is not None and trace.duration_s is not None:
+        if (part := _PHASE_PART.get(trace.operation)) is not None and trace.duration_s is not None:
             breakdown[part] += trace.duration_s
         for part, seconds in _trainer_parts(trace).items():
             breakdown[part] += seconds
@@ -106,7 +106,7 @@ class StepBook:
             self._log(trace)
             self._record(trace)
         except Exception:
-            log.exception("step book: could not record step %s phase %s", trace.step, trace.phase)
+            log.exception("step book: could not record step %s phase %s", trace.step, trace.operation)
 
     def rejected(self, phase: str, step: int, reason: str, *, session: str | None = None) -> None:
         """A transition refused before it started (409): logged, it has no trace."""
@@ -128,15 +128,15 @@ class StepBook:
 
     # -- internals -----------------------------------------------------------------------------
     def _log(self, trace: Trace) -> None:
-        session = trace.phase == "weights"
-        if trace.phase in _NODE_PHASES and trace.outcome != "ok":
+        session = trace.operation == "weights"
+        if trace.operation in _NODE_PHASES and trace.outcome != "ok":
             return  # Transitions.transition logs it (failed), with the caller's error
-        if trace.phase.startswith("reconcile:"):
+        if trace.operation.startswith("reconcile:"):
             return  # EngineSync logs each reconcile (event reconcile), with its plan
         failed = next((s for s in trace.spans if not s.ok and s.engine and s.engine != "trainer"), None)
         fields: dict[str, Any] = {
             "step": trace.step,
-            "phase": trace.phase,
+            "phase": trace.operation,
             "result": trace.outcome or "in_progress",
             "duration_s": None if trace.duration_s is None else round(trace.duration_s, 6),
             "bytes": trace.attrs.get("bytes") if session else trace.attrs.get("freed_bytes"),
@@ -151,7 +151,7 @@ class StepBook:
 
     def _record(self, trace: Trace) -> None:
         m = self._metrics
-        if trace.phase == "weights":
+        if trace.operation == "weights":
             if trace.duration_s is not None:
                 m.observe_phase("weights", "all", trace.duration_s)  # once per session (daemon/fanout.py)
                 m.weight_session_duration.labels(trace.outcome or "unknown").observe(trace.duration_s)
@@ -172,7 +172,7 @@ class StepBook:
                     if isinstance(kept := span.attrs.get("kept_bytes"), int):
                         m.trainer_groups_kept_bytes.clear()  # only the last pause's action is current
                         m.trainer_groups_kept_bytes.labels(str(span.attrs.get("action", "unknown"))).set(kept)
-        if trace.phase == "rollout" and trace.outcome == "ok" and self._store is not None:
+        if trace.operation == "rollout" and trace.outcome == "ok" and self._store is not None:
             summary = step_summary(trace.step, self._store.get(trace.step) or {})
             m.step_switch.observe(summary["switch_s"])
             for part, seconds in summary["breakdown"].items():

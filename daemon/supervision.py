@@ -48,7 +48,8 @@ import httpx
 from ..engines.adoption import AdoptedProcess, LaunchRecord, stop_group
 from ..engines.config import AnyEngineConfig, LaunchConfig
 from ..engines.registry import launch_engine
-from ..engines.supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, free_port
+from ..engines.supervisor import Launched, LaunchOptions, ManagedProcess, free_port
+from ..errors import EngineLaunchError
 from .events import emit
 from .journal import Journal
 from .metrics import Metrics

@@ -23,11 +23,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ..engines.base import Observation
-from ..engines.errors import EngineRejected
+from ..errors import ColocdError, EngineError, EngineRejected, EngineUnreachable, WeightSyncError
 from ..policies import Budget, Timeouts
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
-from .errors import ColocdError, EngineError, EngineUnreachable, WeightSyncError
 from .events import emit
 from .fanout import OnFailure, each_engine, fan_out
 from .memory import NvmlProbe
@@ -87,8 +86,9 @@ class EngineSync:
 
     # -- toward a desired state ----------------------------------------------------------------------
     async def drive(self, engines: list[EngineHandle], desired: Mapping[str, Desired], trace: Trace, *,
-                    phase: str, what: str) -> dict[str, dict[str, int]]:
-        """Drive each engine to ``desired[name]``, concurrently; returns the bytes each freed, per source."""
+                    operation: str, what: str) -> dict[str, dict[str, int]]:
+        """Drive each engine to ``desired[name]``, concurrently, timed under ``operation``; returns the bytes each
+        freed, per source."""
         owns = self.sessions.owns_open()
 
         async def one(engine: EngineHandle) -> dict[str, int]:
@@ -96,7 +96,7 @@ class EngineSync:
             return await self._run(engine, p, trace)
 
         try:
-            return await each_engine(engines, one, phase=phase, metrics=self._metrics)
+            return await each_engine(engines, one, operation=operation, metrics=self._metrics)
         except Exception:
             await self.reconcile_all(f"after failed {what}", keep_error=True)
             raise
@@ -249,7 +249,7 @@ class EngineSync:
 
         engines = [e for n, e in self._engines.items() if n in goals]
         if strict:
-            await each_engine(engines, one, phase="weights", metrics=self._metrics)
+            await each_engine(engines, one, operation="weights", metrics=self._metrics)
         else:
             await fan_out(engines, one, on_failure=OnFailure.COLLECT)
 

@@ -32,10 +32,13 @@ class Span:
 
 @dataclass
 class Trace:
-    """The spans of one transition (or one weight session), relative to its start."""
+    """The spans of one operation (a transition, a weight session, a sleep or resume, a reconcile), relative to
+    its start."""
 
     step: int
-    phase: str
+    # A phase (train, sync, rollout) or another operation (weights, weight_group, sleep, resume,
+    # reconcile:<engine>); the wire calls it "phase" in /v1/traces and /v1/steps (kept).
+    operation: str
     started_at: float = field(default_factory=time.time)
     _t0: float = field(default_factory=time.perf_counter)
     spans: list[Span] = field(default_factory=list)
@@ -87,7 +90,7 @@ class Trace:
         return time.perf_counter() - self._t0
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "phase": self.phase, "started_at": self.started_at,
+        return {"step": self.step, "phase": self.operation, "started_at": self.started_at,
                 "duration_s": None if self.duration_s is None else round(self.duration_s, 6),
                 "outcome": self.outcome, **({"attrs": self.attrs} if self.attrs else {}),
                 **({"memory": self.memory} if self.memory else {}),
@@ -98,7 +101,7 @@ class Trace:
         base_us = self.started_at * 1e6
         return [
             {"name": s.name, "ph": "X", "ts": base_us + s.start_s * 1e6, "dur": s.duration_s * 1e6,
-             "pid": f"step {self.step}", "tid": s.engine or "node", "cat": self.phase,
+             "pid": f"step {self.step}", "tid": s.engine or "node", "cat": self.operation,
              "args": {"ok": s.ok, **s.attrs}}
             for s in self.spans
         ] + [
@@ -110,7 +113,7 @@ class Trace:
 
 
 class TraceStore:
-    """The last ``capacity`` steps' traces, keyed by step then phase. ``on_put`` sees each stored trace
+    """The last ``capacity`` steps' traces, keyed by step then operation. ``on_put`` sees each stored trace
     (the daemon's step book: logs and step metrics)."""
 
     def __init__(self, capacity: int = 64, *, on_put: Callable[[Trace], None] | None = None) -> None:
@@ -119,9 +122,9 @@ class TraceStore:
         self._on_put = on_put
 
     def put(self, trace: Trace) -> None:
-        phases = self._steps.get(trace.step, {})
-        phases[trace.phase] = trace
-        remember(self._steps, trace.step, phases, self._capacity)
+        operations = self._steps.get(trace.step, {})
+        operations[trace.operation] = trace
+        remember(self._steps, trace.step, operations, self._capacity)
         if self._on_put is not None:
             self._on_put(trace)
 

@@ -14,11 +14,11 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from ..engines.base import MemoryTag, PauseMode
+from ..errors import NotFound, RequestInvalid, TransitionRejected
 from ..policies import PolicySet, Transport
 from ..recent import remember
 from . import engine_ops as ops
 from .engine_ops import EngineHandle
-from .errors import NotFound, RequestInvalid, TransitionRejected
 from .journal import Journal
 from .memory import NvmlProbe
 from .metrics import Metrics
@@ -62,8 +62,6 @@ class TransitionResult:
 class TransitionContext(Protocol):
     """What a transition reads of the node and does to it (the daemon provides it)."""
 
-    node: NodeState  # a finished transition moves it
-    pinned: PolicySet | None  # the policy set of the transition in progress
     engines: dict[str, EngineHandle]
     metrics: Metrics
     traces: TraceStore
@@ -75,8 +73,6 @@ class TransitionContext(Protocol):
     sessions: WeightSessions
     sync: EngineSync
     def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
-    def policy_set(self) -> PolicySet: ...
-    def pause_mode(self) -> PauseMode: ...
     def transports(self) -> frozenset[Transport] | None: ...
     def staging(self) -> StagingMemory: ...
     def changed(self) -> None: ...
@@ -88,12 +84,26 @@ class Transitions:
 
     def __init__(self, node: TransitionContext) -> None:
         self._d = node
+        # The node's phase and step: moved only by a finished transition (or, at startup, to the journal's).
+        self.node = NodeState()
+        self.pinned: PolicySet | None = None  # the policy set of the transition in progress
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
         self._unjournaled: set[tuple[int, str]] = set()  # finished, but the journal failed to keep them
         # A daemon restarted on its journal still replays what the previous one finished (without its trace).
         for done in node.journal.completed() if node.journal is not None else ():
             self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
                 int(done["step"]), str(done["phase"]), **done["result"])
+
+    def policy_set(self) -> PolicySet:
+        """The policy set in force: the transition's own, pinned while it runs, else the active one."""
+        return self.pinned if self.pinned is not None else self._d.policies.active
+
+    def pause_mode(self) -> PauseMode:
+        return PauseMode(self._d.policies.pause_mode(self.policy_set()))
+
+    def resume_at(self, node: NodeState) -> None:
+        """A restarted daemon resumes at the phase and step its journal recorded."""
+        self.node = node
 
     async def transition(self, phase: NodePhase, step: int,
                          trainer: dict[str, Any] | None = None) -> TransitionResult:
@@ -108,14 +118,14 @@ class Transitions:
         try:
             # Legality, then each engine's desired state, then one sync of every engine, then the journal.
             async with d.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
-                check_phase_request(d.node, phase, step)
+                check_phase_request(self.node, phase, step)
                 d.sync.require_attached()
                 trace = Trace(step, phase.value)
                 _record_trainer_report(trace, trainer, d.versions)
                 t0 = time.perf_counter()
                 # A staged policy swap lands here, between transitions; this one runs on a pinned set.
                 with d.policies.store.transition() as pinned:
-                    d.pinned = pinned
+                    self.pinned = pinned
                     try:
                         # Decided before any engine call: a trainer report the policy cannot read is the
                         # caller's mistake (RequestInvalid), and must leave every engine as it was.
@@ -123,7 +133,7 @@ class Transitions:
                         with trace.timed():
                             desired, rollout = await self._desired(phase, trace)
                             freed = await d.sync.drive(list(d.engines.values()), desired, trace,
-                                                       phase=phase.value, what=f"{phase.value}@{step}")
+                                                       operation=phase.value, what=f"{phase.value}@{step}")
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
                         if rollout is not None:
@@ -131,9 +141,9 @@ class Transitions:
                         if phase is NodePhase.SYNC:  # planned on the memory left once the weights are back
                             directives = self._directives(pinned, phase.value, trainer, d.staging())
                     finally:
-                        d.pinned = None
+                        self.pinned = None
                         d.traces.put(trace)
-                d.node = NodeState(phase, step)
+                self.node = NodeState(phase, step)
                 result = TransitionResult(step, phase.value, time.perf_counter() - t0,
                                           {n: e.state.snapshot() for n, e in d.engines.items()},
                                           freed, directives, trace)
@@ -192,9 +202,9 @@ class Transitions:
         if phase is NodePhase.TRAIN:
             await d.sessions.lapse_if_idle()
             check_no_open_session(d.sessions.open_id())
-            names = d.policies.release_tags(d.policy_set())
+            names = d.policies.release_tags(self.policy_set())
             tags = None if names is None else tuple(MemoryTag(n) for n in names)
-            mode = d.pause_mode()
+            mode = self.pause_mode()
             return {n: Desired.for_train(e.state, tags, mode) for n, e in engines.items()}, None
         if phase is NodePhase.SYNC:
             desired = {n: Desired.for_sync(e.state) for n, e in engines.items()}
@@ -202,14 +212,14 @@ class Transitions:
             return desired, None
         await d.sessions.lapse_if_idle()
         # Versions first: a push still in flight is refused by the bound, naming each engine's version.
-        sync = d.policy_set().sync
+        sync = self.policy_set().sync
         served = {n: e.state.weight_version for n, e in engines.items()}  # as just observed (reconcile)
         staleness = d.versions.lags(served)
-        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, d.node,
+        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, self.node,
                                 newer={n: d.versions.newer(v) for n, v in served.items()})
         check_no_open_session(d.sessions.open_id(), advice=": commit or abort it first")
-        check_rollout_weights((e.state for e in engines.values()), d.node)
-        record = RolloutVersions(d.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
+        check_rollout_weights((e.state for e in engines.values()), self.node)
+        record = RolloutVersions(self.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
         trace.attrs.update(rollout_versions=served, staleness_versions=staleness, latest_version=record.latest)
         desired = {n: Desired.for_rollout() for n in engines}
         self._check_headroom("enter 'rollout'", desired, trace)
@@ -224,7 +234,7 @@ class Transitions:
     def _check_headroom(self, what: str, desired: Mapping[str, Desired], trace: Trace) -> None:
         """Refuse a resume NVML says will not fit (``check_resume_headroom``), before any engine call."""
         d = self._d
-        headroom_mb = d.policy_set().engines.resume_headroom_mb
+        headroom_mb = self.policy_set().engines.resume_headroom_mb
         if headroom_mb is None or d.probe is None:
             return
         needs: list[ResumeNeed] = []
@@ -243,7 +253,7 @@ class Transitions:
         free = {g: r.free_bytes for g, r in d.probe.read_all(sorted(gpus, key=str)).items()}
         trace.attrs["resume_headroom"] = {"free_bytes": free, "needed_bytes": needed_per_gpu(needs),
                                           "headroom_bytes": headroom_mb << 20}
-        check_resume_headroom(what, needs, free, headroom_mb << 20, d.node)
+        check_resume_headroom(what, needs, free, headroom_mb << 20, self.node)
 
     # -- manual sleep / resume -----------------------------------------------------------------
     def _select(self, names: list[str] | None) -> list[EngineHandle]:
@@ -263,10 +273,10 @@ class Transitions:
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_release(tags, strict=True)
             d.sync.require_attached()
-            mode = d.pause_mode()
+            mode = self.pause_mode()
             desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode)
                        for e in engines}
-            return await self._manual("sleep", engines, desired, Trace(d.node.step, "sleep"))
+            return await self._manual("sleep", engines, desired, Trace(self.node.step, "sleep"))
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""
@@ -276,9 +286,9 @@ class Transitions:
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_resume(tags, strict=True)
             d.sync.require_attached()
-            trace = Trace(d.node.step, "resume")
+            trace = Trace(self.node.step, "resume")
             desired = {e.name: Desired.for_resume(e.state, e.state.owned_tags if tags is None else tags,
-                                                  d.node.phase) for e in engines}
+                                                  self.node.phase) for e in engines}
             self._check_headroom("resume", desired, trace)
             return await self._manual("resume", engines, desired, trace)
 
@@ -288,11 +298,11 @@ class Transitions:
         t0 = time.perf_counter()
         try:
             with trace.timed():
-                freed = await d.sync.drive(engines, desired, trace, phase=what, what=what)
+                freed = await d.sync.drive(engines, desired, trace, operation=what, what=what)
         finally:
             d.traces.put(trace)
         await d.journal_written(what)
-        return TransitionResult(d.node.step, what, time.perf_counter() - t0,
+        return TransitionResult(self.node.step, what, time.perf_counter() - t0,
                                 {e.name: e.state.snapshot() for e in engines},
                                 freed if what == "sleep" else {}, trace=trace)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engines.base import EngineDigests
+from ..errors import WeightsMismatch
 from ..policies import VerifyMode
 from .engine_ops import EngineHandle
-from .errors import WeightsMismatch
 
 __all__ = [
     "SAMPLE_FRACTION",

@@ -37,20 +37,20 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..engines.base import ChunkLoad, ChunkPart
-from ..engines.chunks import ChunkLayout, HandleError, inspect_handle
+from ..engines.chunks import ChunkLayout, inspect_handle
 from ..engines.handles import ShmRoute
-from ..policies import Transport, VerifyMode
-from . import engine_ops as ops
-from .engine_ops import EngineHandle
-from .errors import (
+from ..engines.httpmap import refused_payload
+from ..errors import (
     ChunkTimeout,
     PayloadRejected,
     RequestInvalid,
     SessionGone,
     TransitionRejected,
     WeightSyncError,
-    refused_payload,
 )
+from ..policies import Transport, VerifyMode
+from . import engine_ops as ops
+from .engine_ops import EngineHandle
 from .metrics import Metrics
 from .states import (
     ENDED_AS,
@@ -412,7 +412,7 @@ class WeightSession:
             f"session {self.id}: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not start (join "
             f"and send a first chunk) within start_s={budget:.1f}s of the session's open"
             + (f"; {unserved}" if unserved else ""),
-            step="start", budget_s=budget, rank=late[0])
+            stage="start", budget_s=budget, rank=late[0])
 
     def note_broadcast(self) -> None:
         """Weights travel by broadcast (separated GPUs): every engine is fed from the group, no rank is late."""
@@ -581,7 +581,7 @@ class WeightSession:
                         return None
             error = blame()
             deadline = self._start_deadline()
-            rank = error.rank if isinstance(error, ChunkTimeout) and error.step == "gather" else None
+            rank = error.rank if isinstance(error, ChunkTimeout) and error.stage == "gather" else None
             late = self._late()
             if deadline is None or rank is None or rank not in late:
                 return error
@@ -621,7 +621,7 @@ class WeightSession:
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
         try:
             layout = inspect_handle(part.transport, part.nbytes, part.handle)
-        except HandleError as exc:
+        except RequestInvalid as exc:
             raise RequestInvalid(f"{where}: {exc}", field=exc.field) from None
         self._check_manifest(where, [(t.name, TensorMeta(t.dtype, t.shape)) for t in layout.tensors],
                              field="handle.layout")
@@ -690,12 +690,12 @@ class WeightSession:
             return ChunkTimeout(
                 f"chunk {seq}: the window is {self.depth} chunks past chunk {self._acked}, which "
                 f"rank{'s' if len(missing) != 1 else ''} {ranks} never sent {budget}",
-                step="gather", budget_s=self.chunk_timeout_s, rank=missing[0] if missing else None)
+                stage="gather", budget_s=self.chunk_timeout_s, rank=missing[0] if missing else None)
         slow = [name for name, done in oldest.consumed.items() if not done.done()]
         return ChunkTimeout(
             f"chunk {seq}: the window waits for chunk {self._acked}, which engine{'s' if len(slow) > 1 else ''} "
             f"{', '.join(map(repr, slow)) or '(none)'} did not consume {budget}",
-            step="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
 
     def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError | RequestInvalid:
         """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the trainer's
@@ -719,12 +719,12 @@ class WeightSession:
                        f"(not joined yet: rank{'s' if len(unjoined) > 1 else ''} {', '.join(map(str, unjoined))})")
                 return ChunkTimeout(
                     f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from {who} {budget}",
-                    step="gather", budget_s=self.chunk_timeout_s, engine=lane.name, rank=(missing or unjoined)[0])
+                    stage="gather", budget_s=self.chunk_timeout_s, engine=lane.name, rank=(missing or unjoined)[0])
         chunk = self._chunks.get(seq)
         slow = [lane.name for lane in users if chunk is None or not chunk.consumed[lane.name].done()]
         return ChunkTimeout(
             f"chunk {seq}: engine{'s' if len(slow) > 1 else ''} {', '.join(map(repr, slow))} did not consume "
-            f"it {budget}", step="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+            f"it {budget}", stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
 
     def _pump(self) -> None:
         """Start every load that is ready: in order per engine, its ranks' parts in, under its depth."""
@@ -846,12 +846,12 @@ class WeightSession:
         if incomplete:
             first_missing = next(iter(incomplete.values()))
             return ChunkTimeout(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
-                                step="gather", budget_s=self.chunk_timeout_s, rank=first_missing[0])
+                                stage="gather", budget_s=self.chunk_timeout_s, rank=first_missing[0])
         slow = sorted({lane.name for lane in self._lanes if lane.in_flight})
         return ChunkTimeout(
             f"at commit: engine{'s' if len(slow) > 1 else ''} {', '.join(map(repr, slow)) or '(none)'} did "
             f"not consume chunks {sorted(self._chunks)} within {self.chunk_timeout_s:.1f}s",
-            step="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
 
     def _gap(self) -> str | None:
         """A chunk below the highest one received that no rank ever sent: the trainer skipped it."""

@@ -28,20 +28,17 @@ from safetensors.torch import load_file
 
 from ..api.client import AsyncColocdClient
 from ..api.procs import DaemonProcess
+from ..errors import EngineMissing
 from ..trainer.agent import TrainerAgent
 from ..trainer.push import WeightPusher
 
-__all__ = ["EngineKind", "EngineMissing", "LiveDemoSettings", "find_install", "run_live_demo"]
+__all__ = ["EngineKind", "LiveDemoSettings", "find_install", "run_live_demo"]
 
 EngineKind = Literal["vllm", "sglang"]
 
 PROMPT = [1]  # "<|im_start|>" of the tiny tokenizer
 NEW_TOKENS = 8
 TARGET = frozenset(range(3, 35))  # 32 of the 384 ids, none of them special
-
-
-class EngineMissing(Exception):
-    """The engine's venv or tiny model is not installed; the message names the install script."""
 
 
 @dataclass(frozen=True, slots=True)

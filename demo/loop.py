@@ -26,7 +26,8 @@ from ..engines.config import ReferenceEngineConfig
 from ..engines.reference.launcher import ReferenceEngineProcess
 from ..engines.reference.model import QwenLikeConfig, build_model
 from ..engines.reference.tokenizer import BOS_ID
-from ..timeline import MatplotlibMissing, render_timeline
+from ..errors import MatplotlibMissing
+from ..timeline import render_timeline
 from ..trainer.agent import TrainerAgent
 from ..trainer.push import WeightPusher
 

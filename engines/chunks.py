@@ -25,7 +25,8 @@ from typing_extensions import TypedDict  # pydantic takes typing's TypedDict onl
 if TYPE_CHECKING:  # torch is imported where tensors are touched: a layout is checked without it (the daemon)
     import torch
 
-from .inline import InlinePayloadError, check_inline_payload
+from ..errors import RequestInvalid
+from .inline import check_inline_payload
 
 __all__ = [
     "DTYPES",
@@ -34,7 +35,6 @@ __all__ = [
     "SHM_DIR",
     "SHM_NAME_PATTERN",
     "ChunkLayout",
-    "HandleError",
     "LayoutEntry",
     "SharedSegment",
     "TensorSpec",
@@ -304,14 +304,6 @@ SHM_NAME_PATTERN = re.compile(rf"^{SEGMENT_PREFIX}-[1-9][0-9]{{0,9}}-[0-9a-f]{{1
 MAX_LAYOUT_ENTRIES = 65536  # more tensors than any model has in one chunk; bounds the daemon's parsing
 
 
-class HandleError(ValueError):
-    """A chunk handle that no engine could read; ``field`` names the part at fault."""
-
-    def __init__(self, message: str, *, field: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
 def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> ChunkLayout:
     """Check what can be checked of a chunk handle on this node, before any engine sees it, and return the
     chunk's layout: every transport carries one (``handle.layout``), so the daemon knows which tensors each
@@ -326,67 +318,64 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
     if transport == "shm":
         name = handle.get("shm_name")
         if not isinstance(name, str) or not SHM_NAME_PATTERN.match(name):
-            raise HandleError(f"shm_name {name!r} is not a colocd trainer segment name "
-                              f"(pattern {SHM_NAME_PATTERN.pattern})", field="handle.shm_name")
+            raise RequestInvalid(f"shm_name {name!r} is not a colocd trainer segment name "
+                                 f"(pattern {SHM_NAME_PATTERN.pattern})", field="handle.shm_name")
         declared = handle.get("nbytes")
         if type(declared) is not int or declared != nbytes:
-            raise HandleError(f"handle.nbytes must be the chunk's nbytes ({nbytes}) as an integer, got {declared!r}",
-                              field="handle.nbytes")
+            raise RequestInvalid(f"handle.nbytes must be the chunk's nbytes ({nbytes}) as an integer, got {declared!r}",
+                                 field="handle.nbytes")
         try:
             size = os.stat(os.path.join(SHM_DIR, name)).st_size
         except FileNotFoundError:
-            raise HandleError(f"no shared-memory segment {name!r} on this node", field="handle.shm_name") from None
+            raise RequestInvalid(f"no shared-memory segment {name!r} on this node", field="handle.shm_name") from None
         if size < nbytes:
-            raise HandleError(f"segment {name!r} holds {size} bytes but the chunk says nbytes={nbytes}",
-                              field="nbytes")
+            raise RequestInvalid(f"segment {name!r} holds {size} bytes but the chunk says nbytes={nbytes}",
+                                 field="nbytes")
         return _layout(transport, handle, nbytes)
     if transport == "disk":
         path = handle.get("path")
         if not isinstance(path, str) or not os.path.isabs(path) or not os.path.isfile(path):
-            raise HandleError(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
+            raise RequestInvalid(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
         return _layout(transport, handle, None)
     if transport == "inline":
-        try:
-            check_inline_payload(handle.get("payload_b64"))
-        except InlinePayloadError as exc:
-            raise HandleError(str(exc), field="handle.payload_b64") from None
+        check_inline_payload(handle.get("payload_b64"))
         return _layout(transport, handle, nbytes)
     if transport == "cuda_ipc":
         payload = handle.get("payload_b64")
         if not isinstance(payload, str):
-            raise HandleError("a cuda_ipc handle carries its payload as a 'payload_b64' string",
-                              field="handle.payload_b64")
+            raise RequestInvalid("a cuda_ipc handle carries its payload as a 'payload_b64' string",
+                                 field="handle.payload_b64")
         try:
             base64.b64decode(payload, validate=True)
         except binascii.Error as exc:
-            raise HandleError(f"payload_b64 is not base64: {exc}", field="handle.payload_b64") from None
+            raise RequestInvalid(f"payload_b64 is not base64: {exc}", field="handle.payload_b64") from None
         return _layout(transport, handle, None)
-    raise HandleError(f"unknown transport {transport!r}", field="transport")
+    raise RequestInvalid(f"unknown transport {transport!r}", field="transport")
 
 
 def _layout(transport: str, handle: dict[str, Any], nbytes: int | None) -> ChunkLayout:
     items = handle.get("layout")
     if items is None:
-        raise HandleError(f"a {transport} chunk carries its layout (handle.layout: [{{name, dtype, shape, offset}}], "
-                          "as colocd's producers export it): the daemon checks every chunk's tensors against the "
-                          "manifest and the other ranks' chunk, and a complete update against what reached each "
-                          "engine", field="handle.layout")
+        raise RequestInvalid(f"a {transport} chunk carries its layout (handle.layout: [{{name, dtype, shape, "
+                             "offset}], as colocd's producers export it): the daemon checks every chunk's tensors "
+                             "against the manifest and the other ranks' chunk, and a complete update against what "
+                             "reached each engine", field="handle.layout")
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise HandleError("layout must be a list of {name, dtype, shape, offset} objects", field="handle.layout")
+        raise RequestInvalid("layout must be a list of {name, dtype, shape, offset} objects", field="handle.layout")
     if len(items) > MAX_LAYOUT_ENTRIES:
-        raise HandleError(f"layout has {len(items)} entries; at most {MAX_LAYOUT_ENTRIES} per chunk",
-                          field="handle.layout")
+        raise RequestInvalid(f"layout has {len(items)} entries; at most {MAX_LAYOUT_ENTRIES} per chunk",
+                             field="handle.layout")
     try:
         if nbytes is None:
             layout = ChunkLayout(tuple(TensorSpec.from_json(i) for i in items), 0)
         else:
             layout = ChunkLayout.from_json(items, nbytes)
     except (KeyError, TypeError, ValueError) as exc:
-        raise HandleError(f"layout: {type(exc).__name__}: {exc}", field="handle.layout") from None
+        raise RequestInvalid(f"layout: {type(exc).__name__}: {exc}", field="handle.layout") from None
     names = [t.name for t in layout.tensors]
     if len(set(names)) != len(names):
         dup = sorted(n for n, k in Counter(names).items() if k > 1)[:3]
-        raise HandleError(f"layout names tensors more than once: {dup}", field="handle.layout")
+        raise RequestInvalid(f"layout names tensors more than once: {dup}", field="handle.layout")
     return layout
 
 

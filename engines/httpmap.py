@@ -1,15 +1,17 @@
-"""Translate httpx failures and engine error replies into the ``engines.errors`` tree, in one place."""
+"""Translate httpx failures and engine error replies into colocd's error tree (``colocd.errors``), in one place;
+say when an engine's refusal is the caller's mistake."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
 
-from .errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable
+from ..errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable, PayloadRejected
 
-__all__ = ["PAYLOAD_REFUSAL_STATUSES", "check_reply", "is_payload_refusal", "map_http_errors"]
+__all__ = ["PAYLOAD_REFUSAL_STATUSES", "caller_payload", "check_reply", "is_payload_refusal", "map_http_errors",
+           "refused_payload"]
 
 # An engine's answer that means "the data you sent me is wrong" (SGLang answers 400 with success=false;
 # FastAPI-based engines 422; a body over the engine's limit 413), as opposed to "I failed" (5xx).
@@ -33,10 +35,40 @@ def is_payload_refusal(exc: BaseException) -> bool:
     """True when an engine refused the request's data (4xx or ``success: false`` on a 4xx), not itself failing.
 
     Generic on purpose: whoever knows the data came from the caller (a chunk handle, a group spec) turns
-    this into the caller's 4xx (``daemon.errors.caller_payload``); the adapter cannot know who wrote it.
+    this into the caller's 4xx (``caller_payload``); the adapter cannot know who wrote it.
     """
     return isinstance(exc, EngineRejected) and exc.status in PAYLOAD_REFUSAL_STATUSES
 
+
+
+def refused_payload(exc: BaseException, *, field: str | None = None,
+                    describe: Callable[[EngineRejected], str] | None = None) -> PayloadRejected | None:
+    """The caller's 422 if ``exc`` is an engine's refusal of data the caller wrote, else None.
+
+    Only a refusal (``is_payload_refusal``: 400/413/422) is the caller's, keeping the engine's words
+    (``describe`` words the message; by default it names ``field``); an engine that fails (5xx, unreachable,
+    timeout) stays an engine error (502/503/504).
+    """
+    if not isinstance(exc, EngineRejected) or not is_payload_refusal(exc):
+        return None
+    message = describe(exc) if describe is not None else f"{exc} (the request's {field or 'payload'} was refused)"
+    return PayloadRejected(message, engine=exc.engine, field=field)
+
+
+@contextmanager
+def caller_payload(field: str | None = None) -> Iterator[None]:
+    """Engine calls in this block carry data the caller wrote: an engine's refusal of it is the caller's 422
+    (``refused_payload``).
+
+        with caller_payload("handle"):
+            await ops.load_chunk(engine, load)
+    """
+    try:
+        yield
+    except EngineRejected as exc:
+        if (refusal := refused_payload(exc, field=field)) is None:
+            raise
+        raise refusal from exc
 
 _EMPTY_REASONS = {
     httpx.ReadError: "connection closed while reading the reply (engine crashed or restarted?)",

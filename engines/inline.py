@@ -16,7 +16,9 @@ import binascii
 import pickletools
 from typing import Any
 
-__all__ = ["INLINE_GLOBALS", "InlinePayloadError", "check_inline_payload"]
+from ..errors import RequestInvalid
+
+__all__ = ["INLINE_GLOBALS", "check_inline_payload"]
 
 # What pickle.dumps of a dict of CPU tensors and SimpleNamespace metadata names (torch 2.x): all on
 # SGLang's SafeUnpickler allow-list (0.5.23 utils/common.py:3148-3370, _load_from_bytes at :3362).
@@ -36,24 +38,21 @@ _MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 _MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
 
 
-class InlinePayloadError(ValueError):
-    """An inline payload the engine could not load; the message says what is wrong with it."""
-
-
 def check_inline_payload(payload_b64: Any) -> None:
-    """Raise ``InlinePayloadError`` unless ``payload_b64`` is base64 of one pickle naming only INLINE_GLOBALS.
+    """Raise ``RequestInvalid`` (field ``handle.payload_b64``) unless ``payload_b64`` is base64 of one pickle
+    naming only INLINE_GLOBALS.
 
     The opcodes are walked with a model of the stack holding only the strings a ``STACK_GLOBAL`` takes its
     module and name from (pushed directly or through the memo); nothing is imported or constructed.
     """
     if not isinstance(payload_b64, str) or not payload_b64:
-        raise InlinePayloadError("an inline chunk carries its tensors as a 'payload_b64' string")
+        raise _refused("an inline chunk carries its tensors as a 'payload_b64' string")
     try:
         raw = base64.b64decode(payload_b64, validate=True)
     except (binascii.Error, ValueError):
-        raise InlinePayloadError("payload_b64 is not base64") from None
+        raise _refused("payload_b64 is not base64") from None
     if not raw.startswith(b"\x80"):
-        raise InlinePayloadError("payload_b64 is not a pickle (protocol 2 or later)")
+        raise _refused("payload_b64 is not a pickle (protocol 2 or later)")
     stack: list[str | None] = []
     memo: dict[int, str | None] = {}
     stopped_at: int | None = None
@@ -67,7 +66,7 @@ def check_inline_payload(payload_b64: Any) -> None:
                 _check_global(module, name)
             elif op.name == "STACK_GLOBAL":
                 if len(stack) < 2 or not isinstance(stack[-1], str) or not isinstance(stack[-2], str):
-                    raise InlinePayloadError("payload names a global whose name is not a plain string")
+                    raise _refused("payload names a global whose name is not a plain string")
                 _check_global(stack[-2], stack[-1])
             if op.name in _MEMO_PUT:
                 memo[int(str(arg))] = stack[-1] if stack else None
@@ -77,17 +76,19 @@ def check_inline_payload(payload_b64: Any) -> None:
                 continue
             _apply(op, arg, stack, memo)
     except ValueError as exc:  # pickletools' own complaints: truncated or unknown opcodes
-        if isinstance(exc, InlinePayloadError):
-            raise
-        raise InlinePayloadError(f"payload is not a well-formed pickle: {exc}") from None
+        raise _refused(f"payload is not a well-formed pickle: {exc}") from None
     if stopped_at is None or stopped_at != len(raw) - 1:
-        raise InlinePayloadError("payload is not exactly one pickle (no STOP at its end)")
+        raise _refused("payload is not exactly one pickle (no STOP at its end)")
+
+
+def _refused(message: str) -> RequestInvalid:
+    return RequestInvalid(message, field="handle.payload_b64")
 
 
 def _check_global(module: str, name: str) -> None:
     if (module, name) not in INLINE_GLOBALS:
-        raise InlinePayloadError(f"payload names {module}.{name}, which an inline chunk of CPU tensors never needs "
-                                 "(the engine would refuse or die on it)")
+        raise _refused(f"payload names {module}.{name}, which an inline chunk of CPU tensors never needs "
+                         "(the engine would refuse or die on it)")
 
 
 def _apply(op: pickletools.OpcodeInfo, arg: Any, stack: list[str | None], memo: dict[int, str | None]) -> None:

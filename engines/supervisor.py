@@ -36,13 +36,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from .errors import EngineError
+from ..errors import EngineLaunchError
 from .logtail import read_tail
 from .shm_files import GroupShmFiles
 from .tether import TETHER_ENV, tether_prefix
 
 __all__ = [
-    "EngineLaunchError",
     "LaunchOptions",
     "Launched",
     "ManagedProcess",
@@ -76,21 +75,6 @@ async def wait_pidfd(pidfd: int) -> None:
         await exited
     finally:
         loop.remove_reader(pidfd)
-
-
-class EngineLaunchError(EngineError):
-    """A launched process died, or was not ready by its deadline, or could not be started.
-
-    ``str()`` carries the log tail (what the operator needs to see why); ``summary`` is one line
-    (what failed and where the log is), for a CLI that prints one line.
-    """
-
-    def __init__(self, engine: str, message: str, *, log_path: Path | None = None, tail: str = "") -> None:
-        where = f"; log {log_path}" if log_path is not None else ""
-        super().__init__(engine, f"{message}{where}" + (f":\n{tail}" if tail else ""))
-        self.summary = f"engine {engine!r}: {message}{where}"
-        self.log_path = log_path
-        self.tail = tail
 
 
 class Launched(NamedTuple):

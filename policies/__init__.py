@@ -1,9 +1,11 @@
 """Policies decide, nothing else: typed snapshots in, typed decisions out, loaded from one YAML document.
 
-No I/O and no imports from the rest of colocd. The daemon holds a ``PolicyStore``; the trainer agent
-enacts ``GroupDirective`` and ``CleanupPlan``; the weight-stream pipeline follows ``PipelinePlan``.
+No I/O and no imports from the rest of colocd but its exception tree (``colocd.errors``, which imports
+nothing). The daemon holds a ``PolicyStore``; the trainer agent enacts ``GroupDirective`` and ``CleanupPlan``;
+the weight-stream pipeline follows ``PipelinePlan``.
 """
 
+from ..errors import PluginImportError, PluginNotFoundError, PolicyError
 from .base import Decision, Family, Policy, PolicyConfig
 from .cleanup import (
     AggressiveCleanupPolicy,
@@ -14,7 +16,6 @@ from .cleanup import (
     NoCleanupPolicy,
 )
 from .document import default_policies, policy_json_schema
-from .errors import PluginImportError, PluginNotFoundError, PolicyError
 from .loader import YamlLimits, load_policy_yaml
 from .pipeline import OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy
 from .policy_set import API_VERSION, PolicySet

@@ -11,9 +11,9 @@ from typing import Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from ..errors import PolicyError
 from .base import Family, Policy
 from .cleanup import CleanupPolicy
-from .errors import PolicyError
 from .pipeline import PipelinePolicy
 from .policy_set import API_VERSION, PolicySet
 from .process_groups import ProcessGroupPolicy

@@ -16,8 +16,8 @@ from typing import Any
 
 import yaml
 
+from ..errors import PolicyError
 from .document import Path, build_policy_set
-from .errors import PolicyError
 from .policy_set import PolicySet
 from .registry import ANY_PLUGIN
 

@@ -16,9 +16,9 @@ from importlib import metadata
 from types import MappingProxyType
 from typing import Any
 
+from ..errors import PluginImportError, PluginNotFoundError, PolicyError
 from .base import Family, Policy
 from .cleanup import AggressiveCleanupPolicy, CleanupPolicy, EmptyCachePolicy, NoCleanupPolicy
-from .errors import PluginImportError, PluginNotFoundError, PolicyError
 from .pipeline import OverlapPolicy, PipelinePolicy, SerialPolicy
 from .process_groups import (
     AutoPolicy,

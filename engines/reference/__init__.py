@@ -4,6 +4,6 @@ Only the launcher is re-exported here, so importing this package stays cheap (no
 model, server and engine live in their own modules (``model``, ``server``, ``engine``...).
 """
 
-from .launcher import EngineLaunchError, ReferenceEngineProcess
+from .launcher import ReferenceEngineProcess
 
-__all__ = ["EngineLaunchError", "ReferenceEngineProcess"]
+__all__ = ["ReferenceEngineProcess"]

@@ -27,8 +27,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ...errors import EngineLaunchError
 from ..config import ReferenceEngineConfig
-from ..supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, read_ready_file
+from ..supervisor import Launched, LaunchOptions, ManagedProcess, read_ready_file
 
 __all__ = ["EngineLaunchError", "ReferenceEngineProcess", "launch_reference"]
 

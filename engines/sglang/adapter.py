@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from ...errors import RequestInvalid
+from ...errors import EngineMismatch, EngineProtocolError, EngineRejected, ReplyInvalid, RequestInvalid
 from ...policies import Transport
 from ..base import (
     Capability,
@@ -31,7 +31,6 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
-from ..errors import EngineMismatch, EngineProtocolError, EngineRejected
 from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
 from ..httpmap import check_reply, map_http_errors
 from . import extensions, wire
@@ -132,7 +131,7 @@ class SGLangAdapter:
     def _parse(self, model: type[_R], data: Any, what: str) -> _R:
         try:
             return wire.parse_reply(model, data)
-        except wire.ReplyInvalid as exc:
+        except ReplyInvalid as exc:
             raise EngineProtocolError(self.name, f"{what}: {exc}") from None
 
     async def attach(self) -> EngineInfo:

@@ -19,8 +19,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ...errors import EngineLaunchError
 from ..config import SGLangEngineConfig
-from ..supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, free_port
+from ..supervisor import Launched, LaunchOptions, ManagedProcess, free_port
 from .protocol import parse_version
 
 __all__ = [

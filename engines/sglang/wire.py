@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
+from ...errors import ReplyInvalid
 from ..base import PauseMode
 from .protocol import SGLangProtocol
 
@@ -39,7 +40,6 @@ __all__ = [
     "PauseGenerationReqInput",
     "RankChecksums",
     "ReleaseMemoryOccupationReqInput",
-    "ReplyInvalid",
     "ResumeMemoryOccupationReqInput",
     "SGLangRequest",
     "Selector",
@@ -440,10 +440,6 @@ class ServerInfo(_Reply):
             return repr(float(self.startup_time))
         canonical = json.dumps(self.startup_time, sort_keys=True, separators=(",", ":"), default=str)
         return "startup:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
-
-
-class ReplyInvalid(ValueError):
-    """A reply that does not have the shape colocd reads; the message names the field."""
 
 
 _R = TypeVar("_R", bound=BaseModel)  # a reply model here, or one of the reference extensions (extensions.py)

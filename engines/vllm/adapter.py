@@ -27,6 +27,7 @@ from typing import Literal, TypeVar
 import httpx
 from pydantic import BaseModel, JsonValue, ValidationError
 
+from ...errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from ...policies import Transport
 from ..base import (
     ChunkLoad,
@@ -39,7 +40,6 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import VLLMEngineConfig
-from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from . import wire
 from .errors import map_transport_errors, raise_for_status
 from .protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES, VLLMRoutes, lacking, warn_if_untested

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from ..errors import EngineRejected
+from ...errors import EngineRejected
 from ..httpmap import map_http_errors
 
 __all__ = ["engine_message", "map_transport_errors", "raise_for_status"]

@@ -24,8 +24,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ...errors import EngineLaunchError
 from ..config import LaunchConfig, VLLMEngineConfig
-from ..supervisor import EngineLaunchError, Launched, LaunchOptions, ManagedProcess, free_port
+from ..supervisor import Launched, LaunchOptions, ManagedProcess, free_port
 from . import BACKEND_NAME, cpu_isa
 
 __all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "check_cpu_isa", "launch_vllm"]

@@ -147,7 +147,7 @@ async def test_trainer_that_never_broadcasts_gets_504_naming_the_engine_and_the_
             await client.send_broadcast(session, descriptor(0, named[:2]))
         body = err.value.body
         assert err.value.status == 504, body
-        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "update_weights_from_distributed#0", 1.0)
+        assert (body["engine"], body["stage"], body["budget_s"]) == ("ref0", "update_weights_from_distributed#0", 1.0)
         assert "'ref0'" in body["message"] and "1.0s budget" in body["message"] and "open it again" in body["message"]
 
         status = await client.status()  # the daemon keeps serving
@@ -209,7 +209,7 @@ async def test_a_trainer_that_never_joins_gets_504_naming_the_engine_and_nothing
             await client.open_weight_group(master_address="127.0.0.1", master_port=store.port, backend="gloo")
         body = err.value.body
         assert err.value.status == 504, body
-        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "init_weights_update_group", 1.0)
+        assert (body["engine"], body["stage"], body["budget_s"]) == ("ref0", "init_weights_update_group", 1.0)
         assert (await client.weight_groups())["groups"] == {}
         async with sender(client) as trainer:  # the same name opens cleanly afterwards
             assert (await trainer.open_group())["state"] == "ready"

@@ -172,7 +172,7 @@ async def test_flush_that_never_succeeds_is_504_naming_flush_cache_and_its_budge
             await n.client.phase("train", 1)
         body = err.value.body
         assert err.value.status == 504, body
-        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "flush_cache", 0.5)
+        assert (body["engine"], body["stage"], body["budget_s"]) == ("ref0", "flush_cache", 0.5)
         assert "'ref0'" in body["message"] and "flush_cache exceeded its 0.5s budget" in body["message"]
         assert record(await n.client.status()) == ("rollout", 0, "paused", "clean", RESIDENT)
         assert n.proxy.calls["/release_memory_occupation"] == 0
@@ -182,7 +182,7 @@ async def test_flush_that_never_succeeds_is_504_naming_flush_cache_and_its_budge
         assert (await n.client.phase("train", 1))["phase"] == "train"
 
 
-async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_the_daemon_keeps_serving(
+async def test_engine_hanging_on_a_call_is_504_naming_the_stage_and_budget_while_the_daemon_keeps_serving(
         pooled_engine: ReferenceEngineProcess) -> None:
     async with node(pooled_engine, pause_s=0.5) as n:
         n.proxy.inject("/pause_generation", Fault(remaining=1, hang=True))
@@ -194,7 +194,7 @@ async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_
             await train
         body = err.value.body
         assert err.value.status == 504, body
-        assert (body["engine"], body["step"], body["budget_s"]) == ("ref0", "pause_generation", 0.5)
+        assert (body["engine"], body["stage"], body["budget_s"]) == ("ref0", "pause_generation", 0.5)
         assert "pause_generation exceeded its 0.5s budget" in body["message"]
         after = await n.client.status()
         assert after["busy_with"] is None
@@ -204,7 +204,7 @@ async def test_engine_hanging_on_a_call_is_504_naming_the_step_and_budget_while_
         assert (await n.client.phase("train", 1))["phase"] == "train"  # the engine answers again
 
 
-async def test_a_step_that_happened_on_the_engine_but_failed_on_the_wire_is_reported_as_the_engine_is(
+async def test_a_call_that_happened_on_the_engine_but_failed_on_the_wire_is_reported_as_the_engine_is(
         pooled_engine: ReferenceEngineProcess) -> None:
     async with node(pooled_engine) as n:
         await n.client.phase("train", 1)
@@ -258,7 +258,7 @@ async def test_right_after_a_chunk_failed_on_a_dead_engine_status_says_the_engin
         assert await n.client.ready() is False
 
 
-async def test_a_failed_step_is_left_to_the_trainer_not_retried_by_the_health_loop(
+async def test_a_failed_transition_is_left_to_the_trainer_not_retried_by_the_health_loop(
         pooled_engine: ReferenceEngineProcess) -> None:
     """The desired state of a step holds for that step's sync only: once it failed, the record (what the engine
     is) is what every health tick drives toward, so the engine stays as the failure left it until asked again."""

@@ -25,9 +25,10 @@ import pytest
 import pytest_asyncio
 from support import daemon_node
 
-from colocd.daemon.config import ConfigError, load_node_config
+from colocd.daemon.config import load_node_config
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
+from colocd.errors import ConfigError
 from colocd.policies.document import policy_json_schema
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

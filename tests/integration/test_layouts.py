@@ -339,6 +339,6 @@ async def test_a_late_rank_within_the_start_deadline_succeeds_and_beyond_it_fail
         for r in range(3):
             assert "rank 3 did not start" in replies[r]["body"]["message"], replies[r]
             if replies[r]["status"] == 504:
-                assert (replies[r]["body"]["step"], replies[r]["body"]["rank"]) == ("start", 3)
+                assert (replies[r]["body"]["stage"], replies[r]["body"]["rank"]) == ("start", 3)
         assert replies[3]["status"] == 410, replies[3]
         await push(n, ranks, 4, seed=15, version="after-late", mode="replicated")

@@ -162,7 +162,7 @@ class StoppableEngine(GatedEngine):
 
     async def observe(self) -> Observation:
         if self.stopped:
-            from colocd.engines.errors import EngineUnreachable
+            from colocd.errors import EngineUnreachable
             raise EngineUnreachable(self.name, "connection refused")
         return await super().observe()
 

@@ -12,7 +12,7 @@ from support import InMemoryEngine
 from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.engines.base import Observation
-from colocd.engines.errors import EngineRejected
+from colocd.errors import EngineRejected
 from colocd.policies import Transport
 
 HEALTH_S = 30.0  # a tick far beyond every wait here: what happens sooner is not the health loop's tick

@@ -24,10 +24,11 @@ from reference_runner import StaticBuffers, generate_greedy
 
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
-from colocd.engines.reference import EngineLaunchError, ReferenceEngineProcess
+from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.runner import ModelRunner
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
+from colocd.errors import EngineLaunchError
 
 CFG = QwenLikeConfig()
 TOK = CharTokenizer()

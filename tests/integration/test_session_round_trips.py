@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from colocd.daemon.config import NodeConfig
-from colocd.daemon.errors import SessionGone
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase, WeightsState
 from colocd.daemon.weights import WeightSession
@@ -25,6 +24,7 @@ from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.errors import SessionGone
 from colocd.trainer.push import manifest_of
 
 

@@ -37,7 +37,6 @@ from support import (
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.config import NodeConfig
-from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import (
@@ -47,6 +46,7 @@ from colocd.engines.base import (
 from colocd.engines.chunks import ChunkLayout, plan_chunks, tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.errors import RequestInvalid
 from colocd.policies import Transport
 from colocd.trainer.producer import ExportedPart, InlineProducer, producer_for
 from colocd.trainer.push import WeightPusher, manifest_of
@@ -374,7 +374,7 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
             await node.client.send_chunk(sid_a, seq=0, rank=0, chunk=chunks[0])
             timeout = await _refused(node.client.send_chunk(sid_a, seq=1, rank=0, chunk=chunks[1]), 504)
             assert timeout["error"] == "ChunkTimeout"
-            assert (timeout["engine"], timeout["step"], timeout["budget_s"]) == ("ref0", "load_chunk", 1.0)
+            assert (timeout["engine"], timeout["stage"], timeout["budget_s"]) == ("ref0", "load_chunk", 1.0)
             assert "'ref0'" in timeout["message"] and "did not consume" in timeout["message"]
             session = (await node.client.status())["weight_session"]
             assert session["state"] == "failed" and session["tainted"] == ["ref0"]

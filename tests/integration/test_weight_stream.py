@@ -21,7 +21,6 @@ from support import EnginePool, daemon_node, shm_segments
 from benchmarks.weights import BenchSettings, run_weights_bench
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.engine_ops import EngineHandle
-from colocd.daemon.errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, WeightSyncError
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
@@ -29,10 +28,10 @@ from colocd.daemon.weights import SessionState, WeightSession
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.errors import EngineRejected
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.sglang.adapter import _load_format
+from colocd.errors import ChunkTimeout, EngineRejected, PayloadRejected, RequestInvalid, SessionGone, WeightSyncError
 from colocd.policies import Transport
 from colocd.trainer.push import WeightPusher
 
@@ -254,7 +253,7 @@ async def test_past_the_start_deadline_the_rank_that_never_started_is_named() ->
     session = _session([FakeEngine("tp2", tp=2)], ranks=2, timeout_s=0.1, start_s=0.3)
     with pytest.raises(ChunkTimeout, match=r"rank 1 did not start .* within start_s=0.3s") as err:
         await session.submit(0, _part(0, 0))
-    assert (err.value.step, err.value.rank, err.value.budget_s) == ("start", 1, 0.3)
+    assert (err.value.stage, err.value.rank, err.value.budget_s) == ("start", 1, 0.3)
     assert session.state is SessionState.FAILED
 
 
@@ -263,7 +262,7 @@ async def test_a_started_rank_that_stops_sending_gets_the_chunk_budget_not_the_s
     await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(0, _part(1, 0)))
     with pytest.raises(ChunkTimeout, match=r"waiting for chunk 1 from rank 1, which never sent it") as err:
         await session.submit(1, _part(0, 1))
-    assert err.value.step == "gather"
+    assert err.value.stage == "gather"
 
 
 async def test_chunks_from_ranks_that_carry_other_tensors_than_the_first_ranks_are_refused_naming_both() -> None:
@@ -470,7 +469,7 @@ async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it(eng
         with pytest.raises(ColocdHTTPError) as err:
             await client.commit(sid, chunks)
         body = err.value.body
-        assert err.value.status == 504 and (body["step"], body["rank"]) == ("start", 1), body
+        assert err.value.status == 504 and (body["stage"], body["rank"]) == ("start", 1), body
         assert "rank 1 did not start" in body["message"] and "'cpu:1'" in body["message"]
         assert (await client.status())["engines"]["ref0"]["weights"] == "stale"
     assert shm_segments() <= segments_before

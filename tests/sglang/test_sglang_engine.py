@@ -28,8 +28,8 @@ from sglang_live import (
 )
 
 from colocd.engines.base import ChunkLoad, ChunkPart, PauseMode
-from colocd.engines.errors import EngineRejected
 from colocd.engines.sglang.adapter import SGLangAdapter
+from colocd.errors import EngineRejected
 from colocd.policies import Transport
 from colocd.trainer.producer import InlineProducer
 

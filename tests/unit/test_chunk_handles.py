@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from colocd.engines.chunks import MAX_LAYOUT_ENTRIES, ChunkLayout, HandleError, SharedSegment, inspect_handle
+from colocd.engines.chunks import MAX_LAYOUT_ENTRIES, ChunkLayout, SharedSegment, inspect_handle
+from colocd.errors import RequestInvalid
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_a_readable_shm_handle_yields_its_layout(segment: SharedSegment) -> None
 def test_unreadable_handles_are_refused_naming_the_field(
     transport: str, nbytes: int, handle: dict[str, Any], field: str, words: str
 ) -> None:
-    with pytest.raises(HandleError, match=words) as err:
+    with pytest.raises(RequestInvalid, match=words) as err:
         inspect_handle(transport, nbytes, handle)
     assert err.value.field == field
 
@@ -65,18 +66,18 @@ def test_unreadable_handles_are_refused_naming_the_field(
     ],
 )
 def test_bad_layouts_are_refused(segment: SharedSegment, layout: Any, words: str) -> None:
-    with pytest.raises(HandleError, match=words) as err:
+    with pytest.raises(RequestInvalid, match=words) as err:
         inspect_handle("shm", 1024, {"shm_name": segment.name, "nbytes": 1024, "layout": layout})
     assert err.value.field == "handle.layout"
 
 
 def test_a_segment_smaller_than_nbytes_is_refused(segment: SharedSegment) -> None:
-    with pytest.raises(HandleError, match="holds 1024 bytes") as err:
+    with pytest.raises(RequestInvalid, match="holds 1024 bytes") as err:
         inspect_handle("shm", 10**12, {"shm_name": segment.name, "nbytes": 10**12, "layout": []})
     assert err.value.field == "nbytes"
 
 
 def test_a_layout_longer_than_any_chunk_is_refused_before_parsing_it(segment: SharedSegment) -> None:
     huge = [{"name": f"t{i}", "dtype": "uint8", "shape": [0], "offset": 0} for i in range(MAX_LAYOUT_ENTRIES + 1)]
-    with pytest.raises(HandleError, match=f"at most {MAX_LAYOUT_ENTRIES}"):
+    with pytest.raises(RequestInvalid, match=f"at most {MAX_LAYOUT_ENTRIES}"):
         inspect_handle("shm", 1024, {"shm_name": segment.name, "nbytes": 1024, "layout": huge})

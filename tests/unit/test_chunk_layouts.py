@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from colocd.daemon.engine_ops import EngineHandle
-from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
@@ -21,6 +20,7 @@ from colocd.daemon.weights import WeightSession, manifest_from_json
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout
 from colocd.engines.config import ReferenceEngineConfig
+from colocd.errors import RequestInvalid
 from colocd.policies import Transport
 from colocd.trainer.push import manifest_of
 
@@ -111,11 +111,11 @@ async def test_what_counts_as_sent_is_what_the_layouts_carried_never_the_manifes
 
 
 def test_a_disk_chunk_without_its_layout_is_refused_and_with_it_yields_the_layout(tmp_path: Any) -> None:
-    from colocd.engines.chunks import HandleError, inspect_handle
+    from colocd.engines.chunks import inspect_handle
 
     path = tmp_path / "chunk.safetensors"
     path.write_bytes(b"\0" * 8)
-    with pytest.raises(HandleError, match="a disk chunk carries its layout") as refused:
+    with pytest.raises(RequestInvalid, match="a disk chunk carries its layout") as refused:
         inspect_handle("disk", 8, {"path": str(path)})
     assert refused.value.field == "handle.layout"
     layout = inspect_handle("disk", 8, {"path": str(path), "layout": _layout(TENSORS)})

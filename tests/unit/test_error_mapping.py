@@ -10,9 +10,8 @@ from support import serve_app
 
 from colocd.api.errors import install_error_handlers, status_for
 from colocd.api.guard import RequestGuard
-from colocd.daemon.errors import EngineRejected, PayloadRejected, caller_payload
-from colocd.engines.errors import EngineUnreachable
-from colocd.engines.httpmap import map_http_errors
+from colocd.engines.httpmap import caller_payload, map_http_errors
+from colocd.errors import EngineRejected, EngineUnreachable, PayloadRejected
 
 
 def test_an_engine_refusing_the_callers_payload_becomes_a_422_carrying_the_engines_words() -> None:

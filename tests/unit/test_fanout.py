@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from colocd.daemon.errors import TransitionFailed
 from colocd.daemon.fanout import OnFailure, each_engine, fan_out
 from colocd.daemon.metrics import Metrics
+from colocd.errors import TransitionFailed
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ async def test_each_engine_times_every_engine_and_names_the_phase_of_a_foreign_f
         return 1
 
     with pytest.raises(TransitionFailed, match=r"^train: ZeroDivisionError: bad arithmetic$"):
-        await each_engine([A, B], step, phase="train", metrics=metrics)  # type: ignore[arg-type]
+        await each_engine([A, B], step, operation="train", metrics=metrics)  # type: ignore[arg-type]
     timed = {s.labels["engine"]: s.value for m in metrics.phase_duration.collect() for s in m.samples
              if s.name.endswith("_count") and s.labels.get("phase") == "train" and s.labels["engine"] != "all"}
     assert timed == {"a": 1, "b": 1}  # the failing engine's time is recorded too
-    assert await each_engine([A], step, phase="sync", metrics=metrics) == {"a": 1}  # type: ignore[arg-type]
+    assert await each_engine([A], step, operation="sync", metrics=metrics) == {"a": 1}  # type: ignore[arg-type]

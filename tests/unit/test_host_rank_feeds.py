@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import WeightSession
+from colocd.errors import RequestInvalid
 from colocd.policies import Transport
 
 GPU0 = "GPU-c84bc8ec-c721-6836-0423-0963f9a5acdc"

@@ -7,9 +7,9 @@ import re
 import pytest
 
 from colocd.api.errors import error_body
-from colocd.daemon.errors import ManifestRefUnknown
 from colocd.daemon.manifests import MANIFEST_REF_PATTERN, ManifestBook, reference_of
 from colocd.daemon.weights import Manifest, TensorMeta
+from colocd.errors import ManifestRefUnknown
 
 
 def _manifest(*names: str, dtype: str = "bfloat16", shape: tuple[int, ...] = (4, 4)) -> Manifest:

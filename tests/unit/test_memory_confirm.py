@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from colocd.daemon.engine_ops import EngineHandle, expected_release_bytes
-from colocd.daemon.errors import MemoryNotConfirmed
 from colocd.daemon.memory import GpuReading, NvmlProbe, Settled
 from colocd.daemon.states import EngineRecord
 from colocd.engines.base import MemoryReport, MemoryTag, TagMemory
+from colocd.errors import MemoryNotConfirmed
 
 GIB = 1 << 30
 TOTAL = 140 * GIB

@@ -155,7 +155,7 @@ def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() ->
 
 def test_a_failed_transition_logs_one_line_naming_engine_step_phase_session_and_error(
         caplog: pytest.LogCaptureFixture) -> None:
-    from colocd.engines.errors import EngineUnreachable
+    from colocd.errors import EngineUnreachable
 
     book = StepBook(Metrics())
     with caplog.at_level(logging.INFO, logger="colocd.events"):

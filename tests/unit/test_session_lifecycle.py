@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from colocd.daemon.errors import SessionGone, TransitionRejected, WeightSyncError
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import (
     SESSION_MOVES,
@@ -18,6 +17,7 @@ from colocd.daemon.states import (
 )
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import WeightSession
+from colocd.errors import SessionGone, TransitionRejected, WeightSyncError
 
 L = SessionLifecycle
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from sglang_live import differing, parameter_checksums
 
-from colocd.engines.inline import InlinePayloadError, check_inline_payload
+from colocd.engines.inline import check_inline_payload
 from colocd.engines.sglang import wire
+from colocd.errors import ReplyInvalid, RequestInvalid
 from colocd.trainer.producer import InlineProducer
 
 LIVE = json.loads((Path(__file__).parent.parent / "contract" / "fixtures" / "sglang_live_0_5_23.json")
@@ -37,7 +38,7 @@ def test_a_numeric_startup_time_is_its_own_incarnation() -> None:
 
 
 def test_a_server_info_of_the_wrong_shape_names_the_field() -> None:
-    with pytest.raises(wire.ReplyInvalid, match="tp_size"):
+    with pytest.raises(ReplyInvalid, match="tp_size"):
         wire.parse_reply(wire.ServerInfo, {"version": "0.5.23", "tp_size": "1"})
 
 
@@ -63,5 +64,5 @@ def test_an_inline_chunk_passes_the_check() -> None:
     ("%%%", "not base64"),
 ])
 def test_what_sglangs_scheduler_would_die_on_is_refused(payload: str, why: str) -> None:
-    with pytest.raises(InlinePayloadError, match=why):
+    with pytest.raises(RequestInvalid, match=why):
         check_inline_payload(payload)

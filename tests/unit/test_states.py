@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-from colocd.daemon.errors import TransitionRejected
 from colocd.daemon.states import (
     EngineRecord,
     Generation,
@@ -18,6 +17,7 @@ from colocd.daemon.states import (
     check_phase_request,
 )
 from colocd.engines.base import MemoryTag
+from colocd.errors import TransitionRejected
 
 W, KV, CG = MemoryTag.WEIGHTS, MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH
 
@@ -149,8 +149,8 @@ def test_a_weight_session_opens_alone_on_paused_engines_with_weights_resident() 
 
 
 def test_an_engine_takes_mutating_calls_only_attached_and_healthy() -> None:
-    from colocd.daemon.errors import EngineUnreachable
     from colocd.daemon.states import Attachment, check_attached, unready_reason
+    from colocd.errors import EngineUnreachable
 
     healthy = EngineRecord(name="a")
     check_attached("a", Attachment.ATTACHED, healthy)

@@ -26,7 +26,6 @@ from colocd.daemon.metrics import Metrics
 from colocd.daemon.supervision import Backoff, EngineSupervision, LaunchState
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.supervisor import (
-    EngineLaunchError,
     Launched,
     LaunchOptions,
     ManagedProcess,
@@ -34,6 +33,7 @@ from colocd.engines.supervisor import (
     group_alive,
     read_ready_file,
 )
+from colocd.errors import EngineLaunchError
 
 DEADLINE_S = 20.0
 

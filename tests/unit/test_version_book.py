@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from colocd.daemon.errors import TransitionRejected
 from colocd.daemon.states import NodeState, check_rollout_staleness
 from colocd.daemon.versions import VersionBook
+from colocd.errors import TransitionRejected
 
 
 def _book(*committed: str) -> VersionBook:

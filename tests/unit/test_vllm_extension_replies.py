@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.errors import EngineProtocolError
 from colocd.engines.vllm import VLLMAdapter
 from colocd.engines.vllm.protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES
+from colocd.errors import EngineProtocolError
 from colocd.policies import Transport
 
 INFO = {"extension_version": 1, "device": "cpu", "tp_rank": 0, "backend_registered": True, "digests": True,

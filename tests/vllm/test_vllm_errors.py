@@ -7,8 +7,8 @@ import pytest
 from vllm_live import LACKS, SLEEP_LEVEL_CHECKED
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.errors import EngineProtocolError, EngineRejected, EngineUnreachable
 
 pytestmark = pytest.mark.vllm
 

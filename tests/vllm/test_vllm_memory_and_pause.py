@@ -16,8 +16,8 @@ import pytest
 from vllm_live import LACKS, VLLMHttp
 
 from colocd.engines.base import MemoryTag, PauseMode
-from colocd.engines.errors import EngineProtocolError, EngineRejected
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.errors import EngineProtocolError, EngineRejected
 
 pytestmark = pytest.mark.vllm
 

@@ -16,9 +16,9 @@ import pytest
 from vllm_live import VLLMHttp
 
 from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
-from colocd.engines.errors import EngineRejected
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
 from colocd.engines.vllm.extension import named_digest
+from colocd.errors import EngineRejected
 
 pytestmark = pytest.mark.vllm
 
