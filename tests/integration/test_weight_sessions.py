@@ -365,7 +365,8 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
         proxies.append(SlowLoadProxy(url, nth=2))
         return proxies[0]
 
-    async with _node(pooled_engine, tmp_path, via=via, chunk_s=1.0, quiesce_s=0.3) as node:
+    # chunk_s fails the first session; it also bounds every chunk of the next one, so it leaves room for a busy CPU.
+    async with _node(pooled_engine, tmp_path, via=via, chunk_s=3.0, quiesce_s=0.3) as node:
         _, stale_named = _model(seed=99)
         chunks = _export(stale_named, transport="disk")  # files outlive the session: only the engine can refuse
         try:
@@ -374,7 +375,7 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
             await node.client.send_chunk(sid_a, seq=0, rank=0, chunk=chunks[0])
             timeout = await _refused(node.client.send_chunk(sid_a, seq=1, rank=0, chunk=chunks[1]), 504)
             assert timeout["error"] == "ChunkTimeout"
-            assert (timeout["engine"], timeout["stage"], timeout["budget_s"]) == ("ref0", "load_chunk", 1.0)
+            assert (timeout["engine"], timeout["stage"], timeout["budget_s"]) == ("ref0", "load_chunk", 3.0)
             assert "'ref0'" in timeout["message"] and "did not consume" in timeout["message"]
             session = (await node.client.status())["weight_session"]
             assert session["state"] == "failed" and session["tainted"] == ["ref0"]

@@ -62,6 +62,7 @@ def _isort_style(name: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("module", sorted(p.stem for p in POLICIES.glob("*.py")))
 def test_every_module_declares_a_sorted_all_and_imports_nothing_else_of_ours(module: str) -> None:
+    # Policies decide and import nothing of ours but the root of the exception tree (errors.py imports nothing).
     tree = ast.parse((POLICIES / f"{module}.py").read_text())
     assert ast.get_docstring(tree), f"{module} needs a one-sentence docstring"
     names = [
@@ -72,7 +73,8 @@ def test_every_module_declares_a_sorted_all_and_imports_nothing_else_of_ours(mod
     assert names and names[0] == sorted(names[0], key=_isort_style), f"{module}: __all__ unsorted"
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
-            assert node.level == 1, f"{module} imports from outside policies/"
+            assert node.level == 1 or (node.level, node.module) == (2, "errors"), \
+                f"{module} imports from outside policies/"
         if isinstance(node, ast.ImportFrom) and not node.level:
             assert not (node.module or "").startswith("colocd"), f"{module} imports {node.module}"
         if isinstance(node, ast.Import):
