@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,9 +32,9 @@ from colocd.engines.base import (
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
-           "NvmlNode", "daemon_node", "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config",
-           "reference_engine", "request_body", "serve_app", "serve_lifespan", "shm_files_in_use", "shm_left_behind",
-           "shm_segments", "stop_engines"]
+           "NvmlNode", "daemon_node", "in_process_daemon", "leaves_no_shm_segments", "node_config",
+           "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body", "serve_app",
+           "serve_lifespan", "shm_files_in_use", "shm_left_behind", "shm_segments", "stop_engines"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -422,12 +422,42 @@ def _ok(response: httpx.Response) -> None:
 
 @dataclass
 class DaemonNode:
-    """What ``daemon_node`` yields: a client of the daemon, its URL, and its process when it runs as one."""
+    """What ``daemon_node`` yields: a client of the daemon, its URL, its engines' own URLs (not the daemon's view of
+    them: a proxy may stand between), and the daemon itself (in this event loop) or its process (``colocd serve``)."""
 
     client: Any  # colocd.api.client.AsyncColocdClient
     url: str
     process: Any = None  # colocd.api.procs.DaemonProcess, with ``subprocess=True``
     token: str | None = None
+    engine_urls: dict[str, str] = field(default_factory=dict)
+    daemon: Any = None  # colocd.daemon.node.Daemon, in this event loop
+
+    @property
+    def engine_url(self) -> str:
+        """The URL of the node's one engine."""
+        (url,) = self.engine_urls.values()
+        return url
+
+    async def engine_get(self, path: str, engine: str | None = None) -> Any:
+        """``GET path`` of an engine itself (the only one unless named), as JSON."""
+        url = self.engine_urls[engine] if engine is not None else self.engine_url
+        async with httpx.AsyncClient(trust_env=False, timeout=DEADLINE_S) as http:
+            response = await http.get(url + path)
+            response.raise_for_status()
+            return response.json()
+
+    async def engine_checksum(self, engine: str | None = None) -> str:
+        """The checksum of the weights an engine itself serves (``/weights_checker``)."""
+        url = self.engine_urls[engine] if engine is not None else self.engine_url
+        async with httpx.AsyncClient(trust_env=False, timeout=DEADLINE_S) as http:
+            response = await http.post(url + "/weights_checker", json={"action": "checksum"})
+            response.raise_for_status()
+            return str(response.json()["colocd_checksum"])
+
+    async def engine_memory(self, engine: str | None = None) -> dict[str, bool]:
+        """An engine's own per-tag residency, asked directly."""
+        tags = (await self.engine_get("/colocd/memory", engine))["tags"]
+        return {tag: entry["resident"] for tag, entry in tags.items()}
 
     async def kill(self) -> None:
         """The crash of ``colocd serve``: SIGKILL, no handler runs, nothing it started is stopped."""
@@ -451,36 +481,92 @@ class DaemonNode:
             await self.client.wait_ready(DEADLINE_S)
 
 
+def node_config(engines: list[dict[str, Any]] | dict[str, str] | None = None, *,
+                adapters: Mapping[str, Any] | None = None, **config: Any) -> Any:
+    """A ``NodeConfig`` over ``engines`` (config entries, or ``{name: url}`` of reference engines) and, for each of
+    ``adapters`` not among them, an entry no request will reach (the adapter stands in for its engine)."""
+    from colocd.daemon.config import NodeConfig
+
+    entries = _engine_entries(engines or {})
+    named = {entry["name"] for entry in entries}
+    entries += [{"kind": "sglang", "name": n, "url": "http://unused"} for n in (adapters or {}) if n not in named]
+    return NodeConfig.model_validate({"engines": entries, **config})
+
+
 @asynccontextmanager
-async def daemon_node(engines: list[dict[str, Any]] | dict[str, str], *, subprocess: bool = False,
+async def in_process_daemon(adapters: Mapping[str, Any] | None = None, engines: Any = None,
+                            **config: Any) -> AsyncIterator[Any]:
+    """A ``Daemon`` entered in this event loop, with no server: ``adapters`` (``{name: adapter}``, such as
+    ``InMemoryEngine``s) stand in for the engines; the test drives its concerns directly."""
+    from colocd.daemon.node import Daemon
+
+    async with Daemon(node_config(engines, adapters=adapters, **config),
+                      adapters=dict(adapters) if adapters else None) as daemon:
+        yield daemon
+
+
+def _engine_entries(engines: list[dict[str, Any]] | dict[str, str]) -> list[dict[str, Any]]:
+    if isinstance(engines, dict):
+        return [{"kind": "reference", "name": n, "url": str(u)} for n, u in engines.items()]
+    return [dict(entry) for entry in engines]
+
+
+@asynccontextmanager
+async def _fronted(engine_urls: dict[str, str], via: Callable[[str], Any] | None) -> AsyncIterator[dict[str, str]]:
+    """Each engine URL, or the URL of ``via(engine_url)`` (an ASGI app in front of it) served here."""
+    if via is None:
+        yield engine_urls
+        return
+    async with AsyncExitStack() as stack:
+        yield {name: await stack.enter_async_context(serve_app(via(url), ready_path="/health"))
+               for name, url in engine_urls.items()}
+
+
+@asynccontextmanager
+async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = None, *, subprocess: bool = False,
                       workdir: Any = None, token: str | None = None, ready: bool = True,
+                      adapters: Mapping[str, Any] | None = None, via: Callable[[str], Any] | None = None,
+                      wrap: Callable[[Any], Any] | None = None, synced_at: int | None = None,
                       **config: Any) -> AsyncIterator[DaemonNode]:
     """A colocd daemon over ``engines`` (config entries, or ``{name: url}`` of reference engines) and a client.
 
-    In the test's event loop by default; ``subprocess=True`` runs ``colocd serve`` as a child process (in
-    ``workdir``), for tests about that process (killed, restarted, its own segments, its log). The client waits
-    for ``/readyz`` unless ``ready=False``.
+    In the test's event loop by default (``node.daemon``); ``subprocess=True`` runs ``colocd serve`` as a child
+    process (in ``workdir``), for tests about that process (killed, restarted, its own segments, its log).
+    ``adapters`` (``{name: adapter}``) stand in for engines in this event loop; ``via(engine_url)`` is an ASGI app
+    served in front of each engine (the daemon sees it, ``node.engine_urls`` the engine); ``wrap(app)`` is what
+    is served in place of the daemon's app. The client waits for ``/readyz`` unless ``ready=False``; with
+    ``synced_at`` the node is then moved through train to sync at that step.
     """
     from colocd.api.client import AsyncColocdClient
 
-    if isinstance(engines, dict):
-        engines = [{"kind": "reference", "name": n, "url": str(u)} for n, u in engines.items()]
-    full = {"engines": engines, **config, **({"token": token} if token is not None else {})}
+    entries = _engine_entries(engines or {})
+    own = {e["name"]: str(e["url"]) for e in entries if "url" in e and e.get("kind", "reference") == "reference"}
     async with AsyncExitStack() as stack:
+        seen = await stack.enter_async_context(_fronted(own, via))
+        entries = [{**e, "url": seen[e["name"]]} if e["name"] in seen else e for e in entries]
+        full = {**config, **({"token": token} if token is not None else {})}
+        daemon = None
         if subprocess:
             from colocd.api.procs import DaemonProcess
 
             process = await stack.enter_async_context(DaemonProcess(
-                full, workdir=None if workdir is None else str(workdir), ready_timeout_s=DEADLINE_S))
+                {"engines": entries, **full}, workdir=None if workdir is None else str(workdir),
+                ready_timeout_s=DEADLINE_S))
             url = process.url
         else:
             from colocd.api.app import create_app
-            from colocd.daemon.config import NodeConfig
+            from colocd.daemon.node import Daemon
 
             process = None
-            url = await stack.enter_async_context(serve_app(create_app(NodeConfig.model_validate(full))))
-        node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token)
+            node_cfg = node_config(entries, adapters=adapters, **full)
+            daemon = Daemon(node_cfg, adapters=dict(adapters) if adapters else None)
+            app = create_app(node_cfg, daemon=daemon)
+            url = await stack.enter_async_context(serve_app(wrap(app) if wrap else app))
+        node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token, own, daemon)
         stack.push_async_callback(lambda: node.client.aclose())  # the client of the last restart()
         if ready:
             await node.client.wait_ready(DEADLINE_S)
+        if synced_at is not None:
+            await node.client.phase("train", synced_at)
+            await node.client.phase("sync", synced_at)
         yield node
