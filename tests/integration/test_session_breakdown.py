@@ -7,10 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from support import InMemoryEngine
+from support import InMemoryEngine, in_process_daemon
 
 from benchmarks.session_breakdown import STAGES, breakdown
-from colocd.daemon.config import NodeConfig
 from colocd.daemon.errors import RequestInvalid
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
@@ -44,11 +43,6 @@ class ListedEngine(InMemoryEngine):
         return tuple(ParameterSpec(m["name"], m["dtype"], tuple(m["shape"])) for m in manifest_of(NAMED))
 
 
-def _config(tmp_path: Any) -> NodeConfig:
-    return NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}],
-                                      "journal": str(tmp_path / "journal.jsonl")})
-
-
 async def _commit_one(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
     session = await daemon.sessions.open(step=step, version=version, ranks=1, manifest=manifest_of(NAMED))
     handle = {"payload_b64": "", "layout": ChunkLayout.for_tensors(NAMED).to_json()}
@@ -65,7 +59,7 @@ async def _push(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
 
 
 async def test_the_commit_trace_times_every_stage_of_the_session_open_to_commit(tmp_path: Any) -> None:
-    async with Daemon(_config(tmp_path), adapters={"e0": ListedEngine("e0")}) as daemon:
+    async with in_process_daemon({"e0": ListedEngine("e0")}, journal=str(tmp_path / "journal.jsonl")) as daemon:
         commit = await _push(daemon, 1, "v1")
     names = [s["name"] for s in commit["trace"]["spans"]]
     assert names.count("node_lock") == 2  # the open's and the commit's
@@ -83,7 +77,7 @@ async def test_the_commit_trace_times_every_stage_of_the_session_open_to_commit(
 async def test_an_engine_lists_its_parameters_once_per_incarnation_and_they_still_bind_every_open(
         tmp_path: Any) -> None:
     engine = ListedEngine("e0")
-    async with Daemon(_config(tmp_path), adapters={"e0": engine}) as daemon:
+    async with in_process_daemon({"e0": engine}, journal=str(tmp_path / "journal.jsonl")) as daemon:
         await _push(daemon, 1, "v1")
         second = await _push(daemon, 2, "v2")
         assert engine.manifest_calls == 1
