@@ -431,12 +431,19 @@ class DaemonNode:
     token: str | None = None
     engine_urls: dict[str, str] = field(default_factory=dict)
     daemon: Any = None  # colocd.daemon.node.Daemon, in this event loop
+    fronts: dict[str, Any] = field(default_factory=dict)  # engine name → the app served in front of it (``via``)
 
     @property
     def engine_url(self) -> str:
         """The URL of the node's one engine."""
         (url,) = self.engine_urls.values()
         return url
+
+    @property
+    def front(self) -> Any:
+        """The app served in front of the node's one engine."""
+        (app,) = self.fronts.values()
+        return app
 
     async def engine_get(self, path: str, engine: str | None = None) -> Any:
         """``GET path`` of an engine itself (the only one unless named), as JSON."""
@@ -512,14 +519,21 @@ def _engine_entries(engines: list[dict[str, Any]] | dict[str, str]) -> list[dict
 
 
 @asynccontextmanager
-async def _fronted(engine_urls: dict[str, str], via: Callable[[str], Any] | None) -> AsyncIterator[dict[str, str]]:
-    """Each engine URL, or the URL of ``via(engine_url)`` (an ASGI app in front of it) served here."""
+async def _fronted(engine_urls: dict[str, str], via: Callable[[str], Any] | None,
+                   fronts: dict[str, Any]) -> AsyncIterator[dict[str, str]]:
+    """Each engine URL, or the URL of ``via(engine_url)`` (an ASGI app in front of it, kept in ``fronts``) served
+    here. A front's ``release()``, where it has one, runs before its server stops: requests it holds must end."""
     if via is None:
         yield engine_urls
         return
     async with AsyncExitStack() as stack:
-        yield {name: await stack.enter_async_context(serve_app(via(url), ready_path="/health"))
-               for name, url in engine_urls.items()}
+        seen = {}
+        for name, url in engine_urls.items():
+            fronts[name] = app = via(url)
+            seen[name] = await stack.enter_async_context(serve_app(app, ready_path="/health"))
+            if callable(getattr(app, "release", None)):
+                stack.callback(app.release)
+        yield seen
 
 
 @asynccontextmanager
@@ -542,7 +556,8 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
     entries = _engine_entries(engines or {})
     own = {e["name"]: str(e["url"]) for e in entries if "url" in e and e.get("kind", "reference") == "reference"}
     async with AsyncExitStack() as stack:
-        seen = await stack.enter_async_context(_fronted(own, via))
+        fronts: dict[str, Any] = {}
+        seen = await stack.enter_async_context(_fronted(own, via, fronts))
         entries = [{**e, "url": seen[e["name"]]} if e["name"] in seen else e for e in entries]
         full = {**config, **({"token": token} if token is not None else {})}
         daemon = None
@@ -562,7 +577,7 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
             daemon = Daemon(node_cfg, adapters=dict(adapters) if adapters else None)
             app = create_app(node_cfg, daemon=daemon)
             url = await stack.enter_async_context(serve_app(wrap(app) if wrap else app))
-        node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token, own, daemon)
+        node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token, own, daemon, fronts)
         stack.push_async_callback(lambda: node.client.aclose())  # the client of the last restart()
         if ready:
             await node.client.wait_ready(DEADLINE_S)
