@@ -32,9 +32,10 @@ from colocd.engines.base import (
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
-           "NvmlNode", "daemon_node", "in_process_daemon", "leaves_no_shm_segments", "node_config",
-           "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body", "serve_app",
-           "serve_lifespan", "shm_files_in_use", "shm_left_behind", "shm_segments", "stop_engines"]
+           "NvmlNode", "RestartableEngine", "daemon_node", "in_process_daemon", "leaves_no_shm_segments",
+           "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body",
+           "restartable_engine", "serve_app", "serve_lifespan", "shm_files_in_use", "shm_left_behind", "shm_segments",
+           "stop_engines"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -296,6 +297,49 @@ async def reference_engine(name: str = "ref0", **config: Any) -> AsyncIterator[A
 
     async with ReferenceEngineProcess(reference_config(name, **config)) as proc:
         yield proc
+
+
+class RestartableEngine:
+    """A reference engine that a test SIGKILLs and starts again on the same URL (what ``restartable_engine``
+    yields); ``proc`` is the process running now."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    @property
+    def url(self) -> str:
+        return str(self.proc.url)
+
+    async def kill(self) -> None:
+        """SIGKILL: no handler runs; the process is reaped."""
+        import signal
+
+        assert self.proc.pid is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        await self.proc.aclose()
+        assert self.proc.returncode == -signal.SIGKILL
+
+    async def restart(self, *, ready_path: str = "/health") -> None:
+        """Kill it (if it runs) and start a fresh process of its config on its URL, ready once ``ready_path``
+        answers (``/model_info`` where a daemon watching it may pause it before its first generation)."""
+        from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+        if self.proc.returncode is None:
+            await self.kill()
+        self.proc = ReferenceEngineProcess(self.proc.config.model_copy(update={"url": self.url}),
+                                           ready_path=ready_path)
+        await self.proc.astart()
+
+
+@asynccontextmanager
+async def restartable_engine(name: str = "ref0", **config: Any) -> AsyncIterator[RestartableEngine]:
+    """A fresh reference engine process the test may kill and restart; whichever runs last is stopped at exit."""
+    async with reference_engine(name, **config) as proc:
+        engine = RestartableEngine(proc)
+        try:
+            yield engine
+        finally:
+            await engine.proc.aclose()
 
 
 class EnginePool:
