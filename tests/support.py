@@ -291,11 +291,14 @@ def reference_config(name: str = "ref0", **config: Any) -> Any:
 
 
 @asynccontextmanager
-async def reference_engine(name: str = "ref0", **config: Any) -> AsyncIterator[Any]:
-    """A fresh reference engine process (``ReferenceEngineProcess``), ready once a generation answers."""
+async def reference_engine(name: str = "ref0", *, ready_path: str = "/health", drivable: bool = False,
+                           options: Any = None, log_path: Any = None, **config: Any) -> AsyncIterator[Any]:
+    """A fresh reference engine process (``ReferenceEngineProcess``), ready once ``ready_path`` answers (by default
+    once a generation does); ``drivable``, ``options`` and ``log_path`` are the launcher's."""
     from colocd.engines.reference.launcher import ReferenceEngineProcess
 
-    async with ReferenceEngineProcess(reference_config(name, **config)) as proc:
+    async with ReferenceEngineProcess(reference_config(name, **config), ready_path=ready_path, drivable=drivable,
+                                      options=options, log_path=log_path) as proc:
         yield proc
 
 
@@ -488,6 +491,11 @@ class DaemonNode:
         """The app served in front of the node's one engine."""
         (app,) = self.fronts.values()
         return app
+
+    def http(self, timeout_s: float = DEADLINE_S) -> httpx.AsyncClient:
+        """A plain HTTP client of the daemon (with its token, if it has one), for requests the client cannot make."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, trust_env=False)
 
     async def engine_get(self, path: str, engine: str | None = None) -> Any:
         """``GET path`` of an engine itself (the only one unless named), as JSON."""

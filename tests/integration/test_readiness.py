@@ -9,14 +9,10 @@ import time
 from typing import Any
 
 import httpx
-from support import InMemoryEngine
+from support import InMemoryEngine, in_process_daemon, reference_engine
 
-from colocd.daemon.config import NodeConfig
-from colocd.daemon.node import Daemon
 from colocd.engines.base import Observation
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.errors import EngineRejected
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.supervisor import LaunchOptions
 from colocd.policies import Transport
 
@@ -45,14 +41,9 @@ class SessionStuckEngine(InMemoryEngine):
         self.open = False
 
 
-def config() -> NodeConfig:
-    return NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
-                                      "timeouts": {"health_interval_s": HEALTH_S}})
-
-
 async def test_an_engine_whose_reconcile_failed_is_not_ready_and_is_retried_before_the_next_health_tick() -> None:
     engine = SessionStuckEngine("e0")
-    async with Daemon(config(), adapters={"e0": engine}) as daemon:
+    async with in_process_daemon({"e0": engine}, timeouts={"health_interval_s": HEALTH_S}) as daemon:
         ready, problems = daemon.ready()
         assert not ready and len(problems) == 1
         assert "engine 'e0'" in problems[0] and "busy" in problems[0]  # which engine, and why
@@ -65,9 +56,8 @@ async def test_an_engine_whose_reconcile_failed_is_not_ready_and_is_retried_befo
 
 
 async def test_a_reference_engine_started_paused_serves_nothing_until_generation_continues() -> None:
-    config = ReferenceEngineConfig(name="ref0", device="cpu", url="http://127.0.0.1:0")
-    async with ReferenceEngineProcess(config, ready_path="/model_info", drivable=True,
-                                      options=LaunchOptions(paused=True)) as engine, \
+    async with reference_engine(device="cpu", ready_path="/model_info", drivable=True,
+                                options=LaunchOptions(paused=True)) as engine, \
             httpx.AsyncClient(base_url=str(engine.url), trust_env=False, timeout=30) as http:
         info: dict[str, Any] = (await http.get("/server_info")).json()["internal_states"][0]
         assert (info["engine_state"], info["paused"]) == ("running", "abort")  # drivable, and gated
