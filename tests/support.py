@@ -593,11 +593,12 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
                       workdir: Any = None, token: str | None = None, ready: bool = True,
                       adapters: Mapping[str, Any] | None = None, via: Callable[[str], Any] | None = None,
                       wrap: Callable[[Any], Any] | None = None, synced_at: int | None = None,
-                      **config: Any) -> AsyncIterator[DaemonNode]:
+                      log_level: str = "warning", tether: bool = False, **config: Any) -> AsyncIterator[DaemonNode]:
     """A colocd daemon over ``engines`` (config entries, or ``{name: url}`` of reference engines) and a client.
 
     In the test's event loop by default (``node.daemon``); ``subprocess=True`` runs ``colocd serve`` as a child
-    process (in ``workdir``), for tests about that process (killed, restarted, its own segments, its log).
+    process (in ``workdir``, logging at ``log_level``, with the engines it launches ``tether``ed to it), for tests
+    about that process (killed, restarted, its own segments, its log).
     ``adapters`` (``{name: adapter}``) stand in for engines in this event loop; ``via(engine_url)`` is an ASGI app
     served in front of each engine (the daemon sees it, ``node.engine_urls`` the engine); ``wrap(app)`` is what
     is served in place of the daemon's app. The client waits for ``/readyz`` unless ``ready=False``; with
@@ -618,7 +619,7 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
 
             process = await stack.enter_async_context(DaemonProcess(
                 {"engines": entries, **full}, workdir=None if workdir is None else str(workdir),
-                ready_timeout_s=DEADLINE_S))
+                ready_timeout_s=DEADLINE_S, log_level=log_level, tether=tether))
             url = process.url
         else:
             from colocd.api.app import create_app
