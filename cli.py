@@ -127,9 +127,16 @@ def _policy_apply(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.engine != "reference":
+        from .demo.live import LiveDemoSettings, run_live_demo
+
+        live = LiveDemoSettings(engine=args.engine, seed=args.seed, batch=args.batch,
+                                **({"steps": args.steps} if args.steps is not None else {}))
+        return asyncio.run(run_live_demo(live))
     from .demo.loop import DemoSettings, run_demo
 
-    settings = DemoSettings(steps=args.steps, device=args.device, batch=args.batch, seed=args.seed,
+    steps = args.steps if args.steps is not None else 60
+    settings = DemoSettings(steps=steps, device=args.device, batch=args.batch, seed=args.seed,
                             json_out=args.json, timeline_out=args.timeline, metrics_out=args.metrics_out)
     return asyncio.run(run_demo(settings))
 
@@ -172,8 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_daemon_options(pa)
     pa.set_defaults(func=_policy_apply)
 
-    p = sub.add_parser("demo", help="a tiny real RL loop through the full handoff on the reference engine")
-    p.add_argument("--steps", type=int, default=60, help="RL steps to run")
+    p = sub.add_parser("demo", help="a tiny real RL loop through the full handoff (reference engine, vLLM or SGLang)")
+    p.add_argument("--engine", choices=("reference", "vllm", "sglang"), default="reference",
+                   help="the engine the daemon drives: the embedded reference engine, or a real vLLM/SGLang on CPU "
+                        "that the daemon launches (installed by scripts/install-vllm-cpu.sh / install-sglang-cpu.sh)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps to run (default: 60; 15 on vLLM/SGLang)")
     p.add_argument("--batch", type=int, default=32, help="rollouts per step")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the sampling")

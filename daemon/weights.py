@@ -500,6 +500,12 @@ class WeightSession:
                 f"session {self.id}: rank {part.rank} (device {self._devices[part.rank]!r}) feeds no engine TP rank, "
                 "so nobody would load its chunks: it must not stream (its join reply says streams: false)",
                 field="rank")
+        declared, exported_on = self._devices[part.rank], part.route.device_uuid
+        if exported_on is not None and not is_host_device(declared) and device_key(declared) != device_key(exported_on):
+            # A CUDA IPC handle opens only on the GPU it was exported from; the engine fed by this rank runs there.
+            raise RequestInvalid(
+                f"session {self.id}: chunk {seq} from rank {part.rank} was exported on GPU {exported_on}, but the "
+                f"rank joined on {declared}: a CUDA IPC handle opens only on its own GPU", field="handle.device_uuid")
         if seq < self._acked or seq < self._rank_next[part.rank] or seq in self._rank_ahead[part.rank]:
             raise TransitionRejected(f"session {self.id}: rank {part.rank} already sent chunk {seq}")
         first_missing = self._rank_next[part.rank]

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Install SGLang 0.5.23 on CPU into its own venv, build a tiny Qwen2 model for it, and print the
-# environment the SGLang tests need. Idempotent: a second run only re-checks (seconds).
+# Install SGLang on CPU (version $COLOCD_SGLANG_VERSION, default 0.5.23, the newest tested) into its own venv, build
+# a tiny Qwen2 model for it, and print the environment the SGLang tests need. Idempotent: a second run only
+# re-checks (seconds). Tested versions: 0.5.20 (what verl pins) and 0.5.23 (docs/sglang.md, "Tested against").
 #
 #   set -a; eval "$(scripts/install-sglang-cpu.sh)"; set +a   # COLOCD_SGLANG_PYTHON, COLOCD_SGLANG_MODEL
 #
-# stdout carries only the two NAME=value lines (scripts/test.sh parses them); progress and errors go to
+# stdout carries only the three NAME=value lines (scripts/test.sh parses them); progress and errors go to
 # stderr. Exits non-zero, with the reason on stderr, when the install is impossible (no python3.10+, no
 # network/wheels, ...).
 #
 # What it installs (recipe and measurements: ../shared/research/sglang-cpu.md, docs/sglang.md):
-# - sglang==0.5.23 with --no-deps (its own requirements pin a CUDA torch and ~18 nvidia wheels), then only
+# - sglang==<version> with --no-deps (its own requirements pin a CUDA torch and ~18 nvidia wheels), then only
 #   the packages a CPU text-model launch imports; torch==2.13.0 (the CPU wheel) is pinned by a pip
 #   constraint on every pip call, so nothing can swap it for a multi-GB CUDA build.
 # - Two shims, for this test environment only (scripts/sglang_cpu_shims/): a stand-in `sgl_kernel` that
@@ -17,11 +18,12 @@
 #   and a `sitecustomize` that defines torchvision's two op schemas so its CUDA wheel imports. With them a
 #   plain `SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --device cpu ...` serves.
 #
-# Where: $COLOCD_SGLANG_HOME (default ~/.cache/colocd/sglang-0.5.23) holds venv/ and tiny-qwen2/.
+# Where: $COLOCD_SGLANG_HOME (default ~/.cache/colocd/sglang-<version>, one per version;
+# $COLOCD_ENGINE_CACHE moves the folder that holds them) holds venv/ and tiny-qwen2/.
 set -euo pipefail
 
-SGLANG_VERSION="0.5.23"
-HOME_DIR="${COLOCD_SGLANG_HOME:-${HOME}/.cache/colocd/sglang-${SGLANG_VERSION}}"
+SGLANG_VERSION="${COLOCD_SGLANG_VERSION:-0.5.23}"
+HOME_DIR="${COLOCD_SGLANG_HOME:-${COLOCD_ENGINE_CACHE:-${HOME}/.cache/colocd}/sglang-${SGLANG_VERSION}}"
 VENV="${HOME_DIR}/venv"
 MODEL="${HOME_DIR}/tiny-qwen2"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -105,3 +107,4 @@ build_tiny_model "${PY}" "${REPO}" "${MODEL}"
 log "ready in $(( $(date +%s) - start )) s: python ${PY}, model ${MODEL}"
 echo "COLOCD_SGLANG_PYTHON=${PY}"
 echo "COLOCD_SGLANG_MODEL=${MODEL}"
+echo "COLOCD_SGLANG_VERSION=${SGLANG_VERSION}"

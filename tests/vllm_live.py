@@ -11,6 +11,15 @@ from typing import Any
 
 import httpx
 
+# What differs between the tested releases, as the live tier checks it (docs/vllm.md "Tested against";
+# research/engine-versions.md §A with file:line in each wheel): the routes a release lacks, and whether /sleep
+# range-checks its level (0.29 parses it with a bare int(): ?level=5 is a 200).
+LACKS: dict[str, frozenset[str]] = {
+    "0.29.0": frozenset({"/release_kv_cache_memory", "/shutdown_weight_transfer_engine", "/weight_checker"}),
+    "0.32.0": frozenset(),
+}
+SLEEP_LEVEL_CHECKED = {"0.29.0": False, "0.32.0": True}
+
 
 class VLLMHttp:
     """One vLLM server's routes, read and driven as the tests need; any reply but 200 raises."""
@@ -58,13 +67,27 @@ class VLLMHttp:
         if weight_version is not None:
             await self._json("POST", "/update_weight_version", json={"new_version": weight_version})
 
+    async def has_weight_checker(self) -> bool:
+        """vLLM 0.32 has /weight_checker; 0.29 does not (research/engine-versions.md §A.1)."""
+        paths = (await self._json("GET", "/openapi.json"))["paths"]
+        return "/weight_checker" in paths
+
     async def checksums(self) -> dict[str, str]:
         """``/weight_checker`` checksum: vLLM's per-parameter digests of the served model, keyed
         ``dp{i}:pp{j}:pcp{k}:tp{r}:<param>`` (gpu_worker.py:367-378). On CPU the prepacked linear weights are
-        empty tensors, so only embeddings, lm_head, norms and biases are covered."""
+        empty tensors, so only embeddings, lm_head, norms and biases are covered. Where the route is absent (0.29),
+        the test extension computes the same digests (vllm/vllm_test_extension.py)."""
+        if not await self.has_weight_checker():
+            merged: dict[str, str] = {}
+            for worker in await self._rpc("colocd_test_parameter_checksums"):
+                merged.update(worker)
+            return merged
         return dict((await self._json("POST", "/weight_checker", json={"action": "checksum"}))["checksums"])
 
     async def mismatches(self, baseline: dict[str, str]) -> list[str]:
         """``/weight_checker`` compare: the parameters whose digest differs from ``baseline``."""
+        if not await self.has_weight_checker():
+            now = await self.checksums()
+            return sorted(k for k in now.keys() | baseline.keys() if now.get(k) != baseline.get(k))
         reply = await self._json("POST", "/weight_checker", json={"action": "compare", "baseline": baseline})
         return list(reply["mismatches"])

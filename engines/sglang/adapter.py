@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -35,9 +36,11 @@ from ..errors import EngineMismatch, EngineProtocolError, EngineRejected
 from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
 from ..httpmap import check_reply, map_http_errors
 from . import extensions, wire
-from .protocol import V0_5_23, SGLangProtocol, protocol_for_version
+from .protocol import V0_5_23, SGLangProtocol, negotiated, protocol_for_version, untested_warning
 
 __all__ = ["UNSUPPORTED_DIGESTS", "SGLangAdapter"]
+
+_log = logging.getLogger(__name__)
 
 # Why a verified commit cannot check real SGLang (0.5.23), in the words the commit reply carries. Its one per-tensor
 # check, /weights_checker {"action": "checksum"} (srt/utils/weight_checker.py), hashes each parameter as the model
@@ -140,6 +143,9 @@ class SGLangAdapter:
             self.protocol = protocol_for_version(version)
         except ValueError as exc:
             raise EngineProtocolError(self.name, f"cannot drive SGLang version {version!r}: {exc}") from exc
+        self.protocol = negotiated(self.protocol, await self._published_routes())
+        if not server.colocd_reference and (warning := untested_warning(version)) is not None:
+            _log.warning("engine %r: %s", self.name, warning)
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
@@ -156,6 +162,19 @@ class SGLangAdapter:
             device_ids=self._tp_device_ids(server),
         )
         return self._info
+
+    async def _published_routes(self) -> frozenset[str] | None:
+        """The paths of the server's ``/openapi.json``; None where it publishes none (``DISABLE_OPENAPI_DOC``)."""
+        try:
+            data = self._json(await self._call("GET", "/openapi.json", "openapi"), self.name, "openapi")
+        except EngineRejected as exc:
+            if exc.status == 404:
+                return None
+            raise
+        paths = data.get("paths") if isinstance(data, dict) else None
+        if not isinstance(paths, dict):
+            raise EngineProtocolError(self.name, f"openapi: no 'paths' object in {str(data)[:200]!r}")
+        return frozenset(paths)
 
     def _tp_device_ids(self, server: wire.ServerInfo) -> tuple[str, ...]:
         """Each TP rank's device identity: the reference engine reports them (``colocd_tp_ranks``); real SGLang

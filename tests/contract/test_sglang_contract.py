@@ -15,6 +15,8 @@ import binascii
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -347,16 +349,27 @@ def test_wire_exports_are_sorted_and_complete() -> None:
 # --- is each fixture what its wheel says today? --------------------------------------------------
 
 
-def _candidate_wheels() -> list[Path]:
-    spots = [p for p in os.environ.get("COLOCD_SGLANG_WHEEL", "").split(os.pathsep) if p]
-    spots.append("/tmp/sgl")
-    wheels: list[Path] = []
-    for spot in map(Path, spots):
-        if spot.is_file() and spot.suffix == ".whl":
-            wheels.append(spot)
-        elif spot.is_dir():
-            wheels.extend(sorted(spot.glob("sglang-*.whl")))
-    return wheels
+def _wheel_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colocd" / "sglang-wheels"
+
+
+def _fetch_wheel(version: str, name: str) -> Path:
+    """The released wheel ``name`` of SGLang ``version``: from COLOCD_SGLANG_WHEEL (a wheel or a folder) if set, else
+    fetched once with ``pip download --no-deps`` into a cache shared by every checkout on the machine."""
+    spots = [Path(p) for p in os.environ.get("COLOCD_SGLANG_WHEEL", "").split(os.pathsep) if p]
+    for spot in [*spots, _wheel_cache()]:
+        found = spot if spot.is_file() else spot / name
+        if found.name == name and found.is_file():
+            return found
+    cache = _wheel_cache()
+    cache.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(cache),
+         f"sglang=={version}"], capture_output=True, text=True, timeout=240, check=False)
+    if not (cache / name).is_file():
+        pytest.skip(f"pip download --no-deps sglang=={version} did not give {name} "
+                    f"(exit {done.returncode}: {done.stderr.strip()[-300:]})")
+    return cache / name
 
 
 def _extractor() -> Any:
@@ -372,13 +385,7 @@ def _extractor() -> Any:
 @pytest.mark.parametrize("fixture_file", sorted(set(FIXTURE_OF.values())))
 def test_fixture_matches_a_fresh_extraction_from_its_wheel(fixture_file: str) -> None:
     recorded = json.loads((FIXTURES / fixture_file).read_text())
-    wanted = recorded["wheel"]
-    wheel = next((w for w in _candidate_wheels() if w.name == wanted), None)
-    if wheel is None:
-        pytest.skip(
-            f"{wanted} not found: set COLOCD_SGLANG_WHEEL to it (or its folder), or "
-            f"pip download --no-deps sglang=={recorded['sglang_version']} -d /tmp/sgl"
-        )
+    wheel = _fetch_wheel(recorded["sglang_version"], recorded["wheel"])
     fresh = _extractor().extract_from_wheel(wheel)
     assert fresh["wheel_sha256"] == recorded["wheel_sha256"], "a different build of the same wheel name"
     assert fresh == recorded, (

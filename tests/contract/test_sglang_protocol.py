@@ -12,10 +12,19 @@ from colocd.engines.sglang.protocol import (
     LEGACY,
     PRE_SESSION,
     SESSION_MIN_VERSION,
+    TESTED,
     V0_5_23,
+    negotiated,
     parse_version,
     protocol_for_version,
+    untested_warning,
 )
+
+# The control routes each tested release publishes in /openapi.json (research/engine-versions.md §B.1).
+ROUTES_0_5_20 = frozenset({"/pause_generation", "/continue_generation", "/flush_cache", "/ready", "/model_info",
+                           "/server_info", "/update_weights_from_tensor", "/weights_checker",
+                           "/release_memory_occupation", "/resume_memory_occupation", "/update_weight_version"})
+ROUTES_0_5_23 = ROUTES_0_5_20 | {"/begin_weight_update", "/end_weight_update"}
 
 
 @pytest.mark.parametrize(
@@ -94,3 +103,36 @@ def test_protocol_exports_are_sorted_and_complete() -> None:
         protocol_module.__all__, key=lambda n: (not n.isupper(), not n[0].isupper(), n)
     )
     assert all(hasattr(protocol_module, n) for n in protocol_module.__all__)
+
+
+def test_routes_of_0_5_20_settle_its_band_without_a_session_and_with_ready() -> None:
+    settled = negotiated(protocol_for_version("0.5.20"), ROUTES_0_5_20)
+    assert settled.weight_update_session is False
+    assert settled.ready_route == "/ready"  # PRE_SESSION's band (read from 0.5.9) has none; 0.5.20 has it
+    assert not settled.has_struct("BeginWeightUpdateReqInput")
+
+
+def test_routes_of_0_5_23_keep_its_protocol_as_is() -> None:
+    assert negotiated(V0_5_23, ROUTES_0_5_23) is V0_5_23
+
+
+def test_a_pre_release_publishing_the_session_routes_is_driven_with_the_session() -> None:
+    settled = negotiated(protocol_for_version("0.5.21rc0"), ROUTES_0_5_23)
+    assert settled.weight_update_session is True
+    assert settled.has_struct("BeginWeightUpdateReqInput") and settled.has_struct("EndWeightUpdateReqInput")
+    assert settled.name == "pre-session+routes"
+
+
+def test_a_server_publishing_no_route_table_keeps_its_versions_band() -> None:
+    assert negotiated(PRE_SESSION, None) is PRE_SESSION
+
+
+@pytest.mark.parametrize("version", [*TESTED, "0.5.21", "0.5.22.post1"])
+def test_tested_versions_attach_without_a_warning(version: str) -> None:
+    assert untested_warning(version) is None
+
+
+@pytest.mark.parametrize("version", ["0.5.9", "0.5.24", "0.6.0", "0.0.0.dev0", "main"])
+def test_untested_versions_warn_in_one_line_naming_the_range(version: str) -> None:
+    line = untested_warning(version)
+    assert line is not None and "\n" not in line and f"{TESTED[0]}..{TESTED[-1]}" in line

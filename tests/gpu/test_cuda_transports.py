@@ -120,6 +120,6 @@ async def test_a_handle_from_a_gpu_the_engine_cannot_see_is_a_clear_error(
     async with WeightPusher(node.client, transport="cuda_ipc", bucket_mb=1, depth=1) as pusher:
         with pytest.raises(ColocdHTTPError) as err:
             await node.push(pusher, named)
-    # The caller's handle is wrong, not the engine: a 422 carrying the engine's own words.
-    assert err.value.status == 422 and err.value.body["error"] == "PayloadRejected"
-    assert bogus in err.value.body["message"] and "cannot see" in err.value.body["message"]
+    # The caller's handle is wrong, not the engine: a 422 naming the field, before any engine opens it.
+    assert err.value.status == 422 and err.value.body["field"] == "handle.device_uuid", err.value.body
+    assert bogus in err.value.body["message"] and "its own GPU" in err.value.body["message"]

@@ -184,7 +184,9 @@ async def test_an_engine_killed_mid_step_fails_the_step_naming_it_and_the_cluste
         assert victim in {f.node_id for f in refused.value.failures}
         for node, r in (await cluster.status()).nodes.items():
             assert r.body["node"]["phase"] == "sync", f"{node} left sync although the cluster's sync failed"
-            assert r.body["engines"]["ref0"]["generation"] == "paused", node
+            # The killed engine's generation is unknown until its relaunch is reconciled (then paused, like the rest).
+            allowed = {"paused", "unknown"} if node == victim else {"paused"}
+            assert r.body["engines"]["ref0"]["generation"] in allowed, node
 
         # The victim's daemon relaunches the engine (same URL) and reconciles the new incarnation at once.
         async def reconciled() -> bool:

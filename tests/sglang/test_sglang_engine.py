@@ -1,4 +1,5 @@
-"""colocd's SGLang adapter against a real SGLang 0.5.23 on CPU: every verb the daemon uses, as SGLang answers it.
+"""colocd's SGLang adapter against a real SGLang (0.5.20 or 0.5.23) on CPU: every verb the daemon uses, as SGLang
+answers it.
 
 One server for the module (each start costs 40-100 s on CI's 2 cores); tests leave it serving its original
 weights. What SGLang answers is recorded (conftest.Recorder) for the reference engine's contract test.
@@ -13,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 from sglang_live import (
+    FLUSH_WHILE_RETRACTED,
+    PROTOCOL_OF,
     LiveServer,
     Recorder,
     checksums,
@@ -45,8 +48,9 @@ async def test_attach_reads_sglangs_server_info_and_observe_derives_a_stable_inc
         sglang: LiveServer, adapter: SGLangAdapter, client: httpx.AsyncClient, recorder: Recorder) -> None:
     info = recorder.record("server_info", await client.get(f"{sglang.url}/server_info")).json()
     recorder.record("model_info", await client.get(f"{sglang.url}/model_info"))
-    assert isinstance(info["startup_time"], dict)  # 0.5.23: phase durations, not a timestamp
-    assert adapter._info is not None and adapter._info.version == "0.5.23" and adapter.protocol.name == "0.5.23"
+    assert isinstance(info["startup_time"], dict)  # 0.5.20 and 0.5.23: phase durations, not a timestamp
+    assert adapter._info is not None and adapter._info.version in PROTOCOL_OF  # a tested release
+    assert adapter.protocol.name == PROTOCOL_OF[adapter._info.version]
     assert adapter.transports == {Transport.INLINE}  # on CPU only what it unpickles by value
     first, second = await adapter.observe(), await adapter.observe()
     assert first.incarnation is not None and first.incarnation == second.incarnation
@@ -90,10 +94,13 @@ async def test_flush_is_refused_while_a_request_decodes_and_done_after_a_retract
         await asyncio.sleep(0.05)
     recorder.record("flush_while_decoding", await client.post(f"{sglang.url}/flush_cache"))
     await adapter.pause_generation(PauseMode.RETRACT)
-    assert await adapter.flush_cache()  # retracted: nothing decodes, the cache can go
+    assert adapter._info is not None
+    # Retracted: nothing decodes. 0.5.23 flushes then; 0.5.20 refuses while the request waits in the queue.
+    assert await adapter.flush_cache() is FLUSH_WHILE_RETRACTED[adapter._info.version]
     await adapter.continue_generation()
     done = (await long).json()
     assert done["meta_info"]["completion_tokens"] == 400 and done["meta_info"]["num_retractions"] >= 1
+    assert await adapter.flush_cache()  # the request is done: every release flushes
 
 
 async def test_release_and_resume_by_tag_keep_the_served_output(
@@ -116,6 +123,14 @@ async def test_weight_update_sessions_refuse_a_second_begin_a_second_end_and_an_
     url = sglang.url
     update = {"serialized_named_tensors": [inline_load(original_weights(model_dir)[:1]).payloads[0].handle[
         "payload_b64"]], "load_format": "flattened_bucket", "flush_cache": False, "abort_all_requests": False}
+    if not adapter.protocol.weight_update_session:  # 0.5.20: no session routes, and an update needs none
+        assert (await client.post(f"{url}/begin_weight_update", json={"selector": "all"})).status_code == 404
+        outside = await client.post(f"{url}/update_weights_from_tensor", json=update)
+        assert outside.status_code == 200 and outside.json()["success"] is True
+        await adapter.begin_weight_update()
+        await adapter.begin_weight_update()  # nothing opened, so nothing refused
+        await adapter.end_weight_update()
+        return
     recorder.record("update_outside_session", await client.post(f"{url}/update_weights_from_tensor", json=update),
                     request={"load_format": "flattened_bucket", "serialized_named_tensors": ["(inline payload)"]})
     await adapter.pause_generation(PauseMode.RETRACT)

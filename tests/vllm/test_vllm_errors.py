@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from vllm_live import LACKS, SLEEP_LEVEL_CHECKED
 
 from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.errors import EngineProtocolError, EngineRejected, EngineUnreachable
@@ -15,12 +16,9 @@ pytestmark = pytest.mark.vllm
 @pytest.mark.parametrize(
     ("method", "path", "params", "body", "message"),
     [
-        # FastAPI validation (Query(ge=0, le=2)) through vLLM's validation handler: 400.
-        ("POST", "/sleep", {"level": "5"}, None, "level"),
         # /pause's own ValueError branch (rl/online/api_router.py:62-66): {"error": "<text>"}.
         ("POST", "/pause", {"mode": "retract"}, None, "mode"),
         ("POST", "/collective_rpc", None, {"args": []}, "Missing 'method' in request body"),
-        ("POST", "/weight_checker", None, {"action": "compare"}, "requires a 'baseline' object"),
         ("POST", "/update_weight_version", None, {}, "new_version"),
     ],
 )
@@ -33,6 +31,32 @@ async def test_vllm_400s_become_engine_rejected_with_vllms_message(
     assert exc.value.engine == "tiny"
     assert f"vLLM rejected {method} {path} with 400" in str(exc.value)
     assert message in str(exc.value)
+
+
+async def test_an_out_of_range_sleep_level_is_a_400_where_vllm_checks_it(
+    adapter: VLLMAdapter, vllm_version: str
+) -> None:
+    # 0.32: FastAPI validation (Query(ge=0, le=2)) through vLLM's validation handler. 0.29 parses the level with a
+    # bare int() and takes any (serve/dev/sleep/api_router.py:21-27); the adapter only ever sends 0..2.
+    if not SLEEP_LEVEL_CHECKED[vllm_version]:
+        await adapter._call("POST", "/sleep", params={"level": "5"})
+        await adapter._call("POST", "/wake_up")
+        return
+    with pytest.raises(EngineRejected, match=r"(?s)vLLM rejected POST /sleep with 400: .*level") as exc:
+        await adapter._call("POST", "/sleep", params={"level": "5"})
+    assert exc.value.status == 400
+
+
+async def test_weight_checker_is_a_400_without_a_baseline_or_a_clear_error_where_absent(
+    adapter: VLLMAdapter, vllm_version: str
+) -> None:
+    if "/weight_checker" in LACKS[vllm_version]:
+        with pytest.raises(EngineProtocolError, match=f"vLLM {vllm_version} has no /weight_checker: "):
+            await adapter._call("POST", "/weight_checker", json={"action": "compare"})
+        return
+    with pytest.raises(EngineRejected, match="requires a 'baseline' object") as exc:
+        await adapter._call("POST", "/weight_checker", json={"action": "compare"})
+    assert exc.value.status == 400
 
 
 async def test_second_begin_is_rejected_naming_the_active_update(adapter: VLLMAdapter) -> None:

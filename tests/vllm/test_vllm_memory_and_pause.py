@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-from vllm_live import VLLMHttp
+from vllm_live import LACKS, VLLMHttp
 
 from colocd.engines.base import MemoryTag, PauseMode
-from colocd.engines.errors import EngineRejected
+from colocd.engines.errors import EngineProtocolError, EngineRejected
 from colocd.engines.vllm import VLLMAdapter, VLLMServer
 
 pytestmark = pytest.mark.vllm
@@ -76,7 +76,8 @@ class Stream:
 async def test_attach_reports_version_extension_and_what_vllm_owns(adapter: VLLMAdapter) -> None:
     info = await adapter.attach()
     assert info.engine_kind == "vllm"
-    assert info.version.startswith("0.32")
+    assert info.version in LACKS  # a tested release
+    assert set(info.extra["routes_lacking"]) == LACKS[info.version]
     assert info.tp_size == 1
     assert info.owned_tags == BOTH  # vLLM has no cuda_graph tag
     assert info.extra["extension"]["backend_registered"] is True
@@ -220,17 +221,34 @@ async def test_a_sleep_after_an_abort_pause_waits_and_serves_the_requests_queued
     assert (stream.finish_reason, stream.tokens) == ("length", 8)
 
 
-async def test_kv_only_release_needs_a_completed_pause(adapter: VLLMAdapter) -> None:
+async def test_kv_only_release_without_the_route_is_a_clear_error(adapter: VLLMAdapter, vllm_version: str) -> None:
+    # vLLM 0.29 has no /release_kv_cache_memory: the adapter says so before calling anything.
+    if "/release_kv_cache_memory" not in LACKS[vllm_version]:
+        assert "/release_kv_cache_memory" not in (await adapter.attach()).extra["routes_lacking"]
+        return
+    await adapter.pause_generation(PauseMode.ABORT)
+    with pytest.raises(EngineProtocolError, match=r"vLLM 0\.29\.0 has no /release_kv_cache_memory: releasing kv_cache "
+                       r"alone .* release weights and kv_cache together"):
+        await adapter.release_memory((MemoryTag.KV_CACHE,))
+
+
+async def test_kv_only_release_needs_a_completed_pause(adapter: VLLMAdapter, vllm_version: str) -> None:
+    if "/release_kv_cache_memory" in LACKS[vllm_version]:
+        with pytest.raises(EngineProtocolError, match="has no /release_kv_cache_memory"):
+            await adapter.release_memory((MemoryTag.KV_CACHE,))
+        return
     with pytest.raises(EngineRejected, match="requires a completed pause first") as exc:
         await adapter.release_memory((MemoryTag.KV_CACHE,))
     assert exc.value.status == 500
     assert "/release_kv_cache_memory" in str(exc.value)
 
 
-async def test_kv_only_release_after_a_pause_is_refused_on_cpu(adapter: VLLMAdapter) -> None:
-    # On GPU this discards the KV cache alone; vLLM's CPU worker cannot (cpu_worker.py:187-188).
+async def test_kv_only_release_after_a_pause_is_refused_on_cpu(adapter: VLLMAdapter, vllm_version: str) -> None:
+    # On GPU this discards the KV cache alone; vLLM's CPU worker cannot (cpu_worker.py:187-188); 0.29 has no route.
     await adapter.pause_generation(PauseMode.ABORT)
-    with pytest.raises(EngineRejected, match="Selective discard is not supported on CPU"):
+    refusal = ((EngineProtocolError, "has no /release_kv_cache_memory") if "/release_kv_cache_memory" in
+               LACKS[vllm_version] else (EngineRejected, "Selective discard is not supported on CPU"))
+    with pytest.raises(refusal[0], match=refusal[1]):
         await adapter.release_memory((MemoryTag.KV_CACHE,))
 
 

@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from colocd.engines.vllm.extension import ColocdWorkerExtension
 
 __all__ = ["ThrottledColocdExtension"]
@@ -31,6 +33,17 @@ class ThrottledColocdExtension(ColocdWorkerExtension):
             return step(self, *args, **kwargs)
 
         self.execute_model = slow_step  # the worker busy loop looks methods up on the instance
+
+    def colocd_test_parameter_checksums(self) -> dict[str, str]:
+        """vLLM 0.32's /weight_checker checksums (model_loader/weight_checksum.py: sha256 of each parameter's bytes,
+        keyed ``dp{i}:pp{j}:pcp{k}:tp{r}:<param>``), for releases without that route (0.29)."""
+        import hashlib
+
+        from vllm.distributed import get_tp_group
+
+        prefix = f"dp0:pp0:pcp0:tp{get_tp_group().rank_in_group}:"
+        return {prefix + name: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+                .hexdigest() for name, p in self.model_runner.get_model().named_parameters()}  # type: ignore[attr-defined]
 
     def colocd_test_cpu_isa(self) -> dict[str, Any]:
         """What this worker's kernel choices read: torch.cpu's AMX check (the shim's or torch's) and oneDNN's cap."""
