@@ -372,6 +372,19 @@ class EnginePool:
         proc.pool_key, proc.fresh = key, fresh
         return proc
 
+    @asynccontextmanager
+    async def lent(self, **engines: dict[str, Any]) -> AsyncIterator[dict[str, str]]:
+        """The module's engines by name, each of its configuration, as ``{name: url}`` (what ``daemon_node``
+        takes); each is given back (reset) afterwards."""
+        procs = []
+        try:
+            for name, config in engines.items():
+                procs.append(self.borrow(name, **config))
+            yield {proc.config.name: str(proc.url) for proc in procs}
+        finally:
+            for proc in procs:
+                self.give_back(proc)
+
     def give_back(self, proc: Any) -> None:
         if proc.returncode is not None:
             proc.stop()
