@@ -606,7 +606,8 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
                       workdir: Any = None, token: str | None = None, ready: bool = True,
                       adapters: Mapping[str, Any] | None = None, via: Callable[[str], Any] | None = None,
                       wrap: Callable[[Any], Any] | None = None, synced_at: int | None = None,
-                      log_level: str = "warning", tether: bool = False, **config: Any) -> AsyncIterator[DaemonNode]:
+                      log_level: str = "warning", tether: bool = False, deadline_s: float = DEADLINE_S,
+                      **config: Any) -> AsyncIterator[DaemonNode]:
     """A colocd daemon over ``engines`` (config entries, or ``{name: url}`` of reference engines) and a client.
 
     In the test's event loop by default (``node.daemon``); ``subprocess=True`` runs ``colocd serve`` as a child
@@ -614,7 +615,8 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
     about that process (killed, restarted, its own segments, its log).
     ``adapters`` (``{name: adapter}``) stand in for engines in this event loop; ``via(engine_url)`` is an ASGI app
     served in front of each engine (the daemon sees it, ``node.engine_urls`` the engine); ``wrap(app)`` is what
-    is served in place of the daemon's app. The client waits for ``/readyz`` unless ``ready=False``; with
+    is served in place of the daemon's app. The client waits for ``/readyz`` (within ``deadline_s``, as
+    ``colocd serve`` does for its ready file) unless ``ready=False``; with
     ``synced_at`` the node is then moved through train to sync at that step.
     """
     from colocd.api.client import AsyncColocdClient
@@ -632,7 +634,7 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
 
             process = await stack.enter_async_context(DaemonProcess(
                 {"engines": entries, **full}, workdir=None if workdir is None else str(workdir),
-                ready_timeout_s=DEADLINE_S, log_level=log_level, tether=tether))
+                ready_timeout_s=deadline_s, log_level=log_level, tether=tether))
             url = process.url
         else:
             from colocd.api.app import create_app
@@ -646,7 +648,7 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
         node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token, own, daemon, fronts)
         stack.push_async_callback(lambda: node.client.aclose())  # the client of the last restart()
         if ready:
-            await node.client.wait_ready(DEADLINE_S)
+            await node.client.wait_ready(deadline_s)
         if synced_at is not None:
             await node.client.phase("train", synced_at)
             await node.client.phase("sync", synced_at)
