@@ -8,9 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,9 +31,10 @@ from colocd.engines.base import (
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
-           "NvmlNode", "daemon_node", "leaves_no_shm_segments", "node_on_mirrored_gpu", "reference_config",
-           "reference_engine", "request_body", "serve_app", "serve_lifespan", "shm_files_in_use", "shm_left_behind",
-           "shm_segments", "stop_engines"]
+           "NvmlNode", "RestartableEngine", "daemon_node", "in_process_daemon", "leaves_no_shm_segments",
+           "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body",
+           "restartable_engine", "serve_app", "serve_lifespan", "shm_files_in_use", "shm_left_behind", "shm_segments",
+           "stop_engines"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -286,12 +287,58 @@ def reference_config(name: str = "ref0", **config: Any) -> Any:
 
 
 @asynccontextmanager
-async def reference_engine(name: str = "ref0", **config: Any) -> AsyncIterator[Any]:
-    """A fresh reference engine process (``ReferenceEngineProcess``), ready once a generation answers."""
+async def reference_engine(name: str = "ref0", *, ready_path: str = "/health", drivable: bool = False,
+                           options: Any = None, log_path: Any = None, **config: Any) -> AsyncIterator[Any]:
+    """A fresh reference engine process (``ReferenceEngineProcess``), ready once ``ready_path`` answers (by default
+    once a generation does); ``drivable``, ``options`` and ``log_path`` are the launcher's."""
     from colocd.engines.reference.launcher import ReferenceEngineProcess
 
-    async with ReferenceEngineProcess(reference_config(name, **config)) as proc:
+    async with ReferenceEngineProcess(reference_config(name, **config), ready_path=ready_path, drivable=drivable,
+                                      options=options, log_path=log_path) as proc:
         yield proc
+
+
+class RestartableEngine:
+    """A reference engine that a test SIGKILLs and starts again on the same URL (what ``restartable_engine``
+    yields); ``proc`` is the process running now."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    @property
+    def url(self) -> str:
+        return str(self.proc.url)
+
+    async def kill(self) -> None:
+        """SIGKILL: no handler runs; the process is reaped."""
+        import signal
+
+        assert self.proc.pid is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        await self.proc.aclose()
+        assert self.proc.returncode == -signal.SIGKILL
+
+    async def restart(self, *, ready_path: str = "/health") -> None:
+        """Kill it (if it runs) and start a fresh process of its config on its URL, ready once ``ready_path``
+        answers (``/model_info`` where a daemon watching it may pause it before its first generation)."""
+        from colocd.engines.reference.launcher import ReferenceEngineProcess
+
+        if self.proc.returncode is None:
+            await self.kill()
+        self.proc = ReferenceEngineProcess(self.proc.config.model_copy(update={"url": self.url}),
+                                           ready_path=ready_path)
+        await self.proc.astart()
+
+
+@asynccontextmanager
+async def restartable_engine(name: str = "ref0", **config: Any) -> AsyncIterator[RestartableEngine]:
+    """A fresh reference engine process the test may kill and restart; whichever runs last is stopped at exit."""
+    async with reference_engine(name, **config) as proc:
+        engine = RestartableEngine(proc)
+        try:
+            yield engine
+        finally:
+            await engine.proc.aclose()
 
 
 class EnginePool:
@@ -320,6 +367,19 @@ class EnginePool:
             fresh = _observe(proc)
         proc.pool_key, proc.fresh = key, fresh
         return proc
+
+    @asynccontextmanager
+    async def lent(self, **engines: dict[str, Any]) -> AsyncIterator[dict[str, str]]:
+        """The module's engines by name, each of its configuration, as ``{name: url}`` (what ``daemon_node``
+        takes); each is given back (reset) afterwards."""
+        procs = []
+        try:
+            for name, config in engines.items():
+                procs.append(self.borrow(name, **config))
+            yield {proc.config.name: str(proc.url) for proc in procs}
+        finally:
+            for proc in procs:
+                self.give_back(proc)
 
     def give_back(self, proc: Any) -> None:
         if proc.returncode is not None:
@@ -418,12 +478,54 @@ def _ok(response: httpx.Response) -> None:
 
 @dataclass
 class DaemonNode:
-    """What ``daemon_node`` yields: a client of the daemon, its URL, and its process when it runs as one."""
+    """What ``daemon_node`` yields: a client of the daemon, its URL, its engines' own URLs (not the daemon's view of
+    them: a proxy may stand between), and the daemon itself (in this event loop) or its process (``colocd serve``)."""
 
     client: Any  # colocd.api.client.AsyncColocdClient
     url: str
     process: Any = None  # colocd.api.procs.DaemonProcess, with ``subprocess=True``
     token: str | None = None
+    engine_urls: dict[str, str] = field(default_factory=dict)
+    daemon: Any = None  # colocd.daemon.node.Daemon, in this event loop
+    fronts: dict[str, Any] = field(default_factory=dict)  # engine name → the app served in front of it (``via``)
+
+    @property
+    def engine_url(self) -> str:
+        """The URL of the node's one engine."""
+        (url,) = self.engine_urls.values()
+        return url
+
+    @property
+    def front(self) -> Any:
+        """The app served in front of the node's one engine."""
+        (app,) = self.fronts.values()
+        return app
+
+    def http(self, timeout_s: float = DEADLINE_S) -> httpx.AsyncClient:
+        """A plain HTTP client of the daemon (with its token, if it has one), for requests the client cannot make."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s, trust_env=False)
+
+    async def engine_get(self, path: str, engine: str | None = None) -> Any:
+        """``GET path`` of an engine itself (the only one unless named), as JSON."""
+        url = self.engine_urls[engine] if engine is not None else self.engine_url
+        async with httpx.AsyncClient(trust_env=False, timeout=DEADLINE_S) as http:
+            response = await http.get(url + path)
+            response.raise_for_status()
+            return response.json()
+
+    async def engine_checksum(self, engine: str | None = None) -> str:
+        """The checksum of the weights an engine itself serves (``/weights_checker``)."""
+        url = self.engine_urls[engine] if engine is not None else self.engine_url
+        async with httpx.AsyncClient(trust_env=False, timeout=DEADLINE_S) as http:
+            response = await http.post(url + "/weights_checker", json={"action": "checksum"})
+            response.raise_for_status()
+            return str(response.json()["colocd_checksum"])
+
+    async def engine_memory(self, engine: str | None = None) -> dict[str, bool]:
+        """An engine's own per-tag residency, asked directly."""
+        tags = (await self.engine_get("/colocd/memory", engine))["tags"]
+        return {tag: entry["resident"] for tag, entry in tags.items()}
 
     async def kill(self) -> None:
         """The crash of ``colocd serve``: SIGKILL, no handler runs, nothing it started is stopped."""
@@ -447,36 +549,103 @@ class DaemonNode:
             await self.client.wait_ready(DEADLINE_S)
 
 
+def node_config(engines: list[dict[str, Any]] | dict[str, str] | None = None, *,
+                adapters: Mapping[str, Any] | None = None, **config: Any) -> Any:
+    """A ``NodeConfig`` over ``engines`` (config entries, or ``{name: url}`` of reference engines) and, for each of
+    ``adapters`` not among them, an entry no request will reach (the adapter stands in for its engine)."""
+    from colocd.daemon.config import NodeConfig
+
+    entries = _engine_entries(engines or {})
+    named = {entry["name"] for entry in entries}
+    entries += [{"kind": "sglang", "name": n, "url": "http://unused"} for n in (adapters or {}) if n not in named]
+    return NodeConfig.model_validate({"engines": entries, **config})
+
+
 @asynccontextmanager
-async def daemon_node(engines: list[dict[str, Any]] | dict[str, str], *, subprocess: bool = False,
+async def in_process_daemon(adapters: Mapping[str, Any] | None = None, engines: Any = None,
+                            **config: Any) -> AsyncIterator[Any]:
+    """A ``Daemon`` entered in this event loop, with no server: ``adapters`` (``{name: adapter}``, such as
+    ``InMemoryEngine``s) stand in for the engines; the test drives its concerns directly."""
+    from colocd.daemon.node import Daemon
+
+    async with Daemon(node_config(engines, adapters=adapters, **config),
+                      adapters=dict(adapters) if adapters else None) as daemon:
+        yield daemon
+
+
+def _engine_entries(engines: list[dict[str, Any]] | dict[str, str]) -> list[dict[str, Any]]:
+    if isinstance(engines, dict):
+        return [{"kind": "reference", "name": n, "url": str(u)} for n, u in engines.items()]
+    return [dict(entry) for entry in engines]
+
+
+@asynccontextmanager
+async def _fronted(engine_urls: dict[str, str], via: Callable[[str], Any] | None,
+                   fronts: dict[str, Any]) -> AsyncIterator[dict[str, str]]:
+    """Each engine URL, or the URL of ``via(engine_url)`` (an ASGI app in front of it, kept in ``fronts``) served
+    here. A front's ``release()``, where it has one, runs before its server stops: requests it holds must end."""
+    if via is None:
+        yield engine_urls
+        return
+    async with AsyncExitStack() as stack:
+        seen = {}
+        for name, url in engine_urls.items():
+            fronts[name] = app = via(url)
+            seen[name] = await stack.enter_async_context(serve_app(app, ready_path="/health"))
+            if callable(getattr(app, "release", None)):
+                stack.callback(app.release)
+        yield seen
+
+
+@asynccontextmanager
+async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = None, *, subprocess: bool = False,
                       workdir: Any = None, token: str | None = None, ready: bool = True,
+                      adapters: Mapping[str, Any] | None = None, via: Callable[[str], Any] | None = None,
+                      wrap: Callable[[Any], Any] | None = None, synced_at: int | None = None,
+                      log_level: str = "warning", tether: bool = False, deadline_s: float = DEADLINE_S,
                       **config: Any) -> AsyncIterator[DaemonNode]:
     """A colocd daemon over ``engines`` (config entries, or ``{name: url}`` of reference engines) and a client.
 
-    In the test's event loop by default; ``subprocess=True`` runs ``colocd serve`` as a child process (in
-    ``workdir``), for tests about that process (killed, restarted, its own segments, its log). The client waits
-    for ``/readyz`` unless ``ready=False``.
+    In the test's event loop by default (``node.daemon``); ``subprocess=True`` runs ``colocd serve`` as a child
+    process (in ``workdir``, logging at ``log_level``, with the engines it launches ``tether``ed to it), for tests
+    about that process (killed, restarted, its own segments, its log).
+    ``adapters`` (``{name: adapter}``) stand in for engines in this event loop; ``via(engine_url)`` is an ASGI app
+    served in front of each engine (the daemon sees it, ``node.engine_urls`` the engine); ``wrap(app)`` is what
+    is served in place of the daemon's app. The client waits for ``/readyz`` (within ``deadline_s``, as
+    ``colocd serve`` does for its ready file) unless ``ready=False``; with
+    ``synced_at`` the node is then moved through train to sync at that step.
     """
     from colocd.api.client import AsyncColocdClient
 
-    if isinstance(engines, dict):
-        engines = [{"kind": "reference", "name": n, "url": str(u)} for n, u in engines.items()]
-    full = {"engines": engines, **config, **({"token": token} if token is not None else {})}
+    entries = _engine_entries(engines or {})
+    own = {e["name"]: str(e["url"]) for e in entries if "url" in e and e.get("kind", "reference") == "reference"}
     async with AsyncExitStack() as stack:
+        fronts: dict[str, Any] = {}
+        seen = await stack.enter_async_context(_fronted(own, via, fronts))
+        entries = [{**e, "url": seen[e["name"]]} if e["name"] in seen else e for e in entries]
+        full = {**config, **({"token": token} if token is not None else {})}
+        daemon = None
         if subprocess:
             from colocd.api.procs import DaemonProcess
 
             process = await stack.enter_async_context(DaemonProcess(
-                full, workdir=None if workdir is None else str(workdir), ready_timeout_s=DEADLINE_S))
+                {"engines": entries, **full}, workdir=None if workdir is None else str(workdir),
+                ready_timeout_s=deadline_s, log_level=log_level, tether=tether))
             url = process.url
         else:
             from colocd.api.app import create_app
-            from colocd.daemon.config import NodeConfig
+            from colocd.daemon.node import Daemon
 
             process = None
-            url = await stack.enter_async_context(serve_app(create_app(NodeConfig.model_validate(full))))
-        node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token)
+            node_cfg = node_config(entries, adapters=adapters, **full)
+            daemon = Daemon(node_cfg, adapters=dict(adapters) if adapters else None)
+            app = create_app(node_cfg, daemon=daemon)
+            url = await stack.enter_async_context(serve_app(wrap(app) if wrap else app))
+        node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token, own, daemon, fronts)
         stack.push_async_callback(lambda: node.client.aclose())  # the client of the last restart()
         if ready:
-            await node.client.wait_ready(DEADLINE_S)
+            await node.client.wait_ready(deadline_s)
+        if synced_at is not None:
+            await node.client.phase("train", synced_at)
+            await node.client.phase("sync", synced_at)
         yield node

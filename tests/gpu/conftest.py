@@ -9,13 +9,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
-from support import NvmlNode, serve_app
+from support import NvmlNode, daemon_node, reference_engine
 
-from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient
-from colocd.daemon.config import NodeConfig
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.sink import hf_shapes
 
 # ~0.4 GB of fp32 weights plus the KV pool: large enough that NVML sees a release clearly.
@@ -27,14 +22,11 @@ NVML_MODEL: dict[str, Any] = {"hidden_size": 1024, "intermediate_size": 4096, "n
 async def nvml_node() -> AsyncIterator[NvmlNode]:
     """Engine ``gpu0`` on cuda:0 and a daemon configured with GPU 0, so every release is confirmed by NVML."""
     pytest.importorskip("pynvml")
-    engine_cfg = ReferenceEngineConfig(name="gpu0", url="http://127.0.0.1:0", device="cuda:0", model=NVML_MODEL)
-    async with ReferenceEngineProcess(engine_cfg) as engine:
-        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "gpu0", "url": engine.url,
-                                                         "gpus": [0]}], "timeouts": {"memory_confirm_s": 30}})
-        async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
-            await client.wait_ready(60)
-            assert (await client.status())["nvml"] is True
-            yield NvmlNode(client, str(engine.url), NVML_MODEL)
+    async with reference_engine("gpu0", device="cuda:0", model=NVML_MODEL) as engine, daemon_node(
+            [{"kind": "reference", "name": "gpu0", "url": str(engine.url), "gpus": [0]}],
+            timeouts={"memory_confirm_s": 30}) as node:
+        assert (await node.client.status())["nvml"] is True
+        yield NvmlNode(node.client, str(engine.url), NVML_MODEL)
 
 
 @pytest.fixture

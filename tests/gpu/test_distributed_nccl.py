@@ -9,14 +9,9 @@ import sys
 import httpx
 import pytest
 import torch
-from support import serve_app
+from support import daemon_node, reference_engine
 
-from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient
-from colocd.daemon.config import NodeConfig
 from colocd.engines.chunks import tensor_checksum
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.weight_group import WeightGroup, master_store
 from colocd.trainer.broadcast import DistributedWeightSender
@@ -32,13 +27,9 @@ pytestmark = [
 async def test_full_step_over_nccl_serves_exactly_the_trainers_weights(flattened: bool) -> None:
     torch.cuda.set_device(0)
     trained = build_model(QwenLikeConfig(), seed=123, device="cuda:0")
-    engine_config = ReferenceEngineConfig.model_validate({
-        "name": "ref0", "url": "http://127.0.0.1:0", "device": "cuda:1", "launch": {"ready_timeout_s": 300}})
-    async with asyncio.timeout(240), ReferenceEngineProcess(engine_config) as engine:
-        config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
-                                            "timeouts": {"chunk_s": 60, "default_s": 60}})
-        async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
-            await client.wait_ready(60)
+    async with asyncio.timeout(240), reference_engine(device="cuda:1", launch={"ready_timeout_s": 300}) as engine:
+        async with daemon_node({"ref0": str(engine.url)}, timeouts={"chunk_s": 60, "default_s": 60}) as node:
+            client = node.client
             async with DistributedWeightSender(client, backend="nccl", bucket_mb=0.05, flattened=flattened,
                                                timeout_s=60) as trainer:
                 await trainer.open_group()

@@ -13,17 +13,14 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from support import daemon_node
+from support import DaemonNode, daemon_node
 
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.client import ColocdHTTPError
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
@@ -35,24 +32,11 @@ DEADLINE_S = 60
 GREEDY_TOKENS = 8
 
 
-@dataclass
-class Node:
-    client: AsyncColocdClient
-    http: httpx.AsyncClient  # to the daemon
-    engine_url: str
-
-
-@asynccontextmanager
-async def _node(engine: ReferenceEngineProcess, tmp_path: Any) -> AsyncIterator[Node]:
-    async with daemon_node({"ref0": str(engine.url)}, journal=str(tmp_path / "journal.jsonl")) as daemon, \
-            httpx.AsyncClient(base_url=daemon.url, trust_env=False, timeout=120) as http:
-        yield Node(daemon.client, http, str(engine.url))
-
-
-async def _policy(node: Node, sync: str) -> None:
-    r = await node.http.put("/v1/policies", content=f"apiVersion: colocd/v1\nsync: {sync}\n".encode(),
-                            headers={"Content-Type": "application/yaml"})
-    r.raise_for_status()
+async def _policy(node: DaemonNode, sync: str) -> None:
+    async with httpx.AsyncClient(base_url=node.url, trust_env=False, timeout=120) as http:
+        r = await http.put("/v1/policies", content=f"apiVersion: colocd/v1\nsync: {sync}\n".encode(),
+                           headers={"Content-Type": "application/yaml"})
+        r.raise_for_status()
 
 
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int,
@@ -89,13 +73,6 @@ async def _generate(engine_url: str, n: int = GREEDY_TOKENS) -> dict[str, Any]:
         return dict(r.json())
 
 
-async def _checksum(engine_url: str) -> str:
-    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
-        r = await http.post(f"{engine_url}/weights_checker", json={"action": "checksum"})
-        r.raise_for_status()
-        return str(r.json()["colocd_checksum"])
-
-
 def _sample(metrics: str, name: str, **labels: str) -> float | None:
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in metrics.splitlines():
@@ -109,7 +86,7 @@ def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-async def _trained_to_sync(node: Node, sync_policy: str) -> tuple[torch.nn.Module, torch.optim.Optimizer,
+async def _trained_to_sync(node: DaemonNode, sync_policy: str) -> tuple[torch.nn.Module, torch.optim.Optimizer,
                                                                    AsyncWeightSync, TrainerAgent]:
     """The sync policy in force, a model trained for two steps at step 1, and the node moved to ``sync``."""
     await _policy(node, sync_policy)
@@ -124,7 +101,7 @@ async def _trained_to_sync(node: Node, sync_policy: str) -> tuple[torch.nn.Modul
 
 async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_snapshot(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(tmp_path / "journal.jsonl")) as node:
         model, optimizer, sync, agent = await _trained_to_sync(node, "{mode: async}")
         assert sync.mode == "async"  # from the policy's directive in the replies
         pushed_sum = tensor_checksum(model.named_parameters())
@@ -147,7 +124,7 @@ async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_s
         trace = sync.last_push.commit["trace"]
         opened, committed = trace["started_at"], trace["started_at"] + trace["duration_s"]
         assert opened < train_end and committed > train_start, (opened, committed, train_start, train_end)
-        assert await _checksum(node.engine_url) == pushed_sum != tensor_checksum(model.named_parameters())
+        assert await node.engine_checksum() == pushed_sum != tensor_checksum(model.named_parameters())
         answer = await _generate(node.engine_url)
         assert answer["output_ids"] == pushed_greedy
         assert answer["meta_info"]["weight_version"] == "1"
@@ -172,12 +149,12 @@ async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_s
 
 async def test_async_falls_back_to_a_synchronous_push_when_the_second_buffer_does_not_fit(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(tmp_path / "journal.jsonl")) as node:
         # A margin of 1 TiB: neither this host's memory nor any device holds a copy beside it.
         model, _, sync, agent = await _trained_to_sync(node, "{mode: async, buffer_margin_mb: 1048576}")
         await sync.start(model.named_parameters(), version="1", step=1)
         assert not sync.pending  # pushed and committed before start() returned
-        assert await _checksum(node.engine_url) == tensor_checksum(model.named_parameters())
+        assert await node.engine_checksum() == tensor_checksum(model.named_parameters())
         await agent.rollout(1)
 
         report = agent.last_reports["weights"]
@@ -192,7 +169,7 @@ async def test_async_falls_back_to_a_synchronous_push_when_the_second_buffer_doe
 
 async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_lands(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(tmp_path / "journal.jsonl")) as node:
         model, optimizer = _model_and_optimizer()
         pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
 
@@ -231,7 +208,7 @@ async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_la
         assert "the bound is 1" in refused.value.body["message"]
         await node.client.commit(sid, chunks)
         await node.client.phase("rollout", 2, trainer=ahead)  # one version behind: within the bound
-        assert await _checksum(node.engine_url) == tensor_checksum(model.named_parameters())
+        assert await node.engine_checksum() == tensor_checksum(model.named_parameters())
         rollout = (await node.client.trace(2))["rollout"]["attrs"]
         assert rollout["rollout_versions"] == {"ref0": "2"} and rollout["staleness_versions"] == {"ref0": 1}
         assert rollout["latest_version"] == "3"
@@ -243,7 +220,7 @@ async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_la
 
 async def test_an_abandoned_push_is_withdrawn_and_re_pushing_the_last_committed_version_lets_rollout_proceed(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(tmp_path / "journal.jsonl")) as node:
         model, optimizer = _model_and_optimizer()
         pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
         await node.client.phase("train", 1)
@@ -271,5 +248,5 @@ async def test_an_abandoned_push_is_withdrawn_and_re_pushing_the_last_committed_
         # A restart from the checkpoint re-pushes version 1: it commits, and rollout goes ahead.
         await pusher.push(checkpoint.named_parameters(), version="1", step=2)
         await node.client.phase("rollout", 2)
-        assert await _checksum(node.engine_url) == tensor_checksum(checkpoint.named_parameters())
+        assert await node.engine_checksum() == tensor_checksum(checkpoint.named_parameters())
         assert (await node.client.trace(2))["rollout"]["attrs"]["staleness_versions"] == {"ref0": 0}

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-from support import Receive, Scope, Send, daemon_node, reference_engine, request_body, serve_app, serve_lifespan
+from support import Receive, Scope, Send, daemon_node, reference_engine, request_body, serve_lifespan
 
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.client import ColocdHTTPError
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
 DEADLINE_S = 60
+pytestmark = pytest.mark.timeout(DEADLINE_S)  # a hung engine call fails its test, not the run
 # SGLang's answers, as its http_server.py shapes them: a tokenizer-side exception is an
 # ``{"error": {"message"}}`` body (http_server.py:2246); a refused flush is 400 text (http_server.py:1025).
 ENGINE_500 = b'{"error": {"message": "RuntimeError: CUDA error: an illegal memory access was encountered"}}'
@@ -94,33 +93,6 @@ class FaultProxy:
         return response.status_code, response.headers.get("content-type", "").encode(), response.content
 
 
-@dataclass
-class Node:
-    engine: ReferenceEngineProcess
-    proxy: FaultProxy
-    client: AsyncColocdClient
-    url: str  # the daemon's
-
-    async def engine_memory(self) -> dict[str, bool]:
-        """The engine's own per-tag residency, asked directly (not through the proxy)."""
-        async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
-            tags = (await http.get(f"{self.engine.url}/colocd/memory")).json()["tags"]
-        return {tag: info["resident"] for tag, info in tags.items()}
-
-
-@asynccontextmanager
-async def node(engine: ReferenceEngineProcess, **timeouts: float) -> AsyncIterator[Node]:
-    """Engine process ← fault proxy ← in-process daemon, all on loopback; everything bounded by DEADLINE_S."""
-    async with asyncio.timeout(DEADLINE_S):
-        proxy = FaultProxy(str(engine.url))
-        async with serve_app(proxy, ready_path="/health") as proxy_url:
-            try:
-                async with daemon_node({"ref0": proxy_url}, timeouts=timeouts) as daemon:
-                    yield Node(engine, proxy, daemon.client, daemon.url)
-            finally:
-                proxy.release()  # held requests must end before the proxy's server can stop
-
-
 def record(status: dict[str, Any]) -> tuple[Any, ...]:
     """The daemon's record of ref0 in one comparable tuple: node phase/step, generation, weights, tags."""
     engine = status["engines"]["ref0"]
@@ -133,8 +105,8 @@ RESIDENT = (("cuda_graph", "resident"), ("kv_cache", "resident"), ("weights", "r
 
 async def test_release_answered_500_is_502_naming_engine_and_route_and_a_retry_succeeds_once_it_recovers(
         pooled_engine: ReferenceEngineProcess) -> None:
-    async with node(pooled_engine) as n:
-        n.proxy.inject("/release_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500))
+    async with daemon_node({"ref0": str(pooled_engine.url)}, via=FaultProxy) as n:
+        n.front.inject("/release_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500))
         with pytest.raises(ColocdHTTPError) as err:
             await n.client.phase("train", 1)
         body = err.value.body
@@ -145,29 +117,29 @@ async def test_release_answered_500_is_502_naming_engine_and_route_and_a_retry_s
         assert record(await n.client.status()) == ("rollout", 0, "paused", "clean", RESIDENT)
         assert set((await n.engine_memory()).values()) == {True}
 
-        n.proxy.heal()
+        n.front.heal()
         reply = await n.client.phase("train", 1)
         assert set(reply["engines"]["ref0"]["tags"].values()) == {"released"}
         assert set((await n.engine_memory()).values()) == {False}
-        assert n.proxy.calls["/release_memory_occupation"] == 2
-        assert n.proxy.calls["/pause_generation"] == 1  # the retry did not pause twice
+        assert n.front.calls["/release_memory_occupation"] == 2
+        assert n.front.calls["/pause_generation"] == 1  # the retry did not pause twice
 
 
 async def test_flush_refused_a_few_times_is_retried_with_backoff_and_the_transition_succeeds(
         pooled_engine: ReferenceEngineProcess) -> None:
-    async with node(pooled_engine, flush_s=10) as n:
-        n.proxy.inject("/flush_cache", Fault(remaining=3, status=400, body=FLUSH_400, content_type=b"text/plain"))
+    async with daemon_node({"ref0": str(pooled_engine.url)}, via=FaultProxy, timeouts={"flush_s": 10}) as n:
+        n.front.inject("/flush_cache", Fault(remaining=3, status=400, body=FLUSH_400, content_type=b"text/plain"))
         reply = await n.client.phase("train", 1)
         assert set(reply["engines"]["ref0"]["tags"].values()) == {"released"}
-        assert n.proxy.calls["/flush_cache"] == 4
+        assert n.front.calls["/flush_cache"] == 4
         flush = next(s for s in reply["trace"]["spans"] if s["name"] == "flush_cache")
         assert flush["ok"] and flush["duration_s"] >= 0.01 + 0.02 + 0.04  # three growing waits, not a hot loop
 
 
 async def test_flush_that_never_succeeds_is_504_naming_flush_cache_and_its_budget_and_only_the_pause_happened(
         pooled_engine: ReferenceEngineProcess) -> None:
-    async with node(pooled_engine, flush_s=0.5) as n:
-        n.proxy.inject("/flush_cache", Fault(remaining=10**6, status=400, body=FLUSH_400, content_type=b"text/plain"))
+    async with daemon_node({"ref0": str(pooled_engine.url)}, via=FaultProxy, timeouts={"flush_s": 0.5}) as n:
+        n.front.inject("/flush_cache", Fault(remaining=10**6, status=400, body=FLUSH_400, content_type=b"text/plain"))
         with pytest.raises(ColocdHTTPError) as err:
             await n.client.phase("train", 1)
         body = err.value.body
@@ -175,19 +147,19 @@ async def test_flush_that_never_succeeds_is_504_naming_flush_cache_and_its_budge
         assert (body["engine"], body["stage"], body["budget_s"]) == ("ref0", "flush_cache", 0.5)
         assert "'ref0'" in body["message"] and "flush_cache exceeded its 0.5s budget" in body["message"]
         assert record(await n.client.status()) == ("rollout", 0, "paused", "clean", RESIDENT)
-        assert n.proxy.calls["/release_memory_occupation"] == 0
-        assert n.proxy.calls["/flush_cache"] > 3  # retried, with waits in between
+        assert n.front.calls["/release_memory_occupation"] == 0
+        assert n.front.calls["/flush_cache"] > 3  # retried, with waits in between
 
-        n.proxy.heal()
+        n.front.heal()
         assert (await n.client.phase("train", 1))["phase"] == "train"
 
 
 async def test_engine_hanging_on_a_call_is_504_naming_the_stage_and_budget_while_the_daemon_keeps_serving(
         pooled_engine: ReferenceEngineProcess) -> None:
-    async with node(pooled_engine, pause_s=0.5) as n:
-        n.proxy.inject("/pause_generation", Fault(remaining=1, hang=True))
+    async with daemon_node({"ref0": str(pooled_engine.url)}, via=FaultProxy, timeouts={"pause_s": 0.5}) as n:
+        n.front.inject("/pause_generation", Fault(remaining=1, hang=True))
         train = asyncio.ensure_future(n.client.phase("train", 1))
-        await n.proxy.hanging.wait()
+        await n.front.hanging.wait()
         status = await n.client.status()  # answered while the engine call hangs
         assert status["busy_with"] == "train@1"
         with pytest.raises(ColocdHTTPError) as err:
@@ -206,9 +178,9 @@ async def test_engine_hanging_on_a_call_is_504_naming_the_stage_and_budget_while
 
 async def test_a_call_that_happened_on_the_engine_but_failed_on_the_wire_is_reported_as_the_engine_is(
         pooled_engine: ReferenceEngineProcess) -> None:
-    async with node(pooled_engine) as n:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, via=FaultProxy) as n:
         await n.client.phase("train", 1)
-        n.proxy.inject("/resume_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500,
+        n.front.inject("/resume_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500,
                                                           forward_first=True))
         with pytest.raises(ColocdHTTPError) as err:
             await n.client.phase("sync", 1)
@@ -219,19 +191,20 @@ async def test_a_call_that_happened_on_the_engine_but_failed_on_the_wire_is_repo
         assert status["engines"]["ref0"]["tags"]["weights"] == "resident"
         assert "illegal memory access" in status["engines"]["ref0"]["last_error"]
 
-        n.proxy.heal()
+        n.front.heal()
         await n.client.phase("sync", 1)  # the retry does not resume twice (the engine would refuse)
-        assert n.proxy.calls["/resume_memory_occupation"] == 1
+        assert n.front.calls["/resume_memory_occupation"] == 1
 
 
 async def test_status_says_unknown_for_what_it_cannot_know_of_an_engine_that_stopped_answering() -> None:
     # Its own engine: it dies. What status said before is kept as last_known; nothing of it is claimed as now.
-    async with reference_engine() as engine, node(engine, health_interval_s=0.05) as n:
+    async with (reference_engine() as engine,
+                daemon_node({"ref0": str(engine.url)}, via=FaultProxy, timeouts={"health_interval_s": 0.05}) as n):
         assert (await n.client.status())["engines"]["ref0"]["weights"] == "clean"
         assert engine.process is not None
         await engine.process.stop(grace_s=0.1)
         while (ref0 := (await n.client.status())["engines"]["ref0"])["healthy"]:  # noqa: ASYNC110 - the health
-            await asyncio.sleep(0.05)  # loop's next tick, bounded by node()'s deadline
+            await asyncio.sleep(0.05)  # loop's next tick, bounded by the test's deadline
         assert (ref0["generation"], ref0["weights"], ref0["weight_version"]) == ("unknown", "unknown", None), ref0
         assert set(ref0["tags"].values()) == {"unknown"}, ref0
         assert ref0["last_known"]["generation"] == "serving" and ref0["last_known"]["weights"] == "clean", ref0
@@ -242,13 +215,14 @@ async def test_right_after_a_chunk_failed_on_a_dead_engine_status_says_the_engin
     from colocd.trainer.push import WeightPusher
 
     # Its own engine: it dies. No health tick in this test: what status says came from the failure.
-    async with reference_engine() as engine, node(engine, health_interval_s=600) as n:
+    async with (reference_engine() as engine,
+                daemon_node({"ref0": str(engine.url)}, via=FaultProxy, timeouts={"health_interval_s": 600}) as n):
         await n.client.phase("train", 1)
         await n.client.phase("sync", 1)
         assert (await n.client.status())["engines"]["ref0"]["healthy"] is True
         session = (await n.client.open_session("v1", step=1, ranks=1))["session_id"]
-        assert n.engine.process is not None
-        await n.engine.process.stop(grace_s=0.1)  # the engine dies with the session open: its first chunk fails
+        assert engine.process is not None
+        await engine.process.stop(grace_s=0.1)  # the engine dies with the session open: its first chunk fails
         with pytest.raises(ColocdHTTPError) as failed:
             await WeightPusher(n.client, bucket_mb=0.05).stream(
                 session, list(build_model(QwenLikeConfig(), seed=1).named_parameters()))
@@ -262,14 +236,14 @@ async def test_a_failed_transition_is_left_to_the_trainer_not_retried_by_the_hea
         pooled_engine: ReferenceEngineProcess) -> None:
     """The desired state of a step holds for that step's sync only: once it failed, the record (what the engine
     is) is what every health tick drives toward, so the engine stays as the failure left it until asked again."""
-    async with node(pooled_engine, health_interval_s=0.05) as n:
-        n.proxy.inject("/release_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500))
+    async with daemon_node({"ref0": str(pooled_engine.url)}, via=FaultProxy, timeouts={"health_interval_s": 0.05}) as n:
+        n.front.inject("/release_memory_occupation", Fault(remaining=1, status=500, body=ENGINE_500))
         with pytest.raises(ColocdHTTPError):
             await n.client.phase("train", 1)
-        n.proxy.heal()
-        n.proxy.calls = ticks = _CallsUntil(n.proxy.calls, more=20)  # several health ticks, each observing
-        await ticks.reached.wait()  # bounded by the node's deadline
-        assert n.proxy.calls["/release_memory_occupation"] == 1
+        n.front.heal()
+        n.front.calls = ticks = _CallsUntil(n.front.calls, more=20)  # several health ticks, each observing
+        await ticks.reached.wait()  # bounded by the test's deadline
+        assert n.front.calls["/release_memory_occupation"] == 1
         assert record(await n.client.status()) == ("rollout", 0, "paused", "clean", RESIDENT)
         assert set((await n.engine_memory()).values()) == {True}
 

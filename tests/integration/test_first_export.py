@@ -40,17 +40,6 @@ def _verify(mode: str) -> str:
     return f"apiVersion: colocd/v1\nsync:\n  verify: {mode}\n"
 
 
-@asynccontextmanager
-async def _node(engine: ReferenceEngineProcess, tmp_path: Any, *, verify: str) -> AsyncIterator[DaemonNode]:
-    """A daemon over ``engine`` whose policy says ``sync.verify: verify``, left in ``sync`` at step 1."""
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(_verify(verify))
-    async with daemon_node({"ref0": str(engine.url)}, policy_file=str(policy)) as daemon:
-        await daemon.client.phase("train", 1)
-        await daemon.client.phase("sync", 1)
-        yield daemon
-
-
 async def _next_step(client: AsyncColocdClient, step: int) -> None:
     await client.phase("rollout", step - 1)
     await client.phase("train", step)
@@ -75,9 +64,11 @@ async def _landed_verified(report: PushReport, named: Named, engine: ReferenceEn
 @asynccontextmanager
 async def _pushed_once(engine: ReferenceEngineProcess, tmp_path: Any, *, verify: str = "full",
                        seed: int) -> AsyncIterator[tuple[DaemonNode, WeightPusher, PushReport]]:
-    """A node (``_node``), a shm pusher, and its first push's report (at step 1; the node then in step 1's rollout
-    unless the test moves on)."""
-    async with _node(engine, tmp_path, verify=verify) as node, \
+    """A daemon over ``engine`` whose policy says ``sync.verify: verify``, a shm pusher, and its first push's report
+    (at step 1; the node then in step 1's rollout unless the test moves on)."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_verify(verify))
+    async with daemon_node({"ref0": str(engine.url)}, policy_file=str(policy), synced_at=1) as node, \
             WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
         yield node, pusher, await pusher.push(_model(seed=seed), version="one", step=1)
 

@@ -13,33 +13,23 @@ no example database, so it runs in the default suite in about two minutes on two
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 import schemathesis
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import status_code_conformance
-
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
+from support import DaemonNode, daemon_node, reference_engine
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(420)]
 
 TOKEN = "fuzz-token"
-_READY_S = 90.0
 # Where the status legitimately moves with no request at all: health probes, the reconciliation reports of
 # the health loop ("last", "at"), a session's idle clock, and "busy_with" while the health loop's own
 # reconcile holds the transition lock for a moment ("reconcile:health").
@@ -52,23 +42,14 @@ _SETTINGS = settings(max_examples=6, deadline=None, database=None, derandomize=F
                      suppress_health_check=list(HealthCheck))
 
 
-@dataclass
-class Node:
-    url: str
-    log: Path
+AUTH = {"Authorization": f"Bearer {TOKEN}"}  # this test's own setup calls; generated ones get it from the scheme
 
-    @property
-    def auth(self) -> dict[str, str]:
-        """For this test's own setup calls; generated requests get the token from the security scheme."""
-        return {"Authorization": f"Bearer {TOKEN}"}
 
-    def status(self) -> dict[str, Any]:
-        response = httpx.get(f"{self.url}/v1/status", timeout=30, trust_env=False)
-        response.raise_for_status()
-        return _comparable(response.json())
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+def _status(node: DaemonNode) -> dict[str, Any]:
+    """The node's status minus fields that tick on their own."""
+    response = httpx.get(f"{node.url}/v1/status", timeout=30, trust_env=False)
+    response.raise_for_status()
+    return _comparable(response.json())
 
 
 def _comparable(value: Any) -> Any:
@@ -80,82 +61,45 @@ def _comparable(value: Any) -> Any:
     return value
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def node(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[DaemonNode]:
+    """``colocd serve`` (its own process: the generated requests reach the real server) over its own engine."""
     work = tmp_path_factory.mktemp("fuzz")
-    with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0"),
-                                log_path=work / "engine.log") as engine:
-        ready_file = work / "ready.json"
-        config = {
-            "listen": {"host": "127.0.0.1", "port": 0, "ready_file": str(ready_file)},
-            "token": TOKEN,
-            "engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+    async with reference_engine(log_path=work / "engine.log") as engine, daemon_node(
+            {"ref0": str(engine.url)}, subprocess=True, workdir=work, token=TOKEN,
             # Short budgets: a generated request that waits on a rank or a group must not eat the time box.
-            "timeouts": {"default_s": 10, "chunk_s": 2, "health_interval_s": 5, "master_reach_s": 0.3},
-            "limits": {"max_body_bytes": 1024 * 1024},
-        }
-        (work / "node.yaml").write_text(yaml.safe_dump(config))
-        log = work / "colocd.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from colocd.cli import main; sys.exit(main())",
-                 "serve", "--config", str(work / "node.yaml"), "--log-level", "warning"],
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            url = _wait_ready(proc, ready_file, log)
-            yield Node(url, log)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], ready_file: Path, log: Path) -> str:
-    deadline = time.monotonic() + _READY_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"colocd serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        if ready_file.exists():
-            url = json.loads(ready_file.read_text())["url"]
-            try:
-                if httpx.get(f"{url}/readyz", timeout=5, trust_env=False).status_code == 200:
-                    return str(url)
-            except httpx.TransportError:
-                pass
-        time.sleep(0.1)  # readiness poll cadence, bounded by the deadline
-    raise RuntimeError(f"colocd serve not ready within {_READY_S}s: {log.read_text()[-2000:]}")
+            timeouts={"default_s": 10, "chunk_s": 2, "health_interval_s": 5, "master_reach_s": 0.3},
+            limits={"max_body_bytes": 1024 * 1024}) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
-def api_schema(node: Node) -> Any:
+def api_schema(node: DaemonNode) -> Any:
     config = SchemathesisConfig.from_dict({"auth": {"openapi": {"bearerAuth": {"bearer": TOKEN}}}})
     return schemathesis.openapi.from_url(f"{node.url}/openapi.json", config=config)
 
 
-def _check(node: Node, case: Any, response: Any, before: dict[str, Any]) -> None:
+def _check(node: DaemonNode, case: Any, response: Any, before: dict[str, Any]) -> None:
     """The properties every answer must have; a failure names the request so it can be replayed."""
     request = f"{case.method} {case.formatted_path} body={str(getattr(case, 'body', None))[:300]!r}"
     status = response.status_code
     # The scheme supplies the token: a 401 only where the case spoiled it on purpose (negative security).
     assert status != 401 or (case.headers or {}).get("Authorization") != f"Bearer {TOKEN}", \
         f"{request} -> 401 though the security scheme gave it the token"
-    assert status != 500, f"{request} -> 500 {response.text[:500]}\n{node.log_tail()}"
+    assert status != 500, f"{request} -> 500 {response.text[:500]}\n{node.process.log_tail(3000)}"
     assert status < 500 or status in (502, 503, 504), f"{request} -> {status} {response.text[:300]}"
     if status >= 400:
         body = response.json()
         assert isinstance(body, dict) and body.get("error") and body.get("message"), \
             f"{request} -> {status} without the error shape: {response.text[:300]}"
     if 400 <= status < 500:
-        after = node.status()
+        after = _status(node)
         assert after == before, f"{request} -> {status} changed /v1/status:\nbefore {before}\nafter  {after}"
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_no_generated_request_gets_a_500_and_rejected_ones_change_nothing(
-        api_schema: Any, node: Node, mode: GenerationMode) -> None:
+        api_schema: Any, node: DaemonNode, mode: GenerationMode) -> None:
     # Operations one by one in this test (schemathesis' own pytest parametrisation needs a newer pytest API).
     for result in api_schema.get_all_operations():
         operation = result.ok()
@@ -166,7 +110,7 @@ def test_no_generated_request_gets_a_500_and_rejected_ones_change_nothing(
             if mode is GenerationMode.POSITIVE and case.method.upper() not in ("GET", "HEAD", "OPTIONS"):
                 # Valid requests carry the token because the OpenAPI document says how (securitySchemes).
                 assert (case.headers or {}).get("Authorization") == f"Bearer {TOKEN}", case.operation.label
-            before = node.status()
+            before = _status(node)
             response = case.call(timeout=60)
             _check(node, case, response, before)
             case.validate_response(response, checks=[status_code_conformance])
@@ -178,9 +122,9 @@ def test_no_generated_request_gets_a_500_and_rejected_ones_change_nothing(
             # Nothing invalid can be written for it (e.g. GET /healthz takes no input).
 
 
-def _enter_sync(node: Node) -> None:
+def _enter_sync(node: DaemonNode) -> None:
     """Put the node where weight sessions may open, so generated sequences reach chunks, commits and aborts."""
-    with httpx.Client(base_url=node.url, headers=node.auth, timeout=60, trust_env=False) as http:
+    with httpx.Client(base_url=node.url, headers=AUTH, timeout=60, trust_env=False) as http:
         status = http.get("/v1/status").json()
         # A generated request (the previous sequence, or the stateless test) may have left a weight session
         # open, and a phase change is refused (409) while one is: end it first, as a trainer would.
@@ -201,7 +145,7 @@ def _enter_sync(node: Node) -> None:
             phase_to("sync")
 
 
-def test_no_generated_sequence_gets_a_500_and_rejected_steps_change_nothing(api_schema: Any, node: Node) -> None:
+def test_no_generated_sequence_gets_a_500_and_rejected_steps_change_nothing(api_schema: Any, node: DaemonNode) -> None:
 
     class Workflow(api_schema.as_state_machine()):  # type: ignore[misc]
         def setup(self) -> None:
@@ -214,7 +158,7 @@ def test_no_generated_sequence_gets_a_500_and_rejected_steps_change_nothing(api_
             return {"timeout": 60}
 
         def before_call(self, case: Any) -> None:
-            self.before = node.status()
+            self.before = _status(node)
 
         def validate_response(self, response: Any, case: Any, additional_checks: Any = None, **kw: Any) -> None:
             _check(node, case, response, self.before)

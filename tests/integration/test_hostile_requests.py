@@ -23,10 +23,9 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support import daemon_node
+from support import daemon_node, reference_engine
 
 from colocd.daemon.config import load_node_config
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.errors import ConfigError
 from colocd.policies.document import policy_json_schema
@@ -46,20 +45,13 @@ ALIAS_BOMB = (b'a: &a ["x","x","x","x","x","x","x","x","x"]\n'
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[ReferenceEngineProcess]:
-    async with ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0")) as proc:
+    async with reference_engine() as proc:
         yield proc
-
-
-@asynccontextmanager
-async def daemon(engine: ReferenceEngineProcess, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
-    async with daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False, **config) as node, \
-            httpx.AsyncClient(base_url=node.url, headers=AUTH, timeout=60, trust_env=False) as client:
-        yield client
 
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def client(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncClient]:
-    async with daemon(engine) as c:
+    async with daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False) as node, node.http() as c:
         yield c
 
 
@@ -246,7 +238,7 @@ async def test_a_plugin_outside_the_allow_list_is_refused_before_its_module_is_i
     (tmp_path / "hostile_plugin.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass P: pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     document = b"apiVersion: colocd/v1\nprocess_groups:\n  policy: hostile_plugin:P\n"
-    async with daemon(engine) as c:
+    async with daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False) as node, node.http() as c:
         body = _is_error(await c.put("/v1/policies", content=document), 400)
         assert body["field"] == "process_groups.policy" and "allow-list" in body["message"], body
     assert not marker.exists()
@@ -258,7 +250,9 @@ async def test_a_plugin_on_the_allow_list_is_imported(
     (tmp_path / "listed_plugin.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass P: pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     document = b"apiVersion: colocd/v1\nprocess_groups:\n  policy: listed_plugin:P\n"
-    async with daemon(engine, policy_plugins=["listed_plugin:*"]) as c:
+    async with (daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False,
+                            policy_plugins=["listed_plugin:*"]) as node,
+                node.http() as c):
         body = _is_error(await c.put("/v1/policies", content=document), 400)  # P is not a policy class
         assert "ProcessGroupPolicy" in body["message"], body
     assert marker.exists()
@@ -340,7 +334,7 @@ async def test_a_node_config_duration_that_is_a_boolean_is_refused_naming_the_ke
 # -- bodies: the token first, then the size, before the body is read ----------------------------------
 
 async def test_an_unauthenticated_100_mb_body_is_401_before_it_is_read(engine: ReferenceEngineProcess) -> None:
-    async with daemon(engine) as c:
+    async with daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False) as node, node.http() as c:
         head = ("POST /v1/phase HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {100 * 1024 * 1024}\r\n\r\n")
         reply, elapsed = await _raw(str(c.base_url), head, b"{" * 1024)  # 1 KiB of the promised 100 MB
@@ -349,7 +343,9 @@ async def test_an_unauthenticated_100_mb_body_is_401_before_it_is_read(engine: R
 
 
 async def test_a_body_over_the_limit_is_413_whether_declared_or_streamed(engine: ReferenceEngineProcess) -> None:
-    async with daemon(engine, limits={"max_body_bytes": 4096}) as c:
+    async with (daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False,
+                            limits={"max_body_bytes": 4096}) as node,
+                node.http() as c):
         declared = await c.post("/v1/phase", content=b" " * 5000, headers={"content-type": "application/json"})
         assert "max_body_bytes" in _is_error(declared, 413)["message"]
         head = ("POST /v1/phase HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -365,7 +361,9 @@ async def test_a_body_over_the_limit_is_413_whether_declared_or_streamed(engine:
 
 async def test_a_weight_group_with_an_unreachable_master_is_422_within_seconds(
         engine: ReferenceEngineProcess) -> None:
-    async with daemon(engine, timeouts={"master_reach_s": 1.0}) as c:
+    async with (daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False,
+                            timeouts={"master_reach_s": 1.0}) as node,
+                node.http() as c):
         t0 = time.perf_counter()
         r = await c.post("/v1/weights/groups", json={"master_address": "127.0.0.1", "master_port": 1,
                                                      "backend": "gloo"})
@@ -382,7 +380,9 @@ async def test_a_weight_group_with_an_unreachable_master_is_422_within_seconds(
 
 async def test_a_weight_group_whose_master_port_is_not_a_tcpstore_is_422_within_seconds(
         engine: ReferenceEngineProcess) -> None:
-    async with daemon(engine, timeouts={"master_reach_s": 1.0, "group_s": 5.0}) as c:
+    async with (daemon_node({"ref0": str(engine.url)}, token=TOKEN, ready=False,
+                            timeouts={"master_reach_s": 1.0, "group_s": 5.0}) as node,
+                node.http() as c):
         http_port = int(str(c.base_url).rstrip("/").rsplit(":", 1)[1])  # this daemon's own HTTP port
         t0 = time.perf_counter()
         r = await c.post("/v1/weights/groups", json={"master_address": "127.0.0.1", "master_port": http_port,
@@ -440,7 +440,7 @@ async def test_openapi_declares_metrics_as_the_prometheus_text_it_serves(client:
 async def test_a_session_for_a_step_other_than_the_nodes_is_422_naming_step(
         pooled_engine: ReferenceEngineProcess) -> None:
     # Its own engine (the pool's, reset afterwards): this test moves the node to sync.
-    async with daemon(pooled_engine) as c:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, token=TOKEN, ready=False) as node, node.http() as c:
         assert (await c.post("/v1/phase", json={"step": 3, "phase": "train"})).status_code == 200
         assert (await c.post("/v1/phase", json={"step": 3, "phase": "sync"})).status_code == 200
         before = (await c.get("/v1/status")).json()
@@ -497,7 +497,9 @@ def _in_dev_shm(name: str) -> bool:
 async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_files_survive_the_abort(
         other_program_segment: str, pooled_engine: ReferenceEngineProcess) -> None:
     # Its own engine (the pool's, reset afterwards): this test moves the node to sync and opens a session.
-    async with daemon(pooled_engine) as c, _another_process_segment() as colocd_segment:
+    async with (daemon_node({"ref0": str(pooled_engine.url)}, token=TOKEN, ready=False) as node,
+                node.http() as c,
+                _another_process_segment() as colocd_segment):
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "sync"})).status_code == 200
         session_id = (await c.post("/v1/weights/sessions", json={"version": "v1", "ranks": 1})).json()["session_id"]
@@ -542,7 +544,7 @@ async def test_openapi_declares_the_bearer_token_on_mutating_routes_and_links_a_
 async def test_a_chunk_from_a_rank_outside_its_session_is_422_and_the_session_stays_open(
         pooled_engine: ReferenceEngineProcess) -> None:
     # Its own engine (the pool's, reset afterwards): this test moves the node to sync and opens a session.
-    async with daemon(pooled_engine) as c:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, token=TOKEN, ready=False) as node, node.http() as c:
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "sync"})).status_code == 200
         opened = await c.post("/v1/weights/sessions", json={"version": "v1", "ranks": 1})

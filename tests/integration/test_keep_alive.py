@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 import pytest
 from support import daemon_node
 
-from colocd.api.client import AsyncColocdClient
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
 HTTPX_KEEPALIVE_S = 5.0  # httpx's default pool expiry, and uvicorn's default keep-alive
@@ -56,13 +55,6 @@ class CountingProxy:
             yield self
 
 
-@asynccontextmanager
-async def _node(engine_url: str) -> AsyncIterator[AsyncColocdClient]:
-    # No health passes during the test: only the calls it makes reach the engine.
-    async with daemon_node({"ref0": engine_url}, timeouts={"health_interval_s": 600}) as daemon:
-        yield daemon.client
-
-
 async def test_the_daemon_keeps_an_idle_connection_open_longer_than_an_httpx_client_keeps_it(
         pooled_engine: ReferenceEngineProcess) -> None:
     # colocd serve itself: its server's keep-alive is what is under test.
@@ -88,7 +80,10 @@ async def test_the_daemon_keeps_an_idle_connection_open_longer_than_an_httpx_cli
 
 async def test_the_daemon_lets_an_engine_connection_go_before_the_engines_keep_alive_would_close_it(
         pooled_engine: ReferenceEngineProcess) -> None:
-    async with CountingProxy(str(pooled_engine.url)).serve() as proxy, _node(proxy.url) as client:
+    # No health passes during the test: only the calls it makes reach the engine.
+    async with (CountingProxy(str(pooled_engine.url)).serve() as proxy,
+                daemon_node({"ref0": proxy.url}, timeouts={"health_interval_s": 600}) as node):
+        client = node.client
         await client.phase("train", 1)  # engine calls: observe, release
         before = proxy.connections
         assert before >= 1

@@ -15,18 +15,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 import yaml
-from support import daemon_node, shm_segments
+from support import daemon_node, leaves_no_shm_segments
 
 from colocd.api.client import AsyncColocdClient
-from colocd.api.procs import DaemonProcess
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
@@ -73,28 +72,13 @@ async def until(what: str, check: Any, client: AsyncColocdClient, timeout_s: flo
         raise AssertionError(f"not within {timeout_s}s: {what}; status {await client.status()}") from None
 
 
-@asynccontextmanager
-async def serve(tmp_path: Path, config: dict[str, Any], *,
-                tether: bool = False) -> AsyncIterator[tuple[DaemonProcess, AsyncColocdClient]]:
-    shm_before = shm_segments()
-    async with asyncio.timeout(DEADLINE_S), DaemonProcess(config, workdir=str(tmp_path), ready_timeout_s=DEADLINE_S,
-                                                          tether=tether) as daemon:
-        client = AsyncColocdClient(daemon.url)
-        try:
-            await client.wait_ready(30)
-            yield daemon, client
-        finally:
-            await client.aclose()
-    assert shm_segments() - shm_before == set(), "leaked shared-memory segments"
+pytestmark = pytest.mark.timeout(DEADLINE_S)
 
 
-@asynccontextmanager
-async def serve_in_loop(config: dict[str, Any]) -> AsyncIterator[AsyncColocdClient]:
-    shm_before = shm_segments()
-    engines, rest = config["engines"], {k: v for k, v in config.items() if k != "engines"}
-    async with asyncio.timeout(DEADLINE_S), daemon_node(engines, **rest) as daemon:
-        yield daemon.client
-    assert shm_segments() - shm_before == set(), "leaked shared-memory segments"
+@pytest.fixture(autouse=True)
+def _no_segment_left() -> Iterator[None]:
+    with leaves_no_shm_segments():
+        yield
 
 
 async def launched(client: AsyncColocdClient) -> dict[str, Any]:
@@ -117,7 +101,8 @@ async def engine_checksum(url: str) -> str:
 
 
 async def test_colocd_serve_alone_brings_up_a_cpu_node_and_sigterm_stops_its_engine(tmp_path: Path) -> None:
-    async with serve(tmp_path, example_config()) as (daemon, client):
+    async with daemon_node(**example_config(), subprocess=True, workdir=tmp_path) as node:
+        daemon, client = node.process, node.client
         engine = await launched(client)
         assert engine["state"] == "running" and engine["launches"] == 1 and engine["restarts"] == 0
         pid, url = int(engine["pid"]), str(engine["url"])
@@ -137,7 +122,8 @@ async def test_a_launched_engine_that_dies_is_relaunched_reconciled_and_the_next
     config = example_config(timeouts={"health_interval_s": HEALTH_S, "default_s": 20})
     config["engines"][0]["launch"].update(backoff_initial_s=0.2, backoff_max_s=1)
     # The daemon in this event loop: the engine's death and relaunch are under test, not the daemon's process.
-    async with serve_in_loop(config) as client:
+    async with daemon_node(**config) as node:
+        client = node.client
         await full_step(client, 1)
         first = await launched(client)
         os.kill(int(first["pid"]), signal.SIGKILL)  # the crash
@@ -175,7 +161,8 @@ async def test_a_tethered_daemon_killed_outright_takes_the_engines_it_launched_w
     The engine is in its own process group and its parent is the daemon, so only its own tether
     (``COLOCD_TETHER=1`` in the daemon's environment) can reach it once the daemon is SIGKILLed.
     """
-    async with serve(tmp_path, example_config(), tether=True) as (daemon, client):
+    async with daemon_node(**example_config(), subprocess=True, workdir=tmp_path, tether=True) as node:
+        daemon, client = node.process, node.client
         engine = int((await launched(client))["pid"])
         assert alive(engine) and os.getpgid(engine) == engine  # still its own group, tether or not
         assert daemon.pid is not None

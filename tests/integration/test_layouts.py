@@ -13,17 +13,16 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import socket
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import layout_ranks
 import pytest
-from support import daemon_node, stop_engines
+from support import DaemonNode, daemon_node, stop_engines
 
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.client import ColocdHTTPError
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
@@ -97,45 +96,38 @@ def ranks() -> Iterator[Ranks]:
                 p.kill()
 
 
-@dataclass
-class Node:
-    client: AsyncColocdClient
-    url: str  # the daemon's
-    urls: dict[str, str]  # engine name → its own URL
-
-    async def sync(self, step: int = 1) -> None:
-        await self.client.phase("train", step)
-        await self.client.phase("sync", step)
-
-    async def open(self, version: str, ranks: int, seed: int, *, step: int = 1) -> str:
-        manifest = manifest_of(layout_ranks.trained_weights(seed))
-        return str((await self.client.open_session(version, step=step, ranks=ranks, manifest=manifest))["session_id"])
-
-    async def rank_checksums(self) -> dict[str, list[str]]:
-        async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
-            return {name: list((await http.post(f"{url}/weights_checker", json={"action": "checksum"})).json()
-                               ["colocd_rank_checksums"]) for name, url in self.urls.items()}
+def layout(engines: dict[str, str], names: list[str]) -> list[dict[str, Any]]:
+    """The node config's entries for the named module engines, each with its TP size."""
+    return [{"kind": "reference", "name": n, "url": engines[n], "tp_size": len(ENGINES[n])} for n in names]
 
 
-@asynccontextmanager
-async def node(engines: dict[str, str], names: list[str], **timeouts: float) -> AsyncIterator[Node]:
-    config = {"engines": [{"kind": "reference", "name": n, "url": engines[n], "tp_size": len(ENGINES[n])}
-                          for n in names], "timeouts": timeouts}
-    async with daemon_node(**config) as daemon:
-        yield Node(daemon.client, daemon.url, {n: engines[n] for n in names})
+async def to_sync(n: DaemonNode, step: int = 1) -> None:
+    await n.client.phase("train", step)
+    await n.client.phase("sync", step)
+
+
+async def open_session(n: DaemonNode, version: str, ranks: int, seed: int, *, step: int = 1) -> str:
+    manifest = manifest_of(layout_ranks.trained_weights(seed))
+    return str((await n.client.open_session(version, step=step, ranks=ranks, manifest=manifest))["session_id"])
+
+
+async def rank_checksums(n: DaemonNode) -> dict[str, list[str]]:
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        return {name: list((await http.post(f"{url}/weights_checker", json={"action": "checksum"})).json()
+                           ["colocd_rank_checksums"]) for name, url in n.engine_urls.items()}
 
 
 def stream(url: str, sid: str, rank: int, seed: int, mode: str = "sharded", **extra: Any) -> dict[str, Any]:
     return {"url": url, "session_id": sid, "seed": seed, "mode": mode, "device_id": f"cpu:{rank}", **extra}
 
 
-async def push(n: Node, ranks: Ranks, count: int, seed: int, version: str, *, group: str = "world",
+async def push(n: DaemonNode, ranks: Ranks, count: int, seed: int, version: str, *, group: str = "world",
                mode: str = "sharded", step: int = 1) -> dict[int, dict[str, Any]]:
     """A complete push from ranks 0..count-1 at ``step``, committed and rolled out; every engine TP rank holds it.
     After a failed session the node is still in ``sync`` at that step: the push opens the next session there."""
     if (await n.client.status())["node"] != {"phase": "sync", "step": step}:
-        await n.sync(step)
-    sid = await n.open(version, count, seed, step=step)
+        await to_sync(n, step)
+    sid = await open_session(n, version, count, seed, step=step)
     replies = await ranks.run({r: stream(n.url, sid, r, seed, mode, group=group)
                                for r in range(count)})
     assert all(reply["ok"] for reply in replies.values()), replies
@@ -144,7 +136,7 @@ async def push(n: Node, ranks: Ranks, count: int, seed: int, version: str, *, gr
     commit = await n.client.commit(sid, chunks.pop())
     await n.client.phase("rollout", step)
     want = tensor_checksum(layout_ranks.trained_weights(seed))
-    assert await n.rank_checksums() == {name: [want] * len(ENGINES[name]) for name in n.urls}
+    assert await rank_checksums(n) == {name: [want] * len(ENGINES[name]) for name in n.engine_urls}
     assert all(e["weight_version"] == version for e in commit["engines"].values())
     return replies
 
@@ -158,7 +150,7 @@ def feeds(reply: dict[str, Any]) -> list[str]:
 
 async def test_four_ranks_feed_two_tp2_engines_each_tp_rank_from_the_rank_on_its_device(
         engines: dict[str, str], ranks: Ranks) -> None:
-    async with node(engines, ["tp2a", "tp2b"]) as n:
+    async with daemon_node(layout(engines, ["tp2a", "tp2b"])) as n:
         replies = await push(n, ranks, 4, seed=1, version="4x2tp2")
     assert [feeds(replies[r]) for r in range(4)] == [["tp2a/0"], ["tp2a/1"], ["tp2b/0"], ["tp2b/1"]]
     assert all(reply["acked"] == list(range(reply["chunks"])) for reply in replies.values())
@@ -166,20 +158,20 @@ async def test_four_ranks_feed_two_tp2_engines_each_tp_rank_from_the_rank_on_its
 
 async def test_four_ranks_feed_four_tp1_engines_rank_r_feeding_engine_r(
         engines: dict[str, str], ranks: Ranks) -> None:
-    async with node(engines, [f"tp1_{i}" for i in range(4)]) as n:
+    async with daemon_node(layout(engines, [f"tp1_{i}" for i in range(4)])) as n:
         replies = await push(n, ranks, 4, seed=2, version="4x4tp1")
     assert [feeds(replies[r]) for r in range(4)] == [[f"tp1_{r}/0"] for r in range(4)]
 
 
 async def test_two_ranks_feed_one_tp2_engine(engines: dict[str, str], ranks: Ranks) -> None:
-    async with node(engines, ["tp2a"]) as n:
+    async with daemon_node(layout(engines, ["tp2a"])) as n:
         replies = await push(n, ranks, 2, seed=3, version="2x1tp2", group="pair")
     assert [feeds(replies[r]) for r in range(2)] == [["tp2a/0"], ["tp2a/1"]]
 
 
 async def test_ranks_whose_device_carries_no_engine_rank_are_told_so_send_nothing_and_still_gather(
         engines: dict[str, str], ranks: Ranks) -> None:
-    async with node(engines, ["tp2a"]) as n:
+    async with daemon_node(layout(engines, ["tp2a"])) as n:
         replies = await push(n, ranks, 4, seed=4, version="4x1tp2")  # ranks 2, 3 are on cpu:2, cpu:3
     for r in (2, 3):
         assert replies[r]["join"]["streams"] is False and replies[r]["join"]["feeds"] == []
@@ -192,17 +184,16 @@ async def test_an_explicit_mapping_in_the_node_config_overrides_the_device_rule(
     names = [f"tp1_{i}" for i in range(4)]
     config = {"engines": [{"kind": "reference", "name": name, "url": engines[name], "feed_ranks": [3 - i]}
                           for i, name in enumerate(names)]}
-    async with daemon_node(**config) as daemon:
-        n = Node(daemon.client, daemon.url, {name: engines[name] for name in names})
+    async with daemon_node(**config) as n:
         replies = await push(n, ranks, 4, seed=5, version="reversed", mode="replicated")
     assert [feeds(replies[r]) for r in range(4)] == [[f"tp1_{3 - r}/0"] for r in range(4)]
 
 
 async def test_a_last_join_that_leaves_an_engine_device_unserved_is_refused_naming_it_and_changes_nothing(
         engines: dict[str, str]) -> None:
-    async with node(engines, [f"tp1_{i}" for i in range(4)]) as n:
-        await n.sync()
-        sid = await n.open("unserved", 4, seed=6)
+    async with daemon_node(layout(engines, [f"tp1_{i}" for i in range(4)])) as n:
+        await to_sync(n)
+        sid = await open_session(n, "unserved", 4, seed=6)
         for r in range(3):
             joined = await n.client.join_session(sid, rank=r, device_id=f"cpu:{r}")
             assert joined["feeds"] == [{"engine": f"tp1_{r}", "tp_rank": 0}]
@@ -226,10 +217,10 @@ async def test_a_last_join_that_leaves_an_engine_device_unserved_is_refused_nami
 
 async def test_ranks_sending_disjoint_halves_are_refused_at_the_gather_and_the_engine_keeps_its_version(
         engines: dict[str, str], ranks: Ranks) -> None:
-    async with node(engines, ["tp2a"]) as n:
+    async with daemon_node(layout(engines, ["tp2a"])) as n:
         await push(n, ranks, 2, seed=7, version="good", group="pair")
-        await n.sync(2)
-        sid = await n.open("halves", 2, seed=8, step=2)
+        await to_sync(n, 2)
+        sid = await open_session(n, "halves", 2, seed=8, step=2)
         replies = await ranks.run({r: stream(n.url, sid, r, 8, "disjoint", of=2) for r in range(2)})
         # The second part of a chunk to arrive is refused (422); that rank aborts, and a rank still waiting sees 410.
         assert sorted({reply["status"] for reply in replies.values()}) in ([422], [410, 422]), replies
@@ -245,10 +236,10 @@ async def test_ranks_sending_disjoint_halves_are_refused_at_the_gather_and_the_e
 
 async def test_ranks_that_all_send_half_the_manifest_are_refused_at_commit_naming_each_tp_ranks_missing_tensors(
         engines: dict[str, str], ranks: Ranks) -> None:
-    async with node(engines, ["tp2a", "tp2b"]) as n:
+    async with daemon_node(layout(engines, ["tp2a", "tp2b"])) as n:
         await push(n, ranks, 4, seed=10, version="good")
-        await n.sync(2)
-        sid = await n.open("half", 4, seed=11, step=2)
+        await to_sync(n, 2)
+        sid = await open_session(n, "half", 4, seed=11, step=2)
         replies = await ranks.run({r: stream(n.url, sid, r, 11, "half") for r in range(4)})
         assert all(reply["ok"] for reply in replies.values()), replies
         with pytest.raises(ColocdHTTPError) as refused:
@@ -268,10 +259,10 @@ async def test_ranks_that_all_send_half_the_manifest_are_refused_at_commit_namin
 async def test_ranks_streaming_disjoint_halves_to_their_own_engines_never_commit_on_any_transport(
         engines: dict[str, str], ranks: Ranks, transport: str) -> None:
     names = ["tp1_0", "tp1_1"]  # rank r feeds engine tp1_<r> alone; each engine needs the full manifest
-    async with node(engines, names) as n:
+    async with daemon_node(layout(engines, names)) as n:
         await push(n, ranks, 2, seed=20, version="good", group="pair")
-        await n.sync(2)
-        sid = await n.open("halves", 2, seed=21, step=2)
+        await to_sync(n, 2)
+        sid = await open_session(n, "halves", 2, seed=21, step=2)
         replies = await ranks.run({r: stream(n.url, sid, r, 21, "disjoint", of=2, transport=transport)
                                    for r in range(2)})
         refusals = [reply["body"]["message"] for reply in replies.values() if reply.get("status") == 422]
@@ -290,10 +281,10 @@ async def test_a_rank_whose_chunk_is_refused_aborts_walks_its_gathers_and_every_
     # engines tp1_1 and tp1_2, ranks 0 and 3 feed nothing and only gather. Rank 1 sends its first tensor in the
     # wrong dtype: its first chunk is refused, and unless it runs every gather left, ranks 0 and 3 hang in one.
     names = ["tp1_1", "tp1_2"]
-    async with node(engines, names) as n:
+    async with daemon_node(layout(engines, names)) as n:
         await push(n, ranks, WORLD, seed=23, version="good")
-        await n.sync(2)
-        sid = await n.open("retyped", WORLD, seed=24, step=2)
+        await to_sync(n, 2)
+        sid = await open_session(n, "retyped", WORLD, seed=24, step=2)
         replies = await ranks.run({r: stream(n.url, sid, r, 24, retype_first=r == 1) for r in range(WORLD)})
         assert (replies[1]["status"], replies[1]["body"]["field"]) == (422, "handle.layout"), replies
         assert "chunk 0 from rank 1: layout disagrees with the manifest" in replies[1]["body"]["message"]
@@ -314,20 +305,20 @@ async def test_a_late_rank_within_the_start_deadline_succeeds_and_beyond_it_fail
         engines: dict[str, str], ranks: Ranks) -> None:
     names = [f"tp1_{i}" for i in range(4)]
     # chunk_s alone would fail a 1.5 s late start; the start deadline covers it.
-    async with node(engines, names, chunk_s=0.5, start_s=6.0) as n:
-        await n.sync()
-        sid = await n.open("late-ok", 4, seed=13)
+    async with daemon_node(layout(engines, names), timeouts={"chunk_s": 0.5, "start_s": 6.0}) as n:
+        await to_sync(n)
+        sid = await open_session(n, "late-ok", 4, seed=13)
         replies = await ranks.run({r: stream(n.url, sid, r, 13, "replicated",
                                              delay_s=1.5 if r == 3 else 0) for r in range(4)})
         assert all(reply["ok"] for reply in replies.values()), replies
         await n.client.commit(sid, replies[0]["chunks"])
         await n.client.phase("rollout", 1)
         want = tensor_checksum(layout_ranks.trained_weights(13))
-        assert await n.rank_checksums() == {name: [want] for name in names}
+        assert await rank_checksums(n) == {name: [want] for name in names}
 
-    async with node(engines, names, chunk_s=0.5, start_s=1.0) as n:
-        await n.sync()
-        sid = await n.open("late-fail", 4, seed=14)
+    async with daemon_node(layout(engines, names), timeouts={"chunk_s": 0.5, "start_s": 1.0}) as n:
+        await to_sync(n)
+        sid = await open_session(n, "late-fail", 4, seed=14)
         replies = await ranks.run({r: stream(n.url, sid, r, 14, "replicated",
                                              delay_s=2.5 if r == 3 else 0) for r in range(4)})
         assert not any(reply["ok"] for reply in replies.values()), replies

@@ -14,11 +14,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import InMemoryEngine, Receive, Scope, Send, request_body, serve_app, serve_lifespan
+from support import InMemoryEngine, Receive, Scope, Send, daemon_node, request_body, serve_app, serve_lifespan
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.trainer.producer import producer_for
 from colocd.trainer.push import WeightPusher, manifest_of
@@ -70,23 +68,12 @@ async def _answer(send: Send, status: int, body: dict[str, Any]) -> None:
 
 
 @asynccontextmanager
-async def _daemon() -> AsyncIterator[tuple[str, Daemon]]:
-    """A fresh daemon process's worth of state in this event loop, over an in-memory engine, in sync at step 1."""
-    config = NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}]})
-    daemon = Daemon(config, adapters={"e0": InMemoryEngine("e0")})
-    async with serve_app(create_app(config, daemon=daemon)) as url, AsyncColocdClient(url) as setup:
-        await setup.phase("train", 1)
-        await setup.phase("sync", 1)
-        yield url, daemon
-
-
-@asynccontextmanager
 async def _fronted() -> AsyncIterator[tuple[WireFront, AsyncColocdClient, Daemon]]:
     front = WireFront()
-    async with _daemon() as (url, daemon):
-        front.behind = url
+    async with daemon_node(adapters={"e0": InMemoryEngine("e0")}, synced_at=1) as node:
+        front.behind = node.url
         async with serve_app(front) as front.url, AsyncColocdClient(front.url) as client:
-            yield front, client, daemon
+            yield front, client, node.daemon
 
 
 async def _open_and_abort(client: AsyncColocdClient, manifest: list[dict[str, Any]] = MANIFEST) -> dict[str, Any]:
@@ -145,7 +132,8 @@ async def test_a_session_opened_by_reference_refuses_a_chunk_outside_its_manifes
 
 
 async def test_an_unknown_reference_is_409_naming_manifest_ref_and_changes_nothing() -> None:
-    async with _daemon() as (url, daemon), httpx.AsyncClient(base_url=url, trust_env=False) as http:
+    async with (daemon_node(adapters={"e0": InMemoryEngine("e0")}, synced_at=1) as node,
+                httpx.AsyncClient(base_url=node.url, trust_env=False) as http):
         before = (await http.get("/v1/status")).json()
         reply = await http.post(_OPEN, json={"version": "v1", "ranks": 1, "manifest_ref": "0" * 32})
         assert reply.status_code == 409, reply.text
@@ -153,16 +141,17 @@ async def test_an_unknown_reference_is_409_naming_manifest_ref_and_changes_nothi
         assert "send the manifest" in reply.json()["message"]
         after = (await http.get("/v1/status")).json()
         assert after["weight_session"] == before["weight_session"] and after["engines"] == before["engines"]
-        assert daemon.sessions.current is None and len(daemon.sessions.manifests) == 0
+        assert node.daemon.sessions.current is None and len(node.daemon.sessions.manifests) == 0
 
 
 async def test_a_manifest_sent_with_a_reference_not_its_own_is_422_naming_manifest_ref() -> None:
-    async with _daemon() as (url, daemon), httpx.AsyncClient(base_url=url, trust_env=False) as http:
+    async with (daemon_node(adapters={"e0": InMemoryEngine("e0")}, synced_at=1) as node,
+                httpx.AsyncClient(base_url=node.url, trust_env=False) as http):
         reply = await http.post(_OPEN, json={"version": "v1", "ranks": 1, "manifest": MANIFEST,
                                              "manifest_ref": "0" * 32})
         assert reply.status_code == 422, reply.text
         assert reply.json()["field"] == "manifest_ref"
-        assert daemon.sessions.current is None and len(daemon.sessions.manifests) == 0
+        assert node.daemon.sessions.current is None and len(node.daemon.sessions.manifests) == 0
 
 
 async def test_a_manifest_sent_with_its_own_reference_opens() -> None:
@@ -175,16 +164,16 @@ async def test_a_manifest_sent_with_its_own_reference_opens() -> None:
 
 async def test_after_a_daemon_restart_the_client_sends_the_manifest_again_without_raising() -> None:
     front = WireFront()
-    async with _daemon() as (url, _):
-        front.behind = url
+    async with daemon_node(adapters={"e0": InMemoryEngine("e0")}, synced_at=1) as node:
+        front.behind = node.url
         async with serve_app(front) as front.url, AsyncColocdClient(front.url) as client:
             ref = (await _open_and_abort(client))["manifest_ref"]
-            async with _daemon() as (restarted_url, restarted):
-                front.behind = restarted_url  # the same address, a daemon that never saw the manifest
+            async with daemon_node(adapters={"e0": InMemoryEngine("e0")}, synced_at=1) as restarted:
+                front.behind = restarted.url  # the same address, a daemon that never saw the manifest
                 reopened = await _open_and_abort(client)
                 assert [("manifest" in o, o.get("manifest_ref")) for o in front.opens[1:]] == [
                     (False, ref), (True, None)]
-                assert reopened["manifest_ref"] == ref and ref in restarted.sessions.manifests
+                assert reopened["manifest_ref"] == ref and ref in restarted.daemon.sessions.manifests
                 await _open_and_abort(client)
                 assert front.opens[-1].get("manifest_ref") == ref and "manifest" not in front.opens[-1]
 
@@ -228,7 +217,8 @@ async def test_a_pushers_second_push_over_http_declares_its_manifest_by_referenc
 
 
 async def test_the_openapi_document_describes_manifest_ref_in_the_open_request_and_reply() -> None:
-    async with _daemon() as (url, _), httpx.AsyncClient(base_url=url, trust_env=False) as http:
+    async with (daemon_node(adapters={"e0": InMemoryEngine("e0")}, synced_at=1) as node,
+                httpx.AsyncClient(base_url=node.url, trust_env=False) as http):
         spec = (await http.get("/openapi.json")).json()
     schemas = spec["components"]["schemas"]
     requested = schemas["OpenSessionRequest"]["properties"]["manifest_ref"]

@@ -21,7 +21,6 @@ import pytest_asyncio
 from support import EnginePool, daemon_node
 
 from colocd.api.client import AsyncColocdClient
-from colocd.api.procs import DaemonProcess
 from colocd.cli import main as cli_main
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
@@ -194,10 +193,9 @@ async def test_json_logs_have_one_parsable_line_per_transition(engine_pool: Engi
     # colocd serve, not the module's daemon: the log format is the process's (its CLI sets up logging).
     engine = engine_pool.borrow("ref1")
     try:
-        async with DaemonProcess({"engines": [{"kind": "reference", "name": "ref1", "url": str(engine.url)}],
-                                  "log_format": "json"}, log_level="info") as daemon, \
-                AsyncColocdClient(daemon.url) as client:
-            await client.wait_ready(30)
+        async with daemon_node({"ref1": str(engine.url)}, subprocess=True, log_format="json",
+                               log_level="info") as node:
+            client, daemon = node.client, node.process
             await client.phase("train", 1)
             with pytest.raises(Exception):  # noqa: B017 - a rejected transition is logged too
                 await client.phase("rollout", 1)

@@ -8,11 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support import InMemoryEngine, serve_app
+from support import InMemoryEngine, daemon_node, in_process_daemon
 
-from colocd.api.app import create_app
-from colocd.daemon.config import NodeConfig
-from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import MemoryTag, Observation, PauseMode, ReleaseReport
 from colocd.policies import Budget, Transport
@@ -44,18 +41,11 @@ class GatedEngine(InMemoryEngine):
         return ReleaseReport(tags)
 
 
-def _config(**extra: Any) -> NodeConfig:
-    return NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
-                                      **extra})
-
-
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[str, GatedEngine]]:
     engine = GatedEngine("e0")
-    config = _config()
-    daemon = Daemon(config, adapters={"e0": engine})
-    async with serve_app(create_app(config, daemon=daemon)) as url:
-        yield url, engine
+    async with daemon_node(adapters={"e0": engine}) as node:
+        yield node.url, engine
 
 
 async def test_invalid_policy_is_400_with_line_and_column_and_the_old_policy_stays(
@@ -96,8 +86,7 @@ async def test_swap_staged_during_a_transition_takes_effect_at_the_next_one(
 
 async def test_policy_document_sets_the_pause_mode() -> None:
     engine = GatedEngine("e0")
-    config = _config()
-    async with Daemon(config, adapters={"e0": engine}) as daemon:
+    async with in_process_daemon({"e0": engine}) as daemon:
         daemon.policies.apply_yaml("apiVersion: colocd/v1\nengines:\n  pause_mode: in_place\n", source="test")
         await daemon.transitions.transition(NodePhase.TRAIN, 1)
     assert engine.pause_modes == ["in_place"]
@@ -105,8 +94,8 @@ async def test_policy_document_sets_the_pause_mode() -> None:
 
 async def test_a_document_that_leaves_out_the_pause_mode_and_timeouts_keeps_the_node_configs() -> None:
     engine = GatedEngine("e0")
-    config = _config(pause_mode="abort", timeouts={"chunk_s": 7, "health_interval_s": 2})
-    async with Daemon(config, adapters={"e0": engine}) as daemon:
+    async with in_process_daemon({"e0": engine}, pause_mode="abort",
+                                 timeouts={"chunk_s": 7, "health_interval_s": 2}) as daemon:
         daemon.policies.apply_yaml("apiVersion: colocd/v1\ntimeouts:\n  chunk_s: 3\n", source="test")
         await daemon.transitions.transition(NodePhase.TRAIN, 1)
         timeouts = daemon.policies.active.timeouts
@@ -117,7 +106,7 @@ async def test_a_document_that_leaves_out_the_pause_mode_and_timeouts_keeps_the_
 async def test_policy_file_is_loaded_at_start_and_reloaded_on_request(tmp_path: Any) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text(KEEP_ALIVE)
-    async with Daemon(_config(policy_file=str(path)), adapters={"e0": GatedEngine("e0")}) as daemon:
+    async with in_process_daemon({"e0": GatedEngine("e0")}, policy_file=str(path)) as daemon:
         assert daemon.policies.active.info()["process_groups"] == "keep_alive"
         path.write_text("apiVersion: colocd/v1\nprocess_groups:\n  policy: destroy\n")
         daemon.policies.reload_file()  # what SIGHUP calls
@@ -129,7 +118,7 @@ async def test_policy_file_is_loaded_at_start_and_reloaded_on_request(tmp_path: 
 
 
 async def test_train_directive_reflects_the_trainers_group_snapshot() -> None:
-    async with Daemon(_config(), adapters={"e0": GatedEngine("e0")}) as daemon:
+    async with in_process_daemon({"e0": GatedEngine("e0")}) as daemon:
         daemon.policies.apply_yaml(
             "apiVersion: colocd/v1\nprocess_groups:\n  policy: auto\n  max_resident_gib: 1\n", source="test")
         result = await daemon.transitions.transition(
@@ -185,8 +174,7 @@ async def test_a_live_reload_of_a_file_with_a_control_character_keeps_the_health
     path = tmp_path / "policies.yaml"
     path.write_text(KEEP_ALIVE)
     engine = StoppableEngine("e0")
-    config = _config(policy_file=str(path), timeouts={"health_interval_s": 0.05})
-    async with Daemon(config, adapters={"e0": engine}) as daemon:
+    async with in_process_daemon({"e0": engine}, policy_file=str(path), timeouts={"health_interval_s": 0.05}) as daemon:
         path.write_bytes(bad)
         await _until(lambda: any("not applied" in r.getMessage() and "U+00" in r.getMessage()
                                  for r in caplog.records), "the bad file was read")

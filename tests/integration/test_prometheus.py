@@ -31,6 +31,7 @@ import httpx
 import pytest
 import pytest_asyncio
 import yaml
+from support import daemon_node
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.api.procs import DaemonProcess
@@ -169,19 +170,17 @@ async def run() -> AsyncIterator[Run]:
         pytest.skip("no prometheus binary (scripts/install-prometheus.sh)")
     workdir = Path(tempfile.mkdtemp(prefix="colocd-prometheus-"))
     (workdir / "daemon").mkdir()
-    config = {
-        "engines": [{"kind": "reference", "name": "ref0", "device": "cpu", "seed": 0,
-                     "launch": {"ready_timeout_s": 120, "backoff_initial_s": 0.2}}],
-        "log_format": "json",
-        # observe_s: a hung engine fails the next transition after 3 s (a busy 2-core CI box answers well within it)
-        "timeouts": {"observe_s": 3.0, "health_interval_s": 0.5, "session_idle_s": 1.0},
-    }
-    async with DaemonProcess(config, workdir=str(workdir / "daemon"), log_level="info",
-                             ready_timeout_s=120) as daemon, \
-            Prometheus(daemon.url.removeprefix("http://"), workdir) as prometheus, \
-            AsyncColocdClient(daemon.url) as client:
+    async with daemon_node(
+            [{"kind": "reference", "name": "ref0", "device": "cpu", "seed": 0,
+              "launch": {"ready_timeout_s": 120, "backoff_initial_s": 0.2}}],
+            subprocess=True, workdir=workdir / "daemon", log_level="info", deadline_s=120, ready=False,
+            log_format="json",
+            # observe_s: a hung engine fails the next transition after 3 s (a busy 2-core CI box answers well within it)
+            timeouts={"observe_s": 3.0, "health_interval_s": 0.5, "session_idle_s": 1.0}) as node, \
+            Prometheus(node.url.removeprefix("http://"), workdir) as prometheus:
+        daemon, client = node.process, node.client
         result = Run(daemon, prometheus)
-        await client.wait_ready(60)
+        await client.wait_ready(60)  # Prometheus scrapes from before the node is ready
         # Scraped once before anything happens: an event counter's first sample is the 0 before its first event.
         await poll(lambda: prometheus.has('colocd_node_step{job="colocd"}'), "a first scrape")
         model = build_model(QwenLikeConfig(), seed=7)

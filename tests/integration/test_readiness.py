@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from support import InMemoryEngine
+from support import InMemoryEngine, in_process_daemon
 
-from colocd.daemon.config import NodeConfig
-from colocd.daemon.node import Daemon
 from colocd.engines.base import Observation
 from colocd.errors import EngineRejected
 from colocd.policies import Transport
@@ -40,14 +38,9 @@ class SessionStuckEngine(InMemoryEngine):
         self.open = False
 
 
-def config() -> NodeConfig:
-    return NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
-                                      "timeouts": {"health_interval_s": HEALTH_S}})
-
-
 async def test_an_engine_whose_reconcile_failed_is_not_ready_and_is_retried_before_the_next_health_tick() -> None:
     engine = SessionStuckEngine("e0")
-    async with Daemon(config(), adapters={"e0": engine}) as daemon:
+    async with in_process_daemon({"e0": engine}, timeouts={"health_interval_s": HEALTH_S}) as daemon:
         ready, problems = daemon.ready()
         assert not ready and len(problems) == 1
         assert "engine 'e0'" in problems[0] and "busy" in problems[0]  # which engine, and why

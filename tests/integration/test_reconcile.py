@@ -14,24 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import pytest
 import torch
-from support import DaemonNode, daemon_node, shm_segments
+from support import DaemonNode, daemon_node, leaves_no_shm_segments, restartable_engine
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.journal import Journal
 from colocd.engines.chunks import tensor_checksum
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
 
@@ -53,100 +49,42 @@ def greedy(model: torch.nn.Module, n: int = 6) -> list[int]:
     return ids[0, len(PROMPT):].tolist()
 
 
-# --- processes --------------------------------------------------------------------------------
+# --- the node: an engine and a daemon over it with a journal, in this event loop or as ``colocd serve`` ------
+
+pytestmark = pytest.mark.timeout(DEADLINE_S)
+TIMEOUTS = {"health_interval_s": HEALTH_S, "default_s": 20}
 
 
-async def start_engine(url: str = "http://127.0.0.1:0", ready_path: str = "/health") -> ReferenceEngineProcess:
-    proc = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0), ready_path=ready_path)
-    await proc.astart()
-    return proc
+@pytest.fixture(autouse=True)
+def _no_segment_left() -> Iterator[None]:
+    with leaves_no_shm_segments():
+        yield
 
 
-async def kill_engine(proc: ReferenceEngineProcess) -> None:
-    assert proc.pid is not None
-    os.kill(proc.pid, signal.SIGKILL)
-    await proc.aclose()  # reaps it
-    assert proc.returncode == -signal.SIGKILL
-
-
-@dataclass
-class Node:
-    engine: ReferenceEngineProcess
-    daemon: DaemonNode
-    engine_url: str
-    journal: Path
-
-    async def journaled(self, step: int, phase: str) -> None:
-        """Until the journal file holds (step, phase) as finished: the daemon answers a transition before its
-        journal thread has written it (daemon/journal.py), and a kill in between loses it."""
-        async def on_disk() -> bool:
-            return any((c["step"], c["phase"]) == (step, phase) for c in Journal(self.journal).completed())
-        await self.until(f"{phase}@{step} in the journal", on_disk)
-
-    @property
-    def client(self) -> AsyncColocdClient:
-        return cast(AsyncColocdClient, self.daemon.client)
-
-    async def restart_engine(self) -> None:
-        await kill_engine(self.engine)
-        # Ready once it answers at all: the daemon watching it may pause it before its first generation.
-        self.engine = await start_engine(self.engine_url, ready_path="/model_info")
-
-    async def engine_get(self, path: str) -> Any:
-        async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
-            r = await http.get(self.engine_url + path)
-            r.raise_for_status()
-            return r.json()
-
-    async def checksum(self) -> str:
-        async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
-            r = await http.post(self.engine_url + "/weights_checker", json={"action": "checksum"})
-            r.raise_for_status()
-            return str(r.json()["colocd_checksum"])
-
-    async def engine_memory(self) -> dict[str, bool]:
-        return {t: v["resident"] for t, v in (await self.engine_get("/colocd/memory"))["tags"].items()}
-
-    async def until(self, what: str, check: Any, timeout_s: float = 20) -> float:
-        """Poll ``await check()`` until truthy; returns the seconds it took."""
-        t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    if await check():
-                        return time.monotonic() - t0
-                    await asyncio.sleep(0.05)  # poll cadence, bounded by the timeout above
-        except TimeoutError:
-            raise AssertionError(f"not within {timeout_s}s: {what}; status {await self.client.status()}") from None
-
-    async def restart_seen(self) -> bool:
-        status = await self.client.status()
-        last = status["reconcile"]["last"].get("ref0") or {}
-        return bool(last.get("restarted")) and bool(last.get("ok"))
-
-
-@contextlib.asynccontextmanager
-async def node(tmp_path: Path, *, daemon_process: bool = False) -> AsyncIterator[Node]:
-    """An engine process and a daemon over it with a journal: in this event loop, or ``colocd serve``
-    (``daemon_process=True``) where the daemon itself is killed and started again."""
-    shm_before = shm_segments()
-    engine = await start_engine()
-    assert engine.url is not None
-    n: Node | None = None
+async def until(n: DaemonNode, what: str, check: Any, timeout_s: float = 20) -> float:
+    """Poll ``await check()`` until truthy; returns the seconds it took."""
+    t0 = time.monotonic()
     try:
-        async with asyncio.timeout(DEADLINE_S), daemon_node(
-                {"ref0": engine.url}, subprocess=daemon_process, workdir=tmp_path,
-                journal=str(tmp_path / "journal.jsonl"),
-                timeouts={"health_interval_s": HEALTH_S, "default_s": 20}) as daemon:
-            n = Node(engine, daemon, engine.url, tmp_path / "journal.jsonl")
-            yield n
-        assert daemon.process is None or daemon.process.process.returncode is not None
-    finally:
-        if n is not None:
-            engine = n.engine
-        await engine.aclose()
-        assert engine.returncode is not None
-    assert shm_segments() - shm_before == set(), "leaked shared-memory segments"
+        async with asyncio.timeout(timeout_s):
+            while True:
+                if await check():
+                    return time.monotonic() - t0
+                await asyncio.sleep(0.05)  # poll cadence, bounded by the timeout above
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout_s}s: {what}; status {await n.client.status()}") from None
+
+
+async def restart_seen(n: DaemonNode) -> bool:
+    last = (await n.client.status())["reconcile"]["last"].get("ref0") or {}
+    return bool(last.get("restarted")) and bool(last.get("ok"))
+
+
+async def journaled(n: DaemonNode, journal: Path, step: int, phase: str) -> None:
+    """Until the journal file holds (step, phase) as finished: the daemon answers a transition before its
+    journal thread has written it (daemon/journal.py), and a kill in between loses it."""
+    async def on_disk() -> bool:
+        return any((c["step"], c["phase"]) == (step, phase) for c in Journal(journal).completed())
+    await until(n, f"{phase}@{step} in the journal", on_disk)
 
 
 async def full_step(client: AsyncColocdClient, step: int) -> None:
@@ -217,12 +155,13 @@ class Prober:
 
 async def test_engine_restarted_during_train_is_released_again_and_the_next_step_needs_no_manual_call(
         tmp_path: Path) -> None:
-    async with node(tmp_path) as n:
+    async with restartable_engine() as engine, daemon_node(
+            {"ref0": engine.url}, journal=str(tmp_path / "journal.jsonl"), timeouts=TIMEOUTS) as n:
         await full_step(n.client, 1)
         await n.client.phase("train", 2)
         with Prober(n.engine_url) as prober:
-            await n.restart_engine()
-            took = await n.until("restart seen", n.restart_seen)
+            await engine.restart(ready_path="/model_info")  # the daemon may pause it first
+            took = await until(n, "restart seen", lambda: restart_seen(n))
             seen_at = time.monotonic()
             assert await n.engine_memory() == {"weights": False, "kv_cache": False, "cuda_graph": False}
             ref0 = (await n.client.status())["engines"]["ref0"]
@@ -230,13 +169,13 @@ async def test_engine_restarted_during_train_is_released_again_and_the_next_step
             assert set(ref0["tags"].values()) == {"released"}
             await push(n.client, 2)
             await n.client.phase("rollout", 2)
-            await n.until("an answer on v2", lambda: _answered(prober, "v2"))
+            await until(n, "an answer on v2", lambda: _answered(prober, "v2"))
         prober.check({"default": 0, "v2": 2}, stale_after=seen_at, fresh="v2")
         assert took < HEALTH_S + 5  # one interval, plus the engine's own start on two shared cores
         print(f"engine restart during train: reconciled {took:.2f}s after the new engine answered")
-        assert await n.checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
         await full_step(n.client, 3)
-        assert await n.checksum() == tensor_checksum(model_for(3).named_parameters())
+        assert await n.engine_checksum() == tensor_checksum(model_for(3).named_parameters())
         metrics = await n.client.metrics()
         assert 'colocd_engine_restarts_total{engine="ref0"} 1.0' in metrics
         assert 'colocd_reconcile_actions_total{action="release",engine="ref0"} 1.0' in metrics
@@ -244,14 +183,15 @@ async def test_engine_restarted_during_train_is_released_again_and_the_next_step
 
 async def test_engine_restarted_mid_stream_fails_the_session_and_a_complete_push_then_commits(
         tmp_path: Path) -> None:
-    async with node(tmp_path) as n:
+    async with restartable_engine() as engine, daemon_node(
+            {"ref0": engine.url}, journal=str(tmp_path / "journal.jsonl"), timeouts=TIMEOUTS) as n:
         await full_step(n.client, 1)
         await n.client.phase("train", 2)
         await n.client.phase("sync", 2)
         session = await stream_half(n.client, 2)
         with Prober(n.engine_url) as prober:
-            await n.restart_engine()
-            await n.until("restart seen", n.restart_seen)
+            await engine.restart(ready_path="/model_info")  # the daemon may pause it first
+            await until(n, "restart seen", lambda: restart_seen(n))
             seen_at = time.monotonic()
             status = await n.client.status()
             assert status["weight_session"]["state"] != "open"
@@ -264,28 +204,29 @@ async def test_engine_restarted_mid_stream_fails_the_session_and_a_complete_push
             assert err.value.status in (409, 410, 502), err.value.body
             await push(n.client, 2)
             await n.client.phase("rollout", 2)
-            await n.until("an answer on v2", lambda: _answered(prober, "v2"))
+            await until(n, "an answer on v2", lambda: _answered(prober, "v2"))
         prober.check({"default": 0, "v2": 2}, stale_after=seen_at, fresh="v2")
-        assert await n.checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
         await full_step(n.client, 3)
-        assert await n.checksum() == tensor_checksum(model_for(3).named_parameters())
+        assert await n.engine_checksum() == tensor_checksum(model_for(3).named_parameters())
 
 
 async def test_engine_restarted_during_rollout_is_paused_until_a_complete_push_commits(tmp_path: Path) -> None:
-    async with node(tmp_path) as n:
+    async with restartable_engine() as engine, daemon_node(
+            {"ref0": engine.url}, journal=str(tmp_path / "journal.jsonl"), timeouts=TIMEOUTS) as n:
         await full_step(n.client, 1)
         with Prober(n.engine_url) as prober:
-            await n.restart_engine()
-            await n.until("restart seen", n.restart_seen)
+            await engine.restart(ready_path="/model_info")  # the daemon may pause it first
+            await until(n, "restart seen", lambda: restart_seen(n))
             seen_at = time.monotonic()
             ref0 = (await n.client.status())["engines"]["ref0"]
             assert (ref0["weights"], ref0["generation"], ref0["weight_version"]) == ("stale", "paused", "default")
             assert (await n.engine_get("/server_info"))["internal_states"][0]["paused"] == "abort"
             assert (await n.client.ready()) is True  # the daemon can take the next step
             await full_step(n.client, 2)
-            await n.until("an answer on v2", lambda: _answered(prober, "v2"))
+            await until(n, "an answer on v2", lambda: _answered(prober, "v2"))
         prober.check({"v1": 1, "default": 0, "v2": 2}, stale_after=seen_at, fresh="v2")
-        assert await n.checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
 
 
 async def _answered(prober: Prober, version: str) -> bool:
@@ -296,16 +237,18 @@ async def _answered(prober: Prober, version: str) -> bool:
 
 
 async def test_daemon_killed_mid_stream_ends_the_engines_orphaned_session_and_reports_it(tmp_path: Path) -> None:
-    async with node(tmp_path, daemon_process=True) as n:
+    async with restartable_engine() as engine, daemon_node(
+            {"ref0": engine.url}, subprocess=True, workdir=tmp_path, journal=str(tmp_path / "journal.jsonl"),
+            timeouts=TIMEOUTS) as n:
         await full_step(n.client, 1)
         await n.client.phase("train", 2)
         await n.client.phase("sync", 2)
         await stream_half(n.client, 2)
         assert (await n.engine_get("/server_info"))["internal_states"][0]["weight_update_session"] is not None
 
-        await n.journaled(2, "sync")
-        await n.daemon.kill()
-        await n.daemon.restart()
+        await journaled(n, tmp_path / "journal.jsonl", 2, "sync")
+        await n.kill()
+        await n.restart()
         assert (await n.engine_get("/server_info"))["internal_states"][0]["weight_update_session"] is None
         status = await n.client.status()
         assert status["node"] == {"phase": "sync", "step": 2}  # from the journal
@@ -319,29 +262,31 @@ async def test_daemon_killed_mid_stream_ends_the_engines_orphaned_session_and_re
 
         await push(n.client, 2)
         await n.client.phase("rollout", 2)
-        assert await n.checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
         await full_step(n.client, 3)
-        assert await n.checksum() == tensor_checksum(model_for(3).named_parameters())
+        assert await n.engine_checksum() == tensor_checksum(model_for(3).named_parameters())
 
 
 async def test_restarted_daemon_refuses_mutating_calls_until_it_reconciled_with_its_engines(tmp_path: Path) -> None:
-    async with node(tmp_path, daemon_process=True) as n:
+    async with restartable_engine() as engine, daemon_node(
+            {"ref0": engine.url}, subprocess=True, workdir=tmp_path, journal=str(tmp_path / "journal.jsonl"),
+            timeouts=TIMEOUTS) as n:
         await full_step(n.client, 1)
-        await n.journaled(1, "rollout")
-        await n.daemon.kill()
-        await kill_engine(n.engine)
-        await n.daemon.restart(ready=False)
+        await journaled(n, tmp_path / "journal.jsonl", 1, "rollout")
+        await n.kill()
+        await engine.kill()
+        await n.restart(ready=False)
         with pytest.raises(ColocdHTTPError) as err:
             await n.client.phase("train", 2)
         assert err.value.status == 409, err.value.body
         assert "not yet reconciled engines ['ref0']" in err.value.body["message"]
         assert (await n.client.status())["reconcile"]["unreconciled"] == ["ref0"]
 
-        n.engine = await start_engine(n.engine_url, ready_path="/model_info")
-        await n.until("reconciled", lambda: _reconciled(n))
+        await engine.restart(ready_path="/model_info")
+        await until(n, "reconciled", lambda: _reconciled(n))
         await full_step(n.client, 2)
-        assert await n.checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
 
 
-async def _reconciled(n: Node) -> bool:
+async def _reconciled(n: DaemonNode) -> bool:
     return (await n.client.status())["reconcile"]["unreconciled"] == []

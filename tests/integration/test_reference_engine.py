@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
+from support import reference_engine
 
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
@@ -534,10 +535,8 @@ async def test_a_loaded_chunk_leaves_no_mapping_of_its_segment_in_the_engine(
 
 
 async def test_legacy_protocol_engine_with_api_key() -> None:
-    config = ReferenceEngineConfig(
-        name="ref-legacy", protocol="legacy", api_key="k3y", seed=5, launch=LaunchConfig(ready_timeout_s=60)
-    )
-    async with ReferenceEngineProcess(config) as proc:
+    async with reference_engine("ref-legacy", protocol="legacy", api_key="k3y", seed=5,
+                                launch={"ready_timeout_s": 60}) as proc:
         auth = {"Authorization": "Bearer k3y"}
         async with (
             httpx.AsyncClient(base_url=proc.url or "", timeout=DEADLINE_S) as open_c,

@@ -16,11 +16,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from support import serve_app, shm_segments
+from support import daemon_node, shm_segments
 
-from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient
-from colocd.daemon.config import NodeConfig
 from colocd.engines.segments import pid_alive, reclaim_dead_segments, segment_creator
 from colocd.trainer.producer import producer_for
 
@@ -106,8 +103,8 @@ def _reclaimed_total(metrics: str) -> float:
 
 
 async def test_the_daemons_health_loop_reclaims_a_killed_trainers_segments_and_counts_them() -> None:
-    config = NodeConfig.model_validate({"engines": [], "timeouts": {"health_interval_s": 0.1}})
-    async with trainer() as dead, serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
+    async with trainer() as dead, daemon_node([], timeouts={"health_interval_s": 0.1}, ready=False) as node:
+        client = node.client
         await dead.kill()
         async with asyncio.timeout(DEADLINE_S):
             while True:  # polled: the health loop runs every 0.1 s

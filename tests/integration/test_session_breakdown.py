@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from support import InMemoryEngine
+from support import InMemoryEngine, in_process_daemon
 
 from benchmarks.session_breakdown import STAGES, breakdown
-from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import ChunkPart
@@ -19,9 +18,6 @@ from colocd.trainer.push import manifest_of
 NAMED = [(f"layers.{i}.weight", torch.zeros(4, 4)) for i in range(12)]
 
 
-def _config(tmp_path: Any) -> NodeConfig:
-    return NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}],
-                                      "journal": str(tmp_path / "journal.jsonl")})
 
 
 async def _commit_one(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
@@ -40,7 +36,7 @@ async def _push(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
 
 
 async def test_the_commit_trace_times_every_stage_of_the_session_open_to_commit(tmp_path: Any) -> None:
-    async with Daemon(_config(tmp_path), adapters={"e0": InMemoryEngine("e0")}) as daemon:
+    async with in_process_daemon({"e0": InMemoryEngine("e0")}, journal=str(tmp_path / "journal.jsonl")) as daemon:
         commit = await _push(daemon, 1, "v1")
     names = [s["name"] for s in commit["trace"]["spans"]]
     assert names.count("node_lock") == 2  # the open's and the commit's

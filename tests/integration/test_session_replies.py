@@ -13,27 +13,17 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import torch
-from support import InMemoryEngine, serve_app
+from support import InMemoryEngine, daemon_node
 
-from colocd.api.app import _json_reply, create_app
-from colocd.api.client import AsyncColocdClient
+from colocd.api.app import _json_reply
 from colocd.api.schemas import OpenSessionReply
-from colocd.daemon.config import NodeConfig
-from colocd.daemon.node import Daemon
 from colocd.trainer.push import WeightPusher
-
-
-def _config() -> NodeConfig:
-    return NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}]})
 
 
 async def _synced_node_replies() -> tuple[dict[str, Any], dict[str, Any]]:
     """The open and commit replies of one empty session over HTTP."""
-    config = _config()
-    async with (serve_app(create_app(config, daemon=Daemon(config, adapters={"e0": InMemoryEngine("e0")}))) as url,
-                AsyncColocdClient(url) as client):
-        await client.phase("train", 1)
-        await client.phase("sync", 1)
+    async with daemon_node(adapters={"e0": InMemoryEngine("e0")}, synced_at=1) as node:
+        client = node.client
         opened = await client.open_session("v1", ranks=1)
         return opened, await client.commit(opened["session_id"], 0)
 
@@ -96,16 +86,13 @@ def _request_log(app: Any, log: list[tuple[str, str, float]], reported: asyncio.
 
 
 async def test_the_lease_report_after_a_stream_waits_for_the_commit_reply_instead_of_riding_beside_it() -> None:
-    config = _config()
     log: list[tuple[str, str, float]] = []
     reported = asyncio.Event()
     engine = ReportWaitingEngine(reported)
-    daemon = Daemon(config, adapters={"e0": engine})
-    app = _request_log(create_app(config, daemon=daemon), log, reported)
     named = [(f"layers.{i}.weight", torch.zeros(64, 64)) for i in range(4)]
-    async with serve_app(app) as url, AsyncColocdClient(url) as client:
-        await client.phase("train", 1)
-        await client.phase("sync", 1)
+    async with daemon_node(adapters={"e0": engine}, wrap=lambda app: _request_log(app, log, reported),
+                           synced_at=1) as node:
+        client = node.client
         async with WeightPusher(client, transport="shm", bucket_mb=0.02) as pusher:
             commits: list[tuple[float, float]] = []  # each commit's call, as the trainer saw it
             commit = pusher.commit

@@ -8,20 +8,17 @@ A reference engine runs as its own process on loopback; the daemon runs in the t
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Any
 
 import httpx
 import pytest
+from support import in_process_daemon, restartable_engine
 
-from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase, WeightsState
 from colocd.daemon.weights import WeightSession
 from colocd.engines.base import ChunkPart, MemoryTag, Observation
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.errors import SessionGone
@@ -48,9 +45,7 @@ async def _served_version(url: str) -> str:
         return str((await http.get(f"{url}/model_info")).raise_for_status().json()["weight_version"])
 
 
-def _daemon_config(url: str) -> NodeConfig:
-    return NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": url}],
-                                      "timeouts": {"health_interval_s": 600, "default_s": 20}})
+QUIET = {"health_interval_s": 600, "default_s": 20}  # no health pass: only the calls under test reach the engine
 
 
 def _count_observations(daemon: Daemon, during: str) -> list[int]:
@@ -68,34 +63,21 @@ def _count_observations(daemon: Daemon, during: str) -> list[int]:
     return seen
 
 
-async def _restart(engine: ReferenceEngineProcess, url: str) -> ReferenceEngineProcess:
-    """SIGKILL the engine and start another on its URL, ready once it serves (its start-up over), so what it
-    answers next is about sessions, not its start."""
-    assert engine.pid is not None
-    os.kill(engine.pid, signal.SIGKILL)
-    await engine.aclose()
-    fresh = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url=url, seed=0))
-    await fresh.astart()
-    return fresh
-
-
 async def test_an_engine_restarted_before_the_commit_takes_no_version_and_the_commit_fails_at_its_end() -> None:
-    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
-    await engine.astart()
-    url = str(engine.url)
     segments: list[SharedSegment] = []
     try:
-        async with Daemon(_daemon_config(url)) as daemon:
+        async with restartable_engine() as engine, in_process_daemon(engines={"ref0": engine.url},
+                                                                     timeouts=QUIET) as daemon:
+            url = engine.url
             handle = daemon.engines["ref0"]
             session = await _open_and_send_everything(daemon, segments)
-            engine = await _restart(engine, url)  # every chunk delivered; the process holding them is gone
+            await engine.restart()  # every chunk delivered; the process holding them is gone
             with pytest.raises(SessionGone):
                 await daemon.sessions.commit(session.id, 1)
             assert await _served_version(url) == "default"  # the new process never took v1
             assert handle.state.weight_version != "v1"
             assert handle.state.weights is not WeightsState.CLEAN
     finally:
-        await engine.aclose()
         _unlink(segments)
 
 
@@ -103,7 +85,7 @@ async def _observed_commit(url: str) -> tuple[list[int], dict[str, Any], str | N
     """A complete session committed: the engine observations the commit made, its reply, the version recorded."""
     segments: list[SharedSegment] = []
     try:
-        async with Daemon(_daemon_config(url)) as daemon:
+        async with in_process_daemon(engines={"ref0": url}, timeouts=QUIET) as daemon:
             handle = daemon.engines["ref0"]
             session = await _open_and_send_everything(daemon, segments)
             observed = _count_observations(daemon, "commit_weights")
@@ -122,7 +104,7 @@ async def test_a_commit_observes_every_engine_first_and_the_version_is_served_as
 
 
 async def test_an_open_observes_every_engine_first(pooled_engine: ReferenceEngineProcess) -> None:
-    async with Daemon(_daemon_config(str(pooled_engine.url))) as daemon:
+    async with in_process_daemon(engines={"ref0": str(pooled_engine.url)}, timeouts=QUIET) as daemon:
         await daemon.transitions.transition(NodePhase.TRAIN, 1)
         await daemon.transitions.transition(NodePhase.SYNC, 1)
         observed = _count_observations(daemon, "open_weights")
@@ -133,19 +115,18 @@ async def test_an_open_observes_every_engine_first(pooled_engine: ReferenceEngin
 
 
 async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_partial_update_is_refused() -> None:
-    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
-    await engine.astart()
-    url = str(engine.url)
     segments: list[SharedSegment] = []
     try:
-        async with Daemon(_daemon_config(url)) as daemon:
+        async with restartable_engine() as engine, in_process_daemon(engines={"ref0": engine.url},
+                                                                     timeouts=QUIET) as daemon:
+            url = engine.url
             session = await _open_and_send_everything(daemon, segments)
             await daemon.sessions.commit(session.id, 1)
             await daemon.transitions.transition(NodePhase.ROLLOUT, 1)
             await daemon.transitions.sleep((MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH), None)  # weights kept
             record = daemon.engines["ref0"].state
             assert record.weights is WeightsState.CLEAN and record.weight_version == "v1"
-            engine = await _restart(engine, url)  # behind the daemon's back: default weights, serving
+            await engine.restart()  # behind the daemon's back: default weights, serving
             observed = _count_observations(daemon, "open_weights")
             with pytest.raises(Exception, match="a partial update needs intact weights"):
                 await daemon.sessions.open(step=1, version="v1p", ranks=1, partial=True)
@@ -154,29 +135,24 @@ async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_partial_u
             assert record.incarnation != "" and record.weights is WeightsState.STALE
             assert (await _internal_state(url))["weight_update_session"] is None  # no begin was sent
     finally:
-        await engine.aclose()
         _unlink(segments)
 
 
 async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_complete_update_opens() -> None:
-    engine = ReferenceEngineProcess(ReferenceEngineConfig(name="ref0", url="http://127.0.0.1:0", seed=0))
-    await engine.astart()
-    url = str(engine.url)
-    try:
-        async with Daemon(_daemon_config(url)) as daemon:
-            await daemon.transitions.transition(NodePhase.TRAIN, 1)
-            await daemon.transitions.transition(NodePhase.SYNC, 1)
-            before = daemon.engines["ref0"].state.incarnation
-            engine = await _restart(engine, url)
-            session = await daemon.sessions.open(step=1, version="v1", ranks=1)
-            record = daemon.engines["ref0"].state
-            assert record.incarnation != before and record.weights is WeightsState.UPDATING
-            assert [s.name for s in session.trace.spans].count("begin_weight_update") == 1
-            state = await _internal_state(url)
-            assert state["paused"] is not None and state["weight_update_session"] == "all"
-            await daemon.sessions.abort(session.id)
-    finally:
-        await engine.aclose()
+    async with restartable_engine() as engine, in_process_daemon(engines={"ref0": engine.url},
+                                                                 timeouts=QUIET) as daemon:
+        url = engine.url
+        await daemon.transitions.transition(NodePhase.TRAIN, 1)
+        await daemon.transitions.transition(NodePhase.SYNC, 1)
+        before = daemon.engines["ref0"].state.incarnation
+        await engine.restart()
+        session = await daemon.sessions.open(step=1, version="v1", ranks=1)
+        record = daemon.engines["ref0"].state
+        assert record.incarnation != before and record.weights is WeightsState.UPDATING
+        assert [s.name for s in session.trace.spans].count("begin_weight_update") == 1
+        state = await _internal_state(url)
+        assert state["paused"] is not None and state["weight_update_session"] == "all"
+        await daemon.sessions.abort(session.id)
 
 
 async def _internal_state(url: str) -> dict[str, Any]:

@@ -13,13 +13,9 @@ import httpx
 import pytest
 import pytest_asyncio
 import torch
-from support import serve_app
+from support import daemon_node, reference_engine
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient
-from colocd.daemon.config import NodeConfig
-from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.sink import device_checksum, hf_shapes
 from colocd.trainer.push import WeightPusher
 
@@ -28,15 +24,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def node() -> AsyncIterator[tuple[AsyncColocdClient, str]]:
-    config = ReferenceEngineConfig.model_validate({"name": "ref0", "url": "http://127.0.0.1:0", "device": "cpu",
-                                                   "launch": {"args": ["--sink-shapes", "tiny"]}})
-    async with ReferenceEngineProcess(config) as engine:
-        node_config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}]})
-        async with serve_app(create_app(node_config)) as url, AsyncColocdClient(url) as client:
-            await client.wait_ready(60)
-            await client.phase("train", 1)
-            await client.phase("sync", 1)
-            yield client, str(engine.url)
+    async with (reference_engine(device="cpu", launch={"args": ["--sink-shapes", "tiny"]}) as engine,
+                daemon_node({"ref0": str(engine.url)}, synced_at=1) as daemon):
+        yield daemon.client, str(engine.url)
 
 
 async def _held(engine_url: str) -> dict[str, Any]:

@@ -14,8 +14,6 @@ import json
 import pickle
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +21,7 @@ import torch
 from reference_runner import StaticBuffers, generate_greedy
 from support import daemon_node, reference_engine
 
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.client import ColocdHTTPError
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
@@ -80,12 +78,6 @@ async def restore(c: httpx.AsyncClient) -> None:
         seed0 = named_params(build_model(CFG, 0))
         assert (await push_shm(c, [seed0, seed0])).json()["success"]
     await c.post("/update_weight_version", json={"new_version": "default"})
-
-
-@asynccontextmanager
-async def tp1_engine() -> AsyncIterator[ReferenceEngineProcess]:
-    async with reference_engine("ref-tp1", launch={"ready_timeout_s": DEADLINE_S}) as proc:
-        yield proc
 
 
 def shm_entry(named: Named, segments: list[SharedSegment]) -> str:
@@ -208,12 +200,6 @@ def test_device_ids_must_name_every_tp_rank_once() -> None:
 # --- through the daemon -------------------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def daemon(engines: list[dict[str, Any]]) -> AsyncIterator[AsyncColocdClient]:
-    async with daemon_node(engines, ready=False) as node:
-        yield node.client
-
-
 async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not await check():
@@ -223,8 +209,10 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
 
 
 async def test_the_daemon_refuses_to_attach_an_engine_whose_tp_size_is_not_the_declared_one() -> None:
-    async with tp1_engine() as tp1, daemon(
-            [{"kind": "reference", "name": "ref-declared-tp2", "url": tp1.url, "tp_size": 2}]) as client:
+    async with reference_engine("ref-tp1", launch={"ready_timeout_s": DEADLINE_S}) as tp1, daemon_node(
+            [{"kind": "reference", "name": "ref-declared-tp2", "url": tp1.url, "tp_size": 2}], ready=False) as node:
+        client = node.client
+
         async def reported() -> bool:
             return bool((await client.status())["engines"]["ref-declared-tp2"].get("last_error"))
 
@@ -245,11 +233,9 @@ async def test_two_trainer_ranks_feed_a_tp2_engine_through_the_daemon(
         engine: ReferenceEngineProcess, c: httpx.AsyncClient) -> None:
     trained = build_model(CFG, 25)
     named = named_params(trained)
-    async with daemon(
-            [{"kind": "reference", "name": "ref-tp2", "url": engine.url, "tp_size": 2}]) as client:
-        await client.wait_ready(DEADLINE_S)
-        await client.phase("train", 1)
-        await client.phase("sync", 1)
+    async with daemon_node([{"kind": "reference", "name": "ref-tp2", "url": engine.url, "tp_size": 2}],
+                           synced_at=1) as node:
+        client = node.client
         session = await client.open_session("v1", step=1, ranks=2, depth=2, manifest=manifest_of(named))
         sid = session["session_id"]
         # Every rank sends the same chunk plan: the full tensors, bucketed the same way. The engine's TP ranks

@@ -9,21 +9,18 @@ that wrote the named tensor it flips one bit of it, as a buggy loader would.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from typing import Any
 
-import httpx
 import pytest
 import pytest_asyncio
 import torch
-from support import daemon_node
+from support import daemon_node, reference_engine
 
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.client import ColocdHTTPError
 from colocd.daemon.verify import sample_names
 from colocd.engines.chunks import tensor_checksum
-from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.digest import tensor_digests
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.producer import ShmProducer
 from colocd.trainer.push import WeightPusher
@@ -44,57 +41,44 @@ async def engines() -> AsyncIterator[dict[str, str]]:
     async with AsyncExitStack() as stack:
         urls = {}
         for name, corrupt in (("clean", None), ("tampered", CORRUPTED)):
-            proc = ReferenceEngineProcess(ReferenceEngineConfig(name=name, url="http://127.0.0.1:0"))
             with pytest.MonkeyPatch.context() as env:
                 if corrupt is None:
                     env.delenv("COLOCD_REFERENCE_TEST_CORRUPT", raising=False)
                 else:
                     env.setenv("COLOCD_REFERENCE_TEST_CORRUPT", corrupt)
-                await stack.enter_async_context(proc)  # the child copies the environment as it starts
+                # The child copies the environment as it starts.
+                proc = await stack.enter_async_context(reference_engine(name))
             urls[name] = str(proc.url)
         yield urls
 
 
-@asynccontextmanager
-async def _node(tmp_path: Any, urls: dict[str, str], *, verify: str | None = None,
-                ) -> AsyncIterator[tuple[AsyncColocdClient, httpx.AsyncClient]]:
-    """An in-process daemon over the engines ``urls`` names (``verify``: the policy's sync.verify, else the
-    default) and a client; left in ``sync`` at step 1."""
-    config: dict[str, Any] = {"engines": [{"kind": "reference", "name": n, "url": u} for n, u in urls.items()]}
-    if verify is not None:
-        policy = tmp_path / "policy.yaml"
-        policy.write_text(f"apiVersion: colocd/v1\nsync:\n  verify: {verify}\n")
-        config["policy_file"] = str(policy)
-    async with daemon_node(**config) as daemon, httpx.AsyncClient(trust_env=False, timeout=30) as http:
-        client = daemon.client
-        await client.phase("train", 1)
-        await client.phase("sync", 1)
-        yield client, http
-
-
-async def _engine_checksum(http: httpx.AsyncClient, url: str) -> str:
-    body = (await http.post(f"{url}/weights_checker", json={"action": "checksum"})).json()
-    return str(body["colocd_checksum"])
+def _verify(tmp_path: Any, mode: str) -> str:
+    """A policy file whose sync.verify is ``mode``."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"apiVersion: colocd/v1\nsync:\n  verify: {mode}\n")
+    return str(policy)
 
 
 async def test_a_correct_push_is_verified_on_every_engine_before_it_commits(
         tmp_path: Any, engines: dict[str, str]) -> None:
     named = _named(seed=7)
     clean = {"ref0": engines["clean"]}
-    async with _node(tmp_path, clean) as (client, http), WeightPusher(client, transport="shm") as pusher:
+    async with daemon_node(clean, synced_at=1) as node, WeightPusher(node.client, transport="shm") as pusher:
+        client = node.client
         report = await pusher.push(named, version="v1", step=1)
         verification = report.commit["verification"]
         assert verification["mode"] == "full"
         assert verification["engines"] == {"ref0": {"status": "verified", "checked": len(named)}}
         await client.phase("rollout", 1)
-        assert await _engine_checksum(http, engines["clean"]) == tensor_checksum(named)
+        assert await node.engine_checksum() == tensor_checksum(named)
 
 
 async def test_an_engine_holding_other_bytes_fails_the_session_naming_engine_and_tensor_and_stays_paused(
         tmp_path: Any, engines: dict[str, str]) -> None:
     named = _named(seed=8)
     both = {"ref0": engines["clean"], "ref1": engines["tampered"]}
-    async with _node(tmp_path, both) as (client, _), WeightPusher(client, transport="shm") as pusher:
+    async with daemon_node(both, synced_at=1) as node, WeightPusher(node.client, transport="shm") as pusher:
+        client = node.client
         with pytest.raises(ColocdHTTPError) as err:
             await pusher.push(named, version="v1", step=1)
         assert err.value.status == 502
@@ -118,8 +102,9 @@ async def test_sample_checks_a_deterministic_subset_and_catches_a_sampled_tensor
     picked = sample_names(names, version)
     assert 0 < len(picked) < len(names) and picked == sample_names(list(reversed(names)), version)
     tampered = {"ref1": engines["tampered"]}
-    async with _node(tmp_path, tampered, verify="sample") as (client, _), \
-            WeightPusher(client, transport="shm") as pusher:
+    async with daemon_node(tampered, policy_file=_verify(tmp_path, "sample"), synced_at=1) as node, \
+            WeightPusher(node.client, transport="shm") as pusher:
+        client = node.client
         report = await pusher.push(named, version=missed, step=1)  # the corrupted tensor is outside this sample
         assert report.commit["verification"]["engines"]["ref1"] == {"status": "verified",
                                                                     "checked": len(sample_names(names, missed))}
@@ -133,8 +118,9 @@ async def test_sample_checks_a_deterministic_subset_and_catches_a_sampled_tensor
 
 async def test_off_skips_the_check_and_commits_what_the_engines_hold(tmp_path: Any, engines: dict[str, str]) -> None:
     named = _named(seed=10)
-    async with _node(tmp_path, {"ref1": engines["tampered"]}, verify="off") as (client, _), \
-            WeightPusher(client, transport="shm") as pusher:
+    async with daemon_node({"ref1": engines["tampered"]}, policy_file=_verify(tmp_path, "off"), synced_at=1) as node, \
+            WeightPusher(node.client, transport="shm") as pusher:
+        client = node.client
         report = await pusher.push(named, version="v1", step=1)
         assert report.commit["verification"]["mode"] == "off"
         assert report.commit["verification"]["engines"] == {"ref1": {"status": "skipped", "checked": 0}}
@@ -145,7 +131,8 @@ async def test_a_trainer_that_sends_no_digests_commits_and_the_reply_says_nothin
         tmp_path: Any, engines: dict[str, str]) -> None:
     named = _named(seed=11)
     producer = ShmProducer(reclaim=False)
-    async with _node(tmp_path, {"ref0": engines["clean"]}) as (client, _):
+    async with daemon_node({"ref0": engines["clean"]}, synced_at=1) as node:
+        client = node.client
         session = await client.open_session("v1", step=1, ranks=1)
         chunk = producer.export(named)  # exported without digests, as a trainer that does not compute them
         try:
@@ -162,7 +149,8 @@ async def test_a_session_some_of_whose_chunks_carry_no_digests_is_not_called_ver
     named = _named(seed=12)
     half = len(named) // 2
     producer = ShmProducer(reclaim=False)
-    async with _node(tmp_path, {"ref0": engines["clean"]}) as (client, _):
+    async with daemon_node({"ref0": engines["clean"]}, synced_at=1) as node:
+        client = node.client
         session = await client.open_session("v1", step=1, ranks=1)
         with_digests, without = producer.export(named[:half]), producer.export(named[half:])
         with_digests.digests = tensor_digests(named[:half])

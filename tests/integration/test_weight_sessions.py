@@ -15,8 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,19 +23,19 @@ import httpx
 import pytest
 import torch
 from support import (
+    DaemonNode,
     InMemoryEngine,
     Receive,
     Scope,
     Send,
     daemon_node,
+    in_process_daemon,
     request_body,
-    serve_app,
     serve_lifespan,
     shm_segments,
 )
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.base import (
@@ -53,37 +52,6 @@ from colocd.trainer.push import WeightPusher, manifest_of
 
 Named = list[tuple[str, torch.Tensor]]
 DEADLINE_S = 60
-
-
-@dataclass
-class Node:
-    client: AsyncColocdClient
-    url: str  # the daemon's
-    engine_url: str  # the engine itself (not the daemon's view of it)
-
-
-@asynccontextmanager
-async def _node(engine: ReferenceEngineProcess, tmp_path: Any, *, via: Callable[[str], Any] | None = None,
-                subprocess: bool = False, **timeouts: float) -> AsyncIterator[Node]:
-    """A daemon over ``engine`` (optionally through ``via(engine_url)``, an ASGI app served here), in this
-    event loop or as ``colocd serve``, and a client; the node is left in ``sync`` at step 1, weights released
-    and back (stale)."""
-    engine_url = str(engine.url)
-    async with _maybe_proxy(engine_url, via) as daemon_sees, \
-            daemon_node({"ref0": daemon_sees}, subprocess=subprocess, workdir=tmp_path, timeouts=timeouts,
-                        journal=str(tmp_path / "journal.jsonl")) as daemon:
-        await daemon.client.phase("train", 1)
-        await daemon.client.phase("sync", 1)
-        yield Node(daemon.client, daemon.url, engine_url)
-
-
-@asynccontextmanager
-async def _maybe_proxy(engine_url: str, via: Callable[[str], Any] | None) -> AsyncIterator[str]:
-    if via is None:
-        yield engine_url
-        return
-    async with serve_app(via(engine_url), ready_path="/health") as url:
-        yield url
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, Named]:
@@ -107,13 +75,6 @@ async def _greedy(engine_url: str, n: int = 8) -> list[int]:
         return list(r.json()["output_ids"])
 
 
-async def _checksum(engine_url: str) -> str:
-    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
-        r = await http.post(f"{engine_url}/weights_checker", json={"action": "checksum"})
-        r.raise_for_status()
-        return str(r.json()["colocd_checksum"])
-
-
 async def _blocked_generation(engine_url: str) -> asyncio.Task[list[int]]:
     """A generation sent while the engine is paused: it must wait at the pause gate, not answer now."""
     probe = asyncio.create_task(_greedy(engine_url))
@@ -122,18 +83,18 @@ async def _blocked_generation(engine_url: str) -> asyncio.Task[list[int]]:
     return probe
 
 
-async def _finish_with(node: Node, model: torch.nn.Module, named: Named, probe: asyncio.Task[list[int]],
-                       step: int = 1) -> None:
+async def _finish_with(node: DaemonNode, model: torch.nn.Module, named: Named,
+                       probe: asyncio.Task[list[int]], step: int = 1) -> None:
     """A complete push, then rollout: the engine serves exactly these weights, and so did the probe."""
     await WeightPusher(node.client, bucket_mb=0.05).push(named, version="good", step=step)
     await node.client.phase("rollout", step)
-    assert await _checksum(node.engine_url) == tensor_checksum(named)
+    assert await node.engine_checksum() == tensor_checksum(named)
     expected = _local_greedy(model)
     assert await asyncio.wait_for(probe, DEADLINE_S) == expected
     assert await _greedy(node.engine_url) == expected
 
 
-async def _pushed_then_released(node: Node, named: Named) -> None:
+async def _pushed_then_released(node: DaemonNode, named: Named) -> None:
     """A complete push at step 1 (what complete means: no engine lists its parameters), then the next step's
     train released the weights: the node is in sync at step 2 with stale weights."""
     await WeightPusher(node.client, bucket_mb=0.05).push(named, version="v1", step=1)
@@ -197,7 +158,7 @@ asyncio.run(main(sys.argv[1]))
 
 async def test_a_killed_trainers_session_expires_and_the_next_push_needs_no_manual_call(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path, session_idle_s=1.5) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, timeouts={"session_idle_s": 1.5}, synced_at=1) as node:
         trainer = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _DOOMED_TRAINER, node.url, stdout=asyncio.subprocess.PIPE)
         assert trainer.stdout is not None
@@ -233,7 +194,8 @@ async def test_a_killed_trainers_session_expires_and_the_next_push_needs_no_manu
 
 async def test_an_aborted_sessions_segments_are_unlinked_when_its_live_trainer_declared_its_pid_at_join(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path, subprocess=True) as node:  # the daemon is another process
+    # The daemon is another process.
+    async with daemon_node({"ref0": str(pooled_engine.url)}, subprocess=True, workdir=tmp_path, synced_at=1) as node:
         _, named = _model(seed=12)
         sid = (await node.client.open_session("kept", step=1, ranks=1))["session_id"]
         await node.client.join_session(sid, rank=0, device_id="cpu:0")  # declares this process (os.getpid())
@@ -252,7 +214,7 @@ async def test_an_aborted_sessions_segments_are_unlinked_when_its_live_trainer_d
 
 async def test_a_partial_commit_after_a_release_is_refused_naming_the_missing_tensors(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1) as node:
         model, named = _model(seed=5)
         await _pushed_then_released(node, named)
         probe = await _blocked_generation(node.engine_url)
@@ -277,7 +239,7 @@ async def test_a_partial_commit_after_a_release_is_refused_naming_the_missing_te
 
 async def test_a_declared_partial_manifest_after_a_release_is_refused_at_open_changing_nothing(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1) as node:
         model, named = _model(seed=5)
         await _pushed_then_released(node, named)
         probe = await _blocked_generation(node.engine_url)
@@ -294,7 +256,7 @@ async def test_a_declared_partial_manifest_after_a_release_is_refused_at_open_ch
 
 async def test_a_partial_update_on_clean_weights_needs_partial_true_and_then_works(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1) as node:
         model, named = _model(seed=5)
         await WeightPusher(node.client, bucket_mb=0.05).push(named, version="v1", step=1)
         await node.client.phase("rollout", 1)
@@ -313,7 +275,7 @@ async def test_a_partial_update_on_clean_weights_needs_partial_true_and_then_wor
         await node.client.resume(tags=["kv_cache", "cuda_graph"])
         engine = await _engine_state(node.client)
         assert (engine["generation"], engine["weights"], engine["weight_version"]) == ("serving", "clean", "v1p")
-        assert await _checksum(node.engine_url) == tensor_checksum(named)
+        assert await node.engine_checksum() == tensor_checksum(named)
         assert await asyncio.wait_for(probe, DEADLINE_S) == _local_greedy(model)
 
 
@@ -366,7 +328,8 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
         return proxies[0]
 
     # chunk_s fails the first session; it also bounds every chunk of the next one, so it leaves room for a busy CPU.
-    async with _node(pooled_engine, tmp_path, via=via, chunk_s=3.0, quiesce_s=0.3) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, via=via, timeouts={"chunk_s": 3.0, "quiesce_s": 0.3},
+                           synced_at=1) as node:
         _, stale_named = _model(seed=99)
         chunks = _export(stale_named, transport="disk")  # files outlive the session: only the engine can refuse
         try:
@@ -402,7 +365,7 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
             sent, _ = await WeightPusher(node.client, bucket_mb=0.05).stream(sid, named)
             await node.client.commit(sid, sent)
             await node.client.phase("rollout", 1)
-            assert await _checksum(node.engine_url) == tensor_checksum(named)
+            assert await node.engine_checksum() == tensor_checksum(named)
             assert await asyncio.wait_for(probe, DEADLINE_S) == _local_greedy(model)
         finally:
             proxies[0].release.set()
@@ -415,7 +378,7 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
 
 async def test_unreadable_chunk_handles_are_422_before_any_engine_call(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         sid = (await node.client.open_session("v1", step=1, ranks=1, manifest=manifest_of(named)))["session_id"]
@@ -451,7 +414,7 @@ async def test_unreadable_chunk_handles_are_422_before_any_engine_call(
 
 async def test_a_chunk_the_engine_refuses_is_422_with_its_words_and_the_engine_stays_paused(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         sid = (await node.client.open_session("v1", step=1, ranks=1))["session_id"]  # no manifest to check against
@@ -471,7 +434,7 @@ async def test_a_chunk_the_engine_refuses_is_422_with_its_words_and_the_engine_s
 
 async def test_sequence_mistakes_are_422_naming_them_and_leave_the_session_open(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         sid = (await node.client.open_session("good", step=1, ranks=1, depth=2,
@@ -491,13 +454,13 @@ async def test_sequence_mistakes_are_422_naming_them_and_leave_the_session_open(
 
         await node.client.commit(sid, sent)
         await node.client.phase("rollout", 1)
-        assert await _checksum(node.engine_url) == tensor_checksum(named)
+        assert await node.engine_checksum() == tensor_checksum(named)
         assert await asyncio.wait_for(probe, DEADLINE_S) == _local_greedy(model)
 
 
 async def test_a_committed_session_refuses_chunks_and_commit_with_410_and_abort_with_409(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with _node(pooled_engine, tmp_path) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1) as node:
         model, named = _model(seed=5)
         report = await WeightPusher(node.client, bucket_mb=0.05).push(named, version="good", step=1)
         before = await node.client.status()
@@ -517,7 +480,7 @@ async def test_a_committed_session_refuses_chunks_and_commit_with_410_and_abort_
         assert 'colocd_weight_sessions_total{outcome="committed"} 1.0' in metrics
         assert 'colocd_weight_sessions_total{outcome="aborted"} 0.0' in metrics  # declared at 0, never counted
         await node.client.phase("rollout", 1)
-        assert await _checksum(node.engine_url) == tensor_checksum(named)
+        assert await node.engine_checksum() == tensor_checksum(named)
         assert await _greedy(node.engine_url) == _local_greedy(model)
 
 
@@ -539,8 +502,7 @@ class UnlistedEngine(InMemoryEngine):
 
 async def test_without_a_parameter_list_the_first_push_after_a_discard_must_match_the_last_complete_one(
         tmp_path: Any) -> None:
-    config = NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}],
-                                        "journal": str(tmp_path / "journal.jsonl")})
+    journal = str(tmp_path / "journal.jsonl")
     _, named = _model(seed=5)
     full = manifest_of(named)
     # A CUDA-IPC pickle the daemon cannot look into: its layout says which tensors it holds.
@@ -550,7 +512,7 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
         await daemon.transitions.transition(NodePhase.TRAIN, s)
         await daemon.transitions.transition(NodePhase.SYNC, s)
 
-    async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as daemon:
+    async with in_process_daemon({"e0": UnlistedEngine("e0")}, journal=journal) as daemon:
         await step(daemon, 1)
         first = await daemon.sessions.open(step=1, version="v1", ranks=1, manifest=full)
         await daemon.sessions.submit_chunk(first.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
@@ -562,7 +524,7 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
             await daemon.sessions.open(step=2, version="v2", ranks=1, manifest=full[:10])
         assert err.value.field == "manifest"
 
-    async with Daemon(config, adapters={"e0": UnlistedEngine("e0")}) as restarted:
+    async with in_process_daemon({"e0": UnlistedEngine("e0")}, journal=journal) as restarted:
         with pytest.raises(RequestInvalid, match=rf"\({len(named) - 10} in all\)"):
             await restarted.sessions.open(step=2, version="v2", ranks=1, manifest=full[:10])
         assert (await restarted.sessions.open(step=2, version="v2", ranks=1, manifest=full)).manifest is not None
@@ -583,10 +545,9 @@ class InlineOnlyEngine(UnlistedEngine):
 
 async def test_a_chunk_by_a_transport_the_engine_does_not_load_is_refused_before_any_engine_call(
         tmp_path: Any) -> None:
-    config = NodeConfig.model_validate({"engines": [{"kind": "sglang", "name": "e0", "url": "http://unused"}]})
     engine = InlineOnlyEngine("e0")
     _, named = _model(seed=6)
-    async with Daemon(config, adapters={"e0": engine}) as daemon:
+    async with in_process_daemon({"e0": engine}) as daemon:
         await daemon.transitions.transition(NodePhase.TRAIN, 1)
         await daemon.transitions.transition(NodePhase.SYNC, 1)
         session = await daemon.sessions.open(step=1, version="v1", ranks=1)

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,7 +18,7 @@ import torch
 from support import EnginePool, daemon_node, shm_segments
 
 from benchmarks.weights import BenchSettings, run_weights_bench
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
+from colocd.api.client import ColocdHTTPError
 from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
@@ -28,7 +27,6 @@ from colocd.daemon.weights import SessionState, WeightSession
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
-from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.sglang.adapter import _load_format
 from colocd.errors import ChunkTimeout, EngineRejected, PayloadRejected, RequestInvalid, SessionGone, WeightSyncError
@@ -369,20 +367,8 @@ def test_each_transport_reaches_the_engine_in_its_load_format() -> None:
 # --- over HTTP, real reference engines ---------------------------------------------------------------
 
 
-@asynccontextmanager
-async def _node(pool: EnginePool, count: int, *, own_devices: bool = False,
-                **config: Any) -> AsyncIterator[tuple[AsyncColocdClient, list[ReferenceEngineProcess]]]:
-    """``count`` of the module's reference engines, an in-process daemon over them, a client.
-    ``own_devices``: engine i runs on device cpu:i (fed by trainer rank i); else all on cpu:0 (rank 0)."""
-    procs = [pool.borrow(f"ref{i}", device_ids=[f"cpu:{i}"] if own_devices else []) for i in range(count)]
-    try:
-        async with daemon_node({f"ref{i}": str(p.url) for i, p in enumerate(procs)}, **config) as daemon:
-            await daemon.client.phase("train", 1)
-            await daemon.client.phase("sync", 1)
-            yield daemon.client, procs
-    finally:
-        for proc in procs:
-            pool.give_back(proc)
+# Engine i on device cpu:i, fed by trainer rank i; or both on no device of their own, fed by rank 0.
+OWN_DEVICES = {"ref0": {"device_ids": ["cpu:0"]}, "ref1": {"device_ids": ["cpu:1"]}}
 
 
 async def _colocd_checksum(http: httpx.AsyncClient, url: str) -> str:
@@ -393,8 +379,9 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
     model = build_model(QwenLikeConfig(), seed=7)
     named = list(model.named_parameters())
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(engine_pool, 2, own_devices=True) as (client, procs), \
+    async with engine_pool.lent(**OWN_DEVICES) as engines, daemon_node(engines, synced_at=1) as node, \
             httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        client = node.client
         for transport, depth in (("shm", 2), ("disk", 1)):
             with torch.no_grad():
                 for p in model.parameters():
@@ -405,8 +392,8 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
             (chunks, _), _ = await asyncio.gather(*(p.stream(sid, named) for p in pushers))
             commit = await client.commit(sid, chunks)
 
-            for proc in procs:
-                assert await _colocd_checksum(http, str(proc.url)) == tensor_checksum(named), (transport, proc.url)
+            for url in engines.values():
+                assert await _colocd_checksum(http, url) == tensor_checksum(named), (transport, url)
             loads = defaultdict(list)
             for span in commit["trace"]["spans"]:
                 if span["name"] == "load_chunk":
@@ -436,7 +423,8 @@ async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared
         engine_pool: EnginePool) -> None:
     model = build_model(QwenLikeConfig(), seed=3)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with _node(engine_pool, 1) as (client, _):
+    async with engine_pool.lent(ref0={"device_ids": []}) as engines, daemon_node(engines, synced_at=1) as node:
+        client = node.client
         sid = (await client.open_session("v1", ranks=1, depth=2))["session_id"]
         reached = asyncio.Event()
         pusher = WeightPusher(client, transport="shm", bucket_mb=0.005, depth=2)
@@ -461,7 +449,9 @@ async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it(eng
     model = build_model(QwenLikeConfig(), seed=4)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
     # ref1 runs on cpu:1, so it needs trainer rank 1, which never joins: past start_s the commit names it.
-    async with _node(engine_pool, 2, own_devices=True, timeouts={"chunk_s": 0.5, "start_s": 1.0}) as (client, _):
+    async with engine_pool.lent(**OWN_DEVICES) as engines, daemon_node(
+            engines, timeouts={"chunk_s": 0.5, "start_s": 1.0}, synced_at=1) as node:
+        client = node.client
         sid = (await client.open_session("v1", ranks=2, depth=2))["session_id"]
         # Two chunks: within rank 0's window, so only the commit notices that rank 1 sent nothing.
         chunks, _ = await WeightPusher(client, bucket_mb=0.2, rank=0).stream(sid, list(model.named_parameters()))

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import in_process_daemon
 
 from colocd.daemon import journal as journal_module
-from colocd.daemon.config import NodeConfig
 from colocd.daemon.journal import KEEP_COMPLETED, Journal
-from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
 from colocd.engines.adoption import LaunchRecord
 from colocd.engines.base import EngineInfo, Observation, ReleaseReport
@@ -118,11 +117,10 @@ class _Engine:
 
 
 async def test_a_finished_transition_repeated_after_a_daemon_restart_is_replayed(tmp_path: Path) -> None:
-    config = NodeConfig.model_validate({"engines": [{"kind": "reference", "name": "e0", "url": "http://unused"}],
-                                        "journal": str(tmp_path / "journal.jsonl")})
-    async with Daemon(config, adapters={"e0": _Engine()}) as first:  # type: ignore[dict-item]
+    journal = str(tmp_path / "journal.jsonl")
+    async with in_process_daemon({"e0": _Engine()}, journal=journal) as first:
         done = await first.transitions.transition(NodePhase.TRAIN, 1)
-    async with Daemon(config, adapters={"e0": _Engine()}) as second:  # type: ignore[dict-item]
+    async with in_process_daemon({"e0": _Engine()}, journal=journal) as second:
         again = await second.transitions.transition(NodePhase.TRAIN, 1)
     assert again.replayed is True and (again.step, again.phase) == (1, "train")
     assert again.engines == done.engines and again.freed_bytes == done.freed_bytes
