@@ -287,7 +287,16 @@ async def test_abort_fails_every_waiting_rank_and_quiesce_names_the_engine_whose
     await _settle()
     assert engine.cancelled == []  # the engine's calls are not abandoned by the abort itself
     assert await session.quiesce(0.05) == ["slow"]  # they never returned: the engine is tainted
-    assert sorted(engine.cancelled) == [0, 1] and engine.loads == []
+    # ... and run on to the engine's answer, counted on the engine until then: no next session opens there
+    # while one could still land (engine_ops.late_loads).
+    await _settle()
+    assert engine.cancelled == [] and engine.loads == []
+    (handle,) = session.engines
+    assert sorted(handle.loads_in_flight.values()) == [session.id, session.id]
+    for gate in engine.release.values():
+        gate.set()
+    await _settle()
+    assert handle.loads_in_flight == {} and sorted(seq for seq, _, _ in engine.loads) == [0, 1]
 
 
 async def test_quiesce_waits_for_a_load_that_returns_late() -> None:
