@@ -213,12 +213,15 @@ async def run() -> AsyncIterator[Run]:
 
         os.kill(engine_pid, signal.SIGKILL)  # colocd relaunches it and reconciles the new process
         await poll(lambda: _restarted(client), "the engine relaunched and reconciled", timeout_s=120)
+        reconciled_at = time.time()  # its actions are counted by now; a scrape after this shows them
 
         # Prometheus has scraped the end state, and the last step is older than the shortest panel window.
         await poll(lambda: prometheus.has('colocd_engine_restarts_total{engine="ref0"} > 0'), "a scrape after it")
         await poll(lambda: prometheus.has('colocd_weight_sessions_total{outcome="expired"} > 0'), "the expiry scraped")
         await poll(lambda: prometheus.has(f"timestamp(colocd_node_step) > {result.quiet_since + 5}"),
                    "a scrape 5 s after the last step")
+        await poll(lambda: prometheus.has(f"timestamp(colocd_node_step) > {reconciled_at}"),
+                   "a scrape after the relaunched engine's reconcile")
         result.log_lines = daemon.log_path.read_text().splitlines()
         yield result
 
@@ -234,7 +237,8 @@ async def _session_state(client: AsyncColocdClient, session: str, state: str) ->
 async def _restarted(client: AsyncColocdClient) -> bool | None:
     status = await client.status()
     engine, last = status["engines"]["ref0"], status["reconcile"]["last"].get("ref0") or {}
-    return True if engine["launched"]["restarts"] >= 1 and engine["healthy"] and last.get("restarted") else None
+    return True if (engine["launched"]["restarts"] >= 1 and engine["healthy"] and last.get("restarted")
+                    and last.get("ok")) else None
 
 
 # -- the dashboard under Prometheus -------------------------------------------------------------------------------
