@@ -559,6 +559,11 @@ class WeightPusher:
         try:
             while not failure:
                 await window.acquire()
+                if sent >= self._depth:
+                    # Acks may come back out of order (a later chunk's request can overtake an earlier one on
+                    # another connection); the daemon counts the window from the first chunk it has not received,
+                    # so chunk n goes only once chunk n - depth (and, in turn, every earlier one) has ended.
+                    await asyncio.wait({tasks[sent - self._depth]})
                 if failure:  # a chunk failed while this waited for a slot: pull nothing more here
                     window.release()
                     break
