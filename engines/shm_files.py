@@ -18,11 +18,12 @@ import logging
 import os
 from collections.abc import Iterator
 
-__all__ = ["SHM_DIR", "GroupShmFiles", "group_members"]
+from .chunks import SHM_DIR
+
+__all__ = ["GroupShmFiles", "files_in_use", "group_members"]
 
 log = logging.getLogger("colocd.supervisor")
 
-SHM_DIR = "/dev/shm"
 _PREFIX = SHM_DIR + "/"
 _DELETED = " (deleted)"
 
@@ -70,6 +71,14 @@ def _shm_of(pid: int) -> dict[str, int]:
     return found
 
 
+def files_in_use() -> set[str]:
+    """The names of the ``/dev/shm`` files that any process this one can read maps or holds open now."""
+    in_use: set[str] = set()
+    for pid in _pids():
+        in_use.update(_shm_of(pid))
+    return in_use
+
+
 def _name(path: str) -> str | None:
     """The file's name if ``path`` is a file directly in /dev/shm that still exists under it, else None."""
     if not path.startswith(_PREFIX) or path.endswith(_DELETED):
@@ -96,16 +105,14 @@ class GroupShmFiles:
         one can read. Nothing while a member of the group lives. Returns the names unlinked."""
         if not self.noted or group_members(self.pgid):
             return []
-        in_use: set[str] = set()
-        for pid in _pids():
-            in_use.update(_shm_of(pid))
+        in_use = files_in_use()
         reclaimed = []
         for name, inode in sorted(self.noted.items()):
             path = os.path.join(SHM_DIR, name)
             try:
-                if name in in_use or os.stat(path).st_ino != inode:
+                found = os.stat(path)
+                if name in in_use or found.st_ino != inode:
                     continue
-                size = os.stat(path).st_size
                 os.unlink(path)
             except FileNotFoundError:
                 continue  # the engine's own cleanup got to it
@@ -113,6 +120,6 @@ class GroupShmFiles:
                 log.warning("process group %d left %s; it could not be unlinked: %s", self.pgid, path, exc)
                 continue
             reclaimed.append(name)
-            log.info("process group %d left %s (%d bytes); unlinked", self.pgid, path, size)
+            log.info("process group %d left %s (%d bytes); unlinked", self.pgid, path, found.st_size)
         self.noted.clear()
         return reclaimed

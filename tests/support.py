@@ -28,12 +28,13 @@ from colocd.engines.base import (
     PauseMode,
     ReleaseReport,
 )
+from colocd.engines.shm_files import files_in_use
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
            "NvmlNode", "RestartableEngine", "daemon_node", "in_process_daemon", "leaves_no_shm_segments",
            "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body",
-           "restartable_engine", "serve_app", "serve_lifespan", "shm_files_in_use", "shm_left_behind", "shm_segments",
+           "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
            "stop_engines"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
@@ -153,26 +154,10 @@ def shm_segments(owner: int | str | None = None) -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
 
 
-def shm_files_in_use() -> set[str]:
-    """The names of the /dev/shm files any process this one can read maps or holds open now."""
-    in_use: set[str] = set()
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                in_use.update(line.split("/dev/shm/", 1)[1].strip() for line in f if "/dev/shm/" in line)
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    in_use.add(target.removeprefix("/dev/shm/"))
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-    return in_use
-
-
 def shm_left_behind(before: set[str]) -> set[str]:
     """/dev/shm files that appeared since ``before`` (a listing) and that no process maps or holds open any more:
     what something stopped meanwhile left behind. (Other programs' files are in use, or were there before.)"""
-    return set(os.listdir("/dev/shm")) - before - shm_files_in_use()
+    return set(os.listdir("/dev/shm")) - before - files_in_use()
 
 
 @contextmanager
