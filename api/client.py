@@ -15,8 +15,8 @@ import json as jsonlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
-from typing import Any, Protocol, Self, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar
 
 import aiohttp
 
@@ -30,6 +30,7 @@ __all__ = ["AsyncColocdClient", "ColocdClient", "ColocdHTTPError", "DaemonUnreac
 log = logging.getLogger("colocd.client")
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 # A manifest's content as the client compares it: (name, dtype, shape) per tensor, in order.
 _ManifestKey = tuple[tuple[str, str, tuple[int, ...]], ...]
@@ -274,7 +275,7 @@ class AsyncColocdClient:
         """The rank layout (world size, each engine's rank_offset) and the open weight-update groups."""
         return await self._call("GET", "/v1/weights/groups")
 
-    async def open_weight_group(self, **spec: Any) -> dict[str, Any]:
+    async def open_weight_group(self, /, **spec: Any) -> dict[str, Any]:
         """Returns once every engine joined: join your side concurrently (see ``colocd.trainer.broadcast``)."""
         return await self._call("POST", "/v1/weights/groups", spec)
 
@@ -294,17 +295,23 @@ class AsyncColocdClient:
         return steps
 
 
+def _blocking(method: Callable[Concatenate[AsyncColocdClient, _P], Coroutine[Any, Any, _T]],
+              ) -> Callable[Concatenate[ColocdClient, _P], _T]:
+    """``AsyncColocdClient``'s ``method``, run to completion on the sync client's loop."""
+    def call(self: ColocdClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        return self.run(method(self.async_client, *args, **kwargs))
+
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
+
+
 class ColocdClient:
     """The synchronous face of ``AsyncColocdClient``: every method, run on a private event loop."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
         self._loop = asyncio.new_event_loop()
-        self._async = AsyncColocdClient(url, token=token, timeout_s=timeout_s)
-
-    @property
-    def async_client(self) -> AsyncColocdClient:
-        """The client this one drives (for code that needs the async calls on the same connection pool)."""
-        return self._async
+        # The client this one drives (for code that needs the async calls on the same connection pool).
+        self.async_client = AsyncColocdClient(url, token=token, timeout_s=timeout_s)
 
     def __enter__(self) -> Self:
         return self
@@ -314,69 +321,30 @@ class ColocdClient:
 
     def close(self) -> None:
         if not self._loop.is_closed():
-            self._loop.run_until_complete(self._async.aclose())
+            self._loop.run_until_complete(self.async_client.aclose())
             self._loop.close()
 
     def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
         """Run one coroutine of this client's (or built on it) to completion on the private loop."""
         return self._loop.run_until_complete(coro)
 
-    def phase(self, phase: str, step: int, *, trainer: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self.run(self._async.phase(phase, step, trainer=trainer))
-
-    def sleep(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
-        return self.run(self._async.sleep(tags, engines))
-
-    def resume(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
-        return self.run(self._async.resume(tags, engines))
-
-    def status(self) -> dict[str, Any]:
-        return self.run(self._async.status())
-
-    def ready(self) -> bool:
-        return self.run(self._async.ready())
-
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
-        self.run(self._async.wait_ready(timeout_s))
-
-    def metrics(self) -> str:
-        return self.run(self._async.metrics())
-
-    def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
-                     depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
-                     partial: bool = False) -> dict[str, Any]:
-        return self.run(self._async.open_session(version, step=step, ranks=ranks, depth=depth,
-                                                 manifest=manifest, partial=partial))
-
-    def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:
-        return self.run(self._async.join_session(session_id, rank=rank, device_id=device_id))
-
-    def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: SendablePart) -> dict[str, Any]:
-        return self.run(self._async.send_chunk(session_id, seq=seq, rank=rank, chunk=chunk))
-
-    def session(self, session_id: str) -> dict[str, Any]:
-        return self.run(self._async.session(session_id))
-
-    def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:
-        return self.run(self._async.commit(session_id, num_chunks))
-
-    def abort(self, session_id: str, reason: str | None = None) -> dict[str, Any]:
-        return self.run(self._async.abort(session_id, reason))
-
-    def weight_groups(self) -> dict[str, Any]:
-        return self.run(self._async.weight_groups())
-
-    def open_weight_group(self, **spec: Any) -> dict[str, Any]:
-        return self.run(self._async.open_weight_group(**spec))
-
-    def close_weight_group(self, group_name: str) -> dict[str, Any]:
-        return self.run(self._async.close_weight_group(group_name))
-
-    def send_broadcast(self, session_id: str, descriptor: dict[str, Any]) -> dict[str, Any]:
-        return self.run(self._async.send_broadcast(session_id, descriptor))
-
-    def trace(self, step: int, fmt: str = "json") -> dict[str, Any]:
-        return self.run(self._async.trace(step, fmt))
-
-    def steps(self, limit: int = 20) -> list[dict[str, Any]]:
-        return self.run(self._async.steps(limit))
+    phase = _blocking(AsyncColocdClient.phase)
+    sleep = _blocking(AsyncColocdClient.sleep)
+    resume = _blocking(AsyncColocdClient.resume)
+    status = _blocking(AsyncColocdClient.status)
+    ready = _blocking(AsyncColocdClient.ready)
+    wait_ready = _blocking(AsyncColocdClient.wait_ready)
+    metrics = _blocking(AsyncColocdClient.metrics)
+    open_session = _blocking(AsyncColocdClient.open_session)
+    join_session = _blocking(AsyncColocdClient.join_session)
+    send_chunk = _blocking(AsyncColocdClient.send_chunk)
+    session = _blocking(AsyncColocdClient.session)
+    commit = _blocking(AsyncColocdClient.commit)
+    abort = _blocking(AsyncColocdClient.abort)
+    report_leases = _blocking(AsyncColocdClient.report_leases)
+    weight_groups = _blocking(AsyncColocdClient.weight_groups)
+    open_weight_group = _blocking(AsyncColocdClient.open_weight_group)
+    close_weight_group = _blocking(AsyncColocdClient.close_weight_group)
+    send_broadcast = _blocking(AsyncColocdClient.send_broadcast)
+    trace = _blocking(AsyncColocdClient.trace)
+    steps = _blocking(AsyncColocdClient.steps)

@@ -35,7 +35,6 @@ STAGES: tuple[tuple[str, str], ...] = (
     ("open.outside", "  outside the daemon's open (transport, route, reply)"),
     ("open.join", "  join after it"),
     ("open.rt_floor", "  its round trips at their floors (see below)"),
-    ("open.first_export", "  the first chunk's export, beside it (0: after it)"),
     ("stream", "trainer: open's reply -> last ack"),
     ("stream.trainer_digest", "  trainer digests (export thread, overlapped)"),
     ("stream.load", "  engines' chunk loads, summed"),
@@ -91,7 +90,7 @@ def round_trips(trace: Mapping[str, Any]) -> dict[str, list[str]]:
 
 
 def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float, trace: Mapping[str, Any],
-              join_s: float = 0.0, first_export_s: float = 0.0, digest_s: Sequence[float] = (),
+              join_s: float = 0.0, digest_s: Sequence[float] = (),
               floors: RoundTrips | None = None) -> dict[str, float]:
     """The stages of one session in seconds (keys of ``STAGES``), from the trainer's timers and the commit's
     trace; a stage the session did not have (no verification, no manifest) is 0, and so are the round-trip
@@ -115,7 +114,6 @@ def breakdown(*, open_s: float, stream_s: float, commit_s: float, wall_s: float,
         "open.begin": _extent(by["begin_weight_update"]),
         "open.outside": open_s - open_daemon - join_s,
         "open.join": join_s,
-        "open.first_export": first_export_s,
         "stream": stream_s,
         "stream.trainer_digest": sum(digest_s),
         "stream.load": sum(e - s for s, e in by["load_chunk"]),

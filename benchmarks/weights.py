@@ -44,7 +44,7 @@ from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.digest import DigestCache, tensor_digests
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
-from colocd.trainer.push import WeightPusher
+from colocd.trainer.push import WeightPusher, manifest_of
 
 from . import ShowDefaults
 from .records import write_record
@@ -297,25 +297,25 @@ async def _push_once(
     manifest: bool = False,
 ) -> tuple[float, float, float, float, int, dict[str, Any]]:
     """(open, stream, commit, wall) seconds, the chunk count and the commit reply of one full session, as
-    ``WeightPusher.push`` makes it (open and join, stream, commit); ``manifest``: the open declares the tensors,
-    built from them as a push does."""
+    ``WeightPusher.push`` makes it (open, join and stream, commit; the join counted in the open);
+    ``manifest``: the open declares the tensors, built from them as a push does."""
     t0 = time.perf_counter()
-    session = await pusher.open(list(named), version=version, declare=manifest)
-    sid = session.session_id
+    reply = await client.open_session(version, ranks=1, depth=depth,
+                                      manifest=manifest_of(named) if manifest else None)
+    sid = str(reply["session_id"])
     t1 = time.perf_counter()
     try:
-        chunks, _ = await pusher.stream(sid, named, session=session)
+        chunks, _ = await pusher.stream(sid, named)
         t2 = time.perf_counter()
-        commit = await pusher.commit(session, chunks)
+        commit = await client.commit(sid, chunks)
     except BaseException:
         try:
             await client.abort(sid)
         except (ColocdHTTPError, httpx.TransportError):
             pass  # already failed; the original error matters
         raise
-    finally:
-        await session.aclose()
     t3 = time.perf_counter()
+    t1 += pusher.last_join_s
     return t1 - t0, t2 - t1, t3 - t2, t3 - t0, chunks, commit
 
 
@@ -369,7 +369,6 @@ async def _run_variant(
                 trace = commit.get("trace") or {}
                 result.breakdown = breakdown(open_s=open_s, stream_s=stream_s, commit_s=commit_s, wall_s=wall_s,
                                              trace=trace, join_s=pusher.last_join_s,
-                                             first_export_s=pusher.early_export_s,
                                              digest_s=[c.digest_s for c in pusher.chunk_log], floors=floors)
                 result.round_trips = round_trips(trace)
             if not result.stream_s or stream_s < min(result.stream_s):

@@ -4,8 +4,8 @@ One daemon per node stays the unit; Ray does the rest:
 
 * ``daemon_actor``: ``NodeDaemon``, a Ray actor pinned to its node that runs ``colocd serve``, which attaches
   to or launches the node's engines; detached by choice, otherwise torn down with the job.
-* ``registry``: each node's daemon by node id (named actors ``colocd-<node_id>`` in namespace ``colocd``),
-  ``NodeDaemons`` (start them, hold them), ``daemon_urls``, ``daemon_for_this_node``.
+* ``registry``: each node's daemon by node id, ``NodeDaemons`` (start them, hold them), ``daemon_urls``,
+  ``daemon_for_this_node``.
 * ``client``: ``ClusterClient``, which fans phase transitions and weight syncs out to every daemon and
   fails the step, naming node, engine and reason, when any node fails (needs no ray).
 * ``trainer``: ``push_to_this_node`` for trainer ranks.

@@ -5,26 +5,14 @@
     await cluster.sync(step, version, push=lambda node: trainers[node].push.remote(step))
     await cluster.rollout(step)
 
-Each call fans out concurrently (asyncio, one ``AsyncColocdClient`` per daemon) and returns a
-``StepResult`` holding every node's reply. If any node fails, ``ClusterStepError`` is raised after
-*every* node has answered; it names each failed node, the engine the daemon blamed and the daemon's
-reason (its error body), and says what the other nodes were left doing.
-
-The rules are one node's, stretched over the cluster (docs/deploy.md "Ray"):
-
-* A phase transition that fails on some nodes leaves the others in the new phase. Repeating the call is
-  safe: a daemon replays a finished ``(step, phase)``, so only the failed nodes do work again.
-* ``sync`` pushes through the caller's ``push(node_id)`` (a trainer rank on that node pushing to its own
-  daemon; weights never pass through this client). When a push fails anywhere, every session still
-  open on any node is aborted, the nodes that committed keep the new version *paused* (in ``sync`` no
-  engine serves), and the step's sync is marked incomplete.
-* ``rollout`` is refused cluster-wide, before any node is resumed, unless every engine of every node
-  reports clean weights at the version of the last complete sync: no node serves a partial update and
-  no node serves a version the others lack. The check reads each daemon's ``/v1/status`` (the daemons'
-  state, not this client's memory), so a client started afresh applies the same rule.
-* Redoing a failed ``sync`` skips the nodes whose engines already hold the version (``skip_committed``).
-
-This module imports neither ray nor torch: the fan-out works for any set of daemon URLs.
+Each call fans out concurrently (one ``AsyncColocdClient`` per daemon) and returns a ``StepResult`` with every
+node's reply; if any node failed, ``ClusterStepError`` is raised once *every* node has answered, naming each failed
+node, the engine its daemon blamed and the daemon's reason, and what the other nodes were left doing. The rules are
+one node's stretched over the cluster (docs/deploy.md, "What a step does across nodes"): a repeated phase is
+replayed by the daemons that finished it; a failed push aborts every session still open and leaves the nodes that
+committed paused; ``rollout`` is refused before any node resumes unless every engine of every node reports clean
+weights at the step's version (read from each daemon's ``/v1/status``, not this client's memory). Imports neither
+ray nor torch: the fan-out works for any set of daemon URLs.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
-"""One colocd daemon per Ray node: a Ray actor pinned to its node that runs ``colocd serve`` as a child.
+"""One colocd daemon per Ray node: ``NodeDaemon``, a Ray actor pinned to its node that runs ``colocd serve``.
 
-    handle = start_node_daemon(node_id, NodeSpec(engines=[{"kind": "reference", "name": "ref0",
-                                                           "launch": {}}]), detached=False)
-
-The actor (``NodeDaemon``) is placed with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, takes
-no CPU of the node's (the trainer's actors keep them), and is named ``colocd-<node_id>`` in the
-``colocd`` namespace (``registry``). ``detached=True`` keeps it, and so the daemon and engines, running
-after the job that started it ends; otherwise it goes with the job.
-
-The actor only runs the daemon (``api/procs.DaemonProcess``: the one process supervisor). Engines come
-from the spec, the same entries as a node config's ``engines:``, handed to the daemon unchanged: one with
-a ``url`` and no ``launch`` is attached to, one with ``launch`` is launched by the daemon, relaunched with
-backoff when it exits and reconciled (docs/config.md, ``launch:``). Where each engine runs and its pid
-are in the daemon's ``/v1/status`` (``engines.<name>.launched``).
-
-The daemon is tethered to the actor and the engines to the daemon (``engines/tether.py``): if the
-actor's process dies without stopping it (``ray.kill``, the job ending, the node removed) the kernel
-kills the daemon, and then its engines, so nothing outlives the actor that owns it.
+The actor is placed with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, takes no CPU of the node's,
+and is named ``colocd-<node_id>`` in the ``colocd`` namespace (``registry``); ``detached=True`` keeps it, and so
+the daemon and engines, after the job that started it ends. It only runs the daemon (``api/procs.DaemonProcess``,
+tethered: the kernel kills it, and then its engines, when the actor's process dies); the spec's engines go into
+the daemon's config unchanged (attached by ``url``, or launched by ``launch:``). docs/deploy.md, "Ray".
 """
 
 from __future__ import annotations
@@ -32,9 +20,13 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..api.procs import DaemonProcess
-from .names import NAMESPACE, actor_name
+__all__ = ["NAMESPACE", "NodeDaemon", "NodeSpec", "actor_name", "create_node_daemon"]
 
-__all__ = ["NodeDaemon", "NodeSpec", "create_node_daemon", "start_node_daemon"]
+NAMESPACE = "colocd"  # Ray's actor table: one name per node id, in one namespace
+
+
+def actor_name(node_id: str) -> str:
+    return f"colocd-{node_id}"
 
 
 @dataclass(frozen=True)
@@ -108,9 +100,3 @@ def create_node_daemon(node_id: str, spec: NodeSpec, *, detached: bool = False) 
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(node_id, spec)
 
-
-def start_node_daemon(node_id: str, spec: NodeSpec, *, detached: bool = False) -> Any:
-    """``create_node_daemon`` and wait for its daemon to be ready; returns the actor handle."""
-    handle = create_node_daemon(node_id, spec, detached=detached)
-    ray.get(handle.start.remote())
-    return handle

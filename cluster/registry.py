@@ -15,22 +15,19 @@ from typing import Any
 
 import ray
 
-from .daemon_actor import create_node_daemon
-from .names import NAMESPACE, actor_name
+from .daemon_actor import NAMESPACE, actor_name, create_node_daemon
 
 __all__ = [
-    "NAMESPACE",
     "NodeDaemons",
-    "actor_name",
     "adaemon_for_this_node",
     "alive_nodes",
     "daemon_for_this_node",
     "daemon_urls",
-    "ensure_daemons",
     "find_daemon",
     "list_daemons",
     "stop_daemons",
 ]
+
 
 def alive_nodes() -> list[str]:
     """Node ids of the cluster's alive nodes."""
@@ -49,7 +46,8 @@ class NodeDaemons:
     """The driver's hold on the node daemons it started: ``ensure()`` on every alive node, ``stop()`` at the end.
 
     A job-scoped named actor is garbage-collected with its last handle, so whoever starts the daemons
-    keeps their handles: this object (a detached daemon outlives it and is found again by name).
+    keeps their handles: this object. ``detached=True``: daemons that stay up after the job (a long-lived
+    cluster shared by several jobs), found again by name.
     """
 
     def __init__(self, spec: Any, *, detached: bool = False) -> None:
@@ -65,38 +63,35 @@ class NodeDaemons:
         targets = nodes if nodes is not None else alive_nodes()
         for node in targets:  # get-or-create by name: a daemon started elsewhere is adopted
             self.handles.setdefault(node, create_node_daemon(node, self.spec, detached=self.detached))
-        chosen = {n: self.handles[n] for n in targets}
         # start() is idempotent: a running daemon answers at once with its info.
-        infos = ray.get([h.start.remote() for h in chosen.values()], timeout=timeout_s)
-        return dict(zip(chosen, infos, strict=True))
+        infos = ray.get([self.handles[n].start.remote() for n in targets], timeout=timeout_s)
+        return dict(zip(targets, infos, strict=True))
 
     def urls(self) -> dict[str, str]:
         return daemon_urls()
 
     def stop(self, timeout_s: float = 60.0) -> list[str]:
         """Stop every daemon held here and its engines, and remove the actors (detached ones too)."""
-        stopped = sorted(self.handles)
-        ray.get([h.cleanup.remote() for h in self.handles.values()], timeout=timeout_s)
-        for handle in self.handles.values():
-            ray.kill(handle)
-        self.handles.clear()
-        return stopped
+        handles, self.handles = self.handles, {}
+        return _stop(handles, timeout_s)
 
 
-def ensure_daemons(spec: Any, *, detached: bool = True, nodes: list[str] | None = None,
-                   timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
-    """``NodeDaemons(spec, detached=True).ensure()``: daemons that stay up after this call (and the job).
+def _found() -> dict[str, Any]:
+    """The daemon actor of each alive node that has one."""
+    return {n: h for n in alive_nodes() if (h := find_daemon(n)) is not None}
 
-    For daemons that go with the job, keep a ``NodeDaemons(spec)`` instead (it holds their handles).
-    """
-    return NodeDaemons(spec, detached=detached).ensure(nodes, timeout_s)
+
+def _stop(handles: dict[str, Any], timeout_s: float) -> list[str]:
+    ray.get([h.cleanup.remote() for h in handles.values()], timeout=timeout_s)
+    for handle in handles.values():
+        ray.kill(handle)
+    return sorted(handles)
 
 
 def list_daemons(timeout_s: float = 60.0) -> dict[str, dict[str, Any]]:
     """``info()`` of the daemon on each alive node that has one."""
-    handles = {n: h for n in alive_nodes() if (h := find_daemon(n)) is not None}
-    infos = ray.get([h.info.remote() for h in handles.values()], timeout=timeout_s)
-    return dict(zip(handles, infos, strict=True))
+    handles = _found()
+    return dict(zip(handles, ray.get([h.info.remote() for h in handles.values()], timeout=timeout_s), strict=True))
 
 
 def daemon_urls(timeout_s: float = 60.0) -> dict[str, str]:
@@ -104,32 +99,26 @@ def daemon_urls(timeout_s: float = 60.0) -> dict[str, str]:
     return {n: str(i["url"]) for n, i in list_daemons(timeout_s).items()}
 
 
-def daemon_for_this_node(timeout_s: float = 60.0) -> dict[str, Any]:
-    """This node's daemon ``info()`` (url, pid), from inside any task or actor on the node."""
+def _this_node() -> Any:
     node_id = ray.get_runtime_context().get_node_id()
-    handle = find_daemon(node_id)
-    if handle is None:
+    if (handle := find_daemon(node_id)) is None:
         raise LookupError(f"no colocd daemon on node {node_id}: start one with "
                           "colocd.cluster.registry.NodeDaemons(spec).ensure()")
-    info: dict[str, Any] = ray.get(handle.info.remote(), timeout=timeout_s)
+    return handle
+
+
+def daemon_for_this_node(timeout_s: float = 60.0) -> dict[str, Any]:
+    """This node's daemon ``info()`` (url, pid), from inside any task or actor on the node."""
+    info: dict[str, Any] = ray.get(_this_node().info.remote(), timeout=timeout_s)
     return info
 
 
 async def adaemon_for_this_node() -> dict[str, Any]:
     """``daemon_for_this_node`` for async actors (awaits instead of blocking their event loop)."""
-    node_id = ray.get_runtime_context().get_node_id()
-    handle = find_daemon(node_id)
-    if handle is None:
-        raise LookupError(f"no colocd daemon on node {node_id}: start one with "
-                          "colocd.cluster.registry.NodeDaemons(spec).ensure()")
-    info: dict[str, Any] = await handle.info.remote()
+    info: dict[str, Any] = await _this_node().info.remote()
     return info
 
 
 def stop_daemons(timeout_s: float = 60.0) -> list[str]:
     """Stop every node's daemon and engines and remove the actors, found by name (detached ones too)."""
-    handles = {n: h for n in alive_nodes() if (h := find_daemon(n)) is not None}
-    ray.get([h.cleanup.remote() for h in handles.values()], timeout=timeout_s)
-    for handle in handles.values():
-        ray.kill(handle)
-    return sorted(handles)
+    return _stop(_found(), timeout_s)

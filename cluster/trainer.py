@@ -17,16 +17,18 @@ from typing import Any
 import torch
 
 from ..api.client import AsyncColocdClient
-from ..trainer.push import WeightPusher
+from ..policies import Transport
+from ..trainer.push import DEFAULT_DEPTH, WeightPusher
 from .registry import adaemon_for_this_node
 
 __all__ = ["push_to_this_node"]
 
 
 async def push_to_this_node(named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
-                            token: str | None = None, transport: str = "shm", bucket_mb: float = 64,
-                            depth: int = 2) -> dict[str, Any]:
-    """One complete push (open, stream, commit) to this node's daemon; returns a summary the driver can keep."""
+                            token: str | None = None, transport: Transport | str = "auto",
+                            bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH) -> dict[str, Any]:
+    """One complete push (open, stream, commit) to this node's daemon; returns a summary the driver can keep.
+    The defaults are ``WeightPusher``'s."""
     info = await adaemon_for_this_node()
     async with AsyncColocdClient(info["url"], token=token) as client, \
             WeightPusher(client, transport=transport, bucket_mb=bucket_mb, depth=depth) as pusher:

@@ -38,15 +38,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
 import torch
 
-from .push import PushReport, WeightPusher
+from .push import PushReport, WeightPusher, free_bytes
 
-__all__ = ["AsyncWeightSync", "BufferChoice", "MemoryProbe", "WeightSender", "choose_buffer"]
+__all__ = ["AsyncWeightSync", "WeightSender", "choose_buffer"]
 
 _MIB = 1 << 20
 BufferKind = Literal["device", "pinned_cpu", "none"]
@@ -61,69 +60,30 @@ class WeightSender(Protocol):
                    step: int | None = None) -> PushReport: ...
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryProbe:
-    """Free bytes where a snapshot could go (None: unknown, treated as no room). Injected for tests."""
-
-    device_free: Callable[[torch.device], int | None]
-    host_available: Callable[[], int | None]
-
-    @classmethod
-    def system(cls) -> MemoryProbe:
-        return cls(device_free=_device_free, host_available=_host_available)
-
-
-def _device_free(device: torch.device) -> int | None:
-    if device.type == "cpu":
-        return _host_available()
-    try:
-        return int(torch.cuda.mem_get_info(device)[0])
-    except (RuntimeError, AssertionError):
-        return None
-
-
-def _host_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class BufferChoice:
-    kind: BufferKind
-    reason: str
-
-
 def choose_buffer(nbytes: int, device: torch.device, *, wanted: str = "auto", margin_bytes: int,
-                  probe: MemoryProbe, host_ok: bool) -> BufferChoice:
-    """Where a snapshot of ``nbytes`` goes: the device if a copy plus the margin fits there, else pinned host
-    memory (CUDA tensors, a sender that reads host tensors: ``host_ok``), else none (push synchronously)."""
+                  host_ok: bool) -> tuple[BufferKind, str]:
+    """Where a snapshot of ``nbytes`` goes, and why: the device if a copy plus the margin fits there, else pinned
+    host memory (CUDA tensors, a sender that reads host tensors: ``host_ok``), else none (push synchronously)."""
     need = nbytes + margin_bytes
     notes = []
+
+    def mib(n: int | None) -> str:
+        return "unknown" if n is None else f"{n / _MIB:.0f} MiB"
+
     if wanted in ("auto", "device"):
-        free = probe.device_free(device)
-        if free is not None and free >= need:
-            return BufferChoice("device", f"{nbytes / _MIB:.0f} MiB copy on {device} ({free / _MIB:.0f} MiB free)")
-        notes.append(f"{device} has {'unknown' if free is None else f'{free / _MIB:.0f} MiB'} free, "
-                     f"needs {need / _MIB:.0f} MiB (copy + margin)")
+        if (free := free_bytes(device)) is not None and free >= need:
+            return "device", f"{mib(nbytes)} copy on {device} ({mib(free)} free)"
+        notes.append(f"{device} has {mib(free)} free, needs {mib(need)} (copy + margin)")
     if wanted in ("auto", "pinned_cpu"):
         if device.type != "cuda":
             notes.append("pinned host memory only stages CUDA tensors")
         elif not host_ok:
             notes.append("the sender's transport needs device tensors, not a host snapshot")
+        elif (free := free_bytes(torch.device("cpu"))) is not None and free >= need:
+            return "pinned_cpu", f"{mib(nbytes)} pinned host copy ({mib(free)} available)"
         else:
-            free = probe.host_available()
-            if free is not None and free >= need:
-                return BufferChoice("pinned_cpu", f"{nbytes / _MIB:.0f} MiB pinned host copy "
-                                                  f"({free / _MIB:.0f} MiB available)")
-            notes.append(f"host has {'unknown' if free is None else f'{free / _MIB:.0f} MiB'} available, "
-                         f"needs {need / _MIB:.0f} MiB")
-    return BufferChoice("none", "no room for a second buffer: " + "; ".join(notes))
+            notes.append(f"host has {mib(free)} available, needs {mib(need)}")
+    return "none", "no room for a second buffer: " + "; ".join(notes)
 
 
 def _snapshot(named: list[tuple[str, torch.Tensor]], kind: BufferKind) -> list[tuple[str, torch.Tensor]]:
@@ -152,12 +112,11 @@ class AsyncWeightSync:
     """
 
     def __init__(self, sender: WeightSender, *, mode: str = "async", second_buffer: str = "auto",
-                 margin_mb: float = 1024, probe: MemoryProbe | None = None) -> None:
+                 margin_mb: float = 1024) -> None:
         self._sender = sender
         self.mode = mode
         self.second_buffer = second_buffer
         self.margin_bytes = int(margin_mb * _MIB)
-        self._probe = probe or MemoryProbe.system()
         self._task: asyncio.Task[PushReport] | None = None
         self._snapshot: list[tuple[str, torch.Tensor]] | None = None
         self._report: dict[str, Any] | None = None
@@ -187,14 +146,14 @@ class AsyncWeightSync:
         report: dict[str, Any] = {"requested": self.mode, "version": version, "started_version": version,
                                   "buffer": "none", "fallback_reason": None}
         if self.mode == "async":
-            choice = choose_buffer(nbytes, device, wanted=self.second_buffer, margin_bytes=self.margin_bytes,
-                                   probe=self._probe, host_ok=self._reads_host(device))
-            if choice.kind == "none":
-                report["fallback_reason"] = choice.reason
+            kind, why = choose_buffer(nbytes, device, wanted=self.second_buffer, margin_bytes=self.margin_bytes,
+                                      host_ok=self._reads_host(device))
+            if kind == "none":
+                report["fallback_reason"] = why
             else:
                 t0 = time.perf_counter()
-                self._snapshot = await asyncio.to_thread(_snapshot, named, choice.kind)
-                report.update(mode="async", buffer=choice.kind, buffer_bytes=nbytes,
+                self._snapshot = await asyncio.to_thread(_snapshot, named, kind)
+                report.update(mode="async", buffer=kind, buffer_bytes=nbytes,
                               snapshot_s=time.perf_counter() - t0)
                 self._report = report
                 self._task = asyncio.ensure_future(self._push(self._snapshot, version, step))

@@ -110,7 +110,7 @@ class DistributedWeightSender:
         try:
             _, reply = await self._together(off_loop(send, name=f"colocd-trainer-bcast-{seq}"), http)
         except BaseException:
-            await self._abandon()
+            await self.close_group(wait=False)
             raise
         return reply
 
@@ -128,8 +128,8 @@ class DistributedWeightSender:
         """Open a weight session, broadcast every bucket, commit; on failure abort the session and raise."""
         t0 = time.perf_counter()
         named = list(named)  # references only: the manifest (each broadcast is checked against it) comes first
-        session = await self._client.open_session(version, step=step, ranks=1, manifest=manifest_of(named))
-        sid = session["session_id"]
+        sid = str((await self._client.open_session(version, step=step, ranks=1, manifest=manifest_of(named)))
+                  ["session_id"])
         try:
             count, nbytes = await self.stream(sid, named)
             commit = await self._client.commit(sid)
@@ -139,23 +139,27 @@ class DistributedWeightSender:
             raise
         return PushReport(sid, version, count, nbytes, time.perf_counter() - t0, commit)
 
-    async def close_group(self) -> dict[str, Any] | None:
+    async def close_group(self, *, wait: bool = True) -> dict[str, Any] | None:
         """Have the daemon destroy the group on every engine, then leave it.
 
-        Returns the daemon's answer, or None if the daemon no longer had the group (it destroys a
-        group after a failed broadcast; leaving it here is what lets the engines' receives end).
+        Returns the daemon's answer, or None if the daemon no longer had the group (it destroys a group after a
+        failed broadcast; leaving it here is what lets the engines' receives end). ``wait=False`` (after a
+        failure): the daemon's refusal is not raised, and the group is left without waiting (a broadcast of ours
+        may still be pending on it; it fails once the engines are gone).
         """
         group, self._group = self._group, None
         if group is None:
             return None
         try:
             return await self._client.close_weight_group(self.group_name)
-        except ColocdHTTPError as exc:
-            if exc.status != 404:
+        except (ColocdHTTPError, DaemonUnreachable) as exc:
+            if wait and not (isinstance(exc, ColocdHTTPError) and exc.status == 404):
                 raise
             return None
         finally:
-            await off_loop(group.close, name="colocd-trainer-leave")
+            leaving = off_loop(group.close, name="colocd-trainer-leave")
+            if wait:
+                await leaving
 
     async def aclose(self) -> None:
         await self.close_group()
@@ -180,15 +184,6 @@ class DistributedWeightSender:
             http.cancel()  # the daemon's own budget ends its side
             raise
         return collective.result(), http.result()
-
-    async def _abandon(self) -> None:
-        """After a failure: have the daemon destroy the group, and leave it without waiting (a broadcast
-        of ours may still be pending on it; it fails once the engines are gone)."""
-        group, self._group = self._group, None
-        with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
-            await self._client.close_weight_group(self.group_name)  # 404 if the daemon destroyed it already
-        if group is not None:
-            off_loop(group.close, name="colocd-trainer-leave")
 
 
 def _leave_when_joined(joining: asyncio.Future[WeightGroup]) -> None:

@@ -179,29 +179,21 @@ class GroupLifecycle:
     rank that sat out canary timeouts still reaches the vote before its peers give up on it.
     """
 
-    def __init__(
-        self,
-        specs: Sequence[GroupSpec],
-        *,
-        device: torch.device | None = None,
-        group_timeout_s: float = 600.0,
-        agree_timeout_s: float = 120.0,
-        max_wait_s: float = 60.0,
-        canary: Canary | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
+    def __init__(self, specs: Sequence[GroupSpec], *, device: torch.device | None = None,
+                 group_timeout_s: float = 600.0, agree_timeout_s: float = 120.0, max_wait_s: float = 60.0,
+                 canary: Canary | None = None, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupLifecycle needs torch.distributed initialised (init_process_group)")
         self._specs = tuple(specs)
-        self._device = device or (
-            torch.device("cuda", torch.cuda.current_device()) if _cuda() else torch.device("cpu")
-        )
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        self._device = device or (torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         self._group_timeout = timedelta(seconds=group_timeout_s)
         self._max_wait_s = max_wait_s
         self._clock = clock
         self._sleep = sleep
-        self._canary: Canary = canary or self._default_canary
+        self._canary: Canary = canary or (lambda name, group, timeout_s: all_reduce_canary(
+            name, group, timeout_s, device=self._device))
         self._cuda = self._device.type == "cuda"
         backends = [spec.backend or dist.get_backend() for spec in self._specs]
         self._suspend = detect_suspend_capability(self._device, backends)
@@ -218,7 +210,7 @@ class GroupLifecycle:
         self._keep_alive = KeepAliveState.OFF
         self._cooldown_until: float | None = None
         self._canary_timeout_s = 30.0
-        self._directive: GroupDirective | None = None
+        self._policy: str | None = None  # the policy of the last pause's directive
 
     # --- what the daemon and the trainer read ------------------------------------------------
 
@@ -238,18 +230,13 @@ class GroupLifecycle:
         """The live groups this rank is a member of, in creation order."""
         if self._state != LifecycleState.LIVE:
             raise RuntimeError(f"groups are not usable in state {self._state}; call resume() first")
-        for spec, group in zip(self._specs, self._groups, strict=True):
-            if group is not None:
-                yield spec, group
+        return self._members()
 
     def snapshot(self) -> GroupSnapshot:
         """What the daemon's process-group policy needs to decide the next pause."""
-        return GroupSnapshot(
-            group_count=len(self._resident),
-            resident_bytes=self._resident_total(),
-            keep_alive_disabled=self._keep_alive == KeepAliveState.DISABLED,
-            suspend_supported=self._suspend.supported,
-        )
+        return GroupSnapshot(group_count=len(self._resident), resident_bytes=self._resident_total(),
+                             keep_alive_disabled=self._keep_alive == KeepAliveState.DISABLED,
+                             suspend_supported=self._suspend.supported)
 
     # --- the lifecycle ---------------------------------------------------------------------------
 
@@ -257,20 +244,25 @@ class GroupLifecycle:
         """Create every group (collective) and warm it with one canary so lazy communicators exist."""
         self._require(LifecycleState.UNBUILT, "build")
         start = self._clock()
-        actions = self._create_all()[0]
-        return self._report("build", "create", None, start, 0.0, actions, kept=None, freed=None)
+        return self._report("build", "create", start, self._create_all()[0])
 
     def pause(self, directive: GroupDirective) -> GroupReport:
         """Enact ``directive`` before the trainer's memory is paused."""
         self._require(LifecycleState.LIVE, "pause")
         start = self._clock()
         effective, why = self._effective(directive)
-        self._directive = effective
+        self._policy = effective.policy
         actions: list[str] = [f"directive {directive.action} from {directive.policy}: {directive.reason}"]
         if why:
             actions.append(why)
         if effective.action == GroupAction.KEEP:
-            return self._keep(effective, start, actions, why)
+            self._canary_timeout_s = effective.canary_timeout_s
+            if self._keep_alive == KeepAliveState.OFF:
+                self._keep_alive = KeepAliveState.ELIGIBLE
+            self._state = LifecycleState.KEPT
+            actions.append(f"kept {len(self._resident)} groups through the pause ({self._keep_alive})")
+            return self._report("pause", "keep", start, actions, kept=self._resident_total(), freed=0,
+                                fallback_reason=why, per_group=self._resident)
         if effective.action == GroupAction.SUSPEND:
             return self._suspend_all(effective, start, actions)
         return self._destroy(effective, start, actions, why)
@@ -278,30 +270,22 @@ class GroupLifecycle:
     def resume(self) -> GroupReport:
         """Make the groups usable again: rebuild (after any cooldown remainder) or canary-check kept ones."""
         start = self._clock()
-        policy = self._directive.policy if self._directive else None
         if self._state == LifecycleState.LIVE:
-            return self._report("resume", "none", policy, start, 0.0, ["groups already live"], None, None)
+            return self._report("resume", "none", start, ["groups already live"])
         if self._state == LifecycleState.DESTROYED:
             waited = self._cooldown_remainder()
             actions = [f"slept {waited:.3f} s: remainder of the deferred post-destroy wait"] if waited else []
             created, why = self._create_all(self._rebuild)
-            actions += created
-            return self._report("resume", "rebuild", policy, start, waited, actions, None, None, fallback_reason=why)
-        if self._state == LifecycleState.SUSPENDED:
-            return self._verify_kept(start, policy, resume_first=True)
-        self._require(LifecycleState.KEPT, "resume")
-        return self._verify_kept(start, policy, resume_first=False)
+            return self._report("resume", "rebuild", start, actions + created, waited=waited, fallback_reason=why)
+        if self._state != LifecycleState.SUSPENDED:
+            self._require(LifecycleState.KEPT, "resume")
+        return self._verify_kept(start, resume_first=self._state == LifecycleState.SUSPENDED)
 
     def abandon(self, reason: str) -> GroupReport:
         """Kept groups failed in use (the weight sync raised): abort them, rebuild, disable keep-alive."""
         start = self._clock()
-        self._disable(reason)
-        self._abort_all()
-        actions = [f"keep-alive disabled: {reason}", "aborted all groups, no wait"]
-        actions += self._create_all()[0]
-        return self._report(
-            "abandon", "rebuild", None, start, 0.0, actions, None, None, fallback_reason=reason
-        )
+        actions = [f"keep-alive disabled: {reason}", *self._give_up(reason)]
+        return self._report("abandon", "rebuild", start, actions, fallback_reason=reason)
 
     def close(self) -> None:
         """Destroy every group, the control group included. Idempotent."""
@@ -331,55 +315,39 @@ class GroupLifecycle:
             return self._effective(fallback)[0], f"suspend unavailable ({self._suspend.reason}); fallback"
         keeps = directive.action in (GroupAction.KEEP, GroupAction.SUSPEND)
         if keeps and self._keep_alive == KeepAliveState.DISABLED:
-            return (
-                GroupDirective.destroy(directive.policy, "keep-alive disabled for this process"),
-                "keep-alive disabled by an earlier failure: destroy, no wait",
-            )
+            return (GroupDirective.destroy(directive.policy, "keep-alive disabled for this process"),
+                    "keep-alive disabled by an earlier failure: destroy, no wait")
         return directive, None
 
-    def _keep(
-        self, directive: GroupDirective, start: float, actions: list[str], why: str | None
-    ) -> GroupReport:
-        self._canary_timeout_s = directive.canary_timeout_s
-        if self._keep_alive == KeepAliveState.OFF:
-            self._keep_alive = KeepAliveState.ELIGIBLE
-        self._state = LifecycleState.KEPT
-        kept = self._resident_total()
-        actions.append(f"kept {len(self._resident)} groups through the pause ({self._keep_alive})")
-        return self._report(
-            "pause", "keep", directive.policy, start, 0.0, actions, kept, 0, fallback_reason=why
-        )
-
-    def _destroy(
-        self, directive: GroupDirective, start: float, actions: list[str], why: str | None
-    ) -> GroupReport:
+    def _destroy(self, directive: GroupDirective, start: float, actions: list[str], why: str | None) -> GroupReport:
         if self._keep_alive in (KeepAliveState.ELIGIBLE, KeepAliveState.READY):
             self._keep_alive = KeepAliveState.OFF  # the policy moved away from keeping
         before = self._free_bytes()
         split = self._parent is not None
         resident = self._resident_total()  # before the destroy drops the parent's share
-        count = self._destroy_all()
+        members = [group for group in self._groups if group is not None]
+        teardown_together(_destroy, members)
+        self._drop_parent(_destroy)  # after its children: nothing of theirs is kept through the pause
+        self._groups, self._state = [None] * len(self._specs), LifecycleState.DESTROYED
         freed = _delta(self._free_bytes(), before)
         destroyed_at = self._clock()
-        actions.append(f"destroyed {count} groups" + (" and the parent they were split from" if split else ""))
+        actions.append(f"destroyed {len(members)} groups" + (" and the parent they were split from" if split else ""))
         self._rebuild = directive.rebuild
         waited = 0.0
         wait_s = min(directive.wait_s, self._max_wait_s)
         if wait_s < directive.wait_s:
             actions.append(f"wait capped at max_wait_s={self._max_wait_s:g} s")
-        if directive.wait_point == WaitPoint.AFTER_DESTROY:
-            self._cooldown_until = None
-            if wait_s > 0:
-                waited = self._timed_sleep(wait_s)
-                actions.append(f"slept {waited:.3f} s post-destroy wait")
-        else:
+        self._cooldown_until = None
+        if directive.wait_point != WaitPoint.AFTER_DESTROY:
             # Deferred: the pause (rollout) usually outlasts the wait, so resume() sleeps only what is left.
             self._cooldown_until = destroyed_at + wait_s
             actions.append(f"deferred post-destroy wait of {wait_s:g} s to the next rebuild")
+        elif wait_s > 0:
+            waited = self._timed_sleep(wait_s)
+            actions.append(f"slept {waited:.3f} s post-destroy wait")
         kept = None if resident is None or freed is None else max(0, resident - freed)
-        return self._report(
-            "pause", "destroy", directive.policy, start, waited, actions, kept, freed, fallback_reason=why
-        )
+        return self._report("pause", "destroy", start, actions, waited=waited, kept=kept, freed=freed,
+                            fallback_reason=why)
 
     def _suspend_all(self, directive: GroupDirective, start: float, actions: list[str]) -> GroupReport:
         self._canary_timeout_s = directive.canary_timeout_s
@@ -396,10 +364,9 @@ class GroupLifecycle:
             reason = "suspend failed on at least one rank"
             self._disable(reason)
             self._abort_all()
-            self._state = LifecycleState.DESTROYED
             self._cooldown_until = None
             actions.append("aborted all groups, no wait; rebuilt on resume")
-            return self._report("pause", "destroy", directive.policy, start, 0.0, actions, None, None, reason)
+            return self._report("pause", "destroy", start, actions, fallback_reason=reason)
         freed = _delta(self._free_bytes(), before)
         per_group = self._persist_bytes()
         kept = None if any(v is None for v in per_group.values()) else sum(v or 0 for v in per_group.values())
@@ -407,11 +374,9 @@ class GroupLifecycle:
         if self._keep_alive == KeepAliveState.OFF:
             self._keep_alive = KeepAliveState.ELIGIBLE
         actions.append(f"suspended {len(per_group)} communicators")
-        return self._report(
-            "pause", "suspend", directive.policy, start, 0.0, actions, kept, freed, per_group=per_group
-        )
+        return self._report("pause", "suspend", start, actions, kept=kept, freed=freed, per_group=per_group)
 
-    def _verify_kept(self, start: float, policy: str | None, *, resume_first: bool) -> GroupReport:
+    def _verify_kept(self, start: float, *, resume_first: bool) -> GroupReport:
         actions: list[str] = []
         ok = True
         if resume_first:
@@ -427,16 +392,17 @@ class GroupLifecycle:
         if self._vote(ok, actions):
             self._state = LifecycleState.LIVE
             self._keep_alive = KeepAliveState.READY
-            return self._report("resume", "canary", policy, start, 0.0, actions, None, None)
+            return self._report("resume", "canary", start, actions)
         # Any failure anywhere: every rank drops every group, waits nothing, and never keeps again.
         reason = "canary vote failed: at least one rank could not use its kept groups"
+        actions += self._give_up(reason)
+        return self._report("resume", "rebuild", start, actions, fallback_reason=reason)
+
+    def _give_up(self, reason: str) -> list[str]:
+        """Keep-alive failed: disable it for good, abort every group (no wait) and create them afresh."""
         self._disable(reason)
         self._abort_all()
-        actions.append("aborted all groups, no wait")
-        actions += self._create_all()[0]
-        return self._report(
-            "resume", "rebuild", policy, start, 0.0, actions, None, None, fallback_reason=reason
-        )
+        return ["aborted all groups, no wait", *self._create_all()[0]]
 
     # --- collective building blocks ----------------------------------------------------------------
 
@@ -476,19 +442,16 @@ class GroupLifecycle:
             before = self._free_bytes()
             reserved = _reserved(self._device)
             group = self._new_group(spec, index)
-            if group is None:
-                self._groups.append(None)
-                continue
-            # The first collective creates NCCL's communicator; doing it here keeps its cost in the
-            # rebuild (where it belongs) and lets us measure what the group holds.
-            warm = all_reduce_canary(
-                spec.name, group, self._group_timeout.total_seconds(), device=self._device
-            )
-            if not warm:
-                raise RuntimeError(f"group {spec.name!r} failed its warm-up all-reduce right after creation")
+            if group is not None:
+                # The first collective creates NCCL's communicator; doing it here keeps its cost in the
+                # rebuild (where it belongs) and lets us measure what the group holds.
+                if not all_reduce_canary(spec.name, group, self._group_timeout.total_seconds(), device=self._device):
+                    raise RuntimeError(f"group {spec.name!r} failed its warm-up all-reduce right after creation")
             self._groups.append(group)
+            if group is None:
+                continue
             used = _delta(before, self._free_bytes())
-            grown = _reserved(self._device) - reserved if self._cuda else 0
+            grown = _reserved(self._device) - reserved
             self._resident[spec.name] = None if used is None else max(0, used - grown)
         self._state = LifecycleState.LIVE
 
@@ -543,11 +506,8 @@ class GroupLifecycle:
             if not ok:
                 # The collective itself completed: keep going so peers are not left waiting on us.
                 failed.append(spec.name)
-        if failed:
-            actions.append(f"canary wrong on groups {failed}")
-            return False
-        actions.append(f"canary ok on {len(self._resident)} groups")
-        return True
+        actions.append(f"canary wrong on groups {failed}" if failed else f"canary ok on {len(self._resident)} groups")
+        return not failed
 
     def _vote(self, ok: bool, actions: list[str]) -> bool:
         """All ranks agree through gloo all_reduce(MIN): one failure anywhere is a failure everywhere."""
@@ -561,14 +521,6 @@ class GroupLifecycle:
         actions.append("all ranks agreed" if agreed else "vote: at least one rank failed")
         return agreed
 
-    def _destroy_all(self) -> int:
-        members = [group for group in self._groups if group is not None]
-        teardown_together(_destroy, members)
-        self._drop_parent(_destroy)  # after its children: nothing of theirs is kept through the pause
-        self._groups = [None] * len(self._specs)
-        self._state = LifecycleState.DESTROYED
-        return len(members)
-
     def _abort_all(self) -> None:
         # Abort, not destroy: destroy flushes, and a communicator that just failed may never flush.
         teardown_together(_abort, [group for group in self._groups if group is not None])
@@ -577,9 +529,6 @@ class GroupLifecycle:
         self._state = LifecycleState.DESTROYED
 
     # --- small helpers ---------------------------------------------------------------------------
-
-    def _default_canary(self, name: str, group: dist.ProcessGroup, timeout_s: float) -> bool:
-        return all_reduce_canary(name, group, timeout_s, device=self._device)
 
     def _members(self) -> Iterator[tuple[GroupSpec, dist.ProcessGroup]]:
         for spec, group in zip(self._specs, self._groups, strict=True):
@@ -629,36 +578,17 @@ class GroupLifecycle:
         if self._state != state:
             raise RuntimeError(f"cannot {verb} process groups in state {self._state} (needs {state})")
 
-    def _report(
-        self,
-        phase: str,
-        action: str,
-        policy: str | None,
-        start: float,
-        waited: float,
-        actions: list[str],
-        kept: int | None,
-        freed: int | None,
-        fallback_reason: str | None = None,
-        *,
-        per_group: Mapping[str, int | None] | None = None,
-    ) -> GroupReport:
-        if per_group is None:
-            per_group = self._resident if action == "keep" else {}
+    def _report(self, phase: str, action: str, start: float, actions: list[str], *, waited: float = 0.0,
+                kept: int | None = None, freed: int | None = None, fallback_reason: str | None = None,
+                per_group: Mapping[str, int | None] | None = None) -> GroupReport:
+        """The policy named is the last pause's (the one a resume or an abandon follows; None before the first)."""
+        per_group = per_group or {}
         return GroupReport(
-            phase=phase,
-            action=action,
-            policy=policy,
-            seconds=self._clock() - start,
-            waited_s=waited,
-            kept_bytes=kept if self._cuda else None,
-            freed_bytes=freed if self._cuda else None,
+            phase=phase, action=action, policy=self._policy, seconds=self._clock() - start, waited_s=waited,
+            kept_bytes=kept if self._cuda else None, freed_bytes=freed if self._cuda else None,
             per_group_bytes=dict(per_group) if self._cuda else {name: None for name in per_group},
-            memory_note=_CUDA_NOTE if self._cuda else _CPU_NOTE,
-            keep_alive=self._keep_alive,
-            actions=actions,
-            fallback_reason=fallback_reason,
-        )
+            memory_note=_CUDA_NOTE if self._cuda else _CPU_NOTE, keep_alive=self._keep_alive, actions=actions,
+            fallback_reason=fallback_reason)
 
 
 def teardown_together(teardown: Callable[[dist.ProcessGroup], None], groups: Sequence[dist.ProcessGroup]) -> None:
@@ -714,10 +644,6 @@ def _nccl_options() -> Any:
     lack the class, and ``detect_split_capability`` checks what is there before any use."""
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     return None if nccl is None else nccl.Options()
-
-
-def _cuda() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 def _reserved(device: torch.device) -> int:

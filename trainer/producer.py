@@ -14,41 +14,82 @@ tensor, SGLang's default format).
 from __future__ import annotations
 
 import base64
+import contextlib
+import itertools
 import logging
 import os
 import pickle
 import tempfile
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from ..engines.segments import reclaim_dead_segments
 from ..policies import Transport
-from .exported import ExportedPart, Producer
-from .leases import Lease, LeaseBook, RefCounter
+from .leases import LeaseBook, RefCounter
 
-if TYPE_CHECKING:
-    from ..engines.sglang.payload import BufferLease
-
-__all__ = [
-    "PRODUCERS",
-    "CudaIpcProducer",
-    "DiskProducer",
-    "ExportedPart",
-    "InlineProducer",
-    "Producer",
-    "ShmProducer",
-    "producer_for",
-]
+__all__ = ["PRODUCERS", "ExportedPart", "Producer", "producer_for"]
 
 PRODUCERS: tuple[Transport, ...] = tuple(Transport)  # one producer (or variant) for every transport
 
 logger = logging.getLogger(__name__)
 
 
-class ShmProducer:
+@dataclass
+class ExportedPart:
+    """A chunk ready to describe to the daemon; ``release`` frees its buffer (after the ack)."""
+
+    transport: Transport  # as on the wire (Transport.wire)
+    nbytes: int
+    handle: dict[str, Any]
+    layout: ChunkLayout
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+    # Each tensor's digest (engines/digest.py) computed on its device at export; None: not asked for.
+    digests: dict[str, str] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+
+class Producer:
+    """Exports chunks for one transport; may be reused across streams. Every buffer it hands out that outlives
+    the call is held here until its chunk's ``release`` (or ``close``, on abort and error paths)."""
+
+    transport: Transport
+
+    def __init__(self, leases: LeaseBook | None = None) -> None:
+        self.leases = leases or LeaseBook()
+        self._live: dict[int, Callable[[], None]] = {}
+        self._keys = itertools.count()
+
+    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
+        raise NotImplementedError
+
+    def _part(self, nbytes: int, handle: dict[str, Any], layout: ChunkLayout,
+              drop: Callable[[], None] | None = None) -> ExportedPart:
+        """The chunk, with ``drop`` (what frees its buffer) run once, at its release or at ``close``."""
+        if drop is None:
+            return ExportedPart(self.transport.wire, nbytes, handle, layout)
+        key = next(self._keys)
+        self._live[key] = drop
+        return ExportedPart(self.transport.wire, nbytes, handle, layout, lambda: self._drop(key))
+
+    def _drop(self, key: int) -> None:
+        if (drop := self._live.pop(key, None)) is not None:
+            drop()
+
+    def close(self) -> None:
+        """Free every buffer still held: nothing left in /dev/shm, on disk or exported."""
+        for key in list(self._live):
+            self._drop(key)
+
+
+class ShmProducer(Producer):
     """POSIX shared memory by name: the CPU path. One fresh segment per chunk, unlinked on release.
 
     Starting one first reclaims the segments of trainers that died on this node without unlinking
@@ -58,53 +99,38 @@ class ShmProducer:
     transport = Transport.SHM
 
     def __init__(self, *, reclaim: bool = True, leases: LeaseBook | None = None) -> None:
-        self.leases = leases or LeaseBook()
-        self._live: dict[str, tuple[SharedSegment, Lease]] = {}
-        if reclaim:
-            reclaimed = reclaim_dead_segments()
-            if reclaimed:
-                logger.info(
-                    "unlinked %d shared-memory segment(s) of dead processes (%d bytes): %s",
-                    len(reclaimed),
-                    sum(r.nbytes for r in reclaimed),
-                    ", ".join(r.name for r in reclaimed),
-                )
+        super().__init__(leases)
+        if reclaim and (reclaimed := reclaim_dead_segments()):
+            logger.info("unlinked %d shared-memory segment(s) of dead processes (%d bytes): %s", len(reclaimed),
+                        sum(r.nbytes for r in reclaimed), ", ".join(r.name for r in reclaimed))
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         layout = ChunkLayout.for_tensors(named)
         segment = SharedSegment.create(layout.nbytes)
-        self._live[segment.name] = (segment, self.leases.export(self.transport, layout.nbytes))
-        try:
-            cpu_named = [(n, t.detach().to("cpu")) for n, t in named]
-            flatten_into(segment.tensor(), layout, cpu_named)
-        except BaseException:
-            self._drop(segment.name)
-            raise
-        handle = {"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-        return ExportedPart(Transport.SHM, layout.nbytes, handle, layout, lambda: self._drop(segment.name))
+        lease = self.leases.export(self.transport, layout.nbytes)
 
-    def _drop(self, name: str) -> None:
-        entry = self._live.pop(name, None)
-        if entry is not None:
-            segment, lease = entry
+        def drop() -> None:
             segment.close()
             segment.unlink()
             self.leases.release(lease)
 
-    def close(self) -> None:
-        """Unlink every segment still alive (abort / error paths): nothing left in /dev/shm."""
-        for name in list(self._live):
-            self._drop(name)
+        try:
+            flatten_into(segment.tensor(), layout, [(n, t.detach().to("cpu")) for n, t in named])
+        except BaseException:
+            drop()
+            raise
+        handle = {"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
+        return self._part(layout.nbytes, handle, layout, drop)
 
 
-class DiskProducer:
+class DiskProducer(Producer):
     """A safetensors file per chunk: the fallback when no shared memory or IPC path is available."""
 
     transport = Transport.DISK
 
     def __init__(self, directory: str | None = None) -> None:
+        super().__init__()
         self._dir = directory or tempfile.mkdtemp(prefix="colocd-disk-")
-        self._live: set[str] = set()
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from safetensors.torch import save_file
@@ -112,25 +138,18 @@ class DiskProducer:
         layout = ChunkLayout.for_tensors(named)
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._dir)
         os.close(fd)
-        self._live.add(path)
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, path)
+        part = self._part(layout.nbytes, {"path": path, "layout": layout.to_json()}, layout, lambda: _unlink(path))
         # The layout travels with every chunk (the daemon checks it); the file's own header says where each lies.
-        handle = {"path": path, "layout": layout.to_json()}
-        return ExportedPart(Transport.DISK, layout.nbytes, handle, layout, lambda: self._drop(path))
-
-    def _drop(self, path: str) -> None:
-        self._live.discard(path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-    def close(self) -> None:
-        for path in list(self._live):
-            self._drop(path)
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, path)
+        return part
 
 
-class InlineProducer:
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class InlineProducer(Producer):
     """The chunk's bytes in its descriptor: base64 of a plain ``pickle`` of SGLang's ``flattened_bucket``
     (``{"flattened_tensor": uint8 CPU tensor, "metadata": [...]}``), the CPU format a real SGLang's
     ``update_weights_from_tensor`` loads on any device. Plain pickle carries the tensor by value, so nothing
@@ -150,25 +169,19 @@ class InlineProducer:
         payload = pickle.dumps({"flattened_tensor": buffer, "metadata": list(metadata_for_layout(layout))})
         handle = {"payload_b64": base64.b64encode(payload).decode("ascii"), "load_format": FLATTENED_BUCKET,
                   "layout": layout.to_json()}
-        return ExportedPart(Transport.INLINE, layout.nbytes, handle, layout)
-
-    def close(self) -> None:
-        return None  # nothing outlives a chunk: its bytes are in the descriptor
+        return self._part(layout.nbytes, handle, layout)  # nothing outlives the call: the bytes are in it
 
 
-class CudaIpcProducer:
+class CudaIpcProducer(Producer):
     """A fresh IPC-exported GPU bucket per chunk (what SGLang's ``flattened_bucket`` expects).
 
-    With ``per_tensor=True`` nothing is flattened: the chunk is SGLang's default list of
+    ``per_tensor`` (``Transport.PER_TENSOR``): nothing is flattened; the chunk is SGLang's default list of
     ``(name, tensor)``, one IPC handle per tensor (the slow baseline the buckets replace).
     """
 
-    transport = Transport.CUDA_IPC  # per_tensor too: on the wire it is cuda_ipc, load_format "direct"
-
-    def __init__(self, *, per_tensor: bool = False, leases: LeaseBook | None = None) -> None:
-        self.per_tensor = per_tensor
-        self.leases = leases or LeaseBook()
-        self._live: dict[int, tuple[BufferLease | None, Lease]] = {}
+    def __init__(self, transport: Transport, *, leases: LeaseBook | None = None) -> None:
+        super().__init__(leases)
+        self.transport = transport
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from ..engines.cuda_handles import device_uuid
@@ -183,45 +196,32 @@ class CudaIpcProducer:
         if len(devices) != 1 or (device := devices.pop()).type != "cuda":
             raise ValueError(f"cuda_ipc needs a chunk's tensors on one CUDA device; got {sorted(map(str, devices))}")
         layout = ChunkLayout.for_tensors(named)
-        bucket: BufferLease | None = None
         shares: list[tuple[bytes, int]] = []  # the consumers' counts torch keeps the buffer alive for
-        if self.per_tensor:
+        if self.transport is Transport.PER_TENSOR:
             payload, load_format = serialize(named_tensors_payload(named), shares), "direct"
+            buffers, free = [t for _, t in named], _ipc_collect
         else:
             # The flatten is queued on this stream; torch's IPC export records an event on it that
             # the engine waits for before reading, so no host sync is needed here.
             payload, bucket = export_flattened_bucket(named, shares)
-            load_format = FLATTENED_BUCKET
-        lease = self.leases.export(Transport.PER_TENSOR if self.per_tensor else self.transport, layout.nbytes,
-                                   [RefCounter.of(h, offset) for h, offset in shares],
-                                   buffers=[t for _, t in named] if bucket is None else [bucket.tensor])
-        key = lease.id
-        self._live[key] = (bucket, lease)
-        handle = {
-            "payload_b64": payload,
-            "load_format": load_format,
-            "device_uuid": device_uuid(device.index or 0),
-            # What the payload holds, in words the daemon reads (it never unpickles the payload): checked
-            # against the manifest and the other ranks' chunk, and counted for the commit's completeness.
-            "layout": layout.to_json(),
-        }
-        return ExportedPart(self.transport, layout.nbytes, handle, layout, lambda: self._drop(key))
+            load_format, buffers = FLATTENED_BUCKET, [bucket.tensor]
+            free = bucket.release  # drops the bucket and runs torch.cuda.ipc_collect() (THUDM/slime#1731)
+        lease = self.leases.export(self.transport, layout.nbytes, [RefCounter.of(h, off) for h, off in shares],
+                                   buffers=buffers)
 
-    def _drop(self, key: int) -> None:
-        entry = self._live.pop(key, None)
-        if entry is None:
-            return
-        bucket, lease = entry
-        if bucket is not None:
-            bucket.release()  # drops the bucket and runs torch.cuda.ipc_collect() (THUDM/slime#1731)
-        else:
-            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
-        self.leases.release(lease)  # retained while the engine's count says it still holds the buffer
+        def drop() -> None:
+            free()
+            self.leases.release(lease)  # retained while the engine's count says it still holds the buffer
 
-    def close(self) -> None:
-        """Release every bucket still held (abort and error paths)."""
-        for key in list(self._live):
-            self._drop(key)
+        # The layout says what the payload holds in words the daemon reads (it never unpickles the payload):
+        # checked against the manifest and the other ranks' chunk, and counted for the commit's completeness.
+        handle = {"payload_b64": payload, "load_format": load_format, "device_uuid": device_uuid(device.index or 0),
+                  "layout": layout.to_json()}
+        return self._part(layout.nbytes, handle, layout, drop)
+
+
+def _ipc_collect() -> None:
+    torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
 
 def producer_for(transport: Transport | str, *, leases: LeaseBook | None = None) -> Producer:
@@ -237,4 +237,4 @@ def producer_for(transport: Transport | str, *, leases: LeaseBook | None = None)
         return DiskProducer()
     if transport is Transport.INLINE:
         return InlineProducer()
-    return CudaIpcProducer(per_tensor=transport is Transport.PER_TENSOR, leases=leases)
+    return CudaIpcProducer(transport, leases=leases)

@@ -95,7 +95,7 @@ async def test_the_lease_report_after_a_stream_waits_for_the_commit_reply_instea
         client = node.client
         async with WeightPusher(client, transport="shm", bucket_mb=0.02) as pusher:
             commits: list[tuple[float, float]] = []  # each commit's call, as the trainer saw it
-            commit = pusher.commit
+            commit = client.commit
 
             async def timed_commit(*args: Any) -> dict[str, Any]:
                 t0 = time.perf_counter()
@@ -104,7 +104,7 @@ async def test_the_lease_report_after_a_stream_waits_for_the_commit_reply_instea
                 finally:
                     commits.append((t0, time.perf_counter()))
 
-            pusher.commit = timed_commit  # type: ignore[method-assign]
+            client.commit = timed_commit  # type: ignore[method-assign]
             await pusher.push(named, version="v1")
             await client.phase("rollout", 1)
             await client.phase("train", 2)
