@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .api.cli_http import add_daemon_options, daemon_call
+from .api.client import ColocdClient
 from .api.top import add_top_command
 from .errors import CliFailure, MatplotlibMissing
 from .timeline import render_timeline
@@ -109,7 +110,7 @@ def _serve_os_error(exc: OSError, config: Any, config_path: str) -> str:
 
 def _status(args: argparse.Namespace) -> int:
     with daemon_call(args) as call:
-        print(json.dumps(call.json("GET", "/v1/status"), indent=2))
+        print(json.dumps(call("GET /v1/status", ColocdClient.status), indent=2))
     return 0
 
 
@@ -121,7 +122,7 @@ def _policy_apply(args: argparse.Namespace) -> int:
         raise CliFailure(f"colocd: cannot read {args.file}: {exc.strerror}", 2) from None
     with daemon_call(args) as call:
         try:
-            body = call.json("PUT", "/v1/policies", content=text, headers={"Content-Type": "application/yaml"})
+            body = call("PUT /v1/policies", lambda c: c.apply_policy(text))
         except CliFailure as exc:
             raise CliFailure(f"{exc} ({args.file})") from None
     print(json.dumps(body, indent=2))
@@ -145,7 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _trace(args: argparse.Namespace) -> int:
     with daemon_call(args) as call:
-        traces = call.json("GET", f"/v1/traces/{args.step}", params={"format": "json"})
+        traces = call(f"GET /v1/traces/{args.step}", lambda c: c.trace(args.step))
     out = Path(args.output or f"step-{args.step}.png")
     if out.suffix == ".json":
         out.write_text(json.dumps(traces, indent=2))

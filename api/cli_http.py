@@ -1,76 +1,68 @@
-"""One HTTP call from the command line to a running daemon, with every expected failure as one line.
+"""Daemon calls from the command line, with every expected failure as one line.
 
-    with DaemonCall("http://127.0.0.1:7000", token=None) as call:
-        body = call.json("GET", "/v1/status")        # raises CliFailure("colocd: no daemon answers at ...")
+    with daemon_call(args) as call:
+        body = call("GET /v1/status", ColocdClient.status)   # raises CliFailure("colocd: no daemon answers at ...")
 
-Imports httpx only (no torch, no engines), so a CLI read of a daemon that is down fails in a fraction
-of a second instead of after torch's import.
+The calls go through the daemon's one client (``api.client``: no torch, no engines, so a CLI read of a daemon that
+is down fails in a fraction of a second); this module only words its failures for a terminal.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-import httpx
+import aiohttp
 
-from ..errors import CliFailure
+from ..errors import CliFailure, ColocdHTTPError, DaemonUnreachable
+from .client import ColocdClient
 
 __all__ = ["DEFAULT_URL", "DaemonCall", "add_daemon_options", "daemon_call"]
 
 DEFAULT_URL = "http://127.0.0.1:7000"
 
-_CONNECT_S = 3.0  # loopback or a local socket: a refusal is immediate, a silent peer is the only slow case
+_T = TypeVar("_T")
 
 
 class DaemonCall:
     """A short-lived client for one daemon URL (``http://host:port`` or ``unix:/path``)."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
+        if not url.startswith(("http://", "https://", "unix:")):
+            raise CliFailure(f"colocd: --url {url!r} is neither http://host:port nor unix:/path/to.sock", 2)
         self.url = url
         self.timeout_s = timeout_s
-        if url.startswith("unix:"):
-            base, transport = "http://colocd", httpx.HTTPTransport(uds=url.removeprefix("unix:"))
-        elif url.startswith(("http://", "https://")):
-            base, transport = url.rstrip("/"), None
-        else:
-            raise CliFailure(f"colocd: --url {url!r} is neither http://host:port nor unix:/path/to.sock", 2)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=base, transport=transport, headers=headers, trust_env=False,
-                                  timeout=httpx.Timeout(timeout_s, connect=_CONNECT_S))
+        self._client = ColocdClient(url, token=token, timeout_s=timeout_s)
 
     def __enter__(self) -> DaemonCall:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._http.close()
+        self._client.close()
 
-    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """The daemon's answer to one request; a 4xx/5xx or a transport failure raises ``CliFailure``."""
+    def __call__(self, route: str, call: Callable[[ColocdClient], _T]) -> _T:
+        """``call``'s answer; a failure of ``route`` (``"GET /v1/status"``: what the line names) is ``CliFailure``."""
         try:
-            response = self._http.request(method, path, **kw)
-        except httpx.ConnectError as exc:
-            raise CliFailure(f"colocd: no daemon answers at {self.url} ({_reason(exc)}); start one with "
-                             "`colocd serve --config FILE`, or point --url at it") from None
-        except httpx.TimeoutException:
-            raise CliFailure(f"colocd: the daemon at {self.url} did not answer {method} {path} within "
-                             f"{self.timeout_s:g} s; is it overloaded or stuck? (see its log)") from None
-        except httpx.TransportError as exc:
-            raise CliFailure(f"colocd: lost the connection to the daemon at {self.url}: {_reason(exc)}") from None
-        if response.status_code == 401:
-            raise CliFailure(f"colocd: the daemon at {self.url} refused the request (401): pass its token "
-                             "with --token")
-        if response.status_code >= 400:
-            raise CliFailure(f"colocd: {method} {path} failed with HTTP {response.status_code}: "
-                             f"{_message(response)}")
-        return response
-
-    def json(self, method: str, path: str, **kw: Any) -> Any:
-        response = self.request(method, path, **kw)
-        try:
-            return response.json()
+            return call(self._client)
+        except DaemonUnreachable as exc:
+            cause = exc.__cause__
+            if isinstance(cause, TimeoutError):
+                raise CliFailure(f"colocd: the daemon at {self.url} did not answer {route} within {self.timeout_s:g} "
+                                 "s; is it overloaded or stuck? (see its log)") from None
+            if isinstance(cause, aiohttp.ClientConnectorError):
+                raise CliFailure(f"colocd: no daemon answers at {self.url} ({_reason(cause)}); start one with "
+                                 "`colocd serve --config FILE`, or point --url at it") from None
+            raise CliFailure(f"colocd: lost the connection to the daemon at {self.url}: {_reason(cause)}") from None
+        except ColocdHTTPError as exc:
+            if exc.status == 401:
+                raise CliFailure(f"colocd: the daemon at {self.url} refused the request (401): pass its token "
+                                 "with --token") from None
+            message = exc.body.get("message") or exc.body.get("detail") or exc.body
+            raise CliFailure(f"colocd: {route} failed with HTTP {exc.status}: {message}") from None
         except ValueError:
-            raise CliFailure(f"colocd: {self.url} answered {method} {path} with something that is not JSON; "
-                             "is --url a colocd daemon?") from None
+            raise CliFailure(f"colocd: {self.url} answered {route} with something that is not JSON; is --url a "
+                             "colocd daemon?") from None
 
 
 def add_daemon_options(p: Any, *, timeout_s: float = 30.0) -> None:
@@ -87,21 +79,11 @@ def daemon_call(args: Any) -> DaemonCall:
     return DaemonCall(args.url, token=args.token, timeout_s=args.timeout)
 
 
-def _reason(exc: httpx.TransportError) -> str:
-    """The innermost OS reason ("Connection refused"), not httpx's generic wrapper text."""
-    cause: BaseException | None = exc
+def _reason(exc: BaseException | None) -> str:
+    """The innermost OS reason ("Connection refused"), not the client library's wrapper text."""
+    cause = exc
     while cause is not None:
-        if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror
-        cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError) and cause.errno:
+            return os.strerror(cause.errno)
+        cause = getattr(cause, "os_error", None) or cause.__cause__ or cause.__context__
     return str(exc) or type(exc).__name__
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip().splitlines()[0][:300] if response.text.strip() else "(empty body)"
-    if isinstance(body, dict):
-        return str(body.get("message") or body.get("detail") or body)
-    return str(body)

@@ -132,13 +132,14 @@ class AsyncColocdClient:
         while self._in_flight:
             await self._idle.wait()
 
-    async def _send(self, method: str, path: str, json: Any = None,
-                    params: dict[str, Any] | None = None) -> tuple[int, bytes]:
+    async def _send(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
+                    yaml: bytes | None = None) -> tuple[int, bytes]:
         """One call: the status and the whole body; ``DaemonUnreachable`` when no answer came back."""
         self._in_flight += 1
         self._idle.clear()
+        extra: dict[str, Any] = {} if yaml is None else {"data": yaml, "headers": {"Content-Type": "application/yaml"}}
         try:
-            async with self._session().request(method, path, json=json, params=params) as response:
+            async with self._session().request(method, path, json=json, params=params, **extra) as response:
                 return response.status, await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise DaemonUnreachable(f"{method} {self._base}{path}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
@@ -147,21 +148,22 @@ class AsyncColocdClient:
             if not self._in_flight:
                 self._idle.set()
 
-    async def _request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        status, content = await self._send(method, path, json, params)
+    async def _body(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
+                    yaml: bytes | None = None) -> bytes:
+        """A call's body; an answer that says no raises ``ColocdHTTPError`` with the daemon's error body."""
+        status, content = await self._send(method, path, json, params, yaml)
         if status >= 400:
             try:
-                body = jsonlib.loads(content)
+                error = jsonlib.loads(content)
             except ValueError:
-                body = {"message": content.decode(errors="replace")}
-            raise ColocdHTTPError(status, body if isinstance(body, dict) else {"message": body})
-        return jsonlib.loads(content)
+                error = {"message": content.decode(errors="replace")}
+            raise ColocdHTTPError(status, error if isinstance(error, dict) else {"message": error})
+        return content
 
-    async def _call(self, method: str, path: str, json: Any = None,
-                    params: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A route whose success body is a JSON object."""
-        body = await self._request(method, path, json, params)
-        if not isinstance(body, dict):
+    async def _call(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
+                    yaml: bytes | None = None) -> dict[str, Any]:
+        """A route whose success body is a JSON object (one that is not JSON raises ``ValueError``)."""
+        if not isinstance(body := jsonlib.loads(await self._body(method, path, json, params, yaml)), dict):
             raise ColocdHTTPError(502, {"message": f"{method} {path} answered {type(body).__name__}, not an object"})
         return body
 
@@ -199,10 +201,7 @@ class AsyncColocdClient:
                 delay = min(delay * 2, 0.5)
 
     async def metrics(self) -> str:
-        status, content = await self._send("GET", "/metrics")
-        if status >= 400:
-            raise ColocdHTTPError(status, {"message": content.decode(errors="replace")})
-        return content.decode()
+        return (await self._body("GET", "/metrics")).decode()
 
     async def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
@@ -286,6 +285,10 @@ class AsyncColocdClient:
         """Returns once every engine received and loaded it: broadcast while it is in flight."""
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/broadcasts", descriptor)
 
+    async def apply_policy(self, document: bytes) -> dict[str, Any]:
+        """Stage a policy YAML document; it applies at the next transition."""
+        return await self._call("PUT", "/v1/policies", yaml=document)
+
     async def trace(self, step: int, fmt: str = "json") -> dict[str, Any]:
         return await self._call("GET", f"/v1/traces/{step}", params={"format": fmt})
 
@@ -346,5 +349,6 @@ class ColocdClient:
     open_weight_group = _blocking(AsyncColocdClient.open_weight_group)
     close_weight_group = _blocking(AsyncColocdClient.close_weight_group)
     send_broadcast = _blocking(AsyncColocdClient.send_broadcast)
+    apply_policy = _blocking(AsyncColocdClient.apply_policy)
     trace = _blocking(AsyncColocdClient.trace)
     steps = _blocking(AsyncColocdClient.steps)

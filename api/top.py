@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cli_http import DaemonCall, add_daemon_options, daemon_call
+from .client import ColocdClient
 
 __all__ = ["Snapshot", "add_top_command", "fetch_snapshot", "render"]
 
@@ -55,9 +56,9 @@ def _parse_metrics(text: str) -> tuple[dict[str, dict[str, float]], bool, dict[s
 
 def fetch_snapshot(call: DaemonCall, limit: int = 8) -> Snapshot:
     """One read of the daemon (three GETs); a failure raises ``CliFailure`` with the CLI's one line."""
-    status = call.json("GET", "/v1/status")
-    steps = call.json("GET", "/v1/steps", params={"limit": limit})["steps"]
-    gpus, nvml, restarts = _parse_metrics(call.request("GET", "/metrics").text)
+    status = call("GET /v1/status", ColocdClient.status)
+    steps = call("GET /v1/steps", lambda c: c.steps(limit))
+    gpus, nvml, restarts = _parse_metrics(call("GET /metrics", ColocdClient.metrics))
     return Snapshot(url=call.url, status=status, steps=steps, gpus=gpus, nvml=nvml, restarts=restarts)
 
 

@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..api.procs import DaemonProcess
+
 __all__ = ["NAMESPACE", "NodeDaemon", "NodeSpec", "actor_name", "create_node_daemon"]
 
 NAMESPACE = "colocd"  # Ray's actor table: one name per node id, in one namespace

@@ -7,29 +7,13 @@
     await WeightPusher(client).push(...)
     await agent.rollout(step)
 
-The train reply carries the decisions for the end of training (process groups, cleanup); the agent
-enacts them just before it posts ``sync``, because that is when the trainer gives the GPU back.
-
-With ``overlap_groups=True`` the group work leaves the critical path: the pause (e.g. a destroy)
-runs in the background from ``sync`` until ``rollout``, which waits for it before the engines take
-their KV cache back (the memory must be free by then, not earlier), and its report travels with the
-``rollout`` call; the resume (e.g. a rebuild) starts right after the ``train`` reply and runs while
-the trainer brings its state back. Call ``groups_ready()`` before the first collective of the step.
-
-``sync`` and ``rollout`` take ``freeing``: trainer work that gives GPU memory back and is still running
-(an offload, as an ``asyncio`` task), or a function that starts it, which the agent calls right after
-its cleanup (``empty_cache`` frees blocks through ``cudaFree``, which waits for every copy in flight on
-the device: run before the offload starts, it costs milliseconds; beside it, the whole offload). The
-agent posts the phase at once instead of waiting for it; the daemon checks that the engines' resume fits
-in the memory NVML shows free (``engines.resume_headroom_mb``) and refuses with 409 before touching an
-engine when it does not, and then the agent waits for ``freeing`` (and a background group pause) and
-posts again. ``last_reports["<phase>_room"]`` says which happened. The caller still awaits its own task
-before it uses the memory again.
-
-With ``weight_sync`` (``colocd.trainer.async_push.AsyncWeightSync``) the agent hands it the policy's
-``weight_sync`` directive from every reply, joins its background push before ``rollout`` (the engines
-must hold the new version before they serve), reports how the push ran, and, if the daemon still
-refuses the rollout on the staleness bound, joins and retries once.
+The train reply carries the decisions for the end of training (process groups, cleanup); the agent enacts them
+just before it posts ``sync``, when the trainer gives the GPU back. ``overlap_groups=True`` takes the group work off
+the critical path (the pause runs from ``sync`` until ``rollout`` waits for it, the resume right after the ``train``
+reply; ``groups_ready()`` before the step's first collective); ``freeing`` posts a phase while the trainer still
+frees memory, and posts again once it has if the daemon refused the engines' resume for lack of headroom (409);
+``weight_sync`` (``AsyncWeightSync``) follows the policy's directive, and its push is joined before ``rollout``.
+docs/client.md says each in full.
 """
 
 from __future__ import annotations

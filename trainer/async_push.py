@@ -9,28 +9,14 @@
         await asyncio.to_thread(post_step_work)              # logging, offload, checkpoint: the push runs meanwhile
         await agent.rollout(step)                            # joins the push first; the engines serve it
 
-``start`` joins the previous push (one weight session at a time), copies every tensor into the second
-buffer and returns; the push (open, stream, commit) then runs as a task on this event loop, so the
-trainer's work must yield to the loop (``asyncio.to_thread``: torch releases the GIL in its kernels).
-``join`` waits for the commit and frees the snapshot. The engines keep serving the old version until the
-commit, and the daemon switches them only at a step boundary (the rollout phase): never a partial update.
+``start`` joins the previous push (one weight session at a time), copies every tensor into the second buffer and
+returns; the push (open, stream, commit) then runs as a task on this event loop, so the trainer's work must yield to
+the loop (``asyncio.to_thread``: torch releases the GIL in its kernels); the snapshot is freed as the push ends.
+``join`` waits for the commit. Where the second buffer goes, and the fallback when none fits: docs/policies.md, "sync".
 
-The second buffer: the tensors' own device when its free memory (``torch.cuda.mem_get_info``; host
-``MemAvailable`` for CPU tensors) holds a copy plus ``margin``; else pinned host memory (CUDA tensors only,
-and only for senders that can read host tensors: the broadcast sender, or a shared-memory pusher); else
-the push runs synchronously and the report says why (``fallback_reason``; the daemon counts it in
-``colocd_fallbacks_total{kind="weight_sync"}`` and puts it in the step trace).
-
-When it helps, and when it cannot:
-
-* Separated GPUs (``DistributedWeightSender``): the engines' memory is theirs, so the broadcast can run
-  while the trainer computes: everything after the snapshot overlaps, down to the next step's forward and
-  backward if the loop accepts one version of staleness (``sync.max_staleness_versions``).
-* Colocated engines: the engine's memory is the trainer's during training, so a push can only land after
-  ``sync`` gave the engine its weights memory back. What overlaps is the trainer's post-step work between
-  the snapshot and the rollout (offloading its weights and optimizer, cleanup, logging, checkpointing). A
-  device snapshot costs one more copy of the weights in GPU memory during that window; with little
-  post-step work there is nothing to hide the push behind and async gains nothing.
+It pays on separated GPUs (``DistributedWeightSender``: the broadcast runs while the trainer computes). Colocated, a
+push can only land after ``sync`` gave the engine its weights memory back: what overlaps is the trainer's post-step
+work (offload, cleanup, logging, checkpointing), at the cost of a second copy of the weights meanwhile.
 """
 
 from __future__ import annotations
@@ -118,7 +104,6 @@ class AsyncWeightSync:
         self.second_buffer = second_buffer
         self.margin_bytes = int(margin_mb * _MIB)
         self._task: asyncio.Task[PushReport] | None = None
-        self._snapshot: list[tuple[str, torch.Tensor]] | None = None
         self._report: dict[str, Any] | None = None
         self.last_push: PushReport | None = None
 
@@ -152,11 +137,11 @@ class AsyncWeightSync:
                 report["fallback_reason"] = why
             else:
                 t0 = time.perf_counter()
-                self._snapshot = await asyncio.to_thread(_snapshot, named, kind)
-                report.update(mode="async", buffer=kind, buffer_bytes=nbytes,
-                              snapshot_s=time.perf_counter() - t0)
+                snapshot = await asyncio.to_thread(_snapshot, named, kind)
+                report.update(mode="async", buffer=kind, buffer_bytes=nbytes, snapshot_s=time.perf_counter() - t0)
                 self._report = report
-                self._task = asyncio.ensure_future(self._push(self._snapshot, version, step))
+                # The task alone holds the snapshot: it is freed once the push has ended.
+                self._task = asyncio.ensure_future(self._push(snapshot, version, step))
                 return
         t0 = time.perf_counter()
         self.last_push = await self._sender.push(named, version=version, step=step)
@@ -173,12 +158,12 @@ class AsyncWeightSync:
 
     async def wait_ended(self) -> None:
         """Wait until the background push (if any) has ended, committed or failed, without joining it: its
-        outcome stays for ``join``, and so does the snapshot."""
+        outcome stays for ``join``."""
         if self._task is not None:
             await asyncio.wait({self._task})
 
     async def join(self) -> PushReport | None:
-        """Wait for the background push (if any) to commit; free the snapshot. Re-raises the push's error."""
+        """Wait for the background push (if any) to commit. Re-raises the push's error."""
         task, self._task = self._task, None
         if task is None:
             return None
@@ -186,7 +171,6 @@ class AsyncWeightSync:
         try:
             self.last_push = await task
         finally:
-            self._snapshot = None  # the engines hold their own copy now (or the push failed)
             waited = time.perf_counter() - t0
             if self._report is not None:
                 self._report["join_wait_s"] = waited
@@ -200,7 +184,7 @@ class AsyncWeightSync:
         return {k: v for k, v in self._report.items() if v is not None or k == "fallback_reason"}
 
     async def aclose(self) -> None:
-        """Join what runs (its error is the caller's to see) and drop the snapshot."""
+        """Join what runs (its error is the caller's to see)."""
         with contextlib.suppress(asyncio.CancelledError):
             await self.join()
 

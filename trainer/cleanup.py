@@ -41,25 +41,16 @@ class CleanupReport:
         return asdict(self)
 
 
-def run_cleanup(
-    plan: CleanupPlan,
-    *,
-    device: torch.device | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-    collect: Callable[[], object] = gc.collect,
-    meter: Callable[[], int] | None = None,
-) -> CleanupReport:
+def run_cleanup(plan: CleanupPlan, *, device: torch.device | None = None,
+                clock: Callable[[], float] = time.perf_counter, collect: Callable[[], object] = gc.collect,
+                meter: Callable[[], int] | None = None) -> CleanupReport:
     """Run ``plan``: its steps once, then again while a round freed >= ``min_freed_bytes`` (bounded by
     ``max_retries``). On CPU every step still runs (gc is real work) but bytes are None.
 
     ``meter`` returns the bytes currently held (default: ``torch.cuda.memory_reserved`` on CUDA).
     """
     if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cuda = device.type == "cuda"
     if meter is None and cuda:
         meter = lambda: int(torch.cuda.memory_reserved(device))  # noqa: E731
@@ -86,33 +77,17 @@ def run_cleanup(
             # gc.collect frees tensors into torch's cache, not to the driver: shown apart, so a gc
             # step that "freed 0" is not mistaken for one that found nothing.
             uncached = None if allocated is None else allocated - _allocated(device)
-            spans.append(
-                {
-                    "name": f"cleanup.{step}",
-                    "round": rounds,
-                    "start_s": begin - origin,
-                    "duration_s": duration,
-                    "freed_bytes": freed,
-                    "released_to_cache_bytes": uncached,
-                }
-            )
+            spans.append({"name": f"cleanup.{step}", "round": rounds, "start_s": begin - origin,
+                          "duration_s": duration, "freed_bytes": freed, "released_to_cache_bytes": uncached})
             round_freed += freed or 0
         if total is not None:
             total += round_freed
         # Retry only while it pays: on CPU nothing is measurable, so one round is all that runs.
         if meter is None or round_freed < plan.min_freed_bytes:
             break
-    return CleanupReport(
-        policy=plan.policy,
-        started_at=started_at,
-        seconds=clock() - origin,
-        rounds=rounds,
-        freed_bytes=total,
-        memory_note=_CUDA_NOTE
-        if cuda
-        else (_CPU_NOTE if meter is None else "freed = drop in the given meter"),
-        spans=spans,
-    )
+    note = _CUDA_NOTE if cuda else (_CPU_NOTE if meter is None else "freed = drop in the given meter")
+    return CleanupReport(policy=plan.policy, started_at=started_at, seconds=clock() - origin, rounds=rounds,
+                         freed_bytes=total, memory_note=note, spans=spans)
 
 
 def _allocated(device: torch.device) -> int:

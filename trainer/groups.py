@@ -41,9 +41,7 @@ Canary = Callable[[str, dist.ProcessGroup, float], bool]
 """``canary(name, group, timeout_s) -> ok``: one bounded collective proving a kept group still works."""
 
 _CPU_NOTE = "no CUDA device: GPU memory is not measurable, reported as None"
-_CUDA_NOTE = (
-    "device free-memory deltas (mem_get_info minus torch's own reserved delta); other processes add noise"
-)
+_CUDA_NOTE = "device free-memory deltas (mem_get_info minus torch's own reserved delta); other processes add noise"
 _MIN_NCCL_SUSPEND = (2, 29, 7)
 _MIN_NCCL_SPLIT = (2, 18, 0)  # ncclCommSplit and its splitShare config
 
@@ -121,13 +119,12 @@ def detect_suspend_capability(device: torch.device, backends: Sequence[str]) -> 
     """Check torch >= 2.12, NCCL >= 2.29.7, CUDA, NCCL-only groups and cuMem on (nccl-keepalive.md §1.1)."""
     torch_missing = (f"torch {torch.__version__} has no ProcessGroupNCCL suspend (needs 2.12)"
                      if torch.__version__ < "2.12" else None)
-    refused = _nccl_gate("suspend", device, backends, torch_missing, _MIN_NCCL_SUSPEND, "2.29.7 has no ncclCommSuspend")
-    if refused is not None:
-        return refused
-    if os.environ.get("NCCL_CUMEM_ENABLE") == "0":
+    capability = _nccl_gate("suspend", device, backends, torch_missing, _MIN_NCCL_SUSPEND,
+                            "2.29.7 has no ncclCommSuspend")
+    if capability.supported and os.environ.get("NCCL_CUMEM_ENABLE") == "0":
         # Suspend only releases cuMem allocations; with cuMem off it would succeed and free nothing.
         return SuspendCapability(False, "NCCL_CUMEM_ENABLE=0: suspend would succeed but free nothing")
-    return _nccl_ready()
+    return capability
 
 
 def detect_split_capability(device: torch.device, backends: Sequence[str]) -> SuspendCapability:
@@ -135,14 +132,13 @@ def detect_split_capability(device: torch.device, backends: Sequence[str]) -> Su
     options = _nccl_options() if device.type == "cuda" else None
     torch_missing = (f"torch {torch.__version__} cannot split a process group from a parent"
                      if options is None or not hasattr(options, "split_from") else None)
-    refused = _nccl_gate("split_shared", device, backends, torch_missing, _MIN_NCCL_SPLIT, "2.18 has no ncclCommSplit")
-    return refused if refused is not None else _nccl_ready()
+    return _nccl_gate("split_shared", device, backends, torch_missing, _MIN_NCCL_SPLIT, "2.18 has no ncclCommSplit")
 
 
 def _nccl_gate(feature: str, device: torch.device, backends: Sequence[str], torch_missing: str | None,
-               minimum: tuple[int, ...], too_old: str) -> SuspendCapability | None:
+               minimum: tuple[int, ...], too_old: str) -> SuspendCapability:
     """The checks an NCCL communicator feature shares, in order: CUDA, NCCL-only groups, torch's support, NCCL's
-    version. The first that fails, or None when all pass."""
+    version: the first that fails, or supported."""
     if device.type != "cuda":
         return SuspendCapability(False, f"{feature} needs CUDA and NCCL; this process runs on CPU")
     if any(b != "nccl" for b in backends):
@@ -154,14 +150,10 @@ def _nccl_gate(feature: str, device: torch.device, backends: Sequence[str], torc
         nccl = tuple(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
     except Exception as exc:
         return SuspendCapability(False, f"NCCL version unknown ({exc!r})")
+    version = ".".join(map(str, nccl))
     if nccl < minimum:
-        return SuspendCapability(False, f"NCCL {'.'.join(map(str, nccl))} < {too_old}")
-    return None
-
-
-def _nccl_ready() -> SuspendCapability:
-    nccl = tuple(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
-    return SuspendCapability(True, f"torch {torch.__version__}, NCCL {'.'.join(map(str, nccl))}")
+        return SuspendCapability(False, f"NCCL {version} < {too_old}")
+    return SuspendCapability(True, f"torch {torch.__version__}, NCCL {version}")
 
 
 class GroupLifecycle:

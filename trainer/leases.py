@@ -1,31 +1,24 @@
 """IPC lease accounting: every buffer the trainer exports is a lease, and a failed owner gives its memory back.
 
-A lease is one exported buffer (a ``cuda_ipc`` bucket, an ``shm`` segment) with an owner (the stream's session)
-and a state:
+A lease is one exported buffer (a ``cuda_ipc`` bucket, an ``shm`` segment) with an owner (the stream's session) and
+a state: ``exported`` (a chunk in flight holds it), ``retained`` (the producer let go, but torch still holds the
+memory for a consumer's count), ``freed`` / ``reclaimed`` (back to the trainer, by the consumer's own release or by
+``reclaim``).
 
-- ``exported``: handed out; the producer holds it for a chunk in flight;
-- ``retained``: the producer let go, but torch still holds the memory for a consumer's count;
-- ``freed`` / ``reclaimed``: back to the trainer, by the consumer's own release or by ``reclaim``.
+Why ``retained``: torch keeps a shared CUDA storage alive while the consumer's count is nonzero (``CudaIPCSentData``,
+torch/csrc/CudaIPCTypes.cpp). Each share takes one int64 slot of a shared-memory "ref-counter file" (its name and
+slot travel in the payload as ``ref_counter_handle``/``ref_counter_offset``), set to 1; the consumer decrements it
+when it drops the storage it rebuilt, and ``torch.cuda.ipc_collect()`` frees a released block once its slot reads 0.
+An engine killed before it rebuilt or dropped the payload never decrements: the block stays in torch's limbo until
+the trainer exits (~7.9 GiB with a 3 x 2 GiB window on qwen3-8b shapes).
 
-Why ``retained`` exists: torch keeps a CUDA storage it shared alive while the consumer's reference count is
-nonzero (``CudaIPCSentData`` and its limbo, torch/csrc/CudaIPCTypes.cpp). Each share takes one int64 slot in a
-shared-memory "ref-counter file" (``_share_cuda_()`` returns its name and slot; they travel in the payload as
-``ref_counter_handle``/``ref_counter_offset``), set to 1; the consumer decrements it when it drops the storage it
-rebuilt, and ``torch.cuda.ipc_collect()`` frees a released block once its slot reads 0. An engine killed before
-it rebuilt the payload, or before it dropped it, never decrements: the block stays in torch's limbo until the
-trainer exits ("Producer process has been terminated before all shared CUDA tensors released"), ~7.9 GiB with
-a 3 x 2 GiB window on qwen3-8b shapes.
-
-``reclaim`` ends that: it writes 0 into the slots of a released lease and collects, so torch frees the block. The
-consumer side stays torch's (SGLang, vLLM and the reference engine rebuild the payload unchanged): a late decrement
-from a consumer that was still alive hits a slot torch never hands out again (slots of a file only move forward). A
-storage some tensor of the trainer still holds (a ``per_tensor`` share) is never reclaimed: torch is not holding it
-for the consumer, nothing is stranded, and a zeroed count that a live consumer later decrements would wrap torch's
-unsigned counter and keep the storage forever once the trainer frees it. What ``reclaim`` gives up is the
-consumer's protection, so it runs only where the trainer knows the buffer's contents no longer matter: after a
-stream failed or was aborted (its engines' weights are torn either way and are pushed again before they serve), or
-after the producer was closed, and only once ``settle``'s grace for live consumers to let go by themselves has
-passed.
+``reclaim`` writes 0 into the slots of a released lease and collects, so torch frees the block; a late decrement
+from a consumer still alive hits a slot torch never hands out again (slots of a file only move forward). A storage
+a trainer tensor still holds (a ``per_tensor`` share) is never reclaimed: nothing is stranded, and a zeroed count
+that a live consumer later decrements would wrap torch's unsigned counter. Reclaiming gives up the consumer's
+protection, so it runs only where the buffer's contents no longer matter: after a stream failed or was aborted
+(its engines' weights are torn and pushed again before they serve), or after the producer was closed, and only
+once ``settle``'s grace for live consumers to let go by themselves has passed.
 """
 
 from __future__ import annotations
