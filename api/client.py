@@ -238,14 +238,8 @@ class AsyncColocdClient:
         """Declare this rank's device; the reply's ``feeds`` are the engine TP ranks it feeds (``streams``
         false: none, send no chunks). The join also declares this process (``pid``), so the daemon may unlink
         its shm segments if the session ends uncommitted."""
-        path = f"/v1/weights/sessions/{session_id}/join"
-        try:
-            return await self._call("POST", path, {"rank": rank, "device_id": device_id, "pid": os.getpid()})
-        except ColocdHTTPError as exc:
-            if exc.status != 422 or exc.body.get("field") != "pid":
-                raise
-        # A daemon from before joins declared a pid refuses the field: join without it.
-        return await self._call("POST", path, {"rank": rank, "device_id": device_id})
+        body = {"rank": rank, "device_id": device_id, "pid": os.getpid()}
+        return await self._call("POST", f"/v1/weights/sessions/{session_id}/join", body)
 
     async def send_chunk(self, session_id: str, *, seq: int, rank: int, chunk: SendablePart) -> dict[str, Any]:
         body = {"seq": seq, "rank": rank, "transport": chunk.transport, "nbytes": chunk.nbytes,

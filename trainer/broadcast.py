@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -29,7 +28,7 @@ import torch
 from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
 from ..engines.chunks import plan_chunks
 from ..engines.weight_group import WeightGroup, chunk_order, dtype_name, master_store, off_loop
-from .push import PushReport, manifest_of
+from .push import PushReport, push_session
 
 __all__ = ["DistributedWeightSender"]
 
@@ -126,18 +125,7 @@ class DistributedWeightSender:
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                    step: int | None = None) -> PushReport:
         """Open a weight session, broadcast every bucket, commit; on failure abort the session and raise."""
-        t0 = time.perf_counter()
-        named = list(named)  # references only: the manifest (each broadcast is checked against it) comes first
-        sid = str((await self._client.open_session(version, step=step, ranks=1, manifest=manifest_of(named)))
-                  ["session_id"])
-        try:
-            count, nbytes = await self.stream(sid, named)
-            commit = await self._client.commit(sid)
-        except BaseException:
-            with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
-                await self._client.abort(sid)  # the session may already have failed; the first error matters
-            raise
-        return PushReport(sid, version, count, nbytes, time.perf_counter() - t0, commit)
+        return await push_session(self._client, named, self.stream, version=version, step=step)
 
     async def close_group(self, *, wait: bool = True) -> dict[str, Any] | None:
         """Have the daemon destroy the group on every engine, then leave it.

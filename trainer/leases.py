@@ -83,40 +83,34 @@ class RefCounter:
     def path(self) -> str:
         return os.path.join(self.directory, self.handle.lstrip("/"))
 
-    def _open(self, flags: int) -> int | None:
-        """The file, if it has the layout this module knows; None if torch removed it (every slot returned)."""
+    def _slot(self, write: bytes | None = None) -> int:
+        """The count, or 0 after writing ``write`` over it; 0 as well where torch removed the file (every slot
+        returned). A file without the layout this module knows is refused."""
         if not 0 <= self.offset < REF_COUNTER_SLOTS:
             raise ValueError(f"ref-counter slot {self.offset} is outside torch's {REF_COUNTER_SLOTS}")
         try:
-            fd = os.open(self.path, flags | os.O_NOFOLLOW)
+            fd = os.open(self.path, (os.O_RDONLY if write is None else os.O_RDWR) | os.O_NOFOLLOW)
         except FileNotFoundError:
-            return None
-        if (size := os.fstat(fd).st_size) != _FILE_BYTES:
+            return 0
+        try:
+            if (size := os.fstat(fd).st_size) != _FILE_BYTES:
+                raise RuntimeError(f"torch ref-counter file {self.path} is {size} bytes, not {_FILE_BYTES}: "
+                                   "its layout changed; IPC leases cannot be reclaimed")
+            at = _HEADER_BYTES + self.offset * _SLOT_BYTES
+            if write is not None:
+                os.pwrite(fd, write, at)
+                return 0
+            return int.from_bytes(os.pread(fd, _SLOT_BYTES, at), "little", signed=True)
+        finally:
             os.close(fd)
-            raise RuntimeError(f"torch ref-counter file {self.path} is {size} bytes, not {_FILE_BYTES}: "
-                               "its layout changed; IPC leases cannot be reclaimed")
-        return fd
 
     def read(self) -> int:
         """The count (0 once the consumer let go, or once torch removed the file)."""
-        fd = self._open(os.O_RDONLY)
-        if fd is None:
-            return 0
-        try:
-            raw = os.pread(fd, _SLOT_BYTES, _HEADER_BYTES + self.offset * _SLOT_BYTES)
-        finally:
-            os.close(fd)
-        return int.from_bytes(raw, "little", signed=True)
+        return self._slot()
 
     def zero(self) -> None:
         """Drop whatever count the consumer still holds."""
-        fd = self._open(os.O_RDWR)
-        if fd is None:
-            return
-        try:
-            os.pwrite(fd, bytes(_SLOT_BYTES), _HEADER_BYTES + self.offset * _SLOT_BYTES)
-        finally:
-            os.close(fd)
+        self._slot(bytes(_SLOT_BYTES))
 
 
 class LeaseState(StrEnum):

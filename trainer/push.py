@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "auto_transport",
     "free_bytes",
     "manifest_of",
+    "push_session",
 ]
 
 # The `tuned` preset of `benchmarks.switch` (docs/benchmarks.md), as the daemon's default policy has it: 2 chunks
@@ -125,6 +126,27 @@ class ChunkRecord:
     load_s: float
     release_s: float = 0.0  # ack back -> buffer released
     digest_s: float = 0.0  # of export_s: the tensors' digests (verified commits only; engines/digest.py)
+
+
+async def push_session(client: AsyncColocdClient, named: Iterable[tuple[str, torch.Tensor]],
+                       stream: Callable[[str, list[tuple[str, torch.Tensor]]], Awaitable[tuple[int, int]]], *,
+                       version: str, step: int | None = None, depth: int | None = None,
+                       partial: bool = False) -> PushReport:
+    """One whole session with this process as its only rank: open it declaring ``named``'s manifest, ``stream``
+    every chunk (``stream(session_id, named) -> (chunks, bytes)``), commit; on any failure abort it and raise."""
+    t0 = time.perf_counter()
+    named = list(named)  # references only: the manifest is declared before the first chunk
+    reply = await client.open_session(version, step=step, ranks=1, depth=depth, manifest=manifest_of(named),
+                                      partial=partial)
+    sid = str(reply["session_id"])
+    try:
+        chunks, nbytes = await stream(sid, named)
+        commit = await client.commit(sid, chunks)
+    except BaseException:
+        with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
+            await client.abort(sid)  # the session may already be failed; the original error matters
+        raise
+    return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
 
 # What one export gives: the chunk, the export's seconds and the digests' share of them (None: the plan is done).
@@ -248,24 +270,16 @@ class WeightPusher:
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                    step: int | None = None, partial: bool = False) -> PushReport:
         """Open a session (this process is the only rank) declaring every tensor it will send, stream every
-        chunk, commit. ``partial``: these tensors are only some of the model's (the engines' weights must be
-        intact); otherwise the daemon refuses a push that does not cover every parameter."""
-        t0 = time.perf_counter()
-        named = list(named)  # references only: the manifest is declared before the first chunk
-        reply = await self._client.open_session(version, step=step, ranks=1, depth=self._depth,
-                                                manifest=manifest_of(named), partial=partial)
-        sid = str(reply["session_id"])
+        chunk, commit (``push_session``). ``partial``: these tensors are only some of the model's (the engines'
+        weights must be intact); otherwise the daemon refuses a push that does not cover every parameter."""
         try:
-            chunks, nbytes = await self.stream(sid, named)
-            commit = await self._client.commit(sid, chunks)
+            return await push_session(self._client, named, self.stream, version=version, step=step,
+                                      depth=self._depth, partial=partial)
         except BaseException as exc:
-            with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
-                await self._client.abort(sid)  # the session may already be failed; the original error matters
             if self.leases.retained_bytes:  # e.g. an engine that died after its acks, before letting go
-                await self.leases.settle(f"session {sid} failed: {exc!r}", self._lease_grace_s)
+                await self.leases.settle(f"push of {version} failed: {exc!r}", self._lease_grace_s)
                 self._report_leases()
             raise
-        return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """Join the session, then send this rank's part of every chunk; returns (chunks, bytes).
