@@ -47,7 +47,7 @@ class NodeSpec:
 
 
 class NodeDaemon:
-    """The actor's body (``ray.remote`` is applied in ``start_node_daemon``); all methods run on one event loop."""
+    """The actor's body (``ray.remote`` is applied in ``create_node_daemon``); all methods run on one event loop."""
 
     def __init__(self, node_id: str, spec: NodeSpec) -> None:
         self.node_id = node_id

@@ -125,7 +125,7 @@ class DistributedWeightSender:
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                    step: int | None = None) -> PushReport:
         """Open a weight session, broadcast every bucket, commit; on failure abort the session and raise."""
-        return await push_session(self._client, named, self.stream, version=version, step=step)
+        return await push_session(self._client, named, self.stream, version=version, step=step, chunks_counted=False)
 
     async def close_group(self, *, wait: bool = True) -> dict[str, Any] | None:
         """Have the daemon destroy the group on every engine, then leave it.

@@ -584,14 +584,10 @@ class GroupLifecycle:
 
 
 def teardown_together(teardown: Callable[[dist.ProcessGroup], None], groups: Sequence[dist.ProcessGroup]) -> None:
-    """``teardown`` every group at once, one thread each, and return when all have ended.
-
-    Why not one after another: an NCCL communicator's teardown joins its proxy's socket thread, which sees the
-    stop only when its ``poll`` times out (500 ms, NCCL 2.28 ``proxy.cc``), on a clock that started when the
-    communicator was made. In a row, each waits for its own expiry, and a teardown slowed past the next one's
-    (beside copies and a push) waits a further period; together, the whole set waits for one. Torch releases
-    the GIL inside ``shutdown`` and abort. Every rank tears down the same set, so a collective teardown still
-    meets its peers.
+    """``teardown`` every group at once, one thread each, and return when all have ended: an NCCL communicator's
+    teardown waits for its proxy thread's 500 ms ``poll`` (NCCL 2.28 ``proxy.cc``), so in a row each can wait a
+    further period, together the set waits for one (docs/client.md). Torch releases the GIL inside ``shutdown``
+    and abort; every rank tears down the same set, so a collective teardown still meets its peers.
     """
     if len(groups) < 2:
         for group in groups:

@@ -130,10 +130,11 @@ class ChunkRecord:
 
 async def push_session(client: AsyncColocdClient, named: Iterable[tuple[str, torch.Tensor]],
                        stream: Callable[[str, list[tuple[str, torch.Tensor]]], Awaitable[tuple[int, int]]], *,
-                       version: str, step: int | None = None, depth: int | None = None,
-                       partial: bool = False) -> PushReport:
+                       version: str, step: int | None = None, depth: int | None = None, partial: bool = False,
+                       chunks_counted: bool = True) -> PushReport:
     """One whole session with this process as its only rank: open it declaring ``named``'s manifest, ``stream``
-    every chunk (``stream(session_id, named) -> (chunks, bytes)``), commit; on any failure abort it and raise."""
+    every chunk (``stream(session_id, named) -> (chunks, bytes)``), commit; on any failure abort it and raise.
+    ``chunks_counted=False``: the stream sent no chunks the daemon counts (broadcasts), so the commit names none."""
     t0 = time.perf_counter()
     named = list(named)  # references only: the manifest is declared before the first chunk
     reply = await client.open_session(version, step=step, ranks=1, depth=depth, manifest=manifest_of(named),
@@ -141,7 +142,7 @@ async def push_session(client: AsyncColocdClient, named: Iterable[tuple[str, tor
     sid = str(reply["session_id"])
     try:
         chunks, nbytes = await stream(sid, named)
-        commit = await client.commit(sid, chunks)
+        commit = await client.commit(sid, chunks if chunks_counted else None)
     except BaseException:
         with contextlib.suppress(ColocdHTTPError, DaemonUnreachable):
             await client.abort(sid)  # the session may already be failed; the original error matters
