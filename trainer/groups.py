@@ -173,8 +173,7 @@ class GroupLifecycle:
 
     def __init__(self, specs: Sequence[GroupSpec], *, device: torch.device | None = None,
                  group_timeout_s: float = 600.0, agree_timeout_s: float = 120.0, max_wait_s: float = 60.0,
-                 canary: Canary | None = None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 canary: Canary | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupLifecycle needs torch.distributed initialised (init_process_group)")
         self._specs = tuple(specs)
@@ -182,8 +181,6 @@ class GroupLifecycle:
         self._device = device or (torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"))
         self._group_timeout = timedelta(seconds=group_timeout_s)
         self._max_wait_s = max_wait_s
-        self._clock = clock
-        self._sleep = sleep
         self._canary: Canary = canary or (lambda name, group, timeout_s: all_reduce_canary(
             name, group, timeout_s, device=self._device))
         self._cuda = self._device.type == "cuda"
@@ -235,13 +232,13 @@ class GroupLifecycle:
     def build(self) -> GroupReport:
         """Create every group (collective) and warm it with one canary so lazy communicators exist."""
         self._require(LifecycleState.UNBUILT, "build")
-        start = self._clock()
+        start = time.monotonic()
         return self._report("build", "create", start, self._create_all()[0])
 
     def pause(self, directive: GroupDirective) -> GroupReport:
         """Enact ``directive`` before the trainer's memory is paused."""
         self._require(LifecycleState.LIVE, "pause")
-        start = self._clock()
+        start = time.monotonic()
         effective, why = self._effective(directive)
         self._policy = effective.policy
         actions: list[str] = [f"directive {directive.action} from {directive.policy}: {directive.reason}"]
@@ -261,7 +258,7 @@ class GroupLifecycle:
 
     def resume(self) -> GroupReport:
         """Make the groups usable again: rebuild (after any cooldown remainder) or canary-check kept ones."""
-        start = self._clock()
+        start = time.monotonic()
         if self._state == LifecycleState.LIVE:
             return self._report("resume", "none", start, ["groups already live"])
         if self._state == LifecycleState.DESTROYED:
@@ -275,7 +272,7 @@ class GroupLifecycle:
 
     def abandon(self, reason: str) -> GroupReport:
         """Kept groups failed in use (the weight sync raised): abort them, rebuild, disable keep-alive."""
-        start = self._clock()
+        start = time.monotonic()
         actions = [f"keep-alive disabled: {reason}", *self._give_up(reason)]
         return self._report("abandon", "rebuild", start, actions, fallback_reason=reason)
 
@@ -322,7 +319,7 @@ class GroupLifecycle:
         self._drop_parent(_destroy)  # after its children: nothing of theirs is kept through the pause
         self._groups, self._state = [None] * len(self._specs), LifecycleState.DESTROYED
         freed = _delta(self._free_bytes(), before)
-        destroyed_at = self._clock()
+        destroyed_at = time.monotonic()
         actions.append(f"destroyed {len(members)} groups" + (" and the parent they were split from" if split else ""))
         self._rebuild = directive.rebuild
         waited = 0.0
@@ -535,14 +532,14 @@ class GroupLifecycle:
     def _cooldown_remainder(self) -> float:
         if self._cooldown_until is None:
             return 0.0
-        remaining = min(self._cooldown_until - self._clock(), self._max_wait_s)
+        remaining = min(self._cooldown_until - time.monotonic(), self._max_wait_s)
         self._cooldown_until = None
         return self._timed_sleep(remaining) if remaining > 0 else 0.0
 
     def _timed_sleep(self, seconds: float) -> float:
-        begin = self._clock()
-        self._sleep(seconds)
-        return self._clock() - begin
+        begin = time.monotonic()
+        time.sleep(seconds)  # the policy's post-destroy wait itself
+        return time.monotonic() - begin
 
     def _free_bytes(self) -> int | None:
         if not self._cuda:
@@ -576,7 +573,7 @@ class GroupLifecycle:
         """The policy named is the last pause's (the one a resume or an abandon follows; None before the first)."""
         per_group = per_group or {}
         return GroupReport(
-            phase=phase, action=action, policy=self._policy, seconds=self._clock() - start, waited_s=waited,
+            phase=phase, action=action, policy=self._policy, seconds=time.monotonic() - start, waited_s=waited,
             kept_bytes=kept if self._cuda else None, freed_bytes=freed if self._cuda else None,
             per_group_bytes=dict(per_group) if self._cuda else {name: None for name in per_group},
             memory_note=_CUDA_NOTE if self._cuda else _CPU_NOTE, keep_alive=self._keep_alive, actions=actions,

@@ -157,27 +157,22 @@ _Made = tuple[ExportedPart, float, float] | None
 class WeightPusher:
     """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon.
 
-    At most ``depth`` chunks are exported and in flight at once; each buffer is released only
-    after the daemon's ack. On any failure the session is aborted and every buffer released.
-    ``transport`` names a producer (``colocd.trainer.producer.PRODUCERS``).
-    The defaults are the ``tuned`` preset: ``transport="auto"`` (``auto_transport``: by the tensors'
-    device), ``bucket_mb=None`` (``auto_bucket_bytes``: 4 GiB unless free memory says less), depth 2.
-    ``from_plan`` follows the daemon's pipeline plan instead.
+    At most ``depth`` chunks are exported and in flight at once; each buffer is released only after the daemon's
+    ack. On any failure the session is aborted and every buffer released. The defaults are the ``tuned`` preset:
+    ``transport="auto"`` (``auto_transport``: by the tensors' device; else a name in ``producer.PRODUCERS``),
+    ``bucket_mb=None`` (``auto_bucket_bytes``: 4 GiB unless free memory says less), depth 2; ``from_plan`` follows
+    the daemon's pipeline plan instead.
 
-    Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id (e.g. a
-    ``torch.distributed`` broadcast); every rank calls ``stream(session_id, full_tensors)`` with its own
-    ``rank``; rank 0 commits once all have returned. ``stream`` first joins the session declaring the rank's
-    device (``device_id``; default: the tensors' GPU UUID, or ``cpu:<rank>`` for CPU tensors), and the
-    daemon feeds each engine TP rank from the rank on its device (docs/client.md, "layouts"). A rank whose
-    device carries no engine rank sends nothing: its ``stream`` only walks the tensors (they may be
-    collectives) and returns the chunk count every rank's plan has, with 0 bytes. ``last_join`` is the
-    daemon's reply to the last join (``feeds``: the engine TP ranks this rank feeds).
+    Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id; every rank calls
+    ``stream(session_id, full_tensors)`` with its own ``rank``, which joins declaring the rank's device
+    (``device_id``; default: the tensors' GPU UUID, or ``cpu:<rank>``); rank 0 commits once all have returned
+    (docs/client.md, "layouts"). ``last_join`` is the daemon's reply to the last join (``feeds``: the engine TP
+    ranks this rank feeds; ``streams: false``: none, and the stream only walks the tensors).
 
-    Every exported buffer is a lease in ``leases`` (``colocd.trainer.leases``). When a stream fails, leases a
-    consumer still counts are reclaimed once ``lease_grace_s`` has passed, before the error reaches the caller,
-    and the producer's persistent ones at ``aclose()``: the trainer's memory is back either way, also when the
-    engine that held the buffer was killed. The rank's lease bytes are reported to the daemon after each stream
-    and each reclaim (``colocd_ipc_*`` metrics), once the client has no other call under way.
+    Every exported buffer is a lease in ``leases`` (``colocd.trainer.leases``): when a stream fails, what a consumer
+    still counts is reclaimed once ``lease_grace_s`` has passed, before the error reaches the caller, so the
+    trainer's memory is back also when the engine that held the buffer was killed. The rank's lease bytes are
+    reported to the daemon after each stream and reclaim (``colocd_ipc_*``), once the client has no call under way.
     """
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
