@@ -39,12 +39,11 @@ from ..errors import (
 )
 from ..policies import Budget, Timeouts
 from ..recent import remember
-from . import engine_ops as ops
-from .engine_ops import EngineHandle
 from .fanout import OnFailure, fan_out
 from .metrics import Metrics
 from .trace import Trace
 from .weights import SessionState, WeightSession
+from .worker import EngineHandle, EngineSync, group_verbs
 
 __all__ = [
     "BroadcastDescriptor",
@@ -99,9 +98,9 @@ def rank_layout(engines: list[EngineHandle], first_rank: int = 1) -> dict[str, i
 class WeightGroups:
     """The node's weight-update groups and the broadcasts that go through them (one ``Daemon`` owns one)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, worker: EngineSync, metrics: Metrics) -> None:
         self._groups: dict[str, WeightGroupRecord] = {}
-        self._metrics = metrics
+        self._worker, self._metrics = worker, metrics
         self._per_session: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     # -- queries -------------------------------------------------------------------------------
@@ -139,7 +138,7 @@ class WeightGroups:
         if backend not in BACKEND_DEVICES:
             raise RequestInvalid(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}", field="backend")
         for engine in engines:
-            _verbs(engine)  # every engine must speak the routes before any joins
+            group_verbs(engine)  # every engine must speak the routes before any joins
             device = engine.device_type
             if BACKEND_DEVICES[backend] == "cuda" and device != "cuda":
                 raise RequestInvalid(f"backend {backend!r} needs CUDA, but engine {engine.name!r} runs on {device}; "
@@ -154,31 +153,25 @@ class WeightGroups:
         await _check_reachable(master_address, master_port, t.budget(Budget.MASTER_REACH))
         record = self._groups[group_name] = WeightGroupRecord(
             group_name, backend, master_address, master_port, world, offsets)
-        budget = t.budget(Budget.GROUP)
 
         async def join(engine: EngineHandle) -> None:
-            adapter = _verbs(engine)
             # The group spec is the caller's: an engine refusing it (SGLang: 400) is the caller's 422.
             with caller_payload("group"):
-                await ops.timed_call(engine, trace, self._metrics, "init_weights_update_group", budget,
-                                     adapter.init_weights_update_group(
-                                         master_address=master_address, master_port=master_port,
-                                         rank_offset=offsets[engine.name], world_size=world, group_name=group_name,
-                                         backend=backend),
-                                     group=group_name, rank_offset=offsets[engine.name])
+                await self._worker.join_group(engine, trace, group_name=group_name, master_address=master_address,
+                                              master_port=master_port, rank_offset=offsets[engine.name],
+                                              world_size=world, backend=backend)
 
         try:
             await fan_out(engines, join, on_failure=OnFailure.CANCEL)
         except BaseException:
             # Engines that joined would wait on the others forever: leave nothing half-built.
             del self._groups[group_name]
-            await self._destroy_everywhere(engines, group_name, t, trace)
+            await self._destroy_everywhere(engines, group_name, trace)
             raise
         record.state = GroupState.READY
         return record
 
-    async def close(self, engines: list[EngineHandle], group_name: str, t: Timeouts,
-                    trace: Trace) -> dict[str, Any]:
+    async def close(self, engines: list[EngineHandle], group_name: str, trace: Trace) -> dict[str, Any]:
         """Destroy the group on every engine and forget it; per-engine failures are reported, not raised."""
         record = self._groups.get(group_name)
         if record is None:
@@ -186,25 +179,21 @@ class WeightGroups:
         if record.in_flight is not None:
             raise TransitionRejected(f"broadcast {record.in_flight} is in flight on group {group_name!r}")
         del self._groups[group_name]
-        errors = await self._destroy_everywhere(engines, group_name, t, trace)
+        errors = await self._destroy_everywhere(engines, group_name, trace)
         return {**record.snapshot(), "state": "destroyed", "errors": errors}
 
-    async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, t: Timeouts,
-                                  trace: Trace) -> dict[str, str]:
+    async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, trace: Trace) -> dict[str, str]:
         """Best effort on every engine: a failure here must not hide the error that led here."""
-        budget = t.budget(Budget.GROUP)
 
         async def one(engine: EngineHandle) -> None:
-            adapter = _verbs(engine)
-            await ops.timed_call(engine, trace, self._metrics, "destroy_weights_update_group", budget,
-                             adapter.destroy_weights_update_group(group_name), group=group_name)
+            await self._worker.leave_group(engine, group_name, trace)
 
         results = await fan_out(engines, one, on_failure=OnFailure.COLLECT)
         return {name: str(r) for name, r in results.items() if isinstance(r, Exception)}
 
     # -- broadcasts ----------------------------------------------------------------------------
-    async def broadcast(self, session: WeightSession, engines: list[EngineHandle], desc: BroadcastDescriptor,
-                        t: Timeouts) -> dict[str, Any]:
+    async def broadcast(self, session: WeightSession, engines: list[EngineHandle],
+                        desc: BroadcastDescriptor) -> dict[str, Any]:
         """Forward one broadcast to every engine at once; returns when all of them loaded it.
 
         Any engine failing or running past the ``chunk`` budget fails the session (engines stay paused,
@@ -229,16 +218,10 @@ class WeightGroups:
         if record.session_id != session.id:
             record.session_id, record.next_seq = session.id, 0  # numbering restarts with each session
         record.in_flight = desc.seq
-        budget, nbytes, step = t.budget(Budget.CHUNK), desc.nbytes, f"update_weights_from_distributed#{desc.seq}"
+        nbytes = desc.nbytes
 
         def load(engine: EngineHandle) -> Awaitable[None]:
-            adapter = _verbs(engine)
-            return ops.timed_call(engine, session.trace, self._metrics, step, budget,
-                              adapter.update_weights_from_distributed(
-                                  seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
-                                  shapes=[list(s) for s in desc.shapes], group_name=record.name,
-                                  load_format=desc.load_format),
-                              group=record.name, nbytes=nbytes, tensors=len(desc.names))
+            return self._worker.receive_broadcast(engine, desc, session.trace)
 
         t0 = time.perf_counter()
         try:
@@ -247,7 +230,7 @@ class WeightGroups:
             error = _explain(exc, record.name, desc.seq)
             await session.fail(error)
             del self._groups[record.name]
-            await self._destroy_everywhere(engines, record.name, t, session.trace)
+            await self._destroy_everywhere(engines, record.name, session.trace)
             raise error from exc
         finally:
             record.in_flight = None
@@ -310,12 +293,6 @@ async def _check_reachable(host: str, port: int, within_s: float) -> None:
                 f"within {within_s:.1f}s ({last}); start the trainer's TCPStore (group rank 0) before POSTing",
                 field="master_port")
         await asyncio.sleep(0.05)  # the store may be a moment from listening; retry until the deadline
-
-
-def _verbs(engine: EngineHandle) -> SupportsWeightGroups:
-    if not isinstance(engine.adapter, SupportsWeightGroups):
-        raise TransitionRejected(f"engine {engine.name!r} has no weight-update group routes (SGLang's §1.6 path)")
-    return engine.adapter
 
 
 def _explain(exc: Exception, group_name: str, seq: int) -> Exception:

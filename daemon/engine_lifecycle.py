@@ -1,6 +1,6 @@
 """Engine lifecycle: the engines as processes the daemon watches. The journal restore a restarted daemon starts
 from, the first reconcile of every engine, the health loop's backoff and its reclaim of dead trainers' segments,
-and why an engine cannot be driven now (``/readyz``). Reconciling is the engine sync's (daemon/sync.py); the
+and why an engine cannot be driven now (``/readyz``). Reconciling is the engine worker's (daemon/worker.py); the
 loops that hold the node's lock (the health tick, a relaunched engine's reconcile) are the daemon's
 (daemon/node.py), which calls these."""
 
@@ -13,14 +13,13 @@ from typing import Any
 
 from ..engines.base import MemoryTag
 from ..engines.segments import reclaim_dead_segments
-from .engine_ops import EngineHandle
 from .events import emit
 from .fanout import OnFailure, fan_out
 from .journal import Journal
 from .metrics import Metrics
 from .states import Generation, NodePhase, NodeState, TagState, WeightsState
 from .supervision import EngineSupervision
-from .sync import EngineSync
+from .worker import EngineHandle, EngineSync
 
 __all__ = ["EngineLifecycle"]
 

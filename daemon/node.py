@@ -27,11 +27,9 @@ from ..engines.base import EngineAdapter, MemoryTag
 from ..engines.registry import build_adapter
 from ..errors import NotFound
 from ..policies import Budget, PolicySet, Timeouts, Transport
-from . import engine_ops as ops
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
-from .engine_ops import EngineHandle
 from .gpu_metrics import refresh_gpu_metrics
 from .journal import Journal
 from .leases import LeaseReport, TrainerLeases
@@ -52,10 +50,10 @@ from .states import (
 )
 from .steps import StepBook
 from .supervision import EngineSupervision
-from .sync import EngineSync
 from .trace import Trace, TraceStore
 from .transitions import TransitionResult, Transitions
 from .versions import VersionBook
+from .worker import EngineHandle, EngineSync
 
 __all__ = ["Daemon", "DaemonState", "TransitionResult"]
 
@@ -91,7 +89,7 @@ class Daemon:
         self.journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
-        # The one path that drives engines (daemon/sync.py).
+        # The one path that drives engines (daemon/worker.py).
         self.sync = EngineSync(self.engines, self.metrics, self.traces, state=lambda: self.node,
                                timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled)
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
@@ -99,7 +97,7 @@ class Daemon:
         self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
         self.engine_lifecycle = EngineLifecycle(self.engines, self.sync, self.metrics, journal=self.journal,
                                                 launches=self.launches, changed=self.changed)
-        self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics),
+        self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.sync, self.metrics),
                                                        journal=config.journal)
         self.sync.sessions = self.sessions
         self.transitions = Transitions(self)
@@ -147,13 +145,7 @@ class Daemon:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        errors = []
-        for engine in reversed(list(self.engines.values())):
-            ops.cancel_loads(engine)
-            try:
-                await engine.adapter.aclose()
-            except Exception as exc:  # collect, keep closing the rest
-                errors.append(exc)
+        errors = await self.sync.close()
         await self.launches.aclose()
         if self.journal is not None:
             await asyncio.to_thread(self.journal.close)  # the queued writes reach the disk
@@ -181,6 +173,7 @@ class Daemon:
                 continue  # a transition in progress reconciles before it acts
             async with self.background("reconcile:health", reconciling=True):
                 await self.sync.reconcile_all("health")
+                await self.sessions.fail_if_lost()
             self.refresh_gauges()
 
     async def _reconcile_relaunched(self, name: str) -> None:
@@ -190,6 +183,7 @@ class Daemon:
         if self.lifecycle is DaemonState.RUNNING:
             async with self.background("reconcile:relaunch", reconciling=True):
                 await self.sync.reconcile(self.engines[name], "relaunch")
+                await self.sessions.fail_if_lost()
             self.refresh_gauges()
 
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -222,6 +216,7 @@ class Daemon:
         """Observe and reconcile every engine for ``what`` (which holds the node); refused while a restarted
         daemon still has engines it could not reconcile with its journal."""
         await self.sync.reconcile_all(f"before {what}")
+        await self.sessions.fail_if_lost()
         self._check_reconciled(what)
 
     def _check_reconciled(self, what: str) -> None:
@@ -252,7 +247,7 @@ class Daemon:
 
     def transports(self) -> frozenset[Transport] | None:
         """What every engine of the node accepts (each adapter says; None: no engines to ask)."""
-        accepted = [e.adapter.transports for e in self.engines.values()]
+        accepted = [e.transports for e in self.engines.values()]
         return frozenset.intersection(*accepted) if accepted else None
 
     def pipeline_depth(self) -> int:
@@ -358,7 +353,7 @@ class Daemon:
             for tag in engine.state.owned_tags:
                 m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
             m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
-            m.declare_engine(name, transports=sorted(t.value for t in engine.adapter.transports),
+            m.declare_engine(name, transports=sorted(t.value for t in engine.transports),
                              gpus=[str(g) for g in engine.gpus] if self.probe is not None and engine.gpus else None)
         refresh_gpu_metrics(m, self.probe, self.engines.values())
         self.changed()

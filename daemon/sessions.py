@@ -21,9 +21,7 @@ from ..engines.segments import unlink_session_segments
 from ..errors import NotFound, RequestInvalid, TransitionRejected, WeightSyncError
 from ..policies import Budget, PolicySet, Timeouts
 from ..recent import remember
-from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
-from .engine_ops import EngineHandle
 from .manifests import ManifestBook, reference_of
 from .metrics import Metrics
 from .reconcile import WeightsGoal
@@ -36,7 +34,6 @@ from .states import (
     check_session_abortable,
     require_session_open,
 )
-from .sync import EngineSync
 from .trace import Span, Trace, TraceStore
 from .verify import Verification, verify_engines
 from .versions import VersionBook
@@ -50,6 +47,7 @@ from .weights import (
     manifest_to_json,
     name_some,
 )
+from .worker import EngineHandle, EngineSync, late_loads
 
 __all__ = ["SessionContext", "WeightSessions"]
 
@@ -157,7 +155,7 @@ class WeightSessions:
                 check_partial_allowed((e.state for e in d.engines.values()), d.node)
             d.sync.require_attached()
             for engine in d.engines.values():
-                if (busy := ops.late_loads(engine)) is not None:
+                if (busy := late_loads(engine)) is not None:
                     raise TransitionRejected(busy)
             ranks = self._check_ranks(ranks)
         t = d.timeouts()
@@ -373,10 +371,9 @@ class WeightSessions:
         """The verified commit (daemon/verify.py): each engine's digests against the trainer's. A mismatch, or an
         engine that cannot be asked, fails the session (the engines stay paused, their weights stale)."""
         d = self._d
-        budget = d.timeouts().budget(Budget.WEIGHT_UPDATE)
 
         async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
-            return await ops.digests(engine, names, session.trace, d.metrics, budget)
+            return await d.sync.digests(engine, names, session.trace)
 
         t0 = time.perf_counter()
         try:
@@ -453,15 +450,16 @@ class WeightSessions:
         if self.owns_open() and self.current is not None:
             await self.current.abort("daemon shutting down")
 
-    async def fail_current(self, error: WeightSyncError) -> None:
-        """The open session cannot finish (an engine lost it): fail it and close it (caller holds the lock)."""
+    async def fail_if_lost(self) -> None:
+        """Fail and close the open session if a reconcile found that an engine lost it (``lost_session``, the
+        worker's record); the caller holds the lock and has just reconciled every engine."""
         session = self.current
-        if session is None:
+        lost = [(e.name, e.lost_session) for e in self._d.engines.values() if e.lost_session is not None]
+        if session is None or session.state is not SessionState.OPEN or not lost:
             return
-        await session.fail(error)
-        # The caller is the reconcile that found the loss: it observes and drives the engines itself, so the
-        # close must not start a second reconcile of the same engine in the middle of the first one's plan.
-        await self._close_session(session, observe=False)
+        name, why = lost[0]
+        await session.fail(WeightSyncError(f"engine {name!r} lost the weight session: {why}"))
+        await self._close_session(session, observe=False)  # the caller's reconcile just observed every engine
 
     async def _finish_failed(self, session: WeightSession) -> None:
         if session.closed:  # closed, or being closed (the lease loop): the caller's error waits for the close
@@ -584,7 +582,7 @@ class WeightSessions:
         d = self._d
         async with d.exclusive("close_weight_group"):
             trace = Trace(d.node.step, "weight_group")
-            return await self.groups.close(list(d.engines.values()), group_name, d.timeouts(), trace)
+            return await self.groups.close(list(d.engines.values()), group_name, trace)
 
     async def broadcast(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
         """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
@@ -597,7 +595,7 @@ class WeightSessions:
         session.touch()
         session.note_broadcast()
         try:
-            reply = await self.groups.broadcast(session, list(d.engines.values()), descriptor, d.timeouts())
+            reply = await self.groups.broadcast(session, list(d.engines.values()), descriptor)
             session.note_delivered(descriptor.names, (meta for _, meta in tensors))
             return reply
         finally:

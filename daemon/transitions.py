@@ -1,6 +1,6 @@
 """Phase transitions (train, sync, rollout) and the manual sleep / resume. Each reads: check legality against
 daemon/states.py, set every engine's desired state (daemon/reconcile.py), sync all engines concurrently
-(daemon/sync.py), journal. A repeat of a finished (step, phase) replays its result."""
+(daemon/worker.py), journal. A repeat of a finished (step, phase) replays its result."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from ..engines.base import MemoryTag, PauseMode
 from ..errors import NotFound, RequestInvalid, TransitionRejected
 from ..policies import PolicySet, Transport
 from ..recent import remember
-from . import engine_ops as ops
-from .engine_ops import EngineHandle
 from .journal import Journal
 from .memory import NvmlProbe
 from .metrics import Metrics
@@ -38,9 +36,9 @@ from .states import (
     needed_per_gpu,
 )
 from .steps import StepBook
-from .sync import EngineSync
 from .trace import Span, Trace, TraceStore
 from .versions import RolloutVersions, VersionBook
+from .worker import EngineHandle, EngineSync, expected_resume_bytes
 
 __all__ = ["TransitionContext", "TransitionResult", "Transitions"]
 
@@ -242,7 +240,7 @@ class Transitions:
         for name, want in desired.items():
             engine = d.engines[name]
             tags = want.to_resume(engine.state)
-            nbytes, source = ops.expected_resume_bytes(engine, tags)
+            nbytes, source = expected_resume_bytes(engine, tags)
             if not tags or not engine.gpus or nbytes is None or source is None:
                 continue
             share = nbytes // len(engine.gpus)  # a TP engine's shards are even
