@@ -7,19 +7,17 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import ValidationError
 
 from ..engines.base import MemoryTag, PauseMode
 from ..errors import NotFound, RequestInvalid, TransitionRejected
-from ..policies import PolicySet, Transport
+from ..policies import PolicySet
 from ..recent import remember
-from .journal import Journal
-from .memory import NvmlProbe
-from .metrics import Metrics
+from .journal import NodeJournal
+from .lock import NodeLock
 from .policy_runtime import PolicyRuntime
 from .reconcile import Desired
 from .sessions import WeightSessions
@@ -35,8 +33,8 @@ from .states import (
     check_rollout_weights,
     needed_per_gpu,
 )
-from .steps import StepBook
-from .trace import Span, Trace, TraceStore
+from .steps import log_failed, log_rejected
+from .trace import Span, Trace
 from .versions import RolloutVersions, VersionBook
 from .worker import EngineHandle, EngineSync, expected_resume_bytes
 
@@ -57,28 +55,21 @@ class TransitionResult:
     replayed: bool = False
 
 
-class TransitionContext(Protocol):
-    """What a transition reads of the node and does to it (the daemon provides it)."""
+@dataclass(frozen=True, slots=True)
+class TransitionContext:
+    """What the transitions use of the node: the engine worker (engines, their calls, metrics, traces), the
+    node's lock, the weight sessions (none may be open), the version book, the policies, the journal."""
 
-    engines: dict[str, EngineHandle]
-    metrics: Metrics
-    traces: TraceStore
-    steps: StepBook
-    journal: Journal | None
-    probe: NvmlProbe | None
-    policies: PolicyRuntime
-    versions: VersionBook
+    worker: EngineSync
+    lock: NodeLock
     sessions: WeightSessions
-    sync: EngineSync
-    def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
-    def transports(self) -> frozenset[Transport] | None: ...
-    def staging(self) -> StagingMemory: ...
-    def changed(self) -> None: ...
-    async def journal_written(self, what: str) -> None: ...
+    versions: VersionBook
+    policies: PolicyRuntime
+    journal: NodeJournal
 
 
 class Transitions:
-    """Runs the node's phase transitions and manual sleep / resume, one at a time (``Daemon.exclusive``)."""
+    """Runs the node's phase transitions and manual sleep / resume, one at a time (``NodeLock.exclusive``)."""
 
     def __init__(self, node: TransitionContext) -> None:
         self._d = node
@@ -88,7 +79,7 @@ class Transitions:
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
         self._unjournaled: set[tuple[int, str]] = set()  # finished, but the journal failed to keep them
         # A daemon restarted on its journal still replays what the previous one finished (without its trace).
-        for done in node.journal.completed() if node.journal is not None else ():
+        for done in node.journal.finished():
             self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
                 int(done["step"]), str(done["phase"]), **done["result"])
 
@@ -110,14 +101,14 @@ class Transitions:
         if (done := self._completed.get((step, phase.value))) is not None:
             if (step, phase.value) in self._unjournaled:  # its record failed to be written: a repeat writes it
                 await self._write(done)
-            d.metrics.transitions.labels(phase.value, "replayed").inc()
-            d.changed()
+            d.worker.metrics.transitions.labels(phase.value, "replayed").inc()
+            d.worker.metrics.changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
         try:
             # Legality, then each engine's desired state, then one sync of every engine, then the journal.
-            async with d.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
+            async with d.lock.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
                 check_phase_request(self.node, phase, step)
-                d.sync.require_attached()
+                d.worker.require_attached()
                 trace = Trace(step, phase.value)
                 _record_trainer_report(trace, trainer, d.versions)
                 t0 = time.perf_counter()
@@ -130,35 +121,35 @@ class Transitions:
                         directives = self._directives(pinned, phase.value, trainer)
                         with trace.timed():
                             desired, rollout = await self._desired(phase, trace)
-                            freed = await d.sync.drive(list(d.engines.values()), desired, trace,
+                            freed = await d.worker.drive(list(d.worker.engines.values()), desired, trace,
                                                        operation=phase.value, what=f"{phase.value}@{step}")
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
                         if rollout is not None:
                             self._served(rollout)
                         if phase is NodePhase.SYNC:  # planned on the memory left once the weights are back
-                            directives = self._directives(pinned, phase.value, trainer, d.staging())
+                            directives = self._directives(pinned, phase.value, trainer, d.sessions.staging())
                     finally:
                         self.pinned = None
-                        d.traces.put(trace)
+                        d.worker.traces.put(trace)
                 self.node = NodeState(phase, step)
                 result = TransitionResult(step, phase.value, time.perf_counter() - t0,
-                                          {n: e.state.snapshot() for n, e in d.engines.items()},
+                                          {n: e.state.snapshot() for n, e in d.worker.engines.items()},
                                           freed, directives, trace)
-                d.metrics.observe_phase(phase.value, "all", result.duration_s)
+                d.worker.metrics.observe_phase(phase.value, "all", result.duration_s)
                 await self._journal(result)
         except TransitionRejected as exc:
-            d.metrics.transitions.labels(phase.value, "rejected").inc()
-            d.steps.rejected(phase.value, step, str(exc), session=d.sessions.open_id())
-            d.changed()
+            d.worker.metrics.transitions.labels(phase.value, "rejected").inc()
+            log_rejected(phase.value, step, str(exc), session=d.sessions.open_id())
+            d.worker.metrics.changed()
             raise
         except BaseException as exc:
-            d.metrics.transitions.labels(phase.value, "failed").inc()
-            d.steps.failed(phase.value, step, exc, session=d.sessions.open_id())
-            d.changed()
+            d.worker.metrics.transitions.labels(phase.value, "failed").inc()
+            log_failed(phase.value, step, exc, session=d.sessions.open_id())
+            d.worker.metrics.changed()
             raise
-        d.metrics.transitions.labels(phase.value, "ok").inc()
-        d.changed()
+        d.worker.metrics.transitions.labels(phase.value, "ok").inc()
+        d.worker.metrics.changed()
         return result
 
     async def _journal(self, result: TransitionResult) -> None:
@@ -172,18 +163,17 @@ class Transitions:
 
     async def _write(self, result: TransitionResult) -> None:
         d = self._d
-        await d.journal_written(result.phase)
-        if d.journal is not None:
-            await d.journal.written(d.journal.record_completed(result.step, result.phase, {
-                "duration_s": result.duration_s, "engines": result.engines,
-                "freed_bytes": result.freed_bytes, "directives": result.directives}))
+        await d.journal.written(result.phase)
+        await d.journal.completed(result.step, result.phase, {
+            "duration_s": result.duration_s, "engines": result.engines, "freed_bytes": result.freed_bytes,
+            "directives": result.directives})
         self._unjournaled.discard((result.step, result.phase))
 
     def _directives(self, pinned: PolicySet, phase: str, trainer: dict[str, Any] | None,
                     staging: StagingMemory | None = None) -> dict[str, Any]:
         d = self._d
         try:
-            return d.policies.directives(pinned, phase, trainer, d.transports(), staging)
+            return d.policies.directives(pinned, phase, trainer, d.worker.transports(), staging)
         except ValidationError as exc:
             errors = exc.errors()
             where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
@@ -196,7 +186,7 @@ class Transitions:
         """What each engine should be in ``phase``, once the phase's own checks passed (nothing changed on a
         refusal); for rollout also what it will serve, recorded once it does."""
         d = self._d
-        engines = d.engines
+        engines = d.worker.engines
         if phase is NodePhase.TRAIN:
             await d.sessions.lapse_if_idle()
             check_no_open_session(d.sessions.open_id())
@@ -227,18 +217,19 @@ class Transitions:
         d = self._d
         d.versions.record(record)
         for name, lag in record.staleness.items():
-            d.metrics.rollout_staleness.labels(name).set(lag)
+            d.worker.metrics.rollout_staleness.labels(name).set(lag)
 
     def _check_headroom(self, what: str, desired: Mapping[str, Desired], trace: Trace) -> None:
         """Refuse a resume NVML says will not fit (``check_resume_headroom``), before any engine call."""
         d = self._d
         headroom_mb = self.policy_set().engines.resume_headroom_mb
-        if headroom_mb is None or d.probe is None:
+        probe = d.worker.probe()
+        if headroom_mb is None or probe is None:
             return
         needs: list[ResumeNeed] = []
         gpus: set[int | str] = set()
         for name, want in desired.items():
-            engine = d.engines[name]
+            engine = d.worker.engines[name]
             tags = want.to_resume(engine.state)
             nbytes, source = expected_resume_bytes(engine, tags)
             if not tags or not engine.gpus or nbytes is None or source is None:
@@ -248,14 +239,14 @@ class Transitions:
             gpus.update(engine.gpus)
         if not needs:
             return
-        free = {g: r.free_bytes for g, r in d.probe.read_all(sorted(gpus, key=str)).items()}
+        free = {g: r.free_bytes for g, r in probe.read_all(sorted(gpus, key=str)).items()}
         trace.attrs["resume_headroom"] = {"free_bytes": free, "needed_bytes": needed_per_gpu(needs),
                                           "headroom_bytes": headroom_mb << 20}
         check_resume_headroom(what, needs, free, headroom_mb << 20, self.node)
 
     # -- manual sleep / resume -----------------------------------------------------------------
     def _select(self, names: list[str] | None) -> list[EngineHandle]:
-        engines = self._d.engines
+        engines = self._d.worker.engines
         if names is None:
             return list(engines.values())
         unknown = [n for n in names if n not in engines]
@@ -267,10 +258,10 @@ class Transitions:
         """Pause and release ``tags`` (default: all owned) on the named engines; the phase is unchanged."""
         d = self._d
         engines = self._select(names)
-        async with d.exclusive("sleep"):
+        async with d.lock.exclusive("sleep"):
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_release(tags, strict=True)
-            d.sync.require_attached()
+            d.worker.require_attached()
             mode = self.pause_mode()
             desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode)
                        for e in engines}
@@ -280,10 +271,10 @@ class Transitions:
         """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""
         d = self._d
         engines = self._select(names)
-        async with d.exclusive("resume"):
+        async with d.lock.exclusive("resume"):
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_resume(tags, strict=True)
-            d.sync.require_attached()
+            d.worker.require_attached()
             trace = Trace(self.node.step, "resume")
             desired = {e.name: Desired.for_resume(e.state, e.state.owned_tags if tags is None else tags,
                                                   self.node.phase) for e in engines}
@@ -296,10 +287,10 @@ class Transitions:
         t0 = time.perf_counter()
         try:
             with trace.timed():
-                freed = await d.sync.drive(engines, desired, trace, operation=what, what=what)
+                freed = await d.worker.drive(engines, desired, trace, operation=what, what=what)
         finally:
-            d.traces.put(trace)
-        await d.journal_written(what)
+            d.worker.traces.put(trace)
+        await d.journal.written(what)
         return TransitionResult(self.node.step, what, time.perf_counter() - t0,
                                 {e.name: e.state.snapshot() for e in engines},
                                 freed if what == "sleep" else {}, trace=trace)

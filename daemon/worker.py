@@ -10,7 +10,7 @@ flush after an update.
 Two ways in, one planner:
 
 - ``reconcile`` observes each engine first and drives it toward its record (the health loop, a relaunch,
-  a daemon restart, and every mutating operation before it acts, ``Daemon.exclusive``). An engine that lost the
+  a daemon restart, and every mutating operation before it acts, ``NodeLock.exclusive``). An engine that lost the
   daemon's open weight session is recorded so (``EngineHandle.lost_session``); the session reads it there.
 - ``drive`` drives each engine toward a desired state a transition (or a manual sleep / resume, or a weight
   session's open and close) set, planning on the record that was just observed. A failed drive re-observes every
@@ -374,7 +374,7 @@ class EngineSync:
         """``state``, ``timeouts`` and ``probe``: the node's as of now; ``reconciled(engine, changed)``: told after
         each reconcile that finished (the daemon notes the incarnation and, where it changed anything, journals).
         """
-        self._engines, self._metrics, self._traces = engines, metrics, traces
+        self.engines, self.metrics, self.traces = engines, metrics, traces
         self._state, self._timeouts, self._probe, self._reconciled = state, timeouts, probe, reconciled
         self.sessions: OpenSession = _NoSessions()  # the daemon's weight sessions, once they exist
         # Engines whose journal record is not yet checked against the engine (mutating calls are refused
@@ -385,9 +385,25 @@ class EngineSync:
         self.unsettled: dict[str, str] = {}
         self.reports: dict[str, dict[str, Any]] = {}
 
+    @property
+    def node(self) -> NodeState:
+        """The node's phase and step as of now."""
+        return self._state()
+
+    def timeouts(self) -> Timeouts:
+        return self._timeouts()
+
+    def probe(self) -> NvmlProbe | None:
+        return self._probe()
+
+    def transports(self) -> frozenset[Transport] | None:
+        """What every engine of the node loads (each adapter says; None: no engines to ask)."""
+        accepted = [e.transports for e in self.engines.values()]
+        return frozenset.intersection(*accepted) if accepted else None
+
     def require_attached(self) -> None:
-        """Every engine answered the observation that just ran (``Daemon.exclusive``); else 502 naming it."""
-        for engine in self._engines.values():
+        """Every engine answered the observation that just ran (``NodeLock.exclusive``); else 502 naming it."""
+        for engine in self.engines.values():
             check_attached(engine.name, engine.attachment, engine.state)
 
     # -- toward a desired state ----------------------------------------------------------------------
@@ -398,18 +414,18 @@ class EngineSync:
         owns = self.sessions.owns_open()
 
         async def one(engine: EngineHandle) -> dict[str, int]:
-            p = plan(desired[engine.name], engine.state, None, phase=self._state().phase, owns_session=owns)
+            p = plan(desired[engine.name], engine.state, None, phase=self.node.phase, owns_session=owns)
             return await self._run(engine, p, trace)
 
         try:
-            return await each_engine(engines, one, operation=operation, metrics=self._metrics)
+            return await each_engine(engines, one, operation=operation, metrics=self.metrics)
         except Exception:
             await self.reconcile_all(f"after failed {what}", keep_error=True)
             raise
 
     # -- toward the record, on a fresh observation -----------------------------------------------------
     async def reconcile_all(self, trigger: str, *, keep_error: bool = False) -> None:
-        await fan_out(self._engines.values(), lambda e: self.reconcile(e, trigger, keep_error=keep_error),
+        await fan_out(self.engines.values(), lambda e: self.reconcile(e, trigger, keep_error=keep_error),
                       on_failure=OnFailure.SETTLE)
 
     async def reconcile(self, engine: EngineHandle, trigger: str, *, keep_error: bool = False) -> bool:
@@ -424,11 +440,11 @@ class EngineSync:
         finally:
             if engine.state.healthy is not was_healthy:
                 emit("engine_health", logging.INFO if engine.state.healthy else logging.WARNING, engine=engine.name,
-                     session=self.sessions.open_id(), step=self._state().step, phase=self._state().phase.value,
+                     session=self.sessions.open_id(), step=self.node.step, phase=self.node.phase.value,
                      healthy=engine.state.healthy, trigger=trigger, error=engine.state.last_error)
 
     async def _observe(self, engine: EngineHandle) -> Observation:
-        budget = self._timeouts().budget(Budget.OBSERVE)
+        budget = self.timeouts().budget(Budget.OBSERVE)
         try:
             async with asyncio.timeout(budget):
                 if engine.attachment is Attachment.DETACHED:
@@ -445,7 +461,7 @@ class EngineSync:
             engine.lost_sight = engine.lost_sight or engine.observed_once
             return False
         recorded = engine.state
-        p = plan(Desired.holding(recorded), recorded, observed, phase=self._state().phase,
+        p = plan(Desired.holding(recorded), recorded, observed, phase=self.node.phase,
                  owns_session=self.sessions.owns_open(),
                  first_sight=not engine.observed_once and not engine.lost_sight, lost_sight=engine.lost_sight)
         if p.restarted and not await engine.adapter.started():
@@ -461,13 +477,13 @@ class EngineSync:
         # status never shows the new process before it is in the state the record wants.
         engine.state = p.state.with_(incarnation=recorded.incarnation) if p.restarted else p.state
         engine.lost_session = p.lost_session or engine.lost_session
-        trace = Trace(self._state().step, f"reconcile:{engine.name}")
+        trace = Trace(self.node.step, f"reconcile:{engine.name}")
         try:
             if p.restarted:
                 if observed.incarnation is None or observed.incarnation != engine.restart_counted:
-                    self._metrics.engine_restarts.labels(engine.name).inc()  # once per new process
+                    self.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
                     engine.restart_counted = observed.incarnation
-                async with asyncio.timeout(self._timeouts().budget(Budget.OBSERVE)):
+                async with asyncio.timeout(self.timeouts().budget(Budget.OBSERVE)):
                     engine.attached(await engine.adapter.attach())  # a new process may speak a new version
             await self._run(engine, p, trace, counted=True)
         except (ColocdError, TimeoutError) as exc:
@@ -483,9 +499,9 @@ class EngineSync:
         finally:
             if p.actions:
                 trace.finish("reconciled", restarted=p.restarted)
-                self._traces.put(trace)
+                self.traces.put(trace)
         if p.findings:
-            self._metrics.reconcile_actions.labels(engine.name, "adopt").inc()
+            self.metrics.reconcile_actions.labels(engine.name, "adopt").inc()
         engine.observed_once, engine.lost_sight = True, False
         engine.state = engine.state.with_(healthy=True, incarnation=p.state.incarnation,
                                           last_error=engine.state.last_error if keep_error else None)
@@ -500,7 +516,7 @@ class EngineSync:
     async def _run(self, engine: EngineHandle, p: Plan, trace: Trace, *, counted: bool = False) -> dict[str, int]:
         """Run ``p``'s actions on ``engine`` in order; returns the bytes its release freed, per source.
         ``counted``: each action is counted in ``colocd_reconcile_actions`` (a reconcile's plan)."""
-        t = self._timeouts()
+        t = self.timeouts()
         freed: dict[str, int] = {}
         for action in p.actions:
             if action is Action.END_ENGINE_SESSION:
@@ -510,22 +526,22 @@ class EngineSync:
                     if not p.end_session_tolerant:
                         raise  # the engine said a session was open, yet refuses to end it
             elif action is Action.BEGIN_ENGINE_SESSION and p.weights is not None:
-                await timed_call(engine, trace, self._metrics, "begin_weight_update",
+                await timed_call(engine, trace, self.metrics, "begin_weight_update",
                                  t.budget(Budget.WEIGHT_UPDATE), engine.adapter.begin_weight_update())
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
                 engine.lost_session = None
             elif action is Action.PAUSE:
-                await _pause(engine, p.pause_mode, trace, self._metrics, t)
+                await _pause(engine, p.pause_mode, trace, self.metrics, t)
             elif action is Action.RELEASE:
-                await _flush(engine, trace, self._metrics, t)  # idle + empty radix cache before release
-                freed = await _release(engine, p.release, trace, self._metrics, t, self._probe())
+                await _flush(engine, trace, self.metrics, t)  # idle + empty radix cache before release
+                freed = await _release(engine, p.release, trace, self.metrics, t, self.probe())
             elif action is Action.RESUME:
-                await _resume(engine, p.resume, trace, self._metrics, t, self._probe())
+                await _resume(engine, p.resume, trace, self.metrics, t, self.probe())
             elif action is Action.CONTINUE:
-                await _flush(engine, trace, self._metrics, t)  # no stale prefix KV across a weight change
-                await _continue_generation(engine, trace, self._metrics, t)
+                await _flush(engine, trace, self.metrics, t)  # no stale prefix KV across a weight change
+                await _continue_generation(engine, trace, self.metrics, t)
             if counted:
-                self._metrics.reconcile_actions.labels(engine.name, action.value).inc()
+                self.metrics.reconcile_actions.labels(engine.name, action.value).inc()
         return freed
 
     async def _end_session(self, engine: EngineHandle, goal: WeightsGoal, trace: Trace) -> None:
@@ -533,8 +549,8 @@ class EngineSync:
         else its record holds what the session left (``goal.after``) from before the call, which may fail."""
         if goal.after is not None:
             engine.state = engine.state.with_(weights=goal.after)
-        await timed_call(engine, trace, self._metrics, "end_weight_update",
-                         self._timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update(goal.version))
+        await timed_call(engine, trace, self.metrics, "end_weight_update",
+                         self.timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update(goal.version))
         if goal.version is not None:
             engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=goal.version)
 
@@ -546,41 +562,41 @@ class EngineSync:
 
         async def one(engine: EngineHandle) -> None:
             p = plan(Desired.for_weights(engine.state, goals[engine.name]), engine.state, None,
-                     phase=self._state().phase, owns_session=self.sessions.owns_open())
+                     phase=self.node.phase, owns_session=self.sessions.owns_open())
             await self._run(engine, p, trace)
 
-        engines = [e for n, e in self._engines.items() if n in goals]
+        engines = [e for n, e in self.engines.items() if n in goals]
         if strict:
-            await each_engine(engines, one, operation="weights", metrics=self._metrics)
+            await each_engine(engines, one, operation="weights", metrics=self.metrics)
         else:
             await fan_out(engines, one, on_failure=OnFailure.COLLECT)
 
     # -- a weight session's work beside its plan: digests, weight-update groups, broadcasts ---------------------
     async def digests(self, engine: EngineHandle, names: Sequence[str], trace: Trace) -> EngineDigests:
         """What the engine holds of ``names``, as digests, for a verified commit (daemon/verify.py)."""
-        return await timed_call(engine, trace, self._metrics, "weight_digests",
-                                self._timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.weight_digests(names),
+        return await timed_call(engine, trace, self.metrics, "weight_digests",
+                                self.timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.weight_digests(names),
                                 tensors=len(names))
 
     async def join_group(self, engine: EngineHandle, trace: Trace, *, group_name: str, master_address: str,
                          master_port: int, rank_offset: int, world_size: int, backend: str) -> None:
         """The engine joins the trainer's weight-update group (daemon/distributed.py)."""
-        await timed_call(engine, trace, self._metrics, "init_weights_update_group",
-                         self._timeouts().budget(Budget.GROUP),
+        await timed_call(engine, trace, self.metrics, "init_weights_update_group",
+                         self.timeouts().budget(Budget.GROUP),
                          group_verbs(engine).init_weights_update_group(
                              master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                              world_size=world_size, group_name=group_name, backend=backend),
                          group=group_name, rank_offset=rank_offset)
 
     async def leave_group(self, engine: EngineHandle, group_name: str, trace: Trace) -> None:
-        await timed_call(engine, trace, self._metrics, "destroy_weights_update_group",
-                         self._timeouts().budget(Budget.GROUP),
+        await timed_call(engine, trace, self.metrics, "destroy_weights_update_group",
+                         self.timeouts().budget(Budget.GROUP),
                          group_verbs(engine).destroy_weights_update_group(group_name), group=group_name)
 
     async def receive_broadcast(self, engine: EngineHandle, desc: BroadcastDescriptor, trace: Trace) -> None:
         """The engine receives one broadcast of the trainer's through its group, under the chunk budget."""
-        await timed_call(engine, trace, self._metrics, f"update_weights_from_distributed#{desc.seq}",
-                         self._timeouts().budget(Budget.CHUNK),
+        await timed_call(engine, trace, self.metrics, f"update_weights_from_distributed#{desc.seq}",
+                         self.timeouts().budget(Budget.CHUNK),
                          group_verbs(engine).update_weights_from_distributed(
                              seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
                              shapes=[list(s) for s in desc.shapes], group_name=desc.group_name,
@@ -590,7 +606,7 @@ class EngineSync:
     async def close(self) -> list[Exception]:
         """Stop waiting for the engines' answers and close every adapter (the daemon closes); the errors."""
         errors = []
-        for engine in reversed(list(self._engines.values())):
+        for engine in reversed(list(self.engines.values())):
             for call in list(engine.loads_in_flight):
                 call.cancel()
             try:
@@ -603,7 +619,7 @@ class EngineSync:
         report = {"trigger": trigger, "at": time.time(), "ok": error is None, "error": error, **p.snapshot()}
         self.reports[engine.name] = report
         emit("reconcile", logging.WARNING if p.restarted or error else logging.INFO, engine=engine.name,
-             session=self.sessions.open_id(), step=self._state().step, phase=self._state().phase.value, trigger=trigger,
+             session=self.sessions.open_id(), step=self.node.step, phase=self.node.phase.value, trigger=trigger,
              result="failed" if error else "ok", restarted=p.restarted, reason=p.reason,
              findings=list(p.findings), actions=[a.value for a in p.actions], error=error)
 
