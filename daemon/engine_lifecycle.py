@@ -11,13 +11,12 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..engines.base import MemoryTag
 from ..engines.segments import reclaim_dead_segments
 from .events import emit
 from .fanout import OnFailure, fan_out
 from .journal import Journal
 from .metrics import Metrics
-from .states import Generation, NodePhase, NodeState, TagState, WeightsState
+from .states import NodePhase, NodeState
 from .supervision import EngineSupervision
 from .worker import EngineHandle, EngineSync
 
@@ -51,17 +50,7 @@ class EngineLifecycle:
         if self._journal is None or (record := self._journal.last()) is None:
             return None
         node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
-        for name, snap in record.get("engines", {}).items():
-            if (engine := self._engines.get(name)) is None:
-                continue
-            tags = {MemoryTag(t): TagState(s) for t, s in snap["tags"].items()}
-            engine.state = engine.state.with_(
-                tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
-                weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],
-                incarnation=snap.get("incarnation"))
-            # Not observed since the journal was written: re-verified before any mutating call.
-            engine.lost_sight = True
-            self._sync.unreconciled.add(name)
+        self._sync.restore(record.get("engines", {}))
         emit("journal_restored", logging.INFO, step=node.step, phase=node.phase.value)
         return node
 

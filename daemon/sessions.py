@@ -344,8 +344,7 @@ class WeightSessions:
             except RequestInvalid:
                 raise  # the trainer's gap: the session stays open (send the chunk, or abort)
             except BaseException:
-                await session.fail(WeightSyncError("commit failed"))
-                await self._close_session(session)
+                await self._end(session, WeightSyncError("commit failed"))
                 raise
             with trace.span("check_complete"):
                 self._check_complete(session)
@@ -380,14 +379,13 @@ class WeightSessions:
             verdicts = await verify_engines(list(d.worker.engines.values()), session.expected, session.verify,
                                             session.version, ask)
         except BaseException:
-            await session.fail(WeightSyncError("commit failed: asking the engines for their weight digests failed"))
-            await self._close_session(session)
+            await self._end(session, WeightSyncError("commit failed: asking the engines for their weight digests "
+                                                     "failed"))
             raise
         verification = Verification(session.verify, verdicts, time.perf_counter() - t0)
         if (error := verification.error()) is not None:
             log.error("weight session %s: %s", session.id, error)
-            await session.fail(error)
-            await self._close_session(session)
+            await self._end(session, error)
             raise error
         return verification
 
@@ -458,8 +456,13 @@ class WeightSessions:
         if session is None or session.state is not SessionState.OPEN or not lost:
             return
         name, why = lost[0]
-        await session.fail(WeightSyncError(f"engine {name!r} lost the weight session: {why}"))
-        await self._close_session(session, observe=False)  # the caller's reconcile just observed every engine
+        # The caller's reconcile just observed every engine: no second one.
+        await self._end(session, WeightSyncError(f"engine {name!r} lost the weight session: {why}"), observe=False)
+
+    async def _end(self, session: WeightSession, error: BaseException, *, observe: bool = True) -> None:
+        """Fail the open session with ``error`` and close it (caller holds the lock)."""
+        await session.fail(error)
+        await self._close_session(session, observe=observe)
 
     async def _finish_failed(self, session: WeightSession) -> None:
         if session.closed:  # closed, or being closed (the lease loop): the caller's error waits for the close
@@ -511,8 +514,7 @@ class WeightSessions:
         session = self.current
         if session is not None and (late := session.start_overdue()) is not None:
             log.warning("weight session %s failed: %s", session.id, late)
-            await session.fail(late)
-            await self._close_session(session)
+            await self._end(session, late)
         elif session is not None and session.expired():
             log.warning("weight session %s expired after %.1fs without a chunk", session.id, session.idle_for())
             await session.expire()

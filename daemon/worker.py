@@ -401,6 +401,20 @@ class EngineSync:
         accepted = [e.transports for e in self.engines.values()]
         return frozenset.intersection(*accepted) if accepted else None
 
+    def restore(self, records: Mapping[str, Mapping[str, Any]]) -> None:
+        """A restarted daemon's records of its engines, from its journal (``EngineRecord.snapshot``): not observed
+        since they were written, each is re-verified before any mutating call (``unreconciled``)."""
+        for name, snap in records.items():
+            if (engine := self.engines.get(name)) is None:
+                continue
+            tags = {MemoryTag(t): TagState(s) for t, s in snap["tags"].items()}
+            engine.state = engine.state.with_(
+                tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
+                weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],
+                incarnation=snap.get("incarnation"))
+            engine.lost_sight = True
+            self.unreconciled.add(name)
+
     def require_attached(self) -> None:
         """Every engine answered the observation that just ran (``NodeLock.exclusive``); else 502 naming it."""
         for engine in self.engines.values():
