@@ -490,7 +490,9 @@ class EngineSync:
         # A restarted engine's new incarnation is published only once the plan's actions (pause, release) ran:
         # status never shows the new process before it is in the state the record wants.
         engine.state = p.state.with_(incarnation=recorded.incarnation) if p.restarted else p.state
-        engine.lost_session = p.lost_session or engine.lost_session
+        if p.lost_session is not None:  # the open session fails on it once this reconcile is done
+            engine.lost_session = p.lost_session
+            self.metrics.reconcile_actions.labels(engine.name, "fail_session").inc()
         trace = Trace(self.node.step, f"reconcile:{engine.name}")
         try:
             if p.restarted:
