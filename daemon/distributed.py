@@ -43,7 +43,7 @@ from .fanout import OnFailure, fan_out
 from .metrics import Metrics
 from .trace import Trace
 from .weights import SessionState, WeightSession
-from .worker import EngineHandle, EngineSync, group_verbs
+from .worker import EngineHandle, EngineWorker, group_verbs
 
 __all__ = [
     "BroadcastDescriptor",
@@ -98,7 +98,7 @@ def rank_layout(engines: list[EngineHandle], first_rank: int = 1) -> dict[str, i
 class WeightGroups:
     """The node's weight-update groups and the broadcasts that go through them (one ``Daemon`` owns one)."""
 
-    def __init__(self, worker: EngineSync, metrics: Metrics) -> None:
+    def __init__(self, worker: EngineWorker, metrics: Metrics) -> None:
         self._groups: dict[str, WeightGroupRecord] = {}
         self._worker, self._metrics = worker, metrics
         self._per_session: OrderedDict[str, dict[str, int]] = OrderedDict()

@@ -18,7 +18,7 @@ from .journal import Journal
 from .metrics import Metrics
 from .states import NodePhase, NodeState
 from .supervision import EngineSupervision
-from .worker import EngineHandle, EngineSync
+from .worker import EngineHandle, EngineWorker
 
 __all__ = ["EngineLifecycle"]
 
@@ -31,12 +31,12 @@ class EngineLifecycle:
     """The node's engines as processes the daemon watches: what it found at startup, what is unchecked.
 
     Owns the startup report and the health loop's retry count; reads the engines, their launches and the
-    journal it is given, and drives engines only through ``sync``."""
+    journal it is given, and drives engines only through ``worker``."""
 
-    def __init__(self, engines: Mapping[str, EngineHandle], sync: EngineSync, metrics: Metrics, *,
+    def __init__(self, engines: Mapping[str, EngineHandle], worker: EngineWorker, metrics: Metrics, *,
                  journal: Journal | None, launches: EngineSupervision, changed: Callable[[], None]) -> None:
         self._engines = engines
-        self._sync = sync
+        self._worker = worker
         self._metrics = metrics
         self._journal = journal
         self._launches = launches
@@ -50,23 +50,23 @@ class EngineLifecycle:
         if self._journal is None or (record := self._journal.last()) is None:
             return None
         node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
-        self._sync.restore(record.get("engines", {}))
+        self._worker.restore(record.get("engines", {}))
         emit("journal_restored", logging.INFO, step=node.step, phase=node.phase.value)
         return node
 
     async def reconcile_at_startup(self, *, journal_restored: bool) -> None:
         """Reconcile every engine once before the daemon takes work (the node state already restored)."""
-        engines, sync = self._engines, self._sync
-        await fan_out(engines.values(), lambda e: sync.reconcile(e, "startup"), on_failure=OnFailure.SETTLE)
-        self.startup_report = {"journal_restored": journal_restored, "unreconciled": sorted(sync.unreconciled),
-                               "engines": {n: sync.reports.get(n) for n in engines}}
+        engines, worker = self._engines, self._worker
+        await fan_out(engines.values(), lambda e: worker.reconcile(e, "startup"), on_failure=OnFailure.SETTLE)
+        self.startup_report = {"journal_restored": journal_restored, "unreconciled": sorted(worker.unreconciled),
+                               "engines": {n: worker.reports.get(n) for n in engines}}
         emit("startup_reconcile", logging.INFO, journal_restored=journal_restored,
-             unreconciled=sorted(sync.unreconciled), engines=sorted(engines))
+             unreconciled=sorted(worker.unreconciled), engines=sorted(engines))
 
     def health_interval(self, interval: float) -> float:
         """The wait before the next health tick: a failed reconcile is retried soon, backing off up to
         ``interval`` (the policy's health interval)."""
-        if bool(self._sync.unsettled) or any(not e.state.healthy for e in self._engines.values()):
+        if bool(self._worker.unsettled) or any(not e.state.healthy for e in self._engines.values()):
             self._retries += 1
             return min(interval, RETRY_INITIAL_S * 2.0 ** (self._retries - 1))
         self._retries = 0
@@ -90,18 +90,18 @@ class EngineLifecycle:
 
     def unready_reasons(self) -> list[str]:
         """Why the node cannot be driven now, one line per engine that cannot (``/readyz``)."""
-        sync = self._sync
+        worker = self._worker
         reasons = []
         for name, engine in self._engines.items():
             launched = self._launches.launched.get(name)
             if launched is not None and (why := launched.unready_reason()) is not None:
                 reasons.append(why)
-            elif name in sync.unreconciled:
+            elif name in worker.unreconciled:
                 error = engine.state.last_error
                 reasons.append(f"engine {name!r}: not yet reconciled with the journal after the daemon restarted"
                                + (f": {error}" if error else ""))
-            elif name in sync.unsettled:
-                reasons.append(sync.unsettled[name])
+            elif name in worker.unsettled:
+                reasons.append(worker.unsettled[name])
             elif (why := engine.unready_reason()) is not None:
                 reasons.append(why)
         return reasons

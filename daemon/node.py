@@ -49,7 +49,7 @@ from .supervision import EngineSupervision
 from .trace import Trace, TraceStore
 from .transitions import TransitionContext, TransitionResult, Transitions
 from .versions import VersionBook
-from .worker import EngineHandle, EngineSync
+from .worker import EngineHandle, EngineWorker
 
 __all__ = ["Daemon", "DaemonState", "TransitionResult"]
 
@@ -82,22 +82,22 @@ class Daemon:
         self.journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
         # The one path that drives engines (daemon/worker.py).
-        self.sync = EngineSync(self.engines, self.metrics, self.traces, state=lambda: self.node,
-                               timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled)
+        self.worker = EngineWorker(self.engines, self.metrics, self.traces, state=lambda: self.node,
+                               timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled,
+                               open_session=lambda: self.sessions.open_id())
         self.lock = NodeLock(can_start=self._check_can_start, before=self._reconcile_before, after=self.refresh_gauges)
         self.node_journal = NodeJournal(self.journal, lambda: {
             "node": self.node.snapshot(), "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
         # Each launched process is journaled; a restarted daemon adopts the ones still running.
         self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
-        self.engine_lifecycle = EngineLifecycle(self.engines, self.sync, self.metrics, journal=self.journal,
+        self.engine_lifecycle = EngineLifecycle(self.engines, self.worker, self.metrics, journal=self.journal,
                                                 launches=self.launches, changed=self.changed)
         self.sessions = WeightSessions(
-            SessionContext(self.sync, self.lock, self.versions, self.policies, self.node_journal),
-            WeightGroups(self.sync, self.metrics), journal=config.journal)
-        self.sync.sessions = self.sessions
+            SessionContext(self.worker, self.lock, self.versions, self.policies, self.node_journal),
+            WeightGroups(self.worker, self.metrics), journal=config.journal)
         self.transitions = Transitions(
-            TransitionContext(self.sync, self.lock, self.sessions, self.versions, self.policies, self.node_journal))
+            TransitionContext(self.worker, self.lock, self.sessions, self.versions, self.policies, self.node_journal))
         # Every event series at 0 from the start; phase, busy, session.
         self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
                                         busy=lambda: self.busy)
@@ -142,7 +142,7 @@ class Daemon:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        errors = await self.sync.close()
+        errors = await self.worker.close()
         await self.launches.aclose()
         if self.journal is not None:
             await asyncio.to_thread(self.journal.close)  # the queued writes reach the disk
@@ -169,16 +169,16 @@ class Daemon:
                 self.changed()  # the next scrape renders what is live (busy, the open session's idle age)
                 continue  # a transition in progress reconciles before it acts
             async with self.lock.background("reconcile:health", reconciling=True):
-                await self.sync.reconcile_all("health")
+                await self.worker.reconcile_all("health")
                 await self.sessions.fail_if_lost()
 
     async def _reconcile_relaunched(self, name: str) -> None:
         """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
-        self.sync.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
+        self.worker.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
         self.changed()
         if self.lifecycle is DaemonState.RUNNING:
             async with self.lock.background("reconcile:relaunch", reconciling=True):
-                await self.sync.reconcile(self.engines[name], "relaunch")
+                await self.worker.reconcile(self.engines[name], "relaunch")
                 await self.sessions.fail_if_lost()
 
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -201,9 +201,9 @@ class Daemon:
     async def _reconcile_before(self, what: str) -> None:
         """Observe and reconcile every engine for ``what`` (which holds the node); an open session an engine lost
         fails; refused while a restarted daemon still has engines it could not reconcile with its journal."""
-        await self.sync.reconcile_all(f"before {what}")
+        await self.worker.reconcile_all(f"before {what}")
         await self.sessions.fail_if_lost()
-        check_reconciled(what, {n: self.engines[n].state.last_error for n in self.sync.unreconciled}, self.node)
+        check_reconciled(what, {n: self.engines[n].state.last_error for n in self.worker.unreconciled}, self.node)
 
     @property
     def node(self) -> NodeState:
@@ -252,7 +252,7 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         """What GET /v1/status answers: the node, every engine's record, the session, reconcile, policy, versions."""
-        sync, session = self.sync, self.sessions.current
+        worker, session = self.worker, self.sessions.current
         active = self.policies.active
         return {
             "lifecycle": self.lifecycle.value,
@@ -263,8 +263,8 @@ class Daemon:
                             "launched": self.launches.snapshot(n)}
                         for n, e in self.engines.items()},
             "weight_session": session.stats() if session is not None else None,
-            "reconcile": {"unreconciled": sorted(sync.unreconciled), "startup": self.engine_lifecycle.startup_report,
-                          "last": dict(sync.reports)},
+            "reconcile": {"unreconciled": sorted(worker.unreconciled), "startup": self.engine_lifecycle.startup_report,
+                          "last": dict(worker.reports)},
             "policy": self.policy_view(),
             "nvml": self.probe is not None,
             "versions": self.versions.snapshot(active.sync.staleness_bound, active.sync.mode,

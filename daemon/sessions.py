@@ -48,7 +48,7 @@ from .weights import (
     manifest_to_json,
     name_some,
 )
-from .worker import EngineHandle, EngineSync, late_loads
+from .worker import EngineHandle, EngineWorker, late_loads
 
 __all__ = ["SessionContext", "WeightSessions"]
 
@@ -60,7 +60,7 @@ class SessionContext:
     """What the weight sessions use of the node: the engine worker (engines, their calls, metrics, traces, the
     node's phase and step, timeouts), the node's lock, the version book, the policies, the journal."""
 
-    worker: EngineSync
+    worker: EngineWorker
     lock: NodeLock
     versions: VersionBook
     policies: PolicyRuntime
@@ -71,8 +71,8 @@ class WeightSessions:
     """The node's current (or last) weight session, the ids of ended ones (410), and the reference a complete
     update is checked against."""
 
-    def __init__(self, node: SessionContext, groups: WeightGroups, *, journal: str | None = None) -> None:
-        self._d = node
+    def __init__(self, ctx: SessionContext, groups: WeightGroups, *, journal: str | None = None) -> None:
+        self._ctx = ctx
         self.groups = groups  # separated GPUs: daemon/distributed.py
         self.current: WeightSession | None = None
         self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
@@ -90,13 +90,13 @@ class WeightSessions:
 
     def staging(self) -> StagingMemory:
         """What a sync may stage into: free memory on the engines' GPUs and the sync's size."""
-        w = self._d.worker
+        w = self._ctx.worker
         return staging_memory(w.engines.values(), w.probe(), self.complete_manifest)
 
     def pipeline_depth(self) -> int:
         """Chunks in flight per engine when the trainer does not say (the pipeline policy decides)."""
-        policies = self._d.policies
-        return int(policies.pipeline_plan(policies.active, self._d.worker.transports(), self.staging()).depth)
+        policies = self._ctx.policies
+        return int(policies.pipeline_plan(policies.active, self._ctx.worker.transports(), self.staging()).depth)
 
     def owns_open(self) -> bool:
         return self.current is not None and self.current.state is SessionState.OPEN
@@ -126,55 +126,56 @@ class WeightSessions:
         nothing. Every engine is observed and reconciled first (``NodeLock.exclusive``), so the open acts on records
         that agree with the engines.
         """
-        d = self._d
+        ctx = self._ctx
         # The session's trace starts before the node's lock, so its spans cover the whole open (the breakdown
         # of `benchmarks.weights`); the step it names is the node's, as the check below requires.
-        trace = Trace(d.worker.node.step, "weights")
-        async with d.lock.exclusive("open_weights"):
+        trace = Trace(ctx.worker.node.step, "weights")
+        async with ctx.lock.exclusive("open_weights"):
             _lock_span(trace, 0.0)
-            trace.step = d.worker.node.step
+            trace.step = ctx.worker.node.step
             args = _OpenArgs(step, version, ranks, depth, manifest, manifest_ref, partial)
             return await self._open_locked(trace, args)
 
     async def _open_locked(self, trace: Trace, args: _OpenArgs) -> WeightSession:
-        d = self._d
+        ctx = self._ctx
         step, version, ranks, manifest, partial = args.step, args.version, args.ranks, args.manifest, args.partial
         with trace.span("open_checks"):
             await self.lapse_if_idle()
             current = self.current
-            check_can_open_session(self.open_id(), (e.state for e in d.worker.engines.values()), d.worker.node,
+            check_can_open_session(self.open_id(), (e.state for e in ctx.worker.engines.values()), ctx.worker.node,
                                    idle_for=current.idle_for() if current is not None else 0.0,
                                    idle_s=current.idle_s if current is not None else None)
-            if step is not None and step != d.worker.node.step:
-                raise RequestInvalid(f"step {step} is not the node's step {d.worker.node.step} (phase "
-                                     f"{d.worker.node.phase.value}): a session carries the weights of the node's step; "
-                                     f"send {d.worker.node.step} or leave step out", field="step")
-            step = d.worker.node.step
+            node = ctx.worker.node
+            if step is not None and step != node.step:
+                raise RequestInvalid(f"step {step} is not the node's step {node.step} (phase {node.phase.value}): "
+                                     f"a session carries the weights of the node's step; send {node.step} or leave "
+                                     "step out", field="step")
+            step = node.step
             declared, declared_ref = self._declared(manifest, args.manifest_ref)
             if partial:
-                check_partial_allowed((e.state for e in d.worker.engines.values()), d.worker.node)
-            d.worker.require_attached()
-            for engine in d.worker.engines.values():
+                check_partial_allowed((e.state for e in ctx.worker.engines.values()), ctx.worker.node)
+            ctx.worker.require_attached()
+            for engine in ctx.worker.engines.values():
                 if (busy := late_loads(engine)) is not None:
                     raise TransitionRejected(busy)
             ranks = self._check_ranks(ranks)
-        t = d.worker.timeouts()
-        required = {name: self.complete_manifest for name in d.worker.engines}
+        t = ctx.worker.timeouts()
+        required = {name: self.complete_manifest for name in ctx.worker.engines}
         if declared is not None:
             with trace.span("manifest_check", tensors=len(declared)):
                 self._check_declared(declared, required, partial)
         session = WeightSession(
-            step=step, version=version, ranks=ranks, engines=list(d.worker.engines.values()),
+            step=step, version=version, ranks=ranks, engines=list(ctx.worker.engines.values()),
             depth=args.depth or self.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
-            trace=trace, metrics=d.worker.metrics, manifest=declared, manifest_ref=declared_ref, partial=partial,
+            trace=trace, metrics=ctx.worker.metrics, manifest=declared, manifest_ref=declared_ref, partial=partial,
             idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
             sources=self._feed_ranks())
         session.required = required
         trace.attrs["session"] = session.id  # the session's log line and trace name it
-        session.prior = {n: e.state.weights for n, e in d.worker.engines.items()}
-        session.verify = d.policies.active.sync.verify
+        session.prior = {n: e.state.weights for n, e in ctx.worker.engines.items()}
+        session.verify = ctx.policies.active.sync.verify
         try:
-            await d.worker.weights({n: WeightsGoal.begin(session.id) for n in d.worker.engines}, trace, strict=True)
+            await ctx.worker.weights({n: WeightsGoal.begin(session.id) for n in ctx.worker.engines}, trace, strict=True)
         except BaseException:
             await self._close_engines_update(trace, committed=False, session=session)
             raise
@@ -183,7 +184,7 @@ class WeightSessions:
         if declared is not None and declared_ref is not None:
             self.manifests.remember(declared_ref, declared)  # an open that succeeded: its reply names it
         self.current = session
-        d.versions.opened(version, session.id)  # counts while open; engines lag it until commit
+        ctx.versions.opened(version, session.id)  # counts while open; engines lag it until commit
         session.touch()
         return session
 
@@ -205,13 +206,13 @@ class WeightSessions:
 
     def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
         """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
-        return {name: tuple(e.config.feed_ranks) for name, e in self._d.worker.engines.items()
+        return {name: tuple(e.config.feed_ranks) for name, e in self._ctx.worker.engines.items()
                 if e.config.feed_ranks is not None}
 
     def _check_ranks(self, ranks: int | None) -> int:
         """The session's trainer ranks (default: as many as the layout needs), refused where too few to serve it:
         one per TP rank of the widest engine, one per engine device fed by device, one past every feed rank."""
-        engines = list(self._d.worker.engines.values())
+        engines = list(self._ctx.worker.engines.values())
         fixed = self._feed_ranks()
         devices = sorted({device_key(dev) for e in engines if e.name not in fixed and (devs := e.tp_devices)
                           for dev in devs})
@@ -235,7 +236,7 @@ class WeightSessions:
         if pid is not None:
             self.note_trainer_pid(session_id, pid)
         joined = await session.join(rank, device_id)  # a refused join changes nothing
-        self._d.worker.metrics.changed()
+        self._ctx.worker.metrics.changed()
         return joined.to_json()
 
     def note_trainer_pid(self, session_id: str, pid: int) -> None:
@@ -256,7 +257,7 @@ class WeightSessions:
             if unknown or wrong or missing:
                 why = []
                 if missing:
-                    clean = all(e.state.weights is WeightsState.CLEAN for e in self._d.worker.engines.values())
+                    clean = all(e.state.weights is WeightsState.CLEAN for e in self._ctx.worker.engines.values())
                     why.append(f"missing {name_some(missing)}: " + (
                         "a session that updates only some tensors must say partial: true" if clean else
                         "weights were discarded (released, or an update was abandoned), so every tensor must be "
@@ -281,11 +282,11 @@ class WeightSessions:
         finally:
             if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
                 await self._finish_failed(session)
-            self._d.worker.metrics.changed()  # chunk counters and the session's stats moved
+            self._ctx.worker.metrics.changed()  # chunk counters and the session's stats moved
 
     def _trainer_ranks(self) -> int:
         """Trainer ranks a one-shot update can carry: one per TP rank of the widest engine (what engines need)."""
-        return max((int(e.config.tp_size) for e in self._d.worker.engines.values()), default=1)
+        return max((int(e.config.tp_size) for e in self._ctx.worker.engines.values()), default=1)
 
     async def update(self, *, step: int | None, version: str, chunks: list[tuple[int, ChunkPart]]) -> dict[str, Any]:
         """The one-shot form: open a session, send every chunk ((seq, part), in the caller's order), commit;
@@ -329,11 +330,11 @@ class WeightSessions:
 
     # -- commit ----------------------------------------------------------------------------------------
     async def commit(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
-        d = self._d
+        ctx = self._ctx
         session = self.get(session_id)
         require_session_open(session.id, session.state, error=session.error)
         waiting_since = session.trace.elapsed_s()
-        async with d.lock.exclusive("commit_weights"):
+        async with ctx.lock.exclusive("commit_weights"):
             _lock_span(session.trace, waiting_since)
             session.touch()
             self.groups.check_settled(session)
@@ -353,30 +354,30 @@ class WeightSessions:
             await self._close_engines_update(session.trace, committed=True, version=session.version)
             with trace.span("commit_bookkeeping"):
                 session.commit()
-                d.versions.committed(session.version)
+                ctx.versions.committed(session.version)
                 if not session.partial:
                     self._record_complete(session)
-                d.worker.metrics.weight_sessions.labels("committed").inc()
+                ctx.worker.metrics.weight_sessions.labels("committed").inc()
             session.trace.finish("committed", bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                                  version=session.version)
-            d.worker.traces.put(session.trace)
+            ctx.worker.traces.put(session.trace)
             with trace.span("journal"):
-                await d.journal.written("weights")
+                await ctx.journal.written("weights")
             return {**session.stats(), "broadcasts": self.groups.session_stats(session.id),
-                    "engines": {n: e.state.snapshot() for n, e in d.worker.engines.items()},
+                    "engines": {n: e.state.snapshot() for n, e in ctx.worker.engines.items()},
                     "verification": verification.to_json(), "trace": session.trace.to_json()}
 
     async def _verify(self, session: WeightSession) -> Verification:
         """The verified commit (daemon/verify.py): each engine's digests against the trainer's. A mismatch, or an
         engine that cannot be asked, fails the session (the engines stay paused, their weights stale)."""
-        d = self._d
+        ctx = self._ctx
 
         async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
-            return await d.worker.digests(engine, names, session.trace)
+            return await ctx.worker.digests(engine, names, session.trace)
 
         t0 = time.perf_counter()
         try:
-            verdicts = await verify_engines(list(d.worker.engines.values()), session.expected, session.verify,
+            verdicts = await verify_engines(list(ctx.worker.engines.values()), session.expected, session.verify,
                                             session.version, ask)
         except BaseException:
             await self._end(session, WeightSyncError("commit failed: asking the engines for their weight digests "
@@ -392,7 +393,7 @@ class WeightSessions:
     def _check_complete(self, session: WeightSession) -> None:
         """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
         required, prior = session.required, session.prior
-        for name in self._d.worker.engines:
+        for name in self._ctx.worker.engines:
             sent = session.sent_names(name)
             if session.manifest is not None:
                 unsent = [n for n in session.manifest if n not in sent]
@@ -439,7 +440,7 @@ class WeightSessions:
     # -- abort, failure, expiry ---------------------------------------------------------------------
     async def abort(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
         session = self.get(session_id)
-        check_session_abortable(session.id, session.state, session.version, self._d.worker.node)
+        check_session_abortable(session.id, session.state, session.version, self._ctx.worker.node)
         await session.abort(reason)  # no-op if it already ended (aborted, failed, expired)
         await self._finish_failed(session)
         return session.stats()
@@ -452,7 +453,7 @@ class WeightSessions:
         """Fail and close the open session if a reconcile found that an engine lost it (``lost_session``, the
         worker's record); the caller holds the lock and has just reconciled every engine."""
         session = self.current
-        lost = [(e.name, e.lost_session) for e in self._d.worker.engines.values() if e.lost_session is not None]
+        lost = [(e.name, e.lost_session) for e in self._ctx.worker.engines.values() if e.lost_session is not None]
         if session is None or session.state is not SessionState.OPEN or not lost:
             return
         name, why = lost[0]
@@ -469,7 +470,7 @@ class WeightSessions:
             if (closing := self._closing.get(session.id)) is not None:
                 await closing.wait()
             return
-        async with self._d.lock.background(f"close_weights:{session.id}"):
+        async with self._ctx.lock.background(f"close_weights:{session.id}"):
             await self._close_session(session)
 
     async def _close_session(self, session: WeightSession, *, observe: bool = True) -> None:
@@ -486,8 +487,8 @@ class WeightSessions:
             del self._closing[session.id]
 
     async def _close_uncommitted(self, session: WeightSession, *, observe: bool) -> None:
-        d = self._d
-        t = d.worker.timeouts()
+        ctx = self._ctx
+        t = ctx.worker.timeouts()
         session.tainted = await session.quiesce(t.budget(Budget.QUIESCE))
         if session.tainted:
             log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
@@ -495,18 +496,18 @@ class WeightSessions:
         await self._close_engines_update(session.trace, committed=False, session=session)
         # A chunk failed: an engine may be gone, and status says so now.
         if observe and session.state is SessionState.FAILED:
-            await d.worker.reconcile_all(f"after failed session {session.id}", keep_error=True)
-        d.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
+            await ctx.worker.reconcile_all(f"after failed session {session.id}", keep_error=True)
+        ctx.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
         # keeps its mappings valid and finds them already gone when it releases them. Only the trainer's own
         # segments go (engines/segments.py): never a file a chunk merely named.
         for seg in unlink_session_segments(session.shm_names, session.trainer_pids):
             log.info("unlinked shared-memory segment %s of weight session %s (%s, pid %d)", seg.name, session.id,
                      session.state.value, seg.pid)
-        d.worker.metrics.weight_sessions.labels(session.state.value).inc()
+        ctx.worker.metrics.weight_sessions.labels(session.state.value).inc()
         session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                              version=session.version)
-        d.worker.traces.put(session.trace)
+        ctx.worker.traces.put(session.trace)
 
     async def lapse_if_idle(self) -> None:
         """Fail the open session if a rank missed its start deadline, expire it if its lease ran out (caller
@@ -522,20 +523,20 @@ class WeightSessions:
 
     async def lease_loop(self) -> None:
         """Expire idle sessions and close failed ones nobody is waiting on, without any caller's help."""
-        d = self._d
-        while not d.lock.stopping.is_set():
+        ctx = self._ctx
+        while not ctx.lock.stopping.is_set():
             session = self.current
             idle_s = session.idle_s if session is not None and session.idle_s else 1.0
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(max(idle_s / 4, 0.05), 1.0)):
-                    await d.lock.stopping.wait()
+                    await ctx.lock.stopping.wait()
             session = self.current
-            if d.lock.stopping.is_set() or session is None or session.closed or d.lock.busy:
+            if ctx.lock.stopping.is_set() or session is None or session.closed or ctx.lock.busy:
                 continue
             if session.state is SessionState.OPEN and not session.expired() and session.start_overdue() is None:
                 continue
             try:
-                async with d.lock.background(f"close_weights:{session.id}"):
+                async with ctx.lock.background(f"close_weights:{session.id}"):
                     await self.lapse_if_idle()
                     if session.state is not SessionState.OPEN:
                         await self._close_session(session)
@@ -546,9 +547,9 @@ class WeightSessions:
                                     session: WeightSession | None = None) -> None:
         """End the engines' update sessions. Committed, they serve ``version``. Uncommitted: engines stay paused;
         weights are stale unless the session never touched them (no chunk started there, none abandoned)."""
-        d = self._d
+        ctx = self._ctx
         if committed and version is not None:
-            await d.worker.weights({n: WeightsGoal.commit(version) for n in d.worker.engines}, trace, strict=True)
+            await ctx.worker.weights({n: WeightsGoal.commit(version) for n in ctx.worker.engines}, trace, strict=True)
             return
         prior = session.prior if session is not None else {}
 
@@ -557,36 +558,36 @@ class WeightSessions:
             return prior.get(name, WeightsState.STALE) if untouched else WeightsState.STALE
 
         # Best effort: an engine that cannot even end its session is already marked as the session left it.
-        await d.worker.weights({n: WeightsGoal.discard(left(n)) for n in d.worker.engines}, trace, strict=False)
+        await ctx.worker.weights({n: WeightsGoal.discard(left(n)) for n in ctx.worker.engines}, trace, strict=False)
 
     # -- separated GPUs: weight-update groups and broadcasts (daemon/distributed.py) -----------------
     async def open_group(self, *, group_name: str, master_address: str, master_port: int, backend: str,
                          world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
         """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
-        d = self._d
-        async with d.lock.exclusive("open_weight_group"):
-            d.worker.require_attached()
-            trace = Trace(d.worker.node.step, "weight_group")
+        ctx = self._ctx
+        async with ctx.lock.exclusive("open_weight_group"):
+            ctx.worker.require_attached()
+            trace = Trace(ctx.worker.node.step, "weight_group")
             try:
                 with trace.timed():
                     record = await self.groups.open(
-                        list(d.worker.engines.values()), group_name=group_name, master_address=master_address,
+                        list(ctx.worker.engines.values()), group_name=group_name, master_address=master_address,
                         master_port=master_port, backend=backend, world_size=world_size, first_rank=first_rank,
-                        t=d.worker.timeouts(), trace=trace)
+                        t=ctx.worker.timeouts(), trace=trace)
             finally:
-                d.worker.traces.put(trace)
+                ctx.worker.traces.put(trace)
             return {**record.snapshot(), "trace": trace.to_json()}
 
     async def close_group(self, group_name: str) -> dict[str, Any]:
         """Destroy the group on every engine and forget it."""
-        d = self._d
-        async with d.lock.exclusive("close_weight_group"):
-            trace = Trace(d.worker.node.step, "weight_group")
-            return await self.groups.close(list(d.worker.engines.values()), group_name, trace)
+        ctx = self._ctx
+        async with ctx.lock.exclusive("close_weight_group"):
+            trace = Trace(ctx.worker.node.step, "weight_group")
+            return await self.groups.close(list(ctx.worker.engines.values()), group_name, trace)
 
     async def broadcast(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
         """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
-        d = self._d
+        ctx = self._ctx
         session = self.get(session_id)
         require_session_open(session.id, session.state)
         tensors = [(n, TensorMeta(dt, tuple(s)))
@@ -595,14 +596,14 @@ class WeightSessions:
         session.touch()
         session.note_broadcast()
         try:
-            reply = await self.groups.broadcast(session, list(d.worker.engines.values()), descriptor)
+            reply = await self.groups.broadcast(session, list(ctx.worker.engines.values()), descriptor)
             session.note_delivered(descriptor.names, (meta for _, meta in tensors))
             return reply
         finally:
             session.touch()
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
-            d.worker.metrics.changed()
+            ctx.worker.metrics.changed()
 
 
 @dataclass(frozen=True, slots=True)

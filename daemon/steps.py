@@ -134,7 +134,7 @@ class StepBook:
         if trace.operation in _NODE_PHASES and trace.outcome != "ok":
             return  # Transitions.transition logs it (failed), with the caller's error
         if trace.operation.startswith("reconcile:"):
-            return  # EngineSync logs each reconcile (event reconcile), with its plan
+            return  # EngineWorker logs each reconcile (event reconcile), with its plan
         failed = next((s for s in trace.spans if not s.ok and s.engine and s.engine != "trainer"), None)
         fields: dict[str, Any] = {
             "step": trace.step,

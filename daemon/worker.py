@@ -28,7 +28,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from ..engines.base import (
     Capability,
@@ -71,8 +71,7 @@ from .trace import Trace, TraceStore
 
 __all__ = [
     "EngineHandle",
-    "EngineSync",
-    "OpenSession",
+    "EngineWorker",
     "expected_release_bytes",
     "expected_resume_bytes",
     "group_verbs",
@@ -348,35 +347,19 @@ def _sample_memory(engine: EngineHandle, trace: Trace, metrics: Metrics, own: Me
             metrics.engine_memory.labels(engine.name, tag.value).set(entry.resident_nbytes)
 
 
-class OpenSession(Protocol):
-    """What the worker asks of the node's weight sessions (daemon/sessions.py)."""
-
-    def owns_open(self) -> bool: ...
-    def open_id(self) -> str | None: ...
-
-
-class _NoSessions:
-    """Until the daemon hands the worker its weight sessions: none is open."""
-
-    def owns_open(self) -> bool:
-        return False
-
-    def open_id(self) -> str | None:
-        return None
-
-
-class EngineSync:
+class EngineWorker:
     """Drives the node's engines, and keeps what its reconciles found and did."""
 
     def __init__(self, engines: dict[str, EngineHandle], metrics: Metrics, traces: TraceStore, *,
                  state: Callable[[], NodeState], timeouts: Callable[[], Timeouts],
-                 probe: Callable[[], NvmlProbe | None], reconciled: Callable[[EngineHandle, bool], None]) -> None:
+                 probe: Callable[[], NvmlProbe | None], reconciled: Callable[[EngineHandle, bool], None],
+                 open_session: Callable[[], str | None]) -> None:
         """``state``, ``timeouts`` and ``probe``: the node's as of now; ``reconciled(engine, changed)``: told after
-        each reconcile that finished (the daemon notes the incarnation and, where it changed anything, journals).
-        """
+        each reconcile that finished (the daemon notes the incarnation and, where it changed anything, journals);
+        ``open_session()``: the id of the daemon's open weight session (None: none is open)."""
         self.engines, self.metrics, self.traces = engines, metrics, traces
         self._state, self._timeouts, self._probe, self._reconciled = state, timeouts, probe, reconciled
-        self.sessions: OpenSession = _NoSessions()  # the daemon's weight sessions, once they exist
+        self._open_session = open_session
         # Engines whose journal record is not yet checked against the engine (mutating calls are refused
         # meanwhile).
         self.unreconciled: set[str] = set()
@@ -425,7 +408,7 @@ class EngineSync:
                     operation: str, what: str) -> dict[str, dict[str, int]]:
         """Drive each engine to ``desired[name]``, concurrently, timed under ``operation``; returns the bytes each
         freed, per source."""
-        owns = self.sessions.owns_open()
+        owns = self._open_session() is not None
 
         async def one(engine: EngineHandle) -> dict[str, int]:
             p = plan(desired[engine.name], engine.state, None, phase=self.node.phase, owns_session=owns)
@@ -454,7 +437,7 @@ class EngineSync:
         finally:
             if engine.state.healthy is not was_healthy:
                 emit("engine_health", logging.INFO if engine.state.healthy else logging.WARNING, engine=engine.name,
-                     session=self.sessions.open_id(), step=self.node.step, phase=self.node.phase.value,
+                     session=self._open_session(), step=self.node.step, phase=self.node.phase.value,
                      healthy=engine.state.healthy, trigger=trigger, error=engine.state.last_error)
 
     async def _observe(self, engine: EngineHandle) -> Observation:
@@ -476,7 +459,7 @@ class EngineSync:
             return False
         recorded = engine.state
         p = plan(Desired.holding(recorded), recorded, observed, phase=self.node.phase,
-                 owns_session=self.sessions.owns_open(),
+                 owns_session=self._open_session() is not None,
                  first_sight=not engine.observed_once and not engine.lost_sight, lost_sight=engine.lost_sight)
         if p.restarted and not await engine.adapter.started():
             # Driven only once its own start-up has run (a pause during SGLang's warm-up blocks it for good); the
@@ -578,7 +561,7 @@ class EngineSync:
 
         async def one(engine: EngineHandle) -> None:
             p = plan(Desired.for_weights(engine.state, goals[engine.name]), engine.state, None,
-                     phase=self.node.phase, owns_session=self.sessions.owns_open())
+                     phase=self.node.phase, owns_session=self._open_session() is not None)
             await self._run(engine, p, trace)
 
         engines = [e for n, e in self.engines.items() if n in goals]
@@ -635,7 +618,7 @@ class EngineSync:
         report = {"trigger": trigger, "at": time.time(), "ok": error is None, "error": error, **p.snapshot()}
         self.reports[engine.name] = report
         emit("reconcile", logging.WARNING if p.restarted or error else logging.INFO, engine=engine.name,
-             session=self.sessions.open_id(), step=self.node.step, phase=self.node.phase.value, trigger=trigger,
+             session=self._open_session(), step=self.node.step, phase=self.node.phase.value, trigger=trigger,
              result="failed" if error else "ok", restarted=p.restarted, reason=p.reason,
              findings=list(p.findings), actions=[a.value for a in p.actions], error=error)
 
