@@ -37,10 +37,10 @@ from ..errors import (
     TransitionRejected,
     WeightSyncError,
 )
-from ..policies import Budget, Timeouts
+from ..policies import Budget
 from ..recent import remember
 from .fanout import OnFailure, fan_out
-from .metrics import Metrics
+from .lock import NodeLock
 from .trace import Trace
 from .weights import SessionState, WeightSession
 from .worker import EngineHandle, EngineWorker, group_verbs
@@ -98,14 +98,15 @@ def rank_layout(engines: list[EngineHandle], first_rank: int = 1) -> dict[str, i
 class WeightGroups:
     """The node's weight-update groups and the broadcasts that go through them (one ``Daemon`` owns one)."""
 
-    def __init__(self, worker: EngineWorker, metrics: Metrics) -> None:
+    def __init__(self, worker: EngineWorker, lock: NodeLock) -> None:
         self._groups: dict[str, WeightGroupRecord] = {}
-        self._worker, self._metrics = worker, metrics
+        self._worker, self._lock, self._metrics = worker, lock, worker.metrics
         self._per_session: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     # -- queries -------------------------------------------------------------------------------
-    def snapshot(self, engines: list[EngineHandle]) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         """The rank layout a trainer needs before it builds its side, and every open group."""
+        engines = list(self._worker.engines.values())
         offsets = rank_layout(engines)
         ranks = sum(int(e.config.tp_size) for e in engines)
         return {"layout": {"world_size": 1 + ranks, "engine_ranks": ranks,
@@ -124,10 +125,23 @@ class WeightGroups:
                                      f"{busy[0].name!r} is still in flight; wait for its answer")
 
     # -- open / close --------------------------------------------------------------------------
-    async def open(self, engines: list[EngineHandle], *, group_name: str, master_address: str, master_port: int,
-                   backend: str, world_size: int | None, first_rank: int, t: Timeouts,
-                   trace: Trace) -> WeightGroupRecord:
-        """Have every engine join the group; returns once all joined (the trainer joins meanwhile)."""
+    async def open(self, *, group_name: str, master_address: str, master_port: int, backend: str,
+                   world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
+        """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
+        async with self._lock.exclusive("open_weight_group"):
+            self._worker.require_attached()
+            trace = Trace(self._worker.node.step, "weight_group")
+            try:
+                with trace.timed():
+                    record = await self._open(group_name, master_address, master_port, backend, world_size,
+                                              first_rank, trace)
+            finally:
+                self._worker.traces.put(trace)
+            return {**record.snapshot(), "trace": trace.to_json()}
+
+    async def _open(self, group_name: str, master_address: str, master_port: int, backend: str,
+                    world_size: int | None, first_rank: int, trace: Trace) -> WeightGroupRecord:
+        engines = list(self._worker.engines.values())
         if (existing := self._groups.get(group_name)) is not None:
             raise TransitionRejected(f"weight-update group {group_name!r} is already {existing.state.value}; "
                                      f"DELETE /v1/weights/groups/{group_name} first")
@@ -150,7 +164,7 @@ class WeightGroups:
             raise RequestInvalid(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
                                  f"this node's {needed - first_rank} engine ranks need {needed}", field="world_size")
         # Frameworks that start the store while the POST is in flight need a moment (timeouts.master_reach_s).
-        await _check_reachable(master_address, master_port, t.budget(Budget.MASTER_REACH))
+        await _check_reachable(master_address, master_port, self._worker.timeouts().budget(Budget.MASTER_REACH))
         record = self._groups[group_name] = WeightGroupRecord(
             group_name, backend, master_address, master_port, world, offsets)
 
@@ -171,16 +185,18 @@ class WeightGroups:
         record.state = GroupState.READY
         return record
 
-    async def close(self, engines: list[EngineHandle], group_name: str, trace: Trace) -> dict[str, Any]:
+    async def close(self, group_name: str) -> dict[str, Any]:
         """Destroy the group on every engine and forget it; per-engine failures are reported, not raised."""
-        record = self._groups.get(group_name)
-        if record is None:
-            raise NotFound(f"no weight-update group {group_name!r}; open ones: {sorted(self._groups)}")
-        if record.in_flight is not None:
-            raise TransitionRejected(f"broadcast {record.in_flight} is in flight on group {group_name!r}")
-        del self._groups[group_name]
-        errors = await self._destroy_everywhere(engines, group_name, trace)
-        return {**record.snapshot(), "state": "destroyed", "errors": errors}
+        async with self._lock.exclusive("close_weight_group"):
+            record = self._groups.get(group_name)
+            if record is None:
+                raise NotFound(f"no weight-update group {group_name!r}; open ones: {sorted(self._groups)}")
+            if record.in_flight is not None:
+                raise TransitionRejected(f"broadcast {record.in_flight} is in flight on group {group_name!r}")
+            del self._groups[group_name]
+            errors = await self._destroy_everywhere(list(self._worker.engines.values()), group_name,
+                                                    Trace(self._worker.node.step, "weight_group"))
+            return {**record.snapshot(), "state": "destroyed", "errors": errors}
 
     async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, trace: Trace) -> dict[str, str]:
         """Best effort on every engine: a failure here must not hide the error that led here."""
@@ -202,9 +218,6 @@ class WeightGroups:
         record = self._groups.get(desc.group_name)
         if record is None:
             raise NotFound(f"no weight-update group {desc.group_name!r}; open it with POST /v1/weights/groups")
-        if session.state is not SessionState.OPEN:
-            raise WeightSyncError(f"session {session.id} is {session.state.value}"
-                                  + (f": {session.error}" if session.error else ""))
         if record.state is not GroupState.READY:
             raise TransitionRejected(f"weight-update group {record.name!r} is {record.state.value}")
         if record.in_flight is not None:

@@ -95,7 +95,7 @@ class Daemon:
                                                 launches=self.launches, changed=self.changed)
         self.sessions = WeightSessions(
             SessionContext(self.worker, self.lock, self.versions, self.policies, self.node_journal),
-            WeightGroups(self.worker, self.metrics), journal=config.journal)
+            WeightGroups(self.worker, self.lock), journal=config.journal)
         self.transitions = Transitions(
             TransitionContext(self.worker, self.lock, self.sessions, self.versions, self.policies, self.node_journal))
         # Every event series at 0 from the start; phase, busy, session.

@@ -560,31 +560,7 @@ class WeightSessions:
         # Best effort: an engine that cannot even end its session is already marked as the session left it.
         await ctx.worker.weights({n: WeightsGoal.discard(left(n)) for n in ctx.worker.engines}, trace, strict=False)
 
-    # -- separated GPUs: weight-update groups and broadcasts (daemon/distributed.py) -----------------
-    async def open_group(self, *, group_name: str, master_address: str, master_port: int, backend: str,
-                         world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
-        """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
-        ctx = self._ctx
-        async with ctx.lock.exclusive("open_weight_group"):
-            ctx.worker.require_attached()
-            trace = Trace(ctx.worker.node.step, "weight_group")
-            try:
-                with trace.timed():
-                    record = await self.groups.open(
-                        list(ctx.worker.engines.values()), group_name=group_name, master_address=master_address,
-                        master_port=master_port, backend=backend, world_size=world_size, first_rank=first_rank,
-                        t=ctx.worker.timeouts(), trace=trace)
-            finally:
-                ctx.worker.traces.put(trace)
-            return {**record.snapshot(), "trace": trace.to_json()}
-
-    async def close_group(self, group_name: str) -> dict[str, Any]:
-        """Destroy the group on every engine and forget it."""
-        ctx = self._ctx
-        async with ctx.lock.exclusive("close_weight_group"):
-            trace = Trace(ctx.worker.node.step, "weight_group")
-            return await self.groups.close(list(ctx.worker.engines.values()), group_name, trace)
-
+    # -- separated GPUs: broadcasts through a weight-update group (daemon/distributed.py) -------------
     async def broadcast(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
         """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
         ctx = self._ctx
