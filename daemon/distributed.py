@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -38,7 +37,6 @@ from ..errors import (
     WeightSyncError,
 )
 from ..policies import Budget
-from ..recent import remember
 from .fanout import OnFailure, fan_out
 from .lock import NodeLock
 from .trace import Trace
@@ -101,7 +99,6 @@ class WeightGroups:
     def __init__(self, worker: EngineWorker, lock: NodeLock) -> None:
         self._groups: dict[str, WeightGroupRecord] = {}
         self._worker, self._lock, self._metrics = worker, lock, worker.metrics
-        self._per_session: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     # -- queries -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -113,9 +110,6 @@ class WeightGroups:
                            "engines": {e.name: {"rank_offset": offsets[e.name], "tp_size": int(e.config.tp_size)}
                                        for e in engines}},
                 "groups": {name: g.snapshot() for name, g in self._groups.items()}}
-
-    def session_stats(self, session_id: str) -> dict[str, int] | None:
-        return self._per_session.get(session_id)
 
     def check_settled(self, session: WeightSession) -> None:
         """Refuse to end ``session`` while one of its broadcasts is still being received."""
@@ -256,10 +250,9 @@ class WeightGroups:
         for engine in engines:
             self._metrics.weight_bytes.labels(engine.name, record.backend).inc(nbytes)
             self._metrics.weight_chunks.labels(engine.name).inc()
-        stats = self._per_session.get(session.id, {"broadcasts": 0, "nbytes": 0})
+        session.broadcast_stats = stats = session.broadcast_stats or {"broadcasts": 0, "nbytes": 0}
         stats["broadcasts"] += 1
         stats["nbytes"] += nbytes
-        remember(self._per_session, session.id, stats, 64)
         return {"seq": desc.seq, "group_name": record.name, "engines": [e.name for e in engines],
                 "nbytes": nbytes, "load_s": time.perf_counter() - t0}
 

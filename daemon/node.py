@@ -100,7 +100,7 @@ class Daemon:
             TransitionContext(self.worker, self.lock, self.sessions, self.versions, self.policies, self.node_journal))
         # Every event series at 0 from the start; phase, busy, session.
         self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
-                                        busy=lambda: self.busy)
+                                        busy=lambda: self.lock.busy)
         self.trainer_leases = TrainerLeases(self.metrics)  # what the trainer ranks report of their IPC leases
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class Daemon:
                 return
             await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
             await self.engine_lifecycle.reclaim_segments()
-            if self.busy:
+            if self.lock.busy:
                 self.changed()  # the next scrape renders what is live (busy, the open session's idle age)
                 continue  # a transition in progress reconciles before it acts
             async with self.lock.background("reconcile:health", reconciling=True):
@@ -187,14 +187,6 @@ class Daemon:
         task.add_done_callback(self._tasks.discard)
 
     # -- the one lock (daemon/lock.py) ---------------------------------------------------------------
-    @property
-    def busy(self) -> bool:
-        return self.lock.busy
-
-    @property
-    def busy_with(self) -> str | None:
-        return self.lock.busy_with
-
     def _check_can_start(self, what: str, busy_with: str | None) -> None:
         check_can_start(what, lifecycle=self.lifecycle, node=self.node, busy_with=busy_with)
 
@@ -257,7 +249,7 @@ class Daemon:
         return {
             "lifecycle": self.lifecycle.value,
             "node": self.node.snapshot(),
-            "busy_with": self.busy_with,
+            "busy_with": self.lock.busy_with,
             "engines": {n: {**e.state.status(), "protocol": e.info.protocol if e.info else None,
                             "engine_version": e.info.version if e.info else None,
                             "launched": self.launches.snapshot(n)}

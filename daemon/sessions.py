@@ -363,7 +363,7 @@ class WeightSessions:
             ctx.worker.traces.put(session.trace)
             with trace.span("journal"):
                 await ctx.journal.written("weights")
-            return {**session.stats(), "broadcasts": self.groups.session_stats(session.id),
+            return {**session.stats(), "broadcasts": session.broadcast_stats,
                     "engines": {n: e.state.snapshot() for n, e in ctx.worker.engines.items()},
                     "verification": verification.to_json(), "trace": session.trace.to_json()}
 

@@ -267,6 +267,7 @@ class WeightSession:
         self._devices: dict[int, str] = {}  # rank → the device it declared when it joined
         self._started: set[int] = set()  # ranks that sent a first chunk
         self._broadcasting = False  # a broadcast fed every engine: no rank is late to start
+        self.broadcast_stats: dict[str, int] | None = None  # broadcasts that every engine loaded, and their bytes
         self._plans: dict[int, tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]]] = {}  # seq → first rank's
         self._chunks: dict[int, _Chunk] = {}
         self._acked = 0  # chunks [0, _acked) are complete and consumed by every engine
