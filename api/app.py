@@ -235,18 +235,18 @@ async def session_status(session_id: str, d: D) -> dict[str, Any]:
 @_route("GET", "/v1/weights/groups")
 async def weight_groups(d: D) -> dict[str, Any]:
     """The rank layout a trainer needs before building its side (world size, rank offsets); open groups."""
-    return d.sessions.groups.snapshot(list(d.engines.values()))
+    return d.sessions.groups.snapshot()
 
 
 @_route("POST", "/v1/weights/groups", responses=_errors(*_MUTATING, 409, *_ENGINES))
 async def open_weight_group(body: OpenWeightGroupRequest, d: D) -> dict[str, Any]:
     """Every engine joins; returns once all joined, so the trainer must join concurrently (never after)."""
-    return await d.sessions.open_group(**body.model_dump())
+    return await d.sessions.groups.open(**body.model_dump())
 
 
 @_route("DELETE", "/v1/weights/groups/{group_name}", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def close_weight_group(group_name: str, d: D) -> dict[str, Any]:
-    return await d.sessions.close_group(group_name)
+    return await d.sessions.groups.close(group_name)
 
 
 @_route("POST", "/v1/weights/sessions/{session_id}/broadcasts", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -37,14 +36,12 @@ from ..errors import (
     TransitionRejected,
     WeightSyncError,
 )
-from ..policies import Budget, Timeouts
-from ..recent import remember
-from . import engine_ops as ops
-from .engine_ops import EngineHandle
+from ..policies import Budget
 from .fanout import OnFailure, fan_out
-from .metrics import Metrics
+from .lock import NodeLock
 from .trace import Trace
 from .weights import SessionState, WeightSession
+from .worker import EngineHandle, EngineWorker, group_verbs
 
 __all__ = [
     "BroadcastDescriptor",
@@ -99,23 +96,20 @@ def rank_layout(engines: list[EngineHandle], first_rank: int = 1) -> dict[str, i
 class WeightGroups:
     """The node's weight-update groups and the broadcasts that go through them (one ``Daemon`` owns one)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, worker: EngineWorker, lock: NodeLock) -> None:
         self._groups: dict[str, WeightGroupRecord] = {}
-        self._metrics = metrics
-        self._per_session: OrderedDict[str, dict[str, int]] = OrderedDict()
+        self._worker, self._lock, self._metrics = worker, lock, worker.metrics
 
     # -- queries -------------------------------------------------------------------------------
-    def snapshot(self, engines: list[EngineHandle]) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         """The rank layout a trainer needs before it builds its side, and every open group."""
+        engines = list(self._worker.engines.values())
         offsets = rank_layout(engines)
         ranks = sum(int(e.config.tp_size) for e in engines)
         return {"layout": {"world_size": 1 + ranks, "engine_ranks": ranks,
                            "engines": {e.name: {"rank_offset": offsets[e.name], "tp_size": int(e.config.tp_size)}
                                        for e in engines}},
                 "groups": {name: g.snapshot() for name, g in self._groups.items()}}
-
-    def session_stats(self, session_id: str) -> dict[str, int] | None:
-        return self._per_session.get(session_id)
 
     def check_settled(self, session: WeightSession) -> None:
         """Refuse to end ``session`` while one of its broadcasts is still being received."""
@@ -125,10 +119,23 @@ class WeightGroups:
                                      f"{busy[0].name!r} is still in flight; wait for its answer")
 
     # -- open / close --------------------------------------------------------------------------
-    async def open(self, engines: list[EngineHandle], *, group_name: str, master_address: str, master_port: int,
-                   backend: str, world_size: int | None, first_rank: int, t: Timeouts,
-                   trace: Trace) -> WeightGroupRecord:
-        """Have every engine join the group; returns once all joined (the trainer joins meanwhile)."""
+    async def open(self, *, group_name: str, master_address: str, master_port: int, backend: str,
+                   world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
+        """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
+        async with self._lock.exclusive("open_weight_group"):
+            self._worker.require_attached()
+            trace = Trace(self._worker.node.step, "weight_group")
+            try:
+                with trace.timed():
+                    record = await self._open(group_name, master_address, master_port, backend, world_size,
+                                              first_rank, trace)
+            finally:
+                self._worker.traces.put(trace)
+            return {**record.snapshot(), "trace": trace.to_json()}
+
+    async def _open(self, group_name: str, master_address: str, master_port: int, backend: str,
+                    world_size: int | None, first_rank: int, trace: Trace) -> WeightGroupRecord:
+        engines = list(self._worker.engines.values())
         if (existing := self._groups.get(group_name)) is not None:
             raise TransitionRejected(f"weight-update group {group_name!r} is already {existing.state.value}; "
                                      f"DELETE /v1/weights/groups/{group_name} first")
@@ -139,7 +146,7 @@ class WeightGroups:
         if backend not in BACKEND_DEVICES:
             raise RequestInvalid(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}", field="backend")
         for engine in engines:
-            _verbs(engine)  # every engine must speak the routes before any joins
+            group_verbs(engine)  # every engine must speak the routes before any joins
             device = engine.device_type
             if BACKEND_DEVICES[backend] == "cuda" and device != "cuda":
                 raise RequestInvalid(f"backend {backend!r} needs CUDA, but engine {engine.name!r} runs on {device}; "
@@ -151,60 +158,52 @@ class WeightGroups:
             raise RequestInvalid(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
                                  f"this node's {needed - first_rank} engine ranks need {needed}", field="world_size")
         # Frameworks that start the store while the POST is in flight need a moment (timeouts.master_reach_s).
-        await _check_reachable(master_address, master_port, t.budget(Budget.MASTER_REACH))
+        await _check_reachable(master_address, master_port, self._worker.timeouts().budget(Budget.MASTER_REACH))
         record = self._groups[group_name] = WeightGroupRecord(
             group_name, backend, master_address, master_port, world, offsets)
-        budget = t.budget(Budget.GROUP)
 
         async def join(engine: EngineHandle) -> None:
-            adapter = _verbs(engine)
             # The group spec is the caller's: an engine refusing it (SGLang: 400) is the caller's 422.
             with caller_payload("group"):
-                await ops.timed_call(engine, trace, self._metrics, "init_weights_update_group", budget,
-                                     adapter.init_weights_update_group(
-                                         master_address=master_address, master_port=master_port,
-                                         rank_offset=offsets[engine.name], world_size=world, group_name=group_name,
-                                         backend=backend),
-                                     group=group_name, rank_offset=offsets[engine.name])
+                await self._worker.join_group(engine, trace, group_name=group_name, master_address=master_address,
+                                              master_port=master_port, rank_offset=offsets[engine.name],
+                                              world_size=world, backend=backend)
 
         try:
             await fan_out(engines, join, on_failure=OnFailure.CANCEL)
         except BaseException:
             # Engines that joined would wait on the others forever: leave nothing half-built.
             del self._groups[group_name]
-            await self._destroy_everywhere(engines, group_name, t, trace)
+            await self._destroy_everywhere(engines, group_name, trace)
             raise
         record.state = GroupState.READY
         return record
 
-    async def close(self, engines: list[EngineHandle], group_name: str, t: Timeouts,
-                    trace: Trace) -> dict[str, Any]:
+    async def close(self, group_name: str) -> dict[str, Any]:
         """Destroy the group on every engine and forget it; per-engine failures are reported, not raised."""
-        record = self._groups.get(group_name)
-        if record is None:
-            raise NotFound(f"no weight-update group {group_name!r}; open ones: {sorted(self._groups)}")
-        if record.in_flight is not None:
-            raise TransitionRejected(f"broadcast {record.in_flight} is in flight on group {group_name!r}")
-        del self._groups[group_name]
-        errors = await self._destroy_everywhere(engines, group_name, t, trace)
-        return {**record.snapshot(), "state": "destroyed", "errors": errors}
+        async with self._lock.exclusive("close_weight_group"):
+            record = self._groups.get(group_name)
+            if record is None:
+                raise NotFound(f"no weight-update group {group_name!r}; open ones: {sorted(self._groups)}")
+            if record.in_flight is not None:
+                raise TransitionRejected(f"broadcast {record.in_flight} is in flight on group {group_name!r}")
+            del self._groups[group_name]
+            errors = await self._destroy_everywhere(list(self._worker.engines.values()), group_name,
+                                                    Trace(self._worker.node.step, "weight_group"))
+            return {**record.snapshot(), "state": "destroyed", "errors": errors}
 
-    async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, t: Timeouts,
-                                  trace: Trace) -> dict[str, str]:
+    async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, trace: Trace) -> dict[str, str]:
         """Best effort on every engine: a failure here must not hide the error that led here."""
-        budget = t.budget(Budget.GROUP)
 
         async def one(engine: EngineHandle) -> None:
-            adapter = _verbs(engine)
-            await ops.timed_call(engine, trace, self._metrics, "destroy_weights_update_group", budget,
-                             adapter.destroy_weights_update_group(group_name), group=group_name)
+            await self._worker.leave_group(engine, group_name, trace)
 
         results = await fan_out(engines, one, on_failure=OnFailure.COLLECT)
         return {name: str(r) for name, r in results.items() if isinstance(r, Exception)}
 
     # -- broadcasts ----------------------------------------------------------------------------
-    async def broadcast(self, session: WeightSession, engines: list[EngineHandle], desc: BroadcastDescriptor,
-                        t: Timeouts) -> dict[str, Any]:
+    async def broadcast(self, session: WeightSession, engines: list[EngineHandle],
+                        desc: BroadcastDescriptor) -> dict[str, Any]:
         """Forward one broadcast to every engine at once; returns when all of them loaded it.
 
         Any engine failing or running past the ``chunk`` budget fails the session (engines stay paused,
@@ -213,9 +212,6 @@ class WeightGroups:
         record = self._groups.get(desc.group_name)
         if record is None:
             raise NotFound(f"no weight-update group {desc.group_name!r}; open it with POST /v1/weights/groups")
-        if session.state is not SessionState.OPEN:
-            raise WeightSyncError(f"session {session.id} is {session.state.value}"
-                                  + (f": {session.error}" if session.error else ""))
         if record.state is not GroupState.READY:
             raise TransitionRejected(f"weight-update group {record.name!r} is {record.state.value}")
         if record.in_flight is not None:
@@ -229,16 +225,10 @@ class WeightGroups:
         if record.session_id != session.id:
             record.session_id, record.next_seq = session.id, 0  # numbering restarts with each session
         record.in_flight = desc.seq
-        budget, nbytes, step = t.budget(Budget.CHUNK), desc.nbytes, f"update_weights_from_distributed#{desc.seq}"
+        nbytes = desc.nbytes
 
         def load(engine: EngineHandle) -> Awaitable[None]:
-            adapter = _verbs(engine)
-            return ops.timed_call(engine, session.trace, self._metrics, step, budget,
-                              adapter.update_weights_from_distributed(
-                                  seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
-                                  shapes=[list(s) for s in desc.shapes], group_name=record.name,
-                                  load_format=desc.load_format),
-                              group=record.name, nbytes=nbytes, tensors=len(desc.names))
+            return self._worker.receive_broadcast(engine, desc, session.trace)
 
         t0 = time.perf_counter()
         try:
@@ -247,7 +237,7 @@ class WeightGroups:
             error = _explain(exc, record.name, desc.seq)
             await session.fail(error)
             del self._groups[record.name]
-            await self._destroy_everywhere(engines, record.name, t, session.trace)
+            await self._destroy_everywhere(engines, record.name, session.trace)
             raise error from exc
         finally:
             record.in_flight = None
@@ -260,10 +250,9 @@ class WeightGroups:
         for engine in engines:
             self._metrics.weight_bytes.labels(engine.name, record.backend).inc(nbytes)
             self._metrics.weight_chunks.labels(engine.name).inc()
-        stats = self._per_session.get(session.id, {"broadcasts": 0, "nbytes": 0})
+        session.broadcast_stats = stats = session.broadcast_stats or {"broadcasts": 0, "nbytes": 0}
         stats["broadcasts"] += 1
         stats["nbytes"] += nbytes
-        remember(self._per_session, session.id, stats, 64)
         return {"seq": desc.seq, "group_name": record.name, "engines": [e.name for e in engines],
                 "nbytes": nbytes, "load_s": time.perf_counter() - t0}
 
@@ -310,12 +299,6 @@ async def _check_reachable(host: str, port: int, within_s: float) -> None:
                 f"within {within_s:.1f}s ({last}); start the trainer's TCPStore (group rank 0) before POSTing",
                 field="master_port")
         await asyncio.sleep(0.05)  # the store may be a moment from listening; retry until the deadline
-
-
-def _verbs(engine: EngineHandle) -> SupportsWeightGroups:
-    if not isinstance(engine.adapter, SupportsWeightGroups):
-        raise TransitionRejected(f"engine {engine.name!r} has no weight-update group routes (SGLang's §1.6 path)")
-    return engine.adapter
 
 
 def _explain(exc: Exception, group_name: str, seq: int) -> Exception:

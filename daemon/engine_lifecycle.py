@@ -1,6 +1,6 @@
 """Engine lifecycle: the engines as processes the daemon watches. The journal restore a restarted daemon starts
 from, the first reconcile of every engine, the health loop's backoff and its reclaim of dead trainers' segments,
-and why an engine cannot be driven now (``/readyz``). Reconciling is the engine sync's (daemon/sync.py); the
+and why an engine cannot be driven now (``/readyz``). Reconciling is the engine worker's (daemon/worker.py); the
 loops that hold the node's lock (the health tick, a relaunched engine's reconcile) are the daemon's
 (daemon/node.py), which calls these."""
 
@@ -11,16 +11,14 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..engines.base import MemoryTag
 from ..engines.segments import reclaim_dead_segments
-from .engine_ops import EngineHandle
 from .events import emit
 from .fanout import OnFailure, fan_out
 from .journal import Journal
 from .metrics import Metrics
-from .states import Generation, NodePhase, NodeState, TagState, WeightsState
+from .states import NodePhase, NodeState
 from .supervision import EngineSupervision
-from .sync import EngineSync
+from .worker import EngineHandle, EngineWorker
 
 __all__ = ["EngineLifecycle"]
 
@@ -33,12 +31,12 @@ class EngineLifecycle:
     """The node's engines as processes the daemon watches: what it found at startup, what is unchecked.
 
     Owns the startup report and the health loop's retry count; reads the engines, their launches and the
-    journal it is given, and drives engines only through ``sync``."""
+    journal it is given, and drives engines only through ``worker``."""
 
-    def __init__(self, engines: Mapping[str, EngineHandle], sync: EngineSync, metrics: Metrics, *,
+    def __init__(self, engines: Mapping[str, EngineHandle], worker: EngineWorker, metrics: Metrics, *,
                  journal: Journal | None, launches: EngineSupervision, changed: Callable[[], None]) -> None:
         self._engines = engines
-        self._sync = sync
+        self._worker = worker
         self._metrics = metrics
         self._journal = journal
         self._launches = launches
@@ -52,33 +50,23 @@ class EngineLifecycle:
         if self._journal is None or (record := self._journal.last()) is None:
             return None
         node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
-        for name, snap in record.get("engines", {}).items():
-            if (engine := self._engines.get(name)) is None:
-                continue
-            tags = {MemoryTag(t): TagState(s) for t, s in snap["tags"].items()}
-            engine.state = engine.state.with_(
-                tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
-                weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],
-                incarnation=snap.get("incarnation"))
-            # Not observed since the journal was written: re-verified before any mutating call.
-            engine.lost_sight = True
-            self._sync.unreconciled.add(name)
+        self._worker.restore(record.get("engines", {}))
         emit("journal_restored", logging.INFO, step=node.step, phase=node.phase.value)
         return node
 
     async def reconcile_at_startup(self, *, journal_restored: bool) -> None:
         """Reconcile every engine once before the daemon takes work (the node state already restored)."""
-        engines, sync = self._engines, self._sync
-        await fan_out(engines.values(), lambda e: sync.reconcile(e, "startup"), on_failure=OnFailure.SETTLE)
-        self.startup_report = {"journal_restored": journal_restored, "unreconciled": sorted(sync.unreconciled),
-                               "engines": {n: sync.reports.get(n) for n in engines}}
+        engines, worker = self._engines, self._worker
+        await fan_out(engines.values(), lambda e: worker.reconcile(e, "startup"), on_failure=OnFailure.SETTLE)
+        self.startup_report = {"journal_restored": journal_restored, "unreconciled": sorted(worker.unreconciled),
+                               "engines": {n: worker.reports.get(n) for n in engines}}
         emit("startup_reconcile", logging.INFO, journal_restored=journal_restored,
-             unreconciled=sorted(sync.unreconciled), engines=sorted(engines))
+             unreconciled=sorted(worker.unreconciled), engines=sorted(engines))
 
     def health_interval(self, interval: float) -> float:
         """The wait before the next health tick: a failed reconcile is retried soon, backing off up to
         ``interval`` (the policy's health interval)."""
-        if bool(self._sync.unsettled) or any(not e.state.healthy for e in self._engines.values()):
+        if bool(self._worker.unsettled) or any(not e.state.healthy for e in self._engines.values()):
             self._retries += 1
             return min(interval, RETRY_INITIAL_S * 2.0 ** (self._retries - 1))
         self._retries = 0
@@ -102,18 +90,18 @@ class EngineLifecycle:
 
     def unready_reasons(self) -> list[str]:
         """Why the node cannot be driven now, one line per engine that cannot (``/readyz``)."""
-        sync = self._sync
+        worker = self._worker
         reasons = []
         for name, engine in self._engines.items():
             launched = self._launches.launched.get(name)
             if launched is not None and (why := launched.unready_reason()) is not None:
                 reasons.append(why)
-            elif name in sync.unreconciled:
+            elif name in worker.unreconciled:
                 error = engine.state.last_error
                 reasons.append(f"engine {name!r}: not yet reconciled with the journal after the daemon restarted"
                                + (f": {error}" if error else ""))
-            elif name in sync.unsettled:
-                reasons.append(sync.unsettled[name])
+            elif name in worker.unsettled:
+                reasons.append(worker.unsettled[name])
             elif (why := engine.unready_reason()) is not None:
                 reasons.append(why)
         return reasons

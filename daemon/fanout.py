@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from ..errors import ColocdError, EngineError, TransitionFailed
 
 if TYPE_CHECKING:
-    from .engine_ops import EngineHandle
     from .metrics import Metrics
+    from .worker import EngineHandle
 
 __all__ = ["SESSION_OPERATIONS", "OnFailure", "each_engine", "fan_out"]
 
@@ -85,7 +85,7 @@ async def fan_out(targets: Iterable[T], call: Callable[[T], Awaitable[R]], *,
     return ordered
 
 
-# A weight session's engine calls (begin, end) are timed as calls by engine_ops; its operation time is the whole
+# A weight session's engine calls (begin, end) are timed as calls by the worker; its operation time is the whole
 # session's, observed once when the session ends (daemon/steps.py), not once per call and engine.
 SESSION_OPERATIONS = frozenset({"weights"})
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from .engine_ops import EngineHandle
 from .memory import NvmlProbe
 from .metrics import Metrics
+from .worker import EngineHandle
 
 __all__ = ["refresh_gpu_metrics"]
 

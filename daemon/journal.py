@@ -40,7 +40,7 @@ from typing import Any
 from ..engines.adoption import LaunchRecord
 from ..errors import JournalFailed
 
-__all__ = ["COMPACT_EVERY", "MAX_READ_BYTES", "Journal", "JournalState"]
+__all__ = ["COMPACT_EVERY", "MAX_READ_BYTES", "Journal", "JournalState", "NodeJournal"]
 
 log = logging.getLogger("colocd.daemon")
 
@@ -187,6 +187,34 @@ class Journal:
             os.fsync(dir_fd)  # the rename itself is durable
         finally:
             os.close(dir_fd)
+
+
+class NodeJournal:
+    """What the daemon journals of the node: its state (phase, step, every engine's record) and its finished
+    transitions. Without a journal file (``journal`` None) it writes nothing and replays nothing."""
+
+    def __init__(self, journal: Journal | None, state: Callable[[], dict[str, Any]]) -> None:
+        """``state()``: the node's state as of now, ``{"node": ..., "engines": ...}``."""
+        self.file, self._state = journal, state
+
+    def append(self, what: str) -> None:
+        """Queue the node's state (written in order, off the loop): for a change no reply reports (a reconcile)."""
+        if self.file is not None:
+            self.file.append({"event": what, **self._state()})
+
+    async def written(self, what: str) -> None:
+        """Record the node's state and return once it is on disk (``JournalFailed`` naming the file if it cannot
+        be): what a reply reporting a state change waits for, so a SIGKILL after it loses nothing."""
+        if self.file is not None:
+            await self.file.written(self.file.append({"event": what, **self._state()}))
+
+    async def completed(self, step: int, phase: str, result: dict[str, Any]) -> None:
+        """A finished transition, on disk: a restarted daemon replays it on a repeat."""
+        if self.file is not None:
+            await self.file.written(self.file.record_completed(step, phase, result))
+
+    def finished(self) -> list[dict[str, Any]]:
+        return self.file.completed() if self.file is not None else []
 
 
 def _log_failure(future: concurrent.futures.Future[None]) -> None:

@@ -1,24 +1,20 @@
-"""The node daemon's facade: it builds the engines, wires the three concerns together, owns the one lock
-that serialises mutating work, and answers status.
+"""The node daemon's facade: it builds the engines and the concerns, hands each the few objects it uses, runs the
+loops that take the node's lock (the health tick, a relaunched engine's reconcile), and answers status.
 
-The concerns live beside it, one module each: ``transitions`` (phases, sleep, resume), ``sessions``
-(weight sessions, groups, broadcasts), ``engine_lifecycle`` (the journal restore, the startup reconcile, the
-health loop's backoff, readiness), and ``sync``, the one path that drives engines (observe, plan, act). The
-engine sync, the lifecycle and the node metrics take their members explicitly and own their fields; the
-transitions and sessions still declare the context they need of the daemon as a Protocol. None imports this
-module. The daemon runs the loops that take its lock (the health tick, a relaunched engine's reconcile).
-
-One mutating operation at a time: a second request while one runs is rejected with 409 naming the one in
-progress (the trainer drives phases sequentially; queueing would hide a trainer bug).
+The concerns live beside it, one module each, and none holds the facade: ``worker`` (the one path that calls
+engines: observe, plan, act, and a weight session's loads), ``lock`` (one mutating operation at a time: a second
+is refused with 409 naming the one in progress), ``transitions`` (phases, sleep, resume; it owns the node's phase
+and step), ``sessions`` (weight sessions, groups, broadcasts; it owns the open session and the manifest a complete
+push must cover), ``engine_lifecycle`` (the journal restore, the startup reconcile, the health loop's backoff,
+readiness). None imports this module.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import httpx
@@ -26,21 +22,19 @@ import httpx
 from ..engines.base import EngineAdapter, MemoryTag
 from ..engines.registry import build_adapter
 from ..errors import NotFound
-from ..policies import Budget, PolicySet, Timeouts, Transport
-from . import engine_ops as ops
+from ..policies import Budget, PolicySet, Timeouts
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
-from .engine_ops import EngineHandle
 from .gpu_metrics import refresh_gpu_metrics
-from .journal import Journal
+from .journal import Journal, NodeJournal
 from .leases import LeaseReport, TrainerLeases
+from .lock import NodeLock
 from .memory import NvmlProbe, open_probe
 from .metrics import Metrics
 from .node_metrics import NodeMetrics
 from .policy_runtime import PolicyRuntime
-from .sessions import WeightSessions
-from .staging import StagingMemory, staging_memory
+from .sessions import SessionContext, WeightSessions
 from .states import (
     DaemonState,
     EngineRecord,
@@ -52,10 +46,10 @@ from .states import (
 )
 from .steps import StepBook
 from .supervision import EngineSupervision
-from .sync import EngineSync
 from .trace import Trace, TraceStore
-from .transitions import TransitionResult, Transitions
+from .transitions import TransitionContext, TransitionResult, Transitions
 from .versions import VersionBook
+from .worker import EngineHandle, EngineWorker
 
 __all__ = ["Daemon", "DaemonState", "TransitionResult"]
 
@@ -85,27 +79,28 @@ class Daemon:
         self.probe = probe
         self._client: httpx.AsyncClient | None = None
         self.engines: dict[str, EngineHandle] = {}
-        self._lock = asyncio.Lock()
-        self.busy_with: str | None = None
-        self._reconciling = False  # a background reconcile holds the lock: transitions wait instead of 409
         self.journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.stopping = asyncio.Event()
-        # The one path that drives engines (daemon/sync.py).
-        self.sync = EngineSync(self.engines, self.metrics, self.traces, state=lambda: self.node,
-                               timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled)
+        # The one path that drives engines (daemon/worker.py).
+        self.worker = EngineWorker(self.engines, self.metrics, self.traces, state=lambda: self.node,
+                               timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled,
+                               open_session=lambda: self.sessions.open_id())
+        self.lock = NodeLock(can_start=self._check_can_start, before=self._reconcile_before, after=self.refresh_gauges)
+        self.node_journal = NodeJournal(self.journal, lambda: {
+            "node": self.node.snapshot(), "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
         # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
         # Each launched process is journaled; a restarted daemon adopts the ones still running.
         self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
-        self.engine_lifecycle = EngineLifecycle(self.engines, self.sync, self.metrics, journal=self.journal,
+        self.engine_lifecycle = EngineLifecycle(self.engines, self.worker, self.metrics, journal=self.journal,
                                                 launches=self.launches, changed=self.changed)
-        self.sessions: WeightSessions = WeightSessions(self, WeightGroups(self.metrics),
-                                                       journal=config.journal)
-        self.sync.sessions = self.sessions
-        self.transitions = Transitions(self)
+        self.sessions = WeightSessions(
+            SessionContext(self.worker, self.lock, self.versions, self.policies, self.node_journal),
+            WeightGroups(self.worker, self.lock), journal=config.journal)
+        self.transitions = Transitions(
+            TransitionContext(self.worker, self.lock, self.sessions, self.versions, self.policies, self.node_journal))
         # Every event series at 0 from the start; phase, busy, session.
         self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
-                                        busy=lambda: self.busy)
+                                        busy=lambda: self.lock.busy)
         self.trainer_leases = TrainerLeases(self.metrics)  # what the trainer ranks report of their IPC leases
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -142,18 +137,12 @@ class Daemon:
         if self.lifecycle is DaemonState.CLOSED:
             return
         self.lifecycle = DaemonState.CLOSED
-        self.stopping.set()
+        self.lock.stopping.set()
         await self.sessions.abort_on_shutdown()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        errors = []
-        for engine in reversed(list(self.engines.values())):
-            ops.cancel_loads(engine)
-            try:
-                await engine.adapter.aclose()
-            except Exception as exc:  # collect, keep closing the rest
-                errors.append(exc)
+        errors = await self.worker.close()
         await self.launches.aclose()
         if self.journal is not None:
             await asyncio.to_thread(self.journal.close)  # the queued writes reach the disk
@@ -166,77 +155,47 @@ class Daemon:
 
     async def _health_loop(self) -> None:
         """Every health interval, observe each engine and drive it toward the desired state."""
-        while not self.stopping.is_set():
+        while not self.lock.stopping.is_set():
             # Read each tick: a new policy may change it; a failed reconcile is retried sooner.
             interval = self.engine_lifecycle.health_interval(self.timeouts().budget(Budget.HEALTH_INTERVAL))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
-                    await self.stopping.wait()
-            if self.stopping.is_set():
+                    await self.lock.stopping.wait()
+            if self.lock.stopping.is_set():
                 return
             await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
             await self.engine_lifecycle.reclaim_segments()
-            if self.busy:
+            if self.lock.busy:
                 self.changed()  # the next scrape renders what is live (busy, the open session's idle age)
                 continue  # a transition in progress reconciles before it acts
-            async with self.background("reconcile:health", reconciling=True):
-                await self.sync.reconcile_all("health")
-            self.refresh_gauges()
+            async with self.lock.background("reconcile:health", reconciling=True):
+                await self.worker.reconcile_all("health")
+                await self.sessions.fail_if_lost()
 
     async def _reconcile_relaunched(self, name: str) -> None:
         """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
-        self.sync.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
+        self.worker.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
         self.changed()
         if self.lifecycle is DaemonState.RUNNING:
-            async with self.background("reconcile:relaunch", reconciling=True):
-                await self.sync.reconcile(self.engines[name], "relaunch")
-            self.refresh_gauges()
+            async with self.lock.background("reconcile:relaunch", reconciling=True):
+                await self.worker.reconcile(self.engines[name], "relaunch")
+                await self.sessions.fail_if_lost()
 
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- the one lock: one mutating operation at a time -----------------------------------------
-    @property
-    def busy(self) -> bool:
-        """Something holds the node (a mutating operation or a background reconcile)."""
-        return self._lock.locked()
+    # -- the one lock (daemon/lock.py) ---------------------------------------------------------------
+    def _check_can_start(self, what: str, busy_with: str | None) -> None:
+        check_can_start(what, lifecycle=self.lifecycle, node=self.node, busy_with=busy_with)
 
-    @contextlib.asynccontextmanager
-    async def exclusive(self, what: str) -> AsyncIterator[None]:
-        """Hold the node for ``what``: refused while another operation holds it (a background reconcile is
-        waited for), then every engine is reconciled before ``what`` acts."""
-        check_can_start(what, lifecycle=self.lifecycle, node=self.node,
-                        busy_with=self.busy_with if self._lock.locked() and not self._reconciling else None)
-        async with self._lock:  # a background reconcile holding it finishes first
-            self.busy_with = what
-            try:
-                await self.reconcile_before(what)
-                yield
-            finally:
-                self.busy_with = None
-                self.refresh_gauges()
-
-    async def reconcile_before(self, what: str) -> None:
-        """Observe and reconcile every engine for ``what`` (which holds the node); refused while a restarted
-        daemon still has engines it could not reconcile with its journal."""
-        await self.sync.reconcile_all(f"before {what}")
-        self._check_reconciled(what)
-
-    def _check_reconciled(self, what: str) -> None:
-        check_reconciled(what, {n: self.engines[n].state.last_error for n in self.sync.unreconciled}, self.node)
-
-    @contextlib.asynccontextmanager
-    async def background(self, what: str, *, reconciling: bool = False) -> AsyncIterator[None]:
-        """Hold the node for work nobody requested (a reconcile tick, closing an ended session). A reconcile
-        (``reconciling``) is waited for by the transitions that arrive meanwhile, never refused."""
-        async with self._lock:
-            self.busy_with, self._reconciling = what, reconciling
-            try:
-                yield
-            finally:
-                self.busy_with, self._reconciling = None, False
+    async def _reconcile_before(self, what: str) -> None:
+        """Observe and reconcile every engine for ``what`` (which holds the node); an open session an engine lost
+        fails; refused while a restarted daemon still has engines it could not reconcile with its journal."""
+        await self.worker.reconcile_all(f"before {what}")
+        await self.sessions.fail_if_lost()
+        check_reconciled(what, {n: self.engines[n].state.last_error for n in self.worker.unreconciled}, self.node)
 
     @property
     def node(self) -> NodeState:
@@ -249,18 +208,6 @@ class Daemon:
 
     def timeouts(self) -> Timeouts:
         return self.policies.timeouts(self.policy_set())
-
-    def transports(self) -> frozenset[Transport] | None:
-        """What every engine of the node accepts (each adapter says; None: no engines to ask)."""
-        accepted = [e.adapter.transports for e in self.engines.values()]
-        return frozenset.intersection(*accepted) if accepted else None
-
-    def pipeline_depth(self) -> int:
-        return int(self.policies.pipeline_plan(self.policies.active, self.transports(), self.staging()).depth)
-
-    def staging(self) -> StagingMemory:
-        """What a sync may stage into: free memory on the engines' GPUs and the sync's size."""
-        return staging_memory(self.engines.values(), self.probe, self.sessions.complete_manifest)
 
     # -- the policy document: what GET and PUT /v1/policies answer --------------------------------
     def policy_view(self) -> dict[str, Any]:
@@ -297,19 +244,19 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         """What GET /v1/status answers: the node, every engine's record, the session, reconcile, policy, versions."""
-        sync, session = self.sync, self.sessions.current
+        worker, session = self.worker, self.sessions.current
         active = self.policies.active
         return {
             "lifecycle": self.lifecycle.value,
             "node": self.node.snapshot(),
-            "busy_with": self.busy_with,
+            "busy_with": self.lock.busy_with,
             "engines": {n: {**e.state.status(), "protocol": e.info.protocol if e.info else None,
                             "engine_version": e.info.version if e.info else None,
                             "launched": self.launches.snapshot(n)}
                         for n, e in self.engines.items()},
             "weight_session": session.stats() if session is not None else None,
-            "reconcile": {"unreconciled": sorted(sync.unreconciled), "startup": self.engine_lifecycle.startup_report,
-                          "last": dict(sync.reports)},
+            "reconcile": {"unreconciled": sorted(worker.unreconciled), "startup": self.engine_lifecycle.startup_report,
+                          "last": dict(worker.reports)},
             "policy": self.policy_view(),
             "nvml": self.probe is not None,
             "versions": self.versions.snapshot(active.sync.staleness_bound, active.sync.mode,
@@ -325,23 +272,7 @@ class Daemon:
         """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled."""
         self.launches.note_incarnation(engine.name, engine.state.incarnation)
         if changed:
-            self.journal_append(f"reconcile:{engine.name}")
-
-    def journal_append(self, what: str) -> None:
-        """Queue the node's and engines' state on the journal (written in order, off the loop): for a record no
-        reply reports (a reconcile); a reply that does awaits ``journal_written``."""
-        if self.journal is not None:
-            self._journal_record(self.journal, what)
-
-    async def journal_written(self, what: str) -> None:
-        """Record the node's and engines' state and return once it is on disk (``JournalFailed`` naming the file
-        if it cannot be): what a reply reporting a state change waits for, so a SIGKILL after it loses nothing."""
-        if self.journal is not None:
-            await self.journal.written(self._journal_record(self.journal, what))
-
-    def _journal_record(self, journal: Journal, what: str) -> concurrent.futures.Future[None]:
-        return journal.append({"event": what, "node": self.node.snapshot(),
-                               "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
+            self.node_journal.append(f"reconcile:{engine.name}")
 
     def refresh_gauges(self) -> None:
         m = self.metrics
@@ -358,7 +289,7 @@ class Daemon:
             for tag in engine.state.owned_tags:
                 m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
             m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
-            m.declare_engine(name, transports=sorted(t.value for t in engine.adapter.transports),
+            m.declare_engine(name, transports=sorted(t.value for t in engine.transports),
                              gpus=[str(g) for g in engine.gpus] if self.probe is not None and engine.gpus else None)
         refresh_gpu_metrics(m, self.probe, self.engines.values())
         self.changed()

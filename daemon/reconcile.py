@@ -5,7 +5,7 @@ The daemon's record of an engine is a cache of what it last observed, never the 
 ``plan(desired, recorded, observed)`` returns a ``Plan``: whether the engine restarted, the record to hold
 now (what the engine really is), and the actions that drive it to ``desired``. Level-triggered, as kubelet
 does it: the same inputs give the same plan, so a plan whose calls failed is simply planned again. Every
-path that drives an engine plans here (daemon/sync.py runs the plans): a phase transition or a manual
+path that drives an engine plans here (daemon/worker.py runs the plans): a phase transition or a manual
 sleep / resume sets ``desired`` and plans on the record it just observed (``observed=None``); the health
 loop, a relaunch and a daemon restart plan on a fresh observation with ``desired`` holding the record.
 
@@ -19,7 +19,8 @@ Rules, in order:
    a field it cannot report keeps the record's value. What a same engine reports replaces the desired
    state of that field too (a half-done step is taken at the engine's word; the trainer re-asks).
 3. Sessions. An engine-side update session the daemon does not own is ended (its contents are
-   unknown: stale). A session the daemon owns on an engine that lost it (restarted) fails. A weight
+   unknown: stale). An engine that lost a session the daemon owns (restarted, or reports none open) has
+   stale weights, and the plan says why (``lost_session``: the session fails on it). A weight
    session's open and close set the desired weights (``WeightsGoal``): the update session begins, or ends
    committing a version (clean) or not (the weights the session leaves).
 4. Memory. Tags the desired state has released are released (a restarted engine gets back the
@@ -43,7 +44,6 @@ __all__ = ["Action", "Desired", "Plan", "WeightsGoal", "plan"]
 class Action(StrEnum):
     """One engine call (or daemon-side step) of a plan, in the order the daemon runs them."""
 
-    FAIL_SESSION = "fail_session"  # the daemon's open weight session cannot finish: the engine lost it
     BEGIN_ENGINE_SESSION = "begin_engine_session"  # open the engine's update session for a weight session
     # End the engine's update session: a weight session's commit or close (the plan's ``weights`` says which),
     # or one nobody owns (its contents unknown: stale).
@@ -155,6 +155,7 @@ class Plan:
     resume: tuple[MemoryTag, ...] = ()  # tags for Action.RESUME
     pause_mode: PauseMode = PauseMode.ABORT  # for Action.PAUSE
     weights: WeightsGoal | None = None  # for Action.BEGIN_ENGINE_SESSION and Action.END_ENGINE_SESSION
+    lost_session: str | None = None  # why the engine lost the daemon's open weight session (None: it did not)
 
     @property
     def changes_anything(self) -> bool:
@@ -178,6 +179,7 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
     findings: list[str] = []
     actions: list[Action] = []
     end_tolerant = False
+    lost: str | None = None
     goal = desired.weights
     base = recorded
     if observed is not None:
@@ -186,7 +188,7 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
         if reason is None:
             desired = desired.adopting(recorded, base)
         if owns_session and (reason is not None or observed.update_session_open is False):
-            actions.append(Action.FAIL_SESSION)
+            lost = reason or "it reports no open weight-update session"
             findings.append("the engine lost the open weight session")
             base = base.with_(weights=WeightsState.STALE)
         elif not owns_session and reason is None:
@@ -203,10 +205,11 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
                 end_tolerant = True
                 goal = WeightsGoal.discard(base.weights)
 
-    if not actions and goal is not None and goal.session is not None and base.weights is not WeightsState.UPDATING:
-        actions.append(Action.BEGIN_ENGINE_SESSION)
-    elif not actions and goal is not None and goal.session is None and base.weights is WeightsState.UPDATING:
-        actions.append(Action.END_ENGINE_SESSION)
+    if lost is None and not actions and goal is not None:
+        if goal.session is not None and base.weights is not WeightsState.UPDATING:
+            actions.append(Action.BEGIN_ENGINE_SESSION)
+        elif goal.session is None and base.weights is WeightsState.UPDATING:
+            actions.append(Action.END_ENGINE_SESSION)
     release, resume = desired.to_release(base), desired.to_resume(base)
     after = base.with_tags(release, TagState.RELEASED).with_tags(resume, TagState.RESIDENT)
     may_serve = base.weights is WeightsState.CLEAN and all(after.resident(t) for t in after.owned_tags)
@@ -222,7 +225,7 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
     if base.generation is Generation.PAUSED and desired.generation is Generation.SERVING and may_serve:
         actions.append(Action.CONTINUE)
     return Plan(recorded.name, reason is not None, reason, base, tuple(actions), release, tuple(findings),
-                end_tolerant, resume, mode, goal)
+                end_tolerant, resume, mode, goal, lost)
 
 
 def _observed(recorded: EngineRecord, observed: Observation, restarted: bool, first_sight: bool,

@@ -11,24 +11,23 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ..engines.base import ChunkPart, EngineDigests
 from ..engines.segments import unlink_session_segments
 from ..errors import NotFound, RequestInvalid, TransitionRejected, WeightSyncError
-from ..policies import Budget, PolicySet, Timeouts
+from ..policies import Budget
 from ..recent import remember
-from . import engine_ops as ops
 from .distributed import BroadcastDescriptor, WeightGroups
-from .engine_ops import EngineHandle
+from .journal import NodeJournal
+from .lock import NodeLock
 from .manifests import ManifestBook, reference_of
-from .metrics import Metrics
+from .policy_runtime import PolicyRuntime
 from .reconcile import WeightsGoal
+from .staging import StagingMemory, staging_memory
 from .states import (
-    NodeState,
     SessionState,
     WeightsState,
     check_can_open_session,
@@ -36,8 +35,7 @@ from .states import (
     check_session_abortable,
     require_session_open,
 )
-from .sync import EngineSync
-from .trace import Span, Trace, TraceStore
+from .trace import Span, Trace
 from .verify import Verification, verify_engines
 from .versions import VersionBook
 from .weights import (
@@ -50,41 +48,31 @@ from .weights import (
     manifest_to_json,
     name_some,
 )
+from .worker import EngineHandle, EngineWorker, late_loads
 
 __all__ = ["SessionContext", "WeightSessions"]
 
 log = logging.getLogger("colocd.daemon")
 
 
-class SessionContext(Protocol):
-    """What the weight sessions read of the node and do to it (the daemon provides it)."""
+@dataclass(frozen=True, slots=True)
+class SessionContext:
+    """What the weight sessions use of the node: the engine worker (engines, their calls, metrics, traces, the
+    node's phase and step, timeouts), the node's lock, the version book, the policies, the journal."""
 
-    engines: dict[str, EngineHandle]
-    @property
-    def node(self) -> NodeState: ...
-    metrics: Metrics
-    traces: TraceStore
+    worker: EngineWorker
+    lock: NodeLock
     versions: VersionBook
-    sync: EngineSync
-    stopping: asyncio.Event
-    @property
-    def busy(self) -> bool: ...
-    def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
-    def background(self, what: str, *, reconciling: bool = False) -> AbstractAsyncContextManager[None]: ...
-    def timeouts(self) -> Timeouts: ...
-    def policy_set(self) -> PolicySet: ...
-    def pipeline_depth(self) -> int: ...
-    async def journal_written(self, what: str) -> None: ...
-    def changed(self) -> None: ...
-    def refresh_gauges(self) -> None: ...
+    policies: PolicyRuntime
+    journal: NodeJournal
 
 
 class WeightSessions:
     """The node's current (or last) weight session, the ids of ended ones (410), and the reference a complete
     update is checked against."""
 
-    def __init__(self, node: SessionContext, groups: WeightGroups, *, journal: str | None = None) -> None:
-        self._d = node
+    def __init__(self, ctx: SessionContext, groups: WeightGroups, *, journal: str | None = None) -> None:
+        self._ctx = ctx
         self.groups = groups  # separated GPUs: daemon/distributed.py
         self.current: WeightSession | None = None
         self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
@@ -99,6 +87,16 @@ class WeightSessions:
 
     def restore(self) -> None:
         self.complete_manifest = self._read_manifest_file()
+
+    def staging(self) -> StagingMemory:
+        """What a sync may stage into: free memory on the engines' GPUs and the sync's size."""
+        w = self._ctx.worker
+        return staging_memory(w.engines.values(), w.probe(), self.complete_manifest)
+
+    def pipeline_depth(self) -> int:
+        """Chunks in flight per engine when the trainer does not say (the pipeline policy decides)."""
+        policies = self._ctx.policies
+        return int(policies.pipeline_plan(policies.active, self._ctx.worker.transports(), self.staging()).depth)
 
     def owns_open(self) -> bool:
         return self.current is not None and self.current.state is SessionState.OPEN
@@ -125,58 +123,59 @@ class WeightSessions:
         against it. Unless ``partial``, it must cover each engine's full parameter set where that is known;
         a partial update needs intact (clean) weights on every engine. ``manifest_ref`` names a manifest an
         earlier open of this process declared (the session's ``manifest_ref``) in its place. Refusals change
-        nothing. Every engine is observed and reconciled first (``Daemon.exclusive``), so the open acts on records
+        nothing. Every engine is observed and reconciled first (``NodeLock.exclusive``), so the open acts on records
         that agree with the engines.
         """
-        d = self._d
+        ctx = self._ctx
         # The session's trace starts before the node's lock, so its spans cover the whole open (the breakdown
         # of `benchmarks.weights`); the step it names is the node's, as the check below requires.
-        trace = Trace(d.node.step, "weights")
-        async with d.exclusive("open_weights"):
+        trace = Trace(ctx.worker.node.step, "weights")
+        async with ctx.lock.exclusive("open_weights"):
             _lock_span(trace, 0.0)
-            trace.step = d.node.step
+            trace.step = ctx.worker.node.step
             args = _OpenArgs(step, version, ranks, depth, manifest, manifest_ref, partial)
             return await self._open_locked(trace, args)
 
     async def _open_locked(self, trace: Trace, args: _OpenArgs) -> WeightSession:
-        d = self._d
+        ctx = self._ctx
         step, version, ranks, manifest, partial = args.step, args.version, args.ranks, args.manifest, args.partial
         with trace.span("open_checks"):
             await self.lapse_if_idle()
             current = self.current
-            check_can_open_session(self.open_id(), (e.state for e in d.engines.values()), d.node,
+            check_can_open_session(self.open_id(), (e.state for e in ctx.worker.engines.values()), ctx.worker.node,
                                    idle_for=current.idle_for() if current is not None else 0.0,
                                    idle_s=current.idle_s if current is not None else None)
-            if step is not None and step != d.node.step:
-                raise RequestInvalid(f"step {step} is not the node's step {d.node.step} (phase "
-                                     f"{d.node.phase.value}): a session carries the weights of the node's step; "
-                                     f"send {d.node.step} or leave step out", field="step")
-            step = d.node.step
+            node = ctx.worker.node
+            if step is not None and step != node.step:
+                raise RequestInvalid(f"step {step} is not the node's step {node.step} (phase {node.phase.value}): "
+                                     f"a session carries the weights of the node's step; send {node.step} or leave "
+                                     "step out", field="step")
+            step = node.step
             declared, declared_ref = self._declared(manifest, args.manifest_ref)
             if partial:
-                check_partial_allowed((e.state for e in d.engines.values()), d.node)
-            d.sync.require_attached()
-            for engine in d.engines.values():
-                if (busy := ops.late_loads(engine)) is not None:
+                check_partial_allowed((e.state for e in ctx.worker.engines.values()), ctx.worker.node)
+            ctx.worker.require_attached()
+            for engine in ctx.worker.engines.values():
+                if (busy := late_loads(engine)) is not None:
                     raise TransitionRejected(busy)
             ranks = self._check_ranks(ranks)
-        t = d.timeouts()
-        required = {name: self.complete_manifest for name in d.engines}
+        t = ctx.worker.timeouts()
+        required = {name: self.complete_manifest for name in ctx.worker.engines}
         if declared is not None:
             with trace.span("manifest_check", tensors=len(declared)):
                 self._check_declared(declared, required, partial)
         session = WeightSession(
-            step=step, version=version, ranks=ranks, engines=list(d.engines.values()),
-            depth=args.depth or d.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
-            trace=trace, metrics=d.metrics, manifest=declared, manifest_ref=declared_ref, partial=partial,
+            step=step, version=version, ranks=ranks, engines=list(ctx.worker.engines.values()),
+            depth=args.depth or self.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
+            trace=trace, metrics=ctx.worker.metrics, manifest=declared, manifest_ref=declared_ref, partial=partial,
             idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
             sources=self._feed_ranks())
         session.required = required
         trace.attrs["session"] = session.id  # the session's log line and trace name it
-        session.prior = {n: e.state.weights for n, e in d.engines.items()}
-        session.verify = d.policy_set().sync.verify
+        session.prior = {n: e.state.weights for n, e in ctx.worker.engines.items()}
+        session.verify = ctx.policies.active.sync.verify
         try:
-            await d.sync.weights({n: WeightsGoal.begin(session.id) for n in d.engines}, trace, strict=True)
+            await ctx.worker.weights({n: WeightsGoal.begin(session.id) for n in ctx.worker.engines}, trace, strict=True)
         except BaseException:
             await self._close_engines_update(trace, committed=False, session=session)
             raise
@@ -185,7 +184,7 @@ class WeightSessions:
         if declared is not None and declared_ref is not None:
             self.manifests.remember(declared_ref, declared)  # an open that succeeded: its reply names it
         self.current = session
-        d.versions.opened(version, session.id)  # counts while open; engines lag it until commit
+        ctx.versions.opened(version, session.id)  # counts while open; engines lag it until commit
         session.touch()
         return session
 
@@ -207,13 +206,13 @@ class WeightSessions:
 
     def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
         """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
-        return {name: tuple(e.config.feed_ranks) for name, e in self._d.engines.items()
+        return {name: tuple(e.config.feed_ranks) for name, e in self._ctx.worker.engines.items()
                 if e.config.feed_ranks is not None}
 
     def _check_ranks(self, ranks: int | None) -> int:
         """The session's trainer ranks (default: as many as the layout needs), refused where too few to serve it:
         one per TP rank of the widest engine, one per engine device fed by device, one past every feed rank."""
-        engines = list(self._d.engines.values())
+        engines = list(self._ctx.worker.engines.values())
         fixed = self._feed_ranks()
         devices = sorted({device_key(dev) for e in engines if e.name not in fixed and (devs := e.tp_devices)
                           for dev in devs})
@@ -237,7 +236,7 @@ class WeightSessions:
         if pid is not None:
             self.note_trainer_pid(session_id, pid)
         joined = await session.join(rank, device_id)  # a refused join changes nothing
-        self._d.changed()
+        self._ctx.worker.metrics.changed()
         return joined.to_json()
 
     def note_trainer_pid(self, session_id: str, pid: int) -> None:
@@ -258,7 +257,7 @@ class WeightSessions:
             if unknown or wrong or missing:
                 why = []
                 if missing:
-                    clean = all(e.state.weights is WeightsState.CLEAN for e in self._d.engines.values())
+                    clean = all(e.state.weights is WeightsState.CLEAN for e in self._ctx.worker.engines.values())
                     why.append(f"missing {name_some(missing)}: " + (
                         "a session that updates only some tensors must say partial: true" if clean else
                         "weights were discarded (released, or an update was abandoned), so every tensor must be "
@@ -283,11 +282,11 @@ class WeightSessions:
         finally:
             if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
                 await self._finish_failed(session)
-            self._d.changed()  # chunk counters and the session's stats moved
+            self._ctx.worker.metrics.changed()  # chunk counters and the session's stats moved
 
     def _trainer_ranks(self) -> int:
         """Trainer ranks a one-shot update can carry: one per TP rank of the widest engine (what engines need)."""
-        return max((int(e.config.tp_size) for e in self._d.engines.values()), default=1)
+        return max((int(e.config.tp_size) for e in self._ctx.worker.engines.values()), default=1)
 
     async def update(self, *, step: int | None, version: str, chunks: list[tuple[int, ChunkPart]]) -> dict[str, Any]:
         """The one-shot form: open a session, send every chunk ((seq, part), in the caller's order), commit;
@@ -331,11 +330,11 @@ class WeightSessions:
 
     # -- commit ----------------------------------------------------------------------------------------
     async def commit(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
-        d = self._d
+        ctx = self._ctx
         session = self.get(session_id)
         require_session_open(session.id, session.state, error=session.error)
         waiting_since = session.trace.elapsed_s()
-        async with d.exclusive("commit_weights"):
+        async with ctx.lock.exclusive("commit_weights"):
             _lock_span(session.trace, waiting_since)
             session.touch()
             self.groups.check_settled(session)
@@ -346,8 +345,7 @@ class WeightSessions:
             except RequestInvalid:
                 raise  # the trainer's gap: the session stays open (send the chunk, or abort)
             except BaseException:
-                await session.fail(WeightSyncError("commit failed"))
-                await self._close_session(session)
+                await self._end(session, WeightSyncError("commit failed"))
                 raise
             with trace.span("check_complete"):
                 self._check_complete(session)
@@ -356,48 +354,46 @@ class WeightSessions:
             await self._close_engines_update(session.trace, committed=True, version=session.version)
             with trace.span("commit_bookkeeping"):
                 session.commit()
-                d.versions.committed(session.version)
+                ctx.versions.committed(session.version)
                 if not session.partial:
                     self._record_complete(session)
-                d.metrics.weight_sessions.labels("committed").inc()
+                ctx.worker.metrics.weight_sessions.labels("committed").inc()
             session.trace.finish("committed", bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                                  version=session.version)
-            d.traces.put(session.trace)
+            ctx.worker.traces.put(session.trace)
             with trace.span("journal"):
-                await d.journal_written("weights")
-            return {**session.stats(), "broadcasts": self.groups.session_stats(session.id),
-                    "engines": {n: e.state.snapshot() for n, e in d.engines.items()},
+                await ctx.journal.written("weights")
+            return {**session.stats(), "broadcasts": session.broadcast_stats,
+                    "engines": {n: e.state.snapshot() for n, e in ctx.worker.engines.items()},
                     "verification": verification.to_json(), "trace": session.trace.to_json()}
 
     async def _verify(self, session: WeightSession) -> Verification:
         """The verified commit (daemon/verify.py): each engine's digests against the trainer's. A mismatch, or an
         engine that cannot be asked, fails the session (the engines stay paused, their weights stale)."""
-        d = self._d
-        budget = d.timeouts().budget(Budget.WEIGHT_UPDATE)
+        ctx = self._ctx
 
         async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
-            return await ops.digests(engine, names, session.trace, d.metrics, budget)
+            return await ctx.worker.digests(engine, names, session.trace)
 
         t0 = time.perf_counter()
         try:
-            verdicts = await verify_engines(list(d.engines.values()), session.expected, session.verify,
+            verdicts = await verify_engines(list(ctx.worker.engines.values()), session.expected, session.verify,
                                             session.version, ask)
         except BaseException:
-            await session.fail(WeightSyncError("commit failed: asking the engines for their weight digests failed"))
-            await self._close_session(session)
+            await self._end(session, WeightSyncError("commit failed: asking the engines for their weight digests "
+                                                     "failed"))
             raise
         verification = Verification(session.verify, verdicts, time.perf_counter() - t0)
         if (error := verification.error()) is not None:
             log.error("weight session %s: %s", session.id, error)
-            await session.fail(error)
-            await self._close_session(session)
+            await self._end(session, error)
             raise error
         return verification
 
     def _check_complete(self, session: WeightSession) -> None:
         """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
         required, prior = session.required, session.prior
-        for name in self._d.engines:
+        for name in self._ctx.worker.engines:
             sent = session.sent_names(name)
             if session.manifest is not None:
                 unsent = [n for n in session.manifest if n not in sent]
@@ -444,7 +440,7 @@ class WeightSessions:
     # -- abort, failure, expiry ---------------------------------------------------------------------
     async def abort(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
         session = self.get(session_id)
-        check_session_abortable(session.id, session.state, session.version, self._d.node)
+        check_session_abortable(session.id, session.state, session.version, self._ctx.worker.node)
         await session.abort(reason)  # no-op if it already ended (aborted, failed, expired)
         await self._finish_failed(session)
         return session.stats()
@@ -453,24 +449,29 @@ class WeightSessions:
         if self.owns_open() and self.current is not None:
             await self.current.abort("daemon shutting down")
 
-    async def fail_current(self, error: WeightSyncError) -> None:
-        """The open session cannot finish (an engine lost it): fail it and close it (caller holds the lock)."""
+    async def fail_if_lost(self) -> None:
+        """Fail and close the open session if a reconcile found that an engine lost it (``lost_session``, the
+        worker's record); the caller holds the lock and has just reconciled every engine."""
         session = self.current
-        if session is None:
+        lost = [(e.name, e.lost_session) for e in self._ctx.worker.engines.values() if e.lost_session is not None]
+        if session is None or session.state is not SessionState.OPEN or not lost:
             return
+        name, why = lost[0]
+        # The caller's reconcile just observed every engine: no second one.
+        await self._end(session, WeightSyncError(f"engine {name!r} lost the weight session: {why}"), observe=False)
+
+    async def _end(self, session: WeightSession, error: BaseException, *, observe: bool = True) -> None:
+        """Fail the open session with ``error`` and close it (caller holds the lock)."""
         await session.fail(error)
-        # The caller is the reconcile that found the loss: it observes and drives the engines itself, so the
-        # close must not start a second reconcile of the same engine in the middle of the first one's plan.
-        await self._close_session(session, observe=False)
+        await self._close_session(session, observe=observe)
 
     async def _finish_failed(self, session: WeightSession) -> None:
         if session.closed:  # closed, or being closed (the lease loop): the caller's error waits for the close
             if (closing := self._closing.get(session.id)) is not None:
                 await closing.wait()
             return
-        async with self._d.background(f"close_weights:{session.id}"):
+        async with self._ctx.lock.background(f"close_weights:{session.id}"):
             await self._close_session(session)
-        self._d.refresh_gauges()
 
     async def _close_session(self, session: WeightSession, *, observe: bool = True) -> None:
         """End an uncommitted session (caller holds the lock): wait for its engine calls, end the engines'
@@ -486,8 +487,8 @@ class WeightSessions:
             del self._closing[session.id]
 
     async def _close_uncommitted(self, session: WeightSession, *, observe: bool) -> None:
-        d = self._d
-        t = d.timeouts()
+        ctx = self._ctx
+        t = ctx.worker.timeouts()
         session.tainted = await session.quiesce(t.budget(Budget.QUIESCE))
         if session.tainted:
             log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
@@ -495,18 +496,18 @@ class WeightSessions:
         await self._close_engines_update(session.trace, committed=False, session=session)
         # A chunk failed: an engine may be gone, and status says so now.
         if observe and session.state is SessionState.FAILED:
-            await d.sync.reconcile_all(f"after failed session {session.id}", keep_error=True)
-        d.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
+            await ctx.worker.reconcile_all(f"after failed session {session.id}", keep_error=True)
+        ctx.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
         # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
         # keeps its mappings valid and finds them already gone when it releases them. Only the trainer's own
         # segments go (engines/segments.py): never a file a chunk merely named.
         for seg in unlink_session_segments(session.shm_names, session.trainer_pids):
             log.info("unlinked shared-memory segment %s of weight session %s (%s, pid %d)", seg.name, session.id,
                      session.state.value, seg.pid)
-        d.metrics.weight_sessions.labels(session.state.value).inc()
+        ctx.worker.metrics.weight_sessions.labels(session.state.value).inc()
         session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
                              version=session.version)
-        d.traces.put(session.trace)
+        ctx.worker.traces.put(session.trace)
 
     async def lapse_if_idle(self) -> None:
         """Fail the open session if a rank missed its start deadline, expire it if its lease ran out (caller
@@ -514,8 +515,7 @@ class WeightSessions:
         session = self.current
         if session is not None and (late := session.start_overdue()) is not None:
             log.warning("weight session %s failed: %s", session.id, late)
-            await session.fail(late)
-            await self._close_session(session)
+            await self._end(session, late)
         elif session is not None and session.expired():
             log.warning("weight session %s expired after %.1fs without a chunk", session.id, session.idle_for())
             await session.expire()
@@ -523,34 +523,33 @@ class WeightSessions:
 
     async def lease_loop(self) -> None:
         """Expire idle sessions and close failed ones nobody is waiting on, without any caller's help."""
-        d = self._d
-        while not d.stopping.is_set():
+        ctx = self._ctx
+        while not ctx.lock.stopping.is_set():
             session = self.current
             idle_s = session.idle_s if session is not None and session.idle_s else 1.0
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(max(idle_s / 4, 0.05), 1.0)):
-                    await d.stopping.wait()
+                    await ctx.lock.stopping.wait()
             session = self.current
-            if d.stopping.is_set() or session is None or session.closed or d.busy:
+            if ctx.lock.stopping.is_set() or session is None or session.closed or ctx.lock.busy:
                 continue
             if session.state is SessionState.OPEN and not session.expired() and session.start_overdue() is None:
                 continue
             try:
-                async with d.background(f"close_weights:{session.id}"):
+                async with ctx.lock.background(f"close_weights:{session.id}"):
                     await self.lapse_if_idle()
                     if session.state is not SessionState.OPEN:
                         await self._close_session(session)
             except Exception:  # keep the loop alive: the next round (or the next open) retries
                 log.exception("closing weight session %s failed", session.id)
-            d.refresh_gauges()
 
     async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None,
                                     session: WeightSession | None = None) -> None:
         """End the engines' update sessions. Committed, they serve ``version``. Uncommitted: engines stay paused;
         weights are stale unless the session never touched them (no chunk started there, none abandoned)."""
-        d = self._d
+        ctx = self._ctx
         if committed and version is not None:
-            await d.sync.weights({n: WeightsGoal.commit(version) for n in d.engines}, trace, strict=True)
+            await ctx.worker.weights({n: WeightsGoal.commit(version) for n in ctx.worker.engines}, trace, strict=True)
             return
         prior = session.prior if session is not None else {}
 
@@ -559,36 +558,12 @@ class WeightSessions:
             return prior.get(name, WeightsState.STALE) if untouched else WeightsState.STALE
 
         # Best effort: an engine that cannot even end its session is already marked as the session left it.
-        await d.sync.weights({n: WeightsGoal.discard(left(n)) for n in d.engines}, trace, strict=False)
+        await ctx.worker.weights({n: WeightsGoal.discard(left(n)) for n in ctx.worker.engines}, trace, strict=False)
 
-    # -- separated GPUs: weight-update groups and broadcasts (daemon/distributed.py) -----------------
-    async def open_group(self, *, group_name: str, master_address: str, master_port: int, backend: str,
-                         world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
-        """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
-        d = self._d
-        async with d.exclusive("open_weight_group"):
-            d.sync.require_attached()
-            trace = Trace(d.node.step, "weight_group")
-            try:
-                with trace.timed():
-                    record = await self.groups.open(
-                        list(d.engines.values()), group_name=group_name, master_address=master_address,
-                        master_port=master_port, backend=backend, world_size=world_size, first_rank=first_rank,
-                        t=d.timeouts(), trace=trace)
-            finally:
-                d.traces.put(trace)
-            return {**record.snapshot(), "trace": trace.to_json()}
-
-    async def close_group(self, group_name: str) -> dict[str, Any]:
-        """Destroy the group on every engine and forget it."""
-        d = self._d
-        async with d.exclusive("close_weight_group"):
-            trace = Trace(d.node.step, "weight_group")
-            return await self.groups.close(list(d.engines.values()), group_name, d.timeouts(), trace)
-
+    # -- separated GPUs: broadcasts through a weight-update group (daemon/distributed.py) -------------
     async def broadcast(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
         """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
-        d = self._d
+        ctx = self._ctx
         session = self.get(session_id)
         require_session_open(session.id, session.state)
         tensors = [(n, TensorMeta(dt, tuple(s)))
@@ -597,14 +572,14 @@ class WeightSessions:
         session.touch()
         session.note_broadcast()
         try:
-            reply = await self.groups.broadcast(session, list(d.engines.values()), descriptor, d.timeouts())
+            reply = await self.groups.broadcast(session, list(ctx.worker.engines.values()), descriptor)
             session.note_delivered(descriptor.names, (meta for _, meta in tensors))
             return reply
         finally:
             session.touch()
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
-            d.changed()
+            ctx.worker.metrics.changed()
 
 
 @dataclass(frozen=True, slots=True)
@@ -622,5 +597,5 @@ class _OpenArgs:
 
 def _lock_span(trace: Trace, since: float) -> None:
     """``node_lock``: from ``since`` until now, waiting for the node and reconciling every engine before acting
-    (``Daemon.exclusive``)."""
+    (``NodeLock.exclusive``)."""
     trace.add(Span("node_lock", None, since, trace.elapsed_s() - since))

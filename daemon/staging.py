@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from ..engines.base import MemoryTag
 from ..engines.chunks import dtype_itemsize
-from .engine_ops import EngineHandle
 from .memory import NvmlProbe
 from .weights import Manifest
+from .worker import EngineHandle
 
 __all__ = ["StagingMemory", "staging_memory"]
 

@@ -90,6 +90,19 @@ def step_summary(step: int, traces: Mapping[str, Trace]) -> dict[str, Any]:
     }
 
 
+def log_rejected(phase: str, step: int, reason: str, *, session: str | None = None) -> None:
+    """A transition refused before it started (409): logged, it has no trace."""
+    emit("transition", logging.INFO, engine=None, session=session, step=step, phase=phase, result="rejected",
+         error=reason)
+
+
+def log_failed(phase: str, step: int, exc: BaseException, *, session: str | None = None) -> None:
+    """A transition that failed, at any point (before its trace began, too): one line with the error the caller
+    got and the engine it names."""
+    emit("transition", logging.WARNING, engine=getattr(exc, "engine", None), session=session, step=step,
+         phase=phase, result="failed", error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
 class StepBook:
     """Sees every stored trace (``TraceStore(on_put=book.observe)``): logs it and records step metrics."""
 
@@ -108,17 +121,6 @@ class StepBook:
         except Exception:
             log.exception("step book: could not record step %s phase %s", trace.step, trace.operation)
 
-    def rejected(self, phase: str, step: int, reason: str, *, session: str | None = None) -> None:
-        """A transition refused before it started (409): logged, it has no trace."""
-        emit("transition", logging.INFO, engine=None, session=session, step=step, phase=phase, result="rejected",
-             error=reason)
-
-    def failed(self, phase: str, step: int, exc: BaseException, *, session: str | None = None) -> None:
-        """A transition that failed, at any point (before its trace began, too): one line with the error the
-        caller got and the engine it names."""
-        emit("transition", logging.WARNING, engine=getattr(exc, "engine", None), session=session, step=step,
-             phase=phase, result="failed", error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-
     def summaries(self, limit: int = 20) -> list[dict[str, Any]]:
         """The last ``limit`` steps, newest first."""
         if self._store is None:
@@ -132,7 +134,7 @@ class StepBook:
         if trace.operation in _NODE_PHASES and trace.outcome != "ok":
             return  # Transitions.transition logs it (failed), with the caller's error
         if trace.operation.startswith("reconcile:"):
-            return  # EngineSync logs each reconcile (event reconcile), with its plan
+            return  # EngineWorker logs each reconcile (event reconcile), with its plan
         failed = next((s for s in trace.spans if not s.ok and s.engine and s.engine != "trainer"), None)
         fields: dict[str, Any] = {
             "step": trace.step,

@@ -1,27 +1,23 @@
 """Phase transitions (train, sync, rollout) and the manual sleep / resume. Each reads: check legality against
 daemon/states.py, set every engine's desired state (daemon/reconcile.py), sync all engines concurrently
-(daemon/sync.py), journal. A repeat of a finished (step, phase) replays its result."""
+(daemon/worker.py), journal. A repeat of a finished (step, phase) replays its result."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import ValidationError
 
 from ..engines.base import MemoryTag, PauseMode
 from ..errors import NotFound, RequestInvalid, TransitionRejected
-from ..policies import PolicySet, Transport
+from ..policies import PolicySet
 from ..recent import remember
-from . import engine_ops as ops
-from .engine_ops import EngineHandle
-from .journal import Journal
-from .memory import NvmlProbe
-from .metrics import Metrics
+from .journal import NodeJournal
+from .lock import NodeLock
 from .policy_runtime import PolicyRuntime
 from .reconcile import Desired
 from .sessions import WeightSessions
@@ -37,10 +33,10 @@ from .states import (
     check_rollout_weights,
     needed_per_gpu,
 )
-from .steps import StepBook
-from .sync import EngineSync
-from .trace import Span, Trace, TraceStore
+from .steps import log_failed, log_rejected
+from .trace import Span, Trace
 from .versions import RolloutVersions, VersionBook
+from .worker import EngineHandle, EngineWorker, expected_resume_bytes
 
 __all__ = ["TransitionContext", "TransitionResult", "Transitions"]
 
@@ -59,47 +55,40 @@ class TransitionResult:
     replayed: bool = False
 
 
-class TransitionContext(Protocol):
-    """What a transition reads of the node and does to it (the daemon provides it)."""
+@dataclass(frozen=True, slots=True)
+class TransitionContext:
+    """What the transitions use of the node: the engine worker (engines, their calls, metrics, traces), the
+    node's lock, the weight sessions (none may be open), the version book, the policies, the journal."""
 
-    engines: dict[str, EngineHandle]
-    metrics: Metrics
-    traces: TraceStore
-    steps: StepBook
-    journal: Journal | None
-    probe: NvmlProbe | None
-    policies: PolicyRuntime
-    versions: VersionBook
+    worker: EngineWorker
+    lock: NodeLock
     sessions: WeightSessions
-    sync: EngineSync
-    def exclusive(self, what: str) -> AbstractAsyncContextManager[None]: ...
-    def transports(self) -> frozenset[Transport] | None: ...
-    def staging(self) -> StagingMemory: ...
-    def changed(self) -> None: ...
-    async def journal_written(self, what: str) -> None: ...
+    versions: VersionBook
+    policies: PolicyRuntime
+    journal: NodeJournal
 
 
 class Transitions:
-    """Runs the node's phase transitions and manual sleep / resume, one at a time (``Daemon.exclusive``)."""
+    """Runs the node's phase transitions and manual sleep / resume, one at a time (``NodeLock.exclusive``)."""
 
-    def __init__(self, node: TransitionContext) -> None:
-        self._d = node
+    def __init__(self, ctx: TransitionContext) -> None:
+        self._ctx = ctx
         # The node's phase and step: moved only by a finished transition (or, at startup, to the journal's).
         self.node = NodeState()
         self.pinned: PolicySet | None = None  # the policy set of the transition in progress
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
         self._unjournaled: set[tuple[int, str]] = set()  # finished, but the journal failed to keep them
         # A daemon restarted on its journal still replays what the previous one finished (without its trace).
-        for done in node.journal.completed() if node.journal is not None else ():
+        for done in ctx.journal.finished():
             self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
                 int(done["step"]), str(done["phase"]), **done["result"])
 
     def policy_set(self) -> PolicySet:
         """The policy set in force: the transition's own, pinned while it runs, else the active one."""
-        return self.pinned if self.pinned is not None else self._d.policies.active
+        return self.pinned if self.pinned is not None else self._ctx.policies.active
 
     def pause_mode(self) -> PauseMode:
-        return PauseMode(self._d.policies.pause_mode(self.policy_set()))
+        return PauseMode(self._ctx.policies.pause_mode(self.policy_set()))
 
     def resume_at(self, node: NodeState) -> None:
         """A restarted daemon resumes at the phase and step its journal recorded."""
@@ -108,23 +97,23 @@ class Transitions:
     async def transition(self, phase: NodePhase, step: int,
                          trainer: dict[str, Any] | None = None) -> TransitionResult:
         """Move the node to ``phase`` at ``step``. A repeat of a finished (step, phase) replays its result."""
-        d = self._d
+        ctx = self._ctx
         if (done := self._completed.get((step, phase.value))) is not None:
             if (step, phase.value) in self._unjournaled:  # its record failed to be written: a repeat writes it
                 await self._write(done)
-            d.metrics.transitions.labels(phase.value, "replayed").inc()
-            d.changed()
+            ctx.worker.metrics.transitions.labels(phase.value, "replayed").inc()
+            ctx.worker.metrics.changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
         try:
             # Legality, then each engine's desired state, then one sync of every engine, then the journal.
-            async with d.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
+            async with ctx.lock.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
                 check_phase_request(self.node, phase, step)
-                d.sync.require_attached()
+                ctx.worker.require_attached()
                 trace = Trace(step, phase.value)
-                _record_trainer_report(trace, trainer, d.versions)
+                _record_trainer_report(trace, trainer, ctx.versions)
                 t0 = time.perf_counter()
                 # A staged policy swap lands here, between transitions; this one runs on a pinned set.
-                with d.policies.store.transition() as pinned:
+                with ctx.policies.store.transition() as pinned:
                     self.pinned = pinned
                     try:
                         # Decided before any engine call: a trainer report the policy cannot read is the
@@ -132,35 +121,35 @@ class Transitions:
                         directives = self._directives(pinned, phase.value, trainer)
                         with trace.timed():
                             desired, rollout = await self._desired(phase, trace)
-                            freed = await d.sync.drive(list(d.engines.values()), desired, trace,
+                            freed = await ctx.worker.drive(list(ctx.worker.engines.values()), desired, trace,
                                                        operation=phase.value, what=f"{phase.value}@{step}")
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
                         if rollout is not None:
                             self._served(rollout)
                         if phase is NodePhase.SYNC:  # planned on the memory left once the weights are back
-                            directives = self._directives(pinned, phase.value, trainer, d.staging())
+                            directives = self._directives(pinned, phase.value, trainer, ctx.sessions.staging())
                     finally:
                         self.pinned = None
-                        d.traces.put(trace)
+                        ctx.worker.traces.put(trace)
                 self.node = NodeState(phase, step)
                 result = TransitionResult(step, phase.value, time.perf_counter() - t0,
-                                          {n: e.state.snapshot() for n, e in d.engines.items()},
+                                          {n: e.state.snapshot() for n, e in ctx.worker.engines.items()},
                                           freed, directives, trace)
-                d.metrics.observe_phase(phase.value, "all", result.duration_s)
+                ctx.worker.metrics.observe_phase(phase.value, "all", result.duration_s)
                 await self._journal(result)
         except TransitionRejected as exc:
-            d.metrics.transitions.labels(phase.value, "rejected").inc()
-            d.steps.rejected(phase.value, step, str(exc), session=d.sessions.open_id())
-            d.changed()
+            ctx.worker.metrics.transitions.labels(phase.value, "rejected").inc()
+            log_rejected(phase.value, step, str(exc), session=ctx.sessions.open_id())
+            ctx.worker.metrics.changed()
             raise
         except BaseException as exc:
-            d.metrics.transitions.labels(phase.value, "failed").inc()
-            d.steps.failed(phase.value, step, exc, session=d.sessions.open_id())
-            d.changed()
+            ctx.worker.metrics.transitions.labels(phase.value, "failed").inc()
+            log_failed(phase.value, step, exc, session=ctx.sessions.open_id())
+            ctx.worker.metrics.changed()
             raise
-        d.metrics.transitions.labels(phase.value, "ok").inc()
-        d.changed()
+        ctx.worker.metrics.transitions.labels(phase.value, "ok").inc()
+        ctx.worker.metrics.changed()
         return result
 
     async def _journal(self, result: TransitionResult) -> None:
@@ -173,19 +162,18 @@ class Transitions:
         await self._write(result)
 
     async def _write(self, result: TransitionResult) -> None:
-        d = self._d
-        await d.journal_written(result.phase)
-        if d.journal is not None:
-            await d.journal.written(d.journal.record_completed(result.step, result.phase, {
-                "duration_s": result.duration_s, "engines": result.engines,
-                "freed_bytes": result.freed_bytes, "directives": result.directives}))
+        ctx = self._ctx
+        await ctx.journal.written(result.phase)
+        await ctx.journal.completed(result.step, result.phase, {
+            "duration_s": result.duration_s, "engines": result.engines, "freed_bytes": result.freed_bytes,
+            "directives": result.directives})
         self._unjournaled.discard((result.step, result.phase))
 
     def _directives(self, pinned: PolicySet, phase: str, trainer: dict[str, Any] | None,
                     staging: StagingMemory | None = None) -> dict[str, Any]:
-        d = self._d
+        ctx = self._ctx
         try:
-            return d.policies.directives(pinned, phase, trainer, d.transports(), staging)
+            return ctx.policies.directives(pinned, phase, trainer, ctx.worker.transports(), staging)
         except ValidationError as exc:
             errors = exc.errors()
             where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
@@ -197,12 +185,12 @@ class Transitions:
                        trace: Trace) -> tuple[dict[str, Desired], RolloutVersions | None]:
         """What each engine should be in ``phase``, once the phase's own checks passed (nothing changed on a
         refusal); for rollout also what it will serve, recorded once it does."""
-        d = self._d
-        engines = d.engines
+        ctx = self._ctx
+        engines = ctx.worker.engines
         if phase is NodePhase.TRAIN:
-            await d.sessions.lapse_if_idle()
-            check_no_open_session(d.sessions.open_id())
-            names = d.policies.release_tags(self.policy_set())
+            await ctx.sessions.lapse_if_idle()
+            check_no_open_session(ctx.sessions.open_id())
+            names = ctx.policies.release_tags(self.policy_set())
             tags = None if names is None else tuple(MemoryTag(n) for n in names)
             mode = self.pause_mode()
             return {n: Desired.for_train(e.state, tags, mode) for n, e in engines.items()}, None
@@ -210,39 +198,41 @@ class Transitions:
             desired = {n: Desired.for_sync(e.state) for n, e in engines.items()}
             self._check_headroom("enter 'sync'", desired, trace)
             return desired, None
-        await d.sessions.lapse_if_idle()
+        await ctx.sessions.lapse_if_idle()
         # Versions first: a push still in flight is refused by the bound, naming each engine's version.
         sync = self.policy_set().sync
         served = {n: e.state.weight_version for n, e in engines.items()}  # as just observed (reconcile)
-        staleness = d.versions.lags(served)
-        check_rollout_staleness(served, staleness, d.versions.latest, sync.staleness_bound, self.node,
-                                newer={n: d.versions.newer(v) for n, v in served.items()})
-        check_no_open_session(d.sessions.open_id(), advice=": commit or abort it first")
+        staleness = ctx.versions.lags(served)
+        check_rollout_staleness(served, staleness, ctx.versions.latest, sync.staleness_bound, self.node,
+                                newer={n: ctx.versions.newer(v) for n, v in served.items()})
+        check_no_open_session(ctx.sessions.open_id(), advice=": commit or abort it first")
         check_rollout_weights((e.state for e in engines.values()), self.node)
-        record = RolloutVersions(self.node.step, d.versions.latest, served, staleness, sync.staleness_bound, sync.mode)
+        record = RolloutVersions(self.node.step, ctx.versions.latest, served, staleness, sync.staleness_bound,
+                                 sync.mode)
         trace.attrs.update(rollout_versions=served, staleness_versions=staleness, latest_version=record.latest)
         desired = {n: Desired.for_rollout() for n in engines}
         self._check_headroom("enter 'rollout'", desired, trace)
         return desired, record
 
     def _served(self, record: RolloutVersions) -> None:
-        d = self._d
-        d.versions.record(record)
+        ctx = self._ctx
+        ctx.versions.record(record)
         for name, lag in record.staleness.items():
-            d.metrics.rollout_staleness.labels(name).set(lag)
+            ctx.worker.metrics.rollout_staleness.labels(name).set(lag)
 
     def _check_headroom(self, what: str, desired: Mapping[str, Desired], trace: Trace) -> None:
         """Refuse a resume NVML says will not fit (``check_resume_headroom``), before any engine call."""
-        d = self._d
+        ctx = self._ctx
         headroom_mb = self.policy_set().engines.resume_headroom_mb
-        if headroom_mb is None or d.probe is None:
+        probe = ctx.worker.probe()
+        if headroom_mb is None or probe is None:
             return
         needs: list[ResumeNeed] = []
         gpus: set[int | str] = set()
         for name, want in desired.items():
-            engine = d.engines[name]
+            engine = ctx.worker.engines[name]
             tags = want.to_resume(engine.state)
-            nbytes, source = ops.expected_resume_bytes(engine, tags)
+            nbytes, source = expected_resume_bytes(engine, tags)
             if not tags or not engine.gpus or nbytes is None or source is None:
                 continue
             share = nbytes // len(engine.gpus)  # a TP engine's shards are even
@@ -250,14 +240,14 @@ class Transitions:
             gpus.update(engine.gpus)
         if not needs:
             return
-        free = {g: r.free_bytes for g, r in d.probe.read_all(sorted(gpus, key=str)).items()}
+        free = {g: r.free_bytes for g, r in probe.read_all(sorted(gpus, key=str)).items()}
         trace.attrs["resume_headroom"] = {"free_bytes": free, "needed_bytes": needed_per_gpu(needs),
                                           "headroom_bytes": headroom_mb << 20}
         check_resume_headroom(what, needs, free, headroom_mb << 20, self.node)
 
     # -- manual sleep / resume -----------------------------------------------------------------
     def _select(self, names: list[str] | None) -> list[EngineHandle]:
-        engines = self._d.engines
+        engines = self._ctx.worker.engines
         if names is None:
             return list(engines.values())
         unknown = [n for n in names if n not in engines]
@@ -267,12 +257,12 @@ class Transitions:
 
     async def sleep(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Pause and release ``tags`` (default: all owned) on the named engines; the phase is unchanged."""
-        d = self._d
+        ctx = self._ctx
         engines = self._select(names)
-        async with d.exclusive("sleep"):
+        async with ctx.lock.exclusive("sleep"):
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_release(tags, strict=True)
-            d.sync.require_attached()
+            ctx.worker.require_attached()
             mode = self.pause_mode()
             desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode)
                        for e in engines}
@@ -280,12 +270,12 @@ class Transitions:
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""
-        d = self._d
+        ctx = self._ctx
         engines = self._select(names)
-        async with d.exclusive("resume"):
+        async with ctx.lock.exclusive("resume"):
             for engine in engines:  # validate all first: an illegal request changes nothing
                 engine.state.tags_to_resume(tags, strict=True)
-            d.sync.require_attached()
+            ctx.worker.require_attached()
             trace = Trace(self.node.step, "resume")
             desired = {e.name: Desired.for_resume(e.state, e.state.owned_tags if tags is None else tags,
                                                   self.node.phase) for e in engines}
@@ -294,14 +284,14 @@ class Transitions:
 
     async def _manual(self, what: str, engines: list[EngineHandle], desired: Mapping[str, Desired],
                       trace: Trace) -> TransitionResult:
-        d = self._d
+        ctx = self._ctx
         t0 = time.perf_counter()
         try:
             with trace.timed():
-                freed = await d.sync.drive(engines, desired, trace, operation=what, what=what)
+                freed = await ctx.worker.drive(engines, desired, trace, operation=what, what=what)
         finally:
-            d.traces.put(trace)
-        await d.journal_written(what)
+            ctx.worker.traces.put(trace)
+        await ctx.journal.written(what)
         return TransitionResult(self.node.step, what, time.perf_counter() - t0,
                                 {e.name: e.state.snapshot() for e in engines},
                                 freed if what == "sleep" else {}, trace=trace)

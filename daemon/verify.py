@@ -17,7 +17,7 @@ from typing import Any
 from ..engines.base import EngineDigests
 from ..errors import WeightsMismatch
 from ..policies import VerifyMode
-from .engine_ops import EngineHandle
+from .worker import EngineHandle
 
 __all__ = [
     "SAMPLE_FRACTION",

@@ -49,8 +49,6 @@ from ..errors import (
     WeightSyncError,
 )
 from ..policies import Transport, VerifyMode
-from . import engine_ops as ops
-from .engine_ops import EngineHandle
 from .metrics import Metrics
 from .states import (
     ENDED_AS,
@@ -64,6 +62,7 @@ from .states import (
 from .tasks import start_now
 from .trace import Trace
 from .verify import ExpectedDigests
+from .worker import EngineHandle, load_chunk
 
 __all__ = [
     "ChunkAck",
@@ -268,6 +267,7 @@ class WeightSession:
         self._devices: dict[int, str] = {}  # rank → the device it declared when it joined
         self._started: set[int] = set()  # ranks that sent a first chunk
         self._broadcasting = False  # a broadcast fed every engine: no rank is late to start
+        self.broadcast_stats: dict[str, int] | None = None  # broadcasts that every engine loaded, and their bytes
         self._plans: dict[int, tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]]] = {}  # seq → first rank's
         self._chunks: dict[int, _Chunk] = {}
         self._acked = 0  # chunks [0, _acked) are complete and consumed by every engine
@@ -363,14 +363,14 @@ class WeightSession:
     def transports(self, lanes: Sequence[_Lane] | None = None) -> tuple[Transport, ...]:
         """The transports every engine of ``lanes`` (default: the session's) loads, in the enum's order."""
         lanes = self._lanes if lanes is None else lanes
-        return tuple(t for t in Transport if all(t in lane.engine.adapter.transports for lane in lanes))
+        return tuple(t for t in Transport if all(t in lane.engine.transports for lane in lanes))
 
     def _check_transport(self, seq: int, part: ChunkPart, users: tuple[_Lane, ...]) -> None:
         """A chunk goes only to engines that load its transport: refused (422 naming the transport and what the
         engine accepts) before any engine sees it. Real SGLang unpickles whatever it is sent in its scheduler;
         a payload it cannot load kills the scheduler and the whole server."""
         for lane in users:
-            accepted = lane.engine.adapter.transports
+            accepted = lane.engine.transports
             if part.transport not in {t.wire for t in accepted}:
                 names = ", ".join(t.value for t in Transport if t in accepted) or "none"
                 raise RequestInvalid(
@@ -756,7 +756,7 @@ class WeightSession:
         try:
             with self.trace.span("load_chunk", lane.name, seq=chunk.seq, nbytes=load.nbytes) as span:
                 try:
-                    await ops.load_chunk(lane.engine, load, self.id)
+                    await load_chunk(lane.engine, load, self.id)
                 except asyncio.CancelledError:
                     if self._ended_by is not None:  # the session ended first: say how, not "CancelledError"
                         span.attrs["error"] = f"cancelled, the session {self._ended_by}"[:500]

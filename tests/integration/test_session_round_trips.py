@@ -55,7 +55,7 @@ def _count_observations(daemon: Daemon, during: str) -> list[int]:
     seen = [0]
 
     async def counted() -> Observation:
-        if daemon.busy_with == during:
+        if daemon.lock.busy_with == during:
             seen[0] += 1
         return await observe()
 

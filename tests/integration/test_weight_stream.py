@@ -19,11 +19,11 @@ from support import EnginePool, daemon_node, shm_segments
 
 from benchmarks.weights import BenchSettings, run_weights_bench
 from colocd.api.client import ColocdHTTPError
-from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import SessionState, WeightSession
+from colocd.daemon.worker import EngineHandle
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
 from colocd.engines.config import ReferenceEngineConfig
@@ -288,7 +288,7 @@ async def test_abort_fails_every_waiting_rank_and_quiesce_names_the_engine_whose
     assert engine.cancelled == []  # the engine's calls are not abandoned by the abort itself
     assert await session.quiesce(0.05) == ["slow"]  # they never returned: the engine is tainted
     # ... and run on to the engine's answer, counted on the engine until then: no next session opens there
-    # while one could still land (engine_ops.late_loads).
+    # while one could still land (worker.late_loads).
     await _settle()
     assert engine.cancelled == [] and engine.loads == []
     (handle,) = session.engines

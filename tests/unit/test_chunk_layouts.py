@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from colocd.daemon.engine_ops import EngineHandle
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
 from colocd.daemon.weights import WeightSession, manifest_from_json
+from colocd.daemon.worker import EngineHandle
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout
 from colocd.engines.config import ReferenceEngineConfig

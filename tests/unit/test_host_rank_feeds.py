@@ -25,7 +25,7 @@ GPU1 = "GPU-00000000-1111-2222-3333-444444444444"
 
 def _engine(name: str, *devices: str) -> Any:
     return SimpleNamespace(name=name, config=SimpleNamespace(tp_size=len(devices)), tp_devices=tuple(devices),
-                           adapter=SimpleNamespace(transports=frozenset(Transport)))
+                           transports=frozenset(Transport))
 
 
 def _session(ranks: int, *engines: Any) -> WeightSession:

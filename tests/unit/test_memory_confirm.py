@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from colocd.daemon.engine_ops import EngineHandle, expected_release_bytes
 from colocd.daemon.memory import GpuReading, NvmlProbe, Settled
 from colocd.daemon.states import EngineRecord
+from colocd.daemon.worker import EngineHandle, expected_release_bytes
 from colocd.engines.base import MemoryReport, MemoryTag, TagMemory
 from colocd.errors import MemoryNotConfirmed
 

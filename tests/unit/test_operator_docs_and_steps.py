@@ -155,11 +155,11 @@ def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() ->
 
 def test_a_failed_transition_logs_one_line_naming_engine_step_phase_session_and_error(
         caplog: pytest.LogCaptureFixture) -> None:
+    from colocd.daemon.steps import log_failed
     from colocd.errors import EngineUnreachable
 
-    book = StepBook(Metrics())
     with caplog.at_level(logging.INFO, logger="colocd.events"):
-        book.failed("train", 3, EngineUnreachable("ref0", "no answer to observe within 1s"), session="s-1")
+        log_failed("train", 3, EngineUnreachable("ref0", "no answer to observe within 1s"), session="s-1")
     [record] = caplog.records
     line = json.loads(JsonFormatter().format(record))
     assert {k: line[k] for k in ("event", "engine", "step", "phase", "session", "result", "level")} == {

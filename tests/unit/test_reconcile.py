@@ -69,7 +69,7 @@ def test_a_restart_during_sync_releases_only_what_sync_left_released() -> None:
 def test_a_restart_mid_update_fails_the_daemons_session_and_never_ends_one_on_the_new_engine() -> None:
     updating = synced().with_(weights=WeightsState.UPDATING)
     p = plan(updating, fresh(), NodePhase.SYNC, owns_session=True)
-    assert p.actions == (Action.FAIL_SESSION, Action.PAUSE, Action.RELEASE)
+    assert p.lost_session is not None and p.actions == (Action.PAUSE, Action.RELEASE)
     assert Action.END_ENGINE_SESSION not in p.actions
 
 

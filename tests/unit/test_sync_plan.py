@@ -18,7 +18,7 @@ from colocd.engines.base import ALL_TAGS, MemoryTag, Observation, PauseMode
 
 W, KV, CG = MemoryTag.WEIGHTS, MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH
 P, R, RS, C = Action.PAUSE, Action.RELEASE, Action.RESUME, Action.CONTINUE
-FAIL, END = Action.FAIL_SESSION, Action.END_ENGINE_SESSION
+END = Action.END_ENGINE_SESSION
 
 SERVING = EngineRecord(name="e0", weight_version="v3", incarnation="boot-1")
 TRAINED = SERVING.with_(generation=Generation.PAUSED).with_tags(ALL_TAGS, TagState.RELEASED)
@@ -55,6 +55,7 @@ class Row:
     pause_mode: PauseMode | None = None  # checked where the plan pauses
     owns_session: bool = False
     lost_sight: bool = False
+    lost_session: bool = False  # the plan says the engine lost the daemon's session (the session fails on it)
 
 
 ROWS = {
@@ -102,11 +103,11 @@ ROWS = {
         Row(Desired.holding(ROLLED), ROLLED, fresh(), NodePhase.ROLLOUT, (P,), pause_mode=PauseMode.ABORT),
     "a restart mid-update fails the daemon's session":
         Row(Desired.holding(SYNCED), SYNCED.with_(weights=WeightsState.UPDATING), fresh(), NodePhase.SYNC,
-            (FAIL, P, R), release=(KV, CG), owns_session=True),
+            (P, R), release=(KV, CG), owns_session=True, lost_session=True),
     "an engine that lost the daemon's open session fails it":
         Row(Desired.holding(SYNCED), SYNCED.with_(weights=WeightsState.UPDATING),
-            same(SYNCED, weight_version="v3", update_session_open=False), NodePhase.SYNC, (FAIL,),
-            owns_session=True),
+            same(SYNCED, weight_version="v3", update_session_open=False), NodePhase.SYNC, (),
+            owns_session=True, lost_session=True),
     "a session on the engine nobody owns is ended":
         Row(Desired.holding(SYNCED), SYNCED, same(SYNCED, update_session_open=True), NodePhase.SYNC, (END,)),
     "a half-done release is taken at the engine's word, not redone":
@@ -127,6 +128,7 @@ def test_the_plan(row: Row) -> None:
              lost_sight=row.lost_sight)
     assert p.actions == row.actions
     assert (p.release, p.resume) == (row.release, row.resume)
+    assert (p.lost_session is not None) == row.lost_session
     if row.pause_mode is not None:
         assert p.pause_mode is row.pause_mode
 

@@ -1,0 +1,630 @@
+"""The engine worker: the one place the daemon calls an engine, and the only writer of each engine's record.
+
+Every call an engine gets goes through here: the plans (daemon/reconcile.py) that phases, sleep / resume, weight
+sessions, the health loop, relaunches and restarts set, and the work a weight session does beside its plan
+(chunk loads, digests for a verified commit, weight-update groups and broadcasts). Each step updates the engine's
+record only after the engine confirmed it, so a failure anywhere leaves the record equal to what the engine really
+did. Order rules (engine-apis.md §6.3): idle before release, stay paused until fully resumed, weights before KV,
+flush after an update.
+
+Two ways in, one planner:
+
+- ``reconcile`` observes each engine first and drives it toward its record (the health loop, a relaunch,
+  a daemon restart, and every mutating operation before it acts, ``NodeLock.exclusive``). An engine that lost the
+  daemon's open weight session is recorded so (``EngineHandle.lost_session``); the session reads it there.
+- ``drive`` drives each engine toward a desired state a transition (or a manual sleep / resume, or a weight
+  session's open and close) set, planning on the record that was just observed. A failed drive re-observes every
+  engine before the error reaches the caller, so /v1/status says what the engines really are (a timed-out call may
+  have half happened); the record then is the desired state again: the trainer re-asks for a step that failed,
+  the daemon never retries it behind its back.
+
+The caller holds the node's lock (or the daemon is starting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..engines.base import (
+    Capability,
+    ChunkLoad,
+    EngineAdapter,
+    EngineDigests,
+    EngineInfo,
+    MemoryReport,
+    MemoryTag,
+    Observation,
+    PauseMode,
+)
+from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
+from ..engines.weight_group_protocol import BroadcastDescriptor, SupportsWeightGroups
+from ..errors import (
+    ColocdError,
+    EngineError,
+    EngineRejected,
+    EngineUnreachable,
+    StageTimeout,
+    TransitionRejected,
+)
+from ..policies import Budget, Timeouts, Transport
+from .events import emit
+from .fanout import OnFailure, each_engine, fan_out
+from .memory import GpuReading, NvmlProbe
+from .metrics import Metrics
+from .reconcile import Action, Desired, Plan, WeightsGoal, plan
+from .states import (
+    Attachment,
+    EngineRecord,
+    Generation,
+    NodeState,
+    TagState,
+    WeightsState,
+    check_attached,
+    unready_reason,
+)
+from .trace import Trace, TraceStore
+
+__all__ = [
+    "EngineHandle",
+    "EngineWorker",
+    "expected_release_bytes",
+    "expected_resume_bytes",
+    "group_verbs",
+    "late_loads",
+    "load_chunk",
+]
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class EngineHandle:
+    """One engine as the daemon holds it: adapter, config slice, attachment (with what ``attach`` said)
+    and the recorded state."""
+
+    adapter: EngineAdapter
+    config: AnyEngineConfig
+    state: EngineRecord
+    attachment: Attachment = Attachment.DETACHED
+    info: EngineInfo | None = None  # what the engine said when it attached (None while detached)
+    # Bytes each tag held by the engine's own report the last time it was released, and bytes NVML
+    # showed freed the last time a set of tags was released together: the next release's expectation.
+    learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
+    learned_release_bytes: dict[frozenset[MemoryTag], int] = field(default_factory=dict)
+    # The most NVML showed the engine's GPUs lose while a set of tags resumed: what the next resume of
+    # the same set needs free (the largest seen, since memory the trainer frees meanwhile hides some).
+    learned_resume_bytes: dict[frozenset[MemoryTag], int] = field(default_factory=dict)
+    # Reconciliation (daemon/reconcile.py): observed at least once by this daemon; and whether it
+    # lost sight of the engine since (a failed probe, or its record came from the journal).
+    observed_once: bool = False
+    lost_sight: bool = False
+    restart_counted: str | None = None  # the incarnation last counted in colocd_engine_restarts_total
+    # Chunk loads sent to the engine and not yet answered, with the session each belongs to. A load outlives a
+    # session that ended under it (no engine tells one session's chunk from another's, so a load cancelled on
+    # the daemon's side could still land): the next session opens only once the engine answered each.
+    loads_in_flight: dict[asyncio.Task[None], str] = field(default_factory=dict)
+    # Why the engine lost the daemon's open weight session (a reconcile found it restarted, or reporting no
+    # update session open); None once it begins the next one. The session fails on it (daemon/sessions.py).
+    lost_session: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.state.name
+
+    def attached(self, info: EngineInfo) -> None:
+        """The engine answered ``attach`` (first contact, or a restarted process that may speak a new version)."""
+        self.info, self.attachment = info, Attachment.ATTACHED
+
+    @property
+    def transports(self) -> frozenset[Transport]:
+        """The chunk transports the engine loads (its adapter says)."""
+        return self.adapter.transports
+
+    def can(self, capability: Capability) -> bool:
+        """Whether the engine said at attach that it answers ``capability``'s optional verb."""
+        return self.info is not None and capability in self.info.capabilities
+
+    def unready_reason(self) -> str | None:
+        return unready_reason(self.name, self.attachment, self.state)
+
+    @property
+    def device_type(self) -> str:
+        """Where the engine's tensors live: the reference engine says (``device``); SGLang and vLLM run on CUDA."""
+        return self.config.device.split(":")[0] if isinstance(self.config, ReferenceEngineConfig) else "cuda"
+
+    @property
+    def gpus(self) -> list[int | str]:
+        return list(self.config.gpu_uuids or self.config.gpus)
+
+    @property
+    def tp_devices(self) -> tuple[str, ...] | None:
+        """Each TP rank's device identity in TP-rank order, as the engine reported it at attach (else the
+        config's ``gpu_uuids``, one per TP rank); None when unknown (GPU indices alone do not say which GPU
+        a trainer rank's UUID is)."""
+        tp = int(self.config.tp_size)
+        if self.info is not None and len(self.info.device_ids) == tp:
+            return tuple(self.info.device_ids)
+        uuids = list(self.config.gpu_uuids or ())
+        return tuple(uuids) if len(uuids) == tp else None
+
+
+async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str, budget_s: float,
+                     coro: Awaitable[_T], **attrs: Any) -> _T:
+    """Run one engine call under its deadline, as a span; a timeout names the step and budget."""
+    with trace.span(name, engine.name, **attrs):
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(budget_s):
+                result = await coro
+        except TimeoutError as exc:
+            raise StageTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
+                              engine=engine.name, stage=name, budget_s=budget_s) from exc
+        except EngineError as exc:
+            engine.state = engine.state.with_(last_error=str(exc))
+            raise
+        finally:
+            metrics.observe_call(name, engine.name, time.perf_counter() - t0)
+    return result
+
+
+async def _pause(engine: EngineHandle, mode: PauseMode, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
+    if engine.state.generation is Generation.PAUSED:
+        return
+    await timed_call(engine, trace, metrics, "pause_generation", t.budget(Budget.PAUSE),
+                 engine.adapter.pause_generation(mode), mode=mode.value)
+    engine.state = engine.state.with_(generation=Generation.PAUSED)
+
+
+async def _flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
+    """Flush the prefix cache, retrying SGLang's normal 400 ("not idle yet") with backoff."""
+    budget = t.budget(Budget.FLUSH)
+
+    async def _retrying() -> int:
+        delay, attempts = 0.01, 0
+        while True:
+            attempts += 1
+            if await engine.adapter.flush_cache():
+                return attempts
+            await asyncio.sleep(delay)  # backoff between retries of a refused flush
+            delay = min(delay * 2, 1.0)
+
+    try:
+        await timed_call(engine, trace, metrics, "flush_cache", budget, _retrying())
+    except StageTimeout as exc:
+        # The policy for a flush the engine keeps refusing is "wait, within a budget that says so".
+        raise StageTimeout(f"{exc}: the engine kept requests running (e.g. ones queued while it slept, which "
+                          "start when it wakes); raise timeouts.flush_s or abort them, then retry the step",
+                          engine=exc.engine or engine.name, stage=exc.stage or "flush_cache",
+                          budget_s=exc.budget_s) from exc.__cause__
+
+
+async def _release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
+                  t: Timeouts, probe: NvmlProbe | None) -> dict[str, int]:
+    """Release ``tags`` and wait until the memory is measurably free. Returns freed bytes per source."""
+    if not tags:
+        return {}
+    before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
+    before_own = await _memory_report(engine)
+    _sample_memory(engine, trace, metrics, before_own, before_gpu)
+    await timed_call(engine, trace, metrics, "release_memory", t.budget(Budget.RELEASE),
+                 engine.adapter.release_memory(tags), tags=[x.value for x in tags])
+    engine.state = engine.state.with_tags(tags, TagState.RELEASED)
+    freed: dict[str, int] = {}
+    if before_own is not None:
+        for x in tags:
+            engine.learned_tag_bytes[x] = before_own.nbytes((x,))
+    if probe and before_gpu is not None:
+        expected, expected_from = expected_release_bytes(engine, tags, before_own)
+        with trace.span("confirm_memory_freed", engine.name, source="nvml") as span:
+            confirmation = await probe.confirm_release(
+                engine.gpus, before_gpu, expected_bytes=expected,
+                timeout_s=t.budget(Budget.MEMORY_CONFIRM))
+            span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 6),
+                              criterion=confirmation.criterion.value, polls=confirmation.polls,
+                              expected_bytes=expected, expected_from=expected_from)
+        metrics.memory_confirm.labels(engine.name, confirmation.criterion.value).observe(confirmation.waited_s)
+        engine.learned_release_bytes[frozenset(tags)] = sum(confirmation.freed_bytes.values())
+        freed = {f"gpu:{g}": b for g, b in confirmation.freed_bytes.items()}
+        for g, reading in before_gpu.items():
+            trace.sample_memory(f"gpu:{g}", reading.used_bytes - confirmation.freed_bytes.get(g, 0))
+    elif before_own is not None:
+        # No NVML (CPU engines): the reference engine's own per-tag accounting is the evidence.
+        after_own = await _memory_report(engine)
+        _sample_memory(engine, trace, metrics, after_own, None)
+        freed = {"engine": before_own.resident_bytes - (after_own.resident_bytes if after_own else 0)}
+    for source, nbytes in freed.items():
+        metrics.freed_bytes.labels(engine.name, source).inc(max(nbytes, 0))
+    return freed
+
+
+def expected_release_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...],
+                           report: MemoryReport | None) -> tuple[int | None, str | None]:
+    """What NVML should show freed once ``tags`` are released, and where that figure comes from.
+
+    The smaller of what the engine reports holding under those tags now and what NVML showed the last
+    time the same tags were released: either is evidence the bytes are back, and the smaller one is
+    the one NVML can reach (an allocator may keep a few pages; an engine may hold less than last time).
+    None when neither is known: the confirmation then waits for a drop that stays put.
+    """
+    known: dict[str, int] = {}
+    if report is not None:
+        if (reported := report.nbytes(tags)) > 0:
+            known["engine_report"] = reported
+    if (learned := engine.learned_release_bytes.get(frozenset(tags))) is not None and learned > 0:
+        known["last_release"] = learned
+    if not known:
+        return None, None
+    source = min(known, key=known.__getitem__)
+    return known[source], source
+
+
+def expected_resume_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...]) -> tuple[int | None, str | None]:
+    """What resuming ``tags`` will take on the engine's GPUs (all of them together), and where that figure
+    comes from: what the engine reported the tags holding when they were last released, else the most
+    NVML showed taken when the same tags last resumed. None when neither is known (a first resume)."""
+    if tags and all(engine.learned_tag_bytes.get(x, 0) > 0 for x in tags):
+        return sum(engine.learned_tag_bytes[x] for x in tags), "engine_report"
+    if (learned := engine.learned_resume_bytes.get(frozenset(tags))) is not None and learned > 0:
+        return learned, "last_resume"
+    return None, None
+
+
+async def _resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
+                 t: Timeouts, probe: NvmlProbe | None = None) -> None:
+    if not tags:
+        return
+    before = probe.read_all(engine.gpus) if probe is not None and engine.gpus else None
+    await timed_call(engine, trace, metrics, "resume_memory", t.budget(Budget.RESUME),
+                 engine.adapter.resume_memory(tags), tags=[x.value for x in tags])
+    engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
+    if probe is not None and before is not None:
+        after = probe.read_all(engine.gpus)
+        taken = sum(max(0, before[g].free_bytes - after[g].free_bytes) for g in before if g in after)
+        key = frozenset(tags)
+        engine.learned_resume_bytes[key] = max(taken, engine.learned_resume_bytes.get(key, 0))
+        _sample_memory(engine, trace, metrics, None, after)
+    elif engine.can(Capability.MEMORY_REPORT):
+        _sample_memory(engine, trace, metrics, await _memory_report(engine), None)
+
+
+async def _continue_generation(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
+    engine.state.check_can_serve()  # never serve released memory or a partial update
+    if engine.state.generation is Generation.SERVING:
+        return
+    await timed_call(engine, trace, metrics, "continue_generation", t.budget(Budget.PAUSE),
+                 engine.adapter.continue_generation())
+    engine.state = engine.state.with_(generation=Generation.SERVING)
+
+
+# -- a weight session's chunk loads (its open and close are plans) ----------------------------------------
+async def load_chunk(engine: EngineHandle, load: ChunkLoad, session_id: str) -> None:
+    """One chunk into the engine; the session's lane times and traces it, under the chunk budget.
+
+    The call runs to the engine's answer even when the caller is cancelled (its session ended): until then it is
+    in ``engine.loads_in_flight``, and no other session may open on the engine (``late_loads``)."""
+    call = asyncio.ensure_future(engine.adapter.load_weights(load))
+    engine.loads_in_flight[call] = session_id
+    call.add_done_callback(lambda done: (engine.loads_in_flight.pop(done, None),
+                                         None if done.cancelled() else done.exception()))
+    await asyncio.shield(call)
+
+
+def late_loads(engine: EngineHandle) -> str | None:
+    """Why a session may not open on ``engine`` now: a chunk load of an ended session still on its way."""
+    if not engine.loads_in_flight:
+        return None
+    sessions = sorted(set(engine.loads_in_flight.values()))
+    return (f"engine {engine.name!r} has not yet answered {len(engine.loads_in_flight)} chunk load(s) of ended "
+            f"session(s) {', '.join(sessions)}; a late chunk would land in the next session, so it opens once the "
+            "engine answered (or the engine is restarted)")
+
+
+async def _memory_report(engine: EngineHandle) -> MemoryReport | None:
+    """The engine's own accounting where it keeps one (asking others would cost a call for nothing); a failed
+    read is no evidence either way."""
+    if not engine.can(Capability.MEMORY_REPORT):
+        return None
+    try:
+        return await engine.adapter.memory_report()
+    except EngineError:
+        return None
+
+
+def _sample_memory(engine: EngineHandle, trace: Trace, metrics: Metrics, own: MemoryReport | None,
+                   gpu: Mapping[str, GpuReading] | None) -> None:
+    """Put a memory reading into the trace (the timeline's memory line) and the engine's gauges:
+    NVML per GPU where there is one, else the engine's own per-tag accounting."""
+    for g, reading in (gpu or {}).items():
+        trace.sample_memory(f"gpu:{g}", reading.used_bytes)
+    if own is not None:
+        trace.sample_memory(f"engine:{engine.name}", own.resident_bytes)
+        for tag, entry in own.tags.items():
+            metrics.engine_memory.labels(engine.name, tag.value).set(entry.resident_nbytes)
+
+
+class EngineWorker:
+    """Drives the node's engines, and keeps what its reconciles found and did."""
+
+    def __init__(self, engines: dict[str, EngineHandle], metrics: Metrics, traces: TraceStore, *,
+                 state: Callable[[], NodeState], timeouts: Callable[[], Timeouts],
+                 probe: Callable[[], NvmlProbe | None], reconciled: Callable[[EngineHandle, bool], None],
+                 open_session: Callable[[], str | None]) -> None:
+        """``state``, ``timeouts`` and ``probe``: the node's as of now; ``reconciled(engine, changed)``: told after
+        each reconcile that finished (the daemon notes the incarnation and, where it changed anything, journals);
+        ``open_session()``: the id of the daemon's open weight session (None: none is open)."""
+        self.engines, self.metrics, self.traces = engines, metrics, traces
+        self._state, self._timeouts, self._probe, self._reconciled = state, timeouts, probe, reconciled
+        self._open_session = open_session
+        # Engines whose journal record is not yet checked against the engine (mutating calls are refused
+        # meanwhile).
+        self.unreconciled: set[str] = set()
+        # Engines whose last reconcile did not finish (it failed, or a relaunched one is not reconciled yet):
+        # name -> why. Not ready meanwhile; the health loop retries them with a short backoff.
+        self.unsettled: dict[str, str] = {}
+        self.reports: dict[str, dict[str, Any]] = {}
+
+    @property
+    def node(self) -> NodeState:
+        """The node's phase and step as of now."""
+        return self._state()
+
+    def timeouts(self) -> Timeouts:
+        return self._timeouts()
+
+    def probe(self) -> NvmlProbe | None:
+        return self._probe()
+
+    def transports(self) -> frozenset[Transport] | None:
+        """What every engine of the node loads (each adapter says; None: no engines to ask)."""
+        accepted = [e.transports for e in self.engines.values()]
+        return frozenset.intersection(*accepted) if accepted else None
+
+    def restore(self, records: Mapping[str, Mapping[str, Any]]) -> None:
+        """A restarted daemon's records of its engines, from its journal (``EngineRecord.snapshot``): not observed
+        since they were written, each is re-verified before any mutating call (``unreconciled``)."""
+        for name, snap in records.items():
+            if (engine := self.engines.get(name)) is None:
+                continue
+            tags = {MemoryTag(t): TagState(s) for t, s in snap["tags"].items()}
+            engine.state = engine.state.with_(
+                tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
+                weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],
+                incarnation=snap.get("incarnation"))
+            engine.lost_sight = True
+            self.unreconciled.add(name)
+
+    def require_attached(self) -> None:
+        """Every engine answered the observation that just ran (``NodeLock.exclusive``); else 502 naming it."""
+        for engine in self.engines.values():
+            check_attached(engine.name, engine.attachment, engine.state)
+
+    # -- toward a desired state ----------------------------------------------------------------------
+    async def drive(self, engines: list[EngineHandle], desired: Mapping[str, Desired], trace: Trace, *,
+                    operation: str, what: str) -> dict[str, dict[str, int]]:
+        """Drive each engine to ``desired[name]``, concurrently, timed under ``operation``; returns the bytes each
+        freed, per source."""
+        owns = self._open_session() is not None
+
+        async def one(engine: EngineHandle) -> dict[str, int]:
+            p = plan(desired[engine.name], engine.state, None, phase=self.node.phase, owns_session=owns)
+            return await self._run(engine, p, trace)
+
+        try:
+            return await each_engine(engines, one, operation=operation, metrics=self.metrics)
+        except Exception:
+            await self.reconcile_all(f"after failed {what}", keep_error=True)
+            raise
+
+    # -- toward the record, on a fresh observation -----------------------------------------------------
+    async def reconcile_all(self, trigger: str, *, keep_error: bool = False) -> None:
+        await fan_out(self.engines.values(), lambda e: self.reconcile(e, trigger, keep_error=keep_error),
+                      on_failure=OnFailure.SETTLE)
+
+    async def reconcile(self, engine: EngineHandle, trigger: str, *, keep_error: bool = False) -> bool:
+        """Observe one engine and drive it toward its record; False if it cannot be done now.
+
+        ``keep_error``: the record's last_error stays (a refresh right after a failed step keeps that step's
+        error). A change of the engine's health is logged once (event ``engine_health``).
+        """
+        was_healthy = engine.state.healthy
+        try:
+            return await self._reconcile(engine, trigger, keep_error=keep_error)
+        finally:
+            if engine.state.healthy is not was_healthy:
+                emit("engine_health", logging.INFO if engine.state.healthy else logging.WARNING, engine=engine.name,
+                     session=self._open_session(), step=self.node.step, phase=self.node.phase.value,
+                     healthy=engine.state.healthy, trigger=trigger, error=engine.state.last_error)
+
+    async def _observe(self, engine: EngineHandle) -> Observation:
+        budget = self.timeouts().budget(Budget.OBSERVE)
+        try:
+            async with asyncio.timeout(budget):
+                if engine.attachment is Attachment.DETACHED:
+                    engine.attached(await engine.adapter.attach())
+                return await engine.adapter.observe()
+        except TimeoutError:
+            raise EngineUnreachable(engine.name, f"no answer to observe within {budget:g}s") from None
+
+    async def _reconcile(self, engine: EngineHandle, trigger: str, *, keep_error: bool) -> bool:
+        try:
+            observed = await self._observe(engine)
+        except EngineError as exc:
+            engine.state = engine.state.with_(healthy=False, last_error=str(exc))
+            engine.lost_sight = engine.lost_sight or engine.observed_once
+            return False
+        recorded = engine.state
+        p = plan(Desired.holding(recorded), recorded, observed, phase=self.node.phase,
+                 owns_session=self._open_session() is not None,
+                 first_sight=not engine.observed_once and not engine.lost_sight, lost_sight=engine.lost_sight)
+        if p.restarted and not await engine.adapter.started():
+            # Driven only once its own start-up has run (a pause during SGLang's warm-up blocks it for good); the
+            # record stays as it was, so status shows no new incarnation yet, and the retry comes promptly.
+            error = (f"reconcile ({trigger}) of engine {engine.name!r} waits: it restarted and is still starting up "
+                     "(its own warm-up has not finished); it is driven once it has")
+            engine.state = recorded.with_(weights=WeightsState.STALE, healthy=True, last_error=error)
+            self._report(engine, trigger, p, error)
+            self.unsettled[engine.name] = error
+            return False
+        # A restarted engine's new incarnation is published only once the plan's actions (pause, release) ran:
+        # status never shows the new process before it is in the state the record wants.
+        engine.state = p.state.with_(incarnation=recorded.incarnation) if p.restarted else p.state
+        if p.lost_session is not None:  # the open session fails on it once this reconcile is done
+            engine.lost_session = p.lost_session
+            self.metrics.reconcile_actions.labels(engine.name, "fail_session").inc()
+        trace = Trace(self.node.step, f"reconcile:{engine.name}")
+        try:
+            if p.restarted:
+                if observed.incarnation is None or observed.incarnation != engine.restart_counted:
+                    self.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
+                    engine.restart_counted = observed.incarnation
+                async with asyncio.timeout(self.timeouts().budget(Budget.OBSERVE)):
+                    engine.attached(await engine.adapter.attach())  # a new process may speak a new version
+            await self._run(engine, p, trace, counted=True)
+        except (ColocdError, TimeoutError) as exc:
+            error = f"reconcile ({trigger}) of engine {engine.name!r} failed: {exc or type(exc).__name__}"
+            # Keep what the engine was recorded as (and its old incarnation), so the next tick plans again.
+            base = recorded if p.restarted else engine.state
+            engine.state = base.with_(weights=engine.state.weights if not p.restarted else WeightsState.STALE,
+                                      healthy=True, last_error=error)
+            self._report(engine, trigger, p, error)
+            self.unsettled[engine.name] = error
+            trace.finish("reconcile_failed", error=error)  # not "failed": the trainer's step did not fail
+            return False
+        finally:
+            if p.actions:
+                trace.finish("reconciled", restarted=p.restarted)
+                self.traces.put(trace)
+        if p.findings:
+            self.metrics.reconcile_actions.labels(engine.name, "adopt").inc()
+        engine.observed_once, engine.lost_sight = True, False
+        engine.state = engine.state.with_(healthy=True, incarnation=p.state.incarnation,
+                                          last_error=engine.state.last_error if keep_error else None)
+        self.unreconciled.discard(engine.name)
+        self.unsettled.pop(engine.name, None)
+        if p.changes_anything:
+            self._report(engine, trigger, p, None)
+        self._reconciled(engine, p.changes_anything)
+        return True
+
+    # -- the worker: one engine, one plan ----------------------------------------------------------------
+    async def _run(self, engine: EngineHandle, p: Plan, trace: Trace, *, counted: bool = False) -> dict[str, int]:
+        """Run ``p``'s actions on ``engine`` in order; returns the bytes its release freed, per source.
+        ``counted``: each action is counted in ``colocd_reconcile_actions`` (a reconcile's plan)."""
+        t = self.timeouts()
+        freed: dict[str, int] = {}
+        for action in p.actions:
+            if action is Action.END_ENGINE_SESSION:
+                try:
+                    await self._end_session(engine, p.weights or WeightsGoal(), trace)
+                except EngineRejected:
+                    if not p.end_session_tolerant:
+                        raise  # the engine said a session was open, yet refuses to end it
+            elif action is Action.BEGIN_ENGINE_SESSION and p.weights is not None:
+                await timed_call(engine, trace, self.metrics, "begin_weight_update",
+                                 t.budget(Budget.WEIGHT_UPDATE), engine.adapter.begin_weight_update())
+                engine.state = engine.state.with_(weights=WeightsState.UPDATING)
+                engine.lost_session = None
+            elif action is Action.PAUSE:
+                await _pause(engine, p.pause_mode, trace, self.metrics, t)
+            elif action is Action.RELEASE:
+                await _flush(engine, trace, self.metrics, t)  # idle + empty radix cache before release
+                freed = await _release(engine, p.release, trace, self.metrics, t, self.probe())
+            elif action is Action.RESUME:
+                await _resume(engine, p.resume, trace, self.metrics, t, self.probe())
+            elif action is Action.CONTINUE:
+                await _flush(engine, trace, self.metrics, t)  # no stale prefix KV across a weight change
+                await _continue_generation(engine, trace, self.metrics, t)
+            if counted:
+                self.metrics.reconcile_actions.labels(engine.name, action.value).inc()
+        return freed
+
+    async def _end_session(self, engine: EngineHandle, goal: WeightsGoal, trace: Trace) -> None:
+        """End the engine's update session: committed, it serves ``goal.version`` (the adapter's end sets it);
+        else its record holds what the session left (``goal.after``) from before the call, which may fail."""
+        if goal.after is not None:
+            engine.state = engine.state.with_(weights=goal.after)
+        await timed_call(engine, trace, self.metrics, "end_weight_update",
+                         self.timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update(goal.version))
+        if goal.version is not None:
+            engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=goal.version)
+
+    # -- a weight session's goal ------------------------------------------------------------------------
+    async def weights(self, goals: Mapping[str, WeightsGoal], trace: Trace, *, strict: bool) -> None:
+        """Drive each named engine to its weight session goal, concurrently, on its record (the caller observed
+        every engine when it took the node's lock). ``strict``: the first failure is raised (the caller cleans
+        up); else every engine is tried and failures are only logged (a best-effort close)."""
+
+        async def one(engine: EngineHandle) -> None:
+            p = plan(Desired.for_weights(engine.state, goals[engine.name]), engine.state, None,
+                     phase=self.node.phase, owns_session=self._open_session() is not None)
+            await self._run(engine, p, trace)
+
+        engines = [e for n, e in self.engines.items() if n in goals]
+        if strict:
+            await each_engine(engines, one, operation="weights", metrics=self.metrics)
+        else:
+            await fan_out(engines, one, on_failure=OnFailure.COLLECT)
+
+    # -- a weight session's work beside its plan: digests, weight-update groups, broadcasts ---------------------
+    async def digests(self, engine: EngineHandle, names: Sequence[str], trace: Trace) -> EngineDigests:
+        """What the engine holds of ``names``, as digests, for a verified commit (daemon/verify.py)."""
+        return await timed_call(engine, trace, self.metrics, "weight_digests",
+                                self.timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.weight_digests(names),
+                                tensors=len(names))
+
+    async def join_group(self, engine: EngineHandle, trace: Trace, *, group_name: str, master_address: str,
+                         master_port: int, rank_offset: int, world_size: int, backend: str) -> None:
+        """The engine joins the trainer's weight-update group (daemon/distributed.py)."""
+        await timed_call(engine, trace, self.metrics, "init_weights_update_group",
+                         self.timeouts().budget(Budget.GROUP),
+                         group_verbs(engine).init_weights_update_group(
+                             master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                             world_size=world_size, group_name=group_name, backend=backend),
+                         group=group_name, rank_offset=rank_offset)
+
+    async def leave_group(self, engine: EngineHandle, group_name: str, trace: Trace) -> None:
+        await timed_call(engine, trace, self.metrics, "destroy_weights_update_group",
+                         self.timeouts().budget(Budget.GROUP),
+                         group_verbs(engine).destroy_weights_update_group(group_name), group=group_name)
+
+    async def receive_broadcast(self, engine: EngineHandle, desc: BroadcastDescriptor, trace: Trace) -> None:
+        """The engine receives one broadcast of the trainer's through its group, under the chunk budget."""
+        await timed_call(engine, trace, self.metrics, f"update_weights_from_distributed#{desc.seq}",
+                         self.timeouts().budget(Budget.CHUNK),
+                         group_verbs(engine).update_weights_from_distributed(
+                             seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
+                             shapes=[list(s) for s in desc.shapes], group_name=desc.group_name,
+                             load_format=desc.load_format),
+                         group=desc.group_name, nbytes=desc.nbytes, tensors=len(desc.names))
+
+    async def close(self) -> list[Exception]:
+        """Stop waiting for the engines' answers and close every adapter (the daemon closes); the errors."""
+        errors = []
+        for engine in reversed(list(self.engines.values())):
+            for call in list(engine.loads_in_flight):
+                call.cancel()
+            try:
+                await engine.adapter.aclose()
+            except Exception as exc:  # collect, keep closing the rest
+                errors.append(exc)
+        return errors
+
+    def _report(self, engine: EngineHandle, trigger: str, p: Plan, error: str | None) -> None:
+        report = {"trigger": trigger, "at": time.time(), "ok": error is None, "error": error, **p.snapshot()}
+        self.reports[engine.name] = report
+        emit("reconcile", logging.WARNING if p.restarted or error else logging.INFO, engine=engine.name,
+             session=self._open_session(), step=self.node.step, phase=self.node.phase.value, trigger=trigger,
+             result="failed" if error else "ok", restarted=p.restarted, reason=p.reason,
+             findings=list(p.findings), actions=[a.value for a in p.actions], error=error)
+
+
+def group_verbs(engine: EngineHandle) -> SupportsWeightGroups:
+    """The engine's weight-update group verbs; 409 for an engine without them (SGLang's §1.6 path)."""
+    if not isinstance(engine.adapter, SupportsWeightGroups):
+        raise TransitionRejected(f"engine {engine.name!r} has no weight-update group routes (SGLang's §1.6 path)")
+    return engine.adapter
