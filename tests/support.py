@@ -34,8 +34,7 @@ from colocd.policies import Transport
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
            "NvmlNode", "RestartableEngine", "daemon_node", "in_process_daemon", "leaves_no_shm_segments",
            "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body",
-           "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
-           "stop_engines"]
+           "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -337,37 +336,46 @@ class EnginePool:
     """
 
     def __init__(self) -> None:
-        self._idle: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._idle: dict[str, Any] = {}
 
-    def borrow(self, name: str = "ref0", **config: Any) -> Any:
+    def _held(self, name: str, config: dict[str, Any]) -> Any:
+        """The module's idle engine of this configuration, or a new, not yet started process of it."""
         from colocd.engines.reference.launcher import ReferenceEngineProcess
 
         key = repr(sorted({"name": name, **config}.items()))
-        held = self._idle.pop(key, None)
-        if held is not None and held[0].returncode is None:
-            proc, fresh = held
-        else:
+        proc = self._idle.pop(key, None)
+        if proc is None or proc.returncode is not None:
             proc = ReferenceEngineProcess(reference_config(name, **config))
+        proc.pool_key = key
+        return proc
+
+    def borrow(self, name: str = "ref0", **config: Any) -> Any:
+        proc = self._held(name, config)
+        if proc.process is None:
             proc.start()
-            fresh = _observe(proc)
-        proc.pool_key, proc.fresh = key, fresh
+            proc.fresh = _observe(proc)
         return proc
 
     @asynccontextmanager
     async def lent(self, **engines: dict[str, Any]) -> AsyncIterator[dict[str, str]]:
         """The module's engines by name, each of its configuration, as ``{name: url}`` (what ``daemon_node``
-        takes); each is given back (reset) afterwards."""
-        procs = []
+        takes); those not yet running start concurrently (each is a process importing torch); each is given back
+        (reset) afterwards."""
+        procs = [self._held(name, config) for name, config in engines.items()]
+        new = [proc for proc in procs if proc.process is None]
         try:
-            for name, config in engines.items():
-                procs.append(self.borrow(name, **config))
+            started = await asyncio.gather(*(proc.astart() for proc in new), return_exceptions=True)
+            if failed := [error for error in started if error is not None]:
+                raise failed[0]
+            for proc in new:
+                proc.fresh = await asyncio.to_thread(_observe, proc)
             yield {proc.config.name: str(proc.url) for proc in procs}
         finally:
             for proc in procs:
                 self.give_back(proc)
 
     def give_back(self, proc: Any) -> None:
-        if proc.returncode is not None:
+        if proc.returncode is not None or getattr(proc, "fresh", None) is None:  # killed, or never ready
             proc.stop()
             return
         try:
@@ -380,21 +388,16 @@ class EnginePool:
             proc.stop()
             raise AssertionError(f"the reset left engine {proc.config.name!r} unlike a fresh one: {now} != "
                                  f"{proc.fresh}")
-        self._idle[proc.pool_key] = (proc, proc.fresh)
+        self._idle[proc.pool_key] = proc
 
     def close(self) -> None:
         """Stop every engine, concurrently: each waits for its own clean exit."""
-        procs = [proc for proc, _ in self._idle.values()]
+        from concurrent.futures import ThreadPoolExecutor
+
+        procs = list(self._idle.values())
         self._idle.clear()
-        stop_engines(procs)
-
-
-def stop_engines(procs: list[Any]) -> None:
-    """Stop engine processes concurrently (each ``stop()`` waits for its own exit, seconds under load)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max(1, len(procs))) as stopping:
-        list(stopping.map(lambda proc: proc.stop(), procs))
+        with ThreadPoolExecutor(max(1, len(procs))) as stopping:
+            list(stopping.map(lambda proc: proc.stop(), procs))
 
 
 def _engine_http(proc: Any) -> httpx.Client:
@@ -432,7 +435,8 @@ def _reset(proc: Any, fresh: dict[str, Any]) -> None:
 
 
 def _load_seed_weights(http: httpx.Client, config: Any) -> None:
-    """The weights a fresh engine of ``config`` serves, loaded through one colocd_shm update."""
+    """The weights a fresh engine of ``config`` serves, loaded through one colocd_shm update (the same entry for
+    each TP rank)."""
     import base64
     import json
 
@@ -447,7 +451,7 @@ def _load_seed_weights(http: httpx.Client, config: Any) -> None:
         entry = {"transport": "shm", "shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
         _ok(http.post("/begin_weight_update", json={}))
         _ok(http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [base64.b64encode(json.dumps(entry).encode()).decode()],
+            "serialized_named_tensors": [base64.b64encode(json.dumps(entry).encode()).decode()] * config.tp_size,
             "load_format": "colocd_shm", "flush_cache": True}))
         _ok(http.post("/end_weight_update", json={}))
     finally:
