@@ -34,7 +34,8 @@ from colocd.policies import Transport
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
            "NvmlNode", "RestartableEngine", "daemon_node", "in_process_daemon", "leaves_no_shm_segments",
            "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body",
-           "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments"]
+           "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
+           "stand_in_engine"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -256,7 +257,8 @@ async def node_on_mirrored_gpu(model: dict[str, Any]) -> AsyncIterator[dict[str,
 # --- the fixture factory: reference engines, daemons, clients -------------------------------------------
 #
 # Every integration test builds its node from these: ``reference_engine`` (a fresh process, where the process is
-# the point: it is killed, restarted, or its launch is what is tested), ``EnginePool`` (module-scoped processes a
+# the point: it is killed, restarted, or its launch is what is tested), ``stand_in_engine`` (a script in its
+# place, where only the supervised process group matters), ``EnginePool`` (module-scoped processes a
 # test borrows and the pool resets through the engine's own API afterwards) and ``daemon_node`` (the daemon in
 # the test's event loop, or ``colocd serve`` as a child process where the process is the point).
 
@@ -323,6 +325,30 @@ async def restartable_engine(name: str = "ref0", **config: Any) -> AsyncIterator
             yield engine
         finally:
             await engine.proc.aclose()
+
+
+@asynccontextmanager
+async def stand_in_engine(script: str, *args: str, workdir: Any, name: str = "stand-in") -> AsyncIterator[Any]:
+    """A small Python ``script`` in place of an engine, supervised as a launcher supervises one
+    (``engines/processes.py``: its own process group, its log in ``workdir``): started with ``args`` and the path
+    of a ready file, ready once the script creates that file; stopped at exit (again, if the test stopped it)."""
+    import sys
+    from pathlib import Path
+
+    from colocd.engines.processes import ManagedProcess
+
+    ready = Path(workdir, f"{name}.ready")
+    proc = ManagedProcess(name, [sys.executable, "-c", script, *args, str(ready)], dict(os.environ),
+                          log_file=Path(workdir, f"{name}.log"))
+    proc.spawn()
+    try:
+        async def created() -> bool | None:
+            return True if ready.exists() else None  # noqa: ASYNC240 - one stat per poll
+
+        await proc.wait_ready(created, DEADLINE_S)
+        yield proc
+    finally:
+        await proc.stop(grace_s=5)
 
 
 class EnginePool:
