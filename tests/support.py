@@ -32,9 +32,9 @@ from colocd.engines.shm_files import files_in_use
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
-           "NvmlNode", "RestartableEngine", "daemon_node", "in_process_daemon", "leaves_no_shm_segments",
-           "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body",
-           "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
+           "NvmlNode", "RestartableEngine", "daemon_node", "entered_in_thread", "in_process_daemon",
+           "leaves_no_shm_segments", "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine",
+           "request_body", "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
            "stand_in_engine"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
@@ -550,18 +550,53 @@ class DaemonNode:
         os.kill(self.process.pid, signal.SIGKILL)
         await self.process.process.wait_exit()
 
+    async def stop(self) -> None:
+        """Stop ``colocd serve`` the way an operator does (SIGTERM: it shuts down and leaves attached engines as
+        they are)."""
+        assert self.process is not None, "stop() needs subprocess=True"
+        await self.process.stop()
+
     async def restart(self, *, ready: bool = True) -> None:
-        """Start ``colocd serve`` again after ``kill()``, with the same config and workdir (so the same
+        """Start ``colocd serve`` again after ``kill()`` or ``stop()``, with the same config and workdir (so the same
         journal); the client follows it to its new port. Waits for ``/readyz`` unless ``ready=False``."""
         from colocd.api.client import AsyncColocdClient
 
-        assert self.process is not None and not self.process.process.running, "restart() follows kill()"
+        assert self.process is not None and not self.process.process.running, "restart() follows kill() or stop()"
         await self.client.aclose()
         await self.process.__aenter__()  # daemon_node's exit stops whichever process runs last
         self.url = self.process.url
         self.client = AsyncColocdClient(self.url, token=self.token)
         if ready:
             await self.client.wait_ready(DEADLINE_S)
+
+
+@contextmanager
+def entered_in_thread(manager: Any) -> Iterator[tuple[Any, Callable[[Awaitable[Any]], Any]]]:
+    """Enter the async context manager ``manager`` (a ``daemon_node(...)``) on an event loop of its own thread, for
+    a fixture of synchronous tests that outlives one event loop (a module's); yields what it yields and
+    ``run(coroutine)``, which runs a coroutine on that loop (its methods: ``run(node.restart())``)."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="entered-in-thread", daemon=True)
+    thread.start()
+
+    def run(coroutine: Awaitable[Any]) -> Any:
+        async def wrapped() -> Any:
+            return await coroutine
+
+        return asyncio.run_coroutine_threadsafe(wrapped(), loop).result()
+
+    try:
+        value = run(manager.__aenter__())
+        try:
+            yield value, run
+        finally:
+            run(manager.__aexit__(None, None, None))
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
 
 def node_config(engines: list[dict[str, Any]] | dict[str, str] | None = None, *,
