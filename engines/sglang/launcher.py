@@ -1,49 +1,31 @@
-"""Starts an SGLang server with the flags colocation needs, or attaches to a running one; no engine verbs.
+"""Starts an SGLang server with the flags colocation needs; no engine verbs.
 
 ``sglang_command`` is pure (config in, argv and environment out) so the flag rules are tested
-without SGLang; ``SGLangServer`` says what "ready" is (``/health`` 200) and hands the process to
-``engines/processes.py`` (own process group, log file, readiness under a deadline, SIGTERM then
-SIGKILL to the whole group: SGLang's scheduler and detokenizer are children of the launcher).
+without SGLang; ``launch_sglang`` hands it to ``engines/processes.py`` (own process group, log file,
+readiness: ``/health`` 200 under a deadline; SIGTERM then SIGKILL to the whole group: SGLang's
+scheduler and detokenizer are children of the launcher).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from enum import Enum
-from pathlib import Path
+from collections.abc import Mapping
 from urllib.parse import urlsplit
-
-import httpx
 
 from ...errors import EngineLaunchError
 from ..config import SGLangEngineConfig
 from ..processes import (
     Launched,
     LaunchOptions,
-    ManagedProcess,
     flag_values,
-    free_port,
     gpu_environment,
     launch_until_healthy,
     strip_expandable_segments,
-    wait_healthy,
 )
 from .protocol import parse_version
 
-__all__ = [
-    "LaunchError",
-    "SGLangServer",
-    "ServerState",
-    "free_port",
-    "launch_sglang",
-    "sglang_command",
-    "strip_expandable_segments",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["LaunchError", "launch_sglang", "sglang_command", "strip_expandable_segments"]
 
 # Flags colocd sets from the engine config; launch.args may not set them again.
 _OWNED_FLAGS = {
@@ -164,119 +146,21 @@ def sglang_command(
     return argv, env
 
 
-class ServerState(Enum):
-    """Lifecycle of one ``SGLangServer``."""
-
-    STARTING = "starting"  # process started, /health not yet 200
-    READY = "ready"
-    STOPPED = "stopped"  # stopped by us, or exited
-
-
-class SGLangServer:
-    """One SGLang server colocd started (it owns the process group) or attached to (it owns nothing)."""
-
-    def __init__(self, name: str, url: str, process: ManagedProcess | None = None) -> None:
-        self.name = name
-        self.url = url.rstrip("/")
-        self.process = process
-        self.state = ServerState.STARTING
-
-    @property
-    def log_path(self) -> Path | None:
-        return self.process.log_path if self.process is not None else None
-
-    @classmethod
-    def attach(cls, name: str, url: str) -> SGLangServer:
-        """A server someone else runs; ``stop`` leaves it alone."""
-        return cls(name, url)
-
-    @classmethod
-    async def start(
-        cls,
-        name: str,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        url: str,
-        *,
-        log_file: str | os.PathLike[str] | None = None,
-        on_spawn: Callable[[ManagedProcess], None] | None = None,
-    ) -> SGLangServer:
-        """Start ``argv`` in its own process group with stdout and stderr appended to a log file; ``on_spawn``
-        is told the process as soon as it exists (the daemon journals it before it is ready)."""
-        process = ManagedProcess(name, argv, env, label="SGLang", log_file=log_file, on_spawn=on_spawn)
-        process.spawn()
-        return cls(name, url, process)
-
-    @classmethod
-    async def launch(
-        cls,
-        config: SGLangEngineConfig,
-        client: httpx.AsyncClient | None = None,
-        *,
-        python: str | None = None,
-        sglang_version: str | None = None,
-        on_spawn: Callable[[ManagedProcess], None] | None = None,
-    ) -> SGLangServer:
-        """Start ``config``'s server and wait for ``/health`` within ``launch.ready_timeout_s``.
-
-        The port comes from ``config.url`` if set, else a free one; if that one is taken by the
-        time SGLang binds it, a second free port is tried once.
-        """
-        if config.launch is None:
-            raise LaunchError(config.name, "has no 'launch' section")
-        python = python or os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable
-        process, url = await launch_until_healthy(
-            config.name, "SGLang",
-            lambda port: sglang_command(config, port, python=python, sglang_version=sglang_version),
-            port=_port_of(config.url, config.name) if config.url else None, log_file=config.launch.log_file,
-            ready_timeout_s=config.launch.ready_timeout_s, on_spawn=on_spawn, client=client)
-        server = cls(config.name, url, process)
-        server.state = ServerState.READY
-        return server
-
-    async def wait_ready(self, client: httpx.AsyncClient, deadline_s: float) -> None:
-        """Poll ``GET /health`` until 200, the process exits, or ``deadline_s`` passes (``LaunchError``)."""
-        if self.process is None:
-            raise LaunchError(self.name, "attached: colocd did not start this server")
-
-        try:
-            await wait_healthy(self.process, self.url, deadline_s, client)
-        except LaunchError:
-            if not self.process.running:
-                self.state = ServerState.STOPPED
-            raise
-        self.state = ServerState.READY
-
-    async def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``; the exit code (None if attached).
-
-        If this coroutine is cancelled while waiting, the group is killed before the cancel goes on,
-        so no SGLang process outlives its owner.
-        """
-        try:
-            return await self.process.stop(grace_s) if self.process is not None else None
-        finally:
-            self.state = ServerState.STOPPED
-
-    def log_tail(self, nbytes: int = 4000) -> str:
-        if self.process is None:
-            return "(attached: no log)"
-        return self.process.log_tail(nbytes)
-
-    async def __aenter__(self) -> SGLangServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-
-async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | None = None) -> Launched:
-    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200. ``options.on_spawn``
-    journals the process as soon as it exists; ``options.paused`` is not SGLang's (the daemon pauses it when
-    it reconciles it)."""
-    server = await SGLangServer.launch(config, on_spawn=(options or LaunchOptions()).on_spawn)
-    assert server.process is not None
-    return Launched(server.url, server.process)
+async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | None = None, *,
+                        sglang_version: str | None = None) -> Launched:
+    """Start ``config``'s server under ``$COLOCD_SGLANG_PYTHON`` (an SGLang venv; else this interpreter) and return
+    once ``/health`` answers 200 within ``launch.ready_timeout_s``: on ``config.url``'s port, else a free one
+    (``launch_until_healthy``). ``options.on_spawn`` is told the process as soon as it exists (the daemon journals
+    it); the daemon pauses the server when it reconciles it."""
+    if config.launch is None:
+        raise LaunchError(config.name, "has no 'launch' section")
+    python = os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable
+    process, url = await launch_until_healthy(
+        config.name, "SGLang",
+        lambda port: sglang_command(config, port, python=python, sglang_version=sglang_version),
+        port=_port_of(config.url, config.name) if config.url else None, log_file=config.launch.log_file,
+        ready_timeout_s=config.launch.ready_timeout_s, on_spawn=(options or LaunchOptions()).on_spawn)
+    return Launched(url, process)
 
 
 def _port_of(url: str, name: str = "sglang") -> int:
