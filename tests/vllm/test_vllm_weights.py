@@ -16,7 +16,8 @@ import pytest
 from vllm_live import VLLMHttp
 
 from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
-from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.engines.config import VLLMEngineConfig
+from colocd.engines.vllm import VLLMAdapter
 from colocd.engines.vllm.extension import named_digest
 from colocd.errors import EngineRejected
 
@@ -77,7 +78,7 @@ async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
 
 async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
     adapter: VLLMAdapter,
-    vllm_server: VLLMServer,
+    vllm_config: VLLMEngineConfig,
     client: Any,
     complete: Any,
     shm_chunks: Any,
@@ -88,7 +89,7 @@ async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
 ) -> None:
     # Same server, but an adapter configured for servers launched without --weight-transfer-config:
     # chunks go to ColocdWorkerExtension over /collective_rpc and the version via /update_weight_version.
-    rpc = VLLMAdapter(vllm_server.config.model_copy(update={"weight_transfer_backend": None}), client)
+    rpc = VLLMAdapter(vllm_config.model_copy(update={"weight_transfer_backend": None}), client)
     await rpc.attach()
     with shm_chunks(new_weights, SMALL_BUCKETS, version="rpc-1") as loads:
         await push(rpc, loads)
