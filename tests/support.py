@@ -690,7 +690,7 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
             node_cfg = node_config(entries, adapters=adapters, **full)
             daemon = Daemon(node_cfg, adapters=dict(adapters) if adapters else None)
             app = create_app(node_cfg, daemon=daemon)
-            url = await stack.enter_async_context(serve_app(wrap(app) if wrap else app))
+            url = await stack.enter_async_context(serve_app(wrap(app) if wrap else app, timeout_s=deadline_s))
         node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token, own, daemon, fronts)
         stack.push_async_callback(lambda: node.client.aclose())  # the client of the last restart()
         if ready:

@@ -14,12 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
-from support import serve_app
+from support import daemon_node
 from vllm_live import VLLMHttp
 
-from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
+from colocd.api.client import ColocdHTTPError
 from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.vllm.extension import named_digest
 from colocd.engines.vllm.launcher import launch_vllm
@@ -44,12 +42,10 @@ async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_
     url = server.url
     try:
         original = await _complete(url)
-        config = NodeConfig.model_validate({
-            "engines": [vllm_launch_config.model_copy(update={"url": url}).model_dump(mode="json", exclude={"launch"})],
-            "timeouts": {"health_interval_s": HEALTH_S}})
-        async with serve_app(create_app(config)) as daemon_url, AsyncColocdClient(daemon_url) as daemon, \
+        engine = vllm_launch_config.model_copy(update={"url": url}).model_dump(mode="json", exclude={"launch"})
+        async with daemon_node([engine], timeouts={"health_interval_s": HEALTH_S}) as node, \
                 httpx.AsyncClient(trust_env=False, timeout=60) as http:
-            await daemon.wait_ready(60)
+            daemon = node.client
             await daemon.phase("train", 1)
             await daemon.phase("sync", 1)
             await WeightPusher(daemon, bucket_mb=1).push(new_weights, version="step-1", step=1)
