@@ -14,7 +14,6 @@ from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.shm_files import GroupShmFiles
 from colocd.engines.vllm import VLLMAdapter
-from colocd.engines.vllm.extension import named_digest
 from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.vllm
@@ -44,7 +43,7 @@ async def test_a_full_step_through_the_daemon_serves_exactly_the_pushed_weights(
     rollout = await daemon.phase("rollout", 1)
     assert rollout["engines"]["tiny"]["generation"] == "serving"
 
-    assert await vllm.received_digest() == named_digest(new_weights)  # every byte arrived
+    assert await vllm.received(new_weights)  # every byte arrived
     assert await vllm.weight_version() == "step-1"
     pushed = await complete()
     assert pushed != before

@@ -18,7 +18,6 @@ from vllm_live import VLLMHttp
 from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
 from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.vllm import VLLMAdapter
-from colocd.engines.vllm.extension import named_digest
 from colocd.errors import EngineRejected
 
 pytestmark = pytest.mark.vllm
@@ -56,7 +55,7 @@ async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
     await adapter.resume_memory((MemoryTag.KV_CACHE,))
     assert await vllm.is_sleeping() is False
 
-    assert await vllm.received_digest() == named_digest(new_weights)  # every byte arrived
+    assert await vllm.received(new_weights)  # every byte arrived
     assert await vllm.weight_version() == "step-1"
     pushed_checksums, pushed_text = await vllm.checksums(), await complete()
     assert pushed_checksums != start_checksums
@@ -72,7 +71,7 @@ async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
         await push(adapter, loads)
     assert await vllm.mismatches(start_checksums) == []
     assert await complete() == start_text
-    assert await vllm.received_digest() == named_digest(original_weights)
+    assert await vllm.received(original_weights)
     assert await vllm.weight_version() == "step-2"
 
 
@@ -93,7 +92,7 @@ async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
     await rpc.attach()
     with shm_chunks(new_weights, SMALL_BUCKETS, version="rpc-1") as loads:
         await push(rpc, loads)
-    assert await vllm.received_digest() == named_digest(new_weights)
+    assert await vllm.received(new_weights)
     assert await vllm.weight_version() == "rpc-1"
     pushed = await vllm.checksums()
     text = await complete()
@@ -117,7 +116,7 @@ async def test_disk_chunks_load_through_the_same_session(
     await adapter.begin_weight_update()
     await adapter.load_weights(load)
     await adapter.end_weight_update()
-    assert await vllm.received_digest() == named_digest(new_weights)
+    assert await vllm.received(new_weights)
     pushed, text = await vllm.checksums(), await complete()
     await vllm.reload_weights(str(new_weights_dir))
     assert await vllm.mismatches(pushed) == []
