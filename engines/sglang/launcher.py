@@ -25,7 +25,7 @@ from ..processes import (
 )
 from .protocol import parse_version
 
-__all__ = ["LaunchError", "launch_sglang", "sglang_command", "strip_expandable_segments"]
+__all__ = ["launch_sglang", "sglang_command", "strip_expandable_segments"]
 
 # Flags colocd sets from the engine config; launch.args may not set them again.
 _OWNED_FLAGS = {
@@ -40,11 +40,6 @@ _OWNED_FLAGS = {
 }
 # First release verified to have --weight-cache-mode (arg_groups/fields/model.py:377); 0.5.9 lacks it.
 _WEIGHT_CACHE_FLAG_MIN = (0, 5, 23)
-
-
-# The SGLang server could not be started, did not become ready, or was misconfigured: the one
-# launch error of every launcher (engines/processes.py), under this module's historical name.
-LaunchError = EngineLaunchError
 
 
 def sglang_command(
@@ -62,31 +57,31 @@ def sglang_command(
 
     ``environ`` is the environment to start from (default: this process's). ``sglang_version``,
     when known, drops flags that version does not have; unknown means the newest verified (0.5.23).
-    Raises ``LaunchError`` naming the setting for anything that would break colocation.
+    Raises ``EngineLaunchError`` naming the setting for anything that would break colocation.
     """
     if config.launch is None:
-        raise LaunchError(config.name, f"has no 'launch' section: colocd attaches to {config.url}")
+        raise EngineLaunchError(config.name, f"has no 'launch' section: colocd attaches to {config.url}")
     if not config.model_path:
-        raise LaunchError(config.name, "set 'model_path' to launch SGLang")
+        raise EngineLaunchError(config.name, "set 'model_path' to launch SGLang")
     extra = list(config.launch.args)
     given = flag_values(config.name, extra, _OWNED_FLAGS)
     cache_mode = given.get("--weight-cache-mode")
     if "--weight-cache-mode" in given and cache_mode != "off":
         # Not off: release/resume of weights and every update_weights_from_* raise
         # (weight_updater.py _assert_weight_cache_inactive; research §1.1).
-        raise LaunchError(
+        raise EngineLaunchError(
             config.name, f"--weight-cache-mode {cache_mode} disables weight updates; use off"
         )
     for flag in ("--dp-size", "--data-parallel-size"):
         if given.get(flag) not in (None, "1"):
             # Tensor and distributed updates assert dp_size == 1 (research §1.6): one server per replica.
-            raise LaunchError(
+            raise EngineLaunchError(
                 config.name, f"{flag} {given[flag]}; run one SGLang server per DP replica"
             )
 
     on_cpu = given.get("--device") == "cpu"
     if on_cpu and "--enable-memory-saver" in given:
-        raise LaunchError(
+        raise EngineLaunchError(
             config.name, "--enable-memory-saver with --device cpu: torch_memory_saver has only CUDA hooks and "
             "the server dies at start; on CPU colocd launches without it (releases then free nothing)"
         )
@@ -116,13 +111,13 @@ def sglang_command(
         # --device cpu alone leaves SGLang's is_cpu() False and the model build imports vllm
         # (0.5.23 utils/common.py:221-224): the CPU engine needs this too.
         if config.launch.env.get("SGLANG_USE_CPU_ENGINE", "1") != "1":
-            raise LaunchError(config.name, "--device cpu with launch.env SGLANG_USE_CPU_ENGINE="
+            raise EngineLaunchError(config.name, "--device cpu with launch.env SGLANG_USE_CPU_ENGINE="
                               f"{config.launch.env['SGLANG_USE_CPU_ENGINE']}: SGLang's CPU engine needs it 1")
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     graph_var = config.launch.env.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH")
     if config.memory_saver_cuda_graph:
         if graph_var not in (None, "1", "true", "True"):
-            raise LaunchError(
+            raise EngineLaunchError(
                 config.name, f"launch.env SGLANG_MEMORY_SAVER_CUDA_GRAPH={graph_var} "
                 "contradicts memory_saver_cuda_graph: true"
             )
@@ -133,7 +128,7 @@ def sglang_command(
         env["NCCL_GRAPH_REGISTER"] = "0"
     else:
         if graph_var is not None:
-            raise LaunchError(
+            raise EngineLaunchError(
                 config.name, "launch.env sets SGLANG_MEMORY_SAVER_CUDA_GRAPH; "
                 "set memory_saver_cuda_graph in the engine config instead, so colocd knows the tag owns "
                 "memory"
@@ -153,7 +148,7 @@ async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | Non
     (``launch_until_healthy``). ``options.on_spawn`` is told the process as soon as it exists (the daemon journals
     it); the daemon pauses the server when it reconciles it."""
     if config.launch is None:
-        raise LaunchError(config.name, "has no 'launch' section")
+        raise EngineLaunchError(config.name, "has no 'launch' section")
     python = os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable
     process, url = await launch_until_healthy(
         config.name, "SGLang",
@@ -166,7 +161,7 @@ async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | Non
 def _port_of(url: str, name: str = "sglang") -> int:
     parts = urlsplit(url)
     if parts.hostname not in ("127.0.0.1", "localhost"):
-        raise LaunchError(name, f"a launched SGLang listens on 127.0.0.1; url {url!r} names another host")
+        raise EngineLaunchError(name, f"a launched SGLang listens on 127.0.0.1; url {url!r} names another host")
     if parts.port is None:
-        raise LaunchError(name, f"url {url!r} has no port")
+        raise EngineLaunchError(name, f"url {url!r} has no port")
     return parts.port

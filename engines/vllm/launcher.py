@@ -25,7 +25,7 @@ from ..config import LaunchConfig, VLLMEngineConfig
 from ..processes import Launched, LaunchOptions, flag_values, gpu_environment, launch_until_healthy
 from . import BACKEND_NAME, cpu_isa
 
-__all__ = ["EXTENSION_CLS", "VLLMLaunchError", "build_command", "check_cpu_isa", "launch_vllm"]
+__all__ = ["EXTENSION_CLS", "build_command", "check_cpu_isa", "launch_vllm"]
 
 EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"
 logger = logging.getLogger(__name__)
@@ -48,11 +48,6 @@ print(json.dumps({"dist": dist, "version": version, "entry": entry,
 """
 
 
-# The server could not be started: bad interpreter, early exit, or not ready in time. The one
-# launch error of every launcher (engines/processes.py), under this module's historical name.
-VLLMLaunchError = EngineLaunchError
-
-
 # Flags colocd sets from the engine config; an operator's launch.args may not override them.
 # --worker-extension-cls stays overridable, for a subclass of ColocdWorkerExtension.
 _OWNED_FLAGS = {
@@ -65,7 +60,7 @@ _OWNED_FLAGS = {
 def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, *, cpu: bool) -> list[str]:
     """The server's argv: served model, loopback, extension, weight transfer, sleep mode on GPU."""
     if config.model_path is None:
-        raise VLLMLaunchError(config.name, "set 'model_path' to launch vLLM")
+        raise EngineLaunchError(config.name, "set 'model_path' to launch vLLM")
     launch = config.launch or LaunchConfig.model_validate({})
     flag_values(config.name, launch.args, _OWNED_FLAGS)
     cmd = [
@@ -92,18 +87,18 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
 def check_cpu_isa(name: str, env: dict[str, str], probe: dict[str, Any], flags: frozenset[str]) -> cpu_isa.Isa:
     """The instruction path a CPU vLLM server will take (engines/vllm/cpu_isa.py), checked before it starts.
 
-    Raises ``VLLMLaunchError`` in one line when the server's venv cannot hold vLLM to it: a bad
+    Raises ``EngineLaunchError`` in one line when the server's venv cannot hold vLLM to it: a bad
     ``COLOCD_VLLM_CPU_ISA``, or AVX-512 chosen (the CPU reports AMX) in a venv without the shim, where the
     worker would die with SIGILL at its first generation.
     """
     try:
         isa = cpu_isa.choose(flags, env.get(cpu_isa.ENV))
     except ValueError as exc:
-        raise VLLMLaunchError(name, str(exc)) from None
+        raise EngineLaunchError(name, str(exc)) from None
     if isa == "avx512" and not probe.get("isa_shim"):
         why = ("this CPU reports AMX, on which vllm-cpu 0.32's AMX attention kernel dies with SIGILL"
                if flags & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512 asks for vLLM's AVX-512 path")
-        raise VLLMLaunchError(
+        raise EngineLaunchError(
             name, f"{why}, and the vLLM venv lacks colocd's {cpu_isa.PTH_NAME} shim that holds vLLM to AVX-512: "
                   "run scripts/install-vllm-cpu.sh (or, with that venv's python, "
                   "`from colocd.engines.vllm.cpu_isa import install_shim; install_shim()`), "
@@ -137,10 +132,10 @@ def _probe(name: str, python: str) -> dict[str, Any]:
         probe = dict(json.loads(out.strip().splitlines()[-1]))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
         detail = getattr(exc, "stderr", "") or ""
-        raise VLLMLaunchError(name, f"{python!r} cannot import vLLM (set COLOCD_VLLM_PYTHON or 'python'; "
+        raise EngineLaunchError(name, f"{python!r} cannot import vLLM (set COLOCD_VLLM_PYTHON or 'python'; "
                                     f"scripts/install-vllm-cpu.sh builds one): {exc} {detail[-500:]}") from exc
     if not probe.get("extension"):
-        raise VLLMLaunchError(name, f"colocd is not importable by {python}; "
+        raise EngineLaunchError(name, f"colocd is not importable by {python}; "
                                     "run `pip install --no-deps -e <colocd checkout>` in that venv")
     return probe
 

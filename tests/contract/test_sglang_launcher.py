@@ -20,7 +20,8 @@ import pytest
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
 from colocd.engines.processes import free_port
 from colocd.engines.sglang import launcher
-from colocd.engines.sglang.launcher import LaunchError, launch_sglang, sglang_command, strip_expandable_segments
+from colocd.engines.sglang.launcher import launch_sglang, sglang_command, strip_expandable_segments
+from colocd.errors import EngineLaunchError
 
 
 def engine(**overrides: Any) -> SGLangEngineConfig:
@@ -141,13 +142,13 @@ def test_weight_cache_flag_is_left_out_for_versions_without_it() -> None:
     ],
 )
 def test_settings_that_break_colocation_are_refused_by_name(overrides: dict[str, Any], message: str) -> None:
-    with pytest.raises(LaunchError, match=message):
+    with pytest.raises(EngineLaunchError, match=message):
         sglang_command(engine(**overrides), 1, environ={})
 
 
 def test_an_attach_only_engine_has_no_command() -> None:
     config = SGLangEngineConfig(name="sgl0", url="http://127.0.0.1:30000")
-    with pytest.raises(LaunchError, match="attaches"):
+    with pytest.raises(EngineLaunchError, match="attaches"):
         sglang_command(config, 1, environ={})
 
 
@@ -216,13 +217,13 @@ async def test_a_server_ignoring_sigterm_is_killed_after_the_grace(stand_in: Sta
 
 async def test_an_early_exit_is_reported_with_the_log_tail(stand_in: StandIn) -> None:
     argv = [sys.executable, "-c", "import sys; print('CUDA out of memory', flush=True); sys.exit(3)"]
-    with pytest.raises(LaunchError, match="exited with code 3") as info:
+    with pytest.raises(EngineLaunchError, match="exited with code 3") as info:
         await launch_sglang(stand_in(argv=argv))
     assert "CUDA out of memory" in str(info.value)
 
 
 async def test_readiness_has_a_deadline_that_names_the_setting(stand_in: StandIn) -> None:
-    with pytest.raises(LaunchError, match="ready_timeout_s"):
+    with pytest.raises(EngineLaunchError, match="ready_timeout_s"):
         await launch_sglang(stand_in(not_ready=10**6, launch={"ready_timeout_s": 1.0}))
 
 
@@ -245,7 +246,7 @@ async def test_the_logged_command_hides_the_api_key(stand_in: StandIn, tmp_path:
 
 def test_a_launched_server_only_listens_on_loopback() -> None:
     config = engine(url="http://10.0.0.5:30000")
-    with pytest.raises(LaunchError, match=r"127\.0\.0\.1"):
+    with pytest.raises(EngineLaunchError, match=r"127\.0\.0\.1"):
         launcher._port_of(str(config.url))
 
 
