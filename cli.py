@@ -130,18 +130,11 @@ def _policy_apply(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    if args.engine != "reference":
-        from .demo.live import LiveDemoSettings, run_live_demo
-
-        live = LiveDemoSettings(engine=args.engine, seed=args.seed, batch=args.batch,
-                                **({"steps": args.steps} if args.steps is not None else {}))
-        return asyncio.run(run_live_demo(live))
     from .demo.loop import DemoSettings, run_demo
 
-    steps = args.steps if args.steps is not None else 60
-    settings = DemoSettings(steps=steps, device=args.device, batch=args.batch, seed=args.seed,
-                            json_out=args.json, timeline_out=args.timeline, metrics_out=args.metrics_out)
-    return asyncio.run(run_demo(settings))
+    return asyncio.run(run_demo(DemoSettings(
+        engine=args.engine, steps=args.steps, device=args.device, batch=args.batch, seed=args.seed, json_out=args.json,
+        timeline_out=args.timeline, metrics_out=args.metrics_out)))
 
 
 def _trace(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """Start colocd's own daemon as a child process and wait for it: used by the demo, benchmarks and tests.
 
 The process (own process group, log file, readiness under a deadline, SIGTERM then SIGKILL) is
-``engines/supervisor.py``'s, as for every engine; this module writes the config and says what
+``engines/processes.py``'s, as for every engine; this module writes the config and says what
 "ready" is: the ready file the daemon writes once it listens.
 
 ``tether=True`` (the Ray node actor) ties the daemon to this process and, through
@@ -20,8 +20,7 @@ from typing import Any
 
 import yaml
 
-from ..engines.logtail import read_tail
-from ..engines.supervisor import ManagedProcess
+from ..engines.processes import ManagedProcess, read_tail
 from ..engines.tether import TETHER_ENV
 
 __all__ = ["DaemonProcess"]

@@ -2,11 +2,11 @@
 
     journal = Journal(path)
     journal.last()                   # the last recorded node/engine state (None: nothing recorded)
-    journal.launches()               # the engine processes this node's daemons launched (engines/adoption.py)
+    journal.launches()               # the engine processes this node's daemons launched (engines/processes.py)
     journal.completed()              # the results of the last finished transitions, replayed on a repeat
     journal.append({...})            # a state record; written and fsynced on the journal's own thread
     await journal.written(future)    # returns once that record is on disk (JournalFailed names the path)
-    journal.record_launch(r)         # an engine process exists (engines/adoption.py)
+    journal.record_launch(r)         # an engine process exists (engines/processes.py)
 
 What the file holds folds into one ``JournalState``: each line is a record of one ``kind`` (state,
 launch, launch_ended, completed) applied on top of the lines before it, and a ``snapshot`` line is
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engines.adoption import LaunchRecord
+from ..engines.processes import LaunchRecord
 from ..errors import JournalFailed
 
 __all__ = ["COMPACT_EVERY", "MAX_READ_BYTES", "Journal", "JournalState", "NodeJournal"]

@@ -19,7 +19,7 @@ the reconciliation sees a new incarnation exactly as for an engine someone else 
 own start-up has run (``started``). While the engine is launching or backing off ``/readyz`` names it and says so.
 
 Every process is recorded in the journal as soon as it exists (daemon/journal.py,
-engines/adoption.py). A daemon that starts on a journal naming an engine process adopts it when it
+engines/processes.py). A daemon that starts on a journal naming an engine process adopts it when it
 is still that process (same pid and start time) and answers on its URL; one that is alive but does
 not (or listens elsewhere than the config says) is stopped, its whole process group, before a new
 one is launched. So a daemon SIGKILLed and started again drives the engine it left, never a second
@@ -45,10 +45,17 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from ..engines.adoption import AdoptedProcess, LaunchRecord, stop_group
 from ..engines.config import AnyEngineConfig, LaunchConfig
+from ..engines.processes import (
+    AdoptedProcess,
+    Launched,
+    LaunchOptions,
+    LaunchRecord,
+    ManagedProcess,
+    free_port,
+    stop_group,
+)
 from ..engines.registry import launch_engine
-from ..engines.supervisor import Launched, LaunchOptions, ManagedProcess, free_port
 from ..errors import EngineLaunchError
 from .events import emit
 from .journal import Journal
@@ -120,7 +127,7 @@ class LaunchedEngine:
     last_exit: int | None = None
     last_error: str | None = None
     next_launch_at: float | None = None  # wall-clock time of the pending relaunch, in BACKOFF
-    adopted: bool = False  # the running process was launched by a previous daemon (engines/adoption.py)
+    adopted: bool = False  # the running process was launched by a previous daemon (engines/processes.py)
     record: LaunchRecord | None = None  # what the journal says about the process
 
     @property
@@ -295,7 +302,7 @@ class EngineSupervision:
             emit("engine_orphan_stopped", logging.WARNING, engine=engine.name, pid=record.pid, pgid=record.pgid,
                  reason=f"launched by a previous daemon, alive but {why}; its process group is stopped before "
                         "another is launched")
-            await stop_group(record.pgid, engine.grace_s, leader=record)
+            await AdoptedProcess(record).stop(engine.grace_s)
         elif record.leftovers():
             emit("engine_orphan_stopped", logging.WARNING, engine=engine.name, pgid=record.pgid,
                  reason="the process group of an engine a previous daemon launched outlived it; stopped before "

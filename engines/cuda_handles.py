@@ -8,17 +8,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["device_index", "device_uuid"]
+__all__ = ["device_uuid"]
 
 
 def device_uuid(index: int) -> str:
     """The GPU's UUID in SGLang's spelling (utils/patch_torch.py:86), stable across CUDA_VISIBLE_DEVICES."""
     return str(torch.cuda.get_device_properties(index).uuid)
 
-
-def device_index(uuid: str) -> int:
-    """This process's index of the GPU with ``uuid``; a clear error if it cannot see that GPU."""
-    visible = [device_uuid(i) for i in range(torch.cuda.device_count())]
-    if uuid not in visible:
-        raise ValueError(f"CUDA IPC handle names GPU {uuid}, which this process cannot see (it sees {visible})")
-    return visible.index(uuid)

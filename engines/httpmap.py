@@ -3,6 +3,7 @@ say when an engine's refusal is the caller's mistake."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -11,7 +12,7 @@ import httpx
 from ..errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable, PayloadRejected
 
 __all__ = ["PAYLOAD_REFUSAL_STATUSES", "caller_payload", "check_reply", "is_payload_refusal", "map_http_errors",
-           "refused_payload"]
+           "refused_payload", "reply_message"]
 
 # An engine's answer that means "the data you sent me is wrong" (SGLang answers 400 with success=false;
 # FastAPI-based engines 422; a body over the engine's limit 413), as opposed to "I failed" (5xx).
@@ -93,13 +94,15 @@ def check_reply(engine: str, what: str, response: httpx.Response) -> httpx.Respo
     if response.status_code >= 400:
         body = response.text[:2000]
         raise EngineRejected(
-            engine, f"{what}: HTTP {response.status_code}: {_message(response) or body or 'no body'}",
+            engine, f"{what}: HTTP {response.status_code}: {reply_message(response) or body or 'no body'}",
             status=response.status_code, body=body,
         )
     return response
 
 
-def _message(response: httpx.Response) -> str | None:
+def reply_message(response: httpx.Response) -> str | None:
+    """The engine's own words in an error reply: ``message``, FastAPI's ``detail`` (text, or validation errors as
+    JSON) or ``error`` (text, or OpenAI's ``{"message", ...}``: vLLM's app-wide handlers); None when it has none."""
     try:
         data = response.json()
     except ValueError:
@@ -110,5 +113,5 @@ def _message(response: httpx.Response) -> str | None:
             if isinstance(value, dict):
                 value = value.get("message")
             if value:
-                return str(value)
+                return value if isinstance(value, str) else json.dumps(value)[:2000]
     return None

@@ -6,7 +6,7 @@ import httpx
 
 from .base import EngineAdapter
 from .config import AnyEngineConfig
-from .supervisor import Launched, LaunchOptions
+from .processes import Launched, LaunchOptions
 
 __all__ = ["build_adapter", "launch_engine"]
 

@@ -9,7 +9,7 @@ The flag is per process and names the parent only: a tethered daemon that the ke
 nothing with it, since its engines are its children, not the actor's. So the tether is applied at
 every level: ``ManagedProcess(tether=True)`` prefixes its argv with ``tether_prefix()``, and a
 supervisor whose own environment has ``COLOCD_TETHER=1`` does so for every child it starts (the
-cluster actor sets it in the daemon's environment; ``engines/supervisor.py``). What a tethered
+cluster actor sets it in the daemon's environment; ``engines/processes.py``). What a tethered
 engine starts itself (SGLang's scheduler, vLLM's engine core) is the engine's own business.
 
 The kernel delivers the signal when the *thread* that forked the child exits; colocd spawns from its

@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
+from colocd.engines.processes import Launched
 from colocd.engines.sglang import wire
-from colocd.engines.sglang.launcher import SGLangServer
+from colocd.engines.sglang.launcher import launch_sglang
 from colocd.engines.sglang.protocol import V0_5_23
 
 Named = list[tuple[str, torch.Tensor]]
@@ -65,17 +66,16 @@ def engine_config(model: str, log: Path, port: int | None = None) -> SGLangEngin
         launch=LaunchConfig(args=list(SERVER_ARGS), ready_timeout_s=READY_TIMEOUT_S, log_file=str(log)))
 
 
-async def launch(model: str, log: Path, port: int | None = None) -> SGLangServer:
-    python, _ = install()
-    async with httpx.AsyncClient(trust_env=False) as client:
-        return await SGLangServer.launch(engine_config(model, log, port), client, python=python)
+async def launch(model: str, log: Path, port: int | None = None) -> Launched:
+    install()  # COLOCD_SGLANG_PYTHON, which launch_sglang runs SGLang under
+    return await launch_sglang(engine_config(model, log, port))
 
 
 @dataclass
 class LiveServer:
     """The module's server: its URL and process, or why it is not there."""
 
-    server: SGLangServer | None
+    server: Launched | None
     log: Path
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -90,9 +90,9 @@ class LiveServer:
         """Raise ServerDied (with the log tail) unless the server is up."""
         if self.error is not None:
             raise ServerDied(self.error)
-        assert self.server is not None and self.server.process is not None
+        assert self.server is not None
         if not self.server.process.running:
-            raise ServerDied(f"SGLang exited mid-module; log tail:\n{self.server.log_tail(6000)}")
+            raise ServerDied(f"SGLang exited mid-module; log tail:\n{self.server.process.log_tail(6000)}")
 
 
 async def greedy(client: httpx.AsyncClient, url: str, max_new_tokens: int = 12) -> list[int]:

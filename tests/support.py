@@ -32,10 +32,10 @@ from colocd.engines.shm_files import files_in_use
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
-           "NvmlNode", "RestartableEngine", "daemon_node", "in_process_daemon", "leaves_no_shm_segments",
-           "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine", "request_body",
-           "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
-           "stop_engines"]
+           "NvmlNode", "RestartableEngine", "daemon_node", "entered_in_thread", "in_process_daemon",
+           "leaves_no_shm_segments", "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine",
+           "request_body", "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
+           "stand_in_engine"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -257,7 +257,8 @@ async def node_on_mirrored_gpu(model: dict[str, Any]) -> AsyncIterator[dict[str,
 # --- the fixture factory: reference engines, daemons, clients -------------------------------------------
 #
 # Every integration test builds its node from these: ``reference_engine`` (a fresh process, where the process is
-# the point: it is killed, restarted, or its launch is what is tested), ``EnginePool`` (module-scoped processes a
+# the point: it is killed, restarted, or its launch is what is tested), ``stand_in_engine`` (a script in its
+# place, where only the supervised process group matters), ``EnginePool`` (module-scoped processes a
 # test borrows and the pool resets through the engine's own API afterwards) and ``daemon_node`` (the daemon in
 # the test's event loop, or ``colocd serve`` as a child process where the process is the point).
 
@@ -326,6 +327,30 @@ async def restartable_engine(name: str = "ref0", **config: Any) -> AsyncIterator
             await engine.proc.aclose()
 
 
+@asynccontextmanager
+async def stand_in_engine(script: str, *args: str, workdir: Any, name: str = "stand-in") -> AsyncIterator[Any]:
+    """A small Python ``script`` in place of an engine, supervised as a launcher supervises one
+    (``engines/processes.py``: its own process group, its log in ``workdir``): started with ``args`` and the path
+    of a ready file, ready once the script creates that file; stopped at exit (again, if the test stopped it)."""
+    import sys
+    from pathlib import Path
+
+    from colocd.engines.processes import ManagedProcess
+
+    ready = Path(workdir, f"{name}.ready")
+    proc = ManagedProcess(name, [sys.executable, "-c", script, *args, str(ready)], dict(os.environ),
+                          log_file=Path(workdir, f"{name}.log"))
+    proc.spawn()
+    try:
+        async def created() -> bool | None:
+            return True if ready.exists() else None  # noqa: ASYNC240 - one stat per poll
+
+        await proc.wait_ready(created, DEADLINE_S)
+        yield proc
+    finally:
+        await proc.stop(grace_s=5)
+
+
 class EnginePool:
     """Reference engine processes shared by a module's tests, one per configuration.
 
@@ -337,37 +362,46 @@ class EnginePool:
     """
 
     def __init__(self) -> None:
-        self._idle: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._idle: dict[str, Any] = {}
 
-    def borrow(self, name: str = "ref0", **config: Any) -> Any:
+    def _held(self, name: str, config: dict[str, Any]) -> Any:
+        """The module's idle engine of this configuration, or a new, not yet started process of it."""
         from colocd.engines.reference.launcher import ReferenceEngineProcess
 
         key = repr(sorted({"name": name, **config}.items()))
-        held = self._idle.pop(key, None)
-        if held is not None and held[0].returncode is None:
-            proc, fresh = held
-        else:
+        proc = self._idle.pop(key, None)
+        if proc is None or proc.returncode is not None:
             proc = ReferenceEngineProcess(reference_config(name, **config))
+        proc.pool_key = key
+        return proc
+
+    def borrow(self, name: str = "ref0", **config: Any) -> Any:
+        proc = self._held(name, config)
+        if proc.process is None:
             proc.start()
-            fresh = _observe(proc)
-        proc.pool_key, proc.fresh = key, fresh
+            proc.fresh = _observe(proc)
         return proc
 
     @asynccontextmanager
     async def lent(self, **engines: dict[str, Any]) -> AsyncIterator[dict[str, str]]:
         """The module's engines by name, each of its configuration, as ``{name: url}`` (what ``daemon_node``
-        takes); each is given back (reset) afterwards."""
-        procs = []
+        takes); those not yet running start concurrently (each is a process importing torch); each is given back
+        (reset) afterwards."""
+        procs = [self._held(name, config) for name, config in engines.items()]
+        new = [proc for proc in procs if proc.process is None]
         try:
-            for name, config in engines.items():
-                procs.append(self.borrow(name, **config))
+            started = await asyncio.gather(*(proc.astart() for proc in new), return_exceptions=True)
+            if failed := [error for error in started if error is not None]:
+                raise failed[0]
+            for proc in new:
+                proc.fresh = await asyncio.to_thread(_observe, proc)
             yield {proc.config.name: str(proc.url) for proc in procs}
         finally:
             for proc in procs:
                 self.give_back(proc)
 
     def give_back(self, proc: Any) -> None:
-        if proc.returncode is not None:
+        if proc.returncode is not None or getattr(proc, "fresh", None) is None:  # killed, or never ready
             proc.stop()
             return
         try:
@@ -380,21 +414,16 @@ class EnginePool:
             proc.stop()
             raise AssertionError(f"the reset left engine {proc.config.name!r} unlike a fresh one: {now} != "
                                  f"{proc.fresh}")
-        self._idle[proc.pool_key] = (proc, proc.fresh)
+        self._idle[proc.pool_key] = proc
 
     def close(self) -> None:
         """Stop every engine, concurrently: each waits for its own clean exit."""
-        procs = [proc for proc, _ in self._idle.values()]
+        from concurrent.futures import ThreadPoolExecutor
+
+        procs = list(self._idle.values())
         self._idle.clear()
-        stop_engines(procs)
-
-
-def stop_engines(procs: list[Any]) -> None:
-    """Stop engine processes concurrently (each ``stop()`` waits for its own exit, seconds under load)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max(1, len(procs))) as stopping:
-        list(stopping.map(lambda proc: proc.stop(), procs))
+        with ThreadPoolExecutor(max(1, len(procs))) as stopping:
+            list(stopping.map(lambda proc: proc.stop(), procs))
 
 
 def _engine_http(proc: Any) -> httpx.Client:
@@ -432,7 +461,8 @@ def _reset(proc: Any, fresh: dict[str, Any]) -> None:
 
 
 def _load_seed_weights(http: httpx.Client, config: Any) -> None:
-    """The weights a fresh engine of ``config`` serves, loaded through one colocd_shm update."""
+    """The weights a fresh engine of ``config`` serves, loaded through one colocd_shm update (the same entry for
+    each TP rank)."""
     import base64
     import json
 
@@ -447,7 +477,7 @@ def _load_seed_weights(http: httpx.Client, config: Any) -> None:
         entry = {"transport": "shm", "shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
         _ok(http.post("/begin_weight_update", json={}))
         _ok(http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [base64.b64encode(json.dumps(entry).encode()).decode()],
+            "serialized_named_tensors": [base64.b64encode(json.dumps(entry).encode()).decode()] * config.tp_size,
             "load_format": "colocd_shm", "flush_cache": True}))
         _ok(http.post("/end_weight_update", json={}))
     finally:
@@ -520,18 +550,53 @@ class DaemonNode:
         os.kill(self.process.pid, signal.SIGKILL)
         await self.process.process.wait_exit()
 
+    async def stop(self) -> None:
+        """Stop ``colocd serve`` the way an operator does (SIGTERM: it shuts down and leaves attached engines as
+        they are)."""
+        assert self.process is not None, "stop() needs subprocess=True"
+        await self.process.stop()
+
     async def restart(self, *, ready: bool = True) -> None:
-        """Start ``colocd serve`` again after ``kill()``, with the same config and workdir (so the same
+        """Start ``colocd serve`` again after ``kill()`` or ``stop()``, with the same config and workdir (so the same
         journal); the client follows it to its new port. Waits for ``/readyz`` unless ``ready=False``."""
         from colocd.api.client import AsyncColocdClient
 
-        assert self.process is not None and not self.process.process.running, "restart() follows kill()"
+        assert self.process is not None and not self.process.process.running, "restart() follows kill() or stop()"
         await self.client.aclose()
         await self.process.__aenter__()  # daemon_node's exit stops whichever process runs last
         self.url = self.process.url
         self.client = AsyncColocdClient(self.url, token=self.token)
         if ready:
             await self.client.wait_ready(DEADLINE_S)
+
+
+@contextmanager
+def entered_in_thread(manager: Any) -> Iterator[tuple[Any, Callable[[Awaitable[Any]], Any]]]:
+    """Enter the async context manager ``manager`` (a ``daemon_node(...)``) on an event loop of its own thread, for
+    a fixture of synchronous tests that outlives one event loop (a module's); yields what it yields and
+    ``run(coroutine)``, which runs a coroutine on that loop (its methods: ``run(node.restart())``)."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="entered-in-thread", daemon=True)
+    thread.start()
+
+    def run(coroutine: Awaitable[Any]) -> Any:
+        async def wrapped() -> Any:
+            return await coroutine
+
+        return asyncio.run_coroutine_threadsafe(wrapped(), loop).result()
+
+    try:
+        value = run(manager.__aenter__())
+        try:
+            yield value, run
+        finally:
+            run(manager.__aexit__(None, None, None))
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
 
 
 def node_config(engines: list[dict[str, Any]] | dict[str, str] | None = None, *,
@@ -625,7 +690,7 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
             node_cfg = node_config(entries, adapters=adapters, **full)
             daemon = Daemon(node_cfg, adapters=dict(adapters) if adapters else None)
             app = create_app(node_cfg, daemon=daemon)
-            url = await stack.enter_async_context(serve_app(wrap(app) if wrap else app))
+            url = await stack.enter_async_context(serve_app(wrap(app) if wrap else app, timeout_s=deadline_s))
         node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token, own, daemon, fronts)
         stack.push_async_callback(lambda: node.client.aclose())  # the client of the last restart()
         if ready:

@@ -7,9 +7,12 @@ Its own module (not tests/vllm/conftest.py) so test modules can import it by nam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
+
+from colocd.engines.digest import tensor_digests
 
 # What differs between the tested releases, as the live tier checks it (docs/vllm.md "Tested against";
 # research/engine-versions.md §A with file:line in each wheel): the routes a release lacks, and whether /sleep
@@ -54,12 +57,12 @@ class VLLMHttp:
         reply = await self._json("POST", "/collective_rpc", json=body)
         return [] if reply is None else list(reply["results"])  # empty: every worker returned None
 
-    async def received_digest(self) -> str | None:
-        """The extension's digest of the tensors the last update delivered (comparable with
-        ``extension.named_digest``); every worker must report the same one."""
-        digests = {r.get("digest") for r in await self._rpc("colocd_received_digest") if isinstance(r, dict)}
-        assert len(digests) <= 1, f"vLLM workers received different weights: {digests}"
-        return digests.pop() if digests else None
+    async def received(self, named: Sequence[tuple[str, Any]]) -> bool:
+        """Every worker received exactly ``named`` in the last update: the extension's digest of each tensor as
+        it arrived (``colocd_received_digests``) is ``engines/digest.py``'s of the tensor sent."""
+        expected = tensor_digests(named)
+        replies = await self._rpc("colocd_received_digests", names=sorted(expected))
+        return bool(replies) and all(r == expected for r in replies)
 
     async def reload_weights(self, weights_path: str, weight_version: str | None = None) -> None:
         """vLLM's own loader reads an HF checkpoint directory in place (and repoints its model path at it)."""

@@ -4,7 +4,7 @@
         httpx.get(f"{proc.url}/model_info")
 
 This module builds the command line and says what "ready" means; the process itself (own process
-group, log file, exit detection, SIGTERM then SIGKILL) is ``engines/supervisor.py``'s. Readiness
+group, log file, exit detection, SIGTERM then SIGKILL) is ``engines/processes.py``'s. Readiness
 is the child's ready file (it binds its own port when ``url`` has port 0, so nothing is guessed)
 and then ``ready_path`` answering 200, inside ``launch.ready_timeout_s``; a child that exits
 meanwhile fails the start at once with the tail of its log. This module imports neither torch nor
@@ -29,7 +29,7 @@ import httpx
 
 from ...errors import EngineLaunchError
 from ..config import ReferenceEngineConfig
-from ..supervisor import Launched, LaunchOptions, ManagedProcess, read_ready_file
+from ..processes import Launched, LaunchOptions, ManagedProcess, read_ready_file
 
 __all__ = ["EngineLaunchError", "ReferenceEngineProcess", "launch_reference"]
 

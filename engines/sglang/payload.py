@@ -25,6 +25,7 @@ import torch.multiprocessing
 from torch.multiprocessing import reductions
 
 from ..chunks import ChunkLayout, dtype_from_name, flatten_into
+from ..cuda_handles import device_uuid
 
 __all__ = [
     "FLATTENED_BUCKET",
@@ -66,15 +67,10 @@ def with_device_uuid(args: tuple[Any, ...], uuid_of: Callable[[int], str]) -> tu
     return (*args[:_DEVICE_ARG], uuid_of(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1 :])
 
 
-def _cuda_uuid(index: int) -> str:
-    # Exactly SGLang's spelling (patch_torch.py:86), so its lookup by string equality matches.
-    return str(torch.cuda.get_device_properties(index).uuid)
-
-
 def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
     rebuild, args = reductions.reduce_tensor(tensor)  # type: ignore[no-untyped-call]
     if rebuild is reductions.rebuild_cuda_tensor:
-        args = with_device_uuid(args, _cuda_uuid)
+        args = with_device_uuid(args, device_uuid)
     return rebuild, args
 
 

@@ -1,4 +1,5 @@
-"""colocd's vLLM engine: the HTTP adapter, the server launcher, and the in-worker extension.
+"""colocd's vLLM engine: the HTTP adapter, the server launcher (``launcher.launch_vllm``), and the in-worker
+extension.
 
 Names load lazily so that vLLM's worker can import ``colocd.engines.vllm.extension`` without
 pulling in httpx or pydantic.
@@ -10,9 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .adapter import VLLMAdapter
-    from .launcher import VLLMServer
 
-__all__ = ["BACKEND_NAME", "VLLMAdapter", "VLLMServer"]
+__all__ = ["BACKEND_NAME", "VLLMAdapter"]
 
 # The weight-transfer backend the extension registers in vLLM's workers; here, not in extension.py, so
 # the launcher names it without importing torch.
@@ -24,8 +24,4 @@ def __getattr__(name: str) -> Any:
         from .adapter import VLLMAdapter
 
         return VLLMAdapter
-    if name == "VLLMServer":
-        from .launcher import VLLMServer
-
-        return VLLMServer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

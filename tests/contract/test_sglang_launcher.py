@@ -1,16 +1,16 @@
 """Launching SGLang: the command and environment colocation needs, and the process lifecycle.
 
-SGLang cannot run here, so ``sglang_command`` is checked as a pure function and the lifecycle
-(readiness under a deadline, logs, SIGTERM then SIGKILL, early exit) runs against a stand-in
-HTTP server process on loopback.
+SGLang cannot run here, so ``sglang_command`` is checked as a pure function and ``launch_sglang``
+(readiness under a deadline, logs, SIGTERM then SIGKILL, early exit) runs a stand-in HTTP server
+process on loopback in SGLang's place.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +18,10 @@ import httpx
 import pytest
 
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
+from colocd.engines.processes import free_port
 from colocd.engines.sglang import launcher
-from colocd.engines.sglang.launcher import (
-    LaunchError,
-    ServerState,
-    SGLangServer,
-    free_port,
-    sglang_command,
-    strip_expandable_segments,
-)
+from colocd.engines.sglang.launcher import launch_sglang, sglang_command, strip_expandable_segments
+from colocd.errors import EngineLaunchError
 
 
 def engine(**overrides: Any) -> SGLangEngineConfig:
@@ -147,13 +142,13 @@ def test_weight_cache_flag_is_left_out_for_versions_without_it() -> None:
     ],
 )
 def test_settings_that_break_colocation_are_refused_by_name(overrides: dict[str, Any], message: str) -> None:
-    with pytest.raises(LaunchError, match=message):
+    with pytest.raises(EngineLaunchError, match=message):
         sglang_command(engine(**overrides), 1, environ={})
 
 
 def test_an_attach_only_engine_has_no_command() -> None:
     config = SGLangEngineConfig(name="sgl0", url="http://127.0.0.1:30000")
-    with pytest.raises(LaunchError, match="attaches"):
+    with pytest.raises(EngineLaunchError, match="attaches"):
         sglang_command(config, 1, environ={})
 
 
@@ -179,115 +174,79 @@ _STAND_IN = textwrap.dedent(
 )
 
 
-def stand_in(tmp_path: Path, port: int, *, not_ready: int = 2, ignore_term: bool = False) -> list[str]:
+StandIn = Callable[..., SGLangEngineConfig]
+
+
+@pytest.fixture
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StandIn:
+    """The config of an engine whose launch runs a stand-in HTTP server in place of ``python -m
+    sglang.launch_server`` (the same config path: the command is built, then its argv replaced), answering
+    ``/health`` 503 ``not_ready`` times, then 200; ``argv`` replaces it with another command."""
     script = tmp_path / "stand_in.py"
     script.write_text(_STAND_IN)
-    return [sys.executable, str(script), str(port), str(not_ready), "1" if ignore_term else "0"]
+    real = launcher.sglang_command
+
+    def config(*, not_ready: int = 2, ignore_term: bool = False, argv: list[str] | None = None,
+               extra: tuple[str, ...] = (), **overrides: Any) -> SGLangEngineConfig:
+        def command(config: SGLangEngineConfig, port: int, **kw: Any) -> tuple[list[str], dict[str, str]]:
+            _, env = real(config, port, **kw)
+            return argv or [sys.executable, str(script), str(port), str(not_ready), "1" if ignore_term else "0",
+                            *extra], env
+
+        monkeypatch.setattr(launcher, "sglang_command", command)
+        launch = {"ready_timeout_s": 20, "log_file": str(tmp_path / "sgl0.log"), **overrides.pop("launch", {})}
+        return engine(launch=launch, **overrides)
+
+    return config
 
 
-async def test_server_is_ready_once_health_answers_200_and_stops_cleanly(tmp_path: Path) -> None:
-    port = free_port()
+async def test_server_is_ready_once_health_answers_200_and_stops_cleanly(stand_in: StandIn, tmp_path: Path) -> None:
     log = tmp_path / "logs" / "sgl0.log"
-    server = await SGLangServer.start(
-        "sgl0", stand_in(tmp_path, port), dict(os.environ), f"http://127.0.0.1:{port}", log_file=log
-    )
-    async with httpx.AsyncClient() as client:
-        await server.wait_ready(client, 20)
-    assert server.state is ServerState.READY
-    code = await server.stop(grace_s=10)
-    assert code is not None and server.state is ServerState.STOPPED
+    launched = await launch_sglang(stand_in(launch={"log_file": str(log)}))
+    async with httpx.AsyncClient(trust_env=False) as client:
+        assert (await client.get(f"{launched.url}/health")).status_code == 200
+    assert await launched.process.stop(grace_s=10) is not None
     text = log.read_text()
     assert "# colocd:" in text and "stand-in up" in text and "health" in text
 
 
-async def test_a_server_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
-    port = free_port()
-    server = await SGLangServer.start(
-        "sgl0",
-        stand_in(tmp_path, port, not_ready=0, ignore_term=True),
-        dict(os.environ),
-        f"http://127.0.0.1:{port}",
-    )
-    async with httpx.AsyncClient() as client:
-        await server.wait_ready(client, 20)
-    assert await server.stop(grace_s=0.5) == -9
-    assert server.log_path is not None
-    server.log_path.unlink()
+async def test_a_server_ignoring_sigterm_is_killed_after_the_grace(stand_in: StandIn) -> None:
+    launched = await launch_sglang(stand_in(not_ready=0, ignore_term=True))
+    assert await launched.process.stop(grace_s=0.5) == -9
 
 
-async def test_an_early_exit_is_reported_with_the_log_tail(tmp_path: Path) -> None:
+async def test_an_early_exit_is_reported_with_the_log_tail(stand_in: StandIn) -> None:
     argv = [sys.executable, "-c", "import sys; print('CUDA out of memory', flush=True); sys.exit(3)"]
-    server = await SGLangServer.start(
-        "sgl0", argv, dict(os.environ), f"http://127.0.0.1:{free_port()}", log_file=tmp_path / "x.log"
-    )
-    async with httpx.AsyncClient() as client:
-        with pytest.raises(LaunchError, match="exited with code 3") as info:
-            await server.wait_ready(client, 20)
+    with pytest.raises(EngineLaunchError, match="exited with code 3") as info:
+        await launch_sglang(stand_in(argv=argv))
     assert "CUDA out of memory" in str(info.value)
-    assert server.state is ServerState.STOPPED
 
 
-async def test_readiness_has_a_deadline_that_names_the_setting(tmp_path: Path) -> None:
+async def test_readiness_has_a_deadline_that_names_the_setting(stand_in: StandIn) -> None:
+    with pytest.raises(EngineLaunchError, match="ready_timeout_s"):
+        await launch_sglang(stand_in(not_ready=10**6, launch={"ready_timeout_s": 1.0}))
+
+
+async def test_launch_runs_the_command_on_the_configured_port(stand_in: StandIn) -> None:
     port = free_port()
-    server = await SGLangServer.start(
-        "sgl0",
-        stand_in(tmp_path, port, not_ready=10**6),
-        dict(os.environ),
-        f"http://127.0.0.1:{port}",
-        log_file=tmp_path / "x.log",
-    )
+    launched = await launch_sglang(stand_in(not_ready=1, url=f"http://127.0.0.1:{port}"))
     try:
-        async with httpx.AsyncClient() as client:
-            with pytest.raises(LaunchError, match="ready_timeout_s"):
-                await server.wait_ready(client, 1.0)
+        assert launched.url == f"http://127.0.0.1:{port}"
     finally:
-        await server.stop(grace_s=5)
+        await launched.process.stop(grace_s=5)
 
 
-async def test_launch_runs_the_command_on_the_configured_port(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    port = free_port()
-    script = tmp_path / "stand_in.py"
-    script.write_text(_STAND_IN)
-    # Stand in for `python -m sglang.launch_server ...`: same config path, a fake server behind it.
-    real = launcher.sglang_command
-
-    def command(config: SGLangEngineConfig, port_: int, **kw: Any) -> tuple[list[str], dict[str, str]]:
-        argv, env = real(config, port_, **kw)
-        assert flag(argv, "--port") == str(port)
-        return stand_in(tmp_path, port_, not_ready=1), env
-
-    monkeypatch.setattr(launcher, "sglang_command", command)
-    config = engine(
-        url=f"http://127.0.0.1:{port}", launch={"ready_timeout_s": 20, "log_file": str(tmp_path / "l.log")}
-    )
-    async with httpx.AsyncClient() as client:
-        server = await SGLangServer.launch(config, client)
-        async with server:
-            assert server.url == f"http://127.0.0.1:{port}" and server.state is ServerState.READY
-    assert server.state is ServerState.STOPPED
-
-
-async def test_the_logged_command_hides_the_api_key(tmp_path: Path) -> None:
-    log = tmp_path / "k.log"
-    argv = [sys.executable, "-c", "pass", "--api-key", "s3cret"]
-    server = await SGLangServer.start("sgl0", argv, dict(os.environ), "http://127.0.0.1:1", log_file=log)
-    await server.stop(grace_s=5)
+async def test_the_logged_command_hides_the_api_key(stand_in: StandIn, tmp_path: Path) -> None:
+    launched = await launch_sglang(stand_in(not_ready=0, extra=("--api-key", "s3cret")))
+    await launched.process.stop(grace_s=5)
+    log = tmp_path / "sgl0.log"
     assert "s3cret" not in log.read_text() and "--api-key '***'" in log.read_text()
     assert log.stat().st_mode & 0o777 == 0o600
 
 
-async def test_attach_owns_no_process() -> None:
-    server = SGLangServer.attach("sgl0", "http://127.0.0.1:30000/")
-    assert server.url == "http://127.0.0.1:30000"
-    assert await server.stop() is None and server.state is ServerState.STOPPED
-    assert "attached" in server.log_tail()
-
-
 def test_a_launched_server_only_listens_on_loopback() -> None:
     config = engine(url="http://10.0.0.5:30000")
-    with pytest.raises(LaunchError, match=r"127\.0\.0\.1"):
+    with pytest.raises(EngineLaunchError, match=r"127\.0\.0\.1"):
         launcher._port_of(str(config.url))
 
 

@@ -24,10 +24,9 @@ import torch
 from support import DaemonNode, daemon_node
 
 from colocd.api.client import AsyncColocdClient
-from colocd.engines.adoption import process_start_time
 from colocd.engines.chunks import tensor_checksum
+from colocd.engines.processes import free_port, process_start_time
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.engines.supervisor import free_port
 from colocd.trainer.push import WeightPusher
 
 DEADLINE_S = 90.0

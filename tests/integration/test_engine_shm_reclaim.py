@@ -12,15 +12,12 @@ from __future__ import annotations
 import mmap
 import os
 import signal
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import DEADLINE_S
-
-from colocd.engines.supervisor import ManagedProcess
+from support import stand_in_engine
 
 _ENGINE = """
 import mmap, os, subprocess, sys, time
@@ -49,19 +46,6 @@ def names() -> Iterator[dict[str, str]]:
         Path("/dev/shm", name).unlink(missing_ok=True)
 
 
-async def _engine(tmp_path: Path, names: dict[str, str]) -> ManagedProcess:
-    ready = tmp_path / "ready"
-    proc = ManagedProcess("shm0", [sys.executable, "-c", _ENGINE, names["segment"], names["semaphore"],
-                                   names["shared"], str(ready)], dict(os.environ), log_file=tmp_path / "engine.log")
-    proc.spawn()
-
-    async def both_in_use() -> bool | None:
-        return True if ready.exists() else None
-
-    await proc.wait_ready(both_in_use, DEADLINE_S)
-    return proc
-
-
 def _exists(name: str) -> bool:
     return Path("/dev/shm", name).exists()
 
@@ -81,22 +65,25 @@ def other_program_file(names: dict[str, str]) -> str:
 
 async def test_a_stopped_group_leaves_none_of_the_files_its_members_mapped_or_held_open(
         tmp_path: Path, names: dict[str, str], other_program_file: str) -> None:
-    proc = await _engine(tmp_path, names)
-    outside = _map(names["shared"])  # this process maps one of the group's files too
-    try:
-        await proc.stop(grace_s=5)
-        assert not _exists(names["segment"]) and not _exists(names["semaphore"])
-        assert _exists(names["shared"]), "a file a live process outside the group maps was unlinked"
-        assert _exists(other_program_file), "a file the group never touched was unlinked"
-    finally:
-        outside.close()
+    files = (names["segment"], names["semaphore"], names["shared"])
+    async with stand_in_engine(_ENGINE, *files, workdir=tmp_path) as proc:
+        outside = _map(names["shared"])  # this process maps one of the group's files too
+        try:
+            await proc.stop(grace_s=5)
+            assert not _exists(names["segment"]) and not _exists(names["semaphore"])
+            assert _exists(names["shared"]), "a file a live process outside the group maps was unlinked"
+            assert _exists(other_program_file), "a file the group never touched was unlinked"
+        finally:
+            outside.close()
 
 
 async def test_an_engine_that_died_outright_leaves_its_files_to_the_supervisors_stop(
         tmp_path: Path, names: dict[str, str]) -> None:
-    proc = await _engine(tmp_path, names)  # noted once ready (and by the daemon's watcher while it runs)
-    assert proc.pid is not None
-    os.killpg(proc.pid, signal.SIGKILL)  # the crash: nothing is noted at the end, nothing of theirs cleans up
-    await proc.wait_exit()
-    await proc.stop(grace_s=5)
+    files = (names["segment"], names["semaphore"], names["shared"])
+    # Noted once ready (and by the daemon's watcher while it runs).
+    async with stand_in_engine(_ENGINE, *files, workdir=tmp_path) as proc:
+        assert proc.pid is not None
+        os.killpg(proc.pid, signal.SIGKILL)  # the crash: nothing is noted at the end, nothing of theirs cleans up
+        await proc.wait_exit()
+        await proc.stop(grace_s=5)
     assert not _exists(names["segment"]) and not _exists(names["semaphore"]) and not _exists(names["shared"])

@@ -3,9 +3,8 @@ device, every rank learns what it feeds, what each rank sends is checked, and la
 
 Four trainer rank processes (gloo; tests/layout_ranks.py) and six reference engine processes serve
 the module: two TP=2 engines (``tp2a`` on cpu:0,1, ``tp2b`` on cpu:2,3) and four TP=1 engines (``tp1_<i>`` on
-cpu:<i>). Each test runs an in-process daemon over the engines of its layout; trainer rank r declares
-``cpu:<r>``. Every test that fails a session ends with a complete push, so the engines leave it serving
-weights the trainer can name.
+cpu:<i>), from tests/support.py's pool, reset after each test. Each test runs an in-process daemon over the
+engines of its layout; trainer rank r declares ``cpu:<r>``.
 """
 
 from __future__ import annotations
@@ -13,19 +12,17 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import layout_ranks
 import pytest
-from support import DaemonNode, daemon_node, stop_engines
+from support import DaemonNode, EnginePool, daemon_node
 
 from colocd.api.client import ColocdHTTPError
 from colocd.engines.chunks import tensor_checksum
-from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
-from colocd.engines.reference import ReferenceEngineProcess
 from colocd.trainer.push import manifest_of
 
 DEADLINE_S = 120.0
@@ -34,21 +31,13 @@ ENGINES = {"tp2a": ["cpu:0", "cpu:1"], "tp2b": ["cpu:2", "cpu:3"],
            **{f"tp1_{i}": [f"cpu:{i}"] for i in range(4)}}
 
 
-@pytest.fixture(scope="module")
-def engines() -> Iterator[dict[str, str]]:
-    """name → URL of each module engine (started concurrently: each is a process importing torch)."""
-    procs = {name: ReferenceEngineProcess(ReferenceEngineConfig(
-        name=name, launch=LaunchConfig(ready_timeout_s=DEADLINE_S), tp_size=len(devices), device_ids=devices))
-        for name, devices in ENGINES.items()}
-
-    async def start_all() -> None:
-        await asyncio.gather(*(p.astart() for p in procs.values()))
-
-    asyncio.run(start_all())
-    try:
-        yield {name: str(p.url) for name, p in procs.items()}
-    finally:
-        stop_engines(list(procs.values()))
+@pytest.fixture
+async def engines(engine_pool: EnginePool) -> AsyncIterator[dict[str, str]]:
+    """name → URL of each module engine (the module's pool: started at first use, reset after each test)."""
+    async with engine_pool.lent(**{name: {"tp_size": len(devices), "device_ids": devices,
+                                          "launch": {"ready_timeout_s": DEADLINE_S}}
+                                   for name, devices in ENGINES.items()}) as urls:
+        yield urls
 
 
 @dataclass

@@ -35,8 +35,8 @@ from support import daemon_node
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.api.procs import DaemonProcess
+from colocd.engines.processes import ManagedProcess, free_port
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.engines.supervisor import ManagedProcess, free_port
 from colocd.trainer.push import WeightPusher, manifest_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

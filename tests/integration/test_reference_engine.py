@@ -1,6 +1,6 @@
 """The reference engine as a real server process on loopback, driven over HTTP like SGLang 0.5.23.
 
-One engine serves the whole module (started once, restored to a known state after every test);
+One engine serves the whole module (tests/support.py's pool: started once, reset after every test);
 the legacy-protocol and launcher-failure tests start their own.
 """
 
@@ -21,10 +21,9 @@ import httpx
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
-from support import reference_engine
+from support import EnginePool, reference_engine
 
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
-from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.runner import ModelRunner
@@ -63,37 +62,18 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
 # --- the shared engine ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[ReferenceEngineProcess]:
-    config = ReferenceEngineConfig(name="ref-it", launch=LaunchConfig(ready_timeout_s=60))
-    proc = ReferenceEngineProcess(config)
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-        assert proc.returncode == 0  # SIGTERM is a clean stop
+@pytest.fixture
+def engine(engine_pool: EnginePool) -> Iterator[ReferenceEngineProcess]:
+    """The module's engine (tests/support.py's pool: started at first use, reset after each test)."""
+    proc = engine_pool.borrow("ref-it", launch={"ready_timeout_s": 60})
+    yield proc
+    engine_pool.give_back(proc)
 
 
 @pytest.fixture
 async def client(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=engine.url or "", timeout=DEADLINE_S) as c:
         yield c
-        await restore(c)
-
-
-async def restore(c: httpx.AsyncClient) -> None:
-    """Back to serving seed-0 weights with everything resident, whatever the test did."""
-    await c.post("/continue_generation", json={})
-    mem = (await c.get("/colocd/memory")).json()["tags"]
-    released = [t for t, v in mem.items() if not v["resident"]]
-    if released:
-        assert (await c.post("/resume_memory_occupation", json={"tags": released})).status_code == 200
-    if (await state(c))["weight_update_session"] is not None:
-        await c.post("/end_weight_update", json={})
-    if (await checksum(c)) != SEED0_SUM:
-        assert (await push(c, SEED0))["success"]
-    await c.post("/update_weight_version", json={"new_version": "default"})
 
 
 async def state(c: httpx.AsyncClient) -> dict[str, Any]:
@@ -583,12 +563,10 @@ async def test_legacy_protocol_engine_with_api_key() -> None:
 
 
 async def test_a_child_that_dies_fails_the_launch_at_once_with_its_log_tail(tmp_path: Path) -> None:
-    config = ReferenceEngineConfig(
-        name="ref-broken", model={"bogus_knob": 1}, launch=LaunchConfig(ready_timeout_s=60)
-    )
-    proc = ReferenceEngineProcess(config, log_path=tmp_path / "engine.log")
     started = time.monotonic()
     with pytest.raises(EngineLaunchError, match="bogus_knob") as err:
-        await proc.astart()
+        async with reference_engine("ref-broken", model={"bogus_knob": 1}, launch={"ready_timeout_s": 60},
+                                    log_path=tmp_path / "engine.log"):
+            pass
     assert time.monotonic() - started < 30  # the death was noticed, not the deadline
-    assert "exited with code 2" in str(err.value) and proc.log_path == tmp_path / "engine.log"
+    assert "exited with code 2" in str(err.value) and err.value.log_path == tmp_path / "engine.log"

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
-from support import daemon_node, reference_engine
+from support import EnginePool, daemon_node, reference_engine
 
 from colocd.api.client import ColocdHTTPError
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
@@ -47,16 +47,13 @@ def greedy_in_process(model: QwenLikeForCausalLM, text: str, n: int) -> list[int
     return generate_greedy(runner, CharTokenizer().encode(text), n, eos_id=EOS_ID)
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[ReferenceEngineProcess]:
-    proc = ReferenceEngineProcess(ReferenceEngineConfig(
-        name="ref-tp2", launch=LaunchConfig(ready_timeout_s=DEADLINE_S), tp_size=2, device_ids=["cpu:4", "cpu:5"]))
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-        assert proc.returncode == 0
+@pytest.fixture
+def engine(engine_pool: EnginePool) -> Iterator[ReferenceEngineProcess]:
+    """The module's TP=2 engine (tests/support.py's pool: started at first use, reset after each test)."""
+    proc = engine_pool.borrow("ref-tp2", launch={"ready_timeout_s": DEADLINE_S}, tp_size=2,
+                              device_ids=["cpu:4", "cpu:5"])
+    yield proc
+    engine_pool.give_back(proc)
 
 
 @pytest.fixture

@@ -41,11 +41,10 @@ def live(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[
         yield holder
     finally:
         current = holder.server or server
-        pid = current.process.pid if current.process is not None else None
-        asyncio.run(current.stop(grace_s=15))
-        if pid is not None:
-            with pytest.raises(ProcessLookupError):
-                os.killpg(pid, 0)  # the whole process group (tokenizer, scheduler, detokenizer) is gone
+        asyncio.run(current.process.stop(grace_s=15))
+        assert current.process.pid is not None
+        with pytest.raises(ProcessLookupError):
+            os.killpg(current.process.pid, 0)  # the whole process group (tokenizer, scheduler, detokenizer) is gone
 
 
 @pytest.fixture
@@ -78,7 +77,7 @@ async def adapter(sglang: LiveServer, client: httpx.AsyncClient) -> AsyncIterato
     await a.attach()
     yield a
     # Back to serving whatever the test did (each call is a no-op when already so).
-    if sglang.server is not None and sglang.server.process is not None and sglang.server.process.running:
+    if sglang.server is not None and sglang.server.process.running:
         await client.post(f"{sglang.server.url}/continue_generation", json={})
 
 

@@ -13,16 +13,15 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from sglang_live import LiveServer, checksums_sync, differing, greedy_sync, launch, save_model, step_weights
+from support import DaemonNode, daemon_node, entered_in_thread
 
 from colocd.api.client import ColocdHTTPError
-from colocd.api.procs import DaemonProcess
 from colocd.trainer import TrainerClient
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1200)]
@@ -30,38 +29,23 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(1200)]
 DEADLINE_S = 120
 
 
-@dataclass
-class Node:
-    """The module's colocd daemon (replaced when a test restarts it) and where it keeps its journal."""
-
-    workdir: Path
-    daemon: DaemonProcess | None = None
-
-    def start(self, engine_url: str) -> str:
-        config = {"engines": [{"kind": "sglang", "name": "sg", "url": engine_url}],
-                  "journal": str(self.workdir / "journal.jsonl")}
-        self.daemon = DaemonProcess(config, workdir=str(self.workdir), ready_timeout_s=DEADLINE_S)
-        asyncio.run(self.daemon.__aenter__())
-        return self.daemon.url
-
-    def stop(self) -> None:
-        if self.daemon is not None:
-            asyncio.run(self.daemon.stop())
-            self.daemon = None
-
-    @property
-    def url(self) -> str:
-        assert self.daemon is not None
-        return self.daemon.url
-
-
 @pytest.fixture(scope="module")
-def node(live: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = Node(tmp_path_factory.mktemp("colocd"))
-    if live.error is None:
-        n.start(live.url)
-    yield n
-    n.stop()
+def daemon(live: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    """The module's ``colocd serve`` over the SGLang server (tests/support.py's ``daemon_node``, on a loop of its
+    own thread: the tests are synchronous) and ``run(coroutine)`` on that loop."""
+    if live.error is not None:  # every test fails on the server's error (the sglang fixture)
+        yield None, None
+        return
+    workdir = tmp_path_factory.mktemp("colocd")
+    with entered_in_thread(daemon_node([{"kind": "sglang", "name": "sg", "url": live.url}], subprocess=True,
+                                       workdir=workdir, journal=str(workdir / "journal.jsonl"),
+                                       deadline_s=DEADLINE_S)) as entered:
+        yield entered
+
+
+@pytest.fixture
+def node(daemon: tuple[DaemonNode, Any]) -> DaemonNode:
+    return daemon[0]
 
 
 def step(c: TrainerClient, model_dir: Path, k: int, weights_of: int | None = None) -> Any:
@@ -83,7 +67,7 @@ def wait_for(what: str, probe: Any) -> Any:
 
 
 def test_the_readme_snippet_at_its_defaults_serves_each_steps_weights_as_sglang_loading_them_does(
-        sglang: LiveServer, node: Node, model_dir: Path, tmp_path: Path) -> None:
+        sglang: LiveServer, node: DaemonNode, model_dir: Path, tmp_path: Path) -> None:
     url = sglang.url
     original = checksums_sync(url)
     with TrainerClient(node.url) as c:
@@ -106,7 +90,7 @@ def test_the_readme_snippet_at_its_defaults_serves_each_steps_weights_as_sglang_
 
 
 def test_a_chunk_by_a_transport_sglang_cannot_load_is_refused_before_sglang_sees_it(
-        sglang: LiveServer, node: Node, model_dir: Path) -> None:
+        sglang: LiveServer, node: DaemonNode, model_dir: Path) -> None:
     named = step_weights(model_dir, 7)
     with TrainerClient(node.url) as c:
         c.phase("train", 7)
@@ -122,7 +106,7 @@ def test_a_chunk_by_a_transport_sglang_cannot_load_is_refused_before_sglang_sees
 
 
 def test_a_resume_of_a_resident_tag_is_refused_by_the_daemon_where_sglang_would_die(
-        sglang: LiveServer, node: Node) -> None:
+        sglang: LiveServer, node: DaemonNode) -> None:
     # SGLang 0.5.23's scheduler dies on resume of a resident tag (KeyError in weight_updater.py:390,
     # then SIGQUIT); the daemon knows residency and refuses.
     with TrainerClient(node.url) as c:
@@ -133,12 +117,12 @@ def test_a_resume_of_a_resident_tag_is_refused_by_the_daemon_where_sglang_would_
 
 
 def test_a_sigkilled_sglang_restarted_is_reconciled_and_served_again_after_a_push(
-        sglang: LiveServer, node: Node, model_dir: Path, tmp_path: Path) -> None:
+        sglang: LiveServer, node: DaemonNode, model_dir: Path, tmp_path: Path) -> None:
     with TrainerClient(node.url) as c:
         step(c, model_dir, 8, weights_of=3)
         pushed, served = checksums_sync(sglang.url), greedy_sync(sglang.url)
         before = c.status()["engines"]["sg"]["incarnation"]
-        assert sglang.server is not None and sglang.server.process is not None
+        assert sglang.server is not None
         port = int(sglang.url.rsplit(":", 1)[1])
         os.killpg(sglang.server.process.pid, signal.SIGKILL)
         wait_for("SGLang to exit", lambda: not sglang.server.process.running)  # type: ignore[union-attr]
@@ -158,12 +142,14 @@ def test_a_sigkilled_sglang_restarted_is_reconciled_and_served_again_after_a_pus
         assert greedy_sync(sglang.url) == served
 
 
-def test_a_restarted_daemon_adopts_sglang_as_it_is(sglang: LiveServer, node: Node, model_dir: Path) -> None:
+def test_a_restarted_daemon_adopts_sglang_as_it_is(sglang: LiveServer, daemon: tuple[DaemonNode, Any],
+                                                   model_dir: Path) -> None:
+    node, run = daemon
     with TrainerClient(node.url) as c:
         step(c, model_dir, 10, weights_of=2)
     served = greedy_sync(sglang.url)
-    node.stop()
-    node.start(sglang.url)
+    run(node.stop())
+    run(node.restart())
     with TrainerClient(node.url) as c:
         c.wait_ready(DEADLINE_S)
         status = c.status()

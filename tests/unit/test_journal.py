@@ -14,8 +14,8 @@ from support import in_process_daemon
 from colocd.daemon import journal as journal_module
 from colocd.daemon.journal import KEEP_COMPLETED, Journal
 from colocd.daemon.states import NodePhase
-from colocd.engines.adoption import LaunchRecord
 from colocd.engines.base import EngineInfo, Observation, ReleaseReport
+from colocd.engines.processes import LaunchRecord
 from colocd.policies import Transport
 
 

@@ -20,7 +20,7 @@ TESTS = Path(__file__).resolve().parents[1]
 CONFTEST = '''
 import sys, time
 import httpx, pytest
-from colocd.engines.supervisor import ManagedProcess
+from colocd.engines.processes import ManagedProcess
 from shared_server import SharedServerGuard, remember, pytest_report_teststatus, pytest_runtest_makereport
 
 SERVER = """

@@ -25,7 +25,7 @@ from colocd.daemon.journal import Journal
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.supervision import Backoff, EngineSupervision, LaunchState
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
-from colocd.engines.supervisor import (
+from colocd.engines.processes import (
     Launched,
     LaunchOptions,
     ManagedProcess,

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from colocd.engines.vllm import cpu_isa
-from colocd.engines.vllm.launcher import VLLMLaunchError, check_cpu_isa
+from colocd.engines.vllm.launcher import check_cpu_isa
+from colocd.errors import EngineLaunchError
 
 XEON = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -96,7 +97,7 @@ def test_the_shim_never_raises_a_bad_value_is_one_line_and_reads_as_auto(capsys:
 
 
 def test_the_launcher_refuses_an_amx_cpu_whose_vllm_venv_lacks_the_shim() -> None:
-    with pytest.raises(VLLMLaunchError) as err:
+    with pytest.raises(EngineLaunchError) as err:
         check_cpu_isa("tiny", {}, {"isa_shim": False}, cpu_isa.cpu_flags(XEON))
     message = str(err.value)
     assert "reports AMX" in message and "SIGILL" in message and cpu_isa.PTH_NAME in message
@@ -110,5 +111,5 @@ def test_the_launcher_starts_vllm_where_the_shim_holds_it_or_no_amx_needs_it() -
 
 
 def test_the_launcher_refuses_a_bad_value_before_starting_anything() -> None:
-    with pytest.raises(VLLMLaunchError, match="COLOCD_VLLM_CPU_ISA='x'"):
+    with pytest.raises(EngineLaunchError, match="COLOCD_VLLM_CPU_ISA='x'"):
         check_cpu_isa("tiny", {cpu_isa.ENV: "x"}, {"isa_shim": True}, cpu_isa.cpu_flags(EPYC))

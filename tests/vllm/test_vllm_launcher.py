@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
-from colocd.engines.vllm.launcher import EXTENSION_CLS, VLLMLaunchError, VLLMServer, build_command
+from colocd.engines.vllm.launcher import EXTENSION_CLS, build_command, launch_vllm
+from colocd.errors import EngineLaunchError
 
 pytestmark = pytest.mark.vllm
 
@@ -39,15 +40,13 @@ def test_cpu_command_leaves_out_sleep_mode_which_vllm_rejects_there() -> None:
 
 
 def test_launch_without_a_model_path_is_a_config_error() -> None:
-    with pytest.raises(ValueError, match="model_path"):
+    with pytest.raises(EngineLaunchError, match="model_path"):
         build_command(VLLMEngineConfig(name="e", launch=LaunchConfig()), "py", ENTRY, 1, cpu=True)
 
 
 async def test_an_interpreter_without_vllm_fails_with_a_clear_message() -> None:
-    server = VLLMServer(_config(), python=sys.executable)  # colocd's own env: no vLLM here
-    with pytest.raises(VLLMLaunchError, match="cannot import vLLM"):
-        await server.start()
-    assert server.pid is None
+    with pytest.raises(EngineLaunchError, match="cannot import vLLM"):
+        await launch_vllm(_config(python=sys.executable))  # colocd's own env: no vLLM here
 
 
 def test_the_extension_module_imports_neither_fastapi_nor_httpx_nor_pydantic() -> None:
@@ -61,7 +60,7 @@ def test_the_extension_module_imports_neither_fastapi_nor_httpx_nor_pydantic() -
 
 def test_launch_args_may_not_override_flags_colocd_owns() -> None:
     config = VLLMEngineConfig(name="e", model_path="/m", launch=LaunchConfig(args=["--port=9000"]))
-    with pytest.raises(ValueError, match="--port"):
+    with pytest.raises(EngineLaunchError, match="--port"):
         build_command(config, "py", ENTRY, 1, cpu=True)
 
 
@@ -74,5 +73,5 @@ def test_gpu_environment_pins_devices_and_drops_expandable_segments(monkeypatch:
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"  # CUDA IPC handles arrive pickled
-    with pytest.raises(ValueError, match="tp_size=2"):
+    with pytest.raises(EngineLaunchError, match="tp_size=2"):
         _environment(_config(tp_size=2, gpus=[0]), cpu=False)

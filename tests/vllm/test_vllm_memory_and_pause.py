@@ -16,7 +16,8 @@ import pytest
 from vllm_live import LACKS, VLLMHttp
 
 from colocd.engines.base import MemoryTag, PauseMode
-from colocd.engines.vllm import VLLMAdapter, VLLMServer
+from colocd.engines.processes import Launched
+from colocd.engines.vllm import VLLMAdapter
 from colocd.errors import EngineProtocolError, EngineRejected
 
 pytestmark = pytest.mark.vllm
@@ -141,9 +142,9 @@ async def test_is_sleeping_is_true_while_merely_paused(adapter: VLLMAdapter, vll
 
 
 async def test_pause_abort_ends_in_flight_requests_with_abort(
-    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient, slow_engine: None
+    adapter: VLLMAdapter, vllm_server: Launched, client: httpx.AsyncClient, slow_engine: None
 ) -> None:
-    stream = Stream(client, str(vllm_server.config.url))
+    stream = Stream(client, vllm_server.url)
     await stream.started()
     await adapter.pause_generation(PauseMode.ABORT)
     await stream.finished()
@@ -153,9 +154,9 @@ async def test_pause_abort_ends_in_flight_requests_with_abort(
 
 
 async def test_pause_retract_maps_to_wait_and_drains_in_flight_requests(
-    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient, slow_engine: None, vllm: VLLMHttp
+    adapter: VLLMAdapter, vllm_server: Launched, client: httpx.AsyncClient, slow_engine: None, vllm: VLLMHttp
 ) -> None:
-    stream = Stream(client, str(vllm_server.config.url))
+    stream = Stream(client, vllm_server.url)
     await stream.started()
     await adapter.pause_generation(PauseMode.RETRACT)
     # /pause?mode=wait replied only once the engine was idle: the request ran to its length.
@@ -167,9 +168,9 @@ async def test_pause_retract_maps_to_wait_and_drains_in_flight_requests(
 
 
 async def test_pause_in_place_maps_to_keep_and_freezes_requests_until_continue(
-    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient, slow_engine: None
+    adapter: VLLMAdapter, vllm_server: Launched, client: httpx.AsyncClient, slow_engine: None
 ) -> None:
-    stream = Stream(client, str(vllm_server.config.url))
+    stream = Stream(client, vllm_server.url)
     await stream.started()
     await adapter.pause_generation(PauseMode.IN_PLACE)
     # Two observation windows: a frozen request produces nothing in either.
@@ -187,10 +188,10 @@ async def test_pause_in_place_maps_to_keep_and_freezes_requests_until_continue(
 
 
 async def test_sleep_after_an_in_place_pause_keeps_the_frozen_requests(
-    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient, slow_engine: None
+    adapter: VLLMAdapter, vllm_server: Launched, client: httpx.AsyncClient, slow_engine: None
 ) -> None:
     # /sleep re-pauses with its own mode; the adapter reuses "keep" so the request is not aborted.
-    stream = Stream(client, str(vllm_server.config.url))
+    stream = Stream(client, vllm_server.url)
     await stream.started()
     await adapter.pause_generation(PauseMode.IN_PLACE)
     await adapter.release_memory(BOTH)
@@ -201,7 +202,7 @@ async def test_sleep_after_an_in_place_pause_keeps_the_frozen_requests(
 
 
 async def test_a_sleep_after_an_abort_pause_waits_and_serves_the_requests_queued_meanwhile(
-    adapter: VLLMAdapter, vllm_server: VLLMServer, client: httpx.AsyncClient
+    adapter: VLLMAdapter, vllm_server: Launched, client: httpx.AsyncClient
 ) -> None:
     # A reconcile pauses with abort (the weights are not committed); the next phase's sleep has its own cause and
     # must not abort what was queued since (vLLM's /sleep?mode=abort ends queued requests too: 0 tokens, "abort").
@@ -213,7 +214,7 @@ async def test_a_sleep_after_an_abort_pause_waits_and_serves_the_requests_queued
 
     client.event_hooks["request"].append(seen)
     await adapter.pause_generation(PauseMode.ABORT)
-    stream = Stream(client, str(vllm_server.config.url), max_tokens=8)
+    stream = Stream(client, vllm_server.url, max_tokens=8)
     await adapter.release_memory(BOTH)
     await adapter.resume_memory(BOTH)  # the full wake resumes the scheduler
     await stream.finished()

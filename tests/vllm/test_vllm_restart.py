@@ -10,19 +10,16 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from support import serve_app
+from support import daemon_node
 from vllm_live import VLLMHttp
 
-from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.daemon.config import NodeConfig
-from colocd.engines.vllm import VLLMServer
-from colocd.engines.vllm.extension import named_digest
+from colocd.api.client import ColocdHTTPError
+from colocd.engines.config import VLLMEngineConfig
+from colocd.engines.vllm.launcher import launch_vllm
 from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.vllm
@@ -39,17 +36,15 @@ async def _complete(url: str) -> str:
 
 
 async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_the_next_push(
-        new_vllm_server: Callable[[int | None], VLLMServer], new_weights: list[Any]) -> None:
-    server = new_vllm_server(None)
-    url = await server.start()
+        vllm_launch_config: VLLMEngineConfig, new_weights: list[Any]) -> None:
+    server = await launch_vllm(vllm_launch_config)
+    url = server.url
     try:
         original = await _complete(url)
-        config = NodeConfig.model_validate({
-            "engines": [server.config.model_dump(mode="json", exclude={"launch"})],
-            "timeouts": {"health_interval_s": HEALTH_S}})
-        async with serve_app(create_app(config)) as daemon_url, AsyncColocdClient(daemon_url) as daemon, \
+        engine = vllm_launch_config.model_copy(update={"url": url}).model_dump(mode="json", exclude={"launch"})
+        async with daemon_node([engine], timeouts={"health_interval_s": HEALTH_S}) as node, \
                 httpx.AsyncClient(trust_env=False, timeout=60) as http:
-            await daemon.wait_ready(60)
+            daemon = node.client
             await daemon.phase("train", 1)
             await daemon.phase("sync", 1)
             await WeightPusher(daemon, bucket_mb=1).push(new_weights, version="step-1", step=1)
@@ -59,9 +54,9 @@ async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_
             await daemon.phase("train", 2)
 
             before = (await daemon.status())["engines"]["tiny"]
-            assert server.pid is not None
-            os.killpg(server.pid, signal.SIGKILL)
-            await server.stop()
+            assert server.process.pid is not None
+            os.killpg(server.process.pid, signal.SIGKILL)
+            await server.process.stop()
             async with asyncio.timeout(30):  # the health loop's next tick finds it gone
                 while (tiny := (await daemon.status())["engines"]["tiny"])["healthy"]:  # noqa: ASYNC110
                     await asyncio.sleep(0.1)  # status poll cadence, bounded by the timeout
@@ -69,9 +64,8 @@ async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_
             assert (tiny["weights"], tiny["generation"], set(tiny["tags"].values())) == \
                 ("unknown", "unknown", {"unknown"}), tiny
             assert tiny["last_known"] == {k: before[k] for k in ("generation", "weights", "weight_version", "tags")}
-            port = int(url.rsplit(":", 1)[1])
-            server = new_vllm_server(port)
-            assert await server.start() == url
+            server = await launch_vllm(vllm_launch_config.model_copy(update={"url": url}))  # on the same port
+            assert server.url == url
 
             t0 = time.monotonic()
             async with asyncio.timeout(30):
@@ -93,10 +87,10 @@ async def test_vllm_restarted_during_train_is_put_back_to_sleep_and_resynced_by_
             await WeightPusher(daemon, bucket_mb=1).push(new_weights, version="step-2", step=2)
             await daemon.phase("rollout", 2)
             vllm = VLLMHttp(url, http)
-            assert await vllm.received_digest() == named_digest(new_weights)
+            assert await vllm.received(new_weights)
             assert await vllm.weight_version() == "step-2"
             assert await _complete(url) == trained
             assert 'colocd_engine_restarts_total{engine="tiny"} 1.0' in await daemon.metrics()
             print(f"vLLM restart detected {detected_s:.2f}s after the new server answered /health")
     finally:
-        await server.stop()
+        await server.process.stop()

@@ -7,12 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import serve_app
+from support import daemon_node
 from vllm_live import VLLMHttp
 
-from colocd.api.app import create_app
-from colocd.api.client import AsyncColocdClient
-from colocd.daemon.config import NodeConfig
 from colocd.engines.digest import tensor_digests
 from colocd.engines.vllm import VLLMAdapter
 from colocd.trainer.push import WeightPusher
@@ -37,11 +34,10 @@ async def test_the_worker_reports_the_digest_of_every_tensor_it_received(
 
 
 async def test_a_push_through_the_daemon_is_verified_on_vllm_before_it_commits(
-        vllm_server: Any, new_weights: list[Any], restore: None) -> None:
-    engine = vllm_server.config.model_dump(mode="json", exclude={"launch"})
-    async with serve_app(create_app(NodeConfig.model_validate({"engines": [engine]}))) as url, \
-            AsyncColocdClient(url) as daemon:
-        await daemon.wait_ready(60)
+        vllm_config: Any, new_weights: list[Any], restore: None) -> None:
+    engine = vllm_config.model_dump(mode="json", exclude={"launch"})
+    async with daemon_node([engine]) as node:
+        daemon = node.client
         await daemon.phase("train", 1)
         await daemon.phase("sync", 1)
         report = await WeightPusher(daemon, bucket_mb=0.0625).push(new_weights, version="step-1", step=1)

@@ -16,8 +16,8 @@ import pytest
 from vllm_live import VLLMHttp
 
 from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
-from colocd.engines.vllm import VLLMAdapter, VLLMServer
-from colocd.engines.vllm.extension import named_digest
+from colocd.engines.config import VLLMEngineConfig
+from colocd.engines.vllm import VLLMAdapter
 from colocd.errors import EngineRejected
 
 pytestmark = pytest.mark.vllm
@@ -55,7 +55,7 @@ async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
     await adapter.resume_memory((MemoryTag.KV_CACHE,))
     assert await vllm.is_sleeping() is False
 
-    assert await vllm.received_digest() == named_digest(new_weights)  # every byte arrived
+    assert await vllm.received(new_weights)  # every byte arrived
     assert await vllm.weight_version() == "step-1"
     pushed_checksums, pushed_text = await vllm.checksums(), await complete()
     assert pushed_checksums != start_checksums
@@ -71,13 +71,13 @@ async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
         await push(adapter, loads)
     assert await vllm.mismatches(start_checksums) == []
     assert await complete() == start_text
-    assert await vllm.received_digest() == named_digest(original_weights)
+    assert await vllm.received(original_weights)
     assert await vllm.weight_version() == "step-2"
 
 
 async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
     adapter: VLLMAdapter,
-    vllm_server: VLLMServer,
+    vllm_config: VLLMEngineConfig,
     client: Any,
     complete: Any,
     shm_chunks: Any,
@@ -88,11 +88,11 @@ async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
 ) -> None:
     # Same server, but an adapter configured for servers launched without --weight-transfer-config:
     # chunks go to ColocdWorkerExtension over /collective_rpc and the version via /update_weight_version.
-    rpc = VLLMAdapter(vllm_server.config.model_copy(update={"weight_transfer_backend": None}), client)
+    rpc = VLLMAdapter(vllm_config.model_copy(update={"weight_transfer_backend": None}), client)
     await rpc.attach()
     with shm_chunks(new_weights, SMALL_BUCKETS, version="rpc-1") as loads:
         await push(rpc, loads)
-    assert await vllm.received_digest() == named_digest(new_weights)
+    assert await vllm.received(new_weights)
     assert await vllm.weight_version() == "rpc-1"
     pushed = await vllm.checksums()
     text = await complete()
@@ -116,7 +116,7 @@ async def test_disk_chunks_load_through_the_same_session(
     await adapter.begin_weight_update()
     await adapter.load_weights(load)
     await adapter.end_weight_update()
-    assert await vllm.received_digest() == named_digest(new_weights)
+    assert await vllm.received(new_weights)
     pushed, text = await vllm.checksums(), await complete()
     await vllm.reload_weights(str(new_weights_dir))
     assert await vllm.mismatches(pushed) == []
