@@ -11,17 +11,11 @@ without ``--enable-weights-cpu-backup``. Unlike SGLang, a release of a released 
 resident one is refused with ``MemoryTagError`` naming the tag, instead of killing the process.
 This module knows nothing of requests, HTTP or scheduling; callers keep generation off it while
 anything is released.
-
-In benchmark mode a ``WeightSink`` (``sink.py``) is attached: its checkpoint-shaped tensors belong to
-``weights`` and its KV block to ``kv_cache``, so they are freed and reallocated with those tags. The
-tiny model's own parameters are then kept on the CPU across a release (pushes land in the sink, so
-nothing would ever overwrite them), and generation after a resume still runs on real weights.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,7 +24,6 @@ from torch import nn
 
 from ..base import ALL_TAGS, MemoryTag, TagState
 from .model import QwenLikeForCausalLM, kv_pool_shape
-from .sink import WeightSink
 
 __all__ = [
     "MemoryMove",
@@ -38,7 +31,6 @@ __all__ = [
     "MemoryTagError",
     "TagState",
     "normalize_tags",
-    "process_rss_bytes",
 ]
 
 # SGLang's order (scheduler_components/weight_updater.py:337-426): release kv → weights → graph,
@@ -80,15 +72,6 @@ def normalize_tags(tags: Iterable[str] | None) -> tuple[MemoryTag, ...]:
     return tuple(out)
 
 
-def process_rss_bytes() -> int | None:
-    """Resident set size of this process from /proc (None where there is no /proc)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class MemoryRegions:
     """Owns the three tagged regions of one engine and moves them between resident and released."""
 
@@ -99,11 +82,8 @@ class MemoryRegions:
         max_batch: int,
         max_seq: int,
         device: torch.device,
-        sink: WeightSink | None = None,
     ) -> None:
         self._model = model
-        self._sink = sink
-        self._param_stash: dict[str, torch.Tensor] = {}
         self._device = device
         self._dtype = next(model.parameters()).dtype
         self._kv_shape = kv_pool_shape(model.config, max_batch, max_seq)
@@ -143,10 +123,9 @@ class MemoryRegions:
         """Bytes the tag holds when resident (its size, whatever its state now)."""
         if tag is MemoryTag.WEIGHTS:
             params = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._param_meta.values())
-            sink = self._sink.nbytes if self._sink else 0
-            return params + sink + sum(b.nbytes for b in self._buffers_now_or_stashed())
+            return params + sum(b.nbytes for b in self._buffers_now_or_stashed())
         if tag is MemoryTag.KV_CACHE:
-            return math.prod(self._kv_shape) * self._dtype.itemsize + (self._sink.kv_bytes if self._sink else 0)
+            return math.prod(self._kv_shape) * self._dtype.itemsize
         return math.prod(self._workspace_shape) * torch.float32.itemsize
 
     def nbytes(self, tag: MemoryTag) -> int:
@@ -175,12 +154,8 @@ class MemoryRegions:
             freed += self.resident_nbytes(tag)
             if tag is MemoryTag.WEIGHTS:
                 self._release_weights()
-                if self._sink is not None:
-                    self._sink.release_weights()
             elif tag is MemoryTag.KV_CACHE:
                 self._kv_pool = None
-                if self._sink is not None:
-                    self._sink.release_kv()
             else:
                 self._workspace = None
             self._states[tag] = TagState.RELEASED
@@ -196,12 +171,8 @@ class MemoryRegions:
         for tag in tags:
             if tag is MemoryTag.WEIGHTS:
                 self._resume_weights()
-                if self._sink is not None:
-                    self._sink.resume_weights()
             elif tag is MemoryTag.KV_CACHE:
                 self._kv_pool = torch.zeros(self._kv_shape, dtype=self._dtype, device=self._device)
-                if self._sink is not None:
-                    self._sink.resume_kv()
             else:
                 self._workspace = torch.zeros(self._workspace_shape, dtype=torch.float32, device=self._device)
             self._states[tag] = TagState.RESIDENT
@@ -228,9 +199,7 @@ class MemoryRegions:
     # --- helpers ---------------------------------------------------------------------------------
 
     def _release_weights(self) -> None:
-        for name, p in self._model.named_parameters():
-            if self._sink is not None:
-                self._param_stash[name] = p.detach().to("cpu", copy=True)
+        for p in self._model.parameters():
             # Replacing .data keeps the Parameter objects (and the model's structure) alive while
             # dropping the last reference to the storage.
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -242,10 +211,7 @@ class MemoryRegions:
     def _resume_weights(self) -> None:
         params = dict(self._model.named_parameters())
         for name, (shape, dtype) in self._param_meta.items():
-            stashed = self._param_stash.pop(name, None)
-            params[name].data = (
-                torch.empty(shape, dtype=dtype, device=self._device) if stashed is None else stashed.to(self._device)
-            )
+            params[name].data = torch.empty(shape, dtype=dtype, device=self._device)
         # Buffers come back intact (rotary tables are derived, not trained), as SGLang restores them.
         for name, module, attr in self._buffer_slots():
             setattr(module, attr, self._buffer_stash.pop(name).to(self._device))

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support import daemon_node, reference_engine
+from support import daemon_node, engine_tags, reference_engine
 
 from colocd.daemon.config import load_node_config
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -58,9 +58,9 @@ async def client(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncCli
 async def _engine_memory(engine: ReferenceEngineProcess) -> dict[str, Any]:
     """Which tags the engine holds and their bytes (not the process RSS, which moves on its own)."""
     async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
-        r = await http.get(f"{engine.url}/colocd/memory")
+        r = await http.get(f"{engine.url}/server_info")
         r.raise_for_status()
-        return dict(r.json()["tags"])
+        return dict(engine_tags(r.json()))
 
 
 def _is_error(response: httpx.Response, status: int, *, field: str | None = None) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
-from support import daemon_node, reference_engine
+from support import daemon_node, engine_tags, reference_engine
 
 from colocd.api.client import ColocdHTTPError
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
@@ -69,7 +69,7 @@ async def c(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncClient]:
 async def restore(c: httpx.AsyncClient) -> None:
     """Back to serving seed-0 weights on both ranks with everything resident, whatever the test did."""
     await c.post("/continue_generation", json={})
-    released = [t for t, v in (await c.get("/colocd/memory")).json()["tags"].items() if not v["resident"]]
+    released = [t for t, (resident, _) in engine_tags((await c.get("/server_info")).json()).items() if not resident]
     if released:
         assert (await c.post("/resume_memory_occupation", json={"tags": released})).status_code == 200
     if (await c.get("/server_info")).json()["internal_states"][0]["weight_update_session"] is not None:
@@ -171,20 +171,16 @@ async def test_a_chunk_whose_rank_entries_disagree_or_miss_a_rank_is_refused_and
 
 
 async def test_release_and_resume_move_every_ranks_memory_together(c: httpx.AsyncClient) -> None:
-    before = (await c.get("/colocd/memory")).json()
-    per_rank = [r["tags"]["weights"]["nbytes"] for r in before["ranks"]]
-    assert len(per_rank) == 2 and min(per_rank) > 0
-    assert before["tags"]["weights"]["nbytes"] == sum(per_rank)
+    weights = engine_tags((await c.get("/server_info")).json())["weights"]
+    assert weights[0] and weights[1] > 0
 
     await c.post("/pause_generation", json={"mode": "abort"})
     assert (await c.post("/release_memory_occupation", json={"tags": ["weights"]})).status_code == 200
-    released = (await c.get("/colocd/memory")).json()
-    assert [r["tags"]["weights"]["resident"] for r in released["ranks"]] == [False, False]
-    assert released["tags"]["weights"] == {"resident": False, "nbytes": 0, "resident_nbytes": sum(per_rank)}
+    assert engine_tags((await c.get("/server_info")).json())["weights"] == (False, weights[1])
+    assert (await c.post("/weights_checker", json={"action": "checksum"})).json()["success"] is False  # no rank holds
 
     assert (await c.post("/resume_memory_occupation", json={"tags": ["weights"]})).status_code == 200
-    resumed = (await c.get("/colocd/memory")).json()
-    assert [r["tags"]["weights"]["nbytes"] for r in resumed["ranks"]] == per_rank
+    assert engine_tags((await c.get("/server_info")).json())["weights"] == weights
 
 
 def test_device_ids_must_name_every_tp_rank_once() -> None:
