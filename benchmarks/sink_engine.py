@@ -21,7 +21,6 @@ from fastapi import FastAPI
 
 from colocd.engines.base import MemoryTag
 from colocd.engines.reference.engine import EngineRefusal, ReferenceEngine
-from colocd.engines.reference.memory import MemoryMove
 from colocd.engines.reference.payloads import open_bucket, open_payload
 from colocd.engines.reference.server import create_app
 from colocd.engines.reference.settings import ReferenceServerSettings
@@ -54,12 +53,12 @@ class SinkEngine(ReferenceEngine):
         super()._build()
         self.sinks = [WeightSink(self.shapes, r.device, kv_bytes=self.kv_bytes) for r in self._ranks]
 
-    def _move_every_rank(self, tags: tuple[MemoryTag, ...], resume: bool) -> list[MemoryMove]:
+    def _move_every_rank(self, tags: tuple[MemoryTag, ...], resume: bool) -> None:
         # Pushes land in the sink, so nothing would restore the tiny model after a resume: keep it on the host.
         if not resume and MemoryTag.WEIGHTS in tags:
             self._stash = [{n: p.detach().to("cpu", copy=True) for n, p in r.model.named_parameters()}
                            for r in self._ranks]
-        moves = super()._move_every_rank(tags, resume)
+        super()._move_every_rank(tags, resume)
         for sink in self.sinks:
             if MemoryTag.WEIGHTS in tags:
                 (sink.resume_weights if resume else sink.release_weights)()
@@ -71,7 +70,6 @@ class SinkEngine(ReferenceEngine):
                     for n, p in rank.model.named_parameters():
                         p.copy_(kept[n])
             self._stash = []
-        return moves
 
     def tag_bytes(self, rank: int) -> dict[MemoryTag, int]:
         held = super().tag_bytes(rank)

@@ -26,7 +26,7 @@ import torch
 
 from ..base import MemoryTag, PauseMode
 from .locks import ReaderWriterLock
-from .memory import MemoryMove, MemoryRegions, MemoryTagError, TagState, normalize_tags
+from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from .model import QwenLikeForCausalLM, build_model
 from .payloads import open_payload
 from .runner import ModelRunner
@@ -518,8 +518,9 @@ class ReferenceEngine:
         for rank in self._ranks:
             rank.memory.empty_cache()
 
-    def _move_every_rank(self, tags: tuple[MemoryTag, ...], resume: bool) -> list[MemoryMove]:
-        return [(r.memory.resume if resume else r.memory.release)(tags) for r in self._ranks]
+    def _move_every_rank(self, tags: tuple[MemoryTag, ...], resume: bool) -> None:
+        for rank in self._ranks:
+            (rank.memory.resume if resume else rank.memory.release)(tags)
 
     # --- weights ---------------------------------------------------------------------------------
 

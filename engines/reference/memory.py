@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,7 +25,6 @@ from ..base import ALL_TAGS, MemoryTag, TagState
 from .model import QwenLikeForCausalLM, kv_pool_shape
 
 __all__ = [
-    "MemoryMove",
     "MemoryRegions",
     "MemoryTagError",
     "TagState",
@@ -46,15 +44,6 @@ class MemoryTagError(ValueError):
         super().__init__(f"cannot {action} memory tag {tag!r}: it is already {state}")
         self.tag = tag
         self.state = state
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryMove:
-    """What one release or resume did: tags in the order handled, bytes of tensor storage moved."""
-
-    tags: tuple[MemoryTag, ...]
-    nbytes: int
-    cuda_reserved_delta_bytes: int | None
 
 
 def normalize_tags(tags: Iterable[str] | None) -> tuple[MemoryTag, ...]:
@@ -141,17 +130,15 @@ class MemoryRegions:
 
     # --- transitions (run on the model thread) ---------------------------------------------------
 
-    def release(self, tags: Iterable[MemoryTag]) -> MemoryMove:
-        """Free the tags' storage; checks every tag first, so a refused call changes nothing."""
+    def release(self, tags: Iterable[MemoryTag]) -> None:
+        """Free the tags' storage and give it back to the device; checks every tag first, so a refused call changes
+        nothing."""
         tags = tuple(t for t in _RELEASE_ORDER if t in set(tags))
         self.check(tags, resume=False)
-        reserved_before = self._cuda_reserved()
         if self._device.type == "cuda":
             # No kernel may still read memory we are about to drop (sgl-project/sglang#31073).
             torch.cuda.synchronize(self._device)
-        freed = 0
         for tag in tags:
-            freed += self.resident_nbytes(tag)
             if tag is MemoryTag.WEIGHTS:
                 self._release_weights()
             elif tag is MemoryTag.KV_CACHE:
@@ -159,15 +146,12 @@ class MemoryRegions:
             else:
                 self._workspace = None
             self._states[tag] = TagState.RELEASED
-        delta = self._give_back_cache(reserved_before)
-        return MemoryMove(tags, freed, delta)
+        self.empty_cache()
 
-    def resume(self, tags: Iterable[MemoryTag]) -> MemoryMove:
+    def resume(self, tags: Iterable[MemoryTag]) -> None:
         """Reallocate the tags (weights as ``torch.empty``: garbage until weights are pushed again)."""
         tags = tuple(t for t in _RESUME_ORDER if t in set(tags))
         self.check(tags, resume=True)
-        reserved_before = self._cuda_reserved()
-        allocated = 0
         for tag in tags:
             if tag is MemoryTag.WEIGHTS:
                 self._resume_weights()
@@ -176,25 +160,13 @@ class MemoryRegions:
             else:
                 self._workspace = torch.zeros(self._workspace_shape, dtype=torch.float32, device=self._device)
             self._states[tag] = TagState.RESIDENT
-            allocated += self.resident_nbytes(tag)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        after = self._cuda_reserved()
-        delta = None if reserved_before is None or after is None else after - reserved_before
-        return MemoryMove(tags, allocated, delta)
 
     def empty_cache(self) -> None:
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):  # the cache of this region's GPU, not the current one
                 torch.cuda.empty_cache()
-
-    def cuda_memory(self) -> dict[str, int] | None:
-        if self._device.type != "cuda":
-            return None
-        return {
-            "allocated_bytes": torch.cuda.memory_allocated(self._device),
-            "reserved_bytes": torch.cuda.memory_reserved(self._device),
-        }
 
     # --- helpers ---------------------------------------------------------------------------------
 
@@ -227,16 +199,3 @@ class MemoryRegions:
         if self._states[MemoryTag.WEIGHTS] is TagState.RESIDENT:
             return [b for _, b in self._model.named_buffers()]
         return list(self._buffer_stash.values())
-
-    def _cuda_reserved(self) -> int | None:
-        if self._device.type != "cuda":
-            return None
-        return torch.cuda.memory_reserved(self._device)
-
-    def _give_back_cache(self, reserved_before: int | None) -> int | None:
-        if self._device.type != "cuda" or reserved_before is None:
-            return None
-        torch.cuda.synchronize(self._device)
-        with torch.cuda.device(self._device):
-            torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved(self._device) - reserved_before

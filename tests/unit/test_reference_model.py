@@ -197,8 +197,8 @@ def test_release_frees_storage_and_resume_reallocates_with_the_same_shapes() -> 
     mem = MemoryRegions(model, max_batch=2, max_seq=16, device=torch.device("cpu"))
     shapes = {n: p.shape for n, p in model.named_parameters()}
     sizes = {t: mem.resident_nbytes(t) for t in MemoryTag}
-    report = mem.release(normalize_tags(None))
-    assert report.nbytes == sum(sizes.values())
+    mem.release(normalize_tags(None))
+    assert all(n > 0 for n in sizes.values()) and {t: mem.resident_nbytes(t) for t in MemoryTag} == sizes
     assert all(p.numel() == 0 for p in model.parameters())
     assert all(mem.state(t) is TagState.RELEASED and mem.nbytes(t) == 0 for t in MemoryTag)
     with pytest.raises(RuntimeError, match="kv_cache"):
