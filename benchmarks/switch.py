@@ -391,7 +391,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
                       mode: str = "sync") -> list[StepRecord]:
     s, state, device = rank.settings, rank.state, rank.device
     agent = TrainerAgent(rank.client, groups=rank.life, device=device, overlap_groups=preset.overlap_groups)
-    transport = "cuda_ipc" if device.type == "cuda" else "shm"
+    transport = "cuda_ipc" if device.type == "cuda" else "inline"
     export = preset.export if device.type == "cuda" else None
     document = preset.policy_yaml(transport) + f"sync: {{mode: {mode}}}\n"
     if s.post_destroy_wait_s is not None:
@@ -964,7 +964,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
         "rates": rates,
         "floor": floor,
         "presets": [{"name": n, "about": PRESETS[n].about, "policy": PRESETS[n].policy_yaml(
-                        "cuda_ipc" if device.type == "cuda" else "shm"),
+                        "cuda_ipc" if device.type == "cuda" else "inline"),
                      "trainer_export": PRESETS[n].export if device.type == "cuda" else None}
                     for n in settings.presets],
         "summary": summaries,

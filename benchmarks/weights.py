@@ -1,7 +1,7 @@
 """``python3 -m benchmarks.weights``: trainer → daemon → engine weight transfer over HTTP, against the copy floor.
 
     python3 -m benchmarks.weights --model qwen3-8b --device cuda --out benchmarks/results/weights-qwen3-8b-h200.json
-    python3 -m benchmarks.weights --model tiny --device cpu       # CI smoke run: shm transport, a few MB
+    python3 -m benchmarks.weights --model tiny --device cpu       # CI smoke run: inline transport, a few MB
 
 Three processes: this one is the trainer; it makes the checkpoint's tensors (HF names and shapes,
 random bf16) on the device, starts a reference engine that holds destination tensors of the same
@@ -71,9 +71,9 @@ class Variant:
 # name -> (producer on CUDA, producer on CPU or None, depth, one message for everything)
 VARIANTS: dict[str, tuple[str, str | None, int, bool]] = {
     "per_tensor": ("per_tensor", None, 1, True),  # one IPC handle per tensor, one message
-    "serial": ("cuda_ipc", "shm", 1, False),  # fresh bucket per chunk, wait for each ack
-    "overlap2": ("cuda_ipc", "shm", 2, False),
-    "overlap3": ("cuda_ipc", "shm", 3, False),
+    "serial": ("cuda_ipc", "inline", 1, False),  # fresh bucket per chunk, wait for each ack
+    "overlap2": ("cuda_ipc", "inline", 2, False),
+    "overlap3": ("cuda_ipc", "inline", 3, False),
 }
 DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3")
 # What the tuned pipeline policy pushes with (overlap, depth 2, 4096 MiB, cuda_ipc).
@@ -545,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.weights", description=__doc__.split("\n")[0],
                                 formatter_class=ShowDefaults)
     p.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
-    p.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
+    p.add_argument("--device", default="cpu", help="cpu (inline transport) or cuda")
     p.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3",
                    help="comma-separated; name@MB sets one variant's chunk size")
     p.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")

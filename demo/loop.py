@@ -135,7 +135,7 @@ async def run_demo(settings: DemoSettings) -> int:
             if await _engine_checksum(http, engine_url) != tensor_checksum(model.named_parameters()):
                 print("engine and trainer start from different weights", flush=True)
                 return 1
-            pusher = WeightPusher(client, transport="shm", bucket_mb=0.1, depth=2)
+            pusher = WeightPusher(client, transport="inline", bucket_mb=0.1, depth=2)
             agent = TrainerAgent(client)
             print(f"{'step':>4} {'reward':>7} {'sleep_s':>8} {'update_s':>9} {'wake_s':>7} {'bytes':>9} "
                   f"{'version':>7}  weights", flush=True)

@@ -441,27 +441,17 @@ def _reset(proc: Any, fresh: dict[str, Any]) -> None:
 
 
 def _load_seed_weights(http: httpx.Client, config: Any) -> None:
-    """The weights a fresh engine of ``config`` serves, loaded through one colocd_shm update."""
-    import base64
-    import json
-
-    from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
+    """The weights a fresh engine of ``config`` serves, loaded through one inline (SGLang flattened_bucket) update."""
     from colocd.engines.reference.model import QwenLikeConfig, build_model
+    from colocd.trainer.producer import InlineProducer
 
     named = list(build_model(QwenLikeConfig(**config.model), seed=config.seed).named_parameters())
-    layout = ChunkLayout.for_tensors(named)
-    seg = SharedSegment.create(layout.nbytes)
-    try:
-        flatten_into(seg.tensor(), layout, named)
-        entry = {"transport": "shm", "shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-        _ok(http.post("/begin_weight_update", json={}))
-        _ok(http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [base64.b64encode(json.dumps(entry).encode()).decode()],
-            "load_format": "colocd_shm", "flush_cache": True}))
-        _ok(http.post("/end_weight_update", json={}))
-    finally:
-        seg.close()
-        seg.unlink()
+    entry = InlineProducer().export(named).handle["payload_b64"]
+    _ok(http.post("/begin_weight_update", json={}))
+    _ok(http.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": [entry] * int(config.tp_size), "load_format": "flattened_bucket",
+        "flush_cache": True}))
+    _ok(http.post("/end_weight_update", json={}))
 
 
 def _ok(response: httpx.Response) -> None:

@@ -7,7 +7,6 @@ Every call maps to one SGLang route; ordering, retries and deadlines belong to t
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 from collections.abc import Sequence
@@ -68,7 +67,6 @@ class SGLangAdapter:
         # Until attach probes the version, assume the current protocol.
         self.protocol: SGLangProtocol = V0_5_23
         self._info: EngineInfo | None = None
-        self._reference = False  # the reference engine, which also loads colocd's shm and disk chunks
         self._server_info_route = "/server_info"
         self._device: str | None = None  # where the reference engine says its weights live (server_info)
 
@@ -99,17 +97,12 @@ class SGLangAdapter:
 
     @property
     def transports(self) -> frozenset[Transport]:
-        """What this engine loads. Real SGLang: ``inline`` (plain-pickled CPU tensors, on any device) and, on
-        a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list); never colocd's own formats
-        (shm, disk), which only the reference engine's loader reads: SGLang would unpickle their
-        JSON descriptors and its scheduler would die. Before attach a real SGLang is assumed to be on a GPU.
-        The reference engine: everything on a GPU, shm/disk/inline on CPU."""
-        colocd_formats = (self._reference if self._info is not None
-                          else isinstance(self._config, ReferenceEngineConfig))  # before attach: the config's kind
+        """What SGLang loads, and the reference engine with it: ``inline`` (plain-pickled CPU tensors, on any
+        device) and, on a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list). Never colocd's
+        shm or disk chunks: SGLang would unpickle their JSON descriptors and its scheduler would die. The device
+        is the one server_info reports; before attach, the reference engine's config, else a GPU."""
         device = self._device or (self._config.device if isinstance(self._config, ReferenceEngineConfig) else "cuda")
-        if not colocd_formats:
-            return _SGLANG_GPU_TRANSPORTS if device.startswith("cuda") else _SGLANG_CPU_TRANSPORTS
-        return _REFERENCE_GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
+        return _GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
 
     # -- verbs -------------------------------------------------------------------------------
     async def _server_info(self) -> wire.ServerInfo:
@@ -144,7 +137,6 @@ class SGLangAdapter:
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
-        self._reference = server.colocd_reference
         self._info = EngineInfo(
             name=self.name,
             engine_kind=self._config.kind,
@@ -357,18 +349,12 @@ class SGLangAdapter:
         return None
 
 
-_SGLANG_CPU_TRANSPORTS = frozenset({Transport.INLINE})
-_SGLANG_GPU_TRANSPORTS = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER_TENSOR})
-_CPU_TRANSPORTS = frozenset({Transport.SHM, Transport.DISK, Transport.INLINE})
-_REFERENCE_GPU_TRANSPORTS = frozenset(Transport)
-
-# colocd's own transports travel as base64 JSON descriptors, one load_format each; CUDA-IPC
-# chunks are the trainer's own SGLang pickle, flattened_bucket unless the trainer says otherwise.
-_COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk"}
+_CPU_TRANSPORTS = frozenset({Transport.INLINE})
+_GPU_TRANSPORTS = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER_TENSOR})
 
 
 def _load_format(load: ChunkLoad) -> str | None:
-    formats = {_COLOCD_FORMATS.get(p.transport) or _payload_format(p.route) for p in load.payloads}
+    formats = {_payload_format(p.route) for p in load.payloads}
     if len(formats) != 1:
         raise RequestInvalid(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}; one chunk "
                              "travels in one format", field="handle.load_format")
@@ -383,12 +369,7 @@ def _payload_format(route: HandleRoute) -> str:
 
 
 def _entry(part: ChunkPart) -> str:
-    """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA and inline paths,
-    or base64 JSON for colocd's shm/disk paths: the handle as the trainer sent it is the reference engine's
-    descriptor. The daemon never sends those to a real
-    SGLang, whose ``transports`` leave them out."""
-    if part.transport in _COLOCD_FORMATS:
-        return base64.b64encode(json.dumps({"transport": part.transport, **part.handle}).encode()).decode()
+    """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle (CUDA-IPC and inline chunks)."""
     payload = part.route.payload_b64 if isinstance(part.route, (CudaIpcRoute, InlineRoute)) else None
     if payload is None:
         raise RequestInvalid(f"{part.transport} chunk handle carries no 'payload_b64' string",

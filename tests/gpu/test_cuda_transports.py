@@ -50,7 +50,7 @@ def _received(sink: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> li
     return [sink["checksums"][n] for n, _ in named]
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "per_tensor", "shm"])
+@pytest.mark.parametrize("transport", ["cuda_ipc", "per_tensor", "inline"])
 async def test_every_transport_delivers_byte_identical_weights_twice(
     node: DaemonNode, named: list[tuple[str, torch.Tensor]], transport: str
 ) -> None:

@@ -3,8 +3,8 @@
 From a pusher's second push on, ``WeightPusher.open`` exports the first chunk on a thread beside the open, so
 the open's round trip and the engines' begin hide one export. That chunk is made under the last join's terms; it
 is sent only where this session's join says the same, and it is given back when the open fails. One reference
-engine process for the module, an in-process daemon per test, shm chunks (their segments in /dev/shm show what is
-still exported).
+engine process for the module, an in-process daemon per test, inline chunks (the pusher's leases show what is still
+exported).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import DaemonNode, daemon_node, shm_segments
+from support import DaemonNode, daemon_node
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.exported import ExportedPart
-from colocd.trainer.producer import ShmProducer
+from colocd.trainer.producer import InlineProducer
 from colocd.trainer.push import PushReport, WeightPusher
 
 Named = list[tuple[str, torch.Tensor]]
@@ -54,40 +54,40 @@ async def _checksum(engine: ReferenceEngineProcess) -> str:
 
 
 async def _landed_verified(report: PushReport, named: Named, engine: ReferenceEngineProcess) -> None:
-    """The push committed, verified on the engine, which holds ``named``; no segment left behind."""
+    """The push committed and was checked as far as the engine can be (the reference engine, like SGLang, reports no
+    digests), and the engine holds ``named``."""
     assert report.commit["state"] == "committed"
-    assert {e["status"] for e in report.commit["verification"]["engines"].values()} == {"verified"}
+    assert {e["status"] for e in report.commit["verification"]["engines"].values()} == {"unsupported"}
     assert await _checksum(engine) == tensor_checksum(named)
-    assert not shm_segments()
 
 
 @asynccontextmanager
 async def _pushed_once(engine: ReferenceEngineProcess, tmp_path: Any, *, verify: str = "full",
                        seed: int) -> AsyncIterator[tuple[DaemonNode, WeightPusher, PushReport]]:
-    """A daemon over ``engine`` whose policy says ``sync.verify: verify``, a shm pusher, and its first push's report
+    """A daemon over ``engine`` whose policy says ``sync.verify: verify``, an inline pusher, and its first push's report
     (at step 1; the node then in step 1's rollout unless the test moves on)."""
     policy = tmp_path / "policy.yaml"
     policy.write_text(_verify(verify))
     async with daemon_node({"ref0": str(engine.url)}, policy_file=str(policy), synced_at=1) as node, \
-            WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2) as pusher:
+            WeightPusher(node.client, transport="inline", bucket_mb=0.05, depth=2) as pusher:
         yield node, pusher, await pusher.push(_model(seed=seed), version="one", step=1)
 
 
 class Exports:
-    """Counts shm exports as they begin (on their threads); a thread can wait for the count to pass a mark."""
+    """Counts inline exports as they begin (on their threads); a thread can wait for the count to pass a mark."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
         self._changed = threading.Condition()
-        export = ShmProducer.export
+        export = InlineProducer.export
 
-        def counted(producer: ShmProducer, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
+        def counted(producer: InlineProducer, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
             with self._changed:
                 self.count += 1
                 self._changed.notify_all()
             return export(producer, named)
 
-        monkeypatch.setattr(ShmProducer, "export", counted)
+        monkeypatch.setattr(InlineProducer, "export", counted)
 
     def wait_past(self, mark: int, timeout_s: float) -> bool:
         with self._changed:
@@ -144,7 +144,6 @@ async def test_an_open_the_daemon_refuses_gives_back_the_chunk_exported_meanwhil
             await pusher.push(_model(seed=36), version="wrong-step", step=7)  # the node is at step 1
         assert (refused.value.status, refused.value.body["field"]) == (422, "step")
         assert exports.count == first.chunks + 1  # the early export ran
-        assert not shm_segments()  # and its segment is gone
         assert pusher.leases.report()["exported_bytes"] == 0
         await _next_step(node.client, 2)
         named = _model(seed=37)

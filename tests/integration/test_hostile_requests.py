@@ -494,6 +494,8 @@ def _in_dev_shm(name: str) -> bool:
     return name in os.listdir("/dev/shm")
 
 
+@pytest.mark.skip(reason="needs an engine that loads shm chunks (vLLM's colocd worker extension); the reference "
+                  "engine loads what SGLang loads, so the daemon refuses shm by its transport before reading a handle")
 async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_files_survive_the_abort(
         other_program_segment: str, pooled_engine: ReferenceEngineProcess) -> None:
     # Its own engine (the pool's, reset afterwards): this test moves the node to sync and opens a session.

@@ -18,25 +18,22 @@ from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase, WeightsState
 from colocd.daemon.weights import WeightSession
 from colocd.engines.base import ChunkPart, MemoryTag, Observation
-from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
+from colocd.engines.chunks import SharedSegment
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.errors import SessionGone
+from colocd.trainer.producer import InlineProducer
 from colocd.trainer.push import manifest_of
 
 
 async def _open_and_send_everything(daemon: Daemon, segments: list[SharedSegment]) -> WeightSession:
-    """Step 1's session, every tensor of the engine's model delivered in one shared-memory chunk (not committed)."""
+    """Step 1's session, every tensor of the engine's model delivered in one inline chunk (not committed)."""
     await daemon.transitions.transition(NodePhase.TRAIN, 1)
     await daemon.transitions.transition(NodePhase.SYNC, 1)
     named = list(build_model(QwenLikeConfig(), seed=7).named_parameters())
     session = await daemon.sessions.open(step=1, version="v1", ranks=1, manifest=manifest_of(named))
-    layout = ChunkLayout.for_tensors(named)
-    seg = SharedSegment.create(layout.nbytes)
-    segments.append(seg)
-    flatten_into(seg.tensor(), layout, named)
-    handle = {"shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-    await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, "shm", layout.nbytes, handle))
+    part = InlineProducer().export(named)
+    await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, "inline", part.nbytes, part.handle))
     return session
 
 

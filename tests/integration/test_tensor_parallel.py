@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import pickle
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -22,12 +21,13 @@ from reference_runner import StaticBuffers, generate_greedy
 from support import daemon_node, engine_tags, reference_engine
 
 from colocd.api.client import ColocdHTTPError
-from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
+from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.runner import ModelRunner
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
+from colocd.trainer.producer import InlineProducer
 from colocd.trainer.push import WeightPusher, manifest_of
 
 CFG = QwenLikeConfig()
@@ -76,18 +76,13 @@ async def restore(c: httpx.AsyncClient) -> None:
         await c.post("/end_weight_update", json={})
     if await rank_checksums(c) != [SEED0_SUM, SEED0_SUM]:
         seed0 = named_params(build_model(CFG, 0))
-        assert (await push_shm(c, [seed0, seed0])).json()["success"]
+        assert (await push_inline(c, [seed0, seed0])).json()["success"]
     await c.post("/update_weight_version", json={"new_version": "default"})
 
 
-def shm_entry(named: Named, segments: list[SharedSegment]) -> str:
-    """One TP rank's colocd_shm entry in a segment of its own (as each trainer rank exports its own)."""
-    layout = ChunkLayout.for_tensors(named)
-    segment = SharedSegment.create(layout.nbytes)
-    segments.append(segment)
-    flatten_into(segment.tensor(), layout, named)
-    desc = {"transport": "shm", "shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-    return base64.b64encode(json.dumps(desc).encode()).decode()
+def bucket_entry(named: Named) -> str:
+    """One TP rank's ``flattened_bucket`` entry, plain-pickled as each trainer rank's inline transport sends it."""
+    return str(InlineProducer().export(named).handle["payload_b64"])
 
 
 async def update(c: httpx.AsyncClient, entries: list[str], load_format: str | None) -> httpx.Response:
@@ -100,14 +95,8 @@ async def update(c: httpx.AsyncClient, entries: list[str], load_format: str | No
         assert (await c.post("/end_weight_update", json={})).json()["success"]
 
 
-async def push_shm(c: httpx.AsyncClient, per_rank: list[Named]) -> httpx.Response:
-    segments: list[SharedSegment] = []
-    try:
-        return await update(c, [shm_entry(named, segments) for named in per_rank], "colocd_shm")
-    finally:
-        for segment in segments:
-            segment.close()
-            segment.unlink()
+async def push_inline(c: httpx.AsyncClient, per_rank: list[Named]) -> httpx.Response:
+    return await update(c, [bucket_entry(named) for named in per_rank], "flattened_bucket")
 
 
 async def rank_checksums(c: httpx.AsyncClient) -> list[str]:
@@ -135,7 +124,7 @@ async def test_a_tp2_engine_reports_its_ranks_and_loads_each_rank_from_its_own_e
     assert [r["parallelism_info"][0]["tp_size"] for r in check["ranks"]] == [2, 2]
     assert check["colocd_rank_checksums"] == [SEED0_SUM, SEED0_SUM]
 
-    r = await push_shm(c, [named_params(trained), named_params(trained)])
+    r = await push_inline(c, [named_params(trained), named_params(trained)])
     assert r.json() == {"success": True, "message": "Success"}
 
     assert await rank_checksums(c) == [tensor_checksum(named_params(trained))] * 2
@@ -154,17 +143,17 @@ async def test_sglang_pickled_entries_one_serialisation_per_rank_land_on_every_r
 async def test_a_chunk_whose_rank_entries_disagree_or_miss_a_rank_is_refused_and_applies_nothing(
         c: httpx.AsyncClient) -> None:
     ours, other = named_params(build_model(CFG, 23)), named_params(build_model(CFG, 24))
-    one = await push_shm(c, [ours])
+    one = await push_inline(c, [ours])
     assert one.status_code == 400
     assert "1 entries but this engine has tp_size 2" in one.json()["message"]
 
     # Rank 1 holding another model, or other tensors than rank 0 (disjoint halves): refused, naming it.
-    differing = await push_shm(c, [ours, other])
+    differing = await push_inline(c, [ours, other])
     assert differing.status_code == 400
     message = differing.json()["message"]
     assert "nothing applied" in message and "TP rank 1" in message and "differ" in message
     half = len(ours) // 2
-    disjoint = await push_shm(c, [ours[:half], ours[half:]])
+    disjoint = await push_inline(c, [ours[:half], ours[half:]])
     assert disjoint.status_code == 400 and "other tensors than rank 0's" in disjoint.json()["message"]
 
     assert await rank_checksums(c) == [SEED0_SUM, SEED0_SUM]  # neither rank applied any of them

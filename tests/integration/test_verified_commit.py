@@ -20,7 +20,7 @@ from support import daemon_node, reference_engine
 from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.sglang.adapter import UNSUPPORTED_DIGESTS
-from colocd.trainer.producer import ShmProducer
+from colocd.trainer.producer import InlineProducer
 from colocd.trainer.push import WeightPusher
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -50,7 +50,7 @@ async def test_an_engine_that_reports_no_digests_commits_and_the_reply_says_why_
         tmp_path: Any, engines: dict[str, str]) -> None:
     named = _named(seed=7)
     async with daemon_node({"ref0": engines["clean"]}, synced_at=1) as node, \
-            WeightPusher(node.client, transport="shm") as pusher:
+            WeightPusher(node.client, transport="inline") as pusher:
         report = await pusher.push(named, version="v1", step=1)
         verification = report.commit["verification"]
         assert verification["mode"] == "full"
@@ -63,7 +63,7 @@ async def test_an_engine_that_reports_no_digests_commits_and_the_reply_says_why_
 async def test_off_skips_the_check_and_commits_what_the_engines_hold(tmp_path: Any, engines: dict[str, str]) -> None:
     named = _named(seed=10)
     async with daemon_node({"ref1": engines["clean"]}, policy_file=_verify(tmp_path, "off"), synced_at=1) as node, \
-            WeightPusher(node.client, transport="shm") as pusher:
+            WeightPusher(node.client, transport="inline") as pusher:
         client = node.client
         report = await pusher.push(named, version="v1", step=1)
         assert report.commit["verification"]["mode"] == "off"
@@ -74,7 +74,7 @@ async def test_off_skips_the_check_and_commits_what_the_engines_hold(tmp_path: A
 async def test_a_trainer_that_sends_no_digests_commits_and_the_reply_says_nothing_was_verified(
         tmp_path: Any, engines: dict[str, str]) -> None:
     named = _named(seed=11)
-    producer = ShmProducer(reclaim=False)
+    producer = InlineProducer()
     async with daemon_node({"ref0": engines["clean"]}, synced_at=1) as node:
         client = node.client
         session = await client.open_session("v1", step=1, ranks=1)
