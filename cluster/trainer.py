@@ -24,7 +24,7 @@ __all__ = ["push_to_this_node"]
 
 
 async def push_to_this_node(named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
-                            token: str | None = None, transport: str = "shm", bucket_mb: float = 64,
+                            token: str | None = None, transport: str = "auto", bucket_mb: float = 64,
                             depth: int = 2) -> dict[str, Any]:
     """One complete push (open, stream, commit) to this node's daemon; returns a summary the driver can keep."""
     info = await adaemon_for_this_node()

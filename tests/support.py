@@ -214,10 +214,10 @@ class EngineMirrorNvml:
 
 
 class AsIfOnGpu:
-    """The real adapter, advertising the transports the reference engine accepts on CUDA: it runs on the
-    CPU here, and a CPU engine honestly offers only shm and disk, which stage no GPU memory."""
+    """The real adapter, advertising the transports the reference engine accepts on CUDA (SGLang's): it runs on
+    the CPU here, and a CPU engine honestly offers only inline."""
 
-    transports = frozenset(Transport)
+    transports = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER_TENSOR})
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
