@@ -222,8 +222,6 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "internal_states": [engine.internal_state()],
             "version": settings.version,
             "colocd_reference": True,
-            "colocd_protocol": settings.protocol,
-            "colocd_model_config": settings.model.to_json(),
             # Each TP rank's device and declared identity (GPU UUID on CUDA); empty while starting.
             "colocd_tp_ranks": engine.tp_ranks(),
         }

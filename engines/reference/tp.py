@@ -116,7 +116,6 @@ def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> tuple[di
                 "size": tp_size,
             }
         ],
-        "colocd_device_id": rank.device_id,
     }
     return record, tensor_checksum(named)
 

