@@ -11,7 +11,7 @@ Each push uses one way of building the views and queueing the copies, so the way
 
 - ``current``: a list of views (``open_payload``) and ``WeightSink.load_weights``, the engine's general path.
 - ``planned``: ``WeightSink.load_bucket``, views and copies by a plan cached per chunk shape
-  (``engines.reference.load_plan``), what the reference engine does now on one TP rank.
+  (``benchmarks/load_plan.py``), what the reference engine does now on one TP rank.
 
 No HTTP and no daemon: this isolates the engine's per-chunk CPU work that ``benchmarks.weights`` reports as
 ``decode``, ``copy_launch`` and ``other``. Prints a table (ms per push, summed over its chunks) and writes JSON.
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from colocd.engines.chunks import plan_chunks
-from colocd.engines.reference.sink import hf_shapes
 
 from . import CHECKOUT
+from .sink import hf_shapes
 
 _WAYS = ("current", "planned")
 
@@ -41,7 +41,8 @@ def _consumer(model: str) -> None:
     """Read one JSON line per chunk ({"way", "entry"}), load it into a sink, answer the stages on stdout."""
     from colocd.engines.reference.payloads import _b64decode, _flattened_bucket, _on_device
     from colocd.engines.reference.safe_unpickle import safe_loads
-    from colocd.engines.reference.sink import WeightSink
+
+    from .sink import WeightSink
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

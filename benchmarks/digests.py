@@ -26,7 +26,8 @@ import torch
 from colocd.daemon.verify import sample_names
 from colocd.engines import digest as D
 from colocd.engines.digest import KERNEL, SCRATCH_ROWS, WIDEN, DigestCache, kernel_available, tensor_digests
-from colocd.engines.reference.sink import MODEL_SHAPES, hf_shapes
+
+from .sink import MODEL_SHAPES, hf_shapes
 
 __all__ = ["main", "measure"]
 

@@ -4,7 +4,7 @@
 
 Three processes, as a colocated node runs them: this one is the trainer (the checkpoint's shapes in bf16 on
 cuda:0, pushed with ``WeightPusher()`` defaults), a real ``colocd serve`` on a journal, and the reference
-engine it launches itself (``launch:``, ``--sink-shapes`` and a ``--sink-kv-gib`` KV block on cuda:0).
+engine it launches itself (``launch:`` of ``benchmarks.sink_engine``, with a KV block on cuda:0).
 
 1. Leak watch: ``--steps`` full steps (train, sync, push, rollout), each push verified against the engine's
    own checksums; after each, the trainer's ``memory_allocated``/``memory_reserved``, every process's
@@ -39,8 +39,10 @@ import torch
 
 from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
-from colocd.engines.reference.sink import device_checksum, hf_shapes
 from colocd.trainer.push import WeightPusher
+
+from .sink import device_checksum, hf_shapes
+from .sink_engine import sink_launch
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -121,9 +123,9 @@ class Node:
         self.args = args
         self.workdir = workdir
         engine = {"kind": "reference", "name": "ref0", "device": "cuda:0" if args.cuda else "cpu", "seed": 0,
-                  "launch": {"args": ["--sink-shapes", args.model, "--sink-kv-gib", str(args.kv_gib)],
-                             "ready_timeout_s": 900, "stop_grace_s": 30, "backoff_initial_s": 1,
-                             "log_file": str(workdir / "engine.log"), "env": {"COLOCD_FAULTS_RUN": str(workdir)}}}
+                  "launch": sink_launch(args.model, args.kv_gib, ready_timeout_s=900, stop_grace_s=30,
+                                        backoff_initial_s=1, log_file=str(workdir / "engine.log"),
+                                        env={"COLOCD_FAULTS_RUN": str(workdir)})}
         self.config = {"engines": [engine], "journal": str(workdir / "journal.jsonl")}
         self.runs = 0
 
@@ -277,7 +279,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m benchmarks.faults_gpu", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen3-8b", help="checkpoint shapes (engines/reference/sink.py)")
+    parser.add_argument("--model", default="qwen3-8b", help="checkpoint shapes (benchmarks/sink.py)")
     parser.add_argument("--kv-gib", type=float, default=40.0, help="the engine's KV block")
     parser.add_argument("--steps", type=int, default=20, help="leak-watch steps")
     parser.add_argument("--slack-mib", type=int, default=256, help="memory growth still counted as flat")

@@ -27,9 +27,11 @@ from colocd.api.client import AsyncColocdClient, SendablePart
 from colocd.api.procs import DaemonProcess
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
-from colocd.engines.reference.sink import hf_shapes
 from colocd.trainer.leases import LEASE_GRACE_S
 from colocd.trainer.push import DEFAULT_BUCKET_MB, DEFAULT_DEPTH, WeightPusher
+
+from .sink import hf_shapes
+from .sink_engine import sink_launch
 
 __all__ = ["KillBeforeChunk", "engine_kill_mid_push", "main"]
 
@@ -63,7 +65,7 @@ async def engine_kill_mid_push(*, model: str, device: str = "cuda:0", bucket_mb:
     workdir = tempfile.mkdtemp(prefix="colocd-ipc-reclaim-")
     engine_cfg = ReferenceEngineConfig.model_validate({
         "name": "ref0", "url": "http://127.0.0.1:0", "device": device,
-        "launch": {"args": ["--sink-shapes", model], "ready_timeout_s": 600, "log_file": f"{workdir}/engine.log"}})
+        "launch": sink_launch(model, ready_timeout_s=600, log_file=f"{workdir}/engine.log")})
     options: dict[str, Any] = {"lease_grace_s": lease_grace_s, "bucket_mb": bucket_mb}
     if depth is not None:
         options["depth"] = depth

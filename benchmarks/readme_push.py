@@ -29,11 +29,12 @@ from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
-from colocd.engines.reference.sink import MODEL_SHAPES
 from colocd.trainer import TrainerClient
 from colocd.trainer.push import WeightPusher
 
 from .records import write_record
+from .sink import MODEL_SHAPES
+from .sink_engine import sink_launch
 from .weights import _make_tensors, _refill, measure_floor
 
 __all__ = ["main", "run_readme_bench"]
@@ -69,7 +70,7 @@ async def run_readme_bench(model: str, device_name: str, repeats: int, out: str 
     workdir = tempfile.mkdtemp(prefix="colocd-readme-bench-")
     engine_cfg = ReferenceEngineConfig.model_validate({
         "name": "ref0", "url": "http://127.0.0.1:0", "device": device_name,
-        "launch": {"args": ["--sink-shapes", model], "ready_timeout_s": 600, "log_file": f"{workdir}/engine.log"},
+        "launch": sink_launch(model, ready_timeout_s=600, log_file=f"{workdir}/engine.log"),
     })
     times: dict[str, list[float]] = {"readme": [], "pusher": []}
     chunks: dict[str, int] = {}

@@ -6,7 +6,7 @@
     python3 -m benchmarks.switch --model qwen3-8b --device cuda --presets tuned --sync sync,async   # sync vs async
 
 Three processes, as in ``python3 -m benchmarks.weights``: this one is a training rank, a reference engine
-holds the checkpoint's shapes (``--sink-shapes``) plus a KV cache (``--sink-kv-gib``), and a real
+holds the checkpoint's shapes plus a KV cache (``benchmarks.sink_engine``), and a real
 ``colocd serve`` sits between them. The rank holds what a Megatron rank with a distributed optimizer
 holds (``offload.RankState``: bf16 weights, a bf16 grad buffer, an fp32 master + Adam
 shard) and the Megatron set of process groups (world size 1 on one GPU: every group is a one-rank
@@ -60,7 +60,6 @@ from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.launcher import ReferenceEngineProcess
-from colocd.engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
 from colocd.policies import CleanupPlan
 from colocd.trainer.agent import TrainerAgent
 from colocd.trainer.async_push import AsyncWeightSync
@@ -72,6 +71,8 @@ from . import ShowDefaults
 from .offload import OffloadReport, RankState
 from .onload import onloader
 from .records import write_record
+from .sink import MODEL_SHAPES, device_checksum, hf_shapes
+from .sink_engine import sink_launch
 from .weights import measure_floor
 from .window_memory import PeakSampler
 
@@ -390,7 +391,7 @@ async def _run_preset(preset: Preset, rank: _Rank, http: httpx.AsyncClient, engi
                       mode: str = "sync") -> list[StepRecord]:
     s, state, device = rank.settings, rank.state, rank.device
     agent = TrainerAgent(rank.client, groups=rank.life, device=device, overlap_groups=preset.overlap_groups)
-    transport = "cuda_ipc" if device.type == "cuda" else "shm"
+    transport = "cuda_ipc" if device.type == "cuda" else "inline"
     export = preset.export if device.type == "cuda" else None
     document = preset.policy_yaml(transport) + f"sync: {{mode: {mode}}}\n"
     if s.post_destroy_wait_s is not None:
@@ -906,11 +907,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
         "name": "ref0",
         "url": "http://127.0.0.1:0",
         "device": settings.device,
-        "launch": {
-            "args": ["--sink-shapes", settings.model, "--sink-kv-gib", f"{kv_bytes / GIB:.6f}"],
-            "ready_timeout_s": 600,
-            "log_file": f"{workdir}/engine.log",
-        },
+        "launch": sink_launch(settings.model, kv_bytes / GIB, ready_timeout_s=600, log_file=f"{workdir}/engine.log"),
     })
     nvml = _Nvml(device)
     results: dict[str, list[StepRecord]] = {}
@@ -967,7 +964,7 @@ async def _run(settings: SwitchSettings, device: torch.device,
         "rates": rates,
         "floor": floor,
         "presets": [{"name": n, "about": PRESETS[n].about, "policy": PRESETS[n].policy_yaml(
-                        "cuda_ipc" if device.type == "cuda" else "shm"),
+                        "cuda_ipc" if device.type == "cuda" else "inline"),
                      "trainer_export": PRESETS[n].export if device.type == "cuda" else None}
                     for n in settings.presets],
         "summary": summaries,

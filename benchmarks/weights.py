@@ -1,11 +1,11 @@
 """``python3 -m benchmarks.weights``: trainer → daemon → engine weight transfer over HTTP, against the copy floor.
 
     python3 -m benchmarks.weights --model qwen3-8b --device cuda --out benchmarks/results/weights-qwen3-8b-h200.json
-    python3 -m benchmarks.weights --model tiny --device cpu       # CI smoke run: shm transport, a few MB
+    python3 -m benchmarks.weights --model tiny --device cpu       # CI smoke run: inline transport, a few MB
 
 Three processes: this one is the trainer; it makes the checkpoint's tensors (HF names and shapes,
 random bf16) on the device, starts a reference engine that holds destination tensors of the same
-shapes (``--sink-shapes``) and a real ``colocd serve`` daemon, then pushes the weights through
+shapes (``benchmarks.sink_engine``) and a real ``colocd serve`` daemon, then pushes the weights through
 the daemon once per variant and repetition, chunk descriptors over HTTP. Every variant
 is verified: the engine's device checksums of what it received equal the trainer's, on fresh random
 data per variant. The floor is measured in the same run: one device-to-device copy of the same bytes,
@@ -43,12 +43,13 @@ from colocd.engines.chunks import copy_tensors
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.digest import DigestCache, tensor_digests
 from colocd.engines.reference.launcher import ReferenceEngineProcess
-from colocd.engines.reference.sink import MODEL_SHAPES, device_checksum, hf_shapes
 from colocd.trainer.push import WeightPusher, manifest_of
 
 from . import ShowDefaults
 from .records import write_record
 from .session_breakdown import RoundTrips, breakdown, breakdown_table, round_trips, round_trips_lines
+from .sink import MODEL_SHAPES, device_checksum, hf_shapes
+from .sink_engine import sink_launch
 
 __all__ = ["VARIANTS", "BenchSettings", "Variant", "VariantResult", "main", "parse_variant",
            "run_weights_bench"]
@@ -70,9 +71,9 @@ class Variant:
 # name -> (producer on CUDA, producer on CPU or None, depth, one message for everything)
 VARIANTS: dict[str, tuple[str, str | None, int, bool]] = {
     "per_tensor": ("per_tensor", None, 1, True),  # one IPC handle per tensor, one message
-    "serial": ("cuda_ipc", "shm", 1, False),  # fresh bucket per chunk, wait for each ack
-    "overlap2": ("cuda_ipc", "shm", 2, False),
-    "overlap3": ("cuda_ipc", "shm", 3, False),
+    "serial": ("cuda_ipc", "inline", 1, False),  # fresh bucket per chunk, wait for each ack
+    "overlap2": ("cuda_ipc", "inline", 2, False),
+    "overlap3": ("cuda_ipc", "inline", 3, False),
 }
 DEFAULT_VARIANTS = ("per_tensor", "serial", "overlap2", "overlap3")
 # What the tuned pipeline policy pushes with (overlap, depth 2, 4096 MiB, cuda_ipc).
@@ -243,16 +244,6 @@ def measure_digests(named: Sequence[tuple[str, torch.Tensor]], device: torch.dev
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     return {"trainer_digest_s": best, "trainer_digest_gb_per_s": nbytes / best / 1e9,
             "cpu_agrees": all(on_cpu[n] == on_device[n] for n, _ in sample), "cpu_checked": [n for n, _ in sample]}
-
-
-async def _engine_digests(http: httpx.AsyncClient, engine_url: str, names: list[str], repeats: int) -> float:
-    """Best time of the engine's report of every tensor's digest (POST /colocd/digests: HTTP + its device work)."""
-    best = math.inf
-    for _ in range(max(repeats, 1)):
-        t0 = time.perf_counter()
-        (await http.post(f"{engine_url}/colocd/digests", json={"names": names})).raise_for_status()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 async def measure_round_trips(http: httpx.AsyncClient, daemon_url: str, engine_url: str,
@@ -481,11 +472,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
             "name": "ref0",
             "url": "http://127.0.0.1:0",
             "device": settings.device,
-            "launch": {
-                "args": ["--sink-shapes", settings.model],
-                "ready_timeout_s": 600,
-                "log_file": f"{workdir}/engine.log",
-            },
+            "launch": sink_launch(settings.model, ready_timeout_s=600, log_file=f"{workdir}/engine.log"),
         }
     )
     results: list[VariantResult] = []
@@ -518,8 +505,6 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
                     status = "skipped" if result.skipped else f"best {min(result.stream_s) * 1e3:.2f} ms"
                     print(f"  {result.name}: {status}", flush=True)
             digests = measure_digests(named, device, max(settings.repeats, 3))
-            digests["engine_report_s"] = await _engine_digests(http, engine.url, [n for n, _ in named],
-                                                               max(settings.repeats, 3))
     summaries = [r.summary(nbytes, floor_s) for r in results]
     record = {
         "command": " ".join(["python3 -m benchmarks.weights", *sys.argv[1:]]),
@@ -546,8 +531,8 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
                             floors, floor_s), flush=True)
     print("targets: " + json.dumps(record["targets"]), flush=True)
     print(f"verified commit: trainer digests of all {len(named)} tensors {digests['trainer_digest_s'] * 1e3:.2f} ms "
-          f"({digests['trainer_digest_gb_per_s']:.1f} GB/s, CPU agrees: {digests['cpu_agrees']}); the engine's "
-          f"report over HTTP {digests['engine_report_s'] * 1e3:.2f} ms; per variant: verify ms in the table",
+          f"({digests['trainer_digest_gb_per_s']:.1f} GB/s, CPU agrees: {digests['cpu_agrees']}); "
+          "per variant: verify ms in the table",
           flush=True)
     if settings.out:
         write_record(Path(settings.out), record)
@@ -559,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.weights", description=__doc__.split("\n")[0],
                                 formatter_class=ShowDefaults)
     p.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, qwen3-8b or qwen3-14b (HF shapes)")
-    p.add_argument("--device", default="cpu", help="cpu (shm transport) or cuda")
+    p.add_argument("--device", default="cpu", help="cpu (inline transport) or cuda")
     p.add_argument("--variants", default="per_tensor,serial,overlap2,overlap3",
                    help="comma-separated; name@MB sets one variant's chunk size")
     p.add_argument("--bucket-mb", type=float, default=512.0, help="chunk size in MiB")

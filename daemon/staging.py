@@ -40,7 +40,7 @@ class StagingMemory:
 def staging_memory(engines: Iterable[EngineHandle], probe: NvmlProbe | None,
                    last_push: Manifest | None) -> StagingMemory:
     """Read once per plan: NVML for the engines' GPUs (the trainer's too, colocated), the size of the
-    last complete push, else the largest weights an engine reported holding (its ``/colocd/memory``)."""
+    last complete push, else the largest weights an engine reported taking (SGLang's ``memory_usage``)."""
     engines = list(engines)
     total, total_from = None, None
     if last_push:

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..engines.base import (
-    Capability,
     ChunkLoad,
     EngineAdapter,
     EngineDigests,
@@ -124,10 +123,6 @@ class EngineHandle:
     def transports(self) -> frozenset[Transport]:
         """The chunk transports the engine loads (its adapter says)."""
         return self.adapter.transports
-
-    def can(self, capability: Capability) -> bool:
-        """Whether the engine said at attach that it answers ``capability``'s optional verb."""
-        return self.info is not None and capability in self.info.capabilities
 
     def unready_reason(self) -> str | None:
         return unready_reason(self.name, self.attachment, self.state)
@@ -233,10 +228,9 @@ async def _release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Tra
         for g, reading in before_gpu.items():
             trace.sample_memory(f"gpu:{g}", reading.used_bytes - confirmation.freed_bytes.get(g, 0))
     elif before_own is not None:
-        # No NVML (CPU engines): the reference engine's own per-tag accounting is the evidence.
-        after_own = await _memory_report(engine)
-        _sample_memory(engine, trace, metrics, after_own, None)
-        freed = {"engine": before_own.resident_bytes - (after_own.resident_bytes if after_own else 0)}
+        # No NVML (CPU engines): what the engine reports the tags taking is its claim of what they freed.
+        _sample_memory(engine, trace, metrics, before_own, None)
+        freed = {"engine": before_own.nbytes(tags)}
     for source, nbytes in freed.items():
         metrics.freed_bytes.labels(engine.name, source).inc(max(nbytes, 0))
     return freed
@@ -288,7 +282,7 @@ async def _resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trac
         key = frozenset(tags)
         engine.learned_resume_bytes[key] = max(taken, engine.learned_resume_bytes.get(key, 0))
         _sample_memory(engine, trace, metrics, None, after)
-    elif engine.can(Capability.MEMORY_REPORT):
+    else:
         _sample_memory(engine, trace, metrics, await _memory_report(engine), None)
 
 
@@ -325,10 +319,7 @@ def late_loads(engine: EngineHandle) -> str | None:
 
 
 async def _memory_report(engine: EngineHandle) -> MemoryReport | None:
-    """The engine's own accounting where it keeps one (asking others would cost a call for nothing); a failed
-    read is no evidence either way."""
-    if not engine.can(Capability.MEMORY_REPORT):
-        return None
+    """What the engine reports its tags taking, where it reports it; a failed read is no evidence either way."""
     try:
         return await engine.adapter.memory_report()
     except EngineError:
@@ -342,9 +333,10 @@ def _sample_memory(engine: EngineHandle, trace: Trace, metrics: Metrics, own: Me
     for g, reading in (gpu or {}).items():
         trace.sample_memory(f"gpu:{g}", reading.used_bytes)
     if own is not None:
-        trace.sample_memory(f"engine:{engine.name}", own.resident_bytes)
-        for tag, entry in own.tags.items():
-            metrics.engine_memory.labels(engine.name, tag.value).set(entry.resident_nbytes)
+        held = {tag: nbytes if engine.state.resident(tag) else 0 for tag, nbytes in own.tags.items()}
+        trace.sample_memory(f"engine:{engine.name}", sum(held.values()))
+        for tag, nbytes in held.items():
+            metrics.engine_memory.labels(engine.name, tag.value).set(nbytes)
 
 
 class EngineWorker:

@@ -74,7 +74,7 @@ TARGET = [3, 4, 5, 6, 3, 4, 5, 6]
 
 class ReferenceTask:
     name, steps, ready_timeout_s = "ref0", 60, 120.0
-    pusher: dict[str, Any] = {"transport": "shm", "bucket_mb": 0.1, "depth": 2}  # noqa: RUF012 - read only
+    pusher: dict[str, Any] = {"transport": "inline", "bucket_mb": 0.1, "depth": 2}  # noqa: RUF012 - read only
 
     def __init__(self, settings: DemoSettings, workdir: str) -> None:
         self.model = build_model(QwenLikeConfig(), seed=settings.seed, device="cpu")

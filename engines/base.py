@@ -16,7 +16,6 @@ from .handles import Handle, HandleRoute, route_of
 
 __all__ = [
     "ALL_TAGS",
-    "Capability",
     "ChunkLoad",
     "ChunkPart",
     "EngineAdapter",
@@ -27,7 +26,6 @@ __all__ = [
     "Observation",
     "PauseMode",
     "ReleaseReport",
-    "TagMemory",
     "TagState",
 ]
 
@@ -58,19 +56,6 @@ class PauseMode(StrEnum):
     IN_PLACE = "in_place"
 
 
-class Capability(StrEnum):
-    """An optional part of the seam an engine answers, as it said at attach (``EngineInfo.capabilities``).
-
-    The daemon asks an optional verb only of an engine that has its capability, so an engine that
-    cannot answer is never asked (and costs no call). The reference engine has them all; SGLang and
-    vLLM have none of these.
-    """
-
-    MEMORY_REPORT = "memory_report"  # ``memory_report``: its own per-tag byte counts
-    TENSOR_DIGESTS = "tensor_digests"  # ``weight_digests`` compares with the trainer's (engines/digest.py)
-    COLOCD_TRANSPORTS = "colocd_transports"  # it loads colocd's own chunk formats (shm, disk)
-
-
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
     """What an engine told us at attach: its protocol and the state we can read from it."""
@@ -82,7 +67,6 @@ class EngineInfo:
     weight_version: str | None
     tp_size: int = 1
     owned_tags: tuple[MemoryTag, ...] = ALL_TAGS
-    capabilities: frozenset[Capability] = frozenset()
     extra: dict[str, object] | None = None  # engine-specific diagnostics for people and tests; the daemon reads none
     # The identity of each TP rank's device, in TP-rank order, as the engine reports it (the reference
     # engine's server_info ``colocd_tp_ranks``: a GPU UUID, or a CPU rank's declared id); empty if it
@@ -99,35 +83,19 @@ class ReleaseReport:
 
 
 @dataclass(frozen=True, slots=True)
-class TagMemory:
-    """What an engine reports of one tag's memory: whether it is resident, the bytes the tag holds when
-    resident (``nbytes``) and the bytes it holds now (``resident_nbytes``)."""
-
-    resident: bool
-    nbytes: int
-    resident_nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
 class MemoryReport:
-    """An engine's own per-tag memory accounting (``memory_report``; bytes are its claim, summed over TP ranks).
+    """What an engine reports each tag taking when resident (``memory_report``; bytes, summed over TP ranks):
+    SGLang's server_info ``memory_usage``, measured as it allocated them. It says nothing of what is resident now.
 
-    The daemon reads it where NVML cannot tell (a CPU engine) and as the expectation for an NVML confirmation.
+    The daemon reads it as the expectation for an NVML confirmation, and where NVML cannot tell (a CPU engine) as
+    the engine's claim of what a release freed.
     """
 
-    tags: Mapping[MemoryTag, TagMemory]
+    tags: Mapping[MemoryTag, int]
 
     def nbytes(self, tags: Iterable[MemoryTag]) -> int:
         """What ``tags`` hold when resident (a tag the engine does not report counts 0)."""
-        return sum(self.tags[t].nbytes for t in tags if t in self.tags)
-
-    @property
-    def resident_bytes(self) -> int:
-        """What the resident tags hold."""
-        return sum(m.nbytes for m in self.tags.values() if m.resident)
-
-    def residency(self) -> dict[MemoryTag, bool]:
-        return {t: m.resident for t, m in self.tags.items()}
+        return sum(self.tags.get(t, 0) for t in tags)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +208,7 @@ class EngineAdapter(Protocol):
         """Digests of the named tensors as the engine holds (or received) them, for a verified commit."""
         ...
     async def memory_report(self) -> MemoryReport | None:
-        """The engine's own per-tag accounting; None where it keeps none. Asked only with
-        ``Capability.MEMORY_REPORT``."""
+        """What the engine reports each tag taking; None where it reports nothing."""
         ...
 
     async def aclose(self) -> None: ...

@@ -10,7 +10,7 @@ modes:
 - ``half``: the first half of the parameters, the same on every rank;
 - ``disjoint``: rank r of k its own 1/k of the parameters.
 
-``transport`` picks the rank's producer (default ``shm``); ``retype_first`` makes the rank send its first
+``transport`` picks the rank's producer (default ``inline``); ``retype_first`` makes the rank send its first
 tensor as float64 after producing it (a converter bug on one rank: its first chunk is refused). A rank
 whose stream raised (the stream has aborted the session and walked its tensors by then) aborts the
 session too, as docs/client.md tells a trainer to do, then replies with the error.
@@ -78,7 +78,7 @@ async def _stream(rank: int, command: dict[str, Any], groups: dict[str, Any]) ->
         await asyncio.sleep(command["delay_s"])  # the fault under test: this rank starts late
     sid = command["session_id"]
     async with AsyncColocdClient(command["url"]) as c:
-        pusher = WeightPusher(c, rank=rank, transport=command.get("transport", "shm"),
+        pusher = WeightPusher(c, rank=rank, transport=command.get("transport", "inline"),
                               bucket_mb=command.get("bucket_mb", 0.05), depth=2,
                               device_id=command["device_id"])
         try:

@@ -32,7 +32,7 @@ from colocd.engines.shm_files import files_in_use
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
-           "NvmlNode", "RestartableEngine", "daemon_node", "entered_in_thread", "in_process_daemon",
+           "NvmlNode", "RestartableEngine", "daemon_node", "engine_tags", "entered_in_thread", "in_process_daemon",
            "leaves_no_shm_segments", "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine",
            "request_body", "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
            "stand_in_engine"]
@@ -193,11 +193,10 @@ class EngineMirrorNvml:
 
     def tag_size(self, tag: str) -> int:
         """Bytes ``tag`` holds when resident, whatever its state now (the engine's report)."""
-        return int(self._http.get("/colocd/memory").json()["tags"][tag]["resident_nbytes"])
+        return engine_tags(self._http.get("/server_info").json())[tag][1]
 
     def resident(self) -> int:
-        tags = self._http.get("/colocd/memory").json()["tags"]
-        return sum(int(t["nbytes"]) for t in tags.values())
+        return sum(n for resident, n in engine_tags(self._http.get("/server_info").json()).values() if resident)
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
         return i
@@ -215,10 +214,10 @@ class EngineMirrorNvml:
 
 
 class AsIfOnGpu:
-    """The real adapter, advertising the transports the reference engine accepts on CUDA: it runs on the
-    CPU here, and a CPU engine honestly offers only shm and disk, which stage no GPU memory."""
+    """The real adapter, advertising the transports the reference engine accepts on CUDA (SGLang's): it runs on
+    the CPU here, and a CPU engine honestly offers only inline."""
 
-    transports = frozenset(Transport)
+    transports = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER_TENSOR})
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -426,6 +425,15 @@ class EnginePool:
             list(stopping.map(lambda proc: proc.stop(), procs))
 
 
+def engine_tags(server_info: dict[str, Any]) -> dict[str, tuple[bool, int]]:
+    """A reference engine's tags from its server_info: whether each is resident now (``memory_resident``, which only
+    the reference engine reports) and the bytes it holds when resident (SGLang's ``memory_usage``, in GB)."""
+    state = server_info["internal_states"][0]
+    usage = state["memory_usage"]
+    sizes = {"weights": usage["weight"], "kv_cache": usage["kvcache"], "cuda_graph": sum(usage["graph"].values())}
+    return {tag: (bool(state["memory_resident"][tag]), round(gb * 2**30)) for tag, gb in sizes.items()}
+
+
 def _engine_http(proc: Any) -> httpx.Client:
     headers = {"Authorization": f"Bearer {proc.config.api_key}"} if proc.config.api_key else {}
     return httpx.Client(base_url=str(proc.url), headers=headers, timeout=DEADLINE_S, trust_env=False)
@@ -437,10 +445,10 @@ def _observe(proc: Any) -> dict[str, Any]:
     with _engine_http(proc) as http:
         info = http.get("/get_server_info" if legacy else "/server_info").json()
         model = http.get("/get_model_info" if legacy else "/model_info").json()
-        tags = http.get("/colocd/memory").json()["tags"]
+        tags = engine_tags(info)
         check = http.post("/weights_checker", json={"action": "checksum"}).json() if not legacy else {}
     return {"state": info["internal_states"][0], "weight_version": model["weight_version"],
-            "resident": {tag: entry["resident"] for tag, entry in tags.items()},
+            "resident": {tag: resident for tag, (resident, _) in tags.items()},
             "checksum": check.get("colocd_checksum"), "pid": proc.pid}
 
 
@@ -448,7 +456,8 @@ def _reset(proc: Any, fresh: dict[str, Any]) -> None:
     legacy = proc.config.protocol == "legacy"
     with _engine_http(proc) as http:
         _ok(http.post("/continue_generation", **({} if legacy else {"json": {}})))
-        released = [t for t, v in http.get("/colocd/memory").json()["tags"].items() if not v["resident"]]
+        info = http.get("/get_server_info" if legacy else "/server_info").json()
+        released = [t for t, (resident, _) in engine_tags(info).items() if not resident]
         if released:
             _ok(http.post("/resume_memory_occupation", json={"tags": released}))
         if not legacy and http.get("/server_info").json()["internal_states"][0]["weight_update_session"]:
@@ -461,28 +470,17 @@ def _reset(proc: Any, fresh: dict[str, Any]) -> None:
 
 
 def _load_seed_weights(http: httpx.Client, config: Any) -> None:
-    """The weights a fresh engine of ``config`` serves, loaded through one colocd_shm update (the same entry for
-    each TP rank)."""
-    import base64
-    import json
-
-    from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
+    """The weights a fresh engine of ``config`` serves, loaded through one inline (SGLang flattened_bucket) update."""
     from colocd.engines.reference.model import QwenLikeConfig, build_model
+    from colocd.trainer.producer import InlineProducer
 
     named = list(build_model(QwenLikeConfig(**config.model), seed=config.seed).named_parameters())
-    layout = ChunkLayout.for_tensors(named)
-    seg = SharedSegment.create(layout.nbytes)
-    try:
-        flatten_into(seg.tensor(), layout, named)
-        entry = {"transport": "shm", "shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-        _ok(http.post("/begin_weight_update", json={}))
-        _ok(http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [base64.b64encode(json.dumps(entry).encode()).decode()] * config.tp_size,
-            "load_format": "colocd_shm", "flush_cache": True}))
-        _ok(http.post("/end_weight_update", json={}))
-    finally:
-        seg.close()
-        seg.unlink()
+    entry = InlineProducer().export(named).handle["payload_b64"]
+    _ok(http.post("/begin_weight_update", json={}))
+    _ok(http.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": [entry] * int(config.tp_size), "load_format": "flattened_bucket",
+        "flush_cache": True}))
+    _ok(http.post("/end_weight_update", json={}))
 
 
 def _ok(response: httpx.Response) -> None:
@@ -539,8 +537,8 @@ class DaemonNode:
 
     async def engine_memory(self, engine: str | None = None) -> dict[str, bool]:
         """An engine's own per-tag residency, asked directly."""
-        tags = (await self.engine_get("/colocd/memory", engine))["tags"]
-        return {tag: entry["resident"] for tag, entry in tags.items()}
+        tags = engine_tags(await self.engine_get("/server_info", engine))
+        return {tag: resident for tag, (resident, _) in tags.items()}
 
     async def kill(self) -> None:
         """The crash of ``colocd serve``: SIGKILL, no handler runs, nothing it started is stopped."""

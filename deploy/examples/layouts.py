@@ -116,7 +116,7 @@ async def sync_weights(c: AsyncColocdClient, model: ShardedModel, step: int, *, 
         await c.phase("sync", step)
         session = [(await c.open_session(str(step), step=step, ranks=world, manifest=model.manifest()))["session_id"]]
     dist.broadcast_object_list(session, src=0)
-    pusher = WeightPusher(c, rank=rank, transport="shm", bucket_mb=bucket_mb, depth=2, device_id=f"cpu:{rank}")
+    pusher = WeightPusher(c, rank=rank, transport="inline", bucket_mb=bucket_mb, depth=2, device_id=f"cpu:{rank}")
     chunks, _ = await pusher.stream(session[0], model.full_tensors())
     plans: list[Any] = [None] * world
     dist.all_gather_object(plans, chunks)  # the barrier before commit; every rank has the same plan

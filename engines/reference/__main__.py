@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -23,10 +24,11 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import uvicorn
+from fastapi import FastAPI
 
 from .model import QwenLikeConfig
 from .server import create_app
@@ -67,17 +69,9 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
         default=1,
         help="intra-op CPU threads; the model is tiny, so more threads only contend (default 1)",
     )
-    parser.add_argument(
-        "--sink-shapes",
-        default=None,
-        help="benchmark mode: hold this checkpoint's tensors in bf16 (e.g. qwen3-8b); loads copy into them",
-    )
-    parser.add_argument(
-        "--sink-kv-gib",
-        type=float,
-        default=0.0,
-        help="benchmark mode: also hold a KV-cache block of this many GiB, released and resumed with kv_cache",
-    )
+    parser.add_argument("--app", default=None, metavar="MODULE:FUNCTION",
+                        help="build the app with this function of the settings instead (the lab's engines, "
+                        "e.g. benchmarks.sink_engine:create_sink_app)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
@@ -92,11 +86,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
             model=QwenLikeConfig.from_overrides(overrides),
             max_batch=args.max_batch,
             host=args.host,
-            sink=args.sink_shapes,
-            sink_kv_bytes=int(args.sink_kv_gib * (1 << 30)),
             tp_size=args.tp_size,
             device_ids=tuple(i.strip() for i in args.device_ids.split(",")) if args.device_ids else (),
-            test_corrupt_after_load=os.environ.get("COLOCD_REFERENCE_TEST_CORRUPT") or None,
         )
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
@@ -157,7 +148,7 @@ async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) ->
     sock = _bind(args.host, args.port)
     url = _url(sock)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
-    app = create_app(settings)
+    app = _app_factory(args.app)(settings)
     config = uvicorn.Config(
         app,
         log_level=args.log_level,
@@ -178,6 +169,14 @@ async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) ->
     failed.cancel()
     await serving
     return 0
+
+
+def _app_factory(spec: str | None) -> Callable[[ReferenceServerSettings], FastAPI]:
+    if spec is None:
+        return create_app
+    module, _, name = spec.partition(":")
+    factory: Callable[[ReferenceServerSettings], FastAPI] = getattr(importlib.import_module(module), name)
+    return factory
 
 
 def main(argv: Sequence[str] | None = None) -> int:

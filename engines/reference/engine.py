@@ -25,17 +25,14 @@ from typing import Any, TypeVar
 import torch
 
 from ..base import MemoryTag, PauseMode
-from ..digest import DigestCache, tensor_digests
 from .locks import ReaderWriterLock
-from .memory import MemoryMove as MemoryReleaseReport
-from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags, process_rss_bytes
+from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from .model import QwenLikeForCausalLM, build_model
-from .payloads import open_bucket, open_payload
+from .payloads import open_payload
 from .runner import ModelRunner
 from .sampling import SamplingConfig
 from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
 from .settings import ReferenceServerSettings
-from .sink import WeightSink
 from .tokenizer import CharTokenizer
 from .tp import TPRank, disagreement, rank_checksum, rank_devices
 from .wire import GenerateBody, SamplingParamsBody, UpdateWeightsFromTensorBody
@@ -45,6 +42,7 @@ __all__ = ["EngineRefusal", "ReferenceEngine", "RunState", "WeightsCheck"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_GB = 1 << 30  # SGLang's "GB"
 
 
 class RunState(StrEnum):
@@ -95,7 +93,6 @@ class ReferenceEngine:
         self.device = torch.device(settings.device if settings.tp_size == 1 else "cuda:0"
                                    if settings.device.startswith("cuda") else settings.device)
         self._ranks: list[TPRank] = []
-        self._digest_cache: DigestCache = {}  # engines/digest.py weight vectors per device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
         self._model: QwenLikeForCausalLM | None = None
         self._memory: MemoryRegions | None = None
@@ -112,8 +109,6 @@ class ReferenceEngine:
         self._control_lock = asyncio.Lock()
         self._session_selector: str | None = None
         self._snapshot: list[dict[str, torch.Tensor]] | None = None  # one per TP rank
-        self._last_moves: dict[str, dict[str, Any]] = {}  # "release"/"resume" -> what it moved
-        self._sink: WeightSink | None = None  # benchmark mode (rank 0's): loads land here instead of the model
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -175,16 +170,11 @@ class ReferenceEngine:
             # Same seed on every rank: all start with the same weights, as SGLang's ranks load one checkpoint.
             model = build_model(settings.model, settings.seed, device).eval()
             model.requires_grad_(False)
-            sink = None
-            if settings.sink is not None:
-                sink = WeightSink(settings.sink, device, kv_bytes=settings.sink_kv_bytes)
-            memory = MemoryRegions(
-                model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device, sink=sink
-            )
-            self._ranks.append(TPRank(index, device, device_id, model, memory, sink))
+            memory = MemoryRegions(model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device)
+            self._ranks.append(TPRank(index, device, device_id, model, memory))
         first = self._ranks[0]
         self.device = first.device
-        self._model, self._memory, self._sink = first.model, first.memory, first.sink
+        self._model, self._memory = first.model, first.memory
         self._runner = ModelRunner(first.model, first.memory)
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -212,60 +202,28 @@ class ReferenceEngine:
         return {
             "num_running_reqs": s.num_running if s else 0,
             "num_waiting_reqs": s.num_waiting if s else 0,
-            "num_blocked_reqs": self._blocked,  # waiting at the pause gate (colocd extension)
+            "num_blocked_reqs": self._blocked,  # waiting at the pause gate
             "paused": self._pause_mode.value if self._pause_mode else None,
             "weight_update_session": self._session_selector,
             "engine_state": self.state.value,
+            "memory_usage": self.memory_usage(),
+            # Which tags hold memory now: SGLang reports nothing of the kind (the adapter reads none of it); the
+            # specs read it to see what the daemon did to this engine.
+            "memory_resident": {t.value: self._memory.state(t) is TagState.RESIDENT for t in MemoryTag}
+            if self._memory is not None else {},
         }
 
-    @staticmethod
-    def _rank_tags(rank: TPRank) -> dict[str, dict[str, Any]]:
-        return {
-            tag.value: {
-                "resident": rank.memory.state(tag) is TagState.RESIDENT,
-                "nbytes": rank.memory.nbytes(tag),
-                "resident_nbytes": rank.memory.resident_nbytes(tag),
-            }
-            for tag in MemoryTag
-        }
+    def tag_bytes(self, rank: int) -> dict[MemoryTag, int]:
+        """What each tag of TP rank ``rank`` holds when resident."""
+        return {t: self._ranks[rank].memory.resident_nbytes(t) for t in MemoryTag}
 
-    def tag_memory(self, per_rank: Sequence[dict[str, dict[str, Any]]] | None = None) -> dict[str, Any]:
-        """Per-tag residency and bytes, summed over the TP ranks (which move together): ``/colocd/memory``'s
-        ``tags``."""
-        tags: dict[str, Any] = {}
-        for mine in per_rank if per_rank is not None else [self._rank_tags(r) for r in self._ranks]:
-            for tag, entry in mine.items():
-                total = tags.setdefault(tag, {"resident": entry["resident"], "nbytes": 0, "resident_nbytes": 0})
-                total["resident"] = total["resident"] and entry["resident"]
-                total["nbytes"] += entry["nbytes"]
-                total["resident_nbytes"] += entry["resident_nbytes"]
-        return tags
-
-    def memory_report(self) -> dict[str, Any]:
-        """The ``/colocd/memory`` answer: per-tag residency and bytes (summed over TP ranks, which move
-        together; each rank's under ``ranks``), process RSS, CUDA counters (per device)."""
-        ranks: list[dict[str, Any]] = []
-        cuda: dict[str, int] | None = None
-        per_rank = [self._rank_tags(r) for r in self._ranks]
-        for rank, mine in zip(self._ranks, per_rank, strict=True):
-            ranks.append({**rank.describe(), "tags": mine, "cuda": rank.memory.cuda_memory()})
-        tags = self.tag_memory(per_rank)
-        devices = {r.device: r.memory.cuda_memory() for r in self._ranks}
-        if any(c is not None for c in devices.values()):
-            cuda = {"allocated_bytes": 0, "reserved_bytes": 0}
-            for counters in devices.values():
-                for key, value in (counters or {}).items():
-                    cuda[key] += value
-        return {
-            "device": str(self.device),
-            "tp_size": self.tp_size,
-            "ranks": ranks,
-            "tags": tags,
-            "process": {"rss_bytes": process_rss_bytes()},
-            "cuda": cuda,
-            "last_release": self._last_moves.get("release"),
-            "last_resume": self._last_moves.get("resume"),
-        }
+    def memory_usage(self) -> dict[str, Any]:
+        """SGLang's ``memory_usage`` (scheduler_components/memory_usage.py): GB each region took when TP rank 0
+        allocated it, whatever it holds now; unrounded here, where the model is a few hundred kB."""
+        held = self.tag_bytes(0) if self._ranks else dict.fromkeys(MemoryTag, 0)
+        return {"weight": held[MemoryTag.WEIGHTS] / _GB, "kvcache": held[MemoryTag.KV_CACHE] / _GB,
+                "token_capacity": self.settings.max_batch * self.settings.max_seq,
+                "graph": {"decode": held[MemoryTag.CUDA_GRAPH] / _GB}}
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -553,22 +511,16 @@ class ReferenceEngine:
                     )
                 if not resume and MemoryTag.KV_CACHE in tags:
                     scheduler.flush()  # SGLang flushes before releasing the KV cache
-                reports = await self._on_model_thread(self._move_every_rank, tags, resume)
-            deltas = [r.cuda_reserved_delta_bytes for r in reports]
-            self._last_moves["resume" if resume else "release"] = {
-                "tags": [t.value for t in reports[0].tags],
-                "nbytes": sum(r.nbytes for r in reports),
-                "cuda_reserved_delta_bytes": None if None in deltas else sum(d or 0 for d in deltas),
-                "at": time.time(),
-            }
+                await self._on_model_thread(self._move_every_rank, tags, resume)
         await scheduler.notify()
 
     def _empty_caches(self) -> None:
         for rank in self._ranks:
             rank.memory.empty_cache()
 
-    def _move_every_rank(self, tags: tuple[MemoryTag, ...], resume: bool) -> list[MemoryReleaseReport]:
-        return [(r.memory.resume if resume else r.memory.release)(tags) for r in self._ranks]
+    def _move_every_rank(self, tags: tuple[MemoryTag, ...], resume: bool) -> None:
+        for rank in self._ranks:
+            (rank.memory.resume if resume else rank.memory.release)(tags)
 
     # --- weights ---------------------------------------------------------------------------------
 
@@ -646,8 +598,6 @@ class ReferenceEngine:
         return True, message
 
     def _load_entries(self, entries: Sequence[str], load_format: str | None) -> list[str]:
-        if load_format == "flattened_bucket" and len(self._ranks) == 1 and (sink := self._ranks[0].sink) is not None:
-            return self._load_bucket(self._ranks[0], sink, entries[0])
         with contextlib.ExitStack() as stack:
             opened = [
                 stack.enter_context(
@@ -657,69 +607,13 @@ class ReferenceEngine:
             ]
             if len(opened) > 1 and (why := disagreement(opened)) is not None:
                 raise ValueError(why)  # before any rank applies anything: the ranks stay identical
-            applied = [(rank.sink or rank.model).load_weights(named)
+            applied = [rank.model.load_weights(named)
                        for rank, named in zip(self._ranks, opened, strict=True)]
-            if (corrupt := self.settings.test_corrupt_after_load) is not None and corrupt in applied[0]:
-                self._corrupt(corrupt)
         for rank in self._ranks:
             if rank.device.type == "cuda":
                 # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
                 torch.cuda.synchronize(rank.device)
         return applied[0]
-
-    def _load_bucket(self, rank: TPRank, sink: WeightSink, entry: str) -> list[str]:
-        """A benchmark sink's ``flattened_bucket`` chunk, copied by its shape's plan (``load_plan``) rather than
-        through a list of views: on one rank no other rank's entry needs comparing."""
-        flat, metadata = open_bucket(entry, rank.device)  # unpickling opens the IPC handle
-        names = sink.load_bucket(flat, metadata)
-        if (corrupt := self.settings.test_corrupt_after_load) is not None and corrupt in names:
-            self._corrupt(corrupt)
-        if rank.device.type == "cuda":
-            torch.cuda.synchronize(rank.device)
-        del flat  # the IPC mapping closes here, before the reply: the trainer may reuse the memory then
-        return names
-
-    def _corrupt(self, name: str) -> None:
-        """The test-only hook (settings.test_corrupt_after_load): flip one bit of ``name`` on TP rank 0."""
-        rank = self._ranks[0]
-        held = rank.sink.tensors if rank.sink is not None else dict(rank.model.named_parameters())
-        with torch.no_grad():
-            held[name].detach().reshape(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
-        logger.warning("test hook: corrupted %s on TP rank 0 after its load", name)
-
-    async def weight_digests(self, names: Sequence[str]) -> list[dict[str, str]]:
-        """``/colocd/digests``: the engines/digest.py digest of each named tensor as every TP rank holds it now (a
-        name it does not hold is left out; a tied ``lm_head.weight`` is the embedding it is tied to)."""
-        self._running()
-        async with self._control_lock:
-            return await self._on_model_thread(self._digests, tuple(names))
-
-    def _digests(self, names: tuple[str, ...]) -> list[dict[str, str]]:
-        out = []
-        for rank in self._ranks:
-            held: dict[str, torch.Tensor] = (dict(rank.sink.tensors) if rank.sink is not None
-                                             else {n: p.detach() for n, p in rank.model.named_parameters()})
-            if "lm_head.weight" not in held and "model.embed_tokens.weight" in held:
-                held["lm_head.weight"] = held["model.embed_tokens.weight"]  # tied: loads skip it (model.py)
-            out.append(tensor_digests(((n, held[n]) for n in names if n in held), self._digest_cache))
-        return out
-
-    async def sink_checksums(self) -> dict[str, Any]:
-        """``/colocd/sink``: device checksums of the benchmark sink's tensors (404 without a sink); rank 0's
-        at the top level, every TP rank's under ``ranks``."""
-        self._running()
-        if self._sink is None:
-            raise EngineRefusal(404, "this engine has no weight sink (start it with --sink-shapes)")
-        sink = self._sink
-        async with self._control_lock:
-            per_rank = await self._on_model_thread(lambda: [r.sink.checksums() for r in self._ranks if r.sink])
-        return {
-            "model": sink.model,
-            "nbytes": sink.nbytes,
-            "checksums": per_rank[0],
-            "ranks": [{**r.describe(), "checksums": c}
-                      for r, c in zip(self._ranks, per_rank, strict=True)],
-        }
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
         scheduler, _, _ = self._running()

@@ -11,34 +11,24 @@ without ``--enable-weights-cpu-backup``. Unlike SGLang, a release of a released 
 resident one is refused with ``MemoryTagError`` naming the tag, instead of killing the process.
 This module knows nothing of requests, HTTP or scheduling; callers keep generation off it while
 anything is released.
-
-In benchmark mode a ``WeightSink`` (``sink.py``) is attached: its checkpoint-shaped tensors belong to
-``weights`` and its KV block to ``kv_cache``, so they are freed and reallocated with those tags. The
-tiny model's own parameters are then kept on the CPU across a release (pushes land in the sink, so
-nothing would ever overwrite them), and generation after a resume still runs on real weights.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..base import ALL_TAGS, MemoryTag, TagState
 from .model import QwenLikeForCausalLM, kv_pool_shape
-from .sink import WeightSink
 
 __all__ = [
-    "MemoryMove",
     "MemoryRegions",
     "MemoryTagError",
     "TagState",
     "normalize_tags",
-    "process_rss_bytes",
 ]
 
 # SGLang's order (scheduler_components/weight_updater.py:337-426): release kv → weights → graph,
@@ -56,15 +46,6 @@ class MemoryTagError(ValueError):
         self.state = state
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryMove:
-    """What one release or resume did: tags in the order handled, bytes of tensor storage moved."""
-
-    tags: tuple[MemoryTag, ...]
-    nbytes: int
-    cuda_reserved_delta_bytes: int | None
-
-
 def normalize_tags(tags: Iterable[str] | None) -> tuple[MemoryTag, ...]:
     """SGLang's rule: None or [] means every tag; an unknown name is an error naming it."""
     if not tags:
@@ -80,15 +61,6 @@ def normalize_tags(tags: Iterable[str] | None) -> tuple[MemoryTag, ...]:
     return tuple(out)
 
 
-def process_rss_bytes() -> int | None:
-    """Resident set size of this process from /proc (None where there is no /proc)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class MemoryRegions:
     """Owns the three tagged regions of one engine and moves them between resident and released."""
 
@@ -99,11 +71,8 @@ class MemoryRegions:
         max_batch: int,
         max_seq: int,
         device: torch.device,
-        sink: WeightSink | None = None,
     ) -> None:
         self._model = model
-        self._sink = sink
-        self._param_stash: dict[str, torch.Tensor] = {}
         self._device = device
         self._dtype = next(model.parameters()).dtype
         self._kv_shape = kv_pool_shape(model.config, max_batch, max_seq)
@@ -143,10 +112,9 @@ class MemoryRegions:
         """Bytes the tag holds when resident (its size, whatever its state now)."""
         if tag is MemoryTag.WEIGHTS:
             params = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._param_meta.values())
-            sink = self._sink.nbytes if self._sink else 0
-            return params + sink + sum(b.nbytes for b in self._buffers_now_or_stashed())
+            return params + sum(b.nbytes for b in self._buffers_now_or_stashed())
         if tag is MemoryTag.KV_CACHE:
-            return math.prod(self._kv_shape) * self._dtype.itemsize + (self._sink.kv_bytes if self._sink else 0)
+            return math.prod(self._kv_shape) * self._dtype.itemsize
         return math.prod(self._workspace_shape) * torch.float32.itemsize
 
     def nbytes(self, tag: MemoryTag) -> int:
@@ -162,75 +130,48 @@ class MemoryRegions:
 
     # --- transitions (run on the model thread) ---------------------------------------------------
 
-    def release(self, tags: Iterable[MemoryTag]) -> MemoryMove:
-        """Free the tags' storage; checks every tag first, so a refused call changes nothing."""
+    def release(self, tags: Iterable[MemoryTag]) -> None:
+        """Free the tags' storage and give it back to the device; checks every tag first, so a refused call changes
+        nothing."""
         tags = tuple(t for t in _RELEASE_ORDER if t in set(tags))
         self.check(tags, resume=False)
-        reserved_before = self._cuda_reserved()
         if self._device.type == "cuda":
             # No kernel may still read memory we are about to drop (sgl-project/sglang#31073).
             torch.cuda.synchronize(self._device)
-        freed = 0
         for tag in tags:
-            freed += self.resident_nbytes(tag)
             if tag is MemoryTag.WEIGHTS:
                 self._release_weights()
-                if self._sink is not None:
-                    self._sink.release_weights()
             elif tag is MemoryTag.KV_CACHE:
                 self._kv_pool = None
-                if self._sink is not None:
-                    self._sink.release_kv()
             else:
                 self._workspace = None
             self._states[tag] = TagState.RELEASED
-        delta = self._give_back_cache(reserved_before)
-        return MemoryMove(tags, freed, delta)
+        self.empty_cache()
 
-    def resume(self, tags: Iterable[MemoryTag]) -> MemoryMove:
+    def resume(self, tags: Iterable[MemoryTag]) -> None:
         """Reallocate the tags (weights as ``torch.empty``: garbage until weights are pushed again)."""
         tags = tuple(t for t in _RESUME_ORDER if t in set(tags))
         self.check(tags, resume=True)
-        reserved_before = self._cuda_reserved()
-        allocated = 0
         for tag in tags:
             if tag is MemoryTag.WEIGHTS:
                 self._resume_weights()
-                if self._sink is not None:
-                    self._sink.resume_weights()
             elif tag is MemoryTag.KV_CACHE:
                 self._kv_pool = torch.zeros(self._kv_shape, dtype=self._dtype, device=self._device)
-                if self._sink is not None:
-                    self._sink.resume_kv()
             else:
                 self._workspace = torch.zeros(self._workspace_shape, dtype=torch.float32, device=self._device)
             self._states[tag] = TagState.RESIDENT
-            allocated += self.resident_nbytes(tag)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        after = self._cuda_reserved()
-        delta = None if reserved_before is None or after is None else after - reserved_before
-        return MemoryMove(tags, allocated, delta)
 
     def empty_cache(self) -> None:
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):  # the cache of this region's GPU, not the current one
                 torch.cuda.empty_cache()
 
-    def cuda_memory(self) -> dict[str, int] | None:
-        if self._device.type != "cuda":
-            return None
-        return {
-            "allocated_bytes": torch.cuda.memory_allocated(self._device),
-            "reserved_bytes": torch.cuda.memory_reserved(self._device),
-        }
-
     # --- helpers ---------------------------------------------------------------------------------
 
     def _release_weights(self) -> None:
-        for name, p in self._model.named_parameters():
-            if self._sink is not None:
-                self._param_stash[name] = p.detach().to("cpu", copy=True)
+        for p in self._model.parameters():
             # Replacing .data keeps the Parameter objects (and the model's structure) alive while
             # dropping the last reference to the storage.
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -242,10 +183,7 @@ class MemoryRegions:
     def _resume_weights(self) -> None:
         params = dict(self._model.named_parameters())
         for name, (shape, dtype) in self._param_meta.items():
-            stashed = self._param_stash.pop(name, None)
-            params[name].data = (
-                torch.empty(shape, dtype=dtype, device=self._device) if stashed is None else stashed.to(self._device)
-            )
+            params[name].data = torch.empty(shape, dtype=dtype, device=self._device)
         # Buffers come back intact (rotary tables are derived, not trained), as SGLang restores them.
         for name, module, attr in self._buffer_slots():
             setattr(module, attr, self._buffer_stash.pop(name).to(self._device))
@@ -261,16 +199,3 @@ class MemoryRegions:
         if self._states[MemoryTag.WEIGHTS] is TagState.RESIDENT:
             return [b for _, b in self._model.named_buffers()]
         return list(self._buffer_stash.values())
-
-    def _cuda_reserved(self) -> int | None:
-        if self._device.type != "cuda":
-            return None
-        return torch.cuda.memory_reserved(self._device)
-
-    def _give_back_cache(self, reserved_before: int | None) -> int | None:
-        if self._device.type != "cuda" or reserved_before is None:
-            return None
-        torch.cuda.synchronize(self._device)
-        with torch.cuda.device(self._device):
-            torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved(self._device) - reserved_before

@@ -73,9 +73,6 @@ class QwenLikeConfig:
             raise ValueError(f"model config: unknown key(s) {unknown}; known: {sorted(known)}")
         return cls(**dict(overrides))
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def kv_pool_shape(config: QwenLikeConfig, num_slots: int, max_seq: int) -> tuple[int, ...]:
     """Shape of the KV pool a ``KVCacheView`` points into: [layer, k|v, slot, position, kv_head, dim]."""

@@ -1,17 +1,11 @@
 """Turning one ``serialized_named_tensors`` entry into (name, tensor) pairs, per ``load_format``.
 
-Formats:
-- ``colocd_shm``: base64 of JSON ``{"transport": "shm", "shm_name", "nbytes", "layout": [...]}``;
-  tensors are views into the producer's POSIX shared memory, mapped read-only and closed (never
-  unlinked: the producer owns the segment) when the caller is done with them.
-- ``colocd_disk``: base64 of JSON ``{"transport": "disk", "path", "layout"?}`` naming a safetensors file; the
-  tensors read must be the ones the layout declares.
+Formats, SGLang's (research/engine-apis.md §1.7):
 - ``null``/``"direct"``: SGLang's pickled ``list[(name, tensor)]`` (tensors may be SGLang
   ``LocalSerializedTensor`` wrappers); ``"flattened_bucket"``: SGLang's pickled
-  ``{"flattened_tensor", "metadata"}`` (research/engine-apis.md §1.7). Pickles go through the
-  allow-list unpickler only; colocd's own formats are JSON and never unpickled.
+  ``{"flattened_tensor", "metadata"}``. Pickles go through the allow-list unpickler only.
 
-Every problem raises ``PayloadError`` naming the segment, file, tensor or global at fault.
+Every problem raises ``PayloadError`` naming the tensor or global at fault.
 """
 
 from __future__ import annotations
@@ -19,21 +13,19 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import json
 from collections.abc import Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError
+from pydantic import BaseModel
 
-from ..chunks import ChunkLayout, LayoutEntry, SharedSegment, TensorSpec, unflatten
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
 __all__ = [
-    "LOAD_FORMATS", "DiskDescriptor", "PayloadError", "ShmDescriptor", "bucket_entry", "open_bucket", "open_payload",
+    "LOAD_FORMATS", "PayloadError", "bucket_entry", "open_bucket", "open_payload",
 ]
 
-LOAD_FORMATS = ("colocd_shm", "colocd_disk", "flattened_bucket", "direct", None)
+LOAD_FORMATS = ("flattened_bucket", "direct", None)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 _M = TypeVar("_M", bound=BaseModel)
@@ -41,30 +33,6 @@ _M = TypeVar("_M", bound=BaseModel)
 
 class PayloadError(ValueError):
     """An entry that cannot be turned into tensors; the message says which part is wrong."""
-
-
-class ShmDescriptor(BaseModel):
-    """A colocd_shm entry: which segment, how many bytes of it, and where each tensor lies."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    transport: Literal["shm"]
-    shm_name: str = Field(min_length=1)
-    nbytes: int = Field(ge=0)
-    # Not walked here: ``ChunkLayout.from_json`` checks every entry, once, as the segment is opened.
-    layout: SkipValidation[list[LayoutEntry]]
-
-
-class DiskDescriptor(BaseModel):
-    """A colocd_disk entry: a safetensors file readable by the engine."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    transport: Literal["disk"]
-    path: str = Field(min_length=1)
-    # What the trainer says the file holds (the daemon checked it against the session): checked here too, each
-    # entry walked once by ``TensorSpec.from_json``.
-    layout: SkipValidation[list[LayoutEntry] | None] = None
 
 
 @contextlib.contextmanager
@@ -75,19 +43,14 @@ def open_payload(
     tp_rank: int = 0,
     device: torch.device | None = None,
 ) -> Iterator[NamedTensors]:
-    """Yield the entry's tensors; views into shared memory are valid only inside the ``with``.
+    """Yield the entry's tensors (CUDA-IPC mappings close when the ``with`` ends).
 
     With ``device`` given, CUDA tensors must already be on it: a handle from another GPU is an error,
     not a silent P2P copy.
     """
     raw = _b64decode(entry)
     device = _indexed(device)
-    if load_format == "colocd_shm":
-        with _open_shm(_parse_json(raw, ShmDescriptor)) as named:
-            yield named
-    elif load_format == "colocd_disk":
-        yield _load_disk(_parse_json(raw, DiskDescriptor))
-    elif load_format in (None, "direct"):
+    if load_format in (None, "direct"):
         yield _on_device(_named_list(safe_loads(raw), tp_rank), device)
     elif load_format == "flattened_bucket":
         yield _on_device(_flattened_bucket(safe_loads(raw)), device)
@@ -118,74 +81,6 @@ def _b64decode(entry: str) -> bytes:
         return base64.b64decode(entry, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise PayloadError(f"serialized_named_tensors entry is not valid base64: {exc}") from None
-
-
-def _parse_json(raw: bytes, model: type[_M]) -> _M:
-    try:
-        return model.model_validate(json.loads(raw))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PayloadError(f"{model.__name__}: entry is not JSON: {exc}") from None
-    except ValidationError as exc:
-        raise PayloadError(f"{model.__name__}: {_first_error(exc)}") from None
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    return f"field {'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
-
-
-@contextlib.contextmanager
-def _open_shm(desc: ShmDescriptor) -> Iterator[NamedTensors]:
-    try:
-        layout = ChunkLayout.from_json(desc.layout, desc.nbytes)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PayloadError(f"shared-memory segment {desc.shm_name!r}: bad layout: {exc}") from None
-    try:
-        segment = SharedSegment.open(desc.shm_name, desc.nbytes)
-    except FileNotFoundError:
-        raise PayloadError(f"shared-memory segment {desc.shm_name!r} does not exist") from None
-    except (OSError, ValueError) as exc:
-        raise PayloadError(f"shared-memory segment {desc.shm_name!r}: {exc}") from None
-    named: NamedTensors = []
-    try:
-        named.extend(unflatten(segment.tensor(), layout))
-        yield named
-    finally:
-        # Drop the views first (clearing the list the caller holds too): the mapping can only
-        # close once nothing exports its buffer.
-        named.clear()
-        segment.close()
-
-
-def _load_disk(desc: DiskDescriptor) -> NamedTensors:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        named = list(load_file(desc.path, device="cpu").items())
-    except FileNotFoundError:
-        raise PayloadError(f"safetensors file {desc.path!r} does not exist") from None
-    except (OSError, SafetensorError) as exc:
-        raise PayloadError(f"safetensors file {desc.path!r}: {exc}") from None
-    if desc.layout is not None:
-        _check_declared(desc.path, named, desc.layout)
-    return named
-
-
-def _check_declared(where: str, named: NamedTensors, layout: list[LayoutEntry]) -> None:
-    """The tensors read are the ones the chunk's layout declared (names, dtypes, shapes): what the daemon
-    counted as delivered is what this engine loads."""
-    try:
-        specs = [TensorSpec.from_json(i) for i in layout]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise PayloadError(f"{where}: bad layout: {type(exc).__name__}: {exc}") from None
-    declared = {s.name: (s.dtype, s.shape) for s in specs}
-    held = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in named}
-    if declared != held:
-        missing, extra = sorted(declared.keys() - held.keys()), sorted(held.keys() - declared.keys())
-        wrong = sorted(n for n in declared.keys() & held.keys() if declared[n] != held[n])
-        raise PayloadError(f"{where}: holds other tensors than its layout declares (missing {missing[:3]}, "
-                           f"undeclared {extra[:3]}, other dtype or shape {wrong[:3]})")
 
 
 def _named_list(obj: Any, tp_rank: int) -> NamedTensors:

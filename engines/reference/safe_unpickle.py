@@ -170,7 +170,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             raise UnsafePickleError(
                 f"refused global {module}.{name}: CPU tensors pickled with ForkingPickler share memory by "
                 "file descriptor with the producer process only; pickle CPU tensors with pickle.dumps "
-                "(data inline) or send them as load_format 'colocd_shm'"
+                "(data inline)"
             )
         raise UnsafePickleError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 

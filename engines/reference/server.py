@@ -3,7 +3,6 @@
 ``create_app(settings)`` builds a FastAPI app around one ``ReferenceEngine``; no module state.
 Paths, bodies, status codes and response shapes follow SGLang's ``entrypoints/http_server.py``
 (line numbers below are 0.5.23's). Handlers are thin: parse, call one engine method, shape JSON.
-One extension, ``GET /colocd/memory``, reports per-tag residency for hosts without NVML.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from .wire import (
     BeginWeightUpdateBody,
     CheckWeightsBody,
     ContinueGenerationBody,
-    DigestsBody,
     EndWeightUpdateBody,
     GenerateBody,
     MemoryTagsBody,
@@ -54,9 +52,10 @@ class _Unauthorized(Exception):
     """Missing or wrong bearer token on a protected route."""
 
 
-def create_app(settings: ReferenceServerSettings) -> FastAPI:
-    """The app for one engine; the engine starts building its model when the app's lifespan starts."""
-    engine = ReferenceEngine(settings)
+def create_app(settings: ReferenceServerSettings, engine: ReferenceEngine | None = None) -> FastAPI:
+    """The app for one engine (by default a ``ReferenceEngine`` of ``settings``); the engine starts building its
+    model when the app's lifespan starts."""
+    engine = engine or ReferenceEngine(settings)
     distributed = DistributedUpdates(engine)
 
     @contextlib.asynccontextmanager
@@ -223,8 +222,6 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "internal_states": [engine.internal_state()],
             "version": settings.version,
             "colocd_reference": True,
-            "colocd_protocol": settings.protocol,
-            "colocd_model_config": settings.model.to_json(),
             # Each TP rank's device and declared identity (GPU UUID on CUDA); empty while starting.
             "colocd_tp_ranks": engine.tp_ranks(),
         }
@@ -244,21 +241,6 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
     else:
         router.add_api_route("/model_info", model_info, methods=["GET"])
         router.add_api_route("/server_info", server_info, methods=["GET"])
-
-    @router.get("/colocd/memory")
-    async def colocd_memory() -> dict[str, Any]:
-        """colocd extension: per-tag {resident, nbytes, resident_nbytes}, RSS, CUDA counters."""
-        return engine.memory_report()
-
-    @router.post("/colocd/digests")
-    async def colocd_digests(body: DigestsBody) -> dict[str, Any]:
-        """colocd extension: engines/digest.py digests of the named tensors, as each TP rank holds them now."""
-        return {"ranks": await engine.weight_digests(body.names)}
-
-    @router.get("/colocd/sink")
-    async def colocd_sink() -> dict[str, Any]:
-        """colocd extension (benchmark mode): per-tensor device checksums of the weight sink."""
-        return await engine.sink_checksums()
 
     return router
 

@@ -34,25 +34,18 @@ class ReferenceServerSettings:
     weight_version: str = "default"  # SGLang's --weight-version default
     host: str = "127.0.0.1"  # reported in /server_info only; __main__ binds the socket
     port: int = 0
-    sink: str | None = None  # benchmark mode: a sink.MODEL_SHAPES name whose tensors loads copy into
-    sink_kv_bytes: int = 0  # benchmark mode: a KV-cache block of this size in the kv_cache tag
     # Tensor-parallel ranks, each with its own full copy of the weights on its own device, fed by its own
     # serialized_named_tensors entry (as SGLang's TP schedulers each read theirs).
     tp_size: int = 1
     # The identity each TP rank declares, what a trainer rank names to be paired with it: on CPU any label
     # (default "cpu:<rank>"); on CUDA it is the GPU's UUID, read from the device, so none may be given.
     device_ids: tuple[str, ...] = ()
-    # Test only (env COLOCD_REFERENCE_TEST_CORRUPT): after every load that wrote this tensor, TP rank 0 flips a
-    # bit of it, so the engine holds other weights than it was sent (what a verified commit must catch).
-    test_corrupt_after_load: str | None = None
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOL_VERSIONS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOL_VERSIONS)}, got {self.protocol!r}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.sink_kv_bytes < 0 or (self.sink_kv_bytes and self.sink is None):
-            raise ValueError("sink_kv_bytes must be >= 0 and needs a sink (--sink-shapes)")
         if self.health_timeout_s <= 0:
             raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s}")
         if self.tp_size < 1:

@@ -21,7 +21,6 @@ from ..chunks import tensor_checksum
 from ..cuda_handles import device_uuid
 from .memory import MemoryRegions
 from .model import QwenLikeForCausalLM
-from .sink import WeightSink, device_checksum
 
 __all__ = ["TPRank", "disagreement", "rank_checksum", "rank_devices"]
 
@@ -37,7 +36,6 @@ class TPRank:
     device_id: str  # CPU: the declared label; CUDA: the GPU's UUID
     model: QwenLikeForCausalLM
     memory: MemoryRegions
-    sink: WeightSink | None
 
     def describe(self) -> dict[str, Any]:
         return {"tp_rank": self.index, "device": str(self.device), "device_id": self.device_id}
@@ -65,7 +63,6 @@ def rank_devices(device: str, tp_size: int, device_ids: Sequence[str]) -> list[t
 def disagreement(entries: Sequence[NamedTensors]) -> str | None:
     """Why the TP ranks' entries of one chunk do not carry the same full tensors; None when they do.
 
-    Values are compared by ``device_checksum`` where each tensor lives (no cross-device copy).
     """
     first = dict(entries[0])
     names = sorted(first)
@@ -85,9 +82,7 @@ def disagreement(entries: Sequence[NamedTensors]) -> str | None:
                     f"tensor {name!r} is {b.dtype}{list(b.shape)} in TP rank {r}'s entry but "
                     f"{a.dtype}{list(a.shape)} in rank 0's"
                 )
-        ours = device_checksum(first[n] for n in names)
-        theirs = device_checksum(other[n] for n in names)
-        differing = [n for n, x, y in zip(names, ours, theirs, strict=True) if x != y]
+        differing = [n for n in names if not torch.equal(first[n], other[n].to(first[n].device))]
         if differing:
             return (
                 f"tensor{'s' if len(differing) > 1 else ''} {_some(differing)} differ between TP rank {r}'s "
@@ -121,7 +116,6 @@ def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> tuple[di
                 "size": tp_size,
             }
         ],
-        "colocd_device_id": rank.device_id,
     }
     return record, tensor_checksum(named)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from ..base import PauseMode
 
@@ -18,7 +18,6 @@ __all__ = [
     "BeginWeightUpdateBody",
     "CheckWeightsBody",
     "ContinueGenerationBody",
-    "DigestsBody",
     "EndWeightUpdateBody",
     "GenerateBody",
     "MemoryTagsBody",
@@ -33,14 +32,6 @@ Selector = Literal["target", "draft", "all"]
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-class DigestsBody(BaseModel):
-    """colocd extension (``/colocd/digests``): the tensors whose digests (engines/digest.py) to report."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    names: list[str] = Field(..., max_length=1 << 16)
 
 
 class PauseGenerationBody(_Body):

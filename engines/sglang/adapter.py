@@ -7,7 +7,6 @@ Every call maps to one SGLang route; ordering, retries and deadlines belong to t
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 from collections.abc import Sequence
@@ -19,7 +18,6 @@ from pydantic import BaseModel
 from ...errors import EngineMismatch, EngineProtocolError, EngineRejected, ReplyInvalid, RequestInvalid
 from ...policies import Transport
 from ..base import (
-    Capability,
     ChunkLoad,
     ChunkPart,
     EngineDigests,
@@ -33,7 +31,7 @@ from ..base import (
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
 from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
 from ..httpmap import check_reply, map_http_errors
-from . import extensions, wire
+from . import wire
 from .protocol import V0_5_23, SGLangProtocol, negotiated, protocol_for_version, untested_warning
 
 __all__ = ["UNSUPPORTED_DIGESTS", "SGLangAdapter"]
@@ -52,9 +50,7 @@ UNSUPPORTED_DIGESTS = (
     "parameters (qkv_proj, gate_up_proj) with its own hash, which colocd does not rebuild; this engine's weights "
     "are not verified")
 
-# What the reference engine answers beyond SGLang's protocol (its server_info says ``colocd_reference``): routes
-# under /colocd/ and colocd's own transports (shm, disk).
-REFERENCE_EXTENSIONS = frozenset(Capability)
+_GB = 1 << 30  # SGLang's memory_usage unit
 
 _R = TypeVar("_R", bound=BaseModel)
 
@@ -71,7 +67,6 @@ class SGLangAdapter:
         # Until attach probes the version, assume the current protocol.
         self.protocol: SGLangProtocol = V0_5_23
         self._info: EngineInfo | None = None
-        self._extensions: frozenset[Capability] = frozenset()  # negotiated at attach, from server_info
         self._server_info_route = "/server_info"
         self._device: str | None = None  # where the reference engine says its weights live (server_info)
 
@@ -102,17 +97,12 @@ class SGLangAdapter:
 
     @property
     def transports(self) -> frozenset[Transport]:
-        """What this engine loads. Real SGLang: ``inline`` (plain-pickled CPU tensors, on any device) and, on
-        a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list); never colocd's own formats
-        (shm, disk), which only the reference engine's loader reads: SGLang would unpickle their
-        JSON descriptors and its scheduler would die. Before attach a real SGLang is assumed to be on a GPU.
-        The reference engine: everything on a GPU, shm/disk/inline on CPU."""
-        colocd_formats = (Capability.COLOCD_TRANSPORTS in self._extensions if self._info is not None
-                          else isinstance(self._config, ReferenceEngineConfig))  # before attach: the config's kind
+        """What SGLang loads, and the reference engine with it: ``inline`` (plain-pickled CPU tensors, on any
+        device) and, on a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list). Never colocd's
+        shm or disk chunks: SGLang would unpickle their JSON descriptors and its scheduler would die. The device
+        is the one server_info reports; before attach, the reference engine's config, else a GPU."""
         device = self._device or (self._config.device if isinstance(self._config, ReferenceEngineConfig) else "cuda")
-        if not colocd_formats:
-            return _SGLANG_GPU_TRANSPORTS if device.startswith("cuda") else _SGLANG_CPU_TRANSPORTS
-        return _REFERENCE_GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
+        return _GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
 
     # -- verbs -------------------------------------------------------------------------------
     async def _server_info(self) -> wire.ServerInfo:
@@ -147,7 +137,6 @@ class SGLangAdapter:
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
-        self._extensions = REFERENCE_EXTENSIONS if server.colocd_reference else frozenset()
         self._info = EngineInfo(
             name=self.name,
             engine_kind=self._config.kind,
@@ -156,7 +145,6 @@ class SGLangAdapter:
             weight_version=await self._weight_version(),
             tp_size=self._config.tp_size,
             owned_tags=owned,
-            capabilities=self._extensions,
             device_ids=self._tp_device_ids(server),
         )
         return self._info
@@ -213,30 +201,28 @@ class SGLangAdapter:
     async def observe(self) -> Observation:
         """The incarnation is derived from server_info's ``startup_time``, whatever its shape
         (``wire.ServerInfo.incarnation``: SGLang measures it once per process, http_server.py:886); the
-        reference engine also reports its pause gate, its open weight-update session (``internal_states``)
-        and per-tag residency (``/colocd/memory``). Real SGLang reports neither, so those stay None there."""
-        # The three questions are independent, so they are asked at once; the first failure is raised and nothing
+        reference engine also reports its pause gate and its open weight-update session (``internal_states``),
+        which real SGLang does not, so those stay None there. No SGLang reports which tags are resident."""
+        # The two questions are independent, so they are asked at once; the first failure is raised and nothing
         # is left running.
         asked = (server_t := asyncio.ensure_future(self._server_info()),
-                 report_t := asyncio.ensure_future(self.memory_report()),
                  version_t := asyncio.ensure_future(self._weight_version()))
         try:
-            server, report, version = await server_t, await report_t, await version_t
+            server, version = await server_t, await version_t
         finally:
             for task in asked:
                 task.cancel()
             await asyncio.gather(*asked, return_exceptions=True)  # every outcome retrieved
-        return self._observation(server, version, report)
+        return self._observation(server, version)
 
-    def _observation(self, server: wire.ServerInfo, version: str | None, report: MemoryReport | None) -> Observation:
+    def _observation(self, server: wire.ServerInfo, version: str | None) -> Observation:
         first = server.internal_states[0] if server.internal_states else wire.InternalState()
         paused = (first.paused is not None) if first.has_paused else None
         session = None  # older SGLang has no update session at all, so none can be open or lost
         if self.protocol.weight_update_session and first.has_session:
             session = first.weight_update_session is not None
-        resident = report.residency() if report is not None else None
-        return Observation(incarnation=server.incarnation(), weight_version=version, resident=resident or None,
-                           paused=paused, update_session_open=session)
+        return Observation(incarnation=server.incarnation(), weight_version=version, paused=paused,
+                           update_session_open=session)
 
     async def _weight_version(self) -> str | None:
         route = self.protocol.weight_version_route
@@ -344,37 +330,31 @@ class SGLangAdapter:
             "update_weight_version")
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
-        """The reference engine's digests (engines/digest.py) of the tensors it holds, per TP rank (colocd
-        extension). SGLang reports none that can be compared: ``UNSUPPORTED_DIGESTS`` says why."""
-        if Capability.TENSOR_DIGESTS not in self._extensions:
-            return EngineDigests(None, UNSUPPORTED_DIGESTS)
-        data = self._json(await self._call("POST", "/colocd/digests", "colocd/digests", {"names": list(names)}),
-                          self.name, "colocd/digests")
-        return EngineDigests(tuple(self._parse(extensions.DigestsReply, data, "colocd/digests").ranks))
+        """SGLang reports no digests that can be compared with the trainer's: ``UNSUPPORTED_DIGESTS`` says why."""
+        return EngineDigests(None, UNSUPPORTED_DIGESTS)
 
     async def memory_report(self) -> MemoryReport | None:
-        """The reference engine's own per-tag byte counts (``Capability.MEMORY_REPORT``); None elsewhere."""
-        if Capability.MEMORY_REPORT not in self._extensions:
+        """What each tag took when the engine allocated it, from server_info's ``memory_usage`` (rank 0 of each
+        scheduler, so times the TP size); None where the server reports none (SGLang before 0.5.x)."""
+        states = (await self._server_info()).internal_states
+        usage = states[0].memory_usage if states else None
+        if usage is None:
             return None
-        data = self._json(await self._call("GET", "/colocd/memory", "colocd/memory"), self.name, "colocd/memory")
-        return self._parse(extensions.MemoryReply, data, "colocd/memory").report() if isinstance(data, dict) else None
+        tp = int(self._config.tp_size)
+        gb = {MemoryTag.WEIGHTS: usage.weight, MemoryTag.KV_CACHE: usage.kvcache,
+              MemoryTag.CUDA_GRAPH: sum(usage.graph.values())}
+        return MemoryReport({t: round(v * _GB) * tp for t, v in gb.items()})
 
     async def aclose(self) -> None:
         return None
 
 
-_SGLANG_CPU_TRANSPORTS = frozenset({Transport.INLINE})
-_SGLANG_GPU_TRANSPORTS = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER_TENSOR})
-_CPU_TRANSPORTS = frozenset({Transport.SHM, Transport.DISK, Transport.INLINE})
-_REFERENCE_GPU_TRANSPORTS = frozenset(Transport)
-
-# colocd's own transports travel as base64 JSON descriptors, one load_format each; CUDA-IPC
-# chunks are the trainer's own SGLang pickle, flattened_bucket unless the trainer says otherwise.
-_COLOCD_FORMATS = {Transport.SHM: "colocd_shm", Transport.DISK: "colocd_disk"}
+_CPU_TRANSPORTS = frozenset({Transport.INLINE})
+_GPU_TRANSPORTS = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER_TENSOR})
 
 
 def _load_format(load: ChunkLoad) -> str | None:
-    formats = {_COLOCD_FORMATS.get(p.transport) or _payload_format(p.route) for p in load.payloads}
+    formats = {_payload_format(p.route) for p in load.payloads}
     if len(formats) != 1:
         raise RequestInvalid(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}; one chunk "
                              "travels in one format", field="handle.load_format")
@@ -389,12 +369,7 @@ def _payload_format(route: HandleRoute) -> str:
 
 
 def _entry(part: ChunkPart) -> str:
-    """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle for CUDA and inline paths,
-    or base64 JSON for colocd's shm/disk paths: the handle as the trainer sent it is the reference engine's
-    descriptor. The daemon never sends those to a real
-    SGLang, whose ``transports`` leave them out."""
-    if part.transport in _COLOCD_FORMATS:
-        return base64.b64encode(json.dumps({"transport": part.transport, **part.handle}).encode()).decode()
+    """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle (CUDA-IPC and inline chunks)."""
     payload = part.route.payload_b64 if isinstance(part.route, (CudaIpcRoute, InlineRoute)) else None
     if payload is None:
         raise RequestInvalid(f"{part.transport} chunk handle carries no 'payload_b64' string",

@@ -36,6 +36,7 @@ __all__ = [
     "GenerationControlResult",
     "InitWeightsUpdateGroupReqInput",
     "InternalState",
+    "MemoryUsage",
     "ModelInfo",
     "PauseGenerationReqInput",
     "RankChecksums",
@@ -372,11 +373,27 @@ class WeightVersionInfo(_Reply):
     weight_version: str | None = None
 
 
+class MemoryUsage(_Reply):
+    """An ``internal_states`` entry's ``memory_usage`` (0.5.23 scheduler_components/memory_usage.py): the GB
+    (2**30 bytes) each region took when the scheduler's TP rank allocated it, not what it holds now;
+    ``graph`` is per CUDA-graph phase."""
+
+    weight: float = 0.0
+    kvcache: float = 0.0
+    graph: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("graph", mode="before")
+    @classmethod
+    def _phases(cls, value: Any) -> Any:
+        return value if isinstance(value, dict) else {}  # older SGLang: a number or nothing
+
+
 class InternalState(_Reply):
     """One entry of server_info's ``internal_states`` (one per DP rank). Real SGLang reports scheduler
-    counters here; the reference engine adds its pause gate and open weight-update session, which real
-    SGLang does not report (absent: None, "cannot tell")."""
+    counters and ``memory_usage`` here; the reference engine adds its pause gate and open weight-update
+    session, which real SGLang does not report (absent: None, "cannot tell")."""
 
+    memory_usage: MemoryUsage | None = None
     paused: Any = None
     weight_update_session: Any = None
     has_paused: bool = False  # whether the key was there at all (paused may be a null)
@@ -442,7 +459,7 @@ class ServerInfo(_Reply):
         return "startup:" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-_R = TypeVar("_R", bound=BaseModel)  # a reply model here, or one of the reference extensions (extensions.py)
+_R = TypeVar("_R", bound=BaseModel)
 
 
 def parse_reply(model: type[_R], data: Any) -> _R:

@@ -395,7 +395,7 @@ class VLLMAdapter:
         return EngineDigests(tuple(dict(r.root) for r in ranks))
 
     async def memory_report(self) -> MemoryReport | None:
-        """vLLM keeps no per-tag accounting it reports (attach declares no ``Capability.MEMORY_REPORT``)."""
+        """vLLM reports no per-tag accounting."""
         return None
 
     async def aclose(self) -> None:

@@ -11,7 +11,7 @@ import pytest_asyncio
 import torch
 from support import NvmlNode, daemon_node, reference_engine
 
-from colocd.engines.reference.sink import hf_shapes
+from benchmarks.sink import hf_shapes
 
 # ~0.4 GB of fp32 weights plus the KV pool: large enough that NVML sees a release clearly.
 NVML_MODEL: dict[str, Any] = {"hidden_size": 1024, "intermediate_size": 4096, "num_layers": 8, "num_heads": 16,

@@ -15,9 +15,10 @@ import pytest_asyncio
 import torch
 from support import DaemonNode, daemon_node, reference_engine, shm_segments
 
+from benchmarks.sink import device_checksum
+from benchmarks.sink_engine import sink_launch
 from colocd.api.client import ColocdHTTPError
 from colocd.engines import cuda_handles
-from colocd.engines.reference.sink import device_checksum
 from colocd.trainer.push import WeightPusher
 
 pytestmark = [pytest.mark.gpu, pytest.mark.asyncio(loop_scope="module")]
@@ -28,7 +29,7 @@ _DEVICE = torch.device("cuda", 0)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def node() -> AsyncIterator[DaemonNode]:
     """The module's engine (``tiny`` sink tensors on the GPU) and a daemon over it, left in ``sync`` at step 1."""
-    async with reference_engine(device="cuda", launch={"args": ["--sink-shapes", "tiny"], "ready_timeout_s": 300}) \
+    async with reference_engine(device="cuda", launch=sink_launch("tiny", ready_timeout_s=300)) \
             as engine, daemon_node({"ref0": str(engine.url)}, timeouts={"chunk_s": 60}, synced_at=1) as daemon:
         yield daemon
 
@@ -49,7 +50,7 @@ def _received(sink: dict[str, Any], named: list[tuple[str, torch.Tensor]]) -> li
     return [sink["checksums"][n] for n, _ in named]
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "per_tensor", "shm"])
+@pytest.mark.parametrize("transport", ["cuda_ipc", "per_tensor", "inline"])
 async def test_every_transport_delivers_byte_identical_weights_twice(
     node: DaemonNode, named: list[tuple[str, torch.Tensor]], transport: str
 ) -> None:

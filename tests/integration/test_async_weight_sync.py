@@ -91,7 +91,7 @@ async def _trained_to_sync(node: DaemonNode, sync_policy: str) -> tuple[torch.nn
     """The sync policy in force, a model trained for two steps at step 1, and the node moved to ``sync``."""
     await _policy(node, sync_policy)
     model, optimizer = _model_and_optimizer()
-    sync = AsyncWeightSync(WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2))
+    sync = AsyncWeightSync(WeightPusher(node.client, transport="inline", bucket_mb=0.05, depth=2))
     agent = TrainerAgent(node.client, weight_sync=sync)
     await agent.train(1)
     await asyncio.to_thread(_train, model, optimizer, 2, 1)
@@ -171,7 +171,7 @@ async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_la
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
     async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(tmp_path / "journal.jsonl")) as node:
         model, optimizer = _model_and_optimizer()
-        pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
+        pusher = WeightPusher(node.client, transport="inline", bucket_mb=0.05, depth=2)
 
         async def open_and_stream(version: str, step: int) -> tuple[str, int]:
             named = list(model.named_parameters())
@@ -222,7 +222,7 @@ async def test_an_abandoned_push_is_withdrawn_and_re_pushing_the_last_committed_
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
     async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(tmp_path / "journal.jsonl")) as node:
         model, optimizer = _model_and_optimizer()
-        pusher = WeightPusher(node.client, transport="shm", bucket_mb=0.05, depth=2)
+        pusher = WeightPusher(node.client, transport="inline", bucket_mb=0.05, depth=2)
         await node.client.phase("train", 1)
         await asyncio.to_thread(_train, model, optimizer, 1, 1)
         await node.client.phase("sync", 1)

@@ -32,7 +32,7 @@ async def test_bench_switch_cpu_smoke_run_verifies_every_sync_and_writes_the_rec
             assert s["switch_s"] == sum(s[k] for k in PHASES[:-1]) and s["switch_s"] > 0
             assert s["generated_tokens"] > 0
     by = {s["preset"]: s for s in record["summary"]}
-    assert by["seed-baseline"]["transport"] == "shm"  # per-tensor IPC needs CUDA; the CPU path is shm
+    assert by["seed-baseline"]["transport"] == "inline"  # per-tensor IPC needs CUDA; the CPU path is inline
     assert "pause:destroy" in by["seed-baseline"]["group_actions"]
     assert all(by[p]["verified_all"] and by[p]["x_floor"] > 0 for p in by)
     assert {"memory_neutral", "x_floor", "paused_window_max_gib"} <= set(record["targets"])

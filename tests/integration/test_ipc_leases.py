@@ -22,6 +22,10 @@ from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
 
+# The shm transport is loaded only by vLLM through colocd's worker extension; the reference engine loads what SGLang
+# loads (inline on CPU), so this spec has no CPU engine to push shm chunks to until it runs against that extension.
+pytestmark = pytest.mark.skip(reason="needs an engine that loads shm chunks (vLLM's colocd worker extension)")
+
 BACK_WITHIN_S = 5.0
 
 

@@ -208,7 +208,7 @@ async def test_the_sync_client_sends_the_reference_on_its_second_open() -> None:
 
 async def test_a_pushers_second_push_over_http_declares_its_manifest_by_reference() -> None:
     async with (_fronted() as (front, client, _),
-                WeightPusher(client, transport="shm", bucket_mb=0.02) as pusher):
+                WeightPusher(client, transport="inline", bucket_mb=0.02) as pusher):
         await pusher.push(NAMED, version="v1")
         await pusher.push(NAMED, version="v2")
         assert "manifest" in front.opens[0]

@@ -1,7 +1,7 @@
 """The pipeline plan a ``sync`` reply carries is bounded by the GPU memory free when it is made.
 
 A real daemon and a real reference engine (on CPU), with a stand-in NVML for the one GPU they are
-configured on: the GPU's used memory is the engine's own resident bytes (its ``/colocd/memory``) plus
+configured on: the GPU's used memory is the engine's own resident bytes (tests/support.py ``engine_tags``) plus
 a fixed base, as if the engine were the GPU's only tenant, and the test sets how big the GPU is.
 """
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
 import pickle
 import time
@@ -21,14 +20,16 @@ import httpx
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
-from support import EnginePool, reference_engine
+from support import EnginePool, engine_tags, reference_engine
 
-from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
+from colocd.engines.chunks import tensor_checksum
+from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.runner import ModelRunner
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
 from colocd.errors import EngineLaunchError
+from colocd.trainer.producer import InlineProducer
 
 CFG = QwenLikeConfig()
 TOK = CharTokenizer()
@@ -84,14 +85,9 @@ async def checksum(c: httpx.AsyncClient) -> str:
     return (await c.post("/weights_checker", json={"action": "checksum"})).json()["colocd_checksum"]  # type: ignore[no-any-return]
 
 
-def shm_entry(named: list[tuple[str, torch.Tensor]], segments: list[SharedSegment]) -> str:
-    """A colocd_shm entry; the segment is the producer's (ours) and unlinked by us afterwards."""
-    layout = ChunkLayout.for_tensors(named)
-    seg = SharedSegment.create(layout.nbytes)
-    segments.append(seg)
-    flatten_into(seg.tensor(), layout, named)
-    desc = {"transport": "shm", "shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-    return base64.b64encode(json.dumps(desc).encode()).decode()
+def bucket_entry(named: list[tuple[str, torch.Tensor]]) -> str:
+    """A ``flattened_bucket`` entry, plain-pickled as the trainer's inline transport sends it."""
+    return str(InlineProducer().export(named).handle["payload_b64"])
 
 
 async def push(
@@ -102,32 +98,26 @@ async def push(
     version: str | None = None,
 ) -> dict[str, Any]:
     """begin → one update per chunk → end, as the daemon drives it; returns the last update's body."""
-    segments: list[SharedSegment] = []
-    try:
-        assert (await c.post("/begin_weight_update", json={})).json()["success"]
-        size = -(-len(named) // chunks)
-        body: dict[str, Any] = {}
-        for k in range(0, len(named), size):
-            last = k + size >= len(named)
-            r = await c.post(
-                "/update_weights_from_tensor",
-                json={
-                    "serialized_named_tensors": [shm_entry(named[k : k + size], segments)],
-                    "load_format": "colocd_shm",
-                    "flush_cache": last,
-                    "weight_version": version if last else None,
-                },
-            )
-            body = r.json()
-            assert r.status_code == (200 if body["success"] else 400)
-            if not body["success"]:
-                break
-        assert (await c.post("/end_weight_update", json={})).json()["success"]
-        return body
-    finally:
-        for seg in segments:
-            seg.close()
-            seg.unlink()
+    assert (await c.post("/begin_weight_update", json={})).json()["success"]
+    size = -(-len(named) // chunks)
+    body: dict[str, Any] = {}
+    for k in range(0, len(named), size):
+        last = k + size >= len(named)
+        r = await c.post(
+            "/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [bucket_entry(named[k : k + size])],
+                "load_format": "flattened_bucket",
+                "flush_cache": last,
+                "weight_version": version if last else None,
+            },
+        )
+        body = r.json()
+        assert r.status_code == (200 if body["success"] else 400)
+        if not body["success"]:
+            break
+    assert (await c.post("/end_weight_update", json={})).json()["success"]
+    return body
 
 
 async def generate(c: httpx.AsyncClient, **body: Any) -> Any:
@@ -155,7 +145,7 @@ async def test_health_ready_and_info_routes_speak_sglang_0_5_23(client: httpx.As
     } <= set(info)
     server = (await client.get("/server_info")).json()
     assert server["version"] == "0.5.23" and server["colocd_reference"] is True
-    assert server["colocd_protocol"] == "0.5.23" and server["tp_size"] == 1
+    assert server["version"] == "0.5.23" and server["tp_size"] == 1
     assert (await client.get("/get_server_info")).json()["version"] == "0.5.23"  # deprecated alias
     assert (await client.get("/get_weight_version")).status_code == 404  # gone in 0.5.23
 
@@ -279,16 +269,13 @@ async def _has(c: httpx.AsyncClient, **expected: Any) -> bool:
 async def test_release_frees_every_tag_blocks_generation_and_resume_brings_it_back(
     client: httpx.AsyncClient,
 ) -> None:
-    before = (await client.get("/colocd/memory")).json()
-    total = sum(t["nbytes"] for t in before["tags"].values())
-    assert total > 0 and all(t["resident"] for t in before["tags"].values())
+    before = engine_tags((await client.get("/server_info")).json())
+    assert all(resident and nbytes > 0 for resident, nbytes in before.values())
 
     r = await client.post("/release_memory_occupation", json={"tags": None})
     assert r.status_code == 200 and r.json() is None
-    after = (await client.get("/colocd/memory")).json()
-    assert all(not t["resident"] and t["nbytes"] == 0 for t in after["tags"].values())
-    assert after["last_release"]["nbytes"] == total
-    assert after["last_release"]["tags"] == ["kv_cache", "weights", "cuda_graph"]
+    after = engine_tags((await client.get("/server_info")).json())
+    assert after == {tag: (False, nbytes) for tag, (_, nbytes) in before.items()}  # SGLang's sizes stay as allocated
     assert (await client.get("/health")).status_code == 503  # never probes released memory
 
     waiting = asyncio.create_task(generate(client, text="abc", sampling_params=GREEDY))
@@ -297,8 +284,7 @@ async def test_release_frees_every_tag_blocks_generation_and_resume_brings_it_ba
     r = await client.post("/resume_memory_occupation", json={"tags": []})
     assert r.status_code == 200 and r.json() is None
     await asyncio.wait_for(waiting, DEADLINE_S)  # runs (on garbage weights, as in SGLang)
-    resumed = (await client.get("/colocd/memory")).json()
-    assert [t["nbytes"] for t in resumed["tags"].values()] == [t["nbytes"] for t in before["tags"].values()]
+    assert engine_tags((await client.get("/server_info")).json()) == before
 
 
 async def test_double_release_and_resume_of_a_resident_tag_are_400_naming_the_tag(
@@ -325,7 +311,7 @@ async def test_flush_cache_answers_text_like_sglang(client: httpx.AsyncClient) -
 # --- weights -------------------------------------------------------------------------------------
 
 
-async def test_colocd_shm_update_changes_checksum_version_and_greedy_output_to_the_pushed_model(
+async def test_an_update_changes_checksum_version_and_greedy_output_to_the_pushed_model(
     client: httpx.AsyncClient,
 ) -> None:
     pushed = build_model(CFG, 1)
@@ -343,16 +329,8 @@ async def test_colocd_shm_update_changes_checksum_version_and_greedy_output_to_t
 
 
 async def test_tensor_updates_outside_a_session_fail_as_in_0_5_23(client: httpx.AsyncClient) -> None:
-    segments: list[SharedSegment] = []
-    try:
-        r = await client.post(
-            "/update_weights_from_tensor",
-            json={"serialized_named_tensors": [shm_entry(SEED0[:1], segments)], "load_format": "colocd_shm"},
-        )
-    finally:
-        for s in segments:
-            s.close()
-            s.unlink()
+    r = await client.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": [bucket_entry(SEED0[:1])], "load_format": "flattened_bucket"})
     assert r.status_code == 400 and r.json()["success"] is False
     assert "begin_weight_update" in r.json()["message"]
     assert (await client.post("/end_weight_update", json={})).status_code == 400
@@ -378,20 +356,15 @@ async def test_a_bad_chunk_is_refused_naming_the_tensor_and_applies_nothing(
     assert await checksum(client) == SEED0_SUM
 
 
-async def test_a_missing_segment_or_wrong_entry_count_is_refused(client: httpx.AsyncClient) -> None:
+async def test_a_wrong_entry_count_or_an_unknown_format_is_refused(client: httpx.AsyncClient) -> None:
     await client.post("/begin_weight_update", json={})
-    missing = {"transport": "shm", "shm_name": "colocd-no-such-segment", "nbytes": 8, "layout": []}
+    for load_format in ("colocd_shm", "colocd_disk"):  # colocd's own chunk formats, which SGLang does not load
+        r = await client.post("/update_weights_from_tensor", json={
+            "serialized_named_tensors": [bucket_entry(SEED0[:1])], "load_format": load_format})
+        assert r.status_code == 400 and "load_format" in r.json()["message"]
     r = await client.post(
         "/update_weights_from_tensor",
-        json={
-            "serialized_named_tensors": [base64.b64encode(json.dumps(missing).encode()).decode()],
-            "load_format": "colocd_shm",
-        },
-    )
-    assert r.status_code == 400 and "colocd-no-such-segment" in r.json()["message"]
-    r = await client.post(
-        "/update_weights_from_tensor",
-        json={"serialized_named_tensors": ["e30=", "e30="], "load_format": "colocd_shm"},
+        json={"serialized_named_tensors": ["e30=", "e30="], "load_format": "flattened_bucket"},
     )
     assert r.status_code == 400 and "tp_size" in r.json()["message"]
     r = await client.post(
@@ -402,9 +375,7 @@ async def test_a_missing_segment_or_wrong_entry_count_is_refused(client: httpx.A
     assert await checksum(client) == SEED0_SUM
 
 
-async def test_sglang_pickled_formats_and_colocd_disk_load(client: httpx.AsyncClient, tmp_path: Path) -> None:
-    from safetensors.torch import save_file
-
+async def test_sglang_pickled_formats_load(client: httpx.AsyncClient) -> None:
     pushed = named_params(build_model(CFG, 4))
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in pushed[:5]])
     meta, start = [], 0
@@ -420,14 +391,9 @@ async def test_sglang_pickled_formats_and_colocd_disk_load(client: httpx.AsyncCl
             )
         )
         start += t.nbytes
-    save_file(dict(pushed[10:]), str(tmp_path / "chunk.safetensors"))
     entries = [
         ("flattened_bucket", pickle.dumps({"flattened_tensor": flat, "metadata": meta})),
-        (None, pickle.dumps(pushed[5:10])),
-        (
-            "colocd_disk",
-            json.dumps({"transport": "disk", "path": str(tmp_path / "chunk.safetensors")}).encode(),
-        ),
+        (None, pickle.dumps(pushed[5:])),
     ]
     await client.post("/begin_weight_update", json={})
     for fmt, raw in entries:
@@ -488,29 +454,6 @@ async def test_updates_need_resident_weights(client: httpx.AsyncClient) -> None:
     assert (await client.post("/weights_checker", json={"action": "checksum"})).status_code == 400
 
 
-def _mapped(pid: int, segment: str) -> list[str]:
-    """The lines of ``/proc/<pid>/maps`` that map the named shm segment (mapped or deleted-but-mapped)."""
-    return [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if segment in line]
-
-
-async def test_a_loaded_chunk_leaves_no_mapping_of_its_segment_in_the_engine(
-    client: httpx.AsyncClient, engine: ReferenceEngineProcess
-) -> None:
-    assert engine.pid is not None
-    assert (await client.post("/begin_weight_update", json={})).json()["success"]
-    segments: list[SharedSegment] = []
-    try:
-        r = await client.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": [shm_entry(SEED0[:2], segments)], "load_format": "colocd_shm"})
-        assert r.json() == {"success": True, "message": "Success"}
-        assert _mapped(engine.pid, segments[0].name) == []  # the trainer may unlink it: nothing keeps its pages
-    finally:
-        for seg in segments:
-            seg.close()
-            seg.unlink()
-    assert (await client.post("/end_weight_update", json={})).json()["success"]
-
-
 # --- other processes: legacy protocol, API key, launcher failures -----------------------------------
 
 
@@ -539,20 +482,9 @@ async def test_legacy_protocol_engine_with_api_key() -> None:
             assert (await c.post("/continue_generation")).json()["status"] == "ok"
 
             pushed = build_model(CFG, 6)
-            segments: list[SharedSegment] = []
-            try:
-                r = await c.post(
-                    "/update_weights_from_tensor",
-                    json={  # standalone: no session
-                        "serialized_named_tensors": [shm_entry(named_params(pushed), segments)],
-                        "load_format": "colocd_shm",
-                        "weight_version": "w1",
-                    },
-                )
-            finally:
-                for s in segments:
-                    s.close()
-                    s.unlink()
+            r = await c.post("/update_weights_from_tensor", json={  # standalone: no session
+                "serialized_named_tensors": [bucket_entry(named_params(pushed))], "load_format": "flattened_bucket",
+                "weight_version": "w1"})
             assert r.json() == {"success": True, "message": "Success Weight version updated to w1."}
             assert (await c.get("/get_weight_version")).json() == {"weight_version": "w1"}
             out = (await c.post("/generate", json={"text": "legacy", "sampling_params": GREEDY})).json()

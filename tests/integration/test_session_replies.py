@@ -93,7 +93,7 @@ async def test_the_lease_report_after_a_stream_waits_for_the_commit_reply_instea
     async with daemon_node(adapters={"e0": engine}, wrap=lambda app: _request_log(app, log, reported),
                            synced_at=1) as node:
         client = node.client
-        async with WeightPusher(client, transport="shm", bucket_mb=0.02) as pusher:
+        async with WeightPusher(client, transport="inline", bucket_mb=0.02) as pusher:
             commits: list[tuple[float, float]] = []  # each commit's call, as the trainer saw it
             commit = client.commit
 

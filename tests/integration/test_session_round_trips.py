@@ -18,25 +18,21 @@ from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase, WeightsState
 from colocd.daemon.weights import WeightSession
 from colocd.engines.base import ChunkPart, MemoryTag, Observation
-from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.errors import SessionGone
+from colocd.trainer.producer import InlineProducer
 from colocd.trainer.push import manifest_of
 
 
-async def _open_and_send_everything(daemon: Daemon, segments: list[SharedSegment]) -> WeightSession:
-    """Step 1's session, every tensor of the engine's model delivered in one shared-memory chunk (not committed)."""
+async def _open_and_send_everything(daemon: Daemon) -> WeightSession:
+    """Step 1's session, every tensor of the engine's model delivered in one inline chunk (not committed)."""
     await daemon.transitions.transition(NodePhase.TRAIN, 1)
     await daemon.transitions.transition(NodePhase.SYNC, 1)
     named = list(build_model(QwenLikeConfig(), seed=7).named_parameters())
     session = await daemon.sessions.open(step=1, version="v1", ranks=1, manifest=manifest_of(named))
-    layout = ChunkLayout.for_tensors(named)
-    seg = SharedSegment.create(layout.nbytes)
-    segments.append(seg)
-    flatten_into(seg.tensor(), layout, named)
-    handle = {"shm_name": seg.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-    await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, "shm", layout.nbytes, handle))
+    part = InlineProducer().export(named)
+    await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, "inline", part.nbytes, part.handle))
     return session
 
 
@@ -64,35 +60,27 @@ def _count_observations(daemon: Daemon, during: str) -> list[int]:
 
 
 async def test_an_engine_restarted_before_the_commit_takes_no_version_and_the_commit_fails_at_its_end() -> None:
-    segments: list[SharedSegment] = []
-    try:
-        async with restartable_engine() as engine, in_process_daemon(engines={"ref0": engine.url},
-                                                                     timeouts=QUIET) as daemon:
-            url = engine.url
-            handle = daemon.engines["ref0"]
-            session = await _open_and_send_everything(daemon, segments)
-            await engine.restart()  # every chunk delivered; the process holding them is gone
-            with pytest.raises(SessionGone):
-                await daemon.sessions.commit(session.id, 1)
-            assert await _served_version(url) == "default"  # the new process never took v1
-            assert handle.state.weight_version != "v1"
-            assert handle.state.weights is not WeightsState.CLEAN
-    finally:
-        _unlink(segments)
+    async with restartable_engine() as engine, in_process_daemon(engines={"ref0": engine.url},
+                                                                 timeouts=QUIET) as daemon:
+        url = engine.url
+        handle = daemon.engines["ref0"]
+        session = await _open_and_send_everything(daemon)
+        await engine.restart()  # every chunk delivered; the process holding them is gone
+        with pytest.raises(SessionGone):
+            await daemon.sessions.commit(session.id, 1)
+        assert await _served_version(url) == "default"  # the new process never took v1
+        assert handle.state.weight_version != "v1"
+        assert handle.state.weights is not WeightsState.CLEAN
 
 
 async def _observed_commit(url: str) -> tuple[list[int], dict[str, Any], str | None]:
     """A complete session committed: the engine observations the commit made, its reply, the version recorded."""
-    segments: list[SharedSegment] = []
-    try:
-        async with in_process_daemon(engines={"ref0": url}, timeouts=QUIET) as daemon:
-            handle = daemon.engines["ref0"]
-            session = await _open_and_send_everything(daemon, segments)
-            observed = _count_observations(daemon, "commit_weights")
-            reply: dict[str, Any] = await daemon.sessions.commit(session.id, 1)
-            return observed, reply, handle.state.weight_version
-    finally:
-        _unlink(segments)
+    async with in_process_daemon(engines={"ref0": url}, timeouts=QUIET) as daemon:
+        handle = daemon.engines["ref0"]
+        session = await _open_and_send_everything(daemon)
+        observed = _count_observations(daemon, "commit_weights")
+        reply: dict[str, Any] = await daemon.sessions.commit(session.id, 1)
+        return observed, reply, handle.state.weight_version
 
 
 async def test_a_commit_observes_every_engine_first_and_the_version_is_served_as_the_session_ends(
@@ -115,27 +103,23 @@ async def test_an_open_observes_every_engine_first(pooled_engine: ReferenceEngin
 
 
 async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_partial_update_is_refused() -> None:
-    segments: list[SharedSegment] = []
-    try:
-        async with restartable_engine() as engine, in_process_daemon(engines={"ref0": engine.url},
-                                                                     timeouts=QUIET) as daemon:
-            url = engine.url
-            session = await _open_and_send_everything(daemon, segments)
-            await daemon.sessions.commit(session.id, 1)
-            await daemon.transitions.transition(NodePhase.ROLLOUT, 1)
-            await daemon.transitions.sleep((MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH), None)  # weights kept
-            record = daemon.engines["ref0"].state
-            assert record.weights is WeightsState.CLEAN and record.weight_version == "v1"
-            await engine.restart()  # behind the daemon's back: default weights, serving
-            observed = _count_observations(daemon, "open_weights")
-            with pytest.raises(Exception, match="a partial update needs intact weights"):
-                await daemon.sessions.open(step=1, version="v1p", ranks=1, partial=True)
-            assert observed == [1]  # the open looked first, then refused
-            record = daemon.engines["ref0"].state
-            assert record.incarnation != "" and record.weights is WeightsState.STALE
-            assert (await _internal_state(url))["weight_update_session"] is None  # no begin was sent
-    finally:
-        _unlink(segments)
+    async with restartable_engine() as engine, in_process_daemon(engines={"ref0": engine.url},
+                                                                 timeouts=QUIET) as daemon:
+        url = engine.url
+        session = await _open_and_send_everything(daemon)
+        await daemon.sessions.commit(session.id, 1)
+        await daemon.transitions.transition(NodePhase.ROLLOUT, 1)
+        await daemon.transitions.sleep((MemoryTag.KV_CACHE, MemoryTag.CUDA_GRAPH), None)  # weights kept
+        record = daemon.engines["ref0"].state
+        assert record.weights is WeightsState.CLEAN and record.weight_version == "v1"
+        await engine.restart()  # behind the daemon's back: default weights, serving
+        observed = _count_observations(daemon, "open_weights")
+        with pytest.raises(Exception, match="a partial update needs intact weights"):
+            await daemon.sessions.open(step=1, version="v1p", ranks=1, partial=True)
+        assert observed == [1]  # the open looked first, then refused
+        record = daemon.engines["ref0"].state
+        assert record.incarnation != "" and record.weights is WeightsState.STALE
+        assert (await _internal_state(url))["weight_update_session"] is None  # no begin was sent
 
 
 async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_complete_update_opens() -> None:
@@ -158,9 +142,3 @@ async def test_an_engine_restarted_before_the_open_is_reconciled_and_a_complete_
 async def _internal_state(url: str) -> dict[str, Any]:
     async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
         return dict((await http.get(f"{url}/server_info")).raise_for_status().json()["internal_states"][0])
-
-
-def _unlink(segments: list[SharedSegment]) -> None:
-    for seg in segments:
-        seg.close()
-        seg.unlink()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import pickle
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -19,15 +18,16 @@ import httpx
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
-from support import EnginePool, daemon_node, reference_engine
+from support import EnginePool, daemon_node, engine_tags, reference_engine
 
 from colocd.api.client import ColocdHTTPError
-from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, tensor_checksum
+from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.runner import ModelRunner
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
+from colocd.trainer.producer import InlineProducer
 from colocd.trainer.push import WeightPusher, manifest_of
 
 CFG = QwenLikeConfig()
@@ -66,25 +66,20 @@ async def c(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncClient]:
 async def restore(c: httpx.AsyncClient) -> None:
     """Back to serving seed-0 weights on both ranks with everything resident, whatever the test did."""
     await c.post("/continue_generation", json={})
-    released = [t for t, v in (await c.get("/colocd/memory")).json()["tags"].items() if not v["resident"]]
+    released = [t for t, (resident, _) in engine_tags((await c.get("/server_info")).json()).items() if not resident]
     if released:
         assert (await c.post("/resume_memory_occupation", json={"tags": released})).status_code == 200
     if (await c.get("/server_info")).json()["internal_states"][0]["weight_update_session"] is not None:
         await c.post("/end_weight_update", json={})
     if await rank_checksums(c) != [SEED0_SUM, SEED0_SUM]:
         seed0 = named_params(build_model(CFG, 0))
-        assert (await push_shm(c, [seed0, seed0])).json()["success"]
+        assert (await push_inline(c, [seed0, seed0])).json()["success"]
     await c.post("/update_weight_version", json={"new_version": "default"})
 
 
-def shm_entry(named: Named, segments: list[SharedSegment]) -> str:
-    """One TP rank's colocd_shm entry in a segment of its own (as each trainer rank exports its own)."""
-    layout = ChunkLayout.for_tensors(named)
-    segment = SharedSegment.create(layout.nbytes)
-    segments.append(segment)
-    flatten_into(segment.tensor(), layout, named)
-    desc = {"transport": "shm", "shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-    return base64.b64encode(json.dumps(desc).encode()).decode()
+def bucket_entry(named: Named) -> str:
+    """One TP rank's ``flattened_bucket`` entry, plain-pickled as each trainer rank's inline transport sends it."""
+    return str(InlineProducer().export(named).handle["payload_b64"])
 
 
 async def update(c: httpx.AsyncClient, entries: list[str], load_format: str | None) -> httpx.Response:
@@ -97,14 +92,8 @@ async def update(c: httpx.AsyncClient, entries: list[str], load_format: str | No
         assert (await c.post("/end_weight_update", json={})).json()["success"]
 
 
-async def push_shm(c: httpx.AsyncClient, per_rank: list[Named]) -> httpx.Response:
-    segments: list[SharedSegment] = []
-    try:
-        return await update(c, [shm_entry(named, segments) for named in per_rank], "colocd_shm")
-    finally:
-        for segment in segments:
-            segment.close()
-            segment.unlink()
+async def push_inline(c: httpx.AsyncClient, per_rank: list[Named]) -> httpx.Response:
+    return await update(c, [bucket_entry(named) for named in per_rank], "flattened_bucket")
 
 
 async def rank_checksums(c: httpx.AsyncClient) -> list[str]:
@@ -132,7 +121,7 @@ async def test_a_tp2_engine_reports_its_ranks_and_loads_each_rank_from_its_own_e
     assert [r["parallelism_info"][0]["tp_size"] for r in check["ranks"]] == [2, 2]
     assert check["colocd_rank_checksums"] == [SEED0_SUM, SEED0_SUM]
 
-    r = await push_shm(c, [named_params(trained), named_params(trained)])
+    r = await push_inline(c, [named_params(trained), named_params(trained)])
     assert r.json() == {"success": True, "message": "Success"}
 
     assert await rank_checksums(c) == [tensor_checksum(named_params(trained))] * 2
@@ -151,37 +140,33 @@ async def test_sglang_pickled_entries_one_serialisation_per_rank_land_on_every_r
 async def test_a_chunk_whose_rank_entries_disagree_or_miss_a_rank_is_refused_and_applies_nothing(
         c: httpx.AsyncClient) -> None:
     ours, other = named_params(build_model(CFG, 23)), named_params(build_model(CFG, 24))
-    one = await push_shm(c, [ours])
+    one = await push_inline(c, [ours])
     assert one.status_code == 400
     assert "1 entries but this engine has tp_size 2" in one.json()["message"]
 
     # Rank 1 holding another model, or other tensors than rank 0 (disjoint halves): refused, naming it.
-    differing = await push_shm(c, [ours, other])
+    differing = await push_inline(c, [ours, other])
     assert differing.status_code == 400
     message = differing.json()["message"]
     assert "nothing applied" in message and "TP rank 1" in message and "differ" in message
     half = len(ours) // 2
-    disjoint = await push_shm(c, [ours[:half], ours[half:]])
+    disjoint = await push_inline(c, [ours[:half], ours[half:]])
     assert disjoint.status_code == 400 and "other tensors than rank 0's" in disjoint.json()["message"]
 
     assert await rank_checksums(c) == [SEED0_SUM, SEED0_SUM]  # neither rank applied any of them
 
 
 async def test_release_and_resume_move_every_ranks_memory_together(c: httpx.AsyncClient) -> None:
-    before = (await c.get("/colocd/memory")).json()
-    per_rank = [r["tags"]["weights"]["nbytes"] for r in before["ranks"]]
-    assert len(per_rank) == 2 and min(per_rank) > 0
-    assert before["tags"]["weights"]["nbytes"] == sum(per_rank)
+    weights = engine_tags((await c.get("/server_info")).json())["weights"]
+    assert weights[0] and weights[1] > 0
 
     await c.post("/pause_generation", json={"mode": "abort"})
     assert (await c.post("/release_memory_occupation", json={"tags": ["weights"]})).status_code == 200
-    released = (await c.get("/colocd/memory")).json()
-    assert [r["tags"]["weights"]["resident"] for r in released["ranks"]] == [False, False]
-    assert released["tags"]["weights"] == {"resident": False, "nbytes": 0, "resident_nbytes": sum(per_rank)}
+    assert engine_tags((await c.get("/server_info")).json())["weights"] == (False, weights[1])
+    assert (await c.post("/weights_checker", json={"action": "checksum"})).json()["success"] is False  # no rank holds
 
     assert (await c.post("/resume_memory_occupation", json={"tags": ["weights"]})).status_code == 200
-    resumed = (await c.get("/colocd/memory")).json()
-    assert [r["tags"]["weights"]["nbytes"] for r in resumed["ranks"]] == per_rank
+    assert engine_tags((await c.get("/server_info")).json())["weights"] == weights
 
 
 def test_device_ids_must_name_every_tp_rank_once() -> None:

@@ -113,6 +113,9 @@ class _Engine:
     async def release_memory(self, tags: Any) -> ReleaseReport:
         return ReleaseReport(tags)
 
+    async def memory_report(self) -> None:
+        return None
+
     async def aclose(self) -> None: ...
 
 

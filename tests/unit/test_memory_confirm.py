@@ -11,7 +11,7 @@ import pytest
 from colocd.daemon.memory import GpuReading, NvmlProbe, Settled
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.worker import EngineHandle, expected_release_bytes
-from colocd.engines.base import MemoryReport, MemoryTag, TagMemory
+from colocd.engines.base import MemoryReport, MemoryTag
 from colocd.errors import MemoryNotConfirmed
 
 GIB = 1 << 30
@@ -85,9 +85,7 @@ def _engine() -> EngineHandle:
 
 
 TAGS = (MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
-REPORT = MemoryReport({MemoryTag.WEIGHTS: TagMemory(True, 16 * GIB, 16 * GIB),
-                       MemoryTag.KV_CACHE: TagMemory(True, 60 * GIB, 60 * GIB),
-                       MemoryTag.CUDA_GRAPH: TagMemory(True, GIB, GIB)})
+REPORT = MemoryReport({MemoryTag.WEIGHTS: 16 * GIB, MemoryTag.KV_CACHE: 60 * GIB, MemoryTag.CUDA_GRAPH: GIB})
 
 
 def test_the_expectation_is_the_smaller_of_the_engines_report_and_the_last_release_of_the_same_tags() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmarks.offload import RankState
-from colocd.engines.reference.sink import hf_shapes
+from benchmarks.sink import hf_shapes
 
 
 def _snapshot(state: RankState) -> tuple[list[torch.Tensor], torch.Tensor]:

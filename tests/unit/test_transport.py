@@ -40,10 +40,11 @@ async def test_engines_advertise_what_they_load() -> None:
         gpu_reference = SGLangAdapter(ReferenceEngineConfig(name="g", url="http://127.0.0.1:1", device="cuda"), client)
         vllm_ipc = VLLMAdapter(VLLMEngineConfig(name="v", url="http://127.0.0.1:1", weight_transfer_backend="ipc"),
                                client)
-        # SGLang has no colocd loader: before attach it is assumed on a GPU; inline it loads anywhere
+        # SGLang loads no colocd format: before attach it is assumed on a GPU; inline it loads anywhere. The
+        # reference engine loads what SGLang loads, on the device its config names.
         assert sglang.transports == {Transport.CUDA_IPC, Transport.PER_TENSOR, Transport.INLINE}
-        assert cpu_reference.transports == {Transport.SHM, Transport.DISK, Transport.INLINE}
-        assert gpu_reference.transports == set(Transport)
+        assert cpu_reference.transports == {Transport.INLINE}
+        assert gpu_reference.transports == sglang.transports
         assert vllm_ipc.transports == {Transport.CUDA_IPC}
 
 

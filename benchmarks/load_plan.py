@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..chunks import copy_tensors
-from .payloads import PayloadError, bucket_entry
+from colocd.engines.chunks import copy_tensors
+from colocd.engines.reference.payloads import PayloadError, bucket_entry
 
 __all__ = ["LoadPlan", "LoadPlans", "destination"]
 

@@ -15,8 +15,9 @@ import pytest_asyncio
 import torch
 from support import daemon_node, reference_engine
 
+from benchmarks.sink import device_checksum, hf_shapes
+from benchmarks.sink_engine import sink_launch
 from colocd.api.client import AsyncColocdClient
-from colocd.engines.reference.sink import device_checksum, hf_shapes
 from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def node() -> AsyncIterator[tuple[AsyncColocdClient, str]]:
-    async with (reference_engine(device="cpu", launch={"args": ["--sink-shapes", "tiny"]}) as engine,
+    async with (reference_engine(device="cpu", launch=sink_launch("tiny")) as engine,
                 daemon_node({"ref0": str(engine.url)}, synced_at=1) as daemon):
         yield daemon.client, str(engine.url)
 

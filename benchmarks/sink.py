@@ -1,11 +1,11 @@
 """Benchmark sink: engine-owned bf16 tensors shaped like a real checkpoint, which weight loads copy into.
 
-The reference engine's own model is tiny; with ``--sink-shapes qwen3-8b`` it also holds the 399
-tensors of Qwen3-8B (HF names and shapes) and ``load_weights`` copies every received byte into
+The reference engine's own model is tiny; run as ``benchmarks.sink_engine`` with the shapes of qwen3-8b it
+also holds the 399 tensors of Qwen3-8B (HF names and shapes) and ``load_weights`` copies every received byte into
 them, so a benchmark moves exactly what a real engine would. ``device_checksum`` verifies the
 result on the device (two integer reductions per tensor) instead of hashing host copies.
 
-With ``--sink-kv-gib`` the sink also holds a KV-cache block of that size. Both belong to the
+With a KV size (``sink_launch``) the sink also holds a KV-cache block of that size. Both belong to the
 engine's memory tags (``weights``, ``kv_cache``): a release frees them, a resume allocates them
 again (``torch.empty``: like SGLang's memory saver, a resume maps memory without restoring it), so a
 switch benchmark moves and confirms the memory a real engine of that shape would.
@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..chunks import copy_tensors
+from colocd.engines.chunks import copy_tensors
+
 from .load_plan import LoadPlans, destination
 
 __all__ = ["MODEL_SHAPES", "ModelShape", "WeightSink", "device_checksum", "hf_shapes"]

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colocd.engines.reference.load_plan import LoadPlans
+from benchmarks.load_plan import LoadPlans
+from benchmarks.sink import WeightSink
 from colocd.engines.reference.payloads import PayloadError
-from colocd.engines.reference.sink import WeightSink
 
 _NAMES = ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
           "model.layers.0.self_attn.q_proj.weight", "model.norm.weight")
