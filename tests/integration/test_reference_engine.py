@@ -23,7 +23,6 @@ from reference_runner import StaticBuffers, generate_greedy
 from support import EnginePool, engine_tags, reference_engine
 
 from colocd.engines.chunks import tensor_checksum
-from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.runner import ModelRunner
