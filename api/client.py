@@ -132,12 +132,12 @@ class AsyncColocdClient:
             await self._idle.wait()
 
     async def _send(self, method: str, path: str, json: Any = None,
-                    params: dict[str, Any] | None = None) -> tuple[int, bytes]:
+                    params: dict[str, Any] | None = None, data: bytes | None = None) -> tuple[int, bytes]:
         """One call: the status and the whole body; ``DaemonUnreachable`` when no answer came back."""
         self._in_flight += 1
         self._idle.clear()
         try:
-            async with self._session().request(method, path, json=json, params=params) as response:
+            async with self._session().request(method, path, json=json, params=params, data=data) as response:
                 return response.status, await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise DaemonUnreachable(f"{method} {self._base}{path}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
@@ -146,8 +146,9 @@ class AsyncColocdClient:
             if not self._in_flight:
                 self._idle.set()
 
-    async def _request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        status, content = await self._send(method, path, json, params)
+    async def _request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
+                       data: bytes | None = None) -> Any:
+        status, content = await self._send(method, path, json, params, data)
         if status >= 400:
             try:
                 body = jsonlib.loads(content)
@@ -157,18 +158,22 @@ class AsyncColocdClient:
         return jsonlib.loads(content)
 
     async def _call(self, method: str, path: str, json: Any = None,
-                    params: dict[str, Any] | None = None) -> dict[str, Any]:
+                    params: dict[str, Any] | None = None, data: bytes | None = None) -> dict[str, Any]:
         """A route whose success body is a JSON object."""
-        body = await self._request(method, path, json, params)
+        body = await self._request(method, path, json, params, data)
         if not isinstance(body, dict):
             raise ColocdHTTPError(502, {"message": f"{method} {path} answered {type(body).__name__}, not an object"})
         return body
 
-    async def phase(self, phase: str, step: int, *, trainer: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``trainer``: what the trainer agent knows or did (see ``colocd.trainer.agent.TrainerAgent``)."""
+    async def phase(self, phase: str, step: int, *, trainer: dict[str, Any] | None = None,
+                    adapter: str | None = None) -> dict[str, Any]:
+        """``trainer``: what the trainer agent knows or did (see ``colocd.trainer.agent.TrainerAgent``); ``adapter``:
+        the LoRA adapter name this phase's requests will use (a retired one is a 410)."""
         body: dict[str, Any] = {"phase": phase, "step": step}
         if trainer is not None:
             body["trainer"] = trainer
+        if adapter is not None:
+            body["adapter"] = adapter
         return await self._call("POST", "/v1/phase", body)
 
     async def sleep(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
@@ -265,6 +270,10 @@ class AsyncColocdClient:
         """Abandon the session; ``reason`` becomes its error, which every rank still streaming is told."""
         body = {"reason": reason[:1024]} if reason else None
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/abort", body)
+
+    async def push_adapter(self, base: str, version: str, body: bytes) -> dict[str, Any]:
+        """A LoRA adapter version as one safetensors file (``colocd.trainer.push_adapter`` builds it)."""
+        return await self._call("PUT", f"/v1/adapters/{base}/{version}", data=body)
 
     async def report_leases(self, report: dict[str, int]) -> dict[str, Any]:
         """A trainer rank's IPC lease bytes (``colocd.trainer.leases.LeaseBook.report()``)."""

@@ -28,6 +28,7 @@ from ..engines.registry import build_adapter
 from ..errors import NotFound
 from ..policies import Budget, PolicySet, Timeouts, Transport
 from . import engine_ops as ops
+from .adapters import Adapters
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
@@ -107,6 +108,10 @@ class Daemon:
         self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
                                         busy=lambda: self.busy)
         self.trainer_leases = TrainerLeases(self.metrics)  # what the trainer ranks report of their IPC leases
+        # LoRA adapter versions (daemon/adapters.py): pushed under the node's lock, kept by the policy's adapters.
+        self.adapters = Adapters(self.engines, self.metrics.registry, (e.name for e in config.engines),
+                                 settings=lambda: self.policy_set().adapters, exclusive=self.exclusive,
+                                 changed=self.changed)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
@@ -144,6 +149,7 @@ class Daemon:
         self.lifecycle = DaemonState.CLOSED
         self.stopping.set()
         await self.sessions.abort_on_shutdown()
+        await self.adapters.aclose()  # while the engines still answer: a folder goes only once its name is unloaded
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -308,6 +314,7 @@ class Daemon:
                             "launched": self.launches.snapshot(n)}
                         for n, e in self.engines.items()},
             "weight_session": session.stats() if session is not None else None,
+            "adapters": self.adapters.status(),
             "reconcile": {"unreconciled": sorted(sync.unreconciled), "startup": self.engine_lifecycle.startup_report,
                           "last": dict(sync.reports)},
             "policy": self.policy_view(),

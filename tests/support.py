@@ -89,6 +89,9 @@ class InMemoryEngine:
     async def memory_report(self) -> MemoryReport | None:
         return None
 
+    async def load_lora_adapter(self, name: str, path: str) -> None: ...
+    async def unload_lora_adapter(self, name: str) -> None: ...
+
     async def aclose(self) -> None: ...
 
 
