@@ -18,9 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
-from support import daemon_node
+from safetensors.torch import load_file
+from support import daemon_node, write_peft_adapter
 
 from colocd.api.client import ColocdHTTPError
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
@@ -31,32 +30,13 @@ pytestmark = pytest.mark.timeout(600)
 
 RANK = 8
 SHORT, LONG = [356, 381], [(7 * i) % 383 + 1 for i in range(200)]
-# q_proj maps 128 → 128 (two heads of 64), v_proj 128 → 64 (one KV head): the tiny Qwen2 of the install script.
-OUT = {"q_proj": 128, "v_proj": 64}
-
-
-def _write_adapter(folder: Path, seed: int, rank: int = RANK) -> Path:
-    """A PEFT adapter folder as ``save_pretrained`` writes it (random A and B: PEFT's default B=0 is a no-op)."""
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in (0, 1):
-        for proj, out in OUT.items():
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, 128, generator=g) * 0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "bias": "none", "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": None}))
-    return folder
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    return {"v1": _write_adapter(root / "v1", 1), "v2": _write_adapter(root / "v2", 2),
-            "v3": _write_adapter(root / "v3", 3), "too_wide": _write_adapter(root / "too_wide", 4, rank=16)}
+    return {"v1": write_peft_adapter(root / "v1", 1), "v2": write_peft_adapter(root / "v2", 2),
+            "v3": write_peft_adapter(root / "v3", 3), "too_wide": write_peft_adapter(root / "too_wide", 4, rank=16)}
 
 
 @pytest.fixture(scope="module")
