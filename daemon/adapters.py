@@ -232,6 +232,19 @@ class Adapters:
         if not version.engines:
             self._delete(version.folder)
 
+    async def restore(self, engine: EngineHandle) -> None:
+        """An engine that restarted holds no adapters: it loads the kept versions again, oldest first. One it fails
+        to load is logged and its name fails at that engine, as a retired one would, until the next push."""
+        for version in self.loaded:
+            try:
+                await engine.adapter.load_lora_adapter(version.name, str(version.folder))
+            except Exception as exc:
+                log.warning("engine %r: re-loading adapter %r after its restart failed: %s", engine.name,
+                            version.name, exc)
+                continue
+            if engine.name not in version.engines:
+                version.engines.append(engine.name)
+
     def _refresh(self) -> None:
         self._metrics.current.clear()
         if self.current is not None:

@@ -196,6 +196,7 @@ class Daemon:
         if self.lifecycle is DaemonState.RUNNING:
             async with self.background("reconcile:relaunch", reconciling=True):
                 await self.sync.reconcile(self.engines[name], "relaunch")
+                await self.adapters.restore(self.engines[name])  # a new process holds none of the kept adapters
             self.refresh_gauges()
 
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:

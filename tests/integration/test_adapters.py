@@ -185,6 +185,16 @@ async def test_a_trainer_gone_mid_body_leaves_nothing_and_the_previous_version_s
         assert (await node.client.status())["adapters"]["loaded"] == ["p@1"]
 
 
+async def test_a_relaunched_engine_loads_the_kept_versions_again_from_their_folders() -> None:
+    engine = AdapterEngine("e0")
+    async with daemon_node(adapters={"e0": engine}) as node:
+        for version in ("1", "2", "3"):
+            await push_adapter(node.client, _named(int(version)), config=CONFIG, base="p", version=version)
+        engine.held.clear()  # what a new engine process holds
+        await node.daemon._reconcile_relaunched("e0")  # what the supervisor calls once the engine is back
+        assert list(engine.held) == ["p@2", "p@3"] and _folders(node) == ["p@2", "p@3"]
+
+
 async def test_the_metrics_name_the_current_adapter_and_count_loads_and_unloads() -> None:
     async with daemon_node(adapters={"e0": AdapterEngine("e0")}) as node:
         for version in ("1", "2", "3"):

@@ -104,5 +104,5 @@ async def test_a_retired_version_is_unloaded_and_cannot_be_loaded_back_by_a_requ
             await node.client.phase("rollout", 0, adapter="kept@1")
         assert retired.value.status == 410
         gone = await _tokens(url, "kept@1")  # SGLang tries its cached path, which the daemon deleted
-        assert isinstance(gone, str) and gone != await _tokens(url, "ref-v1")
+        assert isinstance(gone, str) and "Failed to implicitly load LoRA adapter kept@1" in gone  # SGLang's words
         assert await _tokens(url, "kept@2") == await _tokens(url, "ref-v2")
