@@ -160,7 +160,7 @@ async def status(request: Request) -> Response | dict[str, Any]:
     return _json_reply(_get_daemon(request).status())
 
 
-@_route("POST", "/v1/phase", responses=_errors(*_MUTATING, 409, *_ENGINES))
+@_route("POST", "/v1/phase", responses=_errors(*_MUTATING, 404, 409, 410, *_ENGINES))
 async def phase(body: PhaseRequest, d: D) -> TransitionReply:
     """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
     trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None

@@ -150,7 +150,7 @@ class PhaseRequest(_Strict):
     step: Step = Field(..., description="training step; train needs a step beyond the current one")
     phase: Literal["train", "sync", "rollout"]
     trainer: TrainerReport | None = Field(None, description="what the trainer agent knows or did")
-    adapter: str | None = Field(None, max_length=300,
+    adapter: str | None = Field(None, min_length=1, max_length=300,
                                 description="the LoRA adapter this phase's requests will name; one the daemon "
                                             "retired is refused with 410 before anything moves")
 
