@@ -40,7 +40,7 @@ from ..errors import AdapterRefused, AdapterRetired, NotFound, RequestInvalid, T
 from ..policies import AdapterSettings
 from .engine_ops import EngineHandle
 
-__all__ = ["ADAPTER_CONFIG_KEY", "AdapterVersion", "Adapters", "adapter_name"]
+__all__ = ["ADAPTER_CONFIG_KEY", "AdapterMetrics", "AdapterVersion", "Adapters", "adapter_name"]
 
 log = logging.getLogger("colocd.adapters")
 
@@ -65,7 +65,9 @@ class AdapterVersion:
     load_s: dict[str, float] = field(default_factory=dict)
 
 
-class _AdapterMetrics:
+class AdapterMetrics:
+    """The adapter series (docs/metrics.md, "LoRA adapters"), on the daemon's registry, at 0 for each engine."""
+
     def __init__(self, registry: CollectorRegistry, engines: Iterable[str]) -> None:
         self.current = Gauge("colocd_adapter_info", "The LoRA adapter the node serves now (value 1)", ["name"],
                              registry=registry)
@@ -96,7 +98,7 @@ class Adapters:
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
                  changed: Callable[[], None]) -> None:
         self._engines = engines
-        self._metrics = _AdapterMetrics(registry, names)
+        self._metrics = AdapterMetrics(registry, names)
         self._settings = settings
         self._exclusive = exclusive
         self._changed = changed
