@@ -135,7 +135,11 @@ class Adapters:
                 self._check_new(name)  # a push of the same name may have committed while this one staged
                 await self._commit(staged)
         except BaseException as exc:
-            self._delete(staged.folder)
+            if staged.engines:  # an engine loaded it and failed to unload it again: retried at the next retirement
+                self._lingering.append(staged)
+                self._retired.append(staged.name)
+            else:
+                self._delete(staged.folder)
             self._metrics.pushes.labels("refused" if isinstance(exc, TransitionRejected) else "failed").inc()
             self._changed()
             raise
@@ -180,7 +184,7 @@ class Adapters:
 
     async def _commit(self, new: AdapterVersion) -> None:
         keep = self._settings().keep
-        kept = self.loaded[len(self.loaded) - keep + 1:] if keep > 1 else []
+        kept = self.loaded[-(keep - 1):] if keep > 1 else []
         doomed = [v for v in self.loaded if v not in kept]
         cap, who = self._cap()
         if cap is not None and len(kept) + 1 > cap:

@@ -41,6 +41,7 @@ class AdapterEngine(InMemoryEngine):
         self.held: dict[str, tuple[dict[str, Any], bytes]] = {}  # name → (config, safetensors bytes)
         self.calls: list[str] = []
         self.fail_load = False
+        self.fail_unload = False
 
     async def attach(self) -> EngineInfo:
         return EngineInfo(self.name, "fake", "0", "fake", self.version, max_adapters=self.cap)
@@ -55,6 +56,8 @@ class AdapterEngine(InMemoryEngine):
 
     async def unload_lora_adapter(self, name: str) -> None:
         self.calls.append(f"unload {name}")
+        if self.fail_unload:
+            raise EngineRejected(self.name, "unload_lora_adapter: HTTP 500", status=500)
         self.held.pop(name)
 
 
@@ -183,6 +186,20 @@ async def test_a_trainer_gone_mid_body_leaves_nothing_and_the_previous_version_s
             assert time.monotonic() < deadline, _folders(node)
             await asyncio.sleep(0.01)
         assert (await node.client.status())["adapters"]["loaded"] == ["p@1"]
+
+
+async def test_a_version_an_engine_failed_to_unload_keeps_its_folder_until_a_later_push_unloads_it() -> None:
+    engine = AdapterEngine("e0")
+    async with daemon_node(adapters={"e0": engine}) as node:
+        for version in ("1", "2"):
+            await push_adapter(node.client, _named(int(version)), config=CONFIG, base="p", version=version)
+        engine.fail_unload = True
+        await push_adapter(node.client, _named(3), config=CONFIG, base="p", version="3")
+        assert _folders(node) == ["p@1", "p@2", "p@3"]  # the engine still holds p@1: it may re-read its folder
+        assert (await node.client.status())["adapters"]["loaded"] == ["p@2", "p@3"]
+        engine.fail_unload = False
+        await push_adapter(node.client, _named(4), config=CONFIG, base="p", version="4")
+        assert set(engine.held) == {"p@3", "p@4"} and _folders(node) == ["p@3", "p@4"]
 
 
 async def test_a_relaunched_engine_loads_the_kept_versions_again_from_their_folders() -> None:
