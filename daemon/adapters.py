@@ -29,14 +29,14 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..errors import AdapterRefused, AdapterRetired, NotFound, RequestInvalid, TransitionRejected
+from ..errors import AdapterRefused, AdapterRetired, EngineTimeout, NotFound, RequestInvalid, TransitionRejected
 from ..policies import AdapterSettings
 from .engine_ops import EngineHandle
 
@@ -91,13 +91,15 @@ class Adapters:
     """``await adapters.push(base, version, body)``; ``check(name)`` answers or refuses a name (410 once retired).
 
     ``exclusive(what)`` is the node's lock (``Daemon.exclusive``): a push's engine calls never overlap a transition.
+    ``deadline_s()`` bounds each engine call (the policy's ``timeouts.weight_update_s``).
     """
 
     def __init__(self, engines: Mapping[str, EngineHandle], registry: CollectorRegistry, names: Iterable[str], *,
                  settings: Callable[[], AdapterSettings],
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
-                 changed: Callable[[], None]) -> None:
+                 changed: Callable[[], None], deadline_s: Callable[[], float]) -> None:
         self._engines = engines
+        self._deadline_s = deadline_s
         self._metrics = AdapterMetrics(registry, names)
         self._settings = settings
         self._exclusive = exclusive
@@ -205,7 +207,7 @@ class Adapters:
     async def _load_everywhere(self, new: AdapterVersion) -> None:
         async def load(engine: EngineHandle) -> None:
             started = time.perf_counter()
-            await engine.adapter.load_lora_adapter(new.name, str(new.folder))
+            await self._bounded(engine.name, "load", engine.adapter.load_lora_adapter(new.name, str(new.folder)))
             new.engines.append(engine.name)
             new.load_s[engine.name] = round(time.perf_counter() - started, 6)
             self._metrics.load_s.labels(engine.name).observe(new.load_s[engine.name])
@@ -229,7 +231,7 @@ class Adapters:
         failed to unload keeps it, and the folder with it)."""
         for name in list(version.engines):
             try:
-                await self._engines[name].adapter.unload_lora_adapter(version.name)
+                await self._bounded(name, "unload", self._engines[name].adapter.unload_lora_adapter(version.name))
             except Exception as exc:  # logged: the push's own outcome is what the caller needs
                 log.warning("engine %r: unloading adapter %r failed: %s", name, version.name, exc)
                 continue
@@ -243,13 +245,23 @@ class Adapters:
         to load is logged and its name fails at that engine, as a retired one would, until the next push."""
         for version in self.loaded:
             try:
-                await engine.adapter.load_lora_adapter(version.name, str(version.folder))
+                await self._bounded(engine.name, "load", engine.adapter.load_lora_adapter(version.name,
+                                                                                          str(version.folder)))
             except Exception as exc:
                 log.warning("engine %r: re-loading adapter %r after its restart failed: %s", engine.name,
                             version.name, exc)
                 continue
             if engine.name not in version.engines:
                 version.engines.append(engine.name)
+
+    async def _bounded(self, engine: str, what: str, call: Coroutine[Any, Any, None]) -> None:
+        budget = self._deadline_s()
+        try:
+            async with asyncio.timeout(budget):
+                await call
+        except TimeoutError:
+            raise EngineTimeout(engine, f"no answer to the adapter {what} within {budget} s "
+                                        "(timeouts.weight_update_s)") from None
 
     def _refresh(self) -> None:
         self._metrics.current.clear()
@@ -264,9 +276,11 @@ class Adapters:
 
     async def aclose(self) -> None:
         """Unload every version and delete the folders: nothing of the adapters outlives the daemon."""
-        await self._retire(list(reversed(self.loaded)))
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            await self._retire(list(reversed(self.loaded)))
+        finally:
+            if self.root is not None:
+                shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _adapter_config(path: Path, nbytes: int) -> str:

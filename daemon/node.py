@@ -111,7 +111,8 @@ class Daemon:
         # LoRA adapter versions (daemon/adapters.py): pushed under the node's lock, kept by the policy's adapters.
         self.adapters = Adapters(self.engines, self.metrics.registry, (e.name for e in config.engines),
                                  settings=lambda: self.policy_set().adapters, exclusive=self.exclusive,
-                                 changed=self.changed)
+                                 changed=self.changed,
+                                 deadline_s=lambda: self.timeouts().budget(Budget.WEIGHT_UPDATE))
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:

@@ -42,12 +42,15 @@ class AdapterEngine(InMemoryEngine):
         self.calls: list[str] = []
         self.fail_load = False
         self.fail_unload = False
+        self.hang_load = False
 
     async def attach(self) -> EngineInfo:
         return EngineInfo(self.name, "fake", "0", "fake", self.version, max_adapters=self.cap)
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         self.calls.append(f"load {name}")
+        if self.hang_load:
+            await asyncio.Event().wait()  # an engine that never answers
         if self.fail_load:
             raise EngineRejected(self.name, "load_lora_adapter: HTTP 400: out of adapter slots", status=400)
         folder = Path(path)
@@ -147,6 +150,21 @@ async def test_a_push_one_engine_fails_is_unloaded_from_the_others_and_the_previ
             await push_adapter(node.client, _named(2), config=CONFIG, base="p", version="2")
         assert failed.value.status == 502 and failed.value.body["engine"] == "e1"
         assert set(e0.held) == set(e1.held) == {"p@1"} and _folders(node) == ["p@1"]
+        assert (await node.client.status())["adapters"]["current"] == "p@1"
+
+
+async def test_an_engine_that_never_answers_a_load_fails_the_push_within_its_budget_and_the_previous_serves() -> None:
+    e0, e1 = AdapterEngine("e0"), AdapterEngine("e1")
+    async with daemon_node(adapters={"e0": e0, "e1": e1}) as node:
+        await node.daemon.stage_policies(b"apiVersion: colocd/v1\ntimeouts: {weight_update_s: 0.2}\n", "test")
+        await node.client.phase("train", 1)  # a staged policy applies at the next transition
+        await push_adapter(node.client, _named(1), config=CONFIG, base="p", version="1")
+        e1.hang_load = True
+        with pytest.raises(ColocdHTTPError) as late:
+            await push_adapter(node.client, _named(2), config=CONFIG, base="p", version="2")
+        assert late.value.status == 504 and late.value.body["engine"] == "e1"
+        assert "weight_update_s" in late.value.body["message"]
+        assert set(e0.held) == {"p@1"} and _folders(node) == ["p@1"]
         assert (await node.client.status())["adapters"]["current"] == "p@1"
 
 
