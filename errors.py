@@ -11,8 +11,12 @@ of ours), engines, the daemon, the trainer library, the clients. Anything else r
     │   ├── PluginNotFoundError       ``module:Class`` or entry point that resolves to nothing
     │   └── PluginImportError         the plugin's module raised while importing
     ├── TransitionRejected            illegal from the current state; nothing changed; .state   → 409
-    │   └── ManifestRefUnknown        an open names a manifest_ref this daemon does not hold    → 409
+    │   ├── ManifestRefUnknown        an open names a manifest_ref this daemon does not hold    → 409
+    │   └── AdapterRefused            an adapter push refused before it changed anything (a reused name,
+    │       │                         the adapter cap); .state names the cap or the engine    → 409
+    │       └── AdapterUnsupported    an engine serves no LoRA adapters, in its words; .engine
     ├── SessionGone                   a weight session expired, aborted or committed            → 410
+    ├── AdapterRetired                a LoRA adapter name the daemon has unloaded; .current     → 410
     ├── NotFound                      unknown engine / session / step / group                   → 404
     ├── TransitionFailed              an engine call failed mid-transition; .engine, .stage     → 502
     │   └── StageTimeout              an engine call exceeded its budget; .budget_s             → 504
@@ -52,6 +56,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "AdapterRefused",
+    "AdapterRetired",
+    "AdapterUnsupported",
     "ChunkTimeout",
     "CliFailure",
     "ColocdError",
@@ -183,6 +190,29 @@ class ManifestRefUnknown(TransitionRejected):
     changed; the trainer sends the manifest itself (``field`` names the field at fault)."""
 
     field = "manifest_ref"
+
+
+class AdapterRefused(TransitionRejected):
+    """A LoRA adapter push refused before any engine changed: its name was pushed before (names are immutable), or
+    loading it would pass an engine's adapter cap (``state`` names the cap and who set it)."""
+
+
+class AdapterUnsupported(AdapterRefused):
+    """An engine that serves no LoRA adapters (the reference engine; vLLM or SGLang started without LoRA): the
+    adapter says why in the engine's terms, before any call."""
+
+    def __init__(self, engine: str, message: str) -> None:
+        super().__init__(f"engine {engine!r} serves no LoRA adapters: {message}", state={"engine": engine})
+        self.engine = engine
+
+
+class AdapterRetired(ColocdError):
+    """A LoRA adapter name the daemon has unloaded (an older version than it keeps): never served again;
+    ``current`` is the name to request instead."""
+
+    def __init__(self, message: str, *, current: str | None) -> None:
+        super().__init__(message)
+        self.current = current
 
 
 class SessionGone(ColocdError):

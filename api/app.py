@@ -45,10 +45,11 @@ __all__ = ["create_app"]
 _Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
 
 
-def _reply(result: TransitionResult) -> TransitionReply:
+def _reply(result: TransitionResult, d: Daemon) -> TransitionReply:
     return TransitionReply(step=result.step, phase=result.phase, replayed=result.replayed,
                            duration_s=result.duration_s, engines=result.engines, freed_bytes=result.freed_bytes,
-                           directives=result.directives, trace=result.trace.to_json() if result.trace else None)
+                           directives=result.directives, trace=result.trace.to_json() if result.trace else None,
+                           adapter=d.adapters.current)
 
 
 def _json_reply(content: dict[str, Any]) -> Response | dict[str, Any]:
@@ -159,11 +160,13 @@ async def status(request: Request) -> Response | dict[str, Any]:
     return _json_reply(_get_daemon(request).status())
 
 
-@_route("POST", "/v1/phase", responses=_errors(*_MUTATING, 409, *_ENGINES))
+@_route("POST", "/v1/phase", responses=_errors(*_MUTATING, 404, 409, 410, *_ENGINES))
 async def phase(body: PhaseRequest, d: D) -> TransitionReply:
     """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
     trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None
-    return _reply(await d.transitions.transition(NodePhase(body.phase), body.step, trainer))
+    if body.adapter is not None:
+        d.adapters.check(body.adapter)  # the daemon's guard: a retired adapter name is a 410, nothing moves
+    return _reply(await d.transitions.transition(NodePhase(body.phase), body.step, trainer), d)
 
 
 @_route("POST", "/v1/trainer/leases", responses=_errors(*_MUTATING))
@@ -175,13 +178,13 @@ async def report_leases(body: LeaseReportRequest, d: D) -> dict[str, Any]:
 @_route("POST", "/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def sleep(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
     body = body or SleepRequest()
-    return _reply(await d.transitions.sleep(tuple(body.tags) if body.tags else None, body.engines))
+    return _reply(await d.transitions.sleep(tuple(body.tags) if body.tags else None, body.engines), d)
 
 
 @_route("POST", "/v1/resume", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
     body = body or SleepRequest()
-    return _reply(await d.transitions.resume(tuple(body.tags) if body.tags else None, body.engines))
+    return _reply(await d.transitions.resume(tuple(body.tags) if body.tags else None, body.engines), d)
 
 
 # The hot routes of a weight session (open, commit) answer pre-encoded JSON (_json_reply); response_model keeps
@@ -260,6 +263,24 @@ async def update_weights(body: UpdateWeightsRequest, d: D) -> dict[str, Any]:
     """One-shot form: open a session, send every chunk, commit (abort on any failure)."""
     return await d.sessions.update(step=body.step, version=body.version,
                                    chunks=[(c.seq, _part(c)) for c in body.chunks])
+
+
+_AdapterPart = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+
+
+@_route("PUT", "/v1/adapters/{base}/{version}", responses=_errors(*_MUTATING, 409, *_ENGINES),
+        openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {
+            "schema": {"type": "string", "format": "binary"}}}}})
+async def push_adapter(base: _AdapterPart, version: _AdapterPart, request: Request, d: D) -> dict[str, Any]:
+    """A LoRA adapter version (adapter_model.safetensors, the PEFT config in its ``adapter_config`` metadata) under
+    the immutable name ``<base>@<version>``: every engine loads it, the policy's ``adapters.keep`` stay loaded."""
+    return await d.adapters.push(base, version, request.stream())
+
+
+@_route("GET", "/v1/adapters/{name}", responses=_errors(404, 410))
+async def adapter(name: str, d: D) -> dict[str, Any]:
+    """Whether the engines serve ``name``: 410 once the daemon retired it (the reply names the current one)."""
+    return d.adapters.check(name)
 
 
 @_route("GET", "/v1/policies")

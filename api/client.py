@@ -133,11 +133,11 @@ class AsyncColocdClient:
             await self._idle.wait()
 
     async def _send(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
-                    yaml: bytes | None = None) -> tuple[int, bytes]:
+                    data: bytes | None = None, content_type: str = "application/octet-stream") -> tuple[int, bytes]:
         """One call: the status and the whole body; ``DaemonUnreachable`` when no answer came back."""
         self._in_flight += 1
         self._idle.clear()
-        extra: dict[str, Any] = {} if yaml is None else {"data": yaml, "headers": {"Content-Type": "application/yaml"}}
+        extra: dict[str, Any] = {} if data is None else {"data": data, "headers": {"Content-Type": content_type}}
         try:
             async with self._session().request(method, path, json=json, params=params, **extra) as response:
                 return response.status, await response.read()
@@ -149,9 +149,9 @@ class AsyncColocdClient:
                 self._idle.set()
 
     async def _body(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
-                    yaml: bytes | None = None) -> bytes:
+                    data: bytes | None = None, content_type: str = "application/octet-stream") -> bytes:
         """A call's body; an answer that says no raises ``ColocdHTTPError`` with the daemon's error body."""
-        status, content = await self._send(method, path, json, params, yaml)
+        status, content = await self._send(method, path, json, params, data, content_type)
         if status >= 400:
             try:
                 error = jsonlib.loads(content)
@@ -161,17 +161,22 @@ class AsyncColocdClient:
         return content
 
     async def _call(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
-                    yaml: bytes | None = None) -> dict[str, Any]:
+                    data: bytes | None = None, content_type: str = "application/octet-stream") -> dict[str, Any]:
         """A route whose success body is a JSON object (one that is not JSON raises ``ValueError``)."""
-        if not isinstance(body := jsonlib.loads(await self._body(method, path, json, params, yaml)), dict):
+        if not isinstance(body := jsonlib.loads(await self._body(method, path, json, params, data, content_type)),
+                          dict):
             raise ColocdHTTPError(502, {"message": f"{method} {path} answered {type(body).__name__}, not an object"})
         return body
 
-    async def phase(self, phase: str, step: int, *, trainer: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``trainer``: what the trainer agent knows or did (see ``colocd.trainer.agent.TrainerAgent``)."""
+    async def phase(self, phase: str, step: int, *, trainer: dict[str, Any] | None = None,
+                    adapter: str | None = None) -> dict[str, Any]:
+        """``trainer``: what the trainer agent knows or did (see ``colocd.trainer.agent.TrainerAgent``); ``adapter``:
+        the LoRA adapter name this phase's requests will use (a retired one is a 410)."""
         body: dict[str, Any] = {"phase": phase, "step": step}
         if trainer is not None:
             body["trainer"] = trainer
+        if adapter is not None:
+            body["adapter"] = adapter
         return await self._call("POST", "/v1/phase", body)
 
     async def sleep(self, tags: list[str] | None = None, engines: list[str] | None = None) -> dict[str, Any]:
@@ -260,6 +265,10 @@ class AsyncColocdClient:
         body = {"reason": reason[:1024]} if reason else None
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/abort", body)
 
+    async def push_adapter(self, base: str, version: str, body: bytes) -> dict[str, Any]:
+        """A LoRA adapter version as one safetensors file (``colocd.trainer.push_adapter`` builds it)."""
+        return await self._call("PUT", f"/v1/adapters/{base}/{version}", data=body)
+
     async def report_leases(self, report: dict[str, int]) -> dict[str, Any]:
         """A trainer rank's IPC lease bytes (``colocd.trainer.leases.LeaseBook.report()``)."""
         return await self._call("POST", "/v1/trainer/leases", report)
@@ -281,7 +290,7 @@ class AsyncColocdClient:
 
     async def apply_policy(self, document: bytes) -> dict[str, Any]:
         """Stage a policy YAML document; it applies at the next transition."""
-        return await self._call("PUT", "/v1/policies", yaml=document)
+        return await self._call("PUT", "/v1/policies", data=document, content_type="application/yaml")
 
     async def trace(self, step: int, fmt: str = "json") -> dict[str, Any]:
         return await self._call("GET", f"/v1/traces/{step}", params={"format": fmt})

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from ..errors import (
+    AdapterRetired,
     ChunkTimeout,
     ColocdError,
     ConfigError,
@@ -51,6 +52,7 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (RequestInvalid, 422),
     (TransitionRejected, 409),
     (SessionGone, 410),
+    (AdapterRetired, 410),
     (NotFound, 404),
     (ConfigError, 400),
     (ChunkTimeout, 504),
@@ -78,7 +80,7 @@ _DESCRIPTIONS = {
     405: "method not allowed on this path (see the Allow header)",
     409: "illegal in the node's current state, or a reference (manifest_ref) this daemon does "
          "not hold; nothing changed",
-    410: "the weight session expired, was aborted or committed",
+    410: "the weight session expired, was aborted or committed; or the LoRA adapter named was retired",
     413: "request body larger than limits.max_body_bytes",
     422: "a field is wrong (named in 'field'/'fields'), or an engine refused the caller's payload",
     500: "a colocd bug; please report it with the daemon's log",
@@ -114,6 +116,8 @@ def _body(exc: Exception) -> dict[str, object]:
         body["field"] = exc.field
     if isinstance(exc, PayloadRejected | EngineError):
         body["engine"] = exc.engine
+    if isinstance(exc, AdapterRetired):
+        body["current"] = exc.current
     if isinstance(exc, SessionGone):
         body.update(session_id=exc.session_id, session_state=exc.state)
     if isinstance(exc, JournalFailed):

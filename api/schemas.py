@@ -150,6 +150,9 @@ class PhaseRequest(_Strict):
     step: Step = Field(..., description="training step; train needs a step beyond the current one")
     phase: Literal["train", "sync", "rollout"]
     trainer: TrainerReport | None = Field(None, description="what the trainer agent knows or did")
+    adapter: str | None = Field(None, min_length=1, max_length=300,
+                                description="the LoRA adapter this phase's requests will name; one the daemon "
+                                            "retired is refused with 410 before anything moves")
 
 
 class SleepRequest(_Strict):
@@ -166,6 +169,7 @@ class TransitionReply(BaseModel):
     freed_bytes: dict[str, dict[str, int]]
     directives: dict[str, Any]
     trace: dict[str, Any] | None
+    adapter: str | None = None  # the LoRA adapter name the engines serve as current (None: none pushed)
 
 
 class ManifestEntry(_Strict):

@@ -23,6 +23,7 @@ from ..engines.base import EngineAdapter, MemoryTag
 from ..engines.registry import build_adapter
 from ..errors import NotFound
 from ..policies import Budget, PolicySet, Timeouts
+from .adapters import Adapters
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .engine_lifecycle import EngineLifecycle
@@ -102,6 +103,11 @@ class Daemon:
         self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
                                         busy=lambda: self.lock.busy)
         self.trainer_leases = TrainerLeases(self.metrics)  # what the trainer ranks report of their IPC leases
+        # LoRA adapter versions (daemon/adapters.py): pushed under the node's lock, kept by the policy's adapters.
+        self.adapters = Adapters(self.worker, self.metrics.registry, (e.name for e in config.engines),
+                                 settings=lambda: self.policy_set().adapters, exclusive=self.lock.exclusive,
+                                 changed=self.changed,
+                                 deadline_s=lambda: self.timeouts().budget(Budget.WEIGHT_UPDATE))
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
@@ -139,6 +145,7 @@ class Daemon:
         self.lifecycle = DaemonState.CLOSED
         self.lock.stopping.set()
         await self.sessions.abort_on_shutdown()
+        await self.adapters.aclose()  # while the engines still answer: a folder goes only once its name is unloaded
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -180,6 +187,7 @@ class Daemon:
             async with self.lock.background("reconcile:relaunch", reconciling=True):
                 await self.worker.reconcile(self.engines[name], "relaunch")
                 await self.sessions.fail_if_lost()
+                await self.adapters.restore(self.engines[name])  # a new process holds none of the kept adapters
 
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -255,6 +263,7 @@ class Daemon:
                             "launched": self.launches.snapshot(n)}
                         for n, e in self.engines.items()},
             "weight_session": session.stats() if session is not None else None,
+            "adapters": self.adapters.status(),
             "reconcile": {"unreconciled": sorted(worker.unreconciled), "startup": self.engine_lifecycle.startup_report,
                           "last": dict(worker.reports)},
             "policy": self.policy_view(),

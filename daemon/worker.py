@@ -594,6 +594,14 @@ class EngineWorker:
                              load_format=desc.load_format),
                          group=desc.group_name, nbytes=desc.nbytes, tensors=len(desc.names))
 
+    # -- LoRA adapters: daemon/adapters.py decides which name loads where and when --------------------------------
+    async def load_adapter(self, engine: EngineHandle, name: str, folder: str) -> None:
+        """The engine loads the PEFT folder ``folder`` under the adapter name ``name``."""
+        await engine.adapter.load_lora_adapter(name, folder)
+
+    async def unload_adapter(self, engine: EngineHandle, name: str) -> None:
+        await engine.adapter.unload_lora_adapter(name)
+
     async def close(self) -> list[Exception]:
         """Stop waiting for the engines' answers and close every adapter (the daemon closes); the errors."""
         errors = []

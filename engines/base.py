@@ -72,6 +72,9 @@ class EngineInfo:
     # engine's server_info ``colocd_tp_ranks``: a GPU UUID, or a CPU rank's declared id); empty if it
     # reports none. The daemon feeds each TP rank from the trainer rank that declared the same device.
     device_ids: tuple[str, ...] = ()
+    # How many LoRA adapters the engine holds at once, as its own flags say (vLLM --max-cpu-loras / --max-loras,
+    # SGLang --max-loaded-loras); None: it reports no cap.
+    max_adapters: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,14 @@ class EngineAdapter(Protocol):
         ...
     async def memory_report(self) -> MemoryReport | None:
         """What the engine reports each tag taking; None where it reports nothing."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT folder ``path`` (adapter_config.json, adapter_model.safetensors) as the adapter ``name``,
+        through the engine's own adapter API; ``AdapterUnsupported`` (before any call) where it serves none."""
+        ...
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload the adapter ``name``; one the engine does not hold counts as unloaded."""
         ...
 
     async def aclose(self) -> None: ...

@@ -35,6 +35,7 @@ from .process_groups import (
 from .registry import BUILTINS, ENTRY_POINT_GROUP, resolve_policy
 from .settings import (
     DEFAULT_PAUSE_MODE,
+    AdapterSettings,
     EngineSettings,
     PauseModeName,
     SecondBuffer,
@@ -52,6 +53,7 @@ __all__ = [
     "BUILTINS",
     "DEFAULT_PAUSE_MODE",
     "ENTRY_POINT_GROUP",
+    "AdapterSettings",
     "AggressiveCleanupPolicy",
     "AutoPolicy",
     "Budget",

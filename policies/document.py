@@ -18,7 +18,7 @@ from .pipeline import PipelinePolicy
 from .policy_set import API_VERSION, PolicySet
 from .process_groups import ProcessGroupPolicy
 from .registry import ANY_PLUGIN, BUILTINS, DEFAULT_NAMES, resolve_policy
-from .settings import EngineSettings, SyncSettings
+from .settings import AdapterSettings, EngineSettings, SyncSettings
 from .timeouts import Timeouts
 
 __all__ = ["Locator", "Path", "build_policy_set", "default_policies", "policy_json_schema"]
@@ -27,7 +27,7 @@ Path = tuple[str | int, ...]
 # (path, at_key) -> (line, column), 1-based; at_key points at the mapping key rather than its value.
 Locator = Callable[[Path, bool], tuple[int | None, int | None]]
 
-_SECTIONS: tuple[str, ...] = ("apiVersion", *(str(f) for f in Family), "engines", "timeouts", "sync")
+_SECTIONS: tuple[str, ...] = ("apiVersion", *(str(f) for f in Family), "engines", "timeouts", "sync", "adapters")
 P = TypeVar("P", bound=Policy)
 M = TypeVar("M", bound=BaseModel)
 
@@ -70,6 +70,7 @@ def build_policy_set(data: Any, *, source: str | None = None, locate: Locator = 
         engines=_validate(EngineSettings, data.get("engines"), ("engines",), locate),
         timeouts=_validate(Timeouts, data.get("timeouts"), ("timeouts",), locate),
         sync=_validate(SyncSettings, data.get("sync"), ("sync",), locate),
+        adapters=_validate(AdapterSettings, data.get("adapters"), ("adapters",), locate),
         source=source,
     )
 
@@ -233,6 +234,7 @@ def policy_json_schema() -> dict[str, Any]:
     fields["engines"] = (EngineSettings | None, None)
     fields["timeouts"] = (Timeouts | None, None)
     fields["sync"] = (SyncSettings | None, None)
+    fields["adapters"] = (AdapterSettings | None, None)
     document = create_model(
         "ColocdPolicyDocument",
         __config__=ConfigDict(extra="forbid"),

@@ -11,7 +11,7 @@ from typing import Any
 from .cleanup import CleanupPolicy
 from .pipeline import PipelinePolicy
 from .process_groups import ProcessGroupPolicy
-from .settings import EngineSettings, PauseModeName, SyncSettings
+from .settings import AdapterSettings, EngineSettings, PauseModeName, SyncSettings
 from .timeouts import Timeouts
 
 __all__ = ["API_VERSION", "PolicySet"]
@@ -34,6 +34,7 @@ class PolicySet:
     engines: EngineSettings = field(default_factory=lambda: EngineSettings())
     timeouts: Timeouts = field(default_factory=lambda: Timeouts())
     sync: SyncSettings = field(default_factory=lambda: SyncSettings())
+    adapters: AdapterSettings = field(default_factory=lambda: AdapterSettings())
     version: int = 0
     source: str | None = None  # where it came from, for logs: a path, "PUT /v1/policies", "defaults"
     fingerprint: str = field(init=False)
@@ -52,6 +53,7 @@ class PolicySet:
             "engines": self.engines.model_dump(mode="json"),
             "timeouts": self.timeouts.model_dump(mode="json"),
             "sync": self.sync.model_dump(mode="json"),
+            "adapters": self.adapters.model_dump(mode="json"),
         }
 
     def info(self) -> dict[str, str]:

@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["DEFAULT_PAUSE_MODE", "EngineSettings", "PauseModeName", "ReleaseTag", "SecondBuffer", "SyncMode",
-           "SyncSettings", "VerifyMode"]
+__all__ = ["DEFAULT_PAUSE_MODE", "AdapterSettings", "EngineSettings", "PauseModeName", "ReleaseTag", "SecondBuffer",
+           "SyncMode", "SyncSettings", "VerifyMode"]
 
 ReleaseTag = Literal["weights", "kv_cache", "cuda_graph"]
 PauseModeName = Literal["abort", "retract", "in_place"]
@@ -95,3 +95,20 @@ class SyncSettings(BaseModel):
         if self.max_staleness_versions is not None:
             return self.max_staleness_versions
         return 1 if self.mode == "async" else 0
+
+
+class AdapterSettings(BaseModel):
+    """How many LoRA adapter versions stay loaded, and the most any engine may hold (docs/policies.md#adapters).
+
+    Each pushed version is an immutable name (``<base>@<version>``). The newest ``keep`` stay loaded, so rollouts
+    still in flight on the previous version finish on it; an older one is unloaded at the push that makes it so,
+    and from then on the daemon answers 410 for its name. A push that would leave an engine holding more than its
+    cap (the lower of ``max_loaded`` and what the engine's own flags allow) is refused with 409 naming the cap.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keep: int = Field(2, ge=1, le=64, description="adapter versions kept loaded: the current and keep-1 before it")
+    max_loaded: int | None = Field(
+        None, ge=1, le=1024,
+        description="the most adapters an engine may hold at once; null: only the engines' own caps")

@@ -6,11 +6,13 @@ engine's memory as one GPU's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -88,6 +90,9 @@ class InMemoryEngine:
 
     async def memory_report(self) -> MemoryReport | None:
         return None
+
+    async def load_lora_adapter(self, name: str, path: str) -> None: ...
+    async def unload_lora_adapter(self, name: str) -> None: ...
 
     async def aclose(self) -> None: ...
 
@@ -262,6 +267,27 @@ async def node_on_mirrored_gpu(model: dict[str, Any]) -> AsyncIterator[dict[str,
 # the test's event loop, or ``colocd serve`` as a child process where the process is the point).
 
 DEADLINE_S = 60.0  # readiness of an engine or a daemon
+
+
+def write_peft_adapter(folder: Path, seed: int, rank: int = 8) -> Path:
+    """A PEFT LoRA folder for the tiny Qwen2 both live tiers serve (q_proj 128 → 128, v_proj 128 → 64), as
+    ``save_pretrained`` writes it; A and B random (PEFT's default B = 0 would change nothing)."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in (0, 1):
+        for proj, out in (("q_proj", 128), ("v_proj", 64)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, 128, generator=g) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.5
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": None}))
+    return folder
 
 
 def reference_config(name: str = "ref0", **config: Any) -> Any:

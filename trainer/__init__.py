@@ -1,12 +1,13 @@
 """colocd.trainer: the library that runs inside the trainer process.
 
-Client-side weight push (``push``: bucketing, ``producer``: IPC export), the synchronous
+Client-side weight push (``push``; LoRA adapters: ``adapters``; bucketing, ``producer``: IPC export), the synchronous
 ``TrainerClient``, separated-GPU broadcast (``broadcast``), the asynchronous push from a snapshot
 (``async_push``), process-group lifecycle (``groups``), cleanup (``cleanup``) and the agent that
 enacts the daemon's directives (``agent``). Engines never import this package; the chunk formats both
 sides read live in ``colocd.engines.chunks`` and ``colocd.engines.cuda_handles``.
 """
 
+from .adapters import push_adapter
 from .agent import TrainerAgent
 from .async_push import AsyncWeightSync
 from .broadcast import DistributedWeightSender
@@ -22,4 +23,5 @@ __all__ = [
     "TrainerClient",
     "WeightPusher",
     "manifest_of",
+    "push_adapter",
 ]

@@ -15,7 +15,14 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from ...errors import EngineMismatch, EngineProtocolError, EngineRejected, ReplyInvalid, RequestInvalid
+from ...errors import (
+    AdapterUnsupported,
+    EngineMismatch,
+    EngineProtocolError,
+    EngineRejected,
+    ReplyInvalid,
+    RequestInvalid,
+)
 from ...policies import Transport
 from ..base import (
     ChunkLoad,
@@ -69,6 +76,7 @@ class SGLangAdapter:
         self._info: EngineInfo | None = None
         self._server_info_route = "/server_info"
         self._device: str | None = None  # where the reference engine says its weights live (server_info)
+        self._lora_refusal: str | None = None  # why it loads no adapters (server_info at attach); None: it does
 
     # -- transport ---------------------------------------------------------------------------
     async def _call(self, method: str, path: str, what: str, json_body: Any = None,
@@ -137,6 +145,9 @@ class SGLangAdapter:
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
+        self._lora_refusal = (
+            "the reference engine imitates SGLang's weight and memory API only" if server.colocd_reference
+            else None if server.enable_lora else "SGLang was started without --enable-lora")
         self._info = EngineInfo(
             name=self.name,
             engine_kind=self._config.kind,
@@ -146,6 +157,7 @@ class SGLangAdapter:
             tp_size=self._config.tp_size,
             owned_tags=owned,
             device_ids=self._tp_device_ids(server),
+            max_adapters=server.max_loaded_loras,
         )
         return self._info
 
@@ -344,6 +356,32 @@ class SGLangAdapter:
         gb = {MemoryTag.WEIGHTS: usage.weight, MemoryTag.KV_CACHE: usage.kvcache,
               MemoryTag.CUDA_GRAPH: sum(usage.graph.values())}
         return MemoryReport({t: round(v * _GB) * tp for t, v in gb.items()})
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """SGLang loads from a folder (also from tensors; one mechanism serves both engines). Once unloaded, a
+        request naming the adapter re-loads it from that path (tokenizer_manager.py:3759-3788): the daemon deletes
+        the folder at unload, so such a request fails instead of serving a retired version."""
+        if self._lora_refusal is not None:
+            raise AdapterUnsupported(self.name, self._lora_refusal)
+        response = await self._call("POST", "/load_lora_adapter", "load_lora_adapter",
+                                    {"lora_name": name, "lora_path": path})
+        self._check_lora(response, "load_lora_adapter")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Waits for the adapter's requests in flight, then frees it on the workers (tokenizer_control_mixin.py:634)."""
+        try:
+            response = await self._call("POST", "/unload_lora_adapter", "unload_lora_adapter", {"lora_name": name})
+        except EngineRejected as exc:
+            if "does not exist" in exc.body:  # "LoRA with name X does not exist": already unloaded
+                return
+            raise
+        self._check_lora(response, "unload_lora_adapter")
+
+    def _check_lora(self, response: httpx.Response, what: str) -> None:
+        data = self._json(response, self.name, what)  # LoRAUpdateOutput{success, error_message, loaded_adapters}
+        if not isinstance(data, dict) or not data.get("success"):
+            raise EngineRejected(self.name, f"{what}: {data!r:.300}", status=response.status_code,
+                                 body=json.dumps(data)[:2000])
 
     async def aclose(self) -> None:
         return None

@@ -435,6 +435,9 @@ class ServerInfo(_Reply):
     startup_time: float | dict[str, Any] | None = None
     internal_states: list[InternalState] = Field(default_factory=list)
     colocd_reference: bool = False
+    # LoRA server args (srt/arg_groups/fields/lora.py); None where the server does not say (the reference engine).
+    enable_lora: bool | None = None
+    max_loaded_loras: int | None = None
     colocd_tp_ranks: list[TpRankDevice] | None = None
 
     @field_validator("internal_states", mode="before")

@@ -17,6 +17,8 @@ Verb → route (research/engine-apis.md §2, §6.2):
     load_weights         POST /update_weights, or /collective_rpc colocd_load_chunk without a backend
     end_weight_update    POST /finish_weight_update {"weight_version"} (extension: then /update_weight_version)
     weight_digests       /collective_rpc colocd_received_digests (engines/digest.py, per tensor as it arrived)
+    load_lora_adapter    POST /v1/load_lora_adapter {"lora_name", "lora_path"} (with VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    unload_lora_adapter  POST /v1/unload_lora_adapter {"lora_name"}
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Literal, TypeVar
 import httpx
 from pydantic import BaseModel, JsonValue, ValidationError
 
-from ...errors import EngineProtocolError, EngineRejected, EngineUnreachable
+from ...errors import AdapterUnsupported, EngineProtocolError, EngineRejected, EngineUnreachable
 from ...policies import Transport
 from ..base import (
     ChunkLoad,
@@ -51,6 +53,28 @@ _M = TypeVar("_M", bound=BaseModel)
 # init_info per backend for /init_weight_transfer_engine: ours needs nothing; vLLM's ipc backend must
 # agree with the trainer on packing, and colocd's cuda_ipc chunks are packed (ipc_engine.py:36-44).
 _INIT_INFO: dict[str, dict[str, JsonValue]] = {wire.BACKEND_COLOCD: {}, "ipc": {"packed": True}}
+
+# vLLM publishes its adapter routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (serve/lora/api_router.py:30-32).
+_LORA_LOAD, _LORA_UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+
+
+def _flag(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argv (``--flag V`` or ``--flag=V``); None where it is absent."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def max_adapters(args: Sequence[str]) -> int | None:
+    """What a vLLM argv lets the worker hold: --max-cpu-loras, which defaults to --max-loras, which defaults to 1
+    (config/lora.py:26-44); beyond it the worker's LRU evicts and re-reads a folder at the next request. None
+    without --enable-lora (or for a server colocd did not launch: its flags are unknown)."""
+    if "--enable-lora" not in args:
+        return None
+    return int(_flag(args, "--max-cpu-loras") or _flag(args, "--max-loras") or 1)
 
 
 class VLLMAdapter:
@@ -197,6 +221,7 @@ class VLLMAdapter:
             weight_version=await self._weight_version(),
             tp_size=world,
             owned_tags=owned,
+            max_adapters=max_adapters(self._config.launch.args) if self._config.launch else None,
             extra={
                 "extension": None if self._extension is None else self._extension.model_dump(),
                 "extension_error": extension_error,
@@ -397,6 +422,22 @@ class VLLMAdapter:
     async def memory_report(self) -> MemoryReport | None:
         """vLLM reports no per-tag accounting."""
         return None
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """vLLM reads adapters from a folder only (lora/worker_manager.py:106-174); a name it holds is a 400, so
+        every version has its own name (a same-name reload would serve stale prefix-cache blocks on 0.29)."""
+        if not self._routes.has(_LORA_LOAD):
+            raise AdapterUnsupported(self.name, f"vLLM {self._version} publishes no {_LORA_LOAD}: start it with "
+                                     "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+        await self._call("POST", _LORA_LOAD, json={"lora_name": name, "lora_path": path})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """vLLM forgets the name only (serving.py:231-245): the worker's LRU keeps its copy until evicted."""
+        try:
+            await self._call("POST", _LORA_UNLOAD, json={"lora_name": name})
+        except EngineRejected as exc:
+            if exc.status != 404:  # "The lora adapter 'X' cannot be found.": already unloaded
+                raise
 
     async def aclose(self) -> None:
         """Nothing to release: the HTTP client belongs to the caller."""

@@ -10,6 +10,11 @@ SGLang 0.5.20's ``/weights_checker`` checksum calls ``torch.cuda.synchronize()``
 (srt/utils/weight_checker.py:124-125,150), which a CPU-only torch refuses ("Torch not compiled with CUDA enabled");
 0.5.23 does not. The hashing itself has a CPU path (managers/mm_utils.py:838), so on a torch without CUDA the
 checksum runs with that synchronize as a no-op: the live tier compares per-parameter checksums on both releases.
+SGLang's LoRA code (0.5.20, 0.5.23) pins host memory unconditionally (srt/lora/layers.py, lora.py,
+backend/torch_backend.py: ``torch.tensor(..., pin_memory=True)``, ``.pin_memory()``), which a torch without an
+accelerator refuses ("pin_memory=True requires a CUDA or other accelerator backend"), so a server started with
+--enable-lora dies at start-up. Once ``sglang.srt.lora`` is imported on such a torch, pinning is a no-op: torch's
+factories drop ``pin_memory`` and ``Tensor.pin_memory`` returns the tensor (research/lora-engines.md §2.2).
 scripts/install-sglang-cpu.sh installs this file into that venv's site-packages, nowhere else.
 """
 
@@ -77,5 +82,37 @@ class _PatchWeightChecker(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _pinning_as_a_no_op():
+    import functools
+
+    import torch
+
+    def unpinned(factory):
+        @functools.wraps(factory)
+        def make(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return make
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "as_tensor", "zeros_like", "empty_like",
+                 "ones_like", "full_like"):
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
+
+
+class _UnpinLoRA(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "sglang.srt.lora":
+            return None
+        sys.meta_path.remove(self)
+        import torch
+
+        if not torch.cuda.is_available():
+            _pinning_as_a_no_op()
+        return None
+
+
 sys.meta_path.insert(0, _DefineTorchvisionSchemas())
+sys.meta_path.insert(0, _UnpinLoRA())
 sys.meta_path.insert(0, _PatchWeightChecker())

@@ -1,0 +1,306 @@
+"""The LoRA adapters a node serves: every pushed version an immutable name, loaded by each engine through its own
+adapter API; the newest ``adapters.keep`` (policy) stay loaded and older ones are unloaded and refused by name.
+
+    PUT /v1/adapters/{base}/{version}   body: adapter_model.safetensors, the PEFT config in its metadata
+      1. stage     the body streams into a folder of its own (adapter_config.json + adapter_model.safetensors), the
+                   form vLLM reads (it loads from folders only); a body that does not arrive whole leaves nothing
+      2. cap       the versions kept plus this one must fit every engine's cap, else 409 naming it (nothing changed)
+      3. load      under the node's lock each engine loads ``<base>@<version>``; one failure unloads it everywhere
+                   and deletes its folder: the previous version goes on serving
+      4. retire    versions beyond ``keep`` are unloaded and their folders deleted (before the load when the cap
+                   leaves no room for one more: an engine never passes its cap)
+
+A folder lives exactly as long as its name is loaded: vLLM re-reads an evicted adapter from it at the next request,
+and a missing folder then kills the engine (research/lora-engines.md §1.3.7). Deleting it at unload is also what
+makes a retired name fail on SGLang, which would otherwise re-load an unloaded adapter from its cached path.
+Rollout requests go to the engines, not through the daemon: the daemon refuses a retired name where it sees one
+(``GET /v1/adapters/{name}``, the rollout's ``POST /v1/phase`` naming its adapter), the engines where they get one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import struct
+import tempfile
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..errors import AdapterRefused, AdapterRetired, EngineTimeout, NotFound, RequestInvalid, TransitionRejected
+from ..policies import AdapterSettings
+from .worker import EngineHandle, EngineWorker
+
+__all__ = ["ADAPTER_CONFIG_KEY", "AdapterMetrics", "AdapterVersion", "Adapters", "adapter_name"]
+
+log = logging.getLogger("colocd.adapters")
+
+ADAPTER_CONFIG_KEY = "adapter_config"  # the safetensors __metadata__ entry that carries adapter_config.json
+_RETIRED_KEPT = 4096  # retired names remembered for a 410 (older ones answer 404)
+_HEADER_MAX = 100 << 20  # safetensors' own limit on the header (safetensors/src/tensor.rs)
+
+
+def adapter_name(base: str, version: str) -> str:
+    """The immutable name a version is served under."""
+    return f"{base}@{version}"
+
+
+@dataclass
+class AdapterVersion:
+    """One pushed version: its name, its folder and the engines holding it."""
+
+    name: str
+    folder: Path
+    nbytes: int
+    engines: list[str] = field(default_factory=list)
+    load_s: dict[str, float] = field(default_factory=dict)
+
+
+class AdapterMetrics:
+    """The adapter series (docs/metrics.md, "LoRA adapters"), on the daemon's registry, at 0 for each engine."""
+
+    def __init__(self, registry: CollectorRegistry, engines: Iterable[str]) -> None:
+        self.current = Gauge("colocd_adapter_info", "The LoRA adapter the node serves now (value 1)", ["name"],
+                             registry=registry)
+        self.load_s = Histogram("colocd_adapter_load_seconds", "One engine's load of one adapter version", ["engine"],
+                                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                registry=registry)
+        self.unloads = Counter("colocd_adapter_unloads_total", "Adapter versions an engine unloaded", ["engine"],
+                               registry=registry)
+        self.pushes = Counter("colocd_adapter_pushes_total", "Adapter pushes by outcome (committed, refused, failed)",
+                              ["outcome"], registry=registry)
+        self.disk_bytes = Gauge("colocd_adapter_disk_bytes", "Bytes of the adapter folders the loaded versions keep",
+                                registry=registry)
+        for engine in engines:
+            self.load_s.labels(engine)
+            self.unloads.labels(engine)
+        for outcome in ("committed", "refused", "failed"):
+            self.pushes.labels(outcome)
+
+
+class Adapters:
+    """``await adapters.push(base, version, body)``; ``check(name)`` answers or refuses a name (410 once retired).
+
+    ``exclusive(what)`` is the node's lock (``NodeLock.exclusive``): a push's engine calls never overlap a transition.
+    ``deadline_s()`` bounds each engine call (the policy's ``timeouts.weight_update_s``).
+    """
+
+    def __init__(self, worker: EngineWorker, registry: CollectorRegistry, names: Iterable[str], *,
+                 settings: Callable[[], AdapterSettings],
+                 exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
+                 changed: Callable[[], None], deadline_s: Callable[[], float]) -> None:
+        self._worker = worker
+        self._engines: Mapping[str, EngineHandle] = worker.engines
+        self._deadline_s = deadline_s
+        self._metrics = AdapterMetrics(registry, names)
+        self._settings = settings
+        self._exclusive = exclusive
+        self._changed = changed
+        self.loaded: list[AdapterVersion] = []  # oldest first; the last one is current
+        self._retired: deque[str] = deque(maxlen=_RETIRED_KEPT)
+        self.root: Path | None = None  # made at the first push
+        self._lingering: list[AdapterVersion] = []  # retired, but an engine failed to unload it: retried
+
+    @property
+    def current(self) -> str | None:
+        return self.loaded[-1].name if self.loaded else None
+
+    def check(self, name: str) -> dict[str, Any]:
+        """What the daemon knows of ``name``: loaded (with whether it is current), else AdapterRetired or NotFound."""
+        if any(v.name == name for v in self.loaded):
+            return {"name": name, "current": name == self.current, "loaded": True}
+        if name in self._retired:
+            raise AdapterRetired(f"adapter {name!r} was retired: the engines no longer serve it; request the current "
+                                 f"adapter {self.current!r}", current=self.current)
+        raise NotFound(f"no adapter {name!r} was pushed to this daemon; current: {self.current!r}")
+
+    def status(self) -> dict[str, Any]:
+        return {"current": self.current, "loaded": [v.name for v in self.loaded], "retired": len(self._retired),
+                "keep": self._settings().keep, "cap": self._cap()[0],
+                "load_s": self.loaded[-1].load_s if self.loaded else {}}
+
+    async def push(self, base: str, version: str, body: AsyncIterator[bytes]) -> dict[str, Any]:
+        """Stage the body, then under the node's lock check the cap, load everywhere and retire what falls out."""
+        name = adapter_name(base, version)
+        self._check_new(name)
+        staged = await self._stage(name, body)
+        try:
+            async with self._exclusive(f"adapter push {name}"):
+                self._check_new(name)  # a push of the same name may have committed while this one staged
+                await self._commit(staged)
+        except BaseException as exc:
+            if staged.engines:  # an engine loaded it and failed to unload it again: retried at the next retirement
+                self._lingering.append(staged)
+                self._retired.append(staged.name)
+            else:
+                self._delete(staged.folder)
+            self._metrics.pushes.labels("refused" if isinstance(exc, TransitionRejected) else "failed").inc()
+            self._changed()
+            raise
+        self._metrics.pushes.labels("committed").inc()
+        self._refresh()
+        return {"adapter": name, "loaded": [v.name for v in self.loaded], "load_s": staged.load_s}
+
+    def _check_new(self, name: str) -> None:
+        if any(v.name == name for v in self.loaded) or name in self._retired:
+            raise AdapterRefused(f"adapter {name!r} was pushed before: a name is never reused (its engines would "
+                                 "serve cached blocks of the old weights); push a new version",
+                                 state={"adapter": name})
+
+    # -- stage -----------------------------------------------------------------------------------
+    async def _stage(self, name: str, body: AsyncIterator[bytes]) -> AdapterVersion:
+        """Write the body to a fresh folder, then check it is a whole safetensors file carrying the config."""
+        if self.root is None:
+            self.root = Path(tempfile.mkdtemp(prefix="colocd-adapters-"))
+        folder = self.root / f"{name}.{uuid.uuid4().hex[:8]}"
+        folder.mkdir()
+        try:
+            nbytes = 0
+            with await asyncio.to_thread(open, folder / "adapter_model.safetensors", "wb") as out:
+                async for piece in body:  # a trainer gone mid-body raises here (ClientDisconnect)
+                    nbytes += len(piece)
+                    await asyncio.to_thread(out.write, piece)
+            config = await asyncio.to_thread(_adapter_config, folder / "adapter_model.safetensors", nbytes)
+            (folder / "adapter_config.json").write_text(config)
+        except BaseException:
+            self._delete(folder)
+            raise
+        return AdapterVersion(name, folder, nbytes)
+
+    # -- commit ----------------------------------------------------------------------------------
+    def _cap(self) -> tuple[int | None, str]:
+        """The fewest adapters any engine may hold, and who says so."""
+        caps = [(e.info.max_adapters, f"engine {n!r}'s own flags") for n, e in self._engines.items()
+                if e.info is not None and e.info.max_adapters is not None]
+        if (policy := self._settings().max_loaded) is not None:
+            caps.append((policy, "the policy's adapters.max_loaded"))
+        return min(caps, default=(None, ""), key=lambda c: c[0] or 0)
+
+    async def _commit(self, new: AdapterVersion) -> None:
+        keep = self._settings().keep
+        kept = self.loaded[-(keep - 1):] if keep > 1 else []
+        doomed = [v for v in self.loaded if v not in kept]
+        cap, who = self._cap()
+        if cap is not None and len(kept) + 1 > cap:
+            raise AdapterRefused(
+                f"loading {new.name!r} would leave {len(kept) + 1} adapters loaded, over the cap of {cap} "
+                f"({who}); set the policy's adapters.keep to {cap} or less, or raise the cap",
+                state={"cap": cap, "cap_set_by": who, "keep": keep})
+        if detached := [n for n, e in self._engines.items() if e.info is None]:
+            raise TransitionRejected(f"engines {detached} are not attached: an adapter must reach every engine")
+        room = cap is None or len(self.loaded) + 1 <= cap
+        if not room:  # unload first, so no engine ever holds more than its cap
+            await self._retire(doomed)
+        await self._load_everywhere(new)
+        self.loaded.append(new)
+        if room:
+            await self._retire(doomed)
+
+    async def _load_everywhere(self, new: AdapterVersion) -> None:
+        async def load(engine: EngineHandle) -> None:
+            started = time.perf_counter()
+            await self._bounded(engine.name, "load", self._worker.load_adapter(engine, new.name, str(new.folder)))
+            new.engines.append(engine.name)
+            new.load_s[engine.name] = round(time.perf_counter() - started, 6)
+            self._metrics.load_s.labels(engine.name).observe(new.load_s[engine.name])
+
+        results = await asyncio.gather(*(load(e) for e in self._engines.values()), return_exceptions=True)
+        if failures := [r for r in results if isinstance(r, BaseException)]:
+            await self._unload(new)  # the engines that loaded it forget it again: the previous version serves
+            raise failures[0]
+
+    async def _retire(self, versions: list[AdapterVersion]) -> None:
+        """Unload ``versions`` (and any an engine failed to unload before) and refuse their names from now on."""
+        for version in [*self._lingering, *versions]:
+            await self._unload(version)
+            self.loaded = [v for v in self.loaded if v is not version]
+            if version.name not in self._retired:
+                self._retired.append(version.name)
+        self._lingering = [v for v in [*self._lingering, *versions] if v.engines]
+
+    async def _unload(self, version: AdapterVersion) -> None:
+        """Unload ``version`` wherever it is loaded; its folder goes once no engine holds the name (an engine that
+        failed to unload keeps it, and the folder with it)."""
+        for name in list(version.engines):
+            try:
+                await self._bounded(name, "unload", self._worker.unload_adapter(self._engines[name], version.name))
+            except Exception as exc:  # logged: the push's own outcome is what the caller needs
+                log.warning("engine %r: unloading adapter %r failed: %s", name, version.name, exc)
+                continue
+            version.engines.remove(name)
+            self._metrics.unloads.labels(name).inc()
+        if not version.engines:
+            self._delete(version.folder)
+
+    async def restore(self, engine: EngineHandle) -> None:
+        """An engine that restarted holds no adapters: it loads the kept versions again, oldest first. One it fails
+        to load is logged and its name fails at that engine, as a retired one would, until the next push."""
+        for version in self.loaded:
+            try:
+                await self._bounded(engine.name, "load", self._worker.load_adapter(engine, version.name,
+                                                                                      str(version.folder)))
+            except Exception as exc:
+                log.warning("engine %r: re-loading adapter %r after its restart failed: %s", engine.name,
+                            version.name, exc)
+                continue
+            if engine.name not in version.engines:
+                version.engines.append(engine.name)
+
+    async def _bounded(self, engine: str, what: str, call: Coroutine[Any, Any, None]) -> None:
+        budget = self._deadline_s()
+        try:
+            async with asyncio.timeout(budget):
+                await call
+        except TimeoutError:
+            raise EngineTimeout(engine, f"no answer to the adapter {what} within {budget} s "
+                                        "(timeouts.weight_update_s)") from None
+
+    def _refresh(self) -> None:
+        self._metrics.current.clear()
+        if self.current is not None:
+            self._metrics.current.labels(self.current).set(1)
+        self._metrics.disk_bytes.set(sum(v.nbytes for v in self.loaded))
+        self._changed()
+
+    @staticmethod
+    def _delete(folder: Path) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    async def aclose(self) -> None:
+        """Unload every version and delete the folders: nothing of the adapters outlives the daemon."""
+        try:
+            await self._retire(list(reversed(self.loaded)))
+        finally:
+            if self.root is not None:
+                shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _adapter_config(path: Path, nbytes: int) -> str:
+    """adapter_config.json from a safetensors file's metadata; RequestInvalid unless the file is whole and has it."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        try:
+            if not 0 < size <= _HEADER_MAX:
+                raise ValueError("no safetensors header")
+            header = json.loads(f.read(size))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+            config = json.loads((header.get("__metadata__") or {})[ADAPTER_CONFIG_KEY])
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise RequestInvalid(f"the body is not a safetensors file whose __metadata__ carries "
+                                 f"{ADAPTER_CONFIG_KEY!r} (the PEFT adapter_config.json): {exc!r:.200}",
+                                 field="body") from None
+    if not tensors or 8 + size + end != nbytes or not isinstance(config, dict):
+        raise RequestInvalid(f"the body holds {nbytes} bytes and {len(tensors)} tensors; its header describes "
+                             f"{8 + size + end} bytes and a config must be a JSON object", field="body")
+    return json.dumps(config, indent=2)
