@@ -155,7 +155,7 @@ async def test_repeated_step_phase_is_a_replayed_no_op(daemon: AsyncColocdClient
 async def test_malformed_phase_bodies_are_422_naming_the_field(
         daemon: AsyncColocdClient, body: dict[str, Any], field: str) -> None:
     with pytest.raises(ColocdHTTPError) as err:
-        await daemon._request("POST", "/v1/phase", body)
+        await daemon._call("POST", "/v1/phase", body)
     assert err.value.status == 422
     assert any(f["field"] == field for f in err.value.body["fields"]), err.value.body
     assert (await daemon.status())["node"] == {"phase": "rollout", "step": 0}
@@ -163,10 +163,10 @@ async def test_malformed_phase_bodies_are_422_naming_the_field(
 
 async def test_malformed_sleep_tags_and_chunks_are_422(daemon: AsyncColocdClient) -> None:
     with pytest.raises(ColocdHTTPError) as err:
-        await daemon._request("POST", "/v1/sleep", {"tags": ["vram"]})
+        await daemon._call("POST", "/v1/sleep", {"tags": ["vram"]})
     assert err.value.status == 422 and "tags.0" in err.value.body["message"]
     with pytest.raises(ColocdHTTPError) as err:
-        await daemon._request("POST", "/v1/weights/sessions/x/chunks",
+        await daemon._call("POST", "/v1/weights/sessions/x/chunks",
                               {"seq": -1, "transport": "shm", "nbytes": 1, "handle": {}})
     assert err.value.status == 422 and "seq" in err.value.body["message"]
 
@@ -303,7 +303,7 @@ async def test_mutating_routes_need_the_token_when_one_is_configured(engine: Ref
 
 
 async def test_openapi_document_lists_the_phase_route(daemon: AsyncColocdClient) -> None:
-    spec = await daemon._request("GET", "/openapi.json")
+    spec = await daemon._call("GET", "/openapi.json")
     assert "/v1/phase" in spec["paths"] and "/v1/weights/sessions/{session_id}/chunks" in spec["paths"]
 
 
