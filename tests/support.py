@@ -1,7 +1,7 @@
 """Test helpers: the fixture factory (reference engines, a module's engine pool reset through the engine's API,
 daemons in the test's event loop or as ``colocd serve``, and their clients); serving an ASGI app on an OS-chosen
-loopback port; this process's colocd shared-memory segments; a stand-in NVML that mirrors a CPU reference
-engine's memory as one GPU's."""
+loopback port; this process's colocd shared-memory segments; an adapter that loads shm chunks as vLLM's colocd
+extension does; a stand-in NVML that mirrors a CPU reference engine's memory as one GPU's."""
 
 from __future__ import annotations
 
@@ -239,8 +239,12 @@ class LoadsShm:
     it loads tensors (inline). Every other verb, and every other transport, is the engine's own."""
 
     def __init__(self, inner: Any) -> None:
+        import torch
+
+        from colocd.engines.vllm.extension import ChunkReceiver
+
         self._inner = inner
-        self._receiver: Any = None
+        self._receiver = ChunkReceiver(torch.device("cpu"))
 
     @property
     def transports(self) -> frozenset[Transport]:
@@ -254,13 +258,8 @@ class LoadsShm:
         await self._inner.load_weights(dataclasses.replace(load, payloads=parts))
 
     def _inline(self, part: ChunkPart) -> ChunkPart:
-        import torch
-
-        from colocd.engines.vllm.extension import ChunkReceiver
         from colocd.trainer.producer import InlineProducer
 
-        if self._receiver is None:
-            self._receiver = ChunkReceiver(torch.device("cpu"))
         named = self._receiver.tensors({"transport": "shm", "handle": part.handle})
         exported = InlineProducer().export(named)
         return ChunkPart(part.rank, Transport.INLINE, exported.nbytes, exported.handle, part.digests)
