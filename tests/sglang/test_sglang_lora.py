@@ -28,7 +28,7 @@ from colocd.engines.processes import Launched
 from colocd.engines.sglang.launcher import launch_sglang
 from colocd.trainer import push_adapter
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
 PROMPT = [356, 381]
 

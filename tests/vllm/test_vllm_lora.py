@@ -27,7 +27,7 @@ from colocd.engines.processes import Launched
 from colocd.engines.vllm.launcher import launch_vllm
 from colocd.trainer import push_adapter
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 RANK = 8
 SHORT, LONG = [356, 381], [(7 * i) % 383 + 1 for i in range(200)]
