@@ -12,6 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from ..errors import RequestInvalid
 from ..policies import (
     GroupSnapshot,
     PipelinePlan,
@@ -112,7 +115,7 @@ class PolicyRuntime:
         """What the trainer agent must enact for this phase (pure decisions, serialised)."""
         out: dict[str, Any] = {"policy": policies.info(), "weight_sync": self.weight_sync(policies)}
         if phase == "train":
-            snapshot = GroupSnapshot.model_validate((trainer or {}).get("groups") or {})
+            snapshot = _group_snapshot((trainer or {}).get("groups") or {})
             out["process_groups"] = policies.process_groups.before_pause(snapshot).model_dump(mode="json")
             out["cleanup"] = policies.cleanup.plan().model_dump(mode="json")
         elif phase == "sync":
@@ -138,6 +141,16 @@ class PolicyRuntime:
         plan = policies.pipeline.plan(snapshot)
         memory = staging.describe() if staging else "memory not read"
         return plan.model_copy(update={"reason": f"{plan.reason}; {memory}" if plan.reason else memory})
+
+
+def _group_snapshot(groups: dict[str, Any]) -> GroupSnapshot:
+    """The trainer's groups as the policy reads them; a 422 naming the field the trainer got wrong."""
+    try:
+        return GroupSnapshot.model_validate(groups)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in ("trainer", "groups", *error["loc"]))
+        raise RequestInvalid(f"{where}: {error['msg']}", field=where) from None
 
 
 def _signature(path: str) -> tuple[int, int]:

@@ -10,10 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from ..engines.base import MemoryTag, PauseMode
-from ..errors import NotFound, RequestInvalid, TransitionRejected
+from ..errors import NotFound, TransitionRejected
 from ..policies import PolicySet
 from ..recent import remember
 from .journal import NodeJournal
@@ -171,15 +169,7 @@ class Transitions:
 
     def _directives(self, pinned: PolicySet, phase: str, trainer: dict[str, Any] | None,
                     staging: StagingMemory | None = None) -> dict[str, Any]:
-        ctx = self._ctx
-        try:
-            return ctx.policies.directives(pinned, phase, trainer, ctx.worker.transports(), staging)
-        except ValidationError as exc:
-            errors = exc.errors()
-            where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
-            msg = errors[0]["msg"] if errors else str(exc)
-            raise RequestInvalid(f"trainer.groups.{where}: {msg}",
-                                 field=f"trainer.groups.{where}".rstrip(".")) from None
+        return self._ctx.policies.directives(pinned, phase, trainer, self._ctx.worker.transports(), staging)
 
     async def _desired(self, phase: NodePhase,
                        trace: Trace) -> tuple[dict[str, Desired], RolloutVersions | None]:

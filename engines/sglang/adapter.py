@@ -355,7 +355,9 @@ class SGLangAdapter:
         tp = int(self._config.tp_size)
         gb = {MemoryTag.WEIGHTS: usage.weight, MemoryTag.KV_CACHE: usage.kvcache,
               MemoryTag.CUDA_GRAPH: sum(usage.graph.values())}
-        return MemoryReport({t: round(v * _GB) * tp for t, v in gb.items()})
+        # SGLang measures a tag as the device's free memory before minus after allocating it; on CPU other
+        # processes move that number too, so a tag can come out negative: no claim at all, not a negative one.
+        return MemoryReport({t: round(v * _GB) * tp for t, v in gb.items() if v > 0})
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """SGLang loads from a folder (also from tensors; one mechanism serves both engines). Once unloaded, a

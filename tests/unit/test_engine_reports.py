@@ -66,3 +66,11 @@ def test_memory_usage_becomes_each_tags_bytes_summed_over_the_tp_ranks_for_eithe
         assert memory == expected
         assert memory.nbytes((MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)) == expected.tags[MemoryTag.WEIGHTS] + 120 * GIB
         assert digests.unsupported == UNSUPPORTED_DIGESTS and resident is None
+
+
+def test_a_region_sglang_measured_below_zero_is_no_claim_rather_than_a_negative_one() -> None:
+    # SGLang measures a region as free memory before minus after; on a CPU other processes move that number.
+    usage = {**MEMORY_USAGE, "weight": -0.0123, "graph": {}}
+    info = {**LIVE["server_info"]["body"], "internal_states": [{"memory_usage": usage}]}
+    (memory, _, _), _ = _drive(SGLangEngineConfig(name="s", url="http://sglang.test"), info)
+    assert memory == MemoryReport({MemoryTag.KV_CACHE: 60 * GIB})
