@@ -24,7 +24,8 @@ from support import daemon_node, write_peft_adapter
 
 from colocd.api.client import ColocdHTTPError
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
-from colocd.engines.sglang.launcher import SGLangServer
+from colocd.engines.processes import Launched
+from colocd.engines.sglang.launcher import launch_sglang
 from colocd.trainer import push_adapter
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,8 +40,8 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def lora_server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
-    python, model = install()
+def lora_server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
+    _, model = install()
     log = tmp_path_factory.mktemp("sglang-lora") / "server.log"
     config = SGLangEngineConfig(name="sg", model_path=model, launch=LaunchConfig(
         args=[*SERVER_ARGS, "--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
@@ -48,12 +49,8 @@ def lora_server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFact
               "--lora-paths", *(f"ref-{v}={p}" for v, p in adapters.items())],
         ready_timeout_s=READY_TIMEOUT_S, log_file=str(log)))
 
-    async def start() -> SGLangServer:
-        async with httpx.AsyncClient(trust_env=False) as client:
-            return await SGLangServer.launch(config, client, python=python)
-
     try:
-        server = asyncio.run(start())
+        server = asyncio.run(launch_sglang(config))
     except Exception:
         said = [line for line in log.read_text(errors="replace").splitlines() if "pin_memory" in line]
         if said:  # the engine's own words: LoRA cannot start on this CPU torch without the shim
@@ -62,7 +59,7 @@ def lora_server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     try:
         yield server
     finally:
-        asyncio.run(server.stop(grace_s=15))
+        server.process.stop_sync(grace_s=15)
 
 
 async def _tokens(url: str, adapter: str | None) -> list[int] | str:
@@ -83,7 +80,7 @@ async def _push(node: Any, folder: Path, base: str, version: str) -> dict[str, A
 
 
 async def test_each_pushed_version_serves_what_sglang_loads_itself_from_the_same_files(
-        lora_server: SGLangServer, adapters: dict[str, Path]) -> None:
+        lora_server: Launched, adapters: dict[str, Path]) -> None:
     url = lora_server.url
     base = await _tokens(url, None)
     async with daemon_node([{"kind": "sglang", "name": "sg", "url": url}]) as node:
@@ -95,7 +92,7 @@ async def test_each_pushed_version_serves_what_sglang_loads_itself_from_the_same
 
 
 async def test_a_retired_version_is_unloaded_and_cannot_be_loaded_back_by_a_request(
-        lora_server: SGLangServer, adapters: dict[str, Path]) -> None:
+        lora_server: Launched, adapters: dict[str, Path]) -> None:
     url = lora_server.url
     async with daemon_node([{"kind": "sglang", "name": "sg", "url": url}]) as node:
         for version in ("1", "2", "3"):

