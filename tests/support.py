@@ -1,7 +1,7 @@
 """Test helpers: the fixture factory (reference engines, a module's engine pool reset through the engine's API,
 daemons in the test's event loop or as ``colocd serve``, and their clients); serving an ASGI app on an OS-chosen
-loopback port; this process's colocd shared-memory segments; a stand-in NVML that mirrors a CPU reference
-engine's memory as one GPU's."""
+loopback port; this process's colocd shared-memory segments; an adapter that loads shm chunks as vLLM's colocd
+extension does; a stand-in NVML that mirrors a CPU reference engine's memory as one GPU's."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import uvicorn
 from colocd.api.server import KEEP_ALIVE_S
 from colocd.engines.base import (
     ChunkLoad,
+    ChunkPart,
     EngineDigests,
     EngineInfo,
     MemoryReport,
@@ -34,10 +35,10 @@ from colocd.engines.shm_files import files_in_use
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
-           "NvmlNode", "RestartableEngine", "daemon_node", "engine_tags", "entered_in_thread", "in_process_daemon",
-           "leaves_no_shm_segments", "node_config", "node_on_mirrored_gpu", "reference_config", "reference_engine",
-           "request_body", "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind", "shm_segments",
-           "stand_in_engine"]
+           "LoadsShm", "NvmlNode", "RestartableEngine", "daemon_node", "engine_tags", "entered_in_thread",
+           "in_process_daemon", "leaves_no_shm_segments", "node_config", "node_on_mirrored_gpu", "reference_config",
+           "reference_engine", "request_body", "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind",
+           "shm_segments", "stand_in_engine"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -226,6 +227,42 @@ class AsIfOnGpu:
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class LoadsShm:
+    """The real adapter of a reference engine, loading colocd's ``shm`` chunks as vLLM's colocd worker extension
+    does: each rank's segment is opened read-only by name and its tensors copied out (the extension's own
+    ``ChunkReceiver``, never unlinking: the trainer owns the segment); the copies then reach the engine the way
+    it loads tensors (inline). Every other verb, and every other transport, is the engine's own."""
+
+    def __init__(self, inner: Any) -> None:
+        import torch
+
+        from colocd.engines.vllm.extension import ChunkReceiver
+
+        self._inner = inner
+        self._receiver = ChunkReceiver(torch.device("cpu"))
+
+    @property
+    def transports(self) -> frozenset[Transport]:
+        return frozenset(self._inner.transports) | {Transport.SHM}
+
+    async def load_weights(self, load: ChunkLoad) -> None:
+        import dataclasses
+
+        parts = tuple([await asyncio.to_thread(self._inline, p) if p.transport is Transport.SHM else p
+                       for p in load.payloads])
+        await self._inner.load_weights(dataclasses.replace(load, payloads=parts))
+
+    def _inline(self, part: ChunkPart) -> ChunkPart:
+        from colocd.trainer.producer import InlineProducer
+
+        named = self._receiver.tensors({"transport": "shm", "handle": part.handle})
+        exported = InlineProducer().export(named)
+        return ChunkPart(part.rank, Transport.INLINE, exported.nbytes, exported.handle, part.digests)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -677,7 +714,7 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
                       adapters: Mapping[str, Any] | None = None, via: Callable[[str], Any] | None = None,
                       wrap: Callable[[Any], Any] | None = None, synced_at: int | None = None,
                       log_level: str = "warning", tether: bool = False, deadline_s: float = DEADLINE_S,
-                      **config: Any) -> AsyncIterator[DaemonNode]:
+                      loads_shm: bool = False, **config: Any) -> AsyncIterator[DaemonNode]:
     """A colocd daemon over ``engines`` (config entries, or ``{name: url}`` of reference engines) and a client.
 
     In the test's event loop by default (``node.daemon``); ``subprocess=True`` runs ``colocd serve`` as a child
@@ -687,7 +724,9 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
     served in front of each engine (the daemon sees it, ``node.engine_urls`` the engine); ``wrap(app)`` is what
     is served in place of the daemon's app. The client waits for ``/readyz`` (within ``deadline_s``, as
     ``colocd serve`` does for its ready file) unless ``ready=False``; with
-    ``synced_at`` the node is then moved through train to sync at that step.
+    ``synced_at`` the node is then moved through train to sync at that step. ``loads_shm`` gives each engine that no
+    adapter stands in for its real adapter wrapped in ``LoadsShm``: the node takes colocd's shm chunks, as a node
+    of vLLM engines does (in this event loop only).
     """
     from colocd.api.client import AsyncColocdClient
 
@@ -702,6 +741,9 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
         if subprocess:
             from colocd.api.procs import DaemonProcess
 
+            if loads_shm:
+                raise ValueError("loads_shm wraps adapters in this event loop; colocd serve builds its own")
+
             process = await stack.enter_async_context(DaemonProcess(
                 {"engines": entries, **full}, workdir=None if workdir is None else str(workdir),
                 ready_timeout_s=deadline_s, log_level=log_level, tether=tether))
@@ -712,7 +754,14 @@ async def daemon_node(engines: list[dict[str, Any]] | dict[str, str] | None = No
 
             process = None
             node_cfg = node_config(entries, adapters=adapters, **full)
-            daemon = Daemon(node_cfg, adapters=dict(adapters) if adapters else None)
+            given = dict(adapters or {})
+            if loads_shm:
+                from colocd.engines.registry import build_adapter
+
+                http = await stack.enter_async_context(
+                    httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), trust_env=False))
+                given |= {e.name: LoadsShm(build_adapter(e, http)) for e in node_cfg.engines if e.name not in given}
+            daemon = Daemon(node_cfg, adapters=given or None)
             app = create_app(node_cfg, daemon=daemon)
             url = await stack.enter_async_context(serve_app(wrap(app) if wrap else app, timeout_s=deadline_s))
         node = DaemonNode(AsyncColocdClient(url, token=token), url, process, token, own, daemon, fronts)

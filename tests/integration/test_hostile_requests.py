@@ -494,12 +494,10 @@ def _in_dev_shm(name: str) -> bool:
     return name in os.listdir("/dev/shm")
 
 
-@pytest.mark.skip(reason="needs an engine that loads shm chunks (vLLM's colocd worker extension); the reference "
-                  "engine loads what SGLang loads, so the daemon refuses shm by its transport before reading a handle")
 async def test_chunks_naming_what_is_not_the_trainers_are_refused_and_those_files_survive_the_abort(
         other_program_segment: str, pooled_engine: ReferenceEngineProcess) -> None:
     # Its own engine (the pool's, reset afterwards): this test moves the node to sync and opens a session.
-    async with (daemon_node({"ref0": str(pooled_engine.url)}, token=TOKEN, ready=False) as node,
+    async with (daemon_node({"ref0": str(pooled_engine.url)}, token=TOKEN, ready=False, loads_shm=True) as node,
                 node.http() as c,
                 _another_process_segment() as colocd_segment):
         assert (await c.post("/v1/phase", json={"step": 1, "phase": "train"})).status_code == 200

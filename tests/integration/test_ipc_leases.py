@@ -1,8 +1,9 @@
 """IPC leases on CPU: an engine SIGKILLed mid-push leaves none of the trainer's shared-memory segments, and the
 daemon's ``colocd_ipc_*`` series say what the trainer holds.
 
-Real processes: a reference engine (its own process, killed outright), the daemon in this process, and the
-trainer's pusher beside it. The GPU twin of this spec (torch's CUDA IPC limbo) is tests/gpu/test_ipc_leases.py.
+Real processes: a reference engine (its own process, killed outright) that loads shm chunks as vLLM's colocd
+worker extension does (``LoadsShm``), the daemon in this process, and the trainer's pusher beside it.
+The GPU twin of this spec (torch's CUDA IPC limbo) is tests/gpu/test_ipc_leases.py.
 """
 
 from __future__ import annotations
@@ -22,10 +23,6 @@ from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
 
-# The shm transport is loaded only by vLLM through colocd's worker extension; the reference engine loads what SGLang
-# loads (inline on CPU), so this spec has no CPU engine to push shm chunks to until it runs against that extension.
-pytestmark = pytest.mark.skip(reason="needs an engine that loads shm chunks (vLLM's colocd worker extension)")
-
 BACK_WITHIN_S = 5.0
 
 
@@ -37,7 +34,7 @@ def gauge(metrics: str, name: str, rank: int = 0) -> float | None:
 async def test_an_engine_killed_mid_push_leaves_no_trainer_segment_within_5s_and_the_metrics_say_so() -> None:
     # Its own engine: it is killed.
     async with asyncio.timeout(120), reference_engine(device="cpu") as engine:
-        async with daemon_node({"ref0": str(engine.url)}, timeouts={"chunk_s": 20}) as daemon:
+        async with daemon_node({"ref0": str(engine.url)}, loads_shm=True, timeouts={"chunk_s": 20}) as daemon:
             client = daemon.client
             await client.phase("train", 1)
             await client.phase("sync", 1)
@@ -72,7 +69,7 @@ async def test_a_push_that_is_its_clients_last_call_reports_its_leases_before_th
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _, context: unhandled.append(context))
     try:
-        async with daemon_node({"ref0": str(pooled_engine.url)}) as daemon:
+        async with daemon_node({"ref0": str(pooled_engine.url)}, loads_shm=True) as daemon:
             async with AsyncColocdClient(daemon.url) as client:
                 await client.phase("train", 1)
                 await client.phase("sync", 1)

@@ -156,11 +156,10 @@ asyncio.run(main(sys.argv[1]))
 """
 
 
-@pytest.mark.skip(reason="needs an engine that loads shm chunks (vLLM's colocd worker extension); the reference "
-                  "engine loads what SGLang loads")
 async def test_a_killed_trainers_session_expires_and_the_next_push_needs_no_manual_call(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with daemon_node({"ref0": str(pooled_engine.url)}, timeouts={"session_idle_s": 1.5}, synced_at=1) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, timeouts={"session_idle_s": 1.5}, synced_at=1,
+                           loads_shm=True) as node:
         trainer = await asyncio.create_subprocess_exec(
             sys.executable, "-c", _DOOMED_TRAINER, node.url, stdout=asyncio.subprocess.PIPE)
         assert trainer.stdout is not None
@@ -194,26 +193,50 @@ async def test_a_killed_trainers_session_expires_and_the_next_push_needs_no_manu
 # --- complete updates -------------------------------------------------------------------------------
 
 
-@pytest.mark.skip(reason="needs an engine that loads shm chunks (vLLM's colocd worker extension); the reference "
-                  "engine loads what SGLang loads")
-async def test_an_aborted_sessions_segments_are_unlinked_when_its_live_trainer_declared_its_pid_at_join(
-        pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    # The daemon is another process.
-    async with daemon_node({"ref0": str(pooled_engine.url)}, subprocess=True, workdir=tmp_path, synced_at=1) as node:
-        _, named = _model(seed=12)
-        sid = (await node.client.open_session("kept", step=1, ranks=1))["session_id"]
-        await node.client.join_session(sid, rank=0, device_id="cpu:0")  # declares this process (os.getpid())
+_LIVE_TRAINER = """
+import asyncio, json, sys
+from colocd.api.client import AsyncColocdClient
+from colocd.engines.chunks import plan_chunks
+from colocd.engines.reference.model import QwenLikeConfig, build_model
+from colocd.trainer.producer import producer_for
+
+async def main(url):
+    named = list(build_model(QwenLikeConfig(), seed=12).named_parameters())
+    async with AsyncColocdClient(url) as c:
+        sid = (await c.open_session("kept", step=1, ranks=1))["session_id"]
+        await c.join_session(sid, rank=0, device_id="cpu:0")  # declares this process (its pid)
         producer = producer_for("shm")
+        kept = [producer.export(bucket) for bucket in list(plan_chunks(named, 20_000))[:2]]
+        for seq, chunk in enumerate(kept):  # sent and acked, never released: this trainer lives on
+            await c.send_chunk(sid, seq=seq, rank=0, chunk=chunk)
+        print(json.dumps({"session_id": sid, "segments": [k.handle["shm_name"] for k in kept]}), flush=True)
+        await asyncio.to_thread(sys.stdin.read)  # alive until the test closes its stdin
+        producer.close()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_an_aborted_sessions_segments_are_unlinked_when_its_live_trainer_declared_its_pid_at_join(
+        pooled_engine: ReferenceEngineProcess) -> None:
+    # The trainer is another process than the daemon: only the pid it declared at join proves its segments its own.
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1, loads_shm=True) as node:
+        trainer = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _LIVE_TRAINER, node.url, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE)
+        assert trainer.stdin is not None and trainer.stdout is not None
         try:
-            kept = [producer.export(bucket) for bucket in list(plan_chunks(named, 20_000))[:2]]
-            for seq, chunk in enumerate(kept):  # sent and acked, never released: this trainer lives on
-                await node.client.send_chunk(sid, seq=seq, rank=0, chunk=chunk)
-            segments = {c.handle["shm_name"] for c in kept}
-            assert segments <= shm_segments()
-            await node.client.abort(sid)
-            assert not segments & shm_segments()  # the daemon (another process) proved them this trainer's
+            async with asyncio.timeout(DEADLINE_S):
+                started = json.loads(await trainer.stdout.readline())
+            segments = set(started["segments"])
+            assert segments <= shm_segments(trainer.pid)
+            await node.client.abort(started["session_id"])
+            assert trainer.returncode is None  # the trainer lives on
+            assert not segments & shm_segments(trainer.pid)  # the daemon proved them this trainer's
         finally:
-            producer.close()
+            trainer.stdin.close()
+            async with asyncio.timeout(DEADLINE_S):
+                await trainer.wait()
 
 
 async def test_a_partial_commit_after_a_release_is_refused_naming_the_missing_tensors(
@@ -380,15 +403,13 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
 # --- caller mistakes: 4xx before any engine call, nothing changed -------------------------------------
 
 
-@pytest.mark.skip(reason="needs an engine that loads shm chunks (vLLM's colocd worker extension); the reference "
-                  "engine loads what SGLang loads")
 async def test_unreadable_chunk_handles_are_422_before_any_engine_call(
         pooled_engine: ReferenceEngineProcess, tmp_path: Any) -> None:
-    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1) as node:
+    async with daemon_node({"ref0": str(pooled_engine.url)}, synced_at=1, loads_shm=True) as node:
         model, named = _model(seed=5)
         probe = await _blocked_generation(node.engine_url)
         sid = (await node.client.open_session("v1", step=1, ranks=1, manifest=manifest_of(named)))["session_id"]
-        (good,) = _export(named[:2], bucket_bytes=1 << 30)
+        (good,) = _export(named[:2], transport="shm", bucket_bytes=1 << 30)
         layout = good.handle["layout"]
         wrong_shape = [{**layout[0], "shape": [3, 3]}, *layout[1:]]
         past_end = [{**layout[0], "offset": good.nbytes}, *layout[1:]]

@@ -41,7 +41,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def lora_server(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launched]:
-    _, model = install()
+    _, model = install()  # COLOCD_SGLANG_PYTHON, which launch_sglang runs SGLang under
     log = tmp_path_factory.mktemp("sglang-lora") / "server.log"
     config = SGLangEngineConfig(name="sg", model_path=model, launch=LaunchConfig(
         args=[*SERVER_ARGS, "--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",

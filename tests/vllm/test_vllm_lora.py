@@ -83,7 +83,6 @@ def _folders_in(root: Path) -> list[str] | None:
     """The versions with a folder under ``root``; None once ``root`` is gone."""
     return sorted(p.name.rsplit(".", 1)[0] for p in root.iterdir()) if root.exists() else None
 
-
 def _engine(server: Launched) -> list[dict[str, Any]]:
     return [{"kind": "vllm", "name": "tiny", "url": server.url}]
 
