@@ -10,6 +10,12 @@ adapter API; the newest ``adapters.keep`` (policy) stay loaded and older ones ar
       4. retire    versions beyond ``keep`` are unloaded and their folders deleted (before the load when the cap
                    leaves no room for one more: an engine never passes its cap)
 
+The folders live under ``<journal>.adapters/`` (a temporary directory without a journal), and the journal records
+the versions loaded and the names retired: a daemon SIGKILLed and started again names the same current adapter
+(the engines still hold it), refuses the retired names, and deletes at start any folder of a version it no longer
+loads. An engine that restarted (a new incarnation at a reconcile: relaunched, or restarted by anyone) loads the
+kept versions again from their folders.
+
 A folder lives exactly as long as its name is loaded: vLLM re-reads an evicted adapter from it at the next request,
 and a missing folder then kills the engine (research/lora-engines.md §1.3.7). Deleting it at unload is also what
 makes a retired name fail on SGLang, which would otherwise re-load an unloaded adapter from its cached path.
@@ -20,6 +26,7 @@ Rollout requests go to the engines, not through the daemon: the daemon refuses a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -38,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..errors import AdapterRefused, AdapterRetired, EngineTimeout, NotFound, RequestInvalid, TransitionRejected
 from ..policies import AdapterSettings
+from .journal import KEEP_RETIRED_ADAPTERS, Journal
 from .worker import EngineHandle, EngineWorker
 
 __all__ = ["ADAPTER_CONFIG_KEY", "AdapterMetrics", "AdapterVersion", "Adapters", "adapter_name"]
@@ -45,7 +53,6 @@ __all__ = ["ADAPTER_CONFIG_KEY", "AdapterMetrics", "AdapterVersion", "Adapters",
 log = logging.getLogger("colocd.adapters")
 
 ADAPTER_CONFIG_KEY = "adapter_config"  # the safetensors __metadata__ entry that carries adapter_config.json
-_RETIRED_KEPT = 4096  # retired names remembered for a 410 (older ones answer 404)
 _HEADER_MAX = 100 << 20  # safetensors' own limit on the header (safetensors/src/tensor.rs)
 
 
@@ -63,6 +70,13 @@ class AdapterVersion:
     nbytes: int
     engines: list[str] = field(default_factory=list)
     load_s: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "folder": str(self.folder), "nbytes": self.nbytes, "engines": list(self.engines)}
+
+    @classmethod
+    def from_json(cls, record: Mapping[str, Any]) -> AdapterVersion:
+        return cls(str(record["name"]), Path(record["folder"]), int(record["nbytes"]), list(record["engines"]))
 
 
 class AdapterMetrics:
@@ -91,13 +105,14 @@ class Adapters:
     """``await adapters.push(base, version, body)``; ``check(name)`` answers or refuses a name (410 once retired).
 
     ``exclusive(what)`` is the node's lock (``NodeLock.exclusive``): a push's engine calls never overlap a transition.
-    ``deadline_s()`` bounds each engine call (the policy's ``timeouts.weight_update_s``).
+    ``deadline_s()`` bounds each engine call (the policy's ``timeouts.weight_update_s``). With a ``journal`` the
+    folders live beside it and every change is recorded there (``restore_journal`` reads it back at start).
     """
 
     def __init__(self, worker: EngineWorker, registry: CollectorRegistry, names: Iterable[str], *,
                  settings: Callable[[], AdapterSettings],
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
-                 changed: Callable[[], None], deadline_s: Callable[[], float]) -> None:
+                 changed: Callable[[], None], deadline_s: Callable[[], float], journal: Journal | None) -> None:
         self._worker = worker
         self._engines: Mapping[str, EngineHandle] = worker.engines
         self._deadline_s = deadline_s
@@ -106,8 +121,11 @@ class Adapters:
         self._exclusive = exclusive
         self._changed = changed
         self.loaded: list[AdapterVersion] = []  # oldest first; the last one is current
-        self._retired: deque[str] = deque(maxlen=_RETIRED_KEPT)
-        self.root: Path | None = None  # made at the first push
+        self._retired: deque[str] = deque(maxlen=KEEP_RETIRED_ADAPTERS)
+        self._unjournaled: list[str] = []  # names retired since the last journal record
+        self._journal = journal
+        # Absolute: the engines read the folders from their own working directories.
+        self.root = Path(f"{journal.path.absolute()}.adapters") if journal is not None else None
         self._lingering: list[AdapterVersion] = []  # retired, but an engine failed to unload it: retried
 
     @property
@@ -136,12 +154,17 @@ class Adapters:
         try:
             async with self._exclusive(f"adapter push {name}"):
                 self._check_new(name)  # a push of the same name may have committed while this one staged
-                await self._commit(staged)
+                try:
+                    await self._commit(staged)
+                finally:
+                    if staged.engines and staged not in self.loaded:  # an engine failed to unload it again:
+                        self._lingering.append(staged)  # retried at the next retirement
+                        self._retire_name(staged.name)
+                    recorded = self._record()  # in the lock: the records follow the changes in order
+                if self._journal is not None and recorded is not None:  # the reply comes once a restarted daemon
+                    await self._journal.written(recorded)  # would know it
         except BaseException as exc:
-            if staged.engines:  # an engine loaded it and failed to unload it again: retried at the next retirement
-                self._lingering.append(staged)
-                self._retired.append(staged.name)
-            else:
+            if not staged.engines:
                 self._delete(staged.folder)
             self._metrics.pushes.labels("refused" if isinstance(exc, TransitionRejected) else "failed").inc()
             self._changed()
@@ -149,6 +172,37 @@ class Adapters:
         self._metrics.pushes.labels("committed").inc()
         self._refresh()
         return {"adapter": name, "loaded": [v.name for v in self.loaded], "load_s": staged.load_s}
+
+    def restore_journal(self) -> None:
+        """A restarted daemon's adapters, from its journal: the versions loaded (the engines still hold them; one
+        that restarted meanwhile loads them again at its reconcile) and the names retired. Any other folder under
+        the root is what the daemon that died left (a body being staged, a version being retired): deleted."""
+        if self._journal is None or self.root is None:
+            return
+        held = self._journal.adapters()
+        self.loaded = [AdapterVersion.from_json(v) for v in held.get("loaded", [])]
+        self._lingering = [AdapterVersion.from_json(v) for v in held.get("lingering", [])]
+        for version in [*self.loaded, *self._lingering]:  # an engine no longer configured is not asked
+            version.engines = [e for e in version.engines if e in self._engines]
+        self._retired.extend(held.get("retired", []))
+        kept = {v.folder for v in [*self.loaded, *self._lingering]}
+        for folder in self.root.iterdir() if self.root.is_dir() else ():
+            if folder not in kept:
+                self._delete(folder)
+        self._refresh()
+
+    def _record(self) -> concurrent.futures.Future[None] | None:
+        """Journal the versions loaded and lingering, and the names retired since the last record."""
+        retired, self._unjournaled = self._unjournaled, []
+        if self._journal is None:
+            return None
+        return self._journal.record_adapters([v.to_json() for v in self.loaded],
+                                             [v.to_json() for v in self._lingering], retired)
+
+    def _retire_name(self, name: str) -> None:
+        if name not in self._retired:
+            self._retired.append(name)
+            self._unjournaled.append(name)
 
     def _check_new(self, name: str) -> None:
         if any(v.name == name for v in self.loaded) or name in self._retired:
@@ -161,6 +215,7 @@ class Adapters:
         """Write the body to a fresh folder, then check it is a whole safetensors file carrying the config."""
         if self.root is None:
             self.root = Path(tempfile.mkdtemp(prefix="colocd-adapters-"))
+        self.root.mkdir(parents=True, exist_ok=True)
         folder = self.root / f"{name}.{uuid.uuid4().hex[:8]}"
         folder.mkdir()
         try:
@@ -223,8 +278,7 @@ class Adapters:
         for version in [*self._lingering, *versions]:
             await self._unload(version)
             self.loaded = [v for v in self.loaded if v is not version]
-            if version.name not in self._retired:
-                self._retired.append(version.name)
+            self._retire_name(version.name)
         self._lingering = [v for v in [*self._lingering, *versions] if v.engines]
 
     async def _unload(self, version: AdapterVersion) -> None:
@@ -276,9 +330,12 @@ class Adapters:
         shutil.rmtree(folder, ignore_errors=True)
 
     async def aclose(self) -> None:
-        """Unload every version and delete the folders: nothing of the adapters outlives the daemon."""
+        """Unload every version and delete the folders: nothing of the adapters outlives the daemon; the journal
+        keeps the retired names (a restarted daemon refuses them too)."""
         try:
             await self._retire(list(reversed(self.loaded)))
+            self._lingering = []  # its folder goes with the root: nothing of this daemon re-reads it
+            self._record()
         finally:
             if self.root is not None:
                 shutil.rmtree(self.root, ignore_errors=True)

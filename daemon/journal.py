@@ -7,9 +7,10 @@
     journal.append({...})            # a state record; written and fsynced on the journal's own thread
     await journal.written(future)    # returns once that record is on disk (JournalFailed names the path)
     journal.record_launch(r)         # an engine process exists (engines/processes.py)
+    journal.adapters()               # the LoRA adapter versions loaded and the names retired (daemon/adapters.py)
 
 What the file holds folds into one ``JournalState``: each line is a record of one ``kind`` (state,
-launch, launch_ended, completed) applied on top of the lines before it, and a ``snapshot`` line is
+launch, launch_ended, completed, adapters) applied on top of the lines before it, and a ``snapshot`` line is
 a whole state. Every ``COMPACT_EVERY`` records the file is replaced (write, fsync, rename) by one
 snapshot line, so its size stays bounded whatever the run length. Applying a record twice gives the
 same state, so a crash between any two steps of the compaction loses nothing.
@@ -40,13 +41,14 @@ from typing import Any
 from ..engines.processes import LaunchRecord
 from ..errors import JournalFailed
 
-__all__ = ["COMPACT_EVERY", "MAX_READ_BYTES", "Journal", "JournalState", "NodeJournal"]
+__all__ = ["COMPACT_EVERY", "KEEP_RETIRED_ADAPTERS", "MAX_READ_BYTES", "Journal", "JournalState", "NodeJournal"]
 
 log = logging.getLogger("colocd.daemon")
 
 COMPACT_EVERY = 128  # records appended after a snapshot before the file is compacted into a new one
 MAX_READ_BYTES = 8 << 20  # what start-up reads at most, from the end of the file
 KEEP_COMPLETED = 64  # finished transition results kept (a trainer repeats the last one or two)
+KEEP_RETIRED_ADAPTERS = 4096  # retired adapter names remembered for a 410 (older ones answer 404)
 
 
 @dataclass
@@ -56,6 +58,9 @@ class JournalState:
     state: dict[str, Any] | None = None  # the last "state" record: {event, node, engines}
     launched: dict[str, dict[str, Any]] = field(default_factory=dict)  # engine name -> LaunchRecord json
     completed: list[dict[str, Any]] = field(default_factory=list)  # {step, phase, result}, oldest first
+    # {loaded: [version json], lingering: [version json], retired: [name]}: each record carries the versions whole
+    # (a few) and only the names it retired (thousands over a run), deduplicated so a replay changes nothing.
+    adapters: dict[str, list[Any]] = field(default_factory=dict)
 
     def apply(self, record: dict[str, Any]) -> None:
         kind = record.get("kind", "state")  # a line without a kind is a state record (older journals)
@@ -63,6 +68,7 @@ class JournalState:
             self.state = record.get("state")
             self.launched = dict(record.get("launched") or {})
             self.completed = list(record.get("completed") or [])
+            self.adapters = dict(record.get("adapters") or {})
         elif kind == "state":
             self.state = {k: v for k, v in record.items() if k != "kind"}
         elif kind == "launch":
@@ -74,10 +80,15 @@ class JournalState:
             self.completed = [c for c in self.completed if (c["step"], c["phase"]) != key]
             self.completed.append({"step": record["step"], "phase": record["phase"], "result": record["result"]})
             del self.completed[:-KEEP_COMPLETED]
+        elif kind == "adapters":
+            retired = self.adapters.get("retired", [])
+            known = set(retired)
+            retired = [*retired, *(n for n in record["retired"] if n not in known)][-KEEP_RETIRED_ADAPTERS:]
+            self.adapters = {"loaded": record["loaded"], "lingering": record["lingering"], "retired": retired}
 
     def snapshot(self) -> dict[str, Any]:
         return {"kind": "snapshot", "ts": time.time(), "state": self.state, "launched": self.launched,
-                "completed": self.completed}
+                "completed": self.completed, "adapters": self.adapters}
 
 
 class Journal:
@@ -107,6 +118,11 @@ class Journal:
         """Finished transitions, oldest first: ``{step, phase, result}``."""
         return list(self._folded.completed)
 
+    def adapters(self) -> dict[str, list[Any]]:
+        """The adapter versions loaded and lingering (``AdapterVersion`` json) and the names retired, oldest
+        first; empty without a record."""
+        return dict(self._folded.adapters)
+
     # -- writes ------------------------------------------------------------------------------------
     def append(self, record: dict[str, Any]) -> concurrent.futures.Future[None]:
         """Record node/engine state; the returned future is done once it is on disk."""
@@ -117,6 +133,11 @@ class Journal:
 
     def record_launch(self, record: LaunchRecord) -> concurrent.futures.Future[None]:
         return self._write({"kind": "launch", "record": record.to_json()})
+
+    def record_adapters(self, loaded: list[dict[str, Any]], lingering: list[dict[str, Any]],
+                        retired: list[str]) -> concurrent.futures.Future[None]:
+        """The adapter versions now loaded and lingering, and the names retired since the last such record."""
+        return self._write({"kind": "adapters", "loaded": loaded, "lingering": lingering, "retired": retired})
 
     def launch_ended(self, engine: str) -> concurrent.futures.Future[None]:
         """The engine process was stopped by its daemon: nothing left to adopt."""

@@ -35,6 +35,7 @@ from .memory import NvmlProbe, open_probe
 from .metrics import Metrics
 from .node_metrics import NodeMetrics
 from .policy_runtime import PolicyRuntime
+from .reconcile import Plan
 from .sessions import SessionContext, WeightSessions
 from .states import (
     DaemonState,
@@ -106,7 +107,7 @@ class Daemon:
         # LoRA adapter versions (daemon/adapters.py): pushed under the node's lock, kept by the policy's adapters.
         self.adapters = Adapters(self.worker, self.metrics.registry, (e.name for e in config.engines),
                                  settings=lambda: self.policy_set().adapters, exclusive=self.lock.exclusive,
-                                 changed=self.changed,
+                                 changed=self.changed, journal=self.journal,
                                  deadline_s=lambda: self.timeouts().budget(Budget.WEIGHT_UPDATE))
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -128,6 +129,7 @@ class Daemon:
         self.sessions.restore()
         if (restored := self.engine_lifecycle.restore_journal()) is not None:
             self.transitions.resume_at(restored)
+        self.adapters.restore_journal()  # before the reconcile: an engine restarted meanwhile loads them again
         await self.engine_lifecycle.reconcile_at_startup(journal_restored=restored is not None)
         self.lifecycle = DaemonState.RUNNING
         self._start(self._health_loop())
@@ -187,7 +189,6 @@ class Daemon:
             async with self.lock.background("reconcile:relaunch", reconciling=True):
                 await self.worker.reconcile(self.engines[name], "relaunch")
                 await self.sessions.fail_if_lost()
-                await self.adapters.restore(self.engines[name])  # a new process holds none of the kept adapters
 
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -277,11 +278,14 @@ class Daemon:
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _reconciled(self, engine: EngineHandle, changed: bool) -> None:
-        """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled."""
+    async def _reconciled(self, engine: EngineHandle, p: Plan) -> None:
+        """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled;
+        a restarted engine (a new process holds no adapters) loads the kept adapter versions again."""
         self.launches.note_incarnation(engine.name, engine.state.incarnation)
-        if changed:
+        if p.changes_anything:
             self.node_journal.append(f"reconcile:{engine.name}")
+        if p.restarted:
+            await self.adapters.restore(engine)
 
     def refresh_gauges(self) -> None:
         m = self.metrics

@@ -344,10 +344,11 @@ class EngineWorker:
 
     def __init__(self, engines: dict[str, EngineHandle], metrics: Metrics, traces: TraceStore, *,
                  state: Callable[[], NodeState], timeouts: Callable[[], Timeouts],
-                 probe: Callable[[], NvmlProbe | None], reconciled: Callable[[EngineHandle, bool], None],
+                 probe: Callable[[], NvmlProbe | None], reconciled: Callable[[EngineHandle, Plan], Awaitable[None]],
                  open_session: Callable[[], str | None]) -> None:
-        """``state``, ``timeouts`` and ``probe``: the node's as of now; ``reconciled(engine, changed)``: told after
-        each reconcile that finished (the daemon notes the incarnation and, where it changed anything, journals);
+        """``state``, ``timeouts`` and ``probe``: the node's as of now; ``await reconciled(engine, plan)``: told
+        after each reconcile that finished (the daemon notes the incarnation, journals a change, and has a restarted
+        engine load the kept LoRA adapters again);
         ``open_session()``: the id of the daemon's open weight session (None: none is open)."""
         self.engines, self.metrics, self.traces = engines, metrics, traces
         self._state, self._timeouts, self._probe, self._reconciled = state, timeouts, probe, reconciled
@@ -500,7 +501,7 @@ class EngineWorker:
         self.unsettled.pop(engine.name, None)
         if p.changes_anything:
             self._report(engine, trigger, p, None)
-        self._reconciled(engine, p.changes_anything)
+        await self._reconciled(engine, p)
         return True
 
     # -- the worker: one engine, one plan ----------------------------------------------------------------

@@ -44,6 +44,11 @@ class AdapterEngine(InMemoryEngine):
         self.fail_unload = False
         self.hang_load = False
 
+    def restart(self) -> None:
+        """What a new process of the engine is: another incarnation, holding no adapters."""
+        self.incarnation = f"{self.incarnation}+"
+        self.held.clear()
+
     async def attach(self) -> EngineInfo:
         return EngineInfo(self.name, "fake", "0", "fake", self.version, max_adapters=self.cap)
 
@@ -225,9 +230,72 @@ async def test_a_relaunched_engine_loads_the_kept_versions_again_from_their_fold
     async with daemon_node(adapters={"e0": engine}) as node:
         for version in ("1", "2", "3"):
             await push_adapter(node.client, _named(int(version)), config=CONFIG, base="p", version=version)
-        engine.held.clear()  # what a new engine process holds
+        engine.restart()
         await node.daemon._reconcile_relaunched("e0")  # what the supervisor calls once the engine is back
         assert list(engine.held) == ["p@2", "p@3"] and _folders(node) == ["p@2", "p@3"]
+
+
+async def test_an_engine_restarted_behind_the_daemons_back_loads_the_kept_versions_at_the_next_reconcile() -> None:
+    engine = AdapterEngine("e0")
+    async with daemon_node(adapters={"e0": engine}, timeouts={"health_interval_s": 0.05}) as node:
+        for version in ("1", "2", "3"):
+            await push_adapter(node.client, _named(int(version)), config=CONFIG, base="p", version=version)
+        engine.restart()  # nobody tells the daemon: its health loop sees the new incarnation
+        deadline = time.monotonic() + DEADLINE_S
+        while list(engine.held) != ["p@2", "p@3"]:
+            assert time.monotonic() < deadline, engine.calls
+            await asyncio.sleep(0.01)  # polling the engine, bounded by the deadline
+        assert engine.calls[-2:] == ["load p@2", "load p@3"]
+        assert (await node.client.status())["adapters"]["current"] == "p@3"
+
+
+# --- a daemon SIGKILLed and started again on its journal -------------------------------------------------------
+
+async def _never() -> None:
+    """In place of the adapters' shutdown: a SIGKILLed daemon unloads nothing and deletes nothing."""
+
+
+async def test_a_daemon_killed_after_a_push_names_the_same_adapter_refuses_retired_ones_and_strands_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, journal = AdapterEngine("e0"), str(tmp_path / "journal.jsonl")
+    async with daemon_node(adapters={"e0": engine}, journal=journal) as node:
+        for version in ("1", "2", "3"):
+            await push_adapter(node.client, _named(int(version)), config=CONFIG, base="p", version=version)
+        monkeypatch.setattr(node.daemon.adapters, "aclose", _never)
+    async with daemon_node(adapters={"e0": engine}, journal=journal) as node, node.http() as http:
+        assert (await node.client.status())["adapters"]["loaded"] == ["p@2", "p@3"]
+        assert (await http.get("/v1/adapters/p@3")).json() == {"name": "p@3", "current": True, "loaded": True}
+        retired = await http.get("/v1/adapters/p@1")
+        assert retired.status_code == 410 and retired.json()["current"] == "p@3"
+        assert set(engine.held) == {"p@2", "p@3"} and _folders(node) == ["p@2", "p@3"]  # the engine kept them
+        root = node.daemon.adapters.root
+    assert engine.held == {} and not root.exists()  # its clean stop unloads the versions the killed one pushed
+
+
+async def test_a_restarted_daemon_deletes_the_folders_the_killed_one_left_of_versions_it_no_longer_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, journal = AdapterEngine("e0"), str(tmp_path / "journal.jsonl")
+    async with daemon_node(adapters={"e0": engine}, journal=journal) as node:
+        await push_adapter(node.client, _named(1), config=CONFIG, base="p", version="1")
+        monkeypatch.setattr(node.daemon.adapters, "aclose", _never)
+        staging = node.daemon.adapters.root / "p@2.0123abcd"  # a body that was arriving when the daemon died
+        staging.mkdir()
+    assert staging.exists()
+    async with daemon_node(adapters={"e0": engine}, journal=journal) as node:
+        assert _folders(node) == ["p@1"] and not staging.exists()
+
+
+async def test_an_engine_restarted_while_the_daemon_was_down_loads_the_kept_versions_before_the_daemon_is_ready(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, journal = AdapterEngine("e0"), str(tmp_path / "journal.jsonl")
+    async with daemon_node(adapters={"e0": engine}, journal=journal) as node:
+        await _synced(node)  # the journal records the engine's incarnation
+        for version in ("1", "2"):
+            await push_adapter(node.client, _named(int(version)), config=CONFIG, base="p", version=version)
+        monkeypatch.setattr(node.daemon.adapters, "aclose", _never)
+    engine.restart()
+    async with daemon_node(adapters={"e0": engine}, journal=journal):
+        assert list(engine.held) == ["p@1", "p@2"]
 
 
 async def test_the_metrics_name_the_current_adapter_and_count_loads_and_unloads() -> None:

@@ -23,6 +23,10 @@ def state(step: int) -> dict[str, object]:
     return {"event": "rollout", "node": {"phase": "rollout", "step": step}, "engines": {"e": {"step": step}}}
 
 
+def adapter(version: int) -> dict[str, object]:
+    return {"name": f"p@{version}", "folder": f"/adapters/p@{version}", "nbytes": 10, "engines": ["e"]}
+
+
 async def test_a_long_run_keeps_the_file_bounded_and_a_reopened_journal_knows_everything(tmp_path: Path) -> None:
     path = tmp_path / "journal.jsonl"
     journal = Journal(path, compact_every=16)
@@ -31,6 +35,7 @@ async def test_a_long_run_keeps_the_file_bounded_and_a_reopened_journal_knows_ev
     for step in range(1, 201):
         journal.append(state(step))
         journal.record_completed(step, "rollout", {"duration_s": 0.1, "engines": {}})
+        journal.record_adapters([adapter(step - 1), adapter(step)], [], [f"p@{step - 2}"] if step > 1 else [])
     await journal.drain()
     journal.close()
     assert len(path.read_text().splitlines()) <= 17
@@ -39,6 +44,8 @@ async def test_a_long_run_keeps_the_file_bounded_and_a_reopened_journal_knows_ev
     assert again.launches() == {"e": record}
     done = again.completed()
     assert len(done) == KEEP_COMPLETED and done[-1]["step"] == 200 and done[0]["step"] == 201 - KEEP_COMPLETED
+    assert again.adapters() == {"loaded": [adapter(199), adapter(200)], "lingering": [],
+                                "retired": [f"p@{step}" for step in range(199)]}  # each name once, oldest first
 
 
 async def test_a_stopped_engine_leaves_nothing_to_adopt(tmp_path: Path) -> None:

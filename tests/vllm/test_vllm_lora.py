@@ -1,7 +1,8 @@
 """LoRA adapter versions pushed through colocd into a live vLLM (0.29 / 0.32 on CPU): after each push the engine
 serves exactly what it serves for the same files loaded by its own --lora-modules at launch, never the previous
 version's (a long prompt exercises the prefix cache, whose 0.29 key is the adapter name alone); a push vLLM refuses
-leaves the previous version serving; a retired version is gone from vLLM and refused by the daemon.
+leaves the previous version serving; a retired version is gone from vLLM and refused by the daemon; a daemon
+SIGKILLed after a push and started again on its journal names the adapter vLLM still serves.
 
 One server for the module (it takes ~30-60 s to start on two shared cores), started with runtime LoRA updating and
 two reference adapters; each test pushes under a base name of its own.
@@ -78,6 +79,10 @@ def _folders(node: Any) -> list[str]:
     return sorted(p.name.rsplit(".", 1)[0] for p in node.daemon.adapters.root.iterdir())
 
 
+def _folders_in(root: Path) -> list[str] | None:
+    """The versions with a folder under ``root``; None once ``root`` is gone."""
+    return sorted(p.name.rsplit(".", 1)[0] for p in root.iterdir()) if root.exists() else None
+
 def _engine(server: Launched) -> list[dict[str, Any]]:
     return [{"kind": "vllm", "name": "tiny", "url": server.url}]
 
@@ -130,6 +135,25 @@ async def test_a_retired_version_is_gone_from_vllm_and_refused_by_the_daemon(
     assert not root.exists()  # the daemon closed: every version unloaded, every folder gone
     assert "does not exist" in str(await _tokens(url, "kept@3", SHORT))
     assert await _tokens(url, "tiny", SHORT) == base and await lora_server_healthy(url)
+
+
+async def test_a_daemon_sigkilled_after_a_push_restarts_naming_the_adapter_vllm_still_serves(
+        lora_server: Launched, adapters: dict[str, Path], tmp_path: Path) -> None:
+    url, journal = str(lora_server.url), tmp_path / "journal.jsonl"
+    root = Path(f"{journal}.adapters")
+    async with daemon_node(_engine(lora_server), subprocess=True, workdir=tmp_path, journal=str(journal)) as node:
+        for version in ("1", "2", "3"):
+            await _push(node, adapters[f"v{version}"], "crash", version)
+        await node.kill()
+        await node.restart()
+        assert (await node.client.status())["adapters"]["loaded"] == ["crash@2", "crash@3"]
+        async with node.http() as http:
+            retired = await http.get("/v1/adapters/crash@1")
+        assert retired.status_code == 410 and retired.json()["current"] == "crash@3"
+        assert await _tokens(url, "crash@3", SHORT) == await _tokens(url, "ref-v3", SHORT)
+        assert _folders_in(root) == ["crash@2", "crash@3"]
+    assert _folders_in(root) is None  # its clean stop unloaded what the killed daemon pushed and deleted the folders
+    assert "does not exist" in str(await _tokens(url, "crash@3", SHORT))
 
 
 async def lora_server_healthy(url: str) -> bool:
