@@ -24,7 +24,7 @@ from .runner import ForwardInput, ForwardOutput
 from .sampling import SamplingConfig
 from .tokenizer import CharTokenizer
 
-__all__ = ["FinishReason", "Req", "ReqOutput", "Scheduler", "SchedulerMode", "StopRule"]
+__all__ = ["FinishReason", "Req", "Scheduler", "SchedulerMode", "StopRule"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +66,9 @@ class StopRule:
     skip_special_tokens: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class ReqOutput:
-    """A finished request: everything the server needs to build SGLang's response."""
-
-    rid: str
-    output_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    prompt_ids: list[int]
-    num_retractions: int
-    input_logprobs: list[float | None] | None
-    output_logprobs: list[float] | None
-    # SGLang's per-request spans: [{version, start, end}] over the output tokens, one per weight version
-    # that produced some of them, oldest first (empty for a request nothing produced).
-    weight_versions: tuple[dict[str, Any], ...] = ()
-
-
 @dataclass(eq=False)
 class Req:
-    """One generation request while the scheduler holds it."""
+    """One generation request; its ``future`` resolves to itself once finished (``text``, ``weight_versions`` set)."""
 
     rid: str
     prompt_ids: list[int]
@@ -93,7 +76,7 @@ class Req:
     sampling: SamplingConfig
     generator: torch.Generator | None
     return_logprob: bool
-    future: asyncio.Future[ReqOutput]
+    future: asyncio.Future[Req]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
@@ -104,6 +87,10 @@ class Req:
     created: float = field(default_factory=time.monotonic)
     # (old version, output tokens produced under it so far), one per version change while it was alive.
     version_events: list[tuple[str, int]] = field(default_factory=list)
+    text: str = ""  # the output, decoded (and stop-trimmed) at finish
+    # SGLang's per-request spans, set at finish: [{version, start, end}] over the output tokens, one per weight
+    # version that produced some of them, oldest first.
+    weight_versions: tuple[dict[str, Any], ...] = ()
 
     @property
     def tokens(self) -> list[int]:
@@ -349,19 +336,9 @@ class Scheduler:
         text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
         if reason.type == "stop" and isinstance(reason.matched, str) and not req.stop.no_stop_trim:
             text = text[: len(text) - len(reason.matched)]
-        req.future.set_result(
-            ReqOutput(
-                rid=req.rid,
-                output_ids=list(req.output_ids),
-                text=text,
-                finish_reason=reason,
-                prompt_ids=list(req.prompt_ids),
-                num_retractions=req.num_retractions,
-                input_logprobs=req.input_logprobs if req.return_logprob else None,
-                output_logprobs=list(req.output_logprobs) if req.return_logprob else None,
-                weight_versions=_version_spans(req.version_events, self._weight_version, len(req.output_ids)),
-            )
-        )
+        req.text = text
+        req.weight_versions = _version_spans(req.version_events, self._weight_version, len(req.output_ids))
+        req.future.set_result(req)
 
     def _reap(self) -> None:
         """Drop finished requests and return their slots, except while a step may still write them."""
