@@ -49,10 +49,7 @@ _GB = 1 << 30  # SGLang's "GB"
 class RunState(StrEnum):
     """Lifecycle of the server process (not of generation or memory, which have their own state)."""
 
-    STARTING = "starting"
-    RUNNING = "running"
-    FAILED = "failed"
-    STOPPING = "stopping"
+    STARTING, RUNNING, FAILED, STOPPING = "starting", "running", "failed", "stopping"
 
 
 class EngineRefusal(Exception):
@@ -60,8 +57,7 @@ class EngineRefusal(Exception):
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
-        self.status = status
-        self.message = message
+        self.status, self.message = status, message
 
 
 class ReferenceEngine:
@@ -79,9 +75,6 @@ class ReferenceEngine:
                                    if settings.device.startswith("cuda") else settings.device)
         self._ranks: list[TPRank] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
-        self._model: QwenLikeForCausalLM | None = None
-        self._memory: MemoryRegions | None = None
-        self._runner: ModelRunner | None = None
         self._scheduler: Scheduler | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failed = asyncio.Event()
@@ -106,26 +99,17 @@ class ReferenceEngine:
             self.state = RunState.FAILED
             self._failed.set()
             return
-        assert self._runner is not None and self._memory is not None
-        runner, memory = self._runner, self._memory
-        self._scheduler = Scheduler(
-            functools.partial(self._on_model_thread, runner.step),
-            max_batch=self.settings.max_batch,
-            max_seq=self.settings.max_seq,
-            tokenizer=self.tokenizer,
-            memory_ready=lambda: memory.all_resident,
-            weight_version=self._weight_version,
-        )
+        memory = self._ranks[0].memory
+        step = functools.partial(self._on_model_thread, ModelRunner(self._ranks[0].model, memory).step)
+        self._scheduler = Scheduler(step,
+                                    max_batch=self.settings.max_batch, max_seq=self.settings.max_seq,
+                                    tokenizer=self.tokenizer, memory_ready=lambda: memory.all_resident,
+                                    weight_version=self._weight_version)
         self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
         self._loop_task.add_done_callback(self._on_loop_exit)
         self.state = RunState.RUNNING
-        logger.info(
-            "reference engine ready: %s, tp_size %d on %s, protocol %s",
-            self.settings.model_path,
-            self.tp_size,
-            ", ".join(f"{r.device} ({r.device_id})" for r in self._ranks),
-            self.settings.protocol,
-        )
+        logger.info("reference engine ready: %s, tp_size %d on %s, protocol %s", self.settings.model_path,
+                    self.tp_size, ", ".join(f"{r.device} ({r.device_id})" for r in self._ranks), self.settings.protocol)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
         # The loop only ends by cancellation at shutdown; anything else is a bug that would leave
@@ -157,10 +141,7 @@ class ReferenceEngine:
             model.requires_grad_(False)
             memory = MemoryRegions(model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device)
             self._ranks.append(TPRank(index, device, device_id, model, memory))
-        first = self._ranks[0]
-        self.device = first.device
-        self._model, self._memory = first.model, first.memory
-        self._runner = ModelRunner(first.model, first.memory)
+        self.device = self._ranks[0].device
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
@@ -170,8 +151,8 @@ class ReferenceEngine:
             raise EngineRefusal(503, "the server is still starting")
         if self.state is not RunState.RUNNING:
             raise EngineRefusal(503, f"the server is {self.state.value}")
-        assert self._scheduler is not None and self._memory is not None and self._model is not None
-        return self._scheduler, self._memory, self._model
+        assert self._scheduler is not None
+        return self._scheduler, self._ranks[0].memory, self._ranks[0].model
 
     # --- state for the info routes ---------------------------------------------------------------
 
@@ -194,8 +175,8 @@ class ReferenceEngine:
             "memory_usage": self.memory_usage(),
             # Which tags hold memory now: SGLang reports nothing of the kind (the adapter reads none of it); the
             # specs read it to see what the daemon did to this engine.
-            "memory_resident": {t.value: self._memory.state(t) is TagState.RESIDENT for t in MemoryTag}
-            if self._memory is not None else {},
+            "memory_resident": {t.value: self._ranks[0].memory.state(t) is TagState.RESIDENT for t in MemoryTag}
+            if self._ranks else {},
         }
 
     def tag_bytes(self, rank: int) -> dict[MemoryTag, int]:
@@ -225,28 +206,27 @@ class ReferenceEngine:
 
     async def health_generate(self) -> bool:
         """SGLang's probe: a 1-token greedy request; never run while paused or while memory is released."""
-        if self.state is not RunState.RUNNING or self._scheduler is None or self._memory is None:
-            return False
-        if self._pause_mode is not None or not self._memory.all_resident:
-            return False
         scheduler = self._scheduler
+        if self.state is not RunState.RUNNING or scheduler is None or self._pause_mode is not None:
+            return False
+        if not self._ranks[0].memory.all_resident:
+            return False
         if scheduler.num_running:
             # SGLang's rule: any output from a busy engine proves it healthy; a probe of our own
             # could wait behind a full batch.
-            try:
-                await asyncio.wait_for(
-                    scheduler.wait_step(scheduler.steps_done), self.settings.health_timeout_s
-                )
-            except TimeoutError:
-                return False
-            return True
-        req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
-                            StopRule(max_new_tokens=1), None, return_logprob=False)
-        await self._scheduler.submit(req)
+            probe: asyncio.Future[Any] = asyncio.ensure_future(scheduler.wait_step(scheduler.steps_done))
+            req = None
+        else:
+            req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
+                                StopRule(max_new_tokens=1), None, return_logprob=False)
+            await scheduler.submit(req)
+            probe = req.future
         try:
-            await asyncio.wait_for(asyncio.shield(req.future), self.settings.health_timeout_s)
+            await asyncio.wait_for(asyncio.shield(probe), self.settings.health_timeout_s)
         except TimeoutError:
-            await self._scheduler.abort(req, "health check timed out")
+            if req is not None:
+                await scheduler.abort(req, "health check timed out")
+            probe.cancel()
             return False
         return True
 
@@ -292,16 +272,10 @@ class ReferenceEngine:
             if not p:
                 raise EngineRefusal(400, f"request {i}: the input is empty")
             if len(p) >= self.settings.max_seq:
-                raise EngineRefusal(
-                    400,
-                    f"request {i}: the input ({len(p)} tokens) is longer than the model's context length "
-                    f"({self.settings.max_seq} tokens).",
-                )
-            bad = next((t for t in p if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise EngineRefusal(
-                    400, f"request {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
-                )
+                raise EngineRefusal(400, f"request {i}: the input ({len(p)} tokens) is longer than the model's "
+                                         f"context length ({self.settings.max_seq} tokens).")
+            if (bad := next((t for t in p if not 0 <= t < vocab), None)) is not None:
+                raise EngineRefusal(400, f"request {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
         return prompts, is_batch
 
     def _make_req(self, body: GenerateBody, i: int, n: int, prompt: list[int]) -> Req:

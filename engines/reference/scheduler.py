@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,7 +83,6 @@ class Req:
     cached_len: int = 0  # tokens of prompt+output already written to the pool
     num_retractions: int = 0
     finish: FinishReason | None = None
-    created: float = field(default_factory=time.monotonic)
     # (old version, output tokens produced under it so far), one per version change while it was alive.
     version_events: list[tuple[str, int]] = field(default_factory=list)
     text: str = ""  # the output, decoded (and stop-trimmed) at finish
@@ -103,22 +101,10 @@ ForwardFn = Callable[[Sequence[ForwardInput]], Awaitable[list[ForwardOutput]]]
 class Scheduler:
     """Queues, slots and the step loop of one engine; run ``run()`` as a task."""
 
-    def __init__(
-        self,
-        step: ForwardFn,
-        *,
-        max_batch: int,
-        max_seq: int,
-        tokenizer: CharTokenizer,
-        memory_ready: Callable[[], bool],
-        weight_version: str = "default",
-    ) -> None:
-        self._step = step
-        self._weight_version = weight_version
-        self._max_batch = max_batch
-        self._max_seq = max_seq
-        self._tokenizer = tokenizer
-        self._memory_ready = memory_ready
+    def __init__(self, step: ForwardFn, *, max_batch: int, max_seq: int, tokenizer: CharTokenizer,
+                 memory_ready: Callable[[], bool], weight_version: str = "default") -> None:
+        self._step, self._weight_version, self._tokenizer = step, weight_version, tokenizer
+        self._max_batch, self._max_seq, self._memory_ready = max_batch, max_seq, memory_ready
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._waiting: deque[Req] = deque()
         self._running: list[Req] = []
@@ -172,11 +158,7 @@ class Scheduler:
     async def abort_all(self, message: str = "Aborted", *, rid: str | None = None) -> int:
         """Finish every queued and running request (or those with ``rid``) as aborted; returns how many."""
         async with self._changed:
-            victims = [
-                r
-                for r in (*self._waiting, *self._running)
-                if r.finish is None and (rid is None or r.rid == rid)
-            ]
+            victims = [r for r in (*self._waiting, *self._running) if r.finish is None and rid in (None, r.rid)]
             for r in victims:
                 self._finish(r, FinishReason("abort", message=message))
             self._reap()
@@ -263,12 +245,8 @@ class Scheduler:
                 self._changed.notify_all()
 
     def _can_step(self) -> bool:
-        return (
-            self._holds == 0
-            and self._mode is SchedulerMode.RUNNING
-            and (bool(self._waiting) or bool(self._running))
-            and self._memory_ready()
-        )
+        return (self._holds == 0 and self._mode is SchedulerMode.RUNNING and bool(self._waiting or self._running)
+                and self._memory_ready())
 
     def _admit(self) -> list[Req]:
         while self._waiting and self._free_slots:
@@ -278,25 +256,18 @@ class Scheduler:
             self._running.append(req)
         return list(self._running)
 
-    def _row(self, req: Req) -> ForwardInput:
-        tokens = req.tokens
-        return ForwardInput(
-            slot=req.slot if req.slot is not None else -1,
-            tokens=tokens[req.cached_len :],
-            start=req.cached_len,
-            sampling=req.sampling,
-            generator=req.generator,
-            prompt_logprobs=req.return_logprob and req.input_logprobs is None,
-        )
+    @staticmethod
+    def _row(req: Req) -> ForwardInput:
+        return ForwardInput(slot=req.slot if req.slot is not None else -1, tokens=req.tokens[req.cached_len:],
+                            start=req.cached_len, sampling=req.sampling, generator=req.generator,
+                            prompt_logprobs=req.return_logprob and req.input_logprobs is None)
 
     def _apply(self, batch: list[Req], results: list[ForwardOutput] | None, error: BaseException | None) -> None:
         for i, req in enumerate(batch):
             if req.finish is not None:
                 continue  # aborted while the step ran; its result is dropped
             if results is None:
-                self._finish(
-                    req, FinishReason("abort", message=f"model step failed: {error}", status_code=500)
-                )
+                self._finish(req, FinishReason("abort", message=f"model step failed: {error}", status_code=500))
                 continue
             res = results[i]
             req.cached_len = len(req.prompt_ids) + len(req.output_ids)
