@@ -1,15 +1,11 @@
 """SGLang's separated-GPU weight routes on the reference engine: join a group, receive broadcasts, destroy it.
 
-Routes and bodies follow SGLang 0.5.23 (http_server.py:1404, 1420, 1488; io_struct.py:2002, 2126,
-2146; research/engine-apis.md §1.6). ``/init_weights_update_group`` blocks until every rank joined;
-``/update_weights_from_distributed`` blocks in its receive until the trainer (rank 0) broadcasts, so
-both run on their own daemon threads (``weight_group.off_loop``): never on the event loop, and never
-on the model thread, which must keep generating and answering control routes meanwhile. Received
-tensors land in temporary buffers and reach the model through its validated ``load_weights`` on the
-model thread, all or nothing per request.
-
-This module is the reference engine's sibling: it drives ``ReferenceEngine``'s session, locks and
-model thread the way ``update_weights_from_tensor`` does.
+Routes and bodies follow SGLang 0.5.23 (http_server.py:1404, 1420, 1488; research/engine-apis.md §1.6).
+``/init_weights_update_group`` blocks until every rank joined; ``/update_weights_from_distributed`` blocks in its
+receive until the trainer (rank 0) broadcasts, so both run on their own daemon threads (``weight_group.off_loop``):
+never on the event loop, and never on the model thread, which must keep generating and answering control routes
+meanwhile. Received tensors land in temporary buffers and reach the model through ``ReferenceEngine.apply_update``,
+as ``update_weights_from_tensor``'s do: all or nothing per request.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from fastapi import APIRouter
@@ -26,14 +22,12 @@ from fastapi.responses import JSONResponse
 from torch.distributed import default_pg_timeout
 
 from ..base import MemoryTag
-from ..sglang.wire import (
-    DestroyWeightsUpdateGroupReqInput,
-    InitWeightsUpdateGroupReqInput,
-    UpdateWeightsFromDistributedReqInput,
-)
+from ..sglang.wire import DestroyWeightsUpdateGroupReqInput as DestroyBody
+from ..sglang.wire import InitWeightsUpdateGroupReqInput as InitBody
+from ..sglang.wire import UpdateWeightsFromDistributedReqInput as UpdateBody
 from ..weight_group import WeightGroup, flattened_layout, off_loop, parse_dtype
 from .memory import TagState
-from .wire import sglang_body, success
+from .wire import SGLangBody, success
 
 if TYPE_CHECKING:
     from .engine import ReferenceEngine
@@ -43,8 +37,6 @@ __all__ = ["DistributedUpdates", "distributed_routes"]
 logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
-
-TP_RANK = 0  # groups are joined only with tp_size 1: the group rank is rank_offset + 0
 
 # SGLang builds the group with init_custom_process_group(timeout=None), i.e. torch's default
 # process-group timeout; a receive whose trainer never broadcasts fails after it.
@@ -72,52 +64,42 @@ class DistributedUpdates:
         self._engine = engine
         self._members: dict[str, _Member] = {}
 
-    async def init_group(self, body: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+    async def init_group(self, body: InitBody) -> tuple[bool, str]:
         """Join ``body.group_name`` as rank ``rank_offset``; returns once every rank joined."""
         self._engine._running()
+        failed, rank, device = "Failed to initialize custom process group:", body.rank_offset, self._engine.device
         if self._engine.tp_size != 1:
             # SGLang joins one group rank per TP rank (rank_offset + tp_rank); this engine's ranks share one
-            # process and would need one group member each, which it does not implement.
-            return False, (
-                f"Failed to initialize custom process group: the reference engine joins weight-update groups "
-                f"only with tp_size 1 (this one has tp_size {self._engine.tp_size}); use update_weights_from_tensor"
-            )
-        rank = body.rank_offset + TP_RANK
+            # process and would need one group member each, which it does not implement: its one rank is rank_offset.
+            return False, (f"{failed} the reference engine joins weight-update groups only with tp_size 1 (this one "
+                           f"has tp_size {self._engine.tp_size}); use update_weights_from_tensor")
         if not 1 <= rank < body.world_size:
-            return False, (
-                f"Failed to initialize custom process group: rank {rank} (rank_offset {body.rank_offset}) must lie "
-                f"in 1..{body.world_size - 1}; rank 0 is the trainer"
-            )
-        device = self._engine.device
+            return False, (f"{failed} rank {rank} (rank_offset {body.rank_offset}) must lie in "
+                           f"1..{body.world_size - 1}; rank 0 is the trainer")
         if body.backend == "nccl" and device.type != "cuda":
-            return False, (
-                f"Failed to initialize custom process group: backend 'nccl' needs CUDA; this engine runs on {device}"
-            )
+            return False, f"{failed} backend 'nccl' needs CUDA; this engine runs on {device}"
         # SGLang replaces a group of the same name (model_runner keeps a dict by name).
         self._forget(body.group_name)
         member = self._members[body.group_name] = _Member(body.group_name)
 
-        def join() -> WeightGroup:
-            return WeightGroup.join(
-                master_address=body.master_address, master_port=body.master_port, rank=rank,
-                world_size=body.world_size, group_name=body.group_name, backend=body.backend,
-                timeout_s=GROUP_TIMEOUT_S)
-
-        joining = off_loop(join, name=f"colocd-ref-join-{body.group_name}")
+        joining = off_loop(lambda: WeightGroup.join(
+            master_address=body.master_address, master_port=body.master_port, rank=rank, world_size=body.world_size,
+            group_name=body.group_name, backend=body.backend, timeout_s=GROUP_TIMEOUT_S),
+            name=f"colocd-ref-join-{body.group_name}")
         try:
             member.group = await _unless_gone(member, joining)
         except _Gone:
             # Destroyed while the rendezvous ran: leave the group as soon as it completes.
             joining.add_done_callback(_close_when_joined)
-            return False, f"Failed to initialize custom process group: group {body.group_name!r} was destroyed"
+            return False, f"{failed} group {body.group_name!r} was destroyed"
         except Exception as exc:  # RuntimeError/DistStoreError from torch, ValueError from our checks
             self._members.pop(body.group_name, None)
-            return False, f"Failed to initialize custom process group: {type(exc).__name__}: {exc}."
+            return False, f"{failed} {type(exc).__name__}: {exc}."
         logger.info("joined weight-update group %r as rank %d of %d (%s)", body.group_name, rank,
                     body.world_size, body.backend)
         return True, "Succeeded to initialize custom process group."
 
-    async def update(self, body: UpdateWeightsFromDistributedReqInput) -> tuple[bool, str]:
+    async def update(self, body: UpdateBody) -> tuple[bool, str]:
         """Receive every tensor of ``body`` from rank 0 and load them all, or none."""
         engine = self._engine
         _, memory, model = engine._running()
@@ -150,7 +132,7 @@ class DistributedUpdates:
         ok, message = await engine.apply_update(lambda: model.load_weights(self._named(body, buffers)), body)
         return ok, "Succeeded to update parameter online from distributed." if ok else message
 
-    def _buffers(self, body: UpdateWeightsFromDistributedReqInput, group: WeightGroup) -> list[torch.Tensor]:
+    def _buffers(self, body: UpdateBody, group: WeightGroup) -> list[torch.Tensor]:
         """Temporary receive buffers: one per tensor, or one uint8 buffer for a flattened bucket."""
         # gloo receives into host memory; NCCL into the engine's device.
         device = self._engine.device if group.backend == "nccl" else torch.device("cpu")
@@ -163,8 +145,7 @@ class DistributedUpdates:
         return [torch.empty(s, dtype=parse_dtype(d), device=device) for d, s in pairs]
 
     @staticmethod
-    def _named(body: UpdateWeightsFromDistributedReqInput, buffers: list[torch.Tensor],
-               ) -> list[tuple[str, torch.Tensor]]:
+    def _named(body: UpdateBody, buffers: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         if body.load_format != "flattened_bucket":
             return list(zip(body.names, buffers, strict=True))
         flat = buffers[0]
@@ -216,21 +197,15 @@ def distributed_routes(updates: DistributedUpdates) -> APIRouter:
     router = APIRouter()
 
     @router.post("/init_weights_update_group")
-    async def init_weights_update_group(
-            body: Annotated[InitWeightsUpdateGroupReqInput, sglang_body(InitWeightsUpdateGroupReqInput)],
-    ) -> JSONResponse:
+    async def init_weights_update_group(body: SGLangBody[InitBody]) -> JSONResponse:
         return success(*await updates.init_group(body))
 
     @router.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(
-            body: Annotated[UpdateWeightsFromDistributedReqInput, sglang_body(UpdateWeightsFromDistributedReqInput)],
-    ) -> JSONResponse:
+    async def update_weights_from_distributed(body: SGLangBody[UpdateBody]) -> JSONResponse:
         return success(*await updates.update(body))
 
     @router.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(
-            body: Annotated[DestroyWeightsUpdateGroupReqInput, sglang_body(DestroyWeightsUpdateGroupReqInput)],
-    ) -> JSONResponse:
+    async def destroy_weights_update_group(body: SGLangBody[DestroyBody]) -> JSONResponse:
         return success(*await updates.destroy(body.group_name))
 
     return router

@@ -225,7 +225,7 @@ class ReferenceEngine:
             await asyncio.wait_for(asyncio.shield(probe), self.settings.health_timeout_s)
         except TimeoutError:
             if req is not None:
-                await scheduler.abort(req, "health check timed out")
+                await scheduler.abort_all("health check timed out", req=req)
             probe.cancel()
             return False
         return True
@@ -246,7 +246,7 @@ class ReferenceEngine:
         except asyncio.CancelledError:
             for r in reqs:
                 if r.finish is None:
-                    await scheduler.abort(r, "client disconnected")
+                    await scheduler.abort_all("client disconnected", req=r)
             raise
 
     def _prompts(self, body: GenerateBody) -> tuple[list[list[int]], bool]:
@@ -571,25 +571,18 @@ def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
-def _compare_params(
-    model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...], tp_rank: int
-) -> list[str]:
-    diffs = []
-    for name, p in model.named_parameters():
-        if any(s in name for s in skip):
-            continue
-        if not torch.equal(p.detach().cpu(), snapshot[name]):
-            diffs.append(f"name={name} differs from the snapshot" + (f" on TP rank {tp_rank}" if tp_rank else ""))
-    return diffs
+def _compare_params(model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...],
+                    tp_rank: int) -> list[str]:
+    where = f" on TP rank {tp_rank}" if tp_rank else ""
+    return [f"name={name} differs from the snapshot{where}" for name, p in model.named_parameters()
+            if not any(s in name for s in skip) and not torch.equal(p.detach().cpu(), snapshot[name])]
 
 
 def _randomize_params(models: Sequence[QwenLikeForCausalLM], skip: tuple[str, ...]) -> None:
     """The same random values on every TP rank, so the ranks keep agreeing."""
     with torch.no_grad():
         for named in zip(*(m.named_parameters() for m in models), strict=True):
-            name, first = named[0]
-            if any(s in name for s in skip):
-                continue
-            first.copy_(torch.randn_like(first))
-            for _, p in named[1:]:
-                p.copy_(first)
+            if not any(s in named[0][0] for s in skip):
+                value = torch.randn_like(named[0][1])
+                for _, p in named:
+                    p.copy_(value)

@@ -108,9 +108,7 @@ class Scheduler:
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._waiting: deque[Req] = deque()
         self._running: list[Req] = []
-        self._mode = SchedulerMode.RUNNING
-        self._holds = 0
-        self._stepping = False
+        self._mode, self._holds, self._stepping = SchedulerMode.RUNNING, 0, False
         self._steps_done = 0  # successful steps, for health probes on a busy engine
         self._changed = asyncio.Condition()
 
@@ -148,17 +146,11 @@ class Scheduler:
             self._waiting.append(req)
             self._changed.notify_all()
 
-    async def abort(self, req: Req, message: str = "Aborted") -> None:
+    async def abort_all(self, message: str = "Aborted", *, rid: str | None = None, req: Req | None = None) -> int:
+        """Finish every queued and running request (or those with ``rid``, or ``req``) as aborted; returns how many."""
         async with self._changed:
-            if req.finish is None:
-                self._finish(req, FinishReason("abort", message=message))
-            self._reap()
-            self._changed.notify_all()
-
-    async def abort_all(self, message: str = "Aborted", *, rid: str | None = None) -> int:
-        """Finish every queued and running request (or those with ``rid``) as aborted; returns how many."""
-        async with self._changed:
-            victims = [r for r in (*self._waiting, *self._running) if r.finish is None and rid in (None, r.rid)]
+            victims = [r for r in (*self._waiting, *self._running)
+                       if r.finish is None and rid in (None, r.rid) and req in (None, r)]
             for r in victims:
                 self._finish(r, FinishReason("abort", message=message))
             self._reap()

@@ -26,13 +26,14 @@ from ..sglang.wire import (
     EndWeightUpdateReqInput,
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightVersionReqInput,
 )
 from .distributed import DistributedUpdates, distributed_routes
 from .engine import EngineRefusal, ReferenceEngine, RunState
 from .settings import ReferenceServerSettings
-from .wire import AbortRequestBody, GenerateBody, sglang_body, success
+from .wire import AbortRequestBody, GenerateBody, SGLangBody, sglang_body, success
 
 __all__ = ["create_app"]
 
@@ -244,23 +245,21 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
     else:
 
         @router.post("/pause_generation")
-        async def pause(body: Annotated[PauseGenerationReqInput, sglang_body(PauseGenerationReqInput)]) -> JSONResponse:
+        async def pause(body: SGLangBody[PauseGenerationReqInput]) -> JSONResponse:
             await engine.pause_generation(PauseMode(body.mode))  # http_server.py:1831
             return JSONResponse(paused)
 
         @router.post("/continue_generation")
-        async def continue_(
-                body: Annotated[ContinueGenerationReqInput, sglang_body(ContinueGenerationReqInput)]) -> JSONResponse:
+        async def continue_(body: SGLangBody[ContinueGenerationReqInput]) -> JSONResponse:
             await engine.continue_generation(torch_empty_cache=body.torch_empty_cache)
             return JSONResponse(continued)
 
         @router.post("/begin_weight_update")
-        async def begin(body: Annotated[BeginWeightUpdateReqInput, sglang_body(BeginWeightUpdateReqInput)]
-                        ) -> JSONResponse:  # http_server.py:1458
+        async def begin(body: SGLangBody[BeginWeightUpdateReqInput]) -> JSONResponse:  # http_server.py:1458
             return success(*await engine.weight_session(body.selector))
 
         @router.post("/end_weight_update")
-        async def end(_: Annotated[EndWeightUpdateReqInput, sglang_body(EndWeightUpdateReqInput)]) -> JSONResponse:
+        async def end(_: SGLangBody[EndWeightUpdateReqInput]) -> JSONResponse:
             return success(*await engine.weight_session(None))
 
         @router.api_route("/weights_checker", methods=["GET", "POST"])
@@ -277,28 +276,21 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
         return Response(content=content, status_code=200 if ok else 400, media_type="text/plain")
 
     @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release(
-            body: Annotated[ReleaseMemoryOccupationReqInput, sglang_body(ReleaseMemoryOccupationReqInput)],
-    ) -> JSONResponse:
+    async def release(body: SGLangBody[ReleaseMemoryOccupationReqInput]) -> JSONResponse:
         await engine.move_memory(body.tags, resume=False)  # http_server.py:1575: JSON null on success
         return JSONResponse(None)
 
     @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume(
-            body: Annotated[ReleaseMemoryOccupationReqInput, sglang_body(ReleaseMemoryOccupationReqInput)],
-    ) -> JSONResponse:  # the resume struct has the release one's single field
+    async def resume(body: SGLangBody[ResumeMemoryOccupationReqInput]) -> JSONResponse:
         await engine.move_memory(body.tags, resume=True)
         return JSONResponse(None)
 
     @router.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(
-            body: Annotated[UpdateWeightsFromTensorReqInput, sglang_body(UpdateWeightsFromTensorReqInput)],
-    ) -> JSONResponse:
+    async def update_weights_from_tensor(body: SGLangBody[UpdateWeightsFromTensorReqInput]) -> JSONResponse:
         return success(*await engine.update_weights_from_tensor(body))  # http_server.py:1436
 
     @router.post("/update_weight_version")
-    async def update_weight_version(
-            body: Annotated[UpdateWeightVersionReqInput, sglang_body(UpdateWeightVersionReqInput)]) -> JSONResponse:
+    async def update_weight_version(body: SGLangBody[UpdateWeightVersionReqInput]) -> JSONResponse:
         await engine.update_weight_version(body.new_version, abort_all_requests=body.abort_all_requests)
         return success(True, f"Weight version updated to {body.new_version}", new_version=body.new_version)
 

@@ -8,14 +8,14 @@ request with (``engines/sglang/wire.py``), parsed the same lenient way (``server
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["AbortRequestBody", "GenerateBody", "SamplingParamsBody", "sglang_body", "success"]
+__all__ = ["AbortRequestBody", "GenerateBody", "SGLangBody", "SamplingParamsBody", "sglang_body", "success"]
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -102,3 +102,14 @@ def sglang_body(model: type[_M], *, optional: bool = False) -> Any:
 def success(ok: bool, message: str, **extra: Any) -> JSONResponse:
     """SGLang's ``{success, message}``: 200 on success, 400 otherwise (e.g. http_server.py:1452-1455)."""
     return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
+
+
+if TYPE_CHECKING:
+    SGLangBody = Annotated[_M, "parsed by sglang_body"]  # to a type checker, SGLangBody[X] is X
+else:
+
+    class SGLangBody:
+        """``body: SGLangBody[X]`` on a route: its body parsed as ``X`` by ``sglang_body``."""
+
+        def __class_getitem__(cls, model: type[BaseModel]) -> object:
+            return Annotated[model, sglang_body(model)]
