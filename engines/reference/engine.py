@@ -379,17 +379,14 @@ class ReferenceEngine:
         scheduler, _, _ = self._running()
         return await scheduler.abort_all(rid=None if abort_all else rid)
 
-    async def flush_cache(
-        self, timeout_s: float = 0.0, *, empty_cache: bool = False
-    ) -> tuple[bool, str | None]:
+    async def flush_cache(self, timeout_s: float = 0.0) -> tuple[bool, str | None]:
         """Forget cached KV; refused unless idle (the queue is ignored while paused in retract/in_place)."""
-        scheduler, memory, _ = self._running()
+        scheduler, _, _ = self._running()
         async with self._control_lock:
-            return await self._flush_locked(scheduler, memory, timeout_s, empty_cache)
+            return await self._flush_locked(scheduler, timeout_s, empty_cache=False)
 
-    async def _flush_locked(
-        self, scheduler: Scheduler, memory: MemoryRegions, timeout_s: float, empty_cache: bool
-    ) -> tuple[bool, str | None]:
+    async def _flush_locked(self, scheduler: Scheduler, timeout_s: float, *, empty_cache: bool,
+                            ) -> tuple[bool, str | None]:
         ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
         if timeout_s > 0:
             try:
@@ -490,7 +487,7 @@ class ReferenceEngine:
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
                 self.weight_version = body.weight_version
-            if body.flush_cache and not (await self._flush_locked(scheduler, memory, 0.0, body.torch_empty_cache))[0]:
+            if body.flush_cache and not (await self._flush_locked(scheduler, 0, empty_cache=body.torch_empty_cache))[0]:
                 return False, ("Weights were updated, but the cache was not flushed because requests are still "
                                "running or queued. Retract or finish them, then call /flush_cache.")
         return True, "Success"

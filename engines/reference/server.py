@@ -104,8 +104,8 @@ def _install_error_handlers(app: FastAPI) -> None:
                              "code": 400}, status_code=400)
 
     @app.exception_handler(EngineRefusal)
-    async def refused(request: Request, exc: EngineRefusal) -> JSONResponse:
-        return _error(exc.message, exc.status)
+    async def refused(request: Request, exc: EngineRefusal) -> JSONResponse:  # _create_error_response's shape
+        return JSONResponse({"error": {"message": exc.message}}, status_code=exc.status)  # http_server.py:2246
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
@@ -114,12 +114,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _error(f"internal server error ({type(exc).__name__})", 500)
-
-
-def _error(message: str, status: int) -> JSONResponse:
-    """SGLang's ``_create_error_response`` shape (http_server.py:2246)."""
-    return JSONResponse({"error": {"message": message}}, status_code=status)
+        return await refused(request, EngineRefusal(500, f"internal server error ({type(exc).__name__})"))
 
 
 def _health_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
