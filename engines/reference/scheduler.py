@@ -287,48 +287,39 @@ class Scheduler:
 
     def _matched_stop_str(self, req: Req) -> str | None:
         text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
-        for s in req.stop.stop_strs:
-            if s and text.endswith(s):
-                return s
-        return None
+        return next((s for s in req.stop.stop_strs if s and text.endswith(s)), None)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason
         if req.future.done():
             return
-        text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
+        req.text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
         if reason.type == "stop" and isinstance(reason.matched, str) and not req.stop.no_stop_trim:
-            text = text[: len(text) - len(reason.matched)]
-        req.text = text
+            req.text = req.text[: len(req.text) - len(reason.matched)]
         req.weight_versions = _version_spans(req.version_events, self._weight_version, len(req.output_ids))
         req.future.set_result(req)
 
     def _reap(self) -> None:
         """Drop finished requests and return their slots, except while a step may still write them."""
         self._waiting = deque(r for r in self._waiting if r.finish is None)
-        if self._stepping:
-            return
-        keep = []
-        for r in self._running:
-            if r.finish is None:
-                keep.append(r)
-            elif r.slot is not None:
-                self._free_slots.append(r.slot)
-                r.slot = None
-        self._running = keep
+        if not self._stepping:
+            for r in self._running:
+                if r.finish is not None:
+                    self._free(r)
+            self._running = [r for r in self._running if r.finish is None]
 
     def _retract_running(self) -> None:
         for r in reversed(self._running):
+            self._free(r)
             if r.finish is None:
-                if r.slot is not None:
-                    self._free_slots.append(r.slot)
-                r.slot, r.cached_len = None, 0
-                r.num_retractions += 1
+                r.cached_len, r.num_retractions = 0, r.num_retractions + 1
                 self._waiting.appendleft(r)
-            elif r.slot is not None:
-                self._free_slots.append(r.slot)
-                r.slot = None
         self._running = []
+
+    def _free(self, req: Req) -> None:
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None
 
 
 def _version_spans(events: list[tuple[str, int]], current: str, num_output: int) -> tuple[dict[str, Any], ...]:
