@@ -22,9 +22,9 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -42,53 +42,34 @@ _GRACEFUL_SHUTDOWN_S = 5  # in-flight requests get this long after SIGTERM befor
 
 
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceServerSettings]:
-    parser = argparse.ArgumentParser(
-        prog="python -m colocd.engines.reference", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 lets the OS choose")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (with --tp-size > 1: cpu or cuda)")
-    parser.add_argument(
-        "--tp-size", type=int, default=1,
-        help="TP ranks, each a full copy of the weights on its own device (CUDA: visible GPU r), fed by "
-        "its own serialized_named_tensors entry",
-    )
-    parser.add_argument(
-        "--device-ids", default=None,
-        help="CPU only: comma-separated identity of each TP rank (default cpu:0,cpu:1,...)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
-    parser.add_argument("--protocol", choices=sorted(PROTOCOL_VERSIONS), default="0.5.23")
-    parser.add_argument("--ready-file", required=True, help="where to write {url, pid} once listening")
-    parser.add_argument("--api-key", default=None, help="bearer token required on all but health routes")
-    parser.add_argument("--model-json", default="{}", help="JSON object of QwenLikeConfig overrides")
-    parser.add_argument("--max-batch", type=int, default=8, help="KV pool slots (concurrent requests)")
-    parser.add_argument(
-        "--torch-threads",
-        type=int,
-        default=1,
-        help="intra-op CPU threads; the model is tiny, so more threads only contend (default 1)",
-    )
-    parser.add_argument("--app", default=None, metavar="MODULE:FUNCTION",
-                        help="build the app with this function of the settings instead (the lab's engines, "
-                        "e.g. benchmarks.sink_engine:create_sink_app)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser = argparse.ArgumentParser(prog="python -m colocd.engines.reference", description=__doc__.split("\n")[0])
+    add = parser.add_argument
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=0, help="0 lets the OS choose")
+    add("--device", default="cpu", help="cpu or cuda[:N] (with --tp-size > 1: cpu or cuda)")
+    add("--tp-size", type=int, default=1, help="TP ranks, each a full copy of the weights on its own device "
+        "(CUDA: visible GPU r), fed by its own serialized_named_tensors entry")
+    add("--device-ids", default=None, help="CPU only: comma-separated identity of each TP rank (default cpu:0,...)")
+    add("--seed", type=int, default=0, help="seed of the initial weights")
+    add("--protocol", choices=sorted(PROTOCOL_VERSIONS), default="0.5.23")
+    add("--ready-file", required=True, help="where to write {url, pid} once listening")
+    add("--api-key", default=None, help="bearer token required on all but health routes")
+    add("--model-json", default="{}", help="JSON object of QwenLikeConfig overrides")
+    add("--max-batch", type=int, default=8, help="KV pool slots (concurrent requests)")
+    add("--torch-threads", type=int, default=1, help="intra-op CPU threads; the model is tiny, so more only contend")
+    add("--app", default=None, metavar="MODULE:FUNCTION", help="build the app with this function of the settings "
+        "instead (the lab's engines, e.g. benchmarks.sink_engine:create_sink_app)")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
         overrides = json.loads(args.model_json)
         if not isinstance(overrides, dict):
             raise ValueError("--model-json must be a JSON object")
         settings = ReferenceServerSettings(
-            device=args.device,
-            seed=args.seed,
-            protocol=args.protocol,
+            device=args.device, seed=args.seed, protocol=args.protocol, max_batch=args.max_batch, host=args.host,
             api_key=args.api_key or os.environ.get("COLOCD_REFERENCE_API_KEY") or None,
-            model=QwenLikeConfig.from_overrides(overrides),
-            max_batch=args.max_batch,
-            host=args.host,
-            tp_size=args.tp_size,
-            device_ids=tuple(i.strip() for i in args.device_ids.split(",")) if args.device_ids else (),
-        )
+            model=QwenLikeConfig.from_overrides(overrides), tp_size=args.tp_size,
+            device_ids=tuple(i.strip() for i in args.device_ids.split(",")) if args.device_ids else ())
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     return args, settings
@@ -114,51 +95,27 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=128)
+def _bind(host: str, port: int) -> tuple[socket.socket, str]:
+    """The listening socket and its URL (port 0: the OS picks, so the URL is the real one)."""
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
     # Inherited by accepted connections; asyncio would not set it on a socket it did not create,
     # and every keep-alive reply would then wait ~40 ms for the client's delayed ACK (Nagle).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _write_ready_file(path: str, payload: dict[str, object]) -> None:
-    """Write then rename, so a reader never sees a half-written file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ready-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    return sock, f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) -> int:
-    sock = _bind(args.host, args.port)
-    url = _url(sock)
+    sock, url = _bind(args.host, args.port)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
     app = _app_factory(args.app)(settings)
-    config = uvicorn.Config(
-        app,
-        log_level=args.log_level,
-        access_log=args.log_level == "debug",
-        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
-    )
-    server = _Server(config)
+    server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
+                                    timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     failed = asyncio.create_task(app.state.engine.wait_failed())
-    _write_ready_file(args.ready_file, {"url": url, "pid": os.getpid()})
+    tmp = f"{args.ready_file}.tmp"
+    Path(tmp).write_text(json.dumps({"url": url, "pid": os.getpid()}))  # noqa: ASYNC240 - once, tiny
+    os.replace(tmp, args.ready_file)  # readers never see a half-written file
     logger.info("listening on %s (pid %d)", url, os.getpid())
     done, _ = await asyncio.wait({serving, failed}, return_when=asyncio.FIRST_COMPLETED)
     if failed in done:
@@ -182,11 +139,8 @@ def _app_factory(spec: str | None) -> Callable[[ReferenceServerSettings], FastAP
 def main(argv: Sequence[str] | None = None) -> int:
     args, settings = _parse(argv)
     torch.set_num_threads(max(1, args.torch_threads))
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(_serve(args, settings))
 
 

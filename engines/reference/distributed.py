@@ -1,15 +1,11 @@
 """SGLang's separated-GPU weight routes on the reference engine: join a group, receive broadcasts, destroy it.
 
-Routes and bodies follow SGLang 0.5.23 (http_server.py:1404, 1420, 1488; io_struct.py:2002, 2126,
-2146; research/engine-apis.md §1.6). ``/init_weights_update_group`` blocks until every rank joined;
-``/update_weights_from_distributed`` blocks in its receive until the trainer (rank 0) broadcasts, so
-both run on their own daemon threads (``weight_group.off_loop``): never on the event loop, and never
-on the model thread, which must keep generating and answering control routes meanwhile. Received
-tensors land in temporary buffers and reach the model through its validated ``load_weights`` on the
-model thread, all or nothing per request.
-
-This module is the reference engine's sibling: it drives ``ReferenceEngine``'s session, locks and
-model thread the way ``update_weights_from_tensor`` does.
+Routes and bodies follow SGLang 0.5.23 (http_server.py:1404, 1420, 1488; research/engine-apis.md §1.6).
+``/init_weights_update_group`` blocks until every rank joined; ``/update_weights_from_distributed`` blocks in its
+receive until the trainer (rank 0) broadcasts, so both run on their own daemon threads (``weight_group.off_loop``):
+never on the event loop, and never on the model thread, which must keep generating and answering control routes
+meanwhile. Received tensors land in temporary buffers and reach the model through ``ReferenceEngine.apply_update``,
+as ``update_weights_from_tensor``'s do: all or nothing per request.
 """
 
 from __future__ import annotations
@@ -18,74 +14,33 @@ import asyncio
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed import default_pg_timeout
 
 from ..base import MemoryTag
+from ..sglang.wire import DestroyWeightsUpdateGroupReqInput as DestroyBody
+from ..sglang.wire import InitWeightsUpdateGroupReqInput as InitBody
+from ..sglang.wire import UpdateWeightsFromDistributedReqInput as UpdateBody
 from ..weight_group import WeightGroup, flattened_layout, off_loop, parse_dtype
 from .memory import TagState
+from .wire import SGLangBody, success
 
 if TYPE_CHECKING:
     from .engine import ReferenceEngine
 
-__all__ = [
-    "DestroyWeightsUpdateGroupBody",
-    "DistributedUpdates",
-    "InitWeightsUpdateGroupBody",
-    "UpdateWeightsFromDistributedBody",
-    "distributed_routes",
-]
+__all__ = ["DistributedUpdates", "distributed_routes"]
 
 logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 
-TP_RANK = 0  # groups are joined only with tp_size 1: the group rank is rank_offset + 0
-
 # SGLang builds the group with init_custom_process_group(timeout=None), i.e. torch's default
 # process-group timeout; a receive whose trainer never broadcasts fails after it.
 GROUP_TIMEOUT_S = default_pg_timeout.total_seconds()
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class InitWeightsUpdateGroupBody(_Body):
-    """io_struct.py:2126 InitWeightsUpdateGroupReqInput."""
-
-    master_address: str
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
-
-
-class UpdateWeightsFromDistributedBody(_Body):
-    """io_struct.py:2002 UpdateWeightsFromDistributedReqInput."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    load_format: str | None = None
-    selector: Literal["target", "draft", "all"] = "all"
-    torch_empty_cache: bool = False
-
-
-class DestroyWeightsUpdateGroupBody(_Body):
-    """io_struct.py:2146 DestroyWeightsUpdateGroupReqInput."""
-
-    group_name: str = "weight_update_group"
 
 
 @dataclass(eq=False)
@@ -109,60 +64,47 @@ class DistributedUpdates:
         self._engine = engine
         self._members: dict[str, _Member] = {}
 
-    async def init_group(self, body: InitWeightsUpdateGroupBody) -> tuple[bool, str]:
+    async def init_group(self, body: InitBody) -> tuple[bool, str]:
         """Join ``body.group_name`` as rank ``rank_offset``; returns once every rank joined."""
         self._engine._running()
+        failed, rank, device = "Failed to initialize custom process group:", body.rank_offset, self._engine.device
         if self._engine.tp_size != 1:
             # SGLang joins one group rank per TP rank (rank_offset + tp_rank); this engine's ranks share one
-            # process and would need one group member each, which it does not implement.
-            return False, (
-                f"Failed to initialize custom process group: the reference engine joins weight-update groups "
-                f"only with tp_size 1 (this one has tp_size {self._engine.tp_size}); use update_weights_from_tensor"
-            )
-        rank = body.rank_offset + TP_RANK
+            # process and would need one group member each, which it does not implement: its one rank is rank_offset.
+            return False, (f"{failed} the reference engine joins weight-update groups only with tp_size 1 (this one "
+                           f"has tp_size {self._engine.tp_size}); use update_weights_from_tensor")
         if not 1 <= rank < body.world_size:
-            return False, (
-                f"Failed to initialize custom process group: rank {rank} (rank_offset {body.rank_offset}) must lie "
-                f"in 1..{body.world_size - 1}; rank 0 is the trainer"
-            )
-        device = self._engine.device
+            return False, (f"{failed} rank {rank} (rank_offset {body.rank_offset}) must lie in "
+                           f"1..{body.world_size - 1}; rank 0 is the trainer")
         if body.backend == "nccl" and device.type != "cuda":
-            return False, (
-                f"Failed to initialize custom process group: backend 'nccl' needs CUDA; this engine runs on {device}"
-            )
+            return False, f"{failed} backend 'nccl' needs CUDA; this engine runs on {device}"
         # SGLang replaces a group of the same name (model_runner keeps a dict by name).
         self._forget(body.group_name)
         member = self._members[body.group_name] = _Member(body.group_name)
 
-        def join() -> WeightGroup:
-            return WeightGroup.join(
-                master_address=body.master_address, master_port=body.master_port, rank=rank,
-                world_size=body.world_size, group_name=body.group_name, backend=body.backend,
-                timeout_s=GROUP_TIMEOUT_S)
-
-        joining = off_loop(join, name=f"colocd-ref-join-{body.group_name}")
+        joining = off_loop(lambda: WeightGroup.join(
+            master_address=body.master_address, master_port=body.master_port, rank=rank, world_size=body.world_size,
+            group_name=body.group_name, backend=body.backend, timeout_s=GROUP_TIMEOUT_S),
+            name=f"colocd-ref-join-{body.group_name}")
         try:
             member.group = await _unless_gone(member, joining)
         except _Gone:
             # Destroyed while the rendezvous ran: leave the group as soon as it completes.
             joining.add_done_callback(_close_when_joined)
-            return False, f"Failed to initialize custom process group: group {body.group_name!r} was destroyed"
+            return False, f"{failed} group {body.group_name!r} was destroyed"
         except Exception as exc:  # RuntimeError/DistStoreError from torch, ValueError from our checks
             self._members.pop(body.group_name, None)
-            return False, f"Failed to initialize custom process group: {type(exc).__name__}: {exc}."
+            return False, f"{failed} {type(exc).__name__}: {exc}."
         logger.info("joined weight-update group %r as rank %d of %d (%s)", body.group_name, rank,
                     body.world_size, body.backend)
         return True, "Succeeded to initialize custom process group."
 
-    async def update(self, body: UpdateWeightsFromDistributedBody) -> tuple[bool, str]:
+    async def update(self, body: UpdateBody) -> tuple[bool, str]:
         """Receive every tensor of ``body`` from rank 0 and load them all, or none."""
         engine = self._engine
-        scheduler, memory, _ = engine._running()
-        if engine.settings.protocol != "legacy" and engine._session_selector is None:
-            # weight_updater.py:233-240 in 0.5.23.
-            return False, (
-                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
-            )
+        _, memory, model = engine._running()
+        if (refusal := engine.outside_session("update_weights_from_distributed")) is not None:
+            return False, refusal
         member = self._members.get(body.group_name)
         if member is None or member.group is None:
             return False, f"Group {body.group_name!r} not in model update groups; call /init_weights_update_group"
@@ -172,8 +114,6 @@ class DistributedUpdates:
             return False, f"Failed to update weights, nothing applied: {exc}"
         if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
             return False, "memory tag 'weights' is released; resume it before loading weights"
-        if body.abort_all_requests:
-            await scheduler.abort_all()
         group = member.group
 
         def receive() -> None:
@@ -187,18 +127,13 @@ class DistributedUpdates:
                 return False, f"Failed to update weights: group {body.group_name!r} was destroyed while receiving"
             except RuntimeError as exc:  # gloo/NCCL: timeout, peer closed
                 return False, f"Failed to update weights: receiving from group {body.group_name!r}: {exc}"
-        try:
-            named = self._named(body, buffers)
-        except ValueError as exc:
-            return False, f"Failed to update weights, nothing applied: {exc}"
-        return await self._load(named, body)
+        # The layout is checked after the receive, not before: refusing first would leave the trainer's broadcast
+        # without a receiver and the group out of step; this way only the request fails.
+        ok, message = await engine.apply_update(lambda: model.load_weights(self._named(body, buffers)), body)
+        return ok, "Succeeded to update parameter online from distributed." if ok else message
 
-    def _buffers(self, body: UpdateWeightsFromDistributedBody, group: WeightGroup) -> list[torch.Tensor]:
+    def _buffers(self, body: UpdateBody, group: WeightGroup) -> list[torch.Tensor]:
         """Temporary receive buffers: one per tensor, or one uint8 buffer for a flattened bucket."""
-        if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            raise ValueError(
-                f"names, dtypes and shapes differ in length: {len(body.names)}, {len(body.dtypes)}, {len(body.shapes)}"
-            )
         # gloo receives into host memory; NCCL into the engine's device.
         device = self._engine.device if group.backend == "nccl" else torch.device("cpu")
         if body.load_format == "flattened_bucket":
@@ -210,39 +145,12 @@ class DistributedUpdates:
         return [torch.empty(s, dtype=parse_dtype(d), device=device) for d, s in pairs]
 
     @staticmethod
-    def _named(body: UpdateWeightsFromDistributedBody, buffers: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    def _named(body: UpdateBody, buffers: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         if body.load_format != "flattened_bucket":
             return list(zip(body.names, buffers, strict=True))
-        # Checked after the receive, not before: refusing first would leave the trainer's broadcast
-        # without a receiver and the group out of step; this way only the request fails.
         flat = buffers[0]
         return [(e.name, flat[e.start:e.end].view(e.dtype).reshape(e.shape))
                 for e in flattened_layout(body.names, body.dtypes, body.shapes)]
-
-    async def _load(self, named: list[tuple[str, torch.Tensor]], body: UpdateWeightsFromDistributedBody,
-                    ) -> tuple[bool, str]:
-        engine = self._engine
-        scheduler, memory, model = engine._running()
-        async with engine._model_update(), engine._control_lock:
-            if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
-                return False, "memory tag 'weights' was released while receiving; nothing applied"
-            async with scheduler.hold():
-                try:
-                    applied = await engine._on_model_thread(model.load_weights, named)
-                except ValueError as exc:  # load_weights checks every name, shape and dtype first
-                    return False, f"Failed to update weights, nothing applied: {exc}"
-            logger.info("loaded %d tensors from group %r (load_format=%s)", len(applied), body.group_name,
-                        body.load_format)
-            if body.weight_version is not None:
-                engine.weight_version = body.weight_version
-            if body.flush_cache:
-                flushed, _ = await engine._flush_locked(scheduler, memory, 0.0, body.torch_empty_cache)
-                if not flushed:
-                    return False, (
-                        "Weights were updated, but the cache was not flushed because requests are still running "
-                        "or queued. Retract or finish them, then call /flush_cache."
-                    )
-        return True, "Succeeded to update parameter online from distributed."
 
     async def destroy(self, group_name: str) -> tuple[bool, str]:
         """Leave the group; a receive still waiting on it answers failure at once."""
@@ -284,25 +192,20 @@ def _close_when_joined(joining: asyncio.Future[WeightGroup]) -> None:
         off_loop(joining.result().close, name="colocd-ref-leave")
 
 
-def _reply(ok: bool, message: str) -> JSONResponse:
-    """SGLang's ``{success, message}``: 200 on success, 400 otherwise (http_server.py:1404-1432, 1488-1505)."""
-    return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
-
-
 def distributed_routes(updates: DistributedUpdates) -> APIRouter:
     """The three routes, present in every protocol band (0.5.4 had them too)."""
     router = APIRouter()
 
     @router.post("/init_weights_update_group")
-    async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> JSONResponse:
-        return _reply(*await updates.init_group(body))
+    async def init_weights_update_group(body: SGLangBody[InitBody]) -> JSONResponse:
+        return success(*await updates.init_group(body))
 
     @router.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> JSONResponse:
-        return _reply(*await updates.update(body))
+    async def update_weights_from_distributed(body: SGLangBody[UpdateBody]) -> JSONResponse:
+        return success(*await updates.update(body))
 
     @router.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> JSONResponse:
-        return _reply(*await updates.destroy(body.group_name))
+    async def destroy_weights_update_group(body: SGLangBody[DestroyBody]) -> JSONResponse:
+        return success(*await updates.destroy(body.group_name))
 
     return router

@@ -18,40 +18,38 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
 import torch
 
 from ..base import MemoryTag, PauseMode
+from ..sglang.wire import UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput
 from .locks import ReaderWriterLock
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from .model import QwenLikeForCausalLM, build_model
 from .payloads import open_payload
 from .runner import ModelRunner
 from .sampling import SamplingConfig
-from .scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
+from .scheduler import Req, Scheduler, SchedulerMode, StopRule
 from .settings import ReferenceServerSettings
 from .tokenizer import CharTokenizer
 from .tp import TPRank, disagreement, rank_checksum, rank_devices
-from .wire import GenerateBody, SamplingParamsBody, UpdateWeightsFromTensorBody
+from .wire import GenerateBody, SamplingParamsBody
 
-__all__ = ["EngineRefusal", "ReferenceEngine", "RunState", "WeightsCheck"]
+__all__ = ["EngineRefusal", "ReferenceEngine", "RunState"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+UpdateBody = UpdateWeightsFromTensorReqInput | UpdateWeightsFromDistributedReqInput
 _GB = 1 << 30  # SGLang's "GB"
 
 
 class RunState(StrEnum):
     """Lifecycle of the server process (not of generation or memory, which have their own state)."""
 
-    STARTING = "starting"
-    RUNNING = "running"
-    FAILED = "failed"
-    STOPPING = "stopping"
+    STARTING, RUNNING, FAILED, STOPPING = "starting", "running", "failed", "stopping"
 
 
 class EngineRefusal(Exception):
@@ -59,24 +57,7 @@ class EngineRefusal(Exception):
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class WeightsCheck:
-    """The answer to ``/weights_checker``: SGLang's fields plus colocd's whole-model sha256s.
-
-    ``colocd_rank_checksums`` has one entry per TP rank; ``colocd_checksum`` is their common value,
-    and None when the ranks hold different weights (then no single checksum describes the engine).
-    """
-
-    success: bool
-    message: str
-    ranks: list[dict[str, Any]] | None = None
-    per_engine_checksum: str | None = None
-    colocd_checksum: str | None = None
-    colocd_rank_checksums: list[str] | None = None
+        self.status, self.message = status, message
 
 
 class ReferenceEngine:
@@ -94,9 +75,6 @@ class ReferenceEngine:
                                    if settings.device.startswith("cuda") else settings.device)
         self._ranks: list[TPRank] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
-        self._model: QwenLikeForCausalLM | None = None
-        self._memory: MemoryRegions | None = None
-        self._runner: ModelRunner | None = None
         self._scheduler: Scheduler | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failed = asyncio.Event()
@@ -121,26 +99,17 @@ class ReferenceEngine:
             self.state = RunState.FAILED
             self._failed.set()
             return
-        assert self._runner is not None and self._memory is not None
-        runner, memory = self._runner, self._memory
-        self._scheduler = Scheduler(
-            functools.partial(self._on_model_thread, runner.step),
-            max_batch=self.settings.max_batch,
-            max_seq=self.settings.max_seq,
-            tokenizer=self.tokenizer,
-            memory_ready=lambda: memory.all_resident,
-            weight_version=self._weight_version,
-        )
+        memory = self._ranks[0].memory
+        step = functools.partial(self._on_model_thread, ModelRunner(self._ranks[0].model, memory).step)
+        self._scheduler = Scheduler(step,
+                                    max_batch=self.settings.max_batch, max_seq=self.settings.max_seq,
+                                    tokenizer=self.tokenizer, memory_ready=lambda: memory.all_resident,
+                                    weight_version=self._weight_version)
         self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
         self._loop_task.add_done_callback(self._on_loop_exit)
         self.state = RunState.RUNNING
-        logger.info(
-            "reference engine ready: %s, tp_size %d on %s, protocol %s",
-            self.settings.model_path,
-            self.tp_size,
-            ", ".join(f"{r.device} ({r.device_id})" for r in self._ranks),
-            self.settings.protocol,
-        )
+        logger.info("reference engine ready: %s, tp_size %d on %s, protocol %s", self.settings.model_path,
+                    self.tp_size, ", ".join(f"{r.device} ({r.device_id})" for r in self._ranks), self.settings.protocol)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
         # The loop only ends by cancellation at shutdown; anything else is a bug that would leave
@@ -172,10 +141,7 @@ class ReferenceEngine:
             model.requires_grad_(False)
             memory = MemoryRegions(model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device)
             self._ranks.append(TPRank(index, device, device_id, model, memory))
-        first = self._ranks[0]
-        self.device = first.device
-        self._model, self._memory = first.model, first.memory
-        self._runner = ModelRunner(first.model, first.memory)
+        self.device = self._ranks[0].device
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
@@ -185,8 +151,8 @@ class ReferenceEngine:
             raise EngineRefusal(503, "the server is still starting")
         if self.state is not RunState.RUNNING:
             raise EngineRefusal(503, f"the server is {self.state.value}")
-        assert self._scheduler is not None and self._memory is not None and self._model is not None
-        return self._scheduler, self._memory, self._model
+        assert self._scheduler is not None
+        return self._scheduler, self._ranks[0].memory, self._ranks[0].model
 
     # --- state for the info routes ---------------------------------------------------------------
 
@@ -209,8 +175,8 @@ class ReferenceEngine:
             "memory_usage": self.memory_usage(),
             # Which tags hold memory now: SGLang reports nothing of the kind (the adapter reads none of it); the
             # specs read it to see what the daemon did to this engine.
-            "memory_resident": {t.value: self._memory.state(t) is TagState.RESIDENT for t in MemoryTag}
-            if self._memory is not None else {},
+            "memory_resident": {t.value: self._ranks[0].memory.state(t) is TagState.RESIDENT for t in MemoryTag}
+            if self._ranks else {},
         }
 
     def tag_bytes(self, rank: int) -> dict[MemoryTag, int]:
@@ -240,38 +206,31 @@ class ReferenceEngine:
 
     async def health_generate(self) -> bool:
         """SGLang's probe: a 1-token greedy request; never run while paused or while memory is released."""
-        if self.state is not RunState.RUNNING or self._scheduler is None or self._memory is None:
-            return False
-        if self._pause_mode is not None or not self._memory.all_resident:
-            return False
         scheduler = self._scheduler
+        if self.state is not RunState.RUNNING or scheduler is None or self._pause_mode is not None:
+            return False
+        if not self._ranks[0].memory.all_resident:
+            return False
         if scheduler.num_running:
             # SGLang's rule: any output from a busy engine proves it healthy; a probe of our own
             # could wait behind a full batch.
-            try:
-                await asyncio.wait_for(
-                    scheduler.wait_step(scheduler.steps_done), self.settings.health_timeout_s
-                )
-            except TimeoutError:
-                return False
-            return True
-        req = self._new_req(
-            f"HEALTH_CHECK_{uuid.uuid4().hex}",
-            [0],
-            SamplingConfig(temperature=0.0),
-            StopRule(max_new_tokens=1),
-            None,
-            False,
-        )
-        await self._scheduler.submit(req)
+            probe: asyncio.Future[Any] = asyncio.ensure_future(scheduler.wait_step(scheduler.steps_done))
+            req = None
+        else:
+            req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
+                                StopRule(max_new_tokens=1), None, return_logprob=False)
+            await scheduler.submit(req)
+            probe = req.future
         try:
-            await asyncio.wait_for(asyncio.shield(req.future), self.settings.health_timeout_s)
+            await asyncio.wait_for(asyncio.shield(probe), self.settings.health_timeout_s)
         except TimeoutError:
-            await self._scheduler.abort(req, "health check timed out")
+            if req is not None:
+                await scheduler.abort_all("health check timed out", req=req)
+            probe.cancel()
             return False
         return True
 
-    async def _run(self, scheduler: Scheduler, reqs: list[Req]) -> list[ReqOutput]:
+    async def _run(self, scheduler: Scheduler, reqs: list[Req]) -> list[Req]:
         try:
             async with self._update_lock.reader():
                 async with self._pause_cond:
@@ -287,7 +246,7 @@ class ReferenceEngine:
         except asyncio.CancelledError:
             for r in reqs:
                 if r.finish is None:
-                    await scheduler.abort(r, "client disconnected")
+                    await scheduler.abort_all("client disconnected", req=r)
             raise
 
     def _prompts(self, body: GenerateBody) -> tuple[list[list[int]], bool]:
@@ -313,16 +272,10 @@ class ReferenceEngine:
             if not p:
                 raise EngineRefusal(400, f"request {i}: the input is empty")
             if len(p) >= self.settings.max_seq:
-                raise EngineRefusal(
-                    400,
-                    f"request {i}: the input ({len(p)} tokens) is longer than the model's context length "
-                    f"({self.settings.max_seq} tokens).",
-                )
-            bad = next((t for t in p if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise EngineRefusal(
-                    400, f"request {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
-                )
+                raise EngineRefusal(400, f"request {i}: the input ({len(p)} tokens) is longer than the model's "
+                                         f"context length ({self.settings.max_seq} tokens).")
+            if (bad := next((t for t in p if not 0 <= t < vocab), None)) is not None:
+                raise EngineRefusal(400, f"request {i}: token id {bad} is outside the vocabulary (0..{vocab - 1})")
         return prompts, is_batch
 
     def _make_req(self, body: GenerateBody, i: int, n: int, prompt: list[int]) -> Req:
@@ -346,44 +299,23 @@ class ReferenceEngine:
         if not params.ignore_eos:
             stop_ids.add(self.tokenizer.eos_token_id)
         stop_strs = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
-        sampling = SamplingConfig(
-            temperature=1.0 if params.temperature is None else params.temperature,
-            top_k=-1 if params.top_k is None else params.top_k,
-            top_p=1.0 if params.top_p is None else params.top_p,
-            min_p=params.min_p or 0.0,
-        )
+        sampling = SamplingConfig(temperature=1.0 if params.temperature is None else params.temperature,
+                                  top_k=-1 if params.top_k is None else params.top_k,
+                                  top_p=1.0 if params.top_p is None else params.top_p, min_p=params.min_p or 0.0)
         # Seeded requests draw from their own generator so that batch neighbours cannot change
         # them; unseeded ones from a fresh random seed.
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
         generator = None if sampling.greedy else torch.Generator(device="cpu").manual_seed(seed)
-        stop = StopRule(
-            max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
-            stop_token_ids=frozenset(stop_ids),
-            stop_strs=stop_strs,
-            no_stop_trim=bool(params.no_stop_trim),
-            skip_special_tokens=params.skip_special_tokens is not False,
-        )
-        return self._new_req(rid, prompt, sampling, stop, generator, bool(lp))
+        stop = StopRule(max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
+                        stop_token_ids=frozenset(stop_ids), stop_strs=stop_strs, no_stop_trim=bool(params.no_stop_trim),
+                        skip_special_tokens=params.skip_special_tokens is not False)
+        return self._new_req(rid, prompt, sampling, stop, generator, return_logprob=bool(lp))
 
-    def _new_req(
-        self,
-        rid: str,
-        prompt: list[int],
-        sampling: SamplingConfig,
-        stop: StopRule,
-        generator: torch.Generator | None,
-        return_logprob: bool,
-    ) -> Req:
-        future: asyncio.Future[ReqOutput] = asyncio.get_running_loop().create_future()
-        return Req(
-            rid=rid,
-            prompt_ids=prompt,
-            stop=stop,
-            sampling=sampling,
-            generator=generator,
-            return_logprob=return_logprob,
-            future=future,
-        )
+    @staticmethod
+    def _new_req(rid: str, prompt: list[int], sampling: SamplingConfig, stop: StopRule,
+                 generator: torch.Generator | None, *, return_logprob: bool) -> Req:
+        future: asyncio.Future[Req] = asyncio.get_running_loop().create_future()
+        return Req(rid, prompt, stop, sampling, generator, return_logprob, future)
 
     @property
     def weight_version(self) -> str:
@@ -397,33 +329,27 @@ class ReferenceEngine:
         if self._scheduler is not None:
             self._scheduler.record_version_change(new)
 
-    def _response(self, out: ReqOutput) -> dict[str, Any]:
+    def _response(self, req: Req) -> dict[str, Any]:
         """SGLang's non-streaming answer (tokenizer_manager.py:2506-2669)."""
+        assert req.finish is not None
         meta: dict[str, Any] = {
-            "id": out.rid,
-            "finish_reason": out.finish_reason.to_json(),
-            "prompt_tokens": len(out.prompt_ids),
-            "weight_version": self.weight_version,
-            "num_retractions": out.num_retractions,
-            "reasoning_tokens": 0,
-            "completion_tokens": len(out.output_ids),
-            "cached_tokens": 0,
+            "id": req.rid, "finish_reason": req.finish.to_json(), "prompt_tokens": len(req.prompt_ids),
+            "weight_version": self.weight_version, "num_retractions": req.num_retractions, "reasoning_tokens": 0,
+            "completion_tokens": len(req.output_ids), "cached_tokens": 0,
         }
-        if out.weight_versions:
+        if req.weight_versions:
             # SGLang 0.5.23 add_weight_versions_to_meta_info (utils/weight_versions.py): the spans of output
             # tokens each version produced, and weight_version becomes the last span's version.
-            meta["weight_versions"] = [dict(span) for span in out.weight_versions]
-            meta["weight_version"] = out.weight_versions[-1]["version"]
-        if out.output_logprobs is not None:
+            meta["weight_versions"] = [dict(span) for span in req.weight_versions]
+            meta["weight_version"] = req.weight_versions[-1]["version"]
+        if req.return_logprob:
             # SGLang's (logprob, token_id, text) triples; text is null unless return_text_in_logprobs.
-            meta["input_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(out.input_logprobs or [], out.prompt_ids, strict=False)
-            ]
-            meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids, strict=True)
-            ]
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in
+                                            zip(req.input_logprobs or [], req.prompt_ids, strict=False)]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                             zip(req.output_logprobs, req.output_ids, strict=True)]
         meta["response_sent_to_client_ts"] = time.time()
-        return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # --- generation control ----------------------------------------------------------------------
 
@@ -453,17 +379,14 @@ class ReferenceEngine:
         scheduler, _, _ = self._running()
         return await scheduler.abort_all(rid=None if abort_all else rid)
 
-    async def flush_cache(
-        self, timeout_s: float = 0.0, *, empty_cache: bool = False
-    ) -> tuple[bool, str | None]:
+    async def flush_cache(self, timeout_s: float = 0.0) -> tuple[bool, str | None]:
         """Forget cached KV; refused unless idle (the queue is ignored while paused in retract/in_place)."""
-        scheduler, memory, _ = self._running()
+        scheduler, _, _ = self._running()
         async with self._control_lock:
-            return await self._flush_locked(scheduler, memory, timeout_s, empty_cache)
+            return await self._flush_locked(scheduler, timeout_s, empty_cache=False)
 
-    async def _flush_locked(
-        self, scheduler: Scheduler, memory: MemoryRegions, timeout_s: float, empty_cache: bool
-    ) -> tuple[bool, str | None]:
+    async def _flush_locked(self, scheduler: Scheduler, timeout_s: float, *, empty_cache: bool,
+                            ) -> tuple[bool, str | None]:
         ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
         if timeout_s > 0:
             try:
@@ -480,35 +403,26 @@ class ReferenceEngine:
 
     # --- memory ----------------------------------------------------------------------------------
 
-    async def release_memory(self, tags: Sequence[str] | None) -> None:
-        await self._move_memory(tags, resume=False)
-
-    async def resume_memory(self, tags: Sequence[str] | None) -> None:
-        await self._move_memory(tags, resume=True)
-
-    async def _move_memory(self, raw_tags: Sequence[str] | None, *, resume: bool) -> None:
+    async def move_memory(self, raw_tags: Sequence[str] | None, *, resume: bool) -> None:
+        """SGLang's release or resume of memory tags on every TP rank; a refused call changes nothing anywhere."""
         scheduler, _, _ = self._running()
         try:
             tags = normalize_tags(raw_tags)
         except ValueError as exc:
             raise EngineRefusal(400, str(exc)) from None
-        action = "resume_memory_occupation" if resume else "release_memory_occupation"
         async with self._control_lock:
             try:
-                for rank in self._ranks:  # every rank first: a refused call changes nothing anywhere
+                for rank in self._ranks:
                     rank.memory.check(tags, resume=resume)
             except MemoryTagError as exc:
                 raise EngineRefusal(400, str(exc)) from None
             async with scheduler.hold():
-                ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
                 # Only a release needs idleness; a resume is what lets queued requests run again.
+                ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
                 if not resume and not scheduler.is_fully_idle(ignore_waiting=ignore_waiting):
                     # SGLang asserts here and its scheduler dies; we refuse and stay up.
-                    raise EngineRefusal(
-                        400,
-                        f"{action} needs an idle engine: {scheduler.num_running} running and "
-                        f"{scheduler.num_waiting} queued requests; pause generation first",
-                    )
+                    raise EngineRefusal(400, f"release_memory_occupation needs an idle engine: {scheduler.num_running} "
+                                        f"running and {scheduler.num_waiting} queued requests; pause generation first")
                 if not resume and MemoryTag.KV_CACHE in tags:
                     scheduler.flush()  # SGLang flushes before releasing the KV cache
                 await self._on_model_thread(self._move_every_rank, tags, resume)
@@ -533,82 +447,72 @@ class ReferenceEngine:
             async with self._update_lock.writer():
                 yield
 
-    async def begin_weight_update(self, selector: str) -> tuple[bool, str]:
-        """Open the session."""
+    async def weight_session(self, selector: str | None) -> tuple[bool, str]:
+        """``/begin_weight_update`` (a ``selector``) or ``/end_weight_update`` (None)."""
         self._running()
-        # The control lock: a load still running (of a session whose caller gave up) finishes first.
+        # Under the control lock: a load still running (of a session whose caller gave up) finishes first, and
+        # once an end returns, no load of the ended session runs or can start.
         async with self._model_update(), self._control_lock:
-            if self._session_selector is not None:
+            if selector is not None and self._session_selector is not None:
                 return False, "a weight-update session is already open; call end_weight_update() first"
+            if selector is None and self._session_selector is None:
+                return False, "no weight-update session is open; call begin_weight_update() first"
             self._session_selector = selector
             return True, "Success"
 
-    async def end_weight_update(self) -> tuple[bool, str]:
-        """End the open session."""
-        self._running()
-        # Under the control lock: once this returns, no load of the ended session runs or can start.
-        async with self._model_update(), self._control_lock:
-            if self._session_selector is None:
-                return False, "no weight-update session is open; call begin_weight_update() first"
-            self._session_selector = None
-            return True, "Success"
-
-    async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorBody) -> tuple[bool, str]:
-        """Load one chunk, TP rank r from entry r; a bad chunk applies nothing on any rank and says why."""
-        scheduler, memory, _ = self._running()
+    def outside_session(self, route: str) -> str | None:
+        """Why a load through ``route`` is refused now: 0.5.23 loads inside a session only (weight_updater.py:190)."""
         if self.settings.protocol != "legacy" and self._session_selector is None:
-            return False, (
-                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-            )
-        entries = body.serialized_named_tensors
-        if len(entries) != self.tp_size:
-            return False, (
-                f"serialized_named_tensors has {len(entries)} entries but this engine has tp_size {self.tp_size} "
-                "(one entry per TP rank)"
-            )
+            return f"{route} must run between begin_weight_update() and end_weight_update()"
+        return None
+
+    async def apply_update(self, load: Callable[[], list[str]], body: UpdateBody) -> tuple[bool, str]:
+        """Run ``load`` on the model thread with no step running, under SGLang's update rules, then set the version
+        and flush the cache as ``body`` asks. ``load`` raises ``ValueError`` before it applies anything."""
+        scheduler, memory, _ = self._running()
         if body.abort_all_requests:
             await scheduler.abort_all()
         async with self._model_update(), self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
-                return False, (
-                    "memory tag 'weights' is released; resume it (/resume_memory_occupation "
-                    '{"tags": ["weights"]}) before loading weights'
-                )
+                return False, ("memory tag 'weights' is released; resume it (/resume_memory_occupation "
+                               '{"tags": ["weights"]}) before loading weights')
             async with scheduler.hold():
                 try:
-                    names = await self._on_model_thread(self._load_entries, entries, body.load_format)
+                    names = await self._on_model_thread(load)
                 except ValueError as exc:  # PayloadError, UnsafePickleError, load_weights' checks
                     return False, f"Failed to update weights, nothing applied: {exc}"
                 except Exception as exc:
-                    logger.exception("update_weights_from_tensor failed")
+                    logger.exception("weight update failed")
                     return False, f"Failed to update weights: internal error {type(exc).__name__}: {exc}"
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
                 self.weight_version = body.weight_version
-            message = "Success"
-            if body.flush_cache:
-                flushed, _ = await self._flush_locked(scheduler, memory, 0.0, body.torch_empty_cache)
-                if not flushed:
-                    return False, (
-                        "Weights were updated, but the cache was not flushed because requests are still "
-                        "running or queued. Retract or finish them, then call /flush_cache."
-                    )
-        if self.settings.protocol == "legacy" and body.weight_version is not None:
+            if body.flush_cache and not (await self._flush_locked(scheduler, 0, empty_cache=body.torch_empty_cache))[0]:
+                return False, ("Weights were updated, but the cache was not flushed because requests are still "
+                               "running or queued. Retract or finish them, then call /flush_cache.")
+        return True, "Success"
+
+    async def update_weights_from_tensor(self, body: UpdateWeightsFromTensorReqInput) -> tuple[bool, str]:
+        """Load one chunk, TP rank r from entry r; a bad chunk applies nothing on any rank and says why."""
+        self._running()
+        if (refusal := self.outside_session("update_weights_from_tensor")) is not None:
+            return False, refusal
+        entries = body.serialized_named_tensors
+        if len(entries) != self.tp_size:
+            return False, (f"serialized_named_tensors has {len(entries)} entries but this engine has tp_size "
+                           f"{self.tp_size} (one entry per TP rank)")
+        ok, message = await self.apply_update(functools.partial(self._load_entries, entries, body.load_format), body)
+        if ok and self.settings.protocol == "legacy" and body.weight_version is not None:
             message += f" Weight version updated to {body.weight_version}."
-        return True, message
+        return ok, message
 
     def _load_entries(self, entries: Sequence[str], load_format: str | None) -> list[str]:
         with contextlib.ExitStack() as stack:
-            opened = [
-                stack.enter_context(
-                    open_payload(entry, load_format, tp_rank=rank.index, device=rank.device)
-                )
-                for rank, entry in zip(self._ranks, entries, strict=True)
-            ]
+            opened = [stack.enter_context(open_payload(entry, load_format, tp_rank=rank.index, device=rank.device))
+                      for rank, entry in zip(self._ranks, entries, strict=True)]
             if len(opened) > 1 and (why := disagreement(opened)) is not None:
                 raise ValueError(why)  # before any rank applies anything: the ranks stay identical
-            applied = [rank.model.load_weights(named)
-                       for rank, named in zip(self._ranks, opened, strict=True)]
+            applied = [rank.model.load_weights(named) for rank, named in zip(self._ranks, opened, strict=True)]
         for rank in self._ranks:
             if rank.device.type == "cuda":
                 # Reply after the copies land (SGLang does not; research/engine-apis.md §6.4 #6).
@@ -621,70 +525,61 @@ class ReferenceEngine:
             await scheduler.abort_all()
         self.weight_version = new_version
 
-    async def check_weights(self, action: str, skip: Sequence[str] | None) -> WeightsCheck:
-        """``/weights_checker``: checksum, snapshot, compare or reset_tensors, as SGLang's WeightChecker."""
+    async def check_weights(self, action: str, skip: Sequence[str] | None) -> tuple[bool, str, dict[str, Any]]:
+        """``/weights_checker``: checksum, snapshot, compare or reset_tensors, as SGLang's WeightChecker; (success,
+        message, the reply's other fields)."""
         _, memory, _ = self._running()
-        models = [r.model for r in self._ranks]
+        models, skipped = [r.model for r in self._ranks], tuple(skip or ())
         async with self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
-                return WeightsCheck(
-                    False, "memory tag 'weights' is released; resume it and push weights first"
-                )
+                return False, "memory tag 'weights' is released; resume it and push weights first", {}
             if action == "checksum":
-                return await self._on_model_thread(self._checksum, tuple(skip or ()))
+                return await self._on_model_thread(self._checksum, skipped)
             if action == "snapshot":
                 self._snapshot = await self._on_model_thread(lambda: [_clone_params(m) for m in models])
-                return WeightsCheck(True, "Success.")
-            if action == "compare":
+            elif action == "compare":
                 if self._snapshot is None:
-                    return WeightsCheck(False, "no snapshot to compare with; call action 'snapshot' first")
+                    return False, "no snapshot to compare with; call action 'snapshot' first", {}
                 snapshot, self._snapshot = self._snapshot, None
                 diffs = await self._on_model_thread(
                     lambda: [d for r, m, snap in zip(self._ranks, models, snapshot, strict=True)
-                             for d in _compare_params(m, snap, tuple(skip or ()), r.index)])
+                             for d in _compare_params(m, snap, skipped, r.index)])
                 if diffs:
-                    return WeightsCheck(False, "check tensor equality failed:\n" + "\n".join(diffs))
-                return WeightsCheck(True, "Success.")
-            if action == "reset_tensors":
-                await self._on_model_thread(_randomize_params, models, tuple(skip or ()))
-                return WeightsCheck(True, "Success.")
-            return WeightsCheck(False, f"Unsupported action={action!r}")
+                    return False, "check tensor equality failed:\n" + "\n".join(diffs), {}
+            elif action == "reset_tensors":
+                await self._on_model_thread(_randomize_params, models, skipped)
+            else:
+                return False, f"Unsupported action={action!r}", {}
+            return True, "Success.", {}
 
-    def _checksum(self, skip: tuple[str, ...]) -> WeightsCheck:
+    def _checksum(self, skip: tuple[str, ...]) -> tuple[bool, str, dict[str, Any]]:
         records, sums = zip(*(rank_checksum(r, self.tp_size, skip) for r in self._ranks), strict=True)
-        # SGLang's per-engine checksum digests every rank's per-GPU one, in rank order.
+        # SGLang's per-engine checksum digests every rank's per-GPU one, in rank order. colocd's own whole-model
+        # sha256 (chunks.tensor_checksum, which a trainer computes from its tensors) comes per rank, and as one
+        # value only while the ranks agree: no single checksum describes an engine whose ranks differ.
         engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in records).encode()).hexdigest()
         differ = [r for r, value in enumerate(sums) if value != sums[0]]
-        if differ:
-            # No single checksum describes an engine whose ranks hold different weights.
-            message = f"TP ranks {differ} hold other weights than TP rank 0"
-            return WeightsCheck(True, message, list(records), engine, None, list(sums))
-        return WeightsCheck(True, "Success.", list(records), engine, sums[0], list(sums))
+        message = f"TP ranks {differ} hold other weights than TP rank 0" if differ else "Success."
+        return True, message, {"ranks": list(records), "per_engine_checksum": engine,
+                               "colocd_checksum": None if differ else sums[0], "colocd_rank_checksums": list(sums)}
 
 
 def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:
     return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 
-def _compare_params(
-    model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...], tp_rank: int
-) -> list[str]:
-    diffs = []
-    for name, p in model.named_parameters():
-        if any(s in name for s in skip):
-            continue
-        if not torch.equal(p.detach().cpu(), snapshot[name]):
-            diffs.append(f"name={name} differs from the snapshot" + (f" on TP rank {tp_rank}" if tp_rank else ""))
-    return diffs
+def _compare_params(model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...],
+                    tp_rank: int) -> list[str]:
+    where = f" on TP rank {tp_rank}" if tp_rank else ""
+    return [f"name={name} differs from the snapshot{where}" for name, p in model.named_parameters()
+            if not any(s in name for s in skip) and not torch.equal(p.detach().cpu(), snapshot[name])]
 
 
 def _randomize_params(models: Sequence[QwenLikeForCausalLM], skip: tuple[str, ...]) -> None:
     """The same random values on every TP rank, so the ranks keep agreeing."""
     with torch.no_grad():
         for named in zip(*(m.named_parameters() for m in models), strict=True):
-            name, first = named[0]
-            if any(s in name for s in skip):
-                continue
-            first.copy_(torch.randn_like(first))
-            for _, p in named[1:]:
-                p.copy_(first)
+            if not any(s in named[0][0] for s in skip):
+                value = torch.randn_like(named[0][1])
+                for _, p in named:
+                    p.copy_(value)

@@ -13,6 +13,7 @@ the server, so the daemon can use it cheaply.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -20,9 +21,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 from urllib.parse import urlsplit
 
 import httpx
@@ -39,36 +39,23 @@ _DEFAULT_READY_TIMEOUT_S = 120.0
 class ReferenceEngineProcess:
     """One reference engine server process, started from a ``ReferenceEngineConfig``."""
 
-    def __init__(
-        self,
-        config: ReferenceEngineConfig,
-        *,
-        log_path: str | os.PathLike[str] | None = None,
-        grace_s: float = 10.0,
-        ready_path: str = "/health",
-        drivable: bool = False,
-        options: LaunchOptions | None = None,
-    ) -> None:
+    def __init__(self, config: ReferenceEngineConfig, *, log_path: str | os.PathLike[str] | None = None,
+                 grace_s: float = 10.0, ready_path: str = "/health", drivable: bool = False,
+                 options: LaunchOptions | None = None) -> None:
         if config.device.startswith("cuda:") and config.tp_size > 1:
-            raise ValueError(
-                f"engine {config.name!r}: device {config.device!r} names one GPU but tp_size is "
-                f"{config.tp_size}; use device 'cuda' with one GPU per TP rank in gpus or gpu_uuids"
-            )
-        self.config = config
-        self.grace_s = grace_s
+            raise ValueError(f"engine {config.name!r}: device {config.device!r} names one GPU but tp_size is "
+                             f"{config.tp_size}; use device 'cuda' with one GPU per TP rank in gpus or gpu_uuids")
+        self.config, self.grace_s, self.options = config, grace_s, options or LaunchOptions()
         # "/health" (a generation answers) by default; "/model_info" when something else (a colocd
         # daemon that sees a restarted engine) may pause it before its first generation.
         self.ready_path = ready_path
         # Ready only once it can be driven (its model built: a pause is accepted), not just answering HTTP.
         self.drivable = drivable
-        self.options = options or LaunchOptions()
-        launch_log = config.launch.log_file if config.launch else None
-        self._log_file = log_path if log_path is not None else launch_log
+        self._log_file = log_path if log_path is not None else config.launch.log_file if config.launch else None
+        self.ready_timeout_s = config.launch.ready_timeout_s if config.launch else _DEFAULT_READY_TIMEOUT_S
         self._workdir: str | None = None
         self.process: ManagedProcess | None = None
         self.url: str | None = None
-
-    # --- public surface --------------------------------------------------------------------------
 
     @property
     def pid(self) -> int | None:
@@ -79,10 +66,6 @@ class ReferenceEngineProcess:
         if self.process is not None:
             return self.process.log_path
         return Path(self._log_file) if self._log_file is not None else None
-
-    @property
-    def ready_timeout_s(self) -> float:
-        return self.config.launch.ready_timeout_s if self.config.launch else _DEFAULT_READY_TIMEOUT_S
 
     @property
     def returncode(self) -> int | None:
@@ -99,59 +82,45 @@ class ReferenceEngineProcess:
         self.start()
         return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def command(self, ready_file: str) -> list[str]:
         """The child's command line (the API key travels in the environment, not in argv)."""
-        host, port = self._host_port()
-        cmd = [
-            sys.executable, "-m", "colocd.engines.reference",
-            "--host", host,
-            "--port", str(port),
-            "--device", self.config.device,
-            "--seed", str(self.config.seed),
-            "--protocol", self.config.protocol,
-            "--ready-file", ready_file,
-            "--model-json", json.dumps(self.config.model),
-            "--tp-size", str(self.config.tp_size),
-        ]  # fmt: skip
-        if self.config.device_ids:
-            cmd += ["--device-ids", ",".join(self.config.device_ids)]
-        if self.config.launch:
-            cmd += self.config.launch.args
-        return cmd
-
-    # --- async -----------------------------------------------------------------------------------
+        c, url = self.config, urlsplit(self.config.url or "")
+        cmd = [sys.executable, "-m", "colocd.engines.reference", "--host", url.hostname or "127.0.0.1",
+               "--port", str(url.port or 0), "--device", c.device, "--seed", str(c.seed), "--protocol", c.protocol,
+               "--ready-file", ready_file, "--model-json", json.dumps(c.model), "--tp-size", str(c.tp_size)]
+        if c.device_ids:
+            cmd += ["--device-ids", ",".join(c.device_ids)]
+        return cmd + (c.launch.args if c.launch else [])
 
     async def astart(self) -> None:
         """Start the child and return once it is ready; raises ``EngineLaunchError`` otherwise."""
         proc, ready_file = self._spawn()
         try:
-            self.url = await proc.wait_ready(_ready_file_probe(ready_file), self.ready_timeout_s)
+
+            async def listening() -> str | None:
+                return read_ready_file(ready_file)
+
+            self.url = await proc.wait_ready(listening, self.ready_timeout_s)
             self._cleanup()  # the ready file has been read
+            info = "/get_server_info" if self.config.protocol == "legacy" else "/server_info"
             async with httpx.AsyncClient(timeout=5.0, headers=self._headers(), trust_env=False) as client:
 
-                async def answers() -> bool | None:
-                    with contextlib.suppress(httpx.TransportError):
-                        if (await client.get(f"{self.url}{self.ready_path}")).status_code == 200:
+                async def ready() -> bool | None:
+                    with contextlib.suppress(httpx.TransportError, ValueError, KeyError, IndexError):
+                        if (await client.get(f"{self.url}{self.ready_path}")).status_code != 200:
+                            return None
+                        if not self.drivable:
+                            return True
+                        r = await client.get(f"{self.url}{info}")
+                        if r.status_code == 200 and r.json()["internal_states"][0]["engine_state"] == "running":
                             return True
                     return None
 
-                await proc.wait_ready(answers, self._remaining(proc))
-                if self.drivable:
-                    info = "/get_server_info" if self.config.protocol == "legacy" else "/server_info"
-
-                    async def running() -> bool | None:
-                        with contextlib.suppress(httpx.TransportError, ValueError, KeyError, IndexError):
-                            r = await client.get(f"{self.url}{info}")
-                            if r.status_code == 200 and r.json()["internal_states"][0]["engine_state"] == "running":
-                                return True
-                        return None
-
-                    await proc.wait_ready(running, self._remaining(proc))
+                assert proc.started_at is not None  # what is left of the one readiness deadline
+                await proc.wait_ready(ready, max(0.001, self.ready_timeout_s - (time.monotonic() - proc.started_at)))
         except BaseException:
             await self.aclose()
             raise
@@ -162,26 +131,10 @@ class ReferenceEngineProcess:
             await self.process.stop(self.grace_s)
         self._cleanup()
 
-    # --- sync ------------------------------------------------------------------------------------
-
     def start(self) -> None:
-        """Blocking twin of ``astart`` for synchronous callers (tests, scripts)."""
-        proc, ready_file = self._spawn()
-        try:
-            self.url = proc.wait_ready_sync(lambda: read_ready_file(ready_file), self.ready_timeout_s)
-            self._cleanup()
-            with httpx.Client(timeout=5.0, headers=self._headers(), trust_env=False) as client:
-
-                def answers() -> bool | None:
-                    with contextlib.suppress(httpx.TransportError):
-                        if client.get(f"{self.url}{self.ready_path}").status_code == 200:
-                            return True
-                    return None
-
-                proc.wait_ready_sync(answers, self._remaining(proc))
-        except BaseException:
-            self.stop()
-            raise
+        """Blocking twin of ``astart`` for synchronous callers (tests, scripts), on a loop of its own."""
+        with ThreadPoolExecutor(1, thread_name_prefix="colocd-ref-start") as pool:
+            pool.submit(asyncio.run, self.astart()).result()
 
     def stop(self) -> None:
         if self.process is not None:
@@ -195,27 +148,14 @@ class ReferenceEngineProcess:
             raise RuntimeError(f"engine {self.config.name!r}: this launcher has already been started")
         self._workdir = tempfile.mkdtemp(prefix=f"colocd-ref-{self.config.name}-")
         ready_file = os.path.join(self._workdir, "ready.json")
-        self.process = ManagedProcess(
-            self.config.name, self.command(ready_file), self._environment(),
-            label="reference engine", log_file=self._log_file, on_spawn=self.options.on_spawn,
-        )  # fmt: skip
+        self.process = ManagedProcess(self.config.name, self.command(ready_file), self._environment(),
+                                      label="reference engine", log_file=self._log_file, on_spawn=self.options.on_spawn)
         try:
             self.process.spawn()
         except BaseException:
             self._cleanup()
             raise
         return self.process, ready_file
-
-    def _remaining(self, proc: ManagedProcess) -> float:
-        """What is left of the one readiness deadline (ready file and health share it)."""
-        assert proc.started_at is not None
-        return max(0.001, self.ready_timeout_s - (time.monotonic() - proc.started_at))
-
-    def _host_port(self) -> tuple[str, int]:
-        if not self.config.url:
-            return "127.0.0.1", 0
-        parts = urlsplit(self.config.url)
-        return parts.hostname or "127.0.0.1", parts.port or 0
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -238,13 +178,6 @@ class ReferenceEngineProcess:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
-
-
-def _ready_file_probe(path: str) -> Callable[[], Awaitable[str | None]]:
-    async def probe() -> str | None:
-        return read_ready_file(path)
-
-    return probe
 
 
 async def launch_reference(config: ReferenceEngineConfig, options: LaunchOptions | None = None) -> Launched:

@@ -19,13 +19,7 @@ class ReaderWriterLock:
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()
-        self._readers = 0
-        self._writer_active = False
-        self._writers_waiting = 0
-
-    @property
-    def readers(self) -> int:
-        return self._readers
+        self._readers, self._writers_waiting, self._writer_active = 0, 0, False
 
     @contextlib.asynccontextmanager
     async def reader(self) -> AsyncIterator[None]:

@@ -1,6 +1,6 @@
 """The reference engine's memory, split into SGLang's three tags, each really freed and reallocated.
 
-- ``weights``: the model's parameters (and its small buffers, stashed and restored like SGLang's).
+- ``weights``: the model's parameters (its buffers, the rotary table derived from the config, stay).
 - ``kv_cache``: the KV pool, ``max_batch`` slots of ``max_seq`` positions.
 - ``cuda_graph``: the reference engine captures no CUDA graphs; this tag owns the decode
   workspace (the per-step logits buffer sampling reads from), so releasing it is still real.
@@ -19,17 +19,11 @@ import math
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from ..base import ALL_TAGS, MemoryTag, TagState
 from .model import QwenLikeForCausalLM, kv_pool_shape
 
-__all__ = [
-    "MemoryRegions",
-    "MemoryTagError",
-    "TagState",
-    "normalize_tags",
-]
+__all__ = ["MemoryRegions", "MemoryTagError", "TagState", "normalize_tags"]
 
 # SGLang's order (scheduler_components/weight_updater.py:337-426): release kv → weights → graph,
 # resume graph → weights → kv, so the biggest allocations come back last.
@@ -42,64 +36,45 @@ class MemoryTagError(ValueError):
 
     def __init__(self, tag: str, state: str, action: str) -> None:
         super().__init__(f"cannot {action} memory tag {tag!r}: it is already {state}")
-        self.tag = tag
-        self.state = state
 
 
 def normalize_tags(tags: Iterable[str] | None) -> tuple[MemoryTag, ...]:
     """SGLang's rule: None or [] means every tag; an unknown name is an error naming it."""
-    if not tags:
-        return ALL_TAGS
-    out: list[MemoryTag] = []
-    for t in tags:
-        try:
-            tag = MemoryTag(t)
-        except ValueError:
-            raise ValueError(f"unknown memory tag {t!r}; known: {[x.value for x in ALL_TAGS]}") from None
-        if tag not in out:
-            out.append(tag)
-    return tuple(out)
+    known = {t.value: t for t in ALL_TAGS}
+    if unknown := [t for t in tags or () if t not in known]:
+        raise ValueError(f"unknown memory tag {unknown[0]!r}; known: {list(known)}")
+    return tuple(dict.fromkeys(known[t] for t in tags)) if tags else ALL_TAGS
 
 
 class MemoryRegions:
     """Owns the three tagged regions of one engine and moves them between resident and released."""
 
-    def __init__(
-        self,
-        model: QwenLikeForCausalLM,
-        *,
-        max_batch: int,
-        max_seq: int,
-        device: torch.device,
-    ) -> None:
-        self._model = model
-        self._device = device
-        self._dtype = next(model.parameters()).dtype
-        self._kv_shape = kv_pool_shape(model.config, max_batch, max_seq)
-        self._workspace_shape = (max_batch, model.config.vocab_size)
-        self._param_meta = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
-        self._buffer_stash: dict[str, torch.Tensor] = {}
-        self._kv_pool: torch.Tensor | None = torch.zeros(self._kv_shape, dtype=self._dtype, device=device)
-        self._workspace: torch.Tensor | None = torch.zeros(
-            self._workspace_shape, dtype=torch.float32, device=device
-        )
+    def __init__(self, model: QwenLikeForCausalLM, *, max_batch: int, max_seq: int, device: torch.device) -> None:
+        self._model, self._device = model, device
+        self._params = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+        # The two buffers the runner reads: the KV pool (kv_cache) and the decode workspace (cuda_graph).
+        dtype = next(model.parameters()).dtype
+        self._shapes = {MemoryTag.KV_CACHE: (kv_pool_shape(model.config, max_batch, max_seq), dtype),
+                        MemoryTag.CUDA_GRAPH: ((max_batch, model.config.vocab_size), torch.float32)}
+        self._buffers: dict[MemoryTag, torch.Tensor | None] = {t: self._allocate(t) for t in self._shapes}
         self._states = dict.fromkeys(ALL_TAGS, TagState.RESIDENT)
 
-    # --- what the runner reads -------------------------------------------------------------------
+    def _allocate(self, tag: MemoryTag) -> torch.Tensor:
+        shape, dtype = self._shapes[tag]
+        return torch.zeros(shape, dtype=dtype, device=self._device)
+
+    def _buffer(self, tag: MemoryTag) -> torch.Tensor:
+        if (buffer := self._buffers[tag]) is None:
+            raise RuntimeError(f"memory tag {tag.value!r} is released")
+        return buffer
 
     @property
     def kv_pool(self) -> torch.Tensor:
-        if self._kv_pool is None:
-            raise RuntimeError("memory tag 'kv_cache' is released")
-        return self._kv_pool
+        return self._buffer(MemoryTag.KV_CACHE)
 
     @property
     def workspace(self) -> torch.Tensor:
-        if self._workspace is None:
-            raise RuntimeError("memory tag 'cuda_graph' is released (it owns the decode workspace)")
-        return self._workspace
-
-    # --- state -----------------------------------------------------------------------------------
+        return self._buffer(MemoryTag.CUDA_GRAPH)
 
     def state(self, tag: MemoryTag) -> TagState:
         return self._states[tag]
@@ -110,12 +85,8 @@ class MemoryRegions:
 
     def resident_nbytes(self, tag: MemoryTag) -> int:
         """Bytes the tag holds when resident (its size, whatever its state now)."""
-        if tag is MemoryTag.WEIGHTS:
-            params = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self._param_meta.values())
-            return params + sum(b.nbytes for b in self._buffers_now_or_stashed())
-        if tag is MemoryTag.KV_CACHE:
-            return math.prod(self._kv_shape) * self._dtype.itemsize
-        return math.prod(self._workspace_shape) * torch.float32.itemsize
+        sizes = self._params.values() if tag is MemoryTag.WEIGHTS else [self._shapes[tag]]
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in sizes)
 
     def nbytes(self, tag: MemoryTag) -> int:
         """Bytes the tag holds right now (0 once released)."""
@@ -128,11 +99,9 @@ class MemoryRegions:
             if self._states[tag] is not needed:
                 raise MemoryTagError(tag.value, self._states[tag].value, "resume" if resume else "release")
 
-    # --- transitions (run on the model thread) ---------------------------------------------------
-
     def release(self, tags: Iterable[MemoryTag]) -> None:
-        """Free the tags' storage and give it back to the device; checks every tag first, so a refused call changes
-        nothing."""
+        """Free the tags' storage and give it back to the device (on the model thread); checks every tag first,
+        so a refused call changes nothing."""
         tags = tuple(t for t in _RELEASE_ORDER if t in set(tags))
         self.check(tags, resume=False)
         if self._device.type == "cuda":
@@ -140,11 +109,12 @@ class MemoryRegions:
             torch.cuda.synchronize(self._device)
         for tag in tags:
             if tag is MemoryTag.WEIGHTS:
-                self._release_weights()
-            elif tag is MemoryTag.KV_CACHE:
-                self._kv_pool = None
+                for p in self._model.parameters():
+                    # Replacing .data keeps the Parameter objects (and the model's structure) alive while
+                    # dropping the last reference to the storage.
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             else:
-                self._workspace = None
+                self._buffers[tag] = None
             self._states[tag] = TagState.RELEASED
         self.empty_cache()
 
@@ -154,11 +124,11 @@ class MemoryRegions:
         self.check(tags, resume=True)
         for tag in tags:
             if tag is MemoryTag.WEIGHTS:
-                self._resume_weights()
-            elif tag is MemoryTag.KV_CACHE:
-                self._kv_pool = torch.zeros(self._kv_shape, dtype=self._dtype, device=self._device)
+                params = dict(self._model.named_parameters())
+                for name, (shape, dtype) in self._params.items():
+                    params[name].data = torch.empty(shape, dtype=dtype, device=self._device)
             else:
-                self._workspace = torch.zeros(self._workspace_shape, dtype=torch.float32, device=self._device)
+                self._buffers[tag] = self._allocate(tag)
             self._states[tag] = TagState.RESIDENT
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
@@ -167,35 +137,3 @@ class MemoryRegions:
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):  # the cache of this region's GPU, not the current one
                 torch.cuda.empty_cache()
-
-    # --- helpers ---------------------------------------------------------------------------------
-
-    def _release_weights(self) -> None:
-        for p in self._model.parameters():
-            # Replacing .data keeps the Parameter objects (and the model's structure) alive while
-            # dropping the last reference to the storage.
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        for name, module, attr in self._buffer_slots():
-            buf = getattr(module, attr)
-            self._buffer_stash[name] = buf.detach().to("cpu", copy=True)
-            setattr(module, attr, torch.empty(0, dtype=buf.dtype, device=buf.device))
-
-    def _resume_weights(self) -> None:
-        params = dict(self._model.named_parameters())
-        for name, (shape, dtype) in self._param_meta.items():
-            params[name].data = torch.empty(shape, dtype=dtype, device=self._device)
-        # Buffers come back intact (rotary tables are derived, not trained), as SGLang restores them.
-        for name, module, attr in self._buffer_slots():
-            setattr(module, attr, self._buffer_stash.pop(name).to(self._device))
-
-    def _buffer_slots(self) -> list[tuple[str, nn.Module, str]]:
-        out = []
-        for mod_name, module in self._model.named_modules():
-            for attr, _ in module.named_buffers(recurse=False):
-                out.append((f"{mod_name}.{attr}" if mod_name else attr, module, attr))
-        return out
-
-    def _buffers_now_or_stashed(self) -> list[torch.Tensor]:
-        if self._states[MemoryTag.WEIGHTS] is TagState.RESIDENT:
-            return [b for _, b in self._model.named_buffers()]
-        return list(self._buffer_stash.values())

@@ -16,13 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "KVCacheView",
-    "QwenLikeConfig",
-    "QwenLikeForCausalLM",
-    "build_model",
-    "kv_pool_shape",
-]
+__all__ = ["KVCacheView", "QwenLikeConfig", "QwenLikeForCausalLM", "build_model", "kv_pool_shape"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,27 +36,15 @@ class QwenLikeConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position",
-        ):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"model config: num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
-            raise ValueError(
-                f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}"
-            )
+            raise ValueError(f"model config: head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     @classmethod
     def from_overrides(cls, overrides: Mapping[str, Any]) -> QwenLikeConfig:
@@ -142,14 +124,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, config.num_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, h, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        kv: KVCacheView | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                kv: KVCacheView | None) -> torch.Tensor:
         b, t, _ = x.shape
         q = _apply_rope(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), cos, sin)
         k = _apply_rope(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim), cos, sin)
@@ -201,14 +177,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        kv: KVCacheView | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                kv: KVCacheView | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
@@ -230,18 +200,11 @@ class QwenLikeForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = QwenLikeModel(config)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                          bias=False)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        kv_cache_view: KVCacheView | None = None,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                kv_cache_view: KVCacheView | None = None) -> torch.Tensor:
         """Logits for every input position.
 
         Without a cache, ``input_ids`` is whole sequences and ``positions`` defaults to 0..T-1.
@@ -251,9 +214,7 @@ class QwenLikeForCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if int(positions.max()) >= self.config.max_position:
-            raise ValueError(
-                f"position {int(positions.max())} exceeds max_position {self.config.max_position}"
-            )
+            raise ValueError(f"position {int(positions.max())} exceeds max_position {self.config.max_position}")
         x: torch.Tensor = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions)
         for layer in self.model.layers:
@@ -280,14 +241,10 @@ class QwenLikeForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unknown parameter {name!r}")
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"parameter {name!r}: shape {list(tensor.shape)} does not match "
-                    f"the model's {list(param.shape)}"
-                )
+                raise ValueError(f"parameter {name!r}: shape {list(tensor.shape)} does not match "
+                                 f"the model's {list(param.shape)}")
             if tensor.dtype != param.dtype:
-                raise ValueError(
-                    f"parameter {name!r}: dtype {tensor.dtype} does not match the model's {param.dtype}"
-                )
+                raise ValueError(f"parameter {name!r}: dtype {tensor.dtype} does not match the model's {param.dtype}")
             staged.append((param, tensor, name))
         with torch.no_grad():
             for param, tensor, _ in staged:

@@ -14,21 +14,17 @@ import base64
 import binascii
 import contextlib
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from pydantic import BaseModel
 
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
-__all__ = [
-    "LOAD_FORMATS", "PayloadError", "bucket_entry", "open_bucket", "open_payload",
-]
+__all__ = ["LOAD_FORMATS", "PayloadError", "bucket_entry", "open_bucket", "open_payload"]
 
 LOAD_FORMATS = ("flattened_bucket", "direct", None)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
-_M = TypeVar("_M", bound=BaseModel)
 
 
 class PayloadError(ValueError):
@@ -36,13 +32,8 @@ class PayloadError(ValueError):
 
 
 @contextlib.contextmanager
-def open_payload(
-    entry: str,
-    load_format: str | None,
-    *,
-    tp_rank: int = 0,
-    device: torch.device | None = None,
-) -> Iterator[NamedTensors]:
+def open_payload(entry: str, load_format: str | None, *, tp_rank: int = 0,
+                 device: torch.device | None = None) -> Iterator[NamedTensors]:
     """Yield the entry's tensors (CUDA-IPC mappings close when the ``with`` ends).
 
     With ``device`` given, CUDA tensors must already be on it: a handle from another GPU is an error,
@@ -66,13 +57,10 @@ def _indexed(device: torch.device | None) -> torch.device | None:
 
 
 def _on_device(named: NamedTensors, device: torch.device | None) -> NamedTensors:
-    if device is not None and device.type == "cuda":
-        for name, tensor in named:
-            if tensor.is_cuda and tensor.device != device:
-                raise PayloadError(
-                    f"tensor {name!r} arrived on {tensor.device} but this engine runs on {device}: "
-                    "trainer rank and engine TP rank must share a GPU"
-                )
+    for name, tensor in named if device is not None and device.type == "cuda" else ():
+        if tensor.is_cuda and tensor.device != device:
+            raise PayloadError(f"tensor {name!r} arrived on {tensor.device} but this engine runs on {device}: "
+                               "trainer rank and engine TP rank must share a GPU")
     return named
 
 
@@ -94,9 +82,7 @@ def _named_list(obj: Any, tp_rank: int) -> NamedTensors:
         if isinstance(value, LocalSerializedTensor):
             values = getattr(value, "values", None)
             if not isinstance(values, list) or not 0 <= tp_rank < len(values):
-                raise PayloadError(
-                    f"tensor {name!r}: LocalSerializedTensor has no entry for TP rank {tp_rank}"
-                )
+                raise PayloadError(f"tensor {name!r}: LocalSerializedTensor has no entry for TP rank {tp_rank}")
             value = safe_loads(values[tp_rank])
         if not isinstance(value, torch.Tensor):
             raise PayloadError(f"tensor {name!r}: expected a tensor, got {type(value).__name__}")
@@ -118,9 +104,7 @@ def _bucket_parts(obj: Any) -> tuple[torch.Tensor, list[Any]]:
     elif isinstance(obj, dict):
         flat, metadata = obj.get("flattened_tensor"), obj.get("metadata")
     else:
-        raise PayloadError(
-            f"flattened_bucket expects a dict with flattened_tensor and metadata, got {type(obj).__name__}"
-        )
+        raise PayloadError(f"flattened_bucket wants a dict of flattened_tensor and metadata, not {type(obj).__name__}")
     if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():
         raise PayloadError("flattened_bucket: flattened_tensor must be a contiguous 1-D uint8 tensor")
     if not isinstance(metadata, list | tuple):
@@ -134,20 +118,14 @@ def bucket_entry(i: int, meta: Any, nbytes: int) -> tuple[str, torch.Size, torch
         name, shape, dtype = str(meta.name), torch.Size(meta.shape), meta.dtype
         start, end = int(meta.start_idx), int(meta.end_idx)
     except (AttributeError, TypeError, ValueError):
-        raise PayloadError(
-            f"flattened_bucket: metadata item {i} lacks name/shape/dtype/start_idx/end_idx"
-        ) from None
+        raise PayloadError(f"flattened_bucket: metadata item {i} lacks name/shape/dtype/start_idx/end_idx") from None
     if not isinstance(dtype, torch.dtype):
         raise PayloadError(f"flattened_bucket: tensor {name!r} has dtype {dtype!r}, not a torch.dtype")
     if start < 0 or end != start + shape.numel() * dtype.itemsize or end > nbytes:
-        raise PayloadError(
-            f"flattened_bucket: tensor {name!r} spans bytes [{start}, {end}) which does not fit its "
-            f"shape {list(shape)} x {dtype} or the bucket's {nbytes} bytes"
-        )
+        raise PayloadError(f"flattened_bucket: tensor {name!r} spans bytes [{start}, {end}) which does not fit its "
+                           f"shape {list(shape)} x {dtype} or the bucket's {nbytes} bytes")
     if start % dtype.itemsize:
-        raise PayloadError(
-            f"flattened_bucket: tensor {name!r} starts at byte {start}, not aligned to {dtype}"
-        )
+        raise PayloadError(f"flattened_bucket: tensor {name!r} starts at byte {start}, not aligned to {dtype}")
     return name, shape, dtype, start
 
 

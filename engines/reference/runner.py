@@ -53,8 +53,7 @@ class ModelRunner:
     """Runs ``step`` for a batch; the caller owns slot assignment and what happens between steps."""
 
     def __init__(self, model: QwenLikeForCausalLM, buffers: RunnerBuffers) -> None:
-        self.model = model
-        self.buffers = buffers
+        self.model, self.buffers = model, buffers
 
     @torch.no_grad()
     def step(self, rows: Sequence[ForwardInput]) -> list[ForwardOutput]:
@@ -70,11 +69,8 @@ class ModelRunner:
             ids[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
             positions[b, :n] = torch.arange(r.start, r.start + n)
             valid[b, :n] = True
-        view = KVCacheView(
-            pool=self.buffers.kv_pool,
-            slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=device),
-            valid=valid.to(device),
-        )
+        view = KVCacheView(self.buffers.kv_pool, torch.tensor([r.slot for r in rows], dtype=torch.long, device=device),
+                           valid.to(device))
         logits = self.model(ids.to(device), positions.to(device), view)
         last = torch.tensor([len(r.tokens) - 1 for r in rows], device=device)
         workspace = self.buffers.workspace[: len(rows)]
@@ -83,10 +79,9 @@ class ModelRunner:
         out = []
         for b, r in enumerate(rows):
             token, logprob = choose_token(rows_cpu[b], r.sampling, r.generator)
-            prompt_lp = None
+            prompt_lp: list[float] | None = None
             if r.prompt_logprobs and len(r.tokens) > 1:
                 lp = torch.log_softmax(logits[b, : len(r.tokens) - 1].float(), dim=-1).cpu()
-                nxt = torch.tensor(r.tokens[1:], dtype=torch.long)
-                prompt_lp = lp.gather(1, nxt[:, None]).squeeze(1).tolist()
-            out.append(ForwardOutput(token, logprob, prompt_lp if r.prompt_logprobs else None))
+                prompt_lp = lp.gather(1, torch.tensor(r.tokens[1:], dtype=torch.long)[:, None]).squeeze(1).tolist()
+            out.append(ForwardOutput(token, logprob, prompt_lp))
         return out

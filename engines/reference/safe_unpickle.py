@@ -15,41 +15,27 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "FlattenedTensorBucketData",
-    "FlattenedTensorMetadata",
-    "LocalSerializedTensor",
-    "UnsafePickleError",
-    "safe_loads",
-]
+__all__ = ["FlattenedTensorBucketData", "FlattenedTensorMetadata", "LocalSerializedTensor", "UnsafePickleError",
+           "safe_loads"]
 
 
 class UnsafePickleError(ValueError):
     """The payload names a global outside the allow-list (or uses a feature we refuse)."""
 
 
+# Stand-ins for SGLang's classes (attributes only): ``sglang.srt.weight_sync.tensor_bucket``'s
+# ``FlattenedTensorMetadata`` (name, shape, dtype, start_idx, end_idx, numel) and ``FlattenedTensorBucket``
+# (flattened_tensor, metadata), and ``LocalSerializedTensor`` (``values[r]``: rank r's own serialized tensor).
 class FlattenedTensorMetadata:
-    """Stand-in for ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` (attributes only)."""
-
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
+    pass
 
 
 class FlattenedTensorBucketData:
-    """Stand-in for ``FlattenedTensorBucket``: holds ``flattened_tensor`` and ``metadata``."""
-
-    flattened_tensor: torch.Tensor
-    metadata: list[Any]
+    pass
 
 
 class LocalSerializedTensor:
-    """Stand-in for SGLang's ``LocalSerializedTensor``: ``values[r]`` is rank r's own serialized tensor."""
-
-    values: list[bytes]
+    pass
 
 
 def _load_storage_from_bytes(data: bytes) -> Any:
@@ -80,55 +66,22 @@ def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
 
 _TORCH_DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
 
-_ALLOWED: frozenset[tuple[str, str]] = frozenset(
-    {
-        *(
-            ("builtins", n)
-            for n in (
-                "bool",
-                "bytearray",
-                "bytes",
-                "complex",
-                "dict",
-                "float",
-                "frozenset",
-                "int",
-                "list",
-                "range",
-                "set",
-                "slice",
-                "str",
-                "tuple",
-            )
-        ),
-        ("collections", "OrderedDict"),
-        ("collections", "defaultdict"),
-        ("collections", "deque"),
-        ("copyreg", "__newobj__"),
-        ("copyreg", "__newobj_ex__"),
-        ("_codecs", "encode"),  # protocol-2 pickles spell bytes as _codecs.encode(str, "latin1")
-        ("types", "SimpleNamespace"),
-        ("torch", "Size"),
-        ("torch", "device"),
-        ("torch", "dtype"),
-        ("torch", "Tensor"),
-        *(("torch", n) for n in _TORCH_DTYPES),
-        ("torch.nn.parameter", "Parameter"),
-        ("torch._utils", "_rebuild_tensor"),
-        ("torch._utils", "_rebuild_tensor_v2"),
-        ("torch._utils", "_rebuild_tensor_v3"),
-        ("torch._utils", "_rebuild_parameter"),
-        ("torch._utils", "_rebuild_parameter_with_state"),
-        ("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"),
-        ("torch._tensor", "_rebuild_from_type_v2"),
-        ("torch.storage", "UntypedStorage"),
-        ("torch.storage", "TypedStorage"),
-        ("torch", "UntypedStorage"),
-        ("torch.multiprocessing.reductions", "rebuild_tensor"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    }
-)
+_ALLOWED: frozenset[tuple[str, str]] = frozenset({
+    *(("builtins", n) for n in ("bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list",
+                                "range", "set", "slice", "str", "tuple")),
+    ("collections", "OrderedDict"), ("collections", "defaultdict"), ("collections", "deque"),
+    ("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"),
+    ("_codecs", "encode"),  # protocol-2 pickles spell bytes as _codecs.encode(str, "latin1")
+    ("types", "SimpleNamespace"),
+    *(("torch", n) for n in ("Size", "device", "dtype", "Tensor", "UntypedStorage", *_TORCH_DTYPES)),
+    ("torch.nn.parameter", "Parameter"),
+    *(("torch._utils", n) for n in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+                                    "_rebuild_parameter_with_state", "_rebuild_device_tensor_from_cpu_tensor")),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+    *(("torch.multiprocessing.reductions", n) for n in ("rebuild_tensor", "rebuild_typed_storage",
+                                                        "rebuild_storage_empty")),
+})
 
 # Names SGLang producers put in payloads, resolved to local code without importing SGLang.
 _REDIRECTS: dict[tuple[str, str], Any] = {
@@ -140,23 +93,17 @@ _REDIRECTS: dict[tuple[str, str], Any] = {
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): FlattenedTensorMetadata,
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"): FlattenedTensorBucketData,
     ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"): LocalSerializedTensor,
-    (
-        "sglang.srt.model_executor.model_runner_components.weight_updater",
-        "LocalSerializedTensor",
-    ): LocalSerializedTensor,
+    ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"):
+        LocalSerializedTensor,
 }
 
 # ForkingPickler shares CPU tensor storage by file descriptor through the producer's
 # multiprocessing resource sharer, which authenticates with the producer's authkey: an unrelated
 # process (this server) is always refused, so explain instead of attempting the connection.
-_FD_SHARING = frozenset(
-    {
-        ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-        ("multiprocessing.resource_sharer", "DupFd"),
-        ("multiprocessing.reduction", "_rebuild_socket"),
-    }
-)
+_FD_SHARING = frozenset({
+    *(("torch.multiprocessing.reductions", n) for n in ("rebuild_storage_fd", "rebuild_storage_filename")),
+    ("multiprocessing.resource_sharer", "DupFd"), ("multiprocessing.reduction", "_rebuild_socket"),
+})
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

@@ -32,9 +32,7 @@ class SamplingConfig:
 GREEDY = SamplingConfig(temperature=0.0)
 
 
-def choose_token(
-    logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None
-) -> tuple[int, float]:
+def choose_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> tuple[int, float]:
     """(token id, its log-probability under the raw logits) for a 1-D CPU float tensor of logits."""
     logprobs = torch.log_softmax(logits, dim=-1)
     if config.greedy:

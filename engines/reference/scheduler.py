@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from .runner import ForwardInput, ForwardOutput
 from .sampling import SamplingConfig
 from .tokenizer import CharTokenizer
 
-__all__ = ["FinishReason", "Req", "ReqOutput", "Scheduler", "SchedulerMode", "StopRule"]
+__all__ = ["FinishReason", "Req", "Scheduler", "SchedulerMode", "StopRule"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +65,9 @@ class StopRule:
     skip_special_tokens: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class ReqOutput:
-    """A finished request: everything the server needs to build SGLang's response."""
-
-    rid: str
-    output_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    prompt_ids: list[int]
-    num_retractions: int
-    input_logprobs: list[float | None] | None
-    output_logprobs: list[float] | None
-    # SGLang's per-request spans: [{version, start, end}] over the output tokens, one per weight version
-    # that produced some of them, oldest first (empty for a request nothing produced).
-    weight_versions: tuple[dict[str, Any], ...] = ()
-
-
 @dataclass(eq=False)
 class Req:
-    """One generation request while the scheduler holds it."""
+    """One generation request; its ``future`` resolves to itself once finished (``text``, ``weight_versions`` set)."""
 
     rid: str
     prompt_ids: list[int]
@@ -93,7 +75,7 @@ class Req:
     sampling: SamplingConfig
     generator: torch.Generator | None
     return_logprob: bool
-    future: asyncio.Future[ReqOutput]
+    future: asyncio.Future[Req]
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
@@ -101,9 +83,12 @@ class Req:
     cached_len: int = 0  # tokens of prompt+output already written to the pool
     num_retractions: int = 0
     finish: FinishReason | None = None
-    created: float = field(default_factory=time.monotonic)
     # (old version, output tokens produced under it so far), one per version change while it was alive.
     version_events: list[tuple[str, int]] = field(default_factory=list)
+    text: str = ""  # the output, decoded (and stop-trimmed) at finish
+    # SGLang's per-request spans, set at finish: [{version, start, end}] over the output tokens, one per weight
+    # version that produced some of them, oldest first.
+    weight_versions: tuple[dict[str, Any], ...] = ()
 
     @property
     def tokens(self) -> list[int]:
@@ -116,28 +101,14 @@ ForwardFn = Callable[[Sequence[ForwardInput]], Awaitable[list[ForwardOutput]]]
 class Scheduler:
     """Queues, slots and the step loop of one engine; run ``run()`` as a task."""
 
-    def __init__(
-        self,
-        step: ForwardFn,
-        *,
-        max_batch: int,
-        max_seq: int,
-        tokenizer: CharTokenizer,
-        memory_ready: Callable[[], bool],
-        weight_version: str = "default",
-    ) -> None:
-        self._step = step
-        self._weight_version = weight_version
-        self._max_batch = max_batch
-        self._max_seq = max_seq
-        self._tokenizer = tokenizer
-        self._memory_ready = memory_ready
+    def __init__(self, step: ForwardFn, *, max_batch: int, max_seq: int, tokenizer: CharTokenizer,
+                 memory_ready: Callable[[], bool], weight_version: str = "default") -> None:
+        self._step, self._weight_version, self._tokenizer = step, weight_version, tokenizer
+        self._max_batch, self._max_seq, self._memory_ready = max_batch, max_seq, memory_ready
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._waiting: deque[Req] = deque()
         self._running: list[Req] = []
-        self._mode = SchedulerMode.RUNNING
-        self._holds = 0
-        self._stepping = False
+        self._mode, self._holds, self._stepping = SchedulerMode.RUNNING, 0, False
         self._steps_done = 0  # successful steps, for health probes on a busy engine
         self._changed = asyncio.Condition()
 
@@ -175,21 +146,11 @@ class Scheduler:
             self._waiting.append(req)
             self._changed.notify_all()
 
-    async def abort(self, req: Req, message: str = "Aborted") -> None:
+    async def abort_all(self, message: str = "Aborted", *, rid: str | None = None, req: Req | None = None) -> int:
+        """Finish every queued and running request (or those with ``rid``, or ``req``) as aborted; returns how many."""
         async with self._changed:
-            if req.finish is None:
-                self._finish(req, FinishReason("abort", message=message))
-            self._reap()
-            self._changed.notify_all()
-
-    async def abort_all(self, message: str = "Aborted", *, rid: str | None = None) -> int:
-        """Finish every queued and running request (or those with ``rid``) as aborted; returns how many."""
-        async with self._changed:
-            victims = [
-                r
-                for r in (*self._waiting, *self._running)
-                if r.finish is None and (rid is None or r.rid == rid)
-            ]
+            victims = [r for r in (*self._waiting, *self._running)
+                       if r.finish is None and rid in (None, r.rid) and req in (None, r)]
             for r in victims:
                 self._finish(r, FinishReason("abort", message=message))
             self._reap()
@@ -276,12 +237,8 @@ class Scheduler:
                 self._changed.notify_all()
 
     def _can_step(self) -> bool:
-        return (
-            self._holds == 0
-            and self._mode is SchedulerMode.RUNNING
-            and (bool(self._waiting) or bool(self._running))
-            and self._memory_ready()
-        )
+        return (self._holds == 0 and self._mode is SchedulerMode.RUNNING and bool(self._waiting or self._running)
+                and self._memory_ready())
 
     def _admit(self) -> list[Req]:
         while self._waiting and self._free_slots:
@@ -291,25 +248,18 @@ class Scheduler:
             self._running.append(req)
         return list(self._running)
 
-    def _row(self, req: Req) -> ForwardInput:
-        tokens = req.tokens
-        return ForwardInput(
-            slot=req.slot if req.slot is not None else -1,
-            tokens=tokens[req.cached_len :],
-            start=req.cached_len,
-            sampling=req.sampling,
-            generator=req.generator,
-            prompt_logprobs=req.return_logprob and req.input_logprobs is None,
-        )
+    @staticmethod
+    def _row(req: Req) -> ForwardInput:
+        return ForwardInput(slot=req.slot if req.slot is not None else -1, tokens=req.tokens[req.cached_len:],
+                            start=req.cached_len, sampling=req.sampling, generator=req.generator,
+                            prompt_logprobs=req.return_logprob and req.input_logprobs is None)
 
     def _apply(self, batch: list[Req], results: list[ForwardOutput] | None, error: BaseException | None) -> None:
         for i, req in enumerate(batch):
             if req.finish is not None:
                 continue  # aborted while the step ran; its result is dropped
             if results is None:
-                self._finish(
-                    req, FinishReason("abort", message=f"model step failed: {error}", status_code=500)
-                )
+                self._finish(req, FinishReason("abort", message=f"model step failed: {error}", status_code=500))
                 continue
             res = results[i]
             req.cached_len = len(req.prompt_ids) + len(req.output_ids)
@@ -337,58 +287,39 @@ class Scheduler:
 
     def _matched_stop_str(self, req: Req) -> str | None:
         text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
-        for s in req.stop.stop_strs:
-            if s and text.endswith(s):
-                return s
-        return None
+        return next((s for s in req.stop.stop_strs if s and text.endswith(s)), None)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason
         if req.future.done():
             return
-        text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
+        req.text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
         if reason.type == "stop" and isinstance(reason.matched, str) and not req.stop.no_stop_trim:
-            text = text[: len(text) - len(reason.matched)]
-        req.future.set_result(
-            ReqOutput(
-                rid=req.rid,
-                output_ids=list(req.output_ids),
-                text=text,
-                finish_reason=reason,
-                prompt_ids=list(req.prompt_ids),
-                num_retractions=req.num_retractions,
-                input_logprobs=req.input_logprobs if req.return_logprob else None,
-                output_logprobs=list(req.output_logprobs) if req.return_logprob else None,
-                weight_versions=_version_spans(req.version_events, self._weight_version, len(req.output_ids)),
-            )
-        )
+            req.text = req.text[: len(req.text) - len(reason.matched)]
+        req.weight_versions = _version_spans(req.version_events, self._weight_version, len(req.output_ids))
+        req.future.set_result(req)
 
     def _reap(self) -> None:
         """Drop finished requests and return their slots, except while a step may still write them."""
         self._waiting = deque(r for r in self._waiting if r.finish is None)
-        if self._stepping:
-            return
-        keep = []
-        for r in self._running:
-            if r.finish is None:
-                keep.append(r)
-            elif r.slot is not None:
-                self._free_slots.append(r.slot)
-                r.slot = None
-        self._running = keep
+        if not self._stepping:
+            for r in self._running:
+                if r.finish is not None:
+                    self._free(r)
+            self._running = [r for r in self._running if r.finish is None]
 
     def _retract_running(self) -> None:
         for r in reversed(self._running):
+            self._free(r)
             if r.finish is None:
-                if r.slot is not None:
-                    self._free_slots.append(r.slot)
-                r.slot, r.cached_len = None, 0
-                r.num_retractions += 1
+                r.cached_len, r.num_retractions = 0, r.num_retractions + 1
                 self._waiting.appendleft(r)
-            elif r.slot is not None:
-                self._free_slots.append(r.slot)
-                r.slot = None
         self._running = []
+
+    def _free(self, req: Req) -> None:
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            req.slot = None
 
 
 def _version_spans(events: list[tuple[str, int]], current: str, num_output: int) -> tuple[dict[str, Any], ...]:

@@ -12,29 +12,28 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from http import HTTPStatus
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from ..base import PauseMode
+from ..sglang.wire import (
+    BeginWeightUpdateReqInput,
+    CheckWeightsReqInput,
+    ContinueGenerationReqInput,
+    EndWeightUpdateReqInput,
+    PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightVersionReqInput,
+)
 from .distributed import DistributedUpdates, distributed_routes
 from .engine import EngineRefusal, ReferenceEngine, RunState
 from .settings import ReferenceServerSettings
-from .wire import (
-    AbortRequestBody,
-    BeginWeightUpdateBody,
-    CheckWeightsBody,
-    ContinueGenerationBody,
-    EndWeightUpdateBody,
-    GenerateBody,
-    MemoryTagsBody,
-    PauseGenerationBody,
-    UpdateWeightsFromTensorBody,
-    UpdateWeightVersionBody,
-)
+from .wire import AbortRequestBody, GenerateBody, SGLangBody, sglang_body, success
 
 __all__ = ["create_app"]
 
@@ -76,9 +75,10 @@ def create_app(settings: ReferenceServerSettings, engine: ReferenceEngine | None
     app.state.engine = engine
     _install_error_handlers(app)
     app.include_router(_health_routes(engine, settings))
-    app.include_router(_info_routes(engine, settings), dependencies=[Depends(_auth(settings.api_key))])
-    app.include_router(_control_routes(engine, settings), dependencies=[Depends(_auth(settings.api_key))])
-    app.include_router(distributed_routes(distributed), dependencies=[Depends(_auth(settings.api_key))])
+    auth = [Depends(_auth(settings.api_key))]
+    app.include_router(_info_routes(engine, settings), dependencies=auth)
+    app.include_router(_control_routes(engine, settings), dependencies=auth)
+    app.include_router(distributed_routes(distributed), dependencies=auth)
     return app
 
 
@@ -99,23 +99,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         # SGLang turns FastAPI's 422 into a 400 ErrorResponse (http_server.py:635).
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()
-        )
-        return JSONResponse(
-            {
-                "object": "error",
-                "message": message,
-                "type": HTTPStatus.BAD_REQUEST.phrase,
-                "param": None,
-                "code": 400,
-            },
-            status_code=400,
-        )
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
+        return JSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None,
+                             "code": 400}, status_code=400)
 
     @app.exception_handler(EngineRefusal)
-    async def refused(request: Request, exc: EngineRefusal) -> JSONResponse:
-        return _error(exc.message, exc.status)
+    async def refused(request: Request, exc: EngineRefusal) -> JSONResponse:  # _create_error_response's shape
+        return JSONResponse({"error": {"message": exc.message}}, status_code=exc.status)  # http_server.py:2246
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
@@ -124,19 +114,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _error(f"internal server error ({type(exc).__name__})", 500)
-
-
-def _error(message: str, status: int) -> JSONResponse:
-    """SGLang's ``_create_error_response`` shape (http_server.py:2246)."""
-    return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-def _success(ok: bool, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
-
-
-# --- health ------------------------------------------------------------------------------------
+        return await refused(request, EngineRefusal(500, f"internal server error ({type(exc).__name__})"))
 
 
 def _health_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
@@ -153,111 +131,70 @@ def _health_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -
         @router.get("/ready")
         async def ready() -> Response:
             """tokenizer_manager.py:732: ready = not paused and healthy."""
-            ok = engine.state is RunState.RUNNING and not engine.paused
-            return Response(status_code=200 if ok else 503)
+            return Response(status_code=200 if engine.state is RunState.RUNNING and not engine.paused else 503)
 
     return router
-
-
-# --- info --------------------------------------------------------------------------------------
-
-
-def _startup_time(engine: ReferenceEngine) -> dict[str, Any]:
-    """SGLang 0.5.23's shape: a dict of startup-phase durations (tokenizer_manager.py:535,862), which observers may
-    not read as a timestamp. This engine measures none of them; its start time, in the same dict, makes each
-    process's answer its own (the incarnation colocd derives from it)."""
-    return {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0, "cuda_graph": {},
-            "tokenizer_e2e": 0.0, "colocd_started_at": engine.startup_time}
 
 
 def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
     router = APIRouter()
     legacy = settings.protocol == "legacy"
+    path = settings.model_path
 
     async def model_info() -> dict[str, Any]:  # async: answered on the loop, no thread hop
-        if legacy:  # ≈0.5.4 get_model_info
-            return {
-                "model_path": settings.model_path,
-                "tokenizer_path": settings.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": engine.weight_version,
-            }
-        return {  # http_server.py:812
-            "model_path": settings.model_path,
-            "served_model_name": settings.model_path,
-            "tokenizer_path": settings.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": engine.weight_version,
-            "load_format": "dummy",  # SGLang's name for randomly initialised weights
-            "reasoning_parser": None,
-            "tool_call_parser": None,
-            "disaggregation_mode": "null",
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": "qwen_like",
-            "architectures": ["QwenLikeForCausalLM"],
-        }
+        info = {"model_path": path, "tokenizer_path": path, "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": engine.weight_version}  # ≈0.5.4 get_model_info
+        if legacy:
+            return info
+        # http_server.py:812; load_format "dummy" is SGLang's name for randomly initialised weights.
+        return {**info, "served_model_name": path, "load_format": "dummy", "reasoning_parser": None,
+                "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": "qwen_like", "architectures": ["QwenLikeForCausalLM"]}
 
     async def server_info() -> dict[str, Any]:
+        # SGLang's resolved server args (tp_size at the top level too) and one internal state per DP rank.
         info: dict[str, Any] = {
-            "model_path": settings.model_path,
-            "tokenizer_path": settings.model_path,
-            "served_model_name": settings.model_path,
-            "host": settings.host,
-            "port": settings.port,
-            "device": settings.device,
-            "tp_size": settings.tp_size,  # SGLang's resolved server args carry it at the top level too
-            "dp_size": 1,
-            "random_seed": settings.seed,
-            "load_format": "dummy",
-            "enable_memory_saver": True,
-            "enable_weights_cpu_backup": False,
-            "weight_version": settings.weight_version,
-            "max_running_requests": settings.max_batch,
-            "context_length": settings.max_seq,
-            "max_total_num_tokens": settings.max_batch * settings.max_seq,
-            "max_req_input_len": settings.max_seq - 1,
-            "internal_states": [engine.internal_state()],
-            "version": settings.version,
-            "colocd_reference": True,
-            # Each TP rank's device and declared identity (GPU UUID on CUDA); empty while starting.
-            "colocd_tp_ranks": engine.tp_ranks(),
+            "model_path": path, "tokenizer_path": path, "served_model_name": path, "host": settings.host,
+            "port": settings.port, "device": settings.device, "tp_size": settings.tp_size, "dp_size": 1,
+            "random_seed": settings.seed, "load_format": "dummy", "enable_memory_saver": True,
+            "enable_weights_cpu_backup": False, "weight_version": settings.weight_version,
+            "max_running_requests": settings.max_batch, "context_length": settings.max_seq,
+            "max_total_num_tokens": settings.max_batch * settings.max_seq, "max_req_input_len": settings.max_seq - 1,
+            "internal_states": [engine.internal_state()], "version": settings.version,
+            # What real SGLang lacks: that this is the imitation, and each TP rank's device and declared identity
+            # (GPU UUID on CUDA; empty while starting), which the adapter reads instead of the config's gpu_uuids.
+            "colocd_reference": True, "colocd_tp_ranks": engine.tp_ranks(),
         }
         if not legacy:
-            info["startup_time"] = _startup_time(engine)
+            # 0.5.23: a dict of startup-phase durations (tokenizer_manager.py:535,862). This engine measures none;
+            # its start time in the same dict makes each process's answer its own (colocd's incarnation).
+            info["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
+                                    "cuda_graph": {}, "tokenizer_e2e": 0.0, "colocd_started_at": engine.startup_time}
             info["frontend"] = "python"
         return info
 
-    router.add_api_route("/get_model_info", model_info, methods=["GET"])
-    router.add_api_route("/get_server_info", server_info, methods=["GET"])
+    for name, route in (("model_info", model_info), ("server_info", server_info)):
+        router.add_api_route(f"/get_{name}", route, methods=["GET"])  # 0.5.23 answers the get_ names too
+        if not legacy:
+            router.add_api_route(f"/{name}", route, methods=["GET"])
     if legacy:
 
         @router.get("/get_weight_version")
         async def get_weight_version() -> dict[str, Any]:
             return {"weight_version": engine.weight_version}
 
-    else:
-        router.add_api_route("/model_info", model_info, methods=["GET"])
-        router.add_api_route("/server_info", server_info, methods=["GET"])
-
     return router
-
-
-# --- generation and control --------------------------------------------------------------------
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # The body is already read, so the next ASGI message is the client going away.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
     """Await ``work``; if the client disconnects first, cancel it (aborting its requests) and return None."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_wait_disconnect(request))
+
+    async def disconnected() -> None:
+        # The body is already read, so the next ASGI message is the client going away.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
@@ -275,66 +212,57 @@ async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | No
 
 def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
     router = APIRouter()
-    legacy = settings.protocol == "legacy"
+    paused = {"message": "Generation paused successfully.", "status": "ok"}
+    continued = {"message": "Generation continued successfully.", "status": "ok"}
 
     @router.api_route("/generate", methods=["POST", "PUT"])
     async def generate(body: GenerateBody, request: Request) -> Response:
         result = await _unless_disconnected(request, engine.generate(body))
-        if result is None:
-            return Response(status_code=499)  # nobody is listening any more
-        return JSONResponse(result)
+        return Response(status_code=499) if result is None else JSONResponse(result)  # 499: nobody listens now
 
     @router.post("/abort_request")
     async def abort_request(body: AbortRequestBody) -> Response:
         await engine.abort_request(body.rid or "", abort_all=body.abort_all)  # http_server.py:1721
         return Response(status_code=200)
 
-    if legacy:
+    if settings.protocol == "legacy":
 
         @router.post("/pause_generation")
         async def pause_legacy() -> JSONResponse:
             await engine.pause_generation(PauseMode.ABORT)  # ≈0.5.4: no body, abort-like
-            return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+            return JSONResponse(paused)
 
         @router.post("/continue_generation")
         async def continue_legacy() -> JSONResponse:
             await engine.continue_generation(torch_empty_cache=False)
-            return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+            return JSONResponse(continued)
 
     else:
 
         @router.post("/pause_generation")
-        async def pause(body: PauseGenerationBody) -> JSONResponse:
-            await engine.pause_generation(body.mode)  # http_server.py:1831
-            return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+        async def pause(body: SGLangBody[PauseGenerationReqInput]) -> JSONResponse:
+            await engine.pause_generation(PauseMode(body.mode))  # http_server.py:1831
+            return JSONResponse(paused)
 
         @router.post("/continue_generation")
-        async def continue_(body: ContinueGenerationBody) -> JSONResponse:
+        async def continue_(body: SGLangBody[ContinueGenerationReqInput]) -> JSONResponse:
             await engine.continue_generation(torch_empty_cache=body.torch_empty_cache)
-            return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+            return JSONResponse(continued)
 
         @router.post("/begin_weight_update")
-        async def begin(body: BeginWeightUpdateBody) -> JSONResponse:  # :1458
-            return _success(*await engine.begin_weight_update(body.selector))
+        async def begin(body: SGLangBody[BeginWeightUpdateReqInput]) -> JSONResponse:  # http_server.py:1458
+            return success(*await engine.weight_session(body.selector))
 
         @router.post("/end_weight_update")
-        async def end(body: EndWeightUpdateBody) -> JSONResponse:
-            return _success(*await engine.end_weight_update())
+        async def end(_: SGLangBody[EndWeightUpdateReqInput]) -> JSONResponse:
+            return success(*await engine.weight_session(None))
 
         @router.api_route("/weights_checker", methods=["GET", "POST"])
-        async def weights_checker(body: Annotated[CheckWeightsBody | None, Body()] = None) -> JSONResponse:
-            body = body or CheckWeightsBody()
-            check = await engine.check_weights(body.action, body.skip_tensor_list)  # http_server.py:1599
-            extra: dict[str, Any] = {}
-            if check.ranks is not None:
-                extra["ranks"] = check.ranks
-            if check.per_engine_checksum is not None:
-                extra["per_engine_checksum"] = check.per_engine_checksum
-            if check.colocd_rank_checksums is not None:
-                # null when the TP ranks disagree: no single checksum describes the engine then.
-                extra["colocd_checksum"] = check.colocd_checksum
-                extra["colocd_rank_checksums"] = check.colocd_rank_checksums
-            return _success(check.success, check.message, **extra)
+        async def weights_checker(
+                body: Annotated[CheckWeightsReqInput, sglang_body(CheckWeightsReqInput, optional=True)],
+        ) -> JSONResponse:  # http_server.py:1599
+            ok, message, extra = await engine.check_weights(body.action, body.skip_tensor_list)
+            return success(ok, message, **extra)
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(timeout_s: Annotated[float, Query(ge=0.0, alias="timeout")] = 0.0) -> Response:
@@ -343,22 +271,22 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
         return Response(content=content, status_code=200 if ok else 400, media_type="text/plain")
 
     @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release(body: MemoryTagsBody) -> JSONResponse:
-        await engine.release_memory(body.tags)  # http_server.py:1575: JSON null on success
+    async def release(body: SGLangBody[ReleaseMemoryOccupationReqInput]) -> JSONResponse:
+        await engine.move_memory(body.tags, resume=False)  # http_server.py:1575: JSON null on success
         return JSONResponse(None)
 
     @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume(body: MemoryTagsBody) -> JSONResponse:
-        await engine.resume_memory(body.tags)
+    async def resume(body: SGLangBody[ResumeMemoryOccupationReqInput]) -> JSONResponse:
+        await engine.move_memory(body.tags, resume=True)
         return JSONResponse(None)
 
     @router.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> JSONResponse:
-        return _success(*await engine.update_weights_from_tensor(body))  # http_server.py:1436
+    async def update_weights_from_tensor(body: SGLangBody[UpdateWeightsFromTensorReqInput]) -> JSONResponse:
+        return success(*await engine.update_weights_from_tensor(body))  # http_server.py:1436
 
     @router.post("/update_weight_version")
-    async def update_weight_version(body: UpdateWeightVersionBody) -> JSONResponse:
+    async def update_weight_version(body: SGLangBody[UpdateWeightVersionReqInput]) -> JSONResponse:
         await engine.update_weight_version(body.new_version, abort_all_requests=body.abort_all_requests)
-        return _success(True, f"Weight version updated to {body.new_version}", new_version=body.new_version)
+        return success(True, f"Weight version updated to {body.new_version}", new_version=body.new_version)
 
     return router

@@ -42,26 +42,12 @@ class ReferenceServerSettings:
     device_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        # What the launcher's ReferenceEngineConfig does not check already (device ids, one GPU per TP rank).
         if self.protocol not in PROTOCOL_VERSIONS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOL_VERSIONS)}, got {self.protocol!r}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.health_timeout_s <= 0:
-            raise ValueError(f"health_timeout_s must be > 0, got {self.health_timeout_s}")
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        cuda = self.device.startswith("cuda")
-        if cuda and self.tp_size > 1 and self.device != "cuda":
-            raise ValueError(
-                f"device {self.device!r} names one GPU but tp_size is {self.tp_size}: use device 'cuda' "
-                "(TP rank r runs on visible GPU r; pin GPUs with CUDA_VISIBLE_DEVICES)"
-            )
-        if self.device_ids and cuda:
-            raise ValueError("device_ids are for CPU engines; on CUDA a TP rank's identity is its GPU's UUID")
-        if self.device_ids and len(self.device_ids) != self.tp_size:
-            raise ValueError(f"device_ids has {len(self.device_ids)} entries for tp_size {self.tp_size}")
-        if len(set(self.device_ids)) != len(self.device_ids) or not all(self.device_ids):
-            raise ValueError(f"device_ids must be distinct and non-empty, got {list(self.device_ids)}")
+        for name in ("max_batch", "tp_size", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
     @property
     def version(self) -> str:

@@ -16,15 +16,7 @@ EOS_ID = 2
 SPECIAL_IDS = frozenset({PAD_ID, BOS_ID, EOS_ID})
 
 # Index = token id. Specials first so the character ids never move when specials are added.
-VOCAB: tuple[str, ...] = (
-    "<pad>",
-    "<bos>",
-    "<eos>",
-    *"abcdefghijklmnopqrstuvwxyz",
-    " ",
-    ".",
-    ",",
-)
+VOCAB: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", *"abcdefghijklmnopqrstuvwxyz", " ", ".", ",")
 
 
 class CharTokenizer:
@@ -33,17 +25,7 @@ class CharTokenizer:
     def __init__(self) -> None:
         self._ids = {ch: i for i, ch in enumerate(VOCAB) if i not in SPECIAL_IDS}
 
-    @property
-    def vocab_size(self) -> int:
-        return len(VOCAB)
-
-    @property
-    def eos_token_id(self) -> int:
-        return EOS_ID
-
-    @property
-    def bos_token_id(self) -> int:
-        return BOS_ID
+    vocab_size, eos_token_id, bos_token_id = len(VOCAB), EOS_ID, BOS_ID
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         """Token ids for ``text``; upper case folds to lower, any other unknown character is an error."""
@@ -52,10 +34,8 @@ class CharTokenizer:
             try:
                 ids.append(self._ids[ch])
             except KeyError:
-                raise ValueError(
-                    f"character {ch!r} at position {pos} is not in the reference tokenizer's vocabulary "
-                    f"(a-z, space, '.', ',')"
-                ) from None
+                raise ValueError(f"character {ch!r} at position {pos} is not in the reference tokenizer's vocabulary "
+                                 f"(a-z, space, '.', ',')") from None
         return ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:

@@ -61,67 +61,37 @@ def rank_devices(device: str, tp_size: int, device_ids: Sequence[str]) -> list[t
 
 
 def disagreement(entries: Sequence[NamedTensors]) -> str | None:
-    """Why the TP ranks' entries of one chunk do not carry the same full tensors; None when they do.
-
-    """
-    first = dict(entries[0])
-    names = sorted(first)
+    """Why the TP ranks' entries of one chunk do not carry the same full tensors; None when they do."""
+    first, same = dict(entries[0]), "every TP rank's entry must carry the same full tensors"
     for r, named in enumerate(entries[1:], start=1):
         other = dict(named)
         if other.keys() != first.keys():
-            missing = sorted(first.keys() - other.keys())
-            extra = sorted(other.keys() - first.keys())
-            return (
-                f"TP rank {r}'s entry carries other tensors than rank 0's (missing {_some(missing)}, "
-                f"extra {_some(extra)}); every TP rank's entry must carry the same full tensors"
-            )
-        for name in names:
-            a, b = first[name], other[name]
-            if a.dtype != b.dtype or a.shape != b.shape:
-                return (
-                    f"tensor {name!r} is {b.dtype}{list(b.shape)} in TP rank {r}'s entry but "
-                    f"{a.dtype}{list(a.shape)} in rank 0's"
-                )
-        differing = [n for n in names if not torch.equal(first[n], other[n].to(first[n].device))]
-        if differing:
-            return (
-                f"tensor{'s' if len(differing) > 1 else ''} {_some(differing)} differ between TP rank {r}'s "
-                "entry and rank 0's; every TP rank's entry must carry the same full tensors"
-            )
+            missing, extra = sorted(first.keys() - other.keys()), sorted(other.keys() - first.keys())
+            return f"TP rank {r}'s entry carries other tensors than rank 0's (missing {_some(missing)}, extra " \
+                   f"{_some(extra)}); {same}"
+        if differing := [n for n in sorted(first) if not _equal(first[n], other[n])]:
+            return f"tensors {_some(differing)} differ between TP rank {r}'s entry and rank 0's; {same}"
     return None
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.to(a.device))
 
 
 def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> tuple[dict[str, Any], str]:
     """One rank's SGLang-shaped checksum record and colocd's whole-model sha256 of its weights."""
     named = [(n, p.detach()) for n, p in rank.model.named_parameters() if not any(s in n for s in skip)]
     # Per tensor: the first 16 hex digits of the sha256 of its bytes (SGLang prints a 64-bit hash).
-    per_tensor = {n: hashlib.sha256(_tensor_bytes(t)).hexdigest()[:16] for n, t in named}
+    per_tensor = {n: hashlib.sha256(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+                  .hexdigest()[:16] for n, t in named}
     overall = hashlib.sha256()
     for name in sorted(per_tensor):  # SGLang's overall_checksum (utils/weight_checker.py)
         overall.update(name.encode())
         overall.update(per_tensor[name].encode())
-    record = {
-        "checksums": per_tensor,
-        "per_gpu_checksum": overall.hexdigest(),
-        "parallelism_info": [
-            {
-                "role": "target",
-                "tp_rank": rank.index,
-                "tp_size": tp_size,
-                "dp_rank": 0,
-                "dp_size": 1,
-                "pp_rank": 0,
-                "pp_size": 1,
-                "rank": rank.index,
-                "size": tp_size,
-            }
-        ],
-    }
-    return record, tensor_checksum(named)
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    parallelism = {"role": "target", "tp_rank": rank.index, "tp_size": tp_size, "dp_rank": 0, "dp_size": 1,
+                   "pp_rank": 0, "pp_size": 1, "rank": rank.index, "size": tp_size}
+    return {"checksums": per_tensor, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [parallelism]}, \
+        tensor_checksum(named)
 
 
 def _some(names: Sequence[str], n: int = 3) -> str:

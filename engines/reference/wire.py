@@ -1,84 +1,27 @@
-"""Request bodies of the SGLang routes the reference engine serves, as pydantic models.
+"""Bodies of the SGLang routes colocd never sends: ``/generate`` and ``/abort_request``.
 
-Field names, types and defaults follow SGLang 0.5.23's ``managers/io_struct.py`` and
-``sampling/sampling_params.py`` (line numbers in the comments); unknown fields are ignored, as
-SGLang's structs carry extra bookkeeping fields (``rid``, ``http_worker_ipc``) callers may send.
+Field names, types and defaults follow SGLang 0.5.23's ``io_struct.py`` and ``sampling_params.py``; unknown
+fields are ignored, as SGLang ignores them. Every other route takes the model the SGLang adapter builds its
+request with (``engines/sglang/wire.py``), parsed the same lenient way (``server._body``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..base import PauseMode
+__all__ = ["AbortRequestBody", "GenerateBody", "SGLangBody", "SamplingParamsBody", "sglang_body", "success"]
 
-__all__ = [
-    "AbortRequestBody",
-    "BeginWeightUpdateBody",
-    "CheckWeightsBody",
-    "ContinueGenerationBody",
-    "EndWeightUpdateBody",
-    "GenerateBody",
-    "MemoryTagsBody",
-    "PauseGenerationBody",
-    "SamplingParamsBody",
-    "UpdateWeightVersionBody",
-    "UpdateWeightsFromTensorBody",
-]
-
-Selector = Literal["target", "draft", "all"]
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-class PauseGenerationBody(_Body):
-    """io_struct.py:1927 PauseGenerationReqInput."""
-
-    mode: PauseMode = PauseMode.ABORT
-
-
-class ContinueGenerationBody(_Body):
-    """io_struct.py:1949 ContinueGenerationReqInput."""
-
-    torch_empty_cache: bool = True
-
-
-class MemoryTagsBody(_Body):
-    """io_struct.py:2177/2187 Release/ResumeMemoryOccupationReqInput: null or [] means every tag."""
-
-    tags: list[str] | None = None
-
-
-class BeginWeightUpdateBody(_Body):
-    """io_struct.py:2197 BeginWeightUpdateReqInput."""
-
-    selector: Selector = "all"
-
-
-class EndWeightUpdateBody(_Body):
-    """io_struct.py:2208 EndWeightUpdateReqInput (no fields)."""
-
-
-class UpdateWeightsFromTensorBody(_Body):
-    """io_struct.py:2027 UpdateWeightsFromTensorReqInput; entries are base64 strings over HTTP."""
-
-    serialized_named_tensors: list[str]
-    load_format: str | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    selector: Selector = "all"
-    torch_empty_cache: bool = False
-
-
-class UpdateWeightVersionBody(_Body):
-    """io_struct.py:2155 UpdateWeightVersionReqInput; note the default aborts every request."""
-
-    new_version: str
-    abort_all_requests: bool = True
 
 
 class AbortRequestBody(_Body):
@@ -88,20 +31,9 @@ class AbortRequestBody(_Body):
     abort_all: bool = False
 
 
-class CheckWeightsBody(_Body):
-    """io_struct.py:2217 CheckWeightsReqInput."""
-
-    action: str = "checksum"
-    allow_quant_error: bool = False
-    skip_tensor_list: list[str] | None = None
-    selector: Selector = "all"
-
-
 class SamplingParamsBody(_Body):
-    """sampling_params.py:140 SamplingParams, the knobs the reference engine honours.
-
-    ``None`` means "the default" for every field, as SGLang's ``__post_init__`` does.
-    """
+    """sampling_params.py:140 SamplingParams, the knobs the reference engine honours; ``None`` means "the
+    default" for every field, as SGLang's ``__post_init__`` does."""
 
     max_new_tokens: int | None = 128
     stop: str | list[str] | None = None
@@ -142,3 +74,42 @@ class GenerateBody(_Body):
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] | None = None
     stream: bool = False
+
+
+def sglang_body(model: type[_M], *, optional: bool = False) -> Any:
+    """A ``Depends`` that parses a route's JSON body as ``model`` the way SGLang parses its structs: unknown keys
+    ignored (``msgspec_utils.py``: ``extra_behavior="ignore"``), where the adapter refuses them when it builds a
+    body. A body that does not fit is FastAPI's validation error (a 400 in SGLang's shape, ``server.py``);
+    ``optional``: no body at all means the model's defaults."""
+
+    async def parse(request: Request) -> _M:
+        raw = await request.body()
+        if optional and not raw:
+            return model()
+        try:
+            data = json.loads(raw)
+            if isinstance(data, dict):
+                data = {k: v for k, v in data.items() if k in model.model_fields}
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        except ValueError as exc:  # not JSON (an empty body included)
+            raise RequestValidationError([{"loc": ("body",), "msg": f"not a JSON body: {exc}"}]) from None
+
+    return Depends(parse)
+
+
+def success(ok: bool, message: str, **extra: Any) -> JSONResponse:
+    """SGLang's ``{success, message}``: 200 on success, 400 otherwise (e.g. http_server.py:1452-1455)."""
+    return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
+
+
+if TYPE_CHECKING:
+    SGLangBody = Annotated[_M, "parsed by sglang_body"]  # to a type checker, SGLangBody[X] is X
+else:
+
+    class SGLangBody:
+        """``body: SGLangBody[X]`` on a route: its body parsed as ``X`` by ``sglang_body``."""
+
+        def __class_getitem__(cls, model: type[BaseModel]) -> object:
+            return Annotated[model, sglang_body(model)]

@@ -121,7 +121,7 @@ async def test_flush_is_400_with_sglangs_words_while_a_request_decodes(ref: str,
 
 async def test_session_errors_and_an_update_outside_a_session_are_sglangs(
         ref: str, client: httpx.AsyncClient) -> None:
-    update = {"serialized_named_tensors": [], "load_format": "flattened_bucket", "flush_cache": False}
+    update = {"serialized_named_tensors": ["e30="], "load_format": "flattened_bucket", "flush_cache": False}
     check("update_outside_session", await client.post(f"{ref}/update_weights_from_tensor", json=update))
     await client.post(f"{ref}/pause_generation", json={"mode": "retract"})
     check("begin_weight_update", await client.post(f"{ref}/begin_weight_update", json={"selector": "all"}))

@@ -200,6 +200,18 @@ async def test_bad_requests_get_400_json_without_tracebacks(client: httpx.AsyncC
     assert r.status_code == 400 and "Traceback" not in r.text
 
 
+async def test_control_bodies_are_the_adapters_models_with_unknown_keys_ignored_as_sglang_ignores_them(
+        client: httpx.AsyncClient) -> None:
+    # SGLang's structs carry bookkeeping fields (rid, http_worker_ipc) that callers may send; the adapter's models
+    # refuse unknown keys when they build a body, the engine ignores them when it reads one.
+    r = await client.post("/update_weight_version", json={"new_version": "v9", "abort_all_requests": False,
+                                                           "rid": "x", "http_worker_ipc": None})
+    assert r.status_code == 200 and r.json()["new_version"] == "v9"
+    r = await client.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]})
+    assert r.status_code == 400 and "serialized_named_tensors" in r.json()["message"]  # the adapter's own check
+    await client.post("/update_weight_version", json={"new_version": "default", "abort_all_requests": False})
+
+
 # --- pause ---------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from colocd.engines.reference.payloads import PayloadError, open_payload
 from colocd.engines.reference.runner import ForwardInput, ForwardOutput, ModelRunner
 from colocd.engines.reference.safe_unpickle import UnsafePickleError, safe_loads
 from colocd.engines.reference.sampling import SamplingConfig, choose_token
-from colocd.engines.reference.scheduler import Req, ReqOutput, Scheduler, SchedulerMode, StopRule
+from colocd.engines.reference.scheduler import Req, Scheduler, SchedulerMode, StopRule
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
 
 CFG = QwenLikeConfig()
@@ -275,7 +275,7 @@ async def test_scheduler_retract_requeues_running_requests_and_they_resume_from_
         assert sched.is_fully_idle(ignore_waiting=True) and not sched.is_fully_idle()
         await sched.set_mode(SchedulerMode.RUNNING)
         await run_steps(step, 2)
-        out: ReqOutput = await req.future
+        out = await req.future
         assert out.output_ids == [6, 7, 8, 9] and out.num_retractions == 1
         # After the retract the request was prefilled again from its prompt plus its output so far.
         assert [list(r.tokens) for r in step.calls[2]] == [[1, 5, 6, 7]]
@@ -298,7 +298,7 @@ async def test_scheduler_in_place_pause_keeps_slots_and_abort_all_finishes_with_
         assert sched.num_running == 1 and not sched.is_fully_idle(ignore_waiting=True)
         assert await sched.abort_all("stop") == 1
         out = await req.future
-        assert out.finish_reason.to_json() == {
+        assert out.finish is not None and out.finish.to_json() == {
             "type": "abort",
             "message": "stop",
             "status_code": None,
@@ -340,7 +340,7 @@ async def test_scheduler_does_not_step_while_memory_is_not_ready() -> None:
         ready = True
         await sched.notify()
         await run_steps(step, 1)
-        assert (await req.future).finish_reason.type == "length"
+        assert (finish := (await req.future).finish) is not None and finish.type == "length"
     finally:
         loop.cancel()
 
