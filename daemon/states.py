@@ -125,22 +125,19 @@ class EngineRecord:
     def tags_to_release(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
         """Owned tags from ``requested`` that are resident. ``strict``: a released one is an error
         (SGLang dies on a double release), otherwise it is skipped (the phase machine's own plan)."""
-        wanted = self._owned(requested)
-        already = [t for t in wanted if not self.resident(t)]
-        if already and strict:
-            raise TransitionRejected(
-                f"cannot release {[t.value for t in already]}: already released; {self.describe()}",
-                state=self.snapshot())
-        return tuple(t for t in wanted if self.resident(t))
+        return self._tags_to("release", requested, strict, resident=True)
 
     def tags_to_resume(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
+        return self._tags_to("resume", requested, strict, resident=False)
+
+    def _tags_to(self, verb: str, requested: tuple[MemoryTag, ...] | None, strict: bool, *,
+                 resident: bool) -> tuple[MemoryTag, ...]:
         wanted = self._owned(requested)
-        already = [t for t in wanted if self.resident(t)]
+        already = [t.value for t in wanted if self.resident(t) is not resident]
         if already and strict:
-            raise TransitionRejected(
-                f"cannot resume {[t.value for t in already]}: already resident; {self.describe()}",
-                state=self.snapshot())
-        return tuple(t for t in wanted if not self.resident(t))
+            raise TransitionRejected(f"cannot {verb} {already}: already {'released' if resident else 'resident'}; "
+                                     f"{self.describe()}", state=self.snapshot())
+        return tuple(t for t in wanted if self.resident(t) is resident)
 
     def check_can_serve(self) -> None:
         """Generation may continue only on fully resident memory and clean weights."""
@@ -432,13 +429,6 @@ SESSION_MOVES: dict[SessionLifecycle, frozenset[SessionLifecycle]] = {
     _L.FAILED_CLOSED: frozenset(),
     _L.EXPIRED_CLOSED: frozenset(),
 }
-# Where closing an ended session leads.
-CLOSED_AFTER: dict[SessionLifecycle, SessionLifecycle] = {
-    _L.ABORTED: _L.ABORTED_CLOSED, _L.FAILED: _L.FAILED_CLOSED, _L.EXPIRED: _L.EXPIRED_CLOSED}
-# Where ending an open session leads, by outcome.
-ENDED_AS: dict[SessionState, SessionLifecycle] = {
-    SessionState.COMMITTED: _L.COMMITTED, SessionState.ABORTED: _L.ABORTED, SessionState.FAILED: _L.FAILED,
-    SessionState.EXPIRED: _L.EXPIRED}
 
 
 def check_session_move(session_id: str, current: SessionLifecycle, target: SessionLifecycle) -> None:
@@ -457,7 +447,7 @@ def closed_from(session_id: str, current: SessionLifecycle) -> SessionLifecycle 
     if current is SessionLifecycle.OPEN:
         raise TransitionRejected(f"weight session {session_id} is open: it is ended (committed, aborted, "
                                  "failed or expired) before the engines' updates are closed")
-    return CLOSED_AFTER[current]
+    return SessionLifecycle[f"{current.name}_CLOSED"]
 
 
 def require_session_open(session_id: str, state: SessionState, *, error: str | None = None,

@@ -1,30 +1,20 @@
 """The weight stream: gather each chunk from the trainer ranks, load it into every engine, ack the ranks.
 
-Layout: each engine TP rank is fed by one trainer rank. By default it is the trainer rank that declared
-the TP rank's device when it joined (``join``: a GPU UUID, or a CPU rank's declared id such as
-``cpu:0``), so a rank feeds exactly the engine ranks on its own device; an engine's ``feed_ranks`` (node
-config) fixes the ranks instead, and an engine whose devices are unknown is fed positionally (TP rank t
-by trainer rank t). A rank that feeds no engine rank is told so when it joins, and its chunks are
-refused: nobody would load them. A layout that leaves an engine device without a trainer rank is
-refused when the last rank joins, naming the device.
+Layout: each engine TP rank is fed by one trainer rank: the one that joined declaring the TP rank's device (a GPU
+UUID, or a CPU rank's id such as ``cpu:0``), or the engine's ``feed_ranks`` (node config), or, where the engine's
+devices are unknown, trainer rank t for TP rank t. A rank that feeds nothing is told so at join and its chunks
+are refused; a layout that leaves an engine device unfed is refused at the last join, naming the device.
 
-Data path: rank r POSTs chunk k's descriptor → as soon as the ranks one engine needs have sent chunk
-k, the chunk goes to that engine, in sequence order and with at most ``depth`` chunks in flight per
-engine → when every engine that needed rank r's part has consumed it, rank r's request returns, which
-is the rank's licence to free or refill that buffer. SGLang replies to an update before its copy has
-finished (slime update_weight_from_tensor.py:39-47), so buffer lifetime is tied to this ack, never to
-a timer. Every rank sends the same chunk plan: chunk k's layout from each rank must carry the same
-tensors as the other ranks' chunk k (checked as parts arrive), and each engine TP rank must have
-received every tensor of a complete update before it commits.
+Data path: as soon as the ranks one engine needs have sent chunk k, it goes to that engine, in sequence order,
+at most ``depth`` in flight per engine; rank r's request returns once every engine that needed its part consumed
+it: the rank's licence to reuse that buffer (SGLang answers before its copy finished, slime
+update_weight_from_tensor.py:39-47, so buffer lifetime follows this ack, never a timer). Every rank sends the
+same chunk plan, and each engine TP rank must have every tensor of a complete update before it commits.
 
-Deadlines: a rank that has not started (joined and sent its first chunk) is waited for until the
-session's start deadline (``start_timeout_s`` from the open); from a rank's first chunk on, each chunk
-must complete within ``chunk_timeout_s``.
-
-A session is leased: every chunk renews it, and the daemon expires it after an idle time (a trainer
-that died mid-stream). It carries a manifest (names, dtypes, shapes) that every chunk's layout is
-checked against, and never closes while an engine call it issued is still running: ``quiesce``
-waits for them, and names the engines whose calls had to be abandoned (their weights are tainted).
+Deadlines: a rank that has not started (joined and sent a first chunk) has until the start deadline
+(``start_timeout_s``); from its first chunk on, each chunk must complete within ``chunk_timeout_s``. Every
+chunk renews the session's lease (``idle_s``). A session never closes while an engine call it issued runs:
+``quiesce`` waits, and names the engines whose calls it had to abandon (their weights are tainted).
 """
 
 from __future__ import annotations
@@ -51,7 +41,6 @@ from ..errors import (
 from ..policies import Transport, VerifyMode
 from .metrics import Metrics
 from .states import (
-    ENDED_AS,
     SessionLifecycle,
     SessionState,
     WeightsState,
@@ -72,7 +61,9 @@ __all__ = [
     "SessionState",
     "TensorMeta",
     "WeightSession",
+    "counted",
     "device_key",
+    "few",
     "manifest_from_json",
     "manifest_to_json",
     "name_some",
@@ -113,6 +104,16 @@ def name_some(names: Collection[str], limit: int = 5) -> str:
     ordered = sorted(names)
     shown = ", ".join(repr(n) for n in ordered[:limit])
     return shown + (f" and {len(ordered) - limit} more ({len(ordered)} in all)" if len(ordered) > limit else "")
+
+
+def few(items: Sequence[str], limit: int, sep: str = "; ") -> str:
+    """The first ``limit`` of ``items`` joined, and how many more there are."""
+    return sep.join(items[:limit]) + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def counted(noun: str, items: Sequence[object], show: Callable[[object], str] = str) -> str:
+    """``rank 1`` or ``ranks 1, 2``: the noun, plural where there are several, and the items."""
+    return f"{noun}{'s' if len(items) > 1 else ''} {', '.join(map(show, items))}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,19 +200,10 @@ class _Lane:
 
 
 class WeightSession:
-    """One weight update across the node's engines. Created after every engine began its update.
-
-    ``sources`` maps an engine name to the trainer rank of each of its TP ranks (fixed, e.g. the engine's
-    ``feed_ranks``); any other engine is fed by device (``EngineHandle.tp_devices``: each TP rank by the
-    rank that joins declaring that device) or, where its devices are unknown, TP rank t by trainer rank t.
-    ``start_timeout_s``: how long after the open a rank may start (None: no start deadline, ``chunk_timeout_s``
-    bounds every wait). ``manifest`` is what the trainer declared it will send (None: not
-    declared; then what the chunks' layouts carried is what was sent); ``partial`` says the trainer
-    means to update only some tensors, on top of intact weights.
-
-    Its lifecycle (``states.SessionLifecycle``) is its own: it ends once (``commit``, ``abort``, ``fail``,
-    ``expire``) and is closed once (``close``), each move checked by ``states.check_session_move``.
-    """
+    """One weight update across the node's engines. ``sources``: engine → the trainer rank of each TP rank, where
+    fixed (``feed_ranks``). ``manifest``: what the trainer declared it will send (None: what the layouts carried
+    counts). ``partial``: only some tensors, on intact weights. It ends once and is closed once
+    (``states.SESSION_MOVES``)."""
 
     def __init__(
         self,
@@ -358,7 +350,7 @@ class WeightSession:
         """The engine TP ranks no trainer rank feeds yet, described by device; empty when every one is fed."""
         gaps = [f"engine {lane.name!r} TP rank {t} on device {lane.device(t)!r} has no trainer rank on it"
                 for lane in self._lanes for t, r in enumerate(lane.sources) if r is None]
-        return "; ".join(gaps[:4]) + (f" (and {len(gaps) - 4} more)" if len(gaps) > 4 else "")
+        return few(gaps, 4)
 
     def transports(self, lanes: Sequence[_Lane] | None = None) -> tuple[Transport, ...]:
         """The transports every engine of ``lanes`` (default: the session's) loads, in the enum's order."""
@@ -409,7 +401,7 @@ class WeightSession:
         budget = self.start_timeout_s or 0.0
         unserved = self._unserved()
         return ChunkTimeout(
-            f"session {self.id}: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not start (join "
+            f"session {self.id}: {counted('rank', late)} did not start (join "
             f"and send a first chunk) within start_s={budget:.1f}s of the session's open"
             + (f"; {unserved}" if unserved else ""),
             stage="start", budget_s=budget, rank=late[0])
@@ -642,8 +634,7 @@ class WeightSession:
         wrong = [f"{name!r} is {meta.describe()}, the manifest says {self.manifest[name].describe()}"
                  for name, meta in tensors if meta != self.manifest[name]]
         if wrong:
-            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {'; '.join(wrong[:3])}"
-                                 + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""), field=field)
+            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {few(wrong, 3)}", field=field)
 
     def _check_open(self) -> None:
         require_session_open(self.id, self.state, error=self.error, advise_new=True)
@@ -692,10 +683,7 @@ class WeightSession:
                 f"rank{'s' if len(missing) != 1 else ''} {ranks} never sent {budget}",
                 stage="gather", budget_s=self.chunk_timeout_s, rank=missing[0] if missing else None)
         slow = [name for name, done in oldest.consumed.items() if not done.done()]
-        return ChunkTimeout(
-            f"chunk {seq}: the window waits for chunk {self._acked}, which engine{'s' if len(slow) > 1 else ''} "
-            f"{', '.join(map(repr, slow)) or '(none)'} did not consume {budget}",
-            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+        return self._unconsumed(f"chunk {seq}: the window waits for chunk {self._acked}, which ", slow, "")
 
     def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError | RequestInvalid:
         """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the trainer's
@@ -713,18 +701,22 @@ class WeightSession:
             missing = sorted(r for r in lane.sources if r is not None and r not in blocking.parts)
             unjoined = self._unjoined() if not lane.resolved else []
             if missing or unjoined:
-                who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, which never sent it"
-                       if missing else
+                who = (f"{counted('rank', missing)}, which never sent it" if missing else
                        f"the trainer rank on device {lane.device(lane.sources.index(None))!r}, which has not joined "
-                       f"(not joined yet: rank{'s' if len(unjoined) > 1 else ''} {', '.join(map(str, unjoined))})")
+                       f"(not joined yet: {counted('rank', unjoined)})")
                 return ChunkTimeout(
                     f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from {who} {budget}",
                     stage="gather", budget_s=self.chunk_timeout_s, engine=lane.name, rank=(missing or unjoined)[0])
         chunk = self._chunks.get(seq)
         slow = [lane.name for lane in users if chunk is None or not chunk.consumed[lane.name].done()]
+        return self._unconsumed(f"chunk {seq}: ", slow, "it")
+
+    def _unconsumed(self, head: str, slow: Sequence[str], what: str) -> ChunkTimeout:
+        """The engines that did not consume ``what`` within the chunk budget (stage ``load_chunk``)."""
         return ChunkTimeout(
-            f"chunk {seq}: engine{'s' if len(slow) > 1 else ''} {', '.join(map(repr, slow))} did not consume "
-            f"it {budget}", stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+            f"{head}{counted('engine', slow, repr) if slow else 'engine (none)'} did not consume "
+            f"{what + ' ' if what else ''}within {self.chunk_timeout_s:.1f}s",
+            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
 
     def _pump(self) -> None:
         """Start every load that is ready: in order per engine, its ranks' parts in, under its depth."""
@@ -848,10 +840,7 @@ class WeightSession:
             return ChunkTimeout(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
                                 stage="gather", budget_s=self.chunk_timeout_s, rank=first_missing[0])
         slow = sorted({lane.name for lane in self._lanes if lane.in_flight})
-        return ChunkTimeout(
-            f"at commit: engine{'s' if len(slow) > 1 else ''} {', '.join(map(repr, slow)) or '(none)'} did "
-            f"not consume chunks {sorted(self._chunks)} within {self.chunk_timeout_s:.1f}s",
-            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+        return self._unconsumed("at commit: ", slow, f"chunks {sorted(self._chunks)}")
 
     def _gap(self) -> str | None:
         """A chunk below the highest one received that no rank ever sent: the trainer skipped it."""
@@ -864,16 +853,17 @@ class WeightSession:
         return (f"session {self.id}: chunk{'s' if len(missing) > 1 else ''} {missing[:5]} never sent, though chunk "
                 f"{top} was: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)")
 
+    def _lane(self, engine: str) -> _Lane:
+        return next(ln for ln in self._lanes if ln.name == engine)
+
     def sent_names(self, engine: str) -> set[str]:
-        """Tensors every TP rank of this engine received: from the chunks' layouts (every transport carries
-        one) and the broadcasts' descriptors."""
-        lane = next(ln for ln in self._lanes if ln.name == engine)
-        return set(lane.names)
+        """Tensors every TP rank of this engine received (chunk layouts and broadcast descriptors)."""
+        return set(self._lane(engine).names)
 
     def unsent_by_tp_rank(self, engine: str, wanted: Collection[str]) -> str:
         """Which of the engine's TP ranks lack which of ``wanted``, and the trainer rank feeding each: the words
         of a refused commit (a complete update covers every TP rank). Empty when each has them all."""
-        lane = next(ln for ln in self._lanes if ln.name == engine)
+        lane = self._lane(engine)
         gaps = []
         for t, got in enumerate(lane.rank_names):
             lacking = [n for n in wanted if n not in got]
@@ -885,19 +875,16 @@ class WeightSession:
 
     def touched(self, engine: str) -> bool:
         """Whether any load of this session ever started on the engine (its weights may be mixed)."""
-        return any(ln.loads_started for ln in self._lanes if ln.name == engine)
-
-    def _lifecycle_state(self) -> SessionState:
-        return self.state
+        return self._lane(engine).loads_started > 0
 
     async def fail(self, error: BaseException) -> None:
         """Stop the session: fail every waiting rank; loads already running are left to ``quiesce``."""
         if self.state is not SessionState.OPEN:
             return  # it ended already: the first ending is the one that counts
-        self._move(ENDED_AS[SessionState.ABORTED if isinstance(error, _Abort)
-                            else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED])
+        ended = (SessionState.ABORTED if isinstance(error, _Abort)
+                 else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED)
+        self._move(SessionLifecycle[ended.name])
         self.error = str(error)
-        ended: SessionState = self._lifecycle_state()  # _move changed it; a call keeps mypy from narrowing
         self._ended_by = f"{ended.value}: {type(error).__name__.lstrip('_')}: {error}"  # what a cancelled load says
         message = f"session {self.id} {ended.value}: {error}"
         for chunk in self._chunks.values():
