@@ -263,10 +263,8 @@ def check_no_open_session(open_session: str | None, *, advice: str = "") -> None
 def check_rollout_weights(engines: Iterable[EngineRecord], node: NodeState) -> None:
     """Every engine's weights are the committed version before any resumes: a stale engine must not
     leave the others half-resumed."""
-    stale = [e.describe() for e in engines if e.weights is not WeightsState.CLEAN]
-    if stale:
-        raise TransitionRejected("cannot enter 'rollout': weights not updated since release: " + "; ".join(stale),
-                                 state=node.snapshot())
+    _refuse_engines("cannot enter 'rollout': weights not updated since release: ",
+                    [e for e in engines if e.weights is not WeightsState.CLEAN], node)
 
 
 def check_rollout_staleness(served: Mapping[str, str | None], staleness: Mapping[str, int], latest: str | None,
@@ -362,22 +360,23 @@ def check_can_open_session(open_session: str | None, engines: Iterable[EngineRec
         raise TransitionRejected(
             f"weight session {open_session} is already open (idle {idle_for:.1f}s; it expires after "
             f"{idle_s}s without a chunk, or abort it)", state=node.snapshot())
-    bad = [e.describe() for e in engines
-           if e.generation is not Generation.PAUSED or not e.resident(MemoryTag.WEIGHTS)]
-    if bad:
-        raise TransitionRejected(
-            "cannot open a weight session: every engine must be paused with weights resident "
-            "(enter 'sync' first): " + "; ".join(bad), state=node.snapshot())
+    _refuse_engines("cannot open a weight session: every engine must be paused with weights resident (enter "
+                    "'sync' first): ", [e for e in engines
+                                        if e.generation is not Generation.PAUSED or not e.resident(MemoryTag.WEIGHTS)],
+                    node)
 
 
 def check_partial_allowed(engines: Iterable[EngineRecord], node: NodeState) -> None:
     """A partial update goes on top of intact weights only."""
-    discarded = [e.describe() for e in engines if e.weights is not WeightsState.CLEAN]
-    if discarded:
-        raise TransitionRejected(
-            "a partial update needs intact weights, but weights were discarded (released, or an "
-            "update was abandoned): push every tensor (partial: false): " + "; ".join(discarded),
-            state=node.snapshot())
+    _refuse_engines("a partial update needs intact weights, but weights were discarded (released, or an update was "
+                    "abandoned): push every tensor (partial: false): ", [e for e in engines
+                                                                        if e.weights is not WeightsState.CLEAN], node)
+
+
+def _refuse_engines(why: str, bad: Sequence[EngineRecord], node: NodeState) -> None:
+    """409 naming each engine in ``bad`` (its record described) after ``why``; nothing when none is."""
+    if bad:
+        raise TransitionRejected(why + "; ".join(e.describe() for e in bad), state=node.snapshot())
 
 
 # -- one weight session's lifecycle ------------------------------------------------------------

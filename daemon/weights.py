@@ -205,40 +205,19 @@ class WeightSession:
     counts). ``partial``: only some tensors, on intact weights. It ends once and is closed once
     (``states.SESSION_MOVES``)."""
 
-    def __init__(
-        self,
-        *,
-        step: int,
-        version: str,
-        ranks: int,
-        engines: list[EngineHandle],
-        depth: int,
-        chunk_timeout_s: float,
-        trace: Trace,
-        metrics: Metrics,
-        sources: Mapping[str, tuple[int, ...]] | None = None,
-        manifest: Manifest | None = None,
-        manifest_ref: str | None = None,
-        partial: bool = False,
-        idle_s: float | None = None,
-        start_timeout_s: float | None = None,
-        session_id: str | None = None,
-    ) -> None:
+    def __init__(self, *, step: int, version: str, ranks: int, engines: list[EngineHandle], depth: int,
+                 chunk_timeout_s: float, trace: Trace, metrics: Metrics,
+                 sources: Mapping[str, tuple[int, ...]] | None = None, manifest: Manifest | None = None,
+                 manifest_ref: str | None = None, partial: bool = False, idle_s: float | None = None,
+                 start_timeout_s: float | None = None, session_id: str | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.id = session_id or secrets.token_hex(8)
-        self.step = step
-        self.version = version
-        self.ranks = ranks
-        self.engines = engines
-        self.depth = depth
-        self.chunk_timeout_s = chunk_timeout_s
-        self.trace = trace
+        self.step, self.version, self.ranks, self.engines, self.depth = step, version, ranks, engines, depth
+        self.chunk_timeout_s, self.idle_s, self.start_timeout_s = chunk_timeout_s, idle_s, start_timeout_s
+        self.trace, self.partial = trace, partial
         self.manifest = manifest  # shared with later sessions that name it by reference: never changed
         self.manifest_ref = manifest_ref  # the manifest's reference (daemon/manifests.py); None without one
-        self.partial = partial
-        self.idle_s = idle_s
-        self.start_timeout_s = start_timeout_s
         self.opened_at = time.monotonic()
         self._lifecycle = SessionLifecycle.OPEN
         self.error: str | None = None
@@ -249,8 +228,7 @@ class WeightSession:
         self.prior: dict[str, WeightsState] = {}
         self.verify: VerifyMode = "off"  # set at open from the policy (sync.verify)
         self.expected = ExpectedDigests()  # the digests the trainer sent beside its chunks
-        self.bytes_loaded = 0
-        self.chunks_loaded = 0
+        self.bytes_loaded = self.chunks_loaded = 0
         self.shm_names: set[str] = set()  # segments the trainer named: unlinked if the session expires
         self.trainer_pids: set[int] = set()  # the trainer's processes, as proven (engines/segments.py)
         self.delivered: Manifest = {}  # every tensor a chunk layout carried, with its dtype and shape
@@ -293,10 +271,9 @@ class WeightSession:
         another device (the trainer aborts, or the start deadline fails the session)."""
         self._check_open()
         if not 0 <= rank < self.ranks:
-            raise RequestInvalid(f"session {self.id}: rank {rank} outside 0..{self.ranks - 1}", field="rank")
+            raise self._refuse(f"rank {rank} outside 0..{self.ranks - 1}", field="rank")
         if not device_id or len(device_id) > 256:
-            raise RequestInvalid(f"session {self.id}: rank {rank}: device_id must be 1..256 characters",
-                                 field="device_id")
+            raise self._refuse(f"rank {rank}: device_id must be 1..256 characters", field="device_id")
         known = self._devices.get(rank)
         if known is not None and known != device_id:
             raise TransitionRejected(f"session {self.id}: rank {rank} joined on device {known!r}, not {device_id!r}")
@@ -305,8 +282,8 @@ class WeightSession:
                      for t in range(len(lane.sources)) if device_key(lane.device(t)) == device_key(device_id)]
             taken = next((lane.sources[t] for lane, t in slots if lane.sources[t] is not None), None)
             if taken is not None:
-                raise RequestInvalid(
-                    f"session {self.id}: rank {rank} declares device {device_id!r}, which rank {taken} declared "
+                raise self._refuse(
+                    f"rank {rank} declares device {device_id!r}, which rank {taken} declared "
                     "already; each engine device is fed by one trainer rank (declare each rank's own device)",
                     field="device_id")
             before = [list(lane.sources) for lane in self._lanes]
@@ -320,8 +297,8 @@ class WeightSession:
                     del self._devices[rank]
                     for lane, sources in zip(self._lanes, before, strict=True):
                         lane.sources[:] = sources
-                    raise RequestInvalid(
-                        f"session {self.id}: layout cannot be served: {unserved}, with every rank joined "
+                    raise self._refuse(
+                        f"layout cannot be served: {unserved}, with every rank joined "
                         f"({declared}); rank {rank}'s join is refused and the session stays open: join it on that "
                         "device (CPU: WeightPusher(device_id=...), matching the engine's device_ids), map the "
                         "ranks in the node config (the engine's feed_ranks), or abort the session",
@@ -365,8 +342,8 @@ class WeightSession:
             accepted = lane.engine.transports
             if part.transport not in {t.wire for t in accepted}:
                 names = ", ".join(t.value for t in Transport if t in accepted) or "none"
-                raise RequestInvalid(
-                    f"session {self.id}: chunk {seq} from rank {part.rank} travels by {part.transport}, which engine "
+                raise self._refuse(
+                    f"chunk {seq} from rank {part.rank} travels by {part.transport}, which engine "
                     f"{lane.name!r} does not load (it accepts: {names}); nothing was sent to any engine: send it by "
                     "one of those (the join reply's transports)", field="transport")
 
@@ -475,29 +452,28 @@ class WeightSession:
     async def _submit(self, seq: int, part: ChunkPart) -> ChunkAck:
         # Everything the caller could have got wrong is refused here, before the part is accepted,
         # and leaves the session as it was (the rank may send a corrected part).
-        if not 0 <= part.rank < self.ranks:
-            raise RequestInvalid(f"session {self.id}: rank {part.rank} outside 0..{self.ranks - 1}", field="rank")
         if part.rank not in self._devices:
-            # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank>.
+            # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank>
+            # (a rank outside the session is refused there).
             await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
         users = self._users_of(part.rank)
         if not users:
-            raise RequestInvalid(
-                f"session {self.id}: rank {part.rank} (device {self._devices[part.rank]!r}) feeds no engine TP rank, "
+            raise self._refuse(
+                f"rank {part.rank} (device {self._devices[part.rank]!r}) feeds no engine TP rank, "
                 "so nobody would load its chunks: it must not stream (its join reply says streams: false)",
                 field="rank")
         declared, exported_on = self._devices[part.rank], part.route.device_uuid
         if exported_on is not None and not is_host_device(declared) and device_key(declared) != device_key(exported_on):
             # A CUDA IPC handle opens only on the GPU it was exported from; the engine fed by this rank runs there.
-            raise RequestInvalid(
-                f"session {self.id}: chunk {seq} from rank {part.rank} was exported on GPU {exported_on}, but the "
+            raise self._refuse(
+                f"chunk {seq} from rank {part.rank} was exported on GPU {exported_on}, but the "
                 f"rank joined on {declared}: a CUDA IPC handle opens only on its own GPU", field="handle.device_uuid")
         if seq < self._acked or seq < self._rank_next[part.rank] or seq in self._rank_ahead[part.rank]:
             raise TransitionRejected(f"session {self.id}: rank {part.rank} already sent chunk {seq}")
         first_missing = self._rank_next[part.rank]
         if seq >= first_missing + self.depth:
-            raise RequestInvalid(
-                f"session {self.id}: chunk {seq} from rank {part.rank} skips ahead: rank {part.rank} has not "
+            raise self._refuse(
+                f"chunk {seq} from rank {part.rank} skips ahead: rank {part.rank} has not "
                 f"sent chunk {first_missing}, and a rank may have at most depth={self.depth} chunks outstanding "
                 f"(chunks {first_missing}..{first_missing + self.depth - 1}); chunk sequence numbers are "
                 "0, 1, 2, ... without gaps", field="seq")
@@ -595,8 +571,8 @@ class WeightSession:
                    f" compared with rank {first[0]}'s")
         else:
             why = f"the same tensors as rank {first[0]}'s, in another order or shape"
-        raise RequestInvalid(
-            f"session {self.id}: chunk {seq} from rank {rank} carries other tensors than rank {first[0]}'s chunk "
+        raise self._refuse(
+            f"chunk {seq} from rank {rank} carries other tensors than rank {first[0]}'s chunk "
             f"{seq} ({why}): every rank sends the same chunk plan, the full tensors in the same order with the "
             "same bucket size, so each engine TP rank gets every tensor", field="handle.layout")
 
@@ -635,6 +611,10 @@ class WeightSession:
                  for name, meta in tensors if meta != self.manifest[name]]
         if wrong:
             raise RequestInvalid(f"{where}: layout disagrees with the manifest: {few(wrong, 3)}", field=field)
+
+    def _refuse(self, message: str, *, field: str) -> RequestInvalid:
+        """The 422 for what a rank sent this session, naming the session and the field at fault."""
+        return RequestInvalid(f"session {self.id}: {message}", field=field)
 
     def _check_open(self) -> None:
         require_session_open(self.id, self.state, error=self.error, advise_new=True)
@@ -827,8 +807,8 @@ class WeightSession:
             await self._fail_with(error)
         self._check_open()
         if num_chunks is not None and num_chunks != self._acked:
-            raise RequestInvalid(
-                f"session {self.id}: the trainer says {num_chunks} chunks, the engines consumed {self._acked} "
+            raise self._refuse(
+                f"the trainer says {num_chunks} chunks, the engines consumed {self._acked} "
                 f"(chunks 0..{self._acked - 1}); nothing committed, the session stays open", field="num_chunks")
 
     def _drain_timeout(self) -> ChunkTimeout:
@@ -921,28 +901,18 @@ class WeightSession:
 
     def stats(self) -> dict[str, Any]:
         """What the session did so far; ``max_in_flight`` is the most chunks one engine had at once."""
-        return {
-            "id": self.id,
-            "step": self.step,
-            "version": self.version,
-            "state": self.state.value,
-            "ranks": self.ranks,
-            "depth": self.depth,
-            "partial": self.partial,
-            "manifest_tensors": None if self.manifest is None else len(self.manifest),
-            "chunks_consumed": self._acked,
-            "bytes_loaded": self.bytes_loaded,
-            "max_in_flight": {ln.name: ln.max_in_flight for ln in self._lanes},
-            "sources": {ln.name: list(ln.sources) for ln in self._lanes},  # per TP rank; null: not joined yet
-            "devices": {str(r): d for r, d in sorted(self._devices.items())},  # what each joined rank declared
-            "late_ranks": self._late() if self.state is SessionState.OPEN else [],
-            "start_s": self.start_timeout_s,
-            "open_chunks": sorted(self._chunks),
-            "idle_s": self.idle_s,
-            "idle_for_s": round(self.idle_for(), 3) if self.state is SessionState.OPEN else None,
-            "tainted": self.tainted,
-            "error": self.error,
-        }
+        is_open = self.state is SessionState.OPEN
+        return {"id": self.id, "step": self.step, "version": self.version, "state": self.state.value,
+                "ranks": self.ranks, "depth": self.depth, "partial": self.partial,
+                "manifest_tensors": None if self.manifest is None else len(self.manifest),
+                "chunks_consumed": self._acked, "bytes_loaded": self.bytes_loaded,
+                "max_in_flight": {ln.name: ln.max_in_flight for ln in self._lanes},
+                "sources": {ln.name: list(ln.sources) for ln in self._lanes},  # per TP rank; null: not joined yet
+                "devices": {str(r): d for r, d in sorted(self._devices.items())},  # what each joined rank declared
+                "late_ranks": self._late() if is_open else [], "start_s": self.start_timeout_s,
+                "open_chunks": sorted(self._chunks), "idle_s": self.idle_s,
+                "idle_for_s": round(self.idle_for(), 3) if is_open else None,
+                "tainted": self.tainted, "error": self.error}
 
 
 def _load_error(engine: str, seq: int, exc: BaseException, *, ended: str | None = None
