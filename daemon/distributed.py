@@ -36,12 +36,7 @@ from .weights import SessionState, WeightSession
 from .worker import EngineHandle, EngineWorker, group_verbs
 
 __all__ = [
-    "BroadcastDescriptor",
-    "GroupState",
-    "SupportsWeightGroups",
-    "WeightGroupRecord",
-    "WeightGroups",
-    "rank_layout",
+    "BroadcastDescriptor", "GroupState", "SupportsWeightGroups", "WeightGroupRecord", "WeightGroups", "rank_layout"
 ]
 
 

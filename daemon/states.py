@@ -17,36 +17,12 @@ from ..engines.base import ALL_TAGS, MemoryTag, TagState
 from ..errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
-    "NEXT_PHASE",
-    "SESSION_MOVES",
-    "UNKNOWN",
-    "Attachment",
-    "DaemonState",
-    "EngineRecord",
-    "Generation",
-    "NodePhase",
-    "NodeState",
-    "ResumeNeed",
-    "SessionLifecycle",
-    "SessionState",
-    "TagState",
-    "WeightsState",
-    "check_attached",
-    "check_can_open_session",
-    "check_can_start",
-    "check_no_open_session",
-    "check_partial_allowed",
-    "check_phase_request",
-    "check_reconciled",
-    "check_resume_headroom",
-    "check_rollout_staleness",
-    "check_rollout_weights",
-    "check_session_abortable",
-    "check_session_move",
-    "closed_from",
-    "needed_per_gpu",
-    "require_session_open",
-    "unready_reason",
+    "NEXT_PHASE", "SESSION_MOVES", "UNKNOWN", "Attachment", "DaemonState", "EngineRecord", "Generation", "NodePhase",
+    "NodeState", "ResumeNeed", "SessionLifecycle", "SessionState", "TagState", "WeightsState", "check_attached",
+    "check_can_open_session", "check_can_start", "check_no_open_session", "check_partial_allowed",
+    "check_phase_request", "check_reconciled", "check_resume_headroom", "check_rollout_staleness",
+    "check_rollout_weights", "check_session_abortable", "check_session_move", "closed_from", "needed_per_gpu",
+    "require_session_open", "unready_reason"
 ]
 
 

@@ -20,13 +20,8 @@ from ..policies import VerifyMode
 from .worker import EngineHandle
 
 __all__ = [
-    "SAMPLE_FRACTION",
-    "EngineVerdict",
-    "ExpectedDigests",
-    "Verification",
-    "sample_names",
-    "verdict_of",
-    "verify_engines",
+    "SAMPLE_FRACTION", "EngineVerdict", "ExpectedDigests", "Verification", "sample_names", "verdict_of",
+    "verify_engines"
 ]
 
 # ``sample`` checks this share of the tensors (at least one); the subset changes with the version, so

@@ -54,19 +54,8 @@ from .verify import ExpectedDigests
 from .worker import EngineHandle, load_chunk
 
 __all__ = [
-    "ChunkAck",
-    "Manifest",
-    "RankJoin",
-    "SessionLifecycle",
-    "SessionState",
-    "TensorMeta",
-    "WeightSession",
-    "counted",
-    "device_key",
-    "few",
-    "manifest_from_json",
-    "manifest_to_json",
-    "name_some",
+    "ChunkAck", "Manifest", "RankJoin", "SessionLifecycle", "SessionState", "TensorMeta", "WeightSession", "counted",
+    "device_key", "few", "manifest_from_json", "manifest_to_json", "name_some"
 ]
 
 
@@ -629,13 +618,9 @@ class WeightSession:
             expected = list(lane.engine.config.gpu_uuids or ())
             for tp_rank, rank in enumerate(lane.sources):
                 if rank == part.rank and tp_rank < len(expected) and device_key(expected[tp_rank]) != device_key(uuid):
-                    error = WeightSyncError(
-                        f"chunk {seq}: trainer rank {rank} exported it from GPU {uuid}, but engine "
-                        f"{lane.name!r} TP rank {tp_rank} runs on GPU {expected[tp_rank]}; "
-                        "CUDA IPC needs both on one GPU"
-                    )
-                    await self.fail(error)
-                    raise error
+                    await self._fail_with(WeightSyncError(
+                        f"chunk {seq}: trainer rank {rank} exported it from GPU {uuid}, but engine {lane.name!r} TP "
+                        f"rank {tp_rank} runs on GPU {expected[tp_rank]}; CUDA IPC needs both on one GPU"))
 
     def _missing_parts(self, chunk: _Chunk) -> list[int]:
         """Ranks whose part of ``chunk`` an engine still waits for (an engine TP rank whose trainer rank has not
@@ -658,10 +643,9 @@ class WeightSession:
         budget = f"within {self.chunk_timeout_s:.1f}s"
         if oldest is None or missing:
             ranks = ", ".join(map(str, missing)) if missing else "any rank"
-            return ChunkTimeout(
-                f"chunk {seq}: the window is {self.depth} chunks past chunk {self._acked}, which "
-                f"rank{'s' if len(missing) != 1 else ''} {ranks} never sent {budget}",
-                stage="gather", budget_s=self.chunk_timeout_s, rank=missing[0] if missing else None)
+            return self._ungathered(f"chunk {seq}: the window is {self.depth} chunks past chunk {self._acked}, which "
+                                    f"rank{'s' if len(missing) != 1 else ''} {ranks} never sent {budget}",
+                                    missing[0] if missing else None)
         slow = [name for name, done in oldest.consumed.items() if not done.done()]
         return self._unconsumed(f"chunk {seq}: the window waits for chunk {self._acked}, which ", slow, "")
 
@@ -684,12 +668,15 @@ class WeightSession:
                 who = (f"{counted('rank', missing)}, which never sent it" if missing else
                        f"the trainer rank on device {lane.device(lane.sources.index(None))!r}, which has not joined "
                        f"(not joined yet: {counted('rank', unjoined)})")
-                return ChunkTimeout(
-                    f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from {who} {budget}",
-                    stage="gather", budget_s=self.chunk_timeout_s, engine=lane.name, rank=(missing or unjoined)[0])
+                return self._ungathered(f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from "
+                                        f"{who} {budget}", (missing or unjoined)[0], engine=lane.name)
         chunk = self._chunks.get(seq)
         slow = [lane.name for lane in users if chunk is None or not chunk.consumed[lane.name].done()]
         return self._unconsumed(f"chunk {seq}: ", slow, "it")
+
+    def _ungathered(self, message: str, rank: int | None, engine: str | None = None) -> ChunkTimeout:
+        """A rank's part did not arrive within the chunk budget (stage ``gather``)."""
+        return ChunkTimeout(message, stage="gather", budget_s=self.chunk_timeout_s, engine=engine, rank=rank)
 
     def _unconsumed(self, head: str, slow: Sequence[str], what: str) -> ChunkTimeout:
         """The engines that did not consume ``what`` within the chunk budget (stage ``load_chunk``)."""
@@ -817,8 +804,8 @@ class WeightSession:
         incomplete = {s: m for s, c in sorted(self._chunks.items()) if (m := self._missing_parts(c))}
         if incomplete:
             first_missing = next(iter(incomplete.values()))
-            return ChunkTimeout(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
-                                stage="gather", budget_s=self.chunk_timeout_s, rank=first_missing[0])
+            return self._ungathered(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
+                                    first_missing[0])
         slow = sorted({lane.name for lane in self._lanes if lane.in_flight})
         return self._unconsumed("at commit: ", slow, f"chunks {sorted(self._chunks)}")
 

@@ -1,24 +1,16 @@
 """The engine worker: the one place the daemon calls an engine, and the only writer of each engine's record.
 
-Every call an engine gets goes through here: the plans (daemon/reconcile.py) that phases, sleep / resume, weight
-sessions, the health loop, relaunches and restarts set, and the work a weight session does beside its plan
-(chunk loads, digests for a verified commit, weight-update groups and broadcasts). Each step updates the engine's
-record only after the engine confirmed it, so a failure anywhere leaves the record equal to what the engine really
-did. Order rules (engine-apis.md §6.3): idle before release, stay paused until fully resumed, weights before KV,
-flush after an update.
+Every engine call goes through here: the plans (daemon/reconcile.py) that phases, sleep / resume, weight sessions,
+the health loop, relaunches and restarts set, and a weight session's work beside its plan (chunk loads, digests,
+weight-update groups, broadcasts). A record changes only after the engine confirmed the step, so a failure leaves
+it equal to what the engine did. Order rules (engine-apis.md §6.3): idle before release, paused until fully
+resumed, weights before KV, flush after an update.
 
-Two ways in, one planner:
-
-- ``reconcile`` observes each engine first and drives it toward its record (the health loop, a relaunch,
-  a daemon restart, and every mutating operation before it acts, ``NodeLock.exclusive``). An engine that lost the
-  daemon's open weight session is recorded so (``EngineHandle.lost_session``); the session reads it there.
-- ``drive`` drives each engine toward a desired state a transition (or a manual sleep / resume, or a weight
-  session's open and close) set, planning on the record that was just observed. A failed drive re-observes every
-  engine before the error reaches the caller, so /v1/status says what the engines really are (a timed-out call may
-  have half happened); the record then is the desired state again: the trainer re-asks for a step that failed,
-  the daemon never retries it behind its back.
-
-The caller holds the node's lock (or the daemon is starting).
+``reconcile`` observes each engine and drives it toward its record (the health loop, a relaunch, a restart, and
+every mutating operation before it acts); an engine that lost the open weight session is recorded so
+(``EngineHandle.lost_session``). ``drive`` and ``weights`` drive toward a desired state a transition or a weight
+session set, on the record just observed; a failed drive re-observes every engine before the error reaches the
+caller, and the trainer re-asks: the daemon never retries a step behind its back. The caller holds the node's lock.
 """
 
 from __future__ import annotations
@@ -69,13 +61,8 @@ from .states import (
 from .trace import Trace, TraceStore
 
 __all__ = [
-    "EngineHandle",
-    "EngineWorker",
-    "expected_release_bytes",
-    "expected_resume_bytes",
-    "group_verbs",
-    "late_loads",
-    "load_chunk",
+    "EngineHandle", "EngineWorker", "expected_release_bytes", "expected_resume_bytes", "group_verbs", "late_loads",
+    "load_chunk"
 ]
 
 _T = TypeVar("_T")
