@@ -156,13 +156,9 @@ class WeightSessions:
         return joined.to_json()
 
     async def submit_chunk(self, session_id: str, seq: int, part: ChunkPart) -> ChunkAck:
-        current = self.current
-        if current is not None and current.id == session_id and part.rank >= current.ranks:
-            raise RequestInvalid(f"rank {part.rank} is outside session {session_id}'s ranks 0..{current.ranks - 1}",
-                                 field="rank")
         session = self.get(session_id)
         try:
-            return await session.submit(seq, part)
+            return await session.submit(seq, part)  # a rank outside the session is refused as it joins
         finally:
             if session.state not in (SessionState.OPEN, SessionState.COMMITTED):
                 await self._finish_failed(session)
