@@ -504,8 +504,8 @@ class EngineWorker:
                     if not p.end_session_tolerant:
                         raise  # the engine said a session was open, yet refuses to end it
             elif action is Action.BEGIN_ENGINE_SESSION and p.weights is not None:
-                await timed_call(engine, trace, self.metrics, "begin_weight_update",
-                                 t.budget(Budget.WEIGHT_UPDATE), engine.adapter.begin_weight_update())
+                await self._call(engine, trace, "begin_weight_update", Budget.WEIGHT_UPDATE,
+                                 engine.adapter.begin_weight_update())
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
                 engine.lost_session = None
             elif action is Action.PAUSE:
@@ -527,8 +527,8 @@ class EngineWorker:
         else its record holds what the session left (``goal.after``) from before the call, which may fail."""
         if goal.after is not None:
             engine.state = engine.state.with_(weights=goal.after)
-        await timed_call(engine, trace, self.metrics, "end_weight_update",
-                         self.timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update(goal.version))
+        await self._call(engine, trace, "end_weight_update", Budget.WEIGHT_UPDATE,
+                         engine.adapter.end_weight_update(goal.version))
         if goal.version is not None:
             engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=goal.version)
 
@@ -550,31 +550,31 @@ class EngineWorker:
             await fan_out(engines, one, on_failure=OnFailure.COLLECT)
 
     # -- a weight session's work beside its plan: digests, weight-update groups, broadcasts ---------------------
+    async def _call(self, engine: EngineHandle, trace: Trace, name: str, budget: Budget, coro: Awaitable[_T],
+                    **attrs: Any) -> _T:
+        return await timed_call(engine, trace, self.metrics, name, self.timeouts().budget(budget), coro, **attrs)
+
     async def digests(self, engine: EngineHandle, names: Sequence[str], trace: Trace) -> EngineDigests:
         """What the engine holds of ``names``, as digests, for a verified commit (daemon/verify.py)."""
-        return await timed_call(engine, trace, self.metrics, "weight_digests",
-                                self.timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.weight_digests(names),
-                                tensors=len(names))
+        return await self._call(engine, trace, "weight_digests", Budget.WEIGHT_UPDATE,
+                                engine.adapter.weight_digests(names), tensors=len(names))
 
     async def join_group(self, engine: EngineHandle, trace: Trace, *, group_name: str, master_address: str,
                          master_port: int, rank_offset: int, world_size: int, backend: str) -> None:
         """The engine joins the trainer's weight-update group (daemon/distributed.py)."""
-        await timed_call(engine, trace, self.metrics, "init_weights_update_group",
-                         self.timeouts().budget(Budget.GROUP),
+        await self._call(engine, trace, "init_weights_update_group", Budget.GROUP,
                          group_verbs(engine).init_weights_update_group(
                              master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                              world_size=world_size, group_name=group_name, backend=backend),
                          group=group_name, rank_offset=rank_offset)
 
     async def leave_group(self, engine: EngineHandle, group_name: str, trace: Trace) -> None:
-        await timed_call(engine, trace, self.metrics, "destroy_weights_update_group",
-                         self.timeouts().budget(Budget.GROUP),
+        await self._call(engine, trace, "destroy_weights_update_group", Budget.GROUP,
                          group_verbs(engine).destroy_weights_update_group(group_name), group=group_name)
 
     async def receive_broadcast(self, engine: EngineHandle, desc: BroadcastDescriptor, trace: Trace) -> None:
         """The engine receives one broadcast of the trainer's through its group, under the chunk budget."""
-        await timed_call(engine, trace, self.metrics, f"update_weights_from_distributed#{desc.seq}",
-                         self.timeouts().budget(Budget.CHUNK),
+        await self._call(engine, trace, f"update_weights_from_distributed#{desc.seq}", Budget.CHUNK,
                          group_verbs(engine).update_weights_from_distributed(
                              seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
                              shapes=[list(s) for s in desc.shapes], group_name=desc.group_name,
