@@ -224,14 +224,13 @@ class WeightSession:
         self._metrics = metrics
         self._lanes = [self._lane_of(e, sources) for e in engines]
         self._devices: dict[int, str] = {}  # rank → the device it declared when it joined
-        self._started: set[int] = set()  # ranks that sent a first chunk
         self._broadcasting = False  # a broadcast fed every engine: no rank is late to start
         self.broadcast_stats: dict[str, int] | None = None  # broadcasts that every engine loaded, and their bytes
         self._plans: dict[int, tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]]] = {}  # seq → first rank's
         self._chunks: dict[int, _Chunk] = {}
         self._acked = 0  # chunks [0, _acked) are complete and consumed by every engine
+        self._received: dict[int, set[int]] = {r: set() for r in range(ranks)}  # per rank: the chunks it sent
         self._rank_next = dict.fromkeys(range(ranks), 0)  # per rank: the first chunk not received from it
-        self._rank_ahead: dict[int, set[int]] = {r: set() for r in range(ranks)}  # received, past _rank_next
         self._window = asyncio.Condition()
         self._in_flight: dict[asyncio.Task[None], str] = {}  # load task → engine name
         self._requests = 0  # rank requests being served: a session with one is never idle
@@ -347,7 +346,7 @@ class WeightSession:
         rank has no trainer rank, the ranks that have not joined (one of them may be on its device)."""
         if self._broadcasting:
             return []
-        late = {r for lane in self._lanes for r in lane.sources if r is not None and r not in self._started}
+        late = {r for lane in self._lanes for r in lane.sources if r is not None and not self._received[r]}
         if not all(lane.resolved for lane in self._lanes):
             late.update(self._unjoined())
         return sorted(late)
@@ -457,7 +456,8 @@ class WeightSession:
             raise self._refuse(
                 f"chunk {seq} from rank {part.rank} was exported on GPU {exported_on}, but the "
                 f"rank joined on {declared}: a CUDA IPC handle opens only on its own GPU", field="handle.device_uuid")
-        if seq < self._acked or seq < self._rank_next[part.rank] or seq in self._rank_ahead[part.rank]:
+        received = self._received[part.rank]
+        if seq < self._acked or seq in received:
             raise TransitionRejected(f"session {self.id}: rank {part.rank} already sent chunk {seq}")
         first_missing = self._rank_next[part.rank]
         if seq >= first_missing + self.depth:
@@ -469,8 +469,9 @@ class WeightSession:
         self._check_transport(seq, part, users)
         layout = self._inspect(seq, part)
         self._check_plan(seq, part.rank, layout)
-        self._mark_sent(part.rank, seq)  # received: counts for the gap rule even while it waits below
-        self._started.add(part.rank)
+        received.add(seq)  # counts for the gap rule (and as the rank's start) even while it waits below
+        while self._rank_next[part.rank] in received:
+            self._rank_next[part.rank] += 1
 
         def in_window() -> bool:
             return seq < self._acked + self.depth or self.state is not SessionState.OPEN
@@ -564,13 +565,6 @@ class WeightSession:
             f"chunk {seq} from rank {rank} carries other tensors than rank {first[0]}'s chunk "
             f"{seq} ({why}): every rank sends the same chunk plan, the full tensors in the same order with the "
             "same bucket size, so each engine TP rank gets every tensor", field="handle.layout")
-
-    def _mark_sent(self, rank: int, seq: int) -> None:
-        ahead = self._rank_ahead[rank]
-        ahead.add(seq)
-        while self._rank_next[rank] in ahead:
-            ahead.discard(self._rank_next[rank])
-            self._rank_next[rank] += 1
 
     def _inspect(self, seq: int, part: ChunkPart) -> ChunkLayout:
         """The handle is readable on this node and its layout (every transport carries one) agrees with the
