@@ -1,17 +1,10 @@
 """Separated-GPU weight updates: persistent weight-update groups, and broadcasts inside a weight session.
 
-Data path: the trainer (rank 0 of the group) POSTs a broadcast descriptor → the daemon forwards
-``/update_weights_from_distributed`` to every engine at once → each engine blocks in its receive
-while the trainer broadcasts → the daemon answers once every engine has loaded it. The HTTP request
-and the collective overlap (research/engine-apis.md §6.3): nothing here waits on the trainer before
-forwarding, and the trainer broadcasts before it awaits the answer. Opening a group works the same
-way: every engine's ``/init_weights_update_group`` is in flight while the trainer joins (§1.6).
-
-A group whose collective sequence may be out of step (a failed or timed-out broadcast, a failed
-join) is destroyed on every engine and forgotten, so the trainer can open it again under its name.
-
-This module only orchestrates; the protocol (what a broadcast is, the verbs an engine offers for it) is
-``engines/weight_group_protocol.py``, re-exported here for the daemon's callers.
+A broadcast's descriptor goes to every engine at once (``/update_weights_from_distributed``); each blocks in its
+receive while the trainer broadcasts, and the daemon answers once all loaded it: the HTTP request and the
+collective overlap (research/engine-apis.md §6.3). Opening a group is alike (§1.6). A group whose collective
+sequence may be out of step (a failed broadcast or join) is destroyed on every engine and forgotten, so the
+trainer can open it again under its name. The protocol itself is ``engines/weight_group_protocol.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +13,6 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -44,12 +36,7 @@ from .weights import SessionState, WeightSession
 from .worker import EngineHandle, EngineWorker, group_verbs
 
 __all__ = [
-    "BroadcastDescriptor",
-    "GroupState",
-    "SupportsWeightGroups",
-    "WeightGroupRecord",
-    "WeightGroups",
-    "rank_layout",
+    "BroadcastDescriptor", "GroupState", "SupportsWeightGroups", "WeightGroupRecord", "WeightGroups", "rank_layout"
 ]
 
 
@@ -194,11 +181,8 @@ class WeightGroups:
 
     async def _destroy_everywhere(self, engines: list[EngineHandle], group_name: str, trace: Trace) -> dict[str, str]:
         """Best effort on every engine: a failure here must not hide the error that led here."""
-
-        async def one(engine: EngineHandle) -> None:
-            await self._worker.leave_group(engine, group_name, trace)
-
-        results = await fan_out(engines, one, on_failure=OnFailure.COLLECT)
+        results = await fan_out(engines, lambda e: self._worker.leave_group(e, group_name, trace),
+                                on_failure=OnFailure.COLLECT)
         return {name: str(r) for name, r in results.items() if isinstance(r, Exception)}
 
     # -- broadcasts ----------------------------------------------------------------------------
@@ -225,14 +209,10 @@ class WeightGroups:
         if record.session_id != session.id:
             record.session_id, record.next_seq = session.id, 0  # numbering restarts with each session
         record.in_flight = desc.seq
-        nbytes = desc.nbytes
-
-        def load(engine: EngineHandle) -> Awaitable[None]:
-            return self._worker.receive_broadcast(engine, desc, session.trace)
-
-        t0 = time.perf_counter()
+        nbytes, t0 = desc.nbytes, time.perf_counter()
         try:
-            await fan_out(engines, load, on_failure=OnFailure.CANCEL)
+            await fan_out(engines, lambda e: self._worker.receive_broadcast(e, desc, session.trace),
+                          on_failure=OnFailure.CANCEL)
         except Exception as exc:
             error = _explain(exc, record.name, desc.seq)
             await session.fail(error)

@@ -51,22 +51,20 @@ class NvmlProbe:
         self._clock = clock  # injectable so a test can script how long a drop stays put
         self._uuids: dict[str, str] = {}
 
-    def read(self, gpu: int | str) -> GpuReading:
+    def _handle(self, gpu: int | str) -> Any:
         n = self._nvml
-        handle = (n.nvmlDeviceGetHandleByUUID(gpu) if isinstance(gpu, str)
-                  else n.nvmlDeviceGetHandleByIndex(gpu))
-        info = n.nvmlDeviceGetMemoryInfo(handle)
+        return n.nvmlDeviceGetHandleByUUID(gpu) if isinstance(gpu, str) else n.nvmlDeviceGetHandleByIndex(gpu)
+
+    def read(self, gpu: int | str) -> GpuReading:
+        info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle(gpu))
         return GpuReading(str(gpu), int(info.used), int(info.free), int(info.total))
 
     def uuid(self, gpu: int | str) -> str:
         """The GPU's UUID (``GPU-...``, what dcgm-exporter labels its series with); "" where NVML cannot say."""
         key = str(gpu)
         if key not in self._uuids:
-            n = self._nvml
             try:
-                handle = (n.nvmlDeviceGetHandleByUUID(gpu) if isinstance(gpu, str)
-                          else n.nvmlDeviceGetHandleByIndex(gpu))
-                raw = n.nvmlDeviceGetUUID(handle)
+                raw = self._nvml.nvmlDeviceGetUUID(self._handle(gpu))
                 self._uuids[key] = raw.decode() if isinstance(raw, bytes) else str(raw)
             except Exception:  # an old driver or a vGPU without the query: the index still names it
                 return ""
@@ -78,11 +76,8 @@ class NvmlProbe:
     def processes(self, gpu: int | str) -> dict[int, int]:
         """Bytes NVML attributes to each compute process (pid) on ``gpu``; empty where NVML cannot tell
         (no permission, or a MIG/vGPU setup that hides it: ``usedGpuMemory`` is then None)."""
-        n = self._nvml
         try:
-            handle = (n.nvmlDeviceGetHandleByUUID(gpu) if isinstance(gpu, str)
-                      else n.nvmlDeviceGetHandleByIndex(gpu))
-            procs = n.nvmlDeviceGetComputeRunningProcesses(handle)
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle(gpu))
         except Exception:  # NVMLError_NoPermission / NotSupported: nothing to attribute
             return {}
         out: dict[int, int] = {}

@@ -63,18 +63,6 @@ class WeightsGoal:
     version: str | None = None
     after: WeightsState | None = None
 
-    @classmethod
-    def begin(cls, session: str) -> WeightsGoal:
-        return cls(session=session)
-
-    @classmethod
-    def commit(cls, version: str) -> WeightsGoal:
-        return cls(version=version)
-
-    @classmethod
-    def discard(cls, after: WeightsState) -> WeightsGoal:
-        return cls(after=after)
-
 
 @dataclass(frozen=True, slots=True)
 class Desired:
@@ -196,14 +184,14 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
                 actions.append(Action.END_ENGINE_SESSION)
                 findings.append("weight-update session open on the engine that this daemon does not own")
                 end_tolerant = not observed.update_session_open
-                goal = WeightsGoal.discard(WeightsState.STALE)
+                goal = WeightsGoal(after=WeightsState.STALE)
                 base = base.with_(weights=WeightsState.STALE)
             elif (lost_sight and observed.update_session_open is None and phase is NodePhase.SYNC
                   and base.weights is not WeightsState.CLEAN):
                 # The engine cannot say, and a daemon that lost sight mid-sync may have left one open.
                 actions.append(Action.END_ENGINE_SESSION)
                 end_tolerant = True
-                goal = WeightsGoal.discard(base.weights)
+                goal = WeightsGoal(after=base.weights)
 
     if lost is None and not actions and goal is not None:
         if goal.session is not None and base.weights is not WeightsState.UPDATING:

@@ -1,6 +1,13 @@
-"""Weight sessions on the node: open, chunks, commit, abort, the lease that expires an abandoned one, what a
-complete update must cover (manifests), the one-shot update, and the separated-GPU path (weight-update
-groups and broadcasts, daemon/distributed.py). The stream itself is daemon/weights.py."""
+"""Weight sessions on the node. The spine, as ``WeightSessions`` reads top down:
+
+    open    admit (node free, engines paused) → declared manifest → ranks → begin on every engine (the worker)
+    join    each rank declares its device and learns what it feeds
+    chunks  each rank's parts gathered, loaded into every engine, acked (the stream: daemon/weights.py)
+    commit  drain → complete? → verify (daemon/verify.py) → land: every engine serves the version
+    abort   (or failure, expiry) → close: quiesce, discard on every engine, withdraw the version
+
+Beside it: the lease that expires an abandoned session, the one-shot update, broadcasts through a weight-update
+group (daemon/distributed.py). Engines are moved only by the worker, toward a ``WeightsGoal``."""
 
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ from .weights import (
     TensorMeta,
     WeightSession,
     device_key,
+    few,
     manifest_from_json,
     manifest_to_json,
     name_some,
@@ -86,24 +94,23 @@ class WeightSessions:
         self.manifests = ManifestBook()
 
     def restore(self) -> None:
-        self.complete_manifest = self._read_manifest_file()
+        """The last complete push's manifest, from beside the journal (an unreadable file is ignored)."""
+        if self._manifest_file is None or not self._manifest_file.exists():
+            return
+        try:
+            self.complete_manifest = manifest_from_json(json.loads(self._manifest_file.read_text())["tensors"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable %s: %s", self._manifest_file, exc)
 
     def staging(self) -> StagingMemory:
         """What a sync may stage into: free memory on the engines' GPUs and the sync's size."""
         w = self._ctx.worker
         return staging_memory(w.engines.values(), w.probe(), self.complete_manifest)
 
-    def pipeline_depth(self) -> int:
-        """Chunks in flight per engine when the trainer does not say (the pipeline policy decides)."""
-        policies = self._ctx.policies
-        return int(policies.pipeline_plan(policies.active, self._ctx.worker.transports(), self.staging()).depth)
-
-    def owns_open(self) -> bool:
-        return self.current is not None and self.current.state is SessionState.OPEN
-
     def open_id(self) -> str | None:
         """The id of the open session, None when none is open."""
-        return self.current.id if self.owns_open() and self.current is not None else None
+        current = self.current
+        return current.id if current is not None and current.state is SessionState.OPEN else None
 
     def get(self, session_id: str) -> WeightSession:
         if self.current is not None and self.current.id == session_id:
@@ -113,80 +120,129 @@ class WeightSessions:
         raise NotFound(f"no weight session {session_id!r}"
                        + (f" (current: {self.current.id}, {self.current.state.value})" if self.current else ""))
 
-    # -- open -------------------------------------------------------------------------------------
+    # -- the spine: open → join → chunks → commit (drain, check, verify, land) | abort ---------------------
     async def open(self, *, step: int | None, version: str, ranks: int | None, depth: int | None = None,
                    manifest: list[dict[str, Any]] | None = None, manifest_ref: str | None = None,
                    partial: bool = False) -> WeightSession:
-        """Begin a weight update on every engine. Each must be paused with its weights memory resident.
-
-        ``manifest`` ([{name, dtype, shape}]) is what the trainer will send; every chunk's layout is checked
-        against it. Unless ``partial``, it must cover each engine's full parameter set where that is known;
-        a partial update needs intact (clean) weights on every engine. ``manifest_ref`` names a manifest an
-        earlier open of this process declared (the session's ``manifest_ref``) in its place. Refusals change
-        nothing. Every engine is observed and reconciled first (``NodeLock.exclusive``), so the open acts on records
-        that agree with the engines.
-        """
+        """Begin a weight update on every engine (each paused, its weights resident). ``manifest`` ([{name, dtype,
+        shape}]) is what the trainer will send, or ``manifest_ref`` names one an earlier open declared; unless
+        ``partial`` it must cover each engine's parameters where known (partial: on clean weights only).
+        Refusals change nothing."""
         ctx = self._ctx
-        # The session's trace starts before the node's lock, so its spans cover the whole open (the breakdown
-        # of `benchmarks.weights`); the step it names is the node's, as the check below requires.
-        trace = Trace(ctx.worker.node.step, "weights")
+        trace = Trace(ctx.worker.node.step, "weights")  # before the lock: its spans cover the whole open
         async with ctx.lock.exclusive("open_weights"):
             _lock_span(trace, 0.0)
             trace.step = ctx.worker.node.step
-            args = _OpenArgs(step, version, ranks, depth, manifest, manifest_ref, partial)
-            return await self._open_locked(trace, args)
+            with trace.span("open_checks"):
+                await self.lapse_if_idle()
+                self._admit(step, partial)
+                declared, ref = self._declared(manifest, manifest_ref)
+                ranks = self._check_ranks(ranks)
+            if declared is not None:
+                with trace.span("manifest_check", tensors=len(declared)):
+                    self._check_declared(declared, partial)
+            session = self._new_session(trace, version, ranks, depth, declared, ref, partial)
+            await self._begin(session)
+            return session
 
-    async def _open_locked(self, trace: Trace, args: _OpenArgs) -> WeightSession:
-        ctx = self._ctx
-        step, version, ranks, manifest, partial = args.step, args.version, args.ranks, args.manifest, args.partial
-        with trace.span("open_checks"):
-            await self.lapse_if_idle()
-            current = self.current
-            check_can_open_session(self.open_id(), (e.state for e in ctx.worker.engines.values()), ctx.worker.node,
-                                   idle_for=current.idle_for() if current is not None else 0.0,
-                                   idle_s=current.idle_s if current is not None else None)
-            node = ctx.worker.node
-            if step is not None and step != node.step:
-                raise RequestInvalid(f"step {step} is not the node's step {node.step} (phase {node.phase.value}): "
-                                     f"a session carries the weights of the node's step; send {node.step} or leave "
-                                     "step out", field="step")
-            step = node.step
-            declared, declared_ref = self._declared(manifest, args.manifest_ref)
-            if partial:
-                check_partial_allowed((e.state for e in ctx.worker.engines.values()), ctx.worker.node)
-            ctx.worker.require_attached()
-            for engine in ctx.worker.engines.values():
-                if (busy := late_loads(engine)) is not None:
-                    raise TransitionRejected(busy)
-            ranks = self._check_ranks(ranks)
-        t = ctx.worker.timeouts()
-        required = {name: self.complete_manifest for name in ctx.worker.engines}
-        if declared is not None:
-            with trace.span("manifest_check", tensors=len(declared)):
-                self._check_declared(declared, required, partial)
+    async def join(self, session_id: str, rank: int, device_id: str, pid: int | None = None) -> dict[str, Any]:
+        """A rank declares its device (and ``pid``, whose shm segments the session may unlink); the reply lists
+        the engine TP ranks it feeds (none: it must not stream). A refused join changes nothing."""
+        session = self.get(session_id)
+        if pid is not None and session.state is SessionState.OPEN:
+            session.trainer_pids.add(pid)
+        joined = await session.join(rank, device_id)
+        self._ctx.worker.metrics.changed()
+        return joined.to_json()
+
+    async def submit_chunk(self, session_id: str, seq: int, part: ChunkPart) -> ChunkAck:
+        session = self.get(session_id)
+        try:
+            return await session.submit(seq, part)  # a rank outside the session is refused as it joins
+        finally:
+            if session.state not in (SessionState.OPEN, SessionState.COMMITTED):
+                await self._finish_failed(session)
+            self._ctx.worker.metrics.changed()  # chunk counters and the session's stats moved
+
+    async def commit(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
+        session = self.get(session_id)
+        require_session_open(session.id, session.state, error=session.error)
+        trace, since = session.trace, session.trace.elapsed_s()
+        async with self._ctx.lock.exclusive("commit_weights"):
+            _lock_span(trace, since)
+            session.touch()
+            self.groups.check_settled(session)
+            await self._drain(session, num_chunks)
+            with trace.span("check_complete"):
+                self._check_complete(session)
+            with trace.span("verify", mode=session.verify):
+                verification = await self._verify(session)
+            await self._land(session)
+            return {**session.stats(), "broadcasts": session.broadcast_stats,
+                    "engines": {n: e.state.snapshot() for n, e in self._ctx.worker.engines.items()},
+                    "verification": verification.to_json(), "trace": trace.to_json()}
+
+    async def abort(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
+        session = self.get(session_id)
+        check_session_abortable(session.id, session.state, session.version, self._ctx.worker.node)
+        await session.abort(reason)  # no-op if it already ended (aborted, failed, expired)
+        await self._finish_failed(session)
+        return session.stats()
+
+    # -- open's steps ------------------------------------------------------------------------------------
+    def _admit(self, step: int | None, partial: bool) -> None:
+        """The node can take a session now: none open, engines paused with weights resident (clean, for a
+        partial one), attached, none still loading an ended session's chunk; ``step`` is the node's."""
+        ctx, current = self._ctx, self.current
+        records = [e.state for e in ctx.worker.engines.values()]
+        check_can_open_session(self.open_id(), records, ctx.worker.node,
+                               idle_for=current.idle_for() if current is not None else 0.0,
+                               idle_s=current.idle_s if current is not None else None)
+        node = ctx.worker.node
+        if step is not None and step != node.step:
+            raise RequestInvalid(f"step {step} is not the node's step {node.step} (phase {node.phase.value}): "
+                                 f"a session carries the weights of the node's step; send {node.step} or leave "
+                                 "step out", field="step")
+        if partial:
+            check_partial_allowed(records, node)
+        ctx.worker.require_attached()
+        for engine in ctx.worker.engines.values():
+            if (busy := late_loads(engine)) is not None:
+                raise TransitionRejected(busy)
+
+    def _new_session(self, trace: Trace, version: str, ranks: int, depth: int | None, declared: Manifest | None,
+                     ref: str | None, partial: bool) -> WeightSession:
+        ctx, t, policies = self._ctx, self._ctx.worker.timeouts(), self._ctx.policies
+        if not depth:  # chunks in flight per engine: the pipeline policy decides
+            depth = int(policies.pipeline_plan(policies.active, ctx.worker.transports(), self.staging()).depth)
         session = WeightSession(
-            step=step, version=version, ranks=ranks, engines=list(ctx.worker.engines.values()),
-            depth=args.depth or self.pipeline_depth(), chunk_timeout_s=t.budget(Budget.CHUNK),
-            trace=trace, metrics=ctx.worker.metrics, manifest=declared, manifest_ref=declared_ref, partial=partial,
+            step=ctx.worker.node.step, version=version, ranks=ranks, engines=list(ctx.worker.engines.values()),
+            depth=depth, chunk_timeout_s=t.budget(Budget.CHUNK),
+            trace=trace, metrics=ctx.worker.metrics, manifest=declared, manifest_ref=ref, partial=partial,
             idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
             sources=self._feed_ranks())
-        session.required = required
-        trace.attrs["session"] = session.id  # the session's log line and trace name it
+        session.required = {name: self.complete_manifest for name in ctx.worker.engines}
         session.prior = {n: e.state.weights for n, e in ctx.worker.engines.items()}
         session.verify = ctx.policies.active.sync.verify
+        trace.attrs["session"] = session.id  # the session's log line and trace name it
+        return session
+
+    async def _begin(self, session: WeightSession) -> None:
+        """Every engine begins its update (the worker); then the session is the node's current one."""
+        ctx = self._ctx
         try:
-            await ctx.worker.weights({n: WeightsGoal.begin(session.id) for n in ctx.worker.engines}, trace, strict=True)
+            await ctx.worker.weights({n: WeightsGoal(session=session.id) for n in ctx.worker.engines},
+                                     session.trace, strict=True)
         except BaseException:
-            await self._close_engines_update(trace, committed=False, session=session)
+            await self._discard(session)
             raise
         if self.current is not None:
             remember(self._gone, self.current.id, self.current, 64)
-        if declared is not None and declared_ref is not None:
-            self.manifests.remember(declared_ref, declared)  # an open that succeeded: its reply names it
+        if session.manifest is not None and session.manifest_ref is not None:
+            self.manifests.remember(session.manifest_ref, session.manifest)  # an open that succeeded names it
         self.current = session
-        ctx.versions.opened(version, session.id)  # counts while open; engines lag it until commit
+        ctx.versions.opened(session.version, session.id)  # counts while open; engines lag it until commit
         session.touch()
-        return session
 
     def _declared(self, manifest: list[dict[str, Any]] | None,
                   ref: str | None) -> tuple[Manifest | None, str | None]:
@@ -229,69 +285,32 @@ class WeightSessions:
                 field="ranks")
         return ranks
 
-    async def join(self, session_id: str, rank: int, device_id: str, pid: int | None = None) -> dict[str, Any]:
-        """A rank declares its device (and its process, ``pid``: whose shm segments the session may unlink);
-        the reply lists the engine TP ranks it feeds (none: it must not stream)."""
-        session = self.get(session_id)
-        if pid is not None:
-            self.note_trainer_pid(session_id, pid)
-        joined = await session.join(rank, device_id)  # a refused join changes nothing
-        self._ctx.worker.metrics.changed()
-        return joined.to_json()
-
-    def note_trainer_pid(self, session_id: str, pid: int) -> None:
-        """``pid`` is the open session's trainer (declared at join)."""
-        session = self.get(session_id)
-        if session.state is SessionState.OPEN:
-            session.trainer_pids.add(pid)
-
-    def _check_declared(self, declared: Manifest, required: dict[str, Manifest | None], partial: bool) -> None:
+    def _check_declared(self, declared: Manifest, partial: bool) -> None:
         """Refuse a manifest that cannot make a complete (or, partial, a consistent) update: 422 before acting."""
-        for name, params in required.items():
-            if params is None:
-                continue
-            unknown = [n for n in declared if n not in params]
-            wrong = [f"{n!r} is {m.describe()}, the engine has {params[n].describe()}"
-                     for n, m in declared.items() if n in params and m != params[n]]
-            missing = [] if partial else [n for n in params if n not in declared]
-            if unknown or wrong or missing:
-                why = []
-                if missing:
-                    clean = all(e.state.weights is WeightsState.CLEAN for e in self._ctx.worker.engines.values())
-                    why.append(f"missing {name_some(missing)}: " + (
-                        "a session that updates only some tensors must say partial: true" if clean else
-                        "weights were discarded (released, or an update was abandoned), so every tensor must be "
-                        "pushed"))
-                if unknown:
-                    why.append(f"not parameters of engine {name!r}: {name_some(unknown)}")
-                if wrong:
-                    why.append("; ".join(wrong[:3]) + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
-                raise RequestInvalid(
-                    f"manifest does not fit engine {name!r} ({len(params)} parameters, {len(declared)} declared): "
-                    + "; ".join(why), field="manifest")
-
-    # -- chunks --------------------------------------------------------------------------------------
-    async def submit_chunk(self, session_id: str, seq: int, part: ChunkPart) -> ChunkAck:
-        current = self.current
-        if current is not None and current.id == session_id and part.rank >= current.ranks:
-            raise RequestInvalid(f"rank {part.rank} is outside session {session_id}'s ranks 0..{current.ranks - 1}",
-                                 field="rank")
-        session = self.get(session_id)
-        try:
-            return await session.submit(seq, part)
-        finally:
-            if session.state is not SessionState.OPEN and session.state is not SessionState.COMMITTED:
-                await self._finish_failed(session)
-            self._ctx.worker.metrics.changed()  # chunk counters and the session's stats moved
-
-    def _trainer_ranks(self) -> int:
-        """Trainer ranks a one-shot update can carry: one per TP rank of the widest engine (what engines need)."""
-        return max((int(e.config.tp_size) for e in self._ctx.worker.engines.values()), default=1)
+        params = self.complete_manifest
+        if params is None or not self._ctx.worker.engines:
+            return
+        unknown = [n for n in declared if n not in params]
+        wrong = [f"{n!r} is {m.describe()}, the engine has {params[n].describe()}"
+                 for n, m in declared.items() if n in params and m != params[n]]
+        missing = [] if partial else [n for n in params if n not in declared]
+        if not (unknown or wrong or missing):
+            return
+        clean = all(e.state.weights is WeightsState.CLEAN for e in self._ctx.worker.engines.values())
+        name = next(iter(self._ctx.worker.engines))
+        why = [f"missing {name_some(missing)}: " + (
+                   "a session that updates only some tensors must say partial: true" if clean else
+                   "weights were discarded (released, or an update was abandoned), so every tensor must be pushed")
+               ] if missing else []
+        why += [f"not parameters of engine {name!r}: {name_some(unknown)}"] if unknown else []
+        why += [few(wrong, 3)] if wrong else []
+        raise RequestInvalid(f"manifest does not fit engine {name!r} ({len(params)} parameters, {len(declared)} "
+                             "declared): " + "; ".join(why), field="manifest")
 
     async def update(self, *, step: int | None, version: str, chunks: list[tuple[int, ChunkPart]]) -> dict[str, Any]:
         """The one-shot form: open a session, send every chunk ((seq, part), in the caller's order), commit;
         abort on any failure."""
-        known = self._trainer_ranks()
+        known = max((int(e.config.tp_size) for e in self._ctx.worker.engines.values()), default=1)  # widest TP
         for i, (_, part) in enumerate(chunks):
             if part.rank >= known:
                 raise RequestInvalid(f"chunks.{i}.rank {part.rank} is outside 0..{known - 1}: this node's engines "
@@ -328,44 +347,34 @@ class WeightSessions:
                 raise WeightSyncError(session.error) from exc
             raise
 
-    # -- commit ----------------------------------------------------------------------------------------
-    async def commit(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
-        ctx = self._ctx
-        session = self.get(session_id)
-        require_session_open(session.id, session.state, error=session.error)
-        waiting_since = session.trace.elapsed_s()
-        async with ctx.lock.exclusive("commit_weights"):
-            _lock_span(session.trace, waiting_since)
-            session.touch()
-            self.groups.check_settled(session)
-            trace = session.trace
-            try:
-                with trace.span("drain"):
-                    await session.drain(num_chunks)
-            except RequestInvalid:
-                raise  # the trainer's gap: the session stays open (send the chunk, or abort)
-            except BaseException:
-                await self._end(session, WeightSyncError("commit failed"))
-                raise
-            with trace.span("check_complete"):
-                self._check_complete(session)
-            with trace.span("verify", mode=session.verify):
-                verification = await self._verify(session)
-            await self._close_engines_update(session.trace, committed=True, version=session.version)
-            with trace.span("commit_bookkeeping"):
-                session.commit()
-                ctx.versions.committed(session.version)
-                if not session.partial:
-                    self._record_complete(session)
-                ctx.worker.metrics.weight_sessions.labels("committed").inc()
-            session.trace.finish("committed", bytes=session.bytes_loaded, chunks=session.chunks_loaded,
-                                 version=session.version)
-            ctx.worker.traces.put(session.trace)
-            with trace.span("journal"):
-                await ctx.journal.written("weights")
-            return {**session.stats(), "broadcasts": session.broadcast_stats,
-                    "engines": {n: e.state.snapshot() for n, e in ctx.worker.engines.items()},
-                    "verification": verification.to_json(), "trace": session.trace.to_json()}
+    # -- commit's steps ----------------------------------------------------------------------------------
+    async def _drain(self, session: WeightSession, num_chunks: int | None) -> None:
+        """Every chunk consumed: a gap or a wrong count (422) leaves the session open; any other failure fails it."""
+        try:
+            with session.trace.span("drain"):
+                await session.drain(num_chunks)
+        except RequestInvalid:
+            raise
+        except BaseException:
+            await self._end(session, WeightSyncError("commit failed"))
+            raise
+
+    async def _land(self, session: WeightSession) -> None:
+        """Every engine ends its update serving the session's version; the version book, the reference manifest
+        and the journal say so."""
+        ctx, trace = self._ctx, session.trace
+        await ctx.worker.weights({n: WeightsGoal(version=session.version) for n in ctx.worker.engines}, trace,
+                                 strict=True)
+        with trace.span("commit_bookkeeping"):
+            session.commit()
+            ctx.versions.committed(session.version)
+            if not session.partial:
+                self._record_complete(session)
+            ctx.worker.metrics.weight_sessions.labels("committed").inc()
+        trace.finish("committed", bytes=session.bytes_loaded, chunks=session.chunks_loaded, version=session.version)
+        ctx.worker.traces.put(trace)
+        with trace.span("journal"):
+            await ctx.journal.written("weights")
 
     async def _verify(self, session: WeightSession) -> Verification:
         """The verified commit (daemon/verify.py): each engine's digests against the trainer's. A mismatch, or an
@@ -428,26 +437,10 @@ class WeightSessions:
                                        "tensors": manifest_to_json(manifest)}))
             os.replace(tmp, self._manifest_file)
 
-    def _read_manifest_file(self) -> Manifest | None:
-        if self._manifest_file is None or not self._manifest_file.exists():
-            return None
-        try:
-            return manifest_from_json(json.loads(self._manifest_file.read_text())["tensors"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring unreadable %s: %s", self._manifest_file, exc)
-            return None
-
-    # -- abort, failure, expiry ---------------------------------------------------------------------
-    async def abort(self, session_id: str, reason: str = "aborted by trainer") -> dict[str, Any]:
-        session = self.get(session_id)
-        check_session_abortable(session.id, session.state, session.version, self._ctx.worker.node)
-        await session.abort(reason)  # no-op if it already ended (aborted, failed, expired)
-        await self._finish_failed(session)
-        return session.stats()
-
+    # -- failure, expiry, close ----------------------------------------------------------------------
     async def abort_on_shutdown(self) -> None:
-        if self.owns_open() and self.current is not None:
-            await self.current.abort("daemon shutting down")
+        if self.current is not None:
+            await self.current.abort("daemon shutting down")  # no-op once it ended
 
     async def fail_if_lost(self) -> None:
         """Fail and close the open session if a reconcile found that an engine lost it (``lost_session``, the
@@ -474,40 +467,45 @@ class WeightSessions:
             await self._close_session(session)
 
     async def _close_session(self, session: WeightSession, *, observe: bool = True) -> None:
-        """End an uncommitted session (caller holds the lock): wait for its engine calls, end the engines'
-        updates (engines stay paused, weights stale where any chunk may have landed), unlink the shared-memory
-        segments its chunks named."""
+        """Close an ended, uncommitted session (caller holds the lock), once: wait for its engine calls, end the
+        engines' updates (paused; weights stale where a chunk may have landed), withdraw its version, unlink the
+        trainer's shared-memory segments its chunks named."""
         if not session.close():
             return  # closed already
+        ctx, budget = self._ctx, self._ctx.worker.timeouts().budget(Budget.QUIESCE)
         self._closing[session.id] = closing = asyncio.Event()
         try:
-            await self._close_uncommitted(session, observe=observe)
+            session.tainted = await session.quiesce(budget)
+            if session.tainted:
+                log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
+                            session.id, session.tainted, budget)
+            await self._discard(session)
+            if observe and session.state is SessionState.FAILED:  # an engine may be gone: status says so now
+                await ctx.worker.reconcile_all(f"after failed session {session.id}", keep_error=True)
+            ctx.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
+            # A dead trainer cannot release its segments; a live one finds them gone when it does. Only the
+            # trainer's own segments go (engines/segments.py), never a file a chunk merely named.
+            for seg in unlink_session_segments(session.shm_names, session.trainer_pids):
+                log.info("unlinked shared-memory segment %s of weight session %s (%s, pid %d)", seg.name,
+                         session.id, session.state.value, seg.pid)
+            ctx.worker.metrics.weight_sessions.labels(session.state.value).inc()
+            session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
+                                 version=session.version)
+            ctx.worker.traces.put(session.trace)
         finally:
             closing.set()
             del self._closing[session.id]
 
-    async def _close_uncommitted(self, session: WeightSession, *, observe: bool) -> None:
-        ctx = self._ctx
-        t = ctx.worker.timeouts()
-        session.tainted = await session.quiesce(t.budget(Budget.QUIESCE))
-        if session.tainted:
-            log.warning("weight session %s: engine calls on %s did not return within %.1fs; marked stale",
-                        session.id, session.tainted, t.budget(Budget.QUIESCE))
-        await self._close_engines_update(session.trace, committed=False, session=session)
-        # A chunk failed: an engine may be gone, and status says so now.
-        if observe and session.state is SessionState.FAILED:
-            await ctx.worker.reconcile_all(f"after failed session {session.id}", keep_error=True)
-        ctx.versions.withdrawn(session.version, session.id)  # it will never land: rollout must not wait for it
-        # A trainer that died (expiry, a timed-out chunk) cannot release its segments; one that is alive
-        # keeps its mappings valid and finds them already gone when it releases them. Only the trainer's own
-        # segments go (engines/segments.py): never a file a chunk merely named.
-        for seg in unlink_session_segments(session.shm_names, session.trainer_pids):
-            log.info("unlinked shared-memory segment %s of weight session %s (%s, pid %d)", seg.name, session.id,
-                     session.state.value, seg.pid)
-        ctx.worker.metrics.weight_sessions.labels(session.state.value).inc()
-        session.trace.finish(session.state.value, bytes=session.bytes_loaded, chunks=session.chunks_loaded,
-                             version=session.version)
-        ctx.worker.traces.put(session.trace)
+    async def _discard(self, session: WeightSession) -> None:
+        """Every engine ends its update uncommitted, paused; its weights are stale unless the session never touched
+        them (no load started there, none abandoned). Best effort: an engine that cannot even end its update is
+        already recorded as the session left it."""
+        def left(name: str) -> WeightsState:
+            untouched = not session.touched(name) and name not in session.tainted
+            return session.prior.get(name, WeightsState.STALE) if untouched else WeightsState.STALE
+
+        await self._ctx.worker.weights({n: WeightsGoal(after=left(n)) for n in self._ctx.worker.engines},
+                                       session.trace, strict=False)
 
     async def lapse_if_idle(self) -> None:
         """Fail the open session if a rank missed its start deadline, expire it if its lease ran out (caller
@@ -543,23 +541,6 @@ class WeightSessions:
             except Exception:  # keep the loop alive: the next round (or the next open) retries
                 log.exception("closing weight session %s failed", session.id)
 
-    async def _close_engines_update(self, trace: Trace, *, committed: bool, version: str | None = None,
-                                    session: WeightSession | None = None) -> None:
-        """End the engines' update sessions. Committed, they serve ``version``. Uncommitted: engines stay paused;
-        weights are stale unless the session never touched them (no chunk started there, none abandoned)."""
-        ctx = self._ctx
-        if committed and version is not None:
-            await ctx.worker.weights({n: WeightsGoal.commit(version) for n in ctx.worker.engines}, trace, strict=True)
-            return
-        prior = session.prior if session is not None else {}
-
-        def left(name: str) -> WeightsState:
-            untouched = session is not None and not session.touched(name) and name not in session.tainted
-            return prior.get(name, WeightsState.STALE) if untouched else WeightsState.STALE
-
-        # Best effort: an engine that cannot even end its session is already marked as the session left it.
-        await ctx.worker.weights({n: WeightsGoal.discard(left(n)) for n in ctx.worker.engines}, trace, strict=False)
-
     # -- separated GPUs: broadcasts through a weight-update group (daemon/distributed.py) -------------
     async def broadcast(self, session_id: str, descriptor: BroadcastDescriptor) -> dict[str, Any]:
         """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
@@ -580,19 +561,6 @@ class WeightSessions:
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
             ctx.worker.metrics.changed()
-
-
-@dataclass(frozen=True, slots=True)
-class _OpenArgs:
-    """What the trainer asked an open for (``WeightSessions.open``'s arguments)."""
-
-    step: int | None
-    version: str
-    ranks: int | None
-    depth: int | None
-    manifest: list[dict[str, Any]] | None
-    manifest_ref: str | None
-    partial: bool
 
 
 def _lock_span(trace: Trace, since: float) -> None:

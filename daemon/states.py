@@ -17,36 +17,12 @@ from ..engines.base import ALL_TAGS, MemoryTag, TagState
 from ..errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
-    "NEXT_PHASE",
-    "SESSION_MOVES",
-    "UNKNOWN",
-    "Attachment",
-    "DaemonState",
-    "EngineRecord",
-    "Generation",
-    "NodePhase",
-    "NodeState",
-    "ResumeNeed",
-    "SessionLifecycle",
-    "SessionState",
-    "TagState",
-    "WeightsState",
-    "check_attached",
-    "check_can_open_session",
-    "check_can_start",
-    "check_no_open_session",
-    "check_partial_allowed",
-    "check_phase_request",
-    "check_reconciled",
-    "check_resume_headroom",
-    "check_rollout_staleness",
-    "check_rollout_weights",
-    "check_session_abortable",
-    "check_session_move",
-    "closed_from",
-    "needed_per_gpu",
-    "require_session_open",
-    "unready_reason",
+    "NEXT_PHASE", "SESSION_MOVES", "UNKNOWN", "Attachment", "DaemonState", "EngineRecord", "Generation", "NodePhase",
+    "NodeState", "ResumeNeed", "SessionLifecycle", "SessionState", "TagState", "WeightsState", "check_attached",
+    "check_can_open_session", "check_can_start", "check_no_open_session", "check_partial_allowed",
+    "check_phase_request", "check_reconciled", "check_resume_headroom", "check_rollout_staleness",
+    "check_rollout_weights", "check_session_abortable", "check_session_move", "closed_from", "needed_per_gpu",
+    "require_session_open", "unready_reason"
 ]
 
 
@@ -125,22 +101,19 @@ class EngineRecord:
     def tags_to_release(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
         """Owned tags from ``requested`` that are resident. ``strict``: a released one is an error
         (SGLang dies on a double release), otherwise it is skipped (the phase machine's own plan)."""
-        wanted = self._owned(requested)
-        already = [t for t in wanted if not self.resident(t)]
-        if already and strict:
-            raise TransitionRejected(
-                f"cannot release {[t.value for t in already]}: already released; {self.describe()}",
-                state=self.snapshot())
-        return tuple(t for t in wanted if self.resident(t))
+        return self._tags_to("release", requested, strict, resident=True)
 
     def tags_to_resume(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
+        return self._tags_to("resume", requested, strict, resident=False)
+
+    def _tags_to(self, verb: str, requested: tuple[MemoryTag, ...] | None, strict: bool, *,
+                 resident: bool) -> tuple[MemoryTag, ...]:
         wanted = self._owned(requested)
-        already = [t for t in wanted if self.resident(t)]
+        already = [t.value for t in wanted if self.resident(t) is not resident]
         if already and strict:
-            raise TransitionRejected(
-                f"cannot resume {[t.value for t in already]}: already resident; {self.describe()}",
-                state=self.snapshot())
-        return tuple(t for t in wanted if not self.resident(t))
+            raise TransitionRejected(f"cannot {verb} {already}: already {'released' if resident else 'resident'}; "
+                                     f"{self.describe()}", state=self.snapshot())
+        return tuple(t for t in wanted if self.resident(t) is resident)
 
     def check_can_serve(self) -> None:
         """Generation may continue only on fully resident memory and clean weights."""
@@ -266,10 +239,8 @@ def check_no_open_session(open_session: str | None, *, advice: str = "") -> None
 def check_rollout_weights(engines: Iterable[EngineRecord], node: NodeState) -> None:
     """Every engine's weights are the committed version before any resumes: a stale engine must not
     leave the others half-resumed."""
-    stale = [e.describe() for e in engines if e.weights is not WeightsState.CLEAN]
-    if stale:
-        raise TransitionRejected("cannot enter 'rollout': weights not updated since release: " + "; ".join(stale),
-                                 state=node.snapshot())
+    _refuse_engines("cannot enter 'rollout': weights not updated since release: ",
+                    [e for e in engines if e.weights is not WeightsState.CLEAN], node)
 
 
 def check_rollout_staleness(served: Mapping[str, str | None], staleness: Mapping[str, int], latest: str | None,
@@ -365,22 +336,23 @@ def check_can_open_session(open_session: str | None, engines: Iterable[EngineRec
         raise TransitionRejected(
             f"weight session {open_session} is already open (idle {idle_for:.1f}s; it expires after "
             f"{idle_s}s without a chunk, or abort it)", state=node.snapshot())
-    bad = [e.describe() for e in engines
-           if e.generation is not Generation.PAUSED or not e.resident(MemoryTag.WEIGHTS)]
-    if bad:
-        raise TransitionRejected(
-            "cannot open a weight session: every engine must be paused with weights resident "
-            "(enter 'sync' first): " + "; ".join(bad), state=node.snapshot())
+    _refuse_engines("cannot open a weight session: every engine must be paused with weights resident (enter "
+                    "'sync' first): ", [e for e in engines
+                                        if e.generation is not Generation.PAUSED or not e.resident(MemoryTag.WEIGHTS)],
+                    node)
 
 
 def check_partial_allowed(engines: Iterable[EngineRecord], node: NodeState) -> None:
     """A partial update goes on top of intact weights only."""
-    discarded = [e.describe() for e in engines if e.weights is not WeightsState.CLEAN]
-    if discarded:
-        raise TransitionRejected(
-            "a partial update needs intact weights, but weights were discarded (released, or an "
-            "update was abandoned): push every tensor (partial: false): " + "; ".join(discarded),
-            state=node.snapshot())
+    _refuse_engines("a partial update needs intact weights, but weights were discarded (released, or an update was "
+                    "abandoned): push every tensor (partial: false): ", [e for e in engines
+                                                                        if e.weights is not WeightsState.CLEAN], node)
+
+
+def _refuse_engines(why: str, bad: Sequence[EngineRecord], node: NodeState) -> None:
+    """409 naming each engine in ``bad`` (its record described) after ``why``; nothing when none is."""
+    if bad:
+        raise TransitionRejected(why + "; ".join(e.describe() for e in bad), state=node.snapshot())
 
 
 # -- one weight session's lifecycle ------------------------------------------------------------
@@ -432,13 +404,6 @@ SESSION_MOVES: dict[SessionLifecycle, frozenset[SessionLifecycle]] = {
     _L.FAILED_CLOSED: frozenset(),
     _L.EXPIRED_CLOSED: frozenset(),
 }
-# Where closing an ended session leads.
-CLOSED_AFTER: dict[SessionLifecycle, SessionLifecycle] = {
-    _L.ABORTED: _L.ABORTED_CLOSED, _L.FAILED: _L.FAILED_CLOSED, _L.EXPIRED: _L.EXPIRED_CLOSED}
-# Where ending an open session leads, by outcome.
-ENDED_AS: dict[SessionState, SessionLifecycle] = {
-    SessionState.COMMITTED: _L.COMMITTED, SessionState.ABORTED: _L.ABORTED, SessionState.FAILED: _L.FAILED,
-    SessionState.EXPIRED: _L.EXPIRED}
 
 
 def check_session_move(session_id: str, current: SessionLifecycle, target: SessionLifecycle) -> None:
@@ -457,7 +422,7 @@ def closed_from(session_id: str, current: SessionLifecycle) -> SessionLifecycle 
     if current is SessionLifecycle.OPEN:
         raise TransitionRejected(f"weight session {session_id} is open: it is ended (committed, aborted, "
                                  "failed or expired) before the engines' updates are closed")
-    return CLOSED_AFTER[current]
+    return SessionLifecycle[f"{current.name}_CLOSED"]
 
 
 def require_session_open(session_id: str, state: SessionState, *, error: str | None = None,

@@ -2,30 +2,16 @@
 
     supervision = EngineSupervision(config.engines, metrics, on_change=...)
     await supervision.start()            # every launched engine ready (or EngineLaunchError naming it)
-    configs = supervision.configs()      # each launched engine's config now carries its URL
     supervision.supervise(on_relaunch)   # one watcher task per launched engine
     await supervision.aclose()           # watchers cancelled, then every process group stopped
 
-Start-up is all-or-nothing: if one engine is not ready by its ``launch.ready_timeout_s``, the
-ones already started are stopped and the error (naming the engine, with its log) propagates, so
-``colocd serve`` exits non-zero with one line instead of serving a node it cannot drive.
-
-After start-up a launched engine that exits is relaunched on the same port, after a backoff that
-doubles per consecutive failure (a launch that died or missed its deadline, or a run shorter
-than ``backoff_reset_s``) up to ``backoff_max_s``. Nothing here touches the engine's recorded
-state: once the new process is ready, ``on_relaunch`` has the daemon reconcile it at once, and
-the reconciliation sees a new incarnation exactly as for an engine someone else restarted
-(released, paused, marked stale until a complete push commits; daemon/reconcile.py), as soon as its
-own start-up has run (``started``). While the engine is launching or backing off ``/readyz`` names it and says so.
-
-Every process is recorded in the journal as soon as it exists (daemon/journal.py,
-engines/processes.py). A daemon that starts on a journal naming an engine process adopts it when it
-is still that process (same pid and start time) and answers on its URL; one that is alive but does
-not (or listens elsewhere than the config says) is stopped, its whole process group, before a new
-one is launched. So a daemon SIGKILLed and started again drives the engine it left, never a second
-one beside it, and a fixed ``url:`` port is free when it is needed. The adopted engine is then
-reconciled like any engine the daemon lost sight of (an update it left open is ended, its weights
-stale until a complete push commits).
+Start-up is all-or-nothing: an engine not ready by its ``launch.ready_timeout_s`` stops the others and the error
+(naming it, with its log) propagates, so ``colocd serve`` exits non-zero. An engine that exits later is relaunched
+on the same port after a backoff that doubles per consecutive failure up to ``backoff_max_s``; nothing here
+touches its record: ``on_relaunch`` has the daemon reconcile it, which sees a new incarnation as for any
+restarted engine (daemon/reconcile.py). Every process is journaled as soon as it exists: a daemon started on a
+journal naming a live process that answers where the config says adopts it; any other leftover is stopped, its
+whole process group, before a new one is launched, so a SIGKILLed daemon never runs a second engine beside one.
 """
 
 from __future__ import annotations
@@ -156,10 +142,6 @@ class LaunchedEngine:
                 "log": str(self.process.log_path) if self.process and self.process.log_path else None}
 
 
-def _port(url: str | None) -> int | None:
-    return urlsplit(url).port if url else None
-
-
 def _launch_of(config: AnyEngineConfig) -> LaunchConfig:
     """The ``launch:`` section of an engine the supervision launches (it holds no other)."""
     if config.launch is None:
@@ -168,12 +150,8 @@ def _launch_of(config: AnyEngineConfig) -> LaunchConfig:
 
 
 def _for_launch(config: AnyEngineConfig) -> AnyEngineConfig:
-    """``config`` as launched: with the URL it will listen on, and one log file for all its runs.
-
-    Port 0 (or none) is replaced by a concrete free port now, so a relaunch comes back where the
-    adapter already points; every relaunch appends to the same log (each run starts with a
-    ``# colocd: <command>`` line), so the operator reads one file per engine.
-    """
+    """``config`` as launched: a concrete free port for port 0 (a relaunch comes back where the adapter points),
+    and one log file that every run appends to."""
     update: dict[str, Any] = {}
     if not (urlsplit(config.url).port if config.url else None):
         update["url"] = f"http://127.0.0.1:{free_port()}"
@@ -278,7 +256,7 @@ class EngineSupervision:
     async def _adopt(self, engine: LaunchedEngine, record: LaunchRecord, given: AnyEngineConfig) -> bool:
         """Adopt the recorded process if it is still there and answers where it should; else stop what is
         left of it (its process group). True if adopted."""
-        fixed_port = _port(given.url)
+        fixed_port = urlsplit(given.url).port if given.url else None
         if record.alive():
             why = None
             if fixed_port is not None and record.port != fixed_port:
@@ -323,7 +301,7 @@ class EngineSupervision:
             self._journal.record_launch(record)
 
     def _changed(self) -> None:
-        self._on_change()  # status compares each engine's snapshot(); this marks the snapshot stale
+        self._on_change()  # marks the status snapshot stale
 
     async def _launch(self, engine: LaunchedEngine) -> None:
         """One launch: ready, or the failure recorded and raised."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from .reconcile import Desired
 from .sessions import WeightSessions
 from .staging import StagingMemory
 from .states import (
+    EngineRecord,
     NodePhase,
     NodeState,
     ResumeNeed,
@@ -247,44 +248,36 @@ class Transitions:
 
     async def sleep(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Pause and release ``tags`` (default: all owned) on the named engines; the phase is unchanged."""
-        ctx = self._ctx
-        engines = self._select(names)
-        async with ctx.lock.exclusive("sleep"):
-            for engine in engines:  # validate all first: an illegal request changes nothing
-                engine.state.tags_to_release(tags, strict=True)
-            ctx.worker.require_attached()
-            mode = self.pause_mode()
-            desired = {e.name: Desired.for_sleep(e.state, e.state.owned_tags if tags is None else tags, mode)
-                       for e in engines}
-            return await self._manual("sleep", engines, desired, Trace(self.node.step, "sleep"))
+        return await self._manual("sleep", self._select(names), tags,
+                                  lambda state, chosen: Desired.for_sleep(state, chosen, self.pause_mode()))
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""
-        ctx = self._ctx
-        engines = self._select(names)
-        async with ctx.lock.exclusive("resume"):
-            for engine in engines:  # validate all first: an illegal request changes nothing
-                engine.state.tags_to_resume(tags, strict=True)
-            ctx.worker.require_attached()
-            trace = Trace(self.node.step, "resume")
-            desired = {e.name: Desired.for_resume(e.state, e.state.owned_tags if tags is None else tags,
-                                                  self.node.phase) for e in engines}
-            self._check_headroom("resume", desired, trace)
-            return await self._manual("resume", engines, desired, trace)
+        return await self._manual("resume", self._select(names), tags,
+                                  lambda state, chosen: Desired.for_resume(state, chosen, self.node.phase))
 
-    async def _manual(self, what: str, engines: list[EngineHandle], desired: Mapping[str, Desired],
-                      trace: Trace) -> TransitionResult:
+    async def _manual(self, what: str, engines: list[EngineHandle], tags: tuple[MemoryTag, ...] | None,
+                      want: Callable[[EngineRecord, tuple[MemoryTag, ...]], Desired]) -> TransitionResult:
         ctx = self._ctx
-        t0 = time.perf_counter()
-        try:
-            with trace.timed():
-                freed = await ctx.worker.drive(engines, desired, trace, operation=what, what=what)
-        finally:
-            ctx.worker.traces.put(trace)
-        await ctx.journal.written(what)
-        return TransitionResult(self.node.step, what, time.perf_counter() - t0,
-                                {e.name: e.state.snapshot() for e in engines},
-                                freed if what == "sleep" else {}, trace=trace)
+        async with ctx.lock.exclusive(what):
+            for engine in engines:  # validate all first: an illegal request changes nothing
+                check = engine.state.tags_to_release if what == "sleep" else engine.state.tags_to_resume
+                check(tags, strict=True)
+            ctx.worker.require_attached()
+            trace = Trace(self.node.step, what)
+            desired = {e.name: want(e.state, e.state.owned_tags if tags is None else tags) for e in engines}
+            if what == "resume":
+                self._check_headroom("resume", desired, trace)
+            t0 = time.perf_counter()
+            try:
+                with trace.timed():
+                    freed = await ctx.worker.drive(engines, desired, trace, operation=what, what=what)
+            finally:
+                ctx.worker.traces.put(trace)
+            await ctx.journal.written(what)
+            return TransitionResult(self.node.step, what, time.perf_counter() - t0,
+                                    {e.name: e.state.snapshot() for e in engines},
+                                    freed if what == "sleep" else {}, trace=trace)
 
 
 def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None, versions: VersionBook) -> None:

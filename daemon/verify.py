@@ -20,15 +20,8 @@ from ..policies import VerifyMode
 from .worker import EngineHandle
 
 __all__ = [
-    "SAMPLE_FRACTION",
-    "AskDigests",
-    "EngineVerdict",
-    "ExpectedDigests",
-    "Verification",
-    "names_to_check",
-    "sample_names",
-    "verdict_of",
-    "verify_engines",
+    "SAMPLE_FRACTION", "EngineVerdict", "ExpectedDigests", "Verification", "sample_names", "verdict_of",
+    "verify_engines"
 ]
 
 # ``sample`` checks this share of the tensors (at least one); the subset changes with the version, so
@@ -75,12 +68,8 @@ class EngineVerdict:
     reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": self.status, "checked": self.checked}
-        if self.tensor is not None:
-            out["tensor"] = self.tensor
-        if self.reason is not None:
-            out["reason"] = self.reason
-        return out
+        out = {"status": self.status, "checked": self.checked, "tensor": self.tensor, "reason": self.reason}
+        return {k: v for k, v in out.items() if v is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,27 +80,17 @@ class Verification:
     engines: tuple[EngineVerdict, ...] = ()
     seconds: float = 0.0
 
-    def mismatch(self) -> EngineVerdict | None:
-        return next((v for v in self.engines if v.status == "mismatch"), None)
-
     def to_json(self) -> dict[str, Any]:
         return {"mode": self.mode, "seconds": round(self.seconds, 6),
                 "engines": {v.engine: v.to_json() for v in self.engines}}
 
     def error(self) -> WeightsMismatch | None:
-        bad = self.mismatch()
+        bad = next((v for v in self.engines if v.status == "mismatch"), None)
         if bad is None or bad.tensor is None:
             return None
         return WeightsMismatch(f"engine {bad.engine!r} does not hold what the trainer pushed: {bad.reason}; the "
                                "session failed and the engine stays paused (push again)",
                                engine=bad.engine, tensor=bad.tensor)
-
-
-def names_to_check(expected: ExpectedDigests, mode: VerifyMode, version: str) -> list[str]:
-    if mode == "off":
-        return []
-    names = sorted(expected.by_name)
-    return names if mode == "full" else sample_names(names, version)
 
 
 def verdict_of(engine: str, expected: ExpectedDigests, names: Sequence[str], report: EngineDigests) -> EngineVerdict:
@@ -135,15 +114,13 @@ def verdict_of(engine: str, expected: ExpectedDigests, names: Sequence[str], rep
     return EngineVerdict(engine, "verified", len(names))
 
 
-AskDigests = Callable[[EngineHandle, list[str]], Awaitable[EngineDigests]]
-
-
 async def verify_engines(engines: Sequence[EngineHandle], expected: ExpectedDigests, mode: VerifyMode, version: str,
-                         ask: AskDigests) -> tuple[EngineVerdict, ...]:
+                         ask: Callable[[EngineHandle, list[str]], Awaitable[EngineDigests]]
+                         ) -> tuple[EngineVerdict, ...]:
     """Every engine's verdict, asked concurrently; ``ask(engine, names)`` is the daemon's timed engine call."""
     if mode == "off":
         return tuple(EngineVerdict(e.name, "skipped") for e in engines)
-    names = names_to_check(expected, mode, version)
+    names = sorted(expected.by_name) if mode == "full" else sample_names(expected.by_name, version)
     if not names:
         return tuple(EngineVerdict(e.name, "unverified", 0, None, "the trainer sent no digests with its chunks")
                      for e in engines)

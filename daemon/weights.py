@@ -1,30 +1,20 @@
 """The weight stream: gather each chunk from the trainer ranks, load it into every engine, ack the ranks.
 
-Layout: each engine TP rank is fed by one trainer rank. By default it is the trainer rank that declared
-the TP rank's device when it joined (``join``: a GPU UUID, or a CPU rank's declared id such as
-``cpu:0``), so a rank feeds exactly the engine ranks on its own device; an engine's ``feed_ranks`` (node
-config) fixes the ranks instead, and an engine whose devices are unknown is fed positionally (TP rank t
-by trainer rank t). A rank that feeds no engine rank is told so when it joins, and its chunks are
-refused: nobody would load them. A layout that leaves an engine device without a trainer rank is
-refused when the last rank joins, naming the device.
+Layout: each engine TP rank is fed by one trainer rank: the one that joined declaring the TP rank's device (a GPU
+UUID, or a CPU rank's id such as ``cpu:0``), or the engine's ``feed_ranks`` (node config), or, where the engine's
+devices are unknown, trainer rank t for TP rank t. A rank that feeds nothing is told so at join and its chunks
+are refused; a layout that leaves an engine device unfed is refused at the last join, naming the device.
 
-Data path: rank r POSTs chunk k's descriptor → as soon as the ranks one engine needs have sent chunk
-k, the chunk goes to that engine, in sequence order and with at most ``depth`` chunks in flight per
-engine → when every engine that needed rank r's part has consumed it, rank r's request returns, which
-is the rank's licence to free or refill that buffer. SGLang replies to an update before its copy has
-finished (slime update_weight_from_tensor.py:39-47), so buffer lifetime is tied to this ack, never to
-a timer. Every rank sends the same chunk plan: chunk k's layout from each rank must carry the same
-tensors as the other ranks' chunk k (checked as parts arrive), and each engine TP rank must have
-received every tensor of a complete update before it commits.
+Data path: as soon as the ranks one engine needs have sent chunk k, it goes to that engine, in sequence order,
+at most ``depth`` in flight per engine; rank r's request returns once every engine that needed its part consumed
+it: the rank's licence to reuse that buffer (SGLang answers before its copy finished, slime
+update_weight_from_tensor.py:39-47, so buffer lifetime follows this ack, never a timer). Every rank sends the
+same chunk plan, and each engine TP rank must have every tensor of a complete update before it commits.
 
-Deadlines: a rank that has not started (joined and sent its first chunk) is waited for until the
-session's start deadline (``start_timeout_s`` from the open); from a rank's first chunk on, each chunk
-must complete within ``chunk_timeout_s``.
-
-A session is leased: every chunk renews it, and the daemon expires it after an idle time (a trainer
-that died mid-stream). It carries a manifest (names, dtypes, shapes) that every chunk's layout is
-checked against, and never closes while an engine call it issued is still running: ``quiesce``
-waits for them, and names the engines whose calls had to be abandoned (their weights are tainted).
+Deadlines: a rank that has not started (joined and sent a first chunk) has until the start deadline
+(``start_timeout_s``); from its first chunk on, each chunk must complete within ``chunk_timeout_s``. Every
+chunk renews the session's lease (``idle_s``). A session never closes while an engine call it issued runs:
+``quiesce`` waits, and names the engines whose calls it had to abandon (their weights are tainted).
 """
 
 from __future__ import annotations
@@ -51,7 +41,6 @@ from ..errors import (
 from ..policies import Transport, VerifyMode
 from .metrics import Metrics
 from .states import (
-    ENDED_AS,
     SessionLifecycle,
     SessionState,
     WeightsState,
@@ -65,17 +54,8 @@ from .verify import ExpectedDigests
 from .worker import EngineHandle, load_chunk
 
 __all__ = [
-    "ChunkAck",
-    "Manifest",
-    "RankJoin",
-    "SessionLifecycle",
-    "SessionState",
-    "TensorMeta",
-    "WeightSession",
-    "device_key",
-    "manifest_from_json",
-    "manifest_to_json",
-    "name_some",
+    "ChunkAck", "Manifest", "RankJoin", "SessionLifecycle", "SessionState", "TensorMeta", "WeightSession", "counted",
+    "device_key", "few", "manifest_from_json", "manifest_to_json", "name_some"
 ]
 
 
@@ -113,6 +93,16 @@ def name_some(names: Collection[str], limit: int = 5) -> str:
     ordered = sorted(names)
     shown = ", ".join(repr(n) for n in ordered[:limit])
     return shown + (f" and {len(ordered) - limit} more ({len(ordered)} in all)" if len(ordered) > limit else "")
+
+
+def few(items: Sequence[str], limit: int, sep: str = "; ") -> str:
+    """The first ``limit`` of ``items`` joined, and how many more there are."""
+    return sep.join(items[:limit]) + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def counted(noun: str, items: Sequence[object], show: Callable[[object], str] = str) -> str:
+    """``rank 1`` or ``ranks 1, 2``: the noun, plural where there are several, and the items."""
+    return f"{noun}{'s' if len(items) > 1 else ''} {', '.join(map(show, items))}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,54 +189,24 @@ class _Lane:
 
 
 class WeightSession:
-    """One weight update across the node's engines. Created after every engine began its update.
+    """One weight update across the node's engines. ``sources``: engine → the trainer rank of each TP rank, where
+    fixed (``feed_ranks``). ``manifest``: what the trainer declared it will send (None: what the layouts carried
+    counts). ``partial``: only some tensors, on intact weights. It ends once and is closed once
+    (``states.SESSION_MOVES``)."""
 
-    ``sources`` maps an engine name to the trainer rank of each of its TP ranks (fixed, e.g. the engine's
-    ``feed_ranks``); any other engine is fed by device (``EngineHandle.tp_devices``: each TP rank by the
-    rank that joins declaring that device) or, where its devices are unknown, TP rank t by trainer rank t.
-    ``start_timeout_s``: how long after the open a rank may start (None: no start deadline, ``chunk_timeout_s``
-    bounds every wait). ``manifest`` is what the trainer declared it will send (None: not
-    declared; then what the chunks' layouts carried is what was sent); ``partial`` says the trainer
-    means to update only some tensors, on top of intact weights.
-
-    Its lifecycle (``states.SessionLifecycle``) is its own: it ends once (``commit``, ``abort``, ``fail``,
-    ``expire``) and is closed once (``close``), each move checked by ``states.check_session_move``.
-    """
-
-    def __init__(
-        self,
-        *,
-        step: int,
-        version: str,
-        ranks: int,
-        engines: list[EngineHandle],
-        depth: int,
-        chunk_timeout_s: float,
-        trace: Trace,
-        metrics: Metrics,
-        sources: Mapping[str, tuple[int, ...]] | None = None,
-        manifest: Manifest | None = None,
-        manifest_ref: str | None = None,
-        partial: bool = False,
-        idle_s: float | None = None,
-        start_timeout_s: float | None = None,
-        session_id: str | None = None,
-    ) -> None:
+    def __init__(self, *, step: int, version: str, ranks: int, engines: list[EngineHandle], depth: int,
+                 chunk_timeout_s: float, trace: Trace, metrics: Metrics,
+                 sources: Mapping[str, tuple[int, ...]] | None = None, manifest: Manifest | None = None,
+                 manifest_ref: str | None = None, partial: bool = False, idle_s: float | None = None,
+                 start_timeout_s: float | None = None, session_id: str | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.id = session_id or secrets.token_hex(8)
-        self.step = step
-        self.version = version
-        self.ranks = ranks
-        self.engines = engines
-        self.depth = depth
-        self.chunk_timeout_s = chunk_timeout_s
-        self.trace = trace
+        self.step, self.version, self.ranks, self.engines, self.depth = step, version, ranks, engines, depth
+        self.chunk_timeout_s, self.idle_s, self.start_timeout_s = chunk_timeout_s, idle_s, start_timeout_s
+        self.trace, self.partial = trace, partial
         self.manifest = manifest  # shared with later sessions that name it by reference: never changed
         self.manifest_ref = manifest_ref  # the manifest's reference (daemon/manifests.py); None without one
-        self.partial = partial
-        self.idle_s = idle_s
-        self.start_timeout_s = start_timeout_s
         self.opened_at = time.monotonic()
         self._lifecycle = SessionLifecycle.OPEN
         self.error: str | None = None
@@ -257,22 +217,20 @@ class WeightSession:
         self.prior: dict[str, WeightsState] = {}
         self.verify: VerifyMode = "off"  # set at open from the policy (sync.verify)
         self.expected = ExpectedDigests()  # the digests the trainer sent beside its chunks
-        self.bytes_loaded = 0
-        self.chunks_loaded = 0
+        self.bytes_loaded = self.chunks_loaded = 0
         self.shm_names: set[str] = set()  # segments the trainer named: unlinked if the session expires
         self.trainer_pids: set[int] = set()  # the trainer's processes, as proven (engines/segments.py)
         self.delivered: Manifest = {}  # every tensor a chunk layout carried, with its dtype and shape
         self._metrics = metrics
         self._lanes = [self._lane_of(e, sources) for e in engines]
         self._devices: dict[int, str] = {}  # rank → the device it declared when it joined
-        self._started: set[int] = set()  # ranks that sent a first chunk
         self._broadcasting = False  # a broadcast fed every engine: no rank is late to start
         self.broadcast_stats: dict[str, int] | None = None  # broadcasts that every engine loaded, and their bytes
         self._plans: dict[int, tuple[int, tuple[tuple[str, str, tuple[int, ...]], ...]]] = {}  # seq → first rank's
         self._chunks: dict[int, _Chunk] = {}
         self._acked = 0  # chunks [0, _acked) are complete and consumed by every engine
+        self._received: dict[int, set[int]] = {r: set() for r in range(ranks)}  # per rank: the chunks it sent
         self._rank_next = dict.fromkeys(range(ranks), 0)  # per rank: the first chunk not received from it
-        self._rank_ahead: dict[int, set[int]] = {r: set() for r in range(ranks)}  # received, past _rank_next
         self._window = asyncio.Condition()
         self._in_flight: dict[asyncio.Task[None], str] = {}  # load task → engine name
         self._requests = 0  # rank requests being served: a session with one is never idle
@@ -301,10 +259,9 @@ class WeightSession:
         another device (the trainer aborts, or the start deadline fails the session)."""
         self._check_open()
         if not 0 <= rank < self.ranks:
-            raise RequestInvalid(f"session {self.id}: rank {rank} outside 0..{self.ranks - 1}", field="rank")
+            raise self._refuse(f"rank {rank} outside 0..{self.ranks - 1}", field="rank")
         if not device_id or len(device_id) > 256:
-            raise RequestInvalid(f"session {self.id}: rank {rank}: device_id must be 1..256 characters",
-                                 field="device_id")
+            raise self._refuse(f"rank {rank}: device_id must be 1..256 characters", field="device_id")
         known = self._devices.get(rank)
         if known is not None and known != device_id:
             raise TransitionRejected(f"session {self.id}: rank {rank} joined on device {known!r}, not {device_id!r}")
@@ -313,8 +270,8 @@ class WeightSession:
                      for t in range(len(lane.sources)) if device_key(lane.device(t)) == device_key(device_id)]
             taken = next((lane.sources[t] for lane, t in slots if lane.sources[t] is not None), None)
             if taken is not None:
-                raise RequestInvalid(
-                    f"session {self.id}: rank {rank} declares device {device_id!r}, which rank {taken} declared "
+                raise self._refuse(
+                    f"rank {rank} declares device {device_id!r}, which rank {taken} declared "
                     "already; each engine device is fed by one trainer rank (declare each rank's own device)",
                     field="device_id")
             before = [list(lane.sources) for lane in self._lanes]
@@ -328,8 +285,8 @@ class WeightSession:
                     del self._devices[rank]
                     for lane, sources in zip(self._lanes, before, strict=True):
                         lane.sources[:] = sources
-                    raise RequestInvalid(
-                        f"session {self.id}: layout cannot be served: {unserved}, with every rank joined "
+                    raise self._refuse(
+                        f"layout cannot be served: {unserved}, with every rank joined "
                         f"({declared}); rank {rank}'s join is refused and the session stays open: join it on that "
                         "device (CPU: WeightPusher(device_id=...), matching the engine's device_ids), map the "
                         "ranks in the node config (the engine's feed_ranks), or abort the session",
@@ -358,7 +315,7 @@ class WeightSession:
         """The engine TP ranks no trainer rank feeds yet, described by device; empty when every one is fed."""
         gaps = [f"engine {lane.name!r} TP rank {t} on device {lane.device(t)!r} has no trainer rank on it"
                 for lane in self._lanes for t, r in enumerate(lane.sources) if r is None]
-        return "; ".join(gaps[:4]) + (f" (and {len(gaps) - 4} more)" if len(gaps) > 4 else "")
+        return few(gaps, 4)
 
     def transports(self, lanes: Sequence[_Lane] | None = None) -> tuple[Transport, ...]:
         """The transports every engine of ``lanes`` (default: the session's) loads, in the enum's order."""
@@ -373,8 +330,8 @@ class WeightSession:
             accepted = lane.engine.transports
             if part.transport not in {t.wire for t in accepted}:
                 names = ", ".join(t.value for t in Transport if t in accepted) or "none"
-                raise RequestInvalid(
-                    f"session {self.id}: chunk {seq} from rank {part.rank} travels by {part.transport}, which engine "
+                raise self._refuse(
+                    f"chunk {seq} from rank {part.rank} travels by {part.transport}, which engine "
                     f"{lane.name!r} does not load (it accepts: {names}); nothing was sent to any engine: send it by "
                     "one of those (the join reply's transports)", field="transport")
 
@@ -389,7 +346,7 @@ class WeightSession:
         rank has no trainer rank, the ranks that have not joined (one of them may be on its device)."""
         if self._broadcasting:
             return []
-        late = {r for lane in self._lanes for r in lane.sources if r is not None and r not in self._started}
+        late = {r for lane in self._lanes for r in lane.sources if r is not None and not self._received[r]}
         if not all(lane.resolved for lane in self._lanes):
             late.update(self._unjoined())
         return sorted(late)
@@ -409,7 +366,7 @@ class WeightSession:
         budget = self.start_timeout_s or 0.0
         unserved = self._unserved()
         return ChunkTimeout(
-            f"session {self.id}: rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not start (join "
+            f"session {self.id}: {counted('rank', late)} did not start (join "
             f"and send a first chunk) within start_s={budget:.1f}s of the session's open"
             + (f"; {unserved}" if unserved else ""),
             stage="start", budget_s=budget, rank=late[0])
@@ -483,37 +440,38 @@ class WeightSession:
     async def _submit(self, seq: int, part: ChunkPart) -> ChunkAck:
         # Everything the caller could have got wrong is refused here, before the part is accepted,
         # and leaves the session as it was (the rank may send a corrected part).
-        if not 0 <= part.rank < self.ranks:
-            raise RequestInvalid(f"session {self.id}: rank {part.rank} outside 0..{self.ranks - 1}", field="rank")
         if part.rank not in self._devices:
-            # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank>.
+            # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank>
+            # (a rank outside the session is refused there).
             await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
         users = self._users_of(part.rank)
         if not users:
-            raise RequestInvalid(
-                f"session {self.id}: rank {part.rank} (device {self._devices[part.rank]!r}) feeds no engine TP rank, "
+            raise self._refuse(
+                f"rank {part.rank} (device {self._devices[part.rank]!r}) feeds no engine TP rank, "
                 "so nobody would load its chunks: it must not stream (its join reply says streams: false)",
                 field="rank")
         declared, exported_on = self._devices[part.rank], part.route.device_uuid
         if exported_on is not None and not is_host_device(declared) and device_key(declared) != device_key(exported_on):
             # A CUDA IPC handle opens only on the GPU it was exported from; the engine fed by this rank runs there.
-            raise RequestInvalid(
-                f"session {self.id}: chunk {seq} from rank {part.rank} was exported on GPU {exported_on}, but the "
+            raise self._refuse(
+                f"chunk {seq} from rank {part.rank} was exported on GPU {exported_on}, but the "
                 f"rank joined on {declared}: a CUDA IPC handle opens only on its own GPU", field="handle.device_uuid")
-        if seq < self._acked or seq < self._rank_next[part.rank] or seq in self._rank_ahead[part.rank]:
+        received = self._received[part.rank]
+        if seq < self._acked or seq in received:
             raise TransitionRejected(f"session {self.id}: rank {part.rank} already sent chunk {seq}")
         first_missing = self._rank_next[part.rank]
         if seq >= first_missing + self.depth:
-            raise RequestInvalid(
-                f"session {self.id}: chunk {seq} from rank {part.rank} skips ahead: rank {part.rank} has not "
+            raise self._refuse(
+                f"chunk {seq} from rank {part.rank} skips ahead: rank {part.rank} has not "
                 f"sent chunk {first_missing}, and a rank may have at most depth={self.depth} chunks outstanding "
                 f"(chunks {first_missing}..{first_missing + self.depth - 1}); chunk sequence numbers are "
                 "0, 1, 2, ... without gaps", field="seq")
         self._check_transport(seq, part, users)
         layout = self._inspect(seq, part)
         self._check_plan(seq, part.rank, layout)
-        self._mark_sent(part.rank, seq)  # received: counts for the gap rule even while it waits below
-        self._started.add(part.rank)
+        received.add(seq)  # counts for the gap rule (and as the rank's start) even while it waits below
+        while self._rank_next[part.rank] in received:
+            self._rank_next[part.rank] += 1
 
         def in_window() -> bool:
             return seq < self._acked + self.depth or self.state is not SessionState.OPEN
@@ -603,17 +561,10 @@ class WeightSession:
                    f" compared with rank {first[0]}'s")
         else:
             why = f"the same tensors as rank {first[0]}'s, in another order or shape"
-        raise RequestInvalid(
-            f"session {self.id}: chunk {seq} from rank {rank} carries other tensors than rank {first[0]}'s chunk "
+        raise self._refuse(
+            f"chunk {seq} from rank {rank} carries other tensors than rank {first[0]}'s chunk "
             f"{seq} ({why}): every rank sends the same chunk plan, the full tensors in the same order with the "
             "same bucket size, so each engine TP rank gets every tensor", field="handle.layout")
-
-    def _mark_sent(self, rank: int, seq: int) -> None:
-        ahead = self._rank_ahead[rank]
-        ahead.add(seq)
-        while self._rank_next[rank] in ahead:
-            ahead.discard(self._rank_next[rank])
-            self._rank_next[rank] += 1
 
     def _inspect(self, seq: int, part: ChunkPart) -> ChunkLayout:
         """The handle is readable on this node and its layout (every transport carries one) agrees with the
@@ -642,8 +593,11 @@ class WeightSession:
         wrong = [f"{name!r} is {meta.describe()}, the manifest says {self.manifest[name].describe()}"
                  for name, meta in tensors if meta != self.manifest[name]]
         if wrong:
-            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {'; '.join(wrong[:3])}"
-                                 + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""), field=field)
+            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {few(wrong, 3)}", field=field)
+
+    def _refuse(self, message: str, *, field: str) -> RequestInvalid:
+        """The 422 for what a rank sent this session, naming the session and the field at fault."""
+        return RequestInvalid(f"session {self.id}: {message}", field=field)
 
     def _check_open(self) -> None:
         require_session_open(self.id, self.state, error=self.error, advise_new=True)
@@ -658,13 +612,9 @@ class WeightSession:
             expected = list(lane.engine.config.gpu_uuids or ())
             for tp_rank, rank in enumerate(lane.sources):
                 if rank == part.rank and tp_rank < len(expected) and device_key(expected[tp_rank]) != device_key(uuid):
-                    error = WeightSyncError(
-                        f"chunk {seq}: trainer rank {rank} exported it from GPU {uuid}, but engine "
-                        f"{lane.name!r} TP rank {tp_rank} runs on GPU {expected[tp_rank]}; "
-                        "CUDA IPC needs both on one GPU"
-                    )
-                    await self.fail(error)
-                    raise error
+                    await self._fail_with(WeightSyncError(
+                        f"chunk {seq}: trainer rank {rank} exported it from GPU {uuid}, but engine {lane.name!r} TP "
+                        f"rank {tp_rank} runs on GPU {expected[tp_rank]}; CUDA IPC needs both on one GPU"))
 
     def _missing_parts(self, chunk: _Chunk) -> list[int]:
         """Ranks whose part of ``chunk`` an engine still waits for (an engine TP rank whose trainer rank has not
@@ -687,15 +637,11 @@ class WeightSession:
         budget = f"within {self.chunk_timeout_s:.1f}s"
         if oldest is None or missing:
             ranks = ", ".join(map(str, missing)) if missing else "any rank"
-            return ChunkTimeout(
-                f"chunk {seq}: the window is {self.depth} chunks past chunk {self._acked}, which "
-                f"rank{'s' if len(missing) != 1 else ''} {ranks} never sent {budget}",
-                stage="gather", budget_s=self.chunk_timeout_s, rank=missing[0] if missing else None)
+            return self._ungathered(f"chunk {seq}: the window is {self.depth} chunks past chunk {self._acked}, which "
+                                    f"rank{'s' if len(missing) != 1 else ''} {ranks} never sent {budget}",
+                                    missing[0] if missing else None)
         slow = [name for name, done in oldest.consumed.items() if not done.done()]
-        return ChunkTimeout(
-            f"chunk {seq}: the window waits for chunk {self._acked}, which engine{'s' if len(slow) > 1 else ''} "
-            f"{', '.join(map(repr, slow)) or '(none)'} did not consume {budget}",
-            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+        return self._unconsumed(f"chunk {seq}: the window waits for chunk {self._acked}, which ", slow, "")
 
     def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError | RequestInvalid:
         """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the trainer's
@@ -713,18 +659,25 @@ class WeightSession:
             missing = sorted(r for r in lane.sources if r is not None and r not in blocking.parts)
             unjoined = self._unjoined() if not lane.resolved else []
             if missing or unjoined:
-                who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}, which never sent it"
-                       if missing else
+                who = (f"{counted('rank', missing)}, which never sent it" if missing else
                        f"the trainer rank on device {lane.device(lane.sources.index(None))!r}, which has not joined "
-                       f"(not joined yet: rank{'s' if len(unjoined) > 1 else ''} {', '.join(map(str, unjoined))})")
-                return ChunkTimeout(
-                    f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from {who} {budget}",
-                    stage="gather", budget_s=self.chunk_timeout_s, engine=lane.name, rank=(missing or unjoined)[0])
+                       f"(not joined yet: {counted('rank', unjoined)})")
+                return self._ungathered(f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from "
+                                        f"{who} {budget}", (missing or unjoined)[0], engine=lane.name)
         chunk = self._chunks.get(seq)
         slow = [lane.name for lane in users if chunk is None or not chunk.consumed[lane.name].done()]
+        return self._unconsumed(f"chunk {seq}: ", slow, "it")
+
+    def _ungathered(self, message: str, rank: int | None, engine: str | None = None) -> ChunkTimeout:
+        """A rank's part did not arrive within the chunk budget (stage ``gather``)."""
+        return ChunkTimeout(message, stage="gather", budget_s=self.chunk_timeout_s, engine=engine, rank=rank)
+
+    def _unconsumed(self, head: str, slow: Sequence[str], what: str) -> ChunkTimeout:
+        """The engines that did not consume ``what`` within the chunk budget (stage ``load_chunk``)."""
         return ChunkTimeout(
-            f"chunk {seq}: engine{'s' if len(slow) > 1 else ''} {', '.join(map(repr, slow))} did not consume "
-            f"it {budget}", stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+            f"{head}{counted('engine', slow, repr) if slow else 'engine (none)'} did not consume "
+            f"{what + ' ' if what else ''}within {self.chunk_timeout_s:.1f}s",
+            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
 
     def _pump(self) -> None:
         """Start every load that is ready: in order per engine, its ranks' parts in, under its depth."""
@@ -835,8 +788,8 @@ class WeightSession:
             await self._fail_with(error)
         self._check_open()
         if num_chunks is not None and num_chunks != self._acked:
-            raise RequestInvalid(
-                f"session {self.id}: the trainer says {num_chunks} chunks, the engines consumed {self._acked} "
+            raise self._refuse(
+                f"the trainer says {num_chunks} chunks, the engines consumed {self._acked} "
                 f"(chunks 0..{self._acked - 1}); nothing committed, the session stays open", field="num_chunks")
 
     def _drain_timeout(self) -> ChunkTimeout:
@@ -845,13 +798,10 @@ class WeightSession:
         incomplete = {s: m for s, c in sorted(self._chunks.items()) if (m := self._missing_parts(c))}
         if incomplete:
             first_missing = next(iter(incomplete.values()))
-            return ChunkTimeout(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
-                                stage="gather", budget_s=self.chunk_timeout_s, rank=first_missing[0])
+            return self._ungathered(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
+                                    first_missing[0])
         slow = sorted({lane.name for lane in self._lanes if lane.in_flight})
-        return ChunkTimeout(
-            f"at commit: engine{'s' if len(slow) > 1 else ''} {', '.join(map(repr, slow)) or '(none)'} did "
-            f"not consume chunks {sorted(self._chunks)} within {self.chunk_timeout_s:.1f}s",
-            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+        return self._unconsumed("at commit: ", slow, f"chunks {sorted(self._chunks)}")
 
     def _gap(self) -> str | None:
         """A chunk below the highest one received that no rank ever sent: the trainer skipped it."""
@@ -864,16 +814,17 @@ class WeightSession:
         return (f"session {self.id}: chunk{'s' if len(missing) > 1 else ''} {missing[:5]} never sent, though chunk "
                 f"{top} was: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)")
 
+    def _lane(self, engine: str) -> _Lane:
+        return next(ln for ln in self._lanes if ln.name == engine)
+
     def sent_names(self, engine: str) -> set[str]:
-        """Tensors every TP rank of this engine received: from the chunks' layouts (every transport carries
-        one) and the broadcasts' descriptors."""
-        lane = next(ln for ln in self._lanes if ln.name == engine)
-        return set(lane.names)
+        """Tensors every TP rank of this engine received (chunk layouts and broadcast descriptors)."""
+        return set(self._lane(engine).names)
 
     def unsent_by_tp_rank(self, engine: str, wanted: Collection[str]) -> str:
         """Which of the engine's TP ranks lack which of ``wanted``, and the trainer rank feeding each: the words
         of a refused commit (a complete update covers every TP rank). Empty when each has them all."""
-        lane = next(ln for ln in self._lanes if ln.name == engine)
+        lane = self._lane(engine)
         gaps = []
         for t, got in enumerate(lane.rank_names):
             lacking = [n for n in wanted if n not in got]
@@ -885,19 +836,16 @@ class WeightSession:
 
     def touched(self, engine: str) -> bool:
         """Whether any load of this session ever started on the engine (its weights may be mixed)."""
-        return any(ln.loads_started for ln in self._lanes if ln.name == engine)
-
-    def _lifecycle_state(self) -> SessionState:
-        return self.state
+        return self._lane(engine).loads_started > 0
 
     async def fail(self, error: BaseException) -> None:
         """Stop the session: fail every waiting rank; loads already running are left to ``quiesce``."""
         if self.state is not SessionState.OPEN:
             return  # it ended already: the first ending is the one that counts
-        self._move(ENDED_AS[SessionState.ABORTED if isinstance(error, _Abort)
-                            else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED])
+        ended = (SessionState.ABORTED if isinstance(error, _Abort)
+                 else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED)
+        self._move(SessionLifecycle[ended.name])
         self.error = str(error)
-        ended: SessionState = self._lifecycle_state()  # _move changed it; a call keeps mypy from narrowing
         self._ended_by = f"{ended.value}: {type(error).__name__.lstrip('_')}: {error}"  # what a cancelled load says
         message = f"session {self.id} {ended.value}: {error}"
         for chunk in self._chunks.values():
@@ -934,28 +882,18 @@ class WeightSession:
 
     def stats(self) -> dict[str, Any]:
         """What the session did so far; ``max_in_flight`` is the most chunks one engine had at once."""
-        return {
-            "id": self.id,
-            "step": self.step,
-            "version": self.version,
-            "state": self.state.value,
-            "ranks": self.ranks,
-            "depth": self.depth,
-            "partial": self.partial,
-            "manifest_tensors": None if self.manifest is None else len(self.manifest),
-            "chunks_consumed": self._acked,
-            "bytes_loaded": self.bytes_loaded,
-            "max_in_flight": {ln.name: ln.max_in_flight for ln in self._lanes},
-            "sources": {ln.name: list(ln.sources) for ln in self._lanes},  # per TP rank; null: not joined yet
-            "devices": {str(r): d for r, d in sorted(self._devices.items())},  # what each joined rank declared
-            "late_ranks": self._late() if self.state is SessionState.OPEN else [],
-            "start_s": self.start_timeout_s,
-            "open_chunks": sorted(self._chunks),
-            "idle_s": self.idle_s,
-            "idle_for_s": round(self.idle_for(), 3) if self.state is SessionState.OPEN else None,
-            "tainted": self.tainted,
-            "error": self.error,
-        }
+        is_open = self.state is SessionState.OPEN
+        return {"id": self.id, "step": self.step, "version": self.version, "state": self.state.value,
+                "ranks": self.ranks, "depth": self.depth, "partial": self.partial,
+                "manifest_tensors": None if self.manifest is None else len(self.manifest),
+                "chunks_consumed": self._acked, "bytes_loaded": self.bytes_loaded,
+                "max_in_flight": {ln.name: ln.max_in_flight for ln in self._lanes},
+                "sources": {ln.name: list(ln.sources) for ln in self._lanes},  # per TP rank; null: not joined yet
+                "devices": {str(r): d for r, d in sorted(self._devices.items())},  # what each joined rank declared
+                "late_ranks": self._late() if is_open else [], "start_s": self.start_timeout_s,
+                "open_chunks": sorted(self._chunks), "idle_s": self.idle_s,
+                "idle_for_s": round(self.idle_for(), 3) if is_open else None,
+                "tainted": self.tainted, "error": self.error}
 
 
 def _load_error(engine: str, seq: int, exc: BaseException, *, ended: str | None = None

@@ -1,24 +1,16 @@
 """The engine worker: the one place the daemon calls an engine, and the only writer of each engine's record.
 
-Every call an engine gets goes through here: the plans (daemon/reconcile.py) that phases, sleep / resume, weight
-sessions, the health loop, relaunches and restarts set, and the work a weight session does beside its plan
-(chunk loads, digests for a verified commit, weight-update groups and broadcasts). Each step updates the engine's
-record only after the engine confirmed it, so a failure anywhere leaves the record equal to what the engine really
-did. Order rules (engine-apis.md §6.3): idle before release, stay paused until fully resumed, weights before KV,
-flush after an update.
+Every engine call goes through here: the plans (daemon/reconcile.py) that phases, sleep / resume, weight sessions,
+the health loop, relaunches and restarts set, and a weight session's work beside its plan (chunk loads, digests,
+weight-update groups, broadcasts). A record changes only after the engine confirmed the step, so a failure leaves
+it equal to what the engine did. Order rules (engine-apis.md §6.3): idle before release, paused until fully
+resumed, weights before KV, flush after an update.
 
-Two ways in, one planner:
-
-- ``reconcile`` observes each engine first and drives it toward its record (the health loop, a relaunch,
-  a daemon restart, and every mutating operation before it acts, ``NodeLock.exclusive``). An engine that lost the
-  daemon's open weight session is recorded so (``EngineHandle.lost_session``); the session reads it there.
-- ``drive`` drives each engine toward a desired state a transition (or a manual sleep / resume, or a weight
-  session's open and close) set, planning on the record that was just observed. A failed drive re-observes every
-  engine before the error reaches the caller, so /v1/status says what the engines really are (a timed-out call may
-  have half happened); the record then is the desired state again: the trainer re-asks for a step that failed,
-  the daemon never retries it behind its back.
-
-The caller holds the node's lock (or the daemon is starting).
+``reconcile`` observes each engine and drives it toward its record (the health loop, a relaunch, a restart, and
+every mutating operation before it acts); an engine that lost the open weight session is recorded so
+(``EngineHandle.lost_session``). ``drive`` and ``weights`` drive toward a desired state a transition or a weight
+session set, on the record just observed; a failed drive re-observes every engine before the error reaches the
+caller, and the trainer re-asks: the daemon never retries a step behind its back. The caller holds the node's lock.
 """
 
 from __future__ import annotations
@@ -69,13 +61,8 @@ from .states import (
 from .trace import Trace, TraceStore
 
 __all__ = [
-    "EngineHandle",
-    "EngineWorker",
-    "expected_release_bytes",
-    "expected_resume_bytes",
-    "group_verbs",
-    "late_loads",
-    "load_chunk",
+    "EngineHandle", "EngineWorker", "expected_release_bytes", "expected_resume_bytes", "group_verbs", "late_loads",
+    "load_chunk"
 ]
 
 _T = TypeVar("_T")
@@ -518,8 +505,8 @@ class EngineWorker:
                     if not p.end_session_tolerant:
                         raise  # the engine said a session was open, yet refuses to end it
             elif action is Action.BEGIN_ENGINE_SESSION and p.weights is not None:
-                await timed_call(engine, trace, self.metrics, "begin_weight_update",
-                                 t.budget(Budget.WEIGHT_UPDATE), engine.adapter.begin_weight_update())
+                await self._call(engine, trace, "begin_weight_update", Budget.WEIGHT_UPDATE,
+                                 engine.adapter.begin_weight_update())
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
                 engine.lost_session = None
             elif action is Action.PAUSE:
@@ -541,8 +528,8 @@ class EngineWorker:
         else its record holds what the session left (``goal.after``) from before the call, which may fail."""
         if goal.after is not None:
             engine.state = engine.state.with_(weights=goal.after)
-        await timed_call(engine, trace, self.metrics, "end_weight_update",
-                         self.timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.end_weight_update(goal.version))
+        await self._call(engine, trace, "end_weight_update", Budget.WEIGHT_UPDATE,
+                         engine.adapter.end_weight_update(goal.version))
         if goal.version is not None:
             engine.state = engine.state.with_(weights=WeightsState.CLEAN, weight_version=goal.version)
 
@@ -564,31 +551,31 @@ class EngineWorker:
             await fan_out(engines, one, on_failure=OnFailure.COLLECT)
 
     # -- a weight session's work beside its plan: digests, weight-update groups, broadcasts ---------------------
+    async def _call(self, engine: EngineHandle, trace: Trace, name: str, budget: Budget, coro: Awaitable[_T],
+                    **attrs: Any) -> _T:
+        return await timed_call(engine, trace, self.metrics, name, self.timeouts().budget(budget), coro, **attrs)
+
     async def digests(self, engine: EngineHandle, names: Sequence[str], trace: Trace) -> EngineDigests:
         """What the engine holds of ``names``, as digests, for a verified commit (daemon/verify.py)."""
-        return await timed_call(engine, trace, self.metrics, "weight_digests",
-                                self.timeouts().budget(Budget.WEIGHT_UPDATE), engine.adapter.weight_digests(names),
-                                tensors=len(names))
+        return await self._call(engine, trace, "weight_digests", Budget.WEIGHT_UPDATE,
+                                engine.adapter.weight_digests(names), tensors=len(names))
 
     async def join_group(self, engine: EngineHandle, trace: Trace, *, group_name: str, master_address: str,
                          master_port: int, rank_offset: int, world_size: int, backend: str) -> None:
         """The engine joins the trainer's weight-update group (daemon/distributed.py)."""
-        await timed_call(engine, trace, self.metrics, "init_weights_update_group",
-                         self.timeouts().budget(Budget.GROUP),
+        await self._call(engine, trace, "init_weights_update_group", Budget.GROUP,
                          group_verbs(engine).init_weights_update_group(
                              master_address=master_address, master_port=master_port, rank_offset=rank_offset,
                              world_size=world_size, group_name=group_name, backend=backend),
                          group=group_name, rank_offset=rank_offset)
 
     async def leave_group(self, engine: EngineHandle, group_name: str, trace: Trace) -> None:
-        await timed_call(engine, trace, self.metrics, "destroy_weights_update_group",
-                         self.timeouts().budget(Budget.GROUP),
+        await self._call(engine, trace, "destroy_weights_update_group", Budget.GROUP,
                          group_verbs(engine).destroy_weights_update_group(group_name), group=group_name)
 
     async def receive_broadcast(self, engine: EngineHandle, desc: BroadcastDescriptor, trace: Trace) -> None:
         """The engine receives one broadcast of the trainer's through its group, under the chunk budget."""
-        await timed_call(engine, trace, self.metrics, f"update_weights_from_distributed#{desc.seq}",
-                         self.timeouts().budget(Budget.CHUNK),
+        await self._call(engine, trace, f"update_weights_from_distributed#{desc.seq}", Budget.CHUNK,
                          group_verbs(engine).update_weights_from_distributed(
                              seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
                              shapes=[list(s) for s in desc.shapes], group_name=desc.group_name,
