@@ -440,10 +440,23 @@ class WeightSession:
     async def _submit(self, seq: int, part: ChunkPart) -> ChunkAck:
         # Everything the caller could have got wrong is refused here, before the part is accepted,
         # and leaves the session as it was (the rank may send a corrected part).
-        if part.rank not in self._devices:
-            # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank>
-            # (a rank outside the session is refused there).
-            await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
+        if part.rank in self._devices:
+            return await self._accept(seq, part)
+        # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank> (a
+        # rank outside the session is refused there). A part refused after that leaves the rank unjoined again.
+        devices, sources = dict(self._devices), [list(lane.sources) for lane in self._lanes]
+        await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
+        try:
+            return await self._accept(seq, part)
+        except BaseException:
+            if not self._received[part.rank]:  # refused before it was accepted
+                self._devices.clear()
+                self._devices.update(devices)
+                for lane, before in zip(self._lanes, sources, strict=True):
+                    lane.sources[:] = before
+            raise
+
+    async def _accept(self, seq: int, part: ChunkPart) -> ChunkAck:
         users = self._users_of(part.rank)
         if not users:
             raise self._refuse(

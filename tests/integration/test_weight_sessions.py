@@ -586,3 +586,17 @@ async def test_a_chunk_by_a_transport_the_engine_does_not_load_is_refused_before
         chunk = InlineProducer().export(named)  # what the engine loads: accepted, and the session goes on
         await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle))
         assert engine.loads == 1
+
+
+async def test_a_first_chunk_refused_before_it_is_accepted_leaves_its_rank_unjoined(tmp_path: Any) -> None:
+    engine = InlineOnlyEngine("e0")
+    async with in_process_daemon({"e0": engine}) as daemon:
+        await daemon.transitions.transition(NodePhase.TRAIN, 1)
+        await daemon.transitions.transition(NodePhase.SYNC, 1)
+        session = await daemon.sessions.open(step=1, version="v1", ranks=1)
+        before = session.stats()
+        with pytest.raises(RequestInvalid) as err:  # the rank never joined: this chunk would have joined it
+            await daemon.sessions.submit_chunk(session.id, 0,
+                                               ChunkPart(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
+        assert err.value.field == "transport"
+        assert session.stats() == before
