@@ -274,7 +274,7 @@ class WeightSession:
                     f"rank {rank} declares device {device_id!r}, which rank {taken} declared "
                     "already; each engine device is fed by one trainer rank (declare each rank's own device)",
                     field="device_id")
-            before = [list(lane.sources) for lane in self._lanes]
+            before = self._lane_sources()
             self._devices[rank] = device_id
             for lane, t in slots:
                 lane.sources[t] = rank
@@ -282,9 +282,7 @@ class WeightSession:
                 self._feed_gpus_from_host_ranks()
                 if unserved := self._unserved():
                     declared = ", ".join(f"rank {r}: {d!r}" for r, d in sorted(self._devices.items()))
-                    del self._devices[rank]
-                    for lane, sources in zip(self._lanes, before, strict=True):
-                        lane.sources[:] = sources
+                    self._unjoin(rank, before)
                     raise self._refuse(
                         f"layout cannot be served: {unserved}, with every rank joined "
                         f"({declared}); rank {rank}'s join is refused and the session stays open: join it on that "
@@ -294,6 +292,15 @@ class WeightSession:
             self.touch()
         return RankJoin(self.id, rank, device_id, self._feeds(rank), self.verify,
                         self.transports(self._users_of(rank)))
+
+    def _lane_sources(self) -> list[list[int | None]]:
+        return [list(lane.sources) for lane in self._lanes]
+
+    def _unjoin(self, rank: int, sources: list[list[int | None]]) -> None:
+        """Undo ``rank``'s join: its device, and the engine TP ranks it (or the host feed it completed) took."""
+        del self._devices[rank]
+        for lane, before in zip(self._lanes, sources, strict=True):
+            lane.sources[:] = before
 
     def _feed_gpus_from_host_ranks(self) -> None:
         """Once every rank joined: an engine TP rank on a GPU that no rank shares is fed by trainer rank t
@@ -444,16 +451,13 @@ class WeightSession:
             return await self._accept(seq, part)
         # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank> (a
         # rank outside the session is refused there). A part refused after that leaves the rank unjoined again.
-        devices, sources = dict(self._devices), [list(lane.sources) for lane in self._lanes]
+        sources = self._lane_sources()
         await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
         try:
             return await self._accept(seq, part)
         except BaseException:
             if not self._received[part.rank]:  # refused before it was accepted
-                self._devices.clear()
-                self._devices.update(devices)
-                for lane, before in zip(self._lanes, sources, strict=True):
-                    lane.sources[:] = before
+                self._unjoin(part.rank, sources)
             raise
 
     async def _accept(self, seq: int, part: ChunkPart) -> ChunkAck:
