@@ -2,24 +2,29 @@
 
 The benches move what a real engine of a checkpoint's shape would: every pushed byte is copied into bf16 tensors of
 that checkpoint (e.g. Qwen3-8B), released and resumed with the engine's ``weights`` tag, with an optional KV block in
-its ``kv_cache`` tag; ``GET /colocd/sink`` answers their device checksums. The product's reference engine runs it:
+its ``kv_cache`` tag; ``GET /colocd/sink`` answers their device checksums. It is the reference engine's server with
+this app (``python -m benchmarks.sink_engine`` takes the reference engine's flags); ``sink_launch`` has the product's
+launcher (or the daemon it starts) run it:
 
-    launch: {args: ["--app", "benchmarks.sink_engine:create_sink_app"],
-             env: {"COLOCD_SINK_SHAPES": "qwen3-8b", "COLOCD_SINK_KV_GIB": "2"}}
-
-(the engine process imports ``benchmarks`` from its working directory, the repository root).
+    launch: {env: {"COLOCD_SINK_SHAPES": "qwen3-8b", "COLOCD_SINK_KV_GIB": "2"}}
+    with COLOCD_REFERENCE_PYTHON naming an interpreter that runs this module instead of the reference engine's.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI
 
 from colocd.engines.base import MemoryTag
+from colocd.engines.reference.__main__ import main
 from colocd.engines.reference.engine import EngineRefusal, ReferenceEngine
 from colocd.engines.reference.payloads import open_bucket, open_payload
 from colocd.engines.reference.server import create_app
@@ -34,10 +39,21 @@ _GIB = 1 << 30
 
 
 def sink_launch(shapes: str, kv_gib: float = 0.0, **launch: Any) -> dict[str, Any]:
-    """A reference engine config's ``launch`` that runs this engine holding ``shapes`` (and ``kv_gib`` of KV)."""
-    args = ["--app", "benchmarks.sink_engine:create_sink_app", *launch.pop("args", [])]
+    """A reference engine config's ``launch`` for this engine holding ``shapes`` (and ``kv_gib`` of KV). It also
+    sets ``COLOCD_REFERENCE_PYTHON`` of this process (and so of the daemons it starts) to ``_interpreter()``."""
+    os.environ["COLOCD_REFERENCE_PYTHON"] = _interpreter()
     env = {SINK_ENV[0]: shapes, SINK_ENV[1]: f"{kv_gib:.6f}", **launch.pop("env", {})}
-    return {"args": args, "env": env, **launch}
+    return {"env": env, **launch}
+
+
+def _interpreter() -> str:
+    """A shell script that the reference launcher runs as ``SCRIPT -m colocd.engines.reference FLAGS``: it runs
+    ``python -m benchmarks.sink_engine FLAGS`` from the repository root instead."""
+    script = Path(tempfile.mkdtemp(prefix="colocd-sink-")) / "python"
+    script.write_text(f"#!/bin/sh\nshift 2\ncd {Path(__file__).resolve().parents[1]}\n"
+                      f"exec {sys.executable} -m benchmarks.sink_engine \"$@\"\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
 
 
 class SinkEngine(ReferenceEngine):
@@ -100,7 +116,8 @@ class SinkEngine(ReferenceEngine):
         if not per_rank:
             raise EngineRefusal(503, "the server is still starting")
         return {"model": self.shapes, "nbytes": self.sinks[0].nbytes, "checksums": per_rank[0],
-                "ranks": [{**r.describe(), "checksums": c} for r, c in zip(self._ranks, per_rank, strict=True)]}
+                "ranks": [{"tp_rank": r.index, "device": str(r.device), "checksums": c}
+                          for r, c in zip(self._ranks, per_rank, strict=True)]}
 
 
 def create_sink_app(settings: ReferenceServerSettings) -> FastAPI:
@@ -116,3 +133,7 @@ def create_sink_app(settings: ReferenceServerSettings) -> FastAPI:
 
     return app
 
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], app_factory=create_sink_app))

@@ -12,7 +12,6 @@ The task: the share of generated tokens that fall in a fixed set of 32 of the 38
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from safetensors.torch import load_file
 
 from ..errors import EngineMissing
 from ..trainer.push import PushReport
-from .loop import DemoSettings
+from .loop import DemoSettings, sglang_digest
 
 __all__ = ["LiveTask", "TinyQwen2", "find_install"]
 
@@ -129,8 +128,7 @@ class TinyQwen2:
 
 def _sglang_checksums(served: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """What SGLang's ``/weights_checker`` checksum reports for these tensors on one TP rank: its fused layout
-    (``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate, up, stacked) and its hash, the first 8 bytes of the sha256 of
-    the tensor's bytes (srt/utils/weight_checker.py ``_hash_tensor``, managers/mm_utils.py ``tensor_hash``)."""
+    (``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate, up, stacked) and its hash (``sglang_digest``)."""
     named = dict(served)
     fused: dict[str, torch.Tensor] = {}
     for name, tensor in named.items():
@@ -139,12 +137,7 @@ def _sglang_checksums(served: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
                 fused[name.replace(parts[0], into)] = torch.cat([named[name.replace(parts[0], p)] for p in parts])
         if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
             fused[name] = tensor
-
-    def digest(t: torch.Tensor) -> str:
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        return hashlib.sha256(data.tobytes()).digest()[:8].hex()
-
-    return {n: digest(t) for n, t in fused.items()}
+    return {n: sglang_digest(t) for n, t in fused.items()}
 
 
 async def _sglang_weight_check(http: httpx.AsyncClient, url: str, served: list[tuple[str, torch.Tensor]]) -> str:

@@ -11,6 +11,7 @@ reference engine's is here, vLLM's and SGLang's in ``demo/live.py``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import tempfile
 import time
@@ -23,7 +24,6 @@ import torch
 
 from ..api.client import AsyncColocdClient
 from ..api.procs import DaemonProcess
-from ..engines.chunks import tensor_checksum
 from ..engines.reference.model import QwenLikeConfig, build_model
 from ..engines.reference.tokenizer import BOS_ID
 from ..errors import EngineMissing, MatplotlibMissing
@@ -31,7 +31,7 @@ from ..timeline import render_timeline
 from ..trainer.agent import TrainerAgent
 from ..trainer.push import PushReport, WeightPusher
 
-__all__ = ["DemoSettings", "EngineKind", "Task", "run_demo"]
+__all__ = ["DemoSettings", "EngineKind", "Task", "run_demo", "sglang_digest"]
 
 EngineKind = Literal["reference", "vllm", "sglang"]
 
@@ -114,10 +114,19 @@ class ReferenceTask:
         self.optimizer.step()
 
     async def check(self, http: httpx.AsyncClient, url: str, push: PushReport) -> str | None:
+        """Every parameter's ``/weights_checker`` checksum is the trainer's (the engine's parameters are unfused)."""
         response = await http.post(f"{url}/weights_checker", json={"action": "checksum"})
         response.raise_for_status()
-        same = response.json().get("colocd_checksum") == tensor_checksum(self.weights())
+        want = {name: sglang_digest(t) for name, t in self.weights()}
+        same = all(rank["checksums"] == want for rank in response.json()["ranks"])
         return "verified: checksum" if same else None
+
+
+def sglang_digest(t: torch.Tensor) -> str:
+    """SGLang's ``/weights_checker`` checksum of one tensor: the first 8 bytes of the sha256 of its bytes
+    (srt/utils/weight_checker.py ``_hash_tensor``, managers/mm_utils.py ``tensor_hash``)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data.tobytes()).digest()[:8].hex()
 
 
 # --- the loop ----------------------------------------------------------------------------------------------------

@@ -68,9 +68,9 @@ class EngineInfo:
     tp_size: int = 1
     owned_tags: tuple[MemoryTag, ...] = ALL_TAGS
     extra: dict[str, object] | None = None  # engine-specific diagnostics for people and tests; the daemon reads none
-    # The identity of each TP rank's device, in TP-rank order, as the engine reports it (the reference
-    # engine's server_info ``colocd_tp_ranks``: a GPU UUID, or a CPU rank's declared id); empty if it
-    # reports none. The daemon feeds each TP rank from the trainer rank that declared the same device.
+    # The identity of each TP rank's device, in TP-rank order, from the engine's config (a GPU UUID, or a CPU
+    # rank's declared id); empty if unknown. The daemon feeds each TP rank from the trainer rank that declared
+    # the same device.
     device_ids: tuple[str, ...] = ()
     # How many LoRA adapters the engine holds at once, as its own flags say (vLLM --max-cpu-loras / --max-loras,
     # SGLang --max-loaded-loras); None: it reports no cap.

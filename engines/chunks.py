@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import binascii
 import fcntl
-import hashlib
 import mmap
 import os
 import re
@@ -45,7 +44,6 @@ __all__ = [
     "flatten_into",
     "inspect_handle",
     "plan_chunks",
-    "tensor_checksum",
     "unflatten",
 ]
 
@@ -204,19 +202,6 @@ def unflatten(buffer: torch.Tensor, layout: ChunkLayout) -> list[tuple[str, torc
         raw = buffer[spec.offset : spec.offset + spec.nbytes]
         out.append((spec.name, raw.view(dtype_from_name(spec.dtype)).reshape(spec.shape)))
     return out
-
-
-def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """SHA-256 over names and raw bytes in name order: equal iff every tensor is byte-identical."""
-    import torch
-
-    h = hashlib.sha256()
-    for name, t in sorted(named, key=lambda p: p[0]):
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(repr(tuple(t.shape)).encode())
-        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 SHM_DIR = "/dev/shm"

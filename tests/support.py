@@ -6,10 +6,11 @@ extension does; a stand-in NVML that mirrors a CPU reference engine's memory as 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +38,8 @@ from colocd.policies import Transport
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
            "LoadsShm", "NvmlNode", "RestartableEngine", "daemon_node", "engine_tags", "entered_in_thread",
            "in_process_daemon", "leaves_no_shm_segments", "node_config", "node_on_mirrored_gpu", "reference_config",
-           "reference_engine", "request_body", "restartable_engine", "serve_app", "serve_lifespan", "shm_left_behind",
-           "shm_segments", "stand_in_engine"]
+           "reference_engine", "request_body", "restartable_engine", "serve_app", "serve_lifespan", "served_checksums",
+           "shm_left_behind", "shm_segments", "stand_in_engine", "weights_checksum"]
 
 # An ASGI app's three arguments, as the tests' own forwarding apps take them.
 Scope = MutableMapping[str, Any]
@@ -497,6 +498,32 @@ def engine_tags(server_info: dict[str, Any]) -> dict[str, tuple[bool, int]]:
     return {tag: (bool(state["memory_resident"][tag]), round(gb * 2**30)) for tag, gb in sizes.items()}
 
 
+def weights_checksum(named: Iterable[tuple[str, Any]]) -> str:
+    """The ``per_gpu_checksum`` SGLang's ``/weights_checker`` answers for a TP rank that serves exactly these tensors
+    (utils/weight_checker.py): per tensor the first 16 hex digits of the sha256 of its bytes; over them, the sha256
+    of each name and its digest, in name order."""
+    import torch
+
+    digests = {name: hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+               .hexdigest()[:16] for name, t in named}
+    overall = hashlib.sha256()
+    for name in sorted(digests):
+        overall.update(name.encode())
+        overall.update(digests[name].encode())
+    return overall.hexdigest()
+
+
+async def served_checksums(url: str, *, api_key: str | None = None) -> list[str]:
+    """Each TP rank's ``per_gpu_checksum`` of the weights the engine at ``url`` serves, from the ``ranks`` of its
+    ``/weights_checker`` checksum reply (SGLang's shape); ``== [weights_checksum(named)] * tp_size`` says that every
+    rank serves exactly ``named``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(trust_env=False, timeout=DEADLINE_S, headers=headers) as http:
+        response = await http.post(f"{url.rstrip('/')}/weights_checker", json={"action": "checksum"})
+        response.raise_for_status()
+        return [str(rank["per_gpu_checksum"]) for rank in response.json()["ranks"]]
+
+
 def _engine_http(proc: Any) -> httpx.Client:
     headers = {"Authorization": f"Bearer {proc.config.api_key}"} if proc.config.api_key else {}
     return httpx.Client(base_url=str(proc.url), headers=headers, timeout=DEADLINE_S, trust_env=False)
@@ -512,7 +539,7 @@ def _observe(proc: Any) -> dict[str, Any]:
         check = http.post("/weights_checker", json={"action": "checksum"}).json() if not legacy else {}
     return {"state": info["internal_states"][0], "weight_version": model["weight_version"],
             "resident": {tag: resident for tag, (resident, _) in tags.items()},
-            "checksum": check.get("colocd_checksum"), "pid": proc.pid}
+            "checksum": check.get("per_engine_checksum"), "pid": proc.pid}
 
 
 def _reset(proc: Any, fresh: dict[str, Any]) -> None:
@@ -526,7 +553,7 @@ def _reset(proc: Any, fresh: dict[str, Any]) -> None:
         if not legacy and http.get("/server_info").json()["internal_states"][0]["weight_update_session"]:
             _ok(http.post("/end_weight_update", json={}))
         if not legacy and http.post("/weights_checker", json={"action": "checksum"}).json().get(
-                "colocd_checksum") != fresh["checksum"]:
+                "per_engine_checksum") != fresh["checksum"]:
             _load_seed_weights(http, proc.config)
         _ok(http.post("/update_weight_version", json={"new_version": fresh["weight_version"]}))
         _ok(http.post("/flush_cache"))
@@ -589,14 +616,6 @@ class DaemonNode:
             response = await http.get(url + path)
             response.raise_for_status()
             return response.json()
-
-    async def engine_checksum(self, engine: str | None = None) -> str:
-        """The checksum of the weights an engine itself serves (``/weights_checker``)."""
-        url = self.engine_urls[engine] if engine is not None else self.engine_url
-        async with httpx.AsyncClient(trust_env=False, timeout=DEADLINE_S) as http:
-            response = await http.post(url + "/weights_checker", json={"action": "checksum"})
-            response.raise_for_status()
-            return str(response.json()["colocd_checksum"])
 
     async def engine_memory(self, engine: str | None = None) -> dict[str, bool]:
         """An engine's own per-tag residency, asked directly."""

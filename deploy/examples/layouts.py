@@ -45,7 +45,8 @@ import torch.multiprocessing as mp
 
 from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
-from colocd.engines.chunks import dtype_name, tensor_checksum
+from colocd.demo.loop import sglang_digest
+from colocd.engines.chunks import dtype_name
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer import WeightPusher
 
@@ -128,13 +129,13 @@ async def sync_weights(c: AsyncColocdClient, model: ShardedModel, step: int, *, 
     return {"chunks": chunks, "plans": plans, "feeds": (pusher.last_join or {}).get("feeds"), "commit": commit}
 
 
-async def engine_checksums(urls: dict[str, str]) -> dict[str, list[str]]:
-    """Every engine TP rank's checksum of its weights (``/weights_checker``'s ``colocd_rank_checksums``)."""
+async def engine_checksums(urls: dict[str, str]) -> dict[str, list[dict[str, str]]]:
+    """Every engine TP rank's per-parameter checksums of its weights (``/weights_checker``'s ``ranks``)."""
     async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
         out = {}
         for name, url in urls.items():
             body = (await http.post(f"{url}/weights_checker", json={"action": "checksum"})).json()
-            out[name] = list(body["colocd_rank_checksums"])
+            out[name] = [r["checksums"] for r in body["ranks"]]
         return out
 
 
@@ -161,7 +162,7 @@ async def _rank_steps(rank: int, world: int, daemon_url: str, engine_urls: dict[
             dist.all_gather_object(feeds, result["feeds"])
             if rank != 0:
                 continue
-            want = tensor_checksum(named)
+            want = {name: sglang_digest(t) for name, t in named}
             sums = await engine_checksums(engine_urls)
             ok = all(s == want for rank_sums in sums.values() for s in rank_sums)
             print(json.dumps({"step": step, "ok": ok, "chunks": result["chunks"],

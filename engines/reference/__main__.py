@@ -1,12 +1,12 @@
 """Command line of the reference engine server: bind, announce in a ready file, serve until SIGTERM.
 
     python -m colocd.engines.reference --host 127.0.0.1 --port 0 --device cpu --seed 0 \\
-        --protocol 0.5.23 --ready-file /tmp/x/ready.json [--api-key K] [--model-json '{...}'] \\
-        [--tp-size 2 [--device-ids cpu:0,cpu:1]]
+        --protocol 0.5.23 --ready-file /tmp/x/ready.json [--api-key K] [--model-json '{...}'] [--tp-size 2]
 
 The socket is bound here (port 0 = the OS picks), so the URL in the ready file is the real one and
 no port is ever guessed. The ready file (``{"url", "pid"}``) is written atomically once the socket
-listens; ``/health`` answers 503 until the model is built, then 200.
+listens; ``/health`` answers 503 until the model is built, then 200. ``main(argv, app_factory)`` serves another
+app of the same settings (the lab's engines, ``benchmarks/sink_engine.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import json
 import logging
 import os
@@ -34,10 +33,11 @@ from .model import QwenLikeConfig
 from .server import create_app
 from .settings import PROTOCOL_VERSIONS, ReferenceServerSettings
 
-__all__ = ["main"]
+__all__ = ["AppFactory", "main"]
 
 logger = logging.getLogger("colocd.engines.reference")
 
+AppFactory = Callable[[ReferenceServerSettings], FastAPI]
 _GRACEFUL_SHUTDOWN_S = 5  # in-flight requests get this long after SIGTERM before being cancelled
 
 
@@ -49,7 +49,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
     add("--device", default="cpu", help="cpu or cuda[:N] (with --tp-size > 1: cpu or cuda)")
     add("--tp-size", type=int, default=1, help="TP ranks, each a full copy of the weights on its own device "
         "(CUDA: visible GPU r), fed by its own serialized_named_tensors entry")
-    add("--device-ids", default=None, help="CPU only: comma-separated identity of each TP rank (default cpu:0,...)")
     add("--seed", type=int, default=0, help="seed of the initial weights")
     add("--protocol", choices=sorted(PROTOCOL_VERSIONS), default="0.5.23")
     add("--ready-file", required=True, help="where to write {url, pid} once listening")
@@ -57,8 +56,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
     add("--model-json", default="{}", help="JSON object of QwenLikeConfig overrides")
     add("--max-batch", type=int, default=8, help="KV pool slots (concurrent requests)")
     add("--torch-threads", type=int, default=1, help="intra-op CPU threads; the model is tiny, so more only contend")
-    add("--app", default=None, metavar="MODULE:FUNCTION", help="build the app with this function of the settings "
-        "instead (the lab's engines, e.g. benchmarks.sink_engine:create_sink_app)")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
@@ -68,8 +65,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
         settings = ReferenceServerSettings(
             device=args.device, seed=args.seed, protocol=args.protocol, max_batch=args.max_batch, host=args.host,
             api_key=args.api_key or os.environ.get("COLOCD_REFERENCE_API_KEY") or None,
-            model=QwenLikeConfig.from_overrides(overrides), tp_size=args.tp_size,
-            device_ids=tuple(i.strip() for i in args.device_ids.split(",")) if args.device_ids else ())
+            model=QwenLikeConfig.from_overrides(overrides), tp_size=args.tp_size)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     return args, settings
@@ -105,10 +101,10 @@ def _bind(host: str, port: int) -> tuple[socket.socket, str]:
     return sock, f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) -> int:
+async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings, app_factory: AppFactory) -> int:
     sock, url = _bind(args.host, args.port)
     settings = dataclasses.replace(settings, port=sock.getsockname()[1])
-    app = _app_factory(args.app)(settings)
+    app = app_factory(settings)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
                                     timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
@@ -128,20 +124,13 @@ async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings) ->
     return 0
 
 
-def _app_factory(spec: str | None) -> Callable[[ReferenceServerSettings], FastAPI]:
-    if spec is None:
-        return create_app
-    module, _, name = spec.partition(":")
-    factory: Callable[[ReferenceServerSettings], FastAPI] = getattr(importlib.import_module(module), name)
-    return factory
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, app_factory: AppFactory = create_app) -> int:
+    """Serve ``app_factory(settings)`` (whose ``state.engine`` is a ``ReferenceEngine``) until SIGTERM."""
     args, settings = _parse(argv)
     torch.set_num_threads(max(1, args.torch_threads))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(args, settings))
+    return asyncio.run(_serve(args, settings, app_factory))
 
 
 if __name__ == "__main__":

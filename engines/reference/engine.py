@@ -68,7 +68,9 @@ class ReferenceEngine:
         self.tokenizer = CharTokenizer()
         self.state = RunState.STARTING
         self._weight_version = settings.weight_version
-        self.startup_time = time.time()
+        # The CPU seconds the process took to get here (imports, settings), to the nanosecond: the one startup
+        # duration this engine measures, and different for every process that serves.
+        self.startup_cpu_s = time.process_time()
         self.tp_size = settings.tp_size
         # Rank 0's device (generation runs there); every rank's is known once the model is built.
         self.device = torch.device(settings.device if settings.tp_size == 1 else "cuda:0"
@@ -109,7 +111,7 @@ class ReferenceEngine:
         self._loop_task.add_done_callback(self._on_loop_exit)
         self.state = RunState.RUNNING
         logger.info("reference engine ready: %s, tp_size %d on %s, protocol %s", self.settings.model_path,
-                    self.tp_size, ", ".join(f"{r.device} ({r.device_id})" for r in self._ranks), self.settings.protocol)
+                    self.tp_size, ", ".join(str(r.device) for r in self._ranks), self.settings.protocol)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
         # The loop only ends by cancellation at shutdown; anything else is a bug that would leave
@@ -134,13 +136,12 @@ class ReferenceEngine:
 
     def _build(self) -> None:
         settings = self.settings
-        placements = rank_devices(settings.device, settings.tp_size, settings.device_ids)
-        for index, (device, device_id) in enumerate(placements):
+        for index, device in enumerate(rank_devices(settings.device, settings.tp_size)):
             # Same seed on every rank: all start with the same weights, as SGLang's ranks load one checkpoint.
             model = build_model(settings.model, settings.seed, device).eval()
             model.requires_grad_(False)
             memory = MemoryRegions(model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device)
-            self._ranks.append(TPRank(index, device, device_id, model, memory))
+            self._ranks.append(TPRank(index, device, model, memory))
         self.device = self._ranks[0].device
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -159,9 +160,6 @@ class ReferenceEngine:
     @property
     def paused(self) -> bool:
         return self._pause_mode is not None
-
-    def tp_ranks(self) -> list[dict[str, Any]]:
-        return [r.describe() for r in self._ranks]
 
     def internal_state(self) -> dict[str, Any]:
         s = self._scheduler
@@ -553,15 +551,10 @@ class ReferenceEngine:
             return True, "Success.", {}
 
     def _checksum(self, skip: tuple[str, ...]) -> tuple[bool, str, dict[str, Any]]:
-        records, sums = zip(*(rank_checksum(r, self.tp_size, skip) for r in self._ranks), strict=True)
-        # SGLang's per-engine checksum digests every rank's per-GPU one, in rank order. colocd's own whole-model
-        # sha256 (chunks.tensor_checksum, which a trainer computes from its tensors) comes per rank, and as one
-        # value only while the ranks agree: no single checksum describes an engine whose ranks differ.
+        records = [rank_checksum(r, self.tp_size, skip) for r in self._ranks]
+        # SGLang's per-engine checksum digests every rank's per-GPU one, in rank order.
         engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in records).encode()).hexdigest()
-        differ = [r for r, value in enumerate(sums) if value != sums[0]]
-        message = f"TP ranks {differ} hold other weights than TP rank 0" if differ else "Success."
-        return True, message, {"ranks": list(records), "per_engine_checksum": engine,
-                               "colocd_checksum": None if differ else sums[0], "colocd_rank_checksums": list(sums)}
+        return True, "Success.", {"ranks": records, "per_engine_checksum": engine}
 
 
 def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:

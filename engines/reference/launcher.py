@@ -86,13 +86,13 @@ class ReferenceEngineProcess:
         self.stop()
 
     def command(self, ready_file: str) -> list[str]:
-        """The child's command line (the API key travels in the environment, not in argv)."""
+        """The child's command line under ``$COLOCD_REFERENCE_PYTHON``, else this interpreter (the API key travels in
+        the environment, not in argv)."""
         c, url = self.config, urlsplit(self.config.url or "")
-        cmd = [sys.executable, "-m", "colocd.engines.reference", "--host", url.hostname or "127.0.0.1",
+        python = os.environ.get("COLOCD_REFERENCE_PYTHON") or sys.executable
+        cmd = [python, "-m", "colocd.engines.reference", "--host", url.hostname or "127.0.0.1",
                "--port", str(url.port or 0), "--device", c.device, "--seed", str(c.seed), "--protocol", c.protocol,
                "--ready-file", ready_file, "--model-json", json.dumps(c.model), "--tp-size", str(c.tp_size)]
-        if c.device_ids:
-            cmd += ["--device-ids", ",".join(c.device_ids)]
         return cmd + (c.launch.args if c.launch else [])
 
     async def astart(self) -> None:

@@ -161,15 +161,13 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "max_running_requests": settings.max_batch, "context_length": settings.max_seq,
             "max_total_num_tokens": settings.max_batch * settings.max_seq, "max_req_input_len": settings.max_seq - 1,
             "internal_states": [engine.internal_state()], "version": settings.version,
-            # What real SGLang lacks: that this is the imitation, and each TP rank's device and declared identity
-            # (GPU UUID on CUDA; empty while starting), which the adapter reads instead of the config's gpu_uuids.
-            "colocd_reference": True, "colocd_tp_ranks": engine.tp_ranks(),
+            "enable_lora": False, "max_loaded_loras": None,  # SGLang started without --enable-lora
         }
         if not legacy:
-            # 0.5.23: a dict of startup-phase durations (tokenizer_manager.py:535,862). This engine measures none;
-            # its start time in the same dict makes each process's answer its own (colocd's incarnation).
+            # 0.5.23: a dict of startup-phase durations (tokenizer_manager.py:535,862), of which this engine
+            # measures one; a restarted process answers another dict (colocd's incarnation).
             info["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
-                                    "cuda_graph": {}, "tokenizer_e2e": 0.0, "colocd_started_at": engine.startup_time}
+                                    "cuda_graph": {}, "tokenizer_e2e": engine.startup_cpu_s}
             info["frontend"] = "python"
         return info
 

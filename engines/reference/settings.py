@@ -37,12 +37,8 @@ class ReferenceServerSettings:
     # Tensor-parallel ranks, each with its own full copy of the weights on its own device, fed by its own
     # serialized_named_tensors entry (as SGLang's TP schedulers each read theirs).
     tp_size: int = 1
-    # The identity each TP rank declares, what a trainer rank names to be paired with it: on CPU any label
-    # (default "cpu:<rank>"); on CUDA it is the GPU's UUID, read from the device, so none may be given.
-    device_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        # What the launcher's ReferenceEngineConfig does not check already (device ids, one GPU per TP rank).
         if self.protocol not in PROTOCOL_VERSIONS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOL_VERSIONS)}, got {self.protocol!r}")
         for name in ("max_batch", "tp_size", "health_timeout_s"):

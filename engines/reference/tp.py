@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from ..chunks import tensor_checksum
-from ..cuda_handles import device_uuid
 from .memory import MemoryRegions
 from .model import QwenLikeForCausalLM
 
@@ -29,35 +27,22 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 @dataclass(slots=True)
 class TPRank:
-    """One TP rank: its device and declared identity, its weights and memory tags."""
+    """One TP rank: its device, its weights and memory tags."""
 
     index: int
     device: torch.device
-    device_id: str  # CPU: the declared label; CUDA: the GPU's UUID
     model: QwenLikeForCausalLM
     memory: MemoryRegions
 
-    def describe(self) -> dict[str, Any]:
-        return {"tp_rank": self.index, "device": str(self.device), "device_id": self.device_id}
 
-
-def rank_devices(device: str, tp_size: int, device_ids: Sequence[str]) -> list[tuple[torch.device, str]]:
-    """Where each TP rank runs and the identity it declares. Runs on the model thread (touches CUDA).
-
-    ``cpu``: every rank on the CPU, identified by ``device_ids`` (default ``cpu:<rank>``).
-    ``cuda``: rank r on visible GPU r; ``cuda:N`` (one rank only): that GPU. A CUDA rank's identity
-    is its GPU's UUID in SGLang's spelling, which does not depend on ``CUDA_VISIBLE_DEVICES``.
-    """
-    if not device.startswith("cuda"):
-        ids = list(device_ids) or [f"cpu:{r}" for r in range(tp_size)]
-        return [(torch.device(device), ids[r]) for r in range(tp_size)]
-    visible = torch.cuda.device_count()
-    if tp_size == 1:
-        dev = torch.device(device)
-        return [(dev, device_uuid(dev.index if dev.index is not None else torch.cuda.current_device()))]
-    if visible < tp_size:
+def rank_devices(device: str, tp_size: int) -> list[torch.device]:
+    """Where each TP rank runs: ``cpu``, every rank on the CPU; ``cuda``, rank r on visible GPU r; ``cuda:N`` (one
+    rank only), that GPU. Runs on the model thread (touches CUDA)."""
+    if not device.startswith("cuda") or tp_size == 1:
+        return [torch.device(device)] * tp_size
+    if (visible := torch.cuda.device_count()) < tp_size:
         raise ValueError(f"tp_size {tp_size} needs one GPU per TP rank, but this process sees {visible}")
-    return [(torch.device("cuda", r), device_uuid(r)) for r in range(tp_size)]
+    return [torch.device("cuda", r) for r in range(tp_size)]
 
 
 def disagreement(entries: Sequence[NamedTensors]) -> str | None:
@@ -78,8 +63,8 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.to(a.device))
 
 
-def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> tuple[dict[str, Any], str]:
-    """One rank's SGLang-shaped checksum record and colocd's whole-model sha256 of its weights."""
+def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> dict[str, Any]:
+    """One rank's ``ranks`` entry of SGLang's ``/weights_checker`` checksum reply."""
     named = [(n, p.detach()) for n, p in rank.model.named_parameters() if not any(s in n for s in skip)]
     # Per tensor: the first 16 hex digits of the sha256 of its bytes (SGLang prints a 64-bit hash).
     per_tensor = {n: hashlib.sha256(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -90,8 +75,7 @@ def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> tuple[di
         overall.update(per_tensor[name].encode())
     parallelism = {"role": "target", "tp_rank": rank.index, "tp_size": tp_size, "dp_rank": 0, "dp_size": 1,
                    "pp_rank": 0, "pp_size": 1, "rank": rank.index, "size": tp_size}
-    return {"checksums": per_tensor, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [parallelism]}, \
-        tensor_checksum(named)
+    return {"checksums": per_tensor, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [parallelism]}
 
 
 def _some(names: Sequence[str], n: int = 3) -> str:

@@ -140,14 +140,12 @@ class SGLangAdapter:
         except ValueError as exc:
             raise EngineProtocolError(self.name, f"cannot drive SGLang version {version!r}: {exc}") from exc
         self.protocol = negotiated(self.protocol, await self._published_routes())
-        if not server.colocd_reference and (warning := untested_warning(version)) is not None:
+        if (warning := untested_warning(version)) is not None:
             _log.warning("engine %r: %s", self.name, warning)
         self._check_tp_size(server)
         owned = tuple(MemoryTag(t) for t in self._config.owned_tags)
         self._device = server.device
-        self._lora_refusal = (
-            "the reference engine imitates SGLang's weight and memory API only" if server.colocd_reference
-            else None if server.enable_lora else "SGLang was started without --enable-lora")
+        self._lora_refusal = None if server.enable_lora else "SGLang was started without --enable-lora"
         self._info = EngineInfo(
             name=self.name,
             engine_kind=self._config.kind,
@@ -156,7 +154,7 @@ class SGLangAdapter:
             weight_version=await self._weight_version(),
             tp_size=self._config.tp_size,
             owned_tags=owned,
-            device_ids=self._tp_device_ids(server),
+            device_ids=self._tp_device_ids(),
             max_adapters=server.max_loaded_loras,
         )
         return self._info
@@ -174,16 +172,13 @@ class SGLangAdapter:
             raise EngineProtocolError(self.name, f"openapi: no 'paths' object in {str(data)[:200]!r}")
         return frozenset(paths)
 
-    def _tp_device_ids(self, server: wire.ServerInfo) -> tuple[str, ...]:
-        """Each TP rank's device identity: the reference engine reports them (``colocd_tp_ranks``); real SGLang
-        does not, so the config's ``gpu_uuids`` (one per TP rank) stand for them; else none are known."""
-        ranks = server.colocd_tp_ranks
-        if ranks is not None and len(ranks) == self._config.tp_size:
-            ids = [r.device_id for r in ranks]
-            if all(ids):
-                return tuple(str(i) for i in ids)
-        uuids = list(self._config.gpu_uuids)
-        return tuple(uuids) if len(uuids) == self._config.tp_size else ()
+    def _tp_device_ids(self) -> tuple[str, ...]:
+        """Each TP rank's device identity, which SGLang does not report: the config's ``gpu_uuids`` (one per TP
+        rank); on CPU, the reference engine's ``device_ids`` (default ``cpu:<rank>``); else none are known."""
+        c = self._config
+        if isinstance(c, ReferenceEngineConfig) and not c.device.startswith("cuda"):
+            return tuple(c.device_ids or (f"cpu:{r}" for r in range(c.tp_size)))
+        return tuple(c.gpu_uuids) if len(c.gpu_uuids) == c.tp_size else ()
 
     def _check_tp_size(self, server: wire.ServerInfo) -> None:
         """The engine's TP size must be the declared one: the daemon gathers one payload per declared TP rank

@@ -45,7 +45,6 @@ __all__ = [
     "SGLangRequest",
     "Selector",
     "ServerInfo",
-    "TpRankDevice",
     "UpdateWeightFromDiskReqInput",
     "UpdateWeightVersionReqInput",
     "UpdateWeightVersionResult",
@@ -317,19 +316,15 @@ class RankChecksums(_Reply):
 
 
 class CheckWeightsResult(ControlResult):
-    """http_server.py:1614-1619: ``ranks`` (one entry per TP rank and role) and a combined checksum; the
-    reference engine answers ``colocd_checksum`` instead. Shapes as recorded live
-    (``tests/contract/fixtures/sglang_live_0_5_23.json``, ``weights_checker``)."""
+    """http_server.py:1614-1619: ``ranks`` (one entry per TP rank and role) and a combined checksum. Shapes as
+    recorded live (``tests/contract/fixtures/sglang_live_0_5_23.json``, ``weights_checker``)."""
 
     ranks: list[RankChecksums] | None = None
     per_engine_checksum: str | list[str] | None = None
-    colocd_checksum: str | None = None
 
     def checksum(self) -> str | None:
-        """The one string that stands for the engine's weights: the reference engine's own, else SGLang's
-        per-engine checksum (the first, where it is a list), else None."""
-        if self.colocd_checksum:
-            return self.colocd_checksum
+        """The one string that stands for the engine's weights: SGLang's per-engine checksum (the first, where it
+        is a list), else None."""
         value = self.per_engine_checksum
         if isinstance(value, list):
             value = value[0] if value else None
@@ -407,20 +402,14 @@ class InternalState(_Reply):
         return data
 
 
-class TpRankDevice(_Reply):
-    """The reference engine's ``colocd_tp_ranks`` entry: one TP rank's device identity."""
-
-    device_id: str | None = None
-
-
 class ServerInfo(_Reply):
     """Every field of GET /server_info colocd reads (http_server.py:863-894; 0.5.4 /get_server_info:496),
     checked against the live 0.5.23 reply recorded in ``tests/contract/fixtures/sglang_live_0_5_23.json``.
 
     The body is the resolved server arguments plus scheduler info; ``version`` is what
     ``protocol.protocol_for_version`` takes. ``weight_cache_mode`` does not exist before it was added.
-    ``startup_time`` is a dict of startup-phase durations in 0.5.23 (tokenizer_manager.py:535,862) and a
-    number in the reference engine: ``incarnation`` reads either. ``device`` is where the model runs.
+    ``startup_time`` is a dict of startup-phase durations in 0.5.20 and 0.5.23 (tokenizer_manager.py:535,862);
+    ``incarnation`` reads a number too. ``device`` is where the model runs.
     """
 
     version: str
@@ -434,11 +423,9 @@ class ServerInfo(_Reply):
     weight_version: str | None = None
     startup_time: float | dict[str, Any] | None = None
     internal_states: list[InternalState] = Field(default_factory=list)
-    colocd_reference: bool = False
-    # LoRA server args (srt/arg_groups/fields/lora.py); None where the server does not say (the reference engine).
+    # LoRA server args (srt/arg_groups/fields/lora.py); None where the server does not say.
     enable_lora: bool | None = None
     max_loaded_loras: int | None = None
-    colocd_tp_ranks: list[TpRankDevice] | None = None
 
     @field_validator("internal_states", mode="before")
     @classmethod

@@ -9,9 +9,8 @@ import sys
 import httpx
 import pytest
 import torch
-from support import daemon_node, reference_engine
+from support import daemon_node, reference_engine, served_checksums, weights_checksum
 
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.weight_group import WeightGroup, master_store
 from colocd.trainer.broadcast import DistributedWeightSender
@@ -37,12 +36,12 @@ async def test_full_step_over_nccl_serves_exactly_the_trainers_weights(flattened
                 await client.phase("sync", 1)
                 report = await trainer.push(trained.named_parameters(), version="v1", step=1)
                 await client.phase("rollout", 1)
+            served = await served_checksums(str(engine.url))
             async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
-                check = (await http.post(f"{engine.url}/weights_checker", json={"action": "checksum"})).json()
                 generated = (await http.post(f"{engine.url}/generate", json={
                     "input_ids": [1], "sampling_params": {"max_new_tokens": 4, "temperature": 0}})).json()
         assert report.chunks > 1
-        assert check["colocd_checksum"] == tensor_checksum(trained.named_parameters())
+        assert served == [weights_checksum(trained.named_parameters())]
         assert generated["meta_info"]["weight_version"] == "v1"
 
 

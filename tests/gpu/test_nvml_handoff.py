@@ -3,12 +3,10 @@ step still serves exactly the trainer's weights (reference engine on CUDA, daemo
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
-from support import NvmlNode
+from support import NvmlNode, served_checksums, weights_checksum
 
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
 
@@ -30,7 +28,5 @@ async def test_train_waits_for_nvml_to_show_the_memory_free_and_sync_serves_the_
     await client.phase("sync", 1)
     await WeightPusher(client, transport="inline", bucket_mb=64).push(trained.named_parameters(), version="1")
     await client.phase("rollout", 1)
-    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
-        r = await http.post(f"{nvml_node.engine_url}/weights_checker", json={"action": "checksum"})
-    assert r.json()["colocd_checksum"] == tensor_checksum(trained.named_parameters())
+    assert await served_checksums(nvml_node.engine_url) == [weights_checksum(trained.named_parameters())]
     assert torch.cuda.is_available()

@@ -173,12 +173,13 @@ async def test_an_engine_that_never_answers_a_load_fails_the_push_within_its_bud
         assert (await node.client.status())["adapters"]["current"] == "p@1"
 
 
-async def test_the_reference_engine_is_refused_naming_it_and_nothing_is_left(pooled_engine: Any) -> None:
+async def test_the_reference_engine_is_refused_as_an_sglang_without_lora_and_nothing_is_left(
+        pooled_engine: Any) -> None:
     async with daemon_node({"ref0": str(pooled_engine.url)}) as node:
         with pytest.raises(ColocdHTTPError) as refused:
             await push_adapter(node.client, _named(1), config=CONFIG, base="p", version="1")
         assert refused.value.status == 409 and refused.value.body["error"] == "AdapterUnsupported"
-        assert refused.value.body["state"] == {"engine": "ref0"} and "reference engine" in refused.value.body["message"]
+        assert refused.value.body["state"] == {"engine": "ref0"} and "--enable-lora" in refused.value.body["message"]
         assert _folders(node) == [] and (await node.client.status())["adapters"]["current"] is None
 
 

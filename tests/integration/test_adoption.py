@@ -18,13 +18,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
-from support import DaemonNode, daemon_node
+from support import DaemonNode, daemon_node, served_checksums, weights_checksum
 
 from colocd.api.client import AsyncColocdClient
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.processes import free_port, process_start_time
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
@@ -96,13 +94,6 @@ async def stream_half(client: AsyncColocdClient, step: int) -> None:
     await WeightPusher(client, bucket_mb=0.05).stream(session, params[: len(params) // 2])
 
 
-async def engine_checksum(url: str) -> str:
-    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
-        r = await http.post(url + "/weights_checker", json={"action": "checksum"})
-        r.raise_for_status()
-        return str(r.json()["colocd_checksum"])
-
-
 async def gone(pids: set[int], timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
     while any(process_start_time(p) is not None for p in pids):  # a zombie counts as gone
@@ -140,9 +131,9 @@ async def test_a_daemon_sigkilled_mid_push_adopts_its_engine_reconciles_it_and_t
 
         await push(client, 2)
         await client.phase("rollout", 2)
-        assert await engine_checksum(engine["url"]) == tensor_checksum(model_for(2).named_parameters())
+        assert await served_checksums(engine["url"]) == [weights_checksum(model_for(2).named_parameters())]
         await full_step(client, 3)
-        assert await engine_checksum(engine["url"]) == tensor_checksum(model_for(3).named_parameters())
+        assert await served_checksums(engine["url"]) == [weights_checksum(model_for(3).named_parameters())]
     assert await gone({engine["pid"]}) and engines_of(tmp_path) == set()  # the adopter stopped it on SIGTERM
 
 
@@ -165,7 +156,7 @@ async def test_with_a_fixed_port_an_engine_that_no_longer_answers_is_stopped_and
             assert engines_of(tmp_path) == {ref0["launched"]["pid"]}
             assert (ref0["weights"], ref0["generation"]) == ("stale", "paused")
             await full_step(client, 2)
-            assert await engine_checksum(url) == tensor_checksum(model_for(2).named_parameters())
+            assert await served_checksums(url) == [weights_checksum(model_for(2).named_parameters())]
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(old, signal.SIGKILL)

@@ -18,10 +18,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import DaemonNode, daemon_node
+from support import DaemonNode, daemon_node, served_checksums, weights_checksum
 
 from colocd.api.client import ColocdHTTPError
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.agent import TrainerAgent
@@ -104,7 +103,7 @@ async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_s
     async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(tmp_path / "journal.jsonl")) as node:
         model, optimizer, sync, agent = await _trained_to_sync(node, "{mode: async}")
         assert sync.mode == "async"  # from the policy's directive in the replies
-        pushed_sum = tensor_checksum(model.named_parameters())
+        pushed_sum = [weights_checksum(model.named_parameters())]
         pushed_greedy = _greedy_local(copy.deepcopy(model))
 
         await sync.start(model.named_parameters(), version="1", step=1)
@@ -124,7 +123,7 @@ async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_s
         trace = sync.last_push.commit["trace"]
         opened, committed = trace["started_at"], trace["started_at"] + trace["duration_s"]
         assert opened < train_end and committed > train_start, (opened, committed, train_start, train_end)
-        assert await node.engine_checksum() == pushed_sum != tensor_checksum(model.named_parameters())
+        assert await served_checksums(node.engine_url) == pushed_sum != [weights_checksum(model.named_parameters())]
         answer = await _generate(node.engine_url)
         assert answer["output_ids"] == pushed_greedy
         assert answer["meta_info"]["weight_version"] == "1"
@@ -154,7 +153,7 @@ async def test_async_falls_back_to_a_synchronous_push_when_the_second_buffer_doe
         model, _, sync, agent = await _trained_to_sync(node, "{mode: async, buffer_margin_mb: 1048576}")
         await sync.start(model.named_parameters(), version="1", step=1)
         assert not sync.pending  # pushed and committed before start() returned
-        assert await node.engine_checksum() == tensor_checksum(model.named_parameters())
+        assert await served_checksums(node.engine_url) == [weights_checksum(model.named_parameters())]
         await agent.rollout(1)
 
         report = agent.last_reports["weights"]
@@ -208,7 +207,7 @@ async def test_a_rollout_beyond_the_staleness_bound_is_refused_until_the_push_la
         assert "the bound is 1" in refused.value.body["message"]
         await node.client.commit(sid, chunks)
         await node.client.phase("rollout", 2, trainer=ahead)  # one version behind: within the bound
-        assert await node.engine_checksum() == tensor_checksum(model.named_parameters())
+        assert await served_checksums(node.engine_url) == [weights_checksum(model.named_parameters())]
         rollout = (await node.client.trace(2))["rollout"]["attrs"]
         assert rollout["rollout_versions"] == {"ref0": "2"} and rollout["staleness_versions"] == {"ref0": 1}
         assert rollout["latest_version"] == "3"
@@ -248,5 +247,5 @@ async def test_an_abandoned_push_is_withdrawn_and_re_pushing_the_last_committed_
         # A restart from the checkpoint re-pushes version 1: it commits, and rollout goes ahead.
         await pusher.push(checkpoint.named_parameters(), version="1", step=2)
         await node.client.phase("rollout", 2)
-        assert await node.engine_checksum() == tensor_checksum(checkpoint.named_parameters())
+        assert await served_checksums(node.engine_url) == [weights_checksum(checkpoint.named_parameters())]
         assert (await node.client.trace(2))["rollout"]["attrs"]["staleness_versions"] == {"ref0": 0}

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from support import served_checksums, weights_checksum
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (see colocd.cluster.local)
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'colocd[ray]' (or the test extra)")
@@ -34,7 +34,6 @@ from colocd.cluster import ClusterClient, ClusterStepError  # noqa: E402
 from colocd.cluster.daemon_actor import NodeSpec  # noqa: E402
 from colocd.cluster.local import NODE_ARGS, local_cluster  # noqa: E402
 from colocd.cluster.registry import NodeDaemons, daemon_urls, list_daemons  # noqa: E402
-from colocd.engines.chunks import tensor_checksum  # noqa: E402
 from colocd.engines.reference.model import QwenLikeConfig, build_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -103,13 +102,6 @@ def world() -> Iterator[World]:
             w.daemons.stop()
 
 
-async def engine_checksum(url: str) -> str:
-    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
-        r = await http.post(f"{url}/weights_checker", json={"action": "checksum"})
-        r.raise_for_status()
-        return str(r.json()["colocd_checksum"])
-
-
 async def launched_engines() -> dict[str, dict[str, Any]]:
     """Each node's ``ref0`` as its daemon launched it: ``/v1/status`` → ``engines.ref0.launched``."""
     async with ClusterClient(daemon_urls()) as cluster:
@@ -119,8 +111,8 @@ async def launched_engines() -> dict[str, dict[str, Any]]:
 
 async def checksums_by_node() -> dict[str, str]:
     engines = await launched_engines()
-    sums = await asyncio.gather(*(engine_checksum(e["url"]) for e in engines.values()))
-    return dict(zip(engines, sums, strict=True))
+    sums = await asyncio.gather(*(served_checksums(e["url"]) for e in engines.values()))
+    return {node: rank for node, (rank,) in zip(engines, sums, strict=True)}  # each engine's one TP rank
 
 
 async def full_step(world: World, cluster: ClusterClient) -> None:
@@ -149,7 +141,7 @@ async def test_every_node_runs_its_own_daemon_and_full_steps_reach_every_engine(
     async with ClusterClient(daemon_urls()) as cluster:
         for _ in range(2):
             await full_step(world, cluster)
-            want = tensor_checksum(model_for(world.step).named_parameters())
+            want = weights_checksum(model_for(world.step).named_parameters())
             assert await checksums_by_node() == {n: want for n in infos}
         status = await cluster.status()
         for node, r in status.nodes.items():
@@ -199,11 +191,11 @@ async def test_an_engine_killed_mid_step_fails_the_step_naming_it_and_the_cluste
         redo = await cluster.sync(step, f"v{step}", world.push)
         assert {n for n, r in redo.nodes.items() if "skipped" not in (r.body or {})} == {victim}
         await cluster.rollout(step)
-        want = tensor_checksum(model_for(step).named_parameters())
+        want = weights_checksum(model_for(step).named_parameters())
         assert await checksums_by_node() == {n: want for n in infos}
 
         await full_step(world, cluster)
-        want = tensor_checksum(model_for(world.step).named_parameters())
+        want = weights_checksum(model_for(world.step).named_parameters())
         assert await checksums_by_node() == {n: want for n in infos}
 
 
@@ -215,7 +207,7 @@ async def test_a_node_added_between_steps_gets_a_daemon_and_the_next_step_covers
         joined, left = cluster.set_nodes(daemon_urls())
         assert len(joined) == 1 and left == [] and set(cluster.nodes) == before | set(joined)
         await full_step(world, cluster)
-        want = tensor_checksum(model_for(world.step).named_parameters())
+        want = weights_checksum(model_for(world.step).named_parameters())
         sums = await checksums_by_node()
         assert set(sums) == before | set(joined) and set(sums.values()) == {want}
 

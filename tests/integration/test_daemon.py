@@ -15,10 +15,17 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import EnginePool, daemon_node, leaves_no_shm_segments, reference_engine, shm_segments
+from support import (
+    EnginePool,
+    daemon_node,
+    leaves_no_shm_segments,
+    reference_engine,
+    served_checksums,
+    shm_segments,
+    weights_checksum,
+)
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
@@ -45,13 +52,6 @@ async def _greedy(engine_url: str, n: int = 8) -> list[int]:
         return list(r.json()["output_ids"])
 
 
-async def _engine_checksum(engine_url: str) -> str:
-    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
-        r = await http.post(f"{engine_url}/weights_checker", json={"action": "checksum"})
-        r.raise_for_status()
-        return str(r.json()["colocd_checksum"])
-
-
 def _local_greedy(model: torch.nn.Module, n: int = 8) -> list[int]:
     ids = torch.tensor([[1]])
     with torch.no_grad():
@@ -74,7 +74,7 @@ async def test_full_step_makes_engine_serve_the_trainers_new_weights(
     before = await _greedy(engine.url)
     await _full_step(daemon, 1, trained, bucket_mb=0.05)
 
-    assert await _engine_checksum(engine.url) == tensor_checksum(trained.named_parameters())
+    assert await served_checksums(engine.url) == [weights_checksum(trained.named_parameters())]
     after = await _greedy(engine.url)
     assert after == _local_greedy(trained)
     assert after != before
@@ -92,7 +92,7 @@ async def test_every_sync_over_several_steps_leaves_identical_weights(
             for p in model.parameters():
                 p.add_(0.01 * step)
         await _full_step(daemon, step, model, bucket_mb=0.02, depth=3)
-        assert await _engine_checksum(engine.url) == tensor_checksum(model.named_parameters()), step
+        assert await served_checksums(engine.url) == [weights_checksum(model.named_parameters())], step
 
 
 async def test_train_releases_memory_and_reports_freed_bytes(daemon: AsyncColocdClient) -> None:

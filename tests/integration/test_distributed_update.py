@@ -13,10 +13,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import daemon_node, reference_engine
+from support import daemon_node, reference_engine, served_checksums, weights_checksum
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.weight_group import WeightGroup, master_store, off_loop
@@ -37,13 +36,6 @@ async def node(**config: Any) -> AsyncIterator[tuple[ReferenceEngineProcess, Asy
 
 def sender(client: AsyncColocdClient, **kw: Any) -> DistributedWeightSender:
     return DistributedWeightSender(client, backend="gloo", master_address="127.0.0.1", timeout_s=30, **kw)
-
-
-async def engine_checksum(engine: ReferenceEngineProcess) -> str:
-    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
-        r = await http.post(f"{engine.url}/weights_checker", json={"action": "checksum"})
-        r.raise_for_status()
-        return str(r.json()["colocd_checksum"])
 
 
 async def engine_greedy(engine: ReferenceEngineProcess, n: int = 8) -> list[int]:
@@ -81,7 +73,7 @@ async def test_full_step_over_a_weight_update_group_serves_exactly_the_trainers_
             report = await trainer.push(trained.named_parameters(), version="v1", step=1)
             await client.phase("rollout", 1)
 
-        assert await engine_checksum(engine) == tensor_checksum(trained.named_parameters())
+        assert await served_checksums(engine.url) == [weights_checksum(trained.named_parameters())]
         after = await engine_greedy(engine)
         assert after == local_greedy(trained) and after != before
         assert report.chunks > 1 and report.nbytes == nbytes
@@ -130,7 +122,7 @@ async def test_abort_between_broadcasts_keeps_the_old_version_paused_and_the_gro
         assert (await client.weight_groups())["groups"]["weight_update_group"]["state"] == "ready"
         await trainer.push(named, version="v1", step=1)
         assert (await client.phase("rollout", 1))["engines"]["ref0"]["generation"] == "serving"
-        assert await engine_checksum(engine) == tensor_checksum(named)
+        assert await served_checksums(engine.url) == [weights_checksum(named)]
 
 
 async def test_trainer_that_never_broadcasts_gets_504_naming_the_engine_and_the_group_can_be_reopened() -> None:
@@ -161,7 +153,7 @@ async def test_trainer_that_never_broadcasts_gets_504_naming_the_engine_and_the_
         await trainer.open_group()
         await trainer.push(named, version="v1", step=1)
         await client.phase("rollout", 1)
-        assert await engine_checksum(engine) == tensor_checksum(named)
+        assert await served_checksums(engine.url) == [weights_checksum(named)]
         assert await engine_greedy(engine) == local_greedy(trained)
 
 
@@ -225,7 +217,7 @@ async def test_an_async_sync_over_the_weight_update_group_serves_the_snapshot_no
             sync = AsyncWeightSync(trainer, mode="async", margin_mb=0)
             await client.phase("train", 1)
             await client.phase("sync", 1)
-            snapshot = tensor_checksum(model.named_parameters())
+            snapshot = [weights_checksum(model.named_parameters())]
             await sync.start(model.named_parameters(), version="v1", step=1)
             assert sync.pending  # the broadcast runs in the background ...
             with torch.no_grad():  # ... while training goes on and changes every weight
@@ -235,5 +227,5 @@ async def test_an_async_sync_over_the_weight_update_group_serves_the_snapshot_no
             await client.phase("rollout", 1)
         assert report is not None and report.chunks > 1
         assert (sync.report() or {}).get("mode") == "async"
-        assert await engine_checksum(engine) == snapshot != tensor_checksum(model.named_parameters())
+        assert await served_checksums(engine.url) == snapshot != [weights_checksum(model.named_parameters())]
         assert (await client.status())["engines"]["ref0"]["weight_version"] == "v1"

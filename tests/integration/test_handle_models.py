@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import daemon_node, engine_tags
+from support import daemon_node, engine_tags, served_checksums
 
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 
@@ -50,11 +50,10 @@ async def _open_session(engine: ReferenceEngineProcess) -> AsyncIterator[tuple[h
         await http.post(f"/v1/weights/sessions/{opened['session_id']}/abort")
 
 
-async def _engine_view(engine: ReferenceEngineProcess) -> tuple[str, dict[str, Any]]:
-    """The engine's weights checksum and memory tags: what a chunk that reached it would change."""
+async def _engine_view(engine: ReferenceEngineProcess) -> tuple[list[str], dict[str, Any]]:
+    """The engine's weights checksums and memory tags: what a chunk that reached it would change."""
     async with httpx.AsyncClient(base_url=str(engine.url), trust_env=False, timeout=DEADLINE_S) as http:
-        checksum = (await http.post("/weights_checker", json={"action": "checksum"})).json()["colocd_checksum"]
-        return str(checksum), engine_tags((await http.get("/server_info")).json())
+        return await served_checksums(str(engine.url)), engine_tags((await http.get("/server_info")).json())
 
 
 async def _session_view(http: httpx.AsyncClient, session_id: str) -> dict[str, Any]:

@@ -19,14 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 import yaml
-from support import daemon_node, leaves_no_shm_segments
+from support import daemon_node, leaves_no_shm_segments, served_checksums, weights_checksum
 
 from colocd.api.client import AsyncColocdClient
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
 
@@ -93,13 +91,6 @@ async def full_step(client: AsyncColocdClient, step: int) -> None:
     await client.phase("rollout", step)
 
 
-async def engine_checksum(url: str) -> str:
-    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
-        r = await http.post(url + "/weights_checker", json={"action": "checksum"})
-        r.raise_for_status()
-        return str(r.json()["colocd_checksum"])
-
-
 async def test_colocd_serve_alone_brings_up_a_cpu_node_and_sigterm_stops_its_engine(tmp_path: Path) -> None:
     async with daemon_node(**example_config(), subprocess=True, workdir=tmp_path) as node:
         daemon, client = node.process, node.client
@@ -109,7 +100,7 @@ async def test_colocd_serve_alone_brings_up_a_cpu_node_and_sigterm_stops_its_eng
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url) and not url.endswith(":0")
         assert alive(pid) and os.getpgid(pid) == pid  # its own process group, not the daemon's
         await full_step(client, 1)
-        assert await engine_checksum(url) == tensor_checksum(model_for(1).named_parameters())
+        assert await served_checksums(url) == [weights_checksum(model_for(1).named_parameters())]
         assert 'colocd_engine_launches_total{engine="ref0"} 1.0' in await client.metrics()
         assert daemon.process is not None
         # SIGTERM, and it exits in the grace (uvicorn re-raises the signal once it has shut down), not SIGKILL.
@@ -149,7 +140,7 @@ async def test_a_launched_engine_that_dies_is_relaunched_reconciled_and_the_next
         assert await client.ready() is True
 
         await full_step(client, 2)  # no call to the engine, no call to colocd beyond the step itself
-        assert await engine_checksum(str(again["url"])) == tensor_checksum(model_for(2).named_parameters())
+        assert await served_checksums(str(again["url"])) == [weights_checksum(model_for(2).named_parameters())]
         ref0 = (await client.status())["engines"]["ref0"]
         assert (ref0["weights"], ref0["generation"], ref0["weight_version"]) == ("clean", "serving", "v2")
     assert not alive(int(again["pid"]))

@@ -16,13 +16,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import layout_ranks
 import pytest
-from support import DaemonNode, EnginePool, daemon_node
+from support import DaemonNode, EnginePool, daemon_node, served_checksums, weights_checksum
 
 from colocd.api.client import ColocdHTTPError
-from colocd.engines.chunks import tensor_checksum
 from colocd.trainer.push import manifest_of
 
 DEADLINE_S = 120.0
@@ -34,8 +32,7 @@ ENGINES = {"tp2a": ["cpu:0", "cpu:1"], "tp2b": ["cpu:2", "cpu:3"],
 @pytest.fixture
 async def engines(engine_pool: EnginePool) -> AsyncIterator[dict[str, str]]:
     """name → URL of each module engine (the module's pool: started at first use, reset after each test)."""
-    async with engine_pool.lent(**{name: {"tp_size": len(devices), "device_ids": devices,
-                                          "launch": {"ready_timeout_s": DEADLINE_S}}
+    async with engine_pool.lent(**{name: {"tp_size": len(devices), "launch": {"ready_timeout_s": DEADLINE_S}}
                                    for name, devices in ENGINES.items()}) as urls:
         yield urls
 
@@ -86,8 +83,9 @@ def ranks() -> Iterator[Ranks]:
 
 
 def layout(engines: dict[str, str], names: list[str]) -> list[dict[str, Any]]:
-    """The node config's entries for the named module engines, each with its TP size."""
-    return [{"kind": "reference", "name": n, "url": engines[n], "tp_size": len(ENGINES[n])} for n in names]
+    """The node config's entries for the named module engines, each with its TP size and devices."""
+    return [{"kind": "reference", "name": n, "url": engines[n], "tp_size": len(ENGINES[n]), "device_ids": ENGINES[n]}
+            for n in names]
 
 
 async def to_sync(n: DaemonNode, step: int = 1) -> None:
@@ -101,9 +99,7 @@ async def open_session(n: DaemonNode, version: str, ranks: int, seed: int, *, st
 
 
 async def rank_checksums(n: DaemonNode) -> dict[str, list[str]]:
-    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
-        return {name: list((await http.post(f"{url}/weights_checker", json={"action": "checksum"})).json()
-                           ["colocd_rank_checksums"]) for name, url in n.engine_urls.items()}
+    return {name: await served_checksums(url) for name, url in n.engine_urls.items()}
 
 
 def stream(url: str, sid: str, rank: int, seed: int, mode: str = "sharded", **extra: Any) -> dict[str, Any]:
@@ -124,7 +120,7 @@ async def push(n: DaemonNode, ranks: Ranks, count: int, seed: int, version: str,
     assert len(chunks) == 1, replies  # the same chunk plan on every rank, streaming or not
     commit = await n.client.commit(sid, chunks.pop())
     await n.client.phase("rollout", step)
-    want = tensor_checksum(layout_ranks.trained_weights(seed))
+    want = weights_checksum(layout_ranks.trained_weights(seed))
     assert await rank_checksums(n) == {name: [want] * len(ENGINES[name]) for name in n.engine_urls}
     assert all(e["weight_version"] == version for e in commit["engines"].values())
     return replies
@@ -302,7 +298,7 @@ async def test_a_late_rank_within_the_start_deadline_succeeds_and_beyond_it_fail
         assert all(reply["ok"] for reply in replies.values()), replies
         await n.client.commit(sid, replies[0]["chunks"])
         await n.client.phase("rollout", 1)
-        want = tensor_checksum(layout_ranks.trained_weights(13))
+        want = weights_checksum(layout_ranks.trained_weights(13))
         assert await rank_checksums(n) == {name: [want] for name in names}
 
     async with daemon_node(layout(engines, names), timeouts={"chunk_s": 0.5, "start_s": 1.0}) as n:

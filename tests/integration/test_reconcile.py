@@ -23,11 +23,17 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from support import DaemonNode, daemon_node, leaves_no_shm_segments, restartable_engine
+from support import (
+    DaemonNode,
+    daemon_node,
+    leaves_no_shm_segments,
+    restartable_engine,
+    served_checksums,
+    weights_checksum,
+)
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.journal import Journal
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer.push import WeightPusher
 
@@ -173,9 +179,9 @@ async def test_engine_restarted_during_train_is_released_again_and_the_next_step
         prober.check({"default": 0, "v2": 2}, stale_after=seen_at, fresh="v2")
         assert took < HEALTH_S + 5  # one interval, plus the engine's own start on two shared cores
         print(f"engine restart during train: reconciled {took:.2f}s after the new engine answered")
-        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await served_checksums(n.engine_url) == [weights_checksum(model_for(2).named_parameters())]
         await full_step(n.client, 3)
-        assert await n.engine_checksum() == tensor_checksum(model_for(3).named_parameters())
+        assert await served_checksums(n.engine_url) == [weights_checksum(model_for(3).named_parameters())]
         metrics = await n.client.metrics()
         assert 'colocd_engine_restarts_total{engine="ref0"} 1.0' in metrics
         assert 'colocd_reconcile_actions_total{action="release",engine="ref0"} 1.0' in metrics
@@ -206,9 +212,9 @@ async def test_engine_restarted_mid_stream_fails_the_session_and_a_complete_push
             await n.client.phase("rollout", 2)
             await until(n, "an answer on v2", lambda: _answered(prober, "v2"))
         prober.check({"default": 0, "v2": 2}, stale_after=seen_at, fresh="v2")
-        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await served_checksums(n.engine_url) == [weights_checksum(model_for(2).named_parameters())]
         await full_step(n.client, 3)
-        assert await n.engine_checksum() == tensor_checksum(model_for(3).named_parameters())
+        assert await served_checksums(n.engine_url) == [weights_checksum(model_for(3).named_parameters())]
 
 
 async def test_engine_restarted_during_rollout_is_paused_until_a_complete_push_commits(tmp_path: Path) -> None:
@@ -226,7 +232,7 @@ async def test_engine_restarted_during_rollout_is_paused_until_a_complete_push_c
             await full_step(n.client, 2)
             await until(n, "an answer on v2", lambda: _answered(prober, "v2"))
         prober.check({"v1": 1, "default": 0, "v2": 2}, stale_after=seen_at, fresh="v2")
-        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await served_checksums(n.engine_url) == [weights_checksum(model_for(2).named_parameters())]
 
 
 async def _answered(prober: Prober, version: str) -> bool:
@@ -262,9 +268,9 @@ async def test_daemon_killed_mid_stream_ends_the_engines_orphaned_session_and_re
 
         await push(n.client, 2)
         await n.client.phase("rollout", 2)
-        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await served_checksums(n.engine_url) == [weights_checksum(model_for(2).named_parameters())]
         await full_step(n.client, 3)
-        assert await n.engine_checksum() == tensor_checksum(model_for(3).named_parameters())
+        assert await served_checksums(n.engine_url) == [weights_checksum(model_for(3).named_parameters())]
 
 
 async def test_restarted_daemon_refuses_mutating_calls_until_it_reconciled_with_its_engines(tmp_path: Path) -> None:
@@ -285,7 +291,7 @@ async def test_restarted_daemon_refuses_mutating_calls_until_it_reconciled_with_
         await engine.restart(ready_path="/model_info")
         await until(n, "reconciled", lambda: _reconciled(n))
         await full_step(n.client, 2)
-        assert await n.engine_checksum() == tensor_checksum(model_for(2).named_parameters())
+        assert await served_checksums(n.engine_url) == [weights_checksum(model_for(2).named_parameters())]
 
 
 async def _reconciled(n: DaemonNode) -> bool:

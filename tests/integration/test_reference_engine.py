@@ -20,9 +20,8 @@ import httpx
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
-from support import EnginePool, engine_tags, reference_engine
+from support import EnginePool, engine_tags, reference_engine, served_checksums, weights_checksum
 
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.runner import ModelRunner
@@ -41,7 +40,7 @@ def named_params(model: QwenLikeForCausalLM) -> list[tuple[str, torch.Tensor]]:
 
 
 SEED0 = named_params(build_model(CFG, 0))
-SEED0_SUM = tensor_checksum(SEED0)
+SEED0_SUM = weights_checksum(SEED0)
 
 
 def in_process_greedy(model: QwenLikeForCausalLM, text: str, max_new_tokens: int) -> list[int]:
@@ -78,10 +77,6 @@ async def client(engine: ReferenceEngineProcess) -> AsyncIterator[httpx.AsyncCli
 
 async def state(c: httpx.AsyncClient) -> dict[str, Any]:
     return (await c.get("/server_info")).json()["internal_states"][0]  # type: ignore[no-any-return]
-
-
-async def checksum(c: httpx.AsyncClient) -> str:
-    return (await c.post("/weights_checker", json={"action": "checksum"})).json()["colocd_checksum"]  # type: ignore[no-any-return]
 
 
 def bucket_entry(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -143,7 +138,6 @@ async def test_health_ready_and_info_routes_speak_sglang_0_5_23(client: httpx.As
         "architectures",
     } <= set(info)
     server = (await client.get("/server_info")).json()
-    assert server["version"] == "0.5.23" and server["colocd_reference"] is True
     assert server["version"] == "0.5.23" and server["tp_size"] == 1
     assert (await client.get("/get_server_info")).json()["version"] == "0.5.23"  # deprecated alias
     assert (await client.get("/get_weight_version")).status_code == 404  # gone in 0.5.23
@@ -330,7 +324,7 @@ async def test_an_update_changes_checksum_version_and_greedy_output_to_the_pushe
     body = await push(client, named_params(pushed), chunks=3, version="step-1")
     assert body == {"success": True, "message": "Success"}
     check = (await client.post("/weights_checker", json={"action": "checksum"})).json()
-    assert check["colocd_checksum"] == tensor_checksum(named_params(pushed)) != SEED0_SUM
+    assert [r["per_gpu_checksum"] for r in check["ranks"]] == [weights_checksum(named_params(pushed))] != [SEED0_SUM]
     assert check["success"] and set(check["ranks"][0]["checksums"]) == {n for n, _ in SEED0}
     assert len(check["per_engine_checksum"]) == 64
     assert (await client.get("/model_info")).json()["weight_version"] == "step-1"
@@ -364,7 +358,7 @@ async def test_a_bad_chunk_is_refused_naming_the_tensor_and_applies_nothing(
 ) -> None:
     body = await push(client, mutate(named_params(build_model(CFG, 1))))
     assert body["success"] is False and named_in_message in body["message"]
-    assert await checksum(client) == SEED0_SUM
+    assert await served_checksums(str(client.base_url)) == [SEED0_SUM]
 
 
 async def test_a_wrong_entry_count_or_an_unknown_format_is_refused(client: httpx.AsyncClient) -> None:
@@ -383,7 +377,7 @@ async def test_a_wrong_entry_count_or_an_unknown_format_is_refused(client: httpx
         json={"serialized_named_tensors": ["e30="], "load_format": "pickled_mystery"},
     )
     assert r.status_code == 400 and "load_format" in r.json()["message"]
-    assert await checksum(client) == SEED0_SUM
+    assert await served_checksums(str(client.base_url)) == [SEED0_SUM]
 
 
 async def test_sglang_pickled_formats_load(client: httpx.AsyncClient) -> None:
@@ -418,7 +412,7 @@ async def test_sglang_pickled_formats_load(client: httpx.AsyncClient) -> None:
         )
         assert r.json() == {"success": True, "message": "Success"}, fmt
     await client.post("/end_weight_update", json={})
-    assert await checksum(client) == tensor_checksum(pushed)
+    assert await served_checksums(str(client.base_url)) == [weights_checksum(pushed)]
 
 
 class _Evil:

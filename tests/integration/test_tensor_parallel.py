@@ -18,10 +18,9 @@ import httpx
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
-from support import EnginePool, daemon_node, engine_tags, reference_engine
+from support import EnginePool, daemon_node, engine_tags, reference_engine, served_checksums, weights_checksum
 
 from colocd.api.client import ColocdHTTPError
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.config import LaunchConfig, ReferenceEngineConfig
 from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
@@ -39,7 +38,7 @@ def named_params(model: QwenLikeForCausalLM) -> Named:
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
-SEED0_SUM = tensor_checksum(named_params(build_model(CFG, 0)))
+SEED0_SUM = weights_checksum(named_params(build_model(CFG, 0)))
 
 
 def greedy_in_process(model: QwenLikeForCausalLM, text: str, n: int) -> list[int]:
@@ -50,8 +49,7 @@ def greedy_in_process(model: QwenLikeForCausalLM, text: str, n: int) -> list[int
 @pytest.fixture
 def engine(engine_pool: EnginePool) -> Iterator[ReferenceEngineProcess]:
     """The module's TP=2 engine (tests/support.py's pool: started at first use, reset after each test)."""
-    proc = engine_pool.borrow("ref-tp2", launch={"ready_timeout_s": DEADLINE_S}, tp_size=2,
-                              device_ids=["cpu:4", "cpu:5"])
+    proc = engine_pool.borrow("ref-tp2", launch={"ready_timeout_s": DEADLINE_S}, tp_size=2)
     yield proc
     engine_pool.give_back(proc)
 
@@ -71,7 +69,7 @@ async def restore(c: httpx.AsyncClient) -> None:
         assert (await c.post("/resume_memory_occupation", json={"tags": released})).status_code == 200
     if (await c.get("/server_info")).json()["internal_states"][0]["weight_update_session"] is not None:
         await c.post("/end_weight_update", json={})
-    if await rank_checksums(c) != [SEED0_SUM, SEED0_SUM]:
+    if await served_checksums(str(c.base_url)) != [SEED0_SUM, SEED0_SUM]:
         seed0 = named_params(build_model(CFG, 0))
         assert (await push_inline(c, [seed0, seed0])).json()["success"]
     await c.post("/update_weight_version", json={"new_version": "default"})
@@ -96,12 +94,6 @@ async def push_inline(c: httpx.AsyncClient, per_rank: list[Named]) -> httpx.Resp
     return await update(c, [bucket_entry(named) for named in per_rank], "flattened_bucket")
 
 
-async def rank_checksums(c: httpx.AsyncClient) -> list[str]:
-    body = (await c.post("/weights_checker", json={"action": "checksum"})).json()
-    assert body["success"], body
-    return list(body["colocd_rank_checksums"])
-
-
 async def greedy(c: httpx.AsyncClient, text: str, n: int) -> list[int]:
     r = await c.post("/generate", json={"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": n}})
     assert r.status_code == 200, r.text
@@ -113,18 +105,16 @@ async def greedy(c: httpx.AsyncClient, text: str, n: int) -> list[int]:
 
 async def test_a_tp2_engine_reports_its_ranks_and_loads_each_rank_from_its_own_entry(c: httpx.AsyncClient) -> None:
     trained = build_model(CFG, 21)
-    info = (await c.get("/server_info")).json()
-    assert info["tp_size"] == 2
-    assert [r["device_id"] for r in info["colocd_tp_ranks"]] == ["cpu:4", "cpu:5"]
+    assert (await c.get("/server_info")).json()["tp_size"] == 2
     check = (await c.post("/weights_checker", json={"action": "checksum"})).json()
     assert [r["parallelism_info"][0]["tp_rank"] for r in check["ranks"]] == [0, 1]
     assert [r["parallelism_info"][0]["tp_size"] for r in check["ranks"]] == [2, 2]
-    assert check["colocd_rank_checksums"] == [SEED0_SUM, SEED0_SUM]
+    assert await served_checksums(str(c.base_url)) == [SEED0_SUM, SEED0_SUM]
 
     r = await push_inline(c, [named_params(trained), named_params(trained)])
     assert r.json() == {"success": True, "message": "Success"}
 
-    assert await rank_checksums(c) == [tensor_checksum(named_params(trained))] * 2
+    assert await served_checksums(str(c.base_url)) == [weights_checksum(named_params(trained))] * 2
     assert await greedy(c, "tp", 10) == greedy_in_process(trained, "tp", 10)
 
 
@@ -134,7 +124,7 @@ async def test_sglang_pickled_entries_one_serialisation_per_rank_land_on_every_r
     entries = [base64.b64encode(pickle.dumps(trained)).decode() for _ in range(2)]
     r = await update(c, entries, None)
     assert r.json()["success"], r.text
-    assert await rank_checksums(c) == [tensor_checksum(trained)] * 2
+    assert await served_checksums(str(c.base_url)) == [weights_checksum(trained)] * 2
 
 
 async def test_a_chunk_whose_rank_entries_disagree_or_miss_a_rank_is_refused_and_applies_nothing(
@@ -153,7 +143,7 @@ async def test_a_chunk_whose_rank_entries_disagree_or_miss_a_rank_is_refused_and
     disjoint = await push_inline(c, [ours[:half], ours[half:]])
     assert disjoint.status_code == 400 and "other tensors than rank 0's" in disjoint.json()["message"]
 
-    assert await rank_checksums(c) == [SEED0_SUM, SEED0_SUM]  # neither rank applied any of them
+    assert await served_checksums(str(c.base_url)) == [SEED0_SUM, SEED0_SUM]  # neither rank applied any of them
 
 
 async def test_release_and_resume_move_every_ranks_memory_together(c: httpx.AsyncClient) -> None:
@@ -215,8 +205,8 @@ async def test_two_trainer_ranks_feed_a_tp2_engine_through_the_daemon(
         engine: ReferenceEngineProcess, c: httpx.AsyncClient) -> None:
     trained = build_model(CFG, 25)
     named = named_params(trained)
-    async with daemon_node([{"kind": "reference", "name": "ref-tp2", "url": engine.url, "tp_size": 2}],
-                           synced_at=1) as node:
+    async with daemon_node([{"kind": "reference", "name": "ref-tp2", "url": engine.url, "tp_size": 2,
+                             "device_ids": ["cpu:4", "cpu:5"]}], synced_at=1) as node:
         client = node.client
         session = await client.open_session("v1", step=1, ranks=2, depth=2, manifest=manifest_of(named))
         sid = session["session_id"]
@@ -230,5 +220,5 @@ async def test_two_trainer_ranks_feed_a_tp2_engine_through_the_daemon(
         await client.commit(sid, results[0][0])
         await client.phase("rollout", 1)
 
-        assert await rank_checksums(c) == [tensor_checksum(named)] * 2
+        assert await served_checksums(str(c.base_url)) == [weights_checksum(named)] * 2
         assert await greedy(c, "ok", 8) == greedy_in_process(trained, "ok", 8)

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
-from support import daemon_node, reference_engine
+from support import daemon_node, reference_engine, served_checksums, weights_checksum
 
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.sglang.adapter import UNSUPPORTED_DIGESTS
 from colocd.trainer.producer import InlineProducer
@@ -57,7 +56,7 @@ async def test_an_engine_that_reports_no_digests_commits_and_the_reply_says_why_
         assert verification["engines"] == {"ref0": {"status": "unsupported", "checked": 0,
                                                     "reason": UNSUPPORTED_DIGESTS}}
         await node.client.phase("rollout", 1)
-        assert await node.engine_checksum() == tensor_checksum(named)
+        assert await served_checksums(node.engine_url) == [weights_checksum(named)]
 
 
 async def test_off_skips_the_check_and_commits_what_the_engines_hold(tmp_path: Any, engines: dict[str, str]) -> None:

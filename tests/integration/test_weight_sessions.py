@@ -32,7 +32,9 @@ from support import (
     in_process_daemon,
     request_body,
     serve_lifespan,
+    served_checksums,
     shm_segments,
+    weights_checksum,
 )
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
@@ -42,7 +44,7 @@ from colocd.engines.base import (
     ChunkLoad,
     ChunkPart,
 )
-from colocd.engines.chunks import ChunkLayout, plan_chunks, tensor_checksum
+from colocd.engines.chunks import ChunkLayout, plan_chunks
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.errors import RequestInvalid
@@ -88,7 +90,7 @@ async def _finish_with(node: DaemonNode, model: torch.nn.Module, named: Named,
     """A complete push, then rollout: the engine serves exactly these weights, and so did the probe."""
     await WeightPusher(node.client, bucket_mb=0.05).push(named, version="good", step=step)
     await node.client.phase("rollout", step)
-    assert await node.engine_checksum() == tensor_checksum(named)
+    assert await served_checksums(node.engine_url) == [weights_checksum(named)]
     expected = _local_greedy(model)
     assert await asyncio.wait_for(probe, DEADLINE_S) == expected
     assert await _greedy(node.engine_url) == expected
@@ -302,7 +304,7 @@ async def test_a_partial_update_on_clean_weights_needs_partial_true_and_then_wor
         await node.client.resume(tags=["kv_cache", "cuda_graph"])
         engine = await _engine_state(node.client)
         assert (engine["generation"], engine["weights"], engine["weight_version"]) == ("serving", "clean", "v1p")
-        assert await node.engine_checksum() == tensor_checksum(named)
+        assert await served_checksums(node.engine_url) == [weights_checksum(named)]
         assert await asyncio.wait_for(probe, DEADLINE_S) == _local_greedy(model)
 
 
@@ -392,7 +394,7 @@ async def test_a_late_chunk_never_lands_in_the_next_session(
             sent, _ = await WeightPusher(node.client, bucket_mb=0.05).stream(sid, named)
             await node.client.commit(sid, sent)
             await node.client.phase("rollout", 1)
-            assert await node.engine_checksum() == tensor_checksum(named)
+            assert await served_checksums(node.engine_url) == [weights_checksum(named)]
             assert await asyncio.wait_for(probe, DEADLINE_S) == _local_greedy(model)
         finally:
             proxies[0].release.set()
@@ -481,7 +483,7 @@ async def test_sequence_mistakes_are_422_naming_them_and_leave_the_session_open(
 
         await node.client.commit(sid, sent)
         await node.client.phase("rollout", 1)
-        assert await node.engine_checksum() == tensor_checksum(named)
+        assert await served_checksums(node.engine_url) == [weights_checksum(named)]
         assert await asyncio.wait_for(probe, DEADLINE_S) == _local_greedy(model)
 
 
@@ -507,7 +509,7 @@ async def test_a_committed_session_refuses_chunks_and_commit_with_410_and_abort_
         assert 'colocd_weight_sessions_total{outcome="committed"} 1.0' in metrics
         assert 'colocd_weight_sessions_total{outcome="aborted"} 0.0' in metrics  # declared at 0, never counted
         await node.client.phase("rollout", 1)
-        assert await node.engine_checksum() == tensor_checksum(named)
+        assert await served_checksums(node.engine_url) == [weights_checksum(named)]
         assert await _greedy(node.engine_url) == _local_greedy(model)
 
 

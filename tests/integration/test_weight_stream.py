@@ -12,10 +12,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 import torch
-from support import EnginePool, daemon_node, shm_segments
+from support import EnginePool, daemon_node, served_checksums, shm_segments, weights_checksum
 
 from benchmarks.weights import BenchSettings, run_weights_bench
 from colocd.api.client import ColocdHTTPError
@@ -25,7 +24,7 @@ from colocd.daemon.trace import Trace
 from colocd.daemon.weights import SessionState, WeightSession
 from colocd.daemon.worker import EngineHandle
 from colocd.engines.base import ChunkLoad, ChunkPart
-from colocd.engines.chunks import ChunkLayout, SharedSegment, tensor_checksum
+from colocd.engines.chunks import ChunkLayout, SharedSegment
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.sglang.adapter import _load_format
@@ -375,20 +374,20 @@ def test_each_transport_reaches_the_engine_in_its_load_format() -> None:
 # --- over HTTP, real reference engines ---------------------------------------------------------------
 
 
-# Engine i on device cpu:i, fed by trainer rank i; or both on no device of their own, fed by rank 0.
-OWN_DEVICES = {"ref0": {"device_ids": ["cpu:0"]}, "ref1": {"device_ids": ["cpu:1"]}}
+# Engine i on device cpu:i, fed by trainer rank i.
+OWN_DEVICES = {"ref0": ["cpu:0"], "ref1": ["cpu:1"]}
 
 
-async def _colocd_checksum(http: httpx.AsyncClient, url: str) -> str:
-    return str((await http.post(f"{url}/weights_checker", json={"action": "checksum"})).json()["colocd_checksum"])
+def own_devices(engines: dict[str, str]) -> list[dict[str, Any]]:
+    """The node config's entries for ``engines``, each on its device of ``OWN_DEVICES``."""
+    return [{"kind": "reference", "name": n, "url": url, "device_ids": OWN_DEVICES[n]} for n, url in engines.items()]
 
 
 async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(engine_pool: EnginePool) -> None:
     model = build_model(QwenLikeConfig(), seed=7)
     named = list(model.named_parameters())
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with engine_pool.lent(**OWN_DEVICES) as engines, daemon_node(engines, synced_at=1) as node, \
-            httpx.AsyncClient(trust_env=False, timeout=60) as http:
+    async with engine_pool.lent(ref0={}, ref1={}) as engines, daemon_node(own_devices(engines), synced_at=1) as node:
         client = node.client
         for transport, depth in (("inline", 2), ("inline", 1)):
             with torch.no_grad():
@@ -401,7 +400,7 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
             commit = await client.commit(sid, chunks)
 
             for url in engines.values():
-                assert await _colocd_checksum(http, url) == tensor_checksum(named), (transport, url)
+                assert await served_checksums(url) == [weights_checksum(named)], (transport, url)
             loads = defaultdict(list)
             for span in commit["trace"]["spans"]:
                 if span["name"] == "load_chunk":
@@ -431,7 +430,7 @@ async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared
         engine_pool: EnginePool) -> None:
     model = build_model(QwenLikeConfig(), seed=3)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
-    async with engine_pool.lent(ref0={"device_ids": []}) as engines, daemon_node(engines, synced_at=1) as node:
+    async with engine_pool.lent(ref0={}) as engines, daemon_node(engines, synced_at=1) as node:
         client = node.client
         sid = (await client.open_session("v1", ranks=1, depth=2))["session_id"]
         reached = asyncio.Event()
@@ -457,8 +456,8 @@ async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it(eng
     model = build_model(QwenLikeConfig(), seed=4)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds
     # ref1 runs on cpu:1, so it needs trainer rank 1, which never joins: past start_s the commit names it.
-    async with engine_pool.lent(**OWN_DEVICES) as engines, daemon_node(
-            engines, timeouts={"chunk_s": 0.5, "start_s": 1.0}, synced_at=1) as node:
+    async with engine_pool.lent(ref0={}, ref1={}) as engines, daemon_node(
+            own_devices(engines), timeouts={"chunk_s": 0.5, "start_s": 1.0}, synced_at=1) as node:
         client = node.client
         sid = (await client.open_session("v1", ranks=2, depth=2))["session_id"]
         # Two chunks: within rank 0's window, so only the commit notices that rank 1 sent nothing.

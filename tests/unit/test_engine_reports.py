@@ -62,7 +62,7 @@ def test_memory_usage_becomes_each_tags_bytes_summed_over_the_tp_ranks_for_eithe
                              MemoryTag.CUDA_GRAPH: 2 * round(0.75 * GIB)})
     for config in (SGLangEngineConfig(name="s", url="http://sglang.test", tp_size=2),
                    ReferenceEngineConfig(name="r", url="http://reference.test", tp_size=2)):
-        (memory, digests, resident), _ = _drive(config, {**info, "colocd_reference": config.kind == "reference"})
+        (memory, digests, resident), _ = _drive(config, info)
         assert memory == expected
         assert memory.nbytes((MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)) == expected.tags[MemoryTag.WEIGHTS] + 120 * GIB
         assert digests.unsupported == UNSUPPORTED_DIGESTS and resident is None

@@ -15,9 +15,9 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 from reference_runner import StaticBuffers, generate_greedy
+from support import weights_checksum
 
 from colocd.engines.base import MemoryTag
-from colocd.engines.chunks import tensor_checksum
 from colocd.engines.reference.memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.payloads import PayloadError, open_payload
@@ -71,7 +71,7 @@ def test_parameters_carry_hugging_face_names_and_shapes() -> None:
 
 def test_same_seed_gives_identical_weights_and_another_seed_changes_every_tensor() -> None:
     a, b, c = build_model(CFG, 0), build_model(CFG, 0), build_model(CFG, 1)
-    assert tensor_checksum(params(a)) == tensor_checksum(params(b))
+    assert weights_checksum(params(a)) == weights_checksum(params(b))
     for (name, pa), (_, pc) in zip(params(a), params(c), strict=True):
         assert not torch.equal(pa, pc), name
 
@@ -139,7 +139,7 @@ def test_load_weights_applies_by_name_and_returns_the_names() -> None:
     target, source = build_model(CFG, 0), build_model(CFG, 1)
     applied = target.load_weights(params(source))
     assert set(applied) == HF_NAMES
-    assert tensor_checksum(params(target)) == tensor_checksum(params(source))
+    assert weights_checksum(params(target)) == weights_checksum(params(source))
 
 
 @pytest.mark.parametrize(
@@ -158,10 +158,10 @@ def test_load_weights_applies_by_name_and_returns_the_names() -> None:
 )
 def test_load_weights_with_one_bad_tensor_applies_nothing(bad: tuple[str, torch.Tensor], match: str) -> None:
     target, source = build_model(CFG, 0), build_model(CFG, 1)
-    before = tensor_checksum(params(target))
+    before = weights_checksum(params(target))
     with pytest.raises(ValueError, match=match):
         target.load_weights([*params(source), bad])
-    assert tensor_checksum(params(target)) == before
+    assert weights_checksum(params(target)) == before
 
 
 # --- tokenizer and sampling --------------------------------------------------------------------
