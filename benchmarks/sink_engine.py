@@ -3,19 +3,15 @@
 The benches move what a real engine of a checkpoint's shape would: every pushed byte is copied into bf16 tensors of
 that checkpoint (e.g. Qwen3-8B), released and resumed with the engine's ``weights`` tag, with an optional KV block in
 its ``kv_cache`` tag; ``GET /colocd/sink`` answers their device checksums. It is the reference engine's server with
-this app (``python -m benchmarks.sink_engine`` takes the reference engine's flags); ``sink_launch`` has the product's
-launcher (or the daemon it starts) run it:
-
-    launch: {env: {"COLOCD_SINK_SHAPES": "qwen3-8b", "COLOCD_SINK_KV_GIB": "2"}}
-    with COLOCD_REFERENCE_PYTHON naming an interpreter that runs this module instead of the reference engine's.
+this app: ``python -m benchmarks.sink_engine`` takes the reference engine's flags. ``sink_launch`` is a reference
+engine config's ``launch`` that has the product's launcher (or a daemon's) run it, through ``benchmarks/sink_python``
+as the engine's interpreter.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,21 +35,10 @@ _GIB = 1 << 30
 
 
 def sink_launch(shapes: str, kv_gib: float = 0.0, **launch: Any) -> dict[str, Any]:
-    """A reference engine config's ``launch`` for this engine holding ``shapes`` (and ``kv_gib`` of KV). It also
-    sets ``COLOCD_REFERENCE_PYTHON`` of this process (and so of the daemons it starts) to ``_interpreter()``."""
-    os.environ["COLOCD_REFERENCE_PYTHON"] = _interpreter()
-    env = {SINK_ENV[0]: shapes, SINK_ENV[1]: f"{kv_gib:.6f}", **launch.pop("env", {})}
+    """A reference engine config's ``launch`` that runs this engine holding ``shapes`` (and ``kv_gib`` of KV)."""
+    env = {SINK_ENV[0]: shapes, SINK_ENV[1]: f"{kv_gib:.6f}", "COLOCD_SINK_PYTHON": sys.executable,
+           "COLOCD_REFERENCE_PYTHON": str(Path(__file__).with_name("sink_python")), **launch.pop("env", {})}
     return {"env": env, **launch}
-
-
-def _interpreter() -> str:
-    """A shell script that the reference launcher runs as ``SCRIPT -m colocd.engines.reference FLAGS``: it runs
-    ``python -m benchmarks.sink_engine FLAGS`` from the repository root instead."""
-    script = Path(tempfile.mkdtemp(prefix="colocd-sink-")) / "python"
-    script.write_text(f"#!/bin/sh\nshift 2\ncd {Path(__file__).resolve().parents[1]}\n"
-                      f"exec {sys.executable} -m benchmarks.sink_engine \"$@\"\n")
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    return str(script)
 
 
 class SinkEngine(ReferenceEngine):

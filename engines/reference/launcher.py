@@ -86,10 +86,10 @@ class ReferenceEngineProcess:
         self.stop()
 
     def command(self, ready_file: str) -> list[str]:
-        """The child's command line under ``$COLOCD_REFERENCE_PYTHON``, else this interpreter (the API key travels in
-        the environment, not in argv)."""
+        """The child's command line, under the ``COLOCD_REFERENCE_PYTHON`` of its environment (``launch.env``, else
+        this process's), else this interpreter. The API key travels in the environment, not in argv."""
         c, url = self.config, urlsplit(self.config.url or "")
-        python = os.environ.get("COLOCD_REFERENCE_PYTHON") or sys.executable
+        python = self._environment().get("COLOCD_REFERENCE_PYTHON") or sys.executable
         cmd = [python, "-m", "colocd.engines.reference", "--host", url.hostname or "127.0.0.1",
                "--port", str(url.port or 0), "--device", c.device, "--seed", str(c.seed), "--protocol", c.protocol,
                "--ready-file", ready_file, "--model-json", json.dumps(c.model), "--tp-size", str(c.tp_size)]
