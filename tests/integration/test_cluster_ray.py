@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import served_checksums, weights_checksum
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (see colocd.cluster.local)
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'colocd[ray]' (or the test extra)")
@@ -109,7 +108,16 @@ async def launched_engines() -> dict[str, dict[str, Any]]:
     return {n: r.body["engines"]["ref0"]["launched"] for n, r in status.nodes.items()}
 
 
+def trained_checksum(step: int) -> str:
+    """What every engine TP rank's checksum is once it serves step ``step``'s weights."""
+    from support import weights_checksum  # here: Ray's workers import this module without tests/ on their path
+
+    return weights_checksum(model_for(step).named_parameters())
+
+
 async def checksums_by_node() -> dict[str, str]:
+    from support import served_checksums
+
     engines = await launched_engines()
     sums = await asyncio.gather(*(served_checksums(e["url"]) for e in engines.values()))
     return {node: rank for node, (rank,) in zip(engines, sums, strict=True)}  # each engine's one TP rank
@@ -141,7 +149,7 @@ async def test_every_node_runs_its_own_daemon_and_full_steps_reach_every_engine(
     async with ClusterClient(daemon_urls()) as cluster:
         for _ in range(2):
             await full_step(world, cluster)
-            want = weights_checksum(model_for(world.step).named_parameters())
+            want = trained_checksum(world.step)
             assert await checksums_by_node() == {n: want for n in infos}
         status = await cluster.status()
         for node, r in status.nodes.items():
@@ -191,11 +199,11 @@ async def test_an_engine_killed_mid_step_fails_the_step_naming_it_and_the_cluste
         redo = await cluster.sync(step, f"v{step}", world.push)
         assert {n for n, r in redo.nodes.items() if "skipped" not in (r.body or {})} == {victim}
         await cluster.rollout(step)
-        want = weights_checksum(model_for(step).named_parameters())
+        want = trained_checksum(step)
         assert await checksums_by_node() == {n: want for n in infos}
 
         await full_step(world, cluster)
-        want = weights_checksum(model_for(world.step).named_parameters())
+        want = trained_checksum(world.step)
         assert await checksums_by_node() == {n: want for n in infos}
 
 
@@ -207,7 +215,7 @@ async def test_a_node_added_between_steps_gets_a_daemon_and_the_next_step_covers
         joined, left = cluster.set_nodes(daemon_urls())
         assert len(joined) == 1 and left == [] and set(cluster.nodes) == before | set(joined)
         await full_step(world, cluster)
-        want = weights_checksum(model_for(world.step).named_parameters())
+        want = trained_checksum(world.step)
         sums = await checksums_by_node()
         assert set(sums) == before | set(joined) and set(sums.values()) == {want}
 
