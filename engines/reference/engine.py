@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
@@ -25,16 +26,13 @@ import torch
 
 from ..base import MemoryTag, PauseMode
 from ..sglang.wire import UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput
-from .locks import ReaderWriterLock
 from .memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from .model import QwenLikeForCausalLM, build_model
-from .payloads import open_payload
-from .runner import ModelRunner
-from .sampling import SamplingConfig
+from .payloads import disagreement, open_payload
+from .runner import ModelRunner, SamplingConfig
 from .scheduler import Req, Scheduler, SchedulerMode, StopRule
 from .settings import ReferenceServerSettings
 from .tokenizer import CharTokenizer
-from .tp import TPRank, disagreement, rank_checksum, rank_devices
 from .wire import GenerateBody, SamplingParamsBody
 
 __all__ = ["EngineRefusal", "ReferenceEngine", "RunState"]
@@ -58,6 +56,68 @@ class EngineRefusal(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+
+@dataclass(slots=True)
+class TPRank:
+    """One TP rank: a full copy of the model on its own device, and its memory tags. SGLang runs one scheduler
+    process per TP rank, each loading its own ``serialized_named_tensors`` entry and sharding it; this engine keeps
+    its ranks in one process, unsharded, and refuses a chunk whose entries disagree before any rank applies it, so
+    the ranks always hold the same weights and generation runs on rank 0's alone."""
+
+    index: int
+    device: torch.device
+    model: QwenLikeForCausalLM
+    memory: MemoryRegions
+
+
+def rank_devices(device: str, tp_size: int) -> list[torch.device]:
+    """Where each TP rank runs: ``cpu``, every rank on the CPU; ``cuda``, rank r on visible GPU r; ``cuda:N`` (one
+    rank only), that GPU. Runs on the model thread (touches CUDA)."""
+    if not device.startswith("cuda") or tp_size == 1:
+        return [torch.device(device)] * tp_size
+    if (visible := torch.cuda.device_count()) < tp_size:
+        raise ValueError(f"tp_size {tp_size} needs one GPU per TP rank, but this process sees {visible}")
+    return [torch.device("cuda", r) for r in range(tp_size)]
+
+
+class ReaderWriterLock:
+    """SGLang's ``model_update_lock`` in miniature (tokenizer_control_mixin.py:471-633): generation requests are
+    readers for their whole lifetime; a weight update while not paused is a writer, which waits for the requests
+    in flight while new ones queue behind it (writer-preferring)."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers, self._writers_waiting, self._writer_active = 0, 0, False
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer_active and self._writers_waiting == 0)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writer(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writer_active and self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
+                self._cond.notify_all()  # a cancelled writer must not leave readers parked
+            self._writer_active = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writer_active = False
+                self._cond.notify_all()
 
 
 class ReferenceEngine:
@@ -576,3 +636,17 @@ def _randomize_params(models: Sequence[QwenLikeForCausalLM], skip: tuple[str, ..
                 value = torch.randn_like(named[0][1])
                 for _, p in named:
                     p.copy_(value)
+
+
+def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> dict[str, Any]:
+    """One rank's ``ranks`` entry of SGLang's ``/weights_checker`` checksum reply."""
+    # Per tensor SGLang's hash: the first 8 bytes of the sha256 of its bytes.
+    per_tensor = {n: hashlib.sha256(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+                  .hexdigest()[:16] for n, p in rank.model.named_parameters() if not any(s in n for s in skip)}
+    overall = hashlib.sha256()
+    for name in sorted(per_tensor):  # SGLang's overall_checksum (utils/weight_checker.py)
+        overall.update(name.encode())
+        overall.update(per_tensor[name].encode())
+    parallelism = {"role": "target", "tp_rank": rank.index, "tp_size": tp_size, "dp_rank": 0, "dp_size": 1,
+                   "pp_rank": 0, "pp_size": 1, "rank": rank.index, "size": tp_size}
+    return {"checksums": per_tensor, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": [parallelism]}

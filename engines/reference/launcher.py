@@ -1,6 +1,6 @@
 """Starting and stopping a reference engine server as a child process, with a readiness deadline.
 
-    async with ReferenceEngineProcess(config) as proc:   # or: with ...: / proc.start() ... proc.stop()
+    async with ReferenceEngineProcess(config) as proc:   # or: proc.start() ... proc.stop()
         httpx.get(f"{proc.url}/model_info")
 
 This module builds the command line and says what "ready" means; the process itself (own process
@@ -22,7 +22,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -62,12 +61,6 @@ class ReferenceEngineProcess:
         return self.process.pid if self.process is not None else None
 
     @property
-    def log_path(self) -> Path | None:
-        if self.process is not None:
-            return self.process.log_path
-        return Path(self._log_file) if self._log_file is not None else None
-
-    @property
     def returncode(self) -> int | None:
         return self.process.returncode if self.process is not None else None
 
@@ -77,13 +70,6 @@ class ReferenceEngineProcess:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    def __enter__(self) -> ReferenceEngineProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def command(self, ready_file: str) -> list[str]:
         """The child's command line, under the ``COLOCD_REFERENCE_PYTHON`` of its environment (``launch.env``, else

@@ -13,14 +13,14 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
-__all__ = ["LOAD_FORMATS", "PayloadError", "bucket_entry", "open_bucket", "open_payload"]
+__all__ = ["LOAD_FORMATS", "PayloadError", "bucket_entry", "disagreement", "open_bucket", "open_payload"]
 
 LOAD_FORMATS = ("flattened_bucket", "direct", None)
 
@@ -136,3 +136,27 @@ def _flattened_bucket(obj: Any) -> NamedTensors:
         name, shape, dtype, start = bucket_entry(i, meta, flat.numel())
         out.append((name, flat[start : start + shape.numel() * dtype.itemsize].view(dtype).reshape(shape)))
     return out
+
+
+def disagreement(entries: Sequence[NamedTensors]) -> str | None:
+    """Why the TP ranks' entries of one chunk do not carry the same full tensors; None when they do."""
+    first, same = dict(entries[0]), "every TP rank's entry must carry the same full tensors"
+    for r, named in enumerate(entries[1:], start=1):
+        other = dict(named)
+        if other.keys() != first.keys():
+            missing, extra = sorted(first.keys() - other.keys()), sorted(other.keys() - first.keys())
+            return f"TP rank {r}'s entry carries other tensors than rank 0's (missing {_some(missing)}, extra " \
+                   f"{_some(extra)}); {same}"
+        if differing := [n for n in sorted(first) if not _equal(first[n], other[n])]:
+            return f"tensors {_some(differing)} differ between TP rank {r}'s entry and rank 0's; {same}"
+    return None
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b.to(a.device))
+
+
+def _some(names: Sequence[str], n: int = 3) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return f"[{shown}{more}]" if names else "none"

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from .runner import ForwardInput, ForwardOutput
-from .sampling import SamplingConfig
+from .runner import ForwardInput, ForwardOutput, SamplingConfig
 from .tokenizer import CharTokenizer
 
 __all__ = ["FinishReason", "Req", "Scheduler", "SchedulerMode", "StopRule"]

@@ -21,9 +21,8 @@ from colocd.engines.base import MemoryTag
 from colocd.engines.reference.memory import MemoryRegions, MemoryTagError, TagState, normalize_tags
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.payloads import PayloadError, open_payload
-from colocd.engines.reference.runner import ForwardInput, ForwardOutput, ModelRunner
+from colocd.engines.reference.runner import ForwardInput, ForwardOutput, ModelRunner, SamplingConfig, choose_token
 from colocd.engines.reference.safe_unpickle import UnsafePickleError, safe_loads
-from colocd.engines.reference.sampling import SamplingConfig, choose_token
 from colocd.engines.reference.scheduler import Req, Scheduler, SchedulerMode, StopRule
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
 
