@@ -118,7 +118,8 @@ class ReferenceTask:
         response = await http.post(f"{url}/weights_checker", json={"action": "checksum"})
         response.raise_for_status()
         want = {name: sglang_digest(t) for name, t in self.weights()}
-        same = all(rank["checksums"] == want for rank in response.json()["ranks"])
+        ranks = response.json()["ranks"]
+        same = bool(ranks) and all(rank["checksums"] == want for rank in ranks)
         return "verified: checksum" if same else None
 
 
