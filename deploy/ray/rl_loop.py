@@ -30,8 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from colocd.cluster import ClusterClient
-from colocd.cluster.daemon_actor import NodeSpec
-from colocd.cluster.registry import NodeDaemons
+from colocd.cluster.registry import NodeDaemons, NodeSpec
 
 PROMPTS = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
 NEW_TOKENS = 6

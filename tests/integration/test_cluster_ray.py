@@ -31,9 +31,8 @@ ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'colo
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from colocd.cluster import ClusterClient, ClusterStepError  # noqa: E402
-from colocd.cluster.daemon_actor import NodeSpec  # noqa: E402
 from colocd.cluster.local import NODE_ARGS, local_cluster  # noqa: E402
-from colocd.cluster.registry import NodeDaemons, daemon_urls, list_daemons  # noqa: E402
+from colocd.cluster.registry import NodeDaemons, NodeSpec, daemon_urls, list_daemons  # noqa: E402
 from colocd.engines.chunks import tensor_checksum  # noqa: E402
 from colocd.engines.reference.model import QwenLikeConfig, build_model  # noqa: E402
 
