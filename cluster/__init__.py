@@ -2,8 +2,8 @@
 
 ``registry``: ``NodeDaemon``, the Ray actor that runs each node's daemon, and finding it (``NodeDaemons``,
 ``daemon_urls``, ``daemon_for_this_node``); ``client``: ``ClusterClient``, one step fanned out to every daemon
-(needs no ray); ``trainer``: ``push_to_this_node`` for trainer ranks; ``local``: a multi-node Ray cluster on one
-machine. Only ``client`` is imported here, so ``import colocd.cluster`` works without ray installed.
+(needs no ray); ``trainer``: ``push_to_this_node`` for trainer ranks. Only ``client`` is imported here, so
+``import colocd.cluster`` works without ray installed.
 """
 
 from .client import ClusterClient, ClusterStepError, NodeFailure, NodeResult, StepResult

@@ -134,7 +134,7 @@ class Lease:
         return sum(max(c.read(), 0) for c in self.counters)
 
 
-def _ipc_collect() -> None:
+def ipc_collect() -> None:
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
@@ -143,7 +143,7 @@ class LeaseBook:
     """The leases of one trainer rank's producers: ``export`` when a buffer goes out, ``release`` when the
     producer lets go, ``settle`` after a failed stream or a closed producer (``collect``: torch's ipc_collect)."""
 
-    def __init__(self, rank: int = 0, *, collect: Callable[[], object] = _ipc_collect,
+    def __init__(self, rank: int = 0, *, collect: Callable[[], object] = ipc_collect,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.rank = rank
         self.owner = "-"  # what new leases belong to: the pusher sets the session id of each stream
@@ -168,10 +168,9 @@ class LeaseBook:
         if lease.state is not LeaseState.EXPORTED:
             return
         lease.released_at = self._clock()
-        # Nothing but the producer held it (a shm segment, once unlinked), or a trainer tensor still holds it.
+        # Nothing but the producer held it (an unlinked shm segment), or a trainer tensor still holds it.
         if not lease.counters or lease.held_by_trainer():
-            lease.state = LeaseState.FREED
-            del self._live[lease.id]
+            self._end(lease, LeaseState.FREED)
             return
         lease.state = LeaseState.RETAINED
         self.collect()
@@ -190,11 +189,10 @@ class LeaseBook:
         done = [lease for lease in retained if lease.counts() == 0]
         self._collect()
         for lease in done:
-            lease.state = LeaseState.FREED
-            del self._live[lease.id]
+            self._end(lease, LeaseState.FREED)
         return self.retained_bytes
 
-    def reclaim(self, reason: str, level: int = logging.WARNING) -> int:
+    def reclaim(self, reason: str) -> int:
         """Zero the consumers' counts of every retained lease and let torch free them; returns the bytes."""
         retained = self.leases(LeaseState.RETAINED)
         for lease in retained:
@@ -204,28 +202,31 @@ class LeaseBook:
             self._collect()
         nbytes = 0
         for lease in retained:
-            lease.state = LeaseState.RECLAIMED
-            del self._live[lease.id]
+            self._end(lease, LeaseState.RECLAIMED)
             nbytes += lease.nbytes
             held = self._clock() - (lease.released_at or self._clock())
-            log.log(level, "reclaimed IPC lease %d (%s, %d bytes, owner %s, rank %d), still counted by a consumer "
+            log.warning("reclaimed IPC lease %d (%s, %d bytes, owner %s, rank %d), still counted by a consumer "
                     "%.2fs after its release: %s", lease.id, lease.transport, lease.nbytes, lease.owner, self.rank,
                     held, reason)
         self.reclaimed += len(retained)
         self.reclaimed_bytes += nbytes
         return nbytes
 
-    async def settle(self, reason: str, grace_s: float = LEASE_GRACE_S, level: int = logging.WARNING) -> int:
+    async def settle(self, reason: str, grace_s: float = LEASE_GRACE_S) -> int:
         """After a failure or a close: wait up to ``grace_s`` for retained leases' consumers to let go, then
         ``reclaim`` what is left; returns the bytes reclaimed (0 when every consumer let go in time)."""
         deadline = self._clock() + grace_s
         # Polling another process's count (no event can cross processes), bounded by the grace.
         while self.collect() and self._clock() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(_POLL_S)
-        return self.reclaim(reason, level)
+        return self.reclaim(reason)
 
     def leases(self, state: LeaseState | None = None) -> list[Lease]:
         return [lease for lease in self._live.values() if state is None or lease.state is state]
+
+    def _end(self, lease: Lease, state: LeaseState) -> None:
+        lease.state = state
+        del self._live[lease.id]
 
     @property
     def exported_bytes(self) -> int:

@@ -22,7 +22,7 @@ import torch
 from ..engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from ..engines.segments import reclaim_dead_segments
 from ..policies import Transport
-from .leases import LeaseBook, RefCounter
+from .leases import LeaseBook, RefCounter, ipc_collect
 
 __all__ = ["ExportedPart", "Producer", "producer_for", "transport_named"]
 
@@ -183,7 +183,7 @@ class CudaIpcProducer(Producer):
         shares: list[tuple[bytes, int]] = []  # the consumers' counts torch keeps the buffer alive for
         if self.transport is Transport.PER_TENSOR:
             payload, load_format = serialize(named_tensors_payload(named), shares), "direct"
-            buffers, free = [t for _, t in named], _ipc_collect
+            buffers, free = [t for _, t in named], ipc_collect
         else:
             # The flatten is queued on this stream; torch's IPC export records an event on it that
             # the engine waits for before reading, so no host sync is needed here.
@@ -201,10 +201,6 @@ class CudaIpcProducer(Producer):
         handle = {"payload_b64": payload, "load_format": load_format, "device_uuid": device_uuid(device.index or 0),
                   "layout": layout.to_json()}
         return self._part(layout.nbytes, handle, layout, drop)
-
-
-def _ipc_collect() -> None:
-    torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
 
 def transport_named(name: Transport | str) -> Transport:

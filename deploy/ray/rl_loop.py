@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=args.address, include_dashboard=False)
         asyncio.run(run(args.steps))
         return 0
-    from colocd.cluster.local import local_cluster
+    from local_cluster import local_cluster  # beside this file
 
     with local_cluster(nodes=args.nodes):
         asyncio.run(run(args.steps))
