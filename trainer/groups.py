@@ -451,14 +451,11 @@ class GroupLifecycle:
         for spec, group in self._members():
             try:
                 ok = self._canary(spec.name, group, self._canary_timeout_s)
-            except Exception as exc:
-                # The collective's state is unknown: stop here. Peers time out on this group (bounded
-                # by canary_timeout_s) and everyone meets at the vote.
+            except Exception as exc:  # the collective's state is unknown: stop; peers time out, all meet at the vote
                 log.warning("canary on group %r raised: %r", spec.name, exc)
                 actions.append(f"canary raised on group {spec.name!r}: {exc!r}")
                 return False
-            if not ok:
-                # The collective itself completed: keep going so peers are not left waiting on us.
+            if not ok:  # the collective completed: go on, so peers are not left waiting
                 failed.append(spec.name)
         actions.append(f"canary wrong on groups {failed}" if failed else f"canary ok on {len(self._resident)} groups")
         return not failed

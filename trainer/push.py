@@ -197,8 +197,7 @@ class WeightPusher:
                    depth=int(plan["depth"]), rank=rank, device_id=device_id)
 
     def transport_for(self, device: torch.device) -> str:
-        """The transport a stream of tensors on ``device`` uses: the one given, else ``auto_transport`` over what
-        the last join said the engines accept."""
+        """The one given, else ``auto_transport`` over what the last join said the engines accept."""
         if self._transport != "auto":
             return str(self._transport)
         return auto_transport(device, None if self.last_join is None else self.last_join.get("transports"))
@@ -223,13 +222,12 @@ class WeightPusher:
             await self._lease_reporter
 
     def _report_leases(self) -> None:
-        """Tell the daemon this rank's lease bytes, off the stream's path: one report in flight, the latest wins."""
+        """Tell the daemon this rank's lease bytes once no call is under way: one in flight, the latest wins."""
         self._lease_report_due = True
         if self._lease_reporter is None or self._lease_reporter.done():
             self._lease_reporter = self._client.in_background(self._send_lease_reports())
 
     async def _send_lease_reports(self) -> None:
-        # Once no call is under way: never beside the commit that follows a stream, nor the phase after it.
         await self._client.idle()
         while self._lease_report_due:
             self._lease_report_due = False
@@ -304,8 +302,7 @@ class WeightPusher:
         return self._producer
 
     async def _join(self, session_id: str, device_id: str, remaining: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Join on ``device_id``, setting ``last_join``; if the join fails, abort the session, walk the tensors (as
-        a failed stream does), then raise."""
+        """Join on ``device_id``; if that fails, abort the session, walk the tensors, then raise."""
         t0 = time.perf_counter()
         try:
             self.last_join = await self._client.join_session(session_id, rank=self._rank, device_id=device_id)
@@ -353,10 +350,8 @@ class WeightPusher:
         try:
             while not failure:
                 if len(tasks) >= self._depth:
-                    # Acks may come back out of order (a later chunk's request can overtake an earlier one on
-                    # another connection); the daemon counts the window from the first chunk it has not received,
-                    # so chunk n goes only once chunk n - depth has ended (and, through the chunks before, every
-                    # earlier one): at most ``depth`` are exported and in flight.
+                    # Acks may come back out of order, and the daemon counts the window from the first chunk it
+                    # has not received: chunk n goes only once chunk n - depth has ended.
                     await asyncio.wait({tasks[-self._depth]})
                     if failure:  # a chunk failed meanwhile: pull nothing more here
                         break
@@ -389,9 +384,7 @@ class WeightPusher:
             self.chunk_log = [records[k] for k in sorted(records)]
             error = raised or (failure[0] if failure else None) or next(
                 (r for r in results if isinstance(r, BaseException)), None)
-            if error is not None:
-                # Every buffer is released; what a consumer still counts (one that died holding it, or that
-                # never got to rebuild it) is reclaimed after the grace, before the error goes on.
+            if error is not None:  # what a consumer still counts is reclaimed after the grace, before the error goes on
                 await self.leases.settle(f"session {session_id} failed: {error!r}", self._lease_grace_s)
             else:
                 self.leases.collect()
@@ -407,10 +400,9 @@ class WeightPusher:
     @staticmethod
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                          digests: DigestCache | None) -> _Made:
-        """The next bucket, exported (with each tensor's digest, computed on its device, where ``digests`` is a
-        cache), the export's seconds and the digests' share of them; None when the plan is done. Runs on a thread.
-        An export that fails raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is
-        raised as it is."""
+        """On a thread: the next bucket exported (with its tensors' digests where ``digests`` is a cache), the
+        export's seconds and the digests' share; None when the plan is done. A failed export raises
+        ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is raised as it is."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
@@ -432,23 +424,20 @@ class WeightPusher:
     @classmethod
     async def _next_export(cls, producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                            digests: DigestCache | None) -> _Made:
-        # One hop off the event loop per chunk for both (each hop costs ~0.2-0.3 ms on a busy host): pulling a
-        # bucket may be a collective and an export may wait on the GPU, while acks of earlier chunks must keep
-        # flowing. One export at a time.
+        # One hop off the event loop per chunk for both (~0.2-0.3 ms each on a busy host): pulling may be a
+        # collective and an export may wait on the GPU, while earlier chunks' acks must keep flowing.
         work = asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets, digests))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
-            # The thread runs on regardless: wait for it and release what it made, so its buffer does not outlive
-            # us and nothing closes the producer while it writes into it.
+            # The thread runs on: release what it made, and close nothing while it writes.
             with contextlib.suppress(Exception):
                 if (made := await work) is not None:
                     made[0].release()
             raise
 
     async def _check_still_open(self, session_id: str) -> None:
-        """A rank that sent nothing learns at the end of its walk whether the session ended meanwhile (another
-        rank failed it): it raises the session's error, as the streaming ranks do."""
+        """A rank that sent nothing raises the session's error if another rank failed it meanwhile."""
         session = await self._client.session(session_id)
         if session.get("state") != "open":
             raise ColocdHTTPError(410, {"error": "SessionGone", "session_id": session_id,
@@ -457,8 +446,7 @@ class WeightPusher:
                                                    f"{session.get('error')}"})
 
     async def _abort(self, session_id: str, error: BaseException) -> None:
-        """Abort the session naming this rank's error, so every other rank's wait ends now with it (best
-        effort: a session another rank aborted first is gone already)."""
+        """Abort the session naming this rank's error, so every other rank's wait ends now with it (best effort)."""
         detail = error.body.get("message", str(error)) if isinstance(error, ColocdHTTPError) else str(error)
         try:
             await self._client.abort(session_id, f"rank {self._rank} stopped: {type(error).__name__}: {detail}")
@@ -467,8 +455,7 @@ class WeightPusher:
 
     @staticmethod
     async def _walk(remaining: Iterable[object]) -> None:
-        """Pull every item left, sending nothing: producing one may be a collective (FSDP's full_tensor, a TP
-        all-gather) that the other ranks run too, so every rank walks all of its tensors, failed or not."""
+        """Pull every item left, sending nothing: producing one may be a collective the other ranks run too."""
         def walk() -> None:
             for _ in remaining:
                 pass
