@@ -80,17 +80,14 @@ class Producer:
 
 
 class ShmProducer(Producer):
-    """POSIX shared memory by name: the CPU path. One fresh segment per chunk, unlinked on release.
-
-    Starting one first reclaims the segments of trainers that died on this node without unlinking
-    theirs (``engines/segments.py``); ``reclaim=False`` skips that.
-    """
+    """POSIX shared memory by name: one fresh segment per chunk, unlinked on release. Starting one first unlinks
+    the segments of trainers that died on this node without unlinking theirs (``engines/segments.py``)."""
 
     transport = Transport.SHM
 
-    def __init__(self, *, reclaim: bool = True, leases: LeaseBook | None = None) -> None:
+    def __init__(self, leases: LeaseBook | None = None) -> None:
         super().__init__(leases)
-        if reclaim and (reclaimed := reclaim_dead_segments()):
+        if reclaimed := reclaim_dead_segments():
             logger.info("unlinked %d shared-memory segment(s) of dead processes (%d bytes): %s", len(reclaimed),
                         sum(r.nbytes for r in reclaimed), ", ".join(r.name for r in reclaimed))
 
@@ -118,9 +115,9 @@ class DiskProducer(Producer):
 
     transport = Transport.DISK
 
-    def __init__(self, directory: str | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._dir = directory or tempfile.mkdtemp(prefix="colocd-disk-")
+        self._dir = tempfile.mkdtemp(prefix="colocd-disk-")
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from safetensors.torch import save_file
