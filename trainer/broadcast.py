@@ -55,7 +55,7 @@ class DistributedWeightSender:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        await self.close_group()
 
     async def open_group(self) -> dict[str, Any]:
         """Serve the group's store, then join as rank 0 while the daemon has every engine join."""
@@ -83,7 +83,8 @@ class DistributedWeightSender:
 
     async def broadcast(self, session_id: str, seq: int, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Send one bucket: the descriptor first, then the broadcast(s), then await the daemon's answer."""
-        group = self._require_group()
+        if (group := self._group) is None:
+            raise RuntimeError(f"weight-update group {self.group_name!r} is not open; call open_group() first")
         ordered = chunk_order(named) if self._flattened else list(named)
         descriptor = {"seq": seq, "group_name": self.group_name, "names": [n for n, _ in ordered],
                       "dtypes": [dtype_name(t.dtype) for _, t in ordered],
@@ -138,14 +139,6 @@ class DistributedWeightSender:
             leaving = off_loop(group.close, name="colocd-trainer-leave")
             if wait:
                 await leaving
-
-    async def aclose(self) -> None:
-        await self.close_group()
-
-    def _require_group(self) -> WeightGroup:
-        if self._group is None:
-            raise RuntimeError(f"weight-update group {self.group_name!r} is not open; call open_group() first")
-        return self._group
 
     async def _together(self, collective: asyncio.Future[_T], http: asyncio.Future[dict[str, Any]],
                         ) -> tuple[_T, dict[str, Any]]:

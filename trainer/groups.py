@@ -565,15 +565,19 @@ def teardown_together(teardown: Callable[[dist.ProcessGroup], None], groups: Seq
             pass
 
 
-def _destroy(group: dist.ProcessGroup, how: Callable[[dist.ProcessGroup], None] = dist.destroy_process_group) -> None:
-    try:
-        how(group)
-    except Exception as exc:  # best effort: the group is dropped either way
-        log.warning("tearing down a process group failed: %r", exc)
+def _destroy(group: dist.ProcessGroup) -> None:
+    _quietly(dist.destroy_process_group, group)
 
 
 def _abort(group: dist.ProcessGroup) -> None:
-    _destroy(group, getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group))
+    _quietly(getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group), group)
+
+
+def _quietly(teardown: Callable[[dist.ProcessGroup], None], group: dist.ProcessGroup) -> None:
+    try:
+        teardown(group)
+    except Exception as exc:  # best effort: the group is dropped either way
+        log.warning("tearing down a process group failed: %r", exc)
 
 
 def _backend(group: dist.ProcessGroup, device: torch.device) -> Any:

@@ -291,9 +291,9 @@ class WeightPusher:
         """The producer kept from the last stream, unless ``auto`` chose a transport the engines no longer load
         (another kind attached): then this stream's transport and bucket size are chosen again."""
         accepted = (self.last_join or {}).get("transports") or ()
-        if self._producer is not None and self._transport == "auto" and accepted and \
-                self._producer.transport not in accepted:
-            self._producer.close()
+        if ((producer := self._producer) is not None and self._transport == "auto" and accepted
+                and producer.transport not in accepted):
+            producer.close()
             self._producer = None
         if self._producer is None:
             transport = self.transport_for(device)
