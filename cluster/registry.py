@@ -139,9 +139,6 @@ class NodeDaemons:
         infos = ray.get([self.handles[n].start.remote() for n in targets], timeout=timeout_s)
         return dict(zip(targets, infos, strict=True))
 
-    def urls(self) -> dict[str, str]:
-        return daemon_urls()
-
     def stop(self, timeout_s: float = 60.0) -> list[str]:
         """Stop every daemon held here and its engines, and remove the actors (detached ones too)."""
         handles, self.handles = self.handles, {}

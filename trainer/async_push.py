@@ -134,20 +134,20 @@ class AsyncWeightSync:
                 report.update(mode="async", buffer=kind, buffer_bytes=nbytes, snapshot_s=time.perf_counter() - t0)
                 self._report = report
                 # The task alone holds the snapshot: it is freed once the push has ended.
-                self._task = asyncio.ensure_future(self._push(snapshot, version, step))
+                self._task = asyncio.ensure_future(self._push(snapshot, version, step, report))
                 return
         t0 = time.perf_counter()
         self.last_push = await self._sender.push(named, version=version, step=step)
         report.update(mode="sync", push_s=time.perf_counter() - t0, join_wait_s=0.0, overlap_s=0.0)
         self._report = report
 
-    async def _push(self, named: list[tuple[str, torch.Tensor]], version: str, step: int | None) -> PushReport:
+    async def _push(self, named: list[tuple[str, torch.Tensor]], version: str, step: int | None,
+                    report: dict[str, Any]) -> PushReport:
         t0 = time.perf_counter()
         try:
             return await self._sender.push(named, version=version, step=step)
         finally:
-            if self._report is not None:
-                self._report["push_s"] = time.perf_counter() - t0
+            report["push_s"] = time.perf_counter() - t0
 
     async def wait_ended(self) -> None:
         """Wait until the background push (if any) has ended, leaving its outcome for ``join``."""
