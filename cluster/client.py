@@ -6,13 +6,11 @@
     await cluster.rollout(step)
 
 Each call fans out concurrently (one ``AsyncColocdClient`` per daemon) and returns a ``StepResult`` with every
-node's reply; if any node failed, ``ClusterStepError`` is raised once *every* node has answered, naming each failed
-node, the engine its daemon blamed and the daemon's reason, and what the other nodes were left doing. The rules are
-one node's stretched over the cluster (docs/deploy.md, "What a step does across nodes"): a repeated phase is
-replayed by the daemons that finished it; a failed push aborts every session still open and leaves the nodes that
-committed paused; ``rollout`` is refused before any node resumes unless every engine of every node reports clean
-weights at the step's version (read from each daemon's ``/v1/status``, not this client's memory). Imports neither
-ray nor torch: the fan-out works for any set of daemon URLs.
+node's reply; if any node failed, ``ClusterStepError`` is raised once every node has answered, naming each failed
+node, the engine its daemon blamed, the daemon's reason, and what the other nodes were left doing. One node's rules
+stretched over the cluster (docs/deploy.md, "What a step does across nodes"): a failed push aborts every session
+still open; ``rollout`` is refused before any node resumes unless every engine of every node reports clean weights
+at the step's version (from each daemon's ``/v1/status``). Imports neither ray nor torch.
 """
 
 from __future__ import annotations
@@ -118,9 +116,7 @@ def failure_of(node_id: str, exc: BaseException) -> NodeFailure:
 
 class ClusterClient:
     """Fans calls out to a set of daemons, ``{node_id: url}``; ``set_nodes`` changes the set between steps.
-
-    ``max_concurrency`` bounds the requests in flight (and so the client's open connections);
-    ``timeout_s`` bounds one node's call.
+    ``max_concurrency`` bounds the requests in flight (and so the open connections); ``timeout_s`` one node's call.
     """
 
     def __init__(self, daemons: Mapping[str, str], *, token: str | None = None, timeout_s: float = 600.0,
@@ -134,8 +130,6 @@ class ClusterClient:
         self._target: dict[int, str] = {}
         self._retired: list[AsyncColocdClient] = []
         self.set_nodes(daemons)
-
-    # --- membership ---------------------------------------------------------------------------------
 
     @property
     def nodes(self) -> dict[str, str]:
@@ -172,8 +166,6 @@ class ClusterClient:
         """The daemon client of one node (for calls this class does not fan out)."""
         return self._clients[node_id]
 
-    # --- the fan-out --------------------------------------------------------------------------------
-
     async def fan_out(self, what: str, call: Callable[[str, AsyncColocdClient], Awaitable[Any]],
                       nodes: Iterable[str] | None = None) -> StepResult:
         """Run ``call(node_id, client)`` on every node (or ``nodes``) concurrently; never raises for a node."""
@@ -205,13 +197,10 @@ class ClusterClient:
         return await self.fan_out("status", lambda _, c: c.status())
 
     async def sync(self, step: int, version: str, push: PushFn, *, skip_committed: bool = True) -> StepResult:
-        """Enter ``sync`` everywhere, run ``push(node_id)`` for every node concurrently, and check the result.
-
-        ``push`` starts that node's weight push (e.g. a Ray actor call on a trainer rank of that node) and
-        returns an awaitable; its value is the node's result body. On any failure, sessions still open
-        on any node are aborted and ``ClusterStepError`` says which nodes hold ``version`` (paused).
-        ``skip_committed``: a node whose engines all report clean weights at ``version`` is not pushed
-        again (redoing a sync that failed on some nodes costs only those nodes).
+        """Enter ``sync`` everywhere, then run ``push(node_id)`` (e.g. a Ray actor call on a trainer rank of that
+        node; its value is the node's result body) for every node concurrently. On any failure, sessions still
+        open are aborted and ``ClusterStepError`` says which nodes hold ``version`` (paused). ``skip_committed``:
+        a node whose engines all hold ``version`` clean is not pushed again (a redo costs only the failed nodes).
         """
         self._target[step] = version
         await self.phase("sync", step)
@@ -243,11 +232,9 @@ class ClusterClient:
         raise ClusterStepError(result)
 
     async def rollout(self, step: int, *, version: str | None = None) -> StepResult:
-        """Resume generation everywhere, only if every engine on every node holds one complete version.
-
-        ``version``: the one expected (default: the version of the last ``sync`` at this step through this
-        client; with neither, every engine must agree on one). Refused before any node is touched.
-        """
+        """Resume generation everywhere, only if every engine on every node holds one complete version (``version``;
+        default: the last ``sync`` at this step through this client; with neither, any one they all agree on).
+        Refused before any node is touched."""
         expected = version or self._target.get(step)
         status = await self.status()
         gaps = [r.failure for r in status.nodes.values() if r.failure is not None]

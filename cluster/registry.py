@@ -1,43 +1,119 @@
-"""Finding each node's daemon by Ray node id: a named actor per node, ``colocd-<node_id>`` in namespace ``colocd``.
+"""One colocd daemon per Ray node: ``NodeDaemon``, a Ray actor pinned to its node that runs ``colocd serve``, found
+by its name ``colocd-<node_id>`` in namespace ``colocd``.
 
-    daemons = NodeDaemons(spec)     # the driver holds them; they go with the job (detached=True: they stay)
+    daemons = NodeDaemons(NodeSpec(engines=[...]))   # the driver holds them; they go with the job (detached: stay)
     daemons.ensure()                # start one on every alive node that has none (again after nodes join)
     daemon_urls()                   # {node_id: url} for the cluster client
     daemon_for_this_node()          # inside a trainer actor: this node's daemon (its url and pid)
 
-No registry actor of our own: Ray's named-actor table (in the GCS) is the registry, so it lives as
-long as the cluster and has no single actor to lose. Lookups by name cost one GCS round trip each.
+Ray's named-actor table (in the GCS) is the registry: it lives as long as the cluster and has no actor of ours to
+lose. The actor takes no CPU of its node's and only runs the daemon (``api/procs.DaemonProcess``, tethered: the
+kernel kills it, and then its engines, when the actor's process dies); the spec's engines go into the daemon's
+config unchanged (attached by ``url``, or launched by ``launch:``). docs/deploy.md, "Ray".
 """
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .daemon_actor import NAMESPACE, actor_name, create_node_daemon
+from ..api.procs import DaemonProcess
 
 __all__ = [
+    "NAMESPACE",
+    "NodeDaemon",
     "NodeDaemons",
+    "NodeSpec",
     "adaemon_for_this_node",
-    "alive_nodes",
     "daemon_for_this_node",
     "daemon_urls",
-    "find_daemon",
     "list_daemons",
     "stop_daemons",
 ]
 
+NAMESPACE = "colocd"
 
-def alive_nodes() -> list[str]:
-    """Node ids of the cluster's alive nodes."""
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What each node runs: ``engines`` (node-config engine entries) and ``daemon`` (the other node-config keys).
+    ``listen_host``: default this Ray node's IP, so a cluster client on another node reaches it (set a ``token``
+    then: mutating routes need it)."""
+
+    engines: list[dict[str, Any]] = field(default_factory=list)
+    daemon: dict[str, Any] = field(default_factory=dict)
+    listen_host: str | None = None
+    ready_timeout_s: float = 300.0  # the daemon's start, its engines' launches included
+    stop_grace_s: float = 30.0  # SIGTERM → SIGKILL; the daemon stops its engines in it (launch.stop_grace_s)
+
+
+class NodeDaemon:
+    """The actor's body (``ray.remote`` is applied in ``_create``); all methods run on one event loop."""
+
+    def __init__(self, node_id: str, spec: NodeSpec) -> None:
+        self.node_id = node_id
+        self.spec = spec
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"colocd-node-{node_id[:12]}-"))
+        self._daemon: DaemonProcess | None = None
+        self._starting = asyncio.Lock()  # concurrent start() calls (two drivers' ensure()) start one daemon
+
+    async def start(self) -> dict[str, Any]:
+        """Start the daemon (which launches or attaches to the engines); returns ``info()``. Idempotent."""
+        async with self._starting:
+            if self._daemon is None:
+                host = self.spec.listen_host or ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+                config = {"journal": str(self.workdir / "journal.jsonl"), **self.spec.daemon,
+                          "listen": {"host": host, "port": 0, **self.spec.daemon.get("listen", {})},
+                          "engines": self.spec.engines}
+                daemon = DaemonProcess(config, workdir=str(self.workdir), ready_timeout_s=self.spec.ready_timeout_s,
+                                       tether=True)
+                try:
+                    await daemon.__aenter__()  # stops what it started if it fails
+                except Exception as exc:
+                    raise RuntimeError(f"node {self.node_id}: {exc}") from exc
+                self._daemon = daemon
+        return self.info()
+
+    async def stop(self) -> None:
+        """Stop the daemon (SIGTERM, then SIGKILL after ``stop_grace_s``); it stops the engines it launched."""
+        if self._daemon is not None:
+            await self._daemon.stop(self.spec.stop_grace_s)
+
+    def info(self) -> dict[str, Any]:
+        """Where this node's daemon listens and its pid; its engines are in the daemon's ``/v1/status``."""
+        daemon = self._daemon
+        return {"node_id": self.node_id, "url": daemon.url if daemon else "",
+                "daemon_pid": daemon.pid if daemon else None, "workdir": str(self.workdir)}
+
+    async def cleanup(self) -> None:
+        """``stop()`` and remove the working directory (the journal and logs with it)."""
+        await self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _create(node_id: str, spec: NodeSpec, detached: bool) -> Any:
+    """The node's daemon actor, pinned to ``node_id``, or the one it has: the name is the lock."""
+    return ray.remote(NodeDaemon).options(
+        name=f"colocd-{node_id}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0, max_restarts=0,
+        lifetime="detached" if detached else None,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(node_id, spec)
+
+
+def _alive_nodes() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))  # type: ignore[no-untyped-call]
 
 
-def find_daemon(node_id: str) -> Any | None:
-    """The node's daemon actor handle, or None if it has none."""
+def _find(node_id: str) -> Any | None:
     try:
-        return ray.get_actor(actor_name(node_id), namespace=NAMESPACE)
+        return ray.get_actor(f"colocd-{node_id}", namespace=NAMESPACE)
     except ValueError:  # Ray's answer for "no actor of that name"
         return None
 
@@ -45,30 +121,23 @@ def find_daemon(node_id: str) -> Any | None:
 class NodeDaemons:
     """The driver's hold on the node daemons it started: ``ensure()`` on every alive node, ``stop()`` at the end.
 
-    A job-scoped named actor is garbage-collected with its last handle, so whoever starts the daemons
-    keeps their handles: this object. ``detached=True``: daemons that stay up after the job (a long-lived
-    cluster shared by several jobs), found again by name.
+    A job-scoped named actor is garbage-collected with its last handle, so whoever starts the daemons keeps their
+    handles: this object. ``detached=True``: daemons that outlive the job (a cluster shared by several jobs).
     """
 
-    def __init__(self, spec: Any, *, detached: bool = False) -> None:
+    def __init__(self, spec: NodeSpec, *, detached: bool = False) -> None:
         self.spec = spec
         self.detached = detached
         self.handles: dict[str, Any] = {}
 
     def ensure(self, nodes: list[str] | None = None, timeout_s: float = 300.0) -> dict[str, dict[str, Any]]:
-        """Start a daemon on every alive node (or ``nodes``) that has none; returns their ``info()``.
-
-        Safe to call again after nodes joined: existing daemons are found, not restarted.
-        """
-        targets = nodes if nodes is not None else alive_nodes()
-        for node in targets:  # get-or-create by name: a daemon started elsewhere is adopted
-            self.handles.setdefault(node, create_node_daemon(node, self.spec, detached=self.detached))
-        # start() is idempotent: a running daemon answers at once with its info.
+        """Start a daemon on every alive node (or ``nodes``) that has none; returns their ``info()``. A daemon
+        started elsewhere is adopted, a running one answers at once: safe to call again after nodes joined."""
+        targets = nodes if nodes is not None else _alive_nodes()
+        for node in targets:
+            self.handles.setdefault(node, _create(node, self.spec, self.detached))
         infos = ray.get([self.handles[n].start.remote() for n in targets], timeout=timeout_s)
         return dict(zip(targets, infos, strict=True))
-
-    def urls(self) -> dict[str, str]:
-        return daemon_urls()
 
     def stop(self, timeout_s: float = 60.0) -> list[str]:
         """Stop every daemon held here and its engines, and remove the actors (detached ones too)."""
@@ -77,8 +146,7 @@ class NodeDaemons:
 
 
 def _found() -> dict[str, Any]:
-    """The daemon actor of each alive node that has one."""
-    return {n: h for n in alive_nodes() if (h := find_daemon(n)) is not None}
+    return {n: h for n in _alive_nodes() if (h := _find(n)) is not None}
 
 
 def _stop(handles: dict[str, Any], timeout_s: float) -> list[str]:
@@ -101,7 +169,7 @@ def daemon_urls(timeout_s: float = 60.0) -> dict[str, str]:
 
 def _this_node() -> Any:
     node_id = ray.get_runtime_context().get_node_id()
-    if (handle := find_daemon(node_id)) is None:
+    if (handle := _find(node_id)) is None:
         raise LookupError(f"no colocd daemon on node {node_id}: start one with "
                           "colocd.cluster.registry.NodeDaemons(spec).ensure()")
     return handle

@@ -5,8 +5,8 @@
         async def push(self, step):
             return await push_to_this_node(self.model.named_parameters(), version=f"v{step}", step=step)
 
-A failure raises ``ColocdHTTPError`` with the daemon's error body; it pickles with that body, so the
-driver's ``ClusterClient`` names the node, engine and reason from it.
+A failure raises ``ColocdHTTPError``, which pickles with the daemon's error body: the driver's ``ClusterClient``
+names the node, engine and reason from it.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ __all__ = ["push_to_this_node"]
 async def push_to_this_node(named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
                             token: str | None = None, transport: Transport | str = "auto",
                             bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH) -> dict[str, Any]:
-    """One complete push (open, stream, commit) to this node's daemon; returns a summary the driver can keep.
-    The defaults are ``WeightPusher``'s."""
+    """One whole push to this node's daemon (``WeightPusher``'s defaults); returns a summary the driver keeps."""
     info = await adaemon_for_this_node()
     async with AsyncColocdClient(info["url"], token=token) as client, \
             WeightPusher(client, transport=transport, bucket_mb=bucket_mb, depth=depth) as pusher:

@@ -1,10 +1,8 @@
-"""colocd.trainer: the library that runs inside the trainer process.
+"""colocd.trainer: the library that runs inside the trainer process; engines never import it.
 
-Client-side weight push (``push``; LoRA adapters: ``adapters``; bucketing, ``producer``: IPC export), the synchronous
-``TrainerClient``, separated-GPU broadcast (``broadcast``), the asynchronous push from a snapshot
-(``async_push``), process-group lifecycle (``groups``), cleanup (``cleanup``) and the agent that
-enacts the daemon's directives (``agent``). Engines never import this package; the chunk formats both
-sides read live in ``colocd.engines.chunks`` and ``colocd.engines.cuda_handles``.
+The weight push (``push``, exporting through ``producer``, its buffers accounted in ``leases``), LoRA adapters
+(``adapters``), ``TrainerClient``, separated-GPU broadcast (``broadcast``), the push from a snapshot
+(``async_push``), process groups (``groups``), cleanup (``cleanup``) and the ``agent`` enacting the directives.
 """
 
 from .adapters import push_adapter

@@ -6,8 +6,7 @@
     # reply["adapter"] == "policy@<step>": the name rollouts request
 
 The body is ``adapter_model.safetensors`` as PEFT saves it, with ``adapter_config.json`` in its metadata; the daemon
-writes the folder the engines load. The tensors are copied to host memory for the request and nothing stays
-exported: there is no IPC lease to report, and a trainer killed mid-request leaves nothing on the daemon.
+writes the folder the engines load. Host copies: nothing stays exported, so there is no IPC lease to report.
 """
 
 from __future__ import annotations

@@ -7,13 +7,10 @@
     await WeightPusher(client).push(...)
     await agent.rollout(step)
 
-The train reply carries the decisions for the end of training (process groups, cleanup); the agent enacts them
-just before it posts ``sync``, when the trainer gives the GPU back. ``overlap_groups=True`` takes the group work off
-the critical path (the pause runs from ``sync`` until ``rollout`` waits for it, the resume right after the ``train``
-reply; ``groups_ready()`` before the step's first collective); ``freeing`` posts a phase while the trainer still
-frees memory, and posts again once it has if the daemon refused the engines' resume for lack of headroom (409);
-``weight_sync`` (``AsyncWeightSync``) follows the policy's directive, and its push is joined before ``rollout``.
-docs/client.md says each in full.
+The train reply carries the decisions for the end of training (process groups, cleanup), enacted just before
+``sync``. ``overlap_groups=True`` runs the group work in the background (``groups_ready()`` before the step's first
+collective); ``freeing`` posts a phase while the trainer still frees memory, and again once it has if the daemon
+refused for lack of headroom (409); ``weight_sync``'s push is joined before ``rollout``. docs/client.md, in full.
 """
 
 from __future__ import annotations
@@ -68,8 +65,7 @@ class TrainerAgent:
 
     @property
     def directives(self) -> dict[str, Any]:
-        """The decisions of the last train reply (process groups, cleanup), for trainer-side work
-        the agent does not enact itself (e.g. a second cleanup after offloading the weights)."""
+        """The decisions of the last train reply, for trainer-side work the agent does not enact itself."""
         return self._directives
 
     async def train(self, step: int) -> dict[str, Any]:

@@ -9,14 +9,10 @@
         await asyncio.to_thread(post_step_work)              # logging, offload, checkpoint: the push runs meanwhile
         await agent.rollout(step)                            # joins the push first; the engines serve it
 
-``start`` joins the previous push (one weight session at a time), copies every tensor into the second buffer and
-returns; the push (open, stream, commit) then runs as a task on this event loop, so the trainer's work must yield to
-the loop (``asyncio.to_thread``: torch releases the GIL in its kernels); the snapshot is freed as the push ends.
-``join`` waits for the commit. Where the second buffer goes, and the fallback when none fits: docs/policies.md, "sync".
-
-It pays on separated GPUs (``DistributedWeightSender``: the broadcast runs while the trainer computes). Colocated, a
-push can only land after ``sync`` gave the engine its weights memory back: what overlaps is the trainer's post-step
-work (offload, cleanup, logging, checkpointing), at the cost of a second copy of the weights meanwhile.
+The push runs as a task on this event loop, so the trainer's work must yield to it (``asyncio.to_thread``); the
+snapshot is freed as the push ends. Where the second buffer goes, and the fallback when none fits:
+docs/policies.md, "sync". It pays on separated GPUs (the broadcast runs while the trainer computes); colocated,
+what overlaps is the trainer's post-step work, at the cost of a second copy of the weights meanwhile.
 """
 
 from __future__ import annotations
@@ -48,8 +44,8 @@ class WeightSender(Protocol):
 
 def choose_buffer(nbytes: int, device: torch.device, *, wanted: str = "auto", margin_bytes: int,
                   host_ok: bool) -> tuple[BufferKind, str]:
-    """Where a snapshot of ``nbytes`` goes, and why: the device if a copy plus the margin fits there, else pinned
-    host memory (CUDA tensors, a sender that reads host tensors: ``host_ok``), else none (push synchronously)."""
+    """Where a snapshot of ``nbytes`` goes, and why: the device if it fits there with the margin, else pinned host
+    memory (for CUDA tensors and a sender that reads host tensors: ``host_ok``), else none (push synchronously)."""
     need = nbytes + margin_bytes
     notes = []
 
@@ -73,9 +69,8 @@ def choose_buffer(nbytes: int, device: torch.device, *, wanted: str = "auto", ma
 
 
 def _snapshot(named: list[tuple[str, torch.Tensor]], kind: BufferKind) -> list[tuple[str, torch.Tensor]]:
-    """Copy every tensor into the second buffer. Device copies are queued on the current stream, so the
-    trainer's later kernels (on that stream) cannot overwrite a source before it is copied; host copies are
-    waited for, so the push reads finished bytes."""
+    """Copy every tensor into the second buffer: device copies queued on the current stream (the trainer's later
+    kernels cannot overwrite a source first), host copies waited for (the push reads finished bytes)."""
     out = []
     for name, tensor in named:
         src = tensor.detach()
@@ -92,10 +87,7 @@ def _snapshot(named: list[tuple[str, torch.Tensor]], kind: BufferKind) -> list[t
 
 class AsyncWeightSync:
     """One push at a time, from a snapshot, in the background (``mode="async"``) or awaited (``"sync"``).
-
-    ``mode``, ``second_buffer`` and ``margin_mb`` are the policy's ``sync`` section; ``follow(directive)``
-    takes them from a phase reply (``directives["weight_sync"]``), as ``TrainerAgent`` does.
-    """
+    ``mode``, ``second_buffer`` and ``margin_mb`` are the policy's ``sync`` section (``follow``)."""
 
     def __init__(self, sender: WeightSender, *, mode: str = "async", second_buffer: str = "auto",
                  margin_mb: float = 1024) -> None:
@@ -108,7 +100,7 @@ class AsyncWeightSync:
         self.last_push: PushReport | None = None
 
     def follow(self, directive: dict[str, Any] | None) -> None:
-        """Adopt the policy's ``weight_sync`` directive (mode, second buffer, margin)."""
+        """Adopt a phase reply's ``directives["weight_sync"]``, as ``TrainerAgent`` does."""
         if not directive:
             return
         self.mode = str(directive.get("mode", self.mode))
@@ -123,8 +115,9 @@ class AsyncWeightSync:
 
     async def start(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                     step: int | None = None) -> None:
-        """Push ``named`` as ``version``: after the snapshot (async) or the commit (sync, or a fallback)."""
-        await self.join()  # one weight session at a time, in version order
+        """Join the previous push, then push ``named`` as ``version``: returns after the snapshot (async) or the
+        commit (sync, or a fallback)."""
+        await self.join()
         named = list(named)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         device = next((t.device for _, t in named), torch.device("cpu"))
@@ -141,24 +134,23 @@ class AsyncWeightSync:
                 report.update(mode="async", buffer=kind, buffer_bytes=nbytes, snapshot_s=time.perf_counter() - t0)
                 self._report = report
                 # The task alone holds the snapshot: it is freed once the push has ended.
-                self._task = asyncio.ensure_future(self._push(snapshot, version, step))
+                self._task = asyncio.ensure_future(self._push(snapshot, version, step, report))
                 return
         t0 = time.perf_counter()
         self.last_push = await self._sender.push(named, version=version, step=step)
         report.update(mode="sync", push_s=time.perf_counter() - t0, join_wait_s=0.0, overlap_s=0.0)
         self._report = report
 
-    async def _push(self, named: list[tuple[str, torch.Tensor]], version: str, step: int | None) -> PushReport:
+    async def _push(self, named: list[tuple[str, torch.Tensor]], version: str, step: int | None,
+                    report: dict[str, Any]) -> PushReport:
         t0 = time.perf_counter()
         try:
             return await self._sender.push(named, version=version, step=step)
         finally:
-            if self._report is not None:
-                self._report["push_s"] = time.perf_counter() - t0
+            report["push_s"] = time.perf_counter() - t0
 
     async def wait_ended(self) -> None:
-        """Wait until the background push (if any) has ended, committed or failed, without joining it: its
-        outcome stays for ``join``."""
+        """Wait until the background push (if any) has ended, leaving its outcome for ``join``."""
         if self._task is not None:
             await asyncio.wait({self._task})
 

@@ -8,12 +8,10 @@ the daemon's request is in flight.
             await sender.push(model.named_parameters(), version=str(step), step=step)
             await client.phase("rollout", step)
 
-Every collective overlaps its HTTP call (research/engine-apis.md §6.3): the request goes out first,
-the collective runs on its own thread, and the two are awaited together. The daemon answers only
-once the engines have received, so awaiting its answer before broadcasting would deadlock until a
-timeout. After a failure on either side the group's collective sequence is unknown: the sender
-leaves the group (the engines' pending receives then fail at once), has the daemon destroy it, and
-raises; ``open_group()`` builds a fresh one.
+Every collective overlaps its HTTP call (research/engine-apis.md §6.3): the daemon answers only once the engines
+have received, so the request goes out first and the two are awaited together. After a failure on either side the
+group's collective sequence is unknown: the sender leaves the group (the engines' pending receives fail at once),
+has the daemon destroy it, and raises; ``open_group()`` builds a fresh one.
 """
 
 from __future__ import annotations
@@ -37,12 +35,9 @@ FLATTENED = "flattened_bucket"
 
 
 class DistributedWeightSender:
-    """Rank 0 of one weight-update group: opens it with the node's engines, broadcasts buckets, closes it.
-
-    ``flattened``: one uint8 broadcast per bucket (SGLang's ``flattened_bucket``, tensors ordered by
-    decreasing itemsize so every offset is aligned), else one broadcast per tensor. ``backend`` is
-    ``nccl`` between GPUs and ``gloo`` on CPU. ``timeout_s`` bounds the rendezvous and each collective.
-    """
+    """Rank 0 of one weight-update group. ``flattened``: one uint8 broadcast per bucket (SGLang's
+    ``flattened_bucket``), else one per tensor; ``backend``: ``nccl`` between GPUs, ``gloo`` on CPU; ``timeout_s``
+    bounds the rendezvous and each collective."""
 
     def __init__(self, client: AsyncColocdClient, *, group_name: str = "weight_update_group",
                  backend: str = "nccl", master_address: str = "127.0.0.1", bucket_mb: float = 64.0,
@@ -60,7 +55,7 @@ class DistributedWeightSender:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        await self.close_group()
 
     async def open_group(self) -> dict[str, Any]:
         """Serve the group's store, then join as rank 0 while the daemon has every engine join."""
@@ -88,7 +83,8 @@ class DistributedWeightSender:
 
     async def broadcast(self, session_id: str, seq: int, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         """Send one bucket: the descriptor first, then the broadcast(s), then await the daemon's answer."""
-        group = self._require_group()
+        if (group := self._group) is None:
+            raise RuntimeError(f"weight-update group {self.group_name!r} is not open; call open_group() first")
         ordered = chunk_order(named) if self._flattened else list(named)
         descriptor = {"seq": seq, "group_name": self.group_name, "names": [n for n, _ in ordered],
                       "dtypes": [dtype_name(t.dtype) for _, t in ordered],
@@ -114,8 +110,7 @@ class DistributedWeightSender:
         return reply
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-        """Broadcast every bucket of an open session, one at a time (a group carries one collective
-        sequence); returns (broadcasts, bytes)."""
+        """Broadcast every bucket of an open session, one at a time; returns (broadcasts, bytes)."""
         count = nbytes = 0
         for seq, bucket in enumerate(plan_chunks(named, self._bucket_bytes)):
             reply = await self.broadcast(session_id, seq, bucket)
@@ -124,17 +119,13 @@ class DistributedWeightSender:
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                    step: int | None = None) -> PushReport:
-        """Open a weight session, broadcast every bucket, commit; on failure abort the session and raise."""
+        """``push_session`` with this sender's broadcasts."""
         return await push_session(self._client, named, self.stream, version=version, step=step, chunks_counted=False)
 
     async def close_group(self, *, wait: bool = True) -> dict[str, Any] | None:
-        """Have the daemon destroy the group on every engine, then leave it.
-
-        Returns the daemon's answer, or None if the daemon no longer had the group (it destroys a group after a
-        failed broadcast; leaving it here is what lets the engines' receives end). ``wait=False`` (after a
-        failure): the daemon's refusal is not raised, and the group is left without waiting (a broadcast of ours
-        may still be pending on it; it fails once the engines are gone).
-        """
+        """Have the daemon destroy the group on every engine, then leave it; returns the daemon's answer, or None
+        if it no longer had the group. ``wait=False`` (after a failure): the daemon's refusal is not raised, and
+        the group is left without waiting (a broadcast of ours may still be pending on it)."""
         group, self._group = self._group, None
         if group is None:
             return None
@@ -148,14 +139,6 @@ class DistributedWeightSender:
             leaving = off_loop(group.close, name="colocd-trainer-leave")
             if wait:
                 await leaving
-
-    async def aclose(self) -> None:
-        await self.close_group()
-
-    def _require_group(self) -> WeightGroup:
-        if self._group is None:
-            raise RuntimeError(f"weight-update group {self.group_name!r} is not open; call open_group() first")
-        return self._group
 
     async def _together(self, collective: asyncio.Future[_T], http: asyncio.Future[dict[str, Any]],
                         ) -> tuple[_T, dict[str, Any]]:

@@ -1,7 +1,5 @@
-"""Enacts a ``CleanupPlan`` in the trainer's process before an engine resumes, timing each sub-step.
-
-Each sub-step becomes a trace span with the bytes it gave back to the driver (the phase-trace method
-of verl #7864), so the step's trace shows what cleanup cost and what it bought.
+"""Enacts a ``CleanupPlan`` in the trainer's process before an engine resumes: each sub-step becomes a trace span
+with the bytes it gave back to the driver (verl #7864's phase trace), so the trace shows what cleanup bought.
 """
 
 from __future__ import annotations
@@ -24,10 +22,8 @@ _CUDA_NOTE = "freed = drop in torch.cuda.memory_reserved across the step"
 
 @dataclass(slots=True)
 class CleanupReport:
-    """What cleanup did; spans are ``{name, round, start_s, duration_s, freed_bytes, ...}`` dicts.
-
-    ``start_s`` counts from ``started_at``; bytes are None where not measurable (``memory_note``).
-    """
+    """What cleanup did; spans are ``{name, round, start_s (from started_at), duration_s, freed_bytes, ...}``;
+    bytes are None where not measurable (``memory_note``)."""
 
     policy: str
     started_at: float  # wall clock (time.time()) when cleanup began, to place the spans in a step trace
@@ -44,11 +40,8 @@ class CleanupReport:
 def run_cleanup(plan: CleanupPlan, *, device: torch.device | None = None,
                 clock: Callable[[], float] = time.perf_counter, collect: Callable[[], object] = gc.collect,
                 meter: Callable[[], int] | None = None) -> CleanupReport:
-    """Run ``plan``: its steps once, then again while a round freed >= ``min_freed_bytes`` (bounded by
-    ``max_retries``). On CPU every step still runs (gc is real work) but bytes are None.
-
-    ``meter`` returns the bytes currently held (default: ``torch.cuda.memory_reserved`` on CUDA).
-    """
+    """Run ``plan``'s steps, again while a round freed >= ``min_freed_bytes`` (up to ``max_retries``); ``meter``:
+    the bytes held (default: ``torch.cuda.memory_reserved`` on CUDA; on CPU every step runs, bytes are None)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cuda = device.type == "cuda"

@@ -27,9 +27,7 @@ class TrainerClient(ColocdClient):
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
                      transport: Transport | str = "auto", bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH,
                      partial: bool = False) -> PushReport:
-        """Open, stream and commit one session. The defaults are ``WeightPusher``'s (the ``tuned`` preset:
-        the transport by the tensors' device and what the engines load, 4 GiB buckets unless free memory
-        says less, depth 2); tests/unit/test_tuned_defaults.py holds the two to one set."""
+        """Open, stream and commit one session, with ``WeightPusher``'s defaults (the ``tuned`` preset)."""
         async def push() -> PushReport:
             async with WeightPusher(self.async_client, transport=transport, bucket_mb=bucket_mb,
                                     depth=depth) as pusher:

@@ -1,7 +1,7 @@
 """Enacts a ``GroupDirective`` in the trainer's process: create, destroy, keep, suspend, rebuild named groups.
 
-The policy decided in the daemon; this module only does the torch.distributed work, bounds every
-wait, and reports the seconds it spent and the GPU memory the groups kept through the pause.
+The daemon's policy decided; this module does the torch.distributed work, bounds every wait, and reports the
+seconds spent and the GPU memory the groups kept through the pause.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def all_reduce_canary(name: str, group: dist.ProcessGroup, timeout_s: float, *, 
 
 
 def detect_suspend_capability(device: torch.device, backends: Sequence[str]) -> SuspendCapability:
-    """Check torch >= 2.12, NCCL >= 2.29.7, CUDA, NCCL-only groups and cuMem on (nccl-keepalive.md §1.1)."""
+    """Needs torch >= 2.12, NCCL >= 2.29.7, CUDA, NCCL-only groups and cuMem on (nccl-keepalive.md §1.1)."""
     torch_missing = (f"torch {torch.__version__} has no ProcessGroupNCCL suspend (needs 2.12)"
                      if torch.__version__ < "2.12" else None)
     capability = _nccl_gate("suspend", device, backends, torch_missing, _MIN_NCCL_SUSPEND,
@@ -137,8 +137,7 @@ def detect_split_capability(device: torch.device, backends: Sequence[str]) -> Su
 
 def _nccl_gate(feature: str, device: torch.device, backends: Sequence[str], torch_missing: str | None,
                minimum: tuple[int, ...], too_old: str) -> SuspendCapability:
-    """The checks an NCCL communicator feature shares, in order: CUDA, NCCL-only groups, torch's support, NCCL's
-    version: the first that fails, or supported."""
+    """The first of CUDA, NCCL-only groups, torch's support and NCCL's version that fails, or supported."""
     if device.type != "cuda":
         return SuspendCapability(False, f"{feature} needs CUDA and NCCL; this process runs on CPU")
     if any(b != "nccl" for b in backends):
@@ -201,8 +200,6 @@ class GroupLifecycle:
         self._canary_timeout_s = 30.0
         self._policy: str | None = None  # the policy of the last pause's directive
 
-    # --- what the daemon and the trainer read ------------------------------------------------
-
     @property
     def state(self) -> LifecycleState:
         return self._state
@@ -210,10 +207,6 @@ class GroupLifecycle:
     @property
     def keep_alive(self) -> KeepAliveState:
         return self._keep_alive
-
-    @property
-    def suspend_capability(self) -> SuspendCapability:
-        return self._suspend
 
     def groups(self) -> Iterator[tuple[GroupSpec, dist.ProcessGroup]]:
         """The live groups this rank is a member of, in creation order."""
@@ -226,8 +219,6 @@ class GroupLifecycle:
         return GroupSnapshot(group_count=len(self._resident), resident_bytes=self._resident_total(),
                              keep_alive_disabled=self._keep_alive == KeepAliveState.DISABLED,
                              suspend_supported=self._suspend.supported)
-
-    # --- the lifecycle ---------------------------------------------------------------------------
 
     def build(self) -> GroupReport:
         """Create every group (collective) and warm it with one canary so lazy communicators exist."""
@@ -244,17 +235,15 @@ class GroupLifecycle:
         actions: list[str] = [f"directive {directive.action} from {directive.policy}: {directive.reason}"]
         if why:
             actions.append(why)
-        if effective.action == GroupAction.KEEP:
-            self._canary_timeout_s = effective.canary_timeout_s
-            if self._keep_alive == KeepAliveState.OFF:
-                self._keep_alive = KeepAliveState.ELIGIBLE
-            self._state = LifecycleState.KEPT
-            actions.append(f"kept {len(self._resident)} groups through the pause ({self._keep_alive})")
-            return self._report("pause", "keep", start, actions, kept=self._resident_total(), freed=0,
-                                fallback_reason=why, per_group=self._resident)
+        if effective.action == GroupAction.DESTROY:
+            return self._destroy(effective, start, actions, why)
+        self._canary_timeout_s = effective.canary_timeout_s
         if effective.action == GroupAction.SUSPEND:
-            return self._suspend_all(effective, start, actions)
-        return self._destroy(effective, start, actions, why)
+            return self._suspend_all(start, actions)
+        self._kept(LifecycleState.KEPT)
+        actions.append(f"kept {len(self._resident)} groups through the pause ({self._keep_alive})")
+        return self._report("pause", "keep", start, actions, kept=self._resident_total(), freed=0,
+                            fallback_reason=why, per_group=self._resident)
 
     def resume(self) -> GroupReport:
         """Make the groups usable again: rebuild (after any cooldown remainder) or canary-check kept ones."""
@@ -280,11 +269,7 @@ class GroupLifecycle:
         """Destroy every group, the control group included. Idempotent."""
         if self._state == LifecycleState.CLOSED:
             return
-        for group in self._groups:
-            if group is not None:
-                _destroy(group)
-        self._groups = []
-        self._drop_parent(_destroy)
+        self._teardown(_destroy)
         _destroy(self._control)
         self._state = LifecycleState.CLOSED
 
@@ -293,8 +278,6 @@ class GroupLifecycle:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    # --- directive handling ----------------------------------------------------------------------
 
     def _effective(self, directive: GroupDirective) -> tuple[GroupDirective, str | None]:
         """The directive to enact here, after the local facts the daemon may not have had."""
@@ -314,19 +297,15 @@ class GroupLifecycle:
         before = self._free_bytes()
         split = self._parent is not None
         resident = self._resident_total()  # before the destroy drops the parent's share
-        members = [group for group in self._groups if group is not None]
-        teardown_together(_destroy, members)
-        self._drop_parent(_destroy)  # after its children: nothing of theirs is kept through the pause
-        self._groups, self._state = [None] * len(self._specs), LifecycleState.DESTROYED
+        count = self._teardown(_destroy)
         freed = _delta(self._free_bytes(), before)
         destroyed_at = time.monotonic()
-        actions.append(f"destroyed {len(members)} groups" + (" and the parent they were split from" if split else ""))
+        actions.append(f"destroyed {count} groups" + (" and the parent they were split from" if split else ""))
         self._rebuild = directive.rebuild
         waited = 0.0
         wait_s = min(directive.wait_s, self._max_wait_s)
         if wait_s < directive.wait_s:
             actions.append(f"wait capped at max_wait_s={self._max_wait_s:g} s")
-        self._cooldown_until = None
         if directive.wait_point != WaitPoint.AFTER_DESTROY:
             # Deferred: the pause (rollout) usually outlasts the wait, so resume() sleeps only what is left.
             self._cooldown_until = destroyed_at + wait_s
@@ -338,8 +317,7 @@ class GroupLifecycle:
         return self._report("pause", "destroy", start, actions, waited=waited, kept=kept, freed=freed,
                             fallback_reason=why)
 
-    def _suspend_all(self, directive: GroupDirective, start: float, actions: list[str]) -> GroupReport:
-        self._canary_timeout_s = directive.canary_timeout_s
+    def _suspend_all(self, start: float, actions: list[str]) -> GroupReport:
         before = self._free_bytes()
         ok = True
         try:
@@ -353,15 +331,12 @@ class GroupLifecycle:
             reason = "suspend failed on at least one rank"
             self._disable(reason)
             self._abort_all()
-            self._cooldown_until = None
             actions.append("aborted all groups, no wait; rebuilt on resume")
             return self._report("pause", "destroy", start, actions, fallback_reason=reason)
         freed = _delta(self._free_bytes(), before)
         per_group = self._persist_bytes()
         kept = None if any(v is None for v in per_group.values()) else sum(v or 0 for v in per_group.values())
-        self._state = LifecycleState.SUSPENDED
-        if self._keep_alive == KeepAliveState.OFF:
-            self._keep_alive = KeepAliveState.ELIGIBLE
+        self._kept(LifecycleState.SUSPENDED)
         actions.append(f"suspended {len(per_group)} communicators")
         return self._report("pause", "suspend", start, actions, kept=kept, freed=freed, per_group=per_group)
 
@@ -393,12 +368,9 @@ class GroupLifecycle:
         self._abort_all()
         return ["aborted all groups, no wait", *self._create_all()[0]]
 
-    # --- collective building blocks ----------------------------------------------------------------
-
     def _create_all(self, mode: RebuildMode = RebuildMode.SEPARATE) -> tuple[list[str], str | None]:
-        """new_group for every spec in order (every rank, member or not), then warm and measure each; with
-        ``split_shared`` (where this process can) each is split from one parent made first. Returns the
-        actions and, where ``split_shared`` could not be honoured, the one-line reason."""
+        """Every spec's group (``split_shared`` where this process can: split from one parent made first); returns
+        the actions and, where ``split_shared`` could not be honoured, the one-line reason."""
         probe_ready = torch.ones(1, device=self._device)  # allocate before measuring, so it is not counted
         del probe_ready
         why: str | None = None
@@ -409,9 +381,8 @@ class GroupLifecycle:
             try:
                 notes.append(self._make_parent())
                 self._create_groups()
-            except Exception as exc:  # the split itself failed here: what was made goes, separate ones come
-                # (world size 1 is where this was measured; with peers, a rank that fails alone leaves them
-                # waiting in the split until NCCL's timeout)
+            except Exception as exc:  # what was made goes, separate ones come (a rank failing alone leaves its
+                # peers waiting in the split until NCCL's timeout)
                 why = " ".join(f"rebuild split_shared failed ({exc!r:.300}): separate communicators".split())
                 self._abort_all()
         if why is not None:
@@ -424,7 +395,7 @@ class GroupLifecycle:
         return [*notes, f"created {len(self._specs)} groups{split} ({len(self._resident)} with this rank)"], why
 
     def _create_groups(self) -> None:
-        """Every spec's group (split from the parent when there is one), warmed and measured; then LIVE."""
+        """new_group for every spec in order (every rank, member or not), each warmed and measured; then LIVE."""
         self._groups = []
         self._resident = {}
         for index, spec in enumerate(self._specs):
@@ -432,8 +403,7 @@ class GroupLifecycle:
             reserved = _reserved(self._device)
             group = self._new_group(spec, index)
             if group is not None:
-                # The first collective creates NCCL's communicator; doing it here keeps its cost in the
-                # rebuild (where it belongs) and lets us measure what the group holds.
+                # The first collective creates NCCL's communicator: its cost stays in the rebuild, and it is measured.
                 if not all_reduce_canary(spec.name, group, self._group_timeout.total_seconds(), device=self._device):
                     raise RuntimeError(f"group {spec.name!r} failed its warm-up all-reduce right after creation")
             self._groups.append(group)
@@ -445,8 +415,8 @@ class GroupLifecycle:
         self._state = LifecycleState.LIVE
 
     def _make_parent(self) -> str:
-        """The parent communicator over the whole world, created at once (bound to the device) so every
-        group split from it finds it; it holds the resources its children share (splitShare)."""
+        """The parent communicator over the whole world, created eagerly (bound to the device); it holds the
+        resources the groups split from it share (splitShare)."""
         before = self._free_bytes()
         self._parent = dist.new_group(None, self._group_timeout, "nccl", device_id=self._device)
         self._parent_bytes = _delta(before, self._free_bytes())
@@ -476,24 +446,16 @@ class GroupLifecycle:
             parent.perform_nocolor_split(self._device)
         return _member(group)
 
-    def _drop_parent(self, how: Callable[[dist.ProcessGroup], None]) -> None:
-        if self._parent is not None:
-            how(self._parent)
-            self._parent, self._parent_bytes = None, 0
-
     def _run_canaries(self, actions: list[str]) -> bool:
         failed: list[str] = []
         for spec, group in self._members():
             try:
                 ok = self._canary(spec.name, group, self._canary_timeout_s)
-            except Exception as exc:
-                # The collective's state is unknown: stop here. Peers time out on this group (bounded
-                # by canary_timeout_s) and everyone meets at the vote.
+            except Exception as exc:  # the collective's state is unknown: stop; peers time out, all meet at the vote
                 log.warning("canary on group %r raised: %r", spec.name, exc)
                 actions.append(f"canary raised on group {spec.name!r}: {exc!r}")
                 return False
-            if not ok:
-                # The collective itself completed: keep going so peers are not left waiting on us.
+            if not ok:  # the collective completed: go on, so peers are not left waiting
                 failed.append(spec.name)
         actions.append(f"canary wrong on groups {failed}" if failed else f"canary ok on {len(self._resident)} groups")
         return not failed
@@ -512,12 +474,23 @@ class GroupLifecycle:
 
     def _abort_all(self) -> None:
         # Abort, not destroy: destroy flushes, and a communicator that just failed may never flush.
-        teardown_together(_abort, [group for group in self._groups if group is not None])
-        self._drop_parent(_abort)
-        self._groups = [None] * len(self._specs)
-        self._state = LifecycleState.DESTROYED
+        self._teardown(_abort)
 
-    # --- small helpers ---------------------------------------------------------------------------
+    def _teardown(self, how: Callable[[dist.ProcessGroup], None]) -> int:
+        """Every group at once, then the parent they were split from (nothing of theirs outlives it); the next
+        resume rebuilds. Returns how many groups this rank tore down."""
+        members = [group for group in self._groups if group is not None]
+        teardown_together(how, members)
+        if self._parent is not None:
+            how(self._parent)
+            self._parent, self._parent_bytes = None, 0
+        self._groups, self._state, self._cooldown_until = [None] * len(self._specs), LifecycleState.DESTROYED, None
+        return len(members)
+
+    def _kept(self, state: LifecycleState) -> None:
+        self._state = state
+        if self._keep_alive == KeepAliveState.OFF:
+            self._keep_alive = KeepAliveState.ELIGIBLE
 
     def _members(self) -> Iterator[tuple[GroupSpec, dist.ProcessGroup]]:
         for spec, group in zip(self._specs, self._groups, strict=True):
@@ -530,9 +503,8 @@ class GroupLifecycle:
         self._keep_alive = KeepAliveState.DISABLED
 
     def _cooldown_remainder(self) -> float:
-        if self._cooldown_until is None:
-            return 0.0
-        remaining = min(self._cooldown_until - time.monotonic(), self._max_wait_s)
+        remaining = 0.0 if self._cooldown_until is None else min(self._cooldown_until - time.monotonic(),
+                                                                 self._max_wait_s)
         self._cooldown_until = None
         return self._timed_sleep(remaining) if remaining > 0 else 0.0
 
@@ -570,7 +542,7 @@ class GroupLifecycle:
     def _report(self, phase: str, action: str, start: float, actions: list[str], *, waited: float = 0.0,
                 kept: int | None = None, freed: int | None = None, fallback_reason: str | None = None,
                 per_group: Mapping[str, int | None] | None = None) -> GroupReport:
-        """The policy named is the last pause's (the one a resume or an abandon follows; None before the first)."""
+        """The policy named is the last pause's (None before the first)."""
         per_group = per_group or {}
         return GroupReport(
             phase=phase, action=action, policy=self._policy, seconds=time.monotonic() - start, waited_s=waited,
@@ -581,11 +553,9 @@ class GroupLifecycle:
 
 
 def teardown_together(teardown: Callable[[dist.ProcessGroup], None], groups: Sequence[dist.ProcessGroup]) -> None:
-    """``teardown`` every group at once, one thread each, and return when all have ended: an NCCL communicator's
-    teardown waits for its proxy thread's 500 ms ``poll`` (NCCL 2.28 ``proxy.cc``), so in a row each can wait a
-    further period, together the set waits for one (docs/client.md). Torch releases the GIL inside ``shutdown``
-    and abort; every rank tears down the same set, so a collective teardown still meets its peers.
-    """
+    """``teardown`` every group at once, one thread each: an NCCL communicator's teardown waits for its proxy
+    thread's 500 ms ``poll`` (NCCL 2.28 ``proxy.cc``), so in a row each waits a further period, together the set
+    waits one (docs/client.md). Every rank tears down the same set, so a collective teardown meets its peers."""
     if len(groups) < 2:
         for group in groups:
             teardown(group)
@@ -596,26 +566,22 @@ def teardown_together(teardown: Callable[[dist.ProcessGroup], None], groups: Seq
 
 
 def _destroy(group: dist.ProcessGroup) -> None:
-    try:
-        dist.destroy_process_group(group)
-    except Exception as exc:  # destroying is best effort: the group is dropped either way
-        log.warning("destroy_process_group failed: %r", exc)
+    _quietly(dist.destroy_process_group, group)
 
 
 def _abort(group: dist.ProcessGroup) -> None:
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    _quietly(getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group), group)
+
+
+def _quietly(teardown: Callable[[dist.ProcessGroup], None], group: dist.ProcessGroup) -> None:
     try:
-        if abort is not None:
-            abort(group)
-        else:
-            dist.destroy_process_group(group)
-    except Exception as exc:
-        log.warning("aborting a process group failed: %r", exc)
+        teardown(group)
+    except Exception as exc:  # best effort: the group is dropped either way
+        log.warning("tearing down a process group failed: %r", exc)
 
 
 def _backend(group: dist.ProcessGroup, device: torch.device) -> Any:
-    # suspend/resume/memory_stats exist from torch 2.12 (nccl-keepalive.md §2); typed Any because
-    # older stubs lack them and detect_suspend_capability has already checked they are there.
+    # Any: suspend/resume/memory_stats exist from torch 2.12 (nccl-keepalive.md §2); detect_suspend_capability checked.
     return group._get_backend(device)
 
 
@@ -625,8 +591,7 @@ def _member(group: object) -> dist.ProcessGroup | None:
 
 
 def _nccl_options() -> Any:
-    """A fresh ``ProcessGroupNCCL.Options`` (None in a build without NCCL); typed Any because CPU builds' stubs
-    lack the class, and ``detect_split_capability`` checks what is there before any use."""
+    """A fresh ``ProcessGroupNCCL.Options`` (None without NCCL); Any: CPU builds' stubs lack the class."""
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     return None if nccl is None else nccl.Options()
 

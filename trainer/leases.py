@@ -1,24 +1,20 @@
 """IPC lease accounting: every buffer the trainer exports is a lease, and a failed owner gives its memory back.
 
 A lease is one exported buffer (a ``cuda_ipc`` bucket, an ``shm`` segment) with an owner (the stream's session) and
-a state: ``exported`` (a chunk in flight holds it), ``retained`` (the producer let go, but torch still holds the
-memory for a consumer's count), ``freed`` / ``reclaimed`` (back to the trainer, by the consumer's own release or by
-``reclaim``).
+a state: ``exported`` (a chunk in flight holds it), ``retained`` (the producer let go, but torch keeps the memory
+for a consumer's count), ``freed`` / ``reclaimed`` (back, by the consumer's own release or by ``reclaim``).
 
-Why ``retained``: torch keeps a shared CUDA storage alive while the consumer's count is nonzero (``CudaIPCSentData``,
-torch/csrc/CudaIPCTypes.cpp). Each share takes one int64 slot of a shared-memory "ref-counter file" (its name and
-slot travel in the payload as ``ref_counter_handle``/``ref_counter_offset``), set to 1; the consumer decrements it
-when it drops the storage it rebuilt, and ``torch.cuda.ipc_collect()`` frees a released block once its slot reads 0.
-An engine killed before it rebuilt or dropped the payload never decrements: the block stays in torch's limbo until
-the trainer exits (~7.9 GiB with a 3 x 2 GiB window on qwen3-8b shapes).
+Torch keeps a shared CUDA storage alive while the consumer's count is nonzero (torch/csrc/CudaIPCTypes.cpp): one
+int64 slot of a shared-memory ref-counter file per share (``ref_counter_handle``/``ref_counter_offset`` in the
+payload), which the consumer decrements when it drops the storage; ``torch.cuda.ipc_collect()`` frees a block once
+its slot reads 0. An engine killed before it dropped the payload never decrements: the block stays until the
+trainer exits (~7.9 GiB with a 3 x 2 GiB window on qwen3-8b shapes).
 
-``reclaim`` writes 0 into the slots of a released lease and collects, so torch frees the block; a late decrement
-from a consumer still alive hits a slot torch never hands out again (slots of a file only move forward). A storage
-a trainer tensor still holds (a ``per_tensor`` share) is never reclaimed: nothing is stranded, and a zeroed count
-that a live consumer later decrements would wrap torch's unsigned counter. Reclaiming gives up the consumer's
-protection, so it runs only where the buffer's contents no longer matter: after a stream failed or was aborted
-(its engines' weights are torn and pushed again before they serve), or after the producer was closed, and only
-once ``settle``'s grace for live consumers to let go by themselves has passed.
+``reclaim`` zeroes a released lease's slots and collects; a late decrement hits a slot torch never hands out again
+(a file's slots only move forward). A storage a trainer tensor still holds (``per_tensor``) is never reclaimed (a
+live consumer's later decrement would wrap torch's unsigned counter). Reclaiming drops the consumer's protection,
+so it runs only where the contents no longer matter (a failed or aborted stream, a closed producer), and only
+after ``settle``'s grace for live consumers to let go.
 """
 
 from __future__ import annotations
@@ -47,9 +43,8 @@ __all__ = [
 
 log = logging.getLogger("colocd.trainer.leases")
 
-# How long a failed stream's leases may stay retained before their counts are zeroed: a live engine drops a
-# payload right after its load, well inside this; a dead one never does. Inside the 5 s the trainer's memory
-# must be back in once an engine was killed mid-push (docs/runbook.md).
+# A live engine drops a payload right after its load, well inside this; a dead one never does. The trainer's
+# memory must be back within 5 s of an engine killed mid-push (docs/runbook.md).
 LEASE_GRACE_S = 1.0
 _POLL_S = 0.02
 
@@ -84,8 +79,8 @@ class RefCounter:
         return os.path.join(self.directory, self.handle.lstrip("/"))
 
     def _slot(self, write: bytes | None = None) -> int:
-        """The count, or 0 after writing ``write`` over it; 0 as well where torch removed the file (every slot
-        returned). A file without the layout this module knows is refused."""
+        """The count, or 0 after writing ``write`` over it, or where torch removed the file; a file of another
+        layout is refused."""
         if not 0 <= self.offset < REF_COUNTER_SLOTS:
             raise ValueError(f"ref-counter slot {self.offset} is outside torch's {REF_COUNTER_SLOTS}")
         try:
@@ -105,11 +100,9 @@ class RefCounter:
             os.close(fd)
 
     def read(self) -> int:
-        """The count (0 once the consumer let go, or once torch removed the file)."""
         return self._slot()
 
     def zero(self) -> None:
-        """Drop whatever count the consumer still holds."""
         self._slot(bytes(_SLOT_BYTES))
 
 
@@ -141,20 +134,16 @@ class Lease:
         return sum(max(c.read(), 0) for c in self.counters)
 
 
-def _ipc_collect() -> None:
+def ipc_collect() -> None:
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
 
 class LeaseBook:
-    """The leases of one trainer rank's producers: what is exported, what torch retains, what was reclaimed.
+    """The leases of one trainer rank's producers: ``export`` when a buffer goes out, ``release`` when the
+    producer lets go, ``settle`` after a failed stream or a closed producer (``collect``: torch's ipc_collect)."""
 
-    Producers call ``export`` when they hand a buffer out and ``release`` when they let go of it (the chunk's
-    ack, a failure, ``close``); ``settle`` is the trainer's answer to a failed stream or a closed producer.
-    ``collect`` is torch's ``ipc_collect`` (injectable for specs).
-    """
-
-    def __init__(self, rank: int = 0, *, collect: Callable[[], object] = _ipc_collect,
+    def __init__(self, rank: int = 0, *, collect: Callable[[], object] = ipc_collect,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.rank = rank
         self.owner = "-"  # what new leases belong to: the pusher sets the session id of each stream
@@ -179,19 +168,17 @@ class LeaseBook:
         if lease.state is not LeaseState.EXPORTED:
             return
         lease.released_at = self._clock()
-        # Nothing but the producer held it (a shm segment, once unlinked), or a trainer tensor still holds it.
+        # Nothing but the producer held it (an unlinked shm segment), or a trainer tensor still holds it.
         if not lease.counters or lease.held_by_trainer():
-            lease.state = LeaseState.FREED
-            del self._live[lease.id]
+            self._end(lease, LeaseState.FREED)
             return
         lease.state = LeaseState.RETAINED
         self.collect()
 
-    def release_all(self, owner: str | None = None) -> None:
-        """Every exported lease (of ``owner``) is released: its producer is gone."""
+    def release_all(self) -> None:
+        """Every exported lease is released: its producer is gone."""
         for lease in list(self._live.values()):
-            if owner is None or lease.owner == owner:
-                self.release(lease)
+            self.release(lease)
 
     def collect(self) -> int:
         """Frees, in torch and here, every retained lease whose consumers let go; returns the bytes still retained."""
@@ -202,11 +189,10 @@ class LeaseBook:
         done = [lease for lease in retained if lease.counts() == 0]
         self._collect()
         for lease in done:
-            lease.state = LeaseState.FREED
-            del self._live[lease.id]
+            self._end(lease, LeaseState.FREED)
         return self.retained_bytes
 
-    def reclaim(self, reason: str, level: int = logging.WARNING) -> int:
+    def reclaim(self, reason: str) -> int:
         """Zero the consumers' counts of every retained lease and let torch free them; returns the bytes."""
         retained = self.leases(LeaseState.RETAINED)
         for lease in retained:
@@ -216,28 +202,31 @@ class LeaseBook:
             self._collect()
         nbytes = 0
         for lease in retained:
-            lease.state = LeaseState.RECLAIMED
-            del self._live[lease.id]
+            self._end(lease, LeaseState.RECLAIMED)
             nbytes += lease.nbytes
             held = self._clock() - (lease.released_at or self._clock())
-            log.log(level, "reclaimed IPC lease %d (%s, %d bytes, owner %s, rank %d), still counted by a consumer "
+            log.warning("reclaimed IPC lease %d (%s, %d bytes, owner %s, rank %d), still counted by a consumer "
                     "%.2fs after its release: %s", lease.id, lease.transport, lease.nbytes, lease.owner, self.rank,
                     held, reason)
         self.reclaimed += len(retained)
         self.reclaimed_bytes += nbytes
         return nbytes
 
-    async def settle(self, reason: str, grace_s: float = LEASE_GRACE_S, level: int = logging.WARNING) -> int:
+    async def settle(self, reason: str, grace_s: float = LEASE_GRACE_S) -> int:
         """After a failure or a close: wait up to ``grace_s`` for retained leases' consumers to let go, then
         ``reclaim`` what is left; returns the bytes reclaimed (0 when every consumer let go in time)."""
         deadline = self._clock() + grace_s
         # Polling another process's count (no event can cross processes), bounded by the grace.
         while self.collect() and self._clock() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(_POLL_S)
-        return self.reclaim(reason, level)
+        return self.reclaim(reason)
 
     def leases(self, state: LeaseState | None = None) -> list[Lease]:
         return [lease for lease in self._live.values() if state is None or lease.state is state]
+
+    def _end(self, lease: Lease, state: LeaseState) -> None:
+        lease.state = state
+        del self._live[lease.id]
 
     @property
     def exported_bytes(self) -> int:

@@ -1,21 +1,14 @@
 """Trainer-side chunk export: copy a bucket of tensors into a transport buffer and describe it.
 
-A producer hands out ``ExportedPart`` objects; the trainer must call ``release()`` only after the
-daemon acked the chunk (every engine consumed it). Until then the buffer stays alive and untouched:
-SGLang replies before its copy has finished (research/engine-apis.md §6.4 #6), so the ack, not the
-engine's HTTP reply seen by anyone else, is what licenses reuse.
-
-Producers by name (``producer_for``): ``shm`` and ``disk`` (CPU paths), ``inline`` (the bytes in the
-descriptor as SGLang's plainly pickled ``flattened_bucket``: what a real SGLang loads from CPU), ``cuda_ipc`` (a fresh
-IPC-exported bucket per chunk, SGLang's ``flattened_bucket``), ``per_tensor`` (one IPC handle per
-tensor, SGLang's default format).
+A producer hands out ``ExportedPart`` objects, released only after the daemon acked the chunk (every engine
+consumed it): SGLang replies before its copy has finished (research/engine-apis.md §6.4 #6), so the ack is
+what licenses reuse. One producer per ``Transport`` (``producer_for``).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import itertools
 import logging
 import os
 import pickle
@@ -29,16 +22,14 @@ import torch
 from ..engines.chunks import ChunkLayout, SharedSegment, flatten_into
 from ..engines.segments import reclaim_dead_segments
 from ..policies import Transport
-from .leases import LeaseBook, RefCounter
+from .leases import LeaseBook, RefCounter, ipc_collect
 
-__all__ = ["PRODUCERS", "ExportedPart", "Producer", "producer_for"]
-
-PRODUCERS: tuple[Transport, ...] = tuple(Transport)  # one producer (or variant) for every transport
+__all__ = ["ExportedPart", "Producer", "producer_for", "transport_named"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class ExportedPart:
     """A chunk ready to describe to the daemon; ``release`` frees its buffer (after the ack)."""
 
@@ -64,8 +55,7 @@ class Producer:
 
     def __init__(self, leases: LeaseBook | None = None) -> None:
         self.leases = leases or LeaseBook()
-        self._live: dict[int, Callable[[], None]] = {}
-        self._keys = itertools.count()
+        self._live: set[ExportedPart] = set()
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         raise NotImplementedError
@@ -73,34 +63,31 @@ class Producer:
     def _part(self, nbytes: int, handle: dict[str, Any], layout: ChunkLayout,
               drop: Callable[[], None] | None = None) -> ExportedPart:
         """The chunk, with ``drop`` (what frees its buffer) run once, at its release or at ``close``."""
-        if drop is None:
-            return ExportedPart(self.transport.wire, nbytes, handle, layout)
-        key = next(self._keys)
-        self._live[key] = drop
-        return ExportedPart(self.transport.wire, nbytes, handle, layout, lambda: self._drop(key))
+        part = ExportedPart(self.transport.wire, nbytes, handle, layout)
+        if drop is not None:
+            def release() -> None:
+                self._live.discard(part)
+                drop()
 
-    def _drop(self, key: int) -> None:
-        if (drop := self._live.pop(key, None)) is not None:
-            drop()
+            part._release = release
+            self._live.add(part)
+        return part
 
     def close(self) -> None:
         """Free every buffer still held: nothing left in /dev/shm, on disk or exported."""
-        for key in list(self._live):
-            self._drop(key)
+        for part in list(self._live):
+            part.release()
 
 
 class ShmProducer(Producer):
-    """POSIX shared memory by name: the CPU path. One fresh segment per chunk, unlinked on release.
-
-    Starting one first reclaims the segments of trainers that died on this node without unlinking
-    theirs (``engines/segments.py``); ``reclaim=False`` skips that.
-    """
+    """POSIX shared memory by name: one fresh segment per chunk, unlinked on release. Starting one first unlinks
+    the segments of trainers that died on this node without unlinking theirs (``engines/segments.py``)."""
 
     transport = Transport.SHM
 
-    def __init__(self, *, reclaim: bool = True, leases: LeaseBook | None = None) -> None:
+    def __init__(self, leases: LeaseBook | None = None) -> None:
         super().__init__(leases)
-        if reclaim and (reclaimed := reclaim_dead_segments()):
+        if reclaimed := reclaim_dead_segments():
             logger.info("unlinked %d shared-memory segment(s) of dead processes (%d bytes): %s", len(reclaimed),
                         sum(r.nbytes for r in reclaimed), ", ".join(r.name for r in reclaimed))
 
@@ -128,9 +115,9 @@ class DiskProducer(Producer):
 
     transport = Transport.DISK
 
-    def __init__(self, directory: str | None = None) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._dir = directory or tempfile.mkdtemp(prefix="colocd-disk-")
+        self._dir = tempfile.mkdtemp(prefix="colocd-disk-")
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
         from safetensors.torch import save_file
@@ -150,13 +137,10 @@ def _unlink(path: str) -> None:
 
 
 class InlineProducer(Producer):
-    """The chunk's bytes in its descriptor: base64 of a plain ``pickle`` of SGLang's ``flattened_bucket``
-    (``{"flattened_tensor": uint8 CPU tensor, "metadata": [...]}``), the CPU format a real SGLang's
-    ``update_weights_from_tensor`` loads on any device. Plain pickle carries the tensor by value, so nothing
-    is shared with the engine (ForkingPickler's file-descriptor sharing needs the sender's multiprocessing
-    key, and SGLang's scheduler dies on it). Bounded by the daemon's request size (limits.max_body_bytes):
-    ``INLINE_BUCKET_MB`` by default. The handle also carries the layout, which the daemon checks against the
-    manifest; the daemon itself never unpickles the payload (``engines/inline.py`` checks its opcodes)."""
+    """The chunk's bytes in its descriptor: base64 of a plain ``pickle`` of SGLang's ``flattened_bucket``, the
+    CPU format a real SGLang's ``update_weights_from_tensor`` loads on any device. Plain pickle carries the
+    tensor by value (ForkingPickler's fd sharing needs the sender's multiprocessing key; SGLang's scheduler dies
+    on it). Bounded by the daemon's request size. The daemon never unpickles it (``engines/inline.py``)."""
 
     transport = Transport.INLINE
 
@@ -173,11 +157,8 @@ class InlineProducer(Producer):
 
 
 class CudaIpcProducer(Producer):
-    """A fresh IPC-exported GPU bucket per chunk (what SGLang's ``flattened_bucket`` expects).
-
-    ``per_tensor`` (``Transport.PER_TENSOR``): nothing is flattened; the chunk is SGLang's default list of
-    ``(name, tensor)``, one IPC handle per tensor (the slow baseline the buckets replace).
-    """
+    """A fresh IPC-exported GPU bucket per chunk (SGLang's ``flattened_bucket``); ``per_tensor``: SGLang's
+    default list of ``(name, tensor)``, one IPC handle per tensor (the slow baseline the buckets replace)."""
 
     def __init__(self, transport: Transport, *, leases: LeaseBook | None = None) -> None:
         super().__init__(leases)
@@ -199,7 +180,7 @@ class CudaIpcProducer(Producer):
         shares: list[tuple[bytes, int]] = []  # the consumers' counts torch keeps the buffer alive for
         if self.transport is Transport.PER_TENSOR:
             payload, load_format = serialize(named_tensors_payload(named), shares), "direct"
-            buffers, free = [t for _, t in named], _ipc_collect
+            buffers, free = [t for _, t in named], ipc_collect
         else:
             # The flatten is queued on this stream; torch's IPC export records an event on it that
             # the engine waits for before reading, so no host sync is needed here.
@@ -213,24 +194,23 @@ class CudaIpcProducer(Producer):
             free()
             self.leases.release(lease)  # retained while the engine's count says it still holds the buffer
 
-        # The layout says what the payload holds in words the daemon reads (it never unpickles the payload):
-        # checked against the manifest and the other ranks' chunk, and counted for the commit's completeness.
+        # The layout is what the daemon reads of the payload (checked against the manifest and the other ranks').
         handle = {"payload_b64": payload, "load_format": load_format, "device_uuid": device_uuid(device.index or 0),
                   "layout": layout.to_json()}
         return self._part(layout.nbytes, handle, layout, drop)
 
 
-def _ipc_collect() -> None:
-    torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+def transport_named(name: Transport | str) -> Transport:
+    """The transport of that name; an unknown one is a ValueError naming the known."""
+    try:
+        return Transport(name)
+    except ValueError:
+        raise ValueError(f"unknown transport {name!r}; known: {[t.value for t in Transport]}") from None
 
 
 def producer_for(transport: Transport | str, *, leases: LeaseBook | None = None) -> Producer:
-    """The producer of ``transport`` (a name is accepted; an unknown one is a ValueError naming the known).
-    Its exported buffers are leases in ``leases`` (default: its own book)."""
-    try:
-        transport = Transport(transport)
-    except ValueError:
-        raise ValueError(f"unknown transport {transport!r}; known: {[t.value for t in PRODUCERS]}") from None
+    """The producer of ``transport``; its exported buffers are leases in ``leases`` (default: its own book)."""
+    transport = transport_named(transport)
     if transport is Transport.SHM:
         return ShmProducer(leases=leases)
     if transport is Transport.DISK:

@@ -26,7 +26,7 @@ from ..engines.cuda_handles import device_uuid
 from ..engines.digest import DigestCache, tensor_digests
 from ..policies import AUTO_ORDER, Transport
 from .leases import LEASE_GRACE_S, LeaseBook
-from .producer import PRODUCERS, ExportedPart, Producer, producer_for
+from .producer import ExportedPart, Producer, producer_for, transport_named
 
 __all__ = [
     "DEFAULT_BUCKET_MB",
@@ -42,20 +42,16 @@ __all__ = [
     "push_session",
 ]
 
-# The `tuned` preset of `benchmarks.switch` (docs/benchmarks.md), as the daemon's default policy has it: 2 chunks
-# in flight of up to 4 GiB, fresh CUDA-IPC buckets on GPU (nothing stays exported through the rollout, where the
-# engine's KV cache needs the memory), shared memory on CPU. Two 4 GiB buckets rather than three of 2 GiB: each
-# bucket costs the engine an IPC handle opened and closed (~1 ms on an H200), and the engine loads one chunk at a
-# time, so a third in flight only queued there (8 GiB staged during the push instead of 6).
+# The `tuned` preset (docs/benchmarks.md), as the daemon's default policy has it: 2 chunks of up to 4 GiB in
+# flight, fresh CUDA-IPC buckets on GPU (nothing stays exported through the rollout), shared memory on CPU. Not
+# three of 2 GiB: each bucket costs the engine an IPC handle opened and closed (~1 ms on an H200), and the engine
+# loads one chunk at a time, so a third in flight only queues there.
 DEFAULT_DEPTH = 2
 DEFAULT_BUCKET_MB = 4096
-# An inline chunk travels in one request body (the daemon's limits.max_body_bytes, 64 MiB by default);
-# base64 and the pickle add a third.
-INLINE_BUCKET_MB = 32
+INLINE_BUCKET_MB = 32  # one request body (limits.max_body_bytes, 64 MiB); base64 and the pickle add a third
 _MIB = 1 << 20
 
-# transport="auto", by the tensors' device (policies.AUTO_ORDER, less what CPU tensors cannot be exported by):
-# what the engines accept decides among them.
+# transport="auto": policies.AUTO_ORDER by the tensors' device; what the engines accept decides among them.
 _AUTO_ORDER = {"cuda": tuple(t.value for t in AUTO_ORDER),
                "cpu": tuple(t.value for t in AUTO_ORDER if t is not Transport.CUDA_IPC)}
 
@@ -63,18 +59,17 @@ log = logging.getLogger("colocd.trainer")
 
 
 def auto_transport(device: torch.device, accepted: Iterable[str] | None = None) -> str:
-    """``transport="auto"``: fresh CUDA-IPC buckets for CUDA tensors, POSIX shared memory for CPU ones, unless
-    the engines do not load that: then the first of the device's order they do (``accepted``: the join reply's
-    ``transports``; None or empty: no word from the daemon). Against a real SGLang on CPU that is ``inline``."""
+    """CUDA-IPC buckets for CUDA tensors, shared memory for CPU ones, unless the engines do not load that: then
+    the first of the device's order they do (``accepted``: the join reply's ``transports``; empty: no word).
+    Against a real SGLang on CPU that is ``inline``."""
     order = _AUTO_ORDER["cuda" if device.type == "cuda" else "cpu"]
     allowed = set(accepted or ())
     return next((t for t in order if t in allowed), order[0]) if allowed else order[0]
 
 
 def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
-    """``bucket_mb=None``: DEFAULT_BUCKET_MB (INLINE_BUCKET_MB for inline), unless ``depth`` such buckets would
-    not fit in what is free where they are staged (GPU memory for CUDA transports, /dev/shm for shm): then what
-    fits, >= 1 MiB. Disk is bounded by the filesystem, not checked here."""
+    """``bucket_mb=None``: DEFAULT_BUCKET_MB (INLINE_BUCKET_MB for inline), shrunk (>= 1 MiB) to what ``depth``
+    buckets fit where they are staged (GPU memory for CUDA transports, /dev/shm for shm; disk is not checked)."""
     bucket = (INLINE_BUCKET_MB if transport == "inline" else DEFAULT_BUCKET_MB) * _MIB
     cuda = device.type == "cuda" and transport in ("cuda_ipc", "per_tensor")
     staged = device if cuda else "/dev/shm" if transport == "shm" else None
@@ -85,8 +80,7 @@ def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
 
 
 def free_bytes(where: torch.device | str) -> int | None:
-    """Free bytes on a CUDA device (``mem_get_info``), in a filesystem (a path), or in host memory (a CPU device:
-    ``MemAvailable``); None where unknown."""
+    """Free bytes on a CUDA device, in a filesystem (a path) or in host memory (``MemAvailable``); None: unknown."""
     try:
         if isinstance(where, str):
             st = os.statvfs(where)
@@ -116,8 +110,7 @@ class PushReport:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRecord:
-    """One chunk of a stream: bytes, export (flatten) time, round trip to its ack, the engines' load time, and
-    the release of its buffer after the ack (the trainer's own work, not control)."""
+    """One chunk of a stream: bytes, export time, round trip to its ack, the engines' load, the buffer's release."""
 
     seq: int
     nbytes: int
@@ -132,9 +125,9 @@ async def push_session(client: AsyncColocdClient, named: Iterable[tuple[str, tor
                        stream: Callable[[str, list[tuple[str, torch.Tensor]]], Awaitable[tuple[int, int]]], *,
                        version: str, step: int | None = None, depth: int | None = None, partial: bool = False,
                        chunks_counted: bool = True) -> PushReport:
-    """One whole session with this process as its only rank: open it declaring ``named``'s manifest, ``stream``
-    every chunk (``stream(session_id, named) -> (chunks, bytes)``), commit; on any failure abort it and raise.
-    ``chunks_counted=False``: the stream sent no chunks the daemon counts (broadcasts), so the commit names none."""
+    """One whole session with this process as its only rank: open declaring ``named``'s manifest, ``stream(sid,
+    named) -> (chunks, bytes)``, commit; on any failure abort and raise. ``chunks_counted=False`` (broadcasts):
+    the commit names no chunk count."""
     t0 = time.perf_counter()
     named = list(named)  # references only: the manifest is declared before the first chunk
     reply = await client.open_session(version, step=step, ranks=1, depth=depth, manifest=manifest_of(named),
@@ -157,22 +150,18 @@ _Made = tuple[ExportedPart, float, float] | None
 class WeightPusher:
     """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon.
 
-    At most ``depth`` chunks are exported and in flight at once; each buffer is released only after the daemon's
-    ack. On any failure the session is aborted and every buffer released. The defaults are the ``tuned`` preset:
-    ``transport="auto"`` (``auto_transport``: by the tensors' device; else a name in ``producer.PRODUCERS``),
-    ``bucket_mb=None`` (``auto_bucket_bytes``: 4 GiB unless free memory says less), depth 2; ``from_plan`` follows
-    the daemon's pipeline plan instead.
+    At most ``depth`` chunks are exported and in flight; each buffer is released only after the daemon's ack; on
+    any failure the session is aborted and every buffer released. Defaults are the ``tuned`` preset
+    (``auto_transport``, ``auto_bucket_bytes``, depth 2); ``from_plan`` follows the daemon's pipeline plan.
 
     Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id; every rank calls
-    ``stream(session_id, full_tensors)`` with its own ``rank``, which joins declaring the rank's device
-    (``device_id``; default: the tensors' GPU UUID, or ``cpu:<rank>``); rank 0 commits once all have returned
-    (docs/client.md, "layouts"). ``last_join`` is the daemon's reply to the last join (``feeds``: the engine TP
-    ranks this rank feeds; ``streams: false``: none, and the stream only walks the tensors).
+    ``stream(session_id, full_tensors)`` with its own ``rank``, joining on its device (``device_id``; default: the
+    tensors' GPU UUID, or ``cpu:<rank>``); rank 0 commits once all have returned (docs/client.md, "layouts").
+    ``last_join`` is the daemon's reply to the last join (``feeds``; ``streams: false``: the stream only walks).
 
-    Every exported buffer is a lease in ``leases`` (``colocd.trainer.leases``): when a stream fails, what a consumer
-    still counts is reclaimed once ``lease_grace_s`` has passed, before the error reaches the caller, so the
-    trainer's memory is back also when the engine that held the buffer was killed. The rank's lease bytes are
-    reported to the daemon after each stream and reclaim (``colocd_ipc_*``), once the client has no call under way.
+    Every exported buffer is a lease in ``leases``: after a failed stream, what a consumer still counts is
+    reclaimed once ``lease_grace_s`` has passed, before the error reaches the caller (an engine killed holding a
+    buffer strands nothing). The rank's lease bytes are reported to the daemon (``colocd_ipc_*``) off the path.
     """
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
@@ -180,20 +169,19 @@ class WeightPusher:
                  device_id: str | None = None, lease_grace_s: float = LEASE_GRACE_S) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        if transport != "auto" and transport not in PRODUCERS:
-            raise ValueError(f"unknown transport {transport!r}; known: auto, {', '.join(PRODUCERS)}")
+        if transport != "auto":
+            transport = transport_named(transport)
         self._client = client
         self._transport = transport
-        # None: DEFAULT_BUCKET_MB, shrunk to what is free where the buckets are staged (auto_bucket_bytes).
         self._bucket_bytes: int | None = None if bucket_mb is None else max(int(bucket_mb * _MIB), 1)
         self._depth = depth
         self._rank = rank
         self._device_id = device_id
         self.last_join: dict[str, Any] | None = None
         self.last_join_s = 0.0  # the last join's round trip, seconds
-        # The producer and its (transport, bucket bytes), chosen at the first stream and kept with it.
+        # The producer and its bucket bytes, chosen at the first stream and kept with it.
         self._producer: Producer | None = None
-        self._shape: tuple[str, int] = (str(transport), self._bucket_bytes or 0)
+        self._chunk_bytes = 0
         self.chunk_log: list[ChunkRecord] = []  # the last stream's chunks, in sequence order
         self.leases = LeaseBook(rank)
         self._lease_grace_s = lease_grace_s
@@ -208,23 +196,11 @@ class WeightPusher:
         return cls(client, transport=Transport(plan["transport"]), bucket_mb=int(plan["bucket_bytes"]) / _MIB,
                    depth=int(plan["depth"]), rank=rank, device_id=device_id)
 
-    def device_of(self, named: list[tuple[str, torch.Tensor]]) -> str:
-        """The device this rank declares when it joins: ``device_id`` if given, else the first tensor's GPU
-        UUID (CUDA), else ``cpu:<rank>``."""
-        if self._device_id is not None:
-            return self._device_id
-        device = next((t.device for _, t in named), torch.device("cpu"))
-        if device.type == "cuda":
-            return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
-        return f"cpu:{self._rank}"
-
     def transport_for(self, device: torch.device) -> str:
-        """The transport a stream of tensors on ``device`` uses: the one given, else ``auto_transport`` over what
-        the last join said the engines accept."""
-        return str(self._transport) if self._transport != "auto" else auto_transport(device, self._accepted())
-
-    def _accepted(self) -> list[str] | None:
-        return None if self.last_join is None else self.last_join.get("transports")
+        """The one given, else ``auto_transport`` over what the last join said the engines accept."""
+        if self._transport != "auto":
+            return str(self._transport)
+        return auto_transport(device, None if self.last_join is None else self.last_join.get("transports"))
 
     async def __aenter__(self) -> WeightPusher:
         return self
@@ -236,10 +212,9 @@ class WeightPusher:
         """Drop the producer and whatever buffers it keeps exported."""
         if self._producer is not None:
             self._producer.close()
-            self._producer = None  # the next stream chooses its shape again
-            # Its buffers are released; those a live engine still maps stay counted, so torch keeps them until
-            # the engine lets go (zeroing the counts would hand memory the engine still reads to the next buffer).
-            # Counts are zeroed only on a failed stream, once the grace has passed.
+            self._producer = None
+            # Buffers a live engine still maps stay counted (torch keeps them until it lets go): counts are
+            # zeroed only after a failed stream's grace.
             self.leases.release_all()
             self.leases.collect()
             self._report_leases()
@@ -247,13 +222,12 @@ class WeightPusher:
             await self._lease_reporter
 
     def _report_leases(self) -> None:
-        """Tell the daemon this rank's lease bytes, off the stream's path: one report in flight, the latest wins."""
+        """Tell the daemon this rank's lease bytes once no call is under way: one in flight, the latest wins."""
         self._lease_report_due = True
         if self._lease_reporter is None or self._lease_reporter.done():
             self._lease_reporter = self._client.in_background(self._send_lease_reports())
 
     async def _send_lease_reports(self) -> None:
-        # Once no call is under way: never beside the commit that follows a stream, nor the phase after it.
         await self._client.idle()
         while self._lease_report_due:
             self._lease_report_due = False
@@ -265,8 +239,7 @@ class WeightPusher:
 
     async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                    step: int | None = None, partial: bool = False) -> PushReport:
-        """Open a session (this process is the only rank) declaring every tensor it will send, stream every
-        chunk, commit (``push_session``). ``partial``: these tensors are only some of the model's (the engines'
+        """``push_session`` with this pusher's stream. ``partial``: only some of the model's tensors (the engines'
         weights must be intact); otherwise the daemon refuses a push that does not cover every parameter."""
         try:
             return await push_session(self._client, named, self.stream, version=version, step=step,
@@ -278,51 +251,58 @@ class WeightPusher:
             raise
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
-        """Join the session, then send this rank's part of every chunk; returns (chunks, bytes).
+        """Join the session, then send this rank's part of every chunk; returns (chunks, bytes). A rank that feeds
+        no engine rank (``streams: false``) sends nothing: (the plan's chunk count, 0).
 
-        A rank that feeds no engine rank (the join says ``streams: false``) sends nothing and returns (the chunk
-        count of the plan, 0).
-
-        A chunk (or the join) that fails aborts the session at once, naming this rank's error (every other
-        rank's stream then fails with it within a chunk); the stream still pulls every tensor left, so the
-        ranks' collectives in ``named`` stay matched, and then raises the first error."""
-        # The iterator is pulled off the event loop, one item at a time: producing a tensor may be a collective
-        # (FSDP's full_tensor, a TP all-gather) that waits for a slower rank, and the acks of this rank's chunks
-        # in flight must keep flowing meanwhile (the slower rank's engine may be waiting for them).
-        # With a declared device_id the rank joins before producing anything (so a rank blocked in its first
-        # gather has already told the daemon its device); else the first tensor says where it is.
+        A chunk (or the join) that fails aborts the session at once, naming this rank's error (the other ranks'
+        streams then fail with it); the stream still pulls every tensor left, so the ranks' collectives in
+        ``named`` stay matched, and then raises the first error."""
+        # Pulled off the event loop, one item at a time: producing a tensor may be a collective (FSDP's
+        # full_tensor, a TP all-gather) waiting for a slower rank, while this rank's acks must keep flowing.
+        # A declared device_id joins before producing anything; else the first tensor says where it is.
         items = iter(named)
         if self._device_id is not None:
             await self._join(session_id, self._device_id, items)
-        # A list or tuple is already produced: its first item costs no thread hop (on a VM host one is
-        # ~0.2-0.5 ms on the push's critical path).
+        # A list or tuple is already produced: no thread hop (~0.2-0.5 ms on a VM host) for its first item.
         first = next(items, None) if isinstance(named, list | tuple) else await asyncio.to_thread(next, items, None)
-        head = [first] if first is not None else []
-        named = itertools.chain(head, items)
+        device = torch.device("cpu") if first is None else first[1].device
+        named = itertools.chain([first] if first is not None else [], items)
         if self._device_id is None:
-            await self._join(session_id, self.device_of(head), items)
+            await self._join(session_id, self._device_named(device), items)
         assert self.last_join is not None
-        if self._producer is not None and self._shape_refused(self._accepted()):
-            self._producer.close()  # the engines changed (e.g. another kind attached): choose again
-            self._producer = None
-        if self._producer is None:
-            self._shape = self._shape_for(head)
-            self._producer = producer_for(self._shape[0], leases=self.leases)
+        producer = self._producer_for(device)
         if not self.last_join["streams"]:
-            # No engine rank is on this rank's device: walk the tensors (they may be collectives the other
-            # ranks wait for) and count the plan's chunks, sending nothing.
+            # No engine rank on this rank's device: walk the tensors (collectives the other ranks wait for).
             self.chunk_log = []
-            buckets = plan_chunks(named, self._shape[1])
+            buckets = plan_chunks(named, self._chunk_bytes)
             count = 0
             while await asyncio.to_thread(next, buckets, None) is not None:
                 count += 1
             await self._check_still_open(session_id)
             return count, 0
-        return await self._send_all(session_id, self._producer, plan_chunks(named, self._shape[1]))
+        return await self._send_all(session_id, producer, plan_chunks(named, self._chunk_bytes))
+
+    def _device_named(self, device: torch.device) -> str:
+        if device.type != "cuda":
+            return f"cpu:{self._rank}"
+        return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+
+    def _producer_for(self, device: torch.device) -> Producer:
+        """The producer kept from the last stream, unless ``auto`` chose a transport the engines no longer load
+        (another kind attached): then this stream's transport and bucket size are chosen again."""
+        accepted = (self.last_join or {}).get("transports") or ()
+        if ((producer := self._producer) is not None and self._transport == "auto" and accepted
+                and producer.transport not in accepted):
+            producer.close()
+            self._producer = None
+        if self._producer is None:
+            transport = self.transport_for(device)
+            self._chunk_bytes = self._bucket_bytes or auto_bucket_bytes(transport, device, self._depth)
+            self._producer = producer_for(transport, leases=self.leases)
+        return self._producer
 
     async def _join(self, session_id: str, device_id: str, remaining: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Join on ``device_id``, setting ``last_join``; if the join fails, abort the session, walk the tensors (as
-        a failed stream does), then raise."""
+        """Join on ``device_id``; if that fails, abort the session, walk the tensors, then raise."""
         t0 = time.perf_counter()
         try:
             self.last_join = await self._client.join_session(session_id, rank=self._rank, device_id=device_id)
@@ -331,17 +311,6 @@ class WeightPusher:
             await self._walk(remaining)
             raise
         self.last_join_s = time.perf_counter() - t0
-
-    def _shape_refused(self, accepted: list[str] | None) -> bool:
-        """The engines (a join's ``transports``) do not load the transport ``auto`` chose for the producer."""
-        return self._transport == "auto" and bool(accepted) and self._shape[0] not in (accepted or ())
-
-    def _shape_for(self, named: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-        """This stream's transport and bucket size: the ones given, else chosen from the (first) tensors and
-        what the engines accept (the join reply's ``transports``)."""
-        device = next((t.device for _, t in named), torch.device("cpu"))
-        transport = self.transport_for(device)
-        return transport, self._bucket_bytes or auto_bucket_bytes(transport, device, self._depth)
 
     async def _send_all(self, session_id: str, producer: Producer,
                         buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> tuple[int, int]:
@@ -381,10 +350,8 @@ class WeightPusher:
         try:
             while not failure:
                 if len(tasks) >= self._depth:
-                    # Acks may come back out of order (a later chunk's request can overtake an earlier one on
-                    # another connection); the daemon counts the window from the first chunk it has not received,
-                    # so chunk n goes only once chunk n - depth has ended (and, through the chunks before, every
-                    # earlier one): at most ``depth`` are exported and in flight.
+                    # Acks may come back out of order, and the daemon counts the window from the first chunk it
+                    # has not received: chunk n goes only once chunk n - depth has ended.
                     await asyncio.wait({tasks[-self._depth]})
                     if failure:  # a chunk failed meanwhile: pull nothing more here
                         break
@@ -417,9 +384,7 @@ class WeightPusher:
             self.chunk_log = [records[k] for k in sorted(records)]
             error = raised or (failure[0] if failure else None) or next(
                 (r for r in results if isinstance(r, BaseException)), None)
-            if error is not None:
-                # Every buffer is released; what a consumer still counts (one that died holding it, or that
-                # never got to rebuild it) is reclaimed after the grace, before the error goes on.
+            if error is not None:  # what a consumer still counts is reclaimed after the grace, before the error goes on
                 await self.leases.settle(f"session {session_id} failed: {error!r}", self._lease_grace_s)
             else:
                 self.leases.collect()
@@ -435,10 +400,9 @@ class WeightPusher:
     @staticmethod
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                          digests: DigestCache | None) -> _Made:
-        """The next bucket, exported (with each tensor's digest, computed on its device, where ``digests`` is a
-        cache), the export's seconds and the digests' share of them; None when the plan is done. Runs on a thread.
-        An export that fails raises ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is
-        raised as it is."""
+        """On a thread: the next bucket exported (with its tensors' digests where ``digests`` is a cache), the
+        export's seconds and the digests' share; None when the plan is done. A failed export raises
+        ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is raised as it is."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
@@ -460,23 +424,20 @@ class WeightPusher:
     @classmethod
     async def _next_export(cls, producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                            digests: DigestCache | None) -> _Made:
-        # One hop off the event loop per chunk for both (each hop costs ~0.2-0.3 ms on a busy host): pulling a
-        # bucket may be a collective and an export may wait on the GPU, while acks of earlier chunks must keep
-        # flowing. One export at a time.
+        # One hop off the event loop per chunk for both (~0.2-0.3 ms each on a busy host): pulling may be a
+        # collective and an export may wait on the GPU, while earlier chunks' acks must keep flowing.
         work = asyncio.ensure_future(asyncio.to_thread(cls._pull_and_export, producer, buckets, digests))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
-            # The thread runs on regardless: wait for it and release what it made, so its buffer does not outlive
-            # us and nothing closes the producer while it writes into it.
+            # The thread runs on: release what it made, and close nothing while it writes.
             with contextlib.suppress(Exception):
                 if (made := await work) is not None:
                     made[0].release()
             raise
 
     async def _check_still_open(self, session_id: str) -> None:
-        """A rank that sent nothing learns at the end of its walk whether the session ended meanwhile (another
-        rank failed it): it raises the session's error, as the streaming ranks do."""
+        """A rank that sent nothing raises the session's error if another rank failed it meanwhile."""
         session = await self._client.session(session_id)
         if session.get("state") != "open":
             raise ColocdHTTPError(410, {"error": "SessionGone", "session_id": session_id,
@@ -485,8 +446,7 @@ class WeightPusher:
                                                    f"{session.get('error')}"})
 
     async def _abort(self, session_id: str, error: BaseException) -> None:
-        """Abort the session naming this rank's error, so every other rank's wait ends now with it (best
-        effort: a session another rank aborted first is gone already)."""
+        """Abort the session naming this rank's error, so every other rank's wait ends now with it (best effort)."""
         detail = error.body.get("message", str(error)) if isinstance(error, ColocdHTTPError) else str(error)
         try:
             await self._client.abort(session_id, f"rank {self._rank} stopped: {type(error).__name__}: {detail}")
@@ -495,8 +455,7 @@ class WeightPusher:
 
     @staticmethod
     async def _walk(remaining: Iterable[object]) -> None:
-        """Pull every item left, sending nothing: producing one may be a collective (FSDP's full_tensor, a TP
-        all-gather) that the other ranks run too, so every rank walks all of its tensors, failed or not."""
+        """Pull every item left, sending nothing: producing one may be a collective the other ranks run too."""
         def walk() -> None:
             for _ in remaining:
                 pass

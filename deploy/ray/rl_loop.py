@@ -30,8 +30,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from colocd.cluster import ClusterClient
-from colocd.cluster.daemon_actor import NodeSpec
-from colocd.cluster.registry import NodeDaemons
+from colocd.cluster.registry import NodeDaemons, NodeSpec, daemon_urls
 
 PROMPTS = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
 NEW_TOKENS = 6
@@ -108,7 +107,7 @@ async def run(steps: int) -> list[dict[str, Any]]:
     trainers = {node: TrainerRank.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote() for node in infos}
     rows = []
-    async with ClusterClient(daemons.urls()) as cluster:
+    async with ClusterClient(daemon_urls()) as cluster:
         status = await cluster.status()
         # Where each node's daemon launched its engine (the URL stays the same across relaunches).
         engines = {node: r.body["engines"]["ref0"]["launched"]["url"] for node, r in status.nodes.items()}
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=args.address, include_dashboard=False)
         asyncio.run(run(args.steps))
         return 0
-    from colocd.cluster.local import local_cluster
+    from local_cluster import local_cluster  # beside this file
 
     with local_cluster(nodes=args.nodes):
         asyncio.run(run(args.steps))

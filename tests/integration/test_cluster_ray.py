@@ -24,16 +24,15 @@ from typing import Any
 
 import pytest
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (see colocd.cluster.local)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (see deploy/ray/local_cluster.py)
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'colocd[ray]' (or the test extra)")
 
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from colocd.cluster import ClusterClient, ClusterStepError  # noqa: E402
-from colocd.cluster.daemon_actor import NodeSpec  # noqa: E402
-from colocd.cluster.local import NODE_ARGS, local_cluster  # noqa: E402
-from colocd.cluster.registry import NodeDaemons, daemon_urls, list_daemons  # noqa: E402
+from colocd.cluster.registry import NodeDaemons, NodeSpec, daemon_urls, list_daemons  # noqa: E402
 from colocd.engines.reference.model import QwenLikeConfig, build_model  # noqa: E402
+from deploy.ray.local_cluster import NODE_ARGS, local_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -134,7 +134,7 @@ def test_exported_leases_are_never_reclaimed(tmp_path: Path) -> None:
     lease = book.export("cuda_ipc", 64, [RefCounter(handle, 0, str(tmp_path))], owner="session s")
     assert book.reclaim("stream failed") == 0  # the producer still holds it: a chunk in flight
     assert lease.state is LeaseState.EXPORTED and RefCounter(handle, 0, str(tmp_path)).read() == 1
-    book.release_all(owner="session s")
+    book.release_all()
     assert book.reclaim("the pusher closed its producer") == 64
 
 
@@ -147,7 +147,7 @@ async def test_a_storage_a_trainer_tensor_still_holds_is_never_reclaimed(tmp_pat
     book = LeaseBook(collect=Collects())
     lease = book.export("per_tensor", 64, [RefCounter(handle, 0, str(tmp_path))], owner="session s",
                         buffers=[parameter])
-    book.release_all(owner="session s")
+    book.release_all()
     assert lease.state is LeaseState.FREED and book.retained_bytes == 0
     assert await book.settle("the pusher closed its producer", grace_s=0) == 0
     assert RefCounter(handle, 0, str(tmp_path)).read() == 1  # the engine's count, untouched

@@ -45,10 +45,10 @@ def test_auto_buckets_are_2_gib_unless_depth_of_them_would_not_fit_where_they_ar
 
 def test_a_default_pusher_on_cpu_tensors_streams_over_shared_memory() -> None:
     pusher = WeightPusher(client=None)  # type: ignore[arg-type]
-    transport, bucket = pusher._shape_for([("w", torch.zeros(4))])
-    assert transport == "shm" and MIB <= bucket <= DEFAULT_BUCKET_MB * MIB
+    assert pusher._producer_for(torch.device("cpu")).transport == "shm"
+    assert MIB <= pusher._chunk_bytes <= DEFAULT_BUCKET_MB * MIB
     explicit = WeightPusher(client=None, transport="disk", bucket_mb=8)  # type: ignore[arg-type]
-    assert explicit._shape_for([("w", torch.zeros(4))]) == ("disk", 8 * MIB)
+    assert explicit._producer_for(torch.device("cpu")).transport == "disk" and explicit._chunk_bytes == 8 * MIB
 
 
 def test_trainer_client_push_weights_takes_weight_pushers_defaults() -> None:

@@ -1,4 +1,4 @@
-"""A multi-node Ray cluster on this machine, for tests, the example and the fan-out bench.
+"""A multi-node Ray cluster on this machine, for the example beside it and the Ray tests (not part of the package).
 
     with local_cluster(nodes=3) as cluster:   # ray.init()-connected; cluster.add_node(...) adds one
         ...
