@@ -86,7 +86,7 @@ async def fan_out(targets: Iterable[T], call: Callable[[T], Awaitable[R]], *,
 
 
 # A weight session's engine calls (begin, end) are timed as calls by the worker; its operation time is the whole
-# session's, observed once when the session ends (daemon/steps.py), not once per call and engine.
+# session's, observed once when the session ends (daemon/trace.py), not once per call and engine.
 SESSION_OPERATIONS = frozenset({"weights"})
 
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics owned by one daemon instance (its own registry: no global state).
+"""Prometheus metrics owned by one daemon instance (its own registry: no global state), and the gauges set
+from what the daemon sees: the node, its engines, NVML, the trainer ranks' IPC lease reports.
 
 The text exposition (tens of KB, ~10-30 ms to render on a small CPU) is rendered once per change
 and shared by every reader, in a worker thread so the event loop keeps serving: the owner calls
@@ -6,13 +7,19 @@ and shared by every reader, in a worker thread so the event loop keeps serving: 
 
 Every event counter and histogram exists at 0 for each engine and label value from the start (``declare``):
 Prometheus's ``increase()`` needs a sample before the first event, or the first engine restart reads as 0.
+Without NVML (no driver, no package, a CPU node) there is no GPU series at all, and ``colocd_nvml_available 0``:
+an absent series is honest, a zero would claim a reading that never happened.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import platform
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,9 +32,15 @@ from prometheus_client import (
 )
 
 from .. import __version__
-from .memory import Settled
+from .memory import NvmlProbe, Settled
+from .states import Generation, NodePhase, NodeState, WeightsState
 
-__all__ = ["Metrics"]
+if TYPE_CHECKING:
+    from .worker import EngineHandle
+
+__all__ = ["PARTS", "LeaseReport", "Metrics"]
+
+log = logging.getLogger("colocd.daemon")
 
 # The fixed vocabularies of the event counters' labels: each combination is exported at 0 from the start.
 TRANSITION_PHASES = ("train", "sync", "rollout")
@@ -40,6 +53,8 @@ WEIGHT_SYNC_MODES = (("sync", "sync"), ("async", "async"), ("async", "sync"))
 # The trainer-side work a trainer agent reports: cleanup.<CleanupAction>, process groups, its weight push.
 TRAINER_SUBSTEPS = ("cleanup.gc_collect", "cleanup.synchronize", "cleanup.empty_cache", "process_groups",
                     "weight_sync")
+# The parts of a step's switch, in the order they happen (daemon/trace.py); ``total`` is their sum.
+PARTS = ("sleep", "load_weights_memory", "update", "wake", "cleanup", "groups")
 
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -74,7 +89,7 @@ class Metrics:
             "the health loop unlinked", registry=r)
         self.shm_reclaimed_bytes = Counter(
             "colocd_shm_reclaimed_bytes", "Bytes the reclaimed segments of dead trainers held", registry=r)
-        # Trainer-side IPC leases (daemon/leases.py), as each trainer rank last reported them.
+        # Trainer-side IPC leases (``record_leases``), as each trainer rank last reported them.
         self.ipc_exported_bytes = Gauge(
             "colocd_ipc_exported_bytes", "Bytes a trainer rank holds exported for engines (chunks in flight, "
             "shm segments), as of its last report", ["rank"], registry=r)
@@ -199,6 +214,8 @@ class Metrics:
             "(adopt, pause, release, end_engine_session, fail_session)",
             ["engine", "action"], registry=r)
         self.declare(())
+        self._leases: dict[int, LeaseReport] = {}
+        self._node: NodeState | None = None
         self._version = 1  # bumped by changed(); the rendering below is of _rendered_version
         self._rendered = b""
         self._rendered_version = 0
@@ -253,6 +270,92 @@ class Metrics:
         for criterion in Settled:
             self.memory_confirm.labels(engine, criterion.value)
 
+    def watch_node(self, engines: Iterable[str], launched: Iterable[str], *, busy: Callable[[], bool],
+                   session_idle_s: Callable[[], float | None]) -> None:
+        """Every event series at 0 for the node's engines, and the gauges read when the exposition renders (after
+        each change, at least once per health interval), so a scrape during a long transition still says the node
+        is busy. ``session_idle_s()``: the open weight session's idle age, None while none is open."""
+        self.declare(engines, launched, PARTS)
+        self.node_busy.set_function(lambda: 1.0 if busy() else 0.0)
+        self.session_open.set_function(lambda: 0.0 if session_idle_s() is None else 1.0)
+        self.session_idle.set_function(lambda: session_idle_s() or 0.0)
+
+    def set_node(self, node: NodeState) -> None:
+        """The phase gauges; a new (step, phase) restarts the clock of ``colocd_node_phase_entered_...``."""
+        if node is self._node:  # NodeState is replaced, never edited, on every move
+            return
+        if self._node is None or (node.phase, node.step) != (self._node.phase, self._node.step):
+            self.node_phase_entered.set(time.time())
+        self._node = node
+        for phase in NodePhase:
+            self.node_phase.labels(phase.value).set(1 if node.phase is phase else 0)
+        self.node_step.set(node.step)
+
+    def set_engines(self, engines: Iterable[EngineHandle], probe: NvmlProbe | None) -> None:
+        """Each engine's state gauges, its weight and memory series declared, then the GPUs (``set_gpus``)."""
+        engines = list(engines)
+        self.weight_version.clear()
+        for engine in engines:
+            name, state = engine.name, engine.state
+            self.engine_healthy.labels(name).set(1 if state.healthy else 0)
+            for gen in Generation:
+                self.engine_generation_state.labels(name, gen.value).set(1 if state.generation is gen else 0)
+            for ws in WeightsState:
+                self.engine_weights_state.labels(name, ws.value).set(1 if state.weights is ws else 0)
+            for tag in state.owned_tags:
+                self.engine_tag_resident.labels(name, tag.value).set(1 if state.resident(tag) else 0)
+            self.weight_version.labels(name, str(state.weight_version)).set(1)
+            self.declare_engine(name, transports=sorted(t.value for t in engine.transports),
+                                gpus=[str(g) for g in engine.gpus] if probe is not None and engine.gpus else None)
+        self.set_gpus(probe, engines)
+
+    def set_gpus(self, probe: NvmlProbe | None, engines: Iterable[EngineHandle]) -> None:
+        """NVML's reading of every engine's GPUs, each GPU once (labelled by index and UUID, as dcgm-exporter's
+        series are), and per compute process; a failed read leaves the last values and logs."""
+        engines = list(engines)
+        self.nvml_available.set(1 if probe is not None else 0)
+        self.engine_gpu.clear()
+        for engine in engines:
+            for gpu in engine.gpus:
+                self.engine_gpu.labels(engine.name, str(gpu)).set(1)
+        if probe is None:
+            return
+        gpus = list(dict.fromkeys(g for e in engines for g in e.gpus))
+        try:
+            readings = probe.read_all(gpus)
+            per_process = {str(g): probe.processes(g) for g in gpus}
+            uuids = {str(g): probe.uuid(g) for g in gpus}
+        except Exception as exc:  # NVML errors (a GPU fell off the bus) must not break a transition
+            log.warning("NVML read failed; GPU memory gauges keep their last values: %s", exc)
+            return
+        for gpu, reading in readings.items():
+            self.gpu_memory_used.labels(gpu, uuids[gpu]).set(reading.used_bytes)
+            self.gpu_memory_free.labels(gpu, uuids[gpu]).set(reading.free_bytes)
+            self.gpu_memory_total.labels(gpu, uuids[gpu]).set(reading.total_bytes)
+        self.gpu_process_memory.clear()  # processes come and go; keep only the live ones
+        for gpu, procs in per_process.items():
+            for pid, nbytes in procs.items():
+                self.gpu_process_memory.labels(gpu, str(pid)).set(nbytes)
+
+    def record_leases(self, report: LeaseReport) -> None:
+        """A trainer rank's lease report (``colocd.trainer.leases``): the gauges are its last report, the counters
+        add what its totals grew by (totals that went down are a new trainer process, counted from zero)."""
+        rank = str(report.rank)
+        previous = self._leases.get(report.rank)
+        grew_leases, grew_bytes = report.reclaimed, report.reclaimed_bytes
+        if previous is not None and report.reclaimed >= previous.reclaimed:
+            grew_leases -= previous.reclaimed
+            grew_bytes = max(report.reclaimed_bytes - previous.reclaimed_bytes, 0)
+        self._leases[report.rank] = report
+        self.ipc_exported_bytes.labels(rank).set(report.exported_bytes)
+        self.ipc_retained_bytes.labels(rank).set(report.retained_bytes)
+        if grew_leases:
+            self.ipc_reclaimed.labels(rank).inc(grew_leases)
+            self.ipc_reclaimed_bytes.labels(rank).inc(grew_bytes)
+            log.warning("trainer rank %d reclaimed %d IPC lease(s), %d bytes, that a consumer never let go "
+                        "(now exported %d, retained %d bytes)", report.rank, grew_leases, grew_bytes,
+                        report.exported_bytes, report.retained_bytes)
+
     def observe_phase(self, phase: str, engine: str, seconds: float) -> None:
         """One transition's time on ``engine`` ('all': the node): the histogram and the last-value gauge."""
         self.phase_duration.labels(phase, engine).observe(seconds)
@@ -291,3 +394,14 @@ class Metrics:
             self._rendering = None
         if version > self._rendered_version:
             self._rendered, self._rendered_version = text, version
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReport:
+    """One trainer rank's IPC leases: bytes exported and retained now, reclaims so far."""
+
+    rank: int
+    exported_bytes: int
+    retained_bytes: int
+    reclaimed: int = 0
+    reclaimed_bytes: int = 0

@@ -22,7 +22,6 @@ from ..policies import (
     PolicyError,
     PolicySet,
     PolicyStore,
-    Timeouts,
     Transport,
     YamlLimits,
     default_policies,
@@ -100,20 +99,16 @@ class PolicyRuntime:
         except Exception:  # a plugin's import or constructor is foreign code: never the end of the loop
             log.exception("policy file %s not applied, the running policy stays", path)
 
-    # -- what one transition uses (read from a pinned PolicySet) ---------------------------------
-    def timeouts(self, policies: PolicySet) -> Timeouts:
-        return policies.timeouts  # already merged with the node config's (_over_node)
-
-    def pause_mode(self, policies: PolicySet) -> str:
-        return policies.engines.pause_mode  # already merged with the node config's (_over_node)
-
+    # -- what one transition uses (read from a pinned PolicySet, merged with the node config's) --------
     def release_tags(self, policies: PolicySet) -> tuple[str, ...] | None:
         return tuple(policies.engines.release_tags) if self.from_document() else None
 
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
                    transports: frozenset[Transport] | None, staging: StagingMemory | None = None) -> dict[str, Any]:
         """What the trainer agent must enact for this phase (pure decisions, serialised)."""
-        out: dict[str, Any] = {"policy": policies.info(), "weight_sync": self.weight_sync(policies)}
+        sync = policies.sync
+        out: dict[str, Any] = {"policy": policies.info(), "weight_sync": {
+            **sync.model_dump(mode="json"), "max_staleness_versions": sync.staleness_bound}}
         if phase == "train":
             snapshot = _group_snapshot((trainer or {}).get("groups") or {})
             out["process_groups"] = policies.process_groups.before_pause(snapshot).model_dump(mode="json")
@@ -121,10 +116,6 @@ class PolicyRuntime:
         elif phase == "sync":
             out["pipeline"] = self.pipeline_plan(policies, transports, staging).model_dump(mode="json")
         return out
-
-    def weight_sync(self, policies: PolicySet) -> dict[str, Any]:
-        """How the trainer pushes (``sync.mode``) and the staleness bound in force (``sync`` section)."""
-        return {**policies.sync.model_dump(mode="json"), "max_staleness_versions": policies.sync.staleness_bound}
 
     def pipeline_plan(self, policies: PolicySet, transports: frozenset[Transport] | None,
                       staging: StagingMemory | None = None) -> PipelinePlan:

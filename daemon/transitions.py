@@ -32,8 +32,7 @@ from .states import (
     check_rollout_weights,
     needed_per_gpu,
 )
-from .steps import log_failed, log_rejected
-from .trace import Span, Trace
+from .trace import Span, Trace, log_failed, log_rejected
 from .versions import RolloutVersions, VersionBook
 from .worker import EngineHandle, EngineWorker, expected_resume_bytes
 
@@ -87,7 +86,7 @@ class Transitions:
         return self.pinned if self.pinned is not None else self._ctx.policies.active
 
     def pause_mode(self) -> PauseMode:
-        return PauseMode(self._ctx.policies.pause_mode(self.policy_set()))
+        return PauseMode(self.policy_set().engines.pause_mode)
 
     def resume_at(self, node: NodeState) -> None:
         """A restarted daemon resumes at the phase and step its journal recorded."""
