@@ -47,6 +47,7 @@ TRANSITION_PHASES = ("train", "sync", "rollout")
 TRANSITION_OUTCOMES = ("ok", "rejected", "failed", "replayed")
 SESSION_OUTCOMES = ("committed", "aborted", "failed", "expired")
 RECONCILE_ACTIONS = ("adopt", "pause", "release", "end_engine_session", "fail_session")
+ADAPTER_OUTCOMES = ("committed", "refused", "failed")
 FALLBACK_KINDS = ("process_groups", "weight_sync")
 # What a weight push ran as, against what the policy asked for: async falls back to sync, never the reverse.
 WEIGHT_SYNC_MODES = (("sync", "sync"), ("async", "async"), ("async", "sync"))
@@ -213,6 +214,18 @@ class Metrics:
             "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state "
             "(adopt, pause, release, end_engine_session, fail_session)",
             ["engine", "action"], registry=r)
+        # LoRA adapters (daemon/adapters.py)
+        self.adapter_info = Gauge("colocd_adapter_info", "The LoRA adapter the node serves now (value 1)", ["name"],
+                                  registry=r)
+        self.adapter_load = Histogram("colocd_adapter_load_seconds", "One engine's load of one adapter version",
+                                      ["engine"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                      registry=r)
+        self.adapter_unloads = Counter("colocd_adapter_unloads_total", "Adapter versions an engine unloaded",
+                                       ["engine"], registry=r)
+        self.adapter_pushes = Counter("colocd_adapter_pushes_total",
+                                      "Adapter pushes by outcome (committed, refused, failed)", ["outcome"], registry=r)
+        self.adapter_disk_bytes = Gauge("colocd_adapter_disk_bytes",
+                                        "Bytes of the adapter folders the loaded versions keep", registry=r)
         self.declare(())
         self._leases: dict[int, LeaseReport] = {}
         self._node: NodeState | None = None
@@ -246,11 +259,15 @@ class Metrics:
                 self.transitions.labels(phase, outcome)
         for outcome in SESSION_OUTCOMES:
             self.weight_sessions.labels(outcome)
+        for outcome in ADAPTER_OUTCOMES:
+            self.adapter_pushes.labels(outcome)
         for kind in FALLBACK_KINDS:
             self.fallbacks.labels(kind)
         for requested, mode in WEIGHT_SYNC_MODES:
             self.weight_syncs.labels(requested, mode)
         for engine in engines:
+            self.adapter_load.labels(engine)
+            self.adapter_unloads.labels(engine)
             self.engine_restarts.labels(engine)
             for action in RECONCILE_ACTIONS:
                 self.reconcile_actions.labels(engine, action)

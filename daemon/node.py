@@ -99,9 +99,8 @@ class Daemon:
         self.metrics.watch_node((e.name for e in config.engines), (e.name for e in config.engines if e.launch),
                                 busy=lambda: self.lock.busy, session_idle_s=self._session_idle_s)
         # LoRA adapter versions (daemon/adapters.py): pushed under the node's lock, kept by the policy's adapters.
-        self.adapters = Adapters(self.worker, self.metrics.registry, (e.name for e in config.engines),
-                                 settings=lambda: self.policy_set().adapters, exclusive=self.lock.exclusive,
-                                 changed=self.changed, journal=self.journal,
+        self.adapters = Adapters(self.worker, self.metrics, settings=lambda: self.policy_set().adapters,
+                                 exclusive=self.lock.exclusive, journal=self.journal,
                                  deadline_s=lambda: self.timeouts().budget(Budget.WEIGHT_UPDATE))
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -248,7 +248,7 @@ class Transitions:
     async def sleep(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Pause and release ``tags`` (default: all owned) on the named engines; the phase is unchanged."""
         return await self._manual("sleep", self._select(names), tags,
-                                  lambda state, chosen: Desired.for_sleep(state, chosen, self.pause_mode()))
+                                  lambda state, chosen: Desired.for_train(state, chosen, self.pause_mode()))
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""
