@@ -234,31 +234,22 @@ class Metrics:
         self._rendered_version = 0
         self._rendering: asyncio.Future[None] | None = None
 
-    def declare(self, engines: Iterable[str], launched: Iterable[str] = (), parts: Iterable[str] = ()) -> None:
+    def declare(self, engines: Iterable[str], launched: Iterable[str] = ()) -> None:
         """Export every event counter and histogram at 0 for each of ``engines`` (``launched``: those colocd
-        launches), each step part and each label value of its fixed vocabulary, so the first event is an
-        increase Prometheus can see."""
-        engines = list(engines)
+        launches) and each label value of its fixed vocabulary, so the first event is an increase Prometheus
+        can see."""
         for phase in TRANSITION_PHASES:
-            for engine in [*engines, "all"]:
-                self.phase_duration.labels(phase, engine)
-        for engine in engines:  # a manual sleep or resume is timed per engine only
-            self.phase_duration.labels("sleep", engine)
-            self.phase_duration.labels("resume", engine)
+            self.phase_duration.labels(phase, "all")
+            for outcome in TRANSITION_OUTCOMES:
+                self.transitions.labels(phase, outcome)
         self.phase_duration.labels("weights", "all")
         for outcome in SESSION_OUTCOMES:
             self.weight_session_duration.labels(outcome)
-        for part in parts:
+            self.weight_sessions.labels(outcome)
+        for part in PARTS:
             self.step_part_duration.labels(part)
         for substep in TRAINER_SUBSTEPS:
             self.trainer_substep_duration.labels(substep)
-        for engine in engines:
-            self.chunk_load_duration.labels(engine)
-        for phase in TRANSITION_PHASES:
-            for outcome in TRANSITION_OUTCOMES:
-                self.transitions.labels(phase, outcome)
-        for outcome in SESSION_OUTCOMES:
-            self.weight_sessions.labels(outcome)
         for outcome in ADAPTER_OUTCOMES:
             self.adapter_pushes.labels(outcome)
         for kind in FALLBACK_KINDS:
@@ -266,6 +257,9 @@ class Metrics:
         for requested, mode in WEIGHT_SYNC_MODES:
             self.weight_syncs.labels(requested, mode)
         for engine in engines:
+            for phase in (*TRANSITION_PHASES, "sleep", "resume"):  # a manual sleep or resume: per engine only
+                self.phase_duration.labels(phase, engine)
+            self.chunk_load_duration.labels(engine)
             self.adapter_load.labels(engine)
             self.adapter_unloads.labels(engine)
             self.engine_restarts.labels(engine)
@@ -276,9 +270,9 @@ class Metrics:
             self.engine_launch_failures.labels(engine)
 
     def declare_engine(self, engine: str, *, transports: Iterable[str], gpus: Iterable[str] | None) -> None:
-        """Export ``engine``'s weight and memory series at 0: chunks, bytes by each transport it loads, the bytes
-        its releases free by source (each of its GPUs where NVML reads them: ``gpus``; else the engine's own
-        report) and NVML's confirmation by criterion. Idempotent: the node repeats it as engines attach."""
+        """Export ``engine``'s weight and memory series at 0: chunks, bytes by transport, the bytes its releases
+        free by source (each of ``gpus`` where NVML reads them, else the engine's own report), NVML's confirmation
+        by criterion. Idempotent: repeated as engines attach."""
         self.weight_chunks.labels(engine)
         for transport in transports:
             self.weight_bytes.labels(engine, transport)
@@ -292,7 +286,7 @@ class Metrics:
         """Every event series at 0 for the node's engines, and the gauges read when the exposition renders (after
         each change, at least once per health interval), so a scrape during a long transition still says the node
         is busy. ``session_idle_s()``: the open weight session's idle age, None while none is open."""
-        self.declare(engines, launched, PARTS)
+        self.declare(engines, launched)
         self.node_busy.set_function(lambda: 1.0 if busy() else 0.0)
         self.session_open.set_function(lambda: 0.0 if session_idle_s() is None else 1.0)
         self.session_idle.set_function(lambda: session_idle_s() or 0.0)
@@ -372,14 +366,14 @@ class Metrics:
             log.warning("trainer rank %d reclaimed %d IPC lease(s), %d bytes, that a consumer never let go "
                         "(now exported %d, retained %d bytes)", report.rank, grew_leases, grew_bytes,
                         report.exported_bytes, report.retained_bytes)
+        self.changed()
 
     def observe_phase(self, phase: str, engine: str, seconds: float) -> None:
-        """One transition's time on ``engine`` ('all': the node): the histogram and the last-value gauge."""
+        """One transition's time on ``engine`` ('all': the node)."""
         self.phase_duration.labels(phase, engine).observe(seconds)
         self.last_phase_duration.labels(phase, engine).set(seconds)
 
     def observe_call(self, substep: str, engine: str, seconds: float) -> None:
-        """One engine call's time: the histogram and the last-value gauge."""
         self.step_duration.labels(substep, engine).observe(seconds)
         self.last_substep_duration.labels(substep, engine).set(seconds)
 
@@ -392,10 +386,8 @@ class Metrics:
         self._version += 1
 
     async def current(self) -> bytes:
-        """The exposition as of this call: every update made before it is in it (read your writes).
-
-        Concurrent scrapes share one render; a render runs in a thread, never on the event loop.
-        """
+        """The exposition as of this call: every update made before it is in it. Concurrent scrapes share one
+        render, in a thread."""
         wanted = self._version
         while self._rendered_version < wanted:
             if self._rendering is None:

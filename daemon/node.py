@@ -69,8 +69,8 @@ class Daemon:
                  probe: NvmlProbe | None = None, policies: PolicyRuntime | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.traces = TraceStore(self.metrics)  # logs each finished trace, records step metrics
-        self.versions = VersionBook()  # started weight versions, and what each rollout served
+        self.traces = TraceStore(self.metrics)
+        self.versions = VersionBook()
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
         self._given_adapters = adapters or {}
@@ -79,16 +79,14 @@ class Daemon:
         self.engines: dict[str, EngineHandle] = {}
         self.journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
-        # The one path that drives engines (daemon/worker.py).
         self.worker = EngineWorker(self.engines, self.metrics, self.traces, state=lambda: self.node,
                                timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled,
                                open_session=lambda: self.sessions.open_id())
         self.lock = NodeLock(can_start=self._check_can_start, before=self._reconcile_before, after=self.refresh_gauges)
         self.node_journal = NodeJournal(self.journal, lambda: {
             "node": self.node.snapshot(), "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
-        # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
-        # Each launched process is journaled; a restarted daemon adopts the ones still running.
-        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
+        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.metrics.changed,
+                                          journal=self.journal)
         self._retries = 0  # health ticks in a row that found an engine unsettled or unreachable
         self.startup_report: dict[str, Any] | None = None
         self.sessions = WeightSessions(
@@ -98,12 +96,10 @@ class Daemon:
             TransitionContext(self.worker, self.lock, self.sessions, self.versions, self.policies, self.node_journal))
         self.metrics.watch_node((e.name for e in config.engines), (e.name for e in config.engines if e.launch),
                                 busy=lambda: self.lock.busy, session_idle_s=self._session_idle_s)
-        # LoRA adapter versions (daemon/adapters.py): pushed under the node's lock, kept by the policy's adapters.
         self.adapters = Adapters(self.worker, self.metrics, settings=lambda: self.policy_set().adapters,
                                  exclusive=self.lock.exclusive, journal=self.journal,
                                  deadline_s=lambda: self.timeouts().budget(Budget.WEIGHT_UPDATE))
 
-    # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
         if self.lifecycle is not DaemonState.UNOPENED:
             raise RuntimeError(f"cannot open a daemon that is {self.lifecycle.value}")
@@ -168,7 +164,7 @@ class Daemon:
             await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
             await self._reclaim_segments()
             if self.lock.busy:
-                self.changed()  # the next scrape renders what is live (busy, the open session's idle age)
+                self.metrics.changed()  # the next scrape renders what is live (busy, the open session's idle age)
                 continue  # a transition in progress reconciles before it acts
             async with self.lock.background("reconcile:health", reconciling=True):
                 await self.worker.reconcile_all("health")
@@ -213,12 +209,12 @@ class Daemon:
         if reclaimed:
             self.metrics.shm_reclaimed.inc(len(reclaimed))
             self.metrics.shm_reclaimed_bytes.inc(sum(seg.nbytes for seg in reclaimed))
-            self.changed()
+            self.metrics.changed()
 
     async def _reconcile_relaunched(self, name: str) -> None:
         """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
         self.worker.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
-        self.changed()
+        self.metrics.changed()
         if self.lifecycle is DaemonState.RUNNING:
             async with self.lock.background("reconcile:relaunch", reconciling=True):
                 await self.worker.reconcile(self.engines[name], "relaunch")
@@ -229,7 +225,6 @@ class Daemon:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- the one lock (daemon/lock.py) ---------------------------------------------------------------
     def _check_can_start(self, what: str, busy_with: str | None) -> None:
         check_can_start(what, lifecycle=self.lifecycle, node=self.node, busy_with=busy_with)
 
@@ -242,17 +237,14 @@ class Daemon:
 
     @property
     def node(self) -> NodeState:
-        """The node's phase and step (``Transitions`` owns and moves it)."""
         return self.transitions.node
 
-    # -- policy of the moment ----------------------------------------------------------------
     def policy_set(self) -> PolicySet:
         return self.transitions.policy_set()
 
     def timeouts(self) -> Timeouts:
         return self.policy_set().timeouts
 
-    # -- the policy document: what GET and PUT /v1/policies answer --------------------------------
     def policy_view(self) -> dict[str, Any]:
         """The active policy document (defaults filled in), its version and any staged swap."""
         active, pending = self.policies.active, self.policies.store.pending
@@ -260,14 +252,12 @@ class Daemon:
                 "pending": pending.info() if pending is not None else None}
 
     async def stage_policies(self, text: bytes, origin: str) -> dict[str, Any]:
-        """Stage a policy YAML (``PolicyError`` if invalid; the old policy stays); it applies at the next
-        transition boundary. Parsing and validating is CPU work: off the event loop."""
+        """Stage a policy YAML (``PolicyError`` if invalid; the old policy stays) for the next transition."""
         staged = await asyncio.to_thread(self.policies.apply_yaml, text, origin)
         active = self.policies.active
         return {"staged": staged.info(), "active": active.info(),
                 "applies": "now" if staged.fingerprint == active.fingerprint else "at the next transition"}
 
-    # -- queries -----------------------------------------------------------------------------
     def step_traces(self, step: int) -> dict[str, Trace]:
         """The traces of ``step`` by phase; NotFound names the steps still kept."""
         traces = self.traces.get(step)
@@ -276,14 +266,8 @@ class Daemon:
         return traces
 
     def report_leases(self, report: LeaseReport) -> dict[str, Any]:
-        """A trainer rank's IPC lease report (``colocd.trainer.leases``): sets the ``colocd_ipc_*`` series."""
         self.metrics.record_leases(report)
-        self.changed()
         return {"rank": report.rank, "recorded": True}
-
-    def changed(self) -> None:
-        """Metrics changed: the next /metrics scrape renders them again."""
-        self.metrics.changed()
 
     def status(self) -> dict[str, Any]:
         """What GET /v1/status answers: the node, every engine's record, the session, reconcile, policy, versions."""
@@ -324,7 +308,6 @@ class Daemon:
                 problems.append(why)
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
-    # -- bookkeeping ---------------------------------------------------------------------------
     async def _reconciled(self, engine: EngineHandle, p: Plan) -> None:
         """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled;
         a restarted engine (a new process holds no adapters) loads the kept adapter versions again."""
@@ -344,4 +327,4 @@ class Daemon:
         m.policy_info.clear()
         m.policy_info.labels(**self.policies.active.info()).set(1)
         m.set_engines(self.engines.values(), self.probe)
-        self.changed()
+        self.metrics.changed()

@@ -132,7 +132,7 @@ def test_without_nvml_no_gpu_series_exist() -> None:
 
 def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() -> None:
     metrics = Metrics()
-    metrics.declare(["ref0", "ref1"], ["ref1"], ["sleep"])
+    metrics.declare(["ref0", "ref1"], ["ref1"])
     text = metrics.exposition().decode()
     for line in ('colocd_engine_restarts_total{engine="ref0"} 0.0',
                  'colocd_reconcile_actions_total{action="pause",engine="ref1"} 0.0',
