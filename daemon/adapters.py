@@ -78,11 +78,7 @@ class AdapterVersion:
 
 class Adapters:
     """``await adapters.push(base, version, body)``; ``check(name)`` answers or refuses a name (410 once retired).
-
-    ``exclusive(what)`` is the node's lock (``NodeLock.exclusive``): a push's engine calls never overlap a transition.
-    ``deadline_s()`` bounds each engine call (the policy's ``timeouts.weight_update_s``). With a ``journal`` the
-    folders live beside it and every change is recorded there (``restore_journal`` reads it back at start).
-    """
+    A push holds the node's lock (``exclusive``); ``deadline_s()`` bounds each engine call."""
 
     def __init__(self, worker: EngineWorker, metrics: Metrics, *, settings: Callable[[], AdapterSettings],
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
@@ -106,7 +102,7 @@ class Adapters:
         return self.loaded[-1].name if self.loaded else None
 
     def check(self, name: str) -> dict[str, Any]:
-        """What the daemon knows of ``name``: loaded (with whether it is current), else AdapterRetired or NotFound."""
+        """Loaded (with whether it is current), else AdapterRetired or NotFound."""
         if any(v.name == name for v in self.loaded):
             return {"name": name, "current": name == self.current, "loaded": True}
         if name in self._retired:
@@ -147,9 +143,8 @@ class Adapters:
         return {"adapter": name, "loaded": [v.name for v in self.loaded], "load_s": staged.load_s}
 
     def restore_journal(self) -> None:
-        """A restarted daemon's adapters, from its journal: the versions loaded (the engines still hold them; one
-        that restarted meanwhile loads them again at its reconcile) and the names retired. Any other folder under
-        the root is what the daemon that died left (a body being staged, a version being retired): deleted."""
+        """A restarted daemon's adapters, from its journal: the versions loaded and the names retired. Any other
+        folder under the root is what the daemon that died left (a body being staged, a version retired): deleted."""
         if self._journal is None or self.root is None:
             return
         held = self._journal.adapters()
@@ -183,7 +178,6 @@ class Adapters:
                                  "serve cached blocks of the old weights); push a new version",
                                  state={"adapter": name})
 
-    # -- stage -----------------------------------------------------------------------------------
     async def _stage(self, name: str, body: AsyncIterator[bytes]) -> AdapterVersion:
         """Write the body to a fresh folder, then check it is a whole safetensors file carrying the config."""
         if self.root is None:
@@ -204,7 +198,6 @@ class Adapters:
             raise
         return AdapterVersion(name, folder, nbytes)
 
-    # -- commit ----------------------------------------------------------------------------------
     def _cap(self) -> tuple[int | None, str]:
         """The fewest adapters any engine may hold, and who says so."""
         caps = [(e.info.max_adapters, f"engine {n!r}'s own flags") for n, e in self._engines.items()
@@ -255,8 +248,7 @@ class Adapters:
         self._lingering = [v for v in [*self._lingering, *versions] if v.engines]
 
     async def _unload(self, version: AdapterVersion) -> None:
-        """Unload ``version`` wherever it is loaded; its folder goes once no engine holds the name (an engine that
-        failed to unload keeps it, and the folder with it)."""
+        """Unload ``version`` wherever it is loaded; its folder goes once no engine holds the name."""
         for name in list(version.engines):
             try:
                 await self._bounded(name, "unload", self._worker.unload_adapter(self._engines[name], version.name))
@@ -269,8 +261,8 @@ class Adapters:
             self._delete(version.folder)
 
     async def restore(self, engine: EngineHandle) -> None:
-        """An engine that restarted holds no adapters: it loads the kept versions again, oldest first. One it fails
-        to load is logged and its name fails at that engine, as a retired one would, until the next push."""
+        """An engine that restarted loads the kept versions again, oldest first; one it fails to load is logged
+        (its name fails at that engine, as a retired one would, until the next push)."""
         for version in self.loaded:
             try:
                 await self._bounded(engine.name, "load", self._worker.load_adapter(engine, version.name,
@@ -304,8 +296,7 @@ class Adapters:
         shutil.rmtree(folder, ignore_errors=True)
 
     async def aclose(self) -> None:
-        """Unload every version and delete the folders: nothing of the adapters outlives the daemon; the journal
-        keeps the retired names (a restarted daemon refuses them too)."""
+        """Unload every version and delete the folders; the journal keeps the retired names."""
         try:
             await self._retire(list(reversed(self.loaded)))
             self._lingering = []  # its folder goes with the root: nothing of this daemon re-reads it

@@ -117,7 +117,7 @@ class Daemon:
             self.probe = open_probe()
         self.sessions.restore()
         if (restored := self._restore_journal()) is not None:
-            self.transitions.resume_at(restored)
+            self.transitions.node = restored  # the phase and step the journal recorded
         self.adapters.restore_journal()  # before the reconcile: an engine restarted meanwhile loads them again
         await self._reconcile_at_startup(journal_restored=restored is not None)
         self.lifecycle = DaemonState.RUNNING

@@ -1,8 +1,7 @@
 """The daemon's view of the active policies: which values apply now, and reloading the policy file.
 
-Rule: values a policy document (policy file, SIGHUP, ``PUT /v1/policies``) sets win over the node
-config's; whatever it leaves out is the node config's. The two are merged once, when a document is
-staged (and for the built-in defaults at start), so a transition reads one ``Timeouts`` and one pause mode.
+Values a policy document (policy file, SIGHUP, ``PUT /v1/policies``) sets win over the node config's; the two are
+merged once, when a document is staged, so a transition reads one ``Timeouts`` and one pause mode.
 """
 
 from __future__ import annotations
@@ -53,11 +52,8 @@ class PolicyRuntime:
         return self.store.active.source not in (None, "defaults")
 
     def apply_yaml(self, text: str | bytes, source: str) -> PolicySet:
-        """Validate and stage; raises PolicyError (line/column) and leaves the running policy in force.
-
-        Bounded by the node config's ``limits``, plugins only from ``policy_plugins`` (or entry points).
-        CPU-bound: from the event loop, call it through ``asyncio.to_thread``.
-        """
+        """Validate and stage (PolicyError: the running policy stays), within the node config's ``limits`` and
+        ``policy_plugins``. CPU-bound: call it through ``asyncio.to_thread``."""
         limits = self.config.limits
         parsed = load_policy_yaml(text, source=source, plugins=frozenset(self.config.policy_plugins),
                                   limits=YamlLimits(max_bytes=limits.max_policy_bytes,
@@ -86,8 +82,7 @@ class PolicyRuntime:
         return staged
 
     def reload_if_changed(self) -> None:
-        """The health loop's check of the policy file: whatever the file holds, this returns (a failure is
-        logged), so the loop goes on observing engines and a later good edit is still staged."""
+        """The health loop's check of the policy file: it never raises (a failure is logged)."""
         path = self.config.policy_file
         if not path:
             return
@@ -105,7 +100,7 @@ class PolicyRuntime:
 
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
                    transports: frozenset[Transport] | None, staging: StagingMemory | None = None) -> dict[str, Any]:
-        """What the trainer agent must enact for this phase (pure decisions, serialised)."""
+        """What the trainer agent must enact for this phase."""
         sync = policies.sync
         out: dict[str, Any] = {"policy": policies.info(), "weight_sync": {
             **sync.model_dump(mode="json"), "max_staleness_versions": sync.staleness_bound}}
@@ -119,9 +114,8 @@ class PolicyRuntime:
 
     def pipeline_plan(self, policies: PolicySet, transports: frozenset[Transport] | None,
                       staging: StagingMemory | None = None) -> PipelinePlan:
-        """The plan over the transports every engine accepts (``None``: no engines, the snapshot's default),
-        fed the memory the daemon measured (``staging``: None = not read), so its out-of-memory guard bounds
-        depth x bucket by the GPU memory free now."""
+        """The plan over the transports every engine accepts (``None``: no engines), fed the memory the daemon
+        measured (``staging``) so its out-of-memory guard bounds depth x bucket by the GPU memory free now."""
         memory_fields = {"total_bytes": staging.total_bytes if staging else None,
                          "free_bytes": staging.free_bytes if staging else None}
         if transports is None:

@@ -55,8 +55,7 @@ class TransitionResult:
 
 @dataclass(frozen=True, slots=True)
 class TransitionContext:
-    """What the transitions use of the node: the engine worker (engines, their calls, metrics, traces), the
-    node's lock, the weight sessions (none may be open), the version book, the policies, the journal."""
+    """What the transitions use of the node."""
 
     worker: EngineWorker
     lock: NodeLock
@@ -88,20 +87,17 @@ class Transitions:
     def pause_mode(self) -> PauseMode:
         return PauseMode(self.policy_set().engines.pause_mode)
 
-    def resume_at(self, node: NodeState) -> None:
-        """A restarted daemon resumes at the phase and step its journal recorded."""
-        self.node = node
-
     async def transition(self, phase: NodePhase, step: int,
                          trainer: dict[str, Any] | None = None) -> TransitionResult:
         """Move the node to ``phase`` at ``step``. A repeat of a finished (step, phase) replays its result."""
-        ctx = self._ctx
+        ctx, metrics = self._ctx, self._ctx.worker.metrics
         if (done := self._completed.get((step, phase.value))) is not None:
             if (step, phase.value) in self._unjournaled:  # its record failed to be written: a repeat writes it
                 await self._write(done)
-            ctx.worker.metrics.transitions.labels(phase.value, "replayed").inc()
-            ctx.worker.metrics.changed()
+            metrics.transitions.labels(phase.value, "replayed").inc()
+            metrics.changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
+        outcome = "failed"
         try:
             # Legality, then each engine's desired state, then one sync of every engine, then the journal.
             async with ctx.lock.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
@@ -134,20 +130,19 @@ class Transitions:
                 result = TransitionResult(step, phase.value, time.perf_counter() - t0,
                                           {n: e.state.snapshot() for n, e in ctx.worker.engines.items()},
                                           freed, directives, trace)
-                ctx.worker.metrics.observe_phase(phase.value, "all", result.duration_s)
+                metrics.observe_phase(phase.value, "all", result.duration_s)
                 await self._journal(result)
+            outcome = "ok"
         except TransitionRejected as exc:
-            ctx.worker.metrics.transitions.labels(phase.value, "rejected").inc()
+            outcome = "rejected"
             log_rejected(phase.value, step, str(exc), session=ctx.sessions.open_id())
-            ctx.worker.metrics.changed()
             raise
         except BaseException as exc:
-            ctx.worker.metrics.transitions.labels(phase.value, "failed").inc()
             log_failed(phase.value, step, exc, session=ctx.sessions.open_id())
-            ctx.worker.metrics.changed()
             raise
-        ctx.worker.metrics.transitions.labels(phase.value, "ok").inc()
-        ctx.worker.metrics.changed()
+        finally:
+            metrics.transitions.labels(phase.value, outcome).inc()
+            metrics.changed()
         return result
 
     async def _journal(self, result: TransitionResult) -> None:
@@ -173,8 +168,8 @@ class Transitions:
 
     async def _desired(self, phase: NodePhase,
                        trace: Trace) -> tuple[dict[str, Desired], RolloutVersions | None]:
-        """What each engine should be in ``phase``, once the phase's own checks passed (nothing changed on a
-        refusal); for rollout also what it will serve, recorded once it does."""
+        """What each engine should be in ``phase``, once the phase's own checks passed; for rollout also what it
+        will serve, recorded once it does."""
         ctx = self._ctx
         engines = ctx.worker.engines
         if phase is NodePhase.TRAIN:
