@@ -94,7 +94,6 @@ class Journal:
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[None] | None = None
 
-    # -- reads (the folded state in memory) --------------------------------------------------------
     def last(self) -> dict[str, Any] | None:
         return self._folded.state
 
@@ -109,7 +108,6 @@ class Journal:
         """The adapter versions loaded and lingering (``AdapterVersion`` json), the names retired, oldest first."""
         return dict(self._folded.adapters)
 
-    # -- writes ------------------------------------------------------------------------------------
     def append(self, record: dict[str, Any]) -> concurrent.futures.Future[None]:
         """Record node/engine state; the returned future is done once it is on disk."""
         return self._write({"kind": "state", **record})
@@ -150,7 +148,6 @@ class Journal:
         if writer is not None:
             writer.shutdown(wait=True)
 
-    # -- internals ---------------------------------------------------------------------------------
     def _write(self, record: dict[str, Any]) -> concurrent.futures.Future[None]:
         record = {"ts": time.time(), **record}
         self._folded.apply(record)

@@ -148,7 +148,6 @@ class Metrics:
         self.last_substep_duration = Gauge(
             "colocd_last_substep_duration_seconds", "The last call of each sub-step on each engine",
             ["substep", "engine"], registry=r)
-        # -- the operator's view: step breakdown, GPU memory detail, engine lifecycle -----------------------
         self.step_switch = Histogram(
             "colocd_step_switch_seconds", "Daemon-side switch time of one step: train + sync + weight update + "
             "rollout, not counting the trainer's own training", buckets=_DURATION_BUCKETS, registry=r)

@@ -85,8 +85,7 @@ class Daemon:
         self.lock = NodeLock(can_start=self._check_can_start, before=self._reconcile_before, after=self.refresh_gauges)
         self.node_journal = NodeJournal(self.journal, lambda: {
             "node": self.node.snapshot(), "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
-        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.metrics.changed,
-                                          journal=self.journal)
+        self.launches = EngineSupervision(config.engines, self.metrics, journal=self.journal)
         self._retries = 0  # health ticks in a row that found an engine unsettled or unreachable
         self.startup_report: dict[str, Any] | None = None
         self.sessions = WeightSessions(

@@ -94,7 +94,6 @@ class PolicyRuntime:
         except Exception:  # a plugin's import or constructor is foreign code: never the end of the loop
             log.exception("policy file %s not applied, the running policy stays", path)
 
-    # -- what one transition uses (read from a pinned PolicySet, merged with the node config's) --------
     def release_tags(self, policies: PolicySet) -> tuple[str, ...] | None:
         return tuple(policies.engines.release_tags) if self.from_document() else None
 

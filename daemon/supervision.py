@@ -160,11 +160,10 @@ class EngineSupervision:
     """Launches and supervises the engines of one daemon that have a ``launch:`` section."""
 
     def __init__(self, engines: Sequence[AnyEngineConfig], metrics: Metrics, *,
-                 on_change: Callable[[], None] = lambda: None, launcher: Launcher = launch_engine,
+                 launcher: Launcher = launch_engine,
                  journal: Journal | None = None, answers: Answers = answers_http) -> None:
         self._engines = list(engines)
         self._metrics = metrics
-        self._on_change = on_change
         self._launcher = launcher
         self._journal = journal
         self._answers = answers
@@ -259,7 +258,7 @@ class EngineSupervision:
                 engine.config = engine.config.model_copy(update={"url": record.url, "launch": launch})
                 engine.process, engine.record, engine.adopted = AdoptedProcess(record), record, True
                 engine.state, engine.up_since, engine.last_error = LaunchState.RUNNING, time.monotonic(), None
-                self._on_change()
+                self._metrics.changed()
                 emit("engine_adopted", logging.INFO, engine=engine.name, pid=record.pid, url=record.url,
                      launched_by="a previous daemon")
                 return True
@@ -277,7 +276,7 @@ class EngineSupervision:
     def _spawned(self, engine: LaunchedEngine, process: ManagedProcess) -> None:
         """A process exists: show its pid, and journal it before it is waited for (a daemon killed now finds it)."""
         engine.process = process
-        self._on_change()
+        self._metrics.changed()
         if self._journal is None or process.pid is None:
             return
         record = LaunchRecord.of(engine.name, process.pid, url=str(engine.config.url),
@@ -288,7 +287,7 @@ class EngineSupervision:
 
     async def _launch(self, engine: LaunchedEngine) -> None:
         engine.state, engine.next_launch_at, engine.adopted = LaunchState.STARTING, None, False
-        self._on_change()
+        self._metrics.changed()
         options = LaunchOptions(on_spawn=lambda process: self._spawned(engine, process))
         try:
             try:
@@ -300,7 +299,7 @@ class EngineSupervision:
         except EngineLaunchError as exc:
             engine.last_error = exc.summary
             self._metrics.engine_launch_failures.labels(engine.name).inc()
-            self._on_change()
+            self._metrics.changed()
             raise
         if engine.process is not launched.process:  # a launcher that did not call the spawn hook (a plugin)
             self._spawned(engine, launched.process)
@@ -310,7 +309,7 @@ class EngineSupervision:
         engine.launches += 1
         engine.state, engine.last_error = LaunchState.RUNNING, None
         self._metrics.engine_launches.labels(engine.name).inc()
-        self._on_change()
+        self._metrics.changed()
         emit("engine_launched", logging.INFO, engine=engine.name, pid=launched.process.pid, url=launched.url)
 
     async def _watch(self, engine: LaunchedEngine, on_relaunch: Callable[[str], Awaitable[None]]) -> None:
@@ -327,7 +326,7 @@ class EngineSupervision:
                  uptime_s=round(uptime or 0.0, 3), then="relaunch" if engine.restart else "left_down")
             if not engine.restart:
                 engine.state = LaunchState.EXITED
-                self._on_change()
+                self._metrics.changed()
                 return
             await self._relaunch(engine, uptime)
             try:
@@ -355,7 +354,7 @@ class EngineSupervision:
             engine.failures = engine.failures + 1 if engine.backoff.counts_as_failure(uptime) else 1
             delay = engine.backoff.delay(engine.failures)
             engine.state, engine.next_launch_at = LaunchState.BACKOFF, time.time() + delay
-            self._on_change()
+            self._metrics.changed()
             await asyncio.sleep(delay)  # the backoff itself, not a wait for something to happen
             try:
                 await self._launch(engine)
@@ -364,7 +363,7 @@ class EngineSupervision:
                 uptime = None
                 continue
             engine.restarts += 1
-            self._on_change()
+            self._metrics.changed()
             return
 
     async def _stop_all(self) -> None:
@@ -380,4 +379,4 @@ class EngineSupervision:
                  pid=engine.process.pid if engine.process else None)
 
         await asyncio.gather(*(stop(e) for e in self.launched.values()))
-        self._on_change()
+        self._metrics.changed()

@@ -231,7 +231,6 @@ class TraceStore:
         """The last ``limit`` steps, newest first (``GET /v1/steps``)."""
         return [step_summary(s, self._steps[s]) for s in self.steps()[-limit:][::-1]]
 
-    # -- internals -----------------------------------------------------------------------------
     def _log(self, trace: Trace) -> None:
         session = trace.operation == "weights"
         if trace.operation in _NODE_PHASES and trace.outcome != "ok":

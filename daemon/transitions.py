@@ -230,7 +230,6 @@ class Transitions:
                                           "headroom_bytes": headroom_mb << 20}
         check_resume_headroom(what, needs, free, headroom_mb << 20, self.node)
 
-    # -- manual sleep / resume -----------------------------------------------------------------
     def _select(self, names: list[str] | None) -> list[EngineHandle]:
         engines = self._ctx.worker.engines
         if names is None:
