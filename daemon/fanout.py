@@ -21,13 +21,10 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..errors import ColocdError, EngineError, TransitionFailed
-
-if TYPE_CHECKING:
-    from .metrics import Metrics
-    from .worker import EngineHandle
+from .metrics import Metrics
 
 __all__ = ["SESSION_OPERATIONS", "OnFailure", "each_engine", "fan_out", "start_now"]
 
@@ -91,12 +88,12 @@ async def fan_out(targets: Iterable[T], call: Callable[[T], Awaitable[R]], *,
 SESSION_OPERATIONS = frozenset({"weights"})
 
 
-async def each_engine(engines: Iterable[EngineHandle], work: Callable[[EngineHandle], Awaitable[R]], *,
-                      operation: str, metrics: Metrics) -> dict[str, R]:
+async def each_engine(engines: Iterable[T], work: Callable[[T], Awaitable[R]], *, operation: str,
+                      metrics: Metrics) -> dict[str, R]:
     """One operation's work on every engine (``SETTLE``: none is left running outside the node's lock), each
     engine's time recorded under ``operation`` (a phase, sleep, resume; the metric's label is ``phase``); a
     failure that is neither ours nor an engine's becomes ``TransitionFailed`` naming the operation."""
-    async def timed(engine: EngineHandle) -> R:
+    async def timed(engine: T) -> R:
         t0 = time.perf_counter()
         try:
             return await work(engine)

@@ -17,9 +17,8 @@ import asyncio
 import logging
 import platform
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -33,10 +32,7 @@ from prometheus_client import (
 
 from .. import __version__
 from .memory import NvmlProbe, Settled
-from .states import Generation, NodePhase, NodeState, WeightsState
-
-if TYPE_CHECKING:
-    from .worker import EngineHandle
+from .states import NodePhase, NodeState
 
 __all__ = ["PARTS", "LeaseReport", "Metrics"]
 
@@ -301,36 +297,17 @@ class Metrics:
             self.node_phase.labels(phase.value).set(1 if node.phase is phase else 0)
         self.node_step.set(node.step)
 
-    def set_engines(self, engines: Iterable[EngineHandle], probe: NvmlProbe | None) -> None:
-        """Each engine's state gauges, its weight and memory series declared, then the GPUs (``set_gpus``)."""
-        engines = list(engines)
-        self.weight_version.clear()
-        for engine in engines:
-            name, state = engine.name, engine.state
-            self.engine_healthy.labels(name).set(1 if state.healthy else 0)
-            for gen in Generation:
-                self.engine_generation_state.labels(name, gen.value).set(1 if state.generation is gen else 0)
-            for ws in WeightsState:
-                self.engine_weights_state.labels(name, ws.value).set(1 if state.weights is ws else 0)
-            for tag in state.owned_tags:
-                self.engine_tag_resident.labels(name, tag.value).set(1 if state.resident(tag) else 0)
-            self.weight_version.labels(name, str(state.weight_version)).set(1)
-            self.declare_engine(name, transports=sorted(t.value for t in engine.transports),
-                                gpus=[str(g) for g in engine.gpus] if probe is not None and engine.gpus else None)
-        self.set_gpus(probe, engines)
-
-    def set_gpus(self, probe: NvmlProbe | None, engines: Iterable[EngineHandle]) -> None:
-        """NVML's reading of every engine's GPUs, each GPU once (labelled by index and UUID, as dcgm-exporter's
-        series are), and per compute process; a failed read leaves the last values and logs."""
-        engines = list(engines)
+    def set_gpus(self, probe: NvmlProbe | None, engines: Mapping[str, Sequence[int | str]]) -> None:
+        """NVML's reading of every engine's GPUs (``engines``: name → GPUs), each GPU once (labelled by index and
+        UUID, as dcgm-exporter's series are), and per compute process; a failed read leaves the last values."""
         self.nvml_available.set(1 if probe is not None else 0)
         self.engine_gpu.clear()
-        for engine in engines:
-            for gpu in engine.gpus:
-                self.engine_gpu.labels(engine.name, str(gpu)).set(1)
+        for name, gpus in engines.items():
+            for gpu in gpus:
+                self.engine_gpu.labels(name, str(gpu)).set(1)
         if probe is None:
             return
-        gpus = list(dict.fromkeys(g for e in engines for g in e.gpus))
+        gpus = list(dict.fromkeys(g for each in engines.values() for g in each))
         try:
             readings = probe.read_all(gpus)
             per_process = {str(g): probe.processes(g) for g in gpus}

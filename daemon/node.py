@@ -39,8 +39,10 @@ from .sessions import SessionContext, WeightSessions
 from .states import (
     DaemonState,
     EngineRecord,
+    Generation,
     NodePhase,
     NodeState,
+    WeightsState,
     check_can_start,
     check_reconciled,
 )
@@ -325,5 +327,18 @@ class Daemon:
         m.set_node(self.node)
         m.policy_info.clear()
         m.policy_info.labels(**self.policies.active.info()).set(1)
-        m.set_engines(self.engines.values(), self.probe)
-        self.metrics.changed()
+        m.weight_version.clear()
+        for name, engine in self.engines.items():
+            state = engine.state
+            m.engine_healthy.labels(name).set(1 if state.healthy else 0)
+            for gen in Generation:
+                m.engine_generation_state.labels(name, gen.value).set(1 if state.generation is gen else 0)
+            for ws in WeightsState:
+                m.engine_weights_state.labels(name, ws.value).set(1 if state.weights is ws else 0)
+            for tag in state.owned_tags:
+                m.engine_tag_resident.labels(name, tag.value).set(1 if state.resident(tag) else 0)
+            m.weight_version.labels(name, str(state.weight_version)).set(1)
+            m.declare_engine(name, transports=sorted(t.value for t in engine.transports),
+                             gpus=[str(g) for g in engine.gpus] if self.probe is not None and engine.gpus else None)
+        m.set_gpus(self.probe, {n: e.gpus for n, e in self.engines.items()})
+        m.changed()

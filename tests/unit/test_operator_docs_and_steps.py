@@ -91,12 +91,6 @@ class _FakeNvml:
         return self._procs[h]
 
 
-def _engine(name: str, gpus: list[int]) -> object:
-    from types import SimpleNamespace
-
-    return SimpleNamespace(name=name, gpus=gpus)
-
-
 def _samples(metrics: Metrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     return {tuple(sorted(s.labels.items())): s.value for f in metrics.registry.collect() for s in f.samples
             if s.name == name}
@@ -106,7 +100,7 @@ def test_nvml_gauges_give_each_gpu_and_each_process_nvml_attributes_memory_to() 
     from colocd.daemon.memory import NvmlProbe
 
     metrics = Metrics()
-    metrics.set_gpus(NvmlProbe(_FakeNvml()), [_engine("a", [0]), _engine("b", [0, 1])])
+    metrics.set_gpus(NvmlProbe(_FakeNvml()), {"a": [0], "b": [0, 1]})
     assert _samples(metrics, "colocd_nvml_available") == {(): 1.0}
     uuid0 = ("uuid", "GPU-00000000-aaaa-bbbb-cccc-ddddeeeeffff")
     uuid1 = ("uuid", "GPU-00000001-aaaa-bbbb-cccc-ddddeeeeffff")
@@ -123,7 +117,7 @@ def test_nvml_gauges_give_each_gpu_and_each_process_nvml_attributes_memory_to() 
 
 def test_without_nvml_no_gpu_series_exist() -> None:
     metrics = Metrics()
-    metrics.set_gpus(None, [_engine("a", [])])
+    metrics.set_gpus(None, {"a": []})
     assert _samples(metrics, "colocd_nvml_available") == {(): 0.0}
     for quantity in ("used", "free", "total"):
         assert _samples(metrics, f"colocd_gpu_memory_{quantity}_bytes") == {}
