@@ -226,15 +226,16 @@ class Adapters:
         if room:
             await self._retire(doomed)
 
-    async def _load_everywhere(self, new: AdapterVersion) -> None:
-        async def load(engine: EngineHandle) -> None:
-            started = time.perf_counter()
-            await self._bounded(engine.name, "load", self._worker.load_adapter(engine, new.name, str(new.folder)))
-            new.engines.append(engine.name)
-            new.load_s[engine.name] = round(time.perf_counter() - started, 6)
-            self._metrics.adapter_load.labels(engine.name).observe(new.load_s[engine.name])
+    async def _load(self, engine: EngineHandle, version: AdapterVersion) -> None:
+        started = time.perf_counter()
+        await self._bounded(engine.name, "load", self._worker.load_adapter(engine, version.name, str(version.folder)))
+        if engine.name not in version.engines:
+            version.engines.append(engine.name)
+        version.load_s[engine.name] = round(time.perf_counter() - started, 6)
+        self._metrics.adapter_load.labels(engine.name).observe(version.load_s[engine.name])
 
-        results = await asyncio.gather(*(load(e) for e in self._engines.values()), return_exceptions=True)
+    async def _load_everywhere(self, new: AdapterVersion) -> None:
+        results = await asyncio.gather(*(self._load(e, new) for e in self._engines.values()), return_exceptions=True)
         if failures := [r for r in results if isinstance(r, BaseException)]:
             await self._unload(new)  # the engines that loaded it forget it again: the previous version serves
             raise failures[0]
@@ -265,14 +266,10 @@ class Adapters:
         (its name fails at that engine, as a retired one would, until the next push)."""
         for version in self.loaded:
             try:
-                await self._bounded(engine.name, "load", self._worker.load_adapter(engine, version.name,
-                                                                                      str(version.folder)))
+                await self._load(engine, version)
             except Exception as exc:
                 log.warning("engine %r: re-loading adapter %r after its restart failed: %s", engine.name,
                             version.name, exc)
-                continue
-            if engine.name not in version.engines:
-                version.engines.append(engine.name)
 
     async def _bounded(self, engine: str, what: str, call: Coroutine[Any, Any, None]) -> None:
         budget = self._deadline_s()
