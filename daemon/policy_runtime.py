@@ -36,9 +36,9 @@ log = logging.getLogger("colocd.policy")
 class PolicyRuntime:
     """Owns the PolicyStore; knows the node config and the policy file."""
 
-    def __init__(self, config: NodeConfig, store: PolicyStore | None = None) -> None:
+    def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.store = store or PolicyStore(self._over_node(default_policies()))
+        self.store = PolicyStore(self._over_node(default_policies()))
         self._file_seen: tuple[int, int] | None = None  # (mtime_ns, size) of the policy file last read
         if config.policy_file:
             self.reload_file(raise_errors=True)
@@ -47,9 +47,6 @@ class PolicyRuntime:
     @property
     def active(self) -> PolicySet:
         return self.store.active
-
-    def from_document(self) -> bool:
-        return self.store.active.source not in (None, "defaults")
 
     def apply_yaml(self, text: str | bytes, source: str) -> PolicySet:
         """Validate and stage (PolicyError: the running policy stays), within the node config's ``limits`` and
@@ -95,7 +92,8 @@ class PolicyRuntime:
             log.exception("policy file %s not applied, the running policy stays", path)
 
     def release_tags(self, policies: PolicySet) -> tuple[str, ...] | None:
-        return tuple(policies.engines.release_tags) if self.from_document() else None
+        from_document = self.store.active.source not in (None, "defaults")
+        return tuple(policies.engines.release_tags) if from_document else None
 
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
                    transports: frozenset[Transport] | None, staging: StagingMemory | None = None) -> dict[str, Any]:

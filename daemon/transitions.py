@@ -201,7 +201,7 @@ class Transitions:
 
     def _served(self, record: RolloutVersions) -> None:
         ctx = self._ctx
-        ctx.versions.record(record)
+        ctx.versions.rollouts.append(record)
         for name, lag in record.staleness.items():
             ctx.worker.metrics.rollout_staleness.labels(name).set(lag)
 

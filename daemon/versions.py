@@ -101,9 +101,6 @@ class VersionBook:
     def lags(self, served: Mapping[str, str | None]) -> dict[str, int]:
         return {name: self.staleness(version) for name, version in served.items()}
 
-    def record(self, entry: RolloutVersions) -> None:
-        self.rollouts.append(entry)
-
     def snapshot(self, bound: int, mode: str, served: Iterable[tuple[str, str | None]]) -> dict[str, Any]:
         """``/v1/status``'s ``versions``."""
         now = dict(served)
