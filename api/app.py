@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
 from ..daemon.config import NodeConfig
-from ..daemon.leases import LeaseReport
+from ..daemon.metrics import LeaseReport
 from ..daemon.node import Daemon, TransitionResult
 from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
@@ -302,7 +302,7 @@ async def put_policies(request: Request, d: D) -> JSONResponse:
 @_route("GET", "/v1/steps", responses=_errors(422))
 async def steps(d: D, limit: Annotated[int, Query(ge=1, le=64)] = 20) -> dict[str, Any]:
     """The last ``limit`` steps, newest first: phases with durations, the switch breakdown, bytes, result."""
-    return {"steps": d.steps.summaries(limit)}
+    return {"steps": d.traces.summaries(limit)}
 
 
 @_route("GET", "/v1/traces/{step}", responses=_errors(404, 422))

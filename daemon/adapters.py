@@ -11,16 +11,14 @@ adapter API; the newest ``adapters.keep`` (policy) stay loaded and older ones ar
                    leaves no room for one more: an engine never passes its cap)
 
 The folders live under ``<journal>.adapters/`` (a temporary directory without a journal), and the journal records
-the versions loaded and the names retired: a daemon SIGKILLed and started again names the same current adapter
-(the engines still hold it), refuses the retired names, and deletes at start any folder of a version it no longer
-loads. An engine that restarted (a new incarnation at a reconcile: relaunched, or restarted by anyone) loads the
-kept versions again from their folders.
+the versions loaded and the names retired: a daemon SIGKILLed and started again names the same current adapter,
+refuses the retired names, and deletes any folder of a version it no longer loads. An engine that restarted loads
+the kept versions again from their folders.
 
 A folder lives exactly as long as its name is loaded: vLLM re-reads an evicted adapter from it at the next request,
-and a missing folder then kills the engine (research/lora-engines.md §1.3.7). Deleting it at unload is also what
-makes a retired name fail on SGLang, which would otherwise re-load an unloaded adapter from its cached path.
-Rollout requests go to the engines, not through the daemon: the daemon refuses a retired name where it sees one
-(``GET /v1/adapters/{name}``, the rollout's ``POST /v1/phase`` naming its adapter), the engines where they get one.
+and a missing folder then kills the engine (research/lora-engines.md §1.3.7); deleting it at unload is what makes
+a retired name fail on SGLang, which would otherwise re-load it from its cached path. Rollout requests go to the
+engines, not through the daemon: the daemon refuses a retired name where it sees one, the engines where they do.
 """
 
 from __future__ import annotations
@@ -36,19 +34,18 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from ..errors import AdapterRefused, AdapterRetired, EngineTimeout, NotFound, RequestInvalid, TransitionRejected
 from ..policies import AdapterSettings
 from .journal import KEEP_RETIRED_ADAPTERS, Journal
+from .metrics import Metrics
 from .worker import EngineHandle, EngineWorker
 
-__all__ = ["ADAPTER_CONFIG_KEY", "AdapterMetrics", "AdapterVersion", "Adapters", "adapter_name"]
+__all__ = ["ADAPTER_CONFIG_KEY", "AdapterVersion", "Adapters", "adapter_name"]
 
 log = logging.getLogger("colocd.adapters")
 
@@ -79,47 +76,19 @@ class AdapterVersion:
         return cls(str(record["name"]), Path(record["folder"]), int(record["nbytes"]), list(record["engines"]))
 
 
-class AdapterMetrics:
-    """The adapter series (docs/metrics.md, "LoRA adapters"), on the daemon's registry, at 0 for each engine."""
-
-    def __init__(self, registry: CollectorRegistry, engines: Iterable[str]) -> None:
-        self.current = Gauge("colocd_adapter_info", "The LoRA adapter the node serves now (value 1)", ["name"],
-                             registry=registry)
-        self.load_s = Histogram("colocd_adapter_load_seconds", "One engine's load of one adapter version", ["engine"],
-                                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-                                registry=registry)
-        self.unloads = Counter("colocd_adapter_unloads_total", "Adapter versions an engine unloaded", ["engine"],
-                               registry=registry)
-        self.pushes = Counter("colocd_adapter_pushes_total", "Adapter pushes by outcome (committed, refused, failed)",
-                              ["outcome"], registry=registry)
-        self.disk_bytes = Gauge("colocd_adapter_disk_bytes", "Bytes of the adapter folders the loaded versions keep",
-                                registry=registry)
-        for engine in engines:
-            self.load_s.labels(engine)
-            self.unloads.labels(engine)
-        for outcome in ("committed", "refused", "failed"):
-            self.pushes.labels(outcome)
-
-
 class Adapters:
     """``await adapters.push(base, version, body)``; ``check(name)`` answers or refuses a name (410 once retired).
+    A push holds the node's lock (``exclusive``); ``deadline_s()`` bounds each engine call."""
 
-    ``exclusive(what)`` is the node's lock (``NodeLock.exclusive``): a push's engine calls never overlap a transition.
-    ``deadline_s()`` bounds each engine call (the policy's ``timeouts.weight_update_s``). With a ``journal`` the
-    folders live beside it and every change is recorded there (``restore_journal`` reads it back at start).
-    """
-
-    def __init__(self, worker: EngineWorker, registry: CollectorRegistry, names: Iterable[str], *,
-                 settings: Callable[[], AdapterSettings],
+    def __init__(self, worker: EngineWorker, metrics: Metrics, *, settings: Callable[[], AdapterSettings],
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
-                 changed: Callable[[], None], deadline_s: Callable[[], float], journal: Journal | None) -> None:
+                 deadline_s: Callable[[], float], journal: Journal | None) -> None:
         self._worker = worker
         self._engines: Mapping[str, EngineHandle] = worker.engines
         self._deadline_s = deadline_s
-        self._metrics = AdapterMetrics(registry, names)
+        self._metrics = metrics
         self._settings = settings
         self._exclusive = exclusive
-        self._changed = changed
         self.loaded: list[AdapterVersion] = []  # oldest first; the last one is current
         self._retired: deque[str] = deque(maxlen=KEEP_RETIRED_ADAPTERS)
         self._unjournaled: list[str] = []  # names retired since the last journal record
@@ -133,7 +102,7 @@ class Adapters:
         return self.loaded[-1].name if self.loaded else None
 
     def check(self, name: str) -> dict[str, Any]:
-        """What the daemon knows of ``name``: loaded (with whether it is current), else AdapterRetired or NotFound."""
+        """Loaded (with whether it is current), else AdapterRetired or NotFound."""
         if any(v.name == name for v in self.loaded):
             return {"name": name, "current": name == self.current, "loaded": True}
         if name in self._retired:
@@ -166,17 +135,16 @@ class Adapters:
         except BaseException as exc:
             if not staged.engines:
                 self._delete(staged.folder)
-            self._metrics.pushes.labels("refused" if isinstance(exc, TransitionRejected) else "failed").inc()
-            self._changed()
+            self._metrics.adapter_pushes.labels("refused" if isinstance(exc, TransitionRejected) else "failed").inc()
+            self._metrics.changed()
             raise
-        self._metrics.pushes.labels("committed").inc()
+        self._metrics.adapter_pushes.labels("committed").inc()
         self._refresh()
         return {"adapter": name, "loaded": [v.name for v in self.loaded], "load_s": staged.load_s}
 
     def restore_journal(self) -> None:
-        """A restarted daemon's adapters, from its journal: the versions loaded (the engines still hold them; one
-        that restarted meanwhile loads them again at its reconcile) and the names retired. Any other folder under
-        the root is what the daemon that died left (a body being staged, a version being retired): deleted."""
+        """A restarted daemon's adapters, from its journal: the versions loaded and the names retired. Any other
+        folder under the root is what the daemon that died left (a body being staged, a version retired): deleted."""
         if self._journal is None or self.root is None:
             return
         held = self._journal.adapters()
@@ -210,7 +178,6 @@ class Adapters:
                                  "serve cached blocks of the old weights); push a new version",
                                  state={"adapter": name})
 
-    # -- stage -----------------------------------------------------------------------------------
     async def _stage(self, name: str, body: AsyncIterator[bytes]) -> AdapterVersion:
         """Write the body to a fresh folder, then check it is a whole safetensors file carrying the config."""
         if self.root is None:
@@ -231,7 +198,6 @@ class Adapters:
             raise
         return AdapterVersion(name, folder, nbytes)
 
-    # -- commit ----------------------------------------------------------------------------------
     def _cap(self) -> tuple[int | None, str]:
         """The fewest adapters any engine may hold, and who says so."""
         caps = [(e.info.max_adapters, f"engine {n!r}'s own flags") for n, e in self._engines.items()
@@ -260,15 +226,16 @@ class Adapters:
         if room:
             await self._retire(doomed)
 
-    async def _load_everywhere(self, new: AdapterVersion) -> None:
-        async def load(engine: EngineHandle) -> None:
-            started = time.perf_counter()
-            await self._bounded(engine.name, "load", self._worker.load_adapter(engine, new.name, str(new.folder)))
-            new.engines.append(engine.name)
-            new.load_s[engine.name] = round(time.perf_counter() - started, 6)
-            self._metrics.load_s.labels(engine.name).observe(new.load_s[engine.name])
+    async def _load(self, engine: EngineHandle, version: AdapterVersion) -> None:
+        started = time.perf_counter()
+        await self._bounded(engine.name, "load", self._worker.load_adapter(engine, version.name, str(version.folder)))
+        if engine.name not in version.engines:
+            version.engines.append(engine.name)
+        version.load_s[engine.name] = round(time.perf_counter() - started, 6)
+        self._metrics.adapter_load.labels(engine.name).observe(version.load_s[engine.name])
 
-        results = await asyncio.gather(*(load(e) for e in self._engines.values()), return_exceptions=True)
+    async def _load_everywhere(self, new: AdapterVersion) -> None:
+        results = await asyncio.gather(*(self._load(e, new) for e in self._engines.values()), return_exceptions=True)
         if failures := [r for r in results if isinstance(r, BaseException)]:
             await self._unload(new)  # the engines that loaded it forget it again: the previous version serves
             raise failures[0]
@@ -282,8 +249,7 @@ class Adapters:
         self._lingering = [v for v in [*self._lingering, *versions] if v.engines]
 
     async def _unload(self, version: AdapterVersion) -> None:
-        """Unload ``version`` wherever it is loaded; its folder goes once no engine holds the name (an engine that
-        failed to unload keeps it, and the folder with it)."""
+        """Unload ``version`` wherever it is loaded; its folder goes once no engine holds the name."""
         for name in list(version.engines):
             try:
                 await self._bounded(name, "unload", self._worker.unload_adapter(self._engines[name], version.name))
@@ -291,23 +257,19 @@ class Adapters:
                 log.warning("engine %r: unloading adapter %r failed: %s", name, version.name, exc)
                 continue
             version.engines.remove(name)
-            self._metrics.unloads.labels(name).inc()
+            self._metrics.adapter_unloads.labels(name).inc()
         if not version.engines:
             self._delete(version.folder)
 
     async def restore(self, engine: EngineHandle) -> None:
-        """An engine that restarted holds no adapters: it loads the kept versions again, oldest first. One it fails
-        to load is logged and its name fails at that engine, as a retired one would, until the next push."""
+        """An engine that restarted loads the kept versions again, oldest first; one it fails to load is logged
+        (its name fails at that engine, as a retired one would, until the next push)."""
         for version in self.loaded:
             try:
-                await self._bounded(engine.name, "load", self._worker.load_adapter(engine, version.name,
-                                                                                      str(version.folder)))
+                await self._load(engine, version)
             except Exception as exc:
                 log.warning("engine %r: re-loading adapter %r after its restart failed: %s", engine.name,
                             version.name, exc)
-                continue
-            if engine.name not in version.engines:
-                version.engines.append(engine.name)
 
     async def _bounded(self, engine: str, what: str, call: Coroutine[Any, Any, None]) -> None:
         budget = self._deadline_s()
@@ -319,19 +281,19 @@ class Adapters:
                                         "(timeouts.weight_update_s)") from None
 
     def _refresh(self) -> None:
-        self._metrics.current.clear()
+        m = self._metrics
+        m.adapter_info.clear()
         if self.current is not None:
-            self._metrics.current.labels(self.current).set(1)
-        self._metrics.disk_bytes.set(sum(v.nbytes for v in self.loaded))
-        self._changed()
+            m.adapter_info.labels(self.current).set(1)
+        m.adapter_disk_bytes.set(sum(v.nbytes for v in self.loaded))
+        m.changed()
 
     @staticmethod
     def _delete(folder: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
     async def aclose(self) -> None:
-        """Unload every version and delete the folders: nothing of the adapters outlives the daemon; the journal
-        keeps the retired names (a restarted daemon refuses them too)."""
+        """Unload every version and delete the folders; the journal keeps the retired names."""
         try:
             await self._retire(list(reversed(self.loaded)))
             self._lingering = []  # its folder goes with the root: nothing of this daemon re-reads it

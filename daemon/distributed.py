@@ -1,10 +1,9 @@
 """Separated-GPU weight updates: persistent weight-update groups, and broadcasts inside a weight session.
 
-A broadcast's descriptor goes to every engine at once (``/update_weights_from_distributed``); each blocks in its
-receive while the trainer broadcasts, and the daemon answers once all loaded it: the HTTP request and the
-collective overlap (research/engine-apis.md §6.3). Opening a group is alike (§1.6). A group whose collective
-sequence may be out of step (a failed broadcast or join) is destroyed on every engine and forgotten, so the
-trainer can open it again under its name. The protocol itself is ``engines/weight_group_protocol.py``.
+A broadcast's descriptor goes to every engine at once; each blocks in its receive while the trainer broadcasts,
+and the daemon answers once all loaded it (research/engine-apis.md §6.3); opening a group is alike (§1.6). A group
+whose collective sequence may be out of step (a failed broadcast or join) is destroyed on every engine and
+forgotten, so the trainer can open it again under its name.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ __all__ = [
 
 
 class GroupState(StrEnum):
-    JOINING = "joining"  # engines' /init_weights_update_group in flight
+    JOINING = "joining"
     READY = "ready"
 
 
@@ -81,13 +80,12 @@ def rank_layout(engines: list[EngineHandle], first_rank: int = 1) -> dict[str, i
 
 
 class WeightGroups:
-    """The node's weight-update groups and the broadcasts that go through them (one ``Daemon`` owns one)."""
+    """The node's weight-update groups and the broadcasts that go through them."""
 
     def __init__(self, worker: EngineWorker, lock: NodeLock) -> None:
         self._groups: dict[str, WeightGroupRecord] = {}
         self._worker, self._lock, self._metrics = worker, lock, worker.metrics
 
-    # -- queries -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """The rank layout a trainer needs before it builds its side, and every open group."""
         engines = list(self._worker.engines.values())
@@ -105,7 +103,6 @@ class WeightGroups:
             raise TransitionRejected(f"session {session.id}: broadcast {busy[0].in_flight} on group "
                                      f"{busy[0].name!r} is still in flight; wait for its answer")
 
-    # -- open / close --------------------------------------------------------------------------
     async def open(self, *, group_name: str, master_address: str, master_port: int, backend: str,
                    world_size: int | None = None, first_rank: int = 1) -> dict[str, Any]:
         """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
@@ -128,8 +125,7 @@ class WeightGroups:
                                      f"DELETE /v1/weights/groups/{group_name} first")
         if not engines:
             raise TransitionRejected("this node has no engines to join a weight-update group")
-        # Everything the caller wrote is checked before any engine is asked to join: an engine that joins
-        # a group that cannot form waits out its whole budget.
+        # All checked before any engine joins: one that joins a group that cannot form waits out its budget.
         if backend not in BACKEND_DEVICES:
             raise RequestInvalid(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}", field="backend")
         for engine in engines:
@@ -185,14 +181,10 @@ class WeightGroups:
                                 on_failure=OnFailure.COLLECT)
         return {name: str(r) for name, r in results.items() if isinstance(r, Exception)}
 
-    # -- broadcasts ----------------------------------------------------------------------------
     async def broadcast(self, session: WeightSession, engines: list[EngineHandle],
                         desc: BroadcastDescriptor) -> dict[str, Any]:
-        """Forward one broadcast to every engine at once; returns when all of them loaded it.
-
-        Any engine failing or running past the ``chunk`` budget fails the session (engines stay paused,
-        weights stale) and destroys the group, whose collective sequence may now be out of step.
-        """
+        """Forward one broadcast to every engine at once; returns when all of them loaded it. A failure fails the
+        session (engines stay paused, weights stale) and destroys the group."""
         record = self._groups.get(desc.group_name)
         if record is None:
             raise NotFound(f"no weight-update group {desc.group_name!r}; open it with POST /v1/weights/groups")
@@ -238,9 +230,8 @@ class WeightGroups:
 
 
 async def _check_reachable(host: str, port: int, within_s: float) -> None:
-    """Fail fast, naming the field, when the trainer's TCPStore cannot be reached from this node (where the
-    engines run): an unresolvable host, nothing accepting connections at host:port within ``within_s``, or
-    something that accepts them but does not answer as a TCPStore."""
+    """Fail fast, naming the field, when the trainer's TCPStore cannot be reached from this node: an unresolvable
+    host, nothing accepting connections within ``within_s``, or something that does not answer as a TCPStore."""
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(within_s):

@@ -1,10 +1,6 @@
 """One log line per event through the ``colocd.events`` logger: ``key=value`` text, and the same fields in
-``record.colocd`` for the JSON formatter (api/logs.py), which puts them at the top level.
-
-    emit("engine_health", logging.WARNING, engine="ref0", session=None, healthy=False, error="...")
-
-Every event carries ``engine`` and ``session`` (null where the event is not about one), so a log query can
-follow one engine or one weight session across events without knowing which event names they appear in.
+``record.colocd`` for the JSON formatter (api/logs.py). Every event carries ``engine`` and ``session`` (null where
+it is not about one), so a log query can follow one engine or one weight session across events.
 """
 
 from __future__ import annotations

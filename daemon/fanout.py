@@ -1,35 +1,32 @@
-"""One call per engine, run concurrently: the daemon's only way to act on several engines at once.
+"""One call per engine, run concurrently: the daemon's only way to act on several engines at once; and
+``start_now``, a task on the chunk path that starts at once.
 
 Three ways to end, because engines fail in three kinds of step:
 
 - ``SETTLE``: every call runs to its end, then the first failure (in engine order) is raised. For the
   handoff steps: a call cut short would leave that engine's recorded state unlike the engine, and a
-  call still running after the transition lock is released would race the next transition.
+  call still running after the node's lock is released would race the next transition.
 - ``CANCEL``: the first failure cancels the calls still running and is raised. For collectives (joining
-  a weight-update group, receiving a broadcast): the others wait on a peer that will never come, so
-  they would only run out their budgets.
+  a weight-update group, receiving a broadcast): the others wait on a peer that will never come.
 - ``COLLECT``: nothing is raised; each engine's result or exception is returned. For best-effort
   cleanup after a failure, which must not hide the error that led to it.
 
-Whatever the mode, an exception that is not an ``Exception`` (cancellation of the caller, interpreter
-exit) propagates as such. Built on ``asyncio.TaskGroup``.
+An exception that is not an ``Exception`` (cancellation of the caller) propagates as such.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..errors import ColocdError, EngineError, TransitionFailed
+from .metrics import Metrics
 
-if TYPE_CHECKING:
-    from .metrics import Metrics
-    from .worker import EngineHandle
-
-__all__ = ["SESSION_OPERATIONS", "OnFailure", "each_engine", "fan_out"]
+__all__ = ["SESSION_OPERATIONS", "OnFailure", "each_engine", "fan_out", "start_now"]
 
 
 class Named(Protocol):
@@ -39,6 +36,7 @@ class Named(Protocol):
 
 T = TypeVar("T", bound=Named)
 R = TypeVar("R")
+EAGER = sys.version_info >= (3, 12)
 
 
 class OnFailure(StrEnum):
@@ -86,16 +84,16 @@ async def fan_out(targets: Iterable[T], call: Callable[[T], Awaitable[R]], *,
 
 
 # A weight session's engine calls (begin, end) are timed as calls by the worker; its operation time is the whole
-# session's, observed once when the session ends (daemon/steps.py), not once per call and engine.
+# session's, observed once when the session ends (daemon/trace.py), not once per call and engine.
 SESSION_OPERATIONS = frozenset({"weights"})
 
 
-async def each_engine(engines: Iterable[EngineHandle], work: Callable[[EngineHandle], Awaitable[R]], *,
-                      operation: str, metrics: Metrics) -> dict[str, R]:
+async def each_engine(engines: Iterable[T], work: Callable[[T], Awaitable[R]], *, operation: str,
+                      metrics: Metrics) -> dict[str, R]:
     """One operation's work on every engine (``SETTLE``: none is left running outside the node's lock), each
     engine's time recorded under ``operation`` (a phase, sleep, resume; the metric's label is ``phase``); a
     failure that is neither ours nor an engine's becomes ``TransitionFailed`` naming the operation."""
-    async def timed(engine: EngineHandle) -> R:
+    async def timed(engine: T) -> R:
         t0 = time.perf_counter()
         try:
             return await work(engine)
@@ -110,3 +108,13 @@ async def each_engine(engines: Iterable[EngineHandle], work: Callable[[EngineHan
     except Exception as exc:
         raise TransitionFailed(f"{operation}: {type(exc).__name__}: {exc}") from exc
     return results  # type: ignore[return-value]  # SETTLE raised every failure
+
+
+def start_now(coro: Coroutine[Any, Any, R]) -> asyncio.Task[R]:
+    """A task for ``coro`` whose first step runs inside this call, up to its first real wait, where Python has
+    eager tasks (3.12+), else on the loop's next pass; callers must not rely on either order. On the chunk path
+    it saves a loop pass per chunk (0.02-0.04 ms each on an H200 host): the load's request leaves first."""
+    loop = asyncio.get_running_loop()
+    if EAGER:
+        return asyncio.Task(coro, loop=loop, eager_start=True)  # type: ignore[call-arg]
+    return loop.create_task(coro)

@@ -1,27 +1,15 @@
 """The daemon's journal: a snapshot plus a tail of JSON lines, so a restarted daemon knows where it was.
 
-    journal = Journal(path)
-    journal.last()                   # the last recorded node/engine state (None: nothing recorded)
-    journal.launches()               # the engine processes this node's daemons launched (engines/processes.py)
-    journal.completed()              # the results of the last finished transitions, replayed on a repeat
-    journal.append({...})            # a state record; written and fsynced on the journal's own thread
-    await journal.written(future)    # returns once that record is on disk (JournalFailed names the path)
-    journal.record_launch(r)         # an engine process exists (engines/processes.py)
-    journal.adapters()               # the LoRA adapter versions loaded and the names retired (daemon/adapters.py)
+Each line is a record of one ``kind`` (state, launch, launch_ended, completed, adapters) folded into one
+``JournalState``; a ``snapshot`` line is a whole state. Every ``COMPACT_EVERY`` records the file is replaced
+(write, fsync, rename) by one snapshot line, so its size stays bounded. Applying a record twice gives the same
+state, so a crash between any two steps of the compaction loses nothing.
 
-What the file holds folds into one ``JournalState``: each line is a record of one ``kind`` (state,
-launch, launch_ended, completed, adapters) applied on top of the lines before it, and a ``snapshot`` line is
-a whole state. Every ``COMPACT_EVERY`` records the file is replaced (write, fsync, rename) by one
-snapshot line, so its size stays bounded whatever the run length. Applying a record twice gives the
-same state, so a crash between any two steps of the compaction loses nothing.
-
-Writes and fsyncs run on one worker thread, in order, off the event loop; the in-memory state is
-updated at once, so what the daemon reads back is what it wrote. Each write returns a future done once
-the record is on disk: a reply that reports a state change awaits it (``written``), so a daemon SIGKILLed
-after the reply restarts on that state; a record nobody was told about yet (a health-loop reconcile) may be
-lost with a write still queued, as if the daemon had died a moment earlier. At start the file is read
-at most ``MAX_READ_BYTES`` from its end (a file a previous version let grow holds whole-state lines,
-so the last one is enough).
+Writes and fsyncs run in order on one worker thread; the in-memory state is updated at once. Each write returns
+a future done once the record is on disk: a reply that reports a state change awaits it (``written``), so a
+daemon SIGKILLed after the reply restarts on that state; a record nobody was told about yet (a health-loop
+reconcile) may be lost, as if the daemon had died a moment earlier. Start-up reads at most ``MAX_READ_BYTES``
+from the file's end (the last whole-state line is enough).
 """
 
 from __future__ import annotations
@@ -106,9 +94,7 @@ class Journal:
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[None] | None = None
 
-    # -- reads (the folded state in memory) --------------------------------------------------------
     def last(self) -> dict[str, Any] | None:
-        """The last state record, if any."""
         return self._folded.state
 
     def launches(self) -> dict[str, LaunchRecord]:
@@ -119,11 +105,9 @@ class Journal:
         return list(self._folded.completed)
 
     def adapters(self) -> dict[str, list[Any]]:
-        """The adapter versions loaded and lingering (``AdapterVersion`` json) and the names retired, oldest
-        first; empty without a record."""
+        """The adapter versions loaded and lingering (``AdapterVersion`` json), the names retired, oldest first."""
         return dict(self._folded.adapters)
 
-    # -- writes ------------------------------------------------------------------------------------
     def append(self, record: dict[str, Any]) -> concurrent.futures.Future[None]:
         """Record node/engine state; the returned future is done once it is on disk."""
         return self._write({"kind": "state", **record})
@@ -136,11 +120,10 @@ class Journal:
 
     def record_adapters(self, loaded: list[dict[str, Any]], lingering: list[dict[str, Any]],
                         retired: list[str]) -> concurrent.futures.Future[None]:
-        """The adapter versions now loaded and lingering, and the names retired since the last such record."""
+        """``retired``: the names retired since the last such record."""
         return self._write({"kind": "adapters", "loaded": loaded, "lingering": lingering, "retired": retired})
 
     def launch_ended(self, engine: str) -> concurrent.futures.Future[None]:
-        """The engine process was stopped by its daemon: nothing left to adopt."""
         return self._write({"kind": "launch_ended", "engine": engine})
 
     async def written(self, future: concurrent.futures.Future[None]) -> None:
@@ -154,8 +137,7 @@ class Journal:
                 from exc
 
     async def drain(self) -> None:
-        """Return once every record written so far is on disk, or failed to be (logged, and raised to whoever
-        awaits it with ``written``)."""
+        """Return once every record written so far is on disk or failed (logged; ``written`` raises it)."""
         if (pending := self._pending) is not None:
             with contextlib.suppress(OSError):
                 await asyncio.shield(asyncio.wrap_future(pending))
@@ -166,7 +148,6 @@ class Journal:
         if writer is not None:
             writer.shutdown(wait=True)
 
-    # -- internals ---------------------------------------------------------------------------------
     def _write(self, record: dict[str, Any]) -> concurrent.futures.Future[None]:
         record = {"ts": time.time(), **record}
         self._folded.apply(record)
@@ -186,22 +167,11 @@ class Journal:
         return future
 
     def _append_line(self, line: str) -> None:
-        # O_APPEND writes of one line from one writer; fsync makes each durable before the next.
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            os.write(fd, (line + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_synced(self.path, line, os.O_APPEND)  # one writer, one line: each durable before the next
 
     def _replace(self, snapshot: str) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, (snapshot + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_synced(tmp, snapshot, os.O_TRUNC)
         os.replace(tmp, self.path)
         dir_fd = os.open(self.path.parent, os.O_RDONLY)
         try:
@@ -211,11 +181,10 @@ class Journal:
 
 
 class NodeJournal:
-    """What the daemon journals of the node: its state (phase, step, every engine's record) and its finished
-    transitions. Without a journal file (``journal`` None) it writes nothing and replays nothing."""
+    """What the daemon journals of the node: ``state()`` (``{"node": ..., "engines": ...}``, as of now) and its
+    finished transitions. Without a journal file (``journal`` None) it writes nothing and replays nothing."""
 
     def __init__(self, journal: Journal | None, state: Callable[[], dict[str, Any]]) -> None:
-        """``state()``: the node's state as of now, ``{"node": ..., "engines": ...}``."""
         self.file, self._state = journal, state
 
     def append(self, what: str) -> None:
@@ -225,7 +194,7 @@ class NodeJournal:
 
     async def written(self, what: str) -> None:
         """Record the node's state and return once it is on disk (``JournalFailed`` naming the file if it cannot
-        be): what a reply reporting a state change waits for, so a SIGKILL after it loses nothing."""
+        be)."""
         if self.file is not None:
             await self.file.written(self.file.append({"event": what, **self._state()}))
 
@@ -236,6 +205,15 @@ class NodeJournal:
 
     def finished(self) -> list[dict[str, Any]]:
         return self.file.completed() if self.file is not None else []
+
+
+def _write_synced(path: Path, text: str, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode, 0o600)
+    try:
+        os.write(fd, (text + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _log_failure(future: concurrent.futures.Future[None]) -> None:

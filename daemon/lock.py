@@ -16,8 +16,8 @@ class NodeLock:
 
     def __init__(self, *, can_start: Callable[[str, str | None], None], before: Callable[[str], Awaitable[None]],
                  after: Callable[[], None]) -> None:
-        """``can_start(what, busy_with)`` refuses an operation (409); ``before(what)`` runs once an operation holds
-        the node, before it acts (every engine reconciled); ``after()`` once the node is free again (gauges)."""
+        """``can_start(what, busy_with)`` refuses an operation (409); ``before(what)`` runs once it holds the node,
+        before it acts; ``after()`` once the node is free again."""
         self._lock = asyncio.Lock()
         self._can_start, self._before, self._after = can_start, before, after
         self.busy_with: str | None = None
@@ -26,7 +26,6 @@ class NodeLock:
 
     @property
     def busy(self) -> bool:
-        """Something holds the node (a mutating operation or a background reconcile)."""
         return self._lock.locked()
 
     @contextlib.asynccontextmanager

@@ -60,7 +60,7 @@ class NvmlProbe:
         return GpuReading(str(gpu), int(info.used), int(info.free), int(info.total))
 
     def uuid(self, gpu: int | str) -> str:
-        """The GPU's UUID (``GPU-...``, what dcgm-exporter labels its series with); "" where NVML cannot say."""
+        """The GPU's UUID (``GPU-...``); "" where NVML cannot say."""
         key = str(gpu)
         if key not in self._uuids:
             try:
@@ -90,17 +90,12 @@ class NvmlProbe:
     async def confirm_release(self, gpus: list[int | str], before: dict[str, GpuReading], *,
                               expected_bytes: int | None, timeout_s: float, poll_s: float = 0.001,
                               settle_s: float = 0.05) -> ReleaseConfirmation:
-        """Poll NVML until the release has landed; the freed bytes returned are what NVML showed then.
+        """Poll NVML until the release has landed, by whichever criterion holds first:
 
-        Two criteria, whichever holds first:
-
-        * ``expected``: the GPUs' used memory dropped by at least ``expected_bytes`` in total. The
-          caller's expectation (the engine's own report, or what NVML showed the last time the same
-          tags were released) is what makes a confirmation cost one or two readings, not a window.
-        * ``stable``: a positive drop has not changed for ``settle_s`` (time, not a poll count, so the
-          cadence does not change what "settled" means). It covers an unknown expectation and one the
-          engine does not meet (it holds less than last time); its window equals three polls at
-          20 ms, so the fallback stays conservative.
+        * ``expected``: used memory dropped by at least ``expected_bytes`` in total (the engine's own report, or
+          what NVML showed last time the same tags were released): one or two readings, not a window.
+        * ``stable``: a positive drop has not changed for ``settle_s`` (time, not a poll count): an unknown
+          expectation, or one the engine does not meet.
 
         No positive drop within ``timeout_s`` → ``MemoryNotConfirmed``.
         """

@@ -1,4 +1,5 @@
-"""Prometheus metrics owned by one daemon instance (its own registry: no global state).
+"""Prometheus metrics owned by one daemon instance (its own registry: no global state), and the gauges set
+from what the daemon sees: the node, its engines, NVML, the trainer ranks' IPC lease reports.
 
 The text exposition (tens of KB, ~10-30 ms to render on a small CPU) is rendered once per change
 and shared by every reader, in a worker thread so the event loop keeps serving: the owner calls
@@ -6,13 +7,18 @@ and shared by every reader, in a worker thread so the event loop keeps serving: 
 
 Every event counter and histogram exists at 0 for each engine and label value from the start (``declare``):
 Prometheus's ``increase()`` needs a sample before the first event, or the first engine restart reads as 0.
+Without NVML (no driver, no package, a CPU node) there is no GPU series at all, and ``colocd_nvml_available 0``:
+an absent series is honest, a zero would claim a reading that never happened.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import platform
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,21 +31,27 @@ from prometheus_client import (
 )
 
 from .. import __version__
-from .memory import Settled
+from .memory import NvmlProbe, Settled
+from .states import NodePhase, NodeState
 
-__all__ = ["Metrics"]
+__all__ = ["PARTS", "LeaseReport", "Metrics"]
+
+log = logging.getLogger("colocd.daemon")
 
 # The fixed vocabularies of the event counters' labels: each combination is exported at 0 from the start.
 TRANSITION_PHASES = ("train", "sync", "rollout")
 TRANSITION_OUTCOMES = ("ok", "rejected", "failed", "replayed")
 SESSION_OUTCOMES = ("committed", "aborted", "failed", "expired")
 RECONCILE_ACTIONS = ("adopt", "pause", "release", "end_engine_session", "fail_session")
+ADAPTER_OUTCOMES = ("committed", "refused", "failed")
 FALLBACK_KINDS = ("process_groups", "weight_sync")
 # What a weight push ran as, against what the policy asked for: async falls back to sync, never the reverse.
 WEIGHT_SYNC_MODES = (("sync", "sync"), ("async", "async"), ("async", "sync"))
 # The trainer-side work a trainer agent reports: cleanup.<CleanupAction>, process groups, its weight push.
 TRAINER_SUBSTEPS = ("cleanup.gc_collect", "cleanup.synchronize", "cleanup.empty_cache", "process_groups",
                     "weight_sync")
+# The parts of a step's switch, in the order they happen (daemon/trace.py); ``total`` is their sum.
+PARTS = ("sleep", "load_weights_memory", "update", "wake", "cleanup", "groups")
 
 _DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -74,7 +86,7 @@ class Metrics:
             "the health loop unlinked", registry=r)
         self.shm_reclaimed_bytes = Counter(
             "colocd_shm_reclaimed_bytes", "Bytes the reclaimed segments of dead trainers held", registry=r)
-        # Trainer-side IPC leases (daemon/leases.py), as each trainer rank last reported them.
+        # Trainer-side IPC leases (``record_leases``), as each trainer rank last reported them.
         self.ipc_exported_bytes = Gauge(
             "colocd_ipc_exported_bytes", "Bytes a trainer rank holds exported for engines (chunks in flight, "
             "shm segments), as of its last report", ["rank"], registry=r)
@@ -132,7 +144,6 @@ class Metrics:
         self.last_substep_duration = Gauge(
             "colocd_last_substep_duration_seconds", "The last call of each sub-step on each engine",
             ["substep", "engine"], registry=r)
-        # -- the operator's view: step breakdown, GPU memory detail, engine lifecycle -----------------------
         self.step_switch = Histogram(
             "colocd_step_switch_seconds", "Daemon-side switch time of one step: train + sync + weight update + "
             "rollout, not counting the trainer's own training", buckets=_DURATION_BUCKETS, registry=r)
@@ -198,42 +209,54 @@ class Metrics:
             "colocd_reconcile_actions", "Actions the reconcile loop took to drive an engine to its desired state "
             "(adopt, pause, release, end_engine_session, fail_session)",
             ["engine", "action"], registry=r)
+        # LoRA adapters (daemon/adapters.py)
+        self.adapter_info = Gauge("colocd_adapter_info", "The LoRA adapter the node serves now (value 1)", ["name"],
+                                  registry=r)
+        self.adapter_load = Histogram("colocd_adapter_load_seconds", "One engine's load of one adapter version",
+                                      ["engine"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                      registry=r)
+        self.adapter_unloads = Counter("colocd_adapter_unloads_total", "Adapter versions an engine unloaded",
+                                       ["engine"], registry=r)
+        self.adapter_pushes = Counter("colocd_adapter_pushes_total",
+                                      "Adapter pushes by outcome (committed, refused, failed)", ["outcome"], registry=r)
+        self.adapter_disk_bytes = Gauge("colocd_adapter_disk_bytes",
+                                        "Bytes of the adapter folders the loaded versions keep", registry=r)
         self.declare(())
+        self._leases: dict[int, LeaseReport] = {}
+        self._node: NodeState | None = None
         self._version = 1  # bumped by changed(); the rendering below is of _rendered_version
         self._rendered = b""
         self._rendered_version = 0
         self._rendering: asyncio.Future[None] | None = None
 
-    def declare(self, engines: Iterable[str], launched: Iterable[str] = (), parts: Iterable[str] = ()) -> None:
+    def declare(self, engines: Iterable[str], launched: Iterable[str] = ()) -> None:
         """Export every event counter and histogram at 0 for each of ``engines`` (``launched``: those colocd
-        launches), each step part and each label value of its fixed vocabulary, so the first event is an
-        increase Prometheus can see."""
-        engines = list(engines)
+        launches) and each label value of its fixed vocabulary, so the first event is an increase Prometheus
+        can see."""
         for phase in TRANSITION_PHASES:
-            for engine in [*engines, "all"]:
-                self.phase_duration.labels(phase, engine)
-        for engine in engines:  # a manual sleep or resume is timed per engine only
-            self.phase_duration.labels("sleep", engine)
-            self.phase_duration.labels("resume", engine)
+            self.phase_duration.labels(phase, "all")
+            for outcome in TRANSITION_OUTCOMES:
+                self.transitions.labels(phase, outcome)
         self.phase_duration.labels("weights", "all")
         for outcome in SESSION_OUTCOMES:
             self.weight_session_duration.labels(outcome)
-        for part in parts:
+            self.weight_sessions.labels(outcome)
+        for part in PARTS:
             self.step_part_duration.labels(part)
         for substep in TRAINER_SUBSTEPS:
             self.trainer_substep_duration.labels(substep)
-        for engine in engines:
-            self.chunk_load_duration.labels(engine)
-        for phase in TRANSITION_PHASES:
-            for outcome in TRANSITION_OUTCOMES:
-                self.transitions.labels(phase, outcome)
-        for outcome in SESSION_OUTCOMES:
-            self.weight_sessions.labels(outcome)
+        for outcome in ADAPTER_OUTCOMES:
+            self.adapter_pushes.labels(outcome)
         for kind in FALLBACK_KINDS:
             self.fallbacks.labels(kind)
         for requested, mode in WEIGHT_SYNC_MODES:
             self.weight_syncs.labels(requested, mode)
         for engine in engines:
+            for phase in (*TRANSITION_PHASES, "sleep", "resume"):  # a manual sleep or resume: per engine only
+                self.phase_duration.labels(phase, engine)
+            self.chunk_load_duration.labels(engine)
+            self.adapter_load.labels(engine)
+            self.adapter_unloads.labels(engine)
             self.engine_restarts.labels(engine)
             for action in RECONCILE_ACTIONS:
                 self.reconcile_actions.labels(engine, action)
@@ -242,9 +265,9 @@ class Metrics:
             self.engine_launch_failures.labels(engine)
 
     def declare_engine(self, engine: str, *, transports: Iterable[str], gpus: Iterable[str] | None) -> None:
-        """Export ``engine``'s weight and memory series at 0: chunks, bytes by each transport it loads, the bytes
-        its releases free by source (each of its GPUs where NVML reads them: ``gpus``; else the engine's own
-        report) and NVML's confirmation by criterion. Idempotent: the node repeats it as engines attach."""
+        """Export ``engine``'s weight and memory series at 0: chunks, bytes by transport, the bytes its releases
+        free by source (each of ``gpus`` where NVML reads them, else the engine's own report), NVML's confirmation
+        by criterion. Idempotent: repeated as engines attach."""
         self.weight_chunks.labels(engine)
         for transport in transports:
             self.weight_bytes.labels(engine, transport)
@@ -253,13 +276,80 @@ class Metrics:
         for criterion in Settled:
             self.memory_confirm.labels(engine, criterion.value)
 
+    def watch_node(self, engines: Iterable[str], launched: Iterable[str], *, busy: Callable[[], bool],
+                   session_idle_s: Callable[[], float | None]) -> None:
+        """Every event series at 0 for the node's engines, and the gauges read when the exposition renders (after
+        each change, at least once per health interval), so a scrape during a long transition still says the node
+        is busy. ``session_idle_s()``: the open weight session's idle age, None while none is open."""
+        self.declare(engines, launched)
+        self.node_busy.set_function(lambda: 1.0 if busy() else 0.0)
+        self.session_open.set_function(lambda: 0.0 if session_idle_s() is None else 1.0)
+        self.session_idle.set_function(lambda: session_idle_s() or 0.0)
+
+    def set_node(self, node: NodeState) -> None:
+        """The phase gauges; a new (step, phase) restarts the clock of ``colocd_node_phase_entered_...``."""
+        if node is self._node:  # NodeState is replaced, never edited, on every move
+            return
+        if self._node is None or (node.phase, node.step) != (self._node.phase, self._node.step):
+            self.node_phase_entered.set(time.time())
+        self._node = node
+        for phase in NodePhase:
+            self.node_phase.labels(phase.value).set(1 if node.phase is phase else 0)
+        self.node_step.set(node.step)
+
+    def set_gpus(self, probe: NvmlProbe | None, engines: Mapping[str, Sequence[int | str]]) -> None:
+        """NVML's reading of every engine's GPUs (``engines``: name → GPUs), each GPU once (labelled by index and
+        UUID, as dcgm-exporter's series are), and per compute process; a failed read leaves the last values."""
+        self.nvml_available.set(1 if probe is not None else 0)
+        self.engine_gpu.clear()
+        for name, gpus in engines.items():
+            for gpu in gpus:
+                self.engine_gpu.labels(name, str(gpu)).set(1)
+        if probe is None:
+            return
+        gpus = list(dict.fromkeys(g for each in engines.values() for g in each))
+        try:
+            readings = probe.read_all(gpus)
+            per_process = {str(g): probe.processes(g) for g in gpus}
+            uuids = {str(g): probe.uuid(g) for g in gpus}
+        except Exception as exc:  # NVML errors (a GPU fell off the bus) must not break a transition
+            log.warning("NVML read failed; GPU memory gauges keep their last values: %s", exc)
+            return
+        for gpu, reading in readings.items():
+            self.gpu_memory_used.labels(gpu, uuids[gpu]).set(reading.used_bytes)
+            self.gpu_memory_free.labels(gpu, uuids[gpu]).set(reading.free_bytes)
+            self.gpu_memory_total.labels(gpu, uuids[gpu]).set(reading.total_bytes)
+        self.gpu_process_memory.clear()  # processes come and go; keep only the live ones
+        for gpu, procs in per_process.items():
+            for pid, nbytes in procs.items():
+                self.gpu_process_memory.labels(gpu, str(pid)).set(nbytes)
+
+    def record_leases(self, report: LeaseReport) -> None:
+        """A trainer rank's lease report (``colocd.trainer.leases``): the gauges are its last report, the counters
+        add what its totals grew by (totals that went down are a new trainer process, counted from zero)."""
+        rank = str(report.rank)
+        previous = self._leases.get(report.rank)
+        grew_leases, grew_bytes = report.reclaimed, report.reclaimed_bytes
+        if previous is not None and report.reclaimed >= previous.reclaimed:
+            grew_leases -= previous.reclaimed
+            grew_bytes = max(report.reclaimed_bytes - previous.reclaimed_bytes, 0)
+        self._leases[report.rank] = report
+        self.ipc_exported_bytes.labels(rank).set(report.exported_bytes)
+        self.ipc_retained_bytes.labels(rank).set(report.retained_bytes)
+        if grew_leases:
+            self.ipc_reclaimed.labels(rank).inc(grew_leases)
+            self.ipc_reclaimed_bytes.labels(rank).inc(grew_bytes)
+            log.warning("trainer rank %d reclaimed %d IPC lease(s), %d bytes, that a consumer never let go "
+                        "(now exported %d, retained %d bytes)", report.rank, grew_leases, grew_bytes,
+                        report.exported_bytes, report.retained_bytes)
+        self.changed()
+
     def observe_phase(self, phase: str, engine: str, seconds: float) -> None:
-        """One transition's time on ``engine`` ('all': the node): the histogram and the last-value gauge."""
+        """One transition's time on ``engine`` ('all': the node)."""
         self.phase_duration.labels(phase, engine).observe(seconds)
         self.last_phase_duration.labels(phase, engine).set(seconds)
 
     def observe_call(self, substep: str, engine: str, seconds: float) -> None:
-        """One engine call's time: the histogram and the last-value gauge."""
         self.step_duration.labels(substep, engine).observe(seconds)
         self.last_substep_duration.labels(substep, engine).set(seconds)
 
@@ -272,10 +362,8 @@ class Metrics:
         self._version += 1
 
     async def current(self) -> bytes:
-        """The exposition as of this call: every update made before it is in it (read your writes).
-
-        Concurrent scrapes share one render; a render runs in a thread, never on the event loop.
-        """
+        """The exposition as of this call: every update made before it is in it. Concurrent scrapes share one
+        render, in a thread."""
         wanted = self._version
         while self._rendered_version < wanted:
             if self._rendering is None:
@@ -291,3 +379,14 @@ class Metrics:
             self._rendering = None
         if version > self._rendered_version:
             self._rendered, self._rendered_version = text, version
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReport:
+    """One trainer rank's IPC leases: bytes exported and retained now, reclaims so far."""
+
+    rank: int
+    exported_bytes: int
+    retained_bytes: int
+    reclaimed: int = 0
+    reclaimed_bytes: int = 0

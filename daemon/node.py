@@ -1,12 +1,12 @@
-"""The node daemon's facade: it builds the engines and the concerns, hands each the few objects it uses, runs the
-loops that take the node's lock (the health tick, a relaunched engine's reconcile), and answers status.
+"""The node daemon's facade: it builds the engines and the concerns, hands each the few objects it uses, restores
+the journal and reconciles every engine at startup, runs the loops that take the node's lock (the health tick, a
+relaunched engine's reconcile), and answers status and readiness.
 
 The concerns live beside it, one module each, and none holds the facade: ``worker`` (the one path that calls
 engines: observe, plan, act, and a weight session's loads), ``lock`` (one mutating operation at a time: a second
 is refused with 409 naming the one in progress), ``transitions`` (phases, sleep, resume; it owns the node's phase
 and step), ``sessions`` (weight sessions, groups, broadcasts; it owns the open session and the manifest a complete
-push must cover), ``engine_lifecycle`` (the journal restore, the startup reconcile, the health loop's backoff,
-readiness). None imports this module.
+push must cover), ``launches`` (the engine processes it launches). None imports this module.
 """
 
 from __future__ import annotations
@@ -21,19 +21,18 @@ import httpx
 
 from ..engines.base import EngineAdapter, MemoryTag
 from ..engines.registry import build_adapter
+from ..engines.segments import reclaim_dead_segments
 from ..errors import NotFound
 from ..policies import Budget, PolicySet, Timeouts
 from .adapters import Adapters
 from .config import NodeConfig
 from .distributed import WeightGroups
-from .engine_lifecycle import EngineLifecycle
-from .gpu_metrics import refresh_gpu_metrics
+from .events import emit
+from .fanout import OnFailure, fan_out
 from .journal import Journal, NodeJournal
-from .leases import LeaseReport, TrainerLeases
 from .lock import NodeLock
 from .memory import NvmlProbe, open_probe
-from .metrics import Metrics
-from .node_metrics import NodeMetrics
+from .metrics import LeaseReport, Metrics
 from .policy_runtime import PolicyRuntime
 from .reconcile import Plan
 from .sessions import SessionContext, WeightSessions
@@ -41,12 +40,12 @@ from .states import (
     DaemonState,
     EngineRecord,
     Generation,
+    NodePhase,
     NodeState,
     WeightsState,
     check_can_start,
     check_reconciled,
 )
-from .steps import StepBook
 from .supervision import EngineSupervision
 from .trace import Trace, TraceStore
 from .transitions import TransitionContext, TransitionResult, Transitions
@@ -61,6 +60,7 @@ log = logging.getLogger("colocd.daemon")
 # idle connection for 5 s too could send a call, just under 5 s after the last one, on a connection the engine is
 # closing, and fail as if the engine had gone. The daemon lets its connections go well before that.
 ENGINE_KEEPALIVE_S = 2.0
+RETRY_INITIAL_S = 0.1  # first retry of a failed reconcile; doubles per health tick up to the health interval
 
 
 class Daemon:
@@ -71,10 +71,8 @@ class Daemon:
                  probe: NvmlProbe | None = None, policies: PolicyRuntime | None = None) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.steps = StepBook(self.metrics)  # logs each finished trace, records step metrics
-        self.traces = TraceStore(on_put=self.steps.observe)
-        self.steps.attach(self.traces)
-        self.versions = VersionBook()  # started weight versions, and what each rollout served
+        self.traces = TraceStore(self.metrics)
+        self.versions = VersionBook()
         self.lifecycle = DaemonState.UNOPENED
         self.policies = policies or PolicyRuntime(config)
         self._given_adapters = adapters or {}
@@ -83,34 +81,26 @@ class Daemon:
         self.engines: dict[str, EngineHandle] = {}
         self.journal = Journal(config.journal) if config.journal else None
         self._tasks: set[asyncio.Task[None]] = set()
-        # The one path that drives engines (daemon/worker.py).
         self.worker = EngineWorker(self.engines, self.metrics, self.traces, state=lambda: self.node,
                                timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled,
                                open_session=lambda: self.sessions.open_id())
         self.lock = NodeLock(can_start=self._check_can_start, before=self._reconcile_before, after=self.refresh_gauges)
         self.node_journal = NodeJournal(self.journal, lambda: {
             "node": self.node.snapshot(), "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
-        # Engines with a 'launch' section: started before attach, relaunched, stopped (daemon/supervision.py).
-        # Each launched process is journaled; a restarted daemon adopts the ones still running.
-        self.launches = EngineSupervision(config.engines, self.metrics, on_change=self.changed, journal=self.journal)
-        self.engine_lifecycle = EngineLifecycle(self.engines, self.worker, self.metrics, journal=self.journal,
-                                                launches=self.launches, changed=self.changed)
+        self.launches = EngineSupervision(config.engines, self.metrics, journal=self.journal)
+        self._retries = 0  # health ticks in a row that found an engine unsettled or unreachable
+        self.startup_report: dict[str, Any] | None = None
         self.sessions = WeightSessions(
             SessionContext(self.worker, self.lock, self.versions, self.policies, self.node_journal),
             WeightGroups(self.worker, self.lock), journal=config.journal)
         self.transitions = Transitions(
             TransitionContext(self.worker, self.lock, self.sessions, self.versions, self.policies, self.node_journal))
-        # Every event series at 0 from the start; phase, busy, session.
-        self.node_metrics = NodeMetrics(self.metrics, config.engines, self.sessions, state=lambda: self.node,
-                                        busy=lambda: self.lock.busy)
-        self.trainer_leases = TrainerLeases(self.metrics)  # what the trainer ranks report of their IPC leases
-        # LoRA adapter versions (daemon/adapters.py): pushed under the node's lock, kept by the policy's adapters.
-        self.adapters = Adapters(self.worker, self.metrics.registry, (e.name for e in config.engines),
-                                 settings=lambda: self.policy_set().adapters, exclusive=self.lock.exclusive,
-                                 changed=self.changed, journal=self.journal,
+        self.metrics.watch_node((e.name for e in config.engines), (e.name for e in config.engines if e.launch),
+                                busy=lambda: self.lock.busy, session_idle_s=self._session_idle_s)
+        self.adapters = Adapters(self.worker, self.metrics, settings=lambda: self.policy_set().adapters,
+                                 exclusive=self.lock.exclusive, journal=self.journal,
                                  deadline_s=lambda: self.timeouts().budget(Budget.WEIGHT_UPDATE))
 
-    # -- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Daemon:
         if self.lifecycle is not DaemonState.UNOPENED:
             raise RuntimeError(f"cannot open a daemon that is {self.lifecycle.value}")
@@ -127,10 +117,10 @@ class Daemon:
         if self.probe is None and any(e.gpus for e in self.engines.values()):
             self.probe = open_probe()
         self.sessions.restore()
-        if (restored := self.engine_lifecycle.restore_journal()) is not None:
-            self.transitions.resume_at(restored)
+        if (restored := self._restore_journal()) is not None:
+            self.transitions.node = restored  # the phase and step the journal recorded
         self.adapters.restore_journal()  # before the reconcile: an engine restarted meanwhile loads them again
-        await self.engine_lifecycle.reconcile_at_startup(journal_restored=restored is not None)
+        await self._reconcile_at_startup(journal_restored=restored is not None)
         self.lifecycle = DaemonState.RUNNING
         self._start(self._health_loop())
         self._start(self.sessions.lease_loop())
@@ -166,25 +156,66 @@ class Daemon:
         """Every health interval, observe each engine and drive it toward the desired state."""
         while not self.lock.stopping.is_set():
             # Read each tick: a new policy may change it; a failed reconcile is retried sooner.
-            interval = self.engine_lifecycle.health_interval(self.timeouts().budget(Budget.HEALTH_INTERVAL))
+            interval = self._health_interval(self.timeouts().budget(Budget.HEALTH_INTERVAL))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self.lock.stopping.wait()
             if self.lock.stopping.is_set():
                 return
             await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
-            await self.engine_lifecycle.reclaim_segments()
+            await self._reclaim_segments()
             if self.lock.busy:
-                self.changed()  # the next scrape renders what is live (busy, the open session's idle age)
+                self.metrics.changed()  # the next scrape renders what is live (busy, the open session's idle age)
                 continue  # a transition in progress reconciles before it acts
             async with self.lock.background("reconcile:health", reconciling=True):
                 await self.worker.reconcile_all("health")
                 await self.sessions.fail_if_lost()
 
+    def _restore_journal(self) -> NodeState | None:
+        """The node state the journal's last record holds, its engines' records restored (each to be re-verified
+        before any mutating call); None without a journal or a record."""
+        if self.journal is None or (record := self.journal.last()) is None:
+            return None
+        node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
+        self.worker.restore(record.get("engines", {}))
+        emit("journal_restored", logging.INFO, step=node.step, phase=node.phase.value)
+        return node
+
+    async def _reconcile_at_startup(self, *, journal_restored: bool) -> None:
+        worker = self.worker
+        await fan_out(self.engines.values(), lambda e: worker.reconcile(e, "startup"), on_failure=OnFailure.SETTLE)
+        self.startup_report = {"journal_restored": journal_restored, "unreconciled": sorted(worker.unreconciled),
+                               "engines": {n: worker.reports.get(n) for n in self.engines}}
+        emit("startup_reconcile", logging.INFO, journal_restored=journal_restored,
+             unreconciled=sorted(worker.unreconciled), engines=sorted(self.engines))
+
+    def _health_interval(self, interval: float) -> float:
+        """The wait before the next health tick: a failed reconcile is retried soon, backing off up to
+        ``interval`` (the policy's health interval)."""
+        if self.worker.unsettled or any(not e.state.healthy for e in self.engines.values()):
+            self._retries += 1
+            return min(interval, RETRY_INITIAL_S * 2.0 ** (self._retries - 1))
+        self._retries = 0
+        return interval
+
+    async def _reclaim_segments(self) -> None:
+        """Unlink the shared-memory segments of dead trainers (a SIGKILLed trainer unlinks nothing), off the loop."""
+        try:
+            reclaimed = await asyncio.to_thread(reclaim_dead_segments)
+        except OSError as exc:  # an unreadable /dev/shm must not stop the health loop
+            log.warning("reclaiming dead trainers' shared-memory segments failed: %s", exc)
+            return
+        for seg in reclaimed:
+            log.info("unlinked shared-memory segment %s of dead process %d (%d bytes)", seg.name, seg.pid, seg.nbytes)
+        if reclaimed:
+            self.metrics.shm_reclaimed.inc(len(reclaimed))
+            self.metrics.shm_reclaimed_bytes.inc(sum(seg.nbytes for seg in reclaimed))
+            self.metrics.changed()
+
     async def _reconcile_relaunched(self, name: str) -> None:
         """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
         self.worker.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
-        self.changed()
+        self.metrics.changed()
         if self.lifecycle is DaemonState.RUNNING:
             async with self.lock.background("reconcile:relaunch", reconciling=True):
                 await self.worker.reconcile(self.engines[name], "relaunch")
@@ -195,7 +226,6 @@ class Daemon:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- the one lock (daemon/lock.py) ---------------------------------------------------------------
     def _check_can_start(self, what: str, busy_with: str | None) -> None:
         check_can_start(what, lifecycle=self.lifecycle, node=self.node, busy_with=busy_with)
 
@@ -208,17 +238,14 @@ class Daemon:
 
     @property
     def node(self) -> NodeState:
-        """The node's phase and step (``Transitions`` owns and moves it)."""
         return self.transitions.node
 
-    # -- policy of the moment ----------------------------------------------------------------
     def policy_set(self) -> PolicySet:
         return self.transitions.policy_set()
 
     def timeouts(self) -> Timeouts:
-        return self.policies.timeouts(self.policy_set())
+        return self.policy_set().timeouts
 
-    # -- the policy document: what GET and PUT /v1/policies answer --------------------------------
     def policy_view(self) -> dict[str, Any]:
         """The active policy document (defaults filled in), its version and any staged swap."""
         active, pending = self.policies.active, self.policies.store.pending
@@ -226,14 +253,12 @@ class Daemon:
                 "pending": pending.info() if pending is not None else None}
 
     async def stage_policies(self, text: bytes, origin: str) -> dict[str, Any]:
-        """Stage a policy YAML (``PolicyError`` if invalid; the old policy stays); it applies at the next
-        transition boundary. Parsing and validating is CPU work: off the event loop."""
+        """Stage a policy YAML (``PolicyError`` if invalid; the old policy stays) for the next transition."""
         staged = await asyncio.to_thread(self.policies.apply_yaml, text, origin)
         active = self.policies.active
         return {"staged": staged.info(), "active": active.info(),
                 "applies": "now" if staged.fingerprint == active.fingerprint else "at the next transition"}
 
-    # -- queries -----------------------------------------------------------------------------
     def step_traces(self, step: int) -> dict[str, Trace]:
         """The traces of ``step`` by phase; NotFound names the steps still kept."""
         traces = self.traces.get(step)
@@ -242,14 +267,8 @@ class Daemon:
         return traces
 
     def report_leases(self, report: LeaseReport) -> dict[str, Any]:
-        """A trainer rank's IPC lease report (``colocd.trainer.leases``): sets the ``colocd_ipc_*`` series."""
-        self.trainer_leases.record(report)
-        self.changed()
+        self.metrics.record_leases(report)
         return {"rank": report.rank, "recorded": True}
-
-    def changed(self) -> None:
-        """Metrics changed: the next /metrics scrape renders them again."""
-        self.metrics.changed()
 
     def status(self) -> dict[str, Any]:
         """What GET /v1/status answers: the node, every engine's record, the session, reconcile, policy, versions."""
@@ -265,7 +284,7 @@ class Daemon:
                         for n, e in self.engines.items()},
             "weight_session": session.stats() if session is not None else None,
             "adapters": self.adapters.status(),
-            "reconcile": {"unreconciled": sorted(worker.unreconciled), "startup": self.engine_lifecycle.startup_report,
+            "reconcile": {"unreconciled": sorted(worker.unreconciled), "startup": self.startup_report,
                           "last": dict(worker.reports)},
             "policy": self.policy_view(),
             "nvml": self.probe is not None,
@@ -274,10 +293,22 @@ class Daemon:
         }
 
     def ready(self) -> tuple[bool, list[str]]:
-        problems = self.engine_lifecycle.unready_reasons()
+        """Whether the node can be driven now, and why not: one line per engine that cannot (``/readyz``)."""
+        problems = []
+        for name, engine in self.engines.items():
+            launched = self.launches.launched.get(name)
+            if launched is not None and (why := launched.unready_reason()) is not None:
+                problems.append(why)
+            elif name in self.worker.unreconciled:
+                error = engine.state.last_error
+                problems.append(f"engine {name!r}: not yet reconciled with the journal after the daemon restarted"
+                                + (f": {error}" if error else ""))
+            elif name in self.worker.unsettled:
+                problems.append(self.worker.unsettled[name])
+            elif (why := engine.unready_reason()) is not None:
+                problems.append(why)
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
-    # -- bookkeeping ---------------------------------------------------------------------------
     async def _reconciled(self, engine: EngineHandle, p: Plan) -> None:
         """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled;
         a restarted engine (a new process holds no adapters) loads the kept adapter versions again."""
@@ -287,22 +318,27 @@ class Daemon:
         if p.restarted:
             await self.adapters.restore(engine)
 
+    def _session_idle_s(self) -> float | None:
+        current = self.sessions.current
+        return current.idle_for() if current is not None and self.sessions.open_id() is not None else None
+
     def refresh_gauges(self) -> None:
         m = self.metrics
-        self.node_metrics.refresh()
-        m.weight_version.clear()
+        m.set_node(self.node)
         m.policy_info.clear()
         m.policy_info.labels(**self.policies.active.info()).set(1)
+        m.weight_version.clear()
         for name, engine in self.engines.items():
-            m.engine_healthy.labels(name).set(1 if engine.state.healthy else 0)
+            state = engine.state
+            m.engine_healthy.labels(name).set(1 if state.healthy else 0)
             for gen in Generation:
-                m.engine_generation_state.labels(name, gen.value).set(1 if engine.state.generation is gen else 0)
+                m.engine_generation_state.labels(name, gen.value).set(1 if state.generation is gen else 0)
             for ws in WeightsState:
-                m.engine_weights_state.labels(name, ws.value).set(1 if engine.state.weights is ws else 0)
-            for tag in engine.state.owned_tags:
-                m.engine_tag_resident.labels(name, tag.value).set(1 if engine.state.resident(tag) else 0)
-            m.weight_version.labels(name, str(engine.state.weight_version)).set(1)
+                m.engine_weights_state.labels(name, ws.value).set(1 if state.weights is ws else 0)
+            for tag in state.owned_tags:
+                m.engine_tag_resident.labels(name, tag.value).set(1 if state.resident(tag) else 0)
+            m.weight_version.labels(name, str(state.weight_version)).set(1)
             m.declare_engine(name, transports=sorted(t.value for t in engine.transports),
                              gpus=[str(g) for g in engine.gpus] if self.probe is not None and engine.gpus else None)
-        refresh_gpu_metrics(m, self.probe, self.engines.values())
-        self.changed()
+        m.set_gpus(self.probe, {n: e.gpus for n, e in self.engines.items()})
+        m.changed()

@@ -1,8 +1,7 @@
 """The daemon's view of the active policies: which values apply now, and reloading the policy file.
 
-Rule: values a policy document (policy file, SIGHUP, ``PUT /v1/policies``) sets win over the node
-config's; whatever it leaves out is the node config's. The two are merged once, when a document is
-staged (and for the built-in defaults at start), so a transition reads one ``Timeouts`` and one pause mode.
+Values a policy document (policy file, SIGHUP, ``PUT /v1/policies``) sets win over the node config's; the two are
+merged once, when a document is staged, so a transition reads one ``Timeouts`` and one pause mode.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from ..policies import (
     PolicyError,
     PolicySet,
     PolicyStore,
-    Timeouts,
     Transport,
     YamlLimits,
     default_policies,
@@ -38,9 +36,9 @@ log = logging.getLogger("colocd.policy")
 class PolicyRuntime:
     """Owns the PolicyStore; knows the node config and the policy file."""
 
-    def __init__(self, config: NodeConfig, store: PolicyStore | None = None) -> None:
+    def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.store = store or PolicyStore(self._over_node(default_policies()))
+        self.store = PolicyStore(self._over_node(default_policies()))
         self._file_seen: tuple[int, int] | None = None  # (mtime_ns, size) of the policy file last read
         if config.policy_file:
             self.reload_file(raise_errors=True)
@@ -50,15 +48,9 @@ class PolicyRuntime:
     def active(self) -> PolicySet:
         return self.store.active
 
-    def from_document(self) -> bool:
-        return self.store.active.source not in (None, "defaults")
-
     def apply_yaml(self, text: str | bytes, source: str) -> PolicySet:
-        """Validate and stage; raises PolicyError (line/column) and leaves the running policy in force.
-
-        Bounded by the node config's ``limits``, plugins only from ``policy_plugins`` (or entry points).
-        CPU-bound: from the event loop, call it through ``asyncio.to_thread``.
-        """
+        """Validate and stage (PolicyError: the running policy stays), within the node config's ``limits`` and
+        ``policy_plugins``. CPU-bound: call it through ``asyncio.to_thread``."""
         limits = self.config.limits
         parsed = load_policy_yaml(text, source=source, plugins=frozenset(self.config.policy_plugins),
                                   limits=YamlLimits(max_bytes=limits.max_policy_bytes,
@@ -87,8 +79,7 @@ class PolicyRuntime:
         return staged
 
     def reload_if_changed(self) -> None:
-        """The health loop's check of the policy file: whatever the file holds, this returns (a failure is
-        logged), so the loop goes on observing engines and a later good edit is still staged."""
+        """The health loop's check of the policy file: it never raises (a failure is logged)."""
         path = self.config.policy_file
         if not path:
             return
@@ -100,20 +91,16 @@ class PolicyRuntime:
         except Exception:  # a plugin's import or constructor is foreign code: never the end of the loop
             log.exception("policy file %s not applied, the running policy stays", path)
 
-    # -- what one transition uses (read from a pinned PolicySet) ---------------------------------
-    def timeouts(self, policies: PolicySet) -> Timeouts:
-        return policies.timeouts  # already merged with the node config's (_over_node)
-
-    def pause_mode(self, policies: PolicySet) -> str:
-        return policies.engines.pause_mode  # already merged with the node config's (_over_node)
-
     def release_tags(self, policies: PolicySet) -> tuple[str, ...] | None:
-        return tuple(policies.engines.release_tags) if self.from_document() else None
+        from_document = self.store.active.source not in (None, "defaults")
+        return tuple(policies.engines.release_tags) if from_document else None
 
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
                    transports: frozenset[Transport] | None, staging: StagingMemory | None = None) -> dict[str, Any]:
-        """What the trainer agent must enact for this phase (pure decisions, serialised)."""
-        out: dict[str, Any] = {"policy": policies.info(), "weight_sync": self.weight_sync(policies)}
+        """What the trainer agent must enact for this phase."""
+        sync = policies.sync
+        out: dict[str, Any] = {"policy": policies.info(), "weight_sync": {
+            **sync.model_dump(mode="json"), "max_staleness_versions": sync.staleness_bound}}
         if phase == "train":
             snapshot = _group_snapshot((trainer or {}).get("groups") or {})
             out["process_groups"] = policies.process_groups.before_pause(snapshot).model_dump(mode="json")
@@ -122,15 +109,10 @@ class PolicyRuntime:
             out["pipeline"] = self.pipeline_plan(policies, transports, staging).model_dump(mode="json")
         return out
 
-    def weight_sync(self, policies: PolicySet) -> dict[str, Any]:
-        """How the trainer pushes (``sync.mode``) and the staleness bound in force (``sync`` section)."""
-        return {**policies.sync.model_dump(mode="json"), "max_staleness_versions": policies.sync.staleness_bound}
-
     def pipeline_plan(self, policies: PolicySet, transports: frozenset[Transport] | None,
                       staging: StagingMemory | None = None) -> PipelinePlan:
-        """The plan over the transports every engine accepts (``None``: no engines, the snapshot's default),
-        fed the memory the daemon measured (``staging``: None = not read), so its out-of-memory guard bounds
-        depth x bucket by the GPU memory free now."""
+        """The plan over the transports every engine accepts (``None``: no engines), fed the memory the daemon
+        measured (``staging``) so its out-of-memory guard bounds depth x bucket by the GPU memory free now."""
         memory_fields = {"total_bytes": staging.total_bytes if staging else None,
                          "free_bytes": staging.free_bytes if staging else None}
         if transports is None:

@@ -3,11 +3,8 @@ says, and the engine calls that close the gap. Pure, like states.py: no asyncio,
 
 The daemon's record of an engine is a cache of what it last observed, never the truth (DESIGN.md §3).
 ``plan(desired, recorded, observed)`` returns a ``Plan``: whether the engine restarted, the record to hold
-now (what the engine really is), and the actions that drive it to ``desired``. Level-triggered, as kubelet
-does it: the same inputs give the same plan, so a plan whose calls failed is simply planned again. Every
-path that drives an engine plans here (daemon/worker.py runs the plans): a phase transition or a manual
-sleep / resume sets ``desired`` and plans on the record it just observed (``observed=None``); the health
-loop, a relaunch and a daemon restart plan on a fresh observation with ``desired`` holding the record.
+now, and the actions that drive it to ``desired``. Level-triggered, as kubelet does it: a plan whose calls
+failed is simply planned again. Every path that drives an engine plans here (daemon/worker.py runs the plans).
 
 Rules, in order:
 
@@ -42,12 +39,10 @@ __all__ = ["Action", "Desired", "Plan", "WeightsGoal", "plan"]
 
 
 class Action(StrEnum):
-    """One engine call (or daemon-side step) of a plan, in the order the daemon runs them."""
+    """One engine call of a plan, in the order the daemon runs them."""
 
-    BEGIN_ENGINE_SESSION = "begin_engine_session"  # open the engine's update session for a weight session
-    # End the engine's update session: a weight session's commit or close (the plan's ``weights`` says which),
-    # or one nobody owns (its contents unknown: stale).
-    END_ENGINE_SESSION = "end_engine_session"
+    BEGIN_ENGINE_SESSION = "begin_engine_session"
+    END_ENGINE_SESSION = "end_engine_session"  # a commit or close (the plan's ``weights`` says which), or unowned
     PAUSE = "pause"  # stop generation: the desired state pauses, the weights are stale or memory is released
     RELEASE = "release"  # flush the prefix cache (idle first), then give back what the desired state released
     RESUME = "resume"  # take back the memory the desired state has resident
@@ -93,10 +88,10 @@ class Desired:
         generation = now.generation if now.generation is not recorded.generation else self.generation
         return replace(self, generation=generation, released=frozenset(released))
 
-    # -- what each phase and manual step wants, from the record it starts on ------------------------
     @classmethod
     def for_train(cls, state: EngineRecord, release: tuple[MemoryTag, ...] | None, mode: PauseMode) -> Desired:
-        """Paused, ``release`` (None: every owned tag) released as well: the trainer's memory."""
+        """Paused, ``release`` (None: every owned tag) released as well: train's (the trainer's memory) and a
+        manual sleep's."""
         tags = state.owned_tags if release is None else tuple(t for t in release if t in state.owned_tags)
         return cls(Generation.PAUSED, cls.holding(state).released | set(tags), mode)
 
@@ -108,17 +103,11 @@ class Desired:
 
     @classmethod
     def for_rollout(cls) -> Desired:
-        """Everything resident, serving."""
         return cls(Generation.SERVING, frozenset())
 
     @classmethod
     def for_weights(cls, state: EngineRecord, goal: WeightsGoal) -> Desired:
-        """The engine as it is, with the weight session's goal."""
         return replace(cls.holding(state), weights=goal)
-
-    @classmethod
-    def for_sleep(cls, state: EngineRecord, tags: tuple[MemoryTag, ...], mode: PauseMode) -> Desired:
-        return cls(Generation.PAUSED, cls.holding(state).released | set(tags), mode)
 
     @classmethod
     def for_resume(cls, state: EngineRecord, tags: tuple[MemoryTag, ...], phase: NodePhase) -> Desired:

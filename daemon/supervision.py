@@ -1,17 +1,12 @@
 """The engines this daemon launches itself (a ``launch:`` section): start, watch, relaunch, stop.
 
-    supervision = EngineSupervision(config.engines, metrics, on_change=...)
-    await supervision.start()            # every launched engine ready (or EngineLaunchError naming it)
-    supervision.supervise(on_relaunch)   # one watcher task per launched engine
-    await supervision.aclose()           # watchers cancelled, then every process group stopped
-
 Start-up is all-or-nothing: an engine not ready by its ``launch.ready_timeout_s`` stops the others and the error
 (naming it, with its log) propagates, so ``colocd serve`` exits non-zero. An engine that exits later is relaunched
-on the same port after a backoff that doubles per consecutive failure up to ``backoff_max_s``; nothing here
-touches its record: ``on_relaunch`` has the daemon reconcile it, which sees a new incarnation as for any
-restarted engine (daemon/reconcile.py). Every process is journaled as soon as it exists: a daemon started on a
-journal naming a live process that answers where the config says adopts it; any other leftover is stopped, its
-whole process group, before a new one is launched, so a SIGKILLed daemon never runs a second engine beside one.
+on the same port after a backoff that doubles per consecutive failure; ``on_relaunch`` then has the daemon
+reconcile it (a new incarnation, as for any restarted engine). Every process is journaled as soon as it exists:
+a daemon started on a journal naming a live process that answers where the config says adopts it; any other
+leftover's process group is stopped before a new one is launched, so a SIGKILLed daemon never runs a second
+engine beside one.
 """
 
 from __future__ import annotations
@@ -76,7 +71,7 @@ class Backoff:
     reset_after_s: float = 60.0  # a run that stayed up this long was a success: the count restarts
 
     def delay(self, failures: int) -> float:
-        """The wait before relaunch number ``failures`` (1 = first failure in a row)."""
+        """The wait before relaunch number ``failures`` (1: the first failure in a row)."""
         return float(min(self.max_s, self.initial_s * 2 ** max(0, failures - 1)))
 
     def counts_as_failure(self, uptime_s: float | None) -> bool:
@@ -121,7 +116,7 @@ class LaunchedEngine:
         return self.config.name
 
     def unready_reason(self) -> str | None:
-        """Why the engine cannot be driven now as far as its process goes (None: it runs)."""
+        """Why the engine's process cannot be driven now (None: it runs)."""
         if self.state is LaunchState.RUNNING:
             return None
         why = _UNREADY[self.state]
@@ -132,7 +127,6 @@ class LaunchedEngine:
         return f"engine {self.name!r}: {why}"
 
     def snapshot(self) -> dict[str, Any]:
-        # The pid of the process that is running or starting; none while the engine is down.
         live = self.process is not None and self.state in (LaunchState.STARTING, LaunchState.RUNNING)
         return {"state": self.state.value, "pid": self.process.pid if live and self.process else None,
                 "adopted": self.adopted,
@@ -143,7 +137,6 @@ class LaunchedEngine:
 
 
 def _launch_of(config: AnyEngineConfig) -> LaunchConfig:
-    """The ``launch:`` section of an engine the supervision launches (it holds no other)."""
     if config.launch is None:
         raise ValueError(f"engine {config.name!r} has no launch: section, so colocd does not launch it")
     return config.launch
@@ -167,11 +160,10 @@ class EngineSupervision:
     """Launches and supervises the engines of one daemon that have a ``launch:`` section."""
 
     def __init__(self, engines: Sequence[AnyEngineConfig], metrics: Metrics, *,
-                 on_change: Callable[[], None] = lambda: None, launcher: Launcher = launch_engine,
+                 launcher: Launcher = launch_engine,
                  journal: Journal | None = None, answers: Answers = answers_http) -> None:
         self._engines = list(engines)
         self._metrics = metrics
-        self._on_change = on_change
         self._launcher = launcher
         self._journal = journal
         self._answers = answers
@@ -180,18 +172,14 @@ class EngineSupervision:
         self._closed = False
         self._watchers: set[asyncio.Task[None]] = set()
 
-    # --- queries ---------------------------------------------------------------------------------
-
     def configs(self) -> list[AnyEngineConfig]:
         """Every engine's config, launched ones with their URL (call after ``start``)."""
         return [self.launched[c.name].config if c.name in self.launched else c for c in self._engines]
 
     def snapshot(self, name: str) -> dict[str, Any] | None:
-        """The launch record of ``name``; None for an engine colocd only attaches to."""
+        """None for an engine colocd only attaches to."""
         engine = self.launched.get(name)
         return engine.snapshot() if engine is not None else None
-
-    # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Launch every engine with ``launch:`` concurrently; idempotent. All ready, or none left running."""
@@ -246,16 +234,13 @@ class EngineSupervision:
         engine.record = dataclasses.replace(engine.record, incarnation=incarnation)
         self._journal.record_launch(engine.record)
 
-    # --- internals -------------------------------------------------------------------------------
-
     async def _adopt_or_launch(self, engine: LaunchedEngine, record: LaunchRecord | None,
                                given: AnyEngineConfig) -> None:
         if record is None or not await self._adopt(engine, record, given):
             await self._launch(engine)
 
     async def _adopt(self, engine: LaunchedEngine, record: LaunchRecord, given: AnyEngineConfig) -> bool:
-        """Adopt the recorded process if it is still there and answers where it should; else stop what is
-        left of it (its process group). True if adopted."""
+        """Adopt the recorded process if it is alive and answers where it should (True); else stop its group."""
         fixed_port = urlsplit(given.url).port if given.url else None
         if record.alive():
             why = None
@@ -273,7 +258,7 @@ class EngineSupervision:
                 engine.config = engine.config.model_copy(update={"url": record.url, "launch": launch})
                 engine.process, engine.record, engine.adopted = AdoptedProcess(record), record, True
                 engine.state, engine.up_since, engine.last_error = LaunchState.RUNNING, time.monotonic(), None
-                self._changed()
+                self._metrics.changed()
                 emit("engine_adopted", logging.INFO, engine=engine.name, pid=record.pid, url=record.url,
                      launched_by="a previous daemon")
                 return True
@@ -291,7 +276,7 @@ class EngineSupervision:
     def _spawned(self, engine: LaunchedEngine, process: ManagedProcess) -> None:
         """A process exists: show its pid, and journal it before it is waited for (a daemon killed now finds it)."""
         engine.process = process
-        self._changed()
+        self._metrics.changed()
         if self._journal is None or process.pid is None:
             return
         record = LaunchRecord.of(engine.name, process.pid, url=str(engine.config.url),
@@ -300,13 +285,9 @@ class EngineSupervision:
             engine.record = record
             self._journal.record_launch(record)
 
-    def _changed(self) -> None:
-        self._on_change()  # marks the status snapshot stale
-
     async def _launch(self, engine: LaunchedEngine) -> None:
-        """One launch: ready, or the failure recorded and raised."""
         engine.state, engine.next_launch_at, engine.adopted = LaunchState.STARTING, None, False
-        self._changed()
+        self._metrics.changed()
         options = LaunchOptions(on_spawn=lambda process: self._spawned(engine, process))
         try:
             try:
@@ -318,7 +299,7 @@ class EngineSupervision:
         except EngineLaunchError as exc:
             engine.last_error = exc.summary
             self._metrics.engine_launch_failures.labels(engine.name).inc()
-            self._changed()
+            self._metrics.changed()
             raise
         if engine.process is not launched.process:  # a launcher that did not call the spawn hook (a plugin)
             self._spawned(engine, launched.process)
@@ -328,7 +309,7 @@ class EngineSupervision:
         engine.launches += 1
         engine.state, engine.last_error = LaunchState.RUNNING, None
         self._metrics.engine_launches.labels(engine.name).inc()
-        self._changed()
+        self._metrics.changed()
         emit("engine_launched", logging.INFO, engine=engine.name, pid=launched.process.pid, url=launched.url)
 
     async def _watch(self, engine: LaunchedEngine, on_relaunch: Callable[[str], Awaitable[None]]) -> None:
@@ -345,7 +326,7 @@ class EngineSupervision:
                  uptime_s=round(uptime or 0.0, 3), then="relaunch" if engine.restart else "left_down")
             if not engine.restart:
                 engine.state = LaunchState.EXITED
-                self._changed()
+                self._metrics.changed()
                 return
             await self._relaunch(engine, uptime)
             try:
@@ -369,12 +350,11 @@ class EngineSupervision:
             exited.cancel()
 
     async def _relaunch(self, engine: LaunchedEngine, uptime: float | None) -> None:
-        """Relaunch until one is ready, backing off between attempts."""
         while True:
             engine.failures = engine.failures + 1 if engine.backoff.counts_as_failure(uptime) else 1
             delay = engine.backoff.delay(engine.failures)
             engine.state, engine.next_launch_at = LaunchState.BACKOFF, time.time() + delay
-            self._changed()
+            self._metrics.changed()
             await asyncio.sleep(delay)  # the backoff itself, not a wait for something to happen
             try:
                 await self._launch(engine)
@@ -383,7 +363,7 @@ class EngineSupervision:
                 uptime = None
                 continue
             engine.restarts += 1
-            self._changed()
+            self._metrics.changed()
             return
 
     async def _stop_all(self) -> None:
@@ -399,4 +379,4 @@ class EngineSupervision:
                  pid=engine.process.pid if engine.process else None)
 
         await asyncio.gather(*(stop(e) for e in self.launched.values()))
-        self._changed()
+        self._metrics.changed()

@@ -32,8 +32,7 @@ from .states import (
     check_rollout_weights,
     needed_per_gpu,
 )
-from .steps import log_failed, log_rejected
-from .trace import Span, Trace
+from .trace import Span, Trace, log_failed, log_rejected
 from .versions import RolloutVersions, VersionBook
 from .worker import EngineHandle, EngineWorker, expected_resume_bytes
 
@@ -56,8 +55,7 @@ class TransitionResult:
 
 @dataclass(frozen=True, slots=True)
 class TransitionContext:
-    """What the transitions use of the node: the engine worker (engines, their calls, metrics, traces), the
-    node's lock, the weight sessions (none may be open), the version book, the policies, the journal."""
+    """What the transitions use of the node."""
 
     worker: EngineWorker
     lock: NodeLock
@@ -87,22 +85,19 @@ class Transitions:
         return self.pinned if self.pinned is not None else self._ctx.policies.active
 
     def pause_mode(self) -> PauseMode:
-        return PauseMode(self._ctx.policies.pause_mode(self.policy_set()))
-
-    def resume_at(self, node: NodeState) -> None:
-        """A restarted daemon resumes at the phase and step its journal recorded."""
-        self.node = node
+        return PauseMode(self.policy_set().engines.pause_mode)
 
     async def transition(self, phase: NodePhase, step: int,
                          trainer: dict[str, Any] | None = None) -> TransitionResult:
         """Move the node to ``phase`` at ``step``. A repeat of a finished (step, phase) replays its result."""
-        ctx = self._ctx
+        ctx, metrics = self._ctx, self._ctx.worker.metrics
         if (done := self._completed.get((step, phase.value))) is not None:
             if (step, phase.value) in self._unjournaled:  # its record failed to be written: a repeat writes it
                 await self._write(done)
-            ctx.worker.metrics.transitions.labels(phase.value, "replayed").inc()
-            ctx.worker.metrics.changed()
+            metrics.transitions.labels(phase.value, "replayed").inc()
+            metrics.changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
+        outcome = "failed"
         try:
             # Legality, then each engine's desired state, then one sync of every engine, then the journal.
             async with ctx.lock.exclusive(f"{phase.value}@{step}"):  # every engine observed and reconciled first
@@ -135,20 +130,19 @@ class Transitions:
                 result = TransitionResult(step, phase.value, time.perf_counter() - t0,
                                           {n: e.state.snapshot() for n, e in ctx.worker.engines.items()},
                                           freed, directives, trace)
-                ctx.worker.metrics.observe_phase(phase.value, "all", result.duration_s)
+                metrics.observe_phase(phase.value, "all", result.duration_s)
                 await self._journal(result)
+            outcome = "ok"
         except TransitionRejected as exc:
-            ctx.worker.metrics.transitions.labels(phase.value, "rejected").inc()
+            outcome = "rejected"
             log_rejected(phase.value, step, str(exc), session=ctx.sessions.open_id())
-            ctx.worker.metrics.changed()
             raise
         except BaseException as exc:
-            ctx.worker.metrics.transitions.labels(phase.value, "failed").inc()
             log_failed(phase.value, step, exc, session=ctx.sessions.open_id())
-            ctx.worker.metrics.changed()
             raise
-        ctx.worker.metrics.transitions.labels(phase.value, "ok").inc()
-        ctx.worker.metrics.changed()
+        finally:
+            metrics.transitions.labels(phase.value, outcome).inc()
+            metrics.changed()
         return result
 
     async def _journal(self, result: TransitionResult) -> None:
@@ -174,8 +168,8 @@ class Transitions:
 
     async def _desired(self, phase: NodePhase,
                        trace: Trace) -> tuple[dict[str, Desired], RolloutVersions | None]:
-        """What each engine should be in ``phase``, once the phase's own checks passed (nothing changed on a
-        refusal); for rollout also what it will serve, recorded once it does."""
+        """What each engine should be in ``phase``, once the phase's own checks passed; for rollout also what it
+        will serve, recorded once it does."""
         ctx = self._ctx
         engines = ctx.worker.engines
         if phase is NodePhase.TRAIN:
@@ -207,7 +201,7 @@ class Transitions:
 
     def _served(self, record: RolloutVersions) -> None:
         ctx = self._ctx
-        ctx.versions.record(record)
+        ctx.versions.rollouts.append(record)
         for name, lag in record.staleness.items():
             ctx.worker.metrics.rollout_staleness.labels(name).set(lag)
 
@@ -236,7 +230,6 @@ class Transitions:
                                           "headroom_bytes": headroom_mb << 20}
         check_resume_headroom(what, needs, free, headroom_mb << 20, self.node)
 
-    # -- manual sleep / resume -----------------------------------------------------------------
     def _select(self, names: list[str] | None) -> list[EngineHandle]:
         engines = self._ctx.worker.engines
         if names is None:
@@ -249,7 +242,7 @@ class Transitions:
     async def sleep(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Pause and release ``tags`` (default: all owned) on the named engines; the phase is unchanged."""
         return await self._manual("sleep", self._select(names), tags,
-                                  lambda state, chosen: Desired.for_sleep(state, chosen, self.pause_mode()))
+                                  lambda state, chosen: Desired.for_train(state, chosen, self.pause_mode()))
 
     async def resume(self, tags: tuple[MemoryTag, ...] | None, names: list[str] | None) -> TransitionResult:
         """Resume ``tags`` on the named engines; generation continues only if the engine may serve."""

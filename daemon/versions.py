@@ -1,14 +1,11 @@
 """Which weight versions exist, in order, and which one every engine served in each rollout.
 
-A version counts once the trainer has it, each for a reason the book keeps: it *committed* (a weight session
-for it committed), an *open session* carries it (provisionally: withdrawn if that session aborts, fails or
-expires), or the trainer *reported* it (``trainer.weights.started_version``: an async push's snapshot was
-taken, the push may come later). Only a commit makes a version permanent; re-committing a version that
-committed before (a rollback, a restart from a checkpoint) makes it the latest again and withdraws every
-version counted after it. An engine's *staleness* is how many counted versions are newer than the one it
-serves. The rule that bounds it is ``states.check_rollout_staleness``; this module only counts. The book
-lives in memory: a restarted daemon starts counting from the versions it sees again (it never reports more
-staleness than it knows of).
+A version counts once it *committed*, while an *open session* carries it (withdrawn if that session ends
+without a commit), or once the trainer *reported* it (``trainer.weights.started_version``: an async push's
+snapshot was taken). Re-committing a version that committed before (a rollback) makes it the latest again and
+withdraws every version counted after it. An engine's *staleness* is how many counted versions are newer than
+the one it serves (``states.check_rollout_staleness`` bounds it). The book lives in memory: a restarted daemon
+counts from the versions it sees again, so it never reports more staleness than it knows of.
 """
 
 from __future__ import annotations
@@ -58,13 +55,12 @@ class VersionBook:
         self._why[version] = why
 
     def started(self, version: str | None) -> None:
-        """The trainer reports it has ``version`` (its push may come later); a known version changes nothing."""
+        """The trainer reports it has ``version``; a known version changes nothing."""
         if version is not None and version not in self._why:
             self._add(version, self.REPORTED)
 
     def opened(self, version: str, session_id: str) -> None:
-        """A session for ``version`` opened: it counts while the session is open. A committed version keeps
-        its place and its reason (a re-push); a reported one is now this session's."""
+        """A committed version keeps its place and reason (a re-push); a reported one is now this session's."""
         why = self._why.get(version)
         if why is None:
             self._add(version, _session(session_id))
@@ -72,8 +68,7 @@ class VersionBook:
             self._why[version] = _session(session_id)
 
     def committed(self, version: str) -> None:
-        """A session for ``version`` committed. A version that had committed before is a rollback: it is the
-        latest again, and the versions counted after it (which the trainer went back from) are withdrawn."""
+        """A version that had committed before is a rollback: the versions counted after it are withdrawn."""
         if self._why.get(version) == self.COMMITTED:
             while self._order and self._order[-1] != version:
                 self._why.pop(self._order.pop(), None)
@@ -82,7 +77,7 @@ class VersionBook:
         self._why[version] = self.COMMITTED
 
     def withdrawn(self, version: str, session_id: str) -> None:
-        """``session_id`` ended without committing: its version no longer counts (unless it committed before)."""
+        """``session_id`` ended without committing: its version no longer counts, unless it committed before."""
         if self._why.get(version) == _session(session_id):
             del self._why[version]
             self._order.remove(version)
@@ -98,8 +93,7 @@ class VersionBook:
         return len(self._order)
 
     def newer(self, served: str | None) -> list[tuple[str, str]]:
-        """The versions newer than ``served``, oldest first, each with why it counts: what a refused rollout
-        waits for."""
+        """The versions newer than ``served``, oldest first, each with why it counts."""
         order = list(self._order)
         start = order.index(served) + 1 if served in self._why else 0
         return [(v, self._why[v]) for v in order[start:]]
@@ -107,12 +101,8 @@ class VersionBook:
     def lags(self, served: Mapping[str, str | None]) -> dict[str, int]:
         return {name: self.staleness(version) for name, version in served.items()}
 
-    def record(self, entry: RolloutVersions) -> None:
-        self.rollouts.append(entry)
-
     def snapshot(self, bound: int, mode: str, served: Iterable[tuple[str, str | None]]) -> dict[str, Any]:
-        """``/v1/status``'s ``versions``: the latest started version, each engine's lag now, the bound, and the
-        last rollouts' versions (newest last)."""
+        """``/v1/status``'s ``versions``."""
         now = dict(served)
         return {"latest_started": self.latest, "mode": mode, "max_staleness_versions": bound,
                 "staleness_versions": self.lags(now), "rollouts": [r.to_json() for r in self.rollouts],

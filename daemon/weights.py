@@ -39,6 +39,7 @@ from ..errors import (
     WeightSyncError,
 )
 from ..policies import Transport, VerifyMode
+from .fanout import start_now
 from .metrics import Metrics
 from .states import (
     SessionLifecycle,
@@ -48,7 +49,6 @@ from .states import (
     closed_from,
     require_session_open,
 )
-from .tasks import start_now
 from .trace import Trace
 from .verify import ExpectedDigests
 from .worker import EngineHandle, load_chunk

@@ -11,10 +11,8 @@ from typing import Any
 import pytest
 
 from colocd.api.logs import JsonFormatter
-from colocd.daemon.adapters import AdapterMetrics
 from colocd.daemon.metrics import Metrics
-from colocd.daemon.steps import StepBook, step_summary
-from colocd.daemon.trace import Span, Trace, TraceStore
+from colocd.daemon.trace import Span, Trace, TraceStore, step_summary
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -23,7 +21,6 @@ def test_every_registered_metric_is_documented_in_metrics_md() -> None:
     text = DOC.read_text()
     documented = set(re.findall(r"`((?:colocd|process|python)_[a-z0-9_]+)`", text))
     registry = Metrics().registry
-    AdapterMetrics(registry, ["e0"])  # the adapter series live beside the adapters (daemon/adapters.py)
     registered = {f.name + ("_total" if f.type == "counter" else "") for f in registry.collect()}
     assert registered, "no metrics registered?"
     assert not registered - documented, sorted(registered - documented)
@@ -52,9 +49,7 @@ def test_a_step_without_rollout_yet_is_in_progress() -> None:
 
 def test_each_stored_trace_logs_one_line_whose_json_form_carries_the_fields(
         caplog: pytest.LogCaptureFixture) -> None:
-    book = StepBook(Metrics())
-    store = TraceStore(on_put=book.observe)
-    book.attach(store)
+    store = TraceStore(Metrics())
     session = _trace("weights", 2, 0.25, "committed")
     session.attrs.update(bytes=1024, chunks=3, version="v2")
     with caplog.at_level(logging.INFO, logger="colocd.events"):
@@ -96,23 +91,16 @@ class _FakeNvml:
         return self._procs[h]
 
 
-def _engine(name: str, gpus: list[int]) -> object:
-    from types import SimpleNamespace
-
-    return SimpleNamespace(name=name, gpus=gpus)
-
-
 def _samples(metrics: Metrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     return {tuple(sorted(s.labels.items())): s.value for f in metrics.registry.collect() for s in f.samples
             if s.name == name}
 
 
 def test_nvml_gauges_give_each_gpu_and_each_process_nvml_attributes_memory_to() -> None:
-    from colocd.daemon.gpu_metrics import refresh_gpu_metrics
     from colocd.daemon.memory import NvmlProbe
 
     metrics = Metrics()
-    refresh_gpu_metrics(metrics, NvmlProbe(_FakeNvml()), [_engine("a", [0]), _engine("b", [0, 1])])
+    metrics.set_gpus(NvmlProbe(_FakeNvml()), {"a": [0], "b": [0, 1]})
     assert _samples(metrics, "colocd_nvml_available") == {(): 1.0}
     uuid0 = ("uuid", "GPU-00000000-aaaa-bbbb-cccc-ddddeeeeffff")
     uuid1 = ("uuid", "GPU-00000001-aaaa-bbbb-cccc-ddddeeeeffff")
@@ -128,10 +116,8 @@ def test_nvml_gauges_give_each_gpu_and_each_process_nvml_attributes_memory_to() 
 
 
 def test_without_nvml_no_gpu_series_exist() -> None:
-    from colocd.daemon.gpu_metrics import refresh_gpu_metrics
-
     metrics = Metrics()
-    refresh_gpu_metrics(metrics, None, [_engine("a", [])])
+    metrics.set_gpus(None, {"a": []})
     assert _samples(metrics, "colocd_nvml_available") == {(): 0.0}
     for quantity in ("used", "free", "total"):
         assert _samples(metrics, f"colocd_gpu_memory_{quantity}_bytes") == {}
@@ -140,7 +126,7 @@ def test_without_nvml_no_gpu_series_exist() -> None:
 
 def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() -> None:
     metrics = Metrics()
-    metrics.declare(["ref0", "ref1"], ["ref1"], ["sleep"])
+    metrics.declare(["ref0", "ref1"], ["ref1"])
     text = metrics.exposition().decode()
     for line in ('colocd_engine_restarts_total{engine="ref0"} 0.0',
                  'colocd_reconcile_actions_total{action="pause",engine="ref1"} 0.0',
@@ -158,7 +144,7 @@ def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() ->
 
 def test_a_failed_transition_logs_one_line_naming_engine_step_phase_session_and_error(
         caplog: pytest.LogCaptureFixture) -> None:
-    from colocd.daemon.steps import log_failed
+    from colocd.daemon.trace import log_failed
     from colocd.errors import EngineUnreachable
 
     with caplog.at_level(logging.INFO, logger="colocd.events"):
@@ -172,9 +158,7 @@ def test_a_failed_transition_logs_one_line_naming_engine_step_phase_session_and_
 
 
 def test_a_failed_transitions_trace_is_not_logged_a_second_time(caplog: pytest.LogCaptureFixture) -> None:
-    book = StepBook(Metrics())
-    store = TraceStore(on_put=book.observe)
-    book.attach(store)
+    store = TraceStore(Metrics())
     with caplog.at_level(logging.INFO, logger="colocd.events"):
         store.put(_trace("train", 3, 0.2, "failed"))
     assert caplog.records == []  # Transitions.transition logs it, with the caller's error (above)
@@ -182,64 +166,38 @@ def test_a_failed_transitions_trace_is_not_logged_a_second_time(caplog: pytest.L
 
 def test_weight_session_phase_time_is_observed_once_per_session() -> None:
     metrics = Metrics()
-    book = StepBook(metrics)
-    store = TraceStore(on_put=book.observe)
-    book.attach(store)
+    store = TraceStore(metrics)
     store.put(_trace("weights", 2, 0.25, "committed"))
     counts = {k: v for k, v in _samples(metrics, "colocd_phase_duration_seconds_count").items() if v}
     assert counts == {(("engine", "all"), ("phase", "weights")): 1.0}
     assert _samples(metrics, "colocd_last_phase_duration_seconds") == {(("engine", "all"), ("phase", "weights")): 0.25}
 
 
-class _StubSession:
-    id = "s-1"
-
-    def idle_for(self) -> float:
-        return 12.5
-
-
-def _stub_daemon(*, busy: bool, session: bool) -> object:
-    from types import SimpleNamespace
-
-    from colocd.daemon.states import NodePhase, NodeState
-
-    current = _StubSession() if session else None
-    sessions = SimpleNamespace(current=current, open_id=lambda: current.id if current is not None else None)
-    return SimpleNamespace(metrics=Metrics(), busy=busy, sessions=sessions, node=NodeState(NodePhase.SYNC, 4),
-                           config=SimpleNamespace(engines=[SimpleNamespace(name="ref0", launch=None)]))
-
-
 def test_busy_and_the_open_sessions_idle_age_are_read_when_the_exposition_renders() -> None:
-    from colocd.daemon.node_metrics import NodeMetrics
-
-    daemon: Any = _stub_daemon(busy=True, session=True)
-    NodeMetrics(daemon.metrics, daemon.config.engines, daemon.sessions, state=lambda: daemon.node,
-                busy=lambda: daemon.busy)
-    text = daemon.metrics.exposition().decode().splitlines()
+    metrics = Metrics()
+    node: dict[str, Any] = {"busy": True, "idle": 12.5}
+    metrics.watch_node(["ref0"], [], busy=lambda: node["busy"], session_idle_s=lambda: node["idle"])
+    text = metrics.exposition().decode().splitlines()
     assert "colocd_node_busy 1.0" in text
     assert "colocd_weight_session_open 1.0" in text and "colocd_weight_session_idle_seconds 12.5" in text
-    daemon.busy, daemon.sessions.current = False, None
-    text = daemon.metrics.exposition().decode().splitlines()
-    assert "colocd_node_busy 0.0" in text and "colocd_weight_session_idle_seconds 0.0" in text
+    node.update(busy=False, idle=None)  # no session open
+    text = metrics.exposition().decode().splitlines()
+    assert "colocd_node_busy 0.0" in text and "colocd_weight_session_open 0.0" in text
+    assert "colocd_weight_session_idle_seconds 0.0" in text
 
 
 def test_the_phase_clock_restarts_only_when_the_node_moves() -> None:
-    from colocd.daemon.node_metrics import NodeMetrics
     from colocd.daemon.states import NodePhase, NodeState
 
-    daemon: Any = _stub_daemon(busy=False, session=False)
-    gauges = NodeMetrics(daemon.metrics, daemon.config.engines, daemon.sessions, state=lambda: daemon.node,
-                         busy=lambda: daemon.busy)
-    gauges.refresh()
-    entered = _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()]
+    metrics = Metrics()
+    metrics.set_node(NodeState(NodePhase.SYNC, 4))
+    entered = _samples(metrics, "colocd_node_phase_entered_timestamp_seconds")[()]
     assert entered > 0
-    assert _samples(daemon.metrics, "colocd_node_phase") == {
+    assert _samples(metrics, "colocd_node_phase") == {
         (("phase", "rollout"),): 0.0, (("phase", "train"),): 0.0, (("phase", "sync"),): 1.0}
-    daemon.metrics.node_phase_entered.set(1.0)  # marks the value: a refresh that keeps it changed nothing
-    daemon.node = NodeState(NodePhase.SYNC, 4)  # a new record of the same (step, phase): the clock keeps running
-    gauges.refresh()
-    assert _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()] == 1.0
-    daemon.node = NodeState(NodePhase.ROLLOUT, 4)
-    gauges.refresh()
-    assert _samples(daemon.metrics, "colocd_node_phase_entered_timestamp_seconds")[()] >= entered
-    assert _samples(daemon.metrics, "colocd_node_step")[()] == 4.0
+    metrics.node_phase_entered.set(1.0)  # marks the value: a refresh that keeps it changed nothing
+    metrics.set_node(NodeState(NodePhase.SYNC, 4))  # a new record of the same (step, phase): the clock keeps running
+    assert _samples(metrics, "colocd_node_phase_entered_timestamp_seconds")[()] == 1.0
+    metrics.set_node(NodeState(NodePhase.ROLLOUT, 4))
+    assert _samples(metrics, "colocd_node_phase_entered_timestamp_seconds")[()] >= entered
+    assert _samples(metrics, "colocd_node_step")[()] == 4.0

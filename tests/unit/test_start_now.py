@@ -1,10 +1,10 @@
-"""``daemon.tasks.start_now``: a task whose first step runs inside the call where Python has eager tasks (3.12+)."""
+"""``daemon.fanout.start_now``: a task whose first step runs inside the call where Python has eager tasks (3.12+)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from colocd.daemon.tasks import EAGER, start_now
+from colocd.daemon.fanout import EAGER, start_now
 
 
 async def test_the_first_step_runs_at_once_on_eager_pythons_and_on_the_next_pass_otherwise() -> None:

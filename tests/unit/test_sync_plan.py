@@ -77,7 +77,7 @@ ROWS = {
     "rollout never continues on stale weights":
         Row(Desired.for_rollout(), SYNCED, None, NodePhase.ROLLOUT, (RS,), resume=(KV, CG)),
     "sleep pauses and releases the tags asked for":
-        Row(Desired.for_sleep(SERVING, (KV,), PauseMode.ABORT), SERVING, None, NodePhase.ROLLOUT, (P, R),
+        Row(Desired.for_train(SERVING, (KV,), PauseMode.ABORT), SERVING, None, NodePhase.ROLLOUT, (P, R),
             release=(KV,), pause_mode=PauseMode.ABORT),
     "resume in rollout continues once everything is resident":
         Row(Desired.for_resume(SLEPT_KV, (KV,), NodePhase.ROLLOUT), SLEPT_KV, None, NodePhase.ROLLOUT, (RS, C),
