@@ -30,7 +30,7 @@ from ..recent import remember
 from .distributed import BroadcastDescriptor, WeightGroups
 from .journal import NodeJournal
 from .lock import NodeLock
-from .manifests import ManifestBook, reference_of
+from .manifests import Manifest, ManifestBook, TensorMeta, manifest_from_json, manifest_to_json, misfits, reference_of
 from .policy_runtime import PolicyRuntime
 from .reconcile import WeightsGoal
 from .staging import StagingMemory, staging_memory
@@ -45,17 +45,7 @@ from .states import (
 from .trace import Span, Trace
 from .verify import Verification, verify_engines
 from .versions import VersionBook
-from .weights import (
-    ChunkAck,
-    Manifest,
-    TensorMeta,
-    WeightSession,
-    device_key,
-    few,
-    manifest_from_json,
-    manifest_to_json,
-    name_some,
-)
+from .weights import ChunkAck, WeightSession, device_key, name_some
 from .worker import EngineHandle, EngineWorker, late_loads
 
 __all__ = ["SessionContext", "WeightSessions"]
@@ -174,7 +164,7 @@ class WeightSessions:
             self.groups.check_settled(session)
             await self._drain(session, num_chunks)
             with trace.span("check_complete"):
-                self._check_complete(session)
+                session.check_complete()
             with trace.span("verify", mode=session.verify):
                 verification = await self._verify(session)
             await self._land(session)
@@ -218,12 +208,11 @@ class WeightSessions:
         session = WeightSession(
             step=ctx.worker.node.step, version=version, ranks=ranks, engines=list(ctx.worker.engines.values()),
             depth=depth, chunk_timeout_s=t.budget(Budget.CHUNK),
-            trace=trace, metrics=ctx.worker.metrics, manifest=declared, manifest_ref=ref, partial=partial,
+            trace=trace, metrics=ctx.worker.metrics, manifest=declared, manifest_ref=ref,
+            complete=self.complete_manifest, partial=partial, verify=policies.active.sync.verify,
+            prior={n: e.state.weights for n, e in ctx.worker.engines.items()},
             idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
             sources=self._feed_ranks())
-        session.required = {name: self.complete_manifest for name in ctx.worker.engines}
-        session.prior = {n: e.state.weights for n, e in ctx.worker.engines.items()}
-        session.verify = ctx.policies.active.sync.verify
         trace.attrs["session"] = session.id  # the session's log line and trace name it
         return session
 
@@ -290,9 +279,7 @@ class WeightSessions:
         params = self.complete_manifest
         if params is None or not self._ctx.worker.engines:
             return
-        unknown = [n for n in declared if n not in params]
-        wrong = [f"{n!r} is {m.describe()}, the engine has {params[n].describe()}"
-                 for n, m in declared.items() if n in params and m != params[n]]
+        unknown, wrong = misfits(declared.items(), params, "the engine has")
         missing = [] if partial else [n for n in params if n not in declared]
         if not (unknown or wrong or missing):
             return
@@ -303,7 +290,7 @@ class WeightSessions:
                    "weights were discarded (released, or an update was abandoned), so every tensor must be pushed")
                ] if missing else []
         why += [f"not parameters of engine {name!r}: {name_some(unknown)}"] if unknown else []
-        why += [few(wrong, 3)] if wrong else []
+        why += [name_some(wrong, 3, show=str, sep="; ")] if wrong else []
         raise RequestInvalid(f"manifest does not fit engine {name!r} ({len(params)} parameters, {len(declared)} "
                              "declared): " + "; ".join(why), field="manifest")
 
@@ -399,32 +386,6 @@ class WeightSessions:
             raise error
         return verification
 
-    def _check_complete(self, session: WeightSession) -> None:
-        """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
-        required, prior = session.required, session.prior
-        for name in self._ctx.worker.engines:
-            sent = session.sent_names(name)
-            if session.manifest is not None:
-                unsent = [n for n in session.manifest if n not in sent]
-                if unsent:
-                    raise RequestInvalid(
-                        f"cannot commit session {session.id}: engine {name!r} never received "
-                        f"{name_some(unsent)}, declared in the manifest ({session.unsent_by_tp_rank(name, unsent)}); "
-                        "every TP rank must receive every tensor: send them or abort", field="manifest")
-            params = required.get(name)
-            discarded = prior.get(name) is not WeightsState.CLEAN
-            if params is None or session.partial:
-                continue
-            missing = [n for n in params if n not in sent]
-            if missing:
-                raise RequestInvalid(
-                    f"cannot commit session {session.id}: engine {name!r} has {len(params)} parameters and "
-                    f"{'its weights were discarded, so ' if discarded else ''}a complete update must cover "
-                    f"them all on every TP rank; missing {name_some(missing)} "
-                    f"({session.unsent_by_tp_rank(name, missing)}). Send them, or abort "
-                    + ("(a partial update needs intact weights)" if discarded
-                       else "(open with partial: true to update only some tensors)"), field="manifest")
-
     def _record_complete(self, session: WeightSession) -> None:
         """Remember what a complete push carried: the reference for the next one after a discard."""
         manifest = session.manifest if session.manifest is not None else (session.delivered or None)
@@ -500,11 +461,7 @@ class WeightSessions:
         """Every engine ends its update uncommitted, paused; its weights are stale unless the session never touched
         them (no load started there, none abandoned). Best effort: an engine that cannot even end its update is
         already recorded as the session left it."""
-        def left(name: str) -> WeightsState:
-            untouched = not session.touched(name) and name not in session.tainted
-            return session.prior.get(name, WeightsState.STALE) if untouched else WeightsState.STALE
-
-        await self._ctx.worker.weights({n: WeightsGoal(after=left(n)) for n in self._ctx.worker.engines},
+        await self._ctx.worker.weights({n: WeightsGoal(after=session.left(n)) for n in self._ctx.worker.engines},
                                        session.trace, strict=False)
 
     async def lapse_if_idle(self) -> None:

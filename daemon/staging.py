@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from ..engines.base import MemoryTag
 from ..engines.chunks import dtype_itemsize
+from .manifests import Manifest
 from .memory import NvmlProbe
-from .weights import Manifest
 from .worker import EngineHandle
 
 __all__ = ["StagingMemory", "staging_memory"]

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import Enum, StrEnum
+from enum import StrEnum
 
 from ..engines.base import ALL_TAGS, MemoryTag, TagState
 from ..errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
-    "NEXT_PHASE", "SESSION_MOVES", "UNKNOWN", "Attachment", "DaemonState", "EngineRecord", "Generation", "NodePhase",
-    "NodeState", "ResumeNeed", "SessionLifecycle", "SessionState", "TagState", "WeightsState", "check_attached",
-    "check_can_open_session", "check_can_start", "check_no_open_session", "check_partial_allowed",
-    "check_phase_request", "check_reconciled", "check_resume_headroom", "check_rollout_staleness",
-    "check_rollout_weights", "check_session_abortable", "check_session_move", "closed_from", "needed_per_gpu",
-    "require_session_open", "unready_reason"
+    "NEXT_PHASE", "UNKNOWN", "Attachment", "DaemonState", "EngineRecord", "Generation", "NodePhase", "NodeState",
+    "ResumeNeed", "SessionState", "TagState", "WeightsState", "check_attached", "check_can_open_session",
+    "check_can_start", "check_no_open_session", "check_partial_allowed", "check_phase_request", "check_reconciled",
+    "check_resume_headroom", "check_rollout_staleness", "check_rollout_weights", "check_session_abortable",
+    "check_session_end", "needed_per_gpu", "require_session_open", "unready_reason"
 ]
 
 
@@ -366,63 +365,15 @@ class SessionState(StrEnum):
     EXPIRED = "expired"  # no chunk within the idle time: the trainer is presumed gone
 
 
-class SessionLifecycle(Enum):
-    """A weight session's one state: what it shows callers, and whether the engines' update sessions
-    were ended for it (``closed``). An ended session (aborted, failed, expired) still holds the engines
-    in their update until the daemon closes it; a committed one closed them as it committed."""
-
-    OPEN = (SessionState.OPEN, False)
-    COMMITTED = (SessionState.COMMITTED, True)
-    ABORTED = (SessionState.ABORTED, False)
-    FAILED = (SessionState.FAILED, False)
-    EXPIRED = (SessionState.EXPIRED, False)
-    ABORTED_CLOSED = (SessionState.ABORTED, True)
-    FAILED_CLOSED = (SessionState.FAILED, True)
-    EXPIRED_CLOSED = (SessionState.EXPIRED, True)
-
-    @property
-    def state(self) -> SessionState:
-        state: SessionState = self.value[0]
-        return state
-
-    @property
-    def closed(self) -> bool:
-        closed: bool = self.value[1]
-        return closed
-
-
-_L = SessionLifecycle
-# The only legal moves of a weight session: it ends once (commit, abort, failure, expiry); an ended
-# one is closed once; a closed one never moves again.
-SESSION_MOVES: dict[SessionLifecycle, frozenset[SessionLifecycle]] = {
-    _L.OPEN: frozenset({_L.COMMITTED, _L.ABORTED, _L.FAILED, _L.EXPIRED}),
-    _L.ABORTED: frozenset({_L.ABORTED_CLOSED}),
-    _L.FAILED: frozenset({_L.FAILED_CLOSED}),
-    _L.EXPIRED: frozenset({_L.EXPIRED_CLOSED}),
-    _L.COMMITTED: frozenset(),
-    _L.ABORTED_CLOSED: frozenset(),
-    _L.FAILED_CLOSED: frozenset(),
-    _L.EXPIRED_CLOSED: frozenset(),
-}
-
-
-def check_session_move(session_id: str, current: SessionLifecycle, target: SessionLifecycle) -> None:
-    if target not in SESSION_MOVES[current]:
-        closed = ", engines' updates ended" if current.closed else ""
-        raise TransitionRejected(
-            f"weight session {session_id} is {current.state.value}{closed}: it cannot become "
-            f"{target.state.value}{', closed' if target.closed else ''}")
-
-
-def closed_from(session_id: str, current: SessionLifecycle) -> SessionLifecycle | None:
-    """Where closing the session leads; None if it is closed already (closing twice does nothing).
-    An open session is ended first (committed, aborted, failed, expired): its engines are mid-update."""
-    if current.closed:
-        return None
-    if current is SessionLifecycle.OPEN:
+def check_session_end(session_id: str, state: SessionState, closed: bool, target: SessionState | None) -> bool:
+    """A weight session ends once (commit, abort, failure, expiry), then is closed once: its engines' updates end
+    (a committed one closed them as it committed). ``target`` None asks to close; False: closed already."""
+    if target is None and state is SessionState.OPEN:
         raise TransitionRejected(f"weight session {session_id} is open: it is ended (committed, aborted, "
                                  "failed or expired) before the engines' updates are closed")
-    return SessionLifecycle[f"{current.name}_CLOSED"]
+    if target is not None and state is not SessionState.OPEN:
+        raise TransitionRejected(f"weight session {session_id} is {state.value}: it cannot become {target.value}")
+    return target is not None or not closed
 
 
 def require_session_open(session_id: str, state: SessionState, *, error: str | None = None,

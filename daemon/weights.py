@@ -30,74 +30,24 @@ from ..engines.base import ChunkLoad, ChunkPart
 from ..engines.chunks import ChunkLayout, inspect_handle
 from ..engines.handles import ShmRoute
 from ..engines.httpmap import refused_payload
-from ..errors import (
-    ChunkTimeout,
-    PayloadRejected,
-    RequestInvalid,
-    SessionGone,
-    TransitionRejected,
-    WeightSyncError,
-)
+from ..errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, TransitionRejected, WeightSyncError
 from ..policies import Transport, VerifyMode
+from .manifests import Manifest, TensorMeta, misfits
 from .metrics import Metrics
-from .states import (
-    SessionLifecycle,
-    SessionState,
-    WeightsState,
-    check_session_move,
-    closed_from,
-    require_session_open,
-)
+from .states import SessionState, WeightsState, check_session_end, require_session_open
 from .tasks import start_now
 from .trace import Trace
 from .verify import ExpectedDigests
 from .worker import EngineHandle, load_chunk
 
-__all__ = [
-    "ChunkAck", "Manifest", "RankJoin", "SessionLifecycle", "SessionState", "TensorMeta", "WeightSession", "counted",
-    "device_key", "few", "manifest_from_json", "manifest_to_json", "name_some"
-]
+__all__ = ["ChunkAck", "RankJoin", "WeightSession", "counted", "device_key", "name_some"]
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """What a manifest says of one tensor: its dtype (torch short name) and shape."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-    def describe(self) -> str:
-        return f"{self.dtype}{list(self.shape)}"
-
-
-Manifest = dict[str, TensorMeta]
-
-
-def manifest_from_json(items: Iterable[Mapping[str, Any]]) -> Manifest:
-    """``[{name, dtype, shape}, ...]`` → Manifest; a name listed twice is a ValueError."""
-    manifest: Manifest = {}
-    for item in items:
-        name = str(item["name"])
-        if name in manifest:
-            raise ValueError(f"tensor {name!r} is listed twice")
-        manifest[name] = TensorMeta(str(item["dtype"]), tuple(int(d) for d in item["shape"]))
-    return manifest
-
-
-def manifest_to_json(manifest: Mapping[str, TensorMeta]) -> list[dict[str, Any]]:
-    return [{"name": n, "dtype": m.dtype, "shape": list(m.shape)} for n, m in sorted(manifest.items())]
-
-
-def name_some(names: Collection[str], limit: int = 5) -> str:
+def name_some(names: Collection[str], limit: int = 5, *, show: Callable[[str], str] = repr, sep: str = ", ") -> str:
     """The first few names (sorted) and how many there are in all: messages stay short for big models."""
     ordered = sorted(names)
-    shown = ", ".join(repr(n) for n in ordered[:limit])
+    shown = sep.join(show(n) for n in ordered[:limit])
     return shown + (f" and {len(ordered) - limit} more ({len(ordered)} in all)" if len(ordered) > limit else "")
-
-
-def few(items: Sequence[str], limit: int, sep: str = "; ") -> str:
-    """The first ``limit`` of ``items`` joined, and how many more there are."""
-    return sep.join(items[:limit]) + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
 
 
 def counted(noun: str, items: Sequence[object], show: Callable[[object], str] = str) -> str:
@@ -191,31 +141,31 @@ class _Lane:
 class WeightSession:
     """One weight update across the node's engines. ``sources``: engine → the trainer rank of each TP rank, where
     fixed (``feed_ranks``). ``manifest``: what the trainer declared it will send (None: what the layouts carried
-    counts). ``partial``: only some tensors, on intact weights. It ends once and is closed once
-    (``states.SESSION_MOVES``)."""
+    counts). ``complete``: the parameters a complete update covers (the last complete push's; None: unknown);
+    ``prior``: each engine's weights at open.
+    ``partial``: only some tensors, on intact weights. It ends once and is closed once (``check_session_end``)."""
 
     def __init__(self, *, step: int, version: str, ranks: int, engines: list[EngineHandle], depth: int,
                  chunk_timeout_s: float, trace: Trace, metrics: Metrics,
                  sources: Mapping[str, tuple[int, ...]] | None = None, manifest: Manifest | None = None,
-                 manifest_ref: str | None = None, partial: bool = False, idle_s: float | None = None,
-                 start_timeout_s: float | None = None, session_id: str | None = None) -> None:
+                 manifest_ref: str | None = None, complete: Manifest | None = None, partial: bool = False,
+                 prior: Mapping[str, WeightsState] | None = None, verify: VerifyMode = "off",
+                 idle_s: float | None = None, start_timeout_s: float | None = None, session_id: str | None = None
+                 ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.id = session_id or secrets.token_hex(8)
         self.step, self.version, self.ranks, self.engines, self.depth = step, version, ranks, engines, depth
         self.chunk_timeout_s, self.idle_s, self.start_timeout_s = chunk_timeout_s, idle_s, start_timeout_s
-        self.trace, self.partial = trace, partial
+        self.trace, self.partial, self.verify, self.complete = trace, partial, verify, complete
         self.manifest = manifest  # shared with later sessions that name it by reference: never changed
-        self.manifest_ref = manifest_ref  # the manifest's reference (daemon/manifests.py); None without one
+        self.manifest_ref = manifest_ref
         self.opened_at = time.monotonic()
-        self._lifecycle = SessionLifecycle.OPEN
+        self._state, self._closed = SessionState.OPEN, False
         self.error: str | None = None
         self._ended_by: str | None = None  # "failed: ChunkTimeout: ..." once it ended
         self.tainted: list[str] = []  # engines whose calls had to be abandoned when it closed
-        # Set by the daemon at open: each engine's full parameter set (None: unknown) and weights state.
-        self.required: dict[str, Manifest | None] = {}
-        self.prior: dict[str, WeightsState] = {}
-        self.verify: VerifyMode = "off"  # set at open from the policy (sync.verify)
+        self.prior = dict(prior or {})  # each engine's weights at open: what a close leaves an untouched one
         self.expected = ExpectedDigests()  # the digests the trainer sent beside its chunks
         self.bytes_loaded = self.chunks_loaded = 0
         self.shm_names: set[str] = set()  # segments the trainer named: unlinked if the session expires
@@ -322,7 +272,7 @@ class WeightSession:
         """The engine TP ranks no trainer rank feeds yet, described by device; empty when every one is fed."""
         gaps = [f"engine {lane.name!r} TP rank {t} on device {lane.device(t)!r} has no trainer rank on it"
                 for lane in self._lanes for t, r in enumerate(lane.sources) if r is None]
-        return few(gaps, 4)
+        return name_some(gaps, 4, show=str, sep="; ")
 
     def transports(self, lanes: Sequence[_Lane] | None = None) -> tuple[Transport, ...]:
         """The transports every engine of ``lanes`` (default: the session's) loads, in the enum's order."""
@@ -383,36 +333,29 @@ class WeightSession:
         self._broadcasting = True
 
 
-    # -- the lifecycle -----------------------------------------------------------------------
-    @property
-    def lifecycle(self) -> SessionLifecycle:
-        return self._lifecycle
-
+    # -- the lifecycle (states.check_session_end) -----------------------------------------------
     @property
     def state(self) -> SessionState:
-        """How the session stands for its callers: open, or how it ended."""
-        return self._lifecycle.state
+        return self._state
 
     @property
     def closed(self) -> bool:
         """The engines' update sessions were ended for this one (as it committed, or after it ended)."""
-        return self._lifecycle.closed
+        return self._closed
 
-    def _move(self, target: SessionLifecycle) -> None:
-        check_session_move(self.id, self._lifecycle, target)
-        self._lifecycle = target
+    def _end(self, target: SessionState) -> None:
+        check_session_end(self.id, self._state, self._closed, target)
+        self._state, self._closed = target, target is SessionState.COMMITTED
 
     def commit(self) -> None:
         """Record the commit: the daemon has ended every engine's update at this session's version."""
-        self._move(SessionLifecycle.COMMITTED)
+        self._end(SessionState.COMMITTED)
 
     def close(self) -> bool:
-        """Record that the daemon is ending the engines' updates for this ended session; False if it already
-        did (closing is done once). An open session is refused: it must end first."""
-        target = closed_from(self.id, self._lifecycle)
-        if target is None:
+        """Record that the daemon is ending the engines' updates for this ended session; False if it already did."""
+        if not check_session_end(self.id, self._state, self._closed, None):
             return False
-        self._move(target)
+        self._closed = True
         return True
 
     # -- the lease ---------------------------------------------------------------------------
@@ -604,13 +547,12 @@ class WeightSession:
     def _check_manifest(self, where: str, tensors: Sequence[tuple[str, TensorMeta]], *, field: str) -> None:
         if self.manifest is None:
             return
-        unknown = [name for name, _ in tensors if name not in self.manifest]
+        unknown, wrong = misfits(tensors, self.manifest, "the manifest says")
         if unknown:
             raise RequestInvalid(f"{where}: tensors not in the session's manifest: {name_some(unknown)}", field=field)
-        wrong = [f"{name!r} is {meta.describe()}, the manifest says {self.manifest[name].describe()}"
-                 for name, meta in tensors if meta != self.manifest[name]]
         if wrong:
-            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {few(wrong, 3)}", field=field)
+            said = name_some(wrong, 3, show=str, sep="; ")
+            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {said}", field=field)
 
     def _refuse(self, message: str, *, field: str) -> RequestInvalid:
         """The 422 for what a rank sent this session, naming the session and the field at fault."""
@@ -834,6 +776,32 @@ class WeightSession:
     def _lane(self, engine: str) -> _Lane:
         return next(ln for ln in self._lanes if ln.name == engine)
 
+    def check_complete(self) -> None:
+        """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
+        for lane in self._lanes:
+            sent = lane.names
+            if self.manifest is not None and (unsent := [n for n in self.manifest if n not in sent]):
+                raise RequestInvalid(
+                    f"cannot commit session {self.id}: engine {lane.name!r} never received {name_some(unsent)}, "
+                    f"declared in the manifest ({self.unsent_by_tp_rank(lane.name, unsent)}); every TP rank must "
+                    "receive every tensor: send them or abort", field="manifest")
+            missing = [] if self.complete is None or self.partial else [n for n in self.complete if n not in sent]
+            if missing:
+                discarded = self.prior.get(lane.name) is not WeightsState.CLEAN
+                raise RequestInvalid(
+                    f"cannot commit session {self.id}: engine {lane.name!r} has {len(self.complete or ())} "
+                    f"parameters and {'its weights were discarded, so ' if discarded else ''}a complete update must "
+                    f"cover them all on every TP rank; missing {name_some(missing)} "
+                    f"({self.unsent_by_tp_rank(lane.name, missing)}). Send them, or abort "
+                    + ("(a partial update needs intact weights)" if discarded
+                       else "(open with partial: true to update only some tensors)"), field="manifest")
+
+    def left(self, engine: str) -> WeightsState:
+        """The engine's weights once its update ends uncommitted: stale, unless no load of this session ever
+        started there and none was abandoned."""
+        untouched = self._lane(engine).loads_started == 0 and engine not in self.tainted
+        return self.prior.get(engine, WeightsState.STALE) if untouched else WeightsState.STALE
+
     def sent_names(self, engine: str) -> set[str]:
         """Tensors every TP rank of this engine received (chunk layouts and broadcast descriptors)."""
         return set(self._lane(engine).names)
@@ -851,17 +819,13 @@ class WeightSession:
                 gaps.append(f"TP rank {t} (device {lane.device(t)!r}, fed by {fed}) lacks {name_some(lacking, 3)}")
         return "; ".join(gaps)
 
-    def touched(self, engine: str) -> bool:
-        """Whether any load of this session ever started on the engine (its weights may be mixed)."""
-        return self._lane(engine).loads_started > 0
-
     async def fail(self, error: BaseException) -> None:
         """Stop the session: fail every waiting rank; loads already running are left to ``quiesce``."""
         if self.state is not SessionState.OPEN:
             return  # it ended already: the first ending is the one that counts
         ended = (SessionState.ABORTED if isinstance(error, _Abort)
                  else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED)
-        self._move(SessionLifecycle[ended.name])
+        self._end(ended)
         self.error = str(error)
         self._ended_by = f"{ended.value}: {type(error).__name__.lstrip('_')}: {error}"  # what a cancelled load says
         message = f"session {self.id} {ended.value}: {error}"

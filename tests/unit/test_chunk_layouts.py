@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+from colocd.daemon.manifests import manifest_from_json
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
-from colocd.daemon.weights import WeightSession, manifest_from_json
+from colocd.daemon.weights import WeightSession
 from colocd.daemon.worker import EngineHandle
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout
@@ -123,7 +124,7 @@ def test_a_disk_chunk_without_its_layout_is_refused_and_with_it_yields_the_layou
 
 
 def test_a_broadcasts_descriptor_is_checked_against_the_manifest_before_any_engine_joins_it() -> None:
-    from colocd.daemon.weights import TensorMeta
+    from colocd.daemon.manifests import TensorMeta
 
     session = _session([RecordingEngine("a"), RecordingEngine("b")])
     session.check_broadcast(0, [("w0", TensorMeta("float32", (4, 2)))])
