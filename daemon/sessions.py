@@ -1,13 +1,13 @@
-"""Weight sessions on the node. The spine, as ``WeightSessions`` reads top down:
+"""The node's weight sessions. The spine, as ``WeightSessions`` reads top down:
 
     open    admit (node free, engines paused) → declared manifest → ranks → begin on every engine (the worker)
     join    each rank declares its device and learns what it feeds
-    chunks  each rank's parts gathered, loaded into every engine, acked (the stream: daemon/weights.py)
+    chunks  each rank's parts gathered, loaded into every engine, acked (one session: daemon/weights.py)
     commit  drain → complete? → verify (daemon/verify.py) → land: every engine serves the version
     abort   (or failure, expiry) → close: quiesce, discard on every engine, withdraw the version
 
 Beside it: the lease that expires an abandoned session, the one-shot update, broadcasts through a weight-update
-group (daemon/distributed.py). Engines are moved only by the worker, toward a ``WeightsGoal``."""
+group (daemon/distributed.py). Engines move only by the worker, toward a ``WeightsGoal``."""
 
 from __future__ import annotations
 
@@ -55,8 +55,7 @@ log = logging.getLogger("colocd.daemon")
 
 @dataclass(frozen=True, slots=True)
 class SessionContext:
-    """What the weight sessions use of the node: the engine worker (engines, their calls, metrics, traces, the
-    node's phase and step, timeouts), the node's lock, the version book, the policies, the journal."""
+    """What the weight sessions use of the node."""
 
     worker: EngineWorker
     lock: NodeLock
@@ -75,12 +74,10 @@ class WeightSessions:
         self.current: WeightSession | None = None
         self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
         self._closing: dict[str, asyncio.Event] = {}  # sessions being closed now, set once closed
-        # The tensors of the last complete push: what a complete update must cover, since no engine lists its
+        # The last complete push's tensors: what a complete update must cover, since no engine lists its
         # parameters (kept beside the journal, so it survives a daemon restart).
         self._manifest_file = Path(journal + ".manifest.json") if journal else None
         self.complete_manifest: Manifest | None = None
-        # The manifests of this process's last opens by reference, so a trainer's next open may name its
-        # manifest instead of sending and having it parsed again (daemon/manifests.py).
         self.manifests = ManifestBook()
 
     def restore(self) -> None:
@@ -93,12 +90,10 @@ class WeightSessions:
             log.warning("ignoring unreadable %s: %s", self._manifest_file, exc)
 
     def staging(self) -> StagingMemory:
-        """What a sync may stage into: free memory on the engines' GPUs and the sync's size."""
         w = self._ctx.worker
         return staging_memory(w.engines.values(), w.probe(), self.complete_manifest)
 
     def open_id(self) -> str | None:
-        """The id of the open session, None when none is open."""
         current = self.current
         return current.id if current is not None and current.state is SessionState.OPEN else None
 
@@ -114,10 +109,9 @@ class WeightSessions:
     async def open(self, *, step: int | None, version: str, ranks: int | None, depth: int | None = None,
                    manifest: list[dict[str, Any]] | None = None, manifest_ref: str | None = None,
                    partial: bool = False) -> WeightSession:
-        """Begin a weight update on every engine (each paused, its weights resident). ``manifest`` ([{name, dtype,
-        shape}]) is what the trainer will send, or ``manifest_ref`` names one an earlier open declared; unless
-        ``partial`` it must cover each engine's parameters where known (partial: on clean weights only).
-        Refusals change nothing."""
+        """Begin a weight update on every engine (each paused, its weights resident). ``manifest`` is what the
+        trainer will send, or ``manifest_ref`` names one an earlier open declared; unless ``partial`` (on clean
+        weights only) it must cover each engine's parameters where known. Refusals change nothing."""
         ctx = self._ctx
         trace = Trace(ctx.worker.node.step, "weights")  # before the lock: its spans cover the whole open
         async with ctx.lock.exclusive("open_weights"):
@@ -137,7 +131,7 @@ class WeightSessions:
 
     async def join(self, session_id: str, rank: int, device_id: str, pid: int | None = None) -> dict[str, Any]:
         """A rank declares its device (and ``pid``, whose shm segments the session may unlink); the reply lists
-        the engine TP ranks it feeds (none: it must not stream). A refused join changes nothing."""
+        the engine TP ranks it feeds (none: it must not stream)."""
         session = self.get(session_id)
         if pid is not None and session.state is SessionState.OPEN:
             session.trainer_pids.add(pid)
@@ -182,7 +176,7 @@ class WeightSessions:
     # -- open's steps ------------------------------------------------------------------------------------
     def _admit(self, step: int | None, partial: bool) -> None:
         """The node can take a session now: none open, engines paused with weights resident (clean, for a
-        partial one), attached, none still loading an ended session's chunk; ``step`` is the node's."""
+        partial one), attached, none still loading an ended session's chunk."""
         ctx, current = self._ctx, self.current
         records = [e.state for e in ctx.worker.engines.values()]
         check_can_open_session(self.open_id(), records, ctx.worker.node,
@@ -217,7 +211,6 @@ class WeightSessions:
         return session
 
     async def _begin(self, session: WeightSession) -> None:
-        """Every engine begins its update (the worker); then the session is the node's current one."""
         ctx = self._ctx
         try:
             await ctx.worker.weights({n: WeightsGoal(session=session.id) for n in ctx.worker.engines},
@@ -235,8 +228,8 @@ class WeightSessions:
 
     def _declared(self, manifest: list[dict[str, Any]] | None,
                   ref: str | None) -> tuple[Manifest | None, str | None]:
-        """The session's manifest and its reference: parsed from ``manifest``, or the one ``ref`` names (409
-        ``ManifestRefUnknown`` if none); both given, they must agree (422 naming ``manifest_ref``)."""
+        """The session's manifest and its reference: parsed from ``manifest``, or the one ``ref`` names; both
+        given, they must agree."""
         if manifest is None:
             return (None, None) if ref is None else (self.manifests.resolve(ref), ref)
         try:
@@ -250,13 +243,12 @@ class WeightSessions:
         return declared, own
 
     def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
-        """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
         return {name: tuple(e.config.feed_ranks) for name, e in self._ctx.worker.engines.items()
                 if e.config.feed_ranks is not None}
 
     def _check_ranks(self, ranks: int | None) -> int:
-        """The session's trainer ranks (default: as many as the layout needs), refused where too few to serve it:
-        one per TP rank of the widest engine, one per engine device fed by device, one past every feed rank."""
+        """The session's trainer ranks (default: as many as the layout needs: one per TP rank of the widest
+        engine, one per engine device fed by device, one past every feed rank); fewer are refused."""
         engines = list(self._ctx.worker.engines.values())
         fixed = self._feed_ranks()
         devices = sorted({device_key(dev) for e in engines if e.name not in fixed and (devs := e.tp_devices)
@@ -275,7 +267,7 @@ class WeightSessions:
         return ranks
 
     def _check_declared(self, declared: Manifest, partial: bool) -> None:
-        """Refuse a manifest that cannot make a complete (or, partial, a consistent) update: 422 before acting."""
+        """Refuse a manifest that cannot make a complete (or, partial, a consistent) update."""
         params = self.complete_manifest
         if params is None or not self._ctx.worker.engines:
             return
@@ -295,8 +287,7 @@ class WeightSessions:
                              "declared): " + "; ".join(why), field="manifest")
 
     async def update(self, *, step: int | None, version: str, chunks: list[tuple[int, ChunkPart]]) -> dict[str, Any]:
-        """The one-shot form: open a session, send every chunk ((seq, part), in the caller's order), commit;
-        abort on any failure."""
+        """The one-shot form: open a session, send every chunk, commit; abort on any failure."""
         known = max((int(e.config.tp_size) for e in self._ctx.worker.engines.values()), default=1)  # widest TP
         for i, (_, part) in enumerate(chunks):
             if part.rank >= known:
@@ -309,20 +300,13 @@ class WeightSessions:
             by_rank.setdefault(part.rank, []).append((seq, part))
 
         async def send_rank(sends: list[tuple[int, ChunkPart]]) -> None:
-            # In sequence order, at most `depth` outstanding per rank: what the session accepts from a rank.
-            window = asyncio.Semaphore(session.depth)
+            window = asyncio.Semaphore(session.depth)  # in order, at most `depth` outstanding: what a rank may send
 
             async def one(seq: int, part: ChunkPart) -> None:
-                try:
+                async with window:
                     await self.submit_chunk(session.id, seq, part)
-                finally:
-                    window.release()
 
-            tasks = []
-            for seq, part in sends:
-                await window.acquire()
-                tasks.append(asyncio.create_task(one(seq, part)))
-            await asyncio.gather(*tasks)
+            await asyncio.gather(*(one(seq, part) for seq, part in sends))
 
         try:
             await asyncio.gather(*(send_rank(sends) for sends in by_rank.values()))
@@ -347,8 +331,7 @@ class WeightSessions:
             raise
 
     async def _land(self, session: WeightSession) -> None:
-        """Every engine ends its update serving the session's version; the version book, the reference manifest
-        and the journal say so."""
+        """Every engine ends its update serving the session's version; the books and the journal say so."""
         ctx, trace = self._ctx, session.trace
         await ctx.worker.weights({n: WeightsGoal(version=session.version) for n in ctx.worker.engines}, trace,
                                  strict=True)
@@ -364,8 +347,8 @@ class WeightSessions:
             await ctx.journal.written("weights")
 
     async def _verify(self, session: WeightSession) -> Verification:
-        """The verified commit (daemon/verify.py): each engine's digests against the trainer's. A mismatch, or an
-        engine that cannot be asked, fails the session (the engines stay paused, their weights stale)."""
+        """Each engine's digests against the trainer's; a mismatch, or an engine that cannot be asked, fails the
+        session (the engines stay paused, their weights stale)."""
         ctx = self._ctx
 
         async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
@@ -387,7 +370,6 @@ class WeightSessions:
         return verification
 
     def _record_complete(self, session: WeightSession) -> None:
-        """Remember what a complete push carried: the reference for the next one after a discard."""
         manifest = session.manifest if session.manifest is not None else (session.delivered or None)
         if manifest is None:
             return
@@ -404,14 +386,12 @@ class WeightSessions:
             await self.current.abort("daemon shutting down")  # no-op once it ended
 
     async def fail_if_lost(self) -> None:
-        """Fail and close the open session if a reconcile found that an engine lost it (``lost_session``, the
-        worker's record); the caller holds the lock and has just reconciled every engine."""
+        """Fail and close the open session if the reconcile the caller just ran found an engine lost it."""
         session = self.current
         lost = [(e.name, e.lost_session) for e in self._ctx.worker.engines.values() if e.lost_session is not None]
         if session is None or session.state is not SessionState.OPEN or not lost:
             return
         name, why = lost[0]
-        # The caller's reconcile just observed every engine: no second one.
         await self._end(session, WeightSyncError(f"engine {name!r} lost the weight session: {why}"), observe=False)
 
     async def _end(self, session: WeightSession, error: BaseException, *, observe: bool = True) -> None:
@@ -428,9 +408,8 @@ class WeightSessions:
             await self._close_session(session)
 
     async def _close_session(self, session: WeightSession, *, observe: bool = True) -> None:
-        """Close an ended, uncommitted session (caller holds the lock), once: wait for its engine calls, end the
-        engines' updates (paused; weights stale where a chunk may have landed), withdraw its version, unlink the
-        trainer's shared-memory segments its chunks named."""
+        """Close an ended, uncommitted session once (caller holds the lock): wait for its engine calls, end the
+        engines' updates, withdraw its version, unlink the trainer's shared-memory segments its chunks named."""
         if not session.close():
             return  # closed already
         ctx, budget = self._ctx, self._ctx.worker.timeouts().budget(Budget.QUIESCE)
@@ -458,15 +437,13 @@ class WeightSessions:
             del self._closing[session.id]
 
     async def _discard(self, session: WeightSession) -> None:
-        """Every engine ends its update uncommitted, paused; its weights are stale unless the session never touched
-        them (no load started there, none abandoned). Best effort: an engine that cannot even end its update is
-        already recorded as the session left it."""
+        """Every engine ends its update uncommitted, paused (best effort: its record already says what the session
+        left it)."""
         await self._ctx.worker.weights({n: WeightsGoal(after=session.left(n)) for n in self._ctx.worker.engines},
                                        session.trace, strict=False)
 
     async def lapse_if_idle(self) -> None:
-        """Fail the open session if a rank missed its start deadline, expire it if its lease ran out (caller
-        holds the lock)."""
+        """Fail the open session if a rank missed its start deadline, expire it if its lease ran out."""
         session = self.current
         if session is not None and (late := session.start_overdue()) is not None:
             log.warning("weight session %s failed: %s", session.id, late)

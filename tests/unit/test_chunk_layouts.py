@@ -107,8 +107,9 @@ async def test_what_counts_as_sent_is_what_the_layouts_carried_never_the_manifes
     session = _session([a, b])
     for rank in (0, 1):
         await session.submit(0, _part(transport, rank, TENSORS[:2]))
-    assert session.sent_names("a") == session.sent_names("b") == {"w0", "w1"}
-    assert "TP rank 0" in session.unsent_by_tp_rank("a", ["w2", "w3"])
+    with pytest.raises(RequestInvalid, match=r"engine 'a' never received 'w2', 'w3', declared in the manifest "
+                                              r"\(TP rank 0 \(device .*\) lacks 'w2', 'w3'\)"):
+        session.check_complete()
 
 
 def test_a_disk_chunk_without_its_layout_is_refused_and_with_it_yields_the_layout(tmp_path: Any) -> None:
