@@ -1,10 +1,8 @@
-"""The daemon's state machines as data: the daemon's lifecycle, node phases, per-engine memory/generation/
-weights state and attachment, and each weight session's lifecycle.
+"""The daemon's states and the rules of their moves: the daemon's lifecycle, node phases, each engine's record
+and attachment, and each weight session's ending.
 
-Rule 1 (after h11): everything that decides whether a transition is legal lives in this file.
-It is pure: no asyncio, no I/O. An illegal request raises ``TransitionRejected`` (or, for a weight
-session that has ended, ``SessionGone``) naming the current state and what would be allowed; a legal
-one returns the plan of what must change. The daemon's code asks these functions; it holds no rule.
+Everything that decides whether a transition is legal lives here (after h11), pure: an illegal request raises
+``TransitionRejected`` (an ended weight session: ``SessionGone``) naming the current state and what is allowed.
 """
 
 from __future__ import annotations
@@ -41,12 +39,8 @@ class NodePhase(StrEnum):
     SYNC = "sync"
 
 
-# The only legal phase moves; each is keyed by the phase the trainer asks for.
-NEXT_PHASE: dict[NodePhase, NodePhase] = {
-    NodePhase.TRAIN: NodePhase.ROLLOUT,  # train is entered from rollout
-    NodePhase.SYNC: NodePhase.TRAIN,  # sync from train
-    NodePhase.ROLLOUT: NodePhase.SYNC,  # rollout from sync
-}
+# The only legal phase moves: the phase the trainer asks for → the phase it is entered from.
+NEXT_PHASE = {NodePhase.TRAIN: NodePhase.ROLLOUT, NodePhase.SYNC: NodePhase.TRAIN, NodePhase.ROLLOUT: NodePhase.SYNC}
 
 
 class Generation(StrEnum):
@@ -87,19 +81,12 @@ class EngineRecord:
         return (f"engine {self.name!r} is {self.generation.value}, weights {self.weights.value} "
                 f"at version {self.weight_version!r}, released tags {released or 'none'}")
 
-    @property
-    def needs_complete_push(self) -> bool:
-        """Weights are not the committed version (released, abandoned update, restarted engine):
-        only an update that covers every parameter may make them clean again."""
-        return self.weights is WeightsState.STALE
-
     def resident(self, tag: MemoryTag) -> bool:
         return self.tags[tag] is TagState.RESIDENT
 
-    # -- checks: return the tags to act on, or raise TransitionRejected ----------------------
     def tags_to_release(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
-        """Owned tags from ``requested`` that are resident. ``strict``: a released one is an error
-        (SGLang dies on a double release), otherwise it is skipped (the phase machine's own plan)."""
+        """Owned tags from ``requested`` that are resident. ``strict``: a released one is an error (SGLang dies
+        on a double release), else it is skipped."""
         return self._tags_to("release", requested, strict, resident=True)
 
     def tags_to_resume(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
@@ -135,7 +122,6 @@ class EngineRecord:
                 state=self.snapshot())
         return tuple(t for t in ALL_TAGS if t in requested)
 
-    # -- pure updates -------------------------------------------------------------------------
     def with_tags(self, tags: tuple[MemoryTag, ...], state: TagState) -> EngineRecord:
         new = dict(self.tags)
         for t in tags:
@@ -162,8 +148,7 @@ class EngineRecord:
 
     def status(self) -> dict[str, object]:
         """``snapshot()`` as ``/v1/status`` shows it: while the engine does not answer, what it serves and holds
-        now is not known (it may have died, or restarted empty), so those fields say ``unknown`` and
-        ``last_known`` keeps what the record said when it last answered."""
+        is ``unknown`` (it may have died, or restarted empty), and ``last_known`` keeps what the record said."""
         snapshot = self.snapshot()
         if self.healthy:
             return snapshot
@@ -185,16 +170,15 @@ class NodeState:
 
 
 class Attachment(StrEnum):
-    """Whether the daemon knows whom it talks to: an engine is attached once it answered ``attach``
-    (protocol, version); a restarted engine is attached again. Health is the last observation's answer."""
+    """An engine is attached once it answered ``attach`` (protocol, version); a restarted one attaches again."""
 
     DETACHED = "detached"
     ATTACHED = "attached"
 
 
 def unready_reason(name: str, attachment: Attachment, state: EngineRecord) -> str | None:
-    """Why an engine cannot take a mutating call now (None: it can): never attached, or its last
-    observation failed. The reason is the engine's last error where there is one."""
+    """Why an engine cannot take a mutating call now (None: it can): never attached, or its last observation
+    failed."""
     if attachment is Attachment.ATTACHED and state.healthy:
         return None
     return state.last_error or f"engine {name!r} unhealthy"
@@ -209,8 +193,8 @@ def check_attached(name: str, attachment: Attachment, state: EngineRecord) -> No
 
 # -- the daemon: one mutating operation at a time, only while running, only once reconciled ---------
 def check_can_start(what: str, *, lifecycle: DaemonState, busy_with: str | None, node: NodeState) -> None:
-    """``busy_with``: the operation that holds the node now, None when the node is free (or only a
-    background reconcile holds it, which the new one waits for)."""
+    """``busy_with``: the operation that holds the node now (None: free, or a background reconcile that the new
+    one waits for)."""
     if lifecycle is not DaemonState.RUNNING:
         raise TransitionRejected(f"daemon is {lifecycle.value}")
     if busy_with is not None:
@@ -236,8 +220,7 @@ def check_no_open_session(open_session: str | None, *, advice: str = "") -> None
 
 
 def check_rollout_weights(engines: Iterable[EngineRecord], node: NodeState) -> None:
-    """Every engine's weights are the committed version before any resumes: a stale engine must not
-    leave the others half-resumed."""
+    """Every engine's weights are the committed version before any resumes."""
     _refuse_engines("cannot enter 'rollout': weights not updated since release: ",
                     [e for e in engines if e.weights is not WeightsState.CLEAN], node)
 
@@ -278,7 +261,7 @@ def check_rollout_staleness(served: Mapping[str, str | None], staleness: Mapping
 @dataclass(frozen=True, slots=True)
 class ResumeNeed:
     """What one engine's resume will take on one of its GPUs (its share, for a TP engine), and from what
-    evidence (``expected_resume_bytes``)."""
+    evidence."""
 
     engine: str
     gpu: str
@@ -297,10 +280,9 @@ def needed_per_gpu(needs: Iterable[ResumeNeed]) -> dict[str, int]:
 
 def check_resume_headroom(what: str, needs: Sequence[ResumeNeed], free: Mapping[str, int], headroom: int,
                           node: NodeState) -> None:
-    """Every GPU has the memory its engines' resumes will take, plus ``headroom``, free now: a resume that
-    cannot fit is refused before any engine call (an engine that OOMs halfway through its wake is the
-    failure this prevents), naming the GPU, the bytes and who needs them. GPUs not in ``free`` (no
-    reading) and needs of unknown size are not checked."""
+    """Every GPU has the memory its engines' resumes will take, plus ``headroom``, free now: else the resume is
+    refused before any engine call (an engine that OOMs halfway through its wake is the failure this prevents).
+    GPUs not in ``free`` (no reading) are not checked."""
     per_gpu: dict[str, list[ResumeNeed]] = {}
     for need in needs:
         if need.gpu in free:
@@ -394,11 +376,8 @@ def check_session_abortable(session_id: str, state: SessionState, version: str, 
 
 
 def check_phase_request(node: NodeState, phase: NodePhase, step: int) -> None:
-    """Raise TransitionRejected unless ``phase`` at ``step`` is the legal next move.
-
-    train(step) follows rollout and needs a step beyond the current one; sync and rollout
-    follow within the same step. Repeats of a finished (step, phase) are handled by the caller.
-    """
+    """train(step) follows rollout at a later step; sync and rollout follow within the step (a repeat of a
+    finished (step, phase) is the caller's)."""
     required = NEXT_PHASE[phase]
     if node.phase is not required:
         raise TransitionRejected(

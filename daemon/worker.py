@@ -29,14 +29,7 @@ from ..engines.base import (
 )
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
 from ..engines.weight_group_protocol import BroadcastDescriptor, SupportsWeightGroups
-from ..errors import (
-    ColocdError,
-    EngineError,
-    EngineRejected,
-    EngineUnreachable,
-    StageTimeout,
-    TransitionRejected,
-)
+from ..errors import ColocdError, EngineError, EngineRejected, EngineUnreachable, StageTimeout, TransitionRejected
 from ..policies import Budget, Timeouts, Transport
 from .events import emit
 from .fanout import OnFailure, each_engine, fan_out
@@ -183,8 +176,8 @@ class EngineWorker:
         """``state``, ``timeouts``, ``probe``, ``open_session``: the node's as of now; ``reconciled(engine, plan)``:
         awaited after each reconcile that finished (the daemon journals a change, reloads kept LoRA adapters)."""
         self.engines, self.metrics, self.traces = engines, metrics, traces
-        self._state, self._timeouts, self._probe, self._reconciled = state, timeouts, probe, reconciled
-        self._open_session = open_session
+        self._state, self._reconciled, self._open_session = state, reconciled, open_session
+        self.timeouts, self.probe = timeouts, probe
         self.unreconciled: set[str] = set()  # journal records not yet checked against the engine: no mutations
         # Engines whose last reconcile did not finish, and why: not ready; the health loop retries them soon.
         self.unsettled: dict[str, str] = {}
@@ -193,12 +186,6 @@ class EngineWorker:
     @property
     def node(self) -> NodeState:
         return self._state()
-
-    def timeouts(self) -> Timeouts:
-        return self._timeouts()
-
-    def probe(self) -> NvmlProbe | None:
-        return self._probe()
 
     def transports(self) -> frozenset[Transport] | None:
         """What every engine of the node loads (each adapter says; None: no engines to ask)."""
