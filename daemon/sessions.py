@@ -480,15 +480,12 @@ class WeightSessions:
         """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
         ctx = self._ctx
         session = self.get(session_id)
-        require_session_open(session.id, session.state)
         tensors = [(n, TensorMeta(dt, tuple(s)))
                    for n, dt, s in zip(descriptor.names, descriptor.dtypes, descriptor.shapes, strict=True)]
         session.check_broadcast(descriptor.seq, tensors)
-        session.touch()
-        session.note_broadcast()
         try:
             reply = await self.groups.broadcast(session, list(ctx.worker.engines.values()), descriptor)
-            session.note_delivered(descriptor.names, (meta for _, meta in tensors))
+            session.note_delivered(tensors)
             return reply
         finally:
             session.touch()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -312,10 +312,6 @@ class WeightSession:
             + (f"; {unserved}" if unserved else ""),
             stage="start", budget_s=budget, rank=late[0])
 
-    def note_broadcast(self) -> None:
-        """Weights travel by broadcast (separated GPUs): every engine is fed from the group, no rank is late."""
-        self._broadcasting = True
-
     # -- the lifecycle (states.check_session_end) -----------------------------------------------
     @property
     def state(self) -> SessionState:
@@ -513,9 +509,12 @@ class WeightSession:
         return layout
 
     def check_broadcast(self, seq: int, tensors: Sequence[tuple[str, TensorMeta]]) -> None:
-        """A broadcast's layout agrees with the session's manifest; else 422 before any engine joins it."""
+        """A broadcast's layout agrees with the session's manifest, else 422 before any engine joins it; weights
+        then travel by broadcast (separated GPUs): every engine is fed from the group, no rank is late."""
         self._check_open()
         self._check_manifest(f"session {self.id}: broadcast {seq}", tensors, field="names")
+        self._broadcasting = True
+        self.touch()
 
     def _check_manifest(self, where: str, tensors: Sequence[tuple[str, TensorMeta]], *, field: str) -> None:
         if self.manifest is None:
@@ -684,15 +683,13 @@ class WeightSession:
             async with self._window:
                 self._window.notify_all()
 
-    def note_delivered(self, names: Iterable[str], metas: Iterable[TensorMeta] | None = None) -> None:
-        """Tensors that reached every engine by another path (a broadcast): they count as sent."""
-        listed = list(names)
+    def note_delivered(self, tensors: Sequence[tuple[str, TensorMeta]]) -> None:
+        """Tensors that reached every engine by a broadcast: they count as sent."""
         for lane in self._lanes:
             for names_of_rank in lane.rank_names:
-                names_of_rank.update(listed)
-        if metas is not None:
-            for name, meta in zip(listed, metas, strict=False):
-                self.delivered.setdefault(name, meta)
+                names_of_rank.update(name for name, _ in tensors)
+        for name, meta in tensors:
+            self.delivered.setdefault(name, meta)
 
     # -- the daemon-facing side --------------------------------------------------------------
     async def drain(self, num_chunks: int | None = None) -> None:
