@@ -404,7 +404,7 @@ class WeightSession:
         self._check_transport(seq, part, users)
         layout = self._inspect(seq, part)
         self._check_plan(seq, part.rank, layout)
-        received.add(seq)  # counts for the gap rule (and as the rank's start) even while it waits below
+        received.add(seq)  # from here on a second copy is refused; it counts as the rank's start while it waits
         while self._rank_next[part.rank] in received:
             self._rank_next[part.rank] += 1
 
@@ -420,8 +420,6 @@ class WeightSession:
         if chunk is None:
             loop = asyncio.get_running_loop()
             chunk = self._chunks[seq] = _Chunk(seq, {lane.name: loop.create_future() for lane in self._lanes})
-        if part.rank in chunk.parts:
-            raise TransitionRejected(f"session {self.id}: rank {part.rank} already sent chunk {seq}")
         await self._check_device(seq, part, users)
         chunk.parts[part.rank] = part
         chunk.layouts[part.rank] = layout
