@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engines.base import ChunkPart, EngineDigests
+from ..engines.base import ChunkPart
 from ..engines.segments import unlink_session_segments
 from ..errors import NotFound, RequestInvalid, TransitionRejected, WeightSyncError
 from ..policies import Budget
@@ -46,7 +46,7 @@ from .trace import Span, Trace
 from .verify import Verification, verify_engines
 from .versions import VersionBook
 from .weights import ChunkAck, WeightSession, device_key, name_some
-from .worker import EngineHandle, EngineWorker, late_loads
+from .worker import EngineWorker, late_loads
 
 __all__ = ["SessionContext", "WeightSessions"]
 
@@ -349,15 +349,10 @@ class WeightSessions:
     async def _verify(self, session: WeightSession) -> Verification:
         """Each engine's digests against the trainer's; a mismatch, or an engine that cannot be asked, fails the
         session (the engines stay paused, their weights stale)."""
-        ctx = self._ctx
-
-        async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
-            return await ctx.worker.digests(engine, names, session.trace)
-
-        t0 = time.perf_counter()
+        worker, t0 = self._ctx.worker, time.perf_counter()
         try:
-            verdicts = await verify_engines(list(ctx.worker.engines.values()), session.expected, session.verify,
-                                            session.version, ask)
+            verdicts = await verify_engines(list(worker.engines.values()), session.expected, session.verify,
+                                            session.version, lambda e, names: worker.digests(e, names, session.trace))
         except BaseException:
             await self._end(session, WeightSyncError("commit failed: asking the engines for their weight digests "
                                                      "failed"))
@@ -495,6 +490,5 @@ class WeightSessions:
 
 
 def _lock_span(trace: Trace, since: float) -> None:
-    """``node_lock``: from ``since`` until now, waiting for the node and reconciling every engine before acting
-    (``NodeLock.exclusive``)."""
+    """``node_lock``: from ``since`` until now, waiting for the node and reconciling every engine."""
     trace.add(Span("node_lock", None, since, trace.elapsed_s() - since))

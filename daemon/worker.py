@@ -493,13 +493,11 @@ class EngineWorker:
 
     # -- a weight session's work beside its plan: digests, weight-update groups, broadcasts ---------------------
     async def digests(self, engine: EngineHandle, names: Sequence[str], trace: Trace) -> EngineDigests:
-        """What the engine holds of ``names``, as digests, for a verified commit (daemon/verify.py)."""
         return await self._call(engine, trace, "weight_digests", Budget.WEIGHT_UPDATE,
                                 engine.adapter.weight_digests(names), tensors=len(names))
 
     async def join_group(self, engine: EngineHandle, trace: Trace, *, group_name: str, master_address: str,
                          master_port: int, rank_offset: int, world_size: int, backend: str) -> None:
-        """The engine joins the trainer's weight-update group (daemon/distributed.py)."""
         await self._call(engine, trace, "init_weights_update_group", Budget.GROUP,
                          group_verbs(engine).init_weights_update_group(
                              master_address=master_address, master_port=master_port, rank_offset=rank_offset,
@@ -511,7 +509,6 @@ class EngineWorker:
                          group_verbs(engine).destroy_weights_update_group(group_name), group=group_name)
 
     async def receive_broadcast(self, engine: EngineHandle, desc: BroadcastDescriptor, trace: Trace) -> None:
-        """The engine receives one broadcast of the trainer's through its group, under the chunk budget."""
         await self._call(engine, trace, f"update_weights_from_distributed#{desc.seq}", Budget.CHUNK,
                          group_verbs(engine).update_weights_from_distributed(
                              seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
@@ -521,7 +518,6 @@ class EngineWorker:
 
     # -- LoRA adapters: daemon/adapters.py decides which name loads where and when --------------------------------
     async def load_adapter(self, engine: EngineHandle, name: str, folder: str) -> None:
-        """The engine loads the PEFT folder ``folder`` under the adapter name ``name``."""
         await engine.adapter.load_lora_adapter(name, folder)
 
     async def unload_adapter(self, engine: EngineHandle, name: str) -> None:
