@@ -30,8 +30,9 @@ from ..errors import (
 from ..policies import Budget
 from .fanout import OnFailure, fan_out
 from .lock import NodeLock
+from .states import SessionState
 from .trace import Trace
-from .weights import SessionState, WeightSession
+from .weights import WeightSession
 from .worker import EngineHandle, EngineWorker, group_verbs
 
 __all__ = [

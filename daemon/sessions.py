@@ -1,13 +1,13 @@
-"""Weight sessions on the node. The spine, as ``WeightSessions`` reads top down:
+"""The node's weight sessions. The spine, as ``WeightSessions`` reads top down:
 
     open    admit (node free, engines paused) → declared manifest → ranks → begin on every engine (the worker)
     join    each rank declares its device and learns what it feeds
-    chunks  each rank's parts gathered, loaded into every engine, acked (the stream: daemon/weights.py)
+    chunks  each rank's parts gathered, loaded into every engine, acked (one session: daemon/weights.py)
     commit  drain → complete? → verify (daemon/verify.py) → land: every engine serves the version
     abort   (or failure, expiry) → close: quiesce, discard on every engine, withdraw the version
 
 Beside it: the lease that expires an abandoned session, the one-shot update, broadcasts through a weight-update
-group (daemon/distributed.py). Engines are moved only by the worker, toward a ``WeightsGoal``."""
+group (daemon/distributed.py). Engines move only by the worker, toward a ``WeightsGoal``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engines.base import ChunkPart, EngineDigests
+from ..engines.base import ChunkPart
 from ..engines.segments import unlink_session_segments
 from ..errors import NotFound, RequestInvalid, TransitionRejected, WeightSyncError
 from ..policies import Budget
@@ -30,7 +30,7 @@ from ..recent import remember
 from .distributed import BroadcastDescriptor, WeightGroups
 from .journal import NodeJournal
 from .lock import NodeLock
-from .manifests import ManifestBook, reference_of
+from .manifests import Manifest, ManifestBook, TensorMeta, manifest_from_json, manifest_to_json, misfits, reference_of
 from .policy_runtime import PolicyRuntime
 from .reconcile import WeightsGoal
 from .staging import StagingMemory, staging_memory
@@ -45,18 +45,8 @@ from .states import (
 from .trace import Span, Trace
 from .verify import Verification, verify_engines
 from .versions import VersionBook
-from .weights import (
-    ChunkAck,
-    Manifest,
-    TensorMeta,
-    WeightSession,
-    device_key,
-    few,
-    manifest_from_json,
-    manifest_to_json,
-    name_some,
-)
-from .worker import EngineHandle, EngineWorker, late_loads
+from .weights import ChunkAck, WeightSession, device_key, name_some
+from .worker import EngineWorker, late_loads
 
 __all__ = ["SessionContext", "WeightSessions"]
 
@@ -65,8 +55,7 @@ log = logging.getLogger("colocd.daemon")
 
 @dataclass(frozen=True, slots=True)
 class SessionContext:
-    """What the weight sessions use of the node: the engine worker (engines, their calls, metrics, traces, the
-    node's phase and step, timeouts), the node's lock, the version book, the policies, the journal."""
+    """What the weight sessions use of the node."""
 
     worker: EngineWorker
     lock: NodeLock
@@ -85,12 +74,10 @@ class WeightSessions:
         self.current: WeightSession | None = None
         self._gone: OrderedDict[str, WeightSession] = OrderedDict()  # ended sessions: their ids get 410
         self._closing: dict[str, asyncio.Event] = {}  # sessions being closed now, set once closed
-        # The tensors of the last complete push: what a complete update must cover, since no engine lists its
+        # The last complete push's tensors: what a complete update must cover, since no engine lists its
         # parameters (kept beside the journal, so it survives a daemon restart).
         self._manifest_file = Path(journal + ".manifest.json") if journal else None
         self.complete_manifest: Manifest | None = None
-        # The manifests of this process's last opens by reference, so a trainer's next open may name its
-        # manifest instead of sending and having it parsed again (daemon/manifests.py).
         self.manifests = ManifestBook()
 
     def restore(self) -> None:
@@ -103,12 +90,10 @@ class WeightSessions:
             log.warning("ignoring unreadable %s: %s", self._manifest_file, exc)
 
     def staging(self) -> StagingMemory:
-        """What a sync may stage into: free memory on the engines' GPUs and the sync's size."""
         w = self._ctx.worker
         return staging_memory(w.engines.values(), w.probe(), self.complete_manifest)
 
     def open_id(self) -> str | None:
-        """The id of the open session, None when none is open."""
         current = self.current
         return current.id if current is not None and current.state is SessionState.OPEN else None
 
@@ -124,10 +109,9 @@ class WeightSessions:
     async def open(self, *, step: int | None, version: str, ranks: int | None, depth: int | None = None,
                    manifest: list[dict[str, Any]] | None = None, manifest_ref: str | None = None,
                    partial: bool = False) -> WeightSession:
-        """Begin a weight update on every engine (each paused, its weights resident). ``manifest`` ([{name, dtype,
-        shape}]) is what the trainer will send, or ``manifest_ref`` names one an earlier open declared; unless
-        ``partial`` it must cover each engine's parameters where known (partial: on clean weights only).
-        Refusals change nothing."""
+        """Begin a weight update on every engine (each paused, its weights resident). ``manifest`` is what the
+        trainer will send, or ``manifest_ref`` names one an earlier open declared; unless ``partial`` (on clean
+        weights only) it must cover each engine's parameters where known. Refusals change nothing."""
         ctx = self._ctx
         trace = Trace(ctx.worker.node.step, "weights")  # before the lock: its spans cover the whole open
         async with ctx.lock.exclusive("open_weights"):
@@ -147,7 +131,7 @@ class WeightSessions:
 
     async def join(self, session_id: str, rank: int, device_id: str, pid: int | None = None) -> dict[str, Any]:
         """A rank declares its device (and ``pid``, whose shm segments the session may unlink); the reply lists
-        the engine TP ranks it feeds (none: it must not stream). A refused join changes nothing."""
+        the engine TP ranks it feeds (none: it must not stream)."""
         session = self.get(session_id)
         if pid is not None and session.state is SessionState.OPEN:
             session.trainer_pids.add(pid)
@@ -174,7 +158,7 @@ class WeightSessions:
             self.groups.check_settled(session)
             await self._drain(session, num_chunks)
             with trace.span("check_complete"):
-                self._check_complete(session)
+                session.check_complete()
             with trace.span("verify", mode=session.verify):
                 verification = await self._verify(session)
             await self._land(session)
@@ -192,7 +176,7 @@ class WeightSessions:
     # -- open's steps ------------------------------------------------------------------------------------
     def _admit(self, step: int | None, partial: bool) -> None:
         """The node can take a session now: none open, engines paused with weights resident (clean, for a
-        partial one), attached, none still loading an ended session's chunk; ``step`` is the node's."""
+        partial one), attached, none still loading an ended session's chunk."""
         ctx, current = self._ctx, self.current
         records = [e.state for e in ctx.worker.engines.values()]
         check_can_open_session(self.open_id(), records, ctx.worker.node,
@@ -218,17 +202,15 @@ class WeightSessions:
         session = WeightSession(
             step=ctx.worker.node.step, version=version, ranks=ranks, engines=list(ctx.worker.engines.values()),
             depth=depth, chunk_timeout_s=t.budget(Budget.CHUNK),
-            trace=trace, metrics=ctx.worker.metrics, manifest=declared, manifest_ref=ref, partial=partial,
+            trace=trace, metrics=ctx.worker.metrics, manifest=declared, manifest_ref=ref,
+            complete=self.complete_manifest, partial=partial, verify=policies.active.sync.verify,
+            prior={n: e.state.weights for n, e in ctx.worker.engines.items()},
             idle_s=t.budget(Budget.SESSION_IDLE), start_timeout_s=t.budget(Budget.START),
             sources=self._feed_ranks())
-        session.required = {name: self.complete_manifest for name in ctx.worker.engines}
-        session.prior = {n: e.state.weights for n, e in ctx.worker.engines.items()}
-        session.verify = ctx.policies.active.sync.verify
         trace.attrs["session"] = session.id  # the session's log line and trace name it
         return session
 
     async def _begin(self, session: WeightSession) -> None:
-        """Every engine begins its update (the worker); then the session is the node's current one."""
         ctx = self._ctx
         try:
             await ctx.worker.weights({n: WeightsGoal(session=session.id) for n in ctx.worker.engines},
@@ -246,8 +228,8 @@ class WeightSessions:
 
     def _declared(self, manifest: list[dict[str, Any]] | None,
                   ref: str | None) -> tuple[Manifest | None, str | None]:
-        """The session's manifest and its reference: parsed from ``manifest``, or the one ``ref`` names (409
-        ``ManifestRefUnknown`` if none); both given, they must agree (422 naming ``manifest_ref``)."""
+        """The session's manifest and its reference: parsed from ``manifest``, or the one ``ref`` names; both
+        given, they must agree."""
         if manifest is None:
             return (None, None) if ref is None else (self.manifests.resolve(ref), ref)
         try:
@@ -261,13 +243,12 @@ class WeightSessions:
         return declared, own
 
     def _feed_ranks(self) -> dict[str, tuple[int, ...]]:
-        """The explicit mapping of the node config: engines whose ``feed_ranks`` say who feeds each TP rank."""
         return {name: tuple(e.config.feed_ranks) for name, e in self._ctx.worker.engines.items()
                 if e.config.feed_ranks is not None}
 
     def _check_ranks(self, ranks: int | None) -> int:
-        """The session's trainer ranks (default: as many as the layout needs), refused where too few to serve it:
-        one per TP rank of the widest engine, one per engine device fed by device, one past every feed rank."""
+        """The session's trainer ranks (default: as many as the layout needs: one per TP rank of the widest
+        engine, one per engine device fed by device, one past every feed rank); fewer are refused."""
         engines = list(self._ctx.worker.engines.values())
         fixed = self._feed_ranks()
         devices = sorted({device_key(dev) for e in engines if e.name not in fixed and (devs := e.tp_devices)
@@ -286,13 +267,11 @@ class WeightSessions:
         return ranks
 
     def _check_declared(self, declared: Manifest, partial: bool) -> None:
-        """Refuse a manifest that cannot make a complete (or, partial, a consistent) update: 422 before acting."""
+        """Refuse a manifest that cannot make a complete (or, partial, a consistent) update."""
         params = self.complete_manifest
         if params is None or not self._ctx.worker.engines:
             return
-        unknown = [n for n in declared if n not in params]
-        wrong = [f"{n!r} is {m.describe()}, the engine has {params[n].describe()}"
-                 for n, m in declared.items() if n in params and m != params[n]]
+        unknown, wrong = misfits(declared.items(), params, "the engine has")
         missing = [] if partial else [n for n in params if n not in declared]
         if not (unknown or wrong or missing):
             return
@@ -303,13 +282,12 @@ class WeightSessions:
                    "weights were discarded (released, or an update was abandoned), so every tensor must be pushed")
                ] if missing else []
         why += [f"not parameters of engine {name!r}: {name_some(unknown)}"] if unknown else []
-        why += [few(wrong, 3)] if wrong else []
+        why += [name_some(wrong, 3, show=str, sep="; ")] if wrong else []
         raise RequestInvalid(f"manifest does not fit engine {name!r} ({len(params)} parameters, {len(declared)} "
                              "declared): " + "; ".join(why), field="manifest")
 
     async def update(self, *, step: int | None, version: str, chunks: list[tuple[int, ChunkPart]]) -> dict[str, Any]:
-        """The one-shot form: open a session, send every chunk ((seq, part), in the caller's order), commit;
-        abort on any failure."""
+        """The one-shot form: open a session, send every chunk, commit; abort on any failure."""
         known = max((int(e.config.tp_size) for e in self._ctx.worker.engines.values()), default=1)  # widest TP
         for i, (_, part) in enumerate(chunks):
             if part.rank >= known:
@@ -322,20 +300,13 @@ class WeightSessions:
             by_rank.setdefault(part.rank, []).append((seq, part))
 
         async def send_rank(sends: list[tuple[int, ChunkPart]]) -> None:
-            # In sequence order, at most `depth` outstanding per rank: what the session accepts from a rank.
-            window = asyncio.Semaphore(session.depth)
+            window = asyncio.Semaphore(session.depth)  # in order, at most `depth` outstanding: what a rank may send
 
             async def one(seq: int, part: ChunkPart) -> None:
-                try:
+                async with window:
                     await self.submit_chunk(session.id, seq, part)
-                finally:
-                    window.release()
 
-            tasks = []
-            for seq, part in sends:
-                await window.acquire()
-                tasks.append(asyncio.create_task(one(seq, part)))
-            await asyncio.gather(*tasks)
+            await asyncio.gather(*(one(seq, part) for seq, part in sends))
 
         try:
             await asyncio.gather(*(send_rank(sends) for sends in by_rank.values()))
@@ -360,8 +331,7 @@ class WeightSessions:
             raise
 
     async def _land(self, session: WeightSession) -> None:
-        """Every engine ends its update serving the session's version; the version book, the reference manifest
-        and the journal say so."""
+        """Every engine ends its update serving the session's version; the books and the journal say so."""
         ctx, trace = self._ctx, session.trace
         await ctx.worker.weights({n: WeightsGoal(version=session.version) for n in ctx.worker.engines}, trace,
                                  strict=True)
@@ -377,17 +347,12 @@ class WeightSessions:
             await ctx.journal.written("weights")
 
     async def _verify(self, session: WeightSession) -> Verification:
-        """The verified commit (daemon/verify.py): each engine's digests against the trainer's. A mismatch, or an
-        engine that cannot be asked, fails the session (the engines stay paused, their weights stale)."""
-        ctx = self._ctx
-
-        async def ask(engine: EngineHandle, names: list[str]) -> EngineDigests:
-            return await ctx.worker.digests(engine, names, session.trace)
-
-        t0 = time.perf_counter()
+        """Each engine's digests against the trainer's; a mismatch, or an engine that cannot be asked, fails the
+        session (the engines stay paused, their weights stale)."""
+        worker, t0 = self._ctx.worker, time.perf_counter()
         try:
-            verdicts = await verify_engines(list(ctx.worker.engines.values()), session.expected, session.verify,
-                                            session.version, ask)
+            verdicts = await verify_engines(list(worker.engines.values()), session.expected, session.verify,
+                                            session.version, lambda e, names: worker.digests(e, names, session.trace))
         except BaseException:
             await self._end(session, WeightSyncError("commit failed: asking the engines for their weight digests "
                                                      "failed"))
@@ -399,34 +364,7 @@ class WeightSessions:
             raise error
         return verification
 
-    def _check_complete(self, session: WeightSession) -> None:
-        """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
-        required, prior = session.required, session.prior
-        for name in self._ctx.worker.engines:
-            sent = session.sent_names(name)
-            if session.manifest is not None:
-                unsent = [n for n in session.manifest if n not in sent]
-                if unsent:
-                    raise RequestInvalid(
-                        f"cannot commit session {session.id}: engine {name!r} never received "
-                        f"{name_some(unsent)}, declared in the manifest ({session.unsent_by_tp_rank(name, unsent)}); "
-                        "every TP rank must receive every tensor: send them or abort", field="manifest")
-            params = required.get(name)
-            discarded = prior.get(name) is not WeightsState.CLEAN
-            if params is None or session.partial:
-                continue
-            missing = [n for n in params if n not in sent]
-            if missing:
-                raise RequestInvalid(
-                    f"cannot commit session {session.id}: engine {name!r} has {len(params)} parameters and "
-                    f"{'its weights were discarded, so ' if discarded else ''}a complete update must cover "
-                    f"them all on every TP rank; missing {name_some(missing)} "
-                    f"({session.unsent_by_tp_rank(name, missing)}). Send them, or abort "
-                    + ("(a partial update needs intact weights)" if discarded
-                       else "(open with partial: true to update only some tensors)"), field="manifest")
-
     def _record_complete(self, session: WeightSession) -> None:
-        """Remember what a complete push carried: the reference for the next one after a discard."""
         manifest = session.manifest if session.manifest is not None else (session.delivered or None)
         if manifest is None:
             return
@@ -443,14 +381,12 @@ class WeightSessions:
             await self.current.abort("daemon shutting down")  # no-op once it ended
 
     async def fail_if_lost(self) -> None:
-        """Fail and close the open session if a reconcile found that an engine lost it (``lost_session``, the
-        worker's record); the caller holds the lock and has just reconciled every engine."""
+        """Fail and close the open session if the reconcile the caller just ran found an engine lost it."""
         session = self.current
         lost = [(e.name, e.lost_session) for e in self._ctx.worker.engines.values() if e.lost_session is not None]
         if session is None or session.state is not SessionState.OPEN or not lost:
             return
         name, why = lost[0]
-        # The caller's reconcile just observed every engine: no second one.
         await self._end(session, WeightSyncError(f"engine {name!r} lost the weight session: {why}"), observe=False)
 
     async def _end(self, session: WeightSession, error: BaseException, *, observe: bool = True) -> None:
@@ -467,9 +403,8 @@ class WeightSessions:
             await self._close_session(session)
 
     async def _close_session(self, session: WeightSession, *, observe: bool = True) -> None:
-        """Close an ended, uncommitted session (caller holds the lock), once: wait for its engine calls, end the
-        engines' updates (paused; weights stale where a chunk may have landed), withdraw its version, unlink the
-        trainer's shared-memory segments its chunks named."""
+        """Close an ended, uncommitted session once (caller holds the lock): wait for its engine calls, end the
+        engines' updates, withdraw its version, unlink the trainer's shared-memory segments its chunks named."""
         if not session.close():
             return  # closed already
         ctx, budget = self._ctx, self._ctx.worker.timeouts().budget(Budget.QUIESCE)
@@ -497,19 +432,13 @@ class WeightSessions:
             del self._closing[session.id]
 
     async def _discard(self, session: WeightSession) -> None:
-        """Every engine ends its update uncommitted, paused; its weights are stale unless the session never touched
-        them (no load started there, none abandoned). Best effort: an engine that cannot even end its update is
-        already recorded as the session left it."""
-        def left(name: str) -> WeightsState:
-            untouched = not session.touched(name) and name not in session.tainted
-            return session.prior.get(name, WeightsState.STALE) if untouched else WeightsState.STALE
-
-        await self._ctx.worker.weights({n: WeightsGoal(after=left(n)) for n in self._ctx.worker.engines},
+        """Every engine ends its update uncommitted, paused (best effort: its record already says what the session
+        left it)."""
+        await self._ctx.worker.weights({n: WeightsGoal(after=session.left(n)) for n in self._ctx.worker.engines},
                                        session.trace, strict=False)
 
     async def lapse_if_idle(self) -> None:
-        """Fail the open session if a rank missed its start deadline, expire it if its lease ran out (caller
-        holds the lock)."""
+        """Fail the open session if a rank missed its start deadline, expire it if its lease ran out."""
         session = self.current
         if session is not None and (late := session.start_overdue()) is not None:
             log.warning("weight session %s failed: %s", session.id, late)
@@ -546,15 +475,12 @@ class WeightSessions:
         """Forward one broadcast to every engine; returns once all loaded it (the trainer broadcasts meanwhile)."""
         ctx = self._ctx
         session = self.get(session_id)
-        require_session_open(session.id, session.state)
         tensors = [(n, TensorMeta(dt, tuple(s)))
                    for n, dt, s in zip(descriptor.names, descriptor.dtypes, descriptor.shapes, strict=True)]
         session.check_broadcast(descriptor.seq, tensors)
-        session.touch()
-        session.note_broadcast()
         try:
             reply = await self.groups.broadcast(session, list(ctx.worker.engines.values()), descriptor)
-            session.note_delivered(descriptor.names, (meta for _, meta in tensors))
+            session.note_delivered(tensors)
             return reply
         finally:
             session.touch()
@@ -564,6 +490,5 @@ class WeightSessions:
 
 
 def _lock_span(trace: Trace, since: float) -> None:
-    """``node_lock``: from ``since`` until now, waiting for the node and reconciling every engine before acting
-    (``NodeLock.exclusive``)."""
+    """``node_lock``: from ``since`` until now, waiting for the node and reconciling every engine."""
     trace.add(Span("node_lock", None, since, trace.elapsed_s() - since))

@@ -1,8 +1,5 @@
-"""What the pipeline policy is told about memory when it plans a weight sync: the bytes the sync will
-move and the GPU memory left to stage its buckets in (``PipelineSnapshot.total_bytes/free_bytes``).
-
-Read, never guessed: a figure no source gives stays None, and the plan's reason says what was known.
-"""
+"""What the pipeline policy is told about memory when it plans a weight sync: the bytes the sync will move and
+the GPU memory left to stage its buckets in. Read, never guessed: a figure no source gives stays None."""
 
 from __future__ import annotations
 
@@ -13,8 +10,8 @@ from dataclasses import dataclass
 
 from ..engines.base import MemoryTag
 from ..engines.chunks import dtype_itemsize
+from .manifests import Manifest
 from .memory import NvmlProbe
-from .weights import Manifest
 from .worker import EngineHandle
 
 __all__ = ["StagingMemory", "staging_memory"]
@@ -39,8 +36,8 @@ class StagingMemory:
 
 def staging_memory(engines: Iterable[EngineHandle], probe: NvmlProbe | None,
                    last_push: Manifest | None) -> StagingMemory:
-    """Read once per plan: NVML for the engines' GPUs (the trainer's too, colocated), the size of the
-    last complete push, else the largest weights an engine reported taking (SGLang's ``memory_usage``)."""
+    """NVML for the engines' GPUs (the trainer's too, colocated); the size of the last complete push, else the
+    largest weights an engine reported taking (SGLang's ``memory_usage``)."""
     engines = list(engines)
     total, total_from = None, None
     if last_push:

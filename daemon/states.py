@@ -1,28 +1,25 @@
-"""The daemon's state machines as data: the daemon's lifecycle, node phases, per-engine memory/generation/
-weights state and attachment, and each weight session's lifecycle.
+"""The daemon's states and the rules of their moves: the daemon's lifecycle, node phases, each engine's record
+and attachment, and each weight session's ending.
 
-Rule 1 (after h11): everything that decides whether a transition is legal lives in this file.
-It is pure: no asyncio, no I/O. An illegal request raises ``TransitionRejected`` (or, for a weight
-session that has ended, ``SessionGone``) naming the current state and what would be allowed; a legal
-one returns the plan of what must change. The daemon's code asks these functions; it holds no rule.
+Everything that decides whether a transition is legal lives here (after h11), pure: an illegal request raises
+``TransitionRejected`` (an ended weight session: ``SessionGone``) naming the current state and what is allowed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import Enum, StrEnum
+from enum import StrEnum
 
 from ..engines.base import ALL_TAGS, MemoryTag, TagState
 from ..errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
-    "NEXT_PHASE", "SESSION_MOVES", "UNKNOWN", "Attachment", "DaemonState", "EngineRecord", "Generation", "NodePhase",
-    "NodeState", "ResumeNeed", "SessionLifecycle", "SessionState", "TagState", "WeightsState", "check_attached",
-    "check_can_open_session", "check_can_start", "check_no_open_session", "check_partial_allowed",
-    "check_phase_request", "check_reconciled", "check_resume_headroom", "check_rollout_staleness",
-    "check_rollout_weights", "check_session_abortable", "check_session_move", "closed_from", "needed_per_gpu",
-    "require_session_open", "unready_reason"
+    "NEXT_PHASE", "UNKNOWN", "Attachment", "DaemonState", "EngineRecord", "Generation", "NodePhase", "NodeState",
+    "ResumeNeed", "SessionState", "TagState", "WeightsState", "check_attached", "check_can_open_session",
+    "check_can_start", "check_no_open_session", "check_partial_allowed", "check_phase_request", "check_reconciled",
+    "check_resume_headroom", "check_rollout_staleness", "check_rollout_weights", "check_session_abortable",
+    "check_session_end", "needed_per_gpu", "require_session_open", "unready_reason"
 ]
 
 
@@ -42,12 +39,8 @@ class NodePhase(StrEnum):
     SYNC = "sync"
 
 
-# The only legal phase moves; each is keyed by the phase the trainer asks for.
-NEXT_PHASE: dict[NodePhase, NodePhase] = {
-    NodePhase.TRAIN: NodePhase.ROLLOUT,  # train is entered from rollout
-    NodePhase.SYNC: NodePhase.TRAIN,  # sync from train
-    NodePhase.ROLLOUT: NodePhase.SYNC,  # rollout from sync
-}
+# The only legal phase moves: the phase the trainer asks for → the phase it is entered from.
+NEXT_PHASE = {NodePhase.TRAIN: NodePhase.ROLLOUT, NodePhase.SYNC: NodePhase.TRAIN, NodePhase.ROLLOUT: NodePhase.SYNC}
 
 
 class Generation(StrEnum):
@@ -88,19 +81,12 @@ class EngineRecord:
         return (f"engine {self.name!r} is {self.generation.value}, weights {self.weights.value} "
                 f"at version {self.weight_version!r}, released tags {released or 'none'}")
 
-    @property
-    def needs_complete_push(self) -> bool:
-        """Weights are not the committed version (released, abandoned update, restarted engine):
-        only an update that covers every parameter may make them clean again."""
-        return self.weights is WeightsState.STALE
-
     def resident(self, tag: MemoryTag) -> bool:
         return self.tags[tag] is TagState.RESIDENT
 
-    # -- checks: return the tags to act on, or raise TransitionRejected ----------------------
     def tags_to_release(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
-        """Owned tags from ``requested`` that are resident. ``strict``: a released one is an error
-        (SGLang dies on a double release), otherwise it is skipped (the phase machine's own plan)."""
+        """Owned tags from ``requested`` that are resident. ``strict``: a released one is an error (SGLang dies
+        on a double release), else it is skipped."""
         return self._tags_to("release", requested, strict, resident=True)
 
     def tags_to_resume(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
@@ -136,7 +122,6 @@ class EngineRecord:
                 state=self.snapshot())
         return tuple(t for t in ALL_TAGS if t in requested)
 
-    # -- pure updates -------------------------------------------------------------------------
     def with_tags(self, tags: tuple[MemoryTag, ...], state: TagState) -> EngineRecord:
         new = dict(self.tags)
         for t in tags:
@@ -163,8 +148,7 @@ class EngineRecord:
 
     def status(self) -> dict[str, object]:
         """``snapshot()`` as ``/v1/status`` shows it: while the engine does not answer, what it serves and holds
-        now is not known (it may have died, or restarted empty), so those fields say ``unknown`` and
-        ``last_known`` keeps what the record said when it last answered."""
+        is ``unknown`` (it may have died, or restarted empty), and ``last_known`` keeps what the record said."""
         snapshot = self.snapshot()
         if self.healthy:
             return snapshot
@@ -186,16 +170,15 @@ class NodeState:
 
 
 class Attachment(StrEnum):
-    """Whether the daemon knows whom it talks to: an engine is attached once it answered ``attach``
-    (protocol, version); a restarted engine is attached again. Health is the last observation's answer."""
+    """An engine is attached once it answered ``attach`` (protocol, version); a restarted one attaches again."""
 
     DETACHED = "detached"
     ATTACHED = "attached"
 
 
 def unready_reason(name: str, attachment: Attachment, state: EngineRecord) -> str | None:
-    """Why an engine cannot take a mutating call now (None: it can): never attached, or its last
-    observation failed. The reason is the engine's last error where there is one."""
+    """Why an engine cannot take a mutating call now (None: it can): never attached, or its last observation
+    failed."""
     if attachment is Attachment.ATTACHED and state.healthy:
         return None
     return state.last_error or f"engine {name!r} unhealthy"
@@ -210,8 +193,8 @@ def check_attached(name: str, attachment: Attachment, state: EngineRecord) -> No
 
 # -- the daemon: one mutating operation at a time, only while running, only once reconciled ---------
 def check_can_start(what: str, *, lifecycle: DaemonState, busy_with: str | None, node: NodeState) -> None:
-    """``busy_with``: the operation that holds the node now, None when the node is free (or only a
-    background reconcile holds it, which the new one waits for)."""
+    """``busy_with``: the operation that holds the node now (None: free, or a background reconcile that the new
+    one waits for)."""
     if lifecycle is not DaemonState.RUNNING:
         raise TransitionRejected(f"daemon is {lifecycle.value}")
     if busy_with is not None:
@@ -237,8 +220,7 @@ def check_no_open_session(open_session: str | None, *, advice: str = "") -> None
 
 
 def check_rollout_weights(engines: Iterable[EngineRecord], node: NodeState) -> None:
-    """Every engine's weights are the committed version before any resumes: a stale engine must not
-    leave the others half-resumed."""
+    """Every engine's weights are the committed version before any resumes."""
     _refuse_engines("cannot enter 'rollout': weights not updated since release: ",
                     [e for e in engines if e.weights is not WeightsState.CLEAN], node)
 
@@ -279,7 +261,7 @@ def check_rollout_staleness(served: Mapping[str, str | None], staleness: Mapping
 @dataclass(frozen=True, slots=True)
 class ResumeNeed:
     """What one engine's resume will take on one of its GPUs (its share, for a TP engine), and from what
-    evidence (``expected_resume_bytes``)."""
+    evidence."""
 
     engine: str
     gpu: str
@@ -298,10 +280,9 @@ def needed_per_gpu(needs: Iterable[ResumeNeed]) -> dict[str, int]:
 
 def check_resume_headroom(what: str, needs: Sequence[ResumeNeed], free: Mapping[str, int], headroom: int,
                           node: NodeState) -> None:
-    """Every GPU has the memory its engines' resumes will take, plus ``headroom``, free now: a resume that
-    cannot fit is refused before any engine call (an engine that OOMs halfway through its wake is the
-    failure this prevents), naming the GPU, the bytes and who needs them. GPUs not in ``free`` (no
-    reading) and needs of unknown size are not checked."""
+    """Every GPU has the memory its engines' resumes will take, plus ``headroom``, free now: else the resume is
+    refused before any engine call (an engine that OOMs halfway through its wake is the failure this prevents).
+    GPUs not in ``free`` (no reading) are not checked."""
     per_gpu: dict[str, list[ResumeNeed]] = {}
     for need in needs:
         if need.gpu in free:
@@ -366,63 +347,15 @@ class SessionState(StrEnum):
     EXPIRED = "expired"  # no chunk within the idle time: the trainer is presumed gone
 
 
-class SessionLifecycle(Enum):
-    """A weight session's one state: what it shows callers, and whether the engines' update sessions
-    were ended for it (``closed``). An ended session (aborted, failed, expired) still holds the engines
-    in their update until the daemon closes it; a committed one closed them as it committed."""
-
-    OPEN = (SessionState.OPEN, False)
-    COMMITTED = (SessionState.COMMITTED, True)
-    ABORTED = (SessionState.ABORTED, False)
-    FAILED = (SessionState.FAILED, False)
-    EXPIRED = (SessionState.EXPIRED, False)
-    ABORTED_CLOSED = (SessionState.ABORTED, True)
-    FAILED_CLOSED = (SessionState.FAILED, True)
-    EXPIRED_CLOSED = (SessionState.EXPIRED, True)
-
-    @property
-    def state(self) -> SessionState:
-        state: SessionState = self.value[0]
-        return state
-
-    @property
-    def closed(self) -> bool:
-        closed: bool = self.value[1]
-        return closed
-
-
-_L = SessionLifecycle
-# The only legal moves of a weight session: it ends once (commit, abort, failure, expiry); an ended
-# one is closed once; a closed one never moves again.
-SESSION_MOVES: dict[SessionLifecycle, frozenset[SessionLifecycle]] = {
-    _L.OPEN: frozenset({_L.COMMITTED, _L.ABORTED, _L.FAILED, _L.EXPIRED}),
-    _L.ABORTED: frozenset({_L.ABORTED_CLOSED}),
-    _L.FAILED: frozenset({_L.FAILED_CLOSED}),
-    _L.EXPIRED: frozenset({_L.EXPIRED_CLOSED}),
-    _L.COMMITTED: frozenset(),
-    _L.ABORTED_CLOSED: frozenset(),
-    _L.FAILED_CLOSED: frozenset(),
-    _L.EXPIRED_CLOSED: frozenset(),
-}
-
-
-def check_session_move(session_id: str, current: SessionLifecycle, target: SessionLifecycle) -> None:
-    if target not in SESSION_MOVES[current]:
-        closed = ", engines' updates ended" if current.closed else ""
-        raise TransitionRejected(
-            f"weight session {session_id} is {current.state.value}{closed}: it cannot become "
-            f"{target.state.value}{', closed' if target.closed else ''}")
-
-
-def closed_from(session_id: str, current: SessionLifecycle) -> SessionLifecycle | None:
-    """Where closing the session leads; None if it is closed already (closing twice does nothing).
-    An open session is ended first (committed, aborted, failed, expired): its engines are mid-update."""
-    if current.closed:
-        return None
-    if current is SessionLifecycle.OPEN:
+def check_session_end(session_id: str, state: SessionState, closed: bool, target: SessionState | None) -> bool:
+    """A weight session ends once (commit, abort, failure, expiry), then is closed once: its engines' updates end
+    (a committed one closed them as it committed). ``target`` None asks to close; False: closed already."""
+    if target is None and state is SessionState.OPEN:
         raise TransitionRejected(f"weight session {session_id} is open: it is ended (committed, aborted, "
                                  "failed or expired) before the engines' updates are closed")
-    return SessionLifecycle[f"{current.name}_CLOSED"]
+    if target is not None and state is not SessionState.OPEN:
+        raise TransitionRejected(f"weight session {session_id} is {state.value}: it cannot become {target.value}")
+    return target is not None or not closed
 
 
 def require_session_open(session_id: str, state: SessionState, *, error: str | None = None,
@@ -443,11 +376,8 @@ def check_session_abortable(session_id: str, state: SessionState, version: str, 
 
 
 def check_phase_request(node: NodeState, phase: NodePhase, step: int) -> None:
-    """Raise TransitionRejected unless ``phase`` at ``step`` is the legal next move.
-
-    train(step) follows rollout and needs a step beyond the current one; sync and rollout
-    follow within the same step. Repeats of a finished (step, phase) are handled by the caller.
-    """
+    """train(step) follows rollout at a later step; sync and rollout follow within the step (a repeat of a
+    finished (step, phase) is the caller's)."""
     required = NEXT_PHASE[phase]
     if node.phase is not required:
         raise TransitionRejected(

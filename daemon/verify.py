@@ -1,8 +1,6 @@
 """The verified commit: before a session commits, each engine's digests of what it holds are compared with the
-digests the trainer computed at export (engines/digest.py). Knows nothing of HTTP or of any engine's protocol.
-
-The expected digests arrive beside each chunk (``ChunkPart.digests``) and are gathered by name; the policy's
-``sync.verify`` says which names are checked: ``full`` all, ``sample`` a deterministic subset, ``off`` none.
+digests the trainer computed at export (engines/digest.py) and sent beside each chunk. The policy's ``sync.verify``
+says which names are checked: ``full`` all, ``sample`` a deterministic subset, ``off`` none.
 """
 
 from __future__ import annotations
@@ -31,14 +29,13 @@ SAMPLE_FRACTION = 1 / 8
 
 @dataclass
 class ExpectedDigests:
-    """The digests the trainer ranks sent with their chunks, by tensor name; ranks that disagree are kept."""
+    """The digests the trainer ranks sent with their chunks, by tensor name, and where ranks disagree."""
 
     by_name: dict[str, str] = field(default_factory=dict)
     conflicts: dict[str, set[str]] = field(default_factory=dict)  # name -> every digest some rank sent
     undigested: set[str] = field(default_factory=set)  # tensors some rank's chunk carried without a digest
 
     def record(self, digests: Mapping[str, str] | None, names: Iterable[str] = ()) -> None:
-        """One rank's chunk: the digests it sent, and ``names``, every tensor it carried."""
         for name, digest in (digests or {}).items():
             first = self.by_name.setdefault(name, digest)
             if first != digest:
@@ -58,8 +55,8 @@ def sample_names(names: Iterable[str], version: str, fraction: float = SAMPLE_FR
 
 @dataclass(frozen=True, slots=True)
 class EngineVerdict:
-    """One engine's verification: ``verified``, ``mismatch`` (``tensor`` names the first), ``unsupported`` (the
-    engine cannot report; ``reason`` says why), or ``unverified`` (the trainer sent no digests)."""
+    """``verified``, ``mismatch`` (``tensor`` names the first), ``unsupported`` (the engine cannot report),
+    ``unverified`` (the trainer sent no digests) or ``skipped``."""
 
     engine: str
     status: str
@@ -74,7 +71,6 @@ class EngineVerdict:
 
 @dataclass(frozen=True, slots=True)
 class Verification:
-    """A commit's verification across the node's engines, as the commit reply reports it."""
 
     mode: VerifyMode
     engines: tuple[EngineVerdict, ...] = ()
@@ -117,7 +113,7 @@ def verdict_of(engine: str, expected: ExpectedDigests, names: Sequence[str], rep
 async def verify_engines(engines: Sequence[EngineHandle], expected: ExpectedDigests, mode: VerifyMode, version: str,
                          ask: Callable[[EngineHandle, list[str]], Awaitable[EngineDigests]]
                          ) -> tuple[EngineVerdict, ...]:
-    """Every engine's verdict, asked concurrently; ``ask(engine, names)`` is the daemon's timed engine call."""
+    """Every engine's verdict, asked concurrently through ``ask(engine, names)``."""
     if mode == "off":
         return tuple(EngineVerdict(e.name, "skipped") for e in engines)
     names = sorted(expected.by_name) if mode == "full" else sample_names(expected.by_name, version)

@@ -1,20 +1,17 @@
-"""The weight stream: gather each chunk from the trainer ranks, load it into every engine, ack the ranks.
+"""One weight session: gather each chunk from the trainer ranks, load it into every engine, ack the ranks.
 
-Layout: each engine TP rank is fed by one trainer rank: the one that joined declaring the TP rank's device (a GPU
-UUID, or a CPU rank's id such as ``cpu:0``), or the engine's ``feed_ranks`` (node config), or, where the engine's
-devices are unknown, trainer rank t for TP rank t. A rank that feeds nothing is told so at join and its chunks
-are refused; a layout that leaves an engine device unfed is refused at the last join, naming the device.
+Layout: each engine TP rank is fed by one trainer rank: the one that joined on the TP rank's device (a GPU UUID,
+or ``cpu:<n>``), or the engine's ``feed_ranks``, or, where its devices are unknown, trainer rank t for TP rank t.
+A layout that leaves an engine device unfed is refused at the last join, naming the device.
 
-Data path: as soon as the ranks one engine needs have sent chunk k, it goes to that engine, in sequence order,
-at most ``depth`` in flight per engine; rank r's request returns once every engine that needed its part consumed
-it: the rank's licence to reuse that buffer (SGLang answers before its copy finished, slime
-update_weight_from_tensor.py:39-47, so buffer lifetime follows this ack, never a timer). Every rank sends the
-same chunk plan, and each engine TP rank must have every tensor of a complete update before it commits.
+Data path: once the ranks one engine needs have sent chunk k, it goes to that engine, in sequence order, at most
+``depth`` in flight per engine; a rank's request returns once every engine that needed its part consumed it: its
+licence to reuse that buffer (SGLang answers before its copy finished, slime update_weight_from_tensor.py:39-47,
+so buffer lifetime follows this ack, never a timer).
 
-Deadlines: a rank that has not started (joined and sent a first chunk) has until the start deadline
-(``start_timeout_s``); from its first chunk on, each chunk must complete within ``chunk_timeout_s``. Every
-chunk renews the session's lease (``idle_s``). A session never closes while an engine call it issued runs:
-``quiesce`` waits, and names the engines whose calls it had to abandon (their weights are tainted).
+Deadlines: a rank has until the start deadline (``start_timeout_s``) to join and send a first chunk, then each
+chunk must complete within ``chunk_timeout_s``; every chunk renews the lease (``idle_s``). A session never closes
+while an engine call it issued runs: ``quiesce`` waits, and names the engines whose calls it had to abandon.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -30,74 +27,24 @@ from ..engines.base import ChunkLoad, ChunkPart
 from ..engines.chunks import ChunkLayout, inspect_handle
 from ..engines.handles import ShmRoute
 from ..engines.httpmap import refused_payload
-from ..errors import (
-    ChunkTimeout,
-    PayloadRejected,
-    RequestInvalid,
-    SessionGone,
-    TransitionRejected,
-    WeightSyncError,
-)
+from ..errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, TransitionRejected, WeightSyncError
 from ..policies import Transport, VerifyMode
 from .fanout import start_now
+from .manifests import Manifest, TensorMeta, misfits
 from .metrics import Metrics
-from .states import (
-    SessionLifecycle,
-    SessionState,
-    WeightsState,
-    check_session_move,
-    closed_from,
-    require_session_open,
-)
+from .states import SessionState, WeightsState, check_session_end, require_session_open
 from .trace import Trace
 from .verify import ExpectedDigests
 from .worker import EngineHandle, load_chunk
 
-__all__ = [
-    "ChunkAck", "Manifest", "RankJoin", "SessionLifecycle", "SessionState", "TensorMeta", "WeightSession", "counted",
-    "device_key", "few", "manifest_from_json", "manifest_to_json", "name_some"
-]
+__all__ = ["ChunkAck", "RankJoin", "WeightSession", "counted", "device_key", "name_some"]
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """What a manifest says of one tensor: its dtype (torch short name) and shape."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-    def describe(self) -> str:
-        return f"{self.dtype}{list(self.shape)}"
-
-
-Manifest = dict[str, TensorMeta]
-
-
-def manifest_from_json(items: Iterable[Mapping[str, Any]]) -> Manifest:
-    """``[{name, dtype, shape}, ...]`` → Manifest; a name listed twice is a ValueError."""
-    manifest: Manifest = {}
-    for item in items:
-        name = str(item["name"])
-        if name in manifest:
-            raise ValueError(f"tensor {name!r} is listed twice")
-        manifest[name] = TensorMeta(str(item["dtype"]), tuple(int(d) for d in item["shape"]))
-    return manifest
-
-
-def manifest_to_json(manifest: Mapping[str, TensorMeta]) -> list[dict[str, Any]]:
-    return [{"name": n, "dtype": m.dtype, "shape": list(m.shape)} for n, m in sorted(manifest.items())]
-
-
-def name_some(names: Collection[str], limit: int = 5) -> str:
+def name_some(names: Collection[str], limit: int = 5, *, show: Callable[[str], str] = repr, sep: str = ", ") -> str:
     """The first few names (sorted) and how many there are in all: messages stay short for big models."""
     ordered = sorted(names)
-    shown = ", ".join(repr(n) for n in ordered[:limit])
+    shown = sep.join(show(n) for n in ordered[:limit])
     return shown + (f" and {len(ordered) - limit} more ({len(ordered)} in all)" if len(ordered) > limit else "")
-
-
-def few(items: Sequence[str], limit: int, sep: str = "; ") -> str:
-    """The first ``limit`` of ``items`` joined, and how many more there are."""
-    return sep.join(items[:limit]) + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
 
 
 def counted(noun: str, items: Sequence[object], show: Callable[[object], str] = str) -> str:
@@ -116,13 +63,11 @@ class ChunkAck:
 
 
 def device_key(device_id: str) -> str:
-    """A device identity as compared: NVML and nvidia-smi spell a GPU UUID ``GPU-<uuid>``, torch (and SGLang)
-    ``<uuid>``; a config may use either, so the prefix and case do not count. CPU ids compare as written."""
+    """A device identity as compared: NVML spells a GPU UUID ``GPU-<uuid>``, torch (and SGLang) ``<uuid>``."""
     return device_id[4:].lower() if device_id[:4].lower() == "gpu-" else device_id
 
 
 def is_host_device(device_id: str | None) -> bool:
-    """A declared device that is host memory (``cpu`` or ``cpu:<n>``), not a GPU."""
     return bool(device_id) and str(device_id).lower().split(":", 1)[0] == "cpu"
 
 
@@ -159,17 +104,14 @@ class _Lane:
     """One engine's view of the stream: which ranks feed it, what it has been sent, what is in flight."""
 
     engine: EngineHandle
-    # Trainer rank feeding each of the engine's TP ranks, in TP-rank order; None: the rank on that TP rank's
-    # device has not joined yet (only where ``by_device``).
-    sources: list[int | None]
+    sources: list[int | None]  # the trainer rank feeding each TP rank; None: not joined yet (``by_device``)
     devices: tuple[str, ...] | None  # each TP rank's device identity, where the engine reported it
     by_device: bool  # sources follow the devices the ranks declare (else fixed: feed_ranks, or positional)
     next_seq: int = 0  # chunks go to an engine strictly in sequence order
     in_flight: int = 0
     max_in_flight: int = 0
     loads_started: int = 0  # zero: the engine's weights were never touched by this session
-    # Per TP rank: the tensors it consumed (from layouts); a complete update needs all of them on each.
-    rank_names: list[set[str]] = field(default_factory=list)
+    rank_names: list[set[str]] = field(default_factory=list)  # per TP rank: the tensors it consumed
 
     @property
     def name(self) -> str:
@@ -191,31 +133,31 @@ class _Lane:
 class WeightSession:
     """One weight update across the node's engines. ``sources``: engine → the trainer rank of each TP rank, where
     fixed (``feed_ranks``). ``manifest``: what the trainer declared it will send (None: what the layouts carried
-    counts). ``partial``: only some tensors, on intact weights. It ends once and is closed once
-    (``states.SESSION_MOVES``)."""
+    counts). ``complete``: the parameters a complete update covers (the last complete push's; None: unknown);
+    ``prior``: each engine's weights at open.
+    ``partial``: only some tensors, on intact weights. It ends once and is closed once (``check_session_end``)."""
 
     def __init__(self, *, step: int, version: str, ranks: int, engines: list[EngineHandle], depth: int,
                  chunk_timeout_s: float, trace: Trace, metrics: Metrics,
                  sources: Mapping[str, tuple[int, ...]] | None = None, manifest: Manifest | None = None,
-                 manifest_ref: str | None = None, partial: bool = False, idle_s: float | None = None,
-                 start_timeout_s: float | None = None, session_id: str | None = None) -> None:
+                 manifest_ref: str | None = None, complete: Manifest | None = None, partial: bool = False,
+                 prior: Mapping[str, WeightsState] | None = None, verify: VerifyMode = "off",
+                 idle_s: float | None = None, start_timeout_s: float | None = None, session_id: str | None = None
+                 ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.id = session_id or secrets.token_hex(8)
         self.step, self.version, self.ranks, self.engines, self.depth = step, version, ranks, engines, depth
         self.chunk_timeout_s, self.idle_s, self.start_timeout_s = chunk_timeout_s, idle_s, start_timeout_s
-        self.trace, self.partial = trace, partial
+        self.trace, self.partial, self.verify, self.complete = trace, partial, verify, complete
         self.manifest = manifest  # shared with later sessions that name it by reference: never changed
-        self.manifest_ref = manifest_ref  # the manifest's reference (daemon/manifests.py); None without one
+        self.manifest_ref = manifest_ref
         self.opened_at = time.monotonic()
-        self._lifecycle = SessionLifecycle.OPEN
+        self._state, self._closed = SessionState.OPEN, False
         self.error: str | None = None
         self._ended_by: str | None = None  # "failed: ChunkTimeout: ..." once it ended
         self.tainted: list[str] = []  # engines whose calls had to be abandoned when it closed
-        # Set by the daemon at open: each engine's full parameter set (None: unknown) and weights state.
-        self.required: dict[str, Manifest | None] = {}
-        self.prior: dict[str, WeightsState] = {}
-        self.verify: VerifyMode = "off"  # set at open from the policy (sync.verify)
+        self.prior = dict(prior or {})  # each engine's weights at open: what a close leaves an untouched one
         self.expected = ExpectedDigests()  # the digests the trainer sent beside its chunks
         self.bytes_loaded = self.chunks_loaded = 0
         self.shm_names: set[str] = set()  # segments the trainer named: unlinked if the session expires
@@ -253,10 +195,8 @@ class WeightSession:
     # -- the layout: who feeds whom ------------------------------------------------------------
     async def join(self, rank: int, device_id: str) -> RankJoin:
         """Rank ``rank`` declares its device: it feeds the engine TP ranks on that device (and any whose
-        ``feed_ranks`` name it). Joining twice with the same device is a no-op. The last rank's join is
-        refused (422 naming the unserved device) when it would leave an engine TP rank without a trainer
-        rank; like every refusal it changes nothing: the session stays open and the rank may join again on
-        another device (the trainer aborts, or the start deadline fails the session)."""
+        ``feed_ranks`` name it); joining twice alike is a no-op. The last join is refused (422 naming the device)
+        when it would leave an engine TP rank unfed; like every refusal it changes nothing."""
         self._check_open()
         if not 0 <= rank < self.ranks:
             raise self._refuse(f"rank {rank} outside 0..{self.ranks - 1}", field="rank")
@@ -297,16 +237,13 @@ class WeightSession:
         return [list(lane.sources) for lane in self._lanes]
 
     def _unjoin(self, rank: int, sources: list[list[int | None]]) -> None:
-        """Undo ``rank``'s join: its device, and the engine TP ranks it (or the host feed it completed) took."""
         del self._devices[rank]
         for lane, before in zip(self._lanes, sources, strict=True):
             lane.sources[:] = before
 
     def _feed_gpus_from_host_ranks(self) -> None:
-        """Once every rank joined: an engine TP rank on a GPU that no rank shares is fed by trainer rank t
-        (its TP rank) when that rank's tensors are in host memory (a ``cpu`` device). Host bytes travel by
-        shared memory or disk, which any GPU engine reads: no device has to match. A GPU trainer rank on
-        another GPU still leaves it unserved (CUDA IPC cannot cross GPUs)."""
+        """Once every rank joined: an engine TP rank t on a GPU no rank declared is fed by trainer rank t when that
+        rank is on the host (``cpu``): host bytes travel by shared memory or disk, which any GPU engine reads."""
         for lane in self._lanes:
             if not lane.by_device:
                 continue
@@ -322,17 +259,15 @@ class WeightSession:
         """The engine TP ranks no trainer rank feeds yet, described by device; empty when every one is fed."""
         gaps = [f"engine {lane.name!r} TP rank {t} on device {lane.device(t)!r} has no trainer rank on it"
                 for lane in self._lanes for t, r in enumerate(lane.sources) if r is None]
-        return few(gaps, 4)
+        return name_some(gaps, 4, show=str, sep="; ")
 
     def transports(self, lanes: Sequence[_Lane] | None = None) -> tuple[Transport, ...]:
-        """The transports every engine of ``lanes`` (default: the session's) loads, in the enum's order."""
         lanes = self._lanes if lanes is None else lanes
         return tuple(t for t in Transport if all(t in lane.engine.transports for lane in lanes))
 
     def _check_transport(self, seq: int, part: ChunkPart, users: tuple[_Lane, ...]) -> None:
-        """A chunk goes only to engines that load its transport: refused (422 naming the transport and what the
-        engine accepts) before any engine sees it. Real SGLang unpickles whatever it is sent in its scheduler;
-        a payload it cannot load kills the scheduler and the whole server."""
+        """A chunk goes only to engines that load its transport, else 422 before any engine sees it: SGLang
+        unpickles whatever it is sent in its scheduler, and one it cannot load kills the whole server."""
         for lane in users:
             accepted = lane.engine.transports
             if part.transport not in {t.wire for t in accepted}:
@@ -349,8 +284,8 @@ class WeightSession:
         return [r for r in range(self.ranks) if r not in self._devices]
 
     def _late(self) -> list[int]:
-        """Ranks the session still waits on to start: sources that sent no chunk yet, and, while an engine TP
-        rank has no trainer rank, the ranks that have not joined (one of them may be on its device)."""
+        """Ranks the session waits on to start: sources that sent no chunk yet, and, while an engine TP rank is
+        unfed, the ranks that have not joined."""
         if self._broadcasting:
             return []
         late = {r for lane in self._lanes for r in lane.sources if r is not None and not self._received[r]}
@@ -362,7 +297,6 @@ class WeightSession:
         return None if self.start_timeout_s is None else self.opened_at + self.start_timeout_s
 
     def start_overdue(self) -> ChunkTimeout | None:
-        """The error to fail the session with when its start deadline passed with a rank still late."""
         deadline = self._start_deadline()
         if deadline is None or self.state is not SessionState.OPEN or time.monotonic() <= deadline:
             return None
@@ -378,41 +312,27 @@ class WeightSession:
             + (f"; {unserved}" if unserved else ""),
             stage="start", budget_s=budget, rank=late[0])
 
-    def note_broadcast(self) -> None:
-        """Weights travel by broadcast (separated GPUs): every engine is fed from the group, no rank is late."""
-        self._broadcasting = True
-
-
-    # -- the lifecycle -----------------------------------------------------------------------
-    @property
-    def lifecycle(self) -> SessionLifecycle:
-        return self._lifecycle
-
+    # -- the lifecycle (states.check_session_end) -----------------------------------------------
     @property
     def state(self) -> SessionState:
-        """How the session stands for its callers: open, or how it ended."""
-        return self._lifecycle.state
+        return self._state
 
     @property
     def closed(self) -> bool:
-        """The engines' update sessions were ended for this one (as it committed, or after it ended)."""
-        return self._lifecycle.closed
+        return self._closed
 
-    def _move(self, target: SessionLifecycle) -> None:
-        check_session_move(self.id, self._lifecycle, target)
-        self._lifecycle = target
+    def _end(self, target: SessionState) -> None:
+        check_session_end(self.id, self._state, self._closed, target)
+        self._state, self._closed = target, target is SessionState.COMMITTED
 
     def commit(self) -> None:
-        """Record the commit: the daemon has ended every engine's update at this session's version."""
-        self._move(SessionLifecycle.COMMITTED)
+        self._end(SessionState.COMMITTED)
 
     def close(self) -> bool:
-        """Record that the daemon is ending the engines' updates for this ended session; False if it already
-        did (closing is done once). An open session is refused: it must end first."""
-        target = closed_from(self.id, self._lifecycle)
-        if target is None:
+        """The daemon is ending the engines' updates for this ended session; False if it already did."""
+        if not check_session_end(self.id, self._state, self._closed, None):
             return False
-        self._move(target)
+        self._closed = True
         return True
 
     # -- the lease ---------------------------------------------------------------------------
@@ -426,7 +346,7 @@ class WeightSession:
         self.last_activity = time.monotonic()
 
     def expired(self) -> bool:
-        """The lease ran out. Never while a rank is still within its start deadline (it is late, not gone)."""
+        """The lease ran out; never while a rank is within its start deadline (it is late, not gone)."""
         if self.idle_s is None or self.state is not SessionState.OPEN or self.idle_for() <= self.idle_s:
             return False
         deadline = self._start_deadline()
@@ -445,12 +365,10 @@ class WeightSession:
             self.touch()
 
     async def _submit(self, seq: int, part: ChunkPart) -> ChunkAck:
-        # Everything the caller could have got wrong is refused here, before the part is accepted,
-        # and leaves the session as it was (the rank may send a corrected part).
+        # A refused part leaves the session as it was. A rank that did not join joins with its first chunk, on the
+        # GPU its handle names, else cpu:<rank>, and is unjoined again if that part is refused.
         if part.rank in self._devices:
             return await self._accept(seq, part)
-        # A rank that did not join joins with its first chunk: on the GPU its handle names, else cpu:<rank> (a
-        # rank outside the session is refused there). A part refused after that leaves the rank unjoined again.
         sources = self._lane_sources()
         await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
         try:
@@ -486,7 +404,7 @@ class WeightSession:
         self._check_transport(seq, part, users)
         layout = self._inspect(seq, part)
         self._check_plan(seq, part.rank, layout)
-        received.add(seq)  # counts for the gap rule (and as the rank's start) even while it waits below
+        received.add(seq)  # from here on a second copy is refused; it counts as the rank's start while it waits
         while self._rank_next[part.rank] in received:
             self._rank_next[part.rank] += 1
 
@@ -502,8 +420,6 @@ class WeightSession:
         if chunk is None:
             loop = asyncio.get_running_loop()
             chunk = self._chunks[seq] = _Chunk(seq, {lane.name: loop.create_future() for lane in self._lanes})
-        if part.rank in chunk.parts:
-            raise TransitionRejected(f"session {self.id}: rank {part.rank} already sent chunk {seq}")
         await self._check_device(seq, part, users)
         chunk.parts[part.rank] = part
         chunk.layouts[part.rank] = layout
@@ -526,20 +442,16 @@ class WeightSession:
                     done: Callable[[], bool] | None = None,
                     futures: Sequence[asyncio.Future[Any]] = ()) -> WeightSyncError | RequestInvalid | None:
         """Wait until ``done()`` holds (woken by the window's condition), or else until every one of ``futures``
-        settles, within the chunk budget; while what holds the wait up is a rank that has not started, up to the
-        start deadline instead. Returns None, or on timeout the error naming what held it up (``blame``; a late
-        rank past the start deadline: the start error); the first error among ``futures`` is raised as soon as
-        it is there."""
-        # Already there (the usual case for the window): no timer and no lock, which cost a chunk ~0.03 ms.
+        settles (raising the first error as soon as it is there), within the chunk budget, or the start deadline
+        while a late rank holds it up. None, or the error naming what held it up (``blame``, or the start error)."""
+        # Already there (the usual case for the window): no timer and no lock.
         if done is not None and done():
             return None
         loop = asyncio.get_running_loop()
         until = loop.time() + self.chunk_timeout_s
         while True:
             if done is None:
-                # asyncio.wait neither cancels what it waits on when it times out or this rank's request is
-                # cancelled (the engines' futures are every rank's) nor needs a shield or a gather in between,
-                # each of which cost the ack a pass of the event loop.
+                # asyncio.wait never cancels what it waits on (the engines' futures are every rank's).
                 if _settled(futures):
                     return None
                 await asyncio.wait(futures, timeout=max(until - loop.time(), 0.0), return_when=asyncio.FIRST_EXCEPTION)
@@ -584,8 +496,7 @@ class WeightSession:
             "same bucket size, so each engine TP rank gets every tensor", field="handle.layout")
 
     def _inspect(self, seq: int, part: ChunkPart) -> ChunkLayout:
-        """The handle is readable on this node and its layout (every transport carries one) agrees with the
-        manifest; else 422."""
+        """The handle is readable on this node and its layout agrees with the manifest; else 422."""
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
         try:
             layout = inspect_handle(part.transport, part.nbytes, part.handle)
@@ -596,32 +507,32 @@ class WeightSession:
         return layout
 
     def check_broadcast(self, seq: int, tensors: Sequence[tuple[str, TensorMeta]]) -> None:
-        """A broadcast's descriptor (its layout) agrees with the session's manifest; else 422 before any engine
-        joins it."""
+        """A broadcast's layout agrees with the session's manifest, else 422 before any engine joins it; weights
+        then travel by broadcast (separated GPUs): every engine is fed from the group, no rank is late."""
         self._check_open()
         self._check_manifest(f"session {self.id}: broadcast {seq}", tensors, field="names")
+        self._broadcasting = True
+        self.touch()
 
     def _check_manifest(self, where: str, tensors: Sequence[tuple[str, TensorMeta]], *, field: str) -> None:
         if self.manifest is None:
             return
-        unknown = [name for name, _ in tensors if name not in self.manifest]
+        unknown, wrong = misfits(tensors, self.manifest, "the manifest says")
         if unknown:
             raise RequestInvalid(f"{where}: tensors not in the session's manifest: {name_some(unknown)}", field=field)
-        wrong = [f"{name!r} is {meta.describe()}, the manifest says {self.manifest[name].describe()}"
-                 for name, meta in tensors if meta != self.manifest[name]]
         if wrong:
-            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {few(wrong, 3)}", field=field)
+            said = name_some(wrong, 3, show=str, sep="; ")
+            raise RequestInvalid(f"{where}: layout disagrees with the manifest: {said}", field=field)
 
     def _refuse(self, message: str, *, field: str) -> RequestInvalid:
-        """The 422 for what a rank sent this session, naming the session and the field at fault."""
         return RequestInvalid(f"session {self.id}: {message}", field=field)
 
     def _check_open(self) -> None:
         require_session_open(self.id, self.state, error=self.error, advise_new=True)
 
     async def _check_device(self, seq: int, part: ChunkPart, users: tuple[_Lane, ...]) -> None:
-        """A GPU handle must land on the GPU of the engine TP rank it feeds: a mismatch is an error, never a
-        silent cross-device copy. Only checked where both sides are known (handle and engine config)."""
+        """A GPU handle lands on the GPU of the engine TP rank it feeds (where both are known), never copied
+        across devices behind the trainer's back."""
         uuid = part.route.device_uuid
         if uuid is None:
             return
@@ -634,8 +545,7 @@ class WeightSession:
                         f"rank {tp_rank} runs on GPU {expected[tp_rank]}; CUDA IPC needs both on one GPU"))
 
     def _missing_parts(self, chunk: _Chunk) -> list[int]:
-        """Ranks whose part of ``chunk`` an engine still waits for (an engine TP rank whose trainer rank has not
-        joined waits for any rank that has not)."""
+        """Ranks whose part of ``chunk`` an engine still waits for (an unfed TP rank: any rank not joined)."""
         missing: set[int] = set()
         for lane in self._lanes:
             if chunk.consumed[lane.name].done():
@@ -661,8 +571,8 @@ class WeightSession:
         return self._unconsumed(f"chunk {seq}: the window waits for chunk {self._acked}, which ", slow, "")
 
     def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError | RequestInvalid:
-        """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the trainer's
-        sequence (the caller's mistake: 422), or an engine that did not consume it."""
+        """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the sequence
+        (422), or an engine that did not consume it."""
         budget = f"within {self.chunk_timeout_s:.1f}s"
         for lane in users:
             if lane.next_seq > seq:
@@ -686,11 +596,9 @@ class WeightSession:
         return self._unconsumed(f"chunk {seq}: ", slow, "it")
 
     def _ungathered(self, message: str, rank: int | None, engine: str | None = None) -> ChunkTimeout:
-        """A rank's part did not arrive within the chunk budget (stage ``gather``)."""
         return ChunkTimeout(message, stage="gather", budget_s=self.chunk_timeout_s, engine=engine, rank=rank)
 
     def _unconsumed(self, head: str, slow: Sequence[str], what: str) -> ChunkTimeout:
-        """The engines that did not consume ``what`` within the chunk budget (stage ``load_chunk``)."""
         return ChunkTimeout(
             f"{head}{counted('engine', slow, repr) if slow else 'engine (none)'} did not consume "
             f"{what + ' ' if what else ''}within {self.chunk_timeout_s:.1f}s",
@@ -759,8 +667,7 @@ class WeightSession:
         await self._advance()
 
     async def _advance(self) -> None:
-        """Drop chunks that every engine consumed (so every rank feeding one sent them), in order; wake waiting
-        ranks."""
+        """Drop the chunks every engine consumed, in order; wake the waiting ranks."""
         moved = False
         while (
             (c := self._chunks.get(self._acked)) is not None
@@ -774,32 +681,24 @@ class WeightSession:
             async with self._window:
                 self._window.notify_all()
 
-    def note_delivered(self, names: Iterable[str], metas: Iterable[TensorMeta] | None = None) -> None:
-        """Tensors that reached every engine by another path (a broadcast): they count as sent."""
-        listed = list(names)
+    def note_delivered(self, tensors: Sequence[tuple[str, TensorMeta]]) -> None:
+        """Tensors that reached every engine by a broadcast: they count as sent."""
         for lane in self._lanes:
             for names_of_rank in lane.rank_names:
-                names_of_rank.update(listed)
-        if metas is not None:
-            for name, meta in zip(listed, metas, strict=False):
-                self.delivered.setdefault(name, meta)
+                names_of_rank.update(name for name, _ in tensors)
+        for name, meta in tensors:
+            self.delivered.setdefault(name, meta)
 
     # -- the daemon-facing side --------------------------------------------------------------
     async def drain(self, num_chunks: int | None = None) -> None:
-        """Wait until every chunk is complete and consumed; check the count the trainer says it sent.
-
-        A rank that never sends its part of a chunk is waited for one chunk timeout (one that never started:
-        until the start deadline), then named (504). A gap
-        in the sequence or a wrong count is the trainer's mistake (422) and leaves the session open.
-        """
+        """Wait until every chunk is complete and consumed (a missing part: one chunk timeout, or the start
+        deadline, then 504 naming the rank); a gap or a wrong count is 422 and leaves the session open."""
         self._check_open()
         gap = self._gap()
         if gap is not None:
             raise RequestInvalid(gap, field="num_chunks")
 
-        # Nothing to wait for once no chunk is in progress: a lane whose rank never joined holds every chunk
-        # back (so this waits for it, until the start deadline), and with no chunk at all the completeness
-        # check at commit names what each engine lacks.
+        # With no chunk at all, the completeness check names what each engine lacks.
         if error := await self._wait(self._drain_timeout,
                                      done=lambda: not self._chunks or self.state is not SessionState.OPEN):
             await self._fail_with(error)
@@ -810,8 +709,7 @@ class WeightSession:
                 f"(chunks 0..{self._acked - 1}); nothing committed, the session stays open", field="num_chunks")
 
     def _drain_timeout(self) -> ChunkTimeout:
-        """Why the commit cannot settle: a rank that started and then missed a chunk, one that never started
-        (past the start deadline), or an engine still loading."""
+        """Why the commit cannot settle: a rank missed a chunk, or an engine is still loading."""
         incomplete = {s: m for s, c in sorted(self._chunks.items()) if (m := self._missing_parts(c))}
         if incomplete:
             first_missing = next(iter(incomplete.values()))
@@ -821,7 +719,6 @@ class WeightSession:
         return self._unconsumed("at commit: ", slow, f"chunks {sorted(self._chunks)}")
 
     def _gap(self) -> str | None:
-        """A chunk below the highest one received that no rank ever sent: the trainer skipped it."""
         if not self._chunks:
             return None
         top = max(self._chunks)
@@ -834,14 +731,33 @@ class WeightSession:
     def _lane(self, engine: str) -> _Lane:
         return next(ln for ln in self._lanes if ln.name == engine)
 
-    def sent_names(self, engine: str) -> set[str]:
-        """Tensors every TP rank of this engine received (chunk layouts and broadcast descriptors)."""
-        return set(self._lane(engine).names)
+    def check_complete(self) -> None:
+        """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
+        for lane in self._lanes:
+            sent = lane.names
+            if self.manifest is not None and (unsent := [n for n in self.manifest if n not in sent]):
+                raise RequestInvalid(
+                    f"cannot commit session {self.id}: engine {lane.name!r} never received {name_some(unsent)}, "
+                    f"declared in the manifest ({self._unsent_by_tp_rank(lane, unsent)}); every TP rank must "
+                    "receive every tensor: send them or abort", field="manifest")
+            missing = [] if self.complete is None or self.partial else [n for n in self.complete if n not in sent]
+            if missing:
+                discarded = self.prior.get(lane.name) is not WeightsState.CLEAN
+                raise RequestInvalid(
+                    f"cannot commit session {self.id}: engine {lane.name!r} has {len(self.complete or ())} "
+                    f"parameters and {'its weights were discarded, so ' if discarded else ''}a complete update must "
+                    f"cover them all on every TP rank; missing {name_some(missing)} "
+                    f"({self._unsent_by_tp_rank(lane, missing)}). Send them, or abort "
+                    + ("(a partial update needs intact weights)" if discarded
+                       else "(open with partial: true to update only some tensors)"), field="manifest")
 
-    def unsent_by_tp_rank(self, engine: str, wanted: Collection[str]) -> str:
-        """Which of the engine's TP ranks lack which of ``wanted``, and the trainer rank feeding each: the words
-        of a refused commit (a complete update covers every TP rank). Empty when each has them all."""
-        lane = self._lane(engine)
+    def left(self, engine: str) -> WeightsState:
+        """The engine's weights once its update ends uncommitted: stale, unless this session never loaded there."""
+        untouched = self._lane(engine).loads_started == 0 and engine not in self.tainted
+        return self.prior.get(engine, WeightsState.STALE) if untouched else WeightsState.STALE
+
+    def _unsent_by_tp_rank(self, lane: _Lane, wanted: Collection[str]) -> str:
+        """Which of the engine's TP ranks lack which of ``wanted``, and the trainer rank feeding each."""
         gaps = []
         for t, got in enumerate(lane.rank_names):
             lacking = [n for n in wanted if n not in got]
@@ -851,19 +767,14 @@ class WeightSession:
                 gaps.append(f"TP rank {t} (device {lane.device(t)!r}, fed by {fed}) lacks {name_some(lacking, 3)}")
         return "; ".join(gaps)
 
-    def touched(self, engine: str) -> bool:
-        """Whether any load of this session ever started on the engine (its weights may be mixed)."""
-        return self._lane(engine).loads_started > 0
-
-    async def fail(self, error: BaseException) -> None:
-        """Stop the session: fail every waiting rank; loads already running are left to ``quiesce``."""
+    async def fail(self, error: BaseException, ended: SessionState = SessionState.FAILED) -> None:
+        """End the session (failed, aborted or expired): fail every waiting rank; loads already running are left
+        to ``quiesce``. The first ending is the one that counts."""
         if self.state is not SessionState.OPEN:
-            return  # it ended already: the first ending is the one that counts
-        ended = (SessionState.ABORTED if isinstance(error, _Abort)
-                 else SessionState.EXPIRED if isinstance(error, _Expired) else SessionState.FAILED)
-        self._move(SessionLifecycle[ended.name])
+            return
+        self._end(ended)
         self.error = str(error)
-        self._ended_by = f"{ended.value}: {type(error).__name__.lstrip('_')}: {error}"  # what a cancelled load says
+        self._ended_by = f"{ended.value}: {type(error).__name__}: {error}"  # what a cancelled load says
         message = f"session {self.id} {ended.value}: {error}"
         for chunk in self._chunks.values():
             for done in chunk.consumed.values():
@@ -879,8 +790,8 @@ class WeightSession:
             self._window.notify_all()
 
     async def quiesce(self, budget_s: float) -> list[str]:
-        """Wait for every engine call this session issued to return, up to ``budget_s``; cancel the rest
-        and return the engines they ran on: nothing can be said of those engines' weights."""
+        """Wait up to ``budget_s`` for every engine call this session issued; cancel the rest and return the
+        engines they ran on: nothing can be said of those engines' weights."""
         pending = {t: name for t, name in self._in_flight.items() if t is not asyncio.current_task()}
         if not pending:
             return []
@@ -892,10 +803,11 @@ class WeightSession:
 
     async def abort(self, reason: str) -> None:
         """Abandon the session (trainer's request or shutdown); engines keep their old version."""
-        await self.fail(_Abort(reason))
+        await self.fail(WeightSyncError(reason), SessionState.ABORTED)
 
     async def expire(self) -> None:
-        await self.fail(_Expired(f"no chunk for more than its {self.idle_s:.1f}s idle limit (trainer gone?)"))
+        await self.fail(WeightSyncError(f"no chunk for more than its {self.idle_s:.1f}s idle limit (trainer gone?)"),
+                        SessionState.EXPIRED)
 
     def stats(self) -> dict[str, Any]:
         """What the session did so far; ``max_in_flight`` is the most chunks one engine had at once."""
@@ -915,21 +827,13 @@ class WeightSession:
 
 def _load_error(engine: str, seq: int, exc: BaseException, *, ended: str | None = None
                 ) -> WeightSyncError | PayloadRejected:
-    """An engine's 4xx to a chunk is the caller's payload at fault (422 with the engine's words). A load
-    cancelled because the session ended (``ended``: how, e.g. "failed: ChunkTimeout: ...") says that."""
+    """An engine's 4xx to a chunk is the caller's payload at fault (422 with the engine's words); a load cancelled
+    because the session ended says how it ended (``ended``)."""
     refusal = refused_payload(exc, field="handle", describe=lambda e: f"chunk {seq}: engine {engine!r} refused it: "
                               f"{e.detail}")
     if isinstance(exc, asyncio.CancelledError) and ended is not None:
         return WeightSyncError(f"chunk {seq} on engine {engine!r}: cancelled, the session {ended}")
     return refusal or WeightSyncError(f"chunk {seq} on engine {engine!r}: {exc or type(exc).__name__}")
-
-
-class _Abort(WeightSyncError):
-    """The trainer (or shutdown) abandoned the session."""
-
-
-class _Expired(WeightSyncError):
-    """The session's lease ran out: no chunk within its idle time."""
 
 
 def _settled(futures: Sequence[asyncio.Future[Any]]) -> bool:

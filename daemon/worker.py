@@ -1,16 +1,11 @@
 """The engine worker: the one place the daemon calls an engine, and the only writer of each engine's record.
 
-Every engine call goes through here: the plans (daemon/reconcile.py) that phases, sleep / resume, weight sessions,
-the health loop, relaunches and restarts set, and a weight session's work beside its plan (chunk loads, digests,
-weight-update groups, broadcasts). A record changes only after the engine confirmed the step, so a failure leaves
-it equal to what the engine did. Order rules (engine-apis.md §6.3): idle before release, paused until fully
-resumed, weights before KV, flush after an update.
-
-``reconcile`` observes each engine and drives it toward its record (the health loop, a relaunch, a restart, and
-every mutating operation before it acts); an engine that lost the open weight session is recorded so
-(``EngineHandle.lost_session``). ``drive`` and ``weights`` drive toward a desired state a transition or a weight
-session set, on the record just observed; a failed drive re-observes every engine before the error reaches the
-caller, and the trainer re-asks: the daemon never retries a step behind its back. The caller holds the node's lock.
+Every plan (daemon/reconcile.py) runs here, whoever set it: phases, sleep / resume, weight sessions, the health
+loop, relaunches, restarts; so does a weight session's work beside its plan (chunk loads, digests, groups,
+broadcasts). A record changes only after the engine confirmed the step. Order rules (engine-apis.md §6.3): idle
+before release, paused until fully resumed, weights before KV, flush after an update. A failed drive re-observes
+every engine before the error reaches the caller, who re-asks: no step is retried behind its back. The caller
+holds the node's lock.
 """
 
 from __future__ import annotations
@@ -34,14 +29,7 @@ from ..engines.base import (
 )
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
 from ..engines.weight_group_protocol import BroadcastDescriptor, SupportsWeightGroups
-from ..errors import (
-    ColocdError,
-    EngineError,
-    EngineRejected,
-    EngineUnreachable,
-    StageTimeout,
-    TransitionRejected,
-)
+from ..errors import ColocdError, EngineError, EngineRejected, EngineUnreachable, StageTimeout, TransitionRejected
 from ..policies import Budget, Timeouts, Transport
 from .events import emit
 from .fanout import OnFailure, each_engine, fan_out
@@ -70,45 +58,35 @@ _T = TypeVar("_T")
 
 @dataclass
 class EngineHandle:
-    """One engine as the daemon holds it: adapter, config slice, attachment (with what ``attach`` said)
-    and the recorded state."""
+    """One engine as the daemon holds it: adapter, config slice, attachment and the recorded state."""
 
     adapter: EngineAdapter
     config: AnyEngineConfig
     state: EngineRecord
     attachment: Attachment = Attachment.DETACHED
     info: EngineInfo | None = None  # what the engine said when it attached (None while detached)
-    # Bytes each tag held by the engine's own report the last time it was released, and bytes NVML
-    # showed freed the last time a set of tags was released together: the next release's expectation.
+    # What the last release showed: bytes per tag by the engine's report, bytes NVML saw freed per set of tags;
+    # and the most NVML saw a set's resume take (memory the trainer frees meanwhile hides some): expectations.
     learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
     learned_release_bytes: dict[frozenset[MemoryTag], int] = field(default_factory=dict)
-    # The most NVML showed the engine's GPUs lose while a set of tags resumed: what the next resume of
-    # the same set needs free (the largest seen, since memory the trainer frees meanwhile hides some).
     learned_resume_bytes: dict[frozenset[MemoryTag], int] = field(default_factory=dict)
-    # Reconciliation (daemon/reconcile.py): observed at least once by this daemon; and whether it
-    # lost sight of the engine since (a failed probe, or its record came from the journal).
-    observed_once: bool = False
-    lost_sight: bool = False
+    observed_once: bool = False  # by this daemon
+    lost_sight: bool = False  # since: a failed probe, or the record came from the journal
     restart_counted: str | None = None  # the incarnation last counted in colocd_engine_restarts_total
-    # Chunk loads sent to the engine and not yet answered, with the session each belongs to. A load outlives a
-    # session that ended under it (no engine tells one session's chunk from another's, so a load cancelled on
-    # the daemon's side could still land): the next session opens only once the engine answered each.
+    # Chunk loads not yet answered, by session. A load outlives a session that ended under it (no engine tells
+    # one session's chunk from another's): the next session opens only once the engine answered each.
     loads_in_flight: dict[asyncio.Task[None], str] = field(default_factory=dict)
-    # Why the engine lost the daemon's open weight session (a reconcile found it restarted, or reporting no
-    # update session open); None once it begins the next one. The session fails on it (daemon/sessions.py).
-    lost_session: str | None = None
+    lost_session: str | None = None  # why a reconcile found the open weight session gone from the engine
 
     @property
     def name(self) -> str:
         return self.state.name
 
     def attached(self, info: EngineInfo) -> None:
-        """The engine answered ``attach`` (first contact, or a restarted process that may speak a new version)."""
         self.info, self.attachment = info, Attachment.ATTACHED
 
     @property
     def transports(self) -> frozenset[Transport]:
-        """The chunk transports the engine loads (its adapter says)."""
         return self.adapter.transports
 
     def unready_reason(self) -> str | None:
@@ -125,9 +103,8 @@ class EngineHandle:
 
     @property
     def tp_devices(self) -> tuple[str, ...] | None:
-        """Each TP rank's device identity in TP-rank order, as the engine reported it at attach (else the
-        config's ``gpu_uuids``, one per TP rank); None when unknown (GPU indices alone do not say which GPU
-        a trainer rank's UUID is)."""
+        """Each TP rank's device identity, as the engine reported it at attach, else the config's ``gpu_uuids``;
+        None when unknown (GPU indices alone do not say which GPU a trainer rank's UUID is)."""
         tp = int(self.config.tp_size)
         if self.info is not None and len(self.info.device_ids) == tp:
             return tuple(self.info.device_ids)
@@ -135,107 +112,14 @@ class EngineHandle:
         return tuple(uuids) if len(uuids) == tp else None
 
 
-async def timed_call(engine: EngineHandle, trace: Trace, metrics: Metrics, name: str, budget_s: float,
-                     coro: Awaitable[_T], **attrs: Any) -> _T:
-    """Run one engine call under its deadline, as a span; a timeout names the step and budget."""
-    with trace.span(name, engine.name, **attrs):
-        t0 = time.perf_counter()
-        try:
-            async with asyncio.timeout(budget_s):
-                result = await coro
-        except TimeoutError as exc:
-            raise StageTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
-                              engine=engine.name, stage=name, budget_s=budget_s) from exc
-        except EngineError as exc:
-            engine.state = engine.state.with_(last_error=str(exc))
-            raise
-        finally:
-            metrics.observe_call(name, engine.name, time.perf_counter() - t0)
-    return result
-
-
-async def _pause(engine: EngineHandle, mode: PauseMode, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
-    if engine.state.generation is Generation.PAUSED:
-        return
-    await timed_call(engine, trace, metrics, "pause_generation", t.budget(Budget.PAUSE),
-                 engine.adapter.pause_generation(mode), mode=mode.value)
-    engine.state = engine.state.with_(generation=Generation.PAUSED)
-
-
-async def _flush(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
-    """Flush the prefix cache, retrying SGLang's normal 400 ("not idle yet") with backoff."""
-    budget = t.budget(Budget.FLUSH)
-
-    async def _retrying() -> int:
-        delay, attempts = 0.01, 0
-        while True:
-            attempts += 1
-            if await engine.adapter.flush_cache():
-                return attempts
-            await asyncio.sleep(delay)  # backoff between retries of a refused flush
-            delay = min(delay * 2, 1.0)
-
-    try:
-        await timed_call(engine, trace, metrics, "flush_cache", budget, _retrying())
-    except StageTimeout as exc:
-        # The policy for a flush the engine keeps refusing is "wait, within a budget that says so".
-        raise StageTimeout(f"{exc}: the engine kept requests running (e.g. ones queued while it slept, which "
-                          "start when it wakes); raise timeouts.flush_s or abort them, then retry the step",
-                          engine=exc.engine or engine.name, stage=exc.stage or "flush_cache",
-                          budget_s=exc.budget_s) from exc.__cause__
-
-
-async def _release(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
-                  t: Timeouts, probe: NvmlProbe | None) -> dict[str, int]:
-    """Release ``tags`` and wait until the memory is measurably free. Returns freed bytes per source."""
-    if not tags:
-        return {}
-    before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
-    before_own = await _memory_report(engine)
-    _sample_memory(engine, trace, metrics, before_own, before_gpu)
-    await timed_call(engine, trace, metrics, "release_memory", t.budget(Budget.RELEASE),
-                 engine.adapter.release_memory(tags), tags=[x.value for x in tags])
-    engine.state = engine.state.with_tags(tags, TagState.RELEASED)
-    freed: dict[str, int] = {}
-    if before_own is not None:
-        for x in tags:
-            engine.learned_tag_bytes[x] = before_own.nbytes((x,))
-    if probe and before_gpu is not None:
-        expected, expected_from = expected_release_bytes(engine, tags, before_own)
-        with trace.span("confirm_memory_freed", engine.name, source="nvml") as span:
-            confirmation = await probe.confirm_release(
-                engine.gpus, before_gpu, expected_bytes=expected,
-                timeout_s=t.budget(Budget.MEMORY_CONFIRM))
-            span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 6),
-                              criterion=confirmation.criterion.value, polls=confirmation.polls,
-                              expected_bytes=expected, expected_from=expected_from)
-        metrics.memory_confirm.labels(engine.name, confirmation.criterion.value).observe(confirmation.waited_s)
-        engine.learned_release_bytes[frozenset(tags)] = sum(confirmation.freed_bytes.values())
-        freed = {f"gpu:{g}": b for g, b in confirmation.freed_bytes.items()}
-        for g, reading in before_gpu.items():
-            trace.sample_memory(f"gpu:{g}", reading.used_bytes - confirmation.freed_bytes.get(g, 0))
-    elif before_own is not None:
-        # No NVML (CPU engines): what the engine reports the tags taking is its claim of what they freed.
-        _sample_memory(engine, trace, metrics, before_own, None)
-        freed = {"engine": before_own.nbytes(tags)}
-    for source, nbytes in freed.items():
-        metrics.freed_bytes.labels(engine.name, source).inc(max(nbytes, 0))
-    return freed
-
-
 def expected_release_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...],
                            report: MemoryReport | None) -> tuple[int | None, str | None]:
-    """What NVML should show freed once ``tags`` are released, and where that figure comes from.
-
-    The smaller of what the engine reports holding under those tags now and what NVML showed the last
-    time the same tags were released: either is evidence the bytes are back, and the smaller one is
-    the one NVML can reach (an allocator may keep a few pages; an engine may hold less than last time).
-    None when neither is known: the confirmation then waits for a drop that stays put.
-    """
+    """What NVML should show freed once ``tags`` are released, and where that figure comes from: the smaller of
+    what the engine reports the tags holding now and what NVML showed freed when they were last released (the
+    one NVML can reach: an allocator may keep a few pages). None: the confirmation waits for a drop that stays."""
     known: dict[str, int] = {}
-    if report is not None:
-        if (reported := report.nbytes(tags)) > 0:
-            known["engine_report"] = reported
+    if report is not None and (reported := report.nbytes(tags)) > 0:
+        known["engine_report"] = reported
     if (learned := engine.learned_release_bytes.get(frozenset(tags))) is not None and learned > 0:
         known["last_release"] = learned
     if not known:
@@ -245,9 +129,8 @@ def expected_release_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...],
 
 
 def expected_resume_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...]) -> tuple[int | None, str | None]:
-    """What resuming ``tags`` will take on the engine's GPUs (all of them together), and where that figure
-    comes from: what the engine reported the tags holding when they were last released, else the most
-    NVML showed taken when the same tags last resumed. None when neither is known (a first resume)."""
+    """What resuming ``tags`` will take on the engine's GPUs together, and from where: what the engine reported
+    them holding when last released, else the most NVML showed taken when they last resumed; None: unknown."""
     if tags and all(engine.learned_tag_bytes.get(x, 0) > 0 for x in tags):
         return sum(engine.learned_tag_bytes[x] for x in tags), "engine_report"
     if (learned := engine.learned_resume_bytes.get(frozenset(tags))) is not None and learned > 0:
@@ -255,39 +138,9 @@ def expected_resume_bytes(engine: EngineHandle, tags: tuple[MemoryTag, ...]) -> 
     return None, None
 
 
-async def _resume(engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace, metrics: Metrics,
-                 t: Timeouts, probe: NvmlProbe | None = None) -> None:
-    if not tags:
-        return
-    before = probe.read_all(engine.gpus) if probe is not None and engine.gpus else None
-    await timed_call(engine, trace, metrics, "resume_memory", t.budget(Budget.RESUME),
-                 engine.adapter.resume_memory(tags), tags=[x.value for x in tags])
-    engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
-    if probe is not None and before is not None:
-        after = probe.read_all(engine.gpus)
-        taken = sum(max(0, before[g].free_bytes - after[g].free_bytes) for g in before if g in after)
-        key = frozenset(tags)
-        engine.learned_resume_bytes[key] = max(taken, engine.learned_resume_bytes.get(key, 0))
-        _sample_memory(engine, trace, metrics, None, after)
-    else:
-        _sample_memory(engine, trace, metrics, await _memory_report(engine), None)
-
-
-async def _continue_generation(engine: EngineHandle, trace: Trace, metrics: Metrics, t: Timeouts) -> None:
-    engine.state.check_can_serve()  # never serve released memory or a partial update
-    if engine.state.generation is Generation.SERVING:
-        return
-    await timed_call(engine, trace, metrics, "continue_generation", t.budget(Budget.PAUSE),
-                 engine.adapter.continue_generation())
-    engine.state = engine.state.with_(generation=Generation.SERVING)
-
-
-# -- a weight session's chunk loads (its open and close are plans) ----------------------------------------
 async def load_chunk(engine: EngineHandle, load: ChunkLoad, session_id: str) -> None:
-    """One chunk into the engine; the session's lane times and traces it, under the chunk budget.
-
-    The call runs to the engine's answer even when the caller is cancelled (its session ended): until then it is
-    in ``engine.loads_in_flight``, and no other session may open on the engine (``late_loads``)."""
+    """One chunk into the engine. The call runs to the engine's answer even when the caller is cancelled (its
+    session ended): until then it is in ``engine.loads_in_flight``, and no session opens on it (``late_loads``)."""
     call = asyncio.ensure_future(engine.adapter.load_weights(load))
     engine.loads_in_flight[call] = session_id
     call.add_done_callback(lambda done: (engine.loads_in_flight.pop(done, None),
@@ -313,19 +166,6 @@ async def _memory_report(engine: EngineHandle) -> MemoryReport | None:
         return None
 
 
-def _sample_memory(engine: EngineHandle, trace: Trace, metrics: Metrics, own: MemoryReport | None,
-                   gpu: Mapping[str, GpuReading] | None) -> None:
-    """Put a memory reading into the trace (the timeline's memory line) and the engine's gauges:
-    NVML per GPU where there is one, else the engine's own per-tag accounting."""
-    for g, reading in (gpu or {}).items():
-        trace.sample_memory(f"gpu:{g}", reading.used_bytes)
-    if own is not None:
-        held = {tag: nbytes if engine.state.resident(tag) else 0 for tag, nbytes in own.tags.items()}
-        trace.sample_memory(f"engine:{engine.name}", sum(held.values()))
-        for tag, nbytes in held.items():
-            metrics.engine_memory.labels(engine.name, tag.value).set(nbytes)
-
-
 class EngineWorker:
     """Drives the node's engines, and keeps what its reconciles found and did."""
 
@@ -333,31 +173,19 @@ class EngineWorker:
                  state: Callable[[], NodeState], timeouts: Callable[[], Timeouts],
                  probe: Callable[[], NvmlProbe | None], reconciled: Callable[[EngineHandle, Plan], Awaitable[None]],
                  open_session: Callable[[], str | None]) -> None:
-        """``state``, ``timeouts`` and ``probe``: the node's as of now; ``await reconciled(engine, plan)``: told
-        after each reconcile that finished (the daemon notes the incarnation, journals a change, and has a restarted
-        engine load the kept LoRA adapters again);
-        ``open_session()``: the id of the daemon's open weight session (None: none is open)."""
+        """``state``, ``timeouts``, ``probe``, ``open_session``: the node's as of now; ``reconciled(engine, plan)``:
+        awaited after each reconcile that finished (the daemon journals a change, reloads kept LoRA adapters)."""
         self.engines, self.metrics, self.traces = engines, metrics, traces
-        self._state, self._timeouts, self._probe, self._reconciled = state, timeouts, probe, reconciled
-        self._open_session = open_session
-        # Engines whose journal record is not yet checked against the engine (mutating calls are refused
-        # meanwhile).
-        self.unreconciled: set[str] = set()
-        # Engines whose last reconcile did not finish (it failed, or a relaunched one is not reconciled yet):
-        # name -> why. Not ready meanwhile; the health loop retries them with a short backoff.
+        self._state, self._reconciled, self._open_session = state, reconciled, open_session
+        self.timeouts, self.probe = timeouts, probe
+        self.unreconciled: set[str] = set()  # journal records not yet checked against the engine: no mutations
+        # Engines whose last reconcile did not finish, and why: not ready; the health loop retries them soon.
         self.unsettled: dict[str, str] = {}
         self.reports: dict[str, dict[str, Any]] = {}
 
     @property
     def node(self) -> NodeState:
-        """The node's phase and step as of now."""
         return self._state()
-
-    def timeouts(self) -> Timeouts:
-        return self._timeouts()
-
-    def probe(self) -> NvmlProbe | None:
-        return self._probe()
 
     def transports(self) -> frozenset[Transport] | None:
         """What every engine of the node loads (each adapter says; None: no engines to ask)."""
@@ -365,8 +193,8 @@ class EngineWorker:
         return frozenset.intersection(*accepted) if accepted else None
 
     def restore(self, records: Mapping[str, Mapping[str, Any]]) -> None:
-        """A restarted daemon's records of its engines, from its journal (``EngineRecord.snapshot``): not observed
-        since they were written, each is re-verified before any mutating call (``unreconciled``)."""
+        """A restarted daemon's records of its engines, from its journal: each is re-verified before any mutating
+        call (``unreconciled``)."""
         for name, snap in records.items():
             if (engine := self.engines.get(name)) is None:
                 continue
@@ -386,8 +214,7 @@ class EngineWorker:
     # -- toward a desired state ----------------------------------------------------------------------
     async def drive(self, engines: list[EngineHandle], desired: Mapping[str, Desired], trace: Trace, *,
                     operation: str, what: str) -> dict[str, dict[str, int]]:
-        """Drive each engine to ``desired[name]``, concurrently, timed under ``operation``; returns the bytes each
-        freed, per source."""
+        """Drive each engine to ``desired[name]``, concurrently, timed under ``operation``; the bytes each freed."""
         owns = self._open_session() is not None
 
         async def one(engine: EngineHandle) -> dict[str, int]:
@@ -495,7 +322,6 @@ class EngineWorker:
     async def _run(self, engine: EngineHandle, p: Plan, trace: Trace, *, counted: bool = False) -> dict[str, int]:
         """Run ``p``'s actions on ``engine`` in order; returns the bytes its release freed, per source.
         ``counted``: each action is counted in ``colocd_reconcile_actions`` (a reconcile's plan)."""
-        t = self.timeouts()
         freed: dict[str, int] = {}
         for action in p.actions:
             if action is Action.END_ENGINE_SESSION:
@@ -510,22 +336,138 @@ class EngineWorker:
                 engine.state = engine.state.with_(weights=WeightsState.UPDATING)
                 engine.lost_session = None
             elif action is Action.PAUSE:
-                await _pause(engine, p.pause_mode, trace, self.metrics, t)
+                await self._pause(engine, p.pause_mode, trace)
             elif action is Action.RELEASE:
-                await _flush(engine, trace, self.metrics, t)  # idle + empty radix cache before release
-                freed = await _release(engine, p.release, trace, self.metrics, t, self.probe())
+                await self._flush(engine, trace)  # idle + empty radix cache before release
+                freed = await self._release(engine, p.release, trace)
             elif action is Action.RESUME:
-                await _resume(engine, p.resume, trace, self.metrics, t, self.probe())
+                await self._resume(engine, p.resume, trace)
             elif action is Action.CONTINUE:
-                await _flush(engine, trace, self.metrics, t)  # no stale prefix KV across a weight change
-                await _continue_generation(engine, trace, self.metrics, t)
+                await self._flush(engine, trace)  # no stale prefix KV across a weight change
+                await self._continue(engine, trace)
             if counted:
                 self.metrics.reconcile_actions.labels(engine.name, action.value).inc()
         return freed
 
+    # -- one engine call, and the plan's steps ---------------------------------------------------------
+    async def _call(self, engine: EngineHandle, trace: Trace, name: str, budget: Budget, coro: Awaitable[_T],
+                    **attrs: Any) -> _T:
+        """Run one engine call under its budget, as a span; a timeout names the stage and budget."""
+        budget_s = self.timeouts().budget(budget)
+        with trace.span(name, engine.name, **attrs):
+            t0 = time.perf_counter()
+            try:
+                async with asyncio.timeout(budget_s):
+                    return await coro
+            except TimeoutError as exc:
+                raise StageTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
+                                   engine=engine.name, stage=name, budget_s=budget_s) from exc
+            except EngineError as exc:
+                engine.state = engine.state.with_(last_error=str(exc))
+                raise
+            finally:
+                self.metrics.observe_call(name, engine.name, time.perf_counter() - t0)
+
+    async def _pause(self, engine: EngineHandle, mode: PauseMode, trace: Trace) -> None:
+        if engine.state.generation is Generation.PAUSED:
+            return
+        await self._call(engine, trace, "pause_generation", Budget.PAUSE, engine.adapter.pause_generation(mode),
+                         mode=mode.value)
+        engine.state = engine.state.with_(generation=Generation.PAUSED)
+
+    async def _flush(self, engine: EngineHandle, trace: Trace) -> None:
+        """Flush the prefix cache, retrying SGLang's normal 400 ("not idle yet") with backoff."""
+
+        async def retrying() -> None:
+            delay = 0.01
+            while not await engine.adapter.flush_cache():
+                await asyncio.sleep(delay)  # backoff between retries of a refused flush
+                delay = min(delay * 2, 1.0)
+
+        try:
+            await self._call(engine, trace, "flush_cache", Budget.FLUSH, retrying())
+        except StageTimeout as exc:
+            raise StageTimeout(f"{exc}: the engine kept requests running (e.g. ones queued while it slept, which "
+                               "start when it wakes); raise timeouts.flush_s or abort them, then retry the step",
+                               engine=exc.engine or engine.name, stage=exc.stage or "flush_cache",
+                               budget_s=exc.budget_s) from exc.__cause__
+
+    async def _release(self, engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace) -> dict[str, int]:
+        """Release ``tags`` and wait until the memory is measurably free; the freed bytes per source."""
+        if not tags:
+            return {}
+        probe = self.probe()
+        before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
+        before_own = await _memory_report(engine)
+        self._sample_memory(engine, trace, before_own, before_gpu)
+        await self._call(engine, trace, "release_memory", Budget.RELEASE, engine.adapter.release_memory(tags),
+                         tags=[x.value for x in tags])
+        engine.state = engine.state.with_tags(tags, TagState.RELEASED)
+        freed: dict[str, int] = {}
+        if before_own is not None:
+            for x in tags:
+                engine.learned_tag_bytes[x] = before_own.nbytes((x,))
+        if probe and before_gpu is not None:
+            expected, expected_from = expected_release_bytes(engine, tags, before_own)
+            with trace.span("confirm_memory_freed", engine.name, source="nvml") as span:
+                confirmation = await probe.confirm_release(engine.gpus, before_gpu, expected_bytes=expected,
+                                                           timeout_s=self.timeouts().budget(Budget.MEMORY_CONFIRM))
+                span.attrs.update(freed_bytes=confirmation.freed_bytes, waited_s=round(confirmation.waited_s, 6),
+                                  criterion=confirmation.criterion.value, polls=confirmation.polls,
+                                  expected_bytes=expected, expected_from=expected_from)
+            self.metrics.memory_confirm.labels(engine.name, confirmation.criterion.value).observe(
+                confirmation.waited_s)
+            engine.learned_release_bytes[frozenset(tags)] = sum(confirmation.freed_bytes.values())
+            freed = {f"gpu:{g}": b for g, b in confirmation.freed_bytes.items()}
+            for g, reading in before_gpu.items():
+                trace.sample_memory(f"gpu:{g}", reading.used_bytes - confirmation.freed_bytes.get(g, 0))
+        elif before_own is not None:
+            # No NVML (CPU engines): what the engine reports the tags taking is its claim of what they freed.
+            self._sample_memory(engine, trace, before_own, None)
+            freed = {"engine": before_own.nbytes(tags)}
+        for source, nbytes in freed.items():
+            self.metrics.freed_bytes.labels(engine.name, source).inc(max(nbytes, 0))
+        return freed
+
+    async def _resume(self, engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace) -> None:
+        if not tags:
+            return
+        probe = self.probe()
+        before = probe.read_all(engine.gpus) if probe is not None and engine.gpus else None
+        await self._call(engine, trace, "resume_memory", Budget.RESUME, engine.adapter.resume_memory(tags),
+                         tags=[x.value for x in tags])
+        engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
+        if probe is not None and before is not None:
+            after = probe.read_all(engine.gpus)
+            taken = sum(max(0, before[g].free_bytes - after[g].free_bytes) for g in before if g in after)
+            key = frozenset(tags)
+            engine.learned_resume_bytes[key] = max(taken, engine.learned_resume_bytes.get(key, 0))
+            self._sample_memory(engine, trace, None, after)
+        else:
+            self._sample_memory(engine, trace, await _memory_report(engine), None)
+
+    async def _continue(self, engine: EngineHandle, trace: Trace) -> None:
+        engine.state.check_can_serve()  # never serve released memory or a partial update
+        if engine.state.generation is Generation.SERVING:
+            return
+        await self._call(engine, trace, "continue_generation", Budget.PAUSE, engine.adapter.continue_generation())
+        engine.state = engine.state.with_(generation=Generation.SERVING)
+
+    def _sample_memory(self, engine: EngineHandle, trace: Trace, own: MemoryReport | None,
+                       gpu: Mapping[str, GpuReading] | None) -> None:
+        """A memory reading into the trace (the timeline's memory line) and the engine's gauges: NVML per GPU
+        where there is one, else the engine's own per-tag accounting."""
+        for g, reading in (gpu or {}).items():
+            trace.sample_memory(f"gpu:{g}", reading.used_bytes)
+        if own is not None:
+            held = {tag: nbytes if engine.state.resident(tag) else 0 for tag, nbytes in own.tags.items()}
+            trace.sample_memory(f"engine:{engine.name}", sum(held.values()))
+            for tag, nbytes in held.items():
+                self.metrics.engine_memory.labels(engine.name, tag.value).set(nbytes)
+
     async def _end_session(self, engine: EngineHandle, goal: WeightsGoal, trace: Trace) -> None:
-        """End the engine's update session: committed, it serves ``goal.version`` (the adapter's end sets it);
-        else its record holds what the session left (``goal.after``) from before the call, which may fail."""
+        """End the engine's update: committed, it serves ``goal.version``; else its record holds what the session
+        left (``goal.after``) from before the call, which may fail."""
         if goal.after is not None:
             engine.state = engine.state.with_(weights=goal.after)
         await self._call(engine, trace, "end_weight_update", Budget.WEIGHT_UPDATE,
@@ -535,9 +477,8 @@ class EngineWorker:
 
     # -- a weight session's goal ------------------------------------------------------------------------
     async def weights(self, goals: Mapping[str, WeightsGoal], trace: Trace, *, strict: bool) -> None:
-        """Drive each named engine to its weight session goal, concurrently, on its record (the caller observed
-        every engine when it took the node's lock). ``strict``: the first failure is raised (the caller cleans
-        up); else every engine is tried and failures are only logged (a best-effort close)."""
+        """Drive each named engine to its weight session goal, concurrently, on its record. ``strict``: the first
+        failure is raised (the caller cleans up); else every engine is tried (a best-effort close)."""
 
         async def one(engine: EngineHandle) -> None:
             p = plan(Desired.for_weights(engine.state, goals[engine.name]), engine.state, None,
@@ -551,18 +492,12 @@ class EngineWorker:
             await fan_out(engines, one, on_failure=OnFailure.COLLECT)
 
     # -- a weight session's work beside its plan: digests, weight-update groups, broadcasts ---------------------
-    async def _call(self, engine: EngineHandle, trace: Trace, name: str, budget: Budget, coro: Awaitable[_T],
-                    **attrs: Any) -> _T:
-        return await timed_call(engine, trace, self.metrics, name, self.timeouts().budget(budget), coro, **attrs)
-
     async def digests(self, engine: EngineHandle, names: Sequence[str], trace: Trace) -> EngineDigests:
-        """What the engine holds of ``names``, as digests, for a verified commit (daemon/verify.py)."""
         return await self._call(engine, trace, "weight_digests", Budget.WEIGHT_UPDATE,
                                 engine.adapter.weight_digests(names), tensors=len(names))
 
     async def join_group(self, engine: EngineHandle, trace: Trace, *, group_name: str, master_address: str,
                          master_port: int, rank_offset: int, world_size: int, backend: str) -> None:
-        """The engine joins the trainer's weight-update group (daemon/distributed.py)."""
         await self._call(engine, trace, "init_weights_update_group", Budget.GROUP,
                          group_verbs(engine).init_weights_update_group(
                              master_address=master_address, master_port=master_port, rank_offset=rank_offset,
@@ -574,7 +509,6 @@ class EngineWorker:
                          group_verbs(engine).destroy_weights_update_group(group_name), group=group_name)
 
     async def receive_broadcast(self, engine: EngineHandle, desc: BroadcastDescriptor, trace: Trace) -> None:
-        """The engine receives one broadcast of the trainer's through its group, under the chunk budget."""
         await self._call(engine, trace, f"update_weights_from_distributed#{desc.seq}", Budget.CHUNK,
                          group_verbs(engine).update_weights_from_distributed(
                              seq=desc.seq, names=list(desc.names), dtypes=list(desc.dtypes),
@@ -584,7 +518,6 @@ class EngineWorker:
 
     # -- LoRA adapters: daemon/adapters.py decides which name loads where and when --------------------------------
     async def load_adapter(self, engine: EngineHandle, name: str, folder: str) -> None:
-        """The engine loads the PEFT folder ``folder`` under the adapter name ``name``."""
         await engine.adapter.load_lora_adapter(name, folder)
 
     async def unload_adapter(self, engine: EngineHandle, name: str) -> None:

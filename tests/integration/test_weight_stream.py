@@ -19,9 +19,9 @@ from support import EnginePool, daemon_node, served_checksums, shm_segments, wei
 from benchmarks.weights import BenchSettings, run_weights_bench
 from colocd.api.client import ColocdHTTPError
 from colocd.daemon.metrics import Metrics
-from colocd.daemon.states import EngineRecord
+from colocd.daemon.states import EngineRecord, SessionState
 from colocd.daemon.trace import Trace
-from colocd.daemon.weights import SessionState, WeightSession
+from colocd.daemon.weights import WeightSession
 from colocd.daemon.worker import EngineHandle
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment

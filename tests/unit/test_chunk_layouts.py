@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+from colocd.daemon.manifests import manifest_from_json
 from colocd.daemon.metrics import Metrics
 from colocd.daemon.states import EngineRecord
 from colocd.daemon.trace import Trace
-from colocd.daemon.weights import WeightSession, manifest_from_json
+from colocd.daemon.weights import WeightSession
 from colocd.daemon.worker import EngineHandle
 from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout
@@ -106,8 +107,9 @@ async def test_what_counts_as_sent_is_what_the_layouts_carried_never_the_manifes
     session = _session([a, b])
     for rank in (0, 1):
         await session.submit(0, _part(transport, rank, TENSORS[:2]))
-    assert session.sent_names("a") == session.sent_names("b") == {"w0", "w1"}
-    assert "TP rank 0" in session.unsent_by_tp_rank("a", ["w2", "w3"])
+    with pytest.raises(RequestInvalid, match=r"engine 'a' never received 'w2', 'w3', declared in the manifest "
+                                              r"\(TP rank 0 \(device .*\) lacks 'w2', 'w3'\)"):
+        session.check_complete()
 
 
 def test_a_disk_chunk_without_its_layout_is_refused_and_with_it_yields_the_layout(tmp_path: Any) -> None:
@@ -123,7 +125,7 @@ def test_a_disk_chunk_without_its_layout_is_refused_and_with_it_yields_the_layou
 
 
 def test_a_broadcasts_descriptor_is_checked_against_the_manifest_before_any_engine_joins_it() -> None:
-    from colocd.daemon.weights import TensorMeta
+    from colocd.daemon.manifests import TensorMeta
 
     session = _session([RecordingEngine("a"), RecordingEngine("b")])
     session.check_broadcast(0, [("w0", TensorMeta("float32", (4, 2)))])

@@ -7,8 +7,7 @@ import re
 import pytest
 
 from colocd.api.errors import error_body
-from colocd.daemon.manifests import MANIFEST_REF_PATTERN, ManifestBook, reference_of
-from colocd.daemon.weights import Manifest, TensorMeta
+from colocd.daemon.manifests import MANIFEST_REF_PATTERN, Manifest, ManifestBook, TensorMeta, reference_of
 from colocd.errors import ManifestRefUnknown
 
 

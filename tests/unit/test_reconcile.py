@@ -50,7 +50,7 @@ def test_a_new_incarnation_during_train_is_a_restart_paused_and_released_again_w
     assert p.restarted and "boot-1 -> boot-2" in (p.reason or "")
     assert p.actions == (Action.PAUSE, Action.RELEASE)
     assert p.release == (W, KV, CG)  # the trainer keeps its memory
-    assert p.state.weights is WeightsState.STALE and p.state.needs_complete_push
+    assert p.state.weights is WeightsState.STALE
     assert p.state.incarnation == "boot-2" and p.state.weight_version == "default"
     assert p.state.generation is Generation.SERVING  # what the engine is now; PAUSE is what follows
 
