@@ -13,14 +13,8 @@ from pydantic import Field
 
 from .base import Decision, Family, Policy, PolicyConfig
 
-__all__ = [
-    "AggressiveCleanupPolicy",
-    "CleanupAction",
-    "CleanupPlan",
-    "CleanupPolicy",
-    "EmptyCachePolicy",
-    "NoCleanupPolicy",
-]
+__all__ = ["AggressiveCleanupPolicy", "CleanupAction", "CleanupPlan", "CleanupPolicy", "EmptyCachePolicy",
+           "NoCleanupPolicy"]
 
 _GIB = 1 << 30
 

@@ -13,15 +13,8 @@ from pydantic import Field, field_validator
 from .base import Decision, Family, Policy, PolicyConfig
 from .transport import AUTO_ORDER, Transport
 
-__all__ = [
-    "OverlapPolicy",
-    "PipelinePlan",
-    "PipelinePolicy",
-    "PipelineSnapshot",
-    "SerialPolicy",
-    "Transport",
-    "TransportChoice",
-]
+__all__ = ["OverlapPolicy", "PipelinePlan", "PipelinePolicy", "PipelineSnapshot", "SerialPolicy", "Transport",
+           "TransportChoice"]
 
 _MIB = 1 << 20
 
