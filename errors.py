@@ -90,10 +90,7 @@ __all__ = [
 
 
 class ColocdError(Exception):
-    """Base class of every error colocd raises on purpose; anything else reaching the api is a bug (500).
-
-    ``http_status`` is the status the api answers with, ``http_body()`` the ``ErrorBody`` (``api/errors.py``).
-    """
+    """Base of the tree: ``http_status`` is the status the api answers with, ``http_body()`` its ``ErrorBody``."""
 
     http_status: ClassVar[int] = 500
     http_fields: ClassVar[tuple[str, ...]] = ()  # attributes the body carries under their own names, null too
@@ -106,8 +103,7 @@ class ColocdError(Exception):
 # --- the caller's request -------------------------------------------------------------------------------------
 
 class RequestInvalid(ColocdError):
-    """The caller's request is wrong (a field out of range, a chunk handle that cannot be read); nothing changed.
-    Raised before the first engine call wherever colocd can tell; ``field`` names the offending field."""
+    """The caller's request is wrong; raised before the first engine call wherever colocd can tell."""
 
     http_status = 422
 
@@ -136,11 +132,8 @@ class ConfigError(ColocdError):
 
 
 class PolicyError(ColocdError, ValueError):
-    """A policy document was rejected; the running policy stays in force.
-
-    ``str(err)`` reads ``line 4, column 3: process_groups.policy: ...`` so an operator can jump to it. Also a
-    ``ValueError``, which plugin authors validating their own settings may raise and catch.
-    """
+    """A policy document was rejected; the running policy stays. ``str(err)`` reads ``line 4, column 3:
+    process_groups.policy: ...``; a ``ValueError`` too, which plugins validating their settings may raise."""
 
     http_status = 400
 
@@ -189,16 +182,14 @@ class TransitionRejected(ColocdError):
 
 
 class ManifestRefUnknown(TransitionRejected):
-    """An open names a ``manifest_ref`` this daemon process holds no manifest for (it restarted, or the manifest
-    fell out of the few it keeps): nothing changed; the trainer sends the manifest itself."""
+    """This daemon process holds no manifest by that ``manifest_ref`` (it restarted, or let it go): send it."""
 
     field = "manifest_ref"
     http_fields = ("field",)
 
 
 class AdapterRefused(TransitionRejected):
-    """A LoRA adapter push refused before any engine changed: its name was pushed before (names are immutable), or
-    loading it would pass an engine's adapter cap (``state`` names the cap and who set it)."""
+    """A LoRA adapter push refused before any engine changed: a reused (immutable) name, or past an adapter cap."""
 
 
 class AdapterUnsupported(AdapterRefused):
@@ -241,8 +232,7 @@ class NotFound(ColocdError):
 
 
 class TransitionFailed(ColocdError):
-    """An engine call failed during a transition; the engine was left in a safe (paused) state. ``stage`` names
-    the part of the transition that failed (``pause``, ``release_memory``, ...)."""
+    """An engine call failed during a transition, in ``stage``; the engine was left paused."""
 
     http_status = 502
     http_fields: ClassVar[tuple[str, ...]] = ("engine", "stage")
@@ -271,8 +261,7 @@ class MemoryNotConfirmed(ColocdError):
 
 
 class JournalFailed(ColocdError):
-    """The node's state changed but its journal record (``path``) could not be written: a daemon restarted now
-    would resume from an older state."""
+    """The node's state changed but its journal record could not be written to ``path``."""
 
     http_status = 507
 
@@ -304,8 +293,8 @@ class WeightsMismatch(WeightSyncError):
 
 
 class ChunkTimeout(WeightSyncError):
-    """A chunk did not complete in time: a rank never sent its part (``rank`` set) or an engine never consumed it
-    (``engine`` set). ``stage`` is ``gather`` or ``load_chunk``; ``budget_s`` the chunk budget."""
+    """A rank never sent its part (``rank``, stage ``gather``) or an engine never consumed it (``engine``,
+    ``load_chunk``) within ``budget_s``."""
 
     http_status = 504
     http_fields = ("engine", "stage", "budget_s", "rank")
@@ -359,16 +348,12 @@ class EngineProtocolError(EngineError):
 
 
 class EngineMismatch(EngineProtocolError):
-    """The engine runs with another layout than its config declares (e.g. tp_size); nothing is sent to it,
-    since every chunk would carry the wrong number of payloads."""
+    """The engine runs with another layout than its config declares (e.g. tp_size); nothing is sent to it."""
 
 
 class EngineLaunchError(EngineError):
-    """A launched process died, or was not ready by its deadline, or could not be started.
-
-    ``str()`` carries the log tail (what the operator needs to see why); ``summary`` is one line
-    (what failed and where the log is), for a CLI that prints one line.
-    """
+    """A launched process died, was not ready by its deadline, or could not start. ``str()`` carries the log
+    tail; ``summary`` is one line (what failed, where the log is) for a CLI."""
 
     def __init__(self, engine: str, message: str, *, log_path: Path | None = None, tail: str = "") -> None:
         where = f"; log {log_path}" if log_path is not None else ""
@@ -379,8 +364,7 @@ class EngineLaunchError(EngineError):
 
 
 class ReplyInvalid(ColocdError):
-    """A reply that does not have the shape colocd reads; the message names the field. Raised where the
-    engine's name is not known (``engines/sglang/wire.py``); the adapter re-raises it as EngineProtocolError."""
+    """A reply without the shape colocd reads, where the engine's name is unknown (the adapter re-raises it)."""
 
 
 # --- the caller's side: clients, the cluster fan-out, the CLI -------------------------------------------------
@@ -395,14 +379,12 @@ class ColocdHTTPError(ColocdError):
         super().__init__(f"HTTP {status} {self.error}: {body.get('message', body)}")
 
     def __reduce__(self) -> tuple[type[ColocdHTTPError], tuple[int, dict[str, Any]]]:
-        # Pickled with its constructor's arguments, so it crosses processes intact (a Ray trainer actor
-        # raising it to the driver's cluster client keeps the daemon's error body).
+        # Pickled with its constructor's arguments, so a Ray actor raising it keeps the daemon's error body.
         return (type(self), (self.status, self.body))
 
 
 class DaemonUnreachable(ColocdError, ConnectionError):
-    """No answer came back from the daemon (it refused the connection, dropped it, or did not reply in time);
-    ``ColocdHTTPError`` is for the answers that say no."""
+    """No answer came back from the daemon: it refused the connection, dropped it, or did not reply in time."""
 
 
 class CliFailure(ColocdError):
