@@ -26,7 +26,6 @@ class Snapshot:
     status: dict[str, Any]
     steps: list[dict[str, Any]]
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)
-    nvml: bool = False
     restarts: dict[str, float] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.time)
 
@@ -34,29 +33,26 @@ class Snapshot:
 _GPU_MEMORY = {f"colocd_gpu_memory_{kind}_bytes": kind for kind in ("used", "free", "total")}
 
 
-def _parse_metrics(text: str) -> tuple[dict[str, dict[str, float]], bool, dict[str, float]]:
+def _parse_metrics(text: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     gpus: dict[str, dict[str, float]] = {}
-    nvml = False
     restarts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if (kind := _GPU_MEMORY.get(sample.name)) is not None:
                 gpus.setdefault(sample.labels["gpu"], {})[kind] = sample.value
-            elif sample.name == "colocd_nvml_available":
-                nvml = sample.value == 1
             elif sample.name == "colocd_engine_restarts_total":
                 restarts[sample.labels.get("engine", "?")] = sample.value
-    return gpus, nvml, restarts
+    return gpus, restarts
 
 
 def fetch_snapshot(call: DaemonCall, limit: int = 8) -> Snapshot:
     """One read of the daemon (three GETs); a failure raises ``CliFailure`` with the CLI's one line."""
     status = call("GET /v1/status", ColocdClient.status)
     steps = call("GET /v1/steps", lambda c: c.steps(limit))
-    gpus, nvml, restarts = _parse_metrics(call("GET /metrics", ColocdClient.metrics))
-    return Snapshot(url=call.url, status=status, steps=steps, gpus=gpus, nvml=nvml, restarts=restarts)
+    gpus, restarts = _parse_metrics(call("GET /metrics", ColocdClient.metrics))
+    return Snapshot(url=call.url, status=status, steps=steps, gpus=gpus, restarts=restarts)
 
 
 def _ms(seconds: float | None) -> str:

@@ -1,7 +1,4 @@
-"""Pipeline policies: how many weight chunks are in flight, how big each is, and which transport moves them.
-
-Consumed by the daemon's weight-stream pipeline (``asyncio.Queue(maxsize=plan.depth)``).
-"""
+"""Pipeline policies: how many weight chunks are in flight, how big each is, and which transport moves them."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ class PipelineSnapshot(Decision):
     """What the daemon knows when a weight sync starts."""
 
     available_transports: tuple[Transport, ...] = Field(
-        (Transport.SHM, Transport.DISK), description="transports both the trainer and the engines support"
-    )
+        (Transport.SHM, Transport.DISK), description="transports both the trainer and the engines support")
     total_bytes: int | None = Field(None, ge=0, description="bytes the sync will move, if known")
     free_bytes: int | None = Field(None, ge=0, description="GPU memory free for staging buckets, if known")
 
@@ -77,10 +73,8 @@ class SerialPolicy(PipelinePolicy):
 
     name: ClassVar[str] = "serial"
 
-    class Config(_BucketConfig):
-        pass
-
-    config: Config
+    Config = _BucketConfig
+    config: _BucketConfig
 
     def plan(self, snapshot: PipelineSnapshot) -> PipelinePlan:
         return _plan(self.spec, 1, self.config, snapshot)
@@ -128,9 +122,7 @@ def _plan(policy: str, depth: int, config: _BucketConfig, snapshot: PipelineSnap
         if depth > chunks:
             depth = chunks
             notes.append(f"depth capped at {chunks} chunks")
-    reason = f"{depth} x {bucket / _MIB:.0f} MiB over {transport}" + (
-        f" ({'; '.join(notes)})" if notes else ""
-    )
+    reason = f"{depth} x {bucket / _MIB:.0f} MiB over {transport}" + (f" ({'; '.join(notes)})" if notes else "")
     return PipelinePlan(policy=policy, depth=depth, bucket_bytes=bucket, transport=transport, reason=reason)
 
 

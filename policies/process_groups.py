@@ -122,10 +122,8 @@ class DestroyPolicy(ProcessGroupPolicy):
 
     name: ClassVar[str] = "destroy"
 
-    class Config(WaitConfig):
-        pass
-
-    config: Config
+    Config = WaitConfig
+    config: WaitConfig
 
     def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
         return GroupDirective.destroy(
@@ -138,10 +136,8 @@ class DeferredCooldownPolicy(ProcessGroupPolicy):
 
     name: ClassVar[str] = "deferred_cooldown"
 
-    class Config(WaitConfig):
-        pass
-
-    config: Config
+    Config = WaitConfig
+    config: WaitConfig
 
     def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
         return _deferred(self.spec, self.config.post_destroy_wait_s, f"destroy {snapshot.group_count} groups",
@@ -153,10 +149,8 @@ class KeepAlivePolicy(ProcessGroupPolicy):
 
     name: ClassVar[str] = "keep_alive"
 
-    class Config(CanaryConfig):
-        pass
-
-    config: Config
+    Config = CanaryConfig
+    config: CanaryConfig
 
     def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
         if snapshot.keep_alive_disabled:

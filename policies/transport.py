@@ -1,9 +1,5 @@
-"""``Transport``: how chunk bytes travel trainer → engine. The one vocabulary of every layer.
-
-Policies choose one (``PipelinePlan.transport``), engines advertise the ones they accept
-(``EngineAdapter.transports``), the trainer's producers are keyed by it, and the API's chunk
-descriptor carries it. Separated GPUs do not use it: their broadcast is its own API (weight groups).
-"""
+"""``Transport``: how chunk bytes travel trainer → engine, the one vocabulary of every layer (policies choose,
+engines advertise, producers are keyed by it, the chunk descriptor carries it); broadcasts have their own API."""
 
 from __future__ import annotations
 
@@ -32,9 +28,7 @@ class Transport(StrEnum):
 _WIRE = {Transport.PER_TENSOR: Transport.CUDA_IPC}
 
 
-# ``transport: auto``, first choice first, in the daemon's plan and in ``WeightPusher`` alike: only transports
-# that keep nothing exported between pushes, so the trainer holds no staging memory through the rollout (the
-# colocated engine's KV cache needs it). ``per_tensor`` opens one handle per tensor: a document or a pusher
-# names it; auto never picks it. ``inline`` before ``disk``: it is what a real SGLang loads from
-# CPU, and disk is the floor.
+# ``transport: auto``, first choice first, in the daemon's plan and in ``WeightPusher`` alike: only transports that
+# keep nothing exported between pushes, so the trainer holds no staging memory through the rollout. Auto never picks
+# ``per_tensor`` (one handle per tensor); ``inline`` before ``disk``: what a real SGLang loads from CPU.
 AUTO_ORDER: tuple[Transport, ...] = (Transport.CUDA_IPC, Transport.SHM, Transport.INLINE, Transport.DISK)
