@@ -10,18 +10,18 @@ This module imports nothing of ours, so every layer may import it. Anything else
     │   ├── PluginNotFoundError       ``module:Class`` or entry point that resolves to nothing
     │   └── PluginImportError         the plugin's module raised while importing
     ├── TransitionRejected            illegal from the current state; nothing changed; .state   → 409
-    │   ├── ManifestRefUnknown        an open names a manifest_ref this daemon does not hold    → 409
+    │   ├── ManifestRefUnknown        an open names a manifest_ref this daemon does not hold (send it) → 409
     │   └── AdapterRefused            an adapter push refused before it changed anything (a reused name,
     │       │                         the adapter cap); .state names the cap or the engine    → 409
     │       └── AdapterUnsupported    an engine serves no LoRA adapters, in its words; .engine
     ├── SessionGone                   a weight session expired, aborted or committed            → 410
     ├── AdapterRetired                a LoRA adapter name the daemon has unloaded; .current     → 410
     ├── NotFound                      unknown engine / session / step / group                   → 404
-    ├── TransitionFailed              an engine call failed mid-transition; .engine, .stage     → 502
+    ├── TransitionFailed              an engine call failed mid-transition, left paused; .engine, .stage → 502
     │   └── StageTimeout              an engine call exceeded its budget; .budget_s             → 504
     ├── MemoryNotConfirmed            NVML never showed the released bytes back                 → 504
     ├── JournalFailed                 the state changed, its journal record is not on disk; .path → 507
-    ├── WeightSyncError               a weight session failed or was aborted                    → 502
+    ├── WeightSyncError               a weight session failed or was aborted (old version kept) → 502
     │   ├── ChunkTimeout              a chunk not complete in time; .engine/.rank, .stage, .budget_s → 504
     │   └── WeightsMismatch           an engine holds other weights than pushed; .engine, .tensor → 502
     ├── EngineError                   something went wrong talking to one engine; .engine       → 502
@@ -90,7 +90,8 @@ __all__ = [
 
 
 class ColocdError(Exception):
-    """Base of the tree: ``http_status`` is the status the api answers with, ``http_body()`` its ``ErrorBody``."""
+    """Base of the tree (drawn above, which says what each class means): ``http_status`` is the status the api
+    answers with, ``http_body()`` its ``ErrorBody``."""
 
     http_status: ClassVar[int] = 500
     http_fields: ClassVar[tuple[str, ...]] = ()  # attributes the body carries under their own names, null too
@@ -103,8 +104,6 @@ class ColocdError(Exception):
 # --- the caller's request -------------------------------------------------------------------------------------
 
 class RequestInvalid(ColocdError):
-    """The caller's request is wrong; raised before the first engine call wherever colocd can tell."""
-
     http_status = 422
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
@@ -116,8 +115,6 @@ class RequestInvalid(ColocdError):
 
 
 class PayloadRejected(RequestInvalid):
-    """An engine answered 400 to data the caller supplied (a handle, a layout), in the engine's own words."""
-
     http_fields = ("engine",)
 
     def __init__(self, message: str, *, engine: str, field: str | None = None) -> None:
@@ -126,8 +123,6 @@ class PayloadRejected(RequestInvalid):
 
 
 class ConfigError(ColocdError):
-    """The node config file is missing or invalid; the message names the key."""
-
     http_status = 400
 
 
@@ -169,8 +164,6 @@ class PluginImportError(PolicyError):
 # --- the node's state -----------------------------------------------------------------------------------------
 
 class TransitionRejected(ColocdError):
-    """The request is illegal in the current state; the state is unchanged."""
-
     http_status = 409
 
     def __init__(self, message: str, *, state: dict[str, object] | None = None) -> None:
@@ -182,8 +175,6 @@ class TransitionRejected(ColocdError):
 
 
 class ManifestRefUnknown(TransitionRejected):
-    """This daemon process holds no manifest by that ``manifest_ref`` (it restarted, or let it go): send it."""
-
     field = "manifest_ref"
     http_fields = ("field",)
 
@@ -193,16 +184,12 @@ class AdapterRefused(TransitionRejected):
 
 
 class AdapterUnsupported(AdapterRefused):
-    """An engine that serves no LoRA adapters: the adapter says why in the engine's terms, before any call."""
-
     def __init__(self, engine: str, message: str) -> None:
         super().__init__(f"engine {engine!r} serves no LoRA adapters: {message}", state={"engine": engine})
         self.engine = engine
 
 
 class AdapterRetired(ColocdError):
-    """A LoRA adapter name the daemon has unloaded: never served again; ``current`` is the name to use instead."""
-
     http_status = 410
     http_fields = ("current",)
 
@@ -212,8 +199,6 @@ class AdapterRetired(ColocdError):
 
 
 class SessionGone(ColocdError):
-    """A weight session that no longer accepts work: expired, aborted, failed or committed."""
-
     http_status = 410
 
     def __init__(self, message: str, *, session_id: str, state: str) -> None:
@@ -226,14 +211,10 @@ class SessionGone(ColocdError):
 
 
 class NotFound(ColocdError):
-    """An engine, session, group or step that does not exist."""
-
     http_status = 404
 
 
 class TransitionFailed(ColocdError):
-    """An engine call failed during a transition, in ``stage``; the engine was left paused."""
-
     http_status = 502
     http_fields: ClassVar[tuple[str, ...]] = ("engine", "stage")
 
@@ -244,8 +225,6 @@ class TransitionFailed(ColocdError):
 
 
 class StageTimeout(TransitionFailed):
-    """An engine call did not finish within its stage's budget; the message names the stage and budget."""
-
     http_status = 504
     http_fields = ("engine", "stage", "budget_s")
 
@@ -255,14 +234,10 @@ class StageTimeout(TransitionFailed):
 
 
 class MemoryNotConfirmed(ColocdError):
-    """The released memory never showed up as free within the deadline."""
-
     http_status = 504
 
 
 class JournalFailed(ColocdError):
-    """The node's state changed but its journal record could not be written to ``path``."""
-
     http_status = 507
 
     def __init__(self, message: str, *, path: str) -> None:
@@ -276,14 +251,10 @@ class JournalFailed(ColocdError):
 # --- weight sessions ------------------------------------------------------------------------------------------
 
 class WeightSyncError(ColocdError):
-    """A weight session failed or was aborted; engines stay paused at the old version."""
-
     http_status = 502
 
 
 class WeightsMismatch(WeightSyncError):
-    """A verified commit found an engine's digest of ``tensor`` other than the trainer's (daemon/verify.py)."""
-
     http_fields = ("engine", "tensor")
 
     def __init__(self, message: str, *, engine: str, tensor: str) -> None:
@@ -293,9 +264,6 @@ class WeightsMismatch(WeightSyncError):
 
 
 class ChunkTimeout(WeightSyncError):
-    """A rank never sent its part (``rank``, stage ``gather``) or an engine never consumed it (``engine``,
-    ``load_chunk``) within ``budget_s``."""
-
     http_status = 504
     http_fields = ("engine", "stage", "budget_s", "rank")
 
@@ -311,8 +279,6 @@ class ChunkTimeout(WeightSyncError):
 # --- engines (adapters raise only these, or RequestInvalid; never an httpx type) ------------------------------
 
 class EngineError(ColocdError):
-    """Base class: something went wrong talking to one engine."""
-
     http_status = 502
     http_fields = ("engine",)
 
@@ -323,20 +289,14 @@ class EngineError(ColocdError):
 
 
 class EngineUnreachable(EngineError):
-    """The engine's HTTP endpoint could not be reached at all."""
-
     http_status = 503
 
 
 class EngineTimeout(EngineError):
-    """The engine did not answer in time."""
-
     http_status = 504
 
 
 class EngineRejected(EngineError):
-    """The engine answered with an error status or ``success: false``."""
-
     def __init__(self, engine: str, message: str, *, status: int, body: str = "") -> None:
         super().__init__(engine, message)
         self.status = status

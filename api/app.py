@@ -19,8 +19,7 @@ from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
 from ..engines.base import ChunkPart
 from .errors import ERROR_RESPONSES, install_error_handlers
-from .guard import RequestGuard
-from .openapi import complete_openapi
+from .guard import READ_METHODS, RequestGuard
 from .schemas import (
     MAX_STEP,
     AbortRequest,
@@ -42,6 +41,7 @@ from .schemas import (
 
 __all__ = ["create_app"]
 
+
 def _reply(result: TransitionResult, d: Daemon) -> TransitionReply:
     return TransitionReply(step=result.step, phase=result.phase, replayed=result.replayed,
                            duration_s=result.duration_s, engines=result.engines, freed_bytes=result.freed_bytes,
@@ -50,10 +50,8 @@ def _reply(result: TransitionResult, d: Daemon) -> TransitionReply:
 
 
 def _json_reply(content: dict[str, Any]) -> Response | dict[str, Any]:
-    """A reply the daemon built from its own records, encoded in one pass by pydantic-core (as FastAPI would,
-    NaN as null): the route's ``response_model`` documents it, and FastAPI's validation of every nested value
-    first (measurable on the session's open and commit) is skipped. A value pydantic-core cannot encode as is
-    goes back to FastAPI."""
+    """A reply the daemon built itself, encoded in one pass by pydantic-core (NaN as null) without FastAPI's
+    validation of every nested value (measurable on a session's open and commit); ``response_model`` documents it."""
     try:
         return Response(pydantic_core.to_json(content, inf_nan_mode="null"), media_type="application/json")
     except pydantic_core.PydanticSerializationError:
@@ -84,8 +82,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: ERROR_RESPONSES[s] for s in statuses}
 
 
-# What every mutating route can answer before it runs (guard, body parsing, validation), and what an
-# engine failing under it gives.
+# What every mutating route can answer before it runs (guard, body, validation), and what a failing engine gives.
 _MUTATING = (400, 401, 413, 422)
 _ENGINES = (502, 503, 504)
 _SESSION = (404, 409, 410)
@@ -106,9 +103,50 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
     install_error_handlers(app)
     # The token and the body size are checked before any body byte is read; reads stay open.
     app.add_middleware(RequestGuard, token=config.token, max_body_bytes=config.limits.max_body_bytes)
-    app.include_router(_router)
-    complete_openapi(app, token=config.token is not None)
+    app.router.routes.extend(_router.routes)  # listed by the app's own router: the Allow header reads them there
+    _complete_openapi(app, token=config.token is not None)
     return app
+
+
+def _complete_openapi(app: FastAPI, *, token: bool) -> None:
+    """What FastAPI cannot infer for the OpenAPI document: the bearer token's scheme on the routes that need it
+    (where the node sets a ``token``), and links from a session's open to the routes that take its id, so clients
+    and stateful fuzzers can follow them."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        _link_session_routes(schema)
+        if not token:
+            return schema
+        schema.setdefault("components", {})["securitySchemes"] = {"bearerAuth": {
+            "type": "http", "scheme": "bearer",
+            "description": "the node config's token; mutating routes answer 401 without it, reads need none"}}
+        for item in schema.get("paths", {}).values():
+            for method, operation in item.items():
+                if method.upper() not in READ_METHODS and isinstance(operation, dict):
+                    operation["security"] = [{"bearerAuth": []}]
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the document
+
+
+def _link_session_routes(schema: dict[str, Any]) -> None:
+    """``POST /v1/weights/sessions`` answers ``session_id``: link it to every operation with that path parameter."""
+    paths = schema.get("paths", {})
+    opened = paths.get("/v1/weights/sessions", {}).get("post", {}).get("responses", {}).get("200")
+    if opened is None:
+        return
+    links = opened.setdefault("links", {})
+    for path, item in paths.items():
+        if "{session_id}" not in path:
+            continue
+        for operation in item.values():
+            if isinstance(operation, dict) and "operationId" in operation:
+                links[operation["operationId"]] = {"operationId": operation["operationId"],
+                                                   "parameters": {"path.session_id": "$response.body#/session_id"}}
 
 
 # Every route only translates: it parses the request, calls one Daemon method, and maps the answer.

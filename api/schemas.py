@@ -219,13 +219,6 @@ class OpenSessionReply(BaseModel):
         "the transports every engine of the session loads; a chunk by any other is refused (422)"))
 
 
-class TensorEntry(_Strict):
-    name: str = Field(..., min_length=1)
-    dtype: str
-    shape: list[Count]
-    offset: Count
-
-
 # name -> 16 hex digits (engines/digest.py); at most as many entries as a chunk's layout may have.
 WeightDigests = Annotated[
     dict[Annotated[str, StringConstraints(min_length=1, max_length=4096)],
