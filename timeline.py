@@ -1,10 +1,8 @@
 """Draw one step's switch so a person sees where the time went (``colocd trace -o``, ``colocd demo --timeline``).
 
-Lanes: the node's phases, the trainer (its reported cleanup / process-group work, and its training
-between train and sync), each engine's sub-steps, each engine's weight chunks; below, memory
-readings as a line where the daemon recorded them. Idle stretches longer than the switch itself
-(training, mostly) are squeezed to a narrow band labelled with their real length, so a 50 ms
-switch around 30 s of training stays readable. matplotlib is the optional ``colocd[viz]`` extra.
+Lanes: the node's phases, the trainer, each engine's sub-steps and weight chunks; below, memory readings. Idle
+stretches longer than the switch (training, mostly) are squeezed to a narrow band labelled with their real length.
+matplotlib is the optional ``colocd[viz]`` extra.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from safetensors.torch import load_file
 
 from ..api.client import AsyncColocdClient
 from ..api.procs import DaemonProcess
-from ..engines.chunks import tensor_checksum
 from ..engines.reference.model import QwenLikeConfig, build_model
 from ..engines.reference.tokenizer import BOS_ID
 from ..errors import EngineMissing, MatplotlibMissing
@@ -117,10 +116,8 @@ class ReferenceTask:
         self.optimizer.step()
 
     async def check(self, http: httpx.AsyncClient, url: str, push: PushReport) -> str | None:
-        response = await http.post(f"{url}/weights_checker", json={"action": "checksum"})
-        response.raise_for_status()
-        same = response.json().get("colocd_checksum") == tensor_checksum(self.weights())
-        return "verified: checksum" if same else None
+        same = await _weights_check(http, url, self.weights(), fuse=False) == "ok"
+        return "verified: checksums" if same else None
 
 
 # --- vLLM and SGLang: the tiny Qwen2 (HF's math over the checkpoint's own tensors, in plain torch) --------------
@@ -217,18 +214,19 @@ class TinyQwen2:
         return self._norm(x, "model.norm.weight") @ w["lm_head.weight"].T
 
 
-def _sglang_checksums(served: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """What SGLang's ``/weights_checker`` checksum reports for these tensors on one TP rank: its fused layout
-    (``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate, up, stacked) and its hash, the first 8 bytes of the sha256 of
-    the tensor's bytes (srt/utils/weight_checker.py ``_hash_tensor``, managers/mm_utils.py ``tensor_hash``)."""
-    named = dict(served)
-    fused: dict[str, torch.Tensor] = {}
-    for name, tensor in named.items():
-        for parts, into in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
-            if f".{parts[0]}." in name:
-                fused[name.replace(parts[0], into)] = torch.cat([named[name.replace(parts[0], p)] for p in parts])
-        if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-            fused[name] = tensor
+def _checksums(served: list[tuple[str, torch.Tensor]], *, fuse: bool) -> dict[str, str]:
+    """What ``/weights_checker``'s checksum reports for these tensors on one TP rank: the first 8 bytes of the
+    sha256 of each tensor's bytes (SGLang's srt/utils/weight_checker.py ``_hash_tensor``), by name; ``fuse``: in
+    SGLang's fused layout (``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate, up, stacked)."""
+    named = fused = dict(served)
+    if fuse:
+        fused = {}
+        for name, tensor in named.items():
+            for parts, into in (("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"):
+                if f".{parts[0]}." in name:
+                    fused[name.replace(parts[0], into)] = torch.cat([named[name.replace(parts[0], p)] for p in parts])
+            if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                fused[name] = tensor
 
     def digest(t: torch.Tensor) -> str:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -237,13 +235,15 @@ def _sglang_checksums(served: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
     return {n: digest(t) for n, t in fused.items()}
 
 
-async def _sglang_weight_check(http: httpx.AsyncClient, url: str, served: list[tuple[str, torch.Tensor]]) -> str:
-    """``ok`` when every parameter SGLang checksums equals the pushed tensors', else what differs."""
+async def _weights_check(http: httpx.AsyncClient, url: str, served: list[tuple[str, torch.Tensor]], *,
+                         fuse: bool) -> str:
+    """``ok`` when every parameter the engine checksums (SGLang, or the reference engine imitating it) equals the
+    pushed tensors', else what differs."""
     r = await http.post(f"{url}/weights_checker", json={"action": "checksum"})
     if r.status_code != 200:
         return f"/weights_checker answered {r.status_code}: {r.text[:200]}"
     held = {k: v for rank in r.json().get("ranks") or [] for k, v in rank["checksums"].items()}
-    expected = _sglang_checksums(served)
+    expected = _checksums(served, fuse=fuse)
     wrong = sorted(n for n in expected if held.get(n) != expected[n])
     return "ok" if not wrong else f"{len(wrong)} of {len(expected)} parameters differ (first {wrong[0]})"
 
@@ -300,7 +300,7 @@ class LiveTask:
         verdict = (push.commit.get("verification") or {}).get("engines", {}).get(self.name, {})
         if verdict.get("status") == "verified":
             return f"verified: {verdict.get('checked')} digests"
-        own = await _sglang_weight_check(http, url, self.weights()) if self.kind == "sglang" else "no digests"
+        own = await _weights_check(http, url, self.weights(), fuse=True) if self.kind == "sglang" else "no digests"
         if own == "ok":
             return "verified: SGLang's own checksums"
         print(f"the engine's weights are not verified ({verdict or own})", flush=True)
