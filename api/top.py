@@ -76,10 +76,8 @@ def _cell_width(cell: Any) -> int:
 
 
 def _fit_table(title: str, columns: list[_Column], rows: list[list[Any]], width: int) -> Any:
-    """A table no wider than ``width``: whole columns are left out, lowest ``keep`` last, never a value cut.
-
-    A left-out column is named in the title, so a narrow view says what it does not show.
-    """
+    """A table no wider than ``width``: whole columns are left out (named in the title), lowest ``keep`` last,
+    never a value cut."""
     from rich.table import Table
 
     def need(col: int) -> int:  # the column's narrowest whole width, plus its padding (1 each side)
@@ -105,8 +103,7 @@ def _fit_table(title: str, columns: list[_Column], rows: list[list[Any]], width:
 
 
 def _header(items: list[Any], width: int) -> Any:
-    """The header's items (a label with its value), packed into lines of ``width``: a line breaks only between
-    items, so a label never sits apart from its value; an item wider than a line wraps on a line of its own."""
+    """The header's items (a label with its value) packed into lines of ``width``, broken only between items."""
     from rich.text import Text
 
     lines: list[Text] = []

@@ -15,7 +15,7 @@ from .cleanup import (
     NoCleanupPolicy,
 )
 from .document import YamlLimits, default_policies, load_policy_yaml, policy_json_schema
-from .pipeline import OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy
+from .pipeline import AUTO_ORDER, OverlapPolicy, PipelinePlan, PipelinePolicy, PipelineSnapshot, SerialPolicy, Transport
 from .policy_set import PolicySet, PolicyStore
 from .process_groups import (
     AutoPolicy,
@@ -32,7 +32,6 @@ from .process_groups import (
 )
 from .settings import DEFAULT_PAUSE_MODE, AdapterSettings, PauseModeName, VerifyMode
 from .timeouts import Budget, Timeouts
-from .transport import AUTO_ORDER, Transport
 
 __all__ = [
     "AUTO_ORDER", "DEFAULT_PAUSE_MODE", "AdapterSettings", "AggressiveCleanupPolicy", "AutoPolicy", "Budget",
