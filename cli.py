@@ -27,8 +27,7 @@ _T = TypeVar("_T")
 
 
 class _ShowDefaults(argparse.HelpFormatter):
-    """Appends ``(default: X)`` to an option's help unless the help already says its default (how an
-    unset option behaves) or the option is a flag."""
+    """Appends ``(default: X)`` to an option's help unless the help already says it or the option is a flag."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -106,8 +105,7 @@ def _reason(exc: BaseException | None) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    # The config is read and checked before the daemon's modules are imported: a typo'd key costs a
-    # fraction of a second, not the daemon's import (tests/integration/test_cli.py times it).
+    # The config is checked before the daemon's modules are imported: a typo'd key costs a fraction of a second.
     from .api.logs import fatal
     from .daemon.config import load_node_config
     from .errors import ConfigError

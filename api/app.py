@@ -230,8 +230,7 @@ async def open_session(body: OpenSessionRequest, d: D) -> Response | dict[str, A
 
 @_router.post("/v1/weights/sessions/{session_id}/join", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def join_session(session_id: str, body: JoinRequest, d: D) -> JoinReply:
-    """A rank declares its device and learns which engine TP ranks it feeds; ``streams: false`` means none (it
-    must not send chunks). Once every rank joined, a layout with an engine device no rank is on is a 422."""
+    """A rank declares its device and learns which engine TP ranks it feeds (``streams: false``: none)."""
     return JoinReply.model_validate(await d.sessions.join(session_id, body.rank, body.device_id, body.pid))
 
 
@@ -299,7 +298,7 @@ _AdapterPart = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,1
                  "schema": {"type": "string", "format": "binary"}}}}})
 async def push_adapter(base: _AdapterPart, version: _AdapterPart, request: Request, d: D) -> dict[str, Any]:
     """A LoRA adapter version (adapter_model.safetensors, the PEFT config in its ``adapter_config`` metadata) under
-    the immutable name ``<base>@<version>``: every engine loads it, the policy's ``adapters.keep`` stay loaded."""
+    the immutable name ``<base>@<version>``: every engine loads it."""
     return await d.adapters.push(base, version, request.stream())
 
 
@@ -319,8 +318,7 @@ async def get_policies(d: D) -> dict[str, Any]:
              openapi_extra={"requestBody": {"content": {"application/yaml": {"schema": {"type": "string"}}},
                                             "required": True}})
 async def put_policies(request: Request, d: D) -> JSONResponse:
-    """Stage a policy YAML; it takes effect at the next transition boundary, never mid-transition.
-    An invalid document is a 400 naming the field with its line and column; the old policy stays."""
+    """Stage a policy YAML for the next transition boundary; an invalid one is a 400 naming field, line, column."""
     text = await request.body()  # bounded by limits.max_body_bytes, then by limits.max_policy_bytes
     return JSONResponse(await d.stage_policies(text, "PUT /v1/policies"))  # a PolicyError: api/errors.py's 400
 

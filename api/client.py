@@ -1,7 +1,5 @@
-"""The daemon's HTTP client: one call per route, async (``AsyncColocdClient``) and sync (``ColocdClient``).
-
-No torch: the CLI and cluster tools use it. Streaming weights is the trainer library's job
-(``colocd.trainer.WeightPusher``, ``colocd.trainer.TrainerClient``).
+"""The daemon's HTTP client: one call per route, async (``AsyncColocdClient``) and sync (``ColocdClient``); no torch.
+Streaming weights is the trainer library's job (``colocd.trainer.WeightPusher``, ``colocd.trainer.TrainerClient``).
 """
 
 from __future__ import annotations
