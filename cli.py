@@ -8,22 +8,26 @@ import errno
 import json
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from .api.cli_http import add_daemon_options, daemon_call
+import aiohttp
+
 from .api.client import ColocdClient
-from .api.top import add_top_command
-from .errors import CliFailure, MatplotlibMissing
+from .errors import CliFailure, ColocdHTTPError, DaemonUnreachable, MatplotlibMissing
 from .timeline import render_timeline
 
-__all__ = ["build_parser", "main"]
+__all__ = ["DaemonCall", "build_parser", "main"]
+
+DEFAULT_URL = "http://127.0.0.1:7000"
+
+_T = TypeVar("_T")
 
 
 class _ShowDefaults(argparse.HelpFormatter):
-    """Appends ``(default: X)`` to an option's help unless the help already says its default (how an
-    unset option behaves) or the option is a flag."""
+    """Appends ``(default: X)`` to an option's help unless the help already says it or the option is a flag."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -40,9 +44,68 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+class DaemonCall:
+    """A short-lived client of one daemon for ``status``, ``top``, ``trace`` and ``policy apply``: every expected
+    failure is a ``CliFailure`` with one line to print."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        if not args.url.startswith(("http://", "https://", "unix:")):
+            raise CliFailure(f"colocd: --url {args.url!r} is neither http://host:port nor unix:/path/to.sock", 2)
+        self.url = args.url
+        self.timeout_s = args.timeout
+        self._client = ColocdClient(args.url, token=args.token, timeout_s=args.timeout)
+
+    def __enter__(self) -> DaemonCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._client.close()
+
+    def __call__(self, route: str, call: Callable[[ColocdClient], _T]) -> _T:
+        """``call``'s answer; a failure of ``route`` (``"GET /v1/status"``: what the line names) is ``CliFailure``."""
+        try:
+            return call(self._client)
+        except DaemonUnreachable as exc:
+            cause = exc.__cause__
+            if isinstance(cause, TimeoutError):
+                raise CliFailure(f"colocd: the daemon at {self.url} did not answer {route} within {self.timeout_s:g} "
+                                 "s; is it overloaded or stuck? (see its log)") from None
+            if isinstance(cause, aiohttp.ClientConnectorError):
+                raise CliFailure(f"colocd: no daemon answers at {self.url} ({_reason(cause)}); start one with "
+                                 "`colocd serve --config FILE`, or point --url at it") from None
+            raise CliFailure(f"colocd: lost the connection to the daemon at {self.url}: {_reason(cause)}") from None
+        except ColocdHTTPError as exc:
+            if exc.status == 401:
+                raise CliFailure(f"colocd: the daemon at {self.url} refused the request (401): pass its token "
+                                 "with --token") from None
+            message = exc.body.get("message") or exc.body.get("detail") or exc.body
+            raise CliFailure(f"colocd: {route} failed with HTTP {exc.status}: {message}") from None
+        except ValueError:
+            raise CliFailure(f"colocd: {self.url} answered {route} with something that is not JSON; is --url a "
+                             "colocd daemon?") from None
+
+
+def _add_daemon_options(p: Any, *, timeout_s: float = 30.0) -> None:
+    """``--url``, ``--token`` and ``--timeout``: how every command that reads or changes a daemon reaches it."""
+    p.add_argument("--url", default=DEFAULT_URL, help="the daemon: http://host:port or unix:/path/to.sock")
+    p.add_argument("--token", default=None,
+                   help="bearer token, when the daemon's config sets one (default: none sent)")
+    p.add_argument("--timeout", type=float, default=timeout_s, metavar="SECONDS",
+                   help="how long to wait for each answer before giving up")
+
+
+def _reason(exc: BaseException | None) -> str:
+    """The innermost OS reason ("Connection refused"), not the client library's wrapper text."""
+    cause = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            return os.strerror(cause.errno)
+        cause = getattr(cause, "os_error", None) or cause.__cause__ or cause.__context__
+    return str(exc) or type(exc).__name__
+
+
 def _serve(args: argparse.Namespace) -> int:
-    # The config is read and checked before the daemon's modules are imported: a typo'd key costs a
-    # fraction of a second, not the daemon's import (tests/integration/test_cli.py times it).
+    # The config is checked before the daemon's modules are imported: a typo'd key costs a fraction of a second.
     from .api.logs import fatal
     from .daemon.config import load_node_config
     from .errors import ConfigError
@@ -109,7 +172,7 @@ def _serve_os_error(exc: OSError, config: Any, config_path: str) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    with daemon_call(args) as call:
+    with DaemonCall(args) as call:
         print(json.dumps(call("GET /v1/status", ColocdClient.status), indent=2))
     return 0
 
@@ -120,7 +183,7 @@ def _policy_apply(args: argparse.Namespace) -> int:
             text = f.read()
     except OSError as exc:
         raise CliFailure(f"colocd: cannot read {args.file}: {exc.strerror}", 2) from None
-    with daemon_call(args) as call:
+    with DaemonCall(args) as call:
         try:
             body = call("PUT /v1/policies", lambda c: c.apply_policy(text))
         except CliFailure as exc:
@@ -138,7 +201,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    with daemon_call(args) as call:
+    with DaemonCall(args) as call:
         traces = call(f"GET /v1/traces/{args.step}", lambda c: c.trace(args.step))
     out = Path(args.output or f"step-{args.step}.png")
     if out.suffix == ".json":
@@ -150,6 +213,27 @@ def _trace(args: argparse.Namespace) -> int:
             raise CliFailure(f"colocd: {exc}", 2) from None
     print(f"wrote {out}")
     return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from .api.top import fetch_snapshot, render
+
+    console = Console(width=args.width) if args.width else Console()
+    try:
+        with DaemonCall(args) as call:
+            if args.once:
+                console.print(render(fetch_snapshot(call, args.steps)))
+                return 0
+            with Live(render(fetch_snapshot(call, args.steps)), console=console,
+                      refresh_per_second=4, screen=False) as live:
+                while True:
+                    time.sleep(args.interval)  # the refresh cadence of a foreground view
+                    live.update(render(fetch_snapshot(call, args.steps)))
+    except KeyboardInterrupt:
+        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,14 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("status", help="print the daemon's /v1/status")
-    add_daemon_options(p)
+    _add_daemon_options(p)
     p.set_defaults(func=_status)
 
     p = sub.add_parser("policy", help="policy operations")
     psub = p.add_subparsers(dest="policy_command", required=True)
     pa = psub.add_parser("apply", help="stage a policy YAML on a running daemon (applies at the next transition)")
     pa.add_argument("file", help="the policy YAML (deploy/policies/default.yaml is one)")
-    add_daemon_options(pa)
+    _add_daemon_options(pa)
     pa.set_defaults(func=_policy_apply)
 
     p = sub.add_parser("demo", help="a tiny real RL loop through the full handoff (reference engine, vLLM or SGLang)")
@@ -194,10 +278,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", type=int, help="the step to draw (GET /v1/steps lists the recent ones)")
     p.add_argument("-o", "--output", default=None,
                    help="output file; its suffix picks the format (default: step-STEP.png)")
-    add_daemon_options(p)
+    _add_daemon_options(p)
     p.set_defaults(func=_trace)
 
-    add_top_command(sub)  # colocd top [--once] (api/top.py)
+    p = sub.add_parser("top", help="live view: node, engines, last steps' breakdown, GPU memory",
+                       description="A live view of one daemon. Narrow terminals show fewer columns, never cut "
+                                   "values; the columns left out are named.")
+    _add_daemon_options(p, timeout_s=10.0)
+    p.add_argument("--once", action="store_true", help="print one frame and exit (scripts, pipes)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="time between refreshes")
+    p.add_argument("--steps", type=int, default=8, help="how many recent steps to show")
+    p.add_argument("--width", type=int, default=None,
+                   help="console width in columns (default: the terminal's, 80 when piped)")
+    p.set_defaults(func=_top)
     return parser
 
 

@@ -1,7 +1,6 @@
-"""Every exception colocd raises on purpose, in one tree; ``api/errors.py`` maps each class to one HTTP status.
+"""Every exception colocd raises on purpose, in one tree; each class carries the HTTP status the api answers.
 
-This module imports nothing of ours, so every layer may import it: policies (which otherwise import nothing
-of ours), engines, the daemon, the trainer library, the clients. Anything else reaching the api is a bug (500).
+This module imports nothing of ours, so every layer may import it. Anything else reaching the api is a bug (500).
 
     ColocdError                       the root                                                 → 500
     ├── RequestInvalid                the caller's request is wrong; .field names it; nothing changed → 422
@@ -11,18 +10,18 @@ of ours), engines, the daemon, the trainer library, the clients. Anything else r
     │   ├── PluginNotFoundError       ``module:Class`` or entry point that resolves to nothing
     │   └── PluginImportError         the plugin's module raised while importing
     ├── TransitionRejected            illegal from the current state; nothing changed; .state   → 409
-    │   ├── ManifestRefUnknown        an open names a manifest_ref this daemon does not hold    → 409
+    │   ├── ManifestRefUnknown        an open names a manifest_ref this daemon does not hold (send it) → 409
     │   └── AdapterRefused            an adapter push refused before it changed anything (a reused name,
     │       │                         the adapter cap); .state names the cap or the engine    → 409
     │       └── AdapterUnsupported    an engine serves no LoRA adapters, in its words; .engine
     ├── SessionGone                   a weight session expired, aborted or committed            → 410
     ├── AdapterRetired                a LoRA adapter name the daemon has unloaded; .current     → 410
     ├── NotFound                      unknown engine / session / step / group                   → 404
-    ├── TransitionFailed              an engine call failed mid-transition; .engine, .stage     → 502
+    ├── TransitionFailed              an engine call failed mid-transition, left paused; .engine, .stage → 502
     │   └── StageTimeout              an engine call exceeded its budget; .budget_s             → 504
     ├── MemoryNotConfirmed            NVML never showed the released bytes back                 → 504
     ├── JournalFailed                 the state changed, its journal record is not on disk; .path → 507
-    ├── WeightSyncError               a weight session failed or was aborted                    → 502
+    ├── WeightSyncError               a weight session failed or was aborted (old version kept) → 502
     │   ├── ChunkTimeout              a chunk not complete in time; .engine/.rank, .stage, .budget_s → 504
     │   └── WeightsMismatch           an engine holds other weights than pushed; .engine, .tensor → 502
     ├── EngineError                   something went wrong talking to one engine; .engine       → 502
@@ -43,17 +42,14 @@ of ours), engines, the daemon, the trainer library, the clients. Anything else r
         ├── EngineMissing             the live demo's engine venv or tiny model is not installed
         └── MatplotlibMissing (also RuntimeError) drawing a timeline needs the ``viz`` extra
 
-Deliberately elsewhere: private signals (a leading underscore) that never leave the module raising and
-catching them, and the reference engine's own errors (``engines/reference/``: a separate program imitating
-SGLang, which answers HTTP like SGLang does, not with colocd's tree), and ``ClusterStepError`` (a ColocdError
-beside the ``StepResult`` it carries). The public client names stay importable where users import them:
-``colocd.api.client`` re-exports ``ColocdHTTPError`` and ``DaemonUnreachable``.
+Deliberately elsewhere: private signals (a leading underscore) that never leave their module, and the reference
+engine's own errors (``engines/reference/`` imitates SGLang, which answers HTTP in its own shape).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "AdapterRefused",
@@ -94,26 +90,32 @@ __all__ = [
 
 
 class ColocdError(Exception):
-    """Base class of every error colocd raises on purpose; anything else reaching the api is a bug (500)."""
+    """Base of the tree (drawn above, which says what each class means): ``http_status`` is the status the api
+    answers with, ``http_body()`` its ``ErrorBody``."""
+
+    http_status: ClassVar[int] = 500
+    http_fields: ClassVar[tuple[str, ...]] = ()  # attributes the body carries under their own names, null too
+
+    def http_body(self) -> dict[str, object]:
+        return {"error": type(self).__name__, "message": str(self) or type(self).__name__,
+                **{name: getattr(self, name) for name in self.http_fields}}
 
 
 # --- the caller's request -------------------------------------------------------------------------------------
 
 class RequestInvalid(ColocdError):
-    """The caller's request is wrong (a field out of range, a chunk handle that cannot be read); nothing changed.
-
-    Raised before the first engine call wherever colocd can tell (the daemon, the chunk formats, or an adapter
-    turning a chunk into its engine's wire format); ``field`` names the offending field.
-    """
+    http_status = 422
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
 
+    def http_body(self) -> dict[str, object]:
+        return {**super().http_body(), **({"field": self.field} if self.field else {})}
+
 
 class PayloadRejected(RequestInvalid):
-    """An engine answered 400 to data the caller supplied (a handle, a layout): the caller's mistake,
-    carrying the engine's own words. The engine is left as the daemon's state says."""
+    http_fields = ("engine",)
 
     def __init__(self, message: str, *, engine: str, field: str | None = None) -> None:
         super().__init__(message, field=field)
@@ -121,38 +123,23 @@ class PayloadRejected(RequestInvalid):
 
 
 class ConfigError(ColocdError):
-    """The node config file is missing or invalid; the message names the key."""
+    http_status = 400
 
 
 class PolicyError(ColocdError, ValueError):
-    """A policy document was rejected; the running policy stays in force.
+    """A policy document was rejected; the running policy stays. ``str(err)`` reads ``line 4, column 3:
+    process_groups.policy: ...``; a ``ValueError`` too, which plugins validating their settings may raise."""
 
-    ``str(err)`` reads ``line 4, column 3: process_groups.policy: ...`` so an operator can jump to it. Also a
-    ``ValueError``, which plugin authors validating their own settings may raise and catch.
-    """
+    http_status = 400
 
-    def __init__(
-        self,
-        message: str,
-        line: int | None = None,
-        column: int | None = None,
-        *,
-        field: str | None = None,
-    ) -> None:
+    def __init__(self, message: str, line: int | None = None, column: int | None = None, *,
+                 field: str | None = None) -> None:
         self.message = message
         self.line = line
         self.column = column
         self.field = field
-        super().__init__(self._render())
-
-    def _render(self) -> str:
-        where = ""
-        if self.line is not None:
-            where = (
-                f"line {self.line}" + (f", column {self.column}" if self.column is not None else "") + ": "
-            )
-        what = f"{self.field}: " if self.field else ""
-        return f"{where}{what}{self.message}"
+        where = f"line {line}" + (f", column {column}" if column is not None else "") + ": " if line is not None else ""
+        super().__init__(f"{where}{field + ': ' if field else ''}{message}")
 
     def at(self, line: int | None, column: int | None, field: str | None = None) -> PolicyError:
         """Return a copy of this error placed at a YAML position (keeps the subclass)."""
@@ -161,9 +148,9 @@ class PolicyError(ColocdError, ValueError):
         located.__cause__ = self.__cause__
         return located
 
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready form for an HTTP 400 body."""
-        return {"message": self.message, "field": self.field, "line": self.line, "column": self.column}
+    def http_body(self) -> dict[str, object]:
+        extra = {"field": self.field, "line": self.line, "column": self.column}
+        return {"error": "PolicyError", "message": str(self), **{k: v for k, v in extra.items() if v is not None}}
 
 
 class PluginNotFoundError(PolicyError):
@@ -177,38 +164,34 @@ class PluginImportError(PolicyError):
 # --- the node's state -----------------------------------------------------------------------------------------
 
 class TransitionRejected(ColocdError):
-    """The request is illegal in the current state; the state is unchanged."""
+    http_status = 409
 
     def __init__(self, message: str, *, state: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.state = state or {}
 
+    def http_body(self) -> dict[str, object]:
+        return {**super().http_body(), **({"state": self.state} if self.state else {})}
+
 
 class ManifestRefUnknown(TransitionRejected):
-    """An open names a ``manifest_ref`` this daemon process holds no manifest for (it restarted, or the manifest
-    fell out of the few it keeps): the request was well formed, the daemon's memory is what lacks it. Nothing
-    changed; the trainer sends the manifest itself (``field`` names the field at fault)."""
-
     field = "manifest_ref"
+    http_fields = ("field",)
 
 
 class AdapterRefused(TransitionRejected):
-    """A LoRA adapter push refused before any engine changed: its name was pushed before (names are immutable), or
-    loading it would pass an engine's adapter cap (``state`` names the cap and who set it)."""
+    """A LoRA adapter push refused before any engine changed: a reused (immutable) name, or past an adapter cap."""
 
 
 class AdapterUnsupported(AdapterRefused):
-    """An engine that serves no LoRA adapters (the reference engine; vLLM or SGLang started without LoRA): the
-    adapter says why in the engine's terms, before any call."""
-
     def __init__(self, engine: str, message: str) -> None:
         super().__init__(f"engine {engine!r} serves no LoRA adapters: {message}", state={"engine": engine})
         self.engine = engine
 
 
 class AdapterRetired(ColocdError):
-    """A LoRA adapter name the daemon has unloaded (an older version than it keeps): never served again;
-    ``current`` is the name to request instead."""
+    http_status = 410
+    http_fields = ("current",)
 
     def __init__(self, message: str, *, current: str | None) -> None:
         super().__init__(message)
@@ -216,21 +199,24 @@ class AdapterRetired(ColocdError):
 
 
 class SessionGone(ColocdError):
-    """A weight session that no longer accepts work: expired, aborted, failed or committed."""
+    http_status = 410
 
     def __init__(self, message: str, *, session_id: str, state: str) -> None:
         super().__init__(message)
         self.session_id = session_id
         self.state = state
 
+    def http_body(self) -> dict[str, object]:
+        return {**super().http_body(), "session_id": self.session_id, "session_state": self.state}
+
 
 class NotFound(ColocdError):
-    """An engine, session, group or step that does not exist."""
+    http_status = 404
 
 
 class TransitionFailed(ColocdError):
-    """An engine call failed during a transition; the engine was left in a safe (paused) state. ``stage`` names
-    the part of the transition that failed (``pause``, ``release_memory``, ...)."""
+    http_status = 502
+    http_fields: ClassVar[tuple[str, ...]] = ("engine", "stage")
 
     def __init__(self, message: str, *, engine: str | None = None, stage: str | None = None) -> None:
         super().__init__(message)
@@ -239,7 +225,8 @@ class TransitionFailed(ColocdError):
 
 
 class StageTimeout(TransitionFailed):
-    """An engine call did not finish within its stage's budget; the message names the stage and budget."""
+    http_status = 504
+    http_fields = ("engine", "stage", "budget_s")
 
     def __init__(self, message: str, *, engine: str, stage: str, budget_s: float) -> None:
         super().__init__(message, engine=engine, stage=stage)
@@ -247,26 +234,28 @@ class StageTimeout(TransitionFailed):
 
 
 class MemoryNotConfirmed(ColocdError):
-    """The released memory never showed up as free within the deadline."""
+    http_status = 504
 
 
 class JournalFailed(ColocdError):
-    """The node's state changed but its journal record could not be written (``path``: the journal's file): a
-    daemon restarted now would resume from an older state."""
+    http_status = 507
 
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
         self.path = path
 
+    def http_body(self) -> dict[str, object]:
+        return {**super().http_body(), "journal": self.path}
+
 
 # --- weight sessions ------------------------------------------------------------------------------------------
 
 class WeightSyncError(ColocdError):
-    """A weight session failed or was aborted; engines stay paused at the old version."""
+    http_status = 502
 
 
 class WeightsMismatch(WeightSyncError):
-    """A verified commit found an engine's digest of ``tensor`` other than the trainer's (daemon/verify.py)."""
+    http_fields = ("engine", "tensor")
 
     def __init__(self, message: str, *, engine: str, tensor: str) -> None:
         super().__init__(message)
@@ -275,9 +264,8 @@ class WeightsMismatch(WeightSyncError):
 
 
 class ChunkTimeout(WeightSyncError):
-    """A chunk did not complete in time: a rank never sent its part (``engine`` None, ``rank`` set) or an
-    engine never consumed it (``engine`` set). ``stage`` is ``gather`` or ``load_chunk``; ``budget_s`` the
-    chunk budget."""
+    http_status = 504
+    http_fields = ("engine", "stage", "budget_s", "rank")
 
     def __init__(self, message: str, *, stage: str, budget_s: float, engine: str | None = None,
                  rank: int | None = None) -> None:
@@ -291,7 +279,8 @@ class ChunkTimeout(WeightSyncError):
 # --- engines (adapters raise only these, or RequestInvalid; never an httpx type) ------------------------------
 
 class EngineError(ColocdError):
-    """Base class: something went wrong talking to one engine."""
+    http_status = 502
+    http_fields = ("engine",)
 
     def __init__(self, engine: str, message: str) -> None:
         super().__init__(f"engine {engine!r}: {message}")
@@ -300,16 +289,14 @@ class EngineError(ColocdError):
 
 
 class EngineUnreachable(EngineError):
-    """The engine's HTTP endpoint could not be reached at all."""
+    http_status = 503
 
 
 class EngineTimeout(EngineError):
-    """The engine did not answer in time."""
+    http_status = 504
 
 
 class EngineRejected(EngineError):
-    """The engine answered with an error status or ``success: false``."""
-
     def __init__(self, engine: str, message: str, *, status: int, body: str = "") -> None:
         super().__init__(engine, message)
         self.status = status
@@ -321,16 +308,12 @@ class EngineProtocolError(EngineError):
 
 
 class EngineMismatch(EngineProtocolError):
-    """The engine runs with another layout than its config declares (e.g. tp_size); nothing is sent to it,
-    since every chunk would carry the wrong number of payloads."""
+    """The engine runs with another layout than its config declares (e.g. tp_size); nothing is sent to it."""
 
 
 class EngineLaunchError(EngineError):
-    """A launched process died, or was not ready by its deadline, or could not be started.
-
-    ``str()`` carries the log tail (what the operator needs to see why); ``summary`` is one line
-    (what failed and where the log is), for a CLI that prints one line.
-    """
+    """A launched process died, was not ready by its deadline, or could not start. ``str()`` carries the log
+    tail; ``summary`` is one line (what failed, where the log is) for a CLI."""
 
     def __init__(self, engine: str, message: str, *, log_path: Path | None = None, tail: str = "") -> None:
         where = f"; log {log_path}" if log_path is not None else ""
@@ -341,8 +324,7 @@ class EngineLaunchError(EngineError):
 
 
 class ReplyInvalid(ColocdError):
-    """A reply that does not have the shape colocd reads; the message names the field. Raised where the
-    engine's name is not known (``engines/sglang/wire.py``); the adapter re-raises it as EngineProtocolError."""
+    """A reply without the shape colocd reads, where the engine's name is unknown (the adapter re-raises it)."""
 
 
 # --- the caller's side: clients, the cluster fan-out, the CLI -------------------------------------------------
@@ -357,14 +339,12 @@ class ColocdHTTPError(ColocdError):
         super().__init__(f"HTTP {status} {self.error}: {body.get('message', body)}")
 
     def __reduce__(self) -> tuple[type[ColocdHTTPError], tuple[int, dict[str, Any]]]:
-        # Pickled with its constructor's arguments, so it crosses processes intact (a Ray trainer actor
-        # raising it to the driver's cluster client keeps the daemon's error body).
+        # Pickled with its constructor's arguments, so a Ray actor raising it keeps the daemon's error body.
         return (type(self), (self.status, self.body))
 
 
 class DaemonUnreachable(ColocdError, ConnectionError):
-    """No answer came back from the daemon (it refused the connection, dropped it, or did not reply in time);
-    ``ColocdHTTPError`` is for the answers that say no."""
+    """No answer came back from the daemon: it refused the connection, dropped it, or did not reply in time."""
 
 
 class CliFailure(ColocdError):

@@ -1,8 +1,4 @@
-"""Bounded memories of recent things (ended sessions, manifests, layouts, open rings): one insert that evicts.
-
-Every layer keeps a few: an ``OrderedDict`` ordered oldest first, where ``remember`` puts an entry last and
-drops the oldest beyond its capacity, so a long-running daemon or engine holds a bounded number of them.
-"""
+"""Bounded memories of recent things (ended sessions, manifests, layouts): an ``OrderedDict``, oldest first."""
 
 from __future__ import annotations
 
@@ -16,10 +12,8 @@ V = TypeVar("V")
 
 
 def remember(entries: OrderedDict[K, V], key: K, value: V, capacity: int) -> list[K]:
-    """Set ``entries[key] = value`` as the most recent entry and drop the oldest beyond ``capacity``.
-
-    Returns the dropped keys, oldest first, for a caller that keeps something else per key.
-    """
+    """Set ``entries[key] = value`` as the most recent entry, drop the oldest beyond ``capacity``, and return the
+    dropped keys, oldest first."""
     entries[key] = value
     entries.move_to_end(key)
     dropped: list[K] = []

@@ -1,10 +1,8 @@
 """Draw one step's switch so a person sees where the time went (``colocd trace -o``, ``colocd demo --timeline``).
 
-Lanes: the node's phases, the trainer (its reported cleanup / process-group work, and its training
-between train and sync), each engine's sub-steps, each engine's weight chunks; below, memory
-readings as a line where the daemon recorded them. Idle stretches longer than the switch itself
-(training, mostly) are squeezed to a narrow band labelled with their real length, so a 50 ms
-switch around 30 s of training stays readable. matplotlib is the optional ``colocd[viz]`` extra.
+Lanes: the node's phases, the trainer, each engine's sub-steps and weight chunks; below, memory readings. Idle
+stretches longer than the switch (training, mostly) are squeezed to a narrow band labelled with their real length.
+matplotlib is the optional ``colocd[viz]`` extra.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Any
 
 from .errors import MatplotlibMissing
 
-__all__ = ["breakdown_of", "render_timeline"]
+__all__ = ["fmt_bytes", "render_timeline"]
 
 _PHASE_ORDER = ("train", "sync", "weights", "rollout", "sleep", "resume", "weight_group")
 _PHASE_COLOR = {"train": "#4C72B0", "sync": "#8172B3", "weights": "#DD8452", "rollout": "#55A868",
@@ -33,7 +31,8 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest unit that keeps 1-4 digits: ``15.3 GiB``, not ``15625.0 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -47,7 +46,7 @@ def _duration(trace: Mapping[str, Any]) -> float:
     return max((s["start_s"] + s["duration_s"] for s in trace.get("spans", [])), default=0.0)
 
 
-def breakdown_of(traces: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+def _breakdown(traces: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """Where the switch went, from a ``/v1/traces/{step}`` answer (the same parts as ``GET /v1/steps``)."""
     parts = dict.fromkeys(_PART_COLOR, 0.0)
     for phase, trace in traces.items():
@@ -174,7 +173,7 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
     ax_break, ax, ax_mem = fig.add_subplot(grid[0]), fig.add_subplot(grid[1]), fig.add_subplot(grid[2])
 
     # 1. Where the switch went: one stacked bar, the headline.
-    parts = breakdown_of(traces)
+    parts = _breakdown(traces)
     total = sum(parts.values())
     left = 0.0
     for part, seconds in parts.items():
@@ -194,7 +193,7 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
     weights = traces.get("weights", {})
     nbytes = int(weights.get("attrs", {}).get("bytes", 0))
     headline = title or (f"step {step if step is not None else ordered[0][1]['step']}: "
-                         f"switch {_fmt_s(total)}" + (f", {_fmt_bytes(nbytes)} of weights" if nbytes else "")
+                         f"switch {_fmt_s(total)}" + (f", {fmt_bytes(nbytes)} of weights" if nbytes else "")
                          + _status_suffix([t.get("outcome") for _, t in ordered]))
     ax_break.set_title(headline, fontsize=12, fontweight="bold", loc="left")
 
@@ -223,9 +222,9 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
             draw(lane, a, b, "#DD8452" if i % 2 == 0 else "#F2B880", "", height=0.5)
         span_s = max(b for _a, b, _n in chunks) - min(a for a, _b, _n in chunks)
         moved = sum(n for *_x, n in chunks)
-        rate = f", {_fmt_bytes(moved / span_s)}/s" if span_s > 0 else ""
+        rate = f", {fmt_bytes(moved / span_s)}/s" if span_s > 0 else ""
         ax.text(squeeze(min(a for a, _b, _n in chunks)), y_of[lane] + 0.42,
-                f"{len(chunks)} chunks, {_fmt_bytes(moved)}{rate}", fontsize=7, va="bottom")
+                f"{len(chunks)} chunks, {fmt_bytes(moved)}{rate}", fontsize=7, va="bottom")
     for g0, g1, real in squeeze.gaps:
         ax.axvspan(g0, g1, color="#F4F4F4", zorder=0)
         ax.text((g0 + g1) / 2, len(lanes) - 0.45, f"⋯ {_fmt_s(real)} ⋯", ha="center", va="bottom", fontsize=7,

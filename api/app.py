@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import pydantic_core
-from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 
@@ -19,8 +19,7 @@ from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
 from ..engines.base import ChunkPart
 from .errors import ERROR_RESPONSES, install_error_handlers
-from .guard import RequestGuard
-from .openapi import complete_openapi
+from .guard import READ_METHODS, RequestGuard
 from .schemas import (
     MAX_STEP,
     AbortRequest,
@@ -42,8 +41,6 @@ from .schemas import (
 
 __all__ = ["create_app"]
 
-_Endpoint = TypeVar("_Endpoint", bound=Callable[..., Any])
-
 
 def _reply(result: TransitionResult, d: Daemon) -> TransitionReply:
     return TransitionReply(step=result.step, phase=result.phase, replayed=result.replayed,
@@ -53,10 +50,8 @@ def _reply(result: TransitionResult, d: Daemon) -> TransitionReply:
 
 
 def _json_reply(content: dict[str, Any]) -> Response | dict[str, Any]:
-    """A reply the daemon built from its own records, encoded in one pass by pydantic-core (as FastAPI would,
-    NaN as null): the route's ``response_model`` documents it, and FastAPI's validation of every nested value
-    first (measurable on the session's open and commit) is skipped. A value pydantic-core cannot encode as is
-    goes back to FastAPI."""
+    """A reply the daemon built itself, encoded in one pass by pydantic-core (NaN as null) without FastAPI's
+    validation of every nested value (measurable on a session's open and commit); ``response_model`` documents it."""
     try:
         return Response(pydantic_core.to_json(content, inf_nan_mode="null"), media_type="application/json")
     except pydantic_core.PydanticSerializationError:
@@ -87,8 +82,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: ERROR_RESPONSES[s] for s in statuses}
 
 
-# What every mutating route can answer before it runs (guard, body parsing, validation), and what an
-# engine failing under it gives.
+# What every mutating route can answer before it runs (guard, body, validation), and what a failing engine gives.
 _MUTATING = (400, 401, 413, 422)
 _ENGINES = (502, 503, 504)
 _SESSION = (404, 409, 410)
@@ -109,32 +103,64 @@ def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: Po
     install_error_handlers(app)
     # The token and the body size are checked before any body byte is read; reads stay open.
     app.add_middleware(RequestGuard, token=config.token, max_body_bytes=config.limits.max_body_bytes)
-    for path, method, endpoint, options in _ROUTES:
-        app.add_api_route(path, endpoint, methods=[method], **options)
-    complete_openapi(app, token=config.token is not None)
+    app.router.routes.extend(_router.routes)  # listed by the app's own router: the Allow header reads them there
+    _complete_openapi(app, token=config.token is not None)
     return app
 
 
-# Every route only translates: it parses the request, calls one Daemon method, and maps the answer. Routes are
-# declared once here and added to each app (``create_app``) as its own routes, so the app's router lists them.
-_ROUTES: list[tuple[str, str, Callable[..., Any], dict[str, Any]]] = []
+def _complete_openapi(app: FastAPI, *, token: bool) -> None:
+    """What FastAPI cannot infer for the OpenAPI document: the bearer token's scheme on the routes that need it
+    (where the node sets a ``token``), and links from a session's open to the routes that take its id, so clients
+    and stateful fuzzers can follow them."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        _link_session_routes(schema)
+        if not token:
+            return schema
+        schema.setdefault("components", {})["securitySchemes"] = {"bearerAuth": {
+            "type": "http", "scheme": "bearer",
+            "description": "the node config's token; mutating routes answer 401 without it, reads need none"}}
+        for item in schema.get("paths", {}).values():
+            for method, operation in item.items():
+                if method.upper() not in READ_METHODS and isinstance(operation, dict):
+                    operation["security"] = [{"bearerAuth": []}]
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the document
 
 
-def _route(method: str, path: str, **options: Any) -> Callable[[_Endpoint], _Endpoint]:
-    def register(endpoint: _Endpoint) -> _Endpoint:
-        _ROUTES.append((path, method, endpoint, options))
-        return endpoint
-    return register
+def _link_session_routes(schema: dict[str, Any]) -> None:
+    """``POST /v1/weights/sessions`` answers ``session_id``: link it to every operation with that path parameter."""
+    paths = schema.get("paths", {})
+    opened = paths.get("/v1/weights/sessions", {}).get("post", {}).get("responses", {}).get("200")
+    if opened is None:
+        return
+    links = opened.setdefault("links", {})
+    for path, item in paths.items():
+        if "{session_id}" not in path:
+            continue
+        for operation in item.values():
+            if isinstance(operation, dict) and "operationId" in operation:
+                links[operation["operationId"]] = {"operationId": operation["operationId"],
+                                                   "parameters": {"path.session_id": "$response.body#/session_id"}}
 
 
-@_route("GET", "/healthz", tags=["probes"])
+# Every route only translates: it parses the request, calls one Daemon method, and maps the answer.
+_router = APIRouter()
+
+
+@_router.get("/healthz", tags=["probes"])
 async def healthz() -> dict[str, str]:
     """Liveness: the daemon's event loop answers."""
     return {"status": "ok"}
 
 
-@_route("GET", "/readyz", tags=["probes"],
-            responses={503: {"description": "not ready: an engine is detached or unhealthy (problems says which)"}})
+@_router.get("/readyz", tags=["probes"],
+             responses={503: {"description": "not ready: an engine is detached or unhealthy (problems says which)"}})
 async def readyz(d: D) -> JSONResponse:
     """Readiness: every engine attached and healthy."""
     ok, problems = d.ready()
@@ -149,18 +175,18 @@ class _PrometheusText(Response):
     media_type = "text/plain; version=0.0.4"
 
 
-@_route("GET", "/metrics", tags=["probes"], response_class=_PrometheusText)
+@_router.get("/metrics", tags=["probes"], response_class=_PrometheusText)
 async def metrics(request: Request) -> _PrometheusText:
     """Prometheus text; rendered once per change and shared by concurrent scrapes, off the event loop."""
     return _PrometheusText(await _get_daemon(request).metrics.current())
 
 
-@_route("GET", "/v1/status", response_model=dict[str, Any])
+@_router.get("/v1/status", response_model=dict[str, Any])
 async def status(request: Request) -> Response | dict[str, Any]:
     return _json_reply(_get_daemon(request).status())
 
 
-@_route("POST", "/v1/phase", responses=_errors(*_MUTATING, 404, 409, 410, *_ENGINES))
+@_router.post("/v1/phase", responses=_errors(*_MUTATING, 404, 409, 410, *_ENGINES))
 async def phase(body: PhaseRequest, d: D) -> TransitionReply:
     """Move the node to a phase at a step; a repeat of a finished (step, phase) is a no-op replay."""
     trainer = body.trainer.model_dump(mode="json", exclude_unset=True) if body.trainer else None
@@ -169,19 +195,19 @@ async def phase(body: PhaseRequest, d: D) -> TransitionReply:
     return _reply(await d.transitions.transition(NodePhase(body.phase), body.step, trainer), d)
 
 
-@_route("POST", "/v1/trainer/leases", responses=_errors(*_MUTATING))
+@_router.post("/v1/trainer/leases", responses=_errors(*_MUTATING))
 async def report_leases(body: LeaseReportRequest, d: D) -> dict[str, Any]:
     """A trainer rank's IPC lease bytes (``colocd.trainer.leases``), for the ``colocd_ipc_*`` metrics."""
     return d.report_leases(LeaseReport(**body.model_dump()))
 
 
-@_route("POST", "/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
+@_router.post("/v1/sleep", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def sleep(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
     body = body or SleepRequest()
     return _reply(await d.transitions.sleep(tuple(body.tags) if body.tags else None, body.engines), d)
 
 
-@_route("POST", "/v1/resume", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
+@_router.post("/v1/resume", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> TransitionReply:
     body = body or SleepRequest()
     return _reply(await d.transitions.resume(tuple(body.tags) if body.tags else None, body.engines), d)
@@ -189,8 +215,8 @@ async def resume(d: D, body: Annotated[SleepRequest | None, Body()] = None) -> T
 
 # The hot routes of a weight session (open, commit) answer pre-encoded JSON (_json_reply); response_model keeps
 # each reply's schema in OpenAPI.
-@_route("POST", "/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES),
-        response_model=OpenSessionReply)
+@_router.post("/v1/weights/sessions", responses=_errors(*_MUTATING, 409, *_ENGINES),
+              response_model=OpenSessionReply)
 async def open_session(body: OpenSessionRequest, d: D) -> Response | dict[str, Any]:
     manifest = None if body.manifest is None else [m.model_dump() for m in body.manifest]
     s = await d.sessions.open(step=body.step, version=body.version, ranks=body.ranks, depth=body.depth,
@@ -202,63 +228,62 @@ async def open_session(body: OpenSessionRequest, d: D) -> Response | dict[str, A
                         "manifest_ref": s.manifest_ref, "transports": [t.value for t in s.transports()]})
 
 
-@_route("POST", "/v1/weights/sessions/{session_id}/join", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+@_router.post("/v1/weights/sessions/{session_id}/join", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def join_session(session_id: str, body: JoinRequest, d: D) -> JoinReply:
-    """A rank declares its device and learns which engine TP ranks it feeds; ``streams: false`` means none (it
-    must not send chunks). Once every rank joined, a layout with an engine device no rank is on is a 422."""
+    """A rank declares its device and learns which engine TP ranks it feeds (``streams: false``: none)."""
     return JoinReply.model_validate(await d.sessions.join(session_id, body.rank, body.device_id, body.pid))
 
 
-@_route("POST", "/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+@_router.post("/v1/weights/sessions/{session_id}/chunks", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def post_chunk(session_id: str, body: ChunkDescriptor, d: D) -> ChunkAckReply:
     """Returns once every engine consumed the chunk: the rank may then free or refill its buffer."""
     ack = await d.sessions.submit_chunk(session_id, body.seq, _part(body))
     return ChunkAckReply(seq=ack.seq, rank=ack.rank, engines=list(ack.engines), load_s=ack.load_s)
 
 
-@_route("POST", "/v1/weights/sessions/{session_id}/commit", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES),
-        response_model=dict[str, Any])
+@_router.post("/v1/weights/sessions/{session_id}/commit", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES),
+              response_model=dict[str, Any])
 async def commit(session_id: str, d: D,
                  body: Annotated[CommitRequest | None, Body()] = None) -> Response | dict[str, Any]:
     return _json_reply(await d.sessions.commit(session_id, (body or CommitRequest()).num_chunks))
 
 
-@_route("POST", "/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+@_router.post("/v1/weights/sessions/{session_id}/abort", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def abort(session_id: str, d: D, body: Annotated[AbortRequest | None, Body()] = None) -> dict[str, Any]:
     reason = body.reason if body is not None else None
     return await d.sessions.abort(session_id, f"aborted by trainer: {reason}" if reason else "aborted by trainer")
 
 
-@_route("GET", "/v1/weights/sessions/{session_id}", responses=_errors(404))
+@_router.get("/v1/weights/sessions/{session_id}", responses=_errors(404))
 async def session_status(session_id: str, d: D) -> dict[str, Any]:
     """The session's progress and state."""
     return d.sessions.get(session_id).stats()
 
 
-@_route("GET", "/v1/weights/groups")
+@_router.get("/v1/weights/groups")
 async def weight_groups(d: D) -> dict[str, Any]:
     """The rank layout a trainer needs before building its side (world size, rank offsets); open groups."""
     return d.sessions.groups.snapshot()
 
 
-@_route("POST", "/v1/weights/groups", responses=_errors(*_MUTATING, 409, *_ENGINES))
+@_router.post("/v1/weights/groups", responses=_errors(*_MUTATING, 409, *_ENGINES))
 async def open_weight_group(body: OpenWeightGroupRequest, d: D) -> dict[str, Any]:
     """Every engine joins; returns once all joined, so the trainer must join concurrently (never after)."""
     return await d.sessions.groups.open(**body.model_dump())
 
 
-@_route("DELETE", "/v1/weights/groups/{group_name}", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
+@_router.delete("/v1/weights/groups/{group_name}", responses=_errors(*_MUTATING, 404, 409, *_ENGINES))
 async def close_weight_group(group_name: str, d: D) -> dict[str, Any]:
     return await d.sessions.groups.close(group_name)
 
 
-@_route("POST", "/v1/weights/sessions/{session_id}/broadcasts", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+@_router.post("/v1/weights/sessions/{session_id}/broadcasts", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def post_broadcast(session_id: str, body: BroadcastRequest, d: D) -> dict[str, Any]:
     """Forwarded to every engine at once; returns when all loaded it. Broadcast while it is in flight."""
     return await d.sessions.broadcast(session_id, body.descriptor())
 
 
-@_route("POST", "/v1/update_weights", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
+@_router.post("/v1/update_weights", responses=_errors(*_MUTATING, *_SESSION, *_ENGINES))
 async def update_weights(body: UpdateWeightsRequest, d: D) -> dict[str, Any]:
     """One-shot form: open a session, send every chunk, commit (abort on any failure)."""
     return await d.sessions.update(step=body.step, version=body.version,
@@ -268,44 +293,43 @@ async def update_weights(body: UpdateWeightsRequest, d: D) -> dict[str, Any]:
 _AdapterPart = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
 
 
-@_route("PUT", "/v1/adapters/{base}/{version}", responses=_errors(*_MUTATING, 409, *_ENGINES),
-        openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {
-            "schema": {"type": "string", "format": "binary"}}}}})
+@_router.put("/v1/adapters/{base}/{version}", responses=_errors(*_MUTATING, 409, *_ENGINES),
+             openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {
+                 "schema": {"type": "string", "format": "binary"}}}}})
 async def push_adapter(base: _AdapterPart, version: _AdapterPart, request: Request, d: D) -> dict[str, Any]:
     """A LoRA adapter version (adapter_model.safetensors, the PEFT config in its ``adapter_config`` metadata) under
-    the immutable name ``<base>@<version>``: every engine loads it, the policy's ``adapters.keep`` stay loaded."""
+    the immutable name ``<base>@<version>``: every engine loads it."""
     return await d.adapters.push(base, version, request.stream())
 
 
-@_route("GET", "/v1/adapters/{name}", responses=_errors(404, 410))
+@_router.get("/v1/adapters/{name}", responses=_errors(404, 410))
 async def adapter(name: str, d: D) -> dict[str, Any]:
     """Whether the engines serve ``name``: 410 once the daemon retired it (the reply names the current one)."""
     return d.adapters.check(name)
 
 
-@_route("GET", "/v1/policies")
+@_router.get("/v1/policies")
 async def get_policies(d: D) -> dict[str, Any]:
     """The active policy document (defaults filled in), its version and any staged swap."""
     return d.policy_view()
 
 
-@_route("PUT", "/v1/policies", responses=_errors(*_MUTATING),
-            openapi_extra={"requestBody": {"content": {"application/yaml": {"schema": {"type": "string"}}},
-                                           "required": True}})
+@_router.put("/v1/policies", responses=_errors(*_MUTATING),
+             openapi_extra={"requestBody": {"content": {"application/yaml": {"schema": {"type": "string"}}},
+                                            "required": True}})
 async def put_policies(request: Request, d: D) -> JSONResponse:
-    """Stage a policy YAML; it takes effect at the next transition boundary, never mid-transition.
-    An invalid document is a 400 naming the field with its line and column; the old policy stays."""
+    """Stage a policy YAML for the next transition boundary; an invalid one is a 400 naming field, line, column."""
     text = await request.body()  # bounded by limits.max_body_bytes, then by limits.max_policy_bytes
     return JSONResponse(await d.stage_policies(text, "PUT /v1/policies"))  # a PolicyError: api/errors.py's 400
 
 
-@_route("GET", "/v1/steps", responses=_errors(422))
+@_router.get("/v1/steps", responses=_errors(422))
 async def steps(d: D, limit: Annotated[int, Query(ge=1, le=64)] = 20) -> dict[str, Any]:
     """The last ``limit`` steps, newest first: phases with durations, the switch breakdown, bytes, result."""
     return {"steps": d.traces.summaries(limit)}
 
 
-@_route("GET", "/v1/traces/{step}", responses=_errors(404, 422))
+@_router.get("/v1/traces/{step}", responses=_errors(404, 422))
 async def trace(step: StepPath, d: D, format: Literal["json", "chrome"] = "json") -> Any:
     """The step's traces; ``format=chrome`` gives trace events for Perfetto / chrome://tracing."""
     traces = d.step_traces(step)

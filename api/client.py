@@ -1,11 +1,5 @@
-"""The daemon's HTTP client: one typed call per route, async and sync. No torch: the CLI and cluster tools use it.
-
-    async with AsyncColocdClient("http://127.0.0.1:7000") as c:
-        await c.phase("train", step=1)
-        ...
-
-``ColocdClient`` offers the same calls synchronously. Streaming weights (bucketing, IPC export) is the
-trainer library's job: ``colocd.trainer.WeightPusher`` and ``colocd.trainer.TrainerClient``.
+"""The daemon's HTTP client: one call per route, async (``AsyncColocdClient``) and sync (``ColocdClient``); no torch.
+Streaming weights is the trainer library's job (``colocd.trainer.WeightPusher``, ``colocd.trainer.TrainerClient``).
 """
 
 from __future__ import annotations
@@ -24,7 +18,6 @@ from ..errors import ColocdHTTPError, DaemonUnreachable
 from ..policies import Transport
 from ..recent import remember
 
-# ColocdHTTPError and DaemonUnreachable live in colocd.errors; re-exported where client users import them.
 __all__ = ["AsyncColocdClient", "ColocdClient", "ColocdHTTPError", "DaemonUnreachable", "SendablePart"]
 
 log = logging.getLogger("colocd.client")
@@ -39,13 +32,11 @@ _MANIFEST_REFS_KEPT = 8  # as many as the daemon keeps (daemon/manifests.py)
 
 
 def _manifest_key(manifest: Sequence[dict[str, Any]]) -> _ManifestKey:
-    """What a manifest's reference stands for, cheap to build and compare (the daemon's digest is its own)."""
     return tuple((str(e["name"]), str(e["dtype"]), tuple(e["shape"])) for e in manifest)
 
 
 class SendablePart(Protocol):
-    """What one rank's part of a chunk tells the daemon (``trainer.exported.ExportedPart`` is one): its transport,
-    size, the handle engines open and its digests; the daemon parses it as ``api.schemas.ChunkDescriptor``."""
+    """One rank's part of a chunk as the daemon reads it (``api.schemas.ChunkDescriptor``)."""
 
     @property
     def transport(self) -> Transport: ...
@@ -58,8 +49,7 @@ class SendablePart(Protocol):
 
 
 def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
-    """The daemon will not take the reference: it holds no manifest by it (409, a restarted daemon), or it
-    predates the field (422 naming it). Either way the manifest itself is what it needs."""
+    """The daemon holds no manifest by the reference (409, it restarted) or predates the field (422 naming it)."""
     if exc.status == 409:
         return exc.error == "ManifestRefUnknown"
     return exc.status == 422 and exc.body.get("field") == "manifest_ref"
@@ -71,9 +61,9 @@ CONNECT_S = 5.0
 class AsyncColocdClient:
     """One method per route. ``url`` is ``http://host:port`` or ``unix:/path/to.sock``.
 
-    Calls go through aiohttp's client: the cluster client fans every phase out to all daemons from one event loop,
-    and aiohttp's costs that loop a fraction of httpx's CPU per request (docs/deploy.md, the fan-out study). A
-    call the daemon answers with an error raises ``ColocdHTTPError``; one it does not answer, ``DaemonUnreachable``.
+    aiohttp, not httpx: the cluster client fans every phase out to all daemons from one event loop, and aiohttp
+    costs that loop a fraction of httpx's CPU per request (docs/deploy.md). An answer that says no raises
+    ``ColocdHTTPError``; no answer, ``DaemonUnreachable``.
     """
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
@@ -87,10 +77,10 @@ class AsyncColocdClient:
         # The daemon's manifest_ref for each manifest this client sent in full lately, so the next open of the same
         # manifest sends the reference instead (the daemon forgets them on restart: then the manifest again).
         self._manifest_refs: OrderedDict[_ManifestKey, str] = OrderedDict()
-        self._in_flight = 0  # this client's calls under way (``idle``)
+        self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._background: set[asyncio.Task[None]] = set()  # ``in_background``: ended before ``aclose`` closes
+        self._background: set[asyncio.Task[None]] = set()
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -118,28 +108,24 @@ class AsyncColocdClient:
             await self._http.close()
 
     def in_background(self, call: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """Run ``call`` (a report nobody waits on) as a task this client owns: ``aclose`` waits for it, so it never
-        runs against a closed client. ``call`` handles its own errors; one it lets through is raised by the task."""
+        """Run ``call`` (a report nobody waits on) as a task ``aclose`` waits for; ``call`` handles its own errors."""
         task = asyncio.create_task(call)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
 
     async def idle(self) -> None:
-        """Return once none of this client's calls is under way: what a report nobody waits on (the trainer's
-        lease bytes) waits for, so it never shares the daemon's and this process's time with a call that is on
-        the trainer's path (a commit right after the stream, the rollout transition right after the commit)."""
+        """Return once none of this client's calls is under way, so a report nobody waits on (lease bytes) never
+        shares the daemon's time with a call on the trainer's path."""
         while self._in_flight:
             await self._idle.wait()
 
-    async def _send(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
-                    data: bytes | None = None, content_type: str = "application/octet-stream") -> tuple[int, bytes]:
-        """One call: the status and the whole body; ``DaemonUnreachable`` when no answer came back."""
+    async def _send(self, method: str, path: str, **request: Any) -> tuple[int, bytes]:
+        """One call (``request``: aiohttp's arguments): the status and the whole body."""
         self._in_flight += 1
         self._idle.clear()
-        extra: dict[str, Any] = {} if data is None else {"data": data, "headers": {"Content-Type": content_type}}
         try:
-            async with self._session().request(method, path, json=json, params=params, **extra) as response:
+            async with self._session().request(method, path, **request) as response:
                 return response.status, await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise DaemonUnreachable(f"{method} {self._base}{path}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
@@ -148,10 +134,8 @@ class AsyncColocdClient:
             if not self._in_flight:
                 self._idle.set()
 
-    async def _body(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
-                    data: bytes | None = None, content_type: str = "application/octet-stream") -> bytes:
-        """A call's body; an answer that says no raises ``ColocdHTTPError`` with the daemon's error body."""
-        status, content = await self._send(method, path, json, params, data, content_type)
+    async def _body(self, method: str, path: str, **request: Any) -> bytes:
+        status, content = await self._send(method, path, **request)
         if status >= 400:
             try:
                 error = jsonlib.loads(content)
@@ -160,11 +144,9 @@ class AsyncColocdClient:
             raise ColocdHTTPError(status, error if isinstance(error, dict) else {"message": error})
         return content
 
-    async def _call(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
-                    data: bytes | None = None, content_type: str = "application/octet-stream") -> dict[str, Any]:
+    async def _call(self, method: str, path: str, json: Any = None, **request: Any) -> dict[str, Any]:
         """A route whose success body is a JSON object (one that is not JSON raises ``ValueError``)."""
-        if not isinstance(body := jsonlib.loads(await self._body(method, path, json, params, data, content_type)),
-                          dict):
+        if not isinstance(body := jsonlib.loads(await self._body(method, path, json=json, **request)), dict):
             raise ColocdHTTPError(502, {"message": f"{method} {path} answered {type(body).__name__}, not an object"})
         return body
 
@@ -211,11 +193,9 @@ class AsyncColocdClient:
     async def open_session(self, version: str, *, step: int | None = None, ranks: int | None = None,
                            depth: int | None = None, manifest: list[dict[str, Any]] | None = None,
                            partial: bool = False) -> dict[str, Any]:
-        """``manifest``: every tensor the session will send, ``[{name, dtype, shape}]`` (see ``manifest_of``);
-        ``partial``: update only some tensors (allowed on intact weights only).
-
-        A manifest the daemon gave a ``manifest_ref`` for is sent as that reference next time; if the daemon no
-        longer holds it (a restart), the manifest is sent in full once more, and the refusal is not raised."""
+        """``manifest``: every tensor the session will send, ``[{name, dtype, shape}]``; ``partial``: update only
+        some tensors. A manifest the daemon gave a ``manifest_ref`` for is sent as that reference next time (in full
+        again if the daemon no longer holds it)."""
         body: dict[str, Any] = {"version": version, "step": step, "ranks": ranks, "depth": depth}
         if partial:
             body["partial"] = True
@@ -232,17 +212,14 @@ class AsyncColocdClient:
         return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest": manifest}))
 
     def _noted(self, key: _ManifestKey, reply: dict[str, Any]) -> dict[str, Any]:
-        """Keep the manifest_ref an open reply gives for ``key`` (a daemon without the field gives none: nothing
-        kept), so later opens of the same manifest send the reference."""
         ref = reply.get("manifest_ref")
         if isinstance(ref, str):
             remember(self._manifest_refs, key, ref, _MANIFEST_REFS_KEPT)
         return reply
 
     async def join_session(self, session_id: str, *, rank: int, device_id: str) -> dict[str, Any]:
-        """Declare this rank's device; the reply's ``feeds`` are the engine TP ranks it feeds (``streams``
-        false: none, send no chunks). The join also declares this process (``pid``), so the daemon may unlink
-        its shm segments if the session ends uncommitted."""
+        """Declare this rank's device (and process: the daemon unlinks its shm segments if the session ends
+        uncommitted); the reply's ``feeds`` are the engine TP ranks it feeds (``streams`` false: send no chunks)."""
         body = {"rank": rank, "device_id": device_id, "pid": os.getpid()}
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/join", body)
 
@@ -254,7 +231,6 @@ class AsyncColocdClient:
         return await self._call("POST", f"/v1/weights/sessions/{session_id}/chunks", body)
 
     async def session(self, session_id: str) -> dict[str, Any]:
-        """A session's progress and state."""
         return await self._call("GET", f"/v1/weights/sessions/{session_id}")
 
     async def commit(self, session_id: str, num_chunks: int | None = None) -> dict[str, Any]:
@@ -267,7 +243,8 @@ class AsyncColocdClient:
 
     async def push_adapter(self, base: str, version: str, body: bytes) -> dict[str, Any]:
         """A LoRA adapter version as one safetensors file (``colocd.trainer.push_adapter`` builds it)."""
-        return await self._call("PUT", f"/v1/adapters/{base}/{version}", data=body)
+        return await self._call("PUT", f"/v1/adapters/{base}/{version}", data=body,
+                                headers={"Content-Type": "application/octet-stream"})
 
     async def report_leases(self, report: dict[str, int]) -> dict[str, Any]:
         """A trainer rank's IPC lease bytes (``colocd.trainer.leases.LeaseBook.report()``)."""
@@ -290,7 +267,7 @@ class AsyncColocdClient:
 
     async def apply_policy(self, document: bytes) -> dict[str, Any]:
         """Stage a policy YAML document; it applies at the next transition."""
-        return await self._call("PUT", "/v1/policies", data=document, content_type="application/yaml")
+        return await self._call("PUT", "/v1/policies", data=document, headers={"Content-Type": "application/yaml"})
 
     async def trace(self, step: int, fmt: str = "json") -> dict[str, Any]:
         return await self._call("GET", f"/v1/traces/{step}", params={"format": fmt})
@@ -303,7 +280,6 @@ class AsyncColocdClient:
 
 def _blocking(method: Callable[Concatenate[AsyncColocdClient, _P], Coroutine[Any, Any, _T]],
               ) -> Callable[Concatenate[ColocdClient, _P], _T]:
-    """``AsyncColocdClient``'s ``method``, run to completion on the sync client's loop."""
     def call(self: ColocdClient, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         return self.run(method(self.async_client, *args, **kwargs))
 
@@ -316,7 +292,6 @@ class ColocdClient:
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
         self._loop = asyncio.new_event_loop()
-        # The client this one drives (for code that needs the async calls on the same connection pool).
         self.async_client = AsyncColocdClient(url, token=token, timeout_s=timeout_s)
 
     def __enter__(self) -> Self:

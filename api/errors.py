@@ -1,13 +1,11 @@
-"""Map every error onto HTTP in one table, in one body shape (``ErrorBody``); clients never see a traceback.
+"""Every error answered in one body shape (``ErrorBody``); clients never see a traceback.
 
-colocd's tree (``colocd.errors``, rooted at ``ColocdError``, engine and policy errors included) maps by
-class; the framework's errors (routing 404/405, a body that is not JSON or not UTF-8, request
-validation) are rewritten into the same shape. Routes raise; they never build an error reply themselves.
+colocd's errors carry their status and body (``colocd.errors``); the framework's (routing 404/405, a body that is
+not JSON or not UTF-8, request validation) are rewritten into the same shape. Routes raise, never build a reply.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -17,56 +15,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from ..errors import (
-    AdapterRetired,
-    ChunkTimeout,
-    ColocdError,
-    ConfigError,
-    EngineError,
-    EngineRejected,
-    EngineTimeout,
-    EngineUnreachable,
-    JournalFailed,
-    ManifestRefUnknown,
-    MemoryNotConfirmed,
-    NotFound,
-    PayloadRejected,
-    PolicyError,
-    RequestInvalid,
-    SessionGone,
-    StageTimeout,
-    TransitionFailed,
-    TransitionRejected,
-    WeightsMismatch,
-    WeightSyncError,
-)
+from ..errors import ColocdError
 from .schemas import ErrorBody
 
-__all__ = ["ERROR_RESPONSES", "allowed_methods", "error_body", "error_response", "install_error_handlers",
-           "status_for", "validation_body"]
-
-log = logging.getLogger("colocd.api")
-
-# Most specific first.
-_STATUS: tuple[tuple[type[Exception], int], ...] = (
-    (RequestInvalid, 422),
-    (TransitionRejected, 409),
-    (SessionGone, 410),
-    (AdapterRetired, 410),
-    (NotFound, 404),
-    (ConfigError, 400),
-    (ChunkTimeout, 504),
-    (StageTimeout, 504),
-    (MemoryNotConfirmed, 504),
-    (JournalFailed, 507),
-    (EngineTimeout, 504),
-    (EngineUnreachable, 503),
-    (EngineRejected, 502),
-    (TransitionFailed, 502),
-    (WeightSyncError, 502),
-    (EngineError, 502),
-    (ColocdError, 500),
-)
+__all__ = ["ERROR_RESPONSES", "error_body", "install_error_handlers"]
 
 # The framework's statuses, named the way the daemon names its own errors.
 _HTTP_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
@@ -93,52 +45,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text} for status, text in _DESCRIPTIONS.items()}
 
 
-def status_for(exc: Exception) -> int:
-    for cls, status in _STATUS:
-        if isinstance(exc, cls):
-            return status
-    return 500
+def error_body(exc: ColocdError) -> tuple[int, dict[str, object]]:
+    """The status and ``ErrorBody`` the HTTP API answers for one of colocd's errors."""
+    return exc.http_status, exc.http_body()
 
 
-def error_response(status: int, error: str, message: str, *, headers: dict[str, str] | None = None,
-                   **extra: Any) -> JSONResponse:
-    """One error body: ``{"error", "message", ...}``; the message is never empty, absent extras are left out."""
-    body = {"error": error, "message": message or f"{error} (HTTP {status})",
-            **{k: v for k, v in extra.items() if v is not None}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _body(exc: Exception) -> dict[str, object]:
-    body: dict[str, object] = {"error": type(exc).__name__, "message": str(exc) or type(exc).__name__}
-    if isinstance(exc, TransitionRejected) and exc.state:
-        body["state"] = exc.state
-    if isinstance(exc, RequestInvalid | ManifestRefUnknown) and exc.field:
-        body["field"] = exc.field
-    if isinstance(exc, PayloadRejected | EngineError):
-        body["engine"] = exc.engine
-    if isinstance(exc, AdapterRetired):
-        body["current"] = exc.current
-    if isinstance(exc, SessionGone):
-        body.update(session_id=exc.session_id, session_state=exc.state)
-    if isinstance(exc, JournalFailed):
-        body["journal"] = exc.path
-    if isinstance(exc, WeightsMismatch):
-        body.update(engine=exc.engine, tensor=exc.tensor)
-    if isinstance(exc, ChunkTimeout):
-        body.update(engine=exc.engine, stage=exc.stage, budget_s=exc.budget_s, rank=exc.rank)
-    if isinstance(exc, TransitionFailed):
-        body.update(engine=exc.engine, stage=exc.stage)
-        if isinstance(exc, StageTimeout):
-            body["budget_s"] = exc.budget_s
-    return body
-
-
-def error_body(exc: Exception) -> tuple[int, dict[str, object]]:
-    """The status and ``ErrorBody`` the HTTP API answers for one of the daemon's errors."""
-    return status_for(exc), _body(exc)
-
-
-def validation_body(errors: list[Any]) -> tuple[int, dict[str, object]]:
+def _validation_body(errors: list[Any]) -> tuple[int, dict[str, object]]:
     """A pydantic error list as the API answers it: 400 for JSON that does not parse, else 422 naming each field."""
     for err in errors:
         if err.get("type") == "json_invalid":
@@ -159,7 +71,7 @@ def validation_body(errors: list[Any]) -> tuple[int, dict[str, object]]:
     return 422, body
 
 
-def allowed_methods(app: Any, scope: MutableMapping[str, Any]) -> list[str]:
+def _allowed_methods(app: Any, scope: MutableMapping[str, Any]) -> list[str]:
     """Every method some route serves at this path (Starlette's 405 names only the first route's)."""
     methods: set[str] = set()
     for route in app.router.routes:
@@ -172,16 +84,13 @@ def allowed_methods(app: Any, scope: MutableMapping[str, Any]) -> list[str]:
 
 def install_error_handlers(app: FastAPI) -> None:
     async def colocd_error(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(_body(exc), status_code=status_for(exc))
-
-    async def policy_error(request: Request, exc: Exception) -> JSONResponse:
-        # A document that does not validate: 400 with its field and YAML position; the old policy stays.
-        assert isinstance(exc, PolicyError)
-        return error_response(400, "PolicyError", str(exc), field=exc.field, line=exc.line, column=exc.column)
+        assert isinstance(exc, ColocdError)
+        status, body = error_body(exc)
+        return JSONResponse(body, status_code=status)
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        status, body = validation_body(list(exc.errors()))
+        status, body = _validation_body(list(exc.errors()))
         return JSONResponse(body, status_code=status)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -189,7 +98,7 @@ def install_error_handlers(app: FastAPI) -> None:
         status = exc.status_code
         headers = dict(exc.headers or {})
         if status == 405:
-            allow = allowed_methods(request.app, request.scope)
+            allow = _allowed_methods(request.app, request.scope)
             if request.method == "OPTIONS" and allow:
                 return Response(status_code=204, headers={"Allow": ", ".join(allow)})
             headers["Allow"] = ", ".join(allow)
@@ -200,9 +109,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "request body could not be read as JSON (is it UTF-8?)"
         else:
             message = str(exc.detail or "")
-        return error_response(status, _HTTP_NAMES.get(status, f"HTTP{status}"), message, headers=headers or None)
+        error = _HTTP_NAMES.get(status, f"HTTP{status}")
+        return JSONResponse({"error": error, "message": message or f"{error} (HTTP {status})"}, status_code=status,
+                            headers=headers or None)
 
-    app.add_exception_handler(PolicyError, policy_error)  # before the root: its body names the YAML position
     app.add_exception_handler(ColocdError, colocd_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)

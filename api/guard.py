@@ -1,8 +1,5 @@
-"""The ASGI gate in front of every route: the bearer token checked, then the body size bounded, before any
-body byte is read; and an unexpected exception answered in the usual error shape, keeping the connection.
-
-Knows nothing of routes beyond "reads are open, everything else mutates".
-"""
+"""The ASGI gate in front of every route: the bearer token checked, then the body size bounded, before any body
+byte is read; an unexpected exception answered in the usual error shape, keeping the connection. Reads are open."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ __all__ = ["READ_METHODS", "RequestGuard"]
 
 log = logging.getLogger("colocd.api")
 
-# Methods that never change anything and need no token (the same split the routes' dependencies make).
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 

@@ -1,9 +1,5 @@
-"""Log output for ``colocd serve``: human-readable lines by default, JSON lines on request.
-
-Transitions and weight sessions log one line each through the ``colocd.events`` logger with their
-fields (step, phase, duration_s, result, bytes, ...) in ``record.colocd``; the JSON formatter puts
-those fields at the top level, so ``jq 'select(.event=="transition")'`` works on the log.
-"""
+"""Log output for ``colocd serve``: text lines, or JSON lines with each event's fields (``record.colocd``, from the
+``colocd.events`` logger) at the top level, so ``jq 'select(.event=="transition")'`` works on the log."""
 
 from __future__ import annotations
 
@@ -13,9 +9,8 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["LOG_FORMATS", "JsonFormatter", "configure_logging", "fatal"]
+__all__ = ["JsonFormatter", "configure_logging", "fatal"]
 
-LOG_FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -39,8 +34,6 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(level: str, fmt: str) -> None:
     """Root handler on stderr in ``fmt`` (text or json); replaces handlers a previous call installed."""
-    if fmt not in LOG_FORMATS:
-        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT))
     root = logging.getLogger()
@@ -53,8 +46,7 @@ def configure_logging(level: str, fmt: str) -> None:
 
 
 def fatal(message: str, fmt: str) -> None:
-    """The one line ``colocd serve`` ends with when it cannot serve: plain on stderr, or one JSON object in json
-    format (``event`` ``fatal``), as every other line of that log."""
+    """The one line ``colocd serve`` ends with when it cannot serve, on stderr in the log's format."""
     if fmt == "json":
         record = logging.LogRecord("colocd", logging.CRITICAL, __file__, 0, message, None, None)
         record.colocd = {"event": "fatal", "engine": None, "session": None}

@@ -1,13 +1,6 @@
-"""Start colocd's own daemon as a child process and wait for it: used by the demo, benchmarks and tests.
-
-The process (own process group, log file, readiness under a deadline, SIGTERM then SIGKILL) is
-``engines/processes.py``'s, as for every engine; this module writes the config and says what
-"ready" is: the ready file the daemon writes once it listens.
-
-``tether=True`` (the Ray node actor) ties the daemon to this process and, through
-``COLOCD_TETHER=1`` in its environment, each engine the daemon launches to the daemon: a SIGKILL
-anywhere up the chain leaves nothing running (``engines/tether.py``).
-"""
+"""Start colocd's own daemon as a child process (``engines/processes.py``'s, as every engine) and wait for the
+ready file it writes once it listens: for the demo, the Ray node actor, benchmarks and tests. ``tether=True`` ties
+the daemon to this process and its engines to it (``engines/tether.py``): a SIGKILL up the chain leaves nothing."""
 
 from __future__ import annotations
 

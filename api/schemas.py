@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -56,8 +56,9 @@ MAX_RANKS = 4096
 _MAX_DURATION_S = 7 * 86400.0
 
 # Strict: a JSON bool or a float is not an int ("step": true is not step 1; 1e30 is not a step).
-Step = Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
+Step = Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]  # also a sequence number or a count of chunks
 Count = Annotated[int, Field(strict=True, ge=0)]
+Rank = Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)]
 Seconds = Annotated[float, Field(ge=0, le=_MAX_DURATION_S, allow_inf_nan=False)]
 
 
@@ -65,40 +66,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TrainerSpan(BaseModel):
-    """One timed sub-step the trainer ran (a cleanup step, a group rebuild); extra keys become span attributes."""
+class _WithAttrs(BaseModel):
+    """Extra keys are attributes: at most 64, numbers finite."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _attrs_are_json(self) -> Self:
+        extra = self.model_extra or {}
+        if len(extra) > 64:
+            raise ValueError(f"at most 64 extra attributes, got {len(extra)}")
+        for key, value in extra.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key}: {value} is not a finite number")
+        return self
+
+
+class TrainerSpan(_WithAttrs):
+    """One timed sub-step the trainer ran (a cleanup step, a group rebuild); extra keys become span attributes."""
 
     name: str = Field("step", min_length=1, max_length=128)
     duration_s: Seconds = 0.0
     start_s: float | None = Field(None, allow_inf_nan=False)
 
-    @model_validator(mode="after")
-    def _attrs_are_json(self) -> TrainerSpan:
-        _check_json_attrs(self.model_extra or {})
-        return self
 
-
-class GroupsReport(BaseModel):
+class GroupsReport(_WithAttrs):
     """What the trainer's process-group lifecycle did (``GroupReport.to_dict()``); ``seconds`` is its cost."""
 
-    model_config = ConfigDict(extra="allow")
-
     seconds: Seconds = 0.0
-
-    @model_validator(mode="after")
-    def _attrs_are_json(self) -> GroupsReport:
-        _check_json_attrs(self.model_extra or {})
-        return self
-
-
-def _check_json_attrs(extra: dict[str, Any]) -> None:
-    if len(extra) > 64:
-        raise ValueError(f"at most 64 extra attributes, got {len(extra)}")
-    for key, value in extra.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{key}: {value} is not a finite number")
 
 
 class TrainerGroups(GroupSnapshot):
@@ -224,13 +219,6 @@ class OpenSessionReply(BaseModel):
         "the transports every engine of the session loads; a chunk by any other is refused (422)"))
 
 
-class TensorEntry(_Strict):
-    name: str = Field(..., min_length=1)
-    dtype: str
-    shape: list[Count]
-    offset: Count
-
-
 # name -> 16 hex digits (engines/digest.py); at most as many entries as a chunk's layout may have.
 WeightDigests = Annotated[
     dict[Annotated[str, StringConstraints(min_length=1, max_length=4096)],
@@ -243,8 +231,8 @@ class ChunkDescriptor(_Strict):
     """One rank's part of one chunk. ``handle`` is parsed into the model of ``transport`` (engines/handles.py);
     the daemon reads only its route, the adapters forward it as sent."""
 
-    seq: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]
-    rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = Field(
+    seq: Step
+    rank: Rank = Field(
         0, description="trainer rank; below the session's ranks (one-shot: below the engines' largest tp_size)")
     transport: Transport = Field(
         ..., description="as the chunk travels: per_tensor chunks say cuda_ipc")
@@ -281,7 +269,7 @@ class ChunkDescriptor(_Strict):
 class JoinRequest(_Strict):
     """A trainer rank joins a session, declaring its device: it then feeds the engine TP ranks on that device."""
 
-    rank: Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)] = Field(..., description="trainer rank")
+    rank: Rank = Field(..., description="trainer rank")
     device_id: str = Field(..., min_length=1, max_length=256,
                            description="the rank's device: its GPU's UUID (CUDA), or a declared id such as cpu:0, "
                                        "matching the engine's device_ids (CPU)")
@@ -316,7 +304,7 @@ class ChunkAckReply(BaseModel):
 
 
 class CommitRequest(_Strict):
-    num_chunks: Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)] | None = Field(
+    num_chunks: Step | None = Field(
         None, description="chunks the trainer sent; checked against the engines'")
 
 

@@ -22,10 +22,8 @@ from .app import create_app
 
 __all__ = ["KEEP_ALIVE_S", "bind", "serve"]
 
-# How long an idle keep-alive connection stays open. uvicorn's default is 5 s, the same as httpx's pool expiry:
-# a client that reuses a connection idle for just under 5 s can meet the server closing it, and the request
-# fails with "Server disconnected without sending a response" (a 1-in-many race a cluster client hit in CI).
-# The server must keep connections longer than its clients do.
+# How long an idle keep-alive connection stays open: longer than any client keeps one (uvicorn's default 5 s equals
+# httpx's pool expiry, and a reused connection then meets the server closing it: "Server disconnected").
 KEEP_ALIVE_S = 75  # seconds; uvicorn takes an int
 
 
@@ -44,8 +42,7 @@ def bind(listen: ListenConfig) -> tuple[socket.socket, str]:
         return sock, f"unix:{path}"
     sock = socket.socket(socket.AF_INET6 if ":" in listen.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Accepted connections inherit this. asyncio sets it only on sockets it creates itself, so
-    # without it every keep-alive reply waits ~40 ms for the client's delayed ACK (Nagle).
+    # Accepted connections inherit this (asyncio sets it only on sockets it creates): no ~40 ms Nagle wait per reply.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((listen.host, listen.port))
     host, port = sock.getsockname()[:2]
@@ -59,12 +56,9 @@ def _write_ready(path: str, url: str) -> None:
 
 
 async def _launch_engines(daemon: Daemon) -> bool:
-    """Start the engines colocd launches (``launch:``) before serving; False if a signal stopped it.
-
-    Here rather than in the app's lifespan so that a launch failure is one line from the CLI
-    (``EngineLaunchError.summary``), not a startup traceback; SIGINT/SIGTERM meanwhile cancel the
-    launch (its processes are stopped), where the default handler would orphan them.
-    """
+    """Start the engines colocd launches (``launch:``) before serving; False if a signal stopped it. Not in the
+    lifespan, so a launch failure is one line from the CLI; SIGINT/SIGTERM cancel the launch (stopping what it
+    started), where the default handler would orphan them."""
     loop = asyncio.get_running_loop()
     launching = asyncio.ensure_future(daemon.launches.start())
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -87,11 +81,8 @@ def _cancelling() -> bool:
 
 
 async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool = False) -> None:
-    """Serve until SIGINT/SIGTERM; SIGHUP reloads the policy file if one is configured.
-
-    Engines with a ``launch:`` section are started (and ready) before the daemon listens, and
-    stopped when it exits, whatever the way out. ``EngineLaunchError`` if one is not ready in time.
-    """
+    """Serve until SIGINT/SIGTERM; SIGHUP reloads the policy file if one is configured. Launched engines are ready
+    before the daemon listens and stopped when it exits (``EngineLaunchError`` if one is not ready in time)."""
     policies = PolicyRuntime(config)  # an invalid policy file fails here, before we listen
     sock, url = bind(config.listen)
     daemon = Daemon(config, policies=policies)
@@ -106,8 +97,7 @@ async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool =
 async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime, sock: socket.socket, url: str,
                      *, log_level: str, log_json: bool) -> None:
     app = create_app(config, daemon=daemon, policies=policies)
-    # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too; building a
-    # Config applies the one it is given, so it is chosen first.
+    # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too.
     log_config = None if log_json else LOGGING_CONFIG
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
                                            log_config=log_config, timeout_keep_alive=KEEP_ALIVE_S))

@@ -1,24 +1,21 @@
-"""``colocd top``: a live view of one daemon (node, engines, the last steps' breakdown, GPU memory).
-
-Reads only public routes (``/v1/status``, ``/v1/steps``, ``/metrics``), so it works against any
-daemon it can reach and changes nothing. ``--once`` prints a single frame (scripts, tests).
-"""
+"""``colocd top``'s frame: node, engines, the last steps' breakdown, GPU memory, from the public read routes."""
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .cli_http import DaemonCall, add_daemon_options, daemon_call
+from ..timeline import fmt_bytes
 from .client import ColocdClient
 
-__all__ = ["Snapshot", "add_top_command", "fetch_snapshot", "render"]
+if TYPE_CHECKING:
+    from ..cli import DaemonCall
+
+__all__ = ["Snapshot", "fetch_snapshot", "render"]
 
 _PARTS = ("sleep", "load_weights_memory", "update", "wake", "cleanup", "groups")
-_PART_SHORT = {"sleep": "sleep", "load_weights_memory": "w-mem", "update": "update", "wake": "wake",
-               "cleanup": "cleanup", "groups": "groups"}
+_PART_SHORT = {"load_weights_memory": "w-mem"}
 
 
 @dataclass
@@ -29,7 +26,6 @@ class Snapshot:
     status: dict[str, Any]
     steps: list[dict[str, Any]]
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)
-    nvml: bool = False
     restarts: dict[str, float] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.time)
 
@@ -37,48 +33,30 @@ class Snapshot:
 _GPU_MEMORY = {f"colocd_gpu_memory_{kind}_bytes": kind for kind in ("used", "free", "total")}
 
 
-def _parse_metrics(text: str) -> tuple[dict[str, dict[str, float]], bool, dict[str, float]]:
+def _parse_metrics(text: str) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     gpus: dict[str, dict[str, float]] = {}
-    nvml = False
     restarts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if (kind := _GPU_MEMORY.get(sample.name)) is not None:
                 gpus.setdefault(sample.labels["gpu"], {})[kind] = sample.value
-            elif sample.name == "colocd_nvml_available":
-                nvml = sample.value == 1
             elif sample.name == "colocd_engine_restarts_total":
                 restarts[sample.labels.get("engine", "?")] = sample.value
-    return gpus, nvml, restarts
+    return gpus, restarts
 
 
 def fetch_snapshot(call: DaemonCall, limit: int = 8) -> Snapshot:
     """One read of the daemon (three GETs); a failure raises ``CliFailure`` with the CLI's one line."""
     status = call("GET /v1/status", ColocdClient.status)
     steps = call("GET /v1/steps", lambda c: c.steps(limit))
-    gpus, nvml, restarts = _parse_metrics(call("GET /metrics", ColocdClient.metrics))
-    return Snapshot(url=call.url, status=status, steps=steps, gpus=gpus, nvml=nvml, restarts=restarts)
+    gpus, restarts = _parse_metrics(call("GET /metrics", ColocdClient.metrics))
+    return Snapshot(url=call.url, status=status, steps=steps, gpus=gpus, restarts=restarts)
 
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else (f"{seconds * 1000:.0f}ms" if seconds < 10 else f"{seconds:.1f}s")
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
-def _size(n: float) -> str:
-    """Bytes in the largest unit that keeps 1-4 digits: ``15.3 GiB``, not ``15625.0 MiB``."""
-    if not n:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 @dataclass(frozen=True)
@@ -98,10 +76,8 @@ def _cell_width(cell: Any) -> int:
 
 
 def _fit_table(title: str, columns: list[_Column], rows: list[list[Any]], width: int) -> Any:
-    """A table no wider than ``width``: whole columns are left out, lowest ``keep`` last, never a value cut.
-
-    A left-out column is named in the title, so a narrow view says what it does not show.
-    """
+    """A table no wider than ``width``: whole columns are left out (named in the title), lowest ``keep`` last,
+    never a value cut."""
     from rich.table import Table
 
     def need(col: int) -> int:  # the column's narrowest whole width, plus its padding (1 each side)
@@ -127,8 +103,7 @@ def _fit_table(title: str, columns: list[_Column], rows: list[list[Any]], width:
 
 
 def _header(items: list[Any], width: int) -> Any:
-    """The header's items (a label with its value), packed into lines of ``width``: a line breaks only between
-    items, so a label never sits apart from its value; an item wider than a line wraps on a line of its own."""
+    """The header's items (a label with its value) packed into lines of ``width``, broken only between items."""
     from rich.text import Text
 
     lines: list[Text] = []
@@ -192,22 +167,23 @@ def _layout(snap: Snapshot, width: int) -> Any:
     engines = _fit_table("engines", engine_cols, engine_rows, inner)
 
     step_cols = [_Column("step", 0, "right"), _Column("result", 0), _Column("switch", 0, "right"),
-                 *(_Column(_PART_SHORT[p], k, "right") for p, k in zip(_PARTS, (2, 3, 1, 2, 4, 4), strict=True)),
+                 *(_Column(_PART_SHORT.get(p, p), k, "right") for p, k in zip(_PARTS, (2, 3, 1, 2, 4, 4), strict=True)),
                  _Column("bytes", 3, "right"), _Column("chunks", 5, "right")]
     step_rows: list[list[Any]] = []
     for s in snap.steps:
         b = s.get("breakdown") or {}
         result = s.get("result", "?")
         style = {"ok": "green", "failed": "bold red"}.get(result, "yellow")
+        size = fmt_bytes(s["bytes"]) if s.get("bytes") else "-"
         step_rows.append([str(s.get("step")), Text(result, style=style), Text(_ms(s.get("switch_s")), style="bold"),
-                          *(_ms(b.get(p)) for p in _PARTS), _size(s.get("bytes", 0)), str(s.get("chunks", 0))])
+                          *(_ms(b.get(p)) for p in _PARTS), size, str(s.get("chunks", 0))])
     if not snap.steps:
         step_rows.append(["-", "no steps yet", *([""] * (len(step_cols) - 2))])
     steps = _fit_table("last steps (switch and its parts; w-mem = weights memory back at sync)", step_cols,
                        step_rows, inner)
 
     if snap.gpus:
-        gpu_rows = [[gpu, _gib(k.get("used", 0.0)), _gib(k.get("free", 0.0)), _gib(k.get("total", 0.0))]
+        gpu_rows = [[gpu, fmt_bytes(k.get("used", 0.0)), fmt_bytes(k.get("free", 0.0)), fmt_bytes(k.get("total", 0.0))]
                     for gpu, k in sorted(snap.gpus.items())]
         bar = max(0, min(30, inner - 44))  # the bar takes what the numbers leave, and goes below 8 columns
         gpus = Table(title="GPU memory (NVML)", title_justify="left", expand=True, show_edge=False)
@@ -228,36 +204,3 @@ def _layout(snap: Snapshot, width: int) -> Any:
                       style="dim")
     parts: list[Any] = [head, Text(""), engines, *errors, Text(""), steps, Text(""), memory]
     return Panel(Group(*parts), title="colocd top", border_style="blue")
-
-
-def _top_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
-    console = Console(width=args.width) if args.width else Console()
-    try:
-        with daemon_call(args) as call:
-            if args.once:
-                console.print(render(fetch_snapshot(call, args.steps)))
-                return 0
-            with Live(render(fetch_snapshot(call, args.steps)), console=console,
-                      refresh_per_second=4, screen=False) as live:
-                while True:
-                    time.sleep(args.interval)  # the refresh cadence of a foreground view
-                    live.update(render(fetch_snapshot(call, args.steps)))
-    except KeyboardInterrupt:
-        return 0
-
-
-def add_top_command(sub: Any) -> None:
-    """``colocd top [--once]`` on the CLI's subparsers."""
-    p = sub.add_parser("top", help="live view: node, engines, last steps' breakdown, GPU memory",
-                       description="A live view of one daemon. Narrow terminals show fewer columns, never cut "
-                                   "values; the columns left out are named.")
-    add_daemon_options(p, timeout_s=10.0)
-    p.add_argument("--once", action="store_true", help="print one frame and exit (scripts, pipes)")
-    p.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="time between refreshes")
-    p.add_argument("--steps", type=int, default=8, help="how many recent steps to show")
-    p.add_argument("--width", type=int, default=None,
-                   help="console width in columns (default: the terminal's, 80 when piped)")
-    p.set_defaults(func=_top_command)

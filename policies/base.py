@@ -36,10 +36,8 @@ class Decision(BaseModel):
 
 
 class Policy(ABC):
-    """One policy of one family. Subclasses set ``name`` and a nested ``Config`` and add the decision method.
-
-    ``spec`` is how the YAML named it: the built-in name, an entry point name or ``module:Class``.
-    """
+    """One policy of one family: subclasses set ``name`` and ``Config`` and add the decision method; ``spec`` is how
+    the YAML named it (the built-in name, an entry point name or ``module:Class``)."""
 
     family: ClassVar[Family]
     name: ClassVar[str]
@@ -50,9 +48,8 @@ class Policy(ABC):
             config = self.Config()
         elif not isinstance(config, self.Config):
             # A plugin handed the wrong model would otherwise fail later, far from the cause.
-            raise TypeError(
-                f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}"
-            )
+            raise TypeError(f"{type(self).__name__} needs a Config of its own ({self.Config.__name__}), got "
+                            f"{type(config).__name__}")
         self.config = config
         self.spec = spec or self.name
 

@@ -1,7 +1,4 @@
-"""Cleanup policies: what the trainer frees before an engine resumes (the method of verl #7864).
-
-The plan is enacted by ``trainer/cleanup.py``, which times every step and records the bytes it freed.
-"""
+"""Cleanup policies: what the trainer frees before an engine resumes (verl #7864), enacted by ``trainer/cleanup.py``."""
 
 from __future__ import annotations
 
@@ -13,14 +10,8 @@ from pydantic import Field
 
 from .base import Decision, Family, Policy, PolicyConfig
 
-__all__ = [
-    "AggressiveCleanupPolicy",
-    "CleanupAction",
-    "CleanupPlan",
-    "CleanupPolicy",
-    "EmptyCachePolicy",
-    "NoCleanupPolicy",
-]
+__all__ = ["AggressiveCleanupPolicy", "CleanupAction", "CleanupPlan", "CleanupPolicy", "EmptyCachePolicy",
+           "NoCleanupPolicy"]
 
 _GIB = 1 << 30
 
@@ -74,12 +65,9 @@ class AggressiveCleanupPolicy(CleanupPolicy):
     config: Config
 
     def plan(self) -> CleanupPlan:
-        return CleanupPlan(
-            policy=self.spec,
-            steps=(CleanupAction.GC_COLLECT, CleanupAction.SYNCHRONIZE, CleanupAction.EMPTY_CACHE),
-            max_retries=self.config.max_retries,
-            min_freed_bytes=int(self.config.min_freed_gib * _GIB),
-        )
+        return CleanupPlan(policy=self.spec,
+                           steps=(CleanupAction.GC_COLLECT, CleanupAction.SYNCHRONIZE, CleanupAction.EMPTY_CACHE),
+                           max_retries=self.config.max_retries, min_freed_bytes=int(self.config.min_freed_gib * _GIB))
 
 
 class NoCleanupPolicy(CleanupPolicy):

@@ -1,44 +1,59 @@
-"""Pipeline policies: how many weight chunks are in flight, how big each is, and which transport moves them.
+"""Pipeline policies: how many weight chunks are in flight, how big each is, and which ``Transport`` moves them.
 
-Consumed by the daemon's weight-stream pipeline (``asyncio.Queue(maxsize=plan.depth)``).
+``Transport`` is the one vocabulary of every layer: policies choose one, engines advertise theirs, the trainer's
+producers are keyed by it and the chunk descriptor carries it (broadcasts between GPUs have their own API).
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from enum import StrEnum
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from .base import Decision, Family, Policy, PolicyConfig
-from .transport import AUTO_ORDER, Transport
 
-__all__ = [
-    "OverlapPolicy",
-    "PipelinePlan",
-    "PipelinePolicy",
-    "PipelineSnapshot",
-    "SerialPolicy",
-    "Transport",
-    "TransportChoice",
-]
+__all__ = ["AUTO_ORDER", "OverlapPolicy", "PipelinePlan", "PipelinePolicy", "PipelineSnapshot", "SerialPolicy",
+           "Transport", "TransportChoice"]
 
-_MIB = 1 << 20
 
+class Transport(StrEnum):
+    """A way to move one chunk (DESIGN.md §4); each is one a real engine loads (SGLang, or vLLM through
+    colocd's worker extension). ``per_tensor`` is a variant of ``cuda_ipc`` on the wire (``wire``)."""
+
+    SHM = "shm"  # POSIX shared memory by name: the CPU path
+    DISK = "disk"  # a safetensors file: the fallback
+    INLINE = "inline"  # the tensors' bytes in the descriptor, plainly pickled (what SGLang loads from CPU)
+    CUDA_IPC = "cuda_ipc"  # a fresh IPC-exported GPU bucket per chunk (SGLang's flattened_bucket)
+    PER_TENSOR = "per_tensor"  # cuda_ipc with one IPC handle per tensor (SGLang's default list format)
+
+    @property
+    def wire(self) -> Transport:
+        """What a chunk of this transport says it is on the wire: a variant travels as its base transport,
+        with the difference carried in its handle (``load_format: direct``)."""
+        return _WIRE.get(self, self)
+
+
+_WIRE = {Transport.PER_TENSOR: Transport.CUDA_IPC}
+
+
+# ``transport: auto``, first choice first, in the daemon's plan and in ``WeightPusher`` alike: only transports that
+# keep nothing exported between pushes, so the trainer holds no staging memory through the rollout. Auto never picks
+# ``per_tensor`` (one handle per tensor); ``inline`` before ``disk``: what a real SGLang loads from CPU.
+AUTO_ORDER: tuple[Transport, ...] = (Transport.CUDA_IPC, Transport.SHM, Transport.INLINE, Transport.DISK)
 # A pipeline policy may name a transport or leave the choice to the plan; "auto" is no transport.
 TransportChoice = Transport | Literal["auto"]
-
-
 # Transports whose buckets are staged in GPU memory, so depth x bucket must fit in free memory.
 _GPU_STAGED = frozenset({Transport.CUDA_IPC})
+_MIB = 1 << 20
 
 
 class PipelineSnapshot(Decision):
     """What the daemon knows when a weight sync starts."""
 
     available_transports: tuple[Transport, ...] = Field(
-        (Transport.SHM, Transport.DISK), description="transports both the trainer and the engines support"
-    )
+        (Transport.SHM, Transport.DISK), description="transports both the trainer and the engines support")
     total_bytes: int | None = Field(None, ge=0, description="bytes the sync will move, if known")
     free_bytes: int | None = Field(None, ge=0, description="GPU memory free for staging buckets, if known")
 
@@ -84,10 +99,8 @@ class SerialPolicy(PipelinePolicy):
 
     name: ClassVar[str] = "serial"
 
-    class Config(_BucketConfig):
-        pass
-
-    config: Config
+    Config = _BucketConfig
+    config: _BucketConfig
 
     def plan(self, snapshot: PipelineSnapshot) -> PipelinePlan:
         return _plan(self.spec, 1, self.config, snapshot)
@@ -135,9 +148,7 @@ def _plan(policy: str, depth: int, config: _BucketConfig, snapshot: PipelineSnap
         if depth > chunks:
             depth = chunks
             notes.append(f"depth capped at {chunks} chunks")
-    reason = f"{depth} x {bucket / _MIB:.0f} MiB over {transport}" + (
-        f" ({'; '.join(notes)})" if notes else ""
-    )
+    reason = f"{depth} x {bucket / _MIB:.0f} MiB over {transport}" + (f" ({'; '.join(notes)})" if notes else "")
     return PipelinePlan(policy=policy, depth=depth, bucket_bytes=bucket, transport=transport, reason=reason)
 
 

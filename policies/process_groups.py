@@ -14,19 +14,8 @@ from pydantic import Field
 
 from .base import Decision, Family, Policy, PolicyConfig
 
-__all__ = [
-    "AutoPolicy",
-    "DeferredCooldownPolicy",
-    "DestroyPolicy",
-    "GroupAction",
-    "GroupDirective",
-    "GroupSnapshot",
-    "KeepAlivePolicy",
-    "ProcessGroupPolicy",
-    "RebuildMode",
-    "SuspendPolicy",
-    "WaitPoint",
-]
+__all__ = ["AutoPolicy", "DeferredCooldownPolicy", "DestroyPolicy", "GroupAction", "GroupDirective", "GroupSnapshot",
+           "KeepAlivePolicy", "ProcessGroupPolicy", "RebuildMode", "SuspendPolicy", "WaitPoint"]
 
 _GIB = 1 << 30
 
@@ -67,8 +56,7 @@ class GroupSnapshot(Decision):
 
     group_count: int = Field(0, ge=0, description="process groups this rank is a member of")
     resident_bytes: int | None = Field(
-        None, ge=0, description="measured GPU memory the groups hold while alive; None: not measurable"
-    )
+        None, ge=0, description="measured GPU memory the groups hold while alive; None: not measurable")
     keep_alive_disabled: bool = Field(False, description="a keep-alive failure disabled it for the process")
     suspend_supported: bool | None = Field(None, description="ProcessGroupNCCL suspend/resume; None: unknown")
 
@@ -90,31 +78,16 @@ class GroupDirective(Decision):
         return cls(policy=policy, action=GroupAction.KEEP, canary_timeout_s=canary_timeout_s, reason=reason)
 
     @classmethod
-    def destroy(
-        cls, policy: str, reason: str, *, wait_s: float = 0.0, wait_point: WaitPoint = WaitPoint.AFTER_DESTROY,
-        rebuild: RebuildMode = RebuildMode.SEPARATE,
-    ) -> GroupDirective:
-        return cls(
-            policy=policy, action=GroupAction.DESTROY, wait_s=wait_s, wait_point=wait_point, rebuild=rebuild,
-            reason=reason,
-        )
+    def destroy(cls, policy: str, reason: str, *, wait_s: float = 0.0, wait_point: WaitPoint = WaitPoint.AFTER_DESTROY,
+                rebuild: RebuildMode = RebuildMode.SEPARATE) -> GroupDirective:
+        return cls(policy=policy, action=GroupAction.DESTROY, wait_s=wait_s, wait_point=wait_point, rebuild=rebuild,
+                   reason=reason)
 
     @classmethod
-    def suspend(
-        cls,
-        policy: str,
-        reason: str,
-        *,
-        fallback: GroupDirective,
-        canary_timeout_s: float = _DEFAULT_CANARY_S,
-    ) -> GroupDirective:
-        return cls(
-            policy=policy,
-            action=GroupAction.SUSPEND,
-            fallback=fallback,
-            canary_timeout_s=canary_timeout_s,
-            reason=reason,
-        )
+    def suspend(cls, policy: str, reason: str, *, fallback: GroupDirective,
+                canary_timeout_s: float = _DEFAULT_CANARY_S) -> GroupDirective:
+        return cls(policy=policy, action=GroupAction.SUSPEND, fallback=fallback, canary_timeout_s=canary_timeout_s,
+                   reason=reason)
 
 
 class ProcessGroupPolicy(Policy):
@@ -129,8 +102,7 @@ class ProcessGroupPolicy(Policy):
 
 class WaitConfig(PolicyConfig):
     post_destroy_wait_s: float = Field(
-        _DEFAULT_WAIT_S, ge=0, le=600, description="fixed wait after destroying groups (the seed's 2 s)"
-    )
+        _DEFAULT_WAIT_S, ge=0, le=600, description="fixed wait after destroying groups (the seed's 2 s)")
     rebuild: RebuildMode = Field(
         RebuildMode.SEPARATE,
         description="how destroyed groups are created again: separate (one communicator each) | split_shared "
@@ -142,8 +114,7 @@ class WaitConfig(PolicyConfig):
 
 class CanaryConfig(PolicyConfig):
     canary_timeout_s: float = Field(
-        _DEFAULT_CANARY_S, ge=0.1, le=3600, description="bound on each canary all-reduce after the pause"
-    )
+        _DEFAULT_CANARY_S, ge=0.1, le=3600, description="bound on each canary all-reduce after the pause")
 
 
 class DestroyPolicy(ProcessGroupPolicy):
@@ -151,18 +122,13 @@ class DestroyPolicy(ProcessGroupPolicy):
 
     name: ClassVar[str] = "destroy"
 
-    class Config(WaitConfig):
-        pass
-
-    config: Config
+    Config = WaitConfig
+    config: WaitConfig
 
     def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
         return GroupDirective.destroy(
-            self.spec,
-            f"destroy {snapshot.group_count} groups, then wait {self.config.post_destroy_wait_s:g} s",
-            wait_s=self.config.post_destroy_wait_s,
-            rebuild=self.config.rebuild,
-        )
+            self.spec, f"destroy {snapshot.group_count} groups, then wait {self.config.post_destroy_wait_s:g} s",
+            wait_s=self.config.post_destroy_wait_s, rebuild=self.config.rebuild)
 
 
 class DeferredCooldownPolicy(ProcessGroupPolicy):
@@ -170,10 +136,8 @@ class DeferredCooldownPolicy(ProcessGroupPolicy):
 
     name: ClassVar[str] = "deferred_cooldown"
 
-    class Config(WaitConfig):
-        pass
-
-    config: Config
+    Config = WaitConfig
+    config: WaitConfig
 
     def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
         return _deferred(self.spec, self.config.post_destroy_wait_s, f"destroy {snapshot.group_count} groups",
@@ -185,22 +149,15 @@ class KeepAlivePolicy(ProcessGroupPolicy):
 
     name: ClassVar[str] = "keep_alive"
 
-    class Config(CanaryConfig):
-        pass
-
-    config: Config
+    Config = CanaryConfig
+    config: CanaryConfig
 
     def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
         if snapshot.keep_alive_disabled:
             # The seed's rule: after one failure, plain destroy with no wait for the rest of the process.
-            return GroupDirective.destroy(
-                self.spec, "keep-alive disabled by an earlier failure; destroy, no wait"
-            )
-        return GroupDirective.keep(
-            self.spec,
-            f"keep {snapshot.group_count} groups ({_gib(snapshot.resident_bytes)} resident)",
-            canary_timeout_s=self.config.canary_timeout_s,
-        )
+            return GroupDirective.destroy(self.spec, "keep-alive disabled by an earlier failure; destroy, no wait")
+        return GroupDirective.keep(self.spec, f"keep {snapshot.group_count} groups ({_gib(snapshot.resident_bytes)} "
+                                   "resident)", canary_timeout_s=self.config.canary_timeout_s)
 
 
 class SuspendPolicy(ProcessGroupPolicy):
@@ -210,8 +167,7 @@ class SuspendPolicy(ProcessGroupPolicy):
 
     class Config(WaitConfig, CanaryConfig):
         fallback: Literal["destroy", "deferred_cooldown", "keep_alive"] = Field(
-            "deferred_cooldown", description="what to do where suspend/resume is not available"
-        )
+            "deferred_cooldown", description="what to do where suspend/resume is not available")
 
     config: Config
 
@@ -219,16 +175,11 @@ class SuspendPolicy(ProcessGroupPolicy):
         fallback = self._fallback(snapshot)
         if snapshot.suspend_supported is False:
             return fallback.model_copy(
-                update={"reason": f"suspend unavailable, fallback {self.config.fallback}: {fallback.reason}"}
-            )
+                update={"reason": f"suspend unavailable, fallback {self.config.fallback}: {fallback.reason}"})
         if snapshot.keep_alive_disabled:
             return fallback.model_copy(update={"reason": f"keep-alive disabled, fallback: {fallback.reason}"})
-        return GroupDirective.suspend(
-            self.spec,
-            f"suspend {snapshot.group_count} communicators",
-            fallback=fallback,
-            canary_timeout_s=self.config.canary_timeout_s,
-        )
+        return GroupDirective.suspend(self.spec, f"suspend {snapshot.group_count} communicators", fallback=fallback,
+                                      canary_timeout_s=self.config.canary_timeout_s)
 
     def _fallback(self, snapshot: GroupSnapshot) -> GroupDirective:
         wait, rebuild = self.config.post_destroy_wait_s, self.config.rebuild
@@ -246,8 +197,7 @@ class AutoPolicy(ProcessGroupPolicy):
 
     class Config(WaitConfig, CanaryConfig):
         max_resident_gib: float = Field(
-            ..., gt=0, description="GPU memory the kept groups may hold through the pause, GiB"
-        )
+            ..., gt=0, description="GPU memory the kept groups may hold through the pause, GiB")
 
     config: Config
 
@@ -262,21 +212,13 @@ class AutoPolicy(ProcessGroupPolicy):
         held = snapshot.resident_bytes / _GIB
         if held > budget:
             return _deferred(self.spec, wait, f"groups hold {held:.2f} GiB > budget {budget:g} GiB", rebuild)
-        return GroupDirective.keep(
-            self.spec,
-            f"groups hold {held:.2f} GiB <= budget {budget:g} GiB: keep alive",
-            canary_timeout_s=self.config.canary_timeout_s,
-        )
+        return GroupDirective.keep(self.spec, f"groups hold {held:.2f} GiB <= budget {budget:g} GiB: keep alive",
+                                   canary_timeout_s=self.config.canary_timeout_s)
 
 
 def _deferred(policy: str, wait_s: float, why: str, rebuild: RebuildMode = RebuildMode.SEPARATE) -> GroupDirective:
-    return GroupDirective.destroy(
-        policy,
-        f"{why}; wait up to {wait_s:g} s before the next rebuild",
-        wait_s=wait_s,
-        wait_point=WaitPoint.BEFORE_REBUILD,
-        rebuild=rebuild,
-    )
+    return GroupDirective.destroy(policy, f"{why}; wait up to {wait_s:g} s before the next rebuild", wait_s=wait_s,
+                                  wait_point=WaitPoint.BEFORE_REBUILD, rebuild=rebuild)
 
 
 def _gib(nbytes: int | None) -> str:

@@ -1,11 +1,9 @@
 """Finds a policy class by name: a built-in, an entry point in group ``colocd.policies``, or ``module:Class``.
 
-A ``module:Class`` is imported only when the caller's allow-list names it (``plugins``): a policy document
-can arrive over HTTP, and importing a module runs its code. Entry points are installed by the operator and
-need no listing.
-
-Import errors are split the way uvicorn's ``importer.py`` splits them: "module not found" is the
-operator's typo; "the module's own import failed" is the plugin's bug, reported with its cause.
+A ``module:Class`` is imported only when the caller's allow-list names it (``plugins``): a policy document can
+arrive over HTTP, and importing a module runs its code; entry points are installed by the operator. Import errors
+are split as uvicorn's ``importer.py`` splits them: "module not found" is the operator's typo; "the module's own
+import failed" is the plugin's bug, reported with its cause.
 """
 
 from __future__ import annotations
@@ -29,16 +27,7 @@ from .process_groups import (
     SuspendPolicy,
 )
 
-__all__ = [
-    "ANY_PLUGIN",
-    "BUILTINS",
-    "DEFAULT_NAMES",
-    "ENTRY_POINT_GROUP",
-    "FAMILY_BASES",
-    "import_from_string",
-    "plugin_allowed",
-    "resolve_policy",
-]
+__all__ = ["ANY_PLUGIN", "BUILTINS", "DEFAULT_NAMES", "ENTRY_POINT_GROUP", "resolve_policy"]
 
 ENTRY_POINT_GROUP = "colocd.policies"
 
@@ -47,32 +36,22 @@ def _table(*classes: type[Policy]) -> Mapping[str, type[Policy]]:
     return MappingProxyType({cls.name: cls for cls in classes})
 
 
-BUILTINS: Mapping[Family, Mapping[str, type[Policy]]] = MappingProxyType(
-    {
-        Family.PROCESS_GROUPS: _table(
-            DestroyPolicy, DeferredCooldownPolicy, KeepAlivePolicy, SuspendPolicy, AutoPolicy
-        ),
-        Family.PIPELINE: _table(SerialPolicy, OverlapPolicy),
-        Family.CLEANUP: _table(EmptyCachePolicy, AggressiveCleanupPolicy, NoCleanupPolicy),
-    }
-)
+BUILTINS: Mapping[Family, Mapping[str, type[Policy]]] = MappingProxyType({
+    Family.PROCESS_GROUPS: _table(DestroyPolicy, DeferredCooldownPolicy, KeepAlivePolicy, SuspendPolicy, AutoPolicy),
+    Family.PIPELINE: _table(SerialPolicy, OverlapPolicy),
+    Family.CLEANUP: _table(EmptyCachePolicy, AggressiveCleanupPolicy, NoCleanupPolicy),
+})
 
 # deferred_cooldown: same safety as the seed's destroy, the wait usually hidden behind rollout, and
 # no paused-window memory; keep_alive/auto need an operator to accept their memory cost.
 DEFAULT_NAMES: Mapping[Family, str] = MappingProxyType(
-    {Family.PROCESS_GROUPS: "deferred_cooldown", Family.PIPELINE: "overlap", Family.CLEANUP: "empty_cache"}
-)
+    {Family.PROCESS_GROUPS: "deferred_cooldown", Family.PIPELINE: "overlap", Family.CLEANUP: "empty_cache"})
 
-FAMILY_BASES: Mapping[Family, type[Policy]] = MappingProxyType(
-    {
-        Family.PROCESS_GROUPS: ProcessGroupPolicy,
-        Family.PIPELINE: PipelinePolicy,
-        Family.CLEANUP: CleanupPolicy,
-    }
-)
+_BASES: Mapping[Family, type[Policy]] = MappingProxyType(
+    {Family.PROCESS_GROUPS: ProcessGroupPolicy, Family.PIPELINE: PipelinePolicy, Family.CLEANUP: CleanupPolicy})
 
 
-def import_from_string(spec: str) -> Any:
+def _import_from_string(spec: str) -> Any:
     """Import ``"package.module:Attr.Inner"``; raise PluginNotFoundError or PluginImportError."""
     module_name, _, attrs = spec.partition(":")
     if not module_name or not attrs:
@@ -99,31 +78,29 @@ def import_from_string(spec: str) -> Any:
 ANY_PLUGIN: frozenset[str] = frozenset({"*:*"})
 
 
-def plugin_allowed(spec: str, plugins: frozenset[str]) -> bool:
+def _plugin_allowed(spec: str, plugins: frozenset[str]) -> bool:
     """``spec`` (``module:Class``) is listed exactly, or its module is listed as ``module:*``."""
     module = spec.partition(":")[0]
     return plugins == ANY_PLUGIN or spec in plugins or f"{module}:*" in plugins
 
 
 def resolve_policy(family: Family, name: str, *, plugins: frozenset[str] = ANY_PLUGIN) -> type[Policy]:
-    """Return the policy class ``name`` designates in ``family``, or raise a PolicyError saying why not.
-
-    ``plugins``: the ``module:Class`` specs that may be imported (``module:*`` for a whole module).
-    """
+    """The policy class ``name`` designates in ``family``, or a PolicyError saying why not; ``plugins``: the
+    ``module:Class`` specs that may be imported (``module:*`` for a whole module)."""
     builtin = BUILTINS[family].get(name)
     if builtin is not None:
         return builtin
     if ":" in name:
-        if not plugin_allowed(name, plugins):
+        if not _plugin_allowed(name, plugins):
             listed = ", ".join(sorted(plugins)) or "none"
             raise PolicyError(
                 f"plugin {name!r} is not in this node's allow-list (policy_plugins in the node config; "
                 f"listed: {listed}); install it as an entry point in group {ENTRY_POINT_GROUP!r} or list it there")
-        found = import_from_string(name)
+        found = _import_from_string(name)
         origin = repr(name)
     else:
         found, origin = _from_entry_point(family, name)
-    base = FAMILY_BASES[family]
+    base = _BASES[family]
     if not (isinstance(found, type) and issubclass(found, base)):
         other = _family_of(found)
         what = f"a {other} policy" if other else f"not a {base.__name__} subclass"
@@ -135,21 +112,17 @@ def _from_entry_point(family: Family, name: str) -> tuple[Any, str]:
     matches = list(metadata.entry_points(group=ENTRY_POINT_GROUP, name=name))
     if not matches:
         known = ", ".join(BUILTINS[family])
-        raise PluginNotFoundError(
-            f"unknown {family} policy {name!r}: not a built-in ({known}), not '<module>:<Class>', "
-            f"and no entry point {name!r} in group {ENTRY_POINT_GROUP!r}"
-        )
+        raise PluginNotFoundError(f"unknown {family} policy {name!r}: not a built-in ({known}), not "
+                                  f"'<module>:<Class>', and no entry point {name!r} in group {ENTRY_POINT_GROUP!r}")
     if len({ep.value for ep in matches}) > 1:
         # Two installed distributions claim the name; picking one silently would depend on sys.path order.
         values = ", ".join(sorted({ep.value for ep in matches}))
         raise PolicyError(f"entry point {name!r} in group {ENTRY_POINT_GROUP!r} is ambiguous: {values}")
     value = matches[0].value
-    return import_from_string(value), f"entry point {name!r} ({value})"
+    return _import_from_string(value), f"entry point {name!r} ({value})"
 
 
 def _family_of(obj: Any) -> str | None:
     if isinstance(obj, type):
-        for family, base in FAMILY_BASES.items():
-            if issubclass(obj, base):
-                return str(family)
+        return next((str(family) for family, base in _BASES.items() if issubclass(obj, base)), None)
     return None

@@ -1,8 +1,4 @@
-"""Plain settings carried in the policy document: engine release behaviour, how weights sync (timeouts:
-``timeouts.py``).
-
-These are values, not pluggable policies; the daemon reads them at each transition.
-"""
+"""Plain settings of the policy document (values, not pluggable policies): engine release, weight sync, adapters."""
 
 from __future__ import annotations
 
@@ -10,8 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["DEFAULT_PAUSE_MODE", "AdapterSettings", "EngineSettings", "PauseModeName", "ReleaseTag", "SecondBuffer",
-           "SyncMode", "SyncSettings", "VerifyMode"]
+__all__ = ["DEFAULT_PAUSE_MODE", "AdapterSettings", "EngineSettings", "PauseModeName", "SyncSettings", "VerifyMode"]
 
 ReleaseTag = Literal["weights", "kv_cache", "cuda_graph"]
 PauseModeName = Literal["abort", "retract", "in_place"]

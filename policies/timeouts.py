@@ -1,9 +1,5 @@
-"""Every step the daemon times, and one ``Timeouts`` model for the node config and the policy document.
-
-The node config's ``timeouts`` are the node's defaults; a policy document's ``timeouts`` override
-exactly the fields it sets (``Timeouts.over``). The daemon merges the two once, when a policy set is
-staged or the node starts, and reads budgets only through ``budget(Budget.X)``.
-"""
+"""Every step the daemon times, and one ``Timeouts`` model for the node config and the policy document: the
+node config's are the defaults, a document overrides exactly the fields it sets (``Timeouts.over``)."""
 
 from __future__ import annotations
 
@@ -50,7 +46,6 @@ SESSION_IDLE_S = (1.0, 3600.0)
 
 
 def _seconds(default: float | None, description: str, bounds: tuple[float, float] = STEP_S) -> Any:
-    """A duration field: ``bounds`` inclusive, ``None`` (where allowed) meaning ``default_s``."""
     return Field(default, ge=bounds[0], le=bounds[1], description=description)
 
 

@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import hashlib
+
 import httpx
 import torch
 import torch.distributed as dist
@@ -45,7 +47,6 @@ import torch.multiprocessing as mp
 
 from colocd.api.client import AsyncColocdClient
 from colocd.api.procs import DaemonProcess
-from colocd.demo.loop import sglang_digest
 from colocd.engines.chunks import dtype_name
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.trainer import WeightPusher
@@ -127,6 +128,11 @@ async def sync_weights(c: AsyncColocdClient, model: ShardedModel, step: int, *, 
         await c.phase("rollout", step)
     dist.barrier()
     return {"chunks": chunks, "plans": plans, "feeds": (pusher.last_join or {}).get("feeds"), "commit": commit}
+
+
+def sglang_digest(t: torch.Tensor) -> str:
+    """SGLang's ``/weights_checker`` checksum of one tensor: the first 8 bytes of the sha256 of its bytes."""
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).digest()[:8].hex()
 
 
 async def engine_checksums(urls: dict[str, str]) -> dict[str, list[dict[str, str]]]:

@@ -210,7 +210,7 @@ async def test_a_flat_list_of_131k_nodes_is_refused_at_the_node_limit_without_st
 def _refusal_cpu_s(document: bytes) -> float:
     """CPU seconds the refusal of ``document`` costs here, under the daemon's default limits."""
     from colocd.daemon.config import Limits
-    from colocd.policies.loader import PolicyError, YamlLimits, load_policy_yaml
+    from colocd.policies import PolicyError, YamlLimits, load_policy_yaml
 
     limits = Limits()
     t0 = time.thread_time()

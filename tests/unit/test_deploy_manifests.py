@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from colocd.daemon.config import NodeConfig
-from colocd.policies.loader import load_policy_yaml
+from colocd.policies import load_policy_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "deploy/kubernetes/colocd.yaml"

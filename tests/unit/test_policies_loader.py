@@ -183,7 +183,9 @@ def test_malformed_documents_are_policy_errors(text: str, needle: str) -> None:
 
 def test_policy_error_serialises_for_an_http_400() -> None:
     err = error("apiVersion: colocd/v1\ntimeouts: {default_s: 0}\n")
-    assert err.to_dict() == {"message": err.message, "field": "timeouts.default_s", "line": 2, "column": 23}
+    assert err.http_status == 400
+    assert err.http_body() == {"error": "PolicyError", "message": str(err), "field": "timeouts.default_s", "line": 2,
+                               "column": 23}
 
 
 def test_fingerprint_ignores_layout_comments_and_defaults_spelled_out() -> None:

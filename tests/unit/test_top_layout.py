@@ -31,7 +31,7 @@ def _snapshot() -> Snapshot:
                                             "wake": 0.5, "cleanup": 1.25, "groups": 0.0312}} for i in range(3)]
     gpus = {"0": {"used": 75.5 * GIB, "free": 64.0 * GIB, "total": 139.5 * GIB},
             "1": {"used": 1.5 * GIB, "free": 138.0 * GIB, "total": 139.5 * GIB}}
-    return Snapshot(url="http://127.0.0.1:7000", status=status, steps=steps, gpus=gpus, nvml=True,
+    return Snapshot(url="http://127.0.0.1:7000", status=status, steps=steps, gpus=gpus,
                     restarts={"vllm1": 3.0}, taken_at=0.0)
 
 
