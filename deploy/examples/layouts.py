@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -37,8 +38,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import hashlib
 
 import httpx
 import torch
