@@ -131,7 +131,8 @@ async def sync_weights(c: AsyncColocdClient, model: ShardedModel, step: int, *, 
 
 def sglang_digest(t: torch.Tensor) -> str:
     """SGLang's ``/weights_checker`` checksum of one tensor: the first 8 bytes of the sha256 of its bytes."""
-    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).digest()[:8].hex()
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).digest()[:8].hex()
 
 
 async def engine_checksums(urls: dict[str, str]) -> dict[str, list[dict[str, str]]]:
