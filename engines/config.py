@@ -154,12 +154,6 @@ class VLLMEngineConfig(_EngineBase):
     kind: Literal["vllm"] = "vllm"
     model_path: str | None = Field(None, description="model to serve when colocd launches the server")
     sleep_level: int = Field(2, ge=0, le=2, description="level for /sleep; 2 discards weights")
-    weight_transfer_backend: str | None = Field(
-        "colocd",
-        description="--weight-transfer-config backend: 'colocd' (our extension's backend: shm, cuda_ipc and "
-        "disk chunks), 'ipc' (vLLM's own, cuda_ipc chunks only), or null (no native weight transfer: "
-        "chunks go to the colocd worker extension through /collective_rpc)",
-    )
     python: str | None = Field(
         None, description="interpreter of the venv that holds vLLM, used to launch it; default $COLOCD_VLLM_PYTHON"
     )

@@ -16,9 +16,9 @@ Cut-overs as read: 0.5.5 has no ``PauseGenerationReqInput`` and 0.5.6 has it
 (``http_server.py:1400``). Versions newer than the newest known are assumed to speak V0_5_23.
 
 The version picks a band; the routes the server publishes (FastAPI's ``/openapi.json``, served unless SGLang's
-``DISABLE_OPENAPI_DOC`` is set, 0.5.20 ``http_server.py:459-462``) then settle what a route decides: whether an
-update needs a session (``/begin_weight_update``), ``/ready`` and ``/weights_checker`` (``negotiated``). So a
-pre-release or a backport is driven by what it answers, not by where its number falls. The live tier runs
+``DISABLE_OPENAPI_DOC`` is set, 0.5.20 ``http_server.py:459-462``) then settle whether an update needs a session
+(``/begin_weight_update``, ``negotiated``). So a pre-release or a backport is driven by what it answers, not by
+where its number falls. The live tier runs
 ``TESTED``; outside that range the adapter attaches with a one-line warning (``untested_warning``).
 """
 
@@ -70,18 +70,8 @@ class SGLangProtocol:
     # update_weights_from_{tensor,distributed} answer success=false unless a session is open
     # (0.5.23 scheduler_components/weight_updater.py:190-199,233-240).
     weight_update_session: bool
-    # Where the current weight version is read, and the JSON key holding it.
+    # Where the current weight version is read (its JSON key is ``weight_version``).
     weight_version_route: str
-    model_info_route: str
-    server_info_route: str
-    # GET /ready: 503 while paused (0.5.23 http_server.py:714); None where the route does not exist.
-    ready_route: str | None
-    weights_checker_route: str | None
-    # /flush_cache accepts ?timeout= to defer the flush until idle (0.5.23 http_server.py:1027).
-    flush_timeout_query: bool
-    # The consumer unpickles update payloads through SafeUnpickler's allow-list
-    # (0.5.23 utils/common.py:3144); older ones use a plain pickle load.
-    safe_unpickler: bool
     # Request fields this band's SGLang does not have, per io_struct class name. wire.body() drops
     # them when they hold SGLang's default and refuses a non-default value, because SGLang ignores
     # unknown keys (msgspec_utils.py extra_behavior="ignore") and the request would silently
@@ -100,9 +90,6 @@ class SGLangProtocol:
     def has_struct(self, struct: str) -> bool:
         return struct not in self.absent_structs
 
-    def supports_pause_mode(self, mode: PauseMode) -> bool:
-        return mode in self.pause_modes
-
 
 _ALL_MODES = (PauseMode.ABORT, PauseMode.RETRACT, PauseMode.IN_PLACE)
 
@@ -114,12 +101,6 @@ V0_5_23 = SGLangProtocol(
     pause_modes=_ALL_MODES,
     weight_update_session=True,
     weight_version_route="/model_info",  # http_server.py:812; /get_weight_version is gone
-    model_info_route="/model_info",  # http_server.py:812 (/get_model_info:802 is a deprecated alias)
-    server_info_route="/server_info",  # http_server.py:863 (/get_server_info:853 deprecated)
-    ready_route="/ready",  # http_server.py:714
-    weights_checker_route="/weights_checker",  # http_server.py:1599
-    flush_timeout_query=True,
-    safe_unpickler=True,
 )
 
 # Read from the 0.5.9 wheel (the base slime builds on); 0.5.6 and 0.5.14-0.5.20 were checked for
@@ -132,12 +113,6 @@ PRE_SESSION = SGLangProtocol(
     pause_modes=_ALL_MODES,  # 0.5.9 io_struct.py:1275
     weight_update_session=False,
     weight_version_route="/model_info",  # 0.5.9 http_server.py:553; /get_weight_version:573 raises 404
-    model_info_route="/model_info",
-    server_info_route="/server_info",  # 0.5.9 http_server.py:593
-    ready_route=None,  # first seen in 0.5.20
-    weights_checker_route="/weights_checker",  # 0.5.9 http_server.py:1156 (POST only)
-    flush_timeout_query=False,  # 0.5.9 http_server.py:712 takes no query; 0.5.14 does
-    safe_unpickler=False,
     absent_fields=(
         ("ContinueGenerationReqInput", ("torch_empty_cache",)),
         ("UpdateWeightsFromTensorReqInput", ("selector", "torch_empty_cache")),
@@ -156,12 +131,6 @@ LEGACY = SGLangProtocol(
     pause_modes=(PauseMode.ABORT,),
     weight_update_session=False,
     weight_version_route="/get_weight_version",  # 0.5.4 http_server.py:488
-    model_info_route="/get_model_info",  # 0.5.4 http_server.py:475 (no /model_info)
-    server_info_route="/get_server_info",  # 0.5.4 http_server.py:496 (no /server_info)
-    ready_route=None,
-    weights_checker_route=None,
-    flush_timeout_query=False,  # 0.5.4 http_server.py:609
-    safe_unpickler=False,
     absent_fields=(
         ("UpdateWeightsFromTensorReqInput", ("selector", "torch_empty_cache")),
         ("UpdateWeightsFromDistributedReqInput", ("load_format", "selector", "torch_empty_cache")),
@@ -233,8 +202,8 @@ _SESSION_STRUCTS = ("BeginWeightUpdateReqInput", "EndWeightUpdateReqInput")
 
 
 def negotiated(protocol: SGLangProtocol, routes: Set[str] | None) -> SGLangProtocol:
-    """``protocol`` (the version's band) with what the published ``routes`` settle: the weight-update session, /ready
-    and /weights_checker. ``routes`` None (no route table) keeps the band as it is."""
+    """``protocol`` (the version's band) with the weight-update session as the published ``routes`` settle it.
+    ``routes`` None (no route table) keeps the band as it is."""
     if routes is None:
         return protocol
     session = "/begin_weight_update" in routes and "/end_weight_update" in routes
@@ -242,13 +211,7 @@ def negotiated(protocol: SGLangProtocol, routes: Set[str] | None) -> SGLangProto
     if not session:  # the session's structs absent too, in the band's own order where it lists them
         absent = protocol.absent_structs if set(_SESSION_STRUCTS) <= set(protocol.absent_structs) else (
             *absent, *_SESSION_STRUCTS)
-    settled = replace(
-        protocol,
-        weight_update_session=session,
-        ready_route="/ready" if "/ready" in routes else None,
-        weights_checker_route="/weights_checker" if "/weights_checker" in routes else None,
-        absent_structs=absent,
-    )
+    settled = replace(protocol, weight_update_session=session, absent_structs=absent)
     return protocol if settled == protocol else replace(settled, name=f"{protocol.name}+routes")
 
 

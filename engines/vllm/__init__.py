@@ -12,11 +12,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .adapter import VLLMAdapter
 
-__all__ = ["BACKEND_NAME", "VLLMAdapter"]
+__all__ = ["EXTENSION_CLS", "VLLMAdapter"]
 
-# The weight-transfer backend the extension registers in vLLM's workers; here, not in extension.py, so
-# the launcher names it without importing torch.
-BACKEND_NAME = "colocd"
+EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"  # --worker-extension-cls
 
 
 def __getattr__(name: str) -> Any:

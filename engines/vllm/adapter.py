@@ -13,9 +13,9 @@ Verb → route (research/engine-apis.md §2, §6.2):
     flush_cache          POST /reset_prefix_cache
     release_memory       POST /sleep?level=L&mode=M, or /release_kv_cache_memory for kv_cache alone
     resume_memory        POST /wake_up?tags=weights&tags=kv_cache
-    begin_weight_update  POST /init_weight_transfer_engine (once), /start_weight_update
-    load_weights         POST /update_weights, or /collective_rpc colocd_load_chunk without a backend
-    end_weight_update    POST /finish_weight_update {"weight_version"} (extension: then /update_weight_version)
+    begin_weight_update  /collective_rpc colocd_begin_update (the worker extension, extension.py)
+    load_weights         /collective_rpc colocd_load_chunk
+    end_weight_update    /collective_rpc colocd_finish_update, then POST /update_weight_version
     weight_digests       /collective_rpc colocd_received_digests (engines/digest.py, per tensor as it arrived)
     load_lora_adapter    POST /v1/load_lora_adapter {"lora_name", "lora_path"} (with VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     unload_lora_adapter  POST /v1/unload_lora_adapter {"lora_name"}
@@ -24,7 +24,7 @@ Verb → route (research/engine-apis.md §2, §6.2):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import httpx
 from pydantic import BaseModel, JsonValue, ValidationError
@@ -42,17 +42,13 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import VLLMEngineConfig
-from . import wire
-from .errors import map_transport_errors, raise_for_status
+from ..httpmap import check_reply, map_http_errors
+from . import EXTENSION_CLS, wire
 from .protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES, VLLMRoutes, lacking, warn_if_untested
 
 __all__ = ["VLLMAdapter"]
 
 _M = TypeVar("_M", bound=BaseModel)
-
-# init_info per backend for /init_weight_transfer_engine: ours needs nothing; vLLM's ipc backend must
-# agree with the trainer on packing, and colocd's cuda_ipc chunks are packed (ipc_engine.py:36-44).
-_INIT_INFO: dict[str, dict[str, JsonValue]] = {wire.BACKEND_COLOCD: {}, "ipc": {"packed": True}}
 
 # vLLM publishes its adapter routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (serve/lora/api_router.py:30-32).
 _LORA_LOAD, _LORA_UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
@@ -98,8 +94,6 @@ class VLLMAdapter:
         self._headers = {"Connection": "close"}
         if config.api_key:
             self._headers["Authorization"] = f"Bearer {config.api_key}"
-        self._backend = config.weight_transfer_backend
-        self._transfer_initialised = False
         self._extension: wire.ExtensionInfo | None = None  # rank 0's colocd_info at attach; None: no extension
         # Wire-level memory, not engine state: the mode of the pause this adapter issued last. /sleep re-pauses
         # with its own ``mode`` (core.py:959-975); see ``_sleep_mode``.
@@ -107,7 +101,7 @@ class VLLMAdapter:
         # What attach read from the server: its version and the routes it answers (protocol.py).
         self._version = "unknown"
         self._routes = VLLMRoutes(None)
-        self._pending_version: str | None = None
+        self._pending_version: str | None = None  # the version the update's chunks carry
         self._flush_after_update = False
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -120,15 +114,15 @@ class VLLMAdapter:
         params: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None,  # (key, value) pairs: repeats
         json: JsonValue = None,
     ) -> httpx.Response:
-        with map_transport_errors(self.name, method, path):
+        what = f"{method} {path}"
+        with map_http_errors(self.name, what):
             response = await self._client.request(
                 method, self._base + path, params=params, json=json, headers=self._headers
             )
         if response.status_code == 404 and (path in OPTIONAL_ROUTES or path in REQUIRED_ROUTES):
             # A route this server lacks (a release without it, or dev mode off): say which, not a bare 404.
             raise EngineProtocolError(self.name, lacking(path, self._version))
-        raise_for_status(self.name, method, path, response)
-        return response
+        return check_reply(self.name, what, response)
 
     def _parse(self, model: type[_M], response: httpx.Response, path: str) -> _M:
         try:
@@ -174,10 +168,7 @@ class VLLMAdapter:
 
     @property
     def transports(self) -> frozenset[Transport]:
-        """vLLM's own ipc backend takes packed CUDA-IPC chunks only (ipc_engine.py:36-44); the colocd worker
-        extension (no backend, or ``colocd``) reads shm, disk and cuda_ipc (``extension.py``)."""
-        if self._backend == "ipc":
-            return frozenset({Transport.CUDA_IPC})
+        """What the colocd worker extension reads (``extension.py``): shm and disk, and cuda_ipc on a GPU."""
         device = self._extension.device if self._extension is not None else "cuda"  # the extension says after attach
         cuda = {Transport.CUDA_IPC} if device.startswith("cuda") else set()
         return frozenset({Transport.SHM, Transport.DISK, *cuda})
@@ -186,7 +177,6 @@ class VLLMAdapter:
 
     async def attach(self) -> EngineInfo:
         """Probe the version and the dev routes; read weight version, TP size and the extension."""
-        self._transfer_initialised = False  # a (re)attached server may be a new process: initialise again
         self._pause_mode = None
         version = self._parse(wire.VersionReply, await self._call("GET", "/version"), "/version").version
         self._version = version
@@ -225,7 +215,6 @@ class VLLMAdapter:
             extra={
                 "extension": None if self._extension is None else self._extension.model_dump(),
                 "extension_error": extension_error,
-                "weight_transfer_backend": self._backend,
                 "routes_lacking": sorted(r for r in OPTIONAL_ROUTES if not self._routes.has(r)),
                 "sleep_level": self._config.sleep_level,
                 # What the daemon's state machine must know about vLLM (core.py:959-1018):
@@ -258,9 +247,7 @@ class VLLMAdapter:
         session: bool | None = None
         if self._extension is not None:
             info = await self._colocd_info()
-            incarnation = info.boot_id
-            if self._session_kind == "rpc":
-                session = info.update_active
+            incarnation, session = info.boot_id, info.update_active
         sleeping = await self._is_sleeping()
         resident = None if sleeping else {t: True for t in self._config.owned_tags if t in wire.SLEEP_TAGS}
         return Observation(incarnation=incarnation,
@@ -348,74 +335,44 @@ class VLLMAdapter:
 
     # -- weights ----------------------------------------------------------------------------
 
-    @property
-    def _session_kind(self) -> Literal["native", "rpc"]:
-        return "native" if self._backend else "rpc"
-
     async def begin_weight_update(self) -> None:
-        """Open an update: native /start_weight_update (initialising transfer once), or the extension's.
+        """Open an update in every worker's extension.
 
         vLLM lists no parameters: ``/weight_info`` holds only the version, and the worker's own parameters
-        (what the extension could list) are vLLM's fused layout (``qkv_proj``, ``gate_up_proj``), not the HF
-        names a trainer sends; so the daemon compares a push after a discard with the last complete one."""
+        are vLLM's fused layout (``qkv_proj``, ``gate_up_proj``), not the HF names a trainer sends; so the
+        daemon compares a push after a discard with the last complete one."""
+        self._require_extension()
         self._pending_version, self._flush_after_update = None, False
-        if self._session_kind == "rpc":
-            await self._rpc("colocd_begin_update")
-            return
-        if not self._transfer_initialised:
-            init_info = _INIT_INFO.get(self._backend or "", {})
-            try:
-                await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
-            except EngineRejected as exc:
-                if "Weight transfer not configured" in exc.detail:  # gpu_worker.py:1477-1482
-                    raise EngineProtocolError(
-                        self.name,
-                        f"the server runs without --weight-transfer-config but the config says "
-                        f"weight_transfer_backend={self._backend!r}; relaunch with it, or set it to null "
-                        "to load chunks through the colocd worker extension",
-                    ) from exc
-                raise
-            self._transfer_initialised = True
-        await self._call("POST", "/start_weight_update")
+        await self._rpc("colocd_begin_update")
 
     async def load_weights(self, load: ChunkLoad) -> None:
-        """Send one chunk. vLLM replies after the copy is done (base.py update_weights synchronises)."""
-        if self._backend == "ipc":
-            try:
-                info: JsonValue = wire.ipc_update_info(load.payloads)
-            except ValueError as exc:
-                raise EngineProtocolError(self.name, f"chunk {load.seq}: {exc}") from None
-        else:
-            info = wire.colocd_update_info(load.seq, load.payloads)
-        if self._session_kind == "native":
-            await self._call("POST", "/update_weights", json={"update_info": info})
-        else:
-            await self._rpc("colocd_load_chunk", info)
+        """Send one chunk; every worker replies once its copy is done."""
+        await self._rpc("colocd_load_chunk", wire.update_info(load.seq, load.payloads))
         if load.weight_version is not None:
             self._pending_version = load.weight_version
         self._flush_after_update |= load.flush_cache
 
     async def end_weight_update(self, version: str | None = None) -> None:
-        """Close the update; the version given, else the one carried by the chunks, lands with it
-        (finish_weight_update)."""
+        """Close the update, then set ``version`` (else the one the chunks carried) and flush if a chunk asked."""
         version, self._pending_version = version if version is not None else self._pending_version, None
-        if self._session_kind == "native":
-            await self._call("POST", "/finish_weight_update", json={"weight_version": version})
-        else:
-            await self._rpc("colocd_finish_update")
-            if version is not None:
-                await self._call("POST", "/update_weight_version", json={"new_version": version})
+        await self._rpc("colocd_finish_update")
+        if version is not None:
+            await self._call("POST", "/update_weight_version", json={"new_version": version})
         if self._flush_after_update:
             self._flush_after_update = False
             await self.flush_cache()
+
+    def _require_extension(self) -> None:
+        if self._extension is None:
+            raise EngineProtocolError(self.name, "vLLM loads colocd's chunks only through colocd's worker extension: "
+                                      f"launch it with --worker-extension-cls {EXTENSION_CLS}")
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """The digests (engines/digest.py) colocd's worker extension computed over each tensor as it loaded it,
         one dict per TP worker; without the extension vLLM reports none."""
         if self._extension is None:
             return EngineDigests(None, "vLLM without colocd's worker extension reports no weight digests (launch it "
-                                       "with --worker-extension-cls colocd.engines.vllm.extension."
-                                       "ColocdWorkerExtension)")
+                                       f"with --worker-extension-cls {EXTENSION_CLS})")
         ranks = await self._rpc_each(wire.ReceivedDigests, "colocd_received_digests", list(names))
         return EngineDigests(tuple(dict(r.root) for r in ranks))
 

@@ -23,11 +23,10 @@ from urllib.parse import urlsplit
 from ...errors import EngineLaunchError
 from ..config import LaunchConfig, VLLMEngineConfig
 from ..processes import Launched, LaunchOptions, flag_values, gpu_environment, launch_until_healthy
-from . import BACKEND_NAME, cpu_isa
+from . import EXTENSION_CLS, cpu_isa
 
 __all__ = ["EXTENSION_CLS", "build_command", "check_cpu_isa", "launch_vllm"]
 
-EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"
 logger = logging.getLogger(__name__)
 _PROBE = """
 import importlib.metadata as md, importlib.util as u, json, os
@@ -53,12 +52,12 @@ print(json.dumps({"dist": dist, "version": version, "entry": entry,
 _OWNED_FLAGS = {
     "--host": "host (colocd binds 127.0.0.1)", "--port": "port (from 'url' or picked free)",
     "--model": "model_path", "--served-model-name": "name", "--tensor-parallel-size": "tp_size", "-tp": "tp_size",
-    "--weight-transfer-config": "weight_transfer_backend", "--api-key": "api_key",
+    "--api-key": "api_key",
 }  # fmt: skip
 
 
 def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, *, cpu: bool) -> list[str]:
-    """The server's argv: served model, loopback, extension, weight transfer, sleep mode on GPU."""
+    """The server's argv: served model, loopback, extension, sleep mode on GPU."""
     if config.model_path is None:
         raise EngineLaunchError(config.name, "set 'model_path' to launch vLLM")
     launch = config.launch or LaunchConfig.model_validate({})
@@ -73,8 +72,6 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
     ]  # fmt: skip
     if config.tp_size > 1:
         cmd += ["--tensor-parallel-size", str(config.tp_size)]
-    if config.weight_transfer_backend:
-        cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
     if not cpu:
         # Rejected on CPU at config time ("Sleep mode is not supported on current platform",
         # config/model.py:655-657); the /sleep routes exist without it but free nothing.
@@ -111,10 +108,9 @@ def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
     env = {**os.environ, **launch.env}
     env["VLLM_SERVER_DEV_MODE"] = "1"  # registers the sleep/cache/rpc and RL routers (routers.py:40-47)
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # else the engine's message queue binds the host's address
-    if not cpu and config.weight_transfer_backend in ("ipc", BACKEND_NAME):
-        # CUDA IPC handles arrive pickled (ipc_engine.py:84-92); our extension honours the same gate.
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not cpu:
+        # CUDA IPC handles arrive pickled; the extension honours vLLM's own gate (ipc_engine.py:84-92).
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         gpu_environment(config.name, env, launch.env, config.gpu_uuids or [str(g) for g in config.gpus],
                         config.tp_size)
     if not env.get("VLLM_CPU_KVCACHE_SPACE"):

@@ -6,8 +6,6 @@ research/engine-versions.md §A):
 
     route / reply                       0.29.0                     0.32.0
     POST /release_kv_cache_memory       absent (404)               serve/dev/sleep/api_router.py:37-41
-    POST /shutdown_weight_transfer_engine absent (404)             rl/online/api_router.py:171-175
-    POST /weight_checker                absent (404)               rl/online/api_router.py:229-263
     POST /sleep, POST /wake_up          200, empty body            {"status", "level"} / {"status", "tags"}
                                         (serve/dev/sleep/api_router.py:21-38)
 
@@ -42,15 +40,12 @@ TESTED = ("0.29.0", "0.32.0")
 REQUIRED_ROUTES = (
     "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
     "/collective_rpc", "/get_world_size", "/weight_info", "/update_weight_version",
-    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
 )
 """Every route the adapter's verbs use that every tested release has (0.29 serve/dev/rlhf/api_router.py,
 0.32 rl/online/api_router.py; all registered only with ``VLLM_SERVER_DEV_MODE=1``)."""
 
 OPTIONAL_ROUTES: dict[str, str] = {
     "/release_kv_cache_memory": "releasing kv_cache alone (vLLM 0.32's serve/dev/sleep/api_router.py:37)",
-    "/shutdown_weight_transfer_engine": "shutting the weight-transfer engine down (0.32 rl/online/api_router.py:171)",
-    "/weight_checker": "vLLM's own weight checksums (0.32 rl/online/api_router.py:229)",
 }
 """Routes newer releases add, with what they are for: a server without one is still driven, minus that."""
 

@@ -12,11 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, RootModel, StrictBool, StrictStr
 
+from ...policies import Transport
 from ..base import ChunkPart, MemoryTag, PauseMode
-from ..handles import CudaIpcRoute
 
 __all__ = [
-    "BACKEND_COLOCD",
     "PAUSE_MODES",
     "SLEEP_TAGS",
     "CollectiveRpcReply",
@@ -30,15 +29,11 @@ __all__ = [
     "WakeUpReply",
     "WeightInfoReply",
     "WorldSizeReply",
-    "colocd_update_info",
-    "ipc_update_info",
     "rpc_body",
+    "update_info",
     "vllm_tags",
     "wake_query",
 ]
-
-BACKEND_COLOCD = "colocd"
-"""Name our extension registers with vLLM's WeightTransferEngineFactory (extension.py)."""
 
 # colocd pause modes (SGLang's names) -> vLLM PauseMode (v1/engine/__init__.py:32, core.py:2061).
 #   abort    -> "abort": in-flight requests finish with finish_reason "abort"; new ones wait (503 in 0.33).
@@ -89,40 +84,14 @@ def rpc_body(
     return body
 
 
-def _payload_json(p: ChunkPart) -> dict[str, JsonValue]:
-    # The handle as the trainer sent it is the extension's input (extension.py reads its own keys).
-    return {"rank": p.rank, "transport": p.transport, "nbytes": p.nbytes, "handle": p.handle}
-
-
-def colocd_update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, JsonValue]:
-    """``update_info`` for our ``colocd`` weight-transfer backend (and the extension's RPC).
-
-    One dict for every worker: each worker picks its own payload (by GPU UUID for cuda_ipc, by TP
-    rank for shm/disk, or the only one), because /collective_rpc cannot address workers one by one.
-    """
-    return {"seq": seq, "payloads": [_payload_json(p) for p in payloads]}
-
-
-_IPC_KEYS = ("names", "dtype_names", "shapes", "tensor_sizes", "ipc_handles_pickled")
-
-
-def ipc_update_info(payloads: tuple[ChunkPart, ...]) -> JsonValue:
-    """``update_info`` for vLLM's built-in ``ipc`` backend, packed mode (ipc_engine.py:63-120).
-
-    The trainer's cuda_ipc handle already carries vLLM's packed fields (the engine's own keys, which no colocd
-    handle model names: forwarded as sent); the daemon never unpickles ``ipc_handles_pickled``. With several
-    TP ranks, each rank's handle dict holds only its own GPU, so we send a list indexed by worker rank
-    (gpu_worker.py:1573-1578) instead of merging pickles.
-    """
-    infos: list[JsonValue] = []
-    for p in sorted(payloads, key=lambda p: p.rank):
-        if not isinstance(p.route, CudaIpcRoute):
-            raise ValueError(f"vLLM's ipc backend takes cuda_ipc chunks only, got {p.transport!r}")
-        missing = [k for k in _IPC_KEYS if k not in p.handle]
-        if missing:
-            raise ValueError(f"cuda_ipc handle of rank {p.rank} lacks {missing}")
-        infos.append({k: p.handle[k] for k in _IPC_KEYS})
-    return infos[0] if len(infos) == 1 else infos
+def update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, JsonValue]:
+    """The argument of the extension's ``colocd_load_chunk``: ``{"seq", "payloads": [{rank, transport, nbytes,
+    handle}]}``, the handles as the trainer sent them. One dict for every worker: each picks its own payload (by
+    GPU UUID for cuda_ipc, by TP rank for shm/disk, or the only one), since /collective_rpc cannot address workers
+    one by one."""
+    return {"seq": seq, "payloads": [
+        {"rank": p.rank, "transport": Transport(p.transport).wire, "nbytes": p.nbytes, "handle": p.handle}
+        for p in payloads]}
 
 
 class _Reply(BaseModel):
@@ -203,8 +172,7 @@ class CollectiveRpcReply(_Reply):
 class ExtensionInfo(_Reply):
     """``colocd_info`` (ColocdWorkerExtension.colocd_info): strict about the fields the adapter reads.
 
-    The others (``extension_version``, ``tp_rank``, ``backend_registered``) are kept as sent,
-    for EngineInfo.extra.
+    The others (``extension_version``, ``tp_rank``) are kept as sent, for EngineInfo.extra.
     """
 
     model_config = ConfigDict(extra="allow", frozen=True)

@@ -14,6 +14,7 @@ import torch
 from sglang_live import differing, parameter_checksums
 
 from colocd.engines.inline import check_inline_payload
+import sglang_replies as replies
 from colocd.engines.sglang import wire
 from colocd.errors import ReplyInvalid, RequestInvalid
 from colocd.trainer.producer import InlineProducer
@@ -44,7 +45,7 @@ def test_a_server_info_of_the_wrong_shape_names_the_field() -> None:
 
 def test_live_model_info_and_checksums_parse() -> None:
     assert wire.parse_reply(wire.ModelInfo, LIVE["model_info"]["body"]).weight_version == "default"
-    result = wire.parse_reply(wire.CheckWeightsResult, LIVE["weights_checker"]["body"])
+    result = wire.parse_reply(replies.CheckWeightsResult, LIVE["weights_checker"]["body"])
     sums = parameter_checksums(result)
     assert len(sums) >= 10 and all(k.startswith("tp0/") for k in sums) and result.checksum()
     assert differing(sums, sums) == [] and differing(sums, {}) == sorted(sums)
