@@ -16,12 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
+import sglang_replies as replies
 import torch
 from safetensors.torch import load_file, save_file
 
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
 from colocd.engines.processes import Launched
-import sglang_replies as replies
 from colocd.engines.sglang import wire
 from colocd.engines.sglang.launcher import launch_sglang
 from colocd.engines.sglang.protocol import V0_5_23

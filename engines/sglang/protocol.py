@@ -60,22 +60,16 @@ class SGLangProtocol:
 
     name: str
     min_version: str
-    # /pause_generation parses a PauseGenerationReqInput body (0.5.23 http_server.py:1831-1835).
-    # When False the handler reads no body at all (0.5.4 http_server.py:1061-1063): any body sent
-    # is ignored, so sending ``{}`` is harmless, but modes other than abort do not exist.
+    # /pause_generation parses a body (0.5.23 http_server.py:1831); False: it reads none and only aborts.
     pause_body: bool
     # /continue_generation parses a ContinueGenerationReqInput body (0.5.23 http_server.py:1844).
     continue_body: bool
     pause_modes: tuple[PauseMode, ...]
-    # update_weights_from_{tensor,distributed} answer success=false unless a session is open
-    # (0.5.23 scheduler_components/weight_updater.py:190-199,233-240).
+    # Tensor and distributed updates need an open session (0.5.23 scheduler_components/weight_updater.py:190-240).
     weight_update_session: bool
     # Where the current weight version is read (its JSON key is ``weight_version``).
     weight_version_route: str
-    # Request fields this band's SGLang does not have, per io_struct class name. wire.body() drops
-    # them when they hold SGLang's default and refuses a non-default value, because SGLang ignores
-    # unknown keys (msgspec_utils.py extra_behavior="ignore") and the request would silently
-    # mean something else.
+    # Request fields this band lacks, per io_struct class (wire.body drops a default, refuses another value).
     absent_fields: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # io_struct request classes this band does not have at all (its route reads no body or is absent).
     absent_structs: tuple[str, ...] = ()
@@ -159,11 +153,8 @@ _VERSION = re.compile(
 
 
 def parse_version(version: str) -> tuple[int, int, int, int, int]:
-    """``"0.5.4.post1"`` → ``(0, 5, 4, 1, 1)``: (major, minor, micro, stage, n), ordered as PEP 440.
-
-    Accepts a leading ``v``, a local label (``+cu129``), ``rcN``/``aN``/``bN``/``.postN``/``.devN``.
-    Raises ``ValueError`` naming the string for anything else.
-    """
+    """``"0.5.4.post1"`` → ``(0, 5, 4, 1, 1)``: (major, minor, micro, stage, n), ordered as PEP 440; a
+    ``ValueError`` naming the string for anything that is not a version."""
     match = _VERSION.match(version)
     if match is None:
         raise ValueError(f"unrecognised SGLang version {version!r}")
@@ -173,14 +164,8 @@ def parse_version(version: str) -> tuple[int, int, int, int, int]:
 
 
 def protocol_for_version(version: str) -> SGLangProtocol:
-    """The protocol a server reporting ``version`` (``/server_info`` → ``version``) speaks.
-
-    Pre-releases order before their release (``0.5.21rc0`` → PRE_SESSION), as PEP 440 says; a
-    server that turns out to need the session then fails its first update loudly
-    (``success: false``), never silently. ``0.0.0.dev0`` is what a source checkout without
-    version metadata reports (``sglang/version.py`` fallback), which says nothing about its
-    protocol, so it is refused along with versions older than the LEGACY band.
-    """
+    """The protocol a server reporting ``version`` speaks. Pre-releases order before their release, as PEP 440
+    says; ``0.0.0.dev0`` (a source checkout without version metadata) is refused, as is anything before LEGACY."""
     parsed = parse_version(version)
     if parsed[:2] == (0, 0):
         raise ValueError(

@@ -1,13 +1,10 @@
-"""Speaks vLLM's dev-mode HTTP API (0.29 .. 0.32 tested) as colocd's engine verbs; knows nothing of phases or policies.
+"""Speaks vLLM's dev-mode HTTP API (0.29 .. 0.32 tested) as colocd's engine verbs.
 
-vLLM owns little state a daemon can trust: /is_sleeping is also true while merely paused, waking a
-tag that is awake is a silent no-op, sleep pauses by itself and the last wake resumes by itself.
-So this adapter issues calls and reports what vLLM did; the daemon keeps tag and pause state.
+vLLM owns little state a daemon can trust (/is_sleeping is also true while merely paused, waking an awake tag is
+a silent no-op, sleep pauses and the last wake resumes by itself), so this adapter reports what vLLM did and the
+daemon keeps tag and pause state. Verb → route:
 
-Verb → route (research/engine-apis.md §2, §6.2):
-
-    attach               GET /version, /openapi.json (the routes, protocol.py), /weight_info, /get_world_size,
-                         RPC colocd_info
+    attach               GET /version, /openapi.json, /weight_info, /get_world_size, RPC colocd_info
     pause_generation     POST /pause?mode=abort|wait|keep          (wire.PAUSE_MODES)
     continue_generation  POST /resume
     flush_cache          POST /reset_prefix_cache
@@ -65,20 +62,15 @@ def _flag(args: Sequence[str], flag: str) -> str | None:
 
 
 def max_adapters(args: Sequence[str]) -> int | None:
-    """What a vLLM argv lets the worker hold: --max-cpu-loras, which defaults to --max-loras, which defaults to 1
-    (config/lora.py:26-44); beyond it the worker's LRU evicts and re-reads a folder at the next request. None
-    without --enable-lora (or for a server colocd did not launch: its flags are unknown)."""
+    """What an argv lets the worker hold: --max-cpu-loras, which defaults to --max-loras, which defaults to 1
+    (config/lora.py:26-44); None without --enable-lora."""
     if "--enable-lora" not in args:
         return None
     return int(_flag(args, "--max-cpu-loras") or _flag(args, "--max-loras") or 1)
 
 
 class VLLMAdapter:
-    """One vLLM server in dev mode (``VLLM_SERVER_DEV_MODE=1``), driven over HTTP.
-
-    ``VLLMAdapter(config, client)``; ``config.url`` must be set (the launcher fills it in). The
-    client is the caller's: it sets timeouts (use none; the daemon's deadlines apply) and closes it.
-    """
+    """One vLLM server in dev mode (``VLLM_SERVER_DEV_MODE=1``); the client (no timeouts) is the caller's."""
 
     def __init__(self, config: VLLMEngineConfig, client: httpx.AsyncClient) -> None:
         if config.url is None:
@@ -87,18 +79,14 @@ class VLLMAdapter:
         self._config = config
         self._client = client
         self._base = config.url.rstrip("/")
-        # One connection per call. Most dev/RL routes let worker exceptions escape the handler; uvicorn
-        # then answers 500 *without* "Connection: close" and drops the socket, so the next request on
-        # that pooled keep-alive connection fails with ReadError (seen on 0.32 after a refused
-        # /start_weight_update). Loopback connects cost far less than the calls themselves.
+        # One connection per call: uvicorn answers a worker exception's 500 without "Connection: close" and drops
+        # the socket, so the next request on that pooled connection would fail with ReadError.
         self._headers = {"Connection": "close"}
         if config.api_key:
             self._headers["Authorization"] = f"Bearer {config.api_key}"
         self._extension: wire.ExtensionInfo | None = None  # rank 0's colocd_info at attach; None: no extension
-        # Wire-level memory, not engine state: the mode of the pause this adapter issued last. /sleep re-pauses
-        # with its own ``mode`` (core.py:959-975); see ``_sleep_mode``.
+        # The mode of the pause this adapter issued last (``_sleep_mode``).
         self._pause_mode: str | None = None
-        # What attach read from the server: its version and the routes it answers (protocol.py).
         self._version = "unknown"
         self._routes = VLLMRoutes(None)
         self._pending_version: str | None = None  # the version the update's chunks carry
@@ -134,7 +122,7 @@ class VLLMAdapter:
             ) from exc
 
     async def _rpc(self, method: str, *args: JsonValue, **kwargs: JsonValue) -> list[JsonValue]:
-        """Call ``method`` on every worker; one result per worker, as vLLM sent it (``_rpc_each`` parses them)."""
+        """Call ``method`` on every worker; one result per worker, as vLLM sent it."""
         response = await self._call(
             "POST", "/collective_rpc", json=wire.rpc_body(method, args=list(args), kwargs=kwargs)
         )
@@ -143,8 +131,7 @@ class VLLMAdapter:
         return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results
 
     async def _rpc_each(self, model: type[_M], method: str, *args: JsonValue) -> list[_M]:
-        """``_rpc``, each worker's result parsed as ``model``: one that does not fit is an EngineProtocolError
-        naming the method, the worker and the field."""
+        """``_rpc``, each result parsed as ``model`` (a misfit is an EngineProtocolError naming worker and field)."""
         parsed: list[_M] = []
         for worker, result in enumerate(await self._rpc(method, *args)):
             try:
@@ -160,7 +147,7 @@ class VLLMAdapter:
         return parsed
 
     async def _colocd_info(self) -> wire.ExtensionInfo:
-        """The extension's ``colocd_info`` from the first worker (TP rank 0), every worker's reply checked."""
+        """The extension's ``colocd_info`` from TP rank 0, every worker's reply checked."""
         infos = await self._rpc_each(wire.ExtensionInfo, "colocd_info")
         if not infos:
             raise EngineProtocolError(self.name, "/collective_rpc colocd_info: no worker answered")
@@ -224,8 +211,7 @@ class VLLMAdapter:
         )
 
     async def _read_routes(self) -> VLLMRoutes:
-        """The routes the server publishes in its OpenAPI document; unknown (every route assumed) when it
-        publishes none (``--disable-fastapi-docs``)."""
+        """The routes of the server's OpenAPI document; unknown (every route assumed) when it publishes none."""
         try:
             response = await self._call("GET", "/openapi.json")
         except EngineRejected as exc:
@@ -239,10 +225,8 @@ class VLLMAdapter:
         return True
 
     async def observe(self) -> Observation:
-        """The worker extension's boot id is the incarnation (vLLM's HTTP API has none: without the
-        extension the daemon treats an engine that was unreachable as restarted). ``/is_sleeping``
-        false means awake and unpaused, so every sleep tag is resident; true means paused or
-        asleep, which HTTP cannot tell apart, so residency stays unknown then."""
+        """The extension's boot id is the incarnation (vLLM's HTTP API has none). ``/is_sleeping`` false means
+        every sleep tag is resident; true means paused or asleep, which HTTP cannot tell apart."""
         incarnation: str | None = None
         session: bool | None = None
         if self._extension is not None:
@@ -284,19 +268,16 @@ class VLLMAdapter:
     # -- memory -----------------------------------------------------------------------------
 
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        """Sleep, reporting the tags vLLM actually released (a sleep releases weights and KV together).
-
-        kv_cache alone uses /release_kv_cache_memory, which needs a completed pause first and no
-        kept requests (core.py:1021-1039); vLLM's 500 says so. ``sleep_level`` 0 only pauses the
-        scheduler, so nothing is reported released. On CPU vLLM's worker ignores sleep entirely
-        (cpu_worker.py:179-185): the report is what vLLM *says*, and only NVML can confirm memory.
-        """
+        """Sleep, reporting the tags vLLM released (weights and KV together; level 0 releases none). kv_cache alone
+        uses /release_kv_cache_memory, which needs a completed pause (core.py:1021-1039). On CPU vLLM ignores
+        sleep (cpu_worker.py:179-185): the report is what vLLM *says*; only NVML confirms memory."""
         wanted = wire.vllm_tags(tags)
         if not wanted:
             return ReleaseReport(tags=())
         if wanted == ["kv_cache"]:
-            if (lacks := self._routes.require("/release_kv_cache_memory", self._version)) is not None:
-                raise EngineProtocolError(self.name, f"{lacks}; release weights and kv_cache together (/sleep)")
+            if not self._routes.has("/release_kv_cache_memory"):
+                raise EngineProtocolError(self.name, f"{lacking('/release_kv_cache_memory', self._version)}; release "
+                                                     "weights and kv_cache together (/sleep)")
             await self._call("POST", "/release_kv_cache_memory")
             return ReleaseReport(tags=(MemoryTag.KV_CACHE,))
         level = self._config.sleep_level
@@ -309,18 +290,14 @@ class VLLMAdapter:
         return ReleaseReport(tags=(MemoryTag.WEIGHTS, MemoryTag.KV_CACHE))
 
     def _sleep_mode(self) -> str:
-        """The mode of a sleep's own pause: ``keep`` after a pause that froze requests in place (``abort`` would
-        end them), else ``wait``. A sleep never aborts: a pause that had to (a reconcile's, on weights that are
-        not committed) already did, and requests queued since are held at the gate until the engine serves
-        again, as the node's pause mode wants; reusing that ``abort`` answered them with no tokens."""
+        """The mode of a sleep's own pause (core.py:959-975): ``keep`` after a pause that froze requests in place,
+        else ``wait``. A sleep never aborts: a pause that had to already did, and requests queued since wait at
+        the gate until the engine serves again."""
         return "keep" if self._pause_mode == "keep" else "wait"
 
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        """POST /wake_up with exactly the vLLM tags asked for; cuda_graph has no vLLM tag.
-
-        Ask only for tags that are asleep: one awake tag makes vLLM skip the whole call silently
-        (executor/abstract.py:394-404). When the last tag wakes vLLM resumes generation itself.
-        """
+        """POST /wake_up with exactly the tags asked for (one awake tag makes vLLM skip the whole call,
+        executor/abstract.py:394-404). When the last tag wakes vLLM resumes generation itself."""
         wanted = wire.vllm_tags(tags)
         if not wanted or self._config.sleep_level == 0:
             return ReleaseReport(tags=())
@@ -336,11 +313,7 @@ class VLLMAdapter:
     # -- weights ----------------------------------------------------------------------------
 
     async def begin_weight_update(self) -> None:
-        """Open an update in every worker's extension.
-
-        vLLM lists no parameters: ``/weight_info`` holds only the version, and the worker's own parameters
-        are vLLM's fused layout (``qkv_proj``, ``gate_up_proj``), not the HF names a trainer sends; so the
-        daemon compares a push after a discard with the last complete one."""
+        """Open an update in every worker's extension."""
         self._require_extension()
         self._pending_version, self._flush_after_update = None, False
         await self._rpc("colocd_begin_update")
@@ -368,8 +341,7 @@ class VLLMAdapter:
                                       f"launch it with --worker-extension-cls {EXTENSION_CLS}")
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
-        """The digests (engines/digest.py) colocd's worker extension computed over each tensor as it loaded it,
-        one dict per TP worker; without the extension vLLM reports none."""
+        """The digests (engines/digest.py) the extension computed over each tensor as it loaded it, per TP worker."""
         if self._extension is None:
             return EngineDigests(None, "vLLM without colocd's worker extension reports no weight digests (launch it "
                                        f"with --worker-extension-cls {EXTENSION_CLS})")
@@ -381,8 +353,7 @@ class VLLMAdapter:
         return None
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        """vLLM reads adapters from a folder only (lora/worker_manager.py:106-174); a name it holds is a 400, so
-        every version has its own name (a same-name reload would serve stale prefix-cache blocks on 0.29)."""
+        """From a folder (lora/worker_manager.py:106-174); a name it holds is a 400, so every version has its own."""
         if not self._routes.has(_LORA_LOAD):
             raise AdapterUnsupported(self.name, f"vLLM {self._version} publishes no {_LORA_LOAD}: start it with "
                                      "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")

@@ -4,23 +4,17 @@
 ``--worker-extension-cls colocd.engines.vllm.extension.ColocdWorkerExtension`` and is called through
 ``POST /collective_rpc``, which every vLLM colocd drives has (0.29 and 0.32 alike).
 
-Loading goes through vLLM's layer-wise reload: ``initialize_layerwise_reload`` → ``model.load_weights``
-(per chunk) → ``finalize_layerwise_reload``. A bare ``model.load_weights`` on a served model fails on
-CPU, because the CPU linear kernels prepack weights and leave ``layer.weight`` empty
-(model_executor/layers/utils.py:470-600), and on GPU it skips the post-load processing of quantised
-weights; the layer-wise reload restores checkpoint shapes first and re-runs that processing
-(model_loader/reload/inplace.py:32-96, layerwise.py). Because it buffers a layer's tensors until the
-layer is complete, every received tensor is cloned out of the trainer's buffer before loading: the
-trainer reuses that buffer once we reply.
+Loading goes through vLLM's layer-wise reload (``initialize_layerwise_reload`` → ``model.load_weights`` per chunk
+→ ``finalize_layerwise_reload``): a bare ``load_weights`` on a served model fails on CPU (prepacked linear weights,
+model_executor/layers/utils.py:470-600) and skips quantised weights' post-processing on GPU. The reload buffers a
+layer's tensors until the layer is complete, so every received tensor is cloned out of the trainer's buffer first.
 
-Imports at module level: stdlib, torch and colocd.engines.chunks only (no fastapi, httpx, pydantic),
-so it is cheap inside a vLLM worker. vLLM and safetensors are imported lazily where needed.
+Imports at module level: stdlib, torch and colocd's torch-level modules only; vLLM and safetensors lazily.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import os
 import pickle
@@ -36,8 +30,7 @@ from ..digest import DigestCache, tensor_digests
 __all__ = ["ChunkReceiver", "ColocdWorkerExtension"]
 
 EXTENSION_VERSION = 1
-# Set once per worker process: a restarted vLLM server has new workers, so a new boot id. The daemon
-# compares it across observations to prove (or rule out) a restart; vLLM's own API has no such marker.
+# Set once per worker process: the engine's incarnation (vLLM's own API has no such marker).
 _BOOT_ID = f"{os.getpid()}-{int.from_bytes(os.urandom(8), 'big'):016x}"
 _INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
@@ -153,11 +146,12 @@ class _CudaIpcUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
     def _rebuild(self, *args: Any) -> torch.Tensor:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        from torch.multiprocessing import reductions
 
         if args[6] != self._uuid:
             raise ValueError(f"CUDA IPC tensor was exported on GPU {args[6]}, but this worker runs on {self._uuid}")
-        rebuilt: torch.Tensor = rebuild_cuda_tensor(*args[:6], self._index, *args[7:])  # type: ignore[no-untyped-call]
+        rebuild: Any = reductions.rebuild_cuda_tensor
+        rebuilt: torch.Tensor = rebuild(*args[:6], self._index, *args[7:])
         return rebuilt
 
 
@@ -167,8 +161,7 @@ class _UpdateState:
 
     active: bool = False
     chunks: int = 0
-    # engines/digest.py digests of every tensor this update received, computed on the worker's device as it
-    # loads them (cheap there, so always on): what a verified commit compares with the trainer's.
+    # engines/digest.py digests of every tensor this update received, computed as it loads them.
     received: dict[str, str] = field(default_factory=dict)
     digest_cache: DigestCache = field(default_factory=dict)
 
@@ -234,11 +227,8 @@ def finish(model: torch.nn.Module, model_config: Any) -> dict[str, Any]:
 
 
 class ColocdWorkerExtension:
-    """Mixed into vLLM's worker class; every public method is a ``/collective_rpc`` target.
-
-    Names carry a ``colocd_`` prefix: vLLM refuses extensions whose attributes clash with the
-    worker's (worker_base.py:296-320). ``self`` is the vLLM worker (model_runner, vllm_config, device).
-    """
+    """Mixed into vLLM's worker class (``self`` is the worker); every public method is a ``/collective_rpc`` target,
+    prefixed ``colocd_`` since vLLM refuses attributes that clash with the worker's (worker_base.py:296-320)."""
 
     def _colocd_receiver(self) -> ChunkReceiver:
         receiver = getattr(self, "_colocd_receiver_obj", None)
@@ -286,30 +276,5 @@ class ColocdWorkerExtension:
         return summary
 
     def colocd_received_digests(self, names: list[str]) -> dict[str, str]:
-        """The engines/digest.py digest of each named tensor the current (or last) update received; a name it
-        did not receive is left out."""
+        """The digest of each named tensor the current (or last) update received; others are left out."""
         return {n: _STATE.received[n] for n in names if n in _STATE.received}
-
-    def colocd_model_digest(self) -> dict[str, Any]:
-        """SHA-256 over the served model's parameters as they sit in memory (vLLM names and layout).
-
-        On CPU the prepacked linear weights are empty tensors here, so this covers the rest only. While a weight
-        update is under way the layers sit on the meta device, with no bytes to hash: the reply is then a refusal
-        (``refused``, in words) rather than an error, since vLLM answers any worker exception with a bare 500.
-        """
-        params = sorted(self.model_runner.get_model().named_parameters(), key=lambda kv: kv[0])  # type: ignore[attr-defined]
-        if _STATE.active or any(p.is_meta for _, p in params):
-            return {"refused": "a weight update is under way on this worker: its layers hold no weights until the "
-                               "update ends (colocd_finish_update); ask again then"}
-        h = hashlib.sha256()
-        n = empty = 0
-        for name, p in params:
-            t = p.detach()
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
-            if t.numel() == 0:
-                empty += 1
-            else:
-                h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-            n += 1
-        return {"digest": h.hexdigest(), "n_params": n, "n_empty": empty}
-

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import subprocess
 from typing import Any
@@ -23,11 +22,10 @@ from urllib.parse import urlsplit
 from ...errors import EngineLaunchError
 from ..config import LaunchConfig, VLLMEngineConfig
 from ..processes import Launched, LaunchOptions, flag_values, gpu_environment, launch_until_healthy
-from . import EXTENSION_CLS, cpu_isa
+from . import EXTENSION_CLS
 
-__all__ = ["EXTENSION_CLS", "build_command", "check_cpu_isa", "launch_vllm"]
+__all__ = ["EXTENSION_CLS", "build_command", "launch_vllm"]
 
-logger = logging.getLogger(__name__)
 _PROBE = """
 import importlib.metadata as md, importlib.util as u, json, os
 try:
@@ -38,12 +36,8 @@ root = u.find_spec("vllm").submodule_search_locations[0]   # no `import vllm`: i
 launcher = os.path.join(root, "entrypoints", "launchers", "api_server", "entry.py")
 entry = ("vllm.entrypoints.launchers.api_server.entry" if os.path.exists(launcher)
          else "vllm.entrypoints.openai.api_server")
-isa_shim = False
-if u.find_spec("colocd.engines.vllm.cpu_isa"):
-    from colocd.engines.vllm.cpu_isa import shim_installed
-    isa_shim = shim_installed()
 print(json.dumps({"dist": dist, "version": version, "entry": entry,
-                  "extension": bool(u.find_spec("colocd.engines.vllm.extension")), "isa_shim": isa_shim}))
+                  "extension": bool(u.find_spec("colocd.engines.vllm.extension"))}))
 """
 
 
@@ -81,28 +75,6 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
     return cmd + list(launch.args)
 
 
-def check_cpu_isa(name: str, env: dict[str, str], probe: dict[str, Any], flags: frozenset[str]) -> cpu_isa.Isa:
-    """The instruction path a CPU vLLM server will take (engines/vllm/cpu_isa.py), checked before it starts.
-
-    Raises ``EngineLaunchError`` in one line when the server's venv cannot hold vLLM to it: a bad
-    ``COLOCD_VLLM_CPU_ISA``, or AVX-512 chosen (the CPU reports AMX) in a venv without the shim, where the
-    worker would die with SIGILL at its first generation.
-    """
-    try:
-        isa = cpu_isa.choose(flags, env.get(cpu_isa.ENV))
-    except ValueError as exc:
-        raise EngineLaunchError(name, str(exc)) from None
-    if isa == "avx512" and not probe.get("isa_shim"):
-        why = ("this CPU reports AMX, on which vllm-cpu 0.32's AMX attention kernel dies with SIGILL"
-               if flags & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512 asks for vLLM's AVX-512 path")
-        raise EngineLaunchError(
-            name, f"{why}, and the vLLM venv lacks colocd's {cpu_isa.PTH_NAME} shim that holds vLLM to AVX-512: "
-                  "run scripts/install-vllm-cpu.sh (or, with that venv's python, "
-                  "`from colocd.engines.vllm.cpu_isa import install_shim; install_shim()`), "
-                  f"or set {cpu_isa.ENV}=native to let vLLM use AMX")
-    return isa
-
-
 def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
     launch = config.launch or LaunchConfig.model_validate({})
     env = {**os.environ, **launch.env}
@@ -121,8 +93,8 @@ def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
 
 
 def _probe(name: str, python: str) -> dict[str, Any]:
-    """What ``python`` holds: the vLLM distribution and version, its server entry point, colocd's extension and the
-    AVX-512 shim (``_PROBE``, run without importing vLLM)."""
+    """What ``python`` holds: the vLLM distribution and version, its server entry point and colocd's extension
+    (``_PROBE``, run without importing vLLM)."""
     try:
         out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True).stdout
         probe = dict(json.loads(out.strip().splitlines()[-1]))
@@ -149,10 +121,6 @@ async def launch_vllm(config: VLLMEngineConfig, options: LaunchOptions | None = 
     python = config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
     probe = await asyncio.to_thread(_probe, config.name, python)
     cpu = probe.get("dist") == "vllm-cpu"
-    if cpu and check_cpu_isa(config.name, _environment(config, cpu=True), probe, cpu_isa.host_flags()) == "avx512":
-        logger.info("engine %s: vLLM runs on its AVX-512 path (%s; %s=native lets it pick AMX)", config.name,
-                    "this CPU reports AMX" if cpu_isa.host_flags() & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512",
-                    cpu_isa.ENV)
     launch = config.launch or LaunchConfig.model_validate({})
 
     def command(port: int) -> tuple[list[str], dict[str, str]]:

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+import sglang_replies as replies
 
 from colocd.engines.reference.launcher import ReferenceEngineProcess
-import sglang_replies as replies
 from colocd.engines.sglang import wire
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sglang_live_0_5_23.json"

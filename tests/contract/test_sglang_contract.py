@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang_replies as replies
 from pydantic import ValidationError
 
 from colocd.engines.base import PauseMode
-import sglang_replies as replies
 from colocd.engines.sglang import wire
 from colocd.engines.sglang.protocol import LEGACY, PRE_SESSION, PROTOCOLS, V0_5_23, SGLangProtocol
 
@@ -250,7 +250,8 @@ def test_protocol_routes_exist_in_that_version(protocol: SGLangProtocol) -> None
     def live(path: str | None) -> bool:
         return path is not None and routes.get(path) is not None and not routes[path]["always_404"]
 
-    assert live(protocol.weight_version_route), f"{protocol.name}: {protocol.weight_version_route} missing or a 404 stub"
+    route = protocol.weight_version_route
+    assert live(route), f"{protocol.name}: {route} missing or a 404 stub"
     assert live("/begin_weight_update") == live("/end_weight_update") == protocol.weight_update_session
     assert (routes["/pause_generation"]["body"] is not None) == protocol.pause_body
     assert (routes["/continue_generation"]["body"] is not None) == protocol.continue_body

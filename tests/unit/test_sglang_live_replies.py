@@ -10,11 +10,11 @@ import pickle
 from pathlib import Path
 
 import pytest
+import sglang_replies as replies
 import torch
 from sglang_live import differing, parameter_checksums
 
 from colocd.engines.inline import check_inline_payload
-import sglang_replies as replies
 from colocd.engines.sglang import wire
 from colocd.errors import ReplyInvalid, RequestInvalid
 from colocd.trainer.producer import InlineProducer
