@@ -22,13 +22,9 @@ __all__ = [
 
 
 class LaunchConfig(BaseModel):
-    """How colocd starts the engine itself; absent means attach to one already running at ``url``.
-
-    With ``launch`` the daemon starts the engine before it attaches, relaunches it when it exits
-    (after ``backoff_initial_s``, doubling per consecutive failure up to ``backoff_max_s``; a run
-    that stayed up ``backoff_reset_s`` starts the count again) and stops it on shutdown. Its URL
-    is ``url`` if set (a loopback port), else ``http://127.0.0.1:<a free port>``, kept across relaunches.
-    """
+    """How colocd starts the engine itself (and relaunches it on exit, with a doubling backoff; stops it on
+    shutdown); absent means attach to one already running at ``url``. Its URL is ``url`` if set, else a free
+    loopback port kept across relaunches."""
 
     model_config = ConfigDict(extra="forbid")
 

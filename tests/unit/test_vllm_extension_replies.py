@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.engines.vllm.protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES
 from colocd.errors import EngineProtocolError
 from colocd.policies import Transport

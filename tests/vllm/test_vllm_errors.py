@@ -7,7 +7,7 @@ import pytest
 from vllm_live import SLEEP_LEVEL_CHECKED
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.errors import EngineProtocolError, EngineRejected, EngineUnreachable
 
 pytestmark = pytest.mark.vllm

@@ -17,7 +17,7 @@ from vllm_live import LACKS, VLLMHttp
 
 from colocd.engines.base import MemoryTag, PauseMode
 from colocd.engines.processes import Launched
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.errors import EngineProtocolError, EngineRejected
 
 pytestmark = pytest.mark.vllm

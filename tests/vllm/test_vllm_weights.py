@@ -16,7 +16,7 @@ import pytest
 from vllm_live import VLLMHttp
 
 from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.errors import EngineRejected
 
 pytestmark = pytest.mark.vllm
