@@ -58,7 +58,6 @@ __all__ = [
     "signal_group",
     "stop_group",
     "strip_expandable_segments",
-    "wait_healthy",
     "wait_pidfd",
 ]
 
@@ -402,22 +401,6 @@ def gpu_environment(name: str, env: dict[str, str], launch_env: Mapping[str, str
     return env
 
 
-async def wait_healthy(process: ManagedProcess, url: str, deadline_s: float,
-                       client: httpx.AsyncClient | None = None) -> None:
-    """Wait until ``GET url/health`` answers 200, the process exits, or ``deadline_s`` passes."""
-    async with contextlib.AsyncExitStack() as stack:
-        http: httpx.AsyncClient = client if client is not None else await stack.enter_async_context(
-            httpx.AsyncClient(timeout=5.0, trust_env=False))
-
-        async def healthy() -> bool | None:
-            with contextlib.suppress(httpx.TransportError):
-                if (await http.get(f"{url}/health", timeout=max(deadline_s, 1.0))).status_code == 200:
-                    return True
-            return None
-
-        await process.wait_ready(healthy, deadline_s)
-
-
 async def launch_until_healthy(
     name: str, label: str, command: Callable[[int], tuple[list[str], dict[str, str]]], *, port: int | None,
     log_file: str | os.PathLike[str] | None, ready_timeout_s: float,
@@ -432,7 +415,7 @@ async def launch_until_healthy(
         process.spawn()
         url = f"http://127.0.0.1:{chosen}"
         try:
-            await wait_healthy(process, url, ready_timeout_s, client)
+            await _wait_healthy(process, url, ready_timeout_s, client)
             return process, url
         except EngineLaunchError:
             await process.stop()
@@ -444,6 +427,22 @@ async def launch_until_healthy(
             await process.stop()
             raise
     raise AssertionError("unreachable")
+
+
+async def _wait_healthy(process: ManagedProcess, url: str, deadline_s: float,
+                        client: httpx.AsyncClient | None) -> None:
+    """Wait until ``GET url/health`` answers 200, the process exits, or ``deadline_s`` passes."""
+    async with contextlib.AsyncExitStack() as stack:
+        http = client if client is not None else await stack.enter_async_context(
+            httpx.AsyncClient(timeout=5.0, trust_env=False))
+
+        async def healthy() -> bool | None:
+            with contextlib.suppress(httpx.TransportError):
+                if (await http.get(f"{url}/health", timeout=max(deadline_s, 1.0))).status_code == 200:
+                    return True
+            return None
+
+        await process.wait_ready(healthy, deadline_s)
 
 
 def _blocking(coro: Coroutine[Any, Any, T]) -> T:

@@ -135,7 +135,7 @@ def save_model(model_dir: Path, named: Named, out: Path) -> Path:
 # the fixture's, so a fixture that no longer says what SGLang answers fails here.
 
 FIXTURE = Path(__file__).parent / "contract" / "fixtures" / "sglang_live_0_5_23.json"
-# server_info is ~200 server arguments; the fixture keeps those colocd reads (wire.ServerInfo's fields).
+# server_info is ~200 server arguments; the fixture keeps these (wire.ServerInfo's fields among them).
 SERVER_INFO_KEYS = ("version", "model_path", "tp_size", "dp_size", "device", "enable_memory_saver",
                     "enable_weights_cpu_backup", "weight_cache_mode", "weight_version", "startup_time")
 

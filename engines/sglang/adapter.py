@@ -94,8 +94,9 @@ class SGLangAdapter:
         data = self._json(response, self.name, what)
         if not isinstance(data, dict) or "success" not in data:
             raise EngineProtocolError(self.name, f"{what}: expected {{success, message}}, got {data!r:.200}")
-        if not data["success"]:
-            raise EngineRejected(self.name, f"{what}: {data.get('message') or 'success=false'}",
+        if not data["success"]:  # LoRA replies say why in error_message
+            why = data.get("message") or data.get("error_message") or "success=false"
+            raise EngineRejected(self.name, f"{what}: {why}",
                                  status=response.status_code, body=json.dumps(data)[:2000])
 
     @property
@@ -353,7 +354,7 @@ class SGLangAdapter:
             raise AdapterUnsupported(self.name, self._lora_refusal)
         response = await self._call("POST", "/load_lora_adapter", "load_lora_adapter",
                                     {"lora_name": name, "lora_path": path})
-        self._check_lora(response, "load_lora_adapter")
+        self._check_success(response, "load_lora_adapter")
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Waits for the adapter's requests in flight, then frees it on the workers (tokenizer_control_mixin.py:634)."""
@@ -363,13 +364,7 @@ class SGLangAdapter:
             if "does not exist" in exc.body:  # "LoRA with name X does not exist": already unloaded
                 return
             raise
-        self._check_lora(response, "unload_lora_adapter")
-
-    def _check_lora(self, response: httpx.Response, what: str) -> None:
-        data = self._json(response, self.name, what)  # LoRAUpdateOutput{success, error_message, loaded_adapters}
-        if not isinstance(data, dict) or not data.get("success"):
-            raise EngineRejected(self.name, f"{what}: {data!r:.300}", status=response.status_code,
-                                 body=json.dumps(data)[:2000])
+        self._check_success(response, "unload_lora_adapter")
 
     async def aclose(self) -> None:
         return None

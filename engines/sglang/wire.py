@@ -235,12 +235,7 @@ class ErrorResponse(_Reply):
 class ModelInfo(_Reply):
     """GET /model_info (http_server.py:812-850), where 0.5.6+ publishes the current weight version."""
 
-    model_path: str | None = None
-    tokenizer_path: str | None = None
-    is_generation: bool | None = None
     weight_version: str | None = None
-    load_format: str | None = None
-    served_model_name: str | None = None
 
 
 class MemoryUsage(_Reply):
@@ -288,14 +283,8 @@ class ServerInfo(_Reply):
     dict of startup-phase durations in 0.5.23 (tokenizer_manager.py:535) and a number in the reference engine."""
 
     version: str
-    model_path: str | None = None
     tp_size: StrictInt | None = None  # absent from some builds' replies: then it cannot be checked
-    dp_size: int = 1
     device: str | None = None
-    enable_memory_saver: bool = False
-    enable_weights_cpu_backup: bool = False
-    weight_cache_mode: str | None = None
-    weight_version: str | None = None
     startup_time: float | dict[str, Any] | None = None
     internal_states: list[InternalState] = Field(default_factory=list)
     colocd_reference: bool = False

@@ -330,7 +330,7 @@ def test_replies_parse_as_sglang_sends_them() -> None:
     info = wire.ModelInfo.model_validate({"model_path": "m", "weight_version": "7", "architectures": ["X"]})
     assert info.weight_version == "7"
     server = wire.ServerInfo.model_validate({"version": "0.5.4", "tp_size": 2, "port": 30000})
-    assert server.tp_size == 2 and server.weight_cache_mode is None
+    assert server.tp_size == 2 and server.device is None
     assert replies.WeightVersionInfo.model_validate({"weight_version": "default"}).weight_version == "default"
 
 
