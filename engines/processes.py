@@ -291,16 +291,6 @@ class ManagedProcess:
             with contextlib.suppress(asyncio.CancelledError):
                 await exited
 
-    def wait_ready_sync(
-        self, probe: Callable[[], T | None], deadline_s: float, *, setting: str = "launch.ready_timeout_s"
-    ) -> T:
-        """Blocking twin of ``wait_ready`` for synchronous callers."""
-
-        async def answered() -> T | None:
-            return probe()
-
-        return _blocking(self.wait_ready(answered, deadline_s, setting=setting))
-
     # --- stop ------------------------------------------------------------------------------------
 
     def note_shm(self) -> None:

@@ -49,6 +49,7 @@ _M = TypeVar("_M", bound=BaseModel)
 
 # vLLM publishes its adapter routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (serve/lora/api_router.py:30-32).
 _LORA_LOAD, _LORA_UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+_NO_EXTENSION = f"colocd's worker extension: launch it with --worker-extension-cls {EXTENSION_CLS}"
 
 
 def _flag(args: Sequence[str], flag: str) -> str | None:
@@ -314,7 +315,8 @@ class VLLMAdapter:
 
     async def begin_weight_update(self) -> None:
         """Open an update in every worker's extension."""
-        self._require_extension()
+        if self._extension is None:
+            raise EngineProtocolError(self.name, f"vLLM loads colocd's chunks only through {_NO_EXTENSION}")
         self._pending_version, self._flush_after_update = None, False
         await self._rpc("colocd_begin_update")
 
@@ -335,16 +337,10 @@ class VLLMAdapter:
             self._flush_after_update = False
             await self.flush_cache()
 
-    def _require_extension(self) -> None:
-        if self._extension is None:
-            raise EngineProtocolError(self.name, "vLLM loads colocd's chunks only through colocd's worker extension: "
-                                      f"launch it with --worker-extension-cls {EXTENSION_CLS}")
-
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """The digests (engines/digest.py) the extension computed over each tensor as it loaded it, per TP worker."""
         if self._extension is None:
-            return EngineDigests(None, "vLLM without colocd's worker extension reports no weight digests (launch it "
-                                       f"with --worker-extension-cls {EXTENSION_CLS})")
+            return EngineDigests(None, f"vLLM reports weight digests only through {_NO_EXTENSION}")
         ranks = await self._rpc_each(wire.ReceivedDigests, "colocd_received_digests", list(names))
         return EngineDigests(tuple(dict(r.root) for r in ranks))
 
@@ -369,9 +365,3 @@ class VLLMAdapter:
 
     async def aclose(self) -> None:
         """Nothing to release: the HTTP client belongs to the caller."""
-
-    async def __aenter__(self) -> VLLMAdapter:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
