@@ -11,6 +11,7 @@ import base64
 import binascii
 import fcntl
 import hashlib
+import math
 import mmap
 import os
 import re
@@ -108,10 +109,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -122,11 +122,9 @@ class VLLMAdapter:
                 f"{path} answered {response.text[:300]!r}, not {model.__name__}: {exc.errors()[:2]}",
             ) from exc
 
-    async def _rpc(self, method: str, *args: JsonValue, **kwargs: JsonValue) -> list[JsonValue]:
-        """Call ``method`` on every worker; one result per worker, as vLLM sent it."""
-        response = await self._call(
-            "POST", "/collective_rpc", json=wire.rpc_body(method, args=list(args), kwargs=kwargs)
-        )
+    async def _rpc(self, method: str, *args: JsonValue) -> list[JsonValue]:
+        """Call ``method`` on every worker (any JSON reaches it as-is, rpc/api_router.py:23); one result per worker."""
+        response = await self._call("POST", "/collective_rpc", json={"method": method, "args": list(args)})
         if not response.content:
             return []  # every worker returned None (rpc/api_router.py:51-52)
         return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results

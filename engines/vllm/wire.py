@@ -27,7 +27,6 @@ __all__ = [
     "WakeUpReply",
     "WeightInfoReply",
     "WorldSizeReply",
-    "rpc_body",
     "update_info",
     "vllm_tags",
     "wake_query",
@@ -54,18 +53,6 @@ def vllm_tags(tags: tuple[MemoryTag, ...]) -> list[str]:
 def wake_query(tags: list[str]) -> tuple[tuple[str, str], ...]:
     """Query for POST /wake_up: repeated ``tags`` (sleep/api_router.py:44); an empty one would wake everything."""
     return tuple(("tags", t) for t in tags)
-
-
-def rpc_body(
-    method: str, *, args: list[JsonValue] | None = None, kwargs: dict[str, JsonValue] | None = None
-) -> dict[str, JsonValue]:
-    """Body of POST /collective_rpc (serve/dev/rpc/api_router.py:23): any JSON reaches the worker method as-is."""
-    body: dict[str, JsonValue] = {"method": method}
-    if args:
-        body["args"] = args
-    if kwargs:
-        body["kwargs"] = kwargs
-    return body
 
 
 def update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, JsonValue]:
