@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from colocd.engines.chunks import copy_tensors
 from colocd.engines.reference.payloads import PayloadError, bucket_entry
 
-__all__ = ["LoadPlan", "LoadPlans", "destination"]
+__all__ = ["LoadPlan", "LoadPlans", "copy_tensors", "destination"]
 
 _MAX_PLANS = 64  # one per chunk shape of a model, with room for a changed bucket size
 
@@ -117,3 +116,28 @@ class LoadPlans:
                 step *= max(size, 1)
             sources.append(_Source(dtype, tuple(shape), tuple(reversed(strides)), start // dtype.itemsize))
         return LoadPlan(names, nbytes, targets, sources)
+
+
+# At or above this size a tensor is copied by its own copy_ (cudaMemcpyAsync: copy bandwidth); the
+# many small ones (norms) share one _foreach_copy_ launch, where per-call dispatch would dominate.
+LARGE_COPY_BYTES = 1 << 20
+
+
+def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair, queued on the current stream, at memcpy bandwidth for large tensors.
+
+    Why not one ``torch._foreach_copy_`` for everything: its multi-tensor-apply kernel moves large
+    tensors well below memcpy bandwidth (``benchmarks.weights`` prints both, measured in the same
+    process), and large tensors are few, so their launches cost little next to their bytes.
+    """
+    small_dsts, small_srcs = [], []
+    for dst, src in zip(dsts, srcs, strict=True):
+        if dst.numel() * dst.element_size() >= LARGE_COPY_BYTES:
+            dst.copy_(src)
+        else:
+            small_dsts.append(dst)
+            small_srcs.append(src)
+    if small_dsts:
+        import torch
+
+        torch._foreach_copy_(small_dsts, small_srcs)

@@ -20,9 +20,7 @@ from typing import Any
 
 import torch
 
-from colocd.engines.chunks import copy_tensors
-
-from .load_plan import LoadPlans, destination
+from .load_plan import LoadPlans, copy_tensors, destination
 
 __all__ = ["MODEL_SHAPES", "ModelShape", "WeightSink", "device_checksum", "hf_shapes"]
 

@@ -39,13 +39,13 @@ import torch
 
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.api.procs import DaemonProcess
-from colocd.engines.chunks import copy_tensors
 from colocd.engines.config import ReferenceEngineConfig
 from colocd.engines.digest import DigestCache, tensor_digests
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.trainer.push import WeightPusher, manifest_of
 
 from . import ShowDefaults
+from .load_plan import copy_tensors
 from .records import write_record
 from .session_breakdown import RoundTrips, breakdown, breakdown_table, round_trips, round_trips_lines
 from .sink import MODEL_SHAPES, device_checksum, hf_shapes

@@ -68,12 +68,10 @@ class EngineInfo:
     tp_size: int = 1
     owned_tags: tuple[MemoryTag, ...] = ALL_TAGS
     extra: dict[str, object] | None = None  # engine-specific diagnostics for people and tests; the daemon reads none
-    # The identity of each TP rank's device, in TP-rank order, from the engine's config (a GPU UUID, or a CPU
-    # rank's declared id); empty if unknown. The daemon feeds each TP rank from the trainer rank that declared
-    # the same device.
+    # Each TP rank's device identity (a GPU UUID, or a CPU rank's declared id), in TP-rank order; empty if unknown.
+    # The daemon feeds each TP rank from the trainer rank that declared the same device.
     device_ids: tuple[str, ...] = ()
-    # How many LoRA adapters the engine holds at once, as its own flags say (vLLM --max-cpu-loras / --max-loras,
-    # SGLang --max-loaded-loras); None: it reports no cap.
+    # How many LoRA adapters the engine holds at once, as its flags say; None: no cap reported.
     max_adapters: int | None = None
 
 
@@ -87,12 +85,8 @@ class ReleaseReport:
 
 @dataclass(frozen=True, slots=True)
 class MemoryReport:
-    """What an engine reports each tag taking when resident (``memory_report``; bytes, summed over TP ranks):
-    SGLang's server_info ``memory_usage``, measured as it allocated them. It says nothing of what is resident now.
-
-    The daemon reads it as the expectation for an NVML confirmation, and where NVML cannot tell (a CPU engine) as
-    the engine's claim of what a release freed.
-    """
+    """What an engine reports each tag taking when resident (bytes, summed over TP ranks), not what is resident now:
+    the expectation for an NVML confirmation, and where NVML cannot tell (CPU) the claim of what a release freed."""
 
     tags: Mapping[MemoryTag, int]
 
@@ -103,14 +97,9 @@ class MemoryReport:
 
 @dataclass(frozen=True, slots=True)
 class ChunkPart:
-    """One trainer rank's piece of a chunk, as the trainer described it (transport-specific handle).
-
-    ``handle`` is the JSON object the trainer sent: a shared-memory name and layout, a base64 CUDA-IPC
-    payload produced by the trainer, a file path. Adapters translate it into their engine's
-    wire format; none of them unpickles it. The API parses it once into its transport's model
-    (engines/handles.py, ``ChunkPart.of``); the few facts the daemon needs of it (the device, a segment name)
-    are ``route``, built from that model.
-    """
+    """One trainer rank's piece of a chunk. ``handle`` is the JSON object the trainer sent, which adapters forward in
+    their engine's wire format without unpickling it; the facts the daemon needs of it are ``route``
+    (engines/handles.py)."""
 
     rank: int
     transport: Transport
@@ -118,8 +107,7 @@ class ChunkPart:
     handle: dict[str, Any]
     # Each tensor's digest as the trainer computed it (engines/digest.py), by name; None: none sent.
     digests: dict[str, str] | None = None
-    # What the daemon reads of ``handle``: ``parsed`` where the caller has it (the API's typed handle), else
-    # read from ``handle`` as the part is made (an in-process caller's dict).
+    # ``parsed`` where the caller has it (the API's typed handle), else read from ``handle``.
     route: HandleRoute = field(init=False, repr=False, compare=False)
     parsed: InitVar[HandleRoute | None] = None
 
@@ -147,11 +135,8 @@ class ChunkLoad:
 
 @dataclass(frozen=True, slots=True)
 class EngineDigests:
-    """What an engine reports of the weights it holds, as digests (engines/digest.py) per TP rank.
-
-    ``ranks``: one ``{name: digest}`` per TP rank, for the names asked (a name it does not hold is left out);
-    None when the engine cannot report, and then ``unsupported`` says why.
-    """
+    """Digests (engines/digest.py) of the named weights an engine holds: one ``{name: digest}`` per TP rank, or None
+    and ``unsupported`` saying why."""
 
     ranks: tuple[dict[str, str], ...] | None
     unsupported: str | None = None
@@ -159,12 +144,8 @@ class EngineDigests:
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    """What an engine can tell about itself right now; ``None`` in a field means it cannot tell.
-
-    ``incarnation`` changes exactly when the engine process restarted (a server start time, a
-    worker boot id). The daemon compares each field with its record and drives the engine back to
-    the desired state (daemon/reconcile.py); a field an engine cannot report is never guessed.
-    """
+    """What an engine can tell about itself right now; ``None`` in a field means it cannot tell (never guessed).
+    ``incarnation`` changes exactly when the engine process restarted."""
 
     incarnation: str | None = None
     weight_version: str | None = None
@@ -181,15 +162,13 @@ class EngineAdapter(Protocol):
 
     @property
     def transports(self) -> frozenset[Transport]:
-        """The transports this engine accepts chunks by, from what it really supports; exact after ``attach``
-        (before, a guess from its config). The daemon plans a sync from the intersection over the node."""
+        """The transports this engine loads chunks by; exact after ``attach``, a guess from its config before."""
         ...
 
     async def attach(self) -> EngineInfo: ...
     async def started(self) -> bool:
-        """Whether a server that just (re)started has finished its own start-up, so the daemon may drive it. SGLang
-        warms itself up with a generation once its HTTP server answers; a pause before that generation ends
-        blocks it, and the server never reports itself up."""
+        """Whether a server that just (re)started has finished its own start-up (SGLang's warm-up generation: a
+        pause before it ends blocks the server for good)."""
         ...
 
     async def observe(self) -> Observation: ...
@@ -199,13 +178,11 @@ class EngineAdapter(Protocol):
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport: ...
     async def begin_weight_update(self) -> None:
-        """Open the engine's update session (where its protocol has one). No engine tells one session's chunk
-        from another's: the daemon quiesces a session's loads before it ends it."""
+        """Open the engine's update session (where its protocol has one)."""
         ...
     async def load_weights(self, load: ChunkLoad) -> None: ...
     async def end_weight_update(self, version: str | None = None) -> None:
-        """End the update session; ``version`` (a commit's) then becomes the served weight version, by whatever
-        calls the engine's protocol needs (SGLang: ``update_weight_version`` after the end)."""
+        """End the update session; ``version`` (a commit's) then becomes the served weight version."""
         ...
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """Digests of the named tensors as the engine holds (or received) them, for a verified commit."""
@@ -215,8 +192,7 @@ class EngineAdapter(Protocol):
         ...
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load the PEFT folder ``path`` (adapter_config.json, adapter_model.safetensors) as the adapter ``name``,
-        through the engine's own adapter API; ``AdapterUnsupported`` (before any call) where it serves none."""
+        """Load the PEFT folder ``path`` as adapter ``name``; ``AdapterUnsupported`` where the engine serves none."""
         ...
     async def unload_lora_adapter(self, name: str) -> None:
         """Unload the adapter ``name``; one the engine does not hold counts as unloaded."""

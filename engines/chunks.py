@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import fcntl
+import math
 import mmap
 import os
 import re
@@ -37,7 +38,6 @@ __all__ = [
     "LayoutEntry",
     "SharedSegment",
     "TensorSpec",
-    "copy_tensors",
     "dtype_from_name",
     "dtype_itemsize",
     "dtype_name",
@@ -47,10 +47,8 @@ __all__ = [
     "unflatten",
 ]
 
-# The dtypes a chunk may carry, each with its itemsize in bytes. Names are torch's own short names
-# (``str(torch.bfloat16)`` minus the prefix, ``getattr(torch, name)`` back): the same strings vLLM's
-# ``dtype_names`` uses, so layouts can be translated to either engine without a table. Sizes, not torch
-# dtypes, so that validating a layout (all the daemon does with one) never imports torch.
+# The dtypes a chunk may carry and their itemsizes, by torch's short names (``getattr(torch, name)``); sizes, not
+# torch dtypes, so that validating a layout (all the daemon does with one) never imports torch.
 DTYPES: dict[str, int] = {
     "float32": 4,
     "float16": 2,
@@ -109,10 +107,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -210,15 +205,11 @@ SEGMENT_PREFIX = "colocd"  # a segment is named <prefix>-<creator pid>-<12 hex>;
 
 @dataclass
 class SharedSegment:
-    """A POSIX shared-memory segment opened by name (a file under /dev/shm), mapped into this process.
+    """A POSIX shared-memory segment (a file under /dev/shm) mapped into this process; not
+    ``multiprocessing.shared_memory``, whose resource tracker unlinks segments it merely opened (Python < 3.13).
 
-    We use the file directly rather than ``multiprocessing.shared_memory`` because the latter's
-    resource tracker (Python < 3.13) unlinks segments it merely opened when the opener exits.
-
-    The creator's pid is in the name and the creator holds a shared ``flock`` on the file for as long
-    as its mapping lives (the mapping keeps a duplicate of the descriptor, and the kernel drops the
-    lock when the process dies), so ``engines/segments.py`` can tell a dead creator's segment from a
-    live one even across pid namespaces.
+    The creator's pid is in the name and it holds a shared ``flock`` for as long as its mapping lives (the kernel
+    drops it when the process dies), so ``engines/segments.py`` can tell a dead creator's segment from a live one.
     """
 
     name: str
@@ -254,7 +245,7 @@ class SharedSegment:
         return cls(name, nbytes, False, mm)
 
     def tensor(self) -> torch.Tensor:
-        """A uint8 tensor over the mapping (no copy). Read-only mappings give a read-only view."""
+        """A uint8 tensor over the mapping (no copy)."""
         assert self._mmap is not None, "segment closed"
         import torch
 
@@ -290,16 +281,10 @@ MAX_LAYOUT_ENTRIES = 65536  # more tensors than any model has in one chunk; boun
 
 
 def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> ChunkLayout:
-    """Check what can be checked of a chunk handle on this node, before any engine sees it, and return the
-    chunk's layout: every transport carries one (``handle.layout``), so the daemon knows which tensors each
-    chunk holds whatever the bytes travel in.
-
-    shm: the name is a colocd trainer segment's, ``handle.nbytes`` is ``nbytes``, the segment exists and
-    holds them, the layout fits in it; disk: an absolute path to a
-    regular file; cuda_ipc: a base64 string. The layout of a chunk whose bytes the daemon cannot read (disk,
-    cuda_ipc) names the tensors the trainer put in it: names, dtypes, shapes. inline: one
-    well-formed pickle of allow-listed names (``engines/inline.py``).
-    """
+    """Check what can be checked of a chunk handle on this node before any engine sees it, and return the chunk's
+    layout (``handle.layout``, on every transport). shm: a colocd trainer segment that exists and holds
+    ``nbytes``; disk: an absolute path to a regular file; cuda_ipc: base64; inline: one well-formed pickle of
+    allow-listed names (``engines/inline.py``)."""
     if transport == "shm":
         name = handle.get("shm_name")
         if not isinstance(name, str) or not SHM_NAME_PATTERN.match(name):
@@ -362,28 +347,3 @@ def _layout(transport: str, handle: dict[str, Any], nbytes: int | None) -> Chunk
         dup = sorted(n for n, k in Counter(names).items() if k > 1)[:3]
         raise RequestInvalid(f"layout names tensors more than once: {dup}", field="handle.layout")
     return layout
-
-
-# At or above this size a tensor is copied by its own copy_ (cudaMemcpyAsync: copy bandwidth); the
-# many small ones (norms) share one _foreach_copy_ launch, where per-call dispatch would dominate.
-LARGE_COPY_BYTES = 1 << 20
-
-
-def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for every pair, queued on the current stream, at memcpy bandwidth for large tensors.
-
-    Why not one ``torch._foreach_copy_`` for everything: its multi-tensor-apply kernel moves large
-    tensors well below memcpy bandwidth (``benchmarks.weights`` prints both, measured in the same
-    process), and large tensors are few, so their launches cost little next to their bytes.
-    """
-    small_dsts, small_srcs = [], []
-    for dst, src in zip(dsts, srcs, strict=True):
-        if dst.numel() * dst.element_size() >= LARGE_COPY_BYTES:
-            dst.copy_(src)
-        else:
-            small_dsts.append(dst)
-            small_srcs.append(src)
-    if small_dsts:
-        import torch
-
-        torch._foreach_copy_(small_dsts, small_srcs)

@@ -22,13 +22,9 @@ __all__ = [
 
 
 class LaunchConfig(BaseModel):
-    """How colocd starts the engine itself; absent means attach to one already running at ``url``.
-
-    With ``launch`` the daemon starts the engine before it attaches, relaunches it when it exits
-    (after ``backoff_initial_s``, doubling per consecutive failure up to ``backoff_max_s``; a run
-    that stayed up ``backoff_reset_s`` starts the count again) and stops it on shutdown. Its URL
-    is ``url`` if set (a loopback port), else ``http://127.0.0.1:<a free port>``, kept across relaunches.
-    """
+    """How colocd starts the engine itself (and relaunches it on exit, with a doubling backoff; stops it on
+    shutdown); absent means attach to one already running at ``url``. Its URL is ``url`` if set, else a free
+    loopback port kept across relaunches."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -154,12 +150,6 @@ class VLLMEngineConfig(_EngineBase):
     kind: Literal["vllm"] = "vllm"
     model_path: str | None = Field(None, description="model to serve when colocd launches the server")
     sleep_level: int = Field(2, ge=0, le=2, description="level for /sleep; 2 discards weights")
-    weight_transfer_backend: str | None = Field(
-        "colocd",
-        description="--weight-transfer-config backend: 'colocd' (our extension's backend: shm, cuda_ipc and "
-        "disk chunks), 'ipc' (vLLM's own, cuda_ipc chunks only), or null (no native weight transfer: "
-        "chunks go to the colocd worker extension through /collective_rpc)",
-    )
     python: str | None = Field(
         None, description="interpreter of the venv that holds vLLM, used to launch it; default $COLOCD_VLLM_PYTHON"
     )

@@ -1,8 +1,4 @@
-"""A GPU named by UUID, as SGLang names it in a CUDA IPC payload.
-
-Trainer and engine may number GPUs differently (CUDA_VISIBLE_DEVICES), so a chunk's handle names the GPU its
-bytes live on by UUID, and a handle opened on the wrong GPU is an error, not a silent P2P copy.
-"""
+"""A GPU named by UUID, as SGLang names it in a CUDA IPC payload (trainer and engine may number GPUs differently)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Per-tensor weight digests: what the trainer computes at export and an engine reports after loading.
 
-A digest is a function of a tensor's raw bytes (any dtype, any shape: the bytes are read as 32-bit words),
-computed with torch integer ops on the device where the tensor lives, with one host sync per batch and a
-handful of kernels per tensor (no per-row work in Python: see ``_row_sums``). Equal
-bytes give equal digests on every device (CPU and CUDA agree bit for bit: integer arithmetic modulo 2**64
-does not depend on the reduction order). Trainer (``trainer/push.py``), daemon (``daemon/verify.py``) and
-engines (the reference engine, vLLM's worker extension) share this module, as they share ``chunks.py``.
+A digest is a function of a tensor's raw bytes (read as 32-bit words), computed with torch integer ops on the
+tensor's device, one host sync per batch. Equal bytes give equal digests on every device (integer arithmetic
+modulo 2**64 does not depend on the reduction order).
 
 The function: the bytes, zero-padded to whole 32-bit words ``x_i`` (signed), laid out in rows of ``ROW``
 words; ``H = sum_r u_r * sum_j w_j * x_{r,j}  (mod 2**64)`` with fixed-seed odd weights ``w`` (one per
@@ -35,13 +32,11 @@ __all__ = ["DIGEST_HEX_CHARS", "KERNEL", "ROW", "SCRATCH_ROWS", "WIDEN", "Digest
 
 ROW = 1 << 18  # words per row: one column weight each (2 MiB of int64 weights per device)
 _ROWS = 1 << 16  # row weights: rows beyond this reuse them cyclically (tensors over 64 GiB)
-# Rows per product pass (a row is 1 MiB of tensor bytes): the pass's int64 products land in a reused scratch of
-# SCRATCH_ROWS x 2 MiB per device, kept with the weight vectors (a trainer keeps it through the rollout), so a
-# tensor up to 16 MiB takes one pass; 16 rows: a 32 MiB scratch, what the earlier block loop kept.
+# Rows per product pass (a row is 1 MiB of tensor bytes): the int64 products land in a reused scratch of
+# SCRATCH_ROWS x 2 MiB per device, so a tensor up to 16 MiB takes one pass.
 SCRATCH_ROWS = 16
 WIDEN = ("multiply", "copy")  # how torch's kernels widen the words to int64 (``_row_sums``)
-# ``widen="kernel"``: one fused kernel per tensor (``_kernel_row_sums``, Triton, CUDA only) reads each word once and
-# writes only per-row sums: no int64 products reach memory. The default on CUDA where Triton imports.
+# ``widen="kernel"``: one fused Triton kernel per tensor (CUDA only) writes only per-row sums; default where it runs.
 KERNEL = "kernel"
 _SEED = 0x636F6C6F6364  # "colocd"
 _MASK = (1 << 64) - 1
@@ -99,12 +94,8 @@ def _product(words: torch.Tensor, columns: torch.Tensor, out: torch.Tensor, wide
 def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor, widen: str) -> None:
     """``out[r] = sum_j w_j x_{r,j}`` modulo 2**64 for every row ``r`` of ``words`` (the last may be short).
 
-    Per pass of up to ``scratch rows``: the int64 products into the scratch, then their row sums straight into
-    ``out``. ``widen`` says how the int32 words become int64: ``multiply`` inside the product (one kernel that
-    reads the words once: CUDA casts while it loads), ``copy`` by a widening copy first, then the product in place
-    (CPU: its mixed-dtype multiply makes a temporary instead). Either gives the same sums. Relies on int64
-    products and sums wrapping modulo 2**64, as torch's CPU and CUDA kernels do; the unit tests hold both to a
-    numpy uint64 reference.
+    ``widen``: ``multiply`` casts inside the product (CUDA), ``copy`` widens first and multiplies in place (CPU,
+    where a mixed-dtype multiply makes a temporary); the same sums, relying on int64 wrapping modulo 2**64.
     """
     n = words.numel()
     whole = n // ROW
@@ -121,9 +112,8 @@ def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor, widen: str
         torch.sum(last.view(1, tail), 1, out=out[whole : whole + 1])
 
 
-# The fused kernel: each program sums SPAN words of one row (its column weights read from L2, they are 2 MiB), so
-# a row is ROW // SPAN programs writing one partial each; the partials of a row are then summed by torch. int64
-# products and sums wrap modulo 2**64 in Triton as in torch, so the result is bit for bit ``_row_sums``'.
+# The fused kernel: each program sums SPAN words of one row into one partial; torch sums a row's partials. Bit for
+# bit ``_row_sums``' (int64 wraps modulo 2**64 in Triton as in torch).
 _SPAN = 1 << 14
 _BLOCK = 1024
 _kernel: Any = None  # the compiled Triton kernel, built on first use (None: not tried; False: no Triton here)
@@ -173,8 +163,7 @@ def _kernel_row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor) -> 
 
 
 def _segments(counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the rows of a batch (``counts`` rows per tensor, in order): each row's tensor, and its row index within
-    that tensor modulo ``_ROWS``, on ``device`` (built on the host; copied before any pass is queued)."""
+    """For the rows of a batch (``counts`` rows per tensor): each row's tensor and its row index modulo ``_ROWS``."""
     sizes = torch.tensor(counts, dtype=torch.int64)
     segment = torch.repeat_interleave(torch.arange(len(counts)), sizes)
     starts = torch.cumsum(sizes, 0) - sizes
@@ -184,8 +173,7 @@ def _segments(counts: list[int], device: torch.device) -> tuple[torch.Tensor, to
 
 def _weighted_totals(row_sums: torch.Tensor, counts: list[int], ws: _Workspace,
                      segments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Per tensor ``sum_r u_r * row_sums[r]`` over its own rows (``counts`` rows each, in order): one gather,
-    one product and one segmented sum for the whole batch."""
+    """Per tensor ``sum_r u_r * row_sums[r]`` over its own rows, for the whole batch at once."""
     segment, index = segments if segments is not None else _segments(counts, row_sums.device)
     weighted = row_sums * ws.rows[index]
     return torch.zeros(len(counts), dtype=torch.int64, device=row_sums.device).index_add_(0, segment, weighted)
@@ -195,10 +183,8 @@ def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache
                    scratch_rows: int = SCRATCH_ROWS, widen: str | None = None) -> dict[str, str]:
     """Every tensor's digest by name, computed where each tensor lives; one host sync for the batch.
 
-    ``cache`` keeps the weight vectors and the scratch per device between calls (pass the same dict to reuse
-    them); ``scratch_rows`` bounds the scratch (``scratch_rows`` x 2 MiB per device); ``widen`` (``multiply`` or
-    ``copy``, see ``_row_sums``, or ``kernel``, CUDA with Triton only; default: ``kernel`` on CUDA where Triton
-    imports, else ``multiply``, ``copy`` elsewhere) changes speed, never a digest.
+    ``cache`` keeps the weight vectors and scratch per device between calls; ``widen`` (``_row_sums``, or
+    ``kernel``) changes speed, never a digest.
     """
     if widen not in (None, KERNEL, *WIDEN):
         raise ValueError(f"widen must be one of {(*WIDEN, KERNEL)}, not {widen!r}")

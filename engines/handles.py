@@ -1,16 +1,10 @@
 """A chunk handle, typed per transport on the wire, and what the daemon reads of it (its route).
 
-The API parses a chunk's handle once, into the model of the chunk's transport (``handle_model``): a malformed
-field is the caller's 422 naming it (``handle.shm_name``) before any engine sees the chunk, and the OpenAPI
-schema shows each variant. The model keeps the JSON object it was parsed from (``wire``): what the adapters
-forward to their engine, byte for byte, since the handle is the trainer's description of its bytes in the
-engine's own terms. The orchestration reads only the route (``HandleRoute``), built from the model.
-
-Each model takes only what makes sense for its transport. The colocd formats (shm, disk, inline) are read by
-colocd's own loaders, which take no other key: a key their model does not name (a ``device_uuid`` on a disk
-handle, another transport's ``payload_b64``) is a 422 naming it. The GPU transport (cuda_ipc) keeps
-keys its model does not name (``extra="allow"``): they are the engine's (vLLM's IPC keys), checked where
-they are read (``engines/chunks.py``, the adapters); a field of another colocd transport is still a 422.
+The API parses a chunk's handle once, into its transport's model (``handle_model``): a malformed field is the
+caller's 422 naming it before any engine sees the chunk. The model keeps the JSON object it was parsed from
+(``wire``), which the adapters forward byte for byte; the orchestration reads only the route (``HandleRoute``).
+The colocd formats (shm, disk, inline) refuse keys their model does not name; cuda_ipc keeps them (they are the
+engine's) but refuses another colocd transport's fields.
 """
 
 from __future__ import annotations
@@ -44,8 +38,7 @@ __all__ = [
 ]
 
 
-# Every route says ``device_uuid``: the GPU the trainer exported the bytes from, where its handle names one as a
-# string (None: not known). A rank that did not join joins on it; CUDA IPC must land on that GPU.
+# Every route says ``device_uuid``: the GPU the trainer exported the bytes from (None: not known).
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +51,7 @@ class ShmRoute:
 
 @dataclass(frozen=True, slots=True)
 class CudaIpcRoute:
-    """A GPU bucket (or per-tensor handles) exported by the trainer: ``payload_b64`` the engine's IPC payload
-    (None: the handle carries none as a string), ``load_format`` SGLang's name for its form (None: not said)."""
+    """A GPU bucket (or per-tensor handles) exported by the trainer, its IPC payload and SGLang's name for its form."""
 
     device_uuid: str | None
     payload_b64: str | None = None
@@ -68,8 +60,7 @@ class CudaIpcRoute:
 
 @dataclass(frozen=True, slots=True)
 class InlineRoute:
-    """The bytes in the handle itself: ``payload_b64`` the pickle (None: the handle carries none as a string),
-    ``load_format`` SGLang's name for its form (None: not said)."""
+    """The bytes in the handle itself: the pickle and SGLang's name for its form."""
 
     device_uuid: str | None
     payload_b64: str | None = None
@@ -94,15 +85,13 @@ _DeviceUuid = Annotated[str | None, Field(max_length=256, description=(
 
 
 class Handle(BaseModel):
-    """What every transport's handle may say. The layout's entries ({name, dtype, shape, offset}) are checked
-    against the chunk's bytes and the manifest where the daemon inspects the chunk (``engines/chunks.py``)."""
+    """What every transport's handle may say."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     # Fields of the other colocd transports: refused where extra keys are otherwise kept (the GPU transports).
     foreign_fields: ClassVar[frozenset[str]] = frozenset()
 
-    # Not walked here (the API's hot path): engines/chunks.py checks every entry, once, where the chunk is
-    # inspected, and answers a malformed one as handle.layout.
+    # Checked once where the chunk is inspected (engines/chunks.py), not on the API's hot path.
     layout: SkipValidation[list[LayoutEntry] | None] = Field(None, description=(
         "[{name, dtype, shape, offset}]: every transport carries one"))
     _wire: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -190,8 +179,7 @@ def handle_model(transport: Transport) -> type[Handle]:
 
 
 def parse_handle(transport: Transport, handle: object) -> Handle:
-    """``handle`` parsed into its transport's model, keeping the object it came from (``Handle.wire``);
-    pydantic's ``ValidationError`` names a field at fault."""
+    """``handle`` parsed into its transport's model, keeping the object it came from (``Handle.wire``)."""
     model = handle_model(transport).model_validate(handle)
     if isinstance(handle, dict):
         model._wire = handle
@@ -199,8 +187,7 @@ def parse_handle(transport: Transport, handle: object) -> Handle:
 
 
 def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
-    """The route of a handle that did not come through the API (an in-process caller's dict), read as
-    leniently as the engines read it."""
+    """The route of a handle that did not come through the API (an in-process caller's dict), read leniently."""
     try:
         wire = Transport(transport).wire
     except ValueError:  # no such transport: refused, naming it, where the handle is inspected (chunks.py)

@@ -33,23 +33,16 @@ def map_http_errors(engine: str, what: str) -> Iterator[None]:
 
 
 def is_payload_refusal(exc: BaseException) -> bool:
-    """True when an engine refused the request's data (4xx or ``success: false`` on a 4xx), not itself failing.
-
-    Generic on purpose: whoever knows the data came from the caller (a chunk handle, a group spec) turns
-    this into the caller's 4xx (``caller_payload``); the adapter cannot know who wrote it.
-    """
+    """True when an engine refused the request's data (400/413/422), not itself failing; whoever knows the data
+    came from the caller turns it into the caller's 4xx (``caller_payload``)."""
     return isinstance(exc, EngineRejected) and exc.status in PAYLOAD_REFUSAL_STATUSES
 
 
 
 def refused_payload(exc: BaseException, *, field: str | None = None,
                     describe: Callable[[EngineRejected], str] | None = None) -> PayloadRejected | None:
-    """The caller's 422 if ``exc`` is an engine's refusal of data the caller wrote, else None.
-
-    Only a refusal (``is_payload_refusal``: 400/413/422) is the caller's, keeping the engine's words
-    (``describe`` words the message; by default it names ``field``); an engine that fails (5xx, unreachable,
-    timeout) stays an engine error (502/503/504).
-    """
+    """The caller's 422 if ``exc`` is an engine's refusal of data the caller wrote (``describe`` words it; by
+    default it names ``field``), else None: an engine that fails stays an engine error."""
     if not isinstance(exc, EngineRejected) or not is_payload_refusal(exc):
         return None
     message = describe(exc) if describe is not None else f"{exc} (the request's {field or 'payload'} was refused)"
@@ -58,12 +51,7 @@ def refused_payload(exc: BaseException, *, field: str | None = None,
 
 @contextmanager
 def caller_payload(field: str | None = None) -> Iterator[None]:
-    """Engine calls in this block carry data the caller wrote: an engine's refusal of it is the caller's 422
-    (``refused_payload``).
-
-        with caller_payload("handle"):
-            await ops.load_chunk(engine, load)
-    """
+    """Engine calls in this block carry data the caller wrote: an engine's refusal of it is the caller's 422."""
     try:
         yield
     except EngineRejected as exc:

@@ -1,12 +1,9 @@
 """The ``inline`` transport's payload: a plainly pickled CPU ``flattened_bucket``, checked without unpickling.
 
-A chunk of this transport carries its tensors' bytes in the descriptor: ``payload_b64`` is base64 of
-``pickle.dumps({"flattened_tensor": uint8 CPU tensor, "metadata": [...]})``, SGLang's
-``update_weights_from_tensor`` format by value (no shared memory, no file descriptors), which a real
-SGLang loads on any device. The daemon never unpickles it. It walks the pickle's opcodes
-(``pickletools``) and refuses anything that is not one well-formed pickle naming only the globals a
-plain tensor pickle needs: SGLang unpickles the entry in its scheduler, and a payload it cannot load
-(garbled bytes, a foreign global) kills the scheduler and the whole server.
+``payload_b64`` is base64 of ``pickle.dumps({"flattened_tensor": uint8 CPU tensor, "metadata": [...]})``, SGLang's
+``update_weights_from_tensor`` format by value, which a real SGLang loads on any device. The daemon never unpickles
+it: it walks the opcodes and refuses anything but one well-formed pickle naming only the globals a plain tensor
+pickle needs, since a payload SGLang cannot load kills its scheduler and the whole server.
 """
 
 from __future__ import annotations
@@ -40,11 +37,7 @@ _MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
 
 def check_inline_payload(payload_b64: Any) -> None:
     """Raise ``RequestInvalid`` (field ``handle.payload_b64``) unless ``payload_b64`` is base64 of one pickle
-    naming only INLINE_GLOBALS.
-
-    The opcodes are walked with a model of the stack holding only the strings a ``STACK_GLOBAL`` takes its
-    module and name from (pushed directly or through the memo); nothing is imported or constructed.
-    """
+    naming only INLINE_GLOBALS; the stack is modelled only for the strings a ``STACK_GLOBAL`` takes."""
     if not isinstance(payload_b64, str) or not payload_b64:
         raise _refused("an inline chunk carries its tensors as a 'payload_b64' string")
     try:

@@ -5,25 +5,14 @@
     url = await proc.wait_ready(lambda: read_ready_file(path), deadline_s=60)
     code = await proc.stop(grace_s=10)                      # SIGTERM the group, then SIGKILL
 
-A launcher (``engines/<kind>/launcher.py``, ``api/procs.py``) only builds the command line and
-says what "ready" means; starting, readiness under a deadline, exit detection, log capture and
-stopping live here, once. Children run with ``start_new_session=True``: each is the leader of its
-own process group (pgid == pid), so a stop reaches the engine's own children (SGLang's scheduler
-and detokenizer, vLLM's engine core) and nothing else. The process is a ``subprocess.Popen``, so
-the same object serves asyncio callers (the daemon) and blocking ones (test fixtures, scripts);
-an async wait for exit uses a pidfd on the event loop, not a thread.
+A launcher (``engines/<kind>/launcher.py``, ``api/procs.py``) only builds the command line and says what "ready"
+means. Each child leads its own process group (``start_new_session``), so a stop reaches the engine's own children
+and nothing else; an async wait for exit uses a pidfd. A tethered child (``engines/tether.py``) is killed by the
+kernel when this process dies, however it dies.
 
-A tethered child (``tether=True``, or by default when this process's environment has
-``COLOCD_TETHER=1``) is killed by the kernel when this process dies, however it dies
-(``engines/tether.py``). Its own process group does not help there: a SIGKILLed supervisor
-signals nobody, so under the cluster actor every level (actor → daemon → engine) is tethered.
-
-Adoption: a launch record (``LaunchRecord``, kept in the daemon's journal) names one process colocd started: its
-pid, the kernel's start time of that pid (``/proc/<pid>/stat`` field 22, clock ticks since boot; a pid the kernel
-reused has another one), the URL it listens on, its process group and its log. A restarted daemon adopts a
-recorded engine that is still alive and answers on its URL (``AdoptedProcess``: not its child, so its exit status
-is unknown; watched through a pidfd, stopped through its group), and stops one that is alive but does not answer
-before it launches another: one engine per config entry, and the port free for the new one.
+Adoption: a ``LaunchRecord`` (in the daemon's journal) names a process by pid and the kernel's start time of that
+pid (a reused pid has another), with its URL, group and log. A restarted daemon adopts a recorded engine that is
+alive and answers on its URL (``AdoptedProcess``), and stops one that is alive but does not answer.
 """
 
 from __future__ import annotations
@@ -69,7 +58,6 @@ __all__ = [
     "signal_group",
     "stop_group",
     "strip_expandable_segments",
-    "wait_healthy",
     "wait_pidfd",
 ]
 
@@ -170,12 +158,9 @@ def _shown(argv: Sequence[str]) -> str:
 class ManagedProcess:
     """One child process in its own process group, its output appended to a log file.
 
-    ``label`` names what it is in messages ("reference engine", "SGLang", "colocd daemon");
-    ``failure`` turns a one-line reason into the exception to raise (default ``EngineLaunchError``
-    with the log tail), so a non-engine child can raise its own kind. ``header`` writes the
-    (redacted) command line into the log before the child's output. ``tether``: the child dies
-    with this process (None: when this process's environment has ``COLOCD_TETHER=1``).
-    ``on_spawn`` is called with the process right after it started.
+    ``failure`` turns a one-line reason into the exception to raise (default ``EngineLaunchError`` with the log
+    tail); ``header`` writes the (redacted) command line into the log first; ``tether`` None: tethered when this
+    process's environment has ``COLOCD_TETHER=1``; ``on_spawn`` is called right after the start.
     """
 
     def __init__(
@@ -229,10 +214,7 @@ class ManagedProcess:
     # --- start -----------------------------------------------------------------------------------
 
     def spawn(self) -> None:
-        """Start the child in a new session (its own process group), output appended to the log.
-
-        The log is created 0600 (the command line may carry secrets; the logged one is redacted).
-        """
+        """Start the child in its own process group, output appended to the log (created 0600)."""
         if self._popen is not None:
             raise RuntimeError(f"{self.label} {self.name!r}: this process has already been started")
         if self.log_path is None:
@@ -289,11 +271,8 @@ class ManagedProcess:
     async def wait_ready(
         self, probe: Callable[[], Awaitable[T | None]], deadline_s: float, *, setting: str = "launch.ready_timeout_s"
     ) -> T:
-        """Poll ``probe`` until it returns a value, the child exits, or ``deadline_s`` passes.
-
-        An exit or the deadline raises this process's failure (the deadline's message names
-        ``setting``); the child is left running on a deadline: the caller decides to stop it.
-        """
+        """Poll ``probe`` until it returns a value; an exit or ``deadline_s`` raises this process's failure (naming
+        ``setting``), leaving the child running on a deadline."""
         self._require()
         exited = asyncio.ensure_future(self.wait_exit())
         try:
@@ -312,31 +291,16 @@ class ManagedProcess:
             with contextlib.suppress(asyncio.CancelledError):
                 await exited
 
-    def wait_ready_sync(
-        self, probe: Callable[[], T | None], deadline_s: float, *, setting: str = "launch.ready_timeout_s"
-    ) -> T:
-        """Blocking twin of ``wait_ready`` for synchronous callers."""
-
-        async def answered() -> T | None:
-            return probe()
-
-        return _blocking(self.wait_ready(answered, deadline_s, setting=setting))
-
     # --- stop ------------------------------------------------------------------------------------
 
     def note_shm(self) -> None:
-        """Note the ``/dev/shm`` files the group maps or holds open now (``engines/shm_files.py``): its owner calls
-        this while it runs, so what a crash leaves is known; ``stop`` calls it before it signals."""
+        """Note the ``/dev/shm`` files the group maps or holds open now (``engines/shm_files.py``)."""
         if self.shm is not None:
             self.shm.note()
 
     async def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM the group, SIGKILL it after ``grace_s``; the exit status (None if never started).
-
-        Returns only once the leader is reaped and the group is gone, so a successor never
-        overlaps it, and the ``/dev/shm`` files the group left are unlinked (``note_shm``). Idempotent.
-        If cancelled meanwhile, the group is killed before the cancel goes on: no child outlives its owner.
-        """
+        """SIGTERM the group, SIGKILL it after ``grace_s``; the exit status (None if never started). Returns once the
+        group is gone and the ``/dev/shm`` files it left are unlinked; idempotent (``stop_group``)."""
         proc = self._popen
         if proc is None:
             return None
@@ -386,12 +350,8 @@ def flag_values(name: str, args: Sequence[str], owned: Mapping[str, str]) -> dic
 
 
 def strip_expandable_segments(value: str) -> tuple[str, bool]:
-    """``value`` of PYTORCH_CUDA_ALLOC_CONF without ``expandable_segments:True``; and whether it had it.
-
-    torch_memory_saver refuses expandable segments, CUDA IPC of VMM memory needs ``pidfd_getfd``
-    (denied in most containers), and vLLM's sleep frees nothing with them
-    (research/engine-apis.md §3, §6.4 #12). ``expandable_segments:False`` entries are kept.
-    """
+    """``value`` of PYTORCH_CUDA_ALLOC_CONF without ``expandable_segments:True``, and whether it had it:
+    torch_memory_saver refuses them, CUDA IPC of VMM memory needs ``pidfd_getfd``, and vLLM's sleep frees nothing."""
     kept, removed = [], False
     for item in (part.strip() for part in value.split(",")):
         if not item:
@@ -406,9 +366,8 @@ def strip_expandable_segments(value: str) -> tuple[str, bool]:
 
 def gpu_environment(name: str, env: dict[str, str], launch_env: Mapping[str, str], devices: Sequence[str],
                     tp_size: int) -> dict[str, str]:
-    """``env`` with expandable segments dropped from PyTorch's allocator settings (PYTORCH_ALLOC_CONF is the newer
-    spelling of the same setting) and ``CUDA_VISIBLE_DEVICES`` pinned to ``devices`` (the engine config's
-    gpu_uuids or gpus; one per TP rank, and not contradicted by ``launch.env``)."""
+    """``env`` without expandable segments and with ``CUDA_VISIBLE_DEVICES`` pinned to ``devices`` (one per TP
+    rank, not contradicted by ``launch.env``)."""
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if key in env:
             cleaned, removed = strip_expandable_segments(env[key])
@@ -432,33 +391,13 @@ def gpu_environment(name: str, env: dict[str, str], launch_env: Mapping[str, str
     return env
 
 
-async def wait_healthy(process: ManagedProcess, url: str, deadline_s: float,
-                       client: httpx.AsyncClient | None = None) -> None:
-    """Wait until ``GET url/health`` answers 200 (503 while the server starts, refused before it binds: both mean
-    "not yet"), the process exits, or ``deadline_s`` passes (``process.wait_ready``)."""
-    async with contextlib.AsyncExitStack() as stack:
-        http: httpx.AsyncClient = client if client is not None else await stack.enter_async_context(
-            httpx.AsyncClient(timeout=5.0, trust_env=False))
-
-        async def healthy() -> bool | None:
-            with contextlib.suppress(httpx.TransportError):
-                if (await http.get(f"{url}/health", timeout=max(deadline_s, 1.0))).status_code == 200:
-                    return True
-            return None
-
-        await process.wait_ready(healthy, deadline_s)
-
-
 async def launch_until_healthy(
     name: str, label: str, command: Callable[[int], tuple[list[str], dict[str, str]]], *, port: int | None,
     log_file: str | os.PathLike[str] | None, ready_timeout_s: float,
     on_spawn: Callable[[ManagedProcess], None] | None = None, client: httpx.AsyncClient | None = None,
 ) -> tuple[ManagedProcess, str]:
     """Start ``command(port)`` on 127.0.0.1 and return the process and its URL once ``/health`` answers 200.
-
-    ``port`` None: a free one, and if another process takes it before the server binds it, a second free one
-    once. A server that is not ready is stopped before the error goes on.
-    """
+    ``port`` None: a free one (a second once, if another process took the first); a failed server is stopped."""
     for attempt in (1, 2):
         chosen = port or free_port()
         argv, env = command(chosen)
@@ -466,7 +405,7 @@ async def launch_until_healthy(
         process.spawn()
         url = f"http://127.0.0.1:{chosen}"
         try:
-            await wait_healthy(process, url, ready_timeout_s, client)
+            await _wait_healthy(process, url, ready_timeout_s, client)
             return process, url
         except EngineLaunchError:
             await process.stop()
@@ -478,6 +417,22 @@ async def launch_until_healthy(
             await process.stop()
             raise
     raise AssertionError("unreachable")
+
+
+async def _wait_healthy(process: ManagedProcess, url: str, deadline_s: float,
+                        client: httpx.AsyncClient | None) -> None:
+    """Wait until ``GET url/health`` answers 200, the process exits, or ``deadline_s`` passes."""
+    async with contextlib.AsyncExitStack() as stack:
+        http = client if client is not None else await stack.enter_async_context(
+            httpx.AsyncClient(timeout=5.0, trust_env=False))
+
+        async def healthy() -> bool | None:
+            with contextlib.suppress(httpx.TransportError):
+                if (await http.get(f"{url}/health", timeout=max(deadline_s, 1.0))).status_code == 200:
+                    return True
+            return None
+
+        await process.wait_ready(healthy, deadline_s)
 
 
 def _blocking(coro: Coroutine[Any, Any, T]) -> T:
@@ -532,11 +487,7 @@ class LaunchRecord:
         return process_start_time(self.pid) == self.start_time
 
     def leftovers(self) -> bool:
-        """The leader is gone but members of its process group remain (an engine's own children).
-
-        A pid stays reserved while it names a live process group, so the group is ours; a live
-        process under the recorded pid with another start time means the group went long ago.
-        """
+        """The leader is gone but members of its process group remain (a pid stays reserved while its group lives)."""
         return process_start_time(self.pid) is None and group_alive(self.pgid)
 
     def to_json(self) -> dict[str, Any]:
@@ -551,11 +502,8 @@ class LaunchRecord:
 
 async def stop_group(pgid: int, grace_s: float, leader_exit: Callable[[], Awaitable[object]] | None = None, *,
                      label: str = "process group") -> None:
-    """SIGTERM the group and give its leader ``grace_s`` to exit (``leader_exit`` returns once it has; None: the
-    leader is gone already), then SIGKILL the group and return once it is empty (or after ``_GROUP_GONE_S``, with a
-    warning). If cancelled meanwhile, the group is killed before the cancel goes on: no child outlives its owner.
-    A zombie leader keeps its group alive: ``leader_exit`` reaps a child of this process.
-    """
+    """SIGTERM the group and give its leader ``grace_s`` to exit (``leader_exit``; None: gone already), then SIGKILL
+    the group and return once it is empty. Cancelled meanwhile, the group is killed first: no child outlives us."""
     try:
         if leader_exit is not None:
             signal_group(pgid, signal.SIGTERM)

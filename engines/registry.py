@@ -22,21 +22,15 @@ def build_adapter(config: AnyEngineConfig, client: httpx.AsyncClient) -> EngineA
 
         return SGLangAdapter(config, client)
     if config.kind == "vllm":
-        from .vllm import VLLMAdapter
+        from .vllm.adapter import VLLMAdapter
 
         return VLLMAdapter(config, client)
     raise ValueError(f"engine {config.name!r}: unknown kind {config.kind!r}")
 
 
 async def launch_engine(config: AnyEngineConfig, options: LaunchOptions | None = None) -> Launched:
-    """Start ``config``'s server on ``config.url``'s port and return once it is ready.
-
-    ``options``: the spawn hook reaches every launcher (the daemon journals each process as soon as it exists,
-    so a daemon killed while an engine loads finds it on restart); the daemon pauses an engine it launched
-    when it reconciles it.
-
-    Raises ``EngineLaunchError`` naming the engine (it exited, or missed ``launch.ready_timeout_s``).
-    """
+    """Start ``config``'s server and return once it is ready (``options.on_spawn`` is told the process as soon as
+    it exists); ``EngineLaunchError`` names the engine."""
     if config.kind == "reference":
         from .reference.launcher import launch_reference
 

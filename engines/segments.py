@@ -1,21 +1,13 @@
 """Reclaiming the shared-memory segments of dead trainers: ``colocd-<pid>-*`` whose creator is gone.
 
-A trainer unlinks its segments once the daemon acked them, but a SIGKILLed (or OOM-killed) trainer
-unlinks nothing, and its segments would hold host memory until the node reboots. Any process on the
-node may run ``reclaim_dead_segments``: the next trainer does when its shm producer starts
-(``trainer/producer.py``), and the daemon can on its health loop.
+A SIGKILLed trainer unlinks nothing, and its segments would hold host memory until the node reboots; the next
+trainer's shm producer and the daemon run ``reclaim_dead_segments``. A segment is reclaimed only when its pid (in
+the name) is not a live process here and nobody holds the creator's ``flock`` on it (which covers a creator in
+another pid namespace sharing /dev/shm).
 
-A segment is reclaimed only when both say its creator is gone:
-- its pid (in the name) is not a live process here (``kill(pid, 0)``; a zombie counts as dead), and
-- nobody holds the creator's ``flock`` on it (``SharedSegment.create`` takes one that lives as long as
-  the mapping; the kernel drops it when the process dies).
-The lock covers a creator in another pid namespace sharing /dev/shm (a container with ``hostIPC``),
-whose pid means nothing here. Segments of other users are left alone (we could not unlink them).
-
-The daemon also unlinks what an uncommitted weight session's chunks named (``unlink_session_segments``),
-but only segments it can prove are that session's trainer's: colocd's naming and either a pid the trainer
-proved (the pid a rank declared when it joined) or a dead creator as above. Any other file a chunk names is left
-alone: a caller with the token must not be able to delete another program's shared memory by naming it.
+The daemon also unlinks what an uncommitted weight session's chunks named (``unlink_session_segments``), but only
+segments it can prove are that session's trainer's (colocd's naming, and the pid a rank declared or a dead
+creator): a caller must not be able to delete another program's shared memory by naming it.
 """
 
 from __future__ import annotations
@@ -64,12 +56,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def reclaim_dead_segments(directory: str = SHM_DIR, prefix: str = SEGMENT_PREFIX) -> list[ReclaimedSegment]:
-    """Unlink every ``<prefix>-<pid>-*`` segment in ``directory`` whose creator is dead; returns them.
-
-    Safe to run from any process at any time: a segment of a live creator, one still locked by its
-    creator, one of another user, or one that vanished meanwhile is skipped. A reader that still maps
-    an unlinked segment keeps its mapping (unlink only removes the name).
-    """
+    """Unlink every ``<prefix>-<pid>-*`` segment in ``directory`` whose creator is dead; returns them. Safe from
+    any process at any time (a reader that still maps an unlinked segment keeps its mapping)."""
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
@@ -87,12 +75,8 @@ def reclaim_dead_segments(directory: str = SHM_DIR, prefix: str = SEGMENT_PREFIX
 
 def unlink_session_segments(names: Iterable[str], trainer_pids: Collection[int],
                             directory: str = SHM_DIR) -> list[ReclaimedSegment]:
-    """Unlink, of the segments an uncommitted session's chunks named, those provably its trainer's; returns them.
-
-    A name must be colocd's (``<prefix>-<pid>-<hex>``) and its pid one of ``trainer_pids`` (what the trainer
-    proved: the pid its ranks declared at join), or its creator must be dead
-    and unlocked (``reclaim_dead_segments``' rule). Anything else named is left where it is.
-    """
+    """Unlink, of the segments an uncommitted session's chunks named, those provably its trainer's (a pid in
+    ``trainer_pids``, or a dead and unlocked creator); returns them."""
     unlinked = []
     for name in sorted(set(names)):
         pid = segment_creator(name)

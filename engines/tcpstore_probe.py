@@ -1,10 +1,8 @@
 """Telling a torch TCPStore from anything else listening on a port: one read-only query and its reply.
 
-The probe is torch's own client handshake (``TCPStoreBackend.hpp``): ``VALIDATE`` with the magic number, then
-``GETNUMKEYS``, which every store answers with the number of keys as an int64 (both the libuv and the legacy
-backend, host byte order). Nothing is written to the store. An HTTP server, say, answers ``HTTP/1.1 400`` or
-waits for a request line; either way it is not the trainer's store, and the caller learns so at once instead
-of an engine waiting out its rendezvous timeout.
+torch's own client handshake (``TCPStoreBackend.hpp``): ``VALIDATE`` with the magic number, then ``GETNUMKEYS``,
+which every store answers with an int64; nothing is written. Anything else is not the trainer's store, and the
+caller learns so at once instead of an engine waiting out its rendezvous timeout.
 """
 
 from __future__ import annotations

@@ -5,15 +5,9 @@ children, and a daemon or engine left behind would keep GPU memory and ports. Li
 signal to a child when its parent dies (``PR_SET_PDEATHSIG``); the flag survives ``exec``, so this
 sets it and then becomes the command (same pid: the pid a supervisor reports is the command's own).
 
-The flag is per process and names the parent only: a tethered daemon that the kernel kills takes
-nothing with it, since its engines are its children, not the actor's. So the tether is applied at
-every level: ``ManagedProcess(tether=True)`` prefixes its argv with ``tether_prefix()``, and a
-supervisor whose own environment has ``COLOCD_TETHER=1`` does so for every child it starts (the
-cluster actor sets it in the daemon's environment; ``engines/processes.py``). What a tethered
-engine starts itself (SGLang's scheduler, vLLM's engine core) is the engine's own business.
-
-The kernel delivers the signal when the *thread* that forked the child exits; colocd spawns from its
-event-loop thread, which lives as long as the process.
+The flag names the parent only, so the tether is applied at every level: a supervisor whose environment has
+``COLOCD_TETHER=1`` tethers every child it starts (``engines/processes.py``). The kernel signals when the *thread*
+that forked the child exits; colocd spawns from its event-loop thread, which lives as long as the process.
 """
 
 from __future__ import annotations

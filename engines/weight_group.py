@@ -1,16 +1,11 @@
 """A weight-update process group built the way SGLang builds one, from a TCPStore and public torch classes.
 
-Both sides of the separated-GPU path use this module: the trainer (rank 0, serving the store) and
-the reference engine (ranks ``rank_offset + tp_rank``). SGLang's ``init_custom_process_group``
-(utils/common.py:2859; research/engine-apis.md §1.6) does a ``tcp://`` rendezvous, wraps the store in
-``PrefixStore(group_name)`` and hands it to torch's ``_new_process_group_helper``, which adds the
-prefixes ``"{group_name}/"`` and ``"{device}/"`` and then sets the group's sequence number through the
-store. Both sides must produce exactly these store keys or the rendezvous hangs until its timeout
-(research §6.4 #8, lightseekorg/tokenspeed#1373), so the chain is rebuilt here without the private
-helper and without a default process group.
+The trainer (rank 0, serving the store) and the reference engine (ranks ``rank_offset + tp_rank``) use it. Both
+sides must produce exactly SGLang's store keys (``init_custom_process_group``, utils/common.py:2859: the prefixes
+``group_name``, ``"{group_name}/"`` and ``"{device}/"``) or the rendezvous hangs until its timeout
+(lightseekorg/tokenspeed#1373), so the chain is rebuilt here without torch's private helper.
 
-Every ``WeightGroup`` method blocks (a rendezvous waits for every rank, a broadcast for its peers):
-call them through ``off_loop``, never on an event loop.
+Every ``WeightGroup`` method blocks: call them through ``off_loop``, never on an event loop.
 """
 
 from __future__ import annotations
@@ -102,10 +97,8 @@ class WeightGroup:
     @classmethod
     def join(cls, *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
              backend: str, timeout_s: float, store: Store | None = None) -> WeightGroup:
-        """Rendezvous with every other rank; blocks until all joined (or raises after ``timeout_s``).
-
-        ``store`` is rank 0's own ``master_store``; other ranks connect to ``master_address:master_port``.
-        """
+        """Rendezvous with every other rank; blocks until all joined (or raises after ``timeout_s``). ``store`` is
+        rank 0's own ``master_store``; other ranks connect to ``master_address:master_port``."""
         device = BACKEND_DEVICES.get(backend)
         if device is None:
             raise ValueError(f"backend {backend!r} is not supported; use one of {sorted(BACKEND_DEVICES)}")
@@ -159,11 +152,8 @@ class WeightGroup:
 
 
 def off_loop(fn: Callable[[], _T], *, name: str) -> asyncio.Future[_T]:
-    """Run a blocking collective on a fresh daemon thread; the returned future completes on this loop.
-
-    A daemon thread, not an executor: a receive stuck until the group's timeout must neither occupy a
-    shared worker nor hold up interpreter exit (executors join their threads at exit).
-    """
+    """Run a blocking collective on a fresh daemon thread (a receive stuck until the group's timeout must not hold
+    up a shared executor or interpreter exit); the returned future completes on this loop."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[_T] = loop.create_future()
     # Nobody may be awaiting it any more (a caller that gave up): retrieve the error so that asyncio

@@ -1,9 +1,7 @@
 """The weight-update group protocol between the daemon and an engine (separated GPUs, research/engine-apis.md §1.6).
 
-What a broadcast is (``BroadcastDescriptor``, validated as the trainer must have sent it) and the verbs an
-engine adapter offers for it (``SupportsWeightGroups``: SGLang's routes). The collective itself is
-``weight_group.py`` (torch, imported only on this path); the daemon's side, which opens groups, forwards
-broadcasts and destroys a group whose sequence may be out of step, is ``daemon/distributed.py``.
+What a broadcast is (``BroadcastDescriptor``) and the adapter verbs for it (``SupportsWeightGroups``: SGLang's
+routes); torch-free. The collective is ``weight_group.py``, the daemon's side ``daemon/distributed.py``.
 """
 
 from __future__ import annotations
@@ -41,11 +39,8 @@ class SupportsWeightGroups(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BroadcastDescriptor:
-    """One broadcast as the trainer runs it: tensors in broadcast order, one broadcast each or one flattened bucket.
-
-    Construction validates it (``ValueError`` naming the field), so an engine never receives a layout
-    the trainer cannot have sent.
-    """
+    """One broadcast as the trainer runs it: tensors in broadcast order, one broadcast each or one flattened bucket;
+    validated at construction (``ValueError`` naming the field)."""
 
     seq: int
     group_name: str
@@ -81,11 +76,8 @@ def itemsize(dtype: str) -> int:
 
 def flat_offsets(names: Sequence[str], dtypes: Sequence[str],
                  shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """Each tensor's byte range ``[start, end)`` in one flattened bucket: back to back in ``names`` order, no padding.
-
-    Raises ``ValueError`` naming the tensor whose offset is not a multiple of its dtype's itemsize, which SGLang's
-    receiver refuses (weight_sync/tensor_bucket.py ``FlattenedTensorBucket.empty``).
-    """
+    """Each tensor's byte range ``[start, end)`` in one flattened bucket, back to back with no padding; a
+    ``ValueError`` names a tensor whose offset is not a multiple of its itemsize (SGLang refuses it)."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
     ranges: list[tuple[int, int]] = []

@@ -19,8 +19,7 @@ from pathlib import Path
 
 # module -> the one top-level package it may lack here (it is imported only inside that engine's process,
 # or it belongs to an optional extra: colocd.cluster's Ray side is the ``colocd[ray]`` extra)
-ENGINE_ONLY = {"colocd.engines.vllm.transfer": "vllm",
-               **{f"colocd.cluster.{m}": "ray" for m in ("registry", "trainer")}}
+ENGINE_ONLY = {f"colocd.cluster.{m}": "ray" for m in ("registry", "trainer")}
 
 
 def product_modules() -> list[str]:

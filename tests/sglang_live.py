@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sglang_replies as replies
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -134,7 +135,7 @@ def save_model(model_dir: Path, named: Named, out: Path) -> Path:
 # the fixture's, so a fixture that no longer says what SGLang answers fails here.
 
 FIXTURE = Path(__file__).parent / "contract" / "fixtures" / "sglang_live_0_5_23.json"
-# server_info is ~200 server arguments; the fixture keeps those colocd reads (wire.ServerInfo's fields).
+# server_info is ~200 server arguments; the fixture keeps these (wire.ServerInfo's fields among them).
 SERVER_INFO_KEYS = ("version", "model_path", "tp_size", "dp_size", "device", "enable_memory_saver",
                     "enable_weights_cpu_backup", "weight_cache_mode", "weight_version", "startup_time")
 
@@ -193,7 +194,7 @@ def greedy_sync(url: str, max_new_tokens: int = 12) -> list[int]:
     return list(r.json()["output_ids"])
 
 
-def parameter_checksums(result: wire.CheckWeightsResult) -> dict[str, str]:
+def parameter_checksums(result: replies.CheckWeightsResult) -> dict[str, str]:
     """``{"tp<rank>/<parameter>": checksum}`` over every rank of a ``/weights_checker`` checksum reply (empty if it
     has none). SGLang's reply (0.5.23 http_server.py:1599-1619) holds, per TP rank, one checksum per (fused)
     parameter, e.g. ``model.layers.0.self_attn.qkv_proj.weight``: two servers serve the same weights exactly
@@ -211,20 +212,20 @@ def checksums_sync(url: str) -> dict[str, str]:
     """Every per-parameter ``/weights_checker`` checksum of the server."""
     r = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=120, trust_env=False)
     r.raise_for_status()
-    return parameter_checksums(wire.CheckWeightsResult.model_validate(r.json()))
+    return parameter_checksums(replies.CheckWeightsResult.model_validate(r.json()))
 
 
 async def checksums(client: httpx.AsyncClient, url: str) -> dict[str, str]:
     """``checksums_sync`` for async tests."""
     r = await client.post(f"{url}/weights_checker", json={"action": "checksum"})
     r.raise_for_status()
-    return parameter_checksums(wire.CheckWeightsResult.model_validate(r.json()))
+    return parameter_checksums(replies.CheckWeightsResult.model_validate(r.json()))
 
 
 async def load_from_disk(client: httpx.AsyncClient, url: str, model_path: str, *,
                          weight_version: str | None = None) -> bool:
     """SGLang loads ``model_path`` itself (``/update_weights_from_disk``, no session needed): whether it did. A
     failed load leaves the old weights served."""
-    request = wire.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version)
+    request = replies.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version)
     r = await client.post(f"{url}{request.ROUTE}", json=wire.body(request, V0_5_23))
     return r.status_code == 200 and r.json().get("success") is True

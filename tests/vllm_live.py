@@ -18,7 +18,7 @@ from colocd.engines.digest import tensor_digests
 # research/engine-versions.md §A with file:line in each wheel): the routes a release lacks, and whether /sleep
 # range-checks its level (0.29 parses it with a bare int(): ?level=5 is a 200).
 LACKS: dict[str, frozenset[str]] = {
-    "0.29.0": frozenset({"/release_kv_cache_memory", "/shutdown_weight_transfer_engine", "/weight_checker"}),
+    "0.29.0": frozenset({"/release_kv_cache_memory"}),
     "0.32.0": frozenset(),
 }
 SLEEP_LEVEL_CHECKED = {"0.29.0": False, "0.32.0": True}

@@ -1,6 +1,5 @@
-"""Speaks SGLang's HTTP API (0.5.23 and the older session-less protocol); knows nothing of phases.
+"""Speaks SGLang's HTTP API (0.5.23 and the older session-less protocols), and so the reference engine's too.
 
-The embedded reference engine speaks the same protocol, so this adapter drives it too.
 Every call maps to one SGLang route; ordering, retries and deadlines belong to the daemon.
 """
 
@@ -45,13 +44,9 @@ __all__ = ["UNSUPPORTED_DIGESTS", "SGLangAdapter"]
 
 _log = logging.getLogger(__name__)
 
-# Why a verified commit cannot check real SGLang (0.5.23), in the words the commit reply carries. Its one per-tensor
-# check, /weights_checker {"action": "checksum"} (srt/utils/weight_checker.py), hashes each parameter as the model
-# holds it: fused (qkv_proj = q|k|v, gate_up_proj = gate|up), sharded by TP rank, after post-load processing
-# (quantised weights dequantised), with sha256 on CPU and a Triton tile hash on GPU
-# (kernels/ops/memory/gpu_tensor_hash.py). Reproducing it means rebuilding every fused shard on the trainer, per
-# model architecture, and a device-to-host copy plus sha256 of every byte on CPU; it reports nothing about the
-# tensors as they arrived. docs/behavior.md ("Verified commit") says what the check would need.
+# Why a verified commit cannot check real SGLang, in the words the commit reply carries: /weights_checker hashes
+# each parameter fused, TP-sharded and post-processed (srt/utils/weight_checker.py), which the trainer would have
+# to rebuild per architecture; docs/behavior.md ("Verified commit") says more.
 UNSUPPORTED_DIGESTS = (
     "SGLang reports no per-tensor digests of what it received: /weights_checker checksums its fused, TP-sharded "
     "parameters (qkv_proj, gate_up_proj) with its own hash, which colocd does not rebuild; this engine's weights "
@@ -99,16 +94,16 @@ class SGLangAdapter:
         data = self._json(response, self.name, what)
         if not isinstance(data, dict) or "success" not in data:
             raise EngineProtocolError(self.name, f"{what}: expected {{success, message}}, got {data!r:.200}")
-        if not data["success"]:
-            raise EngineRejected(self.name, f"{what}: {data.get('message') or 'success=false'}",
+        if not data["success"]:  # LoRA replies say why in error_message
+            why = data.get("message") or data.get("error_message") or "success=false"
+            raise EngineRejected(self.name, f"{what}: {why}",
                                  status=response.status_code, body=json.dumps(data)[:2000])
 
     @property
     def transports(self) -> frozenset[Transport]:
-        """What SGLang loads, and the reference engine with it: ``inline`` (plain-pickled CPU tensors, on any
-        device) and, on a GPU, CUDA-IPC chunks (flattened_bucket, or its default per-tensor list). Never colocd's
-        shm or disk chunks: SGLang would unpickle their JSON descriptors and its scheduler would die. The device
-        is the one server_info reports; before attach, the reference engine's config, else a GPU."""
+        """What SGLang loads: ``inline`` anywhere and, on a GPU, CUDA-IPC chunks (flattened_bucket or per tensor);
+        never shm or disk (its scheduler would die unpickling their JSON). The device is server_info's; before
+        attach, the reference engine's config, else a GPU."""
         device = self._device or (self._config.device if isinstance(self._config, ReferenceEngineConfig) else "cuda")
         return _GPU_TRANSPORTS if device.startswith("cuda") else _CPU_TRANSPORTS
 
@@ -160,7 +155,7 @@ class SGLangAdapter:
         return self._info
 
     async def _published_routes(self) -> frozenset[str] | None:
-        """The paths of the server's ``/openapi.json``; None where it publishes none (``DISABLE_OPENAPI_DOC``)."""
+        """The paths of the server's ``/openapi.json``; None where it publishes none."""
         try:
             data = self._json(await self._call("GET", "/openapi.json", "openapi"), self.name, "openapi")
         except EngineRejected as exc:
@@ -181,9 +176,8 @@ class SGLangAdapter:
         return tuple(c.gpu_uuids) if len(c.gpu_uuids) == c.tp_size else ()
 
     def _check_tp_size(self, server: wire.ServerInfo) -> None:
-        """The engine's TP size must be the declared one: the daemon gathers one payload per declared TP rank
-        for every chunk. SGLang's server_info carries its resolved server args, ``tp_size`` among them
-        (http_server.py:863-894; 0.5.4 /get_server_info too); an answer without it cannot be checked."""
+        """The engine's TP size (server_info's ``tp_size``, where it says) must be the declared one: every chunk
+        carries one payload per declared TP rank."""
         reported = server.tp_size
         if reported is None:
             return
@@ -197,8 +191,7 @@ class SGLangAdapter:
             )
 
     async def started(self) -> bool:
-        """SGLang's ``/health`` is 503 until its warm-up generation has run (``server_status`` Starting), 200
-        once it serves; the daemon asks only of a server it saw restart, which SGLang starts unpaused."""
+        """SGLang's ``/health`` is 503 until its warm-up generation has run, 200 once it serves."""
         try:
             response = await self._client.get(self._base + "/health", headers=self._headers, timeout=30.0)
         except httpx.HTTPError:
@@ -206,12 +199,9 @@ class SGLangAdapter:
         return response.status_code == 200
 
     async def observe(self) -> Observation:
-        """The incarnation is derived from server_info's ``startup_time``, whatever its shape
-        (``wire.ServerInfo.incarnation``: SGLang measures it once per process, http_server.py:886); the
-        reference engine also reports its pause gate and its open weight-update session (``internal_states``),
-        which real SGLang does not, so those stay None there. No SGLang reports which tags are resident."""
-        # The two questions are independent, so they are asked at once; the first failure is raised and nothing
-        # is left running.
+        """The incarnation from server_info's ``startup_time``; the pause gate and an open weight-update session
+        where ``internal_states`` reports them (the reference engine; real SGLang does not). No SGLang reports
+        which tags are resident. The two questions are asked at once; the first failure is raised."""
         asked = (server_t := asyncio.ensure_future(self._server_info()),
                  version_t := asyncio.ensure_future(self._weight_version()))
         try:
@@ -329,8 +319,7 @@ class SGLangAdapter:
         self._check_success(await self._call("POST", request.ROUTE, what, body), what)
 
     async def _set_weight_version(self, version: str) -> None:
-        # abort_all_requests defaults to true in SGLang; the engine is paused here anyway and we
-        # never want a version bump to kill requests on its own.
+        # SGLang's default would abort every running request.
         request = wire.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
         self._check_success(
             await self._call("POST", request.ROUTE, "update_weight_version", wire.body(request, self.protocol)),
@@ -341,8 +330,8 @@ class SGLangAdapter:
         return EngineDigests(None, UNSUPPORTED_DIGESTS)
 
     async def memory_report(self) -> MemoryReport | None:
-        """What each tag took when the engine allocated it, from server_info's ``memory_usage`` (rank 0 of each
-        scheduler, so times the TP size); None where the server reports none (SGLang before 0.5.x)."""
+        """What each tag took when allocated (server_info's ``memory_usage`` of rank 0, times the TP size); None
+        where the server reports none."""
         states = (await self._server_info()).internal_states
         usage = states[0].memory_usage if states else None
         if usage is None:
@@ -350,19 +339,17 @@ class SGLangAdapter:
         tp = int(self._config.tp_size)
         gb = {MemoryTag.WEIGHTS: usage.weight, MemoryTag.KV_CACHE: usage.kvcache,
               MemoryTag.CUDA_GRAPH: sum(usage.graph.values())}
-        # SGLang measures a tag as the device's free memory before minus after allocating it; on CPU other
-        # processes move that number too, so a tag can come out negative: no claim at all, not a negative one.
+        # Measured as free memory before minus after allocating: on CPU other processes can make it negative.
         return MemoryReport({t: round(v * _GB) * tp for t, v in gb.items() if v > 0})
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        """SGLang loads from a folder (also from tensors; one mechanism serves both engines). Once unloaded, a
-        request naming the adapter re-loads it from that path (tokenizer_manager.py:3759-3788): the daemon deletes
-        the folder at unload, so such a request fails instead of serving a retired version."""
+        """From a folder. Once unloaded, a request naming the adapter re-loads it from that path
+        (tokenizer_manager.py:3759-3788), so the daemon deletes the folder at unload."""
         if self._lora_refusal is not None:
             raise AdapterUnsupported(self.name, self._lora_refusal)
         response = await self._call("POST", "/load_lora_adapter", "load_lora_adapter",
                                     {"lora_name": name, "lora_path": path})
-        self._check_lora(response, "load_lora_adapter")
+        self._check_success(response, "load_lora_adapter")
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Waits for the adapter's requests in flight, then frees it on the workers (tokenizer_control_mixin.py:634)."""
@@ -372,13 +359,7 @@ class SGLangAdapter:
             if "does not exist" in exc.body:  # "LoRA with name X does not exist": already unloaded
                 return
             raise
-        self._check_lora(response, "unload_lora_adapter")
-
-    def _check_lora(self, response: httpx.Response, what: str) -> None:
-        data = self._json(response, self.name, what)  # LoRAUpdateOutput{success, error_message, loaded_adapters}
-        if not isinstance(data, dict) or not data.get("success"):
-            raise EngineRejected(self.name, f"{what}: {data!r:.300}", status=response.status_code,
-                                 body=json.dumps(data)[:2000])
+        self._check_success(response, "unload_lora_adapter")
 
     async def aclose(self) -> None:
         return None

@@ -1,9 +1,5 @@
-"""Starts an SGLang server with the flags colocation needs; no engine verbs.
-
-``sglang_command`` is pure (config in, argv and environment out) so the flag rules are tested
-without SGLang; ``launch_sglang`` hands it to ``engines/processes.py`` (own process group, log file,
-readiness: ``/health`` 200 under a deadline; SIGTERM then SIGKILL to the whole group: SGLang's
-scheduler and detokenizer are children of the launcher).
+"""Starts an SGLang server with the flags colocation needs: ``sglang_command`` is pure (config in, argv and
+environment out); ``launch_sglang`` hands it to ``engines/processes.py``.
 """
 
 from __future__ import annotations
@@ -50,14 +46,9 @@ def sglang_command(
     environ: Mapping[str, str] | None = None,
     sglang_version: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The argv and full environment that start ``config``'s server on 127.0.0.1:``port``.
-
-    With ``--device cpu`` in ``launch.args`` the server runs on SGLang's CPU engine
-    (``SGLANG_USE_CPU_ENGINE=1``) and without ``--enable-memory-saver``, whose library has only CUDA hooks.
-
-    ``environ`` is the environment to start from (default: this process's). ``sglang_version``,
-    when known, drops flags that version does not have; unknown means the newest verified (0.5.23).
-    Raises ``EngineLaunchError`` naming the setting for anything that would break colocation.
+    """The argv and full environment that start ``config``'s server on 127.0.0.1:``port`` (``--device cpu`` in
+    ``launch.args``: SGLang's CPU engine, without ``--enable-memory-saver``). ``sglang_version``, when known, drops
+    flags it lacks. Raises ``EngineLaunchError`` naming the setting for anything that would break colocation.
     """
     if config.launch is None:
         raise EngineLaunchError(config.name, f"has no 'launch' section: colocd attaches to {config.url}")
@@ -143,10 +134,8 @@ def sglang_command(
 
 async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | None = None, *,
                         sglang_version: str | None = None) -> Launched:
-    """Start ``config``'s server under ``$COLOCD_SGLANG_PYTHON`` (an SGLang venv; else this interpreter) and return
-    once ``/health`` answers 200 within ``launch.ready_timeout_s``: on ``config.url``'s port, else a free one
-    (``launch_until_healthy``). ``options.on_spawn`` is told the process as soon as it exists (the daemon journals
-    it); the daemon pauses the server when it reconciles it."""
+    """Start ``config``'s server under ``$COLOCD_SGLANG_PYTHON`` (else this interpreter) on ``config.url``'s port
+    (else a free one) and return once ``/health`` answers 200 (``launch_until_healthy``)."""
     if config.launch is None:
         raise EngineLaunchError(config.name, "has no 'launch' section")
     python = os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable

@@ -1,12 +1,10 @@
 """Trainer-side ``update_weights_from_tensor`` payloads in SGLang's pickle format; no HTTP, no sglang import.
 
-Runs in the trainer process. A payload is one base64 string per engine TP rank, each its own
-``ForkingPickler`` serialisation (SGLang ``utils/common.py:3060-3082``), so every rank's CUDA-IPC
-refcount slot is opened and closed exactly once (``engine.py:1743-1750``; sgl-project/sglang#4446).
-CUDA tensors carry the GPU UUID instead of the device index (``utils/patch_torch.py:64-99``), so
-trainer and engine may number GPUs differently. Everything a payload pickles is on SGLang's
-``SafeUnpickler`` allow-list (``utils/common.py:3148-3371``), metadata included: it travels as
-``types.SimpleNamespace``, never as a colocd class the engine could not (and should not) import.
+Runs in the trainer. A payload is one base64 ``ForkingPickler`` serialisation per engine TP rank (SGLang
+``utils/common.py:3060-3082``), so every rank's CUDA-IPC refcount slot is opened once (sgl-project/sglang#4446).
+CUDA tensors carry the GPU UUID instead of the device index (``utils/patch_torch.py:64-99``), and everything a
+payload pickles is on SGLang's ``SafeUnpickler`` allow-list (metadata as ``types.SimpleNamespace``).
+vLLM's worker extension reads the same payload (``engines/vllm/extension.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import base64
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +27,6 @@ from ..cuda_handles import device_uuid
 __all__ = [
     "FLATTENED_BUCKET",
     "BufferLease",
-    "BufferLeaseState",
     "FlattenedBucket",
     "export_flattened_bucket",
     "flatten_bucket",
@@ -52,12 +48,8 @@ _REF_HANDLE, _REF_OFFSET = 11, 12  # the consumer's reference count: torch's ref
 
 
 def with_device_uuid(args: tuple[Any, ...], uuid_of: Callable[[int], str]) -> tuple[Any, ...]:
-    """``rebuild_cuda_tensor`` arguments with the device index replaced by that GPU's UUID string.
-
-    SGLang's consumer maps the UUID back to its own local index (patch_torch.py:89-99) and
-    uses a plain int as-is, which is wrong whenever the two processes see different
-    ``CUDA_VISIBLE_DEVICES``.
-    """
+    """``rebuild_cuda_tensor`` arguments with the device index replaced by that GPU's UUID, which the consumer maps
+    back to its own index (patch_torch.py:89-99): the two processes may see different ``CUDA_VISIBLE_DEVICES``."""
     if len(args) != _CUDA_ARGS or not isinstance(args[_DEVICE_ARG], int):
         raise ValueError(
             f"unexpected rebuild_cuda_tensor arguments ({len(args)} items, "
@@ -75,19 +67,11 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
 
 
 def serialize(obj: Any, shares: list[tuple[bytes, int]] | None = None) -> str:
-    """One SGLang ``serialized_named_tensors`` entry: ``obj`` pickled by ForkingPickler, base64 text.
+    """One SGLang ``serialized_named_tensors`` entry: ``obj`` of CUDA tensors pickled by ForkingPickler, base64.
 
-    ``shares`` collects each CUDA share's ``(ref_counter_handle, ref_counter_offset)``: the consumer's count
-    torch keeps the storage alive for (``colocd.trainer.leases``).
-
-    The UUID reducer is installed on this pickler instance only (its own ``dispatch_table``), so
-    nothing process-wide is patched, unlike SGLang's ``monkey_patch_torch_reductions``. The
-    pickle names ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, which SGLang allow-lists
-    and, having patched that name in its own process, resolves to its UUID-aware rebuild.
-
-    Payloads are meant for CUDA tensors. A CPU tensor pickles by file-descriptor sharing
-    (``rebuild_storage_fd`` + ``DupFd``), which only this process's own family can open; the
-    reference engine refuses it, and CPU weights travel by the ``shm`` transport instead.
+    ``shares`` collects each CUDA share's ``(ref_counter_handle, ref_counter_offset)`` (``colocd.trainer.leases``).
+    The UUID reducer is this pickler's own (``dispatch_table``): nothing process-wide is patched. The pickle names
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, which SGLang resolves to its UUID-aware rebuild.
     """
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
@@ -110,12 +94,8 @@ def named_tensors_payload(named: Sequence[tuple[str, torch.Tensor]]) -> list[tup
 
 
 def metadata_for_layout(layout: ChunkLayout) -> tuple[SimpleNamespace, ...]:
-    """SGLang's per-tensor metadata (tensor_bucket.py:8-16) for a colocd chunk layout.
-
-    Attribute names are FlattenedTensorMetadata's: byte offsets ``start_idx``/``end_idx`` into the
-    uint8 buffer and ``numel`` the byte count. Offsets come from ``ChunkLayout`` and are aligned,
-    which SGLang's own producer does not guarantee but its ``.view(dtype)`` needs.
-    """
+    """SGLang's per-tensor metadata (FlattenedTensorMetadata, tensor_bucket.py:8-16) for a colocd chunk layout:
+    byte offsets ``start_idx``/``end_idx`` and the byte count ``numel``, aligned as ``.view(dtype)`` needs."""
     out = []
     for spec in layout.tensors:
         start = spec.offset
@@ -162,36 +142,27 @@ def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> FlattenedBucket
 
 def export_flattened_bucket(named: Sequence[tuple[str, torch.Tensor]],
                             shares: list[tuple[bytes, int]] | None = None) -> tuple[str, BufferLease]:
-    """This rank's ``serialized_named_tensors`` entry for one bucket, and the lease on its buffer.
-
-    The trainer sends the string (through the daemon) and calls ``lease.release()`` once the
-    daemon acked the chunk; nothing else holds the buffer.
-    """
+    """This rank's ``serialized_named_tensors`` entry for one bucket, and the lease on its buffer (released once
+    the daemon acked the chunk)."""
     bucket = flatten_bucket(named)
     return serialize(bucket.payload(), shares), BufferLease(bucket.flattened_tensor)
-
-
-class BufferLeaseState(Enum):
-    HELD = "held"
-    RELEASED = "released"
 
 
 class BufferLease:
     """Keeps one exported bucket alive until the engine has confirmed it, then lets it go for good.
 
-    SGLang answers ``update_weights_from_tensor`` once the copy is *enqueued*, not done
-    (slime update_weight_from_tensor.py:39-47, THUDM/slime#929), so a buffer is never refilled
-    after a reply: ``release()`` drops the only reference and the next bucket gets a fresh one.
-    PyTorch then frees the memory once the engine has dropped its IPC mapping, which
-    ``torch.cuda.ipc_collect()`` notices (THUDM/slime#1731). Measured on an H200: a 256 MiB bucket
-    is back after ``release()`` once the consumer dropped its view; a bucket exported but never
-    consumed stays in PyTorch's IPC sent-data list until this process exits.
+    SGLang answers once the copy is *enqueued* (THUDM/slime#929), so a buffer is never refilled after a reply:
+    ``release()`` drops the only reference and PyTorch frees the memory once the engine has dropped its IPC
+    mapping, which ``torch.cuda.ipc_collect()`` notices (THUDM/slime#1731).
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor: torch.Tensor | None = tensor
         self._cuda = tensor.is_cuda
-        self.state = BufferLeaseState.HELD
+
+    @property
+    def released(self) -> bool:
+        return self._tensor is None
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -201,10 +172,9 @@ class BufferLease:
 
     def release(self) -> None:
         """Call after the engine confirmed this bucket; repeated calls do nothing."""
-        if self.state is BufferLeaseState.RELEASED:
+        if self._tensor is None:
             return
         self._tensor = None
-        self.state = BufferLeaseState.RELEASED
         if self._cuda and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 

@@ -1,7 +1,6 @@
 """Which SGLang HTTP protocol a server version speaks, as data; knows nothing of HTTP clients or state.
 
-Three variants, found by reading released wheels' ``http_server.py`` and ``io_struct.py``
-(``pip download --no-deps sglang==X``; fixtures in ``tests/contract/fixtures/``):
+Three variants, read from released wheels' ``http_server.py`` and ``io_struct.py`` (``tests/contract/fixtures/``):
 
     LEGACY       0.5.4 .. 0.5.5    no pause body (abort only), /get_model_info, /get_weight_version,
                                    /get_server_info, no /ready, no session
@@ -11,15 +10,9 @@ Three variants, found by reading released wheels' ``http_server.py`` and ``io_st
                                    and distributed updates (sgl-project/sglang#28001), /ready,
                                    /flush_cache?timeout=
 
-Cut-overs as read: 0.5.5 has no ``PauseGenerationReqInput`` and 0.5.6 has it
-(``http_server.py:1103``); 0.5.20 has no ``/begin_weight_update`` and 0.5.21 has it
-(``http_server.py:1400``). Versions newer than the newest known are assumed to speak V0_5_23.
-
-The version picks a band; the routes the server publishes (FastAPI's ``/openapi.json``, served unless SGLang's
-``DISABLE_OPENAPI_DOC`` is set, 0.5.20 ``http_server.py:459-462``) then settle what a route decides: whether an
-update needs a session (``/begin_weight_update``), ``/ready`` and ``/weights_checker`` (``negotiated``). So a
-pre-release or a backport is driven by what it answers, not by where its number falls. The live tier runs
-``TESTED``; outside that range the adapter attaches with a one-line warning (``untested_warning``).
+The version picks a band; the routes the server publishes (``/openapi.json``) then settle whether an update needs a
+session (``negotiated``), so a pre-release or a backport is driven by what it answers. Outside ``TESTED`` the
+adapter attaches with a one-line warning.
 """
 
 from __future__ import annotations
@@ -60,32 +53,16 @@ class SGLangProtocol:
 
     name: str
     min_version: str
-    # /pause_generation parses a PauseGenerationReqInput body (0.5.23 http_server.py:1831-1835).
-    # When False the handler reads no body at all (0.5.4 http_server.py:1061-1063): any body sent
-    # is ignored, so sending ``{}`` is harmless, but modes other than abort do not exist.
+    # /pause_generation parses a body (0.5.23 http_server.py:1831); False: it reads none and only aborts.
     pause_body: bool
     # /continue_generation parses a ContinueGenerationReqInput body (0.5.23 http_server.py:1844).
     continue_body: bool
     pause_modes: tuple[PauseMode, ...]
-    # update_weights_from_{tensor,distributed} answer success=false unless a session is open
-    # (0.5.23 scheduler_components/weight_updater.py:190-199,233-240).
+    # Tensor and distributed updates need an open session (0.5.23 scheduler_components/weight_updater.py:190-240).
     weight_update_session: bool
-    # Where the current weight version is read, and the JSON key holding it.
+    # Where the current weight version is read (its JSON key is ``weight_version``).
     weight_version_route: str
-    model_info_route: str
-    server_info_route: str
-    # GET /ready: 503 while paused (0.5.23 http_server.py:714); None where the route does not exist.
-    ready_route: str | None
-    weights_checker_route: str | None
-    # /flush_cache accepts ?timeout= to defer the flush until idle (0.5.23 http_server.py:1027).
-    flush_timeout_query: bool
-    # The consumer unpickles update payloads through SafeUnpickler's allow-list
-    # (0.5.23 utils/common.py:3144); older ones use a plain pickle load.
-    safe_unpickler: bool
-    # Request fields this band's SGLang does not have, per io_struct class name. wire.body() drops
-    # them when they hold SGLang's default and refuses a non-default value, because SGLang ignores
-    # unknown keys (msgspec_utils.py extra_behavior="ignore") and the request would silently
-    # mean something else.
+    # Request fields this band lacks, per io_struct class (wire.body drops a default, refuses another value).
     absent_fields: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # io_struct request classes this band does not have at all (its route reads no body or is absent).
     absent_structs: tuple[str, ...] = ()
@@ -100,9 +77,6 @@ class SGLangProtocol:
     def has_struct(self, struct: str) -> bool:
         return struct not in self.absent_structs
 
-    def supports_pause_mode(self, mode: PauseMode) -> bool:
-        return mode in self.pause_modes
-
 
 _ALL_MODES = (PauseMode.ABORT, PauseMode.RETRACT, PauseMode.IN_PLACE)
 
@@ -114,12 +88,6 @@ V0_5_23 = SGLangProtocol(
     pause_modes=_ALL_MODES,
     weight_update_session=True,
     weight_version_route="/model_info",  # http_server.py:812; /get_weight_version is gone
-    model_info_route="/model_info",  # http_server.py:812 (/get_model_info:802 is a deprecated alias)
-    server_info_route="/server_info",  # http_server.py:863 (/get_server_info:853 deprecated)
-    ready_route="/ready",  # http_server.py:714
-    weights_checker_route="/weights_checker",  # http_server.py:1599
-    flush_timeout_query=True,
-    safe_unpickler=True,
 )
 
 # Read from the 0.5.9 wheel (the base slime builds on); 0.5.6 and 0.5.14-0.5.20 were checked for
@@ -132,12 +100,6 @@ PRE_SESSION = SGLangProtocol(
     pause_modes=_ALL_MODES,  # 0.5.9 io_struct.py:1275
     weight_update_session=False,
     weight_version_route="/model_info",  # 0.5.9 http_server.py:553; /get_weight_version:573 raises 404
-    model_info_route="/model_info",
-    server_info_route="/server_info",  # 0.5.9 http_server.py:593
-    ready_route=None,  # first seen in 0.5.20
-    weights_checker_route="/weights_checker",  # 0.5.9 http_server.py:1156 (POST only)
-    flush_timeout_query=False,  # 0.5.9 http_server.py:712 takes no query; 0.5.14 does
-    safe_unpickler=False,
     absent_fields=(
         ("ContinueGenerationReqInput", ("torch_empty_cache",)),
         ("UpdateWeightsFromTensorReqInput", ("selector", "torch_empty_cache")),
@@ -156,12 +118,6 @@ LEGACY = SGLangProtocol(
     pause_modes=(PauseMode.ABORT,),
     weight_update_session=False,
     weight_version_route="/get_weight_version",  # 0.5.4 http_server.py:488
-    model_info_route="/get_model_info",  # 0.5.4 http_server.py:475 (no /model_info)
-    server_info_route="/get_server_info",  # 0.5.4 http_server.py:496 (no /server_info)
-    ready_route=None,
-    weights_checker_route=None,
-    flush_timeout_query=False,  # 0.5.4 http_server.py:609
-    safe_unpickler=False,
     absent_fields=(
         ("UpdateWeightsFromTensorReqInput", ("selector", "torch_empty_cache")),
         ("UpdateWeightsFromDistributedReqInput", ("load_format", "selector", "torch_empty_cache")),
@@ -190,11 +146,8 @@ _VERSION = re.compile(
 
 
 def parse_version(version: str) -> tuple[int, int, int, int, int]:
-    """``"0.5.4.post1"`` → ``(0, 5, 4, 1, 1)``: (major, minor, micro, stage, n), ordered as PEP 440.
-
-    Accepts a leading ``v``, a local label (``+cu129``), ``rcN``/``aN``/``bN``/``.postN``/``.devN``.
-    Raises ``ValueError`` naming the string for anything else.
-    """
+    """``"0.5.4.post1"`` → ``(0, 5, 4, 1, 1)``: (major, minor, micro, stage, n), ordered as PEP 440; a
+    ``ValueError`` naming the string for anything that is not a version."""
     match = _VERSION.match(version)
     if match is None:
         raise ValueError(f"unrecognised SGLang version {version!r}")
@@ -204,14 +157,8 @@ def parse_version(version: str) -> tuple[int, int, int, int, int]:
 
 
 def protocol_for_version(version: str) -> SGLangProtocol:
-    """The protocol a server reporting ``version`` (``/server_info`` → ``version``) speaks.
-
-    Pre-releases order before their release (``0.5.21rc0`` → PRE_SESSION), as PEP 440 says; a
-    server that turns out to need the session then fails its first update loudly
-    (``success: false``), never silently. ``0.0.0.dev0`` is what a source checkout without
-    version metadata reports (``sglang/version.py`` fallback), which says nothing about its
-    protocol, so it is refused along with versions older than the LEGACY band.
-    """
+    """The protocol a server reporting ``version`` speaks. Pre-releases order before their release, as PEP 440
+    says; ``0.0.0.dev0`` (a source checkout without version metadata) is refused, as is anything before LEGACY."""
     parsed = parse_version(version)
     if parsed[:2] == (0, 0):
         raise ValueError(
@@ -233,8 +180,8 @@ _SESSION_STRUCTS = ("BeginWeightUpdateReqInput", "EndWeightUpdateReqInput")
 
 
 def negotiated(protocol: SGLangProtocol, routes: Set[str] | None) -> SGLangProtocol:
-    """``protocol`` (the version's band) with what the published ``routes`` settle: the weight-update session, /ready
-    and /weights_checker. ``routes`` None (no route table) keeps the band as it is."""
+    """``protocol`` (the version's band) with the weight-update session as the published ``routes`` settle it.
+    ``routes`` None (no route table) keeps the band as it is."""
     if routes is None:
         return protocol
     session = "/begin_weight_update" in routes and "/end_weight_update" in routes
@@ -242,13 +189,7 @@ def negotiated(protocol: SGLangProtocol, routes: Set[str] | None) -> SGLangProto
     if not session:  # the session's structs absent too, in the band's own order where it lists them
         absent = protocol.absent_structs if set(_SESSION_STRUCTS) <= set(protocol.absent_structs) else (
             *absent, *_SESSION_STRUCTS)
-    settled = replace(
-        protocol,
-        weight_update_session=session,
-        ready_route="/ready" if "/ready" in routes else None,
-        weights_checker_route="/weights_checker" if "/weights_checker" in routes else None,
-        absent_structs=absent,
-    )
+    settled = replace(protocol, weight_update_session=session, absent_structs=absent)
     return protocol if settled == protocol else replace(settled, name=f"{protocol.name}+routes")
 
 

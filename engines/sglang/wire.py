@@ -1,12 +1,9 @@
 """SGLang's HTTP request and response bodies as pydantic models, with SGLang's own names, types and defaults.
 
-Request models mirror ``sglang/srt/managers/io_struct.py`` of the 0.5.23 wheel field for field (the
-line of each class is cited; ``tests/contract/`` checks every field against the recorded structs of
-0.5.4, 0.5.9 and 0.5.23). Two inherited fields, ``rid`` and ``http_worker_ipc`` (io_struct.py:89-90),
-are internal routing and never sent. Response models are lenient about extra keys, because SGLang
-adds keys between releases, and strict about the ones colocd reads.
-
-This module knows nothing of HTTP clients, engine state or ordering: ``adapter.py`` does the I/O.
+Request models mirror ``sglang/srt/managers/io_struct.py`` of the 0.5.23 wheel field for field (the line of each
+class is cited; ``tests/contract/`` checks every field against the recorded structs of 0.5.4, 0.5.9 and 0.5.23),
+less the internal routing fields ``rid`` and ``http_worker_ipc``. Reply models ignore extra keys (SGLang adds
+keys between releases) and are strict about the ones colocd reads. ``adapter.py`` does the I/O.
 """
 
 from __future__ import annotations
@@ -26,31 +23,24 @@ from .protocol import SGLangProtocol
 __all__ = [
     "BeginWeightUpdateReqInput",
     "CheckWeightsReqInput",
-    "CheckWeightsResult",
     "ContinueGenerationReqInput",
-    "ControlResult",
     "DestroyWeightsUpdateGroupReqInput",
     "EndWeightUpdateReqInput",
     "ErrorDetail",
     "ErrorResponse",
-    "GenerationControlResult",
     "InitWeightsUpdateGroupReqInput",
     "InternalState",
     "MemoryUsage",
     "ModelInfo",
     "PauseGenerationReqInput",
-    "RankChecksums",
     "ReleaseMemoryOccupationReqInput",
     "ResumeMemoryOccupationReqInput",
     "SGLangRequest",
     "Selector",
     "ServerInfo",
-    "UpdateWeightFromDiskReqInput",
     "UpdateWeightVersionReqInput",
-    "UpdateWeightVersionResult",
     "UpdateWeightsFromDistributedReqInput",
     "UpdateWeightsFromTensorReqInput",
-    "WeightVersionInfo",
     "body",
     "continue_generation_request",
     "parse_reply",
@@ -62,12 +52,8 @@ Selector = Literal["target", "draft", "all"]
 
 
 class SGLangRequest(BaseModel):
-    """Base of every request body: frozen, unknown keys refused, and the route it is POSTed to.
-
-    SGLang itself ignores unknown keys (``msgspec_utils.py`` builds its schema with
-    ``extra_behavior="ignore"``), so a misspelt field would silently do nothing there; refusing
-    it here turns that into an error at construction.
-    """
+    """Base of every request body: frozen, and the route it is POSTed to. Unknown keys are refused here because
+    SGLang ignores them (``msgspec_utils.py`` ``extra_behavior="ignore"``): a misspelt field would do nothing."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -78,24 +64,17 @@ class SGLangRequest(BaseModel):
 
 
 class ReleaseMemoryOccupationReqInput(SGLangRequest):
-    """io_struct.py:2177; POST /release_memory_occupation (http_server.py:1575).
-
-    200 with a JSON ``null`` body on success; 400 ``{"error": {"message"}}`` only for exceptions
-    in the tokenizer process (http_server.py:2246). A scheduler-side failure kills the server.
-    """
+    """io_struct.py:2177; POST /release_memory_occupation (http_server.py:1575): 200 with a JSON ``null``; 400
+    ``{"error": {"message"}}`` for a tokenizer-side exception. A scheduler-side failure kills the server."""
 
     ROUTE: ClassVar[str] = "/release_memory_occupation"
-    # io_struct.py:2180. None or [] means every tag (kv_cache, weights, cuda_graph). colocd always
-    # names the tags: the daemon tracks each one, and "all" would release a tag twice (fatal, §1.3).
+    # io_struct.py:2180. None or [] means every tag; colocd always names them ("all" would release a tag twice).
     tags: list[str] | None = None
 
 
 class ResumeMemoryOccupationReqInput(SGLangRequest):
-    """io_struct.py:2187; POST /resume_memory_occupation (http_server.py:1587). Same replies as release.
-
-    Resuming a tag that is not released raises KeyError in the scheduler (``set.remove``) and
-    kills it (research §1.3), so the daemon only ever names tags it released.
-    """
+    """io_struct.py:2187; POST /resume_memory_occupation (http_server.py:1587). Resuming a tag that is not released
+    kills the scheduler (``set.remove`` KeyError), so the daemon names only tags it released."""
 
     ROUTE: ClassVar[str] = "/resume_memory_occupation"
     tags: list[str] | None = None  # io_struct.py:2190
@@ -105,17 +84,14 @@ class ResumeMemoryOccupationReqInput(SGLangRequest):
 
 
 class PauseGenerationReqInput(SGLangRequest):
-    """io_struct.py:1927; POST /pause_generation (http_server.py:1831) → ``{message, status}``.
-
-    Absent before 0.5.6: the 0.5.4 route reads no body and always behaves like ``abort``.
-    """
+    """io_struct.py:1927; POST /pause_generation (http_server.py:1831). Before 0.5.6 the route reads no body."""
 
     ROUTE: ClassVar[str] = "/pause_generation"
     mode: Literal["abort", "retract", "in_place"] = "abort"  # io_struct.py:1946
 
 
 class ContinueGenerationReqInput(SGLangRequest):
-    """io_struct.py:1949; POST /continue_generation (http_server.py:1844) → ``{message, status}``."""
+    """io_struct.py:1949; POST /continue_generation (http_server.py:1844)."""
 
     ROUTE: ClassVar[str] = "/continue_generation"
     # io_struct.py:1955: empty_cache before un-pausing; absent in 0.5.9, whose struct is empty.
@@ -126,21 +102,15 @@ class ContinueGenerationReqInput(SGLangRequest):
 
 
 class BeginWeightUpdateReqInput(SGLangRequest):
-    """io_struct.py:2197; POST /begin_weight_update (http_server.py:1458) → ``{success, message}``.
-
-    400 if a session is already open. Tensor and distributed updates answer ``success: false``
-    outside a session (scheduler_components/weight_updater.py:190-199,233-240).
-    """
+    """io_struct.py:2197; POST /begin_weight_update (http_server.py:1458); 400 if a session is open. Tensor and
+    distributed updates answer ``success: false`` outside one (scheduler_components/weight_updater.py:190-240)."""
 
     ROUTE: ClassVar[str] = "/begin_weight_update"
     selector: Selector = "all"  # io_struct.py:2200
 
 
 class EndWeightUpdateReqInput(SGLangRequest):
-    """io_struct.py:2208 (no fields: send ``{}``); POST /end_weight_update (http_server.py:1473).
-
-    400 if no session is open.
-    """
+    """io_struct.py:2208 (no fields); POST /end_weight_update (http_server.py:1473); 400 if no session is open."""
 
     ROUTE: ClassVar[str] = "/end_weight_update"
 
@@ -149,25 +119,17 @@ class EndWeightUpdateReqInput(SGLangRequest):
 
 
 class UpdateWeightsFromTensorReqInput(SGLangRequest):
-    """io_struct.py:2027; POST /update_weights_from_tensor (http_server.py:1436) → ``{success, message}``.
-
-    The reply comes once the scheduler has *enqueued* the copies, before the device syncs, so the
-    producer must not reuse the exported buffer right after it (slime update_weight_from_tensor.py:39-47,
-    THUDM/slime#929); see ``payload.BufferLease``.
-    """
+    """io_struct.py:2027; POST /update_weights_from_tensor (http_server.py:1436). The reply comes once the copies
+    are *enqueued*, so the producer must not reuse the exported buffer at once (THUDM/slime#929)."""
 
     ROUTE: ClassVar[str] = "/update_weights_from_tensor"
-    # io_struct.py:2035 ``Annotated[List[bytes], Base64Bytes()]``: over HTTP, one base64 string per
-    # TP rank, each its own serialisation; rank r decodes only entry r (tp_worker.py:194-201).
-    # SGLang decodes with ``b64decode(validate=True)`` (msgspec_utils.py:24), so the standard
-    # alphabet with padding is required and checked here.
+    # io_struct.py:2035: one standard-base64 string per TP rank; rank r decodes entry r (tp_worker.py:194-201)
+    # with ``b64decode(validate=True)`` (msgspec_utils.py:24).
     serialized_named_tensors: list[str] = Field(min_length=1)
-    # io_struct.py:2037: None (named-tensor list), "direct", "flattened_bucket" or a registered
-    # --custom-weight-loader path.
+    # io_struct.py:2037: None (named-tensor list), "direct", "flattened_bucket" or a custom loader's path.
     load_format: str | None = None
-    # io_struct.py:2039: defaults True; a refused flush (requests still queued) makes the whole
-    # update report failure even though the weights changed (research §1.6), so colocd flushes once,
-    # after the last chunk, with the engine paused.
+    # io_struct.py:2039: a refused flush makes the update report failure though the weights changed, so colocd
+    # flushes once, after the last chunk, with the engine paused.
     flush_cache: bool = True
     abort_all_requests: bool = False  # io_struct.py:2041
     weight_version: str | None = None  # io_struct.py:2043
@@ -186,11 +148,8 @@ class UpdateWeightsFromTensorReqInput(SGLangRequest):
 
 
 class UpdateWeightsFromDistributedReqInput(SGLangRequest):
-    """io_struct.py:2002; POST /update_weights_from_distributed (http_server.py:1488).
-
-    The reply comes only after the NCCL receive, so the trainer must broadcast while this request
-    is in flight (research §1.6, §6.3).
-    """
+    """io_struct.py:2002; POST /update_weights_from_distributed (http_server.py:1488). The reply comes after the
+    NCCL receive, so the trainer broadcasts while this request is in flight."""
 
     ROUTE: ClassVar[str] = "/update_weights_from_distributed"
     names: list[str]  # io_struct.py:2003
@@ -200,9 +159,7 @@ class UpdateWeightsFromDistributedReqInput(SGLangRequest):
     flush_cache: bool = True  # io_struct.py:2009
     abort_all_requests: bool = False  # io_struct.py:2011
     weight_version: str | None = None  # io_struct.py:2013
-    # io_struct.py:2015: "flattened_bucket" receives one uint8 broadcast laid out with no padding;
-    # every byte offset must be a multiple of its dtype's itemsize
-    # (tensor_bucket.py FlattenedTensorBucket.empty).
+    # io_struct.py:2015: "flattened_bucket" receives one unpadded uint8 broadcast (tensor_bucket.py).
     load_format: str | None = None
     selector: Selector = "all"  # io_struct.py:2017
     torch_empty_cache: bool = False  # io_struct.py:2019
@@ -217,33 +174,9 @@ class UpdateWeightsFromDistributedReqInput(SGLangRequest):
         return self
 
 
-class UpdateWeightFromDiskReqInput(SGLangRequest):
-    """io_struct.py:1970; POST /update_weights_from_disk (http_server.py:1300).
-
-    Reply ``{success, message, num_paused_requests}``. No session needed; on a failed load the
-    engine reloads its original checkpoint (model_runner_components/weight_updater.py:225-238).
-    """
-
-    ROUTE: ClassVar[str] = "/update_weights_from_disk"
-    model_path: str  # io_struct.py:1972
-    load_format: str | None = None  # io_struct.py:1974: None means the server's own load format
-    abort_all_requests: bool = False  # io_struct.py:1976
-    weight_version: str | None = None  # io_struct.py:1978
-    is_async: bool = False  # io_struct.py:1980
-    torch_empty_cache: bool = False  # io_struct.py:1982
-    keep_pause: bool = False  # io_struct.py:1984
-    recapture_cuda_graph: bool = False  # io_struct.py:1986
-    token_step: int = 0  # io_struct.py:1988
-    flush_cache: bool = True  # io_struct.py:1990
-    manifest: dict[str, Any] | None = None  # io_struct.py:1992
-
-
 class InitWeightsUpdateGroupReqInput(SGLangRequest):
-    """io_struct.py:2126; POST /init_weights_update_group (http_server.py:1404) → ``{success, message}``.
-
-    Blocks until the NCCL rendezvous completes: issue it concurrently with the trainer's own
-    group init (engine rank = rank_offset + tp_rank; the trainer is rank 0).
-    """
+    """io_struct.py:2126; POST /init_weights_update_group (http_server.py:1404). Blocks until the NCCL rendezvous
+    completes (engine rank = rank_offset + tp_rank; the trainer is rank 0)."""
 
     ROUTE: ClassVar[str] = "/init_weights_update_group"
     master_address: str  # io_struct.py:2128
@@ -262,21 +195,17 @@ class DestroyWeightsUpdateGroupReqInput(SGLangRequest):
 
 
 class UpdateWeightVersionReqInput(SGLangRequest):
-    """io_struct.py:2155; POST /update_weight_version (http_server.py:1527).
-
-    Reply ``{success, message, new_version}``.
-    """
+    """io_struct.py:2155; POST /update_weight_version (http_server.py:1527)."""
 
     ROUTE: ClassVar[str] = "/update_weight_version"
     new_version: str  # io_struct.py:2157
-    # io_struct.py:2159: SGLang's default is True, which aborts every running request
-    # (radixark/miles#2372 lost whole steps of rollouts to it). Kept as SGLang's default here so
-    # the model stays exact; callers pass False explicitly.
+    # io_struct.py:2159: SGLang's default aborts every running request (radixark/miles#2372); kept exact here,
+    # callers pass False.
     abort_all_requests: bool = True
 
 
 class CheckWeightsReqInput(SGLangRequest):
-    """io_struct.py:2217; GET or POST /weights_checker (http_server.py:1599) → ``CheckWeightsResult``."""
+    """io_struct.py:2217; GET or POST /weights_checker (http_server.py:1599)."""
 
     ROUTE: ClassVar[str] = "/weights_checker"
     action: str = "checksum"  # io_struct.py:2218: "checksum" | "snapshot" | "reset_tensors" | "compare"
@@ -292,52 +221,6 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class ControlResult(_Reply):
-    """``{success, message}``: begin/end session, tensor/distributed updates, group init/destroy.
-
-    Sent with HTTP 200 on success and 400 on failure (e.g. http_server.py:1452-1455).
-    """
-
-    success: bool
-    message: str = ""
-
-
-class UpdateWeightVersionResult(ControlResult):
-    """http_server.py:1540-1556; ``new_version`` only on success."""
-
-    new_version: str | None = None
-
-
-class RankChecksums(_Reply):
-    """One ``ranks`` entry of a checksum reply: per fused parameter, and over the rank's weights."""
-
-    checksums: dict[str, str] = Field(default_factory=dict)
-    per_gpu_checksum: str | None = None
-
-
-class CheckWeightsResult(ControlResult):
-    """http_server.py:1614-1619: ``ranks`` (one entry per TP rank and role) and a combined checksum. Shapes as
-    recorded live (``tests/contract/fixtures/sglang_live_0_5_23.json``, ``weights_checker``)."""
-
-    ranks: list[RankChecksums] | None = None
-    per_engine_checksum: str | list[str] | None = None
-
-    def checksum(self) -> str | None:
-        """The one string that stands for the engine's weights: SGLang's per-engine checksum (the first, where it
-        is a list), else None."""
-        value = self.per_engine_checksum
-        if isinstance(value, list):
-            value = value[0] if value else None
-        return value or None
-
-
-class GenerationControlResult(_Reply):
-    """Pause and continue reply ``{"message": ..., "status": "ok"}`` (http_server.py:1838-1841, 1851-1854)."""
-
-    message: str
-    status: str
-
-
 class ErrorDetail(_Reply):
     message: str
 
@@ -349,29 +232,14 @@ class ErrorResponse(_Reply):
 
 
 class ModelInfo(_Reply):
-    """GET /model_info (http_server.py:812-850; 0.5.4: /get_model_info, http_server.py:475).
-
-    ``weight_version`` is where 0.5.6+ publishes the current weight version.
-    """
-
-    model_path: str | None = None
-    tokenizer_path: str | None = None
-    is_generation: bool | None = None
-    weight_version: str | None = None
-    load_format: str | None = None
-    served_model_name: str | None = None
-
-
-class WeightVersionInfo(_Reply):
-    """GET /get_weight_version before 0.5.9 (0.5.4 http_server.py:488-493)."""
+    """GET /model_info (http_server.py:812-850), where 0.5.6+ publishes the current weight version."""
 
     weight_version: str | None = None
 
 
 class MemoryUsage(_Reply):
-    """An ``internal_states`` entry's ``memory_usage`` (0.5.23 scheduler_components/memory_usage.py): the GB
-    (2**30 bytes) each region took when the scheduler's TP rank allocated it, not what it holds now;
-    ``graph`` is per CUDA-graph phase."""
+    """``internal_states[].memory_usage`` (0.5.23 scheduler_components/memory_usage.py): the GiB each region took
+    when the scheduler's TP rank allocated it, not what it holds now; ``graph`` is per CUDA-graph phase."""
 
     weight: float = 0.0
     kvcache: float = 0.0
@@ -403,24 +271,13 @@ class InternalState(_Reply):
 
 
 class ServerInfo(_Reply):
-    """Every field of GET /server_info colocd reads (http_server.py:863-894; 0.5.4 /get_server_info:496),
-    checked against the live 0.5.23 reply recorded in ``tests/contract/fixtures/sglang_live_0_5_23.json``.
-
-    The body is the resolved server arguments plus scheduler info; ``version`` is what
-    ``protocol.protocol_for_version`` takes. ``weight_cache_mode`` does not exist before it was added.
-    ``startup_time`` is a dict of startup-phase durations in 0.5.20 and 0.5.23 (tokenizer_manager.py:535,862);
-    ``incarnation`` reads a number too. ``device`` is where the model runs.
-    """
+    """Every field of GET /server_info colocd reads (http_server.py:863-894; 0.5.4 /get_server_info:496), checked
+    against the live 0.5.23 reply in ``tests/contract/fixtures/sglang_live_0_5_23.json``. ``startup_time`` is a
+    dict of startup-phase durations in 0.5.20 and 0.5.23 (tokenizer_manager.py:535)."""
 
     version: str
-    model_path: str | None = None
     tp_size: StrictInt | None = None  # absent from some builds' replies: then it cannot be checked
-    dp_size: int = 1
     device: str | None = None
-    enable_memory_saver: bool = False
-    enable_weights_cpu_backup: bool = False
-    weight_cache_mode: str | None = None
-    weight_version: str | None = None
     startup_time: float | dict[str, Any] | None = None
     internal_states: list[InternalState] = Field(default_factory=list)
     # LoRA server args (srt/arg_groups/fields/lora.py); None where the server does not say.
@@ -434,13 +291,8 @@ class ServerInfo(_Reply):
         return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
     def incarnation(self) -> str | None:
-        """What changes exactly when the server process restarted, from ``startup_time`` of either shape.
-
-        A number is the process's start timestamp. A dict (0.5.23) holds the measured durations of its
-        startup phases, floats to the microsecond, which a restart measures anew: its canonical JSON, hashed,
-        stands for the process (two starts agreeing on every duration is not a real event). None: no
-        ``startup_time``, the engine cannot tell.
-        """
+        """What changes exactly when the server process restarted: a start timestamp, or the hash of the startup
+        durations a restart measures anew (to the microsecond); None where the engine reports neither."""
         if self.startup_time is None:
             return None
         if isinstance(self.startup_time, float | int):
@@ -466,12 +318,8 @@ def parse_reply(model: type[_R], data: Any) -> _R:
 
 
 def body(model: SGLangRequest, protocol: SGLangProtocol | None = None) -> dict[str, Any]:
-    """The JSON body for ``model``: every field, defaults included, so nothing rests on SGLang's defaults.
-
-    With ``protocol``, fields that protocol's SGLang lacks are dropped while they hold SGLang's
-    default (which is what that SGLang does anyway) and refused otherwise, naming the field:
-    an older SGLang would ignore the key and silently do something else.
-    """
+    """The JSON body for ``model``, defaults included. With ``protocol``, a field that SGLang lacks is dropped while
+    it holds the default and refused otherwise, naming it: that SGLang would ignore the key."""
     data = model.model_dump(mode="json")
     if protocol is None:
         return data

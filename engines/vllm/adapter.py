@@ -1,21 +1,18 @@
-"""Speaks vLLM's dev-mode HTTP API (0.29 .. 0.32 tested) as colocd's engine verbs; knows nothing of phases or policies.
+"""Speaks vLLM's dev-mode HTTP API (0.29 .. 0.32 tested) as colocd's engine verbs.
 
-vLLM owns little state a daemon can trust: /is_sleeping is also true while merely paused, waking a
-tag that is awake is a silent no-op, sleep pauses by itself and the last wake resumes by itself.
-So this adapter issues calls and reports what vLLM did; the daemon keeps tag and pause state.
+vLLM owns little state a daemon can trust (/is_sleeping is also true while merely paused, waking an awake tag is
+a silent no-op, sleep pauses and the last wake resumes by itself), so this adapter reports what vLLM did and the
+daemon keeps tag and pause state. Verb → route:
 
-Verb → route (research/engine-apis.md §2, §6.2):
-
-    attach               GET /version, /openapi.json (the routes, protocol.py), /weight_info, /get_world_size,
-                         RPC colocd_info
+    attach               GET /version, /openapi.json, /weight_info, /get_world_size, RPC colocd_info
     pause_generation     POST /pause?mode=abort|wait|keep          (wire.PAUSE_MODES)
     continue_generation  POST /resume
     flush_cache          POST /reset_prefix_cache
     release_memory       POST /sleep?level=L&mode=M, or /release_kv_cache_memory for kv_cache alone
     resume_memory        POST /wake_up?tags=weights&tags=kv_cache
-    begin_weight_update  POST /init_weight_transfer_engine (once), /start_weight_update
-    load_weights         POST /update_weights, or /collective_rpc colocd_load_chunk without a backend
-    end_weight_update    POST /finish_weight_update {"weight_version"} (extension: then /update_weight_version)
+    begin_weight_update  /collective_rpc colocd_begin_update (the worker extension, extension.py)
+    load_weights         /collective_rpc colocd_load_chunk
+    end_weight_update    /collective_rpc colocd_finish_update, then POST /update_weight_version
     weight_digests       /collective_rpc colocd_received_digests (engines/digest.py, per tensor as it arrived)
     load_lora_adapter    POST /v1/load_lora_adapter {"lora_name", "lora_path"} (with VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     unload_lora_adapter  POST /v1/unload_lora_adapter {"lora_name"}
@@ -24,7 +21,7 @@ Verb → route (research/engine-apis.md §2, §6.2):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import httpx
 from pydantic import BaseModel, JsonValue, ValidationError
@@ -42,20 +39,17 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import VLLMEngineConfig
-from . import wire
-from .errors import map_transport_errors, raise_for_status
+from ..httpmap import check_reply, map_http_errors
+from . import EXTENSION_CLS, wire
 from .protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES, VLLMRoutes, lacking, warn_if_untested
 
 __all__ = ["VLLMAdapter"]
 
 _M = TypeVar("_M", bound=BaseModel)
 
-# init_info per backend for /init_weight_transfer_engine: ours needs nothing; vLLM's ipc backend must
-# agree with the trainer on packing, and colocd's cuda_ipc chunks are packed (ipc_engine.py:36-44).
-_INIT_INFO: dict[str, dict[str, JsonValue]] = {wire.BACKEND_COLOCD: {}, "ipc": {"packed": True}}
-
 # vLLM publishes its adapter routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (serve/lora/api_router.py:30-32).
 _LORA_LOAD, _LORA_UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+_NO_EXTENSION = f"colocd's worker extension: launch it with --worker-extension-cls {EXTENSION_CLS}"
 
 
 def _flag(args: Sequence[str], flag: str) -> str | None:
@@ -69,20 +63,15 @@ def _flag(args: Sequence[str], flag: str) -> str | None:
 
 
 def max_adapters(args: Sequence[str]) -> int | None:
-    """What a vLLM argv lets the worker hold: --max-cpu-loras, which defaults to --max-loras, which defaults to 1
-    (config/lora.py:26-44); beyond it the worker's LRU evicts and re-reads a folder at the next request. None
-    without --enable-lora (or for a server colocd did not launch: its flags are unknown)."""
+    """What an argv lets the worker hold: --max-cpu-loras, which defaults to --max-loras, which defaults to 1
+    (config/lora.py:26-44); None without --enable-lora."""
     if "--enable-lora" not in args:
         return None
     return int(_flag(args, "--max-cpu-loras") or _flag(args, "--max-loras") or 1)
 
 
 class VLLMAdapter:
-    """One vLLM server in dev mode (``VLLM_SERVER_DEV_MODE=1``), driven over HTTP.
-
-    ``VLLMAdapter(config, client)``; ``config.url`` must be set (the launcher fills it in). The
-    client is the caller's: it sets timeouts (use none; the daemon's deadlines apply) and closes it.
-    """
+    """One vLLM server in dev mode (``VLLM_SERVER_DEV_MODE=1``); the client (no timeouts) is the caller's."""
 
     def __init__(self, config: VLLMEngineConfig, client: httpx.AsyncClient) -> None:
         if config.url is None:
@@ -91,23 +80,17 @@ class VLLMAdapter:
         self._config = config
         self._client = client
         self._base = config.url.rstrip("/")
-        # One connection per call. Most dev/RL routes let worker exceptions escape the handler; uvicorn
-        # then answers 500 *without* "Connection: close" and drops the socket, so the next request on
-        # that pooled keep-alive connection fails with ReadError (seen on 0.32 after a refused
-        # /start_weight_update). Loopback connects cost far less than the calls themselves.
+        # One connection per call: uvicorn answers a worker exception's 500 without "Connection: close" and drops
+        # the socket, so the next request on that pooled connection would fail with ReadError.
         self._headers = {"Connection": "close"}
         if config.api_key:
             self._headers["Authorization"] = f"Bearer {config.api_key}"
-        self._backend = config.weight_transfer_backend
-        self._transfer_initialised = False
         self._extension: wire.ExtensionInfo | None = None  # rank 0's colocd_info at attach; None: no extension
-        # Wire-level memory, not engine state: the mode of the pause this adapter issued last. /sleep re-pauses
-        # with its own ``mode`` (core.py:959-975); see ``_sleep_mode``.
+        # The mode of the pause this adapter issued last (``_sleep_mode``).
         self._pause_mode: str | None = None
-        # What attach read from the server: its version and the routes it answers (protocol.py).
         self._version = "unknown"
         self._routes = VLLMRoutes(None)
-        self._pending_version: str | None = None
+        self._pending_version: str | None = None  # the version the update's chunks carry
         self._flush_after_update = False
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -120,15 +103,15 @@ class VLLMAdapter:
         params: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None,  # (key, value) pairs: repeats
         json: JsonValue = None,
     ) -> httpx.Response:
-        with map_transport_errors(self.name, method, path):
+        what = f"{method} {path}"
+        with map_http_errors(self.name, what):
             response = await self._client.request(
                 method, self._base + path, params=params, json=json, headers=self._headers
             )
         if response.status_code == 404 and (path in OPTIONAL_ROUTES or path in REQUIRED_ROUTES):
             # A route this server lacks (a release without it, or dev mode off): say which, not a bare 404.
             raise EngineProtocolError(self.name, lacking(path, self._version))
-        raise_for_status(self.name, method, path, response)
-        return response
+        return check_reply(self.name, what, response)
 
     def _parse(self, model: type[_M], response: httpx.Response, path: str) -> _M:
         try:
@@ -139,18 +122,15 @@ class VLLMAdapter:
                 f"{path} answered {response.text[:300]!r}, not {model.__name__}: {exc.errors()[:2]}",
             ) from exc
 
-    async def _rpc(self, method: str, *args: JsonValue, **kwargs: JsonValue) -> list[JsonValue]:
-        """Call ``method`` on every worker; one result per worker, as vLLM sent it (``_rpc_each`` parses them)."""
-        response = await self._call(
-            "POST", "/collective_rpc", json=wire.rpc_body(method, args=list(args), kwargs=kwargs)
-        )
+    async def _rpc(self, method: str, *args: JsonValue) -> list[JsonValue]:
+        """Call ``method`` on every worker (any JSON reaches it as-is, rpc/api_router.py:23); one result per worker."""
+        response = await self._call("POST", "/collective_rpc", json={"method": method, "args": list(args)})
         if not response.content:
             return []  # every worker returned None (rpc/api_router.py:51-52)
         return self._parse(wire.CollectiveRpcReply, response, "/collective_rpc").results
 
     async def _rpc_each(self, model: type[_M], method: str, *args: JsonValue) -> list[_M]:
-        """``_rpc``, each worker's result parsed as ``model``: one that does not fit is an EngineProtocolError
-        naming the method, the worker and the field."""
+        """``_rpc``, each result parsed as ``model`` (a misfit is an EngineProtocolError naming worker and field)."""
         parsed: list[_M] = []
         for worker, result in enumerate(await self._rpc(method, *args)):
             try:
@@ -166,7 +146,7 @@ class VLLMAdapter:
         return parsed
 
     async def _colocd_info(self) -> wire.ExtensionInfo:
-        """The extension's ``colocd_info`` from the first worker (TP rank 0), every worker's reply checked."""
+        """The extension's ``colocd_info`` from TP rank 0, every worker's reply checked."""
         infos = await self._rpc_each(wire.ExtensionInfo, "colocd_info")
         if not infos:
             raise EngineProtocolError(self.name, "/collective_rpc colocd_info: no worker answered")
@@ -174,10 +154,7 @@ class VLLMAdapter:
 
     @property
     def transports(self) -> frozenset[Transport]:
-        """vLLM's own ipc backend takes packed CUDA-IPC chunks only (ipc_engine.py:36-44); the colocd worker
-        extension (no backend, or ``colocd``) reads shm, disk and cuda_ipc (``extension.py``)."""
-        if self._backend == "ipc":
-            return frozenset({Transport.CUDA_IPC})
+        """What the colocd worker extension reads (``extension.py``): shm and disk, and cuda_ipc on a GPU."""
         device = self._extension.device if self._extension is not None else "cuda"  # the extension says after attach
         cuda = {Transport.CUDA_IPC} if device.startswith("cuda") else set()
         return frozenset({Transport.SHM, Transport.DISK, *cuda})
@@ -186,7 +163,6 @@ class VLLMAdapter:
 
     async def attach(self) -> EngineInfo:
         """Probe the version and the dev routes; read weight version, TP size and the extension."""
-        self._transfer_initialised = False  # a (re)attached server may be a new process: initialise again
         self._pause_mode = None
         version = self._parse(wire.VersionReply, await self._call("GET", "/version"), "/version").version
         self._version = version
@@ -225,7 +201,6 @@ class VLLMAdapter:
             extra={
                 "extension": None if self._extension is None else self._extension.model_dump(),
                 "extension_error": extension_error,
-                "weight_transfer_backend": self._backend,
                 "routes_lacking": sorted(r for r in OPTIONAL_ROUTES if not self._routes.has(r)),
                 "sleep_level": self._config.sleep_level,
                 # What the daemon's state machine must know about vLLM (core.py:959-1018):
@@ -235,8 +210,7 @@ class VLLMAdapter:
         )
 
     async def _read_routes(self) -> VLLMRoutes:
-        """The routes the server publishes in its OpenAPI document; unknown (every route assumed) when it
-        publishes none (``--disable-fastapi-docs``)."""
+        """The routes of the server's OpenAPI document; unknown (every route assumed) when it publishes none."""
         try:
             response = await self._call("GET", "/openapi.json")
         except EngineRejected as exc:
@@ -250,17 +224,13 @@ class VLLMAdapter:
         return True
 
     async def observe(self) -> Observation:
-        """The worker extension's boot id is the incarnation (vLLM's HTTP API has none: without the
-        extension the daemon treats an engine that was unreachable as restarted). ``/is_sleeping``
-        false means awake and unpaused, so every sleep tag is resident; true means paused or
-        asleep, which HTTP cannot tell apart, so residency stays unknown then."""
+        """The extension's boot id is the incarnation (vLLM's HTTP API has none). ``/is_sleeping`` false means
+        every sleep tag is resident; true means paused or asleep, which HTTP cannot tell apart."""
         incarnation: str | None = None
         session: bool | None = None
         if self._extension is not None:
             info = await self._colocd_info()
-            incarnation = info.boot_id
-            if self._session_kind == "rpc":
-                session = info.update_active
+            incarnation, session = info.boot_id, info.update_active
         sleeping = await self._is_sleeping()
         resident = None if sleeping else {t: True for t in self._config.owned_tags if t in wire.SLEEP_TAGS}
         return Observation(incarnation=incarnation,
@@ -297,19 +267,16 @@ class VLLMAdapter:
     # -- memory -----------------------------------------------------------------------------
 
     async def release_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        """Sleep, reporting the tags vLLM actually released (a sleep releases weights and KV together).
-
-        kv_cache alone uses /release_kv_cache_memory, which needs a completed pause first and no
-        kept requests (core.py:1021-1039); vLLM's 500 says so. ``sleep_level`` 0 only pauses the
-        scheduler, so nothing is reported released. On CPU vLLM's worker ignores sleep entirely
-        (cpu_worker.py:179-185): the report is what vLLM *says*, and only NVML can confirm memory.
-        """
+        """Sleep, reporting the tags vLLM released (weights and KV together; level 0 releases none). kv_cache alone
+        uses /release_kv_cache_memory, which needs a completed pause (core.py:1021-1039). On CPU vLLM ignores
+        sleep (cpu_worker.py:179-185): the report is what vLLM *says*; only NVML confirms memory."""
         wanted = wire.vllm_tags(tags)
         if not wanted:
             return ReleaseReport(tags=())
         if wanted == ["kv_cache"]:
-            if (lacks := self._routes.require("/release_kv_cache_memory", self._version)) is not None:
-                raise EngineProtocolError(self.name, f"{lacks}; release weights and kv_cache together (/sleep)")
+            if not self._routes.has("/release_kv_cache_memory"):
+                raise EngineProtocolError(self.name, f"{lacking('/release_kv_cache_memory', self._version)}; release "
+                                                     "weights and kv_cache together (/sleep)")
             await self._call("POST", "/release_kv_cache_memory")
             return ReleaseReport(tags=(MemoryTag.KV_CACHE,))
         level = self._config.sleep_level
@@ -322,18 +289,14 @@ class VLLMAdapter:
         return ReleaseReport(tags=(MemoryTag.WEIGHTS, MemoryTag.KV_CACHE))
 
     def _sleep_mode(self) -> str:
-        """The mode of a sleep's own pause: ``keep`` after a pause that froze requests in place (``abort`` would
-        end them), else ``wait``. A sleep never aborts: a pause that had to (a reconcile's, on weights that are
-        not committed) already did, and requests queued since are held at the gate until the engine serves
-        again, as the node's pause mode wants; reusing that ``abort`` answered them with no tokens."""
+        """The mode of a sleep's own pause (core.py:959-975): ``keep`` after a pause that froze requests in place,
+        else ``wait``. A sleep never aborts: a pause that had to already did, and requests queued since wait at
+        the gate until the engine serves again."""
         return "keep" if self._pause_mode == "keep" else "wait"
 
     async def resume_memory(self, tags: tuple[MemoryTag, ...]) -> ReleaseReport:
-        """POST /wake_up with exactly the vLLM tags asked for; cuda_graph has no vLLM tag.
-
-        Ask only for tags that are asleep: one awake tag makes vLLM skip the whole call silently
-        (executor/abstract.py:394-404). When the last tag wakes vLLM resumes generation itself.
-        """
+        """POST /wake_up with exactly the tags asked for (one awake tag makes vLLM skip the whole call,
+        executor/abstract.py:394-404). When the last tag wakes vLLM resumes generation itself."""
         wanted = wire.vllm_tags(tags)
         if not wanted or self._config.sleep_level == 0:
             return ReleaseReport(tags=())
@@ -348,74 +311,34 @@ class VLLMAdapter:
 
     # -- weights ----------------------------------------------------------------------------
 
-    @property
-    def _session_kind(self) -> Literal["native", "rpc"]:
-        return "native" if self._backend else "rpc"
-
     async def begin_weight_update(self) -> None:
-        """Open an update: native /start_weight_update (initialising transfer once), or the extension's.
-
-        vLLM lists no parameters: ``/weight_info`` holds only the version, and the worker's own parameters
-        (what the extension could list) are vLLM's fused layout (``qkv_proj``, ``gate_up_proj``), not the HF
-        names a trainer sends; so the daemon compares a push after a discard with the last complete one."""
+        """Open an update in every worker's extension."""
+        if self._extension is None:
+            raise EngineProtocolError(self.name, f"vLLM loads colocd's chunks only through {_NO_EXTENSION}")
         self._pending_version, self._flush_after_update = None, False
-        if self._session_kind == "rpc":
-            await self._rpc("colocd_begin_update")
-            return
-        if not self._transfer_initialised:
-            init_info = _INIT_INFO.get(self._backend or "", {})
-            try:
-                await self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
-            except EngineRejected as exc:
-                if "Weight transfer not configured" in exc.detail:  # gpu_worker.py:1477-1482
-                    raise EngineProtocolError(
-                        self.name,
-                        f"the server runs without --weight-transfer-config but the config says "
-                        f"weight_transfer_backend={self._backend!r}; relaunch with it, or set it to null "
-                        "to load chunks through the colocd worker extension",
-                    ) from exc
-                raise
-            self._transfer_initialised = True
-        await self._call("POST", "/start_weight_update")
+        await self._rpc("colocd_begin_update")
 
     async def load_weights(self, load: ChunkLoad) -> None:
-        """Send one chunk. vLLM replies after the copy is done (base.py update_weights synchronises)."""
-        if self._backend == "ipc":
-            try:
-                info: JsonValue = wire.ipc_update_info(load.payloads)
-            except ValueError as exc:
-                raise EngineProtocolError(self.name, f"chunk {load.seq}: {exc}") from None
-        else:
-            info = wire.colocd_update_info(load.seq, load.payloads)
-        if self._session_kind == "native":
-            await self._call("POST", "/update_weights", json={"update_info": info})
-        else:
-            await self._rpc("colocd_load_chunk", info)
+        """Send one chunk; every worker replies once its copy is done."""
+        await self._rpc("colocd_load_chunk", wire.update_info(load.seq, load.payloads))
         if load.weight_version is not None:
             self._pending_version = load.weight_version
         self._flush_after_update |= load.flush_cache
 
     async def end_weight_update(self, version: str | None = None) -> None:
-        """Close the update; the version given, else the one carried by the chunks, lands with it
-        (finish_weight_update)."""
+        """Close the update, then set ``version`` (else the one the chunks carried) and flush if a chunk asked."""
         version, self._pending_version = version if version is not None else self._pending_version, None
-        if self._session_kind == "native":
-            await self._call("POST", "/finish_weight_update", json={"weight_version": version})
-        else:
-            await self._rpc("colocd_finish_update")
-            if version is not None:
-                await self._call("POST", "/update_weight_version", json={"new_version": version})
+        await self._rpc("colocd_finish_update")
+        if version is not None:
+            await self._call("POST", "/update_weight_version", json={"new_version": version})
         if self._flush_after_update:
             self._flush_after_update = False
             await self.flush_cache()
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
-        """The digests (engines/digest.py) colocd's worker extension computed over each tensor as it loaded it,
-        one dict per TP worker; without the extension vLLM reports none."""
+        """The digests (engines/digest.py) the extension computed over each tensor as it loaded it, per TP worker."""
         if self._extension is None:
-            return EngineDigests(None, "vLLM without colocd's worker extension reports no weight digests (launch it "
-                                       "with --worker-extension-cls colocd.engines.vllm.extension."
-                                       "ColocdWorkerExtension)")
+            return EngineDigests(None, f"vLLM reports weight digests only through {_NO_EXTENSION}")
         ranks = await self._rpc_each(wire.ReceivedDigests, "colocd_received_digests", list(names))
         return EngineDigests(tuple(dict(r.root) for r in ranks))
 
@@ -424,8 +347,7 @@ class VLLMAdapter:
         return None
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        """vLLM reads adapters from a folder only (lora/worker_manager.py:106-174); a name it holds is a 400, so
-        every version has its own name (a same-name reload would serve stale prefix-cache blocks on 0.29)."""
+        """From a folder (lora/worker_manager.py:106-174); a name it holds is a 400, so every version has its own."""
         if not self._routes.has(_LORA_LOAD):
             raise AdapterUnsupported(self.name, f"vLLM {self._version} publishes no {_LORA_LOAD}: start it with "
                                      "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
@@ -441,9 +363,3 @@ class VLLMAdapter:
 
     async def aclose(self) -> None:
         """Nothing to release: the HTTP client belongs to the caller."""
-
-    async def __aenter__(self) -> VLLMAdapter:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()

@@ -1,28 +1,21 @@
 """Code colocd ships into vLLM's worker processes: it receives our weight chunks and loads them.
 
-Two entry points share one receiver. ``ColocdWorkerExtension`` is mixed into every worker with
+``ColocdWorkerExtension`` is mixed into every worker with
 ``--worker-extension-cls colocd.engines.vllm.extension.ColocdWorkerExtension`` and is called through
-``POST /collective_rpc``. Importing this module inside the server also registers the ``colocd``
-weight-transfer backend (transfer.py), so ``--weight-transfer-config '{"backend":"colocd"}'`` drives
-the same receiver through vLLM's native /start_weight_update → /update_weights → /finish_weight_update.
+``POST /collective_rpc``, which every vLLM colocd drives has (0.29 and 0.32 alike).
 
-Loading goes through vLLM's layer-wise reload: ``initialize_layerwise_reload`` → ``model.load_weights``
-(per chunk) → ``finalize_layerwise_reload``. A bare ``model.load_weights`` on a served model fails on
-CPU, because the CPU linear kernels prepack weights and leave ``layer.weight`` empty
-(model_executor/layers/utils.py:470-600), and on GPU it skips the post-load processing of quantised
-weights; the layer-wise reload restores checkpoint shapes first and re-runs that processing
-(model_loader/reload/inplace.py:32-96, layerwise.py). Because it buffers a layer's tensors until the
-layer is complete, every received tensor is cloned out of the trainer's buffer before loading: the
-trainer reuses that buffer once we reply.
+Loading goes through vLLM's layer-wise reload (``initialize_layerwise_reload`` → ``model.load_weights`` per chunk
+→ ``finalize_layerwise_reload``): a bare ``load_weights`` on a served model fails on CPU (prepacked linear weights,
+model_executor/layers/utils.py:470-600) and skips quantised weights' post-processing on GPU. The reload buffers a
+layer's tensors until the layer is complete, so every received tensor is cloned out of the trainer's buffer first.
 
-Imports at module level: stdlib, torch and colocd.engines.chunks only (no fastapi, httpx, pydantic),
-so it is cheap inside a vLLM worker. vLLM and safetensors are imported lazily where needed.
+Imports at module level: stdlib, torch and colocd's torch-level modules only; vLLM and safetensors lazily.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
+import io
 import os
 import pickle
 from collections.abc import Sequence
@@ -31,20 +24,13 @@ from typing import Any
 
 import torch
 
-from ..chunks import ChunkLayout, SharedSegment, dtype_from_name, unflatten
+from ..chunks import ChunkLayout, SharedSegment, unflatten
 from ..digest import DigestCache, tensor_digests
-from . import BACKEND_NAME
 
-__all__ = [
-    "BACKEND_NAME",
-    "ChunkReceiver",
-    "ColocdWorkerExtension",
-    "register_backend",
-]
+__all__ = ["ChunkReceiver", "ColocdWorkerExtension"]
 
 EXTENSION_VERSION = 1
-# Set once per worker process: a restarted vLLM server has new workers, so a new boot id. The daemon
-# compares it across observations to prove (or rule out) a restart; vLLM's own API has no such marker.
+# Set once per worker process: the engine's incarnation (vLLM's own API has no such marker).
 _BOOT_ID = f"{os.getpid()}-{int.from_bytes(os.urandom(8), 'big'):016x}"
 _INSECURE_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
@@ -67,8 +53,8 @@ class ChunkReceiver:
     """Turns one chunk's payloads (our ChunkPart JSON) into cloned named tensors on ``device``.
 
     shm: open the POSIX segment read-only by name, unflatten by the JSON layout, clone; never unlink
-    (the trainer owns the segment). cuda_ipc: vLLM's packed IPC fields, picked by this worker's GPU
-    UUID. disk: a safetensors file.
+    (the trainer owns the segment). cuda_ipc: the trainer's CUDA-IPC pickle (SGLang's format,
+    engines/sglang/payload.py), opened on this worker's GPU. disk: a safetensors file.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -81,9 +67,9 @@ class ChunkReceiver:
         if any(p.get("transport") == "cuda_ipc" for p in payloads):
             local = _local_gpu_uuid(self.device)
             for p in payloads:
-                if p.get("handle", {}).get("gpu_uuid") == local:
+                if p.get("handle", {}).get("device_uuid") == local:
                     return p
-            seen = [p.get("handle", {}).get("gpu_uuid") for p in payloads]
+            seen = [p.get("handle", {}).get("device_uuid") for p in payloads]
             raise ValueError(
                 f"CUDA IPC chunk was exported on GPU(s) {seen}, but this vLLM worker (tp rank {tp_rank}) "
                 f"runs on GPU {local}: a CUDA IPC handle only opens on the GPU that exported it, so the "
@@ -127,45 +113,55 @@ class ChunkReceiver:
         return list(load_file(str(handle["path"]), device=str(self.device)).items())
 
     def _from_cuda_ipc(self, handle: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
+        """The trainer's payload: a flattened bucket (``{"flattened_tensor", "metadata"}``, read by the handle's
+        layout) or, for ``direct``, a list of ``(name, tensor)``; each CUDA tensor names its GPU by UUID."""
         if os.environ.get(_INSECURE_ENV) != "1":
             # Same gate as vLLM's own ipc backend (ipc_engine.py:84-92): the handles are a pickle
             # made by the trainer; only a server launched to trust its trainer may open them.
             raise ValueError(f"refusing to unpickle CUDA IPC handles without {_INSECURE_ENV}=1")
-        local = _local_gpu_uuid(self.device)
-        handles = pickle.loads(base64.b64decode(handle["ipc_handles_pickled"]))
-        if local not in handles:
-            raise ValueError(
-                f"IPC handle not found for this worker's GPU {local}; handles cover {list(handles)}"
-            )
-        args = list(handles[local])
-        args[6] = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        buffer = rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
-        names, shapes, dtypes = handle["names"], handle["shapes"], handle["dtype_names"]
-        if "layout" in handle:
-            layout = ChunkLayout.from_json(handle["layout"], int(handle.get("nbytes", buffer.numel())))
-            views = unflatten(buffer, layout)
+        raw = base64.b64decode(handle["payload_b64"])
+        obj = _CudaIpcUnpickler(io.BytesIO(raw), self.device).load()
+        if handle.get("load_format") == "direct":
+            views = [(str(n), t) for n, t in obj]
         else:
-            sizes = [int(s) for s in handle["tensor_sizes"]]
-            parts = buffer[: sum(sizes)].split(sizes)
-            views = [
-                (n, part.view(dtype_from_name(d)).reshape(s))
-                for n, part, d, s in zip(names, parts, dtypes, shapes, strict=True)
-            ]
+            buffer = obj["flattened_tensor"]
+            views = unflatten(buffer, ChunkLayout.from_json(handle["layout"], buffer.numel()))
         out = [(n, t.clone()) for n, t in views]
         torch.cuda.current_stream().synchronize()  # copies done before the trainer may reuse the buffer
         return out
 
 
+class _CudaIpcUnpickler(pickle.Unpickler):
+    """Rebuilds the trainer's CUDA tensors on this worker's GPU: the pickle names the exporting GPU by UUID
+    (engines/sglang/payload.py ``with_device_uuid``), which must be this worker's."""
+
+    def __init__(self, file: io.BytesIO, device: torch.device) -> None:
+        super().__init__(file)
+        self._uuid = _local_gpu_uuid(device)
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return self._rebuild
+        return super().find_class(module, name)
+
+    def _rebuild(self, *args: Any) -> torch.Tensor:
+        from torch.multiprocessing import reductions
+
+        if args[6] != self._uuid:
+            raise ValueError(f"CUDA IPC tensor was exported on GPU {args[6]}, but this worker runs on {self._uuid}")
+        rebuild: Any = reductions.rebuild_cuda_tensor
+        rebuilt: torch.Tensor = rebuild(*args[:6], self._index, *args[7:])
+        return rebuilt
+
+
 @dataclass
 class _UpdateState:
-    """One worker's weight-update bookkeeping, shared by the RPC extension and the backend."""
+    """One worker's weight-update bookkeeping."""
 
     active: bool = False
     chunks: int = 0
-    # engines/digest.py digests of every tensor this update received, computed on the worker's device as it
-    # loads them (cheap there, so always on): what a verified commit compares with the trainer's.
+    # engines/digest.py digests of every tensor this update received, computed as it loads them.
     received: dict[str, str] = field(default_factory=dict)
     digest_cache: DigestCache = field(default_factory=dict)
 
@@ -173,18 +169,11 @@ class _UpdateState:
 _STATE = _UpdateState()  # one vLLM worker per process, so one state per process
 
 
-def begin(model: torch.nn.Module, *, strict: bool = True) -> None:
-    """Start a layer-wise reload session on ``model``.
+def begin(model: torch.nn.Module) -> None:
+    """Start a layer-wise reload session on ``model``."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-    ``strict=False`` is for the native backend: there vLLM's worker guards sessions itself and drops
-    a session whose update failed (gpu_worker.py:1579-1585), so a new start must be allowed.
-    ``initialize_layerwise_reload`` skips layers already set up (layerwise.py:105-107).
-    """
-    from vllm.model_executor.model_loader.reload import (
-        initialize_layerwise_reload,
-    )
-
-    if _STATE.active and strict:
+    if _STATE.active:
         raise RuntimeError("a colocd weight update is already active on this worker; finish it first")
     initialize_layerwise_reload(model)
     _STATE.active, _STATE.chunks = True, 0
@@ -192,15 +181,9 @@ def begin(model: torch.nn.Module, *, strict: bool = True) -> None:
 
 
 def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Sequence[dict[str, Any]]) -> int:
-    """Load one chunk into ``model`` inside an active session; returns the tensors loaded.
-
-    On failure the session is finalised and closed before the error propagates. vLLM's worker drops
-    a session whose update raised (gpu_worker.py:1581-1585) but leaves the layer-wise reload open,
-    with the model's layers on the meta device; finalising puts every layer that received nothing
-    back to its previous weights, so a chunk that could not even be read (the usual failure: a
-    missing shm segment) changes nothing. Layers that earlier chunks completed keep their new
-    weights: the caller must run a whole new update before serving.
-    """
+    """Load one chunk into ``model`` inside an active session; returns the tensors loaded. On failure the session
+    is finalised first, so every layer that received nothing is back on its previous weights, not the meta device
+    (layers earlier chunks completed keep theirs: a whole new update must follow)."""
     if not _STATE.active:
         raise RuntimeError("no colocd weight update is active on this worker: begin before loading chunks")
     try:
@@ -227,9 +210,7 @@ def load(model: Any, model_config: Any, receiver: ChunkReceiver, payloads: Seque
 
 def finish(model: torch.nn.Module, model_config: Any) -> dict[str, Any]:
     """Finalise the layer-wise reload (restores kernel formats, e.g. CPU prepacking)."""
-    from vllm.model_executor.model_loader.reload import (
-        finalize_layerwise_reload,
-    )
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     if not _STATE.active:
         raise RuntimeError("no colocd weight update is active on this worker")
@@ -241,11 +222,8 @@ def finish(model: torch.nn.Module, model_config: Any) -> dict[str, Any]:
 
 
 class ColocdWorkerExtension:
-    """Mixed into vLLM's worker class; every public method is a ``/collective_rpc`` target.
-
-    Names carry a ``colocd_`` prefix: vLLM refuses extensions whose attributes clash with the
-    worker's (worker_base.py:296-320). ``self`` is the vLLM worker (model_runner, vllm_config, device).
-    """
+    """Mixed into vLLM's worker class (``self`` is the worker); every public method is a ``/collective_rpc`` target,
+    prefixed ``colocd_`` since vLLM refuses attributes that clash with the worker's (worker_base.py:296-320)."""
 
     def _colocd_receiver(self) -> ChunkReceiver:
         receiver = getattr(self, "_colocd_receiver_obj", None)
@@ -255,23 +233,22 @@ class ColocdWorkerExtension:
         return receiver
 
     def colocd_info(self) -> dict[str, Any]:
-        """What the extension can do here: version, device, backend registration, an open update."""
+        """What the extension can do here: version, device, an open update, the worker's boot id."""
         device = torch.device(getattr(self, "device", "cpu"))
         return {
             "extension_version": EXTENSION_VERSION,
             "device": str(device),
             "tp_rank": _tp_rank(),
-            "backend_registered": _BACKEND_REGISTERED,
             "update_active": _STATE.active,
             "boot_id": _BOOT_ID,
         }
 
     def colocd_begin_update(self) -> None:
-        """Start a weight update without vLLM's weight-transfer engine (no --weight-transfer-config)."""
+        """Start a weight update."""
         begin(self.model_runner.get_model())  # type: ignore[attr-defined]
 
     def colocd_load_chunk(self, update_info: dict[str, Any]) -> dict[str, Any]:
-        """Load one chunk: ``update_info`` is wire.colocd_update_info (``{"seq", "payloads"}``)."""
+        """Load one chunk: ``update_info`` is wire.update_info (``{"seq", "payloads"}``)."""
         n = load(
             self.model_runner.get_model(),  # type: ignore[attr-defined]
             self.model_config,  # type: ignore[attr-defined]
@@ -283,7 +260,7 @@ class ColocdWorkerExtension:
         return {"seq": update_info.get("seq"), "n_tensors": n}
 
     def colocd_finish_update(self) -> dict[str, Any]:
-        """Finish the update started by colocd_begin_update; returns the chunks and tensors it received."""
+        """Finish the update; returns the chunks and tensors it received."""
         summary = finish(
             self.model_runner.get_model(),  # type: ignore[attr-defined]
             self.model_config,  # type: ignore[attr-defined]
@@ -294,51 +271,5 @@ class ColocdWorkerExtension:
         return summary
 
     def colocd_received_digests(self, names: list[str]) -> dict[str, str]:
-        """The engines/digest.py digest of each named tensor the current (or last) update received; a name it
-        did not receive is left out."""
+        """The digest of each named tensor the current (or last) update received; others are left out."""
         return {n: _STATE.received[n] for n in names if n in _STATE.received}
-
-    def colocd_model_digest(self) -> dict[str, Any]:
-        """SHA-256 over the served model's parameters as they sit in memory (vLLM names and layout).
-
-        On CPU the prepacked linear weights are empty tensors here, so this covers the rest only. While a weight
-        update is under way the layers sit on the meta device, with no bytes to hash: the reply is then a refusal
-        (``refused``, in words) rather than an error, since vLLM answers any worker exception with a bare 500.
-        """
-        params = sorted(self.model_runner.get_model().named_parameters(), key=lambda kv: kv[0])  # type: ignore[attr-defined]
-        if _STATE.active or any(p.is_meta for _, p in params):
-            return {"refused": "a weight update is under way on this worker: its layers hold no weights until the "
-                               "update ends (colocd_finish_update or /finish_weight_update); ask again then"}
-        h = hashlib.sha256()
-        n = empty = 0
-        for name, p in params:
-            t = p.detach()
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
-            if t.numel() == 0:
-                empty += 1
-            else:
-                h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-            n += 1
-        return {"digest": h.hexdigest(), "n_params": n, "n_empty": empty}
-
-
-def register_backend() -> bool:
-    """Register the ``colocd`` backend with vLLM's WeightTransferEngineFactory; False outside vLLM."""
-    try:
-        from vllm.distributed.weight_transfer.factory import (
-            WeightTransferEngineFactory,
-        )
-    except Exception:  # not inside a vLLM install: the extension's pure parts still import
-        return False
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
-        # Lazy registration by module path: transfer.py imports vLLM's base classes only when a
-        # server configured with {"backend": "colocd"} builds its engine (gpu_worker.py:599-605).
-        WeightTransferEngineFactory.register_engine(
-            BACKEND_NAME, "colocd.engines.vllm.transfer", "ColocdWeightTransferEngine"
-        )
-    return True
-
-
-# vLLM imports the worker extension class when it builds the worker, before load_model creates the
-# weight-transfer engine, so registering at import makes the backend available to that same worker.
-_BACKEND_REGISTERED = register_backend() if os.environ.get("COLOCD_VLLM_NO_BACKEND") != "1" else False

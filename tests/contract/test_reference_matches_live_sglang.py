@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sglang_replies as replies
 
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.sglang import wire
@@ -27,10 +28,10 @@ DEADLINE_S = 30
 
 # Recorded name -> the wire model the adapter parses that body with.
 MODELS: dict[str, type[wire.BaseModel]] = {
-    "server_info": wire.ServerInfo, "model_info": wire.ModelInfo, "weights_checker": wire.CheckWeightsResult,
-    "begin_weight_update": wire.ControlResult, "begin_weight_update_again": wire.ControlResult,
-    "end_weight_update": wire.ControlResult, "end_weight_update_again": wire.ControlResult,
-    "update_outside_session": wire.ControlResult,
+    "server_info": wire.ServerInfo, "model_info": wire.ModelInfo, "weights_checker": replies.CheckWeightsResult,
+    "begin_weight_update": replies.ControlResult, "begin_weight_update_again": replies.ControlResult,
+    "end_weight_update": replies.ControlResult, "end_weight_update_again": replies.ControlResult,
+    "update_outside_session": replies.ControlResult,
 }
 
 # Deliberate differences: name -> (the reference engine's status, why).
@@ -71,7 +72,7 @@ def check(name: str, response: httpx.Response) -> None:
         model = MODELS[name]
         ours, theirs = model.model_validate(response.json()), model.model_validate(live["body"])
         assert type(ours).model_fields.keys() == type(theirs).model_fields.keys()
-        if isinstance(ours, wire.ControlResult):
+        if isinstance(ours, replies.ControlResult):
             assert ours.success == theirs.success
 
 
@@ -134,8 +135,8 @@ async def test_session_errors_and_an_update_outside_a_session_are_sglangs(
 async def test_weights_checker_answers_a_checksum_in_sglangs_shape(ref: str, client: httpx.AsyncClient) -> None:
     r = await client.post(f"{ref}/weights_checker", json={"action": "checksum"})
     check("weights_checker", r)
-    live = wire.CheckWeightsResult.model_validate(LIVE["weights_checker"]["body"])
-    assert live.checksum() and wire.CheckWeightsResult.model_validate(r.json()).checksum()
+    live = replies.CheckWeightsResult.model_validate(LIVE["weights_checker"]["body"])
+    assert live.checksum() and replies.CheckWeightsResult.model_validate(r.json()).checksum()
 
 
 async def test_resume_of_a_resident_tag_is_a_4xx_where_sglang_dies(ref: str, client: httpx.AsyncClient) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sglang_replies as replies
 from pydantic import ValidationError
 
 from colocd.engines.base import PauseMode
@@ -48,7 +49,7 @@ def fixture(protocol_name: str) -> dict[str, Any]:
 
 
 def request_classes() -> list[type[wire.SGLangRequest]]:
-    return [getattr(wire, n) for n in wire.__all__ if n.endswith("ReqInput")]
+    return [*(getattr(wire, n) for n in wire.__all__ if n.endswith("ReqInput")), replies.UpdateWeightFromDiskReqInput]
 
 
 def samples(cls: type[wire.SGLangRequest]) -> Iterator[wire.SGLangRequest]:
@@ -60,7 +61,7 @@ def samples(cls: type[wire.SGLangRequest]) -> Iterator[wire.SGLangRequest]:
             "dtypes": ["bfloat16"],
             "shapes": [[2, 3]],
         },
-        wire.UpdateWeightFromDiskReqInput: {"model_path": "/ckpt/step-7"},
+        replies.UpdateWeightFromDiskReqInput: {"model_path": "/ckpt/step-7"},
         wire.InitWeightsUpdateGroupReqInput: {
             "master_address": "127.0.0.1",
             "master_port": 29500,
@@ -249,14 +250,11 @@ def test_protocol_routes_exist_in_that_version(protocol: SGLangProtocol) -> None
     def live(path: str | None) -> bool:
         return path is not None and routes.get(path) is not None and not routes[path]["always_404"]
 
-    for path in (protocol.model_info_route, protocol.server_info_route, protocol.weight_version_route):
-        assert live(path), f"{protocol.name}: {path} missing or a 404 stub"
-    assert live("/ready") == (protocol.ready_route is not None)
-    assert live("/weights_checker") == (protocol.weights_checker_route is not None)
+    route = protocol.weight_version_route
+    assert live(route), f"{protocol.name}: {route} missing or a 404 stub"
     assert live("/begin_weight_update") == live("/end_weight_update") == protocol.weight_update_session
     assert (routes["/pause_generation"]["body"] is not None) == protocol.pause_body
     assert (routes["/continue_generation"]["body"] is not None) == protocol.continue_body
-    assert ("timeout" in routes["/flush_cache"]["query"]) == protocol.flush_timeout_query
     for cls in request_classes():
         if protocol.has_struct(cls.__name__):
             route = routes[cls.ROUTE]
@@ -266,7 +264,7 @@ def test_protocol_routes_exist_in_that_version(protocol: SGLangProtocol) -> None
 @pytest.mark.parametrize("protocol", PROTOCOL_LIST, ids=lambda p: p.name)
 def test_pause_and_continue_bodies_follow_the_protocol(protocol: SGLangProtocol) -> None:
     for mode in PauseMode:
-        if protocol.supports_pause_mode(mode):
+        if mode in protocol.pause_modes:
             request = wire.pause_generation_request(protocol, mode)
             assert (request is not None) == protocol.pause_body
             if request is not None:
@@ -311,20 +309,20 @@ def test_request_models_refuse_unknown_and_malformed_fields() -> None:
 def test_replies_parse_as_sglang_sends_them() -> None:
     # Shapes from 0.5.23 http_server.py: tensor update 1452-1455, version 1540-1549, pause 1838-1841,
     # weights_checker 1614-1619, error 2246-2250, /model_info 812-850, /server_info 863-894.
-    assert wire.ControlResult.model_validate({"success": False, "message": "no session"}).success is False
+    assert replies.ControlResult.model_validate({"success": False, "message": "no session"}).success is False
     assert (
-        wire.UpdateWeightVersionResult.model_validate(
+        replies.UpdateWeightVersionResult.model_validate(
             {"success": True, "message": "Weight version updated to 7", "new_version": "7"}
         ).new_version
         == "7"
     )
     assert (
-        wire.GenerationControlResult.model_validate(
+        replies.GenerationControlResult.model_validate(
             {"message": "Generation paused successfully.", "status": "ok"}
         ).status
         == "ok"
     )
-    checker = wire.CheckWeightsResult.model_validate(
+    checker = replies.CheckWeightsResult.model_validate(
         {"success": True, "message": "ok", "ranks": [{"per_gpu_checksum": "ab"}], "per_engine_checksum": "cd"}
     )
     assert checker.per_engine_checksum == "cd"
@@ -332,8 +330,8 @@ def test_replies_parse_as_sglang_sends_them() -> None:
     info = wire.ModelInfo.model_validate({"model_path": "m", "weight_version": "7", "architectures": ["X"]})
     assert info.weight_version == "7"
     server = wire.ServerInfo.model_validate({"version": "0.5.4", "tp_size": 2, "port": 30000})
-    assert server.tp_size == 2 and server.weight_cache_mode is None
-    assert wire.WeightVersionInfo.model_validate({"weight_version": "default"}).weight_version == "default"
+    assert server.tp_size == 2 and server.device is None
+    assert replies.WeightVersionInfo.model_validate({"weight_version": "default"}).weight_version == "default"
 
 
 def test_every_protocol_is_registered_by_name() -> None:

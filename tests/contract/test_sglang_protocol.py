@@ -86,7 +86,6 @@ def test_only_the_session_protocol_requires_begin_and_end() -> None:
 
 def test_legacy_pauses_only_by_abort_and_reads_the_version_from_its_own_route() -> None:
     assert LEGACY.pause_modes == (PauseMode.ABORT,)
-    assert not LEGACY.supports_pause_mode(PauseMode.RETRACT)
     assert LEGACY.weight_version_route == "/get_weight_version"
     assert V0_5_23.weight_version_route == PRE_SESSION.weight_version_route == "/model_info"
 
@@ -105,10 +104,9 @@ def test_protocol_exports_are_sorted_and_complete() -> None:
     assert all(hasattr(protocol_module, n) for n in protocol_module.__all__)
 
 
-def test_routes_of_0_5_20_settle_its_band_without_a_session_and_with_ready() -> None:
+def test_routes_of_0_5_20_settle_its_band_without_a_session() -> None:
     settled = negotiated(protocol_for_version("0.5.20"), ROUTES_0_5_20)
     assert settled.weight_update_session is False
-    assert settled.ready_route == "/ready"  # PRE_SESSION's band (read from 0.5.9) has none; 0.5.20 has it
     assert not settled.has_struct("BeginWeightUpdateReqInput")
 
 

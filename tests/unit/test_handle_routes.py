@@ -9,7 +9,7 @@ import pytest
 
 from colocd.engines.base import ChunkPart
 from colocd.engines.handles import CudaIpcRoute, HostRoute, InlineRoute, ShmRoute, parse_handle
-from colocd.engines.vllm.wire import ipc_update_info
+from colocd.engines.vllm.wire import update_info
 from colocd.policies import Transport
 
 
@@ -43,10 +43,7 @@ def test_a_typed_handle_travels_on_as_the_json_it_was_parsed_from_with_its_route
     assert part.route == CudaIpcRoute("GPU-1", "AAAA")
 
 
-def test_vllms_ipc_backend_forwards_its_own_keys_of_a_cuda_ipc_part_and_refuses_another_transport() -> None:
-    packed = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]], "tensor_sizes": [8],
-              "ipc_handles_pickled": "AAAA"}
-    cuda = _part(Transport.CUDA_IPC, payload_b64="", **packed)
-    assert ipc_update_info((cuda,)) == packed
-    with pytest.raises(ValueError, match="cuda_ipc chunks only"):
-        ipc_update_info((_part(Transport.SHM, shm_name="colocd-x", nbytes=8, **packed),))
+def test_vllms_extension_gets_each_part_as_the_trainer_sent_it_under_its_wire_transport() -> None:
+    handle = {"payload_b64": "AAAA", "load_format": "direct", "device_uuid": "GPU-1"}
+    sent = update_info(3, (_part(Transport.PER_TENSOR, **handle),))
+    assert sent == {"seq": 3, "payloads": [{"rank": 0, "transport": "cuda_ipc", "nbytes": 8, "handle": handle}]}

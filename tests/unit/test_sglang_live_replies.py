@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import sglang_replies as replies
 import torch
 from sglang_live import differing, parameter_checksums
 
@@ -44,7 +45,7 @@ def test_a_server_info_of_the_wrong_shape_names_the_field() -> None:
 
 def test_live_model_info_and_checksums_parse() -> None:
     assert wire.parse_reply(wire.ModelInfo, LIVE["model_info"]["body"]).weight_version == "default"
-    result = wire.parse_reply(wire.CheckWeightsResult, LIVE["weights_checker"]["body"])
+    result = wire.parse_reply(replies.CheckWeightsResult, LIVE["weights_checker"]["body"])
     sums = parameter_checksums(result)
     assert len(sums) >= 10 and all(k.startswith("tp0/") for k in sums) and result.checksum()
     assert differing(sums, sums) == [] and differing(sums, {}) == sorted(sums)

@@ -14,7 +14,6 @@ import torch
 from colocd.engines.sglang import payload
 from colocd.engines.sglang.payload import (
     BufferLease,
-    BufferLeaseState,
     export_flattened_bucket,
     flatten_bucket,
     named_tensors_payload,
@@ -145,10 +144,10 @@ def test_serialize_patches_no_process_wide_reducer() -> None:
 def test_bucket_lease_keeps_the_buffer_until_released_and_never_hands_it_out_again() -> None:
     bucket = flatten_bucket(_named())
     lease = BufferLease(bucket.flattened_tensor)
-    assert lease.tensor is bucket.flattened_tensor and lease.state is BufferLeaseState.HELD
+    assert lease.tensor is bucket.flattened_tensor and not lease.released
     lease.release()
     lease.release()  # idempotent: safe in finally blocks
-    assert lease.state is BufferLeaseState.RELEASED
+    assert lease.released
     with pytest.raises(RuntimeError, match="must not be reused"):
         _ = lease.tensor
 
@@ -156,7 +155,7 @@ def test_bucket_lease_keeps_the_buffer_until_released_and_never_hands_it_out_aga
 def test_bucket_lease_context_manager_releases_on_error() -> None:
     with pytest.raises(KeyError), BufferLease(torch.zeros(4, dtype=torch.uint8)) as lease:
         raise KeyError("engine rejected the chunk")
-    assert lease.state is BufferLeaseState.RELEASED
+    assert lease.released
 
 
 def test_empty_and_mixed_device_buckets_are_refused() -> None:
@@ -218,7 +217,7 @@ def test_cuda_entry_names_the_gpu_by_uuid_and_rebuilds_in_another_process() -> N
     for name, tensor in named:
         assert sums[name] == pytest.approx(tensor.double().sum().item())
     lease.release()
-    assert lease.state is BufferLeaseState.RELEASED
+    assert lease.released
 
 
 def test_module_exports_are_sorted_and_complete() -> None:

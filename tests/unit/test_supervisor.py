@@ -142,11 +142,11 @@ async def test_a_child_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Path
     assert time.monotonic() - started < 10
 
 
-def test_the_blocking_twins_start_wait_and_stop(tmp_path: Path) -> None:
+def test_the_blocking_stop_stops_a_child_from_outside_any_event_loop(tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     proc = ManagedProcess("c0", child(tmp_path, ready=ready), dict(os.environ))
     proc.spawn()
-    assert proc.wait_ready_sync(lambda: read_ready_file(ready), DEADLINE_S) == "http://127.0.0.1:1"
+    assert asyncio.run(proc.wait_ready(ready_probe(ready), DEADLINE_S)) == "http://127.0.0.1:1"
     assert proc.stop_sync(grace_s=5) == -signal.SIGTERM
     assert proc.pid is not None and not group_alive(proc.pid)
 

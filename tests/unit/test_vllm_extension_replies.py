@@ -13,14 +13,14 @@ import httpx
 import pytest
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.engines.vllm.protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES
 from colocd.errors import EngineProtocolError
 from colocd.policies import Transport
 
-INFO = {"extension_version": 1, "device": "cpu", "tp_rank": 0, "backend_registered": True, "digests": True,
+INFO = {"extension_version": 1, "device": "cpu", "tp_rank": 0, "digests": True,
         "update_active": False, "boot_id": "123-00000000000000ab"}
-CONFIG = VLLMEngineConfig(name="v", url="http://vllm.test", weight_transfer_backend=None)
+CONFIG = VLLMEngineConfig(name="v", url="http://vllm.test")
 ROUTES = {"/version": {"version": "0.32.0"}, "/is_paused": {"is_paused": False},
           "/get_world_size": {"world_size": 1}, "/weight_info": {"weight_version": "default"},
           "/is_sleeping": {"is_sleeping": False},
@@ -29,7 +29,7 @@ ROUTES = {"/version": {"version": "0.32.0"}, "/is_paused": {"is_paused": False},
 
 def _drive(rpc: dict[str, object], use: Callable[[VLLMAdapter], Awaitable[Any]]) -> Any:
     """``use`` on an adapter whose vLLM answers each /collective_rpc method with ``rpc[method]`` from its one
-    worker, and the attach routes as vLLM 0.32 does; no transfer backend, so updates go through the extension."""
+    worker, and the attach routes as vLLM 0.32 does."""
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/collective_rpc":

@@ -27,7 +27,7 @@ from colocd.engines.base import ChunkLoad, ChunkPart
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_chunks
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
 from colocd.engines.processes import Launched
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.engines.vllm.launcher import launch_vllm
 
 Named = list[tuple[str, torch.Tensor]]

@@ -1,4 +1,4 @@
-"""The session's vLLM server runs on the instruction path engines/vllm/cpu_isa.py chose for this CPU.
+"""The session's vLLM server runs on the instruction path scripts/vllm_cpu_isa.py chose for this CPU.
 
 Where the CPU reports AMX (or COLOCD_VLLM_CPU_ISA=avx512 asks; the tier runs so on CPUs without AMX to show
 the AVX-512 path serves), every worker reads the shim's AMX check, attention takes vLLM's AVX-512 kernel
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from colocd.engines.processes import Launched
-from colocd.engines.vllm import cpu_isa
+from scripts import vllm_cpu_isa as cpu_isa
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +30,7 @@ async def test_every_worker_runs_on_the_path_chosen_for_this_cpu(vllm_server: La
     r.raise_for_status()
     (worker,) = r.json()["results"]
     if CHOSEN == "avx512":
-        assert worker == {"amx_check": "colocd.engines.vllm.cpu_isa._report_no_amx", "amx": False,
+        assert worker == {"amx_check": f"{cpu_isa.MODULE}._report_no_amx", "amx": False,
                           "attention_isa": "vec", "onednn_max_isa": cpu_isa.ONEDNN_ISA}
     else:
         assert worker["amx_check"] == "torch.cpu._is_amx_tile_supported"
@@ -41,7 +41,7 @@ async def test_every_worker_runs_on_the_path_chosen_for_this_cpu(vllm_server: La
 _PROBE = """
 import torch
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-from colocd.engines.vllm.cpu_isa import install
+from colocd_vllm_cpu_isa import install
 real = torch.cpu.get_capabilities
 torch.cpu.get_capabilities = lambda: {**real(), "amx_tile": True}
 before = _get_attn_isa(torch.bfloat16, 32)

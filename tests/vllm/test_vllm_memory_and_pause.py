@@ -17,7 +17,7 @@ from vllm_live import LACKS, VLLMHttp
 
 from colocd.engines.base import MemoryTag, PauseMode
 from colocd.engines.processes import Launched
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.errors import EngineProtocolError, EngineRejected
 
 pytestmark = pytest.mark.vllm
@@ -81,7 +81,7 @@ async def test_attach_reports_version_extension_and_what_vllm_owns(adapter: VLLM
     assert set(info.extra["routes_lacking"]) == LACKS[info.version]
     assert info.tp_size == 1
     assert info.owned_tags == BOTH  # vLLM has no cuda_graph tag
-    assert info.extra["extension"]["backend_registered"] is True
+    assert info.extra["extension"]["extension_version"] == 1
     assert info.extra["extension"]["device"] == "cpu"
     assert info.extra["full_wake_resumes_generation"] is True
     assert isinstance(info.weight_version, str)

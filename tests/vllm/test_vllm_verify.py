@@ -11,7 +11,7 @@ from support import daemon_node
 from vllm_live import VLLMHttp
 
 from colocd.engines.digest import tensor_digests
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.trainer.push import WeightPusher
 
 pytestmark = pytest.mark.vllm

