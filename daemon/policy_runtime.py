@@ -91,10 +91,6 @@ class PolicyRuntime:
         except Exception:  # a plugin's import or constructor is foreign code: never the end of the loop
             log.exception("policy file %s not applied, the running policy stays", path)
 
-    def release_tags(self, policies: PolicySet) -> tuple[str, ...] | None:
-        from_document = self.store.active.source not in (None, "defaults")
-        return tuple(policies.engines.release_tags) if from_document else None
-
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
                    transports: frozenset[Transport] | None, staging: StagingMemory | None = None) -> dict[str, Any]:
         """What the trainer agent must enact for this phase."""
