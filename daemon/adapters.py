@@ -255,8 +255,7 @@ class Adapters:
             self._delete(version.folder)
 
     async def restore(self, engine: EngineHandle) -> None:
-        """An engine that restarted loads the kept versions again, oldest first; one it fails to load is logged
-        (its name fails at that engine, as a retired one would, until the next push)."""
+        """A restarted engine loads the kept versions again, oldest first; a failure is logged (that name fails)."""
         for version in self.loaded:
             try:
                 await self._load(engine, version)

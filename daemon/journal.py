@@ -8,8 +8,7 @@ state, so a crash between any two steps of the compaction loses nothing.
 Writes and fsyncs run in order on one worker thread; the in-memory state is updated at once. Each write returns
 a future done once the record is on disk: a reply that reports a state change awaits it (``written``), so a
 daemon SIGKILLed after the reply restarts on that state; a record nobody was told about yet (a health-loop
-reconcile) may be lost, as if the daemon had died a moment earlier. Start-up reads at most ``MAX_READ_BYTES``
-from the file's end (the last whole-state line is enough).
+reconcile) may be lost, as if the daemon had died a moment earlier.
 """
 
 from __future__ import annotations
@@ -29,12 +28,11 @@ from typing import Any
 from ..engines.processes import LaunchRecord
 from ..errors import JournalFailed
 
-__all__ = ["COMPACT_EVERY", "KEEP_RETIRED_ADAPTERS", "MAX_READ_BYTES", "Journal", "JournalState", "NodeJournal"]
+__all__ = ["COMPACT_EVERY", "KEEP_RETIRED_ADAPTERS", "Journal", "JournalState", "NodeJournal"]
 
 log = logging.getLogger("colocd.daemon")
 
 COMPACT_EVERY = 128  # records appended after a snapshot before the file is compacted into a new one
-MAX_READ_BYTES = 8 << 20  # what start-up reads at most, from the end of the file
 KEEP_COMPLETED = 64  # finished transition results kept (a trainer repeats the last one or two)
 KEEP_RETIRED_ADAPTERS = 4096  # retired adapter names remembered for a 410 (older ones answer 404)
 
@@ -223,22 +221,13 @@ def _log_failure(future: concurrent.futures.Future[None]) -> None:
 
 
 def _read_records(path: Path) -> Iterable[dict[str, Any]]:
-    """The complete records of the file's last ``MAX_READ_BYTES``; a torn line (crash mid-write) is skipped."""
+    """The file's complete records (compaction keeps it small); a torn line (crash mid-write) is skipped."""
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - MAX_READ_BYTES)
-            f.seek(start)
-            data = f.read()
+        data = path.read_bytes()
     except FileNotFoundError:
         return []
-    lines = data.split(b"\n")
-    if start > 0:
-        lines = lines[1:]  # the first line may begin before the window
-        log.warning("journal %s is %d bytes: read its last %d (it is compacted from now on)", path, size,
-                    MAX_READ_BYTES)
     records = []
-    for raw in lines:
+    for raw in data.split(b"\n"):
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):

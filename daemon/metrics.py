@@ -225,9 +225,8 @@ class Metrics:
         self._node: NodeState | None = None
 
     def declare(self, engines: Iterable[str], launched: Iterable[str] = ()) -> None:
-        """Export every event counter and histogram at 0 for each of ``engines`` (``launched``: those colocd
-        launches) and each label value of its fixed vocabulary, so the first event is an increase Prometheus
-        can see."""
+        """Every event counter and histogram at 0 for each of ``engines`` (``launched``: those colocd launches) and
+        label value, so the first event is an increase Prometheus can see."""
         for phase in TRANSITION_PHASES:
             self.phase_duration.labels(phase, "all")
             for outcome in TRANSITION_OUTCOMES:
@@ -345,10 +344,6 @@ class Metrics:
     def observe_call(self, substep: str, engine: str, seconds: float) -> None:
         self.step_duration.labels(substep, engine).observe(seconds)
         self.last_substep_duration.labels(substep, engine).set(seconds)
-
-    def exposition(self) -> bytes:
-        """Render now, on the calling thread (tests, tools); the daemon's route uses ``current()``."""
-        return generate_latest(self.registry)
 
     async def current(self) -> bytes:
         """The exposition as of this call, rendered in a worker thread."""

@@ -293,8 +293,7 @@ class Daemon:
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     async def _reconciled(self, engine: EngineHandle, p: Plan) -> None:
-        """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled;
-        a restarted engine (a new process holds no adapters) loads the kept adapter versions again."""
+        """After a reconcile: journal the incarnation and any change; a restarted engine loads the adapters again."""
         self.launches.note_incarnation(engine.name, engine.state.incarnation)
         if p.changes_anything:
             self.node_journal.append(f"reconcile:{engine.name}")

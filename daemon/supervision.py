@@ -52,8 +52,8 @@ Answers = Callable[[str], Awaitable[bool]]  # does something serve HTTP at this 
 
 
 async def answers_http(url: str) -> bool:
-    """Any HTTP answer at ``url`` (even 401, 404 or 503: an API key, another engine kind, still loading) means
-    a server listens there. ``/model_info``, not ``/health``: that runs a generation on SGLang, slow under load."""
+    """Any HTTP answer at ``url`` (even 401, 404, 503) means a server listens there. ``/model_info``, not
+    ``/health``: that runs a generation on SGLang, slow under load."""
     try:
         async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
             await client.get(f"{url}/model_info")

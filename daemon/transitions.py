@@ -268,8 +268,7 @@ class Transitions:
 
 
 def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None, versions: VersionBook) -> None:
-    """Put what the trainer agent reported (group lifecycle, cleanup sub-steps, how its weights were pushed)
-    into the step's trace; a version it reports started counts from now."""
+    """The trainer agent's report (groups, cleanup, its weight push) into the trace; a started version counts."""
     if not trainer:
         return
     if (weights := trainer.get("weights")) is not None:
