@@ -280,16 +280,15 @@ class EngineSupervision:
         engine.state, engine.next_launch_at, engine.adopted = LaunchState.STARTING, None, False
         options = LaunchOptions(on_spawn=lambda process: self._spawned(engine, process))
         try:
-            try:
-                launched = await self._launcher(engine.config, options)
-            except (EngineLaunchError, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # a misconfiguration the launcher found (vLLM without model_path, ...)
-                raise EngineLaunchError(engine.name, f"could not be launched: {exc}") from exc
-        except EngineLaunchError as exc:
-            engine.last_error = exc.summary
+            launched = await self._launcher(engine.config, options)
+        except Exception as exc:  # its own error, or a misconfiguration it found (vLLM without model_path, ...)
+            failed = exc if isinstance(exc, EngineLaunchError) else EngineLaunchError(
+                engine.name, f"could not be launched: {exc}")
+            engine.last_error = failed.summary
             self._metrics.engine_launch_failures.labels(engine.name).inc()
-            raise
+            if failed is exc:
+                raise
+            raise failed from exc
         if engine.process is not launched.process:  # a launcher that did not call the spawn hook (a plugin)
             self._spawned(engine, launched.process)
         await self._journal.drain()  # running means journaled: a daemon killed from here on finds it
