@@ -77,8 +77,7 @@ class AdapterVersion:
 
 
 class Adapters:
-    """``await adapters.push(base, version, body)``; ``check(name)`` answers or refuses a name (410 once retired).
-    A push holds the node's lock (``exclusive``); ``deadline_s()`` bounds each engine call."""
+    """``await adapters.push(base, version, body)`` under the node's lock; ``check(name)`` (410 once retired)."""
 
     def __init__(self, worker: EngineWorker, metrics: Metrics, *, settings: Callable[[], AdapterSettings],
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],

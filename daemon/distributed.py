@@ -177,8 +177,7 @@ class WeightGroups:
 
     async def broadcast(self, session: WeightSession, engines: list[EngineHandle],
                         desc: BroadcastDescriptor) -> dict[str, Any]:
-        """Forward one broadcast to every engine at once; returns when all of them loaded it. A failure fails the
-        session (engines stay paused, weights stale) and destroys the group."""
+        """Forward one broadcast to every engine at once, until all loaded it; a failure fails the session too."""
         record = self._groups.get(desc.group_name)
         if record is None:
             raise NotFound(f"no weight-update group {desc.group_name!r}; open it with POST /v1/weights/groups")

@@ -259,9 +259,8 @@ class Metrics:
             self.engine_launch_failures.labels(engine)
 
     def declare_engine(self, engine: str, *, transports: Iterable[str], gpus: Iterable[str] | None) -> None:
-        """Export ``engine``'s weight and memory series at 0: chunks, bytes by transport, the bytes its releases
-        free by source (each of ``gpus`` where NVML reads them, else the engine's own report), NVML's confirmation
-        by criterion. Idempotent: repeated as engines attach."""
+        """``engine``'s weight and memory series at 0 (freed bytes by each of ``gpus`` NVML reads, else by the
+        engine's own report); repeated as engines attach."""
         self.weight_chunks.labels(engine)
         for transport in transports:
             self.weight_bytes.labels(engine, transport)

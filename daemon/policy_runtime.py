@@ -49,8 +49,7 @@ class PolicyRuntime:
         return self.store.active
 
     def apply_yaml(self, text: str | bytes, source: str) -> PolicySet:
-        """Validate and stage (PolicyError: the running policy stays), within the node config's ``limits`` and
-        ``policy_plugins``. CPU-bound: call it through ``asyncio.to_thread``."""
+        """Validate and stage (PolicyError: the running policy stays); CPU-bound: call it in a thread."""
         limits = self.config.limits
         parsed = load_policy_yaml(text, source=source, plugins=frozenset(self.config.policy_plugins),
                                   limits=YamlLimits(max_bytes=limits.max_policy_bytes,
