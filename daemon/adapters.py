@@ -77,12 +77,11 @@ class AdapterVersion:
 
 
 class Adapters:
-    """``await adapters.push(base, version, body)``; ``check(name)`` answers or refuses a name (410 once retired).
-    A push holds the node's lock (``exclusive``); ``deadline_s()`` bounds each engine call."""
+    """``await adapters.push(base, version, body)`` under the node's lock; ``check(name)`` (410 once retired)."""
 
     def __init__(self, worker: EngineWorker, metrics: Metrics, *, settings: Callable[[], AdapterSettings],
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
-                 deadline_s: Callable[[], float], journal: Journal | None) -> None:
+                 deadline_s: Callable[[], float], journal: Journal) -> None:
         self._worker = worker
         self._engines: Mapping[str, EngineHandle] = worker.engines
         self._deadline_s = deadline_s
@@ -94,7 +93,7 @@ class Adapters:
         self._unjournaled: list[str] = []  # names retired since the last journal record
         self._journal = journal
         # Absolute: the engines read the folders from their own working directories.
-        self.root = Path(f"{journal.path.absolute()}.adapters") if journal is not None else None
+        self.root = Path(f"{journal.path.absolute()}.adapters") if journal.path is not None else None
         self._lingering: list[AdapterVersion] = []  # retired, but an engine failed to unload it: retried
 
     @property
@@ -130,13 +129,11 @@ class Adapters:
                         self._lingering.append(staged)  # retried at the next retirement
                         self._retire_name(staged.name)
                     recorded = self._record()  # in the lock: the records follow the changes in order
-                if self._journal is not None and recorded is not None:  # the reply comes once a restarted daemon
-                    await self._journal.written(recorded)  # would know it
+                await self._journal.written(recorded)  # the reply comes once a restarted daemon would know it
         except BaseException as exc:
             if not staged.engines:
                 self._delete(staged.folder)
             self._metrics.adapter_pushes.labels("refused" if isinstance(exc, TransitionRejected) else "failed").inc()
-            self._metrics.changed()
             raise
         self._metrics.adapter_pushes.labels("committed").inc()
         self._refresh()
@@ -145,7 +142,7 @@ class Adapters:
     def restore_journal(self) -> None:
         """A restarted daemon's adapters, from its journal: the versions loaded and the names retired. Any other
         folder under the root is what the daemon that died left (a body being staged, a version retired): deleted."""
-        if self._journal is None or self.root is None:
+        if self.root is None:
             return
         held = self._journal.adapters()
         self.loaded = [AdapterVersion.from_json(v) for v in held.get("loaded", [])]
@@ -159,11 +156,9 @@ class Adapters:
                 self._delete(folder)
         self._refresh()
 
-    def _record(self) -> concurrent.futures.Future[None] | None:
+    def _record(self) -> concurrent.futures.Future[None]:
         """Journal the versions loaded and lingering, and the names retired since the last record."""
         retired, self._unjournaled = self._unjournaled, []
-        if self._journal is None:
-            return None
         return self._journal.record_adapters([v.to_json() for v in self.loaded],
                                              [v.to_json() for v in self._lingering], retired)
 
@@ -221,7 +216,10 @@ class Adapters:
         room = cap is None or len(self.loaded) + 1 <= cap
         if not room:  # unload first, so no engine ever holds more than its cap
             await self._retire(doomed)
-        await self._load_everywhere(new)
+        results = await asyncio.gather(*(self._load(e, new) for e in self._engines.values()), return_exceptions=True)
+        if failures := [r for r in results if isinstance(r, BaseException)]:
+            await self._unload(new)  # the engines that loaded it forget it again: the previous version serves
+            raise failures[0]
         self.loaded.append(new)
         if room:
             await self._retire(doomed)
@@ -233,12 +231,6 @@ class Adapters:
             version.engines.append(engine.name)
         version.load_s[engine.name] = round(time.perf_counter() - started, 6)
         self._metrics.adapter_load.labels(engine.name).observe(version.load_s[engine.name])
-
-    async def _load_everywhere(self, new: AdapterVersion) -> None:
-        results = await asyncio.gather(*(self._load(e, new) for e in self._engines.values()), return_exceptions=True)
-        if failures := [r for r in results if isinstance(r, BaseException)]:
-            await self._unload(new)  # the engines that loaded it forget it again: the previous version serves
-            raise failures[0]
 
     async def _retire(self, versions: list[AdapterVersion]) -> None:
         """Unload ``versions`` (and any an engine failed to unload before) and refuse their names from now on."""
@@ -262,8 +254,7 @@ class Adapters:
             self._delete(version.folder)
 
     async def restore(self, engine: EngineHandle) -> None:
-        """An engine that restarted loads the kept versions again, oldest first; one it fails to load is logged
-        (its name fails at that engine, as a retired one would, until the next push)."""
+        """A restarted engine loads the kept versions again, oldest first; a failure is logged (that name fails)."""
         for version in self.loaded:
             try:
                 await self._load(engine, version)
@@ -286,7 +277,6 @@ class Adapters:
         if self.current is not None:
             m.adapter_info.labels(self.current).set(1)
         m.adapter_disk_bytes.set(sum(v.nbytes for v in self.loaded))
-        m.changed()
 
     @staticmethod
     def _delete(folder: Path) -> None:

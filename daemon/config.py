@@ -26,17 +26,6 @@ class ListenConfig(BaseModel):
     uds: str | None = Field(None, description="listen on this Unix socket (mode 0600) instead of TCP")
     ready_file: str | None = Field(None, description="write {url, pid} here once listening")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _removed_keys(cls, data: object) -> object:
-        """Older files may name ``chunk_channel``, a second socket for chunk descriptors: chunks now always go
-        over the HTTP API, which every trainer already fell back to, so the key changes nothing and is dropped."""
-        if isinstance(data, dict) and "chunk_channel" in data:
-            log.warning("config: listen.chunk_channel is ignored: the chunk channel was removed and trainers send "
-                        "chunks over the HTTP API; remove the key")
-            return {k: v for k, v in data.items() if k != "chunk_channel"}
-        return data
-
 
 class Limits(BaseModel):
     """Bounds on what a caller may send; each refusal is a 4xx naming the limit's key."""

@@ -109,59 +109,52 @@ class WeightGroups:
         """Every engine joins the trainer's group; returns once all joined (the trainer joins meanwhile)."""
         async with self._lock.exclusive("open_weight_group"):
             self._worker.require_attached()
+            engines = list(self._worker.engines.values())
+            if (existing := self._groups.get(group_name)) is not None:
+                raise TransitionRejected(f"weight-update group {group_name!r} is already {existing.state.value}; "
+                                         f"DELETE /v1/weights/groups/{group_name} first")
+            if not engines:
+                raise TransitionRejected("this node has no engines to join a weight-update group")
+            # All checked before any engine joins: one that joins a group that cannot form waits out its budget.
+            for engine in engines:
+                group_verbs(engine)  # every engine must speak the routes before any joins
+                device = engine.device_type
+                if BACKEND_DEVICES[backend] == "cuda" and device != "cuda":
+                    raise RequestInvalid(f"backend {backend!r} needs CUDA, but engine {engine.name!r} runs on "
+                                         f"{device}; use 'gloo' with CPU engines", field="backend")
+            offsets = rank_layout(engines, first_rank)
+            needed = first_rank + sum(int(e.config.tp_size) for e in engines)
+            world = needed if world_size is None else world_size
+            if world < needed:
+                raise RequestInvalid(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
+                                     f"this node's {needed - first_rank} engine ranks need {needed}",
+                                     field="world_size")
+            # Frameworks that start the store while the POST is in flight need a moment (timeouts.master_reach_s).
+            await _check_reachable(master_address, master_port, self._worker.timeouts().budget(Budget.MASTER_REACH))
+            record = self._groups[group_name] = WeightGroupRecord(
+                group_name, backend, master_address, master_port, world, offsets)
             trace = Trace(self._worker.node.step, "weight_group")
+
+            async def join(engine: EngineHandle) -> None:
+                # The group spec is the caller's: an engine refusing it (SGLang: 400) is the caller's 422.
+                with caller_payload("group"):
+                    await self._worker.join_group(engine, trace, group_name=group_name,
+                                                  master_address=master_address, master_port=master_port,
+                                                  rank_offset=offsets[engine.name], world_size=world, backend=backend)
+
             try:
                 with trace.timed():
-                    record = await self._open(group_name, master_address, master_port, backend, world_size,
-                                              first_rank, trace)
+                    try:
+                        await fan_out(engines, join, on_failure=OnFailure.CANCEL)
+                    except BaseException:
+                        # Engines that joined would wait on the others forever: leave nothing half-built.
+                        del self._groups[group_name]
+                        await self._destroy_everywhere(engines, group_name, trace)
+                        raise
             finally:
                 self._worker.traces.put(trace)
+            record.state = GroupState.READY
             return {**record.snapshot(), "trace": trace.to_json()}
-
-    async def _open(self, group_name: str, master_address: str, master_port: int, backend: str,
-                    world_size: int | None, first_rank: int, trace: Trace) -> WeightGroupRecord:
-        engines = list(self._worker.engines.values())
-        if (existing := self._groups.get(group_name)) is not None:
-            raise TransitionRejected(f"weight-update group {group_name!r} is already {existing.state.value}; "
-                                     f"DELETE /v1/weights/groups/{group_name} first")
-        if not engines:
-            raise TransitionRejected("this node has no engines to join a weight-update group")
-        # All checked before any engine joins: one that joins a group that cannot form waits out its budget.
-        if backend not in BACKEND_DEVICES:
-            raise RequestInvalid(f"backend {backend!r} is not one of {sorted(BACKEND_DEVICES)}", field="backend")
-        for engine in engines:
-            group_verbs(engine)  # every engine must speak the routes before any joins
-            device = engine.device_type
-            if BACKEND_DEVICES[backend] == "cuda" and device != "cuda":
-                raise RequestInvalid(f"backend {backend!r} needs CUDA, but engine {engine.name!r} runs on {device}; "
-                                     "use 'gloo' with CPU engines", field="backend")
-        offsets = rank_layout(engines, first_rank)
-        needed = first_rank + sum(int(e.config.tp_size) for e in engines)
-        world = needed if world_size is None else world_size
-        if world < needed:
-            raise RequestInvalid(f"world_size {world} is too small: the trainer, ranks before {first_rank} and "
-                                 f"this node's {needed - first_rank} engine ranks need {needed}", field="world_size")
-        # Frameworks that start the store while the POST is in flight need a moment (timeouts.master_reach_s).
-        await _check_reachable(master_address, master_port, self._worker.timeouts().budget(Budget.MASTER_REACH))
-        record = self._groups[group_name] = WeightGroupRecord(
-            group_name, backend, master_address, master_port, world, offsets)
-
-        async def join(engine: EngineHandle) -> None:
-            # The group spec is the caller's: an engine refusing it (SGLang: 400) is the caller's 422.
-            with caller_payload("group"):
-                await self._worker.join_group(engine, trace, group_name=group_name, master_address=master_address,
-                                              master_port=master_port, rank_offset=offsets[engine.name],
-                                              world_size=world, backend=backend)
-
-        try:
-            await fan_out(engines, join, on_failure=OnFailure.CANCEL)
-        except BaseException:
-            # Engines that joined would wait on the others forever: leave nothing half-built.
-            del self._groups[group_name]
-            await self._destroy_everywhere(engines, group_name, trace)
-            raise
-        record.state = GroupState.READY
-        return record
 
     async def close(self, group_name: str) -> dict[str, Any]:
         """Destroy the group on every engine and forget it; per-engine failures are reported, not raised."""
@@ -184,8 +177,7 @@ class WeightGroups:
 
     async def broadcast(self, session: WeightSession, engines: list[EngineHandle],
                         desc: BroadcastDescriptor) -> dict[str, Any]:
-        """Forward one broadcast to every engine at once; returns when all of them loaded it. A failure fails the
-        session (engines stay paused, weights stale) and destroys the group."""
+        """Forward one broadcast to every engine at once, until all loaded it; a failure fails the session too."""
         record = self._groups.get(desc.group_name)
         if record is None:
             raise NotFound(f"no weight-update group {desc.group_name!r}; open it with POST /v1/weights/groups")

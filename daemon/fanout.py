@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 from ..errors import ColocdError, EngineError, TransitionFailed
 from .metrics import Metrics
 
-__all__ = ["SESSION_OPERATIONS", "OnFailure", "each_engine", "fan_out", "start_now"]
+__all__ = ["OnFailure", "each_engine", "fan_out", "start_now"]
 
 
 class Named(Protocol):
@@ -83,11 +83,6 @@ async def fan_out(targets: Iterable[T], call: Callable[[T], Awaitable[R]], *,
     return ordered
 
 
-# A weight session's engine calls (begin, end) are timed as calls by the worker; its operation time is the whole
-# session's, observed once when the session ends (daemon/trace.py), not once per call and engine.
-SESSION_OPERATIONS = frozenset({"weights"})
-
-
 async def each_engine(engines: Iterable[T], work: Callable[[T], Awaitable[R]], *, operation: str,
                       metrics: Metrics) -> dict[str, R]:
     """One operation's work on every engine (``SETTLE``: none is left running outside the node's lock), each
@@ -98,7 +93,7 @@ async def each_engine(engines: Iterable[T], work: Callable[[T], Awaitable[R]], *
         try:
             return await work(engine)
         finally:
-            if operation not in SESSION_OPERATIONS:
+            if operation != "weights":  # a session's time is observed once, when it ends (daemon/trace.py)
                 metrics.observe_phase(operation, engine.name, time.perf_counter() - t0)
 
     try:

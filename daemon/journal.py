@@ -8,8 +8,7 @@ state, so a crash between any two steps of the compaction loses nothing.
 Writes and fsyncs run in order on one worker thread; the in-memory state is updated at once. Each write returns
 a future done once the record is on disk: a reply that reports a state change awaits it (``written``), so a
 daemon SIGKILLed after the reply restarts on that state; a record nobody was told about yet (a health-loop
-reconcile) may be lost, as if the daemon had died a moment earlier. Start-up reads at most ``MAX_READ_BYTES``
-from the file's end (the last whole-state line is enough).
+reconcile) may be lost, as if the daemon had died a moment earlier.
 """
 
 from __future__ import annotations
@@ -29,12 +28,11 @@ from typing import Any
 from ..engines.processes import LaunchRecord
 from ..errors import JournalFailed
 
-__all__ = ["COMPACT_EVERY", "KEEP_RETIRED_ADAPTERS", "MAX_READ_BYTES", "Journal", "JournalState", "NodeJournal"]
+__all__ = ["COMPACT_EVERY", "KEEP_RETIRED_ADAPTERS", "Journal", "JournalState", "NodeJournal"]
 
 log = logging.getLogger("colocd.daemon")
 
 COMPACT_EVERY = 128  # records appended after a snapshot before the file is compacted into a new one
-MAX_READ_BYTES = 8 << 20  # what start-up reads at most, from the end of the file
 KEEP_COMPLETED = 64  # finished transition results kept (a trainer repeats the last one or two)
 KEEP_RETIRED_ADAPTERS = 4096  # retired adapter names remembered for a 410 (older ones answer 404)
 
@@ -80,17 +78,19 @@ class JournalState:
 
 
 class Journal:
-    """One writer (this daemon); the file is re-read only when a daemon starts."""
+    """One writer (this daemon); the file is re-read only when a daemon starts. Without a file (``path`` None) it
+    folds its records in memory, writes nothing and replays nothing."""
 
-    def __init__(self, path: str | Path, *, compact_every: int = COMPACT_EVERY) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: str | Path | None, *, compact_every: int = COMPACT_EVERY) -> None:
+        self.path = Path(path) if path is not None else None
         self._compact_every = compact_every
         self._folded = JournalState()
         self._since_snapshot = 0
-        for record in _read_records(self.path):
-            self._folded.apply(record)
-            self._since_snapshot += 1
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            for record in _read_records(self.path):
+                self._folded.apply(record)
+                self._since_snapshot += 1
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[None] | None = None
 
@@ -152,59 +152,43 @@ class Journal:
         record = {"ts": time.time(), **record}
         self._folded.apply(record)
         self._since_snapshot += 1
-        job: Callable[[str], None]
+        if (path := self.path) is None:
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            done.set_result(None)
+            return done
+        job: Callable[[Path, str], None]
         if self._since_snapshot > self._compact_every:
             # The snapshot is taken here, in order with the state it follows; the thread only writes it.
-            text, job = json.dumps(self._folded.snapshot(), sort_keys=True, default=str), self._replace
+            text, job = json.dumps(self._folded.snapshot(), sort_keys=True, default=str), _replace
             self._since_snapshot = 1
         else:
-            text, job = json.dumps(record, sort_keys=True, default=str), self._append_line
+            text, job = json.dumps(record, sort_keys=True, default=str), _append_line
         if self._writer is None:
             self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-journal")
-        future = self._writer.submit(job, text)
+        future = self._writer.submit(job, path, text)
         future.add_done_callback(_log_failure)
         self._pending = future
         return future
 
-    def _append_line(self, line: str) -> None:
-        _write_synced(self.path, line, os.O_APPEND)  # one writer, one line: each durable before the next
-
-    def _replace(self, snapshot: str) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        _write_synced(tmp, snapshot, os.O_TRUNC)
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself is durable
-        finally:
-            os.close(dir_fd)
 
 
 class NodeJournal:
-    """What the daemon journals of the node: ``state()`` (``{"node": ..., "engines": ...}``, as of now) and its
-    finished transitions. Without a journal file (``journal`` None) it writes nothing and replays nothing."""
+    """What the daemon journals of the node: ``state()`` (``{"node", "engines"}``) and its finished transitions."""
 
-    def __init__(self, journal: Journal | None, state: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, journal: Journal, state: Callable[[], dict[str, Any]]) -> None:
         self.file, self._state = journal, state
 
     def append(self, what: str) -> None:
         """Queue the node's state (written in order, off the loop): for a change no reply reports (a reconcile)."""
-        if self.file is not None:
-            self.file.append({"event": what, **self._state()})
+        self.file.append({"event": what, **self._state()})
 
     async def written(self, what: str) -> None:
-        """Record the node's state and return once it is on disk (``JournalFailed`` naming the file if it cannot
-        be)."""
-        if self.file is not None:
-            await self.file.written(self.file.append({"event": what, **self._state()}))
+        """Record the node's state; return once it is on disk (``JournalFailed`` naming the file if it cannot be)."""
+        await self.file.written(self.file.append({"event": what, **self._state()}))
 
     async def completed(self, step: int, phase: str, result: dict[str, Any]) -> None:
         """A finished transition, on disk: a restarted daemon replays it on a repeat."""
-        if self.file is not None:
-            await self.file.written(self.file.record_completed(step, phase, result))
-
-    def finished(self) -> list[dict[str, Any]]:
-        return self.file.completed() if self.file is not None else []
+        await self.file.written(self.file.record_completed(step, phase, result))
 
 
 def _write_synced(path: Path, text: str, mode: int) -> None:
@@ -216,28 +200,34 @@ def _write_synced(path: Path, text: str, mode: int) -> None:
         os.close(fd)
 
 
+def _append_line(path: Path, line: str) -> None:
+    _write_synced(path, line, os.O_APPEND)  # one writer, one line: each durable before the next
+
+
+def _replace(path: Path, snapshot: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    _write_synced(tmp, snapshot, os.O_TRUNC)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself is durable
+    finally:
+        os.close(dir_fd)
+
+
 def _log_failure(future: concurrent.futures.Future[None]) -> None:
     if not future.cancelled() and (exc := future.exception()) is not None:
         log.error("journal write failed: %s", exc)
 
 
 def _read_records(path: Path) -> Iterable[dict[str, Any]]:
-    """The complete records of the file's last ``MAX_READ_BYTES``; a torn line (crash mid-write) is skipped."""
+    """The file's complete records (compaction keeps it small); a torn line (crash mid-write) is skipped."""
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - MAX_READ_BYTES)
-            f.seek(start)
-            data = f.read()
+        data = path.read_bytes()
     except FileNotFoundError:
         return []
-    lines = data.split(b"\n")
-    if start > 0:
-        lines = lines[1:]  # the first line may begin before the window
-        log.warning("journal %s is %d bytes: read its last %d (it is compacted from now on)", path, size,
-                    MAX_READ_BYTES)
     records = []
-    for raw in lines:
+    for raw in data.split(b"\n"):
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):

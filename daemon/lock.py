@@ -44,8 +44,7 @@ class NodeLock:
 
     @contextlib.asynccontextmanager
     async def background(self, what: str, *, reconciling: bool = False) -> AsyncIterator[None]:
-        """Hold the node for work nobody requested. A reconcile (``reconciling``) is waited for by the operations
-        that arrive meanwhile, never refused."""
+        """Hold the node for work nobody requested; operations wait for a reconcile (``reconciling``), not 409."""
         async with self._lock:
             self.busy_with, self._reconciling = what, reconciling
             try:

@@ -74,8 +74,7 @@ class NvmlProbe:
         return {str(g): self.read(g) for g in gpus}
 
     def processes(self, gpu: int | str) -> dict[int, int]:
-        """Bytes NVML attributes to each compute process (pid) on ``gpu``; empty where NVML cannot tell
-        (no permission, or a MIG/vGPU setup that hides it: ``usedGpuMemory`` is then None)."""
+        """Bytes NVML attributes to each compute process (pid) on ``gpu``; empty where it cannot (MIG, vGPU)."""
         try:
             procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle(gpu))
         except Exception:  # NVMLError_NoPermission / NotSupported: nothing to attribute

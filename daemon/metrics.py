@@ -1,9 +1,8 @@
 """Prometheus metrics owned by one daemon instance (its own registry: no global state), and the gauges set
 from what the daemon sees: the node, its engines, NVML, the trainer ranks' IPC lease reports.
 
-The text exposition (tens of KB, ~10-30 ms to render on a small CPU) is rendered once per change
-and shared by every reader, in a worker thread so the event loop keeps serving: the owner calls
-``changed()`` after it updates series, a scrape awaits ``current()``.
+A scrape renders the text exposition (tens of KB, ~10-30 ms on a small CPU) in a worker thread, so the event
+loop keeps serving.
 
 Every event counter and histogram exists at 0 for each engine and label value from the start (``declare``):
 Prometheus's ``increase()`` needs a sample before the first event, or the first engine restart reads as 0.
@@ -224,15 +223,10 @@ class Metrics:
         self.declare(())
         self._leases: dict[int, LeaseReport] = {}
         self._node: NodeState | None = None
-        self._version = 1  # bumped by changed(); the rendering below is of _rendered_version
-        self._rendered = b""
-        self._rendered_version = 0
-        self._rendering: asyncio.Future[None] | None = None
 
     def declare(self, engines: Iterable[str], launched: Iterable[str] = ()) -> None:
-        """Export every event counter and histogram at 0 for each of ``engines`` (``launched``: those colocd
-        launches) and each label value of its fixed vocabulary, so the first event is an increase Prometheus
-        can see."""
+        """Every event counter and histogram at 0 for each of ``engines`` (``launched``: those colocd launches) and
+        label value, so the first event is an increase Prometheus can see."""
         for phase in TRANSITION_PHASES:
             self.phase_duration.labels(phase, "all")
             for outcome in TRANSITION_OUTCOMES:
@@ -265,9 +259,8 @@ class Metrics:
             self.engine_launch_failures.labels(engine)
 
     def declare_engine(self, engine: str, *, transports: Iterable[str], gpus: Iterable[str] | None) -> None:
-        """Export ``engine``'s weight and memory series at 0: chunks, bytes by transport, the bytes its releases
-        free by source (each of ``gpus`` where NVML reads them, else the engine's own report), NVML's confirmation
-        by criterion. Idempotent: repeated as engines attach."""
+        """``engine``'s weight and memory series at 0 (freed bytes by each of ``gpus`` NVML reads, else by the
+        engine's own report); repeated as engines attach."""
         self.weight_chunks.labels(engine)
         for transport in transports:
             self.weight_bytes.labels(engine, transport)
@@ -278,9 +271,8 @@ class Metrics:
 
     def watch_node(self, engines: Iterable[str], launched: Iterable[str], *, busy: Callable[[], bool],
                    session_idle_s: Callable[[], float | None]) -> None:
-        """Every event series at 0 for the node's engines, and the gauges read when the exposition renders (after
-        each change, at least once per health interval), so a scrape during a long transition still says the node
-        is busy. ``session_idle_s()``: the open weight session's idle age, None while none is open."""
+        """Every event series at 0 for the node's engines, and the gauges read at each scrape (a scrape during a
+        long transition says the node is busy). ``session_idle_s()``: the open session's idle age, None if none."""
         self.declare(engines, launched)
         self.node_busy.set_function(lambda: 1.0 if busy() else 0.0)
         self.session_open.set_function(lambda: 0.0 if session_idle_s() is None else 1.0)
@@ -342,7 +334,6 @@ class Metrics:
             log.warning("trainer rank %d reclaimed %d IPC lease(s), %d bytes, that a consumer never let go "
                         "(now exported %d, retained %d bytes)", report.rank, grew_leases, grew_bytes,
                         report.exported_bytes, report.retained_bytes)
-        self.changed()
 
     def observe_phase(self, phase: str, engine: str, seconds: float) -> None:
         """One transition's time on ``engine`` ('all': the node)."""
@@ -353,32 +344,9 @@ class Metrics:
         self.step_duration.labels(substep, engine).observe(seconds)
         self.last_substep_duration.labels(substep, engine).set(seconds)
 
-    def exposition(self) -> bytes:
-        """Render now, on the calling thread (tests, tools); the daemon's route uses ``current()``."""
-        return generate_latest(self.registry)
-
-    def changed(self) -> None:
-        """Series were updated: the next scrape renders once, for every reader waiting on it."""
-        self._version += 1
-
     async def current(self) -> bytes:
-        """The exposition as of this call: every update made before it is in it. Concurrent scrapes share one
-        render, in a thread."""
-        wanted = self._version
-        while self._rendered_version < wanted:
-            if self._rendering is None:
-                self._rendering = asyncio.ensure_future(self._render())
-            await asyncio.shield(self._rendering)
-        return self._rendered
-
-    async def _render(self) -> None:
-        version = self._version
-        try:
-            text = await asyncio.to_thread(generate_latest, self.registry)
-        finally:
-            self._rendering = None
-        if version > self._rendered_version:
-            self._rendered, self._rendered_version = text, version
+        """The exposition as of this call, rendered in a worker thread."""
+        return await asyncio.to_thread(generate_latest, self.registry)
 
 
 @dataclass(frozen=True, slots=True)

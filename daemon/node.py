@@ -79,16 +79,17 @@ class Daemon:
         self.probe = probe
         self._client: httpx.AsyncClient | None = None
         self.engines: dict[str, EngineHandle] = {}
-        self.journal = Journal(config.journal) if config.journal else None
+        self.journal = Journal(config.journal or None)
         self._tasks: set[asyncio.Task[None]] = set()
         self.worker = EngineWorker(self.engines, self.metrics, self.traces, state=lambda: self.node,
                                timeouts=self.timeouts, probe=lambda: self.probe, reconciled=self._reconciled,
                                open_session=lambda: self.sessions.open_id())
-        self.lock = NodeLock(can_start=self._check_can_start, before=self._reconcile_before, after=self.refresh_gauges)
+        self.lock = NodeLock(can_start=lambda what, busy_with: check_can_start(
+            what, lifecycle=self.lifecycle, node=self.node, busy_with=busy_with),
+            before=self._reconcile_before, after=self.refresh_gauges)
         self.node_journal = NodeJournal(self.journal, lambda: {
             "node": self.node.snapshot(), "engines": {n: e.state.snapshot() for n, e in self.engines.items()}})
         self.launches = EngineSupervision(config.engines, self.metrics, journal=self.journal)
-        self._retries = 0  # health ticks in a row that found an engine unsettled or unreachable
         self.startup_report: dict[str, Any] | None = None
         self.sessions = WeightSessions(
             SessionContext(self.worker, self.lock, self.versions, self.policies, self.node_journal),
@@ -117,10 +118,21 @@ class Daemon:
         if self.probe is None and any(e.gpus for e in self.engines.values()):
             self.probe = open_probe()
         self.sessions.restore()
-        if (restored := self._restore_journal()) is not None:
-            self.transitions.node = restored  # the phase and step the journal recorded
+        # The phase and step the journal's last record holds, its engines' records restored (each re-verified
+        # before any mutating call).
+        record = self.journal.last()
+        restored = record is not None
+        if record is not None:
+            node = self.transitions.node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
+            self.worker.restore(record.get("engines", {}))
+            emit("journal_restored", logging.INFO, step=node.step, phase=node.phase.value)
         self.adapters.restore_journal()  # before the reconcile: an engine restarted meanwhile loads them again
-        await self._reconcile_at_startup(journal_restored=restored is not None)
+        worker = self.worker
+        await fan_out(self.engines.values(), lambda e: worker.reconcile(e, "startup"), on_failure=OnFailure.SETTLE)
+        self.startup_report = {"journal_restored": restored, "unreconciled": sorted(worker.unreconciled),
+                               "engines": {n: worker.reports.get(n) for n in self.engines}}
+        emit("startup_reconcile", logging.INFO, journal_restored=restored,
+             unreconciled=sorted(worker.unreconciled), engines=sorted(self.engines))
         self.lifecycle = DaemonState.RUNNING
         self._start(self._health_loop())
         self._start(self.sessions.lease_loop())
@@ -143,8 +155,7 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         errors = await self.worker.close()
         await self.launches.aclose()
-        if self.journal is not None:
-            await asyncio.to_thread(self.journal.close)  # the queued writes reach the disk
+        await asyncio.to_thread(self.journal.close)  # the queued writes reach the disk
         if self._client is not None:
             await self._client.aclose()
         if self.probe is not None:
@@ -154,9 +165,14 @@ class Daemon:
 
     async def _health_loop(self) -> None:
         """Every health interval, observe each engine and drive it toward the desired state."""
+        retries = 0  # ticks in a row that found an engine unsettled or unreachable
         while not self.lock.stopping.is_set():
-            # Read each tick: a new policy may change it; a failed reconcile is retried sooner.
-            interval = self._health_interval(self.timeouts().budget(Budget.HEALTH_INTERVAL))
+            interval = self.timeouts().budget(Budget.HEALTH_INTERVAL)  # read each tick: a new policy may change it
+            if self.worker.unsettled or any(not e.state.healthy for e in self.engines.values()):
+                retries += 1  # a failed reconcile is retried soon, backing off up to the interval
+                interval = min(interval, RETRY_INITIAL_S * 2.0 ** (retries - 1))
+            else:
+                retries = 0
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self.lock.stopping.wait()
@@ -165,38 +181,10 @@ class Daemon:
             await asyncio.to_thread(self.policies.reload_if_changed)  # YAML parsing is CPU work: off the loop
             await self._reclaim_segments()
             if self.lock.busy:
-                self.metrics.changed()  # the next scrape renders what is live (busy, the open session's idle age)
                 continue  # a transition in progress reconciles before it acts
             async with self.lock.background("reconcile:health", reconciling=True):
                 await self.worker.reconcile_all("health")
                 await self.sessions.fail_if_lost()
-
-    def _restore_journal(self) -> NodeState | None:
-        """The node state the journal's last record holds, its engines' records restored (each to be re-verified
-        before any mutating call); None without a journal or a record."""
-        if self.journal is None or (record := self.journal.last()) is None:
-            return None
-        node = NodeState(NodePhase(record["node"]["phase"]), int(record["node"]["step"]))
-        self.worker.restore(record.get("engines", {}))
-        emit("journal_restored", logging.INFO, step=node.step, phase=node.phase.value)
-        return node
-
-    async def _reconcile_at_startup(self, *, journal_restored: bool) -> None:
-        worker = self.worker
-        await fan_out(self.engines.values(), lambda e: worker.reconcile(e, "startup"), on_failure=OnFailure.SETTLE)
-        self.startup_report = {"journal_restored": journal_restored, "unreconciled": sorted(worker.unreconciled),
-                               "engines": {n: worker.reports.get(n) for n in self.engines}}
-        emit("startup_reconcile", logging.INFO, journal_restored=journal_restored,
-             unreconciled=sorted(worker.unreconciled), engines=sorted(self.engines))
-
-    def _health_interval(self, interval: float) -> float:
-        """The wait before the next health tick: a failed reconcile is retried soon, backing off up to
-        ``interval`` (the policy's health interval)."""
-        if self.worker.unsettled or any(not e.state.healthy for e in self.engines.values()):
-            self._retries += 1
-            return min(interval, RETRY_INITIAL_S * 2.0 ** (self._retries - 1))
-        self._retries = 0
-        return interval
 
     async def _reclaim_segments(self) -> None:
         """Unlink the shared-memory segments of dead trainers (a SIGKILLed trainer unlinks nothing), off the loop."""
@@ -210,12 +198,10 @@ class Daemon:
         if reclaimed:
             self.metrics.shm_reclaimed.inc(len(reclaimed))
             self.metrics.shm_reclaimed_bytes.inc(sum(seg.nbytes for seg in reclaimed))
-            self.metrics.changed()
 
     async def _reconcile_relaunched(self, name: str) -> None:
         """A launched engine is back (daemon/supervision.py): reconcile it now, not at the next tick."""
         self.worker.unsettled[name] = f"engine {name!r}: relaunched; not yet reconciled"
-        self.metrics.changed()
         if self.lifecycle is DaemonState.RUNNING:
             async with self.lock.background("reconcile:relaunch", reconciling=True):
                 await self.worker.reconcile(self.engines[name], "relaunch")
@@ -225,9 +211,6 @@ class Daemon:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _check_can_start(self, what: str, busy_with: str | None) -> None:
-        check_can_start(what, lifecycle=self.lifecycle, node=self.node, busy_with=busy_with)
 
     async def _reconcile_before(self, what: str) -> None:
         """Observe and reconcile every engine for ``what`` (which holds the node); an open session an engine lost
@@ -280,7 +263,7 @@ class Daemon:
             "busy_with": self.lock.busy_with,
             "engines": {n: {**e.state.status(), "protocol": e.info.protocol if e.info else None,
                             "engine_version": e.info.version if e.info else None,
-                            "launched": self.launches.snapshot(n)}
+                            "launched": launched.snapshot() if (launched := self.launches.launched.get(n)) else None}
                         for n, e in self.engines.items()},
             "weight_session": session.stats() if session is not None else None,
             "adapters": self.adapters.status(),
@@ -310,8 +293,7 @@ class Daemon:
         return (self.lifecycle is DaemonState.RUNNING and not problems, problems)
 
     async def _reconciled(self, engine: EngineHandle, p: Plan) -> None:
-        """A reconcile of ``engine`` finished: its launch record learns the incarnation; a change is journaled;
-        a restarted engine (a new process holds no adapters) loads the kept adapter versions again."""
+        """After a reconcile: journal the incarnation and any change; a restarted engine loads the adapters again."""
         self.launches.note_incarnation(engine.name, engine.state.incarnation)
         if p.changes_anything:
             self.node_journal.append(f"reconcile:{engine.name}")
@@ -341,4 +323,3 @@ class Daemon:
             m.declare_engine(name, transports=sorted(t.value for t in engine.transports),
                              gpus=[str(g) for g in engine.gpus] if self.probe is not None and engine.gpus else None)
         m.set_gpus(self.probe, {n: e.gpus for n, e in self.engines.items()})
-        m.changed()

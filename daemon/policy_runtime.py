@@ -49,8 +49,7 @@ class PolicyRuntime:
         return self.store.active
 
     def apply_yaml(self, text: str | bytes, source: str) -> PolicySet:
-        """Validate and stage (PolicyError: the running policy stays), within the node config's ``limits`` and
-        ``policy_plugins``. CPU-bound: call it through ``asyncio.to_thread``."""
+        """Validate and stage (PolicyError: the running policy stays); CPU-bound: call it in a thread."""
         limits = self.config.limits
         parsed = load_policy_yaml(text, source=source, plugins=frozenset(self.config.policy_plugins),
                                   limits=YamlLimits(max_bytes=limits.max_policy_bytes,
@@ -90,10 +89,6 @@ class PolicyRuntime:
             return  # gone or unreadable for now; the next pass looks again
         except Exception:  # a plugin's import or constructor is foreign code: never the end of the loop
             log.exception("policy file %s not applied, the running policy stays", path)
-
-    def release_tags(self, policies: PolicySet) -> tuple[str, ...] | None:
-        from_document = self.store.active.source not in (None, "defaults")
-        return tuple(policies.engines.release_tags) if from_document else None
 
     def directives(self, policies: PolicySet, phase: str, trainer: dict[str, Any] | None,
                    transports: frozenset[Transport] | None, staging: StagingMemory | None = None) -> dict[str, Any]:

@@ -90,8 +90,7 @@ class Desired:
 
     @classmethod
     def for_train(cls, state: EngineRecord, release: tuple[MemoryTag, ...] | None, mode: PauseMode) -> Desired:
-        """Paused, ``release`` (None: every owned tag) released as well: train's (the trainer's memory) and a
-        manual sleep's."""
+        """Paused, ``release`` (None: every owned tag) released as well: train's and a manual sleep's."""
         tags = state.owned_tags if release is None else tuple(t for t in release if t in state.owned_tags)
         return cls(Generation.PAUSED, cls.holding(state).released | set(tags), mode)
 
@@ -100,10 +99,6 @@ class Desired:
         """The weights memory back, for the push; the rest stays as it is."""
         held = cls.holding(state)
         return replace(held, released=held.released - {MemoryTag.WEIGHTS})
-
-    @classmethod
-    def for_rollout(cls) -> Desired:
-        return cls(Generation.SERVING, frozenset())
 
     @classmethod
     def for_weights(cls, state: EngineRecord, goal: WeightsGoal) -> Desired:

@@ -136,7 +136,6 @@ class WeightSessions:
         if pid is not None and session.state is SessionState.OPEN:
             session.trainer_pids.add(pid)
         joined = await session.join(rank, device_id)
-        self._ctx.worker.metrics.changed()
         return joined.to_json()
 
     async def submit_chunk(self, session_id: str, seq: int, part: ChunkPart) -> ChunkAck:
@@ -146,7 +145,6 @@ class WeightSessions:
         finally:
             if session.state not in (SessionState.OPEN, SessionState.COMMITTED):
                 await self._finish_failed(session)
-            self._ctx.worker.metrics.changed()  # chunk counters and the session's stats moved
 
     async def commit(self, session_id: str, num_chunks: int | None) -> dict[str, Any]:
         session = self.get(session_id)
@@ -486,7 +484,6 @@ class WeightSessions:
             session.touch()
             if session.state is not SessionState.OPEN:
                 await self._finish_failed(session)  # engines end their update, stay paused, weights stale
-            ctx.worker.metrics.changed()
 
 
 def _lock_span(trace: Trace, since: float) -> None:

@@ -52,8 +52,8 @@ Answers = Callable[[str], Awaitable[bool]]  # does something serve HTTP at this 
 
 
 async def answers_http(url: str) -> bool:
-    """Any HTTP answer at ``url`` (even 401, 404 or 503: an API key, another engine kind, still loading) means
-    a server listens there. ``/model_info``, not ``/health``: that runs a generation on SGLang, slow under load."""
+    """Any HTTP answer at ``url`` (even 401, 404, 503) means a server listens there. ``/model_info``, not
+    ``/health``: that runs a generation on SGLang, slow under load."""
     try:
         async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
             await client.get(f"{url}/model_info")
@@ -143,8 +143,7 @@ def _launch_of(config: AnyEngineConfig) -> LaunchConfig:
 
 
 def _for_launch(config: AnyEngineConfig) -> AnyEngineConfig:
-    """``config`` as launched: a concrete free port for port 0 (a relaunch comes back where the adapter points),
-    and one log file that every run appends to."""
+    """``config`` as launched: a free port for port 0 (a relaunch comes back there), one log file for every run."""
     update: dict[str, Any] = {}
     if not (urlsplit(config.url).port if config.url else None):
         update["url"] = f"http://127.0.0.1:{free_port()}"
@@ -165,7 +164,7 @@ class EngineSupervision:
         self._engines = list(engines)
         self._metrics = metrics
         self._launcher = launcher
-        self._journal = journal
+        self._journal = journal or Journal(None)
         self._answers = answers
         self.launched: dict[str, LaunchedEngine] = {}
         self._started = False
@@ -175,11 +174,6 @@ class EngineSupervision:
     def configs(self) -> list[AnyEngineConfig]:
         """Every engine's config, launched ones with their URL (call after ``start``)."""
         return [self.launched[c.name].config if c.name in self.launched else c for c in self._engines]
-
-    def snapshot(self, name: str) -> dict[str, Any] | None:
-        """None for an engine colocd only attaches to."""
-        engine = self.launched.get(name)
-        return engine.snapshot() if engine is not None else None
 
     async def start(self) -> None:
         """Launch every engine with ``launch:`` concurrently; idempotent. All ready, or none left running."""
@@ -192,7 +186,7 @@ class EngineSupervision:
                 self.launched[cfg.name] = LaunchedEngine(
                     config=_for_launch(cfg), restart=launch.restart, grace_s=launch.stop_grace_s,
                     backoff=Backoff(launch.backoff_initial_s, launch.backoff_max_s, launch.backoff_reset_s))
-        records = self._journal.launches() if self._journal is not None else {}
+        records = self._journal.launches()
         given = {c.name: c for c in self._engines}
         try:
             async with asyncio.TaskGroup() as group:  # the first failure cancels the other launches
@@ -222,14 +216,13 @@ class EngineSupervision:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
         await self._stop_all()
-        if self._journal is not None:
-            await self._journal.drain()  # "stopped" is on disk: a next daemon adopts nothing
+        await self._journal.drain()  # "stopped" is on disk: a next daemon adopts nothing
 
     def note_incarnation(self, name: str, incarnation: str | None) -> None:
         """The daemon observed ``name``'s incarnation: journal it with the process, once per change."""
         engine = self.launched.get(name)
         if (engine is None or engine.record is None or incarnation is None
-                or engine.record.incarnation == incarnation or self._journal is None):
+                or engine.record.incarnation == incarnation):
             return
         engine.record = dataclasses.replace(engine.record, incarnation=incarnation)
         self._journal.record_launch(engine.record)
@@ -258,7 +251,6 @@ class EngineSupervision:
                 engine.config = engine.config.model_copy(update={"url": record.url, "launch": launch})
                 engine.process, engine.record, engine.adopted = AdoptedProcess(record), record, True
                 engine.state, engine.up_since, engine.last_error = LaunchState.RUNNING, time.monotonic(), None
-                self._metrics.changed()
                 emit("engine_adopted", logging.INFO, engine=engine.name, pid=record.pid, url=record.url,
                      launched_by="a previous daemon")
                 return True
@@ -276,8 +268,7 @@ class EngineSupervision:
     def _spawned(self, engine: LaunchedEngine, process: ManagedProcess) -> None:
         """A process exists: show its pid, and journal it before it is waited for (a daemon killed now finds it)."""
         engine.process = process
-        self._metrics.changed()
-        if self._journal is None or process.pid is None:
+        if process.pid is None:
             return
         record = LaunchRecord.of(engine.name, process.pid, url=str(engine.config.url),
                                  log=str(process.log_path) if process.log_path else None)
@@ -287,29 +278,24 @@ class EngineSupervision:
 
     async def _launch(self, engine: LaunchedEngine) -> None:
         engine.state, engine.next_launch_at, engine.adopted = LaunchState.STARTING, None, False
-        self._metrics.changed()
         options = LaunchOptions(on_spawn=lambda process: self._spawned(engine, process))
         try:
-            try:
-                launched = await self._launcher(engine.config, options)
-            except (EngineLaunchError, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # a misconfiguration the launcher found (vLLM without model_path, ...)
-                raise EngineLaunchError(engine.name, f"could not be launched: {exc}") from exc
-        except EngineLaunchError as exc:
-            engine.last_error = exc.summary
+            launched = await self._launcher(engine.config, options)
+        except Exception as exc:  # its own error, or a misconfiguration it found (vLLM without model_path, ...)
+            failed = exc if isinstance(exc, EngineLaunchError) else EngineLaunchError(
+                engine.name, f"could not be launched: {exc}")
+            engine.last_error = failed.summary
             self._metrics.engine_launch_failures.labels(engine.name).inc()
-            self._metrics.changed()
-            raise
+            if failed is exc:
+                raise
+            raise failed from exc
         if engine.process is not launched.process:  # a launcher that did not call the spawn hook (a plugin)
             self._spawned(engine, launched.process)
-        if self._journal is not None:
-            await self._journal.drain()  # running means journaled: a daemon killed from here on finds it
+        await self._journal.drain()  # running means journaled: a daemon killed from here on finds it
         engine.up_since = time.monotonic()
         engine.launches += 1
         engine.state, engine.last_error = LaunchState.RUNNING, None
         self._metrics.engine_launches.labels(engine.name).inc()
-        self._metrics.changed()
         emit("engine_launched", logging.INFO, engine=engine.name, pid=launched.process.pid, url=launched.url)
 
     async def _watch(self, engine: LaunchedEngine, on_relaunch: Callable[[str], Awaitable[None]]) -> None:
@@ -326,7 +312,6 @@ class EngineSupervision:
                  uptime_s=round(uptime or 0.0, 3), then="relaunch" if engine.restart else "left_down")
             if not engine.restart:
                 engine.state = LaunchState.EXITED
-                self._metrics.changed()
                 return
             await self._relaunch(engine, uptime)
             try:
@@ -337,8 +322,7 @@ class EngineSupervision:
 
     @staticmethod
     async def _until_exit(process: ManagedProcess | AdoptedProcess) -> int | None:
-        """Wait for the process to exit, noting the ``/dev/shm`` files its group maps meanwhile (a crash gives no
-        moment to note them)."""
+        """Wait for the exit, noting the ``/dev/shm`` files its group maps meanwhile (a crash leaves no moment to)."""
         exited = asyncio.ensure_future(process.wait_exit())
         try:
             while not exited.done():
@@ -354,7 +338,6 @@ class EngineSupervision:
             engine.failures = engine.failures + 1 if engine.backoff.counts_as_failure(uptime) else 1
             delay = engine.backoff.delay(engine.failures)
             engine.state, engine.next_launch_at = LaunchState.BACKOFF, time.time() + delay
-            self._metrics.changed()
             await asyncio.sleep(delay)  # the backoff itself, not a wait for something to happen
             try:
                 await self._launch(engine)
@@ -363,7 +346,6 @@ class EngineSupervision:
                 uptime = None
                 continue
             engine.restarts += 1
-            self._metrics.changed()
             return
 
     async def _stop_all(self) -> None:
@@ -372,11 +354,10 @@ class EngineSupervision:
                 with contextlib.suppress(ProcessLookupError):
                     await engine.process.stop(engine.grace_s)
             engine.state = LaunchState.STOPPED
-            if self._journal is not None and engine.record is not None:
+            if engine.record is not None:
                 self._journal.launch_ended(engine.name)  # nothing left for a next daemon to adopt
                 engine.record = None
             emit("engine_stopped", logging.INFO, engine=engine.name,
                  pid=engine.process.pid if engine.process else None)
 
         await asyncio.gather(*(stop(e) for e in self.launched.values()))
-        self._metrics.changed()

@@ -49,8 +49,7 @@ class Span:
 
 @dataclass
 class Trace:
-    """The spans of one operation (a transition, a weight session, a sleep or resume, a reconcile), relative to
-    its start."""
+    """The spans of one operation (a transition, weight session, sleep, resume, reconcile), relative to its start."""
 
     step: int
     # A phase (train, sync, rollout) or another operation (weights, weight_group, sleep, resume,
@@ -129,16 +128,6 @@ class Trace:
         ]
 
 
-def _trainer_parts(trace: Trace) -> dict[str, float]:
-    parts = {"cleanup": 0.0, "groups": 0.0}
-    for span in trace.spans:
-        if span.name.startswith("trainer.cleanup"):
-            parts["cleanup"] += span.duration_s
-        elif span.name == "trainer.process_groups":
-            parts["groups"] += span.duration_s
-    return parts
-
-
 def _error_of(trace: Trace) -> str | None:
     return next((str(s.attrs.get("error")) for s in trace.spans if not s.ok and s.attrs.get("error")), None)
 
@@ -156,10 +145,7 @@ def _phase_summary(trace: Trace) -> dict[str, Any]:
 
 
 def step_summary(step: int, traces: Mapping[str, Trace]) -> dict[str, Any]:
-    """One step: its phases with durations, the switch breakdown, bytes moved and the step's result.
-
-    result: ``failed`` if any phase failed, ``ok`` once rollout finished, else ``in_progress``.
-    """
+    """One step: its phases, switch breakdown and bytes; its result failed, ok (rollout ended) or in_progress."""
     ordered = sorted(traces.values(), key=lambda t: (_PHASE_ORDER.index(t.operation)
                                                        if t.operation in _PHASE_ORDER else len(_PHASE_ORDER),
                                                        t.started_at))
@@ -167,8 +153,11 @@ def step_summary(step: int, traces: Mapping[str, Trace]) -> dict[str, Any]:
     for trace in ordered:
         if (part := _PHASE_PART.get(trace.operation)) is not None and trace.duration_s is not None:
             breakdown[part] += trace.duration_s
-        for part, seconds in _trainer_parts(trace).items():
-            breakdown[part] += seconds
+        for span in trace.spans:
+            if span.name.startswith("trainer.cleanup"):
+                breakdown["cleanup"] += span.duration_s
+            elif span.name == "trainer.process_groups":
+                breakdown["groups"] += span.duration_s
     outcomes = [t.outcome for t in ordered]
     if any(o in ("failed", "aborted") for o in outcomes):
         result = "failed"
@@ -196,8 +185,7 @@ def log_rejected(phase: str, step: int, reason: str, *, session: str | None = No
 
 
 def log_failed(phase: str, step: int, exc: BaseException, *, session: str | None = None) -> None:
-    """A transition that failed, at any point (before its trace began, too): one line with the error the caller
-    got and the engine it names."""
+    """A transition that failed at any point (before its trace began, too): the caller's error and its engine."""
     emit("transition", logging.WARNING, engine=getattr(exc, "engine", None), session=session, step=step,
          phase=phase, result="failed", error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 

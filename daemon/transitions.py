@@ -76,7 +76,7 @@ class Transitions:
         self._completed: OrderedDict[tuple[int, str], TransitionResult] = OrderedDict()
         self._unjournaled: set[tuple[int, str]] = set()  # finished, but the journal failed to keep them
         # A daemon restarted on its journal still replays what the previous one finished (without its trace).
-        for done in ctx.journal.finished():
+        for done in ctx.journal.file.completed():
             self._completed[(int(done["step"]), str(done["phase"]))] = TransitionResult(
                 int(done["step"]), str(done["phase"]), **done["result"])
 
@@ -95,7 +95,6 @@ class Transitions:
             if (step, phase.value) in self._unjournaled:  # its record failed to be written: a repeat writes it
                 await self._write(done)
             metrics.transitions.labels(phase.value, "replayed").inc()
-            metrics.changed()
             return TransitionResult(**{**done.__dict__, "replayed": True})
         outcome = "failed"
         try:
@@ -120,7 +119,9 @@ class Transitions:
                             if freed_total := sum(b for per in freed.values() for b in per.values()):
                                 trace.attrs["freed_bytes"] = freed_total
                         if rollout is not None:
-                            self._served(rollout)
+                            ctx.versions.rollouts.append(rollout)
+                            for name, lag in rollout.staleness.items():
+                                metrics.rollout_staleness.labels(name).set(lag)
                         if phase is NodePhase.SYNC:  # planned on the memory left once the weights are back
                             directives = self._directives(pinned, phase.value, trainer, ctx.sessions.staging())
                     finally:
@@ -142,7 +143,6 @@ class Transitions:
             raise
         finally:
             metrics.transitions.labels(phase.value, outcome).inc()
-            metrics.changed()
         return result
 
     async def _journal(self, result: TransitionResult) -> None:
@@ -168,15 +168,15 @@ class Transitions:
 
     async def _desired(self, phase: NodePhase,
                        trace: Trace) -> tuple[dict[str, Desired], RolloutVersions | None]:
-        """What each engine should be in ``phase``, once the phase's own checks passed; for rollout also what it
-        will serve, recorded once it does."""
+        """What each engine should be in ``phase``, once its checks passed; for rollout also what it will serve."""
         ctx = self._ctx
         engines = ctx.worker.engines
         if phase is NodePhase.TRAIN:
             await ctx.sessions.lapse_if_idle()
             check_no_open_session(ctx.sessions.open_id())
-            names = ctx.policies.release_tags(self.policy_set())
-            tags = None if names is None else tuple(MemoryTag(n) for n in names)
+            # Without a policy document, train releases every owned tag.
+            from_document = ctx.policies.active.source not in (None, "defaults")
+            tags = tuple(MemoryTag(n) for n in self.policy_set().engines.release_tags) if from_document else None
             mode = self.pause_mode()
             return {n: Desired.for_train(e.state, tags, mode) for n, e in engines.items()}, None
         if phase is NodePhase.SYNC:
@@ -195,15 +195,9 @@ class Transitions:
         record = RolloutVersions(self.node.step, ctx.versions.latest, served, staleness, sync.staleness_bound,
                                  sync.mode)
         trace.attrs.update(rollout_versions=served, staleness_versions=staleness, latest_version=record.latest)
-        desired = {n: Desired.for_rollout() for n in engines}
+        desired = {n: Desired() for n in engines}  # serving, every tag resident
         self._check_headroom("enter 'rollout'", desired, trace)
         return desired, record
-
-    def _served(self, record: RolloutVersions) -> None:
-        ctx = self._ctx
-        ctx.versions.rollouts.append(record)
-        for name, lag in record.staleness.items():
-            ctx.worker.metrics.rollout_staleness.labels(name).set(lag)
 
     def _check_headroom(self, what: str, desired: Mapping[str, Desired], trace: Trace) -> None:
         """Refuse a resume NVML says will not fit (``check_resume_headroom``), before any engine call."""
@@ -274,8 +268,7 @@ class Transitions:
 
 
 def _record_trainer_report(trace: Trace, trainer: dict[str, Any] | None, versions: VersionBook) -> None:
-    """Put what the trainer agent reported (group lifecycle, cleanup sub-steps, how its weights were pushed)
-    into the step's trace; a version it reports started counts from now."""
+    """The trainer agent's report (groups, cleanup, its weight push) into the trace; a started version counts."""
     if not trainer:
         return
     if (weights := trainer.get("weights")) is not None:

@@ -12,6 +12,7 @@ import pytest
 from support import DEADLINE_S, daemon_node
 
 from colocd.api.client import ColocdHTTPError
+from colocd.daemon import journal as journal_module
 from colocd.daemon.journal import Journal
 
 HELD_S = 1.0  # how long a reply must stay unanswered while its record's write is held
@@ -38,15 +39,15 @@ async def test_a_transitions_reply_waits_for_its_journal_record_to_be_written(
         pooled_engine: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     journal = tmp_path / "journal.jsonl"
     release, held = threading.Event(), threading.Event()
-    write = Journal._append_line
+    write = journal_module._append_line
 
-    def slow_disk(self: Journal, line: str) -> None:
+    def slow_disk(path: Path, line: str) -> None:
         if '"event": "train"' in line:  # the train transition's state record: its write takes until released
             held.set()
             release.wait(DEADLINE_S)
-        write(self, line)
+        write(path, line)
 
-    monkeypatch.setattr(Journal, "_append_line", slow_disk)
+    monkeypatch.setattr(journal_module, "_append_line", slow_disk)
     async with daemon_node({"ref0": str(pooled_engine.url)}, journal=str(journal)) as node:
         reply = asyncio.create_task(node.client.phase("train", 1))
         try:

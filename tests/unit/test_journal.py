@@ -57,26 +57,6 @@ async def test_a_stopped_engine_leaves_nothing_to_adopt(tmp_path: Path) -> None:
     assert Journal(path).launches() == {}
 
 
-def test_start_reads_a_huge_journal_only_from_its_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "journal.jsonl"
-    lines = [json.dumps({"event": "rollout", "node": {"phase": "rollout", "step": i}, "engines": {}})
-             for i in range(5000)]  # what an uncompacted journal of an older daemon holds
-    path.write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr(journal_module, "MAX_READ_BYTES", 4096)
-    read: list[int] = []
-    real = journal_module._read_records
-
-    def counting(p: Path) -> list[dict[str, object]]:
-        records = list(real(p))
-        read.append(len(records))
-        return records
-
-    monkeypatch.setattr(journal_module, "_read_records", counting)
-    journal = Journal(path)
-    assert journal.last() is not None and journal.last()["node"] == {"phase": "rollout", "step": 4999}  # type: ignore[index]
-    assert read[0] < 100  # a window at the end, not the whole file
-
-
 def test_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
     path = tmp_path / "journal.jsonl"
     path.write_text(json.dumps({"kind": "state", **state(1)}) + "\n" + '{"kind": "state", "node": {"pha')

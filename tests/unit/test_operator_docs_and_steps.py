@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from colocd.api.logs import JsonFormatter
 from colocd.daemon.metrics import Metrics
@@ -127,7 +128,7 @@ def test_without_nvml_no_gpu_series_exist() -> None:
 def test_every_event_counter_exists_at_zero_for_each_engine_and_label_value() -> None:
     metrics = Metrics()
     metrics.declare(["ref0", "ref1"], ["ref1"])
-    text = metrics.exposition().decode()
+    text = generate_latest(metrics.registry).decode()
     for line in ('colocd_engine_restarts_total{engine="ref0"} 0.0',
                  'colocd_reconcile_actions_total{action="pause",engine="ref1"} 0.0',
                  'colocd_transitions_total{outcome="failed",phase="train"} 0.0',
@@ -177,11 +178,11 @@ def test_busy_and_the_open_sessions_idle_age_are_read_when_the_exposition_render
     metrics = Metrics()
     node: dict[str, Any] = {"busy": True, "idle": 12.5}
     metrics.watch_node(["ref0"], [], busy=lambda: node["busy"], session_idle_s=lambda: node["idle"])
-    text = metrics.exposition().decode().splitlines()
+    text = generate_latest(metrics.registry).decode().splitlines()
     assert "colocd_node_busy 1.0" in text
     assert "colocd_weight_session_open 1.0" in text and "colocd_weight_session_idle_seconds 12.5" in text
     node.update(busy=False, idle=None)  # no session open
-    text = metrics.exposition().decode().splitlines()
+    text = generate_latest(metrics.registry).decode().splitlines()
     assert "colocd_node_busy 0.0" in text and "colocd_weight_session_open 0.0" in text
     assert "colocd_weight_session_idle_seconds 0.0" in text
 

@@ -250,10 +250,10 @@ async def test_launched_engines_get_a_derived_url_and_one_log_and_attached_ones_
     await supervision.start()
     try:
         by_name = {c.name: c for c in supervision.configs()}
-        assert by_name["ext"] is attached and supervision.snapshot("ext") is None
+        assert by_name["ext"] is attached and "ext" not in supervision.launched
         url = by_name["a"].url
         assert url is not None and url.startswith("http://127.0.0.1:") and not url.endswith(":0")
-        snap = supervision.snapshot("a")
+        snap = supervision.launched["a"].snapshot()
         assert snap is not None and snap["state"] == "running" and snap["pid"] == launcher.processes[0].pid
         assert snap["log"] == by_name["a"].launch.log_file
     finally:
@@ -391,7 +391,7 @@ async def test_a_restarted_daemon_adopts_the_engine_its_journal_names_instead_of
     await supervision.start()
     try:
         assert again.configs == []  # nothing launched: the running engine is the one
-        snap = supervision.snapshot("a")
+        snap = supervision.launched["a"].snapshot()
         assert snap is not None and (snap["state"], snap["pid"], snap["adopted"]) == ("running", pid, True)
         assert supervision.configs()[0].url == dead.configs()[0].url  # where the adapter finds it
     finally:
@@ -414,7 +414,7 @@ async def test_a_recorded_engine_that_does_not_answer_is_stopped_with_its_group_
     try:
         assert not group_alive(old)  # gone before the new one started: never two engines for one entry
         assert len(again.processes) == 1 and again.processes[0].running
-        snap = supervision.snapshot("a")
+        snap = supervision.launched["a"].snapshot()
         assert snap is not None and snap["adopted"] is False and snap["pid"] == again.processes[0].pid
         assert Journal(journal).launches()["a"].pid == again.processes[0].pid
     finally:
@@ -437,12 +437,12 @@ async def test_status_never_shows_a_dead_pid_while_the_engine_is_relaunched(tmp_
         os.kill(dead or 0, signal.SIGKILL)
         engine = supervision.launched["a"]
         await until(lambda: engine.state is LaunchState.BACKOFF, "the backoff")
-        snap = supervision.snapshot("a")
+        snap = supervision.launched["a"].snapshot()
         assert snap is not None and snap["pid"] is None
         assert engine.unready_reason() is not None and "backoff" in engine.unready_reason()  # type: ignore[operator]
         await until(lambda: engine.state is LaunchState.STARTING or engine.restarts == 1, "the relaunch started")
         await until(lambda: len(launcher.processes) == 2, "the new process")
-        snap = supervision.snapshot("a")
+        snap = supervision.launched["a"].snapshot()
         assert snap is not None and snap["pid"] in (launcher.processes[1].pid, None) and snap["pid"] != dead
     finally:
         await supervision.aclose()

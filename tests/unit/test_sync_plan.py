@@ -71,11 +71,11 @@ ROWS = {
     "sync resumes only the weights memory and stays paused":
         Row(Desired.for_sync(TRAINED), TRAINED, None, NodePhase.SYNC, (RS,), resume=(W,)),
     "rollout resumes the rest and continues on clean weights":
-        Row(Desired.for_rollout(), PUSHED, None, NodePhase.ROLLOUT, (RS, C), resume=(KV, CG)),
+        Row(Desired(), PUSHED, None, NodePhase.ROLLOUT, (RS, C), resume=(KV, CG)),
     "rollout on an engine already serving does nothing":
-        Row(Desired.for_rollout(), ROLLED, None, NodePhase.ROLLOUT, ()),
+        Row(Desired(), ROLLED, None, NodePhase.ROLLOUT, ()),
     "rollout never continues on stale weights":
-        Row(Desired.for_rollout(), SYNCED, None, NodePhase.ROLLOUT, (RS,), resume=(KV, CG)),
+        Row(Desired(), SYNCED, None, NodePhase.ROLLOUT, (RS,), resume=(KV, CG)),
     "sleep pauses and releases the tags asked for":
         Row(Desired.for_train(SERVING, (KV,), PauseMode.ABORT), SERVING, None, NodePhase.ROLLOUT, (P, R),
             release=(KV,), pause_mode=PauseMode.ABORT),
