@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from colocd.policies import (
     AggressiveCleanupPolicy,
@@ -239,11 +240,9 @@ def test_a_document_overrides_only_the_timeouts_it_sets() -> None:
     assert Timeouts().over(node) == node
 
 
-def test_old_timeout_keys_still_load() -> None:
-    # health_s was the node's health-loop interval; sync_s was never read, so it is dropped.
-    t = Timeouts.model_validate({"health_s": 9, "sync_s": 600})
-    assert t.budget(Budget.HEALTH_INTERVAL) == 9
-    assert "sync_s" not in t.model_dump()
+def test_a_timeout_key_that_names_no_budget_is_refused() -> None:
+    with pytest.raises(ValidationError, match="health_s"):
+        Timeouts.model_validate({"health_s": 9})
 
 
 def test_a_policy_refuses_a_config_of_another_policy() -> None:
