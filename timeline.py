@@ -1,9 +1,5 @@
-"""Draw one step's switch so a person sees where the time went (``colocd trace -o``, ``colocd demo --timeline``).
-
-Lanes: the node's phases, the trainer, each engine's sub-steps and weight chunks; below, memory readings. Idle
-stretches longer than the switch (training, mostly) are squeezed to a narrow band labelled with their real length.
-matplotlib is the optional ``colocd[viz]`` extra.
-"""
+"""Draw one step's switch so a person sees where the time went (``colocd trace -o``, ``colocd demo --timeline``):
+phases, trainer and engine lanes, memory readings; idle stretches squeezed to a labelled band (``colocd[viz]``)."""
 
 from __future__ import annotations
 

@@ -59,12 +59,9 @@ CONNECT_S = 5.0
 
 
 class AsyncColocdClient:
-    """One method per route. ``url`` is ``http://host:port`` or ``unix:/path/to.sock``.
-
-    aiohttp, not httpx: the cluster client fans every phase out to all daemons from one event loop, and aiohttp
-    costs that loop a fraction of httpx's CPU per request (docs/deploy.md). An answer that says no raises
-    ``ColocdHTTPError``; no answer, ``DaemonUnreachable``.
-    """
+    """One method per route; ``url``: ``http://host:port`` or ``unix:/path/to.sock``. A refusal raises
+    ``ColocdHTTPError``, no answer ``DaemonUnreachable``. aiohttp: the cluster fan-out costs its one event loop a
+    fraction of httpx's CPU per request (docs/deploy.md)."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
         self._unix = url.removeprefix("unix:") if url.startswith("unix:") else None

@@ -178,8 +178,6 @@ class ManifestEntry(_Strict):
     def _valid(self) -> ManifestEntry:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; known: {sorted(DTYPES)}")
-        if any(d < 0 for d in self.shape):
-            raise ValueError(f"tensor {self.name!r}: negative dimension in {self.shape}")
         return self
 
 

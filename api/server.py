@@ -96,7 +96,7 @@ async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool =
 
 async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime, sock: socket.socket, url: str,
                      *, log_level: str, log_json: bool) -> None:
-    app = create_app(config, daemon=daemon, policies=policies)
+    app = create_app(config, daemon=daemon)
     # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too.
     log_config = None if log_json else LOGGING_CONFIG
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,

@@ -12,7 +12,7 @@ from .client import ColocdClient
 if TYPE_CHECKING:
     from ..cli import DaemonCall
 
-__all__ = ["Snapshot", "fetch_snapshot", "render"]
+__all__ = ["Snapshot", "fetch_snapshot"]
 
 _PARTS = ("sleep", "load_weights_memory", "update", "wake", "cleanup", "groups")
 _PART_SHORT = {"load_weights_memory": "w-mem"}
@@ -28,6 +28,10 @@ class Snapshot:
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)
     restarts: dict[str, float] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.time)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        """A rich renderable: it lays itself out for the console's width when printed."""
+        yield _layout(self, options.max_width)
 
 
 _GPU_MEMORY = {f"colocd_gpu_memory_{kind}_bytes": kind for kind in ("used", "free", "total")}
@@ -113,19 +117,6 @@ def _header(items: list[Any], width: int) -> Any:
         else:
             lines.append(item.copy())
     return Text("\n").join(lines)
-
-
-def render(snap: Snapshot) -> Any:
-    """A rich renderable of one frame; it lays itself out for the console's width when printed."""
-    return _Frame(snap)
-
-
-class _Frame:
-    def __init__(self, snap: Snapshot) -> None:
-        self.snap = snap
-
-    def __rich_console__(self, console: Any, options: Any) -> Any:
-        yield _layout(self.snap, options.max_width)
 
 
 def _layout(snap: Snapshot, width: int) -> Any:

@@ -1,8 +1,5 @@
-"""The shape every policy shares: a family, a registry name, a frozen pydantic ``Config``; no I/O.
-
-A policy is a pure function from a typed snapshot to a typed decision. It never calls an engine,
-sleeps, reads a clock or touches torch; the daemon and the trainer agent enact what it decides.
-"""
+"""The shape every policy shares: a family, a registry name, a frozen pydantic ``Config``; a pure function from a
+typed snapshot to a typed decision (no engine, no sleep, no clock, no torch): the daemon and the trainer enact it."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""One policy document: YAML text → plain data → a validated ``PolicySet``, and the document's JSON Schema.
-
-Errors are ``PolicyError`` with the offending node's line and column (PyYAML's node marks), so a typo deep in a
-section points at its own line. Parsing is bounded (``YamlLimits``: size, aliases, nesting depth and nodes counted
-with aliases expanded) while the composer runs, so an alias bomb or a flat list of 100k scalars is refused after
-the limit's worth of nodes, not after the whole document. Every failure of the YAML reader, composer or
-constructor is a ``PolicyError`` too, never a foreign exception.
-"""
+"""One policy document: YAML text → a validated ``PolicySet``, and the document's JSON Schema. Every failure is a
+``PolicyError`` at the offending node's line and column; ``YamlLimits`` bound the composer as it runs, so an alias
+bomb is refused after the limit's worth of nodes, not after the whole document."""
 
 from __future__ import annotations
 
@@ -98,11 +93,8 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def load_policy_yaml(text: str | bytes, *, source: str | None = None, limits: YamlLimits | None = None,
                      plugins: frozenset[str] = ANY_PLUGIN) -> PolicySet:
-    """Parse and validate one YAML document; raise PolicyError(message, line, column) on any problem.
-
-    ``plugins``: the ``module:Class`` specs it may import (the daemon passes its node config's ``policy_plugins``;
-    the default, any, is for an operator's own offline check). CPU-bound: the daemon calls it off the event loop.
-    """
+    """Parse and validate one YAML document (PolicyError on any problem); ``plugins``: the ``module:Class`` specs it
+    may import (the node config's ``policy_plugins``; any, for an operator's offline check). CPU-bound."""
     limits = limits or YamlLimits()
     size = len(text.encode() if isinstance(text, str) else text)
     if size > limits.max_bytes:

@@ -1,10 +1,6 @@
-"""Finds a policy class by name: a built-in, an entry point in group ``colocd.policies``, or ``module:Class``.
-
-A ``module:Class`` is imported only when the caller's allow-list names it (``plugins``): a policy document can
-arrive over HTTP, and importing a module runs its code; entry points are installed by the operator. Import errors
-are split as uvicorn's ``importer.py`` splits them: "module not found" is the operator's typo; "the module's own
-import failed" is the plugin's bug, reported with its cause.
-"""
+"""Finds a policy class by name: a built-in, an entry point in group ``colocd.policies``, or ``module:Class``
+(imported only when the allow-list names it: a document can arrive over HTTP). As uvicorn's ``importer.py``: a
+module not found is the operator's typo; a module whose own import failed is the plugin's bug, with its cause."""
 
 from __future__ import annotations
 
