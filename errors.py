@@ -200,14 +200,12 @@ class AdapterRetired(ColocdError):
 
 class SessionGone(ColocdError):
     http_status = 410
+    http_fields = ("session_id", "session_state")
 
     def __init__(self, message: str, *, session_id: str, state: str) -> None:
         super().__init__(message)
         self.session_id = session_id
-        self.state = state
-
-    def http_body(self) -> dict[str, object]:
-        return {**super().http_body(), "session_id": self.session_id, "session_state": self.state}
+        self.session_state = state
 
 
 class NotFound(ColocdError):
@@ -239,13 +237,11 @@ class MemoryNotConfirmed(ColocdError):
 
 class JournalFailed(ColocdError):
     http_status = 507
+    http_fields = ("journal",)
 
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
-        self.path = path
-
-    def http_body(self) -> dict[str, object]:
-        return {**super().http_body(), "journal": self.path}
+        self.journal = path
 
 
 # --- weight sessions ------------------------------------------------------------------------------------------

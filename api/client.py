@@ -48,13 +48,6 @@ class SendablePart(Protocol):
     def digests(self) -> dict[str, str] | None: ...
 
 
-def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
-    """The daemon holds no manifest by the reference (409, it restarted) or predates the field (422 naming it)."""
-    if exc.status == 409:
-        return exc.error == "ManifestRefUnknown"
-    return exc.status == 422 and exc.body.get("field") == "manifest_ref"
-
-
 CONNECT_S = 5.0
 
 
@@ -203,7 +196,8 @@ class AsyncColocdClient:
             try:
                 return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest_ref": ref}))
             except ColocdHTTPError as exc:
-                if not _refuses_manifest_ref(exc):
+                # Refused naming the field: no manifest by it (409, the daemon restarted) or an older daemon (422).
+                if exc.status not in (409, 422) or exc.body.get("field") != "manifest_ref":
                     raise
                 del self._manifest_refs[key]
         return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest": manifest}))

@@ -74,20 +74,15 @@ class _Column:
     wrap: bool = False
 
 
-def _cell_width(cell: Any) -> int:
-    text = cell.plain if hasattr(cell, "plain") else str(cell)
-    return max((len(line) for line in text.splitlines()), default=0)
-
-
 def _fit_table(title: str, columns: list[_Column], rows: list[list[Any]], width: int) -> Any:
     """A table no wider than ``width``: whole columns are left out (named in the title), lowest ``keep`` last,
     never a value cut."""
     from rich.table import Table
 
     def need(col: int) -> int:  # the column's narrowest whole width, plus its padding (1 each side)
-        words = [w for r in rows for w in str(getattr(r[col], "plain", r[col])).split()]
-        widest = (max((len(w) for w in words), default=1) if columns[col].wrap
-                  else max([_cell_width(r[col]) for r in rows], default=1))
+        texts = [str(getattr(r[col], "plain", r[col])) for r in rows]
+        pieces = [w for t in texts for w in (t.split() if columns[col].wrap else t.splitlines())]
+        widest = max((len(w) for w in pieces), default=1)
         return max(widest, len(columns[col].name)) + 2
 
     shown = list(range(len(columns)))

@@ -339,7 +339,13 @@ async def run_demo(settings: DemoSettings) -> int:
             if settings.metrics_out:
                 await _append_scrape(settings.metrics_out, step, await client.metrics())
         if settings.timeline_out and records:
-            await _draw_last_step(client, records[-1]["step"], settings.timeline_out)
+            last_step = records[-1]["step"]
+            try:
+                await asyncio.to_thread(render_timeline, await client.trace(last_step), settings.timeline_out,
+                                        step=last_step)
+                print(f"timeline of step {last_step}: {settings.timeline_out}", flush=True)
+            except MatplotlibMissing as exc:
+                print(f"timeline not drawn: {exc}", flush=True)
     first = sum(r["reward"] for r in records[:3]) / len(records[:3])
     last = sum(r["reward"] for r in records[-3:]) / len(records[-3:])
     elapsed = time.perf_counter() - t_start
@@ -363,12 +369,3 @@ async def _append_scrape(path: str, step: int, exposition: str) -> None:
 
     await asyncio.to_thread(write)
 
-
-async def _draw_last_step(client: AsyncColocdClient, step: int, out: str) -> None:
-    traces = await client.trace(step)
-    try:
-        await asyncio.to_thread(render_timeline, traces, out, step=step)
-    except MatplotlibMissing as exc:
-        print(f"timeline not drawn: {exc}", flush=True)
-        return
-    print(f"timeline of step {step}: {out}", flush=True)

@@ -347,7 +347,7 @@ def policy_json_schema() -> dict[str, Any]:
     for family in Family:
         union = tuple(_section_models(family))
         # null is accepted: an empty section means the family's defaults.
-        fields[str(family)] = (_union((*union, type(None))), None)
+        fields[str(family)] = (Union[(*union, type(None))], None)
     fields["engines"] = (EngineSettings | None, None)
     fields["timeouts"] = (Timeouts | None, None)
     fields["sync"] = (SyncSettings | None, None)
@@ -357,6 +357,3 @@ def policy_json_schema() -> dict[str, Any]:
     schema: dict[str, Any] = document.model_json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "colocd/v1/policies", **schema}
 
-
-def _union(members: tuple[type, ...]) -> Any:
-    return Union[members]  # noqa: UP007 - built at runtime from a tuple
