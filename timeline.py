@@ -101,8 +101,7 @@ class _Squeeze:
         return [(a, b, x0) for a, b, x0, _x1 in self.pieces if x0 not in gap_starts or b - a == 0]
 
 
-def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *, step: int | None = None,
-                    title: str | None = None) -> Path:
+def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *, step: int) -> Path:
     """Draw the step's traces (a ``/v1/traces/{step}`` answer) to ``out`` (png, svg or pdf)."""
     try:
         import matplotlib
@@ -191,8 +190,8 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
     outcomes = [t.get("outcome") for _, t in ordered]
     suffix = ("  [FAILED]" if any(o in ("failed", "aborted") for o in outcomes)
               else "  [in progress]" if None in outcomes else "")
-    headline = title or (f"step {step if step is not None else ordered[0][1]['step']}: "
-                         f"switch {_fmt_s(total)}" + (f", {fmt_bytes(nbytes)} of weights" if nbytes else "") + suffix)
+    headline = (f"step {step}: switch {_fmt_s(total)}" + (f", {fmt_bytes(nbytes)} of weights" if nbytes else "")
+                + suffix)
     ax_break.set_title(headline, fontsize=12, fontweight="bold", loc="left")
 
     # 2. The lanes.

@@ -27,7 +27,6 @@ from ..policies import GroupSnapshot, Transport
 MAX_CHUNK_BYTES = 1 << 38  # 256 GiB: larger than any GPU's memory, so a larger nbytes is a mistake
 
 __all__ = [
-    "MAX_RANKS",
     "MAX_STEP",
     "BroadcastRequest",
     "ChunkAckReply",

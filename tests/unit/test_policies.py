@@ -218,11 +218,9 @@ def test_cleanup_plans() -> None:
     assert NoCleanupPolicy().plan().steps == ()
 
 
-def test_timeouts_fall_back_to_the_default_and_reject_unknown_steps() -> None:
+def test_timeouts_fall_back_to_the_default() -> None:
     t = Timeouts(default_s=10, release_s=None, chunk_s=99)
     assert (t.budget(Budget.RELEASE), t.budget(Budget.CHUNK)) == (10, 99)
-    with pytest.raises(ValueError, match="unknown budget 'bogus'"):
-        t.budget("bogus")  # type: ignore[arg-type]
 
 
 def test_every_timeout_step_has_its_field_and_every_field_a_step() -> None:
