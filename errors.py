@@ -90,8 +90,7 @@ __all__ = [
 
 
 class ColocdError(Exception):
-    """Base of the tree (drawn above, which says what each class means): ``http_status`` is the status the api
-    answers with, ``http_body()`` its ``ErrorBody``."""
+    """The tree's root (drawn above): ``http_status`` is the status the api answers, ``http_body()`` its body."""
 
     http_status: ClassVar[int] = 500
     http_fields: ClassVar[tuple[str, ...]] = ()  # attributes the body carries under their own names, null too
@@ -127,8 +126,7 @@ class ConfigError(ColocdError):
 
 
 class PolicyError(ColocdError, ValueError):
-    """A policy document was rejected; the running policy stays. ``str(err)`` reads ``line 4, column 3:
-    process_groups.policy: ...``; a ``ValueError`` too, which plugins validating their settings may raise."""
+    """``str(err)`` reads ``line 4, column 3: process_groups.policy: ...``; a ValueError, as plugins may raise."""
 
     http_status = 400
 
@@ -308,8 +306,7 @@ class EngineMismatch(EngineProtocolError):
 
 
 class EngineLaunchError(EngineError):
-    """A launched process died, was not ready by its deadline, or could not start. ``str()`` carries the log
-    tail; ``summary`` is one line (what failed, where the log is) for a CLI."""
+    """``str()`` carries the log tail; ``summary`` is one line (what failed, where the log is) for a CLI."""
 
     def __init__(self, engine: str, message: str, *, log_path: Path | None = None, tail: str = "") -> None:
         where = f"; log {log_path}" if log_path is not None else ""
@@ -326,8 +323,6 @@ class ReplyInvalid(ColocdError):
 # --- the caller's side: clients, the cluster fan-out, the CLI -------------------------------------------------
 
 class ColocdHTTPError(ColocdError):
-    """The daemon answered with an error; ``status`` and the daemon's ``message`` are kept."""
-
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         self.status = status
         self.body = body
@@ -344,8 +339,6 @@ class DaemonUnreachable(ColocdError, ConnectionError):
 
 
 class CliFailure(ColocdError):
-    """An expected failure of a CLI command: ``str()`` is the one line to print, ``exit_code`` the status."""
-
     def __init__(self, line: str, exit_code: int = 1) -> None:
         super().__init__(line)
         self.exit_code = exit_code
