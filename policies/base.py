@@ -54,12 +54,6 @@ class Policy(ABC):
         """The YAML section this policy was built from, defaults filled in."""
         return {"policy": self.spec, **self.config.model_dump(mode="json")}
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Policy) and type(other) is type(self) and other.settings() == self.settings()
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.spec, self.config))
-
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.config.model_dump().items())
         return f"{type(self).__name__}({self.spec!r}{', ' if fields else ''}{fields})"

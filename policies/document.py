@@ -188,7 +188,10 @@ def _position(mark: Any) -> _Mark:
 
 # --- validation ------------------------------------------------------------------------------------
 
-_SECTIONS: tuple[str, ...] = ("apiVersion", *(str(f) for f in Family), "engines", "timeouts", "sync", "adapters")
+# The sections of plain settings (values, not policies), each named as its PolicySet field.
+_SETTINGS: dict[str, type[BaseModel]] = {
+    "engines": EngineSettings, "timeouts": Timeouts, "sync": SyncSettings, "adapters": AdapterSettings}
+_SECTIONS: tuple[str, ...] = ("apiVersion", *(str(f) for f in Family), *_SETTINGS)
 P = TypeVar("P", bound=Policy)
 M = TypeVar("M", bound=BaseModel)
 
@@ -348,10 +351,8 @@ def policy_json_schema() -> dict[str, Any]:
         union = tuple(_section_models(family))
         # null is accepted: an empty section means the family's defaults.
         fields[str(family)] = (Union[(*union, type(None))], None)
-    fields["engines"] = (EngineSettings | None, None)
-    fields["timeouts"] = (Timeouts | None, None)
-    fields["sync"] = (SyncSettings | None, None)
-    fields["adapters"] = (AdapterSettings | None, None)
+    for name, model in _SETTINGS.items():
+        fields[name] = (model | None, None)
     document = create_model("ColocdPolicyDocument", __config__=ConfigDict(extra="forbid"),
                             __doc__="A colocd policy document (apiVersion colocd/v1).", **fields)
     schema: dict[str, Any] = document.model_json_schema()
