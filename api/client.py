@@ -9,7 +9,7 @@ import json as jsonlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar
 
 import aiohttp
@@ -29,10 +29,6 @@ _P = ParamSpec("_P")
 _ManifestKey = tuple[tuple[str, str, tuple[int, ...]], ...]
 _SESSIONS = "/v1/weights/sessions"
 _MANIFEST_REFS_KEPT = 8  # as many as the daemon keeps (daemon/manifests.py)
-
-
-def _manifest_key(manifest: Sequence[dict[str, Any]]) -> _ManifestKey:
-    return tuple((str(e["name"]), str(e["dtype"]), tuple(e["shape"])) for e in manifest)
 
 
 class SendablePart(Protocol):
@@ -191,7 +187,7 @@ class AsyncColocdClient:
             body["partial"] = True
         if manifest is None:
             return await self._call("POST", _SESSIONS, body)
-        key = _manifest_key(manifest)
+        key: _ManifestKey = tuple((str(e["name"]), str(e["dtype"]), tuple(e["shape"])) for e in manifest)
         if (ref := self._manifest_refs.get(key)) is not None:
             try:
                 return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest_ref": ref}))

@@ -52,13 +52,12 @@ __all__ = [
 MAX_STEP = 2**53 - 1
 # Trainer ranks per node and group sizes: far above any real node, small enough that a per-rank table stays cheap.
 MAX_RANKS = 4096
-_MAX_DURATION_S = 7 * 86400.0
 
 # Strict: a JSON bool or a float is not an int ("step": true is not step 1; 1e30 is not a step).
 Step = Annotated[int, Field(strict=True, ge=0, le=MAX_STEP)]  # also a sequence number or a count of chunks
 Count = Annotated[int, Field(strict=True, ge=0)]
 Rank = Annotated[int, Field(strict=True, ge=0, lt=MAX_RANKS)]
-Seconds = Annotated[float, Field(ge=0, le=_MAX_DURATION_S, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, le=7 * 86400.0, allow_inf_nan=False)]  # a week: no span is longer
 
 
 class _Strict(BaseModel):
