@@ -219,19 +219,19 @@ def _top(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from .api.top import fetch_snapshot, render
+    from .api.top import fetch_snapshot
 
     console = Console(width=args.width) if args.width else Console()
     try:
         with DaemonCall(args) as call:
             if args.once:
-                console.print(render(fetch_snapshot(call, args.steps)))
+                console.print(fetch_snapshot(call, args.steps))
                 return 0
-            with Live(render(fetch_snapshot(call, args.steps)), console=console,
+            with Live(fetch_snapshot(call, args.steps), console=console,
                       refresh_per_second=4, screen=False) as live:
                 while True:
                     time.sleep(args.interval)  # the refresh cadence of a foreground view
-                    live.update(render(fetch_snapshot(call, args.steps)))
+                    live.update(fetch_snapshot(call, args.steps))
     except KeyboardInterrupt:
         return 0
 

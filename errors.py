@@ -90,8 +90,7 @@ __all__ = [
 
 
 class ColocdError(Exception):
-    """Base of the tree (drawn above, which says what each class means): ``http_status`` is the status the api
-    answers with, ``http_body()`` its ``ErrorBody``."""
+    """The tree's root (drawn above): ``http_status`` is the status the api answers, ``http_body()`` its body."""
 
     http_status: ClassVar[int] = 500
     http_fields: ClassVar[tuple[str, ...]] = ()  # attributes the body carries under their own names, null too
@@ -127,8 +126,7 @@ class ConfigError(ColocdError):
 
 
 class PolicyError(ColocdError, ValueError):
-    """A policy document was rejected; the running policy stays. ``str(err)`` reads ``line 4, column 3:
-    process_groups.policy: ...``; a ``ValueError`` too, which plugins validating their settings may raise."""
+    """``str(err)`` reads ``line 4, column 3: process_groups.policy: ...``; a ValueError, as plugins may raise."""
 
     http_status = 400
 
@@ -200,14 +198,12 @@ class AdapterRetired(ColocdError):
 
 class SessionGone(ColocdError):
     http_status = 410
+    http_fields = ("session_id", "session_state")
 
     def __init__(self, message: str, *, session_id: str, state: str) -> None:
         super().__init__(message)
         self.session_id = session_id
-        self.state = state
-
-    def http_body(self) -> dict[str, object]:
-        return {**super().http_body(), "session_id": self.session_id, "session_state": self.state}
+        self.session_state = state
 
 
 class NotFound(ColocdError):
@@ -239,13 +235,11 @@ class MemoryNotConfirmed(ColocdError):
 
 class JournalFailed(ColocdError):
     http_status = 507
+    http_fields = ("journal",)
 
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
-        self.path = path
-
-    def http_body(self) -> dict[str, object]:
-        return {**super().http_body(), "journal": self.path}
+        self.journal = path
 
 
 # --- weight sessions ------------------------------------------------------------------------------------------
@@ -312,8 +306,7 @@ class EngineMismatch(EngineProtocolError):
 
 
 class EngineLaunchError(EngineError):
-    """A launched process died, was not ready by its deadline, or could not start. ``str()`` carries the log
-    tail; ``summary`` is one line (what failed, where the log is) for a CLI."""
+    """``str()`` carries the log tail; ``summary`` is one line (what failed, where the log is) for a CLI."""
 
     def __init__(self, engine: str, message: str, *, log_path: Path | None = None, tail: str = "") -> None:
         where = f"; log {log_path}" if log_path is not None else ""
@@ -330,8 +323,6 @@ class ReplyInvalid(ColocdError):
 # --- the caller's side: clients, the cluster fan-out, the CLI -------------------------------------------------
 
 class ColocdHTTPError(ColocdError):
-    """The daemon answered with an error; ``status`` and the daemon's ``message`` are kept."""
-
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         self.status = status
         self.body = body
@@ -348,8 +339,6 @@ class DaemonUnreachable(ColocdError, ConnectionError):
 
 
 class CliFailure(ColocdError):
-    """An expected failure of a CLI command: ``str()`` is the one line to print, ``exit_code`` the status."""
-
     def __init__(self, line: str, exit_code: int = 1) -> None:
         super().__init__(line)
         self.exit_code = exit_code

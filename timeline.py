@@ -1,9 +1,5 @@
-"""Draw one step's switch so a person sees where the time went (``colocd trace -o``, ``colocd demo --timeline``).
-
-Lanes: the node's phases, the trainer, each engine's sub-steps and weight chunks; below, memory readings. Idle
-stretches longer than the switch (training, mostly) are squeezed to a narrow band labelled with their real length.
-matplotlib is the optional ``colocd[viz]`` extra.
-"""
+"""Draw one step's switch so a person sees where the time went (``colocd trace -o``, ``colocd demo --timeline``):
+phases, trainer and engine lanes, memory readings; idle stretches squeezed to a labelled band (``colocd[viz]``)."""
 
 from __future__ import annotations
 
@@ -35,9 +31,9 @@ def fmt_bytes(n: float) -> str:
     """Bytes in the largest unit that keeps 1-4 digits: ``15.3 GiB``, not ``15625.0 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            break
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def _duration(trace: Mapping[str, Any]) -> float:
@@ -105,8 +101,7 @@ class _Squeeze:
         return [(a, b, x0) for a, b, x0, _x1 in self.pieces if x0 not in gap_starts or b - a == 0]
 
 
-def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *, step: int | None = None,
-                    title: str | None = None) -> Path:
+def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *, step: int) -> Path:
     """Draw the step's traces (a ``/v1/traces/{step}`` answer) to ``out`` (png, svg or pdf)."""
     try:
         import matplotlib
@@ -192,9 +187,11 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
                     loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=6, fontsize=7, frameon=False)
     weights = traces.get("weights", {})
     nbytes = int(weights.get("attrs", {}).get("bytes", 0))
-    headline = title or (f"step {step if step is not None else ordered[0][1]['step']}: "
-                         f"switch {_fmt_s(total)}" + (f", {fmt_bytes(nbytes)} of weights" if nbytes else "")
-                         + _status_suffix([t.get("outcome") for _, t in ordered]))
+    outcomes = [t.get("outcome") for _, t in ordered]
+    suffix = ("  [FAILED]" if any(o in ("failed", "aborted") for o in outcomes)
+              else "  [in progress]" if None in outcomes else "")
+    headline = (f"step {step}: switch {_fmt_s(total)}" + (f", {fmt_bytes(nbytes)} of weights" if nbytes else "")
+                + suffix)
     ax_break.set_title(headline, fontsize=12, fontweight="bold", loc="left")
 
     # 2. The lanes.
@@ -266,12 +263,6 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
     fig.savefig(out, bbox_inches="tight")
     plt.close(fig)
     return out
-
-
-def _status_suffix(outcomes: list[str | None]) -> str:
-    if any(o in ("failed", "aborted") for o in outcomes):
-        return "  [FAILED]"
-    return "  [in progress]" if any(o is None for o in outcomes) else ""
 
 
 def _ticks(squeeze: _Squeeze) -> tuple[list[float], list[str]]:

@@ -1,4 +1,4 @@
-"""The HTTP shell: ``create_app(config)`` builds a FastAPI app whose lifespan owns one Daemon."""
+"""The HTTP shell: ``create_app(config, daemon=...)`` builds a FastAPI app whose lifespan owns the Daemon."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from .. import __version__
 from ..daemon.config import NodeConfig
 from ..daemon.metrics import LeaseReport
 from ..daemon.node import Daemon, TransitionResult
-from ..daemon.policy_runtime import PolicyRuntime
 from ..daemon.states import NodePhase
 from ..engines.base import ChunkPart
 from .errors import ERROR_RESPONSES, install_error_handlers
@@ -88,12 +87,12 @@ _ENGINES = (502, 503, 504)
 _SESSION = (404, 409, 410)
 
 
-def create_app(config: NodeConfig, *, daemon: Daemon | None = None, policies: PolicyRuntime | None = None) -> FastAPI:
-    """An app for one node. Pass ``daemon`` to serve an already-built (not yet entered) Daemon."""
+def create_app(config: NodeConfig, *, daemon: Daemon) -> FastAPI:
+    """An app for one node serving ``daemon`` (built, not yet entered: the app's lifespan enters it)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        async with (daemon or Daemon(config, policies=policies)) as d:
+        async with daemon as d:
             yield {"daemon": d}
 
     app = FastAPI(title="colocd", version=__version__, lifespan=lifespan,

@@ -9,7 +9,7 @@ import json as jsonlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, Protocol, Self, TypeVar
 
 import aiohttp
@@ -31,10 +31,6 @@ _SESSIONS = "/v1/weights/sessions"
 _MANIFEST_REFS_KEPT = 8  # as many as the daemon keeps (daemon/manifests.py)
 
 
-def _manifest_key(manifest: Sequence[dict[str, Any]]) -> _ManifestKey:
-    return tuple((str(e["name"]), str(e["dtype"]), tuple(e["shape"])) for e in manifest)
-
-
 class SendablePart(Protocol):
     """One rank's part of a chunk as the daemon reads it (``api.schemas.ChunkDescriptor``)."""
 
@@ -48,23 +44,13 @@ class SendablePart(Protocol):
     def digests(self) -> dict[str, str] | None: ...
 
 
-def _refuses_manifest_ref(exc: ColocdHTTPError) -> bool:
-    """The daemon holds no manifest by the reference (409, it restarted) or predates the field (422 naming it)."""
-    if exc.status == 409:
-        return exc.error == "ManifestRefUnknown"
-    return exc.status == 422 and exc.body.get("field") == "manifest_ref"
-
-
 CONNECT_S = 5.0
 
 
 class AsyncColocdClient:
-    """One method per route. ``url`` is ``http://host:port`` or ``unix:/path/to.sock``.
-
-    aiohttp, not httpx: the cluster client fans every phase out to all daemons from one event loop, and aiohttp
-    costs that loop a fraction of httpx's CPU per request (docs/deploy.md). An answer that says no raises
-    ``ColocdHTTPError``; no answer, ``DaemonUnreachable``.
-    """
+    """One method per route; ``url``: ``http://host:port`` or ``unix:/path/to.sock``. A refusal raises
+    ``ColocdHTTPError``, no answer ``DaemonUnreachable``. aiohttp: the cluster fan-out costs its one event loop a
+    fraction of httpx's CPU per request (docs/deploy.md)."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 600.0) -> None:
         self._unix = url.removeprefix("unix:") if url.startswith("unix:") else None
@@ -201,12 +187,13 @@ class AsyncColocdClient:
             body["partial"] = True
         if manifest is None:
             return await self._call("POST", _SESSIONS, body)
-        key = _manifest_key(manifest)
+        key: _ManifestKey = tuple((str(e["name"]), str(e["dtype"]), tuple(e["shape"])) for e in manifest)
         if (ref := self._manifest_refs.get(key)) is not None:
             try:
                 return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest_ref": ref}))
             except ColocdHTTPError as exc:
-                if not _refuses_manifest_ref(exc):
+                # Refused naming the field: no manifest by it (409, the daemon restarted) or an older daemon (422).
+                if exc.status not in (409, 422) or exc.body.get("field") != "manifest_ref":
                     raise
                 del self._manifest_refs[key]
         return self._noted(key, await self._call("POST", _SESSIONS, {**body, "manifest": manifest}))

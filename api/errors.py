@@ -1,8 +1,5 @@
-"""Every error answered in one body shape (``ErrorBody``); clients never see a traceback.
-
-colocd's errors carry their status and body (``colocd.errors``); the framework's (routing 404/405, a body that is
-not JSON or not UTF-8, request validation) are rewritten into the same shape. Routes raise, never build a reply.
-"""
+"""Every error answered in one body shape (``ErrorBody``): colocd's carry their own (``colocd.errors``), the
+framework's (routing 404/405, a body not JSON, validation) are rewritten into it. Routes raise, never build a reply."""
 
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ from starlette.routing import Match
 from ..errors import ColocdError
 from .schemas import ErrorBody
 
-__all__ = ["ERROR_RESPONSES", "error_body", "install_error_handlers"]
+__all__ = ["ERROR_RESPONSES", "install_error_handlers"]
 
 # The framework's statuses, named the way the daemon names its own errors.
 _HTTP_NAMES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
@@ -43,11 +40,6 @@ _DESCRIPTIONS = {
 }
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": text} for status, text in _DESCRIPTIONS.items()}
-
-
-def error_body(exc: ColocdError) -> tuple[int, dict[str, object]]:
-    """The status and ``ErrorBody`` the HTTP API answers for one of colocd's errors."""
-    return exc.http_status, exc.http_body()
 
 
 def _validation_body(errors: list[Any]) -> tuple[int, dict[str, object]]:
@@ -85,8 +77,7 @@ def _allowed_methods(app: Any, scope: MutableMapping[str, Any]) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     async def colocd_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ColocdError)
-        status, body = error_body(exc)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(exc.http_body(), status_code=exc.http_status)
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -50,9 +50,8 @@ def bind(listen: ListenConfig) -> tuple[socket.socket, str]:
 
 
 def _write_ready(path: str, url: str) -> None:
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(json.dumps({"url": url, "pid": os.getpid()}))
-    os.replace(tmp, path)  # readers never see a half-written file
+    Path(f"{path}.tmp").write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    os.replace(f"{path}.tmp", path)  # readers never see a half-written file
 
 
 async def _launch_engines(daemon: Daemon) -> bool:
@@ -66,18 +65,14 @@ async def _launch_engines(daemon: Daemon) -> bool:
     try:
         await launching
     except asyncio.CancelledError:
-        if launching.cancelled() and not _cancelling():
+        task = asyncio.current_task()
+        if launching.cancelled() and not (task is not None and task.cancelling()):
             return False
         raise
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return True
-
-
-def _cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool = False) -> None:
@@ -96,7 +91,7 @@ async def serve(config: NodeConfig, *, log_level: str = "info", log_json: bool =
 
 async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime, sock: socket.socket, url: str,
                      *, log_level: str, log_json: bool) -> None:
-    app = create_app(config, daemon=daemon, policies=policies)
+    app = create_app(config, daemon=daemon)
     # JSON logs: no uvicorn log config, so its records reach our root handler as JSON too.
     log_config = None if log_json else LOGGING_CONFIG
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,

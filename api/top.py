@@ -12,7 +12,7 @@ from .client import ColocdClient
 if TYPE_CHECKING:
     from ..cli import DaemonCall
 
-__all__ = ["Snapshot", "fetch_snapshot", "render"]
+__all__ = ["Snapshot", "fetch_snapshot"]
 
 _PARTS = ("sleep", "load_weights_memory", "update", "wake", "cleanup", "groups")
 _PART_SHORT = {"load_weights_memory": "w-mem"}
@@ -28,6 +28,10 @@ class Snapshot:
     gpus: dict[str, dict[str, float]] = field(default_factory=dict)
     restarts: dict[str, float] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.time)
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        """A rich renderable: it lays itself out for the console's width when printed."""
+        yield _layout(self, options.max_width)
 
 
 _GPU_MEMORY = {f"colocd_gpu_memory_{kind}_bytes": kind for kind in ("used", "free", "total")}
@@ -70,20 +74,15 @@ class _Column:
     wrap: bool = False
 
 
-def _cell_width(cell: Any) -> int:
-    text = cell.plain if hasattr(cell, "plain") else str(cell)
-    return max((len(line) for line in text.splitlines()), default=0)
-
-
 def _fit_table(title: str, columns: list[_Column], rows: list[list[Any]], width: int) -> Any:
     """A table no wider than ``width``: whole columns are left out (named in the title), lowest ``keep`` last,
     never a value cut."""
     from rich.table import Table
 
     def need(col: int) -> int:  # the column's narrowest whole width, plus its padding (1 each side)
-        words = [w for r in rows for w in str(getattr(r[col], "plain", r[col])).split()]
-        widest = (max((len(w) for w in words), default=1) if columns[col].wrap
-                  else max([_cell_width(r[col]) for r in rows], default=1))
+        texts = [str(getattr(r[col], "plain", r[col])) for r in rows]
+        pieces = [w for t in texts for w in (t.split() if columns[col].wrap else t.splitlines())]
+        widest = max((len(w) for w in pieces), default=1)
         return max(widest, len(columns[col].name)) + 2
 
     shown = list(range(len(columns)))
@@ -113,19 +112,6 @@ def _header(items: list[Any], width: int) -> Any:
         else:
             lines.append(item.copy())
     return Text("\n").join(lines)
-
-
-def render(snap: Snapshot) -> Any:
-    """A rich renderable of one frame; it lays itself out for the console's width when printed."""
-    return _Frame(snap)
-
-
-class _Frame:
-    def __init__(self, snap: Snapshot) -> None:
-        self.snap = snap
-
-    def __rich_console__(self, console: Any, options: Any) -> Any:
-        yield _layout(self.snap, options.max_width)
 
 
 def _layout(snap: Snapshot, width: int) -> Any:

@@ -141,7 +141,7 @@ async def measure(node_counts: list[int], rounds: int) -> dict[str, Any]:
 
         await asyncio.gather(*(bounded(e.astart()) for e in engines))
         daemons = [DaemonProcess({"engines": [{"kind": "reference", "name": "ref0", "url": e.url}],
-                                  "timeouts": {"health_s": 5.0}}, ready_timeout_s=300) for e in engines]
+                                  "timeouts": {"health_interval_s": 5.0}}, ready_timeout_s=300) for e in engines]
         await asyncio.gather(*(bounded(d.__aenter__()) for d in daemons))
         model = build_model(QwenLikeConfig(), seed=7)
         step = 0

@@ -11,7 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..engines.config import EngineConfig
 from ..errors import ConfigError
 from ..policies import DEFAULT_PAUSE_MODE, PauseModeName, Timeouts
-from ..policies.timeouts import LEGACY_TIMEOUT_KEYS
 
 __all__ = ["Limits", "ListenConfig", "NodeConfig", "Timeouts", "load_node_config"]
 
@@ -95,11 +94,6 @@ def load_node_config(path: str | Path) -> NodeConfig:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"config {path}: invalid YAML{where}: {problem}") from exc
-    timeouts = data.get("timeouts") if isinstance(data, dict) else None
-    for old in sorted(set(timeouts or {}) & set(LEGACY_TIMEOUT_KEYS)) if isinstance(timeouts, dict) else ():
-        new = LEGACY_TIMEOUT_KEYS[old]
-        log.warning("config %s: timeouts.%s is deprecated: %s", path, old,
-                    f"use timeouts.{new}" if new else "it was never read; remove it")
     try:
         return NodeConfig.model_validate(data)
     except ValidationError as exc:

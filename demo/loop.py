@@ -3,7 +3,7 @@
 Three processes: this one (the trainer), ``colocd serve`` (the daemon) and the engine, which the daemon launches
 (``launch:``). Each step: rollouts from the engine's own generate API → train (the engine releases its memory) →
 one REINFORCE update → sync (weights streamed through the daemon) → rollout → check the engine holds the trainer's
-weights. What differs per engine (model, toy task, generate API, check) is a ``Task``. On vLLM and SGLang the engine
+weights. What differs per engine (model, toy task, generate API, check) is a task class. On vLLM and SGLang the engine
 serves the tiny Qwen2 its install script built (``scripts/build_tiny_qwen2.py``), which the trainer updates in plain
 torch; the check is the daemon's verified commit (vLLM reports digests) or SGLang's own ``/weights_checker``.
 """
@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import httpx
 import torch
@@ -48,23 +48,6 @@ class DemoSettings:
     json_out: str | None = None
     timeline_out: str | None = None  # draw the last step's timeline here (needs matplotlib)
     metrics_out: str | None = None  # append the daemon's /metrics after each step, as JSON lines
-
-
-class Task(Protocol):
-    """One engine's side of the demo: the trainer's model, the toy task, the generate API, the check."""
-
-    name: str  # the engine's name in the node config
-    steps: int  # default number of steps
-    engine: dict[str, Any]  # its node config entry (with ``launch``)
-    ready_timeout_s: float
-    pusher: dict[str, Any]  # WeightPusher's settings
-
-    def weights(self) -> list[tuple[str, torch.Tensor]]: ...
-    async def rollouts(self, http: httpx.AsyncClient, url: str, batch: int, seed: int) -> list[list[int]]: ...
-    def reward(self, sample: list[int]) -> float: ...
-    def train(self, samples: list[list[int]]) -> None: ...
-    async def check(self, http: httpx.AsyncClient, url: str, push: PushReport) -> str | None:
-        """What verified the engine's weights (``verified: ...``), or None when they are not the trainer's."""
 
 
 # --- the reference engine's task: emit "abcdabcd" after <bos> ----------------------------------------------------
@@ -314,8 +297,8 @@ async def run_demo(settings: DemoSettings) -> int:
     torch.manual_seed(settings.seed)
     workdir = tempfile.mkdtemp(prefix=f"colocd-demo-{settings.engine}-")
     try:
-        task: Task = (ReferenceTask(settings, workdir) if settings.engine == "reference"
-                      else LiveTask(settings, workdir))
+        task: ReferenceTask | LiveTask = (ReferenceTask(settings, workdir) if settings.engine == "reference"
+                                          else LiveTask(settings, workdir))
     except EngineMissing as exc:
         print(exc, flush=True)
         return 2
@@ -356,7 +339,13 @@ async def run_demo(settings: DemoSettings) -> int:
             if settings.metrics_out:
                 await _append_scrape(settings.metrics_out, step, await client.metrics())
         if settings.timeline_out and records:
-            await _draw_last_step(client, records[-1]["step"], settings.timeline_out)
+            last_step = records[-1]["step"]
+            try:
+                await asyncio.to_thread(render_timeline, await client.trace(last_step), settings.timeline_out,
+                                        step=last_step)
+                print(f"timeline of step {last_step}: {settings.timeline_out}", flush=True)
+            except MatplotlibMissing as exc:
+                print(f"timeline not drawn: {exc}", flush=True)
     first = sum(r["reward"] for r in records[:3]) / len(records[:3])
     last = sum(r["reward"] for r in records[-3:]) / len(records[-3:])
     elapsed = time.perf_counter() - t_start
@@ -380,12 +369,3 @@ async def _append_scrape(path: str, step: int, exposition: str) -> None:
 
     await asyncio.to_thread(write)
 
-
-async def _draw_last_step(client: AsyncColocdClient, step: int, out: str) -> None:
-    traces = await client.trace(step)
-    try:
-        await asyncio.to_thread(render_timeline, traces, out, step=step)
-    except MatplotlibMissing as exc:
-        print(f"timeline not drawn: {exc}", flush=True)
-        return
-    print(f"timeline of step {step}: {out}", flush=True)

@@ -1,8 +1,5 @@
-"""Policies decide, nothing else: typed snapshots in, typed decisions out, loaded from one YAML document.
-
-No I/O and no imports from the rest of colocd but its exception tree. The daemon holds a ``PolicyStore``; the
-trainer agent enacts ``GroupDirective`` and ``CleanupPlan``; the weight-stream pipeline follows ``PipelinePlan``.
-"""
+"""Policies decide, nothing else: typed snapshots in, typed decisions out, loaded from one YAML document; no I/O and
+no imports from the rest of colocd but its exception tree."""
 
 from ..errors import PluginImportError, PluginNotFoundError, PolicyError
 from .base import Policy, PolicyConfig

@@ -1,8 +1,5 @@
-"""The shape every policy shares: a family, a registry name, a frozen pydantic ``Config``; no I/O.
-
-A policy is a pure function from a typed snapshot to a typed decision. It never calls an engine,
-sleeps, reads a clock or touches torch; the daemon and the trainer agent enact what it decides.
-"""
+"""The shape every policy shares: a family, a registry name, a frozen pydantic ``Config``; a pure function from a
+typed snapshot to a typed decision (no engine, no sleep, no clock, no torch): the daemon and the trainer enact it."""
 
 from __future__ import annotations
 
@@ -56,12 +53,6 @@ class Policy(ABC):
     def settings(self) -> dict[str, Any]:
         """The YAML section this policy was built from, defaults filled in."""
         return {"policy": self.spec, **self.config.model_dump(mode="json")}
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Policy) and type(other) is type(self) and other.settings() == self.settings()
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.spec, self.config))
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.config.model_dump().items())

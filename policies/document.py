@@ -1,11 +1,6 @@
-"""One policy document: YAML text → plain data → a validated ``PolicySet``, and the document's JSON Schema.
-
-Errors are ``PolicyError`` with the offending node's line and column (PyYAML's node marks), so a typo deep in a
-section points at its own line. Parsing is bounded (``YamlLimits``: size, aliases, nesting depth and nodes counted
-with aliases expanded) while the composer runs, so an alias bomb or a flat list of 100k scalars is refused after
-the limit's worth of nodes, not after the whole document. Every failure of the YAML reader, composer or
-constructor is a ``PolicyError`` too, never a foreign exception.
-"""
+"""One policy document: YAML text → a validated ``PolicySet``, and the document's JSON Schema. Every failure is a
+``PolicyError`` at the offending node's line and column; ``YamlLimits`` bound the composer as it runs, so an alias
+bomb is refused after the limit's worth of nodes, not after the whole document."""
 
 from __future__ import annotations
 
@@ -98,11 +93,8 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def load_policy_yaml(text: str | bytes, *, source: str | None = None, limits: YamlLimits | None = None,
                      plugins: frozenset[str] = ANY_PLUGIN) -> PolicySet:
-    """Parse and validate one YAML document; raise PolicyError(message, line, column) on any problem.
-
-    ``plugins``: the ``module:Class`` specs it may import (the daemon passes its node config's ``policy_plugins``;
-    the default, any, is for an operator's own offline check). CPU-bound: the daemon calls it off the event loop.
-    """
+    """Parse and validate one YAML document (PolicyError on any problem); ``plugins``: the ``module:Class`` specs it
+    may import (the node config's ``policy_plugins``; any, for an operator's offline check). CPU-bound."""
     limits = limits or YamlLimits()
     size = len(text.encode() if isinstance(text, str) else text)
     if size > limits.max_bytes:
@@ -196,7 +188,10 @@ def _position(mark: Any) -> _Mark:
 
 # --- validation ------------------------------------------------------------------------------------
 
-_SECTIONS: tuple[str, ...] = ("apiVersion", *(str(f) for f in Family), "engines", "timeouts", "sync", "adapters")
+# The sections of plain settings (values, not policies), each named as its PolicySet field.
+_SETTINGS: dict[str, type[BaseModel]] = {
+    "engines": EngineSettings, "timeouts": Timeouts, "sync": SyncSettings, "adapters": AdapterSettings}
+_SECTIONS: tuple[str, ...] = ("apiVersion", *(str(f) for f in Family), *_SETTINGS)
 P = TypeVar("P", bound=Policy)
 M = TypeVar("M", bound=BaseModel)
 
@@ -355,16 +350,11 @@ def policy_json_schema() -> dict[str, Any]:
     for family in Family:
         union = tuple(_section_models(family))
         # null is accepted: an empty section means the family's defaults.
-        fields[str(family)] = (_union((*union, type(None))), None)
-    fields["engines"] = (EngineSettings | None, None)
-    fields["timeouts"] = (Timeouts | None, None)
-    fields["sync"] = (SyncSettings | None, None)
-    fields["adapters"] = (AdapterSettings | None, None)
+        fields[str(family)] = (Union[(*union, type(None))], None)
+    for name, model in _SETTINGS.items():
+        fields[name] = (model | None, None)
     document = create_model("ColocdPolicyDocument", __config__=ConfigDict(extra="forbid"),
                             __doc__="A colocd policy document (apiVersion colocd/v1).", **fields)
     schema: dict[str, Any] = document.model_json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "colocd/v1/policies", **schema}
 
-
-def _union(members: tuple[type, ...]) -> Any:
-    return Union[members]  # noqa: UP007 - built at runtime from a tuple

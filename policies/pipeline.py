@@ -1,8 +1,5 @@
-"""Pipeline policies: how many weight chunks are in flight, how big each is, and which ``Transport`` moves them.
-
-``Transport`` is the one vocabulary of every layer: policies choose one, engines advertise theirs, the trainer's
-producers are keyed by it and the chunk descriptor carries it (broadcasts between GPUs have their own API).
-"""
+"""Pipeline policies: how many weight chunks are in flight, how big each is, and which ``Transport`` moves them
+(the one vocabulary of every layer: policies choose, engines advertise, the chunk descriptor carries it)."""
 
 from __future__ import annotations
 

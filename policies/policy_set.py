@@ -25,12 +25,8 @@ API_VERSION = "colocd/v1"
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PolicySet:
-    """Everything one policy document decides, validated.
-
-    ``version`` is assigned by the ``PolicyStore`` (0 = never applied) and only ever grows;
-    ``fingerprint`` hashes the normalised document, so the same policies give the same fingerprint
-    whatever the YAML's layout, comments or version.
-    """
+    """Everything one policy document decides, validated. ``version``: the ``PolicyStore``'s (0 = never applied);
+    ``fingerprint`` hashes the normalised document, whatever the YAML's layout, comments or version."""
 
     process_groups: ProcessGroupPolicy
     pipeline: PipelinePolicy

@@ -1,8 +1,5 @@
-"""Process-group policies: whether the trainer's NCCL groups survive the pause, and what waits it takes.
-
-The trainer agent reports a ``GroupSnapshot``; the daemon asks the active policy for a ``GroupDirective``
-and returns it in the phase-transition reply; ``trainer/groups.py`` enacts it.
-"""
+"""Process-group policies: whether the trainer's NCCL groups survive the pause, and what waits it takes
+(``GroupSnapshot`` in, ``GroupDirective`` out, in the phase reply; ``trainer/groups.py`` enacts it)."""
 
 from __future__ import annotations
 
@@ -83,12 +80,6 @@ class GroupDirective(Decision):
         return cls(policy=policy, action=GroupAction.DESTROY, wait_s=wait_s, wait_point=wait_point, rebuild=rebuild,
                    reason=reason)
 
-    @classmethod
-    def suspend(cls, policy: str, reason: str, *, fallback: GroupDirective,
-                canary_timeout_s: float = _DEFAULT_CANARY_S) -> GroupDirective:
-        return cls(policy=policy, action=GroupAction.SUSPEND, fallback=fallback, canary_timeout_s=canary_timeout_s,
-                   reason=reason)
-
 
 class ProcessGroupPolicy(Policy):
     """Decides, before each pause, what happens to the trainer's process groups."""
@@ -156,8 +147,9 @@ class KeepAlivePolicy(ProcessGroupPolicy):
         if snapshot.keep_alive_disabled:
             # The seed's rule: after one failure, plain destroy with no wait for the rest of the process.
             return GroupDirective.destroy(self.spec, "keep-alive disabled by an earlier failure; destroy, no wait")
-        return GroupDirective.keep(self.spec, f"keep {snapshot.group_count} groups ({_gib(snapshot.resident_bytes)} "
-                                   "resident)", canary_timeout_s=self.config.canary_timeout_s)
+        held = "unmeasured" if snapshot.resident_bytes is None else f"{snapshot.resident_bytes / _GIB:.2f} GiB"
+        return GroupDirective.keep(self.spec, f"keep {snapshot.group_count} groups ({held} resident)",
+                                   canary_timeout_s=self.config.canary_timeout_s)
 
 
 class SuspendPolicy(ProcessGroupPolicy):
@@ -178,16 +170,15 @@ class SuspendPolicy(ProcessGroupPolicy):
                 update={"reason": f"suspend unavailable, fallback {self.config.fallback}: {fallback.reason}"})
         if snapshot.keep_alive_disabled:
             return fallback.model_copy(update={"reason": f"keep-alive disabled, fallback: {fallback.reason}"})
-        return GroupDirective.suspend(self.spec, f"suspend {snapshot.group_count} communicators", fallback=fallback,
-                                      canary_timeout_s=self.config.canary_timeout_s)
+        return GroupDirective(policy=self.spec, action=GroupAction.SUSPEND, fallback=fallback,
+                              canary_timeout_s=self.config.canary_timeout_s,
+                              reason=f"suspend {snapshot.group_count} communicators")
 
     def _fallback(self, snapshot: GroupSnapshot) -> GroupDirective:
-        wait, rebuild = self.config.post_destroy_wait_s, self.config.rebuild
-        if self.config.fallback == "destroy":
-            return GroupDirective.destroy(self.spec, f"destroy, then wait {wait:g} s", wait_s=wait, rebuild=rebuild)
-        if self.config.fallback == "keep_alive" and not snapshot.keep_alive_disabled:
-            return GroupDirective.keep(self.spec, "keep alive", canary_timeout_s=self.config.canary_timeout_s)
-        return _deferred(self.spec, wait, "destroy", rebuild)
+        """What the named fallback policy decides, with this policy's settings and name."""
+        policies: dict[str, type[DestroyPolicy | DeferredCooldownPolicy | KeepAlivePolicy]] = {
+            "destroy": DestroyPolicy, "deferred_cooldown": DeferredCooldownPolicy, "keep_alive": KeepAlivePolicy}
+        return policies[self.config.fallback](self.config, spec=self.spec).before_pause(snapshot)
 
 
 class AutoPolicy(ProcessGroupPolicy):
@@ -216,10 +207,6 @@ class AutoPolicy(ProcessGroupPolicy):
                                    canary_timeout_s=self.config.canary_timeout_s)
 
 
-def _deferred(policy: str, wait_s: float, why: str, rebuild: RebuildMode = RebuildMode.SEPARATE) -> GroupDirective:
+def _deferred(policy: str, wait_s: float, why: str, rebuild: RebuildMode) -> GroupDirective:
     return GroupDirective.destroy(policy, f"{why}; wait up to {wait_s:g} s before the next rebuild", wait_s=wait_s,
                                   wait_point=WaitPoint.BEFORE_REBUILD, rebuild=rebuild)
-
-
-def _gib(nbytes: int | None) -> str:
-    return "unmeasured" if nbytes is None else f"{nbytes / _GIB:.2f} GiB"

@@ -1,10 +1,6 @@
-"""Finds a policy class by name: a built-in, an entry point in group ``colocd.policies``, or ``module:Class``.
-
-A ``module:Class`` is imported only when the caller's allow-list names it (``plugins``): a policy document can
-arrive over HTTP, and importing a module runs its code; entry points are installed by the operator. Import errors
-are split as uvicorn's ``importer.py`` splits them: "module not found" is the operator's typo; "the module's own
-import failed" is the plugin's bug, reported with its cause.
-"""
+"""Finds a policy class by name: a built-in, an entry point in group ``colocd.policies``, or ``module:Class``
+(imported only when the allow-list names it: a document can arrive over HTTP). As uvicorn's ``importer.py``: a
+module not found is the operator's typo; a module whose own import failed is the plugin's bug, with its cause."""
 
 from __future__ import annotations
 
@@ -78,12 +74,6 @@ def _import_from_string(spec: str) -> Any:
 ANY_PLUGIN: frozenset[str] = frozenset({"*:*"})
 
 
-def _plugin_allowed(spec: str, plugins: frozenset[str]) -> bool:
-    """``spec`` (``module:Class``) is listed exactly, or its module is listed as ``module:*``."""
-    module = spec.partition(":")[0]
-    return plugins == ANY_PLUGIN or spec in plugins or f"{module}:*" in plugins
-
-
 def resolve_policy(family: Family, name: str, *, plugins: frozenset[str] = ANY_PLUGIN) -> type[Policy]:
     """The policy class ``name`` designates in ``family``, or a PolicyError saying why not; ``plugins``: the
     ``module:Class`` specs that may be imported (``module:*`` for a whole module)."""
@@ -91,7 +81,8 @@ def resolve_policy(family: Family, name: str, *, plugins: frozenset[str] = ANY_P
     if builtin is not None:
         return builtin
     if ":" in name:
-        if not _plugin_allowed(name, plugins):
+        # Allowed: listed exactly, or its module listed as ``module:*``.
+        if plugins != ANY_PLUGIN and name not in plugins and f"{name.partition(':')[0]}:*" not in plugins:
             listed = ", ".join(sorted(plugins)) or "none"
             raise PolicyError(
                 f"plugin {name!r} is not in this node's allow-list (policy_plugins in the node config; "
@@ -102,7 +93,7 @@ def resolve_policy(family: Family, name: str, *, plugins: frozenset[str] = ANY_P
         found, origin = _from_entry_point(family, name)
     base = _BASES[family]
     if not (isinstance(found, type) and issubclass(found, base)):
-        other = _family_of(found)
+        other = getattr(found, "family", None) if isinstance(found, type) and issubclass(found, Policy) else None
         what = f"a {other} policy" if other else f"not a {base.__name__} subclass"
         raise PolicyError(f"{origin} is {what}; section {family} needs a {base.__name__}")
     return found
@@ -121,8 +112,3 @@ def _from_entry_point(family: Family, name: str) -> tuple[Any, str]:
     value = matches[0].value
     return _import_from_string(value), f"entry point {name!r} ({value})"
 
-
-def _family_of(obj: Any) -> str | None:
-    if isinstance(obj, type):
-        return next((str(family) for family, base in _BASES.items() if issubclass(obj, base)), None)
-    return None

@@ -6,9 +6,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["HEALTH_INTERVAL_S", "LEGACY_TIMEOUT_KEYS", "SESSION_IDLE_S", "STEP_S", "Budget", "Timeouts"]
+__all__ = ["HEALTH_INTERVAL_S", "SESSION_IDLE_S", "STEP_S", "Budget", "Timeouts"]
 
 
 class Budget(StrEnum):
@@ -28,12 +28,6 @@ class Budget(StrEnum):
     HEALTH_INTERVAL = "health_interval"  # the pause between two passes of the health loop
     SESSION_IDLE = "session_idle"  # a weight session with no activity this long expires
     QUIESCE = "quiesce"  # closing a failed session waits this long for the engine calls it issued
-
-
-# Keys older configs and documents used: health_s was the health loop's interval (node config; in a
-# policy document it was never read); sync_s was never read anywhere (chunk_s and session_idle_s bound
-# a sync's progress; a whole-sync deadline would fail a slow but healthy push of a large model).
-LEGACY_TIMEOUT_KEYS: dict[str, str | None] = {"health_s": "health_interval_s", "sync_s": None}
 
 
 # Bounds of every budget, in seconds. A step budget below 0.1 s leaves an engine call no room for one loopback
@@ -85,26 +79,8 @@ class Timeouts(BaseModel):
         None, "closing a failed/aborted/expired session waits this long for the engine calls it issued; engines "
         "whose calls are still running are then marked stale")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_keys(cls, data: Any) -> Any:
-        """Accept the keys of older files (``LEGACY_TIMEOUT_KEYS``): renamed, or dropped where never read."""
-        if not isinstance(data, dict) or not any(k in data for k in LEGACY_TIMEOUT_KEYS):
-            return data
-        out = {k: v for k, v in data.items() if k not in LEGACY_TIMEOUT_KEYS}
-        for old, new in LEGACY_TIMEOUT_KEYS.items():
-            if old in data and new is not None:
-                out.setdefault(new, data[old])
-        return out
-
     def budget(self, name: Budget) -> float:
-        """Seconds allowed for the engine call or stage ``name``; a string that names no budget is a ValueError."""
-        if not isinstance(name, Budget):
-            try:
-                name = Budget(name)
-            except ValueError:
-                known = ", ".join(s.value for s in Budget)
-                raise ValueError(f"unknown budget {name!r}; known: {known}") from None
+        """Seconds allowed for the engine call or stage ``name``."""
         value: float | None = getattr(self, f"{name.value}_s")
         return self.default_s if value is None else value
 

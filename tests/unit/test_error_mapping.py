@@ -8,7 +8,7 @@ import pytest
 from fastapi import FastAPI
 from support import serve_app
 
-from colocd.api.errors import error_body, install_error_handlers
+from colocd.api.errors import install_error_handlers
 from colocd.api.guard import RequestGuard
 from colocd.engines.httpmap import caller_payload, map_http_errors
 from colocd.errors import EngineRejected, EngineUnreachable, PayloadRejected
@@ -18,7 +18,7 @@ def test_an_engine_refusing_the_callers_payload_becomes_a_422_carrying_the_engin
     with pytest.raises(PayloadRejected) as caught, caller_payload("handle"):
         raise EngineRejected("ref0", "update_weights_from_tensor#3: HTTP 400: shm segment 'x' does not exist",
                              status=400)
-    assert error_body(caught.value)[0] == 422
+    assert caught.value.http_status == 422
     assert caught.value.field == "handle" and caught.value.engine == "ref0"
     assert "shm segment 'x' does not exist" in str(caught.value)
 
@@ -27,7 +27,7 @@ def test_an_engine_refusing_the_callers_payload_becomes_a_422_carrying_the_engin
 def test_an_engine_failing_under_the_callers_payload_stays_an_engine_error(status: int) -> None:
     with pytest.raises(EngineRejected) as caught, caller_payload("handle"):
         raise EngineRejected("ref0", f"HTTP {status}: boom", status=status)
-    assert error_body(caught.value)[0] == 502
+    assert caught.value.http_status == 502
 
 
 @pytest.mark.parametrize("error", [httpx.ReadError(""), httpx.RemoteProtocolError(""), httpx.ConnectError("")])

@@ -6,7 +6,6 @@ import re
 
 import pytest
 
-from colocd.api.errors import error_body
 from colocd.daemon.manifests import MANIFEST_REF_PATTERN, Manifest, ManifestBook, TensorMeta, reference_of
 from colocd.errors import ManifestRefUnknown
 
@@ -49,8 +48,9 @@ def test_an_unknown_reference_is_refused_naming_manifest_ref_and_saying_to_send_
 
 
 def test_the_refusal_of_an_unknown_reference_answers_409_naming_the_field() -> None:
-    status, body = error_body(ManifestRefUnknown("manifest_ref '00' names no manifest: send the manifest"))
-    assert status == 409
+    error = ManifestRefUnknown("manifest_ref '00' names no manifest: send the manifest")
+    body = error.http_body()
+    assert error.http_status == 409
     assert body["error"] == "ManifestRefUnknown" and body["field"] == "manifest_ref"
 
 

@@ -92,7 +92,7 @@ def test_work_for_an_ended_session_is_gone_and_says_how_it_ended() -> None:
     with pytest.raises(SessionGone) as gone:
         require_session_open("s1", SessionState.FAILED, error="engine died", advise_new=True)
     assert str(gone.value) == "weight session s1 is failed: engine died; open a new session"
-    assert (gone.value.session_id, gone.value.state) == ("s1", "failed")
+    assert (gone.value.session_id, gone.value.session_state) == ("s1", "failed")
     with pytest.raises(SessionGone, match=r"^weight session s1 is committed$"):
         require_session_open("s1", SessionState.COMMITTED, advise_new=True)
 

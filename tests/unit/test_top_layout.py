@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from colocd.api.top import Snapshot, render
+from colocd.api.top import Snapshot
 
 GIB = 2**30
 
@@ -37,7 +37,7 @@ def _snapshot() -> Snapshot:
 
 def _frame(width: int, snap: Any = None) -> str:
     out = io.StringIO()
-    Console(file=out, width=width, force_terminal=False, color_system=None).print(render(snap or _snapshot()))
+    Console(file=out, width=width, force_terminal=False, color_system=None).print(snap or _snapshot())
     return out.getvalue()
 
 
