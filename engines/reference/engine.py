@@ -1,9 +1,7 @@
 """The reference engine's behaviour behind SGLang's routes: generation, pause, memory tags, weight updates.
 
-One ``ReferenceEngine`` per server. It owns the model, its memory regions, the scheduler and the
-single model thread every tensor operation runs on (so control routes stay responsive while a
-step runs, and no two model operations ever overlap). Route handlers in ``server.py`` call one
-method each and shape the answer; this module knows SGLang's semantics but not its JSON.
+One ``ReferenceEngine`` per server owns the model, its memory, the scheduler and the single model thread every
+tensor operation runs on (so control routes stay responsive while a step runs, and no two model operations overlap).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from .model import QwenLikeForCausalLM, build_model
 from .payloads import disagreement, open_payload
 from .runner import ModelRunner, SamplingConfig
 from .scheduler import Req, Scheduler, SchedulerMode, StopRule
-from .settings import ReferenceServerSettings
+from .settings import MODEL_PATH, ReferenceServerSettings
 from .tokenizer import CharTokenizer
 from .wire import GenerateBody, SamplingParamsBody
 
@@ -42,6 +40,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 UpdateBody = UpdateWeightsFromTensorReqInput | UpdateWeightsFromDistributedReqInput
 _GB = 1 << 30  # SGLang's "GB"
+_HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
 
 
 class RunState(StrEnum):
@@ -81,45 +80,6 @@ def rank_devices(device: str, tp_size: int) -> list[torch.device]:
     return [torch.device("cuda", r) for r in range(tp_size)]
 
 
-class ReaderWriterLock:
-    """SGLang's ``model_update_lock`` in miniature (tokenizer_control_mixin.py:471-633): generation requests are
-    readers for their whole lifetime; a weight update while not paused is a writer, which waits for the requests
-    in flight while new ones queue behind it (writer-preferring)."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._readers, self._writers_waiting, self._writer_active = 0, 0, False
-
-    @contextlib.asynccontextmanager
-    async def reader(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writer_active and self._writers_waiting == 0)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def writer(self) -> AsyncIterator[None]:
-        async with self._cond:
-            self._writers_waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._writer_active and self._readers == 0)
-            finally:
-                self._writers_waiting -= 1
-                self._cond.notify_all()  # a cancelled writer must not leave readers parked
-            self._writer_active = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._writer_active = False
-                self._cond.notify_all()
-
-
 class ReferenceEngine:
     """A tiny causal LM served with SGLang's semantics; ``start()`` then ``aclose()``."""
 
@@ -127,7 +87,7 @@ class ReferenceEngine:
         self.settings = settings
         self.tokenizer = CharTokenizer()
         self.state = RunState.STARTING
-        self._weight_version = settings.weight_version
+        self._weight_version = "default"  # SGLang's --weight-version default
         # The CPU seconds the process took to get here (imports, settings), to the nanosecond: the one startup
         # duration this engine measures, and different for every process that serves.
         self.startup_cpu_s = time.process_time()
@@ -140,15 +100,15 @@ class ReferenceEngine:
         self._scheduler: Scheduler | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failed = asyncio.Event()
-        # Generation gate: while a pause is in force new requests wait here (SGLang's is_pause_cond).
+        # Generation gate: while a pause or an unpaused weight update is in force, new requests wait here (SGLang's
+        # is_pause_cond and the writer side of its model_update_lock).
         self._pause_mode: PauseMode | None = None
+        self._updates = 0
         self._pause_cond = asyncio.Condition()
         self._blocked = 0
-        self._update_lock = ReaderWriterLock()
         # Memory, weight and flush operations run one at a time, as SGLang's scheduler runs them.
         self._control_lock = asyncio.Lock()
         self._session_selector: str | None = None
-        self._snapshot: list[dict[str, torch.Tensor]] | None = None  # one per TP rank
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -165,12 +125,11 @@ class ReferenceEngine:
         step = functools.partial(self._on_model_thread, ModelRunner(self._ranks[0].model, memory).step)
         self._scheduler = Scheduler(step,
                                     max_batch=self.settings.max_batch, max_seq=self.settings.max_seq,
-                                    tokenizer=self.tokenizer, memory_ready=lambda: memory.all_resident,
-                                    weight_version=self._weight_version)
+                                    tokenizer=self.tokenizer, memory_ready=lambda: memory.all_resident)
         self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
         self._loop_task.add_done_callback(self._on_loop_exit)
         self.state = RunState.RUNNING
-        logger.info("reference engine ready: %s, tp_size %d on %s, protocol %s", self.settings.model_path,
+        logger.info("reference engine ready: %s, tp_size %d on %s, protocol %s", MODEL_PATH,
                     self.tp_size, ", ".join(str(r.device) for r in self._ranks), self.settings.protocol)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
@@ -269,38 +228,28 @@ class ReferenceEngine:
             return False
         if not self._ranks[0].memory.all_resident:
             return False
-        if scheduler.num_running:
-            # SGLang's rule: any output from a busy engine proves it healthy; a probe of our own
-            # could wait behind a full batch.
-            probe: asyncio.Future[Any] = asyncio.ensure_future(scheduler.wait_step(scheduler.steps_done))
-            req = None
-        else:
-            req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
-                                StopRule(max_new_tokens=1), None, return_logprob=False)
-            await scheduler.submit(req)
-            probe = req.future
+        req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
+                            StopRule(max_new_tokens=1), None, return_logprob=False)
+        await scheduler.submit(req)
         try:
-            await asyncio.wait_for(asyncio.shield(probe), self.settings.health_timeout_s)
+            await asyncio.wait_for(asyncio.shield(req.future), _HEALTH_TIMEOUT_S)
         except TimeoutError:
-            if req is not None:
-                await scheduler.abort_all("health check timed out", req=req)
-            probe.cancel()
+            await scheduler.abort_all("health check timed out", req=req)
             return False
         return True
 
     async def _run(self, scheduler: Scheduler, reqs: list[Req]) -> list[Req]:
         try:
-            async with self._update_lock.reader():
-                async with self._pause_cond:
-                    self._blocked += len(reqs)
-                    try:
-                        await self._pause_cond.wait_for(lambda: self._pause_mode is None)
-                    finally:
-                        self._blocked -= len(reqs)
-                    # Submitted while still holding the gate, so no pause can slip in between.
-                    for r in reqs:
-                        await scheduler.submit(r)
-                return list(await asyncio.gather(*(r.future for r in reqs)))
+            async with self._pause_cond:
+                self._blocked += len(reqs)
+                try:
+                    await self._pause_cond.wait_for(lambda: self._pause_mode is None and not self._updates)
+                finally:
+                    self._blocked -= len(reqs)
+                # Submitted while still holding the gate, so no pause or update can slip in between.
+                for r in reqs:
+                    await scheduler.submit(r)
+            return list(await asyncio.gather(*(r.future for r in reqs)))
         except asyncio.CancelledError:
             for r in reqs:
                 if r.finish is None:
@@ -391,7 +340,7 @@ class ReferenceEngine:
         """SGLang's non-streaming answer (tokenizer_manager.py:2506-2669)."""
         assert req.finish is not None
         meta: dict[str, Any] = {
-            "id": req.rid, "finish_reason": req.finish.to_json(), "prompt_tokens": len(req.prompt_ids),
+            "id": req.rid, "finish_reason": req.finish, "prompt_tokens": len(req.prompt_ids),
             "weight_version": self.weight_version, "num_retractions": req.num_retractions, "reasoning_tokens": 0,
             "completion_tokens": len(req.output_ids), "cached_tokens": 0,
         }
@@ -432,32 +381,20 @@ class ReferenceEngine:
             self._pause_mode = None
             self._pause_cond.notify_all()
 
-    async def abort_request(self, rid: str, *, abort_all: bool) -> int:
-        """SGLang's ``/abort_request``: the request(s) finish with an abort reason; returns how many."""
-        scheduler, _, _ = self._running()
-        return await scheduler.abort_all(rid=None if abort_all else rid)
-
-    async def flush_cache(self, timeout_s: float = 0.0) -> tuple[bool, str | None]:
+    async def flush_cache(self) -> bool:
         """Forget cached KV; refused unless idle (the queue is ignored while paused in retract/in_place)."""
         scheduler, _, _ = self._running()
         async with self._control_lock:
-            return await self._flush_locked(scheduler, timeout_s, empty_cache=False)
+            return await self._flush_locked(scheduler, empty_cache=False)
 
-    async def _flush_locked(self, scheduler: Scheduler, timeout_s: float, *, empty_cache: bool,
-                            ) -> tuple[bool, str | None]:
-        ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
-        if timeout_s > 0:
-            try:
-                await asyncio.wait_for(scheduler.wait_idle(ignore_waiting=ignore_waiting), timeout_s)
-            except TimeoutError:
-                return False, "Timed out waiting for idle state."
+    async def _flush_locked(self, scheduler: Scheduler, *, empty_cache: bool) -> bool:
         async with scheduler.hold():
-            if not scheduler.is_fully_idle(ignore_waiting=ignore_waiting):
-                return False, None
+            if not scheduler.is_fully_idle(ignore_waiting=scheduler.mode is not SchedulerMode.RUNNING):
+                return False
             scheduler.flush()
             if empty_cache:
                 await self._on_model_thread(self._empty_caches)
-        return True, None
+        return True
 
     # --- memory ----------------------------------------------------------------------------------
 
@@ -497,20 +434,28 @@ class ReferenceEngine:
     # --- weights ---------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _model_update(self) -> AsyncIterator[None]:
-        """SGLang's rule: a paused engine updates at once; otherwise wait for in-flight requests."""
+    async def _model_update(self, scheduler: Scheduler) -> AsyncIterator[None]:
+        """SGLang's model_update_lock (tokenizer_control_mixin.py:471-633): a paused engine updates at once;
+        otherwise new requests wait at the gate while the update waits for the requests in flight."""
         if self._pause_mode is not None:
             yield
-        else:
-            async with self._update_lock.writer():
-                yield
+            return
+        async with self._pause_cond:
+            self._updates += 1
+        try:
+            await scheduler.wait_idle()
+            yield
+        finally:
+            async with self._pause_cond:
+                self._updates -= 1
+                self._pause_cond.notify_all()
 
     async def weight_session(self, selector: str | None) -> tuple[bool, str]:
         """``/begin_weight_update`` (a ``selector``) or ``/end_weight_update`` (None)."""
-        self._running()
+        scheduler, _, _ = self._running()
         # Under the control lock: a load still running (of a session whose caller gave up) finishes first, and
         # once an end returns, no load of the ended session runs or can start.
-        async with self._model_update(), self._control_lock:
+        async with self._model_update(scheduler), self._control_lock:
             if selector is not None and self._session_selector is not None:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             if selector is None and self._session_selector is None:
@@ -530,7 +475,7 @@ class ReferenceEngine:
         scheduler, memory, _ = self._running()
         if body.abort_all_requests:
             await scheduler.abort_all()
-        async with self._model_update(), self._control_lock:
+        async with self._model_update(scheduler), self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
                 return False, ("memory tag 'weights' is released; resume it (/resume_memory_occupation "
                                '{"tags": ["weights"]}) before loading weights')
@@ -545,7 +490,7 @@ class ReferenceEngine:
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
                 self.weight_version = body.weight_version
-            if body.flush_cache and not (await self._flush_locked(scheduler, 0, empty_cache=body.torch_empty_cache))[0]:
+            if body.flush_cache and not await self._flush_locked(scheduler, empty_cache=body.torch_empty_cache):
                 return False, ("Weights were updated, but the cache was not flushed because requests are still "
                                "running or queued. Retract or finish them, then call /flush_cache.")
         return True, "Success"
@@ -584,58 +529,19 @@ class ReferenceEngine:
         self.weight_version = new_version
 
     async def check_weights(self, action: str, skip: Sequence[str] | None) -> tuple[bool, str, dict[str, Any]]:
-        """``/weights_checker``: checksum, snapshot, compare or reset_tensors, as SGLang's WeightChecker; (success,
-        message, the reply's other fields)."""
+        """``/weights_checker``'s checksum, as SGLang's WeightChecker computes it (the one action colocd sends);
+        (success, message, the reply's other fields)."""
         _, memory, _ = self._running()
-        models, skipped = [r.model for r in self._ranks], tuple(skip or ())
+        if action != "checksum":
+            return False, f"Unsupported action={action!r}; the reference engine answers 'checksum' only", {}
         async with self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
                 return False, "memory tag 'weights' is released; resume it and push weights first", {}
-            if action == "checksum":
-                return await self._on_model_thread(self._checksum, skipped)
-            if action == "snapshot":
-                self._snapshot = await self._on_model_thread(lambda: [_clone_params(m) for m in models])
-            elif action == "compare":
-                if self._snapshot is None:
-                    return False, "no snapshot to compare with; call action 'snapshot' first", {}
-                snapshot, self._snapshot = self._snapshot, None
-                diffs = await self._on_model_thread(
-                    lambda: [d for r, m, snap in zip(self._ranks, models, snapshot, strict=True)
-                             for d in _compare_params(m, snap, skipped, r.index)])
-                if diffs:
-                    return False, "check tensor equality failed:\n" + "\n".join(diffs), {}
-            elif action == "reset_tensors":
-                await self._on_model_thread(_randomize_params, models, skipped)
-            else:
-                return False, f"Unsupported action={action!r}", {}
-            return True, "Success.", {}
-
-    def _checksum(self, skip: tuple[str, ...]) -> tuple[bool, str, dict[str, Any]]:
-        records = [rank_checksum(r, self.tp_size, skip) for r in self._ranks]
+            records = await self._on_model_thread(
+                lambda: [rank_checksum(r, self.tp_size, tuple(skip or ())) for r in self._ranks])
         # SGLang's per-engine checksum digests every rank's per-GPU one, in rank order.
         engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in records).encode()).hexdigest()
         return True, "Success.", {"ranks": records, "per_engine_checksum": engine}
-
-
-def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-
-
-def _compare_params(model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...],
-                    tp_rank: int) -> list[str]:
-    where = f" on TP rank {tp_rank}" if tp_rank else ""
-    return [f"name={name} differs from the snapshot{where}" for name, p in model.named_parameters()
-            if not any(s in name for s in skip) and not torch.equal(p.detach().cpu(), snapshot[name])]
-
-
-def _randomize_params(models: Sequence[QwenLikeForCausalLM], skip: tuple[str, ...]) -> None:
-    """The same random values on every TP rank, so the ranks keep agreeing."""
-    with torch.no_grad():
-        for named in zip(*(m.named_parameters() for m in models), strict=True):
-            if not any(s in named[0][0] for s in skip):
-                value = torch.randn_like(named[0][1])
-                for _, p in named:
-                    p.copy_(value)
 
 
 def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> dict[str, Any]:

@@ -5,12 +5,9 @@
 - ``cuda_graph``: the reference engine captures no CUDA graphs; this tag owns the decode
   workspace (the per-step logits buffer sampling reads from), so releasing it is still real.
 
-Release drops the storage (parameters keep their Python identity, shape and dtype as metadata);
-resume allocates with ``torch.empty``, so weights hold garbage until the next push, as in SGLang
-without ``--enable-weights-cpu-backup``. Unlike SGLang, a release of a released tag or a resume of a
-resident one is refused with ``MemoryTagError`` naming the tag, instead of killing the process.
-This module knows nothing of requests, HTTP or scheduling; callers keep generation off it while
-anything is released.
+Release drops the storage (parameters keep their identity, shape and dtype); resume allocates with ``torch.empty``,
+so weights hold garbage until the next push, as in SGLang without ``--enable-weights-cpu-backup``. Unlike SGLang, a
+release of a released tag or a resume of a resident one is refused (``MemoryTagError``) instead of killing the process.
 """
 
 from __future__ import annotations
@@ -87,10 +84,6 @@ class MemoryRegions:
         """Bytes the tag holds when resident (its size, whatever its state now)."""
         sizes = self._params.values() if tag is MemoryTag.WEIGHTS else [self._shapes[tag]]
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in sizes)
-
-    def nbytes(self, tag: MemoryTag) -> int:
-        """Bytes the tag holds right now (0 once released)."""
-        return self.resident_nbytes(tag) if self._states[tag] is TagState.RESIDENT else 0
 
     def check(self, tags: Iterable[MemoryTag], *, resume: bool) -> None:
         """Raise ``MemoryTagError`` for the first tag not in the state the action needs."""

@@ -1,9 +1,5 @@
-"""A tiny Qwen-style causal LM with Hugging Face parameter names, for training and for paged decoding.
-
-The same class serves the demo trainer (full-sequence ``forward`` with autograd, no cache) and the
-reference engine (incremental decoding that writes K/V into a KV pool the engine owns and passes
-in). It knows nothing of HTTP, memory tags or sampling.
-"""
+"""A tiny Qwen-style causal LM with Hugging Face parameter names, for the demo trainer (full sequences, autograd)
+and the reference engine (incremental decoding into a KV pool the engine owns and passes in)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """An allow-list unpickler for SGLang's pickled weight payloads, in the manner of SGLang's SafeUnpickler.
 
-Only data containers, torch dtypes/sizes/devices and torch's own tensor/storage rebuild functions
-may be named by a payload; any other global is refused with ``UnsafePickleError`` naming it, before
-it is imported. SGLang's own data classes (``FlattenedTensorMetadata``, ``LocalSerializedTensor``,
-the UUID-patched CUDA rebuild) are mapped to local stand-ins so payloads made by SGLang producers
-load without SGLang installed. colocd's own formats never come through here.
+A payload may name only data containers, torch dtypes/sizes/devices and torch's own tensor/storage rebuild functions;
+any other global is refused with ``UnsafePickleError`` naming it, before it is imported. (torch's ``weights_only``
+unpickler refuses the CUDA IPC rebuild SGLang's payloads name.) SGLang's own classes map to local stand-ins, so its
+producers' payloads load without SGLang installed.
 """
 
 from __future__ import annotations

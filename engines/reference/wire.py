@@ -1,8 +1,7 @@
-"""Bodies of the SGLang routes colocd never sends: ``/generate`` and ``/abort_request``.
+"""``/generate``'s body (the one SGLang route colocd never sends), and how every route parses its body.
 
-Field names, types and defaults follow SGLang 0.5.23's ``io_struct.py`` and ``sampling_params.py``; unknown
-fields are ignored, as SGLang ignores them. Every other route takes the model the SGLang adapter builds its
-request with (``engines/sglang/wire.py``), parsed the same lenient way (``server._body``).
+Fields follow SGLang 0.5.23's ``io_struct.py`` and ``sampling_params.py``; every other route takes the model the
+SGLang adapter builds its request with (``engines/sglang/wire.py``), parsed leniently by ``sglang_body``.
 """
 
 from __future__ import annotations
@@ -15,20 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["AbortRequestBody", "GenerateBody", "SGLangBody", "SamplingParamsBody", "sglang_body", "success"]
+__all__ = ["GenerateBody", "SGLangBody", "SamplingParamsBody", "sglang_body", "success"]
 
 _M = TypeVar("_M", bound=BaseModel)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-class AbortRequestBody(_Body):
-    """io_struct.py:2285 AbortReq."""
-
-    rid: str | None = ""
-    abort_all: bool = False
 
 
 class SamplingParamsBody(_Body):
