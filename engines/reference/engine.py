@@ -92,9 +92,6 @@ class ReferenceEngine:
         # duration this engine measures, and different for every process that serves.
         self.startup_cpu_s = time.process_time()
         self.tp_size = settings.tp_size
-        # Rank 0's device (generation runs there); every rank's is known once the model is built.
-        self.device = torch.device(settings.device if settings.tp_size == 1 else "cuda:0"
-                                   if settings.device.startswith("cuda") else settings.device)
         self._ranks: list[TPRank] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
         self._scheduler: Scheduler | None = None
@@ -161,7 +158,6 @@ class ReferenceEngine:
             model.requires_grad_(False)
             memory = MemoryRegions(model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device)
             self._ranks.append(TPRank(index, device, model, memory))
-        self.device = self._ranks[0].device
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
@@ -173,6 +169,11 @@ class ReferenceEngine:
             raise EngineRefusal(503, f"the server is {self.state.value}")
         assert self._scheduler is not None
         return self._scheduler, self._ranks[0].memory, self._ranks[0].model
+
+    @property
+    def device(self) -> torch.device:
+        """Rank 0's device, where generation runs (known once the model is built)."""
+        return self._ranks[0].device
 
     # --- state for the info routes ---------------------------------------------------------------
 
