@@ -303,20 +303,17 @@ class ReferenceEngine:
         if rid is None or (n > 1 and not isinstance(body.rid, list)):
             rid = uuid.uuid4().hex
         lp = pick(body.return_logprob, "return_logprob")
-        stop_ids = set(params.stop_token_ids or ())
+        stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.add(self.tokenizer.eos_token_id)
-        stop_strs = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
-        sampling = SamplingConfig(temperature=1.0 if params.temperature is None else params.temperature,
-                                  top_k=-1 if params.top_k is None else params.top_k,
-                                  top_p=1.0 if params.top_p is None else params.top_p, min_p=params.min_p or 0.0)
+        stop_strs = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop)
+        sampling = SamplingConfig(params.temperature, params.top_k, params.top_p, params.min_p)
         # Seeded requests draw from their own generator so that batch neighbours cannot change
         # them; unseeded ones from a fresh random seed.
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
         generator = None if sampling.greedy else torch.Generator(device="cpu").manual_seed(seed)
-        stop = StopRule(max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
-                        stop_token_ids=frozenset(stop_ids), stop_strs=stop_strs, no_stop_trim=bool(params.no_stop_trim),
-                        skip_special_tokens=params.skip_special_tokens is not False)
+        stop = StopRule(params.max_new_tokens, frozenset(stop_ids), stop_strs, params.no_stop_trim,
+                        params.skip_special_tokens)
         return self._new_req(rid, prompt, sampling, stop, generator, return_logprob=bool(lp))
 
     @staticmethod
