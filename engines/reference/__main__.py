@@ -82,18 +82,14 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _bind(host: str, port: int) -> tuple[socket.socket, str]:
-    """The listening socket and its URL (port 0: the OS picks, so the URL is the real one)."""
-    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
+async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings, app_factory: AppFactory) -> int:
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.create_server((args.host, args.port), family=family, backlog=128)
     # Inherited by accepted connections; asyncio would not set it on a socket it did not create,
     # and every keep-alive reply would then wait ~40 ms for the client's delayed ACK (Nagle).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    host, port = sock.getsockname()[:2]
-    return sock, f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings, app_factory: AppFactory) -> int:
-    sock, url = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]  # port 0: the OS picked, and the URL is the real one
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     app = app_factory(settings)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
                                     timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))

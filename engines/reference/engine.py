@@ -70,16 +70,6 @@ class TPRank:
     memory: MemoryRegions
 
 
-def rank_devices(device: str, tp_size: int) -> list[torch.device]:
-    """Where each TP rank runs: ``cpu``, every rank on the CPU; ``cuda``, rank r on visible GPU r; ``cuda:N`` (one
-    rank only), that GPU. Runs on the model thread (touches CUDA)."""
-    if not device.startswith("cuda") or tp_size == 1:
-        return [torch.device(device)] * tp_size
-    if (visible := torch.cuda.device_count()) < tp_size:
-        raise ValueError(f"tp_size {tp_size} needs one GPU per TP rank, but this process sees {visible}")
-    return [torch.device("cuda", r) for r in range(tp_size)]
-
-
 class ReferenceEngine:
     """A tiny causal LM served with SGLang's semantics; ``start()`` then ``aclose()``."""
 
@@ -151,8 +141,14 @@ class ReferenceEngine:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _build(self) -> None:
-        settings = self.settings
-        for index, device in enumerate(rank_devices(settings.device, settings.tp_size)):
+        # Where each TP rank runs: ``cpu``, every rank on the CPU; ``cuda``, rank r on visible GPU r; ``cuda:N`` (one
+        # rank only), that GPU.
+        settings, devices = self.settings, [torch.device(self.settings.device)] * self.settings.tp_size
+        if settings.device.startswith("cuda") and settings.tp_size > 1:
+            if (visible := torch.cuda.device_count()) < settings.tp_size:
+                raise ValueError(f"tp_size {settings.tp_size} needs one GPU per TP rank; this process sees {visible}")
+            devices = [torch.device("cuda", r) for r in range(settings.tp_size)]
+        for index, device in enumerate(devices):
             # Same seed on every rank: all start with the same weights, as SGLang's ranks load one checkpoint.
             model = build_model(settings.model, settings.seed, device).eval()
             model.requires_grad_(False)
@@ -229,8 +225,7 @@ class ReferenceEngine:
             return False
         if not self._ranks[0].memory.all_resident:
             return False
-        req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
-                            StopRule(max_new_tokens=1), None, return_logprob=False)
+        req = Req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], StopRule(max_new_tokens=1), SamplingConfig(0.0), None, False)
         await scheduler.submit(req)
         try:
             await asyncio.wait_for(asyncio.shield(req.future), _HEALTH_TIMEOUT_S)
@@ -314,13 +309,7 @@ class ReferenceEngine:
         generator = None if sampling.greedy else torch.Generator(device="cpu").manual_seed(seed)
         stop = StopRule(params.max_new_tokens, frozenset(stop_ids), stop_strs, params.no_stop_trim,
                         params.skip_special_tokens)
-        return self._new_req(rid, prompt, sampling, stop, generator, return_logprob=bool(lp))
-
-    @staticmethod
-    def _new_req(rid: str, prompt: list[int], sampling: SamplingConfig, stop: StopRule,
-                 generator: torch.Generator | None, *, return_logprob: bool) -> Req:
-        future: asyncio.Future[Req] = asyncio.get_running_loop().create_future()
-        return Req(rid, prompt, stop, sampling, generator, return_logprob, future)
+        return Req(rid, prompt, stop, sampling, generator, return_logprob=bool(lp))
 
     @property
     def weight_version(self) -> str:

@@ -31,9 +31,6 @@ _RESUME_ORDER = (MemoryTag.CUDA_GRAPH, MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
 class MemoryTagError(ValueError):
     """A release or resume that does not fit a tag's current state; names the tag and the state."""
 
-    def __init__(self, tag: str, state: str, action: str) -> None:
-        super().__init__(f"cannot {action} memory tag {tag!r}: it is already {state}")
-
 
 def normalize_tags(tags: Iterable[str] | None) -> tuple[MemoryTag, ...]:
     """SGLang's rule: None or [] means every tag; an unknown name is an error naming it."""
@@ -90,7 +87,8 @@ class MemoryRegions:
         needed = TagState.RELEASED if resume else TagState.RESIDENT
         for tag in tags:
             if self._states[tag] is not needed:
-                raise MemoryTagError(tag.value, self._states[tag].value, "resume" if resume else "release")
+                raise MemoryTagError(f"cannot {'resume' if resume else 'release'} memory tag {tag.value!r}: it is "
+                                     f"already {self._states[tag].value}")
 
     def release(self, tags: Iterable[MemoryTag]) -> None:
         """Free the tags' storage and give it back to the device (on the model thread); checks every tag first,

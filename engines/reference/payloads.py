@@ -34,20 +34,14 @@ def open_payload(entry: str, load_format: str | None, *, tp_rank: int = 0,
     """Yield the entry's tensors (CUDA-IPC mappings close when the ``with`` ends); with ``device`` given, CUDA
     tensors must already be on it (a handle from another GPU is an error, not a silent P2P copy)."""
     raw = _b64decode(entry)
-    device = _indexed(device)
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # so that tensors' devices compare equal to it
     if load_format in (None, "direct"):
         yield _on_device(_named_list(safe_loads(raw), tp_rank), device)
     elif load_format == "flattened_bucket":
         yield _on_device(_flattened_bucket(safe_loads(raw)), device)
     else:
         raise PayloadError(f"unknown load_format {load_format!r}; supported: {list(LOAD_FORMATS)}")
-
-
-def _indexed(device: torch.device | None) -> torch.device | None:
-    """``cuda`` as this process's current GPU, so that tensors' devices compare equal to it."""
-    if device is not None and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _on_device(named: NamedTensors, device: torch.device | None) -> NamedTensors:

@@ -54,7 +54,7 @@ class Req:
     sampling: SamplingConfig
     generator: torch.Generator | None
     return_logprob: bool
-    future: asyncio.Future[Req]
+    future: asyncio.Future[Req] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
@@ -90,8 +90,6 @@ class Scheduler:
         self._mode, self._holds, self._stepping = SchedulerMode.RUNNING, 0, False
         self._changed = asyncio.Condition()
 
-    # --- observation -----------------------------------------------------------------------------
-
     @property
     def num_running(self) -> int:
         return len(self._running)
@@ -107,8 +105,6 @@ class Scheduler:
     def is_fully_idle(self, *, ignore_waiting: bool = False) -> bool:
         """SGLang's ``is_fully_idle``: nothing running (or mid-step) and, unless ignored, nothing queued."""
         return not self._stepping and not self._running and (ignore_waiting or not self._waiting)
-
-    # --- requests --------------------------------------------------------------------------------
 
     async def submit(self, req: Req) -> None:
         async with self._changed:
@@ -134,8 +130,6 @@ class Scheduler:
         for req in (*self._waiting, *self._running):
             if req.finish is None and req.output_ids:
                 req.version_events.append((old, len(req.output_ids)))
-
-    # --- control ---------------------------------------------------------------------------------
 
     async def set_mode(self, mode: SchedulerMode) -> None:
         """Change the mode and wait for any step in flight; a retract applies once it has ended."""
@@ -173,8 +167,6 @@ class Scheduler:
         if self._running:
             raise RuntimeError("flush with requests running")
         self._free_slots = list(range(self._max_batch - 1, -1, -1))
-
-    # --- the loop --------------------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
