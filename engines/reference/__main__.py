@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -71,9 +70,6 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield

@@ -66,8 +66,7 @@ class DistributedUpdates:
         self._engine._running()
         failed, rank, device = "Failed to initialize custom process group:", body.rank_offset, self._engine.device
         if self._engine.tp_size != 1:
-            # SGLang joins one group rank per TP rank (rank_offset + tp_rank); this engine's ranks share one
-            # process and would need one group member each, which it does not implement: its one rank is rank_offset.
+            # SGLang joins one group rank per TP rank (rank_offset + tp_rank); this engine's ranks share one process.
             return False, (f"{failed} the reference engine joins weight-update groups only with tp_size 1 (this one "
                            f"has tp_size {self._engine.tp_size}); use update_weights_from_tensor")
         if not 1 <= rank < body.world_size:

@@ -78,8 +78,7 @@ class ReferenceEngine:
         self.tokenizer = CharTokenizer()
         self.state = RunState.STARTING
         self._weight_version = "default"  # SGLang's --weight-version default
-        # The CPU seconds the process took to get here (imports, settings), to the nanosecond: the one startup
-        # duration this engine measures, and different for every process that serves.
+        # CPU seconds to get here, to the nanosecond: the one startup duration measured, other for every process.
         self.startup_cpu_s = time.process_time()
         self.tp_size = settings.tp_size
         self._ranks: list[TPRank] = []
@@ -120,8 +119,7 @@ class ReferenceEngine:
                     self.tp_size, ", ".join(str(r.device) for r in self._ranks), self.settings.protocol)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
-        # The loop only ends by cancellation at shutdown; anything else is a bug that would leave
-        # requests hanging, so fail loudly and let the process exit (its supervisor sees it die).
+        # The loop ends only by cancellation at shutdown; anything else would leave requests hanging: fail loudly.
         if not task.cancelled() and task.exception() is not None:
             logger.error("scheduler loop died", exc_info=task.exception())
             self.state = RunState.FAILED
@@ -141,8 +139,7 @@ class ReferenceEngine:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _build(self) -> None:
-        # Where each TP rank runs: ``cpu``, every rank on the CPU; ``cuda``, rank r on visible GPU r; ``cuda:N`` (one
-        # rank only), that GPU.
+        # TP rank r runs on the CPU, on visible GPU r with ``cuda``, or on GPU N with ``cuda:N`` (one rank only).
         settings, devices = self.settings, [torch.device(self.settings.device)] * self.settings.tp_size
         if settings.device.startswith("cuda") and settings.tp_size > 1:
             if (visible := torch.cuda.device_count()) < settings.tp_size:
@@ -159,8 +156,6 @@ class ReferenceEngine:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _running(self) -> tuple[Scheduler, MemoryRegions, QwenLikeForCausalLM]:
-        if self.state is RunState.STARTING:
-            raise EngineRefusal(503, "the server is still starting")
         if self.state is not RunState.RUNNING:
             raise EngineRefusal(503, f"the server is {self.state.value}")
         assert self._scheduler is not None
@@ -187,8 +182,7 @@ class ReferenceEngine:
             "weight_update_session": self._session_selector,
             "engine_state": self.state.value,
             "memory_usage": self.memory_usage(),
-            # Which tags hold memory now: SGLang reports nothing of the kind (the adapter reads none of it); the
-            # specs read it to see what the daemon did to this engine.
+            # Which tags hold memory now, which SGLang does not report: the specs read what the daemon did.
             "memory_resident": {t.value: self._ranks[0].memory.state(t) is TagState.RESIDENT for t in MemoryTag}
             if self._ranks else {},
         }
@@ -303,8 +297,7 @@ class ReferenceEngine:
             stop_ids.add(self.tokenizer.eos_token_id)
         stop_strs = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop)
         sampling = SamplingConfig(params.temperature, params.top_k, params.top_p, params.min_p)
-        # Seeded requests draw from their own generator so that batch neighbours cannot change
-        # them; unseeded ones from a fresh random seed.
+        # Seeded requests draw from their own generator, so batch neighbours cannot change them.
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
         generator = None if sampling.greedy else torch.Generator(device="cpu").manual_seed(seed)
         stop = StopRule(params.max_new_tokens, frozenset(stop_ids), stop_strs, params.no_stop_trim,
@@ -332,8 +325,7 @@ class ReferenceEngine:
             "completion_tokens": len(req.output_ids), "cached_tokens": 0,
         }
         if req.weight_versions:
-            # SGLang 0.5.23 add_weight_versions_to_meta_info (utils/weight_versions.py): the spans of output
-            # tokens each version produced, and weight_version becomes the last span's version.
+            # SGLang 0.5.23's add_weight_versions_to_meta_info: weight_version becomes the last span's version.
             meta["weight_versions"] = [dict(span) for span in req.weight_versions]
             meta["weight_version"] = req.weight_versions[-1]["version"]
         if req.return_logprob:

@@ -22,11 +22,6 @@ from .model import QwenLikeForCausalLM, kv_pool_shape
 
 __all__ = ["MemoryRegions", "MemoryTagError", "TagState", "normalize_tags"]
 
-# SGLang's order (scheduler_components/weight_updater.py:337-426): release kv → weights → graph,
-# resume graph → weights → kv, so the biggest allocations come back last.
-_RELEASE_ORDER = (MemoryTag.KV_CACHE, MemoryTag.WEIGHTS, MemoryTag.CUDA_GRAPH)
-_RESUME_ORDER = (MemoryTag.CUDA_GRAPH, MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
-
 
 class MemoryTagError(ValueError):
     """A release or resume that does not fit a tag's current state; names the tag and the state."""
@@ -93,7 +88,7 @@ class MemoryRegions:
     def release(self, tags: Iterable[MemoryTag]) -> None:
         """Free the tags' storage and give it back to the device (on the model thread); checks every tag first,
         so a refused call changes nothing."""
-        tags = tuple(t for t in _RELEASE_ORDER if t in set(tags))
+        tags = tuple(tags)
         self.check(tags, resume=False)
         if self._device.type == "cuda":
             # No kernel may still read memory we are about to drop (sgl-project/sglang#31073).
@@ -111,7 +106,7 @@ class MemoryRegions:
 
     def resume(self, tags: Iterable[MemoryTag]) -> None:
         """Reallocate the tags (weights as ``torch.empty``: garbage until weights are pushed again)."""
-        tags = tuple(t for t in _RESUME_ORDER if t in set(tags))
+        tags = tuple(tags)
         self.check(tags, resume=True)
         for tag in tags:
             if tag is MemoryTag.WEIGHTS:

@@ -65,8 +65,7 @@ class Req:
     # (old version, output tokens produced under it so far), one per version change while it was alive.
     version_events: list[tuple[str, int]] = field(default_factory=list)
     text: str = ""  # the output, decoded (and stop-trimmed) at finish
-    # SGLang's per-request spans, set at finish: [{version, start, end}] over the output tokens, one per weight
-    # version that produced some of them, oldest first.
+    # SGLang's spans [{version, start, end}] of the output tokens, one per version, oldest first; set at finish.
     weight_versions: tuple[dict[str, Any], ...] = ()
 
     @property

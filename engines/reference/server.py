@@ -58,8 +58,7 @@ def create_app(settings: ReferenceServerSettings, engine: ReferenceEngine | None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The model is built in the background so the socket answers at once: /health says 503
-        # until it is ready, as SGLang's does while starting.
+        # Built in the background so the socket answers at once: /health says 503 until then, as SGLang's does.
         start = asyncio.create_task(engine.start(), name="colocd-ref-start")
         try:
             yield
@@ -159,8 +158,7 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
             "enable_lora": False, "max_loaded_loras": None,  # SGLang started without --enable-lora
         }
         if not legacy:
-            # 0.5.23: a dict of startup-phase durations (tokenizer_manager.py:535,862), of which this engine
-            # measures one; a restarted process answers another dict (colocd's incarnation).
+            # 0.5.23's startup-phase durations (tokenizer_manager.py:535,862): one measured, other for every process.
             info["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
                                     "cuda_graph": {}, "tokenizer_e2e": engine.startup_cpu_s}
         return info
