@@ -22,7 +22,8 @@ from fastapi import FastAPI
 from colocd.engines.base import MemoryTag
 from colocd.engines.reference.__main__ import main
 from colocd.engines.reference.engine import EngineRefusal, ReferenceEngine
-from colocd.engines.reference.payloads import open_bucket, open_payload
+from colocd.engines.reference.payloads import _b64decode, _bucket_parts, open_payload
+from colocd.engines.reference.safe_unpickle import safe_loads
 from colocd.engines.reference.server import create_app
 from colocd.engines.reference.settings import ReferenceServerSettings
 
@@ -83,7 +84,7 @@ class SinkEngine(ReferenceEngine):
         for rank, sink, entry in zip(self._ranks, self.sinks, entries, strict=True):
             if load_format == "flattened_bucket":
                 # Copied by the chunk shape's plan (benchmarks/load_plan.py) rather than through a list of views.
-                flat, metadata = open_bucket(entry, rank.device)  # unpickling opens the IPC handle
+                flat, metadata = _bucket_parts(safe_loads(_b64decode(entry)))  # unpickling opens the IPC handle
                 names = sink.load_bucket(flat, metadata)
                 del flat  # the IPC mapping closes before the reply: the trainer may reuse the memory then
             else:

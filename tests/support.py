@@ -336,14 +336,14 @@ def reference_config(name: str = "ref0", **config: Any) -> Any:
 
 
 @asynccontextmanager
-async def reference_engine(name: str = "ref0", *, ready_path: str = "/health", drivable: bool = False,
-                           options: Any = None, log_path: Any = None, **config: Any) -> AsyncIterator[Any]:
-    """A fresh reference engine process (``ReferenceEngineProcess``), ready once ``ready_path`` answers (by default
-    once a generation does); ``drivable``, ``options`` and ``log_path`` are the launcher's."""
+async def reference_engine(name: str = "ref0", *, drivable: bool = False, options: Any = None, log_path: Any = None,
+                           **config: Any) -> AsyncIterator[Any]:
+    """A fresh reference engine process (``ReferenceEngineProcess``), ready once a generation answers (``drivable``:
+    once it accepts a pause); ``drivable``, ``options`` and ``log_path`` are the launcher's."""
     from colocd.engines.reference.launcher import ReferenceEngineProcess
 
-    async with ReferenceEngineProcess(reference_config(name, **config), ready_path=ready_path, drivable=drivable,
-                                      options=options, log_path=log_path) as proc:
+    async with ReferenceEngineProcess(reference_config(name, **config), drivable=drivable, options=options,
+                                      log_path=log_path) as proc:
         yield proc
 
 
@@ -367,15 +367,15 @@ class RestartableEngine:
         await self.proc.aclose()
         assert self.proc.returncode == -signal.SIGKILL
 
-    async def restart(self, *, ready_path: str = "/health") -> None:
-        """Kill it (if it runs) and start a fresh process of its config on its URL, ready once ``ready_path``
-        answers (``/model_info`` where a daemon watching it may pause it before its first generation)."""
+    async def restart(self, *, drivable: bool = False) -> None:
+        """Kill it (if it runs) and start a fresh process of its config on its URL, ready once a generation answers
+        (``drivable``: once it accepts a pause, where a daemon watching it may pause it before its first generation)."""
         from colocd.engines.reference.launcher import ReferenceEngineProcess
 
         if self.proc.returncode is None:
             await self.kill()
         self.proc = ReferenceEngineProcess(self.proc.config.model_copy(update={"url": self.url}),
-                                           ready_path=ready_path)
+                                           drivable=drivable)
         await self.proc.astart()
 
 

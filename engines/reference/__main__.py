@@ -1,12 +1,8 @@
 """Command line of the reference engine server: bind, announce in a ready file, serve until SIGTERM.
 
-    python -m colocd.engines.reference --host 127.0.0.1 --port 0 --device cpu --seed 0 \\
-        --protocol 0.5.23 --ready-file /tmp/x/ready.json [--api-key K] [--model-json '{...}'] [--tp-size 2]
-
-The socket is bound here (port 0 = the OS picks), so the URL in the ready file is the real one and
-no port is ever guessed. The ready file (``{"url", "pid"}``) is written atomically once the socket
-listens; ``/health`` answers 503 until the model is built, then 200. ``main(argv, app_factory)`` serves another
-app of the same settings (the lab's engines, ``benchmarks/sink_engine.py``).
+The socket is bound here (port 0 = the OS picks), so the URL in the ready file (``{"url", "pid"}``, written
+atomically once listening) is the real one; ``/health`` answers 503 until the model is built, then 200.
+``main(argv, app_factory)`` serves another app of the same settings (the lab's ``benchmarks/sink_engine.py``).
 """
 
 from __future__ import annotations
@@ -14,14 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -55,7 +49,6 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
     add("--api-key", default=None, help="bearer token required on all but health routes")
     add("--model-json", default="{}", help="JSON object of QwenLikeConfig overrides")
     add("--max-batch", type=int, default=8, help="KV pool slots (concurrent requests)")
-    add("--torch-threads", type=int, default=1, help="intra-op CPU threads; the model is tiny, so more only contend")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
@@ -63,7 +56,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
         if not isinstance(overrides, dict):
             raise ValueError("--model-json must be a JSON object")
         settings = ReferenceServerSettings(
-            device=args.device, seed=args.seed, protocol=args.protocol, max_batch=args.max_batch, host=args.host,
+            device=args.device, seed=args.seed, protocol=args.protocol, max_batch=args.max_batch,
             api_key=args.api_key or os.environ.get("COLOCD_REFERENCE_API_KEY") or None,
             model=QwenLikeConfig.from_overrides(overrides), tp_size=args.tp_size)
     except (ValueError, TypeError) as exc:
@@ -72,17 +65,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ReferenceSer
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that SIGTERM/SIGINT end ``serve()`` and the process then exits 0.
-
-    uvicorn re-raises the captured signal after its graceful shutdown (so the process dies of it);
-    for us SIGTERM is the documented way to stop, and a clean stop should read as success.
-    """
+    """uvicorn's server, except that SIGTERM/SIGINT end ``serve()`` and the process exits 0 (uvicorn re-raises
+    the signal after its graceful shutdown; here SIGTERM is the documented way to stop)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
@@ -91,19 +78,14 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _bind(host: str, port: int) -> tuple[socket.socket, str]:
-    """The listening socket and its URL (port 0: the OS picks, so the URL is the real one)."""
-    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
+async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings, app_factory: AppFactory) -> int:
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.create_server((args.host, args.port), family=family, backlog=128)
     # Inherited by accepted connections; asyncio would not set it on a socket it did not create,
     # and every keep-alive reply would then wait ~40 ms for the client's delayed ACK (Nagle).
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    host, port = sock.getsockname()[:2]
-    return sock, f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings, app_factory: AppFactory) -> int:
-    sock, url = _bind(args.host, args.port)
-    settings = dataclasses.replace(settings, port=sock.getsockname()[1])
+    host, port = sock.getsockname()[:2]  # port 0: the OS picked, and the URL is the real one
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     app = app_factory(settings)
     server = _Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
                                     timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
@@ -127,7 +109,7 @@ async def _serve(args: argparse.Namespace, settings: ReferenceServerSettings, ap
 def main(argv: Sequence[str] | None = None, app_factory: AppFactory = create_app) -> int:
     """Serve ``app_factory(settings)`` (whose ``state.engine`` is a ``ReferenceEngine``) until SIGTERM."""
     args, settings = _parse(argv)
-    torch.set_num_threads(max(1, args.torch_threads))
+    torch.set_num_threads(1)  # the model is tiny: more intra-op threads only contend
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(_serve(args, settings, app_factory))

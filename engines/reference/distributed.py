@@ -1,11 +1,8 @@
 """SGLang's separated-GPU weight routes on the reference engine: join a group, receive broadcasts, destroy it.
 
-Routes and bodies follow SGLang 0.5.23 (http_server.py:1404, 1420, 1488; research/engine-apis.md §1.6).
-``/init_weights_update_group`` blocks until every rank joined; ``/update_weights_from_distributed`` blocks in its
-receive until the trainer (rank 0) broadcasts, so both run on their own daemon threads (``weight_group.off_loop``):
-never on the event loop, and never on the model thread, which must keep generating and answering control routes
-meanwhile. Received tensors land in temporary buffers and reach the model through ``ReferenceEngine.apply_update``,
-as ``update_weights_from_tensor``'s do: all or nothing per request.
+Routes and bodies follow SGLang 0.5.23 (http_server.py:1404, 1420, 1488; research/engine-apis.md §1.6). Joining and
+receiving block until the trainer (rank 0) acts, so both run on their own threads (``weight_group.off_loop``), never
+on the loop or the model thread; received tensors reach the model through ``ReferenceEngine.apply_update``.
 """
 
 from __future__ import annotations
@@ -69,8 +66,7 @@ class DistributedUpdates:
         self._engine._running()
         failed, rank, device = "Failed to initialize custom process group:", body.rank_offset, self._engine.device
         if self._engine.tp_size != 1:
-            # SGLang joins one group rank per TP rank (rank_offset + tp_rank); this engine's ranks share one
-            # process and would need one group member each, which it does not implement: its one rank is rank_offset.
+            # SGLang joins one group rank per TP rank (rank_offset + tp_rank); this engine's ranks share one process.
             return False, (f"{failed} the reference engine joins weight-update groups only with tp_size 1 (this one "
                            f"has tp_size {self._engine.tp_size}); use update_weights_from_tensor")
         if not 1 <= rank < body.world_size:

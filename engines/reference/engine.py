@@ -1,9 +1,7 @@
 """The reference engine's behaviour behind SGLang's routes: generation, pause, memory tags, weight updates.
 
-One ``ReferenceEngine`` per server. It owns the model, its memory regions, the scheduler and the
-single model thread every tensor operation runs on (so control routes stay responsive while a
-step runs, and no two model operations ever overlap). Route handlers in ``server.py`` call one
-method each and shape the answer; this module knows SGLang's semantics but not its JSON.
+One ``ReferenceEngine`` per server owns the model, its memory, the scheduler and the single model thread every
+tensor operation runs on (so control routes stay responsive while a step runs, and no two model operations overlap).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from .model import QwenLikeForCausalLM, build_model
 from .payloads import disagreement, open_payload
 from .runner import ModelRunner, SamplingConfig
 from .scheduler import Req, Scheduler, SchedulerMode, StopRule
-from .settings import ReferenceServerSettings
+from .settings import MODEL_PATH, ReferenceServerSettings
 from .tokenizer import CharTokenizer
 from .wire import GenerateBody, SamplingParamsBody
 
@@ -42,6 +40,7 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 UpdateBody = UpdateWeightsFromTensorReqInput | UpdateWeightsFromDistributedReqInput
 _GB = 1 << 30  # SGLang's "GB"
+_HEALTH_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
 
 
 class RunState(StrEnum):
@@ -71,55 +70,6 @@ class TPRank:
     memory: MemoryRegions
 
 
-def rank_devices(device: str, tp_size: int) -> list[torch.device]:
-    """Where each TP rank runs: ``cpu``, every rank on the CPU; ``cuda``, rank r on visible GPU r; ``cuda:N`` (one
-    rank only), that GPU. Runs on the model thread (touches CUDA)."""
-    if not device.startswith("cuda") or tp_size == 1:
-        return [torch.device(device)] * tp_size
-    if (visible := torch.cuda.device_count()) < tp_size:
-        raise ValueError(f"tp_size {tp_size} needs one GPU per TP rank, but this process sees {visible}")
-    return [torch.device("cuda", r) for r in range(tp_size)]
-
-
-class ReaderWriterLock:
-    """SGLang's ``model_update_lock`` in miniature (tokenizer_control_mixin.py:471-633): generation requests are
-    readers for their whole lifetime; a weight update while not paused is a writer, which waits for the requests
-    in flight while new ones queue behind it (writer-preferring)."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._readers, self._writers_waiting, self._writer_active = 0, 0, False
-
-    @contextlib.asynccontextmanager
-    async def reader(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writer_active and self._writers_waiting == 0)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def writer(self) -> AsyncIterator[None]:
-        async with self._cond:
-            self._writers_waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._writer_active and self._readers == 0)
-            finally:
-                self._writers_waiting -= 1
-                self._cond.notify_all()  # a cancelled writer must not leave readers parked
-            self._writer_active = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._writer_active = False
-                self._cond.notify_all()
-
-
 class ReferenceEngine:
     """A tiny causal LM served with SGLang's semantics; ``start()`` then ``aclose()``."""
 
@@ -127,28 +77,24 @@ class ReferenceEngine:
         self.settings = settings
         self.tokenizer = CharTokenizer()
         self.state = RunState.STARTING
-        self._weight_version = settings.weight_version
-        # The CPU seconds the process took to get here (imports, settings), to the nanosecond: the one startup
-        # duration this engine measures, and different for every process that serves.
+        self._weight_version = "default"  # SGLang's --weight-version default
+        # CPU seconds to get here, to the nanosecond: the one startup duration measured, other for every process.
         self.startup_cpu_s = time.process_time()
         self.tp_size = settings.tp_size
-        # Rank 0's device (generation runs there); every rank's is known once the model is built.
-        self.device = torch.device(settings.device if settings.tp_size == 1 else "cuda:0"
-                                   if settings.device.startswith("cuda") else settings.device)
         self._ranks: list[TPRank] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocd-ref-model")
         self._scheduler: Scheduler | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._failed = asyncio.Event()
-        # Generation gate: while a pause is in force new requests wait here (SGLang's is_pause_cond).
+        # Generation gate: while a pause or an unpaused weight update is in force, new requests wait here (SGLang's
+        # is_pause_cond and the writer side of its model_update_lock).
         self._pause_mode: PauseMode | None = None
+        self._updates = 0
         self._pause_cond = asyncio.Condition()
         self._blocked = 0
-        self._update_lock = ReaderWriterLock()
         # Memory, weight and flush operations run one at a time, as SGLang's scheduler runs them.
         self._control_lock = asyncio.Lock()
         self._session_selector: str | None = None
-        self._snapshot: list[dict[str, torch.Tensor]] | None = None  # one per TP rank
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -165,17 +111,15 @@ class ReferenceEngine:
         step = functools.partial(self._on_model_thread, ModelRunner(self._ranks[0].model, memory).step)
         self._scheduler = Scheduler(step,
                                     max_batch=self.settings.max_batch, max_seq=self.settings.max_seq,
-                                    tokenizer=self.tokenizer, memory_ready=lambda: memory.all_resident,
-                                    weight_version=self._weight_version)
+                                    tokenizer=self.tokenizer, memory_ready=lambda: memory.all_resident)
         self._loop_task = asyncio.create_task(self._scheduler.run(), name="colocd-ref-scheduler")
         self._loop_task.add_done_callback(self._on_loop_exit)
         self.state = RunState.RUNNING
-        logger.info("reference engine ready: %s, tp_size %d on %s, protocol %s", self.settings.model_path,
+        logger.info("reference engine ready: %s, tp_size %d on %s, protocol %s", MODEL_PATH,
                     self.tp_size, ", ".join(str(r.device) for r in self._ranks), self.settings.protocol)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
-        # The loop only ends by cancellation at shutdown; anything else is a bug that would leave
-        # requests hanging, so fail loudly and let the process exit (its supervisor sees it die).
+        # The loop ends only by cancellation at shutdown; anything else would leave requests hanging: fail loudly.
         if not task.cancelled() and task.exception() is not None:
             logger.error("scheduler loop died", exc_info=task.exception())
             self.state = RunState.FAILED
@@ -195,25 +139,32 @@ class ReferenceEngine:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _build(self) -> None:
-        settings = self.settings
-        for index, device in enumerate(rank_devices(settings.device, settings.tp_size)):
+        # TP rank r runs on the CPU, on visible GPU r with ``cuda``, or on GPU N with ``cuda:N`` (one rank only).
+        settings, devices = self.settings, [torch.device(self.settings.device)] * self.settings.tp_size
+        if settings.device.startswith("cuda") and settings.tp_size > 1:
+            if (visible := torch.cuda.device_count()) < settings.tp_size:
+                raise ValueError(f"tp_size {settings.tp_size} needs one GPU per TP rank; this process sees {visible}")
+            devices = [torch.device("cuda", r) for r in range(settings.tp_size)]
+        for index, device in enumerate(devices):
             # Same seed on every rank: all start with the same weights, as SGLang's ranks load one checkpoint.
             model = build_model(settings.model, settings.seed, device).eval()
             model.requires_grad_(False)
             memory = MemoryRegions(model, max_batch=settings.max_batch, max_seq=settings.max_seq, device=device)
             self._ranks.append(TPRank(index, device, model, memory))
-        self.device = self._ranks[0].device
 
     async def _on_model_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _running(self) -> tuple[Scheduler, MemoryRegions, QwenLikeForCausalLM]:
-        if self.state is RunState.STARTING:
-            raise EngineRefusal(503, "the server is still starting")
         if self.state is not RunState.RUNNING:
             raise EngineRefusal(503, f"the server is {self.state.value}")
         assert self._scheduler is not None
         return self._scheduler, self._ranks[0].memory, self._ranks[0].model
+
+    @property
+    def device(self) -> torch.device:
+        """Rank 0's device, where generation runs (known once the model is built)."""
+        return self._ranks[0].device
 
     # --- state for the info routes ---------------------------------------------------------------
 
@@ -231,8 +182,7 @@ class ReferenceEngine:
             "weight_update_session": self._session_selector,
             "engine_state": self.state.value,
             "memory_usage": self.memory_usage(),
-            # Which tags hold memory now: SGLang reports nothing of the kind (the adapter reads none of it); the
-            # specs read it to see what the daemon did to this engine.
+            # Which tags hold memory now, which SGLang does not report: the specs read what the daemon did.
             "memory_resident": {t.value: self._ranks[0].memory.state(t) is TagState.RESIDENT for t in MemoryTag}
             if self._ranks else {},
         }
@@ -269,38 +219,27 @@ class ReferenceEngine:
             return False
         if not self._ranks[0].memory.all_resident:
             return False
-        if scheduler.num_running:
-            # SGLang's rule: any output from a busy engine proves it healthy; a probe of our own
-            # could wait behind a full batch.
-            probe: asyncio.Future[Any] = asyncio.ensure_future(scheduler.wait_step(scheduler.steps_done))
-            req = None
-        else:
-            req = self._new_req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingConfig(temperature=0.0),
-                                StopRule(max_new_tokens=1), None, return_logprob=False)
-            await scheduler.submit(req)
-            probe = req.future
+        req = Req(f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], StopRule(max_new_tokens=1), SamplingConfig(0.0), None, False)
+        await scheduler.submit(req)
         try:
-            await asyncio.wait_for(asyncio.shield(probe), self.settings.health_timeout_s)
+            await asyncio.wait_for(asyncio.shield(req.future), _HEALTH_TIMEOUT_S)
         except TimeoutError:
-            if req is not None:
-                await scheduler.abort_all("health check timed out", req=req)
-            probe.cancel()
+            await scheduler.abort_all("health check timed out", req=req)
             return False
         return True
 
     async def _run(self, scheduler: Scheduler, reqs: list[Req]) -> list[Req]:
         try:
-            async with self._update_lock.reader():
-                async with self._pause_cond:
-                    self._blocked += len(reqs)
-                    try:
-                        await self._pause_cond.wait_for(lambda: self._pause_mode is None)
-                    finally:
-                        self._blocked -= len(reqs)
-                    # Submitted while still holding the gate, so no pause can slip in between.
-                    for r in reqs:
-                        await scheduler.submit(r)
-                return list(await asyncio.gather(*(r.future for r in reqs)))
+            async with self._pause_cond:
+                self._blocked += len(reqs)
+                try:
+                    await self._pause_cond.wait_for(lambda: self._pause_mode is None and not self._updates)
+                finally:
+                    self._blocked -= len(reqs)
+                # Submitted while still holding the gate, so no pause or update can slip in between.
+                for r in reqs:
+                    await scheduler.submit(r)
+            return list(await asyncio.gather(*(r.future for r in reqs)))
         except asyncio.CancelledError:
             for r in reqs:
                 if r.finish is None:
@@ -353,27 +292,17 @@ class ReferenceEngine:
         if rid is None or (n > 1 and not isinstance(body.rid, list)):
             rid = uuid.uuid4().hex
         lp = pick(body.return_logprob, "return_logprob")
-        stop_ids = set(params.stop_token_ids or ())
+        stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.add(self.tokenizer.eos_token_id)
-        stop_strs = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
-        sampling = SamplingConfig(temperature=1.0 if params.temperature is None else params.temperature,
-                                  top_k=-1 if params.top_k is None else params.top_k,
-                                  top_p=1.0 if params.top_p is None else params.top_p, min_p=params.min_p or 0.0)
-        # Seeded requests draw from their own generator so that batch neighbours cannot change
-        # them; unseeded ones from a fresh random seed.
+        stop_strs = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop)
+        sampling = SamplingConfig(params.temperature, params.top_k, params.top_p, params.min_p)
+        # Seeded requests draw from their own generator, so batch neighbours cannot change them.
         seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
         generator = None if sampling.greedy else torch.Generator(device="cpu").manual_seed(seed)
-        stop = StopRule(max_new_tokens=128 if params.max_new_tokens is None else params.max_new_tokens,
-                        stop_token_ids=frozenset(stop_ids), stop_strs=stop_strs, no_stop_trim=bool(params.no_stop_trim),
-                        skip_special_tokens=params.skip_special_tokens is not False)
-        return self._new_req(rid, prompt, sampling, stop, generator, return_logprob=bool(lp))
-
-    @staticmethod
-    def _new_req(rid: str, prompt: list[int], sampling: SamplingConfig, stop: StopRule,
-                 generator: torch.Generator | None, *, return_logprob: bool) -> Req:
-        future: asyncio.Future[Req] = asyncio.get_running_loop().create_future()
-        return Req(rid, prompt, stop, sampling, generator, return_logprob, future)
+        stop = StopRule(params.max_new_tokens, frozenset(stop_ids), stop_strs, params.no_stop_trim,
+                        params.skip_special_tokens)
+        return Req(rid, prompt, stop, sampling, generator, return_logprob=bool(lp))
 
     @property
     def weight_version(self) -> str:
@@ -391,13 +320,12 @@ class ReferenceEngine:
         """SGLang's non-streaming answer (tokenizer_manager.py:2506-2669)."""
         assert req.finish is not None
         meta: dict[str, Any] = {
-            "id": req.rid, "finish_reason": req.finish.to_json(), "prompt_tokens": len(req.prompt_ids),
+            "id": req.rid, "finish_reason": req.finish, "prompt_tokens": len(req.prompt_ids),
             "weight_version": self.weight_version, "num_retractions": req.num_retractions, "reasoning_tokens": 0,
             "completion_tokens": len(req.output_ids), "cached_tokens": 0,
         }
         if req.weight_versions:
-            # SGLang 0.5.23 add_weight_versions_to_meta_info (utils/weight_versions.py): the spans of output
-            # tokens each version produced, and weight_version becomes the last span's version.
+            # SGLang 0.5.23's add_weight_versions_to_meta_info: weight_version becomes the last span's version.
             meta["weight_versions"] = [dict(span) for span in req.weight_versions]
             meta["weight_version"] = req.weight_versions[-1]["version"]
         if req.return_logprob:
@@ -432,32 +360,20 @@ class ReferenceEngine:
             self._pause_mode = None
             self._pause_cond.notify_all()
 
-    async def abort_request(self, rid: str, *, abort_all: bool) -> int:
-        """SGLang's ``/abort_request``: the request(s) finish with an abort reason; returns how many."""
-        scheduler, _, _ = self._running()
-        return await scheduler.abort_all(rid=None if abort_all else rid)
-
-    async def flush_cache(self, timeout_s: float = 0.0) -> tuple[bool, str | None]:
+    async def flush_cache(self) -> bool:
         """Forget cached KV; refused unless idle (the queue is ignored while paused in retract/in_place)."""
         scheduler, _, _ = self._running()
         async with self._control_lock:
-            return await self._flush_locked(scheduler, timeout_s, empty_cache=False)
+            return await self._flush_locked(scheduler, empty_cache=False)
 
-    async def _flush_locked(self, scheduler: Scheduler, timeout_s: float, *, empty_cache: bool,
-                            ) -> tuple[bool, str | None]:
-        ignore_waiting = scheduler.mode is not SchedulerMode.RUNNING
-        if timeout_s > 0:
-            try:
-                await asyncio.wait_for(scheduler.wait_idle(ignore_waiting=ignore_waiting), timeout_s)
-            except TimeoutError:
-                return False, "Timed out waiting for idle state."
+    async def _flush_locked(self, scheduler: Scheduler, *, empty_cache: bool) -> bool:
         async with scheduler.hold():
-            if not scheduler.is_fully_idle(ignore_waiting=ignore_waiting):
-                return False, None
+            if not scheduler.is_fully_idle(ignore_waiting=scheduler.mode is not SchedulerMode.RUNNING):
+                return False
             scheduler.flush()
             if empty_cache:
                 await self._on_model_thread(self._empty_caches)
-        return True, None
+        return True
 
     # --- memory ----------------------------------------------------------------------------------
 
@@ -497,20 +413,28 @@ class ReferenceEngine:
     # --- weights ---------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _model_update(self) -> AsyncIterator[None]:
-        """SGLang's rule: a paused engine updates at once; otherwise wait for in-flight requests."""
+    async def _model_update(self, scheduler: Scheduler) -> AsyncIterator[None]:
+        """SGLang's model_update_lock (tokenizer_control_mixin.py:471-633): a paused engine updates at once;
+        otherwise new requests wait at the gate while the update waits for the requests in flight."""
         if self._pause_mode is not None:
             yield
-        else:
-            async with self._update_lock.writer():
-                yield
+            return
+        async with self._pause_cond:
+            self._updates += 1
+        try:
+            await scheduler.wait_idle()
+            yield
+        finally:
+            async with self._pause_cond:
+                self._updates -= 1
+                self._pause_cond.notify_all()
 
     async def weight_session(self, selector: str | None) -> tuple[bool, str]:
         """``/begin_weight_update`` (a ``selector``) or ``/end_weight_update`` (None)."""
-        self._running()
+        scheduler, _, _ = self._running()
         # Under the control lock: a load still running (of a session whose caller gave up) finishes first, and
         # once an end returns, no load of the ended session runs or can start.
-        async with self._model_update(), self._control_lock:
+        async with self._model_update(scheduler), self._control_lock:
             if selector is not None and self._session_selector is not None:
                 return False, "a weight-update session is already open; call end_weight_update() first"
             if selector is None and self._session_selector is None:
@@ -530,7 +454,7 @@ class ReferenceEngine:
         scheduler, memory, _ = self._running()
         if body.abort_all_requests:
             await scheduler.abort_all()
-        async with self._model_update(), self._control_lock:
+        async with self._model_update(scheduler), self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
                 return False, ("memory tag 'weights' is released; resume it (/resume_memory_occupation "
                                '{"tags": ["weights"]}) before loading weights')
@@ -545,7 +469,7 @@ class ReferenceEngine:
             logger.info("loaded %d tensors (load_format=%s)", len(names), body.load_format)
             if body.weight_version is not None:
                 self.weight_version = body.weight_version
-            if body.flush_cache and not (await self._flush_locked(scheduler, 0, empty_cache=body.torch_empty_cache))[0]:
+            if body.flush_cache and not await self._flush_locked(scheduler, empty_cache=body.torch_empty_cache):
                 return False, ("Weights were updated, but the cache was not flushed because requests are still "
                                "running or queued. Retract or finish them, then call /flush_cache.")
         return True, "Success"
@@ -584,58 +508,19 @@ class ReferenceEngine:
         self.weight_version = new_version
 
     async def check_weights(self, action: str, skip: Sequence[str] | None) -> tuple[bool, str, dict[str, Any]]:
-        """``/weights_checker``: checksum, snapshot, compare or reset_tensors, as SGLang's WeightChecker; (success,
-        message, the reply's other fields)."""
+        """``/weights_checker``'s checksum, as SGLang's WeightChecker computes it (the one action colocd sends);
+        (success, message, the reply's other fields)."""
         _, memory, _ = self._running()
-        models, skipped = [r.model for r in self._ranks], tuple(skip or ())
+        if action != "checksum":
+            return False, f"Unsupported action={action!r}; the reference engine answers 'checksum' only", {}
         async with self._control_lock:
             if memory.state(MemoryTag.WEIGHTS) is TagState.RELEASED:
                 return False, "memory tag 'weights' is released; resume it and push weights first", {}
-            if action == "checksum":
-                return await self._on_model_thread(self._checksum, skipped)
-            if action == "snapshot":
-                self._snapshot = await self._on_model_thread(lambda: [_clone_params(m) for m in models])
-            elif action == "compare":
-                if self._snapshot is None:
-                    return False, "no snapshot to compare with; call action 'snapshot' first", {}
-                snapshot, self._snapshot = self._snapshot, None
-                diffs = await self._on_model_thread(
-                    lambda: [d for r, m, snap in zip(self._ranks, models, snapshot, strict=True)
-                             for d in _compare_params(m, snap, skipped, r.index)])
-                if diffs:
-                    return False, "check tensor equality failed:\n" + "\n".join(diffs), {}
-            elif action == "reset_tensors":
-                await self._on_model_thread(_randomize_params, models, skipped)
-            else:
-                return False, f"Unsupported action={action!r}", {}
-            return True, "Success.", {}
-
-    def _checksum(self, skip: tuple[str, ...]) -> tuple[bool, str, dict[str, Any]]:
-        records = [rank_checksum(r, self.tp_size, skip) for r in self._ranks]
+            records = await self._on_model_thread(
+                lambda: [rank_checksum(r, self.tp_size, tuple(skip or ())) for r in self._ranks])
         # SGLang's per-engine checksum digests every rank's per-GPU one, in rank order.
         engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in records).encode()).hexdigest()
         return True, "Success.", {"ranks": records, "per_engine_checksum": engine}
-
-
-def _clone_params(model: QwenLikeForCausalLM) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-
-
-def _compare_params(model: QwenLikeForCausalLM, snapshot: dict[str, torch.Tensor], skip: tuple[str, ...],
-                    tp_rank: int) -> list[str]:
-    where = f" on TP rank {tp_rank}" if tp_rank else ""
-    return [f"name={name} differs from the snapshot{where}" for name, p in model.named_parameters()
-            if not any(s in name for s in skip) and not torch.equal(p.detach().cpu(), snapshot[name])]
-
-
-def _randomize_params(models: Sequence[QwenLikeForCausalLM], skip: tuple[str, ...]) -> None:
-    """The same random values on every TP rank, so the ranks keep agreeing."""
-    with torch.no_grad():
-        for named in zip(*(m.named_parameters() for m in models), strict=True):
-            if not any(s in named[0][0] for s in skip):
-                value = torch.randn_like(named[0][1])
-                for _, p in named:
-                    p.copy_(value)
 
 
 def rank_checksum(rank: TPRank, tp_size: int, skip: tuple[str, ...]) -> dict[str, Any]:

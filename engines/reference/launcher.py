@@ -1,14 +1,8 @@
 """Starting and stopping a reference engine server as a child process, with a readiness deadline.
 
-    async with ReferenceEngineProcess(config) as proc:   # or: proc.start() ... proc.stop()
-        httpx.get(f"{proc.url}/model_info")
-
-This module builds the command line and says what "ready" means; the process itself (own process
-group, log file, exit detection, SIGTERM then SIGKILL) is ``engines/processes.py``'s. Readiness
-is the child's ready file (it binds its own port when ``url`` has port 0, so nothing is guessed)
-and then ``ready_path`` answering 200, inside ``launch.ready_timeout_s``; a child that exits
-meanwhile fails the start at once with the tail of its log. This module imports neither torch nor
-the server, so the daemon can use it cheaply.
+This module builds the command line and says what "ready" means (the child's ready file, then ``/health`` or, for a
+``drivable`` engine, ``/server_info``, inside ``launch.ready_timeout_s``); the process is ``engines/processes.py``'s.
+It imports neither torch nor the server, so the daemon can use it cheaply.
 """
 
 from __future__ import annotations
@@ -39,16 +33,14 @@ class ReferenceEngineProcess:
     """One reference engine server process, started from a ``ReferenceEngineConfig``."""
 
     def __init__(self, config: ReferenceEngineConfig, *, log_path: str | os.PathLike[str] | None = None,
-                 grace_s: float = 10.0, ready_path: str = "/health", drivable: bool = False,
+                 grace_s: float = 10.0, drivable: bool = False,
                  options: LaunchOptions | None = None) -> None:
         if config.device.startswith("cuda:") and config.tp_size > 1:
             raise ValueError(f"engine {config.name!r}: device {config.device!r} names one GPU but tp_size is "
                              f"{config.tp_size}; use device 'cuda' with one GPU per TP rank in gpus or gpu_uuids")
         self.config, self.grace_s, self.options = config, grace_s, options or LaunchOptions()
-        # "/health" (a generation answers) by default; "/model_info" when something else (a colocd
-        # daemon that sees a restarted engine) may pause it before its first generation.
-        self.ready_path = ready_path
-        # Ready only once it can be driven (its model built: a pause is accepted), not just answering HTTP.
+        # Ready once /health's generation answers; ``drivable``: once it can be driven (its model built, so a pause
+        # is accepted), for a daemon that may pause it before its first generation.
         self.drivable = drivable
         self._log_file = log_path if log_path is not None else config.launch.log_file if config.launch else None
         self.ready_timeout_s = config.launch.ready_timeout_s if config.launch else _DEFAULT_READY_TIMEOUT_S
@@ -92,16 +84,15 @@ class ReferenceEngineProcess:
             self.url = await proc.wait_ready(listening, self.ready_timeout_s)
             self._cleanup()  # the ready file has been read
             info = "/get_server_info" if self.config.protocol == "legacy" else "/server_info"
-            async with httpx.AsyncClient(timeout=5.0, headers=self._headers(), trust_env=False) as client:
+            probe = info if self.drivable else "/health"
+            headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+            async with httpx.AsyncClient(timeout=5.0, headers=headers, trust_env=False) as client:
 
                 async def ready() -> bool | None:
                     with contextlib.suppress(httpx.TransportError, ValueError, KeyError, IndexError):
-                        if (await client.get(f"{self.url}{self.ready_path}")).status_code != 200:
+                        if (r := await client.get(f"{self.url}{probe}")).status_code != 200:
                             return None
-                        if not self.drivable:
-                            return True
-                        r = await client.get(f"{self.url}{info}")
-                        if r.status_code == 200 and r.json()["internal_states"][0]["engine_state"] == "running":
+                        if not self.drivable or r.json()["internal_states"][0]["engine_state"] == "running":
                             return True
                     return None
 
@@ -126,8 +117,6 @@ class ReferenceEngineProcess:
         if self.process is not None:
             self.process.stop_sync(self.grace_s)
         self._cleanup()
-
-    # --- helpers ---------------------------------------------------------------------------------
 
     def _spawn(self) -> tuple[ManagedProcess, str]:
         if self.process is not None:
@@ -157,9 +146,6 @@ class ReferenceEngineProcess:
             env.update(self.config.launch.env)
         return env
 
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-
     def _cleanup(self) -> None:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
@@ -167,13 +153,9 @@ class ReferenceEngineProcess:
 
 
 async def launch_reference(config: ReferenceEngineConfig, options: LaunchOptions | None = None) -> Launched:
-    """Start ``config``'s engine for the daemon: ready once it can be driven (its model is built, so it
-    accepts a pause), which ``/model_info`` answering does not show: it answers while the model loads.
-
-    Not ``/health``: that runs a generation; the daemon asks it (``started``) of an engine it saw restart,
-    before it reconciles it, as of SGLang. The process belongs to the caller.
-    """
-    engine = ReferenceEngineProcess(config, ready_path="/model_info", drivable=True, options=options)
+    """Start ``config``'s engine for the daemon, ready once it can be driven (its model built: it accepts a pause);
+    not by ``/health``, which runs a generation. The process belongs to the caller."""
+    engine = ReferenceEngineProcess(config, drivable=True, options=options)
     await engine.astart()
     assert engine.process is not None and engine.url is not None
     return Launched(engine.url, engine.process)

@@ -5,12 +5,9 @@
 - ``cuda_graph``: the reference engine captures no CUDA graphs; this tag owns the decode
   workspace (the per-step logits buffer sampling reads from), so releasing it is still real.
 
-Release drops the storage (parameters keep their Python identity, shape and dtype as metadata);
-resume allocates with ``torch.empty``, so weights hold garbage until the next push, as in SGLang
-without ``--enable-weights-cpu-backup``. Unlike SGLang, a release of a released tag or a resume of a
-resident one is refused with ``MemoryTagError`` naming the tag, instead of killing the process.
-This module knows nothing of requests, HTTP or scheduling; callers keep generation off it while
-anything is released.
+Release drops the storage (parameters keep their identity, shape and dtype); resume allocates with ``torch.empty``,
+so weights hold garbage until the next push, as in SGLang without ``--enable-weights-cpu-backup``. Unlike SGLang, a
+release of a released tag or a resume of a resident one is refused (``MemoryTagError``) instead of killing the process.
 """
 
 from __future__ import annotations
@@ -25,17 +22,9 @@ from .model import QwenLikeForCausalLM, kv_pool_shape
 
 __all__ = ["MemoryRegions", "MemoryTagError", "TagState", "normalize_tags"]
 
-# SGLang's order (scheduler_components/weight_updater.py:337-426): release kv → weights → graph,
-# resume graph → weights → kv, so the biggest allocations come back last.
-_RELEASE_ORDER = (MemoryTag.KV_CACHE, MemoryTag.WEIGHTS, MemoryTag.CUDA_GRAPH)
-_RESUME_ORDER = (MemoryTag.CUDA_GRAPH, MemoryTag.WEIGHTS, MemoryTag.KV_CACHE)
-
 
 class MemoryTagError(ValueError):
     """A release or resume that does not fit a tag's current state; names the tag and the state."""
-
-    def __init__(self, tag: str, state: str, action: str) -> None:
-        super().__init__(f"cannot {action} memory tag {tag!r}: it is already {state}")
 
 
 def normalize_tags(tags: Iterable[str] | None) -> tuple[MemoryTag, ...]:
@@ -88,21 +77,18 @@ class MemoryRegions:
         sizes = self._params.values() if tag is MemoryTag.WEIGHTS else [self._shapes[tag]]
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in sizes)
 
-    def nbytes(self, tag: MemoryTag) -> int:
-        """Bytes the tag holds right now (0 once released)."""
-        return self.resident_nbytes(tag) if self._states[tag] is TagState.RESIDENT else 0
-
     def check(self, tags: Iterable[MemoryTag], *, resume: bool) -> None:
         """Raise ``MemoryTagError`` for the first tag not in the state the action needs."""
         needed = TagState.RELEASED if resume else TagState.RESIDENT
         for tag in tags:
             if self._states[tag] is not needed:
-                raise MemoryTagError(tag.value, self._states[tag].value, "resume" if resume else "release")
+                raise MemoryTagError(f"cannot {'resume' if resume else 'release'} memory tag {tag.value!r}: it is "
+                                     f"already {self._states[tag].value}")
 
     def release(self, tags: Iterable[MemoryTag]) -> None:
         """Free the tags' storage and give it back to the device (on the model thread); checks every tag first,
         so a refused call changes nothing."""
-        tags = tuple(t for t in _RELEASE_ORDER if t in set(tags))
+        tags = tuple(tags)
         self.check(tags, resume=False)
         if self._device.type == "cuda":
             # No kernel may still read memory we are about to drop (sgl-project/sglang#31073).
@@ -120,7 +106,7 @@ class MemoryRegions:
 
     def resume(self, tags: Iterable[MemoryTag]) -> None:
         """Reallocate the tags (weights as ``torch.empty``: garbage until weights are pushed again)."""
-        tags = tuple(t for t in _RESUME_ORDER if t in set(tags))
+        tags = tuple(tags)
         self.check(tags, resume=True)
         for tag in tags:
             if tag is MemoryTag.WEIGHTS:

@@ -1,9 +1,5 @@
-"""A tiny Qwen-style causal LM with Hugging Face parameter names, for training and for paged decoding.
-
-The same class serves the demo trainer (full-sequence ``forward`` with autograd, no cache) and the
-reference engine (incremental decoding that writes K/V into a KV pool the engine owns and passes
-in). It knows nothing of HTTP, memory tags or sampling.
-"""
+"""A tiny Qwen-style causal LM with Hugging Face parameter names, for the demo trainer (full sequences, autograd)
+and the reference engine (incremental decoding into a KV pool the engine owns and passes in)."""
 
 from __future__ import annotations
 
@@ -63,10 +59,8 @@ def kv_pool_shape(config: QwenLikeConfig, num_slots: int, max_seq: int) -> tuple
 
 @dataclass(frozen=True, slots=True)
 class KVCacheView:
-    """Which pool slots a batch decodes into; row b of the batch owns ``pool[:, :, slots[b]]``.
-
-    ``valid[b, t]`` is False for right-padding: padded tokens neither write K/V nor are attended to.
-    """
+    """Which pool slots a batch decodes into (row b owns ``pool[:, :, slots[b]]``); ``valid[b, t]`` is False for
+    right-padding, whose tokens neither write K/V nor are attended to."""
 
     pool: torch.Tensor
     slots: torch.Tensor
@@ -205,12 +199,8 @@ class QwenLikeForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 kv_cache_view: KVCacheView | None = None) -> torch.Tensor:
-        """Logits for every input position.
-
-        Without a cache, ``input_ids`` is whole sequences and ``positions`` defaults to 0..T-1.
-        With one, ``input_ids`` holds only the tokens not yet in the pool (right-padded, see
-        ``KVCacheView.valid``) and ``positions`` their absolute positions.
-        """
+        """Logits for every input position: of whole sequences (``positions`` 0..T-1 by default), or with a cache of
+        the tokens not yet in the pool (right-padded, see ``KVCacheView.valid``) at their absolute ``positions``."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if int(positions.max()) >= self.config.max_position:
@@ -226,12 +216,9 @@ class QwenLikeForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-        """Copy tensors into the live parameters by HF name; returns the names applied.
-
-        All-or-nothing per call: every name, shape and dtype is checked before the first copy, and
-        the first mismatch raises ``ValueError`` naming the tensor. A tied ``lm_head.weight`` is
-        skipped, as HF loaders do.
-        """
+        """Copy tensors into the live parameters by HF name and return the names applied, all or nothing: every name,
+        shape and dtype is checked before the first copy (``ValueError`` naming the tensor). A tied ``lm_head.weight``
+        is skipped, as HF loaders do."""
         params = dict(self.named_parameters())
         staged: list[tuple[nn.Parameter, torch.Tensor, str]] = []
         for name, tensor in named_tensors:
@@ -253,11 +240,9 @@ class QwenLikeForCausalLM(nn.Module):
 
 
 def build_model(config: QwenLikeConfig, seed: int, device: str | torch.device = "cpu") -> QwenLikeForCausalLM:
-    """The model with weights drawn from ``seed`` on CPU, then moved: same seed, same bytes on any device.
-
-    Linear weights are N(0, 1/fan_in) and embeddings N(0, 1), so logits have unit scale and greedy
-    choices are far from ties; norm weights are 1 + N(0, 0.1²) so that every tensor depends on the seed.
-    """
+    """The model with weights drawn from ``seed`` on CPU, then moved: same seed, same bytes on any device. Linear
+    weights are N(0, 1/fan_in) and embeddings N(0, 1), so greedy choices are far from ties; norm weights are
+    1 + N(0, 0.1²) so that every tensor depends on the seed."""
     with torch.device("cpu"):
         model = QwenLikeForCausalLM(config)
     gen = torch.Generator(device="cpu").manual_seed(seed)

@@ -1,11 +1,8 @@
 """Turning one ``serialized_named_tensors`` entry into (name, tensor) pairs, per ``load_format``.
 
-Formats, SGLang's (research/engine-apis.md §1.7):
-- ``null``/``"direct"``: SGLang's pickled ``list[(name, tensor)]`` (tensors may be SGLang
-  ``LocalSerializedTensor`` wrappers); ``"flattened_bucket"``: SGLang's pickled
-  ``{"flattened_tensor", "metadata"}``. Pickles go through the allow-list unpickler only.
-
-Every problem raises ``PayloadError`` naming the tensor or global at fault.
+SGLang's formats (research/engine-apis.md §1.7): ``null``/``"direct"``, a pickled ``list[(name, tensor)]`` (tensors
+may be ``LocalSerializedTensor`` wrappers); ``"flattened_bucket"``, a pickled ``{"flattened_tensor", "metadata"}``.
+Pickles go through the allow-list unpickler only; every problem raises ``PayloadError`` naming what is at fault.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import torch
 
 from .safe_unpickle import FlattenedTensorBucketData, LocalSerializedTensor, safe_loads
 
-__all__ = ["LOAD_FORMATS", "PayloadError", "bucket_entry", "disagreement", "open_bucket", "open_payload"]
+__all__ = ["LOAD_FORMATS", "PayloadError", "bucket_entry", "disagreement", "open_payload"]
 
 LOAD_FORMATS = ("flattened_bucket", "direct", None)
 
@@ -34,26 +31,17 @@ class PayloadError(ValueError):
 @contextlib.contextmanager
 def open_payload(entry: str, load_format: str | None, *, tp_rank: int = 0,
                  device: torch.device | None = None) -> Iterator[NamedTensors]:
-    """Yield the entry's tensors (CUDA-IPC mappings close when the ``with`` ends).
-
-    With ``device`` given, CUDA tensors must already be on it: a handle from another GPU is an error,
-    not a silent P2P copy.
-    """
+    """Yield the entry's tensors (CUDA-IPC mappings close when the ``with`` ends); with ``device`` given, CUDA
+    tensors must already be on it (a handle from another GPU is an error, not a silent P2P copy)."""
     raw = _b64decode(entry)
-    device = _indexed(device)
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # so that tensors' devices compare equal to it
     if load_format in (None, "direct"):
         yield _on_device(_named_list(safe_loads(raw), tp_rank), device)
     elif load_format == "flattened_bucket":
         yield _on_device(_flattened_bucket(safe_loads(raw)), device)
     else:
         raise PayloadError(f"unknown load_format {load_format!r}; supported: {list(LOAD_FORMATS)}")
-
-
-def _indexed(device: torch.device | None) -> torch.device | None:
-    """``cuda`` as this process's current GPU, so that tensors' devices compare equal to it."""
-    if device is not None and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _on_device(named: NamedTensors, device: torch.device | None) -> NamedTensors:
@@ -88,14 +76,6 @@ def _named_list(obj: Any, tp_rank: int) -> NamedTensors:
             raise PayloadError(f"tensor {name!r}: expected a tensor, got {type(value).__name__}")
         out.append((name, value))
     return out
-
-
-def open_bucket(entry: str, device: torch.device) -> tuple[torch.Tensor, list[Any]]:
-    """A ``flattened_bucket`` entry's buffer and its metadata, unchecked beyond their types (``LoadPlans``
-    checks the metadata against the buffer and the destinations)."""
-    flat, metadata = _bucket_parts(safe_loads(_b64decode(entry)))
-    _on_device([("flattened_tensor", flat)], _indexed(device))
-    return flat, metadata
 
 
 def _bucket_parts(obj: Any) -> tuple[torch.Tensor, list[Any]]:

@@ -1,8 +1,7 @@
 """One batched model step over the KV pool: prefill and decode rows together, then pick each row's token.
 
-Runs on the engine's model thread; knows nothing of requests' lifetimes, stop rules or HTTP. Sampling runs on
-CPU with a per-request ``torch.Generator``, so a seeded request gives the same tokens whatever device the model
-runs on and whatever else shares its batch.
+Sampling runs on CPU with a per-request ``torch.Generator``, so a seeded request gives the same tokens whatever
+device the model runs on and whatever else shares its batch.
 """
 
 from __future__ import annotations

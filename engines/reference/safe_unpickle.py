@@ -1,10 +1,9 @@
 """An allow-list unpickler for SGLang's pickled weight payloads, in the manner of SGLang's SafeUnpickler.
 
-Only data containers, torch dtypes/sizes/devices and torch's own tensor/storage rebuild functions
-may be named by a payload; any other global is refused with ``UnsafePickleError`` naming it, before
-it is imported. SGLang's own data classes (``FlattenedTensorMetadata``, ``LocalSerializedTensor``,
-the UUID-patched CUDA rebuild) are mapped to local stand-ins so payloads made by SGLang producers
-load without SGLang installed. colocd's own formats never come through here.
+A payload may name only data containers, torch dtypes/sizes/devices and torch's own tensor/storage rebuild functions;
+any other global is refused with ``UnsafePickleError`` naming it, before it is imported. (torch's ``weights_only``
+unpickler refuses the CUDA IPC rebuild SGLang's payloads name.) SGLang's own classes map to local stand-ins, so its
+producers' payloads load without SGLang installed.
 """
 
 from __future__ import annotations
@@ -97,9 +96,8 @@ _REDIRECTS: dict[tuple[str, str], Any] = {
         LocalSerializedTensor,
 }
 
-# ForkingPickler shares CPU tensor storage by file descriptor through the producer's
-# multiprocessing resource sharer, which authenticates with the producer's authkey: an unrelated
-# process (this server) is always refused, so explain instead of attempting the connection.
+# ForkingPickler's CPU storage is shared through the producer's authkey-protected resource sharer, which always
+# refuses an unrelated process (this server): explain instead of attempting the connection.
 _FD_SHARING = frozenset({
     *(("torch.multiprocessing.reductions", n) for n in ("rebuild_storage_fd", "rebuild_storage_filename")),
     ("multiprocessing.resource_sharer", "DupFd"), ("multiprocessing.reduction", "_rebuild_socket"),
@@ -114,11 +112,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if key in _ALLOWED:
             return super().find_class(module, name)
         if key in _FD_SHARING:
-            raise UnsafePickleError(
-                f"refused global {module}.{name}: CPU tensors pickled with ForkingPickler share memory by "
-                "file descriptor with the producer process only; pickle CPU tensors with pickle.dumps "
-                "(data inline)"
-            )
+            raise UnsafePickleError(f"refused global {module}.{name}: CPU tensors pickled with ForkingPickler share "
+                                    "memory with the producer only; pickle them with pickle.dumps (data inline)")
         raise UnsafePickleError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
     def persistent_load(self, pid: Any) -> Any:

@@ -1,9 +1,7 @@
 """Continuous batching over the KV pool: admit requests into free slots, step them together, finish them.
 
-The scheduler owns the request queues and slots, and nothing else: the model step is a callable
-it awaits (run on the model thread by the engine), and whether it may step at all is decided by
-its mode, by ``hold()`` (control operations that must not overlap a forward pass) and by a
-``memory_ready`` callable. Pause gating of *new* requests and HTTP live in the engine.
+The model step is a callable it awaits; whether it may step is decided by its mode, by ``hold()`` (control
+operations that must not overlap a forward pass) and by ``memory_ready``. Pause gating of new requests is the engine's.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import torch
 from .runner import ForwardInput, ForwardOutput, SamplingConfig
 from .tokenizer import CharTokenizer
 
-__all__ = ["FinishReason", "Req", "Scheduler", "SchedulerMode", "StopRule"]
+__all__ = ["Req", "Scheduler", "SchedulerMode", "StopRule"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,24 +31,6 @@ class SchedulerMode(StrEnum):
     RUNNING = "running"
     RETRACT = "retract"  # running requests go back to the queue and lose their KV
     IN_PLACE = "in_place"  # running requests keep their slots; no forward passes
-
-
-@dataclass(frozen=True, slots=True)
-class FinishReason:
-    """SGLang's finish reasons (schedule_batch.py FINISH_*.to_json) as data."""
-
-    type: str
-    matched: int | str | None = None
-    length: int | None = None
-    message: str | None = None
-    status_code: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        if self.type == "stop":
-            return {"type": "stop", "matched": self.matched}
-        if self.type == "length":
-            return {"type": "length", "length": self.length}
-        return {"type": "abort", "message": self.message, "status_code": self.status_code, "err_type": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +54,18 @@ class Req:
     sampling: SamplingConfig
     generator: torch.Generator | None
     return_logprob: bool
-    future: asyncio.Future[Req]
+    future: asyncio.Future[Req] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     slot: int | None = None
     cached_len: int = 0  # tokens of prompt+output already written to the pool
     num_retractions: int = 0
-    finish: FinishReason | None = None
+    finish: dict[str, Any] | None = None  # SGLang's finish_reason (schedule_batch.py FINISH_*.to_json)
     # (old version, output tokens produced under it so far), one per version change while it was alive.
     version_events: list[tuple[str, int]] = field(default_factory=list)
     text: str = ""  # the output, decoded (and stop-trimmed) at finish
-    # SGLang's per-request spans, set at finish: [{version, start, end}] over the output tokens, one per weight
-    # version that produced some of them, oldest first.
+    # SGLang's spans [{version, start, end}] of the output tokens, one per version, oldest first; set at finish.
     weight_versions: tuple[dict[str, Any], ...] = ()
 
     @property
@@ -108,10 +87,7 @@ class Scheduler:
         self._waiting: deque[Req] = deque()
         self._running: list[Req] = []
         self._mode, self._holds, self._stepping = SchedulerMode.RUNNING, 0, False
-        self._steps_done = 0  # successful steps, for health probes on a busy engine
         self._changed = asyncio.Condition()
-
-    # --- observation -----------------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
@@ -125,33 +101,21 @@ class Scheduler:
     def mode(self) -> SchedulerMode:
         return self._mode
 
-    @property
-    def steps_done(self) -> int:
-        return self._steps_done
-
-    async def wait_step(self, after: int) -> None:
-        """Return once a step has succeeded since ``steps_done`` read ``after``."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._steps_done > after)
-
     def is_fully_idle(self, *, ignore_waiting: bool = False) -> bool:
         """SGLang's ``is_fully_idle``: nothing running (or mid-step) and, unless ignored, nothing queued."""
         return not self._stepping and not self._running and (ignore_waiting or not self._waiting)
-
-    # --- requests --------------------------------------------------------------------------------
 
     async def submit(self, req: Req) -> None:
         async with self._changed:
             self._waiting.append(req)
             self._changed.notify_all()
 
-    async def abort_all(self, message: str = "Aborted", *, rid: str | None = None, req: Req | None = None) -> int:
-        """Finish every queued and running request (or those with ``rid``, or ``req``) as aborted; returns how many."""
+    async def abort_all(self, message: str = "Aborted", *, req: Req | None = None) -> int:
+        """Finish every queued and running request (or just ``req``) as aborted; returns how many."""
         async with self._changed:
-            victims = [r for r in (*self._waiting, *self._running)
-                       if r.finish is None and rid in (None, r.rid) and req in (None, r)]
+            victims = [r for r in (*self._waiting, *self._running) if r.finish is None and req in (None, r)]
             for r in victims:
-                self._finish(r, FinishReason("abort", message=message))
+                self._finish(r, _abort(message))
             self._reap()
             self._changed.notify_all()
             return len(victims)
@@ -165,8 +129,6 @@ class Scheduler:
         for req in (*self._waiting, *self._running):
             if req.finish is None and req.output_ids:
                 req.version_events.append((old, len(req.output_ids)))
-
-    # --- control ---------------------------------------------------------------------------------
 
     async def set_mode(self, mode: SchedulerMode) -> None:
         """Change the mode and wait for any step in flight; a retract applies once it has ended."""
@@ -205,8 +167,6 @@ class Scheduler:
             raise RuntimeError("flush with requests running")
         self._free_slots = list(range(self._max_batch - 1, -1, -1))
 
-    # --- the loop --------------------------------------------------------------------------------
-
     async def run(self) -> None:
         while True:
             async with self._changed:
@@ -228,8 +188,6 @@ class Scheduler:
             # step (hold, set_mode, wait_idle) may observe the batch half-updated.
             async with self._changed:
                 self._stepping = False
-                if results is not None:
-                    self._steps_done += 1
                 self._apply(batch, results, error)
                 if self._mode is SchedulerMode.RETRACT:
                     self._retract_running()
@@ -258,14 +216,14 @@ class Scheduler:
             if req.finish is not None:
                 continue  # aborted while the step ran; its result is dropped
             if results is None:
-                self._finish(req, FinishReason("abort", message=f"model step failed: {error}", status_code=500))
+                self._finish(req, _abort(f"model step failed: {error}", 500))
                 continue
             res = results[i]
             req.cached_len = len(req.prompt_ids) + len(req.output_ids)
             if req.return_logprob and req.input_logprobs is None:
                 req.input_logprobs = [None, *(res.prompt_logprobs or [])]
             if req.stop.max_new_tokens == 0:
-                self._finish(req, FinishReason("length", length=0))
+                self._finish(req, {"type": "length", "length": 0})
                 continue
             req.output_ids.append(res.token)
             req.output_logprobs.append(res.logprob)
@@ -275,26 +233,26 @@ class Scheduler:
     def _check_stop(self, req: Req) -> None:
         token = req.output_ids[-1]
         if token in req.stop.stop_token_ids:
-            self._finish(req, FinishReason("stop", matched=token))
+            self._finish(req, {"type": "stop", "matched": token})
         elif req.stop.stop_strs and (matched := self._matched_stop_str(req)) is not None:
-            self._finish(req, FinishReason("stop", matched=matched))
+            self._finish(req, {"type": "stop", "matched": matched})
         elif len(req.output_ids) >= req.stop.max_new_tokens:
-            self._finish(req, FinishReason("length", length=req.stop.max_new_tokens))
+            self._finish(req, {"type": "length", "length": req.stop.max_new_tokens})
         elif len(req.prompt_ids) + len(req.output_ids) >= self._max_seq:
             # The pool slot is full: SGLang ends such a request with a length reason too.
-            self._finish(req, FinishReason("length", length=len(req.output_ids)))
+            self._finish(req, {"type": "length", "length": len(req.output_ids)})
 
     def _matched_stop_str(self, req: Req) -> str | None:
         text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
         return next((s for s in req.stop.stop_strs if s and text.endswith(s)), None)
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
         req.finish = reason
         if req.future.done():
             return
         req.text = self._tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
-        if reason.type == "stop" and isinstance(reason.matched, str) and not req.stop.no_stop_trim:
-            req.text = req.text[: len(req.text) - len(reason.matched)]
+        if reason["type"] == "stop" and isinstance(matched := reason["matched"], str) and not req.stop.no_stop_trim:
+            req.text = req.text[: len(req.text) - len(matched)]
         req.weight_versions = _version_spans(req.version_events, self._weight_version, len(req.output_ids))
         req.future.set_result(req)
 
@@ -319,6 +277,10 @@ class Scheduler:
         if req.slot is not None:
             self._free_slots.append(req.slot)
             req.slot = None
+
+
+def _abort(message: str, status_code: int | None = None) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
 
 
 def _version_spans(events: list[tuple[str, int]], current: str, num_output: int) -> tuple[dict[str, Any], ...]:

@@ -1,8 +1,7 @@
 """The reference engine's HTTP surface: SGLang 0.5.23's routes (or ≈0.5.4's, ``protocol="legacy"``).
 
-``create_app(settings)`` builds a FastAPI app around one ``ReferenceEngine``; no module state.
-Paths, bodies, status codes and response shapes follow SGLang's ``entrypoints/http_server.py``
-(line numbers below are 0.5.23's). Handlers are thin: parse, call one engine method, shape JSON.
+Paths, bodies, status codes and response shapes follow SGLang's ``entrypoints/http_server.py`` (line numbers below
+are 0.5.23's). Handlers are thin: parse, call one engine method, shape JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -32,8 +31,8 @@ from ..sglang.wire import (
 )
 from .distributed import DistributedUpdates, distributed_routes
 from .engine import EngineRefusal, ReferenceEngine, RunState
-from .settings import ReferenceServerSettings
-from .wire import AbortRequestBody, GenerateBody, SGLangBody, sglang_body, success
+from .settings import MODEL_PATH, ReferenceServerSettings
+from .wire import GenerateBody, SGLangBody, sglang_body, success
 
 __all__ = ["create_app"]
 
@@ -59,8 +58,7 @@ def create_app(settings: ReferenceServerSettings, engine: ReferenceEngine | None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The model is built in the background so the socket answers at once: /health says 503
-        # until it is ready, as SGLang's does while starting.
+        # Built in the background so the socket answers at once: /health says 503 until then, as SGLang's does.
         start = asyncio.create_task(engine.start(), name="colocd-ref-start")
         try:
             yield
@@ -139,7 +137,7 @@ def _health_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -
 def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> APIRouter:
     router = APIRouter()
     legacy = settings.protocol == "legacy"
-    path = settings.model_path
+    path = MODEL_PATH
 
     async def model_info() -> dict[str, Any]:  # async: answered on the loop, no thread hop
         info = {"model_path": path, "tokenizer_path": path, "is_generation": True, "preferred_sampling_params": None,
@@ -152,23 +150,17 @@ def _info_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) -> 
                 "has_audio_understanding": False, "model_type": "qwen_like", "architectures": ["QwenLikeForCausalLM"]}
 
     async def server_info() -> dict[str, Any]:
-        # SGLang's resolved server args (tp_size at the top level too) and one internal state per DP rank.
+        # The SGLang server args colocd reads (wire.ServerInfo) and one internal state per DP rank.
         info: dict[str, Any] = {
-            "model_path": path, "tokenizer_path": path, "served_model_name": path, "host": settings.host,
-            "port": settings.port, "device": settings.device, "tp_size": settings.tp_size, "dp_size": 1,
-            "random_seed": settings.seed, "load_format": "dummy", "enable_memory_saver": True,
-            "enable_weights_cpu_backup": False, "weight_version": settings.weight_version,
-            "max_running_requests": settings.max_batch, "context_length": settings.max_seq,
-            "max_total_num_tokens": settings.max_batch * settings.max_seq, "max_req_input_len": settings.max_seq - 1,
+            "model_path": path, "device": settings.device, "tp_size": settings.tp_size, "dp_size": 1,
+            "enable_memory_saver": True, "enable_weights_cpu_backup": False, "weight_version": "default",
             "internal_states": [engine.internal_state()], "version": settings.version,
             "enable_lora": False, "max_loaded_loras": None,  # SGLang started without --enable-lora
         }
         if not legacy:
-            # 0.5.23: a dict of startup-phase durations (tokenizer_manager.py:535,862), of which this engine
-            # measures one; a restarted process answers another dict (colocd's incarnation).
+            # 0.5.23's startup-phase durations (tokenizer_manager.py:535,862): one measured, other for every process.
             info["startup_time"] = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0,
                                     "cuda_graph": {}, "tokenizer_e2e": engine.startup_cpu_s}
-            info["frontend"] = "python"
         return info
 
     for name, route in (("model_info", model_info), ("server_info", server_info)):
@@ -218,11 +210,6 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
         result = await _unless_disconnected(request, engine.generate(body))
         return Response(status_code=499) if result is None else JSONResponse(result)  # 499: nobody listens now
 
-    @router.post("/abort_request")
-    async def abort_request(body: AbortRequestBody) -> Response:
-        await engine.abort_request(body.rid or "", abort_all=body.abort_all)  # http_server.py:1721
-        return Response(status_code=200)
-
     if settings.protocol == "legacy":
 
         @router.post("/pause_generation")
@@ -263,10 +250,10 @@ def _control_routes(engine: ReferenceEngine, settings: ReferenceServerSettings) 
             return success(ok, message, **extra)
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache(timeout_s: Annotated[float, Query(ge=0.0, alias="timeout")] = 0.0) -> Response:
-        ok, message = await engine.flush_cache(timeout_s)  # http_server.py:1025
-        content = _FLUSHED if ok else (message or "Flush cache failed.\n")
-        return Response(content=content, status_code=200 if ok else 400, media_type="text/plain")
+    async def flush_cache() -> Response:
+        ok = await engine.flush_cache()  # http_server.py:1025
+        return Response(content=_FLUSHED if ok else "Flush cache failed.\n", status_code=200 if ok else 400,
+                        media_type="text/plain")
 
     @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release(body: SGLangBody[ReleaseMemoryOccupationReqInput]) -> JSONResponse:

@@ -1,8 +1,4 @@
-"""A fixed character tokenizer for the reference engine: 3 special ids, then 29 characters (vocab 32).
-
-It exists so that ``/generate`` can take ``text`` like a real SGLang server; it knows nothing of
-the model or the server.
-"""
+"""A fixed character tokenizer (3 special ids, then 29 characters: vocab 32), so ``/generate`` takes ``text``."""
 
 from __future__ import annotations
 

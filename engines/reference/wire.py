@@ -1,8 +1,7 @@
-"""Bodies of the SGLang routes colocd never sends: ``/generate`` and ``/abort_request``.
+"""``/generate``'s body (the one SGLang route colocd never sends), and how every route parses its body.
 
-Field names, types and defaults follow SGLang 0.5.23's ``io_struct.py`` and ``sampling_params.py``; unknown
-fields are ignored, as SGLang ignores them. Every other route takes the model the SGLang adapter builds its
-request with (``engines/sglang/wire.py``), parsed the same lenient way (``server._body``).
+Fields follow SGLang 0.5.23's ``io_struct.py`` and ``sampling_params.py``; every other route takes the model the
+SGLang adapter builds its request with (``engines/sglang/wire.py``), parsed leniently by ``sglang_body``.
 """
 
 from __future__ import annotations
@@ -13,9 +12,9 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-__all__ = ["AbortRequestBody", "GenerateBody", "SGLangBody", "SamplingParamsBody", "sglang_body", "success"]
+__all__ = ["GenerateBody", "SGLangBody", "SamplingParamsBody", "sglang_body", "success"]
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -24,44 +23,41 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class AbortRequestBody(_Body):
-    """io_struct.py:2285 AbortReq."""
-
-    rid: str | None = ""
-    abort_all: bool = False
-
-
 class SamplingParamsBody(_Body):
-    """sampling_params.py:140 SamplingParams, the knobs the reference engine honours; ``None`` means "the
-    default" for every field, as SGLang's ``__post_init__`` does."""
+    """sampling_params.py:140 SamplingParams, the knobs the reference engine honours."""
 
-    max_new_tokens: int | None = 128
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    top_k: int | None = -1
-    min_p: float | None = 0.0
-    ignore_eos: bool | None = False
-    skip_special_tokens: bool | None = True
-    no_stop_trim: bool | None = False
+    max_new_tokens: int = 128
+    stop: str | list[str] = []
+    stop_token_ids: list[int] = []
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
     sampling_seed: int | None = None
-    n: int | None = 1
+    n: int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        # None means "the default" for every field, as SGLang's __post_init__ has it.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def verify(self) -> None:
         """SGLang's ``SamplingParams.verify`` checks, with its messages; raises ``ValueError``."""
-        if (self.temperature or 0.0) < 0.0:
+        if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < (1.0 if self.top_p is None else self.top_p) <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not 0.0 <= (self.min_p or 0.0) <= 1.0:
+        if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        top_k = -1 if self.top_k is None else self.top_k
-        if top_k < 1 and top_k != -1:
-            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
-        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-        if (self.n or 1) != 1:
+        if self.n != 1:
             raise ValueError("the colocd reference engine supports n=1 only; send a batch instead")
 
 

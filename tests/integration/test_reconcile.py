@@ -166,7 +166,7 @@ async def test_engine_restarted_during_train_is_released_again_and_the_next_step
         await full_step(n.client, 1)
         await n.client.phase("train", 2)
         with Prober(n.engine_url) as prober:
-            await engine.restart(ready_path="/model_info")  # the daemon may pause it first
+            await engine.restart(drivable=True)  # the daemon may pause it first
             took = await until(n, "restart seen", lambda: restart_seen(n))
             seen_at = time.monotonic()
             assert await n.engine_memory() == {"weights": False, "kv_cache": False, "cuda_graph": False}
@@ -196,7 +196,7 @@ async def test_engine_restarted_mid_stream_fails_the_session_and_a_complete_push
         await n.client.phase("sync", 2)
         session = await stream_half(n.client, 2)
         with Prober(n.engine_url) as prober:
-            await engine.restart(ready_path="/model_info")  # the daemon may pause it first
+            await engine.restart(drivable=True)  # the daemon may pause it first
             await until(n, "restart seen", lambda: restart_seen(n))
             seen_at = time.monotonic()
             status = await n.client.status()
@@ -222,7 +222,7 @@ async def test_engine_restarted_during_rollout_is_paused_until_a_complete_push_c
             {"ref0": engine.url}, journal=str(tmp_path / "journal.jsonl"), timeouts=TIMEOUTS) as n:
         await full_step(n.client, 1)
         with Prober(n.engine_url) as prober:
-            await engine.restart(ready_path="/model_info")  # the daemon may pause it first
+            await engine.restart(drivable=True)  # the daemon may pause it first
             await until(n, "restart seen", lambda: restart_seen(n))
             seen_at = time.monotonic()
             ref0 = (await n.client.status())["engines"]["ref0"]
@@ -288,7 +288,7 @@ async def test_restarted_daemon_refuses_mutating_calls_until_it_reconciled_with_
         assert "not yet reconciled engines ['ref0']" in err.value.body["message"]
         assert (await n.client.status())["reconcile"]["unreconciled"] == ["ref0"]
 
-        await engine.restart(ready_path="/model_info")
+        await engine.restart(drivable=True)
         await until(n, "reconciled", lambda: _reconciled(n))
         await full_step(n.client, 2)
         assert await served_checksums(n.engine_url) == [weights_checksum(model_for(2).named_parameters())]

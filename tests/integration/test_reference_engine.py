@@ -237,19 +237,6 @@ async def test_pause_abort_ends_in_flight_requests_and_blocks_new_ones_until_con
     assert done["output_ids"] == in_process_greedy(build_model(CFG, 0), "abc", 12)
 
 
-async def test_abort_request_by_rid_ends_only_that_request(client: httpx.AsyncClient) -> None:
-    await client.post("/release_memory_occupation", json={"tags": ["kv_cache"]})  # hold both in the queue
-    keep = asyncio.create_task(generate(client, text="abc", sampling_params=GREEDY, rid="keep"))
-    drop = asyncio.create_task(generate(client, text="abc", sampling_params=GREEDY, rid="drop"))
-    await eventually(lambda: _has(client, num_waiting_reqs=2), "both requests queued")
-    r = await client.post("/abort_request", json={"rid": "drop"})
-    assert r.status_code == 200 and r.content == b""
-    assert (await drop)["meta_info"]["finish_reason"]["type"] == "abort"
-    assert not keep.done()
-    await client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]})
-    assert (await keep)["meta_info"]["finish_reason"]["type"] != "abort"
-
-
 async def test_a_client_that_gives_up_while_blocked_is_dropped_from_the_queue(
     client: httpx.AsyncClient, engine: ReferenceEngineProcess
 ) -> None:
@@ -437,19 +424,13 @@ async def test_a_malicious_pickle_is_refused_with_400_naming_the_global(
     assert not marker.exists()
 
 
-async def test_weight_version_update_and_weights_checker_snapshot_compare(client: httpx.AsyncClient) -> None:
+async def test_weight_version_update_and_weights_checker_answers_checksum_only(client: httpx.AsyncClient) -> None:
     r = await client.post("/update_weight_version", json={"new_version": "v7", "abort_all_requests": False})
     assert r.json() == {"success": True, "message": "Weight version updated to v7", "new_version": "v7"}
     assert (await client.get("/model_info")).json()["weight_version"] == "v7"
-    assert (await client.post("/weights_checker", json={"action": "snapshot"})).json()["success"]
-    assert (await client.post("/weights_checker", json={"action": "compare"})).json()["success"]
-    await push(client, named_params(build_model(CFG, 1)))
-    await client.post("/weights_checker", json={"action": "snapshot"})
-    await push(client, SEED0)
-    r = await client.post("/weights_checker", json={"action": "compare"})
-    assert r.status_code == 400 and "differs" in r.json()["message"]
-    r = await client.post("/weights_checker", json={"action": "explode"})
-    assert r.status_code == 400 and "Unsupported" in r.json()["message"]
+    for action in ("snapshot", "explode"):  # SGLang's other actions are no part of what colocd sends
+        r = await client.post("/weights_checker", json={"action": action})
+        assert r.status_code == 400 and "Unsupported" in r.json()["message"]
 
 
 async def test_updates_need_resident_weights(client: httpx.AsyncClient) -> None:

@@ -198,9 +198,11 @@ def test_release_frees_storage_and_resume_reallocates_with_the_same_shapes() -> 
     mem.release(normalize_tags(None))
     assert all(n > 0 for n in sizes.values()) and {t: mem.resident_nbytes(t) for t in MemoryTag} == sizes
     assert all(p.numel() == 0 for p in model.parameters())
-    assert all(mem.state(t) is TagState.RELEASED and mem.nbytes(t) == 0 for t in MemoryTag)
+    assert all(mem.state(t) is TagState.RELEASED for t in MemoryTag)
     with pytest.raises(RuntimeError, match="kv_cache"):
         _ = mem.kv_pool
+    with pytest.raises(RuntimeError, match="cuda_graph"):
+        _ = mem.workspace
     mem.resume([MemoryTag.WEIGHTS])
     assert {n: p.shape for n, p in model.named_parameters()} == shapes
     assert model.model.rotary_emb.inv_freq.numel() == CFG.head_dim // 2  # buffers restored intact
@@ -297,30 +299,13 @@ async def test_scheduler_in_place_pause_keeps_slots_and_abort_all_finishes_with_
         assert sched.num_running == 1 and not sched.is_fully_idle(ignore_waiting=True)
         assert await sched.abort_all("stop") == 1
         out = await req.future
-        assert out.finish is not None and out.finish.to_json() == {
+        assert out.finish is not None and out.finish == {
             "type": "abort",
             "message": "stop",
             "status_code": None,
             "err_type": None,
         }
         assert out.output_ids == [6, 7] and sched.is_fully_idle()
-    finally:
-        loop.cancel()
-
-
-async def test_scheduler_reports_each_finished_step_to_waiters() -> None:
-    step = GatedStep()
-    sched = Scheduler(step, max_batch=1, max_seq=64, tokenizer=CharTokenizer(), memory_ready=lambda: True)
-    loop = asyncio.create_task(sched.run())
-    try:
-        await sched.submit(make_req([1], max_new=3))
-        await step.entered.wait()
-        waiter = asyncio.create_task(sched.wait_step(sched.steps_done))
-        await asyncio.sleep(0)
-        assert not waiter.done()
-        step.gate.set()
-        await waiter
-        assert sched.steps_done == 1
     finally:
         loop.cancel()
 
@@ -339,7 +324,7 @@ async def test_scheduler_does_not_step_while_memory_is_not_ready() -> None:
         ready = True
         await sched.notify()
         await run_steps(step, 1)
-        assert (finish := (await req.future).finish) is not None and finish.type == "length"
+        assert (finish := (await req.future).finish) is not None and finish["type"] == "length"
     finally:
         loop.cancel()
 
