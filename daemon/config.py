@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import yaml
@@ -13,9 +12,6 @@ from ..errors import ConfigError
 from ..policies import DEFAULT_PAUSE_MODE, PauseModeName, Timeouts
 
 __all__ = ["Limits", "ListenConfig", "NodeConfig", "Timeouts", "load_node_config"]
-
-log = logging.getLogger("colocd.config")
-
 
 class ListenConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
