@@ -4,6 +4,7 @@ another GPU, or a server not launched to trust its trainer's pickles, is refused
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from colocd.engines.chunks import ChunkLayout, tensor_checksum
+from colocd.engines.chunks import ChunkLayout
 from colocd.engines.cuda_handles import device_uuid
 from colocd.engines.sglang.payload import export_flattened_bucket, named_tensors_payload, serialize
 
@@ -23,13 +24,14 @@ _GATE = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 # The vLLM worker's side: the extension's receiver on cuda:0, reading one payload from stdin.
 _WORKER = """
-import json, sys, torch
-from colocd.engines.chunks import tensor_checksum
+import hashlib, json, sys, torch
 from colocd.engines.vllm.extension import ChunkReceiver
 receiver = ChunkReceiver(torch.device("cuda:0"))
 try:
     named = receiver.tensors(receiver.select([json.loads(sys.stdin.read())], 0))
-    print(json.dumps({"checksum": tensor_checksum(named)}))
+    print(json.dumps({"tensors": {name: [str(t.dtype), list(t.shape), hashlib.sha256(
+        t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+        for name, t in named}}))
 except ValueError as exc:
     print(json.dumps({"refused": str(exc)}))
 """
@@ -42,7 +44,7 @@ def _named() -> list[tuple[str, torch.Tensor]]:
 
 
 def _handle(named: list[tuple[str, torch.Tensor]], load_format: str) -> tuple[dict[str, Any], object]:
-    """The trainer's handle (as trainer/producer.py's CudaIpcProducer exports it) and what keeps its buffer alive."""
+    """The trainer's handle (as trainer/producer.py's cuda_ipc Producer exports it) and what keeps its buffer alive."""
     if load_format == "direct":
         payload, keep = serialize(named_tensors_payload(named)), named
     else:
@@ -52,7 +54,14 @@ def _handle(named: list[tuple[str, torch.Tensor]], load_format: str) -> tuple[di
     return handle, keep
 
 
-def _worker_loads(handle: dict[str, Any], *, trusted: bool = True) -> dict[str, str]:
+def _described(named: list[tuple[str, torch.Tensor]]) -> dict[str, object]:
+    """What the worker script prints for tensors it got: per name, dtype, shape and the sha256 of the bytes."""
+    return {"tensors": {name: [str(t.dtype), list(t.shape), hashlib.sha256(
+        t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+        for name, t in named}}
+
+
+def _worker_loads(handle: dict[str, Any], *, trusted: bool = True) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != _GATE}
     if trusted:
         env[_GATE] = "1"
@@ -60,7 +69,7 @@ def _worker_loads(handle: dict[str, Any], *, trusted: bool = True) -> dict[str, 
     proc = subprocess.run([sys.executable, "-c", _WORKER], input=json.dumps(part), capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result: dict[str, str] = json.loads(proc.stdout.splitlines()[-1])
+    result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
     return result
 
 
@@ -68,7 +77,7 @@ def _worker_loads(handle: dict[str, Any], *, trusted: bool = True) -> dict[str, 
 def test_the_worker_gets_the_trainers_tensors_byte_for_byte(load_format: str) -> None:
     named = _named()
     handle, keep = _handle(named, load_format)
-    assert _worker_loads(handle) == {"checksum": tensor_checksum(named)}
+    assert _worker_loads(handle) == _described(named)
     del keep
 
 
