@@ -5,12 +5,10 @@
     await cluster.sync(step, version, push=lambda node: trainers[node].push.remote(step))
     await cluster.rollout(step)
 
-Each call fans out concurrently (one ``AsyncColocdClient`` per daemon) and returns a ``StepResult`` with every
-node's reply; if any node failed, ``ClusterStepError`` is raised once every node has answered, naming each failed
-node, the engine its daemon blamed, the daemon's reason, and what the other nodes were left doing. One node's rules
-stretched over the cluster (docs/deploy.md, "What a step does across nodes"): a failed push aborts every session
-still open; ``rollout`` is refused before any node resumes unless every engine of every node reports clean weights
-at the step's version (from each daemon's ``/v1/status``). Imports neither ray nor torch.
+Each call fans out concurrently and returns every node's reply; if any node failed, ``ClusterStepError`` is raised
+once every node has answered, naming each failed node, the engine its daemon blamed and the daemon's reason. A
+failed push aborts every session still open; ``rollout`` is refused before any node resumes unless every engine of
+every node holds the step's version clean (docs/deploy.md, "What a step does across nodes"). Needs no ray or torch.
 """
 
 from __future__ import annotations
@@ -87,10 +85,6 @@ class ClusterStepError(ColocdError):
         lines += [f"  {note}" for note in result.notes]
         super().__init__("\n".join(lines))
 
-    @property
-    def failures(self) -> list[NodeFailure]:
-        return self.result.failures
-
 
 def _unwrap(exc: BaseException) -> BaseException:
     # A Ray task error keeps the trainer's own exception as ``cause``; follow it to the daemon's answer.
@@ -162,10 +156,6 @@ class ClusterClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def client(self, node_id: str) -> AsyncColocdClient:
-        """The daemon client of one node (for calls this class does not fan out)."""
-        return self._clients[node_id]
-
     async def fan_out(self, what: str, call: Callable[[str, AsyncColocdClient], Awaitable[Any]],
                       nodes: Iterable[str] | None = None) -> StepResult:
         """Run ``call(node_id, client)`` on every node (or ``nodes``) concurrently; never raises for a node."""
@@ -196,20 +186,16 @@ class ClusterClient:
     async def status(self) -> StepResult:
         return await self.fan_out("status", lambda _, c: c.status())
 
-    async def sync(self, step: int, version: str, push: PushFn, *, skip_committed: bool = True) -> StepResult:
+    async def sync(self, step: int, version: str, push: PushFn) -> StepResult:
         """Enter ``sync`` everywhere, then run ``push(node_id)`` (e.g. a Ray actor call on a trainer rank of that
-        node; its value is the node's result body) for every node concurrently. On any failure, sessions still
-        open are aborted and ``ClusterStepError`` says which nodes hold ``version`` (paused). ``skip_committed``:
-        a node whose engines all hold ``version`` clean is not pushed again (a redo costs only the failed nodes).
-        """
+        node; its value is the node's result body) for every node whose engines do not all hold ``version`` clean
+        (a redo costs only the failed nodes), concurrently. On any failure, sessions still open are aborted and
+        ``ClusterStepError`` says which nodes hold ``version`` (paused)."""
         self._target[step] = version
         await self.phase("sync", step)
-        targets = list(self._clients)
-        skipped: list[str] = []
-        if skip_committed:
-            status = await self.status()
-            skipped = sorted(n for n, r in status.nodes.items() if r.ok and not _version_gaps(r.body, version))
-            targets = [n for n in targets if n not in skipped]
+        status = await self.status()
+        skipped = sorted(n for n, r in status.nodes.items() if r.ok and not _version_gaps(r.body, version))
+        targets = [n for n in self._clients if n not in skipped]
 
         async def one(node: str, _: AsyncColocdClient) -> Any:
             started = push(node)

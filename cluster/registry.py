@@ -5,6 +5,7 @@ by its name ``colocd-<node_id>`` in namespace ``colocd``.
     daemons.ensure()                # start one on every alive node that has none (again after nodes join)
     daemon_urls()                   # {node_id: url} for the cluster client
     daemon_for_this_node()          # inside a trainer actor: this node's daemon (its url and pid)
+    await push_to_this_node(model.named_parameters(), version=f"v{step}", step=step)   # inside a trainer rank
 
 Ray's named-actor table (in the GCS) is the registry: it lives as long as the cluster and has no actor of ours to
 lose. The actor takes no CPU of its node's and only runs the daemon (``api/procs.DaemonProcess``, tethered: the
@@ -17,14 +18,20 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..api.client import AsyncColocdClient
 from ..api.procs import DaemonProcess
+from ..policies import Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "NAMESPACE",
@@ -35,6 +42,7 @@ __all__ = [
     "daemon_for_this_node",
     "daemon_urls",
     "list_daemons",
+    "push_to_this_node",
     "stop_daemons",
 ]
 
@@ -81,11 +89,6 @@ class NodeDaemon:
                 self._daemon = daemon
         return self.info()
 
-    async def stop(self) -> None:
-        """Stop the daemon (SIGTERM, then SIGKILL after ``stop_grace_s``); it stops the engines it launched."""
-        if self._daemon is not None:
-            await self._daemon.stop(self.spec.stop_grace_s)
-
     def info(self) -> dict[str, Any]:
         """Where this node's daemon listens and its pid; its engines are in the daemon's ``/v1/status``."""
         daemon = self._daemon
@@ -93,8 +96,10 @@ class NodeDaemon:
                 "daemon_pid": daemon.pid if daemon else None, "workdir": str(self.workdir)}
 
     async def cleanup(self) -> None:
-        """``stop()`` and remove the working directory (the journal and logs with it)."""
-        await self.stop()
+        """Stop the daemon (SIGTERM, then SIGKILL after ``stop_grace_s``; it stops the engines it launched) and remove
+        the working directory (the journal and logs with it)."""
+        if self._daemon is not None:
+            await self._daemon.stop(self.spec.stop_grace_s)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -185,6 +190,23 @@ async def adaemon_for_this_node() -> dict[str, Any]:
     """``daemon_for_this_node`` for async actors (awaits instead of blocking their event loop)."""
     info: dict[str, Any] = await _this_node().info.remote()
     return info
+
+
+async def push_to_this_node(named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
+                            token: str | None = None, transport: Transport | str = "auto",
+                            bucket_mb: float | None = None, depth: int | None = None) -> dict[str, Any]:
+    """One whole push from a trainer rank to this node's daemon (``WeightPusher``'s defaults); returns a summary the
+    driver keeps. A failure raises ``ColocdHTTPError``, which pickles with the daemon's error body: the driver's
+    ``ClusterClient`` names the node, engine and reason from it."""
+    from ..trainer.push import DEFAULT_DEPTH, WeightPusher  # torch: only trainer ranks push
+
+    info = await adaemon_for_this_node()
+    depth = DEFAULT_DEPTH if depth is None else depth
+    async with AsyncColocdClient(info["url"], token=token) as client, \
+            WeightPusher(client, transport=transport, bucket_mb=bucket_mb, depth=depth) as pusher:
+        report = await pusher.push(named, version=version, step=step)
+    return {"node_id": info["node_id"], "session_id": report.session_id, "version": report.version,
+            "chunks": report.chunks, "nbytes": report.nbytes, "seconds": report.seconds}
 
 
 def stop_daemons(timeout_s: float = 60.0) -> list[str]:

@@ -7,10 +7,8 @@
     await WeightPusher(client).push(...)
     await agent.rollout(step)
 
-The train reply carries the decisions for the end of training (process groups, cleanup), enacted just before
-``sync``. ``overlap_groups=True`` runs the group work in the background (``groups_ready()`` before the step's first
-collective); ``freeing`` posts a phase while the trainer still frees memory, and again once it has if the daemon
-refused for lack of headroom (409); ``weight_sync``'s push is joined before ``rollout``. docs/client.md, in full.
+``overlap_groups`` (group work in the background), ``freeing`` (post while memory is still being freed) and
+``weight_sync`` (joined before ``rollout``): docs/client.md.
 """
 
 from __future__ import annotations

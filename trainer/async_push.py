@@ -18,7 +18,6 @@ what overlaps is the trainer's post-step work, at the cost of a second copy of t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterable
 from typing import Any, Literal, Protocol
@@ -174,11 +173,6 @@ class AsyncWeightSync:
         if self._report is None:
             return None
         return {k: v for k, v in self._report.items() if v is not None or k == "fallback_reason"}
-
-    async def aclose(self) -> None:
-        """Join what runs (its error is the caller's to see)."""
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.join()
 
     def _reads_host(self, device: torch.device) -> bool:
         if isinstance(self._sender, WeightPusher):

@@ -242,8 +242,8 @@ class GroupLifecycle:
             return self._suspend_all(start, actions)
         self._kept(LifecycleState.KEPT)
         actions.append(f"kept {len(self._resident)} groups through the pause ({self._keep_alive})")
-        return self._report("pause", "keep", start, actions, kept=self._resident_total(), freed=0,
-                            fallback_reason=why, per_group=self._resident)
+        return self._report("pause", "keep", start, actions, kept=self._resident_total(),
+                            freed=0 if self._cuda else None, fallback_reason=why, per_group=self._resident)
 
     def resume(self) -> GroupReport:
         """Make the groups usable again: rebuild (after any cooldown remainder) or canary-check kept ones."""
@@ -251,7 +251,9 @@ class GroupLifecycle:
         if self._state == LifecycleState.LIVE:
             return self._report("resume", "none", start, ["groups already live"])
         if self._state == LifecycleState.DESTROYED:
-            waited = self._cooldown_remainder()
+            until = self._cooldown_until  # the rebuild clears it
+            remaining = 0.0 if until is None else min(until - time.monotonic(), self._max_wait_s)
+            waited = self._timed_sleep(remaining) if remaining > 0 else 0.0
             actions = [f"slept {waited:.3f} s: remainder of the deferred post-destroy wait"] if waited else []
             created, why = self._create_all(self._rebuild)
             return self._report("resume", "rebuild", start, actions + created, waited=waited, fallback_reason=why)
@@ -502,12 +504,6 @@ class GroupLifecycle:
             log.warning("keep-alive disabled for the rest of this process: %s", reason)
         self._keep_alive = KeepAliveState.DISABLED
 
-    def _cooldown_remainder(self) -> float:
-        remaining = 0.0 if self._cooldown_until is None else min(self._cooldown_until - time.monotonic(),
-                                                                 self._max_wait_s)
-        self._cooldown_until = None
-        return self._timed_sleep(remaining) if remaining > 0 else 0.0
-
     def _timed_sleep(self, seconds: float) -> float:
         begin = time.monotonic()
         time.sleep(seconds)  # the policy's post-destroy wait itself
@@ -542,12 +538,10 @@ class GroupLifecycle:
     def _report(self, phase: str, action: str, start: float, actions: list[str], *, waited: float = 0.0,
                 kept: int | None = None, freed: int | None = None, fallback_reason: str | None = None,
                 per_group: Mapping[str, int | None] | None = None) -> GroupReport:
-        """The policy named is the last pause's (None before the first)."""
-        per_group = per_group or {}
+        """The policy named is the last pause's (None before the first); bytes are None on CPU (unmeasured)."""
         return GroupReport(
             phase=phase, action=action, policy=self._policy, seconds=time.monotonic() - start, waited_s=waited,
-            kept_bytes=kept if self._cuda else None, freed_bytes=freed if self._cuda else None,
-            per_group_bytes=dict(per_group) if self._cuda else {name: None for name in per_group},
+            kept_bytes=kept, freed_bytes=freed, per_group_bytes=dict(per_group or {}),
             memory_note=_CUDA_NOTE if self._cuda else _CPU_NOTE, keep_alive=self._keep_alive, actions=actions,
             fallback_reason=fallback_reason)
 

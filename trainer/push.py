@@ -26,7 +26,7 @@ from ..engines.cuda_handles import device_uuid
 from ..engines.digest import DigestCache, tensor_digests
 from ..policies import AUTO_ORDER, Transport
 from .leases import LEASE_GRACE_S, LeaseBook
-from .producer import ExportedPart, Producer, producer_for, transport_named
+from .producer import ExportedPart, Producer, transport_named
 
 __all__ = [
     "DEFAULT_BUCKET_MB",
@@ -148,20 +148,12 @@ _Made = tuple[ExportedPart, float, float] | None
 
 
 class WeightPusher:
-    """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon.
-
-    At most ``depth`` chunks are exported and in flight; each buffer is released only after the daemon's ack; on
-    any failure the session is aborted and every buffer released. Defaults are the ``tuned`` preset
-    (``auto_transport``, ``auto_bucket_bytes``, depth 2); ``from_plan`` follows the daemon's pipeline plan.
-
-    Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id; every rank calls
-    ``stream(session_id, full_tensors)`` with its own ``rank``, joining on its device (``device_id``; default: the
-    tensors' GPU UUID, or ``cpu:<rank>``); rank 0 commits once all have returned (docs/client.md, "layouts").
-    ``last_join`` is the daemon's reply to the last join (``feeds``; ``streams: false``: the stream only walks).
-
-    Every exported buffer is a lease in ``leases``: after a failed stream, what a consumer still counts is
-    reclaimed once ``lease_grace_s`` has passed, before the error reaches the caller (an engine killed holding a
-    buffer strands nothing). The rank's lease bytes are reported to the daemon (``colocd_ipc_*``) off the path.
+    """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon, at most ``depth`` exported
+    and in flight, each buffer released after the daemon's ack (the ``tuned`` preset by default; ``from_plan``: the
+    daemon's pipeline plan). Several ranks: each ``stream``s with its own ``rank``, joining on its device
+    (``device_id``; default: the tensors' GPU UUID, or ``cpu:<rank>``); ``last_join`` is the last join's reply.
+    Every exported buffer is a lease in ``leases``, reclaimed ``lease_grace_s`` after a failed stream, before the
+    error reaches the caller. docs/client.md, in full.
     """
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
@@ -298,7 +290,7 @@ class WeightPusher:
         if self._producer is None:
             transport = self.transport_for(device)
             self._chunk_bytes = self._bucket_bytes or auto_bucket_bytes(transport, device, self._depth)
-            self._producer = producer_for(transport, leases=self.leases)
+            self._producer = Producer(transport, leases=self.leases)
         return self._producer
 
     async def _join(self, session_id: str, device_id: str, remaining: Iterator[tuple[str, torch.Tensor]]) -> None:
