@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
+from .broadcast import DistributedWeightSender
 from .push import PushReport, WeightPusher, free_bytes
 
 __all__ = ["AsyncWeightSync", "WeightSender", "choose_buffer"]
@@ -32,13 +33,7 @@ _MIB = 1 << 20
 BufferKind = Literal["device", "pinned_cpu", "none"]
 # Producers that read host tensors; the others need each chunk's tensors on a CUDA device.
 _HOST_READABLE = frozenset({"shm", "disk", "inline"})
-
-
-class WeightSender(Protocol):
-    """What ``AsyncWeightSync`` drives: ``WeightPusher`` or ``DistributedWeightSender``."""
-
-    async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
-                   step: int | None = None) -> PushReport: ...
+WeightSender = WeightPusher | DistributedWeightSender  # what ``AsyncWeightSync`` drives
 
 
 def choose_buffer(nbytes: int, device: torch.device, *, wanted: str = "auto", margin_bytes: int,

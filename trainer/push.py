@@ -4,6 +4,9 @@
         await c.phase("sync", step=1)
         await pusher.push(model.named_parameters(), version="1", step=1)
         await c.phase("rollout", step=1)
+
+``TrainerClient`` is the sync client with ``push_weights``; ``push_adapter`` pushes a LoRA adapter version as
+PEFT saves it, in one request (docs/client.md, "LoRA adapters").
 """
 
 from __future__ import annotations
@@ -11,16 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors.torch import save
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
+from ..api.client import AsyncColocdClient, ColocdClient, ColocdHTTPError, DaemonUnreachable
 from ..engines.chunks import dtype_name, plan_chunks
 from ..engines.cuda_handles import device_uuid
 from ..engines.digest import DigestCache, tensor_digests
@@ -34,11 +39,14 @@ __all__ = [
     "INLINE_BUCKET_MB",
     "ChunkRecord",
     "PushReport",
+    "TrainerClient",
     "WeightPusher",
+    "adapter_body",
     "auto_bucket_bytes",
     "auto_transport",
     "free_bytes",
     "manifest_of",
+    "push_adapter",
     "push_session",
 ]
 
@@ -56,6 +64,7 @@ _AUTO_ORDER = {"cuda": tuple(t.value for t in AUTO_ORDER),
                "cpu": tuple(t.value for t in AUTO_ORDER if t is not Transport.CUDA_IPC)}
 
 log = logging.getLogger("colocd.trainer")
+ADAPTER_CONFIG_KEY = "adapter_config"  # what daemon/adapters.py reads from the file's __metadata__
 
 
 def auto_transport(device: torch.device, accepted: Iterable[str] | None = None) -> str:
@@ -456,6 +465,45 @@ class WeightPusher:
             await asyncio.to_thread(walk)
         except Exception as exc:  # the stream's first error is what the caller needs
             log.warning("walking the tensors left after a failed stream raised: %s", exc)
+
+
+
+class TrainerClient(ColocdClient):
+    """``ColocdClient`` with the weight push; each push opens, streams and commits one session."""
+
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
+                     transport: Transport | str = "auto", bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH,
+                     partial: bool = False) -> PushReport:
+        """Open, stream and commit one session, with ``WeightPusher``'s defaults (the ``tuned`` preset)."""
+        async def push() -> PushReport:
+            async with WeightPusher(self.async_client, transport=transport, bucket_mb=bucket_mb,
+                                    depth=depth) as pusher:
+                return await pusher.push(named, version=version, step=step, partial=partial)
+
+        return self.run(push())
+
+
+def adapter_body(named: Iterable[tuple[str, torch.Tensor]], config: Mapping[str, Any]) -> bytes:
+    """adapter_model.safetensors with the config in its ``adapter_config`` metadata (host copies of the tensors:
+    nothing stays exported, so there is no IPC lease)."""
+    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named}
+    return save(tensors, metadata={"format": "pt", ADAPTER_CONFIG_KEY: json.dumps(dict(config), default=_jsonable)})
+
+
+async def push_adapter(client: AsyncColocdClient, named: Iterable[tuple[str, torch.Tensor]], *,
+                       config: Mapping[str, Any], base: str, version: str) -> dict[str, Any]:
+    """Push one adapter version; returns once every engine serves ``<base>@<version>`` (the reply's ``adapter``).
+    The daemon refuses a reused name or a push over an engine's adapter cap (409), and an engine that serves no
+    adapters (409 naming it); a failed push leaves the previous version serving."""
+    body = await asyncio.to_thread(adapter_body, list(named), config)
+    return await client.push_adapter(base, version, body)
+
+
+def _jsonable(value: object) -> object:
+    # PEFT's configs hold sets (target_modules) and enums (task_type); save_pretrained writes them as lists/values.
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    return getattr(value, "value", str(value))
 
 
 def _session_gone(exc: Exception) -> bool:
