@@ -118,37 +118,29 @@ class ClusterClient:
         self._token = token
         self._timeout_s = timeout_s
         self._window = asyncio.Semaphore(max_concurrency)
-        self._clients: dict[str, AsyncColocdClient] = {}
-        self._urls: dict[str, str] = {}
+        self._clients = {n: AsyncColocdClient(url, token=token, timeout_s=timeout_s) for n, url in daemons.items()}
+        self._urls = dict(daemons)
         # The version the last sync at each step set out to commit: rollout needs it on every engine.
         self._target: dict[int, str] = {}
-        self._retired: list[AsyncColocdClient] = []
-        self.set_nodes(daemons)
 
     @property
     def nodes(self) -> dict[str, str]:
         return dict(self._urls)
 
-    def set_nodes(self, daemons: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    async def set_nodes(self, daemons: Mapping[str, str]) -> tuple[list[str], list[str]]:
         """Replace the set of daemons; returns (joined, left). Call it between steps, not during one."""
         joined = sorted(set(daemons) - set(self._urls))
         left = sorted(set(self._urls) - set(daemons))
         moved = sorted(n for n in set(daemons) & set(self._urls) if daemons[n] != self._urls[n])
-        for node in left + moved:
-            self._retired.append(self._clients.pop(node))  # closed by the next async call: this one is sync
+        await asyncio.gather(*(self._clients.pop(n).aclose() for n in left + moved), return_exceptions=True)
         for node in joined + moved:
             self._clients[node] = AsyncColocdClient(daemons[node], token=self._token, timeout_s=self._timeout_s)
         self._urls = dict(daemons)
         return joined, left
 
     async def aclose(self) -> None:
-        await self._close_retired()
         await asyncio.gather(*(c.aclose() for c in self._clients.values()), return_exceptions=True)
         self._clients.clear()
-
-    async def _close_retired(self) -> None:
-        retired, self._retired = self._retired, []
-        await asyncio.gather(*(c.aclose() for c in retired), return_exceptions=True)
 
     async def __aenter__(self) -> ClusterClient:
         return self
@@ -159,7 +151,6 @@ class ClusterClient:
     async def fan_out(self, what: str, call: Callable[[str, AsyncColocdClient], Awaitable[Any]],
                       nodes: Iterable[str] | None = None) -> StepResult:
         """Run ``call(node_id, client)`` on every node (or ``nodes``) concurrently; never raises for a node."""
-        await self._close_retired()
         targets = sorted(self._clients) if nodes is None else sorted(nodes)
 
         async def one(node: str) -> NodeResult:

@@ -43,7 +43,8 @@ class TrainerAgent:
         self._groups = groups
         self._device = device
         self._overlap = overlap_groups
-        self._directives: dict[str, Any] = {}
+        # The decisions of the last train reply, also for trainer-side work the agent does not enact itself.
+        self.directives: dict[str, Any] = {}
         # Group work running in the background (overlap_groups): the report key and its task.
         self._pending: tuple[str, asyncio.Future[GroupReport]] | None = None
         self.last_reports: dict[str, Any] = {}
@@ -61,11 +62,6 @@ class TrainerAgent:
         self.last_reports[key] = report.to_dict()
         return time.perf_counter() - t0
 
-    @property
-    def directives(self) -> dict[str, Any]:
-        """The decisions of the last train reply, for trainer-side work the agent does not enact itself."""
-        return self._directives
-
     async def train(self, step: int) -> dict[str, Any]:
         # A pause still running (a rollout posted before it ended): the snapshot must see where it ended,
         # and its report, which the rollout call could not carry, travels with this call.
@@ -77,9 +73,9 @@ class TrainerAgent:
             if unreported:
                 trainer["groups_report"] = self.last_reports["groups_report"]
         reply = await self._client.phase("train", step, trainer=trainer)
-        self._directives = reply.get("directives") or {}
+        self.directives = reply.get("directives") or {}
         if self._weight_sync is not None:
-            self._weight_sync.follow(self._directives.get("weight_sync"))
+            self._weight_sync.follow(self.directives.get("weight_sync"))
         if self._groups is not None:
             # Rebuild (or verify kept groups) now that the engines gave the memory back.
             resume = asyncio.ensure_future(asyncio.to_thread(self._groups.resume))
@@ -91,13 +87,13 @@ class TrainerAgent:
     async def sync(self, step: int, *, freeing: Freeing | None = None) -> dict[str, Any]:
         await self.groups_ready()  # the resume, if the caller did not wait for it
         report: dict[str, Any] = {}
-        if self._groups is not None and (d := self._directives.get("process_groups")):
+        if self._groups is not None and (d := self.directives.get("process_groups")):
             pause = asyncio.ensure_future(asyncio.to_thread(self._groups.pause, GroupDirective.model_validate(d)))
             self._pending = ("groups_report", pause)
             if not self._overlap:
                 await self.groups_ready()
                 report["groups_report"] = self.last_reports["groups_report"]
-        if plan := self._directives.get("cleanup"):
+        if plan := self.directives.get("cleanup"):
             cleanup = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan), device=self._device)
             report["spans"] = cleanup.spans
             report["cleanup"] = {k: v for k, v in cleanup.to_dict().items() if k != "spans"}
@@ -134,12 +130,10 @@ class TrainerAgent:
                               freeing: Awaitable[object] | None) -> dict[str, Any]:
         """Post ``phase``; with ``freeing``, at once, and again once it is done if the daemon refused the
         engines' resume for lack of free GPU memory (409 naming ``headroom``)."""
-        if freeing is None:
-            return await self._client.phase(phase, step, trainer=trainer)
         try:
             reply = await self._client.phase(phase, step, trainer=trainer)
         except ColocdHTTPError as exc:
-            if exc.status != 409 or "headroom" not in (exc.body.get("state") or {}):
+            if freeing is None or exc.status != 409 or "headroom" not in (exc.body.get("state") or {}):
                 raise
             t0 = time.perf_counter()
             await freeing
@@ -148,7 +142,8 @@ class TrainerAgent:
             self.last_reports[f"{phase}_room"] = {"early": False, "waited_s": waited,
                                                   "refused": str(exc.body.get("message", ""))}
             return reply
-        self.last_reports[f"{phase}_room"] = {"early": True, "waited_s": 0.0}
+        if freeing is not None:
+            self.last_reports[f"{phase}_room"] = {"early": True, "waited_s": 0.0}
         return reply
 
     @staticmethod

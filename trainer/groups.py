@@ -550,13 +550,9 @@ def teardown_together(teardown: Callable[[dist.ProcessGroup], None], groups: Seq
     """``teardown`` every group at once, one thread each: an NCCL communicator's teardown waits for its proxy
     thread's 500 ms ``poll`` (NCCL 2.28 ``proxy.cc``), so in a row each waits a further period, together the set
     waits one (docs/client.md). Every rank tears down the same set, so a collective teardown meets its peers."""
-    if len(groups) < 2:
-        for group in groups:
-            teardown(group)
-        return
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="colocd-group-teardown") as pool:
-        for _ in pool.map(teardown, groups):
-            pass
+    if groups:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="colocd-group-teardown") as pool:
+            list(pool.map(teardown, groups))
 
 
 def _destroy(group: dist.ProcessGroup) -> None:

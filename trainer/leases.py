@@ -115,13 +115,6 @@ class Lease:
     state: LeaseState = LeaseState.EXPORTED
     released_at: float | None = None
 
-    def held_by_trainer(self) -> bool:
-        """Some tensor of this process still holds a storage: its memory is the trainer's, not torch's limbo."""
-        return any(not storage.expired() for storage in self.storages)  # type: ignore[no-untyped-call]
-
-    def counts(self) -> int:
-        return sum(max(c.read(), 0) for c in self.counters)
-
 
 def ipc_collect() -> None:
     if torch.cuda.is_available():
@@ -155,8 +148,9 @@ class LeaseBook:
         if lease.state is not LeaseState.EXPORTED:
             return
         lease.released_at = time.monotonic()
-        # Nothing but the producer held it (an unlinked shm segment), or a trainer tensor still holds it.
-        if not lease.counters or lease.held_by_trainer():
+        # Nothing but the producer held it (an unlinked shm segment), or a trainer tensor still holds it (its
+        # memory is the trainer's, not torch's limbo).
+        if not lease.counters or any(not s.expired() for s in lease.storages):  # type: ignore[no-untyped-call]
             self._end(lease, LeaseState.FREED)
             return
         lease.state = LeaseState.RETAINED
@@ -173,7 +167,7 @@ class LeaseBook:
         if not retained:
             return 0
         # Counts first, then torch's collect: a lease read as 0 is one torch frees in this very collect.
-        done = [lease for lease in retained if lease.counts() == 0]
+        done = [lease for lease in retained if all(c.read() <= 0 for c in lease.counters)]
         self._collect()
         for lease in done:
             self._end(lease, LeaseState.FREED)

@@ -59,10 +59,6 @@ DEFAULT_BUCKET_MB = 4096
 INLINE_BUCKET_MB = 32  # one request body (limits.max_body_bytes, 64 MiB); base64 and the pickle add a third
 _MIB = 1 << 20
 
-# transport="auto": policies.AUTO_ORDER by the tensors' device; what the engines accept decides among them.
-_AUTO_ORDER = {"cuda": tuple(t.value for t in AUTO_ORDER),
-               "cpu": tuple(t.value for t in AUTO_ORDER if t is not Transport.CUDA_IPC)}
-
 log = logging.getLogger("colocd.trainer")
 ADAPTER_CONFIG_KEY = "adapter_config"  # what daemon/adapters.py reads from the file's __metadata__
 
@@ -71,9 +67,9 @@ def auto_transport(device: torch.device, accepted: Iterable[str] | None = None) 
     """CUDA-IPC buckets for CUDA tensors, shared memory for CPU ones, unless the engines do not load that: then
     the first of the device's order they do (``accepted``: the join reply's ``transports``; empty: no word).
     Against a real SGLang on CPU that is ``inline``."""
-    order = _AUTO_ORDER["cuda" if device.type == "cuda" else "cpu"]
+    order = [t.value for t in AUTO_ORDER if device.type == "cuda" or t is not Transport.CUDA_IPC]
     allowed = set(accepted or ())
-    return next((t for t in order if t in allowed), order[0]) if allowed else order[0]
+    return next((t for t in order if t in allowed), order[0])
 
 
 def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
@@ -152,8 +148,9 @@ async def push_session(client: AsyncColocdClient, named: Iterable[tuple[str, tor
     return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
 
-# What one export gives: the chunk, the export's seconds and the digests' share of them (None: the plan is done).
-_Made = tuple[ExportedPart, float, float] | None
+# What one export gives: the chunk, the export's seconds and the digests' share of them; the export's error (the
+# tensors can still be walked); None: the plan is done.
+_Made = tuple[ExportedPart, float, float] | Exception | None
 
 
 class WeightPusher:
@@ -356,10 +353,9 @@ class WeightPusher:
                     await asyncio.wait({tasks[-self._depth]})
                     if failure:  # a chunk failed meanwhile: pull nothing more here
                         break
-                try:
-                    made = await self._next_export(producer, buckets, digests)
-                except _ExportFailed as exc:
-                    failed(exc.error)
+                made = await self._next_export(producer, buckets, digests)
+                if isinstance(made, Exception):
+                    failed(made)
                     break
                 if made is None:
                     break
@@ -402,8 +398,8 @@ class WeightPusher:
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                          digests: DigestCache | None) -> _Made:
         """On a thread: the next bucket exported (with its tensors' digests where ``digests`` is a cache), the
-        export's seconds and the digests' share; None when the plan is done. A failed export raises
-        ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is raised as it is."""
+        export's seconds and the digests' share; None when the plan is done. A failed export is returned; the
+        iterator's own error is raised as it is."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
@@ -411,14 +407,14 @@ class WeightPusher:
         try:
             chunk = producer.export(bucket)
         except Exception as exc:
-            raise _ExportFailed(exc) from exc
+            return exc
         t1 = time.perf_counter()
         if digests is not None:
             try:
                 chunk.digests = tensor_digests(bucket, digests)
             except Exception as exc:
                 chunk.release()
-                raise _ExportFailed(exc) from exc
+                return exc
         t2 = time.perf_counter()
         return chunk, t2 - t0, t2 - t1
 
@@ -433,7 +429,7 @@ class WeightPusher:
         except asyncio.CancelledError:
             # The thread runs on: release what it made, and close nothing while it writes.
             with contextlib.suppress(Exception):
-                if (made := await work) is not None:
+                if isinstance(made := await work, tuple):
                     made[0].release()
             raise
 
@@ -509,11 +505,3 @@ def _jsonable(value: object) -> object:
 def _session_gone(exc: Exception) -> bool:
     """The daemon's 410: the session already ended (what chunks after the failing one are answered)."""
     return isinstance(exc, ColocdHTTPError) and exc.status == 410
-
-
-class _ExportFailed(Exception):
-    """A bucket's export failed (the tensors themselves can still be produced, so the stream walks them)."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error

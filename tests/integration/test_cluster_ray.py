@@ -211,7 +211,7 @@ async def test_a_node_added_between_steps_gets_a_daemon_and_the_next_step_covers
         before = set(cluster.nodes)
         world.cluster.add_node(**NODE_ARGS)
         world.refresh()
-        joined, left = cluster.set_nodes(daemon_urls())
+        joined, left = await cluster.set_nodes(daemon_urls())
         assert len(joined) == 1 and left == [] and set(cluster.nodes) == before | set(joined)
         await full_step(world, cluster)
         want = trained_checksum(world.step)
