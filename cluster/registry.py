@@ -7,10 +7,9 @@ by its name ``colocd-<node_id>`` in namespace ``colocd``.
     daemon_for_this_node()          # inside a trainer actor: this node's daemon (its url and pid)
     await push_to_this_node(model.named_parameters(), version=f"v{step}", step=step)   # inside a trainer rank
 
-Ray's named-actor table (in the GCS) is the registry: it lives as long as the cluster and has no actor of ours to
-lose. The actor takes no CPU of its node's and only runs the daemon (``api/procs.DaemonProcess``, tethered: the
-kernel kills it, and then its engines, when the actor's process dies); the spec's engines go into the daemon's
-config unchanged (attached by ``url``, or launched by ``launch:``). docs/deploy.md, "Ray".
+Ray's named-actor table (in the GCS) is the registry: it lives as long as the cluster. The actor takes no CPU and
+only runs the daemon (``DaemonProcess``, tethered: the kernel kills it, and then its engines, when the actor's
+process dies) with the spec's engines in its config unchanged. docs/deploy.md, "Ray".
 """
 
 from __future__ import annotations

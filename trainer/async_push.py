@@ -102,11 +102,6 @@ class AsyncWeightSync:
         if directive.get("buffer_margin_mb") is not None:
             self.margin_bytes = int(directive["buffer_margin_mb"]) * _MIB
 
-    @property
-    def pending(self) -> bool:
-        """A background push has started and not been joined."""
-        return self._task is not None
-
     async def start(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                     step: int | None = None) -> None:
         """Join the previous push, then push ``named`` as ``version``: returns after the snapshot (async) or the
@@ -118,8 +113,10 @@ class AsyncWeightSync:
         report: dict[str, Any] = {"requested": self.mode, "version": version, "started_version": version,
                                   "buffer": "none", "fallback_reason": None}
         if self.mode == "async":
+            # The broadcast sender stages each bucket onto its device itself.
+            host_ok = not isinstance(self._sender, WeightPusher) or self._sender.transport_for(device) in _HOST_READABLE
             kind, why = choose_buffer(nbytes, device, wanted=self.second_buffer, margin_bytes=self.margin_bytes,
-                                      host_ok=self._reads_host(device))
+                                      host_ok=host_ok)
             if kind == "none":
                 report["fallback_reason"] = why
             else:
@@ -143,11 +140,6 @@ class AsyncWeightSync:
         finally:
             report["push_s"] = time.perf_counter() - t0
 
-    async def wait_ended(self) -> None:
-        """Wait until the background push (if any) has ended, leaving its outcome for ``join``."""
-        if self._task is not None:
-            await asyncio.wait({self._task})
-
     async def join(self) -> PushReport | None:
         """Wait for the background push (if any) to commit. Re-raises the push's error."""
         task, self._task = self._task, None
@@ -165,12 +157,5 @@ class AsyncWeightSync:
 
     def report(self) -> dict[str, Any] | None:
         """What the last push did, as the daemon's ``trainer.weights`` reads it (None before the first)."""
-        if self._report is None:
-            return None
-        return {k: v for k, v in self._report.items() if v is not None or k == "fallback_reason"}
-
-    def _reads_host(self, device: torch.device) -> bool:
-        if isinstance(self._sender, WeightPusher):
-            return self._sender.transport_for(device) in _HOST_READABLE
-        return True  # the broadcast sender stages each bucket onto its device itself
+        return None if self._report is None else dict(self._report)
 

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -57,14 +56,6 @@ class RefCounter:
     handle: str
     offset: int
     directory: str = _SHM_DIR
-
-    @classmethod
-    def of(cls, handle: bytes | str | None, offset: Any) -> RefCounter | None:
-        """From ``_share_cuda_()``'s ``ref_counter_handle``/``ref_counter_offset``; None for an empty storage."""
-        if handle is None:
-            return None
-        name = handle.decode() if isinstance(handle, bytes) else handle
-        return cls(name, int(offset))
 
     def _slot(self, write: bytes | None = None) -> int:
         """The count, or 0 after writing ``write`` over it, or where torch removed the file; a file of another
@@ -134,12 +125,11 @@ class LeaseBook:
         self.reclaimed = 0  # leases reclaimed, in this book's lifetime
         self.reclaimed_bytes = 0
 
-    def export(self, transport: str, nbytes: int, counters: Iterable[RefCounter | None] = (),
+    def export(self, transport: str, nbytes: int, counters: Iterable[RefCounter] = (),
                owner: str | None = None, buffers: Iterable[torch.Tensor] = ()) -> Lease:
         """A new exported lease; ``buffers``: the tensors whose storages were shared (weakly referenced)."""
         storages = tuple(StorageWeakRef(t.untyped_storage()) for t in buffers)  # type: ignore[no-untyped-call]
-        lease = Lease(next(self._ids), str(transport), int(nbytes), owner or self.owner,
-                      tuple(c for c in counters if c is not None), storages)
+        lease = Lease(next(self._ids), str(transport), int(nbytes), owner or self.owner, tuple(counters), storages)
         self._live[lease.id] = lease
         return lease
 

@@ -158,8 +158,9 @@ class Producer:
             payload, bucket = export_flattened_bucket(named, shares)
             load_format, buffers = FLATTENED_BUCKET, [bucket.tensor]
             free = bucket.release  # drops the bucket and runs torch.cuda.ipc_collect() (THUDM/slime#1731)
-        lease = self.leases.export(self.transport, layout.nbytes, [RefCounter.of(h, off) for h, off in shares],
-                                   buffers=buffers)
+        # Each share's ``ref_counter_handle``/``ref_counter_offset`` (``_share_cuda_()``): a consumer's count.
+        counters = [RefCounter(handle.decode(), offset) for handle, offset in shares]
+        lease = self.leases.export(self.transport, layout.nbytes, counters, buffers=buffers)
 
         def drop() -> None:
             free()
