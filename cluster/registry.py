@@ -62,7 +62,7 @@ class NodeSpec:
 
 
 class NodeDaemon:
-    """The actor's body (``ray.remote`` is applied in ``_create``); all methods run on one event loop."""
+    """The actor's body (``ray.remote`` is applied in ``NodeDaemons.ensure``); all methods run on one event loop."""
 
     def __init__(self, node_id: str, spec: NodeSpec) -> None:
         self.node_id = node_id
@@ -102,15 +102,6 @@ class NodeDaemon:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _create(node_id: str, spec: NodeSpec, detached: bool) -> Any:
-    """The node's daemon actor, pinned to ``node_id``, or the one it has: the name is the lock."""
-    return ray.remote(NodeDaemon).options(
-        name=f"colocd-{node_id}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0, max_restarts=0,
-        lifetime="detached" if detached else None,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(node_id, spec)
-
-
 def _alive_nodes() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))  # type: ignore[no-untyped-call]
 
@@ -138,8 +129,13 @@ class NodeDaemons:
         """Start a daemon on every alive node (or ``nodes``) that has none; returns their ``info()``. A daemon
         started elsewhere is adopted, a running one answers at once: safe to call again after nodes joined."""
         targets = nodes if nodes is not None else _alive_nodes()
-        for node in targets:
-            self.handles.setdefault(node, _create(node, self.spec, self.detached))
+        for node in (n for n in targets if n not in self.handles):
+            # Pinned to its node, or the one the node has: the name is the lock.
+            self.handles[node] = ray.remote(NodeDaemon).options(
+                name=f"colocd-{node}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0, max_restarts=0,
+                lifetime="detached" if self.detached else None,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(node, self.spec)
         infos = ray.get([self.handles[n].start.remote() for n in targets], timeout=timeout_s)
         return dict(zip(targets, infos, strict=True))
 

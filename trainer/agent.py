@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ class TrainerAgent:
             report = await task
         finally:
             self._pending = None
-        self.last_reports[key] = report.to_dict()
+        self.last_reports[key] = asdict(report)  # JSON-ready: what the daemon is sent
         return time.perf_counter() - t0
 
     async def train(self, step: int) -> dict[str, Any]:
@@ -96,7 +97,7 @@ class TrainerAgent:
         if plan := self.directives.get("cleanup"):
             cleanup = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan), device=self._device)
             report["spans"] = cleanup.spans
-            report["cleanup"] = {k: v for k, v in cleanup.to_dict().items() if k != "spans"}
+            report["cleanup"] = {k: v for k, v in asdict(cleanup).items() if k != "spans"}
         self.last_reports.update(report)
         reply = await self._post_when_room("sync", step, report or None, _started(freeing))
         if self._weight_sync is not None:

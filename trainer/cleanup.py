@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,9 +32,6 @@ class CleanupReport:
     freed_bytes: int | None
     memory_note: str
     spans: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def run_cleanup(plan: CleanupPlan, *, device: torch.device | None = None, collect: Callable[[], object] = gc.collect,

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
@@ -100,10 +100,6 @@ class GroupReport:
     actions: list[str] = field(default_factory=list)
     fallback_reason: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; this is what the trainer agent sends back to the daemon."""
-        return asdict(self)
-
 
 def all_reduce_canary(name: str, group: dist.ProcessGroup, timeout_s: float, *, device: torch.device) -> bool:
     """All-reduce a one on ``group`` and check the sum equals its size; raises on timeout."""
@@ -156,19 +152,16 @@ def _nccl_gate(feature: str, device: torch.device, backends: Sequence[str], torc
 
 
 class GroupLifecycle:
-    """A named set of process groups taken through pauses as the daemon's directives say.
-
-    Every rank constructs it at the same point and makes the same calls in the same order (they are
-    collective)::
+    """A named set of process groups taken through pauses as the daemon's directives say; every rank constructs it
+    at the same point and makes the same calls in the same order (they are collective)::
 
         life = GroupLifecycle([GroupSpec("tp", (0, 1)), GroupSpec("tp", (2, 3)), GroupSpec("dp", (0, 2))])
         life.build()
         report = life.pause(directive)   # before the trainer's memory is paused
         report = life.resume()           # before the trainer needs its groups again
 
-    ``agree_timeout_s`` bounds the cross-rank vote; keep it above groups x ``canary_timeout_s`` so a
-    rank that sat out canary timeouts still reaches the vote before its peers give up on it.
-    """
+    ``agree_timeout_s`` bounds the cross-rank vote; keep it above groups x ``canary_timeout_s`` so a rank that sat
+    out canary timeouts still reaches the vote before its peers give up on it."""
 
     def __init__(self, specs: Sequence[GroupSpec], *, device: torch.device | None = None,
                  group_timeout_s: float = 600.0, agree_timeout_s: float = 120.0, max_wait_s: float = 60.0,
