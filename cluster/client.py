@@ -25,9 +25,6 @@ from ..errors import ColocdError, ColocdHTTPError, DaemonUnreachable
 
 __all__ = ["ClusterClient", "ClusterStepError", "NodeFailure", "NodeResult", "StepResult", "failure_of"]
 
-PushFn = Callable[[str], Awaitable[Any]]
-
-
 @dataclass(frozen=True, slots=True)
 class NodeFailure:
     """Why one node failed a call: the daemon's error class and message, and the engine it blamed."""
@@ -110,8 +107,7 @@ def failure_of(node_id: str, exc: BaseException) -> NodeFailure:
 
 class ClusterClient:
     """Fans calls out to a set of daemons, ``{node_id: url}``; ``set_nodes`` changes the set between steps.
-    ``max_concurrency`` bounds the requests in flight (and so the open connections); ``timeout_s`` one node's call.
-    """
+    ``max_concurrency`` bounds the requests in flight (and so the open connections); ``timeout_s`` one node's call."""
 
     def __init__(self, daemons: Mapping[str, str], *, token: str | None = None, timeout_s: float = 600.0,
                  max_concurrency: int = 256) -> None:
@@ -177,7 +173,7 @@ class ClusterClient:
     async def status(self) -> StepResult:
         return await self.fan_out("status", lambda _, c: c.status())
 
-    async def sync(self, step: int, version: str, push: PushFn) -> StepResult:
+    async def sync(self, step: int, version: str, push: Callable[[str], Awaitable[Any]]) -> StepResult:
         """Enter ``sync`` everywhere, then run ``push(node_id)`` (e.g. a Ray actor call on a trainer rank of that
         node; its value is the node's result body) for every node whose engines do not all hold ``version`` clean
         (a redo costs only the failed nodes), concurrently. On any failure, sessions still open are aborted and

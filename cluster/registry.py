@@ -114,11 +114,9 @@ def _find(node_id: str) -> Any | None:
 
 
 class NodeDaemons:
-    """The driver's hold on the node daemons it started: ``ensure()`` on every alive node, ``stop()`` at the end.
-
-    A job-scoped named actor is garbage-collected with its last handle, so whoever starts the daemons keeps their
-    handles: this object. ``detached=True``: daemons that outlive the job (a cluster shared by several jobs).
-    """
+    """The driver's hold on the node daemons it started: ``ensure()`` on every alive node, ``stop()`` at the end. A
+    job-scoped named actor is garbage-collected with its last handle, so whoever starts the daemons keeps their
+    handles: this object. ``detached=True``: daemons that outlive the job (a cluster shared by several jobs)."""
 
     def __init__(self, spec: NodeSpec, *, detached: bool = False) -> None:
         self.spec = spec

@@ -124,21 +124,20 @@ class AsyncWeightSync:
                 snapshot = await asyncio.to_thread(_snapshot, named, kind)
                 report.update(mode="async", buffer=kind, buffer_bytes=nbytes, snapshot_s=time.perf_counter() - t0)
                 self._report = report
-                # The task alone holds the snapshot: it is freed once the push has ended.
-                self._task = asyncio.ensure_future(self._push(snapshot, version, step, report))
+
+                async def push() -> PushReport:  # the task alone holds the snapshot: freed once the push ended
+                    t0 = time.perf_counter()
+                    try:
+                        return await self._sender.push(snapshot, version=version, step=step)
+                    finally:
+                        report["push_s"] = time.perf_counter() - t0
+
+                self._task = asyncio.ensure_future(push())
                 return
         t0 = time.perf_counter()
         self.last_push = await self._sender.push(named, version=version, step=step)
         report.update(mode="sync", push_s=time.perf_counter() - t0, join_wait_s=0.0, overlap_s=0.0)
         self._report = report
-
-    async def _push(self, named: list[tuple[str, torch.Tensor]], version: str, step: int | None,
-                    report: dict[str, Any]) -> PushReport:
-        t0 = time.perf_counter()
-        try:
-            return await self._sender.push(named, version=version, step=step)
-        finally:
-            report["push_s"] = time.perf_counter() - t0
 
     async def join(self) -> PushReport | None:
         """Wait for the background push (if any) to commit. Re-raises the push's error."""

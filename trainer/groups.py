@@ -197,10 +197,6 @@ class GroupLifecycle:
     def state(self) -> LifecycleState:
         return self._state
 
-    @property
-    def keep_alive(self) -> KeepAliveState:
-        return self._keep_alive
-
     def groups(self) -> Iterator[tuple[GroupSpec, dist.ProcessGroup]]:
         """The live groups this rank is a member of, in creation order."""
         if self._state != LifecycleState.LIVE:
@@ -329,7 +325,12 @@ class GroupLifecycle:
             actions.append("aborted all groups, no wait; rebuilt on resume")
             return self._report("pause", "destroy", start, actions, fallback_reason=reason)
         freed = _delta(self._free_bytes(), before)
-        per_group = self._persist_bytes()
+        per_group: dict[str, int | None] = {}  # what each suspended communicator still holds (NCCL's ``persist``)
+        for spec, group in self._members():
+            try:
+                per_group[spec.name] = int(_backend(group, self._device).memory_stats()["persist"])
+            except Exception:
+                per_group[spec.name] = None
         kept = None if any(v is None for v in per_group.values()) else sum(v or 0 for v in per_group.values())
         self._kept(LifecycleState.SUSPENDED)
         actions.append(f"suspended {len(per_group)} communicators")
@@ -513,16 +514,6 @@ class GroupLifecycle:
         if not self._cuda or any(v is None for v in values):
             return None
         return sum(v or 0 for v in values)
-
-    def _persist_bytes(self) -> dict[str, int | None]:
-        """Per group, what a suspended communicator still holds (NCCL's ``persist`` statistic)."""
-        out: dict[str, int | None] = {}
-        for spec, group in self._members():
-            try:
-                out[spec.name] = int(_backend(group, self._device).memory_stats()["persist"])
-            except Exception:
-                out[spec.name] = None
-        return out
 
     def _require(self, state: LifecycleState, verb: str) -> None:
         if self._state != state:

@@ -8,13 +8,13 @@ what licenses reuse. One ``Producer`` per ``Transport``.
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
 import os
 import pickle
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,7 +115,8 @@ class Producer:
         self._dir = self._dir or tempfile.mkdtemp(prefix="colocd-disk-")
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._dir)
         os.close(fd)
-        part = self._part(layout.nbytes, {"path": path, "layout": layout.to_json()}, layout, lambda: _unlink(path))
+        handle = {"path": path, "layout": layout.to_json()}
+        part = self._part(layout.nbytes, handle, layout, lambda: Path(path).unlink(missing_ok=True))
         # The layout travels with every chunk (the daemon checks it); the file's own header says where each lies.
         save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, path)
         return part
@@ -170,11 +171,6 @@ class Producer:
         handle = {"payload_b64": payload, "load_format": load_format, "device_uuid": device_uuid(device.index or 0),
                   "layout": layout.to_json()}
         return self._part(layout.nbytes, handle, layout, drop)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def transport_named(name: Transport | str) -> Transport:

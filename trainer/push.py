@@ -159,8 +159,7 @@ class WeightPusher:
     daemon's pipeline plan). Several ranks: each ``stream``s with its own ``rank``, joining on its device
     (``device_id``; default: the tensors' GPU UUID, or ``cpu:<rank>``); ``last_join`` is the last join's reply.
     Every exported buffer is a lease in ``leases``, reclaimed ``lease_grace_s`` after a failed stream, before the
-    error reaches the caller. docs/client.md, in full.
-    """
+    error reaches the caller. docs/client.md, in full."""
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
                  bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
@@ -250,11 +249,9 @@ class WeightPusher:
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """Join the session, then send this rank's part of every chunk; returns (chunks, bytes). A rank that feeds
-        no engine rank (``streams: false``) sends nothing: (the plan's chunk count, 0).
-
-        A chunk (or the join) that fails aborts the session at once, naming this rank's error (the other ranks'
-        streams then fail with it); the stream still pulls every tensor left, so the ranks' collectives in
-        ``named`` stay matched, and then raises the first error."""
+        no engine rank (``streams: false``) sends nothing: (the plan's chunk count, 0). A chunk (or the join) that
+        fails aborts the session at once, naming this rank's error (the other ranks' streams then fail with it);
+        the stream still pulls every tensor left, so the ranks' collectives stay matched, then raises the error."""
         # Pulled off the event loop, one item at a time: producing a tensor may be a collective (FSDP's
         # full_tensor, a TP all-gather) waiting for a slower rank, while this rank's acks must keep flowing.
         # A declared device_id joins before producing anything; else the first tensor says where it is.

@@ -283,7 +283,7 @@ def _keep_fail_report(rank: int) -> dict[str, Any]:
         "pause": first_pause.action,
         "state": state,
         "resume": first_resume.action,
-        "after": life.keep_alive,
+        "after": first_resume.keep_alive,
     }
     armed["fail"] = True
     life.pause(keep)
