@@ -99,14 +99,14 @@ class TrainerAgent:
             report["spans"] = cleanup.spans
             report["cleanup"] = {k: v for k, v in asdict(cleanup).items() if k != "spans"}
         self.last_reports.update(report)
-        reply = await self._post_when_room("sync", step, report or None, _started(freeing))
+        reply = await self._post_when_room("sync", step, report or None, freeing)
         if self._weight_sync is not None:
             self._weight_sync.follow((reply.get("directives") or {}).get("weight_sync"))
         return reply
 
     async def rollout(self, step: int, *, freeing: Freeing | None = None) -> dict[str, Any]:
         trainer = None
-        freeing = _started(freeing)
+        freeing = freeing() if callable(freeing) else freeing
         if self._pending is not None and self._pending[0] == "groups_report":
             if freeing is None:
                 # The background pause must have freed the groups' memory before the engines resume.
@@ -128,9 +128,10 @@ class TrainerAgent:
             return await self._client.phase("rollout", step, trainer=trainer)
 
     async def _post_when_room(self, phase: str, step: int, trainer: dict[str, Any] | None,
-                              freeing: Awaitable[object] | None) -> dict[str, Any]:
+                              freeing: Freeing | None) -> dict[str, Any]:
         """Post ``phase``; with ``freeing``, at once, and again once it is done if the daemon refused the
         engines' resume for lack of free GPU memory (409 naming ``headroom``)."""
+        freeing = freeing() if callable(freeing) else freeing
         try:
             reply = await self._client.phase(phase, step, trainer=trainer)
         except ColocdHTTPError as exc:
@@ -156,7 +157,3 @@ class TrainerAgent:
         task = asyncio.ensure_future(both())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
-
-
-def _started(freeing: Freeing | None) -> Awaitable[object] | None:
-    return freeing() if callable(freeing) else freeing
