@@ -52,7 +52,7 @@ __all__ = ["measure", "simulate"]
 
 PHASES = ("train", "sync_phase", "push", "commit", "status_check", "rollout")
 SIMULATED_NODES = (64, 256, 1024)
-REQUESTS_PER_STEP = 5  # train, sync, status (skip_committed), status (rollout's check), rollout
+REQUESTS_PER_STEP = 5  # train, sync, status (which nodes to skip), status (rollout's check), rollout
 
 
 def _percentile(xs: list[float], q: float) -> float:

@@ -5,12 +5,10 @@
     await cluster.sync(step, version, push=lambda node: trainers[node].push.remote(step))
     await cluster.rollout(step)
 
-Each call fans out concurrently (one ``AsyncColocdClient`` per daemon) and returns a ``StepResult`` with every
-node's reply; if any node failed, ``ClusterStepError`` is raised once every node has answered, naming each failed
-node, the engine its daemon blamed, the daemon's reason, and what the other nodes were left doing. One node's rules
-stretched over the cluster (docs/deploy.md, "What a step does across nodes"): a failed push aborts every session
-still open; ``rollout`` is refused before any node resumes unless every engine of every node reports clean weights
-at the step's version (from each daemon's ``/v1/status``). Imports neither ray nor torch.
+Each call fans out concurrently and returns every node's reply; if any node failed, ``ClusterStepError`` is raised
+once every node has answered, naming each failed node, the engine its daemon blamed and the daemon's reason. A
+failed push aborts every session still open; ``rollout`` is refused before any node resumes unless every engine of
+every node holds the step's version clean (docs/deploy.md, "What a step does across nodes"). Needs no ray or torch.
 """
 
 from __future__ import annotations
@@ -26,9 +24,6 @@ from ..api.client import AsyncColocdClient
 from ..errors import ColocdError, ColocdHTTPError, DaemonUnreachable
 
 __all__ = ["ClusterClient", "ClusterStepError", "NodeFailure", "NodeResult", "StepResult", "failure_of"]
-
-PushFn = Callable[[str], Awaitable[Any]]
-
 
 @dataclass(frozen=True, slots=True)
 class NodeFailure:
@@ -87,10 +82,6 @@ class ClusterStepError(ColocdError):
         lines += [f"  {note}" for note in result.notes]
         super().__init__("\n".join(lines))
 
-    @property
-    def failures(self) -> list[NodeFailure]:
-        return self.result.failures
-
 
 def _unwrap(exc: BaseException) -> BaseException:
     # A Ray task error keeps the trainer's own exception as ``cause``; follow it to the daemon's answer.
@@ -116,45 +107,36 @@ def failure_of(node_id: str, exc: BaseException) -> NodeFailure:
 
 class ClusterClient:
     """Fans calls out to a set of daemons, ``{node_id: url}``; ``set_nodes`` changes the set between steps.
-    ``max_concurrency`` bounds the requests in flight (and so the open connections); ``timeout_s`` one node's call.
-    """
+    ``max_concurrency`` bounds the requests in flight (and so the open connections); ``timeout_s`` one node's call."""
 
     def __init__(self, daemons: Mapping[str, str], *, token: str | None = None, timeout_s: float = 600.0,
                  max_concurrency: int = 256) -> None:
         self._token = token
         self._timeout_s = timeout_s
         self._window = asyncio.Semaphore(max_concurrency)
-        self._clients: dict[str, AsyncColocdClient] = {}
-        self._urls: dict[str, str] = {}
+        self._clients = {n: AsyncColocdClient(url, token=token, timeout_s=timeout_s) for n, url in daemons.items()}
+        self._urls = dict(daemons)
         # The version the last sync at each step set out to commit: rollout needs it on every engine.
         self._target: dict[int, str] = {}
-        self._retired: list[AsyncColocdClient] = []
-        self.set_nodes(daemons)
 
     @property
     def nodes(self) -> dict[str, str]:
         return dict(self._urls)
 
-    def set_nodes(self, daemons: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    async def set_nodes(self, daemons: Mapping[str, str]) -> tuple[list[str], list[str]]:
         """Replace the set of daemons; returns (joined, left). Call it between steps, not during one."""
         joined = sorted(set(daemons) - set(self._urls))
         left = sorted(set(self._urls) - set(daemons))
         moved = sorted(n for n in set(daemons) & set(self._urls) if daemons[n] != self._urls[n])
-        for node in left + moved:
-            self._retired.append(self._clients.pop(node))  # closed by the next async call: this one is sync
+        await asyncio.gather(*(self._clients.pop(n).aclose() for n in left + moved), return_exceptions=True)
         for node in joined + moved:
             self._clients[node] = AsyncColocdClient(daemons[node], token=self._token, timeout_s=self._timeout_s)
         self._urls = dict(daemons)
         return joined, left
 
     async def aclose(self) -> None:
-        await self._close_retired()
         await asyncio.gather(*(c.aclose() for c in self._clients.values()), return_exceptions=True)
         self._clients.clear()
-
-    async def _close_retired(self) -> None:
-        retired, self._retired = self._retired, []
-        await asyncio.gather(*(c.aclose() for c in retired), return_exceptions=True)
 
     async def __aenter__(self) -> ClusterClient:
         return self
@@ -162,14 +144,9 @@ class ClusterClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def client(self, node_id: str) -> AsyncColocdClient:
-        """The daemon client of one node (for calls this class does not fan out)."""
-        return self._clients[node_id]
-
     async def fan_out(self, what: str, call: Callable[[str, AsyncColocdClient], Awaitable[Any]],
                       nodes: Iterable[str] | None = None) -> StepResult:
         """Run ``call(node_id, client)`` on every node (or ``nodes``) concurrently; never raises for a node."""
-        await self._close_retired()
         targets = sorted(self._clients) if nodes is None else sorted(nodes)
 
         async def one(node: str) -> NodeResult:
@@ -196,20 +173,16 @@ class ClusterClient:
     async def status(self) -> StepResult:
         return await self.fan_out("status", lambda _, c: c.status())
 
-    async def sync(self, step: int, version: str, push: PushFn, *, skip_committed: bool = True) -> StepResult:
+    async def sync(self, step: int, version: str, push: Callable[[str], Awaitable[Any]]) -> StepResult:
         """Enter ``sync`` everywhere, then run ``push(node_id)`` (e.g. a Ray actor call on a trainer rank of that
-        node; its value is the node's result body) for every node concurrently. On any failure, sessions still
-        open are aborted and ``ClusterStepError`` says which nodes hold ``version`` (paused). ``skip_committed``:
-        a node whose engines all hold ``version`` clean is not pushed again (a redo costs only the failed nodes).
-        """
+        node; its value is the node's result body) for every node whose engines do not all hold ``version`` clean
+        (a redo costs only the failed nodes), concurrently. On any failure, sessions still open are aborted and
+        ``ClusterStepError`` says which nodes hold ``version`` (paused)."""
         self._target[step] = version
         await self.phase("sync", step)
-        targets = list(self._clients)
-        skipped: list[str] = []
-        if skip_committed:
-            status = await self.status()
-            skipped = sorted(n for n, r in status.nodes.items() if r.ok and not _version_gaps(r.body, version))
-            targets = [n for n in targets if n not in skipped]
+        status = await self.status()
+        skipped = sorted(n for n, r in status.nodes.items() if r.ok and not _version_gaps(r.body, version))
+        targets = [n for n in self._clients if n not in skipped]
 
         async def one(node: str, _: AsyncColocdClient) -> Any:
             started = push(node)

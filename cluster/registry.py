@@ -5,11 +5,11 @@ by its name ``colocd-<node_id>`` in namespace ``colocd``.
     daemons.ensure()                # start one on every alive node that has none (again after nodes join)
     daemon_urls()                   # {node_id: url} for the cluster client
     daemon_for_this_node()          # inside a trainer actor: this node's daemon (its url and pid)
+    await push_to_this_node(model.named_parameters(), version=f"v{step}", step=step)   # inside a trainer rank
 
-Ray's named-actor table (in the GCS) is the registry: it lives as long as the cluster and has no actor of ours to
-lose. The actor takes no CPU of its node's and only runs the daemon (``api/procs.DaemonProcess``, tethered: the
-kernel kills it, and then its engines, when the actor's process dies); the spec's engines go into the daemon's
-config unchanged (attached by ``url``, or launched by ``launch:``). docs/deploy.md, "Ray".
+Ray's named-actor table (in the GCS) is the registry: it lives as long as the cluster. The actor takes no CPU and
+only runs the daemon (``DaemonProcess``, tethered: the kernel kills it, and then its engines, when the actor's
+process dies) with the spec's engines in its config unchanged. docs/deploy.md, "Ray".
 """
 
 from __future__ import annotations
@@ -17,14 +17,20 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ..api.client import AsyncColocdClient
 from ..api.procs import DaemonProcess
+from ..policies import Transport
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "NAMESPACE",
@@ -35,6 +41,7 @@ __all__ = [
     "daemon_for_this_node",
     "daemon_urls",
     "list_daemons",
+    "push_to_this_node",
     "stop_daemons",
 ]
 
@@ -55,7 +62,7 @@ class NodeSpec:
 
 
 class NodeDaemon:
-    """The actor's body (``ray.remote`` is applied in ``_create``); all methods run on one event loop."""
+    """The actor's body (``ray.remote`` is applied in ``NodeDaemons.ensure``); all methods run on one event loop."""
 
     def __init__(self, node_id: str, spec: NodeSpec) -> None:
         self.node_id = node_id
@@ -81,11 +88,6 @@ class NodeDaemon:
                 self._daemon = daemon
         return self.info()
 
-    async def stop(self) -> None:
-        """Stop the daemon (SIGTERM, then SIGKILL after ``stop_grace_s``); it stops the engines it launched."""
-        if self._daemon is not None:
-            await self._daemon.stop(self.spec.stop_grace_s)
-
     def info(self) -> dict[str, Any]:
         """Where this node's daemon listens and its pid; its engines are in the daemon's ``/v1/status``."""
         daemon = self._daemon
@@ -93,18 +95,11 @@ class NodeDaemon:
                 "daemon_pid": daemon.pid if daemon else None, "workdir": str(self.workdir)}
 
     async def cleanup(self) -> None:
-        """``stop()`` and remove the working directory (the journal and logs with it)."""
-        await self.stop()
+        """Stop the daemon (SIGTERM, then SIGKILL after ``stop_grace_s``; it stops the engines it launched) and remove
+        the working directory (the journal and logs with it)."""
+        if self._daemon is not None:
+            await self._daemon.stop(self.spec.stop_grace_s)
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _create(node_id: str, spec: NodeSpec, detached: bool) -> Any:
-    """The node's daemon actor, pinned to ``node_id``, or the one it has: the name is the lock."""
-    return ray.remote(NodeDaemon).options(
-        name=f"colocd-{node_id}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0, max_restarts=0,
-        lifetime="detached" if detached else None,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(node_id, spec)
 
 
 def _alive_nodes() -> list[str]:
@@ -119,11 +114,9 @@ def _find(node_id: str) -> Any | None:
 
 
 class NodeDaemons:
-    """The driver's hold on the node daemons it started: ``ensure()`` on every alive node, ``stop()`` at the end.
-
-    A job-scoped named actor is garbage-collected with its last handle, so whoever starts the daemons keeps their
-    handles: this object. ``detached=True``: daemons that outlive the job (a cluster shared by several jobs).
-    """
+    """The driver's hold on the node daemons it started: ``ensure()`` on every alive node, ``stop()`` at the end. A
+    job-scoped named actor is garbage-collected with its last handle, so whoever starts the daemons keeps their
+    handles: this object. ``detached=True``: daemons that outlive the job (a cluster shared by several jobs)."""
 
     def __init__(self, spec: NodeSpec, *, detached: bool = False) -> None:
         self.spec = spec
@@ -134,8 +127,13 @@ class NodeDaemons:
         """Start a daemon on every alive node (or ``nodes``) that has none; returns their ``info()``. A daemon
         started elsewhere is adopted, a running one answers at once: safe to call again after nodes joined."""
         targets = nodes if nodes is not None else _alive_nodes()
-        for node in targets:
-            self.handles.setdefault(node, _create(node, self.spec, self.detached))
+        for node in (n for n in targets if n not in self.handles):
+            # Pinned to its node, or the one the node has: the name is the lock.
+            self.handles[node] = ray.remote(NodeDaemon).options(
+                name=f"colocd-{node}", namespace=NAMESPACE, get_if_exists=True, num_cpus=0, max_restarts=0,
+                lifetime="detached" if self.detached else None,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(node, self.spec)
         infos = ray.get([self.handles[n].start.remote() for n in targets], timeout=timeout_s)
         return dict(zip(targets, infos, strict=True))
 
@@ -185,6 +183,23 @@ async def adaemon_for_this_node() -> dict[str, Any]:
     """``daemon_for_this_node`` for async actors (awaits instead of blocking their event loop)."""
     info: dict[str, Any] = await _this_node().info.remote()
     return info
+
+
+async def push_to_this_node(named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
+                            token: str | None = None, transport: Transport | str = "auto",
+                            bucket_mb: float | None = None, depth: int | None = None) -> dict[str, Any]:
+    """One whole push from a trainer rank to this node's daemon (``WeightPusher``'s defaults); returns a summary the
+    driver keeps. A failure raises ``ColocdHTTPError``, which pickles with the daemon's error body: the driver's
+    ``ClusterClient`` names the node, engine and reason from it."""
+    from ..trainer.push import DEFAULT_DEPTH, WeightPusher  # torch: only trainer ranks push
+
+    info = await adaemon_for_this_node()
+    depth = DEFAULT_DEPTH if depth is None else depth
+    async with AsyncColocdClient(info["url"], token=token) as client, \
+            WeightPusher(client, transport=transport, bucket_mb=bucket_mb, depth=depth) as pusher:
+        report = await pusher.push(named, version=version, step=step)
+    return {"node_id": info["node_id"], "session_id": report.session_id, "version": report.version,
+            "chunks": report.chunks, "nbytes": report.nbytes, "seconds": report.seconds}
 
 
 def stop_daemons(timeout_s: float = 60.0) -> list[str]:

@@ -259,10 +259,10 @@ class LoadsShm:
         await self._inner.load_weights(dataclasses.replace(load, payloads=parts))
 
     def _inline(self, part: ChunkPart) -> ChunkPart:
-        from colocd.trainer.producer import InlineProducer
+        from colocd.trainer.producer import Producer
 
         named = self._receiver.tensors({"transport": "shm", "handle": part.handle})
-        exported = InlineProducer().export(named)
+        exported = Producer("inline").export(named)
         return ChunkPart(part.rank, Transport.INLINE, exported.nbytes, exported.handle, part.digests)
 
     def __getattr__(self, name: str) -> Any:
@@ -562,10 +562,10 @@ def _reset(proc: Any, fresh: dict[str, Any]) -> None:
 def _load_seed_weights(http: httpx.Client, config: Any) -> None:
     """The weights a fresh engine of ``config`` serves, loaded through one inline (SGLang flattened_bucket) update."""
     from colocd.engines.reference.model import QwenLikeConfig, build_model
-    from colocd.trainer.producer import InlineProducer
+    from colocd.trainer.producer import Producer
 
     named = list(build_model(QwenLikeConfig(**config.model), seed=config.seed).named_parameters())
-    entry = InlineProducer().export(named).handle["payload_b64"]
+    entry = Producer("inline").export(named).handle["payload_b64"]
     _ok(http.post("/begin_weight_update", json={}))
     _ok(http.post("/update_weights_from_tensor", json={
         "serialized_named_tensors": [entry] * int(config.tp_size), "load_format": "flattened_bucket",

@@ -1,16 +1,14 @@
 """colocd.trainer: the library that runs inside the trainer process; engines never import it.
 
-The weight push (``push``, exporting through ``producer``, its buffers accounted in ``leases``), LoRA adapters
-(``adapters``), ``TrainerClient``, separated-GPU broadcast (``broadcast``), the push from a snapshot
-(``async_push``), process groups (``groups``), cleanup (``cleanup``) and the ``agent`` enacting the directives.
+The weight and LoRA adapter push (``push``, exporting through ``producer``, its buffers accounted in ``leases``),
+separated-GPU broadcast (``broadcast``), the push from a snapshot (``async_push``), process groups (``groups``),
+cleanup (``cleanup``) and the ``agent`` enacting the directives.
 """
 
-from .adapters import push_adapter
 from .agent import TrainerAgent
 from .async_push import AsyncWeightSync
 from .broadcast import DistributedWeightSender
-from .client import TrainerClient
-from .push import ChunkRecord, PushReport, WeightPusher, manifest_of
+from .push import ChunkRecord, PushReport, TrainerClient, WeightPusher, manifest_of, push_adapter
 
 __all__ = [
     "AsyncWeightSync",

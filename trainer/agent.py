@@ -7,10 +7,8 @@
     await WeightPusher(client).push(...)
     await agent.rollout(step)
 
-The train reply carries the decisions for the end of training (process groups, cleanup), enacted just before
-``sync``. ``overlap_groups=True`` runs the group work in the background (``groups_ready()`` before the step's first
-collective); ``freeing`` posts a phase while the trainer still frees memory, and again once it has if the daemon
-refused for lack of headroom (409); ``weight_sync``'s push is joined before ``rollout``. docs/client.md, in full.
+``overlap_groups`` (group work in the background), ``freeing`` (post while memory is still being freed) and
+``weight_sync`` (joined before ``rollout``): docs/client.md.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -45,7 +44,8 @@ class TrainerAgent:
         self._groups = groups
         self._device = device
         self._overlap = overlap_groups
-        self._directives: dict[str, Any] = {}
+        # The decisions of the last train reply, also for trainer-side work the agent does not enact itself.
+        self.directives: dict[str, Any] = {}
         # Group work running in the background (overlap_groups): the report key and its task.
         self._pending: tuple[str, asyncio.Future[GroupReport]] | None = None
         self.last_reports: dict[str, Any] = {}
@@ -60,13 +60,8 @@ class TrainerAgent:
             report = await task
         finally:
             self._pending = None
-        self.last_reports[key] = report.to_dict()
+        self.last_reports[key] = asdict(report)  # JSON-ready: what the daemon is sent
         return time.perf_counter() - t0
-
-    @property
-    def directives(self) -> dict[str, Any]:
-        """The decisions of the last train reply, for trainer-side work the agent does not enact itself."""
-        return self._directives
 
     async def train(self, step: int) -> dict[str, Any]:
         # A pause still running (a rollout posted before it ended): the snapshot must see where it ended,
@@ -79,9 +74,9 @@ class TrainerAgent:
             if unreported:
                 trainer["groups_report"] = self.last_reports["groups_report"]
         reply = await self._client.phase("train", step, trainer=trainer)
-        self._directives = reply.get("directives") or {}
+        self.directives = reply.get("directives") or {}
         if self._weight_sync is not None:
-            self._weight_sync.follow(self._directives.get("weight_sync"))
+            self._weight_sync.follow(self.directives.get("weight_sync"))
         if self._groups is not None:
             # Rebuild (or verify kept groups) now that the engines gave the memory back.
             resume = asyncio.ensure_future(asyncio.to_thread(self._groups.resume))
@@ -93,25 +88,25 @@ class TrainerAgent:
     async def sync(self, step: int, *, freeing: Freeing | None = None) -> dict[str, Any]:
         await self.groups_ready()  # the resume, if the caller did not wait for it
         report: dict[str, Any] = {}
-        if self._groups is not None and (d := self._directives.get("process_groups")):
+        if self._groups is not None and (d := self.directives.get("process_groups")):
             pause = asyncio.ensure_future(asyncio.to_thread(self._groups.pause, GroupDirective.model_validate(d)))
             self._pending = ("groups_report", pause)
             if not self._overlap:
                 await self.groups_ready()
                 report["groups_report"] = self.last_reports["groups_report"]
-        if plan := self._directives.get("cleanup"):
+        if plan := self.directives.get("cleanup"):
             cleanup = await asyncio.to_thread(run_cleanup, CleanupPlan.model_validate(plan), device=self._device)
             report["spans"] = cleanup.spans
-            report["cleanup"] = {k: v for k, v in cleanup.to_dict().items() if k != "spans"}
+            report["cleanup"] = {k: v for k, v in asdict(cleanup).items() if k != "spans"}
         self.last_reports.update(report)
-        reply = await self._post_when_room("sync", step, report or None, _started(freeing))
+        reply = await self._post_when_room("sync", step, report or None, freeing)
         if self._weight_sync is not None:
             self._weight_sync.follow((reply.get("directives") or {}).get("weight_sync"))
         return reply
 
     async def rollout(self, step: int, *, freeing: Freeing | None = None) -> dict[str, Any]:
         trainer = None
-        freeing = _started(freeing)
+        freeing = freeing() if callable(freeing) else freeing
         if self._pending is not None and self._pending[0] == "groups_report":
             if freeing is None:
                 # The background pause must have freed the groups' memory before the engines resume.
@@ -133,15 +128,14 @@ class TrainerAgent:
             return await self._client.phase("rollout", step, trainer=trainer)
 
     async def _post_when_room(self, phase: str, step: int, trainer: dict[str, Any] | None,
-                              freeing: Awaitable[object] | None) -> dict[str, Any]:
+                              freeing: Freeing | None) -> dict[str, Any]:
         """Post ``phase``; with ``freeing``, at once, and again once it is done if the daemon refused the
         engines' resume for lack of free GPU memory (409 naming ``headroom``)."""
-        if freeing is None:
-            return await self._client.phase(phase, step, trainer=trainer)
+        freeing = freeing() if callable(freeing) else freeing
         try:
             reply = await self._client.phase(phase, step, trainer=trainer)
         except ColocdHTTPError as exc:
-            if exc.status != 409 or "headroom" not in (exc.body.get("state") or {}):
+            if freeing is None or exc.status != 409 or "headroom" not in (exc.body.get("state") or {}):
                 raise
             t0 = time.perf_counter()
             await freeing
@@ -150,7 +144,8 @@ class TrainerAgent:
             self.last_reports[f"{phase}_room"] = {"early": False, "waited_s": waited,
                                                   "refused": str(exc.body.get("message", ""))}
             return reply
-        self.last_reports[f"{phase}_room"] = {"early": True, "waited_s": 0.0}
+        if freeing is not None:
+            self.last_reports[f"{phase}_room"] = {"early": True, "waited_s": 0.0}
         return reply
 
     @staticmethod
@@ -162,7 +157,3 @@ class TrainerAgent:
         task = asyncio.ensure_future(both())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
-
-
-def _started(freeing: Freeing | None) -> Awaitable[object] | None:
-    return freeing() if callable(freeing) else freeing

@@ -18,13 +18,13 @@ what overlaps is the trainer's post-step work, at the cost of a second copy of t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
+from .broadcast import DistributedWeightSender
 from .push import PushReport, WeightPusher, free_bytes
 
 __all__ = ["AsyncWeightSync", "WeightSender", "choose_buffer"]
@@ -33,13 +33,7 @@ _MIB = 1 << 20
 BufferKind = Literal["device", "pinned_cpu", "none"]
 # Producers that read host tensors; the others need each chunk's tensors on a CUDA device.
 _HOST_READABLE = frozenset({"shm", "disk", "inline"})
-
-
-class WeightSender(Protocol):
-    """What ``AsyncWeightSync`` drives: ``WeightPusher`` or ``DistributedWeightSender``."""
-
-    async def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
-                   step: int | None = None) -> PushReport: ...
+WeightSender = WeightPusher | DistributedWeightSender  # what ``AsyncWeightSync`` drives
 
 
 def choose_buffer(nbytes: int, device: torch.device, *, wanted: str = "auto", margin_bytes: int,
@@ -108,11 +102,6 @@ class AsyncWeightSync:
         if directive.get("buffer_margin_mb") is not None:
             self.margin_bytes = int(directive["buffer_margin_mb"]) * _MIB
 
-    @property
-    def pending(self) -> bool:
-        """A background push has started and not been joined."""
-        return self._task is not None
-
     async def start(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str,
                     step: int | None = None) -> None:
         """Join the previous push, then push ``named`` as ``version``: returns after the snapshot (async) or the
@@ -124,8 +113,10 @@ class AsyncWeightSync:
         report: dict[str, Any] = {"requested": self.mode, "version": version, "started_version": version,
                                   "buffer": "none", "fallback_reason": None}
         if self.mode == "async":
+            # The broadcast sender stages each bucket onto its device itself.
+            host_ok = not isinstance(self._sender, WeightPusher) or self._sender.transport_for(device) in _HOST_READABLE
             kind, why = choose_buffer(nbytes, device, wanted=self.second_buffer, margin_bytes=self.margin_bytes,
-                                      host_ok=self._reads_host(device))
+                                      host_ok=host_ok)
             if kind == "none":
                 report["fallback_reason"] = why
             else:
@@ -133,26 +124,20 @@ class AsyncWeightSync:
                 snapshot = await asyncio.to_thread(_snapshot, named, kind)
                 report.update(mode="async", buffer=kind, buffer_bytes=nbytes, snapshot_s=time.perf_counter() - t0)
                 self._report = report
-                # The task alone holds the snapshot: it is freed once the push has ended.
-                self._task = asyncio.ensure_future(self._push(snapshot, version, step, report))
+
+                async def push() -> PushReport:  # the task alone holds the snapshot: freed once the push ended
+                    t0 = time.perf_counter()
+                    try:
+                        return await self._sender.push(snapshot, version=version, step=step)
+                    finally:
+                        report["push_s"] = time.perf_counter() - t0
+
+                self._task = asyncio.ensure_future(push())
                 return
         t0 = time.perf_counter()
         self.last_push = await self._sender.push(named, version=version, step=step)
         report.update(mode="sync", push_s=time.perf_counter() - t0, join_wait_s=0.0, overlap_s=0.0)
         self._report = report
-
-    async def _push(self, named: list[tuple[str, torch.Tensor]], version: str, step: int | None,
-                    report: dict[str, Any]) -> PushReport:
-        t0 = time.perf_counter()
-        try:
-            return await self._sender.push(named, version=version, step=step)
-        finally:
-            report["push_s"] = time.perf_counter() - t0
-
-    async def wait_ended(self) -> None:
-        """Wait until the background push (if any) has ended, leaving its outcome for ``join``."""
-        if self._task is not None:
-            await asyncio.wait({self._task})
 
     async def join(self) -> PushReport | None:
         """Wait for the background push (if any) to commit. Re-raises the push's error."""
@@ -171,17 +156,5 @@ class AsyncWeightSync:
 
     def report(self) -> dict[str, Any] | None:
         """What the last push did, as the daemon's ``trainer.weights`` reads it (None before the first)."""
-        if self._report is None:
-            return None
-        return {k: v for k, v in self._report.items() if v is not None or k == "fallback_reason"}
-
-    async def aclose(self) -> None:
-        """Join what runs (its error is the caller's to see)."""
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.join()
-
-    def _reads_host(self, device: torch.device) -> bool:
-        if isinstance(self._sender, WeightPusher):
-            return self._sender.transport_for(device) in _HOST_READABLE
-        return True  # the broadcast sender stages each bucket onto its device itself
+        return None if self._report is None else dict(self._report)
 

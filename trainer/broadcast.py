@@ -91,12 +91,11 @@ class DistributedWeightSender:
                       "shapes": [list(t.shape) for _, t in ordered],
                       "load_format": FLATTENED if self._flattened else None}
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        flattened = self._flattened
 
         def send() -> None:
             # Staging copies run here, off the event loop, after the descriptor went out.
             tensors = [t.detach().to(device).contiguous() for _, t in ordered]
-            if flattened:
+            if self._flattened:
                 tensors = [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])]
             for tensor in tensors:
                 group.broadcast(tensor, src=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,12 +33,8 @@ class CleanupReport:
     memory_note: str
     spans: list[dict[str, Any]] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-def run_cleanup(plan: CleanupPlan, *, device: torch.device | None = None,
-                clock: Callable[[], float] = time.perf_counter, collect: Callable[[], object] = gc.collect,
+def run_cleanup(plan: CleanupPlan, *, device: torch.device | None = None, collect: Callable[[], object] = gc.collect,
                 meter: Callable[[], int] | None = None) -> CleanupReport:
     """Run ``plan``'s steps, again while a round freed >= ``min_freed_bytes`` (up to ``max_retries``); ``meter``:
     the bytes held (default: ``torch.cuda.memory_reserved`` on CUDA; on CPU every step runs, bytes are None)."""
@@ -53,7 +49,7 @@ def run_cleanup(plan: CleanupPlan, *, device: torch.device | None = None,
         CleanupAction.EMPTY_CACHE: torch.cuda.empty_cache if cuda else (lambda: None),
     }
     started_at = time.time()
-    origin = clock()
+    origin = time.perf_counter()
     spans: list[dict[str, Any]] = []
     total: int | None = 0 if meter else None
     rounds = 0
@@ -62,14 +58,14 @@ def run_cleanup(plan: CleanupPlan, *, device: torch.device | None = None,
         round_freed = 0
         for step in plan.steps:
             before = meter() if meter else None
-            allocated = _allocated(device) if cuda else None
-            begin = clock()
+            allocated = torch.cuda.memory_allocated(device) if cuda else None
+            begin = time.perf_counter()
             actions[step]()
-            duration = clock() - begin
+            duration = time.perf_counter() - begin
             freed = None if before is None or meter is None else before - meter()
             # gc.collect frees tensors into torch's cache, not to the driver: shown apart, so a gc
             # step that "freed 0" is not mistaken for one that found nothing.
-            uncached = None if allocated is None else allocated - _allocated(device)
+            uncached = None if allocated is None else allocated - torch.cuda.memory_allocated(device)
             spans.append({"name": f"cleanup.{step}", "round": rounds, "start_s": begin - origin,
                           "duration_s": duration, "freed_bytes": freed, "released_to_cache_bytes": uncached})
             round_freed += freed or 0
@@ -79,9 +75,5 @@ def run_cleanup(plan: CleanupPlan, *, device: torch.device | None = None,
         if meter is None or round_freed < plan.min_freed_bytes:
             break
     note = _CUDA_NOTE if cuda else (_CPU_NOTE if meter is None else "freed = drop in the given meter")
-    return CleanupReport(policy=plan.policy, started_at=started_at, seconds=clock() - origin, rounds=rounds,
+    return CleanupReport(policy=plan.policy, started_at=started_at, seconds=time.perf_counter() - origin, rounds=rounds,
                          freed_bytes=total, memory_note=note, spans=spans)
-
-
-def _allocated(device: torch.device) -> int:
-    return int(torch.cuda.memory_allocated(device))

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
@@ -100,10 +100,6 @@ class GroupReport:
     actions: list[str] = field(default_factory=list)
     fallback_reason: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; this is what the trainer agent sends back to the daemon."""
-        return asdict(self)
-
 
 def all_reduce_canary(name: str, group: dist.ProcessGroup, timeout_s: float, *, device: torch.device) -> bool:
     """All-reduce a one on ``group`` and check the sum equals its size; raises on timeout."""
@@ -156,19 +152,16 @@ def _nccl_gate(feature: str, device: torch.device, backends: Sequence[str], torc
 
 
 class GroupLifecycle:
-    """A named set of process groups taken through pauses as the daemon's directives say.
-
-    Every rank constructs it at the same point and makes the same calls in the same order (they are
-    collective)::
+    """A named set of process groups taken through pauses as the daemon's directives say; every rank constructs it
+    at the same point and makes the same calls in the same order (they are collective)::
 
         life = GroupLifecycle([GroupSpec("tp", (0, 1)), GroupSpec("tp", (2, 3)), GroupSpec("dp", (0, 2))])
         life.build()
         report = life.pause(directive)   # before the trainer's memory is paused
         report = life.resume()           # before the trainer needs its groups again
 
-    ``agree_timeout_s`` bounds the cross-rank vote; keep it above groups x ``canary_timeout_s`` so a
-    rank that sat out canary timeouts still reaches the vote before its peers give up on it.
-    """
+    ``agree_timeout_s`` bounds the cross-rank vote; keep it above groups x ``canary_timeout_s`` so a rank that sat
+    out canary timeouts still reaches the vote before its peers give up on it."""
 
     def __init__(self, specs: Sequence[GroupSpec], *, device: torch.device | None = None,
                  group_timeout_s: float = 600.0, agree_timeout_s: float = 120.0, max_wait_s: float = 60.0,
@@ -204,10 +197,6 @@ class GroupLifecycle:
     def state(self) -> LifecycleState:
         return self._state
 
-    @property
-    def keep_alive(self) -> KeepAliveState:
-        return self._keep_alive
-
     def groups(self) -> Iterator[tuple[GroupSpec, dist.ProcessGroup]]:
         """The live groups this rank is a member of, in creation order."""
         if self._state != LifecycleState.LIVE:
@@ -242,8 +231,8 @@ class GroupLifecycle:
             return self._suspend_all(start, actions)
         self._kept(LifecycleState.KEPT)
         actions.append(f"kept {len(self._resident)} groups through the pause ({self._keep_alive})")
-        return self._report("pause", "keep", start, actions, kept=self._resident_total(), freed=0,
-                            fallback_reason=why, per_group=self._resident)
+        return self._report("pause", "keep", start, actions, kept=self._resident_total(),
+                            freed=0 if self._cuda else None, fallback_reason=why, per_group=self._resident)
 
     def resume(self) -> GroupReport:
         """Make the groups usable again: rebuild (after any cooldown remainder) or canary-check kept ones."""
@@ -251,7 +240,9 @@ class GroupLifecycle:
         if self._state == LifecycleState.LIVE:
             return self._report("resume", "none", start, ["groups already live"])
         if self._state == LifecycleState.DESTROYED:
-            waited = self._cooldown_remainder()
+            until = self._cooldown_until  # the rebuild clears it
+            remaining = 0.0 if until is None else min(until - time.monotonic(), self._max_wait_s)
+            waited = self._timed_sleep(remaining) if remaining > 0 else 0.0
             actions = [f"slept {waited:.3f} s: remainder of the deferred post-destroy wait"] if waited else []
             created, why = self._create_all(self._rebuild)
             return self._report("resume", "rebuild", start, actions + created, waited=waited, fallback_reason=why)
@@ -334,7 +325,12 @@ class GroupLifecycle:
             actions.append("aborted all groups, no wait; rebuilt on resume")
             return self._report("pause", "destroy", start, actions, fallback_reason=reason)
         freed = _delta(self._free_bytes(), before)
-        per_group = self._persist_bytes()
+        per_group: dict[str, int | None] = {}  # what each suspended communicator still holds (NCCL's ``persist``)
+        for spec, group in self._members():
+            try:
+                per_group[spec.name] = int(_backend(group, self._device).memory_stats()["persist"])
+            except Exception:
+                per_group[spec.name] = None
         kept = None if any(v is None for v in per_group.values()) else sum(v or 0 for v in per_group.values())
         self._kept(LifecycleState.SUSPENDED)
         actions.append(f"suspended {len(per_group)} communicators")
@@ -502,12 +498,6 @@ class GroupLifecycle:
             log.warning("keep-alive disabled for the rest of this process: %s", reason)
         self._keep_alive = KeepAliveState.DISABLED
 
-    def _cooldown_remainder(self) -> float:
-        remaining = 0.0 if self._cooldown_until is None else min(self._cooldown_until - time.monotonic(),
-                                                                 self._max_wait_s)
-        self._cooldown_until = None
-        return self._timed_sleep(remaining) if remaining > 0 else 0.0
-
     def _timed_sleep(self, seconds: float) -> float:
         begin = time.monotonic()
         time.sleep(seconds)  # the policy's post-destroy wait itself
@@ -525,16 +515,6 @@ class GroupLifecycle:
             return None
         return sum(v or 0 for v in values)
 
-    def _persist_bytes(self) -> dict[str, int | None]:
-        """Per group, what a suspended communicator still holds (NCCL's ``persist`` statistic)."""
-        out: dict[str, int | None] = {}
-        for spec, group in self._members():
-            try:
-                out[spec.name] = int(_backend(group, self._device).memory_stats()["persist"])
-            except Exception:
-                out[spec.name] = None
-        return out
-
     def _require(self, state: LifecycleState, verb: str) -> None:
         if self._state != state:
             raise RuntimeError(f"cannot {verb} process groups in state {self._state} (needs {state})")
@@ -542,12 +522,10 @@ class GroupLifecycle:
     def _report(self, phase: str, action: str, start: float, actions: list[str], *, waited: float = 0.0,
                 kept: int | None = None, freed: int | None = None, fallback_reason: str | None = None,
                 per_group: Mapping[str, int | None] | None = None) -> GroupReport:
-        """The policy named is the last pause's (None before the first)."""
-        per_group = per_group or {}
+        """The policy named is the last pause's (None before the first); bytes are None on CPU (unmeasured)."""
         return GroupReport(
             phase=phase, action=action, policy=self._policy, seconds=time.monotonic() - start, waited_s=waited,
-            kept_bytes=kept if self._cuda else None, freed_bytes=freed if self._cuda else None,
-            per_group_bytes=dict(per_group) if self._cuda else {name: None for name in per_group},
+            kept_bytes=kept, freed_bytes=freed, per_group_bytes=dict(per_group or {}),
             memory_note=_CUDA_NOTE if self._cuda else _CPU_NOTE, keep_alive=self._keep_alive, actions=actions,
             fallback_reason=fallback_reason)
 
@@ -556,13 +534,9 @@ def teardown_together(teardown: Callable[[dist.ProcessGroup], None], groups: Seq
     """``teardown`` every group at once, one thread each: an NCCL communicator's teardown waits for its proxy
     thread's 500 ms ``poll`` (NCCL 2.28 ``proxy.cc``), so in a row each waits a further period, together the set
     waits one (docs/client.md). Every rank tears down the same set, so a collective teardown meets its peers."""
-    if len(groups) < 2:
-        for group in groups:
-            teardown(group)
-        return
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="colocd-group-teardown") as pool:
-        for _ in pool.map(teardown, groups):
-            pass
+    if groups:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="colocd-group-teardown") as pool:
+            list(pool.map(teardown, groups))
 
 
 def _destroy(group: dist.ProcessGroup) -> None:

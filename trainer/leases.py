@@ -1,20 +1,12 @@
-"""IPC lease accounting: every buffer the trainer exports is a lease, and a failed owner gives its memory back.
+"""IPC lease accounting: every buffer the trainer exports (a ``cuda_ipc`` bucket, an ``shm`` segment) is a lease,
+``exported`` while a chunk in flight holds it, ``retained`` while torch keeps it for a consumer's count, then
+``freed`` (the consumer let go) or ``reclaimed``.
 
-A lease is one exported buffer (a ``cuda_ipc`` bucket, an ``shm`` segment) with an owner (the stream's session) and
-a state: ``exported`` (a chunk in flight holds it), ``retained`` (the producer let go, but torch keeps the memory
-for a consumer's count), ``freed`` / ``reclaimed`` (back, by the consumer's own release or by ``reclaim``).
-
-Torch keeps a shared CUDA storage alive while the consumer's count is nonzero (torch/csrc/CudaIPCTypes.cpp): one
-int64 slot of a shared-memory ref-counter file per share (``ref_counter_handle``/``ref_counter_offset`` in the
-payload), which the consumer decrements when it drops the storage; ``torch.cuda.ipc_collect()`` frees a block once
-its slot reads 0. An engine killed before it dropped the payload never decrements: the block stays until the
-trainer exits (~7.9 GiB with a 3 x 2 GiB window on qwen3-8b shapes).
-
-``reclaim`` zeroes a released lease's slots and collects; a late decrement hits a slot torch never hands out again
-(a file's slots only move forward). A storage a trainer tensor still holds (``per_tensor``) is never reclaimed (a
-live consumer's later decrement would wrap torch's unsigned counter). Reclaiming drops the consumer's protection,
-so it runs only where the contents no longer matter (a failed or aborted stream, a closed producer), and only
-after ``settle``'s grace for live consumers to let go.
+Torch keeps a shared CUDA storage alive while its consumers' int64 slots in a shared-memory ref-counter file are
+nonzero (torch/csrc/CudaIPCTypes.cpp); an engine killed before it dropped the payload never decrements, and the
+block stays until the trainer exits. ``reclaim`` zeroes a released lease's slots (a late decrement hits a slot torch
+never hands out again) and collects; never for a storage a trainer tensor still holds (a live consumer's decrement
+would wrap torch's unsigned counter), and only after a failed stream or a closed producer, past ``settle``'s grace.
 """
 
 from __future__ import annotations
@@ -27,7 +19,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -66,30 +57,19 @@ class RefCounter:
     offset: int
     directory: str = _SHM_DIR
 
-    @classmethod
-    def of(cls, handle: bytes | str | None, offset: Any) -> RefCounter | None:
-        """From ``_share_cuda_()``'s ``ref_counter_handle``/``ref_counter_offset``; None for an empty storage."""
-        if handle is None:
-            return None
-        name = handle.decode() if isinstance(handle, bytes) else handle
-        return cls(name, int(offset))
-
-    @property
-    def path(self) -> str:
-        return os.path.join(self.directory, self.handle.lstrip("/"))
-
     def _slot(self, write: bytes | None = None) -> int:
         """The count, or 0 after writing ``write`` over it, or where torch removed the file; a file of another
         layout is refused."""
         if not 0 <= self.offset < REF_COUNTER_SLOTS:
             raise ValueError(f"ref-counter slot {self.offset} is outside torch's {REF_COUNTER_SLOTS}")
+        path = os.path.join(self.directory, self.handle.lstrip("/"))
         try:
-            fd = os.open(self.path, (os.O_RDONLY if write is None else os.O_RDWR) | os.O_NOFOLLOW)
+            fd = os.open(path, (os.O_RDONLY if write is None else os.O_RDWR) | os.O_NOFOLLOW)
         except FileNotFoundError:
             return 0
         try:
             if (size := os.fstat(fd).st_size) != _FILE_BYTES:
-                raise RuntimeError(f"torch ref-counter file {self.path} is {size} bytes, not {_FILE_BYTES}: "
+                raise RuntimeError(f"torch ref-counter file {path} is {size} bytes, not {_FILE_BYTES}: "
                                    "its layout changed; IPC leases cannot be reclaimed")
             at = _HEADER_BYTES + self.offset * _SLOT_BYTES
             if write is not None:
@@ -126,13 +106,6 @@ class Lease:
     state: LeaseState = LeaseState.EXPORTED
     released_at: float | None = None
 
-    def held_by_trainer(self) -> bool:
-        """Some tensor of this process still holds a storage: its memory is the trainer's, not torch's limbo."""
-        return any(not storage.expired() for storage in self.storages)  # type: ignore[no-untyped-call]
-
-    def counts(self) -> int:
-        return sum(max(c.read(), 0) for c in self.counters)
-
 
 def ipc_collect() -> None:
     if torch.cuda.is_available():
@@ -143,23 +116,20 @@ class LeaseBook:
     """The leases of one trainer rank's producers: ``export`` when a buffer goes out, ``release`` when the
     producer lets go, ``settle`` after a failed stream or a closed producer (``collect``: torch's ipc_collect)."""
 
-    def __init__(self, rank: int = 0, *, collect: Callable[[], object] = ipc_collect,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rank: int = 0, *, collect: Callable[[], object] = ipc_collect) -> None:
         self.rank = rank
         self.owner = "-"  # what new leases belong to: the pusher sets the session id of each stream
         self._collect = collect
-        self._clock = clock
         self._ids = itertools.count(1)
         self._live: dict[int, Lease] = {}  # exported or retained
         self.reclaimed = 0  # leases reclaimed, in this book's lifetime
         self.reclaimed_bytes = 0
 
-    def export(self, transport: str, nbytes: int, counters: Iterable[RefCounter | None] = (),
+    def export(self, transport: str, nbytes: int, counters: Iterable[RefCounter] = (),
                owner: str | None = None, buffers: Iterable[torch.Tensor] = ()) -> Lease:
         """A new exported lease; ``buffers``: the tensors whose storages were shared (weakly referenced)."""
         storages = tuple(StorageWeakRef(t.untyped_storage()) for t in buffers)  # type: ignore[no-untyped-call]
-        lease = Lease(next(self._ids), str(transport), int(nbytes), owner or self.owner,
-                      tuple(c for c in counters if c is not None), storages)
+        lease = Lease(next(self._ids), str(transport), int(nbytes), owner or self.owner, tuple(counters), storages)
         self._live[lease.id] = lease
         return lease
 
@@ -167,9 +137,10 @@ class LeaseBook:
         """The producer dropped its last reference to the buffer: freed, or retained while a consumer counts."""
         if lease.state is not LeaseState.EXPORTED:
             return
-        lease.released_at = self._clock()
-        # Nothing but the producer held it (an unlinked shm segment), or a trainer tensor still holds it.
-        if not lease.counters or lease.held_by_trainer():
+        lease.released_at = time.monotonic()
+        # Nothing but the producer held it (an unlinked shm segment), or a trainer tensor still holds it (its
+        # memory is the trainer's, not torch's limbo).
+        if not lease.counters or any(not s.expired() for s in lease.storages):  # type: ignore[no-untyped-call]
             self._end(lease, LeaseState.FREED)
             return
         lease.state = LeaseState.RETAINED
@@ -186,7 +157,7 @@ class LeaseBook:
         if not retained:
             return 0
         # Counts first, then torch's collect: a lease read as 0 is one torch frees in this very collect.
-        done = [lease for lease in retained if lease.counts() == 0]
+        done = [lease for lease in retained if all(c.read() <= 0 for c in lease.counters)]
         self._collect()
         for lease in done:
             self._end(lease, LeaseState.FREED)
@@ -204,7 +175,7 @@ class LeaseBook:
         for lease in retained:
             self._end(lease, LeaseState.RECLAIMED)
             nbytes += lease.nbytes
-            held = self._clock() - (lease.released_at or self._clock())
+            held = time.monotonic() - (lease.released_at or time.monotonic())
             log.warning("reclaimed IPC lease %d (%s, %d bytes, owner %s, rank %d), still counted by a consumer "
                     "%.2fs after its release: %s", lease.id, lease.transport, lease.nbytes, lease.owner, self.rank,
                     held, reason)
@@ -215,9 +186,9 @@ class LeaseBook:
     async def settle(self, reason: str, grace_s: float = LEASE_GRACE_S) -> int:
         """After a failure or a close: wait up to ``grace_s`` for retained leases' consumers to let go, then
         ``reclaim`` what is left; returns the bytes reclaimed (0 when every consumer let go in time)."""
-        deadline = self._clock() + grace_s
+        deadline = time.monotonic() + grace_s
         # Polling another process's count (no event can cross processes), bounded by the grace.
-        while self.collect() and self._clock() < deadline:  # noqa: ASYNC110
+        while self.collect() and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(_POLL_S)
         return self.reclaim(reason)
 

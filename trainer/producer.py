@@ -2,19 +2,19 @@
 
 A producer hands out ``ExportedPart`` objects, released only after the daemon acked the chunk (every engine
 consumed it): SGLang replies before its copy has finished (research/engine-apis.md §6.4 #6), so the ack is
-what licenses reuse. One producer per ``Transport`` (``producer_for``).
+what licenses reuse. One ``Producer`` per ``Transport``.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
 import os
 import pickle
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from ..engines.segments import reclaim_dead_segments
 from ..policies import Transport
 from .leases import LeaseBook, RefCounter, ipc_collect
 
-__all__ = ["ExportedPart", "Producer", "producer_for", "transport_named"]
+__all__ = ["ExportedPart", "Producer", "transport_named"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +49,33 @@ class ExportedPart:
 
 class Producer:
     """Exports chunks for one transport; may be reused across streams. Every buffer it hands out that outlives
-    the call is held here until its chunk's ``release`` (or ``close``, on abort and error paths)."""
+    the call is held here until its chunk's ``release`` (or ``close``, on abort and error paths). Its exported
+    buffers are leases in ``leases`` (default: its own book). An ``shm`` producer first unlinks the segments of
+    trainers that died on this node without unlinking theirs (``engines/segments.py``)."""
 
-    transport: Transport
-
-    def __init__(self, leases: LeaseBook | None = None) -> None:
+    def __init__(self, transport: Transport | str, *, leases: LeaseBook | None = None) -> None:
+        self.transport = transport_named(transport)
         self.leases = leases or LeaseBook()
         self._live: set[ExportedPart] = set()
+        self._dir: str | None = None  # disk: this producer's folder, made at its first chunk
+        if self.transport is Transport.SHM and (reclaimed := reclaim_dead_segments()):
+            logger.info("unlinked %d shared-memory segment(s) of dead processes (%d bytes): %s", len(reclaimed),
+                        sum(r.nbytes for r in reclaimed), ", ".join(r.name for r in reclaimed))
 
     def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
-        raise NotImplementedError
+        layout = ChunkLayout.for_tensors(named)
+        if self.transport is Transport.SHM:
+            return self._shm(named, layout)
+        if self.transport is Transport.DISK:
+            return self._disk(named, layout)
+        if self.transport is Transport.INLINE:
+            return self._inline(named, layout)
+        return self._cuda_ipc(named, layout)
+
+    def close(self) -> None:
+        """Free every buffer still held: nothing left in /dev/shm, on disk or exported."""
+        for part in list(self._live):
+            part.release()
 
     def _part(self, nbytes: int, handle: dict[str, Any], layout: ChunkLayout,
               drop: Callable[[], None] | None = None) -> ExportedPart:
@@ -73,26 +90,8 @@ class Producer:
             self._live.add(part)
         return part
 
-    def close(self) -> None:
-        """Free every buffer still held: nothing left in /dev/shm, on disk or exported."""
-        for part in list(self._live):
-            part.release()
-
-
-class ShmProducer(Producer):
-    """POSIX shared memory by name: one fresh segment per chunk, unlinked on release. Starting one first unlinks
-    the segments of trainers that died on this node without unlinking theirs (``engines/segments.py``)."""
-
-    transport = Transport.SHM
-
-    def __init__(self, leases: LeaseBook | None = None) -> None:
-        super().__init__(leases)
-        if reclaimed := reclaim_dead_segments():
-            logger.info("unlinked %d shared-memory segment(s) of dead processes (%d bytes): %s", len(reclaimed),
-                        sum(r.nbytes for r in reclaimed), ", ".join(r.name for r in reclaimed))
-
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
-        layout = ChunkLayout.for_tensors(named)
+    def _shm(self, named: Sequence[tuple[str, torch.Tensor]], layout: ChunkLayout) -> ExportedPart:
+        """POSIX shared memory by name: one fresh segment per chunk, unlinked on release."""
         segment = SharedSegment.create(layout.nbytes)
         lease = self.leases.export(self.transport, layout.nbytes)
 
@@ -109,45 +108,26 @@ class ShmProducer(Producer):
         handle = {"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
         return self._part(layout.nbytes, handle, layout, drop)
 
-
-class DiskProducer(Producer):
-    """A safetensors file per chunk: the fallback when no shared memory or IPC path is available."""
-
-    transport = Transport.DISK
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._dir = tempfile.mkdtemp(prefix="colocd-disk-")
-
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
+    def _disk(self, named: Sequence[tuple[str, torch.Tensor]], layout: ChunkLayout) -> ExportedPart:
+        """A safetensors file per chunk: the fallback when no shared memory or IPC path is available."""
         from safetensors.torch import save_file
 
-        layout = ChunkLayout.for_tensors(named)
+        self._dir = self._dir or tempfile.mkdtemp(prefix="colocd-disk-")
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._dir)
         os.close(fd)
-        part = self._part(layout.nbytes, {"path": path, "layout": layout.to_json()}, layout, lambda: _unlink(path))
+        handle = {"path": path, "layout": layout.to_json()}
+        part = self._part(layout.nbytes, handle, layout, lambda: Path(path).unlink(missing_ok=True))
         # The layout travels with every chunk (the daemon checks it); the file's own header says where each lies.
         save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, path)
         return part
 
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-class InlineProducer(Producer):
-    """The chunk's bytes in its descriptor: base64 of a plain ``pickle`` of SGLang's ``flattened_bucket``, the
-    CPU format a real SGLang's ``update_weights_from_tensor`` loads on any device. Plain pickle carries the
-    tensor by value (ForkingPickler's fd sharing needs the sender's multiprocessing key; SGLang's scheduler dies
-    on it). Bounded by the daemon's request size. The daemon never unpickles it (``engines/inline.py``)."""
-
-    transport = Transport.INLINE
-
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
+    def _inline(self, named: Sequence[tuple[str, torch.Tensor]], layout: ChunkLayout) -> ExportedPart:
+        """The chunk's bytes in its descriptor: base64 of a plain ``pickle`` of SGLang's ``flattened_bucket``, the
+        CPU format a real SGLang's ``update_weights_from_tensor`` loads on any device. Plain pickle carries the
+        tensor by value (ForkingPickler's fd sharing needs the sender's multiprocessing key; SGLang's scheduler
+        dies on it). Bounded by the daemon's request size. The daemon never unpickles it (``engines/inline.py``)."""
         from ..engines.sglang.payload import FLATTENED_BUCKET, metadata_for_layout
 
-        layout = ChunkLayout.for_tensors(named)
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         flatten_into(buffer, layout, [(n, t.detach().to("cpu")) for n, t in named])
         payload = pickle.dumps({"flattened_tensor": buffer, "metadata": list(metadata_for_layout(layout))})
@@ -155,16 +135,9 @@ class InlineProducer(Producer):
                   "layout": layout.to_json()}
         return self._part(layout.nbytes, handle, layout)  # nothing outlives the call: the bytes are in it
 
-
-class CudaIpcProducer(Producer):
-    """A fresh IPC-exported GPU bucket per chunk (SGLang's ``flattened_bucket``); ``per_tensor``: SGLang's
-    default list of ``(name, tensor)``, one IPC handle per tensor (the slow baseline the buckets replace)."""
-
-    def __init__(self, transport: Transport, *, leases: LeaseBook | None = None) -> None:
-        super().__init__(leases)
-        self.transport = transport
-
-    def export(self, named: Sequence[tuple[str, torch.Tensor]]) -> ExportedPart:
+    def _cuda_ipc(self, named: Sequence[tuple[str, torch.Tensor]], layout: ChunkLayout) -> ExportedPart:
+        """A fresh IPC-exported GPU bucket per chunk (SGLang's ``flattened_bucket``); ``per_tensor``: SGLang's
+        default list of ``(name, tensor)``, one IPC handle per tensor (the slow baseline the buckets replace)."""
         from ..engines.cuda_handles import device_uuid
         from ..engines.sglang.payload import (
             FLATTENED_BUCKET,
@@ -176,7 +149,6 @@ class CudaIpcProducer(Producer):
         devices = {t.device for _, t in named}
         if len(devices) != 1 or (device := devices.pop()).type != "cuda":
             raise ValueError(f"cuda_ipc needs a chunk's tensors on one CUDA device; got {sorted(map(str, devices))}")
-        layout = ChunkLayout.for_tensors(named)
         shares: list[tuple[bytes, int]] = []  # the consumers' counts torch keeps the buffer alive for
         if self.transport is Transport.PER_TENSOR:
             payload, load_format = serialize(named_tensors_payload(named), shares), "direct"
@@ -187,8 +159,9 @@ class CudaIpcProducer(Producer):
             payload, bucket = export_flattened_bucket(named, shares)
             load_format, buffers = FLATTENED_BUCKET, [bucket.tensor]
             free = bucket.release  # drops the bucket and runs torch.cuda.ipc_collect() (THUDM/slime#1731)
-        lease = self.leases.export(self.transport, layout.nbytes, [RefCounter.of(h, off) for h, off in shares],
-                                   buffers=buffers)
+        # Each share's ``ref_counter_handle``/``ref_counter_offset`` (``_share_cuda_()``): a consumer's count.
+        counters = [RefCounter(handle.decode(), offset) for handle, offset in shares]
+        lease = self.leases.export(self.transport, layout.nbytes, counters, buffers=buffers)
 
         def drop() -> None:
             free()
@@ -207,14 +180,3 @@ def transport_named(name: Transport | str) -> Transport:
     except ValueError:
         raise ValueError(f"unknown transport {name!r}; known: {[t.value for t in Transport]}") from None
 
-
-def producer_for(transport: Transport | str, *, leases: LeaseBook | None = None) -> Producer:
-    """The producer of ``transport``; its exported buffers are leases in ``leases`` (default: its own book)."""
-    transport = transport_named(transport)
-    if transport is Transport.SHM:
-        return ShmProducer(leases=leases)
-    if transport is Transport.DISK:
-        return DiskProducer()
-    if transport is Transport.INLINE:
-        return InlineProducer()
-    return CudaIpcProducer(transport, leases=leases)

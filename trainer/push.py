@@ -4,6 +4,9 @@
         await c.phase("sync", step=1)
         await pusher.push(model.named_parameters(), version="1", step=1)
         await c.phase("rollout", step=1)
+
+``TrainerClient`` is the sync client with ``push_weights``; ``push_adapter`` pushes a LoRA adapter version as
+PEFT saves it, in one request (docs/client.md, "LoRA adapters").
 """
 
 from __future__ import annotations
@@ -11,22 +14,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from safetensors.torch import save
 
-from ..api.client import AsyncColocdClient, ColocdHTTPError, DaemonUnreachable
+from ..api.client import AsyncColocdClient, ColocdClient, ColocdHTTPError, DaemonUnreachable
 from ..engines.chunks import dtype_name, plan_chunks
 from ..engines.cuda_handles import device_uuid
 from ..engines.digest import DigestCache, tensor_digests
 from ..policies import AUTO_ORDER, Transport
 from .leases import LEASE_GRACE_S, LeaseBook
-from .producer import ExportedPart, Producer, producer_for, transport_named
+from .producer import ExportedPart, Producer, transport_named
 
 __all__ = [
     "DEFAULT_BUCKET_MB",
@@ -34,11 +39,14 @@ __all__ = [
     "INLINE_BUCKET_MB",
     "ChunkRecord",
     "PushReport",
+    "TrainerClient",
     "WeightPusher",
+    "adapter_body",
     "auto_bucket_bytes",
     "auto_transport",
     "free_bytes",
     "manifest_of",
+    "push_adapter",
     "push_session",
 ]
 
@@ -51,20 +59,17 @@ DEFAULT_BUCKET_MB = 4096
 INLINE_BUCKET_MB = 32  # one request body (limits.max_body_bytes, 64 MiB); base64 and the pickle add a third
 _MIB = 1 << 20
 
-# transport="auto": policies.AUTO_ORDER by the tensors' device; what the engines accept decides among them.
-_AUTO_ORDER = {"cuda": tuple(t.value for t in AUTO_ORDER),
-               "cpu": tuple(t.value for t in AUTO_ORDER if t is not Transport.CUDA_IPC)}
-
 log = logging.getLogger("colocd.trainer")
+ADAPTER_CONFIG_KEY = "adapter_config"  # what daemon/adapters.py reads from the file's __metadata__
 
 
 def auto_transport(device: torch.device, accepted: Iterable[str] | None = None) -> str:
     """CUDA-IPC buckets for CUDA tensors, shared memory for CPU ones, unless the engines do not load that: then
     the first of the device's order they do (``accepted``: the join reply's ``transports``; empty: no word).
     Against a real SGLang on CPU that is ``inline``."""
-    order = _AUTO_ORDER["cuda" if device.type == "cuda" else "cpu"]
+    order = [t.value for t in AUTO_ORDER if device.type == "cuda" or t is not Transport.CUDA_IPC]
     allowed = set(accepted or ())
-    return next((t for t in order if t in allowed), order[0]) if allowed else order[0]
+    return next((t for t in order if t in allowed), order[0])
 
 
 def auto_bucket_bytes(transport: str, device: torch.device, depth: int) -> int:
@@ -143,26 +148,18 @@ async def push_session(client: AsyncColocdClient, named: Iterable[tuple[str, tor
     return PushReport(sid, version, chunks, nbytes, time.perf_counter() - t0, commit)
 
 
-# What one export gives: the chunk, the export's seconds and the digests' share of them (None: the plan is done).
-_Made = tuple[ExportedPart, float, float] | None
+# What one export gives: the chunk, the export's seconds and the digests' share of them; the export's error (the
+# tensors can still be walked); None: the plan is done.
+_Made = tuple[ExportedPart, float, float] | Exception | None
 
 
 class WeightPusher:
-    """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon.
-
-    At most ``depth`` chunks are exported and in flight; each buffer is released only after the daemon's ack; on
-    any failure the session is aborted and every buffer released. Defaults are the ``tuned`` preset
-    (``auto_transport``, ``auto_bucket_bytes``, depth 2); ``from_plan`` follows the daemon's pipeline plan.
-
-    Several trainer ranks: rank 0 opens the session with ``ranks=N`` and shares its id; every rank calls
-    ``stream(session_id, full_tensors)`` with its own ``rank``, joining on its device (``device_id``; default: the
-    tensors' GPU UUID, or ``cpu:<rank>``); rank 0 commits once all have returned (docs/client.md, "layouts").
-    ``last_join`` is the daemon's reply to the last join (``feeds``; ``streams: false``: the stream only walks).
-
-    Every exported buffer is a lease in ``leases``: after a failed stream, what a consumer still counts is
-    reclaimed once ``lease_grace_s`` has passed, before the error reaches the caller (an engine killed holding a
-    buffer strands nothing). The rank's lease bytes are reported to the daemon (``colocd_ipc_*``) off the path.
-    """
+    """Buckets ``(name, tensor)`` pairs into chunks and streams them through the daemon, at most ``depth`` exported
+    and in flight, each buffer released after the daemon's ack (the ``tuned`` preset by default; ``from_plan``: the
+    daemon's pipeline plan). Several ranks: each ``stream``s with its own ``rank``, joining on its device
+    (``device_id``; default: the tensors' GPU UUID, or ``cpu:<rank>``); ``last_join`` is the last join's reply.
+    Every exported buffer is a lease in ``leases``, reclaimed ``lease_grace_s`` after a failed stream, before the
+    error reaches the caller. docs/client.md, in full."""
 
     def __init__(self, client: AsyncColocdClient, *, transport: Transport | str = "auto",
                  bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH, rank: int = 0,
@@ -252,11 +249,9 @@ class WeightPusher:
 
     async def stream(self, session_id: str, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """Join the session, then send this rank's part of every chunk; returns (chunks, bytes). A rank that feeds
-        no engine rank (``streams: false``) sends nothing: (the plan's chunk count, 0).
-
-        A chunk (or the join) that fails aborts the session at once, naming this rank's error (the other ranks'
-        streams then fail with it); the stream still pulls every tensor left, so the ranks' collectives in
-        ``named`` stay matched, and then raises the first error."""
+        no engine rank (``streams: false``) sends nothing: (the plan's chunk count, 0). A chunk (or the join) that
+        fails aborts the session at once, naming this rank's error (the other ranks' streams then fail with it);
+        the stream still pulls every tensor left, so the ranks' collectives stay matched, then raises the error."""
         # Pulled off the event loop, one item at a time: producing a tensor may be a collective (FSDP's
         # full_tensor, a TP all-gather) waiting for a slower rank, while this rank's acks must keep flowing.
         # A declared device_id joins before producing anything; else the first tensor says where it is.
@@ -298,7 +293,7 @@ class WeightPusher:
         if self._producer is None:
             transport = self.transport_for(device)
             self._chunk_bytes = self._bucket_bytes or auto_bucket_bytes(transport, device, self._depth)
-            self._producer = producer_for(transport, leases=self.leases)
+            self._producer = Producer(transport, leases=self.leases)
         return self._producer
 
     async def _join(self, session_id: str, device_id: str, remaining: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -355,10 +350,9 @@ class WeightPusher:
                     await asyncio.wait({tasks[-self._depth]})
                     if failure:  # a chunk failed meanwhile: pull nothing more here
                         break
-                try:
-                    made = await self._next_export(producer, buckets, digests)
-                except _ExportFailed as exc:
-                    failed(exc.error)
+                made = await self._next_export(producer, buckets, digests)
+                if isinstance(made, Exception):
+                    failed(made)
                     break
                 if made is None:
                     break
@@ -401,8 +395,8 @@ class WeightPusher:
     def _pull_and_export(producer: Producer, buckets: Iterator[list[tuple[str, torch.Tensor]]],
                          digests: DigestCache | None) -> _Made:
         """On a thread: the next bucket exported (with its tensors' digests where ``digests`` is a cache), the
-        export's seconds and the digests' share; None when the plan is done. A failed export raises
-        ``_ExportFailed`` (the tensors can still be walked); the iterator's own error is raised as it is."""
+        export's seconds and the digests' share; None when the plan is done. A failed export is returned; the
+        iterator's own error is raised as it is."""
         bucket = next(buckets, None)
         if bucket is None:
             return None
@@ -410,14 +404,14 @@ class WeightPusher:
         try:
             chunk = producer.export(bucket)
         except Exception as exc:
-            raise _ExportFailed(exc) from exc
+            return exc
         t1 = time.perf_counter()
         if digests is not None:
             try:
                 chunk.digests = tensor_digests(bucket, digests)
             except Exception as exc:
                 chunk.release()
-                raise _ExportFailed(exc) from exc
+                return exc
         t2 = time.perf_counter()
         return chunk, t2 - t0, t2 - t1
 
@@ -432,7 +426,7 @@ class WeightPusher:
         except asyncio.CancelledError:
             # The thread runs on: release what it made, and close nothing while it writes.
             with contextlib.suppress(Exception):
-                if (made := await work) is not None:
+                if isinstance(made := await work, tuple):
                     made[0].release()
             raise
 
@@ -466,14 +460,45 @@ class WeightPusher:
             log.warning("walking the tensors left after a failed stream raised: %s", exc)
 
 
+
+class TrainerClient(ColocdClient):
+    """``ColocdClient`` with the weight push; each push opens, streams and commits one session."""
+
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str, step: int | None = None,
+                     transport: Transport | str = "auto", bucket_mb: float | None = None, depth: int = DEFAULT_DEPTH,
+                     partial: bool = False) -> PushReport:
+        """Open, stream and commit one session, with ``WeightPusher``'s defaults (the ``tuned`` preset)."""
+        async def push() -> PushReport:
+            async with WeightPusher(self.async_client, transport=transport, bucket_mb=bucket_mb,
+                                    depth=depth) as pusher:
+                return await pusher.push(named, version=version, step=step, partial=partial)
+
+        return self.run(push())
+
+
+def adapter_body(named: Iterable[tuple[str, torch.Tensor]], config: Mapping[str, Any]) -> bytes:
+    """adapter_model.safetensors with the config in its ``adapter_config`` metadata (host copies of the tensors:
+    nothing stays exported, so there is no IPC lease)."""
+    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named}
+    return save(tensors, metadata={"format": "pt", ADAPTER_CONFIG_KEY: json.dumps(dict(config), default=_jsonable)})
+
+
+async def push_adapter(client: AsyncColocdClient, named: Iterable[tuple[str, torch.Tensor]], *,
+                       config: Mapping[str, Any], base: str, version: str) -> dict[str, Any]:
+    """Push one adapter version; returns once every engine serves ``<base>@<version>`` (the reply's ``adapter``).
+    The daemon refuses a reused name or a push over an engine's adapter cap (409), and an engine that serves no
+    adapters (409 naming it); a failed push leaves the previous version serving."""
+    body = await asyncio.to_thread(adapter_body, list(named), config)
+    return await client.push_adapter(base, version, body)
+
+
+def _jsonable(value: object) -> object:
+    # PEFT's configs hold sets (target_modules) and enums (task_type); save_pretrained writes them as lists/values.
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    return getattr(value, "value", str(value))
+
+
 def _session_gone(exc: Exception) -> bool:
     """The daemon's 410: the session already ended (what chunks after the failing one are answered)."""
     return isinstance(exc, ColocdHTTPError) and exc.status == 410
-
-
-class _ExportFailed(Exception):
-    """A bucket's export failed (the tensors themselves can still be produced, so the stream walks them)."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error

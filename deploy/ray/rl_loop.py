@@ -73,7 +73,7 @@ class TrainerRank:
         return float(loss)
 
     async def push(self, step: int) -> dict[str, Any]:
-        from colocd.cluster.trainer import push_to_this_node
+        from colocd.cluster.registry import push_to_this_node
 
         return await push_to_this_node(self.model.named_parameters(), version=f"v{step}", step=step,
                                        bucket_mb=0.1)

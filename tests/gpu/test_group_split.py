@@ -17,6 +17,7 @@ pytestmark = [
 # Its own process: a world of one NCCL rank, four groups, two pause/resume cycles with split_shared.
 _RANK = r'''
 import json, torch, torch.distributed as dist
+from dataclasses import asdict
 from colocd.policies import GroupDirective, RebuildMode, WaitPoint
 from colocd.trainer.groups import GroupLifecycle, GroupSpec
 dev = torch.device("cuda", 0); torch.cuda.set_device(dev); torch.ones(1, device=dev)
@@ -24,13 +25,13 @@ dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
 life = GroupLifecycle([GroupSpec(f"g{i}", (0,)) for i in range(4)], device=dev)
 life.build()
 split = GroupDirective.destroy("destroy", "test", wait_point=WaitPoint.BEFORE_REBUILD, rebuild=RebuildMode.SPLIT_SHARED)
-out = {"first_pause": life.pause(split).to_dict(), "resume": life.resume().to_dict()}
+out = {"first_pause": asdict(life.pause(split)), "resume": asdict(life.resume())}
 sums = []
 for _spec, group in life.groups():
     x = torch.ones(1, device=dev); dist.all_reduce(x, group=group); sums.append(float(x.item()))
 out["sums"] = sums
 out["resident"] = life.snapshot().resident_bytes
-out["pause"] = life.pause(split).to_dict()
+out["pause"] = asdict(life.pause(split))
 life.close(); dist.destroy_process_group()
 print("RESULT " + json.dumps(out))
 '''

@@ -8,7 +8,7 @@ import torch
 
 from colocd.engines.chunks import inspect_handle
 from colocd.policies import Transport
-from colocd.trainer.producer import producer_for
+from colocd.trainer.producer import Producer
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ def test_a_cuda_producers_chunk_carries_the_layout_of_its_tensors(transport: Tra
         pytest.skip("needs CUDA")
     named = [("a", torch.randn(4, 8, device="cuda")), ("b", torch.randn(16, device="cuda").half()),
              ("c", torch.ones(3, device="cuda", dtype=torch.int64))]
-    producer = producer_for(transport)
+    producer = Producer(transport)
     try:
         chunk = producer.export(named)
         try:

@@ -20,7 +20,7 @@ from colocd.api.client import ColocdHTTPError
 from colocd.engines.base import EngineInfo
 from colocd.errors import EngineRejected
 from colocd.trainer import push_adapter
-from colocd.trainer.adapters import adapter_body
+from colocd.trainer.push import adapter_body
 
 CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": {"v_proj", "q_proj"}}
 

@@ -107,13 +107,13 @@ async def test_async_push_overlaps_training_and_the_rollout_serves_exactly_the_s
         pushed_greedy = _greedy_local(copy.deepcopy(model))
 
         await sync.start(model.named_parameters(), version="1", step=1)
-        assert sync.pending
+        assert sync.last_push is None and sync.report()["buffer"] == "device"  # pushing from the snapshot
         # Training goes on while the push runs (until it has committed, however the two are scheduled on a
         # loaded machine): the live weights move away from the snapshot.
         pushed = threading.Event()
         training = asyncio.ensure_future(asyncio.to_thread(_train, model, optimizer, 20, 2, pushed))
         try:
-            await asyncio.wait_for(sync.wait_ended(), 120)  # the push itself; joined by the rollout below
+            await asyncio.wait_for(sync.join(), 120)  # the push itself; the engines serve it once rolled out
         finally:
             pushed.set()
         train_start, train_end = await training
@@ -152,7 +152,7 @@ async def test_async_falls_back_to_a_synchronous_push_when_the_second_buffer_doe
         # A margin of 1 TiB: neither this host's memory nor any device holds a copy beside it.
         model, _, sync, agent = await _trained_to_sync(node, "{mode: async, buffer_margin_mb: 1048576}")
         await sync.start(model.named_parameters(), version="1", step=1)
-        assert not sync.pending  # pushed and committed before start() returned
+        assert sync.last_push is not None  # pushed and committed before start() returned
         assert await served_checksums(node.engine_url) == [weights_checksum(model.named_parameters())]
         await agent.rollout(1)
 

@@ -56,7 +56,7 @@ class Trainer:
     """A trainer rank: holds the model of the step and pushes it to its own node's daemon."""
 
     async def push(self, step: int) -> dict[str, Any]:
-        from colocd.cluster.trainer import push_to_this_node
+        from colocd.cluster.registry import push_to_this_node
 
         return await push_to_this_node(model_for(step).named_parameters(), version=f"v{step}", step=step,
                                        bucket_mb=0.05)
@@ -172,7 +172,7 @@ async def test_an_engine_killed_mid_step_fails_the_step_naming_it_and_the_cluste
 
         with pytest.raises(ClusterStepError) as failed:
             await cluster.sync(step, f"v{step}", push_or_kill)
-        [failure] = failed.value.failures
+        [failure] = failed.value.result.failures
         assert (failure.node_id, failure.engine) == (victim, "ref0"), str(failed.value)
         assert victim in str(failed.value) and "ref0" in str(failed.value)
         print(f"the failed step, as the trainer sees it:\n{failed.value}")
@@ -180,7 +180,7 @@ async def test_an_engine_killed_mid_step_fails_the_step_naming_it_and_the_cluste
         # The other nodes committed v<step> but serve nothing; rollout is refused everywhere.
         with pytest.raises(ClusterStepError) as refused:
             await cluster.rollout(step)
-        assert victim in {f.node_id for f in refused.value.failures}
+        assert victim in {f.node_id for f in refused.value.result.failures}
         for node, r in (await cluster.status()).nodes.items():
             assert r.body["node"]["phase"] == "sync", f"{node} left sync although the cluster's sync failed"
             # The killed engine's generation is unknown until its relaunch is reconciled (then paused, like the rest).
@@ -189,7 +189,7 @@ async def test_an_engine_killed_mid_step_fails_the_step_naming_it_and_the_cluste
 
         # The victim's daemon relaunches the engine (same URL) and reconciles the new incarnation at once.
         async def reconciled() -> bool:
-            status = await cluster.client(victim).status()
+            status = (await cluster.status()).nodes[victim].body
             engine, last = status["engines"]["ref0"]["launched"], status["reconcile"]["last"].get("ref0") or {}
             return engine["pid"] != old_pid and engine["restarts"] == 1 and engine["state"] == "running" \
                 and bool(last.get("restarted")) and bool(last.get("ok"))
@@ -211,7 +211,7 @@ async def test_a_node_added_between_steps_gets_a_daemon_and_the_next_step_covers
         before = set(cluster.nodes)
         world.cluster.add_node(**NODE_ARGS)
         world.refresh()
-        joined, left = cluster.set_nodes(daemon_urls())
+        joined, left = await cluster.set_nodes(daemon_urls())
         assert len(joined) == 1 and left == [] and set(cluster.nodes) == before | set(joined)
         await full_step(world, cluster)
         want = trained_checksum(world.step)

@@ -13,13 +13,13 @@ import support
 from support import EnginePool
 
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.trainer.producer import InlineProducer
+from colocd.trainer.producer import Producer
 
 
 def _load(http: httpx.Client, seed: int) -> None:
     """Other weights than the engine's seed, through one inline update; the session is left open."""
     named = list(build_model(QwenLikeConfig(), seed=seed).named_parameters())
-    entry = InlineProducer().export(named).handle["payload_b64"]
+    entry = Producer("inline").export(named).handle["payload_b64"]
     assert http.post("/begin_weight_update", json={}).json()["success"]
     assert http.post("/update_weights_from_tensor", json={
         "serialized_named_tensors": [entry], "load_format": "flattened_bucket"}).json()["success"]

@@ -18,7 +18,7 @@ from support import InMemoryEngine, Receive, Scope, Send, daemon_node, request_b
 
 from colocd.api.client import AsyncColocdClient, ColocdClient, ColocdHTTPError
 from colocd.daemon.node import Daemon
-from colocd.trainer.producer import producer_for
+from colocd.trainer.producer import Producer
 from colocd.trainer.push import WeightPusher, manifest_of
 
 _OPEN = "/v1/weights/sessions"
@@ -122,7 +122,7 @@ async def test_a_session_opened_by_reference_refuses_a_chunk_outside_its_manifes
         await _open_and_abort(client)
         sid = (await client.open_session("v1", ranks=1, manifest=MANIFEST))["session_id"]
         assert "manifest" not in front.opens[-1]
-        chunk = producer_for("shm").export([("layers.9.weight", torch.zeros(8, 8))])
+        chunk = Producer("shm").export([("layers.9.weight", torch.zeros(8, 8))])
         try:
             with pytest.raises(ColocdHTTPError) as err:
                 await client.send_chunk(sid, seq=0, rank=0, chunk=chunk)

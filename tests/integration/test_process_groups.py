@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -282,7 +283,7 @@ def _keep_fail_report(rank: int) -> dict[str, Any]:
         "pause": first_pause.action,
         "state": state,
         "resume": first_resume.action,
-        "after": life.keep_alive,
+        "after": first_resume.keep_alive,
     }
     armed["fail"] = True
     life.pause(keep)
@@ -293,9 +294,9 @@ def _keep_fail_report(rank: int) -> dict[str, Any]:
     life.close()
     return {
         "first": first,
-        "second_resume": second.to_dict(),
+        "second_resume": asdict(second),
         "works_after_fallback": works,
-        "third_pause": third.to_dict(),
+        "third_pause": asdict(third),
     }
 
 
@@ -316,7 +317,7 @@ def _keep_fail_raise(rank: int) -> dict[str, Any]:
     resumed = life.resume()
     works = _sums_ok(life)
     life.close()
-    return {"resume": resumed.to_dict(), "works_after_fallback": works}
+    return {"resume": asdict(resumed), "works_after_fallback": works}
 
 
 def _waits(rank: int) -> dict[str, Any]:
@@ -380,9 +381,9 @@ def _policies(rank: int) -> dict[str, Any]:
     return {
         "auto_action": directive.action,
         "auto_wait_point": directive.wait_point,
-        "suspend_pause": sp.to_dict(),
-        "suspend_resume": sr.to_dict(),
-        "abandon": ab.to_dict(),
+        "suspend_pause": asdict(sp),
+        "suspend_resume": asdict(sr),
+        "abandon": asdict(ab),
         "works_after_abandon": works,
         "directive_after_abandon": after.action,
     }

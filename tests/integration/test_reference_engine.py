@@ -27,7 +27,7 @@ from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, 
 from colocd.engines.reference.runner import ModelRunner
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
 from colocd.errors import EngineLaunchError
-from colocd.trainer.producer import InlineProducer
+from colocd.trainer.producer import Producer
 
 CFG = QwenLikeConfig()
 TOK = CharTokenizer()
@@ -81,7 +81,7 @@ async def state(c: httpx.AsyncClient) -> dict[str, Any]:
 
 def bucket_entry(named: list[tuple[str, torch.Tensor]]) -> str:
     """A ``flattened_bucket`` entry, plain-pickled as the trainer's inline transport sends it."""
-    return str(InlineProducer().export(named).handle["payload_b64"])
+    return str(Producer("inline").export(named).handle["payload_b64"])
 
 
 async def push(

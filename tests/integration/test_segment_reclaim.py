@@ -19,7 +19,7 @@ import pytest
 from support import daemon_node, shm_segments
 
 from colocd.engines.segments import pid_alive, reclaim_dead_segments, segment_creator
-from colocd.trainer.producer import producer_for
+from colocd.trainer.producer import Producer
 
 DEADLINE_S = 30.0
 
@@ -29,9 +29,9 @@ pytestmark = pytest.mark.exclusive
 
 _TRAINER = """
 import json, sys, time, torch
-from colocd.trainer.producer import producer_for
+from colocd.trainer.producer import Producer
 
-producer = producer_for("shm")
+producer = Producer("shm")
 chunks = [producer.export([("w", torch.full((256,), float(i)))]) for i in range(2)]  # never released
 print(json.dumps({"segments": [c.handle["shm_name"] for c in chunks]}), flush=True)
 time.sleep(3600)  # alive until the test kills it
@@ -88,7 +88,7 @@ async def test_a_killed_trainers_segments_are_reclaimed_and_a_live_trainers_are_
 async def test_the_next_trainer_on_the_node_reclaims_them_when_its_shm_producer_starts() -> None:
     async with trainer() as dead:
         await dead.kill()
-        producer = producer_for("shm")  # what WeightPusher.stream creates for transport "shm"
+        producer = Producer("shm")  # what WeightPusher.stream creates for transport "shm"
         try:
             assert not shm_segments(dead.pid)
         finally:

@@ -21,7 +21,7 @@ from colocd.engines.base import ChunkPart, MemoryTag, Observation
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.errors import SessionGone
-from colocd.trainer.producer import InlineProducer
+from colocd.trainer.producer import Producer
 from colocd.trainer.push import manifest_of
 
 
@@ -31,7 +31,7 @@ async def _open_and_send_everything(daemon: Daemon) -> WeightSession:
     await daemon.transitions.transition(NodePhase.SYNC, 1)
     named = list(build_model(QwenLikeConfig(), seed=7).named_parameters())
     session = await daemon.sessions.open(step=1, version="v1", ranks=1, manifest=manifest_of(named))
-    part = InlineProducer().export(named)
+    part = Producer("inline").export(named)
     await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, "inline", part.nbytes, part.handle))
     return session
 

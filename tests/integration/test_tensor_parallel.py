@@ -26,7 +26,7 @@ from colocd.engines.reference import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, QwenLikeForCausalLM, build_model
 from colocd.engines.reference.runner import ModelRunner
 from colocd.engines.reference.tokenizer import EOS_ID, CharTokenizer
-from colocd.trainer.producer import InlineProducer
+from colocd.trainer.producer import Producer
 from colocd.trainer.push import WeightPusher, manifest_of
 
 CFG = QwenLikeConfig()
@@ -77,7 +77,7 @@ async def restore(c: httpx.AsyncClient) -> None:
 
 def bucket_entry(named: Named) -> str:
     """One TP rank's ``flattened_bucket`` entry, plain-pickled as each trainer rank's inline transport sends it."""
-    return str(InlineProducer().export(named).handle["payload_b64"])
+    return str(Producer("inline").export(named).handle["payload_b64"])
 
 
 async def update(c: httpx.AsyncClient, entries: list[str], load_format: str | None) -> httpx.Response:

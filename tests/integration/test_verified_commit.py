@@ -19,7 +19,7 @@ from support import daemon_node, reference_engine, served_checksums, weights_che
 
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.engines.sglang.adapter import UNSUPPORTED_DIGESTS
-from colocd.trainer.producer import InlineProducer
+from colocd.trainer.producer import Producer
 from colocd.trainer.push import WeightPusher
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -73,7 +73,7 @@ async def test_off_skips_the_check_and_commits_what_the_engines_hold(tmp_path: A
 async def test_a_trainer_that_sends_no_digests_commits_and_the_reply_says_nothing_was_verified(
         tmp_path: Any, engines: dict[str, str]) -> None:
     named = _named(seed=11)
-    producer = InlineProducer()
+    producer = Producer("inline")
     async with daemon_node({"ref0": engines["clean"]}, synced_at=1) as node:
         client = node.client
         session = await client.open_session("v1", step=1, ranks=1)

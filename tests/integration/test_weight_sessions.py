@@ -49,7 +49,7 @@ from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.errors import RequestInvalid
 from colocd.policies import Transport
-from colocd.trainer.producer import ExportedPart, InlineProducer, producer_for
+from colocd.trainer.producer import ExportedPart, Producer
 from colocd.trainer.push import WeightPusher, manifest_of
 
 Named = list[tuple[str, torch.Tensor]]
@@ -127,7 +127,7 @@ async def _refused(call: Awaitable[Any], status: int) -> dict[str, Any]:
 
 
 def _export(named: Named, *, transport: str = "inline", bucket_bytes: int = 20_000) -> list[ExportedPart]:
-    producer = producer_for(transport)
+    producer = Producer(transport)
     return [producer.export(bucket) for bucket in plan_chunks(named, bucket_bytes)]
 
 
@@ -139,13 +139,13 @@ from colocd.api.client import AsyncColocdClient
 from colocd.trainer.push import manifest_of
 from colocd.engines.chunks import plan_chunks
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.trainer.producer import producer_for
+from colocd.trainer.producer import Producer
 
 async def main(url):
     named = list(build_model(QwenLikeConfig(), seed=11).named_parameters())
     async with AsyncColocdClient(url) as c:
         s = await c.open_session("doomed", step=1, ranks=1, depth=2, manifest=manifest_of(named))
-        producer, kept = producer_for("shm"), []
+        producer, kept = Producer("shm"), []
         for seq, bucket in enumerate(list(plan_chunks(named, 20_000))[:3]):
             chunk = producer.export(bucket)
             await c.send_chunk(s["session_id"], seq=seq, rank=0, chunk=chunk)
@@ -200,14 +200,14 @@ import asyncio, json, sys
 from colocd.api.client import AsyncColocdClient
 from colocd.engines.chunks import plan_chunks
 from colocd.engines.reference.model import QwenLikeConfig, build_model
-from colocd.trainer.producer import producer_for
+from colocd.trainer.producer import Producer
 
 async def main(url):
     named = list(build_model(QwenLikeConfig(), seed=12).named_parameters())
     async with AsyncColocdClient(url) as c:
         sid = (await c.open_session("kept", step=1, ranks=1))["session_id"]
         await c.join_session(sid, rank=0, device_id="cpu:0")  # declares this process (its pid)
-        producer = producer_for("shm")
+        producer = Producer("shm")
         kept = [producer.export(bucket) for bucket in list(plan_chunks(named, 20_000))[:2]]
         for seq, chunk in enumerate(kept):  # sent and acked, never released: this trainer lives on
             await c.send_chunk(sid, seq=seq, rank=0, chunk=chunk)
@@ -585,7 +585,7 @@ async def test_a_chunk_by_a_transport_the_engine_does_not_load_is_refused_before
             await daemon.sessions.submit_chunk(session.id, 0,
                                                ChunkPart(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
         assert err.value.field == "transport" and engine.loads == 0
-        chunk = InlineProducer().export(named)  # what the engine loads: accepted, and the session goes on
+        chunk = Producer("inline").export(named)  # what the engine loads: accepted, and the session goes on
         await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle))
         assert engine.loads == 1
 

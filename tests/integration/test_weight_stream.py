@@ -452,6 +452,26 @@ async def test_abort_mid_stream_keeps_the_old_version_paused_and_leaks_no_shared
     assert shm_segments() <= segments_before
 
 
+async def test_a_chunk_whose_export_fails_aborts_the_session_naming_that_error_and_still_pulls_every_tensor(
+        engine_pool: EnginePool) -> None:
+    named = list(build_model(QwenLikeConfig(), seed=5).named_parameters())
+    pulled: list[str] = []
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named:
+            pulled.append(name)  # producing a tensor may be a collective the other ranks run too
+            yield name, tensor
+
+    async with engine_pool.lent(ref0={}) as engines, daemon_node(engines, synced_at=1) as node:
+        sid = (await node.client.open_session("v1", ranks=1, depth=2))["session_id"]
+        pusher = WeightPusher(node.client, transport="cuda_ipc", bucket_mb=0.005, depth=2)  # CPU tensors: no bucket
+        with pytest.raises(ValueError, match="cuda_ipc needs a chunk's tensors on one CUDA device"):
+            await pusher.stream(sid, tensors())
+        assert pulled == [name for name, _ in named]
+        session = await node.client.session(sid)
+        assert session["state"] == "aborted" and "rank 0 stopped: ValueError" in session["error"], session
+
+
 async def test_a_rank_that_never_streams_fails_the_commit_with_504_naming_it(engine_pool: EnginePool) -> None:
     model = build_model(QwenLikeConfig(), seed=4)
     segments_before = shm_segments()  # this process's own; a leak is what this test adds

@@ -31,7 +31,7 @@ from colocd.engines.base import ChunkLoad, ChunkPart, PauseMode
 from colocd.engines.sglang.adapter import SGLangAdapter
 from colocd.errors import EngineRejected
 from colocd.policies import Transport
-from colocd.trainer.producer import InlineProducer
+from colocd.trainer.producer import Producer
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(900)]
 
@@ -39,7 +39,7 @@ DEADLINE_S = 120
 
 
 def inline_load(named: list, seq: int = 0, version: str | None = None) -> ChunkLoad:
-    chunk = InlineProducer().export(named)
+    chunk = Producer("inline").export(named)
     part = ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle)
     return ChunkLoad(seq=seq, payloads=(part,), nbytes=chunk.nbytes, weight_version=version)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import torch
 
@@ -80,5 +81,5 @@ def test_empty_cache_is_one_step_and_none_is_nothing() -> None:
 
 def test_report_serialises() -> None:
     plan = CleanupPlan(policy="x", steps=(CleanupAction.GC_COLLECT,))
-    d = run_cleanup(plan, device=CPU).to_dict()
+    d = asdict(run_cleanup(plan, device=CPU))
     assert d["policy"] == "x" and isinstance(d["spans"], list)

@@ -17,7 +17,7 @@ from sglang_live import differing, parameter_checksums
 from colocd.engines.inline import check_inline_payload
 from colocd.engines.sglang import wire
 from colocd.errors import ReplyInvalid, RequestInvalid
-from colocd.trainer.producer import InlineProducer
+from colocd.trainer.producer import Producer
 
 LIVE = json.loads((Path(__file__).parent.parent / "contract" / "fixtures" / "sglang_live_0_5_23.json")
                   .read_text())["responses"]
@@ -52,7 +52,7 @@ def test_live_model_info_and_checksums_parse() -> None:
 
 
 def test_an_inline_chunk_passes_the_check() -> None:
-    chunk = InlineProducer().export([("w", torch.ones(3, 2, dtype=torch.bfloat16)), ("b", torch.zeros(4))])
+    chunk = Producer("inline").export([("w", torch.ones(3, 2, dtype=torch.bfloat16)), ("b", torch.zeros(4))])
     check_inline_payload(chunk.handle["payload_b64"])
     assert chunk.handle["load_format"] == "flattened_bucket" and len(chunk.handle["layout"]) == 2
 

@@ -13,15 +13,15 @@ from colocd.engines.config import ReferenceEngineConfig, SGLangEngineConfig, VLL
 from colocd.engines.sglang.adapter import SGLangAdapter
 from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.policies import Transport
-from colocd.trainer.producer import producer_for
+from colocd.trainer.producer import Producer
 
 
 def test_every_transport_has_a_producer_and_a_variant_travels_as_its_base() -> None:
-    assert all(producer_for(t).transport is t for t in Transport)
+    assert all(Producer(t).transport is t for t in Transport)
     assert Transport.PER_TENSOR.wire is Transport.CUDA_IPC
-    assert producer_for("shm").transport is Transport.SHM
+    assert Producer("shm").transport is Transport.SHM
     with pytest.raises(ValueError, match="unknown transport 'carrier_pigeon'"):
-        producer_for("carrier_pigeon")
+        Producer("carrier_pigeon")
 
 
 def test_a_chunk_names_the_transport_it_travels_as() -> None:

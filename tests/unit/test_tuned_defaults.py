@@ -54,7 +54,7 @@ def test_a_default_pusher_on_cpu_tensors_streams_over_shared_memory() -> None:
 def test_trainer_client_push_weights_takes_weight_pushers_defaults() -> None:
     import inspect
 
-    from colocd.trainer.client import TrainerClient
+    from colocd.trainer import TrainerClient
 
     pusher = inspect.signature(WeightPusher.__init__).parameters
     client = inspect.signature(TrainerClient.push_weights).parameters
