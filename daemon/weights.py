@@ -413,7 +413,9 @@ class WeightSession:
 
         # Backpressure: no rank runs more than `depth` chunks ahead of the slowest engine or the
         # slowest rank; the request just waits, bounded by the chunk timeout.
-        if error := await self._wait(lambda: self._window_timeout(seq), done=in_window):
+        if error := await self._wait(lambda: self._held_up(f"chunk {seq} waits for the window ({self.depth} chunks "
+                                                           f"from chunk {self._acked})", self._acked, self._lanes),
+                                     done=in_window):
             return await self._fail_with(error)
         self._check_open()
         chunk = self._chunks.get(seq)
@@ -428,7 +430,7 @@ class WeightSession:
             self.shm_names.add(part.route.shm_name)
         self._pump()
         consumed = [chunk.consumed[lane.name] for lane in users]
-        if error := await self._wait(lambda: self._stall_timeout(seq, users), futures=consumed):
+        if error := await self._wait(lambda: self._held_up(f"chunk {seq}", seq, users), futures=consumed):
             return await self._fail_with(error)
         loads = [f.result() for f in consumed]
         await self._advance()
@@ -544,65 +546,32 @@ class WeightSession:
                         f"chunk {seq}: trainer rank {rank} exported it from GPU {uuid}, but engine {lane.name!r} TP "
                         f"rank {tp_rank} runs on GPU {expected[tp_rank]}; CUDA IPC needs both on one GPU"))
 
-    def _missing_parts(self, chunk: _Chunk) -> list[int]:
-        """Ranks whose part of ``chunk`` an engine still waits for (an unfed TP rank: any rank not joined)."""
-        missing: set[int] = set()
-        for lane in self._lanes:
-            if chunk.consumed[lane.name].done():
-                continue
-            for r in lane.sources:
-                if r is None:
-                    missing.update(self._unjoined())
-                elif r not in chunk.parts:
-                    missing.add(r)
-        return sorted(missing)
-
-    def _window_timeout(self, seq: int) -> ChunkTimeout:
-        """Name why chunk ``seq`` may not enter the window: the oldest chunk lacks a rank, or an engine."""
-        oldest = self._chunks.get(self._acked)
-        missing = self._missing_parts(oldest) if oldest is not None else []
+    def _held_up(self, head: str, seq: int, lanes: Sequence[_Lane]) -> WeightSyncError | RequestInvalid:
+        """Why ``lanes`` have not all consumed chunk ``seq`` within the chunk budget, after ``head``: the chunk one
+        of them loads next lacks a rank's part, or its trainer rank has not joined, or no rank sent it (a gap in the
+        sequence, 422); else the engines that are still loading it."""
         budget = f"within {self.chunk_timeout_s:.1f}s"
-        if oldest is None or missing:
-            ranks = ", ".join(map(str, missing)) if missing else "any rank"
-            return self._ungathered(f"chunk {seq}: the window is {self.depth} chunks past chunk {self._acked}, which "
-                                    f"rank{'s' if len(missing) != 1 else ''} {ranks} never sent {budget}",
-                                    missing[0] if missing else None)
-        slow = [name for name, done in oldest.consumed.items() if not done.done()]
-        return self._unconsumed(f"chunk {seq}: the window waits for chunk {self._acked}, which ", slow, "")
-
-    def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError | RequestInvalid:
-        """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the sequence
-        (422), or an engine that did not consume it."""
-        budget = f"within {self.chunk_timeout_s:.1f}s"
-        for lane in users:
+        for lane in lanes:
             if lane.next_seq > seq:
                 continue  # this engine already has chunk seq in flight
+            waiting = f"{head}: engine {lane.name!r} is waiting for chunk {lane.next_seq}"
             blocking = self._chunks.get(lane.next_seq)
             if blocking is None:
-                return RequestInvalid(
-                    f"chunk {seq}: engine {lane.name!r} is waiting for chunk {lane.next_seq}, which no rank sent "
-                    f"{budget}: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)",
-                    field="seq")
+                return RequestInvalid(f"{waiting}, which no rank sent {budget}: the trainer's chunk sequence has a "
+                                      "gap (sequence numbers are 0, 1, 2, ...)", field="seq")
             missing = sorted(r for r in lane.sources if r is not None and r not in blocking.parts)
             unjoined = self._unjoined() if not lane.resolved else []
             if missing or unjoined:
                 who = (f"{counted('rank', missing)}, which never sent it" if missing else
                        f"the trainer rank on device {lane.device(lane.sources.index(None))!r}, which has not joined "
                        f"(not joined yet: {counted('rank', unjoined)})")
-                return self._ungathered(f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from "
-                                        f"{who} {budget}", (missing or unjoined)[0], engine=lane.name)
+                return ChunkTimeout(f"{waiting} from {who} {budget}", stage="gather", budget_s=self.chunk_timeout_s,
+                                    engine=lane.name, rank=(missing or unjoined)[0])
         chunk = self._chunks.get(seq)
-        slow = [lane.name for lane in users if chunk is None or not chunk.consumed[lane.name].done()]
-        return self._unconsumed(f"chunk {seq}: ", slow, "it")
-
-    def _ungathered(self, message: str, rank: int | None, engine: str | None = None) -> ChunkTimeout:
-        return ChunkTimeout(message, stage="gather", budget_s=self.chunk_timeout_s, engine=engine, rank=rank)
-
-    def _unconsumed(self, head: str, slow: Sequence[str], what: str) -> ChunkTimeout:
-        return ChunkTimeout(
-            f"{head}{counted('engine', slow, repr) if slow else 'engine (none)'} did not consume "
-            f"{what + ' ' if what else ''}within {self.chunk_timeout_s:.1f}s",
-            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+        slow = [lane.name for lane in lanes if chunk is None or not chunk.consumed[lane.name].done()]
+        return ChunkTimeout(f"{head}: {counted('engine', slow, repr) if slow else 'engine (none)'} did not consume "
+                            f"it {budget}", stage="load_chunk", budget_s=self.chunk_timeout_s,
+                            engine=slow[0] if slow else None)
 
     def _pump(self) -> None:
         """Start every load that is ready: in order per engine, its ranks' parts in, under its depth."""
@@ -699,7 +668,7 @@ class WeightSession:
             raise RequestInvalid(gap, field="num_chunks")
 
         # With no chunk at all, the completeness check names what each engine lacks.
-        if error := await self._wait(self._drain_timeout,
+        if error := await self._wait(lambda: self._held_up(f"at commit: chunk {self._acked}", self._acked, self._lanes),
                                      done=lambda: not self._chunks or self.state is not SessionState.OPEN):
             await self._fail_with(error)
         self._check_open()
@@ -707,16 +676,6 @@ class WeightSession:
             raise self._refuse(
                 f"the trainer says {num_chunks} chunks, the engines consumed {self._acked} "
                 f"(chunks 0..{self._acked - 1}); nothing committed, the session stays open", field="num_chunks")
-
-    def _drain_timeout(self) -> ChunkTimeout:
-        """Why the commit cannot settle: a rank missed a chunk, or an engine is still loading."""
-        incomplete = {s: m for s, c in sorted(self._chunks.items()) if (m := self._missing_parts(c))}
-        if incomplete:
-            first_missing = next(iter(incomplete.values()))
-            return self._ungathered(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
-                                    first_missing[0])
-        slow = sorted({lane.name for lane in self._lanes if lane.in_flight})
-        return self._unconsumed("at commit: ", slow, f"chunks {sorted(self._chunks)}")
 
     def _gap(self) -> str | None:
         if not self._chunks:
