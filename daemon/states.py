@@ -75,6 +75,9 @@ class EngineRecord:
     # The engine process's identity as last observed (Observation.incarnation); None: never seen or
     # the engine cannot tell. Journaled, so a restarted daemon can tell a restarted engine.
     incarnation: str | None = None
+    # Why the tags' residency is unknown (a memory call's answer was lost after it was sent; None: known): no
+    # memory call until the engine reports its residency or restarts.
+    memory_unknown: str | None = None
 
     def describe(self) -> str:
         released = [t.value for t in self.owned_tags if self.tags[t] is TagState.RELEASED]
@@ -148,13 +151,14 @@ class EngineRecord:
 
     def status(self) -> dict[str, object]:
         """``snapshot()`` as ``/v1/status`` shows it: while the engine does not answer, what it serves and holds
-        is ``unknown`` (it may have died, or restarted empty), and ``last_known`` keeps what the record said."""
+        is ``unknown`` (it may have died, or restarted empty), as are its tags while ``memory_unknown``; ``last_known``
+        keeps what the record said."""
         snapshot = self.snapshot()
-        if self.healthy:
+        if self.healthy and self.memory_unknown is None:
             return snapshot
-        known = ("generation", "weights", "weight_version", "tags")
-        return {**snapshot, "generation": UNKNOWN, "weights": UNKNOWN, "weight_version": None,
-                "tags": {t.value: UNKNOWN for t in self.owned_tags},
+        known = ("generation", "weights", "weight_version", "tags") if not self.healthy else ("tags",)
+        unknown = {"generation": UNKNOWN, "weights": UNKNOWN, "weight_version": None} if not self.healthy else {}
+        return {**snapshot, **unknown, "tags": {t.value: UNKNOWN for t in self.owned_tags},
                 "last_known": {k: snapshot[k] for k in known}}
 
 
@@ -177,11 +181,11 @@ class Attachment(StrEnum):
 
 
 def unready_reason(name: str, attachment: Attachment, state: EngineRecord) -> str | None:
-    """Why an engine cannot take a mutating call now (None: it can): never attached, or its last observation
-    failed."""
-    if attachment is Attachment.ATTACHED and state.healthy:
+    """Why an engine cannot take a mutating call now (None: it can): never attached, its last observation
+    failed, or its memory state is unknown."""
+    if attachment is Attachment.ATTACHED and state.healthy and state.memory_unknown is None:
         return None
-    return state.last_error or f"engine {name!r} unhealthy"
+    return state.memory_unknown or state.last_error or f"engine {name!r} unhealthy"
 
 
 def check_attached(name: str, attachment: Attachment, state: EngineRecord) -> None:
