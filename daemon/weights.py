@@ -142,17 +142,15 @@ class WeightSession:
                  sources: Mapping[str, tuple[int, ...]] | None = None, manifest: Manifest | None = None,
                  manifest_ref: str | None = None, complete: Manifest | None = None, partial: bool = False,
                  prior: Mapping[str, WeightsState] | None = None, verify: VerifyMode = "off",
-                 idle_s: float | None = None, start_timeout_s: float | None = None, session_id: str | None = None
-                 ) -> None:
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        self.id = session_id or secrets.token_hex(8)
+                 idle_s: float | None = None, start_timeout_s: float | None = None) -> None:
+        self.id = secrets.token_hex(8)
         self.step, self.version, self.ranks, self.engines, self.depth = step, version, ranks, engines, depth
         self.chunk_timeout_s, self.idle_s, self.start_timeout_s = chunk_timeout_s, idle_s, start_timeout_s
         self.trace, self.partial, self.verify, self.complete = trace, partial, verify, complete
         self.manifest = manifest  # shared with later sessions that name it by reference: never changed
         self.manifest_ref = manifest_ref
         self.opened_at = time.monotonic()
+        self.start_deadline = None if start_timeout_s is None else self.opened_at + start_timeout_s
         self._state, self._closed = SessionState.OPEN, False
         self.error: str | None = None
         self._ended_by: str | None = None  # "failed: ChunkTimeout: ..." once it ended
@@ -230,7 +228,8 @@ class WeightSession:
                         "ranks in the node config (the engine's feed_ranks), or abort the session",
                         field="device_id")
             self.touch()
-        return RankJoin(self.id, rank, device_id, self._feeds(rank), self.verify,
+        feeds = tuple((lane.name, t) for lane in self._lanes for t, r in enumerate(lane.sources) if r == rank)
+        return RankJoin(self.id, rank, device_id, feeds, self.verify,
                         self.transports(self._users_of(rank)))
 
     def _lane_sources(self) -> list[list[int | None]]:
@@ -251,9 +250,6 @@ class WeightSession:
                 if source is None and not is_host_device(lane.device(t)) and t < self.ranks \
                         and is_host_device(self._devices.get(t, "")):
                     lane.sources[t] = t
-
-    def _feeds(self, rank: int) -> tuple[tuple[str, int], ...]:
-        return tuple((lane.name, t) for lane in self._lanes for t, r in enumerate(lane.sources) if r == rank)
 
     def _unserved(self) -> str:
         """The engine TP ranks no trainer rank feeds yet, described by device; empty when every one is fed."""
@@ -293,11 +289,8 @@ class WeightSession:
             late.update(self._unjoined())
         return sorted(late)
 
-    def _start_deadline(self) -> float | None:
-        return None if self.start_timeout_s is None else self.opened_at + self.start_timeout_s
-
     def start_overdue(self) -> ChunkTimeout | None:
-        deadline = self._start_deadline()
+        deadline = self.start_deadline
         if deadline is None or self.state is not SessionState.OPEN or time.monotonic() <= deadline:
             return None
         late = self._late()
@@ -349,34 +342,30 @@ class WeightSession:
         """The lease ran out; never while a rank is within its start deadline (it is late, not gone)."""
         if self.idle_s is None or self.state is not SessionState.OPEN or self.idle_for() <= self.idle_s:
             return False
-        deadline = self._start_deadline()
+        deadline = self.start_deadline
         return deadline is None or time.monotonic() > deadline or not self._late()
 
     # -- the rank-facing side ----------------------------------------------------------------
     async def submit(self, seq: int, part: ChunkPart) -> ChunkAck:
-        """Accept one rank's part of chunk ``seq``; return once every engine that needs it consumed it."""
+        """Accept one rank's part of chunk ``seq``; return once every engine that needs it consumed it. A refused
+        part leaves the session as it was: a rank that did not join joins with its first chunk (on the GPU its
+        handle names, else cpu:<rank>) and is unjoined again if that part is refused."""
         self._check_open()
         self._requests += 1
         self.touch()
+        sources = None
         try:
-            return await self._submit(seq, part)
+            if part.rank not in self._devices:
+                sources = self._lane_sources()
+                await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
+            return await self._accept(seq, part)
+        except BaseException:
+            if sources is not None and part.rank in self._devices and not self._received[part.rank]:
+                self._unjoin(part.rank, sources)  # refused before it was accepted
+            raise
         finally:
             self._requests -= 1
             self.touch()
-
-    async def _submit(self, seq: int, part: ChunkPart) -> ChunkAck:
-        # A refused part leaves the session as it was. A rank that did not join joins with its first chunk, on the
-        # GPU its handle names, else cpu:<rank>, and is unjoined again if that part is refused.
-        if part.rank in self._devices:
-            return await self._accept(seq, part)
-        sources = self._lane_sources()
-        await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
-        try:
-            return await self._accept(seq, part)
-        except BaseException:
-            if not self._received[part.rank]:  # refused before it was accepted
-                self._unjoin(part.rank, sources)
-            raise
 
     async def _accept(self, seq: int, part: ChunkPart) -> ChunkAck:
         users = self._users_of(part.rank)
@@ -469,7 +458,7 @@ class WeightSession:
                     if done():
                         return None
             error = blame()
-            deadline = self._start_deadline()
+            deadline = self.start_deadline
             rank = error.rank if isinstance(error, ChunkTimeout) and error.stage == "gather" else None
             late = self._late()
             if deadline is None or rank is None or rank not in late:
@@ -663,9 +652,11 @@ class WeightSession:
         """Wait until every chunk is complete and consumed (a missing part: one chunk timeout, or the start
         deadline, then 504 naming the rank); a gap or a wrong count is 422 and leaves the session open."""
         self._check_open()
-        gap = self._gap()
-        if gap is not None:
-            raise RequestInvalid(gap, field="num_chunks")
+        top = max(self._chunks, default=self._acked)
+        if missing := [s for s in range(self._acked, top) if s not in self._chunks]:
+            raise self._refuse(f"chunk{'s' if len(missing) > 1 else ''} {missing[:5]} never sent, though chunk {top} "
+                               "was: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)",
+                               field="num_chunks")
 
         # With no chunk at all, the completeness check names what each engine lacks.
         if error := await self._wait(lambda: self._held_up(f"at commit: chunk {self._acked}", self._acked, self._lanes),
@@ -676,19 +667,6 @@ class WeightSession:
             raise self._refuse(
                 f"the trainer says {num_chunks} chunks, the engines consumed {self._acked} "
                 f"(chunks 0..{self._acked - 1}); nothing committed, the session stays open", field="num_chunks")
-
-    def _gap(self) -> str | None:
-        if not self._chunks:
-            return None
-        top = max(self._chunks)
-        missing = [s for s in range(self._acked, top) if s not in self._chunks]
-        if not missing:
-            return None
-        return (f"session {self.id}: chunk{'s' if len(missing) > 1 else ''} {missing[:5]} never sent, though chunk "
-                f"{top} was: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)")
-
-    def _lane(self, engine: str) -> _Lane:
-        return next(ln for ln in self._lanes if ln.name == engine)
 
     def check_complete(self) -> None:
         """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
@@ -712,7 +690,8 @@ class WeightSession:
 
     def left(self, engine: str) -> WeightsState:
         """The engine's weights once its update ends uncommitted: stale, unless this session never loaded there."""
-        untouched = self._lane(engine).loads_started == 0 and engine not in self.tainted
+        lane = next(ln for ln in self._lanes if ln.name == engine)
+        untouched = lane.loads_started == 0 and engine not in self.tainted
         return self.prior.get(engine, WeightsState.STALE) if untouched else WeightsState.STALE
 
     def _unsent_by_tp_rank(self, lane: _Lane, wanted: Collection[str]) -> str:
