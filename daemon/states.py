@@ -147,6 +147,7 @@ class EngineRecord:
             "healthy": self.healthy,
             "last_error": self.last_error,
             "incarnation": self.incarnation,
+            "memory_unknown": self.memory_unknown,
         }
 
     def status(self) -> dict[str, object]:

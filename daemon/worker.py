@@ -211,7 +211,7 @@ class EngineWorker:
             engine.state = engine.state.with_(
                 tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
                 weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],
-                incarnation=snap.get("incarnation"))
+                incarnation=snap.get("incarnation"), memory_unknown=snap.get("memory_unknown"))
             engine.lost_sight = True
             self.unreconciled.add(name)
 

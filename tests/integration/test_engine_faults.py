@@ -192,7 +192,8 @@ async def test_a_resume_whose_answer_is_lost_leaves_the_memory_unknown_the_engin
         assert readyz.status_code == 503
         (problem,) = readyz.json()["problems"]
         assert "'ref0'" in problem and "resume_memory" in problem and "unknown" in problem, problem
-        assert set((await n.client.status())["engines"]["ref0"]["tags"].values()) == {"unknown"}
+        ref0 = (await n.client.status())["engines"]["ref0"]
+        assert set(ref0["tags"].values()) == {"unknown"} and "resume_memory" in ref0["memory_unknown"], ref0
 
         with pytest.raises(ColocdHTTPError) as again:
             await n.client.phase("sync", 1)
