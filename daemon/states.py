@@ -82,7 +82,8 @@ class EngineRecord:
     def describe(self) -> str:
         released = [t.value for t in self.owned_tags if self.tags[t] is TagState.RELEASED]
         return (f"engine {self.name!r} is {self.generation.value}, weights {self.weights.value} "
-                f"at version {self.weight_version!r}, released tags {released or 'none'}")
+                f"at version {self.weight_version!r}, released tags {released or 'none'}"
+                + (f" (unknown: {self.memory_unknown})" if self.memory_unknown else ""))
 
     def resident(self, tag: MemoryTag) -> bool:
         return self.tags[tag] is TagState.RESIDENT
@@ -317,15 +318,14 @@ def check_resume_headroom(what: str, needs: Sequence[ResumeNeed], free: Mapping[
 
 def check_can_open_session(open_session: str | None, engines: Iterable[EngineRecord], node: NodeState, *,
                            idle_for: float = 0.0, idle_s: float | None = None) -> None:
-    """One weight session at a time, on engines that are paused with their weights memory resident."""
+    """One weight session at a time, on engines that are paused with their weights memory known to be resident."""
     if open_session is not None:
         raise TransitionRejected(
             f"weight session {open_session} is already open (idle {idle_for:.1f}s; it expires after "
             f"{idle_s}s without a chunk, or abort it)", state=node.snapshot())
     _refuse_engines("cannot open a weight session: every engine must be paused with weights resident (enter "
-                    "'sync' first): ", [e for e in engines
-                                        if e.generation is not Generation.PAUSED or not e.resident(MemoryTag.WEIGHTS)],
-                    node)
+                    "'sync' first): ", [e for e in engines if e.generation is not Generation.PAUSED
+                                        or not e.resident(MemoryTag.WEIGHTS) or e.memory_unknown is not None], node)
 
 
 def check_partial_allowed(engines: Iterable[EngineRecord], node: NodeState) -> None:
