@@ -404,7 +404,7 @@ class WeightSession:
         # slowest rank; the request just waits, bounded by the chunk timeout.
         if error := await self._wait(lambda: self._held_up(f"chunk {seq} waits for the window ({self.depth} chunks "
                                                            f"from chunk {self._acked})", self._acked, self._lanes),
-                                     done=in_window):
+                                     in_window):
             return await self._fail_with(error)
         self._check_open()
         chunk = self._chunks.get(seq)
@@ -419,7 +419,7 @@ class WeightSession:
             self.shm_names.add(part.route.shm_name)
         self._pump()
         consumed = [chunk.consumed[lane.name] for lane in users]
-        if error := await self._wait(lambda: self._held_up(f"chunk {seq}", seq, users), futures=consumed):
+        if error := await self._wait(lambda: self._held_up(f"chunk {seq}", seq, users), lambda: _settled(consumed)):
             return await self._fail_with(error)
         loads = [f.result() for f in consumed]
         await self._advance()
@@ -429,34 +429,24 @@ class WeightSession:
         await self.fail(error)
         raise error
 
-    async def _wait(self, blame: Callable[[], WeightSyncError | RequestInvalid], *,
-                    done: Callable[[], bool] | None = None,
-                    futures: Sequence[asyncio.Future[Any]] = ()) -> WeightSyncError | RequestInvalid | None:
-        """Wait until ``done()`` holds (woken by the window's condition), or else until every one of ``futures``
-        settles (raising the first error as soon as it is there), within the chunk budget, or the start deadline
-        while a late rank holds it up. None, or the error naming what held it up (``blame``, or the start error)."""
-        # Already there (the usual case for the window): no timer and no lock.
-        if done is not None and done():
+    async def _wait(self, blame: Callable[[], WeightSyncError | RequestInvalid],
+                    done: Callable[[], bool]) -> WeightSyncError | RequestInvalid | None:
+        """Wait until ``done()`` holds (it may raise a load's error; the window's condition wakes it after every
+        load and ending) within the chunk budget, or the start deadline while a late rank holds it up. None, or
+        the error naming what held it up (``blame``, or the start error)."""
+        if done():  # already there (the usual case for the window): no timer and no lock
             return None
         loop = asyncio.get_running_loop()
         until = loop.time() + self.chunk_timeout_s
         while True:
-            if done is None:
-                # asyncio.wait never cancels what it waits on (the engines' futures are every rank's).
-                if _settled(futures):
+            try:
+                async with asyncio.timeout_at(until):
+                    async with self._window:
+                        await self._window.wait_for(done)
+                return None
+            except TimeoutError:
+                if done():
                     return None
-                await asyncio.wait(futures, timeout=max(until - loop.time(), 0.0), return_when=asyncio.FIRST_EXCEPTION)
-                if _settled(futures):
-                    return None
-            else:
-                try:
-                    async with asyncio.timeout_at(until):
-                        async with self._window:
-                            await self._window.wait_for(done)
-                    return None
-                except TimeoutError:
-                    if done():
-                        return None
             error = blame()
             deadline = self.start_deadline
             rank = error.rank if isinstance(error, ChunkTimeout) and error.stage == "gather" else None
@@ -625,8 +615,7 @@ class WeightSession:
         await self._advance()
 
     async def _advance(self) -> None:
-        """Drop the chunks every engine consumed, in order; wake the waiting ranks."""
-        moved = False
+        """Drop the chunks every engine consumed, in order; wake the waiting ranks (a load ended)."""
         while (
             (c := self._chunks.get(self._acked)) is not None
             and all(f.done() and not f.cancelled() and f.exception() is None for f in c.consumed.values())
@@ -634,10 +623,8 @@ class WeightSession:
             del self._chunks[self._acked]
             self._plans.pop(self._acked, None)
             self._acked += 1
-            moved = True
-        if moved:
-            async with self._window:
-                self._window.notify_all()
+        async with self._window:
+            self._window.notify_all()
 
     def note_delivered(self, tensors: Sequence[tuple[str, TensorMeta]]) -> None:
         """Tensors that reached every engine by a broadcast: they count as sent."""
@@ -660,7 +647,7 @@ class WeightSession:
 
         # With no chunk at all, the completeness check names what each engine lacks.
         if error := await self._wait(lambda: self._held_up(f"at commit: chunk {self._acked}", self._acked, self._lanes),
-                                     done=lambda: not self._chunks or self.state is not SessionState.OPEN):
+                                     lambda: not self._chunks or self.state is not SessionState.OPEN):
             await self._fail_with(error)
         self._check_open()
         if num_chunks is not None and num_chunks != self._acked:
