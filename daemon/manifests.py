@@ -76,8 +76,6 @@ class ManifestBook(OrderedDict[str, Manifest]):
     out; shared by every session that names them, so nothing may change one."""
 
     def __init__(self, capacity: int = 8) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
         super().__init__()
         self.capacity = capacity
 

@@ -75,11 +75,15 @@ class EngineRecord:
     # The engine process's identity as last observed (Observation.incarnation); None: never seen or
     # the engine cannot tell. Journaled, so a restarted daemon can tell a restarted engine.
     incarnation: str | None = None
+    # Why the tags' residency is unknown (a memory call's answer was lost after it was sent; None: known): no
+    # memory call until the engine reports its residency or restarts.
+    memory_unknown: str | None = None
 
     def describe(self) -> str:
         released = [t.value for t in self.owned_tags if self.tags[t] is TagState.RELEASED]
         return (f"engine {self.name!r} is {self.generation.value}, weights {self.weights.value} "
-                f"at version {self.weight_version!r}, released tags {released or 'none'}")
+                f"at version {self.weight_version!r}, released tags {released or 'none'}"
+                + (f" (unknown: {self.memory_unknown})" if self.memory_unknown else ""))
 
     def resident(self, tag: MemoryTag) -> bool:
         return self.tags[tag] is TagState.RESIDENT
@@ -144,17 +148,19 @@ class EngineRecord:
             "healthy": self.healthy,
             "last_error": self.last_error,
             "incarnation": self.incarnation,
+            "memory_unknown": self.memory_unknown,
         }
 
     def status(self) -> dict[str, object]:
         """``snapshot()`` as ``/v1/status`` shows it: while the engine does not answer, what it serves and holds
-        is ``unknown`` (it may have died, or restarted empty), and ``last_known`` keeps what the record said."""
+        is ``unknown`` (it may have died, or restarted empty), as are its tags while ``memory_unknown``; ``last_known``
+        keeps what the record said."""
         snapshot = self.snapshot()
-        if self.healthy:
+        if self.healthy and self.memory_unknown is None:
             return snapshot
-        known = ("generation", "weights", "weight_version", "tags")
-        return {**snapshot, "generation": UNKNOWN, "weights": UNKNOWN, "weight_version": None,
-                "tags": {t.value: UNKNOWN for t in self.owned_tags},
+        known = ("generation", "weights", "weight_version", "tags") if not self.healthy else ("tags",)
+        unknown = {"generation": UNKNOWN, "weights": UNKNOWN, "weight_version": None} if not self.healthy else {}
+        return {**snapshot, **unknown, "tags": {t.value: UNKNOWN for t in self.owned_tags},
                 "last_known": {k: snapshot[k] for k in known}}
 
 
@@ -177,11 +183,11 @@ class Attachment(StrEnum):
 
 
 def unready_reason(name: str, attachment: Attachment, state: EngineRecord) -> str | None:
-    """Why an engine cannot take a mutating call now (None: it can): never attached, or its last observation
-    failed."""
-    if attachment is Attachment.ATTACHED and state.healthy:
+    """Why an engine cannot take a mutating call now (None: it can): never attached, its last observation
+    failed, or its memory state is unknown."""
+    if attachment is Attachment.ATTACHED and state.healthy and state.memory_unknown is None:
         return None
-    return state.last_error or f"engine {name!r} unhealthy"
+    return state.memory_unknown or state.last_error or f"engine {name!r} unhealthy"
 
 
 def check_attached(name: str, attachment: Attachment, state: EngineRecord) -> None:
@@ -312,15 +318,14 @@ def check_resume_headroom(what: str, needs: Sequence[ResumeNeed], free: Mapping[
 
 def check_can_open_session(open_session: str | None, engines: Iterable[EngineRecord], node: NodeState, *,
                            idle_for: float = 0.0, idle_s: float | None = None) -> None:
-    """One weight session at a time, on engines that are paused with their weights memory resident."""
+    """One weight session at a time, on engines that are paused with their weights memory known to be resident."""
     if open_session is not None:
         raise TransitionRejected(
             f"weight session {open_session} is already open (idle {idle_for:.1f}s; it expires after "
             f"{idle_s}s without a chunk, or abort it)", state=node.snapshot())
     _refuse_engines("cannot open a weight session: every engine must be paused with weights resident (enter "
-                    "'sync' first): ", [e for e in engines
-                                        if e.generation is not Generation.PAUSED or not e.resident(MemoryTag.WEIGHTS)],
-                    node)
+                    "'sync' first): ", [e for e in engines if e.generation is not Generation.PAUSED
+                                        or not e.resident(MemoryTag.WEIGHTS) or e.memory_unknown is not None], node)
 
 
 def check_partial_allowed(engines: Iterable[EngineRecord], node: NodeState) -> None:

@@ -142,17 +142,15 @@ class WeightSession:
                  sources: Mapping[str, tuple[int, ...]] | None = None, manifest: Manifest | None = None,
                  manifest_ref: str | None = None, complete: Manifest | None = None, partial: bool = False,
                  prior: Mapping[str, WeightsState] | None = None, verify: VerifyMode = "off",
-                 idle_s: float | None = None, start_timeout_s: float | None = None, session_id: str | None = None
-                 ) -> None:
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        self.id = session_id or secrets.token_hex(8)
+                 idle_s: float | None = None, start_timeout_s: float | None = None) -> None:
+        self.id = secrets.token_hex(8)
         self.step, self.version, self.ranks, self.engines, self.depth = step, version, ranks, engines, depth
         self.chunk_timeout_s, self.idle_s, self.start_timeout_s = chunk_timeout_s, idle_s, start_timeout_s
         self.trace, self.partial, self.verify, self.complete = trace, partial, verify, complete
         self.manifest = manifest  # shared with later sessions that name it by reference: never changed
         self.manifest_ref = manifest_ref
         self.opened_at = time.monotonic()
+        self.start_deadline = None if start_timeout_s is None else self.opened_at + start_timeout_s
         self._state, self._closed = SessionState.OPEN, False
         self.error: str | None = None
         self._ended_by: str | None = None  # "failed: ChunkTimeout: ..." once it ended
@@ -230,7 +228,8 @@ class WeightSession:
                         "ranks in the node config (the engine's feed_ranks), or abort the session",
                         field="device_id")
             self.touch()
-        return RankJoin(self.id, rank, device_id, self._feeds(rank), self.verify,
+        feeds = tuple((lane.name, t) for lane in self._lanes for t, r in enumerate(lane.sources) if r == rank)
+        return RankJoin(self.id, rank, device_id, feeds, self.verify,
                         self.transports(self._users_of(rank)))
 
     def _lane_sources(self) -> list[list[int | None]]:
@@ -251,9 +250,6 @@ class WeightSession:
                 if source is None and not is_host_device(lane.device(t)) and t < self.ranks \
                         and is_host_device(self._devices.get(t, "")):
                     lane.sources[t] = t
-
-    def _feeds(self, rank: int) -> tuple[tuple[str, int], ...]:
-        return tuple((lane.name, t) for lane in self._lanes for t, r in enumerate(lane.sources) if r == rank)
 
     def _unserved(self) -> str:
         """The engine TP ranks no trainer rank feeds yet, described by device; empty when every one is fed."""
@@ -293,11 +289,8 @@ class WeightSession:
             late.update(self._unjoined())
         return sorted(late)
 
-    def _start_deadline(self) -> float | None:
-        return None if self.start_timeout_s is None else self.opened_at + self.start_timeout_s
-
     def start_overdue(self) -> ChunkTimeout | None:
-        deadline = self._start_deadline()
+        deadline = self.start_deadline
         if deadline is None or self.state is not SessionState.OPEN or time.monotonic() <= deadline:
             return None
         late = self._late()
@@ -349,34 +342,30 @@ class WeightSession:
         """The lease ran out; never while a rank is within its start deadline (it is late, not gone)."""
         if self.idle_s is None or self.state is not SessionState.OPEN or self.idle_for() <= self.idle_s:
             return False
-        deadline = self._start_deadline()
+        deadline = self.start_deadline
         return deadline is None or time.monotonic() > deadline or not self._late()
 
     # -- the rank-facing side ----------------------------------------------------------------
     async def submit(self, seq: int, part: ChunkPart) -> ChunkAck:
-        """Accept one rank's part of chunk ``seq``; return once every engine that needs it consumed it."""
+        """Accept one rank's part of chunk ``seq``; return once every engine that needs it consumed it. A refused
+        part leaves the session as it was: a rank that did not join joins with its first chunk (on the GPU its
+        handle names, else cpu:<rank>) and is unjoined again if that part is refused."""
         self._check_open()
         self._requests += 1
         self.touch()
+        sources = None
         try:
-            return await self._submit(seq, part)
+            if part.rank not in self._devices:
+                sources = self._lane_sources()
+                await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
+            return await self._accept(seq, part)
+        except BaseException:
+            if sources is not None and part.rank in self._devices and not self._received[part.rank]:
+                self._unjoin(part.rank, sources)  # refused before it was accepted
+            raise
         finally:
             self._requests -= 1
             self.touch()
-
-    async def _submit(self, seq: int, part: ChunkPart) -> ChunkAck:
-        # A refused part leaves the session as it was. A rank that did not join joins with its first chunk, on the
-        # GPU its handle names, else cpu:<rank>, and is unjoined again if that part is refused.
-        if part.rank in self._devices:
-            return await self._accept(seq, part)
-        sources = self._lane_sources()
-        await self.join(part.rank, part.route.device_uuid or f"cpu:{part.rank}")
-        try:
-            return await self._accept(seq, part)
-        except BaseException:
-            if not self._received[part.rank]:  # refused before it was accepted
-                self._unjoin(part.rank, sources)
-            raise
 
     async def _accept(self, seq: int, part: ChunkPart) -> ChunkAck:
         users = self._users_of(part.rank)
@@ -413,7 +402,9 @@ class WeightSession:
 
         # Backpressure: no rank runs more than `depth` chunks ahead of the slowest engine or the
         # slowest rank; the request just waits, bounded by the chunk timeout.
-        if error := await self._wait(lambda: self._window_timeout(seq), done=in_window):
+        if error := await self._wait(lambda: self._held_up(f"chunk {seq} waits for the window ({self.depth} chunks "
+                                                           f"from chunk {self._acked})", self._acked, self._lanes),
+                                     in_window):
             return await self._fail_with(error)
         self._check_open()
         chunk = self._chunks.get(seq)
@@ -428,7 +419,7 @@ class WeightSession:
             self.shm_names.add(part.route.shm_name)
         self._pump()
         consumed = [chunk.consumed[lane.name] for lane in users]
-        if error := await self._wait(lambda: self._stall_timeout(seq, users), futures=consumed):
+        if error := await self._wait(lambda: self._held_up(f"chunk {seq}", seq, users), lambda: _settled(consumed)):
             return await self._fail_with(error)
         loads = [f.result() for f in consumed]
         await self._advance()
@@ -438,36 +429,26 @@ class WeightSession:
         await self.fail(error)
         raise error
 
-    async def _wait(self, blame: Callable[[], WeightSyncError | RequestInvalid], *,
-                    done: Callable[[], bool] | None = None,
-                    futures: Sequence[asyncio.Future[Any]] = ()) -> WeightSyncError | RequestInvalid | None:
-        """Wait until ``done()`` holds (woken by the window's condition), or else until every one of ``futures``
-        settles (raising the first error as soon as it is there), within the chunk budget, or the start deadline
-        while a late rank holds it up. None, or the error naming what held it up (``blame``, or the start error)."""
-        # Already there (the usual case for the window): no timer and no lock.
-        if done is not None and done():
+    async def _wait(self, blame: Callable[[], WeightSyncError | RequestInvalid],
+                    done: Callable[[], bool]) -> WeightSyncError | RequestInvalid | None:
+        """Wait until ``done()`` holds (it may raise a load's error; the window's condition wakes it after every
+        load and ending) within the chunk budget, or the start deadline while a late rank holds it up. None, or
+        the error naming what held it up (``blame``, or the start error)."""
+        if done():  # already there (the usual case for the window): no timer and no lock
             return None
         loop = asyncio.get_running_loop()
         until = loop.time() + self.chunk_timeout_s
         while True:
-            if done is None:
-                # asyncio.wait never cancels what it waits on (the engines' futures are every rank's).
-                if _settled(futures):
+            try:
+                async with asyncio.timeout_at(until):
+                    async with self._window:
+                        await self._window.wait_for(done)
+                return None
+            except TimeoutError:
+                if done():
                     return None
-                await asyncio.wait(futures, timeout=max(until - loop.time(), 0.0), return_when=asyncio.FIRST_EXCEPTION)
-                if _settled(futures):
-                    return None
-            else:
-                try:
-                    async with asyncio.timeout_at(until):
-                        async with self._window:
-                            await self._window.wait_for(done)
-                    return None
-                except TimeoutError:
-                    if done():
-                        return None
             error = blame()
-            deadline = self._start_deadline()
+            deadline = self.start_deadline
             rank = error.rank if isinstance(error, ChunkTimeout) and error.stage == "gather" else None
             late = self._late()
             if deadline is None or rank is None or rank not in late:
@@ -544,65 +525,32 @@ class WeightSession:
                         f"chunk {seq}: trainer rank {rank} exported it from GPU {uuid}, but engine {lane.name!r} TP "
                         f"rank {tp_rank} runs on GPU {expected[tp_rank]}; CUDA IPC needs both on one GPU"))
 
-    def _missing_parts(self, chunk: _Chunk) -> list[int]:
-        """Ranks whose part of ``chunk`` an engine still waits for (an unfed TP rank: any rank not joined)."""
-        missing: set[int] = set()
-        for lane in self._lanes:
-            if chunk.consumed[lane.name].done():
-                continue
-            for r in lane.sources:
-                if r is None:
-                    missing.update(self._unjoined())
-                elif r not in chunk.parts:
-                    missing.add(r)
-        return sorted(missing)
-
-    def _window_timeout(self, seq: int) -> ChunkTimeout:
-        """Name why chunk ``seq`` may not enter the window: the oldest chunk lacks a rank, or an engine."""
-        oldest = self._chunks.get(self._acked)
-        missing = self._missing_parts(oldest) if oldest is not None else []
+    def _held_up(self, head: str, seq: int, lanes: Sequence[_Lane]) -> WeightSyncError | RequestInvalid:
+        """Why ``lanes`` have not all consumed chunk ``seq`` within the chunk budget, after ``head``: the chunk one
+        of them loads next lacks a rank's part, or its trainer rank has not joined, or no rank sent it (a gap in the
+        sequence, 422); else the engines that are still loading it."""
         budget = f"within {self.chunk_timeout_s:.1f}s"
-        if oldest is None or missing:
-            ranks = ", ".join(map(str, missing)) if missing else "any rank"
-            return self._ungathered(f"chunk {seq}: the window is {self.depth} chunks past chunk {self._acked}, which "
-                                    f"rank{'s' if len(missing) != 1 else ''} {ranks} never sent {budget}",
-                                    missing[0] if missing else None)
-        slow = [name for name, done in oldest.consumed.items() if not done.done()]
-        return self._unconsumed(f"chunk {seq}: the window waits for chunk {self._acked}, which ", slow, "")
-
-    def _stall_timeout(self, seq: int, users: tuple[_Lane, ...]) -> WeightSyncError | RequestInvalid:
-        """Name what chunk ``seq`` waits for: a rank's missing part (here or earlier), a gap in the sequence
-        (422), or an engine that did not consume it."""
-        budget = f"within {self.chunk_timeout_s:.1f}s"
-        for lane in users:
+        for lane in lanes:
             if lane.next_seq > seq:
                 continue  # this engine already has chunk seq in flight
+            waiting = f"{head}: engine {lane.name!r} is waiting for chunk {lane.next_seq}"
             blocking = self._chunks.get(lane.next_seq)
             if blocking is None:
-                return RequestInvalid(
-                    f"chunk {seq}: engine {lane.name!r} is waiting for chunk {lane.next_seq}, which no rank sent "
-                    f"{budget}: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)",
-                    field="seq")
+                return RequestInvalid(f"{waiting}, which no rank sent {budget}: the trainer's chunk sequence has a "
+                                      "gap (sequence numbers are 0, 1, 2, ...)", field="seq")
             missing = sorted(r for r in lane.sources if r is not None and r not in blocking.parts)
             unjoined = self._unjoined() if not lane.resolved else []
             if missing or unjoined:
                 who = (f"{counted('rank', missing)}, which never sent it" if missing else
                        f"the trainer rank on device {lane.device(lane.sources.index(None))!r}, which has not joined "
                        f"(not joined yet: {counted('rank', unjoined)})")
-                return self._ungathered(f"chunk {seq}: engine {lane.name!r} is waiting for chunk {blocking.seq} from "
-                                        f"{who} {budget}", (missing or unjoined)[0], engine=lane.name)
+                return ChunkTimeout(f"{waiting} from {who} {budget}", stage="gather", budget_s=self.chunk_timeout_s,
+                                    engine=lane.name, rank=(missing or unjoined)[0])
         chunk = self._chunks.get(seq)
-        slow = [lane.name for lane in users if chunk is None or not chunk.consumed[lane.name].done()]
-        return self._unconsumed(f"chunk {seq}: ", slow, "it")
-
-    def _ungathered(self, message: str, rank: int | None, engine: str | None = None) -> ChunkTimeout:
-        return ChunkTimeout(message, stage="gather", budget_s=self.chunk_timeout_s, engine=engine, rank=rank)
-
-    def _unconsumed(self, head: str, slow: Sequence[str], what: str) -> ChunkTimeout:
-        return ChunkTimeout(
-            f"{head}{counted('engine', slow, repr) if slow else 'engine (none)'} did not consume "
-            f"{what + ' ' if what else ''}within {self.chunk_timeout_s:.1f}s",
-            stage="load_chunk", budget_s=self.chunk_timeout_s, engine=slow[0] if slow else None)
+        slow = [lane.name for lane in lanes if chunk is None or not chunk.consumed[lane.name].done()]
+        return ChunkTimeout(f"{head}: {counted('engine', slow, repr) if slow else 'engine (none)'} did not consume "
+                            f"it {budget}", stage="load_chunk", budget_s=self.chunk_timeout_s,
+                            engine=slow[0] if slow else None)
 
     def _pump(self) -> None:
         """Start every load that is ready: in order per engine, its ranks' parts in, under its depth."""
@@ -667,8 +615,7 @@ class WeightSession:
         await self._advance()
 
     async def _advance(self) -> None:
-        """Drop the chunks every engine consumed, in order; wake the waiting ranks."""
-        moved = False
+        """Drop the chunks every engine consumed, in order; wake the waiting ranks (a load ended)."""
         while (
             (c := self._chunks.get(self._acked)) is not None
             and all(f.done() and not f.cancelled() and f.exception() is None for f in c.consumed.values())
@@ -676,10 +623,8 @@ class WeightSession:
             del self._chunks[self._acked]
             self._plans.pop(self._acked, None)
             self._acked += 1
-            moved = True
-        if moved:
-            async with self._window:
-                self._window.notify_all()
+        async with self._window:
+            self._window.notify_all()
 
     def note_delivered(self, tensors: Sequence[tuple[str, TensorMeta]]) -> None:
         """Tensors that reached every engine by a broadcast: they count as sent."""
@@ -694,42 +639,21 @@ class WeightSession:
         """Wait until every chunk is complete and consumed (a missing part: one chunk timeout, or the start
         deadline, then 504 naming the rank); a gap or a wrong count is 422 and leaves the session open."""
         self._check_open()
-        gap = self._gap()
-        if gap is not None:
-            raise RequestInvalid(gap, field="num_chunks")
+        top = max(self._chunks, default=self._acked)
+        if missing := [s for s in range(self._acked, top) if s not in self._chunks]:
+            raise self._refuse(f"chunk{'s' if len(missing) > 1 else ''} {missing[:5]} never sent, though chunk {top} "
+                               "was: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)",
+                               field="num_chunks")
 
         # With no chunk at all, the completeness check names what each engine lacks.
-        if error := await self._wait(self._drain_timeout,
-                                     done=lambda: not self._chunks or self.state is not SessionState.OPEN):
+        if error := await self._wait(lambda: self._held_up(f"at commit: chunk {self._acked}", self._acked, self._lanes),
+                                     lambda: not self._chunks or self.state is not SessionState.OPEN):
             await self._fail_with(error)
         self._check_open()
         if num_chunks is not None and num_chunks != self._acked:
             raise self._refuse(
                 f"the trainer says {num_chunks} chunks, the engines consumed {self._acked} "
                 f"(chunks 0..{self._acked - 1}); nothing committed, the session stays open", field="num_chunks")
-
-    def _drain_timeout(self) -> ChunkTimeout:
-        """Why the commit cannot settle: a rank missed a chunk, or an engine is still loading."""
-        incomplete = {s: m for s, c in sorted(self._chunks.items()) if (m := self._missing_parts(c))}
-        if incomplete:
-            first_missing = next(iter(incomplete.values()))
-            return self._ungathered(f"at commit: chunks missing ranks {incomplete} after {self.chunk_timeout_s:.1f}s",
-                                    first_missing[0])
-        slow = sorted({lane.name for lane in self._lanes if lane.in_flight})
-        return self._unconsumed("at commit: ", slow, f"chunks {sorted(self._chunks)}")
-
-    def _gap(self) -> str | None:
-        if not self._chunks:
-            return None
-        top = max(self._chunks)
-        missing = [s for s in range(self._acked, top) if s not in self._chunks]
-        if not missing:
-            return None
-        return (f"session {self.id}: chunk{'s' if len(missing) > 1 else ''} {missing[:5]} never sent, though chunk "
-                f"{top} was: the trainer's chunk sequence has a gap (sequence numbers are 0, 1, 2, ...)")
-
-    def _lane(self, engine: str) -> _Lane:
-        return next(ln for ln in self._lanes if ln.name == engine)
 
     def check_complete(self) -> None:
         """Refuse a commit that would leave an engine serving mixed weights (422; the session stays open)."""
@@ -753,7 +677,8 @@ class WeightSession:
 
     def left(self, engine: str) -> WeightsState:
         """The engine's weights once its update ends uncommitted: stale, unless this session never loaded there."""
-        untouched = self._lane(engine).loads_started == 0 and engine not in self.tainted
+        lane = next(ln for ln in self._lanes if ln.name == engine)
+        untouched = lane.loads_started == 0 and engine not in self.tainted
         return self.prior.get(engine, WeightsState.STALE) if untouched else WeightsState.STALE
 
     def _unsent_by_tp_rank(self, lane: _Lane, wanted: Collection[str]) -> str:

@@ -11,9 +11,10 @@ holds the node's lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,7 +30,15 @@ from ..engines.base import (
 )
 from ..engines.config import AnyEngineConfig, ReferenceEngineConfig
 from ..engines.weight_group_protocol import BroadcastDescriptor, SupportsWeightGroups
-from ..errors import ColocdError, EngineError, EngineRejected, EngineUnreachable, StageTimeout, TransitionRejected
+from ..errors import (
+    ColocdError,
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnreachable,
+    StageTimeout,
+    TransitionRejected,
+)
 from ..policies import Budget, Timeouts, Transport
 from .events import emit
 from .fanout import OnFailure, each_engine, fan_out
@@ -202,7 +211,7 @@ class EngineWorker:
             engine.state = engine.state.with_(
                 tags={**engine.state.tags, **tags}, generation=Generation(snap["generation"]),
                 weights=WeightsState(snap["weights"]), weight_version=snap["weight_version"],
-                incarnation=snap.get("incarnation"))
+                incarnation=snap.get("incarnation"), memory_unknown=snap.get("memory_unknown"))
             engine.lost_sight = True
             self.unreconciled.add(name)
 
@@ -309,8 +318,10 @@ class EngineWorker:
         if p.findings:
             self.metrics.reconcile_actions.labels(engine.name, "adopt").inc()
         engine.observed_once, engine.lost_sight = True, False
+        reported = observed.resident is not None and all(t in observed.resident for t in engine.state.owned_tags)
         engine.state = engine.state.with_(healthy=True, incarnation=p.state.incarnation,
-                                          last_error=engine.state.last_error if keep_error else None)
+                                          last_error=engine.state.last_error if keep_error else None,
+                                          memory_unknown=None if reported else engine.state.memory_unknown)
         self.unreconciled.discard(engine.name)
         self.unsettled.pop(engine.name, None)
         if p.changes_anything:
@@ -400,8 +411,9 @@ class EngineWorker:
         before_gpu = probe.read_all(engine.gpus) if probe and engine.gpus else None
         before_own = await _memory_report(engine)
         self._sample_memory(engine, trace, before_own, before_gpu)
-        await self._call(engine, trace, "release_memory", Budget.RELEASE, engine.adapter.release_memory(tags),
-                         tags=[x.value for x in tags])
+        with self._moving_memory(engine, "release_memory", tags):
+            await self._call(engine, trace, "release_memory", Budget.RELEASE, engine.adapter.release_memory(tags),
+                             tags=[x.value for x in tags])
         engine.state = engine.state.with_tags(tags, TagState.RELEASED)
         freed: dict[str, int] = {}
         if before_own is not None:
@@ -434,8 +446,9 @@ class EngineWorker:
             return
         probe = self.probe()
         before = probe.read_all(engine.gpus) if probe is not None and engine.gpus else None
-        await self._call(engine, trace, "resume_memory", Budget.RESUME, engine.adapter.resume_memory(tags),
-                         tags=[x.value for x in tags])
+        with self._moving_memory(engine, "resume_memory", tags):
+            await self._call(engine, trace, "resume_memory", Budget.RESUME, engine.adapter.resume_memory(tags),
+                             tags=[x.value for x in tags])
         engine.state = engine.state.with_tags(tags, TagState.RESIDENT)
         if probe is not None and before is not None:
             after = probe.read_all(engine.gpus)
@@ -445,6 +458,22 @@ class EngineWorker:
             self._sample_memory(engine, trace, None, after)
         else:
             self._sample_memory(engine, trace, await _memory_report(engine), None)
+
+    @contextlib.contextmanager
+    def _moving_memory(self, engine: EngineHandle, name: str, tags: tuple[MemoryTag, ...]) -> Iterator[None]:
+        """Around a release or resume of ``tags``: refused while the engine's memory state is unknown (blind, a
+        second release kills SGLang, a resume of resident memory is refused); an answer lost after the call was
+        sent leaves it unknown, since the engine may have acted."""
+        if (unknown := engine.state.memory_unknown) is not None:
+            raise TransitionRejected(f"{unknown}; no memory call until it is known: restart the engine",
+                                     state=engine.state.snapshot())
+        try:
+            yield
+        except (StageTimeout, EngineTimeout, EngineUnreachable) as exc:
+            engine.state = engine.state.with_(memory_unknown=(
+                f"engine {engine.name!r}: {name} {[x.value for x in tags]} was sent but its answer was lost ({exc}), "
+                "so whether the engine moved that memory is unknown"))
+            raise
 
     async def _continue(self, engine: EngineHandle, trace: Trace) -> None:
         engine.state.check_can_serve()  # never serve released memory or a partial update

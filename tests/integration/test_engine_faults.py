@@ -30,13 +30,15 @@ FLUSH_400 = b"Cache not flushed: requests are running or waiting.\n"
 
 @dataclass
 class Fault:
-    """What the proxy answers instead of forwarding: a status and body, or (``hang``) nothing until released."""
+    """What the proxy answers instead of forwarding: a status and body, or (``hang``) nothing until released;
+    ``forward``: the request reaches the engine first, so the engine acts and only its answer is lost."""
 
     remaining: int
     status: int = 500
     body: bytes = b""
     content_type: bytes = b"application/json"
     hang: bool = False
+    forward: bool = False
 
 
 class FaultProxy:
@@ -71,6 +73,8 @@ class FaultProxy:
         fault = self._faults.get(path)
         if fault is not None and fault.remaining > 0:
             fault.remaining -= 1
+            if fault.forward:
+                await self._forward(scope, body)
             if fault.hang:
                 self.hanging.set()
                 await self._released.wait()
@@ -171,6 +175,37 @@ async def test_engine_hanging_on_a_call_is_504_naming_the_stage_and_budget_while
         async with httpx.AsyncClient(trust_env=False) as http:
             assert (await http.get(f"{n.url}/healthz")).status_code == 200
         assert (await n.client.phase("train", 1))["phase"] == "train"  # the engine answers again
+
+
+@pytest.mark.parametrize(("stage", "before", "phase", "weights_now"), [
+    ("resume_memory", ["train"], "sync", True),  # sync resumes the weights train released
+    ("release_memory", [], "train", False),  # a second release would kill SGLang
+], ids=["resume", "release"])
+async def test_a_memory_call_whose_answer_is_lost_leaves_the_memory_unknown_the_engine_unready_and_no_blind_retry(
+        pooled_engine: ReferenceEngineProcess, stage: str, before: list[str], phase: str, weights_now: bool) -> None:
+    route = f"/{stage}_occupation"
+    async with daemon_node({"ref0": str(pooled_engine.url)}, via=FaultProxy,
+                           timeouts={"resume_s": 0.5, "release_s": 0.5}) as n:
+        for earlier in before:
+            await n.client.phase(earlier, 1)
+        n.front.inject(route, Fault(remaining=1, hang=True, forward=True))
+        with pytest.raises(ColocdHTTPError) as err:
+            await n.client.phase(phase, 1)
+        assert err.value.status == 504 and err.value.body["stage"] == stage, err.value.body
+        assert (await n.engine_memory())["weights"] is weights_now  # the engine did act
+
+        async with httpx.AsyncClient(trust_env=False) as http:
+            readyz = await http.get(f"{n.url}/readyz")
+        assert readyz.status_code == 503
+        (problem,) = readyz.json()["problems"]
+        assert "'ref0'" in problem and stage in problem and "unknown" in problem, problem
+        ref0 = (await n.client.status())["engines"]["ref0"]
+        assert set(ref0["tags"].values()) == {"unknown"} and stage in ref0["memory_unknown"], ref0
+
+        with pytest.raises(ColocdHTTPError) as again:
+            await n.client.phase(phase, 1)
+        assert again.value.status == 409 and "unknown" in again.value.body["message"], again.value.body
+        assert n.front.calls[route] == 1  # not sent again blindly
 
 
 async def test_status_says_unknown_for_what_it_cannot_know_of_an_engine_that_stopped_answering() -> None:

@@ -217,7 +217,8 @@ async def test_a_rank_cannot_run_ahead_of_a_lagging_rank_and_the_wait_names_the_
     session = _session([a, b], ranks=2, depth=2, timeout_s=0.2, sources={"b": (1,)})
     acks = await asyncio.gather(session.submit(0, _part(0, 0)), session.submit(1, _part(0, 1)))
     assert [ack.engines for ack in acks] == [("a",), ("a",)]  # acked once its own engine consumed it
-    with pytest.raises(ChunkTimeout, match=r"chunk 2: the window is 2 chunks past chunk 0, which rank 1 never sent"):
+    with pytest.raises(ChunkTimeout, match=r"chunk 2 waits for the window \(2 chunks from chunk 0\): "
+                                           r"engine 'b' is waiting for chunk 0 from rank 1, which never sent it"):
         await session.submit(2, _part(0, 2))
     assert [seq for seq, _, _ in a.loads] == [0, 1]
 
