@@ -27,24 +27,9 @@ from ..policies import GroupSnapshot, Transport
 MAX_CHUNK_BYTES = 1 << 38  # 256 GiB: larger than any GPU's memory, so a larger nbytes is a mistake
 
 __all__ = [
-    "MAX_STEP",
-    "BroadcastRequest",
-    "ChunkAckReply",
-    "ChunkDescriptor",
-    "CommitRequest",
-    "ErrorBody",
-    "FieldProblem",
-    "LeaseReportRequest",
-    "ManifestEntry",
-    "OpenSessionReply",
-    "OpenSessionRequest",
-    "OpenWeightGroupRequest",
-    "PhaseRequest",
-    "SleepRequest",
-    "TrainerReport",
-    "TrainerSpan",
-    "TrainerWeights",
-    "TransitionReply",
+    "MAX_STEP", "BroadcastRequest", "ChunkAckReply", "ChunkDescriptor", "CommitRequest", "ErrorBody", "FieldProblem",
+    "LeaseReportRequest", "ManifestEntry", "OpenSessionReply", "OpenSessionRequest", "OpenWeightGroupRequest",
+    "PhaseRequest", "SleepRequest", "TrainerReport", "TrainerSpan", "TrainerWeights", "TransitionReply",
     "UpdateWeightsRequest",
 ]
 

@@ -169,19 +169,17 @@ def _layout(snap: Snapshot, width: int) -> Any:
                        step_rows, inner)
 
     if snap.gpus:
-        gpu_rows = [[gpu, fmt_bytes(k.get("used", 0.0)), fmt_bytes(k.get("free", 0.0)), fmt_bytes(k.get("total", 0.0))]
-                    for gpu, k in sorted(snap.gpus.items())]
         bar = max(0, min(30, inner - 44))  # the bar takes what the numbers leave, and goes below 8 columns
         gpus = Table(title="GPU memory (NVML)", title_justify="left", expand=True, show_edge=False)
         for col in ("gpu", "used", "free", "total"):
             gpus.add_column(col, no_wrap=True, justify="left" if col == "gpu" else "right")
         if bar >= 8:
             gpus.add_column("", no_wrap=True)
-        for (_, kinds), row in zip(sorted(snap.gpus.items()), gpu_rows, strict=True):
-            used, total = kinds.get("used", 0.0), kinds.get("total", 0.0)
-            filled = int(bar * used / total) if total else 0
-            cells: list[Any] = list(row)
+        for gpu, kinds in sorted(snap.gpus.items()):
+            used, free, total = (kinds.get(k, 0.0) for k in ("used", "free", "total"))
+            cells: list[Any] = [gpu, fmt_bytes(used), fmt_bytes(free), fmt_bytes(total)]
             if bar >= 8:
+                filled = int(bar * used / total) if total else 0
                 cells.append(Text("█" * filled + "░" * (bar - filled), style="magenta"))
             gpus.add_row(*cells)
         memory: Any = gpus

@@ -33,16 +33,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "NAMESPACE",
-    "NodeDaemon",
-    "NodeDaemons",
-    "NodeSpec",
-    "adaemon_for_this_node",
-    "daemon_for_this_node",
-    "daemon_urls",
-    "list_daemons",
-    "push_to_this_node",
-    "stop_daemons",
+    "NAMESPACE", "NodeDaemon", "NodeDaemons", "NodeSpec", "adaemon_for_this_node", "daemon_for_this_node",
+    "daemon_urls", "list_daemons", "push_to_this_node", "stop_daemons",
 ]
 
 NAMESPACE = "colocd"

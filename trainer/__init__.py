@@ -11,13 +11,6 @@ from .broadcast import DistributedWeightSender
 from .push import ChunkRecord, PushReport, TrainerClient, WeightPusher, manifest_of, push_adapter
 
 __all__ = [
-    "AsyncWeightSync",
-    "ChunkRecord",
-    "DistributedWeightSender",
-    "PushReport",
-    "TrainerAgent",
-    "TrainerClient",
-    "WeightPusher",
-    "manifest_of",
-    "push_adapter",
+    "AsyncWeightSync", "ChunkRecord", "DistributedWeightSender", "PushReport", "TrainerAgent", "TrainerClient",
+    "WeightPusher", "manifest_of", "push_adapter",
 ]

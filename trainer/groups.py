@@ -22,17 +22,8 @@ import torch.distributed as dist
 from ..policies import GroupAction, GroupDirective, GroupSnapshot, RebuildMode, WaitPoint
 
 __all__ = [
-    "Canary",
-    "GroupLifecycle",
-    "GroupReport",
-    "GroupSpec",
-    "KeepAliveState",
-    "LifecycleState",
-    "SuspendCapability",
-    "all_reduce_canary",
-    "detect_split_capability",
-    "detect_suspend_capability",
-    "teardown_together",
+    "Canary", "GroupLifecycle", "GroupReport", "GroupSpec", "KeepAliveState", "LifecycleState", "SuspendCapability",
+    "all_reduce_canary", "detect_split_capability", "detect_suspend_capability", "teardown_together",
 ]
 
 log = logging.getLogger(__name__)

@@ -23,14 +23,7 @@ from enum import StrEnum
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = [
-    "LEASE_GRACE_S",
-    "REF_COUNTER_SLOTS",
-    "Lease",
-    "LeaseBook",
-    "LeaseState",
-    "RefCounter",
-]
+__all__ = ["LEASE_GRACE_S", "REF_COUNTER_SLOTS", "Lease", "LeaseBook", "LeaseState", "RefCounter"]
 
 log = logging.getLogger("colocd.trainer.leases")
 

@@ -77,10 +77,10 @@ class Producer:
         for part in list(self._live):
             part.release()
 
-    def _part(self, nbytes: int, handle: dict[str, Any], layout: ChunkLayout,
+    def _part(self, handle: dict[str, Any], layout: ChunkLayout,
               drop: Callable[[], None] | None = None) -> ExportedPart:
-        """The chunk, with ``drop`` (what frees its buffer) run once, at its release or at ``close``."""
-        part = ExportedPart(self.transport.wire, nbytes, handle, layout)
+        """The chunk (``handle`` plus its layout); ``drop`` (what frees its buffer) runs once, at release or close."""
+        part = ExportedPart(self.transport.wire, layout.nbytes, {**handle, "layout": layout.to_json()}, layout)
         if drop is not None:
             def release() -> None:
                 self._live.discard(part)
@@ -105,8 +105,7 @@ class Producer:
         except BaseException:
             drop()
             raise
-        handle = {"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()}
-        return self._part(layout.nbytes, handle, layout, drop)
+        return self._part({"shm_name": segment.name, "nbytes": layout.nbytes}, layout, drop)
 
     def _disk(self, named: Sequence[tuple[str, torch.Tensor]], layout: ChunkLayout) -> ExportedPart:
         """A safetensors file per chunk: the fallback when no shared memory or IPC path is available."""
@@ -115,8 +114,7 @@ class Producer:
         self._dir = self._dir or tempfile.mkdtemp(prefix="colocd-disk-")
         fd, path = tempfile.mkstemp(suffix=".safetensors", dir=self._dir)
         os.close(fd)
-        handle = {"path": path, "layout": layout.to_json()}
-        part = self._part(layout.nbytes, handle, layout, lambda: Path(path).unlink(missing_ok=True))
+        part = self._part({"path": path}, layout, lambda: Path(path).unlink(missing_ok=True))
         # The layout travels with every chunk (the daemon checks it); the file's own header says where each lies.
         save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, path)
         return part
@@ -131,9 +129,8 @@ class Producer:
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         flatten_into(buffer, layout, [(n, t.detach().to("cpu")) for n, t in named])
         payload = pickle.dumps({"flattened_tensor": buffer, "metadata": list(metadata_for_layout(layout))})
-        handle = {"payload_b64": base64.b64encode(payload).decode("ascii"), "load_format": FLATTENED_BUCKET,
-                  "layout": layout.to_json()}
-        return self._part(layout.nbytes, handle, layout)  # nothing outlives the call: the bytes are in it
+        handle = {"payload_b64": base64.b64encode(payload).decode("ascii"), "load_format": FLATTENED_BUCKET}
+        return self._part(handle, layout)  # nothing outlives the call: the bytes are in it
 
     def _cuda_ipc(self, named: Sequence[tuple[str, torch.Tensor]], layout: ChunkLayout) -> ExportedPart:
         """A fresh IPC-exported GPU bucket per chunk (SGLang's ``flattened_bucket``); ``per_tensor``: SGLang's
@@ -168,9 +165,8 @@ class Producer:
             self.leases.release(lease)  # retained while the engine's count says it still holds the buffer
 
         # The layout is what the daemon reads of the payload (checked against the manifest and the other ranks').
-        handle = {"payload_b64": payload, "load_format": load_format, "device_uuid": device_uuid(device.index or 0),
-                  "layout": layout.to_json()}
-        return self._part(layout.nbytes, handle, layout, drop)
+        handle = {"payload_b64": payload, "load_format": load_format, "device_uuid": device_uuid(device.index or 0)}
+        return self._part(handle, layout, drop)
 
 
 def transport_named(name: Transport | str) -> Transport:

@@ -34,19 +34,8 @@ from .leases import LEASE_GRACE_S, LeaseBook
 from .producer import ExportedPart, Producer, transport_named
 
 __all__ = [
-    "DEFAULT_BUCKET_MB",
-    "DEFAULT_DEPTH",
-    "INLINE_BUCKET_MB",
-    "ChunkRecord",
-    "PushReport",
-    "TrainerClient",
-    "WeightPusher",
-    "adapter_body",
-    "auto_bucket_bytes",
-    "auto_transport",
-    "free_bytes",
-    "manifest_of",
-    "push_adapter",
+    "DEFAULT_BUCKET_MB", "DEFAULT_DEPTH", "INLINE_BUCKET_MB", "ChunkRecord", "PushReport", "TrainerClient",
+    "WeightPusher", "adapter_body", "auto_bucket_bytes", "auto_transport", "free_bytes", "manifest_of", "push_adapter",
     "push_session",
 ]
 
@@ -458,7 +447,6 @@ class WeightPusher:
             await asyncio.to_thread(walk)
         except Exception as exc:  # the stream's first error is what the caller needs
             log.warning("walking the tensors left after a failed stream raised: %s", exc)
-
 
 
 class TrainerClient(ColocdClient):
