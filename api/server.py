@@ -49,6 +49,11 @@ def bind(listen: ListenConfig) -> tuple[socket.socket, str]:
     return sock, f"http://{host}:{port}"
 
 
+def _write_ready(path: str, url: str) -> None:
+    Path(f"{path}.tmp").write_text(json.dumps({"url": url, "pid": os.getpid()}))
+    os.replace(f"{path}.tmp", path)  # readers never see a half-written file
+
+
 async def _launch_engines(daemon: Daemon) -> bool:
     """Start the engines colocd launches (``launch:``) before serving; False if a signal stopped it. Not in the
     lifespan, so a launch failure is one line from the CLI; SIGINT/SIGTERM cancel the launch (stopping what it
@@ -112,7 +117,6 @@ async def _serve_app(config: NodeConfig, daemon: Daemon, policies: PolicyRuntime
             emit("listening", logging.INFO, url=url, pid=os.getpid())
         else:
             print(f"colocd listening on {url}", flush=True)
-        if ready := config.listen.ready_file:
-            Path(f"{ready}.tmp").write_text(json.dumps({"url": url, "pid": os.getpid()}))
-            os.replace(f"{ready}.tmp", ready)  # readers never see a half-written file
+        if config.listen.ready_file:
+            _write_ready(config.listen.ready_file, url)
     await serve_task
