@@ -45,8 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 class DaemonCall:
-    """A short-lived client of one daemon for ``status``, ``top``, ``trace`` and ``policy apply``: every expected
-    failure is a ``CliFailure`` with one line to print."""
+    """A short-lived client of one daemon (status, top, trace, policy apply): each failure is a one-line CliFailure."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         if not args.url.startswith(("http://", "https://", "unix:")):

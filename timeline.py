@@ -226,9 +226,7 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
         ax.axvspan(g0, g1, color="#F4F4F4", zorder=0)
         ax.text((g0 + g1) / 2, len(lanes) - 0.45, f"⋯ {_fmt_s(real)} ⋯", ha="center", va="bottom", fontsize=7,
                 color="#666666")
-    seen = dict.fromkeys(name for _lane, _a, _b, name, _c, _ok in bars)
-    handles = [Patch(color=_SPAN_COLOR.get(n, _SPAN_COLOR.get(f"trainer.{n}", "#C44E52" if n.startswith("cleanup")
-                                                                 else "#B0B0B0")), label=n) for n in seen]
+    handles = [Patch(color=colour, label=name) for name, colour in {b[3]: b[4] for b in bars}.items()]
     if chunk_lanes:
         handles.append(Patch(color="#DD8452", label="load_chunk (alternating shades)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,

@@ -108,9 +108,7 @@ def create_app(config: NodeConfig, *, daemon: Daemon) -> FastAPI:
 
 
 def _complete_openapi(app: FastAPI, *, token: bool) -> None:
-    """What FastAPI cannot infer for the OpenAPI document: the bearer token's scheme on the routes that need it
-    (where the node sets a ``token``), and links from a session's open to the routes that take its id, so clients
-    and stateful fuzzers can follow them."""
+    """What FastAPI cannot infer for OpenAPI: the bearer scheme where a token is set, and the session-id links."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -1,6 +1,5 @@
 """The daemon's HTTP client: one call per route, async (``AsyncColocdClient``) and sync (``ColocdClient``); no torch.
-Streaming weights is the trainer library's job (``colocd.trainer.WeightPusher``, ``colocd.trainer.TrainerClient``).
-"""
+Streaming weights is the trainer library's job (``colocd.trainer.WeightPusher``, ``colocd.trainer.TrainerClient``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""colocd.trainer: the library that runs inside the trainer process; engines never import it.
-
-The weight and LoRA adapter push (``push``, exporting through ``producer``, its buffers accounted in ``leases``),
-separated-GPU broadcast (``broadcast``), the push from a snapshot (``async_push``), process groups (``groups``),
-cleanup (``cleanup``) and the ``agent`` enacting the directives.
-"""
+"""colocd.trainer: the library that runs inside the trainer process (weight and adapter push, broadcast, async push,
+process groups, cleanup, the agent enacting the directives); engines never import it."""
 
 from .agent import TrainerAgent
 from .async_push import AsyncWeightSync
