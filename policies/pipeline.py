@@ -154,8 +154,5 @@ def _choose_transport(wanted: TransportChoice, available: tuple[Transport, ...],
         if wanted in available:
             return wanted
         notes.append(f"{wanted} not available")
-    for candidate in AUTO_ORDER:
-        if candidate in available:
-            return candidate
     # Every trainer can write a safetensors file; disk is the floor.
-    return Transport.DISK
+    return next((candidate for candidate in AUTO_ORDER if candidate in available), Transport.DISK)

@@ -164,7 +164,10 @@ class SuspendPolicy(ProcessGroupPolicy):
     config: Config
 
     def before_pause(self, snapshot: GroupSnapshot) -> GroupDirective:
-        fallback = self._fallback(snapshot)
+        # What the named fallback policy decides, with this policy's settings and name.
+        policies: dict[str, type[DestroyPolicy | DeferredCooldownPolicy | KeepAlivePolicy]] = {
+            "destroy": DestroyPolicy, "deferred_cooldown": DeferredCooldownPolicy, "keep_alive": KeepAlivePolicy}
+        fallback = policies[self.config.fallback](self.config, spec=self.spec).before_pause(snapshot)
         if snapshot.suspend_supported is False:
             return fallback.model_copy(
                 update={"reason": f"suspend unavailable, fallback {self.config.fallback}: {fallback.reason}"})
@@ -173,12 +176,6 @@ class SuspendPolicy(ProcessGroupPolicy):
         return GroupDirective(policy=self.spec, action=GroupAction.SUSPEND, fallback=fallback,
                               canary_timeout_s=self.config.canary_timeout_s,
                               reason=f"suspend {snapshot.group_count} communicators")
-
-    def _fallback(self, snapshot: GroupSnapshot) -> GroupDirective:
-        """What the named fallback policy decides, with this policy's settings and name."""
-        policies: dict[str, type[DestroyPolicy | DeferredCooldownPolicy | KeepAlivePolicy]] = {
-            "destroy": DestroyPolicy, "deferred_cooldown": DeferredCooldownPolicy, "keep_alive": KeepAlivePolicy}
-        return policies[self.config.fallback](self.config, spec=self.spec).before_pause(snapshot)
 
 
 class AutoPolicy(ProcessGroupPolicy):
