@@ -1,15 +1,9 @@
 """``ClusterClient``: one step across every node's daemon at once, with one node's failure failing the step.
 
-    cluster = ClusterClient({node_id: daemon_url, ...}, token=...)
-    await cluster.phase("train", step)
-    await cluster.sync(step, version, push=lambda node: trainers[node].push.remote(step))
-    await cluster.rollout(step)
-
 Each call fans out concurrently and returns every node's reply; if any node failed, ``ClusterStepError`` is raised
 once every node has answered, naming each failed node, the engine its daemon blamed and the daemon's reason. A
 failed push aborts every session still open; ``rollout`` is refused before any node resumes unless every engine of
-every node holds the step's version clean (docs/deploy.md, "What a step does across nodes"). Needs no ray or torch.
-"""
+every node holds the step's version clean (docs/deploy.md, "What a step does across nodes"). Needs no ray or torch."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """One colocd daemon per Ray node: ``NodeDaemon``, a Ray actor pinned to its node that runs ``colocd serve``, found
-by its name ``colocd-<node_id>`` in namespace ``colocd``.
-
-    daemons = NodeDaemons(NodeSpec(engines=[...]))   # the driver holds them; they go with the job (detached: stay)
-    daemons.ensure()                # start one on every alive node that has none (again after nodes join)
-    daemon_urls()                   # {node_id: url} for the cluster client
-    daemon_for_this_node()          # inside a trainer actor: this node's daemon (its url and pid)
-    await push_to_this_node(model.named_parameters(), version=f"v{step}", step=step)   # inside a trainer rank
-
-Ray's named-actor table (in the GCS) is the registry: it lives as long as the cluster. The actor takes no CPU and
-only runs the daemon (``DaemonProcess``, tethered: the kernel kills it, and then its engines, when the actor's
-process dies) with the spec's engines in its config unchanged. docs/deploy.md, "Ray".
-"""
+by its name ``colocd-<node_id>`` in namespace ``colocd``. Ray's named-actor table (in the GCS) is the registry: it
+lives as long as the cluster. The actor takes no CPU and only runs the daemon (``DaemonProcess``, tethered: the
+kernel kills it, and then its engines, when the actor's process dies) with the spec's engines in its config
+unchanged. How the driver and the trainer ranks use it: docs/deploy.md, "Ray"."""
 
 from __future__ import annotations
 

@@ -201,15 +201,11 @@ def _checksums(served: list[tuple[str, torch.Tensor]], *, fuse: bool) -> dict[st
     """What ``/weights_checker``'s checksum reports for these tensors on one TP rank: the first 8 bytes of the
     sha256 of each tensor's bytes (SGLang's srt/utils/weight_checker.py ``_hash_tensor``), by name; ``fuse``: in
     SGLang's fused layout (``qkv_proj`` = q, k, v; ``gate_up_proj`` = gate, up, stacked)."""
-    named = fused = dict(served)
+    fused = dict(served)
     if fuse:
-        fused = {}
-        for name, tensor in named.items():
-            for parts, into in (("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"):
-                if f".{parts[0]}." in name:
-                    fused[name.replace(parts[0], into)] = torch.cat([named[name.replace(parts[0], p)] for p in parts])
-            if not any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
-                fused[name] = tensor
+        for parts, into in (("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"):
+            for name in [n for n in fused if f".{parts[0]}." in n]:
+                fused[name.replace(parts[0], into)] = torch.cat([fused.pop(name.replace(parts[0], p)) for p in parts])
 
     def digest(t: torch.Tensor) -> str:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
