@@ -18,12 +18,9 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: ts, level, logger, message, the event's fields, and any exception."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        out: dict[str, Any] = {"ts": ts, "level": record.levelname.lower(), "logger": record.name,
+                               "message": record.getMessage()}
         fields = getattr(record, "colocd", None)
         if isinstance(fields, dict):
             out.update({k: v for k, v in fields.items() if k not in out})

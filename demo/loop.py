@@ -333,7 +333,7 @@ async def run_demo(settings: DemoSettings) -> int:
                 print(f"step {step}: the engine's weights are not the trainer's (version {version})", flush=True)
                 return 1
             if settings.metrics_out:
-                await _append_scrape(settings.metrics_out, step, await client.metrics())
+                await asyncio.to_thread(_append_scrape, settings.metrics_out, step, await client.metrics())
         if settings.timeline_out and records:
             last_step = records[-1]["step"]
             try:
@@ -356,12 +356,7 @@ async def run_demo(settings: DemoSettings) -> int:
     return 0
 
 
-async def _append_scrape(path: str, step: int, exposition: str) -> None:
-    line = json.dumps({"step": step, "time": time.time(), "metrics": exposition}) + "\n"
-
-    def write() -> None:
-        with open(path, "a") as f:
-            f.write(line)
-
-    await asyncio.to_thread(write)
+def _append_scrape(path: str, step: int, exposition: str) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "time": time.time(), "metrics": exposition}) + "\n")
 

@@ -1,13 +1,6 @@
-"""Streaming weights from the trainer through the daemon: bucket, export, send within a window, commit.
-
-    async with AsyncColocdClient("http://127.0.0.1:7000") as c, WeightPusher(c) as pusher:
-        await c.phase("sync", step=1)
-        await pusher.push(model.named_parameters(), version="1", step=1)
-        await c.phase("rollout", step=1)
-
-``TrainerClient`` is the sync client with ``push_weights``; ``push_adapter`` pushes a LoRA adapter version as
-PEFT saves it, in one request (docs/client.md, "LoRA adapters").
-"""
+"""Streaming weights from the trainer through the daemon: bucket, export, send within a window, commit (the loop
+around it: docs/client.md). ``TrainerClient`` is the sync client with ``push_weights``; ``push_adapter`` pushes a
+LoRA adapter version as PEFT saves it, in one request (docs/client.md, "LoRA adapters")."""
 
 from __future__ import annotations
 
