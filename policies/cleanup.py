@@ -25,8 +25,7 @@ class CleanupAction(StrEnum):
 
 
 class CleanupPlan(Decision):
-    """Run ``steps`` once; repeat the round while a round freed at least ``min_freed_bytes``, at most
-    ``max_retries`` more times."""
+    """Run ``steps`` once; repeat the round while it freed at least ``min_freed_bytes``, up to ``max_retries`` more."""
 
     policy: str
     steps: tuple[CleanupAction, ...] = ()

@@ -1,6 +1,5 @@
 """Enacts a ``CleanupPlan`` in the trainer's process before an engine resumes: each sub-step becomes a trace span
-with the bytes it gave back to the driver (verl #7864's phase trace), so the trace shows what cleanup bought.
-"""
+with the bytes it gave back to the driver (verl #7864's phase trace), so the trace shows what cleanup bought."""
 
 from __future__ import annotations
 

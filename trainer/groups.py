@@ -1,8 +1,6 @@
-"""Enacts a ``GroupDirective`` in the trainer's process: create, destroy, keep, suspend, rebuild named groups.
-
-The daemon's policy decided; this module does the torch.distributed work, bounds every wait, and reports the
-seconds spent and the GPU memory the groups kept through the pause.
-"""
+"""Enacts a ``GroupDirective`` in the trainer's process: create, destroy, keep, suspend, rebuild named groups. The
+daemon's policy decided; this module does the torch.distributed work, bounds every wait, and reports the seconds
+spent and the GPU memory the groups kept through the pause."""
 
 from __future__ import annotations
 
