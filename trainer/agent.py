@@ -1,15 +1,5 @@
-"""The trainer agent: drives the phases and enacts the daemon's directives inside the trainer process.
-
-    agent = TrainerAgent(client, groups=lifecycle)      # lifecycle: trainer.groups.GroupLifecycle
-    await agent.train(step)      # engines release; groups are rebuilt/resumed for training
-    ... train ...
-    await agent.sync(step)       # groups paused per policy, cleanup runs, both reported; weights memory back
-    await WeightPusher(client).push(...)
-    await agent.rollout(step)
-
-``overlap_groups`` (group work in the background), ``freeing`` (post while memory is still being freed) and
-``weight_sync`` (joined before ``rollout``): docs/client.md.
-"""
+"""The trainer agent: drives the phases and enacts the daemon's directives inside the trainer process. What each
+phase call does, ``overlap_groups``, ``freeing`` and ``weight_sync`` (joined before ``rollout``): docs/client.md."""
 
 from __future__ import annotations
 

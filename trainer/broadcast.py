@@ -1,12 +1,5 @@
 """The trainer's side of separated-GPU weight updates: rank 0 of a weight-update group, broadcasting while
-the daemon's request is in flight.
-
-    async with DistributedWeightSender(client, backend="nccl", master_address="10.0.0.5") as sender:
-        await sender.open_group()                      # once; every engine joins meanwhile
-        for step in steps:
-            ...                                        # train, then client.phase("sync", step)
-            await sender.push(model.named_parameters(), version=str(step), step=step)
-            await client.phase("rollout", step)
+the daemon's request is in flight (docs/client.md, "Separated GPUs").
 
 Every collective overlaps its HTTP call (research/engine-apis.md §6.3): the daemon answers only once the engines
 have received, so the request goes out first and the two are awaited together. After a failure on either side the
