@@ -1,19 +1,11 @@
 """Asynchronous weight sync: snapshot the weights into a second buffer, push from it in the background.
 
-    sync = AsyncWeightSync(WeightPusher(client))            # or DistributedWeightSender (separated GPUs)
-    agent = TrainerAgent(client, weight_sync=sync)
-    for step in steps:
-        await agent.train(step); ...train...
-        await agent.sync(step)                               # the reply's directives say sync or async
-        await sync.start(model.named_parameters(), version=str(step), step=step)   # returns after the copy
-        await asyncio.to_thread(post_step_work)              # logging, offload, checkpoint: the push runs meanwhile
-        await agent.rollout(step)                            # joins the push first; the engines serve it
-
-The push runs as a task on this event loop, so the trainer's work must yield to it (``asyncio.to_thread``); the
-snapshot is freed as the push ends. Where the second buffer goes, and the fallback when none fits:
-docs/policies.md, "sync". It pays on separated GPUs (the broadcast runs while the trainer computes); colocated,
-what overlaps is the trainer's post-step work, at the cost of a second copy of the weights meanwhile.
-"""
+``AsyncWeightSync(WeightPusher(client))`` (or a ``DistributedWeightSender``) goes to ``TrainerAgent(weight_sync=)``,
+which makes it follow the replies' directives and joins the push before ``rollout``; ``start()`` after ``sync``
+returns once the copy is made. The push runs as a task on this event loop, so the trainer's work must yield to it
+(``asyncio.to_thread``); the snapshot is freed as the push ends. Where the second buffer goes, and the fallback when
+none fits: docs/policies.md, "sync". It pays on separated GPUs (the broadcast runs while the trainer computes);
+colocated, what overlaps is the trainer's post-step work, at the cost of a second copy of the weights meanwhile."""
 
 from __future__ import annotations
 
