@@ -226,7 +226,8 @@ def render_timeline(traces: Mapping[str, Mapping[str, Any]], out: str | Path, *,
         ax.axvspan(g0, g1, color="#F4F4F4", zorder=0)
         ax.text((g0 + g1) / 2, len(lanes) - 0.45, f"⋯ {_fmt_s(real)} ⋯", ha="center", va="bottom", fontsize=7,
                 color="#666666")
-    handles = [Patch(color=colour, label=name) for name, colour in {b[3]: b[4] for b in bars}.items()]
+    colours = {name: colour for _lane, _a, _b, name, colour, _ok in bars}  # each sub-step as its bars are drawn
+    handles = [Patch(color=colour, label=name) for name, colour in colours.items()]
     if chunk_lanes:
         handles.append(Patch(color="#DD8452", label="load_chunk (alternating shades)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
