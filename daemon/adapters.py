@@ -34,12 +34,12 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import AdapterRefused, AdapterRetired, EngineTimeout, NotFound, RequestInvalid, TransitionRejected
+from ..errors import AdapterRefused, AdapterRetired, NotFound, RequestInvalid, TransitionRejected
 from ..policies import AdapterSettings
 from .journal import KEEP_RETIRED_ADAPTERS, Journal
 from .metrics import Metrics
@@ -81,10 +81,9 @@ class Adapters:
 
     def __init__(self, worker: EngineWorker, metrics: Metrics, *, settings: Callable[[], AdapterSettings],
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
-                 deadline_s: Callable[[], float], journal: Journal) -> None:
+                 journal: Journal) -> None:
         self._worker = worker
         self._engines: Mapping[str, EngineHandle] = worker.engines
-        self._deadline_s = deadline_s
         self._metrics = metrics
         self._settings = settings
         self._exclusive = exclusive
@@ -226,7 +225,7 @@ class Adapters:
 
     async def _load(self, engine: EngineHandle, version: AdapterVersion) -> None:
         started = time.perf_counter()
-        await self._bounded(engine.name, "load", self._worker.load_adapter(engine, version.name, str(version.folder)))
+        await self._worker.load_adapter(engine, version.name, str(version.folder))
         if engine.name not in version.engines:
             version.engines.append(engine.name)
         version.load_s[engine.name] = round(time.perf_counter() - started, 6)
@@ -244,7 +243,7 @@ class Adapters:
         """Unload ``version`` wherever it is loaded; its folder goes once no engine holds the name."""
         for name in list(version.engines):
             try:
-                await self._bounded(name, "unload", self._worker.unload_adapter(self._engines[name], version.name))
+                await self._worker.unload_adapter(self._engines[name], version.name)
             except Exception as exc:  # logged: the push's own outcome is what the caller needs
                 log.warning("engine %r: unloading adapter %r failed: %s", name, version.name, exc)
                 continue
@@ -261,15 +260,6 @@ class Adapters:
             except Exception as exc:
                 log.warning("engine %r: re-loading adapter %r after its restart failed: %s", engine.name,
                             version.name, exc)
-
-    async def _bounded(self, engine: str, what: str, call: Coroutine[Any, Any, None]) -> None:
-        budget = self._deadline_s()
-        try:
-            async with asyncio.timeout(budget):
-                await call
-        except TimeoutError:
-            raise EngineTimeout(engine, f"no answer to the adapter {what} within {budget} s "
-                                        "(timeouts.weight_update_s)") from None
 
     def _refresh(self) -> None:
         m = self._metrics

@@ -99,8 +99,7 @@ class Daemon:
         self.metrics.watch_node((e.name for e in config.engines), (e.name for e in config.engines if e.launch),
                                 busy=lambda: self.lock.busy, session_idle_s=self._session_idle_s)
         self.adapters = Adapters(self.worker, self.metrics, settings=lambda: self.policy_set().adapters,
-                                 exclusive=self.lock.exclusive, journal=self.journal,
-                                 deadline_s=lambda: self.timeouts().budget(Budget.WEIGHT_UPDATE))
+                                 exclusive=self.lock.exclusive, journal=self.journal)
 
     async def __aenter__(self) -> Daemon:
         if self.lifecycle is not DaemonState.UNOPENED:

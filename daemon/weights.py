@@ -29,7 +29,6 @@ from ..engines.handles import ShmRoute
 from ..engines.httpmap import refused_payload
 from ..errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, TransitionRejected, WeightSyncError
 from ..policies import Transport, VerifyMode
-from .fanout import start_now
 from .manifests import Manifest, TensorMeta, misfits
 from .metrics import Metrics
 from .states import SessionState, WeightsState, check_session_end, require_session_open
@@ -565,7 +564,7 @@ class WeightSession:
                 lane.in_flight += 1
                 lane.loads_started += 1
                 lane.max_in_flight = max(lane.max_in_flight, lane.in_flight)
-                task = start_now(self._load(lane, chunk))  # on 3.12+ the request is sent before this returns
+                task = asyncio.create_task(self._load(lane, chunk))
                 self._in_flight[task] = lane.name
                 task.add_done_callback(self._forget)
 

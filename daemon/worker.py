@@ -371,7 +371,8 @@ class EngineWorker:
                 async with asyncio.timeout(budget_s):
                     return await coro
             except TimeoutError as exc:
-                raise StageTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
+                raise StageTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget "
+                                   f"(timeouts.{budget.value}_s)",
                                    engine=engine.name, stage=name, budget_s=budget_s) from exc
             except EngineError as exc:
                 engine.state = engine.state.with_(last_error=str(exc))
@@ -547,10 +548,12 @@ class EngineWorker:
 
     # -- LoRA adapters: daemon/adapters.py decides which name loads where and when --------------------------------
     async def load_adapter(self, engine: EngineHandle, name: str, folder: str) -> None:
-        await engine.adapter.load_lora_adapter(name, folder)
+        await self._call(engine, Trace(self.node.step, "adapter"), "load_lora_adapter", Budget.WEIGHT_UPDATE,
+                         engine.adapter.load_lora_adapter(name, folder), adapter=name)
 
     async def unload_adapter(self, engine: EngineHandle, name: str) -> None:
-        await engine.adapter.unload_lora_adapter(name)
+        await self._call(engine, Trace(self.node.step, "adapter"), "unload_lora_adapter", Budget.WEIGHT_UPDATE,
+                         engine.adapter.unload_lora_adapter(name), adapter=name)
 
     async def close(self) -> list[Exception]:
         """Stop waiting for the engines' answers and close every adapter (the daemon closes); the errors."""
