@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from ..engines.base import (
@@ -242,11 +242,8 @@ class EngineWorker:
                       on_failure=OnFailure.SETTLE)
 
     async def reconcile(self, engine: EngineHandle, trigger: str, *, keep_error: bool = False) -> bool:
-        """Observe one engine and drive it toward its record; False if it cannot be done now.
-
-        ``keep_error``: the record's last_error stays (a refresh right after a failed step keeps that step's
-        error). A change of the engine's health is logged once (event ``engine_health``).
-        """
+        """Observe one engine and drive it toward its record; False if it cannot be done now. ``keep_error``: the
+        last_error stays (a refresh right after a failed step keeps its error). A health change is logged once."""
         was_healthy = engine.state.healthy
         try:
             return await self._reconcile(engine, trigger, keep_error=keep_error)
@@ -511,7 +508,7 @@ class EngineWorker:
         failure is raised (the caller cleans up); else every engine is tried (a best-effort close)."""
 
         async def one(engine: EngineHandle) -> None:
-            p = plan(Desired.for_weights(engine.state, goals[engine.name]), engine.state, None,
+            p = plan(replace(Desired.holding(engine.state), weights=goals[engine.name]), engine.state, None,
                      phase=self.node.phase, owns_session=self._open_session() is not None)
             await self._run(engine, p, trace)
 
