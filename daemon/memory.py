@@ -91,7 +91,7 @@ class NvmlProbe:
                               settle_s: float = 0.05) -> ReleaseConfirmation:
         """Poll NVML until the release landed: ``expected`` once used memory dropped by ``expected_bytes`` in all
         (the engine's report, or NVML's drop when these tags were last released), ``stable`` once a positive drop
-        held for ``settle_s`` (no or an unmet expectation); no positive drop within ``timeout_s``: MemoryNotConfirmed."""
+        held for ``settle_s`` (no or an unmet expectation); no positive drop within ``timeout_s``: not confirmed."""
         t0 = self._clock()
         deadline = t0 + timeout_s
         last: dict[str, int] | None = None

@@ -88,22 +88,18 @@ class EngineRecord:
     def resident(self, tag: MemoryTag) -> bool:
         return self.tags[tag] is TagState.RESIDENT
 
-    def tags_to_release(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
-        """Owned tags from ``requested`` that are resident. ``strict``: a released one is an error (SGLang dies
-        on a double release), else it is skipped."""
-        return self._tags_to("release", requested, strict, resident=True)
-
-    def tags_to_resume(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
-        return self._tags_to("resume", requested, strict, resident=False)
-
-    def _tags_to(self, verb: str, requested: tuple[MemoryTag, ...] | None, strict: bool, *,
-                 resident: bool) -> tuple[MemoryTag, ...]:
-        wanted = self._owned(requested)
-        already = [t.value for t in wanted if self.resident(t) is not resident]
-        if already and strict:
+    def check_tags(self, verb: str, requested: tuple[MemoryTag, ...] | None) -> None:
+        """``verb`` (release, resume) may move ``requested`` (None: every owned tag): owned ones, none of them
+        already where it would move them (SGLang dies on a double release)."""
+        wanted = self.owned_tags if requested is None else requested
+        if not_owned := [t.value for t in wanted if t not in self.owned_tags]:
+            raise TransitionRejected(
+                f"engine {self.name!r} does not own tags {not_owned} (owned: {[t.value for t in self.owned_tags]})",
+                state=self.snapshot())
+        resident = verb == "release"
+        if already := [t.value for t in wanted if self.resident(t) is not resident]:
             raise TransitionRejected(f"cannot {verb} {already}: already {'released' if resident else 'resident'}; "
                                      f"{self.describe()}", state=self.snapshot())
-        return tuple(t for t in wanted if self.resident(t) is resident)
 
     def check_can_serve(self) -> None:
         """Generation may continue only on fully resident memory and clean weights."""
@@ -115,16 +111,6 @@ class EngineRecord:
             raise TransitionRejected(
                 f"cannot serve: weights are {self.weights.value} (no complete update committed); "
                 f"{self.describe()}", state=self.snapshot())
-
-    def _owned(self, requested: tuple[MemoryTag, ...] | None) -> tuple[MemoryTag, ...]:
-        if requested is None:
-            return self.owned_tags
-        not_owned = [t.value for t in requested if t not in self.owned_tags]
-        if not_owned:
-            raise TransitionRejected(
-                f"engine {self.name!r} does not own tags {not_owned} (owned: {[t.value for t in self.owned_tags]})",
-                state=self.snapshot())
-        return tuple(t for t in ALL_TAGS if t in requested)
 
     def with_tags(self, tags: tuple[MemoryTag, ...], state: TagState) -> EngineRecord:
         new = dict(self.tags)
@@ -139,17 +125,10 @@ class EngineRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
 
     def snapshot(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "generation": self.generation.value,
-            "weights": self.weights.value,
-            "weight_version": self.weight_version,
-            "tags": {t.value: self.tags[t].value for t in self.owned_tags},
-            "healthy": self.healthy,
-            "last_error": self.last_error,
-            "incarnation": self.incarnation,
-            "memory_unknown": self.memory_unknown,
-        }
+        return {"name": self.name, "generation": self.generation.value, "weights": self.weights.value,
+                "weight_version": self.weight_version, "tags": {t.value: self.tags[t].value for t in self.owned_tags},
+                "healthy": self.healthy, "last_error": self.last_error, "incarnation": self.incarnation,
+                "memory_unknown": self.memory_unknown}
 
     def status(self) -> dict[str, object]:
         """``snapshot()`` as ``/v1/status`` shows it: while the engine does not answer, what it serves and holds

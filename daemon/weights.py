@@ -132,9 +132,8 @@ class _Lane:
 class WeightSession:
     """One weight update across the node's engines. ``sources``: engine → the trainer rank of each TP rank, where
     fixed (``feed_ranks``). ``manifest``: what the trainer declared it will send (None: what the layouts carried
-    counts). ``complete``: the parameters a complete update covers (the last complete push's; None: unknown);
-    ``prior``: each engine's weights at open.
-    ``partial``: only some tensors, on intact weights. It ends once and is closed once (``check_session_end``)."""
+    counts). ``complete``: the parameters a complete update covers (None: unknown); ``prior``: each engine's weights
+    at open; ``partial``: only some tensors, on intact weights. It ends and is closed once (``check_session_end``)."""
 
     def __init__(self, *, step: int, version: str, ranks: int, engines: list[EngineHandle], depth: int,
                  chunk_timeout_s: float, trace: Trace, metrics: Metrics,

@@ -46,23 +46,23 @@ def test_illegal_phase_moves_name_the_current_state(node: NodeState, phase: Node
     assert err.value.state == node.snapshot()
 
 
-def test_double_release_is_refused_when_strict_and_skipped_otherwise() -> None:
+def test_double_release_is_refused() -> None:
     engine = EngineRecord("e").with_tags((KV,), TagState.RELEASED)
-    assert engine.tags_to_release((KV, W), strict=False) == (W,)
+    engine.check_tags("release", (W,))
     with pytest.raises(TransitionRejected, match=r"\['kv_cache'\]: already released"):
-        engine.tags_to_release((KV,), strict=True)
+        engine.check_tags("release", (KV, W))
 
 
-def test_resume_of_a_resident_tag_is_refused_when_strict() -> None:
+def test_resume_of_a_resident_tag_is_refused() -> None:
     with pytest.raises(TransitionRejected, match="already resident"):
-        EngineRecord("e").tags_to_resume((W,), strict=True)
+        EngineRecord("e").check_tags("resume", (W,))
 
 
 def test_tags_the_engine_does_not_own_are_refused() -> None:
     engine = EngineRecord("e", owned_tags=(W, KV))
     with pytest.raises(TransitionRejected, match="does not own tags \\['cuda_graph'\\]"):
-        engine.tags_to_release((CG,), strict=True)
-    assert engine.tags_to_release(None, strict=True) == (W, KV)
+        engine.check_tags("release", (CG,))
+    engine.check_tags("release", None)  # every owned tag
 
 
 def test_releasing_weights_makes_them_stale_and_serving_is_refused_until_clean() -> None:
