@@ -131,7 +131,7 @@ class Adapters:
                 await self._journal.written(recorded)  # the reply comes once a restarted daemon would know it
         except BaseException as exc:
             if not staged.engines:
-                self._delete(staged.folder)
+                shutil.rmtree(staged.folder, ignore_errors=True)
             self._metrics.adapter_pushes.labels("refused" if isinstance(exc, TransitionRejected) else "failed").inc()
             raise
         self._metrics.adapter_pushes.labels("committed").inc()
@@ -152,7 +152,7 @@ class Adapters:
         kept = {v.folder for v in [*self.loaded, *self._lingering]}
         for folder in self.root.iterdir() if self.root.is_dir() else ():
             if folder not in kept:
-                self._delete(folder)
+                shutil.rmtree(folder, ignore_errors=True)
         self._refresh()
 
     def _record(self) -> concurrent.futures.Future[None]:
@@ -188,7 +188,7 @@ class Adapters:
             config = await asyncio.to_thread(_adapter_config, folder / "adapter_model.safetensors", nbytes)
             (folder / "adapter_config.json").write_text(config)
         except BaseException:
-            self._delete(folder)
+            shutil.rmtree(folder, ignore_errors=True)
             raise
         return AdapterVersion(name, folder, nbytes)
 
@@ -250,7 +250,7 @@ class Adapters:
             version.engines.remove(name)
             self._metrics.adapter_unloads.labels(name).inc()
         if not version.engines:
-            self._delete(version.folder)
+            shutil.rmtree(version.folder, ignore_errors=True)
 
     async def restore(self, engine: EngineHandle) -> None:
         """A restarted engine loads the kept versions again, oldest first; a failure is logged (that name fails)."""
@@ -267,10 +267,6 @@ class Adapters:
         if self.current is not None:
             m.adapter_info.labels(self.current).set(1)
         m.adapter_disk_bytes.set(sum(v.nbytes for v in self.loaded))
-
-    @staticmethod
-    def _delete(folder: Path) -> None:
-        shutil.rmtree(folder, ignore_errors=True)
 
     async def aclose(self) -> None:
         """Unload every version and delete the folders; the journal keeps the retired names."""
