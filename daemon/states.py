@@ -15,7 +15,7 @@ from ..engines.base import ALL_TAGS, MemoryTag, TagState
 from ..errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
-    "NEXT_PHASE", "UNKNOWN", "Attachment", "DaemonState", "EngineRecord", "Generation", "NodePhase", "NodeState",
+    "NEXT_PHASE", "UNKNOWN", "DaemonState", "EngineRecord", "Generation", "NodePhase", "NodeState",
     "ResumeNeed", "SessionState", "TagState", "WeightsState", "check_attached", "check_can_open_session",
     "check_can_start", "check_no_open_session", "check_partial_allowed", "check_phase_request", "check_reconciled",
     "check_resume_headroom", "check_rollout_staleness", "check_rollout_weights", "check_session_abortable",
@@ -154,24 +154,17 @@ class NodeState:
         return {"phase": self.phase.value, "step": self.step}
 
 
-class Attachment(StrEnum):
-    """An engine is attached once it answered ``attach`` (protocol, version); a restarted one attaches again."""
-
-    DETACHED = "detached"
-    ATTACHED = "attached"
-
-
-def unready_reason(name: str, attachment: Attachment, state: EngineRecord) -> str | None:
-    """Why an engine cannot take a mutating call now (None: it can): never attached, its last observation
-    failed, or its memory state is unknown."""
-    if attachment is Attachment.ATTACHED and state.healthy and state.memory_unknown is None:
+def unready_reason(name: str, attached: bool, state: EngineRecord) -> str | None:
+    """Why an engine cannot take a mutating call now (None: it can): never attached (answered ``attach``), its
+    last observation failed, or its memory state is unknown."""
+    if attached and state.healthy and state.memory_unknown is None:
         return None
     return state.memory_unknown or state.last_error or f"engine {name!r} unhealthy"
 
 
-def check_attached(name: str, attachment: Attachment, state: EngineRecord) -> None:
+def check_attached(name: str, attached: bool, state: EngineRecord) -> None:
     """Every engine must have answered the observation that just ran; else 502/503 naming it."""
-    if attachment is Attachment.DETACHED or not state.healthy:
+    if not attached or not state.healthy:
         message = (state.last_error or "not attached").removeprefix(f"engine {name!r}: ")
         raise EngineUnreachable(name, message)
 

@@ -149,16 +149,16 @@ def test_a_weight_session_opens_alone_on_paused_engines_with_weights_resident() 
 
 
 def test_an_engine_takes_mutating_calls_only_attached_and_healthy() -> None:
-    from colocd.daemon.states import Attachment, check_attached, unready_reason
+    from colocd.daemon.states import check_attached, unready_reason
     from colocd.errors import EngineUnreachable
 
     healthy = EngineRecord(name="a")
-    check_attached("a", Attachment.ATTACHED, healthy)
-    assert unready_reason("a", Attachment.ATTACHED, healthy) is None
+    check_attached("a", True, healthy)
+    assert unready_reason("a", True, healthy) is None
     with pytest.raises(EngineUnreachable, match="not attached"):
-        check_attached("a", Attachment.DETACHED, healthy)
+        check_attached("a", False, healthy)
     lost = healthy.with_(healthy=False, last_error="engine 'a': connection refused")
     with pytest.raises(EngineUnreachable, match="connection refused"):
-        check_attached("a", Attachment.ATTACHED, lost)
-    assert unready_reason("a", Attachment.ATTACHED, lost) == "engine 'a': connection refused"
-    assert unready_reason("a", Attachment.DETACHED, healthy) == "engine 'a' unhealthy"
+        check_attached("a", True, lost)
+    assert unready_reason("a", True, lost) == "engine 'a': connection refused"
+    assert unready_reason("a", False, healthy) == "engine 'a' unhealthy"
