@@ -34,12 +34,12 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import AdapterRefused, AdapterRetired, EngineTimeout, NotFound, RequestInvalid, TransitionRejected
+from ..errors import AdapterRefused, AdapterRetired, NotFound, RequestInvalid, TransitionRejected
 from ..policies import AdapterSettings
 from .journal import KEEP_RETIRED_ADAPTERS, Journal
 from .metrics import Metrics
@@ -81,10 +81,9 @@ class Adapters:
 
     def __init__(self, worker: EngineWorker, metrics: Metrics, *, settings: Callable[[], AdapterSettings],
                  exclusive: Callable[[str], contextlib.AbstractAsyncContextManager[None]],
-                 deadline_s: Callable[[], float], journal: Journal) -> None:
+                 journal: Journal) -> None:
         self._worker = worker
         self._engines: Mapping[str, EngineHandle] = worker.engines
-        self._deadline_s = deadline_s
         self._metrics = metrics
         self._settings = settings
         self._exclusive = exclusive
@@ -132,7 +131,7 @@ class Adapters:
                 await self._journal.written(recorded)  # the reply comes once a restarted daemon would know it
         except BaseException as exc:
             if not staged.engines:
-                self._delete(staged.folder)
+                shutil.rmtree(staged.folder, ignore_errors=True)
             self._metrics.adapter_pushes.labels("refused" if isinstance(exc, TransitionRejected) else "failed").inc()
             raise
         self._metrics.adapter_pushes.labels("committed").inc()
@@ -153,7 +152,7 @@ class Adapters:
         kept = {v.folder for v in [*self.loaded, *self._lingering]}
         for folder in self.root.iterdir() if self.root.is_dir() else ():
             if folder not in kept:
-                self._delete(folder)
+                shutil.rmtree(folder, ignore_errors=True)
         self._refresh()
 
     def _record(self) -> concurrent.futures.Future[None]:
@@ -189,7 +188,7 @@ class Adapters:
             config = await asyncio.to_thread(_adapter_config, folder / "adapter_model.safetensors", nbytes)
             (folder / "adapter_config.json").write_text(config)
         except BaseException:
-            self._delete(folder)
+            shutil.rmtree(folder, ignore_errors=True)
             raise
         return AdapterVersion(name, folder, nbytes)
 
@@ -226,7 +225,7 @@ class Adapters:
 
     async def _load(self, engine: EngineHandle, version: AdapterVersion) -> None:
         started = time.perf_counter()
-        await self._bounded(engine.name, "load", self._worker.load_adapter(engine, version.name, str(version.folder)))
+        await self._worker.load_adapter(engine, version.name, str(version.folder))
         if engine.name not in version.engines:
             version.engines.append(engine.name)
         version.load_s[engine.name] = round(time.perf_counter() - started, 6)
@@ -244,14 +243,14 @@ class Adapters:
         """Unload ``version`` wherever it is loaded; its folder goes once no engine holds the name."""
         for name in list(version.engines):
             try:
-                await self._bounded(name, "unload", self._worker.unload_adapter(self._engines[name], version.name))
+                await self._worker.unload_adapter(self._engines[name], version.name)
             except Exception as exc:  # logged: the push's own outcome is what the caller needs
                 log.warning("engine %r: unloading adapter %r failed: %s", name, version.name, exc)
                 continue
             version.engines.remove(name)
             self._metrics.adapter_unloads.labels(name).inc()
         if not version.engines:
-            self._delete(version.folder)
+            shutil.rmtree(version.folder, ignore_errors=True)
 
     async def restore(self, engine: EngineHandle) -> None:
         """A restarted engine loads the kept versions again, oldest first; a failure is logged (that name fails)."""
@@ -262,25 +261,12 @@ class Adapters:
                 log.warning("engine %r: re-loading adapter %r after its restart failed: %s", engine.name,
                             version.name, exc)
 
-    async def _bounded(self, engine: str, what: str, call: Coroutine[Any, Any, None]) -> None:
-        budget = self._deadline_s()
-        try:
-            async with asyncio.timeout(budget):
-                await call
-        except TimeoutError:
-            raise EngineTimeout(engine, f"no answer to the adapter {what} within {budget} s "
-                                        "(timeouts.weight_update_s)") from None
-
     def _refresh(self) -> None:
         m = self._metrics
         m.adapter_info.clear()
         if self.current is not None:
             m.adapter_info.labels(self.current).set(1)
         m.adapter_disk_bytes.set(sum(v.nbytes for v in self.loaded))
-
-    @staticmethod
-    def _delete(folder: Path) -> None:
-        shutil.rmtree(folder, ignore_errors=True)
 
     async def aclose(self) -> None:
         """Unload every version and delete the folders; the journal keeps the retired names."""

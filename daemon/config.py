@@ -62,17 +62,11 @@ class NodeConfig(BaseModel):
         "operator's consent. Anything else is refused before it is imported")
 
     @model_validator(mode="after")
-    def _plugin_specs(self) -> NodeConfig:
-        bad = [p for p in self.policy_plugins if p.count(":") != 1 or not all(p.split(":"))]
-        if bad:
+    def _check(self) -> NodeConfig:
+        if bad := [p for p in self.policy_plugins if p.count(":") != 1 or not all(p.split(":"))]:
             raise ValueError(f"policy_plugins: {bad} must be written as 'module:Class' or 'module:*'")
-        return self
-
-    @model_validator(mode="after")
-    def _unique_engine_names(self) -> NodeConfig:
         names = [e.name for e in self.engines]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"engines: duplicate names {dupes}")
         return self
 

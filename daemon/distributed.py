@@ -19,14 +19,7 @@ from typing import Any
 from ..engines.httpmap import caller_payload
 from ..engines.tcpstore_probe import probe_tcpstore
 from ..engines.weight_group_protocol import BACKEND_DEVICES, BroadcastDescriptor, SupportsWeightGroups
-from ..errors import (
-    EngineError,
-    NotFound,
-    RequestInvalid,
-    StageTimeout,
-    TransitionRejected,
-    WeightSyncError,
-)
+from ..errors import EngineError, NotFound, RequestInvalid, StageTimeout, TransitionRejected, WeightSyncError
 from ..policies import Budget
 from .fanout import OnFailure, fan_out
 from .lock import NodeLock

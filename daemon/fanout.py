@@ -1,5 +1,4 @@
-"""One call per engine, run concurrently: the daemon's only way to act on several engines at once; and
-``start_now``, a task on the chunk path that starts at once.
+"""One call per engine, run concurrently: the daemon's only way to act on several engines at once.
 
 Three ways to end, because engines fail in three kinds of step:
 
@@ -17,16 +16,15 @@ An exception that is not an ``Exception`` (cancellation of the caller) propagate
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from enum import StrEnum
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from ..errors import ColocdError, EngineError, TransitionFailed
 from .metrics import Metrics
 
-__all__ = ["OnFailure", "each_engine", "fan_out", "start_now"]
+__all__ = ["OnFailure", "each_engine", "fan_out"]
 
 
 class Named(Protocol):
@@ -36,7 +34,6 @@ class Named(Protocol):
 
 T = TypeVar("T", bound=Named)
 R = TypeVar("R")
-EAGER = sys.version_info >= (3, 12)
 
 
 class OnFailure(StrEnum):
@@ -104,12 +101,3 @@ async def each_engine(engines: Iterable[T], work: Callable[[T], Awaitable[R]], *
         raise TransitionFailed(f"{operation}: {type(exc).__name__}: {exc}") from exc
     return results  # type: ignore[return-value]  # SETTLE raised every failure
 
-
-def start_now(coro: Coroutine[Any, Any, R]) -> asyncio.Task[R]:
-    """A task for ``coro`` whose first step runs inside this call, up to its first real wait, where Python has
-    eager tasks (3.12+), else on the loop's next pass; callers must not rely on either order. On the chunk path
-    it saves a loop pass per chunk (0.02-0.04 ms each on an H200 host): the load's request leaves first."""
-    loop = asyncio.get_running_loop()
-    if EAGER:
-        return asyncio.Task(coro, loop=loop, eager_start=True)  # type: ignore[call-arg]
-    return loop.create_task(coro)

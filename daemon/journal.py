@@ -171,7 +171,6 @@ class Journal:
         return future
 
 
-
 class NodeJournal:
     """What the daemon journals of the node: ``state()`` (``{"node", "engines"}``) and its finished transitions."""
 

@@ -89,15 +89,9 @@ class NvmlProbe:
     async def confirm_release(self, gpus: list[int | str], before: dict[str, GpuReading], *,
                               expected_bytes: int | None, timeout_s: float, poll_s: float = 0.001,
                               settle_s: float = 0.05) -> ReleaseConfirmation:
-        """Poll NVML until the release has landed, by whichever criterion holds first:
-
-        * ``expected``: used memory dropped by at least ``expected_bytes`` in total (the engine's own report, or
-          what NVML showed last time the same tags were released): one or two readings, not a window.
-        * ``stable``: a positive drop has not changed for ``settle_s`` (time, not a poll count): an unknown
-          expectation, or one the engine does not meet.
-
-        No positive drop within ``timeout_s`` → ``MemoryNotConfirmed``.
-        """
+        """Poll NVML until the release landed: ``expected`` once used memory dropped by ``expected_bytes`` in all
+        (the engine's report, or NVML's drop when these tags were last released), ``stable`` once a positive drop
+        held for ``settle_s`` (no or an unmet expectation); no positive drop within ``timeout_s``: not confirmed."""
         t0 = self._clock()
         deadline = t0 + timeout_s
         last: dict[str, int] | None = None

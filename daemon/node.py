@@ -28,7 +28,6 @@ from .adapters import Adapters
 from .config import NodeConfig
 from .distributed import WeightGroups
 from .events import emit
-from .fanout import OnFailure, fan_out
 from .journal import Journal, NodeJournal
 from .lock import NodeLock
 from .memory import NvmlProbe, open_probe
@@ -99,8 +98,7 @@ class Daemon:
         self.metrics.watch_node((e.name for e in config.engines), (e.name for e in config.engines if e.launch),
                                 busy=lambda: self.lock.busy, session_idle_s=self._session_idle_s)
         self.adapters = Adapters(self.worker, self.metrics, settings=lambda: self.policy_set().adapters,
-                                 exclusive=self.lock.exclusive, journal=self.journal,
-                                 deadline_s=lambda: self.timeouts().budget(Budget.WEIGHT_UPDATE))
+                                 exclusive=self.lock.exclusive, journal=self.journal)
 
     async def __aenter__(self) -> Daemon:
         if self.lifecycle is not DaemonState.UNOPENED:
@@ -128,7 +126,7 @@ class Daemon:
             emit("journal_restored", logging.INFO, step=node.step, phase=node.phase.value)
         self.adapters.restore_journal()  # before the reconcile: an engine restarted meanwhile loads them again
         worker = self.worker
-        await fan_out(self.engines.values(), lambda e: worker.reconcile(e, "startup"), on_failure=OnFailure.SETTLE)
+        await worker.reconcile_all("startup")
         self.startup_report = {"journal_restored": restored, "unreconciled": sorted(worker.unreconciled),
                                "engines": {n: worker.reports.get(n) for n in self.engines}}
         emit("startup_reconcile", logging.INFO, journal_restored=restored,
@@ -148,7 +146,8 @@ class Daemon:
             return
         self.lifecycle = DaemonState.CLOSED
         self.lock.stopping.set()
-        await self.sessions.abort_on_shutdown()
+        if self.sessions.current is not None:
+            await self.sessions.current.abort("daemon shutting down")  # no-op once it ended
         await self.adapters.aclose()  # while the engines still answer: a folder goes only once its name is unloaded
         for task in list(self._tasks):
             task.cancel()
@@ -258,19 +257,15 @@ class Daemon:
         worker, session = self.worker, self.sessions.current
         active = self.policies.active
         return {
-            "lifecycle": self.lifecycle.value,
-            "node": self.node.snapshot(),
-            "busy_with": self.lock.busy_with,
+            "lifecycle": self.lifecycle.value, "node": self.node.snapshot(), "busy_with": self.lock.busy_with,
             "engines": {n: {**e.state.status(), "protocol": e.info.protocol if e.info else None,
                             "engine_version": e.info.version if e.info else None,
                             "launched": launched.snapshot() if (launched := self.launches.launched.get(n)) else None}
                         for n, e in self.engines.items()},
-            "weight_session": session.stats() if session is not None else None,
-            "adapters": self.adapters.status(),
+            "weight_session": session.stats() if session is not None else None, "adapters": self.adapters.status(),
             "reconcile": {"unreconciled": sorted(worker.unreconciled), "startup": self.startup_report,
                           "last": dict(worker.reports)},
-            "policy": self.policy_view(),
-            "nvml": self.probe is not None,
+            "policy": self.policy_view(), "nvml": self.probe is not None,
             "versions": self.versions.snapshot(active.sync.staleness_bound, active.sync.mode,
                                                ((n, e.state.weight_version) for n, e in self.engines.items())),
         }

@@ -74,9 +74,6 @@ class Desired:
         """The engine as recorded: what the health loop, a relaunch and a daemon restart drive toward."""
         return cls(state.generation, frozenset(t for t in state.owned_tags if not state.resident(t)))
 
-    def to_release(self, state: EngineRecord) -> tuple[MemoryTag, ...]:
-        return tuple(t for t in state.owned_tags if t in self.released and state.resident(t))
-
     def to_resume(self, state: EngineRecord) -> tuple[MemoryTag, ...]:
         return tuple(t for t in state.owned_tags if t not in self.released and not state.resident(t))
 
@@ -99,10 +96,6 @@ class Desired:
         """The weights memory back, for the push; the rest stays as it is."""
         held = cls.holding(state)
         return replace(held, released=held.released - {MemoryTag.WEIGHTS})
-
-    @classmethod
-    def for_weights(cls, state: EngineRecord, goal: WeightsGoal) -> Desired:
-        return replace(cls.holding(state), weights=goal)
 
     @classmethod
     def for_resume(cls, state: EngineRecord, tags: tuple[MemoryTag, ...], phase: NodePhase) -> Desired:
@@ -140,13 +133,9 @@ class Plan:
 
 def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None, *, phase: NodePhase,
          owns_session: bool, first_sight: bool = False, lost_sight: bool = False) -> Plan:
-    """The plan that drives one engine from ``recorded`` (corrected by ``observed``, if any) to ``desired``.
-
-    ``owns_session``: the daemon has an open weight session that includes this engine.
-    ``first_sight``: the daemon has no record of this engine at all (fresh daemon, no journal):
-    whatever it reports is the baseline. ``lost_sight``: the daemon had a record but did not observe
-    the engine continuously since (a failed probe, or the daemon restarted with a journal).
-    """
+    """The plan that drives one engine from ``recorded`` (corrected by ``observed``) to ``desired``. ``owns_session``:
+    an open weight session includes it; ``first_sight``: no record at all (what it reports is the baseline);
+    ``lost_sight``: a record, but not observed continuously since (a failed probe, or a restart with a journal)."""
     reason: str | None = None
     findings: list[str] = []
     actions: list[Action] = []
@@ -182,7 +171,8 @@ def plan(desired: Desired, recorded: EngineRecord, observed: Observation | None,
             actions.append(Action.BEGIN_ENGINE_SESSION)
         elif goal.session is None and base.weights is WeightsState.UPDATING:
             actions.append(Action.END_ENGINE_SESSION)
-    release, resume = desired.to_release(base), desired.to_resume(base)
+    release = tuple(t for t in base.owned_tags if t in desired.released and base.resident(t))
+    resume = desired.to_resume(base)
     after = base.with_tags(release, TagState.RELEASED).with_tags(resume, TagState.RESIDENT)
     may_serve = base.weights is WeightsState.CLEAN and all(after.resident(t) for t in after.owned_tags)
     mode = desired.pause_mode

@@ -293,21 +293,15 @@ class WeightSessions:
                                      f"take {known} trainer rank(s) (their largest tp_size)", field=f"chunks.{i}.rank")
         ranks = max(part.rank for _, part in chunks) + 1
         session = await self.open(step=step, version=version, ranks=ranks)
-        by_rank: dict[int, list[tuple[int, ChunkPart]]] = {}
-        for seq, part in sorted(chunks, key=lambda c: c[0]):
-            by_rank.setdefault(part.rank, []).append((seq, part))
+        # Per rank, in order, at most `depth` outstanding: what a rank may send (a semaphore wakes in FIFO order).
+        windows = {part.rank: asyncio.Semaphore(session.depth) for _, part in chunks}
 
-        async def send_rank(sends: list[tuple[int, ChunkPart]]) -> None:
-            window = asyncio.Semaphore(session.depth)  # in order, at most `depth` outstanding: what a rank may send
-
-            async def one(seq: int, part: ChunkPart) -> None:
-                async with window:
-                    await self.submit_chunk(session.id, seq, part)
-
-            await asyncio.gather(*(one(seq, part) for seq, part in sends))
+        async def send(seq: int, part: ChunkPart) -> None:
+            async with windows[part.rank]:
+                await self.submit_chunk(session.id, seq, part)
 
         try:
-            await asyncio.gather(*(send_rank(sends) for sends in by_rank.values()))
+            await asyncio.gather(*(send(seq, part) for seq, part in sorted(chunks, key=lambda c: c[0])))
             return await self.commit(session.id, len({seq for seq, _ in chunks}))
         except BaseException as exc:
             if session.state is SessionState.OPEN:
@@ -374,10 +368,6 @@ class WeightSessions:
             os.replace(tmp, self._manifest_file)
 
     # -- failure, expiry, close ----------------------------------------------------------------------
-    async def abort_on_shutdown(self) -> None:
-        if self.current is not None:
-            await self.current.abort("daemon shutting down")  # no-op once it ended
-
     async def fail_if_lost(self) -> None:
         """Fail and close the open session if the reconcile the caller just ran found an engine lost it."""
         session = self.current

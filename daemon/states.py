@@ -15,7 +15,7 @@ from ..engines.base import ALL_TAGS, MemoryTag, TagState
 from ..errors import EngineUnreachable, SessionGone, TransitionRejected
 
 __all__ = [
-    "NEXT_PHASE", "UNKNOWN", "Attachment", "DaemonState", "EngineRecord", "Generation", "NodePhase", "NodeState",
+    "NEXT_PHASE", "UNKNOWN", "DaemonState", "EngineRecord", "Generation", "NodePhase", "NodeState",
     "ResumeNeed", "SessionState", "TagState", "WeightsState", "check_attached", "check_can_open_session",
     "check_can_start", "check_no_open_session", "check_partial_allowed", "check_phase_request", "check_reconciled",
     "check_resume_headroom", "check_rollout_staleness", "check_rollout_weights", "check_session_abortable",
@@ -88,22 +88,18 @@ class EngineRecord:
     def resident(self, tag: MemoryTag) -> bool:
         return self.tags[tag] is TagState.RESIDENT
 
-    def tags_to_release(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
-        """Owned tags from ``requested`` that are resident. ``strict``: a released one is an error (SGLang dies
-        on a double release), else it is skipped."""
-        return self._tags_to("release", requested, strict, resident=True)
-
-    def tags_to_resume(self, requested: tuple[MemoryTag, ...] | None, *, strict: bool) -> tuple[MemoryTag, ...]:
-        return self._tags_to("resume", requested, strict, resident=False)
-
-    def _tags_to(self, verb: str, requested: tuple[MemoryTag, ...] | None, strict: bool, *,
-                 resident: bool) -> tuple[MemoryTag, ...]:
-        wanted = self._owned(requested)
-        already = [t.value for t in wanted if self.resident(t) is not resident]
-        if already and strict:
+    def check_tags(self, verb: str, requested: tuple[MemoryTag, ...] | None) -> None:
+        """``verb`` (release, resume) may move ``requested`` (None: every owned tag): owned ones, none of them
+        already where it would move them (SGLang dies on a double release)."""
+        wanted = self.owned_tags if requested is None else requested
+        if not_owned := [t.value for t in wanted if t not in self.owned_tags]:
+            raise TransitionRejected(
+                f"engine {self.name!r} does not own tags {not_owned} (owned: {[t.value for t in self.owned_tags]})",
+                state=self.snapshot())
+        resident = verb == "release"
+        if already := [t.value for t in wanted if self.resident(t) is not resident]:
             raise TransitionRejected(f"cannot {verb} {already}: already {'released' if resident else 'resident'}; "
                                      f"{self.describe()}", state=self.snapshot())
-        return tuple(t for t in wanted if self.resident(t) is resident)
 
     def check_can_serve(self) -> None:
         """Generation may continue only on fully resident memory and clean weights."""
@@ -115,16 +111,6 @@ class EngineRecord:
             raise TransitionRejected(
                 f"cannot serve: weights are {self.weights.value} (no complete update committed); "
                 f"{self.describe()}", state=self.snapshot())
-
-    def _owned(self, requested: tuple[MemoryTag, ...] | None) -> tuple[MemoryTag, ...]:
-        if requested is None:
-            return self.owned_tags
-        not_owned = [t.value for t in requested if t not in self.owned_tags]
-        if not_owned:
-            raise TransitionRejected(
-                f"engine {self.name!r} does not own tags {not_owned} (owned: {[t.value for t in self.owned_tags]})",
-                state=self.snapshot())
-        return tuple(t for t in ALL_TAGS if t in requested)
 
     def with_tags(self, tags: tuple[MemoryTag, ...], state: TagState) -> EngineRecord:
         new = dict(self.tags)
@@ -139,17 +125,10 @@ class EngineRecord:
         return replace(self, **changes)  # type: ignore[arg-type]
 
     def snapshot(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "generation": self.generation.value,
-            "weights": self.weights.value,
-            "weight_version": self.weight_version,
-            "tags": {t.value: self.tags[t].value for t in self.owned_tags},
-            "healthy": self.healthy,
-            "last_error": self.last_error,
-            "incarnation": self.incarnation,
-            "memory_unknown": self.memory_unknown,
-        }
+        return {"name": self.name, "generation": self.generation.value, "weights": self.weights.value,
+                "weight_version": self.weight_version, "tags": {t.value: self.tags[t].value for t in self.owned_tags},
+                "healthy": self.healthy, "last_error": self.last_error, "incarnation": self.incarnation,
+                "memory_unknown": self.memory_unknown}
 
     def status(self) -> dict[str, object]:
         """``snapshot()`` as ``/v1/status`` shows it: while the engine does not answer, what it serves and holds
@@ -175,24 +154,17 @@ class NodeState:
         return {"phase": self.phase.value, "step": self.step}
 
 
-class Attachment(StrEnum):
-    """An engine is attached once it answered ``attach`` (protocol, version); a restarted one attaches again."""
-
-    DETACHED = "detached"
-    ATTACHED = "attached"
-
-
-def unready_reason(name: str, attachment: Attachment, state: EngineRecord) -> str | None:
-    """Why an engine cannot take a mutating call now (None: it can): never attached, its last observation
-    failed, or its memory state is unknown."""
-    if attachment is Attachment.ATTACHED and state.healthy and state.memory_unknown is None:
+def unready_reason(name: str, attached: bool, state: EngineRecord) -> str | None:
+    """Why an engine cannot take a mutating call now (None: it can): never attached (answered ``attach``), its
+    last observation failed, or its memory state is unknown."""
+    if attached and state.healthy and state.memory_unknown is None:
         return None
     return state.memory_unknown or state.last_error or f"engine {name!r} unhealthy"
 
 
-def check_attached(name: str, attachment: Attachment, state: EngineRecord) -> None:
+def check_attached(name: str, attached: bool, state: EngineRecord) -> None:
     """Every engine must have answered the observation that just ran; else 502/503 naming it."""
-    if attachment is Attachment.DETACHED or not state.healthy:
+    if not attached or not state.healthy:
         message = (state.last_error or "not attached").removeprefix(f"engine {name!r}: ")
         raise EngineUnreachable(name, message)
 

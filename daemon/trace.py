@@ -166,16 +166,11 @@ def step_summary(step: int, traces: Mapping[str, Trace]) -> dict[str, Any]:
     else:
         result = "in_progress"
     weights = traces.get("weights")
-    return {
-        "step": step,
-        "result": result,
-        "started_at": min((t.started_at for t in ordered), default=None),
-        "switch_s": round(sum(breakdown.values()), 6),
-        "breakdown": {k: round(v, 6) for k, v in breakdown.items()},
-        "bytes": int(weights.attrs.get("bytes", 0)) if weights is not None else 0,
-        "chunks": int(weights.attrs.get("chunks", 0)) if weights is not None else 0,
-        "phases": [_phase_summary(t) for t in ordered],
-    }
+    return {"step": step, "result": result, "started_at": min((t.started_at for t in ordered), default=None),
+            "switch_s": round(sum(breakdown.values()), 6), "breakdown": {k: round(v, 6) for k, v in breakdown.items()},
+            "bytes": int(weights.attrs.get("bytes", 0)) if weights is not None else 0,
+            "chunks": int(weights.attrs.get("chunks", 0)) if weights is not None else 0,
+            "phases": [_phase_summary(t) for t in ordered]}
 
 
 def log_rejected(phase: str, step: int, reason: str, *, session: str | None = None) -> None:
@@ -227,16 +222,12 @@ class TraceStore:
             return  # EngineWorker logs each reconcile (event reconcile), with its plan
         failed = next((s for s in trace.spans if not s.ok and s.engine and s.engine != "trainer"), None)
         fields: dict[str, Any] = {
-            "step": trace.step,
-            "phase": trace.operation,
-            "result": trace.outcome or "in_progress",
+            "step": trace.step, "phase": trace.operation, "result": trace.outcome or "in_progress",
             "duration_s": None if trace.duration_s is None else round(trace.duration_s, 6),
             "bytes": trace.attrs.get("bytes") if session else trace.attrs.get("freed_bytes"),
-            "chunks": trace.attrs.get("chunks"),
-            "version": trace.attrs.get("version"),
+            "chunks": trace.attrs.get("chunks"), "version": trace.attrs.get("version"),
             "engines": ",".join(sorted({s.engine for s in trace.spans if s.engine and s.engine != "trainer"})) or None,
-            "error": _error_of(trace),
-        }
+            "error": _error_of(trace)}
         level = logging.WARNING if trace.outcome in ("failed", "aborted", "expired") else logging.INFO
         emit("weight_session" if session else "transition", level,
              engine=failed.engine if failed is not None else None, session=trace.attrs.get("session"), **fields)

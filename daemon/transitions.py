@@ -248,8 +248,7 @@ class Transitions:
         ctx = self._ctx
         async with ctx.lock.exclusive(what):
             for engine in engines:  # validate all first: an illegal request changes nothing
-                check = engine.state.tags_to_release if what == "sleep" else engine.state.tags_to_resume
-                check(tags, strict=True)
+                engine.state.check_tags("release" if what == "sleep" else "resume", tags)
             ctx.worker.require_attached()
             trace = Trace(self.node.step, what)
             desired = {e.name: want(e.state, e.state.owned_tags if tags is None else tags) for e in engines}

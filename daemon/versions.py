@@ -88,9 +88,7 @@ class VersionBook:
 
     def staleness(self, served: str | None) -> int:
         """Counted versions newer than ``served``; one the book never saw is older than every kept one."""
-        if served in self._why:
-            return len(self._order) - 1 - list(self._order).index(served)
-        return len(self._order)
+        return len(self.newer(served))
 
     def newer(self, served: str | None) -> list[tuple[str, str]]:
         """The versions newer than ``served``, oldest first, each with why it counts."""

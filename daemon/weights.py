@@ -29,7 +29,6 @@ from ..engines.handles import ShmRoute
 from ..engines.httpmap import refused_payload
 from ..errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, TransitionRejected, WeightSyncError
 from ..policies import Transport, VerifyMode
-from .fanout import start_now
 from .manifests import Manifest, TensorMeta, misfits
 from .metrics import Metrics
 from .states import SessionState, WeightsState, check_session_end, require_session_open
@@ -133,9 +132,8 @@ class _Lane:
 class WeightSession:
     """One weight update across the node's engines. ``sources``: engine → the trainer rank of each TP rank, where
     fixed (``feed_ranks``). ``manifest``: what the trainer declared it will send (None: what the layouts carried
-    counts). ``complete``: the parameters a complete update covers (the last complete push's; None: unknown);
-    ``prior``: each engine's weights at open.
-    ``partial``: only some tensors, on intact weights. It ends once and is closed once (``check_session_end``)."""
+    counts). ``complete``: the parameters a complete update covers (None: unknown); ``prior``: each engine's weights
+    at open; ``partial``: only some tensors, on intact weights. It ends and is closed once (``check_session_end``)."""
 
     def __init__(self, *, step: int, version: str, ranks: int, engines: list[EngineHandle], depth: int,
                  chunk_timeout_s: float, trace: Trace, metrics: Metrics,
@@ -565,7 +563,7 @@ class WeightSession:
                 lane.in_flight += 1
                 lane.loads_started += 1
                 lane.max_in_flight = max(lane.max_in_flight, lane.in_flight)
-                task = start_now(self._load(lane, chunk))  # on 3.12+ the request is sent before this returns
+                task = asyncio.create_task(self._load(lane, chunk))
                 self._in_flight[task] = lane.name
                 task.add_done_callback(self._forget)
 

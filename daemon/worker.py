@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from ..engines.base import (
@@ -46,7 +46,6 @@ from .memory import GpuReading, NvmlProbe
 from .metrics import Metrics
 from .reconcile import Action, Desired, Plan, WeightsGoal, plan
 from .states import (
-    Attachment,
     EngineRecord,
     Generation,
     NodeState,
@@ -72,8 +71,7 @@ class EngineHandle:
     adapter: EngineAdapter
     config: AnyEngineConfig
     state: EngineRecord
-    attachment: Attachment = Attachment.DETACHED
-    info: EngineInfo | None = None  # what the engine said when it attached (None while detached)
+    info: EngineInfo | None = None  # what the engine said when it attached (None: never; a restarted one re-attaches)
     # What the last release showed: bytes per tag by the engine's report, bytes NVML saw freed per set of tags;
     # and the most NVML saw a set's resume take (memory the trainer frees meanwhile hides some): expectations.
     learned_tag_bytes: dict[MemoryTag, int] = field(default_factory=dict)
@@ -91,15 +89,12 @@ class EngineHandle:
     def name(self) -> str:
         return self.state.name
 
-    def attached(self, info: EngineInfo) -> None:
-        self.info, self.attachment = info, Attachment.ATTACHED
-
     @property
     def transports(self) -> frozenset[Transport]:
         return self.adapter.transports
 
     def unready_reason(self) -> str | None:
-        return unready_reason(self.name, self.attachment, self.state)
+        return unready_reason(self.name, self.info is not None, self.state)
 
     @property
     def device_type(self) -> str:
@@ -218,7 +213,7 @@ class EngineWorker:
     def require_attached(self) -> None:
         """Every engine answered the observation that just ran (``NodeLock.exclusive``); else 502 naming it."""
         for engine in self.engines.values():
-            check_attached(engine.name, engine.attachment, engine.state)
+            check_attached(engine.name, engine.info is not None, engine.state)
 
     # -- toward a desired state ----------------------------------------------------------------------
     async def drive(self, engines: list[EngineHandle], desired: Mapping[str, Desired], trace: Trace, *,
@@ -242,11 +237,8 @@ class EngineWorker:
                       on_failure=OnFailure.SETTLE)
 
     async def reconcile(self, engine: EngineHandle, trigger: str, *, keep_error: bool = False) -> bool:
-        """Observe one engine and drive it toward its record; False if it cannot be done now.
-
-        ``keep_error``: the record's last_error stays (a refresh right after a failed step keeps that step's
-        error). A change of the engine's health is logged once (event ``engine_health``).
-        """
+        """Observe one engine and drive it toward its record; False if it cannot be done now. ``keep_error``: the
+        last_error stays (a refresh right after a failed step keeps its error). A health change is logged once."""
         was_healthy = engine.state.healthy
         try:
             return await self._reconcile(engine, trigger, keep_error=keep_error)
@@ -260,8 +252,8 @@ class EngineWorker:
         budget = self.timeouts().budget(Budget.OBSERVE)
         try:
             async with asyncio.timeout(budget):
-                if engine.attachment is Attachment.DETACHED:
-                    engine.attached(await engine.adapter.attach())
+                if engine.info is None:
+                    engine.info = await engine.adapter.attach()
                 return await engine.adapter.observe()
         except TimeoutError:
             raise EngineUnreachable(engine.name, f"no answer to observe within {budget:g}s") from None
@@ -299,7 +291,7 @@ class EngineWorker:
                     self.metrics.engine_restarts.labels(engine.name).inc()  # once per new process
                     engine.restart_counted = observed.incarnation
                 async with asyncio.timeout(self.timeouts().budget(Budget.OBSERVE)):
-                    engine.attached(await engine.adapter.attach())  # a new process may speak a new version
+                    engine.info = await engine.adapter.attach()  # a new process may speak a new version
             await self._run(engine, p, trace, counted=True)
         except (ColocdError, TimeoutError) as exc:
             error = f"reconcile ({trigger}) of engine {engine.name!r} failed: {exc or type(exc).__name__}"
@@ -362,8 +354,8 @@ class EngineWorker:
 
     # -- one engine call, and the plan's steps ---------------------------------------------------------
     async def _call(self, engine: EngineHandle, trace: Trace, name: str, budget: Budget, coro: Awaitable[_T],
-                    **attrs: Any) -> _T:
-        """Run one engine call under its budget, as a span; a timeout names the stage and budget."""
+                    advice: str = "", **attrs: Any) -> _T:
+        """Run one engine call under its budget, as a span; a timeout names the stage and budget (and ``advice``)."""
         budget_s = self.timeouts().budget(budget)
         with trace.span(name, engine.name, **attrs):
             t0 = time.perf_counter()
@@ -371,7 +363,8 @@ class EngineWorker:
                 async with asyncio.timeout(budget_s):
                     return await coro
             except TimeoutError as exc:
-                raise StageTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget",
+                raise StageTimeout(f"engine {engine.name!r}: {name} exceeded its {budget_s:.1f}s budget "
+                                   f"(timeouts.{budget.value}_s){advice}",
                                    engine=engine.name, stage=name, budget_s=budget_s) from exc
             except EngineError as exc:
                 engine.state = engine.state.with_(last_error=str(exc))
@@ -395,13 +388,9 @@ class EngineWorker:
                 await asyncio.sleep(delay)  # backoff between retries of a refused flush
                 delay = min(delay * 2, 1.0)
 
-        try:
-            await self._call(engine, trace, "flush_cache", Budget.FLUSH, retrying())
-        except StageTimeout as exc:
-            raise StageTimeout(f"{exc}: the engine kept requests running (e.g. ones queued while it slept, which "
-                               "start when it wakes); raise timeouts.flush_s or abort them, then retry the step",
-                               engine=exc.engine or engine.name, stage=exc.stage or "flush_cache",
-                               budget_s=exc.budget_s) from exc.__cause__
+        await self._call(engine, trace, "flush_cache", Budget.FLUSH, retrying(),
+                         advice=": the engine kept requests running (e.g. ones queued while it slept, which start "
+                         "when it wakes); raise that budget or abort them, then retry the step")
 
     async def _release(self, engine: EngineHandle, tags: tuple[MemoryTag, ...], trace: Trace) -> dict[str, int]:
         """Release ``tags`` and wait until the memory is measurably free; the freed bytes per source."""
@@ -510,7 +499,7 @@ class EngineWorker:
         failure is raised (the caller cleans up); else every engine is tried (a best-effort close)."""
 
         async def one(engine: EngineHandle) -> None:
-            p = plan(Desired.for_weights(engine.state, goals[engine.name]), engine.state, None,
+            p = plan(replace(Desired.holding(engine.state), weights=goals[engine.name]), engine.state, None,
                      phase=self.node.phase, owns_session=self._open_session() is not None)
             await self._run(engine, p, trace)
 
@@ -547,10 +536,12 @@ class EngineWorker:
 
     # -- LoRA adapters: daemon/adapters.py decides which name loads where and when --------------------------------
     async def load_adapter(self, engine: EngineHandle, name: str, folder: str) -> None:
-        await engine.adapter.load_lora_adapter(name, folder)
+        await self._call(engine, Trace(self.node.step, "adapter"), "load_lora_adapter", Budget.WEIGHT_UPDATE,
+                         engine.adapter.load_lora_adapter(name, folder), adapter=name)
 
     async def unload_adapter(self, engine: EngineHandle, name: str) -> None:
-        await engine.adapter.unload_lora_adapter(name)
+        await self._call(engine, Trace(self.node.step, "adapter"), "unload_lora_adapter", Budget.WEIGHT_UPDATE,
+                         engine.adapter.unload_lora_adapter(name), adapter=name)
 
     async def close(self) -> list[Exception]:
         """Stop waiting for the engines' answers and close every adapter (the daemon closes); the errors."""

@@ -46,23 +46,23 @@ def test_illegal_phase_moves_name_the_current_state(node: NodeState, phase: Node
     assert err.value.state == node.snapshot()
 
 
-def test_double_release_is_refused_when_strict_and_skipped_otherwise() -> None:
+def test_double_release_is_refused() -> None:
     engine = EngineRecord("e").with_tags((KV,), TagState.RELEASED)
-    assert engine.tags_to_release((KV, W), strict=False) == (W,)
+    engine.check_tags("release", (W,))
     with pytest.raises(TransitionRejected, match=r"\['kv_cache'\]: already released"):
-        engine.tags_to_release((KV,), strict=True)
+        engine.check_tags("release", (KV, W))
 
 
-def test_resume_of_a_resident_tag_is_refused_when_strict() -> None:
+def test_resume_of_a_resident_tag_is_refused() -> None:
     with pytest.raises(TransitionRejected, match="already resident"):
-        EngineRecord("e").tags_to_resume((W,), strict=True)
+        EngineRecord("e").check_tags("resume", (W,))
 
 
 def test_tags_the_engine_does_not_own_are_refused() -> None:
     engine = EngineRecord("e", owned_tags=(W, KV))
     with pytest.raises(TransitionRejected, match="does not own tags \\['cuda_graph'\\]"):
-        engine.tags_to_release((CG,), strict=True)
-    assert engine.tags_to_release(None, strict=True) == (W, KV)
+        engine.check_tags("release", (CG,))
+    engine.check_tags("release", None)  # every owned tag
 
 
 def test_releasing_weights_makes_them_stale_and_serving_is_refused_until_clean() -> None:
@@ -149,16 +149,16 @@ def test_a_weight_session_opens_alone_on_paused_engines_with_weights_resident() 
 
 
 def test_an_engine_takes_mutating_calls_only_attached_and_healthy() -> None:
-    from colocd.daemon.states import Attachment, check_attached, unready_reason
+    from colocd.daemon.states import check_attached, unready_reason
     from colocd.errors import EngineUnreachable
 
     healthy = EngineRecord(name="a")
-    check_attached("a", Attachment.ATTACHED, healthy)
-    assert unready_reason("a", Attachment.ATTACHED, healthy) is None
+    check_attached("a", True, healthy)
+    assert unready_reason("a", True, healthy) is None
     with pytest.raises(EngineUnreachable, match="not attached"):
-        check_attached("a", Attachment.DETACHED, healthy)
+        check_attached("a", False, healthy)
     lost = healthy.with_(healthy=False, last_error="engine 'a': connection refused")
     with pytest.raises(EngineUnreachable, match="connection refused"):
-        check_attached("a", Attachment.ATTACHED, lost)
-    assert unready_reason("a", Attachment.ATTACHED, lost) == "engine 'a': connection refused"
-    assert unready_reason("a", Attachment.DETACHED, healthy) == "engine 'a' unhealthy"
+        check_attached("a", True, lost)
+    assert unready_reason("a", True, lost) == "engine 'a': connection refused"
+    assert unready_reason("a", False, healthy) == "engine 'a' unhealthy"
