@@ -40,7 +40,7 @@ PROMPT = "The quick brown fox"
 # research/engine-versions.md §B with file:line in each wheel): the protocol the adapter negotiates, and whether a
 # flush succeeds while a retract pause holds requests in the waiting queue (0.5.20's flush_cache needs the queue
 # empty, managers/scheduler.py:4983; 0.5.23's ignores it while paused, :5520).
-PROTOCOL_OF = {"0.5.20": "pre-session+routes", "0.5.23": "0.5.23"}
+PROTOCOL_OF = {"0.5.20": "pre-session", "0.5.23": "0.5.23"}
 FLUSH_WHILE_RETRACTED = {"0.5.20": False, "0.5.23": True}
 
 
