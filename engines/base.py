@@ -77,10 +77,9 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseReport:
-    """What an engine reported about one release or resume; bytes are the engine's own claim."""
+    """The tags one release or resume reported (vLLM's sleep takes weights and kv_cache together)."""
 
     tags: tuple[MemoryTag, ...]
-    nbytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

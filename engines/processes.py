@@ -392,12 +392,19 @@ def gpu_environment(name: str, env: dict[str, str], launch_env: Mapping[str, str
 
 
 async def launch_until_healthy(
-    name: str, label: str, command: Callable[[int], tuple[list[str], dict[str, str]]], *, port: int | None,
+    name: str, label: str, command: Callable[[int], tuple[list[str], dict[str, str]]], *, url: str | None,
     log_file: str | os.PathLike[str] | None, ready_timeout_s: float,
     on_spawn: Callable[[ManagedProcess], None] | None = None, client: httpx.AsyncClient | None = None,
 ) -> tuple[ManagedProcess, str]:
-    """Start ``command(port)`` on 127.0.0.1 and return the process and its URL once ``/health`` answers 200.
-    ``port`` None: a free one (a second once, if another process took the first); a failed server is stopped."""
+    """Start ``command(port)`` on 127.0.0.1 at ``url``'s port and return the process and its URL once ``/health``
+    answers 200. ``url`` None: a free port (a second once, if another process took the first); a failed server is
+    stopped."""
+    parts = urlsplit(url) if url is not None else None
+    if parts is not None and parts.hostname not in ("127.0.0.1", "localhost"):
+        raise EngineLaunchError(name, f"a launched {label} listens on 127.0.0.1; url {url!r} names another host")
+    if parts is not None and parts.port is None:
+        raise EngineLaunchError(name, f"url {url!r} has no port")
+    port = parts.port if parts is not None else None
     for attempt in (1, 2):
         chosen = port or free_port()
         argv, env = command(chosen)

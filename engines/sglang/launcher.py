@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from urllib.parse import urlsplit
 
 from ...errors import EngineLaunchError
 from ..config import SGLangEngineConfig
@@ -142,15 +141,7 @@ async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | Non
     process, url = await launch_until_healthy(
         config.name, "SGLang",
         lambda port: sglang_command(config, port, python=python, sglang_version=sglang_version),
-        port=_port_of(config.url, config.name) if config.url else None, log_file=config.launch.log_file,
+        url=config.url or None, log_file=config.launch.log_file,
         ready_timeout_s=config.launch.ready_timeout_s, on_spawn=(options or LaunchOptions()).on_spawn)
     return Launched(url, process)
 
-
-def _port_of(url: str, name: str = "sglang") -> int:
-    parts = urlsplit(url)
-    if parts.hostname not in ("127.0.0.1", "localhost"):
-        raise EngineLaunchError(name, f"a launched SGLang listens on 127.0.0.1; url {url!r} names another host")
-    if parts.port is None:
-        raise EngineLaunchError(name, f"url {url!r} has no port")
-    return parts.port

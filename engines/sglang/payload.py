@@ -161,10 +161,6 @@ class BufferLease:
         self._cuda = tensor.is_cuda
 
     @property
-    def released(self) -> bool:
-        return self._tensor is None
-
-    @property
     def tensor(self) -> torch.Tensor:
         if self._tensor is None:
             raise RuntimeError("bucket lease already released; its buffer must not be reused")
@@ -177,9 +173,3 @@ class BufferLease:
         self._tensor = None
         if self._cuda and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
-
-    def __enter__(self) -> BufferLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

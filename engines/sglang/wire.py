@@ -26,8 +26,6 @@ __all__ = [
     "ContinueGenerationReqInput",
     "DestroyWeightsUpdateGroupReqInput",
     "EndWeightUpdateReqInput",
-    "ErrorDetail",
-    "ErrorResponse",
     "InitWeightsUpdateGroupReqInput",
     "InternalState",
     "MemoryUsage",
@@ -221,16 +219,6 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class ErrorDetail(_Reply):
-    message: str
-
-
-class ErrorResponse(_Reply):
-    """``{"error": {"message"}}``: release/resume and other routes that catch (http_server.py:2246-2250)."""
-
-    error: ErrorDetail
-
-
 class ModelInfo(_Reply):
     """GET /model_info (http_server.py:812-850), where 0.5.6+ publishes the current weight version."""
 
@@ -317,12 +305,10 @@ def parse_reply(model: type[_R], data: Any) -> _R:
 # --- builders --------------------------------------------------------------------------------
 
 
-def body(model: SGLangRequest, protocol: SGLangProtocol | None = None) -> dict[str, Any]:
-    """The JSON body for ``model``, defaults included. With ``protocol``, a field that SGLang lacks is dropped while
-    it holds the default and refused otherwise, naming it: that SGLang would ignore the key."""
+def body(model: SGLangRequest, protocol: SGLangProtocol) -> dict[str, Any]:
+    """The JSON body for ``model``, defaults included; a field that ``protocol`` lacks is dropped while it holds the
+    default and refused otherwise, naming it: that SGLang would ignore the key."""
     data = model.model_dump(mode="json")
-    if protocol is None:
-        return data
     struct = type(model).__name__
     if not protocol.has_struct(struct):
         raise ValueError(
@@ -354,10 +340,7 @@ def pause_generation_request(protocol: SGLangProtocol, mode: PauseMode | str) ->
     return body(PauseGenerationReqInput.model_validate({"mode": PauseMode(mode).value}), protocol)
 
 
-def continue_generation_request(
-    protocol: SGLangProtocol, *, torch_empty_cache: bool = True
-) -> dict[str, Any] | None:
-    """The /continue_generation body, or None where the route reads no body (LEGACY)."""
-    if not protocol.continue_body:
-        return None
-    return body(ContinueGenerationReqInput(torch_empty_cache=torch_empty_cache), protocol)
+def continue_generation_request(protocol: SGLangProtocol) -> dict[str, Any] | None:
+    """The /continue_generation body (emptying the cache before un-pausing), or None where the route reads no body
+    (LEGACY)."""
+    return body(ContinueGenerationReqInput(), protocol) if protocol.continue_body else None

@@ -326,7 +326,7 @@ def test_replies_parse_as_sglang_sends_them() -> None:
         {"success": True, "message": "ok", "ranks": [{"per_gpu_checksum": "ab"}], "per_engine_checksum": "cd"}
     )
     assert checker.per_engine_checksum == "cd"
-    assert wire.ErrorResponse.model_validate({"error": {"message": "boom"}}).error.message == "boom"
+    assert replies.ErrorResponse.model_validate({"error": {"message": "boom"}}).error.message == "boom"
     info = wire.ModelInfo.model_validate({"model_path": "m", "weight_version": "7", "architectures": ["X"]})
     assert info.weight_version == "7"
     server = wire.ServerInfo.model_validate({"version": "0.5.4", "tp_size": 2, "port": 30000})
