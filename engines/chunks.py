@@ -206,9 +206,8 @@ SEGMENT_PREFIX = "colocd"  # a segment is named <prefix>-<creator pid>-<12 hex>;
 @dataclass
 class SharedSegment:
     """A POSIX shared-memory segment (a file under /dev/shm) mapped into this process; not
-    ``multiprocessing.shared_memory``, whose resource tracker unlinks segments it merely opened (Python < 3.13).
-
-    The creator's pid is in the name and it holds a shared ``flock`` for as long as its mapping lives (the kernel
+    ``multiprocessing.shared_memory``, whose resource tracker unlinks segments it merely opened (Python < 3.13). The
+    creator's pid is in the name and it holds a shared ``flock`` for as long as its mapping lives (the kernel
     drops it when the process dies), so ``engines/segments.py`` can tell a dead creator's segment from a live one.
     """
 

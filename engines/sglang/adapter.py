@@ -35,7 +35,7 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
-from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
+from ..handles import HandleRoute, PayloadRoute
 from ..httpmap import check_reply, map_http_errors
 from . import wire
 from .protocol import V0_5_23, SGLangProtocol, negotiated, protocol_for_version, untested_warning
@@ -368,13 +368,13 @@ def _load_format(load: ChunkLoad) -> str | None:
 
 def _payload_format(route: HandleRoute) -> str:
     """The form of the trainer's own payload: what its handle says, else SGLang's flattened_bucket."""
-    said = route.load_format if isinstance(route, (CudaIpcRoute, InlineRoute)) else None
+    said = route.load_format if isinstance(route, PayloadRoute) else None
     return said or "flattened_bucket"
 
 
 def _entry(part: ChunkPart) -> str:
     """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle (CUDA-IPC and inline chunks)."""
-    payload = part.route.payload_b64 if isinstance(part.route, (CudaIpcRoute, InlineRoute)) else None
+    payload = part.route.payload_b64 if isinstance(part.route, PayloadRoute) else None
     if payload is None:
         raise RequestInvalid(f"{part.transport} chunk handle carries no 'payload_b64' string",
                              field="handle.payload_b64")

@@ -10,17 +10,10 @@ from collections.abc import Mapping
 
 from ...errors import EngineLaunchError
 from ..config import SGLangEngineConfig
-from ..processes import (
-    Launched,
-    LaunchOptions,
-    flag_values,
-    gpu_environment,
-    launch_until_healthy,
-    strip_expandable_segments,
-)
+from ..processes import Launched, LaunchOptions, flag_values, gpu_environment, launch_until_healthy
 from .protocol import parse_version
 
-__all__ = ["launch_sglang", "sglang_command", "strip_expandable_segments"]
+__all__ = ["launch_sglang", "sglang_command"]
 
 # Flags colocd sets from the engine config; launch.args may not set them again.
 _OWNED_FLAGS = {

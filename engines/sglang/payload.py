@@ -68,11 +68,9 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
 
 def serialize(obj: Any, shares: list[tuple[bytes, int]] | None = None) -> str:
     """One SGLang ``serialized_named_tensors`` entry: ``obj`` of CUDA tensors pickled by ForkingPickler, base64.
-
     ``shares`` collects each CUDA share's ``(ref_counter_handle, ref_counter_offset)`` (``colocd.trainer.leases``).
     The UUID reducer is this pickler's own (``dispatch_table``): nothing process-wide is patched. The pickle names
-    ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, which SGLang resolves to its UUID-aware rebuild.
-    """
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, which SGLang resolves to its UUID-aware rebuild."""
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     reduce = _reduce_tensor
@@ -149,12 +147,10 @@ def export_flattened_bucket(named: Sequence[tuple[str, torch.Tensor]],
 
 
 class BufferLease:
-    """Keeps one exported bucket alive until the engine has confirmed it, then lets it go for good.
-
-    SGLang answers once the copy is *enqueued* (THUDM/slime#929), so a buffer is never refilled after a reply:
-    ``release()`` drops the only reference and PyTorch frees the memory once the engine has dropped its IPC
-    mapping, which ``torch.cuda.ipc_collect()`` notices (THUDM/slime#1731).
-    """
+    """Keeps one exported bucket alive until the engine has confirmed it, then lets it go for good. SGLang answers once
+    the copy is *enqueued* (THUDM/slime#929), so a buffer is never refilled after a reply: ``release()`` drops the only
+    reference and PyTorch frees the memory once the engine has dropped its IPC mapping, which
+    ``torch.cuda.ipc_collect()`` notices (THUDM/slime#1731)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor: torch.Tensor | None = tensor

@@ -290,7 +290,7 @@ def test_a_non_default_value_an_old_sglang_would_ignore_is_refused() -> None:
 
 
 def test_bodies_send_every_field_so_nothing_rests_on_sglang_defaults() -> None:
-    body = wire.body(wire.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[B64]))
+    body = wire.body(wire.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[B64]), V0_5_23)
     assert body["flush_cache"] is True and body["weight_version"] is None and body["selector"] == "all"
     assert set(body) == set(wire.UpdateWeightsFromTensorReqInput.model_fields)
 

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
-from colocd.engines.processes import free_port
+from colocd.engines.processes import free_port, strip_expandable_segments
 from colocd.engines.sglang import launcher
-from colocd.engines.sglang.launcher import launch_sglang, sglang_command, strip_expandable_segments
+from colocd.engines.sglang.launcher import launch_sglang, sglang_command
 from colocd.errors import EngineLaunchError
 
 
