@@ -179,20 +179,16 @@ def parse_handle(transport: Transport, handle: object) -> Handle:
 
 def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
     """The route of a handle that did not come through the API (an in-process caller's dict), read leniently."""
+    device = _text(handle, "device_uuid")
     try:
         wire = Transport(transport).wire
     except ValueError:  # no such transport: refused, naming it, where the handle is inspected (chunks.py)
-        return HostRoute(_device(handle))
+        return HostRoute(device)
     if wire is Transport.SHM:
-        name = handle.get("shm_name")
-        return ShmRoute(_device(handle), name if isinstance(name, str) else None)
+        return ShmRoute(device, _text(handle, "shm_name"))
     if wire in (Transport.CUDA_IPC, Transport.INLINE):
-        return PayloadRoute(_device(handle), _text(handle, "payload_b64"), _text(handle, "load_format"))
-    return HostRoute(_device(handle))
-
-
-def _device(handle: Mapping[str, object]) -> str | None:
-    return _text(handle, "device_uuid")
+        return PayloadRoute(device, _text(handle, "payload_b64"), _text(handle, "load_format"))
+    return HostRoute(device)
 
 
 def _text(handle: Mapping[str, object], key: str) -> str | None:

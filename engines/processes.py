@@ -28,7 +28,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -81,7 +81,12 @@ async def _await_exit(pid: int, alive: Callable[[], bool]) -> None:
         return
     loop = asyncio.get_running_loop()
     exited: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+
+    def on_exit() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, on_exit)
     try:
         if alive():  # else gone already, or the pid was reused before the pidfd pinned it
             await exited
@@ -299,8 +304,9 @@ class ManagedProcess:
         return proc.returncode
 
     def stop_sync(self, grace_s: float = 10.0) -> int | None:
-        """Blocking twin of ``stop``."""
-        return _blocking(self.stop(grace_s))
+        """Blocking twin of ``stop``, on an event loop of its own in a thread (a blocking caller may be in a loop)."""
+        with ThreadPoolExecutor(1, thread_name_prefix="colocd-blocking") as pool:
+            return pool.submit(asyncio.run, self.stop(grace_s)).result()
 
     @property
     def _what(self) -> str:
@@ -420,12 +426,6 @@ async def launch_until_healthy(
                 await process.stop()
                 raise
     raise AssertionError("unreachable")
-
-
-def _blocking(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to its end on an event loop of its own, in a thread: a blocking caller may be inside a loop."""
-    with ThreadPoolExecutor(1, thread_name_prefix="colocd-blocking") as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def _engine_failure(proc: ManagedProcess, what: str) -> EngineLaunchError:

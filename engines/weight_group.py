@@ -126,10 +126,6 @@ class WeightGroup:
         pg._set_sequence_number_for_group()
         return cls(pg, store, rank=rank, world_size=world_size, group_name=group_name, backend=backend)
 
-    @property
-    def closed(self) -> bool:
-        return self._pg is None
-
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` from rank ``src`` (in place on receivers); returns once it has landed."""
         pg = self._pg  # a local reference: close() on another thread must not drop it mid-call

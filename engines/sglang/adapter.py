@@ -178,14 +178,11 @@ class SGLangAdapter:
     def _check_tp_size(self, server: wire.ServerInfo) -> None:
         """The engine's TP size (server_info's ``tp_size``, where it says) must be the declared one: every chunk
         carries one payload per declared TP rank."""
-        reported = server.tp_size
-        if reported is None:
-            return
         declared = int(self._config.tp_size)
-        if reported != declared:
+        if server.tp_size is not None and server.tp_size != declared:
             raise EngineMismatch(
                 self.name,
-                f"the engine reports tp_size {reported} but the node config declares tp_size {declared}; "
+                f"the engine reports tp_size {server.tp_size} but the node config declares tp_size {declared}; "
                 "not attached (every chunk would carry the wrong number of payloads): fix tp_size in the "
                 f"config of engine {self.name!r} or restart the engine with tp_size {declared}",
             )

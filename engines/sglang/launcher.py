@@ -124,8 +124,7 @@ def sglang_command(
     return argv, env
 
 
-async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | None = None, *,
-                        sglang_version: str | None = None) -> Launched:
+async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | None = None) -> Launched:
     """Start ``config``'s server under ``$COLOCD_SGLANG_PYTHON`` (else this interpreter) on ``config.url``'s port
     (else a free one) and return once ``/health`` answers 200 (``launch_until_healthy``)."""
     if config.launch is None:
@@ -133,7 +132,7 @@ async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | Non
     python = os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable
     process, url = await launch_until_healthy(
         config.name, "SGLang",
-        lambda port: sglang_command(config, port, python=python, sglang_version=sglang_version),
+        lambda port: sglang_command(config, port, python=python),
         url=config.url or None, log_file=config.launch.log_file,
         ready_timeout_s=config.launch.ready_timeout_s, on_spawn=(options or LaunchOptions()).on_spawn)
     return Launched(url, process)
