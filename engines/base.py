@@ -14,20 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 from ..policies import Transport
 from .handles import Handle, HandleRoute, route_of
 
-__all__ = [
-    "ALL_TAGS",
-    "ChunkLoad",
-    "ChunkPart",
-    "EngineAdapter",
-    "EngineDigests",
-    "EngineInfo",
-    "MemoryReport",
-    "MemoryTag",
-    "Observation",
-    "PauseMode",
-    "ReleaseReport",
-    "TagState",
-]
+__all__ = ["ALL_TAGS", "ChunkLoad", "ChunkPart", "EngineAdapter", "EngineDigests", "EngineInfo", "MemoryReport",
+           "MemoryTag", "Observation", "PauseMode", "ReleaseReport", "TagState"]
 
 
 class MemoryTag(StrEnum):

@@ -28,24 +28,9 @@ if TYPE_CHECKING:  # torch is imported where tensors are touched: a layout is ch
 from ..errors import RequestInvalid
 from .inline import check_inline_payload
 
-__all__ = [
-    "DTYPES",
-    "MAX_LAYOUT_ENTRIES",
-    "SEGMENT_PREFIX",
-    "SHM_DIR",
-    "SHM_NAME_PATTERN",
-    "ChunkLayout",
-    "LayoutEntry",
-    "SharedSegment",
-    "TensorSpec",
-    "dtype_from_name",
-    "dtype_itemsize",
-    "dtype_name",
-    "flatten_into",
-    "inspect_handle",
-    "plan_chunks",
-    "unflatten",
-]
+__all__ = ["DTYPES", "MAX_LAYOUT_ENTRIES", "SEGMENT_PREFIX", "SHM_DIR", "SHM_NAME_PATTERN", "ChunkLayout",
+           "LayoutEntry", "SharedSegment", "TensorSpec", "dtype_from_name", "dtype_itemsize", "dtype_name",
+           "flatten_into", "inspect_handle", "plan_chunks", "unflatten"]
 
 # The dtypes a chunk may carry and their itemsizes, by torch's short names (``getattr(torch, name)``); sizes, not
 # torch dtypes, so that validating a layout (all the daemon does with one) never imports torch.

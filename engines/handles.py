@@ -19,22 +19,8 @@ from pydantic_core import InitErrorDetails, ValidationError
 from ..policies import Transport
 from .chunks import SHM_NAME_PATTERN, LayoutEntry
 
-__all__ = [
-    "CudaIpcHandle",
-    "DiskHandle",
-    "Handle",
-    "HandleModel",
-    "HandleRoute",
-    "HostRoute",
-    "InlineHandle",
-    "LayoutEntry",
-    "PayloadRoute",
-    "ShmHandle",
-    "ShmRoute",
-    "handle_model",
-    "parse_handle",
-    "route_of",
-]
+__all__ = ["CudaIpcHandle", "DiskHandle", "Handle", "HandleModel", "HandleRoute", "HostRoute", "InlineHandle",
+           "LayoutEntry", "PayloadRoute", "ShmHandle", "ShmRoute", "handle_model", "parse_handle", "route_of"]
 
 
 # Every route says ``device_uuid``: the GPU the trainer exported the bytes from (None: not known).

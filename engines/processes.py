@@ -41,24 +41,9 @@ from ..errors import EngineLaunchError
 from .shm_files import GroupShmFiles
 from .tether import TETHER_ENV, tether_prefix
 
-__all__ = [
-    "AdoptedProcess",
-    "LaunchOptions",
-    "LaunchRecord",
-    "Launched",
-    "ManagedProcess",
-    "flag_values",
-    "free_port",
-    "gpu_environment",
-    "group_alive",
-    "launch_until_healthy",
-    "process_start_time",
-    "read_ready_file",
-    "read_tail",
-    "signal_group",
-    "stop_group",
-    "strip_expandable_segments",
-]
+__all__ = ["AdoptedProcess", "LaunchOptions", "LaunchRecord", "Launched", "ManagedProcess", "flag_values", "free_port",
+           "gpu_environment", "group_alive", "launch_until_healthy", "process_start_time", "read_ready_file",
+           "read_tail", "signal_group", "stop_group", "strip_expandable_segments"]
 
 log = logging.getLogger("colocd.supervisor")
 T = TypeVar("T")

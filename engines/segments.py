@@ -3,11 +3,8 @@
 A SIGKILLed trainer unlinks nothing, and its segments would hold host memory until the node reboots; the next
 trainer's shm producer and the daemon run ``reclaim_dead_segments``. A segment is reclaimed only when its pid (in
 the name) is not a live process here and nobody holds the creator's ``flock`` on it (which covers a creator in
-another pid namespace sharing /dev/shm).
-
-The daemon also unlinks what an uncommitted weight session's chunks named (``unlink_session_segments``), but only
-segments it can prove are that session's trainer's (colocd's naming, and the pid a rank declared or a dead
-creator): a caller must not be able to delete another program's shared memory by naming it.
+another pid namespace sharing /dev/shm). The daemon also unlinks what an uncommitted weight session's chunks named
+(``unlink_session_segments``).
 """
 
 from __future__ import annotations
@@ -69,8 +66,9 @@ def reclaim_dead_segments() -> list[ReclaimedSegment]:
 
 
 def unlink_session_segments(names: Iterable[str], trainer_pids: Collection[int]) -> list[ReclaimedSegment]:
-    """Unlink, of the segments an uncommitted session's chunks named, those provably its trainer's (a pid in
-    ``trainer_pids``, or a dead and unlocked creator); returns them."""
+    """Unlink, of the segments an uncommitted session's chunks named, those provably its trainer's (colocd's naming,
+    and a pid in ``trainer_pids`` or a dead and unlocked creator); returns them. A caller must not be able to delete
+    another program's shared memory by naming it."""
     unlinked = []
     for name in sorted(set(names)):
         pid = segment_creator(name)

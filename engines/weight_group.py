@@ -29,17 +29,8 @@ from torch.distributed import (  # type: ignore[attr-defined]  # re-exported fro
 from .chunks import dtype_from_name, dtype_name
 from .weight_group_protocol import BACKEND_DEVICES, flat_offsets
 
-__all__ = [
-    "BACKEND_DEVICES",
-    "FlatEntry",
-    "WeightGroup",
-    "chunk_order",
-    "dtype_name",
-    "flattened_layout",
-    "master_store",
-    "off_loop",
-    "parse_dtype",
-]
+__all__ = ["BACKEND_DEVICES", "FlatEntry", "WeightGroup", "chunk_order", "dtype_name", "flattened_layout",
+           "master_store", "off_loop", "parse_dtype"]
 
 _T = TypeVar("_T")
 

@@ -35,7 +35,7 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
-from ..handles import HandleRoute, PayloadRoute
+from ..handles import PayloadRoute
 from ..httpmap import check_reply, map_http_errors
 from . import wire
 from .protocol import V0_5_23, SGLangProtocol, negotiated, protocol_for_version, untested_warning
@@ -207,13 +207,10 @@ class SGLangAdapter:
             for task in asked:
                 task.cancel()
             await asyncio.gather(*asked, return_exceptions=True)  # every outcome retrieved
-        return self._observation(server, version)
-
-    def _observation(self, server: wire.ServerInfo, version: str | None) -> Observation:
         first = server.internal_states[0] if server.internal_states else wire.InternalState()
-        paused = (first.paused is not None) if first.has_paused else None
+        paused = (first.paused is not None) if "paused" in first.model_fields_set else None
         session = None  # older SGLang has no update session at all, so none can be open or lost
-        if self.protocol.weight_update_session and first.has_session:
+        if self.protocol.weight_update_session and "weight_update_session" in first.model_fields_set:
             session = first.weight_update_session is not None
         return Observation(incarnation=server.incarnation(), weight_version=version, paused=paused,
                            update_session_open=session)
@@ -355,18 +352,14 @@ _GPU_TRANSPORTS = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER
 
 
 def _load_format(load: ChunkLoad) -> str | None:
-    formats = {_payload_format(p.route) for p in load.payloads}
+    """The form of the trainers' payloads: what their handles say, else SGLang's flattened_bucket."""
+    formats = {(p.route.load_format if isinstance(p.route, PayloadRoute) else None) or "flattened_bucket"
+               for p in load.payloads}
     if len(formats) != 1:
         raise RequestInvalid(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}; one chunk "
                              "travels in one format", field="handle.load_format")
     load_format = formats.pop()
     return None if load_format == "direct" else load_format  # SGLang's default: a list of (name, tensor)
-
-
-def _payload_format(route: HandleRoute) -> str:
-    """The form of the trainer's own payload: what its handle says, else SGLang's flattened_bucket."""
-    said = route.load_format if isinstance(route, PayloadRoute) else None
-    return said or "flattened_bucket"
 
 
 def _entry(part: ChunkPart) -> str:

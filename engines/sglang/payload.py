@@ -24,21 +24,11 @@ from torch.multiprocessing import reductions
 from ..chunks import ChunkLayout, dtype_from_name, flatten_into
 from ..cuda_handles import device_uuid
 
-__all__ = [
-    "FLATTENED_BUCKET",
-    "BufferLease",
-    "FlattenedBucket",
-    "export_flattened_bucket",
-    "flatten_bucket",
-    "metadata_for_layout",
-    "named_tensors_payload",
-    "serialize",
-    "with_device_uuid",
-]
+__all__ = ["FLATTENED_BUCKET", "BufferLease", "FlattenedBucket", "export_flattened_bucket", "flatten_bucket",
+           "metadata_for_layout", "named_tensors_payload", "serialize", "with_device_uuid"]
 
-FLATTENED_BUCKET = (
-    "flattened_bucket"  # load_format SGLang dispatches on (model_runner_components/weight_updater.py:354)
-)
+# The load_format SGLang dispatches on (model_runner_components/weight_updater.py:354).
+FLATTENED_BUCKET = "flattened_bucket"
 
 # reduce_tensor's CUDA tuple: index 6 is storage_device (torch/multiprocessing/reductions.py;
 # SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX, patch_torch.py:66). 15 positional arguments in all.

