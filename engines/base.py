@@ -14,20 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 from ..policies import Transport
 from .handles import Handle, HandleRoute, route_of
 
-__all__ = [
-    "ALL_TAGS",
-    "ChunkLoad",
-    "ChunkPart",
-    "EngineAdapter",
-    "EngineDigests",
-    "EngineInfo",
-    "MemoryReport",
-    "MemoryTag",
-    "Observation",
-    "PauseMode",
-    "ReleaseReport",
-    "TagState",
-]
+__all__ = ["ALL_TAGS", "ChunkLoad", "ChunkPart", "EngineAdapter", "EngineDigests", "EngineInfo", "MemoryReport",
+           "MemoryTag", "Observation", "PauseMode", "ReleaseReport", "TagState"]
 
 
 class MemoryTag(StrEnum):
@@ -77,10 +65,9 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseReport:
-    """What an engine reported about one release or resume; bytes are the engine's own claim."""
+    """The tags one release or resume reported (vLLM's sleep takes weights and kv_cache together)."""
 
     tags: tuple[MemoryTag, ...]
-    nbytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,24 +28,9 @@ if TYPE_CHECKING:  # torch is imported where tensors are touched: a layout is ch
 from ..errors import RequestInvalid
 from .inline import check_inline_payload
 
-__all__ = [
-    "DTYPES",
-    "MAX_LAYOUT_ENTRIES",
-    "SEGMENT_PREFIX",
-    "SHM_DIR",
-    "SHM_NAME_PATTERN",
-    "ChunkLayout",
-    "LayoutEntry",
-    "SharedSegment",
-    "TensorSpec",
-    "dtype_from_name",
-    "dtype_itemsize",
-    "dtype_name",
-    "flatten_into",
-    "inspect_handle",
-    "plan_chunks",
-    "unflatten",
-]
+__all__ = ["DTYPES", "MAX_LAYOUT_ENTRIES", "SEGMENT_PREFIX", "SHM_DIR", "SHM_NAME_PATTERN", "ChunkLayout",
+           "LayoutEntry", "SharedSegment", "TensorSpec", "dtype_from_name", "dtype_itemsize", "dtype_name",
+           "flatten_into", "inspect_handle", "plan_chunks", "unflatten"]
 
 # The dtypes a chunk may carry and their itemsizes, by torch's short names (``getattr(torch, name)``); sizes, not
 # torch dtypes, so that validating a layout (all the daemon does with one) never imports torch.
@@ -206,9 +191,8 @@ SEGMENT_PREFIX = "colocd"  # a segment is named <prefix>-<creator pid>-<12 hex>;
 @dataclass
 class SharedSegment:
     """A POSIX shared-memory segment (a file under /dev/shm) mapped into this process; not
-    ``multiprocessing.shared_memory``, whose resource tracker unlinks segments it merely opened (Python < 3.13).
-
-    The creator's pid is in the name and it holds a shared ``flock`` for as long as its mapping lives (the kernel
+    ``multiprocessing.shared_memory``, whose resource tracker unlinks segments it merely opened (Python < 3.13). The
+    creator's pid is in the name and it holds a shared ``flock`` for as long as its mapping lives (the kernel
     drops it when the process dies), so ``engines/segments.py`` can tell a dead creator's segment from a live one.
     """
 
@@ -218,8 +202,8 @@ class SharedSegment:
     _mmap: mmap.mmap | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, nbytes: int, prefix: str = SEGMENT_PREFIX) -> SharedSegment:
-        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+    def create(cls, nbytes: int) -> SharedSegment:
+        name = f"{SEGMENT_PREFIX}-{os.getpid()}-{secrets.token_hex(6)}"
         fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # held by the mapping's duplicate descriptor until it closes
@@ -274,28 +258,24 @@ class SharedSegment:
             pass
 
 
-# What a trainer-supplied handle may name: a colocd trainer's segment (SharedSegment.create's naming), never
-# another program's /dev/shm file (the daemon may unlink what a chunk names: engines/segments.py).
-SHM_NAME_PATTERN = re.compile(rf"^{SEGMENT_PREFIX}-[1-9][0-9]{{0,9}}-[0-9a-f]{{1,64}}$")
+# What a trainer-supplied handle may name: a colocd trainer's segment (SharedSegment.create's naming; the group is
+# the creator's pid), never another program's /dev/shm file (the daemon may unlink what a chunk names: segments.py).
+SHM_NAME_PATTERN = re.compile(rf"^{SEGMENT_PREFIX}-([1-9][0-9]{{0,9}})-[0-9a-f]{{1,64}}$")
 MAX_LAYOUT_ENTRIES = 65536  # more tensors than any model has in one chunk; bounds the daemon's parsing
 
 
 def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> ChunkLayout:
-    """Check what can be checked of a chunk handle on this node before any engine sees it, and return the chunk's
-    layout (``handle.layout``, on every transport). shm: a colocd trainer segment that exists and holds
-    ``nbytes``; disk: an absolute path to a regular file; cuda_ipc: base64; inline: one well-formed pickle of
-    allow-listed names (``engines/inline.py``)."""
+    """Check what only this node can tell of a chunk handle the API parsed (``engines/handles.py`` checked each
+    field's form) before any engine sees it, and return the chunk's layout (``handle.layout``, on every transport).
+    shm: the segment exists and holds ``nbytes``; disk: the file exists; cuda_ipc: base64; inline: one well-formed
+    pickle of allow-listed names (``engines/inline.py``)."""
     if transport == "shm":
-        name = handle.get("shm_name")
-        if not isinstance(name, str) or not SHM_NAME_PATTERN.match(name):
-            raise RequestInvalid(f"shm_name {name!r} is not a colocd trainer segment name "
-                                 f"(pattern {SHM_NAME_PATTERN.pattern})", field="handle.shm_name")
-        declared = handle.get("nbytes")
-        if type(declared) is not int or declared != nbytes:
-            raise RequestInvalid(f"handle.nbytes must be the chunk's nbytes ({nbytes}) as an integer, got {declared!r}",
+        name, declared = handle.get("shm_name"), handle.get("nbytes")
+        if declared != nbytes:
+            raise RequestInvalid(f"handle.nbytes must be the chunk's nbytes ({nbytes}), got {declared!r}",
                                  field="handle.nbytes")
         try:
-            size = os.stat(os.path.join(SHM_DIR, name)).st_size
+            size = os.stat(os.path.join(SHM_DIR, str(name))).st_size
         except FileNotFoundError:
             raise RequestInvalid(f"no shared-memory segment {name!r} on this node", field="handle.shm_name") from None
         if size < nbytes:
@@ -303,20 +283,16 @@ def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> Chunk
                                  field="nbytes")
         return _layout(transport, handle, nbytes)
     if transport == "disk":
-        path = handle.get("path")
-        if not isinstance(path, str) or not os.path.isabs(path) or not os.path.isfile(path):
+        path = str(handle.get("path"))
+        if not os.path.isabs(path) or not os.path.isfile(path):
             raise RequestInvalid(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
         return _layout(transport, handle, None)
     if transport == "inline":
         check_inline_payload(handle.get("payload_b64"))
         return _layout(transport, handle, nbytes)
     if transport == "cuda_ipc":
-        payload = handle.get("payload_b64")
-        if not isinstance(payload, str):
-            raise RequestInvalid("a cuda_ipc handle carries its payload as a 'payload_b64' string",
-                                 field="handle.payload_b64")
         try:
-            base64.b64decode(payload, validate=True)
+            base64.b64decode(str(handle.get("payload_b64")), validate=True)
         except binascii.Error as exc:
             raise RequestInvalid(f"payload_b64 is not base64: {exc}", field="handle.payload_b64") from None
         return _layout(transport, handle, None)

@@ -11,14 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .base import ALL_TAGS, MemoryTag
 
-__all__ = [
-    "AnyEngineConfig",
-    "EngineConfig",
-    "LaunchConfig",
-    "ReferenceEngineConfig",
-    "SGLangEngineConfig",
-    "VLLMEngineConfig",
-]
+__all__ = ["AnyEngineConfig", "EngineConfig", "LaunchConfig", "ReferenceEngineConfig", "SGLangEngineConfig",
+           "VLLMEngineConfig"]
 
 
 class LaunchConfig(BaseModel):

@@ -93,10 +93,8 @@ def _product(words: torch.Tensor, columns: torch.Tensor, out: torch.Tensor, wide
 
 def _row_sums(words: torch.Tensor, ws: _Workspace, out: torch.Tensor, widen: str) -> None:
     """``out[r] = sum_j w_j x_{r,j}`` modulo 2**64 for every row ``r`` of ``words`` (the last may be short).
-
     ``widen``: ``multiply`` casts inside the product (CUDA), ``copy`` widens first and multiplies in place (CPU,
-    where a mixed-dtype multiply makes a temporary); the same sums, relying on int64 wrapping modulo 2**64.
-    """
+    where a mixed-dtype multiply makes a temporary); the same sums, relying on int64 wrapping modulo 2**64."""
     n = words.numel()
     whole = n // ROW
     step = ws.scratch.shape[0]
@@ -181,11 +179,9 @@ def _weighted_totals(row_sums: torch.Tensor, counts: list[int], ws: _Workspace,
 
 def tensor_digests(named: Iterable[tuple[str, torch.Tensor]], cache: DigestCache | None = None,
                    scratch_rows: int = SCRATCH_ROWS, widen: str | None = None) -> dict[str, str]:
-    """Every tensor's digest by name, computed where each tensor lives; one host sync for the batch.
-
-    ``cache`` keeps the weight vectors and scratch per device between calls; ``widen`` (``_row_sums``, or
-    ``kernel``) changes speed, never a digest.
-    """
+    """Every tensor's digest by name, computed where each tensor lives; one host sync for the batch. ``cache`` keeps the
+    weight vectors and scratch per device between calls; ``widen`` (``_row_sums``, or ``kernel``) changes speed, never a
+    digest."""
     if widen not in (None, KERNEL, *WIDEN):
         raise ValueError(f"widen must be one of {(*WIDEN, KERNEL)}, not {widen!r}")
     cache = {} if cache is None else cache

@@ -19,23 +19,8 @@ from pydantic_core import InitErrorDetails, ValidationError
 from ..policies import Transport
 from .chunks import SHM_NAME_PATTERN, LayoutEntry
 
-__all__ = [
-    "CudaIpcHandle",
-    "CudaIpcRoute",
-    "DiskHandle",
-    "Handle",
-    "HandleModel",
-    "HandleRoute",
-    "HostRoute",
-    "InlineHandle",
-    "InlineRoute",
-    "LayoutEntry",
-    "ShmHandle",
-    "ShmRoute",
-    "handle_model",
-    "parse_handle",
-    "route_of",
-]
+__all__ = ["CudaIpcHandle", "DiskHandle", "Handle", "HandleModel", "HandleRoute", "HostRoute", "InlineHandle",
+           "LayoutEntry", "PayloadRoute", "ShmHandle", "ShmRoute", "handle_model", "parse_handle", "route_of"]
 
 
 # Every route says ``device_uuid``: the GPU the trainer exported the bytes from (None: not known).
@@ -50,17 +35,9 @@ class ShmRoute:
 
 
 @dataclass(frozen=True, slots=True)
-class CudaIpcRoute:
-    """A GPU bucket (or per-tensor handles) exported by the trainer, its IPC payload and SGLang's name for its form."""
-
-    device_uuid: str | None
-    payload_b64: str | None = None
-    load_format: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class InlineRoute:
-    """The bytes in the handle itself: the pickle and SGLang's name for its form."""
+class PayloadRoute:
+    """An engine payload in the handle itself, as SGLang loads it: a GPU bucket's (or per-tensor) IPC handles
+    (cuda_ipc) or the tensors' bytes (inline), and SGLang's name for its form."""
 
     device_uuid: str | None
     payload_b64: str | None = None
@@ -74,7 +51,7 @@ class HostRoute:
     device_uuid: str | None
 
 
-HandleRoute = ShmRoute | CudaIpcRoute | InlineRoute | HostRoute
+HandleRoute = ShmRoute | PayloadRoute | HostRoute
 
 
 _Text = Annotated[str, StringConstraints(min_length=1, max_length=4096)]
@@ -147,7 +124,7 @@ class InlineHandle(Handle):
         "SGLang's name for the pickle's form (flattened_bucket, the default; direct)"))
 
     def route(self) -> HandleRoute:
-        return InlineRoute(None, self.payload_b64, self.load_format)
+        return PayloadRoute(None, self.payload_b64, self.load_format)
 
 
 class CudaIpcHandle(Handle):
@@ -161,7 +138,7 @@ class CudaIpcHandle(Handle):
         "SGLang's name for the payload's form (flattened_bucket; direct for per_tensor chunks)"))
 
     def route(self) -> HandleRoute:
-        return CudaIpcRoute(self.device_uuid, self.payload_b64, self.load_format)
+        return PayloadRoute(self.device_uuid, self.payload_b64, self.load_format)
 
 
 HandleModel = ShmHandle | DiskHandle | InlineHandle | CudaIpcHandle
@@ -188,22 +165,16 @@ def parse_handle(transport: Transport, handle: object) -> Handle:
 
 def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
     """The route of a handle that did not come through the API (an in-process caller's dict), read leniently."""
+    device = _text(handle, "device_uuid")
     try:
         wire = Transport(transport).wire
     except ValueError:  # no such transport: refused, naming it, where the handle is inspected (chunks.py)
-        return HostRoute(_device(handle))
+        return HostRoute(device)
     if wire is Transport.SHM:
-        name = handle.get("shm_name")
-        return ShmRoute(_device(handle), name if isinstance(name, str) else None)
-    if wire is Transport.CUDA_IPC:
-        return CudaIpcRoute(_device(handle), _text(handle, "payload_b64"), _text(handle, "load_format"))
-    if wire is Transport.INLINE:
-        return InlineRoute(_device(handle), _text(handle, "payload_b64"), _text(handle, "load_format"))
-    return HostRoute(_device(handle))
-
-
-def _device(handle: Mapping[str, object]) -> str | None:
-    return _text(handle, "device_uuid")
+        return ShmRoute(device, _text(handle, "shm_name"))
+    if wire in (Transport.CUDA_IPC, Transport.INLINE):
+        return PayloadRoute(device, _text(handle, "payload_b64"), _text(handle, "load_format"))
+    return HostRoute(device)
 
 
 def _text(handle: Mapping[str, object], key: str) -> str | None:

@@ -11,8 +11,7 @@ import httpx
 
 from ..errors import EngineProtocolError, EngineRejected, EngineTimeout, EngineUnreachable, PayloadRejected
 
-__all__ = ["PAYLOAD_REFUSAL_STATUSES", "caller_payload", "check_reply", "is_payload_refusal", "map_http_errors",
-           "refused_payload", "reply_message"]
+__all__ = ["caller_payload", "check_reply", "map_http_errors", "refused_payload"]
 
 # An engine's answer that means "the data you sent me is wrong" (SGLang answers 400 with success=false;
 # FastAPI-based engines 422; a body over the engine's limit 413), as opposed to "I failed" (5xx).
@@ -32,18 +31,11 @@ def map_http_errors(engine: str, what: str) -> Iterator[None]:
         raise EngineProtocolError(engine, f"{what}: {_describe(exc)}") from exc
 
 
-def is_payload_refusal(exc: BaseException) -> bool:
-    """True when an engine refused the request's data (400/413/422), not itself failing; whoever knows the data
-    came from the caller turns it into the caller's 4xx (``caller_payload``)."""
-    return isinstance(exc, EngineRejected) and exc.status in PAYLOAD_REFUSAL_STATUSES
-
-
-
 def refused_payload(exc: BaseException, *, field: str | None = None,
                     describe: Callable[[EngineRejected], str] | None = None) -> PayloadRejected | None:
-    """The caller's 422 if ``exc`` is an engine's refusal of data the caller wrote (``describe`` words it; by
-    default it names ``field``), else None: an engine that fails stays an engine error."""
-    if not isinstance(exc, EngineRejected) or not is_payload_refusal(exc):
+    """The caller's 422 if ``exc`` is an engine's refusal of data the caller wrote (400/413/422; ``describe`` words
+    it, by default naming ``field``), else None: an engine that fails (5xx) stays an engine error."""
+    if not isinstance(exc, EngineRejected) or exc.status not in PAYLOAD_REFUSAL_STATUSES:
         return None
     message = describe(exc) if describe is not None else f"{exc} (the request's {field or 'payload'} was refused)"
     return PayloadRejected(message, engine=exc.engine, field=field)
@@ -58,6 +50,7 @@ def caller_payload(field: str | None = None) -> Iterator[None]:
         if (refusal := refused_payload(exc, field=field)) is None:
             raise
         raise refusal from exc
+
 
 _EMPTY_REASONS = {
     httpx.ReadError: "connection closed while reading the reply (engine crashed or restarted?)",

@@ -28,7 +28,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,25 +41,9 @@ from ..errors import EngineLaunchError
 from .shm_files import GroupShmFiles
 from .tether import TETHER_ENV, tether_prefix
 
-__all__ = [
-    "AdoptedProcess",
-    "LaunchOptions",
-    "LaunchRecord",
-    "Launched",
-    "ManagedProcess",
-    "flag_values",
-    "free_port",
-    "gpu_environment",
-    "group_alive",
-    "launch_until_healthy",
-    "process_start_time",
-    "read_ready_file",
-    "read_tail",
-    "signal_group",
-    "stop_group",
-    "strip_expandable_segments",
-    "wait_pidfd",
-]
+__all__ = ["AdoptedProcess", "LaunchOptions", "LaunchRecord", "Launched", "ManagedProcess", "flag_values", "free_port",
+           "gpu_environment", "group_alive", "launch_until_healthy", "process_start_time", "read_ready_file",
+           "read_tail", "signal_group", "stop_group", "strip_expandable_segments"]
 
 log = logging.getLogger("colocd.supervisor")
 T = TypeVar("T")
@@ -70,8 +54,16 @@ _GROUP_GONE_S = 10.0  # after SIGKILL: how long the group's members may take to 
 _REDACTED_FLAGS = ("--api-key",)
 
 
-async def wait_pidfd(pidfd: int) -> None:
-    """Return once the process behind ``pidfd`` has exited (the descriptor turns readable); the caller closes it."""
+async def _await_exit(pid: int, alive: Callable[[], bool]) -> None:
+    """Return once ``pid`` has exited (``alive`` false): its pidfd turns readable, or polled where there is none."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd (old kernel): poll instead
+        while alive():  # noqa: ASYNC110 - no exit event to await without a pidfd
+            await asyncio.sleep(POLL_S)
+        return
     loop = asyncio.get_running_loop()
     exited: asyncio.Future[None] = loop.create_future()
 
@@ -81,9 +73,11 @@ async def wait_pidfd(pidfd: int) -> None:
 
     loop.add_reader(pidfd, on_exit)
     try:
-        await exited
+        if alive():  # else gone already, or the pid was reused before the pidfd pinned it
+            await exited
     finally:
         loop.remove_reader(pidfd)
+        os.close(pidfd)
 
 
 class Launched(NamedTuple):
@@ -94,10 +88,7 @@ class Launched(NamedTuple):
 
 
 class LaunchOptions(NamedTuple):
-    """How the daemon wants an engine started.
-
-    ``on_spawn``: told the process as soon as it exists, before it is ready (the daemon journals it).
-    """
+    """How the daemon wants an engine started: ``on_spawn`` is told the process as soon as it exists (journalled)."""
 
     on_spawn: Callable[[ManagedProcess], None] | None = None
 
@@ -156,12 +147,10 @@ def _shown(argv: Sequence[str]) -> str:
 
 
 class ManagedProcess:
-    """One child process in its own process group, its output appended to a log file.
-
-    ``failure`` turns a one-line reason into the exception to raise (default ``EngineLaunchError`` with the log
-    tail); ``header`` writes the (redacted) command line into the log first; ``tether`` None: tethered when this
-    process's environment has ``COLOCD_TETHER=1``; ``on_spawn`` is called right after the start.
-    """
+    """One child process in its own process group, its output appended to a log file. ``failure`` turns a one-line
+    reason into the exception to raise (default ``EngineLaunchError`` with the log tail); ``header`` writes the
+    (redacted) command line into the log first; ``tether`` None: tethered when this process's environment has
+    ``COLOCD_TETHER=1``; ``on_spawn`` is called right after the start."""
 
     def __init__(
         self,
@@ -254,19 +243,8 @@ class ManagedProcess:
     async def wait_exit(self) -> int:
         """Return the exit status once the child exits (and is reaped)."""
         proc = self._require()
-        if (code := proc.poll()) is not None:
-            return code
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):  # no pidfd (old kernel): poll instead
-            while proc.poll() is None:  # noqa: ASYNC110 - no exit event to await without a pidfd
-                await asyncio.sleep(POLL_S)
-            return int(proc.returncode)
-        try:
-            await wait_pidfd(pidfd)
-        finally:
-            os.close(pidfd)
-        return proc.wait()  # readable pidfd: it has exited, so this reaps without blocking
+        await _await_exit(proc.pid, lambda: proc.poll() is None)
+        return proc.wait()  # it has exited, so this reaps without blocking
 
     async def wait_ready(
         self, probe: Callable[[], Awaitable[T | None]], deadline_s: float, *, setting: str = "launch.ready_timeout_s"
@@ -311,8 +289,9 @@ class ManagedProcess:
         return proc.returncode
 
     def stop_sync(self, grace_s: float = 10.0) -> int | None:
-        """Blocking twin of ``stop``."""
-        return _blocking(self.stop(grace_s))
+        """Blocking twin of ``stop``, on an event loop of its own in a thread (a blocking caller may be in a loop)."""
+        with ThreadPoolExecutor(1, thread_name_prefix="colocd-blocking") as pool:
+            return pool.submit(asyncio.run, self.stop(grace_s)).result()
 
     @property
     def _what(self) -> str:
@@ -392,53 +371,46 @@ def gpu_environment(name: str, env: dict[str, str], launch_env: Mapping[str, str
 
 
 async def launch_until_healthy(
-    name: str, label: str, command: Callable[[int], tuple[list[str], dict[str, str]]], *, port: int | None,
+    name: str, label: str, command: Callable[[int], tuple[list[str], dict[str, str]]], *, url: str | None,
     log_file: str | os.PathLike[str] | None, ready_timeout_s: float,
-    on_spawn: Callable[[ManagedProcess], None] | None = None, client: httpx.AsyncClient | None = None,
+    on_spawn: Callable[[ManagedProcess], None] | None = None,
 ) -> tuple[ManagedProcess, str]:
-    """Start ``command(port)`` on 127.0.0.1 and return the process and its URL once ``/health`` answers 200.
-    ``port`` None: a free one (a second once, if another process took the first); a failed server is stopped."""
-    for attempt in (1, 2):
-        chosen = port or free_port()
-        argv, env = command(chosen)
-        process = ManagedProcess(name, argv, env, label=label, log_file=log_file, on_spawn=on_spawn)
-        process.spawn()
-        url = f"http://127.0.0.1:{chosen}"
-        try:
-            await _wait_healthy(process, url, ready_timeout_s, client)
-            return process, url
-        except EngineLaunchError:
-            await process.stop()
-            if attempt == 1 and port is None and "address already in use" in process.log_tail(64_000).lower():
-                log.warning("engine %r: port %d was taken; retrying on another", name, chosen)
-                continue
-            raise
-        except BaseException:
-            await process.stop()
-            raise
+    """Start ``command(port)`` on 127.0.0.1 at ``url``'s port and return the process and its URL once ``GET
+    /health`` answers 200 (the process's exit or ``ready_timeout_s`` is its failure). ``url`` None: a free port (a
+    second once, if another process took the first); a failed server is stopped."""
+    parts = urlsplit(url) if url is not None else None
+    if parts is not None and parts.hostname not in ("127.0.0.1", "localhost"):
+        raise EngineLaunchError(name, f"a launched {label} listens on 127.0.0.1; url {url!r} names another host")
+    if parts is not None and parts.port is None:
+        raise EngineLaunchError(name, f"url {url!r} has no port")
+    port = parts.port if parts is not None else None
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+        for attempt in (1, 2):
+            chosen = port or free_port()
+            argv, env = command(chosen)
+            process = ManagedProcess(name, argv, env, label=label, log_file=log_file, on_spawn=on_spawn)
+            process.spawn()
+            served = f"http://127.0.0.1:{chosen}"
+
+            async def healthy(served: str = served) -> bool | None:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get(f"{served}/health", timeout=max(ready_timeout_s, 1.0))).status_code == 200:
+                        return True
+                return None
+
+            try:
+                await process.wait_ready(healthy, ready_timeout_s)
+                return process, served
+            except EngineLaunchError:
+                await process.stop()
+                if attempt == 1 and port is None and "address already in use" in process.log_tail(64_000).lower():
+                    log.warning("engine %r: port %d was taken; retrying on another", name, chosen)
+                    continue
+                raise
+            except BaseException:
+                await process.stop()
+                raise
     raise AssertionError("unreachable")
-
-
-async def _wait_healthy(process: ManagedProcess, url: str, deadline_s: float,
-                        client: httpx.AsyncClient | None) -> None:
-    """Wait until ``GET url/health`` answers 200, the process exits, or ``deadline_s`` passes."""
-    async with contextlib.AsyncExitStack() as stack:
-        http = client if client is not None else await stack.enter_async_context(
-            httpx.AsyncClient(timeout=5.0, trust_env=False))
-
-        async def healthy() -> bool | None:
-            with contextlib.suppress(httpx.TransportError):
-                if (await http.get(f"{url}/health", timeout=max(deadline_s, 1.0))).status_code == 200:
-                    return True
-            return None
-
-        await process.wait_ready(healthy, deadline_s)
-
-
-def _blocking(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to its end on an event loop of its own, in a thread: a blocking caller may be inside a loop."""
-    with ThreadPoolExecutor(1, thread_name_prefix="colocd-blocking") as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def _engine_failure(proc: ManagedProcess, what: str) -> EngineLaunchError:
@@ -542,20 +514,7 @@ class AdoptedProcess:
 
     async def wait_exit(self) -> int | None:
         """Return once the process is gone; its exit status is unknown (None)."""
-        try:
-            pidfd = os.pidfd_open(self.record.pid)
-        except ProcessLookupError:
-            return None
-        except (AttributeError, OSError):  # no pidfd (old kernel): poll
-            while self.record.alive():  # noqa: ASYNC110 - no exit event to await without a pidfd
-                await asyncio.sleep(POLL_S)
-            return None
-        try:
-            if not self.record.alive():  # the pid was reused before the pidfd pinned it
-                return None
-            await wait_pidfd(pidfd)
-        finally:
-            os.close(pidfd)
+        await _await_exit(self.record.pid, self.record.alive)
         return None
 
     async def stop(self, grace_s: float = 10.0) -> int | None:

@@ -3,22 +3,19 @@
 A SIGKILLed trainer unlinks nothing, and its segments would hold host memory until the node reboots; the next
 trainer's shm producer and the daemon run ``reclaim_dead_segments``. A segment is reclaimed only when its pid (in
 the name) is not a live process here and nobody holds the creator's ``flock`` on it (which covers a creator in
-another pid namespace sharing /dev/shm).
-
-The daemon also unlinks what an uncommitted weight session's chunks named (``unlink_session_segments``), but only
-segments it can prove are that session's trainer's (colocd's naming, and the pid a rank declared or a dead
-creator): a caller must not be able to delete another program's shared memory by naming it.
+another pid namespace sharing /dev/shm). The daemon also unlinks what an uncommitted weight session's chunks named
+(``unlink_session_segments``).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from .chunks import SEGMENT_PREFIX, SHM_DIR
+from .chunks import SHM_DIR, SHM_NAME_PATTERN
+from .processes import process_start_time
 
 __all__ = ["ReclaimedSegment", "pid_alive", "reclaim_dead_segments", "segment_creator", "unlink_session_segments"]
 
@@ -32,9 +29,9 @@ class ReclaimedSegment:
     nbytes: int
 
 
-def segment_creator(name: str, prefix: str = SEGMENT_PREFIX) -> int | None:
-    """The creator's pid of a segment named ``<prefix>-<pid>-<hex>``; None for any other name."""
-    match = re.fullmatch(rf"{re.escape(prefix)}-([1-9][0-9]{{0,9}})-[0-9a-f]+", name)
+def segment_creator(name: str) -> int | None:
+    """The creator's pid of a segment named ``colocd-<pid>-<hex>``; None for any other name."""
+    match = SHM_NAME_PATTERN.match(name)
     return int(match.group(1)) if match else None
 
 
@@ -47,45 +44,40 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A killed process whose parent has not reaped it yet still answers kill(0): a zombie maps nothing.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
+    return process_start_time(pid) is not None
 
 
-def reclaim_dead_segments(directory: str = SHM_DIR, prefix: str = SEGMENT_PREFIX) -> list[ReclaimedSegment]:
-    """Unlink every ``<prefix>-<pid>-*`` segment in ``directory`` whose creator is dead; returns them. Safe from
-    any process at any time (a reader that still maps an unlinked segment keeps its mapping)."""
+def reclaim_dead_segments() -> list[ReclaimedSegment]:
+    """Unlink every ``colocd-<pid>-*`` segment whose creator is dead; returns them. Safe from any process at any
+    time (a reader that still maps an unlinked segment keeps its mapping)."""
     try:
-        names = sorted(os.listdir(directory))
+        names = sorted(os.listdir(SHM_DIR))
     except FileNotFoundError:
         return []  # no /dev/shm on this platform: nothing to reclaim
     reclaimed = []
     for name in names:
-        pid = segment_creator(name, prefix)
+        pid = segment_creator(name)
         if pid is None or pid == os.getpid() or pid_alive(pid):
             continue
-        seg = _unlink(directory, name, pid, require_unlocked=True)
+        seg = _unlink(name, pid, require_unlocked=True)
         if seg is not None:
             reclaimed.append(seg)
     return reclaimed
 
 
-def unlink_session_segments(names: Iterable[str], trainer_pids: Collection[int],
-                            directory: str = SHM_DIR) -> list[ReclaimedSegment]:
-    """Unlink, of the segments an uncommitted session's chunks named, those provably its trainer's (a pid in
-    ``trainer_pids``, or a dead and unlocked creator); returns them."""
+def unlink_session_segments(names: Iterable[str], trainer_pids: Collection[int]) -> list[ReclaimedSegment]:
+    """Unlink, of the segments an uncommitted session's chunks named, those provably its trainer's (colocd's naming,
+    and a pid in ``trainer_pids`` or a dead and unlocked creator); returns them. A caller must not be able to delete
+    another program's shared memory by naming it."""
     unlinked = []
     for name in sorted(set(names)):
         pid = segment_creator(name)
         if pid is None:
             continue  # not colocd's naming: never ours to remove
         if pid in trainer_pids:
-            seg = _unlink(directory, name, pid, require_unlocked=False)
+            seg = _unlink(name, pid, require_unlocked=False)
         elif pid != os.getpid() and not pid_alive(pid):
-            seg = _unlink(directory, name, pid, require_unlocked=True)
+            seg = _unlink(name, pid, require_unlocked=True)
         else:
             continue  # a live process the trainer did not prove to be: another colocd program's segment
         if seg is not None:
@@ -93,9 +85,9 @@ def unlink_session_segments(names: Iterable[str], trainer_pids: Collection[int],
     return unlinked
 
 
-def _unlink(directory: str, name: str, pid: int, *, require_unlocked: bool) -> ReclaimedSegment | None:
+def _unlink(name: str, pid: int, *, require_unlocked: bool) -> ReclaimedSegment | None:
     """Unlink one segment, a plain file only; with ``require_unlocked``, only if nobody holds its creator's lock."""
-    path = os.path.join(directory, name)
+    path = os.path.join(SHM_DIR, name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:

@@ -29,17 +29,8 @@ from torch.distributed import (  # type: ignore[attr-defined]  # re-exported fro
 from .chunks import dtype_from_name, dtype_name
 from .weight_group_protocol import BACKEND_DEVICES, flat_offsets
 
-__all__ = [
-    "BACKEND_DEVICES",
-    "FlatEntry",
-    "WeightGroup",
-    "chunk_order",
-    "dtype_name",
-    "flattened_layout",
-    "master_store",
-    "off_loop",
-    "parse_dtype",
-]
+__all__ = ["BACKEND_DEVICES", "FlatEntry", "WeightGroup", "chunk_order", "dtype_name", "flattened_layout",
+           "master_store", "off_loop", "parse_dtype"]
 
 _T = TypeVar("_T")
 
@@ -125,10 +116,6 @@ class WeightGroup:
         # so a side that skipped it would leave the other waiting on the key.
         pg._set_sequence_number_for_group()
         return cls(pg, store, rank=rank, world_size=world_size, group_name=group_name, backend=backend)
-
-    @property
-    def closed(self) -> bool:
-        return self._pg is None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` from rank ``src`` (in place on receivers); returns once it has landed."""

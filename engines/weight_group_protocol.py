@@ -76,10 +76,8 @@ def itemsize(dtype: str) -> int:
 
 def flat_offsets(names: Sequence[str], dtypes: Sequence[str],
                  shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """Each tensor's byte range ``[start, end)`` in one flattened bucket, back to back with no padding; a
-    ``ValueError`` names a tensor whose offset is not a multiple of its itemsize (SGLang refuses it)."""
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+    """Each tensor's byte range ``[start, end)`` in one flattened bucket (lists of one entry per tensor, as the
+    callers check), back to back with no padding; a ``ValueError`` names a misaligned tensor (SGLang refuses it)."""
     ranges: list[tuple[int, int]] = []
     offset = 0
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):

@@ -9,12 +9,23 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from colocd.engines.sglang.wire import SGLangRequest
 
-__all__ = ["CheckWeightsResult", "ControlResult", "GenerationControlResult", "RankChecksums",
+__all__ = ["CheckWeightsResult", "ControlResult", "ErrorDetail", "ErrorResponse", "GenerationControlResult",
+           "RankChecksums",
            "UpdateWeightFromDiskReqInput", "UpdateWeightVersionResult", "WeightVersionInfo"]
 
 
 class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class ErrorDetail(_Reply):
+    message: str
+
+
+class ErrorResponse(_Reply):
+    """``{"error": {"message"}}``: release/resume and other routes that catch (http_server.py:2246-2250)."""
+
+    error: ErrorDetail
 
 
 class UpdateWeightFromDiskReqInput(SGLangRequest):

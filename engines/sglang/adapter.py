@@ -35,7 +35,7 @@ from ..base import (
     ReleaseReport,
 )
 from ..config import ReferenceEngineConfig, SGLangEngineConfig
-from ..handles import CudaIpcRoute, HandleRoute, InlineRoute
+from ..handles import PayloadRoute
 from ..httpmap import check_reply, map_http_errors
 from . import wire
 from .protocol import V0_5_23, SGLangProtocol, negotiated, protocol_for_version, untested_warning
@@ -83,15 +83,17 @@ class SGLangAdapter:
             )
         return check_reply(self.name, what, response)
 
-    @staticmethod
-    def _json(response: httpx.Response, engine: str, what: str) -> Any:
+    def _json(self, response: httpx.Response, what: str) -> Any:
         try:
             return response.json()
         except ValueError as exc:
-            raise EngineProtocolError(engine, f"{what}: reply is not JSON: {response.text[:200]!r}") from exc
+            raise EngineProtocolError(self.name, f"{what}: reply is not JSON: {response.text[:200]!r}") from exc
+
+    async def _get(self, path: str, what: str) -> Any:
+        return self._json(await self._call("GET", path, what), what)
 
     def _check_success(self, response: httpx.Response, what: str) -> None:
-        data = self._json(response, self.name, what)
+        data = self._json(response, what)
         if not isinstance(data, dict) or "success" not in data:
             raise EngineProtocolError(self.name, f"{what}: expected {{success, message}}, got {data!r:.200}")
         if not data["success"]:  # LoRA replies say why in error_message
@@ -110,15 +112,13 @@ class SGLangAdapter:
     # -- verbs -------------------------------------------------------------------------------
     async def _server_info(self) -> wire.ServerInfo:
         try:
-            server = self._json(await self._call("GET", self._server_info_route, "server_info"),
-                                self.name, "server_info")
+            server = await self._get(self._server_info_route, "server_info")
         except EngineRejected as exc:
             if exc.status != 404 or self._server_info_route != "/server_info":
                 raise
             # SGLang ≤ 0.5.5 has only the get_-prefixed names.
             self._server_info_route = "/get_server_info"
-            server = self._json(await self._call("GET", "/get_server_info", "get_server_info"),
-                                self.name, "get_server_info")
+            server = await self._get("/get_server_info", "get_server_info")
         return self._parse(wire.ServerInfo, server, "server_info")
 
     def _parse(self, model: type[_R], data: Any, what: str) -> _R:
@@ -157,7 +157,7 @@ class SGLangAdapter:
     async def _published_routes(self) -> frozenset[str] | None:
         """The paths of the server's ``/openapi.json``; None where it publishes none."""
         try:
-            data = self._json(await self._call("GET", "/openapi.json", "openapi"), self.name, "openapi")
+            data = await self._get("/openapi.json", "openapi")
         except EngineRejected as exc:
             if exc.status == 404:
                 return None
@@ -178,14 +178,11 @@ class SGLangAdapter:
     def _check_tp_size(self, server: wire.ServerInfo) -> None:
         """The engine's TP size (server_info's ``tp_size``, where it says) must be the declared one: every chunk
         carries one payload per declared TP rank."""
-        reported = server.tp_size
-        if reported is None:
-            return
         declared = int(self._config.tp_size)
-        if reported != declared:
+        if server.tp_size is not None and server.tp_size != declared:
             raise EngineMismatch(
                 self.name,
-                f"the engine reports tp_size {reported} but the node config declares tp_size {declared}; "
+                f"the engine reports tp_size {server.tp_size} but the node config declares tp_size {declared}; "
                 "not attached (every chunk would carry the wrong number of payloads): fix tp_size in the "
                 f"config of engine {self.name!r} or restart the engine with tp_size {declared}",
             )
@@ -210,13 +207,10 @@ class SGLangAdapter:
             for task in asked:
                 task.cancel()
             await asyncio.gather(*asked, return_exceptions=True)  # every outcome retrieved
-        return self._observation(server, version)
-
-    def _observation(self, server: wire.ServerInfo, version: str | None) -> Observation:
         first = server.internal_states[0] if server.internal_states else wire.InternalState()
-        paused = (first.paused is not None) if first.has_paused else None
+        paused = (first.paused is not None) if "paused" in first.model_fields_set else None
         session = None  # older SGLang has no update session at all, so none can be open or lost
-        if self.protocol.weight_update_session and first.has_session:
+        if self.protocol.weight_update_session and "weight_update_session" in first.model_fields_set:
             session = first.weight_update_session is not None
         return Observation(incarnation=server.incarnation(), weight_version=version, paused=paused,
                            update_session_open=session)
@@ -224,7 +218,7 @@ class SGLangAdapter:
     async def _weight_version(self) -> str | None:
         route = self.protocol.weight_version_route
         what = route.lstrip("/")
-        data = self._json(await self._call("GET", route, what), self.name, what)
+        data = await self._get(route, what)
         if not isinstance(data, dict):  # the oldest servers answer the bare version
             return None if data is None else str(data)
         return self._parse(wire.ModelInfo, data, what).weight_version
@@ -237,9 +231,8 @@ class SGLangAdapter:
         await self._call("POST", "/pause_generation", "pause_generation", request, send_body=request is not None)
 
     async def continue_generation(self) -> None:
-        request = wire.continue_generation_request(self.protocol, torch_empty_cache=True)
-        await self._call("POST", "/continue_generation", "continue_generation", request,
-                         send_body=request is not None)
+        request = wire.continue_generation_request(self.protocol)
+        await self._call("POST", "/continue_generation", "continue_generation", request, send_body=request is not None)
 
     async def flush_cache(self) -> bool:
         """True if flushed; False on SGLang's normal 400 "not idle yet" (the daemon retries)."""
@@ -264,9 +257,7 @@ class SGLangAdapter:
     async def begin_weight_update(self) -> None:
         if not self.protocol.weight_update_session:
             return
-        request = wire.BeginWeightUpdateReqInput(selector="all")
-        response = await self._call("POST", request.ROUTE, "begin_weight_update", wire.body(request, self.protocol))
-        self._check_success(response, "begin_weight_update")
+        await self._control(wire.BeginWeightUpdateReqInput(selector="all"), "begin_weight_update")
 
     async def load_weights(self, load: ChunkLoad) -> None:
         request = wire.UpdateWeightsFromTensorReqInput(
@@ -276,18 +267,15 @@ class SGLangAdapter:
             abort_all_requests=False,
             weight_version=load.weight_version,
         )
-        response = await self._call("POST", request.ROUTE, f"update_weights_from_tensor#{load.seq}",
-                                    wire.body(request, self.protocol))
-        self._check_success(response, f"update_weights_from_tensor#{load.seq}")
+        await self._control(request, f"update_weights_from_tensor#{load.seq}")
 
     async def end_weight_update(self, version: str | None = None) -> None:
         """SGLang's end takes no version: ``update_weight_version`` follows it."""
         if self.protocol.weight_update_session:
-            request = wire.EndWeightUpdateReqInput()
-            self._check_success(await self._call("POST", request.ROUTE, "end_weight_update",
-                                                 wire.body(request, self.protocol)), "end_weight_update")
-        if version is not None:
-            await self._set_weight_version(version)
+            await self._control(wire.EndWeightUpdateReqInput(), "end_weight_update")
+        if version is not None:  # SGLang's default would abort every running request
+            await self._control(wire.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False),
+                                "update_weight_version")
 
     # -- separated GPUs (research §1.6): each call blocks on a collective the trainer runs meanwhile --
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
@@ -312,18 +300,12 @@ class SGLangAdapter:
                             "destroy_weights_update_group")
 
     async def _control(self, request: wire.SGLangRequest, what: str) -> None:
+        """POST ``request`` and check its ``{success, message}`` reply."""
         try:
             body = wire.body(request, self.protocol)
         except ValueError as exc:  # a field this SGLang lacks, e.g. load_format before 0.5.5
             raise EngineProtocolError(self.name, f"{what}: {exc}") from exc
         self._check_success(await self._call("POST", request.ROUTE, what, body), what)
-
-    async def _set_weight_version(self, version: str) -> None:
-        # SGLang's default would abort every running request.
-        request = wire.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False)
-        self._check_success(
-            await self._call("POST", request.ROUTE, "update_weight_version", wire.body(request, self.protocol)),
-            "update_weight_version")
 
     async def weight_digests(self, names: Sequence[str]) -> EngineDigests:
         """SGLang reports no digests that can be compared with the trainer's: ``UNSUPPORTED_DIGESTS`` says why."""
@@ -370,7 +352,9 @@ _GPU_TRANSPORTS = frozenset({Transport.INLINE, Transport.CUDA_IPC, Transport.PER
 
 
 def _load_format(load: ChunkLoad) -> str | None:
-    formats = {_payload_format(p.route) for p in load.payloads}
+    """The form of the trainers' payloads: what their handles say, else SGLang's flattened_bucket."""
+    formats = {(p.route.load_format if isinstance(p.route, PayloadRoute) else None) or "flattened_bucket"
+               for p in load.payloads}
     if len(formats) != 1:
         raise RequestInvalid(f"chunk {load.seq}: ranks used different load formats {sorted(formats)}; one chunk "
                              "travels in one format", field="handle.load_format")
@@ -378,15 +362,9 @@ def _load_format(load: ChunkLoad) -> str | None:
     return None if load_format == "direct" else load_format  # SGLang's default: a list of (name, tensor)
 
 
-def _payload_format(route: HandleRoute) -> str:
-    """The form of the trainer's own payload: what its handle says, else SGLang's flattened_bucket."""
-    said = route.load_format if isinstance(route, (CudaIpcRoute, InlineRoute)) else None
-    return said or "flattened_bucket"
-
-
 def _entry(part: ChunkPart) -> str:
     """One ``serialized_named_tensors`` entry: the trainer's own base64 pickle (CUDA-IPC and inline chunks)."""
-    payload = part.route.payload_b64 if isinstance(part.route, (CudaIpcRoute, InlineRoute)) else None
+    payload = part.route.payload_b64 if isinstance(part.route, PayloadRoute) else None
     if payload is None:
         raise RequestInvalid(f"{part.transport} chunk handle carries no 'payload_b64' string",
                              field="handle.payload_b64")

@@ -7,21 +7,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from urllib.parse import urlsplit
 
 from ...errors import EngineLaunchError
 from ..config import SGLangEngineConfig
-from ..processes import (
-    Launched,
-    LaunchOptions,
-    flag_values,
-    gpu_environment,
-    launch_until_healthy,
-    strip_expandable_segments,
-)
+from ..processes import Launched, LaunchOptions, flag_values, gpu_environment, launch_until_healthy
 from .protocol import parse_version
 
-__all__ = ["launch_sglang", "sglang_command", "strip_expandable_segments"]
+__all__ = ["launch_sglang", "sglang_command"]
 
 # Flags colocd sets from the engine config; launch.args may not set them again.
 _OWNED_FLAGS = {
@@ -132,8 +124,7 @@ def sglang_command(
     return argv, env
 
 
-async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | None = None, *,
-                        sglang_version: str | None = None) -> Launched:
+async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | None = None) -> Launched:
     """Start ``config``'s server under ``$COLOCD_SGLANG_PYTHON`` (else this interpreter) on ``config.url``'s port
     (else a free one) and return once ``/health`` answers 200 (``launch_until_healthy``)."""
     if config.launch is None:
@@ -141,16 +132,8 @@ async def launch_sglang(config: SGLangEngineConfig, options: LaunchOptions | Non
     python = os.environ.get("COLOCD_SGLANG_PYTHON") or sys.executable
     process, url = await launch_until_healthy(
         config.name, "SGLang",
-        lambda port: sglang_command(config, port, python=python, sglang_version=sglang_version),
-        port=_port_of(config.url, config.name) if config.url else None, log_file=config.launch.log_file,
+        lambda port: sglang_command(config, port, python=python),
+        url=config.url or None, log_file=config.launch.log_file,
         ready_timeout_s=config.launch.ready_timeout_s, on_spawn=(options or LaunchOptions()).on_spawn)
     return Launched(url, process)
 
-
-def _port_of(url: str, name: str = "sglang") -> int:
-    parts = urlsplit(url)
-    if parts.hostname not in ("127.0.0.1", "localhost"):
-        raise EngineLaunchError(name, f"a launched SGLang listens on 127.0.0.1; url {url!r} names another host")
-    if parts.port is None:
-        raise EngineLaunchError(name, f"url {url!r} has no port")
-    return parts.port

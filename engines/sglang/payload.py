@@ -24,21 +24,11 @@ from torch.multiprocessing import reductions
 from ..chunks import ChunkLayout, dtype_from_name, flatten_into
 from ..cuda_handles import device_uuid
 
-__all__ = [
-    "FLATTENED_BUCKET",
-    "BufferLease",
-    "FlattenedBucket",
-    "export_flattened_bucket",
-    "flatten_bucket",
-    "metadata_for_layout",
-    "named_tensors_payload",
-    "serialize",
-    "with_device_uuid",
-]
+__all__ = ["FLATTENED_BUCKET", "BufferLease", "FlattenedBucket", "export_flattened_bucket", "flatten_bucket",
+           "metadata_for_layout", "named_tensors_payload", "serialize", "with_device_uuid"]
 
-FLATTENED_BUCKET = (
-    "flattened_bucket"  # load_format SGLang dispatches on (model_runner_components/weight_updater.py:354)
-)
+# The load_format SGLang dispatches on (model_runner_components/weight_updater.py:354).
+FLATTENED_BUCKET = "flattened_bucket"
 
 # reduce_tensor's CUDA tuple: index 6 is storage_device (torch/multiprocessing/reductions.py;
 # SGLang's _REDUCE_TENSOR_ARG_DEVICE_INDEX, patch_torch.py:66). 15 positional arguments in all.
@@ -68,11 +58,9 @@ def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
 
 def serialize(obj: Any, shares: list[tuple[bytes, int]] | None = None) -> str:
     """One SGLang ``serialized_named_tensors`` entry: ``obj`` of CUDA tensors pickled by ForkingPickler, base64.
-
     ``shares`` collects each CUDA share's ``(ref_counter_handle, ref_counter_offset)`` (``colocd.trainer.leases``).
     The UUID reducer is this pickler's own (``dispatch_table``): nothing process-wide is patched. The pickle names
-    ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, which SGLang resolves to its UUID-aware rebuild.
-    """
+    ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, which SGLang resolves to its UUID-aware rebuild."""
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     reduce = _reduce_tensor
@@ -149,20 +137,14 @@ def export_flattened_bucket(named: Sequence[tuple[str, torch.Tensor]],
 
 
 class BufferLease:
-    """Keeps one exported bucket alive until the engine has confirmed it, then lets it go for good.
-
-    SGLang answers once the copy is *enqueued* (THUDM/slime#929), so a buffer is never refilled after a reply:
-    ``release()`` drops the only reference and PyTorch frees the memory once the engine has dropped its IPC
-    mapping, which ``torch.cuda.ipc_collect()`` notices (THUDM/slime#1731).
-    """
+    """Keeps one exported bucket alive until the engine has confirmed it, then lets it go for good. SGLang answers once
+    the copy is *enqueued* (THUDM/slime#929), so a buffer is never refilled after a reply: ``release()`` drops the only
+    reference and PyTorch frees the memory once the engine has dropped its IPC mapping, which
+    ``torch.cuda.ipc_collect()`` notices (THUDM/slime#1731)."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor: torch.Tensor | None = tensor
         self._cuda = tensor.is_cuda
-
-    @property
-    def released(self) -> bool:
-        return self._tensor is None
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -177,9 +159,3 @@ class BufferLease:
         self._tensor = None
         if self._cuda and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
-
-    def __enter__(self) -> BufferLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

@@ -23,20 +23,8 @@ from dataclasses import dataclass, replace
 
 from ..base import PauseMode
 
-__all__ = [
-    "LEGACY",
-    "PAUSE_BODY_MIN_VERSION",
-    "PRE_SESSION",
-    "PROTOCOLS",
-    "SESSION_MIN_VERSION",
-    "TESTED",
-    "V0_5_23",
-    "SGLangProtocol",
-    "negotiated",
-    "parse_version",
-    "protocol_for_version",
-    "untested_warning",
-]
+__all__ = ["LEGACY", "PAUSE_BODY_MIN_VERSION", "PRE_SESSION", "PROTOCOLS", "SESSION_MIN_VERSION", "TESTED", "V0_5_23",
+           "SGLangProtocol", "negotiated", "parse_version", "protocol_for_version", "untested_warning"]
 
 TESTED = ("0.5.20", "0.5.23")
 """The SGLang releases the live tier runs (scripts/test.sh); docs/sglang.md, "Tested against", says what differs."""
@@ -45,6 +33,7 @@ TESTED = ("0.5.20", "0.5.23")
 SESSION_MIN_VERSION = "0.5.21"
 # First release whose /pause_generation parses PauseGenerationReqInput (0.5.6 http_server.py:1103).
 PAUSE_BODY_MIN_VERSION = "0.5.6"
+_LEGACY_MIN_VERSION = "0.5.4"  # the oldest release colocd speaks to
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +41,6 @@ class SGLangProtocol:
     """What one band of SGLang versions expects on the wire: routes, bodies and rules."""
 
     name: str
-    min_version: str
     # /pause_generation parses a body (0.5.23 http_server.py:1831); False: it reads none and only aborts.
     pause_body: bool
     # /continue_generation parses a ContinueGenerationReqInput body (0.5.23 http_server.py:1844).
@@ -82,7 +70,6 @@ _ALL_MODES = (PauseMode.ABORT, PauseMode.RETRACT, PauseMode.IN_PLACE)
 
 V0_5_23 = SGLangProtocol(
     name="0.5.23",
-    min_version=SESSION_MIN_VERSION,
     pause_body=True,
     continue_body=True,
     pause_modes=_ALL_MODES,
@@ -94,7 +81,6 @@ V0_5_23 = SGLangProtocol(
 # the routes only. Absent fields are 0.5.9's.
 PRE_SESSION = SGLangProtocol(
     name="pre-session",
-    min_version=PAUSE_BODY_MIN_VERSION,
     pause_body=True,  # 0.5.9 http_server.py:1318-1320
     continue_body=True,  # 0.5.9 http_server.py:1329-1331 (an empty struct)
     pause_modes=_ALL_MODES,  # 0.5.9 io_struct.py:1275
@@ -112,7 +98,6 @@ PRE_SESSION = SGLangProtocol(
 # Read from the 0.5.4 wheel (research/engine-apis.md §1.9 read GitHub 0025436e, the same surface).
 LEGACY = SGLangProtocol(
     name="legacy",
-    min_version="0.5.4",
     pause_body=False,  # 0.5.4 http_server.py:1061-1063: pause_generation(request) reads no body
     continue_body=False,  # 0.5.4 http_server.py:1071
     pause_modes=(PauseMode.ABORT,),
@@ -169,10 +154,10 @@ def protocol_for_version(version: str) -> SGLangProtocol:
         return V0_5_23
     if parsed >= parse_version(PAUSE_BODY_MIN_VERSION):
         return PRE_SESSION
-    if parsed[:3] >= parse_version(LEGACY.min_version)[:3]:
+    if parsed[:3] >= parse_version(_LEGACY_MIN_VERSION)[:3]:
         return LEGACY
     raise ValueError(
-        f"SGLang {version!r} is older than {LEGACY.min_version}, the oldest protocol colocd speaks"
+        f"SGLang {version!r} is older than {_LEGACY_MIN_VERSION}, the oldest protocol colocd speaks"
     )
 
 

@@ -20,32 +20,12 @@ from ...errors import ReplyInvalid
 from ..base import PauseMode
 from .protocol import SGLangProtocol
 
-__all__ = [
-    "BeginWeightUpdateReqInput",
-    "CheckWeightsReqInput",
-    "ContinueGenerationReqInput",
-    "DestroyWeightsUpdateGroupReqInput",
-    "EndWeightUpdateReqInput",
-    "ErrorDetail",
-    "ErrorResponse",
-    "InitWeightsUpdateGroupReqInput",
-    "InternalState",
-    "MemoryUsage",
-    "ModelInfo",
-    "PauseGenerationReqInput",
-    "ReleaseMemoryOccupationReqInput",
-    "ResumeMemoryOccupationReqInput",
-    "SGLangRequest",
-    "Selector",
-    "ServerInfo",
-    "UpdateWeightVersionReqInput",
-    "UpdateWeightsFromDistributedReqInput",
-    "UpdateWeightsFromTensorReqInput",
-    "body",
-    "continue_generation_request",
-    "parse_reply",
-    "pause_generation_request",
-]
+__all__ = ["BeginWeightUpdateReqInput", "CheckWeightsReqInput", "ContinueGenerationReqInput",
+           "DestroyWeightsUpdateGroupReqInput", "EndWeightUpdateReqInput", "InitWeightsUpdateGroupReqInput",
+           "InternalState", "MemoryUsage", "ModelInfo", "PauseGenerationReqInput", "ReleaseMemoryOccupationReqInput",
+           "ResumeMemoryOccupationReqInput", "SGLangRequest", "Selector", "ServerInfo", "UpdateWeightVersionReqInput",
+           "UpdateWeightsFromDistributedReqInput", "UpdateWeightsFromTensorReqInput", "body",
+           "continue_generation_request", "parse_reply", "pause_generation_request"]
 
 # io_struct.py:2017,2045,2200,2223: which model runners an operation applies to.
 Selector = Literal["target", "draft", "all"]
@@ -221,16 +201,6 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class ErrorDetail(_Reply):
-    message: str
-
-
-class ErrorResponse(_Reply):
-    """``{"error": {"message"}}``: release/resume and other routes that catch (http_server.py:2246-2250)."""
-
-    error: ErrorDetail
-
-
 class ModelInfo(_Reply):
     """GET /model_info (http_server.py:812-850), where 0.5.6+ publishes the current weight version."""
 
@@ -254,20 +224,12 @@ class MemoryUsage(_Reply):
 class InternalState(_Reply):
     """One entry of server_info's ``internal_states`` (one per DP rank). Real SGLang reports scheduler
     counters and ``memory_usage`` here; the reference engine adds its pause gate and open weight-update
-    session, which real SGLang does not report (absent: None, "cannot tell")."""
+    session, which real SGLang does not report (absent, not in ``model_fields_set``: "cannot tell"; a key that is
+    there may hold a null)."""
 
     memory_usage: MemoryUsage | None = None
     paused: Any = None
     weight_update_session: Any = None
-    has_paused: bool = False  # whether the key was there at all (paused may be a null)
-    has_session: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _presence(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {**data, "has_paused": "paused" in data, "has_session": "weight_update_session" in data}
-        return data
 
 
 class ServerInfo(_Reply):
@@ -317,12 +279,10 @@ def parse_reply(model: type[_R], data: Any) -> _R:
 # --- builders --------------------------------------------------------------------------------
 
 
-def body(model: SGLangRequest, protocol: SGLangProtocol | None = None) -> dict[str, Any]:
-    """The JSON body for ``model``, defaults included. With ``protocol``, a field that SGLang lacks is dropped while
-    it holds the default and refused otherwise, naming it: that SGLang would ignore the key."""
+def body(model: SGLangRequest, protocol: SGLangProtocol) -> dict[str, Any]:
+    """The JSON body for ``model``, defaults included; a field that ``protocol`` lacks is dropped while it holds the
+    default and refused otherwise, naming it: that SGLang would ignore the key."""
     data = model.model_dump(mode="json")
-    if protocol is None:
-        return data
     struct = type(model).__name__
     if not protocol.has_struct(struct):
         raise ValueError(
@@ -354,10 +314,7 @@ def pause_generation_request(protocol: SGLangProtocol, mode: PauseMode | str) ->
     return body(PauseGenerationReqInput.model_validate({"mode": PauseMode(mode).value}), protocol)
 
 
-def continue_generation_request(
-    protocol: SGLangProtocol, *, torch_empty_cache: bool = True
-) -> dict[str, Any] | None:
-    """The /continue_generation body, or None where the route reads no body (LEGACY)."""
-    if not protocol.continue_body:
-        return None
-    return body(ContinueGenerationReqInput(torch_empty_cache=torch_empty_cache), protocol)
+def continue_generation_request(protocol: SGLangProtocol) -> dict[str, Any] | None:
+    """The /continue_generation body (emptying the cache before un-pausing), or None where the route reads no body
+    (LEGACY)."""
+    return body(ContinueGenerationReqInput(), protocol) if protocol.continue_body else None

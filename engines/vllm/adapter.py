@@ -20,6 +20,7 @@ daemon keeps tag and pause state. Verb → route:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
@@ -40,11 +41,13 @@ from ..base import (
 )
 from ..config import VLLMEngineConfig
 from ..httpmap import check_reply, map_http_errors
+from ..processes import flag_values
 from . import EXTENSION_CLS, wire
-from .protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES, VLLMRoutes, lacking, warn_if_untested
+from .protocol import OPTIONAL_ROUTES, REQUIRED_ROUTES, VLLMRoutes, lacking, untested_warning
 
 __all__ = ["VLLMAdapter"]
 
+_log = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
 
 # vLLM publishes its adapter routes only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (serve/lora/api_router.py:30-32).
@@ -52,22 +55,13 @@ _LORA_LOAD, _LORA_UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 _NO_EXTENSION = f"colocd's worker extension: launch it with --worker-extension-cls {EXTENSION_CLS}"
 
 
-def _flag(args: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` in an argv (``--flag V`` or ``--flag=V``); None where it is absent."""
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def max_adapters(args: Sequence[str]) -> int | None:
     """What an argv lets the worker hold: --max-cpu-loras, which defaults to --max-loras, which defaults to 1
     (config/lora.py:26-44); None without --enable-lora."""
-    if "--enable-lora" not in args:
+    given = flag_values("vllm", args, {})
+    if "--enable-lora" not in given:
         return None
-    return int(_flag(args, "--max-cpu-loras") or _flag(args, "--max-loras") or 1)
+    return int(given.get("--max-cpu-loras") or given.get("--max-loras") or 1)
 
 
 class VLLMAdapter:
@@ -166,7 +160,8 @@ class VLLMAdapter:
         self._pause_mode = None
         version = self._parse(wire.VersionReply, await self._call("GET", "/version"), "/version").version
         self._version = version
-        warn_if_untested(self.name, version)
+        if (warning := untested_warning(version)) is not None:
+            _log.warning("engine %r: %s", self.name, warning)
         self._routes = await self._read_routes()
         missing = self._routes.missing_required()
         if missing:
@@ -217,7 +212,7 @@ class VLLMAdapter:
             if exc.status == 404:
                 return VLLMRoutes(None)
             raise
-        return VLLMRoutes.from_openapi(self._parse(wire.OpenApiReply, response, "/openapi.json").paths)
+        return VLLMRoutes(frozenset(self._parse(wire.OpenApiReply, response, "/openapi.json").paths))
 
     async def started(self) -> bool:
         """vLLM answers HTTP only once its engine core is up: a server that answers has started."""

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..chunks import ChunkLayout, SharedSegment, unflatten
+from ..cuda_handles import device_uuid
 from ..digest import DigestCache, tensor_digests
 
 __all__ = ["ChunkReceiver", "ColocdWorkerExtension"]
@@ -45,17 +46,14 @@ def _tp_rank() -> int:
 
 
 def _local_gpu_uuid(device: torch.device) -> str:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return str(torch.cuda.get_device_properties(index).uuid)
+    return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class ChunkReceiver:
-    """Turns one chunk's payloads (our ChunkPart JSON) into cloned named tensors on ``device``.
-
-    shm: open the POSIX segment read-only by name, unflatten by the JSON layout, clone; never unlink
-    (the trainer owns the segment). cuda_ipc: the trainer's CUDA-IPC pickle (SGLang's format,
-    engines/sglang/payload.py), opened on this worker's GPU. disk: a safetensors file.
-    """
+    """Turns one chunk's payloads (our ChunkPart JSON) into cloned named tensors on ``device``. shm: open the POSIX
+    segment read-only by name, unflatten by the JSON layout, clone; never unlink (the trainer owns the segment).
+    cuda_ipc: the trainer's CUDA-IPC pickle (SGLang's format, engines/sglang/payload.py), opened on this worker's GPU.
+    disk: a safetensors file."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -137,8 +135,8 @@ class _CudaIpcUnpickler(pickle.Unpickler):
 
     def __init__(self, file: io.BytesIO, device: torch.device) -> None:
         super().__init__(file)
-        self._uuid = _local_gpu_uuid(device)
         self._index = device.index if device.index is not None else torch.cuda.current_device()
+        self._uuid = device_uuid(self._index)
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):

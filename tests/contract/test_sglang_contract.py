@@ -290,7 +290,7 @@ def test_a_non_default_value_an_old_sglang_would_ignore_is_refused() -> None:
 
 
 def test_bodies_send_every_field_so_nothing_rests_on_sglang_defaults() -> None:
-    body = wire.body(wire.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[B64]))
+    body = wire.body(wire.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[B64]), V0_5_23)
     assert body["flush_cache"] is True and body["weight_version"] is None and body["selector"] == "all"
     assert set(body) == set(wire.UpdateWeightsFromTensorReqInput.model_fields)
 
@@ -326,7 +326,7 @@ def test_replies_parse_as_sglang_sends_them() -> None:
         {"success": True, "message": "ok", "ranks": [{"per_gpu_checksum": "ab"}], "per_engine_checksum": "cd"}
     )
     assert checker.per_engine_checksum == "cd"
-    assert wire.ErrorResponse.model_validate({"error": {"message": "boom"}}).error.message == "boom"
+    assert replies.ErrorResponse.model_validate({"error": {"message": "boom"}}).error.message == "boom"
     info = wire.ModelInfo.model_validate({"model_path": "m", "weight_version": "7", "architectures": ["X"]})
     assert info.weight_version == "7"
     server = wire.ServerInfo.model_validate({"version": "0.5.4", "tp_size": 2, "port": 30000})

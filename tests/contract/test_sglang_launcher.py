@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from colocd.engines.config import LaunchConfig, SGLangEngineConfig
-from colocd.engines.processes import free_port
+from colocd.engines.processes import free_port, strip_expandable_segments
 from colocd.engines.sglang import launcher
-from colocd.engines.sglang.launcher import launch_sglang, sglang_command, strip_expandable_segments
+from colocd.engines.sglang.launcher import launch_sglang, sglang_command
 from colocd.errors import EngineLaunchError
 
 
@@ -244,10 +244,9 @@ async def test_the_logged_command_hides_the_api_key(stand_in: StandIn, tmp_path:
     assert log.stat().st_mode & 0o777 == 0o600
 
 
-def test_a_launched_server_only_listens_on_loopback() -> None:
-    config = engine(url="http://10.0.0.5:30000")
+async def test_a_launched_server_only_listens_on_loopback() -> None:
     with pytest.raises(EngineLaunchError, match=r"127\.0\.0\.1"):
-        launcher._port_of(str(config.url))
+        await launch_sglang(engine(url="http://10.0.0.5:30000"))
 
 
 def test_launcher_exports_are_sorted_and_complete() -> None:

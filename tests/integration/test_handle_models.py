@@ -22,9 +22,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 DEADLINE_S = 60
 LAYOUT = [{"name": "w", "dtype": "float32", "shape": [2], "offset": 0}]
 
-# Per transport, a handle wrong in one field only, and that field: each a mistake the node-side checks
-# (engines/chunks.py) would not have named, or would have named only after another check, or one the engine
-# would have failed the session on (a field that makes no sense for the transport: colocd's loaders refuse it).
+# Per transport, a handle wrong in the form of one field only, and that field: the API's models are the only check
+# of a field's form (engines/chunks.py checks on the node only what the node can tell), and a field that makes no
+# sense for the transport would have failed the session in the engine (colocd's loaders refuse it).
 MALFORMED = [
     ("shm", {"shm_name": "colocd-1-ab", "nbytes": 8, "layout": LAYOUT, "device_uuid": "GPU-0"}, "handle.device_uuid"),
     ("shm", {"shm_name": "colocd-1-ab", "nbytes": "8", "layout": LAYOUT}, "handle.nbytes"),
@@ -34,6 +34,11 @@ MALFORMED = [
     ("inline", {"payload_b64": "AAAA", "layout": LAYOUT, "shm_name": "colocd-1-ab"}, "handle.shm_name"),
     ("cuda_ipc", {"payload_b64": "AAAA", "load_format": 5, "layout": LAYOUT}, "handle.load_format"),
     ("cuda_ipc", {"payload_b64": "AAAA", "layout": LAYOUT, "path": "/etc/hostname"}, "handle.path"),
+    ("cuda_ipc", {"layout": LAYOUT}, "handle.payload_b64"),
+    # Another program's /dev/shm file, or a path out of it: refused by name, whether or not it exists.
+    ("shm", {"shm_name": "nccl-abc123", "nbytes": 8, "layout": LAYOUT}, "handle.shm_name"),
+    ("shm", {"shm_name": ".hidden", "nbytes": 8, "layout": LAYOUT}, "handle.shm_name"),
+    ("disk", {"path": 5, "layout": LAYOUT}, "handle.path"),
 ]
 IDS = [f"{t}-{f.removeprefix('handle.')}" for t, _, f in MALFORMED]
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from colocd.engines.base import ChunkPart
-from colocd.engines.handles import CudaIpcRoute, HostRoute, InlineRoute, ShmRoute, parse_handle
+from colocd.engines.handles import HostRoute, PayloadRoute, ShmRoute, parse_handle
 from colocd.engines.vllm.wire import update_info
 from colocd.policies import Transport
 
@@ -20,10 +20,10 @@ def _part(transport: Transport, **handle: object) -> ChunkPart:
 @pytest.mark.parametrize("transport, handle, route", [
     (Transport.SHM, {"shm_name": "colocd-x", "nbytes": 8}, ShmRoute(None, "colocd-x")),
     (Transport.CUDA_IPC, {"payload_b64": "", "device_uuid": "GPU-1", "load_format": "direct"},
-     CudaIpcRoute("GPU-1", "", "direct")),
-    (Transport.PER_TENSOR, {"device_uuid": "GPU-2"}, CudaIpcRoute("GPU-2")),  # travels as cuda_ipc
+     PayloadRoute("GPU-1", "", "direct")),
+    (Transport.PER_TENSOR, {"device_uuid": "GPU-2"}, PayloadRoute("GPU-2")),  # travels as cuda_ipc
     (Transport.DISK, {"path": "/x", "device_uuid": 7}, HostRoute(None)),  # a device not named as a string
-    (Transport.INLINE, {"payload_b64": "", "load_format": 5}, InlineRoute(None, "", None)),  # not a string: unsaid
+    (Transport.INLINE, {"payload_b64": "", "load_format": 5}, PayloadRoute(None, "", None)),  # not a string: unsaid
 ])
 def test_each_transport_parses_into_its_route(transport: Transport, handle: dict[str, object],
                                                route: object) -> None:
@@ -40,7 +40,7 @@ def test_a_typed_handle_travels_on_as_the_json_it_was_parsed_from_with_its_route
     part = ChunkPart.of(rank=0, transport=Transport.CUDA_IPC, nbytes=8,
                         handle=parse_handle(Transport.CUDA_IPC, sent))
     assert part.handle is sent  # forwarded as the trainer sent it, the engine's keys the model does not name included
-    assert part.route == CudaIpcRoute("GPU-1", "AAAA")
+    assert part.route == PayloadRoute("GPU-1", "AAAA")
 
 
 def test_vllms_extension_gets_each_part_as_the_trainer_sent_it_under_its_wire_transport() -> None:

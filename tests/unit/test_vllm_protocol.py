@@ -14,7 +14,7 @@ from colocd.engines.vllm.protocol import (
 )
 
 # The dev/RL routes vLLM 0.29.0 registers (research/engine-versions.md §A.1): 0.32's less the optional ones.
-V0_29 = VLLMRoutes.from_openapi(set(REQUIRED_ROUTES) | {"/health", "/version", "/v1/completions"})
+V0_29 = VLLMRoutes(frozenset(REQUIRED_ROUTES) | {"/health", "/version", "/v1/completions"})
 
 
 def test_a_server_publishing_every_required_route_misses_none() -> None:
@@ -30,7 +30,7 @@ def test_a_route_0_29_lacks_is_named_with_what_it_costs(route: str) -> None:
 
 
 def test_a_missing_dev_route_points_at_dev_mode() -> None:
-    routes = VLLMRoutes.from_openapi({"/health", "/version"})
+    routes = VLLMRoutes(frozenset({"/health", "/version"}))
     assert routes.missing_required() == list(REQUIRED_ROUTES)
     assert not routes.has("/pause")
     assert "VLLM_SERVER_DEV_MODE=1" in lacking("/pause", "0.32.0")
