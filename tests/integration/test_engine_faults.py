@@ -15,7 +15,18 @@ from typing import Any
 
 import httpx
 import pytest
-from support import Receive, Scope, Send, daemon_node, reference_engine, request_body, serve_lifespan
+from support import (
+    Receive,
+    Scope,
+    Send,
+    daemon_node,
+    reference_engine,
+    request_body,
+    restartable_engine,
+    serve_lifespan,
+    served_checksums,
+    weights_checksum,
+)
 
 from colocd.api.client import ColocdHTTPError
 from colocd.engines.reference.launcher import ReferenceEngineProcess
@@ -206,6 +217,36 @@ async def test_a_memory_call_whose_answer_is_lost_leaves_the_memory_unknown_the_
             await n.client.phase(phase, 1)
         assert again.value.status == 409 and "unknown" in again.value.body["message"], again.value.body
         assert n.front.calls[route] == 1  # not sent again blindly
+
+
+async def test_an_engine_restarted_after_its_memory_became_unknown_is_ready_again_and_the_next_step_passes() -> None:
+    """The way out of an unknown memory state is an engine restart: no call by hand, and the next full step passes
+    with the trainer's weights served."""
+    from colocd.engines.reference.model import QwenLikeConfig, build_model
+    from colocd.trainer.push import WeightPusher
+
+    async with (restartable_engine() as engine,
+                daemon_node({"ref0": engine.url}, via=FaultProxy,
+                            timeouts={"resume_s": 0.5, "health_interval_s": 0.1}) as n):
+        await n.client.phase("train", 1)
+        n.front.inject("/resume_memory_occupation", Fault(remaining=1, hang=True, forward=True))
+        with pytest.raises(ColocdHTTPError) as err:
+            await n.client.phase("sync", 1)
+        assert err.value.status == 504 and await n.client.ready() is False
+
+        await engine.restart(drivable=True)
+        deadline = asyncio.get_running_loop().time() + 30
+        while not await n.client.ready():
+            assert asyncio.get_running_loop().time() < deadline, (await n.client.status())["engines"]["ref0"]
+            await asyncio.sleep(0.05)  # polling the daemon's readiness with a deadline
+        assert (await n.client.status())["engines"]["ref0"]["memory_unknown"] is None
+
+        named = list(build_model(QwenLikeConfig(), seed=7).named_parameters())
+        await n.client.phase("sync", 1)
+        await WeightPusher(n.client, bucket_mb=0.05).push(named, version="v1", step=1)
+        await n.client.phase("rollout", 1)
+        assert await served_checksums(engine.url) == [weights_checksum(named)]
+        assert n.front.calls["/resume_memory_occupation"] >= 2  # the restarted engine was resumed by the sync
 
 
 async def test_status_says_unknown_for_what_it_cannot_know_of_an_engine_that_stopped_answering() -> None:
