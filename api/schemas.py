@@ -275,6 +275,9 @@ class JoinReply(BaseModel):
     transports: list[Transport] = Field(default_factory=list, description=(
         "the transports every engine this rank feeds loads: a chunk by any other is refused (422) before any "
         "engine sees it; WeightPusher's transport='auto' picks from these"))
+    depth: int = Field(1, description=(
+        "the session's window: a rank sends chunk n only once its chunk n - depth was answered (more outstanding "
+        "is refused, 422 naming seq); WeightPusher keeps within the smaller of its own depth and this"))
 
 
 class ChunkAckReply(BaseModel):

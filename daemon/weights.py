@@ -80,12 +80,12 @@ class RankJoin:
     feeds: tuple[tuple[str, int], ...]  # (engine, TP rank)
     verify: VerifyMode = "off"  # the commit's check (daemon/verify.py): unless off, send digests with each chunk
     transports: tuple[Transport, ...] = ()  # what every engine this rank feeds loads (its chunks must use one)
+    depth: int = 1  # the session's window: chunks this rank may have outstanding
 
     def to_json(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "rank": self.rank, "device_id": self.device_id,
                 "streams": bool(self.feeds), "feeds": [{"engine": e, "tp_rank": t} for e, t in self.feeds],
-                "verify": self.verify,
-                "transports": [t.value for t in self.transports]}
+                "verify": self.verify, "transports": [t.value for t in self.transports], "depth": self.depth}
 
 
 @dataclass
@@ -228,7 +228,7 @@ class WeightSession:
             self.touch()
         feeds = tuple((lane.name, t) for lane in self._lanes for t, r in enumerate(lane.sources) if r == rank)
         return RankJoin(self.id, rank, device_id, feeds, self.verify,
-                        self.transports(self._users_of(rank)))
+                        self.transports(self._users_of(rank)), self.depth)
 
     def _lane_sources(self) -> list[list[int | None]]:
         return [list(lane.sources) for lane in self._lanes]

@@ -257,7 +257,9 @@ class WeightPusher:
                 count += 1
             await self._check_still_open(session_id)
             return count, 0
-        return await self._send_all(session_id, producer, plan_chunks(named, self._chunk_bytes))
+        # The daemon refuses a chunk past the session's window, so keep within it when it is narrower than ours.
+        depth = min(self._depth, int(self.last_join.get("depth") or self._depth))
+        return await self._send_all(session_id, producer, plan_chunks(named, self._chunk_bytes), depth)
 
     def _device_named(self, device: torch.device) -> str:
         if device.type != "cuda":
@@ -290,7 +292,7 @@ class WeightPusher:
         self.last_join_s = time.perf_counter() - t0
 
     async def _send_all(self, session_id: str, producer: Producer,
-                        buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> tuple[int, int]:
+                        buckets: Iterator[list[tuple[str, torch.Tensor]]], depth: int) -> tuple[int, int]:
         self.leases.owner = f"session {session_id}"
         tasks: list[asyncio.Task[None]] = []
         records: dict[int, ChunkRecord] = {}
@@ -326,10 +328,10 @@ class WeightPusher:
         digests = self._digest_cache if (self.last_join or {}).get("verify", "off") != "off" else None
         try:
             while not failure:
-                if len(tasks) >= self._depth:
+                if len(tasks) >= depth:
                     # Acks may come back out of order, and the daemon counts the window from the first chunk it
                     # has not received: chunk n goes only once chunk n - depth has ended.
-                    await asyncio.wait({tasks[-self._depth]})
+                    await asyncio.wait({tasks[-depth]})
                     if failure:  # a chunk failed meanwhile: pull nothing more here
                         break
                 made = await self._next_export(producer, buckets, digests)

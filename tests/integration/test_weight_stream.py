@@ -418,6 +418,35 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
     assert shm_segments() <= segments_before
 
 
+async def test_a_pusher_deeper_than_the_session_keeps_within_the_window_its_join_reply_names(
+        engine_pool: EnginePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The daemon refuses a chunk past the session's window (422 naming seq) when it arrives before the chunk
+    # that would open the window; so the pusher must never have more outstanding than the session allows.
+    named = list(build_model(QwenLikeConfig(), seed=6).named_parameters())
+    async with engine_pool.lent(ref0={}) as engines, daemon_node(engines, synced_at=1) as node:
+        client = node.client
+        outstanding, most = 0, 0
+        send_chunk = client.send_chunk
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal outstanding, most
+            outstanding += 1
+            most = max(most, outstanding)
+            try:
+                return await send_chunk(*args, **kwargs)
+            finally:
+                outstanding -= 1
+
+        monkeypatch.setattr(client, "send_chunk", counted)
+        sid = (await client.open_session("v-window", ranks=1, depth=1))["session_id"]
+        pusher = WeightPusher(client, transport="inline", bucket_mb=0.02, depth=4)
+        chunks, _ = await pusher.stream(sid, named)
+        assert pusher.last_join is not None and pusher.last_join["depth"] == 1
+        assert chunks > 4 and most == 1
+        await client.commit(sid, chunks)
+        assert await served_checksums(engines["ref0"]) == [weights_checksum(named)]
+
+
 def _abort_after(
     named: list[tuple[str, torch.Tensor]], n: int, reached: asyncio.Event
 ) -> Iterator[tuple[str, torch.Tensor]]:
