@@ -71,7 +71,7 @@ async def engine_kill_mid_push(*, model: str, device: str = "cuda:0", bucket_mb:
         options["depth"] = depth
     async with ReferenceEngineProcess(engine_cfg) as engine:
         assert engine.url is not None and engine.pid is not None
-        daemon_cfg = {"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+        daemon_cfg = {"engines": [{"kind": "reference", "name": "ref0", "url": engine.url, "device": device}],
                       "timeouts": {"default_s": 120, "chunk_s": 120}}
         async with DaemonProcess(daemon_cfg, workdir=workdir) as daemon:
             client = KillBeforeChunk(daemon.url, pid=engine.pid, seq=kill_at)

@@ -77,7 +77,7 @@ async def run_readme_bench(model: str, device_name: str, repeats: int, out: str 
     verified = True
     async with ReferenceEngineProcess(engine_cfg) as engine:
         assert engine.url is not None
-        daemon_cfg = {"engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+        daemon_cfg = {"engines": [{"kind": "reference", "name": "ref0", "url": engine.url, "device": device_name}],
                       "timeouts": {"default_s": 600, "chunk_s": 600}}
         async with (
             DaemonProcess(daemon_cfg, workdir=workdir) as daemon,

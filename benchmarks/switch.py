@@ -914,7 +914,8 @@ async def _run(settings: SwitchSettings, device: torch.device,
     failed: dict[str, str] = {}  # preset → why it stopped (the record keeps the others)
     async with ReferenceEngineProcess(engine_cfg) as engine:
         assert engine.url is not None
-        engine_entry: dict[str, Any] = {"kind": "reference", "name": "ref0", "url": engine.url}
+        engine_entry: dict[str, Any] = {"kind": "reference", "name": "ref0", "url": engine.url,
+                                        "device": settings.device}
         if device.type == "cuda":
             engine_entry["gpus"] = [device.index or 0]  # the daemon confirms releases through NVML
         daemon_cfg = {"engines": [engine_entry], "timeouts": {"default_s": 600, "chunk_s": 600}}

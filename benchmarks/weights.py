@@ -480,7 +480,7 @@ async def run_weights_bench(settings: BenchSettings) -> dict[str, Any]:
     async with ReferenceEngineProcess(engine_cfg) as engine:
         assert engine.url is not None
         daemon_cfg = {
-            "engines": [{"kind": "reference", "name": "ref0", "url": engine.url}],
+            "engines": [{"kind": "reference", "name": "ref0", "url": engine.url, "device": settings.device}],
             "timeouts": {"default_s": 600, "chunk_s": 600},
             "policy_file": f"{workdir}/policy.yaml",
         }

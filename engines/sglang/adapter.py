@@ -169,11 +169,14 @@ class SGLangAdapter:
 
     def _tp_device_ids(self) -> tuple[str, ...]:
         """Each TP rank's device identity, which SGLang does not report: the config's ``gpu_uuids`` (one per TP
-        rank); on CPU, the reference engine's ``device_ids`` (default ``cpu:<rank>``); else none are known."""
+        rank); for a reference engine on CPU (no GPU in its config), its ``device_ids`` (default ``cpu:<rank>``);
+        else none are known, and trainer rank t feeds TP rank t."""
         c = self._config
-        if isinstance(c, ReferenceEngineConfig) and not c.device.startswith("cuda"):
+        if len(c.gpu_uuids) == c.tp_size:
+            return tuple(c.gpu_uuids)
+        if isinstance(c, ReferenceEngineConfig) and not (c.device.startswith("cuda") or c.gpus or c.gpu_uuids):
             return tuple(c.device_ids or (f"cpu:{r}" for r in range(c.tp_size)))
-        return tuple(c.gpu_uuids) if len(c.gpu_uuids) == c.tp_size else ()
+        return ()
 
     def _check_tp_size(self, server: wire.ServerInfo) -> None:
         """The engine's TP size (server_info's ``tp_size``, where it says) must be the declared one: every chunk

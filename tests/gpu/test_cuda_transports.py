@@ -30,7 +30,9 @@ _DEVICE = torch.device("cuda", 0)
 async def node() -> AsyncIterator[DaemonNode]:
     """The module's engine (``tiny`` sink tensors on the GPU) and a daemon over it, left in ``sync`` at step 1."""
     async with reference_engine(device="cuda", launch=sink_launch("tiny", ready_timeout_s=300)) \
-            as engine, daemon_node({"ref0": str(engine.url)}, timeouts={"chunk_s": 60}, synced_at=1) as daemon:
+            as engine, daemon_node(
+                [{"kind": "reference", "name": "ref0", "url": str(engine.url), "device": "cuda"}],
+                timeouts={"chunk_s": 60}, synced_at=1) as daemon:
         yield daemon
 
 

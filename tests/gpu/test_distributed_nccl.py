@@ -27,7 +27,8 @@ async def test_full_step_over_nccl_serves_exactly_the_trainers_weights(flattened
     torch.cuda.set_device(0)
     trained = build_model(QwenLikeConfig(), seed=123, device="cuda:0")
     async with asyncio.timeout(240), reference_engine(device="cuda:1", launch={"ready_timeout_s": 300}) as engine:
-        async with daemon_node({"ref0": str(engine.url)}, timeouts={"chunk_s": 60, "default_s": 60}) as node:
+        async with daemon_node([{"kind": "reference", "name": "ref0", "url": str(engine.url), "device": "cuda:1"}],
+                               timeouts={"chunk_s": 60, "default_s": 60}) as node:
             client = node.client
             async with DistributedWeightSender(client, backend="nccl", bucket_mb=0.05, flattened=flattened,
                                                timeout_s=60) as trainer:

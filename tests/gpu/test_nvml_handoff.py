@@ -26,7 +26,7 @@ async def test_train_waits_for_nvml_to_show_the_memory_free_and_sync_serves_the_
 
     trained = build_model(model, seed=9)
     await client.phase("sync", 1)
-    await WeightPusher(client, transport="inline", bucket_mb=64).push(trained.named_parameters(), version="1")
+    await WeightPusher(client, transport="inline").push(trained.named_parameters(), version="1")
     await client.phase("rollout", 1)
     assert await served_checksums(nvml_node.engine_url) == [weights_checksum(trained.named_parameters())]
     assert torch.cuda.is_available()

@@ -418,6 +418,19 @@ async def test_two_ranks_stream_to_two_engines_every_tensor_once_byte_identical(
     assert shm_segments() <= segments_before
 
 
+@pytest.mark.parametrize("on_gpu", [{"device": "cuda:0"}, {"gpus": [0]}], ids=["device", "gpus"])
+async def test_an_engine_whose_config_puts_it_on_a_gpu_it_names_no_uuid_of_is_fed_by_rank_position(
+        engine_pool: EnginePool, on_gpu: dict[str, Any]) -> None:
+    # SGLang reports no device identity: with no gpu_uuids the TP ranks' GPUs are unknown (never cpu:<rank>),
+    # so the trainer rank joining on its GPU's UUID feeds TP rank 0 by position.
+    async with engine_pool.lent(ref0={}) as engines, daemon_node(
+            [{"kind": "reference", "name": "ref0", "url": engines["ref0"], **on_gpu}], synced_at=1) as node:
+        sid = (await node.client.open_session("v-gpu", ranks=1))["session_id"]
+        join = await node.client.join_session(sid, rank=0, device_id="GPU-728cdde1-58bf-b2cc-ddca-715e920e0518")
+        assert join["streams"] and join["feeds"] == [{"engine": "ref0", "tp_rank": 0}], join
+        await node.client.abort(sid)
+
+
 async def test_a_pusher_deeper_than_the_session_keeps_within_the_window_its_join_reply_names(
         engine_pool: EnginePool, monkeypatch: pytest.MonkeyPatch) -> None:
     # The daemon refuses a chunk past the session's window (422 naming seq) when it arrives before the chunk
