@@ -98,8 +98,8 @@ class EngineHandle:
 
     @property
     def device_type(self) -> str:
-        """Where the engine's tensors live: the reference engine says (``device``); SGLang and vLLM run on CUDA."""
-        return self.config.device.split(":")[0] if isinstance(self.config, ReferenceEngineConfig) else "cuda"
+        """Where the engine's tensors live: the host for a reference engine whose config names no GPU; else CUDA."""
+        return "cpu" if isinstance(self.config, ReferenceEngineConfig) and self.config.on_cpu else "cuda"
 
     @property
     def gpus(self) -> list[int | str]:

@@ -92,6 +92,11 @@ class ReferenceEngineConfig(_EngineBase):
         "rank's identity is its GPU's UUID",
     )
 
+    @property
+    def on_cpu(self) -> bool:
+        """Whether it runs on the host: ``device`` cpu and no GPU named (``gpus``, ``gpu_uuids``)."""
+        return not (self.device.startswith("cuda") or self.gpus or self.gpu_uuids)
+
     @model_validator(mode="after")
     def _one_device_per_tp_rank(self) -> ReferenceEngineConfig:
         if self.device_ids and self.device.startswith("cuda"):

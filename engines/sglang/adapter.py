@@ -174,7 +174,7 @@ class SGLangAdapter:
         c = self._config
         if len(c.gpu_uuids) == c.tp_size:
             return tuple(c.gpu_uuids)
-        if isinstance(c, ReferenceEngineConfig) and not (c.device.startswith("cuda") or c.gpus or c.gpu_uuids):
+        if isinstance(c, ReferenceEngineConfig) and c.on_cpu:
             return tuple(c.device_ids or (f"cpu:{r}" for r in range(c.tp_size)))
         return ()
 
