@@ -58,8 +58,8 @@ def _json_reply(content: dict[str, Any]) -> Response | dict[str, Any]:
 
 
 def _part(chunk: ChunkDescriptor) -> ChunkPart:
-    return ChunkPart.of(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle,
-                        digests=chunk.digests)
+    return ChunkPart(rank=chunk.rank, transport=chunk.transport, nbytes=chunk.nbytes, handle=chunk.handle,
+                     digests=chunk.digests)
 
 
 def _get_daemon(request: Request) -> Daemon:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..engines.base import ChunkLoad, ChunkPart
-from ..engines.chunks import ChunkLayout, inspect_handle
+from ..engines.chunks import ChunkLayout
 from ..engines.handles import ShmRoute
 from ..engines.httpmap import refused_payload
 from ..errors import ChunkTimeout, PayloadRejected, RequestInvalid, SessionGone, TransitionRejected, WeightSyncError
@@ -478,7 +478,7 @@ class WeightSession:
         """The handle is readable on this node and its layout agrees with the manifest; else 422."""
         where = f"session {self.id}: chunk {seq} from rank {part.rank}"
         try:
-            layout = inspect_handle(part.transport, part.nbytes, part.handle)
+            layout = part.handle.inspect(part.nbytes)
         except RequestInvalid as exc:
             raise RequestInvalid(f"{where}: {exc}", field=exc.field) from None
         self._check_manifest(where, [(t.name, TensorMeta(t.dtype, t.shape)) for t in layout.tensors],

@@ -7,12 +7,12 @@ retries or deadlines: the daemon owns those and wraps each call in its own timeo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ..policies import Transport
-from .handles import Handle, HandleRoute, route_of
+from .handles import Handle, HandleRoute
 
 __all__ = ["ALL_TAGS", "ChunkLoad", "ChunkPart", "EngineAdapter", "EngineDigests", "EngineInfo", "MemoryReport",
            "MemoryTag", "Observation", "PauseMode", "ReleaseReport", "TagState"]
@@ -84,29 +84,20 @@ class MemoryReport:
 
 @dataclass(frozen=True, slots=True)
 class ChunkPart:
-    """One trainer rank's piece of a chunk. ``handle`` is the JSON object the trainer sent, which adapters forward in
-    their engine's wire format without unpickling it; the facts the daemon needs of it are ``route``
-    (engines/handles.py)."""
+    """One trainer rank's piece of a chunk. ``handle`` is its transport's model (engines/handles.py), parsed once
+    where the chunk came in; adapters forward ``handle.wire``, the JSON object the trainer sent, in their engine's
+    wire format without unpickling it; the facts the daemon needs of it are ``route``."""
 
     rank: int
     transport: Transport
     nbytes: int
-    handle: dict[str, Any]
+    handle: Handle
     # Each tensor's digest as the trainer computed it (engines/digest.py), by name; None: none sent.
     digests: dict[str, str] | None = None
-    # ``parsed`` where the caller has it (the API's typed handle), else read from ``handle``.
     route: HandleRoute = field(init=False, repr=False, compare=False)
-    parsed: InitVar[HandleRoute | None] = None
 
-    def __post_init__(self, parsed: HandleRoute | None) -> None:
-        object.__setattr__(self, "route", parsed if parsed is not None else route_of(self.transport, self.handle))
-
-    @classmethod
-    def of(cls, *, rank: int, transport: Transport, nbytes: int, handle: Handle,
-           digests: dict[str, str] | None = None) -> ChunkPart:
-        """The part of a typed handle: it travels on as the JSON it was parsed from, its route from the model."""
-        return cls(rank=rank, transport=transport, nbytes=nbytes, handle=handle.wire, digests=digests,
-                   parsed=handle.route())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "route", self.handle.route())
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,6 @@ describe a chunk to any other without trusting it with code.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import fcntl
 import math
 import mmap
@@ -18,7 +16,7 @@ import secrets
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from typing_extensions import TypedDict  # pydantic takes typing's TypedDict only from Python 3.12
 
@@ -26,11 +24,10 @@ if TYPE_CHECKING:  # torch is imported where tensors are touched: a layout is ch
     import torch
 
 from ..errors import RequestInvalid
-from .inline import check_inline_payload
 
 __all__ = ["DTYPES", "MAX_LAYOUT_ENTRIES", "SEGMENT_PREFIX", "SHM_DIR", "SHM_NAME_PATTERN", "ChunkLayout",
            "LayoutEntry", "SharedSegment", "TensorSpec", "dtype_from_name", "dtype_itemsize", "dtype_name",
-           "flatten_into", "inspect_handle", "plan_chunks", "unflatten"]
+           "flatten_into", "layout_of", "plan_chunks", "unflatten"]
 
 # The dtypes a chunk may carry and their itemsizes, by torch's short names (``getattr(torch, name)``); sizes, not
 # torch dtypes, so that validating a layout (all the daemon does with one) never imports torch.
@@ -264,43 +261,9 @@ SHM_NAME_PATTERN = re.compile(rf"^{SEGMENT_PREFIX}-([1-9][0-9]{{0,9}})-[0-9a-f]{
 MAX_LAYOUT_ENTRIES = 65536  # more tensors than any model has in one chunk; bounds the daemon's parsing
 
 
-def inspect_handle(transport: str, nbytes: int, handle: dict[str, Any]) -> ChunkLayout:
-    """Check what only this node can tell of a chunk handle the API parsed (``engines/handles.py`` checked each
-    field's form) before any engine sees it, and return the chunk's layout (``handle.layout``, on every transport).
-    shm: the segment exists and holds ``nbytes``; disk: the file exists; cuda_ipc: base64; inline: one well-formed
-    pickle of allow-listed names (``engines/inline.py``)."""
-    if transport == "shm":
-        name, declared = handle.get("shm_name"), handle.get("nbytes")
-        if declared != nbytes:
-            raise RequestInvalid(f"handle.nbytes must be the chunk's nbytes ({nbytes}), got {declared!r}",
-                                 field="handle.nbytes")
-        try:
-            size = os.stat(os.path.join(SHM_DIR, str(name))).st_size
-        except FileNotFoundError:
-            raise RequestInvalid(f"no shared-memory segment {name!r} on this node", field="handle.shm_name") from None
-        if size < nbytes:
-            raise RequestInvalid(f"segment {name!r} holds {size} bytes but the chunk says nbytes={nbytes}",
-                                 field="nbytes")
-        return _layout(transport, handle, nbytes)
-    if transport == "disk":
-        path = str(handle.get("path"))
-        if not os.path.isabs(path) or not os.path.isfile(path):
-            raise RequestInvalid(f"path {path!r} is not an absolute path to a file on this node", field="handle.path")
-        return _layout(transport, handle, None)
-    if transport == "inline":
-        check_inline_payload(handle.get("payload_b64"))
-        return _layout(transport, handle, nbytes)
-    if transport == "cuda_ipc":
-        try:
-            base64.b64decode(str(handle.get("payload_b64")), validate=True)
-        except binascii.Error as exc:
-            raise RequestInvalid(f"payload_b64 is not base64: {exc}", field="handle.payload_b64") from None
-        return _layout(transport, handle, None)
-    raise RequestInvalid(f"unknown transport {transport!r}", field="transport")
-
-
-def _layout(transport: str, handle: dict[str, Any], nbytes: int | None) -> ChunkLayout:
-    items = handle.get("layout")
+def layout_of(transport: str, items: object, nbytes: int | None) -> ChunkLayout:
+    """A handle's ``layout`` (``[{name, dtype, shape, offset}]``) checked and read; with ``nbytes``, the tensors must
+    fit the buffer. 422 naming ``handle.layout`` otherwise."""
     if items is None:
         raise RequestInvalid(f"a {transport} chunk carries its layout (handle.layout: [{{name, dtype, shape, "
                              "offset}], as colocd's producers export it): the daemon checks every chunk's tensors "

@@ -1,26 +1,30 @@
-"""A chunk handle, typed per transport on the wire, and what the daemon reads of it (its route).
+"""A chunk handle, typed per transport on the wire, and what the daemon reads of it (its route and layout).
 
-The API parses a chunk's handle once, into its transport's model (``handle_model``): a malformed field is the
+The API parses a chunk's handle once, into its transport's model (``parse_handle``): a malformed field is the
 caller's 422 naming it before any engine sees the chunk. The model keeps the JSON object it was parsed from
-(``wire``), which the adapters forward byte for byte; the orchestration reads only the route (``HandleRoute``).
+(``wire``), which the adapters forward byte for byte; the orchestration reads only the route (``HandleRoute``) and,
+through ``inspect``, what only this node can check (a segment or file that exists) and the chunk's layout.
 The colocd formats (shm, disk, inline) refuse keys their model does not name; cuda_ipc keeps them (they are the
 engine's) but refuses another colocd transport's fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import base64
+import os
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SkipValidation, StringConstraints, model_validator
 from pydantic_core import InitErrorDetails, ValidationError
 
+from ..errors import RequestInvalid
 from ..policies import Transport
-from .chunks import SHM_NAME_PATTERN, LayoutEntry
+from .chunks import SHM_DIR, SHM_NAME_PATTERN, ChunkLayout, LayoutEntry, layout_of
+from .inline import check_inline_payload
 
 __all__ = ["CudaIpcHandle", "DiskHandle", "Handle", "HandleModel", "HandleRoute", "HostRoute", "InlineHandle",
-           "LayoutEntry", "PayloadRoute", "ShmHandle", "ShmRoute", "handle_model", "parse_handle", "route_of"]
+           "LayoutEntry", "PayloadRoute", "ShmHandle", "ShmRoute", "handle_model", "parse_handle"]
 
 
 # Every route says ``device_uuid``: the GPU the trainer exported the bytes from (None: not known).
@@ -89,6 +93,11 @@ class Handle(BaseModel):
     def route(self) -> HandleRoute:
         return HostRoute(None)
 
+    def inspect(self, nbytes: int) -> ChunkLayout:
+        """What only this node can tell of the handle, checked before any engine sees it (422 naming the field),
+        and the chunk's layout (every transport carries one)."""
+        raise RequestInvalid(f"no transport loads a {type(self).__name__}", field="transport")
+
 
 _ColocdFormat = ConfigDict(extra="forbid", strict=True)  # read by colocd's own loaders: no other key
 
@@ -105,6 +114,21 @@ class ShmHandle(Handle):
     def route(self) -> HandleRoute:
         return ShmRoute(None, self.shm_name)
 
+    def inspect(self, nbytes: int) -> ChunkLayout:
+        """The segment exists and holds the chunk's ``nbytes``."""
+        if self.nbytes != nbytes:
+            raise RequestInvalid(f"handle.nbytes must be the chunk's nbytes ({nbytes}), got {self.nbytes!r}",
+                                 field="handle.nbytes")
+        try:
+            size = os.stat(os.path.join(SHM_DIR, self.shm_name)).st_size
+        except FileNotFoundError:
+            raise RequestInvalid(f"no shared-memory segment {self.shm_name!r} on this node",
+                                 field="handle.shm_name") from None
+        if size < nbytes:
+            raise RequestInvalid(f"segment {self.shm_name!r} holds {size} bytes but the chunk says nbytes={nbytes}",
+                                 field="nbytes")
+        return layout_of("shm", self.layout, nbytes)
+
 
 class DiskHandle(Handle):
     """disk: a safetensors file on this node."""
@@ -112,6 +136,13 @@ class DiskHandle(Handle):
     model_config = _ColocdFormat
 
     path: _Text = Field(..., description="an absolute path to a regular file on this node")
+
+    def inspect(self, nbytes: int) -> ChunkLayout:
+        """The file exists here."""
+        if not os.path.isabs(self.path) or not os.path.isfile(self.path):
+            raise RequestInvalid(f"path {self.path!r} is not an absolute path to a file on this node",
+                                 field="handle.path")
+        return layout_of("disk", self.layout, None)
 
 
 class InlineHandle(Handle):
@@ -126,6 +157,11 @@ class InlineHandle(Handle):
     def route(self) -> HandleRoute:
         return PayloadRoute(None, self.payload_b64, self.load_format)
 
+    def inspect(self, nbytes: int) -> ChunkLayout:
+        """One well-formed pickle of allow-listed names (engines/inline.py)."""
+        check_inline_payload(self.payload_b64)
+        return layout_of("inline", self.layout, nbytes)
+
 
 class CudaIpcHandle(Handle):
     """cuda_ipc: a GPU bucket (or per-tensor IPC handles) exported by the trainer."""
@@ -139,6 +175,14 @@ class CudaIpcHandle(Handle):
 
     def route(self) -> HandleRoute:
         return PayloadRoute(self.device_uuid, self.payload_b64, self.load_format)
+
+    def inspect(self, nbytes: int) -> ChunkLayout:
+        """The payload is base64 (what it names opens only in the engine)."""
+        try:
+            base64.b64decode(self.payload_b64, validate=True)
+        except ValueError as exc:  # binascii.Error, or a character outside ASCII
+            raise RequestInvalid(f"payload_b64 is not base64: {exc}", field="handle.payload_b64") from None
+        return layout_of("cuda_ipc", self.layout, None)
 
 
 HandleModel = ShmHandle | DiskHandle | InlineHandle | CudaIpcHandle
@@ -161,22 +205,3 @@ def parse_handle(transport: Transport, handle: object) -> Handle:
     if isinstance(handle, dict):
         model._wire = handle
     return model
-
-
-def route_of(transport: Transport, handle: Mapping[str, object]) -> HandleRoute:
-    """The route of a handle that did not come through the API (an in-process caller's dict), read leniently."""
-    device = _text(handle, "device_uuid")
-    try:
-        wire = Transport(transport).wire
-    except ValueError:  # no such transport: refused, naming it, where the handle is inspected (chunks.py)
-        return HostRoute(device)
-    if wire is Transport.SHM:
-        return ShmRoute(device, _text(handle, "shm_name"))
-    if wire in (Transport.CUDA_IPC, Transport.INLINE):
-        return PayloadRoute(device, _text(handle, "payload_b64"), _text(handle, "load_format"))
-    return HostRoute(device)
-
-
-def _text(handle: Mapping[str, object], key: str) -> str | None:
-    value = handle.get(key)
-    return value if isinstance(value, str) else None

@@ -32,11 +32,12 @@ from colocd.engines.base import (
     PauseMode,
     ReleaseReport,
 )
+from colocd.engines.handles import parse_handle
 from colocd.engines.shm_files import files_in_use
 from colocd.policies import Transport
 
 __all__ = ["BASE", "DEADLINE_S", "AsIfOnGpu", "DaemonNode", "EngineMirrorNvml", "EnginePool", "InMemoryEngine",
-           "LoadsShm", "NvmlNode", "RestartableEngine", "daemon_node", "engine_tags", "entered_in_thread",
+           "LoadsShm", "NvmlNode", "RestartableEngine", "chunk_part", "daemon_node", "engine_tags", "entered_in_thread",
            "in_process_daemon", "leaves_no_shm_segments", "node_config", "node_on_mirrored_gpu", "reference_config",
            "reference_engine", "request_body", "restartable_engine", "serve_app", "serve_lifespan", "served_checksums",
            "shm_left_behind", "shm_segments", "stand_in_engine", "weights_checksum"]
@@ -146,6 +147,12 @@ async def serve_app(app: Any, *, ready_path: str = "/healthz", timeout_s: float 
         server.should_exit = True
         await task
         sock.close()
+
+
+def chunk_part(rank: int, transport: Transport | str, nbytes: int, handle: dict[str, Any],
+               digests: dict[str, str] | None = None) -> ChunkPart:
+    """A trainer rank's part of a chunk as the API builds it: ``handle`` parsed into its transport's model."""
+    return ChunkPart(rank, Transport(transport), nbytes, parse_handle(Transport(transport), handle), digests)
 
 
 def shm_segments(owner: int | str | None = None) -> set[str]:
@@ -261,9 +268,9 @@ class LoadsShm:
     def _inline(self, part: ChunkPart) -> ChunkPart:
         from colocd.trainer.producer import Producer
 
-        named = self._receiver.tensors({"transport": "shm", "handle": part.handle})
+        named = self._receiver.tensors({"transport": "shm", "handle": part.handle.wire})
         exported = Producer("inline").export(named)
-        return ChunkPart(part.rank, Transport.INLINE, exported.nbytes, exported.handle, part.digests)
+        return chunk_part(part.rank, Transport.INLINE, exported.nbytes, exported.handle, part.digests)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

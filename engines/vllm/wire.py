@@ -46,7 +46,7 @@ def update_info(seq: int, payloads: tuple[ChunkPart, ...]) -> dict[str, JsonValu
     GPU UUID for cuda_ipc, by TP rank for shm/disk, or the only one), since /collective_rpc cannot address workers
     one by one."""
     return {"seq": seq, "payloads": [
-        {"rank": p.rank, "transport": Transport(p.transport).wire, "nbytes": p.nbytes, "handle": p.handle}
+        {"rank": p.rank, "transport": Transport(p.transport).wire, "nbytes": p.nbytes, "handle": p.handle.wire}
         for p in payloads]}
 
 

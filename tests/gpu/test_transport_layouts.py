@@ -1,12 +1,12 @@
 """Every CUDA producer's chunk carries the layout the daemon reads (trainer/producer.py,
-engines/chunks.py ``inspect_handle``): the tensors of the bucket, by name, dtype and shape, in order."""
+``Handle.inspect``, engines/handles.py): the tensors of the bucket, by name, dtype and shape, in order."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from colocd.engines.chunks import inspect_handle
+from colocd.engines.handles import parse_handle
 from colocd.policies import Transport
 from colocd.trainer.producer import Producer
 
@@ -24,7 +24,7 @@ def test_a_cuda_producers_chunk_carries_the_layout_of_its_tensors(transport: Tra
         chunk = producer.export(named)
         try:
             assert chunk.transport == transport.wire
-            layout = inspect_handle(chunk.transport, chunk.nbytes, chunk.handle)
+            layout = parse_handle(chunk.transport, chunk.handle).inspect(chunk.nbytes)
             assert [(t.name, t.dtype, t.shape) for t in layout.tensors] == [
                 ("a", "float32", (4, 8)), ("b", "float16", (16,)), ("c", "int64", (3,))]
         finally:

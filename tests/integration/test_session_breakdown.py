@@ -6,24 +6,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from support import InMemoryEngine, in_process_daemon
+from support import InMemoryEngine, chunk_part, in_process_daemon
 
 from benchmarks.session_breakdown import STAGES, breakdown
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import ChunkPart
 from colocd.engines.chunks import ChunkLayout
 from colocd.trainer.push import manifest_of
 
 NAMED = [(f"layers.{i}.weight", torch.zeros(4, 4)) for i in range(12)]
 
 
-
-
 async def _commit_one(daemon: Daemon, step: int, version: str) -> dict[str, Any]:
     session = await daemon.sessions.open(step=step, version=version, ranks=1, manifest=manifest_of(NAMED))
     handle = {"payload_b64": "", "layout": ChunkLayout.for_tensors(NAMED).to_json()}
-    await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
+    await daemon.sessions.submit_chunk(session.id, 0, chunk_part(0, "cuda_ipc", 8, handle))
     return await daemon.sessions.commit(session.id, 1)
 
 

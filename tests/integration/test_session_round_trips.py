@@ -12,12 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
-from support import in_process_daemon, restartable_engine
+from support import chunk_part, in_process_daemon, restartable_engine
 
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase, WeightsState
 from colocd.daemon.weights import WeightSession
-from colocd.engines.base import ChunkPart, MemoryTag, Observation
+from colocd.engines.base import MemoryTag, Observation
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
 from colocd.errors import SessionGone
@@ -32,7 +32,7 @@ async def _open_and_send_everything(daemon: Daemon) -> WeightSession:
     named = list(build_model(QwenLikeConfig(), seed=7).named_parameters())
     session = await daemon.sessions.open(step=1, version="v1", ranks=1, manifest=manifest_of(named))
     part = Producer("inline").export(named)
-    await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, "inline", part.nbytes, part.handle))
+    await daemon.sessions.submit_chunk(session.id, 0, chunk_part(0, "inline", part.nbytes, part.handle))
     return session
 
 

@@ -28,6 +28,7 @@ from support import (
     Receive,
     Scope,
     Send,
+    chunk_part,
     daemon_node,
     in_process_daemon,
     request_body,
@@ -40,10 +41,7 @@ from support import (
 from colocd.api.client import AsyncColocdClient, ColocdHTTPError
 from colocd.daemon.node import Daemon
 from colocd.daemon.states import NodePhase
-from colocd.engines.base import (
-    ChunkLoad,
-    ChunkPart,
-)
+from colocd.engines.base import ChunkLoad
 from colocd.engines.chunks import ChunkLayout, plan_chunks
 from colocd.engines.reference.launcher import ReferenceEngineProcess
 from colocd.engines.reference.model import QwenLikeConfig, build_model
@@ -548,7 +546,7 @@ async def test_without_a_parameter_list_the_first_push_after_a_discard_must_matc
     async with in_process_daemon({"e0": UnlistedEngine("e0")}, journal=journal) as daemon:
         await step(daemon, 1)
         first = await daemon.sessions.open(step=1, version="v1", ranks=1, manifest=full)
-        await daemon.sessions.submit_chunk(first.id, 0, ChunkPart(0, "cuda_ipc", 8, handle))
+        await daemon.sessions.submit_chunk(first.id, 0, chunk_part(0, "cuda_ipc", 8, handle))
         await daemon.sessions.commit(first.id, 1)  # nothing to compare with yet: recorded as complete
         await daemon.transitions.transition(NodePhase.ROLLOUT, 1)
         await step(daemon, 2)
@@ -587,10 +585,10 @@ async def test_a_chunk_by_a_transport_the_engine_does_not_load_is_refused_before
         assert session.transports() == (Transport.INLINE,)
         with pytest.raises(RequestInvalid, match=r"travels by disk.*'e0' does not load \(it accepts: inline\)") as err:
             await daemon.sessions.submit_chunk(session.id, 0,
-                                               ChunkPart(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
+                                               chunk_part(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
         assert err.value.field == "transport" and engine.loads == 0
         chunk = Producer("inline").export(named)  # what the engine loads: accepted, and the session goes on
-        await daemon.sessions.submit_chunk(session.id, 0, ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle))
+        await daemon.sessions.submit_chunk(session.id, 0, chunk_part(0, Transport.INLINE, chunk.nbytes, chunk.handle))
         assert engine.loads == 1
 
 
@@ -603,6 +601,6 @@ async def test_a_first_chunk_refused_before_it_is_accepted_leaves_its_rank_unjoi
         before = session.stats()
         with pytest.raises(RequestInvalid) as err:  # the rank never joined: this chunk would have joined it
             await daemon.sessions.submit_chunk(session.id, 0,
-                                               ChunkPart(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
+                                               chunk_part(0, Transport.DISK, 8, {"path": "/etc/hostname"}))
         assert err.value.field == "transport"
         assert session.stats() == before

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import EnginePool, daemon_node, served_checksums, shm_segments, weights_checksum
+from support import EnginePool, chunk_part, daemon_node, served_checksums, shm_segments, weights_checksum
 
 from benchmarks.weights import BenchSettings, run_weights_bench
 from colocd.api.client import ColocdHTTPError
@@ -67,7 +67,8 @@ class FakeEngine:
             if load.seq == self.fail_at:
                 raise EngineRejected(self.name, f"update_weights_from_tensor#{load.seq}: boom", status=400)
             self.loads.append(
-                (load.seq, tuple(p.rank for p in load.payloads), tuple(str(p.handle["data"]) for p in load.payloads))
+                (load.seq, tuple(p.rank for p in load.payloads), tuple(str(p.handle.wire.get("data"))
+                                                                    for p in load.payloads))
             )
         except asyncio.CancelledError:
             self.cancelled.append(load.seq)
@@ -113,8 +114,8 @@ def _part(rank: int, seq: int, **handle: Any) -> ChunkPart:
     # cuda_ipc: a payload the daemon cannot look into (no segment), with the layout every chunk carries: chunk
     # seq holds tensor t<seq> on every rank.
     layout = [{"name": f"t{seq}", "dtype": "float32", "shape": [1], "offset": 0}]
-    return ChunkPart(rank=rank, transport="cuda_ipc", nbytes=100,
-                       handle={"payload_b64": "", "layout": layout, "data": f"r{rank}c{seq}", **handle})
+    return chunk_part(rank=rank, transport="cuda_ipc", nbytes=100,
+                      handle={"payload_b64": "", "layout": layout, "data": f"r{rank}c{seq}", **handle})
 
 
 def _shm_part(rank: int, names: list[str]) -> ChunkPart:
@@ -123,9 +124,8 @@ def _shm_part(rank: int, names: list[str]) -> ChunkPart:
     layout = ChunkLayout.for_tensors(named)
     segment = SharedSegment.create(layout.nbytes)
     _SEGMENTS.append(segment)
-    return ChunkPart(rank=rank, transport="shm", nbytes=layout.nbytes,
-                       handle={"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json(),
-                               "data": f"r{rank}"})
+    return chunk_part(rank=rank, transport="shm", nbytes=layout.nbytes,
+                      handle={"shm_name": segment.name, "nbytes": layout.nbytes, "layout": layout.to_json()})
 
 
 _SEGMENTS: list[SharedSegment] = []
@@ -366,7 +366,7 @@ def test_feed_ranks_name_one_distinct_trainer_rank_per_tp_rank() -> None:
 
 def test_each_transport_reaches_the_engine_in_its_load_format() -> None:
     def fmt(transport: str, **handle: Any) -> str | None:
-        return _load_format(ChunkLoad(0, (ChunkPart(0, transport, 1, handle),), 1))
+        return _load_format(ChunkLoad(0, (chunk_part(0, transport, 1, {"payload_b64": "", **handle}),), 1))
 
     assert fmt("cuda_ipc", load_format="flattened_bucket") == "flattened_bucket"
     assert fmt("cuda_ipc", load_format="direct") is None  # SGLang's default: a list of (name, tensor)

@@ -26,8 +26,9 @@ from sglang_live import (
     save_model,
     step_weights,
 )
+from support import chunk_part
 
-from colocd.engines.base import ChunkLoad, ChunkPart, PauseMode
+from colocd.engines.base import ChunkLoad, PauseMode
 from colocd.engines.sglang.adapter import SGLangAdapter
 from colocd.errors import EngineRejected
 from colocd.policies import Transport
@@ -40,7 +41,7 @@ DEADLINE_S = 120
 
 def inline_load(named: list, seq: int = 0, version: str | None = None) -> ChunkLoad:
     chunk = Producer("inline").export(named)
-    part = ChunkPart(0, Transport.INLINE, chunk.nbytes, chunk.handle)
+    part = chunk_part(0, Transport.INLINE, chunk.nbytes, chunk.handle)
     return ChunkLoad(seq=seq, payloads=(part,), nbytes=chunk.nbytes, weight_version=version)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from support import chunk_part
 
 from colocd.daemon.manifests import manifest_from_json
 from colocd.daemon.metrics import Metrics
@@ -64,7 +65,7 @@ def _part(transport: str, rank: int, named: list[tuple[str, torch.Tensor]]) -> C
                                     "layout": layout}),
     }
     wire, handle = handles[transport]
-    return ChunkPart(rank=rank, transport=wire, nbytes=ChunkLayout.for_tensors(named).nbytes, handle=handle)
+    return chunk_part(rank=rank, transport=wire, nbytes=ChunkLayout.for_tensors(named).nbytes, handle=handle)
 
 
 CUDA_TRANSPORTS = ["cuda_ipc", "per_tensor"]
@@ -84,8 +85,9 @@ async def test_disjoint_chunks_from_two_ranks_are_refused_at_the_second_naming_b
 @pytest.mark.parametrize("transport", CUDA_TRANSPORTS)
 async def test_a_chunk_without_its_layout_is_refused_before_any_engine_sees_it(transport: str) -> None:
     a, b = RecordingEngine("a"), RecordingEngine("b")
-    part = _part(transport, 0, TENSORS)
-    del part.handle["layout"]
+    with_layout = _part(transport, 0, TENSORS)
+    part = chunk_part(0, with_layout.transport, with_layout.nbytes,
+                      {k: v for k, v in with_layout.handle.wire.items() if k != "layout"})
     with pytest.raises(RequestInvalid, match="carries its layout") as refused:
         await _session([a, b]).submit(0, part)
     assert refused.value.field == "handle.layout" and a.loads == []
@@ -113,14 +115,14 @@ async def test_what_counts_as_sent_is_what_the_layouts_carried_never_the_manifes
 
 
 def test_a_disk_chunk_without_its_layout_is_refused_and_with_it_yields_the_layout(tmp_path: Any) -> None:
-    from colocd.engines.chunks import inspect_handle
+    from colocd.engines.handles import DiskHandle
 
     path = tmp_path / "chunk.safetensors"
     path.write_bytes(b"\0" * 8)
     with pytest.raises(RequestInvalid, match="a disk chunk carries its layout") as refused:
-        inspect_handle("disk", 8, {"path": str(path)})
+        DiskHandle(path=str(path)).inspect(8)
     assert refused.value.field == "handle.layout"
-    layout = inspect_handle("disk", 8, {"path": str(path), "layout": _layout(TENSORS)})
+    layout = DiskHandle(path=str(path), layout=_layout(TENSORS)).inspect(8)
     assert [t.name for t in layout.tensors] == [n for n, _ in TENSORS]
 
 

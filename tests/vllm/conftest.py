@@ -21,9 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from shared_server import SharedServerGuard, remember
+from support import chunk_part
 from vllm_live import VLLMHttp
 
-from colocd.engines.base import ChunkLoad, ChunkPart
+from colocd.engines.base import ChunkLoad
 from colocd.engines.chunks import ChunkLayout, SharedSegment, flatten_into, plan_chunks
 from colocd.engines.config import LaunchConfig, VLLMEngineConfig
 from colocd.engines.processes import Launched
@@ -230,7 +231,7 @@ def _shm_chunks(
             loads.append(
                 ChunkLoad(
                     seq=seq,
-                    payloads=(ChunkPart(rank=0, transport="shm", nbytes=layout.nbytes, handle=handle),),
+                    payloads=(chunk_part(rank=0, transport="shm", nbytes=layout.nbytes, handle=handle),),
                     nbytes=layout.nbytes,
                     weight_version=version if seq == len(buckets) - 1 else None,
                 )

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import chunk_part
 from vllm_live import VLLMHttp
 
-from colocd.engines.base import ChunkLoad, ChunkPart, MemoryTag, PauseMode
+from colocd.engines.base import ChunkLoad, MemoryTag, PauseMode
 from colocd.engines.vllm.adapter import VLLMAdapter
 from colocd.errors import EngineRejected
 
@@ -81,7 +82,7 @@ async def test_disk_chunks_load_through_the_same_session(
     path = str(new_weights_dir / "model.safetensors")
     load = ChunkLoad(
         seq=0,
-        payloads=(ChunkPart(rank=0, transport="disk", nbytes=0, handle={"path": path}),),
+        payloads=(chunk_part(rank=0, transport="disk", nbytes=0, handle={"path": path}),),
         nbytes=0,
         flush_cache=True,
         weight_version="disk-chunk",
@@ -113,7 +114,7 @@ async def test_the_version_an_update_ends_with_is_visible_in_weight_info(
     adapter: VLLMAdapter, new_weights_dir: Path, restore_original: None, vllm: VLLMHttp,
 ) -> None:
     path = str(new_weights_dir / "model.safetensors")
-    load = ChunkLoad(seq=0, payloads=(ChunkPart(rank=0, transport="disk", nbytes=0, handle={"path": path}),),
+    load = ChunkLoad(seq=0, payloads=(chunk_part(rank=0, transport="disk", nbytes=0, handle={"path": path}),),
                      nbytes=0)
     await adapter.begin_weight_update()
     await adapter.load_weights(load)
@@ -125,10 +126,10 @@ async def test_a_chunk_that_cannot_be_read_leaves_the_weights_untouched(
     adapter: VLLMAdapter, complete: Any, vllm: VLLMHttp
 ) -> None:
     start_checksums, start_text = await vllm.checksums(), await complete()
-    missing = {"shm_name": "colocd-does-not-exist", "nbytes": 256, "layout": []}
-    load = ChunkLoad(seq=0, payloads=(ChunkPart(0, "shm", 256, missing),), nbytes=256)
+    missing = {"shm_name": "colocd-4194303-0d0e5a1ed", "nbytes": 256, "layout": []}
+    load = ChunkLoad(seq=0, payloads=(chunk_part(0, "shm", 256, missing),), nbytes=256)
     await adapter.begin_weight_update()
-    with pytest.raises(EngineRejected, match="colocd-does-not-exist"):
+    with pytest.raises(EngineRejected, match="colocd-4194303-0d0e5a1ed"):
         await adapter.load_weights(load)
     # The extension ended the session on the error and finalised the layer-wise reload, so every
     # layer is back on its previous weights and the engine can serve (or start a new update).
