@@ -127,7 +127,7 @@ async def test_weight_update_sessions_refuse_a_second_begin_a_second_end_and_an_
         sglang: LiveServer, adapter: SGLangAdapter, client: httpx.AsyncClient, model_dir: Path,
         recorder: Recorder) -> None:
     url = sglang.url
-    update = {"serialized_named_tensors": [inline_load(original_weights(model_dir)[:1]).payloads[0].handle[
+    update = {"serialized_named_tensors": [inline_load(original_weights(model_dir)[:1]).payloads[0].handle.wire[
         "payload_b64"]], "load_format": "flattened_bucket", "flush_cache": False, "abort_all_requests": False}
     if not adapter.protocol.weight_update_session:  # 0.5.20: no session routes, and an update needs none
         assert (await client.post(f"{url}/begin_weight_update", json={"selector": "all"})).status_code == 404
