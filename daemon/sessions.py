@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +196,9 @@ class WeightSessions:
                      ref: str | None, partial: bool) -> WeightSession:
         ctx, t, policies = self._ctx, self._ctx.worker.timeouts(), self._ctx.policies
         if not depth:  # chunks in flight per engine: the pipeline policy decides
-            depth = int(policies.pipeline_plan(policies.active, ctx.worker.transports(), self.staging()).depth)
+            # Not capped by the policy's chunk count: that counts its own buckets, and the ranks may send smaller.
+            staging = replace(self.staging(), total_bytes=None)
+            depth = int(policies.pipeline_plan(policies.active, ctx.worker.transports(), staging).depth)
         session = WeightSession(
             step=ctx.worker.node.step, version=version, ranks=ranks, engines=list(ctx.worker.engines.values()),
             depth=depth, chunk_timeout_s=t.budget(Budget.CHUNK),

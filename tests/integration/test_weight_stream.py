@@ -431,6 +431,23 @@ async def test_an_engine_whose_config_puts_it_on_a_gpu_it_names_no_uuid_of_is_fe
         await node.client.abort(sid)
 
 
+async def test_a_session_opened_without_a_depth_takes_the_policys_even_for_a_model_smaller_than_one_bucket(
+        engine_pool: EnginePool) -> None:
+    # The policy's chunk count assumes its own 4 GiB buckets; ranks that choose smaller ones still get its overlap.
+    named = list(build_model(QwenLikeConfig(), seed=8).named_parameters())
+    async with engine_pool.lent(ref0={}) as engines, daemon_node(engines, synced_at=1) as node:
+        client = node.client
+        await WeightPusher(client, transport="inline", bucket_mb=0.02, depth=2).push(named, version="known-size")
+        await client.phase("rollout", 1)
+        await client.phase("train", 2)
+        plan = (await client.phase("sync", 2))["directives"]["pipeline"]
+        assert plan["depth"] == 1 and "depth capped at 1 chunks" in plan["reason"], plan  # the sync's size is known
+        opened = await client.open_session("v-default-depth", ranks=1)
+        join = await client.join_session(opened["session_id"], rank=0, device_id="cpu:0")
+        assert opened["depth"] == join["depth"] == 2
+        await client.abort(opened["session_id"])
+
+
 async def test_a_pusher_deeper_than_the_session_keeps_within_the_window_its_join_reply_names(
         engine_pool: EnginePool, monkeypatch: pytest.MonkeyPatch) -> None:
     # The daemon refuses a chunk past the session's window (422 naming seq) when it arrives before the chunk
