@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device call B (not run: no machine; carry .whl and .devcarry, after = git archive of main, before = of 38add8e): the GPU spec tier on this tree (.devcarry/after), then weights at the defaults after/before and the
-# tuned switch after/before (before = .devcarry/before = git archive 38add8e), on one GPU, guarded by elapsed time.
+# Device call B (not run: no machine; carry .whl and .devcarry, after = git archive of main, before = of 38add8e):
+# the GPU spec tier, then weights at the defaults and the tuned switch, after and before, on one GPU, guarded by elapsed time. Call A (logs beside this file, on 13f4408) ran its tier and its weights-after-1 and weights-before-1 steps.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=python3 OUT=${OUT:-$(mktemp -d)}
