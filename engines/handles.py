@@ -72,7 +72,7 @@ class Handle(BaseModel):
     # Fields of the other colocd transports: refused where extra keys are otherwise kept (the GPU transports).
     foreign_fields: ClassVar[frozenset[str]] = frozenset()
 
-    # Checked once where the chunk is inspected (engines/chunks.py), not on the API's hot path.
+    # Checked once where the chunk is inspected (``inspect``: chunks.layout_of), not on the API's hot path.
     layout: SkipValidation[list[LayoutEntry] | None] = Field(None, description=(
         "[{name, dtype, shape, offset}]: every transport carries one"))
     _wire: dict[str, Any] = PrivateAttr(default_factory=dict)

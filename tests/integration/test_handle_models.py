@@ -23,11 +23,13 @@ DEADLINE_S = 60
 LAYOUT = [{"name": "w", "dtype": "float32", "shape": [2], "offset": 0}]
 
 # Per transport, a handle wrong in the form of one field only, and that field: the API's models are the only check
-# of a field's form (engines/chunks.py checks on the node only what the node can tell), and a field that makes no
+# of a field's form (``Handle.inspect`` checks on the node only what the node can tell), and a field that makes no
 # sense for the transport would have failed the session in the engine (colocd's loaders refuse it).
 MALFORMED = [
     ("shm", {"shm_name": "colocd-1-ab", "nbytes": 8, "layout": LAYOUT, "device_uuid": "GPU-0"}, "handle.device_uuid"),
     ("shm", {"shm_name": "colocd-1-ab", "nbytes": "8", "layout": LAYOUT}, "handle.nbytes"),
+    ("shm", {"shm_name": "colocd-1-ab", "nbytes": True, "layout": LAYOUT}, "handle.nbytes"),
+    ("shm", {"shm_name": "colocd-1-ab", "layout": LAYOUT}, "handle.nbytes"),
     ("disk", {"path": "/etc/hostname", "layout": LAYOUT, "device_uuid": "GPU-0"}, "handle.device_uuid"),
     ("disk", {"path": "/etc/hostname", "layout": LAYOUT, "nbytes": 8}, "handle.nbytes"),
     ("inline", {"layout": LAYOUT}, "handle.payload_b64"),
